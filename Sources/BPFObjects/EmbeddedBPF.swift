@@ -1,0 +1,48 @@
+/// The BPF objects compiled from `bpf/*.bpf.c` by the BPFObjectCompiler plugin, one static
+/// base64 string per program (`reuseport_select.bpf.c` becomes `reuseportSelect`).
+public enum EmbeddedBPF {}
+
+/// A BPF program object shipped inside the binary.
+public enum BPFObject: Sendable, CaseIterable {
+    /// `bpf/reuseport_select.bpf.c`: the sk_reuseport program of ReusePortLB.
+    case reuseportSelect
+
+    /// The ELF object's bytes, decoded from the embedded base64 text.
+    public var elfBytes: [UInt8] {
+        switch self {
+        case .reuseportSelect: return Base64.decode(EmbeddedBPF.reuseportSelect)
+        }
+    }
+}
+
+/// Decodes standard base64 (RFC 4648, with padding) as the plugin writes it.
+enum Base64 {
+    static func decode(_ text: StaticString) -> [UInt8] {
+        text.withUTF8Buffer { decode($0) }
+    }
+
+    static func decode(_ input: UnsafeBufferPointer<UInt8>) -> [UInt8] {
+        var output: [UInt8] = []
+        output.reserveCapacity(input.count / 4 * 3)
+        var accumulator: UInt32 = 0
+        var bits = 0
+        for character in input {
+            let value: UInt8
+            switch character {
+            case UInt8(ascii: "A")...UInt8(ascii: "Z"): value = character - UInt8(ascii: "A")
+            case UInt8(ascii: "a")...UInt8(ascii: "z"): value = character - UInt8(ascii: "a") + 26
+            case UInt8(ascii: "0")...UInt8(ascii: "9"): value = character - UInt8(ascii: "0") + 52
+            case UInt8(ascii: "+"): value = 62
+            case UInt8(ascii: "/"): value = 63
+            default: continue  // padding
+            }
+            accumulator = accumulator << 6 | UInt32(value)
+            bits += 6
+            if bits >= 8 {
+                bits -= 8
+                output.append(UInt8(truncatingIfNeeded: accumulator >> UInt32(bits)))
+            }
+        }
+        return output
+    }
+}

@@ -1,0 +1,5 @@
+#ifndef CLIBBPF_SHIM_H
+#define CLIBBPF_SHIM_H
+#include <bpf/bpf.h>
+#include <bpf/libbpf.h>
+#endif

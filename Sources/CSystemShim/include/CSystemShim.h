@@ -1,0 +1,63 @@
+/*
+ * What Swift cannot reach through Glibc on Linux, kept small; each function says why it is here.
+ * Also re-exports the kernel/user shared header bpf/include/reuseportlb.h (the single source of
+ * truth for structs, enums, map names and the source hash).
+ */
+#ifndef CSYSTEMSHIM_H
+#define CSYSTEMSHIM_H
+
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <linux/filter.h>
+#include <linux/sock_diag.h>
+#include "../../../bpf/include/reuseportlb.h"
+
+/* struct mmsghdr is hidden by Glibc unless _GNU_SOURCE, and defining that for Swift breaks
+ * ordinary socket calls: this is the same layout under our own name. */
+struct shim_mmsghdr {
+	struct msghdr msg_hdr;
+	unsigned int msg_len;
+};
+
+/* recvmmsg(2); Glibc hides the declaration. Returns the count or -1 with errno. */
+int shim_recvmmsg(int fd, struct shim_mmsghdr *vector, unsigned int count, int flags);
+
+/* sendmmsg(2); Glibc hides the declaration. Returns the count or -1 with errno. */
+int shim_sendmmsg(int fd, struct shim_mmsghdr *vector, unsigned int count, int flags);
+
+/* The SO_RXQ_OVFL control message of a received datagram (the socket's drop count so far):
+ * CMSG_FIRSTHDR/CMSG_NXTHDR are macros. Returns 1 and stores it, or 0 if absent. */
+int shim_rxq_ovfl(const struct msghdr *message, uint32_t *drops);
+
+/* Size of the control buffer that holds the SO_RXQ_OVFL message (CMSG_SPACE is a macro). */
+unsigned int shim_rxq_ovfl_space(void);
+
+/* Installs async-signal-safe handlers that only set a flag for SIGINT, SIGTERM (and SIGHUP,
+ * reported separately): a Swift closure cannot be a signal handler under strict concurrency. */
+void shim_install_signal_flags(void);
+/* 1 once SIGINT or SIGTERM arrived. */
+int shim_stop_requested(void);
+/* Returns 1 and clears the flag if SIGHUP arrived since the last call. */
+int shim_take_hangup(void);
+
+/* setns(2) and unshare(2): Glibc hides both without _GNU_SOURCE. */
+int shim_setns(int fd, int nstype);
+int shim_unshare(int flags);
+
+/* sched_setaffinity(2) for the calling thread with one CPU (cpu_set_t macros are not imported). */
+int shim_pin_current_thread(int cpu);
+
+/* Classic BPF filter for SO_ATTACH_REUSEPORT_CBPF: struct sock_fprog holds a pointer, so the
+ * call is kept in C where the array's lifetime is plain. */
+int shim_attach_reuseport_cbpf(int fd, const struct sock_filter *filter, unsigned short length);
+
+/* 1 if `path` is a mounted bpffs (statfs magic BPF_FS_MAGIC), 0 if not, -1 with errno:
+ * struct statfs is not visible through Glibc's module. */
+int shim_is_bpffs(const char *path);
+
+/* SKF_NET_OFF is defined as an expression Swift does not import. */
+static inline int32_t shim_skf_net_off(void) { return SKF_NET_OFF; }
+static inline int32_t shim_skf_ad_random(void) { return SKF_AD_OFF + SKF_AD_RANDOM; }
+
+#endif

@@ -1,0 +1,112 @@
+#define _GNU_SOURCE
+#include "CSystemShim.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+#include <pthread.h>
+#include <sys/vfs.h>
+#include <linux/magic.h>
+
+_Static_assert(sizeof(struct shim_mmsghdr) == sizeof(struct mmsghdr), "mmsghdr layout");
+
+int shim_recvmmsg(int fd, struct shim_mmsghdr *vector, unsigned int count, int flags)
+{
+	return recvmmsg(fd, (struct mmsghdr *)vector, count, flags, NULL);
+}
+
+int shim_sendmmsg(int fd, struct shim_mmsghdr *vector, unsigned int count, int flags)
+{
+	return sendmmsg(fd, (struct mmsghdr *)vector, count, flags);
+}
+
+int shim_rxq_ovfl(const struct msghdr *message, uint32_t *drops)
+{
+	for (struct cmsghdr *c = CMSG_FIRSTHDR((struct msghdr *)message); c != NULL;
+	     c = CMSG_NXTHDR((struct msghdr *)message, c)) {
+		if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SO_RXQ_OVFL) {
+			memcpy(drops, CMSG_DATA(c), sizeof(*drops));
+			return 1;
+		}
+	}
+	return 0;
+}
+
+unsigned int shim_rxq_ovfl_space(void)
+{
+	return CMSG_SPACE(sizeof(uint32_t));
+}
+
+static volatile sig_atomic_t stop_flag;
+static volatile sig_atomic_t hangup_flag;
+
+static void on_signal(int signo)
+{
+	if (signo == SIGHUP)
+		hangup_flag = 1;
+	else
+		stop_flag = 1;
+}
+
+void shim_install_signal_flags(void)
+{
+	struct sigaction action;
+	memset(&action, 0, sizeof(action));
+	action.sa_handler = on_signal;
+	sigemptyset(&action.sa_mask);
+	sigaction(SIGINT, &action, NULL);
+	sigaction(SIGTERM, &action, NULL);
+	sigaction(SIGHUP, &action, NULL);
+}
+
+int shim_stop_requested(void)
+{
+	return stop_flag != 0;
+}
+
+int shim_take_hangup(void)
+{
+	if (!hangup_flag)
+		return 0;
+	hangup_flag = 0;
+	return 1;
+}
+
+int shim_setns(int fd, int nstype)
+{
+	return setns(fd, nstype);
+}
+
+int shim_unshare(int flags)
+{
+	return unshare(flags);
+}
+
+int shim_pin_current_thread(int cpu)
+{
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	CPU_SET(cpu, &set);
+	int error = pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+	if (error != 0) {
+		errno = error;
+		return -1;
+	}
+	return 0;
+}
+
+int shim_attach_reuseport_cbpf(int fd, const struct sock_filter *filter, unsigned short length)
+{
+	struct sock_fprog program = { .len = length, .filter = (struct sock_filter *)filter };
+	return setsockopt(fd, SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, &program, sizeof(program));
+}
+
+int shim_is_bpffs(const char *path)
+{
+	struct statfs info;
+	if (statfs(path, &info) != 0)
+		return -1;
+	return info.f_type == BPF_FS_MAGIC ? 1 : 0;
+}

@@ -1,0 +1,52 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+
+/// bpffs: where a group's program and maps are pinned so separate processes share them.
+///
+/// Layout: `<root>/reuseportlb/<group>/{prog,members,config,table,outcomes,delivered,rr}` where
+/// `<group>` is `udp4-127_0_0_1-9000` or `udp6-2001_db8__1-9000` (bpffs refuses names with
+/// a dot, so dots and colons become underscores). Joins and leaves of every
+/// group serialise on an flock of `<root>/reuseportlb`.
+struct BPFFilesystem {
+    let root: String
+
+    var base: String { root + "/reuseportlb" }
+
+    func groupDirectory(for address: SocketAddress) -> String {
+        let family = address.ip.family == AF_INET ? "udp4" : "udp6"
+        let host = address.ip.description.bpffsSafe
+        return "\(base)/\(family)-\(host)-\(address.port)"
+    }
+
+    /// Mounts bpffs at `root` if it is not mounted there (needs CAP_SYS_ADMIN).
+    func ensureMounted() throws(ReusePortError) {
+        if shim_is_bpffs(root) == 1 { return }
+        mkdir(root, 0o755)
+        if mount("bpf", root, "bpf", 0, nil) != 0 {
+            throw .bpffsUnavailable(path: root, reason: String(cString: strerror(errno)))
+        }
+    }
+
+    /// Takes the exclusive lock every join and leave holds; released by closing the result.
+    func lock() throws(ReusePortError) -> Int32 {
+        if mkdir(base, 0o755) != 0 && errno != EEXIST {
+            throw .system(SystemCallError(call: "mkdir \(base)", errno: errno))
+        }
+        let fd: Int32
+        do {
+            fd = try systemCall("open \(base)") { open(base, O_RDONLY | O_DIRECTORY | O_CLOEXEC) }
+            try systemCall("flock \(base)") { flock(fd, LOCK_EX) }
+        } catch {
+            throw .system(error)
+        }
+        return fd
+    }
+
+    static func exists(_ path: String) -> Bool { access(path, F_OK) == 0 }
+}
+
+extension String {
+    var bpffsSafe: String { String(map { $0 == ":" || $0 == "." ? "_" : $0 }) }
+}

@@ -1,0 +1,101 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+
+/// Receives datagrams in batches with recvmmsg(2) into buffers made once and reused: nothing is
+/// allocated per datagram. Used by the collector and by udp-fanout's userspace workers.
+public final class BatchReceiver {
+    /// Datagrams per recvmmsg call.
+    public let batchSize: Int
+    /// Largest datagram kept whole; a larger one is marked ``isTruncated(_:)``.
+    public let maximumDatagramSize: Int
+    /// The socket's drop count as the last SO_RXQ_OVFL control message reported it.
+    public private(set) var socketDrops: UInt32 = 0
+
+    private let buffers: UnsafeMutableRawBufferPointer
+    private let names: UnsafeMutablePointer<sockaddr_storage>
+    private let controls: UnsafeMutableRawBufferPointer
+    private let iovecs: UnsafeMutablePointer<iovec>
+    private let headers: UnsafeMutablePointer<shim_mmsghdr>
+    private let controlSpace: Int
+
+    /// - Parameters:
+    ///   - batchSize: datagrams per call (1...1024).
+    ///   - maximumDatagramSize: buffer size per datagram (1...65535).
+    public init(batchSize: Int, maximumDatagramSize: Int) {
+        precondition((1...1024).contains(batchSize) && (1...65535).contains(maximumDatagramSize))
+        self.batchSize = batchSize
+        self.maximumDatagramSize = maximumDatagramSize
+        controlSpace = Int(shim_rxq_ovfl_space())
+        buffers = .allocate(byteCount: batchSize * maximumDatagramSize, alignment: 16)
+        names = .allocate(capacity: batchSize)
+        controls = .allocate(byteCount: batchSize * controlSpace, alignment: 16)
+        iovecs = .allocate(capacity: batchSize)
+        headers = .allocate(capacity: batchSize)
+        for index in 0..<batchSize {
+            iovecs[index] = iovec(
+                iov_base: buffers.baseAddress! + index * maximumDatagramSize, iov_len: maximumDatagramSize)
+            headers[index] = shim_mmsghdr()
+            headers[index].msg_hdr.msg_iov = iovecs + index
+            headers[index].msg_hdr.msg_iovlen = 1
+            headers[index].msg_hdr.msg_name = UnsafeMutableRawPointer(names + index)
+            headers[index].msg_hdr.msg_control = controls.baseAddress! + index * controlSpace
+        }
+    }
+
+    deinit {
+        buffers.deallocate()
+        names.deallocate()
+        controls.deallocate()
+        iovecs.deallocate()
+        headers.deallocate()
+    }
+
+    /// Receives up to ``batchSize`` datagrams (recvmmsg with `flags`, MSG_DONTWAIT by default).
+    /// - Returns: how many arrived; 0 when none was waiting (EAGAIN).
+    /// - Throws: ``SystemCallError`` for any other failure.
+    public func receive(from socket: Int32, flags: Int32 = Int32(MSG_DONTWAIT)) throws(SystemCallError) -> Int {
+        for index in 0..<batchSize {
+            headers[index].msg_hdr.msg_namelen = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            headers[index].msg_hdr.msg_controllen = controlSpace
+            headers[index].msg_hdr.msg_flags = 0
+        }
+        while true {
+            let count = shim_recvmmsg(socket, headers, UInt32(batchSize), flags)
+            if count >= 0 {
+                if count > 0 {
+                    var drops: UInt32 = 0
+                    if shim_rxq_ovfl(&headers[Int(count) - 1].msg_hdr, &drops) == 1 { socketDrops = drops }
+                }
+                return Int(count)
+            }
+            switch errno {
+            case EINTR: continue
+            case EAGAIN: return 0
+            default: throw SystemCallError(call: "recvmmsg", errno: errno)
+            }
+        }
+    }
+
+    /// The bytes of datagram `index` of the last batch (at most ``maximumDatagramSize``).
+    public func payload(_ index: Int) -> UnsafeRawBufferPointer {
+        UnsafeRawBufferPointer(start: iovecs[index].iov_base, count: Int(headers[index].msg_len))
+    }
+
+    /// True if datagram `index` was larger than ``maximumDatagramSize`` (MSG_TRUNC): its
+    /// payload is cut and must not be forwarded.
+    public func isTruncated(_ index: Int) -> Bool {
+        headers[index].msg_hdr.msg_flags & Int32(MSG_TRUNC) != 0
+    }
+
+    /// The source address of datagram `index`.
+    public func source(_ index: Int) -> SocketAddress? {
+        SocketAddress(storage: UnsafeRawPointer(names + index))
+    }
+
+    /// The source address of datagram `index` as raw `sockaddr` storage (no copy).
+    public func sourceStorage(_ index: Int) -> UnsafePointer<sockaddr_storage> {
+        UnsafePointer(names + index)
+    }
+}

@@ -1,0 +1,183 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFObjects
+import CLibBPF
+import CSystemShim
+
+/// The pinned program and maps of one eBPF-steered group, opened by one member.
+final class GroupObjects {
+    let directory: String
+    let config: rplb_config
+    let program: Int32
+    let members: Int32
+    let configMap: Int32
+    let outcomes: Int32
+    let delivered: Int32
+    let table: Int32
+    let roundRobin: Int32
+
+    private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr"]
+
+    private init(directory: String, config: rplb_config, descriptors: [Int32]) {
+        self.directory = directory
+        self.config = config
+        program = descriptors[0]
+        members = descriptors[1]
+        configMap = descriptors[2]
+        table = descriptors[3]
+        outcomes = descriptors[4]
+        delivered = descriptors[5]
+        roundRobin = descriptors[6]
+    }
+
+    var descriptors: [Int32] { [program, members, configMap, table, outcomes, delivered, roundRobin] }
+
+    func closeDescriptors() {
+        for fd in descriptors { close(fd) }
+    }
+
+    /// Opens the group's pinned objects, or creates and pins them. Must hold the bpffs lock.
+    ///
+    /// A group whose pins exist but whose members map holds no live socket is a crashed run's
+    /// leftover: it is removed and created anew with this member's settings.
+    static func openOrCreate(directory: String, config wanted: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        if BPFFilesystem.exists(directory + "/config") {
+            let existing = try open(directory: directory)
+            if existing.liveSlots().isEmpty {
+                existing.closeDescriptors()
+                removePins(directory: directory)
+            } else {
+                let have = existing.config
+                if have.layout_version != wanted.layout_version || have.policy != wanted.policy
+                    || have.capacity != wanted.capacity || have.seed != wanted.seed
+                {
+                    existing.closeDescriptors()
+                    throw .groupSettingsMismatch(
+                        group: directory, existing: describe(have), requested: describe(wanted))
+                }
+                return existing
+            }
+        }
+        return try create(directory: directory, config: wanted, table: table)
+    }
+
+    static func describe(_ config: rplb_config) -> String {
+        let policy = BalancePolicy(kernelValue: config.policy)?.rawValue ?? "policy #\(config.policy)"
+        return "policy \(policy), capacity \(config.capacity), seed \(config.seed), layout v\(config.layout_version)"
+    }
+
+    private static func open(directory: String) throws(ReusePortError) -> GroupObjects {
+        var descriptors: [Int32] = []
+        for name in pinNames {
+            let fd = bpf_obj_get(directory + "/" + name)
+            if fd < 0 {
+                let error = errno
+                for open in descriptors { close(open) }
+                throw .system(SystemCallError(call: "bpf_obj_get \(directory)/\(name)", errno: error))
+            }
+            descriptors.append(fd)
+        }
+        var key: UInt32 = 0
+        var config = rplb_config()
+        do {
+            try libbpfCall("bpf_map_lookup_elem config") { bpf_map_lookup_elem(descriptors[2], &key, &config) }
+        } catch {
+            for open in descriptors { close(open) }
+            throw .system(error)
+        }
+        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+    }
+
+    private static func create(directory: String, config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        libbpf_set_print(nil)  // errors come back as errno; libbpf's own log would go to stderr
+        let elf = BPFObject.reuseportSelect.elfBytes
+        guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
+            throw .system(SystemCallError(call: "bpf_object__open_mem", errno: errno))
+        }
+        defer { bpf_object__close(object) }
+        var descriptors: [Int32] = []
+        do {
+            let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
+            try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
+            try libbpfCall("bpf_object__load") { bpf_object__load(object) }
+            let program = bpf_object__find_program_by_name(object, RPLB_PROG_SELECT_NAME)
+            var fds = [bpf_program__fd(program)]
+            for name in [RPLB_MAP_MEMBERS_NAME, RPLB_MAP_CONFIG_NAME, RPLB_MAP_TABLE_NAME,
+                         RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME] {
+                fds.append(bpf_map__fd(bpf_object__find_map_by_name(object, name)))
+            }
+            // Our own descriptors: bpf_object__close closes libbpf's.
+            for fd in fds {
+                descriptors.append(try systemCall("fcntl F_DUPFD_CLOEXEC") { fcntl(fd, F_DUPFD_CLOEXEC, 0) })
+            }
+            var key: UInt32 = 0
+            var value = config
+            try libbpfCall("bpf_map_update_elem config") { bpf_map_update_elem(descriptors[2], &key, &value, UInt64(BPF_ANY)) }
+            try writeTable(table, fd: descriptors[3])
+            try systemCall("mkdir \(directory)") { mkdir(directory, 0o700) == 0 || errno == EEXIST ? 0 : -1 }
+            for (name, fd) in zip(pinNames, descriptors) {
+                try libbpfCall("bpf_obj_pin \(directory)/\(name)") { bpf_obj_pin(fd, directory + "/" + name) }
+            }
+        } catch {
+            for fd in descriptors { close(fd) }
+            removePins(directory: directory)
+            if error.errno == EPERM || error.errno == EACCES {
+                throw .ebpfUnavailable(reason: error.description)
+            }
+            throw .system(error)
+        }
+        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+    }
+
+    /// Writes the whole lookup table in one batch call when the kernel has it.
+    private static func writeTable(_ table: MaglevTable, fd: Int32) throws(SystemCallError) {
+        var keys = (0..<UInt32(table.entries.count)).map { $0 }
+        var values = table.entries
+        var count = UInt32(keys.count)
+        var options = bpf_map_batch_opts()
+        options.sz = MemoryLayout<bpf_map_batch_opts>.size
+        options.elem_flags = UInt64(BPF_ANY)
+        if bpf_map_update_batch(fd, &keys, &values, &count, &options) == 0 { return }
+        for index in keys.indices {
+            try libbpfCall("bpf_map_update_elem table") { bpf_map_update_elem(fd, &keys[index], &values[index], UInt64(BPF_ANY)) }
+        }
+    }
+
+    static func removePins(directory: String) {
+        for name in pinNames { unlink(directory + "/" + name) }
+        rmdir(directory)
+    }
+
+    /// The socket cookie in `slot`, or nil if no live socket holds it.
+    func cookie(inSlot slot: Int) -> UInt64? {
+        var key = UInt32(slot)
+        var cookie: UInt64 = 0
+        return bpf_map_lookup_elem(members, &key, &cookie) == 0 ? cookie : nil
+    }
+
+    func liveSlots() -> [Int] {
+        (0..<Int(config.capacity)).filter { cookie(inSlot: $0) != nil }
+    }
+
+    /// Puts the socket in `slot`: `onlyIfFree` fails with EEXIST when a live socket holds it.
+    func place(socket: Int32, slot: Int, onlyIfFree: Bool) throws(SystemCallError) {
+        var key = UInt32(slot)
+        var value = UInt64(socket)
+        let flags = UInt64(onlyIfFree ? BPF_NOEXIST : BPF_ANY)
+        try libbpfCall("bpf_map_update_elem members[\(slot)]") { bpf_map_update_elem(members, &key, &value, flags) }
+    }
+
+    /// Sums a per-CPU u64 array map.
+    func perCPUSums(_ fd: Int32, count: Int) throws(SystemCallError) -> [UInt64] {
+        let cpus = Int(libbpf_num_possible_cpus())
+        var values = [UInt64](repeating: 0, count: max(cpus, 1))
+        var sums = [UInt64](repeating: 0, count: count)
+        for index in 0..<count {
+            var key = UInt32(index)
+            try libbpfCall("bpf_map_lookup_elem counters") { bpf_map_lookup_elem(fd, &key, &values) }
+            sums[index] = values.reduce(0, &+)
+        }
+        return sums
+    }
+}

@@ -1,0 +1,100 @@
+import CSystemShim
+
+/// How a group spreads datagrams over its members. The group's creator chooses it; a member
+/// asking for another policy is refused with ``ReusePortError/groupSettingsMismatch(group:existing:requested:)``.
+public enum BalancePolicy: String, Sendable, CaseIterable, CustomStringConvertible {
+    /// Every datagram of one source address goes to one member (consistent table). What
+    /// NetFlow/IPFIX/sFlow collectors need: templates and per-exporter state stay in one process.
+    case sourceIP
+    /// Each datagram goes to the next member (per CPU): spreads a single heavy sender.
+    case roundRobin
+    /// Every datagram of one source address and port goes to one member.
+    case fiveTuple
+
+    var kernelValue: UInt32 {
+        switch self {
+        case .sourceIP: return UInt32(RPLB_POLICY_SOURCE_IP.rawValue)
+        case .roundRobin: return UInt32(RPLB_POLICY_ROUND_ROBIN.rawValue)
+        case .fiveTuple: return UInt32(RPLB_POLICY_FIVE_TUPLE.rawValue)
+        }
+    }
+
+    init?(kernelValue: UInt32) {
+        guard let policy = Self.allCases.first(where: { $0.kernelValue == kernelValue }) else { return nil }
+        self = policy
+    }
+
+    public var description: String { rawValue }
+}
+
+/// The steering mechanism in force for a member.
+public enum Steering: String, Sendable, CustomStringConvertible {
+    /// The sk_reuseport eBPF program with its pinned maps: the policy exactly, failover to live
+    /// members, kernel counters.
+    case ebpf
+    /// A classic BPF program (SO_ATTACH_REUSEPORT_CBPF), which needs no privilege: `sourceIP` by
+    /// a hash of the source address modulo the capacity, over sockets in join order; `roundRobin`
+    /// as a random spread. No failover table and no kernel counters.
+    case classicBPF
+    /// The kernel's own SO_REUSEPORT hash of the 4-tuple (sticky per source address and port).
+    case kernelHash
+
+    public var description: String { rawValue }
+}
+
+/// Which steering a member asks for.
+public enum SteeringPreference: String, Sendable, CaseIterable {
+    /// eBPF when the process has CAP_BPF (or CAP_SYS_ADMIN), else classic BPF (or the kernel
+    /// hash for `fiveTuple`), and ``ReusePortMember/steeringNote`` says why.
+    case automatic
+    /// eBPF or an error.
+    case ebpf
+    /// Classic BPF even with privileges.
+    case classicBPF
+    /// No program: the kernel's SO_REUSEPORT hash.
+    case kernelHash
+}
+
+/// Which slot a member takes.
+public enum SlotRequest: Sendable, Equatable {
+    /// The lowest slot no live socket holds.
+    case lowestFree
+    /// This slot; fails with ``ReusePortError/slotInUse(slot:)`` if a live socket holds it.
+    case index(Int)
+    /// This slot, replacing the socket that holds it (zero-loss handover): the old holder sees
+    /// ``ReusePortMember/isReplaced`` become true, drains its queue and leaves.
+    case takeover(Int)
+}
+
+/// A group's settings and this member's options.
+public struct GroupOptions: Sendable {
+    /// The policy; must match the group's if it exists.
+    public var policy: BalancePolicy
+    /// Number of slots, 1...``ReusePortMember/maximumCapacity``; must match the group's.
+    public var capacity: Int
+    /// Hash seed for the consistent table. nil: a fixed default, so every host with the same
+    /// group settings maps sources the same way.
+    public var seed: UInt32?
+    /// Which steering to use.
+    public var steering: SteeringPreference
+    /// Where bpffs is (or is to be mounted).
+    public var bpffsRoot: String
+    /// SO_RCVBUF for the member's socket; nil keeps the system default.
+    public var receiveBufferSize: Int?
+
+    public init(
+        policy: BalancePolicy = .sourceIP, capacity: Int, seed: UInt32? = nil,
+        steering: SteeringPreference = .automatic, bpffsRoot: String = "/sys/fs/bpf",
+        receiveBufferSize: Int? = nil
+    ) {
+        self.policy = policy
+        self.capacity = capacity
+        self.seed = seed
+        self.steering = steering
+        self.bpffsRoot = bpffsRoot
+        self.receiveBufferSize = receiveBufferSize
+    }
+
+    /// The seed used when none is given ("RPLB" in ASCII).
+    public static let defaultSeed: UInt32 = 0x5250_4c42
+}

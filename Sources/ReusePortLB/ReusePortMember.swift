@@ -1,0 +1,345 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLibBPF
+import CSystemShim
+import Synchronization
+
+/// One socket in a SO_REUSEPORT UDP group, steered by the group's policy.
+///
+/// A *group* is every UDP socket bound with SO_REUSEPORT to one address and port, in any number
+/// of processes. With eBPF steering its first member loads an sk_reuseport program and pins it,
+/// with a REUSEPORT_SOCKARRAY of members, a config map and a Maglev lookup table, under
+/// `/sys/fs/bpf/reuseportlb/<group>/`; later members open the pins and put their socket in a slot.
+/// When a member's socket closes (even by a crash) the kernel empties its slot and its sources
+/// fail over to live members; the last member to leave removes the pins.
+///
+/// ```swift
+/// let member = try ReusePortMember(joining: SocketAddress("127.0.0.1:2055")!, slot: .index(0),
+///                                  options: GroupOptions(policy: .sourceIP, capacity: 3))
+/// // receive on member.socket ...
+/// member.leave()
+/// ```
+public final class ReusePortMember: @unchecked Sendable {
+    /// The largest capacity a group can have.
+    public static let maximumCapacity = Int(RPLB_MAX_MEMBERS)
+
+    /// The group's address and port.
+    public let address: SocketAddress
+    /// This member's slot. With classic BPF or the kernel hash it is the requested index, kept
+    /// for reporting: those steerings address sockets by join order, not by slot.
+    public let slot: Int
+    /// The bound UDP socket to receive on (SO_REUSEPORT, SO_RXQ_OVFL, close-on-exec).
+    public let socket: Int32
+    /// The steering in force.
+    public let steering: Steering
+    /// Why the steering in force is not the one asked for (e.g. no CAP_BPF); nil otherwise.
+    public let steeringNote: String?
+    /// The group's settings as used.
+    public let options: GroupOptions
+    /// The socket's SO_COOKIE.
+    public let cookie: UInt64
+
+    private let objects: GroupObjects?
+    private let filesystem: BPFFilesystem
+    private let state = Mutex<(left: Bool, table: MaglevTable?)>((false, nil))
+
+    /// Joins the group at `address`.
+    /// - Parameters:
+    ///   - address: the group's address and port (IPv4 or IPv6).
+    ///   - slot: which slot to take (lowest free, a given index, or a takeover for handover).
+    ///   - options: the group's policy, capacity and seed (must match an existing group's) and
+    ///     this member's steering preference.
+    /// - Throws: ``ReusePortError``: capacity or slot out of range, slot in use, group full,
+    ///   settings that differ from the group's, the address in use without SO_REUSEPORT, bpffs
+    ///   missing and not mountable, or a failed system call (named, with errno).
+    public init(joining address: SocketAddress, slot request: SlotRequest = .lowestFree, options: GroupOptions) throws(ReusePortError) {
+        let capacity = options.capacity
+        guard (1...Self.maximumCapacity).contains(capacity) else { throw .invalidCapacity(capacity) }
+        switch request {
+        case .index(let slot), .takeover(let slot):
+            guard (0..<capacity).contains(slot) else { throw .slotOutOfRange(slot: slot, capacity: capacity) }
+        case .lowestFree:
+            break
+        }
+        self.address = address
+        self.options = options
+        filesystem = BPFFilesystem(root: options.bpffsRoot)
+
+        let (steering, note) = try Self.chooseSteering(options)
+        var note_ = note
+        var objects: GroupObjects?
+        var socket: Int32 = -1
+        var slot = 0
+        if steering == .ebpf {
+            do {
+                (objects, socket, slot) = try Self.joinWithEBPF(address, request, options, filesystem)
+            } catch .ebpfUnavailable(let reason) where options.steering == .automatic {
+                note_ = "eBPF refused (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
+            }
+        }
+        self.objects = objects
+        if let objects {
+            self.steering = .ebpf
+            self.socket = socket
+            self.slot = slot
+            _ = objects
+        } else {
+            let fallback = steering == .ebpf ? Self.unprivilegedSteering(options.policy) : steering
+            self.steering = fallback
+            self.socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+            switch request {
+            case .index(let index), .takeover(let index): self.slot = index
+            case .lowestFree: self.slot = 0
+            }
+            if fallback == .classicBPF {
+                do {
+                    try ClassicSteering.attach(socket: self.socket, policy: options.policy, capacity: capacity)
+                } catch {
+                    close(self.socket)
+                    throw .system(error)
+                }
+            }
+        }
+        steeringNote = note_
+        do {
+            cookie = try UDPSocket.cookie(self.socket)
+        } catch {
+            close(self.socket)
+            objects?.closeDescriptors()
+            throw .system(error)
+        }
+    }
+
+    private static func unprivilegedSteering(_ policy: BalancePolicy) -> Steering {
+        policy == .fiveTuple ? .kernelHash : .classicBPF
+    }
+
+    private static func chooseSteering(_ options: GroupOptions) throws(ReusePortError) -> (Steering, String?) {
+        switch options.steering {
+        case .ebpf:
+            guard Capabilities.current().canLoadBPF else {
+                throw .ebpfUnavailable(reason: "the process has neither CAP_BPF nor CAP_SYS_ADMIN")
+            }
+            return (.ebpf, nil)
+        case .automatic:
+            if Capabilities.current().canLoadBPF { return (.ebpf, nil) }
+            let fallback = unprivilegedSteering(options.policy)
+            return (fallback, "no CAP_BPF: using \(fallback) steering")
+        case .classicBPF:
+            guard options.policy != .fiveTuple else { throw .policyNeedsEBPF(options.policy, options.steering) }
+            return (.classicBPF, nil)
+        case .kernelHash:
+            return (.kernelHash, nil)
+        }
+    }
+
+    private static func joinWithEBPF(
+        _ address: SocketAddress, _ request: SlotRequest, _ options: GroupOptions, _ filesystem: BPFFilesystem
+    ) throws(ReusePortError) -> (GroupObjects, Int32, Int) {
+        try filesystem.ensureMounted()
+        let lock = try filesystem.lock()
+        defer { close(lock) }
+        var config = rplb_config()
+        config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
+        config.policy = options.policy.kernelValue
+        config.capacity = UInt32(options.capacity)
+        config.table_size = UInt32(RPLB_TABLE_SIZE)
+        config.seed = options.seed ?? GroupOptions.defaultSeed
+        let directory = filesystem.groupDirectory(for: address)
+        let objects = try GroupObjects.openOrCreate(
+            directory: directory, config: config, table: slotTable(capacity: options.capacity, seed: config.seed))
+        let socket: Int32
+        do {
+            socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+        } catch {
+            Self.release(objects)
+            throw error
+        }
+        do throws(ReusePortError) {
+            let slot = try place(socket, request, objects)
+            var program = objects.program
+            let attached = setsockopt(
+                socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, &program, socklen_t(MemoryLayout<Int32>.size))
+            guard attached == 0 else {
+                throw ReusePortError.system(SystemCallError(call: "setsockopt SO_ATTACH_REUSEPORT_EBPF", errno: errno))
+            }
+            return (objects, socket, slot)
+        } catch {
+            close(socket)
+            Self.release(objects)
+            throw error
+        }
+    }
+
+    private static func place(_ socket: Int32, _ request: SlotRequest, _ objects: GroupObjects) throws(ReusePortError) -> Int {
+        /// false when `onlyIfFree` and a live socket holds the slot.
+        func put(_ slot: Int, onlyIfFree: Bool) throws(ReusePortError) -> Bool {
+            do {
+                try objects.place(socket: socket, slot: slot, onlyIfFree: onlyIfFree)
+                return true
+            } catch {
+                if onlyIfFree && error.errno == EEXIST { return false }
+                throw .system(error)
+            }
+        }
+        switch request {
+        case .takeover(let slot):
+            _ = try put(slot, onlyIfFree: false)
+            return slot
+        case .index(let slot):
+            guard try put(slot, onlyIfFree: true) else { throw .slotInUse(slot: slot) }
+            return slot
+        case .lowestFree:
+            for slot in 0..<Int(objects.config.capacity) where try put(slot, onlyIfFree: true) {
+                return slot
+            }
+            throw .groupFull(capacity: Int(objects.config.capacity))
+        }
+    }
+
+    /// Closes the group's descriptors and, if no live member is left, removes its pins.
+    private static func release(_ objects: GroupObjects) {
+        if objects.liveSlots().isEmpty { GroupObjects.removePins(directory: objects.directory) }
+        objects.closeDescriptors()
+    }
+
+    /// The Maglev table over a group's slots: a pure function of capacity and seed, so every
+    /// member can rebuild the table the creator wrote.
+    static func slotTable(capacity: Int, seed: UInt32) -> MaglevTable {
+        MaglevTable(
+            backends: (0..<capacity).map { .init(name: "slot-\($0)") }, size: Int(RPLB_TABLE_SIZE), seed: seed)!
+    }
+
+    deinit { leave() }
+
+    /// Leaves the group: closes the socket (the kernel empties the slot at once) and, if this
+    /// was the last live member, removes the group's pins. Idempotent.
+    public func leave() {
+        let first = state.withLock { state in
+            defer { state.left = true }
+            return !state.left
+        }
+        guard first else { return }
+        close(socket)
+        guard let objects else { return }
+        if let lock = try? filesystem.lock() {
+            Self.release(objects)
+            close(lock)
+        } else {
+            objects.closeDescriptors()
+        }
+    }
+
+    /// True once another socket took this member's slot over (see ``SlotRequest/takeover(_:)``):
+    /// from then on no new datagram reaches this socket, and the member should drain what it
+    /// has queued (``queuedBytes()`` reaches 0 and stays there) and leave.
+    /// Always false without eBPF steering.
+    public var isReplaced: Bool {
+        guard let objects else { return false }
+        guard let holder = objects.cookie(inSlot: slot) else { return false }
+        return holder != cookie
+    }
+
+    /// The slots that a live socket holds now. Throws without eBPF steering.
+    public func liveSlots() throws(ReusePortError) -> [Int] {
+        guard let objects else { throw .countersUnavailable(steering) }
+        return objects.liveSlots()
+    }
+
+    /// The kernel program's counters for the whole group. Throws without eBPF steering.
+    public func counters() throws(ReusePortError) -> GroupCounters {
+        guard let objects else { throw .countersUnavailable(steering) }
+        do {
+            let outcomes = try objects.perCPUSums(objects.outcomes, count: Int(RPLB_OUTCOME_COUNT.rawValue))
+            let delivered = try objects.perCPUSums(objects.delivered, count: options.capacity)
+            return GroupCounters(outcomes: outcomes, deliveredBySlot: delivered)
+        } catch {
+            throw .system(error)
+        }
+    }
+
+    /// Which slot receives the datagrams of `source` now (with `port` for the five-tuple
+    /// policy): the same computation as the kernel program, on the same live slots. nil when no
+    /// slot is live. Throws without eBPF steering, and for `roundRobin` (no owner).
+    public func owner(of source: IPAddress, port: UInt16 = 0) throws(ReusePortError) -> Int? {
+        guard let objects else { throw .countersUnavailable(steering) }
+        guard options.policy != .roundRobin else { throw .policyNeedsEBPF(.roundRobin, options.steering) }
+        let live = Set(objects.liveSlots())
+        guard !live.isEmpty else { return nil }
+        let table = state.withLock { state in
+            if let table = state.table { return table }
+            let table = Self.slotTable(capacity: Int(objects.config.capacity), seed: objects.config.seed)
+            state.table = table
+            return table
+        }
+        return SourceSelection.slot(
+            for: source, port: options.policy == .fiveTuple ? port : 0, seed: objects.config.seed,
+            table: table.entries, capacity: Int(objects.config.capacity), isLive: live.contains)
+    }
+
+    /// Bytes queued on the socket for reading, and datagrams the socket dropped because its
+    /// receive buffer was full (SO_MEMINFO; the same counter SO_RXQ_OVFL reports per datagram).
+    public func socketStatistics() throws(ReusePortError) -> (queuedBytes: Int, drops: UInt32) {
+        do {
+            return try UDPSocket.memoryInfo(socket)
+        } catch {
+            throw .system(error)
+        }
+    }
+}
+
+/// The kernel program's counters for one group.
+public struct GroupCounters: Sendable, Equatable {
+    /// Datagrams delivered to the member their policy chose first.
+    public var selected: UInt64
+    /// Datagrams whose member's slot was empty, delivered to another live member.
+    public var failedOver: UInt64
+    /// Datagrams with no live member in the map, left to the kernel's hash (still delivered).
+    public var fallback: UInt64
+    /// Datagrams whose source address could not be read, left to the kernel's hash.
+    public var unparsed: UInt64
+    /// Datagrams seen while the group's config was missing, left to the kernel's hash.
+    public var noConfig: UInt64
+    /// Datagrams the program steered to each slot.
+    public var deliveredBySlot: [UInt64]
+
+    init(outcomes: [UInt64], deliveredBySlot: [UInt64]) {
+        selected = outcomes[Int(RPLB_OUTCOME_SELECTED.rawValue)]
+        failedOver = outcomes[Int(RPLB_OUTCOME_FAILED_OVER.rawValue)]
+        fallback = outcomes[Int(RPLB_OUTCOME_FALLBACK.rawValue)]
+        unparsed = outcomes[Int(RPLB_OUTCOME_UNPARSED.rawValue)]
+        noConfig = outcomes[Int(RPLB_OUTCOME_NO_CONFIG.rawValue)]
+        self.deliveredBySlot = deliveredBySlot
+    }
+
+    /// Every outcome by its name, as the collector and metrics print them.
+    public var outcomes: [(name: String, count: UInt64)] {
+        [("selected", selected), ("failed_over", failedOver), ("fallback", fallback),
+         ("unparsed", unparsed), ("no_config", noConfig)]
+    }
+}
+
+/// The userspace mirror of the kernel program's choice for one source (the hash itself is the
+/// shared header's `rplb_source_hash`).
+enum SourceSelection {
+    static func slot(
+        for source: IPAddress, port: UInt16, seed: UInt32, table: [UInt32], capacity: Int, isLive: (Int) -> Bool
+    ) -> Int? {
+        let bytes = source.bytes
+        var words: [UInt32] = [0, 0, 0, 0]
+        words.withUnsafeMutableBytes { $0.copyBytes(from: bytes) }
+        let count = UInt32(bytes.count / 4)
+        var hash: UInt32 = 0
+        for probe in 0..<UInt32(RPLB_MAX_PROBES) {
+            hash = rplb_source_hash(words, count, UInt32(port), seed, probe)
+            let slot = Int(table[Int(hash % UInt32(table.count))])
+            if isLive(slot) { return slot }
+        }
+        let start = Int(hash % UInt32(capacity))
+        for offset in 0..<capacity where isLive((start + offset) % capacity) {
+            return (start + offset) % capacity
+        }
+        return nil
+    }
+}

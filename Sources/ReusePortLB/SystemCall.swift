@@ -1,0 +1,47 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A failed system or libbpf call: the call's name and the errno it left.
+public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatable {
+    /// The C call that failed, e.g. `bind` or `bpf_map_update_elem`.
+    public let call: String
+    /// The errno value.
+    public let errno: Int32
+
+    public init(call: String, errno: Int32) {
+        self.call = call
+        self.errno = errno
+    }
+
+    public var description: String {
+        "\(call) failed: \(String(cString: strerror(errno))) (errno \(errno))"
+    }
+}
+
+/// The thin layer every syscall goes through: retries EINTR, throws the call's name and errno.
+/// EBADF and EFAULT are programmer errors and stop the process.
+@inline(__always)
+@discardableResult
+func systemCall<T: BinaryInteger>(
+    _ name: @autoclosure () -> String, _ body: () -> T
+) throws(SystemCallError) -> T {
+    while true {
+        let result = body()
+        if result >= 0 { return result }
+        let error = Glibc.errno
+        if error == EINTR { continue }
+        precondition(error != EBADF && error != EFAULT, "\(name()) misused a descriptor or pointer: errno \(error)")
+        throw SystemCallError(call: name(), errno: error)
+    }
+}
+
+/// The same for libbpf calls that return a negative errno instead of setting errno.
+@inline(__always)
+@discardableResult
+func libbpfCall(_ name: @autoclosure () -> String, _ body: () -> Int32) throws(SystemCallError) -> Int32 {
+    let result = body()
+    if result >= 0 { return result }
+    let error = result == -1 ? Glibc.errno : -result
+    throw SystemCallError(call: name(), errno: error)
+}

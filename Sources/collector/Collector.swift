@@ -1,0 +1,223 @@
+import ArgumentParser
+import CSystemShim
+import ReusePortLB
+import TrafficModel
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A sample collector: joins a ReusePortLB group and counts what it receives per source.
+@main
+struct Collector: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Receive UDP datagrams as one member of a steered SO_REUSEPORT group.",
+        discussion: """
+            Run several on one address and port with different indexes. On exit (SIGINT, SIGTERM, \
+            --duration, or after handing its slot over) it prints one JSON line: per-source counts, \
+            totals, loss and reordering (from the publisher's sequence numbers), the steering in \
+            force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
+            """)
+
+    @Argument(help: "Address to bind (IPv4 or IPv6).") var ip: String
+    @Argument(help: "UDP port.") var port: UInt16
+    @Argument(help: "This collector's slot index, 0...count-1.") var index: Int
+    @Argument(help: "The group's capacity (number of slots).") var count: Int
+
+    @Option(help: "Balancing policy: sourceIP, roundRobin or fiveTuple (the group creator's wins).")
+    var policy: String = "sourceIP"
+    @Option(help: "Steering: automatic, ebpf, classicBPF or kernelHash.") var steering: String = "automatic"
+    @Option(help: "Hash seed of the consistent table (every member must use the same).") var seed: UInt32?
+    @Option(help: "Exit after this many seconds (0: run until SIGINT/SIGTERM).") var duration: Double = 0
+    @Option(name: .customLong("stats-interval"), help: "Print a progress line to stderr every N seconds (0: never).")
+    var statsInterval: Double = 0
+    @Flag(help: "Take the slot over from the collector holding it (zero-loss handover); that one drains and exits.")
+    var takeover = false
+    @Option(help: "SO_RCVBUF in bytes (0: system default).") var rcvbuf: Int = 0
+    @Option(help: "Datagrams per recvmmsg call.") var batch: Int = 64
+
+    func validate() throws {
+        guard let policy = BalancePolicy(rawValue: policy) else {
+            throw ValidationError("unknown policy '\(policy)': use \(BalancePolicy.allCases.map(\.rawValue).joined(separator: ", "))")
+        }
+        _ = policy
+        guard SteeringPreference(rawValue: steering) != nil else {
+            throw ValidationError("unknown steering '\(steering)': use \(SteeringPreference.allCases.map(\.rawValue).joined(separator: ", "))")
+        }
+        guard IPAddress(ip) != nil else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
+    }
+
+    func run() throws {
+        shim_install_signal_flags()
+        let address = SocketAddress(ip: IPAddress(ip)!, port: port)
+        let options = GroupOptions(
+            policy: BalancePolicy(rawValue: policy)!, capacity: count, seed: seed,
+            steering: SteeringPreference(rawValue: steering)!, receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil)
+        let member: ReusePortMember
+        do {
+            member = try ReusePortMember(joining: address, slot: takeover ? .takeover(index) : .index(index), options: options)
+        } catch {
+            printError("collector: \(error)")
+            throw ExitCode(2)
+        }
+        var line = "collector: ready address=\(address) slot=\(member.slot) steering=\(member.steering)"
+        if let note = member.steeringNote { line += " note=\"\(note)\"" }
+        printError(line)
+
+        var run = Run(member: member, batch: batch)
+        run.loop(duration: duration, statsInterval: statsInterval)
+        print(run.report())
+        member.leave()
+    }
+}
+
+/// The receive loop's state.
+struct Run {
+    let member: ReusePortMember
+    let receiver: BatchReceiver
+    var sources: [SourceKey: SourceTally] = [:]
+    var received: UInt64 = 0
+    var bytes: UInt64 = 0
+    var truncated: UInt64 = 0
+    var foreign: UInt64 = 0
+    var replaced = false
+    let clock = ContinuousClock()
+    let started: ContinuousClock.Instant
+
+    init(member: ReusePortMember, batch: Int) {
+        self.member = member
+        receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
+        started = clock.now
+    }
+
+    mutating func loop(duration: Double, statsInterval: Double) {
+        let deadline = duration > 0 ? started + .milliseconds(Int64(duration * 1000)) : nil
+        var nextStats = statsInterval > 0 ? started + .milliseconds(Int64(statsInterval * 1000)) : nil
+        var nextReplacementCheck = started
+        var lastDatagram = started
+        var pollDescriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
+        while shim_stop_requested() == 0 {
+            let now = clock.now
+            if let deadline, now >= deadline { break }
+            if let due = nextStats, now >= due {
+                printError("collector slot \(member.slot): received \(received)")
+                nextStats = due + .milliseconds(Int64(statsInterval * 1000))
+            }
+            if now >= nextReplacementCheck {
+                nextReplacementCheck = now + .milliseconds(20)
+                if !replaced && member.isReplaced {
+                    replaced = true
+                    printError("collector slot \(member.slot): slot taken over, draining")
+                }
+                // Drained: nothing queued and nothing new for 200 ms after the handover.
+                if replaced, now - lastDatagram >= .milliseconds(200),
+                    (try? member.socketStatistics().queuedBytes) == 0
+                {
+                    break
+                }
+            }
+            _ = poll(&pollDescriptor, 1, 20)
+            while true {
+                let count: Int
+                do {
+                    count = try receiver.receive(from: member.socket)
+                } catch {
+                    printError("collector: \(error)")
+                    return
+                }
+                if count == 0 { break }
+                lastDatagram = clock.now
+                for index in 0..<count { record(index) }
+            }
+        }
+    }
+
+    mutating func record(_ index: Int) {
+        let payload = receiver.payload(index)
+        received += 1
+        bytes += UInt64(payload.count)
+        if receiver.isTruncated(index) { truncated += 1 }
+        guard let header = Payload.read(payload) else {
+            foreign += 1
+            return
+        }
+        sources[SourceKey(receiver.sourceStorage(index)), default: SourceTally()].record(sequence: header.sequence)
+    }
+
+    func report() -> String {
+        var json = JSONObject()
+        json.add("address", member.address.description)
+        json.add("slot", member.slot)
+        json.add("policy", member.options.policy.rawValue)
+        json.add("steering", member.steering.rawValue)
+        json.add("steering_note", member.steeringNote)
+        json.add("replaced", replaced)
+        json.add("received", received)
+        json.add("bytes", bytes)
+        json.add("truncated", truncated)
+        json.add("foreign", foreign)
+        json.add("lost", sources.values.reduce(0) { $0 + $1.lost })
+        json.add("reordered", sources.values.reduce(0) { $0 + $1.reordered })
+        json.add("socket_drops", (try? member.socketStatistics().drops).map(UInt64.init) ?? UInt64(receiver.socketDrops))
+        json.add("seconds", (clock.now - started).seconds)
+        var perSource = JSONObject()
+        for (key, tally) in sources.sorted(by: { $0.key < $1.key }) {
+            var entry = JSONObject()
+            entry.add("packets", tally.packets)
+            entry.add("lost", tally.lost)
+            entry.add("reordered", tally.reordered)
+            perSource.add(key.description, entry)
+        }
+        json.add("sources", perSource)
+        if let counters = try? member.counters() {
+            var kernel = JSONObject()
+            for (name, value) in counters.outcomes { kernel.add(name, value) }
+            var delivered = JSONObject()
+            for (slot, value) in counters.deliveredBySlot.enumerated() { delivered.add(String(slot), value) }
+            kernel.add("delivered_by_slot", delivered)
+            json.add("kernel", kernel)
+        }
+        return json.text
+    }
+}
+
+/// A source address as a dictionary key with no allocation per datagram.
+struct SourceKey: Hashable, Comparable, CustomStringConvertible {
+    let high: UInt64
+    let low: UInt64
+    let isV6: Bool
+
+    init(_ storage: UnsafePointer<sockaddr_storage>) {
+        let raw = UnsafeRawPointer(storage)
+        if Int32(storage.pointee.ss_family) == AF_INET6 {
+            let offset = MemoryLayout<sockaddr_in6>.offset(of: \.sin6_addr)!
+            high = raw.loadUnaligned(fromByteOffset: offset, as: UInt64.self)
+            low = raw.loadUnaligned(fromByteOffset: offset + 8, as: UInt64.self)
+            isV6 = true
+        } else {
+            let offset = MemoryLayout<sockaddr_in>.offset(of: \.sin_addr)!
+            high = 0
+            low = UInt64(raw.loadUnaligned(fromByteOffset: offset, as: UInt32.self))
+            isV6 = false
+        }
+    }
+
+    var address: IPAddress {
+        if isV6 {
+            var bytes = [UInt8](repeating: 0, count: 16)
+            withUnsafeBytes(of: high) { bytes.replaceSubrange(0..<8, with: $0) }
+            withUnsafeBytes(of: low) { bytes.replaceSubrange(8..<16, with: $0) }
+            return IPAddress(bytes: bytes)!
+        }
+        return .v4(UInt32(truncatingIfNeeded: low))
+    }
+
+    var description: String { address.description }
+
+    static func < (lhs: SourceKey, rhs: SourceKey) -> Bool {
+        if lhs.isV6 != rhs.isV6 { return !lhs.isV6 }
+        return lhs.address.bytes.lexicographicallyPrecedes(rhs.address.bytes)
+    }
+}
+

@@ -1,0 +1,178 @@
+import ArgumentParser
+import CSystemShim
+import ReusePortLB
+import TrafficModel
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Test-traffic generator: many source addresses, a rate, a payload size, sendmmsg batches.
+@main
+struct Publisher: ParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Send numbered UDP datagrams from many source addresses.",
+        discussion: """
+            Sends <count> datagrams in all, split evenly over the source addresses (each source \
+            sends a batch in turn). Each payload starts with the source's id and its sequence \
+            number, so collectors can count loss and reordering. Prints one JSON line: what was \
+            sent, per source, and the rate achieved. Source addresses must exist on this host \
+            (all of 127.0.0.0/8 does on loopback; IPv6 ones must be added to an interface).
+            """)
+
+    @Argument(help: "Destination address (IPv4 or IPv6).") var ip: String
+    @Argument(help: "Destination UDP port.") var port: UInt16
+    @Argument(help: "Datagrams to send in all.") var count: Int
+
+    @Option(help: "Source addresses: A, A-B or A-B,C (default: the system's choice).") var sources: String?
+    @Option(help: "Datagrams per second in all (0: as fast as possible).") var rate: Double = 0
+    @Option(help: "Payload bytes per datagram, 16...65507 (65527 for IPv6).") var size: Int = 64
+    @Option(help: "Stop after this many seconds even if not all were sent (0: no limit).") var duration: Double = 0
+    @Option(help: "Datagrams per sendmmsg call.") var batch: Int = 32
+
+    func validate() throws {
+        guard let destination = IPAddress(ip) else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        let maximum = destination.family == AF_INET ? 65507 : 65527
+        guard (Payload.headerSize...maximum).contains(size) else {
+            throw ValidationError("--size must be \(Payload.headerSize)...\(maximum) for this address family")
+        }
+        guard count >= 0 else { throw ValidationError("count must not be negative") }
+        guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
+        guard rate >= 0, duration >= 0 else { throw ValidationError("--rate and --duration must not be negative") }
+        if let sources {
+            do {
+                let addresses = try AddressRange.parse(sources)
+                guard addresses.allSatisfy({ $0.family == destination.family }) else {
+                    throw ValidationError("source and destination addresses must be of the same family")
+                }
+            } catch let error as AddressRange.ParseError {
+                throw ValidationError(error.description)
+            }
+        }
+    }
+
+    func run() throws {
+        shim_install_signal_flags()
+        let destination = SocketAddress(ip: IPAddress(ip)!, port: port)
+        let addresses = try sources.map { try AddressRange.parse($0) }
+        var senders: [Int32] = []
+        defer { for fd in senders { close(fd) } }
+        for source in addresses?.map(Optional.some) ?? [nil] {
+            let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+            guard fd >= 0 else { throw failure("socket", errno) }
+            senders.append(fd)
+            var size: Int32 = 4 << 20
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
+            if let source {
+                let bound = SocketAddress(ip: source, port: 0).withSockAddr { bind(fd, $0, $1) }
+                guard bound == 0 else { throw failure("bind \(source)", errno) }
+            }
+        }
+        var sender = BatchSender(destination: destination, batch: batch, size: size)
+        let clock = ContinuousClock()
+        let start = clock.now
+        let deadline = duration > 0 ? start + .milliseconds(Int64(duration * 1000)) : nil
+        var sentBySource = [UInt64](repeating: 0, count: senders.count)
+        var sent: UInt64 = 0
+        var errors: UInt64 = 0
+        // Each source's share of count, the first (count % sources) sending one more.
+        let quota = (0..<senders.count).map { UInt64(count / senders.count + ($0 < count % senders.count ? 1 : 0)) }
+        var source = 0
+        while sent < UInt64(count) && shim_stop_requested() == 0 {
+            if sentBySource[source] >= quota[source] {
+                source = (source + 1) % senders.count
+                continue
+            }
+            if let deadline, clock.now >= deadline { break }
+            if rate > 0 {
+                let due = start + .nanoseconds(Int64(Double(sent) / rate * 1e9))
+                let now = clock.now
+                if due > now { sleep(for: due - now) }
+            }
+            let n = min(batch, Int(quota[source] - sentBySource[source]))
+            let result = sender.send(n, from: senders[source], source: UInt32(source), firstSequence: sentBySource[source])
+            sentBySource[source] += UInt64(result.sent)
+            sent += UInt64(result.sent)
+            errors += UInt64(result.failed)
+            source = (source + 1) % senders.count
+        }
+        let seconds = (clock.now - start).seconds
+        var json = JSONObject()
+        json.add("destination", destination.description)
+        json.add("sent", sent)
+        json.add("bytes", sent * UInt64(size))
+        json.add("errors", errors)
+        json.add("sources", senders.count)
+        json.add("size", size)
+        json.add("seconds", seconds)
+        json.add("pps", seconds > 0 ? Double(sent) / seconds : 0)
+        var perSource = JSONObject()
+        for (index, value) in sentBySource.enumerated() {
+            perSource.add(addresses.map { $0[index].description } ?? "default", value)
+        }
+        json.add("sent_by_source", perSource)
+        print(json.text)
+    }
+
+    /// Blocks the thread (nanosleep): the publisher is a plain loop, not a task.
+    func sleep(for duration: Duration) {
+        var request = timespec(tv_sec: Int(duration.components.seconds), tv_nsec: Int(duration.components.attoseconds / 1_000_000_000))
+        var remaining = timespec()
+        while nanosleep(&request, &remaining) != 0 && errno == EINTR && shim_stop_requested() == 0 {
+            request = remaining
+        }
+    }
+
+    func failure(_ call: String, _ error: Int32) -> Error {
+        printError("publisher: \(SystemCallError(call: call, errno: error))")
+        return ExitCode(2)
+    }
+}
+
+/// sendmmsg batches to one destination, with buffers made once and reused.
+struct BatchSender {
+    let batch: Int
+    let size: Int
+    let buffers: UnsafeMutableRawBufferPointer
+    let iovecs: UnsafeMutablePointer<iovec>
+    let headers: UnsafeMutablePointer<shim_mmsghdr>
+    let name: UnsafeMutablePointer<sockaddr_storage>
+
+    init(destination: SocketAddress, batch: Int, size: Int) {
+        self.batch = batch
+        self.size = size
+        buffers = .allocate(byteCount: batch * size, alignment: 16)
+        buffers.initializeMemory(as: UInt8.self, repeating: 0x2e)
+        iovecs = .allocate(capacity: batch)
+        headers = .allocate(capacity: batch)
+        name = .allocate(capacity: 1)
+        name.initialize(to: sockaddr_storage())
+        let length = destination.write(to: &name.pointee)
+        for index in 0..<batch {
+            iovecs[index] = iovec(iov_base: buffers.baseAddress! + index * size, iov_len: size)
+            headers[index] = shim_mmsghdr()
+            headers[index].msg_hdr.msg_iov = iovecs + index
+            headers[index].msg_hdr.msg_iovlen = 1
+            headers[index].msg_hdr.msg_name = UnsafeMutableRawPointer(name)
+            headers[index].msg_hdr.msg_namelen = length
+        }
+    }
+
+    /// Sends `count` datagrams numbered from `firstSequence`; returns how many went out and how
+    /// many failed (a failure ends the batch: the rest are not sent and are not counted as sent).
+    mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int) {
+        for index in 0..<count {
+            Payload.write(into: buffers.baseAddress! + index * size, source: source, sequence: firstSequence + UInt64(index))
+        }
+        var done = 0
+        while done < count {
+            let result = shim_sendmmsg(fd, headers + done, UInt32(count - done), 0)
+            if result < 0 {
+                if errno == EINTR { continue }
+                return (done, 1)
+            }
+            done += Int(result)
+        }
+        return (done, 0)
+    }
+}

@@ -1,0 +1,188 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * sk_reuseport program of ReusePortLB: picks the member socket of a SO_REUSEPORT UDP group
+ * for each datagram.
+ *
+ * sourceIP / fiveTuple: hash the source (address, or address and port) with the group's seed
+ * into a Maglev table over all slots. If that slot is empty (its process died or left), rehash
+ * with the next probe number, then scan the slots in order: every source still lands on exactly
+ * one live member, and returns to its own slot as soon as a socket fills it again.
+ * roundRobin: a per-CPU counter walks the slots, skipping empty ones.
+ *
+ * Nothing is dropped: when no member can be selected the program returns SK_PASS without a
+ * selection, and the kernel's own hash delivers the datagram. Every outcome is counted.
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "reuseportlb.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_REUSEPORT_SOCKARRAY);
+	__uint(max_entries, RPLB_MAX_MEMBERS); /* set to the group's capacity before load */
+	__type(key, __u32);
+	__type(value, __u64);
+} RPLB_MAP_MEMBERS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rplb_config);
+} RPLB_MAP_CONFIG SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, RPLB_TABLE_SIZE);
+	__type(key, __u32);
+	__type(value, __u32);
+} RPLB_MAP_TABLE SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, RPLB_OUTCOME_COUNT);
+	__type(key, __u32);
+	__type(value, __u64);
+} RPLB_MAP_OUTCOMES SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, RPLB_MAX_MEMBERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} RPLB_MAP_DELIVERED SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} RPLB_MAP_RR SEC(".maps");
+
+static __always_inline void count_outcome(__u32 outcome)
+{
+	__u64 *value = bpf_map_lookup_elem(&RPLB_MAP_OUTCOMES, &outcome);
+	if (value)
+		*value += 1;
+}
+
+/* Selects `slot` if a live socket holds it; counts the delivery to that member. */
+static __always_inline int try_slot(struct sk_reuseport_md *md, __u32 slot)
+{
+	if (bpf_sk_select_reuseport(md, &RPLB_MAP_MEMBERS, &slot, 0) != 0)
+		return 0;
+	__u64 *value = bpf_map_lookup_elem(&RPLB_MAP_DELIVERED, &slot);
+	if (value)
+		*value += 1;
+	return 1;
+}
+
+/* Walks all slots once, starting at `start`; the first live one wins. */
+static __always_inline int scan_slots(struct sk_reuseport_md *md, __u32 start, __u32 capacity)
+{
+	for (__u32 i = 0; i < RPLB_MAX_MEMBERS; i++) {
+		if (i >= capacity)
+			break;
+		__u32 slot = start + i;
+		if (slot >= capacity)
+			slot -= capacity;
+		if (try_slot(md, slot))
+			return 1;
+	}
+	return 0;
+}
+
+static __always_inline int select_round_robin(struct sk_reuseport_md *md,
+					      const struct rplb_config *cfg)
+{
+	__u32 zero = 0;
+	__u32 *next = bpf_map_lookup_elem(&RPLB_MAP_RR, &zero);
+	if (!next)
+		return 0;
+	__u32 start = *next % cfg->capacity;
+	*next = start + 1;
+	if (try_slot(md, start)) {
+		count_outcome(RPLB_OUTCOME_SELECTED);
+		return 1;
+	}
+	if (scan_slots(md, start, cfg->capacity)) {
+		count_outcome(RPLB_OUTCOME_FAILED_OVER);
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline int select_by_source(struct sk_reuseport_md *md,
+					    const struct rplb_config *cfg)
+{
+	__u32 words[4] = {};
+	__u32 nwords;
+	__u32 port = 0;
+
+	if (md->eth_protocol == bpf_htons(ETH_P_IP)) {
+		if (bpf_skb_load_bytes_relative(md, 12, words, 4, BPF_HDR_START_NET))
+			goto unparsed;
+		nwords = 1;
+	} else if (md->eth_protocol == bpf_htons(ETH_P_IPV6)) {
+		if (bpf_skb_load_bytes_relative(md, 8, words, 16, BPF_HDR_START_NET))
+			goto unparsed;
+		nwords = 4;
+	} else {
+		goto unparsed;
+	}
+	if (cfg->policy == RPLB_POLICY_FIVE_TUPLE) {
+		/* data starts at the UDP header: the source port is its first two bytes */
+		__u8 *data = md->data;
+		if (data + 2 > (__u8 *)md->data_end)
+			goto unparsed;
+		port = (__u32)data[0] << 8 | data[1];
+	}
+
+	__u32 table_size = cfg->table_size;
+	if (table_size == 0 || table_size > RPLB_TABLE_SIZE)
+		table_size = RPLB_TABLE_SIZE;
+	__u32 hash = 0;
+	for (__u32 probe = 0; probe < RPLB_MAX_PROBES; probe++) {
+		hash = rplb_source_hash(words, nwords, port, cfg->seed, probe);
+		__u32 index = hash % table_size;
+		__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_TABLE, &index);
+		if (!slot)
+			break;
+		if (try_slot(md, *slot)) {
+			count_outcome(probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER);
+			return 1;
+		}
+	}
+	if (scan_slots(md, hash % cfg->capacity, cfg->capacity)) {
+		count_outcome(RPLB_OUTCOME_FAILED_OVER);
+		return 1;
+	}
+	return 0;
+
+unparsed:
+	count_outcome(RPLB_OUTCOME_UNPARSED);
+	return -1;
+}
+
+SEC("sk_reuseport")
+int RPLB_PROG_SELECT(struct sk_reuseport_md *md)
+{
+	__u32 zero = 0;
+	const struct rplb_config *cfg = bpf_map_lookup_elem(&RPLB_MAP_CONFIG, &zero);
+	if (!cfg || cfg->capacity == 0 || cfg->capacity > RPLB_MAX_MEMBERS) {
+		count_outcome(RPLB_OUTCOME_NO_CONFIG);
+		return SK_PASS;
+	}
+	int selected;
+	if (cfg->policy == RPLB_POLICY_ROUND_ROBIN)
+		selected = select_round_robin(md, cfg);
+	else
+		selected = select_by_source(md, cfg);
+	if (selected == 0)
+		count_outcome(RPLB_OUTCOME_FALLBACK);
+	/* SK_PASS without a successful selection: the kernel's reuseport hash picks the socket */
+	return SK_PASS;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
