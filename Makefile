@@ -1,0 +1,45 @@
+# ReusePortLB / udp-fanout. `make demo` and `make test` are the two quick-start commands.
+PREFIX ?= /usr/local
+DESTDIR ?=
+VERSION ?= 0.1.0
+CONFIG ?= release
+BUILD_DIR = $(shell swift build -c $(CONFIG) --show-bin-path 2>/dev/null)
+
+.PHONY: all setup build demo test bench install install-files uninstall clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	swift build -c $(CONFIG)
+
+demo: setup
+	@scripts/demo.sh
+
+test: setup
+	@scripts/test.sh
+
+bench: setup
+	@scripts/bench.sh
+
+# Builds (release) and installs the C library, its header and reuseportlb.pc.
+install: build install-files
+
+# Installs what the last build made, without building (the C API test uses it).
+install-files:
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
+	install -m 0755 $(BUILD_DIR)/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so
+	install -m 0644 include/reuseportlb.h $(DESTDIR)$(PREFIX)/include/reuseportlb.h
+	install -m 0755 $(BUILD_DIR)/collector $(BUILD_DIR)/publisher $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' pkgconfig/reuseportlb.pc.in \
+		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/reuseportlb.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so $(DESTDIR)$(PREFIX)/include/reuseportlb.h \
+		$(DESTDIR)$(PREFIX)/lib/pkgconfig/reuseportlb.pc \
+		$(DESTDIR)$(PREFIX)/bin/collector $(DESTDIR)$(PREFIX)/bin/publisher
+
+clean:
+	swift package clean

@@ -1,0 +1,138 @@
+// The C API of include/reuseportlb.h, exported from libreuseportlb.so.
+#if canImport(Glibc)
+import Glibc
+#endif
+import ReusePortLB
+
+private func member(_ handle: OpaquePointer) -> ReusePortMember {
+    Unmanaged<ReusePortMember>.fromOpaque(UnsafeRawPointer(handle)).takeUnretainedValue()
+}
+
+private func writeMessage(_ text: String, _ buffer: UnsafeMutablePointer<CChar>?, _ size: Int) {
+    guard let buffer, size > 0 else { return }
+    let bytes = Array(text.utf8.prefix(size - 1))
+    for (index, byte) in bytes.enumerated() { buffer[index] = CChar(bitPattern: byte) }
+    buffer[bytes.count] = 0
+}
+
+/// The negative errno-style code of an error (EINVAL for bad input).
+private func code(of error: ReusePortError) -> Int32 {
+    switch error {
+    case .system(let failure): return -failure.errno
+    case .slotInUse, .addressInUse: return -EADDRINUSE
+    case .groupFull: return -ENOSPC
+    case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
+    case .countersUnavailable, .policyNeedsEBPF: return -EOPNOTSUPP
+    case .groupSettingsMismatch: return -EEXIST
+    case .invalidCapacity, .slotOutOfRange: return -EINVAL
+    }
+}
+
+private func join(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: SlotRequest?, _ capacity: UInt32, _ policy: Int32,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    guard let ip, let out, let address = IPAddress(String(cString: ip)) else {
+        writeMessage("ip is not an IPv4 or IPv6 address", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    let policies: [Int32: BalancePolicy] = [0: .sourceIP, 1: .roundRobin, 2: .fiveTuple]
+    guard let balance = policies[policy], let slot else {
+        writeMessage("unknown policy \(policy) or negative slot", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    do {
+        let joined = try ReusePortMember(
+            joining: SocketAddress(ip: address, port: port), slot: slot,
+            options: GroupOptions(policy: balance, capacity: Int(capacity)))
+        out.pointee = OpaquePointer(Unmanaged.passRetained(joined).toOpaque())
+        return 0
+    } catch {
+        writeMessage(error.description, errorBuffer, errorSize)
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_join")
+public func reuseportlb_join(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    let request: SlotRequest? = slot == -1 ? .lowestFree : slot >= 0 ? .index(Int(slot)) : nil
+    return join(ip, port, request, capacity, policy, out, error, errorSize)
+}
+
+@_cdecl("reuseportlb_takeover")
+public func reuseportlb_takeover(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    join(ip, port, slot >= 0 ? .takeover(Int(slot)) : nil, capacity, policy, out, error, errorSize)
+}
+
+@_cdecl("reuseportlb_socket")
+public func reuseportlb_socket(_ handle: OpaquePointer) -> Int32 { member(handle).socket }
+
+@_cdecl("reuseportlb_slot")
+public func reuseportlb_slot(_ handle: OpaquePointer) -> Int32 { Int32(member(handle).slot) }
+
+private let steeringNames: [Steering: StaticString] = [.ebpf: "ebpf", .classicBPF: "classicBPF", .kernelHash: "kernelHash"]
+
+@_cdecl("reuseportlb_steering")
+public func reuseportlb_steering(_ handle: OpaquePointer) -> UnsafePointer<CChar> {
+    let name = steeringNames[member(handle).steering]!
+    return UnsafeRawPointer(name.utf8Start).assumingMemoryBound(to: CChar.self)
+}
+
+@_cdecl("reuseportlb_is_replaced")
+public func reuseportlb_is_replaced(_ handle: OpaquePointer) -> Int32 { member(handle).isReplaced ? 1 : 0 }
+
+@_cdecl("reuseportlb_queued_bytes")
+public func reuseportlb_queued_bytes(_ handle: OpaquePointer) -> Int64 {
+    do {
+        return Int64(try member(handle).socketStatistics().queuedBytes)
+    } catch {
+        return Int64(code(of: error))
+    }
+}
+
+/// Mirrors `struct reuseportlb_counters`.
+public struct CCounters {
+    var selected, failedOver, fallback, unparsed, noConfig: UInt64
+}
+
+@_cdecl("reuseportlb_counters")
+public func reuseportlb_counters(_ handle: OpaquePointer, _ out: UnsafeMutableRawPointer?) -> Int32 {
+    guard let out else { return -EINVAL }
+    do {
+        let counters = try member(handle).counters()
+        out.storeBytes(
+            of: CCounters(
+                selected: counters.selected, failedOver: counters.failedOver, fallback: counters.fallback,
+                unparsed: counters.unparsed, noConfig: counters.noConfig),
+            as: CCounters.self)
+        return 0
+    } catch {
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_owner")
+public func reuseportlb_owner(_ handle: OpaquePointer, _ source: UnsafePointer<CChar>?, _ slot: UnsafeMutablePointer<Int32>?) -> Int32 {
+    guard let source, let slot, let address = IPAddress(String(cString: source)) else { return -EINVAL }
+    do {
+        guard let owner = try member(handle).owner(of: address) else { return -ENOENT }
+        slot.pointee = Int32(owner)
+        return 0
+    } catch {
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_leave")
+public func reuseportlb_leave(_ handle: OpaquePointer?) {
+    guard let handle else { return }
+    let unmanaged = Unmanaged<ReusePortMember>.fromOpaque(UnsafeRawPointer(handle))
+    unmanaged.takeUnretainedValue().leave()
+    unmanaged.release()
+}

@@ -1,0 +1,186 @@
+import Foundation
+import Testing
+@testable import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Privileged tests run when root; without root they are skipped with this reason, except under
+/// CI=true, where they run (and fail) so a missing privilege is never mistaken for a pass.
+enum Privileges {
+    static let isRoot = geteuid() == 0
+    static let isCI = ProcessInfo.processInfo.environment["CI"] == "true"
+    static let enabled = isRoot || isCI
+    static let reason: Comment = "needs root (CAP_BPF, CAP_NET_ADMIN, bpffs); run as root or under CI=true"
+}
+
+/// A UDP port that is free now on 127.0.0.1 and ::1, picked at random so runs cannot collide.
+func freePort() -> UInt16 {
+    while true {
+        let port = UInt16.random(in: 20000...45000)
+        let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        defer { close(fd) }
+        if SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr({ bind(fd, $0, $1) }) == 0 { return port }
+    }
+}
+
+/// Sends `count` datagrams from `source` (bound first) to `destination`; payload `tag`.
+func send(from source: String, to destination: SocketAddress, count: Int = 1, sourcePort: UInt16 = 0) throws {
+    let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue), 0)
+    defer { close(fd) }
+    var one: Int32 = 1
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, 4)
+    let bound = SocketAddress(ip: IPAddress(source)!, port: sourcePort).withSockAddr { bind(fd, $0, $1) }
+    try #require(bound == 0, "bind \(source): errno \(errno)")
+    var payload = Array("probe from \(source)".utf8)
+    for _ in 0..<count {
+        let sent = destination.withSockAddr { sendto(fd, &payload, payload.count, 0, $0, $1) }
+        try #require(sent == payload.count, "sendto: errno \(errno)")
+    }
+}
+
+/// Reads everything queued on each member's socket until 100 ms pass with nothing new;
+/// returns per member the count of datagrams by source address.
+func drain(_ members: [ReusePortMember]) -> [[String: Int]] {
+    var result = [[String: Int]](repeating: [:], count: members.count)
+    let receiver = BatchReceiver(batchSize: 64, maximumDatagramSize: 2048)
+    var quietSince = ContinuousClock.now
+    while ContinuousClock.now - quietSince < .milliseconds(100) {
+        var any = false
+        for (index, member) in members.enumerated() {
+            while let count = try? receiver.receive(from: member.socket), count > 0 {
+                any = true
+                for datagram in 0..<count {
+                    result[index][receiver.source(datagram)!.ip.description, default: 0] += 1
+                }
+            }
+        }
+        if any { quietSince = ContinuousClock.now } else { usleep(5000) }
+    }
+    return result
+}
+
+/// Source addresses 127.0.N.M for N sources, avoiding 127.0.0.1.
+func loopbackSources(_ count: Int, base: Int = 2) -> [String] {
+    (0..<count).map { "127.0.\((base + $0) / 250).\((base + $0) % 250 + 2)" }
+}
+
+/// Which member received each source; records an issue if a source reached more than one.
+func ownerBySource(_ received: [[String: Int]]) -> [String: Int] {
+    var owner: [String: Int] = [:]
+    for (member, sources) in received.enumerated() {
+        for source in sources.keys {
+            if let other = owner[source] {
+                Issue.record("source \(source) reached members \(other) and \(member)")
+            }
+            owner[source] = member
+        }
+    }
+    return owner
+}
+
+/// The directory of the test binary, where SwiftPM puts collector and publisher too.
+let binaryDirectory: URL = {
+    let path = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
+    var url = URL(fileURLWithPath: path).deletingLastPathComponent()
+    // swift test runs <bin>/ReusePortLBPackageTests.xctest; the executables are beside it.
+    while !FileManager.default.fileExists(atPath: url.appendingPathComponent("collector").path) && url.path != "/" {
+        url = url.deletingLastPathComponent()
+    }
+    return url
+}()
+
+/// A child process (collector, publisher, or a command) with its stdout and stderr in files.
+final class Child {
+    let process = Process()
+    let stdoutURL: URL
+    let stderrURL: URL
+
+    init(_ executable: String, _ arguments: [String], prefix: [String] = []) throws {
+        let base = FileManager.default.temporaryDirectory.appendingPathComponent("rplb-\(UUID().uuidString)")
+        stdoutURL = base.appendingPathExtension("out")
+        stderrURL = base.appendingPathExtension("err")
+        FileManager.default.createFile(atPath: stdoutURL.path, contents: nil)
+        FileManager.default.createFile(atPath: stderrURL.path, contents: nil)
+        let binary = executable.hasPrefix("/") ? executable : binaryDirectory.appendingPathComponent(executable).path
+        if prefix.isEmpty {
+            process.executableURL = URL(fileURLWithPath: binary)
+            process.arguments = arguments
+        } else {
+            process.executableURL = URL(fileURLWithPath: prefix[0])
+            process.arguments = Array(prefix.dropFirst()) + [binary] + arguments
+        }
+        process.standardOutput = try FileHandle(forWritingTo: stdoutURL)
+        process.standardError = try FileHandle(forWritingTo: stderrURL)
+        try process.run()
+    }
+
+    deinit {
+        if process.isRunning { kill(process.processIdentifier, SIGKILL) }
+        try? FileManager.default.removeItem(at: stdoutURL)
+        try? FileManager.default.removeItem(at: stderrURL)
+    }
+
+    var stdout: String { (try? String(contentsOf: stdoutURL, encoding: .utf8)) ?? "" }
+    var stderr: String { (try? String(contentsOf: stderrURL, encoding: .utf8)) ?? "" }
+
+    /// Waits (at most `seconds`) until stderr contains `text`.
+    func waitFor(_ text: String, seconds: Double = 10) throws {
+        let deadline = Date().addingTimeInterval(seconds)
+        while Date() < deadline {
+            if stderr.contains(text) { return }
+            if !process.isRunning { break }
+            usleep(20_000)
+        }
+        Issue.record("'\(text)' not seen; stderr: \(stderr)")
+        throw CancellationError()
+    }
+
+    /// Waits for the process to exit (killing it after `seconds`) and returns its exit status.
+    @discardableResult
+    func wait(seconds: Double = 20) -> Int32 {
+        let deadline = Date().addingTimeInterval(seconds)
+        while process.isRunning && Date() < deadline { usleep(20_000) }
+        if process.isRunning {
+            Issue.record("process did not exit in \(seconds) s: \(process.arguments ?? [])")
+            kill(process.processIdentifier, SIGKILL)
+        }
+        process.waitUntilExit()
+        return process.terminationStatus
+    }
+
+    func signal(_ signal: Int32) { kill(process.processIdentifier, signal) }
+
+    /// Stops with SIGTERM and returns the JSON line it printed.
+    func stop() throws -> [String: Any] {
+        signal(SIGTERM)
+        wait()
+        return try json()
+    }
+
+    func json() throws -> [String: Any] {
+        let line = try #require(stdout.split(separator: "\n").last, "no output; stderr: \(stderr)")
+        return try #require(JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any])
+    }
+}
+
+/// Runs a command to completion; returns (status, output).
+@discardableResult
+func run(_ command: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
+    let process = Process()
+    process.executableURL = URL(fileURLWithPath: command)
+    process.arguments = arguments
+    let pipe = Pipe()
+    process.standardOutput = pipe
+    process.standardError = pipe
+    try process.run()
+    let data = pipe.fileHandleForReading.readDataToEndOfFile()
+    process.waitUntilExit()
+    return (process.terminationStatus, String(decoding: data, as: UTF8.self))
+}
+
+extension Dictionary where Key == String, Value == Any {
+    func int(_ key: String) -> Int { (self[key] as? NSNumber)?.intValue ?? -1 }
+    func object(_ key: String) -> [String: Any] { self[key] as? [String: Any] ?? [:] }
+}

@@ -1,0 +1,95 @@
+import Testing
+@testable import BPFObjects
+@testable import ReusePortLB
+import TrafficModel
+
+@Suite("Pure logic")
+struct UnitTests {
+    @Test("Maglev: every backend owns about 1/N of the table")
+    func maglevBalance() throws {
+        let table = try #require(MaglevTable(backends: (0..<7).map { .init(name: "b\($0)") }, size: 65537, seed: 1))
+        var counts = [Int](repeating: 0, count: 7)
+        for entry in table.entries { counts[Int(entry)] += 1 }
+        for count in counts { #expect(abs(Double(count) / 65537 - 1.0 / 7) < 0.01) }
+    }
+
+    @Test("Maglev: weights give proportional shares; weight 0 leaves a backend out")
+    func maglevWeights() throws {
+        let table = try #require(MaglevTable(
+            backends: [.init(name: "a", weight: 1), .init(name: "b", weight: 3), .init(name: "c", weight: 0)],
+            size: 65537, seed: 7))
+        let b = table.entries.filter { $0 == 1 }.count
+        #expect(abs(Double(b) / 65537 - 0.75) < 0.01)
+        #expect(!table.entries.contains(2))
+        #expect(MaglevTable(backends: [.init(name: "x", weight: 0)], size: 13, seed: 0) == nil)
+    }
+
+    @Test("Maglev: removing one of N backends changes about 1/N of the entries")
+    func maglevDisruption() throws {
+        let names = (0..<5).map { MaglevTable.Backend(name: "10.0.0.\($0):514") }
+        let before = try #require(MaglevTable(backends: names, size: 65537, seed: 3))
+        var without = names
+        without[2].weight = 0
+        let after = try #require(MaglevTable(backends: without, size: 65537, seed: 3))
+        let changed = zip(before.entries, after.entries).filter { $0 != $1 }.count
+        #expect(Double(changed) / 65537 < 0.2 + 0.05)
+        // Same inputs, same table: nodes with the same backend set agree.
+        #expect(MaglevTable(backends: names, size: 65537, seed: 3) == before)
+    }
+
+    @Test("Source ranges", arguments: [
+        ("127.0.0.10-127.0.0.250", 241), ("127.0.0.255-127.0.1.1", 3), ("2001:db8::fe-2001:db8::101", 4),
+        ("127.0.0.1,127.0.0.5-127.0.0.6", 3),
+    ])
+    func ranges(text: String, count: Int) throws {
+        #expect(try AddressRange.parse(text).count == count)
+    }
+
+    @Test("Bad source ranges are refused", arguments: ["", "127.0.0.9-127.0.0.1", "127.0.0.1-::1", "nonsense", "10.0.0.0-10.2.0.0"])
+    func badRanges(text: String) {
+        #expect(throws: AddressRange.ParseError.self) { try AddressRange.parse(text) }
+    }
+
+    @Test("Payload header round trip, and foreign datagrams are recognised")
+    func payload() {
+        var buffer = [UInt8](repeating: 0, count: 64)
+        buffer.withUnsafeMutableBytes { Payload.write(into: $0.baseAddress!, source: 7, sequence: 1 << 40) }
+        let header = buffer.withUnsafeBytes { Payload.read($0) }
+        #expect(header?.source == 7 && header?.sequence == 1 << 40)
+        #expect(Array("hello world, not ours".utf8).withUnsafeBytes { Payload.read($0) } == nil)
+    }
+
+    @Test("Loss and reordering from sequence numbers")
+    func tally() {
+        var tally = SourceTally()
+        for sequence: UInt64 in [0, 1, 3, 2, 6] { tally.record(sequence: sequence) }
+        #expect(tally.packets == 5 && tally.lost == 2 && tally.reordered == 1)
+    }
+
+    @Test("Socket addresses parse and print", arguments: ["127.0.0.1:9000", "[2001:db8::1]:514", "[::1]:1"])
+    func socketAddress(text: String) throws {
+        #expect(try #require(SocketAddress(text)).description == text)
+    }
+
+    @Test("Malformed socket addresses are refused", arguments: ["127.0.0.1", "::1:5", "[::1]5", "1.2.3.4:70000", "host:1"])
+    func badSocketAddress(text: String) {
+        #expect(SocketAddress(text) == nil)
+    }
+
+    @Test("The embedded BPF object is an ELF file for the BPF machine")
+    func embeddedObject() {
+        let bytes = BPFObject.reuseportSelect.elfBytes
+        #expect(Array(bytes.prefix(4)) == [0x7f, 0x45, 0x4c, 0x46])
+        #expect(bytes[18] == 247)  // e_machine EM_BPF
+    }
+
+    @Test("Classic BPF program: IPv4 and IPv6 branches land on the hash step")
+    func classicProgram() {
+        let program = ClassicSteering.program(policy: .sourceIP, capacity: 3)
+        #expect(program.count == 19)
+        #expect(3 + Int(program[2].jt) == 5)            // IPv6 branch
+        #expect(5 + Int(program[4].k) == 15)            // IPv4 jumps to the hash
+        #expect(program[17].k == 3)                     // modulo capacity
+        #expect(ClassicSteering.program(policy: .roundRobin, capacity: 4).count == 3)
+    }
+}

@@ -1,0 +1,85 @@
+/*
+ * ReusePortLB C API: join a SO_REUSEPORT UDP group whose datagrams are steered by source
+ * address (or round robin, or five-tuple) by an sk_reuseport program, from a C collector.
+ *
+ *   cc app.c $(pkg-config --cflags --libs reuseportlb)
+ *
+ * Every call returns 0 (or a value) on success and a negative errno-style code on failure;
+ * calls that take `error`/`error_size` write a message that names the problem and its fix.
+ */
+#ifndef REUSEPORTLB_H
+#define REUSEPORTLB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How the group spreads datagrams (the group's creator chooses; values match the kernel's). */
+enum reuseportlb_policy {
+	REUSEPORTLB_SOURCE_IP = 0,   /* every datagram of one source address to one member */
+	REUSEPORTLB_ROUND_ROBIN = 1, /* each datagram to the next member: spreads a heavy sender */
+	REUSEPORTLB_FIVE_TUPLE = 2,  /* every datagram of one source address and port to one member */
+};
+
+/* Pass as `slot` to take the lowest free slot. */
+#define REUSEPORTLB_ANY_SLOT (-1)
+
+/* One member of a group: an opaque handle. */
+typedef struct reuseportlb_member reuseportlb_member;
+
+/* The kernel program's counters for the whole group (eBPF steering only). */
+struct reuseportlb_counters {
+	uint64_t selected;    /* delivered to the member the policy chose first */
+	uint64_t failed_over; /* that member was gone: delivered to another live member */
+	uint64_t fallback;    /* no live member: left to the kernel's hash (still delivered) */
+	uint64_t unparsed;    /* source unreadable: left to the kernel's hash */
+	uint64_t no_config;   /* group config missing: left to the kernel's hash */
+};
+
+/* Joins the group ip:port (IPv4 or IPv6 text) at `slot` (or REUSEPORTLB_ANY_SLOT) of a group of
+ * `capacity` slots with `policy`. On success stores the member in *member and returns 0. */
+int reuseportlb_join(const char *ip, uint16_t port, int slot, unsigned int capacity,
+		     enum reuseportlb_policy policy, reuseportlb_member **member,
+		     char *error, size_t error_size);
+
+/* Takes `slot` over from the member holding it (zero-loss handover): new datagrams of that slot
+ * come to the new member at once; the old one sees reuseportlb_is_replaced() return 1, reads
+ * until its queue is empty (reuseportlb_queued_bytes() == 0) and leaves. */
+int reuseportlb_takeover(const char *ip, uint16_t port, int slot, unsigned int capacity,
+			 enum reuseportlb_policy policy, reuseportlb_member **member,
+			 char *error, size_t error_size);
+
+/* The member's bound UDP socket: receive on it with recv/recvmmsg. Do not close it. */
+int reuseportlb_socket(const reuseportlb_member *member);
+
+/* The member's slot. */
+int reuseportlb_slot(const reuseportlb_member *member);
+
+/* "ebpf", "classicBPF" or "kernelHash": the steering in force. */
+const char *reuseportlb_steering(const reuseportlb_member *member);
+
+/* 1 once another member took this slot over, 0 otherwise. */
+int reuseportlb_is_replaced(const reuseportlb_member *member);
+
+/* Bytes queued on the socket for reading (>= 0), or a negative errno. */
+int64_t reuseportlb_queued_bytes(const reuseportlb_member *member);
+
+/* Fills *counters; -EOPNOTSUPP without eBPF steering. */
+int reuseportlb_counters(const reuseportlb_member *member, struct reuseportlb_counters *counters);
+
+/* Stores in *slot the slot that receives datagrams of source_ip now; -ENOENT if no member is
+ * live, -EINVAL for a bad address, -EOPNOTSUPP without eBPF steering or for round robin. */
+int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, int *slot);
+
+/* Leaves the group (closes the socket; the last member out removes the group's pins) and frees
+ * the handle. */
+void reuseportlb_leave(reuseportlb_member *member);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

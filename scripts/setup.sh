@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what building and testing need, and says what it did: Debian packages (when root),
+# and a bpffs mount at /sys/fs/bpf (when root). Safe to run again: it changes nothing that is
+# already in place.
+set -euo pipefail
+packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux make gcc)
+[ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx-core nftables)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    echo "setup: installed ${missing[*]}"
+  else
+    echo "setup: missing Debian packages: ${missing[*]}; run as root, or: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+else
+  echo "setup: Debian packages present (${packages[*]})"
+fi
+if [ "$(stat -f -c %T /sys/fs/bpf 2>/dev/null)" = "bpf_fs" ]; then
+  echo "setup: bpffs already mounted at /sys/fs/bpf"
+elif [ "$(id -u)" = 0 ]; then
+  mkdir -p /sys/fs/bpf && mount -t bpf bpf /sys/fs/bpf
+  echo "setup: mounted bpffs at /sys/fs/bpf"
+else
+  echo "setup: bpffs is not mounted and this is not root: eBPF steering needs 'sudo mount -t bpf bpf /sys/fs/bpf' (classic BPF works without it)"
+fi
+export PATH="/opt/swift/usr/bin:$PATH"
+command -v swift >/dev/null || { echo "setup: swift not found: install Swift 6 (expected at /opt/swift)" >&2; exit 1; }
