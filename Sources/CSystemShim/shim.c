@@ -59,6 +59,13 @@ void shim_install_signal_flags(void)
 	sigaction(SIGINT, &action, NULL);
 	sigaction(SIGTERM, &action, NULL);
 	sigaction(SIGHUP, &action, NULL);
+	/* A parent may have left these blocked (posix_spawn copies the mask): unblock them. */
+	sigset_t set;
+	sigemptyset(&set);
+	sigaddset(&set, SIGINT);
+	sigaddset(&set, SIGTERM);
+	sigaddset(&set, SIGHUP);
+	pthread_sigmask(SIG_UNBLOCK, &set, NULL);
 }
 
 int shim_stop_requested(void)

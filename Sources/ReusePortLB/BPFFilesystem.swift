@@ -6,8 +6,10 @@ import CSystemShim
 /// bpffs: where a group's program and maps are pinned so separate processes share them.
 ///
 /// Layout: `<root>/reuseportlb/<group>/{prog,members,config,table,outcomes,delivered,rr}` where
-/// `<group>` is `udp4-127_0_0_1-9000` or `udp6-2001_db8__1-9000` (bpffs refuses names with
-/// a dot, so dots and colons become underscores). Joins and leaves of every
+/// `<group>` is `udp4-127_0_0_1-9000-net4026531833` or `udp6-2001_db8__1-9000-net…`: the
+/// address (bpffs refuses names with a dot, so dots and colons become underscores), the port,
+/// and the network namespace's inode, since the same address and port in two namespaces are
+/// two groups. Joins and leaves of every
 /// group serialise on an flock of `<root>/reuseportlb`.
 struct BPFFilesystem {
     let root: String
@@ -17,7 +19,9 @@ struct BPFFilesystem {
     func groupDirectory(for address: SocketAddress) -> String {
         let family = address.ip.family == AF_INET ? "udp4" : "udp6"
         let host = address.ip.description.bpffsSafe
-        return "\(base)/\(family)-\(host)-\(address.port)"
+        var namespace = stat()
+        let inode = stat("/proc/self/ns/net", &namespace) == 0 ? namespace.st_ino : 0
+        return "\(base)/\(family)-\(host)-\(address.port)-net\(inode)"
     }
 
     /// Mounts bpffs at `root` if it is not mounted there (needs CAP_SYS_ADMIN).

@@ -117,7 +117,12 @@ final class Child {
     }
 
     deinit {
-        if process.isRunning { kill(process.processIdentifier, SIGKILL) }
+        // A failed test still stops its children cleanly, so they remove their pins.
+        if process.isRunning {
+            kill(process.processIdentifier, SIGTERM)
+            for _ in 0..<100 where process.isRunning { usleep(10_000) }
+            if process.isRunning { kill(process.processIdentifier, SIGKILL) }
+        }
         try? FileManager.default.removeItem(at: stdoutURL)
         try? FileManager.default.removeItem(at: stderrURL)
     }

@@ -1,0 +1,254 @@
+import Foundation
+import Testing
+@testable import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Collectors and publishers as separate processes: kills, handover under load, the
+/// unprivileged fallback, IPv6 inside a network namespace, and the C API.
+@Suite("Collector processes", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct ProcessTests {
+    func collectors(_ port: UInt16, count: Int, ip: String = "127.0.0.1", extra: [String] = [], prefix: [String] = []) throws -> [Child] {
+        try (0..<count).map { index in
+            let child = try Child("collector", [ip, String(port), String(index), String(count)] + extra, prefix: prefix)
+            try child.waitFor("ready")
+            return child
+        }
+    }
+
+    func publish(_ port: UInt16, count: Int, sources: String, ip: String = "127.0.0.1", extra: [String] = [], prefix: [String] = []) throws -> [String: Any] {
+        let publisher = try Child("publisher", [ip, String(port), String(count), "--sources", sources] + extra, prefix: prefix)
+        #expect(publisher.wait(seconds: 30) == 0, "publisher: \(publisher.stderr)")
+        return try publisher.json()
+    }
+
+    /// Checks each source reached exactly one collector; returns source → collector slot.
+    func owners(_ reports: [[String: Any]]) -> [String: Int] {
+        var owner: [String: Int] = [:]
+        for report in reports {
+            for source in report.object("sources").keys {
+                if let other = owner[source] { Issue.record("\(source) reached slots \(other) and \(report.int("slot"))") }
+                owner[source] = report.int("slot")
+            }
+        }
+        return owner
+    }
+
+    @Test("kill -9 of a collector: its sources fail over (nothing lost); a restarted one gets them back")
+    func killAndRestore() throws {
+        let port = freePort()
+        let options = ["--rcvbuf", "4194304"]
+        let children = try collectors(port, count: 3, extra: options)
+        let sources = "127.0.1.10-127.0.1.69"  // 60 sources, 10 datagrams each per round
+        for round in 1...3 {
+            if round == 2 {
+                children[1].signal(SIGKILL)
+                children[1].wait()
+            }
+            var replacement: Child?
+            if round == 3 {
+                replacement = try Child("collector", ["127.0.0.1", String(port), "1", "3"] + options)
+                try replacement!.waitFor("ready")
+            }
+            #expect(try publish(port, count: 600, sources: sources).int("sent") == 600)
+            usleep(200_000)
+            guard let replacement else { continue }
+            let survivors = try [children[0].stop(), children[2].stop()]
+            let restored = try replacement.stop()
+            // Survivors: their own sources 3 rounds (30), slot 1's sources only round 2 (10).
+            var failedOver = Set<String>()
+            for report in survivors {
+                for (source, entry) in report.object("sources") {
+                    let packets = (entry as? [String: Any])?.int("packets") ?? -1
+                    #expect(packets == 30 || packets == 10, "\(source): \(packets)")
+                    if packets == 10 { failedOver.insert(source) }
+                }
+            }
+            #expect(owners(survivors).count == 60, "while slot 1 was dead every source was on exactly one survivor")
+            #expect(!failedOver.isEmpty)
+            #expect(Set(restored.object("sources").keys) == failedOver, "slot 1's sources came back to it")
+            #expect(restored.int("received") == 10 * failedOver.count)
+            let kernel = restored.object("kernel")
+            #expect(kernel.int("failed_over") == 10 * failedOver.count)
+            #expect(kernel.int("fallback") == 0)
+            #expect((survivors + [restored]).allSatisfy { $0.int("lost") == 0 && $0.int("socket_drops") == 0 })
+        }
+    }
+
+    @Test("Handover under load: a new collector takes slot 1 over, the old one drains and exits, nothing lost")
+    func handoverUnderLoad() throws {
+        let port = freePort()
+        let options = ["--rcvbuf", "8388608"]
+        let children = try collectors(port, count: 3, extra: options)
+        let publisher = try Child("publisher", ["127.0.0.1", String(port), "60000", "--sources", "127.0.2.10-127.0.2.69", "--rate", "20000"])
+        usleep(1_000_000)
+        let successor = try Child("collector", ["127.0.0.1", String(port), "1", "3", "--takeover"] + options)
+        try successor.waitFor("ready")
+        #expect(children[1].wait(seconds: 10) == 0, "the old collector exits by itself once drained")
+        let old = try children[1].json()
+        #expect(old["replaced"] as? Bool == true)
+        #expect(publisher.wait(seconds: 30) == 0)
+        let sent = try publisher.json().int("sent")
+        #expect(sent == 60000)
+        usleep(300_000)
+        let reports = try [children[0].stop(), children[2].stop(), successor.stop(), old]
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == sent, "zero loss: \(reports.map { $0.int("received") })")
+        #expect(reports.allSatisfy { $0.int("lost") == 0 && $0.int("socket_drops") == 0 })
+        #expect(old.int("received") > 0 && reports[2].int("received") > 0, "both sides of the handover received")
+        #expect(Set(old.object("sources").keys) == Set(reports[2].object("sources").keys), "the successor got exactly slot 1's sources")
+    }
+
+    @Test("Without CAP_BPF (uid nobody, no capabilities): classic BPF steering, still one collector per source")
+    func unprivileged() throws {
+        // A copy of the binary nobody can execute, wherever the checkout is.
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("rplb-unpriv-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let binary = directory.appendingPathComponent("collector").path
+        try FileManager.default.copyItem(atPath: binaryDirectory.appendingPathComponent("collector").path, toPath: binary)
+        chmod(directory.path, 0o755)
+        chmod(binary, 0o755)
+        let port = freePort()
+        let drop = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+        let children = try (0..<3).map { index in
+            let child = try Child(binary, ["127.0.0.1", String(port), String(index), "3"], prefix: drop)
+            try child.waitFor("ready")
+            return child
+        }
+        #expect(try publish(port, count: 900, sources: "127.0.4.10-127.0.4.99").int("sent") == 900)
+        usleep(200_000)
+        let reports = try children.map { try $0.stop() }
+        #expect(reports.allSatisfy { $0["steering"] as? String == "classicBPF" })
+        #expect(reports.allSatisfy { ($0["steering_note"] as? String)?.contains("CAP_BPF") == true })
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == 900)
+        #expect(owners(reports).count == 90)
+        #expect(reports.filter { $0.int("received") > 0 }.count == 3, "all three collectors used")
+        #expect(reports.allSatisfy { $0["kernel"] == nil }, "no kernel counters without eBPF")
+    }
+
+    @Test("IPv6: collectors and a publisher with 64 source addresses inside a test namespace")
+    func ipv6Namespace() throws {
+        let namespace = "rplb-test-\(UInt32.random(in: 0...UInt32.max))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        var batch = "link set lo up\naddr add 2001:db8::1/128 dev lo nodad\n"
+        for index in 0x100..<0x140 { batch += "addr add 2001:db8::\(String(index, radix: 16))/128 dev lo nodad\n" }
+        let batchFile = FileManager.default.temporaryDirectory.appendingPathComponent("\(namespace).batch")
+        try batch.write(to: batchFile, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: batchFile) }
+        try #require(try run("/usr/sbin/ip", ["-n", namespace, "-batch", batchFile.path]).status == 0)
+        // nsenter switches only the network namespace: the collectors share the host's bpffs.
+        let enter = ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+        let children = try collectors(5514, count: 3, ip: "2001:db8::1", prefix: enter)
+        let published = try publish(5514, count: 640, sources: "2001:db8::100-2001:db8::13f", ip: "2001:db8::1", prefix: enter)
+        #expect(published.int("sent") == 640)
+        usleep(200_000)
+        let reports = try children.map { try $0.stop() }
+        #expect(reports.allSatisfy { $0["steering"] as? String == "ebpf" })
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == 640)
+        #expect(owners(reports).count == 64)
+        #expect(reports.filter { $0.int("received") > 0 }.count == 3)
+        #expect(reports[0].object("kernel").int("selected") == 640)
+    }
+}
+
+@Suite("Leftovers and the C API", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct LifecycleTests {
+    @Test("A crashed group's pins (every member killed) are replaced by the next group, even with other settings")
+    func stalePins() throws {
+        let port = freePort()
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
+        let directory = BPFFilesystem(root: "/sys/fs/bpf").groupDirectory(for: address)
+        let crashed = try Child("collector", ["127.0.0.1", String(port), "0", "2"])
+        try crashed.waitFor("ready")
+        crashed.signal(SIGKILL)
+        crashed.wait()
+        #expect(BPFFilesystem.exists(directory + "/prog"), "a kill -9 cannot clean up")
+        let member = try ReusePortMember(joining: address, slot: .index(3), options: .init(policy: .roundRobin, capacity: 4))
+        #expect(try member.counters().selected == 0, "fresh maps, not the crashed group's")
+        member.leave()
+        #expect(!BPFFilesystem.exists(directory))
+    }
+
+    @Test("C API: a C program built with pkg-config joins a group and receives steered datagrams")
+    func cAPI() throws {
+        let prefix = FileManager.default.temporaryDirectory.appendingPathComponent("rplb-prefix-\(UUID().uuidString)")
+        defer { try? FileManager.default.removeItem(at: prefix) }
+        let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        let install = try run("/usr/bin/make", ["-C", root.path, "install-files", "PREFIX=\(prefix.path)", "BUILD_DIR=\(binaryDirectory.path)"])
+        try #require(install.status == 0, "\(install.output)")
+        let source = prefix.appendingPathComponent("app.c")
+        try cProgram.write(to: source, atomically: true, encoding: .utf8)
+        let binary = prefix.appendingPathComponent("app").path
+        let build = try run("/bin/sh", ["-c", "PKG_CONFIG_PATH=\(prefix.path)/lib/pkgconfig cc -Wall -Werror -o \(binary) \(source.path) $(PKG_CONFIG_PATH=\(prefix.path)/lib/pkgconfig pkg-config --cflags --libs reuseportlb)"])
+        try #require(build.status == 0, "\(build.output)")
+        let result = try run(binary, [String(freePort())])
+        #expect(result.status == 0, "\(result.output)")
+        #expect(result.output.contains("received=40 misplaced=0 selected=40 steering=ebpf"), "\(result.output)")
+    }
+
+    /// Joins two members, sends 2 datagrams from each of 20 sources, checks each datagram
+    /// arrived at the member reuseportlb_owner names, and exercises the errors.
+    let cProgram = """
+        #include <reuseportlb.h>
+        #include <arpa/inet.h>
+        #include <errno.h>
+        #include <stdio.h>
+        #include <stdlib.h>
+        #include <string.h>
+        #include <sys/socket.h>
+        #include <unistd.h>
+
+        int main(int argc, char **argv) {
+            uint16_t port = (uint16_t)atoi(argv[1]);
+            char error[256];
+            reuseportlb_member *m[2];
+            for (int i = 0; i < 2; i++) {
+                if (reuseportlb_join("127.0.0.1", port, i, 2, REUSEPORTLB_SOURCE_IP, &m[i], error, sizeof error) != 0) {
+                    fprintf(stderr, "join: %s\\n", error);
+                    return 1;
+                }
+            }
+            reuseportlb_member *extra;
+            int rc = reuseportlb_join("127.0.0.1", port, 0, 2, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EADDRINUSE || strstr(error, "slot 0") == NULL) { fprintf(stderr, "expected slot-in-use, got %d %s\\n", rc, error); return 1; }
+            rc = reuseportlb_join("127.0.0.1", port, 0, 0, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EINVAL) { fprintf(stderr, "expected -EINVAL for capacity 0, got %d\\n", rc); return 1; }
+            for (int s = 0; s < 20; s++) {
+                int fd = socket(AF_INET, SOCK_DGRAM, 0);
+                struct sockaddr_in from = { .sin_family = AF_INET }, to = { .sin_family = AF_INET, .sin_port = htons(port) };
+                char address[32];
+                snprintf(address, sizeof address, "127.0.5.%d", s + 10);
+                inet_pton(AF_INET, address, &from.sin_addr);
+                inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+                if (bind(fd, (struct sockaddr *)&from, sizeof from) != 0) { perror("bind"); return 1; }
+                for (int k = 0; k < 2; k++) sendto(fd, "hello", 5, 0, (struct sockaddr *)&to, sizeof to);
+                close(fd);
+            }
+            usleep(100000);
+            int received = 0, misplaced = 0;
+            for (int i = 0; i < 2; i++) {
+                char buffer[64];
+                struct sockaddr_in from;
+                socklen_t length = sizeof from;
+                while (recvfrom(reuseportlb_socket(m[i]), buffer, sizeof buffer, MSG_DONTWAIT, (struct sockaddr *)&from, &length) > 0) {
+                    char address[32];
+                    int owner = -1;
+                    inet_ntop(AF_INET, &from.sin_addr, address, sizeof address);
+                    if (reuseportlb_owner(m[i], address, &owner) != 0 || owner != reuseportlb_slot(m[i])) misplaced++;
+                    received++;
+                    length = sizeof from;
+                }
+            }
+            struct reuseportlb_counters counters;
+            if (reuseportlb_counters(m[0], &counters) != 0) return 1;
+            printf("received=%d misplaced=%d selected=%llu steering=%s\\n", received, misplaced,
+                   (unsigned long long)counters.selected, reuseportlb_steering(m[0]));
+            reuseportlb_leave(m[0]);
+            reuseportlb_leave(m[1]);
+            return received == 40 && misplaced == 0 ? 0 : 1;
+        }
+        """
+}
