@@ -48,7 +48,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, RPLB_MAX_MEMBERS);
+	__uint(max_entries, RPLB_DELIVERED_ENTRIES);
 	__type(key, __u32);
 	__type(value, __u64);
 } RPLB_MAP_DELIVERED SEC(".maps");
@@ -67,18 +67,20 @@ static __always_inline void count_outcome(__u32 outcome)
 		*value += 1;
 }
 
-/* Selects `slot` if a live socket holds it; counts the delivery to that member. */
-static __always_inline int try_slot(struct sk_reuseport_md *md, __u32 slot)
+/* Selects `slot` if a live socket holds it; counts the delivery to that member under
+ * `outcome` (RPLB_OUTCOME_SELECTED or RPLB_OUTCOME_FAILED_OVER): one update per datagram. */
+static __always_inline int try_slot(struct sk_reuseport_md *md, __u32 slot, __u32 outcome)
 {
 	if (bpf_sk_select_reuseport(md, &RPLB_MAP_MEMBERS, &slot, 0) != 0)
 		return 0;
-	__u64 *value = bpf_map_lookup_elem(&RPLB_MAP_DELIVERED, &slot);
+	__u32 key = RPLB_DELIVERED_KEY(slot, outcome);
+	__u64 *value = bpf_map_lookup_elem(&RPLB_MAP_DELIVERED, &key);
 	if (value)
 		*value += 1;
 	return 1;
 }
 
-/* Walks all slots once, starting at `start`; the first live one wins. */
+/* Walks all slots once, starting at `start`; the first live one wins (a failover). */
 static __always_inline int scan_slots(struct sk_reuseport_md *md, __u32 start, __u32 capacity)
 {
 	for (__u32 i = 0; i < RPLB_MAX_MEMBERS; i++) {
@@ -87,7 +89,7 @@ static __always_inline int scan_slots(struct sk_reuseport_md *md, __u32 start, _
 		__u32 slot = start + i;
 		if (slot >= capacity)
 			slot -= capacity;
-		if (try_slot(md, slot))
+		if (try_slot(md, slot, RPLB_OUTCOME_FAILED_OVER))
 			return 1;
 	}
 	return 0;
@@ -102,15 +104,9 @@ static __always_inline int select_round_robin(struct sk_reuseport_md *md,
 		return 0;
 	__u32 start = *next % cfg->capacity;
 	*next = start + 1;
-	if (try_slot(md, start)) {
-		count_outcome(RPLB_OUTCOME_SELECTED);
+	if (try_slot(md, start, RPLB_OUTCOME_SELECTED))
 		return 1;
-	}
-	if (scan_slots(md, start, cfg->capacity)) {
-		count_outcome(RPLB_OUTCOME_FAILED_OVER);
-		return 1;
-	}
-	return 0;
+	return scan_slots(md, start, cfg->capacity);
 }
 
 static __always_inline int select_by_source(struct sk_reuseport_md *md,
@@ -145,20 +141,14 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md,
 	__u32 hash = 0;
 	for (__u32 probe = 0; probe < RPLB_MAX_PROBES; probe++) {
 		hash = rplb_source_hash(words, nwords, port, cfg->seed, probe);
-		__u32 index = hash % table_size;
+		__u32 index = rplb_reduce(hash, table_size);
 		__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_TABLE, &index);
 		if (!slot)
 			break;
-		if (try_slot(md, *slot)) {
-			count_outcome(probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER);
+		if (try_slot(md, *slot, probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER))
 			return 1;
-		}
 	}
-	if (scan_slots(md, hash % cfg->capacity, cfg->capacity)) {
-		count_outcome(RPLB_OUTCOME_FAILED_OVER);
-		return 1;
-	}
-	return 0;
+	return scan_slots(md, rplb_reduce(hash, cfg->capacity), cfg->capacity);
 
 unparsed:
 	count_outcome(RPLB_OUTCOME_UNPARSED);

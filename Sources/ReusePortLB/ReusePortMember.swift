@@ -252,8 +252,8 @@ public final class ReusePortMember: @unchecked Sendable {
         guard let objects else { throw .countersUnavailable(steering) }
         do {
             let outcomes = try objects.perCPUSums(objects.outcomes, count: Int(RPLB_OUTCOME_COUNT.rawValue))
-            let delivered = try objects.perCPUSums(objects.delivered, count: options.capacity)
-            return GroupCounters(outcomes: outcomes, deliveredBySlot: delivered)
+            let delivered = try objects.perCPUSums(objects.delivered, count: 2 * options.capacity)
+            return GroupCounters(outcomes: outcomes, delivered: delivered)
         } catch {
             throw .system(error)
         }
@@ -301,16 +301,25 @@ public struct GroupCounters: Sendable, Equatable {
     public var unparsed: UInt64
     /// Datagrams seen while the group's config was missing, left to the kernel's hash.
     public var noConfig: UInt64
-    /// Datagrams the program steered to each slot.
+    /// Datagrams the program steered to each slot (first choice and failovers).
     public var deliveredBySlot: [UInt64]
+    /// Of those, the failovers: datagrams each slot received for a dead member's sources.
+    public var failedOverBySlot: [UInt64]
 
-    init(outcomes: [UInt64], deliveredBySlot: [UInt64]) {
-        selected = outcomes[Int(RPLB_OUTCOME_SELECTED.rawValue)]
-        failedOver = outcomes[Int(RPLB_OUTCOME_FAILED_OVER.rawValue)]
+    /// - Parameters:
+    ///   - outcomes: the outcomes map, indexed by `enum rplb_outcome`.
+    ///   - delivered: the delivered map, indexed by `RPLB_DELIVERED_KEY(slot, outcome)`.
+    init(outcomes: [UInt64], delivered: [UInt64]) {
+        let slots = delivered.count / 2
+        let selectedKey = Int(RPLB_OUTCOME_SELECTED.rawValue)
+        let failedOverKey = Int(RPLB_OUTCOME_FAILED_OVER.rawValue)
+        failedOverBySlot = (0..<slots).map { delivered[2 * $0 + failedOverKey] }
+        deliveredBySlot = (0..<slots).map { delivered[2 * $0 + selectedKey] + delivered[2 * $0 + failedOverKey] }
+        failedOver = failedOverBySlot.reduce(0, +)
+        selected = deliveredBySlot.reduce(0, +) - failedOver
         fallback = outcomes[Int(RPLB_OUTCOME_FALLBACK.rawValue)]
         unparsed = outcomes[Int(RPLB_OUTCOME_UNPARSED.rawValue)]
         noConfig = outcomes[Int(RPLB_OUTCOME_NO_CONFIG.rawValue)]
-        self.deliveredBySlot = deliveredBySlot
     }
 
     /// Every outcome by its name, as the collector and metrics print them.
@@ -333,10 +342,10 @@ enum SourceSelection {
         var hash: UInt32 = 0
         for probe in 0..<UInt32(RPLB_MAX_PROBES) {
             hash = rplb_source_hash(words, count, UInt32(port), seed, probe)
-            let slot = Int(table[Int(hash % UInt32(table.count))])
+            let slot = Int(table[Int(rplb_reduce(hash, UInt32(table.count)))])
             if isLive(slot) { return slot }
         }
-        let start = Int(hash % UInt32(capacity))
+        let start = Int(rplb_reduce(hash, UInt32(capacity)))
         for offset in 0..<capacity where isLive((start + offset) % capacity) {
             return (start + offset) % capacity
         }

@@ -13,7 +13,7 @@
 
 /* Bumped whenever a map layout or the meaning of a config field changes: a member of another
  * layout version refuses to join a group created by this one instead of misreading its maps. */
-#define RPLB_LAYOUT_VERSION 1
+#define RPLB_LAYOUT_VERSION 3
 
 /* The largest group the program serves: the size of the counter map, and the bound of the
  * kernel program's slot scan. */
@@ -56,7 +56,9 @@ enum rplb_policy {
 	RPLB_POLICY_COUNT = 3,
 };
 
-/* What happened to one datagram in the program: one per-CPU counter each. */
+/* What happened to one datagram in the program. Deliveries (the first two) are counted per
+ * member in the delivered map at RPLB_DELIVERED_KEY(slot, outcome), so a datagram costs one
+ * counter update; the others in the outcomes map. */
 enum rplb_outcome {
 	/* delivered to the member its policy chose first */
 	RPLB_OUTCOME_SELECTED = 0,
@@ -70,6 +72,10 @@ enum rplb_outcome {
 	RPLB_OUTCOME_NO_CONFIG = 4,
 	RPLB_OUTCOME_COUNT = 5,
 };
+
+/* Key of the per-CPU delivered map: one counter per slot and delivery outcome. */
+#define RPLB_DELIVERED_KEY(slot, outcome) ((slot) * 2 + (outcome))
+#define RPLB_DELIVERED_ENTRIES (RPLB_MAX_MEMBERS * 2)
 
 /* The single entry of the config map, written by the group's creator before attaching. */
 struct rplb_config {
@@ -126,6 +132,13 @@ static inline __u32 rplb_source_hash(const __u32 *words, __u32 nwords, __u32 ext
 	}
 	h = rplb_mix_word(h, extra);
 	return rplb_finish(h, nwords * 4 + 4);
+}
+
+/* Maps a 32-bit hash onto [0, size) without a division (Lemire's multiply-shift reduction):
+ * the kernel's hot path avoids a divide, and userspace calls the same function. */
+static inline __u32 rplb_reduce(__u32 hash, __u32 size)
+{
+	return (__u32)(((__u64)hash * size) >> 32);
 }
 
 #endif /* REUSEPORTLB_SHARED_H */
