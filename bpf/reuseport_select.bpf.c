@@ -60,6 +60,11 @@ struct {
 	__type(value, __u32);
 } RPLB_MAP_RR SEC(".maps");
 
+/* The group's settings, written by its creator before load (bpf_map__set_initial_value on
+ * .rodata) and frozen: the verifier then prunes the other policies' code. The config map holds
+ * the same values for the members that join later. */
+const volatile struct rplb_config rplb_settings = {};
+
 static __always_inline void count_outcome(__u32 outcome)
 {
 	__u64 *value = bpf_map_lookup_elem(&RPLB_MAP_OUTCOMES, &outcome);
@@ -95,22 +100,21 @@ static __always_inline int scan_slots(struct sk_reuseport_md *md, __u32 start, _
 	return 0;
 }
 
-static __always_inline int select_round_robin(struct sk_reuseport_md *md,
-					      const struct rplb_config *cfg)
+static __always_inline int select_round_robin(struct sk_reuseport_md *md, __u32 capacity)
 {
 	__u32 zero = 0;
 	__u32 *next = bpf_map_lookup_elem(&RPLB_MAP_RR, &zero);
 	if (!next)
 		return 0;
-	__u32 start = *next % cfg->capacity;
+	__u32 start = *next % capacity;
 	*next = start + 1;
 	if (try_slot(md, start, RPLB_OUTCOME_SELECTED))
 		return 1;
-	return scan_slots(md, start, cfg->capacity);
+	return scan_slots(md, start, capacity);
 }
 
-static __always_inline int select_by_source(struct sk_reuseport_md *md,
-					    const struct rplb_config *cfg)
+static __always_inline int select_by_source(struct sk_reuseport_md *md, __u32 policy,
+					    __u32 capacity, __u32 table_size, __u32 seed)
 {
 	__u32 words[4] = {};
 	__u32 nwords;
@@ -127,7 +131,7 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md,
 	} else {
 		goto unparsed;
 	}
-	if (cfg->policy == RPLB_POLICY_FIVE_TUPLE) {
+	if (policy == RPLB_POLICY_FIVE_TUPLE) {
 		/* data starts at the UDP header: the source port is its first two bytes */
 		__u8 *data = md->data;
 		if (data + 2 > (__u8 *)md->data_end)
@@ -135,12 +139,9 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md,
 		port = (__u32)data[0] << 8 | data[1];
 	}
 
-	__u32 table_size = cfg->table_size;
-	if (table_size == 0 || table_size > RPLB_TABLE_SIZE)
-		table_size = RPLB_TABLE_SIZE;
 	__u32 hash = 0;
 	for (__u32 probe = 0; probe < RPLB_MAX_PROBES; probe++) {
-		hash = rplb_source_hash(words, nwords, port, cfg->seed, probe);
+		hash = rplb_source_hash(words, nwords, port, seed, probe);
 		__u32 index = rplb_reduce(hash, table_size);
 		__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_TABLE, &index);
 		if (!slot)
@@ -148,7 +149,7 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md,
 		if (try_slot(md, *slot, probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER))
 			return 1;
 	}
-	return scan_slots(md, rplb_reduce(hash, cfg->capacity), cfg->capacity);
+	return scan_slots(md, rplb_reduce(hash, capacity), capacity);
 
 unparsed:
 	count_outcome(RPLB_OUTCOME_UNPARSED);
@@ -158,17 +159,20 @@ unparsed:
 SEC("sk_reuseport")
 int RPLB_PROG_SELECT(struct sk_reuseport_md *md)
 {
-	__u32 zero = 0;
-	const struct rplb_config *cfg = bpf_map_lookup_elem(&RPLB_MAP_CONFIG, &zero);
-	if (!cfg || cfg->capacity == 0 || cfg->capacity > RPLB_MAX_MEMBERS) {
+	/* read once: volatile keeps clang from folding the zero initialiser */
+	__u32 policy = rplb_settings.policy;
+	__u32 capacity = rplb_settings.capacity;
+	__u32 table_size = rplb_settings.table_size;
+	__u32 seed = rplb_settings.seed;
+	if (capacity == 0 || capacity > RPLB_MAX_MEMBERS || table_size == 0 || table_size > RPLB_TABLE_SIZE) {
 		count_outcome(RPLB_OUTCOME_NO_CONFIG);
 		return SK_PASS;
 	}
 	int selected;
-	if (cfg->policy == RPLB_POLICY_ROUND_ROBIN)
-		selected = select_round_robin(md, cfg);
+	if (policy == RPLB_POLICY_ROUND_ROBIN)
+		selected = select_round_robin(md, capacity);
 	else
-		selected = select_by_source(md, cfg);
+		selected = select_by_source(md, policy, capacity, table_size, seed);
 	if (selected == 0)
 		count_outcome(RPLB_OUTCOME_FALLBACK);
 	/* SK_PASS without a successful selection: the kernel's reuseport hash picks the socket */

@@ -100,6 +100,11 @@ final class GroupObjects {
         do {
             let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
             try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
+            var settings = config
+            try libbpfCall("bpf_map__set_initial_value .rodata") {
+                bpf_map__set_initial_value(
+                    bpf_object__find_map_by_name(object, ".rodata"), &settings, MemoryLayout<rplb_config>.size)
+            }
             try libbpfCall("bpf_object__load") { bpf_object__load(object) }
             let program = bpf_object__find_program_by_name(object, RPLB_PROG_SELECT_NAME)
             var fds = [bpf_program__fd(program)]

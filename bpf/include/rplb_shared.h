@@ -13,7 +13,7 @@
 
 /* Bumped whenever a map layout or the meaning of a config field changes: a member of another
  * layout version refuses to join a group created by this one instead of misreading its maps. */
-#define RPLB_LAYOUT_VERSION 3
+#define RPLB_LAYOUT_VERSION 4
 
 /* The largest group the program serves: the size of the counter map, and the bound of the
  * kernel program's slot scan. */
@@ -68,7 +68,7 @@ enum rplb_outcome {
 	RPLB_OUTCOME_FALLBACK = 2,
 	/* the source address could not be read: left to the kernel's hash (still delivered) */
 	RPLB_OUTCOME_UNPARSED = 3,
-	/* the group's config map was empty: left to the kernel's hash (still delivered) */
+	/* the program was loaded without settings (capacity 0): left to the kernel's hash */
 	RPLB_OUTCOME_NO_CONFIG = 4,
 	RPLB_OUTCOME_COUNT = 5,
 };
@@ -77,7 +77,8 @@ enum rplb_outcome {
 #define RPLB_DELIVERED_KEY(slot, outcome) ((slot) * 2 + (outcome))
 #define RPLB_DELIVERED_ENTRIES (RPLB_MAX_MEMBERS * 2)
 
-/* The single entry of the config map, written by the group's creator before attaching. */
+/* The group's settings: the program's read-only global (set before load) and the single entry
+ * of the config map (what later members check their settings against). */
 struct rplb_config {
 	__u32 layout_version; /* RPLB_LAYOUT_VERSION of the creator */
 	__u32 policy;         /* enum rplb_policy */
@@ -130,8 +131,9 @@ static inline __u32 rplb_source_hash(const __u32 *words, __u32 nwords, __u32 ext
 		h = rplb_mix_word(h, words[2]);
 		h = rplb_mix_word(h, words[3]);
 	}
-	h = rplb_mix_word(h, extra);
-	return rplb_finish(h, nwords * 4 + 4);
+	if (extra != 0)
+		h = rplb_mix_word(h, extra);
+	return rplb_finish(h, nwords * 4);
 }
 
 /* Maps a 32-bit hash onto [0, size) without a division (Lemire's multiply-shift reduction):
