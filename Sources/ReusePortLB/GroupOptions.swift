@@ -79,7 +79,8 @@ public struct GroupOptions: Sendable {
     public var steering: SteeringPreference
     /// Where bpffs is (or is to be mounted).
     public var bpffsRoot: String
-    /// SO_RCVBUF for the member's socket; nil keeps the system default.
+    /// Receive buffer size for the member's socket: SO_RCVBUFFORCE when the process has
+    /// CAP_NET_ADMIN, else SO_RCVBUF (capped by net.core.rmem_max); nil keeps the default.
     public var receiveBufferSize: Int?
 
     public init(

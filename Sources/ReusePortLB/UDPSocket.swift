@@ -12,9 +12,7 @@ enum UDPSocket {
             do {
                 try setOption(fd, SOL_SOCKET, SO_REUSEPORT, 1, "SO_REUSEPORT")
                 try setOption(fd, SOL_SOCKET, SO_RXQ_OVFL, 1, "SO_RXQ_OVFL")
-                if let size = receiveBufferSize {
-                    try setOption(fd, SOL_SOCKET, SO_RCVBUF, Int32(clamping: size), "SO_RCVBUF")
-                }
+                if let size = receiveBufferSize { try setReceiveBuffer(fd, size) }
                 let result = address.withSockAddr { bind(fd, $0, $1) }
                 if result != 0 {
                     let error = errno
@@ -33,6 +31,14 @@ enum UDPSocket {
         } catch {
             preconditionFailure("unexpected error \(error)")
         }
+    }
+
+    /// SO_RCVBUFFORCE (past net.core.rmem_max, needs CAP_NET_ADMIN), else SO_RCVBUF, which the
+    /// kernel caps at rmem_max.
+    static func setReceiveBuffer(_ fd: Int32, _ size: Int) throws(SystemCallError) {
+        var value = Int32(clamping: size)
+        if setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &value, socklen_t(MemoryLayout<Int32>.size)) == 0 { return }
+        try setOption(fd, SOL_SOCKET, SO_RCVBUF, value, "SO_RCVBUF")
     }
 
     static func setOption(_ fd: Int32, _ level: Int32, _ name: Int32, _ value: Int32, _ label: String) throws(SystemCallError) {
