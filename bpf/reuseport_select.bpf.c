@@ -113,6 +113,17 @@ static __always_inline int select_round_robin(struct sk_reuseport_md *md, __u32 
 	return scan_slots(md, start, capacity);
 }
 
+/* One table probe: selects the slot the source's `probe`-th hash names, if it is live. */
+static __always_inline int try_probe(struct sk_reuseport_md *md, const __u32 *words, __u32 nwords,
+				     __u32 port, __u32 seed, __u32 table_size, __u32 probe,
+				     __u32 *hash)
+{
+	*hash = rplb_source_hash(words, nwords, port, seed, probe);
+	__u32 index = rplb_reduce(*hash, table_size);
+	__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_TABLE, &index);
+	return slot && try_slot(md, *slot, probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER);
+}
+
 static __always_inline int select_by_source(struct sk_reuseport_md *md, __u32 policy,
 					    __u32 capacity, __u32 table_size, __u32 seed)
 {
@@ -139,14 +150,12 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md, __u32 po
 		port = (__u32)data[0] << 8 | data[1];
 	}
 
+	/* The first probe outside the loop: the common case, with probe 0 folded in. */
 	__u32 hash = 0;
-	for (__u32 probe = 0; probe < RPLB_MAX_PROBES; probe++) {
-		hash = rplb_source_hash(words, nwords, port, seed, probe);
-		__u32 index = rplb_reduce(hash, table_size);
-		__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_TABLE, &index);
-		if (!slot)
-			break;
-		if (try_slot(md, *slot, probe == 0 ? RPLB_OUTCOME_SELECTED : RPLB_OUTCOME_FAILED_OVER))
+	if (try_probe(md, words, nwords, port, seed, table_size, 0, &hash))
+		return 1;
+	for (__u32 probe = 1; probe < RPLB_MAX_PROBES; probe++) {
+		if (try_probe(md, words, nwords, port, seed, table_size, probe, &hash))
 			return 1;
 	}
 	return scan_slots(md, rplb_reduce(hash, capacity), capacity);
