@@ -9,9 +9,14 @@ let package = Package(
         .library(name: "reuseportlb", type: .dynamic, targets: ["ReusePortLBCAPI"]),
         .executable(name: "collector", targets: ["collector"]),
         .executable(name: "publisher", targets: ["publisher"]),
+        .executable(name: "udp-fanout", targets: ["udp-fanout"]),
+        .library(name: "FanoutCore", targets: ["FanoutCore"]),
     ],
     dependencies: [
         .package(url: "https://github.com/apple/swift-argument-parser", from: "1.8.2"),
+        .package(url: "https://github.com/apple/swift-log", from: "1.16.2"),
+        .package(url: "https://github.com/swift-server/swift-service-lifecycle", from: "2.13.0"),
+        .package(url: "https://github.com/jpsim/Yams", from: "5.0.1"),
     ],
     targets: [
         // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev).
@@ -37,6 +42,27 @@ let package = Package(
                 "ReusePortLB", "TrafficModel",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
             ]),
+        // udp-fanout's engine, driven in-process by tests and benchmarks.
+        .target(
+            name: "FanoutCore",
+            dependencies: [
+                "ReusePortLB", "CSystemShim",
+                .product(name: "Yams", package: "Yams"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+                .product(name: "UnixSignals", package: "swift-service-lifecycle"),
+            ]),
+        .executableTarget(
+            name: "udp-fanout",
+            dependencies: [
+                "FanoutCore",
+                .product(name: "ArgumentParser", package: "swift-argument-parser"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+            ]),
+        .testTarget(
+            name: "FanoutTests",
+            dependencies: ["FanoutCore", "ReusePortLB", "udp-fanout", "collector", "publisher"]),
         .testTarget(
             name: "ReusePortLBTests",
             dependencies: ["ReusePortLB", "TrafficModel", "CLibBPF", "CSystemShim", "collector", "publisher"]),

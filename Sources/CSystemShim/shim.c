@@ -117,3 +117,8 @@ int shim_is_bpffs(const char *path)
 		return -1;
 	return info.f_type == BPF_FS_MAGIC ? 1 : 0;
 }
+
+int shim_set_thread_name(unsigned long thread, const char *name)
+{
+	return pthread_setname_np((pthread_t)thread, name);
+}

@@ -48,6 +48,9 @@ int shim_unshare(int flags);
 /* sched_setaffinity(2) for the calling thread with one CPU (cpu_set_t macros are not imported). */
 int shim_pin_current_thread(int cpu);
 
+/* pthread_setname_np(3): a GNU extension Glibc hides. Names show in top -H and /proc. */
+int shim_set_thread_name(unsigned long thread, const char *name);
+
 /* Classic BPF filter for SO_ATTACH_REUSEPORT_CBPF: struct sock_fprog holds a pointer, so the
  * call is kept in C where the array's lifetime is plain. */
 int shim_attach_reuseport_cbpf(int fd, const struct sock_filter *filter, unsigned short length);

@@ -1,0 +1,93 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import ReusePortLB
+
+/// Picks the downstream of each datagram: a per-worker value, so picking takes no lock and
+/// allocates nothing.
+struct DownstreamSelector {
+    enum Method {
+        /// Smooth weighted round robin, precomputed as a rotation of downstream indexes.
+        case rotation([Int])
+        /// Source-IP affinity: a Maglev table over the downstreams (by address and weight), the
+        /// source hashed with ReusePortLB's shared hash.
+        case table([UInt32])
+    }
+
+    let method: Method
+    private var position = 0
+
+    /// Seed of the source-IP table: fixed, so every node with the same downstreams agrees.
+    static let seed: UInt32 = 0x5544_5046
+    static let tableSize = 65537
+
+    init(downstreams: [Downstream], balancing: Balancing) {
+        switch balancing {
+        case .roundRobin:
+            method = .rotation(Self.rotation(weights: downstreams.map(\.weight)))
+        case .sourceIP:
+            let backends = downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
+            method = .table(MaglevTable(backends: backends, size: Self.tableSize, seed: Self.seed)?.entries ?? [])
+        }
+    }
+
+    /// The downstream index for a datagram from `source`; nil if none can be chosen.
+    mutating func pick(source: UnsafePointer<sockaddr_storage>) -> Int? {
+        switch method {
+        case .rotation(let rotation):
+            guard !rotation.isEmpty else { return nil }
+            if position >= rotation.count { position = 0 }
+            defer { position += 1 }
+            return rotation[position]
+        case .table(let table):
+            guard !table.isEmpty else { return nil }
+            return Int(table[Int(rplb_reduce(Self.sourceHash(source), UInt32(table.count)))])
+        }
+    }
+
+    /// The same hash ReusePortLB's kernel program computes for a source address.
+    static func sourceHash(_ source: UnsafePointer<sockaddr_storage>) -> UInt32 {
+        let raw = UnsafeRawPointer(source)
+        var words: (UInt32, UInt32, UInt32, UInt32) = (0, 0, 0, 0)
+        let count: UInt32
+        if Int32(source.pointee.ss_family) == AF_INET6 {
+            let offset = MemoryLayout<sockaddr_in6>.offset(of: \.sin6_addr)!
+            words = raw.loadUnaligned(fromByteOffset: offset, as: (UInt32, UInt32, UInt32, UInt32).self)
+            count = 4
+        } else {
+            words.0 = raw.loadUnaligned(fromByteOffset: MemoryLayout<sockaddr_in>.offset(of: \.sin_addr)!, as: UInt32.self)
+            count = 1
+        }
+        return withUnsafePointer(to: &words) {
+            $0.withMemoryRebound(to: UInt32.self, capacity: 4) { rplb_source_hash($0, count, 0, seed, 0) }
+        }
+    }
+
+    /// Smooth weighted round robin (as nginx): each step adds every weight to its current value,
+    /// picks the largest and subtracts the total. Weights are scaled so the rotation stays short.
+    static func rotation(weights: [UInt32]) -> [Int] {
+        var scaled = weights.map(Int.init)
+        let total = scaled.reduce(0, +)
+        guard total > 0 else { return [] }
+        if total > 4096 { scaled = scaled.map { $0 == 0 ? 0 : max(1, $0 * 4096 / total) } }
+        let divisor = scaled.filter { $0 > 0 }.reduce(0) { gcd($0, $1) }
+        scaled = scaled.map { $0 / divisor }
+        let sum = scaled.reduce(0, +)
+        var current = [Int](repeating: 0, count: scaled.count)
+        var rotation: [Int] = []
+        rotation.reserveCapacity(sum)
+        for _ in 0..<sum {
+            var best = -1
+            for index in scaled.indices where scaled[index] > 0 {
+                current[index] += scaled[index]
+                if best < 0 || current[index] > current[best] { best = index }
+            }
+            current[best] -= sum
+            rotation.append(best)
+        }
+        return rotation
+    }
+
+    static func gcd(_ a: Int, _ b: Int) -> Int { b == 0 ? a : gcd(b, a % b) }
+}

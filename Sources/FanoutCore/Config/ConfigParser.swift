@@ -1,0 +1,191 @@
+import ReusePortLB
+import Yams
+
+/// A configuration problem: the key path, the line where known, and what is wrong.
+public struct ConfigError: Error, CustomStringConvertible, Equatable, Sendable {
+    public let key: String
+    public let line: Int?
+    public let problem: String
+
+    public init(_ key: String, _ problem: String, line: Int? = nil) {
+        self.key = key
+        self.problem = problem
+        self.line = line
+    }
+
+    public var description: String {
+        "configuration error: \(key)\(line.map { " (line \($0))" } ?? ""): \(problem)"
+    }
+}
+
+/// Parses the YAML configuration. Every key of the reference documents is accepted (listeners:
+/// name, bind, interface, mode, downstream[].name/address/mac, kubernetes.namespace/service/port,
+/// settings.*; health.*; metrics.*), plus ours (listeners[].balancing, downstream[].weight); any
+/// other key is an error naming it.
+public enum ConfigParser {
+    public static func parse(_ text: String) throws(ConfigError) -> FanoutConfig {
+        let root: Node
+        do {
+            guard let node = try Yams.compose(yaml: text) else { throw ConfigError("(document)", "the file is empty") }
+            root = node
+        } catch let error as ConfigError {
+            throw error
+        } catch {
+            throw ConfigError("(document)", "not valid YAML: \(error)")
+        }
+        let top = try Fields(root, path: "")
+        try top.allow(["listeners", "health", "metrics"])
+        let listenerNodes = try top.sequence("listeners", required: true)
+        var listeners: [Listener] = []
+        for (index, node) in listenerNodes.enumerated() {
+            listeners.append(try listener(node, path: "listeners[\(index)]"))
+        }
+        var health = Health()
+        if let node = top["health"] {
+            let fields = try Fields(node, path: "health")
+            try fields.allow(["enabled", "interval_secs", "timeout_secs", "protocol"])
+            health.enabled = try fields.bool("enabled") ?? health.enabled
+            health.intervalSecs = try fields.int("interval_secs", in: 1...3600) ?? health.intervalSecs
+            health.timeoutSecs = try fields.int("timeout_secs", in: 1...3600) ?? health.timeoutSecs
+            health.proto = try fields.choice("protocol", ["icmp", "udp_echo"]) ?? health.proto
+        }
+        var metrics = Metrics()
+        if let node = top["metrics"] {
+            let fields = try Fields(node, path: "metrics")
+            try fields.allow(["enabled", "bind", "path"])
+            metrics.enabled = try fields.bool("enabled") ?? metrics.enabled
+            metrics.bind = try fields.address("bind") ?? metrics.bind
+            if let path = try fields.string("path") {
+                guard path.hasPrefix("/"), !path.contains(" ") else {
+                    throw fields.error("path", "'\(path)' must start with / and contain no spaces")
+                }
+                metrics.path = path
+            }
+        }
+        return FanoutConfig(listeners: listeners, health: health, metrics: metrics)
+    }
+
+    static func listener(_ node: Node, path: String) throws(ConfigError) -> Listener {
+        let fields = try Fields(node, path: path)
+        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing"])
+        guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
+        guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
+        let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
+        var downstreams: [Downstream] = []
+        for (index, item) in try fields.sequence("downstream", required: false).enumerated() {
+            let entry = try Fields(item, path: "\(path).downstream[\(index)]")
+            try entry.allow(["name", "address", "mac", "weight"])
+            guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port)") }
+            let weight = try entry.int("weight", in: 0...1_000_000) ?? 1
+            downstreams.append(Downstream(
+                name: try entry.string("name") ?? address.description, address: address,
+                mac: try entry.string("mac"), weight: UInt32(weight)))
+        }
+        var kubernetes: Kubernetes?
+        if let node = fields["kubernetes"] {
+            let entry = try Fields(node, path: "\(path).kubernetes")
+            try entry.allow(["namespace", "service", "port"])
+            guard let service = try entry.string("service") else { throw entry.error("service", "required with kubernetes") }
+            guard let port = try entry.int("port", in: 1...65535) else { throw entry.error("port", "required with kubernetes (1-65535)") }
+            kubernetes = Kubernetes(namespace: try entry.string("namespace"), service: service, port: UInt16(port))
+        }
+        var settings = Settings()
+        if let node = fields["settings"] {
+            let entry = try Fields(node, path: "\(path).settings")
+            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size"])
+            let maximum: Int
+            if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
+            settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
+            settings.batchSize = try entry.int("batch_size", in: 1...1024) ?? settings.batchSize
+            settings.workers = try entry.int("workers", in: 0...ReusePortMember.maximumCapacity) ?? settings.workers
+            settings.pinCPUs = try entry.bool("pin_cpus") ?? settings.pinCPUs
+            settings.recvBufSize = try entry.int("recv_buf_size", in: 0...(1 << 30)) ?? settings.recvBufSize
+        }
+        let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
+        return Listener(
+            name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
+            downstreams: downstreams, kubernetes: kubernetes, settings: settings,
+            balancing: Balancing(rawValue: balancing)!)
+    }
+}
+
+/// A YAML mapping read key by key, with errors that name the full key path.
+struct Fields {
+    let path: String
+    let node: Node
+    let pairs: [(key: String, value: Node)]
+
+    init(_ node: Node, path: String) throws(ConfigError) {
+        self.path = path
+        self.node = node
+        guard case .mapping(let mapping) = node else {
+            throw ConfigError(path.isEmpty ? "(document)" : path, "expected a mapping of keys", line: node.mark?.line)
+        }
+        var pairs: [(String, Node)] = []
+        for (key, value) in mapping {
+            guard let name = key.string else { throw ConfigError(path, "keys must be strings", line: key.mark?.line) }
+            pairs.append((name, value))
+        }
+        self.pairs = pairs
+    }
+
+    func key(_ name: String) -> String { path.isEmpty ? name : "\(path).\(name)" }
+
+    func error(_ name: String, _ problem: String) -> ConfigError {
+        ConfigError(key(name), problem, line: self[name]?.mark?.line ?? node.mark?.line)
+    }
+
+    subscript(_ name: String) -> Node? { pairs.first { $0.key == name }?.value }
+
+    func allow(_ known: [String]) throws(ConfigError) {
+        var seen = Set<String>()
+        for (name, value) in pairs {
+            guard known.contains(name) else {
+                throw ConfigError(key(name), "unknown key (known here: \(known.joined(separator: ", ")))", line: value.mark?.line)
+            }
+            guard seen.insert(name).inserted else { throw ConfigError(key(name), "given twice", line: value.mark?.line) }
+        }
+    }
+
+    func string(_ name: String) throws(ConfigError) -> String? {
+        guard let value = self[name] else { return nil }
+        guard case .scalar(let scalar) = value else { throw error(name, "expected a string") }
+        return scalar.string
+    }
+
+    func bool(_ name: String) throws(ConfigError) -> Bool? {
+        guard let value = self[name] else { return nil }
+        guard let bool = value.bool else { throw error(name, "expected true or false") }
+        return bool
+    }
+
+    func int(_ name: String, in range: ClosedRange<Int>) throws(ConfigError) -> Int? {
+        guard let value = self[name] else { return nil }
+        guard let int = value.int else { throw error(name, "expected a whole number in \(range.lowerBound)...\(range.upperBound)") }
+        guard range.contains(int) else { throw error(name, "\(int) is out of range \(range.lowerBound)...\(range.upperBound)") }
+        return int
+    }
+
+    func choice(_ name: String, _ choices: [String]) throws(ConfigError) -> String? {
+        guard let text = try string(name) else { return nil }
+        guard choices.contains(text) else { throw error(name, "'\(text)' is not one of \(choices.joined(separator: ", "))") }
+        return text
+    }
+
+    func address(_ name: String) throws(ConfigError) -> SocketAddress? {
+        guard let text = try string(name) else { return nil }
+        guard let address = SocketAddress(text) else {
+            throw error(name, "'\(text)' is not an address with a port (e.g. 0.0.0.0:9000 or [2001:db8::1]:9000)")
+        }
+        return address
+    }
+
+    func sequence(_ name: String, required: Bool) throws(ConfigError) -> [Node] {
+        guard let value = self[name] else {
+            if required { throw ConfigError(key(name), "required (a list)", line: node.mark?.line) }
+            return []
+        }
+        guard case .sequence(let sequence) = value else { throw error(name, "expected a list") }
+        return Array(sequence)
+    }
+}

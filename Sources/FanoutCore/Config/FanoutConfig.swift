@@ -1,0 +1,129 @@
+import ReusePortLB
+
+/// udp-fanout's configuration: the reference documents' YAML keys plus ours. Every key is
+/// documented where it is parsed (ConfigParser) and in docs/configuration.md.
+public struct FanoutConfig: Equatable, Sendable {
+    public var listeners: [Listener]
+    public var health: Health
+    public var metrics: Metrics
+
+    public init(listeners: [Listener], health: Health = Health(), metrics: Metrics = Metrics()) {
+        self.listeners = listeners
+        self.health = health
+        self.metrics = metrics
+    }
+}
+
+/// One listener: datagrams received on `bind` go to exactly one downstream.
+public struct Listener: Equatable, Sendable {
+    public var name: String
+    public var bind: SocketAddress
+    public var interface: String?
+    public var mode: Mode
+    public var downstreams: [Downstream]
+    public var kubernetes: Kubernetes?
+    public var settings: Settings
+    public var balancing: Balancing
+
+    public init(
+        name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
+        downstreams: [Downstream], kubernetes: Kubernetes? = nil, settings: Settings = Settings(),
+        balancing: Balancing = .roundRobin
+    ) {
+        self.name = name
+        self.bind = bind
+        self.interface = interface
+        self.mode = mode
+        self.downstreams = downstreams
+        self.kubernetes = kubernetes
+        self.settings = settings
+        self.balancing = balancing
+    }
+
+    /// Everything but the downstreams and balancing: what a reload cannot change without
+    /// restarting the listener's workers.
+    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings) }
+
+    struct SocketShape: Equatable {
+        var bind: SocketAddress
+        var interface: String?
+        var mode: Mode
+        var settings: Settings
+    }
+}
+
+/// A forwarding path.
+public enum Mode: String, Sendable, CaseIterable {
+    /// Worker threads with recvmmsg/sendmmsg on a ReusePortLB group. Needs no privilege.
+    case userspace
+    /// In-kernel DNAT and redirect at tc ingress (not in this release).
+    case tcEBPF = "tc_ebpf"
+    /// XDP to AF_XDP sockets (not in this release).
+    case afXDP = "af_xdp"
+
+    /// Modes this release can serve; the others are refused at validation.
+    public static let implemented: Set<Mode> = [.userspace]
+}
+
+/// How a listener picks the downstream of each datagram.
+public enum Balancing: String, Sendable, CaseIterable {
+    /// Each datagram to the next downstream, in proportion to weights (the reference's behaviour).
+    case roundRobin = "round_robin"
+    /// Every datagram of one source address to one downstream (Maglev table over the downstreams'
+    /// names and weights: the same choice on every node with the same downstreams).
+    case sourceIP = "source_ip"
+}
+
+public struct Downstream: Equatable, Sendable {
+    public var name: String
+    public var address: SocketAddress
+    /// Legacy field of the reference; accepted and not used.
+    public var mac: String?
+    /// Share of the datagrams relative to the other downstreams (default 1; 0 leaves it out).
+    public var weight: UInt32
+
+    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1) {
+        self.name = name
+        self.address = address
+        self.mac = mac
+        self.weight = weight
+    }
+}
+
+public struct Kubernetes: Equatable, Sendable {
+    public var namespace: String?
+    public var service: String
+    public var port: UInt16
+}
+
+public struct Settings: Equatable, Sendable {
+    /// Largest datagram forwarded whole (bytes); a larger one is dropped as `too_large`.
+    public var maxPacketSize: Int = 9000
+    /// Datagrams per recvmmsg/sendmmsg call.
+    public var batchSize: Int = 32
+    /// Worker threads (0: one per CPU).
+    public var workers: Int = 0
+    /// Pin worker i to CPU i modulo the CPU count.
+    public var pinCPUs: Bool = true
+    /// Receive buffer per worker socket in bytes (0: the system's).
+    public var recvBufSize: Int = 0
+
+    public init() {}
+}
+
+public struct Health: Equatable, Sendable {
+    public var enabled = false
+    public var intervalSecs = 5
+    public var timeoutSecs = 2
+    public var proto = "icmp"
+
+    public init() {}
+}
+
+public struct Metrics: Equatable, Sendable {
+    public var enabled = false
+    public var bind = SocketAddress("0.0.0.0:9090")!
+    public var path = "/metrics"
+
+    public init() {}
+}

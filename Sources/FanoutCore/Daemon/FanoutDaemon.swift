@@ -1,0 +1,200 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// Why the daemon could not start.
+public enum DaemonError: Error, CustomStringConvertible {
+    case listener(name: String, ReusePortError)
+    case metrics(SocketAddress, SystemCallError)
+
+    public var description: String {
+        switch self {
+        case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
+        case .metrics(let address, let error): return "metrics server error: cannot serve on \(address): \(error)"
+        }
+    }
+}
+
+/// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.
+/// Driven in-process by tests and benchmarks; the executable is a thin command line around it.
+public final class FanoutDaemon: Sendable {
+    private struct State {
+        var config: FanoutConfig
+        var listeners: [String: UserspaceListener] = [:]
+        var counters: [String: ListenerCounters] = [:]
+        var endpoint: StatusEndpoint?
+    }
+
+    let configPath: String?
+    let logger: Logger
+    private let state: Mutex<State>
+    private let reloadsOK = Atomic<UInt64>(0)
+    private let reloadsRejected = Atomic<UInt64>(0)
+
+    /// - Parameters:
+    ///   - config: a validated configuration.
+    ///   - configPath: the file SIGHUP reloads (nil: reload takes text only).
+    public init(config: FanoutConfig, configPath: String?, logger: Logger) {
+        self.configPath = configPath
+        self.logger = logger
+        state = Mutex(State(config: config))
+    }
+
+    /// Starts every listener and the metrics endpoint. On failure stops what started.
+    public func start() throws(DaemonError) {
+        let config = state.withLock { $0.config }
+        var byMode: [String: Int] = [:]
+        for listener in config.listeners { byMode[listener.mode.rawValue, default: 0] += 1 }
+        logger.info("configured listeners by mode", metadata: byMode.mapValues { "\($0)" })
+        do {
+            for listener in config.listeners { try startListener(listener) }
+            if config.metrics.enabled { try startEndpoint(config.metrics) }
+        } catch {
+            shutdown()
+            throw error
+        }
+    }
+
+    private func startListener(_ listener: Listener) throws(DaemonError) {
+        let counters = state.withLock { state in
+            if let existing = state.counters[listener.name], existing.mode == listener.mode.rawValue { return existing }
+            let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue)
+            state.counters[listener.name] = made
+            return made
+        }
+        do {
+            let running = try UserspaceListener(listener, counters: counters, logger: logger)
+            state.withLock { $0.listeners[listener.name] = running }
+        } catch {
+            throw .listener(name: listener.name, error)
+        }
+    }
+
+    private func startEndpoint(_ metrics: Metrics) throws(DaemonError) {
+        do {
+            let endpoint = try StatusEndpoint(bind: metrics.bind, path: metrics.path, daemon: self, logger: logger)
+            state.withLock { $0.endpoint = endpoint }
+        } catch {
+            logger.error("metrics server error", metadata: ["bind": "\(metrics.bind)", "error": "\(error)"])
+            throw .metrics(metrics.bind, error)
+        }
+    }
+
+    /// True once every listener's workers are in their receive loops.
+    public var isReady: Bool {
+        state.withLock { state in
+            state.config.listeners.allSatisfy { state.listeners[$0.name]?.isReceiving == true }
+        }
+    }
+
+    /// The Prometheus text of every listener's counters.
+    public func metricsText() -> String {
+        let counters = state.withLock { state in state.config.listeners.compactMap { state.counters[$0.name] } }
+        return PrometheusText.render(
+            counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)))
+    }
+
+    /// The counters of one listener (tests and benchmarks read them directly).
+    public func counters(of listener: String) -> ListenerCounters.Snapshot? {
+        state.withLock { $0.counters[listener] }?.snapshot()
+    }
+
+    /// Reloads: parses and validates `text` (default: the config file). An invalid config is
+    /// rejected with a log line and the running one stays. Otherwise listeners whose socket
+    /// settings are unchanged keep running (a new downstream set or balancing is swapped in
+    /// place); changed ones restart; removed ones stop; new ones start.
+    /// - Returns: true if the new configuration is in force.
+    @discardableResult
+    public func reload(text: String? = nil) -> Bool {
+        let new: FanoutConfig
+        do {
+            let source = try text ?? readFile(configPath ?? "")
+            new = try ConfigParser.parse(source)
+            try new.validate()
+        } catch {
+            reloadsRejected.wrappingAdd(1, ordering: .relaxed)
+            logger.error("configuration reload rejected; keeping the running configuration", metadata: ["error": "\(error)"])
+            return false
+        }
+        let old = state.withLock { $0.config }
+        var failures: [String] = []
+        let keep = Set(new.listeners.map(\.name))
+        for listener in old.listeners where !keep.contains(listener.name) {
+            stopListener(listener.name)
+            logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
+        }
+        for listener in new.listeners {
+            if let previous = old.listeners.first(where: { $0.name == listener.name }),
+                previous.socketShape == listener.socketShape
+            {
+                if previous != listener {
+                    state.withLock { $0.listeners[listener.name] }?.update(downstreams: listener.downstreams, balancing: listener.balancing)
+                    logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(listener.downstreams.count)"])
+                }
+                continue
+            }
+            stopListener(listener.name)
+            do {
+                try startListener(listener)
+            } catch {
+                failures.append(error.description)
+                logger.error("listener could not start on reload", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
+            }
+        }
+        state.withLock { $0.config = new }
+        if old.metrics != new.metrics {
+            let endpoint = state.withLock { state in
+                defer { state.endpoint = nil }
+                return state.endpoint
+            }
+            endpoint?.shutdown()
+            if new.metrics.enabled {
+                do { try startEndpoint(new.metrics) } catch { failures.append(error.description) }
+            }
+        }
+        reloadsOK.wrappingAdd(1, ordering: .relaxed)
+        logger.info("configuration loaded", metadata: ["listeners": "\(new.listeners.count)", "reload": "true", "failures": "\(failures.count)"])
+        return true
+    }
+
+    private func stopListener(_ name: String) {
+        let running = state.withLock { state in
+            defer { state.listeners[name] = nil }
+            return state.listeners[name]
+        }
+        running?.shutdown()
+    }
+
+    /// Stops every listener (each forwards what its sockets hold, then leaves its group) and the
+    /// endpoint. Idempotent.
+    public func shutdown() {
+        let (listeners, endpoint) = state.withLock { state in
+            defer {
+                state.listeners = [:]
+                state.endpoint = nil
+            }
+            return (Array(state.listeners.values), state.endpoint)
+        }
+        for listener in listeners { listener.shutdown() }
+        endpoint?.shutdown()
+    }
+}
+
+/// Reads a whole file as UTF-8.
+public func readFile(_ path: String) throws(ConfigError) -> String {
+    guard let file = fopen(path, "r") else {
+        throw ConfigError("--config", "cannot read \(path): \(String(decoding: Array(String(cString: strerror(errno)).utf8), as: UTF8.self))")
+    }
+    defer { fclose(file) }
+    var bytes: [UInt8] = []
+    var buffer = [UInt8](repeating: 0, count: 65536)
+    while true {
+        let count = fread(&buffer, 1, buffer.count, file)
+        if count <= 0 { break }
+        bytes += buffer[0..<count]
+    }
+    return String(decoding: bytes, as: UTF8.self)
+}

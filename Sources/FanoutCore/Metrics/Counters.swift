@@ -1,0 +1,94 @@
+import Synchronization
+
+/// Why a datagram was not forwarded. Each reason is a `reason` label value.
+public enum DropReason: String, CaseIterable, Sendable {
+    /// Larger than settings.max_packet_size (MSG_TRUNC): never forwarded cut.
+    case tooLarge = "too_large"
+    /// The downstream socket's send buffer was full (EAGAIN/ENOBUFS).
+    case sendBufferFull = "send_buffer_full"
+    /// The downstream answered ICMP unreachable (ECONNREFUSED), or no route (EHOSTUNREACH/ENETUNREACH).
+    case unreachable
+    /// Any other send error.
+    case sendError = "send_error"
+}
+
+/// One listener's counters, shared by its workers (each adds once per batch) and read by
+/// the metrics endpoint. Kept across reloads while the listener's name exists.
+public final class ListenerCounters: Sendable {
+    public let name: String
+    public let mode: String
+    let received = Atomic<UInt64>(0)
+    let bytesReceived = Atomic<UInt64>(0)
+    let forwarded = Atomic<UInt64>(0)
+    let bytesForwarded = Atomic<UInt64>(0)
+    let noHealthy = Atomic<UInt64>(0)
+    /// Datagrams the workers' sockets dropped before we could read them (SO_RXQ_OVFL).
+    let receiveQueueDrops = Atomic<UInt64>(0)
+    let tooLarge = Atomic<UInt64>(0)
+    let sendBufferFull = Atomic<UInt64>(0)
+    let unreachable = Atomic<UInt64>(0)
+    let sendError = Atomic<UInt64>(0)
+    let downstreams = Mutex<[String: DownstreamCounters]>([:])
+
+    init(name: String, mode: String) {
+        self.name = name
+        self.mode = mode
+    }
+
+    func add(_ counter: borrowing Atomic<UInt64>, _ value: UInt64) {
+        if value > 0 { counter.wrappingAdd(value, ordering: .relaxed) }
+    }
+
+    func drop(_ reason: DropReason, _ count: UInt64 = 1) {
+        switch reason {
+        case .tooLarge: add(tooLarge, count)
+        case .sendBufferFull: add(sendBufferFull, count)
+        case .unreachable: add(unreachable, count)
+        case .sendError: add(sendError, count)
+        }
+    }
+
+    /// The counters of each downstream by name, made on first use.
+    func downstream(_ name: String) -> DownstreamCounters {
+        downstreams.withLock { table in
+            if let existing = table[name] { return existing }
+            let made = DownstreamCounters()
+            table[name] = made
+            return made
+        }
+    }
+
+    /// Forgets downstreams no longer configured (their series leave /metrics).
+    func retainDownstreams(_ names: Set<String>) {
+        downstreams.withLock { table in table = table.filter { names.contains($0.key) } }
+    }
+
+    public struct Snapshot: Sendable {
+        public var received, bytesReceived, forwarded, bytesForwarded, noHealthy, receiveQueueDrops: UInt64
+        public var dropped: [DropReason: UInt64]
+        public var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)]
+        public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
+    }
+
+    public func snapshot() -> Snapshot {
+        let dropped: [DropReason: UInt64] = [
+            .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
+            .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
+        ]
+        let downstreams = self.downstreams.withLock { table in
+            table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }
+        }
+        return Snapshot(
+            received: received.load(ordering: .relaxed), bytesReceived: bytesReceived.load(ordering: .relaxed),
+            forwarded: forwarded.load(ordering: .relaxed), bytesForwarded: bytesForwarded.load(ordering: .relaxed),
+            noHealthy: noHealthy.load(ordering: .relaxed), receiveQueueDrops: receiveQueueDrops.load(ordering: .relaxed),
+            dropped: dropped, downstreams: downstreams)
+    }
+}
+
+/// One downstream's counters.
+public final class DownstreamCounters: Sendable {
+    let forwarded = Atomic<UInt64>(0)
+    let bytes = Atomic<UInt64>(0)
+    let dropped = Atomic<UInt64>(0)
+}

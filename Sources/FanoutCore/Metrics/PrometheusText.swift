@@ -1,0 +1,54 @@
+/// Renders the counters in the Prometheus text format (version 0.0.4), with the reference
+/// documents' metric names and our per-downstream and per-reason additions.
+enum PrometheusText {
+    static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64)) -> String {
+        var out = ""
+        let snapshots = listeners.map { ($0, $0.snapshot()) }
+        func family(_ name: String, _ help: String, rows: [(String, UInt64)]) {
+            let type = "counter"
+            out += "# HELP \(name) \(help)\n# TYPE \(name) \(type)\n"
+            for (labels, value) in rows { out += "\(name){\(labels)} \(value)\n" }
+        }
+        func perListener(_ value: (ListenerCounters.Snapshot) -> UInt64) -> [(String, UInt64)] {
+            snapshots.map { (labels($0.0), value($0.1)) }
+        }
+        family("udp_fanout_packets_received_total", "Total packets received per listener", rows: perListener(\.received))
+        family("udp_fanout_packets_forwarded_total", "Total packets forwarded (one per successfully forwarded packet)", rows: perListener(\.forwarded))
+        family("udp_fanout_packets_dropped_total", "Total packets dropped (send failures and packets above max_packet_size)", rows: perListener(\.droppedTotal))
+        family("udp_fanout_packets_no_healthy_total", "Total packets dropped due to no ready downstreams", rows: perListener(\.noHealthy))
+        family("udp_fanout_bytes_received_total", "Total bytes received", rows: perListener(\.bytesReceived))
+        family("udp_fanout_bytes_forwarded_total", "Total bytes forwarded", rows: perListener(\.bytesForwarded))
+        family("udp_fanout_packets_dropped_by_reason_total", "Packets dropped, by reason",
+               rows: snapshots.flatMap { listener, snapshot in
+                   DropReason.allCases.map { (labels(listener) + ",reason=\"\($0.rawValue)\"", snapshot.dropped[$0] ?? 0) }
+               })
+        family("udp_fanout_receive_queue_drops_total", "Packets the listener sockets dropped before they were read (receive buffer full)",
+               rows: perListener(\.receiveQueueDrops))
+        let downstreamRows = snapshots.flatMap { listener, snapshot in
+            snapshot.downstreams.sorted { $0.key < $1.key }.map { (name, values) in (labels(listener) + ",downstream=\"\(escape(name))\"", values) }
+        }
+        family("udp_fanout_downstream_packets_forwarded_total", "Packets forwarded per downstream", rows: downstreamRows.map { ($0.0, $0.1.forwarded) })
+        family("udp_fanout_downstream_bytes_forwarded_total", "Bytes forwarded per downstream", rows: downstreamRows.map { ($0.0, $0.1.bytes) })
+        family("udp_fanout_downstream_packets_dropped_total", "Packets dropped on send per downstream", rows: downstreamRows.map { ($0.0, $0.1.dropped) })
+        family("udp_fanout_config_reloads_total", "Configuration reloads by result",
+               rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
+        return out
+    }
+
+    static func labels(_ listener: ListenerCounters) -> String {
+        "listener=\"\(escape(listener.name))\",mode=\"\(listener.mode)\""
+    }
+
+    static func escape(_ text: String) -> String {
+        var out = ""
+        for character in text {
+            switch character {
+            case "\\": out += "\\\\"
+            case "\"": out += "\\\""
+            case "\n": out += "\\n"
+            default: out.append(character)
+            }
+        }
+        return out
+    }
+}

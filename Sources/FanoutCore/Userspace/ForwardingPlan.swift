@@ -1,0 +1,38 @@
+import Synchronization
+
+/// What a listener's workers forward to: replaced as a whole when a reload changes only the
+/// downstreams or the balancing, so workers keep their sockets and lose nothing.
+final class ForwardingPlan: Sendable {
+    let downstreams: [Downstream]
+    let balancing: Balancing
+    let counters: [DownstreamCounters]
+
+    init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters) {
+        self.downstreams = downstreams
+        self.balancing = balancing
+        self.counters = downstreams.map { counters.downstream($0.name) }
+        counters.retainDownstreams(Set(downstreams.map(\.name)))
+    }
+}
+
+/// The current plan and a version number workers compare once per batch (an atomic load).
+final class PlanHolder: Sendable {
+    let version = Atomic<Int>(0)
+    private let current: Mutex<ForwardingPlan>
+
+    init(_ plan: ForwardingPlan) { current = Mutex(plan) }
+
+    var plan: ForwardingPlan { current.withLock { $0 } }
+
+    func replace(with plan: ForwardingPlan) {
+        current.withLock { $0 = plan }
+        version.wrappingAdd(1, ordering: .releasing)
+    }
+}
+
+/// Set once to stop a listener's workers.
+final class StopSignal: Sendable {
+    private let flag = Atomic<Bool>(false)
+    var isSet: Bool { flag.load(ordering: .relaxed) }
+    func set() { flag.store(true, ordering: .relaxed) }
+}

@@ -1,0 +1,64 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import ReusePortLB
+
+/// A userspace listener: `settings.workers` worker threads, each a member of the listener's
+/// ReusePortLB group. Joining happens before any thread starts, so a bind error fails the start.
+final class UserspaceListener: Sendable {
+    let config: Listener
+    let counters: ListenerCounters
+    private let plans: PlanHolder
+    private let stop = StopSignal()
+    private let workers: [UserspaceWorker]
+    private let threads: [OSThread]
+
+    init(_ config: Listener, counters: ListenerCounters, logger: Logger) throws(ReusePortError) {
+        self.config = config
+        self.counters = counters
+        let count = config.settings.workers > 0 ? config.settings.workers : max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters))
+        let options = GroupOptions(
+            policy: .roundRobin, capacity: count,
+            receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
+        var members: [ReusePortMember] = []
+        for slot in 0..<count {
+            do {
+                members.append(try ReusePortMember(joining: config.bind, slot: .index(slot), options: options))
+            } catch {
+                for member in members { member.leave() }
+                throw error
+            }
+        }
+        if let note = members.first?.steeringNote {
+            logger.warning("worker steering fallback", metadata: ["listener": "\(config.name)", "note": "\(note)"])
+        }
+        logger.info("starting userspace forwarder", metadata: [
+            "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
+            "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
+            "steering": "\(members.first.map { "\($0.steering)" } ?? "-")",
+        ])
+        let (plans, stop) = (self.plans, self.stop)
+        workers = members.enumerated().map { index, member in
+            UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger)
+        }
+        threads = workers.map { worker in
+            OSThread(name: "fanout-\(worker.index)") { worker.run() }
+        }
+    }
+
+    /// Every worker is in its receive loop.
+    var isReceiving: Bool { workers.allSatisfy { $0.receivingNow.load(ordering: .relaxed) } }
+
+    /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
+    func update(downstreams: [Downstream], balancing: Balancing) {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters))
+    }
+
+    /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
+    func shutdown() {
+        stop.set()
+        for thread in threads { thread.join() }
+    }
+}

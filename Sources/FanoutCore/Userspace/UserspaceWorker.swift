@@ -1,0 +1,148 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// One worker thread of a userspace listener: its own socket in the listener's ReusePortLB
+/// group (roundRobin, so one heavy sender spreads over every worker), recvmmsg in, one sendmmsg
+/// batch per downstream out. Nothing is allocated per datagram.
+final class UserspaceWorker: @unchecked Sendable {
+    let index: Int
+    let member: ReusePortMember
+    let receivingNow = Atomic<Bool>(false)
+    private let listener: Listener
+    private let counters: ListenerCounters
+    private let plans: PlanHolder
+    private let stop: StopSignal
+    private let logger: Logger
+    private let receiver: BatchReceiver
+    // Owned by the worker thread once it runs:
+    private var version = -1
+    private var plan: ForwardingPlan?
+    private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
+    private var outboxes: [DownstreamOutbox] = []
+    private var reportedSocketDrops: UInt32 = 0
+
+    init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
+         plans: PlanHolder, stop: StopSignal, logger: Logger) {
+        self.index = index
+        self.member = member
+        self.listener = listener
+        self.counters = counters
+        self.plans = plans
+        self.stop = stop
+        self.logger = logger
+        // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
+        receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
+    }
+
+    func run() {
+        if listener.settings.pinCPUs {
+            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+            if shim_pin_current_thread(Int32(index % cpus)) != 0 {
+                logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
+            }
+        }
+        adoptPlanIfChanged()
+        receivingNow.store(true, ordering: .relaxed)
+        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)"])
+        var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
+        let clock = ContinuousClock()
+        var nextHeartbeat = clock.now + .seconds(5)
+        while !stop.isSet {
+            _ = poll(&descriptor, 1, 100)
+            drainQueue(deadline: nil)
+            if clock.now >= nextHeartbeat {
+                nextHeartbeat = clock.now + .seconds(5)
+                let snapshot = counters.snapshot()
+                logger.debug("userspace worker heartbeat", metadata: [
+                    "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(outboxes.count)",
+                    "received": "\(snapshot.received)", "forwarded": "\(snapshot.forwarded)", "dropped": "\(snapshot.droppedTotal)",
+                ])
+            }
+        }
+        // Flush: forward what is already queued on the socket (for at most 200 ms), then leave.
+        drainQueue(deadline: clock.now + .milliseconds(200))
+        receivingNow.store(false, ordering: .relaxed)
+        member.leave()
+    }
+
+    /// Receives and forwards batches until the socket is empty (or stop, or the deadline).
+    private func drainQueue(deadline: ContinuousClock.Instant?) {
+        while true {
+            let count: Int
+            do {
+                count = try receiver.receive(from: member.socket)
+            } catch {
+                logger.error("receive failed", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
+                return
+            }
+            if count == 0 { break }
+            adoptPlanIfChanged()
+            forward(count)
+            if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
+        }
+        let drops = receiver.socketDrops
+        if drops != reportedSocketDrops {
+            counters.add(counters.receiveQueueDrops, UInt64(drops &- reportedSocketDrops))
+            reportedSocketDrops = drops
+        }
+    }
+
+    private func adoptPlanIfChanged() {
+        let current = plans.version.load(ordering: .acquiring)
+        guard current != version else { return }
+        version = current
+        let plan = plans.plan
+        self.plan = plan
+        selector = DownstreamSelector(downstreams: plan.downstreams, balancing: plan.balancing)
+        outboxes = plan.downstreams.map { DownstreamOutbox(address: $0.address, capacity: listener.settings.batchSize) }
+        for (outbox, downstream) in zip(outboxes, plan.downstreams) where outbox.socket < 0 {
+            logger.warning("downstream socket could not connect; its datagrams are dropped as unreachable",
+                           metadata: ["listener": "\(listener.name)", "downstream": "\(downstream.name)", "errno": "\(outbox.connectError)"])
+        }
+    }
+
+    private func forward(_ count: Int) {
+        var bytesReceived: UInt64 = 0
+        var tooLarge: UInt64 = 0
+        var noHealthy: UInt64 = 0
+        for datagram in 0..<count {
+            let payload = receiver.payload(datagram)
+            bytesReceived += UInt64(payload.count)
+            if receiver.isTruncated(datagram) {
+                tooLarge += 1
+                continue
+            }
+            guard let target = selector.pick(source: receiver.sourceStorage(datagram)) else {
+                noHealthy += 1
+                continue
+            }
+            outboxes[target].append(payload)
+        }
+        var forwarded: UInt64 = 0
+        var bytesForwarded: UInt64 = 0
+        for (target, outbox) in outboxes.enumerated() where outbox.count > 0 {
+            var result: (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64]) = (0, 0, [:])
+            outbox.flush(&result)
+            forwarded += result.sent
+            bytesForwarded += result.bytes
+            let downstream = plan!.counters[target]
+            downstream.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
+            downstream.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
+            for (reason, dropped) in result.dropped {
+                counters.drop(reason, dropped)
+                downstream.dropped.wrappingAdd(dropped, ordering: .relaxed)
+            }
+        }
+        counters.add(counters.received, UInt64(count))
+        counters.add(counters.bytesReceived, bytesReceived)
+        counters.add(counters.forwarded, forwarded)
+        counters.add(counters.bytesForwarded, bytesForwarded)
+        counters.add(counters.noHealthy, noHealthy)
+        counters.drop(.tooLarge, tooLarge)
+    }
+}
