@@ -60,11 +60,16 @@ let package = Package(
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
             ]),
+        // Helpers both test targets use (privilege gating, child processes, loopback senders).
+        .target(name: "TestSupport", dependencies: ["ReusePortLB"]),
         .testTarget(
             name: "FanoutTests",
-            dependencies: ["FanoutCore", "ReusePortLB", "udp-fanout", "collector", "publisher"]),
+            dependencies: [
+                "FanoutCore", "ReusePortLB", "TestSupport", "udp-fanout", "collector", "publisher",
+                .product(name: "Logging", package: "swift-log"),
+            ]),
         .testTarget(
             name: "ReusePortLBTests",
-            dependencies: ["ReusePortLB", "TrafficModel", "CLibBPF", "CSystemShim", "collector", "publisher"]),
+            dependencies: ["ReusePortLB", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
     ]
 )

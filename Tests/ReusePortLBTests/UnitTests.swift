@@ -1,4 +1,5 @@
 import Testing
+import TestSupport
 @testable import BPFObjects
 @testable import ReusePortLB
 import TrafficModel

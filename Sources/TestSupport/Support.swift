@@ -1,22 +1,24 @@
 import Foundation
 import Testing
-@testable import ReusePortLB
+import ReusePortLB
 
 #if canImport(Glibc)
 import Glibc
 #endif
 
+/// Shared by the test targets: privilege gating, free ports, loopback senders, child processes.
+
 /// Privileged tests run when root; without root they are skipped with this reason, except under
 /// CI=true, where they run (and fail) so a missing privilege is never mistaken for a pass.
-enum Privileges {
-    static let isRoot = geteuid() == 0
-    static let isCI = ProcessInfo.processInfo.environment["CI"] == "true"
-    static let enabled = isRoot || isCI
-    static let reason: Comment = "needs root (CAP_BPF, CAP_NET_ADMIN, bpffs); run as root or under CI=true"
+public enum Privileges {
+    public static let isRoot = geteuid() == 0
+    public static let isCI = ProcessInfo.processInfo.environment["CI"] == "true"
+    public static let enabled = isRoot || isCI
+    public static let reason: Comment = "needs root (CAP_BPF, CAP_NET_ADMIN, bpffs); run as root or under CI=true"
 }
 
 /// A UDP port that is free now on 127.0.0.1 and ::1, picked at random so runs cannot collide.
-func freePort() -> UInt16 {
+public func freePort() -> UInt16 {
     while true {
         let port = UInt16.random(in: 20000...45000)
         let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
@@ -26,7 +28,7 @@ func freePort() -> UInt16 {
 }
 
 /// Sends `count` datagrams from `source` (bound first) to `destination`; payload `tag`.
-func send(from source: String, to destination: SocketAddress, count: Int = 1, sourcePort: UInt16 = 0) throws {
+public func send(from source: String, to destination: SocketAddress, count: Int = 1, sourcePort: UInt16 = 0) throws {
     let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue), 0)
     defer { close(fd) }
     var one: Int32 = 1
@@ -42,7 +44,7 @@ func send(from source: String, to destination: SocketAddress, count: Int = 1, so
 
 /// Reads everything queued on each member's socket until 100 ms pass with nothing new;
 /// returns per member the count of datagrams by source address.
-func drain(_ members: [ReusePortMember]) -> [[String: Int]] {
+public func drain(_ members: [ReusePortMember]) -> [[String: Int]] {
     var result = [[String: Int]](repeating: [:], count: members.count)
     let receiver = BatchReceiver(batchSize: 64, maximumDatagramSize: 2048)
     var quietSince = ContinuousClock.now
@@ -62,12 +64,12 @@ func drain(_ members: [ReusePortMember]) -> [[String: Int]] {
 }
 
 /// Source addresses 127.0.N.M for N sources, avoiding 127.0.0.1.
-func loopbackSources(_ count: Int, base: Int = 2) -> [String] {
+public func loopbackSources(_ count: Int, base: Int = 2) -> [String] {
     (0..<count).map { "127.0.\((base + $0) / 250).\((base + $0) % 250 + 2)" }
 }
 
 /// Which member received each source; records an issue if a source reached more than one.
-func ownerBySource(_ received: [[String: Int]]) -> [String: Int] {
+public func ownerBySource(_ received: [[String: Int]]) -> [String: Int] {
     var owner: [String: Int] = [:]
     for (member, sources) in received.enumerated() {
         for source in sources.keys {
@@ -81,7 +83,7 @@ func ownerBySource(_ received: [[String: Int]]) -> [String: Int] {
 }
 
 /// The directory of the test binary, where SwiftPM puts collector and publisher too.
-let binaryDirectory: URL = {
+public let binaryDirectory: URL = {
     let path = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
     var url = URL(fileURLWithPath: path).deletingLastPathComponent()
     // swift test runs <bin>/ReusePortLBPackageTests.xctest; the executables are beside it.
@@ -92,12 +94,12 @@ let binaryDirectory: URL = {
 }()
 
 /// A child process (collector, publisher, or a command) with its stdout and stderr in files.
-final class Child {
-    let process = Process()
+public final class Child {
+    public let process = Process()
     let stdoutURL: URL
     let stderrURL: URL
 
-    init(_ executable: String, _ arguments: [String], prefix: [String] = []) throws {
+    public init(_ executable: String, _ arguments: [String], prefix: [String] = []) throws {
         let base = FileManager.default.temporaryDirectory.appendingPathComponent("rplb-\(UUID().uuidString)")
         stdoutURL = base.appendingPathExtension("out")
         stderrURL = base.appendingPathExtension("err")
@@ -127,11 +129,11 @@ final class Child {
         try? FileManager.default.removeItem(at: stderrURL)
     }
 
-    var stdout: String { (try? String(contentsOf: stdoutURL, encoding: .utf8)) ?? "" }
-    var stderr: String { (try? String(contentsOf: stderrURL, encoding: .utf8)) ?? "" }
+    public var stdout: String { (try? String(contentsOf: stdoutURL, encoding: .utf8)) ?? "" }
+    public var stderr: String { (try? String(contentsOf: stderrURL, encoding: .utf8)) ?? "" }
 
     /// Waits (at most `seconds`) until stderr contains `text`.
-    func waitFor(_ text: String, seconds: Double = 10) throws {
+    public func waitFor(_ text: String, seconds: Double = 10) throws {
         let deadline = Date().addingTimeInterval(seconds)
         while Date() < deadline {
             if stderr.contains(text) { return }
@@ -144,7 +146,7 @@ final class Child {
 
     /// Waits for the process to exit (killing it after `seconds`) and returns its exit status.
     @discardableResult
-    func wait(seconds: Double = 20) -> Int32 {
+    public func wait(seconds: Double = 20) -> Int32 {
         let deadline = Date().addingTimeInterval(seconds)
         while process.isRunning && Date() < deadline { usleep(20_000) }
         if process.isRunning {
@@ -155,16 +157,16 @@ final class Child {
         return process.terminationStatus
     }
 
-    func signal(_ signal: Int32) { kill(process.processIdentifier, signal) }
+    public func signal(_ signal: Int32) { kill(process.processIdentifier, signal) }
 
     /// Stops with SIGTERM and returns the JSON line it printed.
-    func stop() throws -> [String: Any] {
+    public func stop() throws -> [String: Any] {
         signal(SIGTERM)
         wait()
         return try json()
     }
 
-    func json() throws -> [String: Any] {
+    public func json() throws -> [String: Any] {
         let line = try #require(stdout.split(separator: "\n").last, "no output; stderr: \(stderr)")
         return try #require(JSONSerialization.jsonObject(with: Data(line.utf8)) as? [String: Any])
     }
@@ -172,7 +174,7 @@ final class Child {
 
 /// Runs a command to completion; returns (status, output).
 @discardableResult
-func run(_ command: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
+public func run(_ command: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
     let process = Process()
     process.executableURL = URL(fileURLWithPath: command)
     process.arguments = arguments
@@ -186,6 +188,6 @@ func run(_ command: String, _ arguments: [String]) throws -> (status: Int32, out
 }
 
 extension Dictionary where Key == String, Value == Any {
-    func int(_ key: String) -> Int { (self[key] as? NSNumber)?.intValue ?? -1 }
-    func object(_ key: String) -> [String: Any] { self[key] as? [String: Any] ?? [:] }
+    public func int(_ key: String) -> Int { (self[key] as? NSNumber)?.intValue ?? -1 }
+    public func object(_ key: String) -> [String: Any] { self[key] as? [String: Any] ?? [:] }
 }

@@ -1,0 +1,226 @@
+import Testing
+#if canImport(Glibc)
+import Glibc
+#endif
+@testable import FanoutCore
+import ReusePortLB
+
+/// The reference documents' configurations, unchanged.
+enum ReferenceConfigs {
+    /// 000 section 6.1 (the smoke test).
+    static let smoke = """
+        listeners:
+          - name: test-fanout
+            bind: "127.0.0.1:19000"
+            mode: userspace
+            downstream:
+              - name: sink-1
+                address: "127.0.0.1:19001"
+              - name: sink-2
+                address: "127.0.0.1:19002"
+              - name: sink-3
+                address: "127.0.0.1:19003"
+            settings:
+              workers: 1
+        metrics:
+          enabled: true
+          bind: "127.0.0.1:19090"
+          path: /metrics
+        """
+    /// 001 "Userspace Mode".
+    static let userspace = """
+        listeners:
+          - name: syslog
+            bind: "0.0.0.0:5514"
+            mode: userspace
+            downstream:
+              - name: sink-1
+                address: "10.0.0.1:5514"
+              - name: sink-2
+                address: "10.0.0.2:5514"
+        """
+    /// 001 "TC eBPF with Kubernetes Discovery".
+    static let tcKubernetes = """
+        listeners:
+          - name: syslog
+            bind: "0.0.0.0:5514"
+            interface: eth0
+            mode: tc_ebpf
+            kubernetes:
+              namespace: logging
+              service: vector-receivers
+              port: 5514
+
+        health:
+          enabled: true
+          interval_secs: 5
+          timeout_secs: 2
+          protocol: icmp
+
+        metrics:
+          enabled: true
+          bind: "0.0.0.0:9090"
+        """
+    /// 001 "AF_XDP with MetalLB".
+    static let afXDP = """
+        listeners:
+          - name: market-data
+            bind: "0.0.0.0:9000"
+            interface: eth0
+            mode: af_xdp
+            kubernetes:
+              namespace: trading
+              service: udp-receivers
+              port: 9000
+
+        health:
+          enabled: true
+          protocol: udp_echo
+
+        metrics:
+          enabled: true
+          bind: "0.0.0.0:9090"
+        """
+}
+
+@Suite("Configuration")
+struct ConfigTests {
+    @Test("The smoke-test config of the reference parses and validates unchanged")
+    func smoke() throws {
+        let config = try ConfigParser.parse(ReferenceConfigs.smoke)
+        try config.validate()
+        #expect(config.listeners.count == 1)
+        let listener = config.listeners[0]
+        #expect(listener.name == "test-fanout" && listener.bind == SocketAddress("127.0.0.1:19000"))
+        #expect(listener.downstreams.map(\.name) == ["sink-1", "sink-2", "sink-3"])
+        #expect(listener.settings.workers == 1 && listener.settings.maxPacketSize == 9000 && listener.settings.batchSize == 32)
+        #expect(config.metrics.enabled && config.metrics.bind == SocketAddress("127.0.0.1:19090") && config.metrics.path == "/metrics")
+    }
+
+    @Test("The reference README's configs parse unchanged; the modes and features not in this release are refused by name")
+    func referenceExamples() throws {
+        try ConfigParser.parse(ReferenceConfigs.userspace).validate(localAddresses: [])
+        let tc = try ConfigParser.parse(ReferenceConfigs.tcKubernetes)
+        #expect(tc.listeners[0].mode == .tcEBPF && tc.listeners[0].kubernetes?.service == "vector-receivers" && tc.health.enabled)
+        #expect(throws: ConfigError("listeners[0].mode", "tc_ebpf is not implemented in this release (implemented: userspace); it is never served by another mode")) {
+            try tc.validate()
+        }
+        let xdp = try ConfigParser.parse(ReferenceConfigs.afXDP)
+        #expect(xdp.health.proto == "udp_echo")
+        do {
+            try xdp.validate()
+            Issue.record("af_xdp accepted")
+        } catch {
+            #expect(error.key == "listeners[0].mode" && error.problem.contains("af_xdp is not implemented"))
+        }
+    }
+
+    @Test("Our keys: balancing, weights, IPv6")
+    func ourKeys() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: v6
+                bind: "[::1]:7000"
+                balancing: source_ip
+                downstream:
+                  - address: "[::1]:7001"
+                    weight: 3
+                  - name: b
+                    address: "127.0.0.1:7002"
+                    weight: 0
+            """)
+        try config.validate()
+        #expect(config.listeners[0].balancing == .sourceIP)
+        #expect(config.listeners[0].downstreams.map(\.weight) == [3, 0])
+        #expect(config.listeners[0].downstreams[0].name == "[::1]:7001", "name defaults to the address")
+    }
+
+    static let invalidCases: [(String, String, String)] = [
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n    colour: blue\n",
+         "listeners[0].colour", "unknown key"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].bind", "not an address with a port"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"300.0.0.1:2\"}]\n",
+         "listeners[0].downstream[0].address", "not an address with a port"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n  - name: a\n    bind: \"127.0.0.1:3\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[1].name", "duplicate listener name"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n  - name: b\n    bind: \"0.0.0.0:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[1].bind", "overlaps"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n",
+         "listeners[0].downstream", "empty, and no kubernetes discovery"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:1\"}]\n",
+         "listeners[0].downstream[0].address", "forwarding loop"),
+        ("listeners:\n  - name: a\n    bind: \"0.0.0.0:1\"\n    downstream: [{address: \"127.0.0.5:1\"}]\n",
+         "listeners[0].downstream[0].address", "forwarding loop"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    mode: tc_ebpf\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].interface", "attaches to a network interface"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    mode: turbo\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].mode", "is not one of"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n    settings: {max_packet_size: 70000}\n",
+         "listeners[0].settings.max_packet_size", "out of range"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\", weight: 0}]\n",
+         "listeners[0].downstream", "weight 0"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\nhealth: {enabled: true}\n",
+         "health.enabled", "not implemented"),
+        ("listeners: []\n", "listeners", "empty"),
+        ("metrics: {enabled: true}\n", "listeners", "required"),
+        ("listeners: [\n", "(document)", "not valid YAML"),
+    ]
+
+    @Test("Invalid configurations: one message naming the key and the problem", arguments: invalidCases)
+    func invalid(yaml: String, key: String, problem: String) {
+        do {
+            try ConfigParser.parse(yaml).validate(localAddresses: [])
+            Issue.record("accepted: \(yaml)")
+        } catch {
+            #expect(error.key == key, "\(error)")
+            #expect(error.problem.contains(problem), "\(error)")
+        }
+    }
+}
+
+@Suite("Downstream selection")
+struct SelectorTests {
+    func storage(_ ip: String) -> sockaddr_storage {
+        var storage = sockaddr_storage()
+        _ = SocketAddress(ip: IPAddress(ip)!, port: 1).write(to: &storage)
+        return storage
+    }
+
+    let three = (1...3).map { Downstream(name: "s\($0)", address: SocketAddress("127.0.0.1:\(19000 + $0)")!) }
+
+    @Test("Round robin cycles; weights give proportional shares in a smooth order")
+    func rotation() {
+        var selector = DownstreamSelector(downstreams: three, balancing: .roundRobin)
+        var source = storage("127.0.0.9")
+        #expect((0..<6).map { _ in selector.pick(source: &source)! } == [0, 1, 2, 0, 1, 2])
+        #expect(DownstreamSelector.rotation(weights: [1, 3]).sorted() == [0, 1, 1, 1])
+        #expect(DownstreamSelector.rotation(weights: [5, 1, 1]) == [0, 0, 1, 0, 2, 0, 0])
+        #expect(DownstreamSelector.rotation(weights: [0, 2]) == [1])
+        #expect(DownstreamSelector.rotation(weights: [1_000_000, 1]).count <= 4096)
+    }
+
+    @Test("Source IP: sticky, the same on every node with the same downstreams, about 1/N moves when one goes")
+    func sourceIP() {
+        var a = DownstreamSelector(downstreams: three, balancing: .sourceIP)
+        var b = DownstreamSelector(downstreams: three, balancing: .sourceIP)
+        var without = DownstreamSelector(downstreams: Array(three.prefix(2)) + [Downstream(name: "s3", address: three[2].address, weight: 0)], balancing: .sourceIP)
+        var counts = [0, 0, 0]
+        var moved = 0
+        for index in 0..<3000 {
+            var source = storage("10.\(index / 250).\(index % 250).1")
+            let choice = a.pick(source: &source)!
+            #expect(choice == a.pick(source: &source) && choice == b.pick(source: &source))
+            counts[choice] += 1
+            let after = without.pick(source: &source)!
+            if after != choice {
+                moved += 1
+                #expect(choice == 2, "only the removed downstream's sources move")
+            }
+        }
+        for count in counts { #expect((800...1200).contains(count), "\(counts)") }
+        #expect(moved == counts[2])
+        var v6 = storage("2001:db8::1")
+        #expect(a.pick(source: &v6) == b.pick(source: &v6))
+    }
+}

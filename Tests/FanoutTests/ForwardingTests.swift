@@ -1,0 +1,225 @@
+import Foundation
+import Testing
+import TestSupport
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+@Suite("udp-fanout forwarding", .serialized)
+struct ForwardingTests {
+    @Test("Reference smoke test (000 section 6.1): same config, nc sends 10, each delivered exactly once, metrics 10/10")
+    func smoke() throws {
+        let sinks = try (19001...19003).map { try Sink(port: UInt16($0)) }
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("test-config-\(UUID().uuidString).yaml")
+        try ReferenceConfigs.smoke.write(to: file, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["--config", file.path, "--log-level", "debug"])
+        try daemon.waitFor("entering receive loop")
+        for line in ["starting udp-fanout", "configuration loaded", "configured listeners by mode", "starting userspace forwarder"] {
+            #expect(daemon.stderr.contains(line), "log line '\(line)'")
+        }
+        let metrics = SocketAddress("127.0.0.1:19090")!
+        #expect(try httpGet(metrics, "/readyz") == (200, "ready\n"))
+        #expect(try httpGet(metrics, "/healthz") == (200, "ok\n"))
+        let sent = try run("/bin/sh", ["-c", "for i in $(seq 1 10); do echo \"test-packet-$i\" | nc -u -w0 127.0.0.1 19000; done"])
+        #expect(sent.status == 0, "\(sent.output)")
+        let received = sinks.map { $0.drain() }
+        let payloads = received.flatMap { $0 }.map { String(decoding: $0, as: UTF8.self) }
+        #expect(payloads.count == 10)
+        #expect(Set(payloads) == Set((1...10).map { "test-packet-\($0)\n" }), "each exactly once")
+        #expect(received.allSatisfy { (3...4).contains($0.count) }, "round robin: \(received.map(\.count))")
+        let (status, text) = try httpGet(metrics, "/metrics")
+        #expect(status == 200)
+        let labels = "listener=\"test-fanout\",mode=\"userspace\""
+        #expect(metric(text, "udp_fanout_packets_received_total", labels) == 10)
+        #expect(metric(text, "udp_fanout_packets_forwarded_total", labels) == 10)
+        #expect(metric(text, "udp_fanout_packets_dropped_total", labels) == 0)
+        #expect(metric(text, "udp_fanout_packets_no_healthy_total", labels) == 0)
+        #expect(metric(text, "udp_fanout_bytes_received_total", labels) == payloads.reduce(0) { $0 + $1.utf8.count })
+        #expect(metric(text, "udp_fanout_downstream_packets_forwarded_total", labels + ",downstream=\"sink-1\"") == received[0].count)
+        let start = ContinuousClock.now
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait(seconds: 5) == 0)
+        #expect(ContinuousClock.now - start < .seconds(1), "exits within a second of SIGTERM")
+    }
+
+    @Test("Round robin: 300 datagrams of one sender, 100 per downstream; with 2 workers still within 10 %")
+    func roundRobin() throws {
+        for workers in [1, 2] {
+            let sinks = try (0..<3).map { _ in try Sink() }
+            let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+            let daemon = try startDaemon("listeners:\n" + listenerYAML("rr", bind: bind, sinks, workers: workers))
+            defer { daemon.shutdown() }
+            try sendNumbered(to: bind, count: 300)
+            let counts = sinks.map { $0.drain().count }
+            #expect(counts.reduce(0, +) == 300)
+            if workers == 1 {
+                #expect(counts == [100, 100, 100])
+            } else {
+                #expect(counts.allSatisfy { (90...110).contains($0) }, "\(counts)")
+            }
+        }
+    }
+
+    @Test("Source-IP affinity: each source's datagrams all reach one downstream")
+    func sourceAffinity() throws {
+        let sinks = try (0..<3).map { _ in try Sink() }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("affinity", bind: bind, sinks, extra: "    balancing: source_ip\n", workers: 2))
+        defer { daemon.shutdown() }
+        for source in loopbackSources(60, base: 40) { try sendNumbered(to: bind, count: 5, tag: source, from: source) }
+        let received = sinks.map { $0.drain().map { String(decoding: $0, as: UTF8.self).split(separator: "-").first.map(String.init)! } }
+        #expect(received.map(\.count).reduce(0, +) == 300)
+        var owner: [String: Int] = [:]
+        for (index, sources) in received.enumerated() {
+            for source in sources {
+                #expect(owner[source] == nil || owner[source] == index, "\(source) reached two downstreams")
+                owner[source] = index
+            }
+        }
+        #expect(owner.count == 60 && Set(owner.values).count == 3)
+    }
+
+    @Test("Weights 1:3 give 100 and 300 of 400")
+    func weights() throws {
+        let sinks = try (0..<2).map { _ in try Sink() }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("weighted", bind: bind, sinks, weights: [1, 3]))
+        defer { daemon.shutdown() }
+        try sendNumbered(to: bind, count: 400)
+        #expect(sinks.map { $0.drain().count } == [100, 300])
+    }
+
+    @Test("Datagrams above max_packet_size are dropped as too_large, never forwarded cut; the rest byte for byte")
+    func truncation() throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let yaml = "listeners:\n" + listenerYAML("small", bind: bind, [sink]).replacingOccurrences(of: "      workers: 1\n", with: "      workers: 1\n      max_packet_size: 1000\n")
+        let daemon = try startDaemon(yaml)
+        defer { daemon.shutdown() }
+        try sendNumbered(to: bind, count: 20, tag: "big", size: 1001)
+        try sendNumbered(to: bind, count: 20, tag: "fit", size: 1000)
+        let received = sink.drain()
+        #expect(received.count == 20)
+        #expect(received.allSatisfy { $0.count == 1000 && $0.starts(with: Array("fit-".utf8)) })
+        for (index, payload) in received.enumerated() {
+            var expected = Array("fit-\(index)".utf8)
+            expected += [UInt8](repeating: UInt8(index % 251), count: 1000 - expected.count)
+            #expect(payload == expected, "byte for byte")
+        }
+        let counters = try #require(daemon.counters(of: "small"))
+        #expect(counters.received == 40 && counters.forwarded == 20 && counters.dropped[.tooLarge] == 20)
+    }
+
+    @Test("An unreachable downstream costs counted drops for its own datagrams only")
+    func unreachable() throws {
+        let sink = try Sink()
+        let closed = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let yaml = """
+            listeners:
+              - name: half
+                bind: "\(bind)"
+                settings: {workers: 1}
+                downstream:
+                  - {name: alive, address: "\(sink.address)"}
+                  - {name: gone, address: "\(closed)"}
+            """
+        let daemon = try startDaemon(yaml)
+        defer { daemon.shutdown() }
+        for _ in 0..<20 {
+            try sendNumbered(to: bind, count: 10)
+            usleep(5_000)  // lets the ICMP port unreachable come back between batches
+        }
+        #expect(sink.drain().count == 100, "the live downstream gets every one of its datagrams")
+        let counters = try #require(daemon.counters(of: "half"))
+        #expect(counters.dropped[.unreachable, default: 0] > 0)
+        #expect(counters.received == counters.forwarded + counters.droppedTotal + counters.noHealthy)
+        #expect(counters.downstreams["alive"]?.forwarded == 100 && counters.downstreams["alive"]?.dropped == 0)
+    }
+
+    @Test("Reload: unchanged and downstream-changed listeners lose nothing; an invalid config is rejected and the old one stays")
+    func reloadWithoutLoss() throws {
+        let sinksA = try (0..<3).map { _ in try Sink() }
+        let sinkB = try Sink(), sinkB2 = try Sink(), sinkC = try Sink()
+        let bindA = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let bindB = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let bindC = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("a", bind: bindA, Array(sinksA.prefix(2)), workers: 2) + listenerYAML("b", bind: bindB, [sinkB]))
+        defer { daemon.shutdown() }
+        let publisher = try Child("publisher", ["127.0.0.1", String(bindA.port), "40000", "--rate", "20000", "--sources", "127.0.3.1-127.0.3.20"])
+        usleep(500_000)
+        // b gets a new downstream (in place), c is new, a is unchanged.
+        #expect(daemon.reload(text: "listeners:\n" + listenerYAML("a", bind: bindA, Array(sinksA.prefix(2)), workers: 2)
+                              + listenerYAML("b", bind: bindB, [sinkB2]) + listenerYAML("c", bind: bindC, [sinkC])))
+        usleep(300_000)
+        #expect(!daemon.reload(text: "listeners:\n  - name: broken\n"), "invalid config rejected")
+        usleep(300_000)
+        // a's downstreams change in place: a third sink joins the rotation.
+        #expect(daemon.reload(text: "listeners:\n" + listenerYAML("a", bind: bindA, sinksA, workers: 2) + listenerYAML("c", bind: bindC, [sinkC])))
+        #expect(publisher.wait(seconds: 30) == 0)
+        let sent = try publisher.json().int("sent")
+        let received = sinksA.map { $0.drain().count }
+        #expect(sent == 40000)
+        #expect(received.reduce(0, +) == sent, "no datagram lost across three reloads: \(received)")
+        #expect(received[2] > 0, "the added downstream receives")
+        let counters = try #require(daemon.counters(of: "a"))
+        #expect(counters.received == UInt64(sent) && counters.forwarded == UInt64(sent) && counters.receiveQueueDrops == 0)
+        try sendNumbered(to: bindC, count: 5)
+        #expect(sinkC.drain().count == 5, "the new listener forwards")
+        #expect(metric(daemon.metricsText(), "udp_fanout_config_reloads_total", "result=\"rejected\"") == 1)
+        #expect(metric(daemon.metricsText(), "udp_fanout_config_reloads_total", "result=\"ok\"") == 2)
+        #expect(daemon.counters(of: "a") != nil && !daemon.metricsText().contains("listener=\"b\""), "removed listener leaves /metrics")
+    }
+
+    @Test("IPv6 listener and downstreams")
+    func ipv6() throws {
+        let sinks = try (0..<2).map { _ in try Sink(ip: "::1") }
+        let bind = SocketAddress(ip: IPAddress("::1")!, port: freePort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("v6", bind: bind, sinks))
+        defer { daemon.shutdown() }
+        try sendNumbered(to: bind, count: 20)
+        #expect(sinks.map { $0.drain().count } == [10, 10])
+    }
+
+    @Test("SIGHUP reloads the file: an invalid file is logged and ignored, a valid one takes effect")
+    func sighup() throws {
+        let first = try Sink(), second = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("fanout-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try ("listeners:\n" + listenerYAML("hup", bind: bind, [first])).write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        try daemon.waitFor("entering receive loop")
+        try "listeners:\n  - name: hup\n    bind: nowhere\n".write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        try daemon.waitFor("configuration reload rejected")
+        try sendNumbered(to: bind, count: 4)
+        #expect(first.drain().count == 4, "still forwarding with the old configuration")
+        try ("listeners:\n" + listenerYAML("hup", bind: bind, [second])).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        try daemon.waitFor("downstreams updated in place")
+        try sendNumbered(to: bind, count: 4)
+        #expect(second.drain().count == 4 && first.drain().isEmpty)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait(seconds: 5) == 0)
+    }
+
+    @Test("--check: a valid file exits 0; an invalid one exits 2 naming the key; nothing binds")
+    func check() throws {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("check-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try ReferenceConfigs.smoke.write(to: file, atomically: true, encoding: .utf8)
+        let valid = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
+        #expect(valid.status == 0 && valid.output.contains("configuration OK: 1 listener(s)"))
+        try ReferenceConfigs.tcKubernetes.write(to: file, atomically: true, encoding: .utf8)
+        let invalid = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
+        #expect(invalid.status == 2)
+        #expect(invalid.output.contains("listeners[0].mode") && invalid.output.contains("tc_ebpf is not implemented"))
+        let missing = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["-c", "/nonexistent.yaml"])
+        #expect(missing.status == 2 && missing.output.contains("cannot read /nonexistent.yaml"))
+    }
+}
