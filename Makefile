@@ -21,8 +21,9 @@ demo: setup
 test: setup
 	@scripts/test.sh
 
-bench: setup
-	@scripts/bench.sh
+bench:
+	@WITH_BENCH_PEERS=1 scripts/setup.sh
+	@scripts/bench.sh $(BENCH)
 
 # Builds (release) and installs the C library, its header and reuseportlb.pc.
 install: build install-files

@@ -184,8 +184,21 @@ def spread(values):
 
 
 def main():
+    only = sys.argv[1] if len(sys.argv) > 1 else "all"
+    rows = []
+    if only in ("all", "reuseportlb"):
+        rows += reuseportlb_rows()
+    if only in ("all", "fanout"):
+        import bench_fanout
+        rows += bench_fanout.rows()
+    widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
+    for row in [HEADER] + rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def reuseportlb_rows():
     print(f"bench: {RUNS} runs per variant, alternated; {DATAGRAMS} datagrams of 64 bytes from 48 sources per run;"
-          f" 3 collectors on 127.0.0.1; {os.cpu_count()} CPUs")
+          f" 3 collectors on 127.0.0.1; {os.cpu_count()} CPUs", flush=True)
     results = {"ebpf": [], "kernelHash": [], "classicBPF": []}
     for run in range(RUNS):
         for steering in (["ebpf", "kernelHash", "classicBPF"] if run % 2 == 0 else ["classicBPF", "kernelHash", "ebpf"]):
@@ -222,12 +235,11 @@ def main():
     rest, peak = rss_run()
     rows.append(("collector RSS at rest / under load", "-", f"{rest / 1024:.1f} MiB / {peak / 1024:.1f} MiB", "-", "-",
                  "1400-byte datagrams, max of 3"))
-    widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
-    for row in [HEADER] + rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return rows
 
 
 HEADER = ("scenario", "compared to", "ours: median (min-max)", "peer: median (min-max)", "ratio", "note")
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()

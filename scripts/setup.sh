@@ -3,8 +3,8 @@
 # and a bpffs mount at /sys/fs/bpf (when root). Safe to run again: it changes nothing that is
 # already in place.
 set -euo pipefail
-packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux make gcc netcat-openbsd curl)
-[ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx-core nftables)
+packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux make gcc netcat-openbsd curl iputils-ping)
+[ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx libnginx-mod-stream nftables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

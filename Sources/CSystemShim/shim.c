@@ -9,6 +9,10 @@
 #include <pthread.h>
 #include <sys/vfs.h>
 #include <linux/magic.h>
+#include <netinet/udp.h>
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
 
 _Static_assert(sizeof(struct shim_mmsghdr) == sizeof(struct mmsghdr), "mmsghdr layout");
 
@@ -121,4 +125,26 @@ int shim_is_bpffs(const char *path)
 int shim_set_thread_name(unsigned long thread, const char *name)
 {
 	return pthread_setname_np((pthread_t)thread, name);
+}
+
+unsigned int shim_udp_segment_space(void)
+{
+	return CMSG_SPACE(sizeof(uint16_t));
+}
+
+void shim_set_udp_segment(struct msghdr *message, void *control, uint16_t size)
+{
+	if (size == 0) {
+		message->msg_control = NULL;
+		message->msg_controllen = 0;
+		return;
+	}
+	memset(control, 0, CMSG_SPACE(sizeof(uint16_t)));
+	message->msg_control = control;
+	message->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+	struct cmsghdr *c = CMSG_FIRSTHDR(message);
+	c->cmsg_level = SOL_UDP;
+	c->cmsg_type = UDP_SEGMENT;
+	c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+	memcpy(CMSG_DATA(c), &size, sizeof(size));
 }

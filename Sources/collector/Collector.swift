@@ -15,7 +15,8 @@ struct Collector: ParsableCommand {
         discussion: """
             Run several on one address and port with different indexes. On exit (SIGINT, SIGTERM, \
             --duration, or after handing its slot over) it prints one JSON line: per-source counts, \
-            totals, loss and reordering (from the publisher's sequence numbers), the steering in \
+            totals, loss and reordering (from the publisher's sequence numbers), one-way latency \
+            percentiles (from its send times), the steering in \
             force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
             """)
 
@@ -82,6 +83,7 @@ struct Run {
     var truncated: UInt64 = 0
     var foreign: UInt64 = 0
     var replaced = false
+    var latency = LatencyHistogram()
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
 
@@ -143,6 +145,10 @@ struct Run {
             return
         }
         sources[SourceKey(receiver.sourceStorage(index)), default: SourceTally()].record(sequence: header.sequence)
+        if let sentAt = header.sentAt {
+            let now = Payload.monotonicNanoseconds()
+            latency.record(nanoseconds: now > sentAt ? now - sentAt : 0)
+        }
     }
 
     func report() -> String {
@@ -170,6 +176,13 @@ struct Run {
             perSource.add(key.description, entry)
         }
         json.add("sources", perSource)
+        if latency.samples > 0 {
+            var summary = JSONObject()
+            summary.add("samples", latency.samples)
+            summary.add("p50", latency.percentile(0.50)!)
+            summary.add("p99", latency.percentile(0.99)!)
+            json.add("latency_us", summary)
+        }
         if let counters = try? member.counters() {
             var kernel = JSONObject()
             for (name, value) in counters.outcomes { kernel.add(name, value) }

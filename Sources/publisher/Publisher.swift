@@ -15,7 +15,8 @@ struct Publisher: ParsableCommand {
         discussion: """
             Sends <count> datagrams in all, split evenly over the source addresses (each source \
             sends a batch in turn). Each payload starts with the source's id and its sequence \
-            number, so collectors can count loss and reordering. Prints one JSON line: what was \
+            number (and, from 24 bytes, the send time), so collectors can count loss and \
+            reordering and measure latency. Prints one JSON line: what was \
             sent, per source, and the rate achieved. Source addresses must exist on this host \
             (all of 127.0.0.0/8 does on loopback; IPv6 ones must be added to an interface).
             """)
@@ -162,7 +163,7 @@ struct BatchSender {
     /// many failed (a failure ends the batch: the rest are not sent and are not counted as sent).
     mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int) {
         for index in 0..<count {
-            Payload.write(into: buffers.baseAddress! + index * size, source: source, sequence: firstSequence + UInt64(index))
+            Payload.write(into: buffers.baseAddress! + index * size, capacity: size, source: source, sequence: firstSequence + UInt64(index))
         }
         var done = 0
         while done < count {

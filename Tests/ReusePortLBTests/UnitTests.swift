@@ -54,10 +54,25 @@ struct UnitTests {
     @Test("Payload header round trip, and foreign datagrams are recognised")
     func payload() {
         var buffer = [UInt8](repeating: 0, count: 64)
-        buffer.withUnsafeMutableBytes { Payload.write(into: $0.baseAddress!, source: 7, sequence: 1 << 40) }
+        buffer.withUnsafeMutableBytes { Payload.write(into: $0.baseAddress!, capacity: 64, source: 7, sequence: 1 << 40) }
         let header = buffer.withUnsafeBytes { Payload.read($0) }
         #expect(header?.source == 7 && header?.sequence == 1 << 40)
+        #expect(header?.sentAt.map { $0 <= Payload.monotonicNanoseconds() } == true, "24 bytes and more carry the send time")
+        var small = [UInt8](repeating: 0, count: 16)
+        small.withUnsafeMutableBytes { Payload.write(into: $0.baseAddress!, capacity: 16, source: 1, sequence: 2) }
+        #expect(small.withUnsafeBytes { Payload.read($0) }.map { $0.sentAt == nil && $0.sequence == 2 } == true)
         #expect(Array("hello world, not ours".utf8).withUnsafeBytes { Payload.read($0) } == nil)
+    }
+
+    @Test("Latency percentiles from the histogram")
+    func latency() {
+        var histogram = LatencyHistogram()
+        #expect(histogram.percentile(0.5) == nil)
+        for micros in 1...100 { histogram.record(nanoseconds: UInt64(micros) * 1000 - 500) }
+        histogram.record(nanoseconds: 50_000_000)
+        #expect(histogram.percentile(0.5) == 51)
+        #expect(histogram.percentile(0.99) == 100)
+        #expect(histogram.percentile(1.0) == 50_100)
     }
 
     @Test("Loss and reordering from sequence numbers")

@@ -30,6 +30,13 @@ int shim_sendmmsg(int fd, struct shim_mmsghdr *vector, unsigned int count, int f
  * CMSG_FIRSTHDR/CMSG_NXTHDR are macros. Returns 1 and stores it, or 0 if absent. */
 int shim_rxq_ovfl(const struct msghdr *message, uint32_t *drops);
 
+/* Size of a control buffer holding one UDP_SEGMENT message (CMSG_SPACE is a macro). */
+unsigned int shim_udp_segment_space(void);
+
+/* Writes a UDP_SEGMENT control message (UDP GSO: the kernel cuts the message's payload into
+ * datagrams of `size` bytes) into `control` and points the message at it; size 0 removes it. */
+void shim_set_udp_segment(struct msghdr *message, void *control, uint16_t size);
+
 /* Size of the control buffer that holds the SO_RXQ_OVFL message (CMSG_SPACE is a macro). */
 unsigned int shim_rxq_ovfl_space(void);
 

@@ -7,21 +7,34 @@ import ReusePortLB
 /// One downstream as a worker sees it: a connected, non-blocking UDP socket (so ICMP port
 /// unreachable comes back as ECONNREFUSED on the next send) and a sendmmsg batch pointing into
 /// the receiver's buffers (no copy).
+///
+/// UDP GSO: a run of consecutive datagrams of one size (the last may be shorter), up to 64 and
+/// 64 KB, goes out as one message with a UDP_SEGMENT control message whose iovecs are the
+/// datagrams themselves; the kernel sends them as separate datagrams, byte for byte, but walks
+/// the send path once per run. If the kernel refuses a GSO message (EMSGSIZE/EINVAL: a segment above
+/// the path MTU, or no GSO), GSO is turned off for this downstream and the run is resent one
+/// datagram per message. A run that fails otherwise is dropped whole, with its reason.
 final class DownstreamOutbox {
     let socket: Int32
     let connectError: Int32
+    private let capacity: Int
     private let headers: UnsafeMutablePointer<shim_mmsghdr>
     private let iovecs: UnsafeMutablePointer<iovec>
+    private let controls: UnsafeMutableRawPointer
+    private let controlSpace: Int
     private(set) var count = 0
+    private(set) var gsoEnabled = true
+
+    static let maximumSegments = 64
+    static let maximumGSOBytes = 65000
 
     init(address: SocketAddress, capacity: Int) {
+        self.capacity = capacity
         headers = .allocate(capacity: capacity)
         iovecs = .allocate(capacity: capacity)
-        for index in 0..<capacity {
-            headers[index] = shim_mmsghdr()
-            headers[index].msg_hdr.msg_iov = iovecs + index
-            headers[index].msg_hdr.msg_iovlen = 1
-        }
+        controlSpace = Int(shim_udp_segment_space())
+        controls = .allocate(byteCount: capacity * controlSpace, alignment: 16)
+        for index in 0..<capacity { headers[index] = shim_mmsghdr() }
         let fd = Glibc.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
         var error: Int32 = fd < 0 ? errno : 0
         if fd >= 0 {
@@ -40,6 +53,7 @@ final class DownstreamOutbox {
         if socket >= 0 { close(socket) }
         headers.deallocate()
         iovecs.deallocate()
+        controls.deallocate()
     }
 
     func append(_ payload: UnsafeRawBufferPointer) {
@@ -47,27 +61,74 @@ final class DownstreamOutbox {
         count += 1
     }
 
-    /// Sends the batch. A message that fails is dropped alone with its reason; the rest go on.
+    /// Sends the batch. A message that fails is dropped (its datagrams counted with the reason);
+    /// the rest go on.
     func flush(_ result: inout (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])) {
         defer { count = 0 }
         guard socket >= 0 else {
             result.dropped[Self.reason(connectError), default: 0] += UInt64(count)
             return
         }
-        var start = 0
-        while start < count {
-            let sent = shim_sendmmsg(socket, headers + start, UInt32(count - start), Int32(MSG_DONTWAIT))
-            if sent > 0 {
-                for index in start..<(start + Int(sent)) { result.bytes += UInt64(iovecs[index].iov_len) }
-                result.sent += UInt64(sent)
-                start += Int(sent)
-                continue
+        var first = 0
+        while first < count {
+            let messages = build(from: first)
+            var message = 0
+            while message < messages {
+                let sent = shim_sendmmsg(socket, headers + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
+                if sent > 0 {
+                    for index in message..<(message + Int(sent)) { account(headers[index].msg_hdr, &result) }
+                    message += Int(sent)
+                    continue
+                }
+                let error = errno
+                if error == EINTR { continue }
+                let failed = headers[message].msg_hdr
+                if failed.msg_controllen > 0 && (error == EINVAL || error == EIO || error == EMSGSIZE) {
+                    // The kernel refuses GSO here (a segment above the path MTU: EMSGSIZE/EINVAL; no GSO:
+                    // EIO): resend from this message's first datagram, one per message.
+                    gsoEnabled = false
+                    break
+                }
+                result.dropped[Self.reason(error), default: 0] += UInt64(failed.msg_iovlen)
+                message += 1
             }
-            let error = errno
-            if error == EINTR { continue }
-            result.dropped[Self.reason(error), default: 0] += 1
-            start += 1
+            first = message < messages ? datagramIndex(of: message) : count
         }
+    }
+
+    /// Fills `headers` with messages for the datagrams from `first` on; returns how many.
+    private func build(from first: Int) -> Int {
+        var messages = 0
+        var index = first
+        while index < count {
+            let size = iovecs[index].iov_len
+            var end = index + 1
+            if gsoEnabled {
+                while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
+                    let length = iovecs[end].iov_len
+                    if length > size { break }
+                    end += 1
+                    if length < size { break }  // a shorter datagram ends the run
+                }
+            }
+            headers[messages].msg_hdr.msg_iov = iovecs + index
+            headers[messages].msg_hdr.msg_iovlen = end - index
+            let segment = end - index > 1 ? UInt16(size) : 0
+            shim_set_udp_segment(&headers[messages].msg_hdr, controls + messages * controlSpace, segment)
+            messages += 1
+            index = end
+        }
+        return messages
+    }
+
+    /// The index of the first datagram of message `message` (messages are built in order).
+    private func datagramIndex(of message: Int) -> Int {
+        headers[message].msg_hdr.msg_iov - iovecs
+    }
+
+    private func account(_ message: msghdr, _ result: inout (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])) {
+        for index in 0..<message.msg_iovlen { result.bytes += UInt64(message.msg_iov[index].iov_len) }
+        result.sent += UInt64(message.msg_iovlen)
     }
 
     static func reason(_ error: Int32) -> DropReason {

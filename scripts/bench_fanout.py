@@ -1,0 +1,194 @@
+"""udp-fanout benchmarks for make bench: delivered pps vs nginx's stream proxy, added latency,
+and daemon RSS. Imported by bench.py; uses its helpers."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import bench
+
+DATAGRAMS = int(os.environ.get("BENCH_FANOUT_DATAGRAMS", "600000"))
+
+
+def sinks(count):
+    """`count` collectors, each a group of one on its own port: the downstreams."""
+    ports = [bench.free_port() for _ in range(count)]
+    groups = [bench.Collectors(port, "automatic", count=1) for port in ports]
+    return ports, groups
+
+
+def stop_sinks(groups):
+    return [group.stop()[0] for group in groups]
+
+
+class Fanout:
+    def __init__(self, listeners, work, workers=2):
+        """listeners: [(name, port, [downstream ports])]"""
+        lines = ["listeners:"]
+        for name, port, downstreams in listeners:
+            lines += [f"  - name: {name}", f'    bind: "127.0.0.1:{port}"', "    settings:",
+                      f"      workers: {workers}", "      batch_size: 64", "      recv_buf_size: 16777216",
+                      "    downstream:"]
+            lines += [f'      - address: "127.0.0.1:{p}"' for p in downstreams]
+        path = os.path.join(work, "fanout.yaml")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.proc = subprocess.Popen([f"{bench.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
+        ready = 0
+        while ready < workers * len(listeners):
+            line = self.proc.stderr.readline()
+            if not line:
+                raise SystemExit("udp-fanout exited")
+            ready += "entering receive loop" in line
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=10)
+
+
+class Nginx:
+    MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+
+    def __init__(self, port, downstreams, workers, work):
+        servers = "\n".join(f"    server 127.0.0.1:{p};" for p in downstreams)
+        load = f"load_module {self.MODULE};\n" if os.path.exists(self.MODULE) else ""
+        conf = f"""{load}worker_processes {workers};
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log warn;
+events {{ worker_connections 65536; }}
+stream {{
+  upstream sinks {{
+{servers}
+  }}
+  server {{
+    listen 127.0.0.1:{port} udp reuseport;
+    proxy_pass sinks;
+    proxy_responses 0;
+    proxy_timeout 1s;
+  }}
+}}
+"""
+        path = os.path.join(work, f"nginx-{workers}.conf")
+        with open(path, "w") as f:
+            f.write(conf)
+        self.proc = subprocess.Popen(["nginx", "-e", f"{work}/error.log", "-p", work, "-c", path],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            if f":{port} " in subprocess.run(["ss", "-Hlnu"], capture_output=True, text=True).stdout:
+                return
+            if self.proc.poll() is not None:
+                raise SystemExit(f"nginx did not start: {self.proc.stderr.read()}")
+            time.sleep(0.05)
+        raise SystemExit("nginx did not bind")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=10)
+
+
+def throughput_run(variant, work):
+    ports, groups = sinks(3)
+    listen = bench.free_port()
+    proxy = Fanout([("bench", listen, ports)], work) if variant == "udp-fanout" else Nginx(listen, ports, int(variant[-1]), work)
+    try:
+        sent = bench.publish(listen, count=DATAGRAMS)
+        time.sleep(0.5)
+    finally:
+        proxy.stop()
+    received = sum(r["received"] for r in stop_sinks(groups))
+    return {"pps": received / sent["seconds"], "delivered": received / sent["sent"]}
+
+
+def latency_run(via_fanout, work, rate=50000, count=150000):
+    ports, groups = sinks(1)
+    target = ports[0]
+    proxy = None
+    if via_fanout:
+        target = bench.free_port()
+        proxy = Fanout([("latency", target, ports)], work, workers=1)
+    try:
+        bench.publish(target, count=count, extra=("--rate", str(rate), "--size", "64", "--batch", "1"))
+        time.sleep(0.3)
+    finally:
+        if proxy:
+            proxy.stop()
+    report = stop_sinks(groups)[0]
+    return report["latency_us"]["p50"], report["latency_us"]["p99"], report["received"] / count
+
+
+def rss_kib(pid):
+    return bench.rss_kib(pid)
+
+
+def rss_three_listeners(work):
+    ports, groups = sinks(3)
+    listens = [bench.free_port() for _ in range(3)]
+    proxy = Fanout([(f"l{i}", listens[i], ports) for i in range(3)], work)
+    try:
+        time.sleep(0.3)
+        rest = rss_kib(proxy.proc.pid)
+        peak = [rest]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_kib(proxy.proc.pid))
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        bench.publish(listens[0], count=300000, extra=("--size", "1400"))
+        done.set()
+        sampler.join()
+    finally:
+        proxy.stop()
+        stop_sinks(groups)
+    return rest, peak[0]
+
+
+def rows():
+    if not shutil.which("nginx"):
+        raise SystemExit("nginx is not installed: run make bench (it installs nginx and libnginx-mod-stream as root)")
+    work = tempfile.mkdtemp(prefix="rplb-fanout-bench-")
+    try:
+        results = {"udp-fanout": [], "nginx-1": [], "nginx-2": []}
+        orders = (["udp-fanout", "nginx-1", "nginx-2"], ["nginx-2", "nginx-1", "udp-fanout"])
+        for run in range(bench.RUNS):
+            for variant in orders[run % 2]:
+                results[variant].append(throughput_run(variant, work))
+        out = []
+        ours = bench.spread([r["pps"] for r in results["udp-fanout"]])
+        best_nginx = [max(a["pps"], b["pps"]) for a, b in zip(results["nginx-1"], results["nginx-2"])]
+        ratios = bench.spread([o["pps"] / n for o, n in zip(results["udp-fanout"], best_nginx)])
+        delivered = bench.statistics.median(r["delivered"] for r in results["udp-fanout"])
+        for workers in (1, 2):
+            peer = bench.spread([r["pps"] for r in results[f"nginx-{workers}"]])
+            peer_delivered = bench.statistics.median(r["delivered"] for r in results[f"nginx-{workers}"])
+            out.append((f"fanout: delivered pps, 3 downstreams", f"nginx stream, {workers} worker(s)",
+                        f"{ours[0]:,.0f} pps ({ours[1]:,.0f}-{ours[2]:,.0f})",
+                        f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                        f"{ours[0] / peer[0]:.2f}", f"nginx delivered/sent {peer_delivered:.3f}"))
+        out.append(("fanout: delivered pps vs better nginx", "max(nginx 1, nginx 2) per run", f"{ours[0]:,.0f} pps", "-",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal >= 3", f"udp-fanout delivered/sent {delivered:.3f}"))
+        direct, fanout = [], []
+        for run in range(bench.RUNS):
+            for via in ((False, True) if run % 2 == 0 else (True, False)):
+                (fanout if via else direct).append(latency_run(via, work))
+        for index, name in ((0, "p50"), (1, "p99")):
+            mine = bench.spread([r[index] for r in fanout])
+            peer = bench.spread([r[index] for r in direct])
+            out.append((f"fanout: latency {name} at 50k pps", "sending directly to the collector",
+                        f"{mine[0]:.0f} us ({mine[1]:.0f}-{mine[2]:.0f})", f"{peer[0]:.0f} us ({peer[1]:.0f}-{peer[2]:.0f})",
+                        f"+{mine[0] - peer[0]:.0f} us", "one way, publisher send to collector receive"))
+        rest, peak = rss_three_listeners(work)
+        out.append(("fanout: RSS with 3 listeners (2 workers each)", "-", f"{rest / 1024:.1f} MiB at rest / {peak / 1024:.1f} MiB under load",
+                    "-", "-", "1400-byte datagrams"))
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
