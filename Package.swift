@@ -46,7 +46,7 @@ let package = Package(
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "CSystemShim",
+                "ReusePortLB", "CSystemShim", "CLibBPF", "BPFObjects",
                 .product(name: "Yams", package: "Yams"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),

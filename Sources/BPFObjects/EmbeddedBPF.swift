@@ -6,11 +6,14 @@ public enum EmbeddedBPF {}
 public enum BPFObject: Sendable, CaseIterable {
     /// `bpf/reuseport_select.bpf.c`: the sk_reuseport program of ReusePortLB.
     case reuseportSelect
+    /// `bpf/tc_fanout.bpf.c`: the tc ingress program of udp-fanout's tc_ebpf mode.
+    case tcFanout
 
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
         switch self {
         case .reuseportSelect: return Base64.decode(EmbeddedBPF.reuseportSelect)
+        case .tcFanout: return Base64.decode(EmbeddedBPF.tcFanout)
         }
     }
 }

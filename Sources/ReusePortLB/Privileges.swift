@@ -3,13 +3,14 @@ import Glibc
 #endif
 
 /// The calling process's effective capabilities, read from /proc/self/status.
-struct Capabilities: Sendable {
-    let effective: UInt64
+package struct Capabilities: Sendable {
+    package let effective: UInt64
 
-    static let sysAdmin = 21
-    static let bpf = 39
+    package static let sysAdmin = 21
+    package static let netAdmin = 12
+    package static let bpf = 39
 
-    static func current() -> Capabilities {
+    package static func current() -> Capabilities {
         guard let file = fopen("/proc/self/status", "r") else { return Capabilities(effective: 0) }
         defer { fclose(file) }
         var line = [CChar](repeating: 0, count: 512)
@@ -23,10 +24,10 @@ struct Capabilities: Sendable {
         return Capabilities(effective: 0)
     }
 
-    func has(_ bit: Int) -> Bool { effective & (1 << UInt64(bit)) != 0 }
+    package func has(_ bit: Int) -> Bool { effective & (1 << UInt64(bit)) != 0 }
 
     /// CAP_BPF, or CAP_SYS_ADMIN which implies it on older kernels.
-    var canLoadBPF: Bool { has(Self.bpf) || has(Self.sysAdmin) }
+    package var canLoadBPF: Bool { has(Self.bpf) || has(Self.sysAdmin) }
 }
 
 extension StringProtocol {

@@ -23,7 +23,7 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
 /// EBADF and EFAULT are programmer errors and stop the process.
 @inline(__always)
 @discardableResult
-func systemCall<T: BinaryInteger>(
+package func systemCall<T: BinaryInteger>(
     _ name: @autoclosure () -> String, _ body: () -> T
 ) throws(SystemCallError) -> T {
     while true {
@@ -39,7 +39,7 @@ func systemCall<T: BinaryInteger>(
 /// The same for libbpf calls that return a negative errno instead of setting errno.
 @inline(__always)
 @discardableResult
-func libbpfCall(_ name: @autoclosure () -> String, _ body: () -> Int32) throws(SystemCallError) -> Int32 {
+package func libbpfCall(_ name: @autoclosure () -> String, _ body: () -> Int32) throws(SystemCallError) -> Int32 {
     let result = body()
     if result >= 0 { return result }
     let error = result == -1 ? Glibc.errno : -result

@@ -65,12 +65,13 @@ struct DownstreamSelector {
     }
 
     /// Smooth weighted round robin (as nginx): each step adds every weight to its current value,
-    /// picks the largest and subtracts the total. Weights are scaled so the rotation stays short.
-    static func rotation(weights: [UInt32]) -> [Int] {
+    /// picks the largest and subtracts the total. Weights are scaled so the rotation stays at
+    /// most `limit` long.
+    static func rotation(weights: [UInt32], limit: Int = 4096) -> [Int] {
         var scaled = weights.map(Int.init)
         let total = scaled.reduce(0, +)
         guard total > 0 else { return [] }
-        if total > 4096 { scaled = scaled.map { $0 == 0 ? 0 : max(1, $0 * 4096 / total) } }
+        if total > limit { scaled = scaled.map { $0 == 0 ? 0 : max(1, $0 * limit / total) } }
         let divisor = scaled.filter { $0 > 0 }.reduce(0) { gcd($0, $1) }
         scaled = scaled.map { $0 / divisor }
         let sum = scaled.reduce(0, +)

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import CSystemShim
 import ReusePortLB
 
 extension FanoutConfig {
@@ -22,7 +23,7 @@ extension FanoutConfig {
                 throw ConfigError("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
             }
             guard Mode.implemented.contains(listener.mode) else {
-                throw ConfigError("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: userspace); it is never served by another mode")
+                throw ConfigError("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
             }
             if listener.kubernetes != nil {
                 throw ConfigError("\(path).kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")
@@ -43,9 +44,39 @@ extension FanoutConfig {
             guard listener.downstreams.contains(where: { $0.weight > 0 }) else {
                 throw ConfigError("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
             }
+            if listener.mode == .tcEBPF { try Self.validateTC(listener, path: path, localAddresses) }
+        }
+        let tcListeners = listeners.filter { $0.mode == .tcEBPF }
+        if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
+            throw ConfigError("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+        }
+        for (index, listener) in listeners.enumerated() where listener.mode == .tcEBPF {
+            if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
+                throw ConfigError("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
+            }
         }
         if health.enabled {
             throw ConfigError("health.enabled", "health probes are not implemented in this release: set enabled: false (every downstream is then always in rotation)")
+        }
+    }
+
+    /// tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
+    static func validateTC(_ listener: Listener, path: String, _ local: Set<IPAddress>) throws(ConfigError) {
+        guard listener.downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
+            throw ConfigError("\(path).downstream", "\(listener.downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener")
+        }
+        for (position, downstream) in listener.downstreams.enumerated() {
+            let key = "\(path).downstream[\(position)].address"
+            let ip = downstream.address.ip
+            guard ip.family == listener.bind.ip.family else {
+                throw ConfigError(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): tc_ebpf rewrites the destination in place and cannot translate between IPv4 and IPv6")
+            }
+            if isUnspecified(ip) || downstream.address.port == 0 {
+                throw ConfigError(key, "\(downstream.address): tc_ebpf needs a concrete address and port")
+            }
+            if local.contains(ip) || ip.bytes.first == 127 || ip == IPAddress("::1")! {
+                throw ConfigError(key, "\(downstream.address) is an address of this host: tc_ebpf forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
+            }
         }
     }
 

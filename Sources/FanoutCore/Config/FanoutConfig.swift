@@ -56,13 +56,13 @@ public struct Listener: Equatable, Sendable {
 public enum Mode: String, Sendable, CaseIterable {
     /// Worker threads with recvmmsg/sendmmsg on a ReusePortLB group. Needs no privilege.
     case userspace
-    /// In-kernel DNAT and redirect at tc ingress (not in this release).
+    /// In-kernel DNAT, fib lookup and redirect at tc ingress. Needs CAP_BPF and CAP_NET_ADMIN.
     case tcEBPF = "tc_ebpf"
     /// XDP to AF_XDP sockets (not in this release).
     case afXDP = "af_xdp"
 
     /// Modes this release can serve; the others are refused at validation.
-    public static let implemented: Set<Mode> = [.userspace]
+    public static let implemented: Set<Mode> = [.userspace, .tcEBPF]
 }
 
 /// How a listener picks the downstream of each datagram.
@@ -107,8 +107,20 @@ public struct Settings: Equatable, Sendable {
     public var pinCPUs: Bool = true
     /// Receive buffer per worker socket in bytes (0: the system's).
     public var recvBufSize: Int = 0
+    /// tc_ebpf: how the program is attached to the interface.
+    public var tcAttach: TCAttach = .auto
 
     public init() {}
+}
+
+/// How tc_ebpf attaches its program to an interface.
+public enum TCAttach: String, Sendable, CaseIterable {
+    /// A TCX bpf_link where the kernel has it (6.6+), otherwise clsact.
+    case auto
+    /// A TCX bpf_link only: the kernel detaches it when the daemon exits, even on a crash.
+    case tcx
+    /// A cls_bpf filter on the clsact qdisc (created if absent, removed only if we created it).
+    case clsact
 }
 
 public struct Health: Equatable, Sendable {

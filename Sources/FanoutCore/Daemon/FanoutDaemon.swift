@@ -8,14 +8,26 @@ import Synchronization
 /// Why the daemon could not start.
 public enum DaemonError: Error, CustomStringConvertible {
     case listener(name: String, ReusePortError)
+    case tcListener(name: String, TCError)
     case metrics(SocketAddress, SystemCallError)
 
     public var description: String {
         switch self {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
+        case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .metrics(let address, let error): return "metrics server error: cannot serve on \(address): \(error)"
         }
     }
+}
+
+/// A running listener of any mode.
+protocol RunningListener: AnyObject, Sendable {
+    /// Ready to forward (userspace: every worker is in its receive loop).
+    var isReceiving: Bool { get }
+    /// Swaps the downstreams and balancing in place, without losing datagrams.
+    func update(downstreams: [Downstream], balancing: Balancing)
+    /// Stops forwarding and releases everything the listener holds.
+    func shutdown()
 }
 
 /// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.
@@ -23,7 +35,7 @@ public enum DaemonError: Error, CustomStringConvertible {
 public final class FanoutDaemon: Sendable {
     private struct State {
         var config: FanoutConfig
-        var listeners: [String: UserspaceListener] = [:]
+        var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
         var endpoint: StatusEndpoint?
     }
@@ -33,6 +45,7 @@ public final class FanoutDaemon: Sendable {
     private let state: Mutex<State>
     private let reloadsOK = Atomic<UInt64>(0)
     private let reloadsRejected = Atomic<UInt64>(0)
+    private let dataplane: TCDataplane
 
     /// - Parameters:
     ///   - config: a validated configuration.
@@ -41,6 +54,7 @@ public final class FanoutDaemon: Sendable {
         self.configPath = configPath
         self.logger = logger
         state = Mutex(State(config: config))
+        dataplane = TCDataplane(logger: logger)
     }
 
     /// Starts every listener and the metrics endpoint. On failure stops what started.
@@ -65,12 +79,23 @@ public final class FanoutDaemon: Sendable {
             state.counters[listener.name] = made
             return made
         }
-        do {
-            let running = try UserspaceListener(listener, counters: counters, logger: logger)
-            state.withLock { $0.listeners[listener.name] = running }
-        } catch {
-            throw .listener(name: listener.name, error)
+        let running: any RunningListener
+        switch listener.mode {
+        case .tcEBPF:
+            do {
+                running = try TCListener(listener, counters: counters, dataplane: dataplane, logger: logger)
+            } catch {
+                logger.error("tc_ebpf listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
+                throw .tcListener(name: listener.name, error)
+            }
+        case .userspace, .afXDP:
+            do {
+                running = try UserspaceListener(listener, counters: counters, logger: logger)
+            } catch {
+                throw .listener(name: listener.name, error)
+            }
         }
+        state.withLock { $0.listeners[listener.name] = running }
     }
 
     private func startEndpoint(_ metrics: Metrics) throws(DaemonError) {
@@ -94,7 +119,8 @@ public final class FanoutDaemon: Sendable {
     public func metricsText() -> String {
         let counters = state.withLock { state in state.config.listeners.compactMap { state.counters[$0.name] } }
         return PrometheusText.render(
-            counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)))
+            counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)),
+            unmatched: dataplane.unmatched())
     }
 
     /// The counters of one listener (tests and benchmarks read them directly).

@@ -10,6 +10,12 @@ public enum DropReason: String, CaseIterable, Sendable {
     case unreachable
     /// Any other send error.
     case sendError = "send_error"
+    /// tc_ebpf: the kernel's fib lookup found no route to the downstream.
+    case noRoute = "no_route"
+    /// tc_ebpf: TTL or hop limit would reach 0 on forwarding.
+    case ttlExpired = "ttl_expired"
+    /// tc_ebpf: a kernel helper refused to rewrite or redirect the packet.
+    case rewriteFailed = "rewrite_failed"
 }
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
@@ -29,6 +35,14 @@ public final class ListenerCounters: Sendable {
     let unreachable = Atomic<UInt64>(0)
     let sendError = Atomic<UInt64>(0)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
+    /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
+    /// values after it stopped. nil: the atomics above.
+    private let external = Mutex<External?>(nil)
+
+    enum External {
+        case live(@Sendable () -> Snapshot)
+        case frozen(Snapshot)
+    }
 
     init(name: String, mode: String) {
         self.name = name
@@ -45,6 +59,7 @@ public final class ListenerCounters: Sendable {
         case .sendBufferFull: add(sendBufferFull, count)
         case .unreachable: add(unreachable, count)
         case .sendError: add(sendError, count)
+        case .noRoute, .ttlExpired, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
 
@@ -63,17 +78,38 @@ public final class ListenerCounters: Sendable {
         downstreams.withLock { table in table = table.filter { names.contains($0.key) } }
     }
 
+    /// Reads the counters from `source` from now on.
+    func setSource(_ source: @escaping @Sendable () -> Snapshot) {
+        external.withLock { $0 = .live(source) }
+    }
+
+    /// Keeps the source's current values (its listener is stopping).
+    func freeze() {
+        let current = snapshot()
+        external.withLock { if case .live = $0 { $0 = .frozen(current) } }
+    }
+
     public struct Snapshot: Sendable {
         public var received, bytesReceived, forwarded, bytesForwarded, noHealthy, receiveQueueDrops: UInt64
         public var dropped: [DropReason: UInt64]
         public var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)]
         public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
+
+        static let zero = Snapshot(
+            received: 0, bytesReceived: 0, forwarded: 0, bytesForwarded: 0, noHealthy: 0, receiveQueueDrops: 0,
+            dropped: [:], downstreams: [:])
     }
 
     public func snapshot() -> Snapshot {
+        switch external.withLock({ $0 }) {
+        case .live(let source): return source()
+        case .frozen(let values): return values
+        case nil: break
+        }
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
+            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0,
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

@@ -1,7 +1,9 @@
 /// Renders the counters in the Prometheus text format (version 0.0.4), with the reference
 /// documents' metric names and our per-downstream and per-reason additions.
 enum PrometheusText {
-    static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64)) -> String {
+    /// - Parameter unmatched: tc_ebpf packets no listener could be known for, by reason (empty
+    ///   when no tc_ebpf listener runs: the family is left out).
+    static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64), unmatched: [(String, UInt64)] = []) -> String {
         var out = ""
         let snapshots = listeners.map { ($0, $0.snapshot()) }
         func family(_ name: String, _ help: String, rows: [(String, UInt64)]) {
@@ -32,6 +34,10 @@ enum PrometheusText {
         family("udp_fanout_downstream_packets_dropped_total", "Packets dropped on send per downstream", rows: downstreamRows.map { ($0.0, $0.1.dropped) })
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
+        if !unmatched.isEmpty {
+            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, or a later fragment whose first was not seen)",
+                   rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
+        }
         return out
     }
 

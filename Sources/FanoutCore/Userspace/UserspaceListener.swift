@@ -6,7 +6,7 @@ import ReusePortLB
 
 /// A userspace listener: `settings.workers` worker threads, each a member of the listener's
 /// ReusePortLB group. Joining happens before any thread starts, so a bind error fails the start.
-final class UserspaceListener: Sendable {
+final class UserspaceListener: RunningListener {
     let config: Listener
     let counters: ListenerCounters
     private let plans: PlanHolder

@@ -1,0 +1,227 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLibBPF
+import CSystemShim
+import ReusePortLB
+
+/// The program attached at one interface's ingress: a TCX bpf_link (the kernel detaches it when
+/// the descriptor closes, so a crash leaves nothing), or a cls_bpf filter on clsact.
+///
+/// A lock file per interface and network namespace (`/run/udp-fanout/tc-net<inode>-<ifname>.lock`)
+/// is held while attached: a second daemon on the same interface is refused, and a filter of
+/// ours found while we hold the lock is a crashed run's leftover, removed before attaching.
+final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDataplane under its lock
+    enum Kind: Equatable {
+        case tcx(link: Int32)
+        case clsact(createdQdisc: Bool)
+    }
+
+    let interface: String
+    let ifindex: Int32
+    let kind: Kind
+    private let lock: Int32
+    private let lockPath: String
+
+    /// Filter handle and priority of our clsact filter: how a later run recognizes it.
+    static let filterHandle: UInt32 = 0xFA27
+    static let filterPriority: UInt32 = 1
+    static let lockDirectory = "/run/udp-fanout"
+    /// BPF_TCX_INGRESS: the kernel's value (6.6+); not in this system's libbpf headers.
+    static let tcxIngress = bpf_attach_type(rawValue: 46)
+
+    init(interface: String, program: TCProgram, mode: TCAttach) throws(TCError) {
+        self.interface = interface
+        ifindex = Int32(if_nametoindex(interface))
+        guard ifindex > 0 else { throw .interfaceNotFound(interface) }
+        (lock, lockPath) = try Self.takeLock(interface: interface)
+        let created: Bool
+        do {
+            created = try Self.removeLeftovers(ifindex: ifindex, lockPath: lockPath)
+        } catch {
+            Self.release(lock: lock, path: lockPath)
+            throw .attach(interface: interface, error)
+        }
+        if mode != .clsact {
+            let link = bpf_link_create(program.program, ifindex, Self.tcxIngress, nil)
+            if link >= 0 {
+                kind = .tcx(link: link)
+                return
+            }
+            let error = errno
+            if mode == .tcx || (error != EINVAL && error != EOPNOTSUPP) {
+                Self.release(lock: lock, path: lockPath)
+                throw .attach(interface: interface, SystemCallError(call: "bpf_link_create BPF_TCX_INGRESS", errno: error))
+            }
+        }
+        do {
+            kind = .clsact(createdQdisc: try Self.attachFilter(ifindex: ifindex, program: program.program, lockPath: lockPath, createdBefore: created))
+        } catch {
+            Self.release(lock: lock, path: lockPath)
+            throw .attach(interface: interface, error)
+        }
+    }
+
+    var kindName: String {
+        switch kind {
+        case .tcx: return "tcx"
+        case .clsact: return "clsact"
+        }
+    }
+
+    /// Detaches, removes the clsact qdisc if we created it, releases the lock.
+    func detach() {
+        switch kind {
+        case .tcx(let link):
+            close(link)
+        case .clsact(let createdQdisc):
+            var hook = Self.hook(ifindex)
+            var options = Self.filterOptions()
+            bpf_tc_detach(&hook, &options)
+            if createdQdisc {
+                hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
+                bpf_tc_hook_destroy(&hook)
+            }
+        }
+        Self.release(lock: lock, path: lockPath)
+    }
+
+    // MARK: clsact
+
+    static func hook(_ ifindex: Int32) -> bpf_tc_hook {
+        var hook = bpf_tc_hook()
+        hook.sz = MemoryLayout<bpf_tc_hook>.size
+        hook.ifindex = ifindex
+        hook.attach_point = BPF_TC_INGRESS
+        return hook
+    }
+
+    static func filterOptions(program: Int32 = 0) -> bpf_tc_opts {
+        var options = bpf_tc_opts()
+        options.sz = MemoryLayout<bpf_tc_opts>.size
+        options.handle = filterHandle
+        options.priority = filterPriority
+        options.prog_fd = program
+        return options
+    }
+
+    /// Creates clsact unless present, adds our filter. Returns whether the qdisc is ours.
+    private static func attachFilter(ifindex: Int32, program: Int32, lockPath: String, createdBefore: Bool) throws(SystemCallError) -> Bool {
+        var hook = hook(ifindex)
+        let result = bpf_tc_hook_create(&hook)
+        let created: Bool
+        if result == -EEXIST {
+            created = createdBefore
+        } else {
+            try libbpfCall("bpf_tc_hook_create clsact") { result }
+            created = true
+        }
+        // Recorded before the filter exists: a crash right after still lets the next run
+        // remove the qdisc it made.
+        writeState(lockPath, createdQdisc: created)
+        var options = filterOptions(program: program)
+        do {
+            try libbpfCall("bpf_tc_attach ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority)") { bpf_tc_attach(&hook, &options) }
+        } catch {
+            if created {
+                hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
+                bpf_tc_hook_destroy(&hook)
+            }
+            throw error
+        }
+        return created
+    }
+
+    /// Removes a filter of ours that a crashed run left (our handle and priority, and a program
+    /// named like ours). Returns whether that run recorded creating the clsact qdisc.
+    private static func removeLeftovers(ifindex: Int32, lockPath: String) throws(SystemCallError) -> Bool {
+        let createdBefore = readState(lockPath)
+        var hook = hook(ifindex)
+        var query = filterOptions()
+        guard bpf_tc_query(&hook, &query) == 0, query.prog_id != 0 else { return createdBefore }
+        let fd = bpf_prog_get_fd_by_id(query.prog_id)
+        guard fd >= 0 else { return createdBefore }
+        defer { close(fd) }
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        guard bpf_obj_get_info_by_fd(fd, &info, &length) == 0 else { return createdBefore }
+        let name = withUnsafeBytes(of: info.name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+        guard name == FANOUT_PROG_TC_NAME else {
+            throw SystemCallError(call: "bpf_tc_attach: ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority) holds another program '\(name)'", errno: EEXIST)
+        }
+        var options = filterOptions()
+        try libbpfCall("bpf_tc_detach leftover filter") { bpf_tc_detach(&hook, &options) }
+        return createdBefore
+    }
+
+    // MARK: lock file
+
+    private static func takeLock(interface: String) throws(TCError) -> (Int32, String) {
+        var namespace = stat()
+        let inode = stat("/proc/self/ns/net", &namespace) == 0 ? namespace.st_ino : 0
+        mkdir(lockDirectory, 0o755)
+        let path = "\(lockDirectory)/tc-net\(inode)-\(interface).lock"
+        let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o644)
+        guard fd >= 0 else { throw .attach(interface: interface, SystemCallError(call: "open \(path)", errno: errno)) }
+        if flock(fd, LOCK_EX | LOCK_NB) != 0 {
+            close(fd)
+            throw .interfaceBusy(interface, lockPath: path)
+        }
+        return (fd, path)
+    }
+
+    private static func release(lock: Int32, path: String) {
+        unlink(path)
+        close(lock)
+    }
+
+    private static func writeState(_ path: String, createdQdisc: Bool) {
+        let text = "created_clsact=\(createdQdisc ? 1 : 0)\npid=\(getpid())\n"
+        let fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC)
+        guard fd >= 0 else { return }
+        _ = text.utf8CString.withUnsafeBytes { write(fd, $0.baseAddress, $0.count - 1) }
+        close(fd)
+    }
+
+    private static func readState(_ path: String) -> Bool {
+        let fd = open(path, O_RDONLY | O_CLOEXEC)
+        guard fd >= 0 else { return false }
+        defer { close(fd) }
+        var buffer = [UInt8](repeating: 0, count: 256)
+        let count = read(fd, &buffer, buffer.count)
+        return count > 0 && String(decoding: buffer[0..<count], as: UTF8.self).contains("created_clsact=1")
+    }
+}
+
+/// Why a tc_ebpf listener could not start.
+public enum TCError: Error, CustomStringConvertible, Sendable {
+    case privileges(missing: [String])
+    case interfaceNotFound(String)
+    case interfaceBusy(String, lockPath: String)
+    case forwardingDisabled(interface: String, sysctl: String)
+    case load(SystemCallError)
+    case attach(interface: String, SystemCallError)
+    case maps(SystemCallError)
+    case tooManyListeners
+
+    public var description: String {
+        switch self {
+        case .privileges(let missing):
+            return "tc_ebpf needs \(missing.joined(separator: " and ")): run as root, or grant them (e.g. systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN, or setcap cap_bpf,cap_net_admin+ep udp-fanout)"
+        case .interfaceNotFound(let name):
+            return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
+        case .interfaceBusy(let name, let path):
+            return "interface '\(name)' is in use by another udp-fanout tc_ebpf daemon (it holds \(path)); stop it first"
+        case .forwardingDisabled(let name, let sysctl):
+            return "IP forwarding is disabled for '\(name)': the kernel's fib lookup refuses to route for tc_ebpf. Enable it: sysctl -w \(sysctl)=1"
+        case .load(let error):
+            return "cannot load the tc_ebpf program: \(error)"
+        case .attach(let name, let error):
+            return "cannot attach the tc_ebpf program to '\(name)': \(error)"
+        case .maps(let error):
+            return "cannot write the tc_ebpf maps: \(error)"
+        case .tooManyListeners:
+            return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners"
+        }
+    }
+}

@@ -1,0 +1,223 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// The daemon's tc_ebpf side: one loaded program, attached once per interface that has a
+/// tc_ebpf listener, and the listener ids and counter slots of the shared maps.
+final class TCDataplane: Sendable {
+    private struct State {
+        var program: TCProgram?
+        var attachments: [String: (attachment: TCAttachment, users: Int)] = [:]
+        var freeIDs = Array((0..<UInt32(FANOUT_MAX_LISTENERS)).reversed())
+    }
+
+    private let state = Mutex(State())
+    let logger: Logger
+
+    init(logger: Logger) {
+        self.logger = logger
+    }
+
+    /// Checks privileges and sysctls, loads the program on first use, attaches to the
+    /// listener's interface (once per interface), and returns a fresh listener id.
+    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32) {
+        let capabilities = Capabilities.current()
+        var missing: [String] = []
+        if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
+        if !capabilities.has(Capabilities.netAdmin) { missing.append("CAP_NET_ADMIN") }
+        guard missing.isEmpty else { throw .privileges(missing: missing) }
+        let interface = listener.interface ?? ""
+        guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
+        let sysctl = listener.bind.ip.family == AF_INET6
+            ? "net.ipv6.conf.all.forwarding" : "net.ipv4.conf.\(interface).forwarding"
+        guard Self.readSysctl(sysctl) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
+
+        return try state.withLock { state throws(TCError) in
+            let program: TCProgram
+            if let loaded = state.program {
+                program = loaded
+            } else {
+                do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
+                state.program = program
+                logger.info("eBPF fast path initialized", metadata: ["program_id": "\(program.programID)"])
+            }
+            if let existing = state.attachments[interface] {
+                state.attachments[interface] = (existing.attachment, existing.users + 1)
+            } else {
+                let attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach)
+                state.attachments[interface] = (attachment, 1)
+                logger.info("attached tc_ebpf program", metadata: [
+                    "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
+                ])
+            }
+            guard let id = state.freeIDs.popLast() else {
+                release(interface: interface, in: &state)
+                throw .tooManyListeners
+            }
+            program.resetListener(id: id)
+            return (program, id)
+        }
+    }
+
+    /// Returns a listener's id and detaches from its interface if it was the last user there;
+    /// closes the program when no listener is left.
+    func unregister(interface: String, id: UInt32) {
+        state.withLock { state in
+            state.freeIDs.append(id)
+            release(interface: interface, in: &state)
+        }
+    }
+
+    private func release(interface: String, in state: inout State) {
+        if let entry = state.attachments[interface] {
+            if entry.users <= 1 {
+                entry.attachment.detach()
+                state.attachments[interface] = nil
+                logger.info("detached tc_ebpf program", metadata: ["interface": "\(interface)"])
+            } else {
+                state.attachments[interface] = (entry.attachment, entry.users - 1)
+            }
+        }
+        if state.attachments.isEmpty, let program = state.program {
+            program.closeDescriptors()
+            state.program = nil
+        }
+    }
+
+    /// Packets counted before any listener could be known, by verdict name.
+    func unmatched() -> [(String, UInt64)] {
+        guard let program = state.withLock({ $0.program }) else { return [] }
+        let stats = program.listenerStats(id: UInt32(FANOUT_UNMATCHED_STATS))
+        return [("malformed", stats.verdicts[Int(FANOUT_VERDICT_MALFORMED.rawValue)]),
+                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)])]
+    }
+
+    static func readSysctl(_ name: String) -> String? {
+        let path = "/proc/sys/" + name.replacingDots()
+        guard let file = fopen(path, "r") else { return nil }
+        defer { fclose(file) }
+        var line = [CChar](repeating: 0, count: 64)
+        guard fgets(&line, Int32(line.count), file) != nil else { return nil }
+        return String(decoding: line.prefix(while: { $0 != 0 && $0 != 10 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
+    }
+}
+
+extension String {
+    /// `net.ipv4.conf.eth0.forwarding` as a /proc/sys path (interface names keep no dots here:
+    /// a name with dots, like a VLAN device eth0.100, is rewritten with '/' by sysctl too, so
+    /// only the fixed parts are split).
+    func replacingDots() -> String {
+        let parts = split(separator: ".", omittingEmptySubsequences: false)
+        guard parts.count > 4, parts[0] == "net", parts[2] == "conf" else { return parts.joined(separator: "/") }
+        return "\(parts[0])/\(parts[1])/\(parts[2])/\(parts[3..<(parts.count - 1)].joined(separator: "."))/\(parts[parts.count - 1])"
+    }
+}
+
+/// A tc_ebpf listener: an entry in the listeners map and its backend sets. Reloads write the
+/// inactive set generation and then flip the listener entry, so no packet sees a half-written set.
+final class TCListener: RunningListener {
+    let config: Listener
+    let counters: ListenerCounters
+    private let dataplane: TCDataplane
+    private let program: TCProgram
+    private let id: UInt32
+    private struct Live {
+        var generation: UInt32 = 0
+        var downstreams: [Downstream] = []
+        var balancing: Balancing = .roundRobin
+        var slots: [String: UInt16] = [:]
+    }
+    private let live = Mutex(Live())
+    private let logger: Logger
+
+    init(_ config: Listener, counters: ListenerCounters, dataplane: TCDataplane, logger: Logger) throws(TCError) {
+        self.config = config
+        self.counters = counters
+        self.dataplane = dataplane
+        self.logger = logger
+        (program, id) = try dataplane.register(config)
+        do {
+            try apply(downstreams: config.downstreams, balancing: config.balancing)
+        } catch {
+            program.removeListener(config.bind)
+            dataplane.unregister(interface: config.interface ?? "", id: id)
+            throw .maps(error)
+        }
+        logger.info("registered listener in eBPF map", metadata: [
+            "listener": "\(config.name)", "bind": "\(config.bind)", "interface": "\(config.interface ?? "")",
+            "id": "\(id)", "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
+        ])
+        counters.setSource { [weak self] in self?.snapshot() ?? .zero }
+    }
+
+    /// Writes the inactive generation, then points the listener entry at it.
+    private func apply(downstreams: [Downstream], balancing: Balancing) throws(SystemCallError) {
+        try live.withLock { live throws(SystemCallError) in
+            var slots: [String: UInt16] = [:]
+            var used = Set<UInt16>()
+            for downstream in downstreams {
+                if let slot = live.slots[downstream.name] {
+                    slots[downstream.name] = slot
+                    used.insert(slot)
+                }
+            }
+            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !used.contains($0) }.reversed().map { $0 }
+            for downstream in downstreams where slots[downstream.name] == nil {
+                let slot = free.removeLast()
+                program.zeroPerCPU(program.backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
+                slots[downstream.name] = slot
+            }
+            let generation = live.downstreams.isEmpty ? 0 : live.generation ^ 1
+            try program.writeSet(id: id, generation: generation, BackendSet(downstreams: downstreams, balancing: balancing, slots: slots))
+            var entry = fanout_listener()
+            entry.id = id
+            entry.generation = generation
+            entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
+            try program.putListener(config.bind, entry)
+            live = Live(generation: generation, downstreams: downstreams, balancing: balancing, slots: slots)
+        }
+    }
+
+    var isReceiving: Bool { true }
+
+    func update(downstreams: [Downstream], balancing: Balancing) {
+        do {
+            try apply(downstreams: downstreams, balancing: balancing)
+            logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
+        } catch {
+            logger.error("could not update the tc_ebpf downstream set; the previous set stays", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+        }
+    }
+
+    func shutdown() {
+        counters.freeze()
+        program.removeListener(config.bind)
+        dataplane.unregister(interface: config.interface ?? "", id: id)
+    }
+
+    /// The listener's counters, read from the per-CPU maps.
+    func snapshot() -> ListenerCounters.Snapshot {
+        let stats = program.listenerStats(id: id)
+        func verdict(_ value: fanout_verdict) -> UInt64 { stats.verdicts[Int(value.rawValue)] }
+        let slots = live.withLock { $0.slots }
+        var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)] = [:]
+        for (name, slot) in slots {
+            let counted = program.backendStats(id: id, slot: slot)
+            downstreams[name] = (counted.packets, counted.bytes, 0)
+        }
+        return ListenerCounters.Snapshot(
+            received: stats.received, bytesReceived: stats.bytesReceived,
+            forwarded: verdict(FANOUT_VERDICT_FORWARDED) + verdict(FANOUT_VERDICT_FORWARDED_NEIGH),
+            bytesForwarded: stats.bytesForwarded, noHealthy: verdict(FANOUT_VERDICT_NO_BACKEND), receiveQueueDrops: 0,
+            dropped: [
+                .tooLarge: verdict(FANOUT_VERDICT_TOO_LARGE), .sendBufferFull: 0, .unreachable: 0, .sendError: 0,
+                .noRoute: verdict(FANOUT_VERDICT_NO_ROUTE), .ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED),
+                .rewriteFailed: verdict(FANOUT_VERDICT_REWRITE_FAILED),
+            ],
+            downstreams: downstreams)
+    }
+}

@@ -1,0 +1,186 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFObjects
+import CLibBPF
+import CSystemShim
+import ReusePortLB
+
+/// The loaded tc_ebpf program and its maps: one per daemon, shared by every tc_ebpf listener
+/// and interface. Nothing is pinned: closing the descriptors (or the process ending) frees it.
+final class TCProgram: @unchecked Sendable {  // descriptors only; callers serialize writes
+    let program: Int32
+    let listeners: Int32
+    let sets: Int32
+    let roundRobin: Int32
+    let fragments: Int32
+    let stats: Int32
+    let backendStats: Int32
+    let cpus: Int
+
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats] }
+
+    /// Loads the embedded object. Errors name the failing call and errno.
+    init() throws(SystemCallError) {
+        libbpf_set_print(nil)
+        let elf = BPFObject.tcFanout.elfBytes
+        guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
+            throw SystemCallError(call: "bpf_object__open_mem tc_fanout", errno: errno)
+        }
+        defer { bpf_object__close(object) }
+        try libbpfCall("bpf_object__load tc_fanout") { bpf_object__load(object) }
+        var fds = [bpf_program__fd(bpf_object__find_program_by_name(object, FANOUT_PROG_TC_NAME))]
+        for name in [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
+                     FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME] {
+            fds.append(bpf_map__fd(bpf_object__find_map_by_name(object, name)))
+        }
+        var owned: [Int32] = []
+        for fd in fds {
+            do {
+                owned.append(try systemCall("fcntl F_DUPFD_CLOEXEC") { fcntl(fd, F_DUPFD_CLOEXEC, 0) })
+            } catch {
+                for open in owned { close(open) }
+                throw error
+            }
+        }
+        (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
+        cpus = max(1, Int(libbpf_num_possible_cpus()))
+    }
+
+    func closeDescriptors() {
+        for fd in descriptors { close(fd) }
+    }
+
+    /// The kernel's id of the loaded program (what `bpftool prog` and `tc filter show` print).
+    var programID: UInt32 {
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        return bpf_obj_get_info_by_fd(program, &info, &length) == 0 ? info.id : 0
+    }
+
+    // MARK: listeners and backend sets
+
+    static func listenerKey(_ bind: SocketAddress) -> fanout_listener_key {
+        var key = fanout_listener_key()
+        key.family = UInt8(bind.ip.family)
+        key.port = bind.port.bigEndian
+        withUnsafeMutableBytes(of: &key.addr) { raw in
+            for (index, byte) in bind.ip.bytes.enumerated() { raw[index] = byte }
+        }
+        return key
+    }
+
+    func putListener(_ bind: SocketAddress, _ value: fanout_listener) throws(SystemCallError) {
+        var key = Self.listenerKey(bind)
+        var value = value
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LISTENERS_NAME)") { bpf_map_update_elem(listeners, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    func removeListener(_ bind: SocketAddress) {
+        var key = Self.listenerKey(bind)
+        bpf_map_delete_elem(listeners, &key)
+    }
+
+    /// Writes one generation of a listener's backend set.
+    func writeSet(id: UInt32, generation: UInt32, _ set: BackendSet) throws(SystemCallError) {
+        var key = id * 2 + generation
+        let size = MemoryLayout<fanout_set>.size
+        let buffer = UnsafeMutableRawPointer.allocate(byteCount: size, alignment: 8)
+        defer { buffer.deallocate() }
+        buffer.initializeMemory(as: UInt8.self, repeating: 0, count: size)
+        buffer.storeBytes(of: UInt32(set.backends.count), toByteOffset: MemoryLayout<fanout_set>.offset(of: \.count)!, as: UInt32.self)
+        buffer.storeBytes(of: UInt32(set.rotation.count), toByteOffset: MemoryLayout<fanout_set>.offset(of: \.rotation_len)!, as: UInt32.self)
+        buffer.storeBytes(of: UInt32(set.table.count), toByteOffset: MemoryLayout<fanout_set>.offset(of: \.table_size)!, as: UInt32.self)
+        buffer.storeBytes(of: set.seed, toByteOffset: MemoryLayout<fanout_set>.offset(of: \.seed)!, as: UInt32.self)
+        let backends = MemoryLayout<fanout_set>.offset(of: \.backends)!
+        for (index, backend) in set.backends.enumerated() {
+            buffer.storeBytes(of: backend, toByteOffset: backends + index * MemoryLayout<fanout_backend>.stride, as: fanout_backend.self)
+        }
+        let rotation = MemoryLayout<fanout_set>.offset(of: \.rotation)!
+        for (index, entry) in set.rotation.enumerated() {
+            buffer.storeBytes(of: entry, toByteOffset: rotation + index * 2, as: UInt16.self)
+        }
+        // Swift does not import an array this long as a tuple: the table follows the rotation.
+        let table = rotation + Int(FANOUT_ROTATION_MAX) * 2
+        precondition(table + Int(FANOUT_TABLE_SIZE) * 2 <= size, "fanout_set layout")
+        for (index, entry) in set.table.enumerated() {
+            buffer.storeBytes(of: entry, toByteOffset: table + index * 2, as: UInt16.self)
+        }
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_SETS_NAME)") { bpf_map_update_elem(sets, &key, buffer, UInt64(BPF_ANY)) }
+    }
+
+    // MARK: counters
+
+    /// Sums a per-CPU entry of `type` over the CPUs, adding field by field (all fields are u64).
+    func perCPUSum<T>(_ fd: Int32, key: UInt32, as type: T.Type) -> [UInt64] {
+        let words = MemoryLayout<T>.stride / 8
+        var values = [UInt64](repeating: 0, count: words * cpus)
+        var key = key
+        guard bpf_map_lookup_elem(fd, &key, &values) == 0 else { return [UInt64](repeating: 0, count: words) }
+        var sums = [UInt64](repeating: 0, count: words)
+        for cpu in 0..<cpus {
+            for word in 0..<words { sums[word] &+= values[cpu * words + word] }
+        }
+        return sums
+    }
+
+    /// Zeroes a per-CPU entry (a listener id or backend slot about to be reused).
+    func zeroPerCPU<T>(_ fd: Int32, key: UInt32, as type: T.Type) {
+        var values = [UInt64](repeating: 0, count: MemoryLayout<T>.stride / 8 * cpus)
+        var key = key
+        bpf_map_update_elem(fd, &key, &values, UInt64(BPF_ANY))
+    }
+
+    /// One listener's counters: received, bytes received, bytes forwarded, then each verdict.
+    func listenerStats(id: UInt32) -> (received: UInt64, bytesReceived: UInt64, bytesForwarded: UInt64, verdicts: [UInt64]) {
+        let words = perCPUSum(stats, key: id, as: fanout_stats.self)
+        return (words[0], words[1], words[2], Array(words[3..<(3 + Int(FANOUT_VERDICT_COUNT.rawValue))]))
+    }
+
+    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64) {
+        let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
+        return (words[0], words[1])
+    }
+
+    func resetListener(id: UInt32) {
+        zeroPerCPU(stats, key: id, as: fanout_stats.self)
+        var key = id
+        var zeros = [UInt32](repeating: 0, count: cpus)
+        bpf_map_update_elem(roundRobin, &key, &zeros, UInt64(BPF_ANY))
+        for slot in 0..<UInt32(FANOUT_MAX_BACKENDS) {
+            zeroPerCPU(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + slot, as: fanout_backend_stats.self)
+        }
+    }
+}
+
+/// One generation of a listener's backends, as the program reads it.
+struct BackendSet {
+    var backends: [fanout_backend]
+    var rotation: [UInt16]
+    var table: [UInt16]
+    var seed: UInt32
+
+    /// - Parameters:
+    ///   - slots: each downstream's counter slot, by downstream name.
+    init(downstreams: [Downstream], balancing: Balancing, slots: [String: UInt16]) {
+        backends = downstreams.map { downstream in
+            var backend = fanout_backend()
+            withUnsafeMutableBytes(of: &backend.addr) { raw in
+                for (index, byte) in downstream.address.ip.bytes.enumerated() { raw[index] = byte }
+            }
+            backend.port = downstream.address.port.bigEndian
+            backend.counter_slot = slots[downstream.name] ?? UInt16(FANOUT_MAX_BACKENDS)
+            return backend
+        }
+        seed = DownstreamSelector.seed
+        switch balancing {
+        case .roundRobin:
+            rotation = DownstreamSelector.rotation(weights: downstreams.map(\.weight), limit: Int(FANOUT_ROTATION_MAX - FANOUT_MAX_BACKENDS)).map { UInt16($0) }
+            table = []
+        case .sourceIP:
+            rotation = []
+            let named = downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
+            table = MaglevTable(backends: named, size: Int(FANOUT_TABLE_SIZE), seed: seed)?.entries.map { UInt16($0) } ?? []
+        }
+    }
+}

@@ -1,0 +1,141 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * udp-fanout tc_ebpf mode: every type, constant and name that crosses the kernel/user line.
+ *
+ * Included by bpf/tc_fanout.bpf.c and imported by Swift through the CSystemShim module.
+ */
+#ifndef FANOUT_TC_SHARED_H
+#define FANOUT_TC_SHARED_H
+
+#include <linux/types.h>
+
+/* Listeners one daemon serves in tc_ebpf mode (over all interfaces), and downstreams per
+ * listener. Listener ids and backend counter slots are indexes below these bounds. */
+#define FANOUT_MAX_LISTENERS 64
+#define FANOUT_MAX_BACKENDS 64
+
+/* Longest weighted round-robin rotation (userspace scales weights to fit). */
+#define FANOUT_ROTATION_MAX 1024
+
+/* Source-IP lookup table (Maglev) size: a prime, 255 entries per backend at the largest set. */
+#define FANOUT_TABLE_SIZE 16381
+
+/* Fragments of one datagram remembered at once (LRU: the oldest are forgotten first). */
+#define FANOUT_FRAGMENT_ENTRIES 16384
+
+/* The stats entry of packets that matched no listener yet were counted (see the verdicts). */
+#define FANOUT_UNMATCHED_STATS FANOUT_MAX_LISTENERS
+
+#define FANOUT_PROG_TC           fanout_tc
+#define FANOUT_PROG_TC_NAME      "fanout_tc"
+#define FANOUT_MAP_LISTENERS     fanout_listen
+#define FANOUT_MAP_LISTENERS_NAME "fanout_listen"
+#define FANOUT_MAP_SETS          fanout_sets
+#define FANOUT_MAP_SETS_NAME     "fanout_sets"
+#define FANOUT_MAP_RR            fanout_rr
+#define FANOUT_MAP_RR_NAME       "fanout_rr"
+#define FANOUT_MAP_FRAGMENTS     fanout_frags
+#define FANOUT_MAP_FRAGMENTS_NAME "fanout_frags"
+#define FANOUT_MAP_STATS         fanout_stats
+#define FANOUT_MAP_STATS_NAME    "fanout_stats"
+#define FANOUT_MAP_BACKEND_STATS fanout_bstats
+#define FANOUT_MAP_BACKEND_STATS_NAME "fanout_bstats"
+
+enum fanout_policy {
+	/* each packet to the next backend of a weighted rotation, per CPU (the reference's) */
+	FANOUT_POLICY_ROUND_ROBIN = 0,
+	/* every packet of one source address to one backend (Maglev table, weights) */
+	FANOUT_POLICY_SOURCE_IP = 1,
+};
+
+/* What the program did with a packet. Counted per listener (per CPU); the last two are
+ * counted in the FANOUT_UNMATCHED_STATS entry because no listener can be known. */
+enum fanout_verdict {
+	/* rewritten and redirected; next-hop MACs from the fib lookup */
+	FANOUT_VERDICT_FORWARDED = 0,
+	/* rewritten and redirected; the kernel resolves the next hop's MAC (bpf_redirect_neigh) */
+	FANOUT_VERDICT_FORWARDED_NEIGH = 1,
+	/* the listener has no backend with a weight: dropped */
+	FANOUT_VERDICT_NO_BACKEND = 2,
+	/* the fib lookup found no route to the backend (unreachable, blackhole, prohibited,
+	 * local, forwarding disabled): dropped */
+	FANOUT_VERDICT_NO_ROUTE = 3,
+	/* TTL or hop limit would reach 0 on forwarding: dropped, as a router would */
+	FANOUT_VERDICT_TTL_EXPIRED = 4,
+	/* larger than the route's MTU toward the backend: dropped */
+	FANOUT_VERDICT_TOO_LARGE = 5,
+	/* a kernel helper refused to rewrite or redirect the packet: dropped */
+	FANOUT_VERDICT_REWRITE_FAILED = 6,
+	/* a later fragment whose first fragment was not seen (or forgotten): passed untouched */
+	FANOUT_VERDICT_FRAGMENT_UNTRACKED = 7,
+	/* an IPv4/IPv6 packet whose headers end early or are invalid: passed untouched */
+	FANOUT_VERDICT_MALFORMED = 8,
+	FANOUT_VERDICT_COUNT = 9,
+};
+
+/* Key of the listeners map: destination address and port as they lie in the packet. An
+ * unspecified address (all zero) matches every destination address of that family. */
+struct fanout_listener_key {
+	__u32 addr[4];   /* IPv4: addr[0], the rest 0 */
+	__u16 port;      /* network order */
+	__u8 family;     /* AF_INET or AF_INET6 */
+	__u8 pad;
+};
+
+/* Value of the listeners map. The program reads the backend set at key id*2 + generation:
+ * userspace writes the other generation and then flips this value, so a packet sees either
+ * the old set or the new one, never a mix. */
+struct fanout_listener {
+	__u32 id;         /* < FANOUT_MAX_LISTENERS: stats key, and set key / 2 */
+	__u32 generation; /* 0 or 1 */
+	__u32 policy;     /* enum fanout_policy */
+	__u32 reserved;
+};
+
+struct fanout_backend {
+	__u32 addr[4];      /* network order; IPv4: addr[0] */
+	__u16 port;         /* network order */
+	__u16 counter_slot; /* < FANOUT_MAX_BACKENDS: the backend stats key is id*MAX + slot */
+};
+
+/* One generation of a listener's backends. */
+struct fanout_set {
+	__u32 count;        /* backends in use */
+	__u32 rotation_len; /* entries of rotation in use (0: no backend has a weight) */
+	__u32 table_size;   /* entries of table in use (0: no table) */
+	__u32 seed;         /* source hash seed */
+	struct fanout_backend backends[FANOUT_MAX_BACKENDS];
+	__u16 rotation[FANOUT_ROTATION_MAX]; /* backend indexes, smooth weighted round robin */
+	__u16 table[FANOUT_TABLE_SIZE];      /* backend indexes, Maglev */
+};
+
+/* A datagram in fragments: its first fragment's choice, found again by source, destination
+ * and IP identification. */
+struct fanout_fragment_key {
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u32 id;        /* IPv4: 16 bits; IPv6: the fragment header's 32 bits */
+	__u8 family;
+	__u8 pad[3];
+};
+
+struct fanout_fragment {
+	struct fanout_backend backend;
+	__u32 listener_id;
+};
+
+/* Per-CPU counters of one listener. */
+struct fanout_stats {
+	__u64 received;
+	__u64 bytes_received;
+	__u64 bytes_forwarded;
+	__u64 verdicts[FANOUT_VERDICT_COUNT];
+};
+
+/* Per-CPU counters of one backend slot of one listener. */
+struct fanout_backend_stats {
+	__u64 packets;
+	__u64 bytes;
+};
+
+#endif /* FANOUT_TC_SHARED_H */

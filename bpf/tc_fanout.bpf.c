@@ -1,0 +1,454 @@
+// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+/*
+ * tc ingress program of udp-fanout's tc_ebpf mode: each UDP datagram to a listener's address
+ * and port goes to one of the listener's backends, rewritten and redirected in the kernel.
+ *
+ * Parse Ethernet (one 802.1Q/802.1ad tag), IPv4 (with options) or IPv6 (with extension
+ * headers), UDP. Match the destination against the listeners map (exact address first, then
+ * the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
+ * Maglev table. Look up the route to the backend (bpf_fib_lookup), then rewrite destination
+ * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
+ * decrement TTL / hop limit, and redirect. The source address is not touched.
+ *
+ * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
+ * later fragments follow it, so a datagram is reassembled whole at one backend.
+ *
+ * Everything that is not a datagram for a listener passes untouched. Every other outcome is a
+ * counted verdict (enum fanout_verdict).
+ */
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "rplb_shared.h"
+#include "fanout_tc_shared.h"
+
+#define AF_INET 2
+#define AF_INET6 10
+#define IPPROTO_UDP 17
+#define IPV6_FRAGMENT 44
+#define ETH_P_8021Q_ 0x8100
+#define ETH_P_8021AD_ 0x88A8
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, struct fanout_listener_key);
+	__type(value, struct fanout_listener);
+} FANOUT_MAP_LISTENERS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS * 2);
+	__type(key, __u32);
+	__type(value, struct fanout_set);
+} FANOUT_MAP_SETS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__type(value, __u32);
+} FANOUT_MAP_RR SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, FANOUT_FRAGMENT_ENTRIES);
+	__type(key, struct fanout_fragment_key);
+	__type(value, struct fanout_fragment);
+} FANOUT_MAP_FRAGMENTS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS + 1);
+	__type(key, __u32);
+	__type(value, struct fanout_stats);
+} FANOUT_MAP_STATS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS * FANOUT_MAX_BACKENDS);
+	__type(key, __u32);
+	__type(value, struct fanout_backend_stats);
+} FANOUT_MAP_BACKEND_STATS SEC(".maps");
+
+/* What the parser found. Offsets are from the start of the frame. */
+struct packet {
+	__u32 l3;          /* network header */
+	__u32 l4;          /* UDP header (first fragments and whole datagrams) */
+	__u32 length;      /* L3 length (IPv4 total length, IPv6 payload + 40) */
+	__u8 family;
+	__u8 hop_limit;
+	__u8 tagged;       /* an 802.1Q/802.1ad tag in the frame data */
+	__u8 has_udp;      /* the UDP header is in this packet */
+	__u8 fragment;     /* part of a fragmented datagram */
+	__u8 first;        /* the first fragment (offset 0) */
+	__u16 dport;       /* network order */
+	__u16 sport;       /* network order */
+	__u32 id;          /* fragment identification */
+	__u32 saddr[4];
+	__u32 daddr[4];
+};
+
+enum parsed {
+	PARSED_OK,
+	PARSED_OTHER,     /* not IP, not UDP: not ours */
+	PARSED_MALFORMED, /* IP whose headers end early or are invalid */
+};
+
+static __always_inline void count(__u32 key, __u32 verdict, __u64 bytes_forwarded)
+{
+	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &key);
+	if (!stats || verdict >= FANOUT_VERDICT_COUNT)
+		return;
+	stats->verdicts[verdict]++;
+	stats->bytes_forwarded += bytes_forwarded;
+}
+
+static __always_inline enum parsed parse_ipv4(void *data, void *end, struct packet *p)
+{
+	__u8 *ip = data + p->l3;
+	if ((void *)(ip + 20) > end)
+		return PARSED_MALFORMED;
+	__u32 ihl = (ip[0] & 0x0f) * 4;
+	if ((ip[0] >> 4) != 4 || ihl < 20)
+		return PARSED_MALFORMED;
+	if (ip[9] != IPPROTO_UDP)
+		return PARSED_OTHER;
+	p->family = AF_INET;
+	p->length = ((__u32)ip[2] << 8) | ip[3];
+	p->hop_limit = ip[8];
+	p->id = ((__u32)ip[4] << 8) | ip[5];
+	__u16 frag = ((__u16)(ip[6] & 0x3f) << 8) | ip[7]; /* MF + offset */
+	p->fragment = frag != 0;
+	p->first = (frag & 0x1fff) == 0;
+	__builtin_memcpy(&p->saddr[0], ip + 12, 4);
+	__builtin_memcpy(&p->daddr[0], ip + 16, 4);
+	p->l4 = p->l3 + ihl;
+	if (p->length < ihl)
+		return PARSED_MALFORMED;
+	return PARSED_OK;
+}
+
+static __always_inline enum parsed parse_ipv6(void *data, void *end, struct packet *p)
+{
+	__u8 *ip = data + p->l3;
+	if ((void *)(ip + 40) > end)
+		return PARSED_MALFORMED;
+	if ((ip[0] >> 4) != 6)
+		return PARSED_MALFORMED;
+	p->family = AF_INET6;
+	p->length = (((__u32)ip[4] << 8) | ip[5]) + 40;
+	p->hop_limit = ip[7];
+	__builtin_memcpy(p->saddr, ip + 8, 16);
+	__builtin_memcpy(p->daddr, ip + 24, 16);
+	__u8 next = ip[6];
+	__u32 offset = p->l3 + 40;
+	p->first = 1;
+	/* Extension headers: hop-by-hop, routing, destination options, fragment. */
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		if (next == IPPROTO_UDP)
+			break;
+		__u8 *ext = data + offset;
+		if (next == IPV6_FRAGMENT) {
+			if ((void *)(ext + 8) > end)
+				return PARSED_MALFORMED;
+			__u16 frag = ((__u16)ext[2] << 8) | ext[3];
+			p->fragment = 1;
+			p->first = (frag & 0xfff8) == 0;
+			__builtin_memcpy(&p->id, ext + 4, 4);
+			next = ext[0];
+			offset += 8;
+			if (!p->first)
+				break;
+			continue;
+		}
+		if (next != 0 && next != 43 && next != 60)
+			return PARSED_OTHER;
+		if ((void *)(ext + 2) > end)
+			return PARSED_MALFORMED;
+		next = ext[0];
+		offset += ((__u32)ext[1] + 1) * 8;
+	}
+	if (next != IPPROTO_UDP)
+		return PARSED_OTHER;
+	p->l4 = offset;
+	return PARSED_OK;
+}
+
+static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return PARSED_OTHER;
+	__u16 proto = eth->h_proto;
+	p->l3 = sizeof(*eth);
+	if (proto == bpf_htons(ETH_P_8021Q_) || proto == bpf_htons(ETH_P_8021AD_)) {
+		__u8 *tag = data + sizeof(*eth);
+		if ((void *)(tag + 4) > end)
+			return PARSED_OTHER;
+		proto = *(__u16 *)(tag + 2);
+		p->l3 += 4;
+		p->tagged = 1;
+	}
+	enum parsed result;
+	if (proto == bpf_htons(ETH_P_IP))
+		result = parse_ipv4(data, end, p);
+	else if (proto == bpf_htons(ETH_P_IPV6))
+		result = parse_ipv6(data, end, p);
+	else
+		return PARSED_OTHER;
+	if (result != PARSED_OK)
+		return result;
+	if (!p->first)
+		return PARSED_OK;
+	/* The UDP header: in every whole datagram and first fragment. */
+	if (p->l4 > 0xffff)
+		return PARSED_MALFORMED;
+	__u8 *udp = data + p->l4;
+	if ((void *)(udp + 8) > end)
+		return PARSED_MALFORMED;
+	p->sport = *(__u16 *)udp;
+	p->dport = *(__u16 *)(udp + 2);
+	p->has_udp = 1;
+	return PARSED_OK;
+}
+
+static __always_inline struct fanout_listener *find_listener(struct packet *p)
+{
+	struct fanout_listener_key key = {};
+	key.family = p->family;
+	key.port = p->dport;
+	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
+	struct fanout_listener *listener = bpf_map_lookup_elem(&FANOUT_MAP_LISTENERS, &key);
+	if (listener)
+		return listener;
+	__builtin_memset(key.addr, 0, sizeof(key.addr));
+	return bpf_map_lookup_elem(&FANOUT_MAP_LISTENERS, &key);
+}
+
+/* The backend for this packet, copied out of the set, or 0 if none. */
+static __always_inline int choose(struct fanout_listener *listener, struct packet *p,
+				  struct fanout_backend *chosen)
+{
+	__u32 set_key = listener->id * 2 + (listener->generation & 1);
+	struct fanout_set *set = bpf_map_lookup_elem(&FANOUT_MAP_SETS, &set_key);
+	if (!set)
+		return 0;
+	__u32 index;
+	if (listener->policy == FANOUT_POLICY_SOURCE_IP) {
+		__u32 size = set->table_size;
+		if (size == 0 || size > FANOUT_TABLE_SIZE)
+			return 0;
+		__u32 hash = rplb_source_hash(p->saddr, p->family == AF_INET ? 1 : 4, 0, set->seed, 0);
+		__u32 position = rplb_reduce(hash, size);
+		if (position >= FANOUT_TABLE_SIZE)
+			return 0;
+		index = set->table[position];
+	} else {
+		__u32 key = listener->id;
+		__u32 *next = bpf_map_lookup_elem(&FANOUT_MAP_RR, &key);
+		__u32 length = set->rotation_len;
+		if (!next || length == 0 || length > FANOUT_ROTATION_MAX)
+			return 0;
+		__u32 position = *next;
+		if (position >= length)
+			position = 0;
+		*next = position + 1;
+		if (position >= FANOUT_ROTATION_MAX)
+			return 0;
+		index = set->rotation[position];
+	}
+	if (index >= set->count || index >= FANOUT_MAX_BACKENDS)
+		return 0;
+	*chosen = set->backends[index];
+	return 1;
+}
+
+/* Writes the new destination, fixes the checksums, decrements TTL / hop limit. */
+static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to)
+{
+	__u64 l4_flags = BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0;
+	__u32 csum = p->l4 + 6;
+	if (p->family == AF_INET) {
+		__u32 old_addr = p->daddr[0], new_addr = to->addr[0];
+		__u16 old_word = bpf_htons(((__u16)p->hop_limit << 8) | IPPROTO_UDP);
+		__u16 new_word = bpf_htons(((__u16)(p->hop_limit - 1) << 8) | IPPROTO_UDP);
+		__u8 ttl = p->hop_limit - 1;
+		if (p->has_udp &&
+		    bpf_l4_csum_replace(skb, csum, old_addr, new_addr, l4_flags | sizeof(new_addr)))
+			return -1;
+		if (bpf_l3_csum_replace(skb, p->l3 + 10, old_addr, new_addr, sizeof(new_addr)) ||
+		    bpf_l3_csum_replace(skb, p->l3 + 10, old_word, new_word, sizeof(new_word)) ||
+		    bpf_skb_store_bytes(skb, p->l3 + 16, &new_addr, sizeof(new_addr), 0) ||
+		    bpf_skb_store_bytes(skb, p->l3 + 8, &ttl, 1, 0))
+			return -1;
+	} else {
+		if (p->has_udp) {
+			__s64 diff = bpf_csum_diff(p->daddr, 16, to->addr, 16, 0);
+			if (diff < 0 || bpf_l4_csum_replace(skb, csum, 0, diff, l4_flags))
+				return -1;
+		}
+		__u8 hops = p->hop_limit - 1;
+		if (bpf_skb_store_bytes(skb, p->l3 + 24, to->addr, 16, 0) ||
+		    bpf_skb_store_bytes(skb, p->l3 + 7, &hops, 1, 0))
+			return -1;
+	}
+	if (p->has_udp && to->port != p->dport) {
+		if (bpf_l4_csum_replace(skb, csum, p->dport, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)) ||
+		    bpf_skb_store_bytes(skb, p->l4 + 2, &to->port, sizeof(to->port), 0))
+			return -1;
+	}
+	return 0;
+}
+
+SEC("tc")
+int FANOUT_PROG_TC(struct __sk_buff *skb)
+{
+	struct packet p = {};
+	enum parsed parsed = parse(skb, &p);
+	if (parsed == PARSED_OTHER)
+		return TC_ACT_OK;
+	if (parsed == PARSED_MALFORMED) {
+		count(FANOUT_UNMATCHED_STATS, FANOUT_VERDICT_MALFORMED, 0);
+		return TC_ACT_OK;
+	}
+
+	struct fanout_fragment_key fragment_key = {};
+	if (p.fragment) {
+		__builtin_memcpy(fragment_key.saddr, p.saddr, sizeof(p.saddr));
+		__builtin_memcpy(fragment_key.daddr, p.daddr, sizeof(p.daddr));
+		fragment_key.id = p.id;
+		fragment_key.family = p.family;
+	}
+
+	struct fanout_backend backend;
+	__u32 id;
+	if (p.has_udp) {
+		struct fanout_listener *listener = find_listener(&p);
+		if (!listener)
+			return TC_ACT_OK;
+		id = listener->id;
+		if (id >= FANOUT_MAX_LISTENERS)
+			return TC_ACT_OK;
+		if (!choose(listener, &p, &backend)) {
+			struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
+			if (stats) {
+				stats->received++;
+				stats->bytes_received += skb->len;
+				stats->verdicts[FANOUT_VERDICT_NO_BACKEND]++;
+			}
+			return TC_ACT_SHOT;
+		}
+		if (p.fragment) {
+			struct fanout_fragment remembered = { .backend = backend, .listener_id = id };
+			bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
+		}
+	} else {
+		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
+		if (!remembered) {
+			count(FANOUT_UNMATCHED_STATS, FANOUT_VERDICT_FRAGMENT_UNTRACKED, 0);
+			return TC_ACT_OK;
+		}
+		backend = remembered->backend;
+		id = remembered->listener_id;
+		if (id >= FANOUT_MAX_LISTENERS)
+			return TC_ACT_OK;
+	}
+
+	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
+	if (!stats)
+		return TC_ACT_OK;
+	stats->received++;
+	stats->bytes_received += skb->len;
+
+	__u32 verdict;
+	if (p.hop_limit <= 1) {
+		stats->verdicts[FANOUT_VERDICT_TTL_EXPIRED]++;
+		return TC_ACT_SHOT;
+	}
+
+	struct bpf_fib_lookup fib = {};
+	fib.family = p.family;
+	fib.l4_protocol = IPPROTO_UDP;
+	fib.sport = p.sport;
+	fib.dport = backend.port;
+	/* tot_len 0: the kernel checks the frame against the egress MTU itself, GSO-aware. */
+	fib.ifindex = skb->ifindex;
+	if (p.family == AF_INET) {
+		fib.ipv4_src = p.saddr[0];
+		fib.ipv4_dst = backend.addr[0];
+	} else {
+		__builtin_memcpy(fib.ipv6_src, p.saddr, 16);
+		__builtin_memcpy(fib.ipv6_dst, backend.addr, 16);
+	}
+	long route = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (route == BPF_FIB_LKUP_RET_SUCCESS)
+		verdict = FANOUT_VERDICT_FORWARDED;
+	else if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
+		verdict = FANOUT_VERDICT_FORWARDED_NEIGH;
+	else if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		verdict = FANOUT_VERDICT_TOO_LARGE;
+	else
+		verdict = FANOUT_VERDICT_NO_ROUTE;
+	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
+		stats->verdicts[verdict]++;
+		return TC_ACT_SHOT;
+	}
+
+	/* A tag in the frame or in skb metadata belongs to the ingress link, not the egress. */
+	if (p.tagged || skb->vlan_present) {
+		if (bpf_skb_vlan_pop(skb) < 0)
+			goto failed;
+		if (p.tagged) {
+			p.l3 -= 4;
+			p.l4 -= 4;
+		}
+		if (p.tagged && skb->vlan_present && bpf_skb_vlan_pop(skb) < 0)
+			goto failed;
+	}
+	if (rewrite(skb, &p, &backend) < 0)
+		goto failed;
+
+	long redirected;
+	if (verdict == FANOUT_VERDICT_FORWARDED) {
+		if (bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
+		    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
+			goto failed;
+		redirected = bpf_redirect(fib.ifindex, 0);
+	} else {
+		struct bpf_redir_neigh neighbour = {};
+		if (p.family == AF_INET) {
+			neighbour.nh_family = AF_INET;
+			neighbour.ipv4_nh = fib.ipv4_dst;
+		} else {
+			neighbour.nh_family = AF_INET6;
+			__builtin_memcpy(neighbour.ipv6_nh, fib.ipv6_dst, 16);
+		}
+		redirected = bpf_redirect_neigh(fib.ifindex, &neighbour, sizeof(neighbour), 0);
+	}
+	if (redirected != TC_ACT_REDIRECT)
+		goto failed;
+	stats->verdicts[verdict]++;
+	stats->bytes_forwarded += skb->len;
+	__u32 slot = backend.counter_slot;
+	if (slot < FANOUT_MAX_BACKENDS) {
+		__u32 key = id * FANOUT_MAX_BACKENDS + slot;
+		struct fanout_backend_stats *per_backend = bpf_map_lookup_elem(&FANOUT_MAP_BACKEND_STATS, &key);
+		if (per_backend) {
+			per_backend->packets++;
+			per_backend->bytes += skb->len;
+		}
+	}
+	return TC_ACT_REDIRECT;
+
+failed:
+	stats->verdicts[FANOUT_VERDICT_REWRITE_FAILED]++;
+	return TC_ACT_SHOT;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
