@@ -90,7 +90,9 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
 
     static func hook(_ ifindex: Int32) -> bpf_tc_hook {
         var hook = bpf_tc_hook()
-        hook.sz = MemoryLayout<bpf_tc_hook>.size
+        // sz ends at the last field: libbpf rejects nonzero bytes past it, and Swift does not
+        // promise zeroed tail padding.
+        hook.sz = MemoryLayout<bpf_tc_hook>.offset(of: \.parent)! + MemoryLayout<UInt32>.size
         hook.ifindex = ifindex
         hook.attach_point = BPF_TC_INGRESS
         return hook
@@ -98,7 +100,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
 
     static func filterOptions(program: Int32 = 0) -> bpf_tc_opts {
         var options = bpf_tc_opts()
-        options.sz = MemoryLayout<bpf_tc_opts>.size
+        options.sz = MemoryLayout<bpf_tc_opts>.offset(of: \.priority)! + MemoryLayout<UInt32>.size
         options.handle = filterHandle
         options.priority = filterPriority
         options.prog_fd = program
@@ -119,7 +121,9 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         // Recorded before the filter exists: a crash right after still lets the next run
         // remove the qdisc it made.
         writeState(lockPath, createdQdisc: created)
+        // Replace: a crashed run's filter (checked to be ours) is swapped in one step.
         var options = filterOptions(program: program)
+        options.flags = UInt32(BPF_TC_F_REPLACE.rawValue)
         do {
             try libbpfCall("bpf_tc_attach ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority)") { bpf_tc_attach(&hook, &options) }
         } catch {

@@ -1,0 +1,98 @@
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A routed test topology in network namespaces this process creates (addresses from
+/// 198.18.0.0/15 and 2001:db8::/32 only):
+///
+///     client 198.18.0.2 ── 198.18.0.1 proxy 198.18.N.1 ── 198.18.N.2 backend N   (N = 1...)
+///            2001:db8::2     2001:db8::1    2001:db8:N::1    2001:db8:N::2
+///
+/// The proxy forwards (IPv4 and IPv6), the client's and backends' default routes point at it,
+/// and every neighbour is resolved up front. Names carry a random suffix so runs cannot
+/// collide; `destroy()` (also on deinit) deletes the namespaces, and with them the veths.
+public final class Topology {
+    public let suffix: String
+    public let client: String
+    public let proxy: String
+    public let backends: [String]
+    /// The proxy's interface toward the client (where tc_ebpf attaches).
+    public let proxyInterface: String
+    private var destroyed = false
+    static let ip = "/usr/sbin/ip"
+
+    public init(backends count: Int, mtu: Int = 1500) throws {
+        let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
+        self.suffix = suffix
+        client = "tcc-\(suffix)"
+        proxy = "tcp-\(suffix)"
+        backends = (1...count).map { "tcb\($0)-\(suffix)" }
+        proxyInterface = "pc\(suffix.prefix(8))"
+        for namespace in [client, proxy] + backends {
+            try Self.ip(["netns", "add", namespace])
+            try Self.ip(["-n", namespace, "link", "set", "lo", "up"])
+        }
+        try Self.ip(["link", "add", "cp\(suffix.prefix(8))", "netns", client, "mtu", "\(mtu)", "type", "veth",
+                     "peer", "name", proxyInterface, "netns", proxy, "mtu", "\(mtu)"])
+        try link(client, "cp\(suffix.prefix(8))", v4: "198.18.0.2/24", v6: "2001:db8::2/64")
+        try link(proxy, proxyInterface, v4: "198.18.0.1/24", v6: "2001:db8::1/64")
+        try Self.ip(["-n", client, "route", "add", "default", "via", "198.18.0.1"])
+        try Self.ip(["-n", client, "-6", "route", "add", "default", "via", "2001:db8::1"])
+        for (index, backend) in backends.enumerated() {
+            let n = index + 1
+            let (outer, inner) = ("pb\(n)\(suffix.prefix(7))", "b\(n)\(suffix.prefix(8))")
+            try Self.ip(["link", "add", outer, "netns", proxy, "mtu", "\(mtu)", "type", "veth", "peer", "name", inner, "netns", backend, "mtu", "\(mtu)"])
+            try link(proxy, outer, v4: "198.18.\(n).1/24", v6: "2001:db8:\(n)::1/64")
+            try link(backend, inner, v4: "198.18.\(n).2/24", v6: "2001:db8:\(n)::2/64")
+            try Self.ip(["-n", backend, "route", "add", "default", "via", "198.18.\(n).1"])
+            try Self.ip(["-n", backend, "-6", "route", "add", "default", "via", "2001:db8:\(n)::1"])
+        }
+        for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
+            try exec(proxy, ["/usr/sbin/sysctl", "-q", "-w", setting])
+        }
+        // Neighbours resolved up front: while unresolved the kernel queues only a few packets.
+        for n in 0...count {
+            try exec(proxy, ["ping", "-c", "1", "-W", "3", "198.18.\(n).2"])
+            try exec(proxy, ["ping", "-6", "-c", "1", "-W", "3", "2001:db8:\(n == 0 ? "" : "\(n):"):2"])
+        }
+    }
+
+    deinit { destroy() }
+
+    public func destroy() {
+        guard !destroyed else { return }
+        destroyed = true
+        for namespace in [client, proxy] + backends { _ = try? run(Self.ip, ["netns", "delete", namespace]) }
+    }
+
+    /// The prefix that runs a command in `namespace`.
+    public func prefix(_ namespace: String) -> [String] {
+        ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+    }
+
+    /// Runs a command in `namespace`; throws with its output if it fails.
+    @discardableResult
+    public func exec(_ namespace: String, _ command: [String]) throws -> String {
+        let result = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--"] + command)
+        try #require(result.status == 0, "\(command.joined(separator: " ")) in \(namespace): \(result.output)")
+        return result.output
+    }
+
+    /// Backend N's IPv4 / IPv6 address (N from 1).
+    public static func backendIPv4(_ n: Int) -> String { "198.18.\(n).2" }
+    public static func backendIPv6(_ n: Int) -> String { "2001:db8:\(n)::2" }
+
+    private func link(_ namespace: String, _ name: String, v4: String, v6: String) throws {
+        try Self.ip(["-n", namespace, "addr", "add", v4, "dev", name])
+        try Self.ip(["-n", namespace, "-6", "addr", "add", v6, "dev", name, "nodad"])
+        try Self.ip(["-n", namespace, "link", "set", name, "up"])
+    }
+
+    static func ip(_ arguments: [String]) throws {
+        let result = try run(ip, arguments)
+        try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+    }
+}

@@ -1,0 +1,243 @@
+import Foundation
+import Testing
+import TestSupport
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// tc_ebpf end to end: a client namespace sends to the listener in the proxy namespace, where
+/// udp-fanout attaches; three backend namespaces receive. Addresses from 198.18.0.0/15 and
+/// 2001:db8::/32, in namespaces each test creates and deletes.
+@Suite("tc_ebpf end to end in namespaces", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TCEndToEndTests {
+    static let port = 6000
+
+    /// A config with one tc_ebpf listener on the proxy's client-facing interface.
+    static func config(_ topology: Topology, backends: [Int], balancing: String = "round_robin", attach: String = "auto",
+                       ipv6: Bool = false, metricsPort: Int = 9464) -> String {
+        let downstreams = backends.map { n in
+            let address = ipv6 ? "[\(Topology.backendIPv6(n))]:\(port)" : "\(Topology.backendIPv4(n)):\(port)"
+            return "      - {name: b\(n), address: \"\(address)\"}"
+        }.joined(separator: "\n")
+        return """
+            listeners:
+              - name: tc
+                bind: "\(ipv6 ? "[2001:db8::1]" : "198.18.0.1"):5514"
+                interface: \(topology.proxyInterface)
+                mode: tc_ebpf
+                balancing: \(balancing)
+                settings: {tc_attach: \(attach)}
+                downstream:
+            \(downstreams)
+            metrics: {enabled: true, bind: "127.0.0.1:\(metricsPort)"}
+            """
+    }
+
+    static func write(_ text: String, _ name: String) throws -> URL {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("\(name)-\(UUID().uuidString).yaml")
+        try text.write(to: file, atomically: true, encoding: .utf8)
+        return file
+    }
+
+    /// One collector per backend namespace on the backend's address.
+    static func collectors(_ topology: Topology, ipv6: Bool = false) throws -> [Child] {
+        try topology.backends.enumerated().map { index, namespace in
+            let address = ipv6 ? Topology.backendIPv6(index + 1) : Topology.backendIPv4(index + 1)
+            let child = try Child("collector", [address, "\(port)", "0", "1", "--rcvbuf", "8388608"], prefix: topology.prefix(namespace))
+            try child.waitFor("ready")
+            return child
+        }
+    }
+
+    static func metrics(_ topology: Topology, port: Int = 9464) throws -> String {
+        try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(port)/metrics"])
+    }
+
+    /// Nothing of ours is left: no program named fanout_tc loaded, no filter or tcx link on the
+    /// interface, no lock file.
+    static func expectNothingLeft(_ topology: Topology) throws {
+        let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+        #expect(!programs.contains("fanout_tc"), "a fanout_tc program is still loaded: \(programs)")
+        let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
+        #expect(filters.isEmpty, "tc filter show: \(filters)")
+        let net = try topology.exec(topology.proxy, ["/usr/sbin/bpftool", "net", "show", "dev", topology.proxyInterface])
+        #expect(!net.contains("fanout_tc"), "bpftool net show: \(net)")
+        let locks = (try? FileManager.default.contentsOfDirectory(atPath: "/run/udp-fanout")) ?? []
+        #expect(!locks.contains { $0.contains(topology.proxyInterface) }, "lock files: \(locks)")
+    }
+
+    static func forwardedCounts(_ topology: Topology) throws -> (total: Int, b1: Int, b2: Int, b3: Int) {
+        let text = try metrics(topology)
+        func value(_ prefix: String, _ filter: String) -> Int {
+            let line = text.split(separator: "\n").first { $0.hasPrefix(prefix) && $0.contains(filter) }
+            return line.flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? -1
+        }
+        let series = "udp_fanout_downstream_packets_forwarded_total"
+        return (value("udp_fanout_packets_forwarded_total", "listener=\"tc\""),
+                value(series, "downstream=\"b1\""), value(series, "downstream=\"b2\""), value(series, "downstream=\"b3\""))
+    }
+
+    static func received(_ reports: [[String: Any]]) -> [Int] { reports.map { $0.int("received") } }
+
+    @Test("IPv4 round robin: each datagram at exactly one backend with the client's source address, evenly; SIGTERM leaves nothing")
+    func roundRobinIPv4() throws {
+        let topology = try Topology(backends: 3)
+        let collectors = try Self.collectors(topology)
+        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-rr")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        let metrics = try Self.metrics(topology)
+        #expect(metrics.contains("udp_fanout_packets_received_total{listener=\"tc\",mode=\"tc_ebpf\"} 3000"), "\(metrics)")
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} 3000"), "\(metrics)")
+        for n in 1...3 {
+            let line = metrics.split(separator: "\n").first { $0.hasPrefix("udp_fanout_downstream_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\",downstream=\"b\(n)\"}") }
+            #expect(line != nil, "per-downstream series for b\(n): \(metrics)")
+        }
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        #expect(daemon.stderr.contains("detached tc_ebpf program"))
+        try Self.expectNothingLeft(topology)
+        let reports = try collectors.map { try $0.stop() }
+        let counts = Self.received(reports)
+        #expect(counts.reduce(0, +) == 3000, "every datagram delivered once: \(counts)")
+        // Per-CPU rotations: each backend within the number of CPUs of an exact third.
+        #expect(counts.allSatisfy { abs($0 - 1000) <= 8 }, "round robin evenness: \(counts)")
+        for report in reports {
+            let sources = report.object("sources")
+            #expect(Array(sources.keys) == ["198.18.0.2"], "client source address preserved: \(sources.keys)")
+            #expect(report.int("foreign") == 0)
+        }
+    }
+
+    @Test("IPv6 source_ip: every source to one backend, source addresses preserved")
+    func sourceIPv6() throws {
+        let topology = try Topology(backends: 3)
+        for n in 16..<48 {
+            try topology.exec(topology.client, ["/usr/sbin/ip", "-6", "addr", "add", "2001:db8::\(String(n, radix: 16))/64", "dev", "cp\(topology.suffix.prefix(8))", "nodad"])
+        }
+        let collectors = try Self.collectors(topology, ipv6: true)
+        let file = try Self.write(Self.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        let publisher = try Child("publisher", ["2001:db8::1", "5514", "3200", "--sources", "2001:db8::10-2001:db8::2f", "--rate", "20000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0, "\(publisher.stderr)")
+        usleep(300_000)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try Self.expectNothingLeft(topology)
+        let reports = try collectors.map { try $0.stop() }
+        #expect(Self.received(reports).reduce(0, +) == 3200, "\(Self.received(reports))")
+        var owner: [String: Int] = [:]
+        for (index, report) in reports.enumerated() {
+            for source in report.object("sources").keys {
+                #expect(owner[source] == nil, "source \(source) reached two backends")
+                owner[source] = index
+            }
+        }
+        #expect(owner.count == 32, "32 client sources seen: \(owner.keys.sorted())")
+        #expect(Set(owner.values).count == 3, "sources spread over all backends")
+    }
+
+    @Test("Fragmented datagrams (3000 bytes over a 1500 MTU) are reassembled whole at one backend")
+    func fragments() throws {
+        let topology = try Topology(backends: 3)
+        let collectors = try Self.collectors(topology)
+        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-frag")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        let metrics = try Self.metrics(topology)
+        // 3 fragments per datagram, each counted.
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} 1800"), "\(metrics)")
+        #expect(metrics.contains("udp_fanout_tc_unmatched_packets_total{reason=\"fragment_untracked\"} 0"), "\(metrics)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let reports = try collectors.map { try $0.stop() }
+        #expect(Self.received(reports).reduce(0, +) == 600, "\(Self.received(reports))")
+        #expect(reports.map { $0.int("bytes") }.reduce(0, +) == 600 * 3000, "every datagram whole")
+        #expect(Self.received(reports).allSatisfy { $0 >= 190 }, "round robin over datagrams: \(Self.received(reports))")
+    }
+
+    @Test("Backend set changed live by SIGHUP: no datagram lost, the removed backend stops receiving")
+    func liveChange() throws {
+        let topology = try Topology(backends: 3)
+        let collectors = try Self.collectors(topology)
+        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-live")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        let total = 30000
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--rate", "15000", "--batch", "8"], prefix: topology.prefix(topology.client))
+        usleep(500_000)
+        try Self.config(topology, backends: [1, 2]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        usleep(400_000)
+        // While b3 is out, everything forwarded goes to b1 and b2 (one scrape is not atomic
+        // at 15k/s: a few packets of slack).
+        let before = try Self.forwardedCounts(topology)
+        usleep(400_000)
+        let after = try Self.forwardedCounts(topology)
+        #expect(before.b3 == -1 && after.b3 == -1, "b3 has left /metrics")
+        #expect(after.total - before.total > 3000, "still forwarding: \(before) \(after)")
+        #expect(abs((after.total - before.total) - (after.b1 - before.b1) - (after.b2 - before.b2)) <= 60,
+                "everything forwarded went to b1 and b2: \(before) \(after)")
+        try Self.config(topology, backends: [1, 2, 3]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        #expect(daemon.stderr.contains("updated tc_ebpf downstream set"))
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let reports = try collectors.map { try $0.stop() }
+        let counts = Self.received(reports)
+        #expect(counts.reduce(0, +) == total, "no datagram lost across two reloads: \(counts)")
+        #expect(counts[2] < counts[0] - 1000, "b3 missed the removed period: \(counts)")
+    }
+
+    @Test("clsact fallback, kill -9, restart: the leftover filter is removed, and SIGTERM leaves nothing")
+    func crashAndRestart() throws {
+        let topology = try Topology(backends: 1)
+        let collectors = try Self.collectors(topology)
+        for attach in ["clsact", "tcx"] {
+            let file = try Self.write(Self.config(topology, backends: [1], attach: attach), "tc-crash")
+            defer { try? FileManager.default.removeItem(at: file) }
+            let first = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+            try first.waitFor("registered listener in eBPF map")
+            #expect(first.stderr.contains("attach=\(attach)"), "\(first.stderr)")
+            if attach == "clsact" {
+                let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
+                #expect(filters.contains("fanout_tc"), "our filter is listed: \(filters)")
+            }
+            first.signal(SIGKILL)
+            first.wait()
+            if attach == "tcx" {
+                // The link died with the process: nothing to clean even before a restart.
+                let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+                #expect(!programs.contains("fanout_tc"), "tcx link outlived kill -9: \(programs)")
+            }
+            let second = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+            try second.waitFor("registered listener in eBPF map")
+            let publisher = try Child("publisher", ["198.18.0.1", "5514", "500", "--rate", "10000"], prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0)
+            usleep(200_000)
+            second.signal(SIGTERM)
+            #expect(second.wait() == 0)
+            try Self.expectNothingLeft(topology)
+            let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
+            #expect(!qdiscs.contains("clsact"), "the clsact qdisc we created is gone: \(qdiscs)")
+        }
+        let report = try collectors[0].stop()
+        #expect(report.int("received") == 1000, "500 per restarted run: \(report)")
+    }
+}
