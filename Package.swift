@@ -65,7 +65,7 @@ let package = Package(
         .testTarget(
             name: "FanoutTests",
             dependencies: [
-                "FanoutCore", "ReusePortLB", "TestSupport", "udp-fanout", "collector", "publisher",
+                "FanoutCore", "ReusePortLB", "TestSupport", "CLibBPF", "CSystemShim", "udp-fanout", "collector", "publisher",
                 .product(name: "Logging", package: "swift-log"),
             ]),
         .testTarget(

@@ -1,0 +1,458 @@
+import CLibBPF
+import CSystemShim
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The tc program under BPF_PROG_TEST_RUN, table-driven: verdict, rewritten bytes, checksums
+/// (recomputed here independently) and counters.
+///
+/// The fib lookup is made deterministic by running the program from a thread inside a network
+/// namespace this test creates: interface t0 with 198.18.200.1/24 and 2001:db8:200::1/64, a
+/// permanent neighbour .10 / ::10 (MAC 02:00:00:00:00:0a), no neighbour for .20, and no route
+/// to 198.19.99.0/24.
+@Suite("tc program under BPF_PROG_TEST_RUN", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TCProgramTests {
+    static let listenerV4 = SocketAddress("198.18.100.1:5514")!
+    static let listenerV6 = SocketAddress("[2001:db8:100::1]:5514")!
+    static let clientV4: [UInt8] = [198, 18, 50, 7]
+    static let clientV6 = IPAddress("2001:db8:50::7")!.bytes
+    static let neighbourMAC: [UInt8] = [2, 0, 0, 0, 0, 0x0a]
+
+    /// A namespace with the routes and neighbours above, and the program loaded with listeners:
+    /// 5514 (v4 and v6) round robin over three reachable backends; 5515 no backend; 5516 a
+    /// backend without a route; 5517 a backend without a neighbour entry.
+    final class Fixture {
+        let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        let program: TCProgram
+        var ifindex: Int32 = 0
+        var sourceMAC: [UInt8] = []
+        let namespaceFD: Int32
+
+        init() throws {
+            for arguments in [
+                ["netns", "add", namespace],
+                ["-n", namespace, "link", "add", "t0", "type", "veth", "peer", "name", "t1"],
+                ["-n", namespace, "addr", "add", "198.18.200.1/24", "dev", "t0"],
+                ["-n", namespace, "-6", "addr", "add", "2001:db8:200::1/64", "dev", "t0", "nodad"],
+                ["-n", namespace, "link", "set", "t0", "up"],
+                ["-n", namespace, "link", "set", "t1", "up"],
+                ["-n", namespace, "neigh", "add", "198.18.200.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+                ["-n", namespace, "-6", "neigh", "add", "2001:db8:200::10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+            ] {
+                let result = try run("/usr/sbin/ip", arguments)
+                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+            }
+            for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
+                _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", setting])
+            }
+            namespaceFD = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
+            program = try TCProgram()
+            // Packets arrive on t1; the backends are reached through t0.
+            func link(_ name: String) throws -> [String: Any] {
+                let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
+                return try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first)
+            }
+            ifindex = Int32(try link("t1").int("ifindex"))
+            sourceMAC = try #require(try link("t0")["address"] as? String).split(separator: ":").map { UInt8($0, radix: 16)! }
+            let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
+            let backendsV6 = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("[2001:db8:200::10]:\(6000 + $0)")!) }
+            let slots: [String: UInt16] = ["b1": 0, "b2": 1, "b3": 2]
+            try add(Fixture.listenerBind(5514), id: 0, BackendSet(downstreams: backends, balancing: .roundRobin, slots: slots))
+            try add(TCProgramTests.listenerV6, id: 1, BackendSet(downstreams: backendsV6, balancing: .roundRobin, slots: slots))
+            try add(Fixture.listenerBind(5515), id: 2, BackendSet(downstreams: [], balancing: .roundRobin, slots: [:]))
+            try add(Fixture.listenerBind(5516), id: 3, BackendSet(downstreams: [Downstream(name: "x", address: SocketAddress("198.19.99.1:7000")!)], balancing: .roundRobin, slots: ["x": 0]))
+            try add(Fixture.listenerBind(5517), id: 4, BackendSet(downstreams: [Downstream(name: "n", address: SocketAddress("198.18.200.20:7000")!)], balancing: .roundRobin, slots: ["n": 0]))
+        }
+
+        static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: TCProgramTests.listenerV4.ip, port: port) }
+
+        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet) throws {
+            program.resetListener(id: id)
+            try program.writeSet(id: id, generation: 0, set)
+            var entry = fanout_listener()
+            entry.id = id
+            entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+            try program.putListener(bind, entry)
+        }
+
+        deinit {
+            program.closeDescriptors()
+            close(namespaceFD)
+            _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
+        }
+
+        /// Runs the program once on `frame`, from a thread inside the namespace.
+        func execute(_ frame: [UInt8]) -> (verdict: UInt32, output: [UInt8]) {
+            let box = ResultBox()
+            let (program, fd, ifindex) = (self.program.program, namespaceFD, self.ifindex)
+            OSThread(name: "test-run") {
+                guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
+                var input = frame
+                var output = [UInt8](repeating: 0, count: 4096)
+                var context = __sk_buff()
+                context.ifindex = UInt32(ifindex)
+                var options = bpf_test_run_opts()
+                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+                let result = input.withUnsafeMutableBytes { inBytes in
+                    output.withUnsafeMutableBytes { outBytes in
+                        withUnsafeMutablePointer(to: &context) { contextPointer in
+                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                            options.data_size_in = UInt32(inBytes.count)
+                            options.data_out = outBytes.baseAddress
+                            options.data_size_out = UInt32(outBytes.count)
+                            options.ctx_in = UnsafeRawPointer(contextPointer)
+                            options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
+                            options.repeat = 1
+                            return bpf_prog_test_run_opts(program, &options)
+                        }
+                    }
+                }
+                box.set(result == 0 ? (options.retval, Array(output[0..<Int(options.data_size_out)])) : (UInt32.max - UInt32(-result), []))
+            }.join()
+            return box.value
+        }
+
+        func stats(_ id: UInt32) -> (received: UInt64, verdicts: [UInt64]) {
+            let stats = program.listenerStats(id: id)
+            return (stats.received, stats.verdicts)
+        }
+    }
+
+    final class ResultBox: @unchecked Sendable {
+        var value: (verdict: UInt32, output: [UInt8]) = (UInt32.max, [])
+        func set(_ value: (UInt32, [UInt8])) { self.value = value }
+    }
+
+    // MARK: cases
+
+    static let redirect: UInt32 = 7, ok: UInt32 = 0, shot: UInt32 = 2
+
+    struct Case: CustomStringConvertible, Sendable {
+        var name: String
+        var frame: @Sendable () -> [UInt8]
+        var verdict: UInt32
+        /// The counter expected to rise by one: (stats key, verdict); nil: no counter.
+        var counter: (UInt32, fanout_verdict)?
+        var description: String { name }
+    }
+
+    @Test("IPv4, IPv4 with options, IPv6, VLAN and zero checksum: rewritten, checksums valid, MACs from the fib, counted")
+    func forwarded() throws {
+        let fixture = try Fixture()
+        let cases: [(String, [UInt8], family: Int32, vlan: Bool, zeroChecksum: Bool)] = [
+            ("IPv4", Packet.ipv4(payload: Array(repeating: 0x41, count: 100)), AF_INET, false, false),
+            ("IPv4 with options", Packet.ipv4(payload: Array(repeating: 0x42, count: 57), options: [1, 1, 1, 0]), AF_INET, false, false),
+            ("IPv6", Packet.ipv6(payload: Array(repeating: 0x43, count: 99)), AF_INET6, false, false),
+            ("802.1Q", Packet.ipv4(payload: Array(repeating: 0x44, count: 64), vlan: 42), AF_INET, true, false),
+            ("zero UDP checksum", Packet.ipv4(payload: Array(repeating: 0x45, count: 64), zeroChecksum: true), AF_INET, false, true),
+        ]
+        var seenPorts = Set<UInt16>()
+        for (name, frame, family, vlan, zeroChecksum) in cases {
+            let id: UInt32 = family == AF_INET6 ? 1 : 0
+            let before = fixture.stats(id).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)]
+            let (verdict, output) = fixture.execute(frame)
+            #expect(verdict == Self.redirect, "\(name): verdict \(verdict)")
+            #expect(fixture.stats(id).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)] == before + 1, "\(name): counted forwarded")
+            let parsed = try #require(Packet.parse(output), "\(name): output parses")
+            #expect(output.count == frame.count - (vlan ? 4 : 0), "\(name): length (tag removed: \(vlan))")
+            #expect(!parsed.tagged, "\(name): no VLAN tag on egress")
+            #expect(Array(output[0..<6]) == Self.neighbourMAC, "\(name): destination MAC from the fib")
+            #expect(Array(output[6..<12]) == fixture.sourceMAC, "\(name): source MAC of the egress interface")
+            let original = try #require(Packet.parse(frame))
+            #expect(parsed.destination == (family == AF_INET ? [198, 18, 200, 10] : IPAddress("2001:db8:200::10")!.bytes), "\(name): destination rewritten")
+            #expect(parsed.source == original.source, "\(name): source untouched")
+            #expect((6001...6003).contains(parsed.destinationPort), "\(name): port of a backend")
+            seenPorts.insert(parsed.destinationPort)
+            #expect(parsed.hopLimit == original.hopLimit - 1, "\(name): TTL / hop limit decremented")
+            #expect(parsed.payload == original.payload, "\(name): payload untouched")
+            if family == AF_INET { #expect(Packet.ipv4HeaderValid(parsed), "\(name): IPv4 header checksum") }
+            if zeroChecksum {
+                #expect(parsed.udpChecksum == 0, "\(name): a zero UDP checksum stays zero")
+            } else {
+                #expect(Packet.udpChecksumValid(parsed), "\(name): UDP checksum")
+            }
+        }
+        #expect(seenPorts.count == 3, "round robin reached every backend")
+    }
+
+    @Test("Fragments: middle and last follow the first fragment's backend; an untracked fragment passes")
+    func fragments() throws {
+        let fixture = try Fixture()
+        let payload = (0..<2400).map { UInt8(truncatingIfNeeded: $0 * 7) }
+        let pieces = Packet.ipv4Fragments(payload: payload, id: 0x4242, pieceSize: 1000)
+        #expect(pieces.count == 3)
+        let (firstVerdict, first) = fixture.execute(pieces[0])
+        #expect(firstVerdict == Self.redirect)
+        let chosen = try #require(Packet.parse(first))
+        // Another datagram in between moves the rotation on.
+        #expect(fixture.execute(Packet.ipv4(payload: [1, 2, 3, 4])).verdict == Self.redirect)
+        for (index, piece) in pieces.enumerated().dropFirst() {
+            let (verdict, output) = fixture.execute(piece)
+            #expect(verdict == Self.redirect, "fragment \(index)")
+            let parsed = try #require(Packet.parse(output))
+            #expect(parsed.destination == chosen.destination, "fragment \(index) to the first's backend")
+            #expect(Packet.ipv4HeaderValid(parsed), "fragment \(index): IPv4 header checksum")
+            #expect(Array(output[parsed.l4...]) == Array(piece[(parsed.l4)...]), "fragment \(index): payload bytes untouched")
+        }
+        // The reassembled datagram's UDP checksum is valid for the new addresses and port.
+        var whole = Array(first[chosen.l4...])
+        for piece in pieces.dropFirst() { whole += piece[(Packet.ethernet + 20)...] }
+        #expect(Packet.udpChecksumValid(source: chosen.source, destination: chosen.destination, udp: whole), "reassembled UDP checksum")
+
+        let before = fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]
+        let stray = Packet.ipv4Fragments(payload: payload, id: 0x9999, pieceSize: 1000)[1]
+        let (verdict, output) = fixture.execute(stray)
+        #expect(verdict == Self.ok, "untracked fragment passes")
+        #expect(output == stray, "untracked fragment untouched")
+        #expect(fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == before + 1)
+
+        // IPv6: the fragment header's identification, same rule.
+        let pieces6 = Packet.ipv6Fragments(payload: payload, id: 0x0102_0304, pieceSize: 1000)
+        let (verdict6, first6) = fixture.execute(pieces6[0])
+        #expect(verdict6 == Self.redirect)
+        let chosen6 = try #require(Packet.parse(first6))
+        #expect(fixture.execute(Packet.ipv6(payload: [9, 9])).verdict == Self.redirect)
+        for piece in pieces6.dropFirst() {
+            let (verdict, output) = fixture.execute(piece)
+            #expect(verdict == Self.redirect)
+            #expect(Packet.parse(output)?.destination == chosen6.destination)
+        }
+    }
+
+    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter", arguments: [
+        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: ok, counter: nil),
+        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: ok, counter: nil),
+        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: ok, counter: nil),
+        // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
+        // cut headers are options and extension headers.
+        Case(name: "IPv4 options cut (IHL 15, frame ends after 24 bytes)", frame: {
+            var f = Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
+        }, verdict: ok,
+             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: ok,
+             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IPv6 extension header cut", frame: {
+            var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
+        }, verdict: ok,
+             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: ok,
+             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) }, verdict: shot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),
+        Case(name: "no route", frame: { Packet.ipv4(payload: [1, 2], port: 5516) }, verdict: shot, counter: (3, FANOUT_VERDICT_NO_ROUTE)),
+        Case(name: "no neighbour: bpf_redirect_neigh", frame: { Packet.ipv4(payload: [1, 2], port: 5517) }, verdict: redirect,
+             counter: (4, FANOUT_VERDICT_FORWARDED_NEIGH)),
+        Case(name: "TTL 1", frame: { Packet.ipv4(payload: [1, 2], ttl: 1) }, verdict: shot, counter: (0, FANOUT_VERDICT_TTL_EXPIRED)),
+    ])
+    func verdicts(_ test: Case) throws {
+        let fixture = try Fixture()
+        let frame = test.frame()
+        let before = test.counter.map { fixture.stats($0.0).verdicts[Int($0.1.rawValue)] }
+        let (verdict, output) = fixture.execute(frame)
+        #expect(verdict == test.verdict, "\(test.name): verdict \(verdict)")
+        if test.verdict == Self.ok { #expect(output == frame, "\(test.name): passed untouched") }
+        if let (key, counted) = test.counter {
+            #expect(fixture.stats(key).verdicts[Int(counted.rawValue)] == before! + 1, "\(test.name): counted")
+        } else {
+            for key in 0...UInt32(FANOUT_UNMATCHED_STATS) where key <= 4 || key == UInt32(FANOUT_UNMATCHED_STATS) {
+                #expect(fixture.stats(key).verdicts.reduce(0, +) == 0, "\(test.name): nothing counted")
+            }
+        }
+    }
+
+    @Test("source_ip: every packet of a source to the backend Swift computes with the same hash and table")
+    func sourceAffinity() throws {
+        let fixture = try Fixture()
+        let downstreams = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
+        let set = BackendSet(downstreams: downstreams, balancing: .sourceIP, slots: ["b1": 0, "b2": 1, "b3": 2])
+        try fixture.program.writeSet(id: 5, generation: 1, set)
+        var entry = fanout_listener()
+        entry.id = 5
+        entry.generation = 1
+        entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
+        try fixture.program.putListener(Fixture.listenerBind(5600), entry)
+        var ports = Set<UInt16>()
+        for last in UInt8(1)...UInt8(40) {
+            let source: [UInt8] = [198, 18, 50, last]
+            var words = source.withUnsafeBytes { $0.load(as: UInt32.self) }
+            let hash = rplb_source_hash(&words, 1, 0, set.seed, 0)
+            let expected = 6001 + UInt16(set.table[Int(rplb_reduce(hash, UInt32(set.table.count)))])
+            for _ in 0..<2 {
+                let (verdict, output) = fixture.execute(Packet.ipv4(payload: [last], source: source, port: 5600))
+                #expect(verdict == Self.redirect)
+                #expect(Packet.parse(output)?.destinationPort == expected, "source \(source)")
+            }
+            ports.insert(expected)
+        }
+        #expect(ports.count == 3)
+    }
+}
+
+/// Test frames: Ethernet, optional 802.1Q, IPv4/IPv6, UDP, built and checked with checksums
+/// computed here (RFC 1071), not by the code under test.
+enum Packet {
+    static let ethernet = 14
+
+    static func ethernetHeader(type: UInt16, vlan: UInt16? = nil) -> [UInt8] {
+        var frame: [UInt8] = [2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2]
+        if let vlan { frame += [0x81, 0x00, UInt8(vlan >> 8), UInt8(vlan & 0xff)] }
+        return frame + [UInt8(type >> 8), UInt8(type & 0xff)]
+    }
+
+    static func sum(_ bytes: [UInt8], initial: UInt32 = 0) -> UInt32 {
+        var total = initial
+        var index = 0
+        while index + 1 < bytes.count {
+            total += UInt32(bytes[index]) << 8 | UInt32(bytes[index + 1])
+            index += 2
+        }
+        if index < bytes.count { total += UInt32(bytes[index]) << 8 }
+        return total
+    }
+
+    static func fold(_ value: UInt32) -> UInt16 {
+        var total = value
+        while total >> 16 != 0 { total = (total & 0xffff) + (total >> 16) }
+        return UInt16(total)
+    }
+
+    static func udpChecksum(source: [UInt8], destination: [UInt8], udp: [UInt8]) -> UInt16 {
+        let pseudo = source + destination + (source.count == 4
+            ? [0, 17, UInt8(udp.count >> 8), UInt8(udp.count & 0xff)]
+            : [0, 0, UInt8(udp.count >> 8), UInt8(udp.count & 0xff), 0, 0, 0, 17])
+        let value = ~fold(sum(udp, initial: sum(pseudo)))
+        return value == 0 ? 0xffff : value
+    }
+
+    static func udpChecksumValid(source: [UInt8], destination: [UInt8], udp: [UInt8]) -> Bool {
+        let pseudo = source + destination + (source.count == 4
+            ? [0, 17, UInt8(udp.count >> 8), UInt8(udp.count & 0xff)]
+            : [0, 0, UInt8(udp.count >> 8), UInt8(udp.count & 0xff), 0, 0, 0, 17])
+        return fold(sum(udp, initial: sum(pseudo))) == 0xffff
+    }
+
+    static func udp(source: [UInt8], destination: [UInt8], port: UInt16, payload: [UInt8], zeroChecksum: Bool = false) -> [UInt8] {
+        let length = 8 + payload.count
+        var udp: [UInt8] = [0x9c, 0x40, UInt8(port >> 8), UInt8(port & 0xff), UInt8(length >> 8), UInt8(length & 0xff), 0, 0] + payload
+        if !zeroChecksum {
+            let checksum = udpChecksum(source: source, destination: destination, udp: udp)
+            udp[6] = UInt8(checksum >> 8)
+            udp[7] = UInt8(checksum & 0xff)
+        }
+        return udp
+    }
+
+    static func ipv4Header(source: [UInt8], destination: [UInt8], length: Int, protocolNumber: UInt8 = 17, ttl: UInt8 = 64,
+                           options: [UInt8] = [], id: UInt16 = 1, fragment: UInt16 = 0) -> [UInt8] {
+        let headerLength = 20 + options.count
+        let total = headerLength + length
+        var header: [UInt8] = [UInt8(0x40 | headerLength / 4), 0, UInt8(total >> 8), UInt8(total & 0xff),
+                               UInt8(id >> 8), UInt8(id & 0xff), UInt8(fragment >> 8), UInt8(fragment & 0xff),
+                               ttl, protocolNumber, 0, 0] + source + destination + options
+        let checksum = ~fold(sum(header))
+        header[10] = UInt8(checksum >> 8)
+        header[11] = UInt8(checksum & 0xff)
+        return header
+    }
+
+    static func ipv4(payload: [UInt8], source: [UInt8] = TCProgramTests.clientV4, port: UInt16 = 5514, ttl: UInt8 = 64,
+                     options: [UInt8] = [], vlan: UInt16? = nil, zeroChecksum: Bool = false, protocolNumber: UInt8 = 17) -> [UInt8] {
+        let destination = TCProgramTests.listenerV4.ip.bytes
+        let udp = udp(source: source, destination: destination, port: port, payload: payload, zeroChecksum: zeroChecksum)
+        return ethernetHeader(type: 0x0800, vlan: vlan)
+            + ipv4Header(source: source, destination: destination, length: udp.count, protocolNumber: protocolNumber, ttl: ttl, options: options)
+            + udp
+    }
+
+    static func ipv6(payload: [UInt8], port: UInt16 = 5514) -> [UInt8] {
+        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
+        let udp = udp(source: source, destination: destination, port: port, payload: payload)
+        return ethernetHeader(type: 0x86dd) + ipv6Header(next: 17, length: udp.count, source: source, destination: destination) + udp
+    }
+
+    static func ipv6Header(next: UInt8, length: Int, source: [UInt8], destination: [UInt8]) -> [UInt8] {
+        [0x60, 0, 0, 0, UInt8(length >> 8), UInt8(length & 0xff), next, 64] + source + destination
+    }
+
+    /// A UDP datagram cut into IPv4 fragments of `pieceSize` bytes (a multiple of 8).
+    static func ipv4Fragments(payload: [UInt8], id: UInt16, pieceSize: Int) -> [[UInt8]] {
+        let (source, destination) = (TCProgramTests.clientV4, TCProgramTests.listenerV4.ip.bytes)
+        let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
+        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
+            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
+            let more: UInt16 = offset + pieceSize < whole.count ? 0x2000 : 0
+            return ethernetHeader(type: 0x0800)
+                + ipv4Header(source: source, destination: destination, length: piece.count, id: id, fragment: more | UInt16(offset / 8))
+                + piece
+        }
+    }
+
+    static func ipv6Fragments(payload: [UInt8], id: UInt32, pieceSize: Int) -> [[UInt8]] {
+        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
+        let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
+        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
+            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
+            let more: UInt16 = offset + pieceSize < whole.count ? 1 : 0
+            let field = UInt16(offset / 8) << 3 | more
+            let fragmentHeader: [UInt8] = [17, 0, UInt8(field >> 8), UInt8(field & 0xff),
+                                           UInt8(id >> 24), UInt8((id >> 16) & 0xff), UInt8((id >> 8) & 0xff), UInt8(id & 0xff)]
+            return ethernetHeader(type: 0x86dd) + ipv6Header(next: 44, length: 8 + piece.count, source: source, destination: destination)
+                + fragmentHeader + piece
+        }
+    }
+
+    struct Parsed {
+        var tagged: Bool
+        var l3: Int
+        var l4: Int
+        var source: [UInt8]
+        var destination: [UInt8]
+        var hopLimit: UInt8
+        var destinationPort: UInt16
+        var udpChecksum: UInt16
+        var payload: [UInt8]
+        var frame: [UInt8]
+    }
+
+    static func parse(_ frame: [UInt8]) -> Parsed? {
+        guard frame.count >= ethernet else { return nil }
+        var l3 = ethernet
+        var type = UInt16(frame[12]) << 8 | UInt16(frame[13])
+        let tagged = type == 0x8100
+        if tagged {
+            type = UInt16(frame[16]) << 8 | UInt16(frame[17])
+            l3 += 4
+        }
+        let l4: Int, source: [UInt8], destination: [UInt8], hops: UInt8
+        if type == 0x0800 {
+            guard frame.count >= l3 + 20 else { return nil }
+            l4 = l3 + Int(frame[l3] & 0x0f) * 4
+            (source, destination, hops) = (Array(frame[(l3 + 12)..<(l3 + 16)]), Array(frame[(l3 + 16)..<(l3 + 20)]), frame[l3 + 8])
+        } else if type == 0x86dd {
+            guard frame.count >= l3 + 40 else { return nil }
+            l4 = l3 + 40 + (frame[l3 + 6] == 44 ? 8 : 0)
+            (source, destination, hops) = (Array(frame[(l3 + 8)..<(l3 + 24)]), Array(frame[(l3 + 24)..<(l3 + 40)]), frame[l3 + 7])
+        } else {
+            return nil
+        }
+        guard frame.count >= l4 + 8 else { return nil }
+        return Parsed(tagged: tagged, l3: l3, l4: l4, source: source, destination: destination, hopLimit: hops,
+                      destinationPort: UInt16(frame[l4 + 2]) << 8 | UInt16(frame[l4 + 3]),
+                      udpChecksum: UInt16(frame[l4 + 6]) << 8 | UInt16(frame[l4 + 7]),
+                      payload: Array(frame[(l4 + 8)...]), frame: frame)
+    }
+
+    static func ipv4HeaderValid(_ packet: Parsed) -> Bool {
+        fold(sum(Array(packet.frame[packet.l3..<packet.l4]))) == 0xffff
+    }
+
+    static func udpChecksumValid(_ packet: Parsed) -> Bool {
+        udpChecksumValid(source: packet.source, destination: packet.destination, udp: Array(packet.frame[packet.l4...]))
+    }
+}
