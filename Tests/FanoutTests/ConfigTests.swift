@@ -102,7 +102,7 @@ struct ConfigTests {
         try ConfigParser.parse(ReferenceConfigs.userspace).validate(localAddresses: [])
         let tc = try ConfigParser.parse(ReferenceConfigs.tcKubernetes)
         #expect(tc.listeners[0].mode == .tcEBPF && tc.listeners[0].kubernetes?.service == "vector-receivers" && tc.health.enabled)
-        #expect(throws: ConfigError("listeners[0].mode", "tc_ebpf is not implemented in this release (implemented: userspace); it is never served by another mode")) {
+        #expect(throws: ConfigError("listeners[0].kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")) {
             try tc.validate()
         }
         let xdp = try ConfigParser.parse(ReferenceConfigs.afXDP)
@@ -162,6 +162,14 @@ struct ConfigTests {
          "listeners[0].downstream", "weight 0"),
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\nhealth: {enabled: true}\n",
          "health.enabled", "not implemented"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"[2001:db8::5]:2\"}]\n",
+         "listeners[0].downstream[0].address", "not of the listener's address family"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].downstream[0].address", "is an address of this host"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    settings: {tc_attach: xdp}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.tc_attach", "is not one of"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: tc_ebpf\n    settings: {tc_attach: clsact}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.tc_attach", "differs from listener 'b' on the same interface"),
         ("listeners: []\n", "listeners", "empty"),
         ("metrics: {enabled: true}\n", "listeners", "required"),
         ("listeners: [\n", "(document)", "not valid YAML"),

@@ -205,6 +205,25 @@ struct TCEndToEndTests {
         #expect(counts[2] < counts[0] - 1000, "b3 missed the removed period: \(counts)")
     }
 
+    @Test("Without CAP_BPF and CAP_NET_ADMIN: one clear error at start, exit status 1, nothing attached")
+    func withoutCapabilities() throws {
+        let file = try Self.write("""
+            listeners:
+              - name: tc
+                bind: "198.18.0.1:5514"
+                interface: lo
+                mode: tc_ebpf
+                downstream:
+                  - {name: b1, address: "198.18.1.2:6000"}
+            """, "tc-caps")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"])
+        #expect(daemon.wait() == 1)
+        #expect(daemon.stderr.contains("tc_ebpf needs CAP_BPF and CAP_NET_ADMIN"), "\(daemon.stderr)")
+        let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+        #expect(!programs.contains("fanout_tc"))
+    }
+
     @Test("clsact fallback, kill -9, restart: the leftover filter is removed, and SIGTERM leaves nothing")
     func crashAndRestart() throws {
         let topology = try Topology(backends: 1)
@@ -222,8 +241,14 @@ struct TCEndToEndTests {
             first.signal(SIGKILL)
             first.wait()
             if attach == "tcx" {
-                // The link died with the process: nothing to clean even before a restart.
-                let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+                // The link died with the process: nothing to clean even before a restart (the
+                // kernel frees the program after an RCU grace period).
+                var programs = ""
+                for _ in 0..<50 {
+                    programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+                    if !programs.contains("fanout_tc") { break }
+                    usleep(20_000)
+                }
                 #expect(!programs.contains("fanout_tc"), "tcx link outlived kill -9: \(programs)")
             }
             let second = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
