@@ -193,6 +193,9 @@ def main():
     if only in ("all", "fanout"):
         import bench_fanout
         rows += bench_fanout.rows()
+    if only in ("all", "tc"):
+        import bench_tc
+        rows += bench_tc.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
     for row in [HEADER] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
