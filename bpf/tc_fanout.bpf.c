@@ -269,40 +269,100 @@ static __always_inline int choose(struct fanout_listener *listener, struct packe
 	return 1;
 }
 
-/* Writes the new destination, fixes the checksums, decrements TTL / hop limit. */
+/* One's-complement helpers (RFC 1071/1624). Words are taken as they lie in memory on both
+ * sides of every update, which the checksum's byte-order independence makes correct. */
+static __always_inline __u16 fold(__u64 sum)
+{
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)sum;
+}
+
+/* HC' = ~(~HC + ~m + m') for one 16-bit word m changed to m'. */
+static __always_inline __u16 update16(__u16 check, __u16 old, __u16 new)
+{
+	return ~fold((__u64)(__u16)~check + (__u16)~old + new);
+}
+
+static __always_inline __u16 update32(__u16 check, __u32 old, __u32 new)
+{
+	return ~fold((__u64)(__u16)~check + (~old & 0xffff) + (~old >> 16) + (new & 0xffff) + (new >> 16));
+}
+
+/* Writes the new destination, fixes the checksums, decrements TTL / hop limit.
+ *
+ * The UDP checksum goes through bpf_l4_csum_replace, which knows how the skb carries it
+ * (CHECKSUM_PARTIAL holds only the pseudo-header sum; CHECKSUM_COMPLETE needs skb->csum
+ * adjusted). Everything else is written directly: the IPv4 header checksum is updated in
+ * place, which keeps the header's sum, and so skb->csum, unchanged. */
 static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to)
 {
-	__u64 l4_flags = BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0;
 	__u32 csum = p->l4 + 6;
-	if (p->family == AF_INET) {
-		__u32 old_addr = p->daddr[0], new_addr = to->addr[0];
-		__u16 old_word = bpf_htons(((__u16)p->hop_limit << 8) | IPPROTO_UDP);
-		__u16 new_word = bpf_htons(((__u16)(p->hop_limit - 1) << 8) | IPPROTO_UDP);
-		__u8 ttl = p->hop_limit - 1;
-		if (p->has_udp &&
-		    bpf_l4_csum_replace(skb, csum, old_addr, new_addr, l4_flags | sizeof(new_addr)))
-			return -1;
-		if (bpf_l3_csum_replace(skb, p->l3 + 10, old_addr, new_addr, sizeof(new_addr)) ||
-		    bpf_l3_csum_replace(skb, p->l3 + 10, old_word, new_word, sizeof(new_word)) ||
-		    bpf_skb_store_bytes(skb, p->l3 + 16, &new_addr, sizeof(new_addr), 0) ||
-		    bpf_skb_store_bytes(skb, p->l3 + 8, &ttl, 1, 0))
-			return -1;
-	} else {
-		if (p->has_udp) {
-			__s64 diff = bpf_csum_diff(p->daddr, 16, to->addr, 16, 0);
-			if (diff < 0 || bpf_l4_csum_replace(skb, csum, 0, diff, l4_flags))
-				return -1;
+	if (p->has_udp) {
+		long failed;
+		if (p->family == AF_INET) {
+			failed = bpf_l4_csum_replace(skb, csum, p->daddr[0], to->addr[0],
+						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(__u32));
+		} else {
+			__u64 diff = 0;
+#pragma unroll
+			for (int i = 0; i < 4; i++)
+				diff += (__u32)~p->daddr[i] + (__u64)to->addr[i];
+			diff = (diff & 0xffffffff) + (diff >> 32);
+			diff = (diff & 0xffffffff) + (diff >> 32);
+			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff, BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0);
 		}
-		__u8 hops = p->hop_limit - 1;
-		if (bpf_skb_store_bytes(skb, p->l3 + 24, to->addr, 16, 0) ||
-		    bpf_skb_store_bytes(skb, p->l3 + 7, &hops, 1, 0))
+		if (failed)
 			return -1;
+		if (to->port != p->dport &&
+		    bpf_l4_csum_replace(skb, csum, p->dport, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)))
+			return -1;
+	}
+	/* The helpers moved the packet: bounds again. */
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 l3 = p->l3, l4 = p->l4;
+	if (l3 > 18 || l4 > 512)
+		return -1;
+	if (p->family == AF_INET) {
+		__u8 *ip = data + l3;
+		if ((void *)(ip + 20) > end)
+			return -1;
+		__u16 check = *(__u16 *)(ip + 10);
+		__u16 old_word = *(__u16 *)(ip + 8);
+		ip[8] -= 1;
+		check = update16(check, old_word, *(__u16 *)(ip + 8));
+		check = update32(check, *(__u32 *)(ip + 16), to->addr[0]);
+		*(__u32 *)(ip + 16) = to->addr[0];
+		*(__u16 *)(ip + 10) = check;
+	} else {
+		__u8 *ip = data + l3;
+		if ((void *)(ip + 40) > end)
+			return -1;
+		ip[7] -= 1;
+		__builtin_memcpy(ip + 24, to->addr, 16);
 	}
 	if (p->has_udp && to->port != p->dport) {
-		if (bpf_l4_csum_replace(skb, csum, p->dport, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)) ||
-		    bpf_skb_store_bytes(skb, p->l4 + 2, &to->port, sizeof(to->port), 0))
+		__u8 *udp = data + l4;
+		if ((void *)(udp + 8) > end)
 			return -1;
+		*(__u16 *)(udp + 2) = to->port;
 	}
+	return 0;
+}
+
+/* Ethernet addresses from the fib lookup. */
+static __always_inline int write_macs(struct __sk_buff *skb, struct bpf_fib_lookup *fib)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return -1;
+	__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
 	return 0;
 }
 
@@ -416,8 +476,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 
 	long redirected;
 	if (verdict == FANOUT_VERDICT_FORWARDED) {
-		if (bpf_skb_store_bytes(skb, 0, fib.dmac, ETH_ALEN, 0) ||
-		    bpf_skb_store_bytes(skb, ETH_ALEN, fib.smac, ETH_ALEN, 0))
+		if (write_macs(skb, &fib) < 0)
 			goto failed;
 		redirected = bpf_redirect(fib.ifindex, 0);
 	} else {
