@@ -224,6 +224,27 @@ struct TCEndToEndTests {
         #expect(!programs.contains("fanout_tc"))
     }
 
+    @Test("An existing clsact qdisc is used and kept; forwarding disabled on the interface is one clear error")
+    func existingQdiscAndForwarding() throws {
+        let topology = try Topology(backends: 1)
+        try topology.exec(topology.proxy, ["tc", "qdisc", "add", "dev", topology.proxyInterface, "clsact"])
+        let file = try Self.write(Self.config(topology, backends: [1], attach: "clsact"), "tc-qdisc")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try Self.expectNothingLeft(topology)
+        let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
+        #expect(qdiscs.contains("clsact"), "the qdisc that was there before stays: \(qdiscs)")
+
+        try topology.exec(topology.proxy, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv4.conf.\(topology.proxyInterface).forwarding=0"])
+        let refused = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        #expect(refused.wait() == 1)
+        #expect(refused.stderr.contains("sysctl -w net.ipv4.conf.\(topology.proxyInterface).forwarding=1"), "\(refused.stderr)")
+        try Self.expectNothingLeft(topology)
+    }
+
     @Test("clsact fallback, kill -9, restart: the leftover filter is removed, and SIGTERM leaves nothing")
     func crashAndRestart() throws {
         let topology = try Topology(backends: 1)

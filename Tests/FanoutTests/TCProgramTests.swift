@@ -266,6 +266,28 @@ struct TCProgramTests {
         }
     }
 
+    @Test("Weights: a 1:3 rotation sends 2 of 8 packets to one backend and 6 to the other; a weight-0 backend gets none")
+    func weights() throws {
+        let fixture = try Fixture()
+        let downstreams = [
+            Downstream(name: "light", address: SocketAddress("198.18.200.10:7001")!, weight: 1),
+            Downstream(name: "heavy", address: SocketAddress("198.18.200.10:7002")!, weight: 3),
+            Downstream(name: "off", address: SocketAddress("198.18.200.10:7003")!, weight: 0),
+        ]
+        try fixture.add(Fixture.listenerBind(5601), id: 6, BackendSet(downstreams: downstreams, balancing: .roundRobin, slots: ["light": 0, "heavy": 1, "off": 2]))
+        var ports: [UInt16: Int] = [:]
+        for _ in 0..<8 {
+            let (verdict, output) = fixture.execute(Packet.ipv4(payload: [7], port: 5601))
+            #expect(verdict == Self.redirect)
+            ports[Packet.parse(output)?.destinationPort ?? 0, default: 0] += 1
+        }
+        // The test runner may move between CPUs, and the rotation is per CPU: count over both.
+        #expect(ports[7003] == nil, "weight 0 never chosen: \(ports)")
+        #expect((ports[7001] ?? 0) + (ports[7002] ?? 0) == 8)
+        #expect((ports[7002] ?? 0) >= 5, "the heavy backend gets about 3/4: \(ports)")
+        #expect(fixture.program.backendStats(id: 6, slot: 1).packets == UInt64(ports[7002] ?? 0), "per-backend counter")
+    }
+
     @Test("source_ip: every packet of a source to the backend Swift computes with the same hash and table")
     func sourceAffinity() throws {
         let fixture = try Fixture()
