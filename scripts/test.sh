@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: unit tests, sk_reuseport tests with real sockets, collector processes,
 # namespaces and the C API. Privileged tests need root; under CI=true they never skip.
-# Fails if a run leaves anything pinned under /sys/fs/bpf/reuseportlb.
+# Fails if a run leaves anything pinned under /sys/fs/bpf/reuseportlb, a tc_ebpf program
+# (fanout_tc) loaded, or a tc_ebpf lock file under /run/udp-fanout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
@@ -18,3 +19,14 @@ if [ -n "$left" ]; then
   exit 1
 fi
 echo "test: nothing left pinned under /sys/fs/bpf/reuseportlb"
+if [ "$(id -u)" = 0 ]; then
+  if bpftool prog show 2>/dev/null | grep -q "name fanout_tc"; then
+    echo "test: FAILED: a fanout_tc program is still loaded (bpftool prog show)" >&2
+    exit 1
+  fi
+  if ls /run/udp-fanout/tc-*.lock >/dev/null 2>&1; then
+    echo "test: FAILED: tc_ebpf lock files left: $(ls /run/udp-fanout)" >&2
+    exit 1
+  fi
+  echo "test: no tc_ebpf program loaded, no tc_ebpf lock file left"
+fi

@@ -90,31 +90,20 @@ final class GroupObjects {
     }
 
     private static func create(directory: String, config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
-        libbpf_set_print(nil)  // errors come back as errno; libbpf's own log would go to stderr
-        let elf = BPFObject.reuseportSelect.elfBytes
-        guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
-            throw .system(SystemCallError(call: "bpf_object__open_mem", errno: errno))
-        }
-        defer { bpf_object__close(object) }
         var descriptors: [Int32] = []
         do {
-            let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
-            try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
-            var settings = config
-            try libbpfCall("bpf_map__set_initial_value .rodata") {
-                bpf_map__set_initial_value(
-                    bpf_object__find_map_by_name(object, ".rodata"), &settings, MemoryLayout<rplb_config>.size)
-            }
-            try libbpfCall("bpf_object__load") { bpf_object__load(object) }
-            let program = bpf_object__find_program_by_name(object, RPLB_PROG_SELECT_NAME)
-            var fds = [bpf_program__fd(program)]
-            for name in [RPLB_MAP_MEMBERS_NAME, RPLB_MAP_CONFIG_NAME, RPLB_MAP_TABLE_NAME,
-                         RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME] {
-                fds.append(bpf_map__fd(bpf_object__find_map_by_name(object, name)))
-            }
-            // Our own descriptors: bpf_object__close closes libbpf's.
-            for fd in fds {
-                descriptors.append(try systemCall("fcntl F_DUPFD_CLOEXEC") { fcntl(fd, F_DUPFD_CLOEXEC, 0) })
+            descriptors = try loadEmbeddedObject(
+                .reuseportSelect, program: RPLB_PROG_SELECT_NAME,
+                maps: [RPLB_MAP_MEMBERS_NAME, RPLB_MAP_CONFIG_NAME, RPLB_MAP_TABLE_NAME,
+                       RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME]
+            ) { object throws(SystemCallError) in
+                let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
+                try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
+                var settings = config
+                try libbpfCall("bpf_map__set_initial_value .rodata") {
+                    bpf_map__set_initial_value(
+                        bpf_object__find_map_by_name(object, ".rodata"), &settings, MemoryLayout<rplb_config>.size)
+                }
             }
             var key: UInt32 = 0
             var value = config

@@ -34,6 +34,15 @@ struct TCEndToEndTests {
             """
     }
 
+    /// Writes `config`, starts udp-fanout in the proxy namespace and waits until the listener
+    /// is in the maps. The caller removes the returned file.
+    static func start(_ topology: Topology, _ config: String, _ name: String) throws -> (daemon: Child, file: URL) {
+        let file = try write(config, name)
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("registered listener in eBPF map")
+        return (daemon, file)
+    }
+
     static func write(_ text: String, _ name: String) throws -> URL {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("\(name)-\(UUID().uuidString).yaml")
         try text.write(to: file, atomically: true, encoding: .utf8)
@@ -84,10 +93,8 @@ struct TCEndToEndTests {
     func roundRobinIPv4() throws {
         let topology = try Topology(backends: 3)
         let collectors = try Self.collectors(topology)
-        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-rr")
+        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-rr")
         defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
         usleep(300_000)
@@ -121,10 +128,8 @@ struct TCEndToEndTests {
             try topology.exec(topology.client, ["/usr/sbin/ip", "-6", "addr", "add", "2001:db8::\(String(n, radix: 16))/64", "dev", "cp\(topology.suffix.prefix(8))", "nodad"])
         }
         let collectors = try Self.collectors(topology, ipv6: true)
-        let file = try Self.write(Self.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
+        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
         defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["2001:db8::1", "5514", "3200", "--sources", "2001:db8::10-2001:db8::2f", "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0, "\(publisher.stderr)")
@@ -149,10 +154,8 @@ struct TCEndToEndTests {
     func fragments() throws {
         let topology = try Topology(backends: 3)
         let collectors = try Self.collectors(topology)
-        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-frag")
+        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-frag")
         defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
@@ -173,10 +176,8 @@ struct TCEndToEndTests {
     func liveChange() throws {
         let topology = try Topology(backends: 3)
         let collectors = try Self.collectors(topology)
-        let file = try Self.write(Self.config(topology, backends: [1, 2, 3]), "tc-live")
+        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-live")
         defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
         let total = 30000
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--rate", "15000", "--batch", "8"], prefix: topology.prefix(topology.client))
         usleep(500_000)
@@ -228,10 +229,8 @@ struct TCEndToEndTests {
     func existingQdiscAndForwarding() throws {
         let topology = try Topology(backends: 1)
         try topology.exec(topology.proxy, ["tc", "qdisc", "add", "dev", topology.proxyInterface, "clsact"])
-        let file = try Self.write(Self.config(topology, backends: [1], attach: "clsact"), "tc-qdisc")
+        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1], attach: "clsact"), "tc-qdisc")
         defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         try Self.expectNothingLeft(topology)

@@ -1,7 +1,6 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import BPFObjects
 import CLibBPF
 import CSystemShim
 import ReusePortLB
@@ -22,27 +21,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     /// Loads the embedded object. Errors name the failing call and errno.
     init() throws(SystemCallError) {
-        libbpf_set_print(nil)
-        let elf = BPFObject.tcFanout.elfBytes
-        guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
-            throw SystemCallError(call: "bpf_object__open_mem tc_fanout", errno: errno)
-        }
-        defer { bpf_object__close(object) }
-        try libbpfCall("bpf_object__load tc_fanout") { bpf_object__load(object) }
-        var fds = [bpf_program__fd(bpf_object__find_program_by_name(object, FANOUT_PROG_TC_NAME))]
-        for name in [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
-                     FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME] {
-            fds.append(bpf_map__fd(bpf_object__find_map_by_name(object, name)))
-        }
-        var owned: [Int32] = []
-        for fd in fds {
-            do {
-                owned.append(try systemCall("fcntl F_DUPFD_CLOEXEC") { fcntl(fd, F_DUPFD_CLOEXEC, 0) })
-            } catch {
-                for open in owned { close(open) }
-                throw error
-            }
-        }
+        let owned = try loadEmbeddedObject(
+            .tcFanout, program: FANOUT_PROG_TC_NAME,
+            maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
+                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME])
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
     }

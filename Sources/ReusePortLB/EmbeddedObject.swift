@@ -1,0 +1,35 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFObjects
+import CLibBPF
+
+/// Opens one of the embedded BPF objects, lets `prepare` adjust it before load (map sizes,
+/// read-only globals), loads it, and returns our own close-on-exec descriptors: the program
+/// named `program`, then the maps in the order of `maps`. libbpf's object is closed before
+/// returning, so the descriptors are all that holds the program and maps.
+package func loadEmbeddedObject(
+    _ which: BPFObject, program: String, maps: [String],
+    prepare: (OpaquePointer) throws(SystemCallError) -> Void = { _ in }
+) throws(SystemCallError) -> [Int32] {
+    libbpf_set_print(nil)  // errors come back as errno; libbpf's own log would go to stderr
+    let elf = which.elfBytes
+    guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
+        throw SystemCallError(call: "bpf_object__open_mem \(program)", errno: errno)
+    }
+    defer { bpf_object__close(object) }
+    try prepare(object)
+    try libbpfCall("bpf_object__load \(program)") { bpf_object__load(object) }
+    var libbpfOwned = [bpf_program__fd(bpf_object__find_program_by_name(object, program))]
+    for name in maps { libbpfOwned.append(bpf_map__fd(bpf_object__find_map_by_name(object, name))) }
+    var descriptors: [Int32] = []
+    for fd in libbpfOwned {
+        do {
+            descriptors.append(try systemCall("fcntl F_DUPFD_CLOEXEC") { fcntl(fd, F_DUPFD_CLOEXEC, 0) })
+        } catch {
+            for open in descriptors { close(open) }
+            throw error
+        }
+    }
+    return descriptors
+}
