@@ -9,12 +9,14 @@ import Synchronization
 public enum DaemonError: Error, CustomStringConvertible {
     case listener(name: String, ReusePortError)
     case tcListener(name: String, TCError)
+    case modeNotImplemented(name: String, Mode)
     case metrics(SocketAddress, SystemCallError)
 
     public var description: String {
         switch self {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
+        case .modeNotImplemented(let name, let mode): return "listener '\(name)' could not start: mode \(mode.rawValue) is not implemented in this release"
         case .metrics(let address, let error): return "metrics server error: cannot serve on \(address): \(error)"
         }
     }
@@ -88,7 +90,10 @@ public final class FanoutDaemon: Sendable {
                 logger.error("tc_ebpf listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
                 throw .tcListener(name: listener.name, error)
             }
-        case .userspace, .afXDP:
+        case .afXDP:
+            // Refused at validation; a configuration built in code gets the same answer here.
+            throw .modeNotImplemented(name: listener.name, .afXDP)
+        case .userspace:
             do {
                 running = try UserspaceListener(listener, counters: counters, logger: logger)
             } catch {
