@@ -206,6 +206,47 @@ struct TCEndToEndTests {
         #expect(counts[2] < counts[0] - 1000, "b3 missed the removed period: \(counts)")
     }
 
+    @Test("Two listeners share one attachment; removing one by reload keeps the other forwarding; removing both detaches")
+    func twoListeners() throws {
+        let topology = try Topology(backends: 2)
+        let collectors = try Self.collectors(topology)
+        func config(_ ports: [Int]) -> String {
+            "listeners:\n" + ports.map { port in
+                """
+                  - name: l\(port)
+                    bind: "198.18.0.1:\(port)"
+                    interface: \(topology.proxyInterface)
+                    mode: tc_ebpf
+                    downstream:
+                      - {name: b\(port - 5513), address: "\(Topology.backendIPv4(port - 5513)):\(Self.port)"}
+
+                """
+            }.joined() + "metrics: {enabled: true, bind: \"127.0.0.1:9464\"}\n"
+        }
+        let (daemon, file) = try Self.start(topology, config([5514, 5515]), "tc-two")
+        defer { try? FileManager.default.removeItem(at: file) }
+        #expect(daemon.stderr.components(separatedBy: "attached tc_ebpf program").count == 2, "one attachment for both")
+        for port in ["5514", "5515"] {
+            #expect(try Child("publisher", ["198.18.0.1", port, "100"], prefix: topology.prefix(topology.client)).wait() == 0)
+        }
+        try config([5515]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        usleep(400_000)
+        #expect(try Child("publisher", ["198.18.0.1", "5515", "100"], prefix: topology.prefix(topology.client)).wait() == 0)
+        #expect(try Child("publisher", ["198.18.0.1", "5514", "100"], prefix: topology.prefix(topology.client)).wait() == 0)
+        usleep(200_000)
+        let metrics = try Self.metrics(topology)
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"l5515\",mode=\"tc_ebpf\"} 200"), "\(metrics)")
+        #expect(!metrics.contains("listener=\"l5514\""))
+        #expect(!daemon.stderr.contains("detached tc_ebpf program"), "still attached for l5515")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try Self.expectNothingLeft(topology)
+        let reports = try collectors.map { try $0.stop() }
+        // The second round to 5514 found no listener: passed to the proxy's stack, not forwarded.
+        #expect(Self.received(reports) == [100, 200], "\(Self.received(reports))")
+    }
+
     @Test("Without CAP_BPF and CAP_NET_ADMIN: one clear error at start, exit status 1, nothing attached")
     func withoutCapabilities() throws {
         let file = try Self.write("""
