@@ -285,11 +285,13 @@ struct TCEndToEndTests {
         try Self.expectNothingLeft(topology)
     }
 
-    @Test("clsact fallback, kill -9, restart: the leftover filter is removed, and SIGTERM leaves nothing")
+    @Test("kill -9 and restart (clsact, tcx, clsact then tcx): leftovers are removed, and SIGTERM leaves nothing")
     func crashAndRestart() throws {
         let topology = try Topology(backends: 1)
         let collectors = try Self.collectors(topology)
-        for attach in ["clsact", "tcx"] {
+        // (attach of the run that is killed, attach of the restart)
+        let scenarios = [("clsact", "clsact"), ("tcx", "tcx"), ("clsact", "tcx")]
+        for (attach, restart) in scenarios {
             let file = try Self.write(Self.config(topology, backends: [1], attach: attach), "tc-crash")
             defer { try? FileManager.default.removeItem(at: file) }
             let first = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
@@ -312,8 +314,13 @@ struct TCEndToEndTests {
                 }
                 #expect(!programs.contains("fanout_tc"), "tcx link outlived kill -9: \(programs)")
             }
+            try Self.config(topology, backends: [1], attach: restart).write(to: file, atomically: true, encoding: .utf8)
             let second = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
             try second.waitFor("registered listener in eBPF map")
+            if restart == "tcx" {
+                let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
+                #expect(filters.isEmpty, "\(attach) leftover removed when restarting with tcx: \(filters)")
+            }
             let publisher = try Child("publisher", ["198.18.0.1", "5514", "500", "--rate", "10000"], prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0)
             usleep(200_000)
@@ -321,9 +328,9 @@ struct TCEndToEndTests {
             #expect(second.wait() == 0)
             try Self.expectNothingLeft(topology)
             let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
-            #expect(!qdiscs.contains("clsact"), "the clsact qdisc we created is gone: \(qdiscs)")
+            #expect(!qdiscs.contains("clsact"), "the clsact qdisc a run of ours created is gone: \(qdiscs)")
         }
         let report = try collectors[0].stop()
-        #expect(report.int("received") == 1000, "500 per restarted run: \(report)")
+        #expect(report.int("received") == 500 * scenarios.count, "500 per restarted run: \(report)")
     }
 }

@@ -46,6 +46,9 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             let link = bpf_link_create(program.program, ifindex, Self.tcxIngress, nil)
             if link >= 0 {
                 kind = .tcx(link: link)
+                // A clsact qdisc a crashed clsact run created is a leftover too.
+                if created { Self.destroyQdisc(ifindex) }
+                Self.writeState(lockPath, createdQdisc: false)
                 return
             }
             let error = errno
@@ -78,10 +81,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             var hook = Self.hook(ifindex)
             var options = Self.filterOptions()
             bpf_tc_detach(&hook, &options)
-            if createdQdisc {
-                hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
-                bpf_tc_hook_destroy(&hook)
-            }
+            if createdQdisc { Self.destroyQdisc(ifindex) }
         }
         Self.release(lock: lock, path: lockPath)
     }
@@ -96,6 +96,13 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         hook.ifindex = ifindex
         hook.attach_point = BPF_TC_INGRESS
         return hook
+    }
+
+    /// Deletes the clsact qdisc (with every filter on it): only for a qdisc we created.
+    static func destroyQdisc(_ ifindex: Int32) {
+        var hook = hook(ifindex)
+        hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
+        bpf_tc_hook_destroy(&hook)
     }
 
     static func filterOptions(program: Int32 = 0) -> bpf_tc_opts {
@@ -127,10 +134,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         do {
             try libbpfCall("bpf_tc_attach ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority)") { bpf_tc_attach(&hook, &options) }
         } catch {
-            if created {
-                hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
-                bpf_tc_hook_destroy(&hook)
-            }
+            if created { destroyQdisc(ifindex) }
             throw error
         }
         return created
