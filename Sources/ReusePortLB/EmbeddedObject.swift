@@ -33,3 +33,17 @@ package func loadEmbeddedObject(
     }
     return descriptors
 }
+
+/// One entry of a per-CPU map whose value is `words` u64 counters, summed over the CPUs
+/// counter by counter.
+package func perCPUSum(_ fd: Int32, key: UInt32, words: Int) throws(SystemCallError) -> [UInt64] {
+    let cpus = max(1, Int(libbpf_num_possible_cpus()))
+    var values = [UInt64](repeating: 0, count: words * cpus)
+    var key = key
+    try libbpfCall("bpf_map_lookup_elem per-CPU counters") { bpf_map_lookup_elem(fd, &key, &values) }
+    var sums = [UInt64](repeating: 0, count: words)
+    for cpu in 0..<cpus {
+        for word in 0..<words { sums[word] &+= values[cpu * words + word] }
+    }
+    return sums
+}

@@ -162,16 +162,10 @@ final class GroupObjects {
         try libbpfCall("bpf_map_update_elem members[\(slot)]") { bpf_map_update_elem(members, &key, &value, flags) }
     }
 
-    /// Sums a per-CPU u64 array map.
+    /// Sums a per-CPU u64 array map, entry by entry.
     func perCPUSums(_ fd: Int32, count: Int) throws(SystemCallError) -> [UInt64] {
-        let cpus = Int(libbpf_num_possible_cpus())
-        var values = [UInt64](repeating: 0, count: max(cpus, 1))
         var sums = [UInt64](repeating: 0, count: count)
-        for index in 0..<count {
-            var key = UInt32(index)
-            try libbpfCall("bpf_map_lookup_elem counters") { bpf_map_lookup_elem(fd, &key, &values) }
-            sums[index] = values.reduce(0, &+)
-        }
+        for index in 0..<count { sums[index] = try perCPUSum(fd, key: UInt32(index), words: 1)[0] }
         return sums
     }
 }

@@ -103,8 +103,8 @@ public final class Child {
         let base = FileManager.default.temporaryDirectory.appendingPathComponent("rplb-\(UUID().uuidString)")
         stdoutURL = base.appendingPathExtension("out")
         stderrURL = base.appendingPathExtension("err")
-        FileManager.default.createFile(atPath: stdoutURL.path, contents: nil)
-        FileManager.default.createFile(atPath: stderrURL.path, contents: nil)
+        _ = FileManager.default.createFile(atPath: stdoutURL.path, contents: nil)
+        _ = FileManager.default.createFile(atPath: stderrURL.path, contents: nil)
         let binary = executable.hasPrefix("/") ? executable : binaryDirectory.appendingPathComponent(executable).path
         if prefix.isEmpty {
             process.executableURL = URL(fileURLWithPath: binary)

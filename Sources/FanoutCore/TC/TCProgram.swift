@@ -93,17 +93,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     // MARK: counters
 
-    /// Sums a per-CPU entry of `type` over the CPUs, adding field by field (all fields are u64).
+    /// Sums a per-CPU entry of `type` (all fields u64) over the CPUs, field by field; zeros if
+    /// the entry cannot be read.
     func perCPUSum<T>(_ fd: Int32, key: UInt32, as type: T.Type) -> [UInt64] {
         let words = MemoryLayout<T>.stride / 8
-        var values = [UInt64](repeating: 0, count: words * cpus)
-        var key = key
-        guard bpf_map_lookup_elem(fd, &key, &values) == 0 else { return [UInt64](repeating: 0, count: words) }
-        var sums = [UInt64](repeating: 0, count: words)
-        for cpu in 0..<cpus {
-            for word in 0..<words { sums[word] &+= values[cpu * words + word] }
-        }
-        return sums
+        return (try? ReusePortLB.perCPUSum(fd, key: key, words: words)) ?? [UInt64](repeating: 0, count: words)
     }
 
     /// Zeroes a per-CPU entry (a listener id or backend slot about to be reused).
