@@ -77,7 +77,6 @@ struct {
 struct packet {
 	__u32 l3;          /* network header */
 	__u32 l4;          /* UDP header (first fragments and whole datagrams) */
-	__u32 length;      /* L3 length (IPv4 total length, IPv6 payload + 40) */
 	__u8 family;
 	__u8 hop_limit;
 	__u8 tagged;       /* an 802.1Q/802.1ad tag in the frame data */
@@ -97,13 +96,13 @@ enum parsed {
 	PARSED_MALFORMED, /* IP whose headers end early or are invalid */
 };
 
-static __always_inline void count(__u32 key, __u32 verdict, __u64 bytes_forwarded)
+/* Counts a packet no listener could be known for. */
+static __always_inline void count_unmatched(__u32 verdict)
 {
+	__u32 key = FANOUT_UNMATCHED_STATS;
 	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &key);
-	if (!stats || verdict >= FANOUT_VERDICT_COUNT)
-		return;
-	stats->verdicts[verdict]++;
-	stats->bytes_forwarded += bytes_forwarded;
+	if (stats && verdict < FANOUT_VERDICT_COUNT)
+		stats->verdicts[verdict]++;
 }
 
 static __always_inline enum parsed parse_ipv4(void *data, void *end, struct packet *p)
@@ -117,7 +116,7 @@ static __always_inline enum parsed parse_ipv4(void *data, void *end, struct pack
 	if (ip[9] != IPPROTO_UDP)
 		return PARSED_OTHER;
 	p->family = AF_INET;
-	p->length = ((__u32)ip[2] << 8) | ip[3];
+	__u32 total_length = ((__u32)ip[2] << 8) | ip[3];
 	p->hop_limit = ip[8];
 	p->id = ((__u32)ip[4] << 8) | ip[5];
 	__u16 frag = ((__u16)(ip[6] & 0x3f) << 8) | ip[7]; /* MF + offset */
@@ -126,7 +125,7 @@ static __always_inline enum parsed parse_ipv4(void *data, void *end, struct pack
 	__builtin_memcpy(&p->saddr[0], ip + 12, 4);
 	__builtin_memcpy(&p->daddr[0], ip + 16, 4);
 	p->l4 = p->l3 + ihl;
-	if (p->length < ihl)
+	if (total_length < ihl)
 		return PARSED_MALFORMED;
 	return PARSED_OK;
 }
@@ -139,7 +138,6 @@ static __always_inline enum parsed parse_ipv6(void *data, void *end, struct pack
 	if ((ip[0] >> 4) != 6)
 		return PARSED_MALFORMED;
 	p->family = AF_INET6;
-	p->length = (((__u32)ip[4] << 8) | ip[5]) + 40;
 	p->hop_limit = ip[7];
 	__builtin_memcpy(p->saddr, ip + 8, 16);
 	__builtin_memcpy(p->daddr, ip + 24, 16);
@@ -374,7 +372,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	if (parsed == PARSED_OTHER)
 		return TC_ACT_OK;
 	if (parsed == PARSED_MALFORMED) {
-		count(FANOUT_UNMATCHED_STATS, FANOUT_VERDICT_MALFORMED, 0);
+		count_unmatched(FANOUT_VERDICT_MALFORMED);
 		return TC_ACT_OK;
 	}
 
@@ -386,45 +384,40 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		fragment_key.family = p.family;
 	}
 
-	struct fanout_backend backend;
+	struct fanout_backend backend = {};
 	__u32 id;
+	int chosen = 1;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(&p);
 		if (!listener)
 			return TC_ACT_OK;
 		id = listener->id;
-		if (id >= FANOUT_MAX_LISTENERS)
-			return TC_ACT_OK;
-		if (!choose(listener, &p, &backend)) {
-			struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
-			if (stats) {
-				stats->received++;
-				stats->bytes_received += skb->len;
-				stats->verdicts[FANOUT_VERDICT_NO_BACKEND]++;
-			}
-			return TC_ACT_SHOT;
-		}
-		if (p.fragment) {
+		chosen = choose(listener, &p, &backend);
+		if (chosen && p.fragment) {
 			struct fanout_fragment remembered = { .backend = backend, .listener_id = id };
 			bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
 		}
 	} else {
 		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
 		if (!remembered) {
-			count(FANOUT_UNMATCHED_STATS, FANOUT_VERDICT_FRAGMENT_UNTRACKED, 0);
+			count_unmatched(FANOUT_VERDICT_FRAGMENT_UNTRACKED);
 			return TC_ACT_OK;
 		}
 		backend = remembered->backend;
 		id = remembered->listener_id;
-		if (id >= FANOUT_MAX_LISTENERS)
-			return TC_ACT_OK;
 	}
+	if (id >= FANOUT_MAX_LISTENERS)
+		return TC_ACT_OK;
 
 	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
 	if (!stats)
 		return TC_ACT_OK;
 	stats->received++;
 	stats->bytes_received += skb->len;
+	if (!chosen) {
+		stats->verdicts[FANOUT_VERDICT_NO_BACKEND]++;
+		return TC_ACT_SHOT;
+	}
 
 	__u32 verdict;
 	if (p.hop_limit <= 1) {

@@ -19,9 +19,7 @@ struct BPFFilesystem {
     func groupDirectory(for address: SocketAddress) -> String {
         let family = address.ip.family == AF_INET ? "udp4" : "udp6"
         let host = address.ip.description.bpffsSafe
-        var namespace = stat()
-        let inode = stat("/proc/self/ns/net", &namespace) == 0 ? namespace.st_ino : 0
-        return "\(base)/\(family)-\(host)-\(address.port)-net\(inode)"
+        return "\(base)/\(family)-\(host)-\(address.port)-net\(networkNamespaceInode())"
     }
 
     /// Mounts bpffs at `root` if it is not mounted there (needs CAP_SYS_ADMIN).
@@ -53,4 +51,11 @@ struct BPFFilesystem {
 
 extension String {
     var bpffsSafe: String { String(map { $0 == ":" || $0 == "." ? "_" : $0 }) }
+}
+
+/// The inode of this process's network namespace (0 if unreadable): names what belongs to one
+/// namespace (bpffs group directories, tc_ebpf lock files).
+package func networkNamespaceInode() -> UInt {
+    var namespace = stat()
+    return stat("/proc/self/ns/net", &namespace) == 0 ? UInt(namespace.st_ino) : 0
 }

@@ -66,7 +66,7 @@ struct TCEndToEndTests {
     /// Nothing of ours is left: no program named fanout_tc loaded, no filter or tcx link on the
     /// interface, no lock file.
     static func expectNothingLeft(_ topology: Topology) throws {
-        let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+        let programs = try programsAfterRelease()
         #expect(!programs.contains("fanout_tc"), "a fanout_tc program is still loaded: \(programs)")
         let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
         #expect(filters.isEmpty, "tc filter show: \(filters)")
@@ -85,6 +85,18 @@ struct TCEndToEndTests {
         let series = "udp_fanout_downstream_packets_forwarded_total"
         return (value("udp_fanout_packets_forwarded_total", "listener=\"tc\""),
                 value(series, "downstream=\"b1\""), value(series, "downstream=\"b2\""), value(series, "downstream=\"b3\""))
+    }
+
+    /// `bpftool prog show`, waiting up to 1 s for fanout_tc to go: the kernel frees a program
+    /// after an RCU grace period once its last link or descriptor is closed.
+    static func programsAfterRelease() throws -> String {
+        var programs = ""
+        for _ in 0..<50 {
+            programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
+            if !programs.contains("fanout_tc") { break }
+            usleep(20_000)
+        }
+        return programs
     }
 
     static func received(_ reports: [[String: Any]]) -> [Int] { reports.map { $0.int("received") } }
@@ -304,14 +316,8 @@ struct TCEndToEndTests {
             first.signal(SIGKILL)
             first.wait()
             if attach == "tcx" {
-                // The link died with the process: nothing to clean even before a restart (the
-                // kernel frees the program after an RCU grace period).
-                var programs = ""
-                for _ in 0..<50 {
-                    programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
-                    if !programs.contains("fanout_tc") { break }
-                    usleep(20_000)
-                }
+                // The link died with the process: nothing to clean even before a restart.
+                let programs = try Self.programsAfterRelease()
                 #expect(!programs.contains("fanout_tc"), "tcx link outlived kill -9: \(programs)")
             }
             try Self.config(topology, backends: [1], attach: restart).write(to: file, atomically: true, encoding: .utf8)

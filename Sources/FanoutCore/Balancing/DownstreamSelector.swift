@@ -27,9 +27,14 @@ struct DownstreamSelector {
         case .roundRobin:
             method = .rotation(Self.rotation(weights: downstreams.map(\.weight)))
         case .sourceIP:
-            let backends = downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
-            method = .table(MaglevTable(backends: backends, size: Self.tableSize, seed: Self.seed)?.entries ?? [])
+            method = .table(MaglevTable(backends: Self.maglevBackends(downstreams), size: Self.tableSize, seed: Self.seed)?.entries ?? [])
         }
+    }
+
+    /// The Maglev backends of a downstream set, named by address: the userspace and tc_ebpf
+    /// tables (and every node) build their permutations from the same names and weights.
+    static func maglevBackends(_ downstreams: [Downstream]) -> [MaglevTable.Backend] {
+        downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
     }
 
     /// The downstream index for a datagram from `source`; nil if none can be chosen.

@@ -37,10 +37,10 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         (lock, lockPath) = try Self.takeLock(interface: interface)
         let created: Bool
         do {
-            created = try Self.removeLeftovers(ifindex: ifindex, lockPath: lockPath)
+            created = try Self.removeLeftovers(ifindex: ifindex, interface: interface, lockPath: lockPath)
         } catch {
             Self.release(lock: lock, path: lockPath)
-            throw .attach(interface: interface, error)
+            throw error
         }
         if mode != .clsact {
             let link = bpf_link_create(program.program, ifindex, Self.tcxIngress, nil)
@@ -128,9 +128,9 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         // Recorded before the filter exists: a crash right after still lets the next run
         // remove the qdisc it made.
         writeState(lockPath, createdQdisc: created)
-        // Replace: a crashed run's filter (checked to be ours) is swapped in one step.
+        // No replace: a crashed run's filter is gone (removeLeftovers), and anything holding our
+        // handle and priority now is refused with EEXIST rather than overwritten.
         var options = filterOptions(program: program)
-        options.flags = UInt32(BPF_TC_F_REPLACE.rawValue)
         do {
             try libbpfCall("bpf_tc_attach ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority)") { bpf_tc_attach(&hook, &options) }
         } catch {
@@ -142,7 +142,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
 
     /// Removes a filter of ours that a crashed run left (our handle and priority, and a program
     /// named like ours). Returns whether that run recorded creating the clsact qdisc.
-    private static func removeLeftovers(ifindex: Int32, lockPath: String) throws(SystemCallError) -> Bool {
+    private static func removeLeftovers(ifindex: Int32, interface: String, lockPath: String) throws(TCError) -> Bool {
         let createdBefore = readState(lockPath)
         var hook = hook(ifindex)
         var query = filterOptions()
@@ -154,21 +154,21 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         var length = UInt32(MemoryLayout<bpf_prog_info>.size)
         guard bpf_obj_get_info_by_fd(fd, &info, &length) == 0 else { return createdBefore }
         let name = withUnsafeBytes(of: info.name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
-        guard name == FANOUT_PROG_TC_NAME else {
-            throw SystemCallError(call: "bpf_tc_attach: ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority) holds another program '\(name)'", errno: EEXIST)
-        }
+        guard name == FANOUT_PROG_TC_NAME else { throw .filterSlotTaken(interface: interface, program: name) }
         var options = filterOptions()
-        try libbpfCall("bpf_tc_detach leftover filter") { bpf_tc_detach(&hook, &options) }
+        do {
+            try libbpfCall("bpf_tc_detach leftover filter") { bpf_tc_detach(&hook, &options) }
+        } catch {
+            throw .attach(interface: interface, error)
+        }
         return createdBefore
     }
 
     // MARK: lock file
 
     private static func takeLock(interface: String) throws(TCError) -> (Int32, String) {
-        var namespace = stat()
-        let inode = stat("/proc/self/ns/net", &namespace) == 0 ? namespace.st_ino : 0
         mkdir(lockDirectory, 0o755)
-        let path = "\(lockDirectory)/tc-net\(inode)-\(interface).lock"
+        let path = "\(lockDirectory)/tc-net\(networkNamespaceInode())-\(interface).lock"
         let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o644)
         guard fd >= 0 else { throw .attach(interface: interface, SystemCallError(call: "open \(path)", errno: errno)) }
         if flock(fd, LOCK_EX | LOCK_NB) != 0 {
@@ -210,6 +210,7 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
     case load(SystemCallError)
     case attach(interface: String, SystemCallError)
     case maps(SystemCallError)
+    case filterSlotTaken(interface: String, program: String)
     case tooManyListeners
 
     public var description: String {
@@ -228,6 +229,8 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
             return "cannot attach the tc_ebpf program to '\(name)': \(error)"
         case .maps(let error):
             return "cannot write the tc_ebpf maps: \(error)"
+        case .filterSlotTaken(let name, let program):
+            return "the clsact ingress filter slot udp-fanout uses on '\(name)' (pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16))) holds another program, '\(program)': remove it (tc filter del dev \(name) ingress pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16)) bpf) or use tc_attach: tcx"
         case .tooManyListeners:
             return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners"
         }

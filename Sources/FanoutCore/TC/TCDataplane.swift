@@ -32,9 +32,11 @@ final class TCDataplane: Sendable {
         guard missing.isEmpty else { throw .privileges(missing: missing) }
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
-        let sysctl = listener.bind.ip.family == AF_INET6
-            ? "net.ipv6.conf.all.forwarding" : "net.ipv4.conf.\(interface).forwarding"
-        guard Self.readSysctl(sysctl) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
+        // The fib lookup refuses to route unless forwarding is on (per interface for IPv4).
+        let (sysctl, path) = listener.bind.ip.family == AF_INET6
+            ? ("net.ipv6.conf.all.forwarding", "/proc/sys/net/ipv6/conf/all/forwarding")
+            : ("net.ipv4.conf.\(interface).forwarding", "/proc/sys/net/ipv4/conf/\(interface)/forwarding")
+        guard Self.readFirstLine(path) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
 
         return try state.withLock { state throws(TCError) in
             let program: TCProgram
@@ -96,24 +98,12 @@ final class TCDataplane: Sendable {
                 ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)])]
     }
 
-    static func readSysctl(_ name: String) -> String? {
-        let path = "/proc/sys/" + name.replacingDots()
+    static func readFirstLine(_ path: String) -> String? {
         guard let file = fopen(path, "r") else { return nil }
         defer { fclose(file) }
         var line = [CChar](repeating: 0, count: 64)
         guard fgets(&line, Int32(line.count), file) != nil else { return nil }
         return String(decoding: line.prefix(while: { $0 != 0 && $0 != 10 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
-    }
-}
-
-extension String {
-    /// `net.ipv4.conf.eth0.forwarding` as a /proc/sys path (interface names keep no dots here:
-    /// a name with dots, like a VLAN device eth0.100, is rewritten with '/' by sysctl too, so
-    /// only the fixed parts are split).
-    func replacingDots() -> String {
-        let parts = split(separator: ".", omittingEmptySubsequences: false)
-        guard parts.count > 4, parts[0] == "net", parts[2] == "conf" else { return parts.joined(separator: "/") }
-        return "\(parts[0])/\(parts[1])/\(parts[2])/\(parts[3..<(parts.count - 1)].joined(separator: "."))/\(parts[parts.count - 1])"
     }
 }
 
@@ -126,9 +116,9 @@ final class TCListener: RunningListener {
     private let program: TCProgram
     private let id: UInt32
     private struct Live {
-        var generation: UInt32 = 0
-        var downstreams: [Downstream] = []
-        var balancing: Balancing = .roundRobin
+        /// The set generation the listener entry points at; nil before the first write.
+        var generation: UInt32?
+        /// Each downstream's counter slot, kept across reloads while its name stays.
         var slots: [String: UInt16] = [:]
     }
     private let live = Mutex(Live())
@@ -171,14 +161,14 @@ final class TCListener: RunningListener {
                 program.zeroPerCPU(program.backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
                 slots[downstream.name] = slot
             }
-            let generation = live.downstreams.isEmpty ? 0 : live.generation ^ 1
+            let generation = live.generation.map { $0 ^ 1 } ?? 0
             try program.writeSet(id: id, generation: generation, BackendSet(downstreams: downstreams, balancing: balancing, slots: slots))
             var entry = fanout_listener()
             entry.id = id
             entry.generation = generation
             entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
             try program.putListener(config.bind, entry)
-            live = Live(generation: generation, downstreams: downstreams, balancing: balancing, slots: slots)
+            live = Live(generation: generation, slots: slots)
         }
     }
 

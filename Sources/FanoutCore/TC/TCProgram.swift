@@ -46,10 +46,17 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         var key = fanout_listener_key()
         key.family = UInt8(bind.ip.family)
         key.port = bind.port.bigEndian
-        withUnsafeMutableBytes(of: &key.addr) { raw in
-            for (index, byte) in bind.ip.bytes.enumerated() { raw[index] = byte }
-        }
+        key.addr = addressWords(bind.ip)
         return key
+    }
+
+    /// An address as the program's `__u32 addr[4]`: network order, IPv4 in the first word.
+    static func addressWords(_ ip: IPAddress) -> (UInt32, UInt32, UInt32, UInt32) {
+        var words: (UInt32, UInt32, UInt32, UInt32) = (0, 0, 0, 0)
+        withUnsafeMutableBytes(of: &words) { raw in
+            for (index, byte) in ip.bytes.enumerated() { raw[index] = byte }
+        }
+        return words
     }
 
     func putListener(_ bind: SocketAddress, _ value: fanout_listener) throws(SystemCallError) {
@@ -118,14 +125,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (words[0], words[1])
     }
 
+    /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
+    /// slots are zeroed as downstreams are given them.
     func resetListener(id: UInt32) {
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
-        var key = id
-        var zeros = [UInt32](repeating: 0, count: cpus)
-        bpf_map_update_elem(roundRobin, &key, &zeros, UInt64(BPF_ANY))
-        for slot in 0..<UInt32(FANOUT_MAX_BACKENDS) {
-            zeroPerCPU(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + slot, as: fanout_backend_stats.self)
-        }
+        // A per-CPU value takes 8 bytes per CPU in userspace even when it is a u32.
+        zeroPerCPU(roundRobin, key: id, as: UInt64.self)
     }
 }
 
@@ -141,9 +146,7 @@ struct BackendSet {
     init(downstreams: [Downstream], balancing: Balancing, slots: [String: UInt16]) {
         backends = downstreams.map { downstream in
             var backend = fanout_backend()
-            withUnsafeMutableBytes(of: &backend.addr) { raw in
-                for (index, byte) in downstream.address.ip.bytes.enumerated() { raw[index] = byte }
-            }
+            backend.addr = TCProgram.addressWords(downstream.address.ip)
             backend.port = downstream.address.port.bigEndian
             backend.counter_slot = slots[downstream.name] ?? UInt16(FANOUT_MAX_BACKENDS)
             return backend
@@ -155,8 +158,8 @@ struct BackendSet {
             table = []
         case .sourceIP:
             rotation = []
-            let named = downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
-            table = MaglevTable(backends: named, size: Int(FANOUT_TABLE_SIZE), seed: seed)?.entries.map { UInt16($0) } ?? []
+            table = MaglevTable(backends: DownstreamSelector.maglevBackends(downstreams), size: Int(FANOUT_TABLE_SIZE), seed: seed)?
+                .entries.map { UInt16($0) } ?? []
         }
     }
 }
