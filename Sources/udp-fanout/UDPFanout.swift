@@ -37,12 +37,16 @@ struct UDPFanout: AsyncParsableCommand {
     var xdpProgram: String?
 
     func run() async throws {
+        // UDP_FANOUT_LOG wins over RUST_LOG; an empty one counts as unset.
         let names: [String] = ["UDP_FANOUT_LOG", "RUST_LOG"]
-        let environment = names.compactMap { name in getenv(name).map { String(cString: $0) } }.first
-        guard let level = Self.level(environment ?? logLevel) else {
-            throw ValidationError("unknown log level '\(environment ?? logLevel)': use trace, debug, info, warn or error")
-        }
+        let environment = names.compactMap { (name: String) -> String? in
+            guard let value = getenv(name) else { return nil }
+            let text = String(cString: value)
+            return text.isEmpty ? nil : text
+        }.first
+        let filter = try Self.logFilter(environment: environment, flag: logLevel)
         LoggingSystem.bootstrap { label in
+            guard case .level(let level) = filter else { return SwiftLogNoOpLogHandler(label) }
             var handler = StreamLogHandler.standardError(label: label)
             handler.logLevel = level
             return handler
@@ -57,9 +61,12 @@ struct UDPFanout: AsyncParsableCommand {
             parsed = try ConfigParser.parse(try readFile(config))
             try parsed.validate()
         } catch {
-            logger.error("invalid configuration", metadata: ["error": "\(error)"])
+            // Once, on one line (the error escapes what is not printable).
             printError("udp-fanout: \(error)")
             throw ExitCode(2)
+        }
+        for warning in parsed.warnings() {
+            if check { printError("udp-fanout: \(warning)") } else { logger.warning("\(warning)") }
         }
         logger.info("configuration loaded", metadata: ["listeners": "\(parsed.listeners.count)", "path": "\(config)"])
         if check {
@@ -80,17 +87,14 @@ struct UDPFanout: AsyncParsableCommand {
         }
         logger.info("udp-fanout stopped")
     }
+}
 
-    static func level(_ text: String) -> Logger.Level? {
-        // RUST_LOG may read "udp_fanout=debug": take the last level named.
-        let value = text.split(separator: ",").last?.split(separator: "=").last.map { $0.lowercased() } ?? ""
-        switch value {
-        case "trace": return .trace
-        case "debug": return .debug
-        case "info": return .info
-        case "warn", "warning": return .warning
-        case "error": return .error
-        default: return nil
+extension UDPFanout {
+    static func logFilter(environment: String?, flag: String) throws(ValidationError) -> LogDirectives.Filter {
+        do {
+            return try LogDirectives.filter(environment: environment, flag: flag)
+        } catch {
+            throw ValidationError(error.description)
         }
     }
 }

@@ -102,7 +102,7 @@ struct ConfigTests {
         try ConfigParser.parse(ReferenceConfigs.userspace).validate(localAddresses: [])
         let tc = try ConfigParser.parse(ReferenceConfigs.tcKubernetes)
         #expect(tc.listeners[0].mode == .tcEBPF && tc.listeners[0].kubernetes?.service == "vector-receivers" && tc.health.enabled)
-        #expect(throws: ConfigError("listeners[0].kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")) {
+        #expect(throws: ConfigError("listeners[0].kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream", line: 6)) {
             try tc.validate()
         }
         let xdp = try ConfigParser.parse(ReferenceConfigs.afXDP)

@@ -13,8 +13,9 @@ public struct ConfigError: Error, CustomStringConvertible, Equatable, Sendable {
         self.line = line
     }
 
+    /// One line: control characters and bytes that are not printable are escaped, long echoes cut.
     public var description: String {
-        "configuration error: \(key)\(line.map { " (line \($0))" } ?? ""): \(problem)"
+        "configuration error: \(Self.printable(key, limit: 120))\(line.map { " (line \($0))" } ?? ""): \(Self.printable(problem, limit: 400))"
     }
 }
 
@@ -24,12 +25,15 @@ public struct ConfigError: Error, CustomStringConvertible, Equatable, Sendable {
 /// other key is an error naming it.
 public enum ConfigParser {
     public static func parse(_ text: String) throws(ConfigError) -> FanoutConfig {
+        try ConfigLimits.check(text)
         let root: Node
         do {
             guard let node = try Yams.compose(yaml: text) else { throw ConfigError("(document)", "the file is empty") }
             root = node
         } catch let error as ConfigError {
             throw error
+        } catch let error as YamlError {
+            throw Self.describe(error)
         } catch {
             throw ConfigError("(document)", "not valid YAML: \(error)")
         }
@@ -62,7 +66,24 @@ public enum ConfigParser {
                 metrics.path = path
             }
         }
-        return FanoutConfig(listeners: listeners, health: health, metrics: metrics)
+        var config = FanoutConfig(listeners: listeners, health: health, metrics: metrics)
+        config.lines = KeyLines(root)
+        return config
+    }
+
+    /// A YAML syntax error as one line: the problem and where, without the echo of the
+    /// offending line and the caret line under it that the parser's own description has.
+    static func describe(_ error: YamlError) -> ConfigError {
+        switch error {
+        case .scanner(let context, let problem, let mark, _), .parser(let context, let problem, let mark, _),
+            .composer(let context, let problem, let mark, _):
+            let detail = context.map { "\($0.text) (line \($0.mark.line)): " } ?? ""
+            return ConfigError("(document)", "not valid YAML: \(detail)\(problem) at column \(mark.column)", line: mark.line)
+        case .reader(let problem, let offset, _, _):
+            return ConfigError("(document)", "not valid YAML: \(problem)\(offset.map { " at byte \($0)" } ?? "")")
+        default:
+            return ConfigError("(document)", "not valid YAML: \(error)")
+        }
     }
 
     static func listener(_ node: Node, path: String) throws(ConfigError) -> Listener {
@@ -153,6 +174,10 @@ struct Fields {
     func string(_ name: String) throws(ConfigError) -> String? {
         guard let value = self[name] else { return nil }
         guard case .scalar(let scalar) = value else { throw error(name, "expected a string") }
+        // A NUL would cut the text where C reads it; no key takes control characters.
+        guard !scalar.string.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7f }) else {
+            throw error(name, "contains a control character")
+        }
         return scalar.string
     }
 
@@ -178,6 +203,9 @@ struct Fields {
     func address(_ name: String) throws(ConfigError) -> SocketAddress? {
         guard let text = try string(name) else { return nil }
         guard let address = SocketAddress(text) else {
+            if text.contains("%") {
+                throw error(name, "'\(text)': scoped IPv6 addresses (fe80::1%eth0) are not supported: use a global or unique-local address of the interface (ip -6 addr show)")
+            }
             throw error(name, "'\(text)' is not an address with a port (e.g. 0.0.0.0:9000 or [2001:db8::1]:9000)")
         }
         return address

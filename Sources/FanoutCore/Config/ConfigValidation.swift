@@ -9,55 +9,134 @@ extension FanoutConfig {
     /// - Parameter localAddresses: this host's addresses, to find downstreams that would loop
     ///   back into a wildcard listener.
     public func validate(localAddresses: Set<IPAddress> = LocalAddresses.current()) throws(ConfigError) {
-        guard !listeners.isEmpty else { throw ConfigError("listeners", "empty: configure at least one listener") }
+        func fail(_ key: String, _ problem: String) -> ConfigError { ConfigError(key, problem, line: lines.line(of: key)) }
+        guard !listeners.isEmpty else { throw fail("listeners", "empty: configure at least one listener") }
         var names = Set<String>()
+        // Binds by family and port, so the overlap and loop checks are linear in the listeners.
+        var binds: [BindKey: BindEntry] = [:]
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
             guard names.insert(listener.name).inserted else {
-                throw ConfigError("\(path).name", "duplicate listener name '\(listener.name)'")
+                throw fail("\(path).name", "duplicate listener name '\(listener.name)'")
             }
-            for (other, earlier) in listeners[..<index].enumerated() where Self.overlaps(earlier.bind, listener.bind) {
-                throw ConfigError("\(path).bind", "\(listener.bind) overlaps listeners[\(other)].bind \(earlier.bind)")
+            guard listener.bind.port != 0 else {
+                throw fail("\(path).bind", "\(listener.bind): port 0 would listen on a random port; give the port datagrams arrive on")
             }
+            var entry = binds[BindKey(listener.bind)] ?? BindEntry()
+            let wildcard = Self.isUnspecified(listener.bind.ip)
+            if let other = entry.wildcard ?? (wildcard ? entry.exact.values.min() : entry.exact[listener.bind.ip]) {
+                throw fail("\(path).bind", "\(listener.bind) overlaps listeners[\(other)].bind \(listeners[other].bind)")
+            }
+            if wildcard { entry.wildcard = index } else { entry.exact[listener.bind.ip] = index }
+            binds[BindKey(listener.bind)] = entry
+        }
+        for (index, listener) in listeners.enumerated() {
+            let path = "listeners[\(index)]"
             if listener.mode != .userspace && (listener.interface ?? "").isEmpty {
-                throw ConfigError("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
+                throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
             }
             guard Mode.implemented.contains(listener.mode) else {
-                throw ConfigError("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
+                throw fail("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
             }
             if listener.kubernetes != nil {
-                throw ConfigError("\(path).kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")
+                throw fail("\(path).kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")
             }
             guard !listener.downstreams.isEmpty else {
-                throw ConfigError("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
+                throw fail("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
             }
             var downstreamNames = Set<String>()
             for (position, downstream) in listener.downstreams.enumerated() {
                 let key = "\(path).downstream[\(position)]"
                 guard downstreamNames.insert(downstream.name).inserted else {
-                    throw ConfigError("\(key).name", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
+                    throw fail("\(key).name", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
                 }
-                for target in listeners where Self.loops(downstream.address, into: target.bind, localAddresses) {
-                    throw ConfigError("\(key).address", "\(downstream.address) is listener '\(target.name)' (\(target.bind)): forwarding loop")
+                if let problem = Self.unicastProblem(downstream.address) { throw fail("\(key).address", problem) }
+                if let target = Self.loopTarget(downstream.address, binds, localAddresses) {
+                    throw fail("\(key).address", "\(downstream.address) is listener '\(listeners[target].name)' (\(listeners[target].bind)): forwarding loop")
+                }
+                if let mac = downstream.mac, !Self.isMAC(mac) {
+                    throw fail("\(key).mac", "'\(mac)' is not a MAC address (six hex pairs separated by colons, e.g. 02:00:00:00:00:01)")
                 }
             }
             guard listener.downstreams.contains(where: { $0.weight > 0 }) else {
-                throw ConfigError("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
+                throw fail("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
             }
-            if listener.mode == .tcEBPF { try Self.validateTC(listener, path: path, localAddresses) }
+            if listener.mode == .tcEBPF {
+                do throws(ConfigError) {
+                    try Self.validateTC(listener, path: path, localAddresses)
+                } catch {
+                    throw fail(error.key, error.problem)
+                }
+            }
         }
         let tcListeners = listeners.filter { $0.mode == .tcEBPF }
         if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
-            throw ConfigError("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+            throw fail("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
         }
         for (index, listener) in listeners.enumerated() where listener.mode == .tcEBPF {
             if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
-                throw ConfigError("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
+                throw fail("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
             }
         }
         if health.enabled {
-            throw ConfigError("health.enabled", "health probes are not implemented in this release: set enabled: false (every downstream is then always in rotation)")
+            throw fail("health.enabled", "health probes are not implemented in this release: set enabled: false (every downstream is then always in rotation)")
         }
+    }
+
+    /// Keys the file sets that this release reads but that have no effect where they stand:
+    /// logged at start and on reload, and printed by `--check`, so no key is silently ignored.
+    public func warnings() -> [ConfigWarning] {
+        var warnings: [ConfigWarning] = []
+        func warn(_ key: String, _ message: String) {
+            warnings.append(ConfigWarning(key: key, line: lines.line(of: key), message: message))
+        }
+        for (index, listener) in listeners.enumerated() {
+            let path = "listeners[\(index)]"
+            if listener.mode == .userspace {
+                if lines.isSet("\(path).interface") {
+                    warn("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)")
+                }
+                if lines.isSet("\(path).settings.tc_attach") { warn("\(path).settings.tc_attach", "applies to mode tc_ebpf only") }
+            } else {
+                for key in ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size"] where lines.isSet("\(path).settings.\(key)") {
+                    warn("\(path).settings.\(key)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
+                }
+            }
+            for (position, downstream) in listener.downstreams.enumerated() where downstream.mac != nil {
+                warn("\(path).downstream[\(position)].mac", "accepted for compatibility and not used: the next hop's MAC comes from the kernel's neighbour table")
+            }
+        }
+        return warnings
+    }
+
+    /// Why `address` cannot be a downstream (each datagram goes to exactly one host), or nil.
+    static func unicastProblem(_ address: SocketAddress) -> String? {
+        let ip = address.ip
+        let oneHost = "udp-fanout sends each datagram to exactly one downstream; list the receivers' unicast addresses"
+        if address.port == 0 { return "\(address): port 0 is not a destination; give the downstream's port" }
+        if isUnspecified(ip) { return "\(address) is the unspecified address, not a host: give the downstream's address" }
+        let bytes = ip.bytes
+        if bytes.count == 4 {
+            if (224...239).contains(bytes[0]) { return "\(address) is a multicast group: \(oneHost)" }
+            if bytes == [255, 255, 255, 255] { return "\(address) is the broadcast address: \(oneHost)" }
+        } else if bytes[0] == 0xff {
+            return "\(address) is a multicast group: \(oneHost)"
+        }
+        return nil
+    }
+
+    static func isMAC(_ text: String) -> Bool {
+        let parts = text.split(separator: ":", omittingEmptySubsequences: false)
+        return parts.count == 6 && parts.allSatisfy { $0.count == 2 && UInt8($0, radix: 16) != nil }
+    }
+
+    /// The index of the listener a datagram sent to `destination` would arrive at, if any.
+    static func loopTarget(_ destination: SocketAddress, _ binds: [BindKey: BindEntry], _ local: Set<IPAddress>) -> Int? {
+        guard let entry = binds[BindKey(destination)] else { return nil }
+        if let exact = entry.exact[destination.ip] { return exact }
+        guard let wildcard = entry.wildcard else { return nil }
+        let ip = destination.ip
+        return isUnspecified(ip) || local.contains(ip) || ip.bytes.first == 127 && ip.family == AF_INET ? wildcard : nil
     }
 
     /// tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
@@ -82,20 +161,30 @@ extension FanoutConfig {
 
     static func isUnspecified(_ ip: IPAddress) -> Bool { ip.bytes.allSatisfy { $0 == 0 } }
 
-    /// Two binds on one port where one is the other or a wildcard of the same family.
-    static func overlaps(_ a: SocketAddress, _ b: SocketAddress) -> Bool {
-        guard a.port == b.port, a.ip.family == b.ip.family else { return false }
-        return a.ip == b.ip || isUnspecified(a.ip) || isUnspecified(b.ip)
+    /// Binds that can overlap: same family and port.
+    struct BindKey: Hashable {
+        let family: Int32
+        let port: UInt16
+        init(_ address: SocketAddress) {
+            family = address.ip.family
+            port = address.port
+        }
     }
 
-    /// A datagram sent to `destination` would arrive at a listener bound to `bind`.
-    static func loops(_ destination: SocketAddress, into bind: SocketAddress, _ local: Set<IPAddress>) -> Bool {
-        guard destination.port == bind.port else { return false }
-        if destination.ip == bind.ip { return true }
-        guard isUnspecified(bind.ip) else { return false }
-        return isUnspecified(destination.ip) || local.contains(destination.ip)
-            || destination.ip.bytes.first == 127 && bind.ip.family == destination.ip.family
+    /// The listeners bound on one family and port: by exact address, and the wildcard one.
+    struct BindEntry {
+        var exact: [IPAddress: Int] = [:]
+        var wildcard: Int?
     }
+}
+
+/// A key that has no effect where it stands (see ``FanoutConfig/warnings()``).
+public struct ConfigWarning: Sendable, Equatable, CustomStringConvertible {
+    public let key: String
+    public let line: Int?
+    public let message: String
+
+    public var description: String { "configuration warning: \(key)\(line.map { " (line \($0))" } ?? ""): \(message)" }
 }
 
 /// This host's interface addresses (getifaddrs).

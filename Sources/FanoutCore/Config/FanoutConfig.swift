@@ -6,6 +6,13 @@ public struct FanoutConfig: Equatable, Sendable {
     public var listeners: [Listener]
     public var health: Health
     public var metrics: Metrics
+    /// Where each key stands in the file (empty for a configuration built in code). Not part
+    /// of equality: moving a key to another line changes nothing.
+    public var lines = KeyLines()
+
+    public static func == (lhs: FanoutConfig, rhs: FanoutConfig) -> Bool {
+        lhs.listeners == rhs.listeners && lhs.health == rhs.health && lhs.metrics == rhs.metrics
+    }
 
     public init(listeners: [Listener], health: Health = Health(), metrics: Metrics = Metrics()) {
         self.listeners = listeners

@@ -1,0 +1,51 @@
+import Yams
+
+/// The line of every key of a parsed configuration, by key path (`listeners[0].bind`,
+/// `listeners[1].downstream[2].address`): errors found after parsing, across fields
+/// (duplicate names, overlapping binds, loops), name the line too, and warnings can tell a key
+/// the file sets from a default.
+public struct KeyLines: Sendable {
+    private var lines: [String: Int] = [:]
+
+    public init() {}
+
+    /// Records every mapping key and sequence item of `root`. The depth is bounded by
+    /// ``ConfigLimits`` before parsing, so the recursion is too.
+    init(_ root: Node) {
+        record(root, path: "")
+    }
+
+    private mutating func record(_ node: Node, path: String) {
+        switch node {
+        case .mapping(let mapping):
+            for (key, value) in mapping {
+                guard let name = key.string else { continue }
+                let child = path.isEmpty ? name : "\(path).\(name)"
+                if let line = key.mark?.line { lines[child] = line }
+                record(value, path: child)
+            }
+        case .sequence(let sequence):
+            for (index, item) in sequence.enumerated() {
+                let child = "\(path)[\(index)]"
+                if let line = item.mark?.line { lines[child] = line }
+                record(item, path: child)
+            }
+        default:
+            break
+        }
+    }
+
+    /// The line of `path`, or of its nearest enclosing key the file has.
+    public func line(of path: String) -> Int? {
+        var current = Substring(path)
+        while !current.isEmpty {
+            if let line = lines[String(current)] { return line }
+            guard let cut = current.lastIndex(where: { $0 == "." || $0 == "[" }) else { break }
+            current = current[..<cut]
+        }
+        return nil
+    }
+
+    /// True when the file sets `path` itself (not a default).
+    public func isSet(_ path: String) -> Bool { lines[path] != nil }
+}
