@@ -113,7 +113,7 @@ public enum ConfigParser {
         var settings = Settings()
         if let node = fields["settings"] {
             let entry = try Fields(node, path: "\(path).settings")
-            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach"])
+            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering"])
             let maximum: Int
             if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
             settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
@@ -121,6 +121,9 @@ public enum ConfigParser {
             settings.workers = try entry.int("workers", in: 0...ReusePortMember.maximumCapacity) ?? settings.workers
             settings.pinCPUs = try entry.bool("pin_cpus") ?? settings.pinCPUs
             settings.recvBufSize = try entry.int("recv_buf_size", in: 0...(1 << 30)) ?? settings.recvBufSize
+            if let steering = try entry.choice("worker_steering", WorkerSteering.allCases.map(\.rawValue)) {
+                settings.workerSteering = WorkerSteering(rawValue: steering)!
+            }
             if let attach = try entry.choice("tc_attach", TCAttach.allCases.map(\.rawValue)) {
                 settings.tcAttach = TCAttach(rawValue: attach)!
             }

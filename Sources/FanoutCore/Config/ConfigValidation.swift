@@ -98,7 +98,7 @@ extension FanoutConfig {
                 }
                 if lines.isSet("\(path).settings.tc_attach") { warn("\(path).settings.tc_attach", "applies to mode tc_ebpf only") }
             } else {
-                for key in ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size"] where lines.isSet("\(path).settings.\(key)") {
+                for key in ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size", "worker_steering"] where lines.isSet("\(path).settings.\(key)") {
                     warn("\(path).settings.\(key)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
                 }
             }

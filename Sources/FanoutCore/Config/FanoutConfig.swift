@@ -114,10 +114,32 @@ public struct Settings: Equatable, Sendable {
     public var pinCPUs: Bool = true
     /// Receive buffer per worker socket in bytes (0: the system's).
     public var recvBufSize: Int = 0
+    /// How datagrams are spread over the workers (their sockets' ReusePortLB policy).
+    public var workerSteering: WorkerSteering = .fiveTuple
     /// tc_ebpf: how the program is attached to the interface.
     public var tcAttach: TCAttach = .auto
 
     public init() {}
+}
+
+/// How a userspace listener spreads datagrams over its workers.
+public enum WorkerSteering: String, Sendable, CaseIterable {
+    /// Every datagram of one flow (source address and port) to one worker: a flow keeps its
+    /// order, as with nginx and the reference; one very heavy flow is served by one worker.
+    case fiveTuple = "five_tuple"
+    /// Every datagram of one source address to one worker.
+    case sourceIP = "source_ip"
+    /// Each datagram to the next worker: spreads one heavy flow over every worker, and may
+    /// reorder it (workers send in parallel).
+    case roundRobin = "round_robin"
+
+    var policy: BalancePolicy {
+        switch self {
+        case .fiveTuple: return .fiveTuple
+        case .sourceIP: return .sourceIP
+        case .roundRobin: return .roundRobin
+        }
+    }
 }
 
 /// How tc_ebpf attaches its program to an interface.

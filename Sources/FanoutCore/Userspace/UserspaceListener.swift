@@ -20,7 +20,7 @@ final class UserspaceListener: RunningListener {
         let count = config.settings.workers > 0 ? config.settings.workers : max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
         plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters))
         let options = GroupOptions(
-            policy: .roundRobin, capacity: count,
+            policy: config.settings.workerSteering.policy, capacity: count,
             receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
         var members: [ReusePortMember] = []
         for slot in 0..<count {

@@ -7,7 +7,7 @@ import ReusePortLB
 import Synchronization
 
 /// One worker thread of a userspace listener: its own socket in the listener's ReusePortLB
-/// group (roundRobin, so one heavy sender spreads over every worker), recvmmsg in, one sendmmsg
+/// group (steered per flow by default: `settings.worker_steering`), recvmmsg in, one sendmmsg
 /// batch per downstream out. Nothing is allocated per datagram.
 final class UserspaceWorker: @unchecked Sendable {
     let index: Int
