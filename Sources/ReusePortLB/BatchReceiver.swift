@@ -80,7 +80,13 @@ public final class BatchReceiver {
 
     /// The bytes of datagram `index` of the last batch (at most ``maximumDatagramSize``).
     public func payload(_ index: Int) -> UnsafeRawBufferPointer {
-        UnsafeRawBufferPointer(start: iovecs[index].iov_base, count: Int(headers[index].msg_len))
+        UnsafeRawBufferPointer(start: iovecs[index].iov_base, count: min(Int(headers[index].msg_len), maximumDatagramSize))
+    }
+
+    /// The size datagram `index` had on the wire: its payload's size, or, for a truncated
+    /// datagram received with `MSG_TRUNC` in the flags, its whole size.
+    public func length(_ index: Int) -> Int {
+        Int(headers[index].msg_len)
     }
 
     /// True if datagram `index` was larger than ``maximumDatagramSize`` (MSG_TRUNC): its

@@ -112,6 +112,8 @@ struct ForwardingTests {
         }
         let counters = try #require(daemon.counters(of: "small"))
         #expect(counters.received == 40 && counters.forwarded == 20 && counters.dropped[.tooLarge] == 20)
+        #expect(counters.bytesReceived == 20 * 1001 + 20 * 1000, "the real size of the oversized ones: \(counters.bytesReceived)")
+        #expect(counters.bytesForwarded == 20 * 1000)
     }
 
     @Test("An unreachable downstream costs counted drops for its own datagrams only")

@@ -64,3 +64,51 @@ struct NamespaceTests {
         #expect(report.int("lost") == 0)
     }
 }
+
+/// A downstream whose route appears only after udp-fanout started.
+@Suite("udp-fanout: a downstream unreachable at start", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct LateRouteTests {
+    @Test("Datagrams to a downstream with no route are counted unreachable; once the route exists they flow, without a reload")
+    func recoversWithoutReload() throws {
+        let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
+        let namespace = "rplb-lr-\(suffix)"
+        let ip = "/usr/sbin/ip"
+        try #require(try run(ip, ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run(ip, ["netns", "delete", namespace]) }
+        try #require(try run(ip, ["-n", namespace, "link", "set", "lo", "up"]).status == 0)
+        let inside = ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("late-\(suffix).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try """
+            listeners:
+              - name: late
+                bind: "127.0.0.1:7000"
+                settings: {workers: 1}
+                downstream:
+                  - {name: later, address: "198.18.9.1:7001"}
+            metrics: {enabled: true, bind: "127.0.0.1:7090"}
+            """.write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: inside)
+        try daemon.waitFor("entering receive loop")
+        #expect(daemon.stderr.contains("downstream socket could not connect"), "\(daemon.stderr)")
+        let early = try Child("publisher", ["127.0.0.1", "7000", "10", "--rate", "1000"], prefix: inside)
+        #expect(early.wait() == 0)
+        usleep(200_000)
+        let before = try run("/usr/bin/nsenter", inside.dropFirst().dropLast() + ["--", "curl", "-s", "http://127.0.0.1:7090/metrics"]).output
+        #expect(before.contains("udp_fanout_packets_dropped_by_reason_total{listener=\"late\",mode=\"userspace\",reason=\"unreachable\"} 10"), "\(before)")
+        // The route appears: the downstream's address on this namespace's loopback.
+        try #require(try run(ip, ["-n", namespace, "addr", "add", "198.18.9.1/32", "dev", "lo"]).status == 0)
+        let collector = try Child("collector", ["198.18.9.1", "7001", "0", "1"], prefix: inside)
+        try collector.waitFor("ready")
+        usleep(1_200_000)  // past the reconnect interval
+        let late = try Child("publisher", ["127.0.0.1", "7000", "100", "--rate", "2000"], prefix: inside)
+        #expect(late.wait() == 0)
+        usleep(300_000)
+        let report = try collector.stop()
+        // The first datagram after the interval reconnects; it and every later one is delivered.
+        #expect(report.int("received") == 100, "\(report)")
+        #expect(daemon.stderr.contains("downstream socket connected"), "\(daemon.stderr)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+    }
+}

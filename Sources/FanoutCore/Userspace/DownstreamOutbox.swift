@@ -15,8 +15,14 @@ import ReusePortLB
 /// the path MTU, or no GSO), GSO is turned off for this downstream and the run is resent one
 /// datagram per message. A run that fails otherwise is dropped whole, with its reason.
 final class DownstreamOutbox {
-    let socket: Int32
-    let connectError: Int32
+    /// The connected socket, or -1 while connecting fails (no route yet, no such address):
+    /// retried at most once a second while datagrams come, so a downstream unreachable at start
+    /// is served once its route appears, without a reload.
+    private(set) var socket: Int32 = -1
+    private(set) var connectError: Int32 = 0
+    private let address: SocketAddress
+    private var nextConnect = ContinuousClock.now
+    static let reconnectInterval = Duration.seconds(1)
     private let capacity: Int
     private let headers: UnsafeMutablePointer<shim_mmsghdr>
     private let iovecs: UnsafeMutablePointer<iovec>
@@ -35,6 +41,12 @@ final class DownstreamOutbox {
         controlSpace = Int(shim_udp_segment_space())
         controls = .allocate(byteCount: capacity * controlSpace, alignment: 16)
         for index in 0..<capacity { headers[index] = shim_mmsghdr() }
+        self.address = address
+        connect()
+    }
+
+    /// Makes the connected socket; on failure keeps the error and when to try again.
+    private func connect() {
         let fd = Glibc.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
         var error: Int32 = fd < 0 ? errno : 0
         if fd >= 0 {
@@ -42,11 +54,19 @@ final class DownstreamOutbox {
             if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, 4) != 0 {
                 setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
             }
-            if address.withSockAddr({ connect(fd, $0, $1) }) != 0 { error = errno }
+            if address.withSockAddr({ Glibc.connect(fd, $0, $1) }) != 0 { error = errno }
         }
         socket = error == 0 ? fd : -1
         if error != 0 && fd >= 0 { close(fd) }
         connectError = error
+        nextConnect = ContinuousClock.now + Self.reconnectInterval
+    }
+
+    /// True when this call connected a socket that could not be connected before.
+    func reconnectIfDue() -> Bool {
+        guard socket < 0, ContinuousClock.now >= nextConnect else { return false }
+        connect()
+        return socket >= 0
     }
 
     deinit {

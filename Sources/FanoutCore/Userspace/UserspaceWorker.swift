@@ -75,7 +75,8 @@ final class UserspaceWorker: @unchecked Sendable {
         while true {
             let count: Int
             do {
-                count = try receiver.receive(from: member.socket)
+                // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
+                count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
             } catch {
                 logger.error("receive failed", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
                 return
@@ -101,7 +102,7 @@ final class UserspaceWorker: @unchecked Sendable {
         selector = DownstreamSelector(downstreams: plan.downstreams, balancing: plan.balancing)
         outboxes = plan.downstreams.map { DownstreamOutbox(address: $0.address, capacity: listener.settings.batchSize) }
         for (outbox, downstream) in zip(outboxes, plan.downstreams) where outbox.socket < 0 {
-            logger.warning("downstream socket could not connect; its datagrams are dropped as unreachable",
+            logger.warning("downstream socket could not connect; its datagrams are dropped as unreachable, connecting again every second",
                            metadata: ["listener": "\(listener.name)", "downstream": "\(downstream.name)", "errno": "\(outbox.connectError)"])
         }
     }
@@ -112,7 +113,7 @@ final class UserspaceWorker: @unchecked Sendable {
         var noHealthy: UInt64 = 0
         for datagram in 0..<count {
             let payload = receiver.payload(datagram)
-            bytesReceived += UInt64(payload.count)
+            bytesReceived += UInt64(receiver.length(datagram))
             if receiver.isTruncated(datagram) {
                 tooLarge += 1
                 continue
@@ -126,6 +127,9 @@ final class UserspaceWorker: @unchecked Sendable {
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
         for (target, outbox) in outboxes.enumerated() where outbox.count > 0 {
+            if outbox.socket < 0 && outbox.reconnectIfDue() {
+                logger.notice("downstream socket connected", metadata: ["listener": "\(listener.name)", "downstream": "\(plan!.downstreams[target].name)"])
+            }
             var result: (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64]) = (0, 0, [:])
             outbox.flush(&result)
             forwarded += result.sent
