@@ -5,9 +5,12 @@ import BPFObjects
 import CLibBPF
 import CSystemShim
 
-/// The pinned program and maps of one eBPF-steered group, opened by one member.
+/// The program and maps of one eBPF-steered group: pinned under `directory` and opened by one
+/// member, or (directory nil) loaded for one process alone by a ``ReusePortGroup``.
 final class GroupObjects {
-    let directory: String
+    /// The pin directory; nil for a process-private group, whose descriptors are all that holds
+    /// the objects (and are closed when the last reference goes).
+    let directory: String?
     let config: rplb_config
     let program: Int32
     let members: Int32
@@ -19,8 +22,11 @@ final class GroupObjects {
 
     private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr"]
 
-    private init(directory: String, config: rplb_config, descriptors: [Int32]) {
+    private let closesOnDeinit: Bool
+
+    private init(directory: String?, config: rplb_config, descriptors: [Int32]) {
         self.directory = directory
+        closesOnDeinit = directory == nil
         self.config = config
         program = descriptors[0]
         members = descriptors[1]
@@ -35,6 +41,12 @@ final class GroupObjects {
 
     func closeDescriptors() {
         for fd in descriptors { close(fd) }
+    }
+
+    deinit {
+        // Pinned objects are closed explicitly under the bpffs lock (see ReusePortMember.leave);
+        // a private group's are shared by the group and its members and go with the last one.
+        if closesOnDeinit { closeDescriptors() }
     }
 
     /// Opens the group's pinned objects, or creates and pins them. Must hold the bpffs lock.
@@ -90,6 +102,32 @@ final class GroupObjects {
     }
 
     private static func create(directory: String, config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        let descriptors = try loadDescriptors(config: config, table: table)
+        do {
+            try systemCall("mkdir \(directory)") { mkdir(directory, 0o700) == 0 || errno == EEXIST ? 0 : -1 }
+            for (name, fd) in zip(pinNames, descriptors) {
+                try libbpfCall("bpf_obj_pin \(directory)/\(name)") { bpf_obj_pin(fd, directory + "/" + name) }
+            }
+        } catch {
+            for fd in descriptors { close(fd) }
+            removePins(directory: directory)
+            if error.errno == EPERM || error.errno == EACCES {
+                throw .ebpfUnavailable(reason: error.description)
+            }
+            throw .system(error)
+        }
+        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+    }
+
+    /// Loads the program and its maps with the group's settings and fills the config map and
+    /// the lookup table, pinning nothing: the result belongs to this process alone (its
+    /// descriptors close when it is released).
+    static func load(config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        GroupObjects(directory: nil, config: config, descriptors: try loadDescriptors(config: config, table: table))
+    }
+
+    /// The loaded program and maps (in ``pinNames`` order), config and table written.
+    private static func loadDescriptors(config: rplb_config, table: MaglevTable) throws(ReusePortError) -> [Int32] {
         var descriptors: [Int32] = []
         do {
             descriptors = try loadEmbeddedObject(
@@ -109,19 +147,14 @@ final class GroupObjects {
             var value = config
             try libbpfCall("bpf_map_update_elem config") { bpf_map_update_elem(descriptors[2], &key, &value, UInt64(BPF_ANY)) }
             try writeTable(table, fd: descriptors[3])
-            try systemCall("mkdir \(directory)") { mkdir(directory, 0o700) == 0 || errno == EEXIST ? 0 : -1 }
-            for (name, fd) in zip(pinNames, descriptors) {
-                try libbpfCall("bpf_obj_pin \(directory)/\(name)") { bpf_obj_pin(fd, directory + "/" + name) }
-            }
         } catch {
             for fd in descriptors { close(fd) }
-            removePins(directory: directory)
             if error.errno == EPERM || error.errno == EACCES {
                 throw .ebpfUnavailable(reason: error.description)
             }
             throw .system(error)
         }
-        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+        return descriptors
     }
 
     /// Writes the whole lookup table in one batch call when the kernel has it.

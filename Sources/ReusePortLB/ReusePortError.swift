@@ -12,6 +12,12 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     case countersUnavailable(Steering)
     case policyNeedsEBPF(BalancePolicy, SteeringPreference)
     case system(SystemCallError)
+    /// A process-private group's address is already bound by a socket of another process
+    /// (which the kernel would put in the same SO_REUSEPORT group): its pid and command where
+    /// /proc shows them.
+    case addressServedByAnotherProcess(SocketAddress, pid: Int32?, command: String?)
+    /// ``ReusePortGroup/activate()`` found no member of the group to attach through.
+    case noLiveMember(SocketAddress)
 
     public var description: String {
         switch self {
@@ -37,6 +43,11 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
             return "policy \(policy) cannot be served by \(steering) steering; use eBPF or automatic"
         case .system(let error):
             return error.description
+        case .addressServedByAnotherProcess(let address, let pid, let command):
+            let who = pid.map { pid in command.map { "pid \(pid), \($0)" } ?? "pid \(pid)" } ?? "its process is not visible in /proc"
+            return "\(address) is already served by another process (\(who)): stop it or use another bind"
+        case .noLiveMember(let address):
+            return "the group on \(address) has no member to attach its program through: join a slot before activate()"
         }
     }
 }

@@ -41,7 +41,9 @@ public final class ReusePortMember: @unchecked Sendable {
     public let cookie: UInt64
 
     private let objects: GroupObjects?
-    private let filesystem: BPFFilesystem
+    /// The bpffs the group is pinned in; nil for a member of a process-private ``ReusePortGroup``,
+    /// whose leave touches no pin.
+    private let filesystem: BPFFilesystem?
     private let state = Mutex<(left: Bool, table: MaglevTable?)>((false, nil))
 
     /// Joins the group at `address`.
@@ -64,7 +66,8 @@ public final class ReusePortMember: @unchecked Sendable {
         }
         self.address = address
         self.options = options
-        filesystem = BPFFilesystem(root: options.bpffsRoot)
+        let filesystem = BPFFilesystem(root: options.bpffsRoot)
+        self.filesystem = filesystem
 
         let (steering, note) = try Self.chooseSteering(options)
         var note_ = note
@@ -111,11 +114,42 @@ public final class ReusePortMember: @unchecked Sendable {
         }
     }
 
-    private static func unprivilegedSteering(_ policy: BalancePolicy) -> Steering {
+    /// A member of a process-private ``ReusePortGroup``: its socket is bound and, with eBPF, in
+    /// `slot` of the group's map already. Closes the socket if its cookie cannot be read.
+    init(
+        privateSocket socket: Int32, slot: Int, address: SocketAddress, options: GroupOptions,
+        steering: Steering, steeringNote: String?, objects: GroupObjects?
+    ) throws(ReusePortError) {
+        do {
+            cookie = try UDPSocket.cookie(socket)
+        } catch {
+            close(socket)
+            throw .system(error)
+        }
+        self.socket = socket
+        self.slot = slot
+        self.address = address
+        self.options = options
+        self.steering = steering
+        self.steeringNote = steeringNote
+        self.objects = objects
+        filesystem = nil
+    }
+
+    /// True once ``leave()`` ran.
+    public var hasLeft: Bool { state.withLock { $0.left } }
+
+    /// Runs `body` with the socket while the member has not left (holding off a concurrent
+    /// ``leave()``, so the descriptor cannot be closed and reused meanwhile); nil once it left.
+    func withOpenSocket<R>(_ body: (Int32) -> R) -> R? {
+        state.withLock { state in state.left ? nil : body(socket) }
+    }
+
+    static func unprivilegedSteering(_ policy: BalancePolicy) -> Steering {
         policy == .fiveTuple ? .kernelHash : .classicBPF
     }
 
-    private static func chooseSteering(_ options: GroupOptions) throws(ReusePortError) -> (Steering, String?) {
+    static func chooseSteering(_ options: GroupOptions) throws(ReusePortError) -> (Steering, String?) {
         switch options.steering {
         case .ebpf:
             guard Capabilities.current().canLoadBPF else {
@@ -200,7 +234,7 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// Closes the group's descriptors and, if no live member is left, removes its pins.
     private static func release(_ objects: GroupObjects) {
-        if objects.liveSlots().isEmpty { GroupObjects.removePins(directory: objects.directory) }
+        if let directory = objects.directory, objects.liveSlots().isEmpty { GroupObjects.removePins(directory: directory) }
         objects.closeDescriptors()
     }
 
@@ -217,12 +251,12 @@ public final class ReusePortMember: @unchecked Sendable {
     /// was the last live member, removes the group's pins. Idempotent.
     public func leave() {
         let first = state.withLock { state in
-            defer { state.left = true }
-            return !state.left
+            guard !state.left else { return false }
+            state.left = true
+            close(socket)
+            return true
         }
-        guard first else { return }
-        close(socket)
-        guard let objects else { return }
+        guard first, let objects, let filesystem else { return }
         if let lock = try? filesystem.lock() {
             Self.release(objects)
             close(lock)

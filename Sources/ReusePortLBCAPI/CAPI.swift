@@ -19,12 +19,12 @@ private func writeMessage(_ text: String, _ buffer: UnsafeMutablePointer<CChar>?
 private func code(of error: ReusePortError) -> Int32 {
     switch error {
     case .system(let failure): return -failure.errno
-    case .slotInUse, .addressInUse: return -EADDRINUSE
+    case .slotInUse, .addressInUse, .addressServedByAnotherProcess: return -EADDRINUSE
     case .groupFull: return -ENOSPC
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
     case .countersUnavailable, .policyNeedsEBPF: return -EOPNOTSUPP
     case .groupSettingsMismatch: return -EEXIST
-    case .invalidCapacity, .slotOutOfRange: return -EINVAL
+    case .invalidCapacity, .slotOutOfRange, .noLiveMember: return -EINVAL
     }
 }
 

@@ -1,0 +1,159 @@
+import Foundation
+import Synchronization
+import Testing
+import TestSupport
+@testable import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Process-private groups (ReusePortGroup): succession under traffic, nothing pinned, and the
+/// refusal of an address another process serves.
+@Suite("Process-private groups", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct PrivateGroupTests {
+    /// What the sender thread has done so far.
+    final class SenderProgress: Sendable {
+        let sent = Atomic<Int>(0)
+        let failures = Atomic<Int>(0)
+    }
+
+    /// Sends `count` datagrams (payload: the 8-byte sequence number) round robin from `sources`
+    /// at about `rate` per second, on its own thread; bounded by `count` and 30 s.
+    func startSender(to address: SocketAddress, sources: [String], count: Int, rate: Int) -> (SenderProgress, Thread) {
+        let progress = SenderProgress()
+        let thread = Thread {
+            let sockets = sources.map { source in
+                let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+                _ = SocketAddress(ip: IPAddress(source)!, port: 0).withSockAddr { bind(fd, $0, $1) }
+                return fd
+            }
+            defer { for fd in sockets { close(fd) } }
+            let start = ContinuousClock.now
+            for sequence in 0..<count {
+                if ContinuousClock.now - start > .seconds(30) { break }
+                if sequence % 50 == 0 {
+                    let due = start + .microseconds(Int64(sequence) * 1_000_000 / Int64(rate))
+                    let now = ContinuousClock.now
+                    if due > now { Thread.sleep(forTimeInterval: (due - now).seconds) }
+                }
+                var value = UInt64(sequence)
+                let sent = address.withSockAddr { sendto(sockets[sequence % sockets.count], &value, 8, 0, $0, $1) }
+                if sent != 8 { progress.failures.add(1, ordering: .relaxed) }
+                progress.sent.store(sequence + 1, ordering: .sequentiallyConsistent)
+            }
+        }
+        thread.start()
+        return (progress, thread)
+    }
+
+    @Test("Succession: group B joins and activates under traffic, group A drains and leaves: every datagram once, none new to A, nothing pinned")
+    func succession() throws {
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let pinned = BPFFilesystem(root: "/sys/fs/bpf").groupDirectory(for: address)
+        let options = GroupOptions(policy: .sourceIP, capacity: 3, steering: .ebpf, receiveBufferSize: 4 << 20)
+        let groupA = try ReusePortGroup(privateTo: address, options: options)
+        #expect(groupA.steering == .ebpf && groupA.steeringNote == nil)
+        var membersA = try (0..<3).map { try groupA.join(slot: $0) }
+        try groupA.activate()
+        #expect(!BPFFilesystem.exists(pinned), "nothing pinned")
+
+        let total = 40_000
+        let (progress, _) = startSender(to: address, sources: (10..<42).map { "127.0.8.\($0)" }, count: total, rate: 20_000)
+        let receiver = BatchReceiver(batchSize: 64, maximumDatagramSize: 64)
+        var receivedBy = [UInt8](repeating: 0, count: total)  // 1: A, 2: B, 3+: duplicates
+        var duplicates = 0
+        var countA = 0, countB = 0
+        var membersB: [ReusePortMember] = []
+        var sentAtActivate: Int?
+        var activatedAt: ContinuousClock.Instant?
+        var quietSince = ContinuousClock.now
+        let deadline = ContinuousClock.now + .seconds(40)
+
+        func read(_ member: ReusePortMember, group: UInt8) -> Int {
+            var got = 0
+            while let count = try? receiver.receive(from: member.socket), count > 0 {
+                got += count
+                for index in 0..<count {
+                    let sequence = Int(receiver.payload(index).loadUnaligned(as: UInt64.self))
+                    if receivedBy[sequence] != 0 { duplicates += 1 }
+                    receivedBy[sequence] = receivedBy[sequence] == 0 ? group : 3
+                    if group == 1 { countA += 1 } else { countB += 1 }
+                }
+            }
+            return got
+        }
+
+        while ContinuousClock.now < deadline {
+            var got = 0
+            for member in membersA { got += read(member, group: 1) }
+            for member in membersB { got += read(member, group: 2) }
+            let sent = progress.sent.load(ordering: .sequentiallyConsistent)
+            if membersB.isEmpty && sent >= total / 4 {
+                // Group B: join while A still gets everything, then take over.
+                let groupB = try ReusePortGroup(privateTo: address, options: options)
+                membersB = try (0..<3).map { try groupB.join(slot: $0) }
+                try groupB.activate()
+                sentAtActivate = progress.sent.load(ordering: .sequentiallyConsistent)
+                activatedAt = .now
+                #expect(!BPFFilesystem.exists(pinned), "nothing pinned")
+            }
+            // A drains: 50 ms after B took over, with its queues empty, it leaves.
+            if let activatedAt, !membersA.isEmpty, ContinuousClock.now - activatedAt > .milliseconds(50),
+                membersA.allSatisfy({ (try? $0.socketStatistics().queuedBytes) == 0 })
+            {
+                for member in membersA { member.leave() }
+                membersA = []
+            }
+            if got > 0 { quietSince = .now }
+            if sent == total && membersA.isEmpty && ContinuousClock.now - quietSince > .milliseconds(300) { break }
+            if got == 0 { usleep(1000) }
+        }
+        #expect(progress.failures.load(ordering: .relaxed) == 0)
+        #expect(progress.sent.load(ordering: .relaxed) == total)
+        let missing = receivedBy.indices.filter { receivedBy[$0] == 0 }
+        #expect(missing.count == 0, "\(missing.count) never received, first \(missing.prefix(5))")
+        #expect(duplicates == 0)
+        let boundary = try #require(sentAtActivate)
+        let lateToA = receivedBy.indices.filter { $0 > boundary && receivedBy[$0] == 1 }
+        #expect(lateToA.count == 0, "sent after activate() yet received by A: \(lateToA.prefix(5)) (boundary \(boundary))")
+        #expect(countA > 0 && countB > 0 && countA + countB == total, "A \(countA), B \(countB)")
+        #expect(try membersB[0].counters().selected == UInt64(countB), "B's program steered exactly what B received")
+        for member in membersB { member.leave() }
+        #expect(!BPFFilesystem.exists(pinned))
+    }
+
+    @Test("A second group in the same process on an address this process serves is allowed; slot rules hold")
+    func sameProcess() throws {
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let options = GroupOptions(capacity: 2, steering: .ebpf)
+        let first = try ReusePortGroup(privateTo: address, options: options)
+        let member = try first.join(slot: 0)
+        #expect(throws: ReusePortError.slotInUse(slot: 0)) { try first.join(slot: 0) }
+        #expect(throws: ReusePortError.slotOutOfRange(slot: 2, capacity: 2)) { try first.join(slot: 2) }
+        #expect(throws: ReusePortError.invalidCapacity(0)) { try ReusePortGroup(privateTo: address, options: .init(capacity: 0)) }
+        let second = try ReusePortGroup(privateTo: address, options: options)
+        #expect(throws: ReusePortError.noLiveMember(address)) { try second.activate() }
+        let successor = try second.join(slot: 0)
+        try second.activate()
+        member.leave()
+        successor.leave()
+    }
+
+    @Test("An address another process (a child) already serves: the error names its pid and command")
+    func anotherProcess() throws {
+        let port = freePort()
+        let child = try Child("collector", ["127.0.0.1", String(port), "0", "1", "--steering", "kernelHash"])
+        try child.waitFor("ready")
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
+        #expect(throws: ReusePortError.addressServedByAnotherProcess(address, pid: child.process.processIdentifier, command: "collector")) {
+            try ReusePortGroup(privateTo: address, options: .init(capacity: 2))
+        }
+        let error = ReusePortError.addressServedByAnotherProcess(address, pid: 4242, command: "udp-fanout")
+        #expect(error.description == "127.0.0.1:\(port) is already served by another process (pid 4242, udp-fanout): stop it or use another bind")
+        _ = try child.stop()
+        // Once the other process is gone the address is free for a private group.
+        let group = try ReusePortGroup(privateTo: address, options: .init(capacity: 1))
+        _ = try group.join(slot: 0).leave()
+    }
+}
