@@ -161,6 +161,12 @@ extension FanoutConfig {
 
     static func isUnspecified(_ ip: IPAddress) -> Bool { ip.bytes.allSatisfy { $0 == 0 } }
 
+    /// Two binds on one port where one is the other or a wildcard of the same family.
+    static func overlaps(_ a: SocketAddress, _ b: SocketAddress) -> Bool {
+        guard BindKey(a) == BindKey(b) else { return false }
+        return a.ip == b.ip || isUnspecified(a.ip) || isUnspecified(b.ip)
+    }
+
     /// Binds that can overlap: same family and port.
     struct BindKey: Hashable {
         let family: Int32

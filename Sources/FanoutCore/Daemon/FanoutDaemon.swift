@@ -26,6 +26,9 @@ public enum DaemonError: Error, CustomStringConvertible {
 protocol RunningListener: AnyObject, Sendable {
     /// Ready to forward (userspace: every worker is in its receive loop).
     var isReceiving: Bool { get }
+    /// Takes over the steering of its bind (userspace: its group's program, so a previous
+    /// instance on the bind gets nothing new); nothing for tc_ebpf, which steers once registered.
+    func activate() throws(DaemonError)
     /// Swaps the downstreams and balancing in place, without losing datagrams.
     func update(downstreams: [Downstream], balancing: Balancing)
     /// Stops forwarding and releases everything the listener holds.
@@ -40,6 +43,9 @@ public final class FanoutDaemon: Sendable {
         var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
         var endpoint: StatusEndpoint?
+        /// Listeners of the configuration in force that are not running: stopped for a change
+        /// that failed and could not be started again. `/readyz` is false while any is.
+        var lost: Set<String> = []
     }
 
     let configPath: String?
@@ -65,8 +71,9 @@ public final class FanoutDaemon: Sendable {
         var byMode: [String: Int] = [:]
         for listener in config.listeners { byMode[listener.mode.rawValue, default: 0] += 1 }
         logger.info("configured listeners by mode", metadata: byMode.mapValues { "\($0)" })
+        for warning in config.warnings() { logger.warning("\(warning)") }
         do {
-            for listener in config.listeners { try startListener(listener) }
+            try transition(to: config, from: FanoutConfig(listeners: []))
             if config.metrics.enabled { try startEndpoint(config.metrics) }
         } catch {
             shutdown()
@@ -74,18 +81,19 @@ public final class FanoutDaemon: Sendable {
         }
     }
 
-    private func startListener(_ listener: Listener) throws(DaemonError) {
+    /// Makes the running instance of one listener (not yet steering its bind: see
+    /// ``RunningListener/activate()``).
+    private func makeListener(_ listener: Listener) throws(DaemonError) -> any RunningListener {
         let counters = state.withLock { state in
             if let existing = state.counters[listener.name], existing.mode == listener.mode.rawValue { return existing }
             let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue)
             state.counters[listener.name] = made
             return made
         }
-        let running: any RunningListener
         switch listener.mode {
         case .tcEBPF:
             do {
-                running = try TCListener(listener, counters: counters, dataplane: dataplane, logger: logger)
+                return try TCListener(listener, counters: counters, dataplane: dataplane, logger: logger)
             } catch {
                 logger.error("tc_ebpf listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
                 throw .tcListener(name: listener.name, error)
@@ -95,12 +103,91 @@ public final class FanoutDaemon: Sendable {
             throw .modeNotImplemented(name: listener.name, .afXDP)
         case .userspace:
             do {
-                running = try UserspaceListener(listener, counters: counters, logger: logger)
+                return try UserspaceListener(listener, counters: counters, logger: logger)
             } catch {
                 throw .listener(name: listener.name, error)
             }
         }
-        state.withLock { $0.listeners[listener.name] = running }
+    }
+
+    /// Moves the running listeners from `old` to `new` in one step that either completes or
+    /// leaves `old` running:
+    /// 1. listeners whose bind, mode and settings are unchanged keep running (a new downstream
+    ///    set or balancing is swapped in place at the end);
+    /// 2. every new or changed listener is started beside the old ones. tc_ebpf listeners that
+    ///    go away and share an interface and bind with a new one are stopped first (their map
+    ///    entries are keyed by bind and interface); userspace ones stay and keep forwarding;
+    /// 3. if any start fails, what was started is stopped, what was stopped early is started
+    ///    again, and the error is thrown: `old` runs on;
+    /// 4. otherwise the new userspace listeners take their binds over (from then on every new
+    ///    datagram goes to their workers), and only then the old instances stop, forwarding
+    ///    what their sockets still hold.
+    private func transition(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
+        let oldByName = Dictionary(old.listeners.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        var fresh: [Listener] = []
+        var inPlace: [Listener] = []
+        for listener in new.listeners {
+            if let previous = oldByName[listener.name], previous.socketShape == listener.socketShape {
+                if previous != listener { inPlace.append(listener) }
+            } else {
+                fresh.append(listener)
+            }
+        }
+        let staying = Set(new.listeners.map(\.name)).subtracting(fresh.map(\.name))
+        let retiring = old.listeners.filter { !staying.contains($0.name) }
+        let running = state.withLock { $0.listeners }
+
+        // tc_ebpf listeners that must be gone before their successors register.
+        let freshTC = fresh.filter { $0.mode == .tcEBPF }
+        let freshNames = Set(fresh.map(\.name))
+        let stopFirst = retiring.filter { listener in
+            listener.mode == .tcEBPF && (freshNames.contains(listener.name) || freshTC.contains {
+                $0.interface == listener.interface && FanoutConfig.overlaps($0.bind, listener.bind)
+            })
+        }
+        for listener in stopFirst { running[listener.name]?.shutdown() }
+
+        var started: [String: any RunningListener] = [:]
+        do {
+            for listener in fresh { started[listener.name] = try makeListener(listener) }
+            for listener in fresh { try started[listener.name]!.activate() }
+        } catch {
+            for instance in started.values { instance.shutdown() }
+            // The old userspace groups take their binds back (a new group may have activated).
+            for listener in retiring where listener.mode == .userspace { try? running[listener.name]?.activate() }
+            var lost: [String] = []
+            for listener in stopFirst {
+                do {
+                    let restarted = try makeListener(listener)
+                    state.withLock { $0.listeners[listener.name] = restarted }
+                } catch {
+                    lost.append(listener.name)
+                    state.withLock { $0.listeners[listener.name] = nil }
+                    logger.critical("listener stopped: it could not be started again after a failed change", metadata: [
+                        "listener": "\(listener.name)", "error": "\(error)",
+                    ])
+                }
+            }
+            if !lost.isEmpty { state.withLock { $0.lost.formUnion(lost) } }
+            throw error
+        }
+        state.withLock { state in
+            for listener in retiring { state.listeners[listener.name] = nil }
+            for (name, instance) in started { state.listeners[name] = instance }
+            state.config = new
+            state.lost.subtract(new.listeners.map(\.name))
+        }
+        for listener in inPlace {
+            running[listener.name]?.update(downstreams: listener.downstreams, balancing: listener.balancing)
+            logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(listener.downstreams.count)"])
+        }
+        let stoppedEarly = Set(stopFirst.map(\.name))
+        for listener in retiring where !stoppedEarly.contains(listener.name) {
+            running[listener.name]?.shutdown()
+            if !staying.contains(listener.name) && !freshNames.contains(listener.name) {
+                logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
+            }
+        }
     }
 
     private func startEndpoint(_ metrics: Metrics) throws(DaemonError) {
@@ -116,7 +203,7 @@ public final class FanoutDaemon: Sendable {
     /// True once every listener's workers are in their receive loops.
     public var isReady: Bool {
         state.withLock { state in
-            state.config.listeners.allSatisfy { state.listeners[$0.name]?.isReceiving == true }
+            state.lost.isEmpty && state.config.listeners.allSatisfy { state.listeners[$0.name]?.isReceiving == true }
         }
     }
 
@@ -133,10 +220,11 @@ public final class FanoutDaemon: Sendable {
         state.withLock { $0.counters[listener] }?.snapshot()
     }
 
-    /// Reloads: parses and validates `text` (default: the config file). An invalid config is
-    /// rejected with a log line and the running one stays. Otherwise listeners whose socket
-    /// settings are unchanged keep running (a new downstream set or balancing is swapped in
-    /// place); changed ones restart; removed ones stop; new ones start.
+    /// Reloads: parses and validates `text` (default: the config file), then applies it in one
+    /// transactional step (see ``transition(to:from:)``). A file that is invalid, or valid but
+    /// cannot be applied (a bind taken, an interface missing, an attach refused), is rejected:
+    /// counted `result="rejected"`, the reason logged, and the running configuration stays
+    /// exactly as it was; a later reload tries again.
     /// - Returns: true if the new configuration is in force.
     @discardableResult
     public func reload(text: String? = nil) -> Bool {
@@ -150,32 +238,16 @@ public final class FanoutDaemon: Sendable {
             logger.error("configuration reload rejected; keeping the running configuration", metadata: ["error": "\(error)"])
             return false
         }
+        for warning in new.warnings() { logger.warning("\(warning)") }
         let old = state.withLock { $0.config }
+        do {
+            try transition(to: new, from: old)
+        } catch {
+            reloadsRejected.wrappingAdd(1, ordering: .relaxed)
+            logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "\(error)"])
+            return false
+        }
         var failures: [String] = []
-        let keep = Set(new.listeners.map(\.name))
-        for listener in old.listeners where !keep.contains(listener.name) {
-            stopListener(listener.name)
-            logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
-        }
-        for listener in new.listeners {
-            if let previous = old.listeners.first(where: { $0.name == listener.name }),
-                previous.socketShape == listener.socketShape
-            {
-                if previous != listener {
-                    state.withLock { $0.listeners[listener.name] }?.update(downstreams: listener.downstreams, balancing: listener.balancing)
-                    logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(listener.downstreams.count)"])
-                }
-                continue
-            }
-            stopListener(listener.name)
-            do {
-                try startListener(listener)
-            } catch {
-                failures.append(error.description)
-                logger.error("listener could not start on reload", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
-            }
-        }
-        state.withLock { $0.config = new }
         if old.metrics != new.metrics {
             let endpoint = state.withLock { state in
                 defer { state.endpoint = nil }
@@ -191,14 +263,6 @@ public final class FanoutDaemon: Sendable {
         return true
     }
 
-    private func stopListener(_ name: String) {
-        let running = state.withLock { state in
-            defer { state.listeners[name] = nil }
-            return state.listeners[name]
-        }
-        running?.shutdown()
-    }
-
     /// Stops every listener (each forwards what its sockets hold, then leaves its group) and the
     /// endpoint. Idempotent.
     public func shutdown() {
@@ -212,6 +276,10 @@ public final class FanoutDaemon: Sendable {
         for listener in listeners { listener.shutdown() }
         endpoint?.shutdown()
     }
+}
+
+extension TCListener {
+    func activate() throws(DaemonError) {}
 }
 
 /// Reads a whole file as UTF-8.

@@ -5,10 +5,15 @@ import Logging
 import ReusePortLB
 
 /// A userspace listener: `settings.workers` worker threads, each a member of the listener's
-/// ReusePortLB group. Joining happens before any thread starts, so a bind error fails the start.
+/// own ReusePortLB group (process-private: nothing pinned). Joining happens before any thread
+/// starts, so a bind error fails the start. The group steers nothing until ``activate()``:
+/// a reload prepares the new workers beside the old ones on the same bind, activates them (from
+/// then on every new datagram goes to them), and only then stops the old ones, which forward
+/// what their sockets still hold.
 final class UserspaceListener: RunningListener {
     let config: Listener
     let counters: ListenerCounters
+    private let group: ReusePortGroup
     private let plans: PlanHolder
     private let stop = StopSignal()
     private let workers: [UserspaceWorker]
@@ -22,22 +27,23 @@ final class UserspaceListener: RunningListener {
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,
             receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
+        group = try ReusePortGroup(privateTo: config.bind, options: options)
         var members: [ReusePortMember] = []
         for slot in 0..<count {
             do {
-                members.append(try ReusePortMember(joining: config.bind, slot: .index(slot), options: options))
+                members.append(try group.join(slot: slot))
             } catch {
                 for member in members { member.leave() }
                 throw error
             }
         }
-        if let note = members.first?.steeringNote {
+        if let note = group.steeringNote {
             logger.warning("worker steering fallback", metadata: ["listener": "\(config.name)", "note": "\(note)"])
         }
         logger.info("starting userspace forwarder", metadata: [
             "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
             "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
-            "steering": "\(members.first.map { "\($0.steering)" } ?? "-")",
+            "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
         ])
         let (plans, stop) = (self.plans, self.stop)
         workers = members.enumerated().map { index, member in
@@ -50,6 +56,16 @@ final class UserspaceListener: RunningListener {
 
     /// Every worker is in its receive loop.
     var isReceiving: Bool { workers.allSatisfy { $0.receivingNow.load(ordering: .relaxed) } }
+
+    /// Makes this listener's group the steering on its bind: every new datagram goes to these
+    /// workers from now on (a previous listener on the bind keeps only what it has queued).
+    func activate() throws(DaemonError) {
+        do {
+            try group.activate()
+        } catch {
+            throw .listener(name: config.name, error)
+        }
+    }
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
     func update(downstreams: [Downstream], balancing: Balancing) {

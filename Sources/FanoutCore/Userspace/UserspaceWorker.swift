@@ -64,8 +64,13 @@ final class UserspaceWorker: @unchecked Sendable {
                 ])
             }
         }
-        // Flush: forward what is already queued on the socket (for at most 200 ms), then leave.
-        drainQueue(deadline: clock.now + .milliseconds(200))
+        // Drain: forward what the socket holds until it stays empty for 20 ms, so a datagram the
+        // kernel steered here just before a successor took the bind over (or before the stop)
+        // is still read; at most 1 s.
+        let deadline = clock.now + .seconds(1)
+        repeat {
+            drainQueue(deadline: deadline)
+        } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
         receivingNow.store(false, ordering: .relaxed)
         member.leave()
     }
