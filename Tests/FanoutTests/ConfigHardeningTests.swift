@@ -184,3 +184,16 @@ struct ConfigHardeningTests {
         #expect(throws: LogDirectives.Invalid.self) { try filter(nil, "chatty") }
     }
 }
+
+@Suite("Blocking work off the cooperative pool")
+struct OffPoolTests {
+    @Test("offCooperativePool runs its body on a thread of its own, named, and hands the result back")
+    func ownThread() async {
+        let name = await offCooperativePool("fanout-test") { () -> String in
+            (try? String(contentsOfFile: "/proc/thread-self/comm", encoding: .utf8))?.trimmingCharacters(in: .whitespacesAndNewlines) ?? ""
+        }
+        #expect(name == "fanout-test")
+        let pool = (try? String(contentsOfFile: "/proc/thread-self/comm", encoding: .utf8)) ?? ""
+        #expect(!pool.hasPrefix("fanout-test"), "the caller is not that thread")
+    }
+}

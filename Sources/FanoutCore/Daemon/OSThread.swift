@@ -9,21 +9,32 @@ final class OSThread: Sendable {
     private let handle: pthread_t
 
     private final class Box {
+        let name: String
         let body: @Sendable () -> Void
-        init(_ body: @escaping @Sendable () -> Void) { self.body = body }
+        init(_ name: String, _ body: @escaping @Sendable () -> Void) {
+            self.name = name
+            self.body = body
+        }
     }
 
     init(name: String, _ body: @escaping @Sendable () -> Void) {
-        let box = Unmanaged.passRetained(Box(body)).toOpaque()
+        let box = Unmanaged.passRetained(Box(String(name.prefix(15)), body)).toOpaque()
         var thread = pthread_t()
         let result = pthread_create(&thread, nil, { argument in
             let box = Unmanaged<Box>.fromOpaque(argument!).takeRetainedValue()
+            // Named by itself before its work starts (naming it from the creator races the body).
+            shim_set_thread_name(pthread_self(), box.name)
             box.body()
             return nil
         }, box)
         precondition(result == 0, "pthread_create failed: \(result)")
-        shim_set_thread_name(thread, String(name.prefix(15)))
         handle = thread
+    }
+
+    /// Starts a thread nobody joins: its resources go back to the system when it returns.
+    static func detached(name: String, _ body: @escaping @Sendable () -> Void) {
+        let thread = OSThread(name: name, body)
+        pthread_detach(thread.handle)
     }
 
     /// Waits for the thread to return.

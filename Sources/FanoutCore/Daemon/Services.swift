@@ -15,16 +15,17 @@ public struct ForwardingService: Service {
 
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
-        try daemon.start()
+        // Loading programs, joining groups and binding block: off the cooperative pool.
+        try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
         notifier.send("READY=1\nSTATUS=forwarding")
         for await _ in hangups.cancelOnGracefulShutdown() {
             notifier.send("RELOADING=1")
             daemon.logger.info("SIGHUP: reloading the configuration", metadata: ["path": "\(daemon.configPath ?? "-")"])
-            daemon.reload()
+            await offCooperativePool("fanout-reload") { daemon.reload() }
             notifier.send("READY=1")
         }
         notifier.send("STOPPING=1")
         daemon.logger.info("shutting down: stopping listeners")
-        daemon.shutdown()
+        await offCooperativePool("fanout-stop") { daemon.shutdown() }
     }
 }
