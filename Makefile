@@ -5,7 +5,7 @@ VERSION ?= 0.1.0
 CONFIG ?= release
 BUILD_DIR = $(shell swift build -c $(CONFIG) --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test bench install install-files uninstall clean
+.PHONY: all setup build demo test reliability bench install install-files uninstall clean
 
 all: build
 
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	@scripts/test.sh
+
+# The full reliability suite (make test runs its short form); figures in docs/reliability.md.
+reliability: setup
+	@RELIABILITY=full scripts/test.sh --filter 'Reliability|HTTPEndpoint|TCFuzz'
 
 bench:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh

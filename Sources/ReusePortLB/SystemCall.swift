@@ -15,7 +15,16 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
     }
 
     public var description: String {
-        "\(call) failed: \(String(cString: strerror(errno))) (errno \(errno))"
+        "\(call) failed: \(String(cString: strerror(errno))) (errno \(errno))\(hint)"
+    }
+
+    /// The fix, for errors whose cause is outside the call.
+    private var hint: String {
+        switch errno {
+        case EMFILE: return ": the process's open-file limit is reached; raise it (ulimit -n, LimitNOFILE= in the systemd unit) or use fewer workers"
+        case ENFILE: return ": the system's open-file limit is reached; raise fs.file-max"
+        default: return ""
+        }
     }
 }
 

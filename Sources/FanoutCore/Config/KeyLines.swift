@@ -12,23 +12,30 @@ public struct KeyLines: Sendable {
     /// Records every mapping key and sequence item of `root`. The depth is bounded by
     /// ``ConfigLimits`` before parsing, so the recursion is too.
     init(_ root: Node) {
-        record(root, path: "")
+        var budget = Self.maximumNodes
+        record(root, path: "", budget: &budget)
     }
 
-    private mutating func record(_ node: Node, path: String) {
+    /// Nodes visited at most. Aliases share their anchor's node, so a small file can stand for
+    /// an exponential tree ("billion laughs"): past this many nodes, later keys have no line.
+    static let maximumNodes = 1_000_000
+
+    private mutating func record(_ node: Node, path: String, budget: inout Int) {
+        guard budget > 0 else { return }
+        budget -= 1
         switch node {
         case .mapping(let mapping):
             for (key, value) in mapping {
                 guard let name = key.string else { continue }
                 let child = path.isEmpty ? name : "\(path).\(name)"
                 if let line = key.mark?.line { lines[child] = line }
-                record(value, path: child)
+                record(value, path: child, budget: &budget)
             }
         case .sequence(let sequence):
             for (index, item) in sequence.enumerated() {
                 let child = "\(path)[\(index)]"
                 if let line = item.mark?.line { lines[child] = line }
-                record(item, path: child)
+                record(item, path: child, budget: &budget)
             }
         default:
             break
