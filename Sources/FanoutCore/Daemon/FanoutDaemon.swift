@@ -154,7 +154,15 @@ public final class FanoutDaemon: Sendable {
         } catch {
             for instance in started.values { instance.shutdown() }
             // The old userspace groups take their binds back (a new group may have activated).
-            for listener in retiring where listener.mode == .userspace { try? running[listener.name]?.activate() }
+            for listener in retiring where listener.mode == .userspace {
+                do {
+                    try running[listener.name]?.activate()
+                } catch {
+                    logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets", metadata: [
+                        "listener": "\(listener.name)", "error": "\(error)",
+                    ])
+                }
+            }
             var lost: [String] = []
             for listener in stopFirst {
                 do {
