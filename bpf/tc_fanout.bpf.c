@@ -13,8 +13,8 @@
  * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
  * later fragments follow it, so a datagram is reassembled whole at one backend.
  *
- * Everything that is not a datagram for a listener passes untouched. Every other outcome is a
- * counted verdict (enum fanout_verdict).
+ * Everything that is not a datagram for a listener passes untouched and continues down the
+ * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -30,6 +30,12 @@
 #define IPV6_FRAGMENT 44
 #define ETH_P_8021Q_ 0x8100
 #define ETH_P_8021AD_ 0x88A8
+
+/* Not ours: continue down the chain. TC_ACT_OK would end it, so every later clsact filter
+ * and TCX program (firewalls, Cilium) would never see the packet; TC_ACT_UNSPEC is TCX_NEXT
+ * for a TCX link and "next filter" for cls_bpf, and when nothing follows the kernel passes
+ * the packet to the stack as with TC_ACT_OK. */
+#define FANOUT_PASS TC_ACT_UNSPEC
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -370,10 +376,10 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	struct packet p = {};
 	enum parsed parsed = parse(skb, &p);
 	if (parsed == PARSED_OTHER)
-		return TC_ACT_OK;
+		return FANOUT_PASS;
 	if (parsed == PARSED_MALFORMED) {
 		count_unmatched(FANOUT_VERDICT_MALFORMED);
-		return TC_ACT_OK;
+		return FANOUT_PASS;
 	}
 
 	struct fanout_fragment_key fragment_key = {};
@@ -390,7 +396,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(&p);
 		if (!listener)
-			return TC_ACT_OK;
+			return FANOUT_PASS;
 		id = listener->id;
 		chosen = choose(listener, &p, &backend);
 		if (chosen && p.fragment) {
@@ -401,17 +407,17 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
 		if (!remembered) {
 			count_unmatched(FANOUT_VERDICT_FRAGMENT_UNTRACKED);
-			return TC_ACT_OK;
+			return FANOUT_PASS;
 		}
 		backend = remembered->backend;
 		id = remembered->listener_id;
 	}
 	if (id >= FANOUT_MAX_LISTENERS)
-		return TC_ACT_OK;
+		return FANOUT_PASS;
 
 	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
 	if (!stats)
-		return TC_ACT_OK;
+		return FANOUT_PASS;
 	stats->received++;
 	stats->bytes_received += skb->len;
 	if (!chosen) {

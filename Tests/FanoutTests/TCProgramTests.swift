@@ -32,6 +32,8 @@ struct TCProgramTests {
         let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
         let program: TCProgram
         var ifindex: Int32 = 0
+        /// t0's index: the backends' side, where no listener of the fixture's is configured.
+        var otherIfindex: Int32 = 0
         var sourceMAC: [UInt8] = []
         let namespaceFD: Int32
 
@@ -60,6 +62,7 @@ struct TCProgramTests {
                 return try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first)
             }
             ifindex = Int32(try link("t1").int("ifindex"))
+            otherIfindex = Int32(try link("t0").int("ifindex"))
             sourceMAC = try #require(try link("t0")["address"] as? String).split(separator: ":").map { UInt8($0, radix: 16)! }
             let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
             let backendsV6 = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("[2001:db8:200::10]:\(6000 + $0)")!) }
@@ -73,7 +76,7 @@ struct TCProgramTests {
 
         static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: TCProgramTests.listenerV4.ip, port: port) }
 
-        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet) throws {
+        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet, ifindex: Int32? = nil) throws {
             program.resetListener(id: id)
             try program.writeSet(id: id, generation: 0, set)
             var entry = fanout_listener()
@@ -88,10 +91,11 @@ struct TCProgramTests {
             _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
         }
 
-        /// Runs the program once on `frame`, from a thread inside the namespace.
-        func execute(_ frame: [UInt8]) -> (verdict: UInt32, output: [UInt8]) {
+        /// Runs the program once on `frame` arriving on t1 (or `ifindex`), from a thread inside
+        /// the namespace.
+        func execute(_ frame: [UInt8], ifindex: Int32? = nil) -> (verdict: UInt32, output: [UInt8]) {
             let box = ResultBox()
-            let (program, fd, ifindex) = (self.program.program, namespaceFD, self.ifindex)
+            let (program, fd, ifindex) = (self.program.program, namespaceFD, ifindex ?? self.ifindex)
             OSThread(name: "test-run") {
                 guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
                 // One CPU: the rotation is per CPU, so every run then takes the next entry.
@@ -134,7 +138,9 @@ struct TCProgramTests {
 
     // MARK: cases
 
-    static let redirect: UInt32 = 7, ok: UInt32 = 0, shot: UInt32 = 2
+    static let redirect: UInt32 = 7, shot: UInt32 = 2
+    /// TC_ACT_UNSPEC (TCX_NEXT): not ours, on to the next filter or program.
+    static let pass = UInt32(bitPattern: -1)
 
     struct Case: CustomStringConvertible, Sendable {
         var name: String
@@ -211,7 +217,7 @@ struct TCProgramTests {
         let before = fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]
         let stray = Packet.ipv4Fragments(payload: payload, id: 0x9999, pieceSize: 1000)[1]
         let (verdict, output) = fixture.execute(stray)
-        #expect(verdict == Self.ok, "untracked fragment passes")
+        #expect(verdict == Self.pass, "untracked fragment passes down the chain")
         #expect(output == stray, "untracked fragment untouched")
         #expect(fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == before + 1)
 
@@ -229,22 +235,22 @@ struct TCProgramTests {
     }
 
     @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter", arguments: [
-        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: ok, counter: nil),
-        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: ok, counter: nil),
-        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: ok, counter: nil),
+        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: pass, counter: nil),
+        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: pass, counter: nil),
+        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: pass, counter: nil),
         // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
         // cut headers are options and extension headers.
         Case(name: "IPv4 options cut (IHL 15, frame ends after 24 bytes)", frame: {
             var f = Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
-        }, verdict: ok,
+        }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: ok,
+        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "IPv6 extension header cut", frame: {
             var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
-        }, verdict: ok,
+        }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: ok,
+        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) }, verdict: shot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),
         Case(name: "no route", frame: { Packet.ipv4(payload: [1, 2], port: 5516) }, verdict: shot, counter: (3, FANOUT_VERDICT_NO_ROUTE)),
@@ -258,7 +264,7 @@ struct TCProgramTests {
         let before = test.counter.map { fixture.stats($0.0).verdicts[Int($0.1.rawValue)] }
         let (verdict, output) = fixture.execute(frame)
         #expect(verdict == test.verdict, "\(test.name): verdict \(verdict)")
-        if test.verdict == Self.ok { #expect(output == frame, "\(test.name): passed untouched") }
+        if test.verdict == Self.pass { #expect(output == frame, "\(test.name): passed untouched") }
         if let (key, counted) = test.counter {
             #expect(fixture.stats(key).verdicts[Int(counted.rawValue)] == before! + 1, "\(test.name): counted")
         } else {
