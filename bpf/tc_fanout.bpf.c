@@ -4,8 +4,8 @@
  * and port goes to one of the listener's backends, rewritten and redirected in the kernel.
  *
  * Parse Ethernet (one 802.1Q/802.1ad tag), IPv4 (with options) or IPv6 (with extension
- * headers), UDP. Match the destination against the listeners map (exact address first, then
- * the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
+ * headers), UDP. Match the arrival interface and destination against the listeners map (exact
+ * address first, then the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
  * Maglev table. Look up the route to the backend (bpf_fib_lookup), then rewrite destination
  * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
  * decrement TTL / hop limit, and redirect. The source address is not touched.
@@ -222,9 +222,10 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 	return PARSED_OK;
 }
 
-static __always_inline struct fanout_listener *find_listener(struct packet *p)
+static __always_inline struct fanout_listener *find_listener(struct __sk_buff *skb, struct packet *p)
 {
 	struct fanout_listener_key key = {};
+	key.ifindex = skb->ifindex;
 	key.family = p->family;
 	key.port = p->dport;
 	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
@@ -394,7 +395,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	__u32 id;
 	int chosen = 1;
 	if (p.has_udp) {
-		struct fanout_listener *listener = find_listener(&p);
+		struct fanout_listener *listener = find_listener(skb, &p);
 		if (!listener)
 			return FANOUT_PASS;
 		id = listener->id;

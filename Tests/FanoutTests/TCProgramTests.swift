@@ -82,7 +82,7 @@ struct TCProgramTests {
             var entry = fanout_listener()
             entry.id = id
             entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(bind, entry)
+            try program.putListener(bind, ifindex: UInt32(ifindex ?? self.ifindex), entry)
         }
 
         deinit {
@@ -303,7 +303,7 @@ struct TCProgramTests {
         entry.id = 5
         entry.generation = 1
         entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
-        try fixture.program.putListener(Fixture.listenerBind(5600), entry)
+        try fixture.program.putListener(Fixture.listenerBind(5600), ifindex: UInt32(fixture.ifindex), entry)
         var ports = Set<UInt16>()
         for last in UInt8(1)...UInt8(40) {
             let source: [UInt8] = [198, 18, 50, last]
@@ -318,6 +318,30 @@ struct TCProgramTests {
             ports.insert(expected)
         }
         #expect(ports.count == 3)
+    }
+}
+
+extension TCProgramTests {
+    @Test("A listener matches only on its own interface: one bind on two interfaces, two listeners; a bind on t1 only passes on t0")
+    func perInterface() throws {
+        let fixture = try Fixture()
+        let bind = Fixture.listenerBind(5700)
+        try fixture.add(bind, id: 7, BackendSet(downstreams: [Downstream(name: "a", address: SocketAddress("198.18.200.10:7101")!)], balancing: .roundRobin, slots: ["a": 0]))
+        try fixture.add(bind, id: 8, BackendSet(downstreams: [Downstream(name: "b", address: SocketAddress("198.18.200.10:7102")!)], balancing: .roundRobin, slots: ["b": 0]),
+                        ifindex: fixture.otherIfindex)
+        for (ifindex, port, id) in [(fixture.ifindex, UInt16(7101), UInt32(7)), (fixture.otherIfindex, 7102, 8), (fixture.ifindex, 7101, 7)] {
+            let (verdict, output) = fixture.execute(Packet.ipv4(payload: [5], port: 5700), ifindex: ifindex)
+            #expect(verdict == Self.redirect)
+            #expect(Packet.parse(output)?.destinationPort == port, "arriving on \(ifindex): the listener of that interface")
+        }
+        #expect(fixture.stats(7).received == 2 && fixture.stats(8).received == 1)
+        // 5514 is configured on t1 only: on t0 it is not ours.
+        let frame = Packet.ipv4(payload: [6])
+        let before = fixture.stats(0).received
+        let (verdict, output) = fixture.execute(frame, ifindex: fixture.otherIfindex)
+        #expect(verdict == Self.pass, "another interface's packet continues down the chain")
+        #expect(output == frame)
+        #expect(fixture.stats(0).received == before, "not counted for the t1 listener")
     }
 }
 

@@ -73,9 +73,12 @@ enum fanout_verdict {
 	FANOUT_VERDICT_COUNT = 9,
 };
 
-/* Key of the listeners map: destination address and port as they lie in the packet. An
- * unspecified address (all zero) matches every destination address of that family. */
+/* Key of the listeners map: the interface the packet arrived on (the listener's configured
+ * interface: one program serves every interface with a tc_ebpf listener, and a bind must not
+ * match on another), destination address and port as they lie in the packet. An unspecified
+ * address (all zero) matches every destination address of that family on that interface. */
 struct fanout_listener_key {
+	__u32 ifindex;   /* skb->ifindex at ingress */
 	__u32 addr[4];   /* IPv4: addr[0], the rest 0 */
 	__u16 port;      /* network order */
 	__u8 family;     /* AF_INET or AF_INET6 */

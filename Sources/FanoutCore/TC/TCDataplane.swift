@@ -23,8 +23,9 @@ final class TCDataplane: Sendable {
     }
 
     /// Checks privileges and sysctls, loads the program on first use, attaches to the
-    /// listener's interface (once per interface), and returns a fresh listener id.
-    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32) {
+    /// listener's interface (once per interface), and returns a fresh listener id and the
+    /// interface's index (part of the listener's map key).
+    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32, ifindex: UInt32) {
         let capabilities = Capabilities.current()
         var missing: [String] = []
         if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
@@ -47,10 +48,12 @@ final class TCDataplane: Sendable {
                 state.program = program
                 logger.info("eBPF fast path initialized", metadata: ["program_id": "\(program.programID)"])
             }
+            let attachment: TCAttachment
             if let existing = state.attachments[interface] {
+                attachment = existing.attachment
                 state.attachments[interface] = (existing.attachment, existing.users + 1)
             } else {
-                let attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach)
+                attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach)
                 state.attachments[interface] = (attachment, 1)
                 logger.info("attached tc_ebpf program", metadata: [
                     "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
@@ -61,7 +64,7 @@ final class TCDataplane: Sendable {
                 throw .tooManyListeners
             }
             program.resetListener(id: id)
-            return (program, id)
+            return (program, id, UInt32(attachment.ifindex))
         }
     }
 
@@ -115,6 +118,8 @@ final class TCListener: RunningListener {
     private let dataplane: TCDataplane
     private let program: TCProgram
     private let id: UInt32
+    /// The configured interface's index: the listener matches only packets arriving there.
+    private let ifindex: UInt32
     private struct Live {
         /// The set generation the listener entry points at; nil before the first write.
         var generation: UInt32?
@@ -129,11 +134,11 @@ final class TCListener: RunningListener {
         self.counters = counters
         self.dataplane = dataplane
         self.logger = logger
-        (program, id) = try dataplane.register(config)
+        (program, id, ifindex) = try dataplane.register(config)
         do {
             try apply(downstreams: config.downstreams, balancing: config.balancing)
         } catch {
-            program.removeListener(config.bind)
+            program.removeListener(config.bind, ifindex: ifindex)
             dataplane.unregister(interface: config.interface ?? "", id: id)
             throw .maps(error)
         }
@@ -167,7 +172,7 @@ final class TCListener: RunningListener {
             entry.id = id
             entry.generation = generation
             entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(config.bind, entry)
+            try program.putListener(config.bind, ifindex: ifindex, entry)
             live = Live(generation: generation, slots: slots)
         }
     }
@@ -185,7 +190,7 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         counters.freeze()
-        program.removeListener(config.bind)
+        program.removeListener(config.bind, ifindex: ifindex)
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
 

@@ -42,8 +42,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     // MARK: listeners and backend sets
 
-    static func listenerKey(_ bind: SocketAddress) -> fanout_listener_key {
+    /// The listeners map key: a bind matches only on its listener's interface.
+    static func listenerKey(_ bind: SocketAddress, ifindex: UInt32) -> fanout_listener_key {
         var key = fanout_listener_key()
+        key.ifindex = ifindex
         key.family = UInt8(bind.ip.family)
         key.port = bind.port.bigEndian
         key.addr = addressWords(bind.ip)
@@ -59,14 +61,14 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return words
     }
 
-    func putListener(_ bind: SocketAddress, _ value: fanout_listener) throws(SystemCallError) {
-        var key = Self.listenerKey(bind)
+    func putListener(_ bind: SocketAddress, ifindex: UInt32, _ value: fanout_listener) throws(SystemCallError) {
+        var key = Self.listenerKey(bind, ifindex: ifindex)
         var value = value
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LISTENERS_NAME)") { bpf_map_update_elem(listeners, &key, &value, UInt64(BPF_ANY)) }
     }
 
-    func removeListener(_ bind: SocketAddress) {
-        var key = Self.listenerKey(bind)
+    func removeListener(_ bind: SocketAddress, ifindex: UInt32) {
+        var key = Self.listenerKey(bind, ifindex: ifindex)
         bpf_map_delete_elem(listeners, &key)
     }
 
