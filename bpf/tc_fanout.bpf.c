@@ -37,6 +37,10 @@
  * the packet to the stack as with TC_ACT_OK. */
 #define FANOUT_PASS TC_ACT_UNSPEC
 
+/* Bytes made linear when headers lie outside the skb's head: the rewrite's L4 bound (512)
+ * plus the UDP header. */
+#define FANOUT_PULL_BYTES 520
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, FANOUT_MAX_LISTENERS);
@@ -194,7 +198,7 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 	if (proto == bpf_htons(ETH_P_8021Q_) || proto == bpf_htons(ETH_P_8021AD_)) {
 		__u8 *tag = data + sizeof(*eth);
 		if ((void *)(tag + 4) > end)
-			return PARSED_OTHER;
+			return PARSED_MALFORMED;
 		proto = *(__u16 *)(tag + 2);
 		p->l3 += 4;
 		p->tagged = 1;
@@ -220,6 +224,22 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 	p->dport = *(__u16 *)(udp + 2);
 	p->has_udp = 1;
 	return PARSED_OK;
+}
+
+/* Makes the headers direct-access when the driver left them in page fragments (a short
+ * copied head, header split): only the linear area lies between skb->data and data_end.
+ * Returns whether anything was pulled, so the caller parses again. Up to the longest headers
+ * the rewrite handles (L4 offset 512, UDP header 8), never past the packet. */
+static __always_inline int pull_headers(struct __sk_buff *skb)
+{
+	__u32 linear = skb->data_end - skb->data;
+	__u32 length = skb->len;
+	if (linear >= length)
+		return 0;
+	__u32 want = length < FANOUT_PULL_BYTES ? length : FANOUT_PULL_BYTES;
+	if (want <= linear)
+		return 0;
+	return bpf_skb_pull_data(skb, want) == 0;
 }
 
 static __always_inline struct fanout_listener *find_listener(struct __sk_buff *skb, struct packet *p)
@@ -376,6 +396,11 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 {
 	struct packet p = {};
 	enum parsed parsed = parse(skb, &p);
+	/* Headers cut short in the linear area but present in the packet: pull and look again. */
+	if (parsed == PARSED_MALFORMED && pull_headers(skb)) {
+		__builtin_memset(&p, 0, sizeof(p));
+		parsed = parse(skb, &p);
+	}
 	if (parsed == PARSED_OTHER)
 		return FANOUT_PASS;
 	if (parsed == PARSED_MALFORMED) {
