@@ -83,6 +83,8 @@ struct {
 	__type(value, struct fanout_backend_stats);
 } FANOUT_MAP_BACKEND_STATS SEC(".maps");
 
+const volatile struct fanout_tc_options FANOUT_OPTIONS = {};
+
 /* What the parser found. Offsets are from the start of the frame. */
 struct packet {
 	__u32 l3;          /* network header */
@@ -337,7 +339,8 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 				diff += (__u32)~p->daddr[i] + (__u64)to->addr[i];
 			diff = (diff & 0xffffffff) + (diff >> 32);
 			diff = (diff & 0xffffffff) + (diff >> 32);
-			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff, BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0);
+			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff,
+						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | FANOUT_OPTIONS.ipv6_csum_flags);
 		}
 		if (failed)
 			return -1;

@@ -41,6 +41,18 @@
 #define FANOUT_MAP_BACKEND_STATS fanout_bstats
 #define FANOUT_MAP_BACKEND_STATS_NAME "fanout_bstats"
 
+#define FANOUT_OPTIONS           fanout_options
+#define FANOUT_OPTIONS_NAME      "fanout_options"
+
+/* Options fixed at load time: a read-only global (.rodata) userspace sets before loading, so
+ * the verifier sees constants. */
+struct fanout_tc_options {
+	/* BPF_F_IPV6 where bpf_l4_csum_replace accepts it (kernel 6.15+; probed), else 0. ORed
+	 * into IPv6 pseudo-header checksum updates: without it the kernel adjusts skb->csum of a
+	 * CHECKSUM_COMPLETE packet as for IPv4, which is wrong when IPv6 addresses change. */
+	__u64 ipv6_csum_flags;
+};
+
 enum fanout_policy {
 	/* each packet to the next backend of a weighted rotation, per CPU (the reference's) */
 	FANOUT_POLICY_ROUND_ROBIN = 0,

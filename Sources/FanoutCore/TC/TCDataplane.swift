@@ -46,7 +46,9 @@ final class TCDataplane: Sendable {
             } else {
                 do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
                 state.program = program
-                logger.info("eBPF fast path initialized", metadata: ["program_id": "\(program.programID)"])
+                logger.info("eBPF fast path initialized", metadata: [
+                    "program_id": "\(program.programID)", "ipv6_csum_flag": "\(program.features.ipv6ChecksumFlag ? "BPF_F_IPV6" : "unsupported by this kernel")",
+                ])
             }
             let attachment: TCAttachment
             if let existing = state.attachments[interface] {
