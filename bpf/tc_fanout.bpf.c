@@ -98,6 +98,7 @@ struct packet {
 	__u16 dport;       /* network order */
 	__u16 sport;       /* network order */
 	__u32 id;          /* fragment identification */
+	__u32 tot_len;     /* IP packet length from the header (IPv6: payload + 40) */
 	__u32 saddr[4];
 	__u32 daddr[4];
 };
@@ -129,6 +130,7 @@ static __always_inline enum parsed parse_ipv4(void *data, void *end, struct pack
 		return PARSED_OTHER;
 	p->family = AF_INET;
 	__u32 total_length = ((__u32)ip[2] << 8) | ip[3];
+	p->tot_len = total_length;
 	p->hop_limit = ip[8];
 	p->id = ((__u32)ip[4] << 8) | ip[5];
 	__u16 frag = ((__u16)(ip[6] & 0x3f) << 8) | ip[7]; /* MF + offset */
@@ -151,6 +153,7 @@ static __always_inline enum parsed parse_ipv6(void *data, void *end, struct pack
 		return PARSED_MALFORMED;
 	p->family = AF_INET6;
 	p->hop_limit = ip[7];
+	p->tot_len = (((__u32)ip[4] << 8) | ip[5]) + 40;
 	__builtin_memcpy(p->saddr, ip + 8, 16);
 	__builtin_memcpy(p->daddr, ip + 24, 16);
 	__u8 next = ip[6];
@@ -256,6 +259,15 @@ static __always_inline struct fanout_listener *find_listener(struct __sk_buff *s
 		return listener;
 	__builtin_memset(key.addr, 0, sizeof(key.addr));
 	return bpf_map_lookup_elem(&FANOUT_MAP_LISTENERS, &key);
+}
+
+/* The per-CPU counters of one backend slot of a listener, or NULL. */
+static __always_inline struct fanout_backend_stats *backend_stats(__u32 id, __u32 slot)
+{
+	if (slot >= FANOUT_MAX_BACKENDS || id >= FANOUT_MAX_LISTENERS)
+		return NULL;
+	__u32 key = id * FANOUT_MAX_BACKENDS + slot;
+	return bpf_map_lookup_elem(&FANOUT_MAP_BACKEND_STATS, &key);
 }
 
 /* The backend for this packet, copied out of the set, or 0 if none. */
@@ -465,7 +477,11 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	fib.l4_protocol = IPPROTO_UDP;
 	fib.sport = p.sport;
 	fib.dport = backend.port;
-	/* tot_len 0: the kernel checks the frame against the egress MTU itself, GSO-aware. */
+	/* The route's MTU is checked against the IP length, so a packet the egress device would
+	 * drop uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by
+	 * the kernel per segment on the way out: tot_len 0 skips the check. */
+	if (skb->gso_size == 0)
+		fib.tot_len = p.tot_len;
 	fib.ifindex = skb->ifindex;
 	if (p.family == AF_INET) {
 		fib.ipv4_src = p.saddr[0];
@@ -485,6 +501,13 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		verdict = FANOUT_VERDICT_NO_ROUTE;
 	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
 		stats->verdicts[verdict]++;
+		struct fanout_backend_stats *dropped = backend_stats(id, backend.counter_slot);
+		if (dropped) {
+			if (verdict == FANOUT_VERDICT_NO_ROUTE)
+				dropped->no_route++;
+			else
+				dropped->too_large++;
+		}
 		return TC_ACT_SHOT;
 	}
 
@@ -522,14 +545,10 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		goto failed;
 	stats->verdicts[verdict]++;
 	stats->bytes_forwarded += skb->len;
-	__u32 slot = backend.counter_slot;
-	if (slot < FANOUT_MAX_BACKENDS) {
-		__u32 key = id * FANOUT_MAX_BACKENDS + slot;
-		struct fanout_backend_stats *per_backend = bpf_map_lookup_elem(&FANOUT_MAP_BACKEND_STATS, &key);
-		if (per_backend) {
-			per_backend->packets++;
-			per_backend->bytes += skb->len;
-		}
+	struct fanout_backend_stats *per_backend = backend_stats(id, backend.counter_slot);
+	if (per_backend) {
+		per_backend->packets++;
+		per_backend->bytes += skb->len;
 	}
 	return TC_ACT_REDIRECT;
 

@@ -47,6 +47,9 @@ struct TCProgramTests {
                 ["-n", namespace, "link", "set", "t1", "up"],
                 ["-n", namespace, "neigh", "add", "198.18.200.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
                 ["-n", namespace, "-6", "neigh", "add", "2001:db8:200::10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+                // A narrow path: 198.18.210.0/24 through t0 with a route MTU of 600.
+                ["-n", namespace, "route", "add", "198.18.210.0/24", "dev", "t0", "mtu", "lock", "600"],
+                ["-n", namespace, "neigh", "add", "198.18.210.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
             ] {
                 let result = try run("/usr/sbin/ip", arguments)
                 try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
@@ -342,6 +345,25 @@ extension TCProgramTests {
         #expect(verdict == Self.pass, "another interface's packet continues down the chain")
         #expect(output == frame)
         #expect(fixture.stats(0).received == before, "not counted for the t1 listener")
+    }
+}
+
+extension TCProgramTests {
+    @Test("no_route and too_large are counted per downstream; a datagram within the route MTU is forwarded")
+    func perDownstreamDrops() throws {
+        let fixture = try Fixture()
+        // 5516's only downstream (slot 0) has no route.
+        #expect(fixture.execute(Packet.ipv4(payload: [1, 2], port: 5516)).verdict == Self.shot)
+        var counted = fixture.program.backendStats(id: 3, slot: 0)
+        #expect(counted.noRoute == 1 && counted.tooLarge == 0 && counted.packets == 0, "\(counted)")
+        // A downstream behind the 600-byte route MTU: 1000 bytes are too large, 100 pass.
+        try fixture.add(Fixture.listenerBind(5602), id: 9, BackendSet(
+            downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 5]))
+        #expect(fixture.execute(Packet.ipv4(payload: [UInt8](repeating: 7, count: 1000), port: 5602)).verdict == Self.shot)
+        #expect(fixture.stats(9).verdicts[Int(FANOUT_VERDICT_TOO_LARGE.rawValue)] == 1, "counted too_large for the listener")
+        #expect(fixture.execute(Packet.ipv4(payload: [UInt8](repeating: 7, count: 100), port: 5602)).verdict == Self.redirect)
+        counted = fixture.program.backendStats(id: 9, slot: 5)
+        #expect(counted.tooLarge == 1 && counted.noRoute == 0 && counted.packets == 1, "\(counted)")
     }
 }
 

@@ -74,7 +74,8 @@ enum fanout_verdict {
 	FANOUT_VERDICT_NO_ROUTE = 3,
 	/* TTL or hop limit would reach 0 on forwarding: dropped, as a router would */
 	FANOUT_VERDICT_TTL_EXPIRED = 4,
-	/* larger than the route's MTU toward the backend: dropped */
+	/* larger than the route's MTU toward the backend (a packet that is not GSO): dropped,
+	 * where the redirect would have been dropped by the egress device uncounted */
 	FANOUT_VERDICT_TOO_LARGE = 5,
 	/* a kernel helper refused to rewrite or redirect the packet: dropped */
 	FANOUT_VERDICT_REWRITE_FAILED = 6,
@@ -147,10 +148,13 @@ struct fanout_stats {
 	__u64 verdicts[FANOUT_VERDICT_COUNT];
 };
 
-/* Per-CPU counters of one backend slot of one listener. */
+/* Per-CPU counters of one backend slot of one listener: forwarded, and dropped for this
+ * backend by reason (the listener's verdicts count the same packets too). */
 struct fanout_backend_stats {
 	__u64 packets;
 	__u64 bytes;
+	__u64 no_route;  /* FANOUT_VERDICT_NO_ROUTE */
+	__u64 too_large; /* FANOUT_VERDICT_TOO_LARGE */
 };
 
 #endif /* FANOUT_TC_SHARED_H */

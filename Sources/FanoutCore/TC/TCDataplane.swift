@@ -177,6 +177,18 @@ final class TCListener: RunningListener {
             try program.putListener(config.bind, ifindex: ifindex, entry)
             live = Live(generation: generation, slots: slots)
         }
+        warnUnroutable(downstreams)
+    }
+
+    /// A downstream the kernel has no route to loses every datagram sent its way (counted
+    /// no_route): say so at start and at each reload, not only in a counter.
+    private func warnUnroutable(_ downstreams: [Downstream]) {
+        for downstream in downstreams where downstream.weight > 0 {
+            guard let problem = TCRoute.problem(to: downstream.address.ip) else { continue }
+            logger.warning("no route to downstream: its datagrams are dropped and counted no_route until a route exists (ip route get \(downstream.address.ip))", metadata: [
+                "listener": "\(config.name)", "downstream": "\(downstream.name)", "address": "\(downstream.address)", "problem": "\(problem)",
+            ])
+        }
     }
 
     var isReceiving: Bool { true }
@@ -202,9 +214,11 @@ final class TCListener: RunningListener {
         func verdict(_ value: fanout_verdict) -> UInt64 { stats.verdicts[Int(value.rawValue)] }
         let slots = live.withLock { $0.slots }
         var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)] = [:]
+        var downstreamDropped: [String: [DropReason: UInt64]] = [:]
         for (name, slot) in slots {
             let counted = program.backendStats(id: id, slot: slot)
-            downstreams[name] = (counted.packets, counted.bytes, 0)
+            downstreams[name] = (counted.packets, counted.bytes, counted.noRoute + counted.tooLarge)
+            downstreamDropped[name] = [.noRoute: counted.noRoute, .tooLarge: counted.tooLarge]
         }
         return ListenerCounters.Snapshot(
             received: stats.received, bytesReceived: stats.bytesReceived,
@@ -215,6 +229,6 @@ final class TCListener: RunningListener {
                 .noRoute: verdict(FANOUT_VERDICT_NO_ROUTE), .ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED),
                 .rewriteFailed: verdict(FANOUT_VERDICT_REWRITE_FAILED),
             ],
-            downstreams: downstreams)
+            downstreams: downstreams, downstreamDropped: downstreamDropped)
     }
 }

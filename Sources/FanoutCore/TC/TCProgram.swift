@@ -148,9 +148,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (words[0], words[1], words[2], Array(words[3..<(3 + Int(FANOUT_VERDICT_COUNT.rawValue))]))
     }
 
-    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64) {
+    /// One backend slot's counters: forwarded packets and bytes, and its drops by reason.
+    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64, noRoute: UInt64, tooLarge: UInt64) {
         let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
-        return (words[0], words[1])
+        return (words[0], words[1], words[2], words[3])
     }
 
     /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
