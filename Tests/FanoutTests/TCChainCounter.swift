@@ -16,18 +16,21 @@ import Glibc
 final class TCChainCounter {
     enum Kind { case clsact, tcx }
 
-    static let handle: UInt32 = 2
-    static let priority: UInt32 = 2
-
     let kind: Kind
+    let handle: UInt32
+    let priority: UInt32
     let namespace: String
     let interface: String
     private let map: Int32
     private let program: Int32
     private var link: Int32 = -1
 
-    init(_ kind: Kind, namespace: String, interface: String) throws {
+    /// - Parameters:
+    ///   - handle, priority: of the clsact filter (by default after ours).
+    init(_ kind: Kind, namespace: String, interface: String, handle: UInt32 = 2, priority: UInt32 = 2) throws {
         self.kind = kind
+        self.handle = handle
+        self.priority = priority
         self.namespace = namespace
         self.interface = interface
         map = bpf_map_create(BPF_MAP_TYPE_ARRAY, "chain_count", 4, 8, 1, nil)
@@ -54,7 +57,7 @@ final class TCChainCounter {
             bpf_prog_load(BPF_PROG_TYPE_SCHED_CLS, "chain_count", "GPL", raw.baseAddress!.assumingMemoryBound(to: bpf_insn.self), count, nil)
         }
         try #require(program >= 0, "bpf_prog_load: errno \(errno)")
-        let failure = inNamespace { [kind, program] ifindex -> String? in
+        let failure = inNamespace { [kind, program, handle, priority] ifindex -> String? in
             switch kind {
             case .tcx:
                 let link = bpf_link_create(program, ifindex, TCAttachment.tcxIngress, nil)
@@ -63,8 +66,8 @@ final class TCChainCounter {
                 var hook = TCAttachment.hook(ifindex)
                 _ = bpf_tc_hook_create(&hook)  // EEXIST: udp-fanout's qdisc
                 var options = TCAttachment.filterOptions(program: program)
-                options.handle = Self.handle
-                options.priority = Self.priority
+                options.handle = handle
+                options.priority = priority
                 let result = bpf_tc_attach(&hook, &options)
                 return result == 0 ? nil : "bpf_tc_attach: \(result)"
             }
@@ -89,11 +92,11 @@ final class TCChainCounter {
             close(link)
             link = -1
         } else if kind == .clsact {
-            _ = inNamespace { ifindex -> String? in
+            _ = inNamespace { [handle, priority] ifindex -> String? in
                 var hook = TCAttachment.hook(ifindex)
                 var options = TCAttachment.filterOptions()
-                options.handle = Self.handle
-                options.priority = Self.priority
+                options.handle = handle
+                options.priority = priority
                 bpf_tc_detach(&hook, &options)
                 return nil
             }
@@ -103,7 +106,7 @@ final class TCChainCounter {
     }
 
     /// Runs `body` with the interface's index from a thread inside the namespace.
-    private func inNamespace(_ body: @escaping @Sendable (Int32) -> String?) -> String? {
+    func inNamespace(_ body: @escaping @Sendable (Int32) -> String?) -> String? {
         final class Box: @unchecked Sendable { var value: String? = "setns failed" }
         let box = Box()
         let (path, interface) = ("/run/netns/\(namespace)", self.interface)

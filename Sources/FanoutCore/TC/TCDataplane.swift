@@ -55,7 +55,16 @@ final class TCDataplane: Sendable {
                 attachment = existing.attachment
                 state.attachments[interface] = (existing.attachment, existing.users + 1)
             } else {
-                attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach)
+                do throws(TCError) {
+                    attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach, logger: logger)
+                } catch {
+                    // The program loaded for this attach would otherwise stay loaded with nothing attached.
+                    if state.attachments.isEmpty {
+                        program.closeDescriptors()
+                        state.program = nil
+                    }
+                    throw error
+                }
                 state.attachments[interface] = (attachment, 1)
                 logger.info("attached tc_ebpf program", metadata: [
                     "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
