@@ -34,9 +34,7 @@ final class TCDataplane: Sendable {
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
         // The fib lookup refuses to route unless forwarding is on (per interface for IPv4).
-        let (sysctl, path) = listener.bind.ip.family == AF_INET6
-            ? ("net.ipv6.conf.all.forwarding", "/proc/sys/net/ipv6/conf/all/forwarding")
-            : ("net.ipv4.conf.\(interface).forwarding", "/proc/sys/net/ipv4/conf/\(interface)/forwarding")
+        let (sysctl, path) = TCPreflight.forwardingSetting(interface: interface, family: listener.bind.ip.family)
         guard Self.readFirstLine(path) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
 
         return try state.withLock { state throws(TCError) in
