@@ -217,6 +217,11 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 		return PARSED_OTHER;
 	if (result != PARSED_OK)
 		return result;
+	/* An IP length beyond the frame: cut in transit. The stack drops it (and counts it); it
+	 * must not be forwarded, a later fragment least of all, which has no UDP header to show
+	 * it short. Trailing bytes (Ethernet padding) are fine. */
+	if (p->tot_len > skb->len - p->l3)
+		return PARSED_MALFORMED;
 	if (!p->first)
 		return PARSED_OK;
 	/* The UDP header: in every whole datagram and first fragment. */
@@ -416,8 +421,10 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		__builtin_memset(&p, 0, sizeof(p));
 		parsed = parse(skb, &p);
 	}
-	if (parsed == PARSED_OTHER)
+	if (parsed == PARSED_OTHER) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
 		return FANOUT_PASS;
+	}
 	if (parsed == PARSED_MALFORMED) {
 		count_unmatched(FANOUT_VERDICT_MALFORMED);
 		return FANOUT_PASS;
@@ -436,8 +443,10 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	int chosen = 1;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(skb, &p);
-		if (!listener)
+		if (!listener) {
+			count_unmatched(FANOUT_VERDICT_NOT_OURS);
 			return FANOUT_PASS;
+		}
 		id = listener->id;
 		chosen = choose(listener, &p, &backend);
 		if (chosen && p.fragment) {
@@ -453,12 +462,13 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		backend = remembered->backend;
 		id = remembered->listener_id;
 	}
-	if (id >= FANOUT_MAX_LISTENERS)
+	/* Neither happens (ids are bounded by userspace, the array has every id): counted anyway,
+	 * so that every packet has a verdict. */
+	struct fanout_stats *stats = id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id) : NULL;
+	if (!stats) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
 		return FANOUT_PASS;
-
-	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
-	if (!stats)
-		return FANOUT_PASS;
+	}
 	stats->received++;
 	stats->bytes_received += skb->len;
 	if (!chosen) {

@@ -237,10 +237,10 @@ struct TCProgramTests {
         }
     }
 
-    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter", arguments: [
-        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: pass, counter: nil),
-        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: pass, counter: nil),
-        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: pass, counter: nil),
+    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter (not ours too)", arguments: [
+        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
+        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
+        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
         // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
         // cut headers are options and extension headers.
         Case(name: "IPv4 options cut (IHL 15, frame ends after 24 bytes)", frame: {
@@ -253,6 +253,10 @@ struct TCProgramTests {
             var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
         }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IPv4 total length beyond the frame (cut in transit)", frame: { Array(Packet.ipv4(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 40)) },
+             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IPv6 payload length beyond the frame", frame: { Array(Packet.ipv6(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 60)) },
+             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) }, verdict: shot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),

@@ -60,8 +60,9 @@ enum fanout_policy {
 	FANOUT_POLICY_SOURCE_IP = 1,
 };
 
-/* What the program did with a packet. Counted per listener (per CPU); the last two are
- * counted in the FANOUT_UNMATCHED_STATS entry because no listener can be known. */
+/* What the program did with a packet: every packet gets exactly one. Counted per listener
+ * (per CPU); the last three are counted in the FANOUT_UNMATCHED_STATS entry because no
+ * listener can be known. */
 enum fanout_verdict {
 	/* rewritten and redirected; next-hop MACs from the fib lookup */
 	FANOUT_VERDICT_FORWARDED = 0,
@@ -83,7 +84,10 @@ enum fanout_verdict {
 	FANOUT_VERDICT_FRAGMENT_UNTRACKED = 7,
 	/* an IPv4/IPv6 packet whose headers end early or are invalid: passed untouched */
 	FANOUT_VERDICT_MALFORMED = 8,
-	FANOUT_VERDICT_COUNT = 9,
+	/* not a UDP datagram for a listener on this interface (other protocols, ports, addresses,
+	 * interfaces): passed untouched, down the chain */
+	FANOUT_VERDICT_NOT_OURS = 9,
+	FANOUT_VERDICT_COUNT = 10,
 };
 
 /* Key of the listeners map: the interface the packet arrived on (the listener's configured

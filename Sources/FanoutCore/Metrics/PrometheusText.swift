@@ -46,7 +46,7 @@ enum PrometheusText {
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
         if !unmatched.isEmpty {
-            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, or a later fragment whose first was not seen)",
+            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, a later fragment whose first was not seen, or not for any listener on that interface)",
                    rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
         }
         return out

@@ -107,7 +107,8 @@ final class TCDataplane: Sendable {
         guard let program = state.withLock({ $0.program }) else { return [] }
         let stats = program.listenerStats(id: UInt32(FANOUT_UNMATCHED_STATS))
         return [("malformed", stats.verdicts[Int(FANOUT_VERDICT_MALFORMED.rawValue)]),
-                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)])]
+                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]),
+                ("not_ours", stats.verdicts[Int(FANOUT_VERDICT_NOT_OURS.rawValue)])]
     }
 
     static func readFirstLine(_ path: String) -> String? {
