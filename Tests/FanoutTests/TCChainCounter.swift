@@ -107,15 +107,7 @@ final class TCChainCounter {
 
     /// Runs `body` with the interface's index from a thread inside the namespace.
     func inNamespace(_ body: @escaping @Sendable (Int32) -> String?) -> String? {
-        final class Box: @unchecked Sendable { var value: String? = "setns failed" }
-        let box = Box()
-        let (path, interface) = ("/run/netns/\(namespace)", self.interface)
-        OSThread(name: "chain-counter") {
-            let fd = open(path, O_RDONLY | O_CLOEXEC)
-            defer { close(fd) }
-            guard fd >= 0, shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
-            box.value = body(Int32(if_nametoindex(interface)))
-        }.join()
-        return box.value
+        let interface = self.interface
+        return inNetworkNamespace(namespace) { body(Int32(if_nametoindex(interface))) } ?? "setns failed"
     }
 }

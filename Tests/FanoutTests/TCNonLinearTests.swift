@@ -23,15 +23,10 @@ struct TCNonLinearTests {
 
         init(_ topology: Topology) throws {
             name = "tf\(topology.suffix.prefix(8))"
-            final class Box: @unchecked Sendable { var fd: Int32 = -1; var failure = "setns failed" }
-            let box = Box()
-            let (path, name) = ("/run/netns/\(topology.proxy)", self.name)
-            OSThread(name: "tap") {
-                let ns = open(path, O_RDONLY | O_CLOEXEC)
-                defer { close(ns) }
-                guard ns >= 0, shim_setns(ns, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
+            let name = self.name
+            let opened: (fd: Int32, failure: String)? = inNetworkNamespace(topology.proxy) {
                 let fd = open("/dev/net/tun", O_RDWR | O_CLOEXEC)
-                guard fd >= 0 else { box.failure = "open /dev/net/tun: errno \(errno)"; return }
+                guard fd >= 0 else { return (-1, "open /dev/net/tun: errno \(errno)") }
                 // struct ifreq: name[16], then ifr_flags (IFF_TAP | IFF_NO_PI | IFF_NAPI | IFF_NAPI_FRAGS).
                 var request = [UInt8](repeating: 0, count: 40)
                 for (index, byte) in name.utf8.enumerated() { request[index] = byte }
@@ -39,9 +34,8 @@ struct TCNonLinearTests {
                 request[16] = UInt8(flags & 0xff)
                 request[17] = UInt8(flags >> 8)
                 guard ioctl(fd, 0x4004_54ca, &request) == 0 else {  // TUNSETIFF
-                    box.failure = "TUNSETIFF: errno \(errno)"
-                    close(fd)
-                    return
+                    defer { close(fd) }
+                    return (-1, "TUNSETIFF: errno \(errno)")
                 }
                 // GRO would pull the headers it parses into the head: turn it off
                 // (SIOCETHTOOL ETHTOOL_SGRO, data 0).
@@ -55,14 +49,13 @@ struct TCNonLinearTests {
                     return ioctl(socketFD, 0x8946, &ethtool)
                 }
                 guard result == 0 else {
-                    box.failure = "SIOCETHTOOL ETHTOOL_SGRO: errno \(errno)"
-                    close(fd)
-                    return
+                    defer { close(fd) }
+                    return (-1, "SIOCETHTOOL ETHTOOL_SGRO: errno \(errno)")
                 }
-                box.fd = fd
-            }.join()
-            try #require(box.fd >= 0, "\(box.failure)")
-            fd = box.fd
+                return (fd, "")
+            }
+            try #require((opened?.fd ?? -1) >= 0, "\(opened?.failure ?? "setns failed")")
+            fd = opened!.fd
             try topology.exec(topology.proxy, ["/usr/sbin/ip", "addr", "add", "198.19.0.1/24", "dev", name])
             try topology.exec(topology.proxy, ["/usr/sbin/ip", "link", "set", name, "up"])
             let json = try topology.exec(topology.proxy, ["/usr/sbin/ip", "-j", "link", "show", name])

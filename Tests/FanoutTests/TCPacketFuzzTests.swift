@@ -204,28 +204,10 @@ struct TCPacketFuzzTests {
             guard shim_setns(namespaceFD, 0x4000_0000) == 0 else { outcome.problem("setns"); return }  // CLONE_NEWNET
             var random = Generator(state: seed)
             var output = [UInt8](repeating: 0, count: 4096)
-            var context = __sk_buff()
-            context.ifindex = UInt32(ifindex)
             let start = DispatchTime.now()
             func execute(_ frame: [UInt8]) {
                 guard outcome.run < target else { return }
-                var input = frame
-                var options = bpf_test_run_opts()
-                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-                let result = input.withUnsafeMutableBytes { inBytes in
-                    output.withUnsafeMutableBytes { outBytes in
-                        withUnsafeMutablePointer(to: &context) { contextPointer in
-                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                            options.data_size_in = UInt32(inBytes.count)
-                            options.data_out = outBytes.baseAddress
-                            options.data_size_out = UInt32(outBytes.count)
-                            options.ctx_in = UnsafeRawPointer(contextPointer)
-                            options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
-                            options.repeat = 1
-                            return bpf_prog_test_run_opts(program, &options)
-                        }
-                    }
-                }
+                let (result, verdict, size) = TCProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, output: &output)
                 if result != 0 {
                     // The runner itself refuses frames shorter than Ethernet plus a base IPv4 /
                     // IPv6 header (for those Ethernet types); nothing else may fail.
@@ -235,12 +217,12 @@ struct TCPacketFuzzTests {
                     return
                 }
                 outcome.run += 1
-                switch options.retval {
+                switch verdict {
                 case UInt32(bitPattern: -1): outcome.pass += 1
                 case 2: outcome.shot += 1
                 case 7:
                     outcome.redirect += 1
-                    let out = Array(output[0..<Int(options.data_size_out)])
+                    let out = Array(output[0..<size])
                     guard let inLayers = Self.layers(frame), let outLayers = Self.layers(out) else {
                         outcome.problem("redirected, but not a UDP packet: \(frame) -> \(out)")
                         return
@@ -257,7 +239,7 @@ struct TCPacketFuzzTests {
                         }
                     }
                 default:
-                    outcome.problem("verdict \(options.retval) for \(frame)")
+                    outcome.problem("verdict \(verdict) for \(frame)")
                 }
             }
             while outcome.run < target && outcome.problems.count < 20 {

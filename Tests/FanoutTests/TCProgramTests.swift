@@ -103,29 +103,37 @@ struct TCProgramTests {
                 guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
                 // One CPU: the rotation is per CPU, so every run then takes the next entry.
                 _ = shim_pin_current_thread(0)
-                var input = frame
                 var output = [UInt8](repeating: 0, count: 4096)
-                var context = __sk_buff()
-                context.ifindex = UInt32(ifindex)
-                var options = bpf_test_run_opts()
-                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-                let result = input.withUnsafeMutableBytes { inBytes in
-                    output.withUnsafeMutableBytes { outBytes in
-                        withUnsafeMutablePointer(to: &context) { contextPointer in
-                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                            options.data_size_in = UInt32(inBytes.count)
-                            options.data_out = outBytes.baseAddress
-                            options.data_size_out = UInt32(outBytes.count)
-                            options.ctx_in = UnsafeRawPointer(contextPointer)
-                            options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
-                            options.repeat = 1
-                            return bpf_prog_test_run_opts(program, &options)
-                        }
-                    }
-                }
-                box.set(result == 0 ? (options.retval, Array(output[0..<Int(options.data_size_out)])) : (UInt32.max - UInt32(-result), []))
+                let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output)
+                box.set(result == 0 ? (verdict, Array(output[0..<size])) : (UInt32.max - UInt32(-result), []))
             }.join()
             return box.value
+        }
+
+        /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex`, from the calling thread (which
+        /// must be in the namespace). Returns libbpf's result (0 or -errno), the program's
+        /// verdict and the output's length in `output`.
+        static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8]) -> (result: Int32, verdict: UInt32, size: Int) {
+            var input = frame
+            var context = __sk_buff()
+            context.ifindex = UInt32(ifindex)
+            var options = bpf_test_run_opts()
+            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+            let result = input.withUnsafeMutableBytes { inBytes in
+                output.withUnsafeMutableBytes { outBytes in
+                    withUnsafeMutablePointer(to: &context) { contextPointer in
+                        options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                        options.data_size_in = UInt32(inBytes.count)
+                        options.data_out = outBytes.baseAddress
+                        options.data_size_out = UInt32(outBytes.count)
+                        options.ctx_in = UnsafeRawPointer(contextPointer)
+                        options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
+                        options.repeat = 1
+                        return bpf_prog_test_run_opts(program, &options)
+                    }
+                }
+            }
+            return (result, options.retval, Int(options.data_size_out))
         }
 
         func stats(_ id: UInt32) -> (received: UInt64, verdicts: [UInt64]) {
