@@ -435,6 +435,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		__builtin_memcpy(fragment_key.saddr, p.saddr, sizeof(p.saddr));
 		__builtin_memcpy(fragment_key.daddr, p.daddr, sizeof(p.daddr));
 		fragment_key.id = p.id;
+		fragment_key.ifindex = skb->ifindex;
 		fragment_key.family = p.family;
 	}
 

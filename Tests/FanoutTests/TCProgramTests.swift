@@ -357,6 +357,15 @@ extension TCProgramTests {
         #expect(verdict == Self.pass, "another interface's packet continues down the chain")
         #expect(output == frame)
         #expect(fixture.stats(0).received == before, "not counted for the t1 listener")
+
+        // Fragments too: a later fragment arriving on t0 does not follow a first seen on t1.
+        let pieces = Packet.ipv4Fragments(payload: (0..<2400).map { UInt8(truncatingIfNeeded: $0) }, id: 0x5151, pieceSize: 1000)
+        #expect(fixture.execute(pieces[0]).verdict == Self.redirect)
+        let untracked = fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]
+        let (fragmentVerdict, fragmentOutput) = fixture.execute(pieces[1], ifindex: fixture.otherIfindex)
+        #expect(fragmentVerdict == Self.pass && fragmentOutput == pieces[1], "another interface's fragment is not the listener's")
+        #expect(fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == untracked + 1)
+        #expect(fixture.execute(pieces[2]).verdict == Self.redirect, "on t1 it still follows")
     }
 }
 

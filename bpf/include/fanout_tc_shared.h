@@ -129,12 +129,13 @@ struct fanout_set {
 	__u16 table[FANOUT_TABLE_SIZE];      /* backend indexes, Maglev */
 };
 
-/* A datagram in fragments: its first fragment's choice, found again by source, destination
- * and IP identification. */
+/* A datagram in fragments: its first fragment's choice, found again by arrival interface
+ * (a listener matches only on its own), source, destination and IP identification. */
 struct fanout_fragment_key {
 	__u32 saddr[4];
 	__u32 daddr[4];
 	__u32 id;        /* IPv4: 16 bits; IPv6: the fragment header's 32 bits */
+	__u32 ifindex;   /* skb->ifindex at ingress */
 	__u8 family;
 	__u8 pad[3];
 };
