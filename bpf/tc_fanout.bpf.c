@@ -4,8 +4,8 @@
  * and port goes to one of the listener's backends, rewritten and redirected in the kernel.
  *
  * Parse Ethernet (one 802.1Q/802.1ad tag), IPv4 (with options) or IPv6 (with extension
- * headers), UDP. Match the destination against the listeners map (exact address first, then
- * the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
+ * headers), UDP. Match the arrival interface and destination against the listeners map (exact
+ * address first, then the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
  * Maglev table. Look up the route to the backend (bpf_fib_lookup), then rewrite destination
  * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
  * decrement TTL / hop limit, and redirect. The source address is not touched.
@@ -13,8 +13,8 @@
  * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
  * later fragments follow it, so a datagram is reassembled whole at one backend.
  *
- * Everything that is not a datagram for a listener passes untouched. Every other outcome is a
- * counted verdict (enum fanout_verdict).
+ * Everything that is not a datagram for a listener passes untouched and continues down the
+ * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -30,6 +30,16 @@
 #define IPV6_FRAGMENT 44
 #define ETH_P_8021Q_ 0x8100
 #define ETH_P_8021AD_ 0x88A8
+
+/* Not ours: continue down the chain. TC_ACT_OK would end it, so every later clsact filter
+ * and TCX program (firewalls, Cilium) would never see the packet; TC_ACT_UNSPEC is TCX_NEXT
+ * for a TCX link and "next filter" for cls_bpf, and when nothing follows the kernel passes
+ * the packet to the stack as with TC_ACT_OK. */
+#define FANOUT_PASS TC_ACT_UNSPEC
+
+/* Bytes made linear when headers lie outside the skb's head: the rewrite's L4 bound (512)
+ * plus the UDP header. */
+#define FANOUT_PULL_BYTES 520
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -73,6 +83,8 @@ struct {
 	__type(value, struct fanout_backend_stats);
 } FANOUT_MAP_BACKEND_STATS SEC(".maps");
 
+const volatile struct fanout_tc_options FANOUT_OPTIONS = {};
+
 /* What the parser found. Offsets are from the start of the frame. */
 struct packet {
 	__u32 l3;          /* network header */
@@ -86,6 +98,7 @@ struct packet {
 	__u16 dport;       /* network order */
 	__u16 sport;       /* network order */
 	__u32 id;          /* fragment identification */
+	__u32 tot_len;     /* IP packet length from the header (IPv6: payload + 40) */
 	__u32 saddr[4];
 	__u32 daddr[4];
 };
@@ -117,6 +130,7 @@ static __always_inline enum parsed parse_ipv4(void *data, void *end, struct pack
 		return PARSED_OTHER;
 	p->family = AF_INET;
 	__u32 total_length = ((__u32)ip[2] << 8) | ip[3];
+	p->tot_len = total_length;
 	p->hop_limit = ip[8];
 	p->id = ((__u32)ip[4] << 8) | ip[5];
 	__u16 frag = ((__u16)(ip[6] & 0x3f) << 8) | ip[7]; /* MF + offset */
@@ -139,6 +153,7 @@ static __always_inline enum parsed parse_ipv6(void *data, void *end, struct pack
 		return PARSED_MALFORMED;
 	p->family = AF_INET6;
 	p->hop_limit = ip[7];
+	p->tot_len = (((__u32)ip[4] << 8) | ip[5]) + 40;
 	__builtin_memcpy(p->saddr, ip + 8, 16);
 	__builtin_memcpy(p->daddr, ip + 24, 16);
 	__u8 next = ip[6];
@@ -188,7 +203,7 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 	if (proto == bpf_htons(ETH_P_8021Q_) || proto == bpf_htons(ETH_P_8021AD_)) {
 		__u8 *tag = data + sizeof(*eth);
 		if ((void *)(tag + 4) > end)
-			return PARSED_OTHER;
+			return PARSED_MALFORMED;
 		proto = *(__u16 *)(tag + 2);
 		p->l3 += 4;
 		p->tagged = 1;
@@ -202,6 +217,11 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 		return PARSED_OTHER;
 	if (result != PARSED_OK)
 		return result;
+	/* An IP length beyond the frame: cut in transit. The stack drops it (and counts it); it
+	 * must not be forwarded, a later fragment least of all, which has no UDP header to show
+	 * it short. Trailing bytes (Ethernet padding) are fine. */
+	if (p->tot_len > skb->len - p->l3)
+		return PARSED_MALFORMED;
 	if (!p->first)
 		return PARSED_OK;
 	/* The UDP header: in every whole datagram and first fragment. */
@@ -216,9 +236,26 @@ static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p
 	return PARSED_OK;
 }
 
-static __always_inline struct fanout_listener *find_listener(struct packet *p)
+/* Makes the headers direct-access when the driver left them in page fragments (a short
+ * copied head, header split): only the linear area lies between skb->data and data_end.
+ * Returns whether anything was pulled, so the caller parses again. Up to the longest headers
+ * the rewrite handles (L4 offset 512, UDP header 8), never past the packet. */
+static __always_inline int pull_headers(struct __sk_buff *skb)
+{
+	__u32 linear = skb->data_end - skb->data;
+	__u32 length = skb->len;
+	if (linear >= length)
+		return 0;
+	__u32 want = length < FANOUT_PULL_BYTES ? length : FANOUT_PULL_BYTES;
+	if (want <= linear)
+		return 0;
+	return bpf_skb_pull_data(skb, want) == 0;
+}
+
+static __always_inline struct fanout_listener *find_listener(struct __sk_buff *skb, struct packet *p)
 {
 	struct fanout_listener_key key = {};
+	key.ifindex = skb->ifindex;
 	key.family = p->family;
 	key.port = p->dport;
 	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
@@ -227,6 +264,15 @@ static __always_inline struct fanout_listener *find_listener(struct packet *p)
 		return listener;
 	__builtin_memset(key.addr, 0, sizeof(key.addr));
 	return bpf_map_lookup_elem(&FANOUT_MAP_LISTENERS, &key);
+}
+
+/* The per-CPU counters of one backend slot of a listener, or NULL. */
+static __always_inline struct fanout_backend_stats *backend_stats(__u32 id, __u32 slot)
+{
+	if (slot >= FANOUT_MAX_BACKENDS || id >= FANOUT_MAX_LISTENERS)
+		return NULL;
+	__u32 key = id * FANOUT_MAX_BACKENDS + slot;
+	return bpf_map_lookup_elem(&FANOUT_MAP_BACKEND_STATS, &key);
 }
 
 /* The backend for this packet, copied out of the set, or 0 if none. */
@@ -310,7 +356,8 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 				diff += (__u32)~p->daddr[i] + (__u64)to->addr[i];
 			diff = (diff & 0xffffffff) + (diff >> 32);
 			diff = (diff & 0xffffffff) + (diff >> 32);
-			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff, BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0);
+			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff,
+						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | FANOUT_OPTIONS.ipv6_csum_flags);
 		}
 		if (failed)
 			return -1;
@@ -369,11 +416,18 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 {
 	struct packet p = {};
 	enum parsed parsed = parse(skb, &p);
-	if (parsed == PARSED_OTHER)
-		return TC_ACT_OK;
+	/* Headers cut short in the linear area but present in the packet: pull and look again. */
+	if (parsed == PARSED_MALFORMED && pull_headers(skb)) {
+		__builtin_memset(&p, 0, sizeof(p));
+		parsed = parse(skb, &p);
+	}
+	if (parsed == PARSED_OTHER) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
+		return FANOUT_PASS;
+	}
 	if (parsed == PARSED_MALFORMED) {
 		count_unmatched(FANOUT_VERDICT_MALFORMED);
-		return TC_ACT_OK;
+		return FANOUT_PASS;
 	}
 
 	struct fanout_fragment_key fragment_key = {};
@@ -381,6 +435,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		__builtin_memcpy(fragment_key.saddr, p.saddr, sizeof(p.saddr));
 		__builtin_memcpy(fragment_key.daddr, p.daddr, sizeof(p.daddr));
 		fragment_key.id = p.id;
+		fragment_key.ifindex = skb->ifindex;
 		fragment_key.family = p.family;
 	}
 
@@ -388,9 +443,11 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	__u32 id;
 	int chosen = 1;
 	if (p.has_udp) {
-		struct fanout_listener *listener = find_listener(&p);
-		if (!listener)
-			return TC_ACT_OK;
+		struct fanout_listener *listener = find_listener(skb, &p);
+		if (!listener) {
+			count_unmatched(FANOUT_VERDICT_NOT_OURS);
+			return FANOUT_PASS;
+		}
 		id = listener->id;
 		chosen = choose(listener, &p, &backend);
 		if (chosen && p.fragment) {
@@ -401,17 +458,18 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
 		if (!remembered) {
 			count_unmatched(FANOUT_VERDICT_FRAGMENT_UNTRACKED);
-			return TC_ACT_OK;
+			return FANOUT_PASS;
 		}
 		backend = remembered->backend;
 		id = remembered->listener_id;
 	}
-	if (id >= FANOUT_MAX_LISTENERS)
-		return TC_ACT_OK;
-
-	struct fanout_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id);
-	if (!stats)
-		return TC_ACT_OK;
+	/* Neither happens (ids are bounded by userspace, the array has every id): counted anyway,
+	 * so that every packet has a verdict. */
+	struct fanout_stats *stats = id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id) : NULL;
+	if (!stats) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
+		return FANOUT_PASS;
+	}
 	stats->received++;
 	stats->bytes_received += skb->len;
 	if (!chosen) {
@@ -430,7 +488,11 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	fib.l4_protocol = IPPROTO_UDP;
 	fib.sport = p.sport;
 	fib.dport = backend.port;
-	/* tot_len 0: the kernel checks the frame against the egress MTU itself, GSO-aware. */
+	/* The route's MTU is checked against the IP length, so a packet the egress device would
+	 * drop uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by
+	 * the kernel per segment on the way out: tot_len 0 skips the check. */
+	if (skb->gso_size == 0)
+		fib.tot_len = p.tot_len;
 	fib.ifindex = skb->ifindex;
 	if (p.family == AF_INET) {
 		fib.ipv4_src = p.saddr[0];
@@ -450,6 +512,13 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		verdict = FANOUT_VERDICT_NO_ROUTE;
 	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
 		stats->verdicts[verdict]++;
+		struct fanout_backend_stats *dropped = backend_stats(id, backend.counter_slot);
+		if (dropped) {
+			if (verdict == FANOUT_VERDICT_NO_ROUTE)
+				dropped->no_route++;
+			else
+				dropped->too_large++;
+		}
 		return TC_ACT_SHOT;
 	}
 
@@ -487,14 +556,10 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		goto failed;
 	stats->verdicts[verdict]++;
 	stats->bytes_forwarded += skb->len;
-	__u32 slot = backend.counter_slot;
-	if (slot < FANOUT_MAX_BACKENDS) {
-		__u32 key = id * FANOUT_MAX_BACKENDS + slot;
-		struct fanout_backend_stats *per_backend = bpf_map_lookup_elem(&FANOUT_MAP_BACKEND_STATS, &key);
-		if (per_backend) {
-			per_backend->packets++;
-			per_backend->bytes += skb->len;
-		}
+	struct fanout_backend_stats *per_backend = backend_stats(id, backend.counter_slot);
+	if (per_backend) {
+		per_backend->packets++;
+		per_backend->bytes += skb->len;
 	}
 	return TC_ACT_REDIRECT;
 

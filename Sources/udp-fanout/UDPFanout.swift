@@ -70,6 +70,12 @@ struct UDPFanout: AsyncParsableCommand {
         }
         logger.info("configuration loaded", metadata: ["listeners": "\(parsed.listeners.count)", "path": "\(config)"])
         if check {
+            // tc_ebpf: interface, forwarding and routes, checked without loading or attaching.
+            let problems = TCPreflight.preflight(parsed)
+            guard problems.isEmpty else {
+                for problem in problems { printError("udp-fanout: \(problem)") }
+                throw ExitCode(2)
+            }
             print("configuration OK: \(parsed.listeners.count) listener(s): " + parsed.listeners.map {
                 "\($0.name) \($0.bind) \($0.mode.rawValue) -> \($0.downstreams.count) downstream(s), \($0.balancing.rawValue)"
             }.joined(separator: "; "))

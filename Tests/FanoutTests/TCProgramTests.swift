@@ -32,6 +32,8 @@ struct TCProgramTests {
         let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
         let program: TCProgram
         var ifindex: Int32 = 0
+        /// t0's index: the backends' side, where no listener of the fixture's is configured.
+        var otherIfindex: Int32 = 0
         var sourceMAC: [UInt8] = []
         let namespaceFD: Int32
 
@@ -45,6 +47,9 @@ struct TCProgramTests {
                 ["-n", namespace, "link", "set", "t1", "up"],
                 ["-n", namespace, "neigh", "add", "198.18.200.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
                 ["-n", namespace, "-6", "neigh", "add", "2001:db8:200::10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+                // A narrow path: 198.18.210.0/24 through t0 with a route MTU of 600.
+                ["-n", namespace, "route", "add", "198.18.210.0/24", "dev", "t0", "mtu", "lock", "600"],
+                ["-n", namespace, "neigh", "add", "198.18.210.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
             ] {
                 let result = try run("/usr/sbin/ip", arguments)
                 try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
@@ -60,6 +65,7 @@ struct TCProgramTests {
                 return try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first)
             }
             ifindex = Int32(try link("t1").int("ifindex"))
+            otherIfindex = Int32(try link("t0").int("ifindex"))
             sourceMAC = try #require(try link("t0")["address"] as? String).split(separator: ":").map { UInt8($0, radix: 16)! }
             let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
             let backendsV6 = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("[2001:db8:200::10]:\(6000 + $0)")!) }
@@ -73,13 +79,13 @@ struct TCProgramTests {
 
         static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: TCProgramTests.listenerV4.ip, port: port) }
 
-        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet) throws {
+        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet, ifindex: Int32? = nil) throws {
             program.resetListener(id: id)
             try program.writeSet(id: id, generation: 0, set)
             var entry = fanout_listener()
             entry.id = id
             entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(bind, entry)
+            try program.putListener(bind, ifindex: UInt32(ifindex ?? self.ifindex), entry)
         }
 
         deinit {
@@ -88,37 +94,46 @@ struct TCProgramTests {
             _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
         }
 
-        /// Runs the program once on `frame`, from a thread inside the namespace.
-        func execute(_ frame: [UInt8]) -> (verdict: UInt32, output: [UInt8]) {
+        /// Runs the program once on `frame` arriving on t1 (or `ifindex`), from a thread inside
+        /// the namespace.
+        func execute(_ frame: [UInt8], ifindex: Int32? = nil) -> (verdict: UInt32, output: [UInt8]) {
             let box = ResultBox()
-            let (program, fd, ifindex) = (self.program.program, namespaceFD, self.ifindex)
+            let (program, fd, ifindex) = (self.program.program, namespaceFD, ifindex ?? self.ifindex)
             OSThread(name: "test-run") {
                 guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
                 // One CPU: the rotation is per CPU, so every run then takes the next entry.
                 _ = shim_pin_current_thread(0)
-                var input = frame
                 var output = [UInt8](repeating: 0, count: 4096)
-                var context = __sk_buff()
-                context.ifindex = UInt32(ifindex)
-                var options = bpf_test_run_opts()
-                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-                let result = input.withUnsafeMutableBytes { inBytes in
-                    output.withUnsafeMutableBytes { outBytes in
-                        withUnsafeMutablePointer(to: &context) { contextPointer in
-                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                            options.data_size_in = UInt32(inBytes.count)
-                            options.data_out = outBytes.baseAddress
-                            options.data_size_out = UInt32(outBytes.count)
-                            options.ctx_in = UnsafeRawPointer(contextPointer)
-                            options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
-                            options.repeat = 1
-                            return bpf_prog_test_run_opts(program, &options)
-                        }
-                    }
-                }
-                box.set(result == 0 ? (options.retval, Array(output[0..<Int(options.data_size_out)])) : (UInt32.max - UInt32(-result), []))
+                let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output)
+                box.set(result == 0 ? (verdict, Array(output[0..<size])) : (UInt32.max - UInt32(-result), []))
             }.join()
             return box.value
+        }
+
+        /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex`, from the calling thread (which
+        /// must be in the namespace). Returns libbpf's result (0 or -errno), the program's
+        /// verdict and the output's length in `output`.
+        static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8]) -> (result: Int32, verdict: UInt32, size: Int) {
+            var input = frame
+            var context = __sk_buff()
+            context.ifindex = UInt32(ifindex)
+            var options = bpf_test_run_opts()
+            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+            let result = input.withUnsafeMutableBytes { inBytes in
+                output.withUnsafeMutableBytes { outBytes in
+                    withUnsafeMutablePointer(to: &context) { contextPointer in
+                        options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                        options.data_size_in = UInt32(inBytes.count)
+                        options.data_out = outBytes.baseAddress
+                        options.data_size_out = UInt32(outBytes.count)
+                        options.ctx_in = UnsafeRawPointer(contextPointer)
+                        options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
+                        options.repeat = 1
+                        return bpf_prog_test_run_opts(program, &options)
+                    }
+                }
+            }
+            return (result, options.retval, Int(options.data_size_out))
         }
 
         func stats(_ id: UInt32) -> (received: UInt64, verdicts: [UInt64]) {
@@ -134,7 +149,9 @@ struct TCProgramTests {
 
     // MARK: cases
 
-    static let redirect: UInt32 = 7, ok: UInt32 = 0, shot: UInt32 = 2
+    static let redirect: UInt32 = 7, shot: UInt32 = 2
+    /// TC_ACT_UNSPEC (TCX_NEXT): not ours, on to the next filter or program.
+    static let pass = UInt32(bitPattern: -1)
 
     struct Case: CustomStringConvertible, Sendable {
         var name: String
@@ -211,7 +228,7 @@ struct TCProgramTests {
         let before = fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]
         let stray = Packet.ipv4Fragments(payload: payload, id: 0x9999, pieceSize: 1000)[1]
         let (verdict, output) = fixture.execute(stray)
-        #expect(verdict == Self.ok, "untracked fragment passes")
+        #expect(verdict == Self.pass, "untracked fragment passes down the chain")
         #expect(output == stray, "untracked fragment untouched")
         #expect(fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == before + 1)
 
@@ -228,23 +245,27 @@ struct TCProgramTests {
         }
     }
 
-    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter", arguments: [
-        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: ok, counter: nil),
-        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: ok, counter: nil),
-        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: ok, counter: nil),
+    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter (not ours too)", arguments: [
+        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
+        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
+        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
         // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
         // cut headers are options and extension headers.
         Case(name: "IPv4 options cut (IHL 15, frame ends after 24 bytes)", frame: {
             var f = Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
-        }, verdict: ok,
+        }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: ok,
+        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "IPv6 extension header cut", frame: {
             var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
-        }, verdict: ok,
+        }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: ok,
+        Case(name: "IPv4 total length beyond the frame (cut in transit)", frame: { Array(Packet.ipv4(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 40)) },
+             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IPv6 payload length beyond the frame", frame: { Array(Packet.ipv6(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 60)) },
+             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
+        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: pass,
              counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
         Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) }, verdict: shot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),
         Case(name: "no route", frame: { Packet.ipv4(payload: [1, 2], port: 5516) }, verdict: shot, counter: (3, FANOUT_VERDICT_NO_ROUTE)),
@@ -258,7 +279,7 @@ struct TCProgramTests {
         let before = test.counter.map { fixture.stats($0.0).verdicts[Int($0.1.rawValue)] }
         let (verdict, output) = fixture.execute(frame)
         #expect(verdict == test.verdict, "\(test.name): verdict \(verdict)")
-        if test.verdict == Self.ok { #expect(output == frame, "\(test.name): passed untouched") }
+        if test.verdict == Self.pass { #expect(output == frame, "\(test.name): passed untouched") }
         if let (key, counted) = test.counter {
             #expect(fixture.stats(key).verdicts[Int(counted.rawValue)] == before! + 1, "\(test.name): counted")
         } else {
@@ -297,7 +318,7 @@ struct TCProgramTests {
         entry.id = 5
         entry.generation = 1
         entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
-        try fixture.program.putListener(Fixture.listenerBind(5600), entry)
+        try fixture.program.putListener(Fixture.listenerBind(5600), ifindex: UInt32(fixture.ifindex), entry)
         var ports = Set<UInt16>()
         for last in UInt8(1)...UInt8(40) {
             let source: [UInt8] = [198, 18, 50, last]
@@ -312,6 +333,58 @@ struct TCProgramTests {
             ports.insert(expected)
         }
         #expect(ports.count == 3)
+    }
+}
+
+extension TCProgramTests {
+    @Test("A listener matches only on its own interface: one bind on two interfaces, two listeners; a bind on t1 only passes on t0")
+    func perInterface() throws {
+        let fixture = try Fixture()
+        let bind = Fixture.listenerBind(5700)
+        try fixture.add(bind, id: 7, BackendSet(downstreams: [Downstream(name: "a", address: SocketAddress("198.18.200.10:7101")!)], balancing: .roundRobin, slots: ["a": 0]))
+        try fixture.add(bind, id: 8, BackendSet(downstreams: [Downstream(name: "b", address: SocketAddress("198.18.200.10:7102")!)], balancing: .roundRobin, slots: ["b": 0]),
+                        ifindex: fixture.otherIfindex)
+        for (ifindex, port, id) in [(fixture.ifindex, UInt16(7101), UInt32(7)), (fixture.otherIfindex, 7102, 8), (fixture.ifindex, 7101, 7)] {
+            let (verdict, output) = fixture.execute(Packet.ipv4(payload: [5], port: 5700), ifindex: ifindex)
+            #expect(verdict == Self.redirect)
+            #expect(Packet.parse(output)?.destinationPort == port, "arriving on \(ifindex): the listener of that interface")
+        }
+        #expect(fixture.stats(7).received == 2 && fixture.stats(8).received == 1)
+        // 5514 is configured on t1 only: on t0 it is not ours.
+        let frame = Packet.ipv4(payload: [6])
+        let before = fixture.stats(0).received
+        let (verdict, output) = fixture.execute(frame, ifindex: fixture.otherIfindex)
+        #expect(verdict == Self.pass, "another interface's packet continues down the chain")
+        #expect(output == frame)
+        #expect(fixture.stats(0).received == before, "not counted for the t1 listener")
+
+        // Fragments too: a later fragment arriving on t0 does not follow a first seen on t1.
+        let pieces = Packet.ipv4Fragments(payload: (0..<2400).map { UInt8(truncatingIfNeeded: $0) }, id: 0x5151, pieceSize: 1000)
+        #expect(fixture.execute(pieces[0]).verdict == Self.redirect)
+        let untracked = fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]
+        let (fragmentVerdict, fragmentOutput) = fixture.execute(pieces[1], ifindex: fixture.otherIfindex)
+        #expect(fragmentVerdict == Self.pass && fragmentOutput == pieces[1], "another interface's fragment is not the listener's")
+        #expect(fixture.stats(UInt32(FANOUT_UNMATCHED_STATS)).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == untracked + 1)
+        #expect(fixture.execute(pieces[2]).verdict == Self.redirect, "on t1 it still follows")
+    }
+}
+
+extension TCProgramTests {
+    @Test("no_route and too_large are counted per downstream; a datagram within the route MTU is forwarded")
+    func perDownstreamDrops() throws {
+        let fixture = try Fixture()
+        // 5516's only downstream (slot 0) has no route.
+        #expect(fixture.execute(Packet.ipv4(payload: [1, 2], port: 5516)).verdict == Self.shot)
+        var counted = fixture.program.backendStats(id: 3, slot: 0)
+        #expect(counted.noRoute == 1 && counted.tooLarge == 0 && counted.packets == 0, "\(counted)")
+        // A downstream behind the 600-byte route MTU: 1000 bytes are too large, 100 pass.
+        try fixture.add(Fixture.listenerBind(5602), id: 9, BackendSet(
+            downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 5]))
+        #expect(fixture.execute(Packet.ipv4(payload: [UInt8](repeating: 7, count: 1000), port: 5602)).verdict == Self.shot)
+        #expect(fixture.stats(9).verdicts[Int(FANOUT_VERDICT_TOO_LARGE.rawValue)] == 1, "counted too_large for the listener")
+        #expect(fixture.execute(Packet.ipv4(payload: [UInt8](repeating: 7, count: 100), port: 5602)).verdict == Self.redirect)
+        counted = fixture.program.backendStats(id: 9, slot: 5)
+        #expect(counted.tooLarge == 1 && counted.noRoute == 0 && counted.packets == 1, "\(counted)")
     }
 }
 

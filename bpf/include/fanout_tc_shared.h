@@ -41,6 +41,18 @@
 #define FANOUT_MAP_BACKEND_STATS fanout_bstats
 #define FANOUT_MAP_BACKEND_STATS_NAME "fanout_bstats"
 
+#define FANOUT_OPTIONS           fanout_options
+#define FANOUT_OPTIONS_NAME      "fanout_options"
+
+/* Options fixed at load time: a read-only global (.rodata) userspace sets before loading, so
+ * the verifier sees constants. */
+struct fanout_tc_options {
+	/* BPF_F_IPV6 where bpf_l4_csum_replace accepts it (kernel 6.15+; probed), else 0. ORed
+	 * into IPv6 pseudo-header checksum updates: without it the kernel adjusts skb->csum of a
+	 * CHECKSUM_COMPLETE packet as for IPv4, which is wrong when IPv6 addresses change. */
+	__u64 ipv6_csum_flags;
+};
+
 enum fanout_policy {
 	/* each packet to the next backend of a weighted rotation, per CPU (the reference's) */
 	FANOUT_POLICY_ROUND_ROBIN = 0,
@@ -48,8 +60,9 @@ enum fanout_policy {
 	FANOUT_POLICY_SOURCE_IP = 1,
 };
 
-/* What the program did with a packet. Counted per listener (per CPU); the last two are
- * counted in the FANOUT_UNMATCHED_STATS entry because no listener can be known. */
+/* What the program did with a packet: every packet gets exactly one. Counted per listener
+ * (per CPU); the last three are counted in the FANOUT_UNMATCHED_STATS entry because no
+ * listener can be known. */
 enum fanout_verdict {
 	/* rewritten and redirected; next-hop MACs from the fib lookup */
 	FANOUT_VERDICT_FORWARDED = 0,
@@ -62,7 +75,8 @@ enum fanout_verdict {
 	FANOUT_VERDICT_NO_ROUTE = 3,
 	/* TTL or hop limit would reach 0 on forwarding: dropped, as a router would */
 	FANOUT_VERDICT_TTL_EXPIRED = 4,
-	/* larger than the route's MTU toward the backend: dropped */
+	/* larger than the route's MTU toward the backend (a packet that is not GSO): dropped,
+	 * where the redirect would have been dropped by the egress device uncounted */
 	FANOUT_VERDICT_TOO_LARGE = 5,
 	/* a kernel helper refused to rewrite or redirect the packet: dropped */
 	FANOUT_VERDICT_REWRITE_FAILED = 6,
@@ -70,12 +84,18 @@ enum fanout_verdict {
 	FANOUT_VERDICT_FRAGMENT_UNTRACKED = 7,
 	/* an IPv4/IPv6 packet whose headers end early or are invalid: passed untouched */
 	FANOUT_VERDICT_MALFORMED = 8,
-	FANOUT_VERDICT_COUNT = 9,
+	/* not a UDP datagram for a listener on this interface (other protocols, ports, addresses,
+	 * interfaces): passed untouched, down the chain */
+	FANOUT_VERDICT_NOT_OURS = 9,
+	FANOUT_VERDICT_COUNT = 10,
 };
 
-/* Key of the listeners map: destination address and port as they lie in the packet. An
- * unspecified address (all zero) matches every destination address of that family. */
+/* Key of the listeners map: the interface the packet arrived on (the listener's configured
+ * interface: one program serves every interface with a tc_ebpf listener, and a bind must not
+ * match on another), destination address and port as they lie in the packet. An unspecified
+ * address (all zero) matches every destination address of that family on that interface. */
 struct fanout_listener_key {
+	__u32 ifindex;   /* skb->ifindex at ingress */
 	__u32 addr[4];   /* IPv4: addr[0], the rest 0 */
 	__u16 port;      /* network order */
 	__u8 family;     /* AF_INET or AF_INET6 */
@@ -109,12 +129,13 @@ struct fanout_set {
 	__u16 table[FANOUT_TABLE_SIZE];      /* backend indexes, Maglev */
 };
 
-/* A datagram in fragments: its first fragment's choice, found again by source, destination
- * and IP identification. */
+/* A datagram in fragments: its first fragment's choice, found again by arrival interface
+ * (a listener matches only on its own), source, destination and IP identification. */
 struct fanout_fragment_key {
 	__u32 saddr[4];
 	__u32 daddr[4];
 	__u32 id;        /* IPv4: 16 bits; IPv6: the fragment header's 32 bits */
+	__u32 ifindex;   /* skb->ifindex at ingress */
 	__u8 family;
 	__u8 pad[3];
 };
@@ -132,10 +153,13 @@ struct fanout_stats {
 	__u64 verdicts[FANOUT_VERDICT_COUNT];
 };
 
-/* Per-CPU counters of one backend slot of one listener. */
+/* Per-CPU counters of one backend slot of one listener: forwarded, and dropped for this
+ * backend by reason (the listener's verdicts count the same packets too). */
 struct fanout_backend_stats {
 	__u64 packets;
 	__u64 bytes;
+	__u64 no_route;  /* FANOUT_VERDICT_NO_ROUTE */
+	__u64 too_large; /* FANOUT_VERDICT_TOO_LARGE */
 };
 
 #endif /* FANOUT_TC_SHARED_H */

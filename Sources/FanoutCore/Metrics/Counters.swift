@@ -93,6 +93,9 @@ public final class ListenerCounters: Sendable {
         public var received, bytesReceived, forwarded, bytesForwarded, noHealthy, receiveQueueDrops: UInt64
         public var dropped: [DropReason: UInt64]
         public var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)]
+        /// Drops per downstream by reason, where the mode counts them so (tc_ebpf: `no_route`,
+        /// `too_large`); empty otherwise.
+        public var downstreamDropped: [String: [DropReason: UInt64]] = [:]
         public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
 
         static let zero = Snapshot(

@@ -32,10 +32,21 @@ enum PrometheusText {
         family("udp_fanout_downstream_packets_forwarded_total", "Packets forwarded per downstream", rows: downstreamRows.map { ($0.0, $0.1.forwarded) })
         family("udp_fanout_downstream_bytes_forwarded_total", "Bytes forwarded per downstream", rows: downstreamRows.map { ($0.0, $0.1.bytes) })
         family("udp_fanout_downstream_packets_dropped_total", "Packets dropped on send per downstream", rows: downstreamRows.map { ($0.0, $0.1.dropped) })
+        let downstreamDropRows = snapshots.flatMap { listener, snapshot in
+            snapshot.downstreamDropped.sorted { $0.key < $1.key }.flatMap { name, reasons in
+                reasons.sorted { $0.key.rawValue < $1.key.rawValue }.map { reason, value in
+                    (labels(listener) + ",downstream=\"\(escape(name))\",reason=\"\(reason.rawValue)\"", value)
+                }
+            }
+        }
+        if !downstreamDropRows.isEmpty {
+            family("udp_fanout_downstream_packets_dropped_by_reason_total", "Packets dropped per downstream, by reason (tc_ebpf: no_route, too_large)",
+                   rows: downstreamDropRows)
+        }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
         if !unmatched.isEmpty {
-            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, or a later fragment whose first was not seen)",
+            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, a later fragment whose first was not seen, or not for any listener on that interface)",
                    rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
         }
         return out

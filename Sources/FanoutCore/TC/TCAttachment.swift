@@ -3,6 +3,7 @@ import Glibc
 #endif
 import CLibBPF
 import CSystemShim
+import Logging
 import ReusePortLB
 
 /// The program attached at one interface's ingress: a TCX bpf_link (the kernel detaches it when
@@ -22,6 +23,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
     let kind: Kind
     private let lock: Int32
     private let lockPath: String
+    private let logger: Logger
 
     /// Filter handle and priority of our clsact filter: how a later run recognizes it.
     static let filterHandle: UInt32 = 0xFA27
@@ -30,8 +32,9 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
     /// BPF_TCX_INGRESS: the kernel's value (6.6+); not in this system's libbpf headers.
     static let tcxIngress = bpf_attach_type(rawValue: 46)
 
-    init(interface: String, program: TCProgram, mode: TCAttach) throws(TCError) {
+    init(interface: String, program: TCProgram, mode: TCAttach, logger: Logger) throws(TCError) {
         self.interface = interface
+        self.logger = logger
         ifindex = Int32(if_nametoindex(interface))
         guard ifindex > 0 else { throw .interfaceNotFound(interface) }
         (lock, lockPath) = try Self.takeLock(interface: interface)
@@ -47,7 +50,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             if link >= 0 {
                 kind = .tcx(link: link)
                 // A clsact qdisc a crashed clsact run created is a leftover too.
-                if created { Self.destroyQdisc(ifindex) }
+                if created { Self.destroyQdiscIfUnused(ifindex, interface: interface, logger: logger) }
                 Self.writeState(lockPath, createdQdisc: false)
                 return
             }
@@ -58,7 +61,8 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             }
         }
         do {
-            kind = .clsact(createdQdisc: try Self.attachFilter(ifindex: ifindex, program: program.program, lockPath: lockPath, createdBefore: created))
+            kind = .clsact(createdQdisc: try Self.attachFilter(ifindex: ifindex, interface: interface, program: program.program, lockPath: lockPath,
+                                                               createdBefore: created, logger: logger))
         } catch {
             Self.release(lock: lock, path: lockPath)
             throw .attach(interface: interface, error)
@@ -72,7 +76,8 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         }
     }
 
-    /// Detaches, removes the clsact qdisc if we created it, releases the lock.
+    /// Detaches, removes the clsact qdisc if we created it and no other filter is on it,
+    /// releases the lock.
     func detach() {
         switch kind {
         case .tcx(let link):
@@ -81,7 +86,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             var hook = Self.hook(ifindex)
             var options = Self.filterOptions()
             bpf_tc_detach(&hook, &options)
-            if createdQdisc { Self.destroyQdisc(ifindex) }
+            if createdQdisc { Self.destroyQdiscIfUnused(ifindex, interface: interface, logger: logger) }
         }
         Self.release(lock: lock, path: lockPath)
     }
@@ -98,8 +103,52 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         return hook
     }
 
-    /// Deletes the clsact qdisc (with every filter on it): only for a qdisc we created.
-    static func destroyQdisc(_ ifindex: Int32) {
+    /// Deletes the clsact qdisc we created, unless another party added a filter to it since
+    /// (deleting the qdisc deletes every filter on it): then it stays, and the log says so.
+    static func destroyQdiscIfUnused(_ ifindex: Int32, interface: String, logger: Logger) {
+        let others: Int
+        do {
+            others = try filterCount(ifindex)
+        } catch {
+            logger.warning("kept the clsact qdisc udp-fanout created: cannot list its filters to know it is unused", metadata: [
+                "interface": "\(interface)", "error": "\(error)", "remove_with": "tc qdisc del dev \(interface) clsact",
+            ])
+            return
+        }
+        guard others == 0 else {
+            logger.notice("kept the clsact qdisc udp-fanout created: other filters are on it now", metadata: [
+                "interface": "\(interface)", "filters": "\(others)",
+            ])
+            return
+        }
+        destroyQdisc(ifindex)
+    }
+
+    /// Filters on the clsact qdisc's ingress and egress hooks (RTM_GETTFILTER dumps; each
+    /// priority's head and each filter are one message, so any message is a filter).
+    static func filterCount(_ ifindex: Int32) throws(SystemCallError) -> Int {
+        var count = 0
+        for parent: UInt32 in [0xFFFF_FFF2, 0xFFFF_FFF3] {  // TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / _EGRESS)
+            // tcmsg: family, pad, pad, ifindex, handle, parent, info.
+            var body: [UInt8] = [0, 0, 0, 0]
+            Rtnetlink.append32(&body, UInt32(bitPattern: ifindex))
+            Rtnetlink.append32(&body, 0)
+            Rtnetlink.append32(&body, parent)
+            Rtnetlink.append32(&body, 0)
+            for message in try Rtnetlink.request(type: 46, flags: 0x300, body: body) {  // RTM_GETTFILTER, NLM_F_DUMP
+                if message.type == Rtnetlink.error {
+                    let code = Rtnetlink.errorCode(message)
+                    if code != 0 { throw SystemCallError(call: "RTM_GETTFILTER dump", errno: code) }
+                } else if message.type == 44 {  // RTM_NEWTFILTER
+                    count += 1
+                }
+            }
+        }
+        return count
+    }
+
+    /// Deletes the clsact qdisc (with every filter on it).
+    private static func destroyQdisc(_ ifindex: Int32) {
         var hook = hook(ifindex)
         hook.attach_point = bpf_tc_attach_point(BPF_TC_INGRESS.rawValue | BPF_TC_EGRESS.rawValue)
         bpf_tc_hook_destroy(&hook)
@@ -115,7 +164,8 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
     }
 
     /// Creates clsact unless present, adds our filter. Returns whether the qdisc is ours.
-    private static func attachFilter(ifindex: Int32, program: Int32, lockPath: String, createdBefore: Bool) throws(SystemCallError) -> Bool {
+    private static func attachFilter(ifindex: Int32, interface: String, program: Int32, lockPath: String, createdBefore: Bool,
+                                     logger: Logger) throws(SystemCallError) -> Bool {
         var hook = hook(ifindex)
         let result = bpf_tc_hook_create(&hook)
         let created: Bool
@@ -134,7 +184,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         do {
             try libbpfCall("bpf_tc_attach ingress handle 0x\(String(filterHandle, radix: 16)) pref \(filterPriority)") { bpf_tc_attach(&hook, &options) }
         } catch {
-            if created { destroyQdisc(ifindex) }
+            if created { destroyQdiscIfUnused(ifindex, interface: interface, logger: logger) }
             throw error
         }
         return created

@@ -23,8 +23,9 @@ final class TCDataplane: Sendable {
     }
 
     /// Checks privileges and sysctls, loads the program on first use, attaches to the
-    /// listener's interface (once per interface), and returns a fresh listener id.
-    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32) {
+    /// listener's interface (once per interface), and returns a fresh listener id and the
+    /// interface's index (part of the listener's map key).
+    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32, ifindex: UInt32) {
         let capabilities = Capabilities.current()
         var missing: [String] = []
         if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
@@ -33,9 +34,7 @@ final class TCDataplane: Sendable {
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
         // The fib lookup refuses to route unless forwarding is on (per interface for IPv4).
-        let (sysctl, path) = listener.bind.ip.family == AF_INET6
-            ? ("net.ipv6.conf.all.forwarding", "/proc/sys/net/ipv6/conf/all/forwarding")
-            : ("net.ipv4.conf.\(interface).forwarding", "/proc/sys/net/ipv4/conf/\(interface)/forwarding")
+        let (sysctl, path) = TCPreflight.forwardingSetting(interface: interface, family: listener.bind.ip.family)
         guard Self.readFirstLine(path) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
 
         return try state.withLock { state throws(TCError) in
@@ -45,12 +44,25 @@ final class TCDataplane: Sendable {
             } else {
                 do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
                 state.program = program
-                logger.info("eBPF fast path initialized", metadata: ["program_id": "\(program.programID)"])
+                logger.info("eBPF fast path initialized", metadata: [
+                    "program_id": "\(program.programID)", "ipv6_csum_flag": "\(program.features.ipv6ChecksumFlag ? "BPF_F_IPV6" : "unsupported by this kernel")",
+                ])
             }
+            let attachment: TCAttachment
             if let existing = state.attachments[interface] {
+                attachment = existing.attachment
                 state.attachments[interface] = (existing.attachment, existing.users + 1)
             } else {
-                let attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach)
+                do throws(TCError) {
+                    attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach, logger: logger)
+                } catch {
+                    // The program loaded for this attach would otherwise stay loaded with nothing attached.
+                    if state.attachments.isEmpty {
+                        program.closeDescriptors()
+                        state.program = nil
+                    }
+                    throw error
+                }
                 state.attachments[interface] = (attachment, 1)
                 logger.info("attached tc_ebpf program", metadata: [
                     "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
@@ -61,7 +73,7 @@ final class TCDataplane: Sendable {
                 throw .tooManyListeners
             }
             program.resetListener(id: id)
-            return (program, id)
+            return (program, id, UInt32(attachment.ifindex))
         }
     }
 
@@ -95,7 +107,8 @@ final class TCDataplane: Sendable {
         guard let program = state.withLock({ $0.program }) else { return [] }
         let stats = program.listenerStats(id: UInt32(FANOUT_UNMATCHED_STATS))
         return [("malformed", stats.verdicts[Int(FANOUT_VERDICT_MALFORMED.rawValue)]),
-                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)])]
+                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]),
+                ("not_ours", stats.verdicts[Int(FANOUT_VERDICT_NOT_OURS.rawValue)])]
     }
 
     static func readFirstLine(_ path: String) -> String? {
@@ -115,6 +128,8 @@ final class TCListener: RunningListener {
     private let dataplane: TCDataplane
     private let program: TCProgram
     private let id: UInt32
+    /// The configured interface's index: the listener matches only packets arriving there.
+    private let ifindex: UInt32
     private struct Live {
         /// The set generation the listener entry points at; nil before the first write.
         var generation: UInt32?
@@ -129,11 +144,11 @@ final class TCListener: RunningListener {
         self.counters = counters
         self.dataplane = dataplane
         self.logger = logger
-        (program, id) = try dataplane.register(config)
+        (program, id, ifindex) = try dataplane.register(config)
         do {
             try apply(downstreams: config.downstreams, balancing: config.balancing)
         } catch {
-            program.removeListener(config.bind)
+            program.removeListener(config.bind, ifindex: ifindex)
             dataplane.unregister(interface: config.interface ?? "", id: id)
             throw .maps(error)
         }
@@ -167,8 +182,20 @@ final class TCListener: RunningListener {
             entry.id = id
             entry.generation = generation
             entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(config.bind, entry)
+            try program.putListener(config.bind, ifindex: ifindex, entry)
             live = Live(generation: generation, slots: slots)
+        }
+        warnUnroutable(downstreams)
+    }
+
+    /// A downstream the kernel has no route to loses every datagram sent its way (counted
+    /// no_route): say so at start and at each reload, not only in a counter.
+    private func warnUnroutable(_ downstreams: [Downstream]) {
+        for downstream in downstreams where downstream.weight > 0 {
+            guard let problem = TCRoute.problem(to: downstream.address.ip) else { continue }
+            logger.warning("no route to downstream: its datagrams are dropped and counted no_route until a route exists (ip route get \(downstream.address.ip))", metadata: [
+                "listener": "\(config.name)", "downstream": "\(downstream.name)", "address": "\(downstream.address)", "problem": "\(problem)",
+            ])
         }
     }
 
@@ -185,7 +212,7 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         counters.freeze()
-        program.removeListener(config.bind)
+        program.removeListener(config.bind, ifindex: ifindex)
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
 
@@ -195,9 +222,11 @@ final class TCListener: RunningListener {
         func verdict(_ value: fanout_verdict) -> UInt64 { stats.verdicts[Int(value.rawValue)] }
         let slots = live.withLock { $0.slots }
         var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)] = [:]
+        var downstreamDropped: [String: [DropReason: UInt64]] = [:]
         for (name, slot) in slots {
             let counted = program.backendStats(id: id, slot: slot)
-            downstreams[name] = (counted.packets, counted.bytes, 0)
+            downstreams[name] = (counted.packets, counted.bytes, counted.noRoute + counted.tooLarge)
+            downstreamDropped[name] = [.noRoute: counted.noRoute, .tooLarge: counted.tooLarge]
         }
         return ListenerCounters.Snapshot(
             received: stats.received, bytesReceived: stats.bytesReceived,
@@ -208,6 +237,6 @@ final class TCListener: RunningListener {
                 .noRoute: verdict(FANOUT_VERDICT_NO_ROUTE), .ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED),
                 .rewriteFailed: verdict(FANOUT_VERDICT_REWRITE_FAILED),
             ],
-            downstreams: downstreams)
+            downstreams: downstreams, downstreamDropped: downstreamDropped)
     }
 }

@@ -16,17 +16,43 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let stats: Int32
     let backendStats: Int32
     let cpus: Int
+    /// What the kernel's helpers accept, as handed to the program (its read-only options).
+    let features: TCKernelFeatures
 
     private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats] }
 
-    /// Loads the embedded object. Errors name the failing call and errno.
-    init() throws(SystemCallError) {
+    /// Loads the embedded object with its read-only options set for `features` (probed on this
+    /// kernel unless given). Errors name the failing call and errno.
+    init(features: TCKernelFeatures = .probe()) throws(SystemCallError) {
+        self.features = features
+        var options = fanout_tc_options()
+        options.ipv6_csum_flags = features.ipv6ChecksumFlag ? UInt64(BPF_F_IPV6) : 0
         let owned = try loadEmbeddedObject(
             .tcFanout, program: FANOUT_PROG_TC_NAME,
             maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
-                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME])
+                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME],
+            prepare: { object throws(SystemCallError) in try Self.setOptions(object, options) })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
+    }
+
+    /// Writes `options` as the object's .rodata (its only read-only global) before the load.
+    private static func setOptions(_ object: OpaquePointer, _ options: fanout_tc_options) throws(SystemCallError) {
+        var map = bpf_object__next_map(object, nil)
+        while let current = map {
+            if String(cString: bpf_map__name(current)).hasSuffix(".rodata") {
+                var size = 0
+                // The layout check guards against a second read-only global appearing unnoticed.
+                guard bpf_map__initial_value(current, &size) != nil, size == MemoryLayout<fanout_tc_options>.size else {
+                    throw SystemCallError(call: "tc_fanout .rodata is \(size) bytes, not struct fanout_tc_options", errno: EINVAL)
+                }
+                var value = options
+                try libbpfCall("bpf_map__set_initial_value .rodata") { bpf_map__set_initial_value(current, &value, size) }
+                return
+            }
+            map = bpf_object__next_map(object, current)
+        }
+        throw SystemCallError(call: "tc_fanout has no .rodata map for \(FANOUT_OPTIONS_NAME)", errno: ENOENT)
     }
 
     func closeDescriptors() {
@@ -42,8 +68,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     // MARK: listeners and backend sets
 
-    static func listenerKey(_ bind: SocketAddress) -> fanout_listener_key {
+    /// The listeners map key: a bind matches only on its listener's interface.
+    static func listenerKey(_ bind: SocketAddress, ifindex: UInt32) -> fanout_listener_key {
         var key = fanout_listener_key()
+        key.ifindex = ifindex
         key.family = UInt8(bind.ip.family)
         key.port = bind.port.bigEndian
         key.addr = addressWords(bind.ip)
@@ -59,14 +87,14 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return words
     }
 
-    func putListener(_ bind: SocketAddress, _ value: fanout_listener) throws(SystemCallError) {
-        var key = Self.listenerKey(bind)
+    func putListener(_ bind: SocketAddress, ifindex: UInt32, _ value: fanout_listener) throws(SystemCallError) {
+        var key = Self.listenerKey(bind, ifindex: ifindex)
         var value = value
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LISTENERS_NAME)") { bpf_map_update_elem(listeners, &key, &value, UInt64(BPF_ANY)) }
     }
 
-    func removeListener(_ bind: SocketAddress) {
-        var key = Self.listenerKey(bind)
+    func removeListener(_ bind: SocketAddress, ifindex: UInt32) {
+        var key = Self.listenerKey(bind, ifindex: ifindex)
         bpf_map_delete_elem(listeners, &key)
     }
 
@@ -120,9 +148,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (words[0], words[1], words[2], Array(words[3..<(3 + Int(FANOUT_VERDICT_COUNT.rawValue))]))
     }
 
-    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64) {
+    /// One backend slot's counters: forwarded packets and bytes, and its drops by reason.
+    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64, noRoute: UInt64, tooLarge: UInt64) {
         let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
-        return (words[0], words[1])
+        return (words[0], words[1], words[2], words[3])
     }
 
     /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend

@@ -1,0 +1,58 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import ReusePortLB
+
+/// Requests to the kernel's routing netlink (NETLINK_ROUTE) in the calling thread's network
+/// namespace: a route lookup and a filter dump, the two questions libbpf does not answer.
+enum Rtnetlink {
+    /// One reply message: its type and its payload after the 16-byte nlmsghdr.
+    struct Message {
+        var type: UInt16
+        var payload: [UInt8]
+    }
+
+    static let done: UInt16 = 3, error: UInt16 = 2  // NLMSG_DONE, NLMSG_ERROR
+
+    /// Sends one request (`type`, `flags`, `body` after the nlmsghdr) and returns the replies:
+    /// one message, or every message up to NLMSG_DONE for a dump.
+    static func request(type: UInt16, flags: UInt16, body: [UInt8]) throws(SystemCallError) -> [Message] {
+        let fd = try systemCall("socket AF_NETLINK NETLINK_ROUTE") { socket(AF_NETLINK, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0) }
+        defer { close(fd) }
+        var request = [UInt8]()
+        append32(&request, UInt32(16 + body.count))
+        append16(&request, type)
+        append16(&request, flags | 1)  // NLM_F_REQUEST
+        append32(&request, 1)          // sequence
+        append32(&request, 0)          // port id: the kernel's
+        request += body
+        try systemCall("send rtnetlink \(type)") { send(fd, request, request.count, 0) }
+        let dump = flags & 0x300 != 0
+        var messages: [Message] = []
+        var buffer = [UInt8](repeating: 0, count: 32768)
+        while true {
+            let count = try systemCall("recv rtnetlink \(type)") { recv(fd, &buffer, buffer.count, 0) }
+            var offset = 0
+            while offset + 16 <= count {
+                let length = Int(load32(buffer, offset))
+                guard length >= 16, offset + length <= count else { break }
+                let message = Message(type: load16(buffer, offset + 4), payload: Array(buffer[(offset + 16)..<(offset + length)]))
+                if message.type == done { return messages }
+                messages.append(message)
+                if !dump || message.type == error { return messages }
+                offset += (length + 3) & ~3
+            }
+            if count == 0 { return messages }
+        }
+    }
+
+    static func append16(_ bytes: inout [UInt8], _ value: UInt16) { withUnsafeBytes(of: value) { bytes += $0 } }
+    static func append32(_ bytes: inout [UInt8], _ value: UInt32) { withUnsafeBytes(of: value) { bytes += $0 } }
+    static func load16(_ bytes: [UInt8], _ offset: Int) -> UInt16 { bytes.withUnsafeBytes { $0.loadUnaligned(fromByteOffset: offset, as: UInt16.self) } }
+    static func load32(_ bytes: [UInt8], _ offset: Int) -> UInt32 { bytes.withUnsafeBytes { $0.loadUnaligned(fromByteOffset: offset, as: UInt32.self) } }
+
+    /// The errno of an NLMSG_ERROR reply (0: an acknowledgement).
+    static func errorCode(_ message: Message) -> Int32 {
+        message.payload.count >= 4 ? -Int32(bitPattern: load32(message.payload, 0)) : EPROTO
+    }
+}

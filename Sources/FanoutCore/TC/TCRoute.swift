@@ -1,0 +1,39 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import ReusePortLB
+
+/// Asks the kernel for its route to an address (RTM_GETROUTE, what `ip route get` asks), in the
+/// calling thread's network namespace: the route the program's fib lookup will find, known
+/// before the first packet is dropped `no_route`.
+enum TCRoute {
+    /// Why there is no unicast route to `ip`, or nil when there is one.
+    static func problem(to ip: IPAddress) -> String? {
+        // rtmsg (family, dst_len, src_len, tos, table, protocol, scope, type, flags) + RTA_DST.
+        let address = ip.bytes
+        var body: [UInt8] = [UInt8(ip.family), UInt8(address.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        Rtnetlink.append16(&body, UInt16(4 + address.count))
+        Rtnetlink.append16(&body, 1)  // RTA_DST
+        body += address
+        let replies: [Rtnetlink.Message]
+        do {
+            replies = try Rtnetlink.request(type: 26, flags: 0, body: body)  // RTM_GETROUTE
+        } catch {
+            return "the route lookup failed: \(error)"
+        }
+        guard let reply = replies.first else { return "the kernel did not answer the route lookup" }
+        if reply.type == Rtnetlink.error {
+            let code = Rtnetlink.errorCode(reply)
+            return code == 0 ? nil : "no route: \(String(cString: strerror(code)))"
+        }
+        guard reply.type == 24, reply.payload.count >= 12 else { return "unexpected route reply type \(reply.type)" }  // RTM_NEWROUTE
+        switch reply.payload[7] {  // rtm_type
+        case 1: return nil  // RTN_UNICAST
+        case 2: return "the address is local to this host"
+        case 6: return "a blackhole route"
+        case 7: return "an unreachable route"
+        case 8: return "a prohibit route"
+        case let other: return "a route of type \(other), not unicast"
+        }
+    }
+}

@@ -1,0 +1,293 @@
+import CLibBPF
+import CSystemShim
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Reliability suite, BPF part: random and mutated packets through the tc program under
+/// BPF_PROG_TEST_RUN. Every packet must get a verdict the program counts (the counters' sum
+/// equals the packets run, verdict by verdict against the return codes), and every redirected
+/// packet's IPv4 header and UDP checksums must be as valid as they were on arrival, checked
+/// here independently of the program.
+///
+/// Packets: IPv4 with and without options, IPv6 with extension header chains (hop-by-hop,
+/// routing, destination options, fragment), 802.1Q, QinQ, fragments, TCP, other ports and
+/// addresses, TTL 0/1; each as is, truncated at every offset of its headers, with every header
+/// byte replaced, with random byte flips, or entirely random. Seeded: the seed is printed.
+///
+/// Count (packets run; frames the test runner refuses are reported apart): RELIABILITY_PACKETS,
+/// else 1,000,000 with RELIABILITY=full, else 50,000 (make test). RELIABILITY_SEED repeats a run.
+@Suite("tc program: packet fuzz (reliability)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TCPacketFuzzTests {
+    static var packetCount: Int {
+        if let text = ProcessInfo.processInfo.environment["RELIABILITY_PACKETS"], let count = Int(text), count > 0 { return count }
+        return ProcessInfo.processInfo.environment["RELIABILITY"] == "full" ? 1_000_000 : 50_000
+    }
+
+    /// SplitMix64: small, fast, and reproducible from the printed seed.
+    struct Generator {
+        var state: UInt64
+        mutating func next() -> UInt64 {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return z ^ (z >> 31)
+        }
+        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
+        mutating func byte() -> UInt8 { UInt8(truncatingIfNeeded: next()) }
+        mutating func bytes(_ count: Int) -> [UInt8] { (0..<count).map { _ in byte() } }
+        mutating func chance(_ percent: Int) -> Bool { below(100) < percent }
+    }
+
+    static let listenerPorts: [UInt16] = [5514, 5515, 5516, 5517, 5602]
+    static let backends: Set<[UInt8]> = [[198, 18, 200, 10], [198, 18, 200, 20], [198, 18, 210, 10], IPAddress("2001:db8:200::10")!.bytes]
+
+    /// A valid frame of one of the kinds above, and where its headers end (truncations and
+    /// byte mutations sweep the headers, not the payload).
+    static func basePacket(_ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
+        let payload = random.bytes(random.chance(80) ? random.below(200) : random.below(1400))
+        let port = random.chance(85) ? listenerPorts[random.below(listenerPorts.count)] : UInt16(truncatingIfNeeded: random.next())
+        switch random.below(10) {
+        case 0, 1, 2:
+            let options = random.chance(40) ? Array(random.bytes(4 * (1 + random.below(10)))) : []
+            let ttl: UInt8 = random.chance(10) ? UInt8(random.below(2)) : 64
+            let vlan: UInt16? = random.chance(20) ? UInt16(random.below(4095)) : nil
+            let frame = Packet.ipv4(payload: payload, port: port, ttl: ttl, options: options, vlan: vlan,
+                                    zeroChecksum: random.chance(10), protocolNumber: random.chance(90) ? 17 : 6)
+            return (frame, Packet.ethernet + (vlan == nil ? 0 : 4) + 20 + options.count + 8)
+        case 3, 4:
+            return ipv6WithExtensions(payload: payload, port: port, &random)
+        case 5:
+            // QinQ: an 802.1ad tag around an 802.1Q tag.
+            let inner = Packet.ipv4(payload: payload, port: port, vlan: UInt16(random.below(4095)))
+            let frame = Array(inner[0..<12]) + [0x88, 0xa8, 0, UInt8(random.below(256))] + Array(inner[12...])
+            return (frame, Packet.ethernet + 8 + 28)
+        case 6:
+            let pieces = Packet.ipv4Fragments(payload: payload + random.bytes(600), id: UInt16(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
+            return (pieces[random.below(pieces.count)], Packet.ethernet + 28)
+        case 7:
+            let pieces = Packet.ipv6Fragments(payload: payload + random.bytes(600), id: UInt32(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
+            return (pieces[random.below(pieces.count)], Packet.ethernet + 56)
+        case 8:
+            // Another destination address, or ARP and other Ethernet types.
+            if random.chance(50) {
+                var frame = Packet.ipv4(payload: payload, port: port)
+                frame[Packet.ethernet + 19] = random.byte()
+                return (frame, Packet.ethernet + 28)
+            }
+            return (Packet.ethernetHeader(type: UInt16(truncatingIfNeeded: random.next())) + payload, Packet.ethernet)
+        default:
+            return (Packet.ipv6(payload: payload, port: port), Packet.ethernet + 48)
+        }
+    }
+
+    /// IPv6 with 1 to 5 extension headers (hop-by-hop, routing, destination options, and
+    /// maybe a first fragment), each of random length.
+    static func ipv6WithExtensions(payload: [UInt8], port: UInt16, _ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
+        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
+        var kinds = (0..<(1 + random.below(5))).map { _ in [UInt8(0), 43, 60][random.below(3)] }
+        if random.chance(30) { kinds.append(44) }
+        let udp = Packet.udp(source: source, destination: destination, port: port, payload: payload)
+        var extensions: [UInt8] = []
+        for (index, kind) in kinds.enumerated() {
+            let next = index + 1 < kinds.count ? kinds[index + 1] : 17
+            if kind == 44 {
+                extensions += [next, 0, 0, 0] + random.bytes(4)  // offset 0, no more fragments
+            } else {
+                let units = random.below(3)
+                extensions += [next, UInt8(units)] + [UInt8](repeating: 0, count: 6 + units * 8)
+            }
+        }
+        let frame = Packet.ethernetHeader(type: 0x86dd)
+            + Packet.ipv6Header(next: kinds[0], length: extensions.count + udp.count, source: source, destination: destination)
+            + extensions + udp
+        return (frame, Packet.ethernet + 40 + extensions.count + 8)
+    }
+
+    /// Where a frame's layers start, walked as the program walks them (one tag, IPv4 options,
+    /// up to four IPv6 extension headers); nil if it is not IP carrying UDP, or the UDP header
+    /// of a whole datagram or first fragment is cut. `udp`: a UDP header is there (a later
+    /// fragment has none).
+    struct Layers {
+        var l3: Int, l4: Int, family: Int32, fragment: Bool, udp: Bool
+    }
+
+    static func layers(_ frame: [UInt8]) -> Layers? {
+        guard frame.count >= 14 else { return nil }
+        var l3 = 14
+        var type = UInt16(frame[12]) << 8 | UInt16(frame[13])
+        if type == 0x8100 || type == 0x88a8 {
+            guard frame.count >= 18 else { return nil }
+            type = UInt16(frame[16]) << 8 | UInt16(frame[17])
+            l3 = 18
+        }
+        if type == 0x0800 {
+            guard frame.count >= l3 + 20 else { return nil }
+            let l4 = l3 + Int(frame[l3] & 0x0f) * 4
+            let field = UInt16(frame[l3 + 6] & 0x3f) << 8 | UInt16(frame[l3 + 7])
+            let udp = field & 0x1fff == 0
+            guard frame.count >= l4 + (udp ? 8 : 0) else { return nil }
+            return Layers(l3: l3, l4: l4, family: AF_INET, fragment: field != 0, udp: udp)
+        }
+        guard type == 0x86dd, frame.count >= l3 + 40 else { return nil }
+        var next = frame[l3 + 6], offset = l3 + 40, fragment = false, first = true
+        for _ in 0..<4 where next != 17 && first {
+            guard frame.count >= offset + 8 else { return nil }
+            if next == 44 {
+                fragment = true
+                first = (UInt16(frame[offset + 2]) << 8 | UInt16(frame[offset + 3])) & 0xfff8 == 0
+                next = frame[offset]
+                offset += 8
+                continue
+            }
+            next = frame[offset]
+            offset += (Int(frame[offset + 1]) + 1) * 8
+        }
+        guard next == 17, frame.count >= offset + (first ? 8 : 0) else { return nil }
+        return Layers(l3: l3, l4: offset, family: AF_INET6, fragment: fragment, udp: first)
+    }
+
+    /// The IPv4 header checksum holds, and the UDP checksum holds over the frame's UDP bytes.
+    static func checksums(_ frame: [UInt8], _ at: Layers) -> (ipv4: Bool, udp: Bool, udpField: UInt16) {
+        let ipv4 = at.family == AF_INET && Packet.fold(Packet.sum(Array(frame[at.l3..<at.l4]))) == 0xffff
+        let (source, destination) = at.family == AF_INET
+            ? (Array(frame[(at.l3 + 12)..<(at.l3 + 16)]), Array(frame[(at.l3 + 16)..<(at.l3 + 20)]))
+            : (Array(frame[(at.l3 + 8)..<(at.l3 + 24)]), Array(frame[(at.l3 + 24)..<(at.l3 + 40)]))
+        guard at.udp else { return (ipv4, false, 0) }
+        let udp = Array(frame[at.l4...])
+        return (ipv4, Packet.udpChecksumValid(source: source, destination: destination, udp: udp), UInt16(udp[6]) << 8 | UInt16(udp[7]))
+    }
+
+    final class Outcome: @unchecked Sendable {
+        var run = 0, refused = 0, redirect = 0, shot = 0, pass = 0
+        var problems: [String] = []
+        var seconds = 0.0
+        func problem(_ text: String) { if problems.count < 20 { problems.append(text) } }
+    }
+
+    @Test("The independent checksum check sees a valid frame as valid, and one changed address byte as invalid")
+    func checkerCatches() throws {
+        for frame in [Packet.ipv4(payload: [1, 2, 3], options: [1, 1, 1, 0], vlan: 7), Packet.ipv6(payload: [4, 5, 6])] {
+            let at = try #require(Self.layers(frame))
+            let valid = Self.checksums(frame, at)
+            #expect(valid.udp && (valid.ipv4 || at.family == AF_INET6))
+            var changed = frame
+            changed[at.l3 + (at.family == AF_INET ? 16 : 24)] ^= 1
+            let broken = Self.checksums(changed, at)
+            #expect(!broken.udp && !broken.ipv4)
+        }
+    }
+
+    @Test("Random and mutated packets: every one gets a counted verdict; redirected checksums as valid as on arrival")
+    func fuzz() throws {
+        let fixture = try TCProgramTests.Fixture()
+        // A listener behind a 600-byte route MTU, so too_large is reached too.
+        try fixture.add(TCProgramTests.Fixture.listenerBind(5602), id: 5, BackendSet(
+            downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 0]))
+        let ids: [UInt32] = [0, 1, 2, 3, 4, 5, UInt32(FANOUT_UNMATCHED_STATS)]
+        func verdictTotals() -> [UInt64] {
+            ids.map { fixture.stats($0).verdicts }.reduce([UInt64](repeating: 0, count: Int(FANOUT_VERDICT_COUNT.rawValue))) { zip($0, $1).map(+) }
+        }
+        let before = verdictTotals()
+        let seed = ProcessInfo.processInfo.environment["RELIABILITY_SEED"].flatMap { UInt64($0) } ?? UInt64.random(in: 0...UInt64.max)
+        let target = Self.packetCount
+        let outcome = Outcome()
+        let (program, namespaceFD, ifindex) = (fixture.program.program, fixture.namespaceFD, fixture.ifindex)
+        OSThread(name: "fuzz") {
+            guard shim_setns(namespaceFD, 0x4000_0000) == 0 else { outcome.problem("setns"); return }  // CLONE_NEWNET
+            var random = Generator(state: seed)
+            var output = [UInt8](repeating: 0, count: 4096)
+            let start = DispatchTime.now()
+            func execute(_ frame: [UInt8]) {
+                guard outcome.run < target else { return }
+                let (result, verdict, size) = TCProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, output: &output)
+                if result != 0 {
+                    // The runner itself refuses frames shorter than Ethernet plus a base IPv4 /
+                    // IPv6 header (for those Ethernet types); nothing else may fail.
+                    let type = frame.count >= 14 ? UInt16(frame[12]) << 8 | UInt16(frame[13]) : 0
+                    let short = frame.count < 14 || (type == 0x0800 && frame.count < 34) || (type == 0x86dd && frame.count < 54)
+                    if result == -EINVAL && short { outcome.refused += 1 } else { outcome.problem("test run \(result) for \(frame)") }
+                    return
+                }
+                outcome.run += 1
+                switch verdict {
+                case UInt32(bitPattern: -1): outcome.pass += 1
+                case 2: outcome.shot += 1
+                case 7:
+                    outcome.redirect += 1
+                    let out = Array(output[0..<size])
+                    guard let inLayers = Self.layers(frame), let outLayers = Self.layers(out) else {
+                        outcome.problem("redirected, but not a UDP packet: \(frame) -> \(out)")
+                        return
+                    }
+                    let destination = Array(out[(outLayers.l3 + (outLayers.family == AF_INET ? 16 : 24))..<(outLayers.l3 + (outLayers.family == AF_INET ? 20 : 40))])
+                    if !Self.backends.contains(destination) { outcome.problem("redirected to \(destination), not a backend: \(frame)") }
+                    let (a, b) = (Self.checksums(frame, inLayers), Self.checksums(out, outLayers))
+                    if a.ipv4 != b.ipv4 { outcome.problem("IPv4 header checksum valid \(a.ipv4) -> \(b.ipv4): \(frame)") }
+                    if !inLayers.fragment {
+                        if a.udpField == 0 {
+                            if b.udpField != 0 { outcome.problem("a zero UDP checksum became \(b.udpField): \(frame)") }
+                        } else if a.udp != b.udp {
+                            outcome.problem("UDP checksum valid \(a.udp) -> \(b.udp): \(frame)")
+                        }
+                    }
+                default:
+                    outcome.problem("verdict \(verdict) for \(frame)")
+                }
+            }
+            while outcome.run < target && outcome.problems.count < 20 {
+                let (base, headerEnd) = Self.basePacket(&random)
+                switch random.below(10) {
+                case 0, 1:
+                    execute(base)
+                case 2, 3:
+                    // Truncated at every offset of the headers (and a few into the payload).
+                    for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
+                case 4, 5, 6:
+                    // Every header byte replaced by another value, one at a time.
+                    for offset in 0..<min(base.count, headerEnd) {
+                        var mutated = base
+                        mutated[offset] ^= UInt8(1 + random.below(255))
+                        execute(mutated)
+                    }
+                case 7, 8:
+                    // A few random flips anywhere in the headers.
+                    var mutated = base
+                    for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
+                    execute(mutated)
+                default:
+                    // Random bytes after a plausible Ethernet type.
+                    let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
+                    execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
+                }
+            }
+            outcome.seconds = Double(DispatchTime.now().uptimeNanoseconds - start.uptimeNanoseconds) / 1e9
+        }.join()
+
+        let counted = zip(verdictTotals(), before).map { $0 - $1 }
+        func count(_ verdict: fanout_verdict) -> UInt64 { counted[Int(verdict.rawValue)] }
+        let names = ["forwarded", "forwarded_neigh", "no_backend", "no_route", "ttl_expired", "too_large", "rewrite_failed",
+                     "fragment_untracked", "malformed", "not_ours"]
+        print("tc packet fuzz: seed \(seed), \(outcome.run) packets run (\(outcome.refused) refused by the test runner as shorter than a base IP header) in \(String(format: "%.1f", outcome.seconds)) s; "
+              + "returned redirect \(outcome.redirect), shot \(outcome.shot), pass \(outcome.pass); counted "
+              + zip(names, counted).map { "\($0) \($1)" }.joined(separator: ", "))
+        #expect(outcome.problems.isEmpty, "seed \(seed): \(outcome.problems.joined(separator: "\n"))")
+        #expect(outcome.run == target)
+        #expect(counted.reduce(0, +) == UInt64(outcome.run), "every packet run is counted once: \(counted) for \(outcome.run)")
+        #expect(count(FANOUT_VERDICT_FORWARDED) + count(FANOUT_VERDICT_FORWARDED_NEIGH) == UInt64(outcome.redirect))
+        #expect(count(FANOUT_VERDICT_NO_BACKEND) + count(FANOUT_VERDICT_NO_ROUTE) + count(FANOUT_VERDICT_TTL_EXPIRED)
+                + count(FANOUT_VERDICT_TOO_LARGE) + count(FANOUT_VERDICT_REWRITE_FAILED) == UInt64(outcome.shot))
+        #expect(count(FANOUT_VERDICT_FRAGMENT_UNTRACKED) + count(FANOUT_VERDICT_MALFORMED) + count(FANOUT_VERDICT_NOT_OURS) == UInt64(outcome.pass))
+        // The mix reaches every verdict but rewrite_failed (no helper refuses a valid rewrite).
+        for (index, name) in names.enumerated() where name != "rewrite_failed" {
+            #expect(counted[index] > 0, "the mix reaches \(name)")
+        }
+    }
+}
