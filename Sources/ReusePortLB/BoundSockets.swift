@@ -6,17 +6,17 @@ import Glibc
 /// /proc, so a process-private group can refuse an address another process already serves
 /// (the kernel puts every SO_REUSEPORT socket of one user on one address and port in one group,
 /// whatever the process, so that process would silently share or lose the traffic).
-enum BoundSockets {
+package enum BoundSockets {
     /// A socket bound to the address that this process does not hold.
-    struct Foreign: Equatable {
-        var inode: UInt64
-        var pid: Int32?
-        var command: String?
+    package struct Foreign: Equatable {
+        package var inode: UInt64
+        package var pid: Int32?
+        package var command: String?
     }
 
     /// The sockets bound to exactly `address` (the kernel's grouping key) in this thread's
     /// network namespace that are not open in this process, with their owner where /proc shows it.
-    static func foreign(on address: SocketAddress) -> [Foreign] {
+    package static func foreign(on address: SocketAddress) -> [Foreign] {
         let inodes = bound(on: address)
         guard !inodes.isEmpty else { return [] }
         let own = socketInodes(ofProcess: "self")

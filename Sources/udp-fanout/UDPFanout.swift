@@ -70,8 +70,8 @@ struct UDPFanout: AsyncParsableCommand {
         }
         logger.info("configuration loaded", metadata: ["listeners": "\(parsed.listeners.count)", "path": "\(config)"])
         if check {
-            // tc_ebpf: interface, forwarding and routes, checked without loading or attaching.
-            let problems = TCPreflight.preflight(parsed)
+            // Interfaces, forwarding, routes and binds, checked without binding, loading or attaching.
+            let problems = Preflight.problems(parsed)
             guard problems.isEmpty else {
                 for problem in problems { printError("udp-fanout: \(problem)") }
                 throw ExitCode(2)

@@ -139,6 +139,18 @@ struct ConfigHardeningTests {
         #expect(try ConfigParser.parse(Self.base).warnings().isEmpty)
     }
 
+    @Test("tc_ebpf listeners may share a bind on two interfaces; not on one, and not with a socket listener")
+    func bindScopes() throws {
+        func tc(_ name: String, _ interface: String, bind: String = "198.18.0.1:7001") -> String {
+            "  - {name: \(name), bind: \"\(bind)\", mode: tc_ebpf, interface: \(interface), downstream: [{address: \"198.18.1.2:7002\"}]}\n"
+        }
+        #expect(parseError("listeners:\n" + tc("a", "eth0") + tc("b", "eth1")) == nil)
+        let same = try #require(parseError("listeners:\n" + tc("a", "eth0") + tc("b", "eth0", bind: "0.0.0.0:7001")))
+        #expect(same.key == "listeners[1].bind" && same.problem.contains("overlaps listeners[0].bind 198.18.0.1:7001 on eth0"), "\(same)")
+        let mixed = try #require(parseError("listeners:\n" + tc("a", "eth0") + "  - {name: u, bind: \"0.0.0.0:7001\", downstream: [{address: \"198.18.1.2:7002\"}]}\n"))
+        #expect(mixed.key == "listeners[1].bind", "\(mixed)")
+    }
+
     @Test("10,000 listeners validate: overlap and loop checks are linear")
     func manyListeners() throws {
         var yaml = "listeners:\n"

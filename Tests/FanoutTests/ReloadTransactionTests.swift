@@ -89,6 +89,9 @@ struct ReloadTransactionTests {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("second-\(UUID().uuidString).yaml")
         try ("listeners:\n" + listenerYAML("two", bind: bind, [sink])).write(to: file, atomically: true, encoding: .utf8)
         defer { try? FileManager.default.removeItem(at: file) }
+        let check = try Child("udp-fanout", ["--check", "-c", file.path])
+        #expect(check.wait(seconds: 10) == 2)
+        #expect(check.stderr.contains("listeners[0].bind: \(bind) is already served by another process (pid \(getpid())"), "--check says so first: \(check.stderr)")
         let second = try Child("udp-fanout", ["-c", file.path])
         #expect(second.wait(seconds: 10) == 1)
         #expect(second.stderr.contains("already served by another process (pid \(getpid())"), "\(second.stderr)")

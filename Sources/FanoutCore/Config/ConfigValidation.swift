@@ -13,7 +13,10 @@ extension FanoutConfig {
         guard !listeners.isEmpty else { throw fail("listeners", "empty: configure at least one listener") }
         var names = Set<String>()
         // Binds by family and port, so the overlap and loop checks are linear in the listeners.
-        var binds: [BindKey: BindEntry] = [:]
+        // Sockets (userspace) see every interface; a tc_ebpf listener only its own, so two of
+        // them may share a bind on two interfaces.
+        var sockets = BindIndex(), kernel = BindIndex(), all = BindIndex()
+        var kernelByInterface: [String: BindIndex] = [:]
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
             guard names.insert(listener.name).inserted else {
@@ -22,13 +25,20 @@ extension FanoutConfig {
             guard listener.bind.port != 0 else {
                 throw fail("\(path).bind", "\(listener.bind): port 0 would listen on a random port; give the port datagrams arrive on")
             }
-            var entry = binds[BindKey(listener.bind)] ?? BindEntry()
-            let wildcard = Self.isUnspecified(listener.bind.ip)
-            if let other = entry.wildcard ?? (wildcard ? entry.exact.values.min() : entry.exact[listener.bind.ip]) {
-                throw fail("\(path).bind", "\(listener.bind) overlaps listeners[\(other)].bind \(listeners[other].bind)")
+            let interface = listener.interface ?? ""
+            let clash = listener.mode == .tcEBPF
+                ? sockets.clash(listener.bind) ?? kernelByInterface[interface, default: BindIndex()].clash(listener.bind)
+                : sockets.clash(listener.bind) ?? kernel.clash(listener.bind)
+            if let other = clash {
+                throw fail("\(path).bind", "\(listener.bind) overlaps listeners[\(other)].bind \(listeners[other].bind)\(listeners[other].mode == .tcEBPF ? " on \(listeners[other].interface ?? "")" : "")")
             }
-            if wildcard { entry.wildcard = index } else { entry.exact[listener.bind.ip] = index }
-            binds[BindKey(listener.bind)] = entry
+            if listener.mode == .tcEBPF {
+                kernel.insert(listener.bind, index)
+                kernelByInterface[interface, default: BindIndex()].insert(listener.bind, index)
+            } else {
+                sockets.insert(listener.bind, index)
+            }
+            all.insert(listener.bind, index)
         }
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
@@ -51,7 +61,7 @@ extension FanoutConfig {
                     throw fail("\(key).name", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
                 }
                 if let problem = Self.unicastProblem(downstream.address) { throw fail("\(key).address", problem) }
-                if let target = Self.loopTarget(downstream.address, binds, localAddresses) {
+                if let target = all.loopTarget(downstream.address, localAddresses) {
                     throw fail("\(key).address", "\(downstream.address) is listener '\(listeners[target].name)' (\(listeners[target].bind)): forwarding loop")
                 }
                 if let mac = downstream.mac, !Self.isMAC(mac) {
@@ -130,15 +140,6 @@ extension FanoutConfig {
         return parts.count == 6 && parts.allSatisfy { $0.count == 2 && UInt8($0, radix: 16) != nil }
     }
 
-    /// The index of the listener a datagram sent to `destination` would arrive at, if any.
-    static func loopTarget(_ destination: SocketAddress, _ binds: [BindKey: BindEntry], _ local: Set<IPAddress>) -> Int? {
-        guard let entry = binds[BindKey(destination)] else { return nil }
-        if let exact = entry.exact[destination.ip] { return exact }
-        guard let wildcard = entry.wildcard else { return nil }
-        let ip = destination.ip
-        return isUnspecified(ip) || local.contains(ip) || ip.bytes.first == 127 && ip.family == AF_INET ? wildcard : nil
-    }
-
     /// tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
     static func validateTC(_ listener: Listener, path: String, _ local: Set<IPAddress>) throws(ConfigError) {
         guard listener.downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
@@ -177,10 +178,36 @@ extension FanoutConfig {
         }
     }
 
-    /// The listeners bound on one family and port: by exact address, and the wildcard one.
-    struct BindEntry {
-        var exact: [IPAddress: Int] = [:]
-        var wildcard: Int?
+    /// Listeners' binds by family and port: by exact address, and the wildcard one (the first
+    /// of each is kept).
+    struct BindIndex {
+        private var entries: [BindKey: (exact: [IPAddress: Int], wildcard: Int?)] = [:]
+
+        /// The listener whose bind overlaps `bind`: the same address, or a wildcard on one side.
+        func clash(_ bind: SocketAddress) -> Int? {
+            guard let entry = entries[BindKey(bind)] else { return nil }
+            if let wildcard = entry.wildcard { return wildcard }
+            return FanoutConfig.isUnspecified(bind.ip) ? entry.exact.values.min() : entry.exact[bind.ip]
+        }
+
+        mutating func insert(_ bind: SocketAddress, _ index: Int) {
+            var entry = entries[BindKey(bind)] ?? ([:], nil)
+            if FanoutConfig.isUnspecified(bind.ip) {
+                entry.wildcard = entry.wildcard ?? index
+            } else if entry.exact[bind.ip] == nil {
+                entry.exact[bind.ip] = index
+            }
+            entries[BindKey(bind)] = entry
+        }
+
+        /// The listener a datagram sent to `destination` would arrive at, if any.
+        func loopTarget(_ destination: SocketAddress, _ local: Set<IPAddress>) -> Int? {
+            guard let entry = entries[BindKey(destination)] else { return nil }
+            if let exact = entry.exact[destination.ip] { return exact }
+            guard let wildcard = entry.wildcard else { return nil }
+            let ip = destination.ip
+            return FanoutConfig.isUnspecified(ip) || local.contains(ip) || ip.bytes.first == 127 && ip.family == AF_INET ? wildcard : nil
+        }
     }
 }
 
