@@ -217,6 +217,19 @@ struct HTTPEndpointTests {
         #expect(connectTCP(metrics, timeout: .seconds(1)) == nil, "cancelled: nothing listens on \(metrics)")
     }
 
+    @Test("An IPv6 metrics bind ([::1]) serves")
+    func ipv6Bind() throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("::1")!, port: freeTCPPort())
+        let file = try writeConfig("listeners:\n" + listenerYAML("http", bind: bind, [sink]) + metricsYAML(metrics))
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        try waitUntil("udp-fanout ready on \(metrics); stderr: \(daemon.stderr)") { probe(metrics, "/readyz").status == 200 }
+        let health = probe(metrics)
+        #expect(health.status == 200 && health.body == "ok\n", "\(health)")
+    }
+
     @Test("metrics.bind defaults to loopback 127.0.0.1:9090")
     func defaultBindIsLoopback() throws {
         #expect(Metrics().bind == SocketAddress("127.0.0.1:9090"))
@@ -269,7 +282,7 @@ final class RunningEndpoint {
         var latencies: [Duration] = []
         var failures: [Int] = []
         for _ in 0..<20 {
-            let (status, latency) = probe(metrics)
+            let (status, latency, _) = probe(metrics)
             latencies.append(latency)
             if status != 200 { failures.append(status) }
             usleep(100_000)
@@ -415,10 +428,10 @@ func connectTCP(_ address: SocketAddress, timeout: Duration = .seconds(2), block
 
 /// One `GET path` from a fresh client: (status, time to the whole response); status 0 if it
 /// failed or took longer than 2 s.
-func probe(_ address: SocketAddress, _ path: String = "/healthz") -> (status: Int, latency: Duration) {
+func probe(_ address: SocketAddress, _ path: String = "/healthz") -> (status: Int, latency: Duration, body: String) {
     let start = ContinuousClock.now
     let reply = HTTPReply.fetch(address, "GET \(path) HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
-    return (reply?.status ?? 0, ContinuousClock.now - start)
+    return (reply?.status ?? 0, ContinuousClock.now - start, reply?.body ?? "")
 }
 
 /// A parsed HTTP response.

@@ -126,6 +126,7 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
     private func start(_ bind: SocketAddress, in group: inout ThrowingDiscardingTaskGroup<any Error>) async throws(DaemonError) -> RunningServer {
         let logger = daemon.logger
         let (outcome, report) = AsyncStream.makeStream(of: (any Error)?.self, bufferingPolicy: .bufferingOldest(1))
+        let listening = StopSignal()
         let application = Application(
             responder: StatusResponder(daemon: daemon),
             server: .http1(configuration: .init(idleTimeout: .nanoseconds(limits.idleTimeoutNanoseconds))),
@@ -133,7 +134,10 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
                 address: .hostname(bind.ip.description, port: Int(bind.port)),
                 reuseAddress: true,
                 availableConnectionsDelegate: MaximumAvailableConnections(limits.maximumConnections, logger: logger)),
-            onServerRunning: { _ in report.yield(nil) },
+            onServerRunning: { _ in
+                listening.set()
+                report.yield(nil)
+            },
             logger: logger)
         var configuration = ServiceGroupConfiguration(services: [application], logger: logger)
         // Past the grace period the server is cancelled, which closes every connection.
@@ -143,9 +147,12 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
             do {
                 try await server.run()
             } catch {
-                // Before it listened: the start fails. After: the endpoint is gone; say so.
+                // Before it listened, the caller reports the failed start; after, the endpoint
+                // is gone while the daemon runs, which nobody else would notice.
                 report.yield(error)
-                logger.error("metrics server error: the endpoint stopped", metadata: ["bind": "\(bind)", "error": "\(error)"])
+                if listening.isSet {
+                    logger.error("metrics server error: the endpoint stopped", metadata: ["bind": "\(bind)", "error": "\(error)"])
+                }
             }
             report.finish()
         }
