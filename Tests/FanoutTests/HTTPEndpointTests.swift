@@ -217,6 +217,43 @@ struct HTTPEndpointTests {
         #expect(connectTCP(metrics, timeout: .seconds(1)) == nil, "cancelled: nothing listens on \(metrics)")
     }
 
+    @Test("In-process: a request whose body is dripped (one byte every 200 ms) is cut off after the request timeout")
+    func bodyDeadline() async throws {
+        let sink = try Sink()
+        let listener = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freeTCPPort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("http", bind: listener, [sink]) + metricsYAML(metrics))
+        defer { daemon.shutdown() }
+        let service = StatusEndpointService(daemon: daemon, limits: EndpointLimits(idleTimeout: .seconds(1), requestTimeout: .seconds(1)))
+        let task = Task { try await service.run() }
+        defer { task.cancel() }
+        try waitUntil("endpoint serving on \(metrics)") { probe(metrics).status == 200 }
+
+        let fd = try #require(connectTCP(metrics))
+        defer { close(fd) }
+        let start = ContinuousClock.now
+        var head = Array("GET /healthz HTTP/1.1\r\nHost: slow\r\nContent-Length: 100000\r\n\r\n".utf8)
+        _ = send(fd, &head, head.count, Int32(MSG_NOSIGNAL))
+        var closedAfter: Duration?
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        while closedAfter == nil && ContinuousClock.now - start < .seconds(5) {
+            var byte = UInt8(ascii: "a")
+            _ = send(fd, &byte, 1, Int32(MSG_NOSIGNAL))
+            var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+            // The response to the head may arrive first; the end of the stream is what counts.
+            while poll(&descriptor, 1, 200) > 0 {
+                let count = recv(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
+                if count <= 0 {
+                    closedAfter = ContinuousClock.now - start
+                    break
+                }
+            }
+        }
+        print("http-endpoint: dripped body cut off after \(closedAfter.map { "\($0)" } ?? "never (5 s)")")
+        #expect(closedAfter.map { $0 >= .milliseconds(900) && $0 < .seconds(3) } == true, "closed after \(String(describing: closedAfter))")
+        #expect(probe(metrics).status == 200)
+    }
+
     @Test("An IPv6 metrics bind ([::1]) serves")
     func ipv6Bind() throws {
         let sink = try Sink()

@@ -13,6 +13,9 @@ public struct EndpointLimits: Sendable {
     /// A connection that completes no request head for this long (since it connected, or since
     /// its last request or response) is closed: a slowloris client cannot hold a connection.
     public var idleTimeout: Duration
+    /// A request whose body has not arrived whole this long after its head is cut off (the
+    /// connection is closed): a client that drips a body cannot hold a connection either.
+    public var requestTimeout: Duration
     /// How long connections that are mid-request get to finish once the endpoint stops (graceful
     /// shutdown, or a reload that moves it); then they are closed. Idle ones close at once.
     public var shutdownGrace: Duration
@@ -22,10 +25,15 @@ public struct EndpointLimits: Sendable {
 
     /// - Parameters:
     ///   - idleTimeout: default 10 s.
+    ///   - requestTimeout: default 10 s.
     ///   - shutdownGrace: default 1 s.
     ///   - maximumConnections: default 1,000, or half of RLIMIT_NOFILE's soft limit if lower.
-    public init(idleTimeout: Duration = .seconds(10), shutdownGrace: Duration = .seconds(1), maximumConnections: Int? = nil) {
+    public init(
+        idleTimeout: Duration = .seconds(10), requestTimeout: Duration = .seconds(10), shutdownGrace: Duration = .seconds(1),
+        maximumConnections: Int? = nil
+    ) {
         self.idleTimeout = idleTimeout
+        self.requestTimeout = requestTimeout
         self.shutdownGrace = shutdownGrace
         self.maximumConnections = maximumConnections ?? Self.defaultMaximumConnections()
     }
