@@ -38,10 +38,6 @@ public struct EndpointLimits: Sendable {
         self.maximumConnections = maximumConnections ?? Self.defaultMaximumConnections()
     }
 
-    var idleTimeoutNanoseconds: Int64 {
-        idleTimeout.components.seconds * 1_000_000_000 + idleTimeout.components.attoseconds / 1_000_000_000
-    }
-
     private static func defaultMaximumConnections() -> Int {
         var limit = rlimit()
         // RLIM_INFINITY is the largest value, so it gives 1,000 too.
@@ -137,7 +133,10 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
         let listening = StopSignal()
         let application = Application(
             responder: StatusResponder(daemon: daemon),
-            server: .http1(configuration: .init(idleTimeout: .nanoseconds(limits.idleTimeoutNanoseconds))),
+            server: .http1(
+                configuration: .init(
+                    additionalChannelHandlers: [RequestDeadlineHandler(limit: .nanoseconds(limits.requestTimeout.nanoseconds))],
+                    idleTimeout: .nanoseconds(limits.idleTimeout.nanoseconds))),
             configuration: ApplicationConfiguration(
                 address: .hostname(bind.ip.description, port: Int(bind.port)),
                 reuseAddress: true,
@@ -199,4 +198,9 @@ struct StatusResponder: HTTPResponder {
             status: status, headers: headers,
             body: request.method == .head ? ResponseBody() : ResponseBody(byteBuffer: ByteBuffer(string: body)))
     }
+}
+
+extension Duration {
+    /// Whole nanoseconds, for NIO's `TimeAmount`.
+    fileprivate var nanoseconds: Int64 { components.seconds * 1_000_000_000 + components.attoseconds / 1_000_000_000 }
 }
