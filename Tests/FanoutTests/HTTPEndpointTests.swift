@@ -267,6 +267,21 @@ struct HTTPEndpointTests {
         #expect(health.status == 200 && health.body == "ok\n", "\(health)")
     }
 
+    @Test("Reload: the same port on an overlapping address (127.0.0.1 to 0.0.0.0 and back) moves the endpoint")
+    func reloadSamePort() throws {
+        let endpoint = try RunningEndpoint()
+        let port = endpoint.metrics.port
+        for (index, ip) in ["0.0.0.0", "127.0.0.1"].enumerated() {
+            try endpoint.rewrite(metrics: SocketAddress(ip: IPAddress(ip)!, port: port))
+            endpoint.daemon.signal(SIGHUP)
+            try waitUntil("endpoint moved to \(ip):\(port); stderr: \(endpoint.daemon.stderr)") {
+                endpoint.daemon.stderr.components(separatedBy: "bind=\(ip):\(port) [FanoutCore] metrics endpoint listening").count == (index == 0 ? 2 : 3)
+            }
+            #expect(probe(endpoint.metrics).status == 200)
+        }
+        #expect(!endpoint.daemon.stderr.contains("keeping the running endpoint"), "\(endpoint.daemon.stderr)")
+    }
+
     @Test("metrics.bind defaults to loopback 127.0.0.1:9090")
     func defaultBindIsLoopback() throws {
         #expect(Metrics().bind == SocketAddress("127.0.0.1:9090"))

@@ -106,7 +106,8 @@ public final class FanoutDaemon: Sendable {
     }
 
     /// Called by ``StatusEndpointService`` when it runs: reloads that change the `metrics`
-    /// section are sent to `changes`. - Returns: the section in force now.
+    /// section are sent to `changes`.
+    /// - Returns: the section in force now.
     func attachEndpoint(_ changes: AsyncStream<Metrics>.Continuation) -> Metrics {
         state.withLock { state in
             state.endpoint = changes
