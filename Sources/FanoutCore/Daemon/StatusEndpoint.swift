@@ -106,12 +106,40 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
                     await current?.stop()
                     current = replacement
                 } catch {
-                    logger.error(
-                        "metrics server error on reload; keeping the running endpoint",
-                        metadata: ["bind": "\(metrics.bind)", "running": "\(current.map { "\($0.bind)" } ?? "none")", "error": "\(error)"])
+                    if let running = current, running.bind.port == metrics.bind.port {
+                        current = await move(running, to: metrics.bind, in: &group)
+                    } else {
+                        logger.error(
+                            "metrics server error on reload; keeping the running endpoint",
+                            metadata: ["bind": "\(metrics.bind)", "running": "\(current.map { "\($0.bind)" } ?? "none")", "error": "\(error)"])
+                    }
                 }
             }
             await current?.stop()
+        }
+    }
+
+    /// Same port, overlapping address (0.0.0.0:9090 and 127.0.0.1:9090): the new server cannot
+    /// listen beside the old one, so the old one stops first, and comes back if the new one
+    /// cannot listen either.
+    /// - Returns: the server now running, nil if neither could listen.
+    private func move(_ running: RunningServer, to bind: SocketAddress, in group: inout ThrowingDiscardingTaskGroup<any Error>) async -> RunningServer? {
+        let logger = daemon.logger
+        await running.stopAndWait()
+        do {
+            return try await start(bind, in: &group)
+        } catch {
+            logger.error(
+                "metrics server error on reload; keeping the running endpoint",
+                metadata: ["bind": "\(bind)", "running": "\(running.bind)", "error": "\(error)"])
+            do {
+                return try await start(running.bind, in: &group)
+            } catch {
+                logger.error(
+                    "metrics server error: the previous endpoint could not listen again; no endpoint until a reload",
+                    metadata: ["bind": "\(running.bind)", "error": "\(error)"])
+                return nil
+            }
         }
     }
 
@@ -119,9 +147,16 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
     private struct RunningServer {
         let bind: SocketAddress
         let group: ServiceGroup
+        /// Finishes when the server has stopped and closed its socket.
+        let stopped: AsyncStream<Void>
 
         /// Graceful: idle connections close now, requests in flight get the grace period.
         func stop() async { await group.triggerGracefulShutdown() }
+
+        func stopAndWait() async {
+            await stop()
+            for await _ in stopped {}
+        }
     }
 
     /// Binds a server on `bind` and runs it in a child task of `group`.
@@ -131,6 +166,7 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
         let logger = daemon.logger
         let (outcome, report) = AsyncStream.makeStream(of: (any Error)?.self, bufferingPolicy: .bufferingOldest(1))
         let listening = StopSignal()
+        let (stopped, finish) = AsyncStream.makeStream(of: Void.self)
         let application = Application(
             responder: StatusResponder(daemon: daemon),
             server: .http1(
@@ -162,11 +198,12 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
                 }
             }
             report.finish()
+            finish.finish()
         }
         for await result in outcome {
             if let error = result { throw .metrics(bind, error) }
             logger.info("metrics endpoint listening", metadata: ["bind": "\(bind)"])
-            return RunningServer(bind: bind, group: server)
+            return RunningServer(bind: bind, group: server, stopped: stopped)
         }
         throw .metrics(bind, CancellationError())
     }
