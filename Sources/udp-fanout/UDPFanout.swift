@@ -82,9 +82,14 @@ struct UDPFanout: AsyncParsableCommand {
             return
         }
         let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger)
-        let group = ServiceGroup(
-            services: [ForwardingService(daemon: daemon)], gracefulShutdownSignals: [.sigterm, .sigint],
-            cancellationSignals: [], logger: logger)
+        // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still
+        // answers (/readyz then says 503), then the endpoint closes its connections.
+        var configuration = ServiceGroupConfiguration(
+            services: [StatusEndpointService(daemon: daemon), ForwardingService(daemon: daemon)],
+            gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
+        // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
+        configuration.maximumGracefulShutdownDuration = .seconds(10)
+        let group = ServiceGroup(configuration: configuration)
         do {
             try await group.run()
         } catch {

@@ -55,12 +55,13 @@ func sendNumbered(to destination: SocketAddress, count: Int, tag: String = "pkt"
     }
 }
 
-/// GET over plain TCP: (status code, body).
+/// GET over plain TCP: (status code, body). `Connection: close` asks an HTTP/1.1 server to
+/// close after the response, so reading to the end of the stream ends.
 func httpGet(_ address: SocketAddress, _ path: String) throws -> (Int, String) {
     let fd = socket(address.ip.family, Int32(SOCK_STREAM.rawValue), 0)
     defer { close(fd) }
     try #require(address.withSockAddr { connect(fd, $0, $1) } == 0, "connect \(address): errno \(errno)")
-    var request = Array("GET \(path) HTTP/1.1\r\nHost: test\r\n\r\n".utf8)
+    var request = Array("GET \(path) HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n".utf8)
     _ = send(fd, &request, request.count, 0)
     var response: [UInt8] = []
     var buffer = [UInt8](repeating: 0, count: 65536)

@@ -163,7 +163,9 @@ public struct Health: Equatable, Sendable {
 
 public struct Metrics: Equatable, Sendable {
     public var enabled = false
-    public var bind = SocketAddress("0.0.0.0:9090")!
+    /// Loopback unless configured: exposing metrics and readiness to a network is a choice
+    /// (`0.0.0.0:9090` or the pod IP; see docs/configuration.md).
+    public var bind = SocketAddress("127.0.0.1:9090")!
     public var path = "/metrics"
 
     public init() {}

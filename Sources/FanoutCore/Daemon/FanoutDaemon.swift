@@ -10,14 +10,15 @@ public enum DaemonError: Error, CustomStringConvertible {
     case listener(name: String, ReusePortError)
     case tcListener(name: String, TCError)
     case modeNotImplemented(name: String, Mode)
-    case metrics(SocketAddress, SystemCallError)
+    case metrics(SocketAddress, any Error)
 
     public var description: String {
         switch self {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .modeNotImplemented(let name, let mode): return "listener '\(name)' could not start: mode \(mode.rawValue) is not implemented in this release"
-        case .metrics(let address, let error): return "metrics server error: cannot serve on \(address): \(error)"
+        case .metrics(let address, let error):
+            return "metrics server error: cannot serve on \(address): \(error); free that port or set metrics.bind to another address"
         }
     }
 }
@@ -42,7 +43,8 @@ public final class FanoutDaemon: Sendable {
         var config: FanoutConfig
         var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
-        var endpoint: StatusEndpoint?
+        /// How a reload reaches the running ``StatusEndpointService`` (nil until it runs).
+        var endpoint: AsyncStream<Metrics>.Continuation?
         /// Listeners of the configuration in force that are not running: stopped for a change
         /// that failed and could not be started again. `/readyz` is false while any is.
         var lost: Set<String> = []
@@ -65,7 +67,8 @@ public final class FanoutDaemon: Sendable {
         dataplane = TCDataplane(logger: logger)
     }
 
-    /// Starts every listener and the metrics endpoint. On failure stops what started.
+    /// Starts every listener. On failure stops what started. The HTTP endpoint is a service of
+    /// its own: ``StatusEndpointService``.
     public func start() throws(DaemonError) {
         let config = state.withLock { $0.config }
         var byMode: [String: Int] = [:]
@@ -74,7 +77,6 @@ public final class FanoutDaemon: Sendable {
         for warning in config.warnings() { logger.warning("\(warning)") }
         do {
             try transition(to: config, from: FanoutConfig(listeners: []))
-            if config.metrics.enabled { try startEndpoint(config.metrics) }
         } catch {
             shutdown()
             throw error
@@ -198,15 +200,19 @@ public final class FanoutDaemon: Sendable {
         }
     }
 
-    private func startEndpoint(_ metrics: Metrics) throws(DaemonError) {
-        do {
-            let endpoint = try StatusEndpoint(bind: metrics.bind, path: metrics.path, daemon: self, logger: logger)
-            state.withLock { $0.endpoint = endpoint }
-        } catch {
-            logger.error("metrics server error", metadata: ["bind": "\(metrics.bind)", "error": "\(error)"])
-            throw .metrics(metrics.bind, error)
+    /// Called by ``StatusEndpointService`` when it runs: reloads that change the `metrics`
+    /// section are sent to `changes`.
+    /// - Returns: the section in force now.
+    func attachEndpoint(_ changes: AsyncStream<Metrics>.Continuation) -> Metrics {
+        state.withLock { state in
+            state.endpoint = changes
+            return state.config.metrics
         }
     }
+
+    /// The path the endpoint serves the Prometheus text on (read per request, so a reload that
+    /// changes only the path takes effect at once).
+    var metricsPath: String { state.withLock { $0.config.metrics.path } }
 
     /// True once every listener's workers are in their receive loops.
     public var isReady: Bool {
@@ -257,32 +263,24 @@ public final class FanoutDaemon: Sendable {
         }
         var failures: [String] = []
         if old.metrics != new.metrics {
-            let endpoint = state.withLock { state in
-                defer { state.endpoint = nil }
-                return state.endpoint
-            }
-            endpoint?.shutdown()
-            if new.metrics.enabled {
-                do { try startEndpoint(new.metrics) } catch { failures.append(error.description) }
-            }
+            // The endpoint service binds the new address before it closes the old one; if that
+            // bind fails it keeps the old one and logs it. Listeners are reloaded either way.
+            _ = state.withLock { $0.endpoint }?.yield(new.metrics)
         }
         reloadsOK.wrappingAdd(1, ordering: .relaxed)
         logger.info("configuration loaded", metadata: ["listeners": "\(new.listeners.count)", "reload": "true", "failures": "\(failures.count)"])
         return true
     }
 
-    /// Stops every listener (each forwards what its sockets hold, then leaves its group) and the
-    /// endpoint. Idempotent.
+    /// Stops every listener (each forwards what its sockets hold, then leaves its group).
+    /// Idempotent. The HTTP endpoint stops with its own service (graceful shutdown of the
+    /// `ServiceGroup`, or cancellation of its task); meanwhile `/readyz` answers 503.
     public func shutdown() {
-        let (listeners, endpoint) = state.withLock { state in
-            defer {
-                state.listeners = [:]
-                state.endpoint = nil
-            }
-            return (Array(state.listeners.values), state.endpoint)
+        let listeners = state.withLock { state in
+            defer { state.listeners = [:] }
+            return Array(state.listeners.values)
         }
         for listener in listeners { listener.shutdown() }
-        endpoint?.shutdown()
     }
 }
 
