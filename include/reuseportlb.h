@@ -74,8 +74,17 @@ int reuseportlb_counters(const reuseportlb_member *member, struct reuseportlb_co
  * live, -EINVAL for a bad address, -EOPNOTSUPP without eBPF steering or for round robin. */
 int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, int *slot);
 
+/* Takes the member's slot out of selection, for a leave that loses nothing: its sources fail
+ * over to the live members at once and what is queued stays on the socket. Then read until
+ * reuseportlb_queued_bytes() returns 0 and nothing new arrived for ~100 ms, and call
+ * reuseportlb_leave(). Returns 0 (also if the slot was already taken over or withdrawn),
+ * -EOPNOTSUPP with classic BPF or kernel-hash steering (no slot to withdraw: datagrams arriving
+ * between the last read and the leave are lost), or a negative errno. */
+int reuseportlb_withdraw(reuseportlb_member *member);
+
 /* Leaves the group (closes the socket; the last member out removes the group's pins) and frees
- * the handle. */
+ * the handle. Whatever is still queued on the socket is dropped: call reuseportlb_withdraw()
+ * and drain first. */
 void reuseportlb_leave(reuseportlb_member *member);
 
 #ifdef __cplusplus

@@ -195,6 +195,31 @@ final class GroupObjects {
         try libbpfCall("bpf_map_update_elem members[\(slot)]") { bpf_map_update_elem(members, &key, &value, flags) }
     }
 
+    /// Empties `slot` (the kernel stops selecting its socket); an already empty slot is fine.
+    func remove(slot: Int) throws(SystemCallError) {
+        var key = UInt32(slot)
+        let result = bpf_map_delete_elem(members, &key)
+        if result < 0 && result != -ENOENT && !(result == -1 && errno == ENOENT) {
+            throw SystemCallError(call: "bpf_map_delete_elem members[\(slot)]", errno: result == -1 ? errno : -result)
+        }
+    }
+
+    /// True if the members map pinned in `directory` is this one (not a group created anew
+    /// since, e.g. after every member withdrew and a new member took the pins for leftovers).
+    func isPinned() -> Bool {
+        guard let directory else { return false }
+        let pinned = bpf_obj_get(directory + "/members")
+        guard pinned >= 0 else { return false }
+        defer { close(pinned) }
+        return Self.mapID(pinned) == Self.mapID(members)
+    }
+
+    private static func mapID(_ fd: Int32) -> UInt32? {
+        var info = bpf_map_info()
+        var length = UInt32(MemoryLayout<bpf_map_info>.size)
+        return bpf_obj_get_info_by_fd(fd, &info, &length) == 0 ? info.id : nil
+    }
+
     /// Sums a per-CPU u64 array map, entry by entry.
     func perCPUSums(_ fd: Int32, count: Int) throws(SystemCallError) -> [UInt64] {
         var sums = [UInt64](repeating: 0, count: count)

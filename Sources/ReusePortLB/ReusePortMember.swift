@@ -234,7 +234,9 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// Closes the group's descriptors and, if no live member is left, removes its pins.
     private static func release(_ objects: GroupObjects) {
-        if let directory = objects.directory, objects.liveSlots().isEmpty { GroupObjects.removePins(directory: directory) }
+        if let directory = objects.directory, objects.liveSlots().isEmpty, objects.isPinned() {
+            GroupObjects.removePins(directory: directory)
+        }
         objects.closeDescriptors()
     }
 
@@ -263,6 +265,34 @@ public final class ReusePortMember: @unchecked Sendable {
         } else {
             objects.closeDescriptors()
         }
+    }
+
+    /// Takes this member's slot out of the group's selection, for a leave that loses nothing:
+    /// the slot's entry is deleted if it still holds this socket (under the bpffs lock, so a
+    /// concurrent takeover is not undone), its sources fail over to live members at once, and
+    /// what is already queued stays on the socket. Then read until
+    /// ``socketStatistics()`` shows 0 queued bytes and nothing new arrived for a moment (a
+    /// datagram the kernel steered just before the delete can land a few microseconds later;
+    /// the collector waits 100 ms), and ``leave()``.
+    ///
+    /// The last live member has nobody to fail over to: the kernel's hash keeps delivering to
+    /// the sockets still bound, so its drain ends only when it stops reading.
+    /// - Returns: true if the slot is out of selection (or was already: replaced, withdrawn);
+    ///   false with classic BPF or the kernel hash, which address sockets by position or hash
+    ///   and cannot take one out: there, datagrams arriving between the last read and the close
+    ///   are lost.
+    /// - Throws: ``ReusePortError`` if the bpffs lock or the map delete fails.
+    public func withdraw() throws(ReusePortError) -> Bool {
+        guard let objects else { return false }
+        let lock = try filesystem?.lock()
+        defer { if let lock { close(lock) } }
+        guard objects.cookie(inSlot: slot) == cookie else { return true }
+        do {
+            try objects.remove(slot: slot)
+        } catch {
+            throw .system(error)
+        }
+        return true
     }
 
     /// True once another socket took this member's slot over (see ``SlotRequest/takeover(_:)``):

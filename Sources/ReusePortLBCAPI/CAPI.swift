@@ -129,6 +129,16 @@ public func reuseportlb_owner(_ handle: OpaquePointer, _ source: UnsafePointer<C
     }
 }
 
+@_cdecl("reuseportlb_withdraw")
+public func reuseportlb_withdraw(_ handle: OpaquePointer?) -> Int32 {
+    guard let handle else { return -EINVAL }
+    do {
+        return try member(handle).withdraw() ? 0 : -EOPNOTSUPP
+    } catch {
+        return code(of: error)
+    }
+}
+
 @_cdecl("reuseportlb_leave")
 public func reuseportlb_leave(_ handle: OpaquePointer?) {
     guard let handle else { return }

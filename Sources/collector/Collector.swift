@@ -13,8 +13,9 @@ struct Collector: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Receive UDP datagrams as one member of a steered SO_REUSEPORT group.",
         discussion: """
-            Run several on one address and port with different indexes. On exit (SIGINT, SIGTERM, \
-            --duration, or after handing its slot over) it prints one JSON line: per-source counts, \
+            Run several on one address and port with different indexes. On SIGINT, SIGTERM or at the \
+            end of --duration it withdraws its slot (its sources fail over to the others), reads \
+            what is queued, and exits (as after handing its slot over); then it prints one JSON line: per-source counts, \
             totals, loss and reordering (from the publisher's sequence numbers), one-way latency \
             percentiles (from its send times), the steering in \
             force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
@@ -83,6 +84,8 @@ struct Run {
     var truncated: UInt64 = 0
     var foreign: UInt64 = 0
     var replaced = false
+    /// The slot was taken out of selection at the stop.
+    var withdrawn = false
     var latency = LatencyHistogram()
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
@@ -93,29 +96,42 @@ struct Run {
         started = clock.now
     }
 
+    /// Receives until stopped (signal or --duration) or replaced, then drains: a stop first
+    /// withdraws the slot (its sources fail over to live members), then both read until the
+    /// queue is empty and nothing new came for a quiet period, so a stop loses nothing.
     mutating func loop(duration: Double, statsInterval: Double) {
         let deadline = duration > 0 ? started + .milliseconds(Int64(duration * 1000)) : nil
         var nextStats = statsInterval > 0 ? started + .milliseconds(Int64(statsInterval * 1000)) : nil
         var nextReplacementCheck = started
         var lastDatagram = started
+        // Set once no new datagram is expected: (since when, how long the queue must stay quiet).
+        var draining: (since: ContinuousClock.Instant, quiet: Duration)?
         var pollDescriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
-        while shim_stop_requested() == 0 {
+        while true {
             let now = clock.now
-            if let deadline, now >= deadline { break }
+            if draining == nil && (shim_stop_requested() != 0 || deadline.map { now >= $0 } == true) {
+                draining = (now, .milliseconds(100))
+                withdraw()
+            }
             if let due = nextStats, now >= due {
                 printError("collector slot \(member.slot): received \(received)")
                 nextStats = due + .milliseconds(Int64(statsInterval * 1000))
             }
             if now >= nextReplacementCheck {
                 nextReplacementCheck = now + .milliseconds(20)
-                if !replaced && member.isReplaced {
+                if !replaced && draining == nil && member.isReplaced {
                     replaced = true
+                    draining = (now, .milliseconds(200))
                     printError("collector slot \(member.slot): slot taken over, draining")
                 }
-                // Drained: nothing queued and nothing new for 200 ms after the handover.
-                if replaced, now - lastDatagram >= .milliseconds(200),
-                    (try? member.socketStatistics().queuedBytes) == 0
-                {
+            }
+            if let (since, quiet) = draining {
+                // Drained: nothing queued and nothing new for the quiet period.
+                if now - lastDatagram >= quiet, now - since >= quiet, (try? member.socketStatistics().queuedBytes) == 0 {
+                    break
+                }
+                if now - since >= .seconds(2) {
+                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to?): closing; later datagrams to this socket are lost")
                     break
                 }
             }
@@ -132,6 +148,20 @@ struct Run {
                 lastDatagram = clock.now
                 for index in 0..<count { record(index) }
             }
+        }
+    }
+
+    /// Takes the slot out of selection before the drain, saying so (or why it cannot).
+    mutating func withdraw() {
+        do {
+            withdrawn = try member.withdraw()
+            if withdrawn {
+                printError("collector slot \(member.slot): stopping: slot withdrawn, draining")
+            } else {
+                printError("collector slot \(member.slot): stopping: \(member.steering) steering cannot withdraw a slot; datagrams that arrive before the socket closes are lost")
+            }
+        } catch {
+            printError("collector slot \(member.slot): stopping: withdraw failed (\(error)); datagrams that arrive before the socket closes are lost")
         }
     }
 
@@ -159,6 +189,7 @@ struct Run {
         json.add("steering", member.steering.rawValue)
         json.add("steering_note", member.steeringNote)
         json.add("replaced", replaced)
+        json.add("withdrawn", withdrawn)
         json.add("received", received)
         json.add("bytes", bytes)
         json.add("truncated", truncated)

@@ -136,6 +136,8 @@ struct PrivateGroupTests {
         #expect(throws: ReusePortError.noLiveMember(address)) { try second.activate() }
         let successor = try second.join(slot: 0)
         try second.activate()
+        #expect(try successor.withdraw() == true)
+        #expect(try successor.liveSlots() == [], "a private member withdraws from its group's map")
         member.leave()
         successor.leave()
     }

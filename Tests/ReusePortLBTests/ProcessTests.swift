@@ -103,6 +103,26 @@ struct ProcessTests {
         #expect(Set(old.object("sources").keys) == Set(reports[2].object("sources").keys), "the successor got exactly slot 1's sources")
     }
 
+    @Test("SIGTERM of a collector under 30k pps: its slot is withdrawn, its queue drained, nothing lost")
+    func losslessStop() throws {
+        let port = freePort()
+        let options = ["--rcvbuf", "8388608"]
+        let children = try collectors(port, count: 3, extra: options)
+        let publisher = try Child("publisher", ["127.0.0.1", String(port), "60000", "--sources", "127.0.3.10-127.0.3.69", "--rate", "30000"])
+        usleep(700_000)
+        let stopped = try children[1].stop()  // mid-stream: the publisher runs for 2 s
+        #expect(publisher.wait(seconds: 30) == 0)
+        let sent = try publisher.json().int("sent")
+        #expect(sent == 60000)
+        usleep(300_000)
+        let reports = try [children[0].stop(), children[2].stop(), stopped]
+        #expect(stopped.int("received") > 0, "the stopped collector had received its share before")
+        #expect(stopped["withdrawn"] as? Bool == true)
+        #expect(reports.allSatisfy { $0.int("socket_drops") == 0 }, "receive queues overflowed")
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == sent, "delivered == sent: \(reports.map { $0.int("received") })")
+        #expect(reports[0].object("kernel").int("failed_over") > 0, "the stopped collector's sources failed over")
+    }
+
     @Test("Without CAP_BPF (uid nobody, no capabilities): classic BPF steering, still one collector per source")
     func unprivileged() throws {
         // A copy of the binary nobody can execute, wherever the checkout is.
@@ -249,6 +269,27 @@ struct LifecycleTests {
             }
             struct reuseportlb_counters counters;
             if (reuseportlb_counters(m[0], &counters) != 0) return 1;
+            /* withdraw m[1]: every source now reaches m[0] */
+            if (reuseportlb_withdraw(m[1]) != 0) { fprintf(stderr, "withdraw failed\\n"); return 1; }
+            int fd = socket(AF_INET, SOCK_DGRAM, 0);
+            struct sockaddr_in to = { .sin_family = AF_INET, .sin_port = htons(port) };
+            inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+            for (int k = 0; k < 20; k++) {
+                struct sockaddr_in from = { .sin_family = AF_INET };
+                char address[32];
+                snprintf(address, sizeof address, "127.0.5.%d", k + 10);
+                inet_pton(AF_INET, address, &from.sin_addr);
+                int s = socket(AF_INET, SOCK_DGRAM, 0);
+                bind(s, (struct sockaddr *)&from, sizeof from);
+                sendto(s, "again", 5, 0, (struct sockaddr *)&to, sizeof to);
+                close(s);
+            }
+            close(fd);
+            usleep(100000);
+            int after = 0;
+            char buffer[64];
+            while (recv(reuseportlb_socket(m[0]), buffer, sizeof buffer, MSG_DONTWAIT) > 0) after++;
+            if (after != 20 || reuseportlb_queued_bytes(m[1]) != 0) { fprintf(stderr, "after withdraw: %d at m[0]\\n", after); return 1; }
             printf("received=%d misplaced=%d selected=%llu steering=%s\\n", received, misplaced,
                    (unsigned long long)counters.selected, reuseportlb_steering(m[0]));
             reuseportlb_leave(m[0]);

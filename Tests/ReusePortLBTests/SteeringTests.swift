@@ -144,6 +144,27 @@ struct SteeringTests {
         #expect(drain(members).flatMap(\.values).reduce(0, +) == 10)
     }
 
+    @Test("Withdraw: the slot leaves selection at once, its sources fail over, what was queued stays to be read")
+    func withdraw() throws {
+        let (address, members) = try group(3)
+        let sources = loopbackSources(60)
+        for source in sources { try send(from: source, to: address) }
+        // Queued, not yet read: member 1's share stays on its socket after the withdraw.
+        let queuedOnOne = try sources.filter { try members[0].owner(of: IPAddress($0)!) == 1 }.count
+        #expect(queuedOnOne > 0)
+        #expect(try members[1].withdraw() == true)
+        #expect(try members[0].liveSlots() == [0, 2])
+        #expect(try members[1].withdraw() == true, "withdrawing twice is fine")
+        for source in sources { try send(from: source, to: address) }
+        let received = drain(members)
+        #expect(received[1].values.reduce(0, +) == queuedOnOne, "only what was queued before the withdraw")
+        #expect(received.flatMap(\.values).reduce(0, +) == 120, "nothing lost")
+        #expect(try members[0].counters().failedOver == UInt64(queuedOnOne))
+        let classic = try ReusePortMember(
+            joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: .init(capacity: 1, steering: .classicBPF))
+        #expect(try classic.withdraw() == false, "classic BPF cannot take a socket out")
+    }
+
     @Test("Handover in process: the new socket gets new datagrams, the old one keeps what it queued")
     func handover() throws {
         let (address, members) = try group(2)
