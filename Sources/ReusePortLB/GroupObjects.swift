@@ -79,7 +79,7 @@ final class GroupObjects {
         return "policy \(policy), capacity \(config.capacity), seed \(config.seed), layout v\(config.layout_version)"
     }
 
-    private static func open(directory: String) throws(ReusePortError) -> GroupObjects {
+    static func open(directory: String) throws(ReusePortError) -> GroupObjects {
         var descriptors: [Int32] = []
         for name in pinNames {
             let fd = bpf_obj_get(directory + "/" + name)
@@ -193,6 +193,23 @@ final class GroupObjects {
         var value = UInt64(socket)
         let flags = UInt64(onlyIfFree ? BPF_NOEXIST : BPF_ANY)
         try libbpfCall("bpf_map_update_elem members[\(slot)]") { bpf_map_update_elem(members, &key, &value, flags) }
+    }
+
+    /// The config map's `steering_override` (`enum rplb_override`); 0 if unreadable.
+    func steeringOverride() -> UInt32 {
+        var key: UInt32 = 0
+        var value = rplb_config()
+        return bpf_map_lookup_elem(configMap, &key, &value) == 0 ? value.steering_override : 0
+    }
+
+    /// Records which steering replaced the group's program (`RPLB_OVERRIDE_NONE` when a member
+    /// attached it again).
+    func setSteeringOverride(_ override: UInt32) throws(SystemCallError) {
+        var key: UInt32 = 0
+        var value = config
+        try libbpfCall("bpf_map_lookup_elem config") { bpf_map_lookup_elem(configMap, &key, &value) }
+        value.steering_override = override
+        try libbpfCall("bpf_map_update_elem config") { bpf_map_update_elem(configMap, &key, &value, UInt64(BPF_ANY)) }
     }
 
     /// Empties `slot` (the kernel stops selecting its socket); an already empty slot is fine.

@@ -82,12 +82,21 @@ public struct GroupOptions: Sendable {
     /// Receive buffer size for the member's socket: SO_RCVBUFFORCE when the process has
     /// CAP_NET_ADMIN, else SO_RCVBUF (capped by net.core.rmem_max); nil keeps the default.
     public var receiveBufferSize: Int?
+    /// Join even where this member would replace the steering of the group's other members:
+    /// a member without eBPF joining a group whose eBPF program runs (its classic program, or
+    /// the kernel hash, then serves every member, and they report it through
+    /// ``ReusePortMember/steeringInForce``), or an eBPF member creating a group on an address
+    /// where sockets of no group pinned in this bpffs are bound. Without it those joins fail
+    /// with ``ReusePortError/steeringConflict(group:running:requested:)`` and
+    /// ``ReusePortError/bpffsNotShared(_:bpffs:sockets:)``.
+    public var force: Bool
 
     public init(
         policy: BalancePolicy = .sourceIP, capacity: Int, seed: UInt32? = nil,
         steering: SteeringPreference = .automatic, bpffsRoot: String = "/sys/fs/bpf",
-        receiveBufferSize: Int? = nil
+        receiveBufferSize: Int? = nil, force: Bool = false
     ) {
+        self.force = force
         self.policy = policy
         self.capacity = capacity
         self.seed = seed

@@ -16,6 +16,13 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     /// (which the kernel would put in the same SO_REUSEPORT group): its pid and command where
     /// /proc shows them.
     case addressServedByAnotherProcess(SocketAddress, pid: Int32?, command: String?)
+    /// A member without eBPF would replace the eBPF program of a running group for every member.
+    case steeringConflict(group: SocketAddress, running: String, requested: Steering)
+    /// A takeover asked where the steering in force cannot hand a slot over.
+    case takeoverNeedsEBPF(Steering)
+    /// Sockets are bound on the address but no group is pinned in this bpffs: the other members
+    /// use another bpffs mount (or do not use ReusePortLB's eBPF steering).
+    case bpffsNotShared(SocketAddress, bpffs: String, sockets: Int)
     /// ``ReusePortGroup/activate()`` found no member of the group to attach through.
     case noLiveMember(SocketAddress)
 
@@ -46,6 +53,12 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
         case .addressServedByAnotherProcess(let address, let pid, let command):
             let who = pid.map { pid in command.map { "pid \(pid), \($0)" } ?? "pid \(pid)" } ?? "its process is not visible in /proc"
             return "\(address) is already served by another process (\(who)): stop it or use another bind"
+        case .steeringConflict(let group, let running, let requested):
+            return "the group on \(group) runs eBPF steering (\(running)); a \(requested) member would replace it for every member: give this process CAP_BPF (steering automatic or ebpf), or force it (GroupOptions.force, collector --force) and every member reports \(requested)"
+        case .takeoverNeedsEBPF(let steering):
+            return "takeover needs eBPF steering, but this member would use \(steering), which cannot hand a slot's datagrams to a new socket: grant CAP_BPF, or join without takeover"
+        case .bpffsNotShared(let address, let bpffs, let sockets):
+            return "\(sockets) socket(s) are already bound on \(address) but no group is pinned in \(bpffs): the other members use another bpffs mount (`ip netns exec` mounts a private /sys/fs/bpf) or no eBPF steering; share bpffs (enter only the network namespace with `nsenter --net=/run/netns/NAME`, or bind-mount the same /sys/fs/bpf), or force it (GroupOptions.force, collector --force)"
         case .noLiveMember(let address):
             return "the group on \(address) has no member to attach its program through: join a slot before activate()"
         }

@@ -19,10 +19,10 @@ private func writeMessage(_ text: String, _ buffer: UnsafeMutablePointer<CChar>?
 private func code(of error: ReusePortError) -> Int32 {
     switch error {
     case .system(let failure): return -failure.errno
-    case .slotInUse, .addressInUse, .addressServedByAnotherProcess: return -EADDRINUSE
+    case .slotInUse, .addressInUse, .addressServedByAnotherProcess, .steeringConflict, .bpffsNotShared: return -EADDRINUSE
     case .groupFull: return -ENOSPC
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
-    case .countersUnavailable, .policyNeedsEBPF: return -EOPNOTSUPP
+    case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF: return -EOPNOTSUPP
     case .groupSettingsMismatch: return -EEXIST
     case .invalidCapacity, .slotOutOfRange, .noLiveMember: return -EINVAL
     }

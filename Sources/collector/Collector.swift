@@ -35,6 +35,8 @@ struct Collector: ParsableCommand {
     var statsInterval: Double = 0
     @Flag(help: "Take the slot over from the collector holding it (zero-loss handover); that one drains and exits.")
     var takeover = false
+    @Flag(help: "Join even where this collector replaces the group's steering for every member (no eBPF in an eBPF group; sockets of another bpffs on the address).")
+    var force = false
     @Option(help: "SO_RCVBUF in bytes (0: system default).") var rcvbuf: Int = 0
     @Option(help: "Datagrams per recvmmsg call.") var batch: Int = 64
 
@@ -55,7 +57,8 @@ struct Collector: ParsableCommand {
         let address = SocketAddress(ip: IPAddress(ip)!, port: port)
         let options = GroupOptions(
             policy: BalancePolicy(rawValue: policy)!, capacity: count, seed: seed,
-            steering: SteeringPreference(rawValue: steering)!, receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil)
+            steering: SteeringPreference(rawValue: steering)!, receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil,
+            force: force)
         let member: ReusePortMember
         do {
             member = try ReusePortMember(joining: address, slot: takeover ? .takeover(index) : .index(index), options: options)
@@ -86,6 +89,8 @@ struct Run {
     var replaced = false
     /// The slot was taken out of selection at the stop.
     var withdrawn = false
+    /// The steering serving the group as last seen (another member may have replaced ours).
+    var steeringInForce: Steering
     var latency = LatencyHistogram()
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
@@ -94,6 +99,7 @@ struct Run {
         self.member = member
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
         started = clock.now
+        steeringInForce = member.steeringInForce
     }
 
     /// Receives until stopped (signal or --duration) or replaced, then drains: a stop first
@@ -119,6 +125,11 @@ struct Run {
             }
             if now >= nextReplacementCheck {
                 nextReplacementCheck = now + .milliseconds(20)
+                let inForce = member.steeringInForce
+                if inForce != steeringInForce {
+                    printError("collector slot \(member.slot): the group's steering changed from \(steeringInForce) to \(inForce) (a member was forced in)")
+                    steeringInForce = inForce
+                }
                 if !replaced && draining == nil && member.isReplaced {
                     replaced = true
                     draining = (now, .milliseconds(200))
@@ -186,7 +197,7 @@ struct Run {
         json.add("address", member.address.description)
         json.add("slot", member.slot)
         json.add("policy", member.options.policy.rawValue)
-        json.add("steering", member.steering.rawValue)
+        json.add("steering", steeringInForce.rawValue)
         json.add("steering_note", member.steeringNote)
         json.add("replaced", replaced)
         json.add("withdrawn", withdrawn)
