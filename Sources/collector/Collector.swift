@@ -15,10 +15,11 @@ struct Collector: ParsableCommand {
         discussion: """
             Run several on one address and port with different indexes. On SIGINT, SIGTERM or at the \
             end of --duration it withdraws its slot (its sources fail over to the others), reads \
-            what is queued, and exits (as after handing its slot over); then it prints one JSON line: per-source counts, \
-            totals, loss and reordering (from the publisher's sequence numbers), one-way latency \
-            percentiles (from its send times), the steering in \
-            force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
+            what is queued, and exits (as after handing its slot over); then it prints one JSON line: \
+            per-source counts of every datagram (the first --max-sources sources; the rest in \
+            other_sources), totals, loss and reordering (from the publisher's sequence numbers; not \
+            with roundRobin, which spreads each source), one-way latency percentiles (from its \
+            send times), the steering in force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
             """)
 
     @Argument(help: "Address to bind (IPv4 or IPv6).") var ip: String
@@ -39,6 +40,8 @@ struct Collector: ParsableCommand {
     var force = false
     @Option(help: "SO_RCVBUF in bytes (0: system default).") var rcvbuf: Int = 0
     @Option(help: "Datagrams per recvmmsg call.") var batch: Int = 64
+    @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
+    var maxSources: Int = 1000
 
     func validate() throws {
         guard let policy = BalancePolicy(rawValue: policy) else {
@@ -50,6 +53,7 @@ struct Collector: ParsableCommand {
         }
         guard IPAddress(ip) != nil else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
         guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
+        guard (0...1_000_000).contains(maxSources) else { throw ValidationError("--max-sources must be 0...1000000") }
     }
 
     func run() throws {
@@ -70,7 +74,7 @@ struct Collector: ParsableCommand {
         if let note = member.steeringNote { line += " note=\"\(note)\"" }
         printError(line)
 
-        var run = Run(member: member, batch: batch)
+        var run = Run(member: member, batch: batch, maxSources: maxSources)
         run.loop(duration: duration, statsInterval: statsInterval)
         print(run.report())
         member.leave()
@@ -81,7 +85,7 @@ struct Collector: ParsableCommand {
 struct Run {
     let member: ReusePortMember
     let receiver: BatchReceiver
-    var sources: [SourceKey: SourceTally] = [:]
+    var sources: SourceTable<SourceKey>
     var received: UInt64 = 0
     var bytes: UInt64 = 0
     var truncated: UInt64 = 0
@@ -95,8 +99,9 @@ struct Run {
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
 
-    init(member: ReusePortMember, batch: Int) {
+    init(member: ReusePortMember, batch: Int, maxSources: Int) {
         self.member = member
+        sources = SourceTable(limit: maxSources)
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
         started = clock.now
         steeringInForce = member.steeringInForce
@@ -181,11 +186,13 @@ struct Run {
         received += 1
         bytes += UInt64(payload.count)
         if receiver.isTruncated(index) { truncated += 1 }
+        let source = SourceKey(receiver.sourceStorage(index))
         guard let header = Payload.read(payload) else {
             foreign += 1
+            sources.record(source, sequence: nil)
             return
         }
-        sources[SourceKey(receiver.sourceStorage(index)), default: SourceTally()].record(sequence: header.sequence)
+        sources.record(source, sequence: header.sequence)
         if let sentAt = header.sentAt {
             let now = Payload.monotonicNanoseconds()
             latency.record(nanoseconds: now > sentAt ? now - sentAt : 0)
@@ -205,19 +212,30 @@ struct Run {
         json.add("bytes", bytes)
         json.add("truncated", truncated)
         json.add("foreign", foreign)
-        json.add("lost", sources.values.reduce(0) { $0 + $1.lost })
-        json.add("reordered", sources.values.reduce(0) { $0 + $1.reordered })
+        // Loss and reordering from sequence numbers mean something only where every datagram
+        // of a source reaches one collector: not with roundRobin, which spreads each source.
+        let sequenceChecks = member.options.policy != .roundRobin
+        if sequenceChecks {
+            json.add("lost", sources.tallies.values.reduce(0) { $0 + $1.lost })
+            json.add("reordered", sources.tallies.values.reduce(0) { $0 + $1.reordered })
+        }
         json.add("socket_drops", (try? member.socketStatistics().drops).map(UInt64.init) ?? UInt64(receiver.socketDrops))
         json.add("seconds", (clock.now - started).seconds)
         var perSource = JSONObject()
-        for (key, tally) in sources.sorted(by: { $0.key < $1.key }) {
+        for (key, tally) in sources.tallies.sorted(by: { $0.key < $1.key }) {
             var entry = JSONObject()
             entry.add("packets", tally.packets)
-            entry.add("lost", tally.lost)
-            entry.add("reordered", tally.reordered)
+            if sequenceChecks && tally.sequenced > 0 {
+                entry.add("lost", tally.lost)
+                entry.add("reordered", tally.reordered)
+            }
             perSource.add(key.description, entry)
         }
         json.add("sources", perSource)
+        var other = JSONObject()
+        other.add("packets", sources.otherPackets)
+        other.add("limit", sources.limit)
+        json.add("other_sources", other)
         if latency.samples > 0 {
             var summary = JSONObject()
             summary.add("samples", latency.samples)

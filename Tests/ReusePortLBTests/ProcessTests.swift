@@ -123,6 +123,43 @@ struct ProcessTests {
         #expect(reports[0].object("kernel").int("failed_over") > 0, "the stopped collector's sources failed over")
     }
 
+    @Test("Per-source counts for every datagram, also not the publisher's; bounded by --max-sources with an other bucket")
+    func everySourceCounted() throws {
+        let port = freePort()
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
+        let collector = try collectors(port, count: 1, extra: ["--max-sources", "10"])[0]
+        let sources = (10..<40).map { "127.0.6.\($0)" }
+        for source in sources { try send(from: source, to: address, count: 2) }  // not the publisher's payload
+        #expect(try publish(port, count: 20, sources: "127.0.6.10-127.0.6.11").int("sent") == 20)
+        usleep(200_000)
+        let report = try collector.stop()
+        #expect(report.int("received") == 80)
+        #expect(report.int("foreign") == 60)
+        let listed = report.object("sources")
+        #expect(listed.count == 10, "bounded at --max-sources: \(listed.keys.sorted())")
+        #expect(Set(listed.keys) == Set(sources.prefix(10)), "the first sources seen are kept")
+        #expect(listed.values.compactMap { ($0 as? [String: Any])?.int("packets") }.reduce(0, +) == 40, "10 sources x 2, and the publisher's 20")
+        #expect((listed["127.0.6.10"] as? [String: Any])?.int("packets") == 12)
+        #expect((listed["127.0.6.10"] as? [String: Any])?.int("lost") == 0, "sequence checks where the payload is the publisher's")
+        #expect((listed["127.0.6.12"] as? [String: Any])?["lost"] == nil, "no sequence check without the publisher's header")
+        #expect(report.object("other_sources").int("packets") == 40, "the 20 sources past the bound, 2 datagrams each")
+    }
+
+    @Test("roundRobin: no lost/reordered (one source is spread over members), totals still add up")
+    func roundRobinReportsNoLoss() throws {
+        let port = freePort()
+        let children = try collectors(port, count: 3, extra: ["--policy", "roundRobin"])
+        #expect(try publish(port, count: 3000, sources: "127.0.6.50").int("sent") == 3000)
+        usleep(200_000)
+        let reports = try children.map { try $0.stop() }
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == 3000)
+        for report in reports {
+            #expect(report["lost"] == nil && report["reordered"] == nil, "\(report)")
+            let entry = report.object("sources").object("127.0.6.50")
+            #expect(entry.int("packets") == report.int("received") && entry["lost"] == nil)
+        }
+    }
+
     @Test("Without CAP_BPF (uid nobody, no capabilities): classic BPF steering, still one collector per source")
     func unprivileged() throws {
         // A copy of the binary nobody can execute, wherever the checkout is.

@@ -80,6 +80,23 @@ struct UnitTests {
         var tally = SourceTally()
         for sequence: UInt64 in [0, 1, 3, 2, 6] { tally.record(sequence: sequence) }
         #expect(tally.packets == 5 && tally.lost == 2 && tally.reordered == 1)
+        tally.recordUnsequenced()
+        #expect(tally.packets == 6 && tally.sequenced == 5 && tally.lost == 2, "a datagram without a sequence is counted, not checked")
+    }
+
+    @Test("Source table: exact for the first `limit` sources, the rest in one other count")
+    func sourceTable() {
+        var table = SourceTable<String>(limit: 2)
+        for (source, sequence) in [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("d", 0), ("c", 1)] {
+            table.record(source, sequence: UInt64(sequence))
+        }
+        table.record("b", sequence: nil)
+        #expect(table.tallies.keys.sorted() == ["a", "b"])
+        #expect(table.tallies["a"]?.packets == 2 && table.tallies["b"]?.packets == 2)
+        #expect(table.otherPackets == 3)
+        var none = SourceTable<String>(limit: 0)
+        none.record("a", sequence: nil)
+        #expect(none.tallies.isEmpty && none.otherPackets == 1)
     }
 
     @Test("Socket addresses parse and print", arguments: ["127.0.0.1:9000", "[2001:db8::1]:514", "[::1]:1"])
