@@ -25,6 +25,11 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     case bpffsNotShared(SocketAddress, bpffs: String, sockets: Int)
     /// ``ReusePortGroup/activate()`` found no member of the group to attach through.
     case noLiveMember(SocketAddress)
+    /// An address no group can use (port 0).
+    case invalidAddress(SocketAddress, reason: String)
+
+    /// Why port 0 is refused.
+    public static let portZeroReason = "port 0 is not a group's port: the kernel would bind each member to its own random port; use 1...65535"
 
     public var description: String {
         switch self {
@@ -59,6 +64,8 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
             return "takeover needs eBPF steering, but this member would use \(steering), which cannot hand a slot's datagrams to a new socket: grant CAP_BPF, or join without takeover"
         case .bpffsNotShared(let address, let bpffs, let sockets):
             return "\(sockets) socket(s) are already bound on \(address) but no group is pinned in \(bpffs): the other members use another bpffs mount (`ip netns exec` mounts a private /sys/fs/bpf) or no eBPF steering; share bpffs (enter only the network namespace with `nsenter --net=/run/netns/NAME`, or bind-mount the same /sys/fs/bpf), or force it (GroupOptions.force, collector --force)"
+        case .invalidAddress(let address, let reason):
+            return "\(address): \(reason)"
         case .noLiveMember(let address):
             return "the group on \(address) has no member to attach its program through: join a slot before activate()"
         }

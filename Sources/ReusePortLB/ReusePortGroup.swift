@@ -54,10 +54,11 @@ public final class ReusePortGroup: @unchecked Sendable {
     ///   - address: the address and port every member binds.
     ///   - options: policy, capacity, seed, steering preference and receive buffer size
     ///     (`bpffsRoot` is not used).
-    /// - Throws: ``ReusePortError``: invalid capacity; the address bound by a socket of another
+    /// - Throws: ``ReusePortError``: port 0; invalid capacity; the address bound by a socket of another
     ///   process (`addressServedByAnotherProcess`, naming it); eBPF unavailable with
     ///   `steering: .ebpf`; `fiveTuple` with `classicBPF`; a failed load (named, with errno).
     public init(privateTo address: SocketAddress, options: GroupOptions) throws(ReusePortError) {
+        guard address.port != 0 else { throw .invalidAddress(address, reason: ReusePortError.portZeroReason) }
         guard (1...ReusePortMember.maximumCapacity).contains(options.capacity) else {
             throw .invalidCapacity(options.capacity)
         }

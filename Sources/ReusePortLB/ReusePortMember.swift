@@ -52,11 +52,12 @@ public final class ReusePortMember: @unchecked Sendable {
     ///   - slot: which slot to take (lowest free, a given index, or a takeover for handover).
     ///   - options: the group's policy, capacity and seed (must match an existing group's) and
     ///     this member's steering preference.
-    /// - Throws: ``ReusePortError``: capacity or slot out of range, slot in use, group full,
+    /// - Throws: ``ReusePortError``: port 0, capacity or slot out of range, slot in use, group full,
     ///   settings that differ from the group's, the address in use without SO_REUSEPORT, bpffs
     ///   missing and not mountable, or a failed system call (named, with errno).
     public init(joining address: SocketAddress, slot request: SlotRequest = .lowestFree, options: GroupOptions) throws(ReusePortError) {
         let capacity = options.capacity
+        guard address.port != 0 else { throw .invalidAddress(address, reason: ReusePortError.portZeroReason) }
         guard (1...Self.maximumCapacity).contains(capacity) else { throw .invalidCapacity(capacity) }
         switch request {
         case .index(let slot), .takeover(let slot):

@@ -43,6 +43,18 @@ struct Collector: ParsableCommand {
     @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
     var maxSources: Int = 1000
 
+    /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
+    /// option errors.
+    static func main() {
+        switch CommandLineNumbers.rewrite(
+            Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "index", "count"],
+            flags: ["--takeover", "--force", "--help"])
+        {
+        case .failure(let message): exit(withError: ValidationError(message.text))
+        case .success(let arguments): main(arguments)
+        }
+    }
+
     func validate() throws {
         guard let policy = BalancePolicy(rawValue: policy) else {
             throw ValidationError("unknown policy '\(policy)': use \(BalancePolicy.allCases.map(\.rawValue).joined(separator: ", "))")
@@ -51,7 +63,14 @@ struct Collector: ParsableCommand {
         guard SteeringPreference(rawValue: steering) != nil else {
             throw ValidationError("unknown steering '\(steering)': use \(SteeringPreference.allCases.map(\.rawValue).joined(separator: ", "))")
         }
+        if ip.contains("%") {
+            throw ValidationError("'\(ip)': scoped IPv6 addresses (with %interface) are not supported: bind a global or unique-local address, or ::")
+        }
         guard IPAddress(ip) != nil else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        guard port != 0 else { throw ValidationError(ReusePortError.portZeroReason) }
+        guard rcvbuf >= 0 else { throw ValidationError("--rcvbuf must not be negative (0: system default)") }
+        guard duration >= 0 else { throw ValidationError("--duration must not be negative (0: run until SIGINT/SIGTERM)") }
+        guard statsInterval >= 0 else { throw ValidationError("--stats-interval must not be negative (0: never)") }
         guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
         guard (0...1_000_000).contains(maxSources) else { throw ValidationError("--max-sources must be 0...1000000") }
     }

@@ -249,6 +249,10 @@ struct LifecycleTests {
         let result = try run(binary, [String(freePort())])
         #expect(result.status == 0, "\(result.output)")
         #expect(result.output.contains("received=40 misplaced=0 selected=40 steering=ebpf"), "\(result.output)")
+        // The installed library carries a SONAME, and the program recorded it.
+        let library = prefix.appendingPathComponent("lib/libreuseportlb.so.0").path
+        #expect(try run("/usr/bin/readelf", ["-d", library]).output.contains("Library soname: [libreuseportlb.so.0]"))
+        #expect(try run("/usr/bin/readelf", ["-d", binary]).output.contains("Shared library: [libreuseportlb.so.0]"))
     }
 
     /// Joins two members, sends 2 datagrams from each of 20 sources, checks each datagram
@@ -265,7 +269,7 @@ struct LifecycleTests {
 
         int main(int argc, char **argv) {
             uint16_t port = (uint16_t)atoi(argv[1]);
-            char error[256];
+            char error[REUSEPORTLB_ERROR_MAX];
             reuseportlb_member *m[2];
             for (int i = 0; i < 2; i++) {
                 if (reuseportlb_join("127.0.0.1", port, i, 2, REUSEPORTLB_SOURCE_IP, &m[i], error, sizeof error) != 0) {
@@ -299,7 +303,7 @@ struct LifecycleTests {
                     char address[32];
                     int owner = -1;
                     inet_ntop(AF_INET, &from.sin_addr, address, sizeof address);
-                    if (reuseportlb_owner(m[i], address, &owner) != 0 || owner != reuseportlb_slot(m[i])) misplaced++;
+                    if (reuseportlb_owner(m[i], address, ntohs(from.sin_port), &owner) != 0 || owner != reuseportlb_slot(m[i])) misplaced++;
                     received++;
                     length = sizeof from;
                 }
@@ -331,6 +335,53 @@ struct LifecycleTests {
                    (unsigned long long)counters.selected, reuseportlb_steering(m[0]));
             reuseportlb_leave(m[0]);
             reuseportlb_leave(m[1]);
+            /* Bad input: -EINVAL with a message, never a crash. */
+            rc = reuseportlb_join("127.0.0.1", 0, 0, 2, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EINVAL || strstr(error, "port 0") == NULL) { fprintf(stderr, "port 0: %d %s\\n", rc, error); return 1; }
+            rc = reuseportlb_join("fe80::1%lo", port, 0, 2, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EINVAL || strstr(error, "scoped") == NULL) { fprintf(stderr, "scoped: %d %s\\n", rc, error); return 1; }
+            struct reuseportlb_counters unused;
+            int owner = -1;
+            if (reuseportlb_socket(NULL) != -EINVAL || reuseportlb_slot(NULL) != -EINVAL || reuseportlb_steering(NULL) != NULL
+                || reuseportlb_is_replaced(NULL) != -EINVAL || reuseportlb_queued_bytes(NULL) != -EINVAL
+                || reuseportlb_counters(NULL, &unused) != -EINVAL || reuseportlb_owner(NULL, "127.0.0.1", 0, &owner) != -EINVAL
+                || reuseportlb_withdraw(NULL) != -EINVAL) { fprintf(stderr, "a NULL handle was not -EINVAL\\n"); return 1; }
+            reuseportlb_leave(NULL);
+            /* fiveTuple: one address, many ports; the owner with the port names the receiver. */
+            reuseportlb_member *f[2];
+            for (int i = 0; i < 2; i++) {
+                if (reuseportlb_join("127.0.0.1", port, i, 2, REUSEPORTLB_FIVE_TUPLE, &f[i], error, sizeof error) != 0) {
+                    fprintf(stderr, "join fiveTuple: %s\\n", error);
+                    return 1;
+                }
+            }
+            int fiveReceived = 0, fiveMisplaced = 0, used[2] = {0, 0};
+            for (int p = 0; p < 30; p++) {
+                int s = socket(AF_INET, SOCK_DGRAM, 0);
+                struct sockaddr_in from = { .sin_family = AF_INET, .sin_port = htons(42000 + p) }, to = { .sin_family = AF_INET, .sin_port = htons(port) };
+                inet_pton(AF_INET, "127.0.0.9", &from.sin_addr);
+                inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+                if (bind(s, (struct sockaddr *)&from, sizeof from) != 0) { perror("bind"); return 1; }
+                sendto(s, "five", 4, 0, (struct sockaddr *)&to, sizeof to);
+                close(s);
+                usleep(2000);
+                int expected = -1;
+                if (reuseportlb_owner(f[0], "127.0.0.9", 42000 + p, &expected) != 0) return 1;
+                char buffer[16];
+                for (int i = 0; i < 2; i++) {
+                    while (recv(reuseportlb_socket(f[i]), buffer, sizeof buffer, MSG_DONTWAIT) > 0) {
+                        fiveReceived++;
+                        used[i] = 1;
+                        if (reuseportlb_slot(f[i]) != expected) fiveMisplaced++;
+                    }
+                }
+            }
+            reuseportlb_leave(f[0]);
+            reuseportlb_leave(f[1]);
+            if (fiveReceived != 30 || fiveMisplaced != 0 || !used[0] || !used[1]) {
+                fprintf(stderr, "fiveTuple: received %d misplaced %d\\n", fiveReceived, fiveMisplaced);
+                return 1;
+            }
             return received == 40 && misplaced == 0 ? 0 : 1;
         }
         """
