@@ -40,6 +40,8 @@ struct Collector: ParsableCommand {
     var force = false
     @Option(help: "SO_RCVBUF in bytes (0: system default).") var rcvbuf: Int = 0
     @Option(help: "Datagrams per recvmmsg call.") var batch: Int = 64
+    @Option(help: "Where bpffs is mounted (eBPF steering pins the group under <bpffs>/reuseportlb).")
+    var bpffs: String = "/sys/fs/bpf"
     @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
     var maxSources: Int = 1000
 
@@ -80,8 +82,8 @@ struct Collector: ParsableCommand {
         let address = SocketAddress(ip: IPAddress(ip)!, port: port)
         let options = GroupOptions(
             policy: BalancePolicy(rawValue: policy)!, capacity: count, seed: seed,
-            steering: SteeringPreference(rawValue: steering)!, receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil,
-            force: force)
+            steering: SteeringPreference(rawValue: steering)!, bpffsRoot: bpffs,
+            receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil, force: force)
         let member: ReusePortMember
         do {
             member = try ReusePortMember(joining: address, slot: takeover ? .takeover(index) : .index(index), options: options)
