@@ -86,7 +86,7 @@ final class GroupObjects {
             if fd < 0 {
                 let error = errno
                 for open in descriptors { close(open) }
-                throw .system(SystemCallError(call: "bpf_obj_get \(directory)/\(name)", errno: error))
+                throw BPFFilesystem.failure(SystemCallError(call: "bpf_obj_get \(directory)/\(name)", errno: error), path: directory)
             }
             descriptors.append(fd)
         }
@@ -111,10 +111,7 @@ final class GroupObjects {
         } catch {
             for fd in descriptors { close(fd) }
             removePins(directory: directory)
-            if error.errno == EPERM || error.errno == EACCES {
-                throw .ebpfUnavailable(reason: error.description)
-            }
-            throw .system(error)
+            throw BPFFilesystem.failure(error, path: directory)
         }
         return GroupObjects(directory: directory, config: config, descriptors: descriptors)
     }

@@ -46,7 +46,7 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
         case .addressInUse(let address):
             return "\(address) is in use by a socket without SO_REUSEPORT (or owned by another user): stop that process or use another port"
         case .bpffsUnavailable(let path, let reason):
-            return "bpffs is not mounted at \(path) and could not be mounted (\(reason)): run `mount -t bpf bpf \(path)` as root"
+            return "bpffs at \(path) cannot be used (\(reason)): mount it (`mount -t bpf bpf \(path)` as root) and let this user create \(path)/reuseportlb, or use steering automatic or classicBPF"
         case .ebpfUnavailable(let reason):
             return "eBPF steering is unavailable: \(reason); grant CAP_BPF or use steering automatic/classicBPF"
         case .countersUnavailable(let steering):

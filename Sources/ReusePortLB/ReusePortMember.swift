@@ -81,6 +81,9 @@ public final class ReusePortMember: @unchecked Sendable {
                 (objects, socket, slot) = try Self.joinWithEBPF(address, request, options, filesystem)
             } catch .ebpfUnavailable(let reason) where options.steering == .automatic {
                 note_ = "eBPF refused (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
+            } catch .bpffsUnavailable(let path, let reason) where options.steering == .automatic {
+                // No shared pins, no shared group: classic BPF still steers without them.
+                note_ = "bpffs at \(path) cannot be used (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
             }
         }
         self.objects = objects
