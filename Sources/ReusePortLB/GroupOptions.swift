@@ -107,4 +107,15 @@ public struct GroupOptions: Sendable {
 
     /// The seed used when none is given ("RPLB" in ASCII).
     public static let defaultSeed: UInt32 = 0x5250_4c42
+
+    /// The group's settings as the kernel program and the config map hold them.
+    var kernelConfig: rplb_config {
+        var config = rplb_config()
+        config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
+        config.policy = policy.kernelValue
+        config.capacity = UInt32(capacity)
+        config.table_size = UInt32(RPLB_TABLE_SIZE)
+        config.seed = seed ?? Self.defaultSeed
+        return config
+    }
 }

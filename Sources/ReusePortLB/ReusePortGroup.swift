@@ -70,12 +70,7 @@ public final class ReusePortGroup: @unchecked Sendable {
         var (steering, note) = try ReusePortMember.chooseSteering(options)
         var objects: GroupObjects?
         if steering == .ebpf {
-            var config = rplb_config()
-            config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
-            config.policy = options.policy.kernelValue
-            config.capacity = UInt32(options.capacity)
-            config.table_size = UInt32(RPLB_TABLE_SIZE)
-            config.seed = options.seed ?? GroupOptions.defaultSeed
+            let config = options.kernelConfig
             do {
                 objects = try GroupObjects.load(
                     config: config, table: ReusePortMember.slotTable(capacity: options.capacity, seed: config.seed))

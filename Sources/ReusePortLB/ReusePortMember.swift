@@ -196,12 +196,7 @@ public final class ReusePortMember: @unchecked Sendable {
         try filesystem.ensureMounted()
         let lock = try filesystem.lock()
         defer { close(lock) }
-        var config = rplb_config()
-        config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
-        config.policy = options.policy.kernelValue
-        config.capacity = UInt32(options.capacity)
-        config.table_size = UInt32(RPLB_TABLE_SIZE)
-        config.seed = options.seed ?? GroupOptions.defaultSeed
+        let config = options.kernelConfig
         let directory = filesystem.groupDirectory(for: address)
         // Bind first: a socket without SO_REUSEPORT on the address is `addressInUse`, whatever
         // the pins say. Until it is in the map and the program attached, the socket is a plain

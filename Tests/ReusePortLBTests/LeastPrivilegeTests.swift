@@ -72,28 +72,26 @@ struct LeastPrivilegeTests {
         #expect(reports[0].object("kernel").int("selected") == 400)
     }
 
-    @Test("automatic, CAP_BPF, bpffs not writable for the user (EACCES): classic BPF, saying why")
-    func bpffsNotWritable() throws {
-        let scratch = try Scratch(bpffs: true, mode: 0o755)
+    /// A collector with CAP_BPF alone and steering automatic on `scratch`'s bpffs path: it must
+    /// run with classic BPF and say why, naming the path and `reason`.
+    func expectClassicFallback(_ scratch: Scratch, reason: String) throws {
         let child = try Child(scratch.collector, ["127.0.0.1", String(freePort()), "0", "1", "--bpffs", scratch.mountPoint],
                               prefix: Self.bpfOnly)
         try child.waitFor("ready")
         let report = try child.stop()
         #expect(report["steering"] as? String == "classicBPF")
         let note = report["steering_note"] as? String ?? ""
-        #expect(note.contains(scratch.mountPoint) && note.contains("Permission denied"), "\(note)")
+        #expect(note.contains(scratch.mountPoint) && note.contains(reason), "\(note)")
+    }
+
+    @Test("automatic, CAP_BPF, bpffs not writable for the user (EACCES): classic BPF, saying why")
+    func bpffsNotWritable() throws {
+        try expectClassicFallback(Scratch(bpffs: true, mode: 0o755), reason: "Permission denied")
     }
 
     @Test("automatic, CAP_BPF, bpffs not mounted and not mountable (no CAP_SYS_ADMIN): classic BPF, saying why")
     func bpffsNotMountable() throws {
-        let scratch = try Scratch(bpffs: false, mode: 0o755)
-        let child = try Child(scratch.collector, ["127.0.0.1", String(freePort()), "0", "1", "--bpffs", scratch.mountPoint],
-                              prefix: Self.bpfOnly)
-        try child.waitFor("ready")
-        let report = try child.stop()
-        #expect(report["steering"] as? String == "classicBPF")
-        let note = report["steering_note"] as? String ?? ""
-        #expect(note.contains("not mounted") && note.contains(scratch.mountPoint), "\(note)")
+        try expectClassicFallback(Scratch(bpffs: false, mode: 0o755), reason: "not mounted")
     }
 
     @Test("A program the verifier refuses: the error carries the verifier's log, not only errno 22")
