@@ -165,6 +165,22 @@ struct SteeringTests {
         #expect(try classic.withdraw() == false, "classic BPF cannot take a socket out")
     }
 
+    @Test("Every member withdrawn, a new member recreates the group: the old members' leave keeps the new pins")
+    func withdrawnThenRecreated() throws {
+        let (address, members) = try group(2)
+        for member in members { #expect(try member.withdraw()) }
+        let directory = BPFFilesystem(root: "/sys/fs/bpf").groupDirectory(for: address)
+        let successor = try ReusePortMember(joining: address, slot: .index(0), options: members[0].options)
+        for member in members { member.leave() }
+        #expect(BPFFilesystem.exists(directory + "/members"), "the successor's pins stay")
+        try send(from: "127.0.0.9", to: address, count: 3)
+        #expect(drain([successor])[0]["127.0.0.9"] == 3)
+        let counters = try successor.counters()
+        #expect(counters.deliveredBySlot[0] == 3 && counters.fallback == 0, "the new program steered them: \(counters)")
+        successor.leave()
+        #expect(!BPFFilesystem.exists(directory))
+    }
+
     @Test("Handover in process: the new socket gets new datagrams, the old one keeps what it queued")
     func handover() throws {
         let (address, members) = try group(2)
