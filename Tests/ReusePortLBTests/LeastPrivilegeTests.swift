@@ -72,6 +72,25 @@ struct LeastPrivilegeTests {
         #expect(reports[0].object("kernel").int("selected") == 400)
     }
 
+    @Test("Same user, no CAP_BPF: refused by the user's eBPF group; with --force the eBPF collector reports classicBPF")
+    func noCapabilityRefused() throws {
+        let scratch = try Scratch(bpffs: true, mode: 0o777)
+        let port = freePort()
+        let noCapabilities = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              "--inh-caps=-all", "--bounding-set=-all"]
+        let arguments = { (slot: Int) in ["127.0.0.1", String(port), String(slot), "2", "--bpffs", scratch.mountPoint] }
+        let ebpf = try Child(scratch.collector, arguments(0), prefix: Self.bpfOnly)
+        try ebpf.waitFor("steering=ebpf")
+        let refused = try Child(scratch.collector, arguments(1), prefix: noCapabilities)
+        #expect(refused.wait(seconds: 10) == 2)
+        #expect(refused.stderr.contains("runs eBPF steering") && refused.stderr.contains("CAP_BPF"), "\(refused.stderr)")
+        let forced = try Child(scratch.collector, arguments(1) + ["--force"], prefix: noCapabilities)
+        try forced.waitFor("ready")
+        try ebpf.waitFor("steering changed from ebpf to classicBPF")
+        #expect(try ebpf.stop()["steering"] as? String == "classicBPF")
+        #expect(try forced.stop()["steering"] as? String == "classicBPF")
+    }
+
     /// A collector with CAP_BPF alone and steering automatic on `scratch`'s bpffs path: it must
     /// run with classic BPF and say why, naming the path and `reason`.
     func expectClassicFallback(_ scratch: Scratch, reason: String) throws {
