@@ -47,6 +47,7 @@ public enum CommandLineNumbers {
     /// The text of a refused command line.
     public struct Message: Error, Equatable {
         public let text: String
+        public init(text: String) { self.text = text }
     }
 
     static func isNegativeNumber(_ token: String) -> Bool {

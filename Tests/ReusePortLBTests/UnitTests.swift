@@ -84,6 +84,21 @@ struct UnitTests {
         #expect(tally.packets == 6 && tally.sequenced == 5 && tally.lost == 2, "a datagram without a sequence is counted, not checked")
     }
 
+    @Test("Negative numbers on a command line: option values joined with '=', positionals named")
+    func commandLineNumbers() {
+        let names = ["ip", "port", "count"]
+        let flags: Set<String> = ["--gso"]
+        func rewrite(_ arguments: [String]) -> Result<[String], CommandLineNumbers.Message> {
+            CommandLineNumbers.rewrite(arguments, positionals: names, flags: flags)
+        }
+        #expect(rewrite(["::1", "5", "10", "--rate", "-5"]) == .success(["::1", "5", "10", "--rate=-5"]))
+        #expect(rewrite(["--rate", "-0.5", "::1", "5", "10"]) == .success(["--rate=-0.5", "::1", "5", "10"]))
+        #expect(rewrite(["::1", "--gso", "-3", "10"]) == .failure(.init(text: "<port> must not be negative (got -3)")))
+        #expect(rewrite(["::1", "5", "-10"]) == .failure(.init(text: "<count> must not be negative (got -10)")))
+        #expect(rewrite(["::1", "5", "10", "-h"]) == .success(["::1", "5", "10", "-h"]), "a short option is not a number")
+        #expect(rewrite(["--", "-1"]) == .success(["--", "-1"]), "after -- everything is left alone")
+    }
+
     @Test("Source table: exact for the first `limit` sources, the rest in one other count")
     func sourceTable() {
         var table = SourceTable<String>(limit: 2)
