@@ -35,14 +35,16 @@ install: build install-files
 # Installs what the last build made, without building (the C API test uses it).
 install-files:
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
-	install -m 0755 $(BUILD_DIR)/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so
+	install -m 0755 $(BUILD_DIR)/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.0
+	ln -sf libreuseportlb.so.0 $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so
 	install -m 0644 include/reuseportlb.h $(DESTDIR)$(PREFIX)/include/reuseportlb.h
 	install -m 0755 $(BUILD_DIR)/collector $(BUILD_DIR)/publisher $(BUILD_DIR)/udp-fanout $(DESTDIR)$(PREFIX)/bin/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' pkgconfig/reuseportlb.pc.in \
 		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/reuseportlb.pc
 
 uninstall:
-	rm -f $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so $(DESTDIR)$(PREFIX)/include/reuseportlb.h \
+	rm -f $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.0 \
+		$(DESTDIR)$(PREFIX)/include/reuseportlb.h \
 		$(DESTDIR)$(PREFIX)/lib/pkgconfig/reuseportlb.pc \
 		$(DESTDIR)$(PREFIX)/bin/collector $(DESTDIR)$(PREFIX)/bin/publisher $(DESTDIR)$(PREFIX)/bin/udp-fanout
 

@@ -33,7 +33,10 @@ let package = Package(
         .plugin(name: "BPFObjectCompiler", capability: .buildTool()),
         .target(name: "BPFObjects", plugins: ["BPFObjectCompiler"]),
         .target(name: "ReusePortLB", dependencies: ["CLibBPF", "CSystemShim", "BPFObjects"]),
-        .target(name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"]),
+        // SONAME libreuseportlb.so.0, so C programs record the ABI version (make install adds the links).
+        .target(
+            name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"],
+            linkerSettings: [.unsafeFlags(["-Xlinker", "-soname=libreuseportlb.so.0"])]),
         .target(name: "TrafficModel", dependencies: ["ReusePortLB"]),
         .executableTarget(
             name: "collector",

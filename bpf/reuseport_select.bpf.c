@@ -85,19 +85,40 @@ static __always_inline int try_slot(struct sk_reuseport_md *md, __u32 slot, __u3
 	return 1;
 }
 
-/* Walks all slots once, starting at `start`; the first live one wins (a failover). */
-static __always_inline int scan_slots(struct sk_reuseport_md *md, __u32 start, __u32 capacity)
+/* State of one slot scan, shared with its bpf_loop callback. Every field is 8 bytes and
+ * written whole, so no store is narrower than the stack slot it lands in. */
+struct scan_state {
+	struct sk_reuseport_md *md;
+	__u64 start;
+	__u64 capacity;
+	__u64 found;
+};
+
+static long scan_step(__u32 i, void *data)
 {
-	for (__u32 i = 0; i < RPLB_MAX_MEMBERS; i++) {
-		if (i >= capacity)
-			break;
-		__u32 slot = start + i;
-		if (slot >= capacity)
-			slot -= capacity;
-		if (try_slot(md, slot, RPLB_OUTCOME_FAILED_OVER))
-			return 1;
+	struct scan_state *state = data;
+	__u32 slot = (__u32)state->start + i;
+	if (slot >= (__u32)state->capacity)
+		slot -= (__u32)state->capacity;
+	if (try_slot(state->md, slot, RPLB_OUTCOME_FAILED_OVER)) {
+		state->found = 1;
+		return 1; /* stop */
 	}
 	return 0;
+}
+
+/* Walks all slots once, starting at `start`; the first live one wins (a failover).
+ * bpf_loop, not a for loop: a verifier without CAP_PERFMON (CAP_BPF alone) refuses the
+ * open-coded scan ("infinite loop detected"), since it cannot tell its iterations apart.
+ * Not inlined: its own stack frame holds the spilled context pointer, so no later narrow store
+ * of the caller reuses that slot (refused without CAP_PERFMON as a corrupted spilled pointer). */
+static __noinline int scan_slots(struct sk_reuseport_md *md, __u32 start, __u32 capacity)
+{
+	struct scan_state state = { .md = md, .start = start, .capacity = capacity, .found = 0 };
+	if (capacity > RPLB_MAX_MEMBERS)
+		return 0;
+	bpf_loop(capacity, scan_step, &state, 0);
+	return state.found;
 }
 
 static __always_inline int select_round_robin(struct sk_reuseport_md *md, __u32 capacity)
@@ -154,6 +175,8 @@ static __always_inline int select_by_source(struct sk_reuseport_md *md, __u32 po
 	__u32 hash = 0;
 	if (try_probe(md, words, nwords, port, seed, table_size, 0, &hash))
 		return 1;
+	/* Unrolled for the same reason as scan_slots: no back edge for the verifier to judge. */
+#pragma unroll
 	for (__u32 probe = 1; probe < RPLB_MAX_PROBES; probe++) {
 		if (try_probe(md, words, nwords, port, seed, table_size, probe, &hash))
 			return 1;

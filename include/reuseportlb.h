@@ -4,8 +4,13 @@
  *
  *   cc app.c $(pkg-config --cflags --libs reuseportlb)
  *
- * Every call returns 0 (or a value) on success and a negative errno-style code on failure;
- * calls that take `error`/`error_size` write a message that names the problem and its fix.
+ * Every call returns 0 (or a value) on success and a negative errno-style code on failure
+ * (-EINVAL for a NULL member handle); calls that take `error`/`error_size` write a message that
+ * names the problem and its fix, cut to fit the buffer: a buffer of REUSEPORTLB_ERROR_MAX bytes
+ * holds every message whole.
+ *
+ * The library's SONAME is libreuseportlb.so.0 (make install puts libreuseportlb.so.0 and the
+ * libreuseportlb.so link to it in $(PREFIX)/lib).
  */
 #ifndef REUSEPORTLB_H
 #define REUSEPORTLB_H
@@ -24,6 +29,10 @@ enum reuseportlb_policy {
 	REUSEPORTLB_FIVE_TUPLE = 2,  /* every datagram of one source address and port to one member */
 };
 
+/* Size of an error buffer that holds any message whole (longer ones do not exist; a shorter
+ * buffer gets the message cut, always NUL-terminated). */
+#define REUSEPORTLB_ERROR_MAX 1024
+
 /* Pass as `slot` to take the lowest free slot. */
 #define REUSEPORTLB_ANY_SLOT (-1)
 
@@ -39,8 +48,9 @@ struct reuseportlb_counters {
 	uint64_t no_config;   /* group config missing: left to the kernel's hash */
 };
 
-/* Joins the group ip:port (IPv4 or IPv6 text) at `slot` (or REUSEPORTLB_ANY_SLOT) of a group of
- * `capacity` slots with `policy`. On success stores the member in *member and returns 0. */
+/* Joins the group ip:port (IPv4 or IPv6 text, not scoped; port 1...65535) at `slot` (or
+ * REUSEPORTLB_ANY_SLOT) of a group of `capacity` slots with `policy`. On success stores the
+ * member in *member and returns 0; -EINVAL for port 0, a bad address, policy or slot. */
 int reuseportlb_join(const char *ip, uint16_t port, int slot, unsigned int capacity,
 		     enum reuseportlb_policy policy, reuseportlb_member **member,
 		     char *error, size_t error_size);
@@ -58,10 +68,11 @@ int reuseportlb_socket(const reuseportlb_member *member);
 /* The member's slot. */
 int reuseportlb_slot(const reuseportlb_member *member);
 
-/* "ebpf", "classicBPF" or "kernelHash": the steering in force. */
+/* "ebpf", "classicBPF" or "kernelHash": the steering in force for the group (a member forced
+ * in without eBPF may have replaced the group's program). NULL for a NULL member. */
 const char *reuseportlb_steering(const reuseportlb_member *member);
 
-/* 1 once another member took this slot over, 0 otherwise. */
+/* 1 once another member took this slot over, 0 otherwise, -EINVAL for a NULL member. */
 int reuseportlb_is_replaced(const reuseportlb_member *member);
 
 /* Bytes queued on the socket for reading (>= 0), or a negative errno. */
@@ -70,12 +81,23 @@ int64_t reuseportlb_queued_bytes(const reuseportlb_member *member);
 /* Fills *counters; -EOPNOTSUPP without eBPF steering. */
 int reuseportlb_counters(const reuseportlb_member *member, struct reuseportlb_counters *counters);
 
-/* Stores in *slot the slot that receives datagrams of source_ip now; -ENOENT if no member is
- * live, -EINVAL for a bad address, -EOPNOTSUPP without eBPF steering or for round robin. */
-int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, int *slot);
+/* Stores in *slot the slot that receives datagrams of source_ip (and, for a five-tuple group,
+ * source_port; other policies ignore it) now; -ENOENT if no member is live, -EINVAL for a bad
+ * address, -EOPNOTSUPP without eBPF steering or for round robin. */
+int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, uint16_t source_port,
+		      int *slot);
+
+/* Takes the member's slot out of selection, for a leave that loses nothing: its sources fail
+ * over to the live members at once and what is queued stays on the socket. Then read until
+ * reuseportlb_queued_bytes() returns 0 and nothing new arrived for ~100 ms, and call
+ * reuseportlb_leave(). Returns 0 (also if the slot was already taken over or withdrawn),
+ * -EOPNOTSUPP with classic BPF or kernel-hash steering (no slot to withdraw: datagrams arriving
+ * between the last read and the leave are lost), or a negative errno. */
+int reuseportlb_withdraw(reuseportlb_member *member);
 
 /* Leaves the group (closes the socket; the last member out removes the group's pins) and frees
- * the handle. */
+ * the handle (NULL: nothing). Whatever is still queued on the socket is dropped: call reuseportlb_withdraw()
+ * and drain first. */
 void reuseportlb_leave(reuseportlb_member *member);
 
 #ifdef __cplusplus

@@ -27,23 +27,39 @@ struct BPFFilesystem {
         if shim_is_bpffs(root) == 1 { return }
         mkdir(root, 0o755)
         if mount("bpf", root, "bpf", 0, nil) != 0 {
-            throw .bpffsUnavailable(path: root, reason: String(cString: strerror(errno)))
+            throw .bpffsUnavailable(path: root, reason: "not mounted, and mounting it failed: \(String(cString: strerror(errno)))")
         }
     }
 
     /// Takes the exclusive lock every join and leave holds; released by closing the result.
+    /// - Throws: ``ReusePortError/bpffsUnavailable(path:reason:)`` when this user may not
+    ///   create or open the directory (EACCES, EPERM, EROFS), else the failed call.
     func lock() throws(ReusePortError) -> Int32 {
         if mkdir(base, 0o755) != 0 && errno != EEXIST {
-            throw .system(SystemCallError(call: "mkdir \(base)", errno: errno))
+            throw Self.failure(SystemCallError(call: "mkdir \(base)", errno: errno), path: root)
         }
         let fd: Int32
         do {
             fd = try systemCall("open \(base)") { open(base, O_RDONLY | O_DIRECTORY | O_CLOEXEC) }
+        } catch {
+            throw Self.failure(error, path: root)
+        }
+        do {
             try systemCall("flock \(base)") { flock(fd, LOCK_EX) }
         } catch {
+            close(fd)
             throw .system(error)
         }
         return fd
+    }
+
+    /// A bpffs call that failed: a permission problem is `bpffsUnavailable` (which steering
+    /// `automatic` falls back from), anything else the call's own error.
+    static func failure(_ error: SystemCallError, path: String) -> ReusePortError {
+        switch error.errno {
+        case EACCES, EPERM, EROFS: return .bpffsUnavailable(path: path, reason: error.description)
+        default: return .system(error)
+        }
     }
 
     static func exists(_ path: String) -> Bool { access(path, F_OK) == 0 }

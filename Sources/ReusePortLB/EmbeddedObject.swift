@@ -19,7 +19,19 @@ package func loadEmbeddedObject(
     }
     defer { bpf_object__close(object) }
     try prepare(object)
-    try libbpfCall("bpf_object__load \(program)") { bpf_object__load(object) }
+    // libbpf loads without a log first and, on a failure, retries with log level 1 into this
+    // buffer: a refused program's error then says what the verifier said, not only errno 22.
+    let logSize = 1 << 20
+    let log = UnsafeMutablePointer<CChar>.allocate(capacity: logSize)
+    defer { log.deallocate() }
+    log[0] = 0
+    let handle = bpf_object__find_program_by_name(object, program)
+    bpf_program__set_log_buf(handle, log, logSize)
+    let loaded = bpf_object__load(object)
+    if loaded < 0 {
+        let error = loaded == -1 ? errno : -loaded
+        throw SystemCallError(call: "bpf_object__load \(program)" + verifierExcerpt(String(cString: log)), errno: error)
+    }
     var libbpfOwned = [bpf_program__fd(bpf_object__find_program_by_name(object, program))]
     for name in maps { libbpfOwned.append(bpf_map__fd(bpf_object__find_map_by_name(object, name))) }
     var descriptors: [Int32] = []
@@ -32,6 +44,26 @@ package func loadEmbeddedObject(
         }
     }
     return descriptors
+}
+
+/// What a verifier log says about why it refused the program, on one line (at most 400
+/// characters), or nothing for an empty log. The verifier ends with statistics and, for some
+/// errors, state dumps after its message: those, instruction traces ("12: (bf) r1 = r6") and
+/// source lines ("; ...") are skipped, and the last two other lines kept.
+func verifierExcerpt(_ log: String) -> String {
+    let lines = log.split(separator: "\n").map { $0.trimmingCharacters(in: " \t") }.filter { !$0.isEmpty }
+    guard !lines.isEmpty else { return "" }
+    func isNoise(_ line: String) -> Bool {
+        for prefix in ["processed ", "old state:", "cur state:", "verification time", "stack depth", "; ", "from "]
+        where line.hasPrefix(prefix) {
+            return true
+        }
+        let number = line.prefix { $0.isNumber }
+        return !number.isEmpty && line.dropFirst(number.count).hasPrefix(":")
+    }
+    let messages = lines.filter { !isNoise($0) }
+    let chosen = messages.isEmpty ? [lines.last!] : Array(messages.suffix(2))
+    return " (verifier: \(String(chosen.joined(separator: " | ").suffix(400))))"
 }
 
 /// One entry of a per-CPU map whose value is `words` u64 counters, summed over the CPUs

@@ -79,14 +79,14 @@ final class GroupObjects {
         return "policy \(policy), capacity \(config.capacity), seed \(config.seed), layout v\(config.layout_version)"
     }
 
-    private static func open(directory: String) throws(ReusePortError) -> GroupObjects {
+    static func open(directory: String) throws(ReusePortError) -> GroupObjects {
         var descriptors: [Int32] = []
         for name in pinNames {
             let fd = bpf_obj_get(directory + "/" + name)
             if fd < 0 {
                 let error = errno
                 for open in descriptors { close(open) }
-                throw .system(SystemCallError(call: "bpf_obj_get \(directory)/\(name)", errno: error))
+                throw BPFFilesystem.failure(SystemCallError(call: "bpf_obj_get \(directory)/\(name)", errno: error), path: directory)
             }
             descriptors.append(fd)
         }
@@ -111,10 +111,7 @@ final class GroupObjects {
         } catch {
             for fd in descriptors { close(fd) }
             removePins(directory: directory)
-            if error.errno == EPERM || error.errno == EACCES {
-                throw .ebpfUnavailable(reason: error.description)
-            }
-            throw .system(error)
+            throw BPFFilesystem.failure(error, path: directory)
         }
         return GroupObjects(directory: directory, config: config, descriptors: descriptors)
     }
@@ -193,6 +190,48 @@ final class GroupObjects {
         var value = UInt64(socket)
         let flags = UInt64(onlyIfFree ? BPF_NOEXIST : BPF_ANY)
         try libbpfCall("bpf_map_update_elem members[\(slot)]") { bpf_map_update_elem(members, &key, &value, flags) }
+    }
+
+    /// The config map's `steering_override` (`enum rplb_override`); 0 if unreadable.
+    func steeringOverride() -> UInt32 {
+        var key: UInt32 = 0
+        var value = rplb_config()
+        return bpf_map_lookup_elem(configMap, &key, &value) == 0 ? value.steering_override : 0
+    }
+
+    /// Records which steering replaced the group's program (`RPLB_OVERRIDE_NONE` when a member
+    /// attached it again).
+    func setSteeringOverride(_ override: UInt32) throws(SystemCallError) {
+        var key: UInt32 = 0
+        var value = config
+        try libbpfCall("bpf_map_lookup_elem config") { bpf_map_lookup_elem(configMap, &key, &value) }
+        value.steering_override = override
+        try libbpfCall("bpf_map_update_elem config") { bpf_map_update_elem(configMap, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// Empties `slot` (the kernel stops selecting its socket); an already empty slot is fine.
+    func remove(slot: Int) throws(SystemCallError) {
+        var key = UInt32(slot)
+        let result = bpf_map_delete_elem(members, &key)
+        if result < 0 && result != -ENOENT && !(result == -1 && errno == ENOENT) {
+            throw SystemCallError(call: "bpf_map_delete_elem members[\(slot)]", errno: result == -1 ? errno : -result)
+        }
+    }
+
+    /// True if the members map pinned in `directory` is this one (not a group created anew
+    /// since, e.g. after every member withdrew and a new member took the pins for leftovers).
+    func isPinned() -> Bool {
+        guard let directory else { return false }
+        let pinned = bpf_obj_get(directory + "/members")
+        guard pinned >= 0 else { return false }
+        defer { close(pinned) }
+        return Self.mapID(pinned) == Self.mapID(members)
+    }
+
+    private static func mapID(_ fd: Int32) -> UInt32? {
+        var info = bpf_map_info()
+        var length = UInt32(MemoryLayout<bpf_map_info>.size)
+        return bpf_obj_get_info_by_fd(fd, &info, &length) == 0 ? info.id : nil
     }
 
     /// Sums a per-CPU u64 array map, entry by entry.

@@ -82,12 +82,21 @@ public struct GroupOptions: Sendable {
     /// Receive buffer size for the member's socket: SO_RCVBUFFORCE when the process has
     /// CAP_NET_ADMIN, else SO_RCVBUF (capped by net.core.rmem_max); nil keeps the default.
     public var receiveBufferSize: Int?
+    /// Join even where this member would replace the steering of the group's other members:
+    /// a member without eBPF joining a group whose eBPF program runs (its classic program, or
+    /// the kernel hash, then serves every member, and they report it through
+    /// ``ReusePortMember/steeringInForce``), or an eBPF member creating a group on an address
+    /// where sockets of no group pinned in this bpffs are bound. Without it those joins fail
+    /// with ``ReusePortError/steeringConflict(group:running:requested:)`` and
+    /// ``ReusePortError/bpffsNotShared(_:bpffs:sockets:)``.
+    public var force: Bool
 
     public init(
         policy: BalancePolicy = .sourceIP, capacity: Int, seed: UInt32? = nil,
         steering: SteeringPreference = .automatic, bpffsRoot: String = "/sys/fs/bpf",
-        receiveBufferSize: Int? = nil
+        receiveBufferSize: Int? = nil, force: Bool = false
     ) {
+        self.force = force
         self.policy = policy
         self.capacity = capacity
         self.seed = seed
@@ -98,4 +107,15 @@ public struct GroupOptions: Sendable {
 
     /// The seed used when none is given ("RPLB" in ASCII).
     public static let defaultSeed: UInt32 = 0x5250_4c42
+
+    /// The group's settings as the kernel program and the config map hold them.
+    var kernelConfig: rplb_config {
+        var config = rplb_config()
+        config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
+        config.policy = policy.kernelValue
+        config.capacity = UInt32(capacity)
+        config.table_size = UInt32(RPLB_TABLE_SIZE)
+        config.seed = seed ?? Self.defaultSeed
+        return config
+    }
 }

@@ -54,10 +54,11 @@ public final class ReusePortGroup: @unchecked Sendable {
     ///   - address: the address and port every member binds.
     ///   - options: policy, capacity, seed, steering preference and receive buffer size
     ///     (`bpffsRoot` is not used).
-    /// - Throws: ``ReusePortError``: invalid capacity; the address bound by a socket of another
+    /// - Throws: ``ReusePortError``: port 0; invalid capacity; the address bound by a socket of another
     ///   process (`addressServedByAnotherProcess`, naming it); eBPF unavailable with
     ///   `steering: .ebpf`; `fiveTuple` with `classicBPF`; a failed load (named, with errno).
     public init(privateTo address: SocketAddress, options: GroupOptions) throws(ReusePortError) {
+        guard address.port != 0 else { throw .invalidAddress(address, reason: ReusePortError.portZeroReason) }
         guard (1...ReusePortMember.maximumCapacity).contains(options.capacity) else {
             throw .invalidCapacity(options.capacity)
         }
@@ -69,12 +70,7 @@ public final class ReusePortGroup: @unchecked Sendable {
         var (steering, note) = try ReusePortMember.chooseSteering(options)
         var objects: GroupObjects?
         if steering == .ebpf {
-            var config = rplb_config()
-            config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
-            config.policy = options.policy.kernelValue
-            config.capacity = UInt32(options.capacity)
-            config.table_size = UInt32(RPLB_TABLE_SIZE)
-            config.seed = options.seed ?? GroupOptions.defaultSeed
+            let config = options.kernelConfig
             do {
                 objects = try GroupObjects.load(
                     config: config, table: ReusePortMember.slotTable(capacity: options.capacity, seed: config.seed))

@@ -52,11 +52,12 @@ public final class ReusePortMember: @unchecked Sendable {
     ///   - slot: which slot to take (lowest free, a given index, or a takeover for handover).
     ///   - options: the group's policy, capacity and seed (must match an existing group's) and
     ///     this member's steering preference.
-    /// - Throws: ``ReusePortError``: capacity or slot out of range, slot in use, group full,
+    /// - Throws: ``ReusePortError``: port 0, capacity or slot out of range, slot in use, group full,
     ///   settings that differ from the group's, the address in use without SO_REUSEPORT, bpffs
     ///   missing and not mountable, or a failed system call (named, with errno).
     public init(joining address: SocketAddress, slot request: SlotRequest = .lowestFree, options: GroupOptions) throws(ReusePortError) {
         let capacity = options.capacity
+        guard address.port != 0 else { throw .invalidAddress(address, reason: ReusePortError.portZeroReason) }
         guard (1...Self.maximumCapacity).contains(capacity) else { throw .invalidCapacity(capacity) }
         switch request {
         case .index(let slot), .takeover(let slot):
@@ -70,6 +71,7 @@ public final class ReusePortMember: @unchecked Sendable {
         self.filesystem = filesystem
 
         let (steering, note) = try Self.chooseSteering(options)
+        if case .takeover = request, steering != .ebpf { throw .takeoverNeedsEBPF(steering) }
         var note_ = note
         var objects: GroupObjects?
         var socket: Int32 = -1
@@ -79,6 +81,9 @@ public final class ReusePortMember: @unchecked Sendable {
                 (objects, socket, slot) = try Self.joinWithEBPF(address, request, options, filesystem)
             } catch .ebpfUnavailable(let reason) where options.steering == .automatic {
                 note_ = "eBPF refused (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
+            } catch .bpffsUnavailable(let path, let reason) where options.steering == .automatic {
+                // No shared pins, no shared group: classic BPF still steers without them.
+                note_ = "bpffs at \(path) cannot be used (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
             }
         }
         self.objects = objects
@@ -89,19 +94,36 @@ public final class ReusePortMember: @unchecked Sendable {
             _ = objects
         } else {
             let fallback = steering == .ebpf ? Self.unprivilegedSteering(options.policy) : steering
+            if case .takeover = request { throw .takeoverNeedsEBPF(fallback) }
+            let running = try Self.runningEBPFGroup(address, fallback, options, filesystem)
+            defer { running?.closeDescriptors() }
             self.steering = fallback
-            self.socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+            let socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+            self.socket = socket
             switch request {
             case .index(let index), .takeover(let index): self.slot = index
             case .lowestFree: self.slot = 0
             }
-            if fallback == .classicBPF {
-                do {
-                    try ClassicSteering.attach(socket: self.socket, policy: options.policy, capacity: capacity)
-                } catch {
-                    close(self.socket)
-                    throw .system(error)
+            do throws(SystemCallError) {
+                if fallback == .classicBPF {
+                    try ClassicSteering.attach(socket: socket, policy: options.policy, capacity: capacity)
+                } else if running != nil {
+                    // Forced kernel hash: the running program would keep steering past this
+                    // socket, so take it off the group.
+                    var unused: Int32 = 0
+                    try systemCall("setsockopt SO_DETACH_REUSEPORT_BPF") {
+                        setsockopt(socket, SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, &unused, socklen_t(MemoryLayout<Int32>.size))
+                    }
                 }
+                try running?.setSteeringOverride(
+                    UInt32(fallback == .classicBPF ? RPLB_OVERRIDE_CLASSIC_BPF.rawValue : RPLB_OVERRIDE_KERNEL_HASH.rawValue))
+            } catch {
+                close(socket)
+                throw .system(error)
+            }
+            if running != nil {
+                note_ = [note_, "forced: replaced the group's eBPF steering with \(fallback) for every member"]
+                    .compactMap { $0 }.joined(separator: "; ")
             }
         }
         steeringNote = note_
@@ -174,20 +196,30 @@ public final class ReusePortMember: @unchecked Sendable {
         try filesystem.ensureMounted()
         let lock = try filesystem.lock()
         defer { close(lock) }
-        var config = rplb_config()
-        config.layout_version = UInt32(RPLB_LAYOUT_VERSION)
-        config.policy = options.policy.kernelValue
-        config.capacity = UInt32(options.capacity)
-        config.table_size = UInt32(RPLB_TABLE_SIZE)
-        config.seed = options.seed ?? GroupOptions.defaultSeed
+        let config = options.kernelConfig
         let directory = filesystem.groupDirectory(for: address)
-        let objects = try GroupObjects.openOrCreate(
-            directory: directory, config: config, table: slotTable(capacity: options.capacity, seed: config.seed))
-        let socket: Int32
+        // Bind first: a socket without SO_REUSEPORT on the address is `addressInUse`, whatever
+        // the pins say. Until it is in the map and the program attached, the socket is a plain
+        // member of the kernel's group.
+        let socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+        if !options.force && !BPFFilesystem.exists(directory + "/config") {
+            // Nothing pinned here, yet other sockets on the address: their group's program and
+            // map live in another bpffs (or they use no eBPF). Creating a group would replace
+            // their steering while both sides believe they own the group.
+            var status = stat()
+            let mine = fstat(socket, &status) == 0 ? UInt64(status.st_ino) : 0
+            let others = BoundSockets.bound(on: address).filter { $0 != mine }
+            if !others.isEmpty {
+                close(socket)
+                throw .bpffsNotShared(address, bpffs: filesystem.root, sockets: others.count)
+            }
+        }
+        let objects: GroupObjects
         do {
-            socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
+            objects = try GroupObjects.openOrCreate(
+                directory: directory, config: config, table: slotTable(capacity: options.capacity, seed: config.seed))
         } catch {
-            Self.release(objects)
+            close(socket)
             throw error
         }
         do throws(ReusePortError) {
@@ -198,12 +230,44 @@ public final class ReusePortMember: @unchecked Sendable {
             guard attached == 0 else {
                 throw ReusePortError.system(SystemCallError(call: "setsockopt SO_ATTACH_REUSEPORT_EBPF", errno: errno))
             }
+            // This group's program is in force again (a forced member may have replaced it).
+            if objects.steeringOverride() != UInt32(RPLB_OVERRIDE_NONE.rawValue) {
+                do {
+                    try objects.setSteeringOverride(UInt32(RPLB_OVERRIDE_NONE.rawValue))
+                } catch {
+                    throw .system(error)
+                }
+            }
             return (objects, socket, slot)
         } catch {
             close(socket)
             Self.release(objects)
             throw error
         }
+    }
+
+    /// Refuses a member without eBPF where the group's eBPF program runs (live members in the
+    /// pinned map): its classic program, or the kernel hash, would replace it for every member.
+    /// Returns the running group when `force` lets it join, so it can mark the override.
+    private static func runningEBPFGroup(
+        _ address: SocketAddress, _ steering: Steering, _ options: GroupOptions, _ filesystem: BPFFilesystem
+    ) throws(ReusePortError) -> GroupObjects? {
+        let directory = filesystem.groupDirectory(for: address)
+        guard BPFFilesystem.exists(directory + "/config"), let group = try? GroupObjects.open(directory: directory) else {
+            return nil
+        }
+        let live = group.liveSlots()
+        guard !live.isEmpty else {
+            group.closeDescriptors()
+            return nil
+        }
+        guard options.force else {
+            group.closeDescriptors()
+            throw .steeringConflict(
+                group: address, running: "\(GroupObjects.describe(group.config)), \(live.count) live member(s)",
+                requested: steering)
+        }
+        return group
     }
 
     private static func place(_ socket: Int32, _ request: SlotRequest, _ objects: GroupObjects) throws(ReusePortError) -> Int {
@@ -234,7 +298,9 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// Closes the group's descriptors and, if no live member is left, removes its pins.
     private static func release(_ objects: GroupObjects) {
-        if let directory = objects.directory, objects.liveSlots().isEmpty { GroupObjects.removePins(directory: directory) }
+        if let directory = objects.directory, objects.liveSlots().isEmpty, objects.isPinned() {
+            GroupObjects.removePins(directory: directory)
+        }
         objects.closeDescriptors()
     }
 
@@ -262,6 +328,47 @@ public final class ReusePortMember: @unchecked Sendable {
             close(lock)
         } else {
             objects.closeDescriptors()
+        }
+    }
+
+    /// Takes this member's slot out of the group's selection, for a leave that loses nothing:
+    /// the slot's entry is deleted if it still holds this socket (under the bpffs lock, so a
+    /// concurrent takeover is not undone), its sources fail over to live members at once, and
+    /// what is already queued stays on the socket. Then read until
+    /// ``socketStatistics()`` shows 0 queued bytes and nothing new arrived for a moment (a
+    /// datagram the kernel steered just before the delete can land a few microseconds later;
+    /// the collector waits 100 ms), and ``leave()``.
+    ///
+    /// The last live member has nobody to fail over to: the kernel's hash keeps delivering to
+    /// the sockets still bound, so its drain ends only when it stops reading.
+    /// - Returns: true if the slot is out of selection (or was already: replaced, withdrawn);
+    ///   false with classic BPF or the kernel hash, which address sockets by position or hash
+    ///   and cannot take one out: there, datagrams arriving between the last read and the close
+    ///   are lost.
+    /// - Throws: ``ReusePortError`` if the bpffs lock or the map delete fails.
+    public func withdraw() throws(ReusePortError) -> Bool {
+        guard let objects else { return false }
+        let lock = try filesystem?.lock()
+        defer { if let lock { close(lock) } }
+        guard objects.cookie(inSlot: slot) == cookie else { return true }
+        do {
+            try objects.remove(slot: slot)
+        } catch {
+            throw .system(error)
+        }
+        return true
+    }
+
+    /// The steering that really serves the group now. For an eBPF member it is ``steering``
+    /// unless a member was forced in without eBPF (``GroupOptions/force``) and replaced the
+    /// group's program; then it is that member's `classicBPF` or `kernelHash`, until an eBPF
+    /// member joins and attaches the program again. Other members report ``steering``.
+    public var steeringInForce: Steering {
+        guard let objects else { return steering }
+        switch objects.steeringOverride() {
+        case UInt32(RPLB_OVERRIDE_CLASSIC_BPF.rawValue): return .classicBPF
+        case UInt32(RPLB_OVERRIDE_KERNEL_HASH.rawValue): return .kernelHash
+        default: return steering
         }
     }
 

@@ -8,6 +8,12 @@ private func member(_ handle: OpaquePointer) -> ReusePortMember {
     Unmanaged<ReusePortMember>.fromOpaque(UnsafeRawPointer(handle)).takeUnretainedValue()
 }
 
+/// Every accessor takes a nullable handle: NULL returns -EINVAL instead of crashing the caller.
+private func withMember<R>(_ handle: OpaquePointer?, orElse fallback: R, _ body: (ReusePortMember) -> R) -> R {
+    guard let handle else { return fallback }
+    return body(member(handle))
+}
+
 private func writeMessage(_ text: String, _ buffer: UnsafeMutablePointer<CChar>?, _ size: Int) {
     guard let buffer, size > 0 else { return }
     let bytes = Array(text.utf8.prefix(size - 1))
@@ -19,12 +25,12 @@ private func writeMessage(_ text: String, _ buffer: UnsafeMutablePointer<CChar>?
 private func code(of error: ReusePortError) -> Int32 {
     switch error {
     case .system(let failure): return -failure.errno
-    case .slotInUse, .addressInUse, .addressServedByAnotherProcess: return -EADDRINUSE
+    case .slotInUse, .addressInUse, .addressServedByAnotherProcess, .steeringConflict, .bpffsNotShared: return -EADDRINUSE
     case .groupFull: return -ENOSPC
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
-    case .countersUnavailable, .policyNeedsEBPF: return -EOPNOTSUPP
+    case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF: return -EOPNOTSUPP
     case .groupSettingsMismatch: return -EEXIST
-    case .invalidCapacity, .slotOutOfRange, .noLiveMember: return -EINVAL
+    case .invalidCapacity, .slotOutOfRange, .noLiveMember, .invalidAddress: return -EINVAL
     }
 }
 
@@ -32,13 +38,26 @@ private func join(
     _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: SlotRequest?, _ capacity: UInt32, _ policy: Int32,
     _ out: UnsafeMutablePointer<OpaquePointer?>?, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
 ) -> Int32 {
-    guard let ip, let out, let address = IPAddress(String(cString: ip)) else {
-        writeMessage("ip is not an IPv4 or IPv6 address", errorBuffer, errorSize)
+    guard let ip, let out else {
+        writeMessage("ip and member must not be NULL", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    let text = String(cString: ip)
+    guard !text.contains("%") else {
+        writeMessage("'\(text)': scoped IPv6 addresses (with %interface) are not supported: bind a global or unique-local address, or ::", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    guard let address = IPAddress(text) else {
+        writeMessage("'\(text)' is not an IPv4 or IPv6 address", errorBuffer, errorSize)
         return -EINVAL
     }
     let policies: [Int32: BalancePolicy] = [0: .sourceIP, 1: .roundRobin, 2: .fiveTuple]
-    guard let balance = policies[policy], let slot else {
-        writeMessage("unknown policy \(policy) or negative slot", errorBuffer, errorSize)
+    guard let balance = policies[policy] else {
+        writeMessage("unknown policy \(policy): use REUSEPORTLB_SOURCE_IP, REUSEPORTLB_ROUND_ROBIN or REUSEPORTLB_FIVE_TUPLE", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    guard let slot else {
+        writeMessage("slot must be 0 or more (or REUSEPORTLB_ANY_SLOT to join)", errorBuffer, errorSize)
         return -EINVAL
     }
     do {
@@ -71,28 +90,34 @@ public func reuseportlb_takeover(
 }
 
 @_cdecl("reuseportlb_socket")
-public func reuseportlb_socket(_ handle: OpaquePointer) -> Int32 { member(handle).socket }
+public func reuseportlb_socket(_ handle: OpaquePointer?) -> Int32 { withMember(handle, orElse: -EINVAL) { $0.socket } }
 
 @_cdecl("reuseportlb_slot")
-public func reuseportlb_slot(_ handle: OpaquePointer) -> Int32 { Int32(member(handle).slot) }
+public func reuseportlb_slot(_ handle: OpaquePointer?) -> Int32 { withMember(handle, orElse: -EINVAL) { Int32($0.slot) } }
 
 private let steeringNames: [Steering: StaticString] = [.ebpf: "ebpf", .classicBPF: "classicBPF", .kernelHash: "kernelHash"]
 
 @_cdecl("reuseportlb_steering")
-public func reuseportlb_steering(_ handle: OpaquePointer) -> UnsafePointer<CChar> {
-    let name = steeringNames[member(handle).steering]!
-    return UnsafeRawPointer(name.utf8Start).assumingMemoryBound(to: CChar.self)
+public func reuseportlb_steering(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    withMember(handle, orElse: nil) { member in
+        // The steering really in force: a member forced in without eBPF may have replaced it.
+        UnsafeRawPointer(steeringNames[member.steeringInForce]!.utf8Start).assumingMemoryBound(to: CChar.self)
+    }
 }
 
 @_cdecl("reuseportlb_is_replaced")
-public func reuseportlb_is_replaced(_ handle: OpaquePointer) -> Int32 { member(handle).isReplaced ? 1 : 0 }
+public func reuseportlb_is_replaced(_ handle: OpaquePointer?) -> Int32 {
+    withMember(handle, orElse: -EINVAL) { $0.isReplaced ? 1 : 0 }
+}
 
 @_cdecl("reuseportlb_queued_bytes")
-public func reuseportlb_queued_bytes(_ handle: OpaquePointer) -> Int64 {
-    do {
-        return Int64(try member(handle).socketStatistics().queuedBytes)
-    } catch {
-        return Int64(code(of: error))
+public func reuseportlb_queued_bytes(_ handle: OpaquePointer?) -> Int64 {
+    withMember(handle, orElse: Int64(-EINVAL)) { member in
+        do throws(ReusePortError) {
+            return Int64(try member.socketStatistics().queuedBytes)
+        } catch {
+            return Int64(code(of: error))
+        }
     }
 }
 
@@ -102,8 +127,8 @@ public struct CCounters {
 }
 
 @_cdecl("reuseportlb_counters")
-public func reuseportlb_counters(_ handle: OpaquePointer, _ out: UnsafeMutableRawPointer?) -> Int32 {
-    guard let out else { return -EINVAL }
+public func reuseportlb_counters(_ handle: OpaquePointer?, _ out: UnsafeMutableRawPointer?) -> Int32 {
+    guard let handle, let out else { return -EINVAL }
     do {
         let counters = try member(handle).counters()
         out.storeBytes(
@@ -118,12 +143,25 @@ public func reuseportlb_counters(_ handle: OpaquePointer, _ out: UnsafeMutableRa
 }
 
 @_cdecl("reuseportlb_owner")
-public func reuseportlb_owner(_ handle: OpaquePointer, _ source: UnsafePointer<CChar>?, _ slot: UnsafeMutablePointer<Int32>?) -> Int32 {
-    guard let source, let slot, let address = IPAddress(String(cString: source)) else { return -EINVAL }
+public func reuseportlb_owner(
+    _ handle: OpaquePointer?, _ source: UnsafePointer<CChar>?, _ port: UInt16, _ slot: UnsafeMutablePointer<Int32>?
+) -> Int32 {
+    guard let handle, let source, let slot, let address = IPAddress(String(cString: source)) else { return -EINVAL }
     do {
-        guard let owner = try member(handle).owner(of: address) else { return -ENOENT }
+        // The port matters for fiveTuple only (owner(of:port:) ignores it otherwise).
+        guard let owner = try member(handle).owner(of: address, port: port) else { return -ENOENT }
         slot.pointee = Int32(owner)
         return 0
+    } catch {
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_withdraw")
+public func reuseportlb_withdraw(_ handle: OpaquePointer?) -> Int32 {
+    guard let handle else { return -EINVAL }
+    do {
+        return try member(handle).withdraw() ? 0 : -EOPNOTSUPP
     } catch {
         return code(of: error)
     }

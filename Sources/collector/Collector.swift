@@ -13,11 +13,13 @@ struct Collector: ParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Receive UDP datagrams as one member of a steered SO_REUSEPORT group.",
         discussion: """
-            Run several on one address and port with different indexes. On exit (SIGINT, SIGTERM, \
-            --duration, or after handing its slot over) it prints one JSON line: per-source counts, \
-            totals, loss and reordering (from the publisher's sequence numbers), one-way latency \
-            percentiles (from its send times), the steering in \
-            force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
+            Run several on one address and port with different indexes. On SIGINT, SIGTERM or at the \
+            end of --duration it withdraws its slot (its sources fail over to the others), reads \
+            what is queued, and exits (as after handing its slot over); then it prints one JSON line: \
+            per-source counts of every datagram (the first --max-sources sources; the rest in \
+            other_sources), totals, loss and reordering (from the publisher's sequence numbers; not \
+            with roundRobin, which spreads each source), one-way latency percentiles (from its \
+            send times), the steering in force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
             """)
 
     @Argument(help: "Address to bind (IPv4 or IPv6).") var ip: String
@@ -34,8 +36,26 @@ struct Collector: ParsableCommand {
     var statsInterval: Double = 0
     @Flag(help: "Take the slot over from the collector holding it (zero-loss handover); that one drains and exits.")
     var takeover = false
+    @Flag(help: "Join even where this collector replaces the group's steering for every member (no eBPF in an eBPF group; sockets of another bpffs on the address).")
+    var force = false
     @Option(help: "SO_RCVBUF in bytes (0: system default).") var rcvbuf: Int = 0
     @Option(help: "Datagrams per recvmmsg call.") var batch: Int = 64
+    @Option(help: "Where bpffs is mounted (eBPF steering pins the group under <bpffs>/reuseportlb).")
+    var bpffs: String = "/sys/fs/bpf"
+    @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
+    var maxSources: Int = 1000
+
+    /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
+    /// option errors.
+    static func main() {
+        switch CommandLineNumbers.rewrite(
+            Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "index", "count"],
+            flags: ["--takeover", "--force", "--help"])
+        {
+        case .failure(let message): exit(withError: ValidationError(message.text))
+        case .success(let arguments): main(arguments)
+        }
+    }
 
     func validate() throws {
         guard let policy = BalancePolicy(rawValue: policy) else {
@@ -45,8 +65,16 @@ struct Collector: ParsableCommand {
         guard SteeringPreference(rawValue: steering) != nil else {
             throw ValidationError("unknown steering '\(steering)': use \(SteeringPreference.allCases.map(\.rawValue).joined(separator: ", "))")
         }
+        if ip.contains("%") {
+            throw ValidationError("'\(ip)': scoped IPv6 addresses (with %interface) are not supported: bind a global or unique-local address, or ::")
+        }
         guard IPAddress(ip) != nil else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        guard port != 0 else { throw ValidationError(ReusePortError.portZeroReason) }
+        guard rcvbuf >= 0 else { throw ValidationError("--rcvbuf must not be negative (0: system default)") }
+        guard duration >= 0 else { throw ValidationError("--duration must not be negative (0: run until SIGINT/SIGTERM)") }
+        guard statsInterval >= 0 else { throw ValidationError("--stats-interval must not be negative (0: never)") }
         guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
+        guard (0...1_000_000).contains(maxSources) else { throw ValidationError("--max-sources must be 0...1000000") }
     }
 
     func run() throws {
@@ -54,7 +82,8 @@ struct Collector: ParsableCommand {
         let address = SocketAddress(ip: IPAddress(ip)!, port: port)
         let options = GroupOptions(
             policy: BalancePolicy(rawValue: policy)!, capacity: count, seed: seed,
-            steering: SteeringPreference(rawValue: steering)!, receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil)
+            steering: SteeringPreference(rawValue: steering)!, bpffsRoot: bpffs,
+            receiveBufferSize: rcvbuf > 0 ? rcvbuf : nil, force: force)
         let member: ReusePortMember
         do {
             member = try ReusePortMember(joining: address, slot: takeover ? .takeover(index) : .index(index), options: options)
@@ -66,7 +95,7 @@ struct Collector: ParsableCommand {
         if let note = member.steeringNote { line += " note=\"\(note)\"" }
         printError(line)
 
-        var run = Run(member: member, batch: batch)
+        var run = Run(member: member, batch: batch, maxSources: maxSources)
         run.loop(duration: duration, statsInterval: statsInterval)
         print(run.report())
         member.leave()
@@ -77,45 +106,69 @@ struct Collector: ParsableCommand {
 struct Run {
     let member: ReusePortMember
     let receiver: BatchReceiver
-    var sources: [SourceKey: SourceTally] = [:]
+    var sources: SourceTable<SourceKey>
     var received: UInt64 = 0
     var bytes: UInt64 = 0
     var truncated: UInt64 = 0
     var foreign: UInt64 = 0
     var replaced = false
+    /// The slot was taken out of selection at the stop.
+    var withdrawn = false
+    /// The steering serving the group as last seen (another member may have replaced ours).
+    var steeringInForce: Steering
     var latency = LatencyHistogram()
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
 
-    init(member: ReusePortMember, batch: Int) {
+    init(member: ReusePortMember, batch: Int, maxSources: Int) {
         self.member = member
+        sources = SourceTable(limit: maxSources)
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
         started = clock.now
+        steeringInForce = member.steeringInForce
     }
 
+    /// Receives until stopped (signal or --duration) or replaced, then drains: a stop first
+    /// withdraws the slot (its sources fail over to live members), then both read until the
+    /// queue is empty and nothing new came for a quiet period, so a stop loses nothing.
     mutating func loop(duration: Double, statsInterval: Double) {
         let deadline = duration > 0 ? started + .milliseconds(Int64(duration * 1000)) : nil
         var nextStats = statsInterval > 0 ? started + .milliseconds(Int64(statsInterval * 1000)) : nil
         var nextReplacementCheck = started
         var lastDatagram = started
+        // Set once no new datagram is expected: (since when, how long the queue must stay quiet).
+        var draining: (since: ContinuousClock.Instant, quiet: Duration)?
         var pollDescriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
-        while shim_stop_requested() == 0 {
+        while true {
             let now = clock.now
-            if let deadline, now >= deadline { break }
+            if draining == nil && (shim_stop_requested() != 0 || deadline.map { now >= $0 } == true) {
+                draining = (now, .milliseconds(100))
+                withdraw()
+            }
             if let due = nextStats, now >= due {
                 printError("collector slot \(member.slot): received \(received)")
                 nextStats = due + .milliseconds(Int64(statsInterval * 1000))
             }
             if now >= nextReplacementCheck {
                 nextReplacementCheck = now + .milliseconds(20)
-                if !replaced && member.isReplaced {
+                let inForce = member.steeringInForce
+                if inForce != steeringInForce {
+                    printError("collector slot \(member.slot): the group's steering changed from \(steeringInForce) to \(inForce) (a member was forced in)")
+                    steeringInForce = inForce
+                }
+                if !replaced && draining == nil && member.isReplaced {
                     replaced = true
+                    draining = (now, .milliseconds(200))
                     printError("collector slot \(member.slot): slot taken over, draining")
                 }
-                // Drained: nothing queued and nothing new for 200 ms after the handover.
-                if replaced, now - lastDatagram >= .milliseconds(200),
-                    (try? member.socketStatistics().queuedBytes) == 0
-                {
+            }
+            if let (since, quiet) = draining {
+                // Drained: nothing queued and nothing new for the quiet period.
+                if now - lastDatagram >= quiet, now - since >= quiet, (try? member.socketStatistics().queuedBytes) == 0 {
+                    break
+                }
+                if now - since >= .seconds(2) {
+                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to?): closing; later datagrams to this socket are lost")
                     break
                 }
             }
@@ -135,16 +188,32 @@ struct Run {
         }
     }
 
+    /// Takes the slot out of selection before the drain, saying so (or why it cannot).
+    mutating func withdraw() {
+        do {
+            withdrawn = try member.withdraw()
+            if withdrawn {
+                printError("collector slot \(member.slot): stopping: slot withdrawn, draining")
+            } else {
+                printError("collector slot \(member.slot): stopping: \(member.steering) steering cannot withdraw a slot; datagrams that arrive before the socket closes are lost")
+            }
+        } catch {
+            printError("collector slot \(member.slot): stopping: withdraw failed (\(error)); datagrams that arrive before the socket closes are lost")
+        }
+    }
+
     mutating func record(_ index: Int) {
         let payload = receiver.payload(index)
         received += 1
         bytes += UInt64(payload.count)
         if receiver.isTruncated(index) { truncated += 1 }
+        let source = SourceKey(receiver.sourceStorage(index))
         guard let header = Payload.read(payload) else {
             foreign += 1
+            sources.record(source, sequence: nil)
             return
         }
-        sources[SourceKey(receiver.sourceStorage(index)), default: SourceTally()].record(sequence: header.sequence)
+        sources.record(source, sequence: header.sequence)
         if let sentAt = header.sentAt {
             let now = Payload.monotonicNanoseconds()
             latency.record(nanoseconds: now > sentAt ? now - sentAt : 0)
@@ -156,26 +225,38 @@ struct Run {
         json.add("address", member.address.description)
         json.add("slot", member.slot)
         json.add("policy", member.options.policy.rawValue)
-        json.add("steering", member.steering.rawValue)
+        json.add("steering", steeringInForce.rawValue)
         json.add("steering_note", member.steeringNote)
         json.add("replaced", replaced)
+        json.add("withdrawn", withdrawn)
         json.add("received", received)
         json.add("bytes", bytes)
         json.add("truncated", truncated)
         json.add("foreign", foreign)
-        json.add("lost", sources.values.reduce(0) { $0 + $1.lost })
-        json.add("reordered", sources.values.reduce(0) { $0 + $1.reordered })
+        // Loss and reordering from sequence numbers mean something only where every datagram
+        // of a source reaches one collector: not with roundRobin, which spreads each source.
+        let sequenceChecks = member.options.policy != .roundRobin
+        if sequenceChecks {
+            json.add("lost", sources.tallies.values.reduce(0) { $0 + $1.lost })
+            json.add("reordered", sources.tallies.values.reduce(0) { $0 + $1.reordered })
+        }
         json.add("socket_drops", (try? member.socketStatistics().drops).map(UInt64.init) ?? UInt64(receiver.socketDrops))
         json.add("seconds", (clock.now - started).seconds)
         var perSource = JSONObject()
-        for (key, tally) in sources.sorted(by: { $0.key < $1.key }) {
+        for (key, tally) in sources.tallies.sorted(by: { $0.key < $1.key }) {
             var entry = JSONObject()
             entry.add("packets", tally.packets)
-            entry.add("lost", tally.lost)
-            entry.add("reordered", tally.reordered)
+            if sequenceChecks && tally.sequenced > 0 {
+                entry.add("lost", tally.lost)
+                entry.add("reordered", tally.reordered)
+            }
             perSource.add(key.description, entry)
         }
         json.add("sources", perSource)
+        var other = JSONObject()
+        other.add("packets", sources.otherPackets)
+        other.add("limit", sources.limit)
+        json.add("other_sources", other)
         if latency.samples > 0 {
             var summary = JSONObject()
             summary.add("samples", latency.samples)

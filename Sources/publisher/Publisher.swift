@@ -33,7 +33,22 @@ struct Publisher: ParsableCommand {
     @Flag(help: "Send each batch as one UDP GSO message (UDP_SEGMENT): the same datagrams at far less CPU, for saturating a receiver.")
     var gso = false
 
+    /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
+    /// option errors.
+    static func main() {
+        switch CommandLineNumbers.rewrite(
+            Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "count"], flags: ["--gso", "--help"])
+        {
+        case .failure(let message): exit(withError: ValidationError(message.text))
+        case .success(let arguments): main(arguments)
+        }
+    }
+
     func validate() throws {
+        for text in [ip, sources ?? ""] where text.contains("%") {
+            throw ValidationError("'\(text)': scoped IPv6 addresses (with %interface) are not supported: use global or unique-local addresses")
+        }
+        guard port != 0 else { throw ValidationError("destination port 0 is not valid: use 1...65535") }
         guard let destination = IPAddress(ip) else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
         let maximum = destination.family == AF_INET ? 65507 : 65527
         guard (Payload.headerSize...maximum).contains(size) else {
@@ -83,6 +98,13 @@ struct Publisher: ParsableCommand {
         var sentBySource = [UInt64](repeating: 0, count: senders.count)
         var sent: UInt64 = 0
         var errors: UInt64 = 0
+        // A send error is retried (ENOBUFS, a full queue, pass), but not forever: after
+        // `maximumFailures` failed sends in a row or 2 s without a successful one, the
+        // publisher stops with the error.
+        let maximumFailures = 1000
+        var failuresInARow = 0
+        var lastSuccess = start
+        var lastError: Int32 = 0
         // Each source's share of count, the first (count % sources) sending one more.
         let quota = (0..<senders.count).map { UInt64(count / senders.count + ($0 < count % senders.count ? 1 : 0)) }
         var source = 0
@@ -103,6 +125,19 @@ struct Publisher: ParsableCommand {
             sent += UInt64(result.sent)
             errors += UInt64(result.failed)
             source = (source + 1) % senders.count
+            if result.sent > 0 {
+                failuresInARow = 0
+                lastSuccess = clock.now
+            }
+            if result.failed > 0 {
+                failuresInARow += 1
+                lastError = result.errno
+                if failuresInARow >= maximumFailures || clock.now - lastSuccess >= .seconds(2) {
+                    printError("publisher: giving up after \(failuresInARow) failed sends in a row (\(sent) sent): \(SystemCallError(call: "sendmmsg to \(destination)", errno: lastError))")
+                    throw ExitCode(1)
+                }
+                sleep(for: .microseconds(200))  // a failing send returns at once: do not spin
+            }
         }
         let seconds = (clock.now - start).seconds
         var json = JSONObject()
@@ -170,9 +205,10 @@ struct BatchSender {
         }
     }
 
-    /// Sends `count` datagrams numbered from `firstSequence`; returns how many went out and how
-    /// many failed (a failure ends the batch: the rest are not sent and are not counted as sent).
-    mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int) {
+    /// Sends `count` datagrams numbered from `firstSequence`; returns how many went out, how
+    /// many failed (a failure ends the batch: the rest are not sent and are not counted as sent)
+    /// and the failure's errno.
+    mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int, errno: Int32) {
         for index in 0..<count {
             Payload.write(into: buffers.baseAddress! + index * size, capacity: size, source: source, sequence: firstSequence + UInt64(index))
         }
@@ -187,8 +223,8 @@ struct BatchSender {
                 header.msg_iovlen = 1
                 shim_set_udp_segment(&header, control, UInt16(size))
                 while true {
-                    if sendmsg(fd, &header, 0) >= 0 { return (count, 0) }
-                    if errno != EINTR { return (0, 1) }
+                    if sendmsg(fd, &header, 0) >= 0 { return (count, 0, 0) }
+                    if errno != EINTR { return (0, 1, errno) }
                 }
             }
         }
@@ -197,10 +233,10 @@ struct BatchSender {
             let result = shim_sendmmsg(fd, headers + done, UInt32(count - done), 0)
             if result < 0 {
                 if errno == EINTR { continue }
-                return (done, 1)
+                return (done, 1, errno)
             }
             done += Int(result)
         }
-        return (done, 0)
+        return (done, 0, 0)
     }
 }

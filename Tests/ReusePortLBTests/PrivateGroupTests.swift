@@ -136,8 +136,39 @@ struct PrivateGroupTests {
         #expect(throws: ReusePortError.noLiveMember(address)) { try second.activate() }
         let successor = try second.join(slot: 0)
         try second.activate()
+        #expect(try successor.withdraw() == true)
+        #expect(try successor.liveSlots() == [], "a private member withdraws from its group's map")
         member.leave()
         successor.leave()
+    }
+
+    @Test("Without eBPF: a classic private group steers by source at activate(); a kernel-hash one detaches that program")
+    func withoutEBPF() throws {
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let classic = try ReusePortGroup(privateTo: address, options: .init(capacity: 2, steering: .classicBPF))
+        #expect(classic.steering == .classicBPF)
+        let classicMembers = try (0..<2).map { try classic.join(slot: $0) }
+        #expect(throws: ReusePortError.slotInUse(slot: 1)) { try classic.join(slot: 1) }
+        try classic.activate()
+        let sources = loopbackSources(40)
+        for source in sources { try send(from: source, to: address, count: 2) }
+        let received = drain(classicMembers)
+        #expect(received.flatMap(\.values).reduce(0, +) == 80)
+        #expect(ownerBySource(received).count == 40, "each source on one member")
+        #expect(received.allSatisfy { !$0.isEmpty }, "both members used")
+        // The classic program belongs to the kernel's group, which lives while any socket of it
+        // does: the successor joins before the classic members leave. With three sockets left,
+        // the classic program (modulo 2) would never pick the third.
+        let hashed = try ReusePortGroup(privateTo: address, options: .init(capacity: 3, steering: .kernelHash))
+        let hashedMembers = try (0..<3).map { try hashed.join(slot: $0) }
+        try hashed.activate()
+        for member in classicMembers { member.leave() }
+        for source in sources { try send(from: source, to: address) }
+        let spread = drain(hashedMembers)
+        #expect(spread.flatMap(\.values).reduce(0, +) == 40)
+        #expect(spread.allSatisfy { !$0.isEmpty }, "the kernel hash reaches all three: \(spread.map(\.count))")
+        #expect(throws: ReusePortError.countersUnavailable(.kernelHash)) { try hashedMembers[0].counters() }
+        for member in hashedMembers { member.leave() }
     }
 
     @Test("An address another process (a child) already serves: the error names its pid and command")

@@ -103,6 +103,63 @@ struct ProcessTests {
         #expect(Set(old.object("sources").keys) == Set(reports[2].object("sources").keys), "the successor got exactly slot 1's sources")
     }
 
+    @Test("SIGTERM of a collector under 30k pps: its slot is withdrawn, its queue drained, nothing lost")
+    func losslessStop() throws {
+        let port = freePort()
+        let options = ["--rcvbuf", "8388608"]
+        let children = try collectors(port, count: 3, extra: options)
+        let publisher = try Child("publisher", ["127.0.0.1", String(port), "60000", "--sources", "127.0.3.10-127.0.3.69", "--rate", "30000"])
+        usleep(700_000)
+        let stopped = try children[1].stop()  // mid-stream: the publisher runs for 2 s
+        #expect(publisher.wait(seconds: 30) == 0)
+        let sent = try publisher.json().int("sent")
+        #expect(sent == 60000)
+        usleep(300_000)
+        let reports = try [children[0].stop(), children[2].stop(), stopped]
+        #expect(stopped.int("received") > 0, "the stopped collector had received its share before")
+        #expect(stopped["withdrawn"] as? Bool == true)
+        #expect(reports.allSatisfy { $0.int("socket_drops") == 0 }, "receive queues overflowed")
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == sent, "delivered == sent: \(reports.map { $0.int("received") })")
+        #expect(reports[0].object("kernel").int("failed_over") > 0, "the stopped collector's sources failed over")
+    }
+
+    @Test("Per-source counts for every datagram, also not the publisher's; bounded by --max-sources with an other bucket")
+    func everySourceCounted() throws {
+        let port = freePort()
+        let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
+        let collector = try collectors(port, count: 1, extra: ["--max-sources", "10"])[0]
+        let sources = (10..<40).map { "127.0.6.\($0)" }
+        for source in sources { try send(from: source, to: address, count: 2) }  // not the publisher's payload
+        #expect(try publish(port, count: 20, sources: "127.0.6.10-127.0.6.11").int("sent") == 20)
+        usleep(200_000)
+        let report = try collector.stop()
+        #expect(report.int("received") == 80)
+        #expect(report.int("foreign") == 60)
+        let listed = report.object("sources")
+        #expect(listed.count == 10, "bounded at --max-sources: \(listed.keys.sorted())")
+        #expect(Set(listed.keys) == Set(sources.prefix(10)), "the first sources seen are kept")
+        #expect(listed.values.compactMap { ($0 as? [String: Any])?.int("packets") }.reduce(0, +) == 40, "10 sources x 2, and the publisher's 20")
+        #expect((listed["127.0.6.10"] as? [String: Any])?.int("packets") == 12)
+        #expect((listed["127.0.6.10"] as? [String: Any])?.int("lost") == 0, "sequence checks where the payload is the publisher's")
+        #expect((listed["127.0.6.12"] as? [String: Any])?["lost"] == nil, "no sequence check without the publisher's header")
+        #expect(report.object("other_sources").int("packets") == 40, "the 20 sources past the bound, 2 datagrams each")
+    }
+
+    @Test("roundRobin: no lost/reordered (one source is spread over members), totals still add up")
+    func roundRobinReportsNoLoss() throws {
+        let port = freePort()
+        let children = try collectors(port, count: 3, extra: ["--policy", "roundRobin"])
+        #expect(try publish(port, count: 3000, sources: "127.0.6.50").int("sent") == 3000)
+        usleep(200_000)
+        let reports = try children.map { try $0.stop() }
+        #expect(reports.map { $0.int("received") }.reduce(0, +) == 3000)
+        for report in reports {
+            #expect(report["lost"] == nil && report["reordered"] == nil, "\(report)")
+            let entry = report.object("sources").object("127.0.6.50")
+            #expect(entry.int("packets") == report.int("received") && entry["lost"] == nil)
+        }
+    }
+
     @Test("Without CAP_BPF (uid nobody, no capabilities): classic BPF steering, still one collector per source")
     func unprivileged() throws {
         // A copy of the binary nobody can execute, wherever the checkout is.
@@ -192,6 +249,10 @@ struct LifecycleTests {
         let result = try run(binary, [String(freePort())])
         #expect(result.status == 0, "\(result.output)")
         #expect(result.output.contains("received=40 misplaced=0 selected=40 steering=ebpf"), "\(result.output)")
+        // The installed library carries a SONAME, and the program recorded it.
+        let library = prefix.appendingPathComponent("lib/libreuseportlb.so.0").path
+        #expect(try run("/usr/bin/readelf", ["-d", library]).output.contains("Library soname: [libreuseportlb.so.0]"))
+        #expect(try run("/usr/bin/readelf", ["-d", binary]).output.contains("Shared library: [libreuseportlb.so.0]"))
     }
 
     /// Joins two members, sends 2 datagrams from each of 20 sources, checks each datagram
@@ -208,7 +269,7 @@ struct LifecycleTests {
 
         int main(int argc, char **argv) {
             uint16_t port = (uint16_t)atoi(argv[1]);
-            char error[256];
+            char error[REUSEPORTLB_ERROR_MAX];
             reuseportlb_member *m[2];
             for (int i = 0; i < 2; i++) {
                 if (reuseportlb_join("127.0.0.1", port, i, 2, REUSEPORTLB_SOURCE_IP, &m[i], error, sizeof error) != 0) {
@@ -242,17 +303,85 @@ struct LifecycleTests {
                     char address[32];
                     int owner = -1;
                     inet_ntop(AF_INET, &from.sin_addr, address, sizeof address);
-                    if (reuseportlb_owner(m[i], address, &owner) != 0 || owner != reuseportlb_slot(m[i])) misplaced++;
+                    if (reuseportlb_owner(m[i], address, ntohs(from.sin_port), &owner) != 0 || owner != reuseportlb_slot(m[i])) misplaced++;
                     received++;
                     length = sizeof from;
                 }
             }
             struct reuseportlb_counters counters;
             if (reuseportlb_counters(m[0], &counters) != 0) return 1;
+            /* withdraw m[1]: every source now reaches m[0] */
+            if (reuseportlb_withdraw(m[1]) != 0) { fprintf(stderr, "withdraw failed\\n"); return 1; }
+            int fd = socket(AF_INET, SOCK_DGRAM, 0);
+            struct sockaddr_in to = { .sin_family = AF_INET, .sin_port = htons(port) };
+            inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+            for (int k = 0; k < 20; k++) {
+                struct sockaddr_in from = { .sin_family = AF_INET };
+                char address[32];
+                snprintf(address, sizeof address, "127.0.5.%d", k + 10);
+                inet_pton(AF_INET, address, &from.sin_addr);
+                int s = socket(AF_INET, SOCK_DGRAM, 0);
+                bind(s, (struct sockaddr *)&from, sizeof from);
+                sendto(s, "again", 5, 0, (struct sockaddr *)&to, sizeof to);
+                close(s);
+            }
+            close(fd);
+            usleep(100000);
+            int after = 0;
+            char buffer[64];
+            while (recv(reuseportlb_socket(m[0]), buffer, sizeof buffer, MSG_DONTWAIT) > 0) after++;
+            if (after != 20 || reuseportlb_queued_bytes(m[1]) != 0) { fprintf(stderr, "after withdraw: %d at m[0]\\n", after); return 1; }
             printf("received=%d misplaced=%d selected=%llu steering=%s\\n", received, misplaced,
                    (unsigned long long)counters.selected, reuseportlb_steering(m[0]));
             reuseportlb_leave(m[0]);
             reuseportlb_leave(m[1]);
+            /* Bad input: -EINVAL with a message, never a crash. */
+            rc = reuseportlb_join("127.0.0.1", 0, 0, 2, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EINVAL || strstr(error, "port 0") == NULL) { fprintf(stderr, "port 0: %d %s\\n", rc, error); return 1; }
+            rc = reuseportlb_join("fe80::1%lo", port, 0, 2, REUSEPORTLB_SOURCE_IP, &extra, error, sizeof error);
+            if (rc != -EINVAL || strstr(error, "scoped") == NULL) { fprintf(stderr, "scoped: %d %s\\n", rc, error); return 1; }
+            struct reuseportlb_counters unused;
+            int owner = -1;
+            if (reuseportlb_socket(NULL) != -EINVAL || reuseportlb_slot(NULL) != -EINVAL || reuseportlb_steering(NULL) != NULL
+                || reuseportlb_is_replaced(NULL) != -EINVAL || reuseportlb_queued_bytes(NULL) != -EINVAL
+                || reuseportlb_counters(NULL, &unused) != -EINVAL || reuseportlb_owner(NULL, "127.0.0.1", 0, &owner) != -EINVAL
+                || reuseportlb_withdraw(NULL) != -EINVAL) { fprintf(stderr, "a NULL handle was not -EINVAL\\n"); return 1; }
+            reuseportlb_leave(NULL);
+            /* fiveTuple: one address, many ports; the owner with the port names the receiver. */
+            reuseportlb_member *f[2];
+            for (int i = 0; i < 2; i++) {
+                if (reuseportlb_join("127.0.0.1", port, i, 2, REUSEPORTLB_FIVE_TUPLE, &f[i], error, sizeof error) != 0) {
+                    fprintf(stderr, "join fiveTuple: %s\\n", error);
+                    return 1;
+                }
+            }
+            int fiveReceived = 0, fiveMisplaced = 0, used[2] = {0, 0};
+            for (int p = 0; p < 30; p++) {
+                int s = socket(AF_INET, SOCK_DGRAM, 0);
+                struct sockaddr_in from = { .sin_family = AF_INET, .sin_port = htons(42000 + p) }, to = { .sin_family = AF_INET, .sin_port = htons(port) };
+                inet_pton(AF_INET, "127.0.0.9", &from.sin_addr);
+                inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+                if (bind(s, (struct sockaddr *)&from, sizeof from) != 0) { perror("bind"); return 1; }
+                sendto(s, "five", 4, 0, (struct sockaddr *)&to, sizeof to);
+                close(s);
+                usleep(2000);
+                int expected = -1;
+                if (reuseportlb_owner(f[0], "127.0.0.9", 42000 + p, &expected) != 0) return 1;
+                char buffer[16];
+                for (int i = 0; i < 2; i++) {
+                    while (recv(reuseportlb_socket(f[i]), buffer, sizeof buffer, MSG_DONTWAIT) > 0) {
+                        fiveReceived++;
+                        used[i] = 1;
+                        if (reuseportlb_slot(f[i]) != expected) fiveMisplaced++;
+                    }
+                }
+            }
+            reuseportlb_leave(f[0]);
+            reuseportlb_leave(f[1]);
+            if (fiveReceived != 30 || fiveMisplaced != 0 || !used[0] || !used[1]) {
+                fprintf(stderr, "fiveTuple: received %d misplaced %d\\n", fiveReceived, fiveMisplaced);
+                return 1;
+            }
             return received == 40 && misplaced == 0 ? 0 : 1;
         }
         """

@@ -144,6 +144,43 @@ struct SteeringTests {
         #expect(drain(members).flatMap(\.values).reduce(0, +) == 10)
     }
 
+    @Test("Withdraw: the slot leaves selection at once, its sources fail over, what was queued stays to be read")
+    func withdraw() throws {
+        let (address, members) = try group(3)
+        let sources = loopbackSources(60)
+        for source in sources { try send(from: source, to: address) }
+        // Queued, not yet read: member 1's share stays on its socket after the withdraw.
+        let queuedOnOne = try sources.filter { try members[0].owner(of: IPAddress($0)!) == 1 }.count
+        #expect(queuedOnOne > 0)
+        #expect(try members[1].withdraw() == true)
+        #expect(try members[0].liveSlots() == [0, 2])
+        #expect(try members[1].withdraw() == true, "withdrawing twice is fine")
+        for source in sources { try send(from: source, to: address) }
+        let received = drain(members)
+        #expect(received[1].values.reduce(0, +) == queuedOnOne, "only what was queued before the withdraw")
+        #expect(received.flatMap(\.values).reduce(0, +) == 120, "nothing lost")
+        #expect(try members[0].counters().failedOver == UInt64(queuedOnOne))
+        let classic = try ReusePortMember(
+            joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: .init(capacity: 1, steering: .classicBPF))
+        #expect(try classic.withdraw() == false, "classic BPF cannot take a socket out")
+    }
+
+    @Test("Every member withdrawn, a new member recreates the group: the old members' leave keeps the new pins")
+    func withdrawnThenRecreated() throws {
+        let (address, members) = try group(2)
+        for member in members { #expect(try member.withdraw()) }
+        let directory = BPFFilesystem(root: "/sys/fs/bpf").groupDirectory(for: address)
+        let successor = try ReusePortMember(joining: address, slot: .index(0), options: members[0].options)
+        for member in members { member.leave() }
+        #expect(BPFFilesystem.exists(directory + "/members"), "the successor's pins stay")
+        try send(from: "127.0.0.9", to: address, count: 3)
+        #expect(drain([successor])[0]["127.0.0.9"] == 3)
+        let counters = try successor.counters()
+        #expect(counters.deliveredBySlot[0] == 3 && counters.fallback == 0, "the new program steered them: \(counters)")
+        successor.leave()
+        #expect(!BPFFilesystem.exists(directory))
+    }
+
     @Test("Handover in process: the new socket gets new datagrams, the old one keeps what it queued")
     func handover() throws {
         let (address, members) = try group(2)

@@ -80,6 +80,38 @@ struct UnitTests {
         var tally = SourceTally()
         for sequence: UInt64 in [0, 1, 3, 2, 6] { tally.record(sequence: sequence) }
         #expect(tally.packets == 5 && tally.lost == 2 && tally.reordered == 1)
+        tally.recordUnsequenced()
+        #expect(tally.packets == 6 && tally.sequenced == 5 && tally.lost == 2, "a datagram without a sequence is counted, not checked")
+    }
+
+    @Test("Negative numbers on a command line: option values joined with '=', positionals named")
+    func commandLineNumbers() {
+        let names = ["ip", "port", "count"]
+        let flags: Set<String> = ["--gso"]
+        func rewrite(_ arguments: [String]) -> Result<[String], CommandLineNumbers.Message> {
+            CommandLineNumbers.rewrite(arguments, positionals: names, flags: flags)
+        }
+        #expect(rewrite(["::1", "5", "10", "--rate", "-5"]) == .success(["::1", "5", "10", "--rate=-5"]))
+        #expect(rewrite(["--rate", "-0.5", "::1", "5", "10"]) == .success(["--rate=-0.5", "::1", "5", "10"]))
+        #expect(rewrite(["::1", "--gso", "-3", "10"]) == .failure(.init(text: "<port> must not be negative (got -3)")))
+        #expect(rewrite(["::1", "5", "-10"]) == .failure(.init(text: "<count> must not be negative (got -10)")))
+        #expect(rewrite(["::1", "5", "10", "-h"]) == .success(["::1", "5", "10", "-h"]), "a short option is not a number")
+        #expect(rewrite(["--", "-1"]) == .success(["--", "-1"]), "after -- everything is left alone")
+    }
+
+    @Test("Source table: exact for the first `limit` sources, the rest in one other count")
+    func sourceTable() {
+        var table = SourceTable<String>(limit: 2)
+        for (source, sequence) in [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("d", 0), ("c", 1)] {
+            table.record(source, sequence: UInt64(sequence))
+        }
+        table.record("b", sequence: nil)
+        #expect(table.tallies.keys.sorted() == ["a", "b"])
+        #expect(table.tallies["a"]?.packets == 2 && table.tallies["b"]?.packets == 2)
+        #expect(table.otherPackets == 3)
+        var none = SourceTable<String>(limit: 0)
+        none.record("a", sequence: nil)
+        #expect(none.tallies.isEmpty && none.otherPackets == 1)
     }
 
     @Test("Socket addresses parse and print", arguments: ["127.0.0.1:9000", "[2001:db8::1]:514", "[::1]:1"])

@@ -13,7 +13,7 @@
 
 /* Bumped whenever a map layout or the meaning of a config field changes: a member of another
  * layout version refuses to join a group created by this one instead of misreading its maps. */
-#define RPLB_LAYOUT_VERSION 4
+#define RPLB_LAYOUT_VERSION 5
 
 /* The largest group the program serves: the size of the counter map, and the bound of the
  * kernel program's slot scan. */
@@ -85,7 +85,16 @@ struct rplb_config {
 	__u32 capacity;       /* slots in the members map, 1...RPLB_MAX_MEMBERS */
 	__u32 table_size;     /* entries of the lookup table in use, <= RPLB_TABLE_SIZE */
 	__u32 seed;           /* hash seed chosen by userspace */
-	__u32 reserved;
+	__u32 steering_override; /* enum rplb_override: 0 while this group's program is attached */
+};
+
+/* Written into the config map by a member that was explicitly forced to replace the group's
+ * eBPF program (userspace only: the program never reads it), so every other member can report
+ * the steering really in force. A member that attaches the program again resets it. */
+enum rplb_override {
+	RPLB_OVERRIDE_NONE = 0,
+	RPLB_OVERRIDE_CLASSIC_BPF = 1,
+	RPLB_OVERRIDE_KERNEL_HASH = 2,
 };
 
 /* Murmur3-style 32-bit hash over up to four 32-bit words (an IPv4 address is one word, an
