@@ -24,7 +24,9 @@ struct ForwardingTests {
         let metrics = SocketAddress("127.0.0.1:19090")!
         #expect(try httpGet(metrics, "/readyz") == (200, "ready\n"))
         #expect(try httpGet(metrics, "/healthz") == (200, "ok\n"))
-        let sent = try run("/bin/sh", ["-c", "for i in $(seq 1 10); do echo \"test-packet-$i\" | nc -u -w0 127.0.0.1 19000; done"])
+        // The reference runs `nc -u -w0`; netcat-openbsd's -w0 may exit before it has read stdin,
+        // sending nothing (seen under load: 5 of 10 reached a plain socket). -q0 sends, then quits.
+        let sent = try run("/bin/sh", ["-c", "for i in $(seq 1 10); do echo \"test-packet-$i\" | nc -u -q0 127.0.0.1 19000; done"])
         #expect(sent.status == 0, "\(sent.output)")
         let received = sinks.map { $0.drain() }
         let payloads = received.flatMap { $0 }.map { String(decoding: $0, as: UTF8.self) }
