@@ -253,7 +253,18 @@ public final class ReusePortMember: @unchecked Sendable {
         _ address: SocketAddress, _ steering: Steering, _ options: GroupOptions, _ filesystem: BPFFilesystem
     ) throws(ReusePortError) -> GroupObjects? {
         let directory = filesystem.groupDirectory(for: address)
-        guard BPFFilesystem.exists(directory + "/config"), let group = try? GroupObjects.open(directory: directory) else {
+        guard BPFFilesystem.exists(directory + "/config") else { return nil }
+        let group: GroupObjects
+        do {
+            group = try GroupObjects.open(directory: directory)
+        } catch {
+            // Pins exist but cannot be opened (e.g. EPERM without CAP_BPF where unprivileged
+            // bpf() is disabled): an eBPF group may run there; joining would silently replace it.
+            guard options.force else {
+                throw .steeringConflict(
+                    group: address, running: "an eBPF group whose pins this process cannot open (\(error))",
+                    requested: steering)
+            }
             return nil
         }
         let live = group.liveSlots()
@@ -343,13 +354,16 @@ public final class ReusePortMember: @unchecked Sendable {
     /// the sockets still bound, so its drain ends only when it stops reading.
     /// - Returns: true if the slot is out of selection (or was already: replaced, withdrawn);
     ///   false with classic BPF or the kernel hash, which address sockets by position or hash
-    ///   and cannot take one out: there, datagrams arriving between the last read and the close
-    ///   are lost.
+    ///   and cannot take one out, and false while a member forced in without eBPF serves the
+    ///   group (its program ignores the map): there, datagrams arriving between the last read
+    ///   and the close are lost.
     /// - Throws: ``ReusePortError`` if the bpffs lock or the map delete fails.
     public func withdraw() throws(ReusePortError) -> Bool {
         guard let objects else { return false }
         let lock = try filesystem?.lock()
         defer { if let lock { close(lock) } }
+        // A member forced in without eBPF replaced the program: the map steers nothing now.
+        guard objects.steeringOverride() == UInt32(RPLB_OVERRIDE_NONE.rawValue) else { return false }
         guard objects.cookie(inSlot: slot) == cookie else { return true }
         do {
             try objects.remove(slot: slot)

@@ -163,8 +163,10 @@ struct Run {
                 }
             }
             if let (since, quiet) = draining {
-                // Drained: nothing queued and nothing new for the quiet period.
-                if now - lastDatagram >= quiet, now - since >= quiet, (try? member.socketStatistics().queuedBytes) == 0 {
+                // Drained: nothing new for the quiet period and nothing queued (where SO_MEMINFO
+                // cannot be read, the quiet period alone decides).
+                let queued = (try? member.socketStatistics().queuedBytes) ?? 0
+                if now - lastDatagram >= quiet, now - since >= quiet, queued == 0 {
                     break
                 }
                 if now - since >= .seconds(2) {

@@ -193,6 +193,7 @@ struct ConfigHardeningTests {
         #expect(try filter("udp_fanout") == .level(.trace))
         #expect(try filter("error, udp-fanout=off ") == .off)
         #expect(throws: LogDirectives.Invalid.self) { try filter("udp_fanout=loud") }
+        #expect(try filter("hyper=bogus,warn") == .level(.warning), "another target's bad level is not ours")
         #expect(throws: LogDirectives.Invalid.self) { try filter(nil, "chatty") }
     }
 }

@@ -75,6 +75,7 @@ struct FlowOrderTests {
         defer { daemon.shutdown() }
         let numbers = try sendAndCollect(bind: bind, sink: sink, count: 4_000)
         #expect(numbers.count == 4_000, "nothing lost")
+        #expect(inversions(numbers) > 0, "the flow was spread over several workers")
         let config = try ConfigParser.parse("listeners:\n" + listenerYAML("x", bind: bind, [sink]).replacingOccurrences(of: "      workers: 1\n", with: "      workers: 1\n      worker_steering: source_ip\n"))
         #expect(config.listeners[0].settings.workerSteering == .sourceIP)
     }

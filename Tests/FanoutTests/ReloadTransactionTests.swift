@@ -54,7 +54,7 @@ struct ReloadTransactionTests {
         #expect(sinkA.drain().count == 10, "a moved to the second")
     }
 
-    @Test("Settings reloads (workers, batch_size, recv_buf_size) under 20k pps lose nothing")
+    @Test("Settings reloads (workers, batch_size, recv_buf_size) under 20k pps lose nothing (eBPF worker steering)", .enabled(if: Privileges.enabled, Privileges.reason))
     func settingsUnderLoad() throws {
         let sinks = try (0..<2).map { _ in try Sink() }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())

@@ -30,6 +30,10 @@ protocol RunningListener: AnyObject, Sendable {
     /// Takes over the steering of its bind (userspace: its group's program, so a previous
     /// instance on the bind gets nothing new); nothing for tc_ebpf, which steers once registered.
     func activate() throws(DaemonError)
+    /// True when ``activate()`` steers every new datagram away from a previous instance on the
+    /// bind (eBPF). Classic BPF picks sockets by position, where the previous instance's come
+    /// first: such a listener is activated only after its predecessor stopped.
+    var takesOverExactly: Bool { get }
     /// Swaps the downstreams and balancing in place, without losing datagrams.
     func update(downstreams: [Downstream], balancing: Balancing)
     /// Stops forwarding and releases everything the listener holds.
@@ -126,10 +130,12 @@ public final class FanoutDaemon: Sendable {
     ///    what their sockets still hold.
     private func transition(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         let oldByName = Dictionary(old.listeners.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
+        let running = state.withLock { $0.listeners }
         var fresh: [Listener] = []
         var inPlace: [Listener] = []
         for listener in new.listeners {
-            if let previous = oldByName[listener.name], previous.socketShape == listener.socketShape {
+            // A listener that is not running (lost in a failed change) starts again, even unchanged.
+            if let previous = oldByName[listener.name], previous.socketShape == listener.socketShape, running[listener.name] != nil {
                 if previous != listener { inPlace.append(listener) }
             } else {
                 fresh.append(listener)
@@ -137,7 +143,6 @@ public final class FanoutDaemon: Sendable {
         }
         let staying = Set(new.listeners.map(\.name)).subtracting(fresh.map(\.name))
         let retiring = old.listeners.filter { !staying.contains($0.name) }
-        let running = state.withLock { $0.listeners }
 
         // tc_ebpf listeners that must be gone before their successors register.
         let freshTC = fresh.filter { $0.mode == .tcEBPF }
@@ -150,9 +155,21 @@ public final class FanoutDaemon: Sendable {
         for listener in stopFirst { running[listener.name]?.shutdown() }
 
         var started: [String: any RunningListener] = [:]
+        var activateLater: [Listener] = []
         do {
             for listener in fresh { started[listener.name] = try makeListener(listener) }
-            for listener in fresh { try started[listener.name]!.activate() }
+            for listener in fresh {
+                let instance = started[listener.name]!
+                let predecessor = retiring.contains { $0.mode == .userspace && FanoutConfig.overlaps($0.bind, listener.bind) }
+                if predecessor && !instance.takesOverExactly {
+                    logger.warning("without eBPF worker steering the old workers on this bind keep receiving until they stop; datagrams reaching them as they close are lost and not counted (grant CAP_BPF for lossless changes)", metadata: [
+                        "listener": "\(listener.name)", "bind": "\(listener.bind)",
+                    ])
+                    activateLater.append(listener)
+                } else {
+                    try instance.activate()
+                }
+            }
         } catch {
             for instance in started.values { instance.shutdown() }
             // The old userspace groups take their binds back (a new group may have activated).
@@ -196,6 +213,15 @@ public final class FanoutDaemon: Sendable {
             running[listener.name]?.shutdown()
             if !staying.contains(listener.name) && !freshNames.contains(listener.name) {
                 logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
+            }
+        }
+        for listener in activateLater {
+            do {
+                try started[listener.name]!.activate()
+            } catch {
+                logger.error("listener could not take its bind over: the kernel's hash spreads its datagrams over its workers", metadata: [
+                    "listener": "\(listener.name)", "error": "\(error)",
+                ])
             }
         }
     }
@@ -261,14 +287,13 @@ public final class FanoutDaemon: Sendable {
             logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "\(error)"])
             return false
         }
-        var failures: [String] = []
         if old.metrics != new.metrics {
             // The endpoint service binds the new address before it closes the old one; if that
             // bind fails it keeps the old one and logs it. Listeners are reloaded either way.
             _ = state.withLock { $0.endpoint }?.yield(new.metrics)
         }
         reloadsOK.wrappingAdd(1, ordering: .relaxed)
-        logger.info("configuration loaded", metadata: ["listeners": "\(new.listeners.count)", "reload": "true", "failures": "\(failures.count)"])
+        logger.info("configuration loaded", metadata: ["listeners": "\(new.listeners.count)", "reload": "true"])
         return true
     }
 
@@ -286,6 +311,7 @@ public final class FanoutDaemon: Sendable {
 
 extension TCListener {
     func activate() throws(DaemonError) {}
+    var takesOverExactly: Bool { true }
 }
 
 /// Reads a whole file as UTF-8.

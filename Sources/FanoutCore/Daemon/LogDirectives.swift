@@ -40,8 +40,11 @@ public enum LogDirectives {
                     }
                     continue
                 }
+                // Another target's directive does not concern this program, even a bad one
+                // (tracing ignores directives it cannot read).
+                guard Self.isOurs(pieces[0]) else { continue }
                 guard let level = Self.level(pieces[1]) else { throw Invalid(directive: part) }
-                if Self.isOurs(pieces[0]) { ours = level }
+                ours = level
             }
             if let chosen = ours ?? global { return chosen }
             // Only other targets named: this program logs at the flag's level.

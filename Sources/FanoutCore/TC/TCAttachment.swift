@@ -85,8 +85,16 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         case .clsact(let createdQdisc):
             var hook = Self.hook(ifindex)
             var options = Self.filterOptions()
-            bpf_tc_detach(&hook, &options)
-            if createdQdisc { Self.destroyQdiscIfUnused(ifindex, interface: interface, logger: logger) }
+            let detached = bpf_tc_detach(&hook, &options)
+            if detached != 0 && detached != -ENOENT {
+                // Our filter stays on the interface: say so, with the command that removes it.
+                logger.error("could not detach the tc_ebpf filter; remove it by hand", metadata: [
+                    "interface": "\(interface)", "error": "\(SystemCallError(call: "bpf_tc_detach", errno: -detached))",
+                    "command": "tc filter del dev \(interface) ingress handle 0x\(String(options.handle, radix: 16)) prio \(options.priority) bpf",
+                ])
+            } else if createdQdisc {
+                Self.destroyQdiscIfUnused(ifindex, interface: interface, logger: logger)
+            }
         }
         Self.release(lock: lock, path: lockPath)
     }

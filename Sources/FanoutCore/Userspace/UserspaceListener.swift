@@ -67,6 +67,10 @@ final class UserspaceListener: RunningListener {
         }
     }
 
+    /// eBPF steering selects only this group's sockets; classic BPF and the kernel hash cannot
+    /// exclude a previous group's.
+    var takesOverExactly: Bool { group.steering == .ebpf }
+
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
     func update(downstreams: [Downstream], balancing: Balancing) {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters))
