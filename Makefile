@@ -23,7 +23,7 @@ test: setup
 
 # The full reliability suite (make test runs its short form); figures in docs/reliability.md.
 reliability: setup
-	@RELIABILITY=full scripts/test.sh --filter 'Reliability|HTTPEndpoint|TCFuzz'
+	@RELIABILITY=full scripts/test.sh --filter 'Reliability|HTTPEndpoint|TCPacketFuzz'
 
 bench:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh

@@ -9,6 +9,7 @@ package struct Capabilities: Sendable {
     package static let sysAdmin = 21
     package static let netAdmin = 12
     package static let bpf = 39
+    package static let perfmon = 38
 
     package static func current() -> Capabilities {
         guard let file = fopen("/proc/self/status", "r") else { return Capabilities(effective: 0) }
@@ -28,6 +29,10 @@ package struct Capabilities: Sendable {
 
     /// CAP_BPF, or CAP_SYS_ADMIN which implies it on older kernels.
     package var canLoadBPF: Bool { has(Self.bpf) || has(Self.sysAdmin) }
+
+    /// CAP_PERFMON (or CAP_SYS_ADMIN): the verifier allows pointer arithmetic on packet and
+    /// map-value pointers only with it ("pointer arithmetic ... prohibited for !root").
+    package var canUsePointerArithmetic: Bool { has(Self.perfmon) || has(Self.sysAdmin) }
 }
 
 extension StringProtocol {

@@ -19,17 +19,9 @@ enum Reliability {
     }
 }
 
-/// A small deterministic generator (SplitMix64): a failure names its seed.
-struct SeededRandom: RandomNumberGenerator {
-    var state: UInt64
-    mutating func next() -> UInt64 {
-        state &+= 0x9E37_79B9_7F4A_7C15
-        var z = state
-        z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-        z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-        return z ^ (z >> 31)
-    }
-}
+/// The fuzz tests' SplitMix64 generator, usable with the standard library's random APIs.
+extension TCPacketFuzzTests.Generator: RandomNumberGenerator {}
+typealias SeededRandom = TCPacketFuzzTests.Generator
 
 /// Mutates configuration files the ways a hand, an editor or a fuzzer breaks them.
 struct ConfigMutator {
@@ -113,7 +105,7 @@ struct ConfigReliabilityTests {
     func inProcess() throws {
         let count = Reliability.scale(3_000, 50_000)
         var mutator = ConfigMutator(random: SeededRandom(state: 0x5EED_0001))
-        var (valid, invalid) = (0, 0)
+        var (valid, invalid, named) = (0, 0, 0)
         var keys: [String: Int] = [:]
         let started = ContinuousClock.now
         for index in 0..<count {
@@ -123,13 +115,14 @@ struct ConfigReliabilityTests {
                 valid += 1
             } catch {
                 invalid += 1
+                if Self.namesKeyOrLine(error) { named += 1 }
                 keys[error.key.split(separator: "[").first.map(String.init) ?? error.key, default: 0] += 1
                 #expect(Self.namesKeyOrLine(error), "#\(index): \(error)")
                 #expect(!error.description.contains("\n") && error.description.unicodeScalars.allSatisfy { $0.value >= 0x20 && $0.value != 0x7f }, "#\(index): \(error.description.debugDescription)")
             }
         }
-        let named = keys.filter { $0.value > 1 }.sorted { $0.value > $1.value }.prefix(8).map { "\($0.key) \($0.value)" }
-        Reliability.report("config fuzz in-process: \(count) mutated files, \(valid) valid, \(invalid) refused with a key or line, in \(ContinuousClock.now - started); most named: \(named.joined(separator: ", "))")
+        let common = keys.filter { $0.value > 1 }.sorted { $0.value > $1.value }.prefix(8).map { "\($0.key) \($0.value)" }
+        Reliability.report("config fuzz in-process: \(count) mutated files, \(valid) valid, \(invalid) refused (\(named) naming a key or line), in \(ContinuousClock.now - started); most named: \(common.joined(separator: ", "))")
     }
 
     @Test("Mutated configurations through udp-fanout --check: exit 0 or 2, one error line, no crash, no hang")
@@ -296,6 +289,14 @@ struct DatagramReliabilityTests {
         let received = receivers.map { $0.finish().count }
         #expect(sent == total)
         #expect(received.reduce(0, +) == sent, "nothing lost across \(hangups) SIGHUPs: \(received)")
+        // Every SIGHUP taken is answered (applied or rejected) before the counters are read.
+        let answered = { () -> Bool in
+            let log = daemon.stderr
+            let taken = log.components(separatedBy: "SIGHUP: reloading").count - 1
+            let done = log.components(separatedBy: "reload=true").count - 1 + log.components(separatedBy: "configuration reload rejected").count - 1
+            return taken == done
+        }
+        for _ in 0..<100 where !answered() { usleep(50_000) }
         let text = try httpGet(metrics, "/metrics").1
         let ok = metric(text, "udp_fanout_config_reloads_total", "result=\"ok\"") ?? 0
         let rejected = metric(text, "udp_fanout_config_reloads_total", "result=\"rejected\"") ?? 0

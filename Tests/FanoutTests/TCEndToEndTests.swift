@@ -259,7 +259,7 @@ struct TCEndToEndTests {
         #expect(Self.received(reports) == [100, 200], "\(Self.received(reports))")
     }
 
-    @Test("Without CAP_BPF and CAP_NET_ADMIN: one clear error at start, exit status 1, nothing attached")
+    @Test("Without CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON: one clear error at start, exit status 1, nothing attached")
     func withoutCapabilities() throws {
         let file = try Self.write("""
             listeners:
@@ -273,7 +273,7 @@ struct TCEndToEndTests {
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"])
         #expect(daemon.wait() == 1)
-        #expect(daemon.stderr.contains("tc_ebpf needs CAP_BPF and CAP_NET_ADMIN"), "\(daemon.stderr)")
+        #expect(daemon.stderr.contains("tc_ebpf needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON"), "\(daemon.stderr)")
         let programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
         #expect(!programs.contains("fanout_tc"))
     }

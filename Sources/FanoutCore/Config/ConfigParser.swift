@@ -150,13 +150,19 @@ struct Fields {
         }
         var pairs: [(String, Node)] = []
         for (key, value) in mapping {
-            guard let name = key.string else { throw ConfigError(path, "keys must be strings", line: key.mark?.line) }
+            guard let name = key.string else {
+                throw ConfigError(path.isEmpty ? "(document)" : path, "keys must be strings (a key here is a list or a mapping)", line: key.mark?.line)
+            }
             pairs.append((name, value))
         }
         self.pairs = pairs
     }
 
-    func key(_ name: String) -> String { path.isEmpty ? name : "\(path).\(name)" }
+    /// The full path of `name`; an empty key shows as `""`, so an error never names nothing.
+    func key(_ name: String) -> String {
+        let shown = name.isEmpty ? "\"\"" : name
+        return path.isEmpty ? shown : "\(path).\(shown)"
+    }
 
     func error(_ name: String, _ problem: String) -> ConfigError {
         ConfigError(key(name), problem, line: self[name]?.mark?.line ?? node.mark?.line)

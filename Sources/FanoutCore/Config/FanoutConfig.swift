@@ -63,7 +63,7 @@ public struct Listener: Equatable, Sendable {
 public enum Mode: String, Sendable, CaseIterable {
     /// Worker threads with recvmmsg/sendmmsg on a ReusePortLB group. Needs no privilege.
     case userspace
-    /// In-kernel DNAT, fib lookup and redirect at tc ingress. Needs CAP_BPF and CAP_NET_ADMIN.
+    /// In-kernel DNAT, fib lookup and redirect at tc ingress. Needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON.
     case tcEBPF = "tc_ebpf"
     /// XDP to AF_XDP sockets (not in this release).
     case afXDP = "af_xdp"

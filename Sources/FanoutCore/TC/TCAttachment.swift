@@ -274,7 +274,8 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
     public var description: String {
         switch self {
         case .privileges(let missing):
-            return "tc_ebpf needs \(missing.joined(separator: " and ")): run as root, or grant them (e.g. systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN, or setcap cap_bpf,cap_net_admin+ep udp-fanout)"
+            let list = missing.count > 1 ? missing.dropLast().joined(separator: ", ") + " and " + missing.last! : missing.joined()
+            return "tc_ebpf needs \(list) (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON): run as root, or grant them (e.g. systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON, or setcap cap_bpf,cap_net_admin,cap_perfmon+ep udp-fanout)"
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .interfaceBusy(let name, let path):

@@ -30,6 +30,8 @@ final class TCDataplane: Sendable {
         var missing: [String] = []
         if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
         if !capabilities.has(Capabilities.netAdmin) { missing.append("CAP_NET_ADMIN") }
+        // The program rewrites packets through computed pointers: the verifier wants CAP_PERFMON.
+        if !capabilities.canUsePointerArithmetic { missing.append("CAP_PERFMON") }
         guard missing.isEmpty else { throw .privileges(missing: missing) }
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
