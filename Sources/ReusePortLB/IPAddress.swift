@@ -153,3 +153,16 @@ public struct SocketAddress: Hashable, Sendable, CustomStringConvertible {
         }
     }
 }
+
+extension IPAddress {
+    /// Why `text` is not an address the tools take, naming the fix; nil when it parses. Scoped
+    /// IPv6 addresses (`fe80::1%eth0`) are refused with a hint: a group or a downstream needs
+    /// an address that means the same on every interface.
+    public static func problem(parsing text: String) -> String? {
+        if IPAddress(text) != nil { return nil }
+        if text.contains("%") {
+            return "'\(text)': scoped IPv6 addresses (fe80::1%eth0) are not supported: use a global or unique-local address (ip -6 addr show), or ::"
+        }
+        return "'\(text)' is not an IPv4 or IPv6 address"
+    }
+}

@@ -38,7 +38,7 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
         case .slotOutOfRange(let slot, let capacity):
             return "slot \(slot) is out of range for a group of capacity \(capacity) (valid: 0...\(capacity - 1))"
         case .slotInUse(let slot):
-            return "slot \(slot) is held by a live member; choose another index, or take it over (handover)"
+            return "slot \(slot) is held by a live member; choose another index, or take it over (SlotRequest.takeover, collector --takeover, reuseportlb_takeover)"
         case .groupFull(let capacity):
             return "every slot of the group (capacity \(capacity)) is held by a live member"
         case .groupSettingsMismatch(let group, let existing, let requested):

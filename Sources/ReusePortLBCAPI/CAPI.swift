@@ -43,12 +43,8 @@ private func join(
         return -EINVAL
     }
     let text = String(cString: ip)
-    guard !text.contains("%") else {
-        writeMessage("'\(text)': scoped IPv6 addresses (with %interface) are not supported: bind a global or unique-local address, or ::", errorBuffer, errorSize)
-        return -EINVAL
-    }
     guard let address = IPAddress(text) else {
-        writeMessage("'\(text)' is not an IPv4 or IPv6 address", errorBuffer, errorSize)
+        writeMessage(IPAddress.problem(parsing: text) ?? "", errorBuffer, errorSize)
         return -EINVAL
     }
     let policies: [Int32: BalancePolicy] = [0: .sourceIP, 1: .roundRobin, 2: .fiveTuple]

@@ -27,7 +27,7 @@ struct Collector: ParsableCommand {
     @Argument(help: "This collector's slot index, 0...count-1.") var index: Int
     @Argument(help: "The group's capacity (number of slots).") var count: Int
 
-    @Option(help: "Balancing policy: sourceIP, roundRobin or fiveTuple (the group creator's wins).")
+    @Option(help: "Balancing policy: sourceIP, roundRobin or fiveTuple (must be the group's if it exists).")
     var policy: String = "sourceIP"
     @Option(help: "Steering: automatic, ebpf, classicBPF or kernelHash.") var steering: String = "automatic"
     @Option(help: "Hash seed of the consistent table (every member must use the same).") var seed: UInt32?
@@ -65,10 +65,7 @@ struct Collector: ParsableCommand {
         guard SteeringPreference(rawValue: steering) != nil else {
             throw ValidationError("unknown steering '\(steering)': use \(SteeringPreference.allCases.map(\.rawValue).joined(separator: ", "))")
         }
-        if ip.contains("%") {
-            throw ValidationError("'\(ip)': scoped IPv6 addresses (with %interface) are not supported: bind a global or unique-local address, or ::")
-        }
-        guard IPAddress(ip) != nil else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        if let problem = IPAddress.problem(parsing: ip) { throw ValidationError(problem) }
         guard port != 0 else { throw ValidationError(ReusePortError.portZeroReason) }
         guard rcvbuf >= 0 else { throw ValidationError("--rcvbuf must not be negative (0: system default)") }
         guard duration >= 0 else { throw ValidationError("--duration must not be negative (0: run until SIGINT/SIGTERM)") }

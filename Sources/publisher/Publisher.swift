@@ -45,11 +45,9 @@ struct Publisher: ParsableCommand {
     }
 
     func validate() throws {
-        for text in [ip, sources ?? ""] where text.contains("%") {
-            throw ValidationError("'\(text)': scoped IPv6 addresses (with %interface) are not supported: use global or unique-local addresses")
-        }
+        if let text = sources, text.contains("%"), let problem = IPAddress.problem(parsing: text) { throw ValidationError(problem) }
         guard port != 0 else { throw ValidationError("destination port 0 is not valid: use 1...65535") }
-        guard let destination = IPAddress(ip) else { throw ValidationError("'\(ip)' is not an IPv4 or IPv6 address") }
+        guard let destination = IPAddress(ip) else { throw ValidationError(IPAddress.problem(parsing: ip) ?? "") }
         let maximum = destination.family == AF_INET ? 65507 : 65527
         guard (Payload.headerSize...maximum).contains(size) else {
             throw ValidationError("--size must be \(Payload.headerSize)...\(maximum) for this address family")

@@ -24,7 +24,7 @@ struct UDPFanout: AsyncParsableCommand {
     @Option(name: [.customShort("c"), .long], help: "Path to the YAML configuration file.")
     var config = "config.yaml"
 
-    @Option(name: [.customShort("l"), .customLong("log-level")], help: "trace, debug, info, warn or error.")
+    @Option(name: [.customShort("l"), .customLong("log-level")], help: "trace, debug, info, warn, error or off.")
     var logLevel = "info"
 
     @Flag(help: "Validate the configuration, print a summary and exit (0 valid, 2 invalid).")
@@ -71,7 +71,8 @@ struct UDPFanout: AsyncParsableCommand {
         logger.info("configuration loaded", metadata: ["listeners": "\(parsed.listeners.count)", "path": "\(config)"])
         if check {
             // Interfaces, forwarding, routes and binds, checked without binding, loading or attaching.
-            let problems = Preflight.problems(parsed)
+            let (problems, notes) = Preflight.check(parsed)
+            for note in notes { printError("udp-fanout: note: \(note)") }
             guard problems.isEmpty else {
                 for problem in problems { printError("udp-fanout: \(problem)") }
                 throw ExitCode(2)

@@ -89,13 +89,30 @@ struct ReloadTransactionTests {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("second-\(UUID().uuidString).yaml")
         try ("listeners:\n" + listenerYAML("two", bind: bind, [sink])).write(to: file, atomically: true, encoding: .utf8)
         defer { try? FileManager.default.removeItem(at: file) }
+        // Another program (here the test process) on the bind: --check says so first.
         let check = try Child("udp-fanout", ["--check", "-c", file.path])
         #expect(check.wait(seconds: 10) == 2)
-        #expect(check.stderr.contains("listeners[0].bind: \(bind) is already served by another process (pid \(getpid())"), "--check says so first: \(check.stderr)")
+        #expect(check.stderr.contains("listeners[0].bind: \(bind) is already served by another process (pid \(getpid())"), "\(check.stderr)")
         let second = try Child("udp-fanout", ["-c", file.path])
         #expect(second.wait(seconds: 10) == 1)
         #expect(second.stderr.contains("already served by another process (pid \(getpid())"), "\(second.stderr)")
         try sendNumbered(to: bind, count: 10)
         #expect(sink.drain().count == 10, "the first one still forwards everything")
+    }
+
+    @Test("--check of the file a running udp-fanout serves (before its SIGHUP): a note, exit 0")
+    func checkBeforeReload() throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("served-\(UUID().uuidString).yaml")
+        try ("listeners:\n" + listenerYAML("served", bind: bind, [sink])).write(to: file, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        try daemon.waitFor("entering receive loop")
+        let check = try Child("udp-fanout", ["--check", "-c", file.path])
+        #expect(check.wait(seconds: 10) == 0, "\(check.stderr)")
+        #expect(check.stderr.contains("note: listeners[0].bind: \(bind) is already served by another process (pid \(daemon.process.processIdentifier), udp-fanout): fine if that is the daemon this file reloads"), "\(check.stderr)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
     }
 }

@@ -213,7 +213,8 @@ struct Fields {
         guard let text = try string(name) else { return nil }
         guard let address = SocketAddress(text) else {
             if text.contains("%") {
-                throw error(name, "'\(text)': scoped IPv6 addresses (fe80::1%eth0) are not supported: use a global or unique-local address of the interface (ip -6 addr show)")
+                let host = text.hasPrefix("[") ? String(text.dropFirst().prefix { $0 != "]" }) : text
+                throw error(name, IPAddress.problem(parsing: host) ?? "'\(text)' is not an address with a port")
             }
             throw error(name, "'\(text)' is not an address with a port (e.g. 0.0.0.0:9000 or [2001:db8::1]:9000)")
         }

@@ -88,7 +88,11 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
                 do {
                     current = try await start(initial.bind, in: &group)
                 } catch {
-                    logger.error("metrics server error", metadata: ["bind": "\(initial.bind)", "error": "\(error)"])
+                    // Cancelled while starting (the forwarding service failed and the group
+                    // stops): not an endpoint problem, so no error that names a wrong fix.
+                    if !Task.isCancelled {
+                        logger.error("metrics server error", metadata: ["bind": "\(initial.bind)", "error": "\(error)"])
+                    }
                     throw error
                 }
             }
