@@ -12,6 +12,11 @@ package enum BoundSockets {
         package var inode: UInt64
         package var pid: Int32?
         package var command: String?
+
+        /// "pid 4242, udp-fanout", or what is known.
+        package var owner: String {
+            pid.map { "pid \($0)\(command.map { ", \($0)" } ?? "")" } ?? "another user or namespace"
+        }
     }
 
     /// The sockets bound to exactly `address` (the kernel's grouping key) in this thread's
@@ -26,6 +31,41 @@ package enum BoundSockets {
         return others.map { inode in
             let pid = owners[inode]
             return Foreign(inode: inode, pid: pid, command: pid.flatMap(command(of:)))
+        }
+    }
+
+    /// Sockets of other processes on the same family and port whose address overlaps
+    /// `address` without being it: the wildcard when `address` is specific (this bind takes
+    /// their datagrams to `address`), or any specific address when `address` is the wildcard
+    /// (they take the datagrams to theirs). The kernel delivers to the most specific bind.
+    package static func foreign(overlapping address: SocketAddress) -> [(bound: SocketAddress, owner: Foreign)] {
+        let isV4 = address.ip.family == AF_INET
+        let port = ":" + hex(UInt32(address.port), width: 4)
+        let oursIsWildcard = address.ip.bytes.allSatisfy { $0 == 0 }
+        var candidates: [(SocketAddress, UInt64)] = []
+        for line in lines(of: "/proc/thread-self/net/" + (isV4 ? "udp" : "udp6")).dropFirst() {
+            let fields = line.split(separator: " ", omittingEmptySubsequences: true)
+            guard fields.count > 9, fields[1].hasSuffix(port), let inode = UInt64(fields[9]), inode != 0 else { continue }
+            let text = fields[1].dropLast(port.count)
+            var bytes: [UInt8] = []
+            var index = text.startIndex
+            while index < text.endIndex, let end = text.index(index, offsetBy: 8, limitedBy: text.endIndex),
+                var value = UInt32(text[index..<end], radix: 16)
+            {
+                withUnsafeBytes(of: &value) { bytes += $0 }
+                index = end
+            }
+            guard let ip = IPAddress(bytes: bytes), ip != address.ip else { continue }
+            guard oursIsWildcard != ip.bytes.allSatisfy({ $0 == 0 }) else { continue }
+            candidates.append((SocketAddress(ip: ip, port: address.port), inode))
+        }
+        guard !candidates.isEmpty else { return [] }
+        let own = socketInodes(ofProcess: "self")
+        let others = candidates.filter { !own.contains($0.1) }
+        let owners = owners(of: Set(others.map(\.1)))
+        return others.map { bound, inode in
+            let pid = owners[inode]
+            return (bound, Foreign(inode: inode, pid: pid, command: pid.flatMap(command(of:))))
         }
     }
 

@@ -115,4 +115,30 @@ struct ReloadTransactionTests {
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
     }
+
+    @Test("A bind overlapping another process's socket (wildcard against specific) is warned about at start and by --check, both ways")
+    func overlappingBinds() throws {
+        let sink = try Sink()
+        let port = freePort()
+        for (ours, theirs, words) in [("0.0.0.0", "127.0.0.1", "go to it, not to this listener"), ("127.0.0.1", "0.0.0.0", "this listener takes the datagrams")] {
+            // SO_REUSEPORT, as another udp-fanout's sockets have: without it the kernel refuses
+            // the overlapping bind itself (EADDRINUSE), which is loud already.
+            let other = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+            defer { close(other) }
+            var one: Int32 = 1
+            setsockopt(other, SOL_SOCKET, SO_REUSEPORT, &one, 4)
+            try #require(SocketAddress(ip: IPAddress(theirs)!, port: port).withSockAddr { Glibc.bind(other, $0, $1) } == 0)
+            let file = FileManager.default.temporaryDirectory.appendingPathComponent("overlap-\(UUID().uuidString).yaml")
+            try ("listeners:\n" + listenerYAML("o", bind: SocketAddress(ip: IPAddress(ours)!, port: port), [sink])).write(to: file, atomically: true, encoding: .utf8)
+            defer { try? FileManager.default.removeItem(at: file) }
+            let check = try Child("udp-fanout", ["--check", "-c", file.path])
+            #expect(check.wait(seconds: 10) == 0)
+            #expect(check.stderr.contains("note: listeners[0].bind: ") && check.stderr.contains(words), "\(check.stderr)")
+            let daemon = try Child("udp-fanout", ["-c", file.path])
+            try daemon.waitFor("entering receive loop")
+            #expect(daemon.stderr.contains("bind overlaps another process's socket") && daemon.stderr.contains("pid \(getpid())"), "\(daemon.stderr)")
+            daemon.signal(SIGTERM)
+            #expect(daemon.wait() == 0)
+        }
+    }
 }

@@ -10,9 +10,9 @@ public enum Preflight {
         var problems = TCPreflight.preflight(config)
         var notes: [String] = []
         for (index, listener) in config.listeners.enumerated() where listener.mode == .userspace {
+            for overlap in SocketOverlap.warnings(listener.bind) { notes.append("listeners[\(index)].bind: \(overlap)") }
             guard let other = BoundSockets.foreign(on: listener.bind).first else { continue }
-            let owner = other.pid.map { "pid \($0)\(other.command.map { ", \($0)" } ?? "")" } ?? "another user or namespace"
-            let text = "listeners[\(index)].bind: \(listener.bind) is already served by another process (\(owner))"
+            let text = "listeners[\(index)].bind: \(listener.bind) is already served by another process (\(other.owner))"
             if other.command == "udp-fanout" {
                 // Most likely the daemon this file is about to reload (`--check` before SIGHUP).
                 notes.append(text + ": fine if that is the daemon this file reloads; a second daemon on this bind would be refused")
@@ -21,5 +21,18 @@ public enum Preflight {
             }
         }
         return (problems, notes)
+    }
+}
+
+/// Another process's socket on a bind that overlaps a listener's (wildcard against specific):
+/// the kernel gives each datagram to the most specific bind, so one of the two silently gets
+/// nothing for that address. Said at start and by `--check`.
+enum SocketOverlap {
+    static func warnings(_ bind: SocketAddress) -> [String] {
+        BoundSockets.foreign(overlapping: bind).map { other in
+            FanoutConfig.isUnspecified(bind.ip)
+                ? "\(other.bound) is bound by another process (\(other.owner.owner)): datagrams to \(other.bound) go to it, not to this listener"
+                : "another process (\(other.owner.owner)) listens on \(other.bound): this listener takes the datagrams to \(bind) from it"
+        }
     }
 }

@@ -37,6 +37,9 @@ final class UserspaceListener: RunningListener {
                 throw error
             }
         }
+        for overlap in SocketOverlap.warnings(config.bind) {
+            logger.warning("bind overlaps another process's socket", metadata: ["listener": "\(config.name)", "overlap": "\(overlap)"])
+        }
         if let note = group.steeringNote {
             logger.warning("worker steering fallback", metadata: ["listener": "\(config.name)", "note": "\(note)"])
         }
