@@ -77,7 +77,7 @@ print("demo: where each source landed (1000 datagrams per source per round)")
 for r in reports:
     own = sorted(s for s, v in r["sources"].items() if v["packets"] == 2000)
     moved = sorted(s for s, v in r["sources"].items() if v["packets"] == 1000)
-    print(f"  collector slot {r['slot']} ({r['steering']}): {r['received']} datagrams, lost {r['lost']}, socket drops {r['socket_drops']}")
+    print(f"  collector slot {r['slot']} ({r['steering']}): {r['received']} datagrams, lost {r.get('lost', 'unknown (several senders per address)')}, socket drops {r['socket_drops']}")
     print(f"    its own sources, both rounds: {', '.join(own)}")
     print(f"    failed over from slot 1 in round 2: {', '.join(moved) or '-'}")
 k = reports[0]["kernel"]

@@ -26,8 +26,16 @@ public struct SourceTally: Sendable, Equatable {
         packets += 1
     }
 
+    /// More sequenced datagrams than numbers between the lowest and highest: the sequences of
+    /// several senders share this address (a proxy in between, or publishers run one after
+    /// another), so ``lost`` and ``reordered`` mean nothing here.
+    public var isMixed: Bool {
+        sequenced > 0 && sequenced > highest - lowest + 1
+    }
+
     /// Sequence numbers between the lowest and highest seen that never arrived. Meaningful only
-    /// where every datagram of a source reaches one collector (not with roundRobin).
+    /// where every datagram of a source reaches one collector (not with roundRobin) and the
+    /// source is one sender (not ``isMixed``).
     public var lost: UInt64 {
         guard sequenced > 0 else { return 0 }
         let span = highest - lowest + 1

@@ -235,9 +235,13 @@ struct Run {
         // Loss and reordering from sequence numbers mean something only where every datagram
         // of a source reaches one collector: not with roundRobin, which spreads each source.
         let sequenceChecks = member.options.policy != .roundRobin
-        if sequenceChecks {
+        let mixed = sources.tallies.values.contains { $0.isMixed }
+        if sequenceChecks && !mixed {
             json.add("lost", sources.tallies.values.reduce(0) { $0 + $1.lost })
             json.add("reordered", sources.tallies.values.reduce(0) { $0 + $1.reordered })
+        } else if sequenceChecks {
+            // Saying 0 here would hide loss: say why there is no figure instead.
+            json.add("sequence_note", "several senders' sequence numbers share a source address (a proxy such as udp-fanout in between, or publishers run one after another): loss and reordering unknown; compare the publishers' sent with received")
         }
         json.add("socket_drops", (try? member.socketStatistics().drops).map(UInt64.init) ?? UInt64(receiver.socketDrops))
         json.add("seconds", (clock.now - started).seconds)
@@ -245,7 +249,9 @@ struct Run {
         for (key, tally) in sources.tallies.sorted(by: { $0.key < $1.key }) {
             var entry = JSONObject()
             entry.add("packets", tally.packets)
-            if sequenceChecks && tally.sequenced > 0 {
+            if sequenceChecks && tally.isMixed {
+                entry.add("mixed", true)
+            } else if sequenceChecks && tally.sequenced > 0 {
                 entry.add("lost", tally.lost)
                 entry.add("reordered", tally.reordered)
             }

@@ -76,7 +76,11 @@ struct ProcessTests {
             let kernel = restored.object("kernel")
             #expect(kernel.int("failed_over") == 10 * failedOver.count)
             #expect(kernel.int("fallback") == 0)
-            #expect((survivors + [restored]).allSatisfy { $0.int("lost") == 0 && $0.int("socket_drops") == 0 })
+            #expect((survivors + [restored]).allSatisfy { $0.int("socket_drops") == 0 })
+            // Three publisher runs from the same sources restart the sequences: the survivors say
+            // so instead of a meaningless "lost 0"; the restored one saw one run.
+            #expect(survivors.allSatisfy { $0["lost"] == nil && $0["sequence_note"] != nil }, "\(survivors)")
+            #expect(restored.int("lost") == 0)
         }
     }
 

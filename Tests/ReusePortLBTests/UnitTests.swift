@@ -114,6 +114,20 @@ struct UnitTests {
         #expect(none.tallies.isEmpty && none.otherPackets == 1)
     }
 
+    @Test("Two senders' sequences behind one address are marked mixed, not reported as lost 0")
+    func mixedSequences() {
+        var one = SourceTally()
+        for sequence in [0, 1, 3, 2] { one.record(sequence: UInt64(sequence)) }
+        #expect(!one.isMixed && one.lost == 0 && one.reordered == 1)
+        var gap = SourceTally()
+        for sequence in [0, 1, 4] { gap.record(sequence: UInt64(sequence)) }
+        #expect(!gap.isMixed && gap.lost == 2)
+        // Two publishers through a proxy, each from 0, one of them losing 2 of 5.
+        var two = SourceTally()
+        for sequence in [0, 0, 1, 1, 2, 3, 4] { two.record(sequence: UInt64(sequence)) }
+        #expect(two.isMixed, "7 datagrams in a span of 5: more than one sender")
+    }
+
     @Test("Socket addresses parse and print", arguments: ["127.0.0.1:9000", "[2001:db8::1]:514", "[::1]:1"])
     func socketAddress(text: String) throws {
         #expect(try #require(SocketAddress(text)).description == text)
