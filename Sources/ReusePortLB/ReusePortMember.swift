@@ -41,6 +41,9 @@ public final class ReusePortMember: @unchecked Sendable {
     public let cookie: UInt64
 
     private let objects: GroupObjects?
+    /// The abstract unix socket telling non-eBPF joiners that this group's eBPF program runs
+    /// (``EBPFMarker``); -1 without eBPF or in a process-private group.
+    private let marker: Int32
     /// The bpffs the group is pinned in; nil for a member of a process-private ``ReusePortGroup``,
     /// whose leave touches no pin.
     private let filesystem: BPFFilesystem?
@@ -87,6 +90,7 @@ public final class ReusePortMember: @unchecked Sendable {
             }
         }
         self.objects = objects
+        marker = objects != nil ? EBPFMarker.hold(address) : -1
         if let objects {
             self.steering = .ebpf
             self.socket = socket
@@ -97,6 +101,14 @@ public final class ReusePortMember: @unchecked Sendable {
             if case .takeover = request { throw .takeoverNeedsEBPF(fallback) }
             let running = try Self.runningEBPFGroup(address, fallback, options, filesystem)
             defer { running?.closeDescriptors() }
+            if running == nil && !options.force && EBPFMarker.present(address) {
+                // An eBPF member runs here, but its pins are not in this bpffs (`ip netns exec`
+                // mounts its own) or not readable: joining would replace its program unseen.
+                throw .steeringConflict(
+                    group: address,
+                    running: "its members' pins are not in \(filesystem.root) (another bpffs mount: share it with nsenter --net instead of ip netns exec, or a bind mount)",
+                    requested: fallback)
+            }
             self.steering = fallback
             let socket = try UDPSocket.makeReusePort(bound: address, receiveBufferSize: options.receiveBufferSize)
             self.socket = socket
@@ -156,6 +168,7 @@ public final class ReusePortMember: @unchecked Sendable {
         self.steeringNote = steeringNote
         self.objects = objects
         filesystem = nil
+        marker = -1
     }
 
     /// True once ``leave()`` ran.
@@ -331,6 +344,7 @@ public final class ReusePortMember: @unchecked Sendable {
             guard !state.left else { return false }
             state.left = true
             close(socket)
+            if marker >= 0 { close(marker) }
             return true
         }
         guard first, let objects, let filesystem else { return }

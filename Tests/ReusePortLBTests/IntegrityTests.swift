@@ -89,6 +89,20 @@ struct IntegrityTests {
     let privateBPFFS = ["/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c",
                         "mount -t bpf bpf /sys/fs/bpf && exec \"$0\" \"$@\""]
 
+    @Test("A member without eBPF in another bpffs mount (or unable to read the pins) is refused by a running eBPF group it cannot see")
+    func fallbackInOtherBPFFS() throws {
+        let port = freePort()
+        let host = try Child("collector", ["127.0.0.1", String(port), "0", "2"])
+        try host.waitFor("steering=ebpf")
+        for steering in ["classicBPF", "kernelHash"] {
+            let isolated = try Child("collector", ["127.0.0.1", String(port), "1", "2", "--steering", steering], prefix: privateBPFFS)
+            #expect(isolated.wait(seconds: 10) == 2, "refused: \(isolated.stderr)")
+            #expect(isolated.stderr.contains("runs eBPF steering") && isolated.stderr.contains("nsenter --net"), "\(isolated.stderr)")
+        }
+        let report = try host.stop()
+        #expect(report["steering"] as? String == "ebpf", "the host member's steering was never replaced")
+    }
+
     @Test("Members in one netns but different bpffs mounts: the second to come is refused, naming the fix")
     func differentBPFFS() throws {
         // Host first, then a private-bpffs collector.
