@@ -55,17 +55,8 @@ struct CapabilityTests {
     @Test("tc_ebpf: CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON suffice (with a writable /run/udp-fanout); without CAP_PERFMON one error names it")
     func tcEBPF() throws {
         let topology = try Topology(backends: 1)
-        let collector = try Child("collector", [Topology.backendIPv4(1), "6000", "0", "1"], prefix: topology.prefix(topology.backends[0]))
-        try collector.waitFor("ready")
-        let scratch = try Scratch("""
-            listeners:
-              - name: tc
-                bind: "198.18.0.1:5514"
-                interface: \(topology.proxyInterface)
-                mode: tc_ebpf
-                downstream:
-                  - {name: b1, address: "\(Topology.backendIPv4(1)):6000"}
-            """)
+        let collector = try TCEndToEndTests.collectors(topology)[0]
+        let scratch = try Scratch(TCEndToEndTests.config(topology, backends: [1]))
         // What a systemd unit's RuntimeDirectory=udp-fanout gives the service user.
         let runDirectory = "/run/udp-fanout"
         mkdir(runDirectory, 0o755)
