@@ -22,6 +22,9 @@ let package = Package(
         // Already in Hummingbird's graph; named for the endpoint's request-deadline handler.
         .package(url: "https://github.com/apple/swift-nio", from: "2.101.2"),
         .package(url: "https://github.com/apple/swift-nio-extras", from: "1.35.2"),
+        // Kubernetes discovery: list and watch EndpointSlices over HTTPS.
+        .package(url: "https://github.com/swift-server/async-http-client", from: "1.37.0"),
+        .package(url: "https://github.com/apple/swift-nio-ssl", from: "2.37.6"),
     ],
     targets: [
         // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev).
@@ -63,6 +66,8 @@ let package = Package(
                 .product(name: "HummingbirdCore", package: "hummingbird"),
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOHTTPTypes", package: "swift-nio-extras"),
+                .product(name: "AsyncHTTPClient", package: "async-http-client"),
+                .product(name: "NIOSSL", package: "swift-nio-ssl"),
             ]),
         .executableTarget(
             name: "udp-fanout",
@@ -79,6 +84,9 @@ let package = Package(
             dependencies: [
                 "FanoutCore", "ReusePortLB", "TestSupport", "CLibBPF", "CSystemShim", "udp-fanout", "collector", "publisher",
                 .product(name: "Logging", package: "swift-log"),
+                // The Kubernetes API test server (HTTPS with a CA the test makes).
+                .product(name: "Hummingbird", package: "hummingbird"),
+                .product(name: "HummingbirdTLS", package: "hummingbird"),
             ]),
         .testTarget(
             name: "ReusePortLBTests",
