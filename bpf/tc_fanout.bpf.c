@@ -6,7 +6,7 @@
  * Parse Ethernet (one 802.1Q/802.1ad tag), IPv4 (with options) or IPv6 (with extension
  * headers), UDP. Match the arrival interface and destination against the listeners map (exact
  * address first, then the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
- * Maglev table. Look up the route to the backend (bpf_fib_lookup), then rewrite destination
+ * lookup table (Sources/FanoutCore/Balancing/SourceTable.swift). Look up the route to the backend (bpf_fib_lookup), then rewrite destination
  * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
  * decrement TTL / hop limit, and redirect. The source address is not touched.
  *

@@ -77,16 +77,22 @@ struct UDPFanout: AsyncParsableCommand {
                 for problem in problems { printError("udp-fanout: \(problem)") }
                 throw ExitCode(2)
             }
-            print("configuration OK: \(parsed.listeners.count) listener(s): " + parsed.listeners.map {
-                "\($0.name) \($0.bind) \($0.mode.rawValue) -> \($0.downstreams.count) downstream(s), \($0.balancing.rawValue)"
-            }.joined(separator: "; "))
+            print("configuration OK: \(parsed.listeners.count) listener(s): " + parsed.listeners.map { listener in
+                var targets = ["\(listener.downstreams.count) downstream(s)"]
+                targets += listener.dnsDownstreams.map { "DNS \($0.host):\($0.port)" }
+                if let source = listener.kubernetes {
+                    targets.append("Kubernetes \(source.namespace.map { "\($0)/" } ?? "")\(source.service):\(source.port)")
+                }
+                return "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets.joined(separator: " + ")), \(listener.balancing.rawValue)"
+            }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : ""))
             return
         }
         let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger)
         // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still
-        // answers (/readyz then says 503), then the endpoint closes its connections.
+        // answers (/readyz then says 503), then probes and discovery stop, then the endpoint
+        // closes its connections.
         var configuration = ServiceGroupConfiguration(
-            services: [StatusEndpointService(daemon: daemon), ForwardingService(daemon: daemon)],
+            services: [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon)],
             gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
         // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
         configuration.maximumGracefulShutdownDuration = .seconds(10)

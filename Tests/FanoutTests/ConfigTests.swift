@@ -97,14 +97,14 @@ struct ConfigTests {
         #expect(config.metrics.enabled && config.metrics.bind == SocketAddress("127.0.0.1:19090") && config.metrics.path == "/metrics")
     }
 
-    @Test("The reference README's configs parse unchanged; the modes and features not in this release are refused by name")
+    @Test("The reference README's configs parse and validate unchanged (Kubernetes discovery and health included); af_xdp is refused by name")
     func referenceExamples() throws {
         try ConfigParser.parse(ReferenceConfigs.userspace).validate(localAddresses: [])
         let tc = try ConfigParser.parse(ReferenceConfigs.tcKubernetes)
         #expect(tc.listeners[0].mode == .tcEBPF && tc.listeners[0].kubernetes?.service == "vector-receivers" && tc.health.enabled)
-        #expect(throws: ConfigError("listeners[0].kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream", line: 6)) {
-            try tc.validate()
-        }
+        #expect(tc.listeners[0].kubernetes == Kubernetes(namespace: "logging", service: "vector-receivers", port: 5514))
+        #expect(tc.health.intervalSecs == 5 && tc.health.timeoutSecs == 2 && tc.health.proto == "icmp" && tc.health.fall == 3 && tc.health.rise == 1)
+        try tc.validate()
         let xdp = try ConfigParser.parse(ReferenceConfigs.afXDP)
         #expect(xdp.health.proto == "udp_echo")
         do {
@@ -160,8 +160,8 @@ struct ConfigTests {
          "listeners[0].settings.max_packet_size", "out of range"),
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\", weight: 0}]\n",
          "listeners[0].downstream", "weight 0"),
-        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\nhealth: {enabled: true}\n",
-         "health.enabled", "not implemented"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\nhealth: {enabled: true, interval_secs: 1, timeout_secs: 2}\n",
+         "health.timeout_secs", "longer than interval_secs"),
         ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"[2001:db8::5]:2\"}]\n",
          "listeners[0].downstream[0].address", "not of the listener's address family"),
         ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"127.0.0.1:2\"}]\n",

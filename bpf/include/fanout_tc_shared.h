@@ -17,7 +17,7 @@
 /* Longest weighted round-robin rotation (userspace scales weights to fit). */
 #define FANOUT_ROTATION_MAX 1024
 
-/* Source-IP lookup table (Maglev) size: a prime, 255 entries per backend at the largest set. */
+/* Source-IP lookup table size, the same in every udp-fanout mode: 255 entries per backend at the largest set. */
 #define FANOUT_TABLE_SIZE 16381
 
 /* Fragments of one datagram remembered at once (LRU: the oldest are forgotten first). */
@@ -126,7 +126,7 @@ struct fanout_set {
 	__u32 seed;         /* source hash seed */
 	struct fanout_backend backends[FANOUT_MAX_BACKENDS];
 	__u16 rotation[FANOUT_ROTATION_MAX]; /* backend indexes, smooth weighted round robin */
-	__u16 table[FANOUT_TABLE_SIZE];      /* backend indexes, Maglev */
+	__u16 table[FANOUT_TABLE_SIZE];      /* backend indexes, rendezvous-filled (SourceTable.swift) */
 };
 
 /* A datagram in fragments: its first fragment's choice, found again by arrival interface

@@ -10,31 +10,33 @@ struct DownstreamSelector {
     enum Method {
         /// Smooth weighted round robin, precomputed as a rotation of downstream indexes.
         case rotation([Int])
-        /// Source-IP affinity: a Maglev table over the downstreams (by address and weight), the
-        /// source hashed with ReusePortLB's shared hash.
+        /// Source-IP affinity: the ``SourceTable`` over the downstreams (by address and weight),
+        /// the source hashed with ReusePortLB's shared hash.
         case table([UInt32])
+
+        /// Computed once per downstream set (building a table costs size × downstreams scores),
+        /// then shared by every worker.
+        init(downstreams: [Downstream], balancing: Balancing) {
+            switch balancing {
+            case .roundRobin: self = .rotation(DownstreamSelector.rotation(weights: downstreams.map(\.weight)))
+            case .sourceIP: self = .table(SourceTable.entries(downstreams, size: DownstreamSelector.tableSize))
+            }
+        }
     }
 
     let method: Method
     private var position = 0
 
-    /// Seed of the source-IP table: fixed, so every node with the same downstreams agrees.
+    /// Seed of the source hash and table: fixed, so every node with the same downstreams agrees.
     static let seed: UInt32 = 0x5544_5046
-    static let tableSize = 65537
+    /// One table size for every mode (the tc_ebpf map's), so a source lands on the same
+    /// downstream whichever mode forwards it.
+    static let tableSize = Int(FANOUT_TABLE_SIZE)
+
+    init(_ method: Method) { self.method = method }
 
     init(downstreams: [Downstream], balancing: Balancing) {
-        switch balancing {
-        case .roundRobin:
-            method = .rotation(Self.rotation(weights: downstreams.map(\.weight)))
-        case .sourceIP:
-            method = .table(MaglevTable(backends: Self.maglevBackends(downstreams), size: Self.tableSize, seed: Self.seed)?.entries ?? [])
-        }
-    }
-
-    /// The Maglev backends of a downstream set, named by address: the userspace and tc_ebpf
-    /// tables (and every node) build their permutations from the same names and weights.
-    static func maglevBackends(_ downstreams: [Downstream]) -> [MaglevTable.Backend] {
-        downstreams.map { MaglevTable.Backend(name: $0.address.description, weight: $0.weight) }
+        self.init(Method(downstreams: downstreams, balancing: balancing))
     }
 
     /// The downstream index for a datagram from `source`; nil if none can be chosen.

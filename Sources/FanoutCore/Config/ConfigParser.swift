@@ -47,11 +47,13 @@ public enum ConfigParser {
         var health = Health()
         if let node = top["health"] {
             let fields = try Fields(node, path: "health")
-            try fields.allow(["enabled", "interval_secs", "timeout_secs", "protocol"])
+            try fields.allow(["enabled", "interval_secs", "timeout_secs", "protocol", "rise", "fall"])
             health.enabled = try fields.bool("enabled") ?? health.enabled
             health.intervalSecs = try fields.int("interval_secs", in: 1...3600) ?? health.intervalSecs
             health.timeoutSecs = try fields.int("timeout_secs", in: 1...3600) ?? health.timeoutSecs
             health.proto = try fields.choice("protocol", ["icmp", "udp_echo"]) ?? health.proto
+            health.rise = try fields.int("rise", in: 1...100) ?? health.rise
+            health.fall = try fields.int("fall", in: 1...100) ?? health.fall
         }
         var metrics = Metrics()
         if let node = top["metrics"] {
@@ -93,14 +95,22 @@ public enum ConfigParser {
         guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
         let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
         var downstreams: [Downstream] = []
+        var dnsDownstreams: [DNSDownstream] = []
         for (index, item) in try fields.sequence("downstream", required: false).enumerated() {
             let entry = try Fields(item, path: "\(path).downstream[\(index)]")
-            try entry.allow(["name", "address", "mac", "weight"])
-            guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port)") }
-            let weight = try entry.int("weight", in: 0...1_000_000) ?? 1
+            try entry.allow(["name", "address", "mac", "weight", "health_port"])
+            let weight = UInt32(try entry.int("weight", in: 0...1_000_000) ?? 1)
+            let healthPort = try entry.int("health_port", in: 1...65535).map { UInt16($0) }
+            if let text = try entry.string("address"), let (host, port) = Self.hostAndPort(text) {
+                if try entry.string("mac") != nil { throw entry.error("mac", "not used with a DNS name: the next hop's MAC comes from the kernel's neighbour table") }
+                dnsDownstreams.append(DNSDownstream(
+                    name: try entry.string("name") ?? text, host: host, port: port, weight: weight, healthPort: healthPort))
+                continue
+            }
+            guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port, or dns-name:port)") }
             downstreams.append(Downstream(
                 name: try entry.string("name") ?? address.description, address: address,
-                mac: try entry.string("mac"), weight: UInt32(weight)))
+                mac: try entry.string("mac"), weight: weight, healthPort: healthPort))
         }
         var kubernetes: Kubernetes?
         if let node = fields["kubernetes"] {
@@ -113,7 +123,7 @@ public enum ConfigParser {
         var settings = Settings()
         if let node = fields["settings"] {
             let entry = try Fields(node, path: "\(path).settings")
-            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering"])
+            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs"])
             let maximum: Int
             if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
             settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
@@ -127,12 +137,28 @@ public enum ConfigParser {
             if let attach = try entry.choice("tc_attach", TCAttach.allCases.map(\.rawValue)) {
                 settings.tcAttach = TCAttach(rawValue: attach)!
             }
+            settings.resolveIntervalSecs = try entry.int("resolve_interval_secs", in: 1...86400) ?? settings.resolveIntervalSecs
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
         return Listener(
             name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
-            downstreams: downstreams, kubernetes: kubernetes, settings: settings,
+            downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: kubernetes, settings: settings,
             balancing: Balancing(rawValue: balancing)!)
+    }
+
+    /// `host:port` where host is a DNS name (RFC 1123 labels of letters, digits, `-` and `_`,
+    /// at least one letter, so a mistyped IPv4 address is not taken for a name); nil otherwise.
+    static func hostAndPort(_ text: String) -> (String, UInt16)? {
+        guard let colon = text.lastIndex(of: ":"), let port = UInt16(text[text.index(after: colon)...]), port > 0 else { return nil }
+        let host = String(text[..<colon]).lowercased()
+        let name = host.hasSuffix(".") ? String(host.dropLast()) : host
+        guard !name.isEmpty, name.utf8.count <= 253 else { return nil }
+        let labels = name.split(separator: ".", omittingEmptySubsequences: false)
+        let allowed = Set("abcdefghijklmnopqrstuvwxyz0123456789-_")
+        guard labels.allSatisfy({ !$0.isEmpty && $0.count <= 63 && $0.allSatisfy(allowed.contains) && $0.first != "-" && $0.last != "-" }),
+            name.contains(where: \.isLetter)
+        else { return nil }
+        return (host, port)
     }
 }
 

@@ -48,10 +48,14 @@ extension FanoutConfig {
             guard Mode.implemented.contains(listener.mode) else {
                 throw fail("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
             }
-            if listener.kubernetes != nil {
-                throw fail("\(path).kubernetes", "Kubernetes EndpointSlice discovery is not implemented in this release: list the downstreams under downstream")
+            if let kubernetes = listener.kubernetes, let namespace = kubernetes.namespace, !Self.isDNSLabel(namespace) {
+                throw fail("\(path).kubernetes.namespace", "'\(namespace)' is not a Kubernetes namespace name (lowercase letters, digits and '-', at most 63)")
             }
-            guard !listener.downstreams.isEmpty else {
+            if let kubernetes = listener.kubernetes, !Self.isDNSLabel(kubernetes.service) {
+                throw fail("\(path).kubernetes.service", "'\(kubernetes.service)' is not a Kubernetes Service name (lowercase letters, digits and '-', at most 63)")
+            }
+            let discovered = listener.kubernetes != nil || !listener.dnsDownstreams.isEmpty
+            guard !listener.downstreams.isEmpty || discovered else {
                 throw fail("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
             }
             var downstreamNames = Set<String>()
@@ -68,7 +72,12 @@ extension FanoutConfig {
                     throw fail("\(key).mac", "'\(mac)' is not a MAC address (six hex pairs separated by colons, e.g. 02:00:00:00:00:01)")
                 }
             }
-            guard listener.downstreams.contains(where: { $0.weight > 0 }) else {
+            for downstream in listener.dnsDownstreams {
+                guard downstreamNames.insert(downstream.name).inserted else {
+                    throw fail("\(path).downstream", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
+                }
+            }
+            guard discovered || listener.downstreams.contains(where: { $0.weight > 0 }) else {
                 throw fail("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
             }
             if listener.mode == .tcEBPF {
@@ -88,9 +97,15 @@ extension FanoutConfig {
                 throw fail("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
             }
         }
-        if health.enabled {
-            throw fail("health.enabled", "health probes are not implemented in this release: set enabled: false (every downstream is then always in rotation)")
+        if health.timeoutSecs > health.intervalSecs {
+            throw fail("health.timeout_secs", "\(health.timeoutSecs) s is longer than interval_secs (\(health.intervalSecs) s): a probe must time out before the next one is due")
         }
+    }
+
+    /// A Kubernetes object name of the DNS-label kind (RFC 1123): namespaces and Services.
+    static func isDNSLabel(_ text: String) -> Bool {
+        let allowed = Set("abcdefghijklmnopqrstuvwxyz0123456789-")
+        return !text.isEmpty && text.count <= 63 && text.allSatisfy(allowed.contains) && text.first != "-" && text.last != "-"
     }
 
     /// Keys the file sets that this release reads but that have no effect where they stand:
@@ -114,6 +129,15 @@ extension FanoutConfig {
             }
             for (position, downstream) in listener.downstreams.enumerated() where downstream.mac != nil {
                 warn("\(path).downstream[\(position)].mac", "accepted for compatibility and not used: the next hop's MAC comes from the kernel's neighbour table")
+            }
+            if !health.enabled {
+                for position in 0..<(listener.downstreams.count + listener.dnsDownstreams.count)
+                where lines.isSet("\(path).downstream[\(position)].health_port") {
+                    warn("\(path).downstream[\(position)].health_port", "not used: health.enabled is false")
+                }
+            }
+            if listener.dnsDownstreams.isEmpty && lines.isSet("\(path).settings.resolve_interval_secs") {
+                warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")
             }
         }
         return warnings

@@ -27,21 +27,26 @@ public struct Listener: Equatable, Sendable {
     public var bind: SocketAddress
     public var interface: String?
     public var mode: Mode
+    /// Downstreams given by address.
     public var downstreams: [Downstream]
+    /// Downstreams given by DNS name (`name:port`): every A/AAAA record is a downstream.
+    public var dnsDownstreams: [DNSDownstream]
+    /// EndpointSlice discovery; its endpoints join `downstreams` and `dnsDownstreams`.
     public var kubernetes: Kubernetes?
     public var settings: Settings
     public var balancing: Balancing
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
-        downstreams: [Downstream], kubernetes: Kubernetes? = nil, settings: Settings = Settings(),
-        balancing: Balancing = .roundRobin
+        downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
+        settings: Settings = Settings(), balancing: Balancing = .roundRobin
     ) {
         self.name = name
         self.bind = bind
         self.interface = interface
         self.mode = mode
         self.downstreams = downstreams
+        self.dnsDownstreams = dnsDownstreams
         self.kubernetes = kubernetes
         self.settings = settings
         self.balancing = balancing
@@ -88,16 +93,40 @@ public struct Downstream: Equatable, Sendable {
     public var mac: String?
     /// Share of the datagrams relative to the other downstreams (default 1; 0 leaves it out).
     public var weight: UInt32
+    /// Where health probes go, if not to `address`'s port.
+    public var healthPort: UInt16?
 
-    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1) {
+    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1, healthPort: UInt16? = nil) {
         self.name = name
         self.address = address
         self.mac = mac
         self.weight = weight
+        self.healthPort = healthPort
+    }
+
+    /// The address health probes go to.
+    var healthTarget: SocketAddress { SocketAddress(ip: address.ip, port: healthPort ?? address.port) }
+}
+
+/// A downstream given by DNS name: each address the name resolves to becomes a downstream named
+/// `name/address`, with this entry's weight and health port.
+public struct DNSDownstream: Equatable, Sendable {
+    public var name: String
+    public var host: String
+    public var port: UInt16
+    public var weight: UInt32
+    public var healthPort: UInt16?
+
+    public init(name: String, host: String, port: UInt16, weight: UInt32 = 1, healthPort: UInt16? = nil) {
+        self.name = name
+        self.host = host
+        self.port = port
+        self.weight = weight
+        self.healthPort = healthPort
     }
 }
 
-public struct Kubernetes: Equatable, Sendable {
+public struct Kubernetes: Hashable, Sendable {
     public var namespace: String?
     public var service: String
     public var port: UInt16
@@ -118,6 +147,8 @@ public struct Settings: Equatable, Sendable {
     public var workerSteering: WorkerSteering = .fiveTuple
     /// tc_ebpf: how the program is attached to the interface.
     public var tcAttach: TCAttach = .auto
+    /// Longest time between two resolutions of a DNS downstream (the record's TTL, if shorter, wins).
+    public var resolveIntervalSecs: Int = 30
 
     public init() {}
 }
@@ -157,6 +188,10 @@ public struct Health: Equatable, Sendable {
     public var intervalSecs = 5
     public var timeoutSecs = 2
     public var proto = "icmp"
+    /// Consecutive successful probes that bring a down downstream back (the reference: 1).
+    public var rise = 1
+    /// Consecutive failed probes that take a downstream out (the reference: 3).
+    public var fall = 3
 
     public init() {}
 }

@@ -43,7 +43,7 @@ protocol RunningListener: AnyObject, Sendable {
 /// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.
 /// Driven in-process by tests and benchmarks; the executable is a thin command line around it.
 public final class FanoutDaemon: Sendable {
-    private struct State {
+    struct State {
         var config: FanoutConfig
         var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
@@ -52,14 +52,36 @@ public final class FanoutDaemon: Sendable {
         /// Listeners of the configuration in force that are not running: stopped for a change
         /// that failed and could not be started again. `/readyz` is false while any is.
         var lost: Set<String> = []
+        /// What discovery found, per listener.
+        var discovered: [String: Discovered] = [:]
+        /// Each listener's members (configured and discovered) and the available set last applied.
+        var members: [String: [Downstream]] = [:]
+        var applied: [String: [Downstream]] = [:]
+        /// Why discovered addresses were left out, per listener (logged when it changes).
+        var skipped: [String: [String]] = [:]
+        /// Health targets that probes (or passive health) found down.
+        var down: Set<SocketAddress> = []
+        /// How a reload reaches the running ``DiscoveryService`` (nil until it runs).
+        var discovery: AsyncStream<[DiscoverySpec]>.Continuation?
+        /// The last discovery error per listener, for `/readyz` while its first discovery is pending.
+        var discoveryErrors: [String: String] = [:]
+        /// Set by ``shutdown()``: `/readyz` says so.
+        var stopping = false
     }
 
     let configPath: String?
     let logger: Logger
-    private let state: Mutex<State>
+    let state: Mutex<State>
     private let reloadsOK = Atomic<UInt64>(0)
     private let reloadsRejected = Atomic<UInt64>(0)
+    let membershipUpdates = Atomic<UInt64>(0)
     private let dataplane: TCDataplane
+    /// Serialises every change of the running listeners: reloads and membership updates.
+    let changes = Mutex<Void>(())
+    /// Active and passive health of every member (a service of its own in the ServiceGroup).
+    public let health: HealthChecker
+    /// Metrics of the running discovery watchers, by spec.
+    let discoveryMetrics = Mutex<[DiscoverySpec: @Sendable () -> String]>([:])
 
     /// - Parameters:
     ///   - config: a validated configuration.
@@ -69,6 +91,9 @@ public final class FanoutDaemon: Sendable {
         self.logger = logger
         state = Mutex(State(config: config))
         dataplane = TCDataplane(logger: logger)
+        let link = HealthLink()
+        health = HealthChecker(policy: HealthPolicy(config.health), logger: logger) { target, up in link.forward(target, up) }
+        link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
     }
 
     /// Starts every listener. On failure stops what started. The HTTP endpoint is a service of
@@ -129,6 +154,27 @@ public final class FanoutDaemon: Sendable {
     ///    datagram goes to their workers), and only then the old instances stop, forwarding
     ///    what their sockets still hold.
     private func transition(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
+        try changes.withLock { _ throws(DaemonError) in try transitionLocked(to: new, from: old) }
+        updateHealthTargets()
+    }
+
+    private func transitionLocked(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
+        // Discovered sets carry over (see Membership.carried); listeners start with their members.
+        let discovered = state.withLock { state in
+            Dictionary(new.listeners.map { ($0.name, Membership.carried(state.discovered[$0.name] ?? Discovered(), into: $0)) },
+                       uniquingKeysWith: { first, _ in first })
+        }
+        let down = state.withLock { $0.down }
+        var members: [String: [Downstream]] = [:]
+        var effective: [String: Listener] = [:]
+        for listener in new.listeners {
+            let (found, skipped) = Membership.members(listener, discovered[listener.name] ?? Discovered())
+            members[listener.name] = found
+            noteSkipped(listener.name, skipped)
+            var running = listener
+            running.downstreams = Membership.available(found, down: new.health.enabled ? down : [])
+            effective[listener.name] = running
+        }
         let oldByName = Dictionary(old.listeners.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
         let running = state.withLock { $0.listeners }
         var fresh: [Listener] = []
@@ -157,7 +203,7 @@ public final class FanoutDaemon: Sendable {
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
         do {
-            for listener in fresh { started[listener.name] = try makeListener(listener) }
+            for listener in fresh { started[listener.name] = try makeListener(effective[listener.name]!) }
             for listener in fresh {
                 let instance = started[listener.name]!
                 let predecessor = retiring.contains { $0.mode == .userspace && FanoutConfig.overlaps($0.bind, listener.bind) }
@@ -185,7 +231,11 @@ public final class FanoutDaemon: Sendable {
             var lost: [String] = []
             for listener in stopFirst {
                 do {
-                    let restarted = try makeListener(listener)
+                    let restarted = try makeListener(state.withLock { state in
+                        var previous = listener
+                        previous.downstreams = state.applied[listener.name] ?? listener.downstreams
+                        return previous
+                    })
                     state.withLock { $0.listeners[listener.name] = restarted }
                 } catch {
                     lost.append(listener.name)
@@ -203,10 +253,16 @@ public final class FanoutDaemon: Sendable {
             for (name, instance) in started { state.listeners[name] = instance }
             state.config = new
             state.lost.subtract(new.listeners.map(\.name))
+            state.discovered = discovered
+            state.members = members
+            state.applied = effective.mapValues(\.downstreams)
+            state.discoveryErrors = state.discoveryErrors.filter { discovered[$0.key] != nil }
+            if !new.health.enabled { state.down = [] }
         }
         for listener in inPlace {
-            running[listener.name]?.update(downstreams: listener.downstreams, balancing: listener.balancing)
-            logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(listener.downstreams.count)"])
+            let downstreams = effective[listener.name]!.downstreams
+            running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing)
+            logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
         let stoppedEarly = Set(stopFirst.map(\.name))
         for listener in retiring where !stoppedEarly.contains(listener.name) {
@@ -241,18 +297,41 @@ public final class FanoutDaemon: Sendable {
     var metricsPath: String { state.withLock { $0.config.metrics.path } }
 
     /// True once every listener's workers are in their receive loops.
-    public var isReady: Bool {
+    public var isReady: Bool { readiness.isEmpty }
+
+    /// Why the daemon is not ready, one line per problem (empty: ready): a listener lost in a
+    /// failed change, not yet receiving, waiting for its first discovery, or with no available
+    /// downstream.
+    public var readiness: [String] {
         state.withLock { state in
-            state.lost.isEmpty && state.config.listeners.allSatisfy { state.listeners[$0.name]?.isReceiving == true }
+            if state.stopping { return ["udp-fanout is stopping"] }
+            var reasons = state.lost.sorted().map { "listener '\($0)' is not running: a change failed and it could not be started again" }
+            for listener in state.config.listeners where !state.lost.contains(listener.name) {
+                let pending = Membership.pending(listener, state.discovered[listener.name] ?? Discovered())
+                if !pending.isEmpty {
+                    let error = state.discoveryErrors[listener.name].map { " (last error: \($0))" } ?? ""
+                    reasons.append("listener '\(listener.name)': \(pending.joined(separator: "; "))\(error)")
+                } else if state.listeners[listener.name]?.isReceiving != true {
+                    reasons.append("listener '\(listener.name)' is not receiving yet")
+                } else if (state.applied[listener.name] ?? []).allSatisfy({ $0.weight == 0 }) {
+                    let members = state.members[listener.name]?.count ?? 0
+                    reasons.append("listener '\(listener.name)' has no healthy downstream (\(members) member(s), all down or none discovered): its datagrams are dropped and counted in udp_fanout_packets_no_healthy_total")
+                }
+            }
+            return reasons
         }
     }
 
     /// The Prometheus text of every listener's counters.
     public func metricsText() -> String {
         let counters = state.withLock { state in state.config.listeners.compactMap { state.counters[$0.name] } }
-        return PrometheusText.render(
+        var text = PrometheusText.render(
             counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)),
             unmatched: dataplane.unmatched())
+        text += membershipMetrics()
+        text += health.metricsText()
+        text += PrometheusText.merge(discoveryMetrics.withLock { $0 }.sorted { "\($0.key)" < "\($1.key)" }.map { $0.value() })
+        return text
     }
 
     /// The counters of one listener (tests and benchmarks read them directly).
@@ -287,6 +366,8 @@ public final class FanoutDaemon: Sendable {
             logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "\(error)"])
             return false
         }
+        health.setPolicy(HealthPolicy(new.health))
+        _ = state.withLock { $0.discovery }?.yield(DiscoverySpec.all(new))
         if old.metrics != new.metrics {
             // The endpoint service binds the new address before it closes the old one; if that
             // bind fails it keeps the old one and logs it. Listeners are reloaded either way.
@@ -302,6 +383,7 @@ public final class FanoutDaemon: Sendable {
     /// `ServiceGroup`, or cancellation of its task); meanwhile `/readyz` answers 503.
     public func shutdown() {
         let listeners = state.withLock { state in
+            state.stopping = true
             defer { state.listeners = [:] }
             return Array(state.listeners.values)
         }

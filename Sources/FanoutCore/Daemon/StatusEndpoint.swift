@@ -47,7 +47,8 @@ public struct EndpointLimits: Sendable {
 }
 
 /// The HTTP endpoint as a `Service`: GET/HEAD `metrics.path` (Prometheus text), `/healthz`
-/// (`ok` while running), `/readyz` (200 once every listener is receiving, else 503), 404 for
+/// (`ok` while running), `/readyz` (200 once every listener is receiving, has finished its first discovery and has an available
+/// downstream; else 503 with one line per reason), 404 for
 /// other paths, 405 for other methods. A Hummingbird (SwiftNIO) server: connections are served
 /// concurrently, so no client can delay another, and each connection has the deadlines of
 /// ``EndpointLimits``.
@@ -229,7 +230,10 @@ struct StatusResponder: HTTPResponder {
             switch request.uri.path {
             case daemon.metricsPath: (status, body, type) = (.ok, daemon.metricsText(), "text/plain; version=0.0.4; charset=utf-8")
             case "/healthz": (status, body, type) = (.ok, "ok\n", plain)
-            case "/readyz": (status, body, type) = daemon.isReady ? (.ok, "ready\n", plain) : (.serviceUnavailable, "not ready\n", plain)
+            case "/readyz":
+                let reasons = daemon.readiness
+                (status, body, type) = reasons.isEmpty
+                    ? (.ok, "ready\n", plain) : (.serviceUnavailable, "not ready\n" + reasons.map { "- \($0)\n" }.joined(), plain)
             default: (status, body, type) = (.notFound, "not found\n", plain)
             }
         }

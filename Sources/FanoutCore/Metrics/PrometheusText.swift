@@ -52,6 +52,29 @@ enum PrometheusText {
         return out
     }
 
+    /// Joins several components' exposition texts so each family has one HELP and TYPE and its
+    /// samples together (the format forbids a family twice), families in first-seen order.
+    static func merge(_ texts: [String]) -> String {
+        var order: [String] = []
+        var headers: [String: [Substring]] = [:]
+        var samples: [String: [Substring]] = [:]
+        for text in texts {
+            var family = ""
+            for line in text.split(separator: "\n") {
+                if line.hasPrefix("# HELP ") || line.hasPrefix("# TYPE ") {
+                    let name = String(line.dropFirst(7).prefix { $0 != " " })
+                    family = name
+                    if headers[name] == nil { order.append(name) }
+                    if !(headers[name] ?? []).contains(where: { $0.prefix(7) == line.prefix(7) }) { headers[name, default: []].append(line) }
+                } else if !line.hasPrefix("#") {
+                    if headers[family] == nil && samples[family] == nil { order.append(family) }
+                    samples[family, default: []].append(line)
+                }
+            }
+        }
+        return order.map { name in (headers[name, default: []] + samples[name, default: []]).map { "\($0)\n" }.joined() }.joined()
+    }
+
     static func labels(_ listener: ListenerCounters) -> String {
         "listener=\"\(escape(listener.name))\",mode=\"\(listener.mode)\""
     }

@@ -187,8 +187,7 @@ struct BackendSet {
             table = []
         case .sourceIP:
             rotation = []
-            table = MaglevTable(backends: DownstreamSelector.maglevBackends(downstreams), size: Int(FANOUT_TABLE_SIZE), seed: seed)?
-                .entries.map { UInt16($0) } ?? []
+            table = SourceTable.entries(downstreams, size: DownstreamSelector.tableSize).map { UInt16($0) }
         }
     }
 }

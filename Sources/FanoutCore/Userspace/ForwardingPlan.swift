@@ -6,10 +6,13 @@ final class ForwardingPlan: Sendable {
     let downstreams: [Downstream]
     let balancing: Balancing
     let counters: [DownstreamCounters]
+    /// How workers pick a downstream: built once here, not once per worker.
+    let method: DownstreamSelector.Method
 
     init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters) {
         self.downstreams = downstreams
         self.balancing = balancing
+        method = DownstreamSelector.Method(downstreams: downstreams, balancing: balancing)
         self.counters = downstreams.map { counters.downstream($0.name) }
         counters.retainDownstreams(Set(downstreams.map(\.name)))
     }

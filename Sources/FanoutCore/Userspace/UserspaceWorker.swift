@@ -104,7 +104,7 @@ final class UserspaceWorker: @unchecked Sendable {
         version = current
         let plan = plans.plan
         self.plan = plan
-        selector = DownstreamSelector(downstreams: plan.downstreams, balancing: plan.balancing)
+        selector = DownstreamSelector(plan.method)
         outboxes = plan.downstreams.map { DownstreamOutbox(address: $0.address, capacity: listener.settings.batchSize) }
         for (outbox, downstream) in zip(outboxes, plan.downstreams) where outbox.socket < 0 {
             logger.warning("downstream socket could not connect; its datagrams are dropped as unreachable, connecting again every second",

@@ -1,0 +1,203 @@
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// A discovery source of one listener: what ``DiscoveryService`` runs a watcher for.
+enum DiscoverySpec: Hashable, Sendable, CustomStringConvertible {
+    case dns(listener: String, entry: String, host: String, port: UInt16, maximumInterval: Int)
+    case kubernetes(listener: String, Kubernetes)
+
+    var listener: String {
+        switch self {
+        case .dns(let listener, _, _, _, _), .kubernetes(let listener, _): return listener
+        }
+    }
+
+    var description: String {
+        switch self {
+        case .dns(let listener, let entry, let host, let port, _): return "\(listener)/dns/\(entry)/\(host):\(port)"
+        case .kubernetes(let listener, let source): return "\(listener)/kubernetes/\(source.namespace ?? "")/\(source.service):\(source.port)"
+        }
+    }
+
+    /// Every discovery source of a configuration.
+    static func all(_ config: FanoutConfig) -> [DiscoverySpec] {
+        config.listeners.flatMap { listener in
+            listener.dnsDownstreams.map {
+                DiscoverySpec.dns(listener: listener.name, entry: $0.name, host: $0.host, port: $0.port,
+                                  maximumInterval: listener.settings.resolveIntervalSecs)
+            } + (listener.kubernetes.map { [DiscoverySpec.kubernetes(listener: listener.name, $0)] } ?? [])
+        }
+    }
+}
+
+extension HealthPolicy {
+    /// The probe settings of the configuration's `health` section.
+    init(_ health: Health) {
+        self.init(
+            proto: health.proto == "udp_echo" ? .udpEcho : .icmp, interval: .seconds(health.intervalSecs),
+            timeout: .seconds(health.timeoutSecs), rise: health.rise, fall: health.fall)
+    }
+}
+
+/// Forwards the health checker's transitions to the daemon, which exists only after the
+/// checker is made.
+final class HealthLink: Sendable {
+    private let target = Mutex<(@Sendable (SocketAddress, Bool) -> Void)?>(nil)
+    func connect(_ handler: @escaping @Sendable (SocketAddress, Bool) -> Void) { target.withLock { $0 = handler } }
+    func forward(_ address: SocketAddress, _ up: Bool) { target.withLock { $0 }?(address, up) }
+}
+
+extension FanoutDaemon {
+    /// A DNS entry of `listener` resolved to `addresses` (a spec of a configuration no longer in
+    /// force is ignored).
+    func discovered(_ spec: DiscoverySpec, dns addresses: [SocketAddress]) {
+        guard case .dns(let listener, let entry, _, _, _) = spec, isCurrent(spec) else { return }
+        state.withLock { state in
+            state.discovered[listener, default: Discovered()].dns[entry] = addresses
+            state.discoveryErrors[listener] = nil
+        }
+        refresh(listener, cause: "dns")
+    }
+
+    /// The Kubernetes Service of `listener` has these ready endpoints.
+    func discovered(_ spec: DiscoverySpec, kubernetes endpoints: [Downstream]) {
+        guard case .kubernetes(let listener, _) = spec, isCurrent(spec) else { return }
+        state.withLock { state in
+            state.discovered[listener, default: Discovered()].kubernetes = endpoints
+            state.discoveryErrors[listener] = nil
+        }
+        if endpoints.isEmpty {
+            logger.warning("k8s discovery: 0 ready endpoints", metadata: ["listener": "\(listener)"])
+        }
+        refresh(listener, cause: "kubernetes")
+    }
+
+    /// A discovery source failed (its watcher keeps the last good set and retries): shown by
+    /// `/readyz` while the listener's first discovery is pending.
+    func discoveryFailed(_ spec: DiscoverySpec, _ error: String) {
+        guard isCurrent(spec) else { return }
+        state.withLock { $0.discoveryErrors[spec.listener] = error }
+    }
+
+    private func isCurrent(_ spec: DiscoverySpec) -> Bool {
+        state.withLock { DiscoverySpec.all($0.config).contains(spec) }
+    }
+
+    /// Called by ``DiscoveryService`` when it runs: reloads send it the new sources.
+    /// - Returns: the sources in force now.
+    func attachDiscovery(_ changes: AsyncStream<[DiscoverySpec]>.Continuation) -> [DiscoverySpec] {
+        state.withLock { state in
+            state.discovery = changes
+            return DiscoverySpec.all(state.config)
+        }
+    }
+
+    /// A health target went down or came back: every listener with a member probed there changes.
+    func healthChanged(_ target: SocketAddress, up: Bool) {
+        let affected: [String] = state.withLock { state in
+            guard state.config.health.enabled else { return [] }
+            if up { state.down.remove(target) } else { state.down.insert(target) }
+            return state.members.filter { $0.value.contains { $0.healthTarget == target } }.map(\.key)
+        }
+        for listener in affected.sorted() { refresh(listener, cause: "health") }
+    }
+
+    /// Passive health: a send to `downstream` was refused (ICMP port unreachable).
+    func downstreamRefused(_ downstream: SocketAddress) {
+        let target: SocketAddress? = state.withLock { state in
+            guard state.config.health.enabled else { return nil }
+            for members in state.members.values {
+                if let member = members.first(where: { $0.address == downstream }) { return member.healthTarget }
+            }
+            return nil
+        }
+        if let target { health.reportUnreachable(target) }
+    }
+
+    /// Recomputes one listener's members and available set and, if the set changed, applies it
+    /// to the running listener in one step (userspace: a plan swap the workers take at their next
+    /// batch; tc_ebpf: the inactive map generation written, then flipped). Serialised with reloads.
+    func refresh(_ name: String, cause: String) {
+        changes.withLock { _ in
+            let work: (listener: Listener, running: (any RunningListener)?, available: [Downstream], previous: [Downstream]?, skipped: [String])? = state.withLock { state in
+                guard let listener = state.config.listeners.first(where: { $0.name == name }) else { return nil }
+                let (members, skipped) = Membership.members(listener, state.discovered[name] ?? Discovered())
+                state.members[name] = members
+                let available = Membership.available(members, down: state.config.health.enabled ? state.down : [])
+                return (listener, state.listeners[name], available, state.applied[name], skipped)
+            }
+            guard let work else { return }
+            noteSkipped(name, work.skipped)
+            guard work.available != work.previous else { return }
+            if let running = work.running {
+                running.update(downstreams: work.available, balancing: work.listener.balancing)
+            }
+            state.withLock { $0.applied[name] = work.available }
+            membershipUpdates.wrappingAdd(1, ordering: .relaxed)
+            let before = Set((work.previous ?? []).map(\.address)), after = Set(work.available.map(\.address))
+            if work.listener.mode == .tcEBPF && cause == "kubernetes" {
+                logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(name)", "downstreams": "\(work.available.count)"])
+            }
+            logger.info("listener downstream set changed", metadata: [
+                "listener": "\(name)", "cause": "\(cause)", "downstreams": "\(work.available.count)",
+                "added": "\(after.subtracting(before).map(\.description).sorted())",
+                "removed": "\(before.subtracting(after).map(\.description).sorted())",
+            ])
+        }
+        updateHealthTargets()
+    }
+
+    /// Gives the health checker every member's health target (none while health is disabled).
+    func updateHealthTargets() {
+        let targets: Set<SocketAddress> = state.withLock { state in
+            guard state.config.health.enabled else { return [] }
+            let targets = Set(state.members.values.joined().map(\.healthTarget))
+            state.down.formIntersection(targets)
+            return targets
+        }
+        health.setTargets(targets)
+    }
+
+    /// Logs the discovered addresses a listener cannot use, when that list changes.
+    func noteSkipped(_ listener: String, _ skipped: [String]) {
+        let changed = state.withLock { state in
+            defer { state.skipped[listener] = skipped }
+            return state.skipped[listener, default: []] != skipped
+        }
+        guard changed else { return }
+        for reason in skipped {
+            logger.warning("discovered downstream not used", metadata: ["listener": "\(listener)", "reason": "\(reason)"])
+        }
+    }
+
+    /// `udp_fanout_downstream_up`, members per listener and membership updates.
+    func membershipMetrics() -> String {
+        let (listeners, members, applied, skipped) = state.withLock { ($0.config.listeners, $0.members, $0.applied, $0.skipped) }
+        var out = "# HELP udp_fanout_downstream_up 1 if the downstream is in rotation, 0 if health took it out\n# TYPE udp_fanout_downstream_up gauge\n"
+        for listener in listeners {
+            let available = Set((applied[listener.name] ?? []).map(\.address))
+            for member in members[listener.name] ?? [] {
+                out += "udp_fanout_downstream_up{listener=\"\(PrometheusText.escape(listener.name))\",downstream=\"\(PrometheusText.escape(member.name))\",address=\"\(member.address)\"} \(available.contains(member.address) ? 1 : 0)\n"
+            }
+        }
+        out += "# HELP udp_fanout_downstreams Members of each listener by source (static, dns, kubernetes)\n# TYPE udp_fanout_downstreams gauge\n"
+        for listener in listeners {
+            let all = members[listener.name] ?? []
+            let statics = listener.downstreams.count
+            let dnsNames = Set(listener.dnsDownstreams.map(\.name))
+            let dns = all.dropFirst(statics).filter { member in dnsNames.contains { member.name.hasPrefix("\($0)/") } }.count
+            let labels = "listener=\"\(PrometheusText.escape(listener.name))\""
+            out += "udp_fanout_downstreams{\(labels),source=\"static\"} \(statics)\n"
+            out += "udp_fanout_downstreams{\(labels),source=\"dns\"} \(dns)\n"
+            out += "udp_fanout_downstreams{\(labels),source=\"kubernetes\"} \(all.count - statics - dns)\n"
+        }
+        out += "# HELP udp_fanout_discovered_not_used Discovered addresses a listener cannot use (address family, tc_ebpf's 64 per listener)\n# TYPE udp_fanout_discovered_not_used gauge\n"
+        for listener in listeners {
+            out += "udp_fanout_discovered_not_used{listener=\"\(PrometheusText.escape(listener.name))\"} \(skipped[listener.name]?.count ?? 0)\n"
+        }
+        out += "# HELP udp_fanout_membership_updates_total Downstream set changes applied to running listeners (discovery and health)\n# TYPE udp_fanout_membership_updates_total counter\n"
+        out += "udp_fanout_membership_updates_total \(membershipUpdates.load(ordering: .relaxed))\n"
+        return out
+    }
+}
