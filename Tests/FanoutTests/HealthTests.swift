@@ -135,7 +135,7 @@ struct HealthTests {
         #expect(log.contains("ICMP probe socket opened", key: "kind", value: "datagram"))
     }
 
-    @Test("ICMP to a namespace's address that stops answering: down after fall probes, back up after rise once it answers again", .enabled(if: Privileges.enabled, Privileges.reason))
+    @Test("ICMP and ICMPv6 to a namespace's addresses that stop answering: down after fall probes, back up after rise once they answer again", .enabled(if: Privileges.enabled, Privileges.reason))
     func icmpNamespace() async throws {
         let peer = try PeerNamespace()
         defer { peer.destroy() }
@@ -143,26 +143,31 @@ struct HealthTests {
         let changes = Changes()
         let checker = HealthChecker(policy: HealthPolicy(proto: .icmp, interval: .milliseconds(150), timeout: .milliseconds(100), rise: 2, fall: 3),
                                     logger: log.logger, onChange: changes.record)
-        let target = SocketAddress(ip: IPAddress(peer.peerIP)!, port: 0)
-        checker.setTargets([target])
+        let targets = [SocketAddress(ip: IPAddress(peer.peerIP)!, port: 0), SocketAddress(ip: IPAddress(peer.peerIPv6)!, port: 0)]
+        let ignore = ["net.ipv4.icmp_echo_ignore_all", "net.ipv6.icmp.echo_ignore_all"]
+        checker.setTargets(Set(targets))
         try await running(checker) {
-            try #require(await eventually { probes(checker, target, .ok) >= 2 })
-            #expect(checker.isUp(target) && changes.events.isEmpty)
-            try sysctl(peer.name, "net.ipv4.icmp_echo_ignore_all=1")
-            try #require(await eventually(seconds: 10) { !checker.isUp(target) }, "down once it stops answering")
-            #expect(probes(checker, target, .timeout) >= 3)
-            #expect(changes.events == [Changes.Event(target: target, up: false)])
-            #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "timeout"))
-            #expect(log.contains("downstream marked unhealthy, disabling", key: "consecutive", value: "3"))
-            try sysctl(peer.name, "net.ipv4.icmp_echo_ignore_all=0")
-            try #require(await eventually(seconds: 10) { checker.isUp(target) }, "up once it answers again")
-            #expect(changes.events == [Changes.Event(target: target, up: false), Changes.Event(target: target, up: true)])
-            #expect(log.contains("downstream is healthy", key: "consecutive", value: "2"))
-            let text = checker.metricsText()
-            let label = "target=\"\(target)\""
-            #expect(metric(text, "udp_fanout_health_transitions_total", label + ",to=\"down\"") == 1)
-            #expect(metric(text, "udp_fanout_health_transitions_total", label + ",to=\"up\"") == 1)
-            #expect(metric(text, "udp_fanout_health_target_up", label) == 1)
+            for (target, setting) in zip(targets, ignore) {
+                try #require(await eventually { probes(checker, target, .ok) >= 2 }, "\(target) answers: \(checker.metricsText())")
+                #expect(checker.isUp(target) && changes.events.isEmpty)
+                try sysctl(peer.name, "\(setting)=1")
+                try #require(await eventually(seconds: 10) { !checker.isUp(target) }, "\(target) down once it stops answering")
+                #expect(probes(checker, target, .timeout) >= 3)
+                #expect(changes.events == [Changes.Event(target: target, up: false)])
+                #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "timeout"))
+                #expect(log.contains("downstream marked unhealthy, disabling", key: "consecutive", value: "3"))
+                #expect(targets.allSatisfy { $0 == target || checker.isUp($0) }, "the other family is not affected")
+                try sysctl(peer.name, "\(setting)=0")
+                try #require(await eventually(seconds: 10) { checker.isUp(target) }, "\(target) up once it answers again")
+                #expect(changes.events == [Changes.Event(target: target, up: false), Changes.Event(target: target, up: true)])
+                #expect(log.contains("downstream is healthy", key: "consecutive", value: "2"))
+                let text = checker.metricsText()
+                let label = "target=\"\(target)\""
+                #expect(metric(text, "udp_fanout_health_transitions_total", label + ",to=\"down\"") == 1)
+                #expect(metric(text, "udp_fanout_health_transitions_total", label + ",to=\"up\"") == 1)
+                #expect(metric(text, "udp_fanout_health_target_up", label) == 1)
+                changes.clear()
+            }
         }
     }
 
@@ -328,6 +333,7 @@ private final class Changes: Sendable {
 
     private let store = Mutex<[Event]>([])
     var events: [Event] { store.withLock { $0 } }
+    func clear() { store.withLock { $0.removeAll() } }
     var record: @Sendable (SocketAddress, Bool) -> Void { { [self] target, up in self.store.withLock { $0.append(Event(target: target, up: up)) } } }
 }
 
@@ -430,12 +436,14 @@ final class EchoServer: @unchecked Sendable {
 }
 
 /// A network namespace reached from the host over a veth pair: the host holds one address of a
-/// random /30 in 198.19.0.0/16 (inside 198.18.0.0/15), the namespace the other. Removed by
+/// random /30 in 198.19.0.0/16 (inside 198.18.0.0/15) and of a random /64 in 2001:db8::/32, the
+/// namespace the other. Removed by
 /// `destroy()`, which deletes the namespace and with it the veth pair.
 final class PeerNamespace {
     let name: String
     let hostIP: String
     let peerIP: String
+    let peerIPv6: String
     private var destroyed = false
 
     init() throws {
@@ -444,13 +452,17 @@ final class PeerNamespace {
         let (third, fourth) = (Int.random(in: 0...255), Int.random(in: 0...63) * 4)
         hostIP = "198.19.\(third).\(fourth + 1)"
         peerIP = "198.19.\(third).\(fourth + 2)"
+        let prefix = "2001:db8:\(String(UInt16.random(in: 0x100...0xffff), radix: 16)):\(String(UInt16.random(in: 1...0xffff), radix: 16))"
+        peerIPv6 = "\(prefix)::2"
         let (hostSide, peerSide) = ("hh\(suffix.prefix(8))", "hn\(suffix.prefix(8))")
         try ip(["netns", "add", name])
         do {
             try ip(["link", "add", hostSide, "type", "veth", "peer", "name", peerSide, "netns", name])
             try ip(["addr", "add", "\(hostIP)/30", "dev", hostSide])
+            try ip(["-6", "addr", "add", "\(prefix)::1/64", "dev", hostSide, "nodad"])
             try ip(["link", "set", hostSide, "up"])
             try ip(["-n", name, "addr", "add", "\(peerIP)/30", "dev", peerSide])
+            try ip(["-n", name, "-6", "addr", "add", "\(peerIPv6)/64", "dev", peerSide, "nodad"])
             try ip(["-n", name, "link", "set", peerSide, "up"])
             try ip(["-n", name, "link", "set", "lo", "up"])
         } catch {

@@ -71,8 +71,13 @@ final class ICMPProbeSocket {
         let named = withUnsafeMutablePointer(to: &storage) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) }
         }
-        let port = named == 0 ? withUnsafeBytes(of: &storage) { SocketAddress(storage: $0.baseAddress!)?.port } : nil
-        return ICMPProbeSocket(fd: fd, family: family, kind: kind, identifier: port ?? 0)
+        // Without its identifier no reply could be matched: every probe would time out.
+        guard named == 0, let port = withUnsafeBytes(of: &storage, { SocketAddress(storage: $0.baseAddress!)?.port }) else {
+            let error = SystemCallError(call: "getsockname(ICMP datagram socket)", errno: named == 0 ? EAFNOSUPPORT : errno)
+            close(fd)
+            throw error
+        }
+        return ICMPProbeSocket(fd: fd, family: family, kind: kind, identifier: port)
     }
 
     /// Sends one echo request to `ip` with `sequence`; the payload is the token and 8 bytes of
