@@ -73,6 +73,15 @@ struct HealthTests {
         #expect(ICMPProbeSocket.matchReply(v6Reply[...], family: AF_INET6, hasIPHeader: false, identifier: 9, token: 5) == 300)
     }
 
+    @Test("ICMP reply to probe: only a waiting sequence from the target's address is a success; another address is a mismatch, another sequence nothing")
+    func icmpOutcome() {
+        let target = SocketAddress("198.18.0.2:0")!
+        let waiting: [UInt16: SocketAddress] = [7: target]
+        #expect(ProbeLoop.icmpOutcome(inFlight: waiting, source: target.ip, sequence: 7).map { $0.0 == target && $0.1 == .ok } == true)
+        #expect(ProbeLoop.icmpOutcome(inFlight: waiting, source: IPAddress("198.18.0.3")!, sequence: 7).map { $0.1 } == .mismatch)
+        #expect(ProbeLoop.icmpOutcome(inFlight: waiting, source: target.ip, sequence: 8) == nil, "a sequence no probe waits for")
+    }
+
     // MARK: ICMP
 
     @Test("ICMP to 127.0.0.1 and ::1: probes succeed, both stay up, no transition", .enabled(if: Privileges.enabled, Privileges.reason))

@@ -268,11 +268,18 @@ final class ProbeLoop {
     private func readICMP(_ family: Int32) {
         guard let socket = icmp[family] else { return }
         for (source, short) in socket.receiveReplies() {
-            // Another sequence (a probe already timed out, or never ours) is not a success.
-            guard let target = icmpInFlight[family]?[short], let slot = slots[target], slot.inFlight != nil else { continue }
-            // Our probe's echo from another address is not the target answering.
-            finish(slot, source == target.ip ? .ok : .mismatch)
+            guard let (target, result) = Self.icmpOutcome(inFlight: icmpInFlight[family] ?? [:], source: source, sequence: short),
+                  let slot = slots[target], slot.inFlight != nil else { continue }
+            finish(slot, result)
         }
+    }
+
+    /// Which waiting probe an echo reply (already matched on identifier and token) answers:
+    /// none for a sequence no probe waits for (one that timed out, or never ours); `mismatch`
+    /// when the probe's echo comes from another address than its target's.
+    static func icmpOutcome(inFlight: [UInt16: SocketAddress], source: IPAddress, sequence: UInt16) -> (SocketAddress, ProbeResult)? {
+        guard let target = inFlight[sequence] else { return nil }
+        return (target, source == target.ip ? .ok : .mismatch)
     }
 
     private func readUDP(_ slot: Slot) {
