@@ -292,6 +292,8 @@ struct MembershipPathTests {
         daemon.discovered(old, kubernetes: Self.endpoints([sinks[0]]))
         #expect(daemon.reload(text: yaml("new")))
         // Still ready and forwarding to the old Service's endpoint until the new one lists.
+        let deadline = ContinuousClock.now + .seconds(5)
+        while !daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
         #expect(daemon.isReady, "\(daemon.readiness)")
         try sendNumbered(to: bind, count: 10)
         #expect(sinks[0].drain().count == 10)

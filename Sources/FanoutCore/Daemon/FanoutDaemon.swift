@@ -134,7 +134,10 @@ public final class FanoutDaemon: Sendable {
             throw .modeNotImplemented(name: listener.name, .afXDP)
         case .userspace:
             do {
-                return try UserspaceListener(listener, counters: counters, logger: logger)
+                // Passive health: ICMP port unreachable on a send counts as a failed probe.
+                return try UserspaceListener(listener, counters: counters, logger: logger) { [weak self] address in
+                    self?.downstreamRefused(address)
+                }
             } catch {
                 throw .listener(name: listener.name, error)
             }
@@ -359,6 +362,16 @@ public final class FanoutDaemon: Sendable {
         }
         for warning in new.warnings() { logger.warning("\(warning)") }
         let old = state.withLock { $0.config }
+        if new.health.enabled && new.health.proto == "icmp" && !(old.health.enabled && old.health.proto == "icmp") {
+            // The probe loop would stop on its first round (and the daemon with it): refuse now.
+            do {
+                _ = try ICMPProbeSocket.open(family: AF_INET)
+            } catch {
+                reloadsRejected.wrappingAdd(1, ordering: .relaxed)
+                logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "health.protocol icmp: \(error)"])
+                return false
+            }
+        }
         do {
             try transition(to: new, from: old)
         } catch {

@@ -30,6 +30,8 @@ final class DownstreamOutbox {
     private let controlSpace: Int
     private(set) var count = 0
     private(set) var gsoEnabled = true
+    /// The last flush got ECONNREFUSED: the downstream answered ICMP port unreachable (passive health).
+    private(set) var refused = false
 
     static let maximumSegments = 64
     static let maximumGSOBytes = 65000
@@ -85,6 +87,7 @@ final class DownstreamOutbox {
     /// the rest go on.
     func flush(_ result: inout (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])) {
         defer { count = 0 }
+        refused = false
         guard socket >= 0 else {
             result.dropped[Self.reason(connectError), default: 0] += UInt64(count)
             return
@@ -109,6 +112,7 @@ final class DownstreamOutbox {
                     gsoEnabled = false
                     break
                 }
+                if error == ECONNREFUSED { refused = true }
                 result.dropped[Self.reason(error), default: 0] += UInt64(failed.msg_iovlen)
                 message += 1
             }

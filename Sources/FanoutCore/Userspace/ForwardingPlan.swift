@@ -1,3 +1,4 @@
+import ReusePortLB
 import Synchronization
 
 /// What a listener's workers forward to: replaced as a whole when a reload changes only the
@@ -8,11 +9,16 @@ final class ForwardingPlan: Sendable {
     let counters: [DownstreamCounters]
     /// How workers pick a downstream: built once here, not once per worker.
     let method: DownstreamSelector.Method
+    /// Passive health: told a downstream's address when a send to it got ICMP port unreachable
+    /// (ECONNREFUSED), at most once per batch per downstream (nil: nobody listens).
+    let passiveHealth: (@Sendable (SocketAddress) -> Void)?
 
-    init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters) {
+    init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) {
         self.downstreams = downstreams
         self.balancing = balancing
         method = DownstreamSelector.Method(downstreams: downstreams, balancing: balancing)
+        self.passiveHealth = passiveHealth
         self.counters = downstreams.map { counters.downstream($0.name) }
         counters.retainDownstreams(Set(downstreams.map(\.name)))
     }

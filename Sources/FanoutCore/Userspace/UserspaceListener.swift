@@ -18,12 +18,17 @@ final class UserspaceListener: RunningListener {
     private let stop = StopSignal()
     private let workers: [UserspaceWorker]
     private let threads: [OSThread]
+    private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
 
-    init(_ config: Listener, counters: ListenerCounters, logger: Logger) throws(ReusePortError) {
+    /// - Parameter passiveHealth: told a downstream's address when a send to it got ICMP port
+    ///   unreachable (at most once per batch per downstream and worker); nil: not reported.
+    init(_ config: Listener, counters: ListenerCounters, logger: Logger,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) {
         self.config = config
         self.counters = counters
+        self.passiveHealth = passiveHealth
         let count = config.settings.workers > 0 ? config.settings.workers : max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
-        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters))
+        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,
             receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
@@ -76,7 +81,7 @@ final class UserspaceListener: RunningListener {
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
     func update(downstreams: [Downstream], balancing: Balancing) {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters))
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
     }
 
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.

@@ -137,6 +137,7 @@ final class UserspaceWorker: @unchecked Sendable {
             }
             var result: (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64]) = (0, 0, [:])
             outbox.flush(&result)
+            if outbox.refused, let report = plan!.passiveHealth { report(plan!.downstreams[target].address) }
             forwarded += result.sent
             bytesForwarded += result.bytes
             let downstream = plan!.counters[target]
