@@ -82,6 +82,9 @@ final class KubernetesAPIServer: Sendable {
         var goneServed = 0
         /// Answer 403 (RBAC) to every request.
         var forbidden = false
+        /// Answer 410 to every list (as for an expired continue token).
+        var listsGone = false
+        var listsRefused = 0
     }
 
     /// Files the test can hand to credentials.
@@ -234,6 +237,10 @@ final class KubernetesAPIServer: Sendable {
     /// the RBAC rule.
     func setForbidden(_ forbidden: Bool) { store.state.withLock { $0.forbidden = forbidden } }
 
+    /// Answers every list with 410 Gone while set.
+    func setListsGone(_ gone: Bool) { store.state.withLock { $0.listsGone = gone } }
+    var listsRefused: Int { store.state.withLock { $0.listsRefused } }
+
     var listsServed: Int { store.state.withLock { $0.listsServed } }
     var watchesServed: Int { store.state.withLock { $0.watchesServed } }
     var activeWatches: Int { store.state.withLock { $0.watches.count } }
@@ -335,6 +342,10 @@ final class KubernetesAPIServer: Sendable {
 
         private func list(namespace: String, service: String, limit: Int?, continueToken: String?) -> Response {
             store.state.withLock { state in
+                if state.listsGone {
+                    state.listsRefused += 1
+                    return KubernetesAPIServer.status(410, "Expired", "The provided continue parameter is too old to display a consistent list result")
+                }
                 var offset = 0
                 var version = state.version
                 if let token = continueToken {

@@ -282,6 +282,25 @@ struct KubernetesDiscoveryTests {
         }
     }
 
+    @Test("A list answered 410 again and again is retried after the backoff, not in a tight loop")
+    func goneListBacksOff() async throws {
+        try await KubernetesAPIServer.with { server in
+            server.setListsGone(true)
+            try await Self.watch(server) { watcher, updates, _ in
+                #expect(await server.eventually { server.listsRefused >= 3 })
+                try await Task.sleep(for: .seconds(1))
+                // Backoff of 50 ms doubling to 200 ms: about ten lists in a second; a tight loop
+                // makes thousands.
+                #expect(server.listsRefused < 40, "lists refused: \(server.listsRefused)")
+                #expect(updates.sets.isEmpty)
+                server.setListsGone(false)
+                #expect(await updates.count(1))
+                #expect(updates.sets == [[]])
+                #expect(watcher.restartCount("gone") == UInt64(server.listsRefused))
+            }
+        }
+    }
+
     @Test("A wrong token is a loud, counted error retried with backoff; fixing the token file recovers without a restart")
     func wrongTokenRecovers() async throws {
         try await KubernetesAPIServer.with { server in

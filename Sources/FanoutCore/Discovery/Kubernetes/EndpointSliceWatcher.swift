@@ -120,7 +120,13 @@ final class EndpointSliceWatcher: Service, Sendable {
                 if case .gone(let message) = error {
                     countRestart("gone")
                     logger.info("k8s discovery: resourceVersion expired (410 Gone); listing again", metadata: metadata(["message": "\(message)"]))
+                    // A 410 to the list itself (its continue token expired) is retried after the
+                    // backoff, so a server that keeps answering 410 is not hammered.
+                    let duringList = state.resourceVersion == nil
                     state.resourceVersion = nil
+                    if duringList {
+                        do { try await Task.sleep(for: backoff.next()) } catch { return }
+                    }
                     continue
                 }
                 if Task.isCancelled { return }
