@@ -301,6 +301,27 @@ struct KubernetesDiscoveryTests {
         }
     }
 
+    @Test("A watch silent past its timeoutSeconds is taken as a dead connection and opened again from its resourceVersion")
+    func stalledWatch() async throws {
+        try await KubernetesAPIServer.with { server in
+            server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.1", pod: "pod-1")]))
+            // The test server never ends a watch by itself: with timeoutSeconds 1 the watch is
+            // silent past 1 s + 0.3 s, as a connection that died without a TCP error would be.
+            var timing = Self.timing
+            timing.watchTimeoutSeconds = 1...1
+            timing.stallMargin = .milliseconds(300)
+            try await Self.watch(server, timing: timing) { watcher, updates, log in
+                #expect(await updates.count(1))
+                #expect(await server.eventually { watcher.errorCount("watch_stalled") >= 1 && server.watchesServed >= 2 })
+                #expect(log.count(.error, containing: "the watch delivered nothing") >= 1)
+                server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.2", pod: "pod-2")]))
+                #expect(await updates.count(2))
+                #expect(updates.sets == [["pod-1:5514=198.18.0.1:5514"], ["pod-2:5514=198.18.0.2:5514"]])
+                #expect(server.listsServed == 1)
+            }
+        }
+    }
+
     @Test("A wrong token is a loud, counted error retried with backoff; fixing the token file recovers without a restart")
     func wrongTokenRecovers() async throws {
         try await KubernetesAPIServer.with { server in
@@ -472,7 +493,7 @@ struct KubernetesDiscoveryTests {
     /// Runs a watcher of service `syslog` (port 5514) for the duration of `body`.
     static func watch(
         _ server: KubernetesAPIServer, credentials given: KubernetesCredentials? = nil, token: String? = nil, namespace: String? = nil,
-        _ body: @Sendable (EndpointSliceWatcher, Updates, CapturedLog) async throws -> Void
+        timing: EndpointSliceWatcher.Timing = timing, _ body: @Sendable (EndpointSliceWatcher, Updates, CapturedLog) async throws -> Void
     ) async throws {
         let made = given == nil ? try inCluster(server, token: token) : nil
         defer { if let made { try? FileManager.default.removeItem(atPath: made.directory) } }
