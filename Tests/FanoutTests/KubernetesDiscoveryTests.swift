@@ -455,7 +455,7 @@ struct KubernetesDiscoveryTests {
 
     @Test("Lines split across chunks and several lines in one chunk are put back together")
     func lineSplitter() throws {
-        var splitter = LineSplitter(limit: 64)
+        var splitter = EndpointSliceWatcher.LineSplitter(limit: 64)
         #expect(try splitter.append(ByteBuffer(string: "{\"a\"")).isEmpty)
         #expect(try splitter.append(ByteBuffer(string: ":1}\n{\"b\":2}\n{\"c")).map { String(decoding: $0, as: UTF8.self) } == ["{\"a\":1}", "{\"b\":2}"])
         #expect(splitter.remainder.map { String(decoding: $0, as: UTF8.self) } == "{\"c")

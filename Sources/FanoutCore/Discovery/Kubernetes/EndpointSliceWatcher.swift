@@ -400,55 +400,57 @@ final class EndpointSliceWatcher: Service, Sendable {
     }
 }
 
-/// Splits a byte stream into lines on `\n`; a line may span chunks.
-struct LineSplitter {
-    let limit: Int
-    private var pending: [UInt8] = []
+extension EndpointSliceWatcher {
+    /// Splits a byte stream into lines on `\n`; a line may span chunks.
+    struct LineSplitter {
+        let limit: Int
+        private var pending: [UInt8] = []
 
-    init(limit: Int) { self.limit = limit }
+        init(limit: Int) { self.limit = limit }
 
-    /// The complete lines this chunk finishes.
-    /// - Throws: ``DiscoveryError/eventTooLarge(bytes:)`` when a line grows past the limit.
-    mutating func append(_ chunk: ByteBuffer) throws(DiscoveryError) -> [[UInt8]] {
-        var lines: [[UInt8]] = []
-        chunk.withUnsafeReadableBytes { bytes in
-            var start = 0
-            for index in 0..<bytes.count where bytes[index] == UInt8(ascii: "\n") {
-                pending.append(contentsOf: bytes[start..<index])
-                lines.append(pending)
-                pending.removeAll(keepingCapacity: true)
-                start = index + 1
+        /// The complete lines this chunk finishes.
+        /// - Throws: ``DiscoveryError/eventTooLarge(bytes:)`` when a line grows past the limit.
+        mutating func append(_ chunk: ByteBuffer) throws(DiscoveryError) -> [[UInt8]] {
+            var lines: [[UInt8]] = []
+            chunk.withUnsafeReadableBytes { bytes in
+                var start = 0
+                for index in 0..<bytes.count where bytes[index] == UInt8(ascii: "\n") {
+                    pending.append(contentsOf: bytes[start..<index])
+                    lines.append(pending)
+                    pending.removeAll(keepingCapacity: true)
+                    start = index + 1
+                }
+                pending.append(contentsOf: bytes[start..<bytes.count])
             }
-            pending.append(contentsOf: bytes[start..<bytes.count])
+            if pending.count > limit { throw .eventTooLarge(bytes: limit) }
+            return lines
         }
-        if pending.count > limit { throw .eventTooLarge(bytes: limit) }
-        return lines
+
+        /// What is left after the stream ended without a final newline.
+        var remainder: [UInt8]? { pending.isEmpty ? nil : pending }
     }
 
-    /// What is left after the stream ended without a final newline.
-    var remainder: [UInt8]? { pending.isEmpty ? nil : pending }
-}
+    /// Capped exponential backoff with jitter.
+    struct Backoff {
+        let initial: Duration
+        let maximum: Duration
+        private var current: Duration
 
-/// Capped exponential backoff with jitter.
-struct Backoff {
-    let initial: Duration
-    let maximum: Duration
-    private var current: Duration
+        init(initial: Duration, maximum: Duration) {
+            self.initial = initial
+            self.maximum = maximum
+            current = initial
+        }
 
-    init(initial: Duration, maximum: Duration) {
-        self.initial = initial
-        self.maximum = maximum
-        current = initial
+        /// The next delay: between half and all of the current step; the step then doubles.
+        mutating func next() -> Duration {
+            let step = current
+            current = min(current * 2, maximum)
+            return .nanoseconds(Int64(Double(step.wholeNanoseconds) * Double.random(in: 0.5...1.0)))
+        }
+
+        mutating func reset() { current = initial }
     }
-
-    /// The next delay: between half and all of the current step; the step then doubles.
-    mutating func next() -> Duration {
-        let step = current
-        current = min(current * 2, maximum)
-        return .nanoseconds(Int64(Double(step.wholeNanoseconds) * Double.random(in: 0.5...1.0)))
-    }
-
-    mutating func reset() { current = initial }
 }
 
 extension Duration {
