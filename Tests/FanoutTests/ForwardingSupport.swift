@@ -10,7 +10,7 @@ import Glibc
 #endif
 
 /// A UDP receiver standing in for a downstream: collects every datagram's bytes.
-final class Sink {
+final class Sink: Sendable {
     let fd: Int32
     let address: SocketAddress
 

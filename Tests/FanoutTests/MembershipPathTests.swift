@@ -11,7 +11,7 @@ import Glibc
 #endif
 
 /// Paced traffic from many loopback source addresses, one socket each: datagram `s-<source>-<n>`.
-final class SourcePool {
+final class SourcePool: Sendable {
     let sources: [String]
     private let sockets: [Int32]
 

@@ -207,4 +207,10 @@ struct MembershipTests {
         let b = "# HELP x_total X\n# TYPE x_total counter\nx_total{n=\"b\"} 3\n"
         #expect(PrometheusText.merge([a, b]) == "# HELP x_total X\n# TYPE x_total counter\nx_total{n=\"a\"} 1\nx_total{n=\"b\"} 3\n# HELP y Y\n# TYPE y gauge\ny{n=\"a\"} 2\n")
     }
+
+    @Test("a component's samples get the listener label")
+    func addLabel() {
+        #expect(PrometheusText.adding(label: "listener", "a\"b", to: "# TYPE x gauge\nx{n=\"1\"} 2\ny 3\nz{} 4\n")
+                == "# TYPE x gauge\nx{listener=\"a\\\"b\",n=\"1\"} 2\ny{listener=\"a\\\"b\"} 3\nz{listener=\"a\\\"b\"} 4\n")
+    }
 }

@@ -52,21 +52,32 @@ extension FanoutDaemon {
     /// A DNS entry of `listener` resolved to `addresses` (a spec of a configuration no longer in
     /// force is ignored).
     func discovered(_ spec: DiscoverySpec, dns addresses: [SocketAddress]) {
-        guard case .dns(let listener, let entry, _, _, _) = spec, isCurrent(spec) else { return }
-        state.withLock { state in
-            state.discovered[listener, default: Discovered()].dns[entry] = addresses
-            state.discoveryErrors[listener] = nil
+        guard case .dns(let listener, let entry, _, _, _) = spec else { return }
+        // Under the change lock: a reload running now must not overwrite it with its snapshot.
+        let current = changes.withLock { _ in
+            state.withLock { state in
+                guard DiscoverySpec.all(state.config).contains(spec) else { return false }
+                state.discovered[listener, default: Discovered()].dns[entry] = addresses
+                state.discoveryErrors[listener] = nil
+                return true
+            }
         }
+        guard current else { return }
         refresh(listener, cause: "dns")
     }
 
     /// The Kubernetes Service of `listener` has these ready endpoints.
     func discovered(_ spec: DiscoverySpec, kubernetes endpoints: [Downstream]) {
-        guard case .kubernetes(let listener, _) = spec, isCurrent(spec) else { return }
-        state.withLock { state in
-            state.discovered[listener, default: Discovered()].kubernetes = endpoints
-            state.discoveryErrors[listener] = nil
+        guard case .kubernetes(let listener, _) = spec else { return }
+        let current = changes.withLock { _ in
+            state.withLock { state in
+                guard DiscoverySpec.all(state.config).contains(spec) else { return false }
+                state.discovered[listener, default: Discovered()].kubernetes = endpoints
+                state.discoveryErrors[listener] = nil
+                return true
+            }
         }
+        guard current else { return }
         if endpoints.isEmpty {
             logger.warning("k8s discovery: 0 ready endpoints", metadata: ["listener": "\(listener)"])
         }

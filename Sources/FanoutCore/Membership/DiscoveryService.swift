@@ -62,7 +62,7 @@ public struct DiscoveryService: Service {
             ) { [daemon] addresses in
                 daemon.discovered(spec, dns: addresses)
             }
-            daemon.discoveryMetrics.withLock { $0[spec] = { watcher.metricsText() } }
+            daemon.discoveryMetrics.withLock { $0[spec] = { PrometheusText.adding(label: "listener", spec.listener, to: watcher.metricsText()) } }
             do {
                 try await watcher.run()
             } catch {
@@ -88,7 +88,7 @@ public struct DiscoveryService: Service {
                 ) { [daemon] endpoints in
                     daemon.discovered(spec, kubernetes: endpoints.map { Downstream(name: $0.name, address: $0.address) })
                 }
-                daemon.discoveryMetrics.withLock { $0[spec] = { watcher.metricsText() } }
+                daemon.discoveryMetrics.withLock { $0[spec] = { PrometheusText.adding(label: "listener", spec.listener, to: watcher.metricsText()) } }
                 do {
                     try await watcher.run()
                 } catch {

@@ -75,6 +75,21 @@ enum PrometheusText {
         return order.map { name in (headers[name, default: []] + samples[name, default: []]).map { "\($0)\n" }.joined() }.joined()
     }
 
+    /// `text` with `name="value"` added first to every sample's labels (a component that does
+    /// not know which listener it serves).
+    static func adding(label name: String, _ value: String, to text: String) -> String {
+        let label = "\(name)=\"\(escape(value))\""
+        return text.split(separator: "\n", omittingEmptySubsequences: false).map { line -> String in
+            guard !line.hasPrefix("#"), !line.isEmpty else { return String(line) }
+            if let brace = line.firstIndex(of: "{") {
+                let rest = line[line.index(after: brace)...]
+                return String(line[...brace]) + label + (rest.hasPrefix("}") ? "" : ",") + rest
+            }
+            guard let space = line.firstIndex(of: " ") else { return String(line) }
+            return "\(line[..<space]){\(label)}\(line[space...])"
+        }.joined(separator: "\n")
+    }
+
     static func labels(_ listener: ListenerCounters) -> String {
         "listener=\"\(escape(listener.name))\",mode=\"\(listener.mode)\""
     }
