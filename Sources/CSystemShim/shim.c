@@ -10,6 +10,10 @@
 #include <sys/vfs.h>
 #include <linux/magic.h>
 #include <netinet/udp.h>
+#include <stdlib.h>
+#include <netinet/in.h>
+#include <arpa/nameser.h>
+#include <resolv.h>
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
@@ -147,4 +151,59 @@ void shim_set_udp_segment(struct msghdr *message, void *control, uint16_t size)
 	c->cmsg_type = UDP_SEGMENT;
 	c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
 	memcpy(CMSG_DATA(c), &size, sizeof(size));
+}
+
+int shim_dns_send(const char *name, int type, const struct sockaddr_storage *servers, int count,
+		  int timeout_seconds, int attempts, unsigned char *answer, int answer_length,
+		  uint16_t *query_id, int *error)
+{
+	struct __res_state state;
+	memset(&state, 0, sizeof(state));
+	if (res_ninit(&state) != 0) {
+		*error = errno;
+		return -2;
+	}
+	/* res_ninit left the nameservers of resolv.conf (IPv6 ones malloc'd): replace them. */
+	if (count > 0) {
+		for (int i = 0; i < MAXNS; i++) {
+			free(state._u._ext.nsaddrs[i]);
+			state._u._ext.nsaddrs[i] = NULL;
+			state._u._ext.nssocks[i] = -1;
+		}
+		int used = 0;
+		for (int i = 0; i < count && used < MAXNS; i++) {
+			if (servers[i].ss_family == AF_INET) {
+				memcpy(&state.nsaddr_list[used++], &servers[i], sizeof(struct sockaddr_in));
+			} else if (servers[i].ss_family == AF_INET6) {
+				struct sockaddr_in6 *copy = malloc(sizeof(*copy));
+				if (copy == NULL) {
+					res_nclose(&state);
+					*error = ENOMEM;
+					return -2;
+				}
+				memcpy(copy, &servers[i], sizeof(*copy));
+				/* glibc reads a server from nsaddrs[n] when nsaddr_list[n] has family 0. */
+				state.nsaddr_list[used].sin_family = 0;
+				state._u._ext.nsaddrs[used++] = copy;
+			}
+		}
+		state.nscount = used;
+	}
+	state.retrans = timeout_seconds;
+	state.retry = attempts;
+	unsigned char query[512];
+	int length = res_nmkquery(&state, QUERY, name, C_IN, type, NULL, 0, NULL, query, sizeof(query));
+	if (length < 12) {
+		*error = errno;
+		res_nclose(&state);
+		return -3;
+	}
+	*query_id = (uint16_t)((query[0] << 8) | query[1]);
+	/* A stale buffer must never look like this query's answer. */
+	memset(answer, 0, answer_length < 12 ? (size_t)answer_length : 12);
+	errno = 0;
+	int received = res_nsend(&state, query, length, answer, answer_length);
+	*error = errno;
+	res_nclose(&state);
+	return received;
 }

@@ -71,4 +71,17 @@ int shim_is_bpffs(const char *path);
 static inline int32_t shim_skf_net_off(void) { return SKF_NET_OFF; }
 static inline int32_t shim_skf_ad_random(void) { return SKF_AD_OFF + SKF_AD_RANDOM; }
 
+/* One DNS question (class IN, `type`) through glibc's resolver, res_nmkquery(3) + res_nsend(3), on
+ * a private resolver state: getaddrinfo(3) gives no TTL, and struct __res_state keeps IPv6
+ * nameservers behind a union and malloc'd pointers that Swift cannot set safely. `servers`
+ * (`count` AF_INET/AF_INET6 addresses with their ports) replace resolv.conf's nameservers;
+ * count 0 keeps /etc/resolv.conf's. Each server gets `attempts` tries of `timeout_seconds`.
+ * Returns the answer's length (any rcode but SERVFAIL/REFUSED/NOTIMP, which res_nsend treats as
+ * "try the next server"); -1 with *error = errno when no usable answer came (the answer buffer
+ * then holds the last server's refusal if its ID equals *query_id); -2 when res_ninit failed,
+ * -3 when the name cannot be put in a query (res_nmkquery). Blocking. */
+int shim_dns_send(const char *name, int type, const struct sockaddr_storage *servers, int count,
+		  int timeout_seconds, int attempts, unsigned char *answer, int answer_length,
+		  uint16_t *query_id, int *error);
+
 #endif
