@@ -291,8 +291,8 @@ struct DNSDiscoveryTests {
 /// bind-mounted over /etc/resolv.conf in a private mount namespace (what `ip netns exec` does);
 /// nil if any step failed (recorded as an issue).
 private func inNamespaceWithResolvConf<T: Sendable>(_ namespace: String, _ resolvConf: String, _ body: @escaping @Sendable () -> T) -> T? {
-    let result = Locked<T?>(nil)
-    let failure = Locked<String?>(nil)
+    let result = HandOff<T?>(nil)
+    let failure = HandOff<String?>(nil)
     OSThread(name: "dns-netns") {
         let fd = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
         guard fd >= 0 else { return failure.withLock { $0 = "open netns: errno \(errno)" } }
@@ -313,7 +313,7 @@ private func inNamespaceWithResolvConf<T: Sendable>(_ namespace: String, _ resol
 }
 
 /// A value a thread hands back, behind a lock.
-private final class Locked<Value: Sendable>: Sendable {
+private final class HandOff<Value: Sendable>: Sendable {
     private let mutex: Mutex<Value>
     init(_ value: sending Value) { mutex = Mutex(value) }
     func withLock<R>(_ body: (inout sending Value) -> sending R) -> sending R { mutex.withLock(body) }
