@@ -218,4 +218,32 @@ struct KubernetesEndToEndTests {
             #expect(daemon.wait() == 0, "\(daemon.stderr)")
         }
     }
+
+    @Test("/readyz quotes the watcher's last error while the first list fails (a token the API server refuses), and is ready once it lists")
+    func readinessQuotesError() async throws {
+        let port = freePort()
+        try await KubernetesAPIServer.with { server in
+            server.apply(.init(name: "recv-a", namespace: "test", service: "receivers", endpoints: [.init(address: "127.0.0.71", pod: "pod-0")]))
+            let kubeconfig = try server.writeKubeconfig(namespace: "test")
+            server.setToken("another-token")
+            let config = try ConfigParser.parse("""
+                listeners:
+                  - name: k
+                    bind: "127.0.0.1:\(freePort())"
+                    kubernetes: {service: receivers, port: \(port)}
+                    settings: {workers: 1}
+                """)
+            let daemon = FanoutDaemon(config: config, configPath: nil, logger: Logger(label: "k8s-ready") { _ in SwiftLogNoOpLogHandler() })
+            try daemon.start()
+            defer { daemon.shutdown() }
+            try await Self.withDiscovery(daemon, kubeconfig: kubeconfig) {
+                #expect(await server.eventually { daemon.readiness.joined().contains("last error") }, "\(daemon.readiness)")
+                let reasons = daemon.readiness.joined()
+                #expect(reasons.contains("waiting for the first EndpointSlice list") && reasons.contains("401"), "\(reasons)")
+                // The operator fixes the Secret: the kubeconfig's token is accepted again.
+                server.setToken(try String(contentsOfFile: kubeconfig, encoding: .utf8).components(separatedBy: "token: \"")[1].components(separatedBy: "\"")[0])
+                #expect(await server.eventually(15) { daemon.isReady }, "\(daemon.readiness)")
+            }
+        }
+    }
 }

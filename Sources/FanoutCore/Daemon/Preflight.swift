@@ -20,7 +20,26 @@ public enum Preflight {
                 problems.append(text + ": stop it or use another bind")
             }
         }
+        notes += discoveryNotes(config)
         return (problems, notes)
+    }
+
+    /// Where Kubernetes credentials come from. A note, not a problem: a token may appear after
+    /// start, and the daemon keeps trying (its `/readyz` says what it waits for). DNS names are
+    /// not resolved here: `--check` sends nothing to the network.
+    static func discoveryNotes(_ config: FanoutConfig, environment: [String: String] = ProcessEnvironment.current()) -> [String] {
+        var notes: [String] = []
+        for (index, listener) in config.listeners.enumerated() {
+            if listener.kubernetes != nil {
+                do {
+                    let credentials = try KubernetesCredentials.load(environment: environment)
+                    notes.append("listeners[\(index)].kubernetes: API server \(credentials.server) with credentials from \(credentials.origin) (not contacted by --check)")
+                } catch {
+                    notes.append("listeners[\(index)].kubernetes: \(error); the listener stays not ready until credentials are found")
+                }
+            }
+        }
+        return notes
     }
 }
 

@@ -84,7 +84,8 @@ public struct DiscoveryService: Service {
                     continue
                 }
                 let watcher = EndpointSliceWatcher(
-                    source: source, credentials: credentials, httpClient: client.get(), logger: logger
+                    source: source, credentials: credentials, httpClient: client.get(), logger: logger,
+                    onFailure: { [daemon] error in daemon.discoveryFailed(spec, error) }
                 ) { [daemon] endpoints in
                     daemon.discovered(spec, kubernetes: endpoints.map { Downstream(name: $0.name, address: $0.address) })
                 }

@@ -44,6 +44,8 @@ final class EndpointSliceWatcher: Service, Sendable {
     let httpClient: HTTPClient
     let logger: Logger
     let onUpdate: @Sendable ([DiscoveredEndpoint]) -> Void
+    /// Told each failure that is retried (the daemon shows the last one on /readyz until the first list).
+    let onFailure: (@Sendable (String) -> Void)?
     let timing: Timing
     private let counters = Mutex(Counters())
 
@@ -57,8 +59,10 @@ final class EndpointSliceWatcher: Service, Sendable {
     ///   - onUpdate: called with the complete endpoint set, on the watcher's task, in order.
     init(
         source: Kubernetes, credentials: KubernetesCredentials, httpClient: HTTPClient, logger: Logger,
-        timing: Timing = Timing(), onUpdate: @escaping @Sendable ([DiscoveredEndpoint]) -> Void
+        timing: Timing = Timing(), onFailure: (@Sendable (String) -> Void)? = nil,
+        onUpdate: @escaping @Sendable ([DiscoveredEndpoint]) -> Void
     ) {
+        self.onFailure = onFailure
         self.source = source
         self.namespace = source.namespace ?? credentials.defaultNamespace
         self.credentials = credentials
@@ -134,6 +138,7 @@ final class EndpointSliceWatcher: Service, Sendable {
                 countRestart("error")
                 let delay = backoff.next()
                 logger.error("k8s discovery: \(error)", metadata: metadata(["retry_in": "\(delay)", "reason": "\(error.reason)"]))
+                onFailure?("\(error)")
                 do { try await Task.sleep(for: delay) } catch { return }
             } catch {
                 // Cancellation (graceful shutdown) is the only other error here.
