@@ -35,7 +35,8 @@ protocol RunningListener: AnyObject, Sendable {
     /// first: such a listener is activated only after its predecessor stopped.
     var takesOverExactly: Bool { get }
     /// Swaps the downstreams and balancing in place, without losing datagrams.
-    func update(downstreams: [Downstream], balancing: Balancing)
+    /// - Returns: false if the new set could not be applied (the previous one stays, logged).
+    func update(downstreams: [Downstream], balancing: Balancing) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
 }
@@ -75,6 +76,8 @@ public final class FanoutDaemon: Sendable {
     private let reloadsOK = Atomic<UInt64>(0)
     private let reloadsRejected = Atomic<UInt64>(0)
     let membershipUpdates = Atomic<UInt64>(0)
+    /// Downstream set changes a running listener could not apply (tc_ebpf map writes).
+    let membershipFailures = Atomic<UInt64>(0)
     private let dataplane: TCDataplane
     /// Serialises every change of the running listeners: reloads and membership updates.
     let changes = Mutex<Void>(())
@@ -135,8 +138,9 @@ public final class FanoutDaemon: Sendable {
         case .userspace:
             do {
                 // Passive health: ICMP port unreachable on a send counts as a failed probe.
+                let name = listener.name
                 return try UserspaceListener(listener, counters: counters, logger: logger) { [weak self] address in
-                    self?.downstreamRefused(address)
+                    self?.downstreamRefused(address, listener: name)
                 }
             } catch {
                 throw .listener(name: listener.name, error)
@@ -156,9 +160,17 @@ public final class FanoutDaemon: Sendable {
     /// 4. otherwise the new userspace listeners take their binds over (from then on every new
     ///    datagram goes to their workers), and only then the old instances stop, forwarding
     ///    what their sockets still hold.
+    /// Holds the change lock for the whole step, then gives the health checker the new policy
+    /// before the new targets (a target must never be probed with a protocol it was not
+    /// configured for).
     private func transition(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
-        try changes.withLock { _ throws(DaemonError) in try transitionLocked(to: new, from: old) }
-        updateHealthTargets()
+        try changes.withLock { _ throws(DaemonError) in try transitionChangesHeld(to: new, from: old) }
+    }
+
+    private func transitionChangesHeld(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
+        try transitionLocked(to: new, from: old)
+        health.setPolicy(HealthPolicy(new.health))
+        updateHealthTargetsChangesHeld()
     }
 
     private func transitionLocked(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
@@ -167,7 +179,7 @@ public final class FanoutDaemon: Sendable {
             Dictionary(new.listeners.map { ($0.name, Membership.carried(state.discovered[$0.name] ?? Discovered(), into: $0)) },
                        uniquingKeysWith: { first, _ in first })
         }
-        let down = state.withLock { $0.down }
+        let (down, appliedBefore) = state.withLock { ($0.down, $0.applied) }
         var members: [String: [Downstream]] = [:]
         var effective: [String: Listener] = [:]
         for listener in new.listeners {
@@ -185,7 +197,8 @@ public final class FanoutDaemon: Sendable {
         for listener in new.listeners {
             // A listener that is not running (lost in a failed change) starts again, even unchanged.
             if let previous = oldByName[listener.name], previous.socketShape == listener.socketShape, running[listener.name] != nil {
-                if previous != listener { inPlace.append(listener) }
+                // Also when only the available set changed (health turned off puts every member back).
+                if previous != listener || effective[listener.name]!.downstreams != appliedBefore[listener.name] { inPlace.append(listener) }
             } else {
                 fresh.append(listener)
             }
@@ -264,7 +277,13 @@ public final class FanoutDaemon: Sendable {
         }
         for listener in inPlace {
             let downstreams = effective[listener.name]!.downstreams
-            running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing)
+            if running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing) == false {
+                // The previous set stays in force (logged by the listener): record it so the next
+                // membership change tries again, and count it.
+                state.withLock { $0.applied[listener.name] = appliedBefore[listener.name] }
+                membershipFailures.wrappingAdd(1, ordering: .relaxed)
+                continue
+            }
             logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
         let stoppedEarly = Set(stopFirst.map(\.name))
@@ -361,6 +380,11 @@ public final class FanoutDaemon: Sendable {
             return false
         }
         for warning in new.warnings() { logger.warning("\(warning)") }
+        // One reload at a time, and none while discovery or health changes a set.
+        return changes.withLock { _ in reloadChangesHeld(new) }
+    }
+
+    private func reloadChangesHeld(_ new: FanoutConfig) -> Bool {
         let old = state.withLock { $0.config }
         if new.health.enabled && new.health.proto == "icmp" && !(old.health.enabled && old.health.proto == "icmp") {
             // The probe loop would stop on its first round (and the daemon with it): refuse now.
@@ -373,13 +397,12 @@ public final class FanoutDaemon: Sendable {
             }
         }
         do {
-            try transition(to: new, from: old)
+            try transitionChangesHeld(to: new, from: old)
         } catch {
             reloadsRejected.wrappingAdd(1, ordering: .relaxed)
             logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "\(error)"])
             return false
         }
-        health.setPolicy(HealthPolicy(new.health))
         _ = state.withLock { $0.discovery }?.yield(DiscoverySpec.all(new))
         if old.metrics != new.metrics {
             // The endpoint service binds the new address before it closes the old one; if that
@@ -395,6 +418,11 @@ public final class FanoutDaemon: Sendable {
     /// Idempotent. The HTTP endpoint stops with its own service (graceful shutdown of the
     /// `ServiceGroup`, or cancellation of its task); meanwhile `/readyz` answers 503.
     public func shutdown() {
+        // Not while a membership change or reload is writing to a listener.
+        changes.withLock { _ in shutdownChangesHeld() }
+    }
+
+    private func shutdownChangesHeld() {
         let listeners = state.withLock { state in
             state.stopping = true
             defer { state.listeners = [:] }

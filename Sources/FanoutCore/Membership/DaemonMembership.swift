@@ -1,3 +1,4 @@
+import Dispatch
 import Logging
 import ReusePortLB
 import Synchronization
@@ -41,58 +42,58 @@ extension HealthPolicy {
 }
 
 /// Forwards the health checker's transitions to the daemon, which exists only after the
-/// checker is made.
+/// checker is made. Transitions are applied on a serial queue of their own, so the probe
+/// thread never waits for a reload or a table build (a reply arriving meanwhile would be
+/// counted as a timeout), and they are applied in the order they happened.
 final class HealthLink: Sendable {
     private let target = Mutex<(@Sendable (SocketAddress, Bool) -> Void)?>(nil)
+    private let queue = DispatchQueue(label: "udp-fanout-health-transitions")
     func connect(_ handler: @escaping @Sendable (SocketAddress, Bool) -> Void) { target.withLock { $0 = handler } }
-    func forward(_ address: SocketAddress, _ up: Bool) { target.withLock { $0 }?(address, up) }
+    func forward(_ address: SocketAddress, _ up: Bool) {
+        guard let handler = target.withLock({ $0 }) else { return }
+        queue.async { handler(address, up) }
+    }
 }
 
 extension FanoutDaemon {
-    /// A DNS entry of `listener` resolved to `addresses` (a spec of a configuration no longer in
-    /// force is ignored).
+    /// A DNS entry of a listener resolved to `addresses`.
     func discovered(_ spec: DiscoverySpec, dns addresses: [SocketAddress]) {
-        guard case .dns(let listener, let entry, _, _, _) = spec else { return }
-        // Under the change lock: a reload running now must not overwrite it with its snapshot.
-        let current = changes.withLock { _ in
-            state.withLock { state in
-                guard DiscoverySpec.all(state.config).contains(spec) else { return false }
-                state.discovered[listener, default: Discovered()].dns[entry] = addresses
-                state.discoveryErrors[listener] = nil
-                return true
-            }
-        }
-        guard current else { return }
-        refresh(listener, cause: "dns")
+        guard case .dns(_, let entry, _, _, _) = spec else { return }
+        discovered(spec, cause: "dns") { $0.dns[entry] = addresses }
     }
 
-    /// The Kubernetes Service of `listener` has these ready endpoints.
+    /// The Kubernetes Service of a listener has these ready endpoints.
     func discovered(_ spec: DiscoverySpec, kubernetes endpoints: [Downstream]) {
-        guard case .kubernetes(let listener, _) = spec else { return }
-        let current = changes.withLock { _ in
-            state.withLock { state in
+        if endpoints.isEmpty {
+            logger.warning("k8s discovery: 0 ready endpoints", metadata: ["listener": "\(spec.listener)"])
+        }
+        discovered(spec, cause: "kubernetes") { $0.kubernetes = endpoints }
+    }
+
+    /// Records what a source found and applies it, under the change lock (a reload running
+    /// meanwhile would otherwise overwrite it with its snapshot). A spec of a configuration no
+    /// longer in force changes nothing.
+    private func discovered(_ spec: DiscoverySpec, cause: String, _ change: (inout Discovered) -> Void) {
+        changes.withLock { _ in
+            let current = state.withLock { state in
                 guard DiscoverySpec.all(state.config).contains(spec) else { return false }
-                state.discovered[listener, default: Discovered()].kubernetes = endpoints
-                state.discoveryErrors[listener] = nil
+                change(&state.discovered[spec.listener, default: Discovered()])
+                state.discoveryErrors[spec.listener] = nil
                 return true
             }
+            guard current else { return }
+            refreshChangesHeld(spec.listener, cause: cause)
+            updateHealthTargetsChangesHeld()
         }
-        guard current else { return }
-        if endpoints.isEmpty {
-            logger.warning("k8s discovery: 0 ready endpoints", metadata: ["listener": "\(listener)"])
-        }
-        refresh(listener, cause: "kubernetes")
     }
 
     /// A discovery source failed (its watcher keeps the last good set and retries): shown by
     /// `/readyz` while the listener's first discovery is pending.
     func discoveryFailed(_ spec: DiscoverySpec, _ error: String) {
-        guard isCurrent(spec) else { return }
-        state.withLock { $0.discoveryErrors[spec.listener] = error }
-    }
-
-    private func isCurrent(_ spec: DiscoverySpec) -> Bool {
-        state.withLock { DiscoverySpec.all($0.config).contains(spec) }
+        state.withLock { state in
+            guard DiscoverySpec.all(state.config).contains(spec) else { return }
+            state.discoveryErrors[spec.listener] = error
+        }
     }
 
     /// Called by ``DiscoveryService`` when it runs: reloads send it the new sources.
@@ -106,68 +107,77 @@ extension FanoutDaemon {
 
     /// A health target went down or came back: every listener with a member probed there changes.
     func healthChanged(_ target: SocketAddress, up: Bool) {
-        let affected: [String] = state.withLock { state in
-            guard state.config.health.enabled else { return [] }
-            if up { state.down.remove(target) } else { state.down.insert(target) }
-            return state.members.filter { $0.value.contains { $0.healthTarget == target } }.map(\.key)
+        changes.withLock { _ in
+            let affected: [String] = state.withLock { state in
+                guard state.config.health.enabled else { return [] }
+                if up { state.down.remove(target) } else { state.down.insert(target) }
+                return state.members.filter { $0.value.contains { $0.healthTarget == target } }.map(\.key)
+            }
+            for listener in affected.sorted() { refreshChangesHeld(listener, cause: "health") }
         }
-        for listener in affected.sorted() { refresh(listener, cause: "health") }
     }
 
-    /// Passive health: a send to `downstream` was refused (ICMP port unreachable).
-    func downstreamRefused(_ downstream: SocketAddress) {
+    /// Passive health: a send of `listener` to `downstream` was refused (ICMP port unreachable).
+    func downstreamRefused(_ downstream: SocketAddress, listener: String) {
         let target: SocketAddress? = state.withLock { state in
             guard state.config.health.enabled else { return nil }
-            for members in state.members.values {
-                if let member = members.first(where: { $0.address == downstream }) { return member.healthTarget }
-            }
-            return nil
+            return state.members[listener]?.first { $0.address == downstream }?.healthTarget
         }
         if let target { health.reportUnreachable(target) }
     }
 
-    /// Recomputes one listener's members and available set and, if the set changed, applies it
-    /// to the running listener in one step (userspace: a plan swap the workers take at their next
-    /// batch; tc_ebpf: the inactive map generation written, then flipped). Serialised with reloads.
+    /// Recomputes one listener's members and available set and, if the set changed, applies it.
     func refresh(_ name: String, cause: String) {
         changes.withLock { _ in
-            let work: (listener: Listener, running: (any RunningListener)?, available: [Downstream], previous: [Downstream]?, skipped: [String])? = state.withLock { state in
-                guard let listener = state.config.listeners.first(where: { $0.name == name }) else { return nil }
-                let (members, skipped) = Membership.members(listener, state.discovered[name] ?? Discovered())
-                state.members[name] = members
-                let available = Membership.available(members, down: state.config.health.enabled ? state.down : [])
-                return (listener, state.listeners[name], available, state.applied[name], skipped)
-            }
-            guard let work else { return }
-            noteSkipped(name, work.skipped)
-            guard work.available != work.previous else { return }
-            if let running = work.running {
-                running.update(downstreams: work.available, balancing: work.listener.balancing)
-            }
-            state.withLock { $0.applied[name] = work.available }
-            membershipUpdates.wrappingAdd(1, ordering: .relaxed)
-            let before = Set((work.previous ?? []).map(\.address)), after = Set(work.available.map(\.address))
-            if work.listener.mode == .tcEBPF && cause == "kubernetes" {
-                logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(name)", "downstreams": "\(work.available.count)"])
-            }
-            logger.info("listener downstream set changed", metadata: [
-                "listener": "\(name)", "cause": "\(cause)", "downstreams": "\(work.available.count)",
-                "added": "\(after.subtracting(before).map(\.description).sorted())",
-                "removed": "\(before.subtracting(after).map(\.description).sorted())",
-            ])
+            refreshChangesHeld(name, cause: cause)
+            updateHealthTargetsChangesHeld()
         }
-        updateHealthTargets()
     }
 
-    /// Gives the health checker every member's health target (none while health is disabled).
-    func updateHealthTargets() {
-        let targets: Set<SocketAddress> = state.withLock { state in
-            guard state.config.health.enabled else { return [] }
+    /// Applies a listener's new available set in one step (userspace: a plan swap the workers
+    /// take at their next batch; tc_ebpf: the inactive map generation written, then flipped).
+    /// A set the listener could not apply is not recorded, so the next change tries again.
+    private func refreshChangesHeld(_ name: String, cause: String) {
+        let work: (listener: Listener, running: (any RunningListener)?, available: [Downstream], previous: [Downstream]?, skipped: [String])? = state.withLock { state in
+            guard let listener = state.config.listeners.first(where: { $0.name == name }) else { return nil }
+            let (members, skipped) = Membership.members(listener, state.discovered[name] ?? Discovered())
+            state.members[name] = members
+            let available = Membership.available(members, down: state.config.health.enabled ? state.down : [])
+            return (listener, state.listeners[name], available, state.applied[name], skipped)
+        }
+        guard let work else { return }
+        noteSkipped(name, work.skipped)
+        guard work.available != work.previous else { return }
+        if let running = work.running, !running.update(downstreams: work.available, balancing: work.listener.balancing) {
+            membershipFailures.wrappingAdd(1, ordering: .relaxed)
+            return
+        }
+        state.withLock { $0.applied[name] = work.available }
+        membershipUpdates.wrappingAdd(1, ordering: .relaxed)
+        let before = Set((work.previous ?? []).map(\.address)), after = Set(work.available.map(\.address))
+        if work.listener.mode == .tcEBPF && cause == "kubernetes" {
+            logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(name)", "downstreams": "\(work.available.count)"])
+        }
+        logger.info("listener downstream set changed", metadata: [
+            "listener": "\(name)", "cause": "\(cause)", "downstreams": "\(work.available.count)",
+            "added": "\(after.subtracting(before).map(\.description).sorted())",
+            "removed": "\(before.subtracting(after).map(\.description).sorted())",
+        ])
+    }
+
+    /// Gives the health checker every member's health target (none while health is disabled),
+    /// computed and handed over under the state lock so a newer set is never overwritten by an
+    /// older one (the checker's lock is a leaf: it calls nobody back while holding it).
+    func updateHealthTargetsChangesHeld() {
+        state.withLock { state in
+            guard state.config.health.enabled else {
+                health.setTargets([])
+                return
+            }
             let targets = Set(state.members.values.joined().map(\.healthTarget))
             state.down.formIntersection(targets)
-            return targets
+            health.setTargets(targets)
         }
-        health.setTargets(targets)
     }
 
     /// Logs the discovered addresses a listener cannot use, when that list changes.
@@ -209,6 +219,8 @@ extension FanoutDaemon {
         }
         out += "# HELP udp_fanout_membership_updates_total Downstream set changes applied to running listeners (discovery and health)\n# TYPE udp_fanout_membership_updates_total counter\n"
         out += "udp_fanout_membership_updates_total \(membershipUpdates.load(ordering: .relaxed))\n"
+        out += "# HELP udp_fanout_membership_update_failures_total Downstream set changes a running listener could not apply (the previous set stays; the next change tries again)\n# TYPE udp_fanout_membership_update_failures_total counter\n"
+        out += "udp_fanout_membership_update_failures_total \(membershipFailures.load(ordering: .relaxed))\n"
         return out
     }
 }

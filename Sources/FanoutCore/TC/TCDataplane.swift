@@ -203,12 +203,14 @@ final class TCListener: RunningListener {
 
     var isReceiving: Bool { true }
 
-    func update(downstreams: [Downstream], balancing: Balancing) {
+    func update(downstreams: [Downstream], balancing: Balancing) -> Bool {
         do {
             try apply(downstreams: downstreams, balancing: balancing)
             logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
+            return true
         } catch {
-            logger.error("could not update the tc_ebpf downstream set; the previous set stays", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+            logger.error("could not update the tc_ebpf downstream set; the previous set stays (counted in udp_fanout_membership_update_failures_total; the next change tries again)", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+            return false
         }
     }
 

@@ -80,8 +80,9 @@ final class UserspaceListener: RunningListener {
     var takesOverExactly: Bool { group.steering == .ebpf }
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
-    func update(downstreams: [Downstream], balancing: Balancing) {
+    func update(downstreams: [Downstream], balancing: Balancing) -> Bool {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
+        return true
     }
 
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
