@@ -35,8 +35,10 @@ protocol RunningListener: AnyObject, Sendable {
     /// first: such a listener is activated only after its predecessor stopped.
     var takesOverExactly: Bool { get }
     /// Swaps the downstreams and balancing in place, without losing datagrams.
+    /// - Parameter keeping: names of members that get nothing now (health took them out) whose
+    ///   counters stay.
     /// - Returns: false if the new set could not be applied (the previous one stays, logged).
-    func update(downstreams: [Downstream], balancing: Balancing) -> Bool
+    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
 }
@@ -277,7 +279,8 @@ public final class FanoutDaemon: Sendable {
         }
         for listener in inPlace {
             let downstreams = effective[listener.name]!.downstreams
-            if running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing) == false {
+            let keeping = Set(members[listener.name]!.map(\.name))
+            if running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing, keeping: keeping) == false {
                 // The previous set stays in force (logged by the listener): record it so the next
                 // membership change tries again, and count it.
                 state.withLock { $0.applied[listener.name] = appliedBefore[listener.name] }
@@ -375,13 +378,18 @@ public final class FanoutDaemon: Sendable {
             new = try ConfigParser.parse(source)
             try new.validate()
         } catch {
-            reloadsRejected.wrappingAdd(1, ordering: .relaxed)
-            logger.error("configuration reload rejected; keeping the running configuration", metadata: ["error": "\(error)"])
-            return false
+            return rejected("configuration reload rejected; keeping the running configuration", error)
         }
         for warning in new.warnings() { logger.warning("\(warning)") }
         // One reload at a time, and none while discovery or health changes a set.
         return changes.withLock { _ in reloadChangesHeld(new) }
+    }
+
+    /// Counts a rejected reload and logs why. - Returns: false.
+    private func rejected(_ message: Logger.Message, _ error: Any) -> Bool {
+        reloadsRejected.wrappingAdd(1, ordering: .relaxed)
+        logger.error(message, metadata: ["error": "\(error)"])
+        return false
     }
 
     private func reloadChangesHeld(_ new: FanoutConfig) -> Bool {
@@ -391,17 +399,13 @@ public final class FanoutDaemon: Sendable {
             do {
                 _ = try ICMPProbeSocket.open(family: AF_INET)
             } catch {
-                reloadsRejected.wrappingAdd(1, ordering: .relaxed)
-                logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "health.protocol icmp: \(error)"])
-                return false
+                return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", "health.protocol icmp: \(error)")
             }
         }
         do {
             try transitionChangesHeld(to: new, from: old)
         } catch {
-            reloadsRejected.wrappingAdd(1, ordering: .relaxed)
-            logger.error("configuration reload rejected: it could not be applied; keeping the running configuration", metadata: ["error": "\(error)"])
-            return false
+            return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", error)
         }
         _ = state.withLock { $0.discovery }?.yield(DiscoverySpec.all(new))
         if old.metrics != new.metrics {

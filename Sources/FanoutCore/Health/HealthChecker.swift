@@ -121,7 +121,8 @@ public final class HealthChecker: Service, Sendable {
                 return false
             }
             shared.records[target]!.passive += 1
-            shared.records[target]!.pendingPassive += 1
+            // More than `fall` pending failures change nothing: bounded however many batches fail.
+            shared.records[target]!.pendingPassive = min(shared.records[target]!.pendingPassive + 1, shared.policy.fall)
             return true
         }
         if known { wake() }

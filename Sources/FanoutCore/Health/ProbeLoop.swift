@@ -46,6 +46,8 @@ final class ProbeLoop {
     private var targetsVersion = -1
     private var policyVersion: Int
     private var icmp: [Int32: ICMPProbeSocket] = [:]
+    /// Families whose ICMP socket could not be opened after another one was (see ensureICMPSockets).
+    private var icmpUnavailable: [Int32: HealthError] = [:]
     /// ICMP probes in flight, by socket family and 16-bit sequence.
     private var icmpInFlight: [Int32: [UInt16: SocketAddress]] = [:]
     private var sequence: UInt64 = 0
@@ -134,11 +136,25 @@ final class ProbeLoop {
     private func ensureICMPSockets() throws(HealthError) {
         guard policy.proto == .icmp else {
             icmp.removeAll()
+            icmpUnavailable.removeAll()
             icmpInFlight.removeAll()
             return
         }
-        for family in Set(slots.keys.map(\.ip.family)) where icmp[family] == nil {
-            let socket = try ICMPProbeSocket.open(family: family, kinds: checker.icmpKinds)
+        // IPv4 first: if it cannot open, the checker stops whatever IPv6 could do.
+        for family in Set(slots.keys.map(\.ip.family)).sorted() where icmp[family] == nil && icmpUnavailable[family] == nil {
+            let socket: ICMPProbeSocket
+            do {
+                socket = try ICMPProbeSocket.open(family: family, kinds: checker.icmpKinds)
+            } catch {
+                // With no ICMP socket at all the checker stops (it never runs without probing).
+                // A family that appears later (an IPv6 endpoint discovered where IPv6 ICMP is not
+                // allowed) fails loudly instead: its probes count as errors, so its targets go
+                // down and /readyz and udp_fanout_downstream_up show it.
+                guard !icmp.isEmpty else { throw error }
+                icmpUnavailable[family] = error
+                checker.logger.critical("ICMP probe socket cannot be opened for this family: its downstreams fail every probe", metadata: ["error": "\(error)"])
+                continue
+            }
             icmp[family] = socket
             checker.logger.info("ICMP probe socket opened", metadata: [
                 "family": "\(family == AF_INET6 ? "IPv6" : "IPv4")", "kind": "\(socket.kind.rawValue)", "identifier": "\(socket.identifier)",
@@ -153,7 +169,11 @@ final class ProbeLoop {
         switch policy.proto {
         case .icmp:
             let family = slot.target.ip.family
-            guard let socket = icmp[family] else { return }
+            guard let socket = icmp[family] else {
+                slot.inFlight = probe
+                finish(slot, .error)
+                return
+            }
             let short = UInt16(truncatingIfNeeded: sequence)
             do {
                 try socket.sendEcho(to: slot.target.ip, sequence: short)

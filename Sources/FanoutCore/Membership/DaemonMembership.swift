@@ -138,17 +138,18 @@ extension FanoutDaemon {
     /// take at their next batch; tc_ebpf: the inactive map generation written, then flipped).
     /// A set the listener could not apply is not recorded, so the next change tries again.
     private func refreshChangesHeld(_ name: String, cause: String) {
-        let work: (listener: Listener, running: (any RunningListener)?, available: [Downstream], previous: [Downstream]?, skipped: [String])? = state.withLock { state in
+        let work: (listener: Listener, running: (any RunningListener)?, available: [Downstream], previous: [Downstream]?, skipped: [String], members: [Downstream])? = state.withLock { state in
             guard let listener = state.config.listeners.first(where: { $0.name == name }) else { return nil }
             let (members, skipped) = Membership.members(listener, state.discovered[name] ?? Discovered())
             state.members[name] = members
             let available = Membership.available(members, down: state.config.health.enabled ? state.down : [])
-            return (listener, state.listeners[name], available, state.applied[name], skipped)
+            return (listener, state.listeners[name], available, state.applied[name], skipped, members)
         }
         guard let work else { return }
         noteSkipped(name, work.skipped)
         guard work.available != work.previous else { return }
-        if let running = work.running, !running.update(downstreams: work.available, balancing: work.listener.balancing) {
+        if let running = work.running,
+            !running.update(downstreams: work.available, balancing: work.listener.balancing, keeping: Set(work.members.map(\.name))) {
             membershipFailures.wrappingAdd(1, ordering: .relaxed)
             return
         }

@@ -49,12 +49,15 @@ public struct DiscoveryService: Service {
         for task in watchers.values { task.cancel() }
         for task in watchers.values { await task.value }
         daemon.discoveryMetrics.withLock { $0 = [:] }
-        await client.shutdown()
+        await client.shutdown(logger: daemon.logger)
     }
 
     /// Runs the watcher of one source until cancelled.
     private func watch(_ spec: DiscoverySpec, client: LazyHTTPClient) async {
         let logger = daemon.logger
+        // Set below once the watcher exists; removed when it ends (also when it was cancelled
+        // before it started: reconcile's removal may come first).
+        defer { daemon.discoveryMetrics.withLock { $0[spec] = nil } }
         switch spec {
         case .dns(_, _, let host, let port, let maximumInterval):
             let watcher = DNSWatcher(
@@ -118,8 +121,13 @@ final class LazyHTTPClient: Sendable {
         }
     }
 
-    func shutdown() async {
-        if let made = client.withLock({ $0 }) { try? await made.shutdown() }
+    func shutdown(logger: Logger) async {
+        guard let made = client.withLock({ $0 }) else { return }
+        do {
+            try await made.shutdown()
+        } catch {
+            logger.warning("Kubernetes HTTP client did not shut down cleanly", metadata: ["error": "\(error)"])
+        }
     }
 }
 

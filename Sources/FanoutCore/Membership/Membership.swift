@@ -22,9 +22,14 @@ enum Membership {
     static func members(_ listener: Listener, _ discovered: Discovered) -> (members: [Downstream], skipped: [String]) {
         var members = listener.downstreams
         var seen = Set(members.map(\.address))
+        var names = Set(members.map(\.name))
         var skipped: [String] = []
-        func add(_ downstream: Downstream, from source: String) {
-            guard seen.insert(downstream.address).inserted else { return }
+        func add(_ given: Downstream, from source: String) {
+            guard seen.insert(given.address).inserted else { return }
+            // Names label counters and key tc_ebpf's counter slots: one per member (a dual-stack
+            // pod's two addresses, or a static entry of the same name, get the address added).
+            var downstream = given
+            if names.contains(downstream.name) { downstream.name += "/\(downstream.address.ip)" }
             if listener.mode == .tcEBPF {
                 guard downstream.address.ip.family == listener.bind.ip.family else {
                     skipped.append("\(source) \(downstream.address): not of the listener's address family (tc_ebpf cannot translate between IPv4 and IPv6)")
@@ -40,6 +45,7 @@ enum Membership {
                 return
             }
             members.append(downstream)
+            names.insert(downstream.name)
         }
         for entry in listener.dnsDownstreams {
             for address in (discovered.dns[entry.name] ?? []).sorted(by: { $0.description < $1.description }) {

@@ -162,19 +162,20 @@ final class TCListener: RunningListener {
     }
 
     /// Writes the inactive generation, then points the listener entry at it.
-    private func apply(downstreams: [Downstream], balancing: Balancing) throws(SystemCallError) {
+    /// - Parameter keeping: names whose counter slots stay although they get no datagram now
+    ///   (members health took out: their counters go on when they come back).
+    private func apply(downstreams: [Downstream], balancing: Balancing, keeping: Set<String> = []) throws(SystemCallError) {
         try live.withLock { live throws(SystemCallError) in
-            var slots: [String: UInt16] = [:]
-            var used = Set<UInt16>()
-            for downstream in downstreams {
-                if let slot = live.slots[downstream.name] {
-                    slots[downstream.name] = slot
-                    used.insert(slot)
-                }
-            }
-            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !used.contains($0) }.reversed().map { $0 }
+            let wanted = Set(downstreams.map(\.name))
+            var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
+            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !Set(slots.values).contains($0) }.reversed().map { $0 }
             for downstream in downstreams where slots[downstream.name] == nil {
-                let slot = free.removeLast()
+                // Slots run short only if kept ones fill them: a kept slot gives way.
+                if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) }) {
+                    slots[kept.key] = nil
+                    free.append(kept.value)
+                }
+                guard let slot = free.popLast() else { break }
                 program.zeroPerCPU(program.backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
                 slots[downstream.name] = slot
             }
@@ -203,9 +204,9 @@ final class TCListener: RunningListener {
 
     var isReceiving: Bool { true }
 
-    func update(downstreams: [Downstream], balancing: Balancing) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
         do {
-            try apply(downstreams: downstreams, balancing: balancing)
+            try apply(downstreams: downstreams, balancing: balancing, keeping: keeping)
             logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
             return true
         } catch {

@@ -80,8 +80,8 @@ final class UserspaceListener: RunningListener {
     var takesOverExactly: Bool { group.steering == .ebpf }
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
-    func update(downstreams: [Downstream], balancing: Balancing) -> Bool {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
+    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, keeping: keeping, passiveHealth: passiveHealth))
         return true
     }
 

@@ -110,7 +110,11 @@ final class EndpointSliceWatcher: Service, Sendable {
                     backoff.reset()
                 }
                 let opened = ContinuousClock.now
-                switch try await watch(&state, backoff: &backoff) {
+                let end = try await watch(&state, backoff: &backoff)
+                // The backoff starts over only after a watch that lasted: a server that accepts
+                // watches and ends them at once is retried ever more slowly, not every 0.5 s.
+                if ContinuousClock.now - opened >= timing.minimumWatchDuration { backoff.reset() }
+                switch end {
                 case .closed:
                     countRestart("closed")
                     logger.debug("k8s discovery: watch ended; watching again from the last resourceVersion", metadata: metadata(["resourceVersion": "\(state.resourceVersion ?? "")"]))
@@ -200,7 +204,6 @@ final class EndpointSliceWatcher: Service, Sendable {
         let seconds = Int.random(in: timing.watchTimeoutSeconds)
         let url = collectionURL + "&watch=1&resourceVersion=\(Self.encode(state.resourceVersion ?? "0"))&allowWatchBookmarks=true&timeoutSeconds=\(seconds)"
         let response = try await send(url)
-        backoff.reset()
         let (lines, sink) = AsyncThrowingStream.makeStream(of: [UInt8].self)
         let stall = Duration.seconds(seconds) + timing.stallMargin
         return try await withThrowingTaskGroup(of: Void.self) { group in
