@@ -63,14 +63,21 @@ public struct MaglevTable: Sendable, Equatable {
         entries = table
     }
 
-    /// FNV-1a over the name's UTF-8 bytes, started from the seed.
-    static func fnv1a64(_ text: String, seed: UInt32) -> UInt64 {
+    /// FNV-1a over the name's UTF-8 bytes, started from the seed (udp-fanout's source table
+    /// names its downstreams with it too).
+    package static func fnv1a64(_ text: String, seed: UInt32) -> UInt64 {
         var hash: UInt64 = 0xcbf2_9ce4_8422_2325 ^ UInt64(seed)
         for byte in text.utf8 {
             hash ^= UInt64(byte)
             hash &*= 0x0000_0100_0000_01b3
         }
-        // FNV's low bits mix poorly: finish with a 64-bit avalanche (splitmix64).
+        // FNV's low bits mix poorly: finish with a 64-bit avalanche.
+        return mix64(hash)
+    }
+
+    /// splitmix64's finaliser: every input bit reaches every output bit.
+    package static func mix64(_ value: UInt64) -> UInt64 {
+        var hash = value
         hash ^= hash >> 30
         hash &*= 0xbf58_476d_1ce4_e5b9
         hash ^= hash >> 27

@@ -82,14 +82,16 @@ func metric(_ text: String, _ name: String, _ labels: String) -> Int? {
     return text.split(separator: "\n").first { $0.hasPrefix(prefix) }.flatMap { Int($0.dropFirst(prefix.count)) }
 }
 
-/// Starts the engine in-process on a YAML configuration and waits until it is ready.
-func startDaemon(_ yaml: String) throws -> FanoutDaemon {
+/// Starts the engine in-process on a YAML configuration and (unless told not to: a listener
+/// waiting for its first discovery is not ready) waits until it is ready.
+func startDaemon(_ yaml: String, waitReady: Bool = true) throws -> FanoutDaemon {
     let config = try ConfigParser.parse(yaml)
     try config.validate()
     var logger = Logger(label: "udp-fanout-test")
     logger.logLevel = .warning
     let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
     try daemon.start()
+    guard waitReady else { return daemon }
     let deadline = ContinuousClock.now + .seconds(5)
     while !daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
     try #require(daemon.isReady)

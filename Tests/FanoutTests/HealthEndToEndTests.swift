@@ -23,8 +23,7 @@ struct HealthEndToEndTests {
     func tcICMP() throws {
         let topology = try Topology(backends: 3)
         defer { topology.destroy() }
-        let device = "cp\(topology.suffix.prefix(8))"
-        for n in 10..<74 { try topology.exec(topology.client, ["/usr/sbin/ip", "addr", "add", "198.18.0.\(n)/24", "dev", device]) }
+        try TCEndToEndTests.addClientSources(topology)
         let collectors = try TCEndToEndTests.collectors(topology)
         let (daemon, file) = try TCEndToEndTests.start(topology, TCEndToEndTests.config(topology, backends: [1, 2, 3], balancing: "source_ip") + "\n" + Self.health, "health-tc")
         defer { try? FileManager.default.removeItem(at: file) }

@@ -135,8 +135,7 @@ struct KubernetesEndToEndTests {
     func tc() async throws {
         nonisolated(unsafe) let topology = try Topology(backends: 4)
         defer { topology.destroy() }
-        let device = "cp\(topology.suffix.prefix(8))"
-        for n in 10..<74 { try topology.exec(topology.client, ["/usr/sbin/ip", "addr", "add", "198.18.0.\(n)/24", "dev", device]) }
+        try TCEndToEndTests.addClientSources(topology)
         nonisolated(unsafe) let collectors = try TCEndToEndTests.collectors(topology)
         let port = UInt16(TCEndToEndTests.port)
         let address: @Sendable (Int) -> String = { Topology.backendIPv4($0 + 1) }

@@ -77,15 +77,7 @@ private func sleepUntil(_ instant: ContinuousClock.Instant) throws {
 /// sources move, and nothing is lost while the set changes under load.
 @Suite("MembershipPath", .serialized)
 struct MembershipPathTests {
-    static func start(_ yaml: String) throws -> FanoutDaemon {
-        let config = try ConfigParser.parse(yaml)
-        try config.validate()
-        var logger = Logger(label: "membership-test")
-        logger.logLevel = .warning
-        let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
-        try daemon.start()
-        return daemon
-    }
+    static func start(_ yaml: String) throws -> FanoutDaemon { try startDaemon(yaml, waitReady: false) }
 
     static func endpoints(_ sinks: [Sink]) -> [Downstream] {
         sinks.map { Downstream(name: "pod-\($0.address.port)", address: $0.address) }
@@ -143,7 +135,7 @@ struct MembershipPathTests {
         let sinks = try (0..<3).map { _ in try Sink() }
         let port = freePort()
         let bind = SocketAddress("127.0.0.1:\(port)")!
-        let daemon = try Self.start("""
+        let yaml = """
             listeners:
               - name: h
                 bind: "\(bind)"
@@ -152,7 +144,8 @@ struct MembershipPathTests {
                 downstream:
             \(sinks.enumerated().map { "      - {name: s\($0.offset), address: \"\($0.element.address)\"}" }.joined(separator: "\n"))
             health: {enabled: true, protocol: udp_echo, interval_secs: 60, timeout_secs: 1}
-            """)
+            """
+        let daemon = try Self.start(yaml)
         defer { daemon.shutdown() }
         let pool = try SourcePool(48)
         // Before: where each source goes with all three.
@@ -181,6 +174,11 @@ struct MembershipPathTests {
         #expect(daemon.counters(of: "h")?.noHealthy == 96)
         #expect(daemon.readiness.joined().contains("listener 'h' has no healthy downstream"))
         #expect(SourcePool.spread(sinks).received == 0)
+        // A reload that turns health off puts every member back at once, where it was.
+        #expect(daemon.reload(text: yaml.replacingOccurrences(of: "enabled: true", with: "enabled: false")))
+        try pool.send(to: bind, rounds: 62..<82, rate: 20_000)
+        #expect(SourcePool.spread(sinks).bySource == before)
+        #expect(daemon.isReady, "\(daemon.readiness)")
     }
 
     /// The downstream each source gets from a table over `downstreams` (what every mode computes).
@@ -203,8 +201,7 @@ struct MembershipPathTests {
     func tcUnderLoad() throws {
         let topology = try Topology(backends: 4)
         defer { topology.destroy() }
-        let device = "cp\(topology.suffix.prefix(8))"
-        for n in 10..<74 { try topology.exec(topology.client, ["/usr/sbin/ip", "addr", "add", "198.18.0.\(n)/24", "dev", device]) }
+        try TCEndToEndTests.addClientSources(topology)
         let collectors = try TCEndToEndTests.collectors(topology)
         let port = TCEndToEndTests.port
         let config = try ConfigParser.parse("""

@@ -49,6 +49,15 @@ struct TCEndToEndTests {
         return file
     }
 
+    /// 64 more client addresses, 198.18.0.10 to 198.18.0.73 (`publisher --sources`), for tests
+    /// that follow each source.
+    static let clientSources = "198.18.0.10-198.18.0.73"
+
+    static func addClientSources(_ topology: Topology) throws {
+        let device = "cp\(topology.suffix.prefix(8))"
+        for n in 10..<74 { try topology.exec(topology.client, ["/usr/sbin/ip", "addr", "add", "198.18.0.\(n)/24", "dev", device]) }
+    }
+
     /// One collector per backend namespace on the backend's address.
     static func collectors(_ topology: Topology, ipv6: Bool = false) throws -> [Child] {
         try topology.backends.enumerated().map { index, namespace in

@@ -41,24 +41,10 @@ enum SourceTable {
 
     /// A downstream's identity in the scores: its address, so names and list order do not matter.
     static func identity(_ downstream: Downstream) -> UInt64 {
-        var hash: UInt64 = 0xcbf2_9ce4_8422_2325 ^ UInt64(DownstreamSelector.seed)
-        for byte in downstream.address.description.utf8 {
-            hash ^= UInt64(byte)
-            hash &*= 0x0000_0100_0000_01b3
-        }
-        return mix(hash)
+        MaglevTable.fnv1a64(downstream.address.description, seed: DownstreamSelector.seed)
     }
 
-    /// splitmix64's finaliser: every input bit reaches every output bit.
-    static func mix(_ value: UInt64) -> UInt64 {
-        var hash = value
-        hash ^= hash >> 30
-        hash &*= 0xbf58_476d_1ce4_e5b9
-        hash ^= hash >> 27
-        hash &*= 0x94d0_49bb_1331_11eb
-        hash ^= hash >> 31
-        return hash
-    }
+    static func mix(_ value: UInt64) -> UInt64 { MaglevTable.mix64(value) }
 
     /// 53 bits of `hash` as a number strictly between 0 and 1.
     static func unit(_ hash: UInt64) -> Double { (Double(hash >> 11) + 0.5) / 9_007_199_254_740_992 }

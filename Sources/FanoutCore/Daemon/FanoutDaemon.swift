@@ -68,6 +68,8 @@ public final class FanoutDaemon: Sendable {
         var discovery: AsyncStream<[DiscoverySpec]>.Continuation?
         /// The last discovery error per listener, for `/readyz` while its first discovery is pending.
         var discoveryErrors: [String: String] = [:]
+        /// Discovery sources of the configuration in force that have answered at least once.
+        var answered: Set<DiscoverySpec> = []
         /// Set by ``shutdown()``: `/readyz` says so.
         var stopping = false
     }
@@ -171,7 +173,8 @@ public final class FanoutDaemon: Sendable {
 
     private func transitionChangesHeld(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         try transitionLocked(to: new, from: old)
-        health.setPolicy(HealthPolicy(new.health))
+        // Disabled: no targets; the policy of a disabled section is not applied (nothing to probe).
+        if new.health.enabled { health.setPolicy(HealthPolicy(new.health)) }
         updateHealthTargetsChangesHeld()
     }
 
@@ -272,6 +275,7 @@ public final class FanoutDaemon: Sendable {
             state.config = new
             state.lost.subtract(new.listeners.map(\.name))
             state.discovered = discovered
+            state.answered.formIntersection(DiscoverySpec.all(new))
             state.members = members
             state.applied = effective.mapValues(\.downstreams)
             state.discoveryErrors = state.discoveryErrors.filter { discovered[$0.key] != nil }

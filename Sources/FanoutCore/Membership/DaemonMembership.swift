@@ -64,9 +64,7 @@ extension FanoutDaemon {
 
     /// The Kubernetes Service of a listener has these ready endpoints.
     func discovered(_ spec: DiscoverySpec, kubernetes endpoints: [Downstream]) {
-        if endpoints.isEmpty {
-            logger.warning("k8s discovery: 0 ready endpoints", metadata: ["listener": "\(spec.listener)"])
-        }
+        // The watcher logs the reference's `k8s discovery: 0 ready endpoints` itself.
         discovered(spec, cause: "kubernetes") { $0.kubernetes = endpoints }
     }
 
@@ -78,6 +76,7 @@ extension FanoutDaemon {
             let current = state.withLock { state in
                 guard DiscoverySpec.all(state.config).contains(spec) else { return false }
                 change(&state.discovered[spec.listener, default: Discovered()])
+                state.answered.insert(spec)
                 state.discoveryErrors[spec.listener] = nil
                 return true
             }
@@ -195,7 +194,8 @@ extension FanoutDaemon {
 
     /// `udp_fanout_downstream_up`, members per listener and membership updates.
     func membershipMetrics() -> String {
-        let (listeners, members, applied, skipped) = state.withLock { ($0.config.listeners, $0.members, $0.applied, $0.skipped) }
+        let (config, members, applied, skipped, answered) = state.withLock { ($0.config, $0.members, $0.applied, $0.skipped, $0.answered) }
+        let listeners = config.listeners
         var out = "# HELP udp_fanout_downstream_up 1 if the downstream is in rotation, 0 if health took it out\n# TYPE udp_fanout_downstream_up gauge\n"
         for listener in listeners {
             let available = Set((applied[listener.name] ?? []).map(\.address))
@@ -217,6 +217,12 @@ extension FanoutDaemon {
         out += "# HELP udp_fanout_discovered_not_used Discovered addresses a listener cannot use (address family, tc_ebpf's 64 per listener)\n# TYPE udp_fanout_discovered_not_used gauge\n"
         for listener in listeners {
             out += "udp_fanout_discovered_not_used{listener=\"\(PrometheusText.escape(listener.name))\"} \(skipped[listener.name]?.count ?? 0)\n"
+        }
+        out += "# HELP udp_fanout_discovery_waiting Discovery sources of a listener that have not answered yet since start or the reload that configured them (a renamed DNS entry or another Service serves the previous set meanwhile)\n# TYPE udp_fanout_discovery_waiting gauge\n"
+        let specs = DiscoverySpec.all(config)
+        for listener in listeners {
+            let waiting = specs.filter { $0.listener == listener.name && !answered.contains($0) }.count
+            out += "udp_fanout_discovery_waiting{listener=\"\(PrometheusText.escape(listener.name))\"} \(waiting)\n"
         }
         out += "# HELP udp_fanout_membership_updates_total Downstream set changes applied to running listeners (discovery and health)\n# TYPE udp_fanout_membership_updates_total counter\n"
         out += "udp_fanout_membership_updates_total \(membershipUpdates.load(ordering: .relaxed))\n"
