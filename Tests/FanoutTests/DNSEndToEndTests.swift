@@ -27,7 +27,7 @@ struct DNSEndToEndTests {
           - name: d
             bind: "127.0.0.1:5514"
             balancing: source_ip
-            settings: {resolve_interval_secs: \(interval)}
+            settings: {resolve_interval_secs: \(interval), workers: 2, recv_buf_size: 8388608}
             downstream:
               - {name: sinks, address: "\(name):\(port)"}
         metrics: {enabled: true, bind: "127.0.0.1:9464"}
