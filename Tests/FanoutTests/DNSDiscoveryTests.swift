@@ -377,7 +377,7 @@ private final class CapturedLogs: Sendable {
 /// Foundation takes that for the child's exit and blocks in waitpid, which stalls every other
 /// Process of the run. The spawn resets the signal mask (the runner's threads block SIGHUP and
 /// SIGTERM, and dnsmasq would inherit that). Stopped by its PID; its directory removed.
-private final class DNSServer {
+final class DNSServer {
     let directory: URL
     let hostsFile: URL
     let address: SocketAddress

@@ -2,6 +2,8 @@ import Foundation
 import Logging
 import Testing
 import TestSupport
+// SOCK_DGRAM/SOCK_STREAM: when a file of the same compile batch imports CSystemShim, sys/socket.h belongs to that module and Glibc alone no longer names them.
+import CSystemShim
 @testable import FanoutCore
 import ReusePortLB
 

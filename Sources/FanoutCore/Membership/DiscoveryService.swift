@@ -61,7 +61,9 @@ public struct DiscoveryService: Service {
         switch spec {
         case .dns(_, _, let host, let port, let maximumInterval):
             let watcher = DNSWatcher(
-                host: host, port: port, maximumInterval: .seconds(maximumInterval), resolver: DNSResolver(), logger: logger
+                host: host, port: port, maximumInterval: .seconds(maximumInterval), resolver: DNSResolver(), logger: logger,
+                // /readyz quotes it while the first resolution is pending.
+                onFailure: { [daemon] error in daemon.discoveryFailed(spec, error.description) }
             ) { [daemon] addresses in
                 daemon.discovered(spec, dns: addresses)
             }

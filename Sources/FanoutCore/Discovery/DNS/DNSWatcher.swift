@@ -15,6 +15,7 @@ final class DNSWatcher: Service, Sendable {
     let resolver: DNSResolver
     let logger: Logger
     private let onUpdate: @Sendable ([SocketAddress]) -> Void
+    private let onFailure: (@Sendable (DNSError) -> Void)?
     private let state = Mutex(State())
 
     private struct State {
@@ -33,7 +34,10 @@ final class DNSWatcher: Service, Sendable {
     ///   - onUpdate: called with the sorted, deduplicated set after the first successful
     ///     resolution and after every change; never with an empty set. Called from the watcher's
     ///     task, one call at a time.
+    ///   - onFailure: called with the error of every failed resolution (the set is kept), so the
+    ///     daemon's `/readyz` can say why a first resolution is still pending.
     init(host: String, port: UInt16, maximumInterval: Duration, resolver: DNSResolver, logger: Logger,
+         onFailure: (@Sendable (DNSError) -> Void)? = nil,
          onUpdate: @escaping @Sendable ([SocketAddress]) -> Void) {
         self.host = host
         self.port = port
@@ -41,6 +45,7 @@ final class DNSWatcher: Service, Sendable {
         self.resolver = resolver
         self.logger = logger
         self.onUpdate = onUpdate
+        self.onFailure = onFailure
     }
 
     /// The last good set; nil until the first resolution succeeded.
@@ -81,6 +86,7 @@ final class DNSWatcher: Service, Sendable {
                     "name": "\(host)", "error": "\(error)", "kept": "\(kept.map(String.init) ?? "none yet")",
                     "retry_in": "\(delay)",
                 ])
+                onFailure?(error)
             }
             try await Task.sleep(for: delay)
         }
