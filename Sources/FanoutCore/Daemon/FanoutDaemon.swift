@@ -152,18 +152,6 @@ public final class FanoutDaemon: Sendable {
         }
     }
 
-    /// Moves the running listeners from `old` to `new` in one step that either completes or
-    /// leaves `old` running:
-    /// 1. listeners whose bind, mode and settings are unchanged keep running (a new downstream
-    ///    set or balancing is swapped in place at the end);
-    /// 2. every new or changed listener is started beside the old ones. tc_ebpf listeners that
-    ///    go away and share an interface and bind with a new one are stopped first (their map
-    ///    entries are keyed by bind and interface); userspace ones stay and keep forwarding;
-    /// 3. if any start fails, what was started is stopped, what was stopped early is started
-    ///    again, and the error is thrown: `old` runs on;
-    /// 4. otherwise the new userspace listeners take their binds over (from then on every new
-    ///    datagram goes to their workers), and only then the old instances stop, forwarding
-    ///    what their sockets still hold.
     /// Holds the change lock for the whole step, then gives the health checker the new policy
     /// before the new targets (a target must never be probed with a protocol it was not
     /// configured for).
@@ -178,6 +166,18 @@ public final class FanoutDaemon: Sendable {
         updateHealthTargetsChangesHeld()
     }
 
+    /// Moves the running listeners from `old` to `new` in one step that either completes or
+    /// leaves `old` running:
+    /// 1. listeners whose bind, mode and settings are unchanged keep running (a new downstream
+    ///    set or balancing is swapped in place at the end);
+    /// 2. every new or changed listener is started beside the old ones. tc_ebpf listeners that
+    ///    go away and share an interface and bind with a new one are stopped first (their map
+    ///    entries are keyed by bind and interface); userspace ones stay and keep forwarding;
+    /// 3. if any start fails, what was started is stopped, what was stopped early is started
+    ///    again, and the error is thrown: `old` runs on;
+    /// 4. otherwise the new userspace listeners take their binds over (from then on every new
+    ///    datagram goes to their workers), and only then the old instances stop, forwarding
+    ///    what their sockets still hold.
     private func transitionLocked(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         // Discovered sets carry over (see Membership.carried); listeners start with their members.
         let discovered = state.withLock { state in
