@@ -190,9 +190,9 @@ struct DNSDiscoveryTests {
     @Test func watcherKeepsTheLastGoodSetWhenTheServerStopsOrTheNameGoes() async throws {
         let server = try DNSServer(ttl: 1, hosts: ["198.18.8.1 kept.fanout.test"])
         let updates = Updates()
-        let logs = CapturedLogs()
+        let logs = CapturedLog()
         let watcher = DNSWatcher(host: "kept.fanout.test", port: 2055, maximumInterval: .seconds(2), resolver: server.resolver,
-                                 logger: logs.logger, onUpdate: updates.append)
+                                 logger: logs.logger("dns-test", level: .trace), onUpdate: updates.append)
         let running = Task { try await watcher.run() }
         defer { running.cancel() }
         let good = try await updates.wait(count: 1, seconds: 10)
@@ -209,8 +209,8 @@ struct DNSDiscoveryTests {
         #expect(watcher.addresses == good)
         #expect(updates.all.count == 1, "no update while failing: \(updates.all)")
         #expect(watcher.lastError?.contains("refused the query") == true)
-        let warning = try #require(logs.messages.first { $0.message.contains("keeping the last good set") && $0.metadata.contains("refused the query") })
-        #expect(warning.level == .warning && warning.metadata.contains("kept: 1"))
+        let warning = try #require(logs.all.first { $0.message.contains("keeping the last good set") && $0.metadata.values.contains { $0.contains("refused the query") } })
+        #expect(warning.level == .warning && warning.metadata["kept"] == "1")
         let text = watcher.metricsText()
         #expect(text.contains("udp_fanout_dns_resolutions_total{name=\"kept.fanout.test\",result=\"ok\"}"))
         #expect(text.contains("udp_fanout_dns_addresses{name=\"kept.fanout.test\"} 1"))
@@ -341,33 +341,6 @@ private final class Updates: Sendable {
     func wait(count: Int, seconds: Int) async throws -> [SocketAddress] {
         try await waitUntil(seconds: seconds) { all.count >= count }
         return all[count - 1]
-    }
-}
-
-/// A logger whose lines the test reads back.
-private final class CapturedLogs: Sendable {
-    struct Line: Sendable {
-        var level: Logger.Level
-        var message: String
-        var metadata: String
-    }
-
-    let lines = Mutex<[Line]>([])
-    var messages: [Line] { lines.withLock { $0 } }
-    var logger: Logger { Logger(label: "dns-test") { _ in Handler(sink: self) } }
-
-    struct Handler: LogHandler {
-        let sink: CapturedLogs
-        var metadata: Logger.Metadata = [:]
-        var logLevel: Logger.Level = .trace
-        subscript(metadataKey key: String) -> Logger.Metadata.Value? {
-            get { metadata[key] }
-            set { metadata[key] = newValue }
-        }
-        func log(level: Logger.Level, message: Logger.Message, metadata: Logger.Metadata?, source: String, file: String, function: String, line: UInt) {
-            let text = (metadata ?? [:]).sorted { $0.key < $1.key }.map { "\($0.key): \($0.value)" }.joined(separator: ", ")
-            sink.lines.withLock { $0.append(Line(level: level, message: "\(message)", metadata: text)) }
-        }
     }
 }
 

@@ -142,7 +142,7 @@ struct KubernetesEndToEndTests {
         try await KubernetesAPIServer.with { server in
             server.apply(.init(name: "recv-a", namespace: "test", service: "receivers", endpoints: (0..<3).map { .init(address: address($0), pod: "pod-\($0)") }))
             let kubeconfig = try server.writeKubeconfig(namespace: "test")
-            let config = try ConfigParser.parse("""
+            let daemon = try MembershipPathTests.startInProxy(topology, """
                 listeners:
                   - name: tc
                     bind: "198.18.0.1:5514"
@@ -151,13 +151,7 @@ struct KubernetesEndToEndTests {
                     balancing: source_ip
                     kubernetes: {service: receivers, port: \(port)}
                 """)
-            try config.validate(localAddresses: [])
-            let daemon = FanoutDaemon(config: config, configPath: nil, logger: Logger(label: "k8s-tc") { _ in SwiftLogNoOpLogHandler() })
-            let started = inNetworkNamespace(topology.proxy) { () -> String? in
-                do { try daemon.start(); return nil } catch { return "\(error)" }
-            }
-            try #require(started == .some(nil), "start in \(topology.proxy): \(String(describing: started))")
-            defer { _ = inNetworkNamespace(topology.proxy) { daemon.shutdown() } }
+            defer { MembershipPathTests.stopInProxy(topology, daemon) }
             let total = 64_000
             try await Self.withDiscovery(daemon, kubeconfig: kubeconfig) {
                 #expect(await server.eventually { daemon.isReady }, "\(daemon.readiness)")

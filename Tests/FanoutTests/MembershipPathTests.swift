@@ -79,6 +79,25 @@ private func sleepUntil(_ instant: ContinuousClock.Instant) throws {
 struct MembershipPathTests {
     static func start(_ yaml: String) throws -> FanoutDaemon { try startDaemon(yaml, waitReady: false) }
 
+    /// Starts the engine in-process inside the topology's proxy namespace (its tc_ebpf
+    /// listeners attach there); the caller stops it with ``stopInProxy(_:_:)``.
+    static func startInProxy(_ topology: Topology, _ yaml: String) throws -> FanoutDaemon {
+        let config = try ConfigParser.parse(yaml)
+        try config.validate(localAddresses: [])
+        var logger = Logger(label: "fanout-in-proxy")
+        logger.logLevel = .warning
+        let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
+        let started = inNetworkNamespace(topology.proxy) { () -> String? in
+            do { try daemon.start(); return nil } catch { return "\(error)" }
+        }
+        try #require(started == .some(nil), "start in \(topology.proxy): \(String(describing: started))")
+        return daemon
+    }
+
+    static func stopInProxy(_ topology: Topology, _ daemon: FanoutDaemon) {
+        _ = inNetworkNamespace(topology.proxy) { daemon.shutdown() }
+    }
+
     static func endpoints(_ sinks: [Sink]) -> [Downstream] {
         sinks.map { Downstream(name: "pod-\($0.address.port)", address: $0.address) }
     }
@@ -204,7 +223,7 @@ struct MembershipPathTests {
         try TCEndToEndTests.addClientSources(topology)
         let collectors = try TCEndToEndTests.collectors(topology)
         let port = TCEndToEndTests.port
-        let config = try ConfigParser.parse("""
+        let daemon = try Self.startInProxy(topology, """
             listeners:
               - name: tc
                 bind: "198.18.0.1:5514"
@@ -214,15 +233,7 @@ struct MembershipPathTests {
                 kubernetes: {namespace: test, service: receivers, port: \(port)}
             health: {enabled: true, protocol: icmp, interval_secs: 60, timeout_secs: 1}
             """)
-        try config.validate(localAddresses: [])
-        var logger = Logger(label: "membership-tc")
-        logger.logLevel = .warning
-        let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
-        let started = inNetworkNamespace(topology.proxy) { () -> String? in
-            do { try daemon.start(); return nil } catch { return "\(error)" }
-        }
-        try #require(started == .some(nil), "start in \(topology.proxy): \(String(describing: started))")
-        defer { _ = inNetworkNamespace(topology.proxy) { daemon.shutdown() } }
+        defer { Self.stopInProxy(topology, daemon) }
         let spec = DiscoverySpec.kubernetes(listener: "tc", Kubernetes(namespace: "test", service: "receivers", port: UInt16(port)))
         func backends(_ numbers: [Int]) -> [Downstream] {
             numbers.map { Downstream(name: "b\($0)", address: SocketAddress("\(Topology.backendIPv4($0)):\(port)")!) }

@@ -194,7 +194,9 @@ extension FanoutDaemon {
 
     /// `udp_fanout_downstream_up`, members per listener and membership updates.
     func membershipMetrics() -> String {
-        let (config, members, applied, skipped, answered) = state.withLock { ($0.config, $0.members, $0.applied, $0.skipped, $0.answered) }
+        let (config, members, applied, skipped, answered, discovered) = state.withLock {
+            ($0.config, $0.members, $0.applied, $0.skipped, $0.answered, $0.discovered)
+        }
         let listeners = config.listeners
         var out = "# HELP udp_fanout_downstream_up 1 if the downstream is in rotation, 0 if health took it out\n# TYPE udp_fanout_downstream_up gauge\n"
         for listener in listeners {
@@ -207,8 +209,9 @@ extension FanoutDaemon {
         for listener in listeners {
             let all = members[listener.name] ?? []
             let statics = listener.downstreams.count
-            let dnsNames = Set(listener.dnsDownstreams.map(\.name))
-            let dns = all.dropFirst(statics).filter { member in dnsNames.contains { member.name.hasPrefix("\($0)/") } }.count
+            // Members after the static ones come from DNS if a name resolved to their address.
+            let resolved = Set((discovered[listener.name]?.dns.values).map { Array($0.joined()) } ?? [])
+            let dns = all.dropFirst(statics).filter { resolved.contains($0.address) }.count
             let labels = "listener=\"\(PrometheusText.escape(listener.name))\""
             out += "udp_fanout_downstreams{\(labels),source=\"static\"} \(statics)\n"
             out += "udp_fanout_downstreams{\(labels),source=\"dns\"} \(dns)\n"

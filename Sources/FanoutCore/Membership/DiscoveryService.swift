@@ -67,7 +67,7 @@ public struct DiscoveryService: Service {
             ) { [daemon] addresses in
                 daemon.discovered(spec, dns: addresses)
             }
-            daemon.discoveryMetrics.withLock { $0[spec] = { PrometheusText.adding(label: "listener", spec.listener, to: watcher.metricsText()) } }
+            register(spec) { watcher.metricsText() }
             do {
                 try await watcher.run()
             } catch {
@@ -76,37 +76,33 @@ public struct DiscoveryService: Service {
             }
         case .kubernetes(_, let source):
             // Credentials can appear later (a token mounted after start): retry until cancelled.
+            // The watcher itself retries API failures and returns only when cancelled.
             var delay = Duration.seconds(1)
             while !Task.isCancelled {
-                let credentials: KubernetesCredentials
                 do {
-                    credentials = try KubernetesCredentials.load(environment: environment, serviceAccountDirectory: serviceAccountDirectory)
-                } catch {
-                    daemon.discoveryFailed(spec, "\(error)")
-                    logger.error("Kubernetes discovery cannot start", metadata: ["listener": "\(spec.listener)", "error": "\(error)"])
-                    try? await Task.sleep(for: delay)
-                    delay = min(delay * 2, .seconds(30))
-                    continue
-                }
-                let watcher = EndpointSliceWatcher(
-                    source: source, credentials: credentials, httpClient: client.get(), logger: logger,
-                    onFailure: { [daemon] error in daemon.discoveryFailed(spec, error) }
-                ) { [daemon] endpoints in
-                    daemon.discovered(spec, kubernetes: endpoints.map { Downstream(name: $0.name, address: $0.address) })
-                }
-                daemon.discoveryMetrics.withLock { $0[spec] = { PrometheusText.adding(label: "listener", spec.listener, to: watcher.metricsText()) } }
-                do {
+                    let credentials = try KubernetesCredentials.load(environment: environment, serviceAccountDirectory: serviceAccountDirectory)
+                    let watcher = EndpointSliceWatcher(
+                        source: source, credentials: credentials, httpClient: client.get(), logger: logger,
+                        onFailure: { [daemon] error in daemon.discoveryFailed(spec, error) }
+                    ) { [daemon] endpoints in
+                        daemon.discovered(spec, kubernetes: endpoints.map { Downstream(name: $0.name, address: $0.address) })
+                    }
+                    register(spec) { watcher.metricsText() }
                     try await watcher.run()
+                    return
                 } catch {
                     daemon.discoveryFailed(spec, "\(error)")
-                    logger.error("Kubernetes discovery stopped", metadata: ["listener": "\(spec.listener)", "error": "\(error)"])
+                    logger.error("Kubernetes discovery cannot run; trying again", metadata: ["listener": "\(spec.listener)", "error": "\(error)", "retry_in": "\(delay)"])
                     try? await Task.sleep(for: delay)
                     delay = min(delay * 2, .seconds(30))
-                    continue
                 }
-                return
             }
         }
+    }
+
+    /// Serves a watcher's metrics on /metrics, labelled with its listener.
+    private func register(_ spec: DiscoverySpec, _ metrics: @escaping @Sendable () -> String) {
+        daemon.discoveryMetrics.withLock { $0[spec] = { PrometheusText.adding(label: "listener", spec.listener, to: metrics()) } }
     }
 }
 
