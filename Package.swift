@@ -39,7 +39,12 @@ let package = Package(
         // SONAME libreuseportlb.so.0, so C programs record the ABI version (make install adds the links).
         .target(
             name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"],
-            linkerSettings: [.unsafeFlags(["-Xlinker", "-soname=libreuseportlb.so.0"])]),
+            linkerSettings: [
+                .unsafeFlags(["-Xlinker", "-soname=libreuseportlb.so.0"]),
+                // Release builds carry the Swift runtime inside the library, so C programs that link it
+                // need only Debian's libbpf1/libelf1/zlib1g/libstdc++6, not a Swift toolchain.
+                .unsafeFlags(["-static-stdlib"], .when(configuration: .release)),
+            ]),
         .target(name: "TrafficModel", dependencies: ["ReusePortLB"]),
         .executableTarget(
             name: "collector",
