@@ -2,18 +2,18 @@
 PREFIX ?= /usr/local
 DESTDIR ?=
 VERSION ?= 0.1.0
-CONFIG ?= release
-BUILD_DIR = $(shell swift build -c $(CONFIG) --show-bin-path 2>/dev/null)
+BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability bench install install-files uninstall clean
+.PHONY: all setup build demo test reliability bench install install-files uninstall dist dist-check container clean
 
 all: build
 
 setup:
 	@scripts/setup.sh
 
+# Release binaries and libreuseportlb.so with the Swift runtime linked in (scripts/build-release.sh).
 build: setup
-	swift build -c $(CONFIG)
+	@scripts/build-release.sh
 
 demo: setup
 	@scripts/demo.sh
@@ -35,7 +35,8 @@ install: build install-files
 # Installs what the last build made, without building (the C API test uses it).
 install-files:
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin
-	install -m 0755 $(BUILD_DIR)/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.0
+	install -m 0755 $(BUILD_DIR)/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.$(VERSION)
+	ln -sf libreuseportlb.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.0
 	ln -sf libreuseportlb.so.0 $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so
 	install -m 0644 include/reuseportlb.h $(DESTDIR)$(PREFIX)/include/reuseportlb.h
 	install -m 0755 $(BUILD_DIR)/collector $(BUILD_DIR)/publisher $(BUILD_DIR)/udp-fanout $(DESTDIR)$(PREFIX)/bin/
@@ -44,9 +45,22 @@ install-files:
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so $(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.0 \
+		$(DESTDIR)$(PREFIX)/lib/libreuseportlb.so.$(VERSION) \
 		$(DESTDIR)$(PREFIX)/include/reuseportlb.h \
 		$(DESTDIR)$(PREFIX)/lib/pkgconfig/reuseportlb.pc \
 		$(DESTDIR)$(PREFIX)/bin/collector $(DESTDIR)$(PREFIX)/bin/publisher $(DESTDIR)$(PREFIX)/bin/udp-fanout
+
+# dist/udp-fanout-VERSION-linux-ARCH.tar.gz: binaries, library, header, .pc, units, manifests, docs.
+dist: setup
+	@VERSION=$(VERSION) scripts/dist.sh
+
+# Runs the tarball's programs and the C API sample with /opt/swift hidden (docs/deployment.md).
+dist-check: dist
+	@VERSION=$(VERSION) scripts/dist-check.sh
+
+# Builds the container image with buildah on a debootstrap base and runs it (.ci/run runs this too).
+container: dist-check
+	@VERSION=$(VERSION) scripts/container.sh
 
 clean:
 	swift package clean

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# make dist-check: proves the tarball of `make dist` runs without the Swift toolchain. It unpacks
+# the tarball, hides /opt/swift under an empty read-only tmpfs in a private mount namespace
+# (unshare -m), and there: checks no program or library needs a missing library; runs each
+# program; forwards 3,000 datagrams through udp-fanout to three collectors on loopback; builds the
+# C API sample against the unpacked prefix with pkg-config and runs it. Needs root (unshare -m).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${VERSION:-0.1.0}
+name="udp-fanout-$version-linux-$(uname -m)"
+tarball="dist/$name.tar.gz"
+[ -f "$tarball" ] || { echo "dist-check: $tarball is missing: run make dist first" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || { echo "dist-check: needs root (unshare -m and a tmpfs over /opt/swift); run: sudo make dist-check" >&2; exit 1; }
+work=$(mktemp -d /tmp/udp-fanout-dist-check.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+tar -C "$work" -xzf "$tarball"
+prefix="$work/$name"
+free_port() { python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+export DIST_PREFIX="$prefix" DIST_WORK="$work" LISTEN_PORT=$(free_port) C_PORT=$(free_port)
+export SINK_PORTS="$(free_port) $(free_port) $(free_port)"
+echo "dist-check: unpacked $tarball; hiding /opt/swift in a private mount namespace"
+unshare -m --propagation private bash -euo pipefail -c '
+mount -t tmpfs -o ro,size=64k swift-hidden /opt/swift
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+cd "$DIST_WORK"
+if [ -e /opt/swift/usr/lib/swift/linux/libswiftCore.so ]; then echo "dist-check: FAILED: /opt/swift is still visible" >&2; exit 1; fi
+echo "dist-check: /opt/swift hidden (libswiftCore.so not visible)"
+for file in "$DIST_PREFIX"/bin/* "$DIST_PREFIX"/lib/libreuseportlb.so.0; do
+  if ldd "$file" | grep -q "not found"; then echo "dist-check: FAILED: $file:" >&2; ldd "$file" >&2; exit 1; fi
+done
+echo "dist-check: ldd: every library of bin/* and libreuseportlb.so.0 resolves"
+"$DIST_PREFIX/bin/udp-fanout" --version
+check=$("$DIST_PREFIX/bin/udp-fanout" --check --config "$DIST_PREFIX/share/udp-fanout/config.example.yaml" 2>&1) \
+  || { echo "dist-check: FAILED: udp-fanout --check: $check" >&2; exit 1; }
+echo "dist-check: udp-fanout --check accepts share/udp-fanout/config.example.yaml"
+"$DIST_PREFIX/bin/collector" --help >/dev/null && "$DIST_PREFIX/bin/publisher" --help >/dev/null
+echo "dist-check: collector --help and publisher --help run"
+set -- $SINK_PORTS
+cat >config.yaml <<YAML
+listeners:
+  - name: check
+    bind: "127.0.0.1:$LISTEN_PORT"
+    downstream:
+      - { name: a, address: "127.0.0.1:$1" }
+      - { name: b, address: "127.0.0.1:$2" }
+      - { name: c, address: "127.0.0.1:$3" }
+    settings: { workers: 1 }
+metrics: { enabled: false }
+YAML
+pids=()
+trap "kill -TERM \${pids[*]} 2>/dev/null || true" EXIT
+i=0
+for port in "$@"; do
+  "$DIST_PREFIX/bin/collector" 127.0.0.1 "$port" 0 1 >"sink$i.json" 2>"sink$i.err" & pids+=($!)
+  for _ in $(seq 100); do grep -q ready "sink$i.err" && break; sleep 0.05; done
+  i=$((i+1))
+done
+"$DIST_PREFIX/bin/udp-fanout" --config config.yaml 2>fanout.err & fanout=$!; pids+=($fanout)
+for _ in $(seq 200); do grep -q "entering receive loop" fanout.err && break; sleep 0.05; done
+grep -q "entering receive loop" fanout.err || { echo "dist-check: FAILED: udp-fanout did not start:" >&2; cat fanout.err >&2; exit 1; }
+"$DIST_PREFIX/bin/publisher" 127.0.0.1 "$LISTEN_PORT" 3000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >/dev/null
+sleep 0.5
+kill -TERM "$fanout"; wait "$fanout"
+kill -TERM "${pids[0]}" "${pids[1]}" "${pids[2]}"; wait "${pids[0]}" "${pids[1]}" "${pids[2]}" || true
+python3 - sink0.json sink1.json sink2.json <<PY
+import json, sys
+counts = [json.loads(open(p).read().splitlines()[-1])["received"] for p in sys.argv[1:]]
+print("dist-check: udp-fanout forwarded 3000 datagrams to three collectors: %s (%d)" % (counts, sum(counts)))
+sys.exit(0 if sum(counts) == 3000 and all(c > 0 for c in counts) else 1)
+PY
+export PKG_CONFIG_PATH="$DIST_PREFIX/lib/pkgconfig"
+cc -Wall -Werror -o steering "$DIST_PREFIX/share/udp-fanout/examples/c/steering.c" $(pkg-config --cflags --libs reuseportlb)
+readelf -d steering | grep -q "Shared library: \[libreuseportlb.so.0\]"
+output=$(./steering "$C_PORT")
+echo "dist-check: C API sample built with pkg-config against the tarball: $output"
+[[ $output == *"received=40 misplaced=0 selected=40 steering=ebpf"* ]]
+'
+echo "dist-check: passed: $tarball runs without /opt/swift"

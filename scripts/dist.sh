@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# make dist: dist/udp-fanout-VERSION-linux-ARCH.tar.gz, laid out like a /usr/local prefix:
+#   bin/       udp-fanout, collector, publisher (Swift runtime linked in, stripped)
+#   lib/       libreuseportlb.so.VERSION (+ .so.0 SONAME link, + .so), pkgconfig/reuseportlb.pc
+#   include/   reuseportlb.h
+#   lib/systemd/system/  the units of systemd/
+#   share/udp-fanout/    config.example.yaml, k8s/ manifests, Containerfile, examples/c/steering.c
+#   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
+# Fails, naming the file, if anything still needs a library from the Swift toolchain or one that
+# the documented Debian packages do not provide.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${VERSION:-0.1.0}
+arch=$(uname -m)
+name="udp-fanout-$version-linux-$arch"
+echo "dist: release build (static Swift runtime)"
+bin=$(scripts/build-release.sh)
+stage="dist/$name"
+rm -rf "$stage" "dist/$name.tar.gz"
+mkdir -p "$stage"/{bin,lib/pkgconfig,include,lib/systemd/system,share/udp-fanout/examples/c,share/doc/udp-fanout}
+for program in udp-fanout collector publisher; do
+  # Swift's metadata lives in sections, not in the symbol table: stripping keeps the programs whole.
+  strip --strip-unneeded -o "$stage/bin/$program" "$bin/$program"
+done
+strip --strip-unneeded -o "$stage/lib/libreuseportlb.so.$version" "$bin/libreuseportlb.so"
+ln -s "libreuseportlb.so.$version" "$stage/lib/libreuseportlb.so.0"
+ln -s libreuseportlb.so.0 "$stage/lib/libreuseportlb.so"
+# Relocatable: the prefix is wherever the tarball is unpacked (pkg-config's ${pcfiledir}).
+sed -e 's|^prefix=@PREFIX@|prefix=${pcfiledir}/../..|' -e "s|@VERSION@|$version|" pkgconfig/reuseportlb.pc.in \
+  >"$stage/lib/pkgconfig/reuseportlb.pc"
+cp include/reuseportlb.h "$stage/include/"
+cp config.example.yaml Containerfile "$stage/share/udp-fanout/"
+cp examples/c/steering.c "$stage/share/udp-fanout/examples/c/"
+if compgen -G "systemd/*.service" >/dev/null; then cp systemd/*.service "$stage/lib/systemd/system/"; fi
+if [ -d k8s ]; then cp -r k8s "$stage/share/udp-fanout/"; fi
+cp README.md "$stage/share/doc/udp-fanout/"
+cp -r docs "$stage/share/doc/udp-fanout/"
+
+# Every needed library must come from Debian's runtime packages, none from /opt/swift.
+allowed='^(libbpf\.so\.1|libelf\.so\.1|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
+for file in "$stage"/bin/* "$stage/lib/libreuseportlb.so.$version"; do
+  needed=$(readelf -d "$file" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+  for library in $needed; do
+    if ! [[ $library =~ $allowed ]]; then
+      echo "dist: FAILED: $file needs $library, which is not among the documented runtime packages" >&2
+      exit 1
+    fi
+  done
+  if readelf -d "$file" | grep -E 'R(UN)?PATH' | grep -q /opt/swift; then
+    echo "dist: FAILED: $file has a run path into /opt/swift: $(readelf -d "$file" | grep -E 'R(UN)?PATH')" >&2
+    exit 1
+  fi
+done
+cat >"$stage/share/doc/udp-fanout/DEPENDENCIES" <<TXT
+udp-fanout $version for Linux $arch. The programs and libreuseportlb.so carry the Swift runtime;
+on Debian 12 (bookworm) or later they need only:
+  apt-get install libbpf1 libelf1 zlib1g libstdc++6 libgcc-s1
+Unpack into a prefix (e.g. tar -C /usr/local --strip-components=1 -xzf $name.tar.gz);
+reuseportlb.pc is relocatable (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig).
+TXT
+tar -C dist -czf "dist/$name.tar.gz" --owner=0 --group=0 "$name"
+echo "dist: dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)): $(cd "$stage" && find . -type f -o -type l | wc -l) files"
+echo "dist: needs only Debian's libbpf1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
