@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# make container: builds the udp-fanout image from the release tarball of `make dist` with buildah
+# (no Docker engine needed), on a Debian base made here with debootstrap (no registry needed), and
+# runs it: `udp-fanout --check` on the shipped config, then a forwarding smoke test (host network,
+# as the image's non-root user): 3,000 datagrams through udp-fanout in the container to three
+# collectors on the host's loopback. Installs buildah and debootstrap when root.
+# BASE=<image> uses another base (e.g. docker.io/library/debian:bookworm-slim where a registry is
+# reachable); the default is the local debootstrap one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${VERSION:-0.1.0}
+name="udp-fanout-$version-linux-$(uname -m)"
+image="localhost/udp-fanout:$version"
+base=${BASE:-localhost/debian:bookworm-slim}
+[ "$(id -u)" = 0 ] || { echo "container: needs root (buildah with chroot isolation, debootstrap); run: sudo make container" >&2; exit 1; }
+[ -f "dist/$name.tar.gz" ] || { echo "container: dist/$name.tar.gz is missing: run make dist first" >&2; exit 1; }
+missing=()
+for p in buildah debootstrap; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "container: installing Debian packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "container: Debian packages present (buildah debootstrap)"
+fi
+work=$(mktemp -d /tmp/udp-fanout-container.XXXXXX)
+containers=()
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for c in "${containers[@]}"; do buildah rm "$c" >/dev/null 2>&1 || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+if [ "$base" = localhost/debian:bookworm-slim ] && ! buildah inspect --type image "$base" >/dev/null 2>&1; then
+  mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+  mirror=${mirror:-http://deb.debian.org/debian}
+  echo "container: making the base image $base with debootstrap (bookworm, minbase, from $mirror)"
+  debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 \
+    || { tail -20 "$work/debootstrap.log" >&2; echo "container: debootstrap failed (log above)" >&2; exit 1; }
+  # What debian:bookworm-slim leaves out: documentation, manual pages, package lists, caches.
+  rm -rf "$work"/rootfs/usr/share/{doc,man,info}/* "$work"/rootfs/var/lib/apt/lists/* "$work"/rootfs/var/cache/apt/*.bin
+  tar -C "$work/rootfs" -cf "$work/rootfs.tar" .
+  rm -rf "$work/rootfs"
+  ctr=$(buildah from scratch); containers+=("$ctr")
+  buildah add "$ctr" "$work/rootfs.tar" / >/dev/null
+  buildah config --cmd /bin/bash --label org.opencontainers.image.description="debian bookworm minbase, made by debootstrap" "$ctr"
+  buildah commit --quiet "$ctr" "$base" >/dev/null
+  rm -f "$work/rootfs.tar"
+  echo "container: base image $base committed"
+else
+  echo "container: base image $base present"
+fi
+
+previous=$(buildah images --quiet --no-trunc "$image" 2>/dev/null || true)
+echo "container: buildah bud --isolation chroot --build-arg BASE=$base -t $image -f Containerfile ."
+buildah bud --quiet --isolation chroot --build-arg BASE="$base" --build-arg VERSION="$version" \
+  --build-arg DIST="dist/$name" -t "$image" -f Containerfile . >"$work/bud.log" 2>&1 \
+  || { cat "$work/bud.log" >&2; echo "container: the image build failed (log above)" >&2; exit 1; }
+current=$(buildah images --quiet --no-trunc "$image")
+# The image this tag named before (now untagged) goes: repeated runs do not pile up images.
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then buildah rmi "$previous" >/dev/null 2>&1 || true; fi
+echo "container: built $image ($(buildah images --format '{{.Size}}' "$image"))"
+user=$(buildah inspect --type image --format '{{.OCIv1.Config.User}}' "$image")
+entrypoint=$(buildah inspect --type image --format '{{.OCIv1.Config.Entrypoint}}' "$image")
+[ "$user" = 10001:10001 ] || { echo "container: FAILED: the image runs as '$user', not 10001:10001" >&2; exit 1; }
+[ "$entrypoint" = "[/usr/local/bin/udp-fanout]" ] || { echo "container: FAILED: entrypoint $entrypoint" >&2; exit 1; }
+echo "container: image user $user, entrypoint $entrypoint"
+
+ctr=$(buildah from "$image"); containers+=("$ctr")
+check=$(buildah run --isolation chroot "$ctr" -- /usr/local/bin/udp-fanout --check --config /etc/udp-fanout/config.yaml 2>&1) \
+  || { echo "container: FAILED: udp-fanout --check in the image: $check" >&2; exit 1; }
+echo "container: in the image, udp-fanout --check --config /etc/udp-fanout/config.yaml: valid"
+
+# Smoke test: the daemon in the container (host network, uid 10001), collectors on the host.
+free_port() { python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+listen=$(free_port); sinks=("$(free_port)" "$(free_port)" "$(free_port)")
+mkdir -p "$work/smoke" && chmod 0777 "$work/smoke"
+cat >"$work/smoke/config.yaml" <<YAML
+listeners:
+  - name: smoke
+    bind: "127.0.0.1:$listen"
+    balancing: source_ip
+    downstream:
+      - { name: a, address: "127.0.0.1:${sinks[0]}" }
+      - { name: b, address: "127.0.0.1:${sinks[1]}" }
+      - { name: c, address: "127.0.0.1:${sinks[2]}" }
+    settings: { workers: 1 }
+metrics: { enabled: false }
+YAML
+cat >"$work/smoke/run.sh" <<'SH'
+set -eu
+/usr/local/bin/udp-fanout --config /smoke/config.yaml 2>/smoke/fanout.err &
+fanout=$!
+i=0
+while [ $i -lt 200 ] && ! grep -q "entering receive loop" /smoke/fanout.err; do sleep 0.05; i=$((i+1)); done
+grep -q "entering receive loop" /smoke/fanout.err
+/usr/local/bin/publisher 127.0.0.1 "$1" 3000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >/dev/null
+sleep 0.5
+kill -TERM $fanout
+wait $fanout
+SH
+i=0
+for port in "${sinks[@]}"; do
+  "dist/$name/bin/collector" 127.0.0.1 "$port" 0 1 >"$work/sink$i.json" 2>"$work/sink$i.err" & pids+=($!)
+  for _ in $(seq 100); do grep -q ready "$work/sink$i.err" && break; sleep 0.05; done
+  i=$((i+1))
+done
+if ! buildah run --isolation chroot --network host --user 10001:10001 -v "$work/smoke:/smoke" "$ctr" -- /bin/sh /smoke/run.sh "$listen"; then
+  echo "container: FAILED: the smoke test in the container; udp-fanout said:" >&2
+  cat "$work/smoke/fanout.err" >&2
+  exit 1
+fi
+kill -TERM "${pids[@]}"; wait "${pids[@]}" || true; pids=()
+grep -E "starting userspace forwarder|steering" "$work/smoke/fanout.err" | sed 's/^/  /' | cut -c1-200 || true
+python3 - "$work"/sink0.json "$work"/sink1.json "$work"/sink2.json <<'PY'
+import json, sys
+reports = [json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:]]
+counts = [r["received"] for r in reports]
+print("container: the daemon in the container (uid 10001, host network) forwarded 3000 datagrams from 16 sources: %s (%d)" % (counts, sum(counts)))
+if sum(counts) != 3000 or min(counts) == 0:
+    print("container: FAILED: expected all 3000 datagrams, spread over the three collectors", file=sys.stderr)
+    sys.exit(1)
+PY
+echo "container: passed: $image"
