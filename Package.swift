@@ -1,6 +1,9 @@
 // swift-tools-version:6.0
 import PackageDescription
 
+/// The package's directory: linker flags that name files need an absolute path.
+let packageDirectory = String(#filePath.dropLast("/Package.swift".count))
+
 let package = Package(
     name: "ReusePortLB",
     products: [
@@ -43,7 +46,9 @@ let package = Package(
                 .unsafeFlags(["-Xlinker", "-soname=libreuseportlb.so.0"]),
                 // Release builds carry the Swift runtime inside the library, so C programs that link it
                 // need only Debian's libbpf1/libelf1/zlib1g/libstdc++6, not a Swift toolchain.
-                .unsafeFlags(["-static-stdlib"], .when(configuration: .release)),
+                .unsafeFlags(
+                    ["-static-stdlib", "-Xlinker", "--version-script=\(packageDirectory)/Sources/ReusePortLBCAPI/exports.map"],
+                    .when(configuration: .release)),
             ]),
         .target(name: "TrafficModel", dependencies: ["ReusePortLB"]),
         .executableTarget(

@@ -51,6 +51,12 @@ for file in "$stage"/bin/* "$stage/lib/libreuseportlb.so.$version"; do
     exit 1
   fi
 done
+# The library's interface is the C API alone (Sources/ReusePortLBCAPI/exports.map).
+extra=$(nm -D --defined-only --extern-only "$stage/lib/libreuseportlb.so.$version" | grep -v -E ' (reuseportlb_[a-z_]+|LIBREUSEPORTLB_0)(@@LIBREUSEPORTLB_0)?$' || true)
+if [ -n "$extra" ]; then
+  echo "dist: FAILED: libreuseportlb.so exports more than the C API: $(echo "$extra" | head -5)" >&2
+  exit 1
+fi
 cat >"$stage/share/doc/udp-fanout/DEPENDENCIES" <<TXT
 udp-fanout $version for Linux $arch. The programs and libreuseportlb.so carry the Swift runtime;
 on Debian 12 (bookworm) or later they need only:
@@ -60,4 +66,5 @@ reuseportlb.pc is relocatable (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig).
 TXT
 tar -C dist -czf "dist/$name.tar.gz" --owner=0 --group=0 "$name"
 echo "dist: dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)): $(cd "$stage" && find . -type f -o -type l | wc -l) files"
+echo "dist: libreuseportlb.so.$version exports only the reuseportlb_* C API (version LIBREUSEPORTLB_0)"
 echo "dist: needs only Debian's libbpf1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
