@@ -97,6 +97,8 @@ let package = Package(
                 // The Kubernetes API test server (HTTPS with a CA the test makes).
                 .product(name: "Hummingbird", package: "hummingbird"),
                 .product(name: "HummingbirdTLS", package: "hummingbird"),
+                // DeploymentManifestTests read the k8s/ manifests' capabilities and embedded config.
+                .product(name: "Yams", package: "Yams"),
             ]),
         .testTarget(
             name: "ReusePortLBTests",

@@ -22,6 +22,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
   echo "setup: Debian packages present (${packages[*]})"
 fi
+# The k8s/ manifest validation test (DeploymentManifestTests) runs kubernetes-validate from PyPI.
+if python3 -c 'import kubernetes_validate' 2>/dev/null; then
+  echo "setup: kubernetes-validate present"
+else
+  echo "setup: installing kubernetes-validate 1.37.0 (pip)"
+  python3 -m pip install --quiet 'kubernetes-validate==1.37.0'
+fi
 if [ "$(stat -f -c %T /sys/fs/bpf 2>/dev/null)" = "bpf_fs" ]; then
   echo "setup: bpffs already mounted at /sys/fs/bpf"
 elif [ "$(id -u)" = 0 ]; then
