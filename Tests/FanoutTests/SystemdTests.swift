@@ -274,6 +274,64 @@ struct SystemdTests {
         }
     }
 
+    /// A capability setting as systemd reads it from a unit and its drop-ins, in order: an empty
+    /// assignment resets, others add. Returns setpriv's names (`CAP_BPF` → `bpf`).
+    static func capabilities(_ key: String, in files: [String]) throws -> [String] {
+        var set: [String] = []
+        for file in files {
+            let text = try String(contentsOf: repository.appendingPathComponent(file), encoding: .utf8)
+            for line in text.split(separator: "\n") where line.hasPrefix(key + "=") {
+                let value = line.dropFirst(key.count + 1).split(separator: " ").map { String($0) }
+                if value.isEmpty { set = [] } else { set += value.map { $0.lowercased().replacingOccurrences(of: "cap_", with: "") } }
+            }
+        }
+        return set
+    }
+
+    @Test("The units' capability sets are the ones the daemon runs with: the drop-in's for userspace (eBPF steering as nobody), the unit's for tc_ebpf (forwards as nobody); bounding set = ambient set", .enabled(if: Privileges.enabled, Privileges.reason))
+    func unitCapabilities() throws {
+        let tcFiles = ["systemd/udp-fanout.service"]
+        let userspaceFiles = tcFiles + ["systemd/udp-fanout-userspace.conf"]
+        let tcSet = try Self.capabilities("AmbientCapabilities", in: tcFiles)
+        let userspaceSet = try Self.capabilities("AmbientCapabilities", in: userspaceFiles)
+        #expect(Set(tcSet) == ["bpf", "net_admin", "perfmon"], "\(tcSet)")
+        #expect(userspaceSet == ["bpf"], "\(userspaceSet)")
+        #expect(try Self.capabilities("CapabilityBoundingSet", in: tcFiles) == tcSet)
+        #expect(try Self.capabilities("CapabilityBoundingSet", in: userspaceFiles) == userspaceSet)
+
+        // userspace with the drop-in's set.
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let userspace = try CapabilityTests.Scratch("listeners:\n" + listenerYAML("unit", bind: bind, [sink], workers: 2).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: ""))
+        let daemon = try Child(userspace.binary, ["-c", userspace.config], prefix: CapabilityTests.asNobody(userspaceSet))
+        try daemon.waitFor("entering receive loop")
+        #expect(daemon.stderr.contains("steering=ebpf"), "\(daemon.stderr)")
+        try sendNumbered(to: bind, count: 50)
+        #expect(sink.drain().count == 50)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+
+        // tc_ebpf with the unit's set, and /run/udp-fanout owned by the service user as
+        // RuntimeDirectory= makes it.
+        let topology = try Topology(backends: 1)
+        let collector = try TCEndToEndTests.collectors(topology)[0]
+        let scratch = try CapabilityTests.Scratch(TCEndToEndTests.config(topology, backends: [1]))
+        let runDirectory = "/run/udp-fanout"
+        mkdir(runDirectory, 0o755)
+        var before = stat()
+        stat(runDirectory, &before)
+        chown(runDirectory, 65534, 65534)
+        defer { chown(runDirectory, before.st_uid, before.st_gid) }
+        let tc = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + CapabilityTests.asNobody(tcSet))
+        try tc.waitFor("registered listener in eBPF map")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "200", "--rate", "10000"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        tc.signal(SIGTERM)
+        #expect(tc.wait() == 0, "\(tc.stderr)")
+        #expect(try collector.stop().int("received") == 200)
+    }
+
     @Test("systemd-analyze verify passes without a warning on both units and the userspace drop-in")
     func unitsVerify() throws {
         let source = Self.repository.appendingPathComponent("systemd")
