@@ -332,6 +332,100 @@ struct SystemdTests {
         #expect(try collector.stop().int("received") == 200)
     }
 
+    /// The system calls a `SystemCallFilter=` value allows, groups expanded with
+    /// `systemd-analyze syscall-filter` (this systemd's own definition of each group).
+    static func allowedSystemCalls(_ filter: [String]) throws -> Set<String> {
+        let listing = try run("/usr/bin/systemd-analyze", ["syscall-filter"])
+        try #require(listing.status == 0, "\(listing.output)")
+        var groups: [String: [String]] = [:]
+        var current: String?
+        for line in listing.output.split(separator: "\n") {
+            if line.hasPrefix("@") {
+                current = String(line)
+                groups[String(line)] = []
+            } else if let group = current {
+                let item = line.trimmingCharacters(in: .whitespaces)
+                if !item.isEmpty && !item.hasPrefix("#") { groups[group, default: []].append(item) }
+            }
+        }
+        func expand(_ items: [String]) -> Set<String> {
+            items.reduce(into: Set<String>()) { set, item in set.formUnion(item.hasPrefix("@") ? expand(groups[item] ?? []) : [item]) }
+        }
+        return expand(filter)
+    }
+
+    /// System call names in an `strace -f` log (`PID name(` and `PID <... name resumed>`).
+    static func systemCalls(inTrace text: String) -> Set<String> {
+        Set(text.split(separator: "\n").compactMap { line -> String? in
+            var rest = line.drop(while: { $0.isNumber }).drop(while: { $0 == " " })
+            if rest.hasPrefix("<... ") { rest = rest.dropFirst(5) }
+            let name = rest.prefix(while: { $0.isLetter || $0.isNumber || $0 == "_" })
+            return name.isEmpty || rest.dropFirst(name.count).first.map({ $0 != "(" && $0 != " " }) == true ? nil : String(name)
+        })
+    }
+
+    /// Runs udp-fanout under strace (in `prefix`), waits for the log line `started`, lets
+    /// `exercise` drive it with the daemon's pid, stops it with SIGTERM, and returns the system
+    /// calls it made.
+    static func traced(_ config: String, prefix: [String] = [], until started: String, _ exercise: (pid_t) throws -> Void) throws -> Set<String> {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("traced-\(UUID().uuidString).yaml")
+        let trace = file.path + ".trace"
+        try config.write(to: file, atomically: true, encoding: .utf8)
+        defer {
+            try? FileManager.default.removeItem(at: file)
+            try? FileManager.default.removeItem(atPath: trace)
+        }
+        let tracer = try Child("/usr/bin/strace", ["-f", "-qq", "-o", trace, binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path], prefix: prefix)
+        // The daemon is strace's child (nsenter execs strace, strace forks the daemon).
+        var daemon: pid_t = 0
+        let deadline = ContinuousClock.now + .seconds(10)
+        while daemon == 0 && ContinuousClock.now < deadline {
+            let children = (try? String(contentsOfFile: "/proc/\(tracer.process.processIdentifier)/task/\(tracer.process.processIdentifier)/children", encoding: .utf8)) ?? ""
+            daemon = children.split(separator: " ").first.flatMap { pid_t($0) } ?? 0
+            usleep(20_000)
+        }
+        try #require(daemon > 0, "no daemon under strace: \(tracer.stderr)")
+        try tracer.waitFor(started)
+        try exercise(daemon)
+        kill(daemon, SIGTERM)
+        #expect(tracer.wait(seconds: 20) == 0, "\(tracer.stderr)")
+        return Self.systemCalls(inTrace: try String(contentsOfFile: trace, encoding: .utf8))
+    }
+
+    @Test("The unit's SystemCallFilter= allows every system call udp-fanout makes (strace): userspace with pinned workers, metrics, a reload; tc_ebpf in a namespace", .enabled(if: Privileges.enabled, Privileges.reason))
+    func systemCallFilter() throws {
+        let unit = try String(contentsOf: Self.repository.appendingPathComponent("systemd/udp-fanout.service"), encoding: .utf8)
+        let filter = try #require(unit.split(separator: "\n").last { $0.hasPrefix("SystemCallFilter=") })
+        let allowed = try Self.allowedSystemCalls(filter.dropFirst("SystemCallFilter=".count).split(separator: " ").map(String.init))
+        #expect(allowed.contains("recvmmsg") && allowed.contains("bpf") && !allowed.contains("mount"), "the expansion is systemd's")
+
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let yaml = "listeners:\n" + listenerYAML("traced", bind: bind, [sink], extra: "", workers: 2).replacingOccurrences(of: "      workers: 2\n", with: "      workers: 2\n      pin_cpus: true\n")
+            + "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
+        let userspace = try Self.traced(yaml, until: "entering receive loop") { pid in
+            try sendNumbered(to: bind, count: 20)
+            #expect(sink.drain().count == 20)
+            #expect(try httpGet(metrics, "/metrics").0 == 200)
+            kill(pid, SIGHUP)
+            usleep(500_000)
+        }
+        #expect(userspace.contains("recvmmsg") && userspace.contains("sendmmsg") && userspace.contains("sched_setaffinity"), "the trace is read: \(userspace.sorted())")
+        #expect(userspace.subtracting(allowed).isEmpty, "userspace calls outside SystemCallFilter=: \(userspace.subtracting(allowed).sorted())")
+
+        let topology = try Topology(backends: 1)
+        let collector = try TCEndToEndTests.collectors(topology)[0]
+        let tc = try Self.traced(TCEndToEndTests.config(topology, backends: [1], metricsPort: Int(freePort())), prefix: topology.prefix(topology.proxy), until: "registered listener in eBPF map") { _ in
+            let publisher = try Child("publisher", ["198.18.0.1", "5514", "50", "--rate", "10000"], prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0)
+            usleep(300_000)
+        }
+        #expect(try collector.stop().int("received") == 50)
+        #expect(tc.contains("bpf"), "the trace is read: \(tc.sorted())")
+        #expect(tc.subtracting(allowed).isEmpty, "tc_ebpf calls outside SystemCallFilter=: \(tc.subtracting(allowed).sorted())")
+    }
+
     @Test("systemd-analyze verify passes without a warning on both units and the userspace drop-in")
     func unitsVerify() throws {
         let source = Self.repository.appendingPathComponent("systemd")
