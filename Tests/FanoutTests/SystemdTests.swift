@@ -308,6 +308,10 @@ struct SystemdTests {
         #expect(daemon.stderr.contains("steering=ebpf"), "\(daemon.stderr)")
         try sendNumbered(to: bind, count: 50)
         #expect(sink.drain().count == 50)
+        // The --check of ExecReload=, as the same user with the same set, sees the daemon it reloads
+        // (a foreign owner of the bind would fail the reload).
+        let check = try run(CapabilityTests.asNobody(userspaceSet)[0], Array(CapabilityTests.asNobody(userspaceSet).dropFirst()) + [userspace.binary, "--check", "-c", userspace.config])
+        #expect(check.status == 0 && check.output.contains("fine if that is the daemon this file reloads"), "\(check.output)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
 
