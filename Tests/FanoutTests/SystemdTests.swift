@@ -368,10 +368,20 @@ struct SystemdTests {
         })
     }
 
+    /// What MemoryDenyWriteExecute= refuses (systemd's seccomp filter): memory mapped writable
+    /// and executable at once, or made executable afterwards. The lines of an `strace -f` log
+    /// that do it.
+    static func writeExecuteViolations(inTrace text: String) -> [String] {
+        text.split(separator: "\n").map(String.init).filter { line in
+            (line.contains("mmap(") && line.contains("PROT_WRITE") && line.contains("PROT_EXEC"))
+                || ((line.contains("mprotect(") || line.contains("pkey_mprotect(")) && line.contains("PROT_EXEC"))
+                || (line.contains("shmat(") && line.contains("SHM_EXEC"))
+        }
+    }
+
     /// Runs udp-fanout under strace (in `prefix`), waits for the log line `started`, lets
-    /// `exercise` drive it with the daemon's pid, stops it with SIGTERM, and returns the system
-    /// calls it made.
-    static func traced(_ config: String, prefix: [String] = [], until started: String, _ exercise: (pid_t) throws -> Void) throws -> Set<String> {
+    /// `exercise` drive it with the daemon's pid, stops it with SIGTERM, and returns the strace log.
+    static func traced(_ config: String, prefix: [String] = [], until started: String, _ exercise: (pid_t) throws -> Void) throws -> String {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("traced-\(UUID().uuidString).yaml")
         let trace = file.path + ".trace"
         try config.write(to: file, atomically: true, encoding: .utf8)
@@ -393,10 +403,10 @@ struct SystemdTests {
         try exercise(daemon)
         kill(daemon, SIGTERM)
         #expect(tracer.wait(seconds: 20) == 0, "\(tracer.stderr)")
-        return Self.systemCalls(inTrace: try String(contentsOfFile: trace, encoding: .utf8))
+        return try String(contentsOfFile: trace, encoding: .utf8)
     }
 
-    @Test("The unit's SystemCallFilter= allows every system call udp-fanout makes (strace): userspace with pinned workers, metrics, a reload; tc_ebpf in a namespace", .enabled(if: Privileges.enabled, Privileges.reason))
+    @Test("The unit's SystemCallFilter= allows every system call udp-fanout makes, and MemoryDenyWriteExecute= none of its mappings (strace): userspace with pinned workers, metrics, a reload; tc_ebpf in a namespace", .enabled(if: Privileges.enabled, Privileges.reason))
     func systemCallFilter() throws {
         let unit = try String(contentsOf: Self.repository.appendingPathComponent("systemd/udp-fanout.service"), encoding: .utf8)
         let filter = try #require(unit.split(separator: "\n").last { $0.hasPrefix("SystemCallFilter=") })
@@ -408,24 +418,31 @@ struct SystemdTests {
         let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let yaml = "listeners:\n" + listenerYAML("traced", bind: bind, [sink], extra: "", workers: 2).replacingOccurrences(of: "      workers: 2\n", with: "      workers: 2\n      pin_cpus: true\n")
             + "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
-        let userspace = try Self.traced(yaml, until: "entering receive loop") { pid in
+        let userspaceTrace = try Self.traced(yaml, until: "entering receive loop") { pid in
             try sendNumbered(to: bind, count: 20)
             #expect(sink.drain().count == 20)
             #expect(try httpGet(metrics, "/metrics").0 == 200)
             kill(pid, SIGHUP)
             usleep(500_000)
         }
+        #expect(Self.writeExecuteViolations(inTrace: "12 mprotect(0x7f0000000000, 4096, PROT_READ|PROT_EXEC) = 0\n13 mmap(NULL, 8192, PROT_READ|PROT_WRITE|PROT_EXEC, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0) = 0x7f0000001000\n14 mmap(NULL, 8192, PROT_READ|PROT_EXEC, MAP_PRIVATE, 3, 0) = 0x7f0000003000").count == 2,
+                "the check sees what the filter refuses")
+        let userspace = Self.systemCalls(inTrace: userspaceTrace)
+        #expect(Self.writeExecuteViolations(inTrace: userspaceTrace).isEmpty, "\(Self.writeExecuteViolations(inTrace: userspaceTrace))")
+        #expect(userspaceTrace.contains("PROT_READ|PROT_EXEC"), "the libraries' code mappings are in the trace")
         #expect(userspace.contains("recvmmsg") && userspace.contains("sendmmsg") && userspace.contains("sched_setaffinity"), "the trace is read: \(userspace.sorted())")
         #expect(userspace.subtracting(allowed).isEmpty, "userspace calls outside SystemCallFilter=: \(userspace.subtracting(allowed).sorted())")
 
         let topology = try Topology(backends: 1)
         let collector = try TCEndToEndTests.collectors(topology)[0]
-        let tc = try Self.traced(TCEndToEndTests.config(topology, backends: [1], metricsPort: Int(freePort())), prefix: topology.prefix(topology.proxy), until: "registered listener in eBPF map") { _ in
+        let tcTrace = try Self.traced(TCEndToEndTests.config(topology, backends: [1], metricsPort: Int(freePort())), prefix: topology.prefix(topology.proxy), until: "registered listener in eBPF map") { _ in
             let publisher = try Child("publisher", ["198.18.0.1", "5514", "50", "--rate", "10000"], prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0)
             usleep(300_000)
         }
         #expect(try collector.stop().int("received") == 50)
+        let tc = Self.systemCalls(inTrace: tcTrace)
+        #expect(Self.writeExecuteViolations(inTrace: tcTrace).isEmpty, "\(Self.writeExecuteViolations(inTrace: tcTrace))")
         #expect(tc.contains("bpf"), "the trace is read: \(tc.sorted())")
         #expect(tc.subtracting(allowed).isEmpty, "tc_ebpf calls outside SystemCallFilter=: \(tc.subtracting(allowed).sorted())")
     }
