@@ -161,6 +161,7 @@ public struct WatchdogService: Service {
         self.logger = logger
     }
 
+    /// Checks and pings every half interval until graceful shutdown or cancellation.
     public func run() async throws {
         logger.info("systemd watchdog enabled: WATCHDOG=1 while the forwarding path makes progress", metadata: [
             "interval": "\(interval)", "check_every": "\(interval / 2)",
