@@ -4,7 +4,8 @@
 #   lib/       libreuseportlb.so.VERSION (+ .so.0 SONAME link, + .so), pkgconfig/reuseportlb.pc
 #   include/   reuseportlb.h
 #   lib/systemd/system/  the units of systemd/
-#   share/udp-fanout/    config.example.yaml, k8s/ manifests, Containerfile, examples/c/steering.c
+#   share/udp-fanout/    config.example.yaml, k8s/ manifests, systemd/ drop-in, Containerfile,
+#                        examples/c/steering.c
 #   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
 # Fails, naming the file, if anything still needs a library from the Swift toolchain or one that
 # the documented Debian packages do not provide.
@@ -31,8 +32,11 @@ sed -e 's|^prefix=@PREFIX@|prefix=${pcfiledir}/../..|' -e "s|@VERSION@|$version|
 cp include/reuseportlb.h "$stage/include/"
 cp config.example.yaml Containerfile "$stage/share/udp-fanout/"
 cp examples/c/steering.c "$stage/share/udp-fanout/examples/c/"
-if compgen -G "systemd/*.service" >/dev/null; then cp systemd/*.service "$stage/lib/systemd/system/"; fi
-if [ -d k8s ]; then cp -r k8s "$stage/share/udp-fanout/"; fi
+cp systemd/*.service "$stage/lib/systemd/system/"
+# The drop-in for userspace-only hosts (docs/systemd.md): copied into udp-fanout.service.d/ by hand.
+mkdir -p "$stage/share/udp-fanout/systemd"
+cp systemd/*.conf "$stage/share/udp-fanout/systemd/"
+cp -r k8s "$stage/share/udp-fanout/"
 cp README.md "$stage/share/doc/udp-fanout/"
 cp -r docs "$stage/share/doc/udp-fanout/"
 

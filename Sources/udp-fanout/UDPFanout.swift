@@ -91,8 +91,18 @@ struct UDPFanout: AsyncParsableCommand {
         // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still
         // answers (/readyz then says 503), then probes and discovery stop, then the endpoint
         // closes its connections.
+        let notifier = SystemdNotifier(logger: logger)
+        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier)]
+        do {
+            // Last, so it stops first: no ping once shutdown starts (systemd stops the watchdog
+            // for a stopping unit anyway).
+            if let watchdog = try WatchdogService(daemon: daemon, notifier: notifier) { services.append(watchdog) }
+        } catch {
+            printError("udp-fanout: \(error)")
+            throw ExitCode(2)
+        }
         var configuration = ServiceGroupConfiguration(
-            services: [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon)],
+            services: services,
             gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
         // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
         configuration.maximumGracefulShutdownDuration = .seconds(10)

@@ -41,6 +41,9 @@ protocol RunningListener: AnyObject, Sendable {
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
+    /// What the systemd watchdog checks (``WatchdogJudge``): each worker's progress counter,
+    /// or whether the tc program is still attached.
+    func heartbeats() -> [PathHeartbeat]
 }
 
 /// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.
@@ -79,6 +82,8 @@ public final class FanoutDaemon: Sendable {
     let state: Mutex<State>
     private let reloadsOK = Atomic<UInt64>(0)
     private let reloadsRejected = Atomic<UInt64>(0)
+    /// Why the last reload was rejected (systemd's STATUS= line says it).
+    let lastRejection = Mutex<String?>(nil)
     let membershipUpdates = Atomic<UInt64>(0)
     /// Downstream set changes a running listener could not apply (tc_ebpf map writes).
     let membershipFailures = Atomic<UInt64>(0)
@@ -393,6 +398,7 @@ public final class FanoutDaemon: Sendable {
     private func rejected(_ message: Logger.Message, _ error: Any) -> Bool {
         reloadsRejected.wrappingAdd(1, ordering: .relaxed)
         logger.error(message, metadata: ["error": "\(error)"])
+        lastRejection.withLock { $0 = "\(error)" }
         return false
     }
 

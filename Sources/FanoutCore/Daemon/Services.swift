@@ -3,29 +3,51 @@ import ServiceLifecycle
 import UnixSignals
 
 /// Runs the daemon's listeners and reloads the configuration on SIGHUP until graceful shutdown
-/// (SIGTERM/SIGINT through the ServiceGroup), then stops them.
+/// (SIGTERM/SIGINT through the ServiceGroup), then stops them. Tells systemd each step
+/// (sd_notify: READY, RELOADING with MONOTONIC_USEC, STOPPING, and a STATUS line).
 public struct ForwardingService: Service {
     let daemon: FanoutDaemon
     let notifier: SystemdNotifier
 
-    public init(daemon: FanoutDaemon) {
+    /// - Parameter notifier: where the sd_notify messages go (default: `$NOTIFY_SOCKET`).
+    public init(daemon: FanoutDaemon, notifier: SystemdNotifier? = nil) {
         self.daemon = daemon
-        notifier = SystemdNotifier()
+        self.notifier = notifier ?? SystemdNotifier(logger: daemon.logger)
     }
 
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
         // Loading programs, joining groups and binding block: off the cooperative pool.
         try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
-        notifier.send("READY=1\nSTATUS=forwarding")
+        // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
+        notifier.send("READY=1\nSTATUS=\(forwardingStatus())")
         for await _ in hangups.cancelOnGracefulShutdown() {
-            notifier.send("RELOADING=1")
+            // sd_notify(3), Type=notify-reload: RELOADING=1 with the monotonic time of the request.
+            notifier.send("RELOADING=1\nMONOTONIC_USEC=\(SystemdNotifier.monotonicMicroseconds())\nSTATUS=reloading \(daemon.configPath ?? "the configuration")")
             daemon.logger.info("SIGHUP: reloading the configuration", metadata: ["path": "\(daemon.configPath ?? "-")"])
-            await offCooperativePool("fanout-reload") { daemon.reload() }
-            notifier.send("READY=1")
+            let applied = await offCooperativePool("fanout-reload") { daemon.reload() }
+            if applied {
+                notifier.send("READY=1\nSTATUS=\(forwardingStatus()); configuration reloaded")
+            } else {
+                // The previous configuration keeps forwarding: the daemon is ready, and says why the reload failed.
+                let reason = daemon.lastRejection.withLock { $0 } ?? "see the log"
+                notifier.send("READY=1\nSTATUS=reload failed, still forwarding with the previous configuration: \(Self.oneLine(reason))")
+            }
         }
-        notifier.send("STOPPING=1")
+        notifier.send("STOPPING=1\nSTATUS=stopping: draining the listeners")
         daemon.logger.info("shutting down: stopping listeners")
         await offCooperativePool("fanout-stop") { daemon.shutdown() }
+    }
+
+    private func forwardingStatus() -> String {
+        let listeners = daemon.state.withLock { $0.config.listeners }
+        let modes = Dictionary(grouping: listeners, by: \.mode.rawValue).map { "\($0.value.count) \($0.key)" }.sorted()
+        let notReady = daemon.readiness.count
+        return "forwarding: \(listeners.count) listener(s) (\(modes.joined(separator: ", ")))" + (notReady > 0 ? ", \(notReady) not ready (see /readyz)" : "")
+    }
+
+    /// STATUS= takes one line: newlines in an error would start new assignments.
+    static func oneLine(_ text: String) -> String {
+        String(text.map { $0.isNewline ? " " : $0 }.prefix(400))
     }
 }

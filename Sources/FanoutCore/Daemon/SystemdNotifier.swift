@@ -1,32 +1,66 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Logging
+import ReusePortLB
+import Synchronization
 
 /// sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET when run under systemd
-/// (Type=notify); nothing otherwise.
-public struct SystemdNotifier: Sendable {
+/// (Type=notify); nothing otherwise. A message that cannot be sent is logged (the first failure
+/// only: watchdog pings would repeat it every few seconds), since systemd then times the start
+/// out or kills the daemon for a missed watchdog ping.
+public final class SystemdNotifier: Sendable {
     let path: String?
+    private let logger: Logger?
+    private let failureLogged = Atomic<Bool>(false)
 
-    public init(environment: String? = getenv("NOTIFY_SOCKET").map { String(cString: $0) }) {
+    /// - Parameters:
+    ///   - environment: the socket's path (`@` first: abstract namespace); nil or empty: not
+    ///     under systemd, messages go nowhere.
+    ///   - logger: where the first failed send is reported.
+    public init(environment: String? = getenv("NOTIFY_SOCKET").map { String(cString: $0) }, logger: Logger? = nil) {
         path = environment
+        self.logger = logger
     }
 
-    public func send(_ state: String) {
-        guard let path, !path.isEmpty else { return }
+    /// Sends `state` (newline-separated `KEY=value` assignments) in one datagram.
+    /// - Returns: nil when sent or not under systemd, else what failed.
+    @discardableResult
+    public func send(_ state: String) -> String? {
+        guard let path, !path.isEmpty else { return nil }
+        let problem = deliver(state, to: path)
+        if let problem, !failureLogged.exchange(true, ordering: .relaxed) {
+            logger?.error("sd_notify failed; later failures are not logged", metadata: [
+                "NOTIFY_SOCKET": "\(path)", "message": "\(state.split(separator: "\n").first ?? "")", "error": "\(problem)",
+            ])
+        }
+        return problem
+    }
+
+    private func deliver(_ state: String, to path: String) -> String? {
         let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { return }
+        guard fd >= 0 else { return "\(SystemCallError(call: "socket AF_UNIX", errno: errno))" }
         defer { close(fd) }
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
         var bytes = Array(path.utf8)
         if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }  // abstract namespace
         let capacity = MemoryLayout.size(ofValue: address.sun_path)
-        guard bytes.count < capacity else { return }
+        guard bytes.count < capacity else { return "the path is longer than \(capacity - 1) bytes" }
         withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
         let length = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
         var message = Array(state.utf8)
-        _ = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &message, message.count, 0, $0, length) }
+        let sent = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &message, message.count, Int32(MSG_NOSIGNAL), $0, length) }
         }
+        return sent == message.count ? nil : "\(SystemCallError(call: "sendto \(path)", errno: errno))"
+    }
+
+    /// CLOCK_MONOTONIC in microseconds: the `MONOTONIC_USEC=` that must accompany `RELOADING=1`
+    /// (systemd 253+ with Type=notify-reload uses it to tell this reload from an earlier one).
+    public static func monotonicMicroseconds() -> UInt64 {
+        var now = timespec()
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        return UInt64(now.tv_sec) * 1_000_000 + UInt64(now.tv_nsec) / 1_000
     }
 }

@@ -99,6 +99,31 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         Self.release(lock: lock, path: lockPath)
     }
 
+    /// Nil while our program is still attached at the interface's ingress, else what the kernel
+    /// says instead (the interface was deleted, the qdisc or filter removed, another program in
+    /// our place): the systemd watchdog's check of the tc_ebpf path, one syscall or netlink dump.
+    /// - Parameter programID: the kernel's id of our loaded program.
+    func attachmentProblem(programID: UInt32) -> String? {
+        switch kind {
+        case .tcx:
+            // BPF_PROG_QUERY on the interface's TCX ingress (the kernel detaches the link when the
+            // interface goes away).
+            var ids = [UInt32](repeating: 0, count: 64)
+            var count = UInt32(ids.count)
+            var flags: UInt32 = 0
+            let result = bpf_prog_query(ifindex, Self.tcxIngress, 0, &flags, &ids, &count)
+            if result != 0 { return "\(SystemCallError(call: "bpf_prog_query BPF_TCX_INGRESS ifindex \(ifindex)", errno: errno))" }
+            return ids.prefix(Int(count)).contains(programID) ? nil : "program id \(programID) is not among the \(count) TCX ingress program(s)"
+        case .clsact:
+            var hook = Self.hook(ifindex)
+            var options = Self.filterOptions()
+            options.prog_fd = 0
+            let result = bpf_tc_query(&hook, &options)
+            if result != 0 { return "\(SystemCallError(call: "bpf_tc_query ingress handle 0x\(String(Self.filterHandle, radix: 16))", errno: -result))" }
+            return options.prog_id == programID ? nil : "the filter runs program id \(options.prog_id), not ours (\(programID))"
+        }
+    }
+
     // MARK: clsact
 
     static func hook(_ ifindex: Int32) -> bpf_tc_hook {

@@ -104,6 +104,17 @@ final class TCDataplane: Sendable {
         }
     }
 
+    /// Nil while the program is attached at `interface` (``TCAttachment/attachmentProblem(programID:)``),
+    /// else why not.
+    func attachmentProblem(interface: String) -> String? {
+        state.withLock { state in
+            guard let attachment = state.attachments[interface]?.attachment, let program = state.program else {
+                return "udp-fanout holds no attachment at \(interface)"
+            }
+            return attachment.attachmentProblem(programID: program.programID)
+        }
+    }
+
     /// Packets counted before any listener could be known, by verdict name.
     func unmatched() -> [(String, UInt64)] {
         guard let program = state.withLock({ $0.program }) else { return [] }
@@ -140,6 +151,7 @@ final class TCListener: RunningListener {
     }
     private let live = Mutex(Live())
     private let logger: Logger
+    private let instance = ListenerInstance.next()
 
     init(_ config: Listener, counters: ListenerCounters, dataplane: TCDataplane, logger: Logger) throws(TCError) {
         self.config = config
@@ -203,6 +215,12 @@ final class TCListener: RunningListener {
     }
 
     var isReceiving: Bool { true }
+
+    /// The kernel forwards; the watchdog checks that our program is still attached.
+    func heartbeats() -> [PathHeartbeat] {
+        let interface = config.interface ?? ""
+        return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: dataplane.attachmentProblem(interface: interface)))]
+    }
 
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
         do {

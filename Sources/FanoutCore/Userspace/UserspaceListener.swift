@@ -19,6 +19,7 @@ final class UserspaceListener: RunningListener {
     private let workers: [UserspaceWorker]
     private let threads: [OSThread]
     private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
+    private let instance = ListenerInstance.next()
 
     /// - Parameter passiveHealth: told a downstream's address when a send to it got ICMP port
     ///   unreachable (at most once per batch per downstream and worker); nil: not reported.
@@ -64,6 +65,11 @@ final class UserspaceListener: RunningListener {
 
     /// Every worker is in its receive loop.
     var isReceiving: Bool { workers.allSatisfy { $0.receivingNow.load(ordering: .relaxed) } }
+
+    /// Each worker's progress counter, for the systemd watchdog.
+    func heartbeats() -> [PathHeartbeat] {
+        workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progress.load(ordering: .relaxed))) }
+    }
 
     /// Makes this listener's group the steering on its bind: every new datagram goes to these
     /// workers from now on (a previous listener on the bind keeps only what it has queued).
