@@ -28,10 +28,11 @@ struct ScaleOutTests {
     static let portsPerSource = 6
     static let roundsPerPhase = 3
 
-    /// The one configuration every node runs (byte for byte).
-    static func config(mode: String, backends: [Int]) -> String {
-        let downstreams = backends.map { k in
-            "      - {name: b\(k), address: \"\(ScaleOutTopology.backendAddress(k)):\(backendPort)\"}"
+    /// The configuration every node of `mode` runs (byte for byte). `reordered` lists the
+    /// downstreams in reverse order under other names: the same set, which must not matter.
+    static func config(mode: String, backends: [Int], reordered: Bool = false) -> String {
+        let downstreams = (reordered ? backends.reversed() : backends).map { k in
+            "      - {name: \(reordered ? "backend-" : "b")\(k), address: \"\(ScaleOutTopology.backendAddress(k)):\(backendPort)\"}"
         }.joined(separator: "\n")
         let modeKeys = mode == "tc_ebpf"
             ? "    mode: tc_ebpf\n    interface: \(ScaleOutTopology.nodeInterface)"
@@ -71,7 +72,7 @@ struct ScaleOutTests {
         var files: [String: URL] = [:]
         defer { for file in files.values { try? FileManager.default.removeItem(at: file) } }
         for mode in Set(modes.perNode) {
-            files[mode] = try TCEndToEndTests.write(Self.config(mode: mode, backends: Array(1...Self.backendCount)), "scale-out")
+            files[mode] = try TCEndToEndTests.write(Self.config(mode: mode, backends: Array(1...Self.backendCount), reordered: modes.reordered(mode)), "scale-out")
         }
         var daemons: [Child] = []
         // Stopped by PID before the namespaces go, even when an expectation above failed.
@@ -138,7 +139,9 @@ struct ScaleOutTests {
         // (3) b2 leaves every node's configuration (SIGHUP); node 3 is back in the route.
         try topology.route(through: [1, 2, 3])
         let reduced = [1, 3, 4]
-        for (mode, file) in files { try Self.config(mode: mode, backends: reduced).write(to: file, atomically: true, encoding: .utf8) }
+        for (mode, file) in files {
+            try Self.config(mode: mode, backends: reduced, reordered: modes.reordered(mode)).write(to: file, atomically: true, encoding: .utf8)
+        }
         for daemon in daemons { daemon.signal(SIGHUP) }
         for (index, node) in topology.nodes.enumerated() {
             let applied = HealthEndToEndTests.waitFor(seconds: 10) {
@@ -188,13 +191,18 @@ struct ScaleOutTests {
 }
 
 /// The mode of each node: all tc_ebpf, all userspace, or mixed (as while a cluster moves from
-/// one mode to the other): the table is the same in every mode, so mixed nodes agree too.
+/// one mode to the other): the table is the same in every mode, so mixed nodes agree too. The
+/// mixed nodes' userspace file also lists the downstreams in reverse order under other names
+/// (scores depend on addresses and weights only).
 struct NodeModes: Sendable, CustomTestStringConvertible {
     let perNode: [String]
+    var reorderedUserspace = false
     static let tc = NodeModes(perNode: ["tc_ebpf", "tc_ebpf", "tc_ebpf"])
     static let userspace = NodeModes(perNode: ["userspace", "userspace", "userspace"])
-    static let mixed = NodeModes(perNode: ["tc_ebpf", "userspace", "userspace"])
-    var testDescription: String { perNode.joined(separator: ",") }
+    static let mixed = NodeModes(perNode: ["tc_ebpf", "userspace", "userspace"], reorderedUserspace: true)
+
+    func reordered(_ mode: String) -> Bool { reorderedUserspace && mode == "userspace" }
+    var testDescription: String { perNode.joined(separator: ",") + (reorderedUserspace ? " (userspace file reordered, renamed)" : "") }
 }
 
 /// Every client source sends from several ports (one socket each, an ephemeral port), so the
