@@ -60,7 +60,7 @@ struct ScaleOutTests {
         return owners.mapValues { owner in backends.first { ScaleOutTopology.backendAddress($0) == owner.ip.description } ?? 0 }
     }
 
-    @Test("ECMP over 3 nodes, source_ip: every source at one backend (the table's) whichever node carried it; a node leaving the route moves nobody; a backend removed by SIGHUP on every node moves only its sources",
+    @Test("ECMP over 3 nodes, source_ip: every source at one backend (the table's) whichever node carried it; a node leaving the route moves nobody; a backend removed by SIGHUP on every node, or down by every node's health probes, moves only its sources",
           .timeLimit(.minutes(2)), arguments: [NodeModes.tc, .userspace, .mixed])
     func nodesAgree(modes: NodeModes) throws {
         let started = ContinuousClock.now
@@ -136,24 +136,49 @@ struct ScaleOutTests {
         let twoNodes = try phase(2, nodes: [1, 2], backends: Array(1...Self.backendCount))
         #expect(twoNodes == all)
 
+        // Rewrites every node's file and reloads each node; returns once each one applied it.
+        func reload(_ backends: [Int], health: Bool, count: Int) throws {
+            for (mode, file) in files {
+                let text = Self.config(mode: mode, backends: backends, reordered: modes.reordered(mode)) + (health ? Self.health + "\n" : "")
+                try text.write(to: file, atomically: true, encoding: .utf8)
+            }
+            for daemon in daemons { daemon.signal(SIGHUP) }
+            for (index, node) in topology.nodes.enumerated() {
+                let applied = HealthEndToEndTests.waitFor(seconds: 10) {
+                    metric((try? Self.metrics(topology, node)) ?? "", "udp_fanout_config_reloads_total", "result=\"ok\"") == count
+                }
+                try #require(applied, "node \(index + 1) applied reload \(count): \(daemons[index].stderr)")
+            }
+        }
+        // Exactly the sources `all` gave to `gone` moved.
+        func expectOnlyMoved(_ gone: Int, _ now: [String: Int], _ what: String) {
+            let moved = topology.sources.filter { now[$0] != all[$0] }
+            #expect(!moved.isEmpty && moved.allSatisfy { all[$0] == gone }, "\(what): only b\(gone)'s sources moved: \(moved.map { "\($0) b\(all[$0]!)→b\(now[$0] ?? 0)" })")
+            #expect(moved.count == all.values.filter { $0 == gone }.count, "\(what): every b\(gone) source moved")
+        }
+
         // (3) b2 leaves every node's configuration (SIGHUP); node 3 is back in the route.
         try topology.route(through: [1, 2, 3])
-        let reduced = [1, 3, 4]
-        for (mode, file) in files {
-            try Self.config(mode: mode, backends: reduced, reordered: modes.reordered(mode)).write(to: file, atomically: true, encoding: .utf8)
-        }
-        for daemon in daemons { daemon.signal(SIGHUP) }
+        try reload([1, 3, 4], health: false, count: 1)
+        expectOnlyMoved(2, try phase(3, nodes: [1, 2, 3], backends: [1, 3, 4]), "b2 removed by reload")
+
+        // (4) b2 back, and ICMP health on every node: everyone returns to the first choice.
+        try reload(Array(1...Self.backendCount), health: true, count: 2)
+        #expect(try phase(4, nodes: [1, 2, 3], backends: Array(1...Self.backendCount)) == all, "b2 back: the first assignment again")
+
+        // (5) b3 stops answering probes (its echo replies are blackholed; UDP still arrives):
+        // each node's own probes take it out; then only b3's sources have moved, the same on every node.
+        try topology.exec(topology.backends, ["/usr/sbin/ip", "route", "add", "blackhole", "default", "table", "100"])
+        try topology.exec(topology.backends, ["/usr/sbin/ip", "rule", "add", "from", ScaleOutTopology.backendAddress(3), "lookup", "100"])
         for (index, node) in topology.nodes.enumerated() {
-            let applied = HealthEndToEndTests.waitFor(seconds: 10) {
-                let text = (try? Self.metrics(topology, node)) ?? ""
-                return metric(text, "udp_fanout_config_reloads_total", "result=\"ok\"") == 1
+            let down = HealthEndToEndTests.waitFor(seconds: 10) {
+                ((try? Self.metrics(topology, node)) ?? "").split(separator: "\n").contains {
+                    $0.hasPrefix("udp_fanout_downstream_up{") && $0.contains("address=\"\(ScaleOutTopology.backendAddress(3)):\(Self.backendPort)\"") && $0.hasSuffix(" 0")
+                }
             }
-            try #require(applied, "node \(index + 1) applied the reload: \(daemons[index].stderr)")
+            try #require(down, "node \(index + 1) took b3 out: \(daemons[index].stderr)")
         }
-        let afterReload = try phase(3, nodes: [1, 2, 3], backends: reduced)
-        let moved = topology.sources.filter { afterReload[$0] != all[$0] }
-        #expect(!moved.isEmpty && moved.allSatisfy { all[$0] == 2 }, "only b2's sources moved: \(moved.map { "\($0) b\(all[$0]!)→b\(afterReload[$0]!)" })")
-        #expect(moved.count == all.values.filter { $0 == 2 }.count, "every b2 source moved")
+        expectOnlyMoved(3, try phase(5, nodes: [1, 2, 3], backends: [1, 2, 4]), "b3 down by health")
 
         for (index, daemon) in daemons.enumerated() {
             daemon.signal(SIGTERM)
@@ -164,6 +189,9 @@ struct ScaleOutTests {
         let elapsed = ContinuousClock.now - started
         #expect(elapsed < .seconds(60), "bounded: \(elapsed)")
     }
+
+    /// Each node probes each backend every second; two failures take it out.
+    static let health = "health: {enabled: true, protocol: icmp, interval_secs: 1, timeout_secs: 1, fall: 2, rise: 2}"
 
     static func metrics(_ topology: ScaleOutTopology, _ node: String) throws -> String {
         try topology.exec(node, ["/usr/bin/curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
