@@ -22,10 +22,12 @@ struct ScaleOutTests {
     static let metricsPort = 9464
     static let nodeCount = 3
     static let backendCount = 4
-    /// 48 sources × 6 ports: with 3 equal nexthops a source's 6 flows all hash to one node with
-    /// probability 3 × (1/3)^6 ≈ 0.4 %, so nearly every source is carried by several nodes.
+    /// 48 sources × 8 ports: a source's 8 flows all hash to one node with probability
+    /// 3 × (1/3)^8 ≈ 0.05 % over 3 nexthops and 2 × (1/2)^8 ≈ 0.8 % over 2, so nearly every
+    /// source is carried by several nodes (the check wants 43 of 48: more than 5 on one node
+    /// over 2 nexthops has a probability of about 10^-6).
     static let sourceCount = 48
-    static let portsPerSource = 6
+    static let portsPerSource = 8
     static let roundsPerPhase = 3
 
     /// The configuration every node of `mode` runs (byte for byte). `reordered` lists the
