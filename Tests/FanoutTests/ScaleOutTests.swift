@@ -32,7 +32,8 @@ struct ScaleOutTests {
 
     /// The configuration every node of `mode` runs (byte for byte). `reordered` lists the
     /// downstreams in reverse order under other names: the same set, which must not matter.
-    static func config(mode: String, backends: [Int], reordered: Bool = false) -> String {
+    /// `bind` replaces the listener's address (the VIP), e.g. `[::]` for a dual-stack socket.
+    static func config(mode: String, backends: [Int], reordered: Bool = false, bind: String? = nil) -> String {
         let downstreams = (reordered ? backends.reversed() : backends).map { k in
             "      - {name: \(reordered ? "backend-" : "b")\(k), address: \"\(ScaleOutTopology.backendAddress(k)):\(backendPort)\"}"
         }.joined(separator: "\n")
@@ -42,7 +43,7 @@ struct ScaleOutTests {
         return """
             listeners:
               - name: lb
-                bind: "\(ScaleOutTopology.vip):\(port)"
+                bind: "\(bind ?? ScaleOutTopology.vip):\(port)"
             \(modeKeys)
                 balancing: source_ip
                 downstream:
@@ -63,7 +64,7 @@ struct ScaleOutTests {
     }
 
     @Test("ECMP over 3 nodes, source_ip: every source at one backend (the table's) whichever node carried it; a node leaving the route moves nobody; a backend removed by SIGHUP on every node, or down by every node's health probes, moves only its sources",
-          .timeLimit(.minutes(2)), arguments: [NodeModes.tc, .userspace, .mixed])
+          .timeLimit(.minutes(2)), arguments: [NodeModes.tc, .userspace, .mixed, .dualStack])
     func nodesAgree(modes: NodeModes) throws {
         let started = ContinuousClock.now
         let topology = try ScaleOutTopology(nodes: Self.nodeCount, backends: Self.backendCount, sources: Self.sourceCount)
@@ -74,7 +75,7 @@ struct ScaleOutTests {
         var files: [String: URL] = [:]
         defer { for file in files.values { try? FileManager.default.removeItem(at: file) } }
         for mode in Set(modes.perNode) {
-            files[mode] = try TCEndToEndTests.write(Self.config(mode: mode, backends: Array(1...Self.backendCount), reordered: modes.reordered(mode)), "scale-out")
+            files[mode] = try TCEndToEndTests.write(Self.config(mode: mode, backends: Array(1...Self.backendCount), reordered: modes.reordered(mode), bind: modes.bind(mode)), "scale-out")
         }
         var daemons: [Child] = []
         // Stopped by PID before the namespaces go, even when an expectation above failed.
@@ -150,7 +151,7 @@ struct ScaleOutTests {
         // Rewrites every node's file and reloads each node; returns once each one applied it.
         func reload(_ backends: [Int], health: Bool, count: Int) throws {
             for (mode, file) in files {
-                let text = Self.config(mode: mode, backends: backends, reordered: modes.reordered(mode)) + (health ? Self.health + "\n" : "")
+                let text = Self.config(mode: mode, backends: backends, reordered: modes.reordered(mode), bind: modes.bind(mode)) + (health ? Self.health + "\n" : "")
                 try text.write(to: file, atomically: true, encoding: .utf8)
             }
             for daemon in daemons { daemon.signal(SIGHUP) }
@@ -240,12 +241,21 @@ struct ScaleOutTests {
 struct NodeModes: Sendable, CustomTestStringConvertible {
     let perNode: [String]
     var reorderedUserspace = false
+    /// The userspace nodes' bind address, if not the VIP.
+    var userspaceBind: String?
     static let tc = NodeModes(perNode: ["tc_ebpf", "tc_ebpf", "tc_ebpf"])
     static let userspace = NodeModes(perNode: ["userspace", "userspace", "userspace"])
     static let mixed = NodeModes(perNode: ["tc_ebpf", "userspace", "userspace"], reorderedUserspace: true)
+    /// Userspace nodes on a dual-stack `[::]` socket, where an IPv4 client's address arrives
+    /// IPv4-mapped (::ffff:a.b.c.d): still the IPv4 source's downstream, as on the tc_ebpf node.
+    static let dualStack = NodeModes(perNode: ["tc_ebpf", "userspace", "userspace"], userspaceBind: "[::]")
 
     func reordered(_ mode: String) -> Bool { reorderedUserspace && mode == "userspace" }
-    var testDescription: String { perNode.joined(separator: ",") + (reorderedUserspace ? " (userspace file reordered, renamed)" : "") }
+    func bind(_ mode: String) -> String? { mode == "userspace" ? userspaceBind : nil }
+    var testDescription: String {
+        perNode.joined(separator: ",") + (reorderedUserspace ? " (userspace file reordered, renamed)" : "")
+            + (userspaceBind.map { " (userspace bound to \($0))" } ?? "")
+    }
 }
 
 /// Every client source sends from several ports (one socket each, an ephemeral port), so the
@@ -395,5 +405,26 @@ final class BackendReceivers {
         return Arrival(backend: backend, node: ifindex.flatMap { nodeByIndex[$0] },
                        client: fields.first.map(String.init) ?? "?", phase: fields.count == 3 ? Int(fields[1]) ?? -1 : -1,
                        sender: sender?.ip.description ?? "?", length: count)
+    }
+}
+
+/// The source hash sees the client, not the socket's family: an IPv4 client that a dual-stack
+/// `[::]` socket reports IPv4-mapped hashes as the IPv4 address (as on a node bound to an IPv4
+/// address, and in tc_ebpf), so nodes bound either way agree.
+@Suite("Source hash across address families")
+struct SourceHashFamilyTests {
+    static func hash(_ text: String) -> UInt32 {
+        var storage = sockaddr_storage()
+        _ = SocketAddress(text)!.write(to: &storage)
+        return withUnsafePointer(to: &storage) { DownstreamSelector.sourceHash($0) }
+    }
+
+    @Test("::ffff:a.b.c.d hashes as a.b.c.d; other IPv6 addresses keep their own hash")
+    func mappedIsIPv4() {
+        for address in ["198.18.100.10", "10.1.2.3", "255.255.255.254"] {
+            #expect(Self.hash("[::ffff:\(address)]:5514") == Self.hash("\(address):5514"), "\(address)")
+        }
+        #expect(Self.hash("[2001:db8::ffff:c612:640a]:1") != Self.hash("198.18.100.10:1"))
+        #expect(Self.hash("[::c612:640a]:1") != Self.hash("198.18.100.10:1"), "IPv4-compatible (deprecated) is not mapped")
     }
 }
