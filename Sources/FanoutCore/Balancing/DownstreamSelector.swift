@@ -61,7 +61,15 @@ struct DownstreamSelector {
         if Int32(source.pointee.ss_family) == AF_INET6 {
             let offset = MemoryLayout<sockaddr_in6>.offset(of: \.sin6_addr)!
             words = raw.loadUnaligned(fromByteOffset: offset, as: (UInt32, UInt32, UInt32, UInt32).self)
-            count = 4
+            // An IPv4 client on a dual-stack `[::]` socket arrives IPv4-mapped (::ffff:a.b.c.d):
+            // hashed as the IPv4 address it is, or this node would send it elsewhere than a
+            // node (or mode) that sees it as IPv4.
+            if words.0 == 0 && words.1 == 0 && words.2 == UInt32(0x0000_ffff).bigEndian {
+                words = (words.3, 0, 0, 0)
+                count = 1
+            } else {
+                count = 4
+            }
         } else {
             words.0 = raw.loadUnaligned(fromByteOffset: MemoryLayout<sockaddr_in>.offset(of: \.sin_addr)!, as: UInt32.self)
             count = 1
