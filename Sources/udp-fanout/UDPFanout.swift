@@ -94,9 +94,9 @@ struct UDPFanout: AsyncParsableCommand {
         let notifier = SystemdNotifier(logger: logger)
         var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier)]
         do {
-            // Last, so it stops first: no ping once shutdown starts (systemd stops the watchdog
-            // for a stopping unit anyway).
-            if let watchdog = try WatchdogService(daemon: daemon, notifier: notifier) { services.append(watchdog) }
+            // The path check behind /healthz and systemd's watchdog. Last, so it stops first: no
+            // ping once shutdown starts (systemd stops the watchdog for a stopping unit anyway).
+            services.append(try WatchdogService(daemon: daemon, notifier: notifier))
         } catch {
             printError("udp-fanout: \(error)")
             throw ExitCode(2)

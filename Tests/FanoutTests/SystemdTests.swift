@@ -252,6 +252,68 @@ struct SystemdTests {
         #expect(daemon.heartbeats().isEmpty, "nothing once stopping")
     }
 
+    @Test("The path check's verdict lists every stuck part (what /healthz answers); a lost listener is always stuck; before start nothing is judged")
+    func pathVerdict() async throws {
+        var judge = WatchdogJudge()
+        let lost = judge.check([Self.worker("a", 0, 1), PathHeartbeat(listener: "b", instance: 0, beat: .lost)])
+        #expect(!lost.alive, "a lost listener is stuck from the first check")
+        #expect(lost.problems == ["listener 'b' is not running: a change failed and it could not be started again"], "\(lost)")
+        let both = judge.check([Self.worker("a", 0, 1), PathHeartbeat(listener: "b", instance: 0, beat: .lost)])
+        #expect(both.problems.count == 2 && both.newlyStuck == ["watchdog: worker 0 of listener 'a' made no progress, withholding WATCHDOG=1"], "\(both)")
+
+        // A monitor not yet started: the service neither judges nor pings.
+        let monitor = PathMonitor()
+        let path = FakePath()
+        path.stalled.store(true, ordering: .relaxed)
+        let sent = SentMessages()
+        var logger = Logger(label: "path-test")
+        logger.logLevel = .critical
+        let service = WatchdogService(interval: .milliseconds(40), checkEvery: .milliseconds(20), heartbeats: { path.heartbeats() },
+                                      send: { sent.append($0) }, logger: logger, monitor: monitor)
+        let group = ServiceGroup(configuration: ServiceGroupConfiguration(services: [service], logger: logger))
+        let running = Task { try await group.run() }
+        try await Task.sleep(for: .milliseconds(200))
+        #expect(path.calls.load(ordering: .relaxed) == 0 && sent.count == 0, "nothing before the listeners start")
+        monitor.markStarted()
+        let deadline = ContinuousClock.now + .seconds(10)
+        while monitor.problems.isEmpty && ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(10)) }
+        #expect(monitor.problems.first?.contains("made no progress") == true, "\(monitor.problems)")
+        path.stalled.store(false, ordering: .relaxed)
+        while !monitor.problems.isEmpty && ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(10)) }
+        #expect(monitor.problems.isEmpty, "recovered: \(monitor.problems)")
+        await group.triggerGracefulShutdown()
+        try await running.value
+    }
+
+    @Test("Liveness: /healthz answers 200 while the tc_ebpf program is attached, 503 naming it once the clsact qdisc is deleted by hand (the real binary, no systemd)", .enabled(if: Privileges.enabled, Privileges.reason))
+    func livenessProbe() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let metrics = Int(freePort())
+        let scratch = try CapabilityTests.Scratch(TCEndToEndTests.config(topology, backends: [1], attach: "clsact", metricsPort: metrics))
+        let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy))
+        defer { daemon.signal(SIGKILL); _ = daemon.wait(seconds: 10) }
+        try daemon.waitFor("registered listener in eBPF map")
+        func healthz() throws -> String {
+            try topology.exec(topology.proxy, ["/usr/bin/curl", "-s", "-w", "%{http_code}", "http://127.0.0.1:\(metrics)/healthz"])
+        }
+        // The first check runs right after start, then every 5 s.
+        #expect(try healthz() == "ok\n200", "\(daemon.stderr)")
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/tc", "qdisc", "del", "dev", topology.proxyInterface, "clsact"])
+        var answer = try healthz()
+        let deadline = ContinuousClock.now + .seconds(15)
+        while answer.hasSuffix("200") && ContinuousClock.now < deadline {
+            usleep(200_000)
+            answer = try healthz()
+        }
+        #expect(answer.hasSuffix("503") && answer.contains("is no longer attached at \(topology.proxyInterface) ingress"), "\(answer)")
+        #expect(daemon.stderr.contains("/healthz answers 503"), "\(daemon.stderr)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait(seconds: 10) == 0)
+        // The filter went with the qdisc: no false "remove it by hand" at shutdown.
+        #expect(daemon.stderr.contains("the tc_ebpf filter was already gone") && !daemon.stderr.contains("remove it by hand"), "\(daemon.stderr)")
+    }
+
     @Test("tc_ebpf heartbeat: attached while the program is at the ingress; a deleted clsact qdisc or a deleted interface (TCX) is reported", .enabled(if: Privileges.enabled, Privileges.reason))
     func tcHeartbeats() throws {
         for attach in ["clsact", "tcx"] {

@@ -92,6 +92,8 @@ public final class FanoutDaemon: Sendable {
     let changes = Mutex<Void>(())
     /// Active and passive health of every member (a service of its own in the ServiceGroup).
     public let health: HealthChecker
+    /// The forwarding path's last check (``WatchdogService``): what `/healthz` answers.
+    public let path = PathMonitor()
     /// Metrics of the running discovery watchers, by spec.
     let discoveryMetrics = Mutex<[DiscoverySpec: @Sendable () -> String]>([:])
 

@@ -20,6 +20,7 @@ public struct ForwardingService: Service {
         // Loading programs, joining groups and binding block: off the cooperative pool.
         try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
         // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
+        daemon.path.markStarted()
         notifier.send("READY=1\nSTATUS=\(forwardingStatus())")
         for await _ in hangups.cancelOnGracefulShutdown() {
             // sd_notify(3), Type=notify-reload: RELOADING=1 with the monotonic time of the request.
@@ -31,7 +32,11 @@ public struct ForwardingService: Service {
             } else {
                 // The previous configuration keeps forwarding: the daemon is ready, and says why the reload failed.
                 let reason = daemon.lastRejection.withLock { $0 } ?? "see the log"
-                notifier.send("READY=1\nSTATUS=reload failed, still forwarding with the previous configuration: \(Self.oneLine(reason))")
+                let lost = daemon.state.withLock { $0.lost.sorted() }
+                let kept = lost.isEmpty
+                    ? "still forwarding with the previous configuration"
+                    : "listener(s) \(lost.joined(separator: ", ")) not running (see /readyz), the others forwarding with the previous configuration"
+                notifier.send("READY=1\nSTATUS=reload failed, \(kept): \(Self.oneLine(reason))")
             }
         }
         notifier.send("STOPPING=1\nSTATUS=stopping: draining the listeners")

@@ -229,7 +229,12 @@ struct StatusResponder: HTTPResponder {
         } else {
             switch request.uri.path {
             case daemon.metricsPath: (status, body, type) = (.ok, daemon.metricsText(), "text/plain; version=0.0.4; charset=utf-8")
-            case "/healthz": (status, body, type) = (.ok, "ok\n", plain)
+            case "/healthz":
+                // Liveness: 503 while a worker makes no progress, a tc program is gone or a
+                // listener is lost (the path check's last verdict); a restart is the recovery.
+                let problems = daemon.path.problems
+                (status, body, type) = problems.isEmpty
+                    ? (.ok, "ok\n", plain) : (.serviceUnavailable, "unhealthy\n" + problems.map { "- \($0)\n" }.joined(), plain)
             case "/readyz":
                 let reasons = daemon.readiness
                 (status, body, type) = reasons.isEmpty

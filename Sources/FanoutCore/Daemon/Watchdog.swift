@@ -15,6 +15,9 @@ public struct PathHeartbeat: Sendable, Equatable {
         /// A tc_ebpf listener: the path is the kernel's; alive while our program is still
         /// attached at the interface's ingress. `problem` says what the kernel answered otherwise.
         case kernel(interface: String, problem: String?)
+        /// A configured listener that is not running: a change failed and it could not be started
+        /// again. Always stuck: a restart is the recovery (systemd's watchdog, the liveness probe).
+        case lost
     }
 
     /// The listener's name.
@@ -67,6 +70,8 @@ public struct WatchdogJudge: Sendable {
         public var newlyStuck: [String]
         /// Parts that move again after being reported stuck.
         public var recovered: [String]
+        /// Every part stuck now, one line each (what /healthz answers).
+        public var problems: [String] = []
     }
 
     /// Compares `heartbeats` with those of the previous check.
@@ -78,25 +83,30 @@ public struct WatchdogJudge: Sendable {
         for heartbeat in heartbeats {
             let key: Key
             let moving: Bool
-            let stall: String
+            let problem: String
             switch heartbeat.beat {
             case .worker(let index, let count):
                 key = Key(listener: heartbeat.listener, instance: heartbeat.instance, part: "worker \(index)")
                 seen[key] = count
                 moving = counts[key].map { $0 != count } ?? true
-                stall = "watchdog: worker \(index) of listener '\(heartbeat.listener)' made no progress, withholding WATCHDOG=1"
-            case .kernel(let interface, let problem):
+                problem = "worker \(index) of listener '\(heartbeat.listener)' made no progress"
+            case .kernel(let interface, let answer):
                 key = Key(listener: heartbeat.listener, instance: heartbeat.instance, part: "tc \(interface)")
-                moving = problem == nil
-                stall = "watchdog: the tc_ebpf program of listener '\(heartbeat.listener)' is no longer attached at \(interface) ingress (\(problem ?? "")), withholding WATCHDOG=1"
+                moving = answer == nil
+                problem = "the tc_ebpf program of listener '\(heartbeat.listener)' is no longer attached at \(interface) ingress (\(answer ?? ""))"
+            case .lost:
+                key = Key(listener: heartbeat.listener, instance: heartbeat.instance, part: "listener")
+                moving = false
+                problem = "listener '\(heartbeat.listener)' is not running: a change failed and it could not be started again"
             }
             if moving {
                 if stuck.contains(key) { verdict.recovered.append("watchdog: \(key.part) of listener '\(key.listener)' makes progress again") }
                 continue
             }
             verdict.alive = false
+            verdict.problems.append(problem)
             stuckNow.insert(key)
-            if !stuck.contains(key) { verdict.newlyStuck.append(stall) }
+            if !stuck.contains(key) { verdict.newlyStuck.append("watchdog: \(problem), withholding WATCHDOG=1") }
         }
         counts = seen
         stuck = stuckNow
@@ -128,24 +138,59 @@ public enum WatchdogSettings {
     }
 }
 
-/// Sends WATCHDOG=1 every half interval while the forwarding path is alive (``WatchdogJudge``),
-/// so systemd restarts a daemon whose workers hang rather than one whose timer stopped. Withheld
-/// pings are logged once per stall. Stops on graceful shutdown.
+/// The forwarding path's state as the last check found it: shared by the path check
+/// (``WatchdogService``), `/healthz` and systemd's watchdog.
+public final class PathMonitor: Sendable {
+    private struct State {
+        var started: Bool
+        var problems: [String] = []
+    }
+    private let state: Mutex<State>
+
+    /// How often the path is checked when systemd asks for no watchdog (for `/healthz`).
+    public static let defaultCheckInterval: Duration = .seconds(5)
+
+    /// - Parameter started: false until the listeners have started (``markStarted()``): a path
+    ///   still starting is neither judged nor pinged for.
+    public init(started: Bool = false) {
+        state = Mutex(State(started: started))
+    }
+
+    /// The listeners have started: checks begin.
+    public func markStarted() { state.withLock { $0.started = true } }
+
+    var started: Bool { state.withLock { $0.started } }
+
+    func record(_ problems: [String]) { state.withLock { $0.problems = problems } }
+
+    /// What the last check found stuck, one line each (empty: alive). `/healthz` answers 503 with them.
+    public var problems: [String] { state.withLock { $0.problems } }
+}
+
+/// Checks the forwarding path (``WatchdogJudge``) on a schedule, always: the verdict is what
+/// `/healthz` answers (a Kubernetes liveness probe restarts a daemon whose workers hang), and
+/// under systemd with `WatchdogSec=` each alive check sends WATCHDOG=1 (every half interval), so
+/// systemd restarts a daemon whose workers hang rather than one whose timer stopped. Stalls are
+/// logged once each. Stops on graceful shutdown.
 public struct WatchdogService: Service {
-    let interval: Duration
+    let checkEvery: Duration
+    /// systemd's interval, or nil: no WATCHDOG=1 (the checks still feed `/healthz`).
+    let interval: Duration?
     let heartbeats: @Sendable () async -> [PathHeartbeat]
     let send: @Sendable (String) -> Void
     let logger: Logger
+    let monitor: PathMonitor
 
-    /// The daemon's watchdog, or nil when systemd asked for none (`WATCHDOG_USEC` unset, or
-    /// `WATCHDOG_PID` names another process).
+    /// The daemon's path check, pinging systemd when it asked for a watchdog (`WATCHDOG_USEC` set,
+    /// and `WATCHDOG_PID` unset or this process).
     /// - Throws: ``WatchdogSettings/interval(environment:pid:)``'s error.
-    public init?(daemon: FanoutDaemon, notifier: SystemdNotifier,
-                 environment: [String: String] = ProcessEnvironment.current()) throws(ConfigError) {
-        guard let interval = try WatchdogSettings.interval(environment: environment, pid: getpid()) else { return nil }
+    public init(daemon: FanoutDaemon, notifier: SystemdNotifier,
+                environment: [String: String] = ProcessEnvironment.current()) throws(ConfigError) {
+        let interval = try WatchdogSettings.interval(environment: environment, pid: getpid())
         // The check takes the daemon's locks and asks the kernel: off the cooperative pool.
-        self.init(interval: interval, heartbeats: { await offCooperativePool("fanout-watchdog") { daemon.heartbeats() } },
-                  send: { notifier.send($0) }, logger: daemon.logger)
+        self.init(interval: interval, checkEvery: interval.map { $0 / 2 } ?? PathMonitor.defaultCheckInterval,
+                  heartbeats: { await offCooperativePool("fanout-watchdog") { daemon.heartbeats() } },
+                  send: { notifier.send($0) }, logger: daemon.logger, monitor: daemon.path)
     }
 
     /// - Parameters:
@@ -155,25 +200,49 @@ public struct WatchdogService: Service {
     ///   - logger: where stalls and recoveries are logged.
     public init(interval: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
                 send: @escaping @Sendable (String) -> Void, logger: Logger) {
+        self.init(interval: interval, checkEvery: interval / 2, heartbeats: heartbeats, send: send, logger: logger,
+                  monitor: PathMonitor(started: true))
+    }
+
+    /// - Parameters:
+    ///   - interval: systemd's WatchdogSec, or nil: check only, never ping.
+    ///   - checkEvery: the time between checks.
+    ///   - monitor: where each verdict goes; nothing is judged before it is marked started.
+    public init(interval: Duration?, checkEvery: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
+                send: @escaping @Sendable (String) -> Void, logger: Logger, monitor: PathMonitor) {
         self.interval = interval
+        self.checkEvery = checkEvery
         self.heartbeats = heartbeats
         self.send = send
         self.logger = logger
+        self.monitor = monitor
     }
 
-    /// Checks and pings every half interval until graceful shutdown or cancellation.
+    /// Checks (and pings) every `checkEvery` until graceful shutdown or cancellation.
     public func run() async throws {
-        logger.info("systemd watchdog enabled: WATCHDOG=1 while the forwarding path makes progress", metadata: [
-            "interval": "\(interval)", "check_every": "\(interval / 2)",
-        ])
+        if let interval {
+            logger.info("systemd watchdog enabled: WATCHDOG=1 while the forwarding path makes progress", metadata: [
+                "interval": "\(interval)", "check_every": "\(checkEvery)",
+            ])
+        }
         var judge = WatchdogJudge()
         while !Task.isShuttingDownGracefully && !Task.isCancelled {
-            let verdict = judge.check(await heartbeats())
-            for line in verdict.newlyStuck { logger.error("\(line)") }
-            for line in verdict.recovered { logger.notice("\(line)") }
-            if verdict.alive { send("WATCHDOG=1") }
+            // Not before the listeners have started: systemd's READY=1 comes first.
+            if monitor.started {
+                let verdict = judge.check(await heartbeats())
+                monitor.record(verdict.problems)
+                if interval != nil {
+                    for line in verdict.newlyStuck { logger.error("\(line)") }
+                } else {
+                    for line in verdict.newlyStuck {
+                        logger.error("\(line.replacingOccurrences(of: ", withholding WATCHDOG=1", with: "")); /healthz answers 503")
+                    }
+                }
+                for line in verdict.recovered { logger.notice("\(line)") }
+                if verdict.alive && interval != nil { send("WATCHDOG=1") }
+            }
             do {
-                try await cancelWhenGracefulShutdown { try await Task.sleep(for: interval / 2) }
+                try await cancelWhenGracefulShutdown { try await Task.sleep(for: checkEvery) }
             } catch {
                 break
             }
@@ -183,9 +252,11 @@ public struct WatchdogService: Service {
 
 extension FanoutDaemon {
     /// Every running listener's heartbeats (userspace workers' progress counters, tc_ebpf
-    /// attachments' state) for the watchdog. Empty while stopping.
+    /// attachments' state) and one per lost listener, for the path check. Empty while stopping.
     public func heartbeats() -> [PathHeartbeat] {
-        let listeners = state.withLock { state in state.stopping ? [] : Array(state.listeners.values) }
-        return listeners.flatMap { $0.heartbeats() }
+        let (listeners, lost) = state.withLock { state in
+            state.stopping ? ([], []) : (Array(state.listeners.values), state.lost.sorted())
+        }
+        return listeners.flatMap { $0.heartbeats() } + lost.map { PathHeartbeat(listener: $0, instance: 0, beat: .lost) }
     }
 }

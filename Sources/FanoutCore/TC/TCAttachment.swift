@@ -86,7 +86,15 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             var hook = Self.hook(ifindex)
             var options = Self.filterOptions()
             let detached = bpf_tc_detach(&hook, &options)
-            if detached != 0 && detached != -ENOENT {
+            var queryHook = Self.hook(ifindex)
+            var query = Self.filterOptions()
+            if detached != 0 && detached != -ENOENT && bpf_tc_query(&queryHook, &query) != 0 {
+                // EINVAL or ENODEV, and no filter in our slot: the qdisc or the interface was
+                // deleted under us, taking the filter with it. Nothing is left to remove.
+                logger.notice("the tc_ebpf filter was already gone (its clsact qdisc or interface was removed)", metadata: [
+                    "interface": "\(interface)", "error": "\(SystemCallError(call: "bpf_tc_detach", errno: -detached))",
+                ])
+            } else if detached != 0 && detached != -ENOENT {
                 // Our filter stays on the interface: say so, with the command that removes it.
                 logger.error("could not detach the tc_ebpf filter; remove it by hand", metadata: [
                     "interface": "\(interface)", "error": "\(SystemCallError(call: "bpf_tc_detach", errno: -detached))",

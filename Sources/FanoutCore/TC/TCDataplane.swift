@@ -152,6 +152,8 @@ final class TCListener: RunningListener {
     private let live = Mutex(Live())
     private let logger: Logger
     private let instance = ListenerInstance.next()
+    /// Set by shutdown(): a listener being replaced in a reload is no longer judged by the path check.
+    private let stopped = Atomic<Bool>(false)
 
     init(_ config: Listener, counters: ListenerCounters, dataplane: TCDataplane, logger: Logger) throws(TCError) {
         self.config = config
@@ -218,6 +220,7 @@ final class TCListener: RunningListener {
 
     /// The kernel forwards; the watchdog checks that our program is still attached.
     func heartbeats() -> [PathHeartbeat] {
+        guard !stopped.load(ordering: .relaxed) else { return [] }
         let interface = config.interface ?? ""
         return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: dataplane.attachmentProblem(interface: interface)))]
     }
@@ -234,6 +237,7 @@ final class TCListener: RunningListener {
     }
 
     func shutdown() {
+        stopped.store(true, ordering: .relaxed)
         counters.freeze()
         program.removeListener(config.bind, ifindex: ifindex)
         dataplane.unregister(interface: config.interface ?? "", id: id)

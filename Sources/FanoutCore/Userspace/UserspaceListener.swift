@@ -68,7 +68,9 @@ final class UserspaceListener: RunningListener {
 
     /// Each worker's progress counter, for the systemd watchdog.
     func heartbeats() -> [PathHeartbeat] {
-        workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progress.load(ordering: .relaxed))) }
+        // Stopping (replaced in a reload, or shutdown): its workers drain and leave, not stuck.
+        guard !stop.isSet else { return [] }
+        return workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progress.load(ordering: .relaxed))) }
     }
 
     /// Makes this listener's group the steering on its bind: every new datagram goes to these

@@ -28,6 +28,9 @@ final class UserspaceWorker: @unchecked Sendable {
     private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
     private var outboxes: [DownstreamOutbox] = []
     private var reportedSocketDrops: UInt32 = 0
+    /// Receive errors since the last "receive failed" line, and when that line was logged.
+    private var receiveFailures = 0
+    private var lastReceiveFailureLog: ContinuousClock.Instant?
 
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger) {
@@ -56,8 +59,9 @@ final class UserspaceWorker: @unchecked Sendable {
         let clock = ContinuousClock()
         var nextHeartbeat = clock.now + .seconds(5)
         while !stop.isSet {
-            progress.wrappingAdd(1, ordering: .relaxed)
-            _ = poll(&descriptor, 1, 100)
+            // Progress is an idle poll timeout or a batch received (drainQueue), not a loop turn:
+            // a socket whose every receive fails spins here without counting as alive.
+            if poll(&descriptor, 1, 100) == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
             drainQueue(deadline: nil)
             if clock.now >= nextHeartbeat {
                 nextHeartbeat = clock.now + .seconds(5)
@@ -87,7 +91,15 @@ final class UserspaceWorker: @unchecked Sendable {
                 // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
                 count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
             } catch {
-                logger.error("receive failed", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
+                // At most one line a second: a receive that fails every time must not flood the log
+                // (the path check reports the worker stuck).
+                receiveFailures += 1
+                let now = ContinuousClock.now
+                if lastReceiveFailureLog.map({ now - $0 >= .seconds(1) }) ?? true {
+                    logger.error("receive failed", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)", "failures_since_last_line": "\(receiveFailures)"])
+                    lastReceiveFailureLog = now
+                    receiveFailures = 0
+                }
                 return
             }
             if count == 0 { break }
