@@ -30,7 +30,8 @@ bench:
 	@scripts/bench.sh $(BENCH)
 
 # Builds (release) and installs the C library, its header and reuseportlb.pc.
-install: build install-files
+install: build
+	@$(MAKE) --no-print-directory install-files
 
 # Installs what the last build made, without building (the C API test uses it).
 install-files:

@@ -10,7 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
-log=${BUILD_LOG:-$(mktemp)}
+if [ -n "${BUILD_LOG:-}" ]; then
+  log=$BUILD_LOG
+else
+  log=$(mktemp)
+  trap 'rm -f "$log"' EXIT
+fi
 : >"$log"
 for product in udp-fanout collector publisher reuseportlb; do
   if ! swift build -c release --static-swift-stdlib --product "$product" >>"$log" 2>&1; then

@@ -8,6 +8,7 @@
 # reachable); the default is the local debootstrap one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/smoke.sh
 version=${VERSION:-0.1.0}
 name="udp-fanout-$version-linux-$(uname -m)"
 image="localhost/udp-fanout:$version"
@@ -77,7 +78,6 @@ check=$(buildah run --isolation chroot "$ctr" -- /usr/local/bin/udp-fanout --che
 echo "container: in the image, udp-fanout --check --config /etc/udp-fanout/config.yaml: valid"
 
 # Smoke test: the daemon in the container (host network, uid 10001), collectors on the host.
-free_port() { python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 listen=$(free_port); sinks=("$(free_port)" "$(free_port)" "$(free_port)")
 mkdir -p "$work/smoke" && chmod 0777 "$work/smoke"
 cat >"$work/smoke/config.yaml" <<YAML
@@ -96,34 +96,24 @@ cat >"$work/smoke/run.sh" <<'SH'
 set -eu
 /usr/local/bin/udp-fanout --config /smoke/config.yaml 2>/smoke/fanout.err &
 fanout=$!
+# Whatever fails below, the daemon does not outlive buildah run.
+trap 'kill $fanout 2>/dev/null || true' EXIT
 i=0
 while [ $i -lt 200 ] && ! grep -q "entering receive loop" /smoke/fanout.err; do sleep 0.05; i=$((i+1)); done
-grep -q "entering receive loop" /smoke/fanout.err
+grep -q "entering receive loop" /smoke/fanout.err || { echo "udp-fanout did not start in 10 s" >&2; exit 1; }
 /usr/local/bin/publisher 127.0.0.1 "$1" 3000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >/dev/null
 sleep 0.5
 kill -TERM $fanout
-wait $fanout
+wait $fanout || { echo "udp-fanout exited $? on SIGTERM" >&2; exit 1; }
 SH
 i=0
-for port in "${sinks[@]}"; do
-  "dist/$name/bin/collector" 127.0.0.1 "$port" 0 1 >"$work/sink$i.json" 2>"$work/sink$i.err" & pids+=($!)
-  for _ in $(seq 100); do grep -q ready "$work/sink$i.err" && break; sleep 0.05; done
-  i=$((i+1))
-done
+for port in "${sinks[@]}"; do start_collector "dist/$name/bin/collector" "$work" "sink$i" "$port"; i=$((i+1)); done
 if ! buildah run --isolation chroot --network host --user 10001:10001 -v "$work/smoke:/smoke" "$ctr" -- /bin/sh /smoke/run.sh "$listen"; then
   echo "container: FAILED: the smoke test in the container; udp-fanout said:" >&2
   cat "$work/smoke/fanout.err" >&2
   exit 1
 fi
-kill -TERM "${pids[@]}"; wait "${pids[@]}" || true; pids=()
+stop_collectors
 grep -E "starting userspace forwarder|steering" "$work/smoke/fanout.err" | sed 's/^/  /' | cut -c1-200 || true
-python3 - "$work"/sink0.json "$work"/sink1.json "$work"/sink2.json <<'PY'
-import json, sys
-reports = [json.loads(open(p).read().splitlines()[-1]) for p in sys.argv[1:]]
-counts = [r["received"] for r in reports]
-print("container: the daemon in the container (uid 10001, host network) forwarded 3000 datagrams from 16 sources: %s (%d)" % (counts, sum(counts)))
-if sum(counts) != 3000 or min(counts) == 0:
-    print("container: FAILED: expected all 3000 datagrams, spread over the three collectors", file=sys.stderr)
-    sys.exit(1)
-PY
+check_delivered "container: the daemon in the container (uid 10001, host network) forwarded 3000 datagrams from 16 sources" 3000 "$work"/sink0.json "$work"/sink1.json "$work"/sink2.json
 echo "container: passed: $image"

@@ -15,8 +15,8 @@ work=$(mktemp -d /tmp/udp-fanout-dist-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xzf "$tarball"
 prefix="$work/$name"
-free_port() { python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-export DIST_PREFIX="$prefix" DIST_WORK="$work" LISTEN_PORT=$(free_port) C_PORT=$(free_port)
+source scripts/lib/smoke.sh
+export SMOKE_LIB="$PWD/scripts/lib/smoke.sh" DIST_PREFIX="$prefix" DIST_WORK="$work" LISTEN_PORT=$(free_port) C_PORT=$(free_port)
 export SINK_PORTS="$(free_port) $(free_port) $(free_port)"
 echo "dist-check: unpacked $tarball; hiding /opt/swift in a private mount namespace"
 unshare -m --propagation private bash -euo pipefail -c '
@@ -47,32 +47,26 @@ listeners:
     settings: { workers: 1 }
 metrics: { enabled: false }
 YAML
+source "$SMOKE_LIB"
 pids=()
 trap "kill -TERM \${pids[*]} 2>/dev/null || true" EXIT
 i=0
-for port in "$@"; do
-  "$DIST_PREFIX/bin/collector" 127.0.0.1 "$port" 0 1 >"sink$i.json" 2>"sink$i.err" & pids+=($!)
-  for _ in $(seq 100); do grep -q ready "sink$i.err" && break; sleep 0.05; done
-  i=$((i+1))
-done
+for port in "$@"; do start_collector "$DIST_PREFIX/bin/collector" . "sink$i" "$port"; i=$((i+1)); done
 "$DIST_PREFIX/bin/udp-fanout" --config config.yaml 2>fanout.err & fanout=$!; pids+=($fanout)
-for _ in $(seq 200); do grep -q "entering receive loop" fanout.err && break; sleep 0.05; done
-grep -q "entering receive loop" fanout.err || { echo "dist-check: FAILED: udp-fanout did not start:" >&2; cat fanout.err >&2; exit 1; }
+wait_for_line fanout.err "entering receive loop" "udp-fanout"
 "$DIST_PREFIX/bin/publisher" 127.0.0.1 "$LISTEN_PORT" 3000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >/dev/null
 sleep 0.5
-kill -TERM "$fanout"; wait "$fanout"
-kill -TERM "${pids[0]}" "${pids[1]}" "${pids[2]}"; wait "${pids[0]}" "${pids[1]}" "${pids[2]}" || true
-python3 - sink0.json sink1.json sink2.json <<PY
-import json, sys
-counts = [json.loads(open(p).read().splitlines()[-1])["received"] for p in sys.argv[1:]]
-print("dist-check: udp-fanout forwarded 3000 datagrams to three collectors: %s (%d)" % (counts, sum(counts)))
-sys.exit(0 if sum(counts) == 3000 and all(c > 0 for c in counts) else 1)
-PY
+kill -TERM "$fanout"
+wait "$fanout" || { status=$?; echo "dist-check: FAILED: udp-fanout exited $status on SIGTERM; it said:" >&2; cat fanout.err >&2; exit 1; }
+stop_collectors
+check_delivered "dist-check: udp-fanout forwarded 3000 datagrams to three collectors" 3000 sink0.json sink1.json sink2.json
 export PKG_CONFIG_PATH="$DIST_PREFIX/lib/pkgconfig"
 cc -Wall -Werror -o steering "$DIST_PREFIX/share/udp-fanout/examples/c/steering.c" $(pkg-config --cflags --libs reuseportlb)
-readelf -d steering | grep -q "Shared library: \[libreuseportlb.so.0\]"
-output=$(./steering "$C_PORT")
+readelf -d steering | grep -q "Shared library: \[libreuseportlb.so.0\]" \
+  || { echo "dist-check: FAILED: the C sample does not record libreuseportlb.so.0: $(readelf -d steering | grep NEEDED)" >&2; exit 1; }
+output=$(./steering "$C_PORT" 2>&1) || { echo "dist-check: FAILED: the C sample exited $?: $output" >&2; exit 1; }
 echo "dist-check: C API sample built with pkg-config against the tarball: $output"
-[[ $output == *"received=40 misplaced=0 selected=40 steering=ebpf"* ]]
+[[ $output == *"received=40 misplaced=0 selected=40 steering=ebpf"* ]] \
+  || { echo "dist-check: FAILED: the C sample printed something else than received=40 misplaced=0 selected=40 steering=ebpf" >&2; exit 1; }
 '
 echo "dist-check: passed: $tarball runs without /opt/swift"

@@ -27,7 +27,10 @@ if python3 -c 'import kubernetes_validate' 2>/dev/null; then
   echo "setup: kubernetes-validate present"
 else
   echo "setup: installing kubernetes-validate 1.37.0 (pip)"
-  python3 -m pip install --quiet 'kubernetes-validate==1.37.0'
+  python3 -m pip install --quiet 'kubernetes-validate==1.37.0' || {
+    echo "setup: could not install kubernetes-validate with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install kubernetes-validate==1.37.0" >&2
+    exit 1
+  }
 fi
 if [ "$(stat -f -c %T /sys/fs/bpf 2>/dev/null)" = "bpf_fs" ]; then
   echo "setup: bpffs already mounted at /sys/fs/bpf"

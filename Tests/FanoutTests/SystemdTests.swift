@@ -383,11 +383,15 @@ struct SystemdTests {
         let collector = try TCEndToEndTests.collectors(topology)[0]
         let scratch = try CapabilityTests.Scratch(TCEndToEndTests.config(topology, backends: [1]))
         let runDirectory = "/run/udp-fanout"
-        mkdir(runDirectory, 0o755)
+        // Made here only if missing, and then removed again; else given back to its owner.
+        let created = mkdir(runDirectory, 0o755) == 0
         var before = stat()
         stat(runDirectory, &before)
         chown(runDirectory, 65534, 65534)
-        defer { chown(runDirectory, before.st_uid, before.st_gid) }
+        defer {
+            chown(runDirectory, before.st_uid, before.st_gid)
+            if created { rmdir(runDirectory) }
+        }
         let tc = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + CapabilityTests.asNobody(tcSet))
         try tc.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "200", "--rate", "10000"], prefix: topology.prefix(topology.client))
