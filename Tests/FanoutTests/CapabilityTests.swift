@@ -2,6 +2,8 @@ import Foundation
 import Testing
 import TestSupport
 import ReusePortLB
+@testable import FanoutCore
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc
@@ -77,5 +79,39 @@ struct CapabilityTests {
         let report = try collector.stop()
         #expect(report.int("received") == 500, "\(report)")
         #expect(Array(report.object("sources").keys) == ["198.18.0.2"], "the client's source address")
+    }
+}
+
+/// What the daemon says when the kernel or the runtime grants less than asked.
+@Suite("Shortfalls named with their fix")
+struct ShortfallTests {
+    @Test("recv_buf_size above net.core.rmem_max: the socket's real buffer is reported (the kernel caps SO_RCVBUF silently); within it: nothing")
+    func receiveBufferCapped() throws {
+        let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        try #require(fd >= 0)
+        defer { close(fd) }
+        let rmemMax = try #require(UserspaceListener.rmemMax)
+        let huge = rmemMax * 4
+        var value = Int32(clamping: huge)
+        #expect(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &value, socklen_t(MemoryLayout<Int32>.size)) == 0)
+        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: huge) == rmemMax, "capped at rmem_max \(rmemMax)")
+        var small = Int32(4096)
+        #expect(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, socklen_t(MemoryLayout<Int32>.size)) == 0)
+        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: 4096) == nil)
+        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: 0) == nil, "0 asks for the default")
+    }
+
+    @Test("tc_ebpf errors name the fix: EPERM at load with the capabilities held names seccomp; an unwritable lock directory names RuntimeDirectory= and the hostPath; all three capabilities missing are listed once")
+    func tcMessages() {
+        let seccomp = TCError.load(SystemCallError(call: "bpf_object__load fanout_tc", errno: EPERM)).description
+        #expect(seccomp.contains("seccomp") && seccomp.contains("Unconfined"), "\(seccomp)")
+        let other = TCError.load(SystemCallError(call: "bpf_object__load fanout_tc", errno: EINVAL)).description
+        #expect(!other.contains("seccomp"), "\(other)")
+        let lock = TCError.lockFile(path: "/run/udp-fanout/tc-net1-eth0.lock", SystemCallError(call: "open", errno: EACCES)).description
+        #expect(lock.contains("RuntimeDirectory=udp-fanout") && lock.contains("hostPath"), "\(lock)")
+        let all = TCError.privileges(missing: ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"]).description
+        #expect(all.hasPrefix("tc_ebpf needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON: run as root") && all.contains("capabilities.add"), "\(all)")
+        let one = TCError.privileges(missing: ["CAP_PERFMON"]).description
+        #expect(one.hasPrefix("tc_ebpf needs CAP_PERFMON (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)"), "\(one)")
     }
 }

@@ -113,6 +113,13 @@ struct ConfigTests {
         } catch {
             #expect(error.key == "listeners[0].mode" && error.problem.contains("af_xdp is not implemented"))
         }
+        // Without an interface too: the mode is named first, not the interface it would need.
+        do {
+            try ConfigParser.parse(ReferenceConfigs.afXDP.replacingOccurrences(of: "    interface: eth0\n", with: "")).validate()
+            Issue.record("af_xdp accepted")
+        } catch {
+            #expect(error.key == "listeners[0].mode" && error.problem.contains("af_xdp is not implemented"), "\(error)")
+        }
     }
 
     @Test("Our keys: balancing, weights, IPv6")

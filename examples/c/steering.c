@@ -14,6 +14,10 @@
 #include <unistd.h>
 
 int main(int argc, char **argv) {
+    if (argc != 2 || atoi(argv[1]) <= 0 || atoi(argv[1]) > 65535) {
+        fprintf(stderr, "usage: %s PORT (a free UDP port on 127.0.0.1)\n", argv[0]);
+        return 2;
+    }
     uint16_t port = (uint16_t)atoi(argv[1]);
     char error[REUSEPORTLB_ERROR_MAX];
     reuseportlb_member *m[2];

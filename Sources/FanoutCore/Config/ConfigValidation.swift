@@ -42,11 +42,13 @@ extension FanoutConfig {
         }
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
-            if listener.mode != .userspace && (listener.interface ?? "").isEmpty {
-                throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
-            }
+            // A mode this release does not serve is named first: asking for its interface would
+            // only lead to this error next.
             guard Mode.implemented.contains(listener.mode) else {
                 throw fail("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
+            }
+            if listener.mode != .userspace && (listener.interface ?? "").isEmpty {
+                throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
             }
             if let kubernetes = listener.kubernetes, let namespace = kubernetes.namespace, !Self.isDNSLabel(namespace) {
                 throw fail("\(path).kubernetes.namespace", "'\(namespace)' is not a Kubernetes namespace name (lowercase letters, digits and '-', at most 63)")

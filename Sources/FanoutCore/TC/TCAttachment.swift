@@ -261,7 +261,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         mkdir(lockDirectory, 0o755)
         let path = "\(lockDirectory)/tc-net\(networkNamespaceInode())-\(interface).lock"
         let fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0o644)
-        guard fd >= 0 else { throw .attach(interface: interface, SystemCallError(call: "open \(path)", errno: errno)) }
+        guard fd >= 0 else { throw .lockFile(path: path, SystemCallError(call: "open \(path)", errno: errno)) }
         if flock(fd, LOCK_EX | LOCK_NB) != 0 {
             close(fd)
             throw .interfaceBusy(interface, lockPath: path)
@@ -303,18 +303,23 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
     case maps(SystemCallError)
     case filterSlotTaken(interface: String, program: String)
     case tooManyListeners
+    case lockFile(path: String, SystemCallError)
 
     public var description: String {
         switch self {
         case .privileges(let missing):
             let list = missing.count > 1 ? missing.dropLast().joined(separator: ", ") + " and " + missing.last! : missing.joined()
-            return "tc_ebpf needs \(list) (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON): run as root, or grant them (e.g. systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON, or setcap cap_bpf,cap_net_admin,cap_perfmon+ep udp-fanout)"
+            let all = missing.count < 3 ? " (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)" : ""
+            return "tc_ebpf needs \(list)\(all): run as root, or grant them: systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON (systemd/udp-fanout.service); Kubernetes runAsUser: 0 with capabilities.add [BPF, NET_ADMIN, PERFMON] (k8s/daemonset-tc-ebpf.yaml); or setcap cap_bpf,cap_net_admin,cap_perfmon+ep on the binary"
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .interfaceBusy(let name, let path):
             return "interface '\(name)' is in use by another udp-fanout tc_ebpf daemon (it holds \(path)); stop it first"
         case .forwardingDisabled(let name, let sysctl):
             return "IP forwarding is disabled for '\(name)': the kernel's fib lookup refuses to route for tc_ebpf. Enable it: sysctl -w \(sysctl)=1"
+        case .load(let error) where error.errno == EPERM:
+            // The capabilities were checked before loading: EPERM now is a seccomp filter (or an LSM).
+            return "cannot load the tc_ebpf program: \(error): this process holds CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, so a seccomp filter (or an LSM) forbids bpf(): container runtimes' default profiles (CRI-O, podman, buildah) allow bpf() only with CAP_SYS_ADMIN; give the container a seccomp profile that allows bpf, or Unconfined (docs/deployment.md, seccomp)"
         case .load(let error):
             return "cannot load the tc_ebpf program: \(error)"
         case .attach(let name, let error):
@@ -323,6 +328,8 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
             return "cannot write the tc_ebpf maps: \(error)"
         case .filterSlotTaken(let name, let program):
             return "the clsact ingress filter slot udp-fanout uses on '\(name)' (pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16))) holds another program, '\(program)': remove it (tc filter del dev \(name) ingress pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16)) bpf) or use tc_attach: tcx"
+        case .lockFile(let path, let error):
+            return "cannot create the tc_ebpf lock file \(path): \(error): \(TCAttachment.lockDirectory) must exist and be writable by this user (systemd: RuntimeDirectory=udp-fanout, as in systemd/udp-fanout.service; Kubernetes: the /run/udp-fanout hostPath of k8s/daemonset-tc-ebpf.yaml; else create it: install -d -o <user> \(TCAttachment.lockDirectory))"
         case .tooManyListeners:
             return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners"
         }

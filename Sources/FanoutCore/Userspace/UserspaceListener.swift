@@ -49,6 +49,12 @@ final class UserspaceListener: RunningListener {
         if let note = group.steeringNote {
             logger.warning("worker steering fallback", metadata: ["listener": "\(config.name)", "note": "\(note)"])
         }
+        if let member = members.first, let granted = Self.receiveBufferShortfall(socket: member.socket, requested: config.settings.recvBufSize) {
+            logger.warning("recv_buf_size was capped by the kernel: raise net.core.rmem_max (sysctl -w net.core.rmem_max=\(config.settings.recvBufSize)) or grant CAP_NET_ADMIN (SO_RCVBUFFORCE)", metadata: [
+                "listener": "\(config.name)", "recv_buf_size": "\(config.settings.recvBufSize)", "granted": "\(granted)",
+                "rmem_max": "\(Self.rmemMax.map(String.init) ?? "unknown")",
+            ])
+        }
         logger.info("starting userspace forwarder", metadata: [
             "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
             "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
@@ -61,6 +67,22 @@ final class UserspaceListener: RunningListener {
         threads = workers.map { worker in
             OSThread(name: "fanout-\(worker.index)") { worker.run() }
         }
+    }
+
+    /// The receive buffer a socket got when it is smaller than `requested` (bytes; 0: none
+    /// requested), else nil. The kernel reports twice what it grants (bookkeeping overhead), and
+    /// without CAP_NET_ADMIN it caps a request at net.core.rmem_max, silently.
+    static func receiveBufferShortfall(socket: Int32, requested: Int) -> Int? {
+        guard requested > 0 else { return nil }
+        var value: Int32 = 0
+        var length = socklen_t(MemoryLayout<Int32>.size)
+        guard getsockopt(socket, SOL_SOCKET, SO_RCVBUF, &value, &length) == 0 else { return nil }
+        let granted = Int(value) / 2
+        return granted < requested ? granted : nil
+    }
+
+    static var rmemMax: Int? {
+        (try? readFile("/proc/sys/net/core/rmem_max")).flatMap { Int($0.filter(\.isNumber)) }
     }
 
     /// Every worker is in its receive loop.
