@@ -109,6 +109,10 @@ struct SystemdTests {
         // READY=1 means bound: a datagram sent right now is forwarded.
         try sendNumbered(to: bind, count: 1)
         #expect(sink.drain().count == 1, "forwarded right after READY=1")
+        // Readiness settles after READY=1 (workers entering their loops): the path check sends the
+        // STATUS= line again once it changed, so systemctl status does not keep a stale "not ready".
+        let settled = notify.next(within: 3) { NotifySocket.fields($0)["STATUS"] == "forwarding: 1 listener(s) (1 userspace)" }
+        #expect(settled != nil, "a STATUS without 'not ready': \(notify.messages)")
 
         // 400 ms watchdog: a ping every 200 ms; at least 3 within 3 s.
         var pings = 0

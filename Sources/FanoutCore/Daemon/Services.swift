@@ -2,6 +2,16 @@ import Logging
 import ServiceLifecycle
 import UnixSignals
 
+extension FanoutDaemon {
+    /// systemd's STATUS= line: the listeners by mode, and how many reasons `/readyz` gives.
+    public func statusLine() -> String {
+        let listeners = state.withLock { $0.config.listeners }
+        let modes = Dictionary(grouping: listeners, by: \.mode.rawValue).map { "\($0.value.count) \($0.key)" }.sorted()
+        let notReady = readiness.count
+        return "forwarding: \(listeners.count) listener(s) (\(modes.joined(separator: ", ")))" + (notReady > 0 ? ", \(notReady) not ready (see /readyz)" : "")
+    }
+}
+
 /// Runs the daemon's listeners and reloads the configuration on SIGHUP until graceful shutdown
 /// (SIGTERM/SIGINT through the ServiceGroup), then stops them. Tells systemd each step
 /// (sd_notify: READY, RELOADING with MONOTONIC_USEC, STOPPING, and a STATUS line).
@@ -44,12 +54,7 @@ public struct ForwardingService: Service {
         await offCooperativePool("fanout-stop") { daemon.shutdown() }
     }
 
-    private func forwardingStatus() -> String {
-        let listeners = daemon.state.withLock { $0.config.listeners }
-        let modes = Dictionary(grouping: listeners, by: \.mode.rawValue).map { "\($0.value.count) \($0.key)" }.sorted()
-        let notReady = daemon.readiness.count
-        return "forwarding: \(listeners.count) listener(s) (\(modes.joined(separator: ", ")))" + (notReady > 0 ? ", \(notReady) not ready (see /readyz)" : "")
-    }
+    private func forwardingStatus() -> String { daemon.statusLine() }
 
     /// STATUS= takes one line: newlines in an error would start new assignments.
     static func oneLine(_ text: String) -> String {

@@ -180,6 +180,9 @@ public struct WatchdogService: Service {
     let send: @Sendable (String) -> Void
     let logger: Logger
     let monitor: PathMonitor
+    /// systemd's STATUS= line now; sent at a check when it changed (readiness settles after
+    /// READY=1, and discovery or health change it later). Nil: no STATUS updates.
+    let status: (@Sendable () -> String)?
 
     /// The daemon's path check, pinging systemd when it asked for a watchdog (`WATCHDOG_USEC` set,
     /// and `WATCHDOG_PID` unset or this process).
@@ -190,7 +193,8 @@ public struct WatchdogService: Service {
         // The check takes the daemon's locks and asks the kernel: off the cooperative pool.
         self.init(interval: interval, checkEvery: interval.map { $0 / 2 } ?? PathMonitor.defaultCheckInterval,
                   heartbeats: { await offCooperativePool("fanout-watchdog") { daemon.heartbeats() } },
-                  send: { notifier.send($0) }, logger: daemon.logger, monitor: daemon.path)
+                  send: { notifier.send($0) }, logger: daemon.logger, monitor: daemon.path,
+                  status: { daemon.statusLine() })
     }
 
     /// - Parameters:
@@ -209,7 +213,9 @@ public struct WatchdogService: Service {
     ///   - checkEvery: the time between checks.
     ///   - monitor: where each verdict goes; nothing is judged before it is marked started.
     public init(interval: Duration?, checkEvery: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
-                send: @escaping @Sendable (String) -> Void, logger: Logger, monitor: PathMonitor) {
+                send: @escaping @Sendable (String) -> Void, logger: Logger, monitor: PathMonitor,
+                status: (@Sendable () -> String)? = nil) {
+        self.status = status
         self.interval = interval
         self.checkEvery = checkEvery
         self.heartbeats = heartbeats
@@ -226,6 +232,7 @@ public struct WatchdogService: Service {
             ])
         }
         var judge = WatchdogJudge()
+        var lastStatus: String?
         while !Task.isShuttingDownGracefully && !Task.isCancelled {
             // Not before the listeners have started: systemd's READY=1 comes first.
             if monitor.started {
@@ -240,6 +247,10 @@ public struct WatchdogService: Service {
                 }
                 for line in verdict.recovered { logger.notice("\(line)") }
                 if verdict.alive && interval != nil { send("WATCHDOG=1") }
+                if let status, case let line = status(), line != lastStatus {
+                    send("STATUS=\(line)")
+                    lastStatus = line
+                }
             }
             do {
                 try await cancelWhenGracefulShutdown { try await Task.sleep(for: checkEvery) }
