@@ -80,18 +80,7 @@ echo "container: in the image, udp-fanout --check --config /etc/udp-fanout/confi
 # Smoke test: the daemon in the container (host network, uid 10001), collectors on the host.
 listen=$(free_port); sinks=("$(free_port)" "$(free_port)" "$(free_port)")
 mkdir -p "$work/smoke" && chmod 0777 "$work/smoke"
-cat >"$work/smoke/config.yaml" <<YAML
-listeners:
-  - name: smoke
-    bind: "127.0.0.1:$listen"
-    balancing: source_ip
-    downstream:
-      - { name: a, address: "127.0.0.1:${sinks[0]}" }
-      - { name: b, address: "127.0.0.1:${sinks[1]}" }
-      - { name: c, address: "127.0.0.1:${sinks[2]}" }
-    settings: { workers: 1 }
-metrics: { enabled: false }
-YAML
+write_smoke_config "$work/smoke/config.yaml" "$listen" source_ip "${sinks[@]}"
 cat >"$work/smoke/run.sh" <<'SH'
 set -eu
 /usr/local/bin/udp-fanout --config /smoke/config.yaml 2>/smoke/fanout.err &

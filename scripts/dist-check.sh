@@ -36,18 +36,8 @@ echo "dist-check: udp-fanout --check accepts share/udp-fanout/config.example.yam
 "$DIST_PREFIX/bin/collector" --help >/dev/null && "$DIST_PREFIX/bin/publisher" --help >/dev/null
 echo "dist-check: collector --help and publisher --help run"
 set -- $SINK_PORTS
-cat >config.yaml <<YAML
-listeners:
-  - name: check
-    bind: "127.0.0.1:$LISTEN_PORT"
-    downstream:
-      - { name: a, address: "127.0.0.1:$1" }
-      - { name: b, address: "127.0.0.1:$2" }
-      - { name: c, address: "127.0.0.1:$3" }
-    settings: { workers: 1 }
-metrics: { enabled: false }
-YAML
 source "$SMOKE_LIB"
+write_smoke_config config.yaml "$LISTEN_PORT" round_robin "$@"
 pids=()
 trap "kill -TERM \${pids[*]} 2>/dev/null || true" EXIT
 i=0

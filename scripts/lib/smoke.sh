@@ -6,6 +6,23 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
+# write_smoke_config FILE LISTEN_PORT BALANCING PORT1 PORT2 PORT3: one userspace listener on
+# 127.0.0.1:LISTEN_PORT forwarding to three collectors on 127.0.0.1, no metrics endpoint.
+write_smoke_config() {
+  cat >"$1" <<YAML
+listeners:
+  - name: smoke
+    bind: "127.0.0.1:$2"
+    balancing: $3
+    downstream:
+      - { name: a, address: "127.0.0.1:$4" }
+      - { name: b, address: "127.0.0.1:$5" }
+      - { name: c, address: "127.0.0.1:$6" }
+    settings: { workers: 1 }
+metrics: { enabled: false }
+YAML
+}
+
 # start_collector BIN DIR NAME PORT: a collector on 127.0.0.1:PORT (report DIR/NAME.json, log
 # DIR/NAME.err); appends its pid to the caller's `pids` array; fails if it is not ready in 5 s.
 start_collector() {
