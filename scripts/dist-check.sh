@@ -16,8 +16,10 @@ trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xzf "$tarball"
 prefix="$work/$name"
 source scripts/lib/smoke.sh
-export SMOKE_LIB="$PWD/scripts/lib/smoke.sh" DIST_PREFIX="$prefix" DIST_WORK="$work" LISTEN_PORT=$(free_port) C_PORT=$(free_port)
-export SINK_PORTS="$(free_port) $(free_port) $(free_port)"
+# Assigned before the export: `export X=$(...)` would hide a failing free_port from set -e.
+LISTEN_PORT=$(free_port); C_PORT=$(free_port)
+SINK_PORTS="$(free_port) $(free_port) $(free_port)"
+export SMOKE_LIB="$PWD/scripts/lib/smoke.sh" DIST_PREFIX="$prefix" DIST_WORK="$work" LISTEN_PORT C_PORT SINK_PORTS
 echo "dist-check: unpacked $tarball; hiding /opt/swift in a private mount namespace"
 unshare -m --propagation private bash -euo pipefail -c '
 mount -t tmpfs -o ro,size=64k swift-hidden /opt/swift

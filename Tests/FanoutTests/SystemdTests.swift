@@ -256,13 +256,14 @@ struct SystemdTests {
         #expect(daemon.heartbeats().isEmpty, "nothing once stopping")
     }
 
-    @Test("The path check's verdict lists every stuck part (what /healthz answers); a lost listener is always stuck; before start nothing is judged")
+    @Test("The path check's verdict lists every stuck part (what /healthz answers); before start nothing is judged")
     func pathVerdict() async throws {
         var judge = WatchdogJudge()
-        let lost = judge.check([Self.worker("a", 0, 1), PathHeartbeat(listener: "b", instance: 0, beat: .lost)])
-        #expect(!lost.alive, "a lost listener is stuck from the first check")
-        #expect(lost.problems == ["listener 'b' is not running: a change failed and it could not be started again"], "\(lost)")
-        let both = judge.check([Self.worker("a", 0, 1), PathHeartbeat(listener: "b", instance: 0, beat: .lost)])
+        let detached = PathHeartbeat(listener: "b", instance: 0, beat: .kernel(interface: "eth0", problem: "ENOENT"))
+        let first = judge.check([Self.worker("a", 0, 1), detached])
+        #expect(!first.alive, "a detached program is stuck from the first check")
+        #expect(first.problems == ["the tc_ebpf program of listener 'b' is no longer attached at eth0 ingress (ENOENT)"], "\(first)")
+        let both = judge.check([Self.worker("a", 0, 1), detached])
         #expect(both.problems.count == 2 && both.newlyStuck == ["watchdog: worker 0 of listener 'a' made no progress, withholding WATCHDOG=1"], "\(both)")
 
         // A monitor not yet started: the service neither judges nor pings.
@@ -301,7 +302,7 @@ struct SystemdTests {
         func healthz() throws -> String {
             try topology.exec(topology.proxy, ["/usr/bin/curl", "-s", "-w", "%{http_code}", "http://127.0.0.1:\(metrics)/healthz"])
         }
-        // The first check runs right after start, then every 5 s.
+        // Before the first check (up to 5 s after start) and while attached: 200.
         #expect(try healthz() == "ok\n200", "\(daemon.stderr)")
         _ = try topology.exec(topology.proxy, ["/usr/sbin/tc", "qdisc", "del", "dev", topology.proxyInterface, "clsact"])
         var answer = try healthz()

@@ -280,7 +280,9 @@ public final class FanoutDaemon: Sendable {
             for listener in retiring { state.listeners[listener.name] = nil }
             for (name, instance) in started { state.listeners[name] = instance }
             state.config = new
-            state.lost.subtract(new.listeners.map(\.name))
+            // Every listener of the new configuration runs now; a lost one no longer configured
+            // is gone with it.
+            state.lost = []
             state.discovered = discovered
             state.answered.formIntersection(DiscoverySpec.all(new))
             state.members = members

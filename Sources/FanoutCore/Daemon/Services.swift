@@ -5,10 +5,12 @@ import UnixSignals
 extension FanoutDaemon {
     /// systemd's STATUS= line: the listeners by mode, and how many reasons `/readyz` gives.
     public func statusLine() -> String {
-        let listeners = state.withLock { $0.config.listeners }
+        let (listeners, lost) = state.withLock { ($0.config.listeners, $0.lost.sorted()) }
         let modes = Dictionary(grouping: listeners, by: \.mode.rawValue).map { "\($0.value.count) \($0.key)" }.sorted()
         let notReady = readiness.count
-        return "forwarding: \(listeners.count) listener(s) (\(modes.joined(separator: ", ")))" + (notReady > 0 ? ", \(notReady) not ready (see /readyz)" : "")
+        return "forwarding: \(listeners.count) listener(s) (\(modes.joined(separator: ", ")))"
+            + (lost.isEmpty ? "" : ", \(lost.joined(separator: ", ")) not running after a failed change")
+            + (notReady > 0 ? ", \(notReady) not ready (see /readyz)" : "")
     }
 }
 

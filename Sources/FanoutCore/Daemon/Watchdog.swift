@@ -9,15 +9,12 @@ import Synchronization
 public struct PathHeartbeat: Sendable, Equatable {
     /// What moves, or what must still be in place.
     public enum Beat: Sendable, Equatable {
-        /// A userspace worker: `count` grows at every turn of its receive loop, idle poll
-        /// timeouts (100 ms) included, and at every batch it forwards.
+        /// A userspace worker: `count` grows at every idle poll timeout (100 ms) and at every
+        /// batch it receives; not at a turn whose receive failed.
         case worker(index: Int, count: UInt64)
         /// A tc_ebpf listener: the path is the kernel's; alive while our program is still
         /// attached at the interface's ingress. `problem` says what the kernel answered otherwise.
         case kernel(interface: String, problem: String?)
-        /// A configured listener that is not running: a change failed and it could not be started
-        /// again. Always stuck: a restart is the recovery (systemd's watchdog, the liveness probe).
-        case lost
     }
 
     /// The listener's name.
@@ -94,10 +91,6 @@ public struct WatchdogJudge: Sendable {
                 key = Key(listener: heartbeat.listener, instance: heartbeat.instance, part: "tc \(interface)")
                 moving = answer == nil
                 problem = "the tc_ebpf program of listener '\(heartbeat.listener)' is no longer attached at \(interface) ingress (\(answer ?? ""))"
-            case .lost:
-                key = Key(listener: heartbeat.listener, instance: heartbeat.instance, part: "listener")
-                moving = false
-                problem = "listener '\(heartbeat.listener)' is not running: a change failed and it could not be started again"
             }
             if moving {
                 if stuck.contains(key) { verdict.recovered.append("watchdog: \(key.part) of listener '\(key.listener)' makes progress again") }
@@ -263,11 +256,11 @@ public struct WatchdogService: Service {
 
 extension FanoutDaemon {
     /// Every running listener's heartbeats (userspace workers' progress counters, tc_ebpf
-    /// attachments' state) and one per lost listener, for the path check. Empty while stopping.
+    /// attachments' state), for the path check. Empty while stopping. A listener a failed change
+    /// left stopped is not a stall but a readiness problem (`/readyz`): a restart would read the
+    /// same file, fail the same way and take the other listeners down with it.
     public func heartbeats() -> [PathHeartbeat] {
-        let (listeners, lost) = state.withLock { state in
-            state.stopping ? ([], []) : (Array(state.listeners.values), state.lost.sorted())
-        }
-        return listeners.flatMap { $0.heartbeats() } + lost.map { PathHeartbeat(listener: $0, instance: 0, beat: .lost) }
+        let listeners = state.withLock { state in state.stopping ? [] : Array(state.listeners.values) }
+        return listeners.flatMap { $0.heartbeats() }
     }
 }

@@ -88,7 +88,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
             let detached = bpf_tc_detach(&hook, &options)
             var queryHook = Self.hook(ifindex)
             var query = Self.filterOptions()
-            if detached != 0 && detached != -ENOENT && bpf_tc_query(&queryHook, &query) != 0 {
+            if detached != 0 && detached != -ENOENT && [-ENOENT, -EINVAL, -ENODEV].contains(bpf_tc_query(&queryHook, &query)) {
                 // EINVAL or ENODEV, and no filter in our slot: the qdisc or the interface was
                 // deleted under us, taking the filter with it. Nothing is left to remove.
                 logger.notice("the tc_ebpf filter was already gone (its clsact qdisc or interface was removed)", metadata: [
@@ -319,7 +319,7 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
             return "IP forwarding is disabled for '\(name)': the kernel's fib lookup refuses to route for tc_ebpf. Enable it: sysctl -w \(sysctl)=1"
         case .load(let error) where error.errno == EPERM:
             // The capabilities were checked before loading: EPERM now is a seccomp filter (or an LSM).
-            return "cannot load the tc_ebpf program: \(error): this process holds CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, so a seccomp filter (or an LSM) forbids bpf(): container runtimes' default profiles (CRI-O, podman, buildah) allow bpf() only with CAP_SYS_ADMIN; give the container a seccomp profile that allows bpf, or Unconfined (docs/deployment.md, seccomp)"
+            return "cannot load the tc_ebpf program: \(error): this process holds CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, so most likely a seccomp filter forbids bpf(): container runtimes' default profiles (CRI-O, podman, buildah) allow bpf() only with CAP_SYS_ADMIN; give the container a seccomp profile that allows bpf, or Unconfined (docs/deployment.md, seccomp). Other causes: an LSM policy, capabilities held only inside a user namespace (rootless containers), or RLIMIT_MEMLOCK on kernels before 5.11"
         case .load(let error):
             return "cannot load the tc_ebpf program: \(error)"
         case .attach(let name, let error):

@@ -222,7 +222,10 @@ final class TCListener: RunningListener {
     func heartbeats() -> [PathHeartbeat] {
         guard !stopped.load(ordering: .relaxed) else { return [] }
         let interface = config.interface ?? ""
-        return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: dataplane.attachmentProblem(interface: interface)))]
+        let problem = dataplane.attachmentProblem(interface: interface)
+        // A reload may have stopped it (and detached) during the query: not a stall.
+        guard !stopped.load(ordering: .relaxed) else { return [] }
+        return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: problem))]
     }
 
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {

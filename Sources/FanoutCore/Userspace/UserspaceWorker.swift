@@ -13,8 +13,9 @@ final class UserspaceWorker: @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
-    /// Grows at every turn of the receive loop (at least every 100 ms poll timeout when idle)
-    /// and every batch under load: the systemd watchdog pings only while it moves.
+    /// Grows at every idle poll timeout (100 ms) and every batch received, not at a turn whose
+    /// receive failed: the path check (/healthz, systemd's watchdog) sees the worker alive only
+    /// while it moves.
     let progress = Atomic<UInt64>(0)
     private let listener: Listener
     private let counters: ListenerCounters
@@ -62,7 +63,8 @@ final class UserspaceWorker: @unchecked Sendable {
             // Progress is an idle poll timeout or a batch received (drainQueue), not a loop turn:
             // a socket whose every receive fails spins here without counting as alive.
             if poll(&descriptor, 1, 100) == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
-            drainQueue(deadline: nil)
+            // A receive that fails while poll says readable would spin a core: wait a little.
+            if !drainQueue(deadline: nil) { usleep(10_000) }
             if clock.now >= nextHeartbeat {
                 nextHeartbeat = clock.now + .seconds(5)
                 let snapshot = counters.snapshot()
@@ -84,7 +86,9 @@ final class UserspaceWorker: @unchecked Sendable {
     }
 
     /// Receives and forwards batches until the socket is empty (or stop, or the deadline).
-    private func drainQueue(deadline: ContinuousClock.Instant?) {
+    /// - Returns: false when a receive failed.
+    @discardableResult
+    private func drainQueue(deadline: ContinuousClock.Instant?) -> Bool {
         while true {
             let count: Int
             do {
@@ -100,7 +104,7 @@ final class UserspaceWorker: @unchecked Sendable {
                     lastReceiveFailureLog = now
                     receiveFailures = 0
                 }
-                return
+                return false
             }
             if count == 0 { break }
             // Under sustained load this loop does not return to poll: the batches are the progress.
@@ -114,6 +118,7 @@ final class UserspaceWorker: @unchecked Sendable {
             counters.add(counters.receiveQueueDrops, UInt64(drops &- reportedSocketDrops))
             reportedSocketDrops = drops
         }
+        return true
     }
 
     private func adoptPlanIfChanged() {
