@@ -55,7 +55,7 @@ uninstall:
 dist: setup
 	@VERSION=$(VERSION) scripts/dist.sh
 
-# Runs the tarball's programs and the C API sample with /opt/swift hidden (docs/deployment.md).
+# Runs the tarball's programs and the C API sample with /opt/swift hidden (docs/packaging.md).
 dist-check: dist
 	@VERSION=$(VERSION) scripts/dist-check.sh
 
