@@ -38,7 +38,10 @@ let package = Package(
         // Compiles bpf/*.bpf.c with the toolchain's clang and embeds the objects.
         .plugin(name: "BPFObjectCompiler", capability: .buildTool()),
         .target(name: "BPFObjects", plugins: ["BPFObjectCompiler"]),
-        .target(name: "ReusePortLB", dependencies: ["CLibBPF", "CSystemShim", "BPFObjects"]),
+        // What every BPF program's loader shares: system calls, loading embedded objects, per-CPU
+        // counters, capabilities (ReusePortLB's sk_reuseport program, udp-fanout's tc and XDP ones).
+        .target(name: "BPFSupport", dependencies: ["CLibBPF", "BPFObjects"]),
+        .target(name: "ReusePortLB", dependencies: ["BPFSupport", "CLibBPF", "CSystemShim", "BPFObjects"]),
         // SONAME libreuseportlb.so.0, so C programs record the ABI version (make install adds the links).
         .target(
             name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"],
@@ -67,7 +70,7 @@ let package = Package(
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "CSystemShim", "CLibBPF", "BPFObjects",
+                "ReusePortLB", "BPFSupport", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects",
                 .product(name: "Yams", package: "Yams"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
@@ -92,7 +95,7 @@ let package = Package(
         .testTarget(
             name: "FanoutTests",
             dependencies: [
-                "FanoutCore", "ReusePortLB", "TestSupport", "CLibBPF", "CSystemShim", "udp-fanout", "collector", "publisher",
+                "FanoutCore", "ReusePortLB", "BPFSupport", "TestSupport", "CLibBPF", "CLibXDP", "CSystemShim", "udp-fanout", "collector", "publisher",
                 .product(name: "Logging", package: "swift-log"),
                 // The Kubernetes API test server (HTTPS with a CA the test makes).
                 .product(name: "Hummingbird", package: "hummingbird"),
@@ -102,6 +105,6 @@ let package = Package(
             ]),
         .testTarget(
             name: "ReusePortLBTests",
-            dependencies: ["ReusePortLB", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
+            dependencies: ["ReusePortLB", "BPFSupport", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
     ]
 )

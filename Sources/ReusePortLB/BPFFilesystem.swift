@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import CSystemShim
+import BPFSupport
 
 /// bpffs: where a group's program and maps are pinned so separate processes share them.
 ///

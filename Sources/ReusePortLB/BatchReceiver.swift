@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import CSystemShim
+import BPFSupport
 
 /// Receives datagrams in batches with recvmmsg(2) into buffers made once and reused: nothing is
 /// allocated per datagram. Used by the collector and by udp-fanout's userspace workers.

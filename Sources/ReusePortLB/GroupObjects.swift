@@ -4,6 +4,7 @@ import Glibc
 import BPFObjects
 import CLibBPF
 import CSystemShim
+import BPFSupport
 
 /// The program and maps of one eBPF-steered group: pinned under `directory` and opened by one
 /// member, or (directory nil) loaded for one process alone by a ``ReusePortGroup``.

@@ -4,6 +4,7 @@ import Glibc
 import CLibBPF
 import CSystemShim
 import Synchronization
+import BPFSupport
 
 /// A SO_REUSEPORT group served by one process alone, whose program and maps that process holds
 /// (nothing is pinned in bpffs, so no bpffs is needed), with explicit succession: a new group

@@ -4,6 +4,7 @@ import Glibc
 import CLibBPF
 import CSystemShim
 import Synchronization
+import BPFSupport
 
 /// One socket in a SO_REUSEPORT UDP group, steered by the group's policy.
 ///

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import CSystemShim
 
 /// Socket calls the library makes, each through ``systemCall(_:_:)``.

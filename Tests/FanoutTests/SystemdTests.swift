@@ -1,3 +1,4 @@
+import BPFSupport
 import Foundation
 import Logging
 import ServiceLifecycle

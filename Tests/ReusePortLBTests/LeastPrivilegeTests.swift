@@ -1,4 +1,5 @@
 import BPFObjects
+import BPFSupport
 import CLibBPF
 import CSystemShim
 import Foundation

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import ReusePortLB
 
 /// One ICMP (IPv4) or ICMPv6 socket sending echo requests and reading replies, without spawning

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import ReusePortLB
 
 /// The probe thread of a ``HealthChecker``: one poll(2) over the wake pipe, the ICMP sockets

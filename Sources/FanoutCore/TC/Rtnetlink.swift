@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import ReusePortLB
 
 /// Requests to the kernel's routing netlink (NETLINK_ROUTE) in the calling thread's network

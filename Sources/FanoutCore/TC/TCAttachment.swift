@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import CLibBPF
 import CSystemShim
 import Logging

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import CLibBPF
 import CSystemShim
 import ReusePortLB
@@ -132,7 +133,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// the entry cannot be read.
     func perCPUSum<T>(_ fd: Int32, key: UInt32, as type: T.Type) -> [UInt64] {
         let words = MemoryLayout<T>.stride / 8
-        return (try? ReusePortLB.perCPUSum(fd, key: key, words: words)) ?? [UInt64](repeating: 0, count: words)
+        return (try? BPFSupport.perCPUSum(fd, key: key, words: words)) ?? [UInt64](repeating: 0, count: words)
     }
 
     /// Zeroes a per-CPU entry (a listener id or backend slot about to be reused).

@@ -2,6 +2,9 @@
 import Glibc
 #endif
 
+// BPFSupport: what the three BPF programs' loaders share (ReusePortLB's sk_reuseport, udp-fanout's
+// tc and XDP): the system-call layer, loading an embedded object, per-CPU counters, capabilities.
+
 /// A failed system or libbpf call: the call's name and the errno it left.
 public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatable {
     /// The C call that failed, e.g. `bind` or `bpf_map_update_elem`.
