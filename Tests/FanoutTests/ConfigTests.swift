@@ -97,7 +97,7 @@ struct ConfigTests {
         #expect(config.metrics.enabled && config.metrics.bind == SocketAddress("127.0.0.1:19090") && config.metrics.path == "/metrics")
     }
 
-    @Test("The reference README's configs parse and validate unchanged (Kubernetes discovery and health included); af_xdp is refused by name")
+    @Test("The reference README's configs parse and validate unchanged (Kubernetes discovery, health and af_xdp included)")
     func referenceExamples() throws {
         try ConfigParser.parse(ReferenceConfigs.userspace).validate(localAddresses: [])
         let tc = try ConfigParser.parse(ReferenceConfigs.tcKubernetes)
@@ -107,19 +107,33 @@ struct ConfigTests {
         try tc.validate()
         let xdp = try ConfigParser.parse(ReferenceConfigs.afXDP)
         #expect(xdp.health.proto == "udp_echo")
-        do {
-            try xdp.validate()
-            Issue.record("af_xdp accepted")
-        } catch {
-            #expect(error.key == "listeners[0].mode" && error.problem.contains("af_xdp is not implemented"))
-        }
-        // Without an interface too: the mode is named first, not the interface it would need.
-        do {
-            try ConfigParser.parse(ReferenceConfigs.afXDP.replacingOccurrences(of: "    interface: eth0\n", with: "")).validate()
-            Issue.record("af_xdp accepted")
-        } catch {
-            #expect(error.key == "listeners[0].mode" && error.problem.contains("af_xdp is not implemented"), "\(error)")
-        }
+        try xdp.validate()
+        let settings = xdp.listeners[0].settings
+        #expect(xdp.listeners[0].mode == .afXDP && settings.output == .socket && settings.xdpMode == .auto && settings.queues == 0)
+        #expect(settings.umemFrameSize == 4096 && settings.umemFrames == 4096 && settings.ringSize == 2048 && settings.zeroCopy == .auto && !settings.busyPoll)
+    }
+
+    @Test("af_xdp and output keys parse")
+    func afXDPKeys() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: x
+                bind: "198.18.0.1:9000"
+                interface: veth0
+                mode: af_xdp
+                settings: {xdp_mode: generic, queues: 2, output: xdp_tx, umem_frame_size: 2048, umem_frames: 8192, ring_size: 1024, zero_copy: "off", busy_poll: true}
+                downstream: [{address: "198.18.1.2:9000"}]
+              - name: u
+                bind: "127.0.0.1:9001"
+                settings: {output: preserve_source}
+                downstream: [{address: "127.0.0.1:9002"}]
+            """)
+        try config.validate(localAddresses: [])
+        let settings = config.listeners[0].settings
+        #expect(settings.xdpMode == .generic && settings.queues == 2 && settings.output == .xdpTX)
+        #expect(settings.umemFrameSize == 2048 && settings.umemFrames == 8192 && settings.ringSize == 1024 && settings.zeroCopy == .off && settings.busyPoll)
+        #expect(config.listeners[1].settings.output == .preserveSource)
+        #expect(config.warnings().isEmpty, "\(config.warnings())")
     }
 
     @Test("Our keys: balancing, weights, IPv6")
@@ -177,6 +191,26 @@ struct ConfigTests {
          "listeners[0].settings.tc_attach", "is not one of"),
         ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: tc_ebpf\n    settings: {tc_attach: clsact}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
          "listeners[0].settings.tc_attach", "differs from listener 'b' on the same interface"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    mode: af_xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].interface", "attaches to a network interface"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: af_xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[1].interface", "one af_xdp listener per interface"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    settings: {output: xdp_tx}\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].settings.output", "xdp_tx needs mode af_xdp"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    settings: {output: socket}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.output", "tc_ebpf forwards in the kernel"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    settings: {xdp_mode: turbo}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.xdp_mode", "is not one of"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    settings: {umem_frame_size: 3000}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.umem_frame_size", "2048 or 4096"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    settings: {ring_size: 1000}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.ring_size", "power of two"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    settings: {ring_size: 4096, umem_frames: 4096}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.umem_frames", "at least twice ring_size"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    settings: {queues: 65}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.queues", "out of range"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: af_xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"0.0.0.0:1\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[1].bind", "overlaps"),
         ("listeners: []\n", "listeners", "empty"),
         ("metrics: {enabled: true}\n", "listeners", "required"),
         ("listeners: [\n", "(document)", "not valid YAML"),

@@ -123,7 +123,8 @@ public enum ConfigParser {
         var settings = Settings()
         if let node = fields["settings"] {
             let entry = try Fields(node, path: "\(path).settings")
-            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs"])
+            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
+                             "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"])
             let maximum: Int
             if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
             settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
@@ -138,6 +139,20 @@ public enum ConfigParser {
                 settings.tcAttach = TCAttach(rawValue: attach)!
             }
             settings.resolveIntervalSecs = try entry.int("resolve_interval_secs", in: 1...86400) ?? settings.resolveIntervalSecs
+            if let output = try entry.choice("output", Output.allCases.map(\.rawValue)) { settings.output = Output(rawValue: output)! }
+            if let mode = try entry.choice("xdp_mode", XDPMode.allCases.map(\.rawValue)) { settings.xdpMode = XDPMode(rawValue: mode)! }
+            settings.queues = try entry.int("queues", in: 0...Settings.maximumQueues) ?? settings.queues
+            if let size = try entry.int("umem_frame_size", in: 2048...4096) {
+                guard size == 2048 || size == 4096 else { throw entry.error("umem_frame_size", "\(size): must be 2048 or 4096 (AF_XDP aligned frames)") }
+                settings.umemFrameSize = size
+            }
+            settings.umemFrames = try entry.int("umem_frames", in: 64...(1 << 20)) ?? settings.umemFrames
+            if let size = try entry.int("ring_size", in: 64...16384) {
+                guard size & (size - 1) == 0 else { throw entry.error("ring_size", "\(size): must be a power of two (64 to 16384)") }
+                settings.ringSize = size
+            }
+            if let zeroCopy = try entry.choice("zero_copy", ZeroCopy.allCases.map(\.rawValue)) { settings.zeroCopy = ZeroCopy(rawValue: zeroCopy)! }
+            settings.busyPoll = try entry.bool("busy_poll") ?? settings.busyPoll
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
         return Listener(

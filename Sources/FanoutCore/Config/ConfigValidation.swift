@@ -82,6 +82,23 @@ extension FanoutConfig {
             guard discovered || listener.downstreams.contains(where: { $0.weight > 0 }) else {
                 throw fail("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
             }
+            switch (listener.mode, listener.settings.output) {
+            case (.tcEBPF, .socket), (.tcEBPF, .xdpTX):
+                if lines.isSet("\(path).settings.output") {
+                    throw fail("\(path).settings.output", "\(listener.settings.output.rawValue): tc_ebpf forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+                }
+            case (.userspace, .xdpTX):
+                throw fail("\(path).settings.output", "xdp_tx needs mode af_xdp (it transmits from the AF_XDP ring); userspace mode offers socket or preserve_source")
+            default: break
+            }
+            if listener.mode == .afXDP {
+                if let other = listeners[..<index].firstIndex(where: { $0.mode == .afXDP && $0.interface == listener.interface }) {
+                    throw fail("\(path).interface", "\(listener.interface ?? "") already serves listener '\(listeners[other].name)': one af_xdp listener per interface (its AF_XDP sockets hold the interface's queues); use another interface, or mode userspace/tc_ebpf for this bind")
+                }
+                if listener.settings.umemFrames < 2 * listener.settings.ringSize {
+                    throw fail("\(path).settings.umem_frames", "\(listener.settings.umemFrames) frames: must be at least twice ring_size (\(listener.settings.ringSize)), so the fill ring stays full while frames are in flight")
+                }
+            }
             if listener.mode == .tcEBPF {
                 do throws(ConfigError) {
                     try Self.validateTC(listener, path: path, localAddresses)
@@ -124,7 +141,18 @@ extension FanoutConfig {
                     warn("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)")
                 }
                 if lines.isSet("\(path).settings.tc_attach") { warn("\(path).settings.tc_attach", "applies to mode tc_ebpf only") }
-            } else {
+            }
+            if listener.mode != .afXDP {
+                for key in ["xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"] where lines.isSet("\(path).settings.\(key)") {
+                    warn("\(path).settings.\(key)", "applies to mode af_xdp only")
+                }
+            }
+            if listener.mode == .afXDP {
+                if lines.isSet("\(path).settings.tc_attach") { warn("\(path).settings.tc_attach", "applies to mode tc_ebpf only") }
+                for key in ["workers", "worker_steering"] where lines.isSet("\(path).settings.\(key)") {
+                    warn("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)")
+                }
+            } else if listener.mode == .tcEBPF {
                 for key in ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size", "worker_steering"] where lines.isSet("\(path).settings.\(key)") {
                     warn("\(path).settings.\(key)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
                 }

@@ -70,11 +70,12 @@ public enum Mode: String, Sendable, CaseIterable {
     case userspace
     /// In-kernel DNAT, fib lookup and redirect at tc ingress. Needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON.
     case tcEBPF = "tc_ebpf"
-    /// XDP to AF_XDP sockets (not in this release).
+    /// XDP redirects matching datagrams to AF_XDP sockets, one per RX queue; userspace forwards
+    /// them. Needs CAP_BPF, CAP_NET_ADMIN, CAP_NET_RAW (and CAP_IPC_LOCK or a locked-memory limit).
     case afXDP = "af_xdp"
 
     /// Modes this release can serve; the others are refused at validation.
-    public static let implemented: Set<Mode> = [.userspace, .tcEBPF]
+    public static let implemented: Set<Mode> = [.userspace, .tcEBPF, .afXDP]
 }
 
 /// How a listener picks the downstream of each datagram.
@@ -149,8 +150,59 @@ public struct Settings: Equatable, Sendable {
     public var tcAttach: TCAttach = .auto
     /// Longest time between two resolutions of a DNS downstream (the record's TTL, if shorter, wins).
     public var resolveIntervalSecs: Int = 30
+    /// How datagrams leave for the downstream (userspace and af_xdp).
+    public var output: Output = .socket
+    /// af_xdp: how the XDP program is attached.
+    public var xdpMode: XDPMode = .auto
+    /// af_xdp: RX queues served, from queue 0 (0: every RX queue of the interface).
+    public var queues: Int = 0
+    /// Entries of the XDP program's socket map (FANOUT_XDP_MAX_QUEUES).
+    public static let maximumQueues = 64
+    /// af_xdp: bytes per UMEM frame (2048 or 4096: the largest frame a socket takes, headroom included).
+    public var umemFrameSize: Int = 4096
+    /// af_xdp: UMEM frames per queue.
+    public var umemFrames: Int = 4096
+    /// af_xdp: entries of each ring (RX, TX, fill, completion): a power of two.
+    public var ringSize: Int = 2048
+    /// af_xdp: zero-copy binding (auto: where the driver has it, else copy mode).
+    public var zeroCopy: ZeroCopy = .auto
+    /// af_xdp: busy polling of the sockets (SO_PREFER_BUSY_POLL), trading CPU for latency.
+    public var busyPoll: Bool = false
 
     public init() {}
+}
+
+/// How a listener's datagrams leave for the downstream.
+public enum Output: String, Sendable, CaseIterable {
+    /// The payload through a UDP socket of this host (sendmmsg with GSO): the downstream sees this
+    /// host's address as the source (the reference's behaviour).
+    case socket
+    /// The whole datagram with the client's source address and port, through a raw IP socket
+    /// (CAP_NET_RAW): collectors keyed by exporter address keep working.
+    case preserveSource = "preserve_source"
+    /// af_xdp: rewritten in UMEM and sent on the queue's TX ring when the downstream's next hop
+    /// is on the same interface; otherwise as preserve_source (counted).
+    case xdpTX = "xdp_tx"
+}
+
+/// How the af_xdp XDP program is attached.
+public enum XDPMode: String, Sendable, CaseIterable {
+    /// Native (driver) mode, falling back to generic (SKB) mode with a warning.
+    case auto
+    /// The driver's XDP hook only: an error where the driver has none.
+    case native
+    /// Generic (SKB) mode: every driver, slower.
+    case generic
+}
+
+/// Whether AF_XDP sockets bind in zero-copy mode.
+public enum ZeroCopy: String, Sendable, CaseIterable {
+    /// Zero-copy where the driver supports it, else copy mode (logged).
+    case auto
+    /// Zero-copy only: an error where the driver cannot.
+    case on
+    /// Copy mode.
+    case off
 }
 
 /// How a userspace listener spreads datagrams over its workers.
