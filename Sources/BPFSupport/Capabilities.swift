@@ -8,6 +8,8 @@ package struct Capabilities: Sendable {
 
     package static let sysAdmin = 21
     package static let netAdmin = 12
+    package static let netRaw = 13
+    package static let ipcLock = 14
     package static let bpf = 39
     package static let perfmon = 38
 

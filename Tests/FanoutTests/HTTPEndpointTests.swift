@@ -17,8 +17,10 @@ import Glibc
 /// fresh clients meanwhile, and checks that forwarding lost nothing.
 @Suite("udp-fanout HTTP endpoint", .serialized)
 struct HTTPEndpointTests {
-    /// 100 ms is a correctness bound (a free endpoint answers in well under 1 ms), not a benchmark.
-    static let probeBound: Duration = .milliseconds(100)
+    /// A correctness bound, not a benchmark: a free endpoint answers in well under 1 ms, and one
+    /// that a load blocks waits as long as the load lasts (2 s and more, every probe). 500 ms
+    /// leaves room for a 2-core CI machine building beside the test (148 ms seen there once).
+    static let probeBound: Duration = .milliseconds(500)
 
     @Test("Routes: GET/HEAD metrics, /healthz, /readyz, 404 and 405, query strings ignored")
     func routes() throws {

@@ -44,6 +44,13 @@ protocol RunningListener: AnyObject, Sendable {
     /// What the systemd watchdog checks (``WatchdogJudge``): each worker's progress counter,
     /// or whether the tc program is still attached.
     func heartbeats() -> [PathHeartbeat]
+    /// Gives up what only one instance can hold (af_xdp: the interface's XDP hook and queues)
+    /// while still receiving on its bind, so a successor can take it over; ``shutdown()`` follows.
+    func releaseInterface()
+}
+
+extension RunningListener {
+    func releaseInterface() {}
 }
 
 /// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.
@@ -227,6 +234,13 @@ public final class FanoutDaemon: Sendable {
             })
         }
         for listener in stopFirst { running[listener.name]?.shutdown() }
+        // af_xdp listeners whose interface a new one takes: they give the interface up (hook and
+        // queues) but their companion socket keeps receiving on the bind until the successor runs.
+        let freshXDP = fresh.filter { $0.mode == .afXDP }
+        let released = retiring.filter { listener in
+            listener.mode == .afXDP && freshXDP.contains { $0.interface == listener.interface }
+        }
+        for listener in released { running[listener.name]?.releaseInterface() }
 
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
@@ -234,7 +248,8 @@ public final class FanoutDaemon: Sendable {
             for listener in fresh { started[listener.name] = try makeListener(effective[listener.name]!) }
             for listener in fresh {
                 let instance = started[listener.name]!
-                let predecessor = retiring.contains { $0.mode == .userspace && FanoutConfig.overlaps($0.bind, listener.bind) }
+                // Userspace workers and af_xdp companion sockets: groups on the bind.
+                let predecessor = retiring.contains { $0.mode != .tcEBPF && FanoutConfig.overlaps($0.bind, listener.bind) }
                 if predecessor && !instance.takesOverExactly {
                     logger.warning("without eBPF worker steering the old workers on this bind keep receiving until they stop; datagrams reaching them as they close are lost and not counted (grant CAP_BPF for lossless changes)", metadata: [
                         "listener": "\(listener.name)", "bind": "\(listener.bind)",
@@ -247,7 +262,7 @@ public final class FanoutDaemon: Sendable {
         } catch {
             for instance in started.values { instance.shutdown() }
             // The old userspace groups take their binds back (a new group may have activated).
-            for listener in retiring where listener.mode == .userspace {
+            for listener in retiring where listener.mode != .tcEBPF {
                 do {
                     try running[listener.name]?.activate()
                 } catch {
@@ -257,6 +272,27 @@ public final class FanoutDaemon: Sendable {
                 }
             }
             var lost: [String] = []
+            // A released af_xdp listener comes back as a new instance of its previous settings
+            // (its companion socket still receives meanwhile), which then takes the bind over.
+            for listener in released {
+                let previous = running[listener.name]
+                do {
+                    let restarted = try makeListener(state.withLock { state in
+                        var previous = listener
+                        previous.downstreams = state.applied[listener.name] ?? listener.downstreams
+                        return previous
+                    })
+                    try? restarted.activate()
+                    state.withLock { $0.listeners[listener.name] = restarted }
+                } catch {
+                    lost.append(listener.name)
+                    state.withLock { $0.listeners[listener.name] = nil }
+                    logger.critical("listener stopped: it could not be started again after a failed change", metadata: [
+                        "listener": "\(listener.name)", "error": "\(error)",
+                    ])
+                }
+                previous?.shutdown()
+            }
             for listener in stopFirst {
                 do {
                     let restarted = try makeListener(state.withLock { state in
@@ -366,6 +402,7 @@ public final class FanoutDaemon: Sendable {
         var text = PrometheusText.render(
             counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)),
             unmatched: dataplane.unmatched())
+        text += PrometheusText.merge(counters.compactMap { $0.modeMetrics.withLock { $0 }?() })
         text += membershipMetrics()
         text += health.metricsText()
         text += PrometheusText.merge(discoveryMetrics.withLock { $0 }.sorted { "\($0.key)" < "\($1.key)" }.map { $0.value() })

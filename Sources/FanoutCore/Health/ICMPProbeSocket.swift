@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import BPFSupport
+import CSystemShim
 import ReusePortLB
 
 /// One ICMP (IPv4) or ICMPv6 socket sending echo requests and reading replies, without spawning

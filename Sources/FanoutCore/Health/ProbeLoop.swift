@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import BPFSupport
+import CSystemShim
 import ReusePortLB
 
 /// The probe thread of a ``HealthChecker``: one poll(2) over the wake pipe, the ICMP sockets

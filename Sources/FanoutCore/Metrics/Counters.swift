@@ -16,6 +16,8 @@ public enum DropReason: String, CaseIterable, Sendable {
     case ttlExpired = "ttl_expired"
     /// tc_ebpf: a kernel helper refused to rewrite or redirect the packet.
     case rewriteFailed = "rewrite_failed"
+    /// af_xdp: a frame from the RX ring whose Ethernet/IP/UDP headers did not parse.
+    case parseError = "parse_error"
 }
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
@@ -34,6 +36,10 @@ public final class ListenerCounters: Sendable {
     let sendBufferFull = Atomic<UInt64>(0)
     let unreachable = Atomic<UInt64>(0)
     let sendError = Atomic<UInt64>(0)
+    let parseError = Atomic<UInt64>(0)
+    /// A mode's own metric families (af_xdp: rings, sockets, XDP verdicts) in the Prometheus text
+    /// format, merged into /metrics; nil: none.
+    let modeMetrics = Mutex<(@Sendable () -> String)?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
     /// values after it stopped. nil: the atomics above.
@@ -59,6 +65,7 @@ public final class ListenerCounters: Sendable {
         case .sendBufferFull: add(sendBufferFull, count)
         case .unreachable: add(unreachable, count)
         case .sendError: add(sendError, count)
+        case .parseError: add(parseError, count)
         case .noRoute, .ttlExpired, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -112,7 +119,7 @@ public final class ListenerCounters: Sendable {
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
-            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0,
+            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

@@ -62,7 +62,8 @@ final class UserspaceListener: RunningListener {
         ])
         let (plans, stop) = (self.plans, self.stop)
         workers = members.enumerated().map { index, member in
-            UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger)
+            UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger,
+                            makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
         }
         threads = workers.map { worker in
             OSThread(name: "fanout-\(worker.index)") { worker.run() }

@@ -24,17 +24,15 @@ final class UserspaceWorker: @unchecked Sendable {
     private let logger: Logger
     private let receiver: BatchReceiver
     // Owned by the worker thread once it runs:
-    private var version = -1
-    private var plan: ForwardingPlan?
-    private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
-    private var outboxes: [DownstreamOutbox] = []
+    private let forwarder: BatchForwarder
     private var reportedSocketDrops: UInt32 = 0
     /// Receive errors since the last "receive failed" line, and when that line was logged.
     private var receiveFailures = 0
     private var lastReceiveFailureLog: ContinuousClock.Instant?
 
+    /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
-         plans: PlanHolder, stop: StopSignal, logger: Logger) {
+         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
         self.index = index
         self.member = member
         self.listener = listener
@@ -42,6 +40,7 @@ final class UserspaceWorker: @unchecked Sendable {
         self.plans = plans
         self.stop = stop
         self.logger = logger
+        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
@@ -53,7 +52,7 @@ final class UserspaceWorker: @unchecked Sendable {
                 logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
             }
         }
-        adoptPlanIfChanged()
+        forwarder.adoptPlanIfChanged()
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)"])
         var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
@@ -69,7 +68,7 @@ final class UserspaceWorker: @unchecked Sendable {
                 nextHeartbeat = clock.now + .seconds(5)
                 let snapshot = counters.snapshot()
                 logger.debug("userspace worker heartbeat", metadata: [
-                    "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(outboxes.count)",
+                    "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(forwarder.outboxes.count)",
                     "received": "\(snapshot.received)", "forwarded": "\(snapshot.forwarded)", "dropped": "\(snapshot.droppedTotal)",
                 ])
             }
@@ -109,7 +108,7 @@ final class UserspaceWorker: @unchecked Sendable {
             if count == 0 { break }
             // Under sustained load this loop does not return to poll: the batches are the progress.
             progress.wrappingAdd(1, ordering: .relaxed)
-            adoptPlanIfChanged()
+            forwarder.adoptPlanIfChanged()
             forward(count)
             if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
         }
@@ -121,61 +120,23 @@ final class UserspaceWorker: @unchecked Sendable {
         return true
     }
 
-    private func adoptPlanIfChanged() {
-        let current = plans.version.load(ordering: .acquiring)
-        guard current != version else { return }
-        version = current
-        let plan = plans.plan
-        self.plan = plan
-        selector = DownstreamSelector(plan.method)
-        outboxes = plan.downstreams.map { DownstreamOutbox(address: $0.address, capacity: listener.settings.batchSize) }
-        for (outbox, downstream) in zip(outboxes, plan.downstreams) where outbox.socket < 0 {
-            logger.warning("downstream socket could not connect; its datagrams are dropped as unreachable, connecting again every second",
-                           metadata: ["listener": "\(listener.name)", "downstream": "\(downstream.name)", "errno": "\(outbox.connectError)"])
-        }
-    }
-
     private func forward(_ count: Int) {
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
         var noHealthy: UInt64 = 0
         for datagram in 0..<count {
-            let payload = receiver.payload(datagram)
             bytesReceived += UInt64(receiver.length(datagram))
             if receiver.isTruncated(datagram) {
                 tooLarge += 1
                 continue
             }
-            guard let target = selector.pick(source: receiver.sourceStorage(datagram)) else {
+            let source = receiver.sourceStorage(datagram)
+            guard let target = forwarder.pick(source) else {
                 noHealthy += 1
                 continue
             }
-            outboxes[target].append(payload)
+            forwarder.append(target, receiver.payload(datagram), source: source)
         }
-        var forwarded: UInt64 = 0
-        var bytesForwarded: UInt64 = 0
-        for (target, outbox) in outboxes.enumerated() where outbox.count > 0 {
-            if outbox.socket < 0 && outbox.reconnectIfDue() {
-                logger.notice("downstream socket connected", metadata: ["listener": "\(listener.name)", "downstream": "\(plan!.downstreams[target].name)"])
-            }
-            var result: (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64]) = (0, 0, [:])
-            outbox.flush(&result)
-            if outbox.refused, let report = plan!.passiveHealth { report(plan!.downstreams[target].address) }
-            forwarded += result.sent
-            bytesForwarded += result.bytes
-            let downstream = plan!.counters[target]
-            downstream.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
-            downstream.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
-            for (reason, dropped) in result.dropped {
-                counters.drop(reason, dropped)
-                downstream.dropped.wrappingAdd(dropped, ordering: .relaxed)
-            }
-        }
-        counters.add(counters.received, UInt64(count))
-        counters.add(counters.bytesReceived, bytesReceived)
-        counters.add(counters.forwarded, forwarded)
-        counters.add(counters.bytesForwarded, bytesForwarded)
-        counters.add(counters.noHealthy, noHealthy)
-        counters.drop(.tooLarge, tooLarge)
+        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)
     }
 }

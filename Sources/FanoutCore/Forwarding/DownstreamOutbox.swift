@@ -14,7 +14,7 @@ import ReusePortLB
 /// the send path once per run. If the kernel refuses a GSO message (EMSGSIZE/EINVAL: a segment above
 /// the path MTU, or no GSO), GSO is turned off for this downstream and the run is resent one
 /// datagram per message. A run that fails otherwise is dropped whole, with its reason.
-final class DownstreamOutbox {
+final class DownstreamOutbox: Outbox {
     /// The connected socket, or -1 while connecting fails (no route yet, no such address):
     /// retried at most once a second while datagrams come, so a downstream unreachable at start
     /// is served once its route appears, without a reload.
@@ -78,14 +78,17 @@ final class DownstreamOutbox {
         controls.deallocate()
     }
 
-    func append(_ payload: UnsafeRawBufferPointer) {
+    /// The payload alone goes out; the source is this host's (the socket's).
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
         iovecs[count] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
         count += 1
     }
 
+    var unavailable: String? { socket < 0 ? "socket could not connect (errno \(connectError))" : nil }
+
     /// Sends the batch. A message that fails is dropped (its datagrams counted with the reason);
     /// the rest go on.
-    func flush(_ result: inout (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])) {
+    func flush(_ result: inout FlushResult) {
         defer { count = 0 }
         refused = false
         guard socket >= 0 else {
@@ -150,7 +153,7 @@ final class DownstreamOutbox {
         headers[message].msg_hdr.msg_iov - iovecs
     }
 
-    private func account(_ message: msghdr, _ result: inout (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])) {
+    private func account(_ message: msghdr, _ result: inout FlushResult) {
         for index in 0..<message.msg_iovlen { result.bytes += UInt64(message.msg_iov[index].iov_len) }
         result.sent += UInt64(message.msg_iovlen)
     }

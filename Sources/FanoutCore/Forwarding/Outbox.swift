@@ -1,0 +1,62 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import ReusePortLB
+
+/// What one flush of an outbox did: datagrams and bytes sent, and the datagrams dropped by reason.
+typealias FlushResult = (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])
+
+/// Where a forwarder gathers the datagrams of one batch for one downstream and sends them in one
+/// go: ``DownstreamOutbox`` (the payload through a connected UDP socket, `output: socket`) or
+/// ``SourcePreservingOutbox`` (the whole datagram with the client's source, `output:
+/// preserve_source`). Shared by userspace workers and af_xdp forwarders; owned by one thread.
+protocol Outbox: AnyObject {
+    /// Datagrams appended since the last flush.
+    var count: Int { get }
+    /// The last flush got ICMP port unreachable back (passive health).
+    var refused: Bool { get }
+    /// Adds one datagram: `payload` must stay valid until ``flush(_:)`` returns (no copy).
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>)
+    /// Sends what was appended; every datagram is either counted sent or dropped with its reason.
+    func flush(_ result: inout FlushResult)
+    /// Retries a socket that could not be made, at most once a second; true when this call made it.
+    func reconnectIfDue() -> Bool
+    /// Why datagrams are dropped right now without a send (no socket), for a log line; nil when sending.
+    var unavailable: String? { get }
+}
+
+/// Makes the way out to each downstream for a listener's `settings.output`.
+enum Outboxes {
+    static func factory(output: Output, capacity: Int) -> BatchForwarder.OutboxFactory {
+        switch output {
+        case .socket, .xdpTX:
+            // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
+            return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
+        case .preserveSource:
+            return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
+        }
+    }
+}
+
+/// An outbox whose socket could not be made (the reason is logged once per plan): every datagram
+/// appended is dropped and counted with `reason`.
+final class UnavailableOutbox: Outbox {
+    private(set) var count = 0
+    let refused = false
+    let unavailable: String?
+    private let reason: DropReason
+
+    init(problem: String, reason: DropReason = .sendError) {
+        unavailable = problem
+        self.reason = reason
+    }
+
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) { count += 1 }
+
+    func flush(_ result: inout FlushResult) {
+        result.dropped[reason, default: 0] += UInt64(count)
+        count = 0
+    }
+
+    func reconnectIfDue() -> Bool { false }
+}
