@@ -196,6 +196,9 @@ def main():
     if only in ("all", "tc"):
         import bench_tc
         rows += bench_tc.rows()
+    if only in ("all", "afxdp"):
+        import bench_afxdp
+        rows += bench_afxdp.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
     for row in [HEADER] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -47,7 +47,8 @@ def sh(*args, check=True):
 
 
 class Topology:
-    def __init__(self):
+    def __init__(self, queues=1):
+        self.queues = queues
         tag = f"{random.getrandbits(32):08x}"
         self.client, self.proxy = f"btc-{tag}", f"btp-{tag}"
         self.backends = [f"btb{n}-{tag}" for n in range(1, BACKENDS + 1)]
@@ -68,7 +69,8 @@ class Topology:
             sh("ip", "netns", "add", namespace)
             self.created.append(namespace)
             sh("ip", "-n", namespace, "link", "set", "lo", "up")
-        sh("ip", "link", "add", f"cp{tag}", "netns", self.client, "type", "veth", "peer", "name", self.proxy_if, "netns", self.proxy)
+        q = ["numtxqueues", str(self.queues), "numrxqueues", str(self.queues)]
+        sh("ip", "link", "add", f"cp{tag}", "netns", self.client, *q, "type", "veth", "peer", "name", self.proxy_if, "netns", self.proxy, *q)
         sh("ip", "-n", self.client, "addr", "add", "198.18.0.2/24", "dev", f"cp{tag}")
         for last in range(10, 26):
             sh("ip", "-n", self.client, "addr", "add", f"198.18.0.{last}/24", "dev", f"cp{tag}")

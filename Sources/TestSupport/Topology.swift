@@ -24,7 +24,9 @@ public final class Topology {
     private var destroyed = false
     static let ip = "/usr/sbin/ip"
 
-    public init(backends count: Int, mtu: Int = 1500) throws {
+    /// - Parameter queues: TX and RX queues of the client–proxy veth pair (af_xdp serves one
+    ///   AF_XDP socket per RX queue; the client's flows spread over them by hash).
+    public init(backends count: Int, mtu: Int = 1500, queues: Int = 1) throws {
         let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
         self.suffix = suffix
         client = "tcc-\(suffix)"
@@ -35,8 +37,9 @@ public final class Topology {
             try Self.ip(["netns", "add", namespace])
             try Self.ip(["-n", namespace, "link", "set", "lo", "up"])
         }
-        try Self.ip(["link", "add", "cp\(suffix.prefix(8))", "netns", client, "mtu", "\(mtu)", "type", "veth",
-                     "peer", "name", proxyInterface, "netns", proxy, "mtu", "\(mtu)"])
+        let queueArguments = ["numtxqueues", "\(queues)", "numrxqueues", "\(queues)"]
+        try Self.ip(["link", "add", "cp\(suffix.prefix(8))", "netns", client, "mtu", "\(mtu)"] + queueArguments + ["type", "veth",
+                     "peer", "name", proxyInterface, "netns", proxy, "mtu", "\(mtu)"] + queueArguments)
         try link(client, "cp\(suffix.prefix(8))", v4: "198.18.0.2/24", v6: "2001:db8::2/64")
         try link(proxy, proxyInterface, v4: "198.18.0.1/24", v6: "2001:db8::1/64")
         try Self.ip(["-n", client, "route", "add", "default", "via", "198.18.0.1"])
@@ -94,5 +97,86 @@ public final class Topology {
     static func ip(_ arguments: [String]) throws {
         let result = try run(ip, arguments)
         try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+    }
+}
+
+/// A one-arm test topology: client, load balancer and backends on one Ethernet segment (a bridge
+/// in a namespace of its own), all in 198.18.0.0/24 and 2001:db8::/64, as with MetalLB L2 on one
+/// NIC. The load balancer's veth has `queues` RX and TX queues, and every neighbour is resolved
+/// up front.
+///
+///     client 198.18.0.2 ─┐
+///     lb     198.18.0.1 ─┼─ bridge
+///     backend N 198.18.0.1N ─┘   (2001:db8::2, ::1, ::1N)
+public final class OneArmTopology {
+    public let suffix: String
+    public let bridge: String
+    public let client: String
+    public let balancer: String
+    public let backends: [String]
+    /// The load balancer's interface on the segment.
+    public let balancerInterface: String
+    private var destroyed = false
+
+    public static func backendIPv4(_ n: Int) -> String { "198.18.0.1\(n)" }
+    public static func backendIPv6(_ n: Int) -> String { "2001:db8::1\(n)" }
+
+    public init(backends count: Int, queues: Int = 2) throws {
+        let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
+        self.suffix = suffix
+        bridge = "oab-\(suffix)"
+        client = "oac-\(suffix)"
+        balancer = "oal-\(suffix)"
+        backends = (1...count).map { "oa\($0)-\(suffix)" }
+        balancerInterface = "l\(suffix.prefix(8))"
+        for namespace in [bridge, client, balancer] + backends {
+            try Topology.ip(["netns", "add", namespace])
+            try Topology.ip(["-n", namespace, "link", "set", "lo", "up"])
+        }
+        try Topology.ip(["-n", bridge, "link", "add", "br0", "type", "bridge"])
+        try Topology.ip(["-n", bridge, "link", "set", "br0", "up"])
+        let queueArguments = ["numtxqueues", "\(queues)", "numrxqueues", "\(queues)"]
+        var ends: [(namespace: String, name: String, v4: String, v6: String, queues: [String])] = [
+            (client, "c\(suffix.prefix(8))", "198.18.0.2/24", "2001:db8::2/64", []),
+            (balancer, balancerInterface, "198.18.0.1/24", "2001:db8::1/64", queueArguments),
+        ]
+        for (index, backend) in backends.enumerated() {
+            ends.append((backend, "b\(index + 1)\(suffix.prefix(7))", "\(Self.backendIPv4(index + 1))/24", "\(Self.backendIPv6(index + 1))/64", []))
+        }
+        for (index, end) in ends.enumerated() {
+            let port = "p\(index)\(suffix.prefix(8))"
+            try Topology.ip(["link", "add", port, "netns", bridge] + end.queues + ["type", "veth", "peer", "name", end.name, "netns", end.namespace] + end.queues)
+            try Topology.ip(["-n", bridge, "link", "set", port, "master", "br0"])
+            try Topology.ip(["-n", bridge, "link", "set", port, "up"])
+            try Topology.ip(["-n", end.namespace, "addr", "add", end.v4, "dev", end.name])
+            try Topology.ip(["-n", end.namespace, "-6", "addr", "add", end.v6, "dev", end.name, "nodad"])
+            try Topology.ip(["-n", end.namespace, "link", "set", end.name, "up"])
+        }
+        // Neighbours resolved up front, both ways (the balancer's toward every backend is what xdp_tx reads).
+        for n in 1...count {
+            try exec(balancer, ["ping", "-c", "1", "-W", "3", Self.backendIPv4(n)])
+            try exec(balancer, ["ping", "-6", "-c", "1", "-W", "3", Self.backendIPv6(n)])
+        }
+        try exec(client, ["ping", "-c", "1", "-W", "3", "198.18.0.1"])
+        try exec(client, ["ping", "-6", "-c", "1", "-W", "3", "2001:db8::1"])
+    }
+
+    deinit { destroy() }
+
+    public func destroy() {
+        guard !destroyed else { return }
+        destroyed = true
+        for namespace in [bridge, client, balancer] + backends { _ = try? run(Topology.ip, ["netns", "delete", namespace]) }
+    }
+
+    public func prefix(_ namespace: String) -> [String] {
+        ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+    }
+
+    @discardableResult
+    public func exec(_ namespace: String, _ command: [String]) throws -> String {
+        let result = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--"] + command)
+        try #require(result.status == 0, "\(command.joined(separator: " ")) in \(namespace): \(result.output)")
+        return result.output
     }
 }

@@ -1,0 +1,141 @@
+"""udp-fanout af_xdp benchmarks for make bench (BENCH=afxdp): af_xdp (each output) against
+userspace mode and tc_ebpf, in bench_tc's namespace topology with two RX queues on the client
+link, built here and removed afterwards. Imported by bench.py; uses its helpers.
+
+    client ── proxy ── backend 1..3        (198.18.0.0/15 only, namespaces of this run)
+
+The client's publisher sends 64-byte datagrams from 16 source addresses to 198.18.0.1:5514;
+backends drop UDP at their ingress after the veth counted it ("delivered" = what reached the
+backend links). Variants, alternated run by run:
+
+  af_xdp socket            payload out through a UDP socket (sendmmsg), the daemon's source
+  af_xdp preserve_source   the whole datagram with the client's source, raw socket
+  userspace                recvmmsg/sendmmsg workers (2), socket output
+  tc_ebpf                  the in-kernel path
+
+Saturation: as many datagrams as the publisher sends; delivered pps. CPU per forwarded
+datagram at a fixed rate: every CPU's busy time (user + system + irq + softirq, /proc/stat)
+over the run divided by what was delivered; the generator's share is the same for every
+variant. RSS: the daemon's VmRSS after the fixed-rate run.
+"""
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import bench
+import bench_tc
+
+DATAGRAMS = int(os.environ.get("BENCH_AFXDP_DATAGRAMS", "600000"))
+FIXED_RATE = int(os.environ.get("BENCH_AFXDP_RATE", "100000"))
+FIXED_SECONDS = int(os.environ.get("BENCH_AFXDP_SECONDS", "4"))
+VARIANTS = ["af_xdp socket", "af_xdp preserve_source", "userspace", "tc_ebpf"]
+
+
+def busy_cpu_seconds():
+    """User + nice + system + irq + softirq time of all CPUs, in seconds (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
+
+
+class Daemon:
+    def __init__(self, name, topology, work):
+        mode, _, output = name.partition(" ")
+        downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, bench_tc.BACKENDS + 1))
+        settings = {"af_xdp": f"{{output: {output}, batch_size: 64}}", "userspace": "{workers: 2, batch_size: 64}", "tc_ebpf": "{}"}[mode]
+        path = os.path.join(work, "afxdp.yaml")
+        with open(path, "w") as f:
+            f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
+                    f"    mode: {mode}\n    settings: {settings}\n    downstream:\n{downstreams}\n")
+        ready = {"af_xdp": "AF_XDP path initialized", "userspace": "entering receive loop", "tc_ebpf": "registered listener in eBPF map"}[mode]
+        self.proc = subprocess.Popen([*bench_tc.in_namespace(topology.proxy), f"{bench.BIN}/udp-fanout", "-c", path],
+                                     stderr=subprocess.PIPE, text=True)
+        while True:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise SystemExit(f"udp-fanout ({name}) exited")
+            if ready in line:
+                break
+        time.sleep(0.3)
+
+    def rss_kib(self):
+        # The daemon is nsenter's child (nsenter execs it: same pid).
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=15)
+
+
+def run_once(name, topology, work, fixed):
+    daemon = Daemon(name, topology, work)
+    try:
+        before = topology.delivered()
+        cpu = busy_cpu_seconds()
+        if fixed:
+            sent = bench_tc.publish(topology, ("198.18.0.1", 5514), FIXED_RATE * FIXED_SECONDS, ("--rate", str(FIXED_RATE)))
+        else:
+            sent = bench_tc.publish(topology, ("198.18.0.1", 5514), DATAGRAMS)
+        time.sleep(0.3)
+        cpu = busy_cpu_seconds() - cpu
+        delivered = topology.delivered() - before
+        rss = daemon.rss_kib()
+    finally:
+        daemon.stop()
+    return {"pps": delivered / sent["seconds"], "delivered": delivered / sent["sent"],
+            "ns_per_packet": cpu * 1e9 / max(delivered, 1), "rss": rss}
+
+
+def rows():
+    work = tempfile.mkdtemp(prefix="rplb-afxdp-bench-")
+    topology = bench_tc.Topology(queues=2)
+    try:
+        print(f"bench: af_xdp vs userspace vs tc_ebpf in the proxy namespace of client -> proxy (2 RX queues) -> 3 backends (veth);"
+              f" 64-byte datagrams from 16 sources; {bench.RUNS} alternated runs; saturation {DATAGRAMS} datagrams,"
+              f" CPU at {FIXED_RATE:,} pps for {FIXED_SECONDS} s; {os.cpu_count()} CPUs", flush=True)
+        saturation = {name: [] for name in VARIANTS}
+        fixed = {name: [] for name in VARIANTS}
+        for run in range(bench.RUNS):
+            order = VARIANTS if run % 2 == 0 else list(reversed(VARIANTS))
+            for name in order:
+                saturation[name].append(run_once(name, topology, work, fixed=False))
+            for name in order:
+                fixed[name].append(run_once(name, topology, work, fixed=True))
+        out = []
+        for ours_name in ("af_xdp socket", "af_xdp preserve_source"):
+            ours = bench.spread([r["pps"] for r in saturation[ours_name]])
+            for peer_name in ("userspace", "tc_ebpf"):
+                peer = bench.spread([r["pps"] for r in saturation[peer_name]])
+                ratios = bench.spread([o["pps"] / p["pps"] for o, p in zip(saturation[ours_name], saturation[peer_name])])
+                goal = " goal >= 1.5" if peer_name == "userspace" else ""
+                out.append((f"{ours_name}: delivered pps at saturation", peer_name,
+                            f"{ours[0]:,.0f} pps ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                            f"delivered/sent ours {bench.statistics.median(r['delivered'] for r in saturation[ours_name]):.3f},"
+                            f" peer {bench.statistics.median(r['delivered'] for r in saturation[peer_name]):.3f}"))
+            mine = bench.spread([r["ns_per_packet"] for r in fixed[ours_name]])
+            for peer_name in ("userspace", "tc_ebpf"):
+                peer = bench.spread([r["ns_per_packet"] for r in fixed[peer_name]])
+                ratios = bench.spread([o["ns_per_packet"] / p["ns_per_packet"] for o, p in zip(fixed[ours_name], fixed[peer_name])])
+                goal = " goal <= 0.67" if peer_name == "userspace" else ""
+                out.append((f"{ours_name}: CPU per datagram at {FIXED_RATE // 1000}k pps", peer_name,
+                            f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                            "user+sys+irq+softirq of all CPUs / delivered, generator included"))
+        for name in VARIANTS:
+            rss = bench.spread([r["rss"] / 1024 for r in fixed[name]])
+            out.append((f"{name}: daemon RSS after the fixed-rate run", "-", f"{rss[0]:,.1f} MiB ({rss[1]:,.1f}-{rss[2]:,.1f})", "-", "-",
+                        "VmRSS; af_xdp includes its UMEM (frames x size per queue)"))
+        return out
+    finally:
+        topology.destroy()
+        subprocess.run(["rm", "-rf", work])
