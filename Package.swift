@@ -33,15 +33,17 @@ let package = Package(
         // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev).
         .systemLibrary(name: "CLibBPF", pkgConfig: "libbpf", providers: [.apt(["libbpf-dev"])]),
         .systemLibrary(name: "CLibXDP", pkgConfig: "libxdp", providers: [.apt(["libxdp-dev"])]),
-        // What Swift cannot import from Glibc, plus the kernel/user shared header of bpf/include.
+        // What Swift cannot import from Glibc.
         .target(name: "CSystemShim"),
+        // The kernel/user ABI of the BPF programs: bpf/include's shared headers, one definition for both sides.
+        .target(name: "BPFKernelABI"),
         // Compiles bpf/*.bpf.c with the toolchain's clang and embeds the objects.
         .plugin(name: "BPFObjectCompiler", capability: .buildTool()),
         .target(name: "BPFObjects", plugins: ["BPFObjectCompiler"]),
         // What every BPF program's loader shares: system calls, loading embedded objects, per-CPU
         // counters, capabilities (ReusePortLB's sk_reuseport program, udp-fanout's tc and XDP ones).
         .target(name: "BPFSupport", dependencies: ["CLibBPF", "BPFObjects"]),
-        .target(name: "ReusePortLB", dependencies: ["BPFSupport", "CLibBPF", "CSystemShim", "BPFObjects"]),
+        .target(name: "ReusePortLB", dependencies: ["BPFSupport", "BPFKernelABI", "CLibBPF", "CSystemShim", "BPFObjects"]),
         // SONAME libreuseportlb.so.0, so C programs record the ABI version (make install adds the links).
         .target(
             name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"],
@@ -70,7 +72,7 @@ let package = Package(
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "BPFSupport", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects",
+                "ReusePortLB", "BPFSupport", "BPFKernelABI", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects",
                 .product(name: "Yams", package: "Yams"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
@@ -95,7 +97,7 @@ let package = Package(
         .testTarget(
             name: "FanoutTests",
             dependencies: [
-                "FanoutCore", "ReusePortLB", "BPFSupport", "TestSupport", "CLibBPF", "CLibXDP", "CSystemShim", "udp-fanout", "collector", "publisher",
+                "FanoutCore", "ReusePortLB", "BPFSupport", "BPFKernelABI", "TestSupport", "CLibBPF", "CLibXDP", "CSystemShim", "udp-fanout", "collector", "publisher",
                 .product(name: "Logging", package: "swift-log"),
                 // The Kubernetes API test server (HTTPS with a CA the test makes).
                 .product(name: "Hummingbird", package: "hummingbird"),
@@ -105,6 +107,6 @@ let package = Package(
             ]),
         .testTarget(
             name: "ReusePortLBTests",
-            dependencies: ["ReusePortLB", "BPFSupport", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
+            dependencies: ["ReusePortLB", "BPFSupport", "BPFKernelABI", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
     ]
 )

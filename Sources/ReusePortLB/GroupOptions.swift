@@ -1,3 +1,4 @@
+import BPFKernelABI
 import CSystemShim
 
 /// How a group spreads datagrams over its members. The group's creator chooses it; a member

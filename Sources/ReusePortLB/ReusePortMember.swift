@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFKernelABI
 import CLibBPF
 import CSystemShim
 import Synchronization

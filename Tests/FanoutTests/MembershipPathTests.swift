@@ -1,3 +1,4 @@
+import BPFKernelABI
 import Foundation
 import Logging
 import Testing

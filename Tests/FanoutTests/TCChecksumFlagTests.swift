@@ -1,3 +1,4 @@
+import BPFKernelABI
 import CLibBPF
 import CSystemShim
 import Testing

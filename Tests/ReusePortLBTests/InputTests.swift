@@ -1,3 +1,4 @@
+import BPFKernelABI
 import BPFSupport
 import Foundation
 import Testing

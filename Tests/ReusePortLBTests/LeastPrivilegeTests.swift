@@ -1,3 +1,4 @@
+import BPFKernelABI
 import BPFObjects
 import BPFSupport
 import CLibBPF

@@ -1,7 +1,5 @@
 /*
  * What Swift cannot reach through Glibc on Linux, kept small; each function says why it is here.
- * Also re-exports the kernel/user shared header bpf/include/rplb_shared.h (the single source of
- * truth for structs, enums, map names and the source hash).
  */
 #ifndef CSYSTEMSHIM_H
 #define CSYSTEMSHIM_H
@@ -11,8 +9,6 @@
 #include <sys/types.h>
 #include <linux/filter.h>
 #include <linux/sock_diag.h>
-#include "../../../bpf/include/rplb_shared.h"
-#include "../../../bpf/include/fanout_tc_shared.h"
 
 /* struct mmsghdr is hidden by Glibc unless _GNU_SOURCE, and defining that for Swift breaks
  * ordinary socket calls: this is the same layout under our own name. */

@@ -1,3 +1,4 @@
+import BPFKernelABI
 import ReusePortLB
 
 /// udp-fanout's configuration: the reference documents' YAML keys plus ours. Every key is

@@ -1,3 +1,4 @@
+import BPFKernelABI
 import CSystemShim
 import ReusePortLB
 

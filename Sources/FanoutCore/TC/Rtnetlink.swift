@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import BPFSupport
+import CSystemShim
 import ReusePortLB
 
 /// Requests to the kernel's routing netlink (NETLINK_ROUTE) in the calling thread's network
