@@ -16,6 +16,9 @@ public enum DropReason: String, CaseIterable, Sendable {
     case ttlExpired = "ttl_expired"
     /// tc_ebpf: a kernel helper refused to rewrite or redirect the packet.
     case rewriteFailed = "rewrite_failed"
+    /// preserve_source / xdp_tx: the client's address family differs from the downstream's, so its
+    /// source cannot be kept (IPv4-mapped IPv6 clients count as IPv4).
+    case familyMismatch = "family_mismatch"
 }
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
@@ -34,6 +37,7 @@ public final class ListenerCounters: Sendable {
     let sendBufferFull = Atomic<UInt64>(0)
     let unreachable = Atomic<UInt64>(0)
     let sendError = Atomic<UInt64>(0)
+    let familyMismatch = Atomic<UInt64>(0)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
     /// values after it stopped. nil: the atomics above.
@@ -59,6 +63,7 @@ public final class ListenerCounters: Sendable {
         case .sendBufferFull: add(sendBufferFull, count)
         case .unreachable: add(unreachable, count)
         case .sendError: add(sendError, count)
+        case .familyMismatch: add(familyMismatch, count)
         case .noRoute, .ttlExpired, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -112,7 +117,7 @@ public final class ListenerCounters: Sendable {
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
-            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0,
+            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0, .familyMismatch: familyMismatch.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }
