@@ -10,6 +10,7 @@ public enum DaemonError: Error, CustomStringConvertible {
     case listener(name: String, ReusePortError)
     case tcListener(name: String, TCError)
     case modeNotImplemented(name: String, Mode)
+    case output(name: String, OutboxError)
     case metrics(SocketAddress, any Error)
 
     public var description: String {
@@ -17,6 +18,7 @@ public enum DaemonError: Error, CustomStringConvertible {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .modeNotImplemented(let name, let mode): return "listener '\(name)' could not start: mode \(mode.rawValue) is not implemented in this release"
+        case .output(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .metrics(let address, let error):
             return "metrics server error: cannot serve on \(address): \(error); free that port or set metrics.bind to another address"
         }
@@ -141,6 +143,12 @@ public final class FanoutDaemon: Sendable {
             let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue)
             state.counters[listener.name] = made
             return made
+        }
+        // A way out that cannot work (preserve_source without CAP_NET_RAW) fails the start, named.
+        do {
+            try Outboxes.check(listener.settings.output, listener.downstreams.first?.address ?? listener.bind)
+        } catch {
+            throw .output(name: listener.name, error)
         }
         switch listener.mode {
         case .tcEBPF:

@@ -33,8 +33,25 @@ enum Outboxes {
             // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
             return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
         case .preserveSource:
-            return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
+            return { downstream in
+                do {
+                    return try SourcePreservingOutbox(address: downstream.address, capacity: capacity)
+                } catch {
+                    // Checked at the listener's start (``Outboxes/check(_:)``): reached only if the
+                    // capability went away since; every datagram is then dropped and counted.
+                    return UnavailableOutbox(problem: "\(error)")
+                }
+            }
         }
+    }
+}
+
+extension Outboxes {
+    /// Makes one way out of `output` toward `downstream` and throws its error, so a listener
+    /// whose way out cannot work (preserve_source without CAP_NET_RAW) fails at start, naming the fix.
+    static func check(_ output: Output, _ downstream: SocketAddress) throws(OutboxError) {
+        guard output == .preserveSource || output == .xdpTX else { return }
+        _ = try SourcePreservingOutbox(address: downstream, capacity: 1)
     }
 }
 

@@ -18,6 +18,9 @@ public enum DropReason: String, CaseIterable, Sendable {
     case rewriteFailed = "rewrite_failed"
     /// af_xdp: a frame from the RX ring whose Ethernet/IP/UDP headers did not parse.
     case parseError = "parse_error"
+    /// preserve_source / xdp_tx: the client's address family differs from the downstream's, so its
+    /// source cannot be kept (IPv4-mapped IPv6 clients count as IPv4).
+    case familyMismatch = "family_mismatch"
 }
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
@@ -40,6 +43,7 @@ public final class ListenerCounters: Sendable {
     /// A mode's own metric families (af_xdp: rings, sockets, XDP verdicts) in the Prometheus text
     /// format, merged into /metrics; nil: none.
     let modeMetrics = Mutex<(@Sendable () -> String)?>(nil)
+    let familyMismatch = Atomic<UInt64>(0)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
     /// values after it stopped. nil: the atomics above.
@@ -66,6 +70,7 @@ public final class ListenerCounters: Sendable {
         case .unreachable: add(unreachable, count)
         case .sendError: add(sendError, count)
         case .parseError: add(parseError, count)
+        case .familyMismatch: add(familyMismatch, count)
         case .noRoute, .ttlExpired, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -120,6 +125,7 @@ public final class ListenerCounters: Sendable {
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
             .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
+            .familyMismatch: familyMismatch.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

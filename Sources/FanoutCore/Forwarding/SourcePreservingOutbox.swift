@@ -1,0 +1,236 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import ReusePortLB
+
+/// Why a downstream's way out could not be made, naming the fix.
+public struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable {
+    /// The downstream the outbox was for.
+    public var downstream: SocketAddress
+    /// The C call that failed.
+    public var call: String
+    public var errno: Int32
+
+    public var description: String {
+        let base = "downstream \(downstream): \(call) failed: \(String(cString: strerror(errno))) (errno \(errno))"
+        guard errno == EPERM || errno == EACCES else { return base }
+        return base + ": output preserve_source sends through a raw IP socket, which needs CAP_NET_RAW: run as root, or grant it "
+            + "(systemd AmbientCapabilities=CAP_NET_RAW; Kubernetes securityContext.capabilities.add: [NET_RAW]; "
+            + "setcap cap_net_raw+ep on the binary), or use output: socket"
+    }
+}
+
+/// Sends datagrams to one downstream with the client's source address and port (what samplicator's
+/// `-S` does): the IP and UDP headers are built here and the datagram goes out through a raw IP
+/// socket (IPv4: IPPROTO_RAW, which implies IP_HDRINCL; IPv6: IPPROTO_RAW, which implies header
+/// inclusion on Linux), so the kernel routes it and fills in the Ethernet header. Needs CAP_NET_RAW.
+///
+/// No payload copy: each message is two iovecs, a header this outbox owns per slot and the
+/// payload in the receiver's buffer; a batch is one sendmmsg (MSG_DONTWAIT).
+///
+/// The headers: UDP checksum always computed (IPv4 too: collectors may check it); TTL/hop limit 64;
+/// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
+/// "fragmentation needed" from a router on the way would go to the client and path MTU discovery
+/// cannot work for us; without DF a smaller MTU downstream fragments instead of dropping. A
+/// datagram larger than the outgoing interface's MTU is refused by the kernel (EMSGSIZE) and
+/// counted `too_large`: raw sockets with their own header are not fragmented locally.
+///
+/// A client of the other address family than the downstream cannot keep its source (an
+/// IPv4-mapped IPv6 client to an IPv4 downstream is the same family and is unmapped): such a
+/// datagram is dropped and counted `family_mismatch`, never sent with another source.
+final class SourcePreservingOutbox: Outbox {
+    /// Room for the largest headers: IPv6 (40) + UDP (8).
+    static let maximumHeaderSize = 48
+    static let ttl: UInt8 = 64
+
+    let socket: Int32
+    private let address: SocketAddress
+    private let capacity: Int
+    private let messages: UnsafeMutablePointer<shim_mmsghdr>
+    private let iovecs: UnsafeMutablePointer<iovec>
+    private let headerSpace: UnsafeMutableRawPointer
+    /// The downstream as msg_name (port 0: raw sockets route by address only).
+    private let destination: UnsafeMutablePointer<sockaddr_storage>
+    private let destinationLength: socklen_t
+    /// Datagrams appended since the last flush, sendable or not.
+    private(set) var count = 0
+    /// Messages built (sendable datagrams) since the last flush.
+    private var built = 0
+    private var mismatched: UInt64 = 0
+    private var oversized: UInt64 = 0
+    /// Raw sockets do not report ICMP port unreachable to the sender: never true (passive health
+    /// is not fed by this way out).
+    let refused = false
+
+    /// Opens the raw socket for `address`'s family.
+    /// - Throws: `OutboxError` from socket(2)/setsockopt(2); EPERM names CAP_NET_RAW and how to grant it.
+    init(address: SocketAddress, capacity: Int) throws(OutboxError) {
+        let family = address.ip.family
+        let fd = Glibc.socket(family, Int32(SOCK_RAW.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), Int32(IPPROTO_RAW))
+        guard fd >= 0 else { throw OutboxError(downstream: address, call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: errno) }
+        if family == AF_INET {
+            var one: Int32 = 1
+            if setsockopt(fd, Int32(IPPROTO_IP), IP_HDRINCL, &one, 4) != 0 {
+                let error = errno
+                close(fd)
+                throw OutboxError(downstream: address, call: "setsockopt IP_HDRINCL", errno: error)
+            }
+        }
+        var size: Int32 = 4 << 20
+        if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, 4) != 0 {
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
+        }
+        socket = fd
+        self.address = address
+        self.capacity = capacity
+        messages = .allocate(capacity: capacity)
+        iovecs = .allocate(capacity: 2 * capacity)
+        headerSpace = .allocate(byteCount: capacity * Self.maximumHeaderSize, alignment: 8)
+        destination = .allocate(capacity: 1)
+        destination.initialize(to: sockaddr_storage())
+        destinationLength = SocketAddress(ip: address.ip, port: 0).write(to: &destination.pointee)
+        for index in 0..<capacity {
+            messages[index] = shim_mmsghdr()
+            messages[index].msg_hdr.msg_name = UnsafeMutableRawPointer(destination)
+            messages[index].msg_hdr.msg_namelen = destinationLength
+            messages[index].msg_hdr.msg_iov = iovecs + 2 * index
+            messages[index].msg_hdr.msg_iovlen = 2
+            iovecs[2 * index] = iovec(iov_base: headerSpace + index * Self.maximumHeaderSize, iov_len: 0)
+        }
+    }
+
+    deinit {
+        close(socket)
+        messages.deallocate()
+        iovecs.deallocate()
+        headerSpace.deallocate()
+        destination.deallocate()
+    }
+
+    /// Queues `payload` from the client at `source` (as recvmmsg gave it). The payload stays in
+    /// place until `flush`. At most `capacity` datagrams between flushes.
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+        precondition(count < capacity, "SourcePreservingOutbox: more than \(capacity) datagrams before a flush")
+        count += 1
+        guard let client = Self.source(source, family: address.ip.family) else {
+            mismatched += 1
+            return
+        }
+        let header = UnsafeMutableRawBufferPointer(start: headerSpace + built * Self.maximumHeaderSize, count: Self.maximumHeaderSize)
+        guard let length = Self.writeHeaders(into: header, source: client, destination: address, payload: payload) else {
+            oversized += 1
+            return
+        }
+        iovecs[2 * built].iov_len = length
+        iovecs[2 * built + 1] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
+        built += 1
+    }
+
+    /// Sends the batch. A datagram that fails is dropped and counted with its reason; the rest
+    /// go on. Drops decided at append (`family_mismatch`, `too_large`) are counted here.
+    func flush(_ result: inout FlushResult) {
+        defer {
+            count = 0
+            built = 0
+            mismatched = 0
+            oversized = 0
+        }
+        if mismatched > 0 { result.dropped[.familyMismatch, default: 0] += mismatched }
+        if oversized > 0 { result.dropped[.tooLarge, default: 0] += oversized }
+        var message = 0
+        while message < built {
+            let sent = shim_sendmmsg(socket, messages + message, UInt32(built - message), Int32(MSG_DONTWAIT))
+            if sent > 0 {
+                for index in message..<(message + Int(sent)) { result.bytes += UInt64(iovecs[2 * index + 1].iov_len) }
+                result.sent += UInt64(sent)
+                message += Int(sent)
+                continue
+            }
+            let error = errno
+            if error == EINTR { continue }
+            result.dropped[Self.reason(error), default: 0] += 1
+            message += 1
+        }
+    }
+
+    /// The raw socket is made at init or the outbox does not exist (``UnavailableOutbox``).
+    var unavailable: String? { nil }
+    func reconnectIfDue() -> Bool { false }
+
+    /// The drop reason of a failed send: EMSGSIZE (above the outgoing MTU) is `too_large`; the
+    /// rest as the socket way out maps them.
+    static func reason(_ error: Int32) -> DropReason {
+        error == EMSGSIZE ? .tooLarge : DownstreamOutbox.reason(error)
+    }
+
+    /// The client's address as a source for a downstream of `family`: an IPv4-mapped IPv6 client
+    /// unmapped for IPv4; nil when the families differ.
+    static func source(_ storage: UnsafePointer<sockaddr_storage>, family: Int32) -> SocketAddress? {
+        guard let client = SocketAddress(storage: UnsafeRawPointer(storage)) else { return nil }
+        switch (client.ip, family) {
+        case (.v4, AF_INET), (.v6, AF_INET6) where !isMapped(client.ip):
+            return client
+        case (.v6(let raw), AF_INET) where isMapped(client.ip):
+            let v4 = withUnsafeBytes(of: raw) { $0.loadUnaligned(fromByteOffset: 12, as: in_addr_t.self) }
+            return SocketAddress(ip: .v4(v4), port: client.port)
+        default:
+            return nil
+        }
+    }
+
+    /// ::ffff:a.b.c.d
+    static func isMapped(_ ip: IPAddress) -> Bool {
+        guard case .v6(let raw) = ip else { return false }
+        return withUnsafeBytes(of: raw) { bytes in
+            bytes.loadUnaligned(fromByteOffset: 0, as: UInt64.self) == 0
+                && bytes.loadUnaligned(fromByteOffset: 8, as: UInt32.self) == UInt32(0xffff).bigEndian
+        }
+    }
+
+    /// Writes the IP and UDP headers of `payload` from `source` to `destination` (one family)
+    /// into `header`; returns their length (28 or 48), or nil when the IP length would pass
+    /// 65535. The IPv4 header checksum is left 0: the kernel always computes it for IP_HDRINCL.
+    static func writeHeaders(into header: UnsafeMutableRawBufferPointer, source: SocketAddress, destination: SocketAddress,
+                             payload: UnsafeRawBufferPointer) -> Int? {
+        let udpLength = 8 + payload.count
+        let base = header.baseAddress!
+        let ipLength: Int
+        var sum: UInt64
+        switch (source.ip, destination.ip) {
+        case (.v4(let from), .v4(let to)):
+            guard 20 + udpLength <= 65535 else { return nil }
+            ipLength = 20
+            base.storeBytes(of: UInt32(0x4500_0000 | (20 + udpLength)).bigEndian, toByteOffset: 0, as: UInt32.self)
+            base.storeBytes(of: 0, toByteOffset: 4, as: UInt32.self)  // id 0, DF clear, offset 0
+            base.storeBytes(of: UInt32(UInt32(ttl) << 24 | UInt32(IPPROTO_UDP) << 16).bigEndian, toByteOffset: 8, as: UInt32.self)
+            base.storeBytes(of: from, toByteOffset: 12, as: UInt32.self)
+            base.storeBytes(of: to, toByteOffset: 16, as: UInt32.self)
+            // Pseudo-header: addresses, zero + protocol, UDP length.
+            sum = IPChecksum.add(UnsafeRawBufferPointer(start: base + 12, count: 8), to: 0)
+            sum &+= UInt64(UInt16(IPPROTO_UDP).bigEndian) &+ UInt64(UInt16(udpLength).bigEndian)
+        case (.v6(let from), .v6(let to)):
+            guard udpLength <= 65535 else { return nil }
+            ipLength = 40
+            base.storeBytes(of: UInt32(0x6000_0000).bigEndian, toByteOffset: 0, as: UInt32.self)
+            base.storeBytes(of: UInt32(UInt32(udpLength) << 16 | UInt32(IPPROTO_UDP) << 8 | UInt32(ttl)).bigEndian, toByteOffset: 4, as: UInt32.self)
+            base.storeBytes(of: from, toByteOffset: 8, as: in6_addr.self)
+            base.storeBytes(of: to, toByteOffset: 24, as: in6_addr.self)
+            // Pseudo-header: addresses, 32-bit UDP length, zeros + next header.
+            sum = IPChecksum.add(UnsafeRawBufferPointer(start: base + 8, count: 32), to: 0)
+            sum &+= UInt64(UInt16(udpLength).bigEndian) &+ UInt64(UInt16(IPPROTO_UDP).bigEndian)
+        default:
+            preconditionFailure("writeHeaders: \(source) and \(destination) differ in family")
+        }
+        let udp = base + ipLength
+        udp.storeBytes(of: source.port.bigEndian, toByteOffset: 0, as: UInt16.self)
+        udp.storeBytes(of: destination.port.bigEndian, toByteOffset: 2, as: UInt16.self)
+        udp.storeBytes(of: UInt16(udpLength).bigEndian, toByteOffset: 4, as: UInt16.self)
+        udp.storeBytes(of: 0, toByteOffset: 6, as: UInt16.self)
+        sum = IPChecksum.add(UnsafeRawBufferPointer(start: udp, count: 8), to: sum)
+        let checksum = IPChecksum.finish(IPChecksum.add(payload, to: sum))
+        // 0 means "no checksum" in UDP: a computed 0 is sent as its other form, 0xffff (RFC 768).
+        udp.storeBytes(of: checksum == 0 ? 0xffff : checksum, toByteOffset: 6, as: UInt16.self)
+        return ipLength + 8
+    }
+}
