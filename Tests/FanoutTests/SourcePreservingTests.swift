@@ -156,6 +156,17 @@ struct SourcePreservingHeaderTests {
         #expect(SourcePreservingOutbox.source(&v6, family: AF_INET6) == SocketAddress("[2001:db8::77]:4242"))
     }
 
+    @Test("family_mismatch drops reach the listener's counters and /metrics with their reason label")
+    func familyMismatchCounted() {
+        let counters = ListenerCounters(name: "ps", mode: "userspace")
+        counters.drop(.familyMismatch, 3)
+        counters.drop(.tooLarge, 1)
+        let snapshot = counters.snapshot()
+        #expect(snapshot.dropped[.familyMismatch] == 3 && snapshot.droppedTotal == 4)
+        let text = PrometheusText.render([counters], reloads: (0, 0))
+        #expect(text.contains("udp_fanout_packets_dropped_by_reason_total{listener=\"ps\",mode=\"userspace\",reason=\"family_mismatch\"} 3"), "\(text)")
+    }
+
     @Test("errno to drop reason: EMSGSIZE is too_large, the rest as the socket way out maps them")
     func reasons() {
         #expect(SourcePreservingOutbox.reason(EMSGSIZE) == .tooLarge)

@@ -173,7 +173,8 @@ struct FrameRewriterTests {
 ///
 ///     lb (A: 198.18.10.1/24, 2001:db8:10::1/64) ── peer (198.18.10.2, 2001:db8:10::2)
 ///     lb (B: 198.18.11.1/24)                     ── other (198.18.11.2)
-///     lb routes: 198.18.20.0/24 via 198.18.10.2 (A), 198.18.21.0/24 via 198.18.11.2 (B); no default.
+///     lb routes: 198.18.20.0/24 via 198.18.10.2 (A), 198.18.21.0/24 via 198.18.11.2 (B),
+///     2001:db8:20::/64 via 2001:db8:10::2 (A); no default.
 final class ResolverTopology {
     let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
     var lb: String { "nhl-\(suffix)" }
@@ -195,6 +196,7 @@ final class ResolverTopology {
         }
         try Self.ip(["-n", lb, "route", "add", "198.18.20.0/24", "via", "198.18.10.2"])
         try Self.ip(["-n", lb, "route", "add", "198.18.21.0/24", "via", "198.18.11.2"])
+        try Self.ip(["-n", lb, "-6", "route", "add", "2001:db8:20::/64", "via", "2001:db8:10::2"])
     }
 
     deinit {
@@ -218,7 +220,7 @@ func mac(_ text: String) -> [UInt8] { text.split(separator: ":").map { UInt8($0,
 struct NextHopResolverTests {
     typealias Answer = Result<NextHop, NextHopProblem>
 
-    @Test("On-link neighbours after a ping (IPv4, IPv6), a gateway route, another interface, no route, an unknown neighbour")
+    @Test("On-link neighbours after a ping (IPv4, IPv6), gateway routes (IPv4, IPv6), another interface, no route, an unknown neighbour")
     func answers() throws {
         let topology = try ResolverTopology()
         try topology.ping("198.18.10.2")
@@ -228,7 +230,7 @@ struct NextHopResolverTests {
             let ifindex = if_nametoindex(a)
             let resolver = NextHopResolver(ifindex: ifindex)
             var answers: [String: Answer] = [:]
-            for target in ["198.18.10.2", "2001:db8:10::2", "198.18.20.5", "198.18.21.5", "198.18.11.2", "198.19.99.1", "2001:db8:99::1", "198.18.10.9"] {
+            for target in ["198.18.10.2", "2001:db8:10::2", "198.18.20.5", "2001:db8:20::5", "198.18.21.5", "198.18.11.2", "198.19.99.1", "2001:db8:99::1", "198.18.10.9"] {
                 answers[target] = resolver.lookup(IPAddress(target)!)
             }
             return (ifindex, answers)
@@ -239,6 +241,7 @@ struct NextHopResolverTests {
         #expect(results["198.18.10.2"] == .success(expected), "on-link, known after a ping")
         #expect(results["2001:db8:10::2"] == .success(expected), "IPv6 on-link, known after a ping")
         #expect(results["198.18.20.5"] == .success(expected), "via the gateway 198.18.10.2: the gateway's MAC")
+        #expect(results["2001:db8:20::5"] == .success(expected), "via the IPv6 gateway 2001:db8:10::2: the gateway's MAC")
         #expect(results["198.18.21.5"] == .failure(.otherInterface), "the gateway is on B")
         #expect(results["198.18.11.2"] == .failure(.otherInterface), "on-link on B")
         #expect(results["198.19.99.1"] == .failure(.noRoute))
