@@ -1,0 +1,49 @@
+import Foundation
+import Testing
+import TestSupport
+import CSystemShim
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `output: preserve_source` in userspace mode, through a routed topology of namespaces.
+@Suite("preserve_source end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct PreserveSourceEndToEndTests {
+    @Test("Userspace mode, output preserve_source: each collector sees the clients' own addresses (samplicator -S)")
+    func userspacePreserveSource() throws {
+        let topology = try Topology(backends: 3)
+        try TCEndToEndTests.addClientSources(topology)
+        let collectors = try TCEndToEndTests.collectors(topology)
+        let downstreams = (1...3).map { "\(Topology.backendIPv4($0)):\(TCEndToEndTests.port)" }.enumerated().map { "      - {name: b\($0.offset + 1), address: \"\($0.element)\"}" }.joined(separator: "\n")
+        let file = try TCEndToEndTests.write("""
+            listeners:
+              - name: u
+                bind: "198.18.0.1:5514"
+                balancing: source_ip
+                settings: {output: preserve_source, workers: 2}
+                downstream:
+            \(downstreams)
+            """, "userspace-preserve")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("entering receive loop")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCEndToEndTests.clientSources, "--rate", "20000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let reports = try collectors.map { try $0.stop() }
+        #expect(TCEndToEndTests.received(reports).reduce(0, +) == 3000, "\(TCEndToEndTests.received(reports))")
+        var owner: [String: Int] = [:]
+        for (index, report) in reports.enumerated() {
+            for source in report.object("sources").keys {
+                #expect(source.hasPrefix("198.18.0.") && owner[source] == nil, "\(source) at backend \(index + 1)")
+                owner[source] = index
+            }
+        }
+        #expect(owner.count == 64, "64 client addresses, each at one collector: \(owner.count)")
+    }
+}
