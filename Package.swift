@@ -67,7 +67,7 @@ let package = Package(
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "CSystemShim", "CLibBPF", "BPFObjects",
+                "ReusePortLB", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects",
                 .product(name: "Yams", package: "Yams"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
