@@ -13,6 +13,7 @@
 #include <linux/sock_diag.h>
 #include "../../../bpf/include/rplb_shared.h"
 #include "../../../bpf/include/fanout_tc_shared.h"
+#include "../../../bpf/include/fanout_xdp_shared.h"
 
 /* struct mmsghdr is hidden by Glibc unless _GNU_SOURCE, and defining that for Swift breaks
  * ordinary socket calls: this is the same layout under our own name. */
