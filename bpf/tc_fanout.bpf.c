@@ -4,7 +4,7 @@
  * and port goes to one of the listener's backends, rewritten and redirected in the kernel.
  *
  * Parse Ethernet (one 802.1Q/802.1ad tag), IPv4 (with options) or IPv6 (with extension
- * headers), UDP. Match the arrival interface and destination against the listeners map (exact
+ * headers), UDP, with the shared parser (bpf/include/parse.h; checksum helpers in csum.h). Match the arrival interface and destination against the listeners map (exact
  * address first, then the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
  * lookup table (Sources/FanoutCore/Balancing/SourceTable.swift). Look up the route to the backend (bpf_fib_lookup), then rewrite destination
  * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
@@ -23,13 +23,11 @@
 #include <bpf/bpf_endian.h>
 #include "rplb_shared.h"
 #include "fanout_tc_shared.h"
+#include "parse.h"
+#include "csum.h"
 
-#define AF_INET 2
-#define AF_INET6 10
-#define IPPROTO_UDP 17
-#define IPV6_FRAGMENT 44
-#define ETH_P_8021Q_ 0x8100
-#define ETH_P_8021AD_ 0x88A8
+/* VLAN tags accepted in the frame: one (the tag is popped before the redirect). */
+#define FANOUT_TC_VLAN_TAGS 1
 
 /* Not ours: continue down the chain. TC_ACT_OK would end it, so every later clsact filter
  * and TCX program (firewalls, Cilium) would never see the packet; TC_ACT_UNSPEC is TCX_NEXT
@@ -85,30 +83,6 @@ struct {
 
 const volatile struct fanout_tc_options FANOUT_OPTIONS = {};
 
-/* What the parser found. Offsets are from the start of the frame. */
-struct packet {
-	__u32 l3;          /* network header */
-	__u32 l4;          /* UDP header (first fragments and whole datagrams) */
-	__u8 family;
-	__u8 hop_limit;
-	__u8 tagged;       /* an 802.1Q/802.1ad tag in the frame data */
-	__u8 has_udp;      /* the UDP header is in this packet */
-	__u8 fragment;     /* part of a fragmented datagram */
-	__u8 first;        /* the first fragment (offset 0) */
-	__u16 dport;       /* network order */
-	__u16 sport;       /* network order */
-	__u32 id;          /* fragment identification */
-	__u32 tot_len;     /* IP packet length from the header (IPv6: payload + 40) */
-	__u32 saddr[4];
-	__u32 daddr[4];
-};
-
-enum parsed {
-	PARSED_OK,
-	PARSED_OTHER,     /* not IP, not UDP: not ours */
-	PARSED_MALFORMED, /* IP whose headers end early or are invalid */
-};
-
 /* Counts a packet no listener could be known for. */
 static __always_inline void count_unmatched(__u32 verdict)
 {
@@ -118,122 +92,9 @@ static __always_inline void count_unmatched(__u32 verdict)
 		stats->verdicts[verdict]++;
 }
 
-static __always_inline enum parsed parse_ipv4(void *data, void *end, struct packet *p)
-{
-	__u8 *ip = data + p->l3;
-	if ((void *)(ip + 20) > end)
-		return PARSED_MALFORMED;
-	__u32 ihl = (ip[0] & 0x0f) * 4;
-	if ((ip[0] >> 4) != 4 || ihl < 20)
-		return PARSED_MALFORMED;
-	if (ip[9] != IPPROTO_UDP)
-		return PARSED_OTHER;
-	p->family = AF_INET;
-	__u32 total_length = ((__u32)ip[2] << 8) | ip[3];
-	p->tot_len = total_length;
-	p->hop_limit = ip[8];
-	p->id = ((__u32)ip[4] << 8) | ip[5];
-	__u16 frag = ((__u16)(ip[6] & 0x3f) << 8) | ip[7]; /* MF + offset */
-	p->fragment = frag != 0;
-	p->first = (frag & 0x1fff) == 0;
-	__builtin_memcpy(&p->saddr[0], ip + 12, 4);
-	__builtin_memcpy(&p->daddr[0], ip + 16, 4);
-	p->l4 = p->l3 + ihl;
-	if (total_length < ihl)
-		return PARSED_MALFORMED;
-	return PARSED_OK;
-}
-
-static __always_inline enum parsed parse_ipv6(void *data, void *end, struct packet *p)
-{
-	__u8 *ip = data + p->l3;
-	if ((void *)(ip + 40) > end)
-		return PARSED_MALFORMED;
-	if ((ip[0] >> 4) != 6)
-		return PARSED_MALFORMED;
-	p->family = AF_INET6;
-	p->hop_limit = ip[7];
-	p->tot_len = (((__u32)ip[4] << 8) | ip[5]) + 40;
-	__builtin_memcpy(p->saddr, ip + 8, 16);
-	__builtin_memcpy(p->daddr, ip + 24, 16);
-	__u8 next = ip[6];
-	__u32 offset = p->l3 + 40;
-	p->first = 1;
-	/* Extension headers: hop-by-hop, routing, destination options, fragment. */
-#pragma unroll
-	for (int i = 0; i < 4; i++) {
-		if (next == IPPROTO_UDP)
-			break;
-		__u8 *ext = data + offset;
-		if (next == IPV6_FRAGMENT) {
-			if ((void *)(ext + 8) > end)
-				return PARSED_MALFORMED;
-			__u16 frag = ((__u16)ext[2] << 8) | ext[3];
-			p->fragment = 1;
-			p->first = (frag & 0xfff8) == 0;
-			__builtin_memcpy(&p->id, ext + 4, 4);
-			next = ext[0];
-			offset += 8;
-			if (!p->first)
-				break;
-			continue;
-		}
-		if (next != 0 && next != 43 && next != 60)
-			return PARSED_OTHER;
-		if ((void *)(ext + 2) > end)
-			return PARSED_MALFORMED;
-		next = ext[0];
-		offset += ((__u32)ext[1] + 1) * 8;
-	}
-	if (next != IPPROTO_UDP)
-		return PARSED_OTHER;
-	p->l4 = offset;
-	return PARSED_OK;
-}
-
 static __always_inline enum parsed parse(struct __sk_buff *skb, struct packet *p)
 {
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end)
-		return PARSED_OTHER;
-	__u16 proto = eth->h_proto;
-	p->l3 = sizeof(*eth);
-	if (proto == bpf_htons(ETH_P_8021Q_) || proto == bpf_htons(ETH_P_8021AD_)) {
-		__u8 *tag = data + sizeof(*eth);
-		if ((void *)(tag + 4) > end)
-			return PARSED_MALFORMED;
-		proto = *(__u16 *)(tag + 2);
-		p->l3 += 4;
-		p->tagged = 1;
-	}
-	enum parsed result;
-	if (proto == bpf_htons(ETH_P_IP))
-		result = parse_ipv4(data, end, p);
-	else if (proto == bpf_htons(ETH_P_IPV6))
-		result = parse_ipv6(data, end, p);
-	else
-		return PARSED_OTHER;
-	if (result != PARSED_OK)
-		return result;
-	/* An IP length beyond the frame: cut in transit. The stack drops it (and counts it); it
-	 * must not be forwarded, a later fragment least of all, which has no UDP header to show
-	 * it short. Trailing bytes (Ethernet padding) are fine. */
-	if (p->tot_len > skb->len - p->l3)
-		return PARSED_MALFORMED;
-	if (!p->first)
-		return PARSED_OK;
-	/* The UDP header: in every whole datagram and first fragment. */
-	if (p->l4 > 0xffff)
-		return PARSED_MALFORMED;
-	__u8 *udp = data + p->l4;
-	if ((void *)(udp + 8) > end)
-		return PARSED_MALFORMED;
-	p->sport = *(__u16 *)udp;
-	p->dport = *(__u16 *)(udp + 2);
-	p->has_udp = 1;
-	return PARSED_OK;
+	return parse_frame((void *)(long)skb->data, (void *)(long)skb->data_end, skb->len, FANOUT_TC_VLAN_TAGS, p);
 }
 
 /* Makes the headers direct-access when the driver left them in page fragments (a short
@@ -313,28 +174,6 @@ static __always_inline int choose(struct fanout_listener *listener, struct packe
 	return 1;
 }
 
-/* One's-complement helpers (RFC 1071/1624). Words are taken as they lie in memory on both
- * sides of every update, which the checksum's byte-order independence makes correct. */
-static __always_inline __u16 fold(__u64 sum)
-{
-	sum = (sum & 0xffffffff) + (sum >> 32);
-	sum = (sum & 0xffffffff) + (sum >> 32);
-	sum = (sum & 0xffff) + (sum >> 16);
-	sum = (sum & 0xffff) + (sum >> 16);
-	return (__u16)sum;
-}
-
-/* HC' = ~(~HC + ~m + m') for one 16-bit word m changed to m'. */
-static __always_inline __u16 update16(__u16 check, __u16 old, __u16 new)
-{
-	return ~fold((__u64)(__u16)~check + (__u16)~old + new);
-}
-
-static __always_inline __u16 update32(__u16 check, __u32 old, __u32 new)
-{
-	return ~fold((__u64)(__u16)~check + (~old & 0xffff) + (~old >> 16) + (new & 0xffff) + (new >> 16));
-}
-
 /* Writes the new destination, fixes the checksums, decrements TTL / hop limit.
  *
  * The UDP checksum goes through bpf_l4_csum_replace, which knows how the skb carries it
@@ -378,8 +217,8 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 		__u16 check = *(__u16 *)(ip + 10);
 		__u16 old_word = *(__u16 *)(ip + 8);
 		ip[8] -= 1;
-		check = update16(check, old_word, *(__u16 *)(ip + 8));
-		check = update32(check, *(__u32 *)(ip + 16), to->addr[0]);
+		check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
+		check = csum_update32(check, *(__u32 *)(ip + 16), to->addr[0]);
 		*(__u32 *)(ip + 16) = to->addr[0];
 		*(__u16 *)(ip + 10) = check;
 	} else {

@@ -8,12 +8,15 @@ public enum BPFObject: Sendable, CaseIterable {
     case reuseportSelect
     /// `bpf/tc_fanout.bpf.c`: the tc ingress program of udp-fanout's tc_ebpf mode.
     case tcFanout
+    /// `bpf/xdp_steer.bpf.c`: the XDP program of udp-fanout's af_xdp mode.
+    case xdpSteer
 
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
         switch self {
         case .reuseportSelect: return Base64.decode(EmbeddedBPF.reuseportSelect)
         case .tcFanout: return Base64.decode(EmbeddedBPF.tcFanout)
+        case .xdpSteer: return Base64.decode(EmbeddedBPF.xdpSteer)
         }
     }
 }

@@ -1,0 +1,163 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLibBPF
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// The XDP program attached to one interface through a BPF link: the kernel detaches it when
+/// the link's last descriptor closes, so a crash (even kill -9) leaves nothing attached.
+final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guarded by `link`
+    let ifindex: UInt32
+    let interface: String
+    /// `.native` or `.generic`: how the program actually runs.
+    let attachedMode: XDPMode
+    /// The BPF link's descriptor (-1 once detached). Internal so a test can hand a copy to a
+    /// child process it then kills.
+    let link: Mutex<Int32>
+    /// XDP_FLAGS_DRV_MODE and XDP_FLAGS_SKB_MODE of linux/if_link.h (not imported by libbpf's headers).
+    static let driverMode: UInt32 = 1 << 2
+    static let skbMode: UInt32 = 1 << 1
+    private let logger: Logger
+
+    private init(ifindex: UInt32, interface: String, mode: XDPMode, link: Int32, logger: Logger) {
+        self.ifindex = ifindex
+        self.interface = interface
+        self.attachedMode = mode
+        self.link = Mutex(link)
+        self.logger = logger
+    }
+
+    /// Attaches through a BPF link (bpf_link_create BPF_XDP with XDP_FLAGS_DRV_MODE /
+    /// XDP_FLAGS_SKB_MODE). auto: native first; on failure a warning "native XDP attach failed,
+    /// trying SKB mode" and generic. Logs info "attached XDP program" (interface, mode).
+    /// A program already attached to the interface that is not ours is an error naming it.
+    static func attach(_ program: XDPProgram, interface: String, mode: XDPMode, logger: Logger) throws(XDPError) -> XDPAttachment {
+        let capabilities = Capabilities.current()
+        var missing: [String] = []
+        if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
+        if !capabilities.has(Capabilities.netAdmin) { missing.append("CAP_NET_ADMIN") }
+        guard missing.isEmpty else { throw .privileges(missing: missing) }
+        let ifindex = if_nametoindex(interface)
+        guard ifindex > 0 else { throw .interfaceNotFound(interface) }
+        try checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: program.programID)
+
+        func create(_ mode: XDPMode) -> Result<Int32, SystemCallError> {
+            var options = bpf_link_create_opts()
+            options.sz = MemoryLayout<bpf_link_create_opts>.size
+            options.flags = mode == .native ? Self.driverMode : Self.skbMode
+            let fd = bpf_link_create(program.program, Int32(ifindex), BPF_XDP, &options)
+            if fd >= 0 { return .success(fd) }
+            let error = fd == -1 ? errno : -fd
+            return .failure(SystemCallError(call: "bpf_link_create BPF_XDP \(mode == .native ? "XDP_FLAGS_DRV_MODE" : "XDP_FLAGS_SKB_MODE")", errno: error))
+        }
+
+        let attempts: [XDPMode] = mode == .auto ? [.native, .generic] : [mode]
+        var lastError = SystemCallError(call: "bpf_link_create BPF_XDP", errno: EINVAL)
+        for attempt in attempts {
+            switch create(attempt) {
+            case .success(let fd):
+                logger.info("attached XDP program", metadata: [
+                    "interface": "\(interface)", "mode": "\(attempt.rawValue)", "program_id": "\(program.programID)",
+                ])
+                return XDPAttachment(ifindex: ifindex, interface: interface, mode: attempt, link: fd, logger: logger)
+            case .failure(let error):
+                lastError = error
+                if mode == .auto && attempt == .native {
+                    logger.warning("native XDP attach failed, trying SKB mode", metadata: [
+                        "interface": "\(interface)", "error": "\(error)",
+                    ])
+                }
+            }
+        }
+        // A program attached between the check and the link (another tool) shows as EBUSY/EEXIST:
+        // name it if it is there now.
+        if lastError.errno == EBUSY || lastError.errno == EEXIST {
+            try checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: program.programID)
+        }
+        throw .attach(interface: interface, mode: mode, lastError)
+    }
+
+    /// Throws `.foreignProgram` if an XDP program other than `ours` is attached to the interface
+    /// in any mode (bpf_xdp_query: driver, generic or offloaded).
+    private static func checkNoForeignProgram(ifindex: UInt32, interface: String, ours: UInt32) throws(XDPError) {
+        var query = bpf_xdp_query_opts()
+        query.sz = MemoryLayout<bpf_xdp_query_opts>.size
+        let result = bpf_xdp_query(Int32(ifindex), 0, &query)
+        guard result == 0 else { throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: -result)) }
+        for id in [query.prog_id, query.drv_prog_id, query.skb_prog_id, query.hw_prog_id] where id != 0 && id != ours {
+            throw .foreignProgram(interface: interface, id: id, name: programName(id: id))
+        }
+    }
+
+    /// The name of the loaded program `id` ("?" if it cannot be read).
+    static func programName(id: UInt32) -> String {
+        let fd = bpf_prog_get_fd_by_id(id)
+        guard fd >= 0 else { return "?" }
+        defer { close(fd) }
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        guard bpf_obj_get_info_by_fd(fd, &info, &length) == 0 else { return "?" }
+        return withUnsafeBytes(of: info.name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+    }
+
+    /// Whether the link is still attached to the interface (the watchdog heartbeat): the kernel
+    /// detaches it when the interface goes away (or `bpftool link detach` does), leaving
+    /// ifindex 0 in its info.
+    var isAttached: Bool {
+        link.withLock { fd in
+            guard fd >= 0 else { return false }
+            var info = bpf_link_info()
+            var length = UInt32(MemoryLayout<bpf_link_info>.size)
+            // bpf_obj_get_info_by_fd: libbpf 1.1 (Debian 12) has no bpf_link_get_info_by_fd.
+            guard bpf_obj_get_info_by_fd(fd, &info, &length) == 0 else { return false }
+            return info.xdp.ifindex == ifindex
+        }
+    }
+
+    /// Detaches (closes the link). Idempotent.
+    func detach() {
+        let closed = link.withLock { fd -> Bool in
+            guard fd >= 0 else { return false }
+            close(fd)
+            fd = -1
+            return true
+        }
+        if closed { logger.info("detached XDP program", metadata: ["interface": "\(interface)"]) }
+    }
+
+    deinit { detach() }
+}
+
+/// Why the af_xdp program could not be attached: every case names the problem and the fix.
+public enum XDPError: Error, CustomStringConvertible, Sendable {
+    case privileges(missing: [String])
+    case interfaceNotFound(String)
+    case foreignProgram(interface: String, id: UInt32, name: String)
+    case query(interface: String, SystemCallError)
+    case attach(interface: String, mode: XDPMode, SystemCallError)
+
+    public var description: String {
+        switch self {
+        case .privileges(let missing):
+            let list = missing.joined(separator: " and ")
+            let all = missing.count < 2 ? " (it needs CAP_BPF and CAP_NET_ADMIN)" : ""
+            return "af_xdp needs \(list)\(all) to attach its XDP program: run as root, or grant them: systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN; Kubernetes capabilities.add [BPF, NET_ADMIN]; or setcap cap_bpf,cap_net_admin+ep on the binary"
+        case .interfaceNotFound(let name):
+            return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
+        case .foreignProgram(let name, let id, let program):
+            return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: remove it (ip link set dev \(name) xdp off, or bpftool net detach xdp dev \(name)) if it is not needed, or choose another interface for af_xdp"
+        case .query(let name, let error):
+            return "cannot query the XDP programs of '\(name)': \(error): check the interface exists in this network namespace and this process holds CAP_NET_ADMIN"
+        case .attach(let name, let mode, let error):
+            switch mode {
+            case .native:
+                return "cannot attach the XDP program to '\(name)' in native mode: \(error): the driver may not support XDP; set xdp_mode: generic (or auto)"
+            case .generic, .auto:
+                return "cannot attach the XDP program to '\(name)' (\(mode == .auto ? "native, then generic" : "generic") mode): \(error): check the interface is up and not a bond/team member, and that its MTU fits (generic XDP needs a linear skb)"
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLibBPF
+import CSystemShim
+import ReusePortLB
+
+/// How the XDP program is attached (settings.xdp_mode).
+public enum XDPMode: String, Sendable, CaseIterable {
+    /// Native (driver) mode first; generic (SKB) mode if the driver refuses it.
+    case auto
+    /// The driver runs the program before any skb exists; fails where the driver has no XDP.
+    case native
+    /// The kernel runs the program on the skb (every driver; slower, and AF_XDP copies).
+    case generic
+}
+
+/// What the XDP program did with a frame: the mirror of `enum fanout_xdp_verdict`. Every frame
+/// gets exactly one; only `redirected` reaches the AF_XDP socket, the rest pass to the kernel.
+public enum XDPVerdict: Int, Sendable, CaseIterable {
+    case redirected = 0
+    case noSocket = 1
+    case fragment = 2
+    case tooLarge = 3
+    case malformed = 4
+    case notOurs = 5
+
+    /// The C enum's value.
+    var raw: fanout_xdp_verdict { fanout_xdp_verdict(rawValue: UInt32(rawValue)) }
+
+    /// The metric's `reason` label.
+    public var label: String {
+        switch self {
+        case .redirected: return "redirected"
+        case .noSocket: return "no_socket"
+        case .fragment: return "fragment"
+        case .tooLarge: return "too_large"
+        case .malformed: return "malformed"
+        case .notOurs: return "not_ours"
+        }
+    }
+}
+
+/// The loaded XDP steering program and its maps: one per daemon, shared by every af_xdp
+/// listener and interface. Nothing is pinned: closing the descriptors (or the process ending)
+/// frees it.
+final class XDPProgram: @unchecked Sendable {  // descriptors only; callers serialize writes
+    let program: Int32
+    let listeners: Int32
+    let sockets: Int32
+    let stats: Int32
+    /// The longest frame the program redirects (its read-only `max_frame_len`).
+    let maxFrameLength: UInt32
+
+    /// The stats key of frames no listener could be known for.
+    static let unmatched = UInt32(FANOUT_XDP_UNMATCHED_STATS)
+
+    /// Loads the embedded .xdpSteer object with max_frame_len (bytes of a frame the socket takes).
+    init(maxFrameLength: UInt32) throws(SystemCallError) {
+        self.maxFrameLength = maxFrameLength
+        var options = fanout_xdp_options()
+        options.max_frame_len = maxFrameLength
+        let owned = try loadEmbeddedObject(
+            .xdpSteer, program: FANOUT_PROG_XDP_NAME,
+            maps: [FANOUT_MAP_XDP_LISTENERS_NAME, FANOUT_MAP_XDP_SOCKETS_NAME, FANOUT_MAP_XDP_STATS_NAME],
+            prepare: { object throws(SystemCallError) in try Self.setOptions(object, options) })
+        (program, listeners, sockets, stats) = (owned[0], owned[1], owned[2], owned[3])
+    }
+
+    /// Writes `options` as the object's .rodata (its only read-only global) before the load.
+    private static func setOptions(_ object: OpaquePointer, _ options: fanout_xdp_options) throws(SystemCallError) {
+        var map = bpf_object__next_map(object, nil)
+        while let current = map {
+            if String(cString: bpf_map__name(current)).hasSuffix(".rodata") {
+                var size = 0
+                // The layout check guards against a second read-only global appearing unnoticed.
+                guard bpf_map__initial_value(current, &size) != nil, size == MemoryLayout<fanout_xdp_options>.size else {
+                    throw SystemCallError(call: "xdp_steer .rodata is \(size) bytes, not struct fanout_xdp_options", errno: EINVAL)
+                }
+                var value = options
+                try libbpfCall("bpf_map__set_initial_value .rodata") { bpf_map__set_initial_value(current, &value, size) }
+                return
+            }
+            map = bpf_object__next_map(object, current)
+        }
+        throw SystemCallError(call: "xdp_steer has no .rodata map for \(FANOUT_XDP_OPTIONS_NAME)", errno: ENOENT)
+    }
+
+    func closeDescriptors() {
+        for fd in [program, listeners, sockets, stats] { close(fd) }
+    }
+
+    /// The kernel's id of the loaded program (what `bpftool prog` and `ip link` print).
+    var programID: UInt32 {
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        return bpf_obj_get_info_by_fd(program, &info, &length) == 0 ? info.id : 0
+    }
+
+    // MARK: listeners and sockets
+
+    /// The listeners map key: a bind matches only on its listener's interface.
+    static func listenerKey(_ bind: SocketAddress, ifindex: UInt32) -> fanout_xdp_listener_key {
+        var key = fanout_xdp_listener_key()
+        key.ifindex = ifindex
+        key.family = UInt8(bind.ip.family)
+        key.port = bind.port.bigEndian
+        key.addr = TCProgram.addressWords(bind.ip)
+        return key
+    }
+
+    /// Steers `bind` (an unspecified address: every address of its family) arriving on
+    /// `ifindex` to the sockets, counted under `id` (< FANOUT_MAX_LISTENERS).
+    func putListener(_ bind: SocketAddress, ifindex: UInt32, id: UInt32) throws(SystemCallError) {
+        guard id < UInt32(FANOUT_MAX_LISTENERS) else {
+            throw SystemCallError(call: "af_xdp listener id \(id) (at most \(FANOUT_MAX_LISTENERS) listeners)", errno: E2BIG)
+        }
+        var key = Self.listenerKey(bind, ifindex: ifindex)
+        var value = fanout_xdp_listener()
+        value.id = id
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_XDP_LISTENERS_NAME)") { bpf_map_update_elem(listeners, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    func removeListener(_ bind: SocketAddress, ifindex: UInt32) {
+        var key = Self.listenerKey(bind, ifindex: ifindex)
+        bpf_map_delete_elem(listeners, &key)
+    }
+
+    /// Puts the AF_XDP socket `fd` (bound to `queue`) in the XSKMAP: frames of that receive
+    /// queue are redirected to it.
+    func setSocket(queue: UInt32, fd: Int32) throws(SystemCallError) {
+        guard queue < UInt32(FANOUT_XDP_MAX_QUEUES) else {
+            throw SystemCallError(call: "af_xdp queue \(queue) (the XSKMAP holds queues 0..<\(FANOUT_XDP_MAX_QUEUES))", errno: E2BIG)
+        }
+        var key = queue
+        var value = UInt32(bitPattern: fd)
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_XDP_SOCKETS_NAME) queue \(queue)") { bpf_map_update_elem(sockets, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// Removes the socket of `queue`: its frames pass to the kernel (counted no_socket).
+    func clearSocket(queue: UInt32) {
+        var key = queue
+        bpf_map_delete_elem(sockets, &key)
+    }
+
+    // MARK: counters
+
+    /// Per-CPU summed counters of listener `id` (or the unmatched slot); zeros if the entry
+    /// cannot be read.
+    func stats(listener id: UInt32) -> (received: UInt64, bytes: UInt64, verdicts: [XDPVerdict: UInt64]) {
+        let words = MemoryLayout<fanout_xdp_stats>.stride / 8
+        let sums = (try? ReusePortLB.perCPUSum(stats, key: id, words: words)) ?? [UInt64](repeating: 0, count: words)
+        var verdicts: [XDPVerdict: UInt64] = [:]
+        for verdict in XDPVerdict.allCases { verdicts[verdict] = sums[2 + verdict.rawValue] }
+        return (sums[0], sums[1], verdicts)
+    }
+
+    /// Zeroes a listener id's counters before it is (re)used.
+    func resetListener(id: UInt32) {
+        let cpus = max(1, Int(libbpf_num_possible_cpus()))
+        var values = [UInt64](repeating: 0, count: MemoryLayout<fanout_xdp_stats>.stride / 8 * cpus)
+        var key = id
+        bpf_map_update_elem(stats, &key, &values, UInt64(BPF_ANY))
+    }
+}

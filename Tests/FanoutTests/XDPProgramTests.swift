@@ -1,0 +1,318 @@
+import CLibBPF
+import CSystemShim
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The XDP steering program under BPF_PROG_TEST_RUN, table-driven: the action, that the frame
+/// is untouched, and that exactly one verdict counter (and received/bytes) rose in exactly one
+/// stats entry.
+///
+/// test_run's context names the arrival interface and queue (ingress_ifindex, rx_queue_index),
+/// which must exist in the caller's namespace: runs happen on a thread inside a namespace this
+/// test creates, with veth x1 (two queues; the listeners' interface) and its peer x0.
+@Suite("XDP program under BPF_PROG_TEST_RUN", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct XDPProgramTests {
+    static let pass: UInt32 = 2, redirect: UInt32 = 4  // XDP_PASS, XDP_REDIRECT
+    static let maxFrame: UInt32 = 1500
+
+    final class Fixture {
+        let namespace = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        let program: XDPProgram
+        var ifindex: UInt32 = 0
+        var otherIfindex: UInt32 = 0
+
+        init() throws {
+            for arguments in [
+                ["netns", "add", namespace],
+                ["-n", namespace, "link", "add", "x0", "numrxqueues", "2", "numtxqueues", "2", "type", "veth",
+                 "peer", "name", "x1", "numrxqueues", "2", "numtxqueues", "2"],
+                ["-n", namespace, "link", "set", "x0", "up"],
+                ["-n", namespace, "link", "set", "x1", "up"],
+            ] {
+                let result = try run("/usr/sbin/ip", arguments)
+                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+            }
+            program = try XDPProgram(maxFrameLength: XDPProgramTests.maxFrame)
+            func index(_ name: String) throws -> UInt32 {
+                let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
+                return UInt32(try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first).int("ifindex"))
+            }
+            ifindex = try index("x1")
+            otherIfindex = try index("x0")
+            try program.putListener(TCProgramTests.listenerV4, ifindex: ifindex, id: 0)
+            try program.putListener(TCProgramTests.listenerV6, ifindex: ifindex, id: 1)
+            try program.putListener(SocketAddress("0.0.0.0:5520")!, ifindex: ifindex, id: 2)
+            try program.putListener(SocketAddress("[::]:5520")!, ifindex: ifindex, id: 3)
+            // An exact bind and a wildcard on the same port: the exact one wins for its address.
+            try program.putListener(SocketAddress("198.18.100.1:5521")!, ifindex: ifindex, id: 4)
+            try program.putListener(SocketAddress("0.0.0.0:5521")!, ifindex: ifindex, id: 5)
+        }
+
+        deinit {
+            program.closeDescriptors()
+            _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
+        }
+
+        /// Runs the program once on `frame` arriving on x1 (or `ifindex`) at `queue`, from a
+        /// thread inside the namespace. Returns the action (UInt32.max - errno if the run
+        /// failed) and the frame as the program left it.
+        func execute(_ frame: [UInt8], ifindex: UInt32? = nil, queue: UInt32 = 0) -> (action: UInt32, output: [UInt8]) {
+            let (program, ifindex) = (self.program.program, ifindex ?? self.ifindex)
+            return inNetworkNamespace(namespace) {
+                var input = frame
+                var output = [UInt8](repeating: 0, count: 4096)
+                var context = xdp_md()
+                context.data_end = UInt32(frame.count)
+                context.ingress_ifindex = ifindex
+                context.rx_queue_index = queue
+                var options = bpf_test_run_opts()
+                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+                let result = input.withUnsafeMutableBytes { inBytes in
+                    output.withUnsafeMutableBytes { outBytes in
+                        withUnsafeMutablePointer(to: &context) { contextPointer in
+                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                            options.data_size_in = UInt32(inBytes.count)
+                            options.data_out = outBytes.baseAddress
+                            options.data_size_out = UInt32(outBytes.count)
+                            options.ctx_in = UnsafeRawPointer(contextPointer)
+                            options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
+                            options.repeat = 1
+                            return bpf_prog_test_run_opts(program, &options)
+                        }
+                    }
+                }
+                guard result == 0 else { return (UInt32.max - UInt32(-result), []) }
+                return (options.retval, Array(output[0..<Int(options.data_size_out)]))
+            } ?? (UInt32.max, [])
+        }
+
+        /// Every stats entry the fixture uses, and the unmatched one.
+        var keys: [UInt32] { Array(0...5) + [XDPProgram.unmatched] }
+
+        func snapshot() -> [UInt32: (received: UInt64, bytes: UInt64, verdicts: [XDPVerdict: UInt64])] {
+            Dictionary(uniqueKeysWithValues: keys.map { ($0, program.stats(listener: $0)) })
+        }
+
+        /// Runs `frame` and checks the action, that the frame passed untouched (unless
+        /// redirected), and that entry `key` counted it once as `verdict` with its length, and
+        /// nothing else moved.
+        func expectVerdict(_ name: String, _ frame: [UInt8], action: UInt32, key: UInt32, _ verdict: XDPVerdict,
+                           ifindex: UInt32? = nil, queue: UInt32 = 0, sourceLocation: SourceLocation = #_sourceLocation) {
+            let before = snapshot()
+            let (result, output) = execute(frame, ifindex: ifindex, queue: queue)
+            #expect(result == action, "\(name): action \(result)", sourceLocation: sourceLocation)
+            #expect(output == frame, "\(name): frame untouched", sourceLocation: sourceLocation)
+            let after = snapshot()
+            for entry in keys {
+                let (old, new) = (before[entry]!, after[entry]!)
+                let counted = entry == key
+                #expect(new.received == old.received + (counted ? 1 : 0), "\(name): received of entry \(entry)", sourceLocation: sourceLocation)
+                #expect(new.bytes == old.bytes + (counted ? UInt64(frame.count) : 0), "\(name): bytes of entry \(entry)", sourceLocation: sourceLocation)
+                for each in XDPVerdict.allCases {
+                    let rise: UInt64 = counted && each == verdict ? 1 : 0
+                    #expect(new.verdicts[each] == old.verdicts[each]! + rise, "\(name): \(each.label) of entry \(entry)", sourceLocation: sourceLocation)
+                }
+            }
+        }
+    }
+
+    // MARK: frames
+
+    static let v4 = Packet.ipv4(payload: Array(repeating: 0x41, count: 100))
+    static let v6 = Packet.ipv6(payload: Array(repeating: 0x42, count: 100))
+
+    /// IPv6 with a hop-by-hop options header (PadN) and a destination options header before UDP.
+    static func v6ExtensionHeaders() -> [UInt8] {
+        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
+        let udp = Packet.udp(source: source, destination: destination, port: 5514, payload: [1, 2, 3, 4])
+        let hopByHop: [UInt8] = [60, 0, 1, 4, 0, 0, 0, 0]
+        let destinationOptions: [UInt8] = [17, 1, 1, 12] + [UInt8](repeating: 0, count: 12)
+        let extensions = hopByHop + destinationOptions
+        return Packet.ethernetHeader(type: 0x86dd) + Packet.ipv6Header(next: 0, length: extensions.count + udp.count, source: source, destination: destination)
+            + extensions + udp
+    }
+
+    /// `frame` (which has one 802.1Q tag) with an outer 802.1ad tag before it.
+    static func outerTag(_ frame: [UInt8], type: [UInt8] = [0x88, 0xa8]) -> [UInt8] {
+        Array(frame[0..<12]) + type + [0x00, 0x07] + Array(frame[12...])
+    }
+
+    /// A v4 frame to 198.18.100.`last`:port (checksums are not the program's concern).
+    static func v4(to last: UInt8, port: UInt16) -> [UInt8] {
+        var frame = Packet.ipv4(payload: [9, 9, 9], port: port)
+        frame[Packet.ethernet + 19] = last
+        return frame
+    }
+
+    // MARK: cases
+
+    @Test("The Swift verdicts mirror enum fanout_xdp_verdict")
+    func verdictMirror() {
+        #expect(XDPVerdict.allCases.count == Int(FANOUT_XDP_VERDICT_COUNT.rawValue))
+        let pairs: [(XDPVerdict, fanout_xdp_verdict)] = [
+            (.redirected, FANOUT_XDP_VERDICT_REDIRECTED), (.noSocket, FANOUT_XDP_VERDICT_NO_SOCKET),
+            (.fragment, FANOUT_XDP_VERDICT_FRAGMENT), (.tooLarge, FANOUT_XDP_VERDICT_TOO_LARGE),
+            (.malformed, FANOUT_XDP_VERDICT_MALFORMED), (.notOurs, FANOUT_XDP_VERDICT_NOT_OURS),
+        ]
+        for (swift, c) in pairs { #expect(swift.raw == c, "\(swift.label)") }
+        #expect(Set(XDPVerdict.allCases.map(\.label)).count == XDPVerdict.allCases.count, "labels are distinct")
+    }
+
+    @Test("Listeners' datagrams without a socket in the queue: passed, counted no_socket for the listener")
+    func matchedWithoutSocket() throws {
+        let fixture = try Fixture()
+        let cases: [(String, [UInt8], UInt32)] = [
+            ("IPv4", Self.v4, 0),
+            ("IPv6", Self.v6, 1),
+            ("IPv4 with options", Packet.ipv4(payload: [1, 2, 3], options: [1, 1, 1, 0]), 0),
+            ("IPv6 with extension headers", Self.v6ExtensionHeaders(), 1),
+            ("one 802.1Q tag", Packet.ipv4(payload: [4, 5], vlan: 42), 0),
+            ("802.1ad + 802.1Q (QinQ)", Self.outerTag(Packet.ipv4(payload: [4, 5], vlan: 42)), 0),
+            ("two 802.1Q tags", Self.outerTag(Packet.ipv4(payload: [4, 5], vlan: 42), type: [0x81, 0x00]), 0),
+            ("IPv4 wildcard listener", Self.v4(to: 77, port: 5520), 2),
+            ("IPv6 wildcard listener", Packet.ipv6(payload: [7], port: 5520), 3),
+            ("exact address before the wildcard", Self.v4(to: 1, port: 5521), 4),
+            ("the wildcard for another address", Self.v4(to: 2, port: 5521), 5),
+            ("frame of exactly max_frame_len", Packet.ipv4(payload: [UInt8](repeating: 3, count: Int(Self.maxFrame) - 42)), 0),
+        ]
+        for (name, frame, key) in cases {
+            fixture.expectVerdict(name, frame, action: Self.pass, key: key, .noSocket)
+        }
+    }
+
+    @Test("Fragments, too large, malformed and not ours: passed untouched, each its verdict in its entry")
+    func passedToTheKernel() throws {
+        let fixture = try Fixture()
+        let unmatched = XDPProgram.unmatched
+        let payload = (0..<2400).map { UInt8(truncatingIfNeeded: $0 * 7) }
+        let pieces = Packet.ipv4Fragments(payload: payload, id: 0x4242, pieceSize: 1000)
+        let pieces6 = Packet.ipv6Fragments(payload: payload, id: 0x0102_0304, pieceSize: 1000)
+        let cases: [(String, [UInt8], UInt32, XDPVerdict)] = [
+            ("IPv4 first fragment", pieces[0], 0, .fragment),
+            ("IPv4 middle fragment", pieces[1], unmatched, .fragment),
+            ("IPv4 last fragment", pieces[2], unmatched, .fragment),
+            ("IPv6 first fragment", pieces6[0], 1, .fragment),
+            ("IPv6 later fragment", pieces6[1], unmatched, .fragment),
+            ("too large for a UMEM frame", Packet.ipv4(payload: [UInt8](repeating: 3, count: Int(Self.maxFrame) - 41)), 0, .tooLarge),
+            ("IPv4 header cut (frame ends 10 bytes into it)", Array(Self.v4.prefix(Packet.ethernet + 10)), unmatched, .malformed),
+            ("IPv6 header cut", Array(Self.v6.prefix(Packet.ethernet + 30)), unmatched, .malformed),
+            ("IPv4 options cut (IHL 15, frame ends after 24 bytes)", {
+                var f = Array(Self.v4.prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
+            }(), unmatched, .malformed),
+            ("UDP header cut", Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)), unmatched, .malformed),
+            ("IPv6 extension header cut", {
+                var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
+            }(), unmatched, .malformed),
+            ("IPv4 total length beyond the frame", Array(Packet.ipv4(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 40)), unmatched, .malformed),
+            ("IHL below 5", { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }(), unmatched, .malformed),
+            ("a VLAN tag cut", Array(Packet.ipv4(payload: [1], vlan: 5).prefix(Packet.ethernet + 2)), unmatched, .malformed),
+            ("TCP to the listener", Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6), unmatched, .notOurs),
+            ("ICMP to the listener", Packet.ipv4(payload: [8, 0, 0, 0], protocolNumber: 1), unmatched, .notOurs),
+            ("other port", Packet.ipv4(payload: [1, 2, 3], port: 9999), unmatched, .notOurs),
+            ("other address", Self.v4(to: 2, port: 5514), unmatched, .notOurs),
+            ("ARP", Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28), unmatched, .notOurs),
+            ("three VLAN tags", Self.outerTag(Self.outerTag(Packet.ipv4(payload: [4], vlan: 42))), unmatched, .notOurs),
+        ]
+        for (name, frame, key, verdict) in cases {
+            fixture.expectVerdict(name, frame, action: Self.pass, key: key, verdict)
+        }
+        // The listener's datagram arriving on another interface is not its.
+        fixture.expectVerdict("other interface", Self.v4, action: Self.pass, key: unmatched, .notOurs, ifindex: fixture.otherIfindex)
+        // A removed listener no longer matches.
+        fixture.program.removeListener(TCProgramTests.listenerV4, ifindex: fixture.ifindex)
+        fixture.expectVerdict("removed listener", Self.v4, action: Self.pass, key: unmatched, .notOurs)
+    }
+
+    @Test("A socket in the arrival queue's XSKMAP slot: redirected; another queue or a cleared slot: no_socket")
+    func redirectedToTheQueuesSocket() throws {
+        let fixture = try Fixture()
+        let socket = try #require(inNetworkNamespace(fixture.namespace) { TestXSK.open(interface: "x1", queue: 1) }, "namespace thread")
+        let fd = try socket.get()
+        defer { close(fd) }
+        try fixture.program.setSocket(queue: 1, fd: fd)
+        fixture.expectVerdict("queue 1 (its socket)", Self.v4, action: Self.redirect, key: 0, .redirected, queue: 1)
+        fixture.expectVerdict("queue 1, IPv6", Self.v6, action: Self.redirect, key: 1, .redirected, queue: 1)
+        fixture.expectVerdict("queue 0 (no socket)", Self.v4, action: Self.pass, key: 0, .noSocket, queue: 0)
+        fixture.expectVerdict("not ours on queue 1", Packet.ipv4(payload: [1], port: 9999), action: Self.pass, key: XDPProgram.unmatched, .notOurs, queue: 1)
+        fixture.program.clearSocket(queue: 1)
+        fixture.expectVerdict("queue 1 after clearSocket", Self.v4, action: Self.pass, key: 0, .noSocket, queue: 1)
+        #expect(throws: SystemCallError.self) { try fixture.program.setSocket(queue: UInt32(FANOUT_XDP_MAX_QUEUES), fd: fd) }
+    }
+
+    @Test("max_frame_len is the program's: a program loaded with 200 passes a 300-byte frame as too_large")
+    func maxFrameLengthOption() throws {
+        let program = try XDPProgram(maxFrameLength: 200)
+        defer { program.closeDescriptors() }
+        try program.putListener(SocketAddress("0.0.0.0:5514")!, ifindex: 1, id: 0)
+        for (frame, verdict) in [(Packet.ipv4(payload: [UInt8](repeating: 1, count: 300 - 42)), XDPVerdict.tooLarge),
+                                 (Packet.ipv4(payload: [UInt8](repeating: 1, count: 200 - 42)), .noSocket)] {
+            let before = program.stats(listener: 0).verdicts[verdict]!
+            var input = frame
+            var context = xdp_md()
+            context.data_end = UInt32(frame.count)
+            context.ingress_ifindex = 1  // lo of the test's own namespace: only its index is used
+            var options = bpf_test_run_opts()
+            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+            let result = input.withUnsafeMutableBytes { inBytes in
+                withUnsafeMutablePointer(to: &context) { contextPointer in
+                    options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                    options.data_size_in = UInt32(inBytes.count)
+                    options.ctx_in = UnsafeRawPointer(contextPointer)
+                    options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
+                    options.repeat = 1
+                    return bpf_prog_test_run_opts(program.program, &options)
+                }
+            }
+            #expect(result == 0 && options.retval == Self.pass)
+            #expect(program.stats(listener: 0).verdicts[verdict] == before + 1, "\(frame.count) bytes: \(verdict.label)")
+        }
+        #expect(throws: SystemCallError.self) { try program.putListener(SocketAddress("0.0.0.0:1")!, ifindex: 1, id: UInt32(FANOUT_MAX_LISTENERS)) }
+    }
+}
+
+/// A minimal AF_XDP socket for the tests (copy mode, no packets read): a UMEM of 16 frames,
+/// fill, completion and RX rings, bound to one queue: enough for the XSKMAP to accept it.
+/// Built from the uapi (linux/if_xdp.h) by hand so the test needs no libxdp.
+enum TestXSK {
+    static let afXDP: Int32 = 44, solXDP: Int32 = 283
+    static let rxRing: Int32 = 2, umemReg: Int32 = 4, fillRing: Int32 = 5, completionRing: Int32 = 6
+    static let copyMode: UInt16 = 1 << 1
+
+    /// The socket's descriptor, or the failing call. Call on a thread in the interface's namespace.
+    static func open(interface: String, queue: UInt32) -> Result<Int32, SystemCallError> {
+        let fd = socket(afXDP, Int32(SOCK_RAW.rawValue), 0)
+        guard fd >= 0 else { return .failure(SystemCallError(call: "socket AF_XDP", errno: errno)) }
+        func fail(_ call: String) -> Result<Int32, SystemCallError> {
+            let error = errno
+            close(fd)
+            return .failure(SystemCallError(call: call, errno: error))
+        }
+        let size = 16 * 4096
+        // The UMEM stays mapped for the process's life: the socket holds it until closed.
+        guard let area = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), area != MAP_FAILED else {
+            return fail("mmap UMEM")
+        }
+        // struct xdp_umem_reg: addr, len (u64), chunk_size, headroom, flags, tx_metadata_len (u32).
+        var registration: (UInt64, UInt64, UInt32, UInt32, UInt32, UInt32) = (UInt64(UInt(bitPattern: area)), UInt64(size), 4096, 0, 0, 0)
+        guard setsockopt(fd, solXDP, umemReg, &registration, socklen_t(MemoryLayout.size(ofValue: registration))) == 0 else { return fail("XDP_UMEM_REG") }
+        var entries: Int32 = 16
+        for option in [fillRing, completionRing, rxRing] {
+            guard setsockopt(fd, solXDP, option, &entries, 4) == 0 else { return fail("setsockopt SOL_XDP \(option)") }
+        }
+        // struct sockaddr_xdp: family, flags (u16), ifindex, queue_id, shared_umem_fd (u32).
+        var address: (UInt16, UInt16, UInt32, UInt32, UInt32) = (UInt16(afXDP), copyMode, if_nametoindex(interface), queue, 0)
+        let addressLength = socklen_t(MemoryLayout.size(ofValue: address))
+        let bound = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, addressLength) }
+        }
+        guard bound == 0 else { return fail("bind AF_XDP \(interface) queue \(queue)") }
+        return .success(fd)
+    }
+}
