@@ -1,4 +1,5 @@
 import CLibBPF
+import BPFKernelABI
 import CSystemShim
 import Foundation
 import ReusePortLB

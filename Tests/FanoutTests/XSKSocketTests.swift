@@ -1,4 +1,5 @@
 import CLibBPF
+import BPFSupport
 import CSystemShim
 import Foundation
 import Testing

@@ -8,5 +8,6 @@
 
 #include "../../../bpf/include/rplb_shared.h"
 #include "../../../bpf/include/fanout_tc_shared.h"
+#include "../../../bpf/include/fanout_xdp_shared.h"
 
 #endif

@@ -1,3 +1,4 @@
+import BPFSupport
 import ReusePortLB
 
 #if canImport(Glibc)

@@ -4,6 +4,7 @@ import Glibc
 import CLibBPF
 import CSystemShim
 import Logging
+import BPFSupport
 import ReusePortLB
 import Synchronization
 

@@ -2,18 +2,11 @@
 import Glibc
 #endif
 import CLibBPF
+import BPFKernelABI
+import BPFObjects
 import CSystemShim
+import BPFSupport
 import ReusePortLB
-
-/// How the XDP program is attached (settings.xdp_mode).
-public enum XDPMode: String, Sendable, CaseIterable {
-    /// Native (driver) mode first; generic (SKB) mode if the driver refuses it.
-    case auto
-    /// The driver runs the program before any skb exists; fails where the driver has no XDP.
-    case native
-    /// The kernel runs the program on the skb (every driver; slower, and AF_XDP copies).
-    case generic
-}
 
 /// What the XDP program did with a frame: the mirror of `enum fanout_xdp_verdict`. Every frame
 /// gets exactly one; only `redirected` reaches the AF_XDP socket, the rest pass to the kernel.
@@ -149,7 +142,7 @@ final class XDPProgram: @unchecked Sendable {  // descriptors only; callers seri
     /// cannot be read.
     func stats(listener id: UInt32) -> (received: UInt64, bytes: UInt64, verdicts: [XDPVerdict: UInt64]) {
         let words = MemoryLayout<fanout_xdp_stats>.stride / 8
-        let sums = (try? ReusePortLB.perCPUSum(stats, key: id, words: words)) ?? [UInt64](repeating: 0, count: words)
+        let sums = (try? BPFSupport.perCPUSum(stats, key: id, words: words)) ?? [UInt64](repeating: 0, count: words)
         var verdicts: [XDPVerdict: UInt64] = [:]
         for verdict in XDPVerdict.allCases { verdicts[verdict] = sums[2 + verdict.rawValue] }
         return (sums[0], sums[1], verdicts)

@@ -1,14 +1,3 @@
-/// `settings.zero_copy`: whether AF_XDP sockets bind in zero-copy mode (the NIC writes
-/// frames straight into UMEM) or copy mode (the kernel copies each frame).
-public enum ZeroCopy: String, Sendable, CaseIterable {
-    /// Zero-copy when the driver supports it, else copy mode; the socket says which it got.
-    case auto
-    /// Zero-copy or an error (the driver, or generic XDP, cannot do it).
-    case on
-    /// Copy mode always.
-    case off
-}
-
 /// One AF_XDP socket's memory and rings. The defaults suit a 1500-byte MTU at line rate on one
 /// queue: 16 MiB of UMEM per queue, locked (see `MemoryLock`).
 struct XSKConfig: Equatable, Sendable {

@@ -27,6 +27,12 @@ struct XSKStatistics: Equatable, Sendable {
     var fillRingEmpty: UInt64 = 0
     /// Times the kernel found the TX ring empty when kicked.
     var txRingEmpty: UInt64 = 0
+
+    /// The values by the `kind` label of udp_fanout_afxdp_socket_events_total.
+    var byKind: [String: UInt64] {
+        ["rx_dropped": rxDropped, "rx_invalid_descs": rxInvalidDescriptors, "tx_invalid_descs": txInvalidDescriptors,
+         "rx_ring_full": rxRingFull, "rx_fill_ring_empty_descs": fillRingEmpty, "tx_ring_empty_descs": txRingEmpty]
+    }
 }
 
 /// One AF_XDP socket bound to one RX queue, with its own UMEM and four rings (libxdp's xsk

@@ -11,6 +11,7 @@ public enum DaemonError: Error, CustomStringConvertible {
     case tcListener(name: String, TCError)
     case modeNotImplemented(name: String, Mode)
     case output(name: String, OutboxError)
+    case afXDPListener(name: String, AFXDPError)
     case metrics(SocketAddress, any Error)
 
     public var description: String {
@@ -19,6 +20,7 @@ public enum DaemonError: Error, CustomStringConvertible {
         case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .modeNotImplemented(let name, let mode): return "listener '\(name)' could not start: mode \(mode.rawValue) is not implemented in this release"
         case .output(let name, let error): return "listener '\(name)' could not start: \(error)"
+        case .afXDPListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .metrics(let address, let error):
             return "metrics server error: cannot serve on \(address): \(error); free that port or set metrics.bind to another address"
         }
@@ -62,6 +64,8 @@ public final class FanoutDaemon: Sendable {
         var config: FanoutConfig
         var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
+        /// af_xdp listeners' ring, socket and XDP counters, kept across reloads like `counters`.
+        var afxdp: [String: AFXDPCounters] = [:]
         /// How a reload reaches the running ``StatusEndpointService`` (nil until it runs).
         var endpoint: AsyncStream<Metrics>.Continuation?
         /// Listeners of the configuration in force that are not running: stopped for a change
@@ -159,8 +163,22 @@ public final class FanoutDaemon: Sendable {
                 throw .tcListener(name: listener.name, error)
             }
         case .afXDP:
-            // Refused at validation; a configuration built in code gets the same answer here.
-            throw .modeNotImplemented(name: listener.name, .afXDP)
+            let afxdp = state.withLock { state in
+                if let existing = state.afxdp[listener.name] { return existing }
+                let made = AFXDPCounters(listener: listener.name)
+                state.afxdp[listener.name] = made
+                return made
+            }
+            counters.modeMetrics.withLock { $0 = { afxdp.metricsText(mode: Mode.afXDP.rawValue) } }
+            do {
+                let name = listener.name
+                return try AFXDPListener(listener, counters: counters, afxdp: afxdp, logger: logger) { [weak self] address in
+                    self?.downstreamRefused(address, listener: name)
+                }
+            } catch {
+                logger.error("af_xdp listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
+                throw .afXDPListener(name: listener.name, error)
+            }
         case .userspace:
             do {
                 // Passive health: ICMP port unreachable on a send counts as a failed probe.

@@ -1,0 +1,91 @@
+import Synchronization
+
+/// The af_xdp counters of one listener beyond ``ListenerCounters``: the reference's AF_XDP
+/// families, each queue's socket statistics (XDP_STATISTICS) and the XDP program's verdicts.
+/// Kept across reloads with the listener's name: a restarted socket or program adds its
+/// final values to the base, so every family only grows.
+final class AFXDPCounters: Sendable {
+    let listener: String
+    let parseErrors = Atomic<UInt64>(0)
+    /// xdp_tx datagrams sent as preserve_source, by reason (no_route, other_interface, no_neighbour, rewrite_refused).
+    private let fallbacks = Mutex<[String: UInt64]>([:])
+    private let state = Mutex<State>(State())
+
+    struct State {
+        /// Totals of stopped instances.
+        var base = Totals()
+        /// The running instance's live reader.
+        var live: (@Sendable () -> Totals)?
+    }
+
+    /// What one instance counted: ring events, per-queue socket statistics, program verdicts.
+    struct Totals: Sendable {
+        var rxRingEmpty: UInt64 = 0
+        var fillRingFull: UInt64 = 0
+        /// Per queue: rx_dropped, rx_invalid_descs, tx_invalid_descs, rx_ring_full, rx_fill_ring_empty_descs, tx_ring_empty_descs.
+        var queues: [UInt32: [String: UInt64]] = [:]
+        /// XDP program verdicts by reason label.
+        var verdicts: [String: UInt64] = [:]
+        /// Frames each queue's forwarder took off its RX ring.
+        var received: [UInt32: UInt64] = [:]
+
+        static func + (a: Totals, b: Totals) -> Totals {
+            var sum = a
+            sum.rxRingEmpty &+= b.rxRingEmpty
+            sum.fillRingFull &+= b.fillRingFull
+            for (queue, values) in b.queues { sum.queues[queue] = sum.queues[queue, default: [:]].merging(values, uniquingKeysWith: &+) }
+            sum.verdicts.merge(b.verdicts, uniquingKeysWith: &+)
+            sum.received.merge(b.received, uniquingKeysWith: &+)
+            return sum
+        }
+    }
+
+    init(listener: String) { self.listener = listener }
+
+    func countFallback(_ reason: String) {
+        fallbacks.withLock { $0[reason, default: 0] += 1 }
+    }
+
+    /// The running instance's counters are read from `source` from now on.
+    func setLive(_ source: @escaping @Sendable () -> Totals) {
+        state.withLock { $0.live = source }
+    }
+
+    /// The running instance stops: its last values join the base.
+    func retire() {
+        state.withLock { state in
+            if let live = state.live { state.base = state.base + live() }
+            state.live = nil
+        }
+    }
+
+    var totals: Totals {
+        state.withLock { state in state.live.map { state.base + $0() } ?? state.base }
+    }
+
+    /// The af_xdp families in the Prometheus text format.
+    func metricsText(mode: String) -> String {
+        let totals = totals
+        let labels = "listener=\"\(PrometheusText.escape(listener))\",mode=\"\(mode)\""
+        var out = ""
+        func family(_ name: String, _ help: String, _ rows: [(String, UInt64)]) {
+            out += "# HELP \(name) \(help)\n# TYPE \(name) counter\n"
+            for (extra, value) in rows { out += "\(name){\(labels)\(extra)} \(value)\n" }
+        }
+        family("udp_fanout_afxdp_rx_ring_empty_total", "Receive calls that found the AF_XDP RX ring empty", [("", totals.rxRingEmpty)])
+        family("udp_fanout_afxdp_fill_ring_full_total", "Times frames could not all be returned to the fill ring at once", [("", totals.fillRingFull)])
+        family("udp_fanout_afxdp_parse_errors_total", "Frames from the RX ring whose Ethernet/IP/UDP headers did not parse (dropped)", [("", parseErrors.load(ordering: .relaxed))])
+        family("udp_fanout_afxdp_queue_frames_total", "Frames each RX queue's forwarder took off its AF_XDP socket",
+               totals.received.sorted { $0.key < $1.key }.map { (",queue=\"\($0.key)\"", $0.value) })
+        let statistics = ["rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs"]
+        family("udp_fanout_afxdp_socket_events_total", "AF_XDP socket statistics per queue (XDP_STATISTICS), by kind",
+               totals.queues.sorted { $0.key < $1.key }.flatMap { queue, values in
+                   statistics.map { (",queue=\"\(queue)\",kind=\"\($0)\"", values[$0] ?? 0) }
+               })
+        family("udp_fanout_xdp_verdicts_total", "What the XDP program did with each frame on the interface, by reason",
+               totals.verdicts.sorted { $0.key < $1.key }.map { (",reason=\"\($0.key)\"", $0.value) })
+        family("udp_fanout_afxdp_xdp_tx_fallback_total", "xdp_tx datagrams sent as preserve_source instead, by reason",
+               fallbacks.withLock { $0 }.sorted { $0.key < $1.key }.map { (",reason=\"\($0.key)\"", $0.value) })
+        return out
+    }
+}

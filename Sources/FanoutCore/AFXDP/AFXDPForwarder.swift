@@ -1,0 +1,202 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// One RX queue's forwarder thread of an af_xdp listener (`<listener>-q<N>`): takes frames off
+/// its AF_XDP socket's RX ring in batches, parses them in place (UMEM), picks each datagram's
+/// downstream with the listener's shared ``BatchForwarder`` and sends it out the listener's way
+/// (`settings.output`), then gives the frames back to the fill ring. `xdp_tx` rewrites a frame in
+/// UMEM and puts it on the TX ring when the downstream's next hop is on this interface; other
+/// datagrams of that listener go out as `preserve_source` (counted by reason).
+final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once started
+    let queue: UInt32
+    let socket: XSKSocket
+    /// Grows at every idle wait and every batch (the path check's heartbeat).
+    let progress = Atomic<UInt64>(0)
+    /// Frames taken off the RX ring.
+    let received = Atomic<UInt64>(0)
+    private let listener: Listener
+    private let counters: ListenerCounters
+    private let afxdp: AFXDPCounters
+    private let stop: StopSignal
+    private let logger: Logger
+    private let forwarder: BatchForwarder
+    private let batch: Int
+    private let frames: UnsafeMutableBufferPointer<XSKFrame>
+    private let sources: UnsafeMutablePointer<sockaddr_storage>
+    /// Frames that go back to the fill ring after the batch's sends returned.
+    private let done: UnsafeMutableBufferPointer<XSKFrame>
+    /// xdp_tx: frames rewritten for the TX ring, and their downstream index.
+    private let transmit: UnsafeMutableBufferPointer<XSKFrame>
+    private let transmitTargets: UnsafeMutablePointer<Int>
+    private let resolver: NextHopResolver?
+    /// xdp_tx: each downstream's next hop as last looked up (index: the plan's downstreams).
+    private var hops: [Result<NextHop, NextHopProblem>] = []
+    private var hopsVersion: ObjectIdentifier?
+    private var hopsChecked = ContinuousClock.now
+
+    init(queue: UInt32, socket: XSKSocket, listener: Listener, ifindex: UInt32, counters: ListenerCounters, afxdp: AFXDPCounters,
+         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
+        self.queue = queue
+        self.socket = socket
+        self.listener = listener
+        self.counters = counters
+        self.afxdp = afxdp
+        self.stop = stop
+        self.logger = logger
+        batch = max(1, listener.settings.batchSize)
+        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
+        frames = .allocate(capacity: batch)
+        sources = .allocate(capacity: batch)
+        done = .allocate(capacity: batch)
+        transmit = .allocate(capacity: batch)
+        transmitTargets = .allocate(capacity: batch)
+        resolver = listener.settings.output == .xdpTX ? NextHopResolver(ifindex: ifindex) : nil
+    }
+
+    deinit {
+        frames.deallocate()
+        sources.deallocate()
+        done.deallocate()
+        transmit.deallocate()
+        transmitTargets.deallocate()
+    }
+
+    func run() {
+        if listener.settings.pinCPUs {
+            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+            if shim_pin_current_thread(Int32(Int(queue) % cpus)) != 0 {
+                logger.warning("could not pin forwarder to a CPU", metadata: ["listener": "\(listener.name)", "queue": "\(queue)", "errno": "\(errno)"])
+            }
+        }
+        forwarder.adoptPlanIfChanged()
+        logger.info("AF_XDP forwarder started", metadata: [
+            "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)",
+            "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
+        ])
+        while !stop.isSet {
+            if receiveBatch() == 0 {
+                // Idle: wait for frames (or the fill ring's wakeup); a timeout is progress too.
+                if !socket.wait(milliseconds: 100) { progress.wrappingAdd(1, ordering: .relaxed) }
+            }
+        }
+        // Drain: forward what the ring still holds (the program no longer redirects here: the
+        // listener cleared this queue's socket first) until it stays empty for 20 ms, at most 1 s.
+        let clock = ContinuousClock()
+        let deadline = clock.now + .seconds(1)
+        var quietSince = clock.now
+        while clock.now < deadline && clock.now - quietSince < .milliseconds(20) {
+            if receiveBatch() > 0 { quietSince = clock.now } else { usleep(1000) }
+        }
+    }
+
+    /// Receives, forwards and recycles one batch; returns the frames received.
+    private func receiveBatch() -> Int {
+        let count = socket.receive(into: frames)
+        guard count > 0 else { return 0 }
+        progress.wrappingAdd(1, ordering: .relaxed)
+        received.wrappingAdd(UInt64(count), ordering: .relaxed)
+        forwarder.adoptPlanIfChanged()
+        if resolver != nil { refreshHops() }
+        var doneCount = 0
+        var transmitCount = 0
+        var bytesReceived: UInt64 = 0
+        var parseErrors: UInt64 = 0
+        var tooLarge: UInt64 = 0
+        var noHealthy: UInt64 = 0
+        let maximum = listener.settings.maxPacketSize
+        for index in 0..<count {
+            let frame = frames[index]
+            let bytes = socket.bytes(frame)
+            let source = sources + index
+            guard let parsed = FrameParser.parse(UnsafeRawBufferPointer(bytes), source: source) else {
+                parseErrors += 1
+                done[doneCount] = frame
+                doneCount += 1
+                continue
+            }
+            bytesReceived += UInt64(parsed.payloadLength)
+            guard parsed.payloadLength <= maximum else {
+                tooLarge += 1
+                done[doneCount] = frame
+                doneCount += 1
+                continue
+            }
+            guard let target = forwarder.pick(source) else {
+                noHealthy += 1
+                done[doneCount] = frame
+                doneCount += 1
+                continue
+            }
+            if resolver != nil, let plan = forwarder.plan, target < hops.count {
+                switch hops[target] {
+                case .success(let hop):
+                    if FrameRewriter.rewrite(bytes, l3Offset: parsed.l3Offset, l4Offset: parsed.l4Offset, family: parsed.family,
+                                             to: plan.downstreams[target].address, nextHop: hop) {
+                        transmit[transmitCount] = XSKFrame(address: frame.address, length: frame.length)
+                        transmitTargets[transmitCount] = target
+                        transmitCount += 1
+                        continue
+                    }
+                    afxdp.countFallback("rewrite_refused")
+                case .failure(let problem):
+                    afxdp.countFallback(problem.rawValue)
+                }
+            }
+            let payload = UnsafeRawBufferPointer(rebasing: UnsafeRawBufferPointer(bytes)[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)])
+            forwarder.append(target, payload, source: source)
+            done[doneCount] = frame
+            doneCount += 1
+        }
+        var transmitted: UInt64 = 0
+        var transmittedBytes: UInt64 = 0
+        if transmitCount > 0 {
+            let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]))
+            for index in 0..<transmitCount {
+                let target = transmitTargets[index]
+                let length = UInt64(transmit[index].length)
+                if index < queued {
+                    transmitted += 1
+                    transmittedBytes += length
+                    forwarder.record(target, (1, length, [:]))
+                } else {
+                    // The TX ring is full: the frame comes back to us, dropped and counted.
+                    forwarder.record(target, (0, 0, [.sendBufferFull: 1]))
+                    done[doneCount] = transmit[index]
+                    doneCount += 1
+                }
+            }
+        }
+        // The outboxes' iovecs point into UMEM: frames are recycled only after these sends returned.
+        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy,
+                        forwarded: transmitted, bytesForwarded: transmittedBytes)
+        if parseErrors > 0 {
+            afxdp.parseErrors.wrappingAdd(parseErrors, ordering: .relaxed)
+            counters.drop(.parseError, parseErrors)
+        }
+        socket.recycle(UnsafeBufferPointer(rebasing: done[0..<doneCount]))
+        return count
+    }
+
+    /// xdp_tx: looks each downstream's next hop up again when the plan changed, and at most once a
+    /// second (a neighbour learnt meanwhile moves its datagrams from the fallback to the TX ring).
+    private func refreshHops() {
+        guard let resolver, let plan = forwarder.plan else { return }
+        let now = ContinuousClock.now
+        let identity = ObjectIdentifier(plan)
+        if identity != hopsVersion {
+            resolver.retain(Set(plan.downstreams.map(\.address.ip)))
+        } else if now - hopsChecked >= .seconds(1) {
+            resolver.refresh()
+        } else {
+            return
+        }
+        hopsVersion = identity
+        hopsChecked = now
+        hops = plan.downstreams.map { resolver.lookup($0.address.ip) }
+    }
+}

@@ -1,0 +1,225 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFSupport
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// Why an af_xdp listener could not start; each names the problem and the fix.
+public enum AFXDPError: Error, CustomStringConvertible, Sendable {
+    case capabilities(missing: [String])
+    case noInterface(String)
+    case queues(interface: String, configured: Int, available: Int)
+    case program(SystemCallError)
+    case attach(XDPError)
+    case socket(queue: UInt32, XSKError)
+    case memory(XSKError)
+    case companion(ReusePortError)
+
+    public var description: String {
+        switch self {
+        case .capabilities(let missing):
+            return "af_xdp needs \(missing.joined(separator: ", ")): grant them (systemd: AmbientCapabilities=; Kubernetes: securityContext.capabilities.add) or run as root"
+        case .noInterface(let name):
+            return "interface '\(name)' does not exist in this network namespace: set interface to one `ip link` lists"
+        case .queues(let interface, let configured, let available):
+            return "settings.queues is \(configured) but \(interface) has \(available) RX queue(s): lower settings.queues (0 serves them all) or raise the interface's (ethtool -L \(interface) combined N)"
+        case .program(let error): return "the XDP program could not be loaded: \(error)"
+        case .attach(let error): return "\(error)"
+        case .socket(let queue, let error): return "AF_XDP socket for queue \(queue): \(error)"
+        case .memory(let error): return "\(error)"
+        case .companion(let error): return "the companion UDP socket (it receives what XDP passes to the kernel: fragments, frames too large for a UMEM frame) could not bind: \(error)"
+        }
+    }
+}
+
+/// An af_xdp listener: the XDP program on `interface` hands the listener's datagrams to one
+/// AF_XDP socket per RX queue and passes everything else to the kernel; one forwarder thread
+/// per queue (``AFXDPForwarder``) sends them on. A companion userspace listener on the same bind
+/// receives what the program passes to the kernel for this listener (fragments, frames larger
+/// than a UMEM frame, a queue without a socket while sockets change), so nothing is lost.
+///
+/// Start: companion socket, program loaded with the listener in its map, attached (native or
+/// generic), sockets bound and put in the XSKMAP, forwarders started. Stop: the sockets leave the
+/// XSKMAP first (new frames go to the kernel, hence the companion), the forwarders drain their
+/// rings, the program is detached (a BPF link: a crash detaches it too), and the companion
+/// stops last, forwarding what it holds.
+final class AFXDPListener: RunningListener {
+    let config: Listener
+    let counters: ListenerCounters
+    private let afxdp: AFXDPCounters
+    private let plans: PlanHolder
+    private let stop = StopSignal()
+    private let program: XDPProgram
+    private let attachment: XDPAttachment
+    private let sockets: [XSKSocket]
+    private let forwarders: [AFXDPForwarder]
+    private let threads: [OSThread]
+    private let companion: UserspaceListener
+    private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
+    private let instance = ListenerInstance.next()
+    private let released = Atomic<Bool>(false)
+    private let logger: Logger
+    /// The XDP program's listener id (one af_xdp listener per interface, hence per program).
+    static let listenerID: UInt32 = 0
+    /// Bytes the kernel keeps in front of each frame's data (XDP_PACKET_HEADROOM).
+    static let headroom = 256
+
+    init(_ config: Listener, counters: ListenerCounters, afxdp: AFXDPCounters, logger: Logger,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(AFXDPError) {
+        self.config = config
+        self.counters = counters
+        self.afxdp = afxdp
+        self.logger = logger
+        self.passiveHealth = passiveHealth
+        let settings = config.settings
+        let interface = config.interface ?? ""
+        let capabilities = Capabilities.current()
+        var missing: [String] = []
+        if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
+        if !capabilities.has(Capabilities.netAdmin) { missing.append("CAP_NET_ADMIN") }
+        if !capabilities.canUsePointerArithmetic { missing.append("CAP_PERFMON") }
+        if !capabilities.has(Capabilities.netRaw) { missing.append("CAP_NET_RAW") }
+        guard missing.isEmpty else { throw .capabilities(missing: missing) }
+        let ifindex = if_nametoindex(interface)
+        guard ifindex != 0 else { throw .noInterface(interface) }
+        let available: Int
+        do { available = try RXQueues.count(interface: interface) } catch { throw .memory(error) }
+        logger.info("detected available RX queues on interface", metadata: ["listener": "\(config.name)", "interface": "\(interface)", "num_queues": "\(available)"])
+        let queueCount = settings.queues == 0 ? min(available, Settings.maximumQueues) : settings.queues
+        guard queueCount <= available else { throw .queues(interface: interface, configured: settings.queues, available: available) }
+        do {
+            try MemoryLock.ensure(bytes: queueCount * settings.umemFrames * settings.umemFrameSize)
+        } catch {
+            throw .memory(error)
+        }
+        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
+
+        // Everything made so far is undone if a later step fails.
+        var undo: [() -> Void] = []
+        func failed(_ error: AFXDPError) -> AFXDPError {
+            for step in undo.reversed() { step() }
+            return error
+        }
+        var companionConfig = config
+        companionConfig.mode = .userspace
+        companionConfig.settings.workers = 1
+        if companionConfig.settings.output == .xdpTX { companionConfig.settings.output = .preserveSource }
+        do {
+            companion = try UserspaceListener(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth)
+        } catch {
+            throw failed(.companion(error))
+        }
+        undo.append { [companion] in companion.shutdown() }
+        do {
+            program = try XDPProgram(maxFrameLength: UInt32(settings.umemFrameSize - Self.headroom))
+            undo.append { [program] in program.closeDescriptors() }
+            try program.putListener(config.bind, ifindex: ifindex, id: Self.listenerID)
+        } catch {
+            throw failed(.program(error))
+        }
+        do {
+            attachment = try XDPAttachment.attach(program, interface: interface, mode: settings.xdpMode, logger: logger)
+        } catch {
+            throw failed(.attach(error))
+        }
+        undo.append { [attachment] in attachment.detach() }
+        var xsk = XSKConfig()
+        xsk.frameSize = UInt32(settings.umemFrameSize)
+        xsk.frameCount = UInt32(settings.umemFrames)
+        xsk.ringSize = UInt32(settings.ringSize)
+        // Zero-copy needs the driver's XDP hook: in generic mode only copy mode binds.
+        xsk.zeroCopy = attachment.attachedMode == .generic && settings.zeroCopy == .auto ? .off : settings.zeroCopy
+        xsk.busyPoll = settings.busyPoll
+        xsk.batchSize = settings.batchSize
+        var made: [XSKSocket] = []
+        for queue in 0..<UInt32(queueCount) {
+            do {
+                let socket = try XSKSocket(interface: interface, queue: queue, config: xsk)
+                made.append(socket)
+                undo.append { socket.close() }
+            } catch {
+                throw failed(.socket(queue: queue, error))
+            }
+        }
+        sockets = made
+        let makeOutbox = Outboxes.factory(output: settings.output == .xdpTX ? .preserveSource : settings.output, capacity: settings.batchSize)
+        let (plans, stop) = (self.plans, self.stop)
+        forwarders = made.map { socket in
+            AFXDPForwarder(queue: socket.queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
+                           plans: plans, stop: stop, logger: logger, makeOutbox: makeOutbox)
+        }
+        for socket in made {
+            do {
+                try program.setSocket(queue: socket.queue, fd: socket.fd)
+            } catch {
+                for queue in made.map(\.queue) { program.clearSocket(queue: queue) }
+                throw failed(.program(error))
+            }
+        }
+        threads = forwarders.map { forwarder in
+            OSThread(name: "\(config.name)-q\(forwarder.queue)") { forwarder.run() }
+        }
+        let (program, sockets, forwarders) = (self.program, self.sockets, self.forwarders)
+        afxdp.setLive {
+            var totals = AFXDPCounters.Totals()
+            for forwarder in forwarders { totals.received[forwarder.queue] = forwarder.received.load(ordering: .relaxed) }
+            for socket in sockets {
+                totals.rxRingEmpty &+= socket.rxRingEmpty
+                totals.fillRingFull &+= socket.fillRingFull
+                totals.queues[socket.queue] = socket.statistics().byKind
+            }
+            let stats = program.stats(listener: Self.listenerID)
+            for (verdict, value) in stats.verdicts { totals.verdicts[verdict.label] = value }
+            return totals
+        }
+        logger.info("AF_XDP path initialized", metadata: [
+            "listener": "\(config.name)", "interface": "\(interface)", "listeners": "1", "forwarders": "\(forwarders.count)",
+            "queues_per_listener": "\(queueCount)", "xdp_mode": "\(attachment.attachedMode.rawValue)",
+            "zero_copy": "\(made.allSatisfy(\.zeroCopyInUse))", "output": "\(settings.output.rawValue)",
+            "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
+        ])
+    }
+
+    var isReceiving: Bool { companion.isReceiving }
+
+    func activate() throws(DaemonError) { try companion.activate() }
+
+    var takesOverExactly: Bool { companion.takesOverExactly }
+
+    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, keeping: keeping, passiveHealth: passiveHealth))
+        return companion.update(downstreams: downstreams, balancing: balancing, keeping: keeping)
+    }
+
+    func heartbeats() -> [PathHeartbeat] {
+        guard !released.load(ordering: .relaxed) else { return companion.heartbeats() }
+        let interface = config.interface ?? ""
+        var beats = forwarders.map {
+            PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: Int($0.queue), count: $0.progress.load(ordering: .relaxed)))
+        }
+        beats.append(PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: attachment.isAttached ? nil : "the XDP program is no longer attached to \(interface)")))
+        return beats + companion.heartbeats()
+    }
+
+    /// Gives the interface up (sockets out of the XSKMAP, rings drained, program detached) while
+    /// the companion socket keeps receiving everything the kernel now delivers: a successor on the
+    /// same interface can then attach and bind the queues without a datagram lost in between.
+    func releaseInterface() {
+        guard !released.exchange(true, ordering: .relaxed) else { return }
+        for socket in sockets { program.clearSocket(queue: socket.queue) }
+        stop.set()
+        for thread in threads { thread.join() }
+        afxdp.retire()
+        attachment.detach()
+        for socket in sockets { socket.close() }
+        program.closeDescriptors()
+        logger.info("AF_XDP path released", metadata: ["listener": "\(config.name)", "interface": "\(config.interface ?? "")"])
+    }
+
+    func shutdown() {
+        releaseInterface()
+        companion.shutdown()
+    }
+}
