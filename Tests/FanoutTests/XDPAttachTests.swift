@@ -68,6 +68,16 @@ struct XDPAttachTests {
         #expect(log.contains("attached XDP program", key: "mode", value: "native"))
         #expect(log.contains("attached XDP program", key: "interface", value: "v1"))
         #expect(!log.contains("native XDP attach failed, trying SKB mode"))
+        // The same program again on the same interface: refused by name, the first stays.
+        switch try namespace.attach(program, "v1", .auto, log.logger) {
+        case .success(let second):
+            second.detach()
+            Issue.record("attached twice")
+        case .failure(let error):
+            guard case .alreadyAttached("v1", program.programID) = error else { Issue.record("\(error)"); break }
+            #expect(error.description.contains("attach once per interface"))
+        }
+        #expect(attachment.isAttached)
         do {
             let bpftoolText = try namespace.bpftool("v1")
             #expect(bpftoolText.contains("\"mode\":\"driver\"") && bpftoolText.contains("\"id\":\(program.programID)"), "bpftool net: \(bpftoolText)")

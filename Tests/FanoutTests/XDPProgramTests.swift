@@ -29,7 +29,8 @@ struct XDPProgramTests {
         var ifindex: UInt32 = 0
         var otherIfindex: UInt32 = 0
 
-        init() throws {
+        /// - Parameter maxFrameLength: the program's max_frame_len (the table cases assume the default).
+        init(maxFrameLength: UInt32 = XDPProgramTests.maxFrame) throws {
             for arguments in [
                 ["netns", "add", namespace],
                 ["-n", namespace, "link", "add", "x0", "numrxqueues", "2", "numtxqueues", "2", "type", "veth",
@@ -40,7 +41,7 @@ struct XDPProgramTests {
                 let result = try run("/usr/sbin/ip", arguments)
                 try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
             }
-            program = try XDPProgram(maxFrameLength: XDPProgramTests.maxFrame)
+            program = try XDPProgram(maxFrameLength: maxFrameLength)
             func index(_ name: String) throws -> UInt32 {
                 let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
                 return UInt32(try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first).int("ifindex"))
@@ -67,31 +68,39 @@ struct XDPProgramTests {
         func execute(_ frame: [UInt8], ifindex: UInt32? = nil, queue: UInt32 = 0) -> (action: UInt32, output: [UInt8]) {
             let (program, ifindex) = (self.program.program, ifindex ?? self.ifindex)
             return inNetworkNamespace(namespace) {
-                var input = frame
                 var output = [UInt8](repeating: 0, count: 4096)
-                var context = xdp_md()
-                context.data_end = UInt32(frame.count)
-                context.ingress_ifindex = ifindex
-                context.rx_queue_index = queue
-                var options = bpf_test_run_opts()
-                options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-                let result = input.withUnsafeMutableBytes { inBytes in
-                    output.withUnsafeMutableBytes { outBytes in
-                        withUnsafeMutablePointer(to: &context) { contextPointer in
-                            options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                            options.data_size_in = UInt32(inBytes.count)
-                            options.data_out = outBytes.baseAddress
-                            options.data_size_out = UInt32(outBytes.count)
-                            options.ctx_in = UnsafeRawPointer(contextPointer)
-                            options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
-                            options.repeat = 1
-                            return bpf_prog_test_run_opts(program, &options)
-                        }
+                let (result, action, size) = Self.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
+                return result == 0 ? (action, Array(output[0..<size])) : (UInt32.max - UInt32(-result), [])
+            } ?? (UInt32.max, [])
+        }
+
+        /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex` at `queue`, from the calling
+        /// thread (which must be in the interface's namespace). Returns libbpf's result (0 or
+        /// -errno), the program's action and the output's length in `output`.
+        static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: UInt32, queue: UInt32,
+                            output: inout [UInt8]) -> (result: Int32, action: UInt32, size: Int) {
+            var input = frame
+            var context = xdp_md()
+            context.data_end = UInt32(frame.count)
+            context.ingress_ifindex = ifindex
+            context.rx_queue_index = queue
+            var options = bpf_test_run_opts()
+            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
+            let result = input.withUnsafeMutableBytes { inBytes in
+                output.withUnsafeMutableBytes { outBytes in
+                    withUnsafeMutablePointer(to: &context) { contextPointer in
+                        options.data_in = UnsafeRawPointer(inBytes.baseAddress)
+                        options.data_size_in = UInt32(inBytes.count)
+                        options.data_out = outBytes.baseAddress
+                        options.data_size_out = UInt32(outBytes.count)
+                        options.ctx_in = UnsafeRawPointer(contextPointer)
+                        options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
+                        options.repeat = 1
+                        return bpf_prog_test_run_opts(program, &options)
                     }
                 }
-                guard result == 0 else { return (UInt32.max - UInt32(-result), []) }
-                return (options.retval, Array(output[0..<Int(options.data_size_out)]))
-            } ?? (UInt32.max, [])
+            }
+            return (result, options.retval, Int(options.data_size_out))
         }
 
         /// Every stats entry the fixture uses, and the unmatched one.

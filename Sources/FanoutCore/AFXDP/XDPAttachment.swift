@@ -34,7 +34,8 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
     /// Attaches through a BPF link (bpf_link_create BPF_XDP with XDP_FLAGS_DRV_MODE /
     /// XDP_FLAGS_SKB_MODE). auto: native first; on failure a warning "native XDP attach failed,
     /// trying SKB mode" and generic. Logs info "attached XDP program" (interface, mode).
-    /// A program already attached to the interface that is not ours is an error naming it.
+    /// A program already attached to the interface that is not ours is an error naming it; ours
+    /// already attached is `.alreadyAttached` (attach once per interface).
     static func attach(_ program: XDPProgram, interface: String, mode: XDPMode, logger: Logger) throws(XDPError) -> XDPAttachment {
         let capabilities = Capabilities.current()
         var missing: [String] = []
@@ -88,7 +89,9 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         query.sz = MemoryLayout<bpf_xdp_query_opts>.size
         let result = bpf_xdp_query(Int32(ifindex), 0, &query)
         guard result == 0 else { throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: -result)) }
-        for id in [query.prog_id, query.drv_prog_id, query.skb_prog_id, query.hw_prog_id] where id != 0 && id != ours {
+        for id in [query.prog_id, query.drv_prog_id, query.skb_prog_id, query.hw_prog_id] where id != 0 {
+            // Ours already there: one attachment per interface serves every listener on it.
+            if id == ours { throw .alreadyAttached(interface: interface, id: id) }
             throw .foreignProgram(interface: interface, id: id, name: programName(id: id))
         }
     }
@@ -137,6 +140,7 @@ public enum XDPError: Error, CustomStringConvertible, Sendable {
     case privileges(missing: [String])
     case interfaceNotFound(String)
     case foreignProgram(interface: String, id: UInt32, name: String)
+    case alreadyAttached(interface: String, id: UInt32)
     case query(interface: String, SystemCallError)
     case attach(interface: String, mode: XDPMode, SystemCallError)
 
@@ -150,6 +154,8 @@ public enum XDPError: Error, CustomStringConvertible, Sendable {
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .foreignProgram(let name, let id, let program):
             return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: remove it (ip link set dev \(name) xdp off, or bpftool net detach xdp dev \(name)) if it is not needed, or choose another interface for af_xdp"
+        case .alreadyAttached(let name, let id):
+            return "this daemon's XDP program (id \(id)) is already attached to '\(name)': one attachment serves every af_xdp listener on an interface; attach once per interface"
         case .query(let name, let error):
             return "cannot query the XDP programs of '\(name)': \(error): check the interface exists in this network namespace and this process holds CAP_NET_ADMIN"
         case .attach(let name, let mode, let error):

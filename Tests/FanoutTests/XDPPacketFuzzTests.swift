@@ -1,0 +1,112 @@
+import CLibBPF
+import CSystemShim
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Reliability suite, XDP part: the tc fuzz's random and mutated frames (TCPacketFuzzTests'
+/// generator: IPv4/IPv6, options, extension chains, 802.1Q, QinQ, fragments, TCP, other ports
+/// and addresses; truncated, byte-replaced, flipped, random) through the XDP program under
+/// BPF_PROG_TEST_RUN, on queue 0 (no socket) and queue 1 (an AF_XDP socket in the XSKMAP).
+///
+/// Every frame must come back XDP_PASS or XDP_REDIRECT (never dropped or aborted), untouched,
+/// and be counted exactly once: the verdicts' sum, the received counters' sum and the bytes
+/// equal what was run; redirected frames equal the `redirected` count and happen only on
+/// queue 1. Same count and seed variables as the tc fuzz (RELIABILITY_PACKETS,
+/// RELIABILITY=full, RELIABILITY_SEED).
+@Suite("XDP program: packet fuzz (reliability)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct XDPPacketFuzzTests {
+    final class Outcome: @unchecked Sendable {
+        var run = 0, refused = 0, bytes: UInt64 = 0, redirect = 0, pass = 0
+        var problems: [String] = []
+        func problem(_ text: String) { if problems.count < 20 { problems.append(text) } }
+    }
+
+    @Test("Random and mutated frames: each passed or redirected, untouched, counted exactly once")
+    func fuzz() throws {
+        // 600 bytes: the generator's frames reach up to about 1,460, so too_large is reached too.
+        let fixture = try XDPProgramTests.Fixture(maxFrameLength: 600)
+        let socket = try #require(inNetworkNamespace(fixture.namespace) { TestXSK.open(interface: "x1", queue: 1) }, "namespace thread")
+        let fd = try socket.get()
+        defer { close(fd) }
+        try fixture.program.setSocket(queue: 1, fd: fd)
+        let before = fixture.snapshot()
+        let seed = ProcessInfo.processInfo.environment["RELIABILITY_SEED"].flatMap { UInt64($0) } ?? UInt64.random(in: 0...UInt64.max)
+        let target = TCPacketFuzzTests.packetCount
+        let outcome = Outcome()
+        let (program, ifindex) = (fixture.program.program, fixture.ifindex)
+        _ = inNetworkNamespace(fixture.namespace) {
+            var random = TCPacketFuzzTests.Generator(state: seed)
+            var output = [UInt8](repeating: 0, count: 4096)
+            func execute(_ frame: [UInt8]) {
+                guard outcome.run < target else { return }
+                let queue = UInt32(random.below(2))
+                let (result, action, size) = XDPProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
+                if result != 0 {
+                    // The runner refuses frames shorter than an Ethernet header; nothing else may fail.
+                    if result == -EINVAL && frame.count < 14 { outcome.refused += 1 } else { outcome.problem("test run \(result) for \(frame)") }
+                    return
+                }
+                outcome.run += 1
+                outcome.bytes += UInt64(frame.count)
+                if Array(output[0..<size]) != frame { outcome.problem("frame changed: \(frame)") }
+                switch action {
+                case XDPProgramTests.pass: outcome.pass += 1
+                case XDPProgramTests.redirect:
+                    outcome.redirect += 1
+                    if queue != 1 { outcome.problem("redirected on queue \(queue), which has no socket: \(frame)") }
+                default: outcome.problem("action \(action) for \(frame)")
+                }
+            }
+            while outcome.run < target && outcome.problems.count < 20 {
+                let (base, headerEnd) = TCPacketFuzzTests.basePacket(&random)
+                switch random.below(10) {
+                case 0, 1:
+                    execute(base)
+                case 2, 3:
+                    for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
+                case 4, 5, 6:
+                    for offset in 0..<min(base.count, headerEnd) {
+                        var mutated = base
+                        mutated[offset] ^= UInt8(1 + random.below(255))
+                        execute(mutated)
+                    }
+                case 7, 8:
+                    var mutated = base
+                    for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
+                    execute(mutated)
+                default:
+                    let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
+                    execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
+                }
+            }
+            return true
+        }
+
+        let after = fixture.snapshot()
+        var received: UInt64 = 0, bytes: UInt64 = 0
+        var verdicts: [XDPVerdict: UInt64] = [:]
+        for (key, new) in after {
+            let old = before[key]!
+            received += new.received - old.received
+            bytes += new.bytes - old.bytes
+            for verdict in XDPVerdict.allCases { verdicts[verdict, default: 0] += new.verdicts[verdict]! - old.verdicts[verdict]! }
+        }
+        print("xdp packet fuzz: seed \(seed), \(outcome.run) frames run (\(outcome.refused) refused by the test runner) ; returned redirect \(outcome.redirect), pass \(outcome.pass); counted "
+              + XDPVerdict.allCases.map { "\($0.label) \(verdicts[$0]!)" }.joined(separator: ", "))
+        #expect(outcome.problems.isEmpty, "seed \(seed): \(outcome.problems.joined(separator: "\n"))")
+        #expect(outcome.run == target)
+        #expect(verdicts.values.reduce(0, +) == UInt64(outcome.run), "every frame counted once: \(verdicts) for \(outcome.run)")
+        #expect(received == UInt64(outcome.run) && bytes == outcome.bytes, "received \(received), bytes \(bytes) vs \(outcome.bytes)")
+        #expect(verdicts[.redirected] == UInt64(outcome.redirect))
+        for verdict in XDPVerdict.allCases {
+            #expect(verdicts[verdict]! > 0, "the mix reaches \(verdict.label)")
+        }
+    }
+}
