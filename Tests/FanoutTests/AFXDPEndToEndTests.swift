@@ -221,7 +221,9 @@ struct AFXDPEndToEndTests {
             #expect(sent == 100, "datagrams with IP options sent: \(String(describing: sent))")
             usleep(400_000)
             let metrics = try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
-            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 1800, "3 fragments per datagram passed: \(metrics)")
+            // 3 fragments per datagram passed: the first is the listener's, the later ones (no UDP header) unmatched.
+            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 600, "\(metrics)")
+            #expect(Self.value(metrics, "udp_fanout_xdp_unmatched_frames_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 1200, "\(metrics)")
             #expect(Self.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == 700, "\(metrics)")
             daemon.signal(SIGTERM)
             #expect(daemon.wait() == 0)

@@ -24,8 +24,10 @@ final class AFXDPCounters: Sendable {
         var fillRingFull: UInt64 = 0
         /// Per queue: rx_dropped, rx_invalid_descs, tx_invalid_descs, rx_ring_full, rx_fill_ring_empty_descs, tx_ring_empty_descs.
         var queues: [UInt32: [String: UInt64]] = [:]
-        /// XDP program verdicts by reason label.
+        /// XDP program verdicts by reason label, of the listener's frames.
         var verdicts: [String: UInt64] = [:]
+        /// Frames on the interface no listener could be known for (later fragments, other traffic), by reason.
+        var unmatched: [String: UInt64] = [:]
         /// Frames each queue's forwarder took off its RX ring.
         var received: [UInt32: UInt64] = [:]
 
@@ -35,6 +37,7 @@ final class AFXDPCounters: Sendable {
             sum.fillRingFull &+= b.fillRingFull
             for (queue, values) in b.queues { sum.queues[queue] = sum.queues[queue, default: [:]].merging(values, uniquingKeysWith: &+) }
             sum.verdicts.merge(b.verdicts, uniquingKeysWith: &+)
+            sum.unmatched.merge(b.unmatched, uniquingKeysWith: &+)
             sum.received.merge(b.received, uniquingKeysWith: &+)
             return sum
         }
@@ -84,6 +87,8 @@ final class AFXDPCounters: Sendable {
                })
         family("udp_fanout_xdp_verdicts_total", "What the XDP program did with each frame on the interface, by reason",
                totals.verdicts.sorted { $0.key < $1.key }.map { (",reason=\"\($0.key)\"", $0.value) })
+        family("udp_fanout_xdp_unmatched_frames_total", "Frames on the listener's interface that the XDP program passed to the kernel without knowing a listener (later fragments, whose UDP header is in the first; ARP, TCP, other ports), by reason",
+               totals.unmatched.sorted { $0.key < $1.key }.map { (",reason=\"\($0.key)\"", $0.value) })
         family("udp_fanout_afxdp_xdp_tx_fallback_total", "xdp_tx datagrams sent as preserve_source instead, by reason",
                fallbacks.withLock { $0 }.sorted { $0.key < $1.key }.map { (",reason=\"\($0.key)\"", $0.value) })
         return out

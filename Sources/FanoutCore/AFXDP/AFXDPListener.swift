@@ -172,6 +172,7 @@ final class AFXDPListener: RunningListener {
             }
             let stats = program.stats(listener: Self.listenerID)
             for (verdict, value) in stats.verdicts { totals.verdicts[verdict.label] = value }
+            for (verdict, value) in program.stats(listener: XDPProgram.unmatched).verdicts { totals.unmatched[verdict.label] = value }
             return totals
         }
         logger.info("AF_XDP path initialized", metadata: [
