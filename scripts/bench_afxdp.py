@@ -111,26 +111,28 @@ def rows():
             for name in order:
                 fixed[name].append(run_once(name, topology, work, fixed=True))
         out = []
+
+        def compare(ours_name, results, key, scenario, unit, goals, note):
+            ours = bench.spread([r[key] for r in results[ours_name]])
+            for peer_name in ("userspace", "tc_ebpf"):
+                peer = bench.spread([r[key] for r in results[peer_name]])
+                ratios = bench.spread([o[key] / p[key] for o, p in zip(results[ours_name], results[peer_name])])
+                out.append((f"{ours_name}: {scenario}", peer_name,
+                            f"{ours[0]:,.0f} {unit} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} {unit} ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goals.get(peer_name, '')}", note(peer_name)))
+
+        def delivered_note(ours_name):
+            def note(peer_name):
+                ours = bench.statistics.median(r["delivered"] for r in saturation[ours_name])
+                peer = bench.statistics.median(r["delivered"] for r in saturation[peer_name])
+                return f"delivered/sent ours {ours:.3f}, peer {peer:.3f}"
+            return note
+
         for ours_name in ("af_xdp socket", "af_xdp preserve_source"):
-            ours = bench.spread([r["pps"] for r in saturation[ours_name]])
-            for peer_name in ("userspace", "tc_ebpf"):
-                peer = bench.spread([r["pps"] for r in saturation[peer_name]])
-                ratios = bench.spread([o["pps"] / p["pps"] for o, p in zip(saturation[ours_name], saturation[peer_name])])
-                goal = " goal >= 1.5" if peer_name == "userspace" else ""
-                out.append((f"{ours_name}: delivered pps at saturation", peer_name,
-                            f"{ours[0]:,.0f} pps ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
-                            f"delivered/sent ours {bench.statistics.median(r['delivered'] for r in saturation[ours_name]):.3f},"
-                            f" peer {bench.statistics.median(r['delivered'] for r in saturation[peer_name]):.3f}"))
-            mine = bench.spread([r["ns_per_packet"] for r in fixed[ours_name]])
-            for peer_name in ("userspace", "tc_ebpf"):
-                peer = bench.spread([r["ns_per_packet"] for r in fixed[peer_name]])
-                ratios = bench.spread([o["ns_per_packet"] / p["ns_per_packet"] for o, p in zip(fixed[ours_name], fixed[peer_name])])
-                goal = " goal <= 0.67" if peer_name == "userspace" else ""
-                out.append((f"{ours_name}: CPU per datagram at {FIXED_RATE // 1000}k pps", peer_name,
-                            f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
-                            "user+sys+irq+softirq of all CPUs / delivered, generator included"))
+            compare(ours_name, saturation, "pps", "delivered pps at saturation", "pps", {"userspace": " goal >= 1.5"},
+                    delivered_note(ours_name))
+            compare(ours_name, fixed, "ns_per_packet", f"CPU per datagram at {FIXED_RATE // 1000}k pps", "ns", {"userspace": " goal <= 0.67"},
+                    lambda _: "user+sys+irq+softirq of all CPUs / delivered, generator included")
         for name in VARIANTS:
             rss = bench.spread([r["rss"] / 1024 for r in fixed[name]])
             out.append((f"{name}: daemon RSS after the fixed-rate run", "-", f"{rss[0]:,.1f} MiB ({rss[1]:,.1f}-{rss[2]:,.1f})", "-", "-",

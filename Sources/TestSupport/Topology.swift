@@ -72,14 +72,19 @@ public final class Topology {
     }
 
     /// The prefix that runs a command in `namespace`.
-    public func prefix(_ namespace: String) -> [String] {
-        ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
-    }
+    public func prefix(_ namespace: String) -> [String] { Self.prefix(namespace) }
 
     /// Runs a command in `namespace`; throws with its output if it fails.
     @discardableResult
-    public func exec(_ namespace: String, _ command: [String]) throws -> String {
-        let result = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--"] + command)
+    public func exec(_ namespace: String, _ command: [String]) throws -> String { try Self.exec(namespace, command) }
+
+    /// nsenter, not `ip netns exec` (which remounts /sys and hides /sys/fs/bpf).
+    static func prefix(_ namespace: String) -> [String] {
+        ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+    }
+
+    static func exec(_ namespace: String, _ command: [String]) throws -> String {
+        let result = try run(prefix(namespace)[0], Array(prefix(namespace).dropFirst()) + command)
         try #require(result.status == 0, "\(command.joined(separator: " ")) in \(namespace): \(result.output)")
         return result.output
     }
@@ -169,14 +174,8 @@ public final class OneArmTopology {
         for namespace in [bridge, client, balancer] + backends { _ = try? run(Topology.ip, ["netns", "delete", namespace]) }
     }
 
-    public func prefix(_ namespace: String) -> [String] {
-        ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
-    }
+    public func prefix(_ namespace: String) -> [String] { Topology.prefix(namespace) }
 
     @discardableResult
-    public func exec(_ namespace: String, _ command: [String]) throws -> String {
-        let result = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--"] + command)
-        try #require(result.status == 0, "\(command.joined(separator: " ")) in \(namespace): \(result.output)")
-        return result.output
-    }
+    public func exec(_ namespace: String, _ command: [String]) throws -> String { try Topology.exec(namespace, command) }
 }

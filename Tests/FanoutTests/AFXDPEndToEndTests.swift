@@ -185,13 +185,7 @@ struct AFXDPEndToEndTests {
             #expect(daemon.wait() == 0)
             let reports = try collectors.map { try $0.stop() }
             #expect(TCEndToEndTests.received(reports).reduce(0, +) == 3200, "\(TCEndToEndTests.received(reports))")
-            var owner: [String: Int] = [:]
-            for (index, report) in reports.enumerated() {
-                for source in report.object("sources").keys {
-                    #expect(owner[source] == nil, "source \(source) reached two backends")
-                    owner[source] = index
-                }
-            }
+            let owner = TCEndToEndTests.owners(reports)
             #expect(owner.count == 32 && Set(owner.values).count == 3, "32 sources over 3 backends: \(owner)")
         }
         // Fragments: the program passes them, the kernel reassembles, the companion forwards.

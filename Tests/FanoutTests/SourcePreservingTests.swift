@@ -249,11 +249,11 @@ struct SourcePreservingEndToEndTests {
                 while index < count {
                     let end = min(count, index + 64 - 2)
                     for datagram in index..<end {
-                        payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client) }
+                        payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
                     }
                     if index == 0 {
-                        oversized.withUnsafeBytes { outbox.append($0, source: &client) }
-                        payloads[0].withUnsafeBytes { outbox.append($0, source: &other) }
+                        oversized.withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
+                        payloads[0].withUnsafeBytes { outbox.append($0, source: &other, hopLimit: 0) }
                     }
                     outbox.flush(&total)
                     if outbox.count != 0 { return .failure(OutboxError(downstream: downstream, call: "flush left \(outbox.count) queued", errno: 0)) }

@@ -111,6 +111,18 @@ struct TCEndToEndTests {
 
     static func received(_ reports: [[String: Any]]) -> [Int] { reports.map { $0.int("received") } }
 
+    /// Which backend (index) saw each source address; an issue for a source seen at two.
+    static func owners(_ reports: [[String: Any]]) -> [String: Int] {
+        var owner: [String: Int] = [:]
+        for (index, report) in reports.enumerated() {
+            for source in report.object("sources").keys {
+                #expect(owner[source] == nil, "source \(source) reached two backends")
+                owner[source] = index
+            }
+        }
+        return owner
+    }
+
     @Test("IPv4 round robin: each datagram at exactly one backend with the client's source address, evenly; SIGTERM leaves nothing")
     func roundRobinIPv4() throws {
         let topology = try Topology(backends: 3)
@@ -161,13 +173,7 @@ struct TCEndToEndTests {
         try Self.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
         #expect(Self.received(reports).reduce(0, +) == 3200, "\(Self.received(reports))")
-        var owner: [String: Int] = [:]
-        for (index, report) in reports.enumerated() {
-            for source in report.object("sources").keys {
-                #expect(owner[source] == nil, "source \(source) reached two backends")
-                owner[source] = index
-            }
-        }
+        let owner = Self.owners(reports)
         #expect(owner.count == 32, "32 client sources seen: \(owner.keys.sorted())")
         #expect(Set(owner.values).count == 3, "sources spread over all backends")
     }

@@ -52,6 +52,36 @@ struct TCPacketFuzzTests {
 
     /// A valid frame of one of the kinds above, and where its headers end (truncations and
     /// byte mutations sweep the headers, not the payload).
+    /// One round of the fuzz: a base packet, sent as is, truncated at every header offset, with
+    /// each header byte replaced, with a few random flips, or as random bytes after a plausible
+    /// Ethernet type. Shared by the tc and XDP fuzz tests.
+    static func mutate(_ random: inout Generator, _ execute: ([UInt8]) -> Void) {
+        let (base, headerEnd) = basePacket(&random)
+        switch random.below(10) {
+        case 0, 1:
+            execute(base)
+        case 2, 3:
+            // Truncated at every offset of the headers (and a few into the payload).
+            for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
+        case 4, 5, 6:
+            // Every header byte replaced by another value, one at a time.
+            for offset in 0..<min(base.count, headerEnd) {
+                var mutated = base
+                mutated[offset] ^= UInt8(1 + random.below(255))
+                execute(mutated)
+            }
+        case 7, 8:
+            // A few random flips anywhere in the headers.
+            var mutated = base
+            for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
+            execute(mutated)
+        default:
+            // Random bytes after a plausible Ethernet type.
+            let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
+            execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
+        }
+    }
+
     static func basePacket(_ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
         let payload = random.bytes(random.chance(80) ? random.below(200) : random.below(1400))
         let port = random.chance(85) ? listenerPorts[random.below(listenerPorts.count)] : UInt16(truncatingIfNeeded: random.next())
@@ -244,30 +274,7 @@ struct TCPacketFuzzTests {
                 }
             }
             while outcome.run < target && outcome.problems.count < 20 {
-                let (base, headerEnd) = Self.basePacket(&random)
-                switch random.below(10) {
-                case 0, 1:
-                    execute(base)
-                case 2, 3:
-                    // Truncated at every offset of the headers (and a few into the payload).
-                    for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
-                case 4, 5, 6:
-                    // Every header byte replaced by another value, one at a time.
-                    for offset in 0..<min(base.count, headerEnd) {
-                        var mutated = base
-                        mutated[offset] ^= UInt8(1 + random.below(255))
-                        execute(mutated)
-                    }
-                case 7, 8:
-                    // A few random flips anywhere in the headers.
-                    var mutated = base
-                    for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
-                    execute(mutated)
-                default:
-                    // Random bytes after a plausible Ethernet type.
-                    let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
-                    execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
-                }
+                Self.mutate(&random, execute)
             }
             outcome.seconds = Double(DispatchTime.now().uptimeNanoseconds - start.uptimeNanoseconds) / 1e9
         }.join()

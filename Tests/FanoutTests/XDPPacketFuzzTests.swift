@@ -65,26 +65,7 @@ struct XDPPacketFuzzTests {
                 }
             }
             while outcome.run < target && outcome.problems.count < 20 {
-                let (base, headerEnd) = TCPacketFuzzTests.basePacket(&random)
-                switch random.below(10) {
-                case 0, 1:
-                    execute(base)
-                case 2, 3:
-                    for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
-                case 4, 5, 6:
-                    for offset in 0..<min(base.count, headerEnd) {
-                        var mutated = base
-                        mutated[offset] ^= UInt8(1 + random.below(255))
-                        execute(mutated)
-                    }
-                case 7, 8:
-                    var mutated = base
-                    for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
-                    execute(mutated)
-                default:
-                    let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
-                    execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
-                }
+                TCPacketFuzzTests.mutate(&random, execute)
             }
             return true
         }

@@ -9,13 +9,26 @@ final class AFXDPCounters: Sendable {
     let parseErrors = Atomic<UInt64>(0)
     /// xdp_tx datagrams sent as preserve_source, by reason (no_route, other_interface, no_neighbour, rewrite_refused).
     private let fallbacks = Mutex<[String: UInt64]>([:])
+
+    /// Adds a forwarder's xdp_tx fallbacks of one batch (counted locally per datagram, added here
+    /// once per batch, and only when there are any).
+    func addFallbacks(noRoute: UInt64, otherInterface: UInt64, noNeighbour: UInt64, refused: UInt64) {
+        guard noRoute | otherInterface | noNeighbour | refused != 0 else { return }
+        fallbacks.withLock { table in
+            for (reason, count) in [(NextHopProblem.noRoute.rawValue, noRoute), (NextHopProblem.otherInterface.rawValue, otherInterface),
+                                    (NextHopProblem.noNeighbour.rawValue, noNeighbour), ("rewrite_refused", refused)] where count > 0 {
+                table[reason, default: 0] += count
+            }
+        }
+    }
     private let state = Mutex<State>(State())
 
     struct State {
         /// Totals of stopped instances.
         var base = Totals()
-        /// The running instance's live reader.
-        var live: (@Sendable () -> Totals)?
+        /// Each running instance's live reader, by instance (two run side by side while a
+        /// reload starts the new one on another interface or a failed change restarts the old).
+        var live: [UInt64: @Sendable () -> Totals] = [:]
     }
 
     /// What one instance counted: ring events, per-queue socket statistics, program verdicts.
@@ -45,25 +58,20 @@ final class AFXDPCounters: Sendable {
 
     init(listener: String) { self.listener = listener }
 
-    func countFallback(_ reason: String) {
-        fallbacks.withLock { $0[reason, default: 0] += 1 }
+    /// Instance `instance`'s counters are read from `source` while it runs.
+    func setLive(_ instance: UInt64, _ source: @escaping @Sendable () -> Totals) {
+        state.withLock { $0.live[instance] = source }
     }
 
-    /// The running instance's counters are read from `source` from now on.
-    func setLive(_ source: @escaping @Sendable () -> Totals) {
-        state.withLock { $0.live = source }
-    }
-
-    /// The running instance stops: its last values join the base.
-    func retire() {
+    /// Instance `instance` stops: its last values join the base.
+    func retire(_ instance: UInt64) {
         state.withLock { state in
-            if let live = state.live { state.base = state.base + live() }
-            state.live = nil
+            if let live = state.live.removeValue(forKey: instance) { state.base = state.base + live() }
         }
     }
 
     var totals: Totals {
-        state.withLock { state in state.live.map { state.base + $0() } ?? state.base }
+        state.withLock { state in state.live.values.reduce(state.base) { $0 + $1() } }
     }
 
     /// The af_xdp families in the Prometheus text format.
@@ -76,12 +84,12 @@ final class AFXDPCounters: Sendable {
             for (extra, value) in rows { out += "\(name){\(labels)\(extra)} \(value)\n" }
         }
         family("udp_fanout_afxdp_rx_ring_empty_total", "Receive calls that found the AF_XDP RX ring empty", [("", totals.rxRingEmpty)])
-        family("udp_fanout_afxdp_fill_ring_full_total", "Times frames could not all be returned to the fill ring at once", [("", totals.fillRingFull)])
+        family("udp_fanout_afxdp_fill_ring_full_total", "Frames that could not go back to the fill ring at once (kept on a free list, not lost)", [("", totals.fillRingFull)])
         family("udp_fanout_afxdp_parse_errors_total", "Frames from the RX ring whose Ethernet/IP/UDP headers did not parse (dropped)", [("", parseErrors.load(ordering: .relaxed))])
         family("udp_fanout_afxdp_queue_frames_total", "Frames each RX queue's forwarder took off its AF_XDP socket",
                totals.received.sorted { $0.key < $1.key }.map { (",queue=\"\($0.key)\"", $0.value) })
-        let statistics = ["rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs"]
-        family("udp_fanout_afxdp_socket_events_total", "AF_XDP socket statistics per queue (XDP_STATISTICS), by kind",
+        let statistics = ["rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full", "rx_fill_ring_empty_descs", "tx_ring_empty_descs", "tx_kick_failures"]
+        family("udp_fanout_afxdp_socket_events_total", "AF_XDP socket statistics per queue (XDP_STATISTICS), by kind, and TX kicks that failed",
                totals.queues.sorted { $0.key < $1.key }.flatMap { queue, values in
                    statistics.map { (",queue=\"\(queue)\",kind=\"\($0)\"", values[$0] ?? 0) }
                })

@@ -33,6 +33,10 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
     /// xdp_tx: frames rewritten for the TX ring, and their downstream index.
     private let transmit: UnsafeMutableBufferPointer<XSKFrame>
     private let transmitTargets: UnsafeMutablePointer<Int>
+    /// xdp_tx: the payload bytes of each frame in `transmit` (what every path counts as bytes).
+    private let transmitPayloads: UnsafeMutablePointer<UInt32>
+    /// xdp_tx: per downstream, what this batch sent on the TX ring or dropped there (counted once per batch).
+    private var transmitSent: [(sent: UInt64, bytes: UInt64, dropped: UInt64)] = []
     private let resolver: NextHopResolver?
     /// xdp_tx: each downstream's next hop as last looked up (index: the plan's downstreams).
     private var hops: [Result<NextHop, NextHopProblem>] = []
@@ -55,6 +59,7 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
         done = .allocate(capacity: batch)
         transmit = .allocate(capacity: batch)
         transmitTargets = .allocate(capacity: batch)
+        transmitPayloads = .allocate(capacity: batch)
         resolver = listener.settings.output == .xdpTX ? NextHopResolver(ifindex: ifindex) : nil
     }
 
@@ -64,6 +69,7 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
         done.deallocate()
         transmit.deallocate()
         transmitTargets.deallocate()
+        transmitPayloads.deallocate()
     }
 
     func run() {
@@ -108,7 +114,13 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
         var parseErrors: UInt64 = 0
         var tooLarge: UInt64 = 0
         var noHealthy: UInt64 = 0
+        var ttlExpired: UInt64 = 0
+        // xdp_tx fallbacks, by NextHopProblem and for a rewrite refused: added to the shared counters once per batch.
+        var fallbacks = (noRoute: UInt64(0), otherInterface: UInt64(0), noNeighbour: UInt64(0), refused: UInt64(0))
         let maximum = listener.settings.maxPacketSize
+        // Source-preserving ways out send with the TTL/hop limit less one, as a router does, so a
+        // forwarding loop between two balancers ends; at 1 or 0 the datagram is dropped, counted.
+        let keepsSource = listener.settings.output != .socket
         for index in 0..<count {
             let frame = frames[index]
             let bytes = socket.bytes(frame)
@@ -120,8 +132,8 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
                 continue
             }
             bytesReceived += UInt64(parsed.payloadLength)
-            guard parsed.payloadLength <= maximum else {
-                tooLarge += 1
+            guard parsed.payloadLength <= maximum, !keepsSource || parsed.hopLimit > 1 else {
+                if parsed.payloadLength > maximum { tooLarge += 1 } else { ttlExpired += 1 }
                 done[doneCount] = frame
                 doneCount += 1
                 continue
@@ -137,40 +149,55 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
                 case .success(let hop):
                     if FrameRewriter.rewrite(bytes, l3Offset: parsed.l3Offset, l4Offset: parsed.l4Offset, family: parsed.family,
                                              to: plan.downstreams[target].address, nextHop: hop) {
-                        transmit[transmitCount] = XSKFrame(address: frame.address, length: frame.length)
+                        transmit[transmitCount] = frame
                         transmitTargets[transmitCount] = target
+                        transmitPayloads[transmitCount] = UInt32(parsed.payloadLength)
                         transmitCount += 1
                         continue
                     }
-                    afxdp.countFallback("rewrite_refused")
-                case .failure(let problem):
-                    afxdp.countFallback(problem.rawValue)
+                    fallbacks.refused += 1
+                case .failure(.noRoute): fallbacks.noRoute += 1
+                case .failure(.otherInterface): fallbacks.otherInterface += 1
+                case .failure(.noNeighbour): fallbacks.noNeighbour += 1
                 }
             }
             let payload = UnsafeRawBufferPointer(rebasing: UnsafeRawBufferPointer(bytes)[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)])
-            forwarder.append(target, payload, source: source)
+            forwarder.append(target, payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
             done[doneCount] = frame
             doneCount += 1
         }
         var transmitted: UInt64 = 0
         var transmittedBytes: UInt64 = 0
         if transmitCount > 0 {
+            let targets = forwarder.outboxes.count
+            if transmitSent.count != targets { transmitSent = Array(repeating: (0, 0, 0), count: targets) }
             let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]))
             for index in 0..<transmitCount {
                 let target = transmitTargets[index]
-                let length = UInt64(transmit[index].length)
                 if index < queued {
-                    transmitted += 1
-                    transmittedBytes += length
-                    forwarder.record(target, (1, length, [:]))
+                    transmitSent[target].sent += 1
+                    transmitSent[target].bytes += UInt64(transmitPayloads[index])
                 } else {
                     // The TX ring is full: the frame comes back to us, dropped and counted.
-                    forwarder.record(target, (0, 0, [.sendBufferFull: 1]))
+                    transmitSent[target].dropped += 1
                     done[doneCount] = transmit[index]
                     doneCount += 1
                 }
             }
+            for target in 0..<targets where transmitSent[target] != (0, 0, 0) {
+                let (sent, bytes, dropped) = transmitSent[target]
+                forwarder.record(target, (sent, bytes, dropped > 0 ? [.sendBufferFull: dropped] : [:]))
+                transmitted += sent
+                transmittedBytes += bytes
+                transmitSent[target] = (0, 0, 0)
+            }
+            afxdp.addFallbacks(noRoute: fallbacks.noRoute, otherInterface: fallbacks.otherInterface,
+                               noNeighbour: fallbacks.noNeighbour, refused: fallbacks.refused)
+        } else if resolver != nil {
+            afxdp.addFallbacks(noRoute: fallbacks.noRoute, otherInterface: fallbacks.otherInterface,
+                               noNeighbour: fallbacks.noNeighbour, refused: fallbacks.refused)
         }
+        if ttlExpired > 0 { counters.drop(.ttlExpired, ttlExpired) }
         // The outboxes' iovecs point into UMEM: frames are recycled only after these sends returned.
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy,
                         forwarded: transmitted, bytesForwarded: transmittedBytes)

@@ -144,7 +144,7 @@ final class AFXDPListener: RunningListener {
             }
         }
         sockets = made
-        let makeOutbox = Outboxes.factory(output: settings.output == .xdpTX ? .preserveSource : settings.output, capacity: settings.batchSize)
+        let makeOutbox = Outboxes.factory(output: settings.output, capacity: settings.batchSize)
         let (plans, stop) = (self.plans, self.stop)
         forwarders = made.map { socket in
             AFXDPForwarder(queue: socket.queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
@@ -162,13 +162,15 @@ final class AFXDPListener: RunningListener {
             OSThread(name: "\(config.name)-q\(forwarder.queue)") { forwarder.run() }
         }
         let (program, sockets, forwarders) = (self.program, self.sockets, self.forwarders)
-        afxdp.setLive {
+        afxdp.setLive(instance) {
             var totals = AFXDPCounters.Totals()
             for forwarder in forwarders { totals.received[forwarder.queue] = forwarder.received.load(ordering: .relaxed) }
             for socket in sockets {
                 totals.rxRingEmpty &+= socket.rxRingEmpty
                 totals.fillRingFull &+= socket.fillRingFull
-                totals.queues[socket.queue] = socket.statistics().byKind
+                var kinds = socket.statistics().byKind
+                kinds["tx_kick_failures"] = socket.transmitKickFailures
+                totals.queues[socket.queue] = kinds
             }
             let stats = program.stats(listener: Self.listenerID)
             for (verdict, value) in stats.verdicts { totals.verdicts[verdict.label] = value }
@@ -212,7 +214,7 @@ final class AFXDPListener: RunningListener {
         for socket in sockets { program.clearSocket(queue: socket.queue) }
         stop.set()
         for thread in threads { thread.join() }
-        afxdp.retire()
+        afxdp.retire(instance)
         attachment.detach()
         for socket in sockets { socket.close() }
         program.closeDescriptors()

@@ -1,5 +1,6 @@
 import CLibXDP
 import CSystemShim
+import Synchronization
 
 #if canImport(Glibc)
 import Glibc
@@ -57,13 +58,17 @@ final class XSKSocket: @unchecked Sendable {
     /// Whether the kernel sets need_wakeup flags (XDP_USE_NEED_WAKEUP): the rings are kicked
     /// only when it asks.
     let needWakeup: Bool
-    /// `receive` calls that found the RX ring empty.
-    private(set) var rxRingEmpty: UInt64 = 0
+    /// `receive` calls that found the RX ring empty. Atomics: the forwarder writes them, the
+    /// metrics endpoint reads them.
+    let rxRingEmptyCount = Atomic<UInt64>(0)
+    var rxRingEmpty: UInt64 { rxRingEmptyCount.load(ordering: .relaxed) }
     /// Frames `recycle` parked on the free list because the fill ring had no room (they return
     /// to the fill ring later; a high count means frame count or ring size is too small).
-    private(set) var fillRingFull: UInt64 = 0
+    let fillRingFullCount = Atomic<UInt64>(0)
+    var fillRingFull: UInt64 { fillRingFullCount.load(ordering: .relaxed) }
     /// TX kicks (sendto) that failed with a transient error; the frames stay queued for the next kick.
-    private(set) var transmitKickFailures: UInt64 = 0
+    let transmitKickFailureCount = Atomic<UInt64>(0)
+    var transmitKickFailures: UInt64 { transmitKickFailureCount.load(ordering: .relaxed) }
 
     private let area: UnsafeMutableRawPointer
     private let fill: UnsafeMutablePointer<xsk_ring_prod>
@@ -81,7 +86,9 @@ final class XSKSocket: @unchecked Sendable {
     /// The fill ring level `receive` restores from the free list: room is left for one batch,
     /// so recycling what one receive returned finds space.
     private let fillTarget: UInt32
-    private var closed = false
+    /// Set once by `close` (the owning thread); read by `statistics` from the metrics endpoint.
+    private let closedFlag = Atomic<Bool>(false)
+    private var closed: Bool { closedFlag.load(ordering: .acquiring) }
 
     /// What one attempt to open the socket built.
     private struct Parts {
@@ -173,7 +180,7 @@ final class XSKSocket: @unchecked Sendable {
             }
             xsk_ring_cons__release(rx, count)
         } else {
-            rxRingEmpty &+= 1
+            rxRingEmptyCount.wrappingAdd(1, ordering: .relaxed)
             // Busy polling is driven by syscalls, and a zero-copy driver that set need_wakeup on
             // the fill ring waits for one: recvfrom with nothing to read is the cheapest.
             if config.busyPoll || xsk_ring_prod__needs_wakeup(fill) != 0 {
@@ -208,7 +215,7 @@ final class XSKSocket: @unchecked Sendable {
         let placed = Int(room)
         if placed < frames.count {
             for frame in frames[placed...] { pushFree(frame.address) }
-            fillRingFull &+= UInt64(frames.count - placed)
+            fillRingFullCount.wrappingAdd(UInt64(frames.count - placed), ordering: .relaxed)
         }
     }
 
@@ -267,8 +274,7 @@ final class XSKSocket: @unchecked Sendable {
     /// Closes the socket (which leaves the XSKMAP: the kernel removes it) and frees the UMEM.
     /// Idempotent; deinit calls it.
     func close() {
-        guard !closed else { return }
-        closed = true
+        guard !closedFlag.exchange(true, ordering: .acquiringAndReleasing) else { return }
         Self.release(Parts(area: area, fill: fill, completion: completion, rx: rx, tx: tx, umem: umem, socket: socket),
                        bytes: config.umemBytes)
         freeFrames.deallocate()
@@ -323,12 +329,24 @@ final class XSKSocket: @unchecked Sendable {
     /// kernel asks through the TX ring's need_wakeup flag (set in copy mode whenever frames
     /// wait). EAGAIN, EBUSY, ENOBUFS and ENETDOWN are transient (the frames stay on the ring for
     /// the next kick) and counted.
+    /// Asks the kernel to send what the TX ring holds. In copy mode one sendto sends at most 32
+    /// frames (the kernel's TX_BATCH_SIZE) and answers EAGAIN while more wait, so it is repeated
+    /// until the ring is consumed (bounded by the frames queued); only other errors are counted.
     private func kickTransmit() {
         guard transmitting > 0, !needWakeup || xsk_ring_prod__needs_wakeup(tx) != 0 else { return }
-        if sendto(fd, nil, 0, Int32(MSG_DONTWAIT), nil, 0) < 0 {
+        var attempts = transmitting / 32 + 2
+        while attempts > 0 {
+            attempts -= 1
+            if sendto(fd, nil, 0, Int32(MSG_DONTWAIT), nil, 0) >= 0 { return }
             let error = errno
             precondition(error != EBADF && error != EFAULT, "sendto on an AF_XDP socket misused: errno \(error)")
-            transmitKickFailures &+= 1
+            if error == EAGAIN || error == EBUSY || error == EINTR {
+                // More than one batch queued: the kernel consumed one; go on while it still lags.
+                if xsk_prod_nb_free(tx, UInt32(truncatingIfNeeded: Int(tx.pointee.size))) >= tx.pointee.size { return }
+                continue
+            }
+            transmitKickFailureCount.wrappingAdd(1, ordering: .relaxed)
+            return
         }
     }
 

@@ -298,43 +298,42 @@ public final class FanoutDaemon: Sendable {
                 }
             }
             var lost: [String] = []
-            // A released af_xdp listener comes back as a new instance of its previous settings
-            // (its companion socket still receives meanwhile), which then takes the bind over.
-            for listener in released {
-                let previous = running[listener.name]
+            /// Starts `listener` again with the set last applied; nil (recorded lost) if it cannot.
+            func restart(_ listener: Listener) -> (any RunningListener)? {
                 do {
                     let restarted = try makeListener(state.withLock { state in
                         var previous = listener
                         previous.downstreams = state.applied[listener.name] ?? listener.downstreams
                         return previous
                     })
-                    try? restarted.activate()
                     state.withLock { $0.listeners[listener.name] = restarted }
+                    return restarted
                 } catch {
                     lost.append(listener.name)
                     state.withLock { $0.listeners[listener.name] = nil }
                     logger.critical("listener stopped: it could not be started again after a failed change", metadata: [
                         "listener": "\(listener.name)", "error": "\(error)",
                     ])
+                    return nil
+                }
+            }
+            // A released af_xdp listener comes back as a new instance of its previous settings
+            // (its companion socket still receives meanwhile), which takes the bind over before
+            // the released one stops.
+            for listener in released {
+                let previous = running[listener.name]
+                if let restarted = restart(listener) {
+                    do {
+                        try restarted.activate()
+                    } catch {
+                        logger.error("listener could not take its bind over: the kernel's hash spreads its companion socket's datagrams", metadata: [
+                            "listener": "\(listener.name)", "error": "\(error)",
+                        ])
+                    }
                 }
                 previous?.shutdown()
             }
-            for listener in stopFirst {
-                do {
-                    let restarted = try makeListener(state.withLock { state in
-                        var previous = listener
-                        previous.downstreams = state.applied[listener.name] ?? listener.downstreams
-                        return previous
-                    })
-                    state.withLock { $0.listeners[listener.name] = restarted }
-                } catch {
-                    lost.append(listener.name)
-                    state.withLock { $0.listeners[listener.name] = nil }
-                    logger.critical("listener stopped: it could not be started again after a failed change", metadata: [
-                        "listener": "\(listener.name)", "error": "\(error)",
-                    ])
-                }
-            }
+            for listener in stopFirst { _ = restart(listener) }
             if !lost.isEmpty { state.withLock { $0.lost.formUnion(lost) } }
             throw error
         }

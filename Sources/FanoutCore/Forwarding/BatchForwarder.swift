@@ -40,8 +40,8 @@ final class BatchForwarder {
         outboxes = plan.downstreams.map(makeOutbox)
         for (outbox, downstream) in zip(outboxes, plan.downstreams) {
             if let problem = outbox.unavailable {
-                logger.warning("downstream cannot be sent to; its datagrams are dropped and counted, trying again every second",
-                               metadata: ["listener": "\(listener)", "downstream": "\(downstream.name)", "problem": "\(problem)"])
+                logger.warning("downstream \(problem); its datagrams are dropped and counted, trying again every second",
+                               metadata: ["listener": "\(listener)", "downstream": "\(downstream.name)"])
             }
         }
     }
@@ -51,8 +51,8 @@ final class BatchForwarder {
     func pick(_ source: UnsafePointer<sockaddr_storage>) -> Int? { selector.pick(source: source) }
 
     @inline(__always)
-    func append(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
-        outboxes[target].append(payload, source: source)
+    func append(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8 = 0) {
+        outboxes[target].append(payload, source: source, hopLimit: hopLimit)
     }
 
     /// Adds what was sent to (or dropped for) downstream `target` to its counters and the

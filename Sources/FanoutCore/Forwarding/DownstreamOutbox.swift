@@ -79,12 +79,12 @@ final class DownstreamOutbox: Outbox {
     }
 
     /// The payload alone goes out; the source is this host's (the socket's).
-    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8) {
         iovecs[count] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
         count += 1
     }
 
-    var unavailable: String? { socket < 0 ? "socket could not connect (errno \(connectError))" : nil }
+    var unavailable: String? { socket < 0 ? "socket could not connect (errno \(connectError): \(String(cString: strerror(connectError))))" : nil }
 
     /// Sends the batch. A message that fails is dropped (its datagrams counted with the reason);
     /// the rest go on.

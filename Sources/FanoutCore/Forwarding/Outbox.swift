@@ -16,7 +16,8 @@ protocol Outbox: AnyObject {
     /// The last flush got ICMP port unreachable back (passive health).
     var refused: Bool { get }
     /// Adds one datagram: `payload` must stay valid until ``flush(_:)`` returns (no copy).
-    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>)
+    /// `hopLimit`: the TTL/hop limit a source-preserving way out sends with (0: its default).
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8)
     /// Sends what was appended; every datagram is either counted sent or dropped with its reason.
     func flush(_ result: inout FlushResult)
     /// Retries a socket that could not be made, at most once a second; true when this call made it.
@@ -29,10 +30,10 @@ protocol Outbox: AnyObject {
 enum Outboxes {
     static func factory(output: Output, capacity: Int) -> BatchForwarder.OutboxFactory {
         switch output {
-        case .socket, .xdpTX:
-            // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
+        case .socket:
             return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
-        case .preserveSource:
+        case .preserveSource, .xdpTX:
+            // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
             return { downstream in
                 do {
                     return try SourcePreservingOutbox(address: downstream.address, capacity: capacity)
@@ -68,7 +69,7 @@ final class UnavailableOutbox: Outbox {
         self.reason = reason
     }
 
-    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) { count += 1 }
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8) { count += 1 }
 
     func flush(_ result: inout FlushResult) {
         result.dropped[reason, default: 0] += UInt64(count)

@@ -110,7 +110,9 @@ final class SourcePreservingOutbox: Outbox {
 
     /// Queues `payload` from the client at `source` (as recvmmsg gave it). The payload stays in
     /// place until `flush`. At most `capacity` datagrams between flushes.
-    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+    /// - Parameter hopLimit: the TTL/hop limit to send with (af_xdp: the received one less one,
+    ///   so a forwarding loop ends); 0: ``ttl`` (userspace mode, where the socket does not say).
+    func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8) {
         precondition(count < capacity, "SourcePreservingOutbox: more than \(capacity) datagrams before a flush")
         count += 1
         guard let client = Self.source(source, family: address.ip.family) else {
@@ -118,7 +120,8 @@ final class SourcePreservingOutbox: Outbox {
             return
         }
         let header = UnsafeMutableRawBufferPointer(start: headerSpace + built * Self.maximumHeaderSize, count: Self.maximumHeaderSize)
-        guard let length = Self.writeHeaders(into: header, source: client, destination: address, payload: payload) else {
+        guard let length = Self.writeHeaders(into: header, source: client, destination: address, payload: payload,
+                                                 ttl: hopLimit == 0 ? Self.ttl : hopLimit) else {
             oversized += 1
             return
         }
@@ -192,7 +195,7 @@ final class SourcePreservingOutbox: Outbox {
     /// into `header`; returns their length (28 or 48), or nil when the IP length would pass
     /// 65535. The IPv4 header checksum is left 0: the kernel always computes it for IP_HDRINCL.
     static func writeHeaders(into header: UnsafeMutableRawBufferPointer, source: SocketAddress, destination: SocketAddress,
-                             payload: UnsafeRawBufferPointer) -> Int? {
+                             payload: UnsafeRawBufferPointer, ttl: UInt8 = SourcePreservingOutbox.ttl) -> Int? {
         let udpLength = 8 + payload.count
         let base = header.baseAddress!
         let ipLength: Int

@@ -40,6 +40,8 @@ public final class ListenerCounters: Sendable {
     let unreachable = Atomic<UInt64>(0)
     let sendError = Atomic<UInt64>(0)
     let parseError = Atomic<UInt64>(0)
+    /// af_xdp with a source-preserving way out: TTL/hop limit 1 or 0 on arrival.
+    let ttlExpired = Atomic<UInt64>(0)
     /// A mode's own metric families (af_xdp: rings, sockets, XDP verdicts) in the Prometheus text
     /// format, merged into /metrics; nil: none.
     let modeMetrics = Mutex<(@Sendable () -> String)?>(nil)
@@ -71,7 +73,8 @@ public final class ListenerCounters: Sendable {
         case .sendError: add(sendError, count)
         case .parseError: add(parseError, count)
         case .familyMismatch: add(familyMismatch, count)
-        case .noRoute, .ttlExpired, .rewriteFailed: break  // counted by the tc_ebpf program
+        case .ttlExpired: add(ttlExpired, count)
+        case .noRoute, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
 
@@ -124,7 +127,7 @@ public final class ListenerCounters: Sendable {
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
-            .noRoute: 0, .ttlExpired: 0, .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
+            .noRoute: 0, .ttlExpired: ttlExpired.load(ordering: .relaxed), .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
             .familyMismatch: familyMismatch.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
