@@ -50,14 +50,21 @@ class Daemon:
             f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
                     f"    mode: {mode}\n    settings: {settings}\n    downstream:\n{downstreams}\n")
         ready = {"af_xdp": "AF_XDP path initialized", "userspace": "entering receive loop", "tc_ebpf": "registered listener in eBPF map"}[mode]
-        self.proc = subprocess.Popen([*bench_tc.in_namespace(topology.proxy), f"{bench.BIN}/udp-fanout", "-c", path],
-                                     stderr=subprocess.PIPE, text=True)
+        # The log goes to a file (a pipe nobody reads would block the daemon once full).
+        self.log = os.path.join(work, "udp-fanout.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([*bench_tc.in_namespace(topology.proxy), f"{bench.BIN}/udp-fanout", "-c", path],
+                                         stderr=log, text=True)
+        deadline = time.monotonic() + 20
         while True:
-            line = self.proc.stderr.readline()
-            if not line:
-                raise SystemExit(f"udp-fanout ({name}) exited")
-            if ready in line:
+            with open(self.log) as f:
+                text = f.read()
+            if ready in text:
                 break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"udp-fanout ({name}) did not start:\n{text[-2000:]}")
+            time.sleep(0.05)
         time.sleep(0.3)
 
     def rss_kib(self):
@@ -72,8 +79,15 @@ class Daemon:
         return 0
 
     def stop(self):
+        if self.proc.poll() is not None:
+            return
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=15)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            # Never leave a daemon holding the interface behind (its link goes with it).
+            self.proc.kill()
+            self.proc.wait()
 
 
 def run_once(name, topology, work, fixed):

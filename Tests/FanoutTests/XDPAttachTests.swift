@@ -164,7 +164,7 @@ struct XDPAttachTests {
                 guard case .foreignProgram(let interface, let id, let name) = error else { Issue.record("\(mode): \(error)"); continue }
                 #expect(interface == "v1" && id == info.id && name == "other_xdp")
                 let text = error.description
-                for part in ["id \(info.id)", "'other_xdp'", "ip link set dev v1 xdp off", "bpftool net detach xdp dev v1", "another interface"] {
+                for part in ["id \(info.id)", "'other_xdp'", "ip link set dev v1 xdp off", "bpftool link detach id N", "another interface"] {
                     #expect(text.contains(part), "\(mode): \(text) names \(part)")
                 }
             }

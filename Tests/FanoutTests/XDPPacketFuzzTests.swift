@@ -43,10 +43,12 @@ struct XDPPacketFuzzTests {
         let (program, ifindex) = (fixture.program.program, fixture.ifindex)
         _ = inNetworkNamespace(fixture.namespace) {
             var random = TCPacketFuzzTests.Generator(state: seed)
+            // The queue of each frame from a generator of its own: `random` is the mutator's while it runs.
+            var queues = TCPacketFuzzTests.Generator(state: seed ^ 0x9e37_79b9_7f4a_7c15)
             var output = [UInt8](repeating: 0, count: 4096)
             func execute(_ frame: [UInt8]) {
                 guard outcome.run < target else { return }
-                let queue = UInt32(random.below(2))
+                let queue = UInt32(queues.below(2))
                 let (result, action, size) = XDPProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
                 if result != 0 {
                     // The runner refuses frames shorter than an Ethernet header; nothing else may fail.

@@ -137,7 +137,7 @@ func makeSocket(_ pair: XSKVethPair, queue: UInt32, _ config: XSKConfig, interfa
 struct XSKSocketTests {
     static let small = XSKConfig(frameSize: 4096, frameCount: 128, ringSize: 64, zeroCopy: .auto, busyPoll: false, batchSize: 16)
 
-    @Test("RX queues: 2 on the 2-queue veth (ETHTOOL_GCHANNELS), 1 on lo (sysfs fallback), a missing interface is a named error")
+    @Test("RX queues: 2 on the 2-queue veth (ETHTOOL_GCHANNELS), 1 on lo and on a bridge only the namespace has (rtnetlink fallback), a missing interface is a named error")
     func queueCount() throws {
         let pair = try XSKVethPair()
         defer { pair.destroy() }
@@ -146,6 +146,13 @@ struct XSKSocketTests {
         }
         #expect(try counted?.get() == 2)
         #expect(try RXQueues.count(interface: "lo") == 1)
+        // No ethtool channels, and not in the namespace /sys was mounted from: sysfs would not see it.
+        let result = try run("/usr/sbin/ip", ["-n", pair.listener, "link", "add", "qb\(pair.suffix.prefix(8))", "type", "bridge"])
+        try #require(result.status == 0, "\(result.output)")
+        let bridge = inNetworkNamespace(pair.listener) { [name = "qb\(pair.suffix.prefix(8))"] in
+            Result { () throws(XSKError) -> Int in try RXQueues.count(interface: name) }
+        }
+        #expect(try bridge?.get() == 1)
         let missing = #expect(throws: XSKError.self) { try RXQueues.count(interface: "nx\(pair.suffix)") }
         #expect(missing?.description.contains("no such interface") == true && missing?.description.contains("nx\(pair.suffix)") == true,
                 "\(String(describing: missing))")
@@ -400,7 +407,7 @@ struct MemoryLockTests {
     func message() {
         let text = XSKError.memoryLock(needed: 16 * Self.mib, soft: 8 * UInt64(Self.mib), hard: 8 * UInt64(Self.mib), errno: 0).description
         for part in ["RLIMIT_MEMLOCK is 8388608 bytes (hard 8388608 bytes)", "16777216 bytes", "CAP_IPC_LOCK", "LimitMEMLOCK=infinity",
-                     "ulimit -l", "settings.frame_count"] {
+                     "ulimit -l", "settings.umem_frames"] {
             #expect(text.contains(part), "\(part) missing from: \(text)")
         }
     }

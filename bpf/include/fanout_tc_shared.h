@@ -2,7 +2,7 @@
 /*
  * udp-fanout tc_ebpf mode: every type, constant and name that crosses the kernel/user line.
  *
- * Included by bpf/tc_fanout.bpf.c and imported by Swift through the CSystemShim module.
+ * Included by bpf/tc_fanout.bpf.c and imported by Swift through the BPFKernelABI module.
  */
 #ifndef FANOUT_TC_SHARED_H
 #define FANOUT_TC_SHARED_H

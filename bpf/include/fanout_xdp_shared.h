@@ -3,7 +3,7 @@
  * udp-fanout af_xdp mode: every type, constant and name that crosses the kernel/user line of
  * the XDP steering program.
  *
- * Included by bpf/xdp_steer.bpf.c and imported by Swift through the CSystemShim module.
+ * Included by bpf/xdp_steer.bpf.c and imported by Swift through the BPFKernelABI module.
  * FANOUT_MAX_LISTENERS comes from fanout_tc_shared.h (the same bound in both modes).
  */
 #ifndef FANOUT_XDP_SHARED_H

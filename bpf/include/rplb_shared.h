@@ -2,7 +2,7 @@
 /*
  * ReusePortLB: every type, constant, map and program name that crosses the kernel/user line.
  *
- * Included by bpf/reuseport_select.bpf.c and imported by Swift through the CSystemShim module,
+ * Included by bpf/reuseport_select.bpf.c and imported by Swift through the BPFKernelABI module,
  * so there is exactly one definition of each. The hash below is the one the kernel program
  * computes; Swift calls the same inline function to answer "which member owns this source?".
  */

@@ -15,6 +15,7 @@ public enum AFXDPError: Error, CustomStringConvertible, Sendable {
     case attach(XDPError)
     case socket(queue: UInt32, XSKError)
     case memory(XSKError)
+    case queueCount(XSKError)
     case companion(ReusePortError)
 
     public var description: String {
@@ -28,8 +29,8 @@ public enum AFXDPError: Error, CustomStringConvertible, Sendable {
         case .program(let error): return "the XDP program could not be loaded: \(error)"
         case .attach(let error): return "\(error)"
         case .socket(let queue, let error): return "AF_XDP socket for queue \(queue): \(error)"
-        case .memory(let error): return "\(error)"
-        case .companion(let error): return "the companion UDP socket (it receives what XDP passes to the kernel: fragments, frames too large for a UMEM frame) could not bind: \(error)"
+        case .memory(let error), .queueCount(let error): return "\(error)"
+        case .companion(let error): return "the companion UDP socket (it receives what XDP passes to the kernel: fragments, frames too large for a UMEM frame) could not bind: \(error); the bind must be an address of this host or 0.0.0.0/:: (a VIP: put it on the host, e.g. ip addr add VIP/32 dev lo)"
         }
     }
 }
@@ -65,6 +66,9 @@ final class AFXDPListener: RunningListener {
     static let listenerID: UInt32 = 0
     /// Bytes the kernel keeps in front of each frame's data (XDP_PACKET_HEADROOM).
     static let headroom = 256
+    /// UMEM bytes the running af_xdp listeners of this process hold (RLIMIT_MEMLOCK counts them all).
+    static let registeredUMEM = Atomic<Int>(0)
+    private let umemBytes: Int
 
     init(_ config: Listener, counters: ListenerCounters, afxdp: AFXDPCounters, logger: Logger,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(AFXDPError) {
@@ -85,12 +89,14 @@ final class AFXDPListener: RunningListener {
         let ifindex = if_nametoindex(interface)
         guard ifindex != 0 else { throw .noInterface(interface) }
         let available: Int
-        do { available = try RXQueues.count(interface: interface) } catch { throw .memory(error) }
+        do { available = try RXQueues.count(interface: interface) } catch { throw .queueCount(error) }
         logger.info("detected available RX queues on interface", metadata: ["listener": "\(config.name)", "interface": "\(interface)", "num_queues": "\(available)"])
         let queueCount = settings.queues == 0 ? min(available, Settings.maximumQueues) : settings.queues
         guard queueCount <= available else { throw .queues(interface: interface, configured: settings.queues, available: available) }
+        // The kernel charges every UMEM of the process's user to one limit: size it for all of ours.
+        umemBytes = queueCount * settings.umemFrames * settings.umemFrameSize
         do {
-            try MemoryLock.ensure(bytes: queueCount * settings.umemFrames * settings.umemFrameSize)
+            try MemoryLock.ensure(bytes: Self.registeredUMEM.load(ordering: .relaxed) + umemBytes)
         } catch {
             throw .memory(error)
         }
@@ -144,6 +150,7 @@ final class AFXDPListener: RunningListener {
             }
         }
         sockets = made
+        Self.registeredUMEM.wrappingAdd(umemBytes, ordering: .relaxed)
         let makeOutbox = Outboxes.factory(output: settings.output, capacity: settings.batchSize)
         let (plans, stop) = (self.plans, self.stop)
         forwarders = made.map { socket in
@@ -174,7 +181,10 @@ final class AFXDPListener: RunningListener {
             }
             let stats = program.stats(listener: Self.listenerID)
             for (verdict, value) in stats.verdicts { totals.verdicts[verdict.label] = value }
-            for (verdict, value) in program.stats(listener: XDPProgram.unmatched).verdicts { totals.unmatched[verdict.label] = value }
+            // No listener known: only these verdicts can be given (the rest need a listener).
+            for (verdict, value) in program.stats(listener: XDPProgram.unmatched).verdicts where [.fragment, .malformed, .notOurs].contains(verdict) {
+                totals.unmatched[verdict.label] = value
+            }
             return totals
         }
         logger.info("AF_XDP path initialized", metadata: [
@@ -217,6 +227,7 @@ final class AFXDPListener: RunningListener {
         afxdp.retire(instance)
         attachment.detach()
         for socket in sockets { socket.close() }
+        Self.registeredUMEM.wrappingSubtract(umemBytes, ordering: .relaxed)
         program.closeDescriptors()
         logger.info("AF_XDP path released", metadata: ["listener": "\(config.name)", "interface": "\(config.interface ?? "")"])
     }

@@ -111,14 +111,19 @@ final class NextHopResolver {
 
     /// The interface's own MAC address (RTM_GETLINK, IFLA_ADDRESS).
     static func linkAddress(_ ifindex: UInt32) -> [UInt8]? {
+        (try? linkAttributes(ifindex))?.first { $0.type == 1 && $0.value.count == 6 }?.value  // IFLA_ADDRESS
+    }
+
+    /// The interface's attributes (RTM_GETLINK), in the calling thread's network namespace.
+    static func linkAttributes(_ ifindex: UInt32) throws(SystemCallError) -> [(type: UInt16, value: [UInt8])] {
         // ifinfomsg (family, pad, type u16, index i32, flags u32, change u32).
         var body: [UInt8] = [UInt8(AF_UNSPEC), 0, 0, 0]
         Rtnetlink.append32(&body, ifindex)
         body += [UInt8](repeating: 0, count: 8)
-        guard let reply = try? Rtnetlink.request(type: 18, flags: 0, body: body).first,  // RTM_GETLINK
+        guard let reply = try Rtnetlink.request(type: 18, flags: 0, body: body).first,  // RTM_GETLINK
               reply.type == 16, reply.payload.count >= 16  // RTM_NEWLINK
-        else { return nil }
-        return attributes(reply.payload, from: 16).first { $0.type == 1 && $0.value.count == 6 }?.value  // IFLA_ADDRESS
+        else { return [] }
+        return attributes(reply.payload, from: 16)
     }
 
     static func appendAttribute(_ body: inout [UInt8], type: UInt16, _ value: [UInt8]) {

@@ -10,8 +10,8 @@ import Glibc
 enum RXQueues {
     /// The number of RX queues now in use on `interface`, as `ethtool -l` shows them: the larger
     /// of the RX-only and combined channel counts (drivers report one or the other). Drivers
-    /// without ETHTOOL_GCHANNELS (EOPNOTSUPP, or a count of 0) are counted from
-    /// /sys/class/net/IF/queues/rx-* (sysfs shows the network namespace it was mounted in).
+    /// without ETHTOOL_GCHANNELS (EOPNOTSUPP, or a count of 0) are counted by the kernel's
+    /// IFLA_NUM_RX_QUEUES (rtnetlink, in the calling thread's namespace).
     /// Never 0: an interface has at least one queue.
     /// - Parameter interface: the interface's name in the calling thread's network namespace.
     /// - Throws: `XSKError.queueCount` naming the call (socket, ETHTOOL_GCHANNELS) and errno;
@@ -27,16 +27,21 @@ enum RXQueues {
         } else if errno != EOPNOTSUPP {
             throw .queueCount(interface: interface, call: "ioctl SIOCETHTOOL ETHTOOL_GCHANNELS", errno: errno)
         }
-        guard let directory = opendir("/sys/class/net/\(interface)/queues") else {
-            throw .queueCount(interface: interface, call: "opendir /sys/class/net/\(interface)/queues (after ETHTOOL_GCHANNELS gave no count)",
-                              errno: errno)
+        // Drivers without ethtool channels (veth before 5.x, bridges, tunnels): the kernel's own
+        // count, IFLA_NUM_RX_QUEUES over rtnetlink, which answers for this thread's network
+        // namespace (/sys/class/net shows the namespace sysfs was mounted in, another one under
+        // `nsenter --net`).
+        let index = if_nametoindex(interface)
+        guard index != 0 else { throw .queueCount(interface: interface, call: "if_nametoindex", errno: errno) }
+        let attributes: [(type: UInt16, value: [UInt8])]
+        do {
+            attributes = try NextHopResolver.linkAttributes(index)
+        } catch {
+            throw .queueCount(interface: interface, call: "RTM_GETLINK IFLA_NUM_RX_QUEUES (after ETHTOOL_GCHANNELS gave no count)", errno: error.errno)
         }
-        defer { closedir(directory) }
-        var queues = 0
-        while let entry = readdir(directory) {
-            let name = withUnsafeBytes(of: entry.pointee.d_name) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
-            if name.hasPrefix("rx-") { queues += 1 }
+        guard let value = attributes.first(where: { $0.type == 32 && $0.value.count == 4 })?.value else {  // IFLA_NUM_RX_QUEUES
+            return 1
         }
-        return max(queues, 1)
+        return max(1, Int(Rtnetlink.load32(value, 0)))
     }
 }

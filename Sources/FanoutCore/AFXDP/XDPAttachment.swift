@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import CLibBPF
+import BPFKernelABI
 import CSystemShim
 import Logging
 import BPFSupport
@@ -153,7 +154,10 @@ public enum XDPError: Error, CustomStringConvertible, Sendable {
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .foreignProgram(let name, let id, let program):
-            return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: remove it (ip link set dev \(name) xdp off, or bpftool net detach xdp dev \(name)) if it is not needed, or choose another interface for af_xdp"
+            if program == FANOUT_PROG_XDP_NAME {
+                return "interface '\(name)' already runs udp-fanout's XDP program (id \(id)) for another udp-fanout process (one af_xdp daemon per interface): stop that daemon, or choose another interface for af_xdp. Its program is held by a BPF link, which goes when that process exits (`bpftool link` lists it; `ip link set dev \(name) xdp off` cannot remove a link)"
+            }
+            return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: if it is not needed, remove it (`ip link set dev \(name) xdp off` for a netlink attachment; for a BPF link, stop the process holding it, or `bpftool link detach id N` with the id `bpftool link` shows), or choose another interface for af_xdp"
         case .alreadyAttached(let name, let id):
             return "this daemon's XDP program (id \(id)) is already attached to '\(name)': one attachment serves every af_xdp listener on an interface; attach once per interface"
         case .query(let name, let error):

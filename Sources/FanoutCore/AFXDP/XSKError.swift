@@ -29,7 +29,7 @@ public enum XSKError: Error, CustomStringConvertible, Equatable, Sendable {
             let call = error == 0 ? "the hard limit is too low" : "setrlimit failed: \(Self.text(error))"
             return "\(limits); \(call): run with CAP_IPC_LOCK (exempts the UMEM from the limit), "
                 + "or raise the limit: LimitMEMLOCK=infinity in the systemd unit, ulimit -l unlimited, "
-                + "or --ulimit memlock=-1 for a container; or lower settings.frame_count / the number of queues"
+                + "or --ulimit memlock=-1 for a container; or lower settings.umem_frames / the number of queues"
         case let .queueCount(interface, call, error):
             return "cannot count the RX queues of \(interface): \(call) failed: \(Self.text(error))"
                 + (error == ENODEV ? ": no such interface in this network namespace; check the listener's interface" : "")
@@ -43,7 +43,7 @@ public enum XSKError: Error, CustomStringConvertible, Equatable, Sendable {
             case ENOBUFS where pinning, ENOMEM where pinning, EPERM where pinning:
                 return prefix + ": locked memory is exhausted (the UMEM counts against RLIMIT_MEMLOCK unless the process has "
                     + "CAP_IPC_LOCK): set LimitMEMLOCK=infinity in the systemd unit (ulimit -l unlimited), grant CAP_IPC_LOCK, "
-                    + "or lower settings.frame_count"
+                    + "or lower settings.umem_frames"
             case EPERM, EACCES:
                 return prefix + ": AF_XDP sockets need CAP_NET_RAW (and CAP_BPF or CAP_SYS_ADMIN for the XDP program); "
                     + "grant them (AmbientCapabilities= in the systemd unit, securityContext.capabilities in Kubernetes) or run as root"

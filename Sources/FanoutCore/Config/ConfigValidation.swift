@@ -92,7 +92,17 @@ extension FanoutConfig {
                 throw fail("\(path).settings.output", "xdp_tx needs mode af_xdp (it transmits from the AF_XDP ring); userspace mode offers socket or preserve_source")
             default: break
             }
+            if listener.settings.output != .socket, listener.mode != .tcEBPF, !Self.isUnspecified(listener.bind.ip) {
+                // A source-preserving way out keeps the client's address: a client of the bind's
+                // family cannot be sent to a downstream of the other (every datagram would be dropped).
+                for (position, downstream) in listener.downstreams.enumerated() where downstream.address.ip.family != listener.bind.ip.family {
+                    throw fail("\(path).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): output \(listener.settings.output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
+                }
+            }
             if listener.mode == .afXDP {
+                if listener.settings.zeroCopy == .on && listener.settings.xdpMode == .generic {
+                    throw fail("\(path).settings.zero_copy", "on with xdp_mode: generic cannot bind: zero-copy needs the driver's XDP hook (xdp_mode: native or auto), or set zero_copy: auto/off")
+                }
                 if let other = listeners[..<index].firstIndex(where: { $0.mode == .afXDP && $0.interface == listener.interface }) {
                     throw fail("\(path).interface", "\(listener.interface ?? "") already serves listener '\(listeners[other].name)': one af_xdp listener per interface (its AF_XDP sockets hold the interface's queues); use another interface, or mode userspace/tc_ebpf for this bind")
                 }

@@ -150,7 +150,10 @@ public final class FanoutDaemon: Sendable {
         }
         // A way out that cannot work (preserve_source without CAP_NET_RAW) fails the start, named.
         do {
-            try Outboxes.check(listener.settings.output, listener.downstreams.first?.address ?? listener.bind)
+            // One of each family the listener sends to (a raw socket per family).
+            var families: [Int32: SocketAddress] = [listener.bind.ip.family: listener.bind]
+            for downstream in listener.downstreams { families[downstream.address.ip.family] = downstream.address }
+            for address in families.values { try Outboxes.check(listener.settings.output, address) }
         } catch {
             throw .output(name: listener.name, error)
         }

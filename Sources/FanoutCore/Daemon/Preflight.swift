@@ -1,3 +1,6 @@
+#if canImport(Glibc)
+import Glibc
+#endif
 import ReusePortLB
 
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching
@@ -9,6 +12,16 @@ public enum Preflight {
     public static func check(_ config: FanoutConfig) -> (problems: [String], notes: [String]) {
         var problems = TCPreflight.preflight(config)
         var notes: [String] = []
+        for (index, listener) in config.listeners.enumerated() where listener.mode == .afXDP {
+            let interface = listener.interface ?? ""
+            guard if_nametoindex(interface) > 0 else {
+                problems.append("listeners[\(index)].interface: listener '\(listener.name)': interface '\(interface)' not found in this network namespace: fix the name (ip link show lists them) or create the interface first")
+                continue
+            }
+            if listener.settings.queues > 0, let available = try? RXQueues.count(interface: interface), listener.settings.queues > available {
+                problems.append("listeners[\(index)].settings.queues: listener '\(listener.name)': \(listener.settings.queues) but \(interface) has \(available) RX queue(s): lower it (0 serves them all)")
+            }
+        }
         for (index, listener) in config.listeners.enumerated() where listener.mode == .userspace {
             for overlap in SocketOverlap.warnings(listener.bind) { notes.append("listeners[\(index)].bind: \(overlap)") }
             guard let other = BoundSockets.foreign(on: listener.bind).first else { continue }
