@@ -143,6 +143,124 @@ struct SourcePreservingHeaderTests {
         #expect(headers("[2001:db8::77]:1", "[2001:db8:1::2]:2", [UInt8](repeating: 1, count: 65535 - 8 + 1)) == nil)
     }
 
+    /// The fragments `sendFragments` sends for `payload` (headers built by `writeHeaders`), each
+    /// as the bytes its iovecs hold, in order.
+    static func fragments(_ source: String, _ destination: String, _ payload: [UInt8], mtu: Int, identification: UInt32) throws -> [[UInt8]] {
+        var header = [UInt8](repeating: 0, count: SourcePreservingOutbox.maximumHeaderSize)
+        let length = try #require(header.withUnsafeMutableBytes { raw in
+            payload.withUnsafeBytes { SourcePreservingOutbox.writeHeaders(into: raw, source: SocketAddress(source)!, destination: SocketAddress(destination)!, payload: $0) }
+        })
+        var sent: [[UInt8]] = []
+        let scratch = UnsafeMutableRawPointer.allocate(byteCount: SourcePreservingOutbox.maximumFragmentHeaderSize, alignment: 8)
+        defer { scratch.deallocate() }
+        let iovecs = UnsafeMutablePointer<iovec>.allocate(capacity: 3)
+        defer { iovecs.deallocate() }
+        let error = header.withUnsafeBytes { head in
+            payload.withUnsafeBytes { body in
+                SourcePreservingOutbox.sendFragments(header: head.baseAddress!, headerLength: length, payload: body, mtu: mtu, identification: identification,
+                                                     scratch: scratch, iovecs: iovecs) { vectors, count in
+                    var bytes: [UInt8] = []
+                    for index in 0..<count { bytes += UnsafeRawBufferPointer(start: vectors[index].iov_base, count: vectors[index].iov_len) }
+                    sent.append(bytes)
+                    return 0
+                }
+            }
+        }
+        #expect(error == 0)
+        return sent
+    }
+
+    @Test("IPv4 fragments: each 20 + n <= MTU bytes, n a multiple of 8 but the last, same nonzero id, MF on all but the last, offsets in 8 bytes; reassembled they are the datagram and its UDP checksum verifies")
+    func ipv4Fragments() throws {
+        for (length, mtu) in [(3000, 1500), (8000, 1500), (1473, 1500), (65507, 1500), (1000, 68), (2000, 1006)] {
+            let payload = (0..<length).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ 5) }
+            let parts = try Self.fragments("198.18.0.77:4242", "198.18.1.2:5514", payload, mtu: mtu, identification: 0x1_2345)
+            #expect(parts.count == (8 + length + (mtu - 20) / 8 * 8 - 1) / ((mtu - 20) / 8 * 8), "\(length) over \(mtu)")
+            var reassembled: [UInt8] = []
+            for (index, part) in parts.enumerated() {
+                let last = index == parts.count - 1
+                #expect(part.count <= mtu && part.count > 20)
+                #expect(part[0] == 0x45 && part[8] == 64 && part[9] == 17)
+                #expect(Array(part[12..<20]) == [198, 18, 0, 77, 198, 18, 1, 2])
+                #expect(Int(part[2]) << 8 | Int(part[3]) == part.count, "total length per fragment")
+                #expect(part[4] == 0x23 && part[5] == 0x45, "the low 16 bits of the identification, the same in every fragment")
+                let flags = Int(part[6]) << 8 | Int(part[7])
+                #expect(flags & 0x4000 == 0, "DF clear")
+                #expect((flags & 0x2000 != 0) == !last, "MF on all but the last")
+                #expect((flags & 0x1fff) * 8 == reassembled.count, "offset in 8-byte units")
+                if !last { #expect((part.count - 20) % 8 == 0) }
+                reassembled += part[20...]
+            }
+            #expect(reassembled.count == 8 + length)
+            #expect(Array(reassembled[8...]) == payload, "payload intact")
+            #expect(Array(reassembled[0..<6]) == [0x10, 0x92, 0x15, 0x8a, UInt8((8 + length) >> 8), UInt8((8 + length) & 0xff)])
+            let checksum = UInt16(reassembled[6]) << 8 | UInt16(reassembled[7])
+            #expect(checksum == referenceUDPChecksum(source: [198, 18, 0, 77], destination: [198, 18, 1, 2], udp: reassembled), "\(length)")
+        }
+    }
+
+    @Test("IPv6 fragments: 40-byte header with next header 44 and payload length per fragment, then a Fragment header (next header UDP, offset|M, 32-bit id); reassembled they are the datagram and its UDP checksum verifies")
+    func ipv6Fragments() throws {
+        let source = IPAddress("2001:db8::77")!.bytes, destination = IPAddress("2001:db8:1::2")!.bytes
+        for (length, mtu) in [(3000, 1500), (8000, 1500), (1453, 1500), (65527, 1280), (5000, 1283)] {
+            let payload = (0..<length).map { UInt8(truncatingIfNeeded: $0 &* 13 &+ 1) }
+            let parts = try Self.fragments("[2001:db8::77]:4242", "[2001:db8:1::2]:5514", payload, mtu: mtu, identification: 0x8765_4321)
+            let step = (mtu - 48) / 8 * 8
+            #expect(parts.count == (8 + length + step - 1) / step, "\(length) over \(mtu)")
+            var reassembled: [UInt8] = []
+            for (index, part) in parts.enumerated() {
+                let last = index == parts.count - 1
+                #expect(part.count <= mtu && part.count > 48)
+                #expect(Array(part[0..<4]) == [0x60, 0, 0, 0] && part[6] == 44 && part[7] == 64, "next header Fragment, hop limit kept")
+                #expect(Int(part[4]) << 8 | Int(part[5]) == part.count - 40, "payload length per fragment")
+                #expect(Array(part[8..<24]) == source && Array(part[24..<40]) == destination)
+                #expect(part[40] == 17 && part[41] == 0, "Fragment header: next header UDP, reserved 0")
+                let field = Int(part[42]) << 8 | Int(part[43])
+                #expect((field & 1 == 1) == !last, "M on all but the last")
+                #expect(field & 6 == 0, "reserved bits 0")
+                #expect(field & ~7 == reassembled.count, "offset in 8-byte units")
+                #expect(Array(part[44..<48]) == [0x87, 0x65, 0x43, 0x21], "identification")
+                if !last { #expect((part.count - 48) % 8 == 0) }
+                reassembled += part[48...]
+            }
+            #expect(reassembled.count == 8 + length)
+            #expect(Array(reassembled[8...]) == payload, "payload intact")
+            let checksum = UInt16(reassembled[6]) << 8 | UInt16(reassembled[7])
+            #expect(checksum == referenceUDPChecksum(source: source, destination: destination, udp: reassembled), "\(length)")
+        }
+    }
+
+    @Test("A fragment send that fails stops the datagram with its errno; an MTU too small for 8 bytes of data is EMSGSIZE")
+    func fragmentFailure() throws {
+        var header = [UInt8](repeating: 0, count: SourcePreservingOutbox.maximumHeaderSize)
+        let payload = [UInt8](repeating: 3, count: 4000)
+        let length = try #require(header.withUnsafeMutableBytes { raw in
+            payload.withUnsafeBytes { SourcePreservingOutbox.writeHeaders(into: raw, source: SocketAddress("198.18.0.77:1")!, destination: SocketAddress("198.18.1.2:2")!, payload: $0) }
+        })
+        let scratch = UnsafeMutableRawPointer.allocate(byteCount: SourcePreservingOutbox.maximumFragmentHeaderSize, alignment: 8)
+        defer { scratch.deallocate() }
+        let iovecs = UnsafeMutablePointer<iovec>.allocate(capacity: 3)
+        defer { iovecs.deallocate() }
+        var calls = 0
+        let failed = header.withUnsafeBytes { head in
+            payload.withUnsafeBytes { body in
+                SourcePreservingOutbox.sendFragments(header: head.baseAddress!, headerLength: length, payload: body, mtu: 1500, identification: 1,
+                                                     scratch: scratch, iovecs: iovecs) { _, _ in
+                    calls += 1
+                    return calls == 2 ? ENOBUFS : 0
+                }
+            }
+        }
+        #expect(failed == ENOBUFS && calls == 2, "stops at the failing fragment")
+        let tiny = header.withUnsafeBytes { head in
+            payload.withUnsafeBytes { body in
+                SourcePreservingOutbox.sendFragments(header: head.baseAddress!, headerLength: length, payload: body, mtu: 27, identification: 1,
+                                                     scratch: scratch, iovecs: iovecs) { _, _ in 0 }
+            }
+        }
+        #expect(tiny == EMSGSIZE)
+    }
+
     @Test("Client family: v4-mapped IPv6 to an IPv4 downstream is unmapped; v4 to v6 and v6 to v4 are mismatches")
     func families() {
         var mapped = storage("[::ffff:198.18.0.77]:4242")
@@ -223,37 +341,43 @@ typealias FlushResult = (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt
 @Suite("preserve_source: end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct SourcePreservingEndToEndTests {
     /// client namespace (the outbox) -> proxy namespace (routes) -> backend 1 (a plain UDP socket).
-    @Test("IPv4 and IPv6: 600 datagrams of mixed sizes (1...MTU) arrive once each, intact, from the client's address and port; one above the MTU is too_large; a client of the other family is counted family_mismatch, never sent")
+    @Test("IPv4 and IPv6: 600 datagrams of mixed sizes (1...MTU) and 3 above the MTU (sent as fragments) arrive once each, whole and intact, from the client's address and port; one past 65535 is too_large; a client of the other family is counted family_mismatch, never sent")
     func throughARouter() throws {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
         let port = freePort()
-        for (downstreamText, clientText, otherFamily, maximum) in [
-            ("198.18.1.2:\(port)", "198.18.0.77:40001", "[2001:db8::77]:40001", 1472),
-            ("[2001:db8:1::2]:\(port)", "[2001:db8::77]:40002", "198.18.0.77:40002", 1452),
+        for (downstreamText, clientText, otherFamily, maximum, limit) in [
+            ("198.18.1.2:\(port)", "198.18.0.77:40001", "[2001:db8::77]:40001", 1472, 65535 - 28),
+            ("[2001:db8:1::2]:\(port)", "[2001:db8::77]:40002", "198.18.0.77:40002", 1452, 65535 - 8),
         ] {
             let downstream = SocketAddress(downstreamText)!
             let receiver = try boundSocket(in: topology.backends[0], downstream)
             defer { close(receiver) }
             let count = 600
-            let sizes = (0..<count).map { $0 % 5 == 0 ? maximum : Int.random(in: 4...maximum) }
-            let payloads = (0..<count).map { numberedPayload($0, length: sizes[$0]) }
+            // Above the 1500 MTU of the veths: just above, a few fragments, many fragments.
+            let large = [maximum + 1, 3000, 8000]
+            let sizes = (0..<count).map { $0 % 5 == 0 ? maximum : Int.random(in: 4...maximum) } + large
+            let payloads = (0..<sizes.count).map { numberedPayload($0, length: sizes[$0]) }
             let result = inNetworkNamespace(topology.client) { () -> Result<FlushResult, OutboxError> in
                 let outbox: SourcePreservingOutbox
                 do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64) } catch { return .failure(error) }
                 var client = storage(clientText)
                 var other = storage(otherFamily)
-                let oversized = [UInt8](repeating: 9, count: maximum + 1)
+                let oversized = [UInt8](repeating: 9, count: limit + 1)
                 var total: FlushResult = (0, 0, [:])
                 var index = 0
                 while index < count {
-                    let end = min(count, index + 64 - 2)
-                    for datagram in index..<end {
-                        payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
-                    }
+                    let end = min(count, index + 64 - 2 - large.count)
                     if index == 0 {
+                        // First in the batch, so the ordinary ones after the fragments must go out too.
+                        for datagram in count..<sizes.count {
+                            payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
+                        }
                         oversized.withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
                         payloads[0].withUnsafeBytes { outbox.append($0, source: &other, hopLimit: 0) }
+                    }
+                    for datagram in index..<end {
+                        payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
                     }
                     outbox.flush(&total)
                     if outbox.count != 0 { return .failure(OutboxError(downstream: downstream, call: "flush left \(outbox.count) queued", errno: 0)) }
@@ -262,19 +386,20 @@ struct SourcePreservingEndToEndTests {
                 return .success(total)
             }
             let total = try #require(result).get()
-            #expect(total.sent == UInt64(count), "\(downstream): sent")
+            #expect(total.sent == UInt64(sizes.count), "\(downstream): sent")
             #expect(total.bytes == UInt64(sizes.reduce(0, +)), "payload bytes, not header bytes")
             #expect(total.dropped == [DropReason.tooLarge: 1, .familyMismatch: 1], "\(downstream): \(total.dropped)")
-            let received = receiveAll(receiver, expected: count + 1)
-            #expect(received.count == count, "\(downstream): every datagram once, nothing else")
+            let received = receiveAll(receiver, expected: sizes.count + 1)
+            #expect(received.count == sizes.count, "\(downstream): every datagram once, nothing else")
             var seen = Set<Int>()
             for (source, payload) in received {
                 #expect(source == SocketAddress(clientText)!, "the client's address and port")
                 let index = Int(payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) })
-                #expect(index < count && seen.insert(index).inserted, "datagram \(index) once")
-                if index < count { #expect(payload == payloads[index], "datagram \(index) intact") }
+                #expect(index < sizes.count && seen.insert(index).inserted, "datagram \(index) once")
+                if index < sizes.count { #expect(payload == payloads[index], "datagram \(index) (\(sizes[index]) bytes) whole and intact") }
             }
-            #expect(seen.count == count)
+            #expect(seen.count == sizes.count)
+            #expect(large.indices.allSatisfy { seen.contains(count + $0) }, "\(downstream): the datagrams above the MTU arrived")
         }
     }
 

@@ -32,9 +32,14 @@ public struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable {
 /// The headers: UDP checksum always computed (IPv4 too: collectors may check it); TTL/hop limit 64;
 /// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
 /// "fragmentation needed" from a router on the way would go to the client and path MTU discovery
-/// cannot work for us; without DF a smaller MTU downstream fragments instead of dropping. A
-/// datagram larger than the outgoing interface's MTU is refused by the kernel (EMSGSIZE) and
-/// counted `too_large`: raw sockets with their own header are not fragmented locally.
+/// cannot work for us; without DF a smaller MTU downstream fragments instead of dropping.
+///
+/// Fragments: the kernel refuses (EMSGSIZE) and never fragments a raw datagram that carries its
+/// own header and is larger than the outgoing MTU, so such a datagram is fragmented here, as a
+/// router would (``sendFragments(header:headerLength:payload:mtu:identification:scratch:iovecs:send:)``):
+/// one sendmsg per fragment, the payload not copied. The MTU is the route's toward the downstream,
+/// read from a connected UDP socket (IP_MTU / IPV6_MTU) at init and again on EMSGSIZE (a route
+/// whose MTU shrank). Only a datagram whose IP length would pass 65,535 is `too_large`.
 ///
 /// A client of the other address family than the downstream cannot keep its source (an
 /// IPv4-mapped IPv6 client to an IPv4 downstream is the same family and is unmapped): such a
@@ -43,6 +48,11 @@ final class SourcePreservingOutbox: Outbox {
     /// Room for the largest headers: IPv6 (40) + UDP (8).
     static let maximumHeaderSize = 48
     static let ttl: UInt8 = 64
+    /// Room for a fragment's headers: IPv6 (40) + Fragment (8); IPv4 needs 20.
+    static let maximumFragmentHeaderSize = 48
+    /// The MTU used while the route's cannot be read (no route yet): the least every link of the
+    /// family carries whole (IPv4: 576, what every host must reassemble; IPv6: 1280).
+    static func minimumMTU(family: Int32) -> Int { family == AF_INET ? 576 : 1280 }
 
     let socket: Int32
     private let address: SocketAddress
@@ -59,6 +69,16 @@ final class SourcePreservingOutbox: Outbox {
     private var built = 0
     private var mismatched: UInt64 = 0
     private var oversized: UInt64 = 0
+    /// Per built message: larger than ``mtu`` when appended, sent as fragments.
+    private let fragmented: UnsafeMutablePointer<Bool>
+    /// A UDP socket connected to the downstream, never sent on: the kernel's MTU toward it.
+    private let mtuSocket: Int32
+    /// The route's MTU toward the downstream (``minimumMTU(family:)`` while it cannot be read).
+    private(set) var mtu: Int
+    /// The last fragment identification used; the next is one more (never 0).
+    private var identification = UInt32.random(in: 1...UInt32.max)
+    private let fragmentScratch: UnsafeMutableRawPointer
+    private let fragmentIovecs: UnsafeMutablePointer<iovec>
     /// Raw sockets do not report ICMP port unreachable to the sender: never true (passive health
     /// is not fed by this way out).
     let refused = false
@@ -81,6 +101,14 @@ final class SourcePreservingOutbox: Outbox {
         if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, 4) != 0 {
             setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
         }
+        let probe = Glibc.socket(family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard probe >= 0 else {
+            let error = errno
+            close(fd)
+            throw OutboxError(downstream: address, call: "socket(SOCK_DGRAM) to learn the MTU toward it", errno: error)
+        }
+        mtuSocket = probe
+        mtu = Self.minimumMTU(family: family)
         socket = fd
         self.address = address
         self.capacity = capacity
@@ -89,6 +117,10 @@ final class SourcePreservingOutbox: Outbox {
         headerSpace = .allocate(byteCount: capacity * Self.maximumHeaderSize, alignment: 8)
         destination = .allocate(capacity: 1)
         destination.initialize(to: sockaddr_storage())
+        fragmented = .allocate(capacity: capacity)
+        fragmented.initialize(repeating: false, count: capacity)
+        fragmentScratch = .allocate(byteCount: Self.maximumFragmentHeaderSize, alignment: 8)
+        fragmentIovecs = .allocate(capacity: 3)
         destinationLength = SocketAddress(ip: address.ip, port: 0).write(to: &destination.pointee)
         for index in 0..<capacity {
             messages[index] = shim_mmsghdr()
@@ -98,10 +130,29 @@ final class SourcePreservingOutbox: Outbox {
             messages[index].msg_hdr.msg_iovlen = 2
             iovecs[2 * index] = iovec(iov_base: headerSpace + index * Self.maximumHeaderSize, iov_len: 0)
         }
+        refreshMTU()
+    }
+
+    /// Reads the route's MTU toward the downstream again: connect (again: a connected socket keeps
+    /// the route it found, a changed route is seen only by a new connect) and IP_MTU / IPV6_MTU.
+    /// Without a route it stays as it was (the send fails with the route's own errno anyway).
+    func refreshMTU() {
+        let connected = address.withSockAddr { Glibc.connect(mtuSocket, $0, $1) } == 0
+        guard connected else { return }
+        var value: Int32 = 0
+        var length = socklen_t(4)
+        let ok = address.ip.family == AF_INET
+            ? getsockopt(mtuSocket, Int32(IPPROTO_IP), IP_MTU, &value, &length) == 0
+            : getsockopt(mtuSocket, Int32(IPPROTO_IPV6), IPV6_MTU, &value, &length) == 0
+        if ok && value > 0 { mtu = Int(value) }
     }
 
     deinit {
         close(socket)
+        close(mtuSocket)
+        fragmented.deallocate()
+        fragmentScratch.deallocate()
+        fragmentIovecs.deallocate()
         messages.deallocate()
         iovecs.deallocate()
         headerSpace.deallocate()
@@ -126,6 +177,7 @@ final class SourcePreservingOutbox: Outbox {
             return
         }
         iovecs[2 * built].iov_len = length
+        fragmented[built] = length + payload.count > mtu
         iovecs[2 * built + 1] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
         built += 1
     }
@@ -143,7 +195,15 @@ final class SourcePreservingOutbox: Outbox {
         if oversized > 0 { result.dropped[.tooLarge, default: 0] += oversized }
         var message = 0
         while message < built {
-            let sent = shim_sendmmsg(socket, messages + message, UInt32(built - message), Int32(MSG_DONTWAIT))
+            if fragmented[message] {
+                sendFragmented(message, &result)
+                message += 1
+                continue
+            }
+            // A run of whole datagrams up to the next one to fragment: one sendmmsg.
+            var end = message + 1
+            while end < built && !fragmented[end] { end += 1 }
+            let sent = shim_sendmmsg(socket, messages + message, UInt32(end - message), Int32(MSG_DONTWAIT))
             if sent > 0 {
                 for index in message..<(message + Int(sent)) { result.bytes += UInt64(iovecs[2 * index + 1].iov_len) }
                 result.sent += UInt64(sent)
@@ -152,17 +212,128 @@ final class SourcePreservingOutbox: Outbox {
             }
             let error = errno
             if error == EINTR { continue }
+            if error == EMSGSIZE {
+                // The MTU shrank since it was read: read it again and fragment. Still within it
+                // (a route MTU above the device's): nothing smaller to cut to, too_large.
+                refreshMTU()
+                if iovecs[2 * message].iov_len + iovecs[2 * message + 1].iov_len > mtu {
+                    sendFragmented(message, &result)
+                    message += 1
+                    continue
+                }
+            }
             result.dropped[Self.reason(error), default: 0] += 1
             message += 1
         }
+    }
+
+    /// Sends built message `index` as fragments of at most ``mtu`` bytes; counts it sent, or
+    /// dropped once with the failing fragment's reason. EMSGSIZE (the MTU shrank again) reads the
+    /// MTU once more and starts over with a new identification when it did shrink.
+    private func sendFragmented(_ index: Int, _ result: inout FlushResult) {
+        let header = UnsafeRawPointer(iovecs[2 * index].iov_base!)
+        let headerLength = iovecs[2 * index].iov_len
+        let payload = UnsafeRawBufferPointer(start: iovecs[2 * index + 1].iov_base, count: iovecs[2 * index + 1].iov_len)
+        var error: Int32 = 0
+        for attempt in 0..<2 {
+            identification = identification &+ 1
+            // IPv4 carries the low 16 bits: none of the ids may be 0 there or in IPv6.
+            if identification & 0xffff == 0 { identification = identification &+ 1 }
+            error = Self.sendFragments(header: header, headerLength: headerLength, payload: payload, mtu: mtu,
+                                       identification: identification, scratch: fragmentScratch, iovecs: fragmentIovecs) { vectors, count in
+                var message = msghdr()
+                message.msg_name = UnsafeMutableRawPointer(destination)
+                message.msg_namelen = destinationLength
+                message.msg_iov = vectors
+                message.msg_iovlen = count
+                while true {
+                    if sendmsg(socket, &message, Int32(MSG_DONTWAIT)) >= 0 { return 0 }
+                    if errno != EINTR { return errno }
+                }
+            }
+            guard error == EMSGSIZE && attempt == 0 else { break }
+            let before = mtu
+            refreshMTU()
+            guard mtu < before else { break }
+        }
+        if error == 0 {
+            result.sent += 1
+            result.bytes += UInt64(payload.count)
+        } else {
+            result.dropped[Self.reason(error), default: 0] += 1
+        }
+    }
+
+    /// Sends the datagram whose IP and UDP headers (`headerLength`: 28 or 48, as ``writeHeaders``
+    /// built them, UDP checksum over the whole datagram) are at `header` as IP fragments of at most
+    /// `mtu` bytes, calling `send` with each fragment's iovecs (its headers in `scratch`, then
+    /// slices of the UDP header and `payload`: nothing copied). Returns 0, the first errno `send`
+    /// returned (the rest are not sent), or EMSGSIZE when `mtu` leaves no room for 8 bytes of data.
+    ///
+    /// IPv4: the header again with total length per fragment, `identification`'s low 16 bits, MF on
+    /// all but the last and the offset in 8-byte units; checksum left 0 (the kernel fills it).
+    /// IPv6: the header with next header 44 (Fragment) and payload length per fragment, then the
+    /// Fragment header: next header UDP, offset | M, `identification`. Every fragment but the last
+    /// carries a multiple of 8 bytes; the UDP header is whole in the first.
+    /// - Parameters:
+    ///   - scratch: ``maximumFragmentHeaderSize`` bytes.
+    ///   - iovecs: room for 3.
+    static func sendFragments(header: UnsafeRawPointer, headerLength: Int, payload: UnsafeRawBufferPointer, mtu: Int, identification: UInt32,
+                              scratch: UnsafeMutableRawPointer, iovecs: UnsafeMutablePointer<iovec>,
+                              send: (UnsafeMutablePointer<iovec>, Int) -> Int32) -> Int32 {
+        let ipLength = headerLength - 8
+        let v6 = ipLength == 40
+        let fragmentHeaderLength = v6 ? 48 : 20
+        let step = (mtu - fragmentHeaderLength) / 8 * 8
+        guard step >= 8 else { return EMSGSIZE }
+        scratch.copyMemory(from: header, byteCount: ipLength)
+        if v6 {
+            scratch.storeBytes(of: UInt8(44), toByteOffset: 6, as: UInt8.self)
+            scratch.storeBytes(of: UInt16(UInt16(IPPROTO_UDP) << 8).bigEndian, toByteOffset: 40, as: UInt16.self)
+            scratch.storeBytes(of: identification.bigEndian, toByteOffset: 44, as: UInt32.self)
+        } else {
+            scratch.storeBytes(of: UInt16(truncatingIfNeeded: identification).bigEndian, toByteOffset: 4, as: UInt16.self)
+            scratch.storeBytes(of: 0, toByteOffset: 10, as: UInt16.self)
+        }
+        let total = 8 + payload.count
+        var offset = 0
+        while offset < total {
+            let length = min(step, total - offset)
+            let more = offset + length < total
+            if v6 {
+                scratch.storeBytes(of: UInt16(8 + length).bigEndian, toByteOffset: 4, as: UInt16.self)
+                scratch.storeBytes(of: UInt16(offset | (more ? 1 : 0)).bigEndian, toByteOffset: 42, as: UInt16.self)
+            } else {
+                scratch.storeBytes(of: UInt16(20 + length).bigEndian, toByteOffset: 2, as: UInt16.self)
+                scratch.storeBytes(of: UInt16((more ? 0x2000 : 0) | offset / 8).bigEndian, toByteOffset: 6, as: UInt16.self)
+            }
+            iovecs[0] = iovec(iov_base: scratch, iov_len: fragmentHeaderLength)
+            var count = 1
+            var dataStart = offset
+            if offset == 0 {
+                // step >= 8: the whole UDP header is in the first fragment.
+                iovecs[1] = iovec(iov_base: UnsafeMutableRawPointer(mutating: header + ipLength), iov_len: 8)
+                count = 2
+                dataStart = 8
+            }
+            let payloadEnd = offset + length - 8
+            if payloadEnd > dataStart - 8 {
+                iovecs[count] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress! + (dataStart - 8)), iov_len: payloadEnd - (dataStart - 8))
+                count += 1
+            }
+            let error = send(iovecs, count)
+            if error != 0 { return error }
+            offset += length
+        }
+        return 0
     }
 
     /// The raw socket is made at init or the outbox does not exist (``UnavailableOutbox``).
     var unavailable: String? { nil }
     func reconnectIfDue() -> Bool { false }
 
-    /// The drop reason of a failed send: EMSGSIZE (above the outgoing MTU) is `too_large`; the
-    /// rest as the socket way out maps them.
+    /// The drop reason of a failed send: EMSGSIZE (a fragment still above the outgoing MTU) is
+    /// `too_large`; the rest as the socket way out maps them.
     static func reason(_ error: Int32) -> DropReason {
         error == EMSGSIZE ? .tooLarge : DownstreamOutbox.reason(error)
     }
