@@ -206,7 +206,10 @@ struct AFXDPEndToEndTests {
         // Fragments: the program passes them, the kernel reassembles, the companion forwards.
         do {
             let collectors = try Self.collectors(topology.backends, addresses: (1...3).map(Topology.backendIPv4), prefix: topology.prefix)
-            let (daemon, file) = try Self.start(topology.prefix(topology.proxy), Self.config(topology.proxyInterface, backends: Self.routedBackends()), "afxdp-frag")
+            // preserve_source: the reassembled datagrams leave as fragments built by the outbox (a raw
+            // socket does not fragment), the client's source kept.
+            let (daemon, file) = try Self.start(topology.prefix(topology.proxy),
+                                                Self.config(topology.proxyInterface, backends: Self.routedBackends(), output: "preserve_source"), "afxdp-frag")
             defer { try? FileManager.default.removeItem(at: file) }
             let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"], prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0)
@@ -239,6 +242,9 @@ struct AFXDPEndToEndTests {
             #expect(daemon.wait() == 0)
             let reports = try collectors.map { try $0.stop() }
             #expect(TCEndToEndTests.received(reports).reduce(0, +) == 700, "\(TCEndToEndTests.received(reports))")
+            for report in reports {
+                #expect(report.object("sources").keys.allSatisfy { $0 == "198.18.0.2" }, "the client's source: \(report.object("sources").keys)")
+            }
             let bytes: Int = reports.map { $0.int("bytes") }.reduce(0, +)
             let expected: Int = 600 * 3000 + 100 * 100
             #expect(bytes == expected, "every datagram whole")
