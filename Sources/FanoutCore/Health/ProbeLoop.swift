@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import BPFSupport
+import CLibXDP
 import CSystemShim
 import ReusePortLB
 

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import CLibXDP
 import CSystemShim
 import Logging
 import ReusePortLB
