@@ -41,7 +41,7 @@ cp README.md "$stage/share/doc/udp-fanout/"
 cp -r docs "$stage/share/doc/udp-fanout/"
 
 # Every needed library must come from Debian's runtime packages, none from /opt/swift.
-allowed='^(libbpf\.so\.1|libelf\.so\.1|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
+allowed='^(libbpf\.so\.1|libxdp\.so\.1|libelf\.so\.1|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
 for file in "$stage"/bin/* "$stage/lib/libreuseportlb.so.$version"; do
   needed=$(readelf -d "$file" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
   for library in $needed; do
@@ -64,11 +64,11 @@ fi
 cat >"$stage/share/doc/udp-fanout/DEPENDENCIES" <<TXT
 udp-fanout $version for Linux $arch. The programs and libreuseportlb.so carry the Swift runtime;
 on Debian 12 (bookworm) or later they need only:
-  apt-get install libbpf1 libelf1 zlib1g libstdc++6 libgcc-s1
+  apt-get install libbpf1 libxdp1 libelf1 zlib1g libstdc++6 libgcc-s1
 Unpack into a prefix (e.g. tar -C /usr/local --strip-components=1 -xzf $name.tar.gz);
 reuseportlb.pc is relocatable (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig).
 TXT
 tar -C dist -czf "dist/$name.tar.gz" --owner=0 --group=0 "$name"
 echo "dist: dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)): $(cd "$stage" && find . -type f -o -type l | wc -l) files"
 echo "dist: libreuseportlb.so.$version exports only the reuseportlb_* C API (version LIBREUSEPORTLB_0)"
-echo "dist: needs only Debian's libbpf1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
+echo "dist: needs only Debian's libbpf1 libxdp1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
