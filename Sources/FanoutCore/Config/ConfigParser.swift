@@ -90,7 +90,7 @@ public enum ConfigParser {
 
     static func listener(_ node: Node, path: String) throws(ConfigError) -> Listener {
         let fields = try Fields(node, path: path)
-        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing"])
+        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
         guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
         let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
@@ -124,7 +124,8 @@ public enum ConfigParser {
         if let node = fields["settings"] {
             let entry = try Fields(node, path: "\(path).settings")
             try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
-                             "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"])
+                             "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll",
+                             "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs"])
             let maximum: Int
             if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
             settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
@@ -153,12 +154,24 @@ public enum ConfigParser {
             }
             if let zeroCopy = try entry.choice("zero_copy", ZeroCopy.allCases.map(\.rawValue)) { settings.zeroCopy = ZeroCopy(rawValue: zeroCopy)! }
             settings.busyPoll = try entry.bool("busy_poll") ?? settings.busyPoll
+            settings.maxAssociations = try entry.int("max_associations", in: 16...(1 << 26)) ?? settings.maxAssociations
+            for (position, item) in try entry.sequence("reply_interfaces", required: false).enumerated() {
+                guard case .scalar(let scalar) = item, !scalar.string.isEmpty, scalar.string.utf8.count < 16,
+                    !scalar.string.contains(where: { $0 == "/" || $0 == " " || $0.asciiValue.map { $0 < 0x20 || $0 == 0x7f } ?? true })
+                else {
+                    throw ConfigError("\(path).settings.reply_interfaces[\(position)]", "expected an interface name (1 to 15 characters, no '/' or spaces)", line: item.mark?.line)
+                }
+                settings.replyInterfaces.append(scalar.string)
+            }
+            settings.maxSessions = try entry.int("max_sessions", in: 1...(1 << 20)) ?? settings.maxSessions
+            settings.sessionIdleSecs = try entry.int("session_idle_secs", in: 1...86400) ?? settings.sessionIdleSecs
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
+        let replies = try fields.choice("replies", Replies.allCases.map(\.rawValue)) ?? Replies.none.rawValue
         return Listener(
             name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
             downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: kubernetes, settings: settings,
-            balancing: Balancing(rawValue: balancing)!)
+            balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!)
     }
 
     /// `host:port` where host is a DNS name (RFC 1123 labels of letters, digits, `-` and `_`,

@@ -110,6 +110,26 @@ extension FanoutConfig {
                     throw fail("\(path).settings.umem_frames", "\(listener.settings.umemFrames) frames: must be at least twice ring_size (\(listener.settings.ringSize)), so the fill ring stays full while frames are in flight")
                 }
             }
+            switch listener.replies {
+            case .none: break
+            case .nat:
+                guard listener.mode == .tcEBPF else {
+                    throw fail("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
+                }
+                guard !Self.isUnspecified(listener.bind.ip) else {
+                    throw fail("\(path).bind", "\(listener.bind): with replies nat the replies leave from the listener's address, so it must be the virtual address itself (e.g. 198.18.0.1:5683), not a wildcard")
+                }
+            case .relay:
+                guard listener.mode == .userspace else {
+                    throw fail("\(path).replies", "relay uses session sockets in userspace: it needs mode userspace (mode tc_ebpf offers replies: nat)")
+                }
+                guard listener.settings.output == .socket else {
+                    throw fail("\(path).settings.output", "\(listener.settings.output.rawValue): replies relay receives the downstreams' replies on its own session sockets, so datagrams must leave through them (output: socket)")
+                }
+                guard listener.settings.workerSteering != .roundRobin else {
+                    throw fail("\(path).settings.worker_steering", "round_robin spreads one client over every worker, and each worker keeps its own sessions: replies relay needs five_tuple or source_ip")
+                }
+            }
             if listener.mode == .tcEBPF {
                 do throws(ConfigError) {
                     try Self.validateTC(listener, path: path, localAddresses)
@@ -121,6 +141,17 @@ extension FanoutConfig {
         let tcListeners = listeners.filter { $0.mode == .tcEBPF }
         if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
             throw fail("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+        }
+        // A reply is matched to its listener by the downstream's address and port, so a
+        // downstream answers for one nat listener only.
+        var natDownstreams: [SocketAddress: Int] = [:]
+        for (index, listener) in listeners.enumerated() where listener.replies == .nat {
+            for (position, downstream) in listener.downstreams.enumerated() {
+                if let other = natDownstreams[downstream.address], other != index {
+                    throw fail("listeners[\(index)].downstream[\(position)].address", "\(downstream.address) is also a downstream of listener '\(listeners[other].name)' with replies nat: its replies could not be told apart; give each nat listener its own downstream ports")
+                }
+                natDownstreams[downstream.address] = index
+            }
         }
         for (index, listener) in listeners.enumerated() where listener.mode == .tcEBPF {
             if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
@@ -176,6 +207,12 @@ extension FanoutConfig {
                 where lines.isSet("\(path).downstream[\(position)].health_port") {
                     warn("\(path).downstream[\(position)].health_port", "not used: health.enabled is false")
                 }
+            }
+            for key in ["max_associations", "reply_interfaces"] where listener.replies != .nat && lines.isSet("\(path).settings.\(key)") {
+                warn("\(path).settings.\(key)", "applies to replies: nat only")
+            }
+            for key in ["max_sessions", "session_idle_secs"] where listener.replies != .relay && lines.isSet("\(path).settings.\(key)") {
+                warn("\(path).settings.\(key)", "applies to replies: relay only")
             }
             if listener.dnsDownstreams.isEmpty && lines.isSet("\(path).settings.resolve_interval_secs") {
                 warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")

@@ -36,11 +36,14 @@ public struct Listener: Equatable, Sendable {
     public var kubernetes: Kubernetes?
     public var settings: Settings
     public var balancing: Balancing
+    /// One way (fan-out), or two: replies from the downstreams go back to the client from the
+    /// listener's address.
+    public var replies: Replies
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
         downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
-        settings: Settings = Settings(), balancing: Balancing = .roundRobin
+        settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none
     ) {
         self.name = name
         self.bind = bind
@@ -51,18 +54,36 @@ public struct Listener: Equatable, Sendable {
         self.kubernetes = kubernetes
         self.settings = settings
         self.balancing = balancing
+        self.replies = replies
     }
 
     /// Everything but the downstreams and balancing: what a reload cannot change without
     /// restarting the listener's workers.
-    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings) }
+    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies) }
 
     struct SocketShape: Equatable {
         var bind: SocketAddress
         var interface: String?
         var mode: Mode
         var settings: Settings
+        var replies: Replies
     }
+}
+
+/// Whether a listener is one way (fan-out) or a two-way load balancer.
+public enum Replies: String, Sendable, CaseIterable {
+    /// One way: datagrams go to a downstream; nothing comes back through udp-fanout.
+    case none
+    /// tc_ebpf: a client keeps its downstream in an association (an LRU map of
+    /// `settings.max_associations`), datagrams are DNATed to it, and the downstream's replies
+    /// are source-NATed to the listener's address in the kernel. A downstream may also start a
+    /// conversation with a client, which creates the association. The downstreams route their
+    /// replies through this host (LVS-NAT style).
+    case nat
+    /// userspace: one session socket per client to its downstream (`settings.max_sessions`,
+    /// `settings.session_idle_secs`); what the downstream sends back on it is relayed to the
+    /// client from the listener's socket (nginx's `proxy_responses`).
+    case relay
 }
 
 /// A forwarding path.
@@ -169,6 +190,17 @@ public struct Settings: Equatable, Sendable {
     public var zeroCopy: ZeroCopy = .auto
     /// af_xdp: busy polling of the sockets (SO_PREFER_BUSY_POLL), trading CPU for latency.
     public var busyPoll: Bool = false
+    /// replies nat: clients remembered at once per listener (LRU: when full, the least recently
+    /// used association is forgotten; counted as evicted). sbulb's default.
+    public var maxAssociations: Int = 1_048_576
+    /// replies nat: interfaces the downstreams' replies arrive on (the program is attached there
+    /// too); empty: the interfaces the kernel routes the downstreams through (`ip route get`).
+    public var replyInterfaces: [String] = []
+    /// replies relay: session sockets per listener (one per client address and port); a new
+    /// client beyond it is dropped and counted (`table_full`).
+    public var maxSessions: Int = 65_536
+    /// replies relay: a session with no datagram either way for this long is closed.
+    public var sessionIdleSecs: Int = 120
 
     public init() {}
 }

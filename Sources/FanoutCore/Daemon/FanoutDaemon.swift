@@ -51,10 +51,14 @@ protocol RunningListener: AnyObject, Sendable {
     /// Gives up what only one instance can hold (af_xdp: the interface's XDP hook and queues)
     /// while still receiving on its bind, so a successor can take it over; ``shutdown()`` follows.
     func releaseInterface()
+    /// A two-way listener's associations (nat) or sessions (relay), at most `limit`, and how
+    /// many there are in all; nil for a one-way listener.
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)?
 }
 
 extension RunningListener {
     func releaseInterface() {}
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? { nil }
 }
 
 /// udp-fanout's engine: runs the listeners of a configuration, reloads it, serves metrics.

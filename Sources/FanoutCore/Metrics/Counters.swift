@@ -1,3 +1,4 @@
+import ReusePortLB
 import Synchronization
 
 /// Why a datagram was not forwarded. Each reason is a `reason` label value.
@@ -21,6 +22,71 @@ public enum DropReason: String, CaseIterable, Sendable {
     /// preserve_source / xdp_tx: the client's address family differs from the downstream's, so its
     /// source cannot be kept (IPv4-mapped IPv6 clients count as IPv4).
     case familyMismatch = "family_mismatch"
+    /// replies relay: a new client while `settings.max_sessions` sessions are open.
+    case tableFull = "table_full"
+}
+
+/// Why a reply (downstream to client) of a two-way listener was not sent on.
+public enum ReplyDropReason: String, CaseIterable, Sendable {
+    /// nat: from a downstream that is not the client's associated one (sbulb's rule).
+    case wrongServer = "wrong_server"
+    /// nat: the kernel's fib lookup found no route to the client.
+    case noRoute = "no_route"
+    /// nat: TTL or hop limit would reach 0.
+    case ttlExpired = "ttl_expired"
+    /// nat: larger than the route's MTU toward the client.
+    case tooLarge = "too_large"
+    /// nat: a kernel helper refused to rewrite or redirect it.
+    case rewriteFailed = "rewrite_failed"
+    /// relay: the listener socket's send buffer was full.
+    case sendBufferFull = "send_buffer_full"
+    /// relay: any other send error.
+    case sendError = "send_error"
+}
+
+/// What happened to the associations (nat) or sessions (relay) of a two-way listener.
+public enum AssociationEvent: String, CaseIterable, Sendable {
+    /// A client's first datagram made one (its downstream chosen by the listener's balancing).
+    case created
+    /// nat: a downstream's datagram to a client without one made it (server-initiated).
+    case serverInitiated = "server_initiated"
+    /// Its downstream left the set (reload, health, discovery): the client got another one.
+    case moved
+    /// nat: the LRU map forgot it to make room for a new one (derived: made minus present).
+    case evicted
+    /// relay: closed after `session_idle_secs` without a datagram either way.
+    case expired
+    /// relay: a new client while `max_sessions` were open: its datagram was dropped.
+    case tableFull = "table_full"
+}
+
+/// The reply side of a two-way listener (``Replies``).
+public struct TwoWaySnapshot: Sendable {
+    public var replies: UInt64 = 0
+    public var replyBytes: UInt64 = 0
+    public var replyDropped: [ReplyDropReason: UInt64] = [:]
+    /// Associations (nat) or sessions (relay) present now.
+    public var associations: UInt64 = 0
+    public var events: [AssociationEvent: UInt64] = [:]
+    /// Replies sent on per downstream, by name.
+    public var downstreamReplies: [String: UInt64] = [:]
+
+    public init() {}
+}
+
+/// One client of a two-way listener and the downstream it is associated with.
+public struct AssociationEntry: Sendable, Equatable {
+    public var client: SocketAddress
+    /// The downstream's name, or its address when it is no longer in the set.
+    public var downstream: String
+    /// relay: seconds since the session's last datagram; nil for nat (the LRU map keeps no time).
+    public var idleSeconds: Int?
+
+    public init(client: SocketAddress, downstream: String, idleSeconds: Int? = nil) {
+        self.client = client
+        self.downstream = downstream
+        self.idleSeconds = idleSeconds
+    }
 }
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
@@ -46,6 +112,10 @@ public final class ListenerCounters: Sendable {
     /// format, merged into /metrics; nil: none.
     let modeMetrics = Mutex<(@Sendable () -> String)?>(nil)
     let familyMismatch = Atomic<UInt64>(0)
+    let tableFull = Atomic<UInt64>(0)
+    /// A two-way listener's reply side, for listeners whose counters are the atomics above
+    /// (userspace relay); nil: one way, or inside the external snapshot.
+    let twoWaySource = Mutex<(@Sendable () -> TwoWaySnapshot)?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
     /// values after it stopped. nil: the atomics above.
@@ -74,6 +144,7 @@ public final class ListenerCounters: Sendable {
         case .parseError: add(parseError, count)
         case .familyMismatch: add(familyMismatch, count)
         case .ttlExpired: add(ttlExpired, count)
+        case .tableFull: add(tableFull, count)
         case .noRoute, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -111,6 +182,8 @@ public final class ListenerCounters: Sendable {
         /// Drops per downstream by reason, where the mode counts them so (tc_ebpf: `no_route`,
         /// `too_large`); empty otherwise.
         public var downstreamDropped: [String: [DropReason: UInt64]] = [:]
+        /// Two-way listeners only.
+        public var twoWay: TwoWaySnapshot? = nil
         public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
 
         static let zero = Snapshot(
@@ -128,7 +201,7 @@ public final class ListenerCounters: Sendable {
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
             .noRoute: 0, .ttlExpired: ttlExpired.load(ordering: .relaxed), .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
-            .familyMismatch: familyMismatch.load(ordering: .relaxed),
+            .familyMismatch: familyMismatch.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }
@@ -137,7 +210,7 @@ public final class ListenerCounters: Sendable {
             received: received.load(ordering: .relaxed), bytesReceived: bytesReceived.load(ordering: .relaxed),
             forwarded: forwarded.load(ordering: .relaxed), bytesForwarded: bytesForwarded.load(ordering: .relaxed),
             noHealthy: noHealthy.load(ordering: .relaxed), receiveQueueDrops: receiveQueueDrops.load(ordering: .relaxed),
-            dropped: dropped, downstreams: downstreams)
+            dropped: dropped, downstreams: downstreams, twoWay: twoWaySource.withLock { $0 }?())
     }
 }
 

@@ -6,8 +6,7 @@ enum PrometheusText {
     static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64), unmatched: [(String, UInt64)] = []) -> String {
         var out = ""
         let snapshots = listeners.map { ($0, $0.snapshot()) }
-        func family(_ name: String, _ help: String, rows: [(String, UInt64)]) {
-            let type = "counter"
+        func family(_ name: String, _ help: String, type: String = "counter", rows: [(String, UInt64)]) {
             out += "# HELP \(name) \(help)\n# TYPE \(name) \(type)\n"
             for (labels, value) in rows { out += "\(name){\(labels)} \(value)\n" }
         }
@@ -42,6 +41,26 @@ enum PrometheusText {
         if !downstreamDropRows.isEmpty {
             family("udp_fanout_downstream_packets_dropped_by_reason_total", "Packets dropped per downstream, by reason (tc_ebpf: no_route, too_large)",
                    rows: downstreamDropRows)
+        }
+        let twoWay = snapshots.compactMap { listener, snapshot in snapshot.twoWay.map { (listener, $0) } }
+        if !twoWay.isEmpty {
+            family("udp_fanout_replies_total", "Replies of two-way listeners sent on to clients from the listener's address",
+                   rows: twoWay.map { (labels($0.0), $0.1.replies) })
+            family("udp_fanout_reply_bytes_total", "Bytes of the replies sent on to clients", rows: twoWay.map { (labels($0.0), $0.1.replyBytes) })
+            family("udp_fanout_replies_dropped_total", "Replies not sent on to the client, by reason",
+                   rows: twoWay.flatMap { listener, values in
+                       ReplyDropReason.allCases.map { (labels(listener) + ",reason=\"\($0.rawValue)\"", values.replyDropped[$0] ?? 0) }
+                   })
+            family("udp_fanout_associations", "Client associations (replies nat) or sessions (replies relay) present now", type: "gauge",
+                   rows: twoWay.map { (labels($0.0), $0.1.associations) })
+            family("udp_fanout_association_events_total", "Associations or sessions made, moved, forgotten or refused, by event",
+                   rows: twoWay.flatMap { listener, values in
+                       AssociationEvent.allCases.map { (labels(listener) + ",event=\"\($0.rawValue)\"", values.events[$0] ?? 0) }
+                   })
+            family("udp_fanout_downstream_replies_total", "Replies sent on per downstream",
+                   rows: twoWay.flatMap { listener, values in
+                       values.downstreamReplies.sorted { $0.key < $1.key }.map { (labels(listener) + ",downstream=\"\(escape($0.key))\"", $0.value) }
+                   })
         }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
