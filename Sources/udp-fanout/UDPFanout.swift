@@ -15,8 +15,8 @@ struct UDPFanout: AsyncParsableCommand {
         abstract: "Forward each UDP datagram received on a listener to exactly one downstream.",
         discussion: """
             SIGTERM/SIGINT: stop receiving, forward what is queued, exit 0. SIGHUP: reload the \
-            configuration file; unchanged listeners keep forwarding, an invalid file is rejected \
-            and the running configuration stays. The environment variable UDP_FANOUT_LOG (or RUST_LOG, \
+            configuration file (--watch-config: also when the file changes); unchanged listeners keep \
+            forwarding, an invalid file is rejected and the running configuration stays. The environment variable UDP_FANOUT_LOG (or RUST_LOG, \
             as in the reference) overrides --log-level.
             """,
         version: "0.1.0")
@@ -29,6 +29,9 @@ struct UDPFanout: AsyncParsableCommand {
 
     @Flag(help: "Validate the configuration, print a summary and exit (0 valid, 2 invalid).")
     var check = false
+
+    @Flag(name: .customLong("watch-config"), help: "Also reload when the configuration file changes (checked every second, as sbulb does); SIGHUP still works.")
+    var watchConfig = false
 
     @Option(name: .customLong("ebpf-program"), help: "Accepted for compatibility: the BPF programs are embedded in this binary; the file is not read.")
     var ebpfProgram: String?
@@ -92,7 +95,7 @@ struct UDPFanout: AsyncParsableCommand {
         // answers (/readyz then says 503), then probes and discovery stop, then the endpoint
         // closes its connections.
         let notifier = SystemdNotifier(logger: logger)
-        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier)]
+        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil)]
         do {
             // The path check behind /healthz and systemd's watchdog. Last, so it stops first: no
             // ping once shutdown starts (systemd stops the watchdog for a stopping unit anyway).

@@ -156,6 +156,37 @@ struct ConfigTests {
         #expect(config.listeners[0].downstreams[0].name == "[::1]:7001", "name defaults to the address")
     }
 
+    @Test("Two-way keys parse: replies nat with its settings, replies relay with its; the other's keys are warned about")
+    func twoWayKeys() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: coap
+                bind: "198.18.0.1:5683"
+                interface: veth0
+                mode: tc_ebpf
+                replies: nat
+                settings: {max_associations: 4096, reply_interfaces: [veth1, veth2], max_sessions: 5}
+                downstream: [{address: "198.18.1.2:5683"}]
+              - name: dns
+                bind: "127.0.0.1:5300"
+                replies: relay
+                settings: {max_sessions: 100, session_idle_secs: 30}
+                downstream: [{address: "127.0.0.1:5301"}]
+              - name: oneway
+                bind: "127.0.0.1:5400"
+                downstream: [{address: "127.0.0.1:5401"}]
+            """)
+        try config.validate(localAddresses: [])
+        let (nat, relay, oneWay) = (config.listeners[0], config.listeners[1], config.listeners[2])
+        #expect(nat.replies == .nat && nat.settings.maxAssociations == 4096 && nat.settings.replyInterfaces == ["veth1", "veth2"])
+        #expect(relay.replies == .relay && relay.settings.maxSessions == 100 && relay.settings.sessionIdleSecs == 30)
+        #expect(oneWay.replies == .none && oneWay.settings.maxAssociations == 1_048_576 && oneWay.settings.maxSessions == 65_536)
+        #expect(config.warnings().map(\.key) == ["listeners[0].settings.max_sessions"], "\(config.warnings())")
+        var changed = config
+        changed.listeners[1].replies = .none
+        #expect(changed.listeners[1].socketShape != config.listeners[1].socketShape, "turning replies on or off restarts the listener")
+    }
+
     static let invalidCases: [(String, String, String)] = [
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n    colour: blue\n",
          "listeners[0].colour", "unknown key"),
@@ -215,6 +246,24 @@ struct ConfigTests {
          "listeners[0].settings.zero_copy", "zero-copy needs the driver's XDP hook"),
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    settings: {output: preserve_source}\n    downstream: [{address: \"[::1]:2\"}]\n",
          "listeners[0].downstream[0].address", "not of the listener's address family"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    replies: nat\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf"),
+        ("listeners:\n  - name: a\n    bind: \"0.0.0.0:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].bind", "must be the virtual address itself"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: relay\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].replies", "relay uses session sockets in userspace"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    replies: relay\n    settings: {output: preserve_source}\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].settings.output", "must leave through them (output: socket)"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    replies: relay\n    settings: {worker_steering: round_robin}\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].settings.worker_steering", "needs five_tuple or source_ip"),
+        ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    replies: both\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
+         "listeners[0].replies", "is not one of none, nat, relay"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    settings: {max_associations: 8}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.max_associations", "out of range"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    settings: {reply_interfaces: [\"a/b\"]}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.reply_interfaces[0]", "expected an interface name"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[1].downstream[0].address", "also a downstream of listener 'a' with replies nat"),
         ("listeners: []\n", "listeners", "empty"),
         ("metrics: {enabled: true}\n", "listeners", "required"),
         ("listeners: [\n", "(document)", "not valid YAML"),

@@ -212,6 +212,44 @@ struct ForwardingTests {
         #expect(daemon.wait(seconds: 5) == 0)
     }
 
+    @Test("--watch-config reloads when the file changes (an editor's rename or an in-place write), not when it is only touched; an invalid change is rejected and the old configuration stays")
+    func watchConfig() throws {
+        let first = try Sink(), second = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("watch-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let metricsYAML = "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
+        try ("listeners:\n" + listenerYAML("watched", bind: bind, [first]) + metricsYAML).write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path, "--watch-config"])
+        defer { daemon.signal(SIGKILL); _ = daemon.wait(seconds: 5) }
+        try daemon.waitFor("entering receive loop")
+        try daemon.waitFor("watching the configuration file for changes")
+        // Touched: same bytes, new times. Nothing reloads.
+        let now = Date().addingTimeInterval(5)
+        try FileManager.default.setAttributes([.modificationDate: now], ofItemAtPath: file.path)
+        Thread.sleep(forTimeInterval: 2.5)
+        #expect(try httpGet(metrics, "/metrics").1.contains("udp_fanout_config_reloads_total{result=\"ok\"} 0"))
+        // Replaced by rename (atomically: true), as editors and ConfigMaps do.
+        try ("listeners:\n" + listenerYAML("watched", bind: bind, [second]) + metricsYAML).write(to: file, atomically: true, encoding: .utf8)
+        try daemon.waitFor("configuration file changed: reloading")
+        try daemon.waitFor("downstreams updated in place")
+        try sendNumbered(to: bind, count: 4)
+        #expect(second.drain().count == 4 && first.drain().isEmpty)
+        // Written in place with something invalid: rejected, still forwarding to the second.
+        let handle = try FileHandle(forWritingTo: file)
+        try handle.truncate(atOffset: 0)
+        try handle.write(contentsOf: Data("listeners:\n  - name: watched\n    bind: nowhere\n".utf8))
+        try handle.close()
+        try daemon.waitFor("configuration reload rejected")
+        try sendNumbered(to: bind, count: 4)
+        #expect(second.drain().count == 4)
+        let text = try httpGet(metrics, "/metrics").1
+        #expect(text.contains("udp_fanout_config_reloads_total{result=\"ok\"} 1") && text.contains("udp_fanout_config_reloads_total{result=\"rejected\"} 1"), "\(text)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait(seconds: 5) == 0)
+    }
+
     @Test("--check: a valid file exits 0; an invalid one exits 2 naming the key; nothing binds")
     func check() throws {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("check-\(UUID().uuidString).yaml")

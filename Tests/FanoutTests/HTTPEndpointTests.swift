@@ -39,6 +39,11 @@ struct HTTPEndpointTests {
         #expect(try endpoint.request("GET /nope HTTP/1.1").summary == (404, "not found\n"))
         #expect(try endpoint.request("POST /healthz HTTP/1.1").summary == (405, "only GET\n"))
         #expect(try endpoint.request("DELETE /metrics HTTP/1.1").status == 405)
+        // Associations exist on two-way listeners only: each wrong request says what is wrong.
+        #expect(try endpoint.request("GET /associations HTTP/1.1").summary == (400, "no listener has replies nat or relay: associations exist only on two-way listeners\n"))
+        #expect(try endpoint.request("GET /associations?listener=http HTTP/1.1").summary == (404, "listener 'http' is one way (replies: none): it keeps no associations\n"))
+        #expect(try endpoint.request("GET /associations?listener=nope HTTP/1.1").summary == (404, "no listener named 'nope'\n"))
+        #expect(try endpoint.request("GET /associations?listener=http&limit=x HTTP/1.1").status == 400)
     }
 
     @Test("(a) A slowloris client (one header byte every 500 ms) does not delay /healthz; forwarding loses nothing")

@@ -1,4 +1,5 @@
 import Logging
+import Synchronization
 import ServiceLifecycle
 import UnixSignals
 
@@ -14,17 +15,65 @@ extension FanoutDaemon {
     }
 }
 
-/// Runs the daemon's listeners and reloads the configuration on SIGHUP until graceful shutdown
-/// (SIGTERM/SIGINT through the ServiceGroup), then stops them. Tells systemd each step
-/// (sd_notify: READY, RELOADING with MONOTONIC_USEC, STOPPING, and a STATUS line).
+extension FanoutDaemon {
+    /// Most entries `/associations` lists at once (`limit`).
+    static let associationsLimit = 100_000
+
+    /// `GET /associations?listener=NAME&limit=N`: a two-way listener's clients and their
+    /// downstreams, one per line (`client downstream` and, for relay, `idle_secs=N`), after a
+    /// first line with the count shown and the total. The listener may be left out when only
+    /// one is two-way. - Returns: the HTTP status and the body.
+    func associationsText(listener name: String?, limit: Int?) -> (status: Int, body: String) {
+        guard let limit, (0...Self.associationsLimit).contains(limit) else {
+            return (400, "limit must be a whole number 0...\(Self.associationsLimit)\n")
+        }
+        let (config, running) = state.withLock { ($0.config, $0.listeners) }
+        let twoWay = config.listeners.filter { $0.replies != .none }.map(\.name)
+        guard let chosen = name ?? (twoWay.count == 1 ? twoWay.first : nil) else {
+            return (400, twoWay.isEmpty
+                ? "no listener has replies nat or relay: associations exist only on two-way listeners\n"
+                : "name the listener: /associations?listener=NAME (two-way listeners: \(twoWay.joined(separator: ", ")))\n")
+        }
+        guard let listener = config.listeners.first(where: { $0.name == chosen }) else {
+            return (404, "no listener named '\(chosen)'\n")
+        }
+        guard listener.replies != .none else {
+            return (404, "listener '\(chosen)' is one way (replies: none): it keeps no associations\n")
+        }
+        guard let associations = running[chosen]?.associations(limit: limit) else {
+            return (503, "listener '\(chosen)' is not running (see /readyz)\n")
+        }
+        var body = "# listener \(chosen) replies \(listener.replies.rawValue): \(associations.entries.count) of \(associations.total) shown\n"
+        for entry in associations.entries {
+            body += "\(entry.client) \(entry.downstream)\(entry.idleSeconds.map { " idle_secs=\($0)" } ?? "")\n"
+        }
+        return (200, body)
+    }
+}
+
+/// Runs the daemon's listeners and reloads the configuration on SIGHUP (and, with
+/// `--watch-config`, when the file changes) until graceful shutdown (SIGTERM/SIGINT through the
+/// ServiceGroup), then stops them. Tells systemd each step (sd_notify: READY, RELOADING with
+/// MONOTONIC_USEC, STOPPING, and a STATUS line).
 public struct ForwardingService: Service {
     let daemon: FanoutDaemon
     let notifier: SystemdNotifier
+    let watchInterval: Duration?
 
-    /// - Parameter notifier: where the sd_notify messages go (default: `$NOTIFY_SOCKET`).
-    public init(daemon: FanoutDaemon, notifier: SystemdNotifier? = nil) {
+    /// - Parameters:
+    ///   - notifier: where the sd_notify messages go (default: `$NOTIFY_SOCKET`).
+    ///   - watchInterval: how often the configuration file is checked for changes (`--watch-config`);
+    ///     nil: only SIGHUP reloads.
+    public init(daemon: FanoutDaemon, notifier: SystemdNotifier? = nil, watchInterval: Duration? = nil) {
         self.daemon = daemon
         self.notifier = notifier ?? SystemdNotifier(logger: daemon.logger)
+        self.watchInterval = watchInterval
+    }
+
+    /// What asked for a reload.
+    enum Trigger: Sendable {
+        case hangup
+        case fileChanged
     }
 
     public func run() async throws {
@@ -34,26 +83,65 @@ public struct ForwardingService: Service {
         // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
         daemon.path.markStarted()
         notifier.send("READY=1\nSTATUS=\(forwardingStatus())")
-        for await _ in hangups.cancelOnGracefulShutdown() {
-            // sd_notify(3), Type=notify-reload: RELOADING=1 with the monotonic time of the request.
-            notifier.send("RELOADING=1\nMONOTONIC_USEC=\(SystemdNotifier.monotonicMicroseconds())\nSTATUS=reloading \(daemon.configPath ?? "the configuration")")
-            daemon.logger.info("SIGHUP: reloading the configuration", metadata: ["path": "\(daemon.configPath ?? "-")"])
-            let applied = await offCooperativePool("fanout-reload") { daemon.reload() }
-            if applied {
-                notifier.send("READY=1\nSTATUS=\(forwardingStatus()); configuration reloaded")
-            } else {
-                // The previous configuration keeps forwarding: the daemon is ready, and says why the reload failed.
-                let reason = daemon.lastRejection.withLock { $0 } ?? "see the log"
-                let lost = daemon.state.withLock { $0.lost.sorted() }
-                let kept = lost.isEmpty
-                    ? "still forwarding with the previous configuration"
-                    : "listener(s) \(lost.joined(separator: ", ")) not running (see /readyz), the others forwarding with the previous configuration"
-                notifier.send("READY=1\nSTATUS=reload failed, \(kept): \(Self.oneLine(reason))")
+        // One reload at a time, in order; a request that arrives during a reload waits (one is enough).
+        let (triggers, requests) = AsyncStream<Trigger>.makeStream(bufferingPolicy: .bufferingNewest(1))
+        let watcher = SharedWatcher(watchInterval != nil ? daemon.configPath.map { ConfigFileWatcher(path: $0) } : nil)
+        await withDiscardingTaskGroup { group in
+            group.addTask {
+                for await _ in hangups.cancelOnGracefulShutdown() { requests.yield(.hangup) }
+                requests.finish()
             }
+            if let interval = watchInterval, let path = daemon.configPath {
+                daemon.logger.info("watching the configuration file for changes", metadata: ["path": "\(path)", "interval": "\(interval)"])
+                group.addTask {
+                    while (try? await Task.sleep(for: interval)) != nil, !Task.isCancelled {
+                        switch watcher.state.withLock({ $0?.look() }) {
+                        case .changed?: requests.yield(.fileChanged)
+                        case .unreadable(let problem)?:
+                            daemon.logger.warning("cannot read the watched configuration file; the running configuration stays", metadata: ["problem": "\(problem)"])
+                        case .unchanged?, nil: break
+                        }
+                    }
+                }
+            }
+            for await trigger in triggers {
+                await reload(trigger)
+                // The file as it is after the reload is the baseline: a SIGHUP that already loaded a
+                // change does not reload it again when the watcher sees it.
+                watcher.state.withLock { $0?.rebase() }
+            }
+            group.cancelAll()
         }
         notifier.send("STOPPING=1\nSTATUS=stopping: draining the listeners")
         daemon.logger.info("shutting down: stopping listeners")
         await offCooperativePool("fanout-stop") { daemon.shutdown() }
+    }
+
+    /// The watcher, shared by the polling task and the reload loop (which rebases it).
+    final class SharedWatcher: Sendable {
+        let state: Mutex<ConfigFileWatcher?>
+        init(_ watcher: ConfigFileWatcher?) { state = Mutex(watcher) }
+    }
+
+    private func reload(_ trigger: Trigger) async {
+        // sd_notify(3), Type=notify-reload: RELOADING=1 with the monotonic time of the request.
+        notifier.send("RELOADING=1\nMONOTONIC_USEC=\(SystemdNotifier.monotonicMicroseconds())\nSTATUS=reloading \(daemon.configPath ?? "the configuration")")
+        switch trigger {
+        case .hangup: daemon.logger.info("SIGHUP: reloading the configuration", metadata: ["path": "\(daemon.configPath ?? "-")"])
+        case .fileChanged: daemon.logger.info("configuration file changed: reloading", metadata: ["path": "\(daemon.configPath ?? "-")"])
+        }
+        let applied = await offCooperativePool("fanout-reload") { daemon.reload() }
+        if applied {
+            notifier.send("READY=1\nSTATUS=\(forwardingStatus()); configuration reloaded")
+        } else {
+            // The previous configuration keeps forwarding: the daemon is ready, and says why the reload failed.
+            let reason = daemon.lastRejection.withLock { $0 } ?? "see the log"
+            let lost = daemon.state.withLock { $0.lost.sorted() }
+            let kept = lost.isEmpty
+                ? "still forwarding with the previous configuration"
+                : "listener(s) \(lost.joined(separator: ", ")) not running (see /readyz), the others forwarding with the previous configuration"
+            notifier.send("READY=1\nSTATUS=reload failed, \(kept): \(Self.oneLine(reason))")
+        }
     }
 
     private func forwardingStatus() -> String { daemon.statusLine() }

@@ -239,6 +239,14 @@ struct StatusResponder: HTTPResponder {
                 let reasons = daemon.readiness
                 (status, body, type) = reasons.isEmpty
                     ? (.ok, "ready\n", plain) : (.serviceUnavailable, "not ready\n" + reasons.map { "- \($0)\n" }.joined(), plain)
+            case "/associations":
+                // Reading a large association map takes a while: off the event loop.
+                let query = request.uri.queryParameters
+                let listener = query["listener"].map(String.init)
+                let limit = query["limit"].map { Int(String($0)) } ?? 1000
+                let daemon = self.daemon
+                let answer = await offCooperativePool("associations") { daemon.associationsText(listener: listener, limit: limit) }
+                (status, body, type) = (HTTPResponse.Status(code: answer.status), answer.body, plain)
             default: (status, body, type) = (.notFound, "not found\n", plain)
             }
         }
