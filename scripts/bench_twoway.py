@@ -166,7 +166,7 @@ class Variant:
     """Sets a variant up in the lb netns, and waits until a request through the VIP is answered."""
 
     def __init__(self, name, topology, work):
-        self.name, self.topology, self.work, self.proc, self.table = name, topology, work, None, False
+        self.name, self.topology, self.work, self.proc, self.log, self.table = name, topology, work, None, None, False
         try:
             if name == "tc_ebpf nat":
                 self.daemon(f"    interface: {topology.lb_if}\n    mode: tc_ebpf\n    replies: nat\n", "registered listener in eBPF map")
@@ -195,9 +195,9 @@ class Variant:
         path = os.path.join(self.work, "twoway.yaml")
         with open(path, "w") as f:
             f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n")
-        log = os.path.join(self.work, "udp-fanout.log")
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), f"{bench.BIN}/udp-fanout", "-c", path], log)
-        wait_for_log(self.proc, log, ready, f"udp-fanout ({self.name})", count=count)
+        self.log = os.path.join(self.work, "udp-fanout.log")
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), f"{bench.BIN}/udp-fanout", "-c", path], self.log)
+        wait_for_log(self.proc, self.log, ready, f"udp-fanout ({self.name})", count=count)
 
     def nginx(self, workers):
         servers = "\n".join(f"    server 198.18.{n}.2:{SERVER_PORT};" for n in range(1, SERVERS + 1))
@@ -226,19 +226,17 @@ stream {{
         path = os.path.join(self.work, f"nginx-{workers}.conf")
         with open(path, "w") as f:
             f.write(conf)
-        log = os.path.join(self.work, "nginx.log")
+        self.log = os.path.join(self.work, "nginx-error.log")
         # nsenter execs nginx: this pid is nginx's master, which stops its workers on SIGTERM.
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), "nginx", "-e", f"{self.work}/nginx-error.log",
-                                  "-p", self.work, "-c", path], log)
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), "nginx", "-e", self.log,
+                                  "-p", self.work, "-c", path], os.path.join(self.work, "nginx.log"))
         deadline = time.monotonic() + 10
         while f"{VIP}:{PORT} " not in self.topology.ns(self.topology.lb, "ss", "-Hlnu"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                with open(log) as f:
-                    text = f.read()
-                raise SystemExit(f"nginx ({workers} workers) did not bind {VIP}:{PORT}:\n{text[-2000:]}")
+                raise SystemExit(f"nginx ({workers} workers) did not bind {VIP}:{PORT}:\n{self.log_tail()}")
             time.sleep(0.05)
 
-    def probe(self, seconds=10):
+    def probe(self, seconds=20):
         """One request from the clients netns until a reply from the VIP comes back (fib and
         neighbour entries warm, the variant really answering) or `seconds` pass."""
         script = (f"import socket, sys, time\n"
@@ -259,7 +257,15 @@ stream {{
         result = subprocess.run([*bench_tc.in_namespace(self.topology.clients), "python3", "-c", script],
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            raise SystemExit(f"two-way variant {self.name}: a request to {VIP}:{PORT} got no good reply: {result.stderr.strip()}")
+            raise SystemExit(f"two-way variant {self.name}: a request to {VIP}:{PORT} got no good reply: {result.stderr.strip()}"
+                             + (f"\n{self.log} says:\n{self.log_tail()}" if self.log else ""))
+
+    def log_tail(self):
+        try:
+            with open(self.log) as f:
+                return f.read()[-2000:]
+        except OSError as error:
+            return f"(no log: {error})"
 
     def stop(self):
         if self.proc:
