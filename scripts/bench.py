@@ -199,6 +199,9 @@ def main():
     if only in ("all", "afxdp"):
         import bench_afxdp
         rows += bench_afxdp.rows()
+    if only in ("all", "twoway"):
+        import bench_twoway
+        rows += bench_twoway.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
     for row in [HEADER] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

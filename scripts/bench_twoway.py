@@ -1,0 +1,405 @@
+"""udp-fanout two-way benchmarks for make bench (BENCH=twoway): round trips per second and CPU
+per round trip through a load balancer, in one namespace topology built here and removed after.
+Imported by bench.py; uses its helpers.
+
+    clients ── lb (VIP 198.18.0.1:5514) ── server 1..3      (198.18.0.0/15 only, this run's namespaces)
+
+The servers are `collector --echo` (each answers every request from its socket) and route
+everything through the lb (their default route), so replies cross it as in a NAT load balancer.
+The clients netns runs `publisher --exchange`: N client sockets on 16 source addresses, each
+with W requests outstanding, each reply checked (lost after the reply timeout; wrong_source
+when its source is not the VIP). Variants, alternated run by run, all in the lb netns:
+
+  tc_ebpf nat     udp-fanout mode tc_ebpf, replies: nat (associations in the kernel, DNAT in,
+                  source NAT of the replies back to the VIP)
+  nft conntrack   nftables `nat prerouting` dnat to numgen inc mod 3 map: conntrack balances
+                  flows and un-NATs the replies by itself (the kernel's stateful NAT)
+  relay           udp-fanout mode userspace (2 workers), replies: relay (a session socket per client)
+  nginx-1/-2      nginx stream, listen udp reuseport, proxy_responses 1, 1 and 2 worker processes
+
+Saturation: many clients with several requests outstanding for a fixed time; round trips/s as
+the publisher counts them. CPU per round trip: at a fixed, lighter load (few clients, one
+request outstanding each: below every variant's saturation), the busy time of every CPU
+(/proc/stat: user, nice, system, irq, softirq) over the run divided by the round trips. The
+clients and the echo servers do the same work in every variant, so the ratio compares the
+load balancers. Every variant must lose nothing and answer only from the VIP at the fixed load:
+those counts are printed, so a fast but lossy variant cannot win unseen.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import bench
+import bench_afxdp
+import bench_fanout
+import bench_tc
+
+SECONDS = float(os.environ.get("BENCH_TWOWAY_SECONDS", "3"))
+CLIENTS = int(os.environ.get("BENCH_TWOWAY_CLIENTS", "64"))
+WINDOW = int(os.environ.get("BENCH_TWOWAY_WINDOW", "4"))
+FIXED_CLIENTS = int(os.environ.get("BENCH_TWOWAY_FIXED_CLIENTS", "4"))
+FIXED_WINDOW = int(os.environ.get("BENCH_TWOWAY_FIXED_WINDOW", "1"))
+# At saturation a request that waits this long is counted lost and the client goes on; at the
+# fixed load nothing may be lost, so the timeout there is generous.
+SATURATION_TIMEOUT_MS = 200
+FIXED_TIMEOUT_MS = 1000
+# Exchanges per client: more than any run completes, so --duration ends every run.
+EXCHANGES = 10_000_000
+SOURCES = "198.18.0.10-198.18.0.25"
+SERVERS = 3
+VIP, PORT, SERVER_PORT = "198.18.0.1", 5514, 6000
+VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"]
+
+
+class Topology:
+    """clients ── lb ── server 1..3 over veth pairs; the servers' default route is the lb."""
+
+    def __init__(self):
+        tag = f"{random.getrandbits(32):08x}"
+        self.clients, self.lb = f"b2c-{tag}", f"b2l-{tag}"
+        self.servers = [f"b2s{n}-{tag}" for n in range(1, SERVERS + 1)]
+        self.lb_if = f"lc{tag}"
+        self.created = []
+        try:
+            self._build(tag)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def ns(self, namespace, *command, check=True):
+        return bench_tc.sh(*bench_tc.in_namespace(namespace), *command, check=check)
+
+    def _build(self, tag):
+        for namespace in [self.clients, self.lb] + self.servers:
+            bench_tc.sh("ip", "netns", "add", namespace)
+            self.created.append(namespace)
+            bench_tc.sh("ip", "-n", namespace, "link", "set", "lo", "up")
+        client_if = f"cl{tag}"
+        bench_tc.sh("ip", "link", "add", client_if, "netns", self.clients, "type", "veth", "peer", "name", self.lb_if, "netns", self.lb)
+        bench_tc.sh("ip", "-n", self.clients, "addr", "add", "198.18.0.2/24", "dev", client_if)
+        for last in range(10, 26):
+            bench_tc.sh("ip", "-n", self.clients, "addr", "add", f"198.18.0.{last}/24", "dev", client_if)
+        bench_tc.sh("ip", "-n", self.clients, "link", "set", client_if, "up")
+        bench_tc.sh("ip", "-n", self.clients, "route", "add", "198.18.0.0/15", "via", VIP)
+        bench_tc.sh("ip", "-n", self.lb, "addr", "add", f"{VIP}/24", "dev", self.lb_if)
+        bench_tc.sh("ip", "-n", self.lb, "link", "set", self.lb_if, "up")
+        for n, server in enumerate(self.servers, start=1):
+            outer, inner = f"ls{n}{tag[:7]}", f"s{n}{tag}"
+            bench_tc.sh("ip", "link", "add", outer, "netns", self.lb, "type", "veth", "peer", "name", inner, "netns", server)
+            bench_tc.sh("ip", "-n", self.lb, "addr", "add", f"198.18.{n}.1/24", "dev", outer)
+            bench_tc.sh("ip", "-n", self.lb, "link", "set", outer, "up")
+            bench_tc.sh("ip", "-n", server, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
+            bench_tc.sh("ip", "-n", server, "link", "set", inner, "up")
+            # Replies must cross the lb (to be un-NATed there), as in the issue's topology.
+            bench_tc.sh("ip", "-n", server, "route", "add", "default", "via", f"198.18.{n}.1")
+        self.ns(self.lb, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        for n in range(0, SERVERS + 1):
+            self.ns(self.lb, "ping", "-c", "1", "-W", "3", f"198.18.{n}.2")
+
+    def destroy(self):
+        # The nft tables live in the lb netns and go with it.
+        for namespace in self.created:
+            bench_tc.sh("ip", "netns", "delete", namespace, check=False)
+        self.created = []
+
+
+def start_logged(command, log_path):
+    """Starts `command` with stdout and stderr in a file (a pipe nobody reads would block it)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def stop_process(proc, grace=15):
+    """SIGTERM, then SIGKILL after `grace` seconds: never leave one of ours behind."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_for_log(proc, log_path, marker, what, seconds=20, count=1):
+    deadline = time.monotonic() + seconds
+    while True:
+        with open(log_path) as f:
+            text = f.read()
+        if text.count(marker) >= count:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise SystemExit(f"{what} did not start (waited for {marker!r}):\n{text[-2000:]}")
+        time.sleep(0.05)
+
+
+class EchoServers:
+    """One `collector --echo` per server netns on 198.18.n.2:6000, for the whole benchmark."""
+
+    def __init__(self, topology, work):
+        self.procs = []
+        try:
+            for n, server in enumerate(topology.servers, start=1):
+                log = os.path.join(work, f"echo-{n}.log")
+                # kernelHash: a group of one needs no steering program (and no bpffs pins).
+                proc = start_logged([*bench_tc.in_namespace(server), f"{bench.BIN}/collector", f"198.18.{n}.2", str(SERVER_PORT),
+                                     "0", "1", "--echo", "--steering", "kernelHash", "--rcvbuf", "16777216"], log)
+                self.procs.append(proc)
+                wait_for_log(proc, log, "ready", f"echo server {n} (collector --echo)")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self):
+        for proc in self.procs:
+            stop_process(proc)
+        self.procs = []
+
+
+class Variant:
+    """Sets a variant up in the lb netns, and waits until a request through the VIP is answered."""
+
+    def __init__(self, name, topology, work):
+        self.name, self.topology, self.work, self.proc, self.log, self.table = name, topology, work, None, None, False
+        try:
+            if name == "tc_ebpf nat":
+                self.daemon(f"    interface: {topology.lb_if}\n    mode: tc_ebpf\n    replies: nat\n", "registered listener in eBPF map")
+            elif name == "relay":
+                self.daemon("    mode: userspace\n    replies: relay\n    settings: {workers: 2, batch_size: 64}\n",
+                            "entering receive loop", count=2)
+            elif name == "nft conntrack":
+                pairs = ", ".join(f"{n - 1} : 198.18.{n}.2 . {SERVER_PORT}" for n in range(1, SERVERS + 1))
+                # No postrouting rule: the servers route via the lb, so conntrack un-DNATs their
+                # replies (source back to the VIP) by itself.
+                rules = (f"table ip twoway_bench {{\n chain pre {{\n  type nat hook prerouting priority dstnat; policy accept;\n"
+                         f"  ip daddr {VIP} udp dport {PORT} dnat ip to numgen inc mod {SERVERS} map {{ {pairs} }}\n }}\n}}\n")
+                subprocess.run([*bench_tc.in_namespace(topology.lb), "nft", "-f", "-"], input=rules, text=True, check=True)
+                self.table = True
+            elif name.startswith("nginx-"):
+                self.nginx(int(name[-1]))
+            else:
+                raise SystemExit(f"unknown two-way variant {name!r}")
+            self.probe()
+        except BaseException:
+            self.stop()
+            raise
+
+    def daemon(self, shape, ready, count=1):
+        downstreams = "\n".join(f'      - {{name: s{n}, address: "198.18.{n}.2:{SERVER_PORT}"}}' for n in range(1, SERVERS + 1))
+        path = os.path.join(self.work, "twoway.yaml")
+        with open(path, "w") as f:
+            f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n")
+        self.log = os.path.join(self.work, "udp-fanout.log")
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), f"{bench.BIN}/udp-fanout", "-c", path], self.log)
+        wait_for_log(self.proc, self.log, ready, f"udp-fanout ({self.name})", count=count)
+
+    def nginx(self, workers):
+        servers = "\n".join(f"    server 198.18.{n}.2:{SERVER_PORT};" for n in range(1, SERVERS + 1))
+        module = bench_fanout.Nginx.MODULE
+        load = f"load_module {module};\n" if os.path.exists(module) else ""
+        # proxy_responses 1: a request's session ends with its one reply (the exchange's count);
+        # proxy_timeout long, so no session ends by timer during a run.
+        conf = f"""{load}worker_processes {workers};
+worker_rlimit_nofile 131072;
+daemon off;
+pid {self.work}/nginx.pid;
+error_log {self.work}/nginx-error.log warn;
+events {{ worker_connections 65536; }}
+stream {{
+  upstream echo {{
+{servers}
+  }}
+  server {{
+    listen {VIP}:{PORT} udp reuseport;
+    proxy_pass echo;
+    proxy_responses 1;
+    proxy_timeout 600s;
+  }}
+}}
+"""
+        path = os.path.join(self.work, f"nginx-{workers}.conf")
+        with open(path, "w") as f:
+            f.write(conf)
+        self.log = os.path.join(self.work, "nginx-error.log")
+        # nsenter execs nginx: this pid is nginx's master, which stops its workers on SIGTERM.
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), "nginx", "-e", self.log,
+                                  "-p", self.work, "-c", path], os.path.join(self.work, "nginx.log"))
+        deadline = time.monotonic() + 10
+        while f"{VIP}:{PORT} " not in self.topology.ns(self.topology.lb, "ss", "-Hlnu"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"nginx ({workers} workers) did not bind {VIP}:{PORT}:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def probe(self, seconds=20):
+        """One request from the clients netns until a reply from the VIP comes back (fib and
+        neighbour entries warm, the variant really answering) or `seconds` pass."""
+        script = (f"import socket, sys, time\n"
+                  f"s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                  f"s.bind(('198.18.0.2', 0))\n"
+                  f"s.settimeout(0.3)\n"
+                  f"deadline = time.monotonic() + {seconds}\n"
+                  f"while time.monotonic() < deadline:\n"
+                  f"    s.sendto(b'twoway-bench-probe', ('{VIP}', {PORT}))\n"
+                  f"    try:\n"
+                  f"        data, source = s.recvfrom(2048)\n"
+                  f"    except socket.timeout:\n"
+                  f"        continue\n"
+                  f"    if source == ('{VIP}', {PORT}):\n"
+                  f"        sys.exit(0)\n"
+                  f"    sys.exit(f'reply from {{source}}, not the VIP')\n"
+                  f"sys.exit('no reply within {seconds} s')\n")
+        result = subprocess.run([*bench_tc.in_namespace(self.topology.clients), "python3", "-c", script],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"two-way variant {self.name}: a request to {VIP}:{PORT} got no good reply: {result.stderr.strip()}"
+                             + (f"\n{self.log} says:\n{self.log_tail()}" if self.log else ""))
+
+    def log_tail(self):
+        try:
+            with open(self.log) as f:
+                return f.read()[-2000:]
+        except OSError as error:
+            return f"(no log: {error})"
+
+    def stop(self):
+        if self.proc:
+            stop_process(self.proc)
+            self.proc = None
+        if self.table:
+            # Deleting the table also drops the netns' conntrack hooks: the entries left behind
+            # are no longer consulted, so they cannot divert a later variant's datagrams.
+            self.topology.ns(self.topology.lb, "nft", "delete", "table", "ip", "twoway_bench", check=False)
+            self.table = False
+
+
+def exchange(topology, clients, window, timeout_ms):
+    """One `publisher --exchange` run of SECONDS in the clients netns; its JSON report."""
+    command = [*bench_tc.in_namespace(topology.clients), f"{bench.BIN}/publisher", VIP, str(PORT), str(EXCHANGES), "--exchange",
+               "--clients", str(clients), "--sources", SOURCES, "--window", str(window),
+               "--reply-timeout-ms", str(timeout_ms), "--duration", str(SECONDS)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS + 60)
+    if result.returncode != 0:
+        raise SystemExit(f"publisher --exchange failed ({result.returncode}): {' '.join(command)}\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_variant(name, topology, work):
+    """The variant's saturation run, then its fixed-load run with the CPU it took."""
+    variant = Variant(name, topology, work)
+    try:
+        saturation = exchange(topology, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
+        cpu = bench_afxdp.busy_cpu_seconds()
+        fixed = exchange(topology, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+        cpu = bench_afxdp.busy_cpu_seconds() - cpu
+    finally:
+        variant.stop()
+    fixed["ns_per_round_trip"] = cpu * 1e9 / max(fixed["replies"], 1)
+    return saturation, fixed
+
+
+def measure(topology, work, variants, runs):
+    saturation = {name: [] for name in variants}
+    fixed = {name: [] for name in variants}
+    for run in range(runs):
+        for name in (variants if run % 2 == 0 else list(reversed(variants))):
+            s, f = run_variant(name, topology, work)
+            saturation[name].append(s)
+            fixed[name].append(f)
+    return saturation, fixed
+
+
+def table(saturation, fixed):
+    """The rows: each comparison of the issue, then every variant's correctness at the fixed load."""
+    out = []
+
+    def rate(results, name):
+        return bench.spread([r["round_trips_per_sec"] for r in results[name]])
+
+    def lost(name):
+        runs = saturation[name]
+        return f"{sum(r['lost'] for r in runs):,}/{sum(r['lost'] + r['replies'] for r in runs):,}"
+
+    def rate_row(ours, peer_label, peers, goal):
+        mine = rate(saturation, ours)
+        best = [max(p[i]["round_trips_per_sec"] for p in (saturation[n] for n in peers)) for i in range(len(saturation[ours]))]
+        ratios = bench.spread([o["round_trips_per_sec"] / b for o, b in zip(saturation[ours], best)])
+        peer = bench.spread(best)
+        out.append((f"twoway: round trips/s at saturation, {ours}", peer_label,
+                    f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                    f"median of per-run ratios; lost ours {lost(ours)}, peer {', '.join(lost(n) for n in peers)}"))
+
+    def cpu_row(ours, peer_name, goal):
+        mine = bench.spread([r["ns_per_round_trip"] for r in fixed[ours]])
+        peer = bench.spread([r["ns_per_round_trip"] for r in fixed[peer_name]])
+        ratios = bench.spread([o["ns_per_round_trip"] / p["ns_per_round_trip"] for o, p in zip(fixed[ours], fixed[peer_name])])
+        rates = ", ".join(f"{rate(fixed, n)[0]:,.0f}" for n in (ours, peer_name))
+        out.append((f"twoway: CPU per round trip at fixed load, {ours}", peer_name,
+                    f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                    f"busy time of all CPUs / round trips at {rates} rt/s; clients and servers cost the same in"
+                    " every variant, so the ratio compares the LBs"))
+
+    if "tc_ebpf nat" in saturation and "nft conntrack" in saturation:
+        rate_row("tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], " goal >= 1.2")
+        cpu_row("tc_ebpf nat", "nft conntrack", " goal <= 0.7")
+    if "relay" in saturation:
+        nginx = [n for n in ("nginx-1", "nginx-2") if n in saturation]
+        for n in nginx:
+            rate_row("relay", f"nginx stream, {n[-1]} worker(s)", [n], "")
+        if nginx:
+            rate_row("relay", "max(nginx 1, nginx 2) per run", nginx, " goal >= 3")
+        for n in nginx:
+            cpu_row("relay", n, "")
+    for name in saturation:
+        runs = fixed[name]
+        bad_lost, bad_source = sum(r["lost"] for r in runs), sum(r["wrong_source"] for r in runs)
+        # At saturation requests may time out (the rate rows show it), but no reply may ever
+        # come from anywhere but the VIP.
+        saturation_source = sum(r["wrong_source"] for r in saturation[name])
+        verdict = "ok" if bad_lost == 0 and bad_source == 0 and saturation_source == 0 else "FAIL: lost or wrong source"
+        p50 = bench.spread([r["rtt_p50_us"] for r in runs])
+        p99 = bench.spread([r["rtt_p99_us"] for r in runs])
+        saturated = rate(fixed, name)[0] > 0.8 * rate(saturation, name)[0]
+        out.append((f"twoway: correctness at fixed load, {name}", "lost 0, wrong_source 0",
+                    f"lost {bad_lost}, wrong_source {bad_source} of {sum(r['replies'] + r['lost'] for r in runs):,}",
+                    f"saturation: wrong_source {saturation_source}", verdict,
+                    f"{FIXED_CLIENTS} clients x window {FIXED_WINDOW}: {rate(fixed, name)[0]:,.0f} rt/s, rtt p50 {p50[0]:.0f} us,"
+                    f" p99 {p99[0]:.0f} us" + ("; WARNING: over 0.8x its saturation rate, lower BENCH_TWOWAY_FIXED_CLIENTS"
+                                               if saturated else "")))
+    return out
+
+
+def terminated(*_):
+    raise SystemExit("bench: terminated")
+
+
+def rows():
+    if not shutil.which("nginx") or not shutil.which("nft"):
+        raise SystemExit("nginx or nft is not installed: run make bench (it installs nginx, libnginx-mod-stream and nftables as root)")
+    # A SIGTERM (a CI job cancelled) must still reach the cleanup below.
+    previous = signal.signal(signal.SIGTERM, terminated)
+    work = tempfile.mkdtemp(prefix="rplb-twoway-bench-")
+    topology = None
+    servers = None
+    try:
+        topology = Topology()
+        servers = EchoServers(topology, work)
+        print(f"bench: two-way through an lb netns (clients -> VIP {VIP}:{PORT} -> 3 echo servers routed via the lb, veth);"
+              f" {bench.RUNS} alternated runs of {SECONDS:g} s per variant; saturation {CLIENTS} clients x window {WINDOW}"
+              f" from 16 sources, CPU at {FIXED_CLIENTS} clients x window {FIXED_WINDOW}; {os.cpu_count()} CPUs", flush=True)
+        saturation, fixed = measure(topology, work, VARIANTS, bench.RUNS)
+        return table(saturation, fixed)
+    finally:
+        if servers:
+            servers.stop()
+        if topology:
+            topology.destroy()
+        subprocess.run(["rm", "-rf", work])
+        signal.signal(signal.SIGTERM, previous)
