@@ -53,7 +53,10 @@ EXCHANGES = 10_000_000
 SOURCES = "198.18.0.10-198.18.0.25"
 SERVERS = 3
 VIP, PORT, SERVER_PORT = "198.18.0.1", 5514, 6000
-VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"]
+VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2", "routed"]
+# The baseline: the clients talk to one echo server directly, routed by the lb netns with no
+# load balancer at all. What a variant costs above it is the load balancer's own work.
+ROUTED = ("198.18.1.2", SERVER_PORT)
 
 
 class Topology:
@@ -183,6 +186,8 @@ class Variant:
                 self.table = True
             elif name.startswith("nginx-"):
                 self.nginx(int(name[-1]))
+            elif name == "routed":
+                pass
             else:
                 raise SystemExit(f"unknown two-way variant {name!r}")
             self.probe()
@@ -239,6 +244,7 @@ stream {{
     def probe(self, seconds=20):
         """One request from the clients netns until a reply from the VIP comes back (fib and
         neighbour entries warm, the variant really answering) or `seconds` pass."""
+        VIP, PORT = destination(self.name)
         script = (f"import socket, sys, time\n"
                   f"s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                   f"s.bind(('198.18.0.2', 0))\n"
@@ -278,9 +284,15 @@ stream {{
             self.table = False
 
 
-def exchange(topology, clients, window, timeout_ms):
+def destination(name):
+    """Where the clients send: the VIP, or for the baseline one echo server itself."""
+    return ROUTED if name == "routed" else (VIP, PORT)
+
+
+def exchange(topology, name, clients, window, timeout_ms):
     """One `publisher --exchange` run of SECONDS in the clients netns; its JSON report."""
-    command = [*bench_tc.in_namespace(topology.clients), f"{bench.BIN}/publisher", VIP, str(PORT), str(EXCHANGES), "--exchange",
+    ip, port = destination(name)
+    command = [*bench_tc.in_namespace(topology.clients), f"{bench.BIN}/publisher", ip, str(port), str(EXCHANGES), "--exchange",
                "--clients", str(clients), "--sources", SOURCES, "--window", str(window),
                "--reply-timeout-ms", str(timeout_ms), "--duration", str(SECONDS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS + 60)
@@ -293,9 +305,9 @@ def run_variant(name, topology, work):
     """The variant's saturation run, then its fixed-load run with the CPU it took."""
     variant = Variant(name, topology, work)
     try:
-        saturation = exchange(topology, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
+        saturation = exchange(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
         cpu = bench_afxdp.busy_cpu_seconds()
-        fixed = exchange(topology, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+        fixed = exchange(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
         cpu = bench_afxdp.busy_cpu_seconds() - cpu
     finally:
         variant.stop()
@@ -346,9 +358,25 @@ def table(saturation, fixed):
                     f"busy time of all CPUs / round trips at {rates} rt/s; clients and servers cost the same in"
                     " every variant, so the ratio compares the LBs"))
 
+    def lb_cpu_row(ours, peer_name, goal):
+        """The load balancer's own CPU per round trip: the variant's minus the routed baseline's
+        of the same run (clients, servers and plain forwarding cost the same in both)."""
+        if "routed" not in fixed:
+            return
+        def own(name):
+            return [r["ns_per_round_trip"] - b["ns_per_round_trip"] for r, b in zip(fixed[name], fixed["routed"])]
+        mine, peer = bench.spread(own(ours)), bench.spread(own(peer_name))
+        ratio = mine[0] / peer[0] if peer[0] > 0 else float("nan")
+        out.append((f"twoway: LB's own CPU per round trip, {ours}", f"{peer_name} (each minus routed)",
+                    f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratio:.2f}{goal}",
+                    "busy time per round trip above the same run's routed baseline (clients -> one echo server through the lb"
+                    " netns, no load balancer): the load balancer's own work"))
+
     if "tc_ebpf nat" in saturation and "nft conntrack" in saturation:
         rate_row("tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], " goal >= 1.2")
         cpu_row("tc_ebpf nat", "nft conntrack", " goal <= 0.7")
+        lb_cpu_row("tc_ebpf nat", "nft conntrack", " goal <= 0.7")
     if "relay" in saturation:
         nginx = [n for n in ("nginx-1", "nginx-2") if n in saturation]
         for n in nginx:
@@ -357,6 +385,7 @@ def table(saturation, fixed):
             rate_row("relay", "max(nginx 1, nginx 2) per run", nginx, " goal >= 3")
         for n in nginx:
             cpu_row("relay", n, "")
+            lb_cpu_row("relay", n, "")
     for name in saturation:
         runs = fixed[name]
         bad_lost, bad_source = sum(r["lost"] for r in runs), sum(r["wrong_source"] for r in runs)
