@@ -13,6 +13,14 @@
  * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
  * later fragments follow it, so a datagram is reassembled whole at one backend.
  *
+ * Two-way listeners (fanout_listener.reserved & FANOUT_LISTENER_NAT, `replies: nat`): a client
+ * keeps its backend through the listener's association map (an LRU hash, inner map of
+ * FANOUT_MAP_ASSOCIATIONS at the listener's id) while that backend is live (FANOUT_MAP_LIVE).
+ * A datagram that matches no listener but comes from a live backend is a reply: to the client
+ * associated with that backend it leaves from the listener's address and port (source NAT,
+ * checksums, TTL, fib, redirect); to a client of another backend it is dropped (WRONG_SERVER);
+ * to a client with no association it creates one (server initiated) and leaves the same way.
+ *
  * Everything that is not a datagram for a listener passes untouched and continues down the
  * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
  */
@@ -80,6 +88,36 @@ struct {
 	__type(key, __u32);
 	__type(value, struct fanout_backend_stats);
 } FANOUT_MAP_BACKEND_STATS SEC(".maps");
+
+/* The inner map template: userspace creates one LRU hash per nat listener with
+ * max_entries = settings.max_associations (hash inner maps may differ in max_entries). */
+struct fanout_association_map {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1);
+	__uint(key_size, sizeof(struct fanout_association_key));
+	__uint(value_size, sizeof(struct fanout_association));
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__array(values, struct fanout_association_map);
+} FANOUT_MAP_ASSOCIATIONS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, FANOUT_LIVE_ENTRIES);
+	__type(key, struct fanout_live_key);
+	__type(value, struct fanout_live);
+} FANOUT_MAP_LIVE SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__type(value, struct fanout_nat);
+} FANOUT_MAP_NAT SEC(".maps");
 
 const volatile struct fanout_tc_options FANOUT_OPTIONS = {};
 
@@ -174,25 +212,137 @@ static __always_inline int choose(struct fanout_listener *listener, struct packe
 	return 1;
 }
 
+/* What choose_associated did to the listener's association map (counted once the listener's
+ * stats are at hand). */
+enum association_event {
+	ASSOCIATION_KEPT = 0,
+	ASSOCIATION_CREATED = 1,
+	ASSOCIATION_MOVED = 2,
+};
+
+static __always_inline int same_endpoint(const __u32 *a, __u16 a_port, const __u32 *b, __u16 b_port)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && a_port == b_port;
+}
+
+/* A nat listener's backend for this client: its association while that backend is live for
+ * this listener, else a new choice by the listener's balancing, remembered. */
+static __always_inline int choose_associated(struct fanout_listener *listener, struct packet *p,
+					     struct fanout_backend *chosen, __u32 *event)
+{
+	__u32 id = listener->id;
+	void *associations = bpf_map_lookup_elem(&FANOUT_MAP_ASSOCIATIONS, &id);
+	if (!associations)
+		return choose(listener, p, chosen); /* not set up (yet): one-way */
+	struct fanout_association_key key = {};
+	__builtin_memcpy(key.addr, p->saddr, sizeof(key.addr));
+	key.port = p->sport;
+	key.family = p->family;
+	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
+	__u32 happened = ASSOCIATION_CREATED;
+	if (associated) {
+		struct fanout_live_key live_key = {};
+		__builtin_memcpy(live_key.addr, associated->addr, sizeof(live_key.addr));
+		live_key.port = associated->port;
+		live_key.family = p->family;
+		struct fanout_live *live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &live_key);
+		if (live && live->listener_id == id) {
+			__builtin_memcpy(chosen->addr, live_key.addr, sizeof(chosen->addr));
+			chosen->port = live_key.port;
+			chosen->counter_slot = live->counter_slot;
+			return 1;
+		}
+		happened = ASSOCIATION_MOVED;
+	}
+	if (!choose(listener, p, chosen))
+		return 0;
+	struct fanout_association value = {};
+	__builtin_memcpy(value.addr, chosen->addr, sizeof(value.addr));
+	value.port = chosen->port;
+	bpf_map_update_elem(associations, &key, &value, BPF_ANY);
+	*event = happened;
+	return 1;
+}
+
+/* What find_reply found. */
+enum reply_kind {
+	REPLY_NOT_OURS = 0,     /* not from a live backend of a nat listener */
+	REPLY_ASSOCIATED = 1,   /* to this backend's client (or a new one: associated now) */
+	REPLY_WRONG_SERVER = 2, /* to a client of another backend */
+};
+
+/* A datagram that matched no listener: a reply if its source is a live backend of a nat
+ * listener. Fills the listener's address and port (the new source) into `vip`, with the
+ * backend's counter slot, and the listener id; associates a client that has no association
+ * with this backend (`*server_initiated` = 1). */
+static __always_inline int find_reply(struct packet *p, struct fanout_backend *vip, __u32 *id, __u32 *server_initiated)
+{
+	struct fanout_live_key live_key = {};
+	__builtin_memcpy(live_key.addr, p->saddr, sizeof(live_key.addr));
+	live_key.port = p->sport;
+	live_key.family = p->family;
+	struct fanout_live *live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &live_key);
+	if (!live)
+		return REPLY_NOT_OURS;
+	__u32 listener = live->listener_id;
+	__u16 slot = live->counter_slot;
+	struct fanout_nat *nat = bpf_map_lookup_elem(&FANOUT_MAP_NAT, &listener);
+	if (!nat || !nat->enabled || nat->family != p->family)
+		return REPLY_NOT_OURS;
+	void *associations = bpf_map_lookup_elem(&FANOUT_MAP_ASSOCIATIONS, &listener);
+	if (!associations)
+		return REPLY_NOT_OURS;
+	*id = listener;
+	__builtin_memcpy(vip->addr, nat->addr, sizeof(vip->addr));
+	vip->port = nat->port;
+	vip->counter_slot = slot;
+	struct fanout_association_key key = {};
+	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
+	key.port = p->dport;
+	key.family = p->family;
+	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
+	if (associated)
+		return same_endpoint(associated->addr, associated->port, p->saddr, p->sport) ? REPLY_ASSOCIATED : REPLY_WRONG_SERVER;
+	struct fanout_association value = {};
+	__builtin_memcpy(value.addr, p->saddr, sizeof(value.addr));
+	value.port = p->sport;
+	bpf_map_update_elem(associations, &key, &value, BPF_ANY);
+	*server_initiated = 1;
+	return REPLY_ASSOCIATED;
+}
+
+/* Counts a listener's verdict, and its reply-direction share. */
+static __always_inline void count(struct fanout_stats *stats, int reply, __u32 verdict)
+{
+	if (verdict >= FANOUT_VERDICT_COUNT)
+		return;
+	stats->verdicts[verdict]++;
+	if (reply)
+		stats->reply_verdicts[verdict]++;
+}
+
 /* Writes the new destination, fixes the checksums, decrements TTL / hop limit.
  *
  * The UDP checksum goes through bpf_l4_csum_replace, which knows how the skb carries it
  * (CHECKSUM_PARTIAL holds only the pseudo-header sum; CHECKSUM_COMPLETE needs skb->csum
  * adjusted). Everything else is written directly: the IPv4 header checksum is updated in
  * place, which keeps the header's sum, and so skb->csum, unchanged. */
-static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to)
+static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to, int reply)
 {
+	/* Forward: the destination address and port change; reply: the source. */
+	__u32 *old_addr = reply ? p->saddr : p->daddr;
+	__u16 old_port = reply ? p->sport : p->dport;
 	__u32 csum = p->l4 + 6;
 	if (p->has_udp) {
 		long failed;
 		if (p->family == AF_INET) {
-			failed = bpf_l4_csum_replace(skb, csum, p->daddr[0], to->addr[0],
+			failed = bpf_l4_csum_replace(skb, csum, old_addr[0], to->addr[0],
 						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(__u32));
 		} else {
 			__u64 diff = 0;
 #pragma unroll
 			for (int i = 0; i < 4; i++)
-				diff += (__u32)~p->daddr[i] + (__u64)to->addr[i];
+				diff += (__u32)~old_addr[i] + (__u64)to->addr[i];
 			diff = (diff & 0xffffffff) + (diff >> 32);
 			diff = (diff & 0xffffffff) + (diff >> 32);
 			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff,
@@ -200,8 +350,8 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 		}
 		if (failed)
 			return -1;
-		if (to->port != p->dport &&
-		    bpf_l4_csum_replace(skb, csum, p->dport, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)))
+		if (to->port != old_port &&
+		    bpf_l4_csum_replace(skb, csum, old_port, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)))
 			return -1;
 	}
 	/* The helpers moved the packet: bounds again. */
@@ -214,25 +364,26 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 		__u8 *ip = data + l3;
 		if ((void *)(ip + 20) > end)
 			return -1;
+		__u32 at = reply ? 12 : 16;
 		__u16 check = *(__u16 *)(ip + 10);
 		__u16 old_word = *(__u16 *)(ip + 8);
 		ip[8] -= 1;
 		check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
-		check = csum_update32(check, *(__u32 *)(ip + 16), to->addr[0]);
-		*(__u32 *)(ip + 16) = to->addr[0];
+		check = csum_update32(check, *(__u32 *)(ip + at), to->addr[0]);
+		*(__u32 *)(ip + at) = to->addr[0];
 		*(__u16 *)(ip + 10) = check;
 	} else {
 		__u8 *ip = data + l3;
 		if ((void *)(ip + 40) > end)
 			return -1;
 		ip[7] -= 1;
-		__builtin_memcpy(ip + 24, to->addr, 16);
+		__builtin_memcpy(ip + (reply ? 8 : 24), to->addr, 16);
 	}
-	if (p->has_udp && to->port != p->dport) {
+	if (p->has_udp && to->port != old_port) {
 		__u8 *udp = data + l4;
 		if ((void *)(udp + 8) > end)
 			return -1;
-		*(__u16 *)(udp + 2) = to->port;
+		*(__u16 *)(udp + (reply ? 0 : 2)) = to->port;
 	}
 	return 0;
 }
@@ -278,19 +429,37 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		fragment_key.family = p.family;
 	}
 
+	/* Forward: the backend (the new destination). Reply: the listener's address and port (the
+	 * new source), with the replying backend's counter slot. */
 	struct fanout_backend backend = {};
-	__u32 id;
+	__u32 id = 0;
 	int chosen = 1;
+	int reply = 0;
+	int wrong_server = 0;
+	__u32 event = ASSOCIATION_KEPT;
+	__u32 server_initiated = 0;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(skb, &p);
-		if (!listener) {
-			count_unmatched(FANOUT_VERDICT_NOT_OURS);
-			return FANOUT_PASS;
+		if (listener) {
+			id = listener->id;
+			if (listener->reserved & FANOUT_LISTENER_NAT)
+				chosen = choose_associated(listener, &p, &backend, &event);
+			else
+				chosen = choose(listener, &p, &backend);
+		} else {
+			int found = find_reply(&p, &backend, &id, &server_initiated);
+			if (found == REPLY_NOT_OURS) {
+				count_unmatched(FANOUT_VERDICT_NOT_OURS);
+				return FANOUT_PASS;
+			}
+			reply = 1;
+			wrong_server = found == REPLY_WRONG_SERVER;
 		}
-		id = listener->id;
-		chosen = choose(listener, &p, &backend);
-		if (chosen && p.fragment) {
-			struct fanout_fragment remembered = { .backend = backend, .listener_id = id };
+		if (chosen && !wrong_server && p.fragment) {
+			struct fanout_fragment remembered = {
+				.backend = backend, .listener_id = id,
+				.direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD,
+			};
 			bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
 		}
 	} else {
@@ -301,6 +470,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		}
 		backend = remembered->backend;
 		id = remembered->listener_id;
+		reply = remembered->direction == FANOUT_DIRECTION_REPLY;
 	}
 	/* Neither happens (ids are bounded by userspace, the array has every id): counted anyway,
 	 * so that every packet has a verdict. */
@@ -309,36 +479,52 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		count_unmatched(FANOUT_VERDICT_NOT_OURS);
 		return FANOUT_PASS;
 	}
-	stats->received++;
-	stats->bytes_received += skb->len;
-	if (!chosen) {
-		stats->verdicts[FANOUT_VERDICT_NO_BACKEND]++;
-		return TC_ACT_SHOT;
+	if (reply) {
+		if (server_initiated)
+			stats->server_initiated++;
+		if (wrong_server) {
+			count(stats, reply, FANOUT_VERDICT_WRONG_SERVER);
+			return TC_ACT_SHOT;
+		}
+	} else {
+		stats->received++;
+		stats->bytes_received += skb->len;
+		if (event == ASSOCIATION_CREATED)
+			stats->created++;
+		else if (event == ASSOCIATION_MOVED)
+			stats->moved++;
+		if (!chosen) {
+			count(stats, reply, FANOUT_VERDICT_NO_BACKEND);
+			return TC_ACT_SHOT;
+		}
 	}
 
 	__u32 verdict;
 	if (p.hop_limit <= 1) {
-		stats->verdicts[FANOUT_VERDICT_TTL_EXPIRED]++;
+		count(stats, reply, FANOUT_VERDICT_TTL_EXPIRED);
 		return TC_ACT_SHOT;
 	}
 
 	struct bpf_fib_lookup fib = {};
 	fib.family = p.family;
 	fib.l4_protocol = IPPROTO_UDP;
-	fib.sport = p.sport;
-	fib.dport = backend.port;
+	fib.sport = reply ? backend.port : p.sport;
+	fib.dport = reply ? p.dport : backend.port;
 	/* The route's MTU is checked against the IP length, so a packet the egress device would
 	 * drop uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by
 	 * the kernel per segment on the way out: tot_len 0 skips the check. */
 	if (skb->gso_size == 0)
 		fib.tot_len = p.tot_len;
 	fib.ifindex = skb->ifindex;
+	/* Forward: from the client to the backend. Reply: from the listener's address to the client. */
+	__u32 *source = reply ? backend.addr : p.saddr;
+	__u32 *destination = reply ? p.daddr : backend.addr;
 	if (p.family == AF_INET) {
-		fib.ipv4_src = p.saddr[0];
-		fib.ipv4_dst = backend.addr[0];
+		fib.ipv4_src = source[0];
+		fib.ipv4_dst = destination[0];
 	} else {
-		__builtin_memcpy(fib.ipv6_src, p.saddr, 16);
-		__builtin_memcpy(fib.ipv6_dst, backend.addr, 16);
+		__builtin_memcpy(fib.ipv6_src, source, 16);
+		__builtin_memcpy(fib.ipv6_dst, destination, 16);
 	}
 	long route = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (route == BPF_FIB_LKUP_RET_SUCCESS)
@@ -350,8 +536,8 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	else
 		verdict = FANOUT_VERDICT_NO_ROUTE;
 	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
-		stats->verdicts[verdict]++;
-		struct fanout_backend_stats *dropped = backend_stats(id, backend.counter_slot);
+		count(stats, reply, verdict);
+		struct fanout_backend_stats *dropped = reply ? NULL : backend_stats(id, backend.counter_slot);
 		if (dropped) {
 			if (verdict == FANOUT_VERDICT_NO_ROUTE)
 				dropped->no_route++;
@@ -372,7 +558,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		if (p.tagged && skb->vlan_present && bpf_skb_vlan_pop(skb) < 0)
 			goto failed;
 	}
-	if (rewrite(skb, &p, &backend) < 0)
+	if (rewrite(skb, &p, &backend, reply) < 0)
 		goto failed;
 
 	long redirected;
@@ -393,9 +579,18 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	}
 	if (redirected != TC_ACT_REDIRECT)
 		goto failed;
-	stats->verdicts[verdict]++;
-	stats->bytes_forwarded += skb->len;
 	struct fanout_backend_stats *per_backend = backend_stats(id, backend.counter_slot);
+	if (reply) {
+		count(stats, reply, FANOUT_VERDICT_REPLIED);
+		stats->reply_bytes += skb->len;
+		if (per_backend) {
+			per_backend->replies++;
+			per_backend->reply_bytes += skb->len;
+		}
+		return TC_ACT_REDIRECT;
+	}
+	count(stats, reply, verdict);
+	stats->bytes_forwarded += skb->len;
 	if (per_backend) {
 		per_backend->packets++;
 		per_backend->bytes += skb->len;
@@ -403,7 +598,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	return TC_ACT_REDIRECT;
 
 failed:
-	stats->verdicts[FANOUT_VERDICT_REWRITE_FAILED]++;
+	count(stats, reply, FANOUT_VERDICT_REWRITE_FAILED);
 	return TC_ACT_SHOT;
 }
 

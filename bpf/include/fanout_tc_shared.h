@@ -41,6 +41,26 @@
 #define FANOUT_MAP_BACKEND_STATS fanout_bstats
 #define FANOUT_MAP_BACKEND_STATS_NAME "fanout_bstats"
 
+/* Two-way listeners (`replies: nat`), see docs/two-way-nat.md. */
+#define FANOUT_MAP_ASSOCIATIONS  fanout_assoc
+#define FANOUT_MAP_ASSOCIATIONS_NAME "fanout_assoc"
+#define FANOUT_MAP_LIVE          fanout_live
+#define FANOUT_MAP_LIVE_NAME     "fanout_live"
+#define FANOUT_MAP_NAT           fanout_nat
+#define FANOUT_MAP_NAT_NAME      "fanout_nat"
+
+/* Live backends of every nat listener at once: each listener's backends fit. */
+#define FANOUT_LIVE_ENTRIES (FANOUT_MAX_LISTENERS * FANOUT_MAX_BACKENDS)
+
+/* fanout_listener.reserved flags. */
+/* The listener is two-way (replies: nat): clients keep their backend through the
+ * associations map, and the backends' replies leave from the listener's address. */
+#define FANOUT_LISTENER_NAT 1u
+
+/* fanout_fragment.direction */
+#define FANOUT_DIRECTION_FORWARD 0 /* client to backend: destination rewritten */
+#define FANOUT_DIRECTION_REPLY   1 /* backend to client: source rewritten to the listener's */
+
 #define FANOUT_OPTIONS           fanout_options
 #define FANOUT_OPTIONS_NAME      "fanout_options"
 
@@ -87,7 +107,13 @@ enum fanout_verdict {
 	/* not a UDP datagram for a listener on this interface (other protocols, ports, addresses,
 	 * interfaces): passed untouched, down the chain */
 	FANOUT_VERDICT_NOT_OURS = 9,
-	FANOUT_VERDICT_COUNT = 10,
+	/* a backend's reply to its associated client (nat listeners): source rewritten to the
+	 * listener's address and port, redirected toward the client */
+	FANOUT_VERDICT_REPLIED = 10,
+	/* a backend's datagram to a client associated with another backend: dropped (sbulb's
+	 * rule: a client talks to one backend) */
+	FANOUT_VERDICT_WRONG_SERVER = 11,
+	FANOUT_VERDICT_COUNT = 12,
 };
 
 /* Key of the listeners map: the interface the packet arrived on (the listener's configured
@@ -109,7 +135,7 @@ struct fanout_listener {
 	__u32 id;         /* < FANOUT_MAX_LISTENERS: stats key, and set key / 2 */
 	__u32 generation; /* 0 or 1 */
 	__u32 policy;     /* enum fanout_policy */
-	__u32 reserved;
+	__u32 reserved;   /* flags: FANOUT_LISTENER_NAT */
 };
 
 struct fanout_backend {
@@ -140,17 +166,30 @@ struct fanout_fragment_key {
 	__u8 pad[3];
 };
 
+/* A remembered first fragment's decision. FANOUT_DIRECTION_FORWARD: `backend` is the new
+ * destination; FANOUT_DIRECTION_REPLY: `backend` is the listener's address and port, the new
+ * source, and counter_slot the replying backend's slot. */
 struct fanout_fragment {
 	struct fanout_backend backend;
 	__u32 listener_id;
+	__u32 direction;
 };
 
-/* Per-CPU counters of one listener. */
+/* Per-CPU counters of one listener. `received`, `bytes_received` and `bytes_forwarded` count
+ * the client direction; `verdicts` counts every packet of the listener in both directions (each
+ * exactly once), and `reply_verdicts` the reply direction's share of them, so the client
+ * direction's verdict is verdicts - reply_verdicts. */
 struct fanout_stats {
 	__u64 received;
 	__u64 bytes_received;
 	__u64 bytes_forwarded;
 	__u64 verdicts[FANOUT_VERDICT_COUNT];
+	/* nat listeners only */
+	__u64 reply_verdicts[FANOUT_VERDICT_COUNT];
+	__u64 reply_bytes;       /* bytes of replies redirected (REPLIED) */
+	__u64 created;           /* associations made for a new client (its first datagram) */
+	__u64 server_initiated;  /* associations made by a backend's datagram to a new client */
+	__u64 moved;             /* associations whose backend was no longer live: chosen again */
 };
 
 /* Per-CPU counters of one backend slot of one listener: forwarded, and dropped for this
@@ -160,6 +199,46 @@ struct fanout_backend_stats {
 	__u64 bytes;
 	__u64 no_route;  /* FANOUT_VERDICT_NO_ROUTE */
 	__u64 too_large; /* FANOUT_VERDICT_TOO_LARGE */
+	__u64 replies;   /* nat listeners: this backend's replies redirected to clients */
+	__u64 reply_bytes;
+};
+
+/* Key of an association (the inner maps of FANOUT_MAP_ASSOCIATIONS): a client. */
+struct fanout_association_key {
+	__u32 addr[4];   /* network order; IPv4: addr[0] */
+	__u16 port;      /* network order */
+	__u8 family;
+	__u8 pad;
+};
+
+/* Value of an association: the client's backend. */
+struct fanout_association {
+	__u32 addr[4];
+	__u16 port;
+	__u16 pad;
+};
+
+/* Key of FANOUT_MAP_LIVE: a backend that is a weighted member of a nat listener's current set.
+ * Userspace adds new members before flipping the set generation and removes gone ones after. */
+struct fanout_live_key {
+	__u32 addr[4];
+	__u16 port;
+	__u8 family;
+	__u8 pad;
+};
+
+struct fanout_live {
+	__u32 listener_id;
+	__u16 counter_slot;
+	__u16 pad;
+};
+
+/* FANOUT_MAP_NAT, by listener id: the address replies leave from (the listener's bind). */
+struct fanout_nat {
+	__u32 addr[4];
+	__u16 port;
+	__u8 family;
+	__u8 enabled;    /* 1 while the listener is a nat listener */
 };
 
 #endif /* FANOUT_TC_SHARED_H */

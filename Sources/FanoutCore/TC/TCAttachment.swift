@@ -306,6 +306,8 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
     case filterSlotTaken(interface: String, program: String)
     case tooManyListeners
     case lockFile(path: String, SystemCallError)
+    /// A `settings.reply_interfaces` entry of a nat listener that names no interface.
+    case replyInterfaceNotFound(listener: String, interface: String)
 
     public var description: String {
         switch self {
@@ -332,6 +334,8 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
             return "the clsact ingress filter slot udp-fanout uses on '\(name)' (pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16))) holds another program, '\(program)': remove it (tc filter del dev \(name) ingress pref \(TCAttachment.filterPriority) handle 0x\(String(TCAttachment.filterHandle, radix: 16)) bpf) or use tc_attach: tcx"
         case .lockFile(let path, let error):
             return "cannot create the tc_ebpf lock file \(path): \(error): \(TCAttachment.lockDirectory) must exist and be writable by this user (systemd: RuntimeDirectory=udp-fanout, as in systemd/udp-fanout.service; Kubernetes: the /run/udp-fanout hostPath of k8s/daemonset-tc-ebpf.yaml; else create it: install -d -o <user> \(TCAttachment.lockDirectory))"
+        case .replyInterfaceNotFound(let listener, let name):
+            return "listener '\(listener)': settings.reply_interfaces names '\(name)', which is not an interface here (ip link show lists this namespace's interfaces): name the interfaces the downstreams' replies arrive on, or leave reply_interfaces empty to use the interfaces the kernel routes the downstreams through"
         case .tooManyListeners:
             return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners"
         }

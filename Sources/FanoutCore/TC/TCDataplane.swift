@@ -52,32 +52,69 @@ final class TCDataplane: Sendable {
                     "program_id": "\(program.programID)", "ipv6_csum_flag": "\(program.features.ipv6ChecksumFlag ? "BPF_F_IPV6" : "unsupported by this kernel")",
                 ])
             }
-            let attachment: TCAttachment
-            if let existing = state.attachments[interface] {
-                attachment = existing.attachment
-                state.attachments[interface] = (existing.attachment, existing.users + 1)
-            } else {
-                do throws(TCError) {
-                    attachment = try TCAttachment(interface: interface, program: program, mode: listener.settings.tcAttach, logger: logger)
-                } catch {
-                    // The program loaded for this attach would otherwise stay loaded with nothing attached.
-                    if state.attachments.isEmpty {
-                        program.closeDescriptors()
-                        state.program = nil
-                    }
-                    throw error
-                }
-                state.attachments[interface] = (attachment, 1)
-                logger.info("attached tc_ebpf program", metadata: [
-                    "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
-                ])
-            }
+            let attachment = try acquire(interface: interface, mode: listener.settings.tcAttach, in: &state)
             guard let id = state.freeIDs.popLast() else {
                 release(interface: interface, in: &state)
                 throw .tooManyListeners
             }
             program.resetListener(id: id)
             return (program, id, UInt32(attachment.ifindex))
+        }
+    }
+
+    /// Attaches the program at `interface` (or counts one more user of an attachment there);
+    /// closes a program that was loaded for nothing when the attach fails.
+    private func acquire(interface: String, mode: TCAttach, in state: inout State) throws(TCError) -> TCAttachment {
+        guard let program = state.program else { throw .load(SystemCallError(call: "tc_fanout not loaded", errno: ENOENT)) }
+        if let existing = state.attachments[interface] {
+            state.attachments[interface] = (existing.attachment, existing.users + 1)
+            return existing.attachment
+        }
+        let attachment: TCAttachment
+        do throws(TCError) {
+            attachment = try TCAttachment(interface: interface, program: program, mode: mode, logger: logger)
+        } catch {
+            // The program loaded for this attach would otherwise stay loaded with nothing attached.
+            if state.attachments.isEmpty {
+                program.closeDescriptors()
+                state.program = nil
+            }
+            throw error
+        }
+        state.attachments[interface] = (attachment, 1)
+        logger.info("attached tc_ebpf program", metadata: [
+            "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
+        ])
+        return attachment
+    }
+
+    /// Attaches the program where a nat listener's replies arrive (one more user of each
+    /// interface, like a listener's own): checks each exists and forwards. On an error none of
+    /// `interfaces` is held.
+    func acquireReplyInterfaces(_ interfaces: [String], for listener: Listener) throws(TCError) {
+        for interface in interfaces {
+            guard if_nametoindex(interface) > 0 else { throw .replyInterfaceNotFound(listener: listener.name, interface: interface) }
+            let (sysctl, path) = TCPreflight.forwardingSetting(interface: interface, family: listener.bind.ip.family)
+            guard Self.readFirstLine(path) == "1" else { throw .forwardingDisabled(interface: interface, sysctl: sysctl) }
+        }
+        try state.withLock { state throws(TCError) in
+            var held: [String] = []
+            for interface in interfaces {
+                do throws(TCError) {
+                    _ = try acquire(interface: interface, mode: listener.settings.tcAttach, in: &state)
+                    held.append(interface)
+                } catch {
+                    for done in held { release(interface: done, in: &state) }
+                    throw error
+                }
+            }
+        }
+    }
+
+    /// One user fewer at each interface (detached where it was the last).
+    func releaseReplyInterfaces(_ interfaces: [String]) {
+        state.withLock { state in
+            for interface in interfaces { release(interface: interface, in: &state) }
         }
     }
 
@@ -150,7 +187,25 @@ final class TCListener: RunningListener {
         var generation: UInt32?
         /// Each downstream's counter slot, kept across reloads while its name stays.
         var slots: [String: UInt16] = [:]
+        /// nat: the backends in the live map (weighted members of the current set), with slots.
+        var liveBackends: [SocketAddress: UInt16] = [:]
+        /// nat: each current downstream's name by address (the associations listing).
+        var names: [SocketAddress: String] = [:]
+        /// nat: the reply interfaces this listener holds an attachment at.
+        var replyInterfaces: [String] = []
     }
+    /// nat: the listener's association map (its descriptor; the program's array holds it at `id`).
+    private let associationMap: Int32?
+    /// nat: the last count of the association map (at most one walk per `countInterval`).
+    private struct AssociationCount {
+        var at: ContinuousClock.Instant?
+        var present: Int = 0
+        /// created + server_initiated − present, never decreasing (LRU evictions are not counted by
+        /// the kernel: this is derived).
+        var evicted: UInt64 = 0
+    }
+    private let associationCount = Mutex(AssociationCount())
+    static let countInterval: Duration = .seconds(2)
     private let live = Mutex(Live())
     private let logger: Logger
     private let instance = ListenerInstance.next()
@@ -163,12 +218,31 @@ final class TCListener: RunningListener {
         self.dataplane = dataplane
         self.logger = logger
         (program, id, ifindex) = try dataplane.register(config)
-        do {
+        if config.replies == .nat {
+            do throws(SystemCallError) {
+                associationMap = try program.createAssociations(id: id, maxEntries: UInt32(clamping: config.settings.maxAssociations))
+                try program.putNAT(id: id, bind: config.bind)
+            } catch {
+                program.resetListener(id: id)
+                dataplane.unregister(interface: config.interface ?? "", id: id)
+                throw .maps(error)
+            }
+        } else {
+            associationMap = nil
+        }
+        do throws(TCError) {
             try apply(downstreams: config.downstreams, balancing: config.balancing)
         } catch {
             program.removeListener(config.bind, ifindex: ifindex)
+            releaseNAT()
             dataplane.unregister(interface: config.interface ?? "", id: id)
-            throw .maps(error)
+            throw error
+        }
+        if config.replies == .nat {
+            logger.info("two-way nat listener", metadata: [
+                "listener": "\(config.name)", "bind": "\(config.bind)", "max_associations": "\(config.settings.maxAssociations)",
+                "reply_interfaces": "\(live.withLock { $0.replyInterfaces }.joined(separator: ","))",
+            ])
         }
         logger.info("registered listener in eBPF map", metadata: [
             "listener": "\(config.name)", "bind": "\(config.bind)", "interface": "\(config.interface ?? "")",
@@ -177,34 +251,91 @@ final class TCListener: RunningListener {
         counters.setSource { [weak self] in self?.snapshot() ?? .zero }
     }
 
-    /// Writes the inactive generation, then points the listener entry at it.
+    /// Writes the inactive generation, then points the listener entry at it. nat: attaches at
+    /// the reply interfaces first, marks new backends live before the flip and takes gone ones
+    /// out after it (their clients move on their next datagram), then detaches where no longer needed.
     /// - Parameter keeping: names whose counter slots stay although they get no datagram now
     ///   (members health took out: their counters go on when they come back).
-    private func apply(downstreams: [Downstream], balancing: Balancing, keeping: Set<String> = []) throws(SystemCallError) {
-        try live.withLock { live throws(SystemCallError) in
-            let wanted = Set(downstreams.map(\.name))
-            var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
-            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !Set(slots.values).contains($0) }.reversed().map { $0 }
-            for downstream in downstreams where slots[downstream.name] == nil {
-                // Slots run short only if kept ones fill them: a kept slot gives way.
-                if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) }) {
-                    slots[kept.key] = nil
-                    free.append(kept.value)
+    private func apply(downstreams: [Downstream], balancing: Balancing, keeping: Set<String> = []) throws(TCError) {
+        let nat = config.replies == .nat
+        let held = live.withLock { $0.replyInterfaces }
+        let wantedInterfaces = nat ? replyInterfaces(for: downstreams) : []
+        let added = wantedInterfaces.filter { !held.contains($0) }
+        try dataplane.acquireReplyInterfaces(added, for: config)
+        do throws(SystemCallError) {
+            try live.withLock { live throws(SystemCallError) in
+                let wanted = Set(downstreams.map(\.name))
+                var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
+                var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !Set(slots.values).contains($0) }.reversed().map { $0 }
+                for downstream in downstreams where slots[downstream.name] == nil {
+                    // Slots run short only if kept ones fill them: a kept slot gives way.
+                    if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) }) {
+                        slots[kept.key] = nil
+                        free.append(kept.value)
+                    }
+                    guard let slot = free.popLast() else { break }
+                    program.zeroPerCPU(program.backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
+                    slots[downstream.name] = slot
                 }
-                guard let slot = free.popLast() else { break }
-                program.zeroPerCPU(program.backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
-                slots[downstream.name] = slot
+                var liveBackends: [SocketAddress: UInt16] = [:]
+                if nat {
+                    // Only weighted members are chosen, so only they keep their clients.
+                    for downstream in downstreams where downstream.weight > 0 {
+                        guard let slot = slots[downstream.name] else { continue }
+                        liveBackends[downstream.address] = slot
+                        try program.putLive(downstream.address, id: id, slot: slot)
+                    }
+                }
+                let generation = live.generation.map { $0 ^ 1 } ?? 0
+                try program.writeSet(id: id, generation: generation, BackendSet(downstreams: downstreams, balancing: balancing, slots: slots))
+                var entry = fanout_listener()
+                entry.id = id
+                entry.generation = generation
+                entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
+                entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
+                try program.putListener(config.bind, ifindex: ifindex, entry)
+                for address in live.liveBackends.keys where liveBackends[address] == nil {
+                    program.removeLive(address)
+                }
+                live.generation = generation
+                live.slots = slots
+                live.liveBackends = liveBackends
+                live.names = Dictionary(downstreams.map { ($0.address, $0.name) }, uniquingKeysWith: { first, _ in first })
+                live.replyInterfaces = wantedInterfaces
             }
-            let generation = live.generation.map { $0 ^ 1 } ?? 0
-            try program.writeSet(id: id, generation: generation, BackendSet(downstreams: downstreams, balancing: balancing, slots: slots))
-            var entry = fanout_listener()
-            entry.id = id
-            entry.generation = generation
-            entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(config.bind, ifindex: ifindex, entry)
-            live = Live(generation: generation, slots: slots)
+        } catch {
+            dataplane.releaseReplyInterfaces(added)
+            throw .maps(error)
         }
+        dataplane.releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
         warnUnroutable(downstreams)
+    }
+
+    /// Where the downstreams' replies arrive: `settings.reply_interfaces`, else the interfaces the
+    /// kernel routes the weighted downstreams through (a downstream without a route is warned
+    /// about by warnUnroutable).
+    private func replyInterfaces(for downstreams: [Downstream]) -> [String] {
+        if !config.settings.replyInterfaces.isEmpty { return config.settings.replyInterfaces }
+        var names: [String] = []
+        for downstream in downstreams where downstream.weight > 0 {
+            if let name = TCRoute.interface(to: downstream.address.ip), !names.contains(name) { names.append(name) }
+        }
+        return names
+    }
+
+    /// Takes the listener's nat state out of the maps: live backends, its address, its
+    /// association map; detaches at its reply interfaces.
+    private func releaseNAT() {
+        guard let associationMap else { return }
+        let (backends, interfaces) = live.withLock { live in
+            defer { live.liveBackends = [:]; live.replyInterfaces = [] }
+            return (Array(live.liveBackends.keys), live.replyInterfaces)
+        }
+        for address in backends { program.removeLive(address) }
+        try? program.putNAT(id: id, bind: nil)
+        program.removeAssociations(id: id)
+        close(associationMap)
+        dataplane.releaseReplyInterfaces(interfaces)
     }
 
     /// A downstream the kernel has no route to loses every datagram sent its way (counted
@@ -231,7 +362,7 @@ final class TCListener: RunningListener {
     }
 
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
-        do {
+        do throws(TCError) {
             try apply(downstreams: downstreams, balancing: balancing, keeping: keeping)
             logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
             return true
@@ -245,13 +376,58 @@ final class TCListener: RunningListener {
         stopped.store(true, ordering: .relaxed)
         counters.freeze()
         program.removeListener(config.bind, ifindex: ifindex)
+        releaseNAT()
         dataplane.unregister(interface: config.interface ?? "", id: id)
+    }
+
+    /// nat: the clients in the association map (at most `limit`) with their downstream's name,
+    /// or its address when it is no longer in the set, and how many there are.
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? {
+        guard let associationMap, !stopped.load(ordering: .relaxed) else { return nil }
+        let listed = TCProgram.associationEntries(associationMap, limit: limit)
+        let names = live.withLock { $0.names }
+        return (listed.entries.map { AssociationEntry(client: $0.client, downstream: names[$0.backend] ?? "\($0.backend)") }, listed.total)
+    }
+
+    /// nat: the reply direction's counters, the association events and the number present.
+    private func twoWaySnapshot(slots: [String: UInt16]) -> TwoWaySnapshot {
+        let nat = program.natStats(id: id)
+        var snapshot = TwoWaySnapshot()
+        snapshot.replies = nat.verdict(FANOUT_VERDICT_REPLIED)
+        snapshot.replyBytes = nat.replyBytes
+        snapshot.replyDropped = [
+            .wrongServer: nat.verdict(FANOUT_VERDICT_WRONG_SERVER), .noRoute: nat.verdict(FANOUT_VERDICT_NO_ROUTE),
+            .ttlExpired: nat.verdict(FANOUT_VERDICT_TTL_EXPIRED), .tooLarge: nat.verdict(FANOUT_VERDICT_TOO_LARGE),
+            .rewriteFailed: nat.verdict(FANOUT_VERDICT_REWRITE_FAILED),
+        ]
+        let made = nat.created + nat.serverInitiated
+        let counted = associationCount.withLock { count in
+            let now = ContinuousClock.now
+            if let associationMap, !stopped.load(ordering: .relaxed), count.at.map({ now - $0 >= Self.countInterval }) ?? true {
+                count.present = TCProgram.associationEntries(associationMap, limit: 0).total
+                count.at = now
+                // Made and present read together: evicted is what was made and is gone.
+                count.evicted = max(count.evicted, made > UInt64(count.present) ? made - UInt64(count.present) : 0)
+            }
+            return count
+        }
+        snapshot.associations = UInt64(counted.present)
+        snapshot.events = [.created: nat.created, .serverInitiated: nat.serverInitiated, .moved: nat.moved, .evicted: counted.evicted]
+        for (name, slot) in slots {
+            snapshot.downstreamReplies[name] = program.backendStats(id: id, slot: slot).replies
+        }
+        return snapshot
     }
 
     /// The listener's counters, read from the per-CPU maps.
     func snapshot() -> ListenerCounters.Snapshot {
         let stats = program.listenerStats(id: id)
-        func verdict(_ value: fanout_verdict) -> UInt64 { stats.verdicts[Int(value.rawValue)] }
+        // The client direction's verdicts: a nat listener's verdicts count its replies too.
+        let replyShare = config.replies == .nat ? program.natStats(id: id).replyVerdicts : nil
+        func verdict(_ value: fanout_verdict) -> UInt64 {
+            let all = stats.verdicts[Int(value.rawValue)]
+            return all - min(all, replyShare?[Int(value.rawValue)] ?? 0)
+        }
         let slots = live.withLock { $0.slots }
         var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)] = [:]
         var downstreamDropped: [String: [DropReason: UInt64]] = [:]
@@ -269,6 +445,7 @@ final class TCListener: RunningListener {
                 .noRoute: verdict(FANOUT_VERDICT_NO_ROUTE), .ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED),
                 .rewriteFailed: verdict(FANOUT_VERDICT_REWRITE_FAILED),
             ],
-            downstreams: downstreams, downstreamDropped: downstreamDropped)
+            downstreams: downstreams, downstreamDropped: downstreamDropped,
+            twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots) : nil)
     }
 }

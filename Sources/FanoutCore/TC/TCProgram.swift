@@ -17,11 +17,16 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let fragments: Int32
     let stats: Int32
     let backendStats: Int32
+    /// Two-way (`replies: nat`) maps: the array of per-listener association maps, the live
+    /// backends, and each listener's address (the source of its replies).
+    let associations: Int32
+    let liveBackends: Int32
+    let nat: Int32
     let cpus: Int
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats] }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat] }
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -32,9 +37,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         let owned = try loadEmbeddedObject(
             .tcFanout, program: FANOUT_PROG_TC_NAME,
             maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
-                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME],
+                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME, FANOUT_MAP_ASSOCIATIONS_NAME, FANOUT_MAP_LIVE_NAME,
+                   FANOUT_MAP_NAT_NAME],
             prepare: { object throws(SystemCallError) in try Self.setOptions(object, options) })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
+        (associations, liveBackends, nat) = (owned[7], owned[8], owned[9])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
     }
 
@@ -150,10 +157,123 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (words[0], words[1], words[2], Array(words[3..<(3 + Int(FANOUT_VERDICT_COUNT.rawValue))]))
     }
 
-    /// One backend slot's counters: forwarded packets and bytes, and its drops by reason.
-    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64, noRoute: UInt64, tooLarge: UInt64) {
+    /// One backend slot's counters: forwarded packets and bytes, its drops by reason, and (nat
+    /// listeners) its replies.
+    func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64, noRoute: UInt64, tooLarge: UInt64, replies: UInt64, replyBytes: UInt64) {
         let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
-        return (words[0], words[1], words[2], words[3])
+        return (words[0], words[1], words[2], words[3], words[4], words[5])
+    }
+
+    /// A nat listener's reply-direction counters (see struct fanout_stats).
+    struct NATStats {
+        /// The reply direction's share of each verdict.
+        var replyVerdicts: [UInt64]
+        var replyBytes: UInt64
+        var created: UInt64
+        var serverInitiated: UInt64
+        var moved: UInt64
+
+        func verdict(_ value: fanout_verdict) -> UInt64 { replyVerdicts[Int(value.rawValue)] }
+    }
+
+    func natStats(id: UInt32) -> NATStats {
+        let words = perCPUSum(stats, key: id, as: fanout_stats.self)
+        let count = Int(FANOUT_VERDICT_COUNT.rawValue)
+        let base = 3 + count
+        return NATStats(replyVerdicts: Array(words[base..<(base + count)]), replyBytes: words[base + count],
+                        created: words[base + count + 1], serverInitiated: words[base + count + 2], moved: words[base + count + 3])
+    }
+
+    // MARK: two-way (replies: nat)
+
+    /// Creates a listener's association map (an LRU hash of `maxEntries` clients) and puts it
+    /// at `id` in the associations array. Returns its descriptor (the caller closes it).
+    func createAssociations(id: UInt32, maxEntries: UInt32) throws(SystemCallError) -> Int32 {
+        let fd = try libbpfCall("bpf_map_create fanout_assoc_\(id) (max_associations \(maxEntries))") {
+            bpf_map_create(BPF_MAP_TYPE_LRU_HASH, "fanout_assoc_\(id)", UInt32(MemoryLayout<fanout_association_key>.size),
+                           UInt32(MemoryLayout<fanout_association>.size), maxEntries, nil)
+        }
+        var key = id
+        var value = UInt32(fd)
+        do throws(SystemCallError) {
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_ASSOCIATIONS_NAME)") { bpf_map_update_elem(associations, &key, &value, UInt64(BPF_ANY)) }
+        } catch {
+            close(fd)
+            throw error
+        }
+        return fd
+    }
+
+    /// Takes a listener's association map out of the array (the kernel frees it once the
+    /// caller's descriptor is closed too).
+    func removeAssociations(id: UInt32) {
+        var key = id
+        bpf_map_delete_elem(associations, &key)
+    }
+
+    /// Writes (or, with nil, clears) the address a nat listener's replies leave from.
+    func putNAT(id: UInt32, bind: SocketAddress?) throws(SystemCallError) {
+        var key = id
+        var value = fanout_nat()
+        if let bind {
+            value.addr = Self.addressWords(bind.ip)
+            value.port = bind.port.bigEndian
+            value.family = UInt8(bind.ip.family)
+            value.enabled = 1
+        }
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_NAT_NAME)") { bpf_map_update_elem(nat, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    static func liveKey(_ address: SocketAddress) -> fanout_live_key {
+        var key = fanout_live_key()
+        key.addr = addressWords(address.ip)
+        key.port = address.port.bigEndian
+        key.family = UInt8(address.ip.family)
+        return key
+    }
+
+    /// Marks a backend live for a nat listener: its replies are the listener's, its clients stay.
+    func putLive(_ address: SocketAddress, id: UInt32, slot: UInt16) throws(SystemCallError) {
+        var key = Self.liveKey(address)
+        var value = fanout_live()
+        value.listener_id = id
+        value.counter_slot = slot
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LIVE_NAME)") { bpf_map_update_elem(liveBackends, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// A backend no longer live: its clients move on their next datagram.
+    func removeLive(_ address: SocketAddress) {
+        var key = Self.liveKey(address)
+        bpf_map_delete_elem(liveBackends, &key)
+    }
+
+    /// The entries of an association map: each client and its backend, up to `limit`, and the
+    /// number present (walked with get_next_key: LRU hash maps have no batch lookup on every kernel).
+    static func associationEntries(_ fd: Int32, limit: Int) -> (entries: [(client: SocketAddress, backend: SocketAddress)], total: Int) {
+        var entries: [(client: SocketAddress, backend: SocketAddress)] = []
+        var total = 0
+        var key = fanout_association_key()
+        var next = fanout_association_key()
+        var first = true
+        while withUnsafeMutablePointer(to: &key, { current in bpf_map_get_next_key(fd, first ? nil : current, &next) }) == 0 {
+            first = false
+            key = next
+            total += 1
+            guard entries.count < limit else { continue }
+            var value = fanout_association()
+            // Evicted between the two calls: counted, not listed.
+            guard bpf_map_lookup_elem(fd, &key, &value) == 0 else { continue }
+            let family = Int32(key.family)
+            entries.append((socketAddress(key.addr, port: key.port, family: family), socketAddress(value.addr, port: value.port, family: family)))
+        }
+        return (entries, total)
+    }
+
+    /// `__u32 addr[4]` and a network-order port back to a SocketAddress.
+    static func socketAddress(_ words: (UInt32, UInt32, UInt32, UInt32), port: UInt16, family: Int32) -> SocketAddress {
+        var words = words
+        let bytes = withUnsafeBytes(of: &words) { Array($0.prefix(family == AF_INET ? 4 : 16)) }
+        return SocketAddress(ip: IPAddress(bytes: bytes)!, port: UInt16(bigEndian: port))
     }
 
     /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
@@ -162,6 +282,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
         // A per-CPU value takes 8 bytes per CPU in userspace even when it is a u32.
         zeroPerCPU(roundRobin, key: id, as: UInt64.self)
+        try? putNAT(id: id, bind: nil)
+        removeAssociations(id: id)
     }
 }
 

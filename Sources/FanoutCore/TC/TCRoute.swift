@@ -36,4 +36,30 @@ enum TCRoute {
         case let other: return "a route of type \(other), not unicast"
         }
     }
+
+    /// The name of the interface the kernel routes `ip` through (the route's RTA_OIF), or nil
+    /// when there is no unicast route: where a nat listener's downstream sends its replies from
+    /// this host's point of view, so where they arrive.
+    static func interface(to ip: IPAddress) -> String? {
+        let address = ip.bytes
+        var body: [UInt8] = [UInt8(ip.family), UInt8(address.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        Rtnetlink.append16(&body, UInt16(4 + address.count))
+        Rtnetlink.append16(&body, 1)  // RTA_DST
+        body += address
+        guard let replies = try? Rtnetlink.request(type: 26, flags: 0, body: body),  // RTM_GETROUTE
+              let reply = replies.first, reply.type == 24, reply.payload.count >= 12, reply.payload[7] == 1  // RTM_NEWROUTE, RTN_UNICAST
+        else { return nil }
+        var offset = 12
+        while offset + 4 <= reply.payload.count {
+            let length = Int(Rtnetlink.load16(reply.payload, offset))
+            guard length >= 4, offset + length <= reply.payload.count else { break }
+            if Rtnetlink.load16(reply.payload, offset + 2) == 4, length >= 8 {  // RTA_OIF
+                var name = [CChar](repeating: 0, count: Int(IF_NAMESIZE) + 1)
+                guard if_indextoname(Rtnetlink.load32(reply.payload, offset + 4), &name) != nil else { return nil }
+                return String(decoding: name.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
+            }
+            offset += (length + 3) & ~3
+        }
+        return nil
+    }
 }

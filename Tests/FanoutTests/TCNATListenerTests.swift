@@ -1,0 +1,135 @@
+import Foundation
+import Logging
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A `replies: nat` TCListener in a namespace topology (client — proxy — backends, the backends'
+/// default route through the proxy): reply interfaces attached and detached, a real round trip
+/// through the kernel, the two-way snapshot and the associations listing.
+@Suite("tc_ebpf nat listener", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TCNATListenerTests {
+    static let vip = SocketAddress("198.18.0.1:5683")!
+
+    static func listener(_ topology: Topology, backends: [Int], replyInterfaces: [String] = []) -> Listener {
+        var settings = Settings()
+        settings.replyInterfaces = replyInterfaces
+        settings.maxAssociations = 1000
+        return Listener(name: "nat", bind: vip, interface: topology.proxyInterface, mode: .tcEBPF,
+                        downstreams: backends.map { Downstream(name: "b\($0)", address: SocketAddress("198.18.\($0).2:6000")!) },
+                        settings: settings, replies: .nat)
+    }
+
+    /// Why the program is not attached at `interface` of the proxy (asked from inside its namespace), or nil.
+    static func problem(_ dataplane: TCDataplane, _ topology: Topology, _ interface: String) -> String? {
+        inNetworkNamespace(topology.proxy) { dataplane.attachmentProblem(interface: interface) } ?? "could not enter \(topology.proxy)"
+    }
+
+    /// The proxy's interface toward backend n (Topology's naming).
+    static func backendSide(_ topology: Topology, _ n: Int) -> String { "pb\(n)\(topology.suffix.prefix(7))" }
+
+    @Test("A reply interface that does not exist: one clear error naming reply_interfaces, nothing left attached")
+    func unknownReplyInterface() throws {
+        let topology = try Topology(backends: 1)
+        let dataplane = TCDataplane(logger: Logger(label: "test"))
+        let config = Self.listener(topology, backends: [1], replyInterfaces: ["nosuch0"])
+        let outcome = inNetworkNamespace(topology.proxy) { () -> String in
+            do {
+                let running = try TCListener(config, counters: ListenerCounters(name: "nat", mode: "tc_ebpf"), dataplane: dataplane, logger: Logger(label: "test"))
+                running.shutdown()
+                return "started"
+            } catch {
+                return "\(error)"
+            }
+        }
+        #expect(outcome?.contains("settings.reply_interfaces names 'nosuch0'") == true, "\(outcome ?? "")")
+        #expect(Self.problem(dataplane, topology, topology.proxyInterface) != nil, "nothing attached after the failed start")
+    }
+
+    @Test("Reply interfaces from the routes: attached with the listener, re-resolved on update, detached at shutdown; a round trip leaves from the VIP and is counted")
+    func roundTrip() throws {
+        let topology = try Topology(backends: 2)
+        let dataplane = TCDataplane(logger: Logger(label: "test"))
+        let counters = ListenerCounters(name: "nat", mode: "tc_ebpf")
+        let config = Self.listener(topology, backends: [1, 2])
+        let started = inNetworkNamespace(topology.proxy) { () -> Result<TCListener, TCError> in
+            do throws(TCError) {
+                return .success(try TCListener(config, counters: counters, dataplane: dataplane, logger: Logger(label: "test")))
+            } catch {
+                return .failure(error)
+            }
+        }
+        let running = try #require(try started?.get())
+        for n in [1, 2] {
+            #expect(Self.problem(dataplane, topology, Self.backendSide(topology, n)) == nil, "attached where backend \(n)'s replies arrive")
+        }
+        // Both backends echo (once per datagram, for 8 s at most); the client sends 3 datagrams from one port.
+        let echo = """
+        import socket,sys
+        s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind(("0.0.0.0",6000)); s.settimeout(8)
+        try:
+            while True:
+                d,a=s.recvfrom(2048); s.sendto(d,a)
+        except socket.timeout: pass
+        """
+        let echoes = try [1, 2].map { n in
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
+            process.arguments = ["netns", "exec", topology.backends[n - 1], "python3", "-c", echo]
+            try process.run()
+            return process
+        }
+        defer { for process in echoes where process.isRunning { process.terminate() } }
+        usleep(500_000)
+        let client = """
+        import socket
+        s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind(("198.18.0.2",47000)); s.settimeout(2)
+        for i in range(3):
+            s.sendto(b"ping%d"%i,("198.18.0.1",5683))
+            d,a=s.recvfrom(2048); print(d.decode(),a[0],a[1])
+        """
+        let result = try run("/usr/sbin/ip", ["netns", "exec", topology.client, "timeout", "10", "python3", "-c", client])
+        #expect(result.status == 0, "\(result.output)")
+        let lines = result.output.split(separator: "\n").map(String.init)
+        #expect(lines == ["ping0 198.18.0.1 5683", "ping1 198.18.0.1 5683", "ping2 198.18.0.1 5683"], "every reply from the VIP: \(lines)")
+
+        let snapshot = counters.snapshot()
+        let twoWay = try #require(snapshot.twoWay, "a nat listener reports two-way counters")
+        #expect(twoWay.replies == 3 && snapshot.forwarded == 3 && snapshot.received == 3, "\(twoWay) \(snapshot.forwarded)")
+        #expect(twoWay.events[.created] == 1 && twoWay.events[.moved] == 0 && twoWay.events[.evicted] == 0)
+        #expect(twoWay.associations == 1)
+        #expect(twoWay.downstreamReplies.values.reduce(0, +) == 3 && twoWay.downstreamReplies.values.contains(3), "one downstream answered all: \(twoWay.downstreamReplies)")
+        let listed = try #require(running.associations(limit: 10))
+        #expect(listed.total == 1 && listed.entries.count == 1)
+        #expect(listed.entries.first?.client == SocketAddress("198.18.0.2:47000")!)
+        let served = try #require(listed.entries.first?.downstream)
+        #expect(twoWay.downstreamReplies[served] == 3, "listed downstream \(served) is the one that replied")
+
+        // The serving backend leaves the set: the reply interface toward it is detached.
+        let remaining = served == "b1" ? 2 : 1
+        let updated = inNetworkNamespace(topology.proxy) {
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, keeping: [])
+        }
+        #expect(updated == true)
+        #expect(Self.problem(dataplane, topology, Self.backendSide(topology, 3 - remaining))?.contains("holds no attachment") == true, "detached from the gone backend's side")
+        #expect(Self.problem(dataplane, topology, Self.backendSide(topology, remaining)) == nil)
+        // Its client moves on its next datagram.
+        let again = try run("/usr/sbin/ip", ["netns", "exec", topology.client, "timeout", "10", "python3", "-c", client])
+        #expect(again.status == 0, "\(again.output)")
+        let afterMove = try #require(counters.snapshot().twoWay)
+        #expect(afterMove.events[.moved] == 1 && afterMove.replies == 6)
+        #expect(running.associations(limit: 10)?.entries.first?.downstream == "b\(remaining)")
+
+        _ = inNetworkNamespace(topology.proxy) { running.shutdown() }
+        for interface in [topology.proxyInterface, Self.backendSide(topology, 1), Self.backendSide(topology, 2)] {
+            #expect(Self.problem(dataplane, topology, interface)?.contains("holds no attachment") == true, "\(interface) detached at shutdown")
+            let filters = try run("/usr/sbin/ip", ["netns", "exec", topology.proxy, "/usr/sbin/bpftool", "net", "show", "dev", interface]).output
+            #expect(!filters.contains("fanout_tc"), "nothing of ours left at \(interface): \(filters)")
+        }
+    }
+}
