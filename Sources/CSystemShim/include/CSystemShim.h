@@ -9,6 +9,9 @@
 #include <sys/types.h>
 #include <linux/filter.h>
 #include <linux/sock_diag.h>
+/* epoll: Glibc's module map leaves sys/epoll.h out; replies relay waits on a listener socket and
+ * its session sockets together. */
+#include <sys/epoll.h>
 
 /* struct mmsghdr is hidden by Glibc unless _GNU_SOURCE, and defining that for Swift breaks
  * ordinary socket calls: this is the same layout under our own name. */

@@ -16,7 +16,9 @@ final class UserspaceListener: RunningListener {
     private let group: ReusePortGroup
     private let plans: PlanHolder
     private let stop = StopSignal()
-    private let workers: [UserspaceWorker]
+    private let workers: [any ListenerWorker]
+    /// `replies: relay`: the workers' shared session count and reply counters; nil: one way.
+    private let relay: RelayCounters?
     private let threads: [OSThread]
     private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
     private let instance = ListenerInstance.next()
@@ -61,9 +63,29 @@ final class UserspaceListener: RunningListener {
             "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
         ])
         let (plans, stop) = (self.plans, self.stop)
-        workers = members.enumerated().map { index, member in
-            UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger,
-                            makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
+        if config.replies == .relay {
+            // Two-way: each worker keeps its own sessions (validation guarantees per-client
+            // worker steering); the one-way workers below stay exactly as they are.
+            let relay = RelayCounters(maxSessions: config.settings.maxSessions)
+            var relayWorkers: [RelayWorker] = []
+            for (index, member) in members.enumerated() {
+                do {
+                    relayWorkers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
+                                                        plans: plans, stop: stop, logger: logger))
+                } catch {
+                    for member in members { member.leave() }
+                    throw error
+                }
+            }
+            self.relay = relay
+            workers = relayWorkers
+            counters.twoWaySource.withLock { $0 = { relay.snapshot() } }
+        } else {
+            relay = nil
+            workers = members.enumerated().map { index, member in
+                UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger,
+                                makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
+            }
         }
         threads = workers.map { worker in
             OSThread(name: "fanout-\(worker.index)") { worker.run() }
@@ -87,13 +109,13 @@ final class UserspaceListener: RunningListener {
     }
 
     /// Every worker is in its receive loop.
-    var isReceiving: Bool { workers.allSatisfy { $0.receivingNow.load(ordering: .relaxed) } }
+    var isReceiving: Bool { workers.allSatisfy(\.isReceiving) }
 
     /// Each worker's progress counter, for the systemd watchdog.
     func heartbeats() -> [PathHeartbeat] {
         // Stopping (replaced in a reload, or shutdown): its workers drain and leave, not stuck.
         guard !stop.isSet else { return [] }
-        return workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progress.load(ordering: .relaxed))) }
+        return workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progressCount)) }
     }
 
     /// Makes this listener's group the steering on its bind: every new datagram goes to these
@@ -114,6 +136,20 @@ final class UserspaceListener: RunningListener {
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, keeping: keeping, passiveHealth: passiveHealth))
         return true
+    }
+
+    /// `replies: relay`: up to `limit` sessions (client, downstream name, idle seconds) from every
+    /// worker's table (each table locked briefly), and how many are open; nil for a one-way listener.
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? {
+        guard relay != nil else { return nil }
+        var entries: [AssociationEntry] = []
+        var total = 0
+        for case let worker as RelayWorker in workers {
+            let listed = worker.associations()
+            total += listed.count
+            entries += listed.prefix(max(0, limit - entries.count))
+        }
+        return (entries, total)
     }
 
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.

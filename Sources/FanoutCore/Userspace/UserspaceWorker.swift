@@ -7,10 +7,21 @@ import Logging
 import ReusePortLB
 import Synchronization
 
+/// What a userspace listener needs of each of its worker threads, one-way or relay.
+protocol ListenerWorker: AnyObject, Sendable {
+    var index: Int { get }
+    /// In its receive loop (readiness).
+    var isReceiving: Bool { get }
+    /// Grows while the worker moves (the path check).
+    var progressCount: UInt64 { get }
+    /// The thread's body: until the listener's stop signal, then drain and leave the group.
+    func run()
+}
+
 /// One worker thread of a userspace listener: its own socket in the listener's ReusePortLB
 /// group (steered per flow by default: `settings.worker_steering`), recvmmsg in, one sendmmsg
 /// batch per downstream out. Nothing is allocated per datagram.
-final class UserspaceWorker: @unchecked Sendable {
+final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
@@ -45,6 +56,9 @@ final class UserspaceWorker: @unchecked Sendable {
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
+
+    var isReceiving: Bool { receivingNow.load(ordering: .relaxed) }
+    var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     func run() {
         if listener.settings.pinCPUs {

@@ -1,0 +1,70 @@
+import ReusePortLB
+import Synchronization
+
+/// What the workers of one `replies: relay` listener share: the count of open sessions (so
+/// `settings.max_sessions` bounds the listener, not each worker) and the reply-side counters.
+/// Workers add once per batch; ``snapshot()`` is the listener's ``ListenerCounters/twoWaySource``.
+final class RelayCounters: Sendable {
+    let maxSessions: Int
+    /// Sessions open now, over every worker (the associations gauge).
+    let open = Atomic<Int>(0)
+    let replies = Atomic<UInt64>(0)
+    let replyBytes = Atomic<UInt64>(0)
+    let replySendBufferFull = Atomic<UInt64>(0)
+    let replySendError = Atomic<UInt64>(0)
+    /// A reply larger than settings.max_packet_size (MSG_TRUNC): never relayed cut.
+    let replyTooLarge = Atomic<UInt64>(0)
+    let created = Atomic<UInt64>(0)
+    let moved = Atomic<UInt64>(0)
+    let expired = Atomic<UInt64>(0)
+    let tableFull = Atomic<UInt64>(0)
+    /// Replies per downstream name; a name stays once seen (its total must not go back).
+    private let downstreams = Mutex<[String: DownstreamReplies]>([:])
+
+    final class DownstreamReplies: Sendable {
+        let replies = Atomic<UInt64>(0)
+    }
+
+    init(maxSessions: Int) { self.maxSessions = maxSessions }
+
+    /// Takes one session slot; false when `maxSessions` are open (nothing taken).
+    func admit() -> Bool {
+        if open.wrappingAdd(1, ordering: .relaxed).newValue <= maxSessions { return true }
+        // Over the bound: give the slot back. Two workers racing may both see "full" for an
+        // instant; neither ever holds more than the bound.
+        open.wrappingSubtract(1, ordering: .relaxed)
+        return false
+    }
+
+    func release(_ count: Int = 1) {
+        if count > 0 { open.wrappingSubtract(count, ordering: .relaxed) }
+    }
+
+    /// The counter of replies from downstream `name` (made on first use; a plan change, not a datagram).
+    func downstream(_ name: String) -> DownstreamReplies {
+        downstreams.withLock { table in
+            if let counter = table[name] { return counter }
+            let counter = DownstreamReplies()
+            table[name] = counter
+            return counter
+        }
+    }
+
+    func snapshot() -> TwoWaySnapshot {
+        var snapshot = TwoWaySnapshot()
+        snapshot.replies = replies.load(ordering: .relaxed)
+        snapshot.replyBytes = replyBytes.load(ordering: .relaxed)
+        snapshot.replyDropped = [
+            .sendBufferFull: replySendBufferFull.load(ordering: .relaxed),
+            .sendError: replySendError.load(ordering: .relaxed),
+            .tooLarge: replyTooLarge.load(ordering: .relaxed),
+        ]
+        snapshot.associations = UInt64(max(0, open.load(ordering: .relaxed)))
+        snapshot.events = [
+            .created: created.load(ordering: .relaxed), .moved: moved.load(ordering: .relaxed),
+            .expired: expired.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
+        ]
+        snapshot.downstreamReplies = downstreams.withLock { $0.mapValues { $0.replies.load(ordering: .relaxed) } }
+        return snapshot
+    }
+}

@@ -1,0 +1,89 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CLibXDP
+import CSystemShim
+import ReusePortLB
+
+/// A client's address and port as a fixed-size key: hashing it allocates nothing.
+struct ClientKey: Hashable {
+    let high: UInt64
+    let low: UInt64
+    /// Family in the upper half, port (network order) in the lower.
+    let familyPort: UInt32
+
+    init(_ source: UnsafePointer<sockaddr_storage>) {
+        let raw = UnsafeRawPointer(source)
+        let family = raw.loadUnaligned(as: sa_family_t.self)
+        if Int32(family) == AF_INET6 {
+            // sin6_port at 2, sin6_addr at 8.
+            high = raw.loadUnaligned(fromByteOffset: 8, as: UInt64.self)
+            low = raw.loadUnaligned(fromByteOffset: 16, as: UInt64.self)
+        } else {
+            // sin_port at 2, sin_addr at 4.
+            high = 0
+            low = UInt64(raw.loadUnaligned(fromByteOffset: 4, as: UInt32.self))
+        }
+        familyPort = UInt32(family) << 16 | UInt32(raw.loadUnaligned(fromByteOffset: 2, as: UInt16.self))
+    }
+}
+
+/// One client of a relay worker: a UDP socket connect()ed to the client's downstream (so the
+/// downstream sees one source port per client and its replies come back here), and the client's
+/// address the replies go to. Owned by one worker; read under its table lock by ``RelayWorker/associations()``.
+final class RelaySession {
+    /// The client's address as recvmmsg gave it: the replies' msg_name.
+    let client: UnsafeMutablePointer<sockaddr_storage>
+    let clientLength: socklen_t
+    /// -1 after its downstream left the plan: the next datagram picks another (event `moved`).
+    var socket: Int32 = -1
+    /// The downstream by name and address (a reload keeps the session only if both stay).
+    var downstream: Downstream
+    /// Index of ``downstream`` in the worker's current plan (meaningless while `socket` is -1).
+    var target: Int
+    /// Monotonic milliseconds of the last datagram either way.
+    var lastActive: Int64
+
+    init(client source: UnsafePointer<sockaddr_storage>, downstream: Downstream, target: Int, now: Int64) {
+        client = .allocate(capacity: 1)
+        client.initialize(to: source.pointee)
+        clientLength = socklen_t(Int32(source.pointee.ss_family) == AF_INET6 ? MemoryLayout<sockaddr_in6>.size : MemoryLayout<sockaddr_in>.size)
+        self.downstream = downstream
+        self.target = target
+        lastActive = now
+    }
+
+    deinit {
+        precondition(socket < 0, "a relay session's socket is closed before the session goes")
+        client.deallocate()
+    }
+
+    /// Makes the session socket toward `downstream.address` (non-blocking, connected: ICMP
+    /// port unreachable comes back as ECONNREFUSED). - Returns: 0, or the errno that failed.
+    func connect() -> Int32 {
+        let address = downstream.address
+        let fd = Glibc.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        guard fd >= 0 else { return errno }
+        if address.withSockAddr({ Glibc.connect(fd, $0, $1) }) != 0 {
+            let error = errno
+            close(fd)
+            return error
+        }
+        socket = fd
+        return 0
+    }
+
+    func closeSocket() {
+        if socket >= 0 { close(socket) }
+        socket = -1
+    }
+
+    var clientAddress: SocketAddress? { SocketAddress(storage: UnsafeRawPointer(client)) }
+}
+
+/// Monotonic milliseconds (CLOCK_MONOTONIC), taken once per batch.
+func monotonicMilliseconds() -> Int64 {
+    var now = timespec()
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
+}

@@ -1,0 +1,478 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFSupport
+import CLibXDP
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+
+/// One worker thread of a `replies: relay` listener. Like ``UserspaceWorker`` it owns one socket
+/// of the listener's ReusePortLB group (steered per client: five_tuple or source_ip, so a client
+/// always reaches the same worker), and it keeps its own session table: client address and port
+/// → ``RelaySession``. A client's datagrams leave on its session socket; one epoll set holds the
+/// listener socket and every session socket, and what a session socket receives (the
+/// downstream's replies) is sent to the client from the listener socket, so the client sees the
+/// listener's address and port as the source.
+final class RelayWorker: ListenerWorker, @unchecked Sendable {
+    let index: Int
+    let member: ReusePortMember
+    let receivingNow = Atomic<Bool>(false)
+    /// Grows at every idle wait timeout (100 ms) and every batch, as ``UserspaceWorker/progress``.
+    let progress = Atomic<UInt64>(0)
+    private let listener: Listener
+    private let counters: ListenerCounters
+    private let relay: RelayCounters
+    private let plans: PlanHolder
+    private let stop: StopSignal
+    private let logger: Logger
+    private let idleMilliseconds: Int64
+    // Owned by the worker thread once it runs:
+    private let receiver: BatchReceiver
+    private let replyReceiver: BatchReceiver
+    private let replyHeaders: UnsafeMutablePointer<shim_mmsghdr>
+    private let replyIovecs: UnsafeMutablePointer<iovec>
+    private let epoll: Int32
+    private let events: UnsafeMutablePointer<epoll_event>
+    private static let eventCapacity = 256
+    private var version = -1
+    private var plan: ForwardingPlan?
+    private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
+    private var replyCounters: [RelayCounters.DownstreamReplies] = []
+    /// Per downstream of the plan, for one batch: datagrams and bytes sent, datagrams dropped,
+    /// and whether a send was refused (passive health is told once per batch).
+    private var batchSent: [UInt64] = []
+    private var batchBytes: [UInt64] = []
+    private var batchDropped: [UInt64] = []
+    private var batchRefused: [Bool] = []
+    private var reportedSocketDrops: UInt32 = 0
+    private var lastFailureLog: Int64 = -1_000_000
+    private var failuresSinceLog = 0
+    /// The session table. The worker holds ``tableLock`` while it changes the table or a
+    /// session (one batch at a time), ``associations()`` while it reads it.
+    private let tableLock = Mutex<Void>(())
+    private var sessions: [ClientKey: RelaySession] = [:]
+    private var bySocket: [Int32: RelaySession] = [:]
+
+    init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
+         plans: PlanHolder, stop: StopSignal, logger: Logger) throws(ReusePortError) {
+        self.index = index
+        self.member = member
+        self.listener = listener
+        self.counters = counters
+        self.relay = relay
+        self.plans = plans
+        self.stop = stop
+        self.logger = logger
+        idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
+        let batch = listener.settings.batchSize
+        receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: listener.settings.maxPacketSize)
+        replyReceiver = BatchReceiver(batchSize: batch, maximumDatagramSize: listener.settings.maxPacketSize)
+        replyHeaders = .allocate(capacity: batch)
+        replyIovecs = .allocate(capacity: batch)
+        for slot in 0..<batch { replyHeaders[slot] = shim_mmsghdr() }
+        events = .allocate(capacity: Self.eventCapacity)
+        epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
+        guard epoll >= 0 else {
+            let error = errno
+            replyHeaders.deallocate()
+            replyIovecs.deallocate()
+            events.deallocate()
+            throw .system(SystemCallError(call: "epoll_create1", errno: error))
+        }
+        var event = epoll_event()
+        event.events = UInt32(EPOLLIN.rawValue)
+        event.data.fd = member.socket
+        if epoll_ctl(epoll, EPOLL_CTL_ADD, member.socket, &event) != 0 {
+            let error = errno
+            close(epoll)
+            replyHeaders.deallocate()
+            replyIovecs.deallocate()
+            events.deallocate()
+            throw .system(SystemCallError(call: "epoll_ctl", errno: error))
+        }
+    }
+
+    deinit {
+        replyHeaders.deallocate()
+        replyIovecs.deallocate()
+        events.deallocate()
+    }
+
+    var isReceiving: Bool { receivingNow.load(ordering: .relaxed) }
+    var progressCount: UInt64 { progress.load(ordering: .relaxed) }
+
+    func run() {
+        if listener.settings.pinCPUs {
+            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+            if shim_pin_current_thread(Int32(index % cpus)) != 0 {
+                logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
+            }
+        }
+        tableLock.withLock { _ in adoptPlanIfChanged() }
+        receivingNow.store(true, ordering: .relaxed)
+        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay"])
+        // The idle sweep: once a second, not per datagram.
+        var nextSweep = monotonicMilliseconds() + 1000
+        while !stop.isSet {
+            let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
+            if ready == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
+            if ready > 0 {
+                for slot in 0..<Int(ready) {
+                    let fd = events[slot].data.fd
+                    if fd == member.socket {
+                        // A receive that fails while epoll says readable would spin a core: wait a little.
+                        if !drainQueue(deadline: nil) { usleep(10_000) }
+                    } else {
+                        drainReplies(fd)
+                    }
+                }
+            }
+            let now = monotonicMilliseconds()
+            if now >= nextSweep {
+                nextSweep = now + 1000
+                sweep(now: now)
+            }
+        }
+        // Drain as the one-way worker does: what the socket still holds goes out (until it
+        // stays empty 20 ms, at most 1 s); replies already queued are relayed once more.
+        let clock = ContinuousClock()
+        let deadline = clock.now + .seconds(1)
+        var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
+        repeat {
+            drainQueue(deadline: deadline)
+        } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
+        for fd in Array(bySocket.keys) { drainReplies(fd) }
+        receivingNow.store(false, ordering: .relaxed)
+        closeEverySession()
+        close(epoll)
+        member.leave()
+    }
+
+    /// Every session's client, downstream name (its address once the downstream left the plan),
+    /// and seconds since its last datagram.
+    func associations() -> [AssociationEntry] {
+        let now = monotonicMilliseconds()
+        return tableLock.withLock { _ in
+            sessions.values.compactMap { session in
+                guard let client = session.clientAddress else { return nil }
+                let name = session.socket >= 0 ? session.downstream.name : "\(session.downstream.address)"
+                return AssociationEntry(client: client, downstream: name, idleSeconds: Int(max(0, now - session.lastActive) / 1000))
+            }
+        }
+    }
+
+    // MARK: Plan
+
+    /// Takes the current plan if a reload or health replaced it. Sessions whose downstream (name
+    /// and address) stays are kept, at its new index; the others lose their socket and get a new
+    /// downstream at their client's next datagram (counted `moved` then). Called with the table lock held.
+    private func adoptPlanIfChanged() {
+        let current = plans.version.load(ordering: .acquiring)
+        guard current != version else { return }
+        version = current
+        let plan = plans.plan
+        self.plan = plan
+        selector = DownstreamSelector(plan.method)
+        replyCounters = plan.downstreams.map { relay.downstream($0.name) }
+        batchSent = Array(repeating: 0, count: plan.downstreams.count)
+        batchBytes = batchSent
+        batchDropped = batchSent
+        batchRefused = Array(repeating: false, count: plan.downstreams.count)
+        var index: [String: Int] = [:]
+        for (position, downstream) in plan.downstreams.enumerated() { index["\(downstream.name)|\(downstream.address)"] = position }
+        for session in sessions.values where session.socket >= 0 {
+            if let target = index["\(session.downstream.name)|\(session.downstream.address)"] {
+                session.target = target
+            } else {
+                bySocket[session.socket] = nil
+                session.closeSocket()  // close removes it from the epoll set
+            }
+        }
+    }
+
+    // MARK: Client → downstream
+
+    /// Receives and forwards batches until the listener socket is empty (or stop, or the deadline).
+    /// - Returns: false when a receive failed.
+    @discardableResult
+    private func drainQueue(deadline: ContinuousClock.Instant?) -> Bool {
+        while true {
+            let count: Int
+            do {
+                count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+            } catch {
+                logFailure("receive failed", error)
+                return false
+            }
+            if count == 0 { break }
+            progress.wrappingAdd(1, ordering: .relaxed)
+            tableLock.withLock { _ in
+                adoptPlanIfChanged()
+                forward(count)
+            }
+            if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
+        }
+        let drops = receiver.socketDrops
+        if drops != reportedSocketDrops {
+            counters.add(counters.receiveQueueDrops, UInt64(drops &- reportedSocketDrops))
+            reportedSocketDrops = drops
+        }
+        return true
+    }
+
+    /// Sends each datagram of the batch on its client's session socket (one send per datagram:
+    /// consecutive datagrams rarely share a session), making sessions for new clients.
+    private func forward(_ count: Int) {
+        let now = monotonicMilliseconds()
+        var bytesReceived: UInt64 = 0
+        var tooLarge: UInt64 = 0
+        var noHealthy: UInt64 = 0
+        var tableFull: UInt64 = 0
+        var created: UInt64 = 0
+        var moved: UInt64 = 0
+        var unavailable: UInt64 = 0
+        var sendBufferFull: UInt64 = 0
+        var unreachable: UInt64 = 0
+        var sendError: UInt64 = 0
+        for datagram in 0..<count {
+            bytesReceived += UInt64(receiver.length(datagram))
+            if receiver.isTruncated(datagram) {
+                tooLarge += 1
+                continue
+            }
+            let source = receiver.sourceStorage(datagram)
+            let key = ClientKey(source)
+            let session: RelaySession
+            if let known = sessions[key] {
+                session = known
+                if session.socket < 0 {
+                    // Its downstream left the plan: the client gets another one now.
+                    guard let target = selector.pick(source: source), let plan else {
+                        noHealthy += 1
+                        continue
+                    }
+                    session.downstream = plan.downstreams[target]
+                    session.target = target
+                    guard open(session) else {
+                        unavailable += 1
+                        continue
+                    }
+                    moved += 1
+                }
+            } else {
+                // Admitted first: a client turned away must not use up a round-robin turn.
+                guard relay.admit() else {
+                    tableFull += 1
+                    continue
+                }
+                guard let target = selector.pick(source: source), let plan else {
+                    relay.release()
+                    noHealthy += 1
+                    continue
+                }
+                let fresh = RelaySession(client: source, downstream: plan.downstreams[target], target: target, now: now)
+                guard open(fresh) else {
+                    relay.release()
+                    unavailable += 1
+                    continue
+                }
+                sessions[key] = fresh
+                session = fresh
+                created += 1
+            }
+            session.lastActive = now
+            let payload = receiver.payload(datagram)
+            let target = session.target
+            while true {
+                let sent = send(session.socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT))
+                if sent >= 0 {
+                    batchSent[target] += 1
+                    batchBytes[target] += UInt64(payload.count)
+                    break
+                }
+                let error = errno
+                if error == EINTR { continue }
+                batchDropped[target] += 1
+                switch DownstreamOutbox.reason(error) {
+                case .sendBufferFull: sendBufferFull += 1
+                case .unreachable: unreachable += 1
+                default: sendError += 1
+                }
+                if error == ECONNREFUSED { batchRefused[target] = true }
+                break
+            }
+        }
+        var forwarded: UInt64 = 0
+        var bytesForwarded: UInt64 = 0
+        if let plan {
+            for target in 0..<plan.downstreams.count {
+                if batchSent[target] > 0 || batchDropped[target] > 0 {
+                    plan.counters[target].forwarded.wrappingAdd(batchSent[target], ordering: .relaxed)
+                    plan.counters[target].bytes.wrappingAdd(batchBytes[target], ordering: .relaxed)
+                    plan.counters[target].dropped.wrappingAdd(batchDropped[target], ordering: .relaxed)
+                    forwarded += batchSent[target]
+                    bytesForwarded += batchBytes[target]
+                    (batchSent[target], batchBytes[target], batchDropped[target]) = (0, 0, 0)
+                }
+                if batchRefused[target] {
+                    batchRefused[target] = false
+                    plan.passiveHealth?(plan.downstreams[target].address)
+                }
+            }
+        }
+        counters.add(counters.received, UInt64(count))
+        counters.add(counters.bytesReceived, bytesReceived)
+        counters.add(counters.forwarded, forwarded)
+        counters.add(counters.bytesForwarded, bytesForwarded)
+        counters.add(counters.noHealthy, noHealthy)
+        counters.drop(.tooLarge, tooLarge)
+        counters.drop(.tableFull, tableFull)
+        counters.drop(.sendBufferFull, sendBufferFull)
+        counters.drop(.unreachable, unreachable)
+        counters.drop(.sendError, sendError + unavailable)
+        if tableFull > 0 { relay.tableFull.wrappingAdd(tableFull, ordering: .relaxed) }
+        if created > 0 { relay.created.wrappingAdd(created, ordering: .relaxed) }
+        if moved > 0 { relay.moved.wrappingAdd(moved, ordering: .relaxed) }
+    }
+
+    /// Opens the session's socket and adds it to the epoll set; false (logged, at most once a
+    /// second) when it cannot: the datagram is dropped as send_error.
+    private func open(_ session: RelaySession) -> Bool {
+        let error = session.connect()
+        if error == 0 {
+            var event = epoll_event()
+            event.events = UInt32(EPOLLIN.rawValue)
+            event.data.fd = session.socket
+            if epoll_ctl(epoll, EPOLL_CTL_ADD, session.socket, &event) == 0 {
+                bySocket[session.socket] = session
+                return true
+            }
+            let failed = errno
+            session.closeSocket()
+            logFailure("relay session socket could not join the worker's epoll set", SystemCallError(call: "epoll_ctl", errno: failed))
+            return false
+        }
+        // EMFILE/ENFILE: raise the open-files limit (LimitNOFILE) or lower settings.max_sessions;
+        // EADDRNOTAVAIL/EAGAIN: the ephemeral ports (net.ipv4.ip_local_port_range) are used up.
+        logFailure("relay session socket could not be made (raise LimitNOFILE / net.ipv4.ip_local_port_range, or lower settings.max_sessions)",
+                   SystemCallError(call: "socket/connect \(session.downstream.address)", errno: error))
+        return false
+    }
+
+    // MARK: Downstream → client
+
+    /// Relays what session socket `fd` holds to its client from the listener socket.
+    private func drainReplies(_ fd: Int32) {
+        tableLock.withLock { _ in
+            guard let session = bySocket[fd], session.socket == fd else { return }
+            let target = session.target
+            while true {
+                let count: Int
+                do throws(SystemCallError) {
+                    count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+                } catch {
+                    if error.errno == ECONNREFUSED {
+                        // ICMP port unreachable for a datagram sent on this session: the downstream
+                        // is not listening. Reading the error clears it, so the client's next
+                        // datagram is sent (not refused in its place).
+                        counters.drop(.unreachable, 1)
+                        plan?.counters[target].dropped.wrappingAdd(1, ordering: .relaxed)
+                        if let plan, target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[target].address) }
+                        continue
+                    }
+                    logFailure("receive on a relay session socket failed", error)
+                    return
+                }
+                if count == 0 { return }
+                progress.wrappingAdd(1, ordering: .relaxed)
+                session.lastActive = monotonicMilliseconds()
+                sendReplies(count, to: session)
+                if count < replyReceiver.batchSize { return }
+            }
+        }
+    }
+
+    /// Sends the `count` replies just received to the session's client (sendmmsg on the listener socket).
+    private func sendReplies(_ count: Int, to session: RelaySession) {
+        var messages = 0
+        var tooLarge: UInt64 = 0
+        for reply in 0..<count {
+            if replyReceiver.isTruncated(reply) {
+                tooLarge += 1
+                continue
+            }
+            let payload = replyReceiver.payload(reply)
+            replyIovecs[messages] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
+            replyHeaders[messages].msg_hdr.msg_name = UnsafeMutableRawPointer(session.client)
+            replyHeaders[messages].msg_hdr.msg_namelen = session.clientLength
+            replyHeaders[messages].msg_hdr.msg_iov = replyIovecs + messages
+            replyHeaders[messages].msg_hdr.msg_iovlen = 1
+            replyHeaders[messages].msg_hdr.msg_control = nil
+            replyHeaders[messages].msg_hdr.msg_controllen = 0
+            messages += 1
+        }
+        var sent: UInt64 = 0
+        var bytes: UInt64 = 0
+        var bufferFull: UInt64 = 0
+        var failed: UInt64 = 0
+        var message = 0
+        while message < messages {
+            let result = shim_sendmmsg(member.socket, replyHeaders + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
+            if result > 0 {
+                for index in message..<(message + Int(result)) { bytes += UInt64(replyIovecs[index].iov_len) }
+                sent += UInt64(result)
+                message += Int(result)
+                continue
+            }
+            let error = errno
+            if error == EINTR { continue }
+            if error == EAGAIN || error == ENOBUFS { bufferFull += 1 } else { failed += 1 }
+            message += 1
+        }
+        relay.replies.wrappingAdd(sent, ordering: .relaxed)
+        relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
+        if session.target < replyCounters.count { replyCounters[session.target].replies.wrappingAdd(sent, ordering: .relaxed) }
+        if bufferFull > 0 { relay.replySendBufferFull.wrappingAdd(bufferFull, ordering: .relaxed) }
+        if failed > 0 { relay.replySendError.wrappingAdd(failed, ordering: .relaxed) }
+        if tooLarge > 0 { relay.replyTooLarge.wrappingAdd(tooLarge, ordering: .relaxed) }
+    }
+
+    // MARK: Idle and stop
+
+    /// Closes the sessions without a datagram either way for `session_idle_secs` (event `expired`).
+    private func sweep(now: Int64) {
+        tableLock.withLock { _ in
+            adoptPlanIfChanged()
+            var expired = 0
+            for (key, session) in sessions where now - session.lastActive >= idleMilliseconds {
+                if session.socket >= 0 { bySocket[session.socket] = nil }
+                session.closeSocket()
+                sessions[key] = nil
+                expired += 1
+            }
+            relay.release(expired)
+            if expired > 0 { relay.expired.wrappingAdd(UInt64(expired), ordering: .relaxed) }
+        }
+    }
+
+    private func closeEverySession() {
+        tableLock.withLock { _ in
+            for session in sessions.values { session.closeSocket() }
+            relay.release(sessions.count)
+            sessions = [:]
+            bySocket = [:]
+        }
+    }
+
+    /// At most one line a second: an error that repeats every datagram must not flood the log.
+    private func logFailure(_ message: Logger.Message, _ error: any Error) {
+        failuresSinceLog += 1
+        let now = monotonicMilliseconds()
+        guard now - lastFailureLog >= 1000 else { return }
+        logger.error(message, metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)", "failures_since_last_line": "\(failuresSinceLog)"])
+        lastFailureLog = now
+        failuresSinceLog = 0
+    }
+}

@@ -1,0 +1,291 @@
+import Foundation
+import Logging
+import Testing
+import TestSupport
+import CSystemShim
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A downstream that answers every datagram with "<name>|<payload>" to its sender, on its own thread.
+final class RelayEcho: @unchecked Sendable {
+    let name: String
+    let fd: Int32
+    let address: SocketAddress
+    private let stopFlag = NSLock()
+    private var stopped = false
+    private var thread: Thread?
+    private let done = DispatchSemaphore(value: 0)
+
+    init(name: String) throws {
+        self.name = name
+        address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        let bound = address.withSockAddr { bind(fd, $0, $1) }
+        try #require(bound == 0, "bind \(address): errno \(errno)")
+        let thread = Thread { [self] in serve() }
+        self.thread = thread
+        thread.start()
+    }
+
+    private var isStopped: Bool { stopFlag.lock(); defer { stopFlag.unlock() }; return stopped }
+
+    private func serve() {
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+        let prefix = Array("\(name)|".utf8)
+        while !isStopped {
+            guard poll(&descriptor, 1, 50) > 0 else { continue }
+            var peer = sockaddr_storage()
+            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            let count = withUnsafeMutablePointer(to: &peer) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), $0, &length) }
+            }
+            guard count >= 0 else { continue }
+            var reply = prefix + buffer[0..<count]
+            _ = withUnsafePointer(to: &peer) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &reply, reply.count, 0, $0, length) }
+            }
+        }
+        done.signal()
+    }
+
+    /// Stops the thread and closes the socket (a downstream that went away: ICMP port unreachable).
+    func stop() {
+        stopFlag.lock()
+        let first = !stopped
+        stopped = true
+        stopFlag.unlock()
+        if first {
+            done.wait()
+            close(fd)
+        }
+    }
+
+    deinit { stop() }
+}
+
+/// A client on one loopback source: sends a request and waits for the reply.
+final class RelayClient {
+    let fd: Int32
+    let source: String
+
+    init(source: String) throws {
+        self.source = source
+        fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        try #require(SocketAddress(ip: IPAddress(source)!, port: 0).withSockAddr { bind(fd, $0, $1) } == 0, "bind \(source): errno \(errno)")
+    }
+
+    deinit { close(fd) }
+
+    func send(_ text: String, to destination: SocketAddress) throws {
+        var payload = Array(text.utf8)
+        let sent = destination.withSockAddr { sendto(fd, &payload, payload.count, 0, $0, $1) }
+        try #require(sent == payload.count, "sendto: errno \(errno)")
+    }
+
+    /// The next reply and its source, or nil when nothing came within `timeout` milliseconds.
+    func receive(timeout: Int32 = 1000) -> (text: String, from: SocketAddress)? {
+        var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+        guard poll(&descriptor, 1, timeout) > 0 else { return nil }
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        var peer = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        let count = withUnsafeMutablePointer(to: &peer) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), $0, &length) }
+        }
+        guard count >= 0, let from = withUnsafePointer(to: &peer, { SocketAddress(storage: UnsafeRawPointer($0)) }) else { return nil }
+        return (String(decoding: buffer[0..<count], as: UTF8.self), from)
+    }
+
+    /// One round trip: the downstream's name that answered, after checking the reply's source and payload.
+    func exchange(_ text: String, with listener: SocketAddress, timeout: Int32 = 1000) throws -> String? {
+        try send(text, to: listener)
+        guard let reply = receive(timeout: timeout) else { return nil }
+        #expect(reply.from == listener, "reply source \(reply.from), expected the listener \(listener)")
+        let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
+        #expect(parts.count == 2 && parts[1] == text, "reply \(reply.text) to \(text)")
+        return parts.first
+    }
+}
+
+func relayYAML(_ name: String, bind: SocketAddress, _ servers: [RelayEcho], workers: Int = 2, settings: String = "") -> String {
+    var yaml = "listeners:\n  - name: \(name)\n    bind: \"\(bind)\"\n    mode: userspace\n    replies: relay\n"
+    yaml += "    settings:\n      workers: \(workers)\n      worker_steering: five_tuple\n\(settings)    downstream:\n"
+    for server in servers { yaml += "      - name: \(server.name)\n        address: \"\(server.address)\"\n" }
+    return yaml
+}
+
+/// The sockets this process has open (/proc/self/fd links "socket:[inode]"), by descriptor. Sockets
+/// only: the daemon's first start in a process makes pipes that live on (not the listener's).
+func openSockets() -> Set<String> {
+    Set(((try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []).compactMap { fd in
+        guard let target = try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(fd)"), target.hasPrefix("socket:") else { return nil }
+        return "\(fd)=\(target)"
+    })
+}
+
+/// Waits (at most 2 s) until `condition` holds: counters are added after each batch is sent, so
+/// a client can hold its reply an instant before the counter has it.
+func settle(_ condition: () -> Bool) {
+    let deadline = ContinuousClock.now + .seconds(2)
+    while !condition() && ContinuousClock.now < deadline { usleep(10_000) }
+}
+
+@Suite("replies: relay (userspace)", .serialized)
+struct RelayTests {
+    @Test("50 clients × 20 exchanges over 3 echo downstreams: every reply from the listener's address, one downstream per client")
+    func relayRoundTrips() throws {
+        let servers = try (1...3).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("relay", bind: bind, servers))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(50, base: 60).map { try RelayClient(source: $0) }
+        var owners: [String: Set<String>] = [:]
+        var answered = 0
+        for round in 0..<20 {
+            for client in clients {
+                if let server = try client.exchange("\(client.source)-\(round)", with: bind) {
+                    answered += 1
+                    owners[client.source, default: []].insert(server)
+                }
+            }
+        }
+        #expect(answered == 1000)
+        settle { daemon.counters(of: "relay")?.twoWay?.replies == 1000 }
+        #expect(owners.count == 50 && owners.values.allSatisfy { $0.count == 1 }, "each client answered by one downstream: \(owners.filter { $0.value.count != 1 })")
+        let perServer = Dictionary(grouping: owners.values.compactMap(\.first), by: { $0 }).mapValues(\.count)
+        #expect(perServer.count == 3, "round robin spreads the sessions: \(perServer)")
+        let snapshot = try #require(daemon.counters(of: "relay"))
+        let twoWay = try #require(snapshot.twoWay)
+        #expect(snapshot.received == 1000 && snapshot.forwarded == 1000)
+        #expect(twoWay.replies == 1000)
+        #expect(twoWay.associations == 50)
+        #expect(twoWay.events[.created] == 50)
+        #expect(twoWay.downstreamReplies.values.reduce(0, +) == 1000)
+        #expect(twoWay.replyBytes > 0)
+        let metrics = daemon.metricsText()
+        #expect(metric(metrics, "udp_fanout_associations", "listener=\"relay\",mode=\"userspace\"") == 50, "\(metrics)")
+    }
+
+    @Test("max_sessions 10 with 20 clients: 10 served, the other datagrams dropped and counted table_full")
+    func tableFull() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("full", bind: bind, servers, settings: "      max_sessions: 10\n"))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(20, base: 120).map { try RelayClient(source: $0) }
+        var served = 0
+        var unanswered = 0
+        for round in 0..<3 {
+            for client in clients {
+                // A turned-away client waits for nothing: 500 ms is plenty on loopback.
+                if try client.exchange("\(client.source)-\(round)", with: bind, timeout: 500) != nil { served += 1 } else { unanswered += 1 }
+            }
+        }
+        #expect(served == 30 && unanswered == 30)
+        settle { daemon.counters(of: "full")?.twoWay?.replies == 30 }
+        let snapshot = try #require(daemon.counters(of: "full"))
+        let twoWay = try #require(snapshot.twoWay)
+        #expect(snapshot.received == 60)
+        #expect(snapshot.dropped[.tableFull] == 30)
+        #expect(snapshot.forwarded == 30)
+        #expect(twoWay.events[.tableFull] == 30)
+        #expect(twoWay.associations == 10)
+        #expect(twoWay.replies == 30)
+    }
+
+    @Test("session_idle_secs 1: idle sessions expire (gauge 0, expired == clients); a new datagram makes a new session")
+    func idleExpiry() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("idle", bind: bind, servers, settings: "      session_idle_secs: 1\n"))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(8, base: 150).map { try RelayClient(source: $0) }
+        for client in clients { #expect(try client.exchange("\(client.source)-first", with: bind) != nil) }
+        #expect(daemon.counters(of: "idle")?.twoWay?.associations == 8)
+        let deadline = ContinuousClock.now + .seconds(4)
+        while daemon.counters(of: "idle")?.twoWay?.associations != 0 && ContinuousClock.now < deadline { usleep(100_000) }
+        let idle = try #require(daemon.counters(of: "idle")?.twoWay)
+        #expect(idle.associations == 0)
+        #expect(idle.events[.expired] == 8)
+        #expect(try clients[0].exchange("again", with: bind) != nil)
+        let after = try #require(daemon.counters(of: "idle")?.twoWay)
+        #expect(after.associations == 1)
+        #expect(after.events[.created] == 9)
+    }
+
+    @Test("Reload removing one downstream: only its clients move; after stop no session socket is left open")
+    func reloadMovesOnlyRemovedClients() throws {
+        let servers = try (1...3).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let clients = try loopbackSources(30, base: 170).map { try RelayClient(source: $0) }
+        let before = openSockets()
+        let daemon = try startDaemon(relayYAML("move", bind: bind, servers))
+        var owner: [String: String] = [:]
+        for client in clients { owner[client.source] = try client.exchange("\(client.source)-1", with: bind) }
+        #expect(owner.count == 30)
+        let removed = owner.values.filter { $0 == "echo-2" }.count
+        #expect(removed > 0)
+        #expect(daemon.reload(text: relayYAML("move", bind: bind, [servers[0], servers[2]])))
+        for client in clients {
+            let now = try client.exchange("\(client.source)-2", with: bind)
+            if owner[client.source] == "echo-2" {
+                #expect(now != nil && now != "echo-2", "\(client.source) moved off the removed downstream: \(String(describing: now))")
+            } else {
+                #expect(now == owner[client.source], "\(client.source) kept its downstream")
+            }
+        }
+        let twoWay = try #require(daemon.counters(of: "move")?.twoWay)
+        #expect(twoWay.events[.moved] == UInt64(removed))
+        #expect(twoWay.events[.created] == 30)
+        #expect(twoWay.associations == 30)
+        #expect(openSockets().subtracting(before).count >= 30, "one session socket per client while running")
+        daemon.shutdown()
+        #expect(openSockets() == before, "every session socket closed after stop; still open: \(openSockets().subtracting(before))")
+    }
+
+    @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served")
+    func downstreamDown() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        servers[1].stop()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        // One worker: its round robin alternates the clients exactly over the two downstreams.
+        let daemon = try startDaemon(relayYAML("down", bind: bind, servers, workers: 1))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(10, base: 210).map { try RelayClient(source: $0) }
+        var answered = 0
+        for round in 0..<3 {
+            for client in clients where try client.exchange("\(client.source)-\(round)", with: bind, timeout: 500) != nil { answered += 1 }
+        }
+        // Round robin: half the clients' sessions go to the closed port.
+        #expect(answered == 15)
+        settle { daemon.counters(of: "down")?.twoWay?.replies == 15 }
+        let snapshot = try #require(daemon.counters(of: "down"))
+        #expect(snapshot.dropped[.unreachable, default: 0] > 0, "\(snapshot.dropped)")
+        #expect(snapshot.twoWay?.replies == 15)
+    }
+
+    @Test("associations(limit:): each client with its downstream's name and idle seconds, from every worker")
+    func associationsList() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let config = try ConfigParser.parse(relayYAML("list", bind: bind, servers))
+        try config.validate()
+        let listener = try UserspaceListener(config.listeners[0], counters: ListenerCounters(name: "list", mode: "userspace"), logger: Logger(label: "relay-test"))
+        defer { listener.shutdown() }
+        try listener.activate()
+        let clients = try loopbackSources(6, base: 230).map { try RelayClient(source: $0) }
+        var owner: [String: String] = [:]
+        for client in clients { owner[client.source] = try client.exchange("hello", with: bind) }
+        let listed = try #require(listener.associations(limit: 100))
+        #expect(listed.total == 6)
+        #expect(Dictionary(uniqueKeysWithValues: listed.entries.map { ($0.client.ip.description, $0.downstream) }) == owner)
+        #expect(listed.entries.allSatisfy { ($0.idleSeconds ?? -1) >= 0 && ($0.idleSeconds ?? 99) <= 2 })
+        let limited = try #require(listener.associations(limit: 4))
+        #expect(limited.entries.count == 4 && limited.total == 6)
+    }
+}
