@@ -83,7 +83,7 @@ public final class TwoWayTopology {
         var batch = ""
         for k in 1...clientAddressCount {
             batch += "addr add \(Self.clientAddress(k))/24 dev \(clientsDevice)\n"
-            batch += "-6 addr add \(Self.clientAddress(k, ipv6: true))/64 dev \(clientsDevice) nodad\n"
+            batch += "addr add \(Self.clientAddress(k, ipv6: true))/64 dev \(clientsDevice) nodad\n"
         }
         try batchIP(clients, batch)
         try Topology.ip(["-n", clients, "route", "add", "default", "via", "198.18.0.1"])
@@ -102,11 +102,14 @@ public final class TwoWayTopology {
         }
         // Every client address's neighbour entry on the load balancer, permanent: replies to
         // 240 clients at once would otherwise wait on (and overflow) neighbour resolution.
-        let mac = try exec(clients, ["cat", "/sys/class/net/\(clientsDevice)/address"]).trimmingCharacters(in: .whitespacesAndNewlines)
+        // (`ip link`, not /sys/class/net: nsenter keeps the host's /sys.)
+        let link = try exec(clients, [Topology.ip, "-o", "link", "show", "dev", clientsDevice])
+        let words = link.split(separator: " ")
+        let mac = try #require(words.firstIndex(of: "link/ether").map { String(words[$0 + 1]) }, "no MAC in: \(link)")
         var neighbours = ""
         for k in 0...clientAddressCount {
             neighbours += "neigh replace \(Self.clientAddress(k)) lladdr \(mac) dev \(clientInterface) nud permanent\n"
-            neighbours += "-6 neigh replace \(Self.clientAddress(k, ipv6: true)) lladdr \(mac) dev \(clientInterface) nud permanent\n"
+            neighbours += "neigh replace \(Self.clientAddress(k, ipv6: true)) lladdr \(mac) dev \(clientInterface) nud permanent\n"
         }
         try batchIP(balancer, neighbours)
         // The other neighbours resolved by a ping each way.

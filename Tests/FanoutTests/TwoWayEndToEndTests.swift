@@ -111,6 +111,17 @@ struct TwoWayEndToEndTests {
         try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
     }
 
+    /// /metrics once `settled` holds for it (at most 5 s: the nat associations gauge is
+    /// refreshed every 2 s), else the last scrape.
+    static func metrics(_ topology: TwoWayTopology, until settled: (String) -> Bool) throws -> String {
+        var text = try metrics(topology)
+        for _ in 0..<50 where !settled(text) {
+            usleep(100_000)
+            text = try metrics(topology)
+        }
+        return text
+    }
+
     static func labels(_ path: Path) -> String { "listener=\"tw\",mode=\"\(path == .nat ? "tc_ebpf" : "userspace")\"" }
 
     /// A two-way family's value for the listener (with `extra` labels after mode), nil if absent.
@@ -205,8 +216,7 @@ struct TwoWayEndToEndTests {
         let report = try Self.exchange(topology, clients: 200, count: 100)
         Self.expectServed(report, clients: 200, count: 100)
         #expect(report.object("clients_by_tag").count == 3, "round robin over the three servers: \(report)")
-        usleep(200_000)
-        let text = try Self.metrics(topology)
+        let text = try Self.metrics(topology) { Self.value($0, .nat, "udp_fanout_associations") == 200 }
         #expect(Self.value(text, .nat, "udp_fanout_associations") == 200, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"created\"") == 200, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"evicted\"") == 0, "\(text)")
@@ -227,8 +237,7 @@ struct TwoWayEndToEndTests {
         let report = try Self.exchange(topology, clients: 200, count: 10)
         #expect(report.int("replies") == 2000 && report.int("lost") == 0, "every exchange answered: \(report)")
         #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
-        usleep(200_000)
-        let text = try Self.metrics(topology)
+        let text = try Self.metrics(topology) { (Self.value($0, .nat, "udp_fanout_association_events_total", ",event=\"evicted\"") ?? 0) > 0 }
         let evicted = try #require(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"evicted\""), "\(text)")
         #expect(evicted > 0, "a table of 64 for 200 clients evicts: \(text)")
         #expect((Self.value(text, .nat, "udp_fanout_associations") ?? .max) <= 64, "\(text)")
@@ -263,7 +272,7 @@ struct TwoWayEndToEndTests {
             let reply = try #require(Self.receive(fd), "reply \(round)")
             #expect(reply.source == Self.vip && reply.payload == "request \(round)b2", "\(reply)")
         }
-        let text = try Self.metrics(topology)
+        let text = try Self.metrics(topology) { Self.value($0, .nat, "udp_fanout_associations") == 1 }
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"server_initiated\"") == 1, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"created\"") == 0, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_associations") == 1, "\(text)")
@@ -367,8 +376,7 @@ struct TwoWayEndToEndTests {
         let daemon = try Daemon(topology, .nat, Self.config(topology, .nat, servers: [1, 2, 3], ipv6: true))
         let report = try Self.exchange(topology, clients: 50, count: 20, ipv6: true)
         Self.expectServed(report, clients: 50, count: 20)
-        usleep(200_000)
-        let text = try Self.metrics(topology)
+        let text = try Self.metrics(topology) { Self.value($0, .nat, "udp_fanout_associations") == 50 }
         #expect(Self.value(text, .nat, "udp_fanout_associations") == 50, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"created\"") == 50, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_replies_total") == 1000, "\(text)")
@@ -406,8 +414,7 @@ struct TwoWayEndToEndTests {
         let daemon = try Daemon(topology, .relay, Self.config(topology, .relay, servers: [1, 2, 3]))
         let report = try Self.exchange(topology, clients: 50, count: 20)
         Self.expectServed(report, clients: 50, count: 20)
-        usleep(200_000)
-        let text = try Self.metrics(topology)
+        let text = try Self.metrics(topology) { Self.value($0, .relay, "udp_fanout_associations") == 50 }
         #expect(Self.value(text, .relay, "udp_fanout_associations") == 50, "one session per client: \(text)")
         #expect(Self.value(text, .relay, "udp_fanout_association_events_total", ",event=\"created\"") == 50, "\(text)")
         #expect(Self.value(text, .relay, "udp_fanout_replies_total") == 1000, "\(text)")
