@@ -122,6 +122,12 @@ struct TwoWayEndToEndTests {
         return text
     }
 
+    /// The two-way series of `text`, printed with the test's name (for the run's record).
+    static func printTwoWay(_ text: String, _ name: String) {
+        let lines = text.split(separator: "\n").filter { !$0.hasPrefix("#") && ($0.contains("association") || $0.contains("repl")) && !$0.hasSuffix(" 0") }
+        print("\(name) metrics: \(lines.joined(separator: "; "))")
+    }
+
     static func labels(_ path: Path) -> String { "listener=\"tw\",mode=\"\(path == .nat ? "tc_ebpf" : "userspace")\"" }
 
     /// A two-way family's value for the listener (with `extra` labels after mode), nil if absent.
@@ -217,6 +223,7 @@ struct TwoWayEndToEndTests {
         Self.expectServed(report, clients: 200, count: 100)
         #expect(report.object("clients_by_tag").count == 3, "round robin over the three servers: \(report)")
         let text = try Self.metrics(topology) { Self.value($0, .nat, "udp_fanout_associations") == 200 }
+        Self.printTwoWay(text, "nat 200x100")
         #expect(Self.value(text, .nat, "udp_fanout_associations") == 200, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"created\"") == 200, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"evicted\"") == 0, "\(text)")
@@ -238,6 +245,7 @@ struct TwoWayEndToEndTests {
         #expect(report.int("replies") == 2000 && report.int("lost") == 0, "every exchange answered: \(report)")
         #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
         let text = try Self.metrics(topology) { (Self.value($0, .nat, "udp_fanout_association_events_total", ",event=\"evicted\"") ?? 0) > 0 }
+        Self.printTwoWay(text, "nat evictions")
         let evicted = try #require(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"evicted\""), "\(text)")
         #expect(evicted > 0, "a table of 64 for 200 clients evicts: \(text)")
         #expect((Self.value(text, .nat, "udp_fanout_associations") ?? .max) <= 64, "\(text)")
@@ -335,6 +343,7 @@ struct TwoWayEndToEndTests {
         }
         #expect(movedClients > 0, "b3 had clients: \(before)")
         let text = try metrics(topology)
+        printTwoWay(text, "\(path) move (\(movedClients) clients of b3)")
         #expect(value(text, path, "udp_fanout_association_events_total", ",event=\"moved\"") == movedClients, "\(text)")
     }
 
@@ -415,6 +424,7 @@ struct TwoWayEndToEndTests {
         let report = try Self.exchange(topology, clients: 50, count: 20)
         Self.expectServed(report, clients: 50, count: 20)
         let text = try Self.metrics(topology) { Self.value($0, .relay, "udp_fanout_associations") == 50 }
+        Self.printTwoWay(text, "relay 50x20")
         #expect(Self.value(text, .relay, "udp_fanout_associations") == 50, "one session per client: \(text)")
         #expect(Self.value(text, .relay, "udp_fanout_association_events_total", ",event=\"created\"") == 50, "\(text)")
         #expect(Self.value(text, .relay, "udp_fanout_replies_total") == 1000, "\(text)")
