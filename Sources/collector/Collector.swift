@@ -19,7 +19,10 @@ struct Collector: ParsableCommand {
             per-source counts of every datagram (the first --max-sources sources; the rest in \
             other_sources), totals, loss and reordering (from the publisher's sequence numbers; not \
             with roundRobin, which spreads each source), one-way latency percentiles (from its \
-            send times), the steering in force and the group's kernel counters. A 'ready' line goes to stderr once it receives.
+            send times), the steering in force and the group's kernel counters. A 'ready' line goes to stderr once it receives. \
+            With --echo it is a server of two-way tests: every datagram goes back to its sender from \
+            this socket with --tag appended (so a client can tell which server answered), and \
+            --initiate sends one datagram holding only the tag to each given client at start.
             """)
 
     @Argument(help: "Address to bind (IPv4 or IPv6).") var ip: String
@@ -44,13 +47,19 @@ struct Collector: ParsableCommand {
     var bpffs: String = "/sys/fs/bpf"
     @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
     var maxSources: Int = 1000
+    @Flag(help: "Send every datagram back to its sender from this socket with the tag appended (counted as echoed).")
+    var echo = false
+    @Option(help: "This server's name in echoed and initiated datagrams (default: <ip>:<port>/<index>).")
+    var tag: String?
+    @Option(help: "With --echo: once ready, send one datagram holding only the tag to each of these clients (A:P or [A]:P, comma separated): a server-initiated conversation.")
+    var initiate: String?
 
     /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
     /// option errors.
     static func main() {
         switch CommandLineNumbers.rewrite(
             Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "index", "count"],
-            flags: ["--takeover", "--force", "--help"])
+            flags: ["--takeover", "--force", "--echo", "--help"])
         {
         case .failure(let message): exit(withError: ValidationError(message.text))
         case .success(let arguments): main(arguments)
@@ -72,6 +81,28 @@ struct Collector: ParsableCommand {
         guard statsInterval >= 0 else { throw ValidationError("--stats-interval must not be negative (0: never)") }
         guard (1...1024).contains(batch) else { throw ValidationError("--batch must be 1...1024") }
         guard (0...1_000_000).contains(maxSources) else { throw ValidationError("--max-sources must be 0...1000000") }
+        if let tag, tag.isEmpty || tag.utf8.count > 200 {
+            throw ValidationError("--tag must be 1...200 bytes")
+        }
+        if initiate != nil && !echo {
+            throw ValidationError("--initiate needs --echo (the client's later datagrams are answered by the echo)")
+        }
+        _ = try initiateAddresses()
+    }
+
+    /// The clients of --initiate, each of this collector's address family.
+    func initiateAddresses() throws -> [SocketAddress] {
+        guard let initiate else { return [] }
+        let family = IPAddress(ip)?.family
+        return try initiate.split(separator: ",").map { part in
+            guard let address = SocketAddress(String(part)), address.port != 0 else {
+                throw ValidationError("--initiate: '\(part)' is not A:P or [A]:P with a port 1...65535")
+            }
+            guard address.ip.family == family else {
+                throw ValidationError("--initiate: '\(part)' is not of the family of \(ip): a socket sends to its own family only")
+            }
+            return address
+        }
     }
 
     func run() throws {
@@ -92,7 +123,9 @@ struct Collector: ParsableCommand {
         if let note = member.steeringNote { line += " note=\"\(note)\"" }
         printError(line)
 
-        var run = Run(member: member, batch: batch, maxSources: maxSources)
+        let echoTag = Array((tag ?? "\(address)/\(member.slot)").utf8)
+        var run = Run(member: member, batch: batch, maxSources: maxSources, echoTag: echo ? echoTag : nil)
+        for client in try initiateAddresses() { run.initiate(to: client) }
         run.loop(duration: duration, statsInterval: statsInterval)
         print(run.report())
         member.leave()
@@ -116,9 +149,19 @@ struct Run {
     var latency = LatencyHistogram()
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
+    /// --echo: the tag appended to every echoed datagram (nil: no echo).
+    let echoTag: [UInt8]?
+    /// Where an echo is assembled: the largest datagram plus the tag.
+    let echoBuffer: UnsafeMutableRawBufferPointer
+    var echoed: UInt64 = 0
+    /// Echoes the kernel refused (a full send buffer, no route): counted, not retried.
+    var echoFailed: UInt64 = 0
+    var initiated: UInt64 = 0
 
-    init(member: ReusePortMember, batch: Int, maxSources: Int) {
+    init(member: ReusePortMember, batch: Int, maxSources: Int, echoTag: [UInt8]?) {
         self.member = member
+        self.echoTag = echoTag
+        echoBuffer = .allocate(byteCount: 65535 + (echoTag?.count ?? 0), alignment: 16)
         sources = SourceTable(limit: maxSources)
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
         started = clock.now
@@ -201,7 +244,46 @@ struct Run {
         }
     }
 
+    /// Sends one datagram holding only the tag to `client` (--initiate); a failure is said and
+    /// not counted.
+    mutating func initiate(to client: SocketAddress) {
+        guard let echoTag else { return }
+        let sent = echoTag.withUnsafeBytes { bytes in
+            client.withSockAddr { sendto(member.socket, bytes.baseAddress, bytes.count, 0, $0, $1) }
+        }
+        if sent == echoTag.count {
+            initiated += 1
+            printError("collector slot \(member.slot): initiated to \(client)")
+        } else {
+            printError("collector slot \(member.slot): initiate to \(client) failed: \(SystemCallError(call: "sendto", errno: errno))")
+        }
+    }
+
+    /// --echo: the datagram back to its sender with the tag appended.
+    mutating func echo(_ index: Int) {
+        guard let echoTag else { return }
+        let payload = receiver.payload(index)
+        let base = echoBuffer.baseAddress!
+        if payload.count > 0 { base.copyMemory(from: payload.baseAddress!, byteCount: payload.count) }
+        echoTag.withUnsafeBytes { (base + payload.count).copyMemory(from: $0.baseAddress!, byteCount: $0.count) }
+        let length = payload.count + echoTag.count
+        let storage = receiver.sourceStorage(index)
+        let nameLength = socklen_t(Int32(storage.pointee.ss_family) == AF_INET6 ? MemoryLayout<sockaddr_in6>.size : MemoryLayout<sockaddr_in>.size)
+        let sent = storage.withMemoryRebound(to: sockaddr.self, capacity: 1) {
+            sendto(member.socket, base, length, Int32(MSG_DONTWAIT), $0, nameLength)
+        }
+        if sent == length {
+            echoed += 1
+        } else {
+            if echoFailed == 0 {
+                printError("collector slot \(member.slot): echo failed: \(SystemCallError(call: "sendto", errno: errno)) (counted as echo_failed; later failures are not logged)")
+            }
+            echoFailed += 1
+        }
+    }
+
     mutating func record(_ index: Int) {
+        echo(index)
         let payload = receiver.payload(index)
         received += 1
         bytes += UInt64(payload.count)
@@ -232,6 +314,12 @@ struct Run {
         json.add("bytes", bytes)
         json.add("truncated", truncated)
         json.add("foreign", foreign)
+        if echoTag != nil {
+            json.add("tag", String(decoding: echoTag!, as: UTF8.self))
+            json.add("echoed", echoed)
+            json.add("echo_failed", echoFailed)
+            json.add("initiated", initiated)
+        }
         // Loss and reordering from sequence numbers mean something only where every datagram
         // of a source reaches one collector: not with roundRobin, which spreads each source.
         let sequenceChecks = member.options.policy != .roundRobin

@@ -18,7 +18,11 @@ struct Publisher: ParsableCommand {
             number (and, from 24 bytes, the send time), so collectors can count loss and \
             reordering and measure latency. Prints one JSON line: what was \
             sent, per source, and the rate achieved. Source addresses must exist on this host \
-            (all of 127.0.0.0/8 does on loopback; IPv6 ones must be added to an interface).
+            (all of 127.0.0.0/8 does on loopback; IPv6 ones must be added to an interface). \
+            With --exchange it is the client side of a two-way test instead: <count> request/response \
+            exchanges per client (see --clients); the JSON line then counts replies, lost ones, \
+            replies from a source other than the destination, and the servers (tags appended by \
+            `collector --echo`) each client saw.
             """)
 
     @Argument(help: "Destination address (IPv4 or IPv6).") var ip: String
@@ -32,12 +36,24 @@ struct Publisher: ParsableCommand {
     @Option(help: "Datagrams per sendmmsg call.") var batch: Int = 32
     @Flag(help: "Send each batch as one UDP GSO message (UDP_SEGMENT): the same datagrams at far less CPU, for saturating a receiver.")
     var gso = false
+    @Flag(help: "Request/response mode: <count> exchanges per client, each request awaiting its reply.")
+    var exchange = false
+    @Option(help: "--exchange: client sockets, each bound to a source of --sources (round robin) and its own port.")
+    var clients: Int = 1
+    @Option(name: .customLong("reply-timeout-ms"), help: "--exchange: a request without a reply after this long is counted lost and the next is sent.")
+    var replyTimeoutMs: Int = 1000
+    @Option(help: "--exchange: requests each client keeps outstanding.")
+    var window: Int = 1
+    @Option(name: .customLong("client-port-base"), help: "--exchange: client i binds port BASE+i (0: ephemeral ports), so a later run is the same clients.")
+    var clientPortBase: Int = 0
+    @Flag(name: .customLong("per-client"), help: "--exchange: add client_tags, each client's address:port and the tags it saw in order.")
+    var perClient = false
 
     /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
     /// option errors.
     static func main() {
         switch CommandLineNumbers.rewrite(
-            Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "count"], flags: ["--gso", "--help"])
+            Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "count"], flags: ["--gso", "--exchange", "--per-client", "--help"])
         {
         case .failure(let message): exit(withError: ValidationError(message.text))
         case .success(let arguments): main(arguments)
@@ -60,6 +76,18 @@ struct Publisher: ParsableCommand {
             }
         }
         guard rate >= 0, duration >= 0 else { throw ValidationError("--rate and --duration must not be negative") }
+        if exchange {
+            guard size >= Payload.timestampedSize else { throw ValidationError("--exchange: --size must be at least \(Payload.timestampedSize)") }
+            guard (1...65536).contains(clients) else { throw ValidationError("--clients must be 1...65536") }
+            guard (1...1024).contains(window) else { throw ValidationError("--window must be 1...1024") }
+            guard (1...600_000).contains(replyTimeoutMs) else { throw ValidationError("--reply-timeout-ms must be 1...600000") }
+            guard clientPortBase == 0 || (1024...65535).contains(clientPortBase) && clientPortBase + clients - 1 <= 65535 else {
+                throw ValidationError("--client-port-base: BASE...BASE+clients-1 must lie in 1024...65535 (0: ephemeral ports)")
+            }
+            guard !gso, rate == 0 else { throw ValidationError("--exchange paces itself by the replies: --gso and --rate do not apply") }
+        } else if clients != 1 || window != 1 || clientPortBase != 0 || perClient {
+            throw ValidationError("--clients, --window, --client-port-base and --per-client need --exchange")
+        }
         if let sources {
             do {
                 let addresses = try AddressRange.parse(sources)
@@ -76,6 +104,12 @@ struct Publisher: ParsableCommand {
         shim_install_signal_flags()
         let destination = SocketAddress(ip: IPAddress(ip)!, port: port)
         let addresses = try sources.map { try AddressRange.parse($0) }
+        if exchange {
+            try Exchange(destination: destination, sources: addresses, clients: clients, exchanges: count, size: size, window: window,
+                         replyTimeout: .milliseconds(replyTimeoutMs), duration: duration, clientPortBase: UInt16(clientPortBase),
+                         perClient: perClient).run()
+            return
+        }
         var senders: [Int32] = []
         defer { for fd in senders { close(fd) } }
         for source in addresses?.map(Optional.some) ?? [nil] {
