@@ -248,6 +248,26 @@ struct RelayTests {
         #expect(openSockets() == before, "every session socket closed after stop; still open: \(openSockets().subtracting(before))")
     }
 
+    @Test("A reload that restarts the listener (settings changed): its relay totals go on from where they were")
+    func restartKeepsTotals() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("restart", bind: bind, servers))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(5, base: 250).map { try RelayClient(source: $0) }
+        for client in clients { #expect(try client.exchange("\(client.source)-1", with: bind) != nil) }
+        settle { daemon.counters(of: "restart")?.twoWay?.replies == 5 }
+        #expect(daemon.reload(text: relayYAML("restart", bind: bind, servers, settings: "      session_idle_secs: 300\n")))
+        for client in clients { #expect(try client.exchange("\(client.source)-2", with: bind) != nil) }
+        settle { daemon.counters(of: "restart")?.twoWay?.replies == 10 }
+        let twoWay = try #require(daemon.counters(of: "restart")?.twoWay)
+        #expect(twoWay.replies == 10)
+        #expect(twoWay.downstreamReplies.values.reduce(0, +) == 10)
+        // The restarted listener's sessions are new ones.
+        #expect(twoWay.events[.created] == 10)
+        #expect(twoWay.associations == 5)
+    }
+
     @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served")
     func downstreamDown() throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
