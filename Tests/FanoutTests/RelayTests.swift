@@ -75,7 +75,7 @@ final class RelayClient {
 
     init(source: String) throws {
         self.source = source
-        fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        fd = socket(IPAddress(source)!.family, Int32(SOCK_DGRAM.rawValue), 0)
         try #require(SocketAddress(ip: IPAddress(source)!, port: 0).withSockAddr { bind(fd, $0, $1) } == 0, "bind \(source): errno \(errno)")
     }
 
@@ -248,6 +248,26 @@ struct RelayTests {
         #expect(openSockets() == before, "every session socket closed after stop; still open: \(openSockets().subtracting(before))")
     }
 
+    @Test("A reload that restarts the listener (settings changed): its relay totals go on from where they were")
+    func restartKeepsTotals() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("restart", bind: bind, servers))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(5, base: 250).map { try RelayClient(source: $0) }
+        for client in clients { #expect(try client.exchange("\(client.source)-1", with: bind) != nil) }
+        settle { daemon.counters(of: "restart")?.twoWay?.replies == 5 }
+        #expect(daemon.reload(text: relayYAML("restart", bind: bind, servers, settings: "      session_idle_secs: 300\n")))
+        for client in clients { #expect(try client.exchange("\(client.source)-2", with: bind) != nil) }
+        settle { daemon.counters(of: "restart")?.twoWay?.replies == 10 }
+        let twoWay = try #require(daemon.counters(of: "restart")?.twoWay)
+        #expect(twoWay.replies == 10)
+        #expect(twoWay.downstreamReplies.values.reduce(0, +) == 10)
+        // The restarted listener's sessions are new ones.
+        #expect(twoWay.events[.created] == 10)
+        #expect(twoWay.associations == 5)
+    }
+
     @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served")
     func downstreamDown() throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
@@ -267,6 +287,23 @@ struct RelayTests {
         let snapshot = try #require(daemon.counters(of: "down"))
         #expect(snapshot.dropped[.unreachable, default: 0] > 0, "\(snapshot.dropped)")
         #expect(snapshot.twoWay?.replies == 15)
+    }
+
+    @Test("IPv6 clients on ::1: replies come from the listener's IPv6 address, one session per client port")
+    func ipv6Clients() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("::1")!, port: freePort())
+        let daemon = try startDaemon(relayYAML("six", bind: bind, servers))
+        defer { daemon.shutdown() }
+        // Four clients on one address, told apart by their ports.
+        let clients = try (0..<4).map { _ in try RelayClient(source: "::1") }
+        for round in 0..<3 {
+            for client in clients { #expect(try client.exchange("six-\(round)", with: bind) != nil) }
+        }
+        settle { daemon.counters(of: "six")?.twoWay?.replies == 12 }
+        let twoWay = try #require(daemon.counters(of: "six")?.twoWay)
+        #expect(twoWay.replies == 12)
+        #expect(twoWay.associations == 4 && twoWay.events[.created] == 4)
     }
 
     @Test("associations(limit:): each client with its downstream's name and idle seconds, from every worker")

@@ -25,7 +25,22 @@ final class RelayCounters: Sendable {
         let replies = Atomic<UInt64>(0)
     }
 
-    init(maxSessions: Int) { self.maxSessions = maxSessions }
+    /// - Parameter previous: the totals of the listener this one replaces (a reload that restarts
+    ///   it): counted on from there, so no total goes back. The sessions themselves are not carried.
+    init(maxSessions: Int, continuing previous: TwoWaySnapshot? = nil) {
+        self.maxSessions = maxSessions
+        guard let previous else { return }
+        replies.store(previous.replies, ordering: .relaxed)
+        replyBytes.store(previous.replyBytes, ordering: .relaxed)
+        replySendBufferFull.store(previous.replyDropped[.sendBufferFull] ?? 0, ordering: .relaxed)
+        replySendError.store(previous.replyDropped[.sendError] ?? 0, ordering: .relaxed)
+        replyTooLarge.store(previous.replyDropped[.tooLarge] ?? 0, ordering: .relaxed)
+        created.store(previous.events[.created] ?? 0, ordering: .relaxed)
+        moved.store(previous.events[.moved] ?? 0, ordering: .relaxed)
+        expired.store(previous.events[.expired] ?? 0, ordering: .relaxed)
+        tableFull.store(previous.events[.tableFull] ?? 0, ordering: .relaxed)
+        for (name, count) in previous.downstreamReplies { downstream(name).replies.store(count, ordering: .relaxed) }
+    }
 
     /// Takes one session slot; false when `maxSessions` are open (nothing taken).
     func admit() -> Bool {

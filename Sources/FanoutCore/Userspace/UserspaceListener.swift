@@ -66,7 +66,8 @@ final class UserspaceListener: RunningListener {
         if config.replies == .relay {
             // Two-way: each worker keeps its own sessions (validation guarantees per-client
             // worker steering); the one-way workers below stay exactly as they are.
-            let relay = RelayCounters(maxSessions: config.settings.maxSessions)
+            // The counters outlive a restart (reload of the bind or settings): so do the relay totals.
+            let relay = RelayCounters(maxSessions: config.settings.maxSessions, continuing: counters.twoWaySource.withLock { $0 }?())
             var relayWorkers: [RelayWorker] = []
             for (index, member) in members.enumerated() {
                 do {
