@@ -8,7 +8,8 @@
  * address first, then the family's wildcard). Pick a backend: per-CPU weighted rotation or a source-address
  * lookup table (Sources/FanoutCore/Balancing/SourceTable.swift). Look up the route to the backend (bpf_fib_lookup), then rewrite destination
  * address and port with incremental checksum updates (a zero IPv4 UDP checksum stays zero),
- * decrement TTL / hop limit, and redirect. The source address is not touched.
+ * decrement TTL / hop limit, and redirect. The source address is not touched (one-way and the
+ * client direction of a nat listener; a nat listener's replies get their source rewritten).
  *
  * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
  * later fragments follow it, so a datagram is reassembled whole at one backend.
@@ -267,15 +268,17 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 /* What find_reply found. */
 enum reply_kind {
 	REPLY_NOT_OURS = 0,     /* not from a live backend of a nat listener */
-	REPLY_ASSOCIATED = 1,   /* to this backend's client (or a new one: associated now) */
-	REPLY_WRONG_SERVER = 2, /* to a client of another backend */
+	REPLY_ASSOCIATED = 1,   /* to this backend's client */
+	REPLY_WRONG_SERVER = 2, /* to a client of another live backend */
+	REPLY_NEW = 3,          /* to a client with no association (server-initiated), or whose
+				 * backend left the set (moved): associated with this backend once
+				 * the datagram is known to leave (not for this host) */
 };
 
 /* A datagram that matched no listener: a reply if its source is a live backend of a nat
  * listener. Fills the listener's address and port (the new source) into `vip`, with the
- * backend's counter slot, and the listener id; associates a client that has no association
- * with this backend (`*server_initiated` = 1). */
-static __always_inline int find_reply(struct packet *p, struct fanout_backend *vip, __u32 *id, __u32 *server_initiated)
+ * backend's counter slot, and the listener id. Associates nothing: see associate(). */
+static __always_inline int find_reply(struct packet *p, struct fanout_backend *vip, __u32 *id, __u32 *moved)
 {
 	struct fanout_live_key live_key = {};
 	__builtin_memcpy(live_key.addr, p->saddr, sizeof(live_key.addr));
@@ -301,14 +304,37 @@ static __always_inline int find_reply(struct packet *p, struct fanout_backend *v
 	key.port = p->dport;
 	key.family = p->family;
 	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
-	if (associated)
-		return same_endpoint(associated->addr, associated->port, p->saddr, p->sport) ? REPLY_ASSOCIATED : REPLY_WRONG_SERVER;
+	if (!associated)
+		return REPLY_NEW;
+	if (same_endpoint(associated->addr, associated->port, p->saddr, p->sport))
+		return REPLY_ASSOCIATED;
+	/* Another backend's client: sbulb's rule drops it, unless that backend left the set (the
+	 * client would move on its next datagram anyway: it moves to this one now). */
+	struct fanout_live_key other = {};
+	__builtin_memcpy(other.addr, associated->addr, sizeof(other.addr));
+	other.port = associated->port;
+	other.family = p->family;
+	struct fanout_live *other_live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &other);
+	if (other_live && other_live->listener_id == listener)
+		return REPLY_WRONG_SERVER;
+	*moved = 1;
+	return REPLY_NEW;
+}
+
+/* Associates the reply's client (destination) with its backend (source) in listener `id`'s map. */
+static __always_inline void associate(struct packet *p, __u32 id)
+{
+	void *associations = bpf_map_lookup_elem(&FANOUT_MAP_ASSOCIATIONS, &id);
+	if (!associations)
+		return;
+	struct fanout_association_key key = {};
+	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
+	key.port = p->dport;
+	key.family = p->family;
 	struct fanout_association value = {};
 	__builtin_memcpy(value.addr, p->saddr, sizeof(value.addr));
 	value.port = p->sport;
 	bpf_map_update_elem(associations, &key, &value, BPF_ANY);
-	*server_initiated = 1;
-	return REPLY_ASSOCIATED;
 }
 
 /* Counts a listener's verdict, and its reply-direction share. */
@@ -436,8 +462,9 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	int chosen = 1;
 	int reply = 0;
 	int wrong_server = 0;
+	int new_association = 0;
 	__u32 event = ASSOCIATION_KEPT;
-	__u32 server_initiated = 0;
+	__u32 reply_moved = 0;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(skb, &p);
 		if (listener) {
@@ -447,20 +474,14 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 			else
 				chosen = choose(listener, &p, &backend);
 		} else {
-			int found = find_reply(&p, &backend, &id, &server_initiated);
+			int found = find_reply(&p, &backend, &id, &reply_moved);
 			if (found == REPLY_NOT_OURS) {
 				count_unmatched(FANOUT_VERDICT_NOT_OURS);
 				return FANOUT_PASS;
 			}
 			reply = 1;
 			wrong_server = found == REPLY_WRONG_SERVER;
-		}
-		if (chosen && !wrong_server && p.fragment) {
-			struct fanout_fragment remembered = {
-				.backend = backend, .listener_id = id,
-				.direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD,
-			};
-			bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
+			new_association = found == REPLY_NEW;
 		}
 	} else {
 		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
@@ -480,8 +501,6 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		return FANOUT_PASS;
 	}
 	if (reply) {
-		if (server_initiated)
-			stats->server_initiated++;
 		if (wrong_server) {
 			count(stats, reply, FANOUT_VERDICT_WRONG_SERVER);
 			return TC_ACT_SHOT;
@@ -527,6 +546,12 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		__builtin_memcpy(fib.ipv6_dst, destination, 16);
 	}
 	long route = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	/* A backend's datagram to this host itself (a udp_echo health probe's answer, say) is no
+	 * reply to a client: it goes up the stack untouched, and associates nothing. */
+	if (reply && route == BPF_FIB_LKUP_RET_NOT_FWDED) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
+		return FANOUT_PASS;
+	}
 	if (route == BPF_FIB_LKUP_RET_SUCCESS)
 		verdict = FANOUT_VERDICT_FORWARDED;
 	else if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
@@ -545,6 +570,22 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 				dropped->too_large++;
 		}
 		return TC_ACT_SHOT;
+	}
+
+	if (new_association) {
+		associate(&p, id);
+		if (reply_moved)
+			stats->moved++;
+		else
+			stats->server_initiated++;
+	}
+	/* Later fragments follow the first one's choice (only once it is known to leave). */
+	if (p.has_udp && p.fragment) {
+		struct fanout_fragment remembered = {
+			.backend = backend, .listener_id = id,
+			.direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD,
+		};
+		bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
 	}
 
 	/* A tag in the frame or in skb metadata belongs to the ingress link, not the egress. */

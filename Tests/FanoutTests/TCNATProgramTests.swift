@@ -196,6 +196,34 @@ struct TCNATProgramTests {
         #expect(nat.serverInitiated == 2 && nat.created == 0, "\(nat)")
     }
 
+    @Test("A backend's datagram to the load balancer itself (a udp_echo health probe's answer) passes untouched and associates nothing; a wrong-server reply to a client whose backend left the set moves it instead")
+    func localDestinationAndGoneBackend() throws {
+        let (fixture, maps) = try Self.natFixture()
+        defer { maps.forEach { close($0) } }
+        // The load balancer's own address on the backends' side: the answer to its probe.
+        let probe = Self.frame(from: SocketAddress("198.18.200.10:6001")!, to: SocketAddress("198.18.200.1:45000")!, payload: Array(repeating: 1, count: 16))
+        let passed = fixture.execute(probe, ifindex: fixture.otherIfindex)
+        #expect(passed.verdict == Self.pass && passed.output == probe, "up the stack, unchanged")
+        var nat = fixture.program.natStats(id: Self.natID)
+        #expect(nat.serverInitiated == 0 && TCProgram.associationEntries(maps[0], limit: 10).total == 0, "\(nat)")
+        #expect(Self.verdict(fixture, Self.natID, FANOUT_VERDICT_NO_ROUTE) == 0, "not counted as a reply without a route")
+
+        // A client of backend A; A leaves the set; backend B's datagram to that client moves it to B.
+        let client = SocketAddress("198.18.50.7:42000")!
+        let first = try Self.forwarded(fixture, Self.frame(from: client, to: Self.vip, payload: [1]))
+        fixture.program.removeLive(first, id: Self.natID)
+        let other = SocketAddress(ip: first.ip, port: first.port == 6001 ? 6002 : 6001)
+        let reply = Self.frame(from: other, to: client, payload: [2])
+        let (result, output) = fixture.execute(reply, ifindex: fixture.otherIfindex)
+        #expect(result == Self.redirect, "not wrong_server: the associated backend is gone")
+        try Self.expectReply(output, from: Self.vip, to: client, original: reply)
+        nat = fixture.program.natStats(id: Self.natID)
+        #expect(nat.moved == 1 && nat.verdict(FANOUT_VERDICT_WRONG_SERVER) == 0, "\(nat)")
+        // A removal by another listener id leaves the entry alone (a renamed successor owns it).
+        fixture.program.removeLive(other, id: Self.natID6)
+        #expect(try Self.forwarded(fixture, Self.frame(from: client, to: Self.vip, payload: [3])) == other, "still live, the client stays")
+    }
+
     @Test("A backend no longer live: its clients move on their next datagram (moved), others stay; re-added it gets new clients only")
     func moved() throws {
         let (fixture, maps) = try Self.natFixture()
@@ -215,7 +243,7 @@ struct TCNATProgramTests {
         entry.generation = 1
         entry.reserved = FANOUT_LISTENER_NAT
         try fixture.program.putListener(Self.vip, ifindex: UInt32(fixture.ifindex), entry)
-        fixture.program.removeLive(gone)
+        fixture.program.removeLive(gone, id: Self.natID)
         let movedTo = try Self.forwarded(fixture, Self.frame(from: clients[0], to: Self.vip, payload: [2]))
         #expect(movedTo != gone && remaining.contains(movedTo))
         #expect(try Self.forwarded(fixture, Self.frame(from: clients[0], to: Self.vip, payload: [3])) == movedTo, "stays moved")

@@ -5,10 +5,15 @@ import Glibc
 /// `--watch-config`: notices that the configuration file changed (as sbulb polls its file each
 /// second), so a reload needs no SIGHUP. A change is a new inode, size, modification or status
 /// change time (an editor's rename, a Kubernetes ConfigMap's symlink swap, an in-place write)
-/// whose content differs from the last content seen: touching the file reloads nothing.
+/// whose content differs from the last content seen: touching the file reloads nothing. A file
+/// still being written is not read: its fingerprint must stay the same for one poll first. The
+/// reload parses exactly the bytes compared here (``Look/changed(_:)``), so what is loaded is
+/// what the baseline becomes.
 struct ConfigFileWatcher {
     let path: String
     private var fingerprint: Fingerprint?
+    /// A new fingerprint seen at the last look, waiting to hold still for one poll.
+    private var settling: Fingerprint?
     private var content: [UInt8]?
     /// Why the file could not be read at the last look (logged once per problem, not per poll).
     private(set) var problem: String?
@@ -32,8 +37,8 @@ struct ConfigFileWatcher {
     enum Look: Equatable {
         /// Nothing new.
         case unchanged
-        /// The content differs from the baseline: reload (the baseline is now this content).
-        case changed
+        /// The content differs from the baseline: reload this text (the baseline is now it).
+        case changed(String)
         /// The file cannot be read (the problem is new since the last look): say so once.
         case unreadable(String)
     }
@@ -45,7 +50,16 @@ struct ConfigFileWatcher {
             defer { problem = reason }
             return problem == reason ? .unchanged : .unreadable(reason)
         }
-        guard now != fingerprint || problem != nil else { return .unchanged }
+        guard now != fingerprint || problem != nil else {
+            settling = nil
+            return .unchanged
+        }
+        // Changed since the baseline: read it only once it held still for one poll.
+        guard now == settling else {
+            settling = now
+            return .unchanged
+        }
+        settling = nil
         fingerprint = now
         guard let bytes = Self.read(path) else {
             let reason = "cannot read \(path): \(String(cString: strerror(errno)))"
@@ -55,7 +69,7 @@ struct ConfigFileWatcher {
         problem = nil
         guard bytes != content else { return .unchanged }
         content = bytes
-        return .changed
+        return .changed(String(decoding: bytes, as: UTF8.self))
     }
 
     static func fingerprint(_ path: String) -> Fingerprint? {

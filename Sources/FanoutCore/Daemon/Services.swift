@@ -73,7 +73,8 @@ public struct ForwardingService: Service {
     /// What asked for a reload.
     enum Trigger: Sendable {
         case hangup
-        case fileChanged
+        /// The watcher's read of the changed file: the reload parses these very bytes.
+        case fileChanged(String)
     }
 
     public func run() async throws {
@@ -96,7 +97,7 @@ public struct ForwardingService: Service {
                 group.addTask {
                     while (try? await Task.sleep(for: interval)) != nil, !Task.isCancelled {
                         switch watcher.state.withLock({ $0?.look() }) {
-                        case .changed?: requests.yield(.fileChanged)
+                        case .changed(let text)?: requests.yield(.fileChanged(text))
                         case .unreadable(let problem)?:
                             daemon.logger.warning("cannot read the watched configuration file; the running configuration stays", metadata: ["problem": "\(problem)"])
                         case .unchanged?, nil: break
@@ -106,9 +107,10 @@ public struct ForwardingService: Service {
             }
             for await trigger in triggers {
                 await reload(trigger)
-                // The file as it is after the reload is the baseline: a SIGHUP that already loaded a
-                // change does not reload it again when the watcher sees it.
-                watcher.state.withLock { $0?.rebase() }
+                // After a SIGHUP the file as it is now is the baseline, so a change the SIGHUP
+                // loaded is not loaded again when the watcher sees it. (A file-triggered reload
+                // loaded the watcher's own bytes: its baseline already.)
+                if case .hangup = trigger { watcher.state.withLock { $0?.rebase() } }
             }
             group.cancelAll()
         }
@@ -130,7 +132,9 @@ public struct ForwardingService: Service {
         case .hangup: daemon.logger.info("SIGHUP: reloading the configuration", metadata: ["path": "\(daemon.configPath ?? "-")"])
         case .fileChanged: daemon.logger.info("configuration file changed: reloading", metadata: ["path": "\(daemon.configPath ?? "-")"])
         }
-        let applied = await offCooperativePool("fanout-reload") { daemon.reload() }
+        let text: String?
+        if case .fileChanged(let read) = trigger { text = read } else { text = nil }
+        let applied = await offCooperativePool("fanout-reload") { daemon.reload(text: text) }
         if applied {
             notifier.send("READY=1\nSTATUS=\(forwardingStatus()); configuration reloaded")
         } else {

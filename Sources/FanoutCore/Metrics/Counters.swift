@@ -34,7 +34,8 @@ public enum ReplyDropReason: String, CaseIterable, Sendable {
     case noRoute = "no_route"
     /// nat: TTL or hop limit would reach 0.
     case ttlExpired = "ttl_expired"
-    /// nat: larger than the route's MTU toward the client.
+    /// nat: larger than the route's MTU toward the client; relay: larger than
+    /// `settings.max_packet_size` (never relayed cut).
     case tooLarge = "too_large"
     /// nat: a kernel helper refused to rewrite or redirect it.
     case rewriteFailed = "rewrite_failed"
@@ -42,6 +43,9 @@ public enum ReplyDropReason: String, CaseIterable, Sendable {
     case sendBufferFull = "send_buffer_full"
     /// relay: any other send error.
     case sendError = "send_error"
+    /// relay: the downstream answered a request with ICMP unreachable (read on the session
+    /// socket): the request was sent (counted forwarded) and no reply will come.
+    case downstreamUnreachable = "downstream_unreachable"
 }
 
 /// What happened to the associations (nat) or sessions (relay) of a two-way listener.

@@ -14,6 +14,8 @@ final class RelayCounters: Sendable {
     let replySendError = Atomic<UInt64>(0)
     /// A reply larger than settings.max_packet_size (MSG_TRUNC): never relayed cut.
     let replyTooLarge = Atomic<UInt64>(0)
+    /// ICMP unreachable read on a session socket: a request the downstream refused.
+    let downstreamUnreachable = Atomic<UInt64>(0)
     let created = Atomic<UInt64>(0)
     let moved = Atomic<UInt64>(0)
     let expired = Atomic<UInt64>(0)
@@ -35,6 +37,7 @@ final class RelayCounters: Sendable {
         replySendBufferFull.store(previous.replyDropped[.sendBufferFull] ?? 0, ordering: .relaxed)
         replySendError.store(previous.replyDropped[.sendError] ?? 0, ordering: .relaxed)
         replyTooLarge.store(previous.replyDropped[.tooLarge] ?? 0, ordering: .relaxed)
+        downstreamUnreachable.store(previous.replyDropped[.downstreamUnreachable] ?? 0, ordering: .relaxed)
         created.store(previous.events[.created] ?? 0, ordering: .relaxed)
         moved.store(previous.events[.moved] ?? 0, ordering: .relaxed)
         expired.store(previous.events[.expired] ?? 0, ordering: .relaxed)
@@ -73,6 +76,7 @@ final class RelayCounters: Sendable {
             .sendBufferFull: replySendBufferFull.load(ordering: .relaxed),
             .sendError: replySendError.load(ordering: .relaxed),
             .tooLarge: replyTooLarge.load(ordering: .relaxed),
+            .downstreamUnreachable: downstreamUnreachable.load(ordering: .relaxed),
         ]
         snapshot.associations = UInt64(max(0, open.load(ordering: .relaxed)))
         snapshot.events = [

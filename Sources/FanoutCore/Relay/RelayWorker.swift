@@ -36,6 +36,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let epoll: Int32
     private let events: UnsafeMutablePointer<epoll_event>
     private static let eventCapacity = 256
+    /// Batches read from one socket per epoll wakeup.
+    private static let batchesPerWakeup = 8
     private var version = -1
     private var plan: ForwardingPlan?
     private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
@@ -95,6 +97,9 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     }
 
     deinit {
+        // Here, not at the end of run(): a worker whose thread never ran (a later worker of the
+        // listener failed to start) must not leak its epoll descriptor.
+        close(epoll)
         replyHeaders.deallocate()
         replyIovecs.deallocate()
         events.deallocate()
@@ -121,11 +126,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if ready > 0 {
                 for slot in 0..<Int(ready) {
                     let fd = events[slot].data.fd
+                    // A few batches per socket per wakeup (epoll is level-triggered: a socket that still
+                    // holds datagrams is reported again), so a flood of requests cannot starve the
+                    // replies or the idle sweep, nor one chatty downstream the others.
                     if fd == member.socket {
                         // A receive that fails while epoll says readable would spin a core: wait a little.
-                        if !drainQueue(deadline: nil) { usleep(10_000) }
+                        if !drainQueue(deadline: nil, budget: Self.batchesPerWakeup) { usleep(10_000) }
                     } else {
-                        drainReplies(fd)
+                        drainReplies(fd, budget: Self.batchesPerWakeup)
                     }
                 }
             }
@@ -146,20 +154,24 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
-        close(epoll)
         member.leave()
     }
 
-    /// Every session's client, downstream name (its address once the downstream left the plan),
-    /// and seconds since its last datagram.
-    func associations() -> [AssociationEntry] {
+    /// Up to `limit` sessions' client, downstream name (its address once the downstream left the
+    /// plan) and seconds since the last datagram, and how many sessions the worker has: the table
+    /// is locked only while at most `limit` entries are made.
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int) {
         let now = monotonicMilliseconds()
         return tableLock.withLock { _ in
-            sessions.values.compactMap { session in
-                guard let client = session.clientAddress else { return nil }
+            var entries: [AssociationEntry] = []
+            entries.reserveCapacity(min(limit, sessions.count))
+            for session in sessions.values {
+                guard entries.count < limit else { break }
+                guard let client = session.clientAddress else { continue }
                 let name = session.socket >= 0 ? session.downstream.name : "\(session.downstream.address)"
-                return AssociationEntry(client: client, downstream: name, idleSeconds: Int(max(0, now - session.lastActive) / 1000))
+                entries.append(AssociationEntry(client: client, downstream: name, idleSeconds: Int(max(0, now - session.lastActive) / 1000)))
             }
+            return (entries, sessions.count)
         }
     }
 
@@ -186,6 +198,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if let target = index["\(session.downstream.name)|\(session.downstream.address)"] {
                 session.target = target
             } else {
+                // Replies already queued from the leaving downstream still reach the client.
+                relayQueued(session, budget: .max)
                 bySocket[session.socket] = nil
                 session.closeSocket()  // close removes it from the epoll set
             }
@@ -194,11 +208,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     // MARK: Client → downstream
 
-    /// Receives and forwards batches until the listener socket is empty (or stop, or the deadline).
+    /// Receives and forwards batches until the listener socket is empty (or stop, or the
+    /// deadline, or `budget` batches).
     /// - Returns: false when a receive failed.
     @discardableResult
-    private func drainQueue(deadline: ContinuousClock.Instant?) -> Bool {
-        while true {
+    private func drainQueue(deadline: ContinuousClock.Instant?, budget: Int = .max) -> Bool {
+        var batches = 0
+        while batches < budget {
+            batches += 1
             let count: Int
             do {
                 count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
@@ -363,34 +380,44 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     // MARK: Downstream → client
 
-    /// Relays what session socket `fd` holds to its client from the listener socket.
-    private func drainReplies(_ fd: Int32) {
+    /// Relays what session socket `fd` holds (at most `budget` batches) to its client from the listener socket.
+    private func drainReplies(_ fd: Int32, budget: Int = .max) {
         tableLock.withLock { _ in
             guard let session = bySocket[fd], session.socket == fd else { return }
-            let target = session.target
-            while true {
-                let count: Int
-                do throws(SystemCallError) {
-                    count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
-                } catch {
-                    if error.errno == ECONNREFUSED {
-                        // ICMP port unreachable for a datagram sent on this session: the downstream
-                        // is not listening. Reading the error clears it, so the client's next
-                        // datagram is sent (not refused in its place).
-                        counters.drop(.unreachable, 1)
-                        plan?.counters[target].dropped.wrappingAdd(1, ordering: .relaxed)
-                        if let plan, target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[target].address) }
-                        continue
-                    }
-                    logFailure("receive on a relay session socket failed", error)
-                    return
+            relayQueued(session, budget: budget)
+        }
+    }
+
+    /// Relays what the session's socket holds to its client. Called with the table lock held.
+    private func relayQueued(_ session: RelaySession, budget: Int) {
+        let fd = session.socket
+        guard fd >= 0 else { return }
+        let target = session.target
+        var batches = 0
+        while batches < budget {
+            batches += 1
+            let count: Int
+            do throws(SystemCallError) {
+                count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+            } catch {
+                if error.errno == ECONNREFUSED || error.errno == EHOSTUNREACH || error.errno == ENETUNREACH {
+                    // ICMP unreachable for a request sent on this session: the downstream did not
+                    // take it. The request was counted forwarded, so this is counted on the reply
+                    // side (no reply will come), and passive health is told. Reading the error
+                    // clears it, so the client's next datagram is sent (not refused in its place).
+                    relay.downstreamUnreachable.wrappingAdd(1, ordering: .relaxed)
+                    if error.errno == ECONNREFUSED, let plan, target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[target].address) }
+                    continue
                 }
-                if count == 0 { return }
-                progress.wrappingAdd(1, ordering: .relaxed)
-                session.lastActive = monotonicMilliseconds()
-                sendReplies(count, to: session)
-                if count < replyReceiver.batchSize { return }
+                relay.replySendError.wrappingAdd(1, ordering: .relaxed)
+                logFailure("receive on a relay session socket failed (counted replies_dropped send_error)", error)
+                return
             }
+            if count == 0 { return }
+            progress.wrappingAdd(1, ordering: .relaxed)
+            session.lastActive = monotonicMilliseconds()
+            sendReplies(count, to: session)
+            if count < replyReceiver.batchSize { return }
         }
     }
 
@@ -445,11 +472,15 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private func sweep(now: Int64) {
         tableLock.withLock { _ in
             adoptPlanIfChanged()
+            // Keys first: removing while iterating would copy the whole table.
+            let idle = sessions.compactMap { now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
             var expired = 0
-            for (key, session) in sessions where now - session.lastActive >= idleMilliseconds {
+            for key in idle {
+                guard let session = sessions.removeValue(forKey: key) else { continue }
+                // A reply that arrived in this very instant still goes out.
+                relayQueued(session, budget: .max)
                 if session.socket >= 0 { bySocket[session.socket] = nil }
                 session.closeSocket()
-                sessions[key] = nil
                 expired += 1
             }
             relay.release(expired)

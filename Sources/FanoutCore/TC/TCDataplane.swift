@@ -262,6 +262,9 @@ final class TCListener: RunningListener {
         let wantedInterfaces = nat ? replyInterfaces(for: downstreams) : []
         let added = wantedInterfaces.filter { !held.contains($0) }
         try dataplane.acquireReplyInterfaces(added, for: config)
+        // Backends marked live by this call: taken out again if the change fails, so a failed
+        // change leaves no entry behind that a later listener with this id would inherit.
+        var markedLive: [SocketAddress] = []
         do throws(SystemCallError) {
             try live.withLock { live throws(SystemCallError) in
                 let wanted = Set(downstreams.map(\.name))
@@ -283,6 +286,7 @@ final class TCListener: RunningListener {
                     for downstream in downstreams where downstream.weight > 0 {
                         guard let slot = slots[downstream.name] else { continue }
                         liveBackends[downstream.address] = slot
+                        if live.liveBackends[downstream.address] == nil { markedLive.append(downstream.address) }
                         try program.putLive(downstream.address, id: id, slot: slot)
                     }
                 }
@@ -295,7 +299,7 @@ final class TCListener: RunningListener {
                 entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
                 try program.putListener(config.bind, ifindex: ifindex, entry)
                 for address in live.liveBackends.keys where liveBackends[address] == nil {
-                    program.removeLive(address)
+                    program.removeLive(address, id: id)
                 }
                 live.generation = generation
                 live.slots = slots
@@ -304,6 +308,7 @@ final class TCListener: RunningListener {
                 live.replyInterfaces = wantedInterfaces
             }
         } catch {
+            for address in markedLive { program.removeLive(address, id: id) }
             dataplane.releaseReplyInterfaces(added)
             throw .maps(error)
         }
@@ -318,7 +323,13 @@ final class TCListener: RunningListener {
         if !config.settings.replyInterfaces.isEmpty { return config.settings.replyInterfaces }
         var names: [String] = []
         for downstream in downstreams where downstream.weight > 0 {
-            if let name = TCRoute.interface(to: downstream.address.ip), !names.contains(name) { names.append(name) }
+            guard let name = TCRoute.interface(to: downstream.address.ip) else {
+                logger.warning("replies nat: no interface routes to this downstream, so its replies are not watched (they would leave with its own address); add a route or set settings.reply_interfaces", metadata: [
+                    "listener": "\(config.name)", "downstream": "\(downstream.name)", "address": "\(downstream.address)",
+                ])
+                continue
+            }
+            if !names.contains(name) { names.append(name) }
         }
         return names
     }
@@ -331,8 +342,13 @@ final class TCListener: RunningListener {
             defer { live.liveBackends = [:]; live.replyInterfaces = [] }
             return (Array(live.liveBackends.keys), live.replyInterfaces)
         }
-        for address in backends { program.removeLive(address) }
-        try? program.putNAT(id: id, bind: nil)
+        for address in backends { program.removeLive(address, id: id) }
+        do throws(SystemCallError) {
+            try program.putNAT(id: id, bind: nil)
+        } catch {
+            // The listener's live entries are gone already, so nothing is NATed for it any more.
+            logger.warning("could not clear the nat listener's address from the map", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+        }
         program.removeAssociations(id: id)
         close(associationMap)
         dataplane.releaseReplyInterfaces(interfaces)
@@ -404,7 +420,7 @@ final class TCListener: RunningListener {
         let counted = associationCount.withLock { count in
             let now = ContinuousClock.now
             if let associationMap, !stopped.load(ordering: .relaxed), count.at.map({ now - $0 >= Self.countInterval }) ?? true {
-                count.present = TCProgram.associationEntries(associationMap, limit: 0).total
+                count.present = TCProgram.associationEntries(associationMap, limit: 0, maximum: config.settings.maxAssociations).total
                 count.at = now
                 // Made and present read together: evicted is what was made and is gone.
                 count.evicted = max(count.evicted, made > UInt64(count.present) ? made - UInt64(count.present) : 0)

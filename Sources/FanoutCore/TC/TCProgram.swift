@@ -241,15 +241,22 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LIVE_NAME)") { bpf_map_update_elem(liveBackends, &key, &value, UInt64(BPF_ANY)) }
     }
 
-    /// A backend no longer live: its clients move on their next datagram.
-    func removeLive(_ address: SocketAddress) {
+    /// A backend no longer live for listener `id`: its clients move on their next datagram. An
+    /// entry another listener owns now (a reload that renamed the listener registers the
+    /// successor before the predecessor goes) is left alone.
+    func removeLive(_ address: SocketAddress, id: UInt32) {
         var key = Self.liveKey(address)
+        var value = fanout_live()
+        guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return }
         bpf_map_delete_elem(liveBackends, &key)
     }
 
     /// The entries of an association map: each client and its backend, up to `limit`, and the
     /// number present (walked with get_next_key: LRU hash maps have no batch lookup on every kernel).
-    static func associationEntries(_ fd: Int32, limit: Int) -> (entries: [(client: SocketAddress, backend: SocketAddress)], total: Int) {
+    /// - Parameter maximum: the map's size: a walk that restarts (the LRU map evicted the key it
+    ///   stood on, so get_next_key begins again) stops there, so it is bounded and never counts
+    ///   more than the map can hold.
+    static func associationEntries(_ fd: Int32, limit: Int, maximum: Int = .max) -> (entries: [(client: SocketAddress, backend: SocketAddress)], total: Int) {
         var entries: [(client: SocketAddress, backend: SocketAddress)] = []
         var total = 0
         var key = fanout_association_key()
@@ -259,6 +266,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             first = false
             key = next
             total += 1
+            if total >= maximum { break }
             guard entries.count < limit else { continue }
             var value = fanout_association()
             // Evicted between the two calls: counted, not listed.

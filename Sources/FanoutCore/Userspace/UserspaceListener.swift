@@ -83,6 +83,8 @@ final class UserspaceListener: RunningListener {
             counters.twoWaySource.withLock { $0 = { relay.snapshot() } }
         } else {
             relay = nil
+            // A reload that turned relay off: no two-way series for a one-way listener.
+            counters.twoWaySource.withLock { $0 = nil }
             workers = members.enumerated().map { index, member in
                 UserspaceWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stop, logger: logger,
                                 makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
@@ -146,9 +148,9 @@ final class UserspaceListener: RunningListener {
         var entries: [AssociationEntry] = []
         var total = 0
         for case let worker as RelayWorker in workers {
-            let listed = worker.associations()
-            total += listed.count
-            entries += listed.prefix(max(0, limit - entries.count))
+            let listed = worker.associations(limit: max(0, limit - entries.count))
+            total += listed.total
+            entries += listed.entries
         }
         return (entries, total)
     }
