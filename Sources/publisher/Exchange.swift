@@ -138,10 +138,14 @@ struct Exchange {
                             continue
                         }
                         replies += 1
-                        if receiver.source(datagram) != destination { wrongSource += 1 }
                         rtt.record(nanoseconds: at > sentAt ? at - sentAt : 0)
-                        let tag = String(decoding: UnsafeRawBufferPointer(rebasing: payload[size...]), as: UTF8.self)
-                        if !states[index].tags.contains(tag) { states[index].tags.append(tag) }
+                        if receiver.source(datagram) != destination {
+                            // Counted, and its tag left out: servers_per_client judges only real replies.
+                            wrongSource += 1
+                        } else {
+                            let tag = String(decoding: UnsafeRawBufferPointer(rebasing: payload[size...]), as: UTF8.self)
+                            if !states[index].tags.contains(tag) { states[index].tags.append(tag) }
+                        }
                         if states[index].sent < exchanges { send(index, at: at) }
                     }
                 }

@@ -87,6 +87,7 @@ struct UDPFanout: AsyncParsableCommand {
                     targets.append("Kubernetes \(source.namespace.map { "\($0)/" } ?? "")\(source.service):\(source.port)")
                 }
                 return "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets.joined(separator: " + ")), \(listener.balancing.rawValue)"
+                    + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
             }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : ""))
             return
         }

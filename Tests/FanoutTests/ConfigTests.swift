@@ -187,6 +187,23 @@ struct ConfigTests {
         #expect(changed.listeners[1].socketShape != config.listeners[1].socketShape, "turning replies on or off restarts the listener")
     }
 
+    @Test("--check with replies nat: a reply interface that does not exist is a problem naming the key and the fix")
+    func replyInterfacePreflight() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: coap
+                bind: "198.18.0.1:5683"
+                interface: lo
+                mode: tc_ebpf
+                replies: nat
+                settings: {reply_interfaces: [lo, nosuchif0]}
+                downstream: [{address: "198.18.1.2:5683"}]
+            """)
+        let problems = Preflight.replyInterfaceProblems(config.listeners[0], path: "listeners[0]")
+        #expect(problems.contains { $0.hasPrefix("listeners[0].settings.reply_interfaces[1]: listener 'coap': reply interface 'nosuchif0' not found") }, "\(problems)")
+        #expect(!problems.contains { $0.contains("reply_interfaces[0]") && $0.contains("not found") }, "lo exists: \(problems)")
+    }
+
     static let invalidCases: [(String, String, String)] = [
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    downstream: [{address: \"127.0.0.1:2\"}]\n    colour: blue\n",
          "listeners[0].colour", "unknown key"),

@@ -22,6 +22,9 @@ public enum Preflight {
                 problems.append("listeners[\(index)].settings.queues: listener '\(listener.name)': \(listener.settings.queues) but \(interface) has \(available) RX queue(s): lower it (0 serves them all)")
             }
         }
+        for (index, listener) in config.listeners.enumerated() where listener.replies == .nat {
+            problems += replyInterfaceProblems(listener, path: "listeners[\(index)]")
+        }
         for (index, listener) in config.listeners.enumerated() where listener.mode == .userspace {
             for overlap in SocketOverlap.warnings(listener.bind) { notes.append("listeners[\(index)].bind: \(overlap)") }
             guard let other = BoundSockets.foreign(on: listener.bind).first else { continue }
@@ -35,6 +38,30 @@ public enum Preflight {
         }
         notes += discoveryNotes(config)
         return (problems, notes)
+    }
+
+    /// replies nat: the interfaces the replies arrive on (configured, or those the kernel routes
+    /// the downstreams through) exist and forward, as the start requires of them.
+    static func replyInterfaceProblems(_ listener: Listener, path: String) -> [String] {
+        var problems: [String] = []
+        var interfaces: [(name: String, key: String)] = listener.settings.replyInterfaces.enumerated().map { ($0.element, "\(path).settings.reply_interfaces[\($0.offset)]") }
+        if interfaces.isEmpty {
+            for (position, downstream) in listener.downstreams.enumerated() where downstream.weight > 0 {
+                guard let name = TCRoute.interface(to: downstream.address.ip) else { continue }  // the route check says so
+                if !interfaces.contains(where: { $0.name == name }) { interfaces.append((name, "\(path).downstream[\(position)].address")) }
+            }
+        }
+        for (name, key) in interfaces {
+            guard if_nametoindex(name) > 0 else {
+                problems.append("\(key): listener '\(listener.name)': reply interface '\(name)' not found in this network namespace: fix settings.reply_interfaces (ip link show lists them) or create the interface first")
+                continue
+            }
+            let (sysctl, file) = TCPreflight.forwardingSetting(interface: name, family: listener.bind.ip.family)
+            if TCDataplane.readFirstLine(file) != "1" {
+                problems.append("\(key): listener '\(listener.name)': IP forwarding is disabled for reply interface '\(name)': replies arriving there could not be routed to the clients; enable it (sysctl -w \(sysctl)=1)")
+            }
+        }
+        return problems
     }
 
     /// Where Kubernetes credentials come from. A note, not a problem: a token may appear after

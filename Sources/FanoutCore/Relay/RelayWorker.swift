@@ -109,12 +109,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     func run() {
-        if listener.settings.pinCPUs {
-            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
-            if shim_pin_current_thread(Int32(index % cpus)) != 0 {
-                logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
-            }
-        }
+        if listener.settings.pinCPUs { pinWorkerThread(index, logger: logger) }
         tableLock.withLock { _ in adoptPlanIfChanged() }
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay"])
@@ -231,11 +226,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             }
             if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
         }
-        let drops = receiver.socketDrops
-        if drops != reportedSocketDrops {
-            counters.add(counters.receiveQueueDrops, UInt64(drops &- reportedSocketDrops))
-            reportedSocketDrops = drops
-        }
+        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
         return true
     }
 

@@ -80,6 +80,14 @@ final class UserspaceListener: RunningListener {
             }
             self.relay = relay
             workers = relayWorkers
+            // Each session is a socket: a table the open-files limit cannot hold fails at run time,
+            // client by client (counted send_error). Say so now.
+            var files = rlimit()
+            if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, UInt64(config.settings.maxSessions) + 256 > UInt64(files.rlim_cur) {
+                logger.warning("replies relay: settings.max_sessions is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
+                    "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "open_files_limit": "\(files.rlim_cur)",
+                ])
+            }
             counters.twoWaySource.withLock { $0 = { relay.snapshot() } }
         } else {
             relay = nil

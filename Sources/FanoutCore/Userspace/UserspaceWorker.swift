@@ -61,12 +61,7 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
     var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     func run() {
-        if listener.settings.pinCPUs {
-            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
-            if shim_pin_current_thread(Int32(index % cpus)) != 0 {
-                logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
-            }
-        }
+        if listener.settings.pinCPUs { pinWorkerThread(index, logger: logger) }
         forwarder.adoptPlanIfChanged()
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)"])
@@ -127,11 +122,7 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
             forward(count)
             if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
         }
-        let drops = receiver.socketDrops
-        if drops != reportedSocketDrops {
-            counters.add(counters.receiveQueueDrops, UInt64(drops &- reportedSocketDrops))
-            reportedSocketDrops = drops
-        }
+        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
         return true
     }
 
@@ -153,5 +144,25 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
             forwarder.append(target, receiver.payload(datagram), source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)
+    }
+}
+
+/// Pins the calling worker thread to CPU `index` modulo the CPU count (settings.pin_cpus); a
+/// failure is logged and the thread runs unpinned.
+func pinWorkerThread(_ index: Int, logger: Logger) {
+    let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+    if shim_pin_current_thread(Int32(index % cpus)) != 0 {
+        logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
+    }
+}
+
+extension ListenerCounters {
+    /// Adds what the socket dropped since `reported` (its SO_RXQ_OVFL count, as the receiver last
+    /// saw it) to receive_queue_drops.
+    func addReceiveQueueDrops(_ receiver: BatchReceiver, reported: inout UInt32) {
+        let drops = receiver.socketDrops
+        guard drops != reported else { return }
+        add(receiveQueueDrops, UInt64(drops &- reported))
+        reported = drops
     }
 }
