@@ -110,8 +110,9 @@ enum fanout_verdict {
 	/* a backend's reply to its associated client (nat listeners): source rewritten to the
 	 * listener's address and port, redirected toward the client */
 	FANOUT_VERDICT_REPLIED = 10,
-	/* a backend's datagram to a client associated with another backend: dropped (sbulb's
-	 * rule: a client talks to one backend) */
+	/* a backend's datagram to a client associated with another live backend: dropped
+	 * (sbulb's rule: a client talks to one backend; a client whose backend left the set
+	 * moves to the replying one instead) */
 	FANOUT_VERDICT_WRONG_SERVER = 11,
 	FANOUT_VERDICT_COUNT = 12,
 };
