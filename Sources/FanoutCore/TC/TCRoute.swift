@@ -9,15 +9,9 @@ import ReusePortLB
 enum TCRoute {
     /// Why there is no unicast route to `ip`, or nil when there is one.
     static func problem(to ip: IPAddress) -> String? {
-        // rtmsg (family, dst_len, src_len, tos, table, protocol, scope, type, flags) + RTA_DST.
-        let address = ip.bytes
-        var body: [UInt8] = [UInt8(ip.family), UInt8(address.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-        Rtnetlink.append16(&body, UInt16(4 + address.count))
-        Rtnetlink.append16(&body, 1)  // RTA_DST
-        body += address
         let replies: [Rtnetlink.Message]
         do {
-            replies = try Rtnetlink.request(type: 26, flags: 0, body: body)  // RTM_GETROUTE
+            replies = try lookup(ip)
         } catch {
             return "the route lookup failed: \(error)"
         }
@@ -40,14 +34,9 @@ enum TCRoute {
     /// The name of the interface the kernel routes `ip` through (the route's RTA_OIF), or nil
     /// when there is no unicast route: where a nat listener's downstream sends its replies from
     /// this host's point of view, so where they arrive.
+    /// A failed lookup is nil too: the caller says the downstream has no interface to watch.
     static func interface(to ip: IPAddress) -> String? {
-        let address = ip.bytes
-        var body: [UInt8] = [UInt8(ip.family), UInt8(address.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-        Rtnetlink.append16(&body, UInt16(4 + address.count))
-        Rtnetlink.append16(&body, 1)  // RTA_DST
-        body += address
-        guard let replies = try? Rtnetlink.request(type: 26, flags: 0, body: body),  // RTM_GETROUTE
-              let reply = replies.first, reply.type == 24, reply.payload.count >= 12, reply.payload[7] == 1  // RTM_NEWROUTE, RTN_UNICAST
+        guard let replies = try? lookup(ip), let reply = replies.first, reply.type == 24, reply.payload.count >= 12, reply.payload[7] == 1  // RTM_NEWROUTE, RTN_UNICAST
         else { return nil }
         var offset = 12
         while offset + 4 <= reply.payload.count {
@@ -61,5 +50,16 @@ enum TCRoute {
             offset += (length + 3) & ~3
         }
         return nil
+    }
+
+    /// The kernel's answer to RTM_GETROUTE for `ip`: rtmsg (family, dst_len, src_len, tos, table,
+    /// protocol, scope, type, flags) and RTA_DST.
+    private static func lookup(_ ip: IPAddress) throws(SystemCallError) -> [Rtnetlink.Message] {
+        let address = ip.bytes
+        var body: [UInt8] = [UInt8(ip.family), UInt8(address.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        Rtnetlink.append16(&body, UInt16(4 + address.count))
+        Rtnetlink.append16(&body, 1)  // RTA_DST
+        body += address
+        return try Rtnetlink.request(type: 26, flags: 0, body: body)  // RTM_GETROUTE
     }
 }
