@@ -85,6 +85,10 @@ final class KubernetesAPIServer: Sendable {
         /// Answer 410 to every list (as for an expired continue token).
         var listsGone = false
         var listsRefused = 0
+        /// Set when the server stops: a watch that arrives afterwards (its request was on the
+        /// wire when the client went away) ends at once instead of holding the connection, and
+        /// with it the server's graceful shutdown, open forever.
+        var closed = false
     }
 
     /// Files the test can hand to credentials.
@@ -154,17 +158,35 @@ final class KubernetesAPIServer: Sendable {
             do {
                 #expect(port > 0, "the test API server did not start")
                 let result = try await body(server)
-                server.endWatches()
-                await group.triggerGracefulShutdown()
-                try await tasks.waitForAll()
+                try await server.stop(group, &tasks)
                 return result
             } catch {
-                server.endWatches()
-                await group.triggerGracefulShutdown()
-                try? await tasks.waitForAll()
+                try? await server.stop(group, &tasks)
                 throw error
             }
         }
+    }
+
+    /// Ends every watch (and any that arrives later), shuts the server down gracefully and
+    /// waits at most 15 s for it; past that the server is cancelled and the test fails, so a
+    /// connection that never closes shows up as a failure naming it rather than a hung run.
+    private func stop(_ group: ServiceGroup, _ tasks: inout ThrowingTaskGroup<Void, any Error>) async throws {
+        store.state.withLock { $0.closed = true }
+        finishWatches(.end)
+        await group.triggerGracefulShutdown()
+        struct ShutdownTimedOut: Error {}
+        tasks.addTask {
+            try await Task.sleep(for: .seconds(15))
+            throw ShutdownTimedOut()
+        }
+        do {
+            try await tasks.next()
+            tasks.cancelAll()
+        } catch is ShutdownTimedOut {
+            Issue.record("the test API server did not shut down within 15 s of the graceful shutdown (a connection stayed open); cancelled it")
+            tasks.cancelAll()
+        }
+        while let _ = try? await tasks.next() {}
     }
 
     // MARK: Test API
@@ -378,6 +400,11 @@ final class KubernetesAPIServer: Sendable {
             let (messages, sink) = AsyncStream.makeStream(of: WatchMessage.self)
             let outcome: Response? = store.state.withLock { state in
                 state.watchesServed += 1
+                if state.closed {
+                    sink.yield(.end)
+                    sink.finish()
+                    return nil
+                }
                 if version < state.oldestKept {
                     state.goneServed += 1
                     switch state.goneStyle {
