@@ -112,6 +112,23 @@ int shim_pin_current_thread(int cpu)
 	return 0;
 }
 
+int shim_allowed_cpus(int *cpus, int max)
+{
+	cpu_set_t set;
+	CPU_ZERO(&set);
+	if (sched_getaffinity(0, sizeof(set), &set) != 0)
+		return -1;
+	int count = 0;
+	for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+		if (!CPU_ISSET(cpu, &set))
+			continue;
+		if (count < max)
+			cpus[count] = cpu;
+		count++;
+	}
+	return count;
+}
+
 int shim_attach_reuseport_cbpf(int fd, const struct sock_filter *filter, unsigned short length)
 {
 	struct sock_fprog program = { .len = length, .filter = (struct sock_filter *)filter };

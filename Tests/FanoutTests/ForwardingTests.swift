@@ -264,4 +264,42 @@ struct ForwardingTests {
         let missing = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["-c", "/nonexistent.yaml"])
         #expect(missing.status == 2 && missing.output.contains("cannot read /nonexistent.yaml"))
     }
+
+    @Test("pin_cpus stays within the CPUs the daemon was given: under taskset -c 1, every worker (one-way and relay) runs on CPU 1 only")
+    func pinningKeepsTheGivenCPUs() throws {
+        guard sysconf(Int32(_SC_NPROCESSORS_ONLN)) >= 2 else {
+            try #require(ProcessInfo.processInfo.environment["CI"] != "true", "CI machines have 2 CPUs")
+            print("skipped: needs 2 CPUs")
+            return
+        }
+        let sinks = try (0..<2).map { _ in try Sink() }
+        let yaml = "metrics:\n  bind: \"127.0.0.1:\(freePort())\"\nlisteners:\n"
+            + listenerYAML("pin-oneway", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), sinks, workers: 2)
+            + listenerYAML("pin-relay", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), sinks,
+                           extra: "    replies: relay\n", workers: 2)
+                .replacingOccurrences(of: "      workers: 2\n", with: "      workers: 2\n      worker_steering: source_ip\n")
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("pin-\(UUID().uuidString).yaml")
+        try yaml.write(to: file, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/taskset", "-c", "1"])
+        let deadline = ContinuousClock.now + .seconds(10)
+        while daemon.stderr.components(separatedBy: "entering receive loop").count - 1 < 4 && ContinuousClock.now < deadline && daemon.process.isRunning {
+            usleep(20_000)
+        }
+        try #require(daemon.stderr.components(separatedBy: "entering receive loop").count - 1 == 4, "\(daemon.stderr)")
+        // Every thread of the process, workers included: allowed CPU 1 only (before, worker 0 of
+        // each listener pinned itself to CPU 0, outside what the operator gave the daemon).
+        let tasks = "/proc/\(daemon.process.processIdentifier)/task"
+        var seen = 0
+        for task in try FileManager.default.contentsOfDirectory(atPath: tasks) {
+            guard let status = try? String(contentsOfFile: "\(tasks)/\(task)/status", encoding: .utf8) else { continue }
+            let name = status.split(separator: "\n").first { $0.hasPrefix("Name:") } ?? ""
+            let allowed = status.split(separator: "\n").first { $0.hasPrefix("Cpus_allowed_list:") }?.split(separator: "\t").last ?? ""
+            #expect(allowed == "1", "thread \(task) (\(name)) allowed \(allowed)")
+            seen += 1
+        }
+        #expect(seen >= 5, "the main thread and 4 workers")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait(seconds: 5) == 0)
+    }
 }

@@ -55,6 +55,11 @@ int shim_unshare(int flags);
 /* sched_setaffinity(2) for the calling thread with one CPU (cpu_set_t macros are not imported). */
 int shim_pin_current_thread(int cpu);
 
+/* The CPUs the calling thread may run on (sched_getaffinity(2): taskset, systemd CPUAffinity=,
+ * a container's cpuset), lowest first: writes at most `max` into `cpus`, returns how many the
+ * mask holds, or -1 with errno. */
+int shim_allowed_cpus(int *cpus, int max);
+
 /* pthread_setname_np(3): a GNU extension Glibc hides. Names show in top -H and /proc. */
 int shim_set_thread_name(unsigned long thread, const char *name);
 

@@ -74,8 +74,7 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
 
     func run() {
         if listener.settings.pinCPUs {
-            let cpus = max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
-            if shim_pin_current_thread(Int32(Int(queue) % cpus)) != 0 {
+            if pinCurrentThread(toAllowedCPU: Int(queue)) == nil {
                 logger.warning("could not pin forwarder to a CPU", metadata: ["listener": "\(listener.name)", "queue": "\(queue)", "errno": "\(errno)"])
             }
         }
