@@ -14,16 +14,26 @@ when its source is not the VIP). Variants, alternated run by run, all in the lb 
                   source NAT of the replies back to the VIP)
   nft conntrack   nftables `nat prerouting` dnat to numgen inc mod 3 map: conntrack balances
                   flows and un-NATs the replies by itself (the kernel's stateful NAT)
-  relay           udp-fanout mode userspace (2 workers), replies: relay (a session socket per client)
+  relay           udp-fanout mode userspace (2 workers; 1 on its own CPU), replies: relay (a session socket per client)
   nginx-1/-2      nginx stream, listen udp reuseport, proxy_responses 1, 1 and 2 worker processes
 
 Saturation: many clients with several requests outstanding for a fixed time; round trips/s as
 the publisher counts them. CPU per round trip: at a fixed, lighter load (few clients, one
-request outstanding each: below every variant's saturation), the busy time of every CPU
-(/proc/stat: user, nice, system, irq, softirq) over the run divided by the round trips. The
-clients and the echo servers do the same work in every variant, so the ratio compares the
-load balancers. Every variant must lose nothing and answer only from the VIP at the fixed load:
-those counts are printed, so a fast but lossy variant cannot win unseen.
+request outstanding each: below every variant's saturation), the busy time of every CPU (wall
+time x CPUs minus the measured idle time of /proc/stat) over the run divided by the round trips:
+clients and servers included, the same work in every variant.
+
+Then each variant (nginx with one worker, the relay with one worker, and `routed`: the clients
+talking to one echo server directly through the lb netns, no load balancer) runs the same two
+loads with the load balancer on a CPU of its own: the LB's process on CPU 1 (taskset), RPS on
+the lb netns' veths steering their receive softirq to CPU 1, the clients and servers and their
+veths on CPU 0. CPU 1's busy time (wall minus measured idle, minus its background over one
+quiet second before the run) per round trip is then the load balancer's own CPU; minus the
+routed run's, it is the NAT or proxy work above plain forwarding.
+
+Every variant must lose nothing and answer only from the VIP at the fixed load: those counts are
+printed, so a fast but lossy variant cannot win unseen. BENCH_TWOWAY_SPLIT=0 skips the second
+phase; BENCH_TWOWAY_JSON=PATH writes every run's reports there.
 """
 import json
 import os
@@ -35,7 +45,6 @@ import tempfile
 import time
 
 import bench
-import bench_afxdp
 import bench_fanout
 import bench_tc
 
@@ -54,8 +63,13 @@ SOURCES = "198.18.0.10-198.18.0.25"
 SERVERS = 3
 VIP, PORT, SERVER_PORT = "198.18.0.1", 5514, 6000
 VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2", "routed"]
+# Measured with the whole machine shared by clients, servers and the load balancer.
+SHARED_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"]
+# Measured again with the load balancer on a CPU of its own (one core: nginx-1 is the peer).
+SPLIT_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "routed"]
+SPLIT = os.environ.get("BENCH_TWOWAY_SPLIT", "1") != "0" and {0, 1} <= os.sched_getaffinity(0)
 # The baseline: the clients talk to one echo server directly, routed by the lb netns with no
-# load balancer at all. What a variant costs above it is the load balancer's own work.
+# load balancer at all: what plain forwarding through the lb netns costs its CPU.
 ROUTED = ("198.18.1.2", SERVER_PORT)
 
 
@@ -89,6 +103,8 @@ class Topology:
             bench_tc.sh("ip", "-n", self.clients, "addr", "add", f"198.18.0.{last}/24", "dev", client_if)
         bench_tc.sh("ip", "-n", self.clients, "link", "set", client_if, "up")
         bench_tc.sh("ip", "-n", self.clients, "route", "add", "198.18.0.0/15", "via", VIP)
+        self.lb_side = [(self.lb, self.lb_if)]
+        self.endpoint_side = [(self.clients, client_if)]
         bench_tc.sh("ip", "-n", self.lb, "addr", "add", f"{VIP}/24", "dev", self.lb_if)
         bench_tc.sh("ip", "-n", self.lb, "link", "set", self.lb_if, "up")
         for n, server in enumerate(self.servers, start=1):
@@ -98,11 +114,24 @@ class Topology:
             bench_tc.sh("ip", "-n", self.lb, "link", "set", outer, "up")
             bench_tc.sh("ip", "-n", server, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
             bench_tc.sh("ip", "-n", server, "link", "set", inner, "up")
+            self.lb_side.append((self.lb, outer))
+            self.endpoint_side.append((server, inner))
             # Replies must cross the lb (to be un-NATed there), as in the issue's topology.
             bench_tc.sh("ip", "-n", server, "route", "add", "default", "via", f"198.18.{n}.1")
         self.ns(self.lb, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for n in range(0, SERVERS + 1):
             self.ns(self.lb, "ping", "-c", "1", "-W", "3", f"198.18.{n}.2")
+
+    def split(self, on):
+        """LB on CPU 1, endpoints on CPU 0 (or both CPUs again): RPS on every veth's receive
+        queue sends what arrives in the lb netns to CPU 1's softirq and what arrives at the
+        clients and servers to CPU 0's. With the processes pinned the same way, CPU 1 does
+        exactly the load balancer's work: its receive path, its NAT or proxy, its transmit."""
+        for side, mask in ((self.lb_side, "2"), (self.endpoint_side, "1")):
+            for namespace, interface in side:
+                # ip netns exec mounts the netns' own /sys, where its interfaces are.
+                bench_tc.sh("ip", "netns", "exec", namespace, "sh", "-c",
+                            f"echo {mask if on else '0'} > /sys/class/net/{interface}/queues/rx-0/rps_cpus")
 
     def destroy(self):
         # The nft tables live in the lb netns and go with it.
@@ -146,7 +175,7 @@ class EchoServers:
     """One `collector --echo` per server netns on 198.18.n.2:6000, for the whole benchmark."""
 
     def __init__(self, topology, work):
-        self.procs = []
+        self.procs, self.affinity = [], []
         try:
             for n, server in enumerate(topology.servers, start=1):
                 log = os.path.join(work, f"echo-{n}.log")
@@ -155,9 +184,15 @@ class EchoServers:
                                      "0", "1", "--echo", "--steering", "kernelHash", "--rcvbuf", "16777216"], log)
                 self.procs.append(proc)
                 wait_for_log(proc, log, "ready", f"echo server {n} (collector --echo)")
+                self.affinity.append(os.sched_getaffinity(proc.pid))
         except BaseException:
             self.stop()
             raise
+
+    def pin(self, cpus):
+        """Pins every thread of every server to `cpus` ("0"), or back to what it had (None)."""
+        for proc, original in zip(self.procs, self.affinity):
+            bench_tc.sh("taskset", "-a", "-p", "-c", cpus or ",".join(map(str, sorted(original))), str(proc.pid))
 
     def stop(self):
         for proc in self.procs:
@@ -168,14 +203,18 @@ class EchoServers:
 class Variant:
     """Sets a variant up in the lb netns, and waits until a request through the VIP is answered."""
 
-    def __init__(self, name, topology, work):
+    def __init__(self, name, topology, work, split=False):
         self.name, self.topology, self.work, self.proc, self.log, self.table = name, topology, work, None, None, False
+        # Split: the load balancer's process on CPU 1 only (taskset; nginx's workers inherit it;
+        # the relay's one worker runs unpinned, so within it too).
+        self.prefix = ["taskset", "-c", "1"] if split else []
+        workers = 1 if split else 2
         try:
             if name == "tc_ebpf nat":
                 self.daemon(f"    interface: {topology.lb_if}\n    mode: tc_ebpf\n    replies: nat\n", "registered listener in eBPF map")
             elif name == "relay":
-                self.daemon("    mode: userspace\n    replies: relay\n    settings: {workers: 2, batch_size: 64}\n",
-                            "entering receive loop", count=2)
+                self.daemon(f"    mode: userspace\n    replies: relay\n    settings: {{workers: {workers}, batch_size: 64, pin_cpus: {str(not split).lower()}}}\n",
+                            "entering receive loop", count=workers)
             elif name == "nft conntrack":
                 pairs = ", ".join(f"{n - 1} : 198.18.{n}.2 . {SERVER_PORT}" for n in range(1, SERVERS + 1))
                 # No postrouting rule: the servers route via the lb, so conntrack un-DNATs their
@@ -201,7 +240,7 @@ class Variant:
         with open(path, "w") as f:
             f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n")
         self.log = os.path.join(self.work, "udp-fanout.log")
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), f"{bench.BIN}/udp-fanout", "-c", path], self.log)
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), *self.prefix, f"{bench.BIN}/udp-fanout", "-c", path], self.log)
         wait_for_log(self.proc, self.log, ready, f"udp-fanout ({self.name})", count=count)
 
     def nginx(self, workers):
@@ -232,8 +271,8 @@ stream {{
         with open(path, "w") as f:
             f.write(conf)
         self.log = os.path.join(self.work, "nginx-error.log")
-        # nsenter execs nginx: this pid is nginx's master, which stops its workers on SIGTERM.
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), "nginx", "-e", self.log,
+        # nsenter (and taskset) exec nginx: this pid is nginx's master, which stops its workers on SIGTERM.
+        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), *self.prefix, "nginx", "-e", self.log,
                                   "-p", self.work, "-c", path], os.path.join(self.work, "nginx.log"))
         deadline = time.monotonic() + 10
         while f"{VIP}:{PORT} " not in self.topology.ns(self.topology.lb, "ss", "-Hlnu"):
@@ -289,10 +328,11 @@ def destination(name):
     return ROUTED if name == "routed" else (VIP, PORT)
 
 
-def exchange(topology, name, clients, window, timeout_ms):
-    """One `publisher --exchange` run of SECONDS in the clients netns; its JSON report."""
+def exchange(topology, name, clients, window, timeout_ms, cpu=None):
+    """One `publisher --exchange` run of SECONDS in the clients netns (on `cpu` if given); its JSON report."""
     ip, port = destination(name)
-    command = [*bench_tc.in_namespace(topology.clients), f"{bench.BIN}/publisher", ip, str(port), str(EXCHANGES), "--exchange",
+    pin = ["taskset", "-c", cpu] if cpu is not None else []
+    command = [*bench_tc.in_namespace(topology.clients), *pin, f"{bench.BIN}/publisher", ip, str(port), str(EXCHANGES), "--exchange",
                "--clients", str(clients), "--sources", SOURCES, "--window", str(window),
                "--reply-timeout-ms", str(timeout_ms), "--duration", str(SECONDS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS + 60)
@@ -301,107 +341,183 @@ def exchange(topology, name, clients, window, timeout_ms):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_variant(name, topology, work):
-    """The variant's saturation run, then its fixed-load run with the CPU it took."""
-    variant = Variant(name, topology, work)
-    try:
-        saturation = exchange(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
-        cpu = bench_afxdp.busy_cpu_seconds()
-        fixed = exchange(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
-        cpu = bench_afxdp.busy_cpu_seconds() - cpu
-    finally:
-        variant.stop()
-    fixed["ns_per_round_trip"] = cpu * 1e9 / max(fixed["replies"], 1)
-    return saturation, fixed
+def idle_seconds_per_cpu():
+    """Idle + iowait + steal time of each CPU, in seconds (/proc/stat cpuN lines). On this
+    tickless kernel a CPU's idle time is measured (entry to exit of idle), while its busy fields
+    are sampled by the 250 Hz tick, which misses the short softirq bursts of a mostly idle CPU:
+    busy is therefore taken as wall time minus idle."""
+    idle = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0].startswith("cpu") and fields[0] != "cpu":
+                values = [int(x) for x in fields[1:]]
+                idle[int(fields[0][3:])] = (values[3] + values[4] + values[7]) / os.sysconf("SC_CLK_TCK")
+    return idle
 
 
-def measure(topology, work, variants, runs):
-    saturation = {name: [] for name in variants}
-    fixed = {name: [] for name in variants}
+def lb_cpu_run(topology, name, clients, window, timeout_ms):
+    """An exchange with the endpoints on CPU 0 and the LB on CPU 1: the report, with CPU 1's
+    busy time per round trip (the load balancer's CPU) and CPU 1's busy share."""
+    # CPU 1's background (the LB at rest, kernel threads, anything else on the machine) over a
+    # second with no traffic, taken off what the run measures.
+    before, started = idle_seconds_per_cpu(), time.monotonic()
+    time.sleep(1)
+    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+    background = max(0.0, elapsed - (after[1] - before[1])) / elapsed
+    before, started = idle_seconds_per_cpu(), time.monotonic()
+    report = exchange(topology, name, clients, window, timeout_ms, cpu="0")
+    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+    lb = max(0.0, elapsed - (after[1] - before[1]) - background * elapsed)
+    report["cpu1_background"] = background
+    report["lb_ns_per_round_trip"] = lb * 1e9 / max(report["replies"], 1)
+    report["lb_busy"] = lb / max(elapsed, 1e-9)
+    return report
+
+
+def run_variant(name, topology, servers, work):
+    """The variant's saturation run and fixed-load run on both CPUs, then (if it has a split
+    phase) the same two with the load balancer on CPU 1 alone."""
+    results = {}
+    if name in SHARED_VARIANTS:
+        variant = Variant(name, topology, work)
+        try:
+            results["saturation"] = exchange(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
+            before, started = idle_seconds_per_cpu(), time.monotonic()
+            results["fixed"] = exchange(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+            after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+            cpu = elapsed * len(after) - sum(after.values()) + sum(before.values())
+        finally:
+            variant.stop()
+        results["fixed"]["ns_per_round_trip"] = cpu * 1e9 / max(results["fixed"]["replies"], 1)
+    if name in SPLIT_VARIANTS and SPLIT:
+        try:
+            topology.split(True)
+            servers.pin("0")
+            variant = Variant(name, topology, work, split=True)
+            try:
+                results["split saturation"] = lb_cpu_run(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
+                results["split fixed"] = lb_cpu_run(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+            finally:
+                variant.stop()
+        finally:
+            servers.pin(None)
+            topology.split(False)
+    return results
+
+
+def measure(topology, servers, work, runs):
+    """{phase: {variant: [report per run]}}, variants alternated run by run."""
+    variants = [v for v in VARIANTS if v in SHARED_VARIANTS or (SPLIT and v in SPLIT_VARIANTS)]
+    phases = {}
     for run in range(runs):
         for name in (variants if run % 2 == 0 else list(reversed(variants))):
-            s, f = run_variant(name, topology, work)
-            saturation[name].append(s)
-            fixed[name].append(f)
-    return saturation, fixed
+            for phase, report in run_variant(name, topology, servers, work).items():
+                phases.setdefault(phase, {}).setdefault(name, []).append(report)
+    return phases
 
 
-def table(saturation, fixed):
+def table(phases):
     """The rows: each comparison of the issue, then every variant's correctness at the fixed load."""
     out = []
+    saturation, fixed = phases.get("saturation", {}), phases.get("fixed", {})
+    split_saturation, split_fixed = phases.get("split saturation", {}), phases.get("split fixed", {})
 
     def rate(results, name):
         return bench.spread([r["round_trips_per_sec"] for r in results[name]])
 
-    def lost(name):
-        runs = saturation[name]
+    def lost(results, name):
+        runs = results[name]
         return f"{sum(r['lost'] for r in runs):,}/{sum(r['lost'] + r['replies'] for r in runs):,}"
 
-    def rate_row(ours, peer_label, peers, goal):
-        mine = rate(saturation, ours)
-        best = [max(p[i]["round_trips_per_sec"] for p in (saturation[n] for n in peers)) for i in range(len(saturation[ours]))]
-        ratios = bench.spread([o["round_trips_per_sec"] / b for o, b in zip(saturation[ours], best)])
+    def rate_row(results, what, ours, peer_label, peers, goal):
+        mine = rate(results, ours)
+        best = [max(p[i]["round_trips_per_sec"] for p in (results[n] for n in peers)) for i in range(len(results[ours]))]
+        ratios = bench.spread([o["round_trips_per_sec"] / b for o, b in zip(results[ours], best)])
         peer = bench.spread(best)
-        out.append((f"twoway: round trips/s at saturation, {ours}", peer_label,
+        extra = ""
+        if results is split_saturation:
+            busy = lambda n: f"{bench.spread([r['lb_busy'] for r in results[n]])[0]:.0%}"
+            extra = f"; LB CPU busy ours {busy(ours)}, peer {', '.join(busy(n) for n in peers)}"
+        out.append((f"twoway: round trips/s at saturation{what}, {ours}", peer_label,
                     f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
-                    f"median of per-run ratios; lost ours {lost(ours)}, peer {', '.join(lost(n) for n in peers)}"))
+                    f"median of per-run ratios; lost ours {lost(results, ours)}, peer {', '.join(lost(results, n) for n in peers)}{extra}"))
 
-    def cpu_row(ours, peer_name, goal):
-        mine = bench.spread([r["ns_per_round_trip"] for r in fixed[ours]])
-        peer = bench.spread([r["ns_per_round_trip"] for r in fixed[peer_name]])
-        ratios = bench.spread([o["ns_per_round_trip"] / p["ns_per_round_trip"] for o, p in zip(fixed[ours], fixed[peer_name])])
-        rates = ", ".join(f"{rate(fixed, n)[0]:,.0f}" for n in (ours, peer_name))
-        out.append((f"twoway: CPU per round trip at fixed load, {ours}", peer_name,
+    def cpu_row(results, key, what, ours, peer_name, goal, note):
+        mine = bench.spread([r[key] for r in results[ours]])
+        peer = bench.spread([r[key] for r in results[peer_name]])
+        ratios = bench.spread([o[key] / p[key] for o, p in zip(results[ours], results[peer_name])])
+        rates = ", ".join(f"{rate(results, n)[0]:,.0f}" for n in (ours, peer_name))
+        out.append((f"twoway: {what}, {ours}", peer_name,
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
-                    f"busy time of all CPUs / round trips at {rates} rt/s; clients and servers cost the same in"
-                    " every variant, so the ratio compares the LBs"))
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}", note.format(rates=rates)))
 
-    def lb_cpu_row(ours, peer_name, goal):
-        """The load balancer's own CPU per round trip: the variant's minus the routed baseline's
-        of the same run (clients, servers and plain forwarding cost the same in both)."""
-        if "routed" not in fixed:
+    def above_routed_row(results, what, ours, peer_name):
+        """The LB's CPU above plain forwarding: each variant's CPU 1 time per round trip minus
+        the routed baseline's of the same run (the veth receive, softirq and transmit that any
+        router in the lb netns pays), i.e. the NAT or proxy work itself."""
+        if "routed" not in results:
             return
         def own(name):
-            return [r["ns_per_round_trip"] - b["ns_per_round_trip"] for r, b in zip(fixed[name], fixed["routed"])]
+            return [r["lb_ns_per_round_trip"] - b["lb_ns_per_round_trip"] for r, b in zip(results[name], results["routed"])]
         mine, peer = bench.spread(own(ours)), bench.spread(own(peer_name))
         ratio = mine[0] / peer[0] if peer[0] > 0 else float("nan")
-        out.append((f"twoway: LB's own CPU per round trip, {ours}", f"{peer_name} (each minus routed)",
+        floor = bench.spread([r["lb_ns_per_round_trip"] for r in results["routed"]])[0]
+        out.append((f"twoway: LB CPU per round trip above plain forwarding, {what}, {ours}", f"{peer_name} (each minus routed)",
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                    f"{ratio:.2f}{goal}",
-                    "busy time per round trip above the same run's routed baseline (clients -> one echo server through the lb"
-                    " netns, no load balancer): the load balancer's own work"))
+                    f"{ratio:.2f}", f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
+                    " forwarding with no LB): the NAT or proxy work alone"))
 
+    lb_note = ("CPU 1's busy time (wall minus measured idle, minus its background at rest) / round trips at {rates} rt/s; the LB alone is on CPU 1 (its process pinned, RPS"
+               " steering the lb netns' receive there), clients and servers on CPU 0")
     if "tc_ebpf nat" in saturation and "nft conntrack" in saturation:
-        rate_row("tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], " goal >= 1.2")
-        cpu_row("tc_ebpf nat", "nft conntrack", " goal <= 0.7")
-        lb_cpu_row("tc_ebpf nat", "nft conntrack", " goal <= 0.7")
+        rate_row(saturation, "", "tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], " goal >= 1.2")
+        cpu_row(fixed, "ns_per_round_trip", "CPU per round trip at fixed load (all CPUs)", "tc_ebpf nat", "nft conntrack", "",
+                "busy time of all CPUs (wall x CPUs minus idle) / round trips at {rates} rt/s: clients and servers included (the same work in every variant)")
+    if "tc_ebpf nat" in split_fixed and "nft conntrack" in split_fixed:
+        cpu_row(split_fixed, "lb_ns_per_round_trip", "LB CPU per round trip at fixed load", "tc_ebpf nat", "nft conntrack", " goal <= 0.7", lb_note)
+        cpu_row(split_saturation, "lb_ns_per_round_trip", "LB CPU per round trip at saturation", "tc_ebpf nat", "nft conntrack", " goal <= 0.7", lb_note)
+        above_routed_row(split_fixed, "fixed load", "tc_ebpf nat", "nft conntrack")
+        above_routed_row(split_saturation, "saturation", "tc_ebpf nat", "nft conntrack")
+        rate_row(split_saturation, " (LB on its own CPU)", "tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], "")
     if "relay" in saturation:
         nginx = [n for n in ("nginx-1", "nginx-2") if n in saturation]
         for n in nginx:
-            rate_row("relay", f"nginx stream, {n[-1]} worker(s)", [n], "")
+            rate_row(saturation, "", "relay", f"nginx stream, {n[-1]} worker(s)", [n], "")
         if nginx:
-            rate_row("relay", "max(nginx 1, nginx 2) per run", nginx, " goal >= 3")
+            rate_row(saturation, "", "relay", "max(nginx 1, nginx 2) per run", nginx, " goal >= 3")
         for n in nginx:
-            cpu_row("relay", n, "")
-            lb_cpu_row("relay", n, "")
-    for name in saturation:
-        runs = fixed[name]
-        bad_lost, bad_source = sum(r["lost"] for r in runs), sum(r["wrong_source"] for r in runs)
-        # At saturation requests may time out (the rate rows show it), but no reply may ever
-        # come from anywhere but the VIP.
-        saturation_source = sum(r["wrong_source"] for r in saturation[name])
-        verdict = "ok" if bad_lost == 0 and bad_source == 0 and saturation_source == 0 else "FAIL: lost or wrong source"
-        p50 = bench.spread([r["rtt_p50_us"] for r in runs])
-        p99 = bench.spread([r["rtt_p99_us"] for r in runs])
-        saturated = rate(fixed, name)[0] > 0.8 * rate(saturation, name)[0]
-        out.append((f"twoway: correctness at fixed load, {name}", "lost 0, wrong_source 0",
-                    f"lost {bad_lost}, wrong_source {bad_source} of {sum(r['replies'] + r['lost'] for r in runs):,}",
-                    f"saturation: wrong_source {saturation_source}", verdict,
-                    f"{FIXED_CLIENTS} clients x window {FIXED_WINDOW}: {rate(fixed, name)[0]:,.0f} rt/s, rtt p50 {p50[0]:.0f} us,"
-                    f" p99 {p99[0]:.0f} us" + ("; WARNING: over 0.8x its saturation rate, lower BENCH_TWOWAY_FIXED_CLIENTS"
-                                               if saturated else "")))
+            cpu_row(fixed, "ns_per_round_trip", "CPU per round trip at fixed load (all CPUs)", "relay", n, "",
+                    "busy time of all CPUs (wall x CPUs minus idle) / round trips at {rates} rt/s: clients and servers included")
+    if "relay" in split_fixed and "nginx-1" in split_fixed:
+        rate_row(split_saturation, " (LB on its own CPU)", "relay", "nginx stream, 1 worker", ["nginx-1"], "")
+        cpu_row(split_fixed, "lb_ns_per_round_trip", "LB CPU per round trip at fixed load", "relay", "nginx-1", "", lb_note)
+        cpu_row(split_saturation, "lb_ns_per_round_trip", "LB CPU per round trip at saturation", "relay", "nginx-1", "", lb_note)
+        above_routed_row(split_fixed, "fixed load", "relay", "nginx-1")
+        above_routed_row(split_saturation, "saturation", "relay", "nginx-1")
+    if "routed" in split_fixed:
+        mine = bench.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
+        out.append(("twoway: LB CPU per round trip at fixed load, routed (no LB)", "-", f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})",
+                    "-", "-", "plain IP forwarding through the lb netns (clients -> one echo server): the floor under every variant's LB CPU"))
+    for phase, results in (("fixed load", fixed), ("fixed load, LB on its own CPU", split_fixed)):
+        for name in results:
+            runs = results[name]
+            at_saturation = (saturation if results is fixed else split_saturation).get(name, [])
+            bad_lost, bad_source = sum(r["lost"] for r in runs), sum(r["wrong_source"] for r in runs)
+            # At saturation requests may time out (the rate rows show it), but no reply may ever
+            # come from anywhere but the VIP (or, routed, the server itself).
+            saturation_source = sum(r["wrong_source"] for r in at_saturation)
+            verdict = "ok" if bad_lost == 0 and bad_source == 0 and saturation_source == 0 else "FAIL: lost or wrong source"
+            p50 = bench.spread([r["rtt_p50_us"] for r in runs])
+            p99 = bench.spread([r["rtt_p99_us"] for r in runs])
+            saturated = bool(at_saturation) and rate(results, name)[0] > 0.8 * bench.spread([r["round_trips_per_sec"] for r in at_saturation])[0]
+            out.append((f"twoway: correctness at {phase}, {name}", "lost 0, wrong_source 0",
+                        f"lost {bad_lost}, wrong_source {bad_source} of {sum(r['replies'] + r['lost'] for r in runs):,}",
+                        f"saturation: wrong_source {saturation_source}", verdict,
+                        f"{FIXED_CLIENTS} clients x window {FIXED_WINDOW}: {rate(results, name)[0]:,.0f} rt/s, rtt p50 {p50[0]:.0f} us,"
+                        f" p99 {p99[0]:.0f} us" + ("; WARNING: over 0.8x its saturation rate, lower BENCH_TWOWAY_FIXED_CLIENTS"
+                                                   if saturated else "")))
     return out
 
 
@@ -423,8 +539,11 @@ def rows():
         print(f"bench: two-way through an lb netns (clients -> VIP {VIP}:{PORT} -> 3 echo servers routed via the lb, veth);"
               f" {bench.RUNS} alternated runs of {SECONDS:g} s per variant; saturation {CLIENTS} clients x window {WINDOW}"
               f" from 16 sources, CPU at {FIXED_CLIENTS} clients x window {FIXED_WINDOW}; {os.cpu_count()} CPUs", flush=True)
-        saturation, fixed = measure(topology, work, VARIANTS, bench.RUNS)
-        return table(saturation, fixed)
+        phases = measure(topology, servers, work, bench.RUNS)
+        if os.environ.get("BENCH_TWOWAY_JSON"):
+            with open(os.environ["BENCH_TWOWAY_JSON"], "w") as f:
+                json.dump(phases, f)
+        return table(phases)
     finally:
         if servers:
             servers.stop()

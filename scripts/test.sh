@@ -6,32 +6,50 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
+limit=${TEST_TIME_LIMIT:-1800}
+if ! [[ $limit =~ ^[1-9][0-9]*$ ]]; then
+  echo "test: TEST_TIME_LIMIT must be a number of seconds above 0, not '$limit'" >&2
+  exit 2
+fi
 pins() { ls /sys/fs/bpf/reuseportlb 2>/dev/null | sort || true; }
 before=$(pins)
 echo "test: swift build --build-tests"
 swift build --build-tests
 # A hung test must fail the run, loudly, rather than hold CI until its own time limit: swift test
-# runs in a session of its own (so the xctest child goes with it) and is stopped after
-# TEST_TIME_LIMIT seconds (the whole suite takes about 10 minutes here).
-limit=${TEST_TIME_LIMIT:-1800}
+# runs in a session of its own and is stopped after TEST_TIME_LIMIT seconds (the whole suite
+# takes about 10 minutes here), with everything in that session: the xctest child and the
+# daemons, collectors and commands the tests started (each in a process group of its own).
+stop_session() {
+  pkill -TERM -s "$1" 2>/dev/null || true
+  for _ in $(seq 100); do pgrep -s "$1" >/dev/null || return 0; sleep 0.1; done
+  echo "test: processes of the test session still running after SIGTERM, killing: $(pgrep -s "$1" | tr '\n' ' ')" >&2
+  pkill -KILL -s "$1" 2>/dev/null || true
+}
 echo "test: swift test (stopped if it runs past ${limit} s)"
+trap 'interrupted=1' INT TERM
+interrupted=0
 setsid swift test --no-parallel "$@" &
 run=$!
-trap 'kill -TERM -- -$run 2>/dev/null || true' INT TERM
+trap 'interrupted=1; stop_session "$run"' INT TERM
 (
-  # sleep in its own child, so stopping the watchdog stops the sleep too
+  trap - INT TERM
+  # a second at a time, so the watchdog ends soon after swift test does
   for _ in $(seq "$limit"); do sleep 1; kill -0 "$run" 2>/dev/null || exit 0; done
-  echo "test: FAILED: swift test was still running after ${limit} s: a test hangs (the last one started above); stopping it" >&2
-  kill -TERM -- -"$run" 2>/dev/null || true
-  sleep 10
-  kill -KILL -- -"$run" 2>/dev/null || true
+  echo "test: FAILED: swift test was still running after ${limit} s: a test hangs; stopping it and everything it started" >&2
+  stop_session "$run"
 ) &
 watchdog=$!
 status=0
 wait "$run" || status=$?
-kill "$watchdog" 2>/dev/null || true
+# wait returns early when a signal's trap ran: wait for the stopped session's leader too.
+while kill -0 "$run" 2>/dev/null; do wait "$run" || status=$?; done
+if [ "$interrupted" = 1 ]; then stop_session "$run"; fi
 wait "$watchdog" 2>/dev/null || true
 trap - INT TERM
+if [ "$interrupted" = 1 ]; then
+  echo "test: interrupted; stopped swift test and what it started" >&2
+  exit 130
+fi
 if [ "$status" -ne 0 ]; then
   echo "test: FAILED: swift test exited with status $status" >&2
   exit "$status"

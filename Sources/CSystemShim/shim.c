@@ -116,7 +116,8 @@ int shim_allowed_cpus(int *cpus, int max)
 {
 	cpu_set_t set;
 	CPU_ZERO(&set);
-	if (sched_getaffinity(0, sizeof(set), &set) != 0)
+	/* getpid(): the main thread's mask, whichever thread asks (a worker may have pinned itself). */
+	if (sched_getaffinity(getpid(), sizeof(set), &set) != 0)
 		return -1;
 	int count = 0;
 	for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {

@@ -186,7 +186,7 @@ final class KubernetesAPIServer: Sendable {
             Issue.record("the test API server did not shut down within 15 s of the graceful shutdown (a connection stayed open); cancelled it")
             tasks.cancelAll()
         }
-        while let _ = try? await tasks.next() {}
+        while (try? await tasks.next()) != nil {}
     }
 
     // MARK: Test API

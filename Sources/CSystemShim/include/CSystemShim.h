@@ -55,7 +55,7 @@ int shim_unshare(int flags);
 /* sched_setaffinity(2) for the calling thread with one CPU (cpu_set_t macros are not imported). */
 int shim_pin_current_thread(int cpu);
 
-/* The CPUs the calling thread may run on (sched_getaffinity(2): taskset, systemd CPUAffinity=,
+/* The CPUs the process (its main thread) may run on (sched_getaffinity(2): taskset, systemd CPUAffinity=,
  * a container's cpuset), lowest first: writes at most `max` into `cpus`, returns how many the
  * mask holds, or -1 with errno. */
 int shim_allowed_cpus(int *cpus, int max);

@@ -30,7 +30,7 @@ final class UserspaceListener: RunningListener {
         self.config = config
         self.counters = counters
         self.passiveHealth = passiveHealth
-        let count = config.settings.workers > 0 ? config.settings.workers : max(1, Int(sysconf(Int32(_SC_NPROCESSORS_ONLN))))
+        let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs.count
         plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,
