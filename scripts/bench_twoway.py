@@ -462,11 +462,12 @@ def table(phases):
         def own(name):
             return [r["lb_ns_per_round_trip"] - b["lb_ns_per_round_trip"] for r, b in zip(results[name], results["routed"])]
         mine, peer = bench.spread(own(ours)), bench.spread(own(peer_name))
-        ratio = mine[0] / peer[0] if peer[0] > 0 else float("nan")
+        # Below zero: the variant costs less than forwarding alone, and a ratio would mean nothing.
+        ratio = f"{mine[0] / peer[0]:.2f}" if mine[0] > 0 and peer[0] > 0 else ("ours below the floor" if mine[0] <= 0 else "-")
         floor = bench.spread([r["lb_ns_per_round_trip"] for r in results["routed"]])[0]
         out.append((f"twoway: LB CPU per round trip above plain forwarding, {what}, {ours}", f"{peer_name} (each minus routed)",
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                    f"{ratio:.2f}", f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
+                    ratio, f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
                     " forwarding with no LB): the NAT or proxy work alone"))
 
     lb_note = ("CPU 1's busy time (wall minus measured idle, minus its background at rest) / round trips at {rates} rt/s; the LB alone is on CPU 1 (its process pinned, RPS"
