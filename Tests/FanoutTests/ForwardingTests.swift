@@ -1,4 +1,5 @@
 import Foundation
+import Logging
 import Testing
 import TestSupport
 @testable import FanoutCore
@@ -299,7 +300,30 @@ struct ForwardingTests {
             seen += 1
         }
         #expect(seen >= 5, "the main thread and 4 workers")
+        #expect(!daemon.stderr.contains("cpu=0"), "every worker logs cpu=1")
+        // Given both CPUs while running, a reload that restarts the workers (a new batch_size)
+        // spreads them again: the allowed set is read at each start, not once.
+        try #require(run("/usr/bin/taskset", ["-a", "-p", "-c", "0,1", "\(daemon.process.processIdentifier)"]).status == 0)
+        try yaml.replacingOccurrences(of: "      workers: 2\n", with: "      workers: 2\n      batch_size: 16\n").write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        let reloaded = ContinuousClock.now + .seconds(10)
+        while daemon.stderr.components(separatedBy: "entering receive loop").count - 1 < 8 && ContinuousClock.now < reloaded && daemon.process.isRunning {
+            usleep(20_000)
+        }
+        // Metadata comes before the message: "... cpu=1 listener=... [FanoutCore] entering receive loop".
+        let after = daemon.stderr.split(separator: "\n").filter { $0.contains("entering receive loop") }.dropFirst(4)
+        #expect(after.count == 4, "\(daemon.stderr)")
+        #expect(after.filter { $0.contains("cpu=0") }.count == 2 && after.filter { $0.contains("cpu=1") }.count == 2, "\(daemon.stderr)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait(seconds: 5) == 0)
+    }
+
+    @Test("ServiceLifecycle logs a service by its name: the discovery service's environment (tokens, secrets) stays out of the log")
+    func serviceDescriptionsHoldNoSecrets() throws {
+        let config = try ConfigParser.parse("listeners:\n" + listenerYAML("desc", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), [try Sink()]))
+        let daemon = FanoutDaemon(config: config, configPath: nil, logger: Logger(label: "test"))
+        let discovery = DiscoveryService(daemon: daemon, environment: ["API_TOKEN": "s3cr3t-value"])
+        #expect("\(discovery)" == "DiscoveryService")
+        #expect("\(ForwardingService(daemon: daemon))" == "ForwardingService")
     }
 }

@@ -74,8 +74,10 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
 
     func run() {
         if listener.settings.pinCPUs {
-            if pinCurrentThread(toAllowedCPU: Int(queue)) == nil {
-                logger.warning("could not pin forwarder to a CPU", metadata: ["listener": "\(listener.name)", "queue": "\(queue)", "errno": "\(errno)"])
+            let (cpu, error) = pinCurrentThread(toAllowedCPU: Int(queue))
+            if let error {
+                logger.warning("could not pin forwarder to its CPU; it runs unpinned (set settings.pin_cpus: false to stop trying)", metadata: [
+                    "listener": "\(listener.name)", "queue": "\(queue)", "cpu": "\(cpu)", "errno": "\(error)"])
             }
         }
         forwarder.adoptPlanIfChanged()

@@ -155,3 +155,9 @@ public struct ForwardingService: Service {
         String(text.map { $0.isNewline ? " " : $0 }.prefix(400))
     }
 }
+
+extension ForwardingService: CustomStringConvertible {
+    /// What ServiceLifecycle logs for the service: its name only, not its fields (the
+    /// environment, credentials, the daemon's state).
+    public var description: String { "ForwardingService" }
+}

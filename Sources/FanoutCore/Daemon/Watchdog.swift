@@ -264,3 +264,9 @@ extension FanoutDaemon {
         return listeners.flatMap { $0.heartbeats() }
     }
 }
+
+extension WatchdogService: CustomStringConvertible {
+    /// What ServiceLifecycle logs for the service: its name only, not its fields (the
+    /// environment, credentials, the daemon's state).
+    public var description: String { "WatchdogService" }
+}

@@ -144,3 +144,9 @@ public enum ProcessEnvironment {
         return result
     }
 }
+
+extension DiscoveryService: CustomStringConvertible {
+    /// What ServiceLifecycle logs for the service: its name only, not its fields (the
+    /// environment, credentials, the daemon's state).
+    public var description: String { "DiscoveryService" }
+}

@@ -109,10 +109,10 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     func run() {
-        if listener.settings.pinCPUs { pinWorkerThread(index, logger: logger) }
+        let cpu = pinWorkerThread(listener, index, logger: logger)
         tableLock.withLock { _ in adoptPlanIfChanged() }
         receivingNow.store(true, ordering: .relaxed)
-        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay"])
+        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay", "cpu": "\(cpu)"])
         // The idle sweep: once a second, not per datagram.
         var nextSweep = monotonicMilliseconds() + 1000
         while !stop.isSet {

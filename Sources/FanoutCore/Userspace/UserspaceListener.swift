@@ -30,7 +30,7 @@ final class UserspaceListener: RunningListener {
         self.config = config
         self.counters = counters
         self.passiveHealth = passiveHealth
-        let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs.count
+        let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,

@@ -61,10 +61,10 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
     var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     func run() {
-        if listener.settings.pinCPUs { pinWorkerThread(index, logger: logger) }
+        let cpu = pinWorkerThread(listener, index, logger: logger)
         forwarder.adoptPlanIfChanged()
         receivingNow.store(true, ordering: .relaxed)
-        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)"])
+        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
         var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         let clock = ContinuousClock()
         var nextHeartbeat = clock.now + .seconds(5)
@@ -147,12 +147,16 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
     }
 }
 
-/// Pins the calling worker thread (settings.pin_cpus); a failure is logged and the thread runs
-/// unpinned.
-func pinWorkerThread(_ index: Int, logger: Logger) {
-    if pinCurrentThread(toAllowedCPU: index) == nil {
-        logger.warning("could not pin worker to a CPU", metadata: ["worker": "\(index)", "errno": "\(errno)"])
-    }
+/// Pins the calling worker thread if settings.pin_cpus: the CPU for the worker's log line
+/// ("any" when not pinned). A failure is logged, naming the fix, and the thread runs unpinned.
+func pinWorkerThread(_ listener: Listener, _ index: Int, logger: Logger) -> String {
+    guard listener.settings.pinCPUs else { return "any" }
+    let (cpu, error) = pinCurrentThread(toAllowedCPU: index)
+    guard let error else { return "\(cpu)" }
+    logger.warning("could not pin worker to its CPU; it runs unpinned (set settings.pin_cpus: false to stop trying)", metadata: [
+        "listener": "\(listener.name)", "worker": "\(index)", "cpu": "\(cpu)", "errno": "\(error)", "error": "\(String(cString: strerror(error)))",
+    ])
+    return "any"
 }
 
 extension ListenerCounters {
