@@ -68,6 +68,11 @@ SHARED_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"
 # Measured again with the load balancer on a CPU of its own (one core: nginx-1 is the peer).
 SPLIT_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "routed"]
 SPLIT = os.environ.get("BENCH_TWOWAY_SPLIT", "1") != "0" and {0, 1} <= os.sched_getaffinity(0)
+# The load-generator phase (part of the split phase): reflectors instead of the endpoints'
+# programs, this many datagrams circulating (each its own client address and port).
+REFLECT = SPLIT and os.environ.get("BENCH_TWOWAY_REFLECT", "1") != "0"
+IN_FLIGHT = int(os.environ.get("BENCH_TWOWAY_IN_FLIGHT", "256"))
+REFLECTOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "reflect.bpf.c")
 # The baseline: the clients talk to one echo server directly, routed by the lb netns with no
 # load balancer at all: what plain forwarding through the lb netns costs its CPU.
 ROUTED = ("198.18.1.2", SERVER_PORT)
@@ -375,9 +380,68 @@ def lb_cpu_run(topology, name, clients, window, timeout_ms):
     return report
 
 
-def run_variant(name, topology, servers, work):
+def build_reflector(work):
+    """bench/reflect.bpf.c compiled into `work`: its path."""
+    obj = os.path.join(work, "reflect.o")
+    subprocess.run(["clang", "-O2", "-g", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu",
+                    "-c", REFLECTOR_SOURCE, "-o", obj], check=True)
+    return obj
+
+
+def reflectors(topology, obj):
+    """Attaches the reflector at tc ingress of every endpoint veth (the clients' and each
+    server's), or with obj None removes it (the clsact qdisc and its filter go together)."""
+    for namespace, interface in topology.endpoint_side:
+        if obj:
+            topology.ns(namespace, "tc", "qdisc", "add", "dev", interface, "clsact")
+            topology.ns(namespace, "tc", "filter", "add", "dev", interface, "ingress", "bpf", "da", "obj", obj, "sec", "tc")
+        else:
+            topology.ns(namespace, "tc", "qdisc", "del", "dev", interface, "clsact", check=False)
+
+
+def client_received(topology):
+    """Datagrams the clients' veth has received: with the reflectors on, one per round trip."""
+    namespace, interface = topology.endpoint_side[0]
+    # ip netns exec mounts the netns' own /sys, where its interfaces are.
+    return int(bench_tc.sh("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{interface}/statistics/rx_packets"))
+
+
+def reflected_run(topology, name, obj):
+    """The load-generator run: with the LB on CPU 1 and the endpoints on CPU 0 as in lb_cpu_run,
+    the clients' and servers' programs are replaced by reflectors (bench/reflect.bpf.c, tc
+    ingress of their veths), and IN_FLIGHT datagrams, each from its own client address and
+    port, are sent once: each then laps clients -> LB -> server -> LB -> clients for ever, and
+    the endpoints cost a few hundred ns per lap, so the LB's CPU is what bounds the rate (as
+    with a hardware traffic generator). Round trips are the clients' veth receive count."""
+    reflectors(topology, obj)
+    try:
+        ip, port = destination(name)
+        script = (f"import socket\n"
+                  f"for i in range({IN_FLIGHT}):\n"
+                  f"    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                  f"    s.bind(('198.18.0.%d' % (10 + i % 16), 0))\n"
+                  f"    s.sendto(b'twoway-bench-lap'.ljust(64, b'.'), ('{ip}', {port}))\n"
+                  f"    s.close()\n")
+        subprocess.run([*bench_tc.in_namespace(topology.clients), "python3", "-c", script], check=True, timeout=60)
+        time.sleep(0.5)  # every datagram lapping, sessions and associations made
+        laps, before, started = client_received(topology), idle_seconds_per_cpu(), time.monotonic()
+        time.sleep(SECONDS)
+        laps, after, elapsed = client_received(topology) - laps, idle_seconds_per_cpu(), time.monotonic() - started
+        # Still lapping at the end: a variant that lost its datagrams shows a rate near 0 here.
+        time.sleep(0.2)
+        still = client_received(topology)
+        time.sleep(0.2)
+        still = client_received(topology) - still
+    finally:
+        reflectors(topology, None)
+    busy = [max(0.0, elapsed - (after[cpu] - before[cpu])) for cpu in (0, 1)]
+    return {"round_trips_per_sec": laps / elapsed, "lb_ns_per_round_trip": busy[1] * 1e9 / max(laps, 1),
+            "lb_busy": busy[1] / elapsed, "endpoints_busy": busy[0] / elapsed, "lapping_at_end": still > 0}
+
+
+def run_variant(name, topology, servers, work, reflector):
     """The variant's saturation run and fixed-load run on both CPUs, then (if it has a split
-    phase) the same two with the load balancer on CPU 1 alone."""
+    phase) the same two with the load balancer on CPU 1 alone, and the load-generator run."""
     results = {}
     if name in SHARED_VARIANTS:
         variant = Variant(name, topology, work)
@@ -398,6 +462,8 @@ def run_variant(name, topology, servers, work):
             try:
                 results["split saturation"] = lb_cpu_run(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
                 results["split fixed"] = lb_cpu_run(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+                if reflector:
+                    results["reflected"] = reflected_run(topology, name, reflector)
             finally:
                 variant.stop()
         finally:
@@ -406,13 +472,13 @@ def run_variant(name, topology, servers, work):
     return results
 
 
-def measure(topology, servers, work, runs):
+def measure(topology, servers, work, runs, reflector):
     """{phase: {variant: [report per run]}}, variants alternated run by run."""
     variants = [v for v in VARIANTS if v in SHARED_VARIANTS or (SPLIT and v in SPLIT_VARIANTS)]
     phases = {}
     for run in range(runs):
         for name in (variants if run % 2 == 0 else list(reversed(variants))):
-            for phase, report in run_variant(name, topology, servers, work).items():
+            for phase, report in run_variant(name, topology, servers, work, reflector).items():
                 phases.setdefault(phase, {}).setdefault(name, []).append(report)
     return phases
 
@@ -422,6 +488,7 @@ def table(phases):
     out = []
     saturation, fixed = phases.get("saturation", {}), phases.get("fixed", {})
     split_saturation, split_fixed = phases.get("split saturation", {}), phases.get("split fixed", {})
+    reflected = phases.get("reflected", {})
 
     def rate(results, name):
         return bench.spread([r["round_trips_per_sec"] for r in results[name]])
@@ -470,6 +537,32 @@ def table(phases):
                     ratio, f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
                     " forwarding with no LB): the NAT or proxy work alone"))
 
+    def reflected_rows(ours, peer_name, rate_goal, cpu_goal):
+        """The load-generator comparison: round trips/s (the LB's CPU saturated) and the LB's CPU
+        per round trip, median of per-run ratios, with what shows the LB was the bound."""
+        if ours not in reflected or peer_name not in reflected:
+            return
+        def spread(name, key):
+            return bench.spread([r[key] for r in reflected[name]])
+        def busy(name):
+            return f"LB CPU {spread(name, 'lb_busy')[0]:.0%}, endpoints' CPU {spread(name, 'endpoints_busy')[0]:.0%}"
+        def lapping(name):
+            return f"{sum(r['lapping_at_end'] for r in reflected[name])}/{len(reflected[name])}"
+        mine, peer = spread(ours, "round_trips_per_sec"), spread(peer_name, "round_trips_per_sec")
+        ratios = bench.spread([o["round_trips_per_sec"] / p["round_trips_per_sec"] for o, p in zip(reflected[ours], reflected[peer_name])])
+        out.append((f"twoway: round trips/s, LB-bound (reflectors), {ours}", peer_name,
+                    f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){rate_goal}",
+                    f"median of per-run ratios; {IN_FLIGHT} datagrams lapping through reflectors at the clients and servers (CPU 0),"
+                    f" the LB alone on CPU 1; ours {busy(ours)}; peer {busy(peer_name)}; runs still lapping at the end: ours"
+                    f" {lapping(ours)}, peer {lapping(peer_name)}"))
+        mine, peer = spread(ours, "lb_ns_per_round_trip"), spread(peer_name, "lb_ns_per_round_trip")
+        ratios = bench.spread([o["lb_ns_per_round_trip"] / p["lb_ns_per_round_trip"] for o, p in zip(reflected[ours], reflected[peer_name])])
+        out.append((f"twoway: LB CPU per round trip, LB-bound (reflectors), {ours}", peer_name,
+                    f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){cpu_goal}",
+                    "CPU 1's busy time (wall minus measured idle) / round trips in the same runs: the LB's receive, NAT or proxy, and transmit"))
+
     lb_note = ("CPU 1's busy time (wall minus measured idle, minus its background at rest) / round trips at {rates} rt/s; the LB alone is on CPU 1 (its process pinned, RPS"
                " steering the lb netns' receive there), clients and servers on CPU 0")
     if "tc_ebpf nat" in saturation and "nft conntrack" in saturation:
@@ -482,6 +575,7 @@ def table(phases):
         above_routed_row(split_fixed, "fixed load", "tc_ebpf nat", "nft conntrack")
         above_routed_row(split_saturation, "saturation", "tc_ebpf nat", "nft conntrack")
         rate_row(split_saturation, " (LB on its own CPU)", "tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], "")
+    reflected_rows("tc_ebpf nat", "nft conntrack", " goal >= 1.2", " goal <= 0.7")
     if "relay" in saturation:
         nginx = [n for n in ("nginx-1", "nginx-2") if n in saturation]
         for n in nginx:
@@ -497,10 +591,16 @@ def table(phases):
         cpu_row(split_saturation, "lb_ns_per_round_trip", "LB CPU per round trip at saturation", "relay", "nginx-1", "", lb_note)
         above_routed_row(split_fixed, "fixed load", "relay", "nginx-1")
         above_routed_row(split_saturation, "saturation", "relay", "nginx-1")
+    reflected_rows("relay", "nginx-1", " goal >= 3", "")
     if "routed" in split_fixed:
         mine = bench.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
         out.append(("twoway: LB CPU per round trip at fixed load, routed (no LB)", "-", f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})",
                     "-", "-", "plain IP forwarding through the lb netns (clients -> one echo server): the floor under every variant's LB CPU"))
+    if "routed" in reflected:
+        mine = bench.spread([r["round_trips_per_sec"] for r in reflected["routed"]])
+        cost = bench.spread([r["lb_ns_per_round_trip"] for r in reflected["routed"]])
+        out.append(("twoway: round trips/s, LB-bound (reflectors), routed (no LB)", "-", f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})",
+                    f"{cost[0]:,.0f} ns per round trip", "-", "plain IP forwarding through the lb netns at the same load: the ceiling over every variant"))
     for phase, results in (("fixed load", fixed), ("fixed load, LB on its own CPU", split_fixed)):
         for name in results:
             runs = results[name]
@@ -540,7 +640,8 @@ def rows():
         print(f"bench: two-way through an lb netns (clients -> VIP {VIP}:{PORT} -> 3 echo servers routed via the lb, veth);"
               f" {bench.RUNS} alternated runs of {SECONDS:g} s per variant; saturation {CLIENTS} clients x window {WINDOW}"
               f" from 16 sources, CPU at {FIXED_CLIENTS} clients x window {FIXED_WINDOW}; {os.cpu_count()} CPUs", flush=True)
-        phases = measure(topology, servers, work, bench.RUNS)
+        reflector = build_reflector(work) if REFLECT else None
+        phases = measure(topology, servers, work, bench.RUNS, reflector)
         if os.environ.get("BENCH_TWOWAY_JSON"):
             with open(os.environ["BENCH_TWOWAY_JSON"], "w") as f:
                 json.dump(phases, f)
