@@ -57,17 +57,27 @@ public final class BatchReceiver {
     /// - Returns: how many arrived; 0 when none was waiting (EAGAIN).
     /// - Throws: ``SystemCallError`` for any other failure.
     public func receive(from socket: Int32, flags: Int32 = Int32(MSG_DONTWAIT)) throws(SystemCallError) -> Int {
-        for index in 0..<batchSize {
+        try receive(from: socket, flags: flags, slots: 0..<batchSize)
+    }
+
+    /// Receives up to `slots.count` datagrams into slots `slots` (indices of ``payload(_:)`` and
+    /// the others), leaving the other slots as they were: a caller can gather datagrams from
+    /// several sockets into one batch. `slots` must lie within 0..<``batchSize``.
+    /// - Returns: how many arrived, in `slots.lowerBound...`; 0 when none was waiting (EAGAIN).
+    public func receive(from socket: Int32, flags: Int32 = Int32(MSG_DONTWAIT), slots: Range<Int>) throws(SystemCallError) -> Int {
+        precondition(slots.lowerBound >= 0 && slots.upperBound <= batchSize)
+        if slots.isEmpty { return 0 }
+        for index in slots {
             headers[index].msg_hdr.msg_namelen = socklen_t(MemoryLayout<sockaddr_storage>.size)
             headers[index].msg_hdr.msg_controllen = controlSpace
             headers[index].msg_hdr.msg_flags = 0
         }
         while true {
-            let count = shim_recvmmsg(socket, headers, UInt32(batchSize), flags)
+            let count = shim_recvmmsg(socket, headers + slots.lowerBound, UInt32(slots.count), flags)
             if count >= 0 {
                 if count > 0 {
                     var drops: UInt32 = 0
-                    if shim_rxq_ovfl(&headers[Int(count) - 1].msg_hdr, &drops) == 1 { socketDrops = drops }
+                    if shim_rxq_ovfl(&headers[slots.lowerBound + Int(count) - 1].msg_hdr, &drops) == 1 { socketDrops = drops }
                 }
                 return Int(count)
             }

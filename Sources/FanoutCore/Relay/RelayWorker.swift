@@ -33,6 +33,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let replyReceiver: BatchReceiver
     private let replyHeaders: UnsafeMutablePointer<shim_mmsghdr>
     private let replyIovecs: UnsafeMutablePointer<iovec>
+    /// Replies received from session sockets and not yet sent: they fill ``replyReceiver``'s
+    /// slots 0..<replySlotsUsed (gathered from every session socket an epoll wakeup reports) and
+    /// leave in one sendmmsg on the listener socket (``flushReplies()``), not one call per
+    /// session. Each staged reply's session (kept alive for its client address) and counter.
+    private var replySlotsUsed = 0
+    private var stagedSessions: [RelaySession] = []
+    private var stagedCounters: [RelayCounters.DownstreamReplies?] = []
+    private var stagedTooLarge: UInt64 = 0
     private let epoll: Int32
     private let events: UnsafeMutablePointer<epoll_event>
     private static let eventCapacity = 256
@@ -74,6 +82,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         replyHeaders = .allocate(capacity: batch)
         replyIovecs = .allocate(capacity: batch)
         for slot in 0..<batch { replyHeaders[slot] = shim_mmsghdr() }
+        stagedSessions.reserveCapacity(batch)
+        stagedCounters.reserveCapacity(batch)
         events = .allocate(capacity: Self.eventCapacity)
         epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
         guard epoll >= 0 else {
@@ -137,6 +147,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 nextSweep = now + 1000
                 sweep(now: now)
             }
+            // What this wakeup gathered from the session sockets goes to the clients in one call.
+            flushReplies()
         }
         // Drain as the one-way worker does: what the socket still holds goes out (until it
         // stays empty 20 ms, at most 1 s); replies already queued are relayed once more.
@@ -147,6 +159,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             drainQueue(deadline: deadline)
         } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
         for fd in Array(bySocket.keys) { drainReplies(fd) }
+        flushReplies()
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
         member.leave()
@@ -194,7 +207,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 session.target = target
             } else {
                 // Replies already queued from the leaving downstream still reach the client.
-                relayQueued(session, budget: .max)
+                relayQueued(session, budget: .max, leaving: true)
                 bySocket[session.socket] = nil
                 session.closeSocket()  // close removes it from the epoll set
             }
@@ -379,17 +392,23 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         }
     }
 
-    /// Relays what the session's socket holds to its client. Called with the table lock held.
-    private func relayQueued(_ session: RelaySession, budget: Int) {
+    /// Stages what the session's socket holds (at most `budget` batches) for its client; full
+    /// batches are sent at once, the rest by ``flushReplies()``. Called with the table lock held.
+    /// - Parameter leaving: the session's downstream left the plan just adopted (its `target`
+    ///   is an index into the previous plan): its replies count for it by name.
+    private func relayQueued(_ session: RelaySession, budget: Int, leaving: Bool = false) {
         let fd = session.socket
         guard fd >= 0 else { return }
-        let target = session.target
+        let counter = leaving ? relay.downstream(session.downstream.name)
+            : session.target < replyCounters.count ? replyCounters[session.target] : nil
         var batches = 0
         while batches < budget {
             batches += 1
+            if replySlotsUsed == replyReceiver.batchSize { flushReplies() }
+            let free = replySlotsUsed..<replyReceiver.batchSize
             let count: Int
             do throws(SystemCallError) {
-                count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+                count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC), slots: free)
             } catch {
                 if error.errno == ECONNREFUSED || error.errno == EHOSTUNREACH || error.errno == ENETUNREACH {
                     // ICMP unreachable for a request sent on this session: the downstream did not
@@ -397,7 +416,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                     // side (no reply will come), and passive health is told. Reading the error
                     // clears it, so the client's next datagram is sent (not refused in its place).
                     relay.downstreamUnreachable.wrappingAdd(1, ordering: .relaxed)
-                    if error.errno == ECONNREFUSED, let plan, target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[target].address) }
+                    if error.errno == ECONNREFUSED, !leaving, let plan, session.target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[session.target].address) }
                     continue
                 }
                 relay.replySendError.wrappingAdd(1, ordering: .relaxed)
@@ -407,40 +426,64 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if count == 0 { return }
             progress.wrappingAdd(1, ordering: .relaxed)
             session.lastActive = monotonicMilliseconds()
-            sendReplies(count, to: session)
-            if count < replyReceiver.batchSize { return }
+            stage(count, from: session, counter: counter)
+            // Fewer than asked for: the socket is empty.
+            if count < free.count { return }
         }
     }
 
-    /// Sends the `count` replies just received to the session's client (sendmmsg on the listener socket).
-    private func sendReplies(_ count: Int, to session: RelaySession) {
-        var messages = 0
-        var tooLarge: UInt64 = 0
-        for reply in 0..<count {
-            if replyReceiver.isTruncated(reply) {
-                tooLarge += 1
+    /// Adds the `count` replies just received (slots replySlotsUsed...) to the staged batch,
+    /// addressed to the session's client.
+    private func stage(_ count: Int, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
+        for slot in replySlotsUsed..<(replySlotsUsed + count) {
+            if replyReceiver.isTruncated(slot) {
+                stagedTooLarge += 1
                 continue
             }
-            let payload = replyReceiver.payload(reply)
-            replyIovecs[messages] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
-            replyHeaders[messages].msg_hdr.msg_name = UnsafeMutableRawPointer(session.client)
-            replyHeaders[messages].msg_hdr.msg_namelen = session.clientLength
-            replyHeaders[messages].msg_hdr.msg_iov = replyIovecs + messages
-            replyHeaders[messages].msg_hdr.msg_iovlen = 1
-            replyHeaders[messages].msg_hdr.msg_control = nil
-            replyHeaders[messages].msg_hdr.msg_controllen = 0
-            messages += 1
+            let message = stagedSessions.count
+            let payload = replyReceiver.payload(slot)
+            replyIovecs[message] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
+            replyHeaders[message].msg_hdr.msg_name = UnsafeMutableRawPointer(session.client)
+            replyHeaders[message].msg_hdr.msg_namelen = session.clientLength
+            replyHeaders[message].msg_hdr.msg_iov = replyIovecs + message
+            replyHeaders[message].msg_hdr.msg_iovlen = 1
+            replyHeaders[message].msg_hdr.msg_control = nil
+            replyHeaders[message].msg_hdr.msg_controllen = 0
+            stagedSessions.append(session)
+            stagedCounters.append(counter)
         }
-        var sent: UInt64 = 0
-        var bytes: UInt64 = 0
+        replySlotsUsed += count
+    }
+
+    /// Sends the staged replies to their clients (sendmmsg on the listener socket), counts them,
+    /// and empties the stage. Holding each reply's session keeps its client address valid even
+    /// if the session closed (idle, reload) after the reply was staged.
+    private func flushReplies() {
+        let messages = stagedSessions.count
         var bufferFull: UInt64 = 0
         var failed: UInt64 = 0
         var message = 0
         while message < messages {
             let result = shim_sendmmsg(member.socket, replyHeaders + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
             if result > 0 {
-                for index in message..<(message + Int(result)) { bytes += UInt64(replyIovecs[index].iov_len) }
-                sent += UInt64(result)
+                var sent: UInt64 = 0
+                var bytes: UInt64 = 0
+                // Consecutive replies mostly share a downstream: one add per run of them.
+                var counter: RelayCounters.DownstreamReplies?
+                var run: UInt64 = 0
+                for index in message..<(message + Int(result)) {
+                    bytes += UInt64(replyIovecs[index].iov_len)
+                    sent += 1
+                    if stagedCounters[index] !== counter {
+                        counter?.replies.wrappingAdd(run, ordering: .relaxed)
+                        counter = stagedCounters[index]
+                        run = 0
+                    }
+                    run += 1
+                }
+                counter?.replies.wrappingAdd(run, ordering: .relaxed)
+                relay.replies.wrappingAdd(sent, ordering: .relaxed)
+                relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
                 message += Int(result)
                 continue
             }
@@ -449,12 +492,13 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if error == EAGAIN || error == ENOBUFS { bufferFull += 1 } else { failed += 1 }
             message += 1
         }
-        relay.replies.wrappingAdd(sent, ordering: .relaxed)
-        relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
-        if session.target < replyCounters.count { replyCounters[session.target].replies.wrappingAdd(sent, ordering: .relaxed) }
         if bufferFull > 0 { relay.replySendBufferFull.wrappingAdd(bufferFull, ordering: .relaxed) }
         if failed > 0 { relay.replySendError.wrappingAdd(failed, ordering: .relaxed) }
-        if tooLarge > 0 { relay.replyTooLarge.wrappingAdd(tooLarge, ordering: .relaxed) }
+        if stagedTooLarge > 0 { relay.replyTooLarge.wrappingAdd(stagedTooLarge, ordering: .relaxed) }
+        stagedTooLarge = 0
+        stagedSessions.removeAll(keepingCapacity: true)
+        stagedCounters.removeAll(keepingCapacity: true)
+        replySlotsUsed = 0
     }
 
     // MARK: Idle and stop
