@@ -62,11 +62,11 @@ public final class BatchReceiver {
 
     /// Receives up to `slots.count` datagrams into slots `slots` (indices of ``payload(_:)`` and
     /// the others), leaving the other slots as they were: a caller can gather datagrams from
-    /// several sockets into one batch. `slots` must lie within 0..<``batchSize``.
+    /// several sockets into one batch. `slots` must be non-empty and lie within 0..<``batchSize``.
     /// - Returns: how many arrived, in `slots.lowerBound...`; 0 when none was waiting (EAGAIN).
     public func receive(from socket: Int32, flags: Int32 = Int32(MSG_DONTWAIT), slots: Range<Int>) throws(SystemCallError) -> Int {
-        precondition(slots.lowerBound >= 0 && slots.upperBound <= batchSize)
-        if slots.isEmpty { return 0 }
+        // Empty, 0 would read as "nothing waiting" to a caller that drains until 0.
+        precondition(!slots.isEmpty && slots.lowerBound >= 0 && slots.upperBound <= batchSize)
         for index in slots {
             headers[index].msg_hdr.msg_namelen = socklen_t(MemoryLayout<sockaddr_storage>.size)
             headers[index].msg_hdr.msg_controllen = controlSpace

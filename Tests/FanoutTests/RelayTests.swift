@@ -171,6 +171,42 @@ struct RelayTests {
         #expect(metric(metrics, "udp_fanout_associations", "listener=\"relay\",mode=\"userspace\"") == 50, "\(metrics)")
     }
 
+    @Test("Replies gathered from many sessions into one send: each reaches its own client once; a too-large one among them is counted, the others still go out")
+    func gatheredReplies() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        // One worker and a batch of 8: 40 clients' replies fill the stage several times over.
+        // max_packet_size 64: a 60-byte request fits, its echo ("echo-N|" + 60 bytes) does not.
+        let daemon = try startDaemon(relayYAML("gather", bind: bind, servers, workers: 1,
+                                               settings: "      batch_size: 8\n      max_packet_size: 64\n"))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(40, base: 120).map { try RelayClient(source: $0) }
+        for round in 0..<5 {
+            // Every client's request out first, then every reply read: the replies wait on 40
+            // session sockets together, so one wakeup gathers many of them.
+            for (index, client) in clients.enumerated() {
+                let text = index == 7 && round == 2 ? String(repeating: "x", count: 60) : "\(client.source)-\(round)"
+                try client.send(text, to: bind)
+            }
+            for (index, client) in clients.enumerated() {
+                if index == 7 && round == 2 {
+                    #expect(client.receive(timeout: 300) == nil, "the too-large reply is not sent (cut)")
+                    continue
+                }
+                let reply = try #require(client.receive(), "\(client.source) round \(round): no reply")
+                #expect(reply.from == bind)
+                #expect(reply.text.hasSuffix("|\(client.source)-\(round)"), "\(client.source) got \(reply.text)")
+            }
+        }
+        for client in clients { #expect(client.receive(timeout: 0) == nil, "\(client.source): a reply more than once") }
+        settle { daemon.counters(of: "gather")?.twoWay?.replies == 199 }
+        let twoWay = try #require(daemon.counters(of: "gather")?.twoWay)
+        #expect(twoWay.replies == 199)
+        #expect(twoWay.replyDropped[.tooLarge] == 1)
+        #expect(twoWay.downstreamReplies.values.reduce(0, +) == 199, "\(twoWay.downstreamReplies)")
+        #expect(twoWay.downstreamReplies.count == 2 && twoWay.downstreamReplies.values.allSatisfy { $0 > 0 })
+    }
+
     @Test("max_sessions 10 with 20 clients: 10 served, the other datagrams dropped and counted table_full")
     func tableFull() throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }

@@ -36,10 +36,12 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Replies received from session sockets and not yet sent: they fill ``replyReceiver``'s
     /// slots 0..<replySlotsUsed (gathered from every session socket an epoll wakeup reports) and
     /// leave in one sendmmsg on the listener socket (``flushReplies()``), not one call per
-    /// session. Each staged reply's session (kept alive for its client address) and counter.
+    /// session. A run per receive call: its session (held, so its client address stays valid
+    /// until the flush even if the session closes first), its downstream's reply counter, and
+    /// the end of its messages in replyHeaders (0..<stagedMessages).
     private var replySlotsUsed = 0
-    private var stagedSessions: [RelaySession] = []
-    private var stagedCounters: [RelayCounters.DownstreamReplies?] = []
+    private var stagedMessages = 0
+    private var stagedRuns: [(session: RelaySession, counter: RelayCounters.DownstreamReplies?, end: Int)] = []
     private var stagedTooLarge: UInt64 = 0
     private let epoll: Int32
     private let events: UnsafeMutablePointer<epoll_event>
@@ -82,8 +84,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         replyHeaders = .allocate(capacity: batch)
         replyIovecs = .allocate(capacity: batch)
         for slot in 0..<batch { replyHeaders[slot] = shim_mmsghdr() }
-        stagedSessions.reserveCapacity(batch)
-        stagedCounters.reserveCapacity(batch)
+        stagedRuns.reserveCapacity(batch)
         events = .allocate(capacity: Self.eventCapacity)
         epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
         guard epoll >= 0 else {
@@ -136,7 +137,10 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                     // replies or the idle sweep, nor one chatty downstream the others.
                     if fd == member.socket {
                         // A receive that fails while epoll says readable would spin a core: wait a little.
-                        if !drainQueue(deadline: nil, budget: Self.batchesPerWakeup) { usleep(10_000) }
+                        if !drainQueue(deadline: nil, budget: Self.batchesPerWakeup) {
+                            flushReplies()
+                            usleep(10_000)
+                        }
                     } else {
                         drainReplies(fd, budget: Self.batchesPerWakeup)
                     }
@@ -195,6 +199,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         let plan = plans.plan
         self.plan = plan
         selector = DownstreamSelector(plan.method)
+        let previousCounters = replyCounters
         replyCounters = plan.downstreams.map { relay.downstream($0.name) }
         batchSent = Array(repeating: 0, count: plan.downstreams.count)
         batchBytes = batchSent
@@ -207,7 +212,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 session.target = target
             } else {
                 // Replies already queued from the leaving downstream still reach the client.
-                relayQueued(session, budget: .max, leaving: true)
+                // Its target is an index into the previous plan: its replies count there.
+                relayQueued(session, budget: .max, counting: .leaving(session.target < previousCounters.count ? previousCounters[session.target] : nil))
                 bySocket[session.socket] = nil
                 session.closeSocket()  // close removes it from the epoll set
             }
@@ -384,7 +390,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     // MARK: Downstream → client
 
-    /// Relays what session socket `fd` holds (at most `budget` batches) to its client from the listener socket.
+    /// Stages what session socket `fd` holds (at most `budget` batches) for its client (see ``relayQueued(_:budget:counting:)``).
     private func drainReplies(_ fd: Int32, budget: Int = .max) {
         tableLock.withLock { _ in
             guard let session = bySocket[fd], session.socket == fd else { return }
@@ -392,18 +398,34 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         }
     }
 
-    /// Stages what the session's socket holds (at most `budget` batches) for its client; full
-    /// batches are sent at once, the rest by ``flushReplies()``. Called with the table lock held.
-    /// - Parameter leaving: the session's downstream left the plan just adopted (its `target`
-    ///   is an index into the previous plan): its replies count for it by name.
-    private func relayQueued(_ session: RelaySession, budget: Int, leaving: Bool = false) {
+    /// Which downstream a session's replies count for.
+    enum ReplyCounting {
+        /// The plan's downstream at the session's `target`.
+        case plan
+        /// A downstream that left the plan (this is its counter).
+        case leaving(RelayCounters.DownstreamReplies?)
+    }
+
+    /// Stages what the session's socket holds (at most `budget` batches' worth of datagrams) for
+    /// its client, to be sent from the listener socket: by ``flushReplies()`` at the end of the
+    /// wakeup, or at once when the stage is full. Called with the table lock held.
+    /// - Parameter counting: `.leaving` when the session's downstream left the plan just adopted
+    ///   (its `target` is an index into the previous plan), with that downstream's reply counter.
+    private func relayQueued(_ session: RelaySession, budget: Int, counting: ReplyCounting = .plan) {
         let fd = session.socket
         guard fd >= 0 else { return }
-        let counter = leaving ? relay.downstream(session.downstream.name)
-            : session.target < replyCounters.count ? replyCounters[session.target] : nil
-        var batches = 0
-        while batches < budget {
-            batches += 1
+        let counter: RelayCounters.DownstreamReplies?
+        switch counting {
+        case .plan: counter = session.target < replyCounters.count ? replyCounters[session.target] : nil
+        case .leaving(let previous): counter = previous
+        }
+        // In datagrams, so that receiving into the last few free slots does not use up a batch.
+        let (limit, overflow) = budget.multipliedReportingOverflow(by: replyReceiver.batchSize)
+        let allowed = overflow ? Int.max : limit
+        var received = 0
+        var calls = 0
+        while received < allowed && calls < allowed {
+            calls += 1
             if replySlotsUsed == replyReceiver.batchSize { flushReplies() }
             let free = replySlotsUsed..<replyReceiver.batchSize
             let count: Int
@@ -416,7 +438,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                     // side (no reply will come), and passive health is told. Reading the error
                     // clears it, so the client's next datagram is sent (not refused in its place).
                     relay.downstreamUnreachable.wrappingAdd(1, ordering: .relaxed)
-                    if error.errno == ECONNREFUSED, !leaving, let plan, session.target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[session.target].address) }
+                    if error.errno == ECONNREFUSED, case .plan = counting, let plan, session.target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[session.target].address) }
                     continue
                 }
                 relay.replySendError.wrappingAdd(1, ordering: .relaxed)
@@ -424,6 +446,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 return
             }
             if count == 0 { return }
+            received += count
             progress.wrappingAdd(1, ordering: .relaxed)
             session.lastActive = monotonicMilliseconds()
             stage(count, from: session, counter: counter)
@@ -440,7 +463,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 stagedTooLarge += 1
                 continue
             }
-            let message = stagedSessions.count
+            let message = stagedMessages
             let payload = replyReceiver.payload(slot)
             replyIovecs[message] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
             replyHeaders[message].msg_hdr.msg_name = UnsafeMutableRawPointer(session.client)
@@ -449,40 +472,41 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             replyHeaders[message].msg_hdr.msg_iovlen = 1
             replyHeaders[message].msg_hdr.msg_control = nil
             replyHeaders[message].msg_hdr.msg_controllen = 0
-            stagedSessions.append(session)
-            stagedCounters.append(counter)
+            stagedMessages += 1
         }
         replySlotsUsed += count
+        stagedRuns.append((session, counter, stagedMessages))
     }
 
     /// Sends the staged replies to their clients (sendmmsg on the listener socket), counts them,
     /// and empties the stage. Holding each reply's session keeps its client address valid even
     /// if the session closed (idle, reload) after the reply was staged.
     private func flushReplies() {
-        let messages = stagedSessions.count
+        let messages = stagedMessages
+        // Credits the messages `sent` (a range of replyHeaders) to their runs' downstreams.
+        var run = 0
+        func credit(_ sent: Range<Int>) {
+            var lower = sent.lowerBound
+            while lower < sent.upperBound && run < stagedRuns.count {
+                if stagedRuns[run].end <= lower {
+                    run += 1
+                    continue
+                }
+                let upper = min(sent.upperBound, stagedRuns[run].end)
+                stagedRuns[run].counter?.replies.wrappingAdd(UInt64(upper - lower), ordering: .relaxed)
+                lower = upper
+            }
+        }
         var bufferFull: UInt64 = 0
         var failed: UInt64 = 0
         var message = 0
         while message < messages {
             let result = shim_sendmmsg(member.socket, replyHeaders + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
             if result > 0 {
-                var sent: UInt64 = 0
                 var bytes: UInt64 = 0
-                // Consecutive replies mostly share a downstream: one add per run of them.
-                var counter: RelayCounters.DownstreamReplies?
-                var run: UInt64 = 0
-                for index in message..<(message + Int(result)) {
-                    bytes += UInt64(replyIovecs[index].iov_len)
-                    sent += 1
-                    if stagedCounters[index] !== counter {
-                        counter?.replies.wrappingAdd(run, ordering: .relaxed)
-                        counter = stagedCounters[index]
-                        run = 0
-                    }
-                    run += 1
-                }
-                counter?.replies.wrappingAdd(run, ordering: .relaxed)
-                relay.replies.wrappingAdd(sent, ordering: .relaxed)
+                for index in message..<(message + Int(result)) { bytes += UInt64(replyIovecs[index].iov_len) }
+                credit(message..<(message + Int(result)))
+                relay.replies.wrappingAdd(UInt64(result), ordering: .relaxed)
                 relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
                 message += Int(result)
                 continue
@@ -496,8 +520,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         if failed > 0 { relay.replySendError.wrappingAdd(failed, ordering: .relaxed) }
         if stagedTooLarge > 0 { relay.replyTooLarge.wrappingAdd(stagedTooLarge, ordering: .relaxed) }
         stagedTooLarge = 0
-        stagedSessions.removeAll(keepingCapacity: true)
-        stagedCounters.removeAll(keepingCapacity: true)
+        stagedRuns.removeAll(keepingCapacity: true)
+        stagedMessages = 0
         replySlotsUsed = 0
     }
 
