@@ -20,6 +20,7 @@
 #include <linux/udp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
+#include "csum.h"
 
 SEC("tc")
 int reflect(struct __sk_buff *skb)
@@ -43,13 +44,9 @@ int reflect(struct __sk_buff *skb)
 	__be32 address = ip->saddr;
 	ip->saddr = ip->daddr;
 	ip->daddr = address;
-	__u16 old = bpf_ntohs(*(__be16 *)&ip->ttl);
+	__u16 old = *(__u16 *)&ip->ttl; /* the TTL and protocol word, as it lies */
 	ip->ttl = 64;
-	__u16 new = bpf_ntohs(*(__be16 *)&ip->ttl);
-	__u32 sum = (__u16)~bpf_ntohs(ip->check) + (__u16)~old + new;
-	sum = (sum & 0xffff) + (sum >> 16);
-	sum = (sum & 0xffff) + (sum >> 16);
-	ip->check = bpf_htons(~sum & 0xffff);
+	ip->check = csum_update16(ip->check, old, *(__u16 *)&ip->ttl);
 	__be16 port = udp->source;
 	udp->source = udp->dest;
 	udp->dest = port;

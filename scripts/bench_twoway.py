@@ -31,9 +31,16 @@ veths on CPU 0. CPU 1's busy time (wall minus measured idle, minus its backgroun
 quiet second before the run) per round trip is then the load balancer's own CPU; minus the
 routed run's, it is the NAT or proxy work above plain forwarding.
 
+Then, with the same placement, the load-generator run: the clients' and servers' programs are
+replaced by reflectors (bench/reflect.bpf.c at tc ingress of their veths, each datagram sent
+straight back with source and destination swapped), IN_FLIGHT datagrams lap through the load
+balancer, and the endpoints are so cheap that the LB's CPU bounds the rate: round trips/s and
+CPU 1 time per round trip of the load balancer itself.
+
 Every variant must lose nothing and answer only from the VIP at the fixed load: those counts are
 printed, so a fast but lossy variant cannot win unseen. BENCH_TWOWAY_SPLIT=0 skips the second
-phase; BENCH_TWOWAY_JSON=PATH writes every run's reports there.
+phase and the load-generator run; BENCH_TWOWAY_REFLECT=0 the load-generator run alone;
+BENCH_TWOWAY_IN_FLIGHT sets its datagrams (256); BENCH_TWOWAY_JSON=PATH writes every run's reports there.
 """
 import json
 import os
@@ -361,20 +368,29 @@ def idle_seconds_per_cpu():
     return idle
 
 
+def busy_during(work):
+    """Runs work(): its result, the seconds it took, and each CPU's busy seconds meanwhile
+    (wall minus the idle time /proc/stat measures)."""
+    before, started = idle_seconds_per_cpu(), time.monotonic()
+    result = work()
+    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+    return result, elapsed, {cpu: max(0.0, elapsed - (after[cpu] - before[cpu])) for cpu in after}
+
+
+def background():
+    """Each CPU's busy share over one second with no traffic (the LB at rest, kernel threads,
+    anything else on the machine): taken off what a run measures."""
+    _, elapsed, busy = busy_during(lambda: time.sleep(1))
+    return {cpu: seconds / elapsed for cpu, seconds in busy.items()}
+
+
 def lb_cpu_run(topology, name, clients, window, timeout_ms):
     """An exchange with the endpoints on CPU 0 and the LB on CPU 1: the report, with CPU 1's
     busy time per round trip (the load balancer's CPU) and CPU 1's busy share."""
-    # CPU 1's background (the LB at rest, kernel threads, anything else on the machine) over a
-    # second with no traffic, taken off what the run measures.
-    before, started = idle_seconds_per_cpu(), time.monotonic()
-    time.sleep(1)
-    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
-    background = max(0.0, elapsed - (after[1] - before[1])) / elapsed
-    before, started = idle_seconds_per_cpu(), time.monotonic()
-    report = exchange(topology, name, clients, window, timeout_ms, cpu="0")
-    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
-    lb = max(0.0, elapsed - (after[1] - before[1]) - background * elapsed)
-    report["cpu1_background"] = background
+    quiet = background()
+    report, elapsed, busy = busy_during(lambda: exchange(topology, name, clients, window, timeout_ms, cpu="0"))
+    lb = max(0.0, busy[1] - quiet[1] * elapsed)
+    report["cpu1_background"] = quiet[1]
     report["lb_ns_per_round_trip"] = lb * 1e9 / max(report["replies"], 1)
     report["lb_busy"] = lb / max(elapsed, 1e-9)
     return report
@@ -384,6 +400,7 @@ def build_reflector(work):
     """bench/reflect.bpf.c compiled into `work`: its path."""
     obj = os.path.join(work, "reflect.o")
     subprocess.run(["clang", "-O2", "-g", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu",
+                    "-I", os.path.join(os.path.dirname(REFLECTOR_SOURCE), "..", "bpf", "include"),
                     "-c", REFLECTOR_SOURCE, "-o", obj], check=True)
     return obj
 
@@ -412,31 +429,34 @@ def reflected_run(topology, name, obj):
     ingress of their veths), and IN_FLIGHT datagrams, each from its own client address and
     port, are sent once: each then laps clients -> LB -> server -> LB -> clients for ever, and
     the endpoints cost a few hundred ns per lap, so the LB's CPU is what bounds the rate (as
-    with a hardware traffic generator). Round trips are the clients' veth receive count."""
-    reflectors(topology, obj)
+    with a hardware traffic generator). Round trips are the clients' veth receive count.
+    CPU 1's and CPU 0's background at rest are taken off their busy time."""
+    quiet = background()
     try:
+        reflectors(topology, obj)
         ip, port = destination(name)
+        # Ports 20000 + i: every datagram its own client (address, port), in every variant.
         script = (f"import socket\n"
                   f"for i in range({IN_FLIGHT}):\n"
                   f"    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-                  f"    s.bind(('198.18.0.%d' % (10 + i % 16), 0))\n"
+                  f"    s.bind(('198.18.0.%d' % (10 + i % 16), 20000 + i))\n"
                   f"    s.sendto(b'twoway-bench-lap'.ljust(64, b'.'), ('{ip}', {port}))\n"
                   f"    s.close()\n")
         subprocess.run([*bench_tc.in_namespace(topology.clients), "python3", "-c", script], check=True, timeout=60)
         time.sleep(0.5)  # every datagram lapping, sessions and associations made
-        laps, before, started = client_received(topology), idle_seconds_per_cpu(), time.monotonic()
-        time.sleep(SECONDS)
-        laps, after, elapsed = client_received(topology) - laps, idle_seconds_per_cpu(), time.monotonic() - started
-        # Still lapping at the end: a variant that lost its datagrams shows a rate near 0 here.
-        time.sleep(0.2)
-        still = client_received(topology)
-        time.sleep(0.2)
-        still = client_received(topology) - still
+        start = client_received(topology)
+        laps, elapsed, busy = busy_during(lambda: time.sleep(SECONDS) or client_received(topology) - start)
+        # The rate over the last 0.4 s against the run's: a variant losing its datagrams as they
+        # lap would slow down towards 0 here (a few ARP frames a second aside).
+        end = client_received(topology)
+        time.sleep(0.4)
+        end_rate = (client_received(topology) - end) / 0.4
     finally:
         reflectors(topology, None)
-    busy = [max(0.0, elapsed - (after[cpu] - before[cpu])) for cpu in (0, 1)]
-    return {"round_trips_per_sec": laps / elapsed, "lb_ns_per_round_trip": busy[1] * 1e9 / max(laps, 1),
-            "lb_busy": busy[1] / elapsed, "endpoints_busy": busy[0] / elapsed, "lapping_at_end": still > 0}
+    rate = laps / elapsed
+    lb, endpoints = (max(0.0, busy[cpu] - quiet[cpu] * elapsed) for cpu in (1, 0))
+    return {"round_trips_per_sec": rate, "lb_ns_per_round_trip": lb * 1e9 / max(laps, 1),
+            "lb_busy": lb / elapsed, "endpoints_busy": endpoints / elapsed, "end_rate_ratio": end_rate / max(rate, 1e-9)}
 
 
 def run_variant(name, topology, servers, work, reflector):
@@ -455,7 +475,11 @@ def run_variant(name, topology, servers, work, reflector):
             variant.stop()
         results["fixed"]["ns_per_round_trip"] = cpu * 1e9 / max(results["fixed"]["replies"], 1)
     if name in SPLIT_VARIANTS and SPLIT:
+        affinity = os.sched_getaffinity(0)
         try:
+            # This script (and what it forks: counter reads, injection) on CPU 0 too, so that
+            # CPU 1 holds the load balancer alone.
+            os.sched_setaffinity(0, {0})
             topology.split(True)
             servers.pin("0")
             variant = Variant(name, topology, work, split=True)
@@ -469,6 +493,7 @@ def run_variant(name, topology, servers, work, reflector):
         finally:
             servers.pin(None)
             topology.split(False)
+            os.sched_setaffinity(0, affinity)
     return results
 
 
@@ -537,31 +562,35 @@ def table(phases):
                     ratio, f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
                     " forwarding with no LB): the NAT or proxy work alone"))
 
-    def reflected_rows(ours, peer_name, rate_goal, cpu_goal):
+    def reflected_rows(ours, peer_name, rate_goal, cpu_goal, peer_note=""):
         """The load-generator comparison: round trips/s (the LB's CPU saturated) and the LB's CPU
-        per round trip, median of per-run ratios, with what shows the LB was the bound."""
+        per round trip, median of per-run ratios, with what shows the LB was the bound: a run is
+        LB-bound when CPU 1 was at least 90 % busy and CPU 0 (the reflectors) below 95 %; unless
+        most runs of both variants were, the ratio says NOT LB-bound."""
         if ours not in reflected or peer_name not in reflected:
             return
         def spread(name, key):
             return bench.spread([r[key] for r in reflected[name]])
+        def bound(name):
+            return sum(r["lb_busy"] >= 0.9 and r["endpoints_busy"] < 0.95 for r in reflected[name])
         def busy(name):
-            return f"LB CPU {spread(name, 'lb_busy')[0]:.0%}, endpoints' CPU {spread(name, 'endpoints_busy')[0]:.0%}"
-        def lapping(name):
-            return f"{sum(r['lapping_at_end'] for r in reflected[name])}/{len(reflected[name])}"
+            return (f"LB CPU {spread(name, 'lb_busy')[0]:.0%}, reflectors' CPU {spread(name, 'endpoints_busy')[0]:.0%},"
+                    f" LB-bound {bound(name)}/{len(reflected[name])} runs, last-0.4-s rate {spread(name, 'end_rate_ratio')[0]:.2f}x the run's")
+        verdict = "" if all(2 * bound(n) > len(reflected[n]) for n in (ours, peer_name)) else " NOT LB-bound"
         mine, peer = spread(ours, "round_trips_per_sec"), spread(peer_name, "round_trips_per_sec")
         ratios = bench.spread([o["round_trips_per_sec"] / p["round_trips_per_sec"] for o, p in zip(reflected[ours], reflected[peer_name])])
         out.append((f"twoway: round trips/s, LB-bound (reflectors), {ours}", peer_name,
                     f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){rate_goal}",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){rate_goal}{verdict}",
                     f"median of per-run ratios; {IN_FLIGHT} datagrams lapping through reflectors at the clients and servers (CPU 0),"
-                    f" the LB alone on CPU 1; ours {busy(ours)}; peer {busy(peer_name)}; runs still lapping at the end: ours"
-                    f" {lapping(ours)}, peer {lapping(peer_name)}"))
+                    f" the LB alone on CPU 1; ours: {busy(ours)}; peer: {busy(peer_name)}{peer_note}"))
         mine, peer = spread(ours, "lb_ns_per_round_trip"), spread(peer_name, "lb_ns_per_round_trip")
         ratios = bench.spread([o["lb_ns_per_round_trip"] / p["lb_ns_per_round_trip"] for o, p in zip(reflected[ours], reflected[peer_name])])
         out.append((f"twoway: LB CPU per round trip, LB-bound (reflectors), {ours}", peer_name,
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
-                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){cpu_goal}",
-                    "CPU 1's busy time (wall minus measured idle) / round trips in the same runs: the LB's receive, NAT or proxy, and transmit"))
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){cpu_goal}{verdict}",
+                    "CPU 1's busy time (wall minus measured idle, minus its background at rest) / round trips in the same runs:"
+                    " the LB's receive, NAT or proxy, and transmit"))
 
     lb_note = ("CPU 1's busy time (wall minus measured idle, minus its background at rest) / round trips at {rates} rt/s; the LB alone is on CPU 1 (its process pinned, RPS"
                " steering the lb netns' receive there), clients and servers on CPU 0")
@@ -591,7 +620,8 @@ def table(phases):
         cpu_row(split_saturation, "lb_ns_per_round_trip", "LB CPU per round trip at saturation", "relay", "nginx-1", "", lb_note)
         above_routed_row(split_fixed, "fixed load", "relay", "nginx-1")
         above_routed_row(split_saturation, "saturation", "relay", "nginx-1")
-    reflected_rows("relay", "nginx-1", " goal >= 3", "")
+    reflected_rows("relay", "nginx-1", " goal >= 3", "", "; nginx with proxy_responses 1 (the issue's peer) makes and closes an upstream"
+                   " socket per request, the relay keeps one session socket per client")
     if "routed" in split_fixed:
         mine = bench.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
         out.append(("twoway: LB CPU per round trip at fixed load, routed (no LB)", "-", f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})",
@@ -600,7 +630,7 @@ def table(phases):
         mine = bench.spread([r["round_trips_per_sec"] for r in reflected["routed"]])
         cost = bench.spread([r["lb_ns_per_round_trip"] for r in reflected["routed"]])
         out.append(("twoway: round trips/s, LB-bound (reflectors), routed (no LB)", "-", f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})",
-                    f"{cost[0]:,.0f} ns per round trip", "-", "plain IP forwarding through the lb netns at the same load: the ceiling over every variant"))
+                    f"{cost[0]:,.0f} ns per round trip", "-", "reference: plain IP forwarding through the lb netns (clients -> one server), no load balancer, at the same load"))
     for phase, results in (("fixed load", fixed), ("fixed load, LB on its own CPU", split_fixed)):
         for name in results:
             runs = results[name]
