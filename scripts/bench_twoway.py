@@ -652,6 +652,19 @@ def table(phases):
     return out
 
 
+def remove_iproute2_pin_dirs():
+    """tc loading an object file makes /sys/fs/bpf/tc/globals (and ip, xdp links to tc): removed
+    after the run when it made them and they hold nothing (rmdir refuses a directory with pins)."""
+    for link in ("/sys/fs/bpf/ip", "/sys/fs/bpf/xdp"):
+        if os.path.islink(link) and os.readlink(link).rstrip("/") == "/sys/fs/bpf/tc":
+            os.unlink(link)
+    for directory in ("/sys/fs/bpf/tc/globals", "/sys/fs/bpf/tc"):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
 def terminated(*_):
     raise SystemExit("bench: terminated")
 
@@ -662,6 +675,7 @@ def rows():
     # A SIGTERM (a CI job cancelled) must still reach the cleanup below.
     previous = signal.signal(signal.SIGTERM, terminated)
     work = tempfile.mkdtemp(prefix="rplb-twoway-bench-")
+    made_pin_dirs = REFLECT and not os.path.exists("/sys/fs/bpf/tc")
     topology = None
     servers = None
     try:
@@ -682,4 +696,6 @@ def rows():
         if topology:
             topology.destroy()
         subprocess.run(["rm", "-rf", work])
+        if made_pin_dirs:
+            remove_iproute2_pin_dirs()
         signal.signal(signal.SIGTERM, previous)
