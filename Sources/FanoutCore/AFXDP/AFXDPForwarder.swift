@@ -73,16 +73,10 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
     }
 
     func run() {
-        if listener.settings.pinCPUs {
-            let (cpu, error) = pinCurrentThread(toAllowedCPU: Int(queue))
-            if let error {
-                logger.warning("could not pin forwarder to its CPU; it runs unpinned (set settings.pin_cpus: false to stop trying)", metadata: [
-                    "listener": "\(listener.name)", "queue": "\(queue)", "cpu": "\(cpu)", "errno": "\(error)"])
-            }
-        }
+        let cpu = pinWorkerThread(listener, Int(queue), role: "queue", logger: logger)
         forwarder.adoptPlanIfChanged()
         logger.info("AF_XDP forwarder started", metadata: [
-            "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)",
+            "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)", "cpu": "\(cpu)",
             "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
         ])
         while !stop.isSet {

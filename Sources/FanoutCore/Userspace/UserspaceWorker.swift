@@ -147,14 +147,15 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
     }
 }
 
-/// Pins the calling worker thread if settings.pin_cpus: the CPU for the worker's log line
+/// Pins the calling worker thread (a userspace or relay worker, or an AF_XDP queue's forwarder:
+/// `role` names its index in the log) if settings.pin_cpus: the CPU for the thread's log line
 /// ("any" when not pinned). A failure is logged, naming the fix, and the thread runs unpinned.
-func pinWorkerThread(_ listener: Listener, _ index: Int, logger: Logger) -> String {
+func pinWorkerThread(_ listener: Listener, _ index: Int, role: String = "worker", logger: Logger) -> String {
     guard listener.settings.pinCPUs else { return "any" }
     let (cpu, error) = pinCurrentThread(toAllowedCPU: index)
     guard let error else { return "\(cpu)" }
-    logger.warning("could not pin worker to its CPU; it runs unpinned (set settings.pin_cpus: false to stop trying)", metadata: [
-        "listener": "\(listener.name)", "worker": "\(index)", "cpu": "\(cpu)", "errno": "\(error)", "error": "\(String(cString: strerror(error)))",
+    logger.warning("could not pin the thread to its CPU; it runs unpinned (set settings.pin_cpus: false to stop trying)", metadata: [
+        "listener": "\(listener.name)", "\(role)": "\(index)", "cpu": "\(cpu)", "errno": "\(error)", "error": "\(String(cString: strerror(error)))",
     ])
     return "any"
 }
