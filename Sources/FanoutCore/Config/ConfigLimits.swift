@@ -107,7 +107,10 @@ extension ConfigError {
             }
             switch scalar.value {
             case 0x20..<0x7f: out.unicodeScalars.append(scalar)
-            case 0xa0...0xd7ff, 0xe000...0xfffd where scalar.properties.generalCategory != .format:
+            // Format characters (bidirectional overrides such as U+202E, zero-width ones) are
+            // escaped in both ranges: they would change what the terminal shows.
+            case 0xa0...0xd7ff where scalar.properties.generalCategory != .format,
+                 0xe000...0xfffd where scalar.properties.generalCategory != .format:
                 out.unicodeScalars.append(scalar)
             default: out += "\\u{\(String(scalar.value, radix: 16))}"
             }
