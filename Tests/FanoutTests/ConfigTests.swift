@@ -165,12 +165,12 @@ struct ConfigTests {
                 interface: veth0
                 mode: tc_ebpf
                 replies: nat
-                settings: {max_associations: 4096, reply_interfaces: [veth1, veth2], max_sessions: 5}
+                settings: {max_associations: 4096, reply_interfaces: [veth1, veth2], max_sessions: 5, io_uring: false}
                 downstream: [{address: "198.18.1.2:5683"}]
               - name: dns
                 bind: "127.0.0.1:5300"
                 replies: relay
-                settings: {max_sessions: 100, session_idle_secs: 30}
+                settings: {max_sessions: 100, session_idle_secs: 30, io_uring: false}
                 downstream: [{address: "127.0.0.1:5301"}]
               - name: oneway
                 bind: "127.0.0.1:5400"
@@ -179,9 +179,12 @@ struct ConfigTests {
         try config.validate(localAddresses: [])
         let (nat, relay, oneWay) = (config.listeners[0], config.listeners[1], config.listeners[2])
         #expect(nat.replies == .nat && nat.settings.maxAssociations == 4096 && nat.settings.replyInterfaces == ["veth1", "veth2"])
-        #expect(relay.replies == .relay && relay.settings.maxSessions == 100 && relay.settings.sessionIdleSecs == 30)
-        #expect(oneWay.replies == .none && oneWay.settings.maxAssociations == 1_048_576 && oneWay.settings.maxSessions == 65_536)
-        #expect(config.warnings().map(\.key) == ["listeners[0].settings.max_sessions"], "\(config.warnings())")
+        #expect(relay.replies == .relay && relay.settings.maxSessions == 100 && relay.settings.sessionIdleSecs == 30 && !relay.settings.ioUring)
+        #expect(oneWay.replies == .none && oneWay.settings.maxAssociations == 1_048_576 && oneWay.settings.maxSessions == 65_536 && oneWay.settings.ioUring)
+        #expect(config.warnings().map(\.key) == ["listeners[0].settings.max_sessions", "listeners[0].settings.io_uring"], "\(config.warnings())")
+        var ring = config
+        ring.listeners[1].settings.ioUring = true
+        #expect(ring.listeners[1].socketShape != config.listeners[1].socketShape, "turning io_uring on or off restarts the listener's workers")
         var changed = config
         changed.listeners[1].replies = .none
         #expect(changed.listeners[1].socketShape != config.listeners[1].socketShape, "turning replies on or off restarts the listener")

@@ -10,9 +10,11 @@ import ReusePortLB
 import Glibc
 #endif
 
-/// A downstream that answers every datagram with "<name>|<payload>" to its sender, on its own thread.
+/// A downstream that answers every datagram with "<name>|<payload>" to its sender, on its own
+/// thread; with `repeats` > 1, with that many replies "<name>|<payload>#<k>" (a server that streams).
 final class RelayEcho: @unchecked Sendable {
     let name: String
+    let repeats: Int
     let fd: Int32
     let address: SocketAddress
     private let stopFlag = NSLock()
@@ -20,8 +22,9 @@ final class RelayEcho: @unchecked Sendable {
     private var thread: Thread?
     private let done = DispatchSemaphore(value: 0)
 
-    init(name: String) throws {
+    init(name: String, repeats: Int = 1) throws {
         self.name = name
+        self.repeats = repeats
         address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
         let bound = address.withSockAddr { bind(fd, $0, $1) }
@@ -45,9 +48,11 @@ final class RelayEcho: @unchecked Sendable {
                 $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), $0, &length) }
             }
             guard count >= 0 else { continue }
-            var reply = prefix + buffer[0..<count]
-            _ = withUnsafePointer(to: &peer) {
-                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &reply, reply.count, 0, $0, length) }
+            for index in 0..<repeats {
+                var reply = prefix + buffer[0..<count] + (repeats > 1 ? Array("#\(index)".utf8) : [])
+                _ = withUnsafePointer(to: &peer) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &reply, reply.count, 0, $0, length) }
+                }
             }
         }
         done.signal()
@@ -128,6 +133,14 @@ func openSockets() -> Set<String> {
     })
 }
 
+/// How many io_uring instances this process has open (/proc/self/fd links "anon_inode:[io_uring]"):
+/// one per relay worker that uses its ring.
+func openRings() -> Int {
+    ((try? FileManager.default.contentsOfDirectory(atPath: "/proc/self/fd")) ?? []).filter { fd in
+        (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/fd/\(fd)")) == "anon_inode:[io_uring]"
+    }.count
+}
+
 /// Waits (at most 2 s) until `condition` holds: counters are added after each batch is sent, so
 /// a client can hold its reply an instant before the counter has it.
 func settle(_ condition: () -> Bool) {
@@ -171,15 +184,20 @@ struct RelayTests {
         #expect(metric(metrics, "udp_fanout_associations", "listener=\"relay\",mode=\"userspace\"") == 50, "\(metrics)")
     }
 
-    @Test("Replies gathered from many sessions into one send: each reaches its own client once; a too-large one among them is counted, the others still go out")
-    func gatheredReplies() throws {
+    @Test("Replies gathered from many sessions into one send: each reaches its own client once; a too-large one among them is counted, the others still go out",
+          arguments: [true, false])
+    func gatheredReplies(ioUring: Bool) throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let rings = openRings()
         // One worker and a batch of 8: 40 clients' replies fill the stage several times over.
         // max_packet_size 64: a 60-byte request fits, its echo ("echo-N|" + 60 bytes) does not.
         let daemon = try startDaemon(relayYAML("gather", bind: bind, servers, workers: 1,
-                                               settings: "      batch_size: 8\n      max_packet_size: 64\n"))
+                                               settings: "      batch_size: 8\n      max_packet_size: 64\n      io_uring: \(ioUring)\n"))
         defer { daemon.shutdown() }
+        // io_uring: the worker's sends and receives on session sockets go through its ring.
+        settle { openRings() == rings + (ioUring ? 1 : 0) }
+        #expect(openRings() == rings + (ioUring ? 1 : 0), "io_uring: \(ioUring)")
         let clients = try loopbackSources(40, base: 120).map { try RelayClient(source: $0) }
         for round in 0..<5 {
             // Every client's request out first, then every reply read: the replies wait on 40
@@ -205,6 +223,36 @@ struct RelayTests {
         #expect(twoWay.replyDropped[.tooLarge] == 1)
         #expect(twoWay.downstreamReplies.values.reduce(0, +) == 199, "\(twoWay.downstreamReplies)")
         #expect(twoWay.downstreamReplies.count == 2 && twoWay.downstreamReplies.values.allSatisfy { $0 > 0 })
+    }
+
+    @Test("A downstream that streams (50 replies per request) to a few clients: every reply arrives once, in order, from the listener",
+          arguments: [true, false])
+    func streamingReplies(ioUring: Bool) throws {
+        let server = try RelayEcho(name: "stream", repeats: 50)
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let rings = openRings()
+        let daemon = try startDaemon(relayYAML("stream", bind: bind, [server], workers: 1, settings: "      batch_size: 16\n      io_uring: \(ioUring)\n"))
+        defer { daemon.shutdown() }
+        settle { openRings() == rings + (ioUring ? 1 : 0) }
+        #expect(openRings() == rings + (ioUring ? 1 : 0), "io_uring: \(ioUring)")
+        // A session readable wakeup after wakeup is busy: it is read in batches, and the ring
+        // still takes the others' single replies.
+        let clients = try loopbackSources(3, base: 180).map { try RelayClient(source: $0) }
+        for round in 0..<4 {
+            for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
+            for client in clients {
+                for index in 0..<50 {
+                    let reply = try #require(client.receive(), "\(client.source) round \(round): reply \(index) missing")
+                    #expect(reply.from == bind)
+                    #expect(reply.text == "stream|\(client.source)-\(round)#\(index)", "\(client.source) expected #\(index), got \(reply.text)")
+                }
+            }
+        }
+        for client in clients { #expect(client.receive(timeout: 100) == nil, "\(client.source): more replies than sent") }
+        settle { daemon.counters(of: "stream")?.twoWay?.replies == 600 }
+        let snapshot = try #require(daemon.counters(of: "stream"))
+        #expect(snapshot.forwarded == 12 && snapshot.twoWay?.replies == 600)
+        #expect(snapshot.twoWay?.downstreamReplies["stream"] == 600)
     }
 
     @Test("max_sessions 10 with 20 clients: 10 served, the other datagrams dropped and counted table_full")
@@ -304,13 +352,14 @@ struct RelayTests {
         #expect(twoWay.associations == 5)
     }
 
-    @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served")
-    func downstreamDown() throws {
+    @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served",
+          arguments: [true, false])
+    func downstreamDown(ioUring: Bool) throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         servers[1].stop()
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         // One worker: its round robin alternates the clients exactly over the two downstreams.
-        let daemon = try startDaemon(relayYAML("down", bind: bind, servers, workers: 1))
+        let daemon = try startDaemon(relayYAML("down", bind: bind, servers, workers: 1, settings: "      io_uring: \(ioUring)\n"))
         defer { daemon.shutdown() }
         let clients = try loopbackSources(10, base: 210).map { try RelayClient(source: $0) }
         var answered = 0
@@ -366,5 +415,33 @@ struct RelayTests {
         #expect(listed.entries.allSatisfy { ($0.idleSeconds ?? -1) >= 0 && ($0.idleSeconds ?? 99) <= 2 })
         let limited = try #require(listener.associations(limit: 4))
         #expect(limited.entries.count == 4 && limited.total == 6)
+    }
+
+    @Test("io_uring refused by the kernel (kernel.io_uring_disabled=2): a warning names the fix, and the relay serves every client by system calls (the real binary)",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func ioUringRefused() throws {
+        let sysctl = "/proc/sys/kernel/io_uring_disabled"
+        let previous = try String(contentsOfFile: sysctl, encoding: .utf8).trimmingCharacters(in: .whitespacesAndNewlines)
+        try "2".write(toFile: sysctl, atomically: false, encoding: .utf8)
+        defer { try? previous.write(toFile: sysctl, atomically: false, encoding: .utf8) }
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("relay-refused-\(UUID().uuidString).yaml")
+        try relayYAML("refused", bind: bind, servers).write(to: file, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        try daemon.waitFor("entering receive loop")
+        let clients = try loopbackSources(10, base: 240).map { try RelayClient(source: $0) }
+        var answered = 0
+        for round in 0..<5 {
+            for client in clients where try client.exchange("\(client.source)-\(round)", with: bind) != nil { answered += 1 }
+        }
+        #expect(answered == 50)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let log = daemon.stderr
+        #expect(log.components(separatedBy: "io_uring refused").count - 1 == 2, "one warning per worker: \(log)")
+        #expect(log.contains("kernel.io_uring_disabled=0") && log.contains("settings.io_uring: false") && log.contains("Operation not permitted"), "\(log)")
+        #expect(log.contains("io_uring=false") && !log.contains("io_uring=true"), "\(log)")
     }
 }

@@ -453,7 +453,7 @@ struct SystemdTests {
 
     /// Runs udp-fanout under strace (in `prefix`), waits for the log line `started`, lets
     /// `exercise` drive it with the daemon's pid, stops it with SIGTERM, and returns the strace log.
-    static func traced(_ config: String, prefix: [String] = [], until started: String, _ exercise: (pid_t) throws -> Void) throws -> String {
+    static func traced(_ config: String, prefix: [String] = [], until started: String..., exercise: (pid_t) throws -> Void) throws -> String {
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("traced-\(UUID().uuidString).yaml")
         let trace = file.path + ".trace"
         try config.write(to: file, atomically: true, encoding: .utf8)
@@ -471,7 +471,7 @@ struct SystemdTests {
             usleep(20_000)
         }
         try #require(daemon > 0, "no daemon under strace: \(tracer.stderr)")
-        try tracer.waitFor(started)
+        for text in started { try tracer.waitFor(text) }
         try exercise(daemon)
         kill(daemon, SIGTERM)
         #expect(tracer.wait(seconds: 20) == 0, "\(tracer.stderr)")
@@ -488,11 +488,17 @@ struct SystemdTests {
         let sink = try Sink()
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        // And a replies: relay listener, whose workers send through io_uring.
+        let relaySink = try Sink()
+        let relayBind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let yaml = "listeners:\n" + listenerYAML("traced", bind: bind, [sink], extra: "", workers: 2).replacingOccurrences(of: "      workers: 2\n", with: "      workers: 2\n      pin_cpus: true\n")
+            + listenerYAML("relayed", bind: relayBind, [relaySink], extra: "    replies: relay\n")
             + "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
-        let userspaceTrace = try Self.traced(yaml, until: "entering receive loop") { pid in
+        let userspaceTrace = try Self.traced(yaml, until: "entering receive loop", "io_uring=true") { pid in
             try sendNumbered(to: bind, count: 20)
             #expect(sink.drain().count == 20)
+            try sendNumbered(to: relayBind, count: 20)
+            #expect(relaySink.drain().count == 20)
             #expect(try httpGet(metrics, "/metrics").0 == 200)
             kill(pid, SIGHUP)
             usleep(500_000)
@@ -502,7 +508,8 @@ struct SystemdTests {
         let userspace = Self.systemCalls(inTrace: userspaceTrace)
         #expect(Self.writeExecuteViolations(inTrace: userspaceTrace).isEmpty, "\(Self.writeExecuteViolations(inTrace: userspaceTrace))")
         #expect(userspaceTrace.contains("PROT_READ|PROT_EXEC"), "the libraries' code mappings are in the trace")
-        #expect(userspace.contains("recvmmsg") && userspace.contains("sendmmsg") && userspace.contains("sched_setaffinity"), "the trace is read: \(userspace.sorted())")
+        #expect(userspace.contains("recvmmsg") && userspace.contains("sendmmsg") && userspace.contains("sched_setaffinity") && userspace.contains("io_uring_enter"),
+                "the trace is read: \(userspace.sorted())")
         #expect(userspace.subtracting(allowed).isEmpty, "userspace calls outside SystemCallFilter=: \(userspace.subtracting(allowed).sorted())")
 
         let topology = try Topology(backends: 1)

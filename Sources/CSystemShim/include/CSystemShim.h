@@ -88,4 +88,35 @@ int shim_dns_send(const char *name, int type, const struct sockaddr_storage *ser
 		  int timeout_seconds, int attempts, unsigned char *answer, int answer_length,
 		  uint16_t *query_id, int *error);
 
+/* io_uring(7), kept to what the relay needs: Glibc wraps none of its system calls (and syscall(2)
+ * is variadic), and the rings are shared memory read and written with acquire/release ordering.
+ * The relay queues a non-blocking send or receive per datagram (each on its own session socket)
+ * and submits them in one io_uring_enter(2) instead of one system call each. Every operation is
+ * queued with MSG_DONTWAIT, so the kernel completes it during the submit (-EAGAIN instead of
+ * waiting): nothing is left in flight that could touch a buffer after shim_uring_submit returns. */
+struct shim_uring;
+
+/* A ring of at least `entries` submissions (rounded up to a power of two; at most 4096), made
+ * for the calling thread. NULL with *error = errno when the kernel refuses (ENOSYS: no io_uring;
+ * EPERM: kernel.io_uring_disabled, or a seccomp profile such as a container runtime's default). */
+struct shim_uring *shim_uring_create(unsigned entries, int *error);
+void shim_uring_destroy(struct shim_uring *ring);
+
+/* Queues a send(2) of `length` bytes at `buffer` on `fd` (a connected socket), or a recv(2) into
+ * it, with `flags` (MSG_DONTWAIT is added); `data` comes back with its result. Returns 0, or -1
+ * when the ring already holds as many operations as it has entries (submit first). */
+int shim_uring_queue_send(struct shim_uring *ring, int fd, const void *buffer, unsigned length, int flags, uint64_t data);
+int shim_uring_queue_recv(struct shim_uring *ring, int fd, void *buffer, unsigned length, int flags, uint64_t data);
+
+/* Operations queued and not yet submitted. */
+unsigned shim_uring_queued(const struct shim_uring *ring);
+
+/* Submits what is queued and waits until every operation submitted has its result in the
+ * completion ring. Returns how many were submitted, or -errno (the ring is then unusable: the
+ * operations still queued are dropped, and the caller should count them and stop using it). */
+int shim_uring_submit(struct shim_uring *ring);
+
+/* Takes the oldest result: 1 with its data and result (bytes, or -errno), 0 when none is left. */
+int shim_uring_next(struct shim_uring *ring, uint64_t *data, int32_t *result);
+
 #endif

@@ -211,7 +211,7 @@ extension FanoutConfig {
             for key in ["max_associations", "reply_interfaces"] where listener.replies != .nat && lines.isSet("\(path).settings.\(key)") {
                 warn("\(path).settings.\(key)", "applies to replies: nat only")
             }
-            for key in ["max_sessions", "session_idle_secs"] where listener.replies != .relay && lines.isSet("\(path).settings.\(key)") {
+            for key in ["max_sessions", "session_idle_secs", "io_uring"] where listener.replies != .relay && lines.isSet("\(path).settings.\(key)") {
                 warn("\(path).settings.\(key)", "applies to replies: relay only")
             }
             if listener.dnsDownstreams.isEmpty && lines.isSet("\(path).settings.resolve_interval_secs") {

@@ -201,6 +201,9 @@ public struct Settings: Equatable, Sendable {
     public var maxSessions: Int = 65_536
     /// replies relay: a session with no datagram either way for this long is closed.
     public var sessionIdleSecs: Int = 120
+    /// replies relay: the sends and receives on session sockets go through an io_uring, many per
+    /// system call; false (or a kernel that refuses io_uring, logged): one system call each.
+    public var ioUring: Bool = true
 
     public init() {}
 }

@@ -45,6 +45,21 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private var stagedTooLarge: UInt64 = 0
     private let epoll: Int32
     private let events: UnsafeMutablePointer<epoll_event>
+    /// The io_uring the per-session sends and receives go through, a batch's worth per system
+    /// call (settings.io_uring); nil: one system call each (the setting is off, or the kernel
+    /// refused, logged once per worker at start). Made by the worker thread in ``run()``.
+    private var ring: OpaquePointer?
+    /// Per datagram of the batch being forwarded through the ring: its session socket and its
+    /// downstream's index (-1: not in the ring).
+    private let ringSockets: UnsafeMutablePointer<Int32>
+    private let ringTargets: UnsafeMutablePointer<Int>
+    /// Per reply slot being received into through the ring: its session.
+    private var ringSessions: [RelaySession?]
+    /// The session sockets the current wakeup reported readable, and the busy ones among them
+    /// (readable in the previous wakeup too): read in batches (recvmmsg), as without the ring.
+    private var readySockets: [Int32] = []
+    private var busySessions: [RelaySession] = []
+    private var wakeup: UInt64 = 0
     private static let eventCapacity = 256
     /// Batches read from one socket per epoll wakeup.
     private static let batchesPerWakeup = 8
@@ -85,12 +100,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         replyIovecs = .allocate(capacity: batch)
         for slot in 0..<batch { replyHeaders[slot] = shim_mmsghdr() }
         stagedRuns.reserveCapacity(batch)
+        ringSockets = .allocate(capacity: batch)
+        ringTargets = .allocate(capacity: batch)
+        ringTargets.initialize(repeating: -1, count: batch)
+        ringSessions = Array(repeating: nil, count: batch)
         events = .allocate(capacity: Self.eventCapacity)
         epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
         guard epoll >= 0 else {
             let error = errno
             replyHeaders.deallocate()
             replyIovecs.deallocate()
+            ringSockets.deallocate()
+            ringTargets.deallocate()
             events.deallocate()
             throw .system(SystemCallError(call: "epoll_create1", errno: error))
         }
@@ -102,6 +123,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             close(epoll)
             replyHeaders.deallocate()
             replyIovecs.deallocate()
+            ringSockets.deallocate()
+            ringTargets.deallocate()
             events.deallocate()
             throw .system(SystemCallError(call: "epoll_ctl", errno: error))
         }
@@ -111,8 +134,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         // Here, not at the end of run(): a worker whose thread never ran (a later worker of the
         // listener failed to start) must not leak its epoll descriptor.
         close(epoll)
+        if let ring { shim_uring_destroy(ring) }
         replyHeaders.deallocate()
         replyIovecs.deallocate()
+        ringSockets.deallocate()
+        ringTargets.deallocate()
         events.deallocate()
     }
 
@@ -121,15 +147,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     func run() {
         let cpu = pinWorkerThread(listener, index, logger: logger)
+        openRing()
         tableLock.withLock { _ in adoptPlanIfChanged() }
         receivingNow.store(true, ordering: .relaxed)
-        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay", "cpu": "\(cpu)"])
+        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay", "cpu": "\(cpu)",
+                                                        "io_uring": "\(ring != nil)"])
         // The idle sweep: once a second, not per datagram.
         var nextSweep = monotonicMilliseconds() + 1000
         while !stop.isSet {
             let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
             if ready == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
             if ready > 0 {
+                wakeup &+= 1
                 for slot in 0..<Int(ready) {
                     let fd = events[slot].data.fd
                     // A few batches per socket per wakeup (epoll is level-triggered: a socket that still
@@ -141,10 +170,13 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                             flushReplies()
                             usleep(10_000)
                         }
+                    } else if ring != nil {
+                        readySockets.append(fd)
                     } else {
                         drainReplies(fd, budget: Self.batchesPerWakeup)
                     }
                 }
+                if !readySockets.isEmpty { receiveReadyReplies() }
             }
             let now = monotonicMilliseconds()
             if now >= nextSweep {
@@ -167,6 +199,32 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
         member.leave()
+        if let ring { shim_uring_destroy(ring) }
+        ring = nil
+    }
+
+    // MARK: io_uring
+
+    /// Makes the worker's ring (settings.io_uring), on its own thread; a refusal is logged and
+    /// the worker makes one system call per session send and receive instead.
+    private func openRing() {
+        guard listener.settings.ioUring, ring == nil else { return }
+        var error: Int32 = 0
+        if let made = shim_uring_create(UInt32(listener.settings.batchSize), &error) {
+            ring = made
+            return
+        }
+        logger.warning("io_uring refused: this relay worker makes one system call per session-socket send and receive, which costs CPU (allow io_uring: sysctl kernel.io_uring_disabled=0, a seccomp profile that permits io_uring_setup; or set settings.io_uring: false)",
+                       metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_setup", errno: error))"])
+    }
+
+    /// A submit through the ring failed (the kernel refused io_uring_enter): logged, and the
+    /// worker goes on without the ring. The caller finishes, by system calls, what it had queued.
+    private func ringFailed(_ error: Int32) {
+        logger.error("io_uring submit failed: this relay worker goes on with one system call per session-socket send and receive",
+                     metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_enter", errno: error))"])
+        if let ring { shim_uring_destroy(ring) }
+        ring = nil
     }
 
     /// Up to `limit` sessions' client, downstream name (its address once the downstream left the
@@ -249,8 +307,16 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         return true
     }
 
-    /// Sends each datagram of the batch on its client's session socket (one send per datagram:
-    /// consecutive datagrams rarely share a session), making sessions for new clients.
+    /// Why requests of one batch were not sent (send_buffer_full, unreachable, send_error).
+    private struct SendFailures {
+        var bufferFull: UInt64 = 0
+        var unreachable: UInt64 = 0
+        var other: UInt64 = 0
+    }
+
+    /// Sends each datagram of the batch on its client's session socket (a send per datagram:
+    /// consecutive datagrams rarely share a session; all of them in one io_uring submit when the
+    /// worker has its ring), making sessions for new clients.
     private func forward(_ count: Int) {
         let now = monotonicMilliseconds()
         var bytesReceived: UInt64 = 0
@@ -260,9 +326,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var created: UInt64 = 0
         var moved: UInt64 = 0
         var unavailable: UInt64 = 0
-        var sendBufferFull: UInt64 = 0
-        var unreachable: UInt64 = 0
-        var sendError: UInt64 = 0
+        var failures = SendFailures()
+        var queued = 0
         for datagram in 0..<count {
             bytesReceived += UInt64(receiver.length(datagram))
             if receiver.isTruncated(datagram) {
@@ -311,26 +376,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             }
             session.lastActive = now
             let payload = receiver.payload(datagram)
-            let target = session.target
-            while true {
-                let sent = send(session.socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT))
-                if sent >= 0 {
-                    batchSent[target] += 1
-                    batchBytes[target] += UInt64(payload.count)
-                    break
+            if let ring {
+                // The ring holds at most a batch, and it is empty here: queueing cannot fail.
+                if shim_uring_queue_send(ring, session.socket, payload.baseAddress, UInt32(payload.count), 0, UInt64(datagram)) == 0 {
+                    ringSockets[datagram] = session.socket
+                    ringTargets[datagram] = session.target
+                    queued += 1
+                    continue
                 }
-                let error = errno
-                if error == EINTR { continue }
-                batchDropped[target] += 1
-                switch DownstreamOutbox.reason(error) {
-                case .sendBufferFull: sendBufferFull += 1
-                case .unreachable: unreachable += 1
-                default: sendError += 1
-                }
-                if error == ECONNREFUSED { batchRefused[target] = true }
-                break
             }
+            send(payload, on: session.socket, for: session.target, &failures)
         }
+        if queued > 0, let ring { completeSends(ring, count, &failures) }
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
         if let plan {
@@ -356,12 +413,65 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
         counters.drop(.tableFull, tableFull)
-        counters.drop(.sendBufferFull, sendBufferFull)
-        counters.drop(.unreachable, unreachable)
-        counters.drop(.sendError, sendError + unavailable)
+        counters.drop(.sendBufferFull, failures.bufferFull)
+        counters.drop(.unreachable, failures.unreachable)
+        counters.drop(.sendError, failures.other + unavailable)
         if tableFull > 0 { relay.tableFull.wrappingAdd(tableFull, ordering: .relaxed) }
         if created > 0 { relay.created.wrappingAdd(created, ordering: .relaxed) }
         if moved > 0 { relay.moved.wrappingAdd(moved, ordering: .relaxed) }
+    }
+
+    /// Sends one request on its session socket (a system call).
+    private func send(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
+        while true {
+            if Glibc.send(socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT)) >= 0 {
+                settle(target, bytes: payload.count, error: 0, &failures)
+                return
+            }
+            let error = errno
+            if error != EINTR {
+                settle(target, bytes: payload.count, error: error, &failures)
+                return
+            }
+        }
+    }
+
+    /// Counts one request for downstream `target`: sent (`error` 0), or dropped for `error`.
+    private func settle(_ target: Int, bytes: Int, error: Int32, _ failures: inout SendFailures) {
+        if error == 0 {
+            batchSent[target] += 1
+            batchBytes[target] += UInt64(bytes)
+            return
+        }
+        batchDropped[target] += 1
+        switch DownstreamOutbox.reason(error) {
+        case .sendBufferFull: failures.bufferFull += 1
+        case .unreachable: failures.unreachable += 1
+        default: failures.other += 1
+        }
+        if error == ECONNREFUSED { batchRefused[target] = true }
+    }
+
+    /// Submits the batch's queued sends and counts their results. If the submit fails, the
+    /// worker leaves the ring and sends the datagrams the kernel did not take by system calls,
+    /// in order (they are the last ones queued).
+    private func completeSends(_ ring: OpaquePointer, _ count: Int, _ failures: inout SendFailures) {
+        let submitted = shim_uring_submit(ring)
+        var data: UInt64 = 0
+        var result: Int32 = 0
+        while shim_uring_next(ring, &data, &result) == 1 {
+            let datagram = Int(data)
+            guard datagram < count, ringTargets[datagram] >= 0 else { continue }
+            settle(ringTargets[datagram], bytes: receiver.payload(datagram).count, error: result >= 0 ? 0 : -result, &failures)
+            ringTargets[datagram] = -1
+        }
+        if submitted < 0 {
+            ringFailed(-submitted)
+            for datagram in 0..<count where ringTargets[datagram] >= 0 {
+                send(receiver.payload(datagram), on: ringSockets[datagram], for: ringTargets[datagram], &failures)
+                ringTargets[datagram] = -1
+            }
+        }
     }
 
     /// Opens the session's socket and adds it to the epoll set; false (logged, at most once a
@@ -414,11 +524,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private func relayQueued(_ session: RelaySession, budget: Int, counting: ReplyCounting = .plan) {
         let fd = session.socket
         guard fd >= 0 else { return }
-        let counter: RelayCounters.DownstreamReplies?
-        switch counting {
-        case .plan: counter = session.target < replyCounters.count ? replyCounters[session.target] : nil
-        case .leaving(let previous): counter = previous
-        }
+        let counter = replyCounter(session, counting)
         // In datagrams, so that receiving into the last few free slots does not use up a batch.
         let (limit, overflow) = budget.multipliedReportingOverflow(by: replyReceiver.batchSize)
         let allowed = overflow ? Int.max : limit
@@ -432,33 +538,114 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             do throws(SystemCallError) {
                 count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC), slots: free)
             } catch {
-                if error.errno == ECONNREFUSED || error.errno == EHOSTUNREACH || error.errno == ENETUNREACH {
-                    // ICMP unreachable for a request sent on this session: the downstream did not
-                    // take it. The request was counted forwarded, so this is counted on the reply
-                    // side (no reply will come), and passive health is told. Reading the error
-                    // clears it, so the client's next datagram is sent (not refused in its place).
-                    relay.downstreamUnreachable.wrappingAdd(1, ordering: .relaxed)
-                    if error.errno == ECONNREFUSED, case .plan = counting, let plan, session.target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[session.target].address) }
-                    continue
-                }
-                relay.replySendError.wrappingAdd(1, ordering: .relaxed)
-                logFailure("receive on a relay session socket failed (counted replies_dropped send_error)", error)
+                if receiveFailed(error, on: session, counting: counting) { continue }
                 return
             }
             if count == 0 { return }
             received += count
             progress.wrappingAdd(1, ordering: .relaxed)
             session.lastActive = monotonicMilliseconds()
-            stage(count, from: session, counter: counter)
+            stage(replySlotsUsed..<(replySlotsUsed + count), from: session, counter: counter)
+            replySlotsUsed += count
             // Fewer than asked for: the socket is empty.
             if count < free.count { return }
         }
     }
 
-    /// Adds the `count` replies just received (slots replySlotsUsed...) to the staged batch,
-    /// addressed to the session's client.
-    private func stage(_ count: Int, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
-        for slot in replySlotsUsed..<(replySlotsUsed + count) {
+    /// The counter a session's replies are credited to.
+    private func replyCounter(_ session: RelaySession, _ counting: ReplyCounting) -> RelayCounters.DownstreamReplies? {
+        switch counting {
+        case .plan: session.target < replyCounters.count ? replyCounters[session.target] : nil
+        case .leaving(let previous): previous
+        }
+    }
+
+    /// Counts a failed receive on a session socket. - Returns: true when the socket may still
+    /// hold replies (the error was an ICMP report, which reading clears).
+    private func receiveFailed(_ error: SystemCallError, on session: RelaySession, counting: ReplyCounting) -> Bool {
+        if error.errno == ECONNREFUSED || error.errno == EHOSTUNREACH || error.errno == ENETUNREACH {
+            // ICMP unreachable for a request sent on this session: the downstream did not take
+            // it. The request was counted forwarded, so this is counted on the reply side (no
+            // reply will come), and passive health is told. Reading the error clears it, so the
+            // client's next datagram is sent (not refused in its place).
+            relay.downstreamUnreachable.wrappingAdd(1, ordering: .relaxed)
+            if error.errno == ECONNREFUSED, case .plan = counting, let plan, session.target < plan.downstreams.count { plan.passiveHealth?(plan.downstreams[session.target].address) }
+            return true
+        }
+        relay.replySendError.wrappingAdd(1, ordering: .relaxed)
+        logFailure("receive on a relay session socket failed (counted replies_dropped send_error)", error)
+        return false
+    }
+
+    /// Reads the replies of the session sockets this wakeup reported readable through the ring:
+    /// one receive per socket into the next free reply slot, all of them in one submit (more when
+    /// the slots fill). A socket readable in the previous wakeup too is busy: it is drained in
+    /// batches (recvmmsg) after the others, as without the ring.
+    private func receiveReadyReplies() {
+        tableLock.withLock { _ in
+            for fd in readySockets {
+                guard let session = bySocket[fd], session.socket == fd else { continue }
+                let busy = session.readyWakeup &+ 1 == wakeup
+                session.readyWakeup = wakeup
+                guard let ring, !busy else {
+                    busySessions.append(session)
+                    continue
+                }
+                if replySlotsUsed == replyReceiver.batchSize {
+                    completeReceives(ring)
+                    flushReplies()
+                }
+                let slot = replySlotsUsed
+                let buffer = replyReceiver.buffer(slot)
+                // At most a batch of slots is in the ring, and it holds a batch: this cannot fail.
+                guard shim_uring_queue_recv(ring, fd, buffer.baseAddress, UInt32(buffer.count), Int32(MSG_TRUNC), UInt64(slot)) == 0 else {
+                    busySessions.append(session)
+                    continue
+                }
+                ringSessions[slot] = session
+                // A receive that finds nothing (or an error) leaves its slot unused until the flush.
+                replySlotsUsed += 1
+            }
+            if let ring { completeReceives(ring) }
+            for session in busySessions { relayQueued(session, budget: Self.batchesPerWakeup) }
+        }
+        readySockets.removeAll(keepingCapacity: true)
+        busySessions.removeAll(keepingCapacity: true)
+    }
+
+    /// Submits the queued receives and stages what they read. If the submit fails, the worker
+    /// leaves the ring and drains the sockets whose receive was not taken by system calls.
+    private func completeReceives(_ ring: OpaquePointer) {
+        let submitted = shim_uring_submit(ring)
+        var data: UInt64 = 0
+        var result: Int32 = 0
+        let now = monotonicMilliseconds()
+        while shim_uring_next(ring, &data, &result) == 1 {
+            let slot = Int(data)
+            guard slot < ringSessions.count, let session = ringSessions[slot] else { continue }
+            ringSessions[slot] = nil
+            if result >= 0 {
+                replyReceiver.record(slot, length: Int(result))
+                session.lastActive = now
+                progress.wrappingAdd(1, ordering: .relaxed)
+                stage(slot..<(slot + 1), from: session, counter: replyCounter(session, .plan))
+            } else if -result != EAGAIN {
+                _ = receiveFailed(SystemCallError(call: "io_uring recv", errno: -result), on: session, counting: .plan)
+            }
+        }
+        guard submitted < 0 else { return }
+        ringFailed(-submitted)
+        for slot in ringSessions.indices {
+            guard let session = ringSessions[slot] else { continue }
+            ringSessions[slot] = nil
+            busySessions.append(session)
+        }
+    }
+
+    /// Adds the replies just received into `slots` to the staged batch, addressed to the
+    /// session's client (the caller marks the slots used).
+    private func stage(_ slots: Range<Int>, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
+        for slot in slots {
             if replyReceiver.isTruncated(slot) {
                 stagedTooLarge += 1
                 continue
@@ -474,7 +661,6 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             replyHeaders[message].msg_hdr.msg_controllen = 0
             stagedMessages += 1
         }
-        replySlotsUsed += count
         stagedRuns.append((session, counter, stagedMessages))
     }
 
