@@ -14,7 +14,9 @@ when its source is not the VIP). Variants, alternated run by run, all in the lb 
                   source NAT of the replies back to the VIP)
   nft conntrack   nftables `nat prerouting` dnat to numgen inc mod 3 map: conntrack balances
                   flows and un-NATs the replies by itself (the kernel's stateful NAT)
-  relay           udp-fanout mode userspace (2 workers; 1 on its own CPU), replies: relay (a session socket per client)
+  relay           udp-fanout mode userspace (2 workers; 1 on its own CPU), replies: relay (a session socket per client;
+                  sends and receives on them through io_uring); in the load-generator run also with
+                  settings.io_uring: false ("relay, no io_uring")
   nginx-1/-2      nginx stream, listen udp reuseport, proxy_responses 1, 1 and 2 worker processes
 
 Saturation: many clients with several requests outstanding for a fixed time; round trips/s as
@@ -69,7 +71,7 @@ EXCHANGES = 10_000_000
 SOURCES = "198.18.0.10-198.18.0.25"
 SERVERS = 3
 VIP, PORT, SERVER_PORT = "198.18.0.1", 5514, 6000
-VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2", "routed"]
+VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "relay, no io_uring", "nginx-1", "nginx-2", "routed"]
 # Measured with the whole machine shared by clients, servers and the load balancer.
 SHARED_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"]
 # Measured again with the load balancer on a CPU of its own (one core: nginx-1 is the peer).
@@ -78,6 +80,9 @@ SPLIT = os.environ.get("BENCH_TWOWAY_SPLIT", "1") != "0" and {0, 1} <= os.sched_
 # The load-generator phase (part of the split phase): reflectors instead of the endpoints'
 # programs, this many datagrams circulating (each its own client address and port).
 REFLECT = SPLIT and os.environ.get("BENCH_TWOWAY_REFLECT", "1") != "0"
+# Measured in the load-generator run only: the relay with settings.io_uring false (one system
+# call per session-socket send and receive: what a worker does where io_uring is refused).
+REFLECT_ONLY_VARIANTS = ["relay, no io_uring"]
 IN_FLIGHT = int(os.environ.get("BENCH_TWOWAY_IN_FLIGHT", "256"))
 REFLECTOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "reflect.bpf.c")
 # The baseline: the clients talk to one echo server directly, routed by the lb netns with no
@@ -224,9 +229,10 @@ class Variant:
         try:
             if name == "tc_ebpf nat":
                 self.daemon(f"    interface: {topology.lb_if}\n    mode: tc_ebpf\n    replies: nat\n", "registered listener in eBPF map")
-            elif name == "relay":
-                self.daemon(f"    mode: userspace\n    replies: relay\n    settings: {{workers: {workers}, batch_size: 64, pin_cpus: {str(not split).lower()}}}\n",
-                            "entering receive loop", count=workers)
+            elif name in ("relay", "relay, no io_uring"):
+                ring = "true" if name == "relay" else "false"
+                self.daemon(f"    mode: userspace\n    replies: relay\n    settings: {{workers: {workers}, batch_size: 64, pin_cpus: {str(not split).lower()}, io_uring: {ring}}}\n",
+                            f"io_uring={ring}", count=workers)
             elif name == "nft conntrack":
                 pairs = ", ".join(f"{n - 1} : 198.18.{n}.2 . {SERVER_PORT}" for n in range(1, SERVERS + 1))
                 # No postrouting rule: the servers route via the lb, so conntrack un-DNATs their
@@ -474,7 +480,7 @@ def run_variant(name, topology, servers, work, reflector):
         finally:
             variant.stop()
         results["fixed"]["ns_per_round_trip"] = cpu * 1e9 / max(results["fixed"]["replies"], 1)
-    if name in SPLIT_VARIANTS and SPLIT:
+    if (name in SPLIT_VARIANTS and SPLIT) or (name in REFLECT_ONLY_VARIANTS and reflector):
         affinity = os.sched_getaffinity(0)
         try:
             # This script (and what it forks: counter reads, injection) on CPU 0 too, so that
@@ -484,8 +490,9 @@ def run_variant(name, topology, servers, work, reflector):
             servers.pin("0")
             variant = Variant(name, topology, work, split=True)
             try:
-                results["split saturation"] = lb_cpu_run(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
-                results["split fixed"] = lb_cpu_run(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
+                if name in SPLIT_VARIANTS:
+                    results["split saturation"] = lb_cpu_run(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
+                    results["split fixed"] = lb_cpu_run(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
                 if reflector:
                     results["reflected"] = reflected_run(topology, name, reflector)
             finally:
@@ -499,7 +506,7 @@ def run_variant(name, topology, servers, work, reflector):
 
 def measure(topology, servers, work, runs, reflector):
     """{phase: {variant: [report per run]}}, variants alternated run by run."""
-    variants = [v for v in VARIANTS if v in SHARED_VARIANTS or (SPLIT and v in SPLIT_VARIANTS)]
+    variants = [v for v in VARIANTS if v in SHARED_VARIANTS or (SPLIT and v in SPLIT_VARIANTS) or (reflector and v in REFLECT_ONLY_VARIANTS)]
     phases = {}
     for run in range(runs):
         for name in (variants if run % 2 == 0 else list(reversed(variants))):
@@ -621,7 +628,10 @@ def table(phases):
         above_routed_row(split_fixed, "fixed load", "relay", "nginx-1")
         above_routed_row(split_saturation, "saturation", "relay", "nginx-1")
     reflected_rows("relay", "nginx-1", " goal >= 3", "", "; nginx with proxy_responses 1 (the issue's peer) makes and closes an upstream"
-                   " socket per request, the relay keeps one session socket per client")
+                   " socket per request, the relay keeps one session socket per client and sends and receives on them through io_uring")
+    reflected_rows("relay, no io_uring", "nginx-1", "", "", "; the relay with settings.io_uring: false, one system call per session-socket"
+                   " send and receive (what a worker does where io_uring is refused, e.g. a container runtime's default seccomp profile)")
+    reflected_rows("relay", "relay, no io_uring", "", "", "; what io_uring buys the relay, in the same runs")
     if "routed" in split_fixed:
         mine = bench.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
         out.append(("twoway: LB CPU per round trip at fixed load, routed (no LB)", "-", f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})",

@@ -25,6 +25,8 @@ struct shim_uring {
 	struct io_uring_cqe *cqes;
 	/* Submitted whose results have not been taken. */
 	unsigned in_flight;
+	/* Tests: the next submit fails with this errno (0: none). */
+	int fail_next;
 	void *sq_map, *cq_map;
 	size_t sq_map_size, cq_map_size, sqes_size;
 };
@@ -37,6 +39,22 @@ static int uring_setup(unsigned entries, struct io_uring_params *params)
 static int uring_enter(int fd, unsigned submit, unsigned complete, unsigned flags)
 {
 	return (int)syscall(__NR_io_uring_enter, fd, submit, complete, flags, NULL, 0);
+}
+
+/* 1 if the kernel has the send and receive operations (5.6 and later; io_uring itself is 5.1):
+ * a ring on an older kernel would fail every operation with EINVAL. */
+static int has_send_and_receive(int fd)
+{
+	size_t size = sizeof(struct io_uring_probe) + 256 * sizeof(struct io_uring_probe_op);
+	struct io_uring_probe *probe = calloc(1, size);
+	if (probe == NULL)
+		return 0;
+	int ok = syscall(__NR_io_uring_register, fd, IORING_REGISTER_PROBE, probe, 256) == 0
+		&& probe->last_op >= IORING_OP_RECV
+		&& (probe->ops[IORING_OP_SEND].flags & IO_URING_OP_SUPPORTED)
+		&& (probe->ops[IORING_OP_RECV].flags & IO_URING_OP_SUPPORTED);
+	free(probe);
+	return ok;
 }
 
 struct shim_uring *shim_uring_create(unsigned entries, int *error)
@@ -58,6 +76,11 @@ struct shim_uring *shim_uring_create(unsigned entries, int *error)
 	}
 	if (fd < 0) {
 		*error = errno;
+		return NULL;
+	}
+	if (!has_send_and_receive(fd)) {
+		close(fd);
+		*error = EOPNOTSUPP;
 		return NULL;
 	}
 	struct shim_uring *ring = calloc(1, sizeof(*ring));
@@ -163,7 +186,7 @@ int shim_uring_queue_recv(struct shim_uring *ring, int fd, void *buffer, unsigne
 	return queue(ring, IORING_OP_RECV, fd, buffer, length, flags, data);
 }
 
-unsigned shim_uring_queued(const struct shim_uring *ring)
+static unsigned queued_count(const struct shim_uring *ring)
 {
 	return ring->sq_local_tail - __atomic_load_n(ring->sq_head, __ATOMIC_ACQUIRE);
 }
@@ -178,12 +201,14 @@ int shim_uring_submit(struct shim_uring *ring)
 	__atomic_store_n(ring->sq_tail, ring->sq_local_tail, __ATOMIC_RELEASE);
 	int submitted = 0;
 	for (;;) {
-		unsigned queued = shim_uring_queued(ring);
-		/* Results still missing, of what was submitted before and of what is submitted now. */
-		unsigned missing = ring->in_flight + queued - completions_ready(ring);
-		if (queued == 0 && missing == 0)
+		unsigned queued = queued_count(ring);
+		/* The kernel waits until the completion ring holds `min_complete` results not taken:
+		 * every operation submitted before and now. */
+		unsigned expected = ring->in_flight + queued;
+		if (queued == 0 && completions_ready(ring) >= expected)
 			return submitted;
-		int result = uring_enter(ring->fd, queued, missing, IORING_ENTER_GETEVENTS);
+		int result = ring->fail_next != 0 ? (errno = ring->fail_next, -1) : uring_enter(ring->fd, queued, expected, IORING_ENTER_GETEVENTS);
+		ring->fail_next = 0;
 		if (result < 0) {
 			if (errno == EINTR)
 				continue;
@@ -196,6 +221,11 @@ int shim_uring_submit(struct shim_uring *ring)
 		ring->in_flight += (unsigned)result;
 		submitted += result;
 	}
+}
+
+void shim_uring_fail_next_submit(struct shim_uring *ring, int error)
+{
+	ring->fail_next = error;
 }
 
 int shim_uring_next(struct shim_uring *ring, uint64_t *data, int32_t *result)

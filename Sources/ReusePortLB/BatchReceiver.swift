@@ -92,14 +92,15 @@ public final class BatchReceiver {
     /// Slot `index`'s buffer (``maximumDatagramSize`` bytes), for a datagram received by other
     /// means (an io_uring receive); ``record(_:length:)`` then says what arrived there.
     public func buffer(_ index: Int) -> UnsafeMutableRawBufferPointer {
-        UnsafeMutableRawBufferPointer(start: iovecs[index].iov_base, count: maximumDatagramSize)
+        precondition(index >= 0 && index < batchSize)
+        return UnsafeMutableRawBufferPointer(start: iovecs[index].iov_base, count: maximumDatagramSize)
     }
 
     /// Marks slot `index` as holding a datagram of `length` bytes on the wire, received into
     /// ``buffer(_:)`` with `MSG_TRUNC` (so a longer datagram reports its whole size): a length
     /// over ``maximumDatagramSize`` reads as ``isTruncated(_:)``. ``source(_:)`` is then nil.
     public func record(_ index: Int, length: Int) {
-        precondition(length >= 0 && length <= Int(UInt32.max))
+        precondition(index >= 0 && index < batchSize && length >= 0 && length <= Int(UInt32.max))
         headers[index].msg_len = UInt32(length)
         headers[index].msg_hdr.msg_flags = length > maximumDatagramSize ? Int32(MSG_TRUNC) : 0
         headers[index].msg_hdr.msg_namelen = 0

@@ -98,7 +98,9 @@ struct shim_uring;
 
 /* A ring of at least `entries` submissions (rounded up to a power of two; at most 4096), made
  * for the calling thread. NULL with *error = errno when the kernel refuses (ENOSYS: no io_uring;
- * EPERM: kernel.io_uring_disabled, or a seccomp profile such as a container runtime's default). */
+ * EPERM: kernel.io_uring_disabled, or a seccomp profile such as a container runtime's default;
+ * EOPNOTSUPP: a kernel before 5.6, without the send and receive operations; ENOMEM: before
+ * 5.12 the rings count against RLIMIT_MEMLOCK). */
 struct shim_uring *shim_uring_create(unsigned entries, int *error);
 void shim_uring_destroy(struct shim_uring *ring);
 
@@ -108,13 +110,13 @@ void shim_uring_destroy(struct shim_uring *ring);
 int shim_uring_queue_send(struct shim_uring *ring, int fd, const void *buffer, unsigned length, int flags, uint64_t data);
 int shim_uring_queue_recv(struct shim_uring *ring, int fd, void *buffer, unsigned length, int flags, uint64_t data);
 
-/* Operations queued and not yet submitted. */
-unsigned shim_uring_queued(const struct shim_uring *ring);
-
 /* Submits what is queued and waits until every operation submitted has its result in the
  * completion ring. Returns how many were submitted, or -errno (the ring is then unusable: the
  * operations still queued are dropped, and the caller should count them and stop using it). */
 int shim_uring_submit(struct shim_uring *ring);
+
+/* Tests: makes the next shim_uring_submit fail with `error` as if io_uring_enter had. */
+void shim_uring_fail_next_submit(struct shim_uring *ring, int error);
 
 /* Takes the oldest result: 1 with its data and result (bytes, or -errno), 0 when none is left. */
 int shim_uring_next(struct shim_uring *ring, uint64_t *data, int32_t *result);

@@ -20,6 +20,10 @@ final class RelayCounters: Sendable {
     let moved = Atomic<UInt64>(0)
     let expired = Atomic<UInt64>(0)
     let tableFull = Atomic<UInt64>(0)
+    /// Session-socket sends and receives done through the workers' io_urings (not exported: the
+    /// workers' "entering receive loop" lines and a failed ring's error line say which path runs).
+    let ringSends = Atomic<UInt64>(0)
+    let ringReceives = Atomic<UInt64>(0)
     /// Replies per downstream name; a name stays once seen (its total must not go back).
     private let downstreams = Mutex<[String: DownstreamReplies]>([:])
 
@@ -84,6 +88,8 @@ final class RelayCounters: Sendable {
             .expired: expired.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
         ]
         snapshot.downstreamReplies = downstreams.withLock { $0.mapValues { $0.replies.load(ordering: .relaxed) } }
+        snapshot.ringSends = ringSends.load(ordering: .relaxed)
+        snapshot.ringReceives = ringReceives.load(ordering: .relaxed)
         return snapshot
     }
 }

@@ -45,7 +45,7 @@ final class RelaySession {
     var lastActive: Int64
     /// The worker's last epoll wakeup that reported this session's socket readable: a session
     /// readable in consecutive wakeups is busy, and is read in batches (recvmmsg).
-    var readyWakeup: UInt64 = 0
+    var readyWakeup: UInt64 = .max
 
     init(client source: UnsafePointer<sockaddr_storage>, downstream: Downstream, target: Int, now: Int64) {
         client = .allocate(capacity: 1)

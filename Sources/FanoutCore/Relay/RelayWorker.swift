@@ -214,8 +214,26 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             ring = made
             return
         }
-        logger.warning("io_uring refused: this relay worker makes one system call per session-socket send and receive, which costs CPU (allow io_uring: sysctl kernel.io_uring_disabled=0, a seccomp profile that permits io_uring_setup; or set settings.io_uring: false)",
+        let fix = switch error {
+        case EOPNOTSUPP: "a kernel of 5.6 or later has io_uring's send and receive"
+        case ENOSYS: "a kernel built with CONFIG_IO_URING"
+        case ENOMEM: "before Linux 5.12 the ring counts against the locked-memory limit: raise LimitMEMLOCK / ulimit -l"
+        default: "allow io_uring: sysctl kernel.io_uring_disabled=0, a seccomp profile that permits io_uring_setup, io_uring_enter and io_uring_register"
+        }
+        logger.warning("io_uring refused: this relay worker makes one system call per session-socket send and receive, which costs CPU (\(fix); or set settings.io_uring: false)",
                        metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_setup", errno: error))"])
+    }
+
+    /// Tests: the errno the next submit of sends (or of receives) of any relay worker fails with
+    /// (0: none), to reach ``ringFailed(_:)``.
+    static let injectedSendFailure = Atomic<Int32>(0)
+    static let injectedReceiveFailure = Atomic<Int32>(0)
+
+    /// Submits what the ring holds and waits for every result (``shim_uring_submit``).
+    private func submit(_ ring: OpaquePointer, sending: Bool) -> Int32 {
+        let injected = sending ? Self.injectedSendFailure.exchange(0, ordering: .relaxed) : Self.injectedReceiveFailure.exchange(0, ordering: .relaxed)
+        if injected != 0 { shim_uring_fail_next_submit(ring, injected) }
+        return shim_uring_submit(ring)
     }
 
     /// A submit through the ring failed (the kernel refused io_uring_enter): logged, and the
@@ -456,15 +474,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// worker leaves the ring and sends the datagrams the kernel did not take by system calls,
     /// in order (they are the last ones queued).
     private func completeSends(_ ring: OpaquePointer, _ count: Int, _ failures: inout SendFailures) {
-        let submitted = shim_uring_submit(ring)
+        let submitted = submit(ring, sending: true)
         var data: UInt64 = 0
         var result: Int32 = 0
+        var ringSends: UInt64 = 0
         while shim_uring_next(ring, &data, &result) == 1 {
             let datagram = Int(data)
             guard datagram < count, ringTargets[datagram] >= 0 else { continue }
             settle(ringTargets[datagram], bytes: receiver.payload(datagram).count, error: result >= 0 ? 0 : -result, &failures)
             ringTargets[datagram] = -1
+            ringSends += 1
         }
+        if ringSends > 0 { relay.ringSends.wrappingAdd(ringSends, ordering: .relaxed) }
         if submitted < 0 {
             ringFailed(-submitted)
             for datagram in 0..<count where ringTargets[datagram] >= 0 {
@@ -587,13 +608,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 guard let session = bySocket[fd], session.socket == fd else { continue }
                 let busy = session.readyWakeup &+ 1 == wakeup
                 session.readyWakeup = wakeup
+                if !busy, replySlotsUsed == replyReceiver.batchSize, let ring {
+                    completeReceives(ring)
+                    flushReplies()
+                }
+                // Looked up after the submit above: a failed one leaves the ring (and frees it).
                 guard let ring, !busy else {
                     busySessions.append(session)
                     continue
-                }
-                if replySlotsUsed == replyReceiver.batchSize {
-                    completeReceives(ring)
-                    flushReplies()
                 }
                 let slot = replySlotsUsed
                 let buffer = replyReceiver.buffer(slot)
@@ -616,14 +638,17 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Submits the queued receives and stages what they read. If the submit fails, the worker
     /// leaves the ring and drains the sockets whose receive was not taken by system calls.
     private func completeReceives(_ ring: OpaquePointer) {
-        let submitted = shim_uring_submit(ring)
+        let submitted = submit(ring, sending: false)
         var data: UInt64 = 0
         var result: Int32 = 0
+        var ringReceives: UInt64 = 0
+        defer { if ringReceives > 0 { relay.ringReceives.wrappingAdd(ringReceives, ordering: .relaxed) } }
         let now = monotonicMilliseconds()
         while shim_uring_next(ring, &data, &result) == 1 {
             let slot = Int(data)
             guard slot < ringSessions.count, let session = ringSessions[slot] else { continue }
             ringSessions[slot] = nil
+            ringReceives += 1
             if result >= 0 {
                 replyReceiver.record(slot, length: Int(result))
                 session.lastActive = now
