@@ -391,6 +391,38 @@ struct RelayTests {
         #expect(twoWay.associations == 5)
     }
 
+    @Test("A listener restart counts every reply: also those the old instance relays after the new one was made, before it takes the bind over")
+    func restartCountsEveryReply() throws {
+        let server = try RelayEcho(name: "echo-1")
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let config = try ConfigParser.parse(relayYAML("swap", bind: bind, [server], workers: 1))
+        try config.validate()
+        // As the daemon restarts a listener: the counters stay, the new instance is made beside
+        // the old one, takes the bind over, and only then the old one stops.
+        let counters = ListenerCounters(name: "swap", mode: "userspace")
+        let old = try UserspaceListener(config.listeners[0], counters: counters, logger: Logger(label: "relay-test"))
+        try old.activate()
+        let clients = try loopbackSources(10, base: 100).map { try RelayClient(source: $0) }
+        func round(_ number: Int) throws {
+            for client in clients { #expect(try client.exchange("\(client.source)-\(number)", with: bind) != nil, "\(client.source) round \(number)") }
+        }
+        try round(0)
+        var changed = config.listeners[0]
+        changed.settings.sessionIdleSecs = 300
+        let new = try UserspaceListener(changed, counters: counters, logger: Logger(label: "relay-test"))
+        defer { new.shutdown() }
+        try round(1)  // still the old instance's: the new one has not taken the bind over
+        try new.activate()
+        old.shutdown()
+        try round(2)
+        settle { counters.snapshot().twoWay?.replies == 30 }
+        let twoWay = try #require(counters.snapshot().twoWay)
+        #expect(twoWay.replies == 30, "replies relayed by either instance: \(twoWay.replies)")
+        #expect(twoWay.downstreamReplies["echo-1"] == 30)
+        #expect(twoWay.events[.created] == 20, "10 sessions in each instance")
+        #expect(twoWay.associations == 10, "the running instance's sessions")
+    }
+
     @Test("A downstream that is down (ICMP port unreachable on the session socket): counted, the others still served",
           arguments: [true, false])
     func downstreamDown(ioUring: Bool) throws {

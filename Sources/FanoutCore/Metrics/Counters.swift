@@ -123,6 +123,8 @@ public final class ListenerCounters: Sendable {
     /// A two-way listener's reply side, for listeners whose counters are the atomics above
     /// (userspace relay); nil: one way, or inside the external snapshot.
     let twoWaySource = Mutex<(@Sendable () -> TwoWaySnapshot)?>(nil)
+    /// A relay listener's reply totals, shared by its instances (made at the first relay start).
+    private let relayTotals = Mutex<RelayCounters?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
     /// values after it stopped. nil: the atomics above.
@@ -196,6 +198,17 @@ public final class ListenerCounters: Sendable {
         static let zero = Snapshot(
             received: 0, bytesReceived: 0, forwarded: 0, bytesForwarded: 0, noHealthy: 0, receiveQueueDrops: 0,
             dropped: [:], downstreams: [:])
+    }
+
+    /// The relay reply totals every instance of this listener adds to: a restart's old instance
+    /// relays until the new one has the bind, and its replies count on the same totals.
+    func relayCounters() -> RelayCounters {
+        relayTotals.withLock { totals in
+            if let totals { return totals }
+            let made = RelayCounters()
+            totals = made
+            return made
+        }
     }
 
     public func snapshot() -> Snapshot {

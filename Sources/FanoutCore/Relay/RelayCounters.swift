@@ -1,13 +1,35 @@
 import ReusePortLB
 import Synchronization
 
-/// What the workers of one `replies: relay` listener share: the count of open sessions (so
-/// `settings.max_sessions` bounds the listener, not each worker) and the reply-side counters.
-/// Workers add once per batch; ``snapshot()`` is the listener's ``ListenerCounters/twoWaySource``.
-final class RelayCounters: Sendable {
+/// The sessions open in one instance of a `replies: relay` listener, over all its workers (so
+/// `settings.max_sessions` bounds the listener, not each worker): the associations gauge.
+final class RelaySessionCount: Sendable {
     let maxSessions: Int
-    /// Sessions open now, over every worker (the associations gauge).
     let open = Atomic<Int>(0)
+
+    init(maxSessions: Int) {
+        self.maxSessions = maxSessions
+    }
+
+    /// Takes one session slot; false when `maxSessions` are open (nothing taken).
+    func admit() -> Bool {
+        if open.wrappingAdd(1, ordering: .relaxed).newValue <= maxSessions { return true }
+        // Over the bound: give the slot back. Two workers racing may both see "full" for an
+        // instant; neither ever holds more than the bound.
+        open.wrappingSubtract(1, ordering: .relaxed)
+        return false
+    }
+
+    func release(_ count: Int = 1) {
+        if count > 0 { open.wrappingSubtract(count, ordering: .relaxed) }
+    }
+}
+
+/// The reply-side totals of a `replies: relay` listener. One per listener name, held by its
+/// ``ListenerCounters`` (``ListenerCounters/relayCounters()``), so every instance adds to the
+/// same totals: a restarted listener's old instance, which relays until the new one has taken
+/// the bind over, too. Workers add once per batch.
+final class RelayCounters: Sendable {
     let replies = Atomic<UInt64>(0)
     let replyBytes = Atomic<UInt64>(0)
     let replySendBufferFull = Atomic<UInt64>(0)
@@ -31,37 +53,6 @@ final class RelayCounters: Sendable {
         let replies = Atomic<UInt64>(0)
     }
 
-    /// - Parameter previous: the totals of the listener this one replaces (a reload that restarts
-    ///   it): counted on from there, so no total goes back. The sessions themselves are not carried.
-    init(maxSessions: Int, continuing previous: TwoWaySnapshot? = nil) {
-        self.maxSessions = maxSessions
-        guard let previous else { return }
-        replies.store(previous.replies, ordering: .relaxed)
-        replyBytes.store(previous.replyBytes, ordering: .relaxed)
-        replySendBufferFull.store(previous.replyDropped[.sendBufferFull] ?? 0, ordering: .relaxed)
-        replySendError.store(previous.replyDropped[.sendError] ?? 0, ordering: .relaxed)
-        replyTooLarge.store(previous.replyDropped[.tooLarge] ?? 0, ordering: .relaxed)
-        downstreamUnreachable.store(previous.replyDropped[.downstreamUnreachable] ?? 0, ordering: .relaxed)
-        created.store(previous.events[.created] ?? 0, ordering: .relaxed)
-        moved.store(previous.events[.moved] ?? 0, ordering: .relaxed)
-        expired.store(previous.events[.expired] ?? 0, ordering: .relaxed)
-        tableFull.store(previous.events[.tableFull] ?? 0, ordering: .relaxed)
-        for (name, count) in previous.downstreamReplies { downstream(name).replies.store(count, ordering: .relaxed) }
-    }
-
-    /// Takes one session slot; false when `maxSessions` are open (nothing taken).
-    func admit() -> Bool {
-        if open.wrappingAdd(1, ordering: .relaxed).newValue <= maxSessions { return true }
-        // Over the bound: give the slot back. Two workers racing may both see "full" for an
-        // instant; neither ever holds more than the bound.
-        open.wrappingSubtract(1, ordering: .relaxed)
-        return false
-    }
-
-    func release(_ count: Int = 1) {
-        if count > 0 { open.wrappingSubtract(count, ordering: .relaxed) }
-    }
-
     /// The counter of replies from downstream `name` (made on first use; a plan change, not a datagram).
     func downstream(_ name: String) -> DownstreamReplies {
         downstreams.withLock { table in
@@ -72,7 +63,8 @@ final class RelayCounters: Sendable {
         }
     }
 
-    func snapshot() -> TwoWaySnapshot {
+    /// The totals, with `sessions` (the running instance's) as the associations gauge.
+    func snapshot(sessions: RelaySessionCount) -> TwoWaySnapshot {
         var snapshot = TwoWaySnapshot()
         snapshot.replies = replies.load(ordering: .relaxed)
         snapshot.replyBytes = replyBytes.load(ordering: .relaxed)
@@ -82,7 +74,7 @@ final class RelayCounters: Sendable {
             .tooLarge: replyTooLarge.load(ordering: .relaxed),
             .downstreamUnreachable: downstreamUnreachable.load(ordering: .relaxed),
         ]
-        snapshot.associations = UInt64(max(0, open.load(ordering: .relaxed)))
+        snapshot.associations = UInt64(max(0, sessions.open.load(ordering: .relaxed)))
         snapshot.events = [
             .created: created.load(ordering: .relaxed), .moved: moved.load(ordering: .relaxed),
             .expired: expired.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),

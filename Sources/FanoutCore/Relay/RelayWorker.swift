@@ -24,6 +24,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let listener: Listener
     private let counters: ListenerCounters
     private let relay: RelayCounters
+    private let sessionCount: RelaySessionCount
     private let plans: PlanHolder
     private let stop: StopSignal
     private let logger: Logger
@@ -83,12 +84,13 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private var bySocket: [Int32: RelaySession] = [:]
 
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
-         plans: PlanHolder, stop: StopSignal, logger: Logger) throws(ReusePortError) {
+         sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, logger: Logger) throws(ReusePortError) {
         self.index = index
         self.member = member
         self.listener = listener
         self.counters = counters
         self.relay = relay
+        sessionCount = sessions
         self.plans = plans
         self.stop = stop
         self.logger = logger
@@ -218,7 +220,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         case EOPNOTSUPP: "a kernel of 5.6 or later has io_uring's send and receive"
         case ENOSYS: "a kernel built with CONFIG_IO_URING"
         case ENOMEM: "before Linux 5.12 the ring counts against the locked-memory limit: raise LimitMEMLOCK / ulimit -l"
-        default: "allow io_uring: sysctl kernel.io_uring_disabled=0, a seccomp profile that permits io_uring_setup, io_uring_enter and io_uring_register"
+        default: "allow io_uring: sysctl kernel.io_uring_disabled=0 (or 1 with the daemon's group in kernel.io_uring_group), a seccomp profile that permits io_uring_setup, io_uring_enter and io_uring_register"
         }
         logger.warning("io_uring refused: this relay worker makes one system call per session-socket send and receive, which costs CPU (\(fix); or set settings.io_uring: false)",
                        metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_setup", errno: error))"])
@@ -373,18 +375,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 }
             } else {
                 // Admitted first: a client turned away must not use up a round-robin turn.
-                guard relay.admit() else {
+                guard sessionCount.admit() else {
                     tableFull += 1
                     continue
                 }
                 guard let target = selector.pick(source: source), let plan else {
-                    relay.release()
+                    sessionCount.release()
                     noHealthy += 1
                     continue
                 }
                 let fresh = RelaySession(client: source, downstream: plan.downstreams[target], target: target, now: now)
                 guard open(fresh) else {
-                    relay.release()
+                    sessionCount.release()
                     unavailable += 1
                     continue
                 }
@@ -753,7 +755,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 session.closeSocket()
                 expired += 1
             }
-            relay.release(expired)
+            sessionCount.release(expired)
             if expired > 0 { relay.expired.wrappingAdd(UInt64(expired), ordering: .relaxed) }
         }
     }
@@ -761,7 +763,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private func closeEverySession() {
         tableLock.withLock { _ in
             for session in sessions.values { session.closeSocket() }
-            relay.release(sessions.count)
+            sessionCount.release(sessions.count)
             sessions = [:]
             bySocket = [:]
         }

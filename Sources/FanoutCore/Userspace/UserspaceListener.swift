@@ -66,13 +66,15 @@ final class UserspaceListener: RunningListener {
         if config.replies == .relay {
             // Two-way: each worker keeps its own sessions (validation guarantees per-client
             // worker steering); the one-way workers below stay exactly as they are.
-            // The counters outlive a restart (reload of the bind or settings): so do the relay totals.
-            let relay = RelayCounters(maxSessions: config.settings.maxSessions, continuing: counters.twoWaySource.withLock { $0 }?())
+            // The counters outlive a restart (reload of the bind or settings), and the relay totals
+            // with them; the session count is this instance's.
+            let relay = counters.relayCounters()
+            let sessions = RelaySessionCount(maxSessions: config.settings.maxSessions)
             var relayWorkers: [RelayWorker] = []
             for (index, member) in members.enumerated() {
                 do {
                     relayWorkers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
-                                                        plans: plans, stop: stop, logger: logger))
+                                                        sessions: sessions, plans: plans, stop: stop, logger: logger))
                 } catch {
                     for member in members { member.leave() }
                     throw error
@@ -88,7 +90,7 @@ final class UserspaceListener: RunningListener {
                     "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "open_files_limit": "\(files.rlim_cur)",
                 ])
             }
-            counters.twoWaySource.withLock { $0 = { relay.snapshot() } }
+            counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
         } else {
             relay = nil
             // A reload that turned relay off: no two-way series for a one-way listener.
