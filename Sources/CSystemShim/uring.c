@@ -65,7 +65,7 @@ struct shim_uring *shim_uring_create(unsigned entries, int *error)
 	}
 	struct io_uring_params params;
 	memset(&params, 0, sizeof(params));
-	/* One submitter thread; a failed operation must not stop the ones queued after it. */
+	/* A failed operation must not stop the ones queued after it. */
 	params.flags = IORING_SETUP_SUBMIT_ALL;
 	int fd = uring_setup(entries, &params);
 	if (fd < 0 && errno == EINVAL) {

@@ -74,9 +74,10 @@ public struct TwoWaySnapshot: Sendable {
     public var events: [AssociationEvent: UInt64] = [:]
     /// Replies sent on per downstream, by name.
     public var downstreamReplies: [String: UInt64] = [:]
-    /// relay: session-socket sends and receives made through the workers' io_urings (not exported).
-    public var ringSends: UInt64 = 0
-    public var ringReceives: UInt64 = 0
+    /// relay: session-socket sends and receives made through the workers' io_urings (tests only:
+    /// not exported, not part of the public snapshot).
+    var ringSends: UInt64 = 0
+    var ringReceives: UInt64 = 0
 
     public init() {}
 }
