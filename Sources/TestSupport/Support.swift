@@ -17,16 +17,6 @@ public enum Privileges {
     public static let reason: Comment = "needs root (CAP_BPF, CAP_NET_ADMIN, bpffs); run as root or under CI=true"
 }
 
-/// A UDP port that is free now on 127.0.0.1 and ::1, picked at random so runs cannot collide.
-public func freePort() -> UInt16 {
-    while true {
-        let port = UInt16.random(in: 20000...45000)
-        let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
-        defer { close(fd) }
-        if SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr({ bind(fd, $0, $1) }) == 0 { return port }
-    }
-}
-
 /// Sends `count` datagrams from `source` (bound first) to `destination`; payload `tag`.
 public func send(from source: String, to destination: SocketAddress, count: Int = 1, sourcePort: UInt16 = 0) throws {
     let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue), 0)

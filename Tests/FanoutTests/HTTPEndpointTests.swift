@@ -165,7 +165,7 @@ struct HTTPEndpointTests {
     @Test("Reload: a moved metrics bind serves on the new address; a taken one keeps the old endpoint, listeners still reload")
     func reloadMovesEndpoint() throws {
         let endpoint = try RunningEndpoint()
-        let moved = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freeTCPPort())
+        let moved = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         try endpoint.rewrite(metrics: moved)
         endpoint.daemon.signal(SIGHUP)
         try waitUntil("new endpoint answers") { probe(moved).status == 200 }
@@ -188,7 +188,7 @@ struct HTTPEndpointTests {
     func inProcessService() async throws {
         let sink = try Sink()
         let listener = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freeTCPPort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let daemon = try startDaemon("listeners:\n" + listenerYAML("http", bind: listener, [sink]) + metricsYAML(metrics))
         defer { daemon.shutdown() }
         let service = StatusEndpointService(daemon: daemon, limits: EndpointLimits(idleTimeout: .seconds(1)))
@@ -230,7 +230,7 @@ struct HTTPEndpointTests {
     func bodyDeadline() async throws {
         let sink = try Sink()
         let listener = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freeTCPPort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let daemon = try startDaemon("listeners:\n" + listenerYAML("http", bind: listener, [sink]) + metricsYAML(metrics))
         defer { daemon.shutdown() }
         let service = StatusEndpointService(daemon: daemon, limits: EndpointLimits(idleTimeout: .seconds(1), requestTimeout: .seconds(1)))
@@ -267,7 +267,7 @@ struct HTTPEndpointTests {
     func ipv6Bind() throws {
         let sink = try Sink()
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let metrics = SocketAddress(ip: IPAddress("::1")!, port: freeTCPPort())
+        let metrics = SocketAddress(ip: IPAddress("::1")!, port: freePort())
         let file = try writeConfig("listeners:\n" + listenerYAML("http", bind: bind, [sink]) + metricsYAML(metrics))
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path])
@@ -314,7 +314,7 @@ final class RunningEndpoint {
     init() throws {
         sink = try Sink()
         listener = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freeTCPPort())
+        metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         file = try writeConfig("listeners:\n" + listenerYAML("http", bind: listener, [sink]) + metricsYAML(metrics))
         daemon = try Child("udp-fanout", ["-c", file.path])
         try waitUntil("udp-fanout ready on \(metrics); stderr: \(daemon.stderr)") { probe(metrics, "/readyz").status == 200 }
@@ -440,16 +440,6 @@ func sendNumbered(to destination: SocketAddress, count: Int, rate: Int) throws {
     }
 }
 
-/// A TCP port free on 127.0.0.1 now.
-func freeTCPPort() -> UInt16 {
-    while true {
-        let port = UInt16.random(in: 20000...45000)
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        defer { close(fd) }
-        if SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr({ bind(fd, $0, $1) }) == 0 { return port }
-    }
-}
-
 /// Holds a TCP port (bound and listening) so nothing else can bind it.
 final class TCPHolder {
     let fd: Int32
@@ -458,13 +448,9 @@ final class TCPHolder {
     init() throws {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         self.fd = fd
-        var port: UInt16 = 0
-        for _ in 0..<100 {
-            port = UInt16.random(in: 20000...45000)
-            if SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr({ bind(fd, $0, $1) }) == 0 { break }
-            port = 0
-        }
-        try #require(port != 0 && listen(fd, 8) == 0)
+        let port = freePort()
+        let bound = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr { bind(fd, $0, $1) }
+        try #require(bound == 0 && listen(fd, 8) == 0, "hold 127.0.0.1:\(port): errno \(errno)")
         address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
     }
 
