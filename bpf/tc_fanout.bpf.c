@@ -21,6 +21,9 @@
  * associated with that backend it leaves from the listener's address and port (source NAT,
  * checksums, TTL, fib, redirect); to a client of another backend it is dropped (WRONG_SERVER);
  * to a client with no association it creates one (server initiated) and leaves the same way.
+ * A backend that left the set drains (FANOUT_LIVE_DRAINING): no new client, its clients move on
+ * their next datagram, and its replies to them still leave from the listener's address until
+ * userspace marks it gone after settings.drain_secs (FANOUT_LIVE_GONE: dropped, DRAINED).
  *
  * Everything that is not a datagram for a listener passes untouched and continues down the
  * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
@@ -241,6 +244,7 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 	key.family = p->family;
 	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
 	__u32 happened = ASSOCIATION_CREATED;
+	__u16 drained_slot = 0;
 	if (associated) {
 		struct fanout_live_key live_key = {};
 		__builtin_memcpy(live_key.addr, associated->addr, sizeof(live_key.addr));
@@ -248,10 +252,16 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 		live_key.family = p->family;
 		struct fanout_live *live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &live_key);
 		if (live && live->listener_id == id) {
-			__builtin_memcpy(chosen->addr, live_key.addr, sizeof(chosen->addr));
-			chosen->port = live_key.port;
-			chosen->counter_slot = live->counter_slot;
-			return 1;
+			if (live->state == FANOUT_LIVE_ACTIVE) {
+				__builtin_memcpy(chosen->addr, live_key.addr, sizeof(chosen->addr));
+				chosen->port = live_key.port;
+				chosen->counter_slot = live->counter_slot;
+				return 1;
+			}
+			/* Its backend drains: the client moves, and that backend's replies in flight
+			 * still reach it until the drain ends. */
+			if (live->state == FANOUT_LIVE_DRAINING)
+				drained_slot = live->counter_slot + 1;
 		}
 		happened = ASSOCIATION_MOVED;
 	}
@@ -260,6 +270,7 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 	struct fanout_association value = {};
 	__builtin_memcpy(value.addr, chosen->addr, sizeof(value.addr));
 	value.port = chosen->port;
+	value.drained_slot = drained_slot;
 	bpf_map_update_elem(associations, &key, &value, BPF_ANY);
 	*event = happened;
 	return 1;
@@ -273,6 +284,9 @@ enum reply_kind {
 	REPLY_NEW = 3,          /* to a client with no association (server-initiated), or whose
 				 * backend left the set (moved): associated with this backend once
 				 * the datagram is known to leave (not for this host) */
+	REPLY_DRAINING = 4,     /* from a draining backend to a client it served: leaves from the
+				 * listener's address, associates nothing */
+	REPLY_DRAINED = 5,      /* from a backend whose drain ended: dropped and counted */
 };
 
 /* A datagram that matched no listener: a reply if its source is a live backend of a nat
@@ -303,11 +317,17 @@ static __always_inline int find_reply(struct packet *p, struct fanout_backend *v
 	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
 	key.port = p->dport;
 	key.family = p->family;
+	if (live->state == FANOUT_LIVE_GONE)
+		return REPLY_DRAINED;
 	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
+	int draining = live->state == FANOUT_LIVE_DRAINING;
 	if (!associated)
-		return REPLY_NEW;
+		return draining ? REPLY_DRAINING : REPLY_NEW;
 	if (same_endpoint(associated->addr, associated->port, p->saddr, p->sport))
-		return REPLY_ASSOCIATED;
+		return draining ? REPLY_DRAINING : REPLY_ASSOCIATED;
+	/* A draining backend's reply to the client that moved away from it. */
+	if (draining && associated->drained_slot == slot + 1)
+		return REPLY_DRAINING;
 	/* Another backend's client: sbulb's rule drops it, unless that backend left the set (the
 	 * client would move on its next datagram anyway: it moves to this one now). */
 	struct fanout_live_key other = {};
@@ -315,8 +335,11 @@ static __always_inline int find_reply(struct packet *p, struct fanout_backend *v
 	other.port = associated->port;
 	other.family = p->family;
 	struct fanout_live *other_live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &other);
-	if (other_live && other_live->listener_id == listener)
+	if (other_live && other_live->listener_id == listener && other_live->state == FANOUT_LIVE_ACTIVE)
 		return REPLY_WRONG_SERVER;
+	/* A draining backend makes no new association: its reply leaves, the client stays. */
+	if (draining)
+		return REPLY_DRAINING;
 	*moved = 1;
 	return REPLY_NEW;
 }
@@ -462,6 +485,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	int chosen = 1;
 	int reply = 0;
 	int wrong_server = 0;
+	int drained = 0;
 	int new_association = 0;
 	__u32 event = ASSOCIATION_KEPT;
 	__u32 reply_moved = 0;
@@ -481,6 +505,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 			}
 			reply = 1;
 			wrong_server = found == REPLY_WRONG_SERVER;
+			drained = found == REPLY_DRAINED;
 			new_association = found == REPLY_NEW;
 		}
 	} else {
@@ -505,6 +530,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 			count(stats, reply, FANOUT_VERDICT_WRONG_SERVER);
 			return TC_ACT_SHOT;
 		}
+
 	} else {
 		stats->received++;
 		stats->bytes_received += skb->len;
@@ -551,6 +577,12 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	if (reply && route == BPF_FIB_LKUP_RET_NOT_FWDED) {
 		count_unmatched(FANOUT_VERDICT_NOT_OURS);
 		return FANOUT_PASS;
+	}
+	/* A backend whose drain ended: what it sends toward a client is dropped, counted (after the
+	 * check above, so its datagrams to this host itself still pass). */
+	if (drained) {
+		count(stats, reply, FANOUT_VERDICT_DRAINED);
+		return TC_ACT_SHOT;
 	}
 	if (route == BPF_FIB_LKUP_RET_SUCCESS)
 		verdict = FANOUT_VERDICT_FORWARDED;

@@ -180,6 +180,28 @@ struct ForwardingTests {
         #expect(daemon.counters(of: "a") != nil && !daemon.metricsText().contains("listener=\"b\""), "removed listener leaves /metrics")
     }
 
+    @Test("A downstream removed and added again continues its counters: the per-downstream series still sum to the listener's total")
+    func downstreamCountersContinue() throws {
+        let sinks = try (0..<2).map { _ in try Sink() }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon("listeners:\n" + listenerYAML("k", bind: bind, sinks))
+        defer { daemon.shutdown() }
+        try sendNumbered(to: bind, count: 100)
+        #expect(sinks.map { $0.drain().count } == [50, 50])
+        #expect(daemon.reload(text: "listeners:\n" + listenerYAML("k", bind: bind, [sinks[0]])))
+        try sendNumbered(to: bind, count: 20)
+        #expect(sinks[0].drain().count == 20)
+        let removed = try #require(daemon.counters(of: "k"))
+        #expect(removed.downstreams["k-sink-2"]?.forwarded == 50, "a removed downstream's series stays with its total: \(removed.downstreams)")
+        #expect(daemon.reload(text: "listeners:\n" + listenerYAML("k", bind: bind, sinks)))
+        try sendNumbered(to: bind, count: 100)
+        #expect(sinks.map { $0.drain().count } == [50, 50])
+        let counters = try #require(daemon.counters(of: "k"))
+        #expect(counters.downstreams["k-sink-1"]?.forwarded == 120 && counters.downstreams["k-sink-2"]?.forwarded == 100,
+                "each continues where it was: \(counters.downstreams)")
+        #expect(counters.downstreams.values.map(\.forwarded).reduce(0, +) == counters.forwarded && counters.forwarded == 220)
+    }
+
     @Test("IPv6 listener and downstreams")
     func ipv6() throws {
         let sinks = try (0..<2).map { _ in try Sink(ip: "::1") }

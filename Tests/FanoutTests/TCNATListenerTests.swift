@@ -116,7 +116,9 @@ struct TCNATListenerTests {
             running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, keeping: [])
         }
         #expect(updated == true)
-        #expect(Self.problem(dataplane, topology, Self.backendSide(topology, 3 - remaining))?.contains("holds no attachment") == true, "detached from the gone backend's side")
+        // The gone backend's side stays attached while it drains and after (its late replies are
+        // relayed, then counted drained); detached at shutdown (below).
+        #expect(Self.problem(dataplane, topology, Self.backendSide(topology, 3 - remaining)) == nil, "still attached at the removed backend's side")
         #expect(Self.problem(dataplane, topology, Self.backendSide(topology, remaining)) == nil)
         // Its client moves on its next datagram.
         let again = try run("/usr/sbin/ip", ["netns", "exec", topology.client, "timeout", "10", "python3", "-c", client])
@@ -131,5 +133,77 @@ struct TCNATListenerTests {
             let filters = try run("/usr/sbin/ip", ["netns", "exec", topology.proxy, "/usr/sbin/bpftool", "net", "show", "dev", interface]).output
             #expect(!filters.contains("fanout_tc"), "nothing of ours left at \(interface): \(filters)")
         }
+    }
+    @Test("A downstream removed from a nat listener drains: its in-flight reply reaches the client from the VIP within settings.drain_secs, a reply after it is dropped and counted drained")
+    func drain() throws {
+        let topology = try Topology(backends: 2)
+        let dataplane = TCDataplane(logger: Logger(label: "test"))
+        let counters = ListenerCounters(name: "nat", mode: "tc_ebpf")
+        var drained = Self.listener(topology, backends: [1, 2])
+        drained.settings.drainSecs = 3
+        let config = drained
+        let started = inNetworkNamespace(topology.proxy) { () -> Result<TCListener, TCError> in
+            do throws(TCError) {
+                return .success(try TCListener(config, counters: counters, dataplane: dataplane, logger: Logger(label: "test")))
+            } catch {
+                return .failure(error)
+            }
+        }
+        let running = try #require(try started?.get())
+        defer { _ = inNetworkNamespace(topology.proxy) { running.shutdown() } }
+        // Each backend answers a request twice: after 1 s (within the drain time) and after 6 s
+        // (past it). It serves for 12 s at most.
+        let echo = """
+        import socket,time
+        s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind(("0.0.0.0",6000)); s.settimeout(12)
+        try:
+            d,a=s.recvfrom(2048); time.sleep(1); s.sendto(b"in-time",a); time.sleep(5); s.sendto(b"late",a)
+        except socket.timeout: pass
+        """
+        let echoes = try [1, 2].map { n in
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
+            process.arguments = ["netns", "exec", topology.backends[n - 1], "python3", "-c", echo]
+            try process.run()
+            return process
+        }
+        defer { for process in echoes where process.isRunning { process.terminate() } }
+        usleep(500_000)
+        // The client prints every datagram it receives within 9 s, with its source.
+        let clientScript = """
+        import socket,time
+        s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind(("198.18.0.2",47100))
+        s.sendto(b"request",("198.18.0.1",5683)); end=time.time()+9
+        while time.time()<end:
+            s.settimeout(max(0.01,end-time.time()))
+            try:
+                d,a=s.recvfrom(2048); print(d.decode(),a[0],a[1],flush=True)
+            except socket.timeout: break
+        """
+        let client = Process()
+        client.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
+        client.arguments = ["netns", "exec", topology.client, "timeout", "15", "python3", "-c", clientScript]
+        let output = Pipe()
+        client.standardOutput = output
+        try client.run()
+        defer { if client.isRunning { client.terminate() } }
+        // The request is on its way to its backend (which answers in 1 s): that backend leaves the set.
+        var served: String?
+        for _ in 0..<50 where served == nil {
+            usleep(20_000)
+            served = running.associations(limit: 10)?.entries.first?.downstream
+        }
+        let removed = try #require(served, "the client's request made an association")
+        let remaining = removed == "b1" ? 2 : 1
+        let updated = inNetworkNamespace(topology.proxy) {
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, keeping: [])
+        }
+        #expect(updated == true)
+        client.waitUntilExit()
+        let lines = String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self).split(separator: "\n").map(String.init)
+        #expect(lines == ["in-time 198.18.0.1 5683"], "the reply within the drain time reaches the client from the VIP, the late one does not reach it: \(lines)")
+        let twoWay = try #require(counters.snapshot().twoWay)
+        #expect(twoWay.replies == 1 && twoWay.downstreamReplies[removed] == 1, "the drained reply is counted for its downstream: \(twoWay)")
+        #expect(twoWay.replyDropped[.drained] == 1, "the reply after the drain time is counted: \(twoWay.replyDropped)")
     }
 }

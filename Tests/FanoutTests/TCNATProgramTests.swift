@@ -224,6 +224,63 @@ struct TCNATProgramTests {
         #expect(try Self.forwarded(fixture, Self.frame(from: client, to: Self.vip, payload: [3])) == other, "still live, the client stays")
     }
 
+    @Test("Drain: a draining backend gets no client, its replies to its own and to its moved clients leave from the VIP, to another live backend's client are wrong_server; gone, its datagrams are dropped drained (to the LB itself they pass)")
+    func drain() throws {
+        let (fixture, maps) = try Self.natFixture()
+        defer { maps.forEach { close($0) } }
+        let stays = SocketAddress("198.18.50.7:42100")!
+        let drainingBackend = try Self.forwarded(fixture, Self.frame(from: stays, to: Self.vip, payload: [1]))
+        let slot = UInt16(drainingBackend.port - 6001)
+        // The draining backend leaves the set: its entry stays, marked draining.
+        let remaining = (1...3).map { SocketAddress("198.18.200.10:\(6000 + $0)")! }.filter { $0 != drainingBackend }
+        let downstreams = remaining.map { Downstream(name: "p\($0.port)", address: $0) }
+        try fixture.program.writeSet(id: Self.natID, generation: 1, BackendSet(downstreams: downstreams, balancing: .roundRobin,
+                                                                                slots: Dictionary(uniqueKeysWithValues: downstreams.map { ($0.name, UInt16($0.address.port - 6001)) })))
+        var entry = fanout_listener()
+        entry.id = Self.natID
+        entry.generation = 1
+        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        entry.reserved = FANOUT_LISTENER_NAT
+        try fixture.program.putListener(Self.vip, ifindex: UInt32(fixture.ifindex), entry)
+        #expect(try fixture.program.setLiveState(drainingBackend, id: Self.natID, slot: slot, state: FANOUT_LIVE_DRAINING))
+        #expect(try fixture.program.setLiveState(drainingBackend, id: Self.natID6, slot: slot, state: FANOUT_LIVE_GONE) == false, "another listener's id writes nothing")
+
+        // A reply in flight to the client that has not sent since: from the VIP.
+        let inFlight = Self.frame(from: drainingBackend, to: stays, payload: [2])
+        var (result, output) = fixture.execute(inFlight, ifindex: fixture.otherIfindex)
+        #expect(result == Self.redirect)
+        try Self.expectReply(output, from: Self.vip, to: stays, original: inFlight)
+        // The client's next datagram moves it (never to the draining backend); the draining
+        // backend's late reply to it still leaves from the VIP, and associates nothing.
+        let moved = try Self.forwarded(fixture, Self.frame(from: stays, to: Self.vip, payload: [3]))
+        #expect(moved != drainingBackend)
+        let late = Self.frame(from: drainingBackend, to: stays, payload: [4])
+        (result, output) = fixture.execute(late, ifindex: fixture.otherIfindex)
+        #expect(result == Self.redirect, "a reply to the client that moved away while it drained")
+        try Self.expectReply(output, from: Self.vip, to: stays, original: late)
+        #expect(try Self.forwarded(fixture, Self.frame(from: stays, to: Self.vip, payload: [5])) == moved, "the client stays moved")
+        // New clients never get the draining backend.
+        for port in UInt16(43000)..<43006 {
+            #expect(try Self.forwarded(fixture, Self.frame(from: SocketAddress(ip: stays.ip, port: port), to: Self.vip, payload: [6])) != drainingBackend)
+        }
+        // To a client of another live backend that never had it: wrong_server.
+        let wrongBefore = Self.verdict(fixture, Self.natID, FANOUT_VERDICT_WRONG_SERVER)
+        let wrong = Self.frame(from: drainingBackend, to: SocketAddress(ip: stays.ip, port: 43000), payload: [7])
+        #expect(fixture.execute(wrong, ifindex: fixture.otherIfindex).verdict == Self.shot)
+        #expect(Self.verdict(fixture, Self.natID, FANOUT_VERDICT_WRONG_SERVER) == wrongBefore + 1)
+
+        // The drain ends: gone. Its datagram toward the client is dropped and counted drained.
+        #expect(try fixture.program.setLiveState(drainingBackend, id: Self.natID, slot: slot, state: FANOUT_LIVE_GONE))
+        let after = Self.frame(from: drainingBackend, to: stays, payload: [8])
+        #expect(fixture.execute(after, ifindex: fixture.otherIfindex).verdict == Self.shot)
+        #expect(fixture.program.natStats(id: Self.natID).verdict(FANOUT_VERDICT_DRAINED) == 1)
+        // Its datagram to the load balancer itself (a probe's answer) passes untouched.
+        let probe = Self.frame(from: drainingBackend, to: SocketAddress("198.18.200.1:45000")!, payload: [9])
+        let passed = fixture.execute(probe, ifindex: fixture.otherIfindex)
+        #expect(passed.verdict == Self.pass && passed.output == probe)
+        #expect(fixture.program.natStats(id: Self.natID).verdict(FANOUT_VERDICT_DRAINED) == 1)
+    }
+
     @Test("A backend no longer live: its clients move on their next datagram (moved), others stay; re-added it gets new clients only")
     func moved() throws {
         let (fixture, maps) = try Self.natFixture()

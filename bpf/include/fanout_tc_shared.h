@@ -114,7 +114,10 @@ enum fanout_verdict {
 	 * (sbulb's rule: a client talks to one backend; a client whose backend left the set
 	 * moves to the replying one instead) */
 	FANOUT_VERDICT_WRONG_SERVER = 11,
-	FANOUT_VERDICT_COUNT = 12,
+	/* a datagram from a backend that left a nat listener's set more than settings.drain_secs
+	 * ago (FANOUT_LIVE_GONE): its clients have other backends now; dropped (reply direction) */
+	FANOUT_VERDICT_DRAINED = 12,
+	FANOUT_VERDICT_COUNT = 13,
 };
 
 /* Key of the listeners map: the interface the packet arrived on (the listener's configured
@@ -216,11 +219,15 @@ struct fanout_association_key {
 struct fanout_association {
 	__u32 addr[4];
 	__u16 port;
-	__u16 pad;
+	/* the counter slot + 1 of the backend the client moved away from while that backend was
+	 * draining (0: none): that backend's in-flight replies to the client still leave from the
+	 * listener's address until its drain ends */
+	__u16 drained_slot;
 };
 
-/* Key of FANOUT_MAP_LIVE: a backend that is a weighted member of a nat listener's current set.
- * Userspace adds new members before flipping the set generation and removes gone ones after. */
+/* Key of FANOUT_MAP_LIVE: a backend that is a weighted member of a nat listener's current set,
+ * or left it (draining, gone: fanout_live.state). Userspace adds new members before flipping the
+ * set generation and marks gone ones draining after. */
 struct fanout_live_key {
 	__u32 addr[4];
 	__u16 port;
@@ -228,10 +235,18 @@ struct fanout_live_key {
 	__u8 pad;
 };
 
+/* fanout_live.state: a backend of the current set, one that left it and drains (no new
+ * clients, its clients move on their next datagram, its replies to them still leave from the
+ * listener's address), or one whose drain ended (its datagrams are dropped, FANOUT_VERDICT_DRAINED). */
+#define FANOUT_LIVE_ACTIVE   0
+#define FANOUT_LIVE_DRAINING 1
+#define FANOUT_LIVE_GONE     2
+
 struct fanout_live {
 	__u32 listener_id;
 	__u16 counter_slot;
-	__u16 pad;
+	__u8 state;      /* FANOUT_LIVE_* */
+	__u8 pad;
 };
 
 /* FANOUT_MAP_NAT, by listener id: the address replies leave from (the listener's bind). */

@@ -202,7 +202,7 @@ final class AFXDPListener: RunningListener {
     var takesOverExactly: Bool { companion.takesOverExactly }
 
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, keeping: keeping, passiveHealth: passiveHealth))
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
         return companion.update(downstreams: downstreams, balancing: balancing, keeping: keeping)
     }
 

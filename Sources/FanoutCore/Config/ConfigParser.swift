@@ -125,7 +125,7 @@ public enum ConfigParser {
             let entry = try Fields(node, path: "\(path).settings")
             try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
                              "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll",
-                             "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs", "io_uring"])
+                             "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs", "io_uring", "drain_secs"])
             let maximum: Int
             if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
             settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
@@ -166,6 +166,7 @@ public enum ConfigParser {
             settings.maxSessions = try entry.int("max_sessions", in: 1...(1 << 20)) ?? settings.maxSessions
             settings.sessionIdleSecs = try entry.int("session_idle_secs", in: 1...86400) ?? settings.sessionIdleSecs
             settings.ioUring = try entry.bool("io_uring") ?? settings.ioUring
+            settings.drainSecs = try entry.int("drain_secs", in: 0...3600) ?? settings.drainSecs
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
         let replies = try fields.choice("replies", Replies.allCases.map(\.rawValue)) ?? Replies.none.rawValue

@@ -214,6 +214,9 @@ extension FanoutConfig {
             for key in ["max_sessions", "session_idle_secs", "io_uring"] where listener.replies != .relay && lines.isSet("\(path).settings.\(key)") {
                 warn("\(path).settings.\(key)", "applies to replies: relay only")
             }
+            if listener.replies == .none && lines.isSet("\(path).settings.drain_secs") {
+                warn("\(path).settings.drain_secs", "applies to two-way listeners (replies: nat or relay) only")
+            }
             if listener.dnsDownstreams.isEmpty && lines.isSet("\(path).settings.resolve_interval_secs") {
                 warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")
             }

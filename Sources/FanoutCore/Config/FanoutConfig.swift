@@ -201,6 +201,11 @@ public struct Settings: Equatable, Sendable {
     public var maxSessions: Int = 65_536
     /// replies relay: a session with no datagram either way for this long is closed.
     public var sessionIdleSecs: Int = 120
+    /// Two-way listeners (nat, relay): how long a downstream that left the set (reload, health,
+    /// discovery) keeps relaying its clients' replies. It gets no new client meanwhile, and its
+    /// clients move to another downstream on their next datagram; a reply after this time is
+    /// dropped and counted (`replies_dropped_total{reason="drained"}`). 0: it goes at once.
+    public var drainSecs: Int = 30
     /// replies relay: the sends and receives on session sockets go through an io_uring, many per
     /// system call; false (or a kernel that refuses io_uring, logged): one system call each.
     public var ioUring: Bool = true

@@ -13,16 +13,15 @@ final class ForwardingPlan: Sendable {
     /// (ECONNREFUSED), at most once per batch per downstream (nil: nobody listens).
     let passiveHealth: (@Sendable (SocketAddress) -> Void)?
 
-    /// - Parameter keeping: downstreams whose counters stay although they get no datagram now
-    ///   (members health took out).
-    init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters, keeping: Set<String> = [],
+    /// A downstream's counters are made on first use and kept for the life of the process (see
+    /// ``ListenerCounters/downstream(_:)``), so one that leaves and comes back goes on counting.
+    init(downstreams: [Downstream], balancing: Balancing, counters: ListenerCounters,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) {
         self.downstreams = downstreams
         self.balancing = balancing
         method = DownstreamSelector.Method(downstreams: downstreams, balancing: balancing)
         self.passiveHealth = passiveHealth
         self.counters = downstreams.map { counters.downstream($0.name) }
-        counters.retainDownstreams(Set(downstreams.map(\.name)).union(keeping))
     }
 }
 

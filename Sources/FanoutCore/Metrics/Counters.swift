@@ -46,6 +46,9 @@ public enum ReplyDropReason: String, CaseIterable, Sendable {
     /// relay: the downstream answered a request with ICMP unreachable (read on the session
     /// socket): the request was sent (counted forwarded) and no reply will come.
     case downstreamUnreachable = "downstream_unreachable"
+    /// A reply from a downstream that left the set (reload, health, discovery) more than
+    /// `settings.drain_secs` ago: its clients have other downstreams now.
+    case drained
 }
 
 /// What happened to the associations (nat) or sessions (relay) of a two-way listener.
@@ -159,7 +162,10 @@ public final class ListenerCounters: Sendable {
         }
     }
 
-    /// The counters of each downstream by name, made on first use.
+    /// The counters of each downstream by name, made on first use and kept for the life of the
+    /// process: a downstream that leaves the set (reload, health, discovery) keeps its series
+    /// with its totals, and goes on from them when it comes back, so the per-downstream series
+    /// always sum to the listener's totals.
     func downstream(_ name: String) -> DownstreamCounters {
         downstreams.withLock { table in
             if let existing = table[name] { return existing }
@@ -169,14 +175,11 @@ public final class ListenerCounters: Sendable {
         }
     }
 
-    /// Forgets downstreams no longer configured (their series leave /metrics).
-    func retainDownstreams(_ names: Set<String>) {
-        downstreams.withLock { table in table = table.filter { names.contains($0.key) } }
-    }
-
-    /// Reads the counters from `source` from now on.
+    /// Reads the counters from `source` from now on, on top of the values so far: a restarted
+    /// kernel-side listener (its predecessor frozen at its stop) goes on from its totals.
     func setSource(_ source: @escaping @Sendable () -> Snapshot) {
-        external.withLock { $0 = .live(source) }
+        let base = snapshot()
+        external.withLock { $0 = .live { source().adding(base) } }
     }
 
     /// Keeps the source's current values (its listener is stopping).
@@ -195,6 +198,30 @@ public final class ListenerCounters: Sendable {
         /// Two-way listeners only.
         public var twoWay: TwoWaySnapshot? = nil
         public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
+
+        /// These values on top of `base`'s (a previous instance's); the associations gauge is this one's.
+        func adding(_ base: Snapshot) -> Snapshot {
+            var sum = self
+            sum.received &+= base.received
+            sum.bytesReceived &+= base.bytesReceived
+            sum.forwarded &+= base.forwarded
+            sum.bytesForwarded &+= base.bytesForwarded
+            sum.noHealthy &+= base.noHealthy
+            sum.receiveQueueDrops &+= base.receiveQueueDrops
+            sum.dropped.merge(base.dropped, uniquingKeysWith: &+)
+            sum.downstreams.merge(base.downstreams) { ($0.forwarded &+ $1.forwarded, $0.bytes &+ $1.bytes, $0.dropped &+ $1.dropped) }
+            sum.downstreamDropped.merge(base.downstreamDropped) { $0.merging($1, uniquingKeysWith: &+) }
+            if let previous = base.twoWay {
+                var twoWay = sum.twoWay ?? TwoWaySnapshot()
+                twoWay.replies &+= previous.replies
+                twoWay.replyBytes &+= previous.replyBytes
+                twoWay.replyDropped.merge(previous.replyDropped, uniquingKeysWith: &+)
+                twoWay.events.merge(previous.events, uniquingKeysWith: &+)
+                twoWay.downstreamReplies.merge(previous.downstreamReplies, uniquingKeysWith: &+)
+                sum.twoWay = twoWay
+            }
+            return sum
+        }
 
         static let zero = Snapshot(
             received: 0, bytesReceived: 0, forwarded: 0, bytesForwarded: 0, noHealthy: 0, receiveQueueDrops: 0,

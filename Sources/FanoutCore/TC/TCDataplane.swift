@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import BPFKernelABI
+import Dispatch
 import BPFSupport
 import CSystemShim
 import Logging
@@ -193,7 +194,36 @@ final class TCListener: RunningListener {
         var names: [SocketAddress: String] = [:]
         /// nat: the reply interfaces this listener holds an attachment at.
         var replyInterfaces: [String] = []
+        /// nat: backends that left the set and drain until their time is up (their replies to
+        /// their clients still leave from the listener's address), by address.
+        var draining: [SocketAddress: Draining] = [:]
+        /// nat: backends whose drain ended, oldest first: what they send toward clients is dropped
+        /// and counted `drained` until they are in the set again or the listener stops (at most
+        /// ``TCListener/goneLimit``).
+        var gone: [SocketAddress] = []
+        /// The totals of downstreams whose counter slots were given up: they go on under the
+        /// name when it comes back (a downstream's counters live as long as the process).
+        var retired: [String: BackendTotals] = [:]
     }
+    private struct Draining {
+        var slot: UInt16
+        var name: String
+        var until: ContinuousClock.Instant
+    }
+    /// One downstream's counts in the backend stats map (see struct fanout_backend_stats).
+    struct BackendTotals {
+        var packets: UInt64 = 0, bytes: UInt64 = 0, noRoute: UInt64 = 0, tooLarge: UInt64 = 0, replies: UInt64 = 0
+
+        mutating func add(_ other: BackendTotals) {
+            packets &+= other.packets
+            bytes &+= other.bytes
+            noRoute &+= other.noRoute
+            tooLarge &+= other.tooLarge
+            replies &+= other.replies
+        }
+    }
+    /// nat: backends kept marked gone at once per listener (the oldest leaves the map first).
+    static let goneLimit = 4096
     /// nat: the listener's association map (its descriptor; the program's array holds it at `id`).
     private let associationMap: Int32?
     /// nat: the last count of the association map (at most one walk per `countInterval`).
@@ -258,8 +288,9 @@ final class TCListener: RunningListener {
     ///   (members health took out: their counters go on when they come back).
     private func apply(downstreams: [Downstream], balancing: Balancing, keeping: Set<String> = []) throws(TCError) {
         let nat = config.replies == .nat
-        let held = live.withLock { $0.replyInterfaces }
-        let wantedInterfaces = nat ? replyInterfaces(for: downstreams) : []
+        let (held, leaving) = live.withLock { ($0.replyInterfaces, Array($0.liveBackends.keys) + Array($0.draining.keys) + $0.gone) }
+        // Also where the draining and gone backends' datagrams arrive: relayed, or counted.
+        let wantedInterfaces = nat ? replyInterfaces(for: downstreams, leaving: leaving) : []
         let added = wantedInterfaces.filter { !held.contains($0) }
         try dataplane.acquireReplyInterfaces(added, for: config)
         // Backends marked live by this call: taken out again if the change fails, so a failed
@@ -268,11 +299,17 @@ final class TCListener: RunningListener {
         do throws(SystemCallError) {
             try live.withLock { live throws(SystemCallError) in
                 let wanted = Set(downstreams.map(\.name))
-                var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
+                // A draining downstream keeps its slot: its replies are counted there (so do the
+                // ones that start to drain now).
+                var drainingNames = Set(live.draining.values.map(\.name))
+                if nat && config.settings.drainSecs > 0 { drainingNames.formUnion(live.liveBackends.keys.compactMap { live.names[$0] }) }
+                var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) || drainingNames.contains($0.key) }
+                for (name, slot) in live.slots where slots[name] == nil { retire(name, slot: slot, in: &live) }
                 var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !Set(slots.values).contains($0) }.reversed().map { $0 }
                 for downstream in downstreams where slots[downstream.name] == nil {
                     // Slots run short only if kept ones fill them: a kept slot gives way.
                     if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) }) {
+                        retire(kept.key, slot: kept.value, in: &live)
                         slots[kept.key] = nil
                         free.append(kept.value)
                     }
@@ -298,8 +335,15 @@ final class TCListener: RunningListener {
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
                 entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
                 try program.putListener(config.bind, ifindex: ifindex, entry)
-                for address in live.liveBackends.keys where liveBackends[address] == nil {
-                    program.removeLive(address, id: id)
+                // Gone from the set: they drain (no new client; their replies in flight still
+                // reach their clients from the listener's address), then are gone.
+                let now = ContinuousClock.now
+                for (address, slot) in live.liveBackends where liveBackends[address] == nil {
+                    startDrain(address, slot: slot, name: live.names[address] ?? "\(address)", now: now, in: &live)
+                }
+                for address in liveBackends.keys {
+                    live.draining[address] = nil
+                    live.gone.removeAll { $0 == address }
                 }
                 live.generation = generation
                 live.slots = slots
@@ -318,10 +362,14 @@ final class TCListener: RunningListener {
 
     /// Where the downstreams' replies arrive: `settings.reply_interfaces`, else the interfaces the
     /// kernel routes the weighted downstreams through (a downstream without a route is warned
-    /// about by warnUnroutable).
-    private func replyInterfaces(for downstreams: [Downstream]) -> [String] {
+    /// about by warnUnroutable), and the backends that left the set (`leaving`: draining, gone).
+    private func replyInterfaces(for downstreams: [Downstream], leaving: [SocketAddress]) -> [String] {
         if !config.settings.replyInterfaces.isEmpty { return config.settings.replyInterfaces }
         var names: [String] = []
+        let current = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
+        for address in leaving where !current.contains(address) {
+            if let name = TCRoute.interface(to: address.ip), !names.contains(name) { names.append(name) }
+        }
         for downstream in downstreams where downstream.weight > 0 {
             guard let name = TCRoute.interface(to: downstream.address.ip) else {
                 logger.warning("replies nat: no interface routes to this downstream, so its replies are not watched (they would leave with its own address); add a route or set settings.reply_interfaces", metadata: [
@@ -334,13 +382,76 @@ final class TCListener: RunningListener {
         return names
     }
 
-    /// Takes the listener's nat state out of the maps: live backends, its address, its
-    /// association map; detaches at its reply interfaces.
+    /// Keeps the counts of a downstream whose slot is given up under its name.
+    private func retire(_ name: String, slot: UInt16, in live: inout Live) {
+        let counted = program.backendStats(id: id, slot: slot)
+        live.retired[name, default: BackendTotals()].add(BackendTotals(
+            packets: counted.packets, bytes: counted.bytes, noRoute: counted.noRoute, tooLarge: counted.tooLarge, replies: counted.replies))
+    }
+
+    /// A backend left the set: it drains for `settings.drain_secs`, then is gone. An entry
+    /// another listener owns now (the downstream moved to it in the same reload) is left alone.
+    private func startDrain(_ address: SocketAddress, slot: UInt16, name: String, now: ContinuousClock.Instant, in live: inout Live) {
+        let drain = Duration.seconds(config.settings.drainSecs)
+        guard drain > .zero else { return markGone(address, slot: slot, in: &live) }
+        do throws(SystemCallError) {
+            guard try program.setLiveState(address, id: id, slot: slot, state: FANOUT_LIVE_DRAINING) else { return }
+        } catch {
+            program.removeLive(address, id: id)
+            logger.warning("could not mark a removed downstream draining: its replies still in flight leave with its own address and are not counted", metadata: [
+                "listener": "\(config.name)", "downstream": "\(name)", "error": "\(error)",
+            ])
+            return
+        }
+        live.draining[address] = Draining(slot: slot, name: name, until: now + drain)
+        logger.info("downstream draining: no new clients; its replies to its clients are relayed until settings.drain_secs passes", metadata: [
+            "listener": "\(config.name)", "downstream": "\(name)", "address": "\(address)", "drain_secs": "\(config.settings.drainSecs)",
+        ])
+        // A timer per removal (not per datagram); a stopped listener's fires and does nothing.
+        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(config.settings.drainSecs * 1000)) { [weak self] in
+            self?.endDrains()
+        }
+    }
+
+    /// Marks the drains whose time is up gone.
+    private func endDrains() {
+        live.withLock { live in
+            // Checked under the lock: a stopping listener's releaseNAT takes every entry out after.
+            guard !stopped.load(ordering: .relaxed) else { return }
+            let now = ContinuousClock.now
+            for (address, draining) in live.draining where draining.until <= now {
+                live.draining[address] = nil
+                markGone(address, slot: draining.slot, in: &live)
+                logger.info("downstream drained: what it still sends toward clients is dropped and counted (replies_dropped_total reason drained)", metadata: [
+                    "listener": "\(config.name)", "downstream": "\(draining.name)", "address": "\(address)",
+                ])
+            }
+        }
+    }
+
+    /// The backend's drain ended: its datagrams toward clients are dropped and counted.
+    private func markGone(_ address: SocketAddress, slot: UInt16, in live: inout Live) {
+        do throws(SystemCallError) {
+            guard try program.setLiveState(address, id: id, slot: slot, state: FANOUT_LIVE_GONE) else { return }
+        } catch {
+            program.removeLive(address, id: id)
+            logger.warning("could not mark a drained downstream gone: what it still sends leaves with its own address and is not counted", metadata: [
+                "listener": "\(config.name)", "address": "\(address)", "error": "\(error)",
+            ])
+            return
+        }
+        live.gone.removeAll { $0 == address }
+        live.gone.append(address)
+        if live.gone.count > Self.goneLimit { program.removeLive(live.gone.removeFirst(), id: id) }
+    }
+
+    /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
+    /// address, its association map; detaches at its reply interfaces.
     private func releaseNAT() {
         guard let associationMap else { return }
         let (backends, interfaces) = live.withLock { live in
-            defer { live.liveBackends = [:]; live.replyInterfaces = [] }
-            return (Array(live.liveBackends.keys), live.replyInterfaces)
+            defer { live.liveBackends = [:]; live.draining = [:]; live.gone = []; live.replyInterfaces = [] }
+            return (Array(live.liveBackends.keys) + Array(live.draining.keys) + live.gone, live.replyInterfaces)
         }
         for address in backends { program.removeLive(address, id: id) }
         do throws(SystemCallError) {
@@ -401,12 +512,12 @@ final class TCListener: RunningListener {
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? {
         guard let associationMap, !stopped.load(ordering: .relaxed) else { return nil }
         let listed = TCProgram.associationEntries(associationMap, limit: limit)
-        let names = live.withLock { $0.names }
+        let names = live.withLock { live in live.names.merging(live.draining.mapValues(\.name)) { current, _ in current } }
         return (listed.entries.map { AssociationEntry(client: $0.client, downstream: names[$0.backend] ?? "\($0.backend)") }, listed.total)
     }
 
     /// nat: the reply direction's counters, the association events and the number present.
-    private func twoWaySnapshot(slots: [String: UInt16]) -> TwoWaySnapshot {
+    private func twoWaySnapshot(slots: [String: UInt16], retired: [String: BackendTotals]) -> TwoWaySnapshot {
         let nat = program.natStats(id: id)
         var snapshot = TwoWaySnapshot()
         snapshot.replies = nat.verdict(FANOUT_VERDICT_REPLIED)
@@ -414,7 +525,7 @@ final class TCListener: RunningListener {
         snapshot.replyDropped = [
             .wrongServer: nat.verdict(FANOUT_VERDICT_WRONG_SERVER), .noRoute: nat.verdict(FANOUT_VERDICT_NO_ROUTE),
             .ttlExpired: nat.verdict(FANOUT_VERDICT_TTL_EXPIRED), .tooLarge: nat.verdict(FANOUT_VERDICT_TOO_LARGE),
-            .rewriteFailed: nat.verdict(FANOUT_VERDICT_REWRITE_FAILED),
+            .rewriteFailed: nat.verdict(FANOUT_VERDICT_REWRITE_FAILED), .drained: nat.verdict(FANOUT_VERDICT_DRAINED),
         ]
         let made = nat.created + nat.serverInitiated
         let counted = associationCount.withLock { count in
@@ -429,8 +540,9 @@ final class TCListener: RunningListener {
         }
         snapshot.associations = UInt64(counted.present)
         snapshot.events = [.created: nat.created, .serverInitiated: nat.serverInitiated, .moved: nat.moved, .evicted: counted.evicted]
+        for (name, totals) in retired { snapshot.downstreamReplies[name] = totals.replies }
         for (name, slot) in slots {
-            snapshot.downstreamReplies[name] = program.backendStats(id: id, slot: slot).replies
+            snapshot.downstreamReplies[name, default: 0] &+= program.backendStats(id: id, slot: slot).replies
         }
         return snapshot
     }
@@ -444,12 +556,18 @@ final class TCListener: RunningListener {
             let all = stats.verdicts[Int(value.rawValue)]
             return all - min(all, replyShare?[Int(value.rawValue)] ?? 0)
         }
-        let slots = live.withLock { $0.slots }
+        let (slots, retired) = live.withLock { ($0.slots, $0.retired) }
         var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)] = [:]
         var downstreamDropped: [String: [DropReason: UInt64]] = [:]
+        // A downstream's counts go on across removals: what its given-up slots counted, plus its slot now.
+        var totals = retired
         for (name, slot) in slots {
             let counted = program.backendStats(id: id, slot: slot)
-            downstreams[name] = (counted.packets, counted.bytes, counted.noRoute + counted.tooLarge)
+            totals[name, default: BackendTotals()].add(BackendTotals(
+                packets: counted.packets, bytes: counted.bytes, noRoute: counted.noRoute, tooLarge: counted.tooLarge, replies: counted.replies))
+        }
+        for (name, counted) in totals {
+            downstreams[name] = (counted.packets, counted.bytes, counted.noRoute &+ counted.tooLarge)
             downstreamDropped[name] = [.noRoute: counted.noRoute, .tooLarge: counted.tooLarge]
         }
         return ListenerCounters.Snapshot(
@@ -462,6 +580,6 @@ final class TCListener: RunningListener {
                 .rewriteFailed: verdict(FANOUT_VERDICT_REWRITE_FAILED),
             ],
             downstreams: downstreams, downstreamDropped: downstreamDropped,
-            twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots) : nil)
+            twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots, retired: retired) : nil)
     }
 }

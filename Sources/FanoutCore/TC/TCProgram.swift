@@ -233,12 +233,27 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// Marks a backend live for a nat listener: its replies are the listener's, its clients stay.
-    func putLive(_ address: SocketAddress, id: UInt32, slot: UInt16) throws(SystemCallError) {
+    /// - Parameter state: `FANOUT_LIVE_ACTIVE` (a member of the set), `FANOUT_LIVE_DRAINING` (left
+    ///   it: its replies to its clients still leave from the listener's address) or
+    ///   `FANOUT_LIVE_GONE` (its drain ended: its datagrams are dropped, counted `drained`).
+    func putLive(_ address: SocketAddress, id: UInt32, slot: UInt16, state: Int32 = FANOUT_LIVE_ACTIVE) throws(SystemCallError) {
         var key = Self.liveKey(address)
         var value = fanout_live()
         value.listener_id = id
         value.counter_slot = slot
+        value.state = UInt8(state)
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LIVE_NAME)") { bpf_map_update_elem(liveBackends, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// Sets the state of a backend listener `id` has in the live map (draining, gone).
+    /// - Returns: false if the entry is not listener `id`'s (another listener owns it now, or it
+    ///   is not there): nothing written.
+    func setLiveState(_ address: SocketAddress, id: UInt32, slot: UInt16, state: Int32) throws(SystemCallError) -> Bool {
+        var key = Self.liveKey(address)
+        var value = fanout_live()
+        guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return false }
+        try putLive(address, id: id, slot: slot, state: state)
+        return true
     }
 
     /// A backend no longer live for listener `id`: its clients move on their next datagram. An

@@ -147,7 +147,7 @@ final class UserspaceListener: RunningListener {
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, keeping: keeping, passiveHealth: passiveHealth))
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
         return true
     }
 
