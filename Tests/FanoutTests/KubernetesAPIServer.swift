@@ -85,6 +85,12 @@ final class KubernetesAPIServer: Sendable {
         /// Answer 410 to every list (as for an expired continue token).
         var listsGone = false
         var listsRefused = 0
+        /// Answer every watch with 410 in this style, whatever its resourceVersion (nil: only
+        /// versions older than the history).
+        var watchesGone: GoneStyle?
+        /// When each request arrived (401s included), and each first list page.
+        var requestTimes: [ContinuousClock.Instant] = []
+        var listTimes: [ContinuousClock.Instant] = []
         /// Set when the server stops: a watch that arrives afterwards (its request was on the
         /// wire when the client went away) ends at once instead of holding the connection, and
         /// with it the server's graceful shutdown, open forever.
@@ -259,6 +265,15 @@ final class KubernetesAPIServer: Sendable {
     /// the RBAC rule.
     func setForbidden(_ forbidden: Bool) { store.state.withLock { $0.forbidden = forbidden } }
 
+    /// Answers every watch with 410 Gone in `style` while set (nil: stop), even one from the
+    /// version the last list gave: a server whose watch cache keeps failing.
+    func setWatchesGone(_ style: GoneStyle?) { store.state.withLock { $0.watchesGone = style } }
+
+    /// When each request arrived, 401s and 410s included.
+    var requestTimes: [ContinuousClock.Instant] { store.state.withLock { $0.requestTimes } }
+    /// When each list (its first page) was served.
+    var listTimes: [ContinuousClock.Instant] { store.state.withLock { $0.listTimes } }
+
     /// Answers every list with 410 Gone while set.
     func setListsGone(_ gone: Bool) { store.state.withLock { $0.listsGone = gone } }
     var listsRefused: Int { store.state.withLock { $0.listsRefused } }
@@ -279,11 +294,12 @@ final class KubernetesAPIServer: Sendable {
         return condition()
     }
 
-    /// Writes a kubeconfig that reaches this server (its CA, the current token, `namespace`),
-    /// for a daemon started with `KUBECONFIG=path`. Returns the path.
+    /// Writes a kubeconfig that reaches this server (its CA, `token` inline or else the current
+    /// token, `namespace`), for a daemon started with `KUBECONFIG=path`. Returns the path.
     @discardableResult
-    func writeKubeconfig(namespace: String = "default", to path: String? = nil) throws -> String {
+    func writeKubeconfig(namespace: String = "default", token: String? = nil, to path: String? = nil) throws -> String {
         let file = path ?? directory + "/kubeconfig"
+        let token = token ?? self.token
         try """
             apiVersion: v1
             kind: Config
@@ -332,7 +348,10 @@ final class KubernetesAPIServer: Sendable {
         let clientCertificates: Bool
 
         func respond(to request: Request, context: BasicRequestContext) async throws -> Response {
-            let token = store.state.withLock { $0.token }
+            let token = store.state.withLock { state in
+                state.requestTimes.append(.now)
+                return state.token
+            }
             if !clientCertificates && request.headers[.authorization] != "Bearer \(token)" {
                 store.state.withLock { $0.unauthorizedServed += 1 }
                 return KubernetesAPIServer.status(401, "Unauthorized", "Unauthorized")
@@ -382,6 +401,7 @@ final class KubernetesAPIServer: Sendable {
                     (offset, version) = (tokenOffset, tokenVersion)
                 }
                 state.listsServed += continueToken == nil ? 1 : 0
+                if continueToken == nil { state.listTimes.append(.now) }
                 let matching = state.slices.values.filter { $0.slice.namespace == namespace && $0.slice.service == service }
                     .sorted { $0.slice.name < $1.slice.name }
                 let end = limit.map { min(matching.count, offset + max(1, $0)) } ?? matching.count
@@ -405,9 +425,9 @@ final class KubernetesAPIServer: Sendable {
                     sink.finish()
                     return nil
                 }
-                if version < state.oldestKept {
+                if version < state.oldestKept || state.watchesGone != nil {
                     state.goneServed += 1
-                    switch state.goneStyle {
+                    switch state.watchesGone ?? state.goneStyle {
                     case .httpStatus:
                         return KubernetesAPIServer.status(410, "Expired", "too old resource version: \(version) (\(state.oldestKept))")
                     case .errorEvent:

@@ -301,6 +301,41 @@ struct KubernetesDiscoveryTests {
         }
     }
 
+    @Test("A watch answered 410 every time: the first relists at once, the repeats after a growing backoff, each loud and counted")
+    func goneWatchBacksOff() async throws {
+        try await KubernetesAPIServer.with { server in
+            server.setWatchesGone(.errorEvent)
+            // The daemon's backoff (client-go's reflector: 0.8 s doubling to 30 s) and healthy
+            // watch duration; only the watch timeout and request bound are the tests'.
+            var timing = EndpointSliceWatcher.Timing()
+            timing.watchTimeoutSeconds = 60...60
+            timing.requestTimeout = .seconds(5)
+            try await Self.watch(server, timing: timing) { watcher, updates, log in
+                try await Task.sleep(for: .seconds(5))
+                // Each round is a list and a watch. A tight loop made 101 requests in 5 s; the
+                // backoff (0, 0.4-0.8, 0.8-1.6, 1.6-3.2 s) allows about ten.
+                let requests = server.requestTimes.count
+                #expect(requests <= 20, "requests in 5 s: \(requests)")
+                let lists = server.listTimes
+                #expect(lists.count >= 3, "lists in 5 s: \(lists.count): the watcher must keep trying")
+                let gaps = zip(lists.dropFirst(), lists).map { $0 - $1 }
+                #expect(gaps.count >= 2 && gaps.last! > gaps.first! && gaps.last! >= .milliseconds(400), "gaps between lists: \(gaps)")
+                // Loud: the first 410 is the usual info line; every repeat an error with retry_in,
+                // counted as an error of reason gone as well as a restart.
+                #expect(watcher.restartCount("gone") >= UInt64(lists.count - 1))
+                #expect(watcher.errorCount("gone") >= UInt64(lists.count - 2) && watcher.errorCount("gone") >= 1)
+                #expect(log.count(.info, containing: "410 Gone") == 1)
+                let repeated = log.all.filter { $0.level == .error && $0.message.contains("410 Gone") }
+                #expect(repeated.count >= 1 && repeated.allSatisfy { $0.metadata["retry_in"] != nil }, "\(repeated.map(\.message))")
+                // The server recovers: the next list and watch work, and a change arrives.
+                server.setWatchesGone(nil)
+                server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.1", pod: "pod-1")]))
+                #expect(await updates.count(2))
+                #expect(updates.sets == [[], ["pod-1:5514=198.18.0.1:5514"]])
+            }
+        }
+    }
+
     @Test("A watch silent past its timeoutSeconds is taken as a dead connection and opened again from its resourceVersion")
     func stalledWatch() async throws {
         try await KubernetesAPIServer.with { server in
@@ -336,6 +371,70 @@ struct KubernetesDiscoveryTests {
                 #expect(await updates.count(1))
                 #expect(updates.sets == [["pod-1:5514=198.18.0.1:5514"]])
             }
+        }
+    }
+
+    @Test("A wrong inline kubeconfig token: loud 401s; the token fixed in the file is read again after a 401, without a reload")
+    func wrongInlineTokenRecovers() async throws {
+        try await KubernetesAPIServer.with { server in
+            server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.1", pod: "pod-1")]))
+            let directory = try Self.temporaryDirectory()
+            defer { try? FileManager.default.removeItem(atPath: directory) }
+            let path = try server.writeKubeconfig(token: "wrong", to: directory + "/config")
+            let credentials = try KubernetesCredentials.load(environment: ["KUBECONFIG": path])
+            #expect(credentials.authentication == .token("wrong"))
+            try await Self.watch(server, credentials: credentials) { watcher, updates, log in
+                #expect(await server.eventually { watcher.errorCount("unauthorized") >= 3 })
+                #expect(updates.sets.isEmpty)
+                #expect(log.count(.error, containing: "HTTP 401") >= 3)
+                try server.writeKubeconfig(to: path)
+                #expect(await updates.count(1))
+                #expect(updates.sets == [["pod-1:5514=198.18.0.1:5514"]])
+                #expect(watcher.credentials.authentication == .token(server.token))
+                #expect(log.count(.info, containing: "credentials read again after HTTP 401") == 1)
+            }
+        }
+    }
+
+    @Test("A wrong inline kubeconfig token fixed in the file is taken by the next reload at once, whatever the backoff; an unchanged one restarts nothing")
+    func reloadRereadsKubeconfig() async throws {
+        try await KubernetesAPIServer.with { server in
+            let port = freePort()
+            server.apply(.init(name: "recv-a", namespace: "test", service: "receivers", endpoints: [.init(address: "127.0.0.71", pod: "pod-0")]))
+            let kubeconfig = try server.writeKubeconfig(namespace: "test", token: "wrong")
+            let text = """
+                listeners:
+                  - name: k
+                    bind: "127.0.0.1:\(freePort())"
+                    kubernetes: {service: receivers, port: \(port)}
+                """
+            let config = try ConfigParser.parse(text)
+            try config.validate()
+            let log = CapturedLog()
+            let daemon = FanoutDaemon(config: config, configPath: nil, logger: log.logger("daemon", level: .info))
+            try daemon.start()
+            defer { daemon.shutdown() }
+            var service = DiscoveryService(daemon: daemon, environment: ["KUBECONFIG": kubeconfig], serviceAccountDirectory: "/nonexistent")
+            // A retry comes only a minute after a failure: recovery within the bound below is the reload's.
+            service.kubernetesTiming.initialBackoff = .seconds(60)
+            service.kubernetesTiming.maximumBackoff = .seconds(60)
+            service.kubernetesTiming.requestTimeout = .seconds(5)
+            let running = service
+            let task = Task { try await running.run() }
+            defer { task.cancel() }
+            #expect(await server.eventually { server.unauthorizedServed >= 1 })
+            #expect(await server.eventually { daemon.readiness.joined().contains("HTTP 401") }, "\(daemon.readiness)")
+            try server.writeKubeconfig(namespace: "test", to: kubeconfig)
+            #expect(daemon.reload(text: text))
+            #expect(await server.eventually(10) { daemon.isReady && server.activeWatches == 1 }, "\(daemon.readiness)")
+            #expect(server.listsServed == 1 && server.unauthorizedServed == 1)
+            #expect(log.count(.info, containing: "credentials changed") == 1)
+            // Unchanged credentials: the running watch stays.
+            #expect(daemon.reload(text: text))
+            try await Task.sleep(for: .milliseconds(500))
+            #expect(server.listsServed == 1 && server.watchesServed == 1 && server.activeWatches == 1)
+            task.cancel()
+            _ = try? await task.value
         }
     }
 

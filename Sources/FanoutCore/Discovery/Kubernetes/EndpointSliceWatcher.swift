@@ -14,14 +14,19 @@ import Synchronization
 /// streams newline-delimited JSON events. When a watch ends (its timeoutSeconds, or the
 /// connection drops) it is opened again from the last resourceVersion seen, without a list;
 /// `410 Gone` (an ERROR event or the HTTP status) means that version is no longer kept: list
-/// again. Failures are logged, counted, and retried after a capped exponential backoff with
-/// jitter. A malformed event or object is logged, counted and skipped.
+/// again, at once for the first 410 after a healthy watch, after the backoff for a repeat.
+/// Failures are logged, counted, and retried after a capped exponential backoff with jitter,
+/// which starts over only after a healthy watch (not after a list: a server that answers every
+/// watch with 410 or an error would otherwise be asked again at once, forever). A 401 makes the
+/// next attempt read the credentials' files again (a fixed inline kubeconfig token). A malformed
+/// event or object is logged, counted and skipped.
 final class EndpointSliceWatcher: Service, Sendable {
     /// Delays and bounds; tests shorten them.
     struct Timing: Sendable {
         /// First retry delay after a failure; doubles up to `maximumBackoff`, each delay
-        /// jittered down to half so many watchers do not retry in step.
-        var initialBackoff: Duration = .milliseconds(500)
+        /// jittered down to half so many watchers do not retry in step (client-go's reflector:
+        /// 0.8 s to 30 s).
+        var initialBackoff: Duration = .milliseconds(800)
         var maximumBackoff: Duration = .seconds(30)
         /// The watch's `timeoutSeconds`, drawn from this range per watch (client-go draws 5 to 10
         /// minutes) so the API server's load of re-watches is spread.
@@ -32,15 +37,21 @@ final class EndpointSliceWatcher: Service, Sendable {
         var stallMargin: Duration = .seconds(30)
         /// `limit` of each list page.
         var pageSize = 500
-        /// A watch that ends sooner than this after it opened is retried after the backoff,
-        /// not at once, so a server that closes every watch at once is not hammered.
-        var minimumWatchDuration: Duration = .seconds(1)
+        /// A watch open at least this long (from its response head to its end, however it
+        /// ends) was healthy: the backoff starts over, and a 410 at its end relists at once.
+        /// One that ends sooner is retried after the backoff, not at once (a clean end), or its
+        /// 410 counts as a repeat, so a server that ends every watch at once is not hammered.
+        var minimumWatchDuration: Duration = .seconds(10)
     }
 
     let source: Kubernetes
-    /// `kubernetes.namespace`, else the credentials' default namespace.
+    /// `kubernetes.namespace`, else the credentials' default namespace (as first loaded: a
+    /// reload that changes it starts a new watcher).
     let namespace: String
-    let credentials: KubernetesCredentials
+    /// The credentials in use: replaced when they are read again after a 401 and changed.
+    private let current: Mutex<KubernetesCredentials>
+    /// The credentials the next request uses.
+    var credentials: KubernetesCredentials { current.withLock { $0 } }
     let httpClient: HTTPClient
     let logger: Logger
     let onUpdate: @Sendable ([DiscoveredEndpoint]) -> Void
@@ -65,7 +76,7 @@ final class EndpointSliceWatcher: Service, Sendable {
         self.onFailure = onFailure
         self.source = source
         self.namespace = source.namespace ?? credentials.defaultNamespace
-        self.credentials = credentials
+        self.current = Mutex(credentials)
         self.httpClient = httpClient
         self.logger = logger
         self.timing = timing
@@ -91,6 +102,10 @@ final class EndpointSliceWatcher: Service, Sendable {
         var resourceVersion: String?
         /// What onUpdate got last (nil: nothing yet).
         var published: [DiscoveredEndpoint]?
+        /// When the current watch's response head arrived (nil: no watch open).
+        var watchOpened: ContinuousClock.Instant?
+        /// A 410 came since the last healthy watch: another one is a repeat and waits the backoff.
+        var goneSinceHealthyWatch = false
     }
 
     private enum WatchEnd {
@@ -103,41 +118,35 @@ final class EndpointSliceWatcher: Service, Sendable {
     private func watchLoop() async {
         var state = State()
         var backoff = Backoff(initial: timing.initialBackoff, maximum: timing.maximumBackoff)
+        var rereadCredentials = false
         while !Task.isCancelled {
+            if rereadCredentials {
+                // Read after the backoff, right before the retry: a fix made meanwhile is used.
+                rereadCredentials = false
+                await rereadAfterUnauthorized()
+            }
             do {
-                if state.resourceVersion == nil {
-                    try await list(into: &state)
-                    backoff.reset()
-                }
-                let opened = ContinuousClock.now
-                let end = try await watch(&state, backoff: &backoff)
-                // The backoff starts over only after a watch that lasted: a server that accepts
-                // watches and ends them at once is retried ever more slowly, not every 0.5 s.
-                if ContinuousClock.now - opened >= timing.minimumWatchDuration { backoff.reset() }
+                // No reset after a list: a server that lists fine and fails every watch (410
+                // or an error) must meet a growing backoff. Only a healthy watch resets it.
+                if state.resourceVersion == nil { try await list(into: &state) }
+                let end = try await watch(&state)
+                let healthy = watchEnded(&state, &backoff)
                 switch end {
                 case .closed:
                     countRestart("closed")
                     logger.debug("k8s discovery: watch ended; watching again from the last resourceVersion", metadata: metadata(["resourceVersion": "\(state.resourceVersion ?? "")"]))
-                    if ContinuousClock.now - opened < timing.minimumWatchDuration { try await Task.sleep(for: backoff.next()) }
+                    if !healthy { try await Task.sleep(for: backoff.next()) }
                 case .gone(let message):
-                    countRestart("gone")
-                    logger.info("k8s discovery: resourceVersion expired (410 Gone); listing again", metadata: metadata(["message": "\(message)"]))
-                    state.resourceVersion = nil
+                    try await relist(after: message, &state, &backoff)
                 }
             } catch let error as DiscoveryError {
+                watchEnded(&state, &backoff)
                 if case .gone(let message) = error {
-                    countRestart("gone")
-                    logger.info("k8s discovery: resourceVersion expired (410 Gone); listing again", metadata: metadata(["message": "\(message)"]))
-                    // A 410 to the list itself (its continue token expired) is retried after the
-                    // backoff, so a server that keeps answering 410 is not hammered.
-                    let duringList = state.resourceVersion == nil
-                    state.resourceVersion = nil
-                    if duringList {
-                        do { try await Task.sleep(for: backoff.next()) } catch { return }
-                    }
+                    do { try await relist(after: message, &state, &backoff) } catch { return }
                     continue
                 }
                 if Task.isCancelled { return }
+                if case .unauthorized = error { rereadCredentials = true }
                 countError(error.reason)
                 countRestart("error")
                 let delay = backoff.next()
@@ -149,6 +158,67 @@ final class EndpointSliceWatcher: Service, Sendable {
                 return
             }
         }
+    }
+
+    /// Notes that the open watch (if any) ended: one that was open for `minimumWatchDuration`
+    /// was healthy, and the backoff and the 410 streak start over.
+    /// - Returns: whether it was healthy (false when no watch was open).
+    @discardableResult
+    private func watchEnded(_ state: inout State, _ backoff: inout Backoff) -> Bool {
+        guard let opened = state.watchOpened else { return false }
+        state.watchOpened = nil
+        guard ContinuousClock.now - opened >= timing.minimumWatchDuration else { return false }
+        backoff.reset()
+        state.goneSinceHealthyWatch = false
+        return true
+    }
+
+    /// 410 Gone (to a watch or a list's continue): the version is no longer kept; list again.
+    /// The first 410 since a healthy watch lists at once (an info line: compaction is normal);
+    /// a repeat (the watch from a fresh list's own version refused again, a list refused
+    /// again) is a failure: logged as an error with retry_in, counted, told to onFailure, and
+    /// retried after the backoff, as client-go's reflector does.
+    private func relist(after message: String, _ state: inout State, _ backoff: inout Backoff) async throws {
+        countRestart("gone")
+        state.resourceVersion = nil
+        guard state.goneSinceHealthyWatch else {
+            state.goneSinceHealthyWatch = true
+            logger.info("k8s discovery: resourceVersion expired (410 Gone); listing again", metadata: metadata(["message": "\(message)"]))
+            return
+        }
+        let error = DiscoveryError.gone(message: message)
+        countError(error.reason)
+        let delay = backoff.next()
+        logger.error("k8s discovery: \(error) after the backoff: 410 Gone again without a healthy watch since the last one", metadata: metadata(["retry_in": "\(delay)", "reason": "\(error.reason)"]))
+        onFailure?("\(error)")
+        try await Task.sleep(for: delay)
+    }
+
+    /// After a 401, reads the credentials' files again (as client-go refreshes a credential
+    /// plugin's token on 401): a fixed inline kubeconfig `token` or client certificate is used
+    /// by the next request. Credentials now naming another server or namespace are not taken
+    /// here (the watch's state belongs to the old one): a reload starts a watcher with them.
+    private func rereadAfterUnauthorized() async {
+        let old = credentials
+        let result = await offCooperativePool("k8s-credentials") {
+            Result { () throws(DiscoveryError) in try old.reread() }
+        }
+        let new: KubernetesCredentials
+        switch result {
+        case .failure(let error):
+            countError(error.reason)
+            logger.error("k8s discovery: after HTTP 401 the credentials could not be read again: \(error); keeping the ones in use", metadata: metadata(["reason": "\(error.reason)"]))
+            return
+        case .success(let value): new = value
+        }
+        if new.isSame(as: old) { return }
+        guard new.server == old.server, new.defaultNamespace == old.defaultNamespace else {
+            logger.warning("k8s discovery: after HTTP 401 the credentials read again name another API server or namespace; a reload (SIGHUP) switches to them, until then the ones in use stay",
+                metadata: metadata(["api": "\(new.server)", "credentials": "\(new.origin)"]))
+            return
+        }
+        current.withLock { $0 = new }
+        logger.info("k8s discovery: credentials read again after HTTP 401 changed; the next request uses them", metadata: metadata(["credentials": "\(new.origin)"]))
     }
 
     // MARK: List
@@ -200,10 +270,12 @@ final class EndpointSliceWatcher: Service, Sendable {
 
     // MARK: Watch
 
-    private func watch(_ state: inout State, backoff: inout Backoff) async throws -> WatchEnd {
+    private func watch(_ state: inout State) async throws -> WatchEnd {
         let seconds = Int.random(in: timing.watchTimeoutSeconds)
         let url = collectionURL + "&watch=1&resourceVersion=\(Self.encode(state.resourceVersion ?? "0"))&allowWatchBookmarks=true&timeoutSeconds=\(seconds)"
         let response = try await send(url)
+        // Open from here: how long it stays open tells a healthy watch (see watchEnded).
+        state.watchOpened = .now
         let (lines, sink) = AsyncThrowingStream.makeStream(of: [UInt8].self)
         let stall = Duration.seconds(seconds) + timing.stallMargin
         return try await withThrowingTaskGroup(of: Void.self) { group in

@@ -8,7 +8,9 @@ import Yams
 /// directory's `token`, `ca.crt`, `namespace`), else `~/.kube/config`.
 ///
 /// A token file (in-cluster, or a kubeconfig `tokenFile`) is read again for every request, so a
-/// bound service-account token that the kubelet rotates is picked up without a restart.
+/// bound service-account token that the kubelet rotates is picked up without a restart. The rest
+/// (an inline kubeconfig `token`, certificates) is read when loaded; ``reread()`` reads the same
+/// files again, which the watcher does after a 401 and the daemon on every reload.
 struct KubernetesCredentials: Sendable {
     /// How requests authenticate.
     enum Authentication: Sendable, Equatable {
@@ -18,6 +20,16 @@ struct KubernetesCredentials: Sendable {
         case token(String)
         /// A bearer token read from this file for every request.
         case tokenFile(String)
+    }
+
+    /// The files these credentials were read from, so they can be read again.
+    enum Source: Sendable, Equatable {
+        /// The kubeconfig files in `KUBECONFIG`'s order (missing ones included: they are
+        /// skipped when read), or `~/.kube/config`.
+        case kubeconfig([String])
+        /// The service account of a pod: the API server's host and port from the environment,
+        /// the token, ca.crt and namespace files from `directory`.
+        case inCluster(host: String, port: String, directory: String)
     }
 
     /// `https://host:port` without a trailing slash.
@@ -32,6 +44,8 @@ struct KubernetesCredentials: Sendable {
     var origin: String
     /// True when the kubeconfig asked for insecure-skip-tls-verify (logged as a warning).
     var skipsTLSVerification: Bool
+    /// Where ``reread()`` reads from.
+    var source: Source
 
     /// The default service-account directory of a pod.
     static let serviceAccountDirectory = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -44,10 +58,7 @@ struct KubernetesCredentials: Sendable {
     /// - Throws: ``DiscoveryError`` naming the file or key at fault and the fix.
     static func load(environment: [String: String], serviceAccountDirectory: String = serviceAccountDirectory) throws(DiscoveryError) -> KubernetesCredentials {
         if let list = environment["KUBECONFIG"], !list.isEmpty {
-            let paths = list.split(separator: ":").map(String.init)
-            let existing = paths.filter { FileManager.default.isReadableFile(atPath: $0) }
-            guard !existing.isEmpty else { throw .noConfiguration(checked: paths.map { "KUBECONFIG \($0)" }) }
-            return try fromKubeconfig(existing)
+            return try fromKubeconfigList(list.split(separator: ":").map(String.init))
         }
         if let host = environment["KUBERNETES_SERVICE_HOST"], !host.isEmpty,
             let port = environment["KUBERNETES_SERVICE_PORT"], !port.isEmpty
@@ -59,7 +70,27 @@ struct KubernetesCredentials: Sendable {
         guard FileManager.default.isReadableFile(atPath: path) else {
             throw .noConfiguration(checked: ["KUBECONFIG (unset)", "KUBERNETES_SERVICE_HOST (unset)", path])
         }
-        return try fromKubeconfig([path])
+        return try fromKubeconfig([path], listed: [path])
+    }
+
+    /// The same files read again: a fixed inline `token`, a new client certificate or CA, a
+    /// changed context. (The environment is the process's, read once: it does not change.)
+    /// Blocking (file reads): call off the cooperative pool.
+    /// - Throws: ``DiscoveryError`` naming the file or key at fault and the fix, as ``load(environment:serviceAccountDirectory:)``.
+    func reread() throws(DiscoveryError) -> KubernetesCredentials {
+        switch source {
+        case .kubeconfig(let paths): return try Self.fromKubeconfigList(paths)
+        case .inCluster(let host, let port, let directory): return try Self.inCluster(host: host, port: port, directory: directory)
+        }
+    }
+
+    /// True when `other` authenticates the same way to the same server: every field alike, the
+    /// TLS configuration compared by NIOSSL's `bestEffortEquals` (certificates and keys by
+    /// content), so a reload whose files did not change restarts no watch.
+    func isSame(as other: KubernetesCredentials) -> Bool {
+        server == other.server && defaultNamespace == other.defaultNamespace && authentication == other.authentication
+            && origin == other.origin && skipsTLSVerification == other.skipsTLSVerification && source == other.source
+            && tlsConfiguration.bestEffortEquals(other.tlsConfiguration)
     }
 
     /// The Authorization header value for the next request (nil: none).
@@ -95,7 +126,8 @@ struct KubernetesCredentials: Sendable {
         let hostPart = host.contains(":") ? "[\(host)]" : host
         return KubernetesCredentials(
             server: "https://\(hostPart):\(port)", defaultNamespace: namespace, authentication: .tokenFile(tokenPath),
-            tlsConfiguration: tls, origin: "in-cluster", skipsTLSVerification: false)
+            tlsConfiguration: tls, origin: "in-cluster", skipsTLSVerification: false,
+            source: .inCluster(host: host, port: port, directory: directory))
     }
 
     // MARK: kubeconfig
@@ -148,9 +180,17 @@ struct KubernetesCredentials: Sendable {
         }
     }
 
+    /// `KUBECONFIG`'s files: those that exist, merged.
+    private static func fromKubeconfigList(_ paths: [String]) throws(DiscoveryError) -> KubernetesCredentials {
+        let existing = paths.filter { FileManager.default.isReadableFile(atPath: $0) }
+        guard !existing.isEmpty else { throw .noConfiguration(checked: paths.map { "KUBECONFIG \($0)" }) }
+        return try fromKubeconfig(existing, listed: paths)
+    }
+
     /// Merges the files the way kubectl does: the first file to define a name (or
     /// current-context) wins; relative paths are relative to the file that holds them.
-    private static func fromKubeconfig(_ paths: [String]) throws(DiscoveryError) -> KubernetesCredentials {
+    /// `listed` is what ``reread()`` reads again (with the files missing now).
+    private static func fromKubeconfig(_ paths: [String], listed: [String]) throws(DiscoveryError) -> KubernetesCredentials {
         var clusters: [String: (Kubeconfig.Cluster, base: String)] = [:]
         var users: [String: (Kubeconfig.User, base: String)] = [:]
         var contexts: [String: Kubeconfig.Context] = [:]
@@ -236,7 +276,7 @@ struct KubernetesCredentials: Sendable {
             server: String(server.reversed().drop(while: { $0 == "/" }).reversed()),
             defaultNamespace: context.namespace.flatMap { $0.isEmpty ? nil : $0 } ?? "default",
             authentication: authentication, tlsConfiguration: tls,
-            origin: "kubeconfig \(files) context \(contextName)", skipsTLSVerification: skip)
+            origin: "kubeconfig \(files) context \(contextName)", skipsTLSVerification: skip, source: .kubeconfig(listed))
     }
 
     // MARK: Helpers
