@@ -161,10 +161,11 @@ final class GroupObjects {
         var keys = (0..<UInt32(table.entries.count)).map { $0 }
         var values = table.entries
         var count = UInt32(keys.count)
-        var options = bpf_map_batch_opts()
-        options.sz = MemoryLayout<bpf_map_batch_opts>.size
-        options.elem_flags = UInt64(BPF_ANY)
-        if bpf_map_update_batch(fd, &keys, &values, &count, &options) == 0 { return }
+        let written = withLibbpfOptions(bpf_map_batch_opts.self) { options in
+            options.pointee.elem_flags = UInt64(BPF_ANY)
+            return bpf_map_update_batch(fd, &keys, &values, &count, options)
+        }
+        if written == 0 { return }
         for index in keys.indices {
             try libbpfCall("bpf_map_update_elem table") { bpf_map_update_elem(fd, &keys[index], &values[index], UInt64(BPF_ANY)) }
         }

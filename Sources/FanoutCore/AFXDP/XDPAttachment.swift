@@ -48,10 +48,10 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         try checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: program.programID)
 
         func create(_ mode: XDPMode) -> Result<Int32, SystemCallError> {
-            var options = bpf_link_create_opts()
-            options.sz = MemoryLayout<bpf_link_create_opts>.size
-            options.flags = mode == .native ? Self.driverMode : Self.skbMode
-            let fd = bpf_link_create(program.program, Int32(ifindex), BPF_XDP, &options)
+            let fd = withLibbpfOptions(bpf_link_create_opts.self) { options in
+                options.pointee.flags = mode == .native ? Self.driverMode : Self.skbMode
+                return bpf_link_create(program.program, Int32(ifindex), BPF_XDP, options)
+            }
             if fd >= 0 { return .success(fd) }
             let error = fd == -1 ? errno : -fd
             return .failure(SystemCallError(call: "bpf_link_create BPF_XDP \(mode == .native ? "XDP_FLAGS_DRV_MODE" : "XDP_FLAGS_SKB_MODE")", errno: error))
@@ -86,11 +86,13 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
     /// Throws `.foreignProgram` if an XDP program other than `ours` is attached to the interface
     /// in any mode (bpf_xdp_query: driver, generic or offloaded).
     private static func checkNoForeignProgram(ifindex: UInt32, interface: String, ours: UInt32) throws(XDPError) {
-        var query = bpf_xdp_query_opts()
-        query.sz = MemoryLayout<bpf_xdp_query_opts>.size
-        let result = bpf_xdp_query(Int32(ifindex), 0, &query)
+        // Zeroed storage: a Swift-initialised query leaves its padding as the stack had it (issue 21).
+        let (result, ids) = withLibbpfOptions(bpf_xdp_query_opts.self) { query in
+            let result = bpf_xdp_query(Int32(ifindex), 0, query)
+            return (result, [query.pointee.prog_id, query.pointee.drv_prog_id, query.pointee.skb_prog_id, query.pointee.hw_prog_id])
+        }
         guard result == 0 else { throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: -result)) }
-        for id in [query.prog_id, query.drv_prog_id, query.skb_prog_id, query.hw_prog_id] where id != 0 {
+        for id in ids where id != 0 {
             // Ours already there: one attachment per interface serves every listener on it.
             if id == ours { throw .alreadyAttached(interface: interface, id: id) }
             throw .foreignProgram(interface: interface, id: id, name: programName(id: id))

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import CLibBPF
 import CSystemShim
 
@@ -32,14 +33,14 @@ struct TCKernelFeatures: Sendable, Equatable {
         guard program >= 0 else { return TCKernelFeatures(ipv6ChecksumFlag: false) }
         defer { close(program) }
         var packet = [UInt8](repeating: 0, count: 64)
-        var options = bpf_test_run_opts()
-        options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-        let result = packet.withUnsafeMutableBytes { bytes in
-            options.data_in = UnsafeRawPointer(bytes.baseAddress)
-            options.data_size_in = UInt32(bytes.count)
-            options.repeat = 1
-            return bpf_prog_test_run_opts(program, &options)
+        let (result, retval) = packet.withUnsafeMutableBytes { bytes in
+            withLibbpfOptions(bpf_test_run_opts.self) { options in
+                options.pointee.data_in = UnsafeRawPointer(bytes.baseAddress)
+                options.pointee.data_size_in = UInt32(bytes.count)
+                options.pointee.repeat = 1
+                return (bpf_prog_test_run_opts(program, options), options.pointee.retval)
+            }
         }
-        return TCKernelFeatures(ipv6ChecksumFlag: result == 0 && options.retval == 0)
+        return TCKernelFeatures(ipv6ChecksumFlag: result == 0 && retval == 0)
     }
 }
