@@ -13,6 +13,8 @@ public enum DaemonError: Error, CustomStringConvertible {
     case output(name: String, OutboxError)
     case afXDPListener(name: String, AFXDPError)
     case metrics(SocketAddress, any Error)
+    /// A failure a test injected at one step of a change (``FanoutDaemon/failureInjection``).
+    case injected(name: String, step: TransitionStep)
 
     public var description: String {
         switch self {
@@ -23,6 +25,7 @@ public enum DaemonError: Error, CustomStringConvertible {
         case .afXDPListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .metrics(let address, let error):
             return "metrics server error: cannot serve on \(address): \(error); free that port or set metrics.bind to another address"
+        case .injected(let name, let step): return "listener '\(name)': failure injected by a test at step \(step.rawValue)"
         }
     }
 }
@@ -111,6 +114,10 @@ public final class FanoutDaemon: Sendable {
     public let health: HealthChecker
     /// The forwarding path's last check (``WatchdogService``): what `/healthz` answers.
     public let path = PathMonitor()
+    /// Tests only (nil in production): asked at each step of a change's transaction with the
+    /// listener's name; true fails that step as a real failure there would, so a test reaches
+    /// every rollback path (``TransitionStep``).
+    let failureInjection = Mutex<(@Sendable (TransitionStep, String) -> Bool)?>(nil)
     /// Metrics of the running discovery watchers, by spec.
     let discoveryMetrics = Mutex<[DiscoverySpec: @Sendable () -> String]>([:])
 
@@ -146,6 +153,8 @@ public final class FanoutDaemon: Sendable {
     /// Makes the running instance of one listener (not yet steering its bind: see
     /// ``RunningListener/activate()``).
     private func makeListener(_ listener: Listener) throws(DaemonError) -> any RunningListener {
+        // Here, not in the transaction: a rollback's restart of the old instance is a start too.
+        try failIfInjected(.start, listener.name)
         let counters = state.withLock { state in
             if let existing = state.counters[listener.name], existing.mode == listener.mode.rawValue { return existing }
             let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue)
@@ -278,9 +287,11 @@ public final class FanoutDaemon: Sendable {
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
         do {
+            for listener in stopFirst + released { try failIfInjected(.release, listener.name) }
             for listener in fresh { started[listener.name] = try makeListener(effective[listener.name]!) }
             for listener in fresh {
                 let instance = started[listener.name]!
+                try failIfInjected(.activate, listener.name)
                 // Userspace workers and af_xdp companion sockets: groups on the bind.
                 let predecessor = retiring.contains { $0.mode != .tcEBPF && FanoutConfig.overlaps($0.bind, listener.bind) }
                 if predecessor && !instance.takesOverExactly {
@@ -436,6 +447,7 @@ public final class FanoutDaemon: Sendable {
             unmatched: dataplane.unmatched())
         text += PrometheusText.merge(counters.compactMap { $0.modeMetrics.withLock { $0 }?() })
         text += membershipMetrics()
+        text += lostListenersMetrics()
         text += health.metricsText()
         text += PrometheusText.merge(discoveryMetrics.withLock { $0 }.sorted { "\($0.key)" < "\($1.key)" }.map { $0.value() })
         return text
@@ -488,6 +500,12 @@ public final class FanoutDaemon: Sendable {
         do {
             try transitionChangesHeld(to: new, from: old)
         } catch {
+            // Only what is true: a listener the rollback could not start again is not kept.
+            let lost = state.withLock { $0.lost }
+            guard lost.isEmpty else {
+                return rejected("configuration reload rejected: it could not be applied; the running configuration stays in force, but listeners of it could not be started again and are not running (not ready; the next reload that applies starts them)",
+                                "\(error); not running: \(lost.sorted().map { "'\($0)'" }.joined(separator: ", "))")
+            }
             return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", error)
         }
         _ = state.withLock { $0.discovery }?.yield(DiscoverySpec.all(new))

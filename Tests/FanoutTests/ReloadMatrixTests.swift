@@ -1,0 +1,439 @@
+import Foundation
+import Logging
+import Synchronization
+import Testing
+import TestSupport
+import ReusePortLB
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The reload matrix: for every listener kind and every key a reload can change for it, one
+/// reload under traffic, then: the listener serves (a burst sent after the reload arrives
+/// whole), every datagram sent is delivered or in a counter, and the log says what happened.
+/// With an injected failure at each step of the transaction, the old listener must still serve
+/// and the reload be logged and counted as rejected. Each cell prints one `reload matrix:` line
+/// (docs/reliability.md quotes them).
+///
+/// Topology: client — proxy — three backends (TestSupport's ``Topology``, two RX queues on the
+/// client-facing veth); the daemon runs in-process, every call of it from a thread inside the
+/// proxy's namespace, so its sockets, XDP and tc attachments are made there. Collectors in the
+/// backends' namespaces count what is delivered; the kernel's UDP counters of the proxy's
+/// namespace count what reached no socket.
+@Suite("reload matrix", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct ReloadMatrixTests {
+    static let full = ProcessInfo.processInfo.environment["RELIABILITY"] == "full"
+
+    /// A listener kind of the matrix.
+    enum Kind: String, CaseIterable, Sendable, CustomTestStringConvertible {
+        case userspace, relay, tcEBPF = "tc_ebpf", afXDP = "af_xdp"
+        var testDescription: String { rawValue }
+    }
+
+    /// The one listener a cell reloads, rendered as YAML.
+    struct Shape {
+        var name = "x"
+        var port = 5514
+        var kind: Kind
+        var balancing = "round_robin"
+        var replies: String?
+        var settings: [(String, String)]
+        var backends = [1, 2]
+
+        init(_ kind: Kind) {
+            self.kind = kind
+            switch kind {
+            case .userspace: settings = [("workers", "2"), ("batch_size", "32"), ("recv_buf_size", "8388608")]
+            case .relay:
+                replies = "relay"
+                settings = [("workers", "2"), ("io_uring", "true"), ("recv_buf_size", "8388608")]
+            case .tcEBPF: settings = [("tc_attach", "auto"), ("max_packet_size", "9000")]
+            case .afXDP: settings = [("output", "socket"), ("queues", "2"), ("xdp_mode", "auto"), ("batch_size", "64")]
+            }
+        }
+
+        func yaml(_ topology: Topology) -> String {
+            let mode = switch kind {
+            case .userspace, .relay: "userspace"
+            case .tcEBPF: "tc_ebpf"
+            case .afXDP: "af_xdp"
+            }
+            var text = "listeners:\n  - name: \(name)\n    bind: \"198.18.0.1:\(port)\"\n    mode: \(mode)\n    balancing: \(balancing)\n"
+            if kind == .tcEBPF || kind == .afXDP { text += "    interface: \(topology.proxyInterface)\n" }
+            if let replies { text += "    replies: \(replies)\n" }
+            text += "    settings: {\(settings.map { "\($0.0): \($0.1)" }.joined(separator: ", "))}\n    downstream:\n"
+            for n in backends { text += "      - {name: b\(n), address: \"\(Topology.backendIPv4(n)):\(ReloadMatrixTests.backendPort)\"}\n" }
+            return text
+        }
+
+        /// This shape with one setting's value replaced.
+        func setting(_ key: String, _ value: String) -> Shape {
+            var changed = self
+            changed.settings = settings.map { $0.0 == key ? (key, value) : $0 }
+            return changed
+        }
+    }
+
+    /// One cell: a kind and the key its reload changes.
+    struct Cell: Sendable, CustomTestStringConvertible {
+        let kind: Kind
+        let key: String
+        var testDescription: String { "\(kind.rawValue) \(key)" }
+
+        /// The reloaded shape: one key changed.
+        func changed(_ base: Shape) -> Shape {
+            var shape = base
+            switch key {
+            case "bind": shape.port = 5515
+            case "name": shape.name = "y"
+            case "balancing": shape.balancing = "source_ip"
+            case "downstream": shape.backends = [1, 2, 3]
+            case "replies": shape.replies = kind == .relay ? nil : "nat"
+            case "workers": shape = shape.setting("workers", "3")
+            case "batch_size": shape = shape.setting("batch_size", kind == .afXDP ? "32" : "16")
+            case "recv_buf_size": shape = shape.setting("recv_buf_size", "4194304")
+            case "io_uring": shape = shape.setting("io_uring", "false")
+            case "tc_attach": shape = shape.setting("tc_attach", "clsact")
+            case "max_packet_size": shape = shape.setting("max_packet_size", "4000")
+            case "output": shape = shape.setting("output", "preserve_source")
+            case "queues": shape = shape.setting("queues", "1")
+            case "xdp_mode": shape = shape.setting("xdp_mode", "generic")
+            default: Issue.record("no change defined for key \(key)")
+            }
+            return shape
+        }
+    }
+
+    static let backendPort = 6000
+
+    /// Every key a reload can change, per kind. `interface` is not in it: the fixture has one
+    /// client-facing interface (docs/reliability.md, "Not covered").
+    static let keys: [Kind: [String]] = [
+        .userspace: ["workers", "batch_size", "recv_buf_size", "bind", "balancing", "downstream", "name"],
+        .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name"],
+        .tcEBPF: ["tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
+        .afXDP: ["output", "queues", "xdp_mode", "batch_size", "bind", "balancing", "downstream", "name"],
+    ]
+
+    /// The short form (`make test`) runs every af_xdp key (issue 21's case) and each other kind's
+    /// keys that rebuild the listener in a different way; RELIABILITY=full runs them all.
+    static let shortKeys: [Kind: Set<String>] = [
+        .userspace: ["workers", "bind", "downstream"],
+        .relay: ["io_uring", "replies"],
+        .tcEBPF: ["tc_attach", "downstream", "replies"],
+        .afXDP: Set(keys[.afXDP]!),
+    ]
+
+    static let cells: [Cell] = Kind.allCases.flatMap { kind in
+        keys[kind]!.filter { full || shortKeys[kind]!.contains($0) }.map { Cell(kind: kind, key: $0) }
+    }
+
+    /// The kernel's UDP counters of a namespace (/proc/net/snmp): datagrams to a port no socket
+    /// holds, and those a full receive buffer dropped.
+    struct KernelUDP {
+        var noPorts = 0, receiveBufferErrors = 0
+
+        init(_ topology: Topology) throws {
+            let lines = try topology.exec(topology.proxy, ["cat", "/proc/net/snmp"]).split(separator: "\n").filter { $0.hasPrefix("Udp: ") }
+            guard lines.count == 2 else { return }
+            let names = lines[0].split(separator: " "), values = lines[1].split(separator: " ")
+            let table = Dictionary(zip(names, values).map { (String($0), Int($1) ?? 0) }, uniquingKeysWith: { first, _ in first })
+            noPorts = table["NoPorts"] ?? 0
+            receiveBufferErrors = table["RcvbufErrors"] ?? 0
+        }
+    }
+
+    /// A running in-process daemon in the proxy's namespace with its log kept.
+    final class Harness {
+        let topology: Topology
+        let log = LogStore()
+        let daemon: FanoutDaemon
+        let collectors: [Child]
+
+        init(_ base: Shape) throws {
+            let topology = try Topology(backends: 3, queues: 2)
+            self.topology = topology
+            collectors = try topology.backends.enumerated().map { index, namespace in
+                let child = try Child("collector", [Topology.backendIPv4(index + 1), "\(ReloadMatrixTests.backendPort)", "0", "1", "--rcvbuf", "8388608"],
+                                      prefix: topology.prefix(namespace))
+                try child.waitFor("ready")
+                return child
+            }
+            let config = try ConfigParser.parse(base.yaml(topology))
+            try config.validate()
+            let daemon = FanoutDaemon(config: config, configPath: nil, logger: log.logger)
+            self.daemon = daemon
+            let started = inNetworkNamespace(topology.proxy) { [daemon] () -> String? in
+                do throws(DaemonError) {
+                    try daemon.start()
+                    return nil
+                } catch {
+                    return "\(error)"
+                }
+            }
+            let deadline = ContinuousClock.now + .seconds(5)
+            while !daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
+            try #require(started == .some(nil), "start: \(String(describing: started))")
+            try #require(daemon.isReady, "\(daemon.readiness)")
+        }
+
+        /// Reloads from inside the proxy's namespace. - Returns: reload's answer.
+        func reload(_ yaml: String) -> Bool {
+            inNetworkNamespace(topology.proxy) { [daemon] in daemon.reload(text: yaml) } ?? false
+        }
+
+        /// Stops the daemon (in its namespace: tc and XDP detach there), then the collectors.
+        /// - Returns: what each collector received.
+        func stop() throws -> [Int] {
+            _ = inNetworkNamespace(topology.proxy) { [daemon] in daemon.shutdown() }
+            return try collectors.map { try $0.stop().int("received") }
+        }
+
+        /// Sends `count` datagrams from the client at `rate` per second to the proxy's `port`.
+        func publisher(port: Int, count: Int, rate: Int) throws -> Child {
+            try Child("publisher", ["198.18.0.1", "\(port)", "\(count)", "--rate", "\(rate)", "--batch", "8"], prefix: topology.prefix(topology.client))
+        }
+
+        /// Every log line from `index` on, as "message key=value …".
+        func lines(from index: Int) -> [String] {
+            log.lines.withLock { Array($0[index...]) }.map { line in
+                ([line.message] + line.metadata.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }).joined(separator: " ")
+            }
+        }
+
+        var logCount: Int { log.lines.withLock { $0.count } }
+
+        /// The daemon's counts summed over `names` (a renamed listener counts under both).
+        func counts(_ names: [String]) -> (forwarded: Int, drops: Int) {
+            names.compactMap { daemon.counters(of: $0) }.reduce((0, 0)) { sum, snapshot in
+                (sum.0 + Int(snapshot.forwarded), sum.1 + Int(snapshot.droppedTotal + snapshot.noHealthy))
+            }
+        }
+
+        /// Waits until the daemon's forwarded count stops moving (at most 5 s).
+        func settle(_ names: [String]) -> (forwarded: Int, drops: Int) {
+            var last = counts(names)
+            var stableSince = ContinuousClock.now
+            let deadline = ContinuousClock.now + .seconds(5)
+            while ContinuousClock.now - stableSince < .milliseconds(300) && ContinuousClock.now < deadline {
+                usleep(50_000)
+                let now = counts(names)
+                if now != last { last = now; stableSince = ContinuousClock.now }
+            }
+            return last
+        }
+    }
+
+    /// What one cell measured.
+    struct Outcome {
+        var sent = 0, delivered = 0, forwarded = 0, drops = 0, noPorts = 0, receiveBufferErrors = 0
+        var burst = 0, served = 0
+        var applied = false
+        var log: [String] = []
+    }
+
+    static let traffic = (count: 3000, rate: 6000, burst: 200)
+
+    /// Runs one reload under traffic: the publisher sends to the old bind from 300 ms before the
+    /// reload to about 200 ms after it, then a burst goes to the new bind once everything settled.
+    /// - Parameter inject: set on the daemon before the reload (nil: no failure).
+    static func run(_ kind: Kind, _ base: Shape, _ changed: Shape,
+                    inject: (@Sendable (TransitionStep, String) -> Bool)? = nil) throws -> Outcome {
+        let harness = try Harness(base)
+        var outcome = Outcome()
+        let names = Array(Set([base.name, changed.name]))
+        let kernelBefore = try KernelUDP(harness.topology)
+        let publisher = try harness.publisher(port: base.port, count: traffic.count, rate: traffic.rate)
+        usleep(300_000)
+        let mark = harness.logCount
+        harness.daemon.failureInjection.withLock { $0 = inject }
+        outcome.applied = harness.reload(changed.yaml(harness.topology))
+        harness.daemon.failureInjection.withLock { $0 = nil }
+        #expect(publisher.wait(seconds: 20) == 0, "\(publisher.stderr)")
+        outcome.sent = try publisher.json().int("sent")
+        let before = harness.settle(names)
+        // The listener serves: a burst to the bind in force now arrives whole.
+        let servingPort = outcome.applied ? changed.port : base.port
+        let burst = try harness.publisher(port: servingPort, count: traffic.burst, rate: 20000)
+        #expect(burst.wait(seconds: 20) == 0, "\(burst.stderr)")
+        outcome.burst = try burst.json().int("sent")
+        let after = harness.settle(names)
+        outcome.served = after.forwarded - before.forwarded
+        outcome.log = harness.lines(from: mark)
+        outcome.forwarded = after.forwarded
+        outcome.drops = after.drops
+        let delivered = try harness.stop()
+        outcome.delivered = delivered.reduce(0, +)
+        let kernelAfter = try KernelUDP(harness.topology)
+        outcome.noPorts = kernelAfter.noPorts - kernelBefore.noPorts
+        outcome.receiveBufferErrors = kernelAfter.receiveBufferErrors - kernelBefore.receiveBufferErrors
+        return outcome
+    }
+
+    /// tc_ebpf changes whose old listener is stopped before the new one registers.
+    static func stopsFirst(_ cell: Cell) -> Bool {
+        cell.kind == .tcEBPF && ["tc_attach", "max_packet_size", "replies", "name"].contains(cell.key)
+    }
+
+    /// What every cell asserts about its traffic.
+    /// - Parameter accountedByKernel: datagrams the kernel's Udp NoPorts counted that are accepted.
+    static func trafficChecks(_ outcome: Outcome, accountedByKernel: Int) -> [(Bool, String)] {
+        let total = outcome.sent + outcome.burst
+        return [
+            (outcome.sent == traffic.count && outcome.burst == traffic.burst, "the publishers sent everything"),
+            (outcome.served == outcome.burst, "the listener serves after the reload: \(outcome.served) of \(outcome.burst) forwarded"),
+            (outcome.delivered == outcome.forwarded, "what the daemon forwarded arrived: delivered \(outcome.delivered), forwarded \(outcome.forwarded)"),
+            (total == outcome.delivered + outcome.drops + accountedByKernel,
+             "sent \(total) = delivered \(outcome.delivered) + daemon drops \(outcome.drops)\(accountedByKernel > 0 ? " + kernel no_port \(accountedByKernel)" : "")"),
+        ]
+    }
+
+    /// Records the failed checks; a stopped-first tc_ebpf cell's traffic checks as a known issue:
+    /// besides the gap, its forwarded counter has been seen a few short of what the backends got
+    /// (the old instance's last forwards, up to 8 of 3,200).
+    static func record(_ label: String, _ checks: [(Bool, String)], _ traffic: [(Bool, String)], known: Bool, _ log: [String]) {
+        let context = "\nlog after the reload:\n\(log.joined(separator: "\n"))"
+        for (ok, what) in checks where !ok { Issue.record("\(label): \(what)\(context)") }
+        if known {
+            withKnownIssue("tc_ebpf stops the old listener before its successor registers: datagrams in between reach the kernel's stack (Udp NoPorts), and the forwarded counter may miss the old instance's last ones", isIntermittent: true) {
+                for (ok, what) in traffic where !ok { Issue.record("\(label): \(what)") }
+            }
+        } else {
+            for (ok, what) in traffic where !ok { Issue.record("\(label): \(what)\(context)") }
+        }
+    }
+
+    /// The line a cell prints (docs/reliability.md quotes them).
+    static func report(_ label: String, _ outcome: Outcome, pass: Bool, known: Bool = false) {
+        print("reload matrix: \(label): \(outcome.applied ? "applied" : "rejected"); sent \(outcome.sent + outcome.burst) (\(outcome.burst) after the reload, \(outcome.served) served), delivered \(outcome.delivered), daemon forwarded \(outcome.forwarded) drops \(outcome.drops), kernel no_port \(outcome.noPorts) rcvbuf \(outcome.receiveBufferErrors): \(pass ? "pass" : known ? "known issue (tc_ebpf stop-first gap)" : "FAIL")")
+    }
+
+    @Test("A reload of one key under traffic: the listener serves afterwards, every datagram is delivered or counted, the log says it applied",
+          arguments: cells)
+    func reload(cell: Cell) throws {
+        let base = Shape(cell.kind)
+        let changed = cell.changed(base)
+        let outcome = try Self.run(cell.kind, base, changed)
+        let total = outcome.sent + outcome.burst
+        // Datagrams sent to a bind no longer configured reach no socket: the kernel counts them
+        // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
+        // Datagrams sent to a bind no longer configured reach no socket: the kernel counts them
+        // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
+        let accountedByKernel = cell.key == "bind" || Self.stopsFirst(cell) ? outcome.noPorts : 0
+        var checks: [(Bool, String)] = [
+            (outcome.applied, "the reload applied"),
+            (outcome.log.contains { $0.hasPrefix("configuration loaded") }, "the log says the reload applied"),
+            (!outcome.log.contains { $0.contains("rejected") || $0.hasPrefix("listener stopped") }, "the log says nothing was rejected or stopped"),
+        ]
+        let traffic = Self.trafficChecks(outcome, accountedByKernel: accountedByKernel)
+        Self.record(cell.testDescription, checks, traffic, known: Self.stopsFirst(cell), outcome.log)
+        checks += traffic
+        let gap = (outcome.noPorts == 0, "no datagram reached a port without a socket: \(outcome.noPorts)")
+        if cell.key == "bind" {
+            // Expected: the publisher kept sending to the old bind after the reload.
+        } else if Self.stopsFirst(cell) {
+            withKnownIssue("tc_ebpf stops the old listener before its successor registers (their map entries share a key): datagrams in between go to the kernel's stack, counted in Udp NoPorts only", isIntermittent: true) {
+                if !gap.0 { Issue.record("\(cell.testDescription): \(gap.1)") }
+            }
+        } else if !gap.0 {
+            Issue.record("\(cell.testDescription): \(gap.1)")
+        }
+        let pass = checks.allSatisfy(\.0) && (gap.0 || cell.key == "bind")
+        let known = !pass && Self.stopsFirst(cell) && checks.prefix(3).allSatisfy(\.0)
+        Self.report("\(cell.kind.rawValue) × \(cell.key)", outcome, pass: pass, known: known)
+    }
+
+    /// Injected-failure cells: a settings key per kind (a change that rebuilds the listener) and
+    /// each step of the transaction the kind has (userspace kinds have no release step: their old
+    /// instance stops after the change committed).
+    static let injectedCells: [InjectedCell] = [(Kind.userspace, "workers"), (.relay, "workers"), (.tcEBPF, "tc_attach"), (.afXDP, "batch_size")]
+        .flatMap { kind, key in
+            TransitionStep.allCases.filter { $0 != .release || kind == .tcEBPF || kind == .afXDP }.map { InjectedCell(cell: Cell(kind: kind, key: key), step: $0) }
+        }
+
+    struct InjectedCell: Sendable, CustomTestStringConvertible {
+        let cell: Cell
+        let step: TransitionStep
+        var testDescription: String { "\(cell.testDescription) failing at \(step.rawValue)" }
+    }
+
+    /// A failure at `step` of listener x, once: the change's own step fails, the rollback's
+    /// restart of the old instance does not.
+    static func once(_ step: TransitionStep) -> @Sendable (TransitionStep, String) -> Bool {
+        let fired = Atomic<Bool>(false)
+        return { at, listener in
+            at == step && listener == "x" && !fired.exchange(true, ordering: .relaxed)
+        }
+    }
+
+    @Test("A reload failing at one step of its transaction under traffic: rejected and logged so, the old listener serves, every datagram delivered or counted",
+          arguments: injectedCells)
+    func injected(cell: InjectedCell) throws {
+        let base = Shape(cell.cell.kind)
+        let outcome = try Self.run(cell.cell.kind, base, cell.cell.changed(base), inject: Self.once(cell.step))
+        let stopsFirst = Self.stopsFirst(cell.cell)
+        var checks: [(Bool, String)] = [
+            (!outcome.applied, "the reload was rejected"),
+            (outcome.log.contains { $0.hasPrefix("configuration reload rejected") && $0.contains("failure injected by a test at step \(cell.step.rawValue)") },
+             "the log says the reload was rejected, and why"),
+            (!outcome.log.contains { $0.hasPrefix("configuration loaded") || $0.hasPrefix("listener stopped") }, "the log says nothing was applied or stopped"),
+        ]
+        let traffic = Self.trafficChecks(outcome, accountedByKernel: stopsFirst ? outcome.noPorts : 0)
+        Self.record(cell.testDescription, checks, traffic, known: stopsFirst, outcome.log)
+        checks += traffic
+        if outcome.noPorts != 0 {
+            if stopsFirst {
+                withKnownIssue("tc_ebpf stops the old listener before its successor registers, and a failed change starts it again: datagrams in between go to the kernel's stack, counted in Udp NoPorts only", isIntermittent: true) {
+                    Issue.record("\(cell.testDescription): \(outcome.noPorts) datagrams reached a port without a socket")
+                }
+            } else {
+                Issue.record("\(cell.testDescription): \(outcome.noPorts) datagrams reached a port without a socket")
+            }
+        }
+        let known = stopsFirst && checks.prefix(3).allSatisfy(\.0)
+        Self.report("\(cell.cell.kind.rawValue) × \(cell.cell.key), failing at \(cell.step.rawValue)", outcome,
+                    pass: checks.allSatisfy(\.0) && outcome.noPorts == 0, known: known)
+    }
+
+    @Test("Issue 21: every start of a listener fails (the af_xdp query), so a failed change loses it: the log says so, /readyz and a gauge show it, and the next reload starts it again",
+          arguments: [Kind.afXDP, .tcEBPF, .userspace])
+    func lost(kind: Kind) throws {
+        let base = Shape(kind)
+        let changed = Cell(kind: kind, key: kind == .afXDP ? "batch_size" : kind == .tcEBPF ? "tc_attach" : "workers").changed(base)
+        let harness = try Harness(base)
+        var mark = harness.logCount
+        harness.daemon.failureInjection.withLock { $0 = { at, listener in at == .start && listener == "x" } }
+        #expect(!harness.reload(changed.yaml(harness.topology)))
+        harness.daemon.failureInjection.withLock { $0 = nil }
+        let log = harness.lines(from: mark)
+        // A released af_xdp (or stopped-first tc_ebpf) listener cannot be started again: lost. A
+        // userspace one was never stopped: it serves on.
+        let loses = kind != .userspace
+        #expect(log.contains { $0.hasPrefix("listener stopped") } == loses, "\(log.joined(separator: "\n"))")
+        #expect(!log.contains { $0.contains("keeping the running configuration") } == loses,
+                "the log says the running configuration was kept only when it was: \(log.joined(separator: "\n"))")
+        if loses {
+            #expect(log.contains { $0.contains("configuration reload rejected") && $0.contains("'x'") && $0.contains("not running") }, "\(log.joined(separator: "\n"))")
+        }
+        let metrics = harness.daemon.metricsText()
+        #expect(metrics.contains("udp_fanout_listeners_lost \(loses ? 1 : 0)\n"), "\(metrics.split(separator: "\n").filter { $0.contains("lost") })")
+        #expect(harness.daemon.isReady == !loses, "\(harness.daemon.readiness)")
+        // The operator reverts the file (or fixes what failed) and reloads: the listener runs again.
+        mark = harness.logCount
+        #expect(harness.reload(base.yaml(harness.topology)), "\(harness.lines(from: mark).joined(separator: "\n"))")
+        let deadline = ContinuousClock.now + .seconds(5)
+        while !harness.daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
+        #expect(harness.daemon.isReady, "\(harness.daemon.readiness)")
+        #expect(harness.daemon.metricsText().contains("udp_fanout_listeners_lost 0\n"))
+        let before = harness.settle(["x"])
+        let burst = try harness.publisher(port: base.port, count: Self.traffic.burst, rate: 20000)
+        #expect(burst.wait(seconds: 20) == 0, "\(burst.stderr)")
+        let after = harness.settle(["x"])
+        #expect(after.forwarded - before.forwarded == Self.traffic.burst, "the listener serves again after the reload")
+        let delivered = try harness.stop().reduce(0, +)
+        #expect(delivered == after.forwarded)
+        print("reload matrix: \(kind.rawValue) lost listener: \(loses ? "lost, then started again by the next reload" : "not lost"); \(after.forwarded - before.forwarded) of \(Self.traffic.burst) served after it")
+    }
+}
