@@ -21,7 +21,8 @@ struct Collector: ParsableCommand {
             with roundRobin, which spreads each source), one-way latency percentiles (from its \
             send times), the steering in force and the group's kernel counters. A 'ready' line goes to stderr once it receives. \
             With --echo it is a server of two-way tests: every datagram goes back to its sender from \
-            this socket with --tag appended (so a client can tell which server answered), and \
+            this socket with --tag appended (so a client can tell which server answered), except \
+            udp-fanout's udp_echo health probes, which go back unchanged so the probe passes; \
             --initiate sends one datagram holding only the tag to each given client at start.
             """)
 
@@ -47,7 +48,7 @@ struct Collector: ParsableCommand {
     var bpffs: String = "/sys/fs/bpf"
     @Option(name: .customLong("max-sources"), help: "Source addresses counted one by one (the first seen); datagrams of any further source are summed in other_sources.")
     var maxSources: Int = 1000
-    @Flag(help: "Send every datagram back to its sender from this socket with the tag appended (counted as echoed).")
+    @Flag(help: "Send every datagram back to its sender from this socket with the tag appended (counted as echoed); udp-fanout's udp_echo health probes go back unchanged.")
     var echo = false
     @Option(help: "This server's name in echoed and initiated datagrams (default: <ip>:<port>/<index>).")
     var tag: String?
@@ -154,6 +155,8 @@ struct Run {
     /// Where an echo is assembled: the largest datagram plus the tag.
     let echoBuffer: UnsafeMutableRawBufferPointer
     var echoed: UInt64 = 0
+    /// Of `echoed`, udp-fanout health probes sent back without the tag.
+    var probes: UInt64 = 0
     /// Echoes the kernel refused (a full send buffer, no route): counted, not retried.
     var echoFailed: UInt64 = 0
     var initiated: UInt64 = 0
@@ -259,14 +262,16 @@ struct Run {
         }
     }
 
-    /// --echo: the datagram back to its sender with the tag appended.
+    /// --echo: the datagram back to its sender with the tag appended; a udp-fanout health probe
+    /// back unchanged, since the prober counts any other answer as a mismatch.
     mutating func echo(_ index: Int) {
         guard let echoTag else { return }
         let payload = receiver.payload(index)
         let base = echoBuffer.baseAddress!
         if payload.count > 0 { base.copyMemory(from: payload.baseAddress!, byteCount: payload.count) }
-        echoTag.withUnsafeBytes { (base + payload.count).copyMemory(from: $0.baseAddress!, byteCount: $0.count) }
-        let length = payload.count + echoTag.count
+        let probe = HealthProbe.matches(payload)
+        if !probe { echoTag.withUnsafeBytes { (base + payload.count).copyMemory(from: $0.baseAddress!, byteCount: $0.count) } }
+        let length = payload.count + (probe ? 0 : echoTag.count)
         let storage = receiver.sourceStorage(index)
         let nameLength = socklen_t(Int32(storage.pointee.ss_family) == AF_INET6 ? MemoryLayout<sockaddr_in6>.size : MemoryLayout<sockaddr_in>.size)
         let sent = storage.withMemoryRebound(to: sockaddr.self, capacity: 1) {
@@ -274,6 +279,7 @@ struct Run {
         }
         if sent == length {
             echoed += 1
+            if probe { probes += 1 }
         } else {
             if echoFailed == 0 {
                 printError("collector slot \(member.slot): echo failed: \(SystemCallError(call: "sendto", errno: errno)) (counted as echo_failed; later failures are not logged)")
@@ -317,6 +323,7 @@ struct Run {
         if echoTag != nil {
             json.add("tag", String(decoding: echoTag!, as: UTF8.self))
             json.add("echoed", echoed)
+            json.add("probes_echoed", probes)
             json.add("echo_failed", echoFailed)
             json.add("initiated", initiated)
         }

@@ -180,6 +180,45 @@ struct HealthEndToEndTests {
         #expect(Self.logLine(log, "downstream is healthy", containing: target) != nil, "\(log)")
     }
 
+    @Test("userspace, udp_echo: sample `collector --echo` downstreams answer the probes on their data port, stay up and receive every datagram")
+    func collectorEchoAnswersProbes() throws {
+        let ports = (0..<3).map { _ in freePort() }
+        let collectors = try ports.map { port in
+            let child = try Child("collector", ["127.0.0.1", "\(port)", "0", "1", "--echo", "--tag", "c\(port)", "--rcvbuf", "4194304"])
+            try child.waitFor("ready")
+            return child
+        }
+        let run = try Self.userspace(ports: ports, health: "health: {enabled: true, protocol: udp_echo, interval_secs: 1, timeout_secs: 1, fall: 2, rise: 1}")
+        defer { try? FileManager.default.removeItem(at: run.file) }
+        let (daemon, bind, metrics) = (run.daemon, run.bind, run.metrics)
+        func scrape() -> String { Self.get(metrics, "/metrics")?.body ?? "" }
+        func probes(_ text: String, _ port: UInt16, _ result: String) -> Int {
+            metric(text, "udp_fanout_health_probes_total", "target=\"127.0.0.1:\(port)\",result=\"\(result)\"") ?? 0
+        }
+        // fall 2 at 1 s: after 3 probes of each target a mismatching echo would have taken it down.
+        #expect(Self.waitFor(seconds: 8) { let text = scrape(); return ports.allSatisfy { probes(text, $0, "ok") >= 3 } }, "\(scrape())\n\(daemon.stderr)")
+        let text = scrape()
+        for (index, port) in ports.enumerated() {
+            #expect(probes(text, port, "mismatch") == 0, "target 127.0.0.1:\(port) mismatch probes: \(text)")
+            #expect(metric(text, "udp_fanout_health_target_up", "target=\"127.0.0.1:\(port)\"") == 1, "\(text)")
+            #expect(metric(text, "udp_fanout_downstream_up", "listener=\"u\",downstream=\"d\(index)\",address=\"127.0.0.1:\(port)\"") == 1, "\(text)")
+        }
+        let ready = Self.get(metrics, "/readyz")
+        #expect(ready?.status == 200, "\(String(describing: ready))")
+
+        let total = 3000
+        let publisher = try Child("publisher", ["127.0.0.1", "\(bind.port)", "\(total)", "--rate", "5000", "--sources", "127.0.9.1-127.0.9.30"])
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        usleep(300_000)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(daemon.stderr)")
+        let reports = try collectors.map { try $0.stop() }
+        // Probes are not the publisher's (counted as foreign); everything else is its traffic.
+        let delivered = reports.map { $0.int("received") - $0.int("foreign") }
+        #expect(delivered.reduce(0, +) == total && delivered.filter { $0 > 0 }.count >= 2, "per collector \(delivered): \(reports)")
+        #expect(reports.allSatisfy { $0.int("probes_echoed") > 0 && $0.int("echo_failed") == 0 }, "each collector answered probes unchanged: \(reports)")
+    }
+
     @Test("A reload changing health's interval and then its protocol keeps every target's state and counters")
     func reloadKeepsState() throws {
         let sinks = try (0..<2).map { _ in try Sink() }
@@ -274,7 +313,8 @@ struct HealthEndToEndTests {
     // MARK: helpers
 
     /// The udp-fanout binary on loopback with one userspace source_ip listener `u` over sinks on
-    /// `ports`, each probed on its echo server's port (`health_port`).
+    /// `ports`, each probed on its echo server's port (`health_port`), or on its own port when
+    /// `echoes` is empty.
     struct Userspace {
         let daemon: Child
         let file: URL
@@ -283,7 +323,7 @@ struct HealthEndToEndTests {
         let yaml: (String) -> String
     }
 
-    static func userspace(ports: [UInt16], echoes: [EchoServer], health: String) throws -> Userspace {
+    static func userspace(ports: [UInt16], echoes: [EchoServer] = [], health: String) throws -> Userspace {
         let bind = SocketAddress("127.0.0.1:\(freePort())")!
         let metrics = SocketAddress("127.0.0.1:\(freePort())")!
         let yaml = { (health: String) -> String in
@@ -295,7 +335,7 @@ struct HealthEndToEndTests {
                 balancing: source_ip
                 settings: {workers: 2, recv_buf_size: 8388608}
                 downstream:
-            \(ports.enumerated().map { "      - {name: d\($0.offset), address: \"127.0.0.1:\($0.element)\", health_port: \(echoes[$0.offset].address.port)}" }.joined(separator: "\n"))
+            \(ports.enumerated().map { "      - {name: d\($0.offset), address: \"127.0.0.1:\($0.element)\"\(echoes.isEmpty ? "" : ", health_port: \(echoes[$0.offset].address.port)")}" }.joined(separator: "\n"))
             \(health)
             metrics: {enabled: true, bind: "\(metrics)"}
             """
