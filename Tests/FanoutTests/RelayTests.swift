@@ -5,6 +5,7 @@ import TestSupport
 import CSystemShim
 @testable import FanoutCore
 import ReusePortLB
+import Synchronization
 
 #if canImport(Glibc)
 import Glibc
@@ -73,6 +74,90 @@ final class RelayEcho: @unchecked Sendable {
     deinit { stop() }
 }
 
+/// A downstream that answers each datagram late: one reply per entry of `delays` (milliseconds
+/// after the request), "<name>|<payload>" for the first and "<name>|<payload>#late<k>" for the
+/// others, on its own thread (a server that takes its time, or answers again much later). Counts
+/// the replies it sent.
+final class DelayedEcho: @unchecked Sendable {
+    let name: String
+    let fd: Int32
+    let address: SocketAddress
+    private let lock = NSLock()
+    private var stopped = false
+    private var delays: [Int]
+    private var sentReplies = 0
+    private let done = DispatchSemaphore(value: 0)
+
+    init(name: String, delays: [Int]) throws {
+        self.name = name
+        self.delays = delays
+        address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
+        let bound = address.withSockAddr { bind(fd, $0, $1) }
+        try #require(bound == 0, "bind \(address): errno \(errno)")
+        Thread { [self] in serve() }.start()
+    }
+
+    /// The delays of the replies to requests from now on.
+    func answer(after delays: [Int]) { lock.withLock { self.delays = delays } }
+
+    /// Replies sent so far.
+    var sent: Int { lock.withLock { sentReplies } }
+
+    private func serve() {
+        var pending: [(due: Int64, peer: sockaddr_storage, length: socklen_t, reply: [UInt8])] = []
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        while !lock.withLock({ stopped }) {
+            let now = monotonicMilliseconds()
+            let wait = pending.map(\.due).min().map { max(0, min(50, $0 - now)) } ?? 50
+            var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
+            if poll(&descriptor, 1, Int32(wait)) > 0 {
+                let delays = lock.withLock { self.delays }
+                while true {
+                    var peer = sockaddr_storage()
+                    var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+                    let count = withUnsafeMutablePointer(to: &peer) {
+                        $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, 0, $0, &length) }
+                    }
+                    guard count >= 0 else { break }
+                    let received = monotonicMilliseconds()
+                    for (index, delay) in delays.enumerated() {
+                        let reply = Array("\(name)|".utf8) + buffer[0..<count] + (index > 0 ? Array("#late\(index)".utf8) : [])
+                        pending.append((received + Int64(delay), peer, length, reply))
+                    }
+                }
+            }
+            let due = monotonicMilliseconds()
+            var sent = 0
+            pending.removeAll { entry in
+                guard entry.due <= due else { return false }
+                var peer = entry.peer
+                var reply = entry.reply
+                let result = withUnsafePointer(to: &peer) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &reply, reply.count, 0, $0, entry.length) }
+                }
+                if result >= 0 { sent += 1 }
+                return true
+            }
+            if sent > 0 { lock.withLock { sentReplies += sent } }
+        }
+        done.signal()
+    }
+
+    func stop() {
+        let first = lock.withLock { () -> Bool in
+            defer { stopped = true }
+            return !stopped
+        }
+        if first {
+            done.wait()
+            close(fd)
+        }
+    }
+
+    deinit { stop() }
+}
+
 /// A client on one loopback source: sends a request and waits for the reply.
 final class RelayClient {
     let fd: Int32
@@ -118,9 +203,17 @@ final class RelayClient {
 }
 
 func relayYAML(_ name: String, bind: SocketAddress, _ servers: [RelayEcho], workers: Int = 2, settings: String = "") -> String {
+    relayYAML(name, bind: bind, downstreams: servers.map { ($0.name, $0.address) }, workers: workers, settings: settings)
+}
+
+func drainYAML(_ name: String, bind: SocketAddress, _ servers: [DelayedEcho], workers: Int = 2, settings: String = "") -> String {
+    relayYAML(name, bind: bind, downstreams: servers.map { ($0.name, $0.address) }, workers: workers, settings: settings)
+}
+
+func relayYAML(_ name: String, bind: SocketAddress, downstreams: [(name: String, address: SocketAddress)], workers: Int, settings: String) -> String {
     var yaml = "listeners:\n  - name: \(name)\n    bind: \"\(bind)\"\n    mode: userspace\n    replies: relay\n"
     yaml += "    settings:\n      workers: \(workers)\n      worker_steering: five_tuple\n\(settings)    downstream:\n"
-    for server in servers { yaml += "      - name: \(server.name)\n        address: \"\(server.address)\"\n" }
+    for server in downstreams { yaml += "      - name: \(server.name)\n        address: \"\(server.address)\"\n" }
     return yaml
 }
 
@@ -449,6 +542,146 @@ struct RelayTests {
         #expect(snapshot.received == snapshot.forwarded + snapshot.droppedTotal + snapshot.noHealthy,
                 "received \(snapshot.received) = forwarded \(snapshot.forwarded) + dropped \(snapshot.droppedTotal) + no_healthy \(snapshot.noHealthy)")
         #expect(snapshot.twoWay?.replies == 15)
+    }
+
+    @Test("Reload removing a downstream that answers in 30 ms, under continuous traffic: its clients' in-flight replies still reach them from the listener (drain), counted for it by name")
+    func removedDownstreamDrains() throws {
+        let servers = try (1...2).map { try DelayedEcho(name: "slow-\($0)", delays: [30]) }
+        defer { for server in servers { server.stop() } }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let daemon = try startDaemon(drainYAML("drain", bind: bind, servers))
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(40, base: 20).map { try RelayClient(source: $0) }
+        // Every client sends a request every 10 ms; the reload removing slow-2 runs on another
+        // thread at round 20, while slow-2 still owes each of its clients about 3 replies.
+        let rounds = 60
+        let reloaded = DispatchSemaphore(value: 0)
+        let accepted = Mutex(false)
+        for round in 0..<rounds {
+            for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
+            if round == 20 {
+                let text = drainYAML("drain", bind: bind, [servers[0]])
+                Thread {
+                    let result = daemon.reload(text: text)
+                    accepted.withLock { $0 = result }
+                    reloaded.signal()
+                }.start()
+            }
+            usleep(10_000)
+        }
+        #expect(reloaded.wait(timeout: .now() + 10) == .success)
+        #expect(accepted.withLock { $0 }, "the reload was applied")
+        // Every request gets its reply, from the listener's address (1 s: plenty on loopback).
+        var lost = 0
+        var fromElsewhere = 0
+        for client in clients {
+            var expected = Set((0..<rounds).map { "\(client.source)-\($0)" })
+            while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
+                if reply.from != bind { fromElsewhere += 1 }
+                let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
+                if parts.count == 2 { expected.remove(parts[1]) }
+            }
+            lost += expected.count
+        }
+        #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
+        #expect(fromElsewhere == 0)
+        let total = servers.map(\.sent).reduce(0, +)
+        #expect(total == rounds * clients.count, "the servers answered every request: \(total)")
+        settle { daemon.counters(of: "drain")?.twoWay?.replies == UInt64(total) }
+        let snapshot = try #require(daemon.counters(of: "drain"))
+        let twoWay = try #require(snapshot.twoWay)
+        #expect(twoWay.replies == UInt64(total))
+        #expect(twoWay.downstreamReplies["slow-2"] == UInt64(servers[1].sent), "the removed downstream's replies, by name: \(twoWay.downstreamReplies), it sent \(servers[1].sent)")
+        #expect(twoWay.downstreamReplies["slow-1"] == UInt64(servers[0].sent))
+        #expect(twoWay.replyDropped[.drained, default: 0] == 0)
+        #expect(twoWay.events[.moved, default: 0] > 0)
+        #expect(snapshot.received == UInt64(rounds * clients.count))
+        #expect(snapshot.received == snapshot.forwarded + snapshot.droppedTotal + snapshot.noHealthy,
+                "received \(snapshot.received) = forwarded \(snapshot.forwarded) + dropped \(snapshot.droppedTotal) + no_healthy \(snapshot.noHealthy)")
+    }
+
+    @Test("drain_secs 1: a removed downstream's reply 2.5 s late is dropped and counted drained, not relayed; its socket closes once silent for session_idle_secs; nothing open after stop")
+    func lateRepliesDrained() throws {
+        let servers = try (1...2).map { try DelayedEcho(name: "late-\($0)", delays: [30]) }
+        defer { for server in servers { server.stop() } }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let clients = try loopbackSources(10, base: 90).map { try RelayClient(source: $0) }
+        let before = openSockets()
+        let settings = "      drain_secs: 1\n      session_idle_secs: 2\n"
+        // One worker: its round robin gives each server half the clients.
+        let daemon = try startDaemon(drainYAML("late", bind: bind, servers, workers: 1, settings: settings))
+        var owner: [String: String] = [:]
+        for client in clients { owner[client.source] = try client.exchange("\(client.source)-1", with: bind) }
+        let moving = clients.filter { owner[$0.source] == "late-2" }
+        #expect(moving.count == 5 && owner.count == 10, "\(owner)")
+        // late-2 answers in 30 ms and once more 2.5 s later: long after its drain time.
+        servers[1].answer(after: [30, 2500])
+        let running = openSockets()
+        for client in moving { try client.send("\(client.source)-2", to: bind) }
+        // On their way to late-2 before it leaves (the worker takes a new plan before its next batch).
+        settle { daemon.counters(of: "late")?.forwarded == UInt64(clients.count + moving.count) }
+        #expect(daemon.reload(text: drainYAML("late", bind: bind, [servers[0]], workers: 1, settings: settings)))
+        for client in clients { try client.send("\(client.source)-3", to: bind) }
+        for client in clients {
+            var expected: Set<String> = ["\(client.source)-3"]
+            if owner[client.source] == "late-2" { expected.insert("\(client.source)-2") }
+            while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
+                #expect(reply.from == bind)
+                let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
+                #expect(parts.count == 2 && expected.remove(parts[1]) != nil, "\(client.source): unexpected \(reply.text)")
+            }
+            #expect(expected.isEmpty, "\(client.source): no reply to \(expected)")
+        }
+        // The moved clients' new sockets are open beside their old ones, which drain.
+        #expect(openSockets().count == running.count + moving.count, "\(openSockets().subtracting(running))")
+        // Every client keeps its session (session_idle_secs 2) with a round trip every 300 ms, now
+        // all on late-1, while the draining sockets count the late replies and, silent for
+        // session_idle_secs after them (checked once a second), close. A late reply relayed would
+        // show in a round trip as an unexpected reply.
+        var exchanges = 0
+        let deadline = ContinuousClock.now + .seconds(12)
+        func drained() -> UInt64 { daemon.counters(of: "late")?.twoWay?.replyDropped[.drained, default: 0] ?? 0 }
+        while (drained() < UInt64(moving.count) || openSockets().count > running.count) && ContinuousClock.now < deadline {
+            for client in clients {
+                #expect(try client.exchange("\(client.source)-keep-\(exchanges)", with: bind) == "late-1")
+            }
+            exchanges += 1
+            usleep(300_000)
+        }
+        let after = openSockets()
+        let kept = try #require(daemon.counters(of: "late")?.twoWay)
+        #expect(kept.associations == UInt64(clients.count) && kept.events[.expired, default: 0] == 0, "the sessions stayed: \(kept.associations), \(kept.events)")
+        #expect(after.count == running.count, "\(after.subtracting(running))")
+        #expect(running.subtracting(after).count == moving.count, "the moved clients' old sockets closed")
+        for client in clients { #expect(client.receive(timeout: 200) == nil, "\(client.source): a late reply reached the client") }
+        settle { daemon.counters(of: "late")?.twoWay?.replies == UInt64(clients.count * (2 + exchanges) + moving.count) }
+        let twoWay = try #require(daemon.counters(of: "late")?.twoWay)
+        #expect(twoWay.replyDropped[.drained] == UInt64(moving.count), "\(twoWay.replyDropped)")
+        #expect(servers[1].sent == 3 * moving.count)
+        #expect(twoWay.replies == UInt64(clients.count * (2 + exchanges) + moving.count))
+        #expect(twoWay.downstreamReplies["late-2"] == UInt64(2 * moving.count), "\(twoWay.downstreamReplies)")
+        daemon.shutdown()
+        #expect(openSockets() == before, "nothing left open after stop: \(openSockets().subtracting(before))")
+    }
+
+    @Test("Stop while sockets drain (drain_secs 30): every session and draining socket is closed")
+    func stopClosesDrainingSockets() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let clients = try loopbackSources(10, base: 110).map { try RelayClient(source: $0) }
+        let before = openSockets()
+        let daemon = try startDaemon(relayYAML("stopdrain", bind: bind, servers))
+        for client in clients { #expect(try client.exchange("\(client.source)-1", with: bind) != nil) }
+        let running = openSockets()
+        #expect(daemon.reload(text: relayYAML("stopdrain", bind: bind, [servers[0]])))
+        for client in clients {
+            #expect(try client.exchange("\(client.source)-2", with: bind) == "echo-1")
+        }
+        let moved = Int(daemon.counters(of: "stopdrain")?.twoWay?.events[.moved] ?? 0)
+        #expect(moved > 0)
+        #expect(openSockets().count == running.count + moved, "old sockets drain beside the new ones")
+        daemon.shutdown()
+        #expect(openSockets() == before, "nothing left open after stop: \(openSockets().subtracting(before))")
     }
 
     @Test("IPv6 clients on ::1: replies come from the listener's IPv6 address, one session per client port")

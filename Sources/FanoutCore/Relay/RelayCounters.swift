@@ -12,16 +12,31 @@ final class RelaySessionCount: Sendable {
     }
 
     /// Takes one session slot; false when `maxSessions` are open (nothing taken).
-    func admit() -> Bool {
-        if open.wrappingAdd(1, ordering: .relaxed).newValue <= maxSessions { return true }
+    func admit() -> Bool { take(open) }
+
+    /// Takes one slot of `slots` if fewer than `maxSessions` are taken.
+    private func take(_ slots: borrowing Atomic<Int>) -> Bool {
+        if slots.wrappingAdd(1, ordering: .relaxed).newValue <= maxSessions { return true }
         // Over the bound: give the slot back. Two workers racing may both see "full" for an
         // instant; neither ever holds more than the bound.
-        open.wrappingSubtract(1, ordering: .relaxed)
+        slots.wrappingSubtract(1, ordering: .relaxed)
         return false
     }
 
     func release(_ count: Int = 1) {
         if count > 0 { open.wrappingSubtract(count, ordering: .relaxed) }
+    }
+
+    /// Draining session sockets (their downstream left; see ``DrainingSocket``): not sessions,
+    /// so not in the gauge nor under `maxSessions`, but bounded by it too, so that health
+    /// flapping cannot pile up sockets past the open-files limit.
+    let draining = Atomic<Int>(0)
+
+    /// Takes a draining slot; false when `maxSessions` sockets drain already (nothing taken).
+    func admitDraining() -> Bool { take(draining) }
+
+    func releaseDraining(_ count: Int = 1) {
+        if count > 0 { draining.wrappingSubtract(count, ordering: .relaxed) }
     }
 }
 
@@ -38,6 +53,8 @@ final class RelayCounters: Sendable {
     let replyTooLarge = Atomic<UInt64>(0)
     /// ICMP unreachable read on a session socket: a request the downstream refused.
     let downstreamUnreachable = Atomic<UInt64>(0)
+    /// A reply read on a draining socket after `settings.drain_secs` (``DrainingSocket``).
+    let drained = Atomic<UInt64>(0)
     let created = Atomic<UInt64>(0)
     let moved = Atomic<UInt64>(0)
     let expired = Atomic<UInt64>(0)
@@ -73,6 +90,7 @@ final class RelayCounters: Sendable {
             .sendError: replySendError.load(ordering: .relaxed),
             .tooLarge: replyTooLarge.load(ordering: .relaxed),
             .downstreamUnreachable: downstreamUnreachable.load(ordering: .relaxed),
+            .drained: drained.load(ordering: .relaxed),
         ]
         snapshot.associations = UInt64(max(0, sessions.open.load(ordering: .relaxed)))
         snapshot.events = [

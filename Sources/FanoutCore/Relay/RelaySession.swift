@@ -35,7 +35,8 @@ final class RelaySession {
     /// The client's address as recvmmsg gave it: the replies' msg_name.
     let client: UnsafeMutablePointer<sockaddr_storage>
     let clientLength: socklen_t
-    /// -1 after its downstream left the plan: the next datagram picks another (event `moved`).
+    /// -1 after its downstream left the plan (the socket went on as a ``DrainingSocket``): the
+    /// next datagram picks another downstream and makes a new socket (event `moved`).
     var socket: Int32 = -1
     /// The downstream by name and address (a reload keeps the session only if both stay).
     var downstream: Downstream

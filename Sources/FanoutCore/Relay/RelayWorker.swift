@@ -29,6 +29,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let stop: StopSignal
     private let logger: Logger
     private let idleMilliseconds: Int64
+    /// settings.drain_secs: how long a draining socket's replies are still relayed.
+    private let drainMilliseconds: Int64
     // Owned by the worker thread once it runs:
     private let receiver: BatchReceiver
     private let replyReceiver: BatchReceiver
@@ -82,6 +84,9 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let tableLock = Mutex<Void>(())
     private var sessions: [ClientKey: RelaySession] = [:]
     private var bySocket: [Int32: RelaySession] = [:]
+    /// Session sockets whose downstream left the plan, by descriptor: in the same epoll set,
+    /// told apart from ``bySocket``'s by lookup (they are few, and only while a change drains).
+    private var draining: [Int32: DrainingSocket] = [:]
 
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
          sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, logger: Logger) throws(ReusePortError) {
@@ -95,6 +100,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         self.stop = stop
         self.logger = logger
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
+        drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
         let batch = listener.settings.batchSize
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: listener.settings.maxPacketSize)
         replyReceiver = BatchReceiver(batchSize: batch, maximumDatagramSize: listener.settings.maxPacketSize)
@@ -197,6 +203,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             drainQueue(deadline: deadline)
         } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
         for fd in Array(bySocket.keys) { drainReplies(fd) }
+        for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
@@ -285,17 +292,36 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         batchRefused = Array(repeating: false, count: plan.downstreams.count)
         var index: [String: Int] = [:]
         for (position, downstream) in plan.downstreams.enumerated() { index["\(downstream.name)|\(downstream.address)"] = position }
+        let now = monotonicMilliseconds()
         for session in sessions.values where session.socket >= 0 {
             if let target = index["\(session.downstream.name)|\(session.downstream.address)"] {
                 session.target = target
             } else {
                 // Replies already queued from the leaving downstream still reach the client.
                 // Its target is an index into the previous plan: its replies count there.
-                relayQueued(session, budget: .max, counting: .leaving(session.target < previousCounters.count ? previousCounters[session.target] : nil))
-                bySocket[session.socket] = nil
-                session.closeSocket()  // close removes it from the epoll set
+                let counter = session.target < previousCounters.count ? previousCounters[session.target] : nil
+                relayQueued(session, budget: .max, counting: .leaving(counter))
+                retire(session, counter: counter, now: now)
             }
         }
+    }
+
+    /// Takes the session's socket out of the session (the client's next datagram picks another
+    /// downstream) and keeps it draining: the downstream may still answer requests it took.
+    /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged).
+    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64) {
+        let fd = session.socket
+        bySocket[fd] = nil
+        guard sessionCount.admitDraining() else {
+            session.closeSocket()  // close removes it from the epoll set
+            logFailure("too many draining relay session sockets (settings.max_sessions): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted",
+                       SystemCallError(call: "drain \(session.downstream.address)", errno: EMFILE))
+            return
+        }
+        // The descriptor moves, still in the epoll set: the session makes a new one when its
+        // client next sends.
+        session.socket = -1
+        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: now + drainMilliseconds, now: now)
     }
 
     // MARK: Client → downstream
@@ -526,8 +552,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Stages what session socket `fd` holds (at most `budget` batches) for its client (see ``relayQueued(_:budget:counting:)``).
     private func drainReplies(_ fd: Int32, budget: Int = .max) {
         tableLock.withLock { _ in
-            guard let session = bySocket[fd], session.socket == fd else { return }
-            relayQueued(session, budget: budget)
+            if let session = bySocket[fd], session.socket == fd {
+                relayQueued(session, budget: budget)
+            } else if let socket = draining[fd] {
+                relayDraining(socket, budget: budget)
+            }
         }
     }
 
@@ -545,9 +574,29 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// - Parameter counting: `.leaving` when the session's downstream left the plan just adopted
     ///   (its `target` is an index into the previous plan), with that downstream's reply counter.
     private func relayQueued(_ session: RelaySession, budget: Int, counting: ReplyCounting = .plan) {
-        let fd = session.socket
-        guard fd >= 0 else { return }
-        let counter = replyCounter(session, counting)
+        guard session.socket >= 0 else { return }
+        if receiveQueued(session.socket, for: session, counter: replyCounter(session, counting), counting: counting, budget: budget, relaying: true) > 0 {
+            session.lastActive = monotonicMilliseconds()
+        }
+    }
+
+    /// What a draining socket holds: relayed to its client as a session's replies (counted for the
+    /// downstream that left) until its drain time is over, then read and counted `drained`.
+    /// Called with the table lock held.
+    private func relayDraining(_ socket: DrainingSocket, budget: Int) {
+        let now = monotonicMilliseconds()
+        let relaying = now < socket.until
+        if receiveQueued(socket.socket, for: socket.session, counter: socket.counter, counting: .leaving(socket.counter), budget: budget, relaying: relaying) > 0 {
+            socket.lastActive = now
+        }
+    }
+
+    /// Reads what socket `fd` holds (at most `budget` batches' worth of datagrams) into the free
+    /// reply slots. `relaying`: staged for `session`'s client, credited to `counter`; otherwise
+    /// counted `drained` and the slots stay free. Called with the table lock held.
+    /// - Returns: the datagrams read.
+    private func receiveQueued(_ fd: Int32, for session: RelaySession, counter: RelayCounters.DownstreamReplies?, counting: ReplyCounting,
+                               budget: Int, relaying: Bool) -> Int {
         // In datagrams, so that receiving into the last few free slots does not use up a batch.
         let (limit, overflow) = budget.multipliedReportingOverflow(by: replyReceiver.batchSize)
         let allowed = overflow ? Int.max : limit
@@ -562,17 +611,21 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC), slots: free)
             } catch {
                 if receiveFailed(error, on: session, counting: counting) { continue }
-                return
+                return received
             }
-            if count == 0 { return }
+            if count == 0 { return received }
             received += count
             progress.wrappingAdd(1, ordering: .relaxed)
-            session.lastActive = monotonicMilliseconds()
-            stage(replySlotsUsed..<(replySlotsUsed + count), from: session, counter: counter)
-            replySlotsUsed += count
+            if relaying {
+                stage(replySlotsUsed..<(replySlotsUsed + count), from: session, counter: counter)
+                replySlotsUsed += count
+            } else {
+                relay.drained.wrappingAdd(UInt64(count), ordering: .relaxed)
+            }
             // Fewer than asked for: the socket is empty.
-            if count < free.count { return }
+            if count < free.count { return received }
         }
+        return received
     }
 
     /// The counter a session's replies are credited to.
@@ -607,7 +660,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private func receiveReadyReplies() {
         tableLock.withLock { _ in
             for fd in readySockets {
-                guard let session = bySocket[fd], session.socket == fd else { continue }
+                guard let session = bySocket[fd], session.socket == fd else {
+                    // Draining sockets are few and short-lived: read by system calls.
+                    if let socket = draining[fd] { relayDraining(socket, budget: Self.batchesPerWakeup) }
+                    continue
+                }
                 let busy = session.readyWakeup &+ 1 == wakeup
                 session.readyWakeup = wakeup
                 if !busy, replySlotsUsed == replyReceiver.batchSize, let ring {
@@ -757,6 +814,15 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             }
             sessionCount.release(expired)
             if expired > 0 { relay.expired.wrappingAdd(UInt64(expired), ordering: .relaxed) }
+            // Draining sockets past their drain time and silent for session_idle_secs close.
+            let silent = draining.compactMap { now >= $0.value.until && now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
+            for fd in silent {
+                guard let socket = draining.removeValue(forKey: fd) else { continue }
+                // One last read: a reply that arrived in this very instant is counted too.
+                relayDraining(socket, budget: .max)
+                close(fd)
+            }
+            sessionCount.releaseDraining(silent.count)
         }
     }
 
@@ -764,8 +830,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         tableLock.withLock { _ in
             for session in sessions.values { session.closeSocket() }
             sessionCount.release(sessions.count)
+            for fd in draining.keys { close(fd) }
+            sessionCount.releaseDraining(draining.count)
             sessions = [:]
             bySocket = [:]
+            draining = [:]
         }
     }
 
