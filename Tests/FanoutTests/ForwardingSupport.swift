@@ -85,12 +85,16 @@ func metric(_ text: String, _ name: String, _ labels: String) -> Int? {
 }
 
 /// Starts the engine in-process on a YAML configuration and (unless told not to: a listener
-/// waiting for its first discovery is not ready) waits until it is ready.
-func startDaemon(_ yaml: String, waitReady: Bool = true) throws -> FanoutDaemon {
+/// waiting for its first discovery is not ready) waits until it is ready. `logger` (default: a
+/// warning-level one to stderr) lets a test read the lines the daemon writes.
+func startDaemon(_ yaml: String, waitReady: Bool = true, logger: Logger? = nil) throws -> FanoutDaemon {
     let config = try ConfigParser.parse(yaml)
     try config.validate()
-    var logger = Logger(label: "udp-fanout-test")
-    logger.logLevel = .warning
+    let logger = logger ?? {
+        var logger = Logger(label: "udp-fanout-test")
+        logger.logLevel = .warning
+        return logger
+    }()
     let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
     try daemon.start()
     guard waitReady else { return daemon }

@@ -391,18 +391,31 @@ struct RelayTests {
     func tableFull() throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let daemon = try startDaemon(relayYAML("full", bind: bind, servers, settings: "      max_sessions: 10\n"))
+        let log = LogStore()
+        let daemon = try startDaemon(relayYAML("full", bind: bind, servers, settings: "      max_sessions: 10\n"), logger: log.logger)
         defer { daemon.shutdown() }
         let clients = try loopbackSources(20, base: 120).map { try RelayClient(source: $0) }
         var served = 0
         var unanswered = 0
+        let warning = "relay session table full"
+        func warnings() -> [LogStore.Line] { log.lines.withLock { $0.filter { $0.message.hasPrefix(warning) } } }
         for round in 0..<3 {
             for client in clients {
                 // A turned-away client waits for nothing: 500 ms is plenty on loopback.
                 if try client.exchange("\(client.source)-\(round)", with: bind, timeout: 500) != nil { served += 1 } else { unanswered += 1 }
             }
+            if round == 0 {
+                // 10 refusals in about 5 s: said once, at the first, naming the setting and its value.
+                let lines = warnings()
+                #expect(lines.count == 1, "\(lines)")
+                #expect(lines.first?.message.contains("settings.max_sessions") == true, "\(lines)")
+                #expect(lines.first?.metadata["max_sessions"] == "10" && lines.first?.metadata["listener"] == "full", "\(lines)")
+                #expect(lines.first?.metadata["refused_since_last_line"] == "1", "\(lines)")
+            }
         }
         #expect(served == 30 && unanswered == 30)
+        // 30 refusals over about 15 s: at most one more line, 10 s after the first.
+        #expect((1...2).contains(warnings().count), "\(warnings())")
         settle { daemon.counters(of: "full")?.twoWay?.replies == 30 }
         let snapshot = try #require(daemon.counters(of: "full"))
         let twoWay = try #require(snapshot.twoWay)
@@ -412,6 +425,17 @@ struct RelayTests {
         #expect(twoWay.events[.tableFull] == 30)
         #expect(twoWay.associations == 10)
         #expect(twoWay.replies == 30)
+    }
+
+    @Test("The table_full warning: the first refusal at once, then at most one line per 10 s with the refusals since")
+    func tableFullWarningRate() {
+        let warning = SessionTableFullWarning(maxSessions: 10)
+        #expect(warning.due(1, now: 50_000) == 1)
+        #expect(warning.due(3, now: 55_000) == nil)
+        #expect(warning.due(2, now: 59_999) == nil)
+        #expect(warning.due(1, now: 60_000) == 6)
+        #expect(warning.due(4, now: 60_001) == nil)
+        #expect(warning.due(1, now: 70_001) == 5)
     }
 
     @Test("session_idle_secs 1: idle sessions expire (gauge 0, expired == clients); a new datagram makes a new session")
