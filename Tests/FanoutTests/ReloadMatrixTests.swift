@@ -122,7 +122,7 @@ struct ReloadMatrixTests {
     static let shortKeys: [Kind: Set<String>] = [
         .userspace: ["workers", "bind", "downstream"],
         .relay: ["io_uring", "replies"],
-        .tcEBPF: ["tc_attach", "downstream", "replies"],
+        .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name"],
         .afXDP: Set(keys[.afXDP]!),
     ]
 
@@ -272,9 +272,16 @@ struct ReloadMatrixTests {
         return outcome
     }
 
-    /// tc_ebpf changes whose old listener is stopped before the new one registers.
+    /// tc_ebpf changes whose old listener is stopped before the new one registers: a change of
+    /// tc_attach attaches the program at the interface again (once per interface), which the
+    /// daemon warns about; every other tc_ebpf successor writes its entry over its predecessor's.
     static func stopsFirst(_ cell: Cell) -> Bool {
-        cell.kind == .tcEBPF && ["tc_attach", "max_packet_size", "replies", "name"].contains(cell.key)
+        cell.kind == .tcEBPF && cell.key == "tc_attach"
+    }
+
+    /// The warning a tc_attach change logs before it stops the old listener.
+    static func warnsOfReattach(_ log: [String]) -> Bool {
+        log.contains { $0.contains("tc_attach changes: the program is attached again at this interface") }
     }
 
     /// What every cell asserts about its traffic.
@@ -290,24 +297,15 @@ struct ReloadMatrixTests {
         ]
     }
 
-    /// Records the failed checks; a stopped-first tc_ebpf cell's traffic checks as a known issue:
-    /// besides the gap, its forwarded counter has been seen a few short of what the backends got
-    /// (the old instance's last forwards, up to 8 of 3,200).
-    static func record(_ label: String, _ checks: [(Bool, String)], _ traffic: [(Bool, String)], known: Bool, _ log: [String]) {
+    /// Records the failed checks.
+    static func record(_ label: String, _ checks: [(Bool, String)], _ log: [String]) {
         let context = "\nlog after the reload:\n\(log.joined(separator: "\n"))"
         for (ok, what) in checks where !ok { Issue.record("\(label): \(what)\(context)") }
-        if known {
-            withKnownIssue("tc_ebpf stops the old listener before its successor registers: datagrams in between reach the kernel's stack (Udp NoPorts), and the forwarded counter may miss the old instance's last ones", isIntermittent: true) {
-                for (ok, what) in traffic where !ok { Issue.record("\(label): \(what)") }
-            }
-        } else {
-            for (ok, what) in traffic where !ok { Issue.record("\(label): \(what)\(context)") }
-        }
     }
 
     /// The line a cell prints (docs/reliability.md quotes them).
-    static func report(_ label: String, _ outcome: Outcome, pass: Bool, known: Bool = false) {
-        print("reload matrix: \(label): \(outcome.applied ? "applied" : "rejected"); sent \(outcome.sent + outcome.burst) (\(outcome.burst) after the reload, \(outcome.served) served), delivered \(outcome.delivered), daemon forwarded \(outcome.forwarded) drops \(outcome.drops), kernel no_port \(outcome.noPorts) rcvbuf \(outcome.receiveBufferErrors): \(pass ? "pass" : known ? "known issue (tc_ebpf stop-first gap)" : "FAIL")")
+    static func report(_ label: String, _ outcome: Outcome, pass: Bool) {
+        print("reload matrix: \(label): \(outcome.applied ? "applied" : "rejected"); sent \(outcome.sent + outcome.burst) (\(outcome.burst) after the reload, \(outcome.served) served), delivered \(outcome.delivered), daemon forwarded \(outcome.forwarded) drops \(outcome.drops), kernel no_port \(outcome.noPorts) rcvbuf \(outcome.receiveBufferErrors): \(pass ? "pass" : "FAIL")")
     }
 
     @Test("A reload of one key under traffic: the listener serves afterwards, every datagram is delivered or counted, the log says it applied",
@@ -321,36 +319,31 @@ struct ReloadMatrixTests {
         // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
         // Datagrams sent to a bind no longer configured reach no socket: the kernel counts them
         // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
+        // A tc_attach change re-attaches the program, warned about: what arrives meanwhile the
+        // kernel counts (Udp NoPorts).
         let accountedByKernel = cell.key == "bind" || Self.stopsFirst(cell) ? outcome.noPorts : 0
         var checks: [(Bool, String)] = [
             (outcome.applied, "the reload applied"),
             (outcome.log.contains { $0.hasPrefix("configuration loaded") }, "the log says the reload applied"),
             (!outcome.log.contains { $0.contains("rejected") || $0.hasPrefix("listener stopped") }, "the log says nothing was rejected or stopped"),
+            (Self.warnsOfReattach(outcome.log) == Self.stopsFirst(cell), "the log warns of a re-attach exactly when tc_attach changes"),
         ]
-        let traffic = Self.trafficChecks(outcome, accountedByKernel: accountedByKernel)
-        Self.record(cell.testDescription, checks, traffic, known: Self.stopsFirst(cell), outcome.log)
-        checks += traffic
-        let gap = (outcome.noPorts == 0, "no datagram reached a port without a socket: \(outcome.noPorts)")
-        if cell.key == "bind" {
-            // Expected: the publisher kept sending to the old bind after the reload.
-        } else if Self.stopsFirst(cell) {
-            withKnownIssue("tc_ebpf stops the old listener before its successor registers (their map entries share a key): datagrams in between go to the kernel's stack, counted in Udp NoPorts only", isIntermittent: true) {
-                if !gap.0 { Issue.record("\(cell.testDescription): \(gap.1)") }
-            }
-        } else if !gap.0 {
-            Issue.record("\(cell.testDescription): \(gap.1)")
+        checks += Self.trafficChecks(outcome, accountedByKernel: accountedByKernel)
+        if cell.key != "bind" && !Self.stopsFirst(cell) {
+            checks.append((outcome.noPorts == 0, "no datagram reached a port without a socket: \(outcome.noPorts)"))
         }
-        let pass = checks.allSatisfy(\.0) && (gap.0 || cell.key == "bind")
-        let known = !pass && Self.stopsFirst(cell) && checks.prefix(3).allSatisfy(\.0)
-        Self.report("\(cell.kind.rawValue) × \(cell.key)", outcome, pass: pass, known: known)
+        Self.record(cell.testDescription, checks, outcome.log)
+        Self.report("\(cell.kind.rawValue) × \(cell.key)", outcome, pass: checks.allSatisfy(\.0))
     }
 
     /// Injected-failure cells: a settings key per kind (a change that rebuilds the listener) and
     /// each step of the transaction the kind has (userspace kinds have no release step: their old
     /// instance stops after the change committed).
-    static let injectedCells: [InjectedCell] = [(Kind.userspace, "workers"), (.relay, "workers"), (.tcEBPF, "tc_attach"), (.afXDP, "batch_size")]
+    static let injectedCells: [InjectedCell] = [(Kind.userspace, "workers"), (.relay, "workers"), (.tcEBPF, "tc_attach"), (.tcEBPF, "max_packet_size"), (.afXDP, "batch_size")]
         .flatMap { kind, key in
-            TransitionStep.allCases.filter { $0 != .release || kind == .tcEBPF || kind == .afXDP }.map { InjectedCell(cell: Cell(kind: kind, key: key), step: $0) }
+            // A release step: an af_xdp interface handed over, a tc_ebpf listener stopped first.
+            TransitionStep.allCases.filter { $0 != .release || kind == .afXDP || Self.stopsFirst(Cell(kind: kind, key: key)) }
+                .map { InjectedCell(cell: Cell(kind: kind, key: key), step: $0) }
         }
 
     struct InjectedCell: Sendable, CustomTestStringConvertible {
@@ -380,21 +373,16 @@ struct ReloadMatrixTests {
              "the log says the reload was rejected, and why"),
             (!outcome.log.contains { $0.hasPrefix("configuration loaded") || $0.hasPrefix("listener stopped") }, "the log says nothing was applied or stopped"),
         ]
-        let traffic = Self.trafficChecks(outcome, accountedByKernel: stopsFirst ? outcome.noPorts : 0)
-        Self.record(cell.testDescription, checks, traffic, known: stopsFirst, outcome.log)
-        checks += traffic
-        if outcome.noPorts != 0 {
-            if stopsFirst {
-                withKnownIssue("tc_ebpf stops the old listener before its successor registers, and a failed change starts it again: datagrams in between go to the kernel's stack, counted in Udp NoPorts only", isIntermittent: true) {
-                    Issue.record("\(cell.testDescription): \(outcome.noPorts) datagrams reached a port without a socket")
-                }
-            } else {
-                Issue.record("\(cell.testDescription): \(outcome.noPorts) datagrams reached a port without a socket")
-            }
+        // A tc_attach change stops the old listener first (warned about), and the rollback starts
+        // it again: what arrives meanwhile the kernel counts. Every other cell has no such gap.
+        checks += Self.trafficChecks(outcome, accountedByKernel: stopsFirst ? outcome.noPorts : 0)
+        if stopsFirst {
+            checks.append((Self.warnsOfReattach(outcome.log), "the log warns of the re-attach"))
+        } else {
+            checks.append((outcome.noPorts == 0, "no datagram reached a port without a socket: \(outcome.noPorts)"))
         }
-        let known = stopsFirst && checks.prefix(3).allSatisfy(\.0)
-        Self.report("\(cell.cell.kind.rawValue) × \(cell.cell.key), failing at \(cell.step.rawValue)", outcome,
-                    pass: checks.allSatisfy(\.0) && outcome.noPorts == 0, known: known)
+        Self.record(cell.testDescription, checks, outcome.log)
+        Self.report("\(cell.cell.kind.rawValue) × \(cell.cell.key), failing at \(cell.step.rawValue)", outcome, pass: checks.allSatisfy(\.0))
     }
 
     @Test("Issue 21: every start of a listener fails (the af_xdp query), so a failed change loses it: the log says so, /readyz and a gauge show it, and the next reload starts it again",

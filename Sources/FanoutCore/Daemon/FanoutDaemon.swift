@@ -226,11 +226,12 @@ public final class FanoutDaemon: Sendable {
     /// leaves `old` running:
     /// 1. listeners whose bind, mode and settings are unchanged keep running (a new downstream
     ///    set or balancing is swapped in place at the end);
-    /// 2. every new or changed listener is started beside the old ones. tc_ebpf listeners that
-    ///    go away and share an interface and bind with a new one are stopped first (their map
-    ///    entries are keyed by bind and interface); userspace ones stay and keep forwarding;
-    /// 3. if any start fails, what was started is stopped, what was stopped early is started
-    ///    again, and the error is thrown: `old` runs on;
+    /// 2. every new or changed listener is started beside the old ones. A tc_ebpf successor
+    ///    writes its map entry (keyed by bind and interface) over its predecessor's, which
+    ///    forwards until then; only a change of how the interface is attached (tc_attach) stops
+    ///    the old tc_ebpf listeners there first. Userspace ones stay and keep forwarding;
+    /// 3. if any start fails, the old listeners take their binds back, what was started is
+    ///    stopped, what was stopped early is started again, and the error is thrown: `old` runs on;
     /// 4. otherwise the new userspace listeners take their binds over (from then on every new
     ///    datagram goes to their workers), and only then the old instances stop, forwarding
     ///    what their sockets still hold.
@@ -267,15 +268,23 @@ public final class FanoutDaemon: Sendable {
         let staying = Set(new.listeners.map(\.name)).subtracting(fresh.map(\.name))
         let retiring = old.listeners.filter { !staying.contains($0.name) }
 
-        // tc_ebpf listeners that must be gone before their successors register.
+        // tc_ebpf listeners that must be gone before their successors register: those whose
+        // interface is to be attached another way (tc_attach: the program is attached once per
+        // interface). Every other tc_ebpf successor writes its map entry over its predecessor's
+        // (the same bind and interface) at once, and the predecessor stops after.
         let freshTC = fresh.filter { $0.mode == .tcEBPF }
         let freshNames = Set(fresh.map(\.name))
         let stopFirst = retiring.filter { listener in
-            listener.mode == .tcEBPF && (freshNames.contains(listener.name) || freshTC.contains {
-                $0.interface == listener.interface && FanoutConfig.overlaps($0.bind, listener.bind)
-            })
+            listener.mode == .tcEBPF && freshTC.contains {
+                $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach
+            }
         }
-        for listener in stopFirst { running[listener.name]?.shutdown() }
+        for listener in stopFirst {
+            logger.warning("tc_attach changes: the program is attached again at this interface, so the old tc_ebpf listener stops before its successor starts; datagrams arriving in between pass to the host's stack (its Udp NoPorts counts them)", metadata: [
+                "listener": "\(listener.name)", "interface": "\(listener.interface ?? "")",
+            ])
+            running[listener.name]?.shutdown()
+        }
         // af_xdp listeners whose interface a new one takes: they give the interface up (hook and
         // queues) but their companion socket keeps receiving on the bind until the successor runs.
         let freshXDP = fresh.filter { $0.mode == .afXDP }
@@ -304,17 +313,19 @@ public final class FanoutDaemon: Sendable {
                 }
             }
         } catch {
-            for instance in started.values { instance.shutdown() }
-            // The old userspace groups take their binds back (a new group may have activated).
-            for listener in retiring where listener.mode != .tcEBPF {
+            // The old listeners take their binds back (a new userspace group may have activated,
+            // a new tc_ebpf listener written its entry over theirs) before the new ones stop.
+            let stoppedEarly = Set(stopFirst.map(\.name))
+            for listener in retiring where !stoppedEarly.contains(listener.name) {
                 do {
                     try running[listener.name]?.activate()
                 } catch {
-                    logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets", metadata: [
+                    logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets (userspace) or pass untouched (tc_ebpf)", metadata: [
                         "listener": "\(listener.name)", "error": "\(error)",
                     ])
                 }
             }
+            for instance in started.values { instance.shutdown() }
             var lost: [String] = []
             /// Starts `listener` again with the set last applied; nil (recorded lost) if it cannot.
             func restart(_ listener: Listener) -> (any RunningListener)? {
@@ -537,10 +548,6 @@ public final class FanoutDaemon: Sendable {
     }
 }
 
-extension TCListener {
-    func activate() throws(DaemonError) {}
-    var takesOverExactly: Bool { true }
-}
 
 /// Reads a whole file as UTF-8.
 public func readFile(_ path: String) throws(ConfigError) -> String {

@@ -130,13 +130,15 @@ public final class ListenerCounters: Sendable {
     /// A relay listener's reply totals, shared by its instances (made at the first relay start).
     private let relayTotals = Mutex<RelayCounters?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
-    /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps), or the last
-    /// values after it stopped. nil: the atomics above.
+    /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps): its running
+    /// instances (two at once while a reload hands the bind from one to the other) on top of
+    /// what its stopped instances counted. nil: the atomics above.
     private let external = Mutex<External?>(nil)
 
-    enum External {
-        case live(@Sendable () -> Snapshot)
-        case frozen(Snapshot)
+    struct External {
+        var running: [ObjectIdentifier: @Sendable () -> Snapshot] = [:]
+        /// The totals of the instances that stopped.
+        var stopped = Snapshot.zero
     }
 
     init(name: String, mode: String) {
@@ -175,17 +177,27 @@ public final class ListenerCounters: Sendable {
         }
     }
 
-    /// Reads the counters from `source` from now on, on top of the values so far: a restarted
-    /// kernel-side listener (its predecessor frozen at its stop) goes on from its totals.
-    func setSource(_ source: @escaping @Sendable () -> Snapshot) {
-        let base = snapshot()
-        external.withLock { $0 = .live { source().adding(base) } }
+    /// Adds the counters of instance `owner` (read from `source`) from now on: a restarted
+    /// kernel-side listener goes on from its predecessors' totals, and while both run (a reload
+    /// handing the bind over) both count.
+    func setSource(for owner: ObjectIdentifier, _ source: @escaping @Sendable () -> Snapshot) {
+        external.withLock { external in
+            var updated = external ?? External()
+            updated.running[owner] = source
+            external = updated
+        }
     }
 
-    /// Keeps the source's current values (its listener is stopping).
-    func freeze() {
-        let current = snapshot()
-        external.withLock { if case .live = $0 { $0 = .frozen(current) } }
+    /// Keeps instance `owner`'s current values in the totals (it is stopping) and stops reading it.
+    func freeze(_ owner: ObjectIdentifier) {
+        guard let source = external.withLock({ $0?.running[owner] }) else { return }
+        var last = source()
+        // Its associations are gone with it: only the running instances' count.
+        last.twoWay?.associations = 0
+        external.withLock { external in
+            guard external?.running.removeValue(forKey: owner) != nil, let stopped = external?.stopped else { return }
+            external?.stopped = last.adding(stopped)
+        }
     }
 
     public struct Snapshot: Sendable {
@@ -240,10 +252,9 @@ public final class ListenerCounters: Sendable {
     }
 
     public func snapshot() -> Snapshot {
-        switch external.withLock({ $0 }) {
-        case .live(let source): return source()
-        case .frozen(let values): return values
-        case nil: break
+        if let external = external.withLock({ $0 }) {
+            // Each running instance's maps are read outside the lock.
+            return external.running.values.reduce(external.stopped) { total, source in source().adding(total) }
         }
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),

@@ -186,6 +186,8 @@ final class TCListener: RunningListener {
     private struct Live {
         /// The set generation the listener entry points at; nil before the first write.
         var generation: UInt32?
+        /// The listener entry last written (``TCListener/activate()`` writes it again).
+        var entry: fanout_listener?
         /// Each downstream's counter slot, kept across reloads while its name stays.
         var slots: [String: UInt16] = [:]
         /// nat: the backends in the live map (weighted members of the current set), with slots.
@@ -263,7 +265,7 @@ final class TCListener: RunningListener {
         do throws(TCError) {
             try apply(downstreams: config.downstreams, balancing: config.balancing)
         } catch {
-            program.removeListener(config.bind, ifindex: ifindex)
+            program.removeListener(config.bind, ifindex: ifindex, id: id)
             releaseNAT()
             dataplane.unregister(interface: config.interface ?? "", id: id)
             throw error
@@ -278,7 +280,7 @@ final class TCListener: RunningListener {
             "listener": "\(config.name)", "bind": "\(config.bind)", "interface": "\(config.interface ?? "")",
             "id": "\(id)", "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
         ])
-        counters.setSource { [weak self] in self?.snapshot() ?? .zero }
+        counters.setSource(for: ObjectIdentifier(self)) { [weak self] in self?.snapshot() ?? .zero }
     }
 
     /// Writes the inactive generation, then points the listener entry at it. nat: attaches at
@@ -334,7 +336,10 @@ final class TCListener: RunningListener {
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
                 entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
+                // The entry replaces a previous instance's on the same bind at once (a reload's
+                // successor takes over here; that one's shutdown leaves this entry alone).
                 try program.putListener(config.bind, ifindex: ifindex, entry)
+                live.entry = entry
                 // Gone from the set: they drain (no new client; their replies in flight still
                 // reach their clients from the listener's address), then are gone.
                 let now = ContinuousClock.now
@@ -478,6 +483,26 @@ final class TCListener: RunningListener {
 
     var isReceiving: Bool { true }
 
+    /// Takes the bind back after a failed change whose new instance had taken it over: writes
+    /// this instance's listener entry and (nat) its backends' live, draining and gone entries
+    /// again, before that instance stops (its stop then leaves them alone).
+    func activate() throws(DaemonError) {
+        do throws(SystemCallError) {
+            try live.withLock { live throws(SystemCallError) in
+                guard let entry = live.entry else { return }
+                try program.putListener(config.bind, ifindex: ifindex, entry)
+                for (address, slot) in live.liveBackends { try program.putLive(address, id: id, slot: slot) }
+                for (address, draining) in live.draining { try program.putLive(address, id: id, slot: draining.slot, state: FANOUT_LIVE_DRAINING) }
+                for address in live.gone { try program.putLive(address, id: id, slot: 0, state: FANOUT_LIVE_GONE) }
+            }
+        } catch {
+            throw .tcListener(name: config.name, .maps(error))
+        }
+    }
+
+    /// A reload's successor writes its entry over this one's: a handover with no gap.
+    var takesOverExactly: Bool { true }
+
     /// The kernel forwards; the watchdog checks that our program is still attached.
     func heartbeats() -> [PathHeartbeat] {
         guard !stopped.load(ordering: .relaxed) else { return [] }
@@ -501,9 +526,11 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         stopped.store(true, ordering: .relaxed)
-        counters.freeze()
-        program.removeListener(config.bind, ifindex: ifindex)
+        // Only this instance's entry: a successor on the same bind has overwritten it already.
+        program.removeListener(config.bind, ifindex: ifindex, id: id)
         releaseNAT()
+        // Its last counts, once nothing new reaches it, and before its id (and stats slot) is free.
+        counters.freeze(ObjectIdentifier(self))
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
 

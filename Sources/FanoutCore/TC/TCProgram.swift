@@ -102,8 +102,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LISTENERS_NAME)") { bpf_map_update_elem(listeners, &key, &value, UInt64(BPF_ANY)) }
     }
 
-    func removeListener(_ bind: SocketAddress, ifindex: UInt32) {
+    /// Deletes listener `id`'s entry for `bind` at `ifindex`; an entry another listener wrote
+    /// over it (a reload's successor on the same bind) is left alone.
+    func removeListener(_ bind: SocketAddress, ifindex: UInt32, id: UInt32) {
         var key = Self.listenerKey(bind, ifindex: ifindex)
+        var value = fanout_listener()
+        guard bpf_map_lookup_elem(listeners, &key, &value) == 0, value.id == id else { return }
         bpf_map_delete_elem(listeners, &key)
     }
 
