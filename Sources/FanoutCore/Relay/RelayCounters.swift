@@ -6,9 +6,12 @@ import Synchronization
 final class RelaySessionCount: Sendable {
     let maxSessions: Int
     let open = Atomic<Int>(0)
+    /// Says when new clients are turned away (``admit()`` false), rate-limited for the listener.
+    let tableFullWarning: SessionTableFullWarning
 
     init(maxSessions: Int) {
         self.maxSessions = maxSessions
+        tableFullWarning = SessionTableFullWarning(maxSessions: maxSessions)
     }
 
     /// Takes one session slot; false when `maxSessions` are open (nothing taken).

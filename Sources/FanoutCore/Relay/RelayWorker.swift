@@ -463,6 +463,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         counters.drop(.unreachable, failures.unreachable)
         counters.drop(.sendError, failures.other + unavailable)
         if tableFull > 0 { relay.tableFull.wrappingAdd(tableFull, ordering: .relaxed) }
+        sessionCount.tableFullWarning.record(tableFull, listener: listener.name, logger: logger)
         if created > 0 { relay.created.wrappingAdd(created, ordering: .relaxed) }
         if moved > 0 { relay.moved.wrappingAdd(moved, ordering: .relaxed) }
     }
