@@ -54,6 +54,8 @@ struct Collector: ParsableCommand {
     var tag: String?
     @Option(help: "With --echo: once ready, send one datagram holding only the tag to each of these clients (A:P or [A]:P, comma separated): a server-initiated conversation.")
     var initiate: String?
+    @Option(name: .customLong("echo-delay-ms"), help: "With --echo: answer each datagram this many milliseconds after it arrived (a slow server; health probes are answered at once).")
+    var echoDelayMilliseconds: Int = 0
 
     /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
     /// option errors.
@@ -87,6 +89,10 @@ struct Collector: ParsableCommand {
         }
         if initiate != nil && !echo {
             throw ValidationError("--initiate needs --echo (the client's later datagrams are answered by the echo)")
+        }
+        guard (0...60_000).contains(echoDelayMilliseconds) else { throw ValidationError("--echo-delay-ms must be 0...60000") }
+        if echoDelayMilliseconds > 0 && !echo {
+            throw ValidationError("--echo-delay-ms needs --echo (it delays the echoes)")
         }
         _ = try initiateAddresses()
     }
@@ -125,9 +131,12 @@ struct Collector: ParsableCommand {
         printError(line)
 
         let echoTag = Array((tag ?? "\(address)/\(member.slot)").utf8)
-        var run = Run(member: member, batch: batch, maxSources: maxSources, echoTag: echo ? echoTag : nil)
+        var run = Run(member: member, batch: batch, maxSources: maxSources, echoTag: echo ? echoTag : nil,
+                      echoDelay: echoDelayMilliseconds > 0 ? .milliseconds(echoDelayMilliseconds) : nil)
         for client in try initiateAddresses() { run.initiate(to: client) }
         run.loop(duration: duration, statsInterval: statsInterval)
+        // Echoes still waiting at the stop leave now rather than never.
+        run.sendDelayedEchoes(upTo: .now + .seconds(86400))
         print(run.report())
         member.leave()
     }
@@ -160,10 +169,15 @@ struct Run {
     /// Echoes the kernel refused (a full send buffer, no route): counted, not retried.
     var echoFailed: UInt64 = 0
     var initiated: UInt64 = 0
+    /// --echo-delay-ms: how long an echo waits, and the echoes waiting, oldest first.
+    let echoDelay: Duration?
+    var delayed: [(due: ContinuousClock.Instant, bytes: [UInt8], destination: sockaddr_storage)] = []
+    var delayedHead = 0
 
-    init(member: ReusePortMember, batch: Int, maxSources: Int, echoTag: [UInt8]?) {
+    init(member: ReusePortMember, batch: Int, maxSources: Int, echoTag: [UInt8]?, echoDelay: Duration? = nil) {
         self.member = member
         self.echoTag = echoTag
+        self.echoDelay = echoDelay
         echoBuffer = .allocate(byteCount: 65535 + (echoTag?.count ?? 0), alignment: 16)
         sources = SourceTable(limit: maxSources)
         receiver = BatchReceiver(batchSize: batch, maximumDatagramSize: 65535)
@@ -217,7 +231,13 @@ struct Run {
                     break
                 }
             }
-            _ = poll(&pollDescriptor, 1, 20)
+            sendDelayedEchoes(upTo: clock.now)
+            var wait: Int32 = 20
+            if delayedHead < delayed.count {
+                let until = delayed[delayedHead].due - clock.now
+                wait = min(wait, max(0, Int32(until.components.seconds * 1000 + until.components.attoseconds / 1_000_000_000_000_000)))
+            }
+            _ = poll(&pollDescriptor, 1, wait)
             while true {
                 let count: Int
                 do {
@@ -273,9 +293,31 @@ struct Run {
         if !probe { echoTag.withUnsafeBytes { (base + payload.count).copyMemory(from: $0.baseAddress!, byteCount: $0.count) } }
         let length = payload.count + (probe ? 0 : echoTag.count)
         let storage = receiver.sourceStorage(index)
+        if let echoDelay, !probe {
+            delayed.append((clock.now + echoDelay, Array(UnsafeRawBufferPointer(start: base, count: length)), storage.pointee))
+            return
+        }
+        sendEcho(UnsafeRawBufferPointer(start: base, count: length), to: storage, probe: probe)
+    }
+
+    /// --echo-delay-ms: sends the echoes due by `now` (every one, at the stop).
+    mutating func sendDelayedEchoes(upTo now: ContinuousClock.Instant) {
+        while delayedHead < delayed.count, delayed[delayedHead].due <= now {
+            let (_, bytes, destination) = delayed[delayedHead]
+            delayedHead += 1
+            withUnsafePointer(to: destination) { address in bytes.withUnsafeBytes { sendEcho($0, to: address, probe: false) } }
+        }
+        if delayedHead == delayed.count {
+            delayed.removeAll(keepingCapacity: true)
+            delayedHead = 0
+        }
+    }
+
+    mutating func sendEcho(_ bytes: UnsafeRawBufferPointer, to storage: UnsafePointer<sockaddr_storage>, probe: Bool) {
+        let length = bytes.count
         let nameLength = socklen_t(Int32(storage.pointee.ss_family) == AF_INET6 ? MemoryLayout<sockaddr_in6>.size : MemoryLayout<sockaddr_in>.size)
         let sent = storage.withMemoryRebound(to: sockaddr.self, capacity: 1) {
-            sendto(member.socket, base, length, Int32(MSG_DONTWAIT), $0, nameLength)
+            sendto(member.socket, bytes.baseAddress, length, Int32(MSG_DONTWAIT), $0, nameLength)
         }
         if sent == length {
             echoed += 1

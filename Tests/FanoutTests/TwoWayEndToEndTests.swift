@@ -26,20 +26,21 @@ struct TwoWayEndToEndTests {
 
     /// One two-way listener `tw` on the VIP over the given servers (numbers from 1).
     static func config(_ topology: TwoWayTopology, _ path: Path, servers: [Int], ipv6: Bool = false,
-                       maxAssociations: Int? = nil, health: Bool = false) -> String {
+                       maxAssociations: Int? = nil, health: Bool = false, drainSecs: Int? = nil) -> String {
         let downstreams = servers.map { n in
             let address = ipv6 ? "[\(TwoWayTopology.serverAddress(n, ipv6: true))]:\(serverPort)" : "\(TwoWayTopology.serverAddress(n)):\(serverPort)"
             return "      - {name: b\(n), address: \"\(address)\"}"
         }.joined(separator: "\n")
         let vip = ipv6 ? "[\(TwoWayTopology.vip(ipv6: true))]" : TwoWayTopology.vip()
-        let mode: String
+        var mode: String
         switch path {
         case .nat:
-            let settings = maxAssociations.map { "\n    settings: {max_associations: \($0)}" } ?? ""
-            mode = "    interface: \(topology.clientInterface)\n    mode: tc_ebpf\n    replies: nat" + settings
+            mode = "    interface: \(topology.clientInterface)\n    mode: tc_ebpf\n    replies: nat"
         case .relay:
             mode = "    mode: userspace\n    replies: relay"
         }
+        let settings = [maxAssociations.map { "max_associations: \($0)" }, drainSecs.map { "drain_secs: \($0)" }].compactMap { $0 }
+        if !settings.isEmpty { mode += "\n    settings: {\(settings.joined(separator: ", "))}" }
         var yaml = """
             listeners:
               - name: tw
@@ -88,9 +89,10 @@ struct TwoWayEndToEndTests {
         return result
     }
 
-    static func server(_ topology: TwoWayTopology, _ n: Int, ipv6: Bool = false, initiate: String? = nil) throws -> Child {
+    static func server(_ topology: TwoWayTopology, _ n: Int, ipv6: Bool = false, initiate: String? = nil, delayMilliseconds: Int = 0) throws -> Child {
         var arguments = [TwoWayTopology.serverAddress(n, ipv6: ipv6), "\(serverPort)", "0", "1", "--echo", "--tag", "b\(n)", "--rcvbuf", "4194304"]
         if let initiate { arguments += ["--initiate", initiate] }
+        if delayMilliseconds > 0 { arguments += ["--echo-delay-ms", "\(delayMilliseconds)"] }
         let child = try Child("collector", arguments, prefix: topology.prefix(topology.servers[n - 1]))
         try child.waitFor("ready")
         return child
@@ -442,6 +444,38 @@ struct TwoWayEndToEndTests {
         try Self.expectOnlyItsClientsMove(topology, .relay, clients: 30, count: 5) {
             try daemon.reload(Self.config(topology, .relay, servers: [1, 2]))
         }
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        _ = try Self.stop(servers)
+    }
+    @Test("A server answering in 30 ms removed by reload under traffic: with drain_secs its clients lose no reply; with drain_secs 0 every reply lost is counted drained",
+          arguments: [(Path.nat, 30), (Path.nat, 0), (Path.relay, 30), (Path.relay, 0)])
+    func drainOnRemoval(path: Path, drainSecs: Int) throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 30)
+        var servers: [Int: Child] = [:]
+        for n in 1...3 { servers[n] = try Self.server(topology, n, delayMilliseconds: 30) }
+        let daemon = try Daemon(topology, path, Self.config(topology, path, servers: [1, 2, 3], drainSecs: drainSecs))
+        // 60 clients, one request at a time each (about 30 round trips/s each), for about 3 s;
+        // b3 leaves after 1.5 s, with about 20 of its clients' replies in flight.
+        let arguments = [TwoWayTopology.vip(), "\(Self.listenerPort)", "90", "--exchange", "--clients", "60",
+                         "--sources", topology.clientRange(), "--reply-timeout-ms", "1000", "--duration", "60"]
+        let publisher = try Child("publisher", arguments, prefix: topology.prefix(topology.clients))
+        usleep(1_500_000)
+        try daemon.reload(Self.config(topology, path, servers: [1, 2], drainSecs: drainSecs))
+        #expect(publisher.wait(seconds: 90) == 0, "publisher: \(publisher.stderr)")
+        let report = try publisher.json()
+        print("drain \(path) drain_secs \(drainSecs): \(publisher.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        let text = try Self.metrics(topology)
+        Self.printTwoWay(text, "drain \(path) drain_secs \(drainSecs)")
+        let drained = Self.value(text, path, "udp_fanout_replies_dropped_total", ",reason=\"drained\"") ?? -1
+        let lost = report.int("lost") ?? -1
+        #expect(report.int("replies") == 60 * 90 - max(lost, 0) && report.int("wrong_source") == 0, "\(report)")
+        if drainSecs > 0 {
+            #expect(lost == 0 && drained == 0, "no reply lost within the drain time: lost \(lost), drained \(drained)")
+        } else {
+            #expect(lost > 0 && drained == lost, "every reply lost is counted: lost \(lost), drained \(drained)")
+        }
+        #expect(Self.value(text, path, "udp_fanout_downstream_replies_total", ",downstream=\"b3\"").map { $0 > 0 } == true, "b3's series stays: \(text)")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         _ = try Self.stop(servers)
