@@ -30,6 +30,29 @@ struct TCNATListenerTests {
         inNetworkNamespace(topology.proxy) { dataplane.attachmentProblem(interface: interface) } ?? "could not enter \(topology.proxy)"
     }
 
+    /// The listener started in the proxy's namespace.
+    static func start(_ config: Listener, _ topology: Topology, _ dataplane: TCDataplane, _ counters: ListenerCounters) throws -> TCListener {
+        let started = inNetworkNamespace(topology.proxy) { () -> Result<TCListener, TCError> in
+            do throws(TCError) {
+                return .success(try TCListener(config, counters: counters, dataplane: dataplane, logger: Logger(label: "test")))
+            } catch {
+                return .failure(error)
+            }
+        }
+        return try #require(try started?.get())
+    }
+
+    /// `script` (Python) running in each backend's namespace.
+    static func servers(_ topology: Topology, _ script: String) throws -> [Process] {
+        try topology.backends.map { namespace in
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
+            process.arguments = ["netns", "exec", namespace, "python3", "-c", script]
+            try process.run()
+            return process
+        }
+    }
+
     /// The proxy's interface toward backend n (Topology's naming).
     static func backendSide(_ topology: Topology, _ n: Int) -> String { "pb\(n)\(topology.suffix.prefix(7))" }
 
@@ -57,14 +80,7 @@ struct TCNATListenerTests {
         let dataplane = TCDataplane(logger: Logger(label: "test"))
         let counters = ListenerCounters(name: "nat", mode: "tc_ebpf")
         let config = Self.listener(topology, backends: [1, 2])
-        let started = inNetworkNamespace(topology.proxy) { () -> Result<TCListener, TCError> in
-            do throws(TCError) {
-                return .success(try TCListener(config, counters: counters, dataplane: dataplane, logger: Logger(label: "test")))
-            } catch {
-                return .failure(error)
-            }
-        }
-        let running = try #require(try started?.get())
+        let running = try Self.start(config, topology, dataplane, counters)
         for n in [1, 2] {
             #expect(Self.problem(dataplane, topology, Self.backendSide(topology, n)) == nil, "attached where backend \(n)'s replies arrive")
         }
@@ -77,13 +93,7 @@ struct TCNATListenerTests {
                 d,a=s.recvfrom(2048); s.sendto(d,a)
         except socket.timeout: pass
         """
-        let echoes = try [1, 2].map { n in
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
-            process.arguments = ["netns", "exec", topology.backends[n - 1], "python3", "-c", echo]
-            try process.run()
-            return process
-        }
+        let echoes = try Self.servers(topology, echo)
         defer { for process in echoes where process.isRunning { process.terminate() } }
         usleep(500_000)
         let client = """
@@ -142,14 +152,7 @@ struct TCNATListenerTests {
         var drained = Self.listener(topology, backends: [1, 2])
         drained.settings.drainSecs = 3
         let config = drained
-        let started = inNetworkNamespace(topology.proxy) { () -> Result<TCListener, TCError> in
-            do throws(TCError) {
-                return .success(try TCListener(config, counters: counters, dataplane: dataplane, logger: Logger(label: "test")))
-            } catch {
-                return .failure(error)
-            }
-        }
-        let running = try #require(try started?.get())
+        let running = try Self.start(config, topology, dataplane, counters)
         defer { _ = inNetworkNamespace(topology.proxy) { running.shutdown() } }
         // Each backend answers a request twice: after 1 s (within the drain time) and after 6 s
         // (past it). It serves for 12 s at most.
@@ -160,13 +163,7 @@ struct TCNATListenerTests {
             d,a=s.recvfrom(2048); time.sleep(1); s.sendto(b"in-time",a); time.sleep(5); s.sendto(b"late",a)
         except socket.timeout: pass
         """
-        let echoes = try [1, 2].map { n in
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: "/usr/sbin/ip")
-            process.arguments = ["netns", "exec", topology.backends[n - 1], "python3", "-c", echo]
-            try process.run()
-            return process
-        }
+        let echoes = try Self.servers(topology, echo)
         defer { for process in echoes where process.isRunning { process.terminate() } }
         usleep(500_000)
         // The client prints every datagram it receives within 9 s, with its source.

@@ -91,6 +91,22 @@ struct TCNATProgramTests {
         fixture.stats(id).verdicts[Int(value.rawValue)]
     }
 
+    /// Takes `gone` out of nat listener 10's set, as TCListener does: the next generation without
+    /// it, and the listener entry flipped to it. - Returns: the backends that remain.
+    static func removeFromSet(_ fixture: Fixture, _ gone: SocketAddress) throws -> [SocketAddress] {
+        let remaining = (1...3).map { SocketAddress("198.18.200.10:\(6000 + $0)")! }.filter { $0 != gone }
+        let downstreams = remaining.map { Downstream(name: "p\($0.port)", address: $0) }
+        try fixture.program.writeSet(id: natID, generation: 1, BackendSet(downstreams: downstreams, balancing: .roundRobin,
+                                                                           slots: Dictionary(uniqueKeysWithValues: downstreams.map { ($0.name, UInt16($0.address.port - 6001)) })))
+        var entry = fanout_listener()
+        entry.id = natID
+        entry.generation = 1
+        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        entry.reserved = FANOUT_LISTENER_NAT
+        try fixture.program.putListener(vip, ifindex: UInt32(fixture.ifindex), entry)
+        return remaining
+    }
+
     /// The backend a client datagram went to (redirected), as host:port.
     static func forwarded(_ fixture: Fixture, _ frame: [UInt8]) throws -> SocketAddress {
         let (result, output) = fixture.execute(frame)
@@ -232,16 +248,7 @@ struct TCNATProgramTests {
         let drainingBackend = try Self.forwarded(fixture, Self.frame(from: stays, to: Self.vip, payload: [1]))
         let slot = UInt16(drainingBackend.port - 6001)
         // The draining backend leaves the set: its entry stays, marked draining.
-        let remaining = (1...3).map { SocketAddress("198.18.200.10:\(6000 + $0)")! }.filter { $0 != drainingBackend }
-        let downstreams = remaining.map { Downstream(name: "p\($0.port)", address: $0) }
-        try fixture.program.writeSet(id: Self.natID, generation: 1, BackendSet(downstreams: downstreams, balancing: .roundRobin,
-                                                                                slots: Dictionary(uniqueKeysWithValues: downstreams.map { ($0.name, UInt16($0.address.port - 6001)) })))
-        var entry = fanout_listener()
-        entry.id = Self.natID
-        entry.generation = 1
-        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
-        entry.reserved = FANOUT_LISTENER_NAT
-        try fixture.program.putListener(Self.vip, ifindex: UInt32(fixture.ifindex), entry)
+        _ = try Self.removeFromSet(fixture, drainingBackend)
         #expect(try fixture.program.setLiveState(drainingBackend, id: Self.natID, slot: slot, state: FANOUT_LIVE_DRAINING))
         #expect(try fixture.program.setLiveState(drainingBackend, id: Self.natID6, slot: slot, state: FANOUT_LIVE_GONE) == false, "another listener's id writes nothing")
 
@@ -291,15 +298,7 @@ struct TCNATProgramTests {
         #expect(Set(assigned).count == 3)
         // Remove backend of client 0, as TCListener does: the new set, then out of the live map.
         let gone = assigned[0]
-        let remaining = (1...3).map { SocketAddress("198.18.200.10:\(6000 + $0)")! }.filter { $0 != gone }
-        let downstreams = remaining.map { Downstream(name: "p\($0.port)", address: $0) }
-        try fixture.program.writeSet(id: Self.natID, generation: 1, BackendSet(downstreams: downstreams, balancing: .roundRobin,
-                                                                                slots: Dictionary(uniqueKeysWithValues: downstreams.map { ($0.name, UInt16($0.address.port - 6001)) })))
-        var entry = fanout_listener()
-        entry.id = Self.natID
-        entry.generation = 1
-        entry.reserved = FANOUT_LISTENER_NAT
-        try fixture.program.putListener(Self.vip, ifindex: UInt32(fixture.ifindex), entry)
+        let remaining = try Self.removeFromSet(fixture, gone)
         fixture.program.removeLive(gone, id: Self.natID)
         let movedTo = try Self.forwarded(fixture, Self.frame(from: clients[0], to: Self.vip, payload: [2]))
         #expect(movedTo != gone && remaining.contains(movedTo))

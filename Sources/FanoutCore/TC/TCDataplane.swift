@@ -399,15 +399,7 @@ final class TCListener: RunningListener {
     private func startDrain(_ address: SocketAddress, slot: UInt16, name: String, now: ContinuousClock.Instant, in live: inout Live) {
         let drain = Duration.seconds(config.settings.drainSecs)
         guard drain > .zero else { return markGone(address, slot: slot, in: &live) }
-        do throws(SystemCallError) {
-            guard try program.setLiveState(address, id: id, slot: slot, state: FANOUT_LIVE_DRAINING) else { return }
-        } catch {
-            program.removeLive(address, id: id)
-            logger.warning("could not mark a removed downstream draining: its replies still in flight leave with its own address and are not counted", metadata: [
-                "listener": "\(config.name)", "downstream": "\(name)", "error": "\(error)",
-            ])
-            return
-        }
+        guard mark(address, slot: slot, FANOUT_LIVE_DRAINING) else { return }
         live.draining[address] = Draining(slot: slot, name: name, until: now + drain)
         logger.info("downstream draining: no new clients; its replies to its clients are relayed until settings.drain_secs passes", metadata: [
             "listener": "\(config.name)", "downstream": "\(name)", "address": "\(address)", "drain_secs": "\(config.settings.drainSecs)",
@@ -436,18 +428,25 @@ final class TCListener: RunningListener {
 
     /// The backend's drain ended: its datagrams toward clients are dropped and counted.
     private func markGone(_ address: SocketAddress, slot: UInt16, in live: inout Live) {
-        do throws(SystemCallError) {
-            guard try program.setLiveState(address, id: id, slot: slot, state: FANOUT_LIVE_GONE) else { return }
-        } catch {
-            program.removeLive(address, id: id)
-            logger.warning("could not mark a drained downstream gone: what it still sends leaves with its own address and is not counted", metadata: [
-                "listener": "\(config.name)", "address": "\(address)", "error": "\(error)",
-            ])
-            return
-        }
+        guard mark(address, slot: slot, FANOUT_LIVE_GONE) else { return }
         live.gone.removeAll { $0 == address }
         live.gone.append(address)
         if live.gone.count > Self.goneLimit { program.removeLive(live.gone.removeFirst(), id: id) }
+    }
+
+    /// Marks a backend that left the set draining or gone. - Returns: false if its entry is
+    /// another listener's now (nothing written), or could not be written: then it is taken out,
+    /// said in a warning (what it sends then passes with its own address, uncounted).
+    private func mark(_ address: SocketAddress, slot: UInt16, _ state: Int32) -> Bool {
+        do throws(SystemCallError) {
+            return try program.setLiveState(address, id: id, slot: slot, state: state)
+        } catch {
+            program.removeLive(address, id: id)
+            logger.warning("could not mark a downstream that left the set \(state == FANOUT_LIVE_DRAINING ? "draining" : "gone"): what it still sends leaves with its own address and is not counted", metadata: [
+                "listener": "\(config.name)", "address": "\(address)", "error": "\(error)",
+            ])
+            return false
+        }
     }
 
     /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
