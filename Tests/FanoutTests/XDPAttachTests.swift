@@ -139,19 +139,8 @@ struct XDPAttachTests {
     @Test("A foreign XDP program on the interface: the error names its id, name and the fix; it stays attached")
     func foreignProgram() throws {
         let namespace = try Namespace()
-        // r0 = XDP_PASS (2); exit
-        var instructions = [bpf_insn](repeating: bpf_insn(), count: 2)
-        instructions[0].code = 0xb7  // BPF_ALU64 | BPF_MOV | BPF_K
-        instructions[0].imm = 2
-        instructions[1].code = 0x95  // BPF_JMP | BPF_EXIT
-        let foreign = bpf_prog_load(BPF_PROG_TYPE_XDP, "other_xdp", "GPL", &instructions, 2, nil)
-        try #require(foreign >= 0, "bpf_prog_load: errno \(errno)")
+        let (foreign, info) = try Self.attachForeignProgram(namespace, "v1")
         defer { close(foreign) }
-        var info = bpf_prog_info()
-        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
-        try #require(bpf_obj_get_info_by_fd(foreign, &info, &length) == 0)
-        let attached = inNetworkNamespace(namespace.name) { bpf_xdp_attach(Int32(if_nametoindex("v1")), foreign, XDPAttachment.skbMode, nil) }
-        try #require(attached == 0, "bpf_xdp_attach: \(String(describing: attached))")
 
         let program = try XDPProgram(maxFrameLength: 2048)
         defer { program.closeDescriptors() }
@@ -173,6 +162,59 @@ struct XDPAttachTests {
             let linkText = try namespace.link("v1")
             #expect(linkText.contains(" xdpgeneric ") && linkText.contains("prog/xdp id \(info.id) "), "the foreign program is left alone: \(linkText)")
         }
+    }
+
+    /// Loads a program of another tool ("other_xdp": XDP_PASS) and attaches it to `interface`
+    /// through netlink in generic mode, as `ip link set dev X xdpgeneric` would: it stays until
+    /// detached or the namespace goes. Returns its descriptor (the caller closes it) and info.
+    static func attachForeignProgram(_ namespace: Namespace, _ interface: String) throws -> (Int32, bpf_prog_info) {
+        // r0 = XDP_PASS (2); exit
+        var instructions = [bpf_insn](repeating: bpf_insn(), count: 2)
+        instructions[0].code = 0xb7  // BPF_ALU64 | BPF_MOV | BPF_K
+        instructions[0].imm = 2
+        instructions[1].code = 0x95  // BPF_JMP | BPF_EXIT
+        let foreign = bpf_prog_load(BPF_PROG_TYPE_XDP, "other_xdp", "GPL", &instructions, 2, nil)
+        try #require(foreign >= 0, "bpf_prog_load: errno \(errno)")
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        let attached = inNetworkNamespace(namespace.name) { bpf_xdp_attach(Int32(if_nametoindex(interface)), foreign, XDPAttachment.skbMode, nil) }
+        guard bpf_obj_get_info_by_fd(foreign, &info, &length) == 0, attached == 0 else {
+            close(foreign)
+            Issue.record("foreign program: info or bpf_xdp_attach (\(String(describing: attached))) failed: errno \(errno)")
+            throw CancellationError()
+        }
+        return (foreign, info)
+    }
+
+    @Test("--check: an af_xdp listener's interface with a foreign XDP program is an error naming the program and the fix, as the start would be; OK once it is gone")
+    func checkForeignProgram() throws {
+        let namespace = try Namespace()
+        let (foreign, info) = try Self.attachForeignProgram(namespace, "v1")
+        defer { close(foreign) }
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("xdp-check-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try """
+            listeners:
+              - name: x
+                bind: "198.18.0.1:9000"
+                interface: v1
+                mode: af_xdp
+                settings: {xdp_mode: generic}
+                downstream: [{address: "198.18.1.2:9000"}]
+            """.write(to: file, atomically: true, encoding: .utf8)
+        let check = ["netns", "exec", namespace.name, binaryDirectory.appendingPathComponent("udp-fanout").path, "--check", "-c", file.path]
+        let refused = try run("/usr/sbin/ip", check)
+        #expect(refused.status == 2, "exit \(refused.status): \(refused.output)")
+        #expect(!refused.output.contains("configuration OK"), "\(refused.output)")
+        let line = refused.output.split(separator: "\n").first { $0.contains("listeners[0].interface") } ?? ""
+        for part in ["listener 'x'", "id \(info.id)", "'other_xdp'", "ip link set dev v1 xdp off", "another interface"] {
+            #expect(line.contains(part), "names \(part): \(refused.output)")
+        }
+        // Attached in generic mode: `xdp off` alone would ask the driver mode and leave it there.
+        let detached = try run("/usr/sbin/ip", ["-n", namespace.name, "link", "set", "dev", "v1", "xdpgeneric", "off"])
+        try #require(detached.status == 0, "\(detached.output)")
+        let accepted = try run("/usr/sbin/ip", check)
+        #expect(accepted.status == 0 && accepted.output.contains("configuration OK"), "\(accepted.status): \(accepted.output)")
     }
 
     @Test("Unknown interface: the error names it")

@@ -84,8 +84,10 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
     }
 
     /// Throws `.foreignProgram` if an XDP program other than `ours` is attached to the interface
-    /// in any mode (bpf_xdp_query: driver, generic or offloaded).
-    private static func checkNoForeignProgram(ifindex: UInt32, interface: String, ours: UInt32) throws(XDPError) {
+    /// in any mode (bpf_xdp_query: driver, generic or offloaded). The start asks before it
+    /// attaches; `--check` (``Preflight``) asks with `ours` nil, having loaded nothing, so that it
+    /// refuses what the start would.
+    static func checkNoForeignProgram(ifindex: UInt32, interface: String, ours: UInt32?) throws(XDPError) {
         // Zeroed storage: a Swift-initialised query leaves its padding as the stack had it (issue 21).
         let (result, ids) = withLibbpfOptions(bpf_xdp_query_opts.self) { query in
             let result = bpf_xdp_query(Int32(ifindex), 0, query)

@@ -1,10 +1,12 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFKernelABI
 import ReusePortLB
 
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching
-/// anything: tc_ebpf interfaces, forwarding and routes (``TCPreflight``), and that no other
+/// anything: tc_ebpf interfaces, forwarding and routes (``TCPreflight``), that an af_xdp
+/// listener's interface exists and carries no other tool's XDP program, and that no other
 /// process already serves a userspace listener's bind.
 public enum Preflight {
     /// Problems (each naming the key and the fix; the file cannot start as it is) and notes
@@ -14,9 +16,21 @@ public enum Preflight {
         var notes: [String] = []
         for (index, listener) in config.listeners.enumerated() where listener.mode == .afXDP {
             let interface = listener.interface ?? ""
-            guard if_nametoindex(interface) > 0 else {
+            let ifindex = if_nametoindex(interface)
+            guard ifindex > 0 else {
                 problems.append("listeners[\(index)].interface: listener '\(listener.name)': interface '\(interface)' not found in this network namespace: fix the name (ip link show lists them) or create the interface first")
                 continue
+            }
+            // The start's own check: another tool's XDP program on the interface refuses it.
+            do throws(XDPError) {
+                try XDPAttachment.checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
+            } catch .foreignProgram(_, _, let name) where name == FANOUT_PROG_XDP_NAME {
+                // Most likely the daemon this file is about to reload (`--check` before SIGHUP).
+                notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second af_xdp daemon on it would be refused")
+            } catch .query(_, let error) {
+                notes.append("listeners[\(index)].interface: listener '\(listener.name)': the XDP programs of \(interface) could not be read (\(error)); the start checks them again")
+            } catch {
+                problems.append("listeners[\(index)].interface: listener '\(listener.name)': \(error)")
             }
             if listener.settings.queues > 0, let available = try? RXQueues.count(interface: interface), listener.settings.queues > available {
                 problems.append("listeners[\(index)].settings.queues: listener '\(listener.name)': \(listener.settings.queues) but \(interface) has \(available) RX queue(s): lower it (0 serves them all)")
