@@ -498,34 +498,67 @@ struct KubernetesDiscoveryTests {
         }
     }
 
-    @Test("Graceful shutdown ends the watcher's run while a watch is open")
-    func gracefulShutdown() async throws {
+    @Test("Stopping a watcher with a watch open (graceful shutdown, or a reload's cancel) ends its run and closes its connection at once")
+    func stopIsPrompt() async throws {
         try await KubernetesAPIServer.with { server in
+            server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.1", pod: "pod-1")]))
             let credentials = try Self.inCluster(server)
             defer { try? FileManager.default.removeItem(atPath: credentials.directory) }
+            // A request bound far above the bound asserted: a stop that waited for it would show.
+            var timing = Self.timing
+            timing.requestTimeout = .seconds(20)
+            let bound = Duration.seconds(3)
             let log = CapturedLog()
-            let watcher = EndpointSliceWatcher(
-                source: Kubernetes(namespace: nil, service: "syslog", port: 5514), credentials: credentials.credentials,
-                httpClient: .shared, logger: log.logger(), timing: Self.timing, onUpdate: { _ in })
-            let group = ServiceGroup(configuration: .init(services: [watcher], logger: log.logger("group", level: .warning)))
-            let finished = Updates()
-            try await withThrowingTaskGroup(of: Void.self) { tasks in
-                tasks.addTask {
-                    try await group.run()
-                    finished.record([])
-                }
-                #expect(await server.eventually { server.activeWatches == 1 })
-                await group.triggerGracefulShutdown()
-                #expect(await server.eventually(5) { !finished.sets.isEmpty }, "the watcher did not stop within 5 s of graceful shutdown")
-                // Not stopped: cancel so the test ends; stopped: surface any error of the group.
-                if finished.sets.isEmpty { tasks.cancelAll() }
-                try await tasks.waitForAll()
+            func watcher() -> EndpointSliceWatcher {
+                EndpointSliceWatcher(
+                    source: Kubernetes(namespace: nil, service: "syslog", port: 5514), credentials: credentials.credentials,
+                    httpClient: .shared, logger: log.logger(), timing: timing, onUpdate: { _ in })
             }
-            // The test server notices a closed connection when it next writes to it.
-            #expect(await server.eventually {
-                server.sendBookmark()
-                return server.activeWatches == 0
-            }, "the watch connection is still open after shutdown")
+            /// Waits until the watch of `task` is open, stops it with `stop` and expects its run to
+            /// end and its connection to close within `bound`.
+            func expectPromptStop(_ task: Task<Void, any Error>, on what: String, _ stop: () async -> Void) async throws {
+                #expect(await server.eventually { server.activeWatches == 1 }, "no watch opened before \(what)")
+                let start = ContinuousClock.now
+                await stop()
+                await Self.waitForEnd(of: task, within: bound, what)
+                let took = ContinuousClock.now - start
+                try await task.value
+                #expect(took < bound, "the watcher stopped \(took) after \(what)")
+                let closed = await Self.watchesClosed(server)
+                #expect(closed.map { $0 < bound } == true, "the watch connection closed \(closed.map { "\($0)" } ?? "not within 10 s") after the watcher stopped on \(what)")
+            }
+            // SIGTERM: the daemon's ServiceGroup shuts down gracefully.
+            let group = ServiceGroup(configuration: .init(services: [watcher()], logger: log.logger("group", level: .warning)))
+            try await expectPromptStop(Task { try await group.run() }, on: "graceful shutdown") { await group.triggerGracefulShutdown() }
+            // A reload: DiscoveryService cancels the watcher's task and waits for it.
+            let running = watcher()
+            let task = Task { try await running.run() }
+            try await expectPromptStop(task, on: "cancellation") { task.cancel() }
+        }
+    }
+
+    @Test("The udp-fanout binary with a Kubernetes listener and its watch open exits promptly on SIGTERM")
+    func binaryStopsPromptly() async throws {
+        try await KubernetesAPIServer.with { server in
+            server.apply(.init(name: "recv-a", namespace: "test", service: "receivers", endpoints: [.init(address: "127.0.0.71", pod: "pod-0")]))
+            let kubeconfig = try server.writeKubeconfig(namespace: "test")
+            let directory = try Self.temporaryDirectory()
+            defer { try? FileManager.default.removeItem(atPath: directory) }
+            try """
+                listeners:
+                  - name: k
+                    bind: "127.0.0.1:\(freePort())"
+                    kubernetes: {service: receivers, port: \(freePort())}
+                """.write(toFile: directory + "/udp-fanout.yaml", atomically: true, encoding: .utf8)
+            let daemon = try Child("udp-fanout", ["-c", directory + "/udp-fanout.yaml"], prefix: ["/usr/bin/env", "KUBECONFIG=\(kubeconfig)"])
+            #expect(await server.eventually { server.activeWatches == 1 }, "no watch opened: \(daemon.stderr)")
+            let start = ContinuousClock.now
+            daemon.signal(SIGTERM)
+            // Polled here rather than in Child.wait, which would block a thread the server may need.
+            for _ in 0..<1000 where daemon.process.isRunning { try await Task.sleep(for: .milliseconds(10)) }
+            let took = ContinuousClock.now - start
+            #expect(daemon.wait(seconds: 10) == 0, "\(daemon.stderr)")
+            #expect(took < .seconds(3), "udp-fanout exited \(took) after SIGTERM with a watch open: \(daemon.stderr)")
         }
     }
 
@@ -613,6 +646,36 @@ struct KubernetesDiscoveryTests {
             }
             tasks.cancelAll()
         }
+    }
+
+    /// Waits for `task` to end, at most `bound` plus a second: past that it is a failure naming
+    /// `what`, and the task is cancelled and waited for, so nothing outlives the test and a slow
+    /// stop shows as a failure rather than a hung run.
+    static func waitForEnd(of task: Task<Void, any Error>, within bound: Duration, _ what: String) async {
+        let done = Mutex(false)
+        let waiter = Task {
+            _ = try? await task.value
+            done.withLock { $0 = true }
+        }
+        let end = ContinuousClock.now + bound + .seconds(1)
+        while !done.withLock({ $0 }) && ContinuousClock.now < end { try? await Task.sleep(for: .milliseconds(10)) }
+        if !done.withLock({ $0 }) {
+            Issue.record("the watcher did not stop within \(bound + .seconds(1)) of \(what); cancelled")
+            task.cancel()
+        }
+        await waiter.value
+    }
+
+    /// How long until the server sees no open watch, polling for at most 10 s (it notices a
+    /// closed connection when it next writes to it, so a bookmark is sent on each poll); nil
+    /// when one is still open then.
+    static func watchesClosed(_ server: KubernetesAPIServer) async -> Duration? {
+        let start = ContinuousClock.now
+        let closed = await server.eventually(10) {
+            server.sendBookmark()
+            return server.activeWatches == 0
+        }
+        return closed ? ContinuousClock.now - start : nil
     }
 
     static func temporaryDirectory() throws -> String {

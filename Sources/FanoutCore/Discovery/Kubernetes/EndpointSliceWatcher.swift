@@ -2,6 +2,7 @@ import AsyncHTTPClient
 import Foundation
 import Logging
 import NIOCore
+import NIOSSL
 import ServiceLifecycle
 import Synchronization
 
@@ -361,7 +362,7 @@ final class EndpointSliceWatcher: Service, Sendable {
             Result { () throws(DiscoveryError) in try credentials.authorization() }
         }.get()
         var request = HTTPClientRequest(url: url)
-        request.tlsConfiguration = credentials.tlsConfiguration
+        request.tlsConfiguration = Self.requestTLS(credentials.tlsConfiguration)
         request.headers.add(name: "Accept", value: "application/json")
         request.headers.add(name: "User-Agent", value: "udp-fanout")
         if let authorization { request.headers.add(name: "Authorization", value: authorization) }
@@ -383,6 +384,23 @@ final class EndpointSliceWatcher: Service, Sendable {
         case 410: throw DiscoveryError.gone(message: message)
         default: throw DiscoveryError.httpStatus(url: url, status: code, message: message)
         }
+    }
+
+    /// The TLS configuration of every request: the credentials' one, closing without waiting
+    /// for the API server's close_notify.
+    ///
+    /// A watch ends (graceful shutdown, a reload, a stall) by closing its connection. NIOSSL
+    /// then sends close_notify and by default waits 5 s for the server's before it closes the
+    /// socket; a server that keeps streaming the watch instead (an HTTP/1.1 server that allows
+    /// half-closure, as the tests' one does) holds the connection that long, and with it
+    /// `HTTPClient.shutdown()`: the daemon's exit on SIGTERM. Nothing more is read from a
+    /// connection being closed, so the wait buys nothing; Go's crypto/tls (client-go) does not
+    /// wait either.
+    /// - Parameter tls: the credentials' configuration (CA, client certificate, verification).
+    static func requestTLS(_ tls: TLSConfiguration) -> TLSConfiguration {
+        var tls = tls
+        tls.shutdownTimeout = .zero
+        return tls
     }
 
     // MARK: Publishing
