@@ -105,8 +105,13 @@ struct UDPFanout: AsyncParsableCommand {
             printError("udp-fanout: \(error)")
             throw ExitCode(2)
         }
+        // A service that fails (a listener that cannot start) shuts the others down gracefully,
+        // as SIGTERM does: cancelled instead, the HTTP server logged its own teardown as errors
+        // ("Waiting on child channel: CancellationError()", "Server shutdown error: Already
+        // closed") after the real one, which read as more failures. The real error still ends
+        // run() and is printed below.
         var configuration = ServiceGroupConfiguration(
-            services: services,
+            services: services.map { .init(service: $0, failureTerminationBehavior: .gracefullyShutdownGroup) },
             gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
         // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
         configuration.maximumGracefulShutdownDuration = .seconds(10)
