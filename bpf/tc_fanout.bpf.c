@@ -545,7 +545,8 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	}
 
 	__u32 verdict;
-	if (p.hop_limit <= 1) {
+	/* A gone backend's datagram is counted drained (below, once known not to be for this host). */
+	if (p.hop_limit <= 1 && !drained) {
 		count(stats, reply, FANOUT_VERDICT_TTL_EXPIRED);
 		return TC_ACT_SHOT;
 	}

@@ -50,7 +50,8 @@
 #define FANOUT_MAP_NAT_NAME      "fanout_nat"
 
 /* Live backends of every nat listener at once: each listener's backends fit. */
-#define FANOUT_LIVE_ENTRIES (FANOUT_MAX_LISTENERS * FANOUT_MAX_BACKENDS)
+/* Every nat listener's live, draining and gone backends (at most FANOUT_MAX_BACKENDS each). */
+#define FANOUT_LIVE_ENTRIES (3 * FANOUT_MAX_LISTENERS * FANOUT_MAX_BACKENDS)
 
 /* fanout_listener.reserved flags. */
 /* The listener is two-way (replies: nat): clients keep their backend through the

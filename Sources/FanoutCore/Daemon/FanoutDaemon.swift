@@ -316,17 +316,24 @@ public final class FanoutDaemon: Sendable {
             // The old listeners take their binds back (a new userspace group may have activated,
             // a new tc_ebpf listener written its entry over theirs) before the new ones stop.
             let stoppedEarly = Set(stopFirst.map(\.name))
+            var lost: [String] = []
             for listener in retiring where !stoppedEarly.contains(listener.name) {
                 do {
                     try running[listener.name]?.activate()
                 } catch {
-                    logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets (userspace) or pass untouched (tc_ebpf)", metadata: [
+                    logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets (userspace) or, for tc_ebpf, nowhere: it is stopped and counted lost until a reload starts it", metadata: [
                         "listener": "\(listener.name)", "error": "\(error)",
                     ])
+                    // A tc_ebpf listener whose entries could not be written back matches nothing
+                    // once its successor stops: not running, said so (the next reload starts it).
+                    if listener.mode == .tcEBPF {
+                        running[listener.name]?.shutdown()
+                        state.withLock { $0.listeners[listener.name] = nil }
+                        lost.append(listener.name)
+                    }
                 }
             }
             for instance in started.values { instance.shutdown() }
-            var lost: [String] = []
             /// Starts `listener` again with the set last applied; nil (recorded lost) if it cannot.
             func restart(_ listener: Listener) -> (any RunningListener)? {
                 do {

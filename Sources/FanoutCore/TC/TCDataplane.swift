@@ -224,8 +224,11 @@ final class TCListener: RunningListener {
             replies &+= other.replies
         }
     }
-    /// nat: backends kept marked gone at once per listener (the oldest leaves the map first).
-    static let goneLimit = 4096
+    /// nat: backends kept marked gone at once per listener (the oldest leaves the map first), and
+    /// draining at once (the oldest drain ends first): with the live ones, every nat listener's
+    /// entries fit in the shared live map (FANOUT_LIVE_ENTRIES).
+    static let goneLimit = Int(FANOUT_MAX_BACKENDS)
+    static let drainingLimit = Int(FANOUT_MAX_BACKENDS)
     /// nat: the listener's association map (its descriptor; the program's array holds it at `id`).
     private let associationMap: Int32?
     /// nat: the last count of the association map (at most one walk per `countInterval`).
@@ -306,12 +309,21 @@ final class TCListener: RunningListener {
                 var drainingNames = Set(live.draining.values.map(\.name))
                 if nat && config.settings.drainSecs > 0 { drainingNames.formUnion(live.liveBackends.keys.compactMap { live.names[$0] }) }
                 var slots = live.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) || drainingNames.contains($0.key) }
-                for (name, slot) in live.slots where slots[name] == nil { retire(name, slot: slot, in: &live) }
-                var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !Set(slots.values).contains($0) }.reversed().map { $0 }
+                // Slots given up: their totals go on under the name, read once the flip below took
+                // every new datagram away from them (or now, for one reused at once), and kept only
+                // if the change succeeds.
+                var given = live.slots.filter { slots[$0.key] == nil }
+                var retiredNow: [(String, BackendTotals)] = []
+                var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { slot in !slots.values.contains(slot) && !given.values.contains(slot) }.reversed().map { $0 }
                 for downstream in downstreams where slots[downstream.name] == nil {
-                    // Slots run short only if kept ones fill them: a kept slot gives way.
-                    if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) }) {
-                        retire(kept.key, slot: kept.value, in: &live)
+                    if free.isEmpty, let (name, slot) = given.first {
+                        // Slots run short: a given-up one is reused at once.
+                        retiredNow.append((name, totals(slot: slot)))
+                        given[name] = nil
+                        free.append(slot)
+                    } else if free.isEmpty, let kept = slots.first(where: { !wanted.contains($0.key) && !drainingNames.contains($0.key) }) {
+                        // Then a kept one (health took it out) gives way; a draining one never does.
+                        retiredNow.append((kept.key, totals(slot: kept.value)))
                         slots[kept.key] = nil
                         free.append(kept.value)
                     }
@@ -340,6 +352,8 @@ final class TCListener: RunningListener {
                 // successor takes over here; that one's shutdown leaves this entry alone).
                 try program.putListener(config.bind, ifindex: ifindex, entry)
                 live.entry = entry
+                for (name, slot) in given { retiredNow.append((name, totals(slot: slot))) }
+                for (name, counted) in retiredNow { live.retired[name, default: BackendTotals()].add(counted) }
                 // Gone from the set: they drain (no new client; their replies in flight still
                 // reach their clients from the listener's address), then are gone.
                 let now = ContinuousClock.now
@@ -357,7 +371,18 @@ final class TCListener: RunningListener {
                 live.replyInterfaces = wantedInterfaces
             }
         } catch {
-            for address in markedLive { program.removeLive(address, id: id) }
+            // Back as they were: a backend that was draining or gone is marked so again.
+            live.withLock { live in
+                for address in markedLive {
+                    if let draining = live.draining[address] {
+                        _ = mark(address, slot: draining.slot, FANOUT_LIVE_DRAINING, taking: true)
+                    } else if live.gone.contains(address) {
+                        _ = mark(address, slot: 0, FANOUT_LIVE_GONE, taking: true)
+                    } else {
+                        program.removeLive(address, id: id)
+                    }
+                }
+            }
             dataplane.releaseReplyInterfaces(added)
             throw .maps(error)
         }
@@ -387,11 +412,10 @@ final class TCListener: RunningListener {
         return names
     }
 
-    /// Keeps the counts of a downstream whose slot is given up under its name.
-    private func retire(_ name: String, slot: UInt16, in live: inout Live) {
+    /// What a counter slot has counted.
+    private func totals(slot: UInt16) -> BackendTotals {
         let counted = program.backendStats(id: id, slot: slot)
-        live.retired[name, default: BackendTotals()].add(BackendTotals(
-            packets: counted.packets, bytes: counted.bytes, noRoute: counted.noRoute, tooLarge: counted.tooLarge, replies: counted.replies))
+        return BackendTotals(packets: counted.packets, bytes: counted.bytes, noRoute: counted.noRoute, tooLarge: counted.tooLarge, replies: counted.replies)
     }
 
     /// A backend left the set: it drains for `settings.drain_secs`, then is gone. An entry
@@ -399,13 +423,26 @@ final class TCListener: RunningListener {
     private func startDrain(_ address: SocketAddress, slot: UInt16, name: String, now: ContinuousClock.Instant, in live: inout Live) {
         let drain = Duration.seconds(config.settings.drainSecs)
         guard drain > .zero else { return markGone(address, slot: slot, in: &live) }
+        // Bounded (the live map is shared by every nat listener): the oldest drain ends first.
+        if live.draining.count >= Self.drainingLimit, let oldest = live.draining.min(by: { $0.value.until < $1.value.until }) {
+            live.draining[oldest.key] = nil
+            markGone(oldest.key, slot: oldest.value.slot, in: &live)
+            logger.warning("more downstreams draining than settings allow at once: the oldest drain ended early", metadata: [
+                "listener": "\(config.name)", "downstream": "\(oldest.value.name)", "limit": "\(Self.drainingLimit)",
+            ])
+        }
         guard mark(address, slot: slot, FANOUT_LIVE_DRAINING) else { return }
         live.draining[address] = Draining(slot: slot, name: name, until: now + drain)
         logger.info("downstream draining: no new clients; its replies to its clients are relayed until settings.drain_secs passes", metadata: [
             "listener": "\(config.name)", "downstream": "\(name)", "address": "\(address)", "drain_secs": "\(config.settings.drainSecs)",
         ])
-        // A timer per removal (not per datagram); a stopped listener's fires and does nothing.
-        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(config.settings.drainSecs * 1000)) { [weak self] in
+        scheduleDrainEnd(after: drain)
+    }
+
+    /// A timer per removal (not per datagram); a stopped listener's fires and does nothing.
+    private func scheduleDrainEnd(after delay: Duration) {
+        let milliseconds = Int(delay.components.seconds * 1000 + delay.components.attoseconds / 1_000_000_000_000_000) + 1
+        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(milliseconds)) { [weak self] in
             self?.endDrains()
         }
     }
@@ -423,6 +460,8 @@ final class TCListener: RunningListener {
                     "listener": "\(config.name)", "downstream": "\(draining.name)", "address": "\(address)",
                 ])
             }
+            // A timer that fired early (its clock and ours differ) leaves none behind.
+            if let next = live.draining.values.map(\.until).min() { scheduleDrainEnd(after: next - now) }
         }
     }
 
@@ -437,8 +476,14 @@ final class TCListener: RunningListener {
     /// Marks a backend that left the set draining or gone. - Returns: false if its entry is
     /// another listener's now (nothing written), or could not be written: then it is taken out,
     /// said in a warning (what it sends then passes with its own address, uncounted).
-    private func mark(_ address: SocketAddress, slot: UInt16, _ state: Int32) -> Bool {
+    /// - Parameter taking: write the entry even where it is not this listener's (a failed change
+    ///   puts back what it overwrote).
+    private func mark(_ address: SocketAddress, slot: UInt16, _ state: Int32, taking: Bool = false) -> Bool {
         do throws(SystemCallError) {
+            if taking {
+                try program.putLive(address, id: id, slot: slot, state: state)
+                return true
+            }
             return try program.setLiveState(address, id: id, slot: slot, state: state)
         } catch {
             program.removeLive(address, id: id)

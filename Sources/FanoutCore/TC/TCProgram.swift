@@ -6,6 +6,7 @@ import BPFSupport
 import CLibBPF
 import CSystemShim
 import ReusePortLB
+import Synchronization
 
 /// The loaded tc_ebpf program and its maps: one per daemon, shared by every tc_ebpf listener
 /// and interface. Nothing is pinned: closing the descriptors (or the process ending) frees it.
@@ -241,6 +242,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     ///   it: its replies to its clients still leave from the listener's address) or
     ///   `FANOUT_LIVE_GONE` (its drain ended: its datagrams are dropped, counted `drained`).
     func putLive(_ address: SocketAddress, id: UInt32, slot: UInt16, state: Int32 = FANOUT_LIVE_ACTIVE) throws(SystemCallError) {
+        try liveWrites.withLock { _ throws(SystemCallError) in try writeLive(address, id: id, slot: slot, state: state) }
+    }
+
+    private func writeLive(_ address: SocketAddress, id: UInt32, slot: UInt16, state: Int32) throws(SystemCallError) {
         var key = Self.liveKey(address)
         var value = fanout_live()
         value.listener_id = id
@@ -249,25 +254,34 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_LIVE_NAME)") { bpf_map_update_elem(liveBackends, &key, &value, UInt64(BPF_ANY)) }
     }
 
+    /// Serialises the live map's writes: a check of an entry's owner and the write after it
+    /// (setLiveState, removeLive) are one step for every listener, whichever thread (a reload, a
+    /// drain timer) makes them.
+    private let liveWrites = Mutex<Void>(())
+
     /// Sets the state of a backend listener `id` has in the live map (draining, gone).
     /// - Returns: false if the entry is not listener `id`'s (another listener owns it now, or it
     ///   is not there): nothing written.
     func setLiveState(_ address: SocketAddress, id: UInt32, slot: UInt16, state: Int32) throws(SystemCallError) -> Bool {
-        var key = Self.liveKey(address)
-        var value = fanout_live()
-        guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return false }
-        try putLive(address, id: id, slot: slot, state: state)
-        return true
+        try liveWrites.withLock { _ throws(SystemCallError) in
+            var key = Self.liveKey(address)
+            var value = fanout_live()
+            guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return false }
+            try writeLive(address, id: id, slot: slot, state: state)
+            return true
+        }
     }
 
     /// A backend no longer live for listener `id`: its clients move on their next datagram. An
     /// entry another listener owns now (a reload that renamed the listener registers the
     /// successor before the predecessor goes) is left alone.
     func removeLive(_ address: SocketAddress, id: UInt32) {
-        var key = Self.liveKey(address)
-        var value = fanout_live()
-        guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return }
-        bpf_map_delete_elem(liveBackends, &key)
+        liveWrites.withLock { _ in
+            var key = Self.liveKey(address)
+            var value = fanout_live()
+            guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return }
+            bpf_map_delete_elem(liveBackends, &key)
+        }
     }
 
     /// The entries of an association map: each client and its backend, up to `limit`, and the
