@@ -314,8 +314,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         bySocket[fd] = nil
         guard sessionCount.admitDraining() else {
             session.closeSocket()  // close removes it from the epoll set
-            logFailure("too many draining relay session sockets (settings.max_sessions): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted",
-                       SystemCallError(call: "drain \(session.downstream.address)", errno: EMFILE))
+            logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted (raise settings.max_sessions or lower settings.drain_secs)",
+                       DrainingLimitReached(downstream: session.downstream.address, limit: sessionCount.maxSessions))
             return
         }
         // The descriptor moves, still in the epoll set: the session makes a new one when its
@@ -815,8 +815,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             }
             sessionCount.release(expired)
             if expired > 0 { relay.expired.wrappingAdd(UInt64(expired), ordering: .relaxed) }
-            // Draining sockets past their drain time and silent for session_idle_secs close.
-            let silent = draining.compactMap { now >= $0.value.until && now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
+            // Draining sockets past their drain time close once silent for session_idle_secs, and at
+            // the latest session_idle_secs after it (a downstream that keeps sending cannot hold one).
+            let silent = draining.compactMap { fd, socket in
+                now >= socket.until && (now - socket.lastActive >= idleMilliseconds || now - socket.until >= idleMilliseconds) ? fd : nil
+            }
             for fd in silent {
                 guard let socket = draining.removeValue(forKey: fd) else { continue }
                 // One last read: a reply that arrived in this very instant is counted too.
@@ -848,4 +851,11 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         lastFailureLog = now
         failuresSinceLog = 0
     }
+}
+
+/// A leaving downstream's session socket closed at once: the listener holds `limit` draining ones.
+private struct DrainingLimitReached: Error, CustomStringConvertible {
+    let downstream: SocketAddress
+    let limit: Int
+    var description: String { "\(limit) draining session sockets held already; closed the one to \(downstream)" }
 }
