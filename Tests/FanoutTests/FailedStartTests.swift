@@ -1,3 +1,5 @@
+// SOCK_DGRAM: through CSystemShim when a file of the same compile batch imports it (development.md).
+import CSystemShim
 import Foundation
 import ReusePortLB
 import Testing

@@ -317,8 +317,6 @@ struct ReloadMatrixTests {
         let total = outcome.sent + outcome.burst
         // Datagrams sent to a bind no longer configured reach no socket: the kernel counts them
         // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
-        // Datagrams sent to a bind no longer configured reach no socket: the kernel counts them
-        // (Udp NoPorts). Anywhere else a datagram must reach a downstream or a daemon counter.
         // A tc_attach change re-attaches the program, warned about: what arrives meanwhile the
         // kernel counts (Udp NoPorts).
         let accountedByKernel = cell.key == "bind" || Self.stopsFirst(cell) ? outcome.noPorts : 0
