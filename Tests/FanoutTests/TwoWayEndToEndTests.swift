@@ -477,6 +477,9 @@ struct TwoWayEndToEndTests {
             #expect(lost > 0 && drained == lost, "every reply lost is counted: lost \(lost), drained \(drained)")
         }
         #expect(Self.value(text, path, "udp_fanout_downstream_replies_total", ",downstream=\"b3\"").map { $0 > 0 } == true, "b3's series stays: \(text)")
+        let said = daemon.child.stderr.split(separator: "\n").filter { $0.contains("downstream=b3") }
+        #expect(said.contains { $0.contains(drainSecs > 0 ? "downstream draining" : "downstream left the set (settings.drain_secs 0)") },
+                "the log says what happens to b3: \(said)")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         _ = try Self.stop(servers)

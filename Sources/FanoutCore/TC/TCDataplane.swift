@@ -422,7 +422,12 @@ final class TCListener: RunningListener {
     /// another listener owns now (the downstream moved to it in the same reload) is left alone.
     private func startDrain(_ address: SocketAddress, slot: UInt16, name: String, now: ContinuousClock.Instant, in live: inout Live) {
         let drain = Duration.seconds(config.settings.drainSecs)
-        guard drain > .zero else { return markGone(address, slot: slot, in: &live) }
+        guard drain > .zero else {
+            logger.info("downstream left the set (settings.drain_secs 0): what it still sends toward clients is dropped and counted drained", metadata: [
+                "listener": "\(config.name)", "downstream": "\(name)", "address": "\(address)",
+            ])
+            return markGone(address, slot: slot, in: &live)
+        }
         // Bounded (the live map is shared by every nat listener): the oldest drain ends first.
         if live.draining.count >= Self.drainingLimit, let oldest = live.draining.min(by: { $0.value.until < $1.value.until }) {
             live.draining[oldest.key] = nil

@@ -22,6 +22,7 @@ final class UserspaceListener: RunningListener {
     private let threads: [OSThread]
     private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
     private let instance = ListenerInstance.next()
+    private let logger: Logger
 
     /// - Parameter passiveHealth: told a downstream's address when a send to it got ICMP port
     ///   unreachable (at most once per batch per downstream and worker); nil: not reported.
@@ -30,6 +31,7 @@ final class UserspaceListener: RunningListener {
         self.config = config
         self.counters = counters
         self.passiveHealth = passiveHealth
+        self.logger = logger
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
         let options = GroupOptions(
@@ -147,6 +149,17 @@ final class UserspaceListener: RunningListener {
 
     /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+        if relay != nil {
+            // What a relay drain does is said once here, not by each worker.
+            let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
+            for leaving in plans.plan.downstreams where leaving.weight > 0 && !staying.contains(leaving.address) {
+                logger.info(config.settings.drainSecs > 0
+                    ? "downstream draining: no new clients; its sessions' replies are relayed until settings.drain_secs passes, later ones counted drained"
+                    : "downstream left the set (settings.drain_secs 0): its sessions' replies from now on are counted drained", metadata: [
+                    "listener": "\(config.name)", "downstream": "\(leaving.name)", "address": "\(leaving.address)", "drain_secs": "\(config.settings.drainSecs)",
+                ])
+            }
+        }
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
         return true
     }
