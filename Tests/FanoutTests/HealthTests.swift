@@ -162,13 +162,15 @@ struct HealthTests {
                 try sysctl(peer.name, "\(setting)=1")
                 try #require(await eventually(seconds: 10) { !checker.isUp(target) }, "\(target) down once it stops answering")
                 #expect(probes(checker, target, .timeout) >= 3)
-                #expect(changes.events == [Changes.Event(target: target, up: false)])
+                // The state flips under the checker's lock; the log line and onChange follow on the
+                // probe thread (a loaded machine showed isUp false with no event yet).
+                #expect(await eventually { changes.events == [Changes.Event(target: target, up: false)] }, "\(changes.events)")
                 #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "timeout"))
                 #expect(log.contains("downstream marked unhealthy, disabling", key: "consecutive", value: "3"))
                 #expect(targets.allSatisfy { $0 == target || checker.isUp($0) }, "the other family is not affected")
                 try sysctl(peer.name, "\(setting)=0")
                 try #require(await eventually(seconds: 10) { checker.isUp(target) }, "\(target) up once it answers again")
-                #expect(changes.events == [Changes.Event(target: target, up: false), Changes.Event(target: target, up: true)])
+                #expect(await eventually { changes.events == [Changes.Event(target: target, up: false), Changes.Event(target: target, up: true)] }, "\(changes.events)")
                 #expect(log.contains("downstream is healthy", key: "consecutive", value: "2"))
                 let text = checker.metricsText()
                 let label = "target=\"\(target)\""
@@ -199,7 +201,7 @@ struct HealthTests {
             server.mode.store(EchoServer.Mode.silent.rawValue, ordering: .relaxed)
             try #require(await eventually { !checker.isUp(target) }, "silent: down")
             #expect(probes(checker, target, .timeout) >= 2)
-            #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "timeout"))
+            #expect(await eventually { log.contains("downstream marked unhealthy, disabling", key: "reason", value: "timeout") })
 
             server.mode.store(EchoServer.Mode.echo.rawValue, ordering: .relaxed)
             try #require(await eventually { checker.isUp(target) }, "echoing again: up")
@@ -207,7 +209,7 @@ struct HealthTests {
             server.mode.store(EchoServer.Mode.wrong.rawValue, ordering: .relaxed)
             try #require(await eventually { !checker.isUp(target) }, "wrong payload: down")
             #expect(probes(checker, target, .mismatch) >= 2)
-            #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "mismatch"))
+            #expect(await eventually { log.contains("downstream marked unhealthy, disabling", key: "reason", value: "mismatch") })
 
             server.mode.store(EchoServer.Mode.echo.rawValue, ordering: .relaxed)
             try #require(await eventually { checker.isUp(target) })
@@ -215,11 +217,12 @@ struct HealthTests {
             server.close()
             try #require(await eventually { !checker.isUp(target) }, "closed: down")
             #expect(probes(checker, target, .refused) >= 2)
-            #expect(log.contains("downstream marked unhealthy, disabling", key: "reason", value: "refused"))
+            #expect(await eventually { log.contains("downstream marked unhealthy, disabling", key: "reason", value: "refused") })
 
             try server.open()
             try #require(await eventually { checker.isUp(target) }, "reopened: up")
-            #expect(changes.events.map(\.up) == [false, true, false, true, false, true], "each transition once")
+            // onChange follows the state's flip on the probe thread: wait for the last one.
+            #expect(await eventually { changes.events.map(\.up) == [false, true, false, true, false, true] }, "each transition once: \(changes.events)")
         }
     }
 
@@ -274,7 +277,7 @@ struct HealthTests {
             #expect(seen.count >= 3 && seen.allSatisfy { $0 == dead }, "\(seen)")
             try #require(await eventually { !checker.isUp(dead) }, "three passive failures take it down")
             #expect(checker.isUp(other))
-            #expect(changes.events == [Changes.Event(target: dead, up: false)])
+            #expect(await eventually { changes.events == [Changes.Event(target: dead, up: false)] }, "\(changes.events)")
             #expect(metric(checker.metricsText(), "udp_fanout_health_passive_failures_total", "target=\"\(dead)\"").map { $0 >= 3 } == true)
             #expect(probes(checker, dead, .refused) == 0, "passive reports are not probes")
         }
