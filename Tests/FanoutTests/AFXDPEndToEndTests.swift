@@ -208,8 +208,12 @@ struct AFXDPEndToEndTests {
             let collectors = try Self.collectors(topology.backends, addresses: (1...3).map(Topology.backendIPv4), prefix: topology.prefix)
             // preserve_source: the reassembled datagrams leave as fragments built by the outbox (a raw
             // socket does not fragment), the client's source kept.
+            // A 16 MiB companion buffer holds the whole run (600 reassembled 3000-byte datagrams):
+            // under load (make test beside a flood and a compile) the default one overflowed while
+            // the worker waited for a CPU (14 dropped, counted receive_queue_drops).
             let (daemon, file) = try Self.start(topology.prefix(topology.proxy),
-                                                Self.config(topology.proxyInterface, backends: Self.routedBackends(), output: "preserve_source"), "afxdp-frag")
+                                                Self.config(topology.proxyInterface, backends: Self.routedBackends(), output: "preserve_source",
+                                                            settings: ", recv_buf_size: 16777216"), "afxdp-frag")
             defer { try? FileManager.default.removeItem(at: file) }
             let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"], prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0)
