@@ -277,7 +277,10 @@ struct KubernetesDiscoveryTests {
                 ])
                 #expect(server.listsServed == 4 && server.goneServed == 2)
                 #expect(watcher.restartCount("gone") == 3)
-                #expect(log.count(.info, containing: "410 Gone") == 3)
+                // Each 410 is logged once: at info when it follows a watch that stayed open (the
+                // test's minimum), at error as a repeat when a busy machine made that watch shorter.
+                #expect(log.count(.info, containing: "410 Gone") + log.count(.error, containing: "410 Gone") == 3)
+                #expect(log.count(.info, containing: "410 Gone") >= 1, "the first relists at once, at info")
             }
         }
     }
