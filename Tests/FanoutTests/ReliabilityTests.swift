@@ -312,6 +312,42 @@ struct DatagramReliabilityTests {
         Reliability.report("SIGHUP storm: \(sent) datagrams at 20k/s, \(hangups) SIGHUPs (\(ok) applied, \(rejected) rejected: invalid or unappliable), received \(received.reduce(0, +)), lost \(sent - received.reduce(0, +))")
     }
 
+    @Test("A socket that overflowed at the end of a burst: its drops are counted while the listener stays idle, not with its next datagram (sent = received + receive_queue_drops)",
+          arguments: ["userspace", "relay"])
+    func dropsAtBurstEndCounted(kind: String) throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        // The smallest receive buffer the kernel grants holds a few datagrams: the rest of the burst is dropped.
+        let listener = listenerYAML("burst", bind: bind, [sink], extra: kind == "relay" ? "    replies: relay\n" : "")
+            .replacingOccurrences(of: "recv_buf_size: 8388608", with: "recv_buf_size: 4096")
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("burst-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try ("listeners:\n" + listener + "metrics: {enabled: true, bind: \"\(metrics)\"}\n").write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path, "-l", "info"])
+        try daemon.waitFor("entering receive loop")
+        // The worker cannot read while the burst arrives; then no datagram follows it.
+        daemon.signal(SIGSTOP)
+        let sent = 1000
+        try sendNumbered(to: bind, count: sent)
+        daemon.signal(SIGCONT)
+        let labels = "listener=\"burst\",mode=\"userspace\""
+        var text = ""
+        for _ in 0..<50 {
+            text = try httpGet(metrics, "/metrics").1
+            let received = metric(text, "udp_fanout_packets_received_total", labels) ?? 0
+            let drops = metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0
+            if received + drops == sent { break }
+            usleep(100_000)
+        }
+        let received = metric(text, "udp_fanout_packets_received_total", labels) ?? -1
+        let drops = metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? -1
+        #expect(drops > 0 && received + drops == sent, "\(sent) sent: \(received) received, \(drops) counted as receive_queue_drops")
+        #expect(sink.drain().count == received, "every datagram read was forwarded")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+    }
+
     @Test("kill -9 at random moments under load, then restart: the bind is free at once, nothing pinned, every datagram after the restart forwarded")
     func killLoop() throws {
         let rounds = Reliability.scale(3, 25)

@@ -164,7 +164,10 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var nextSweep = monotonicMilliseconds() + 1000
         while !stop.isSet {
             let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
-            if ready == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
+            if ready == 0 {
+                progress.wrappingAdd(1, ordering: .relaxed)
+                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
+            }
             if ready > 0 {
                 wakeup &+= 1
                 for slot in 0..<Int(ready) {
@@ -190,6 +193,9 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if now >= nextSweep {
                 nextSweep = now + 1000
                 sweep(now: now)
+                // Replies can keep this loop from ever idling: drops of the listener's socket
+                // are read here too, not only with its next request.
+                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
             }
             // What this wakeup gathered from the session sockets goes to the clients in one call.
             flushReplies()
@@ -202,6 +208,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         repeat {
             drainQueue(deadline: deadline)
         } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
+        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()

@@ -71,7 +71,10 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
         while !stop.isSet {
             // Progress is an idle poll timeout or a batch received (drainQueue), not a loop turn:
             // a socket whose every receive fails spins here without counting as alive.
-            if poll(&descriptor, 1, 100) == 0 { progress.wrappingAdd(1, ordering: .relaxed) }
+            if poll(&descriptor, 1, 100) == 0 {
+                progress.wrappingAdd(1, ordering: .relaxed)
+                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
+            }
             // A receive that fails while poll says readable would spin a core: wait a little.
             if !drainQueue(deadline: nil) { usleep(10_000) }
             if clock.now >= nextHeartbeat {
@@ -90,6 +93,7 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
         repeat {
             drainQueue(deadline: deadline)
         } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
+        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         receivingNow.store(false, ordering: .relaxed)
         member.leave()
     }
@@ -164,9 +168,24 @@ extension ListenerCounters {
     /// Adds what the socket dropped since `reported` (its SO_RXQ_OVFL count, as the receiver last
     /// saw it) to receive_queue_drops.
     func addReceiveQueueDrops(_ receiver: BatchReceiver, reported: inout UInt32) {
-        let drops = receiver.socketDrops
-        guard drops != reported else { return }
-        add(receiveQueueDrops, UInt64(drops &- reported))
+        addReceiveQueueDrops(receiver.socketDrops, reported: &reported)
+    }
+
+    /// Adds what the socket dropped since `reported`, read now (SO_MEMINFO). SO_RXQ_OVFL reports
+    /// drops only with the next datagram read: a worker calls this when idle and when it stops,
+    /// so drops at the end of a burst are counted without waiting for more traffic.
+    func addReceiveQueueDrops(_ member: ReusePortMember, reported: inout UInt32) {
+        guard let drops = try? member.socketStatistics().drops else { return }
+        addReceiveQueueDrops(drops, reported: &reported)
+    }
+
+    /// Both readings are the socket's one drop counter (sk_drops), but a datagram read after
+    /// SO_MEMINFO may carry an older SO_RXQ_OVFL value: only a count ahead of `reported`
+    /// (modulo 2^32) is new.
+    private func addReceiveQueueDrops(_ drops: UInt32, reported: inout UInt32) {
+        let new = drops &- reported
+        guard new != 0, new < UInt32.max / 2 else { return }
+        add(receiveQueueDrops, UInt64(new))
         reported = drops
     }
 }
