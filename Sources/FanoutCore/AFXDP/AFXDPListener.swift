@@ -66,6 +66,9 @@ final class AFXDPListener: RunningListener {
     static let listenerID: UInt32 = 0
     /// Bytes the kernel keeps in front of each frame's data (XDP_PACKET_HEADROOM).
     static let headroom = 256
+    /// The companion socket's receive buffer when `recv_buf_size` is 0 (af_xdp has CAP_NET_ADMIN,
+    /// so SO_RCVBUFFORCE grants it whatever `net.core.rmem_max` says).
+    static let companionReceiveBuffer = 8 << 20
     /// UMEM bytes the running af_xdp listeners of this process hold (RLIMIT_MEMLOCK counts them all).
     static let registeredUMEM = Atomic<Int>(0)
     private let umemBytes: Int
@@ -111,6 +114,10 @@ final class AFXDPListener: RunningListener {
         var companionConfig = config
         companionConfig.mode = .userspace
         companionConfig.settings.workers = 1
+        // While the interface is handed over (a settings reload) every datagram of the listener
+        // comes through this one socket: unless recv_buf_size says otherwise, give it room for a
+        // stalled worker at a high rate rather than the system's default (about 200 KiB).
+        if companionConfig.settings.recvBufSize == 0 { companionConfig.settings.recvBufSize = Self.companionReceiveBuffer }
         if companionConfig.settings.output == .xdpTX { companionConfig.settings.output = .preserveSource }
         do {
             companion = try UserspaceListener(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth)
