@@ -89,6 +89,24 @@ public final class Topology {
         return result.output
     }
 
+    /// What the kernel dropped between the client and the proxy, before any socket of the proxy:
+    /// the client veth's TX drops (veth counts a full backlog of its peer there) plus the proxy
+    /// interface's RX drops. A loaded machine can overflow the per-CPU backlog
+    /// (`net.core.netdev_max_backlog`) while softirqs wait for a CPU; no udp-fanout counter can
+    /// see those datagrams, the kernel's do.
+    public func clientPathDrops() throws -> Int {
+        func dropped(_ namespace: String, _ interface: String, _ direction: String) throws -> Int {
+            let text = try exec(namespace, [Self.ip, "-s", "-j", "link", "show", "dev", interface])
+            guard let links = try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]],
+                  let stats = links.first?["stats64"] as? [String: Any], let side = stats[direction] as? [String: Any],
+                  let value = side["dropped"] as? Int else {
+                throw TopologyError.unreadable("ip -s -j link show dev \(interface) in \(namespace): \(text)")
+            }
+            return value
+        }
+        return try dropped(client, "cp\(suffix.prefix(8))", "tx") + dropped(proxy, proxyInterface, "rx")
+    }
+
     /// Backend N's IPv4 / IPv6 address (N from 1).
     public static func backendIPv4(_ n: Int) -> String { "198.18.\(n).2" }
     public static func backendIPv6(_ n: Int) -> String { "2001:db8:\(n)::2" }
@@ -178,4 +196,15 @@ public final class OneArmTopology {
 
     @discardableResult
     public func exec(_ namespace: String, _ command: [String]) throws -> String { try Topology.exec(namespace, command) }
+}
+
+/// A topology's state could not be read.
+public enum TopologyError: Error, CustomStringConvertible {
+    case unreadable(String)
+
+    public var description: String {
+        switch self {
+        case .unreadable(let what): return "could not read \(what)"
+        }
+    }
 }
