@@ -624,6 +624,73 @@ struct RelayTests {
                 "received \(snapshot.received) = forwarded \(snapshot.forwarded) + dropped \(snapshot.droppedTotal) + no_healthy \(snapshot.noHealthy)")
     }
 
+    @Test("A reload that hands the listener to a successor on its bind (renamed, or restarted by a settings change) under traffic, downstreams answering in 30 ms: the old instance's in-flight replies still reach their clients from the listener (its sessions drain), every one counted; it stops once they are silent",
+          arguments: ["rename", "restart"])
+    func handOverDrains(change: String) throws {
+        let servers = try (1...2).map { try DelayedEcho(name: "hand-\($0)", delays: [30]) }
+        defer { for server in servers { server.stop() } }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let log = CapturedLog()
+        let settings = "      drain_secs: 5\n      session_idle_secs: 1\n"
+        let daemon = try startDaemon(drainYAML("hand", bind: bind, servers, settings: settings), logger: log.logger(level: .info))
+        defer { daemon.shutdown() }
+        let (successor, successorSettings) = change == "rename" ? ("hand-renamed", settings) : ("hand", "      drain_secs: 5\n      session_idle_secs: 2\n")
+        let clients = try loopbackSources(40, base: 70).map { try RelayClient(source: $0) }
+        // Every client sends a request every 10 ms; the reload runs on another thread at round 20,
+        // while each client still has about 3 requests in flight at the old instance's sessions.
+        let rounds = 60
+        let reloaded = DispatchSemaphore(value: 0)
+        let accepted = Mutex(false)
+        for round in 0..<rounds {
+            for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
+            if round == 20 {
+                let text = drainYAML(successor, bind: bind, servers, settings: successorSettings)
+                Thread {
+                    let result = daemon.reload(text: text)
+                    accepted.withLock { $0 = result }
+                    reloaded.signal()
+                }.start()
+            }
+            usleep(10_000)
+        }
+        #expect(reloaded.wait(timeout: .now() + 10) == .success)
+        #expect(accepted.withLock { $0 }, "the reload was applied")
+        #expect(log.count(.info, containing: "listener handed over") == 1, "\(log.all.map(\.message))")
+        if change == "rename" {
+            #expect(daemon.metricsText().contains("udp_fanout_replies_total{listener=\"hand\""), "the old name's series stay while it drains")
+        }
+        var lost = 0
+        var fromElsewhere = 0
+        for client in clients {
+            var expected = Set((0..<rounds).map { "\(client.source)-\($0)" })
+            while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
+                if reply.from != bind { fromElsewhere += 1 }
+                let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
+                if parts.count == 2 { expected.remove(parts[1]) }
+            }
+            lost += expected.count
+        }
+        #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
+        #expect(fromElsewhere == 0)
+        let total = servers.map(\.sent).reduce(0, +)
+        #expect(total == rounds * clients.count, "the servers answered every request: \(total)")
+        let names = change == "rename" ? ["hand", "hand-renamed"] : ["hand"]
+        func replies() -> UInt64 { names.compactMap { daemon.counters(of: $0)?.twoWay?.replies }.reduce(0, +) }
+        settle { replies() == UInt64(total) }
+        #expect(replies() == UInt64(total), "every reply counted, by either instance")
+        // The old instance stops by itself once its sessions are silent (drain_secs 5, then 1 s idle).
+        let deadline = ContinuousClock.now + .seconds(15)
+        while log.count(.info, containing: "handed-over listener stopped") == 0 && ContinuousClock.now < deadline { usleep(50_000) }
+        #expect(log.count(.info, containing: "handed-over listener stopped") == 1)
+        if change == "rename" {
+            #expect(!daemon.metricsText().contains("listener=\"hand\""), "gone with the old instance")
+        }
+        for name in names {
+            let twoWay = try #require(daemon.counters(of: name)?.twoWay)
+            #expect(twoWay.replyDropped.values.reduce(0, +) == 0, "\(name): \(twoWay.replyDropped)")
+        }
+    }
+
     @Test("drain_secs 1: a removed downstream's reply 2.5 s late is dropped and counted drained, not relayed; its socket closes once silent for session_idle_secs; nothing open after stop")
     func lateRepliesDrained() throws {
         let servers = try (1...2).map { try DelayedEcho(name: "late-\($0)", delays: [30]) }

@@ -54,6 +54,10 @@ protocol RunningListener: AnyObject, Sendable {
     /// Gives up what only one instance can hold (af_xdp: the interface's XDP hook and queues)
     /// while still receiving on its bind, so a successor can take it over; ``shutdown()`` follows.
     func releaseInterface()
+    /// Stops in favour of a successor that took its bind over. A relay listener drains its
+    /// sessions in the background first and calls `drained` when done (returns true; its
+    /// ``shutdown()`` cuts the drain short); any other stops now (returns false).
+    func handOver(drained: @escaping @Sendable () -> Void) -> Bool
     /// A two-way listener's associations (nat) or sessions (relay), at most `limit`, and how
     /// many there are in all; nil for a one-way listener.
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)?
@@ -61,6 +65,10 @@ protocol RunningListener: AnyObject, Sendable {
 
 extension RunningListener {
     func releaseInterface() {}
+    func handOver(drained: @escaping @Sendable () -> Void) -> Bool {
+        shutdown()
+        return false
+    }
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? { nil }
 }
 
@@ -95,6 +103,10 @@ public final class FanoutDaemon: Sendable {
         var answered: Set<DiscoverySpec> = []
         /// Set by ``shutdown()``: `/readyz` says so.
         var stopping = false
+        /// Relay instances replaced by a successor on their bind whose sessions still drain
+        /// (``RunningListener/handOver(drained:)``), with their listener's name: their counters
+        /// stay in /metrics meanwhile, and ``shutdown()`` ends their drain.
+        var handingOver: [ObjectIdentifier: (name: String, instance: any RunningListener)] = [:]
     }
 
     let configPath: String?
@@ -400,8 +412,14 @@ public final class FanoutDaemon: Sendable {
             logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
         let stoppedEarly = Set(stopFirst.map(\.name))
+        let tookOver = fresh.filter { listener in started[listener.name]?.takesOverExactly == true && !activateLater.contains { $0.name == listener.name } }
         for listener in retiring where !stoppedEarly.contains(listener.name) {
-            running[listener.name]?.shutdown()
+            if listener.replies == .relay, let instance = running[listener.name],
+               tookOver.contains(where: { $0.mode == .userspace && FanoutConfig.overlaps($0.bind, listener.bind) }) {
+                handOver(instance, listener)
+            } else {
+                running[listener.name]?.shutdown()
+            }
             if !staying.contains(listener.name) && !freshNames.contains(listener.name) {
                 logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
             }
@@ -414,6 +432,23 @@ public final class FanoutDaemon: Sendable {
                     "listener": "\(listener.name)", "error": "\(error)",
                 ])
             }
+        }
+    }
+
+    /// Hands a relay instance over to the successor that took its bind: it drains its sessions
+    /// in the background (logged when it starts and ends) or, with drain_secs 0, stops now.
+    private func handOver(_ instance: any RunningListener, _ listener: Listener) {
+        let id = ObjectIdentifier(instance)
+        state.withLock { $0.handingOver[id] = (listener.name, instance) }
+        let metadata: Logger.Metadata = ["listener": "\(listener.name)", "bind": "\(listener.bind)", "drain_secs": "\(listener.settings.drainSecs)"]
+        let draining = instance.handOver { [weak self] in
+            self?.state.withLock { _ = $0.handingOver.removeValue(forKey: id) }
+            self?.logger.info("handed-over listener stopped: its sessions drained", metadata: metadata)
+        }
+        if draining {
+            logger.info("listener handed over: new requests go to its successor; its sessions' replies are relayed until settings.drain_secs passes, later ones counted drained", metadata: metadata)
+        } else {
+            state.withLock { _ = $0.handingOver.removeValue(forKey: id) }
         }
     }
 
@@ -459,7 +494,13 @@ public final class FanoutDaemon: Sendable {
 
     /// The Prometheus text of every listener's counters.
     public func metricsText() -> String {
-        let counters = state.withLock { state in state.config.listeners.compactMap { state.counters[$0.name] } }
+        let counters = state.withLock { state in
+            // A handed-over relay instance that still drains under a name no longer configured
+            // (a rename) keeps that name's series until it stops.
+            let names = state.config.listeners.map(\.name)
+            let draining = Set(state.handingOver.values.map(\.name)).subtracting(names).sorted()
+            return (names + draining).compactMap { state.counters[$0] }
+        }
         var text = PrometheusText.render(
             counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)),
             unmatched: dataplane.unmatched())
@@ -549,7 +590,7 @@ public final class FanoutDaemon: Sendable {
         let listeners = state.withLock { state in
             state.stopping = true
             defer { state.listeners = [:] }
-            return Array(state.listeners.values)
+            return Array(state.listeners.values) + state.handingOver.values.map(\.instance)
         }
         for listener in listeners { listener.shutdown() }
     }

@@ -46,3 +46,11 @@ final class StopSignal: Sendable {
     var isSet: Bool { flag.load(ordering: .relaxed) }
     func set() { flag.store(true, ordering: .relaxed) }
 }
+
+/// A relay listener's handover to a successor on its bind: set before its workers are told to
+/// stop, they drain their sessions (``RelayWorker``) instead of closing them; `cutShort` ends
+/// that drain at once (the daemon stops, or a later change needs the instance gone).
+final class HandOverSignal: Sendable {
+    let requested = StopSignal()
+    let cutShort = StopSignal()
+}

@@ -27,6 +27,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private let sessionCount: RelaySessionCount
     private let plans: PlanHolder
     private let stop: StopSignal
+    private let handOver: HandOverSignal
     private let logger: Logger
     private let idleMilliseconds: Int64
     /// settings.drain_secs: how long a draining socket's replies are still relayed.
@@ -89,7 +90,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private var draining: [Int32: DrainingSocket] = [:]
 
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
-         sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, logger: Logger) throws(ReusePortError) {
+         sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger) throws(ReusePortError) {
         self.index = index
         self.member = member
         self.listener = listener
@@ -98,6 +99,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         sessionCount = sessions
         self.plans = plans
         self.stop = stop
+        self.handOver = handOver
         self.logger = logger
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
@@ -212,6 +214,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
+        if handOver.requested.isSet && drainMilliseconds > 0 { drainAfterHandOver() }
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
         member.leave()
@@ -834,6 +837,34 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 close(fd)
             }
             sessionCount.releaseDraining(silent.count)
+        }
+    }
+
+    /// The listener was handed over to a successor on its bind (a rename, or a change that
+    /// starts it again): new requests go to the successor's workers, which open sessions of
+    /// their own, but the downstreams may still answer requests sent through this worker's
+    /// sessions. Every session drains as a leaving downstream's does: its replies are relayed
+    /// from the listener's address until settings.drain_secs passes, later ones read and
+    /// counted `drained` until the socket is silent (``sweep(now:)``). Returns when the last
+    /// one closed, or soon after the handover is cut short.
+    private func drainAfterHandOver() {
+        // Requests are the successor's now (its eBPF steering selects only its own sockets).
+        epoll_ctl(epoll, EPOLL_CTL_DEL, member.socket, nil)
+        let now = monotonicMilliseconds()
+        tableLock.withLock { _ in
+            for session in sessions.values where session.socket >= 0 {
+                retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now)
+            }
+            sessionCount.release(sessions.count)
+            sessions = [:]
+            bySocket = [:]
+        }
+        while !draining.isEmpty && !handOver.cutShort.isSet {
+            let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
+            progress.wrappingAdd(1, ordering: .relaxed)
+            for slot in 0..<max(0, Int(ready)) { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
+            flushReplies()
+            sweep(now: monotonicMilliseconds())
         }
     }
 

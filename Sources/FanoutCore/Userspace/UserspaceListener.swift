@@ -16,6 +16,9 @@ final class UserspaceListener: RunningListener {
     private let group: ReusePortGroup
     private let plans: PlanHolder
     private let stop = StopSignal()
+    private let handOverSignal = HandOverSignal()
+    /// Set once every worker returned after a handover (``handOver(drained:)``).
+    private let drainedSignal = StopSignal()
     private let workers: [any ListenerWorker]
     /// `replies: relay`: the workers' shared session count and reply counters; nil: one way.
     private let relay: RelayCounters?
@@ -76,7 +79,7 @@ final class UserspaceListener: RunningListener {
             for (index, member) in members.enumerated() {
                 do {
                     relayWorkers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
-                                                        sessions: sessions, plans: plans, stop: stop, logger: logger))
+                                                        sessions: sessions, plans: plans, stop: stop, handOver: handOverSignal, logger: logger))
                 } catch {
                     for member in members { member.leave() }
                     throw error
@@ -178,8 +181,36 @@ final class UserspaceListener: RunningListener {
         return (entries, total)
     }
 
+    /// A successor on the same bind took it over (eBPF steering: nothing new reaches this
+    /// instance). A relay listener with settings.drain_secs above 0 keeps its sessions draining
+    /// in the background, so the replies to requests it already sent still reach their clients
+    /// from the listener's address (``RelayWorker``); `drained` is called once its last worker
+    /// returned. Any other listener stops at once, as ``shutdown()`` does.
+    /// - Returns: true if it drains in the background (``shutdown()`` cuts that short).
+    func handOver(drained: @escaping @Sendable () -> Void) -> Bool {
+        guard relay != nil, config.settings.drainSecs > 0 else {
+            shutdown()
+            return false
+        }
+        handOverSignal.requested.set()
+        stop.set()
+        let (threads, finished) = (self.threads, drainedSignal)
+        OSThread.detached(name: "\(config.name)-drain") {
+            for thread in threads { thread.join() }
+            finished.set()
+            drained()
+        }
+        return true
+    }
+
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
+    /// After a handover: ends the sessions' drain now and waits for the workers to return.
     func shutdown() {
+        if handOverSignal.requested.isSet {
+            handOverSignal.cutShort.set()
+            while !drainedSignal.isSet { usleep(10_000) }
+            return
+        }
         stop.set()
         for thread in threads { thread.join() }
     }
