@@ -234,6 +234,41 @@ func openRings() -> Int {
     }.count
 }
 
+/// Every client sends a request every 10 ms for `rounds` rounds; at round 20 `reload` runs on
+/// another thread (each client then has about 3 requests in flight at 30 ms servers). Then
+/// every client collects its replies (1 s each: plenty on loopback).
+/// - Returns: whether the reload was applied, the replies that never came, and those that came
+///   from another address than `bind`.
+func exchangeAcrossReload(_ clients: [RelayClient], bind: SocketAddress, rounds: Int,
+                          reload: @escaping @Sendable () -> Bool) throws -> (applied: Bool, lost: Int, fromElsewhere: Int) {
+    let reloaded = DispatchSemaphore(value: 0)
+    let accepted = Mutex(false)
+    for round in 0..<rounds {
+        for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
+        if round == 20 {
+            Thread {
+                let result = reload()
+                accepted.withLock { $0 = result }
+                reloaded.signal()
+            }.start()
+        }
+        usleep(10_000)
+    }
+    let finished = reloaded.wait(timeout: .now() + 10) == .success
+    var lost = 0
+    var fromElsewhere = 0
+    for client in clients {
+        var expected = Set((0..<rounds).map { "\(client.source)-\($0)" })
+        while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
+            if reply.from != bind { fromElsewhere += 1 }
+            let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
+            if parts.count == 2 { expected.remove(parts[1]) }
+        }
+        lost += expected.count
+    }
+    return (finished && accepted.withLock { $0 }, lost, fromElsewhere)
+}
+
 /// Waits (at most 2 s) until `condition` holds: counters are added after each batch is sent, so
 /// a client can hold its reply an instant before the counter has it.
 func settle(_ condition: () -> Bool) {
@@ -576,37 +611,12 @@ struct RelayTests {
         let daemon = try startDaemon(drainYAML("drain", bind: bind, servers))
         defer { daemon.shutdown() }
         let clients = try loopbackSources(40, base: 20).map { try RelayClient(source: $0) }
-        // Every client sends a request every 10 ms; the reload removing slow-2 runs on another
-        // thread at round 20, while slow-2 still owes each of its clients about 3 replies.
+        // The reload removing slow-2 while slow-2 still owes each of its clients about 3 replies.
         let rounds = 60
-        let reloaded = DispatchSemaphore(value: 0)
-        let accepted = Mutex(false)
-        for round in 0..<rounds {
-            for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
-            if round == 20 {
-                let text = drainYAML("drain", bind: bind, [servers[0]])
-                Thread {
-                    let result = daemon.reload(text: text)
-                    accepted.withLock { $0 = result }
-                    reloaded.signal()
-                }.start()
-            }
-            usleep(10_000)
-        }
-        #expect(reloaded.wait(timeout: .now() + 10) == .success)
-        #expect(accepted.withLock { $0 }, "the reload was applied")
-        // Every request gets its reply, from the listener's address (1 s: plenty on loopback).
-        var lost = 0
-        var fromElsewhere = 0
-        for client in clients {
-            var expected = Set((0..<rounds).map { "\(client.source)-\($0)" })
-            while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
-                if reply.from != bind { fromElsewhere += 1 }
-                let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
-                if parts.count == 2 { expected.remove(parts[1]) }
-            }
-            lost += expected.count
-        }
+        let text = drainYAML("drain", bind: bind, [servers[0]])
+        let (applied, lost, fromElsewhere) = try exchangeAcrossReload(clients, bind: bind, rounds: rounds) { daemon.reload(text: text) }
+        #expect(applied, "the reload was applied")
+        // Every request gets its reply, from the listener's address.
         #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
         #expect(fromElsewhere == 0)
         let total = servers.map(\.sent).reduce(0, +)
@@ -636,39 +646,20 @@ struct RelayTests {
         defer { daemon.shutdown() }
         let (successor, successorSettings) = change == "rename" ? ("hand-renamed", settings) : ("hand", "      drain_secs: 5\n      session_idle_secs: 2\n")
         let clients = try loopbackSources(40, base: 70).map { try RelayClient(source: $0) }
-        // Every client sends a request every 10 ms; the reload runs on another thread at round 20,
-        // while each client still has about 3 requests in flight at the old instance's sessions.
+        // The reload while each client still has about 3 requests in flight at the old instance's sessions.
         let rounds = 60
-        let reloaded = DispatchSemaphore(value: 0)
-        let accepted = Mutex(false)
-        for round in 0..<rounds {
-            for client in clients { try client.send("\(client.source)-\(round)", to: bind) }
-            if round == 20 {
-                let text = drainYAML(successor, bind: bind, servers, settings: successorSettings)
-                Thread {
-                    let result = daemon.reload(text: text)
-                    accepted.withLock { $0 = result }
-                    reloaded.signal()
-                }.start()
-            }
-            usleep(10_000)
+        let text = drainYAML(successor, bind: bind, servers, settings: successorSettings)
+        let drainingSeries = Mutex(false)
+        let (applied, lost, fromElsewhere) = try exchangeAcrossReload(clients, bind: bind, rounds: rounds) {
+            let applied = daemon.reload(text: text)
+            // Read at once: the old instance drains for 5 s from here.
+            drainingSeries.withLock { $0 = daemon.metricsText().contains("udp_fanout_replies_total{listener=\"hand\"") }
+            return applied
         }
-        #expect(reloaded.wait(timeout: .now() + 10) == .success)
-        #expect(accepted.withLock { $0 }, "the reload was applied")
+        #expect(applied, "the reload was applied")
         #expect(log.count(.info, containing: "listener handed over") == 1, "\(log.all.map(\.message))")
         if change == "rename" {
-            #expect(daemon.metricsText().contains("udp_fanout_replies_total{listener=\"hand\""), "the old name's series stay while it drains")
-        }
-        var lost = 0
-        var fromElsewhere = 0
-        for client in clients {
-            var expected = Set((0..<rounds).map { "\(client.source)-\($0)" })
-            while !expected.isEmpty, let reply = client.receive(timeout: 1000) {
-                if reply.from != bind { fromElsewhere += 1 }
-                let parts = reply.text.split(separator: "|", maxSplits: 1).map(String.init)
-                if parts.count == 2 { expected.remove(parts[1]) }
-            }
-            lost += expected.count
+            #expect(drainingSeries.withLock { $0 }, "the old name's series stay while it drains")
         }
         #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
         #expect(fromElsewhere == 0)
