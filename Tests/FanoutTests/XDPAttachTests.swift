@@ -150,10 +150,11 @@ struct XDPAttachTests {
                 attachment.detach()
                 Issue.record("\(mode): attached over a foreign program")
             case .failure(let error):
-                guard case .foreignProgram(let interface, let id, let name) = error else { Issue.record("\(mode): \(error)"); continue }
+                guard case .foreignProgram(let interface, let id, let name, _) = error else { Issue.record("\(mode): \(error)"); continue }
                 #expect(interface == "v1" && id == info.id && name == "other_xdp")
                 let text = error.description
-                for part in ["id \(info.id)", "'other_xdp'", "ip link set dev v1 xdp off", "bpftool link detach id N", "another interface"] {
+                // Attached in generic mode: `xdp off` would not remove it, `xdpgeneric off` does.
+                for part in ["id \(info.id)", "'other_xdp'", "ip link set dev v1 xdpgeneric off", "bpftool link detach id N", "another interface"] {
                     #expect(text.contains(part), "\(mode): \(text) names \(part)")
                 }
             }
@@ -207,7 +208,7 @@ struct XDPAttachTests {
         #expect(refused.status == 2, "exit \(refused.status): \(refused.output)")
         #expect(!refused.output.contains("configuration OK"), "\(refused.output)")
         let line = refused.output.split(separator: "\n").first { $0.contains("listeners[0].interface") } ?? ""
-        for part in ["listener 'x'", "id \(info.id)", "'other_xdp'", "ip link set dev v1 xdp off", "another interface"] {
+        for part in ["listener 'x'", "id \(info.id)", "'other_xdp'", "ip link set dev v1 xdpgeneric off", "another interface"] {
             #expect(line.contains(part), "names \(part): \(refused.output)")
         }
         // Attached in generic mode: `xdp off` alone would ask the driver mode and leave it there.

@@ -97,7 +97,9 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         for id in ids where id != 0 {
             // Ours already there: one attachment per interface serves every listener on it.
             if id == ours { throw .alreadyAttached(interface: interface, id: id) }
-            throw .foreignProgram(interface: interface, id: id, name: programName(id: id))
+            // `ip link` detaches each mode by its own keyword: `xdp off` leaves a generic one.
+            let keyword = id == ids[2] ? "xdpgeneric" : id == ids[3] ? "xdpoffload" : "xdp"
+            throw .foreignProgram(interface: interface, id: id, name: programName(id: id), ipKeyword: keyword)
         }
     }
 
@@ -144,7 +146,8 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
 public enum XDPError: Error, CustomStringConvertible, Sendable {
     case privileges(missing: [String])
     case interfaceNotFound(String)
-    case foreignProgram(interface: String, id: UInt32, name: String)
+    /// `ipKeyword`: how `ip link set dev X <keyword> off` detaches it (xdp, xdpgeneric, xdpoffload).
+    case foreignProgram(interface: String, id: UInt32, name: String, ipKeyword: String)
     case alreadyAttached(interface: String, id: UInt32)
     case query(interface: String, SystemCallError)
     case attach(interface: String, mode: XDPMode, SystemCallError)
@@ -157,11 +160,11 @@ public enum XDPError: Error, CustomStringConvertible, Sendable {
             return "af_xdp needs \(list)\(all) to attach its XDP program: run as root, or grant them: systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN; Kubernetes capabilities.add [BPF, NET_ADMIN]; or setcap cap_bpf,cap_net_admin+ep on the binary"
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
-        case .foreignProgram(let name, let id, let program):
+        case .foreignProgram(let name, let id, let program, let keyword):
             if program == FANOUT_PROG_XDP_NAME {
                 return "interface '\(name)' already runs udp-fanout's XDP program (id \(id)) for another udp-fanout process (one af_xdp daemon per interface): stop that daemon, or choose another interface for af_xdp. Its program is held by a BPF link, which goes when that process exits (`bpftool link` lists it; `ip link set dev \(name) xdp off` cannot remove a link)"
             }
-            return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: if it is not needed, remove it (`ip link set dev \(name) xdp off` for a netlink attachment; for a BPF link, stop the process holding it, or `bpftool link detach id N` with the id `bpftool link` shows), or choose another interface for af_xdp"
+            return "interface '\(name)' already has an XDP program attached (id \(id), name '\(program)'); an interface runs one XDP program: if it is not needed, remove it (`ip link set dev \(name) \(keyword) off` for a netlink attachment; for a BPF link, stop the process holding it, or `bpftool link detach id N` with the id `bpftool link` shows), or choose another interface for af_xdp"
         case .alreadyAttached(let name, let id):
             return "this daemon's XDP program (id \(id)) is already attached to '\(name)': one attachment serves every af_xdp listener on an interface; attach once per interface"
         case .query(let name, let error):

@@ -24,10 +24,10 @@ public enum Preflight {
             // The start's own check: another tool's XDP program on the interface refuses it.
             do throws(XDPError) {
                 try XDPAttachment.checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
-            } catch .foreignProgram(_, _, let name) where name == FANOUT_PROG_XDP_NAME {
+            } catch .foreignProgram(_, _, let name, _) where name == FANOUT_PROG_XDP_NAME {
                 // Most likely the daemon this file is about to reload (`--check` before SIGHUP).
                 notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second af_xdp daemon on it would be refused")
-            } catch .foreignProgram(_, let id, "?") {
+            } catch .foreignProgram(_, let id, "?", _) {
                 // Its name could not be read (bpf_prog_get_fd_by_id needs CAP_SYS_ADMIN): it may be
                 // the running daemon's own, so not a problem for an unprivileged check.
                 notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs an XDP program (id \(id)) whose name this process cannot read: fine if it is the udp-fanout this file reloads; another program refuses the start (check as root, or bpftool prog show id \(id))")
