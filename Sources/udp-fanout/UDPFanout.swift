@@ -55,7 +55,7 @@ struct UDPFanout: AsyncParsableCommand {
             return handler
         }
         let logger = Logger(label: "udp-fanout")
-        logger.info("starting udp-fanout", metadata: ["version": "0.1.0", "config": "\(config)"])
+        logger.info(check ? "checking udp-fanout configuration" : "starting udp-fanout", metadata: ["version": "0.1.0", "config": "\(config)"])
         for (flag, value) in [("--ebpf-program", ebpfProgram), ("--xdp-program", xdpProgram)] where value != nil {
             logger.notice("\(flag) is accepted for compatibility and ignored: the BPF programs are embedded in udp-fanout", metadata: ["path": "\(value!)"])
         }

@@ -280,6 +280,8 @@ struct ForwardingTests {
         try ReferenceConfigs.smoke.write(to: file, atomically: true, encoding: .utf8)
         let valid = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
         #expect(valid.status == 0 && valid.output.contains("configuration OK: 1 listener(s)"))
+        // A check starts nothing, and its log does not say it does.
+        #expect(!valid.output.contains("starting udp-fanout") && valid.output.contains("checking udp-fanout configuration"), "\(valid.output)")
         try ReferenceConfigs.afXDP.replacingOccurrences(of: "    interface: eth0\n", with: "").write(to: file, atomically: true, encoding: .utf8)
         let invalid = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
         #expect(invalid.status == 2)
