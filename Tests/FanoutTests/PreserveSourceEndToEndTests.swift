@@ -40,7 +40,8 @@ struct PreserveSourceEndToEndTests {
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }
-        let kernelDrops = try topology.clientPathDrops()
+        // Only to name where datagrams went if some are missing.
+        let kernelDrops = (try? topology.clientPathDrops()).map(String.init) ?? "unreadable"
         #expect(TCEndToEndTests.received(reports).reduce(0, +) == 3000, "\(TCEndToEndTests.received(reports)) kernel drops \(kernelDrops)\n\(metrics)")
         var owner: [String: Int] = [:]
         for (index, report) in reports.enumerated() {

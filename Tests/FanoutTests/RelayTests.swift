@@ -634,18 +634,23 @@ struct RelayTests {
                 "received \(snapshot.received) = forwarded \(snapshot.forwarded) + dropped \(snapshot.droppedTotal) + no_healthy \(snapshot.noHealthy)")
     }
 
-    @Test("A reload that hands the listener to a successor on its bind (renamed, or restarted by a settings change) under traffic, downstreams answering in 30 ms: the old instance's in-flight replies still reach their clients from the listener (its sessions drain), every one counted; it stops once they are silent",
-          arguments: ["rename", "restart"])
+    @Test("A reload that hands the listener to a successor on its bind (renamed, or restarted by a settings change) under traffic, downstreams answering in 30 ms: the old instance's in-flight replies still reach their clients from the listener (its sessions drain for the successor's drain_secs; with 0 they are counted drained), every one counted; it stops once they are silent",
+          arguments: ["rename", "restart", "rename, drain_secs 0"])
     func handOverDrains(change: String) throws {
         let servers = try (1...2).map { try DelayedEcho(name: "hand-\($0)", delays: [30]) }
         defer { for server in servers { server.stop() } }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let log = CapturedLog()
         let settings = "      drain_secs: 5\n      session_idle_secs: 1\n"
+        let clients = try loopbackSources(40, base: 70).map { try RelayClient(source: $0) }
+        let before = openSockets()
         let daemon = try startDaemon(drainYAML("hand", bind: bind, servers, settings: settings), logger: log.logger(level: .info))
         defer { daemon.shutdown() }
-        let (successor, successorSettings) = change == "rename" ? ("hand-renamed", settings) : ("hand", "      drain_secs: 5\n      session_idle_secs: 2\n")
-        let clients = try loopbackSources(40, base: 70).map { try RelayClient(source: $0) }
+        let drains = change != "rename, drain_secs 0"
+        let renamed = change != "restart"
+        // The successor's drain_secs governs the handover (0: the old sessions' replies are counted, not relayed).
+        let (successor, successorSettings) = renamed ? ("hand-renamed", drains ? settings : "      drain_secs: 0\n      session_idle_secs: 1\n")
+                                                     : ("hand", "      drain_secs: 5\n      session_idle_secs: 2\n")
         // The reload while each client still has about 3 requests in flight at the old instance's sessions.
         let rounds = 60
         let text = drainYAML(successor, bind: bind, servers, settings: successorSettings)
@@ -658,28 +663,85 @@ struct RelayTests {
         }
         #expect(applied, "the reload was applied")
         #expect(log.count(.info, containing: "listener handed over") == 1, "\(log.all.map(\.message))")
-        if change == "rename" {
+        if renamed {
             #expect(drainingSeries.withLock { $0 }, "the old name's series stay while it drains")
         }
-        #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
         #expect(fromElsewhere == 0)
         let total = servers.map(\.sent).reduce(0, +)
         #expect(total == rounds * clients.count, "the servers answered every request: \(total)")
-        let names = change == "rename" ? ["hand", "hand-renamed"] : ["hand"]
+        let names = renamed ? ["hand", "hand-renamed"] : ["hand"]
         func replies() -> UInt64 { names.compactMap { daemon.counters(of: $0)?.twoWay?.replies }.reduce(0, +) }
-        settle { replies() == UInt64(total) }
-        #expect(replies() == UInt64(total), "every reply counted, by either instance")
+        func drained() -> UInt64 { daemon.counters(of: "hand")?.twoWay?.replyDropped[.drained, default: 0] ?? 0 }
+        settle { replies() + drained() == UInt64(total) }
+        if drains {
+            #expect(lost == 0, "replies lost: \(lost) of \(rounds * clients.count)")
+            #expect(replies() == UInt64(total), "every reply counted, by either instance")
+        } else {
+            // Not relayed, but every one the old sessions got is counted: nothing reaches a closed socket.
+            #expect(lost > 0 && UInt64(lost) == drained(), "\(lost) replies not relayed, \(drained()) counted drained")
+            #expect(replies() + drained() == UInt64(total), "every reply relayed or counted: \(replies()) + \(drained()) of \(total)")
+        }
+        // Each client's session at the old instance was handed over (one session per client).
+        #expect(daemon.counters(of: "hand")?.twoWay?.events[.handedOver] == UInt64(clients.count))
         // The old instance stops by itself once its sessions are silent (drain_secs 5, then 1 s idle).
         let deadline = ContinuousClock.now + .seconds(15)
         while log.count(.info, containing: "handed-over listener stopped") == 0 && ContinuousClock.now < deadline { usleep(50_000) }
-        #expect(log.count(.info, containing: "handed-over listener stopped") == 1)
-        if change == "rename" {
+        #expect(log.count(.info, containing: "handed-over listener stopped: its sessions drained") == 1)
+        if renamed {
             #expect(!daemon.metricsText().contains("listener=\"hand\""), "gone with the old instance")
         }
         for name in names {
             let twoWay = try #require(daemon.counters(of: name)?.twoWay)
-            #expect(twoWay.replyDropped.values.reduce(0, +) == 0, "\(name): \(twoWay.replyDropped)")
+            #expect(twoWay.replyDropped.filter { $0.key != .drained }.values.reduce(0, +) == 0, "\(name): \(twoWay.replyDropped)")
         }
+        // The old instance's sockets are all closed: once the successor's sessions expire too
+        // (session_idle_secs), only its two workers' listener sockets are left.
+        let deadline2 = ContinuousClock.now + .seconds(6)
+        while openSockets().subtracting(before).count != 2 && ContinuousClock.now < deadline2 { usleep(50_000) }
+        #expect(openSockets().subtracting(before).count == 2, "\(openSockets().subtracting(before))")
+    }
+
+    @Test("A handover ends or never starts where draining cannot work: the daemon stops (drain cut short at once), the successor is removed (cut short), another address on the port (a wildcard is another kernel group: no handover); every socket closed after",
+          arguments: ["stop", "successor removed", "wildcard"])
+    func handOverEnds(change: String) throws {
+        let server = try RelayEcho(name: "end-1")
+        let port = freePort()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
+        let clients = try loopbackSources(10, base: 120).map { try RelayClient(source: $0) }
+        let before = openSockets()
+        let log = CapturedLog()
+        let settings = "      drain_secs: 60\n"
+        let daemon = try startDaemon(relayYAML("end", bind: bind, [server], settings: settings), logger: log.logger(level: .info))
+        var stopped = false
+        defer { if !stopped { daemon.shutdown() } }
+        for client in clients { #expect(try client.exchange("\(client.source)-0", with: bind) != nil) }
+        var successor = relayYAML("end-renamed", bind: bind, [server], settings: settings)
+        if change == "wildcard" { successor = successor.replacingOccurrences(of: "\"\(bind)\"", with: "\"0.0.0.0:\(port)\"") }
+        #expect(daemon.reload(text: successor))
+        let handedOver = log.count(.info, containing: "listener handed over")
+        #expect(handedOver == (change == "wildcard" ? 0 : 1), "\(log.all.map(\.message))")
+        switch change {
+        case "stop":
+            let clock = ContinuousClock()
+            let started = clock.now
+            daemon.shutdown()
+            stopped = true
+            #expect(clock.now - started < .seconds(2), "the stop did not wait for the drain: \(clock.now - started)")
+        case "successor removed":
+            // Its bind goes: the old instance's sockets would get the kernel's hash over them.
+            #expect(daemon.reload(text: relayYAML("other", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), [server], settings: settings)))
+            #expect(log.count(.info, containing: "handed-over listener stopped: its drain was cut short") == 1, "\(log.all.map(\.message))")
+            daemon.shutdown()
+            stopped = true
+        default:
+            daemon.shutdown()
+            stopped = true
+        }
+        if handedOver == 1 {
+            #expect(log.count(.info, containing: "handed-over listener stopped: its drain was cut short") == 1, "\(log.all.map(\.message))")
+        }
+        settle { openSockets() == before }
+        #expect(openSockets() == before, "every socket of both instances closed: \(openSockets().subtracting(before))")
     }
 
     @Test("drain_secs 1: a removed downstream's reply 2.5 s late is dropped and counted drained, not relayed; its socket closes once silent for session_idle_secs; nothing open after stop")

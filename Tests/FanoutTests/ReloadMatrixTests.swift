@@ -371,6 +371,10 @@ struct ReloadMatrixTests {
              "the log says the reload was rejected, and why"),
             (!outcome.log.contains { $0.hasPrefix("configuration loaded") || $0.hasPrefix("listener stopped") }, "the log says nothing was applied or stopped"),
         ]
+        if cell.step == .activate {
+            // The new instance had started (its workers said so): its teardown is said too.
+            checks.append((outcome.log.contains { $0.hasPrefix("new listener instance stopped unused") }, "the log says the new instance was stopped"))
+        }
         // A tc_attach change stops the old listener first (warned about), and the rollback starts
         // it again: what arrives meanwhile the kernel counts. Every other cell has no such gap.
         checks += Self.trafficChecks(outcome, accountedByKernel: stopsFirst ? outcome.noPorts : 0)

@@ -55,9 +55,10 @@ protocol RunningListener: AnyObject, Sendable {
     /// while still receiving on its bind, so a successor can take it over; ``shutdown()`` follows.
     func releaseInterface()
     /// Stops in favour of a successor that took its bind over. A relay listener drains its
-    /// sessions in the background first and calls `drained` when done (returns true; its
-    /// ``shutdown()`` cuts the drain short); any other stops now (returns false).
-    func handOver(drained: @escaping @Sendable () -> Void) -> Bool
+    /// sessions in the background first (relaying replies for the successor's `drainSecs`,
+    /// counting later ones) and calls `drained` when done, telling whether its
+    /// ``shutdown()`` cut the drain short (returns true); any other stops now (returns false).
+    func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool
     /// A two-way listener's associations (nat) or sessions (relay), at most `limit`, and how
     /// many there are in all; nil for a one-way listener.
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)?
@@ -65,7 +66,7 @@ protocol RunningListener: AnyObject, Sendable {
 
 extension RunningListener {
     func releaseInterface() {}
-    func handOver(drained: @escaping @Sendable () -> Void) -> Bool {
+    func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool {
         shutdown()
         return false
     }
@@ -104,9 +105,15 @@ public final class FanoutDaemon: Sendable {
         /// Set by ``shutdown()``: `/readyz` says so.
         var stopping = false
         /// Relay instances replaced by a successor on their bind whose sessions still drain
-        /// (``RunningListener/handOver(drained:)``), with their listener's name: their counters
-        /// stay in /metrics meanwhile, and ``shutdown()`` ends their drain.
-        var handingOver: [ObjectIdentifier: (name: String, instance: any RunningListener)] = [:]
+        /// (``RunningListener/handOver(drainSecs:drained:)``), with their listener's name and bind: their
+        /// counters stay in /metrics meanwhile, and ``shutdown()`` ends their drain.
+        var handingOver: [ObjectIdentifier: HandedOver] = [:]
+    }
+
+    struct HandedOver {
+        var name: String
+        var bind: SocketAddress
+        var instance: any RunningListener
     }
 
     let configPath: String?
@@ -345,7 +352,10 @@ public final class FanoutDaemon: Sendable {
                     }
                 }
             }
-            for instance in started.values { instance.shutdown() }
+            for (name, instance) in started {
+                instance.shutdown()
+                logger.info("new listener instance stopped unused: the change is rolled back", metadata: ["listener": "\(name)"])
+            }
             /// Starts `listener` again with the set last applied; nil (recorded lost) if it cannot.
             func restart(_ listener: Listener) -> (any RunningListener)? {
                 do {
@@ -412,16 +422,20 @@ public final class FanoutDaemon: Sendable {
             logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
         let stoppedEarly = Set(stopFirst.map(\.name))
-        let tookOver = fresh.filter { listener in started[listener.name]?.takesOverExactly == true && !activateLater.contains { $0.name == listener.name } }
+        // Relay successors whose eBPF steering took their bind over: a predecessor on exactly that
+        // bind gets nothing new, and its sessions can drain. (Another address on the port, even a
+        // wildcard, is another kernel group: the old sockets would keep receiving there.)
+        let successors = Dictionary(fresh.filter { listener in
+            listener.mode == .userspace && listener.replies == .relay && started[listener.name]?.takesOverExactly == true
+                && !activateLater.contains { $0.name == listener.name }
+        }.map { ($0.bind, $0) }, uniquingKeysWith: { first, _ in first })
         for listener in retiring where !stoppedEarly.contains(listener.name) {
-            if listener.replies == .relay, let instance = running[listener.name],
-               tookOver.contains(where: { $0.mode == .userspace && FanoutConfig.overlaps($0.bind, listener.bind) }) {
-                handOver(instance, listener)
+            let removed = !staying.contains(listener.name) && !freshNames.contains(listener.name)
+            if listener.replies == .relay, let successor = successors[listener.bind], let instance = running[listener.name] {
+                handOver(instance, listener, to: successor)
             } else {
                 running[listener.name]?.shutdown()
-            }
-            if !staying.contains(listener.name) && !freshNames.contains(listener.name) {
-                logger.info("listener removed", metadata: ["listener": "\(listener.name)"])
+                if removed { logger.info("listener removed", metadata: ["listener": "\(listener.name)"]) }
             }
         }
         for listener in activateLater {
@@ -433,22 +447,54 @@ public final class FanoutDaemon: Sendable {
                 ])
             }
         }
+        endOrphanedHandOvers()
     }
 
-    /// Hands a relay instance over to the successor that took its bind: it drains its sessions
-    /// in the background (logged when it starts and ends) or, with drain_secs 0, stops now.
-    private func handOver(_ instance: any RunningListener, _ listener: Listener) {
-        let id = ObjectIdentifier(instance)
-        state.withLock { $0.handingOver[id] = (listener.name, instance) }
-        let metadata: Logger.Metadata = ["listener": "\(listener.name)", "bind": "\(listener.bind)", "drain_secs": "\(listener.settings.drainSecs)"]
-        let draining = instance.handOver { [weak self] in
-            self?.state.withLock { _ = $0.handingOver.removeValue(forKey: id) }
-            self?.logger.info("handed-over listener stopped: its sessions drained", metadata: metadata)
+    /// Ends the drain of every handed-over instance whose bind no running relay listener steers
+    /// any more (its successor removed, moved or restarted without eBPF steering): the kernel
+    /// would deliver that bind's datagrams to the old sockets, which no longer read requests.
+    private func endOrphanedHandOvers() {
+        let orphaned = state.withLock { state in
+            let steered = Set(state.config.listeners.filter { listener in
+                listener.mode == .userspace && listener.replies == .relay && state.listeners[listener.name]?.takesOverExactly == true
+            }.map(\.bind))
+            return state.handingOver.values.filter { !steered.contains($0.bind) }.map(\.instance)
         }
-        if draining {
-            logger.info("listener handed over: new requests go to its successor; its sessions' replies are relayed until settings.drain_secs passes, later ones counted drained", metadata: metadata)
-        } else {
-            state.withLock { _ = $0.handingOver.removeValue(forKey: id) }
+        for instance in orphaned { instance.shutdown() }
+    }
+
+    /// Hands a relay instance over to the successor that took its bind: its sessions drain in
+    /// the background for the successor's drain_secs (logged when it starts and ends, with its
+    /// totals). At most one instance drains per bind: an earlier one still draining there ends now.
+    private func handOver(_ instance: any RunningListener, _ listener: Listener, to successor: Listener) {
+        let earlier = state.withLock { state in state.handingOver.values.filter { $0.bind == listener.bind }.map(\.instance) }
+        for previous in earlier { previous.shutdown() }
+        let drainSecs = successor.settings.drainSecs
+        let metadata: Logger.Metadata = ["listener": "\(listener.name)", "successor": "\(successor.name)", "bind": "\(listener.bind)", "drain_secs": "\(drainSecs)"]
+        let id = ObjectIdentifier(instance)
+        let counters = state.withLock { state in
+            state.handingOver[id] = HandedOver(name: listener.name, bind: listener.bind, instance: instance)
+            return state.counters[listener.name]
+        }
+        logger.info(drainSecs > 0
+            ? "listener handed over: new requests go to its successor; its sessions' replies are relayed until the successor's settings.drain_secs passes, later ones counted drained"
+            : "listener handed over (the successor's settings.drain_secs is 0): new requests go to its successor; its sessions' replies from now on are counted drained", metadata: metadata)
+        let draining = instance.handOver(drainSecs: drainSecs) { [weak self] cutShort in
+            // Out of the state first; the instance itself is released after the lock.
+            let removed = self?.state.withLock { $0.handingOver.removeValue(forKey: id) }
+            // Its totals, as /metrics last showed them (a renamed listener's series go now).
+            var totals = metadata
+            if let twoWay = counters?.snapshot().twoWay {
+                totals["replies"] = "\(twoWay.replies)"
+                totals["drained"] = "\(twoWay.replyDropped[.drained, default: 0])"
+            }
+            self?.logger.info(cutShort ? "handed-over listener stopped: its drain was cut short (daemon stop, or a later change ended it); later replies to its sessions reach no socket"
+                                       : "handed-over listener stopped: its sessions drained", metadata: totals)
+            _ = removed
+        }
+        if !draining {
+            let removed = state.withLock { $0.handingOver.removeValue(forKey: id) }
+            _ = removed
         }
     }
 

@@ -43,14 +43,19 @@ final class PlanHolder: Sendable {
 /// Set once to stop a listener's workers.
 final class StopSignal: Sendable {
     private let flag = Atomic<Bool>(false)
-    var isSet: Bool { flag.load(ordering: .relaxed) }
-    func set() { flag.store(true, ordering: .relaxed) }
+    // Release/acquire: what was written before set() (a handover's request) is seen by whoever
+    // sees the flag set.
+    var isSet: Bool { flag.load(ordering: .acquiring) }
+    func set() { flag.store(true, ordering: .releasing) }
 }
 
-/// A relay listener's handover to a successor on its bind: set before its workers are told to
-/// stop, they drain their sessions (``RelayWorker``) instead of closing them; `cutShort` ends
-/// that drain at once (the daemon stops, or a later change needs the instance gone).
+/// A relay listener's handover to a successor on its bind: `requested`, set before its workers
+/// are told to stop, makes them drain their sessions (``RelayWorker``) instead of closing them;
+/// `cutShort` ends that drain at once (the daemon stops, a later handover of the bind, or its
+/// successor gone).
 final class HandOverSignal: Sendable {
     let requested = StopSignal()
     let cutShort = StopSignal()
+    /// The successor's settings.drain_secs, in milliseconds (stored before `requested`).
+    let drainMilliseconds = Atomic<Int64>(0)
 }

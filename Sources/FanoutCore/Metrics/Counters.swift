@@ -65,6 +65,9 @@ public enum AssociationEvent: String, CaseIterable, Sendable {
     case expired
     /// relay: a new client while `max_sessions` were open: its datagram was dropped.
     case tableFull = "table_full"
+    /// relay: its listener was handed over to a successor on the bind (a reload that renamed or
+    /// restarted it): the session drains, and the client's next datagram makes one there.
+    case handedOver = "handed_over"
 }
 
 /// The reply side of a two-way listener (``Replies``).

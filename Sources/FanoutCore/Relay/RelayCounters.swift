@@ -38,6 +38,10 @@ final class RelaySessionCount: Sendable {
     /// Takes a draining slot; false when `maxSessions` sockets drain already (nothing taken).
     func admitDraining() -> Bool { take(draining) }
 
+    /// Takes a draining slot whatever the bound: a handed-over instance turns every session into
+    /// a draining socket, so its sockets do not grow in number (its sessions release theirs).
+    func forceDraining() { draining.wrappingAdd(1, ordering: .relaxed) }
+
     func releaseDraining(_ count: Int = 1) {
         if count > 0 { draining.wrappingSubtract(count, ordering: .relaxed) }
     }
@@ -62,6 +66,7 @@ final class RelayCounters: Sendable {
     let moved = Atomic<UInt64>(0)
     let expired = Atomic<UInt64>(0)
     let tableFull = Atomic<UInt64>(0)
+    let handedOver = Atomic<UInt64>(0)
     /// Session-socket sends and receives done through the workers' io_urings (not exported: the
     /// workers' "entering receive loop" lines and a failed ring's error line say which path runs).
     let ringSends = Atomic<UInt64>(0)
@@ -99,6 +104,7 @@ final class RelayCounters: Sendable {
         snapshot.events = [
             .created: created.load(ordering: .relaxed), .moved: moved.load(ordering: .relaxed),
             .expired: expired.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
+            .handedOver: handedOver.load(ordering: .relaxed),
         ]
         snapshot.downstreamReplies = downstreams.withLock { $0.mapValues { $0.replies.load(ordering: .relaxed) } }
         snapshot.ringSends = ringSends.load(ordering: .relaxed)

@@ -214,7 +214,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
-        if handOver.requested.isSet && drainMilliseconds > 0 { drainAfterHandOver() }
+        if handOver.requested.isSet { drainAfterHandOver() }
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
         member.leave()
@@ -318,11 +318,13 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     /// Takes the session's socket out of the session (the client's next datagram picks another
     /// downstream) and keeps it draining: the downstream may still answer requests it took.
-    /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged).
-    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64) {
+    /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged),
+    /// unless `bounded` is false (a handover: every session becomes a draining socket).
+    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil) {
         let fd = session.socket
         bySocket[fd] = nil
-        guard sessionCount.admitDraining() else {
+        if !bounded { sessionCount.forceDraining() }
+        guard !bounded || sessionCount.admitDraining() else {
             session.closeSocket()  // close removes it from the epoll set
             logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted (raise settings.max_sessions or lower settings.drain_secs)",
                        DrainingLimitReached(downstream: session.downstream.address, limit: sessionCount.maxSessions))
@@ -331,7 +333,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         // The descriptor moves, still in the epoll set: the session makes a new one when its
         // client next sends.
         session.socket = -1
-        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: now + drainMilliseconds, now: now)
+        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: now + (drain ?? drainMilliseconds), now: now)
     }
 
     // MARK: Client → downstream
@@ -844,17 +846,19 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// starts it again): new requests go to the successor's workers, which open sessions of
     /// their own, but the downstreams may still answer requests sent through this worker's
     /// sessions. Every session drains as a leaving downstream's does: its replies are relayed
-    /// from the listener's address until settings.drain_secs passes, later ones read and
-    /// counted `drained` until the socket is silent (``sweep(now:)``). Returns when the last
-    /// one closed, or soon after the handover is cut short.
+    /// from the listener's address until the successor's settings.drain_secs passes (with 0:
+    /// none), later ones read and counted `drained` until the socket is silent
+    /// (``sweep(now:)``). Returns when the last one closed, or soon after the handover is cut short.
     private func drainAfterHandOver() {
         // Requests are the successor's now (its eBPF steering selects only its own sockets).
         epoll_ctl(epoll, EPOLL_CTL_DEL, member.socket, nil)
         let now = monotonicMilliseconds()
+        let drain = handOver.drainMilliseconds.load(ordering: .relaxed)
         tableLock.withLock { _ in
             for session in sessions.values where session.socket >= 0 {
-                retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now)
+                retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now, bounded: false, drain: drain)
             }
+            relay.handedOver.wrappingAdd(UInt64(sessions.count), ordering: .relaxed)
             sessionCount.release(sessions.count)
             sessions = [:]
             bySocket = [:]

@@ -17,7 +17,7 @@ final class UserspaceListener: RunningListener {
     private let plans: PlanHolder
     private let stop = StopSignal()
     private let handOverSignal = HandOverSignal()
-    /// Set once every worker returned after a handover (``handOver(drained:)``).
+    /// Set once every worker returned after a handover (``handOver(drainSecs:drained:)``).
     private let drainedSignal = StopSignal()
     private let workers: [any ListenerWorker]
     /// `replies: relay`: the workers' shared session count and reply counters; nil: one way.
@@ -182,23 +182,26 @@ final class UserspaceListener: RunningListener {
     }
 
     /// A successor on the same bind took it over (eBPF steering: nothing new reaches this
-    /// instance). A relay listener with settings.drain_secs above 0 keeps its sessions draining
-    /// in the background, so the replies to requests it already sent still reach their clients
-    /// from the listener's address (``RelayWorker``); `drained` is called once its last worker
-    /// returned. Any other listener stops at once, as ``shutdown()`` does.
+    /// instance). A relay listener keeps its sessions draining in the background for the
+    /// successor's `drainSecs`, so the replies to requests it already sent still reach their
+    /// clients from the listener's address, and later ones are counted (``RelayWorker``);
+    /// `drained` is called once its last worker
+    /// returned, telling whether ``shutdown()`` cut the drain short. Any other listener stops at
+    /// once, as ``shutdown()`` does.
     /// - Returns: true if it drains in the background (``shutdown()`` cuts that short).
-    func handOver(drained: @escaping @Sendable () -> Void) -> Bool {
-        guard relay != nil, config.settings.drainSecs > 0 else {
+    func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool {
+        guard relay != nil else {
             shutdown()
             return false
         }
+        handOverSignal.drainMilliseconds.store(Int64(drainSecs) * 1000, ordering: .relaxed)
         handOverSignal.requested.set()
         stop.set()
-        let (threads, finished) = (self.threads, drainedSignal)
+        let (threads, finished, signal) = (self.threads, drainedSignal, handOverSignal)
         OSThread.detached(name: "\(config.name)-drain") {
             for thread in threads { thread.join() }
             finished.set()
-            drained()
+            drained(signal.cutShort.isSet)
         }
         return true
     }
