@@ -482,11 +482,12 @@ public final class FanoutDaemon: Sendable {
         let draining = instance.handOver(drainSecs: drainSecs) { [weak self] cutShort in
             // Out of the state first; the instance itself is released after the lock.
             let removed = self?.state.withLock { $0.handingOver.removeValue(forKey: id) }
-            // Its totals, as /metrics last showed them (a renamed listener's series go now).
+            // The name's totals (every instance of it), as /metrics last showed them: a renamed
+            // listener's series go now.
             var totals = metadata
             if let twoWay = counters?.snapshot().twoWay {
-                totals["replies"] = "\(twoWay.replies)"
-                totals["drained"] = "\(twoWay.replyDropped[.drained, default: 0])"
+                totals["listener_replies_total"] = "\(twoWay.replies)"
+                totals["listener_drained_total"] = "\(twoWay.replyDropped[.drained, default: 0])"
             }
             self?.logger.info(cutShort ? "handed-over listener stopped: its drain was cut short (daemon stop, or a later change ended it); later replies to its sessions reach no socket"
                                        : "handed-over listener stopped: its sessions drained", metadata: totals)

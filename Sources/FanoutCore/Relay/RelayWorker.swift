@@ -855,21 +855,32 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         let now = monotonicMilliseconds()
         let drain = handOver.drainMilliseconds.load(ordering: .relaxed)
         tableLock.withLock { _ in
+            var handed: UInt64 = 0
             for session in sessions.values where session.socket >= 0 {
                 retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now, bounded: false, drain: drain)
+                handed += 1
             }
-            relay.handedOver.wrappingAdd(UInt64(sessions.count), ordering: .relaxed)
+            relay.handedOver.wrappingAdd(handed, ordering: .relaxed)
             sessionCount.release(sessions.count)
             sessions = [:]
             bySocket = [:]
         }
+        var nextSweep = now + 1000
         while !draining.isEmpty && !handOver.cutShort.isSet {
             let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
             progress.wrappingAdd(1, ordering: .relaxed)
             for slot in 0..<max(0, Int(ready)) { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
             flushReplies()
-            sweep(now: monotonicMilliseconds())
+            // Once a second, as in the receive loop: it closes the sockets silent long enough.
+            let time = monotonicMilliseconds()
+            if time >= nextSweep {
+                nextSweep = time + 1000
+                sweep(now: time)
+            }
         }
+        // Cut short: what the sockets hold already is still relayed (or counted) before they close.
+        for fd in Array(draining.keys) { drainReplies(fd) }
+        flushReplies()
     }
 
     private func closeEverySession() {

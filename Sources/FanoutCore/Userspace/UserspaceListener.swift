@@ -200,8 +200,9 @@ final class UserspaceListener: RunningListener {
         let (threads, finished, signal) = (self.threads, drainedSignal, handOverSignal)
         OSThread.detached(name: "\(config.name)-drain") {
             for thread in threads { thread.join() }
-            finished.set()
+            // Before the signal: a shutdown() waiting on it returns after the caller heard.
             drained(signal.cutShort.isSet)
+            finished.set()
         }
         return true
     }
