@@ -212,7 +212,10 @@ func drainYAML(_ name: String, bind: SocketAddress, _ servers: [DelayedEcho], wo
 
 func relayYAML(_ name: String, bind: SocketAddress, downstreams: [(name: String, address: SocketAddress)], workers: Int, settings: String) -> String {
     var yaml = "listeners:\n  - name: \(name)\n    bind: \"\(bind)\"\n    mode: userspace\n    replies: relay\n"
-    yaml += "    settings:\n      workers: \(workers)\n      worker_steering: five_tuple\n\(settings)    downstream:\n"
+    // An 8 MiB receive buffer per worker, as the other loopback tests have: the exact counts these
+    // tests assert must not depend on a worker getting a CPU within a few ms on a busy machine
+    // (a default buffer overflowed there: 135 of 2,400 requests dropped, counted receive_queue_drops).
+    yaml += "    settings:\n      workers: \(workers)\n      worker_steering: five_tuple\n      recv_buf_size: 8388608\n\(settings)    downstream:\n"
     for server in downstreams { yaml += "      - name: \(server.name)\n        address: \"\(server.address)\"\n" }
     return yaml
 }
