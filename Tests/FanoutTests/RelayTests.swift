@@ -741,7 +741,9 @@ struct RelayTests {
             daemon.shutdown()
             stopped = true
         case "handed over again":
-            // One drain per bind: the first ends when the second starts.
+            // The successor gets sessions of its own (else, handed over with nothing to drain, it
+            // would stop by itself at once); then one drain per bind: the first ends when the second starts.
+            for client in clients { #expect(try client.exchange("\(client.source)-1", with: bind) != nil) }
             #expect(daemon.reload(text: relayYAML("end-again", bind: bind, [server], settings: settings)))
             #expect(log.count(.info, containing: "listener handed over") == 2)
             #expect(log.count(.info, containing: "handed-over listener stopped: its drain was cut short") == 1, "\(log.all.map(\.message))")
