@@ -480,8 +480,8 @@ public final class FanoutDaemon: Sendable {
             ? "listener handed over: new requests go to its successor; its sessions' replies are relayed until the successor's settings.drain_secs passes, later ones counted drained"
             : "listener handed over (the successor's settings.drain_secs is 0): new requests go to its successor; its sessions' replies from now on are counted drained", metadata: metadata)
         let draining = instance.handOver(drainSecs: drainSecs) { [weak self] cutShort in
-            // Out of the state first; the instance itself is released after the lock.
-            let removed = self?.state.withLock { $0.handingOver.removeValue(forKey: id) }
+            // Out of the state first (the entry is released once withLock returned, not under the lock).
+            _ = self?.state.withLock { $0.handingOver.removeValue(forKey: id) }
             // The name's totals (every instance of it), as /metrics last showed them: a renamed
             // listener's series go now.
             var totals = metadata
@@ -491,12 +491,8 @@ public final class FanoutDaemon: Sendable {
             }
             self?.logger.info(cutShort ? "handed-over listener stopped: its drain was cut short (daemon stop, or a later change ended it); later replies to its sessions reach no socket"
                                        : "handed-over listener stopped: its sessions drained", metadata: totals)
-            _ = removed
         }
-        if !draining {
-            let removed = state.withLock { $0.handingOver.removeValue(forKey: id) }
-            _ = removed
-        }
+        if !draining { _ = state.withLock { $0.handingOver.removeValue(forKey: id) } }
     }
 
     /// Called by ``StatusEndpointService`` when it runs: reloads that change the `metrics`
