@@ -462,20 +462,57 @@ struct SystemdTests {
             try? FileManager.default.removeItem(atPath: trace)
         }
         let tracer = try Child("/usr/bin/strace", ["-f", "-qq", "-o", trace, binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path], prefix: prefix)
-        // The daemon is strace's child (nsenter execs strace, strace forks the daemon).
+        // The daemon is strace's child (nsenter execs strace, strace forks the daemon), the one
+        // that has exec'd udp-fanout: strace first forks short-lived children of its own to test
+        // ptrace features, and a signal sent to one of those reached nobody.
         var daemon: pid_t = 0
         let deadline = ContinuousClock.now + .seconds(10)
         while daemon == 0 && ContinuousClock.now < deadline {
             let children = (try? String(contentsOfFile: "/proc/\(tracer.process.processIdentifier)/task/\(tracer.process.processIdentifier)/children", encoding: .utf8)) ?? ""
-            daemon = children.split(separator: " ").first.flatMap { pid_t($0) } ?? 0
+            daemon = children.split(separator: " ").compactMap { pid_t($0) }.first { Self.isDaemon($0, configPath: file.path) } ?? 0
             usleep(20_000)
         }
         try #require(daemon > 0, "no daemon under strace: \(tracer.stderr)")
-        for text in started { try tracer.waitFor(text) }
-        try exercise(daemon)
+        do {
+            for text in started { try tracer.waitFor(text) }
+            try exercise(daemon)
+        } catch {
+            kill(daemon, SIGKILL)
+            tracer.wait()
+            throw error
+        }
         kill(daemon, SIGTERM)
+        // The daemon, not strace, is waited for: if it does not stop, what each of its threads
+        // waits in and which signals are pending says why, and it is killed (strace, killed,
+        // would leave it running untraced).
+        let stopDeadline = ContinuousClock.now + .seconds(20)
+        while kill(daemon, 0) == 0 && Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < stopDeadline { usleep(20_000) }
+        if kill(daemon, 0) == 0 && Self.isDaemon(daemon, configPath: file.path) {
+            Issue.record("udp-fanout under strace did not stop 20 s after SIGTERM; its threads: \(Self.threadStates(daemon)); log: \(tracer.stderr)")
+            kill(daemon, SIGKILL)
+        }
         #expect(tracer.wait(seconds: 20) == 0, "\(tracer.stderr)")
         return try String(contentsOfFile: trace, encoding: .utf8)
+    }
+
+    /// True while `pid` runs udp-fanout started with `configPath`: not strace before its exec, not
+    /// one of strace's test children, not a reused PID.
+    static func isDaemon(_ pid: pid_t, configPath: String) -> Bool {
+        let executable = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/\(pid)/exe")) ?? ""
+        return executable.hasSuffix("/udp-fanout")
+            && ((try? String(contentsOfFile: "/proc/\(pid)/cmdline", encoding: .utf8)) ?? "").contains(configPath)
+    }
+
+    /// Each thread of `pid`: its name, where it waits, and its pending and blocked signal masks.
+    static func threadStates(_ pid: pid_t) -> String {
+        let tasks = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/\(pid)/task")) ?? []
+        let shared = ((try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8)) ?? "").split(separator: "\n").filter { $0.hasPrefix("ShdPnd") || $0.hasPrefix("SigCgt") }
+        return shared.joined(separator: " ") + "; " + tasks.sorted().map { task in
+            let base = "/proc/\(pid)/task/\(task)/"
+            let read = { (name: String) in ((try? String(contentsOfFile: base + name, encoding: .utf8)) ?? "?").trimmingCharacters(in: .whitespacesAndNewlines) }
+            let masks = read("status").split(separator: "\n").filter { $0.hasPrefix("SigPnd") || $0.hasPrefix("SigBlk") }.joined(separator: " ")
+            return "\(task) \(read("comm")) \(read("wchan")) \(masks)"
+        }.joined(separator: "; ")
     }
 
     @Test("The unit's SystemCallFilter= allows every system call udp-fanout makes, and MemoryDenyWriteExecute= none of its mappings (strace): userspace with pinned workers, metrics, a reload; tc_ebpf in a namespace", .enabled(if: Privileges.enabled, Privileges.reason))
