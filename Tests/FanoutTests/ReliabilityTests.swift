@@ -216,22 +216,29 @@ struct DatagramReliabilityTests {
         let daemon = try startDaemon("listeners:\n" + listenerYAML("v4", bind: bind4, [v4.sink], workers: 2)
             + listenerYAML("v6", bind: wildcard6, [v6.sink], extra: "    balancing: source_ip\n", workers: 2))
         defer { daemon.shutdown() }
-        func send(_ family: Int32, to address: SocketAddress, _ sizes: [Int]) throws {
+        /// Sends `sizes` to `listener` at `address`, 20 at a time, each 20 only once the listener
+        /// has read the ones before (at most 5 s): the receive buffer never holds more than 20
+        /// datagrams (1.3 MB), so a busy machine slows the test instead of overflowing the queue.
+        func send(_ family: Int32, to address: SocketAddress, _ sizes: [Int], listener: String) throws {
             let fd = socket(family, Int32(SOCK_DGRAM.rawValue), 0)
             defer { close(fd) }
             var buffer = [UInt8](repeating: 0x5a, count: 65536)
+            let before = daemon.counters(of: listener)?.received ?? 0
             for (index, size) in sizes.enumerated() {
                 let sent = address.withSockAddr { sendto(fd, &buffer, size, 0, $0, $1) }
                 try #require(sent == size, "sendto \(size) bytes to \(address): errno \(errno)")
-                if index % 20 == 19 { usleep(1_000) }
+                if index % 20 == 19 || index == sizes.count - 1 {
+                    let deadline = ContinuousClock.now + .seconds(5)
+                    while (daemon.counters(of: listener)?.received ?? 0) < before + UInt64(index + 1) && ContinuousClock.now < deadline { usleep(1_000) }
+                }
             }
         }
-        try send(AF_INET, to: bind4, sizes)
+        try send(AF_INET, to: bind4, sizes, listener: "v4")
         // IPv4 clients of the dual-stack listener arrive with IPv4-mapped IPv6 sources.
         let mapped = sizes.filter { $0 % 7 == 0 }
-        try send(AF_INET, to: SocketAddress(ip: IPAddress("127.0.0.1")!, port: wildcard6.port), mapped)
+        try send(AF_INET, to: SocketAddress(ip: IPAddress("127.0.0.1")!, port: wildcard6.port), mapped, listener: "v6")
         let large6 = Array(65508...65527)
-        try send(AF_INET6, to: SocketAddress(ip: IPAddress("::1")!, port: wildcard6.port), large6)
+        try send(AF_INET6, to: SocketAddress(ip: IPAddress("::1")!, port: wildcard6.port), large6, listener: "v6")
         let got4 = v4.finish(), got6 = v6.finish()
         let kept = sizes.filter { $0 <= 9000 }
         #expect(got4.count == kept.count, "every datagram up to max_packet_size forwarded once")
