@@ -7,11 +7,9 @@ import Synchronization
 
 /// Why the daemon could not start.
 public enum DaemonError: Error, CustomStringConvertible {
-    case listener(name: String, ReusePortError)
-    case tcListener(name: String, TCError)
-    case modeNotImplemented(name: String, Mode)
+    /// A listener's kind could not start it (the error names what and the fix).
+    case listener(name: String, any Error)
     case output(name: String, OutboxError)
-    case afXDPListener(name: String, AFXDPError)
     case metrics(SocketAddress, any Error)
     /// A failure a test injected at one step of a change (``FanoutDaemon/failureInjection``).
     case injected(name: String, step: TransitionStep)
@@ -19,10 +17,7 @@ public enum DaemonError: Error, CustomStringConvertible {
     public var description: String {
         switch self {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
-        case .tcListener(let name, let error): return "listener '\(name)' could not start: \(error)"
-        case .modeNotImplemented(let name, let mode): return "listener '\(name)' could not start: mode \(mode.rawValue) is not implemented in this release"
         case .output(let name, let error): return "listener '\(name)' could not start: \(error)"
-        case .afXDPListener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .metrics(let address, let error):
             return "metrics server error: cannot serve on \(address): \(error); free that port or set metrics.bind to another address"
         case .injected(let name, let step): return "listener '\(name)': failure injected by a test at step \(step.rawValue)"
@@ -80,8 +75,6 @@ public final class FanoutDaemon: Sendable {
         var config: FanoutConfig
         var listeners: [String: any RunningListener] = [:]
         var counters: [String: ListenerCounters] = [:]
-        /// af_xdp listeners' ring, socket and XDP counters, kept across reloads like `counters`.
-        var afxdp: [String: AFXDPCounters] = [:]
         /// How a reload reaches the running ``StatusEndpointService`` (nil until it runs).
         var endpoint: AsyncStream<Metrics>.Continuation?
         /// Listeners of the configuration in force that are not running: stopped for a change
@@ -126,7 +119,10 @@ public final class FanoutDaemon: Sendable {
     let membershipUpdates = Atomic<UInt64>(0)
     /// Downstream set changes a running listener could not apply (tc_ebpf map writes).
     let membershipFailures = Atomic<UInt64>(0)
-    private let dataplane: TCDataplane
+    /// The listener kinds; every listener is started and replaced through its kind.
+    let kinds: ListenerKinds
+    /// What kinds keep across a listener's instances (af_xdp: its ring and XDP counters).
+    private let kept = KeptState()
     /// Serialises every change of the running listeners: reloads and membership updates.
     let changes = Mutex<Void>(())
     /// Active and passive health of every member (a service of its own in the ServiceGroup).
@@ -147,7 +143,7 @@ public final class FanoutDaemon: Sendable {
         self.configPath = configPath
         self.logger = logger
         state = Mutex(State(config: config))
-        dataplane = TCDataplane(logger: logger)
+        kinds = ListenerKinds(logger: logger)
         let link = HealthLink()
         health = HealthChecker(policy: HealthPolicy(config.health), logger: logger) { target, up in link.forward(target, up) }
         link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
@@ -189,42 +185,12 @@ public final class FanoutDaemon: Sendable {
         } catch {
             throw .output(name: listener.name, error)
         }
-        switch listener.mode {
-        case .tcEBPF:
-            do {
-                return try TCListener(listener, counters: counters, dataplane: dataplane, logger: logger)
-            } catch {
-                logger.error("tc_ebpf listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
-                throw .tcListener(name: listener.name, error)
-            }
-        case .afXDP:
-            let afxdp = state.withLock { state in
-                if let existing = state.afxdp[listener.name] { return existing }
-                let made = AFXDPCounters(listener: listener.name)
-                state.afxdp[listener.name] = made
-                return made
-            }
-            counters.modeMetrics.withLock { $0 = { afxdp.metricsText(mode: Mode.afXDP.rawValue) } }
-            do {
-                let name = listener.name
-                return try AFXDPListener(listener, counters: counters, afxdp: afxdp, logger: logger) { [weak self] address in
-                    self?.downstreamRefused(address, listener: name)
-                }
-            } catch {
-                logger.error("af_xdp listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
-                throw .afXDPListener(name: listener.name, error)
-            }
-        case .userspace:
-            do {
-                // Passive health: ICMP port unreachable on a send counts as a failed probe.
-                let name = listener.name
-                return try UserspaceListener(listener, counters: counters, logger: logger) { [weak self] address in
-                    self?.downstreamRefused(address, listener: name)
-                }
-            } catch {
-                throw .listener(name: listener.name, error)
-            }
-        }
+        // Passive health: ICMP port unreachable on a send counts as a failed probe.
+        let name = listener.name
+        let context = ListenerContext(counters: counters, logger: logger, refused: { [weak self] address in
+            self?.downstreamRefused(address, listener: name)
+        }, kept: kept)
+        return try kinds.kind(for: listener).start(listener, context)
     }
 
     /// Holds the change lock for the whole step, then gives the health checker the new policy
@@ -287,30 +253,25 @@ public final class FanoutDaemon: Sendable {
         let staying = Set(new.listeners.map(\.name)).subtracting(fresh.map(\.name))
         let retiring = old.listeners.filter { !staying.contains($0.name) }
 
-        // tc_ebpf listeners that must be gone before their successors register: those whose
-        // interface is to be attached another way (tc_attach: the program is attached once per
-        // interface). Every other tc_ebpf successor writes its map entry over its predecessor's
-        // (the same bind and interface) at once, and the predecessor stops after.
-        let freshTC = fresh.filter { $0.mode == .tcEBPF }
+        // How each retiring instance makes way, as its kind says: most run beside their
+        // successors; some stop first (what they hold can be held once: tc_ebpf's attachment
+        // when tc_attach changes); some give their interface up first and keep receiving on
+        // their bind until the successor runs (af_xdp's hook and queues).
         let freshNames = Set(fresh.map(\.name))
-        let stopFirst = retiring.filter { listener in
-            listener.mode == .tcEBPF && freshTC.contains {
-                $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach
+        var stopFirst: [Listener] = []
+        var released: [Listener] = []
+        for listener in retiring {
+            switch kinds.kind(for: listener).succession(of: listener, fresh: fresh) {
+            case .besideSuccessor: break
+            case .stopFirst(let warning):
+                logger.warning(warning, metadata: ["listener": "\(listener.name)", "interface": "\(listener.interface ?? "")"])
+                running[listener.name]?.shutdown()
+                stopFirst.append(listener)
+            case .releaseFirst:
+                running[listener.name]?.releaseInterface()
+                released.append(listener)
             }
         }
-        for listener in stopFirst {
-            logger.warning("tc_attach changes: the program is attached again at this interface, so the old tc_ebpf listener stops before its successor starts; datagrams arriving in between pass to the host's stack (its Udp NoPorts counts them)", metadata: [
-                "listener": "\(listener.name)", "interface": "\(listener.interface ?? "")",
-            ])
-            running[listener.name]?.shutdown()
-        }
-        // af_xdp listeners whose interface a new one takes: they give the interface up (hook and
-        // queues) but their companion socket keeps receiving on the bind until the successor runs.
-        let freshXDP = fresh.filter { $0.mode == .afXDP }
-        let released = retiring.filter { listener in
-            listener.mode == .afXDP && freshXDP.contains { $0.interface == listener.interface }
-        }
-        for listener in released { running[listener.name]?.releaseInterface() }
 
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
@@ -321,7 +282,7 @@ public final class FanoutDaemon: Sendable {
                 let instance = started[listener.name]!
                 try failIfInjected(.activate, listener.name)
                 // Userspace workers and af_xdp companion sockets: groups on the bind.
-                let predecessor = retiring.contains { $0.mode != .tcEBPF && FanoutConfig.overlaps($0.bind, listener.bind) }
+                let predecessor = retiring.contains { kinds.kind(for: $0).receivesOnBind && FanoutConfig.overlaps($0.bind, listener.bind) }
                 if predecessor && !instance.takesOverExactly {
                     logger.warning("without eBPF worker steering the old workers on this bind keep receiving until they stop; datagrams reaching them as they close are lost and not counted (grant CAP_BPF for lossless changes)", metadata: [
                         "listener": "\(listener.name)", "bind": "\(listener.bind)",
@@ -343,9 +304,10 @@ public final class FanoutDaemon: Sendable {
                     logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets (userspace) or, for tc_ebpf, nowhere: it is stopped and counted lost until a reload starts it", metadata: [
                         "listener": "\(listener.name)", "error": "\(error)",
                     ])
-                    // A tc_ebpf listener whose entries could not be written back matches nothing
-                    // once its successor stops: not running, said so (the next reload starts it).
-                    if listener.mode == .tcEBPF {
+                    // A listener with no socket on its bind (tc_ebpf) whose entries could not be
+                    // written back matches nothing once its successor stops: not running, said so
+                    // (the next reload starts it).
+                    if !kinds.kind(for: listener).receivesOnBind {
                         running[listener.name]?.shutdown()
                         state.withLock { $0.listeners[listener.name] = nil }
                         lost.append(listener.name)
@@ -422,16 +384,17 @@ public final class FanoutDaemon: Sendable {
             logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
         let stoppedEarly = Set(stopFirst.map(\.name))
-        // Relay successors whose eBPF steering took their bind over: a predecessor on exactly that
-        // bind gets nothing new, and its sessions can drain. (Another address on the port, even a
-        // wildcard, is another kernel group: the old sockets would keep receiving there.)
+        // Successors whose eBPF steering took their bind over, of a kind whose old instances
+        // drain (relay): a predecessor on exactly that bind gets nothing new, and its sessions
+        // can drain. (Another address on the port, even a wildcard, is another kernel group:
+        // the old sockets would keep receiving there.)
         let successors = Dictionary(fresh.filter { listener in
-            listener.mode == .userspace && listener.replies == .relay && started[listener.name]?.takesOverExactly == true
+            kinds.kind(for: listener).drainsOnHandOver && started[listener.name]?.takesOverExactly == true
                 && !activateLater.contains { $0.name == listener.name }
         }.map { ($0.bind, $0) }, uniquingKeysWith: { first, _ in first })
         for listener in retiring where !stoppedEarly.contains(listener.name) {
             let removed = !staying.contains(listener.name) && !freshNames.contains(listener.name)
-            if listener.replies == .relay, let successor = successors[listener.bind], let instance = running[listener.name] {
+            if kinds.kind(for: listener).drainsOnHandOver, let successor = successors[listener.bind], let instance = running[listener.name] {
                 handOver(instance, listener, to: successor)
             } else {
                 running[listener.name]?.shutdown()
@@ -456,7 +419,7 @@ public final class FanoutDaemon: Sendable {
     private func endOrphanedHandOvers() {
         let orphaned = state.withLock { state in
             let steered = Set(state.config.listeners.filter { listener in
-                listener.mode == .userspace && listener.replies == .relay && state.listeners[listener.name]?.takesOverExactly == true
+                kinds.kind(for: listener).drainsOnHandOver && state.listeners[listener.name]?.takesOverExactly == true
             }.map(\.bind))
             return state.handingOver.values.filter { !steered.contains($0.bind) }.map(\.instance)
         }
@@ -544,9 +507,8 @@ public final class FanoutDaemon: Sendable {
             let draining = Set(state.handingOver.values.map(\.name)).subtracting(names).sorted()
             return (names + draining).compactMap { state.counters[$0] }
         }
-        var text = PrometheusText.render(
-            counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)),
-            unmatched: dataplane.unmatched())
+        var text = PrometheusText.render(counters, reloads: (reloadsOK.load(ordering: .relaxed), reloadsRejected.load(ordering: .relaxed)))
+        text += kinds.metricsText()
         text += PrometheusText.merge(counters.compactMap { $0.modeMetrics.withLock { $0 }?() })
         text += membershipMetrics()
         text += lostListenersMetrics()

@@ -1,14 +1,13 @@
 /// Renders the counters in the Prometheus text format (version 0.0.4), with the reference
 /// documents' metric names and our per-downstream and per-reason additions.
 enum PrometheusText {
-    /// - Parameter unmatched: tc_ebpf packets no listener could be known for, by reason (empty
-    ///   when no tc_ebpf listener runs: the family is left out).
-    static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64), unmatched: [(String, UInt64)] = []) -> String {
+    /// The listeners' families and the reloads'; a kind's own families follow
+    /// (``ListenerKinds/metricsText()``).
+    static func render(_ listeners: [ListenerCounters], reloads: (ok: UInt64, rejected: UInt64)) -> String {
         var out = ""
         let snapshots = listeners.map { ($0, $0.snapshot()) }
         func family(_ name: String, _ help: String, type: String = "counter", rows: [(String, UInt64)]) {
-            out += "# HELP \(name) \(help)\n# TYPE \(name) \(type)\n"
-            for (labels, value) in rows { out += "\(name){\(labels)} \(value)\n" }
+            out += Self.family(name, help, type: type, rows: rows)
         }
         func perListener(_ value: (ListenerCounters.Snapshot) -> UInt64) -> [(String, UInt64)] {
             snapshots.map { (labels($0.0), value($0.1)) }
@@ -64,10 +63,13 @@ enum PrometheusText {
         }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
-        if !unmatched.isEmpty {
-            family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, a later fragment whose first was not seen, or not for any listener on that interface)",
-                   rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
-        }
+        return out
+    }
+
+    /// One family: its HELP and TYPE lines, then a sample per row (labels, value).
+    static func family(_ name: String, _ help: String, type: String = "counter", rows: [(String, UInt64)]) -> String {
+        var out = "# HELP \(name) \(help)\n# TYPE \(name) \(type)\n"
+        for (labels, value) in rows { out += "\(name){\(labels)} \(value)\n" }
         return out
     }
 

@@ -545,7 +545,7 @@ final class TCListener: RunningListener {
                 for address in live.gone { try program.putLive(address, id: id, slot: 0, state: FANOUT_LIVE_GONE) }
             }
         } catch {
-            throw .tcListener(name: config.name, .maps(error))
+            throw .listener(name: config.name, TCError.maps(error))
         }
     }
 
