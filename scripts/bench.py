@@ -15,56 +15,12 @@ import sys
 import threading
 import time
 
-RUNS = int(os.environ.get("BENCH_RUNS", "7"))
-DATAGRAMS = int(os.environ.get("BENCH_DATAGRAMS", "600000"))
-# 240 sources: both the consistent table and the kernel's 4-tuple hash then split them evenly
-# over 3 collectors, so the comparison measures steering cost, not how lucky a split was.
-SOURCES = "127.0.0.10-127.0.0.249"
-BIN = subprocess.check_output(["swift", "build", "-c", "release", "--show-bin-path"], text=True).strip()
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-class Collectors:
-    def __init__(self, port, steering, policy="sourceIP", count=3):
-        self.procs = []
-        for index in range(count):
-            p = subprocess.Popen(
-                [f"{BIN}/collector", "127.0.0.1", str(port), str(index), str(count), "--steering", steering,
-                 "--policy", policy, "--rcvbuf", "16777216"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            line = p.stderr.readline()
-            if "ready" not in line:
-                raise SystemExit(f"collector did not start: {line}{p.stderr.read()}")
-            self.procs.append(p)
-
-    def stop(self):
-        reports = []
-        for p in self.procs:
-            p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            out, _ = p.communicate(timeout=20)
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        return reports
-
-
-def publish(port, count=DATAGRAMS, extra=()):
-    out = subprocess.run([f"{BIN}/publisher", "127.0.0.1", str(port), str(count), "--sources", SOURCES,
-                          "--batch", "64", *extra], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
-
+import bench_afxdp
+import bench_fanout
+import bench_tc
+import bench_twoway
+from bench_common import (BIN, DATAGRAMS, RUNS, SOURCES, BPFStats, Collectors, free_port, ns_per_run, publish,
+                          rss_kib, spread)
 
 def steering_run(steering):
     """Aggregate received pps of 3 collectors fed by one publisher sending as fast as it can."""
@@ -75,27 +31,6 @@ def steering_run(steering):
     reports = group.stop()
     received = sum(r["received"] for r in reports)
     return {"pps": received / sent["seconds"], "delivered": received / sent["sent"], "steering": reports[0]["steering"]}
-
-
-class BPFStats:
-    """Turns kernel.bpf_stats_enabled on for the block and restores it after."""
-
-    def __enter__(self):
-        with open("/proc/sys/kernel/bpf_stats_enabled") as f:
-            self.previous = f.read().strip()
-        with open("/proc/sys/kernel/bpf_stats_enabled", "w") as f:
-            f.write("1")
-
-    def __exit__(self, *exc):
-        with open("/proc/sys/kernel/bpf_stats_enabled", "w") as f:
-            f.write(self.previous)
-
-
-def ns_per_run(show_args):
-    progs = json.loads(subprocess.check_output(["bpftool", "prog", "show", *show_args, "--json"], text=True))
-    progs = progs if isinstance(progs, list) else [progs]
-    runs = sum(p.get("run_cnt", 0) for p in progs)
-    return (sum(p.get("run_time_ns", 0) for p in progs) / runs if runs else float("nan")), runs
 
 
 def program_cost():
@@ -181,26 +116,18 @@ def rss_run():
     return rest, peak[0]
 
 
-def spread(values):
-    return statistics.median(values), min(values), max(values)
-
-
 def main():
     only = sys.argv[1] if len(sys.argv) > 1 else "all"
     rows = []
     if only in ("all", "reuseportlb"):
         rows += reuseportlb_rows()
     if only in ("all", "fanout"):
-        import bench_fanout
         rows += bench_fanout.rows()
     if only in ("all", "tc"):
-        import bench_tc
         rows += bench_tc.rows()
     if only in ("all", "afxdp"):
-        import bench_afxdp
         rows += bench_afxdp.rows()
     if only in ("all", "twoway"):
-        import bench_twoway
         rows += bench_twoway.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
     for row in [HEADER] + rows:

@@ -1,6 +1,6 @@
 """udp-fanout af_xdp benchmarks for make bench (BENCH=afxdp): af_xdp (each output) against
-userspace mode and tc_ebpf, in bench_tc's namespace topology with two RX queues on the client
-link, built here and removed afterwards. Imported by bench.py; uses its helpers.
+userspace mode and tc_ebpf, in bench_common's namespace topology with two RX queues on the client
+link, built here and removed afterwards. Run by bench.py; shares bench_common's helpers.
 
     client ── proxy ── backend 1..3        (198.18.0.0/15 only, namespaces of this run)
 
@@ -20,12 +20,12 @@ variant. RSS: the daemon's VmRSS after the fixed-rate run.
 """
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
 
-import bench
-import bench_tc
+import bench_common as common
 
 DATAGRAMS = int(os.environ.get("BENCH_AFXDP_DATAGRAMS", "600000"))
 FIXED_RATE = int(os.environ.get("BENCH_AFXDP_RATE", "100000"))
@@ -43,7 +43,7 @@ def busy_cpu_seconds():
 class Daemon:
     def __init__(self, name, topology, work):
         mode, _, output = name.partition(" ")
-        downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, bench_tc.BACKENDS + 1))
+        downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, common.BACKENDS + 1))
         settings = {"af_xdp": f"{{output: {output}, batch_size: 64}}", "userspace": "{workers: 2, batch_size: 64}", "tc_ebpf": "{}"}[mode]
         path = os.path.join(work, "afxdp.yaml")
         with open(path, "w") as f:
@@ -53,7 +53,7 @@ class Daemon:
         # The log goes to a file (a pipe nobody reads would block the daemon once full).
         self.log = os.path.join(work, "udp-fanout.log")
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([*bench_tc.in_namespace(topology.proxy), f"{bench.BIN}/udp-fanout", "-c", path],
+            self.proc = subprocess.Popen([*common.in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path],
                                          stderr=log, text=True)
         deadline = time.monotonic() + 20
         while True:
@@ -96,9 +96,9 @@ def run_once(name, topology, work, fixed):
         before = topology.delivered()
         cpu = busy_cpu_seconds()
         if fixed:
-            sent = bench_tc.publish(topology, ("198.18.0.1", 5514), FIXED_RATE * FIXED_SECONDS, ("--rate", str(FIXED_RATE)))
+            sent = common.publish_in(topology, ("198.18.0.1", 5514), FIXED_RATE * FIXED_SECONDS, ("--rate", str(FIXED_RATE)))
         else:
-            sent = bench_tc.publish(topology, ("198.18.0.1", 5514), DATAGRAMS)
+            sent = common.publish_in(topology, ("198.18.0.1", 5514), DATAGRAMS)
         time.sleep(0.3)
         cpu = busy_cpu_seconds() - cpu
         delivered = topology.delivered() - before
@@ -111,14 +111,14 @@ def run_once(name, topology, work, fixed):
 
 def rows():
     work = tempfile.mkdtemp(prefix="rplb-afxdp-bench-")
-    topology = bench_tc.Topology(queues=2)
+    topology = common.Topology(queues=2)
     try:
         print(f"bench: af_xdp vs userspace vs tc_ebpf in the proxy namespace of client -> proxy (2 RX queues) -> 3 backends (veth);"
-              f" 64-byte datagrams from 16 sources; {bench.RUNS} alternated runs; saturation {DATAGRAMS} datagrams,"
+              f" 64-byte datagrams from 16 sources; {common.RUNS} alternated runs; saturation {DATAGRAMS} datagrams,"
               f" CPU at {FIXED_RATE:,} pps for {FIXED_SECONDS} s; {os.cpu_count()} CPUs", flush=True)
         saturation = {name: [] for name in VARIANTS}
         fixed = {name: [] for name in VARIANTS}
-        for run in range(bench.RUNS):
+        for run in range(common.RUNS):
             order = VARIANTS if run % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
                 saturation[name].append(run_once(name, topology, work, fixed=False))
@@ -127,18 +127,18 @@ def rows():
         out = []
 
         def compare(ours_name, results, key, scenario, unit, goals, note):
-            ours = bench.spread([r[key] for r in results[ours_name]])
+            ours = common.spread([r[key] for r in results[ours_name]])
             for peer_name in ("userspace", "tc_ebpf"):
-                peer = bench.spread([r[key] for r in results[peer_name]])
-                ratios = bench.spread([o[key] / p[key] for o, p in zip(results[ours_name], results[peer_name])])
+                peer = common.spread([r[key] for r in results[peer_name]])
+                ratios = common.spread([o[key] / p[key] for o, p in zip(results[ours_name], results[peer_name])])
                 out.append((f"{ours_name}: {scenario}", peer_name,
                             f"{ours[0]:,.0f} {unit} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} {unit} ({peer[1]:,.0f}-{peer[2]:,.0f})",
                             f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goals.get(peer_name, '')}", note(peer_name)))
 
         def delivered_note(ours_name):
             def note(peer_name):
-                ours = bench.statistics.median(r["delivered"] for r in saturation[ours_name])
-                peer = bench.statistics.median(r["delivered"] for r in saturation[peer_name])
+                ours = statistics.median(r["delivered"] for r in saturation[ours_name])
+                peer = statistics.median(r["delivered"] for r in saturation[peer_name])
                 return f"delivered/sent ours {ours:.3f}, peer {peer:.3f}"
             return note
 
@@ -148,7 +148,7 @@ def rows():
             compare(ours_name, fixed, "ns_per_packet", f"CPU per datagram at {FIXED_RATE // 1000}k pps", "ns", {"userspace": " goal <= 0.67"},
                     lambda _: "user+sys+irq+softirq of all CPUs / delivered, generator included")
         for name in VARIANTS:
-            rss = bench.spread([r["rss"] / 1024 for r in fixed[name]])
+            rss = common.spread([r["rss"] / 1024 for r in fixed[name]])
             out.append((f"{name}: daemon RSS after the fixed-rate run", "-", f"{rss[0]:,.1f} MiB ({rss[1]:,.1f}-{rss[2]:,.1f})", "-", "-",
                         "VmRSS; af_xdp includes its UMEM (frames x size per queue)"))
         return out

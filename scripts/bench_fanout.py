@@ -1,23 +1,25 @@
 """udp-fanout benchmarks for make bench: delivered pps vs nginx's stream proxy, added latency,
-and daemon RSS. Imported by bench.py; uses its helpers."""
+and daemon RSS. Run by bench.py; shares bench_common's helpers."""
 import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import tempfile
 import threading
 import time
 
-import bench
+import bench_common as common
+from bench_common import Nginx
 
 DATAGRAMS = int(os.environ.get("BENCH_FANOUT_DATAGRAMS", "600000"))
 
 
 def sinks(count):
     """`count` collectors, each a group of one on its own port: the downstreams."""
-    ports = [bench.free_port() for _ in range(count)]
-    groups = [bench.Collectors(port, "automatic", count=1) for port in ports]
+    ports = [common.free_port() for _ in range(count)]
+    groups = [common.Collectors(port, "automatic", count=1) for port in ports]
     return ports, groups
 
 
@@ -37,7 +39,7 @@ class Fanout:
         path = os.path.join(work, "fanout.yaml")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
-        self.proc = subprocess.Popen([f"{bench.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
         ready = 0
         while ready < workers * len(listeners):
             line = self.proc.stderr.readline()
@@ -50,57 +52,15 @@ class Fanout:
         self.proc.wait(timeout=10)
 
 
-class Nginx:
-    MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
-
-    def __init__(self, port, downstreams, workers, work):
-        servers = "\n".join(f"    server 127.0.0.1:{p};" for p in downstreams)
-        load = f"load_module {self.MODULE};\n" if os.path.exists(self.MODULE) else ""
-        conf = f"""{load}worker_processes {workers};
-daemon off;
-pid {work}/nginx.pid;
-error_log {work}/error.log warn;
-events {{ worker_connections 65536; }}
-stream {{
-  upstream sinks {{
-{servers}
-  }}
-  server {{
-    listen 127.0.0.1:{port} udp reuseport;
-    proxy_pass sinks;
-    proxy_responses 0;
-    proxy_timeout 1s;
-  }}
-}}
-"""
-        path = os.path.join(work, f"nginx-{workers}.conf")
-        with open(path, "w") as f:
-            f.write(conf)
-        self.proc = subprocess.Popen(["nginx", "-e", f"{work}/error.log", "-p", work, "-c", path],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 5
-        while time.time() < deadline:
-            if f":{port} " in subprocess.run(["ss", "-Hlnu"], capture_output=True, text=True).stdout:
-                return
-            if self.proc.poll() is not None:
-                raise SystemExit(f"nginx did not start: {self.proc.stderr.read()}")
-            time.sleep(0.05)
-        raise SystemExit("nginx did not bind")
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=10)
-
-
 SENDERS = {"sendmmsg": (), "gso": ("--gso",)}
 
 
 def throughput_run(variant, work, sender="sendmmsg"):
     ports, groups = sinks(3)
-    listen = bench.free_port()
+    listen = common.free_port()
     proxy = Fanout([("bench", listen, ports)], work) if variant == "udp-fanout" else Nginx(listen, ports, int(variant[-1]), work)
     try:
-        sent = bench.publish(listen, count=DATAGRAMS, extra=SENDERS[sender])
+        sent = common.publish(listen, count=DATAGRAMS, extra=SENDERS[sender])
         time.sleep(0.5)
     finally:
         proxy.stop()
@@ -113,10 +73,10 @@ def latency_run(via_fanout, work, rate=50000, count=150000):
     target = ports[0]
     proxy = None
     if via_fanout:
-        target = bench.free_port()
+        target = common.free_port()
         proxy = Fanout([("latency", target, ports)], work, workers=1)
     try:
-        bench.publish(target, count=count, extra=("--rate", str(rate), "--size", "64", "--batch", "1"))
+        common.publish(target, count=count, extra=("--rate", str(rate), "--size", "64", "--batch", "1"))
         time.sleep(0.3)
     finally:
         if proxy:
@@ -126,12 +86,12 @@ def latency_run(via_fanout, work, rate=50000, count=150000):
 
 
 def rss_kib(pid):
-    return bench.rss_kib(pid)
+    return common.rss_kib(pid)
 
 
 def rss_three_listeners(work):
     ports, groups = sinks(3)
-    listens = [bench.free_port() for _ in range(3)]
+    listens = [common.free_port() for _ in range(3)]
     proxy = Fanout([(f"l{i}", listens[i], ports) for i in range(3)], work)
     try:
         time.sleep(0.3)
@@ -146,7 +106,7 @@ def rss_three_listeners(work):
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        bench.publish(listens[0], count=300000, extra=("--size", "1400"))
+        common.publish(listens[0], count=300000, extra=("--size", "1400"))
         done.set()
         sampler.join()
     finally:
@@ -166,16 +126,16 @@ def rows():
         orders = (["udp-fanout", "nginx-1", "nginx-2"], ["nginx-2", "nginx-1", "udp-fanout"])
         for sender in SENDERS:
             results = {"udp-fanout": [], "nginx-1": [], "nginx-2": []}
-            for run in range(bench.RUNS):
+            for run in range(common.RUNS):
                 for variant in orders[run % 2]:
                     results[variant].append(throughput_run(variant, work, sender))
-            ours = bench.spread([r["pps"] for r in results["udp-fanout"]])
+            ours = common.spread([r["pps"] for r in results["udp-fanout"]])
             best_nginx = [max(a["pps"], b["pps"]) for a, b in zip(results["nginx-1"], results["nginx-2"])]
-            ratios = bench.spread([o["pps"] / n for o, n in zip(results["udp-fanout"], best_nginx)])
-            delivered = bench.statistics.median(r["delivered"] for r in results["udp-fanout"])
+            ratios = common.spread([o["pps"] / n for o, n in zip(results["udp-fanout"], best_nginx)])
+            delivered = statistics.median(r["delivered"] for r in results["udp-fanout"])
             for workers in (1, 2):
-                peer = bench.spread([r["pps"] for r in results[f"nginx-{workers}"]])
-                peer_delivered = bench.statistics.median(r["delivered"] for r in results[f"nginx-{workers}"])
+                peer = common.spread([r["pps"] for r in results[f"nginx-{workers}"]])
+                peer_delivered = statistics.median(r["delivered"] for r in results[f"nginx-{workers}"])
                 out.append((f"fanout: delivered pps, sender {sender}", f"nginx stream, {workers} worker(s)",
                             f"{ours[0]:,.0f} pps ({ours[1]:,.0f}-{ours[2]:,.0f})",
                             f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
@@ -183,12 +143,12 @@ def rows():
             out.append((f"fanout: vs better nginx, sender {sender}", "max(nginx 1, nginx 2) per run", f"{ours[0]:,.0f} pps", "-",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal >= 3", f"udp-fanout delivered/sent {delivered:.3f}"))
         direct, fanout = [], []
-        for run in range(bench.RUNS):
+        for run in range(common.RUNS):
             for via in ((False, True) if run % 2 == 0 else (True, False)):
                 (fanout if via else direct).append(latency_run(via, work))
         for index, name in ((0, "p50"), (1, "p99")):
-            mine = bench.spread([r[index] for r in fanout])
-            peer = bench.spread([r[index] for r in direct])
+            mine = common.spread([r[index] for r in fanout])
+            peer = common.spread([r[index] for r in direct])
             out.append((f"fanout: latency {name} at 50k pps", "sending directly to the collector",
                         f"{mine[0]:.0f} us ({mine[1]:.0f}-{mine[2]:.0f})", f"{peer[0]:.0f} us ({peer[1]:.0f}-{peer[2]:.0f})",
                         f"+{mine[0] - peer[0]:.0f} us", "one way, publisher send to collector receive"))

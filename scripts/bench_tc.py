@@ -1,6 +1,6 @@
 """udp-fanout tc_ebpf benchmarks for make bench: the in-kernel path against nftables peers and
-plain routing, in one namespace topology built here and removed afterwards. Imported by
-bench.py; uses its helpers.
+plain routing, in one namespace topology built here and removed afterwards. Run by
+bench.py; shares bench_common's helpers.
 
     client ── proxy ── backend 1..3        (198.18.0.0/15 only, namespaces of this run)
 
@@ -23,89 +23,18 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
 
-import bench
+import bench_common as common
+from bench_common import BACKENDS, Topology, in_namespace, sh
 
 DATAGRAMS = int(os.environ.get("BENCH_TC_DATAGRAMS", "600000"))
 FIXED_RATE = int(os.environ.get("BENCH_TC_RATE", "150000"))
 FIXED_SECONDS = int(os.environ.get("BENCH_TC_SECONDS", "4"))
-SOURCES = "198.18.0.10-198.18.0.25"
-BACKENDS = 3
 VARIANTS = ["tc_ebpf", "nft stateless", "nft conntrack", "routing"]
-
-
-def in_namespace(namespace):
-    # nsenter, not `ip netns exec`: that one remounts /sys (and hides /sys/fs/bpf).
-    return ["nsenter", f"--net=/run/netns/{namespace}", "--"]
-
-
-def sh(*args, check=True):
-    return subprocess.run(args, check=check, capture_output=True, text=True).stdout
-
-
-class Topology:
-    def __init__(self, queues=1):
-        self.queues = queues
-        tag = f"{random.getrandbits(32):08x}"
-        self.client, self.proxy = f"btc-{tag}", f"btp-{tag}"
-        self.backends = [f"btb{n}-{tag}" for n in range(1, BACKENDS + 1)]
-        self.proxy_if = f"pc{tag}"
-        self.backend_ifs = [f"b{n}{tag}" for n in range(1, BACKENDS + 1)]
-        self.created = []
-        try:
-            self._build(tag)
-        except BaseException:
-            self.destroy()
-            raise
-
-    def ns(self, namespace, *command, check=True):
-        return sh(*in_namespace(namespace), *command, check=check)
-
-    def _build(self, tag):
-        for namespace in [self.client, self.proxy] + self.backends:
-            sh("ip", "netns", "add", namespace)
-            self.created.append(namespace)
-            sh("ip", "-n", namespace, "link", "set", "lo", "up")
-        q = ["numtxqueues", str(self.queues), "numrxqueues", str(self.queues)]
-        sh("ip", "link", "add", f"cp{tag}", "netns", self.client, *q, "type", "veth", "peer", "name", self.proxy_if, "netns", self.proxy, *q)
-        sh("ip", "-n", self.client, "addr", "add", "198.18.0.2/24", "dev", f"cp{tag}")
-        for last in range(10, 26):
-            sh("ip", "-n", self.client, "addr", "add", f"198.18.0.{last}/24", "dev", f"cp{tag}")
-        sh("ip", "-n", self.client, "link", "set", f"cp{tag}", "up")
-        sh("ip", "-n", self.client, "route", "add", "198.18.0.0/15", "via", "198.18.0.1")
-        sh("ip", "-n", self.proxy, "addr", "add", "198.18.0.1/24", "dev", self.proxy_if)
-        sh("ip", "-n", self.proxy, "link", "set", self.proxy_if, "up")
-        for n, (backend, inner) in enumerate(zip(self.backends, self.backend_ifs), start=1):
-            outer = f"pb{n}{tag[:7]}"
-            sh("ip", "link", "add", outer, "netns", self.proxy, "type", "veth", "peer", "name", inner, "netns", backend)
-            sh("ip", "-n", self.proxy, "addr", "add", f"198.18.{n}.1/24", "dev", outer)
-            sh("ip", "-n", self.proxy, "link", "set", outer, "up")
-            sh("ip", "-n", backend, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
-            sh("ip", "-n", backend, "link", "set", inner, "up")
-            sh("ip", "-n", backend, "route", "add", "default", "via", f"198.18.{n}.1")
-        self.ns(self.proxy, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        for n in range(0, BACKENDS + 1):
-            self.ns(self.proxy, "ping", "-c", "1", "-W", "3", f"198.18.{n}.2")
-        # Sinks: drop UDP at the backend's ingress, after the veth has counted the packet (ARP
-        # still answers: the proxy's neighbour entries must stay valid).
-        for backend, inner in zip(self.backends, self.backend_ifs):
-            rules = f'table netdev sink {{\n chain in {{\n  type filter hook ingress device "{inner}" priority 0; policy accept;\n  ip protocol udp drop\n }}\n}}\n'
-            subprocess.run([*in_namespace(backend), "nft", "-f", "-"], input=rules, text=True, check=True)
-
-    def delivered(self):
-        total = 0
-        for backend, inner in zip(self.backends, self.backend_ifs):
-            link = json.loads(sh("ip", "-n", backend, "-s", "-j", "link", "show", "dev", inner))[0]
-            total += link["stats64"]["rx"]["packets"]
-        return total
-
-    def destroy(self):
-        for namespace in self.created:
-            sh("ip", "netns", "delete", namespace, check=False)
-        self.created = []
 
 
 class Variant:
@@ -121,7 +50,7 @@ class Variant:
             with open(path, "w") as f:
                 f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
                         f"    mode: tc_ebpf\n    downstream:\n{downstreams}\n")
-            self.proc = subprocess.Popen([*in_namespace(topology.proxy), f"{bench.BIN}/udp-fanout", "-c", path],
+            self.proc = subprocess.Popen([*in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path],
                                          stderr=subprocess.PIPE, text=True)
             while True:
                 line = self.proc.stderr.readline()
@@ -154,12 +83,6 @@ class Variant:
             self.topology.ns(self.topology.proxy, "nft", "delete", "table", "netdev", "fanout_bench")
 
 
-def publish(topology, target, count, extra=()):
-    out = topology.ns(topology.client, f"{bench.BIN}/publisher", target[0], str(target[1]), str(count),
-                      "--sources", SOURCES, "--batch", "64", *extra)
-    return json.loads(out)
-
-
 def kernel_cpu_seconds():
     """System + irq + softirq time of all CPUs, in seconds (/proc/stat, USER_HZ ticks)."""
     with open("/proc/stat") as f:
@@ -174,9 +97,9 @@ def run_once(name, topology, work, fixed):
         before = topology.delivered() if name != "baseline" else 0
         cpu = kernel_cpu_seconds()
         if fixed:
-            sent = publish(topology, variant.target, FIXED_RATE * FIXED_SECONDS, ("--rate", str(FIXED_RATE)))
+            sent = common.publish_in(topology, variant.target, FIXED_RATE * FIXED_SECONDS, ("--rate", str(FIXED_RATE)))
         else:
-            sent = publish(topology, variant.target, DATAGRAMS)
+            sent = common.publish_in(topology, variant.target, DATAGRAMS)
         time.sleep(0.2)
         cpu = kernel_cpu_seconds() - cpu
         delivered = topology.delivered() - before if name != "baseline" else sent["sent"]
@@ -189,9 +112,9 @@ def run_once(name, topology, work, fixed):
 def program_cost(topology, work):
     variant = Variant("tc_ebpf", topology, work)
     try:
-        with bench.BPFStats():
-            publish(topology, variant.target, 200000, ("--rate", str(FIXED_RATE)))
-            cost, runs = bench.ns_per_run(["name", "fanout_tc"])
+        with common.BPFStats():
+            common.publish_in(topology, variant.target, 200000, ("--rate", str(FIXED_RATE)))
+            cost, runs = common.ns_per_run(["name", "fanout_tc"])
     finally:
         variant.stop()
     return cost
@@ -202,36 +125,36 @@ def rows():
     topology = Topology()
     try:
         print(f"bench: tc_ebpf vs nftables in the proxy namespace of client -> proxy -> 3 backends (veth);"
-              f" 64-byte datagrams from 16 sources; {bench.RUNS} alternated runs; saturation {DATAGRAMS} datagrams,"
+              f" 64-byte datagrams from 16 sources; {common.RUNS} alternated runs; saturation {DATAGRAMS} datagrams,"
               f" CPU at {FIXED_RATE:,} pps for {FIXED_SECONDS} s", flush=True)
         saturation = {name: [] for name in VARIANTS}
         fixed = {name: [] for name in VARIANTS + ["baseline"]}
-        for run in range(bench.RUNS):
+        for run in range(common.RUNS):
             order = VARIANTS if run % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
                 saturation[name].append(run_once(name, topology, work, fixed=False))
             for name in order + ["baseline"]:
                 fixed[name].append(run_once(name, topology, work, fixed=True))
         out = []
-        ours = bench.spread([r["pps"] for r in saturation["tc_ebpf"]])
-        ours_delivered = bench.statistics.median(r["delivered"] for r in saturation["tc_ebpf"])
+        ours = common.spread([r["pps"] for r in saturation["tc_ebpf"]])
+        ours_delivered = statistics.median(r["delivered"] for r in saturation["tc_ebpf"])
         best_nft = [max(a["pps"], b["pps"]) for a, b in zip(saturation["nft stateless"], saturation["nft conntrack"])]
         for peer_name in ("nft stateless", "nft conntrack", "routing"):
-            peer = bench.spread([r["pps"] for r in saturation[peer_name]])
-            ratios = bench.spread([o["pps"] / p["pps"] for o, p in zip(saturation["tc_ebpf"], saturation[peer_name])])
+            peer = common.spread([r["pps"] for r in saturation[peer_name]])
+            ratios = common.spread([o["pps"] / p["pps"] for o, p in zip(saturation["tc_ebpf"], saturation[peer_name])])
             goal = " goal >= 0.95" if peer_name == "routing" else ""
-            peer_delivered = bench.statistics.median(r["delivered"] for r in saturation[peer_name])
+            peer_delivered = statistics.median(r["delivered"] for r in saturation[peer_name])
             out.append(("tc: delivered pps at saturation", "routing only (ceiling)" if peer_name == "routing" else peer_name,
                         f"{ours[0]:,.0f} pps ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
                         f"delivered/sent ours {ours_delivered:.3f}, peer {peer_delivered:.3f}"))
-        best = bench.spread([o["pps"] / b for o, b in zip(saturation["tc_ebpf"], best_nft)])
+        best = common.spread([o["pps"] / b for o, b in zip(saturation["tc_ebpf"], best_nft)])
         out.append(("tc: vs better nftables peer", "max(stateless, conntrack) per run", f"{ours[0]:,.0f} pps", "-",
                     f"{best[0]:.2f} ({best[1]:.2f}-{best[2]:.2f}) goal >= 1.0", "median of per-run ratios"))
-        mine = bench.spread([r["ns_per_packet"] for r in fixed["tc_ebpf"]])
+        mine = common.spread([r["ns_per_packet"] for r in fixed["tc_ebpf"]])
         for peer_name in ("nft stateless", "nft conntrack", "routing"):
-            peer = bench.spread([r["ns_per_packet"] for r in fixed[peer_name]])
-            ratios = bench.spread([o["ns_per_packet"] / p["ns_per_packet"] for o, p in zip(fixed["tc_ebpf"], fixed[peer_name])])
+            peer = common.spread([r["ns_per_packet"] for r in fixed[peer_name]])
+            ratios = common.spread([o["ns_per_packet"] / p["ns_per_packet"] for o, p in zip(fixed["tc_ebpf"], fixed[peer_name])])
             goal = " goal <= 0.7" if peer_name == "nft stateless" else ""
             out.append((f"tc: kernel CPU per packet at {FIXED_RATE // 1000}k pps", "routing only" if peer_name == "routing" else peer_name,
                         f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
@@ -239,16 +162,16 @@ def rows():
                         "sys+irq+softirq of all CPUs / delivered, sender's kernel work included"))
         def net(results, index):
             return results[index]["ns_per_packet"] - fixed["baseline"][index]["ns_per_packet"]
-        base = bench.spread([r["ns_per_packet"] for r in fixed["baseline"]])
-        mine_net = bench.spread([net(fixed["tc_ebpf"], i) for i in range(bench.RUNS)])
+        base = common.spread([r["ns_per_packet"] for r in fixed["baseline"]])
+        mine_net = common.spread([net(fixed["tc_ebpf"], i) for i in range(common.RUNS)])
         for peer_name in ("nft stateless", "nft conntrack", "routing"):
-            peer = bench.spread([net(fixed[peer_name], i) for i in range(bench.RUNS)])
-            ratios = bench.spread([net(fixed["tc_ebpf"], i) / net(fixed[peer_name], i) for i in range(bench.RUNS)])
+            peer = common.spread([net(fixed[peer_name], i) for i in range(common.RUNS)])
+            ratios = common.spread([net(fixed["tc_ebpf"], i) / net(fixed[peer_name], i) for i in range(common.RUNS)])
             out.append((f"tc: forwarding CPU per packet at {FIXED_RATE // 1000}k pps", "routing only" if peer_name == "routing" else peer_name,
                         f"{mine_net[0]:,.0f} ns ({mine_net[1]:,.0f}-{mine_net[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
                         f"the row above minus the generator baseline ({base[0]:,.0f} ns) of the same run"))
-        costs = bench.spread([program_cost(topology, work) for _ in range(3)])
+        costs = common.spread([program_cost(topology, work) for _ in range(3)])
         out.append(("tc: program cost fanout_tc, raw", "-", f"{costs[0]:.1f} ns/run ({costs[1]:.1f}-{costs[2]:.1f})", "-", "-",
                     "kernel.bpf_stats_enabled run_time_ns/run_cnt, incl. fib lookup and redirect"))
         return out

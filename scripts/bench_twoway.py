@@ -1,6 +1,6 @@
 """udp-fanout two-way benchmarks for make bench (BENCH=twoway): round trips per second and CPU
 per round trip through a load balancer, in one namespace topology built here and removed after.
-Imported by bench.py; uses its helpers.
+Run by bench.py; shares bench_common's helpers.
 
     clients ── lb (VIP 198.18.0.1:5514) ── server 1..3      (198.18.0.0/15 only, this run's namespaces)
 
@@ -53,9 +53,7 @@ import subprocess
 import tempfile
 import time
 
-import bench
-import bench_fanout
-import bench_tc
+import bench_common as common
 
 SECONDS = float(os.environ.get("BENCH_TWOWAY_SECONDS", "3"))
 CLIENTS = int(os.environ.get("BENCH_TWOWAY_CLIENTS", "64"))
@@ -106,35 +104,35 @@ class Topology:
             raise
 
     def ns(self, namespace, *command, check=True):
-        return bench_tc.sh(*bench_tc.in_namespace(namespace), *command, check=check)
+        return common.sh(*common.in_namespace(namespace), *command, check=check)
 
     def _build(self, tag):
         for namespace in [self.clients, self.lb] + self.servers:
-            bench_tc.sh("ip", "netns", "add", namespace)
+            common.sh("ip", "netns", "add", namespace)
             self.created.append(namespace)
-            bench_tc.sh("ip", "-n", namespace, "link", "set", "lo", "up")
+            common.sh("ip", "-n", namespace, "link", "set", "lo", "up")
         client_if = f"cl{tag}"
-        bench_tc.sh("ip", "link", "add", client_if, "netns", self.clients, "type", "veth", "peer", "name", self.lb_if, "netns", self.lb)
-        bench_tc.sh("ip", "-n", self.clients, "addr", "add", "198.18.0.2/24", "dev", client_if)
+        common.sh("ip", "link", "add", client_if, "netns", self.clients, "type", "veth", "peer", "name", self.lb_if, "netns", self.lb)
+        common.sh("ip", "-n", self.clients, "addr", "add", "198.18.0.2/24", "dev", client_if)
         for last in range(10, 26):
-            bench_tc.sh("ip", "-n", self.clients, "addr", "add", f"198.18.0.{last}/24", "dev", client_if)
-        bench_tc.sh("ip", "-n", self.clients, "link", "set", client_if, "up")
-        bench_tc.sh("ip", "-n", self.clients, "route", "add", "198.18.0.0/15", "via", VIP)
+            common.sh("ip", "-n", self.clients, "addr", "add", f"198.18.0.{last}/24", "dev", client_if)
+        common.sh("ip", "-n", self.clients, "link", "set", client_if, "up")
+        common.sh("ip", "-n", self.clients, "route", "add", "198.18.0.0/15", "via", VIP)
         self.lb_side = [(self.lb, self.lb_if)]
         self.endpoint_side = [(self.clients, client_if)]
-        bench_tc.sh("ip", "-n", self.lb, "addr", "add", f"{VIP}/24", "dev", self.lb_if)
-        bench_tc.sh("ip", "-n", self.lb, "link", "set", self.lb_if, "up")
+        common.sh("ip", "-n", self.lb, "addr", "add", f"{VIP}/24", "dev", self.lb_if)
+        common.sh("ip", "-n", self.lb, "link", "set", self.lb_if, "up")
         for n, server in enumerate(self.servers, start=1):
             outer, inner = f"ls{n}{tag[:7]}", f"s{n}{tag}"
-            bench_tc.sh("ip", "link", "add", outer, "netns", self.lb, "type", "veth", "peer", "name", inner, "netns", server)
-            bench_tc.sh("ip", "-n", self.lb, "addr", "add", f"198.18.{n}.1/24", "dev", outer)
-            bench_tc.sh("ip", "-n", self.lb, "link", "set", outer, "up")
-            bench_tc.sh("ip", "-n", server, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
-            bench_tc.sh("ip", "-n", server, "link", "set", inner, "up")
+            common.sh("ip", "link", "add", outer, "netns", self.lb, "type", "veth", "peer", "name", inner, "netns", server)
+            common.sh("ip", "-n", self.lb, "addr", "add", f"198.18.{n}.1/24", "dev", outer)
+            common.sh("ip", "-n", self.lb, "link", "set", outer, "up")
+            common.sh("ip", "-n", server, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
+            common.sh("ip", "-n", server, "link", "set", inner, "up")
             self.lb_side.append((self.lb, outer))
             self.endpoint_side.append((server, inner))
             # Replies must cross the lb (to be un-NATed there), as in the issue's topology.
-            bench_tc.sh("ip", "-n", server, "route", "add", "default", "via", f"198.18.{n}.1")
+            common.sh("ip", "-n", server, "route", "add", "default", "via", f"198.18.{n}.1")
         self.ns(self.lb, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for n in range(0, SERVERS + 1):
             self.ns(self.lb, "ping", "-c", "1", "-W", "3", f"198.18.{n}.2")
@@ -147,13 +145,13 @@ class Topology:
         for side, mask in ((self.lb_side, "2"), (self.endpoint_side, "1")):
             for namespace, interface in side:
                 # ip netns exec mounts the netns' own /sys, where its interfaces are.
-                bench_tc.sh("ip", "netns", "exec", namespace, "sh", "-c",
+                common.sh("ip", "netns", "exec", namespace, "sh", "-c",
                             f"echo {mask if on else '0'} > /sys/class/net/{interface}/queues/rx-0/rps_cpus")
 
     def destroy(self):
         # The nft tables live in the lb netns and go with it.
         for namespace in self.created:
-            bench_tc.sh("ip", "netns", "delete", namespace, check=False)
+            common.sh("ip", "netns", "delete", namespace, check=False)
         self.created = []
 
 
@@ -197,7 +195,7 @@ class EchoServers:
             for n, server in enumerate(topology.servers, start=1):
                 log = os.path.join(work, f"echo-{n}.log")
                 # kernelHash: a group of one needs no steering program (and no bpffs pins).
-                proc = start_logged([*bench_tc.in_namespace(server), f"{bench.BIN}/collector", f"198.18.{n}.2", str(SERVER_PORT),
+                proc = start_logged([*common.in_namespace(server), f"{common.BIN}/collector", f"198.18.{n}.2", str(SERVER_PORT),
                                      "0", "1", "--echo", "--steering", "kernelHash", "--rcvbuf", "16777216"], log)
                 self.procs.append(proc)
                 wait_for_log(proc, log, "ready", f"echo server {n} (collector --echo)")
@@ -209,7 +207,7 @@ class EchoServers:
     def pin(self, cpus):
         """Pins every thread of every server to `cpus` ("0"), or back to what it had (None)."""
         for proc, original in zip(self.procs, self.affinity):
-            bench_tc.sh("taskset", "-a", "-p", "-c", cpus or ",".join(map(str, sorted(original))), str(proc.pid))
+            common.sh("taskset", "-a", "-p", "-c", cpus or ",".join(map(str, sorted(original))), str(proc.pid))
 
     def stop(self):
         for proc in self.procs:
@@ -239,7 +237,7 @@ class Variant:
                 # replies (source back to the VIP) by itself.
                 rules = (f"table ip twoway_bench {{\n chain pre {{\n  type nat hook prerouting priority dstnat; policy accept;\n"
                          f"  ip daddr {VIP} udp dport {PORT} dnat ip to numgen inc mod {SERVERS} map {{ {pairs} }}\n }}\n}}\n")
-                subprocess.run([*bench_tc.in_namespace(topology.lb), "nft", "-f", "-"], input=rules, text=True, check=True)
+                subprocess.run([*common.in_namespace(topology.lb), "nft", "-f", "-"], input=rules, text=True, check=True)
                 self.table = True
             elif name.startswith("nginx-"):
                 self.nginx(int(name[-1]))
@@ -258,12 +256,12 @@ class Variant:
         with open(path, "w") as f:
             f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n")
         self.log = os.path.join(self.work, "udp-fanout.log")
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), *self.prefix, f"{bench.BIN}/udp-fanout", "-c", path], self.log)
+        self.proc = start_logged([*common.in_namespace(self.topology.lb), *self.prefix, f"{common.BIN}/udp-fanout", "-c", path], self.log)
         wait_for_log(self.proc, self.log, ready, f"udp-fanout ({self.name})", count=count)
 
     def nginx(self, workers):
         servers = "\n".join(f"    server 198.18.{n}.2:{SERVER_PORT};" for n in range(1, SERVERS + 1))
-        module = bench_fanout.Nginx.MODULE
+        module = common.Nginx.MODULE
         load = f"load_module {module};\n" if os.path.exists(module) else ""
         # proxy_responses 1: a request's session ends with its one reply (the exchange's count);
         # proxy_timeout long, so no session ends by timer during a run.
@@ -290,7 +288,7 @@ stream {{
             f.write(conf)
         self.log = os.path.join(self.work, "nginx-error.log")
         # nsenter (and taskset) exec nginx: this pid is nginx's master, which stops its workers on SIGTERM.
-        self.proc = start_logged([*bench_tc.in_namespace(self.topology.lb), *self.prefix, "nginx", "-e", self.log,
+        self.proc = start_logged([*common.in_namespace(self.topology.lb), *self.prefix, "nginx", "-e", self.log,
                                   "-p", self.work, "-c", path], os.path.join(self.work, "nginx.log"))
         deadline = time.monotonic() + 10
         while f"{VIP}:{PORT} " not in self.topology.ns(self.topology.lb, "ss", "-Hlnu"):
@@ -317,7 +315,7 @@ stream {{
                   f"        sys.exit(0)\n"
                   f"    sys.exit(f'reply from {{source}}, not the VIP')\n"
                   f"sys.exit('no reply within {seconds} s')\n")
-        result = subprocess.run([*bench_tc.in_namespace(self.topology.clients), "python3", "-c", script],
+        result = subprocess.run([*common.in_namespace(self.topology.clients), "python3", "-c", script],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"two-way variant {self.name}: a request to {VIP}:{PORT} got no good reply: {result.stderr.strip()}"
@@ -350,7 +348,7 @@ def exchange(topology, name, clients, window, timeout_ms, cpu=None):
     """One `publisher --exchange` run of SECONDS in the clients netns (on `cpu` if given); its JSON report."""
     ip, port = destination(name)
     pin = ["taskset", "-c", cpu] if cpu is not None else []
-    command = [*bench_tc.in_namespace(topology.clients), *pin, f"{bench.BIN}/publisher", ip, str(port), str(EXCHANGES), "--exchange",
+    command = [*common.in_namespace(topology.clients), *pin, f"{common.BIN}/publisher", ip, str(port), str(EXCHANGES), "--exchange",
                "--clients", str(clients), "--sources", SOURCES, "--window", str(window),
                "--reply-timeout-ms", str(timeout_ms), "--duration", str(SECONDS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=SECONDS + 60)
@@ -426,7 +424,7 @@ def client_received(topology):
     """Datagrams the clients' veth has received: with the reflectors on, one per round trip."""
     namespace, interface = topology.endpoint_side[0]
     # ip netns exec mounts the netns' own /sys, where its interfaces are.
-    return int(bench_tc.sh("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{interface}/statistics/rx_packets"))
+    return int(common.sh("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{interface}/statistics/rx_packets"))
 
 
 def reflected_run(topology, name, obj):
@@ -448,7 +446,7 @@ def reflected_run(topology, name, obj):
                   f"    s.bind(('198.18.0.%d' % (10 + i % 16), 20000 + i))\n"
                   f"    s.sendto(b'twoway-bench-lap'.ljust(64, b'.'), ('{ip}', {port}))\n"
                   f"    s.close()\n")
-        subprocess.run([*bench_tc.in_namespace(topology.clients), "python3", "-c", script], check=True, timeout=60)
+        subprocess.run([*common.in_namespace(topology.clients), "python3", "-c", script], check=True, timeout=60)
         time.sleep(0.5)  # every datagram lapping, sessions and associations made
         start = client_received(topology)
         laps, elapsed, busy = busy_during(lambda: time.sleep(SECONDS) or client_received(topology) - start)
@@ -523,7 +521,7 @@ def table(phases):
     reflected = phases.get("reflected", {})
 
     def rate(results, name):
-        return bench.spread([r["round_trips_per_sec"] for r in results[name]])
+        return common.spread([r["round_trips_per_sec"] for r in results[name]])
 
     def lost(results, name):
         runs = results[name]
@@ -532,11 +530,11 @@ def table(phases):
     def rate_row(results, what, ours, peer_label, peers, goal):
         mine = rate(results, ours)
         best = [max(p[i]["round_trips_per_sec"] for p in (results[n] for n in peers)) for i in range(len(results[ours]))]
-        ratios = bench.spread([o["round_trips_per_sec"] / b for o, b in zip(results[ours], best)])
-        peer = bench.spread(best)
+        ratios = common.spread([o["round_trips_per_sec"] / b for o, b in zip(results[ours], best)])
+        peer = common.spread(best)
         extra = ""
         if results is split_saturation:
-            busy = lambda n: f"{bench.spread([r['lb_busy'] for r in results[n]])[0]:.0%}"
+            busy = lambda n: f"{common.spread([r['lb_busy'] for r in results[n]])[0]:.0%}"
             extra = f"; LB CPU busy ours {busy(ours)}, peer {', '.join(busy(n) for n in peers)}"
         out.append((f"twoway: round trips/s at saturation{what}, {ours}", peer_label,
                     f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
@@ -544,9 +542,9 @@ def table(phases):
                     f"median of per-run ratios; lost ours {lost(results, ours)}, peer {', '.join(lost(results, n) for n in peers)}{extra}"))
 
     def cpu_row(results, key, what, ours, peer_name, goal, note):
-        mine = bench.spread([r[key] for r in results[ours]])
-        peer = bench.spread([r[key] for r in results[peer_name]])
-        ratios = bench.spread([o[key] / p[key] for o, p in zip(results[ours], results[peer_name])])
+        mine = common.spread([r[key] for r in results[ours]])
+        peer = common.spread([r[key] for r in results[peer_name]])
+        ratios = common.spread([o[key] / p[key] for o, p in zip(results[ours], results[peer_name])])
         rates = ", ".join(f"{rate(results, n)[0]:,.0f}" for n in (ours, peer_name))
         out.append((f"twoway: {what}, {ours}", peer_name,
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
@@ -560,10 +558,10 @@ def table(phases):
             return
         def own(name):
             return [r["lb_ns_per_round_trip"] - b["lb_ns_per_round_trip"] for r, b in zip(results[name], results["routed"])]
-        mine, peer = bench.spread(own(ours)), bench.spread(own(peer_name))
+        mine, peer = common.spread(own(ours)), common.spread(own(peer_name))
         # Below zero: the variant costs less than forwarding alone, and a ratio would mean nothing.
         ratio = f"{mine[0] / peer[0]:.2f}" if mine[0] > 0 and peer[0] > 0 else ("ours below the floor" if mine[0] <= 0 else "-")
-        floor = bench.spread([r["lb_ns_per_round_trip"] for r in results["routed"]])[0]
+        floor = common.spread([r["lb_ns_per_round_trip"] for r in results["routed"]])[0]
         out.append((f"twoway: LB CPU per round trip above plain forwarding, {what}, {ours}", f"{peer_name} (each minus routed)",
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
                     ratio, f"CPU 1 time per round trip minus the same run's routed baseline ({floor:,.0f} ns: the lb netns"
@@ -577,7 +575,7 @@ def table(phases):
         if ours not in reflected or peer_name not in reflected:
             return
         def spread(name, key):
-            return bench.spread([r[key] for r in reflected[name]])
+            return common.spread([r[key] for r in reflected[name]])
         def bound(name):
             return sum(r["lb_busy"] >= 0.9 and r["endpoints_busy"] < 0.95 for r in reflected[name])
         def busy(name):
@@ -585,14 +583,14 @@ def table(phases):
                     f" LB-bound {bound(name)}/{len(reflected[name])} runs, last-0.4-s rate {spread(name, 'end_rate_ratio')[0]:.2f}x the run's")
         verdict = "" if all(2 * bound(n) > len(reflected[n]) for n in (ours, peer_name)) else " NOT LB-bound"
         mine, peer = spread(ours, "round_trips_per_sec"), spread(peer_name, "round_trips_per_sec")
-        ratios = bench.spread([o["round_trips_per_sec"] / p["round_trips_per_sec"] for o, p in zip(reflected[ours], reflected[peer_name])])
+        ratios = common.spread([o["round_trips_per_sec"] / p["round_trips_per_sec"] for o, p in zip(reflected[ours], reflected[peer_name])])
         out.append((f"twoway: round trips/s, LB-bound (reflectors), {ours}", peer_name,
                     f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} rt/s ({peer[1]:,.0f}-{peer[2]:,.0f})",
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){rate_goal}{verdict}",
                     f"median of per-run ratios; {IN_FLIGHT} datagrams lapping through reflectors at the clients and servers (CPU 0),"
                     f" the LB alone on CPU 1; ours: {busy(ours)}; peer: {busy(peer_name)}{peer_note}"))
         mine, peer = spread(ours, "lb_ns_per_round_trip"), spread(peer_name, "lb_ns_per_round_trip")
-        ratios = bench.spread([o["lb_ns_per_round_trip"] / p["lb_ns_per_round_trip"] for o, p in zip(reflected[ours], reflected[peer_name])])
+        ratios = common.spread([o["lb_ns_per_round_trip"] / p["lb_ns_per_round_trip"] for o, p in zip(reflected[ours], reflected[peer_name])])
         out.append((f"twoway: LB CPU per round trip, LB-bound (reflectors), {ours}", peer_name,
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){cpu_goal}{verdict}",
@@ -633,12 +631,12 @@ def table(phases):
                    " send and receive (what a worker does where io_uring is refused, e.g. a container runtime's default seccomp profile)")
     reflected_rows("relay", "relay, no io_uring", "", "", "; what io_uring buys the relay, in the same runs")
     if "routed" in split_fixed:
-        mine = bench.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
+        mine = common.spread([r["lb_ns_per_round_trip"] for r in split_fixed["routed"]])
         out.append(("twoway: LB CPU per round trip at fixed load, routed (no LB)", "-", f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})",
                     "-", "-", "plain IP forwarding through the lb netns (clients -> one echo server): the floor under every variant's LB CPU"))
     if "routed" in reflected:
-        mine = bench.spread([r["round_trips_per_sec"] for r in reflected["routed"]])
-        cost = bench.spread([r["lb_ns_per_round_trip"] for r in reflected["routed"]])
+        mine = common.spread([r["round_trips_per_sec"] for r in reflected["routed"]])
+        cost = common.spread([r["lb_ns_per_round_trip"] for r in reflected["routed"]])
         out.append(("twoway: round trips/s, LB-bound (reflectors), routed (no LB)", "-", f"{mine[0]:,.0f} rt/s ({mine[1]:,.0f}-{mine[2]:,.0f})",
                     f"{cost[0]:,.0f} ns per round trip", "-", "reference: plain IP forwarding through the lb netns (clients -> one server), no load balancer, at the same load"))
     for phase, results in (("fixed load", fixed), ("fixed load, LB on its own CPU", split_fixed)):
@@ -650,9 +648,9 @@ def table(phases):
             # come from anywhere but the VIP (or, routed, the server itself).
             saturation_source = sum(r["wrong_source"] for r in at_saturation)
             verdict = "ok" if bad_lost == 0 and bad_source == 0 and saturation_source == 0 else "FAIL: lost or wrong source"
-            p50 = bench.spread([r["rtt_p50_us"] for r in runs])
-            p99 = bench.spread([r["rtt_p99_us"] for r in runs])
-            saturated = bool(at_saturation) and rate(results, name)[0] > 0.8 * bench.spread([r["round_trips_per_sec"] for r in at_saturation])[0]
+            p50 = common.spread([r["rtt_p50_us"] for r in runs])
+            p99 = common.spread([r["rtt_p99_us"] for r in runs])
+            saturated = bool(at_saturation) and rate(results, name)[0] > 0.8 * common.spread([r["round_trips_per_sec"] for r in at_saturation])[0]
             out.append((f"twoway: correctness at {phase}, {name}", "lost 0, wrong_source 0",
                         f"lost {bad_lost}, wrong_source {bad_source} of {sum(r['replies'] + r['lost'] for r in runs):,}",
                         f"saturation: wrong_source {saturation_source}", verdict,
@@ -692,10 +690,10 @@ def rows():
         topology = Topology()
         servers = EchoServers(topology, work)
         print(f"bench: two-way through an lb netns (clients -> VIP {VIP}:{PORT} -> 3 echo servers routed via the lb, veth);"
-              f" {bench.RUNS} alternated runs of {SECONDS:g} s per variant; saturation {CLIENTS} clients x window {WINDOW}"
+              f" {common.RUNS} alternated runs of {SECONDS:g} s per variant; saturation {CLIENTS} clients x window {WINDOW}"
               f" from 16 sources, CPU at {FIXED_CLIENTS} clients x window {FIXED_WINDOW}; {os.cpu_count()} CPUs", flush=True)
         reflector = build_reflector(work) if REFLECT else None
-        phases = measure(topology, servers, work, bench.RUNS, reflector)
+        phases = measure(topology, servers, work, common.RUNS, reflector)
         if os.environ.get("BENCH_TWOWAY_JSON"):
             with open(os.environ["BENCH_TWOWAY_JSON"], "w") as f:
                 json.dump(phases, f)
