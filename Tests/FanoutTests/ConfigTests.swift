@@ -85,6 +85,35 @@ enum ReferenceConfigs {
 
 @Suite("Configuration")
 struct ConfigTests {
+    @Test("Every mode and replies pair is served by exactly one listener kind, the expected one; validation asks that kind")
+    func kindsCoverEveryMode() throws {
+        let expected: [Mode: String] = [.userspace: "UserspaceKind", .tcEBPF: "TCKind", .afXDP: "AFXDPKind"]
+        for mode in Mode.allCases {
+            for replies in Replies.allCases {
+                let listener = Listener(name: "l", bind: SocketAddress("127.0.0.1:9000")!, mode: mode, downstreams: [], replies: replies)
+                let serving = ListenerKinds.types.filter { $0.serves(listener) }.map { "\($0)" }
+                let kind = mode == .userspace && replies == .relay ? "RelayKind" : expected[mode]
+                #expect(serving == [kind], "mode \(mode.rawValue), replies \(replies.rawValue): \(serving)")
+                #expect(ListenerKinds.type(for: listener).map { "\($0)" } == kind)
+            }
+        }
+        // A kind's own check runs in validate(): relay's round_robin refusal, af_xdp's umem rule.
+        let relay = """
+            listeners:
+              - name: r
+                bind: "127.0.0.1:9000"
+                replies: relay
+                settings: {worker_steering: round_robin}
+                downstream: [{name: d, address: "127.0.0.1:9001"}]
+            """
+        #expect(throws: ConfigError.self) { try ConfigParser.parse(relay).validate() }
+        do {
+            try ConfigParser.parse(relay).validate()
+        } catch {
+            #expect(error.key == "listeners[0].settings.worker_steering" && error.line == 5, "\(error)")
+        }
+    }
+
     @Test("The smoke-test config of the reference parses and validates unchanged")
     func smoke() throws {
         let config = try ConfigParser.parse(ReferenceConfigs.smoke)

@@ -1,10 +1,41 @@
+import ReusePortLB
+
 /// af_xdp: an XDP program steers the listener's datagrams into AF_XDP sockets (one per queue),
 /// and a companion socket on the bind receives what the program passes.
 struct AFXDPKind: ListenerKind {
-    func serves(_ listener: Listener) -> Bool { listener.mode == .afXDP }
+    static func serves(_ listener: Listener) -> Bool { listener.mode == .afXDP }
+    static var attachesToInterface: Bool { true }
+
+    static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
+        try SharedChecks.sourcePreservingFamilies(listener, path: path, of: config)
+        if listener.settings.zeroCopy == .on && listener.settings.xdpMode == .generic {
+            throw config.error("\(path).settings.zero_copy", "on with xdp_mode: generic cannot bind: zero-copy needs the driver's XDP hook (xdp_mode: native or auto), or set zero_copy: auto/off")
+        }
+        if let other = config.listeners[..<index].firstIndex(where: { serves($0) && $0.interface == listener.interface }) {
+            throw config.error("\(path).interface", "\(listener.interface ?? "") already serves listener '\(config.listeners[other].name)': one af_xdp listener per interface (its AF_XDP sockets hold the interface's queues); use another interface, or mode userspace/tc_ebpf for this bind")
+        }
+        if listener.settings.umemFrames < 2 * listener.settings.ringSize {
+            throw config.error("\(path).settings.umem_frames", "\(listener.settings.umemFrames) frames: must be at least twice ring_size (\(listener.settings.ringSize)), so the fill ring stays full while frames are in flight")
+        }
+        switch listener.replies {
+        case .none: break
+        case .nat: throw SharedChecks.natNeedsTC(path: path, of: config)
+        case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
+        }
+    }
+
+    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
+        var warnings: [ConfigWarning] = []
+        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.warning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
+        for key in ["workers", "worker_steering"] where config.lines.isSet("\(path).settings.\(key)") {
+            warnings.append(config.warning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
+        }
+        return warnings
+    }
 
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {
-        // Ring, socket and XDP counters stay across the listener's instances, as its counters do.
+        // Ring, socket and XDP counters stay across the listener's instances (even across a change
+        // of mode and back, which starts its other counters again).
         let afxdp = context.kept.value(listener.name) { AFXDPCounters(listener: listener.name) }
         context.counters.modeMetrics.withLock { $0 = { afxdp.metricsText(mode: Mode.afXDP.rawValue) } }
         do {
@@ -18,6 +49,6 @@ struct AFXDPKind: ListenerKind {
     /// The interface's XDP hook and queues are held once: a successor on the same interface gets
     /// them released first, while the old companion socket keeps receiving on the bind.
     func succession(of old: Listener, fresh: [Listener]) -> Succession {
-        fresh.contains { serves($0) && $0.interface == old.interface } ? .releaseFirst : .besideSuccessor
+        fresh.contains { Self.serves($0) && $0.interface == old.interface } ? .releaseFirst : .besideSuccessor
     }
 }

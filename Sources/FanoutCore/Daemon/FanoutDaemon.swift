@@ -120,7 +120,7 @@ public final class FanoutDaemon: Sendable {
     /// Downstream set changes a running listener could not apply (tc_ebpf map writes).
     let membershipFailures = Atomic<UInt64>(0)
     /// The listener kinds; every listener is started and replaced through its kind.
-    let kinds: ListenerKinds
+    private let kinds: ListenerKinds
     /// What kinds keep across a listener's instances (af_xdp: its ring and XDP counters).
     private let kept = KeptState()
     /// Serialises every change of the running listeners: reloads and membership updates.
@@ -211,15 +211,16 @@ public final class FanoutDaemon: Sendable {
     /// leaves `old` running:
     /// 1. listeners whose bind, mode and settings are unchanged keep running (a new downstream
     ///    set or balancing is swapped in place at the end);
-    /// 2. every new or changed listener is started beside the old ones. A tc_ebpf successor
-    ///    writes its map entry (keyed by bind and interface) over its predecessor's, which
-    ///    forwards until then; only a change of how the interface is attached (tc_attach) stops
-    ///    the old tc_ebpf listeners there first. Userspace ones stay and keep forwarding;
+    /// 2. every new or changed listener is started beside the old ones, each old instance making
+    ///    way as its kind says (``Succession``): most keep forwarding (a tc_ebpf successor writes
+    ///    its map entry over its predecessor's); some stop first (tc_ebpf when tc_attach changes)
+    ///    or give their interface up first (af_xdp);
     /// 3. if any start fails, the old listeners take their binds back, what was started is
-    ///    stopped, what was stopped early is started again, and the error is thrown: `old` runs on;
-    /// 4. otherwise the new userspace listeners take their binds over (from then on every new
-    ///    datagram goes to their workers), and only then the old instances stop, forwarding
-    ///    what their sockets still hold.
+    ///    stopped, what was stopped early or released is started again, and the error is thrown:
+    ///    `old` runs on;
+    /// 4. otherwise the new listeners take their binds over (from then on every new datagram
+    ///    goes to them), and only then the old instances stop, forwarding what they still hold,
+    ///    or, for a kind that drains on a handover (relay), drain their sessions.
     private func transitionLocked(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         // Discovered sets carry over (see Membership.carried); listeners start with their members.
         let discovered = state.withLock { state in
@@ -258,25 +259,27 @@ public final class FanoutDaemon: Sendable {
         // when tc_attach changes); some give their interface up first and keep receiving on
         // their bind until the successor runs (af_xdp's hook and queues).
         let freshNames = Set(fresh.map(\.name))
-        var stopFirst: [Listener] = []
+        // Every stop first, then every release (as each kind decided).
+        var stopFirst: [(listener: Listener, warning: Logger.Message)] = []
         var released: [Listener] = []
         for listener in retiring {
             switch kinds.kind(for: listener).succession(of: listener, fresh: fresh) {
             case .besideSuccessor: break
-            case .stopFirst(let warning):
-                logger.warning(warning, metadata: ["listener": "\(listener.name)", "interface": "\(listener.interface ?? "")"])
-                running[listener.name]?.shutdown()
-                stopFirst.append(listener)
-            case .releaseFirst:
-                running[listener.name]?.releaseInterface()
-                released.append(listener)
+            case .stopFirst(let warning): stopFirst.append((listener, warning))
+            case .releaseFirst: released.append(listener)
             }
         }
+        for (listener, warning) in stopFirst {
+            logger.warning(warning, metadata: ["listener": "\(listener.name)", "interface": "\(listener.interface ?? "")"])
+            running[listener.name]?.shutdown()
+        }
+        for listener in released { running[listener.name]?.releaseInterface() }
+        let stopFirstListeners = stopFirst.map(\.listener)
 
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
         do {
-            for listener in stopFirst + released { try failIfInjected(.release, listener.name) }
+            for listener in stopFirstListeners + released { try failIfInjected(.release, listener.name) }
             for listener in fresh { started[listener.name] = try makeListener(effective[listener.name]!) }
             for listener in fresh {
                 let instance = started[listener.name]!
@@ -295,7 +298,7 @@ public final class FanoutDaemon: Sendable {
         } catch {
             // The old listeners take their binds back (a new userspace group may have activated,
             // a new tc_ebpf listener written its entry over theirs) before the new ones stop.
-            let stoppedEarly = Set(stopFirst.map(\.name))
+            let stoppedEarly = Set(stopFirstListeners.map(\.name))
             var lost: [String] = []
             for listener in retiring where !stoppedEarly.contains(listener.name) {
                 do {
@@ -353,7 +356,7 @@ public final class FanoutDaemon: Sendable {
                 }
                 previous?.shutdown()
             }
-            for listener in stopFirst { _ = restart(listener) }
+            for listener in stopFirstListeners { _ = restart(listener) }
             if !lost.isEmpty { state.withLock { $0.lost.formUnion(lost) } }
             throw error
         }
@@ -383,7 +386,7 @@ public final class FanoutDaemon: Sendable {
             }
             logger.info("listener downstreams updated in place", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams.count)"])
         }
-        let stoppedEarly = Set(stopFirst.map(\.name))
+        let stoppedEarly = Set(stopFirstListeners.map(\.name))
         // Successors whose eBPF steering took their bind over, of a kind whose old instances
         // drain (relay): a predecessor on exactly that bind gets nothing new, and its sessions
         // can drain. (Another address on the port, even a wildcard, is another kernel group:
@@ -394,6 +397,7 @@ public final class FanoutDaemon: Sendable {
         }.map { ($0.bind, $0) }, uniquingKeysWith: { first, _ in first })
         for listener in retiring where !stoppedEarly.contains(listener.name) {
             let removed = !staying.contains(listener.name) && !freshNames.contains(listener.name)
+            // (Validation keeps replies: relay to its kind, so this is every relay listener.)
             if kinds.kind(for: listener).drainsOnHandOver, let successor = successors[listener.bind], let instance = running[listener.name] {
                 handOver(instance, listener, to: successor)
             } else {

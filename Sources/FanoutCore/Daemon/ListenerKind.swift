@@ -7,7 +7,23 @@ import Synchronization
 /// own folder, registered in ``ListenerKinds``.
 protocol ListenerKind: Sendable {
     /// True for the listeners of this kind (by `mode`, and `replies` for relay).
-    func serves(_ listener: Listener) -> Bool
+    static func serves(_ listener: Listener) -> Bool
+    /// True when it attaches to a network interface, so `interface` must be set.
+    static var attachesToInterface: Bool { get }
+    /// True when its binds are entries at one interface's hook rather than the host's sockets:
+    /// two of its listeners may share a bind on two interfaces, and it overlaps another
+    /// listener's bind only on its own interface.
+    static var bindsPerInterface: Bool { get }
+    /// Checks its own keys of `listener` (`listeners[index]` of `config`, at `path`): throws the
+    /// first problem, naming its key and line. Runs after the checks every kind shares.
+    static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError)
+    /// Checks across its listeners (after each was checked alone).
+    static func validateTogether(_ config: FanoutConfig) throws(ConfigError)
+    /// Its keys that `listener` sets where they have no effect (before the warnings every kind shares).
+    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning]
+    /// Why a discovered `downstream` cannot be a member of `listener`, which has `accepted`
+    /// members so far (nil: it can). The discovered address is then skipped, with this reason.
+    static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String?
     /// Starts the running instance of `listener` (not yet steering its bind:
     /// ``RunningListener/activate()`` follows). A failure is thrown as ``DaemonError/listener(name:_:)``.
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener
@@ -19,14 +35,20 @@ protocol ListenerKind: Sendable {
     /// overlapping bind takes the group over, and one that cannot fall back to the kernel's hash
     /// over its sockets. False (tc_ebpf): it steers by a map entry and has no socket on the bind.
     var receivesOnBind: Bool { get }
-    /// True when a retiring instance drains its sessions after a successor of this kind took
-    /// exactly its bind over (``RunningListener/handOver(drainSecs:drained:)``).
+    /// True when its instances hand over: a retiring one drains its sessions
+    /// (``RunningListener/handOver(drainSecs:drained:)``) once a successor of this kind, with
+    /// eBPF steering, took exactly its bind over; such a successor is what a handover needs,
+    /// and while none steers that bind any more a drain still going on there ends.
     var drainsOnHandOver: Bool { get }
     /// Exposition text of what the kind counts beyond its listeners (empty: nothing).
     func metricsText() -> String
 }
 
 extension ListenerKind {
+    static var attachesToInterface: Bool { false }
+    static var bindsPerInterface: Bool { false }
+    static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {}
+    static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? { nil }
     func succession(of old: Listener, fresh: [Listener]) -> Succession { .besideSuccessor }
     var receivesOnBind: Bool { true }
     var drainsOnHandOver: Bool { false }
@@ -35,8 +57,8 @@ extension ListenerKind {
 
 /// How an old instance makes way for the listeners a change starts.
 enum Succession: Sendable {
-    /// Runs beside its successor, which takes its bind over; it stops after, forwarding what its
-    /// sockets still hold.
+    /// Runs beside its successor, which takes its bind over (a socket group's steering, or a map
+    /// entry written over its own); it stops after, forwarding what it still holds.
     case besideSuccessor
     /// Stops before its successor starts (what it holds can be held once only); `warning` says
     /// what that costs, logged with the listener and its interface.
@@ -53,18 +75,23 @@ struct ListenerContext: Sendable {
     let logger: Logger
     /// Passive health: a downstream refused a datagram (ICMP port unreachable on a send).
     let refused: @Sendable (SocketAddress) -> Void
-    /// What the kind keeps across the listener's instances (reloads), made once per name.
+    /// What the kind keeps across the listener's instances (reloads), made once per name and type.
     let kept: KeptState
 }
 
 /// State kinds keep across a listener's instances, by listener name and type.
 final class KeptState: Sendable {
-    private let values = Mutex<[String: any Sendable]>([:])
+    private struct Key: Hashable {
+        let type: ObjectIdentifier
+        let listener: String
+    }
+    private let values = Mutex<[Key: any Sendable]>([:])
 
-    /// The value kept for `listener` of type `T`, made by `make` the first time.
+    /// The value kept for `listener` of type `T`, made by `make` the first time (under the
+    /// lock: `make` must not call back into this).
     func value<T: Sendable>(_ listener: String, make: () -> T) -> T {
         values.withLock { values in
-            let key = "\(T.self)/\(listener)"
+            let key = Key(type: ObjectIdentifier(T.self), listener: listener)
             if let existing = values[key] as? T { return existing }
             let made = make()
             values[key] = made
@@ -75,21 +102,61 @@ final class KeptState: Sendable {
 
 /// The kinds this daemon runs, in the order their ``ListenerKind/serves(_:)`` is asked.
 struct ListenerKinds: Sendable {
+    /// Every kind, for what needs no running daemon (validation, warnings). A new kind is one
+    /// line here and one in ``init(logger:)``.
+    static let types: [any ListenerKind.Type] = [TCKind.self, AFXDPKind.self, RelayKind.self, UserspaceKind.self]
+
     let all: [any ListenerKind]
-    /// Serves a listener no other kind does (every `mode: userspace` listener but relay ones).
-    private let fallback: any ListenerKind
 
     init(logger: Logger) {
-        fallback = UserspaceKind()
-        all = [TCKind(dataplane: TCDataplane(logger: logger)), AFXDPKind(), RelayKind(), fallback]
+        all = [TCKind(dataplane: TCDataplane(logger: logger)), AFXDPKind(), RelayKind(), UserspaceKind()]
     }
 
+    /// The kind of a listener of a validated configuration: every mode has exactly one
+    /// (ConfigTests checks each mode and replies pair).
     func kind(for listener: Listener) -> any ListenerKind {
-        all.first { $0.serves(listener) } ?? fallback
+        guard let kind = all.first(where: { Swift.type(of: $0).serves(listener) }) else {
+            preconditionFailure("no listener kind serves mode \(listener.mode.rawValue) (replies \(listener.replies.rawValue)): register one in ListenerKinds")
+        }
+        return kind
+    }
+
+    /// The kind of `listener`, nil if none serves its mode.
+    static func type(for listener: Listener) -> (any ListenerKind.Type)? {
+        types.first { $0.serves(listener) }
     }
 
     /// Every kind's own exposition text, in registry order.
     func metricsText() -> String {
         all.map { $0.metricsText() }.joined()
+    }
+}
+
+/// Checks more than one kind makes.
+enum SharedChecks {
+    /// A source-preserving way out (userspace or af_xdp) keeps the client's address: a client of
+    /// the bind's family cannot be sent to a downstream of the other (every datagram would be dropped).
+    static func sourcePreservingFamilies(_ listener: Listener, path: String, of config: FanoutConfig) throws(ConfigError) {
+        guard listener.settings.output != .socket, !FanoutConfig.isUnspecified(listener.bind.ip) else { return }
+        for (position, downstream) in listener.downstreams.enumerated() where downstream.address.ip.family != listener.bind.ip.family {
+            throw config.error("\(path).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): output \(listener.settings.output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
+        }
+    }
+
+    /// `replies: nat` on a kind that does not rewrite in the kernel.
+    static func natNeedsTC(path: String, of config: FanoutConfig) -> ConfigError {
+        config.error("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
+    }
+
+    /// `replies: relay` on a kind that has no userspace sessions.
+    static func relayNeedsUserspace(path: String, of config: FanoutConfig) -> ConfigError {
+        config.error("\(path).replies", "relay uses session sockets in userspace: it needs mode userspace (mode tc_ebpf offers replies: nat)")
+    }
+
+    /// af_xdp's settings, set on another kind.
+    static func afXDPKeys(path: String, of config: FanoutConfig) -> [ConfigWarning] {
+        ["xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
+            config.warning("\(path).settings.\($0)", "applies to mode af_xdp only")
+        }
     }
 }

@@ -1,4 +1,3 @@
-import BPFKernelABI
 import CSystemShim
 import ReusePortLB
 
@@ -31,15 +30,10 @@ enum Membership {
             // pod's two addresses, or a static entry of the same name, get the address added).
             var downstream = given
             if names.contains(downstream.name) { downstream.name += "/\(downstream.address.ip)" }
-            if listener.mode == .tcEBPF {
-                guard downstream.address.ip.family == listener.bind.ip.family else {
-                    skipped.append("\(source) \(downstream.address): not of the listener's address family (tc_ebpf cannot translate between IPv4 and IPv6)")
-                    return
-                }
-                guard members.count < Int(FANOUT_MAX_BACKENDS) else {
-                    skipped.append("\(source) \(downstream.address): tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) downstreams per listener")
-                    return
-                }
+            // What the listener's kind cannot forward to (tc_ebpf: another family, beyond its maps).
+            if let problem = ListenerKinds.type(for: listener)?.memberProblem(downstream, of: listener, accepted: members.count) {
+                skipped.append("\(source) \(downstream.address): \(problem)")
+                return
             }
             if let problem = FanoutConfig.unicastProblem(downstream.address) {
                 skipped.append("\(source) \(downstream.address): \(problem)")

@@ -1,7 +1,24 @@
+import ReusePortLB
+
 /// relay (`mode: userspace` with `replies: relay`): two-way in userspace, a session socket per
 /// client towards its downstream, replies relayed from the listener's address.
 struct RelayKind: ListenerKind {
-    func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
+    static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
+
+    /// A userspace listener's checks, then the sessions'.
+    static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
+        try UserspaceKind.validate(listener, index: index, path: path, of: config, localAddresses: localAddresses)
+        guard listener.settings.output == .socket else {
+            throw config.error("\(path).settings.output", "\(listener.settings.output.rawValue): replies relay receives the downstreams' replies on its own session sockets, so datagrams must leave through them (output: socket)")
+        }
+        guard listener.settings.workerSteering != .roundRobin else {
+            throw config.error("\(path).settings.worker_steering", "round_robin spreads one client over every worker, and each worker keeps its own sessions: replies relay needs five_tuple or source_ip")
+        }
+    }
+
+    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
+        UserspaceKind.warnings(listener, path: path, of: config)
+    }
 
     /// Its workers are userspace workers with a relay loop (``RelayWorker``).
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {

@@ -1,9 +1,89 @@
+import BPFKernelABI
+import ReusePortLB
+
 /// tc_ebpf: in-kernel DNAT, fib lookup and redirect at the interface's tc hook. One program per
 /// interface (``TCDataplane``), shared by that interface's listeners, each a map entry.
 struct TCKind: ListenerKind {
     let dataplane: TCDataplane
 
-    func serves(_ listener: Listener) -> Bool { listener.mode == .tcEBPF }
+    static func serves(_ listener: Listener) -> Bool { listener.mode == .tcEBPF }
+    static var attachesToInterface: Bool { true }
+    static var bindsPerInterface: Bool { true }
+
+    static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
+        switch listener.settings.output {
+        case .socket, .xdpTX:
+            if config.lines.isSet("\(path).settings.output") {
+                throw config.error("\(path).settings.output", "\(listener.settings.output.rawValue): tc_ebpf forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+            }
+        default: break
+        }
+        switch listener.replies {
+        case .none: break
+        case .nat:
+            guard !FanoutConfig.isUnspecified(listener.bind.ip) else {
+                throw config.error("\(path).bind", "\(listener.bind): with replies nat the replies leave from the listener's address, so it must be the virtual address itself (e.g. 198.18.0.1:5683), not a wildcard")
+            }
+        case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
+        }
+        // tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
+        guard listener.downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
+            throw config.error("\(path).downstream", "\(listener.downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener")
+        }
+        for (position, downstream) in listener.downstreams.enumerated() {
+            let key = "\(path).downstream[\(position)].address"
+            let ip = downstream.address.ip
+            guard ip.family == listener.bind.ip.family else {
+                throw config.error(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): tc_ebpf rewrites the destination in place and cannot translate between IPv4 and IPv6")
+            }
+            if FanoutConfig.isUnspecified(ip) || downstream.address.port == 0 {
+                throw config.error(key, "\(downstream.address): tc_ebpf needs a concrete address and port")
+            }
+            if localAddresses.contains(ip) || ip.bytes.first == 127 || ip == IPAddress("::1")! {
+                throw config.error(key, "\(downstream.address) is an address of this host: tc_ebpf forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
+            }
+        }
+    }
+
+    /// How many listeners the program's maps hold, which downstream answers for which nat
+    /// listener, and one way of attaching per interface.
+    static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {
+        let listeners = config.listeners
+        let tcListeners = listeners.filter(serves)
+        if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
+            throw config.error("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+        }
+        // A reply is matched to its listener by the downstream's address and port, so a
+        // downstream answers for one nat listener only.
+        var natDownstreams: [SocketAddress: Int] = [:]
+        for (index, listener) in listeners.enumerated() where listener.replies == .nat {
+            for (position, downstream) in listener.downstreams.enumerated() {
+                if let other = natDownstreams[downstream.address], other != index {
+                    throw config.error("listeners[\(index)].downstream[\(position)].address", "\(downstream.address) is also a downstream of listener '\(listeners[other].name)' with replies nat: its replies could not be told apart; give each nat listener its own downstream ports")
+                }
+                natDownstreams[downstream.address] = index
+            }
+        }
+        for (index, listener) in listeners.enumerated() where serves(listener) {
+            if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
+                throw config.error("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
+            }
+        }
+    }
+
+    /// The program rewrites in place (one family) and holds at most FANOUT_MAX_BACKENDS per listener.
+    static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? {
+        if downstream.address.ip.family != listener.bind.ip.family {
+            return "not of the listener's address family (tc_ebpf cannot translate between IPv4 and IPv6)"
+        }
+        return accepted < Int(FANOUT_MAX_BACKENDS) ? nil : "tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) downstreams per listener"
+    }
+
+    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
+        SharedChecks.afXDPKeys(path: path, of: config) + ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size", "worker_steering"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
+            config.warning("\(path).settings.\($0)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
+        }
+    }
 
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {
         do {
@@ -18,7 +98,7 @@ struct TCKind: ListenerKind {
     /// which forwards until then. Only a change of how the interface is attached (tc_attach)
     /// stops the old listeners there first: the program is attached once per interface.
     func succession(of old: Listener, fresh: [Listener]) -> Succession {
-        let reattached = fresh.contains { serves($0) && $0.interface == old.interface && $0.settings.tcAttach != old.settings.tcAttach }
+        let reattached = fresh.contains { Self.serves($0) && $0.interface == old.interface && $0.settings.tcAttach != old.settings.tcAttach }
         return reattached
             ? .stopFirst(warning: "tc_attach changes: the program is attached again at this interface, so the old tc_ebpf listener stops before its successor starts; datagrams arriving in between pass to the host's stack (its Udp NoPorts counts them)")
             : .besideSuccessor
