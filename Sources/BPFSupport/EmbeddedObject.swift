@@ -79,3 +79,23 @@ package func perCPUSum(_ fd: Int32, key: UInt32, words: Int) throws(SystemCallEr
     }
     return sums
 }
+
+/// Writes `value` as `object`'s .rodata before the load: the object's only read-only global,
+/// `global` of C type `type`. The size check guards against a second read-only global (or a
+/// string constant) appearing in .rodata unnoticed. `objectName` names the object in errors.
+package func setReadOnlyGlobal<Value>(_ object: OpaquePointer, _ value: Value, objectName: String, global: String, type: String) throws(SystemCallError) {
+    var map = bpf_object__next_map(object, nil)
+    while let current = map {
+        if String(cString: bpf_map__name(current)).hasSuffix(".rodata") {
+            var size = 0
+            guard bpf_map__initial_value(current, &size) != nil, size == MemoryLayout<Value>.size else {
+                throw SystemCallError(call: "\(objectName) .rodata is \(size) bytes, not \(type)", errno: EINVAL)
+            }
+            var value = value
+            try libbpfCall("bpf_map__set_initial_value .rodata") { bpf_map__set_initial_value(current, &value, size) }
+            return
+        }
+        map = bpf_object__next_map(object, current)
+    }
+    throw SystemCallError(call: "\(objectName) has no .rodata map for \(global)", errno: ENOENT)
+}

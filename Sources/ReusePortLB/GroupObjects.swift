@@ -136,11 +136,7 @@ final class GroupObjects {
             ) { object throws(SystemCallError) in
                 let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
                 try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
-                var settings = config
-                try libbpfCall("bpf_map__set_initial_value .rodata") {
-                    bpf_map__set_initial_value(
-                        bpf_object__find_map_by_name(object, ".rodata"), &settings, MemoryLayout<rplb_config>.size)
-                }
+                try setReadOnlyGlobal(object, config, objectName: "reuseport_select", global: "rplb_settings", type: "struct rplb_config")
             }
             var key: UInt32 = 0
             var value = config

@@ -56,27 +56,10 @@ final class XDPProgram: @unchecked Sendable {  // descriptors only; callers seri
         let owned = try loadEmbeddedObject(
             .xdpSteer, program: FANOUT_PROG_XDP_NAME,
             maps: [FANOUT_MAP_XDP_LISTENERS_NAME, FANOUT_MAP_XDP_SOCKETS_NAME, FANOUT_MAP_XDP_STATS_NAME],
-            prepare: { object throws(SystemCallError) in try Self.setOptions(object, options) })
+            prepare: { object throws(SystemCallError) in
+                try setReadOnlyGlobal(object, options, objectName: "xdp_steer", global: FANOUT_XDP_OPTIONS_NAME, type: "struct fanout_xdp_options")
+            })
         (program, listeners, sockets, stats) = (owned[0], owned[1], owned[2], owned[3])
-    }
-
-    /// Writes `options` as the object's .rodata (its only read-only global) before the load.
-    private static func setOptions(_ object: OpaquePointer, _ options: fanout_xdp_options) throws(SystemCallError) {
-        var map = bpf_object__next_map(object, nil)
-        while let current = map {
-            if String(cString: bpf_map__name(current)).hasSuffix(".rodata") {
-                var size = 0
-                // The layout check guards against a second read-only global appearing unnoticed.
-                guard bpf_map__initial_value(current, &size) != nil, size == MemoryLayout<fanout_xdp_options>.size else {
-                    throw SystemCallError(call: "xdp_steer .rodata is \(size) bytes, not struct fanout_xdp_options", errno: EINVAL)
-                }
-                var value = options
-                try libbpfCall("bpf_map__set_initial_value .rodata") { bpf_map__set_initial_value(current, &value, size) }
-                return
-            }
-            map = bpf_object__next_map(object, current)
-        }
-        throw SystemCallError(call: "xdp_steer has no .rodata map for \(FANOUT_XDP_OPTIONS_NAME)", errno: ENOENT)
     }
 
     func closeDescriptors() {

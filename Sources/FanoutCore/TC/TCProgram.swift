@@ -40,29 +40,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
                    FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME, FANOUT_MAP_ASSOCIATIONS_NAME, FANOUT_MAP_LIVE_NAME,
                    FANOUT_MAP_NAT_NAME],
-            prepare: { object throws(SystemCallError) in try Self.setOptions(object, options) })
+            prepare: { object throws(SystemCallError) in
+                try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
+            })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat) = (owned[7], owned[8], owned[9])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
-    }
-
-    /// Writes `options` as the object's .rodata (its only read-only global) before the load.
-    private static func setOptions(_ object: OpaquePointer, _ options: fanout_tc_options) throws(SystemCallError) {
-        var map = bpf_object__next_map(object, nil)
-        while let current = map {
-            if String(cString: bpf_map__name(current)).hasSuffix(".rodata") {
-                var size = 0
-                // The layout check guards against a second read-only global appearing unnoticed.
-                guard bpf_map__initial_value(current, &size) != nil, size == MemoryLayout<fanout_tc_options>.size else {
-                    throw SystemCallError(call: "tc_fanout .rodata is \(size) bytes, not struct fanout_tc_options", errno: EINVAL)
-                }
-                var value = options
-                try libbpfCall("bpf_map__set_initial_value .rodata") { bpf_map__set_initial_value(current, &value, size) }
-                return
-            }
-            map = bpf_object__next_map(object, current)
-        }
-        throw SystemCallError(call: "tc_fanout has no .rodata map for \(FANOUT_OPTIONS_NAME)", errno: ENOENT)
     }
 
     func closeDescriptors() {
