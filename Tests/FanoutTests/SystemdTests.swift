@@ -296,7 +296,7 @@ struct SystemdTests {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
         let metrics = Int(freePort())
-        let scratch = try CapabilityTests.Scratch(TCEndToEndTests.config(topology, backends: [1], attach: "clsact", metricsPort: metrics))
+        let scratch = try Unprivileged.Scratch(TCFixtures.config(topology, backends: [1], attach: "clsact", metricsPort: metrics))
         let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy))
         defer { daemon.signal(SIGKILL); _ = daemon.wait(seconds: 10) }
         try daemon.waitFor("registered listener in eBPF map")
@@ -325,8 +325,8 @@ struct SystemdTests {
         for attach in ["clsact", "tcx"] {
             let topology = try Topology(backends: 1)
             defer { topology.destroy() }
-            let daemon = try MembershipPathTests.startInProxy(topology, TCEndToEndTests.config(topology, backends: [1], attach: attach, metricsPort: Int(freePort())))
-            defer { MembershipPathTests.stopInProxy(topology, daemon) }
+            let daemon = try DaemonFixtures.startInProxy(topology, TCFixtures.config(topology, backends: [1], attach: attach, metricsPort: Int(freePort())))
+            defer { DaemonFixtures.stopInProxy(topology, daemon) }
             let attached = inNetworkNamespace(topology.proxy) { daemon.heartbeats() } ?? []
             #expect(attached == [PathHeartbeat(listener: "tc", instance: attached.first?.instance ?? 0, beat: .kernel(interface: topology.proxyInterface, problem: nil))], "\(attach): \(attached)")
             if attach == "clsact" {
@@ -370,15 +370,15 @@ struct SystemdTests {
         // userspace with the drop-in's set.
         let sink = try Sink()
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let userspace = try CapabilityTests.Scratch("listeners:\n" + listenerYAML("unit", bind: bind, [sink], workers: 2).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: ""))
-        let daemon = try Child(userspace.binary, ["-c", userspace.config], prefix: CapabilityTests.asNobody(userspaceSet))
+        let userspace = try Unprivileged.Scratch("listeners:\n" + listenerYAML("unit", bind: bind, [sink], workers: 2).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: ""))
+        let daemon = try Child(userspace.binary, ["-c", userspace.config], prefix: Unprivileged.asNobody(userspaceSet))
         try daemon.waitFor("entering receive loop")
         #expect(daemon.stderr.contains("steering=ebpf"), "\(daemon.stderr)")
         try sendNumbered(to: bind, count: 50)
         #expect(sink.drain().count == 50)
         // The --check of ExecReload=, as the same user with the same set, sees the daemon it reloads
         // (a foreign owner of the bind would fail the reload).
-        let check = try run(CapabilityTests.asNobody(userspaceSet)[0], Array(CapabilityTests.asNobody(userspaceSet).dropFirst()) + [userspace.binary, "--check", "-c", userspace.config])
+        let check = try run(Unprivileged.asNobody(userspaceSet)[0], Array(Unprivileged.asNobody(userspaceSet).dropFirst()) + [userspace.binary, "--check", "-c", userspace.config])
         #expect(check.status == 0 && check.output.contains("fine if that is the daemon this file reloads"), "\(check.output)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
@@ -386,8 +386,8 @@ struct SystemdTests {
         // tc_ebpf with the unit's set, and /run/udp-fanout owned by the service user as
         // RuntimeDirectory= makes it.
         let topology = try Topology(backends: 1)
-        let collector = try TCEndToEndTests.collectors(topology)[0]
-        let scratch = try CapabilityTests.Scratch(TCEndToEndTests.config(topology, backends: [1]))
+        let collector = try TCFixtures.collectors(topology)[0]
+        let scratch = try Unprivileged.Scratch(TCFixtures.config(topology, backends: [1]))
         let runDirectory = "/run/udp-fanout"
         // Made here only if missing, and then removed again; else given back to its owner.
         let created = mkdir(runDirectory, 0o755) == 0
@@ -398,7 +398,7 @@ struct SystemdTests {
             chown(runDirectory, before.st_uid, before.st_gid)
             if created { rmdir(runDirectory) }
         }
-        let tc = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + CapabilityTests.asNobody(tcSet))
+        let tc = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + Unprivileged.asNobody(tcSet))
         try tc.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "200", "--rate", "10000"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
@@ -477,7 +477,13 @@ struct SystemdTests {
             for text in started { try tracer.waitFor(text) }
             try exercise(daemon)
         } catch {
-            kill(daemon, SIGKILL)
+            // Stopped as a failed test's daemon is: SIGTERM (its own shutdown), SIGKILL after 5 s.
+            if Self.isDaemon(daemon, configPath: file.path) {
+                kill(daemon, SIGTERM)
+                let deadline = ContinuousClock.now + .seconds(5)
+                while Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < deadline { usleep(20_000) }
+                if Self.isDaemon(daemon, configPath: file.path) { kill(daemon, SIGKILL) }
+            }
             tracer.wait()
             throw error
         }
@@ -486,8 +492,8 @@ struct SystemdTests {
         // waits in and which signals are pending says why, and it is killed (strace, killed,
         // would leave it running untraced).
         let stopDeadline = ContinuousClock.now + .seconds(20)
-        while kill(daemon, 0) == 0 && Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < stopDeadline { usleep(20_000) }
-        if kill(daemon, 0) == 0 && Self.isDaemon(daemon, configPath: file.path) {
+        while Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < stopDeadline { usleep(20_000) }
+        if Self.isDaemon(daemon, configPath: file.path) {
             Issue.record("udp-fanout under strace did not stop 20 s after SIGTERM; its threads: \(Self.threadStates(daemon)); log: \(tracer.stderr)")
             kill(daemon, SIGKILL)
         }
@@ -498,9 +504,10 @@ struct SystemdTests {
     /// True while `pid` runs udp-fanout started with `configPath`: not strace before its exec, not
     /// one of strace's test children, not a reused PID.
     static func isDaemon(_ pid: pid_t, configPath: String) -> Bool {
-        let executable = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/\(pid)/exe")) ?? ""
-        return executable.hasSuffix("/udp-fanout")
-            && ((try? String(contentsOfFile: "/proc/\(pid)/cmdline", encoding: .utf8)) ?? "").contains(configPath)
+        // argv, not /proc/PID/exe: a build beside the test may have replaced the binary
+        // ("udp-fanout (deleted)"). strace's children have strace's argv until they exec.
+        let arguments = ((try? String(contentsOfFile: "/proc/\(pid)/cmdline", encoding: .utf8)) ?? "").split(separator: "\0")
+        return arguments.first?.hasSuffix("/udp-fanout") == true && arguments.contains { $0 == configPath }
     }
 
     /// Each thread of `pid`: its name, where it waits, and its pending and blocked signal masks.
@@ -550,8 +557,8 @@ struct SystemdTests {
         #expect(userspace.subtracting(allowed).isEmpty, "userspace calls outside SystemCallFilter=: \(userspace.subtracting(allowed).sorted())")
 
         let topology = try Topology(backends: 1)
-        let collector = try TCEndToEndTests.collectors(topology)[0]
-        let tcTrace = try Self.traced(TCEndToEndTests.config(topology, backends: [1], metricsPort: Int(freePort())), prefix: topology.prefix(topology.proxy), until: "registered listener in eBPF map") { _ in
+        let collector = try TCFixtures.collectors(topology)[0]
+        let tcTrace = try Self.traced(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort())), prefix: topology.prefix(topology.proxy), until: "registered listener in eBPF map") { _ in
             let publisher = try Child("publisher", ["198.18.0.1", "5514", "50", "--rate", "10000"], prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0)
             usleep(300_000)
