@@ -93,7 +93,7 @@ let package = Package(
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
             ]),
         // Helpers both test targets use (privilege gating, child processes, loopback senders).
-        .target(name: "TestSupport", dependencies: ["ReusePortLB"]),
+        .target(name: "TestSupport", dependencies: ["ReusePortLB", "CLibBPF"]),
         .testTarget(
             name: "FanoutTests",
             dependencies: [

@@ -14,7 +14,7 @@ import Glibc
 @Suite("af_xdp end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct AFXDPEndToEndTests {
     static let port = 6000
-    static let metricsPort = 9474
+    static let metricsPort = Scrape.metricsPort
 
     static func config(_ interface: String, backends: [String], output: String = "socket", bind: String = "198.18.0.1:5514",
                        settings: String = "", balancing: String = "round_robin", metricsBind: String? = nil) -> String {
@@ -38,7 +38,7 @@ struct AFXDPEndToEndTests {
     }
 
     static func start(_ prefix: [String], _ config: String, _ name: String) throws -> (daemon: Child, file: URL) {
-        let file = try TCEndToEndTests.write(config, name)
+        let file = try TCFixtures.write(config, name)
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
         try daemon.waitFor("AF_XDP path initialized")
         return (daemon, file)
@@ -50,24 +50,6 @@ struct AFXDPEndToEndTests {
             try child.waitFor("ready")
             return child
         }
-    }
-
-    /// /metrics from `namespace` once `prefix`'s value is `expected` (polled up to 10 s: a loaded CI
-    /// machine may still be forwarding), or the last scrape.
-    static func metrics(_ exec: ([String]) throws -> String, port: Int = metricsPort, host: String = "127.0.0.1",
-                        until prefix: String, is expected: Int) throws -> String {
-        var text = ""
-        for _ in 0..<100 {
-            text = try exec(["curl", "-s", "http://\(host):\(port)/metrics"])
-            if value(text, prefix) == expected { break }
-            usleep(100_000)
-        }
-        return text
-    }
-
-    static func value(_ metrics: String, _ prefix: String) -> Int {
-        let line = metrics.split(separator: "\n").first { $0.hasPrefix(prefix) }
-        return line.flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? -1
     }
 
     /// No XDP program on the interface and none of ours loaded.
@@ -82,31 +64,31 @@ struct AFXDPEndToEndTests {
           arguments: ["socket", "preserve_source", "xdp_tx"])
     func outputs(output: String) throws {
         let topology = try Topology(backends: 3, queues: 2)
-        try TCEndToEndTests.addClientSources(topology)
+        try TCFixtures.addClientSources(topology)
         let collectors = try Self.collectors(topology.backends, addresses: (1...3).map(Topology.backendIPv4), prefix: topology.prefix)
         let (daemon, file) = try Self.start(topology.prefix(topology.proxy), Self.config(topology.proxyInterface, backends: Self.routedBackends(), output: output), "afxdp-\(output)")
         defer { try? FileManager.default.removeItem(at: file) }
         #expect(daemon.stderr.contains("detected available RX queues on interface") && daemon.stderr.contains("num_queues=2"), "\(daemon.stderr)")
         #expect(daemon.stderr.contains("attached XDP program"), "\(daemon.stderr)")
         let total = 6000
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", TCEndToEndTests.clientSources, "--rate", "20000", "--batch", "16"],
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", TCFixtures.clientSources, "--rate", "20000", "--batch", "16"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0, "\(publisher.stderr)")
-        let metrics = try Self.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
-        #expect(Self.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
-        let q0 = Self.value(metrics, "udp_fanout_afxdp_queue_frames_total{listener=\"x\",mode=\"af_xdp\",queue=\"0\"}")
-        let q1 = Self.value(metrics, "udp_fanout_afxdp_queue_frames_total{listener=\"x\",mode=\"af_xdp\",queue=\"1\"}")
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
+        #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
+        let q0 = Scrape.value(metrics, "udp_fanout_afxdp_queue_frames_total{listener=\"x\",mode=\"af_xdp\",queue=\"0\"}")
+        let q1 = Scrape.value(metrics, "udp_fanout_afxdp_queue_frames_total{listener=\"x\",mode=\"af_xdp\",queue=\"1\"}")
         #expect(q0 > 0 && q1 > 0 && q0 + q1 == total, "both queues used: q0 \(q0), q1 \(q1)")
-        #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == total, "\(metrics)")
+        #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == total, "\(metrics)")
         if output == "xdp_tx" {
             // The backends are behind other interfaces: every datagram went out as preserve_source, counted.
-            #expect(Self.value(metrics, "udp_fanout_afxdp_xdp_tx_fallback_total{listener=\"x\",mode=\"af_xdp\",reason=\"other_interface\"}") == total, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_afxdp_xdp_tx_fallback_total{listener=\"x\",mode=\"af_xdp\",reason=\"other_interface\"}") == total, "\(metrics)")
         }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0, "\(daemon.stderr)")
         try Self.expectNothingAttached({ try topology.exec(topology.proxy, $0) }, interface: topology.proxyInterface)
         let reports = try collectors.map { try $0.stop() }
-        let counts = TCEndToEndTests.received(reports)
+        let counts = TCFixtures.received(reports)
         #expect(counts.reduce(0, +) == total, "every datagram delivered once: \(counts)")
         // Two forwarders, each its own rotation: within a batch per forwarder of an exact third.
         #expect(counts.allSatisfy { abs($0 - total / 3) <= 130 }, "round robin evenness: \(counts)")
@@ -136,9 +118,9 @@ struct AFXDPEndToEndTests {
             let publisher = try Child("publisher", [ipv6 ? "2001:db8::1" : "198.18.0.1", "5514", "\(total)", "--rate", "20000", "--batch", "16"],
                                       prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0, "\(publisher.stderr)")
-            let metrics = try Self.metrics({ try topology.exec(topology.balancer, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
-            #expect(Self.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
-            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == total,
+            let metrics = try Scrape.metrics({ try topology.exec(topology.balancer, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
+            #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == total,
                     "every datagram through the socket, not the companion: \(metrics)")
             let fallbacks = metrics.split(separator: "\n").filter { $0.hasPrefix("udp_fanout_afxdp_xdp_tx_fallback_total{") }
             #expect(fallbacks.isEmpty, "every datagram left from the TX ring: \(fallbacks)")
@@ -146,7 +128,7 @@ struct AFXDPEndToEndTests {
             #expect(daemon.wait() == 0, "\(daemon.stderr)")
             try Self.expectNothingAttached({ try topology.exec(topology.balancer, $0) }, interface: topology.balancerInterface)
             let reports = try collectors.map { try $0.stop() }
-            #expect(TCEndToEndTests.received(reports).reduce(0, +) == total, "\(TCEndToEndTests.received(reports))")
+            #expect(TCFixtures.received(reports).reduce(0, +) == total, "\(TCFixtures.received(reports))")
             for report in reports {
                 #expect(Array(report.object("sources").keys) == [ipv6 ? "2001:db8::2" : "198.18.0.2"], "the client's source: \(report.object("sources").keys)")
             }
@@ -172,7 +154,7 @@ struct AFXDPEndToEndTests {
         usleep(500_000)
         #expect(try local.stop().int("received") == 200, "UDP to another port reached the local socket")
         let metrics = try topology.exec(topology.proxy, ["curl", "-s", "http://198.18.0.1:\(Self.metricsPort)/metrics"])
-        #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 0, "\(metrics)")
+        #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 0, "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
     }
@@ -193,14 +175,14 @@ struct AFXDPEndToEndTests {
             let publisher = try Child("publisher", ["2001:db8::1", "5514", "3200", "--sources", "2001:db8::10-2001:db8::2f", "--rate", "20000"],
                                       prefix: topology.prefix(topology.client))
             #expect(publisher.wait() == 0, "\(publisher.stderr)")
-            let metrics = try Self.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 3200)
-            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 3200,
+            let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 3200)
+            #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 3200,
                     "every datagram through the socket, not the companion: \(metrics)")
             daemon.signal(SIGTERM)
             #expect(daemon.wait() == 0)
             let reports = try collectors.map { try $0.stop() }
-            #expect(TCEndToEndTests.received(reports).reduce(0, +) == 3200, "\(TCEndToEndTests.received(reports))")
-            let owner = TCEndToEndTests.owners(reports)
+            #expect(TCFixtures.received(reports).reduce(0, +) == 3200, "\(TCFixtures.received(reports))")
+            let owner = TCFixtures.owners(reports)
             #expect(owner.count == 32 && Set(owner.values).count == 3, "32 sources over 3 backends: \(owner)")
         }
         // Fragments: the program passes them, the kernel reassembles, the companion forwards.
@@ -235,17 +217,17 @@ struct AFXDPEndToEndTests {
                 return sentCount
             }
             #expect(sent == 100, "datagrams with IP options sent: \(String(describing: sent))")
-            let metrics = try Self.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 700)
+            let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 700)
             // The 100 with IPv4 options through the socket; the 600 in fragments through the companion.
-            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 100, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == 100, "\(metrics)")
             // 3 fragments per datagram passed: the first is the listener's, the later ones (no UDP header) unmatched.
-            #expect(Self.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 600, "\(metrics)")
-            #expect(Self.value(metrics, "udp_fanout_xdp_unmatched_frames_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 1200, "\(metrics)")
-            #expect(Self.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == 700, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 600, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_xdp_unmatched_frames_total{listener=\"x\",mode=\"af_xdp\",reason=\"fragment\"}") == 1200, "\(metrics)")
+            #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == 700, "\(metrics)")
             daemon.signal(SIGTERM)
             #expect(daemon.wait() == 0)
             let reports = try collectors.map { try $0.stop() }
-            #expect(TCEndToEndTests.received(reports).reduce(0, +) == 700, "\(TCEndToEndTests.received(reports))")
+            #expect(TCFixtures.received(reports).reduce(0, +) == 700, "\(TCFixtures.received(reports))")
             for report in reports {
                 #expect(report.object("sources").keys.allSatisfy { $0 == "198.18.0.2" }, "the client's source: \(report.object("sources").keys)")
             }
@@ -258,13 +240,13 @@ struct AFXDPEndToEndTests {
     @Test("Reloads under load lose nothing: a new downstream set in place, then new socket settings (the interface handed over)")
     func reloadUnderLoad() throws {
         let topology = try Topology(backends: 3, queues: 2)
-        try TCEndToEndTests.addClientSources(topology)
+        try TCFixtures.addClientSources(topology)
         let collectors = try Self.collectors(topology.backends, addresses: (1...3).map(Topology.backendIPv4), prefix: topology.prefix)
         let all = Self.routedBackends()
         let (daemon, file) = try Self.start(topology.prefix(topology.proxy), Self.config(topology.proxyInterface, backends: all), "afxdp-reload")
         defer { try? FileManager.default.removeItem(at: file) }
         let total = 30000
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", TCEndToEndTests.clientSources, "--rate", "6000", "--batch", "8"],
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", TCFixtures.clientSources, "--rate", "6000", "--batch", "8"],
                                   prefix: topology.prefix(topology.client))
         usleep(600_000)
         try Self.config(topology.proxyInterface, backends: Array(all.prefix(2))).write(to: file, atomically: true, encoding: .utf8)
@@ -276,13 +258,13 @@ struct AFXDPEndToEndTests {
         try daemon.waitFor("AF_XDP path released")
         #expect(publisher.process.isRunning, "the handover happened while datagrams were still coming")
         #expect(publisher.wait() == 0)
-        let metrics = try Self.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
-        #expect(Self.value(metrics, "udp_fanout_config_reloads_total{result=\"ok\"}") == 2, "\(metrics)")
-        #expect(Self.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: total)
+        #expect(Scrape.value(metrics, "udp_fanout_config_reloads_total{result=\"ok\"}") == 2, "\(metrics)")
+        #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         try Self.expectNothingAttached({ try topology.exec(topology.proxy, $0) }, interface: topology.proxyInterface)
-        let counts = TCEndToEndTests.received(try collectors.map { try $0.stop() })
+        let counts = TCFixtures.received(try collectors.map { try $0.stop() })
         #expect(counts.reduce(0, +) == total, "no datagram lost across both reloads: \(counts)\n\(metrics)")
         #expect(counts[2] < counts[0] - 1000, "b3 missed the period it was out: \(counts)")
     }
@@ -291,7 +273,7 @@ struct AFXDPEndToEndTests {
     func crashRestartForeign() throws {
         let topology = try Topology(backends: 1, queues: 2)
         let collectors = try Self.collectors(topology.backends, addresses: [Topology.backendIPv4(1)], prefix: topology.prefix)
-        let file = try TCEndToEndTests.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]]), "afxdp-crash")
+        let file = try TCFixtures.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]]), "afxdp-crash")
         defer { try? FileManager.default.removeItem(at: file) }
         let first = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         try first.waitFor("AF_XDP path initialized")
@@ -302,7 +284,7 @@ struct AFXDPEndToEndTests {
         let second = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         try second.waitFor("AF_XDP path initialized")
         // Another daemon (its own metrics port) on the same interface: the program there is not its own.
-        let other = try TCEndToEndTests.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]], bind: "198.18.0.1:5515",
+        let other = try TCFixtures.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]], bind: "198.18.0.1:5515",
                                                           metricsBind: "127.0.0.1:\(Self.metricsPort + 1)"), "afxdp-foreign")
         defer { try? FileManager.default.removeItem(at: other) }
         let third = try Child("udp-fanout", ["-c", other.path], prefix: topology.prefix(topology.proxy))
@@ -311,7 +293,7 @@ struct AFXDPEndToEndTests {
                 && third.stderr.contains("stop that daemon"), "\(third.stderr)")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "500", "--rate", "10000"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
-        _ = try Self.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 500)
+        _ = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}", is: 500)
         second.signal(SIGTERM)
         #expect(second.wait() == 0)
         try Self.expectNothingAttached({ try topology.exec(topology.proxy, $0) }, interface: topology.proxyInterface)
@@ -321,7 +303,7 @@ struct AFXDPEndToEndTests {
     @Test("Without capabilities: one clear error naming them, exit 1, nothing attached")
     func withoutCapabilities() throws {
         let topology = try Topology(backends: 1, queues: 2)
-        let file = try TCEndToEndTests.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]]), "afxdp-caps")
+        let file = try TCFixtures.write(Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]]), "afxdp-caps")
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy) + ["/usr/bin/setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"])
         #expect(daemon.wait() == 1)

@@ -14,37 +14,13 @@ import Glibc
 /// uid nobody with setpriv: what each mode needs, and what it says without it.
 @Suite("udp-fanout capabilities", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct CapabilityTests {
-    static func asNobody(_ capabilities: [String]) -> [String] {
-        let list = (["-all"] + capabilities.map { "+\($0)" }).joined(separator: ",")
-        return ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                "--inh-caps=\(list)", "--ambient-caps=\(list)", "--bounding-set=\(list)", "--"]
-    }
-
-    /// A copy of udp-fanout and its configuration that uid nobody can read and run.
-    final class Scratch {
-        let directory = URL(fileURLWithPath: "/tmp").appendingPathComponent("fanout-caps-\(UUID().uuidString)")
-        var binary: String { directory.appendingPathComponent("udp-fanout").path }
-        var config: String { directory.appendingPathComponent("config.yaml").path }
-
-        init(_ yaml: String) throws {
-            try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-            try FileManager.default.copyItem(atPath: binaryDirectory.appendingPathComponent("udp-fanout").path, toPath: binary)
-            try yaml.write(toFile: config, atomically: true, encoding: .utf8)
-            chmod(directory.path, 0o755)
-            chmod(binary, 0o755)
-            chmod(config, 0o644)
-        }
-
-        deinit { try? FileManager.default.removeItem(at: directory) }
-    }
-
     @Test("userspace: CAP_BPF alone gives eBPF worker steering (no bpffs needed); no capability falls back to the kernel hash and says so; both forward")
     func userspace() throws {
         for (capabilities, steering) in [(["bpf"], "steering=ebpf"), ([], "steering=kernelHash")] {
             let sink = try Sink()
             let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-            let scratch = try Scratch("listeners:\n" + listenerYAML("caps", bind: bind, [sink], workers: 2).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: ""))
-            let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: Self.asNobody(capabilities))
+            let scratch = try Unprivileged.Scratch("listeners:\n" + listenerYAML("caps", bind: bind, [sink], workers: 2).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: ""))
+            let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: Unprivileged.asNobody(capabilities))
             try daemon.waitFor("entering receive loop")
             #expect(daemon.stderr.contains(steering), "\(capabilities): \(daemon.stderr)")
             if capabilities.isEmpty { #expect(daemon.stderr.contains("worker steering fallback"), "the fallback is logged") }
@@ -58,8 +34,8 @@ struct CapabilityTests {
     @Test("tc_ebpf: CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON suffice (with a writable /run/udp-fanout); without CAP_PERFMON one error names it")
     func tcEBPF() throws {
         let topology = try Topology(backends: 1)
-        let collector = try TCEndToEndTests.collectors(topology)[0]
-        let scratch = try Scratch(TCEndToEndTests.config(topology, backends: [1]))
+        let collector = try TCFixtures.collectors(topology)[0]
+        let scratch = try Unprivileged.Scratch(TCFixtures.config(topology, backends: [1]))
         // What a systemd unit's RuntimeDirectory=udp-fanout gives the service user.
         let runDirectory = "/run/udp-fanout"
         mkdir(runDirectory, 0o755)
@@ -67,10 +43,10 @@ struct CapabilityTests {
         stat(runDirectory, &before)
         chown(runDirectory, 65534, 65534)
         defer { chown(runDirectory, before.st_uid, before.st_gid) }
-        let refused = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + Self.asNobody(["bpf", "net_admin"]))
+        let refused = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + Unprivileged.asNobody(["bpf", "net_admin"]))
         #expect(refused.wait(seconds: 10) == 1)
         #expect(refused.stderr.contains("tc_ebpf needs CAP_PERFMON"), "\(refused.stderr)")
-        let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + Self.asNobody(["bpf", "net_admin", "perfmon"]))
+        let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: topology.prefix(topology.proxy) + Unprivileged.asNobody(["bpf", "net_admin", "perfmon"]))
         try daemon.waitFor("registered listener in eBPF map")
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "500", "--rate", "10000"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)

@@ -102,7 +102,7 @@ struct DNSEndToEndTests {
         #expect(reached.count == 64)
         let sources = Array(reached.keys)
         let owners = phases.map { phase in
-            (phase, MembershipPathTests.owners(sources, phase.map {
+            (phase, DaemonFixtures.owners(sources, phase.map {
                 Downstream(name: "sinks/127.0.0.\($0)", address: SocketAddress("127.0.0.\($0):\(port)")!)
             }))
         }

@@ -281,7 +281,7 @@ struct DeploymentManifestTests {
         try Self.checkShape(set, config)
         #expect(set.hostPaths == ["/run/udp-fanout"], "tc_ebpf pins nothing: only its lock directory comes from the node, got \(set.hostPaths)")
         let topology = try Topology(backends: 1)
-        let collector = try TCEndToEndTests.collectors(topology)[0]
+        let collector = try TCFixtures.collectors(topology)[0]
         let listeners = try #require(config["listeners"] as? [[String: Any]])
         try #require(listeners.count == 1, "one tc_ebpf listener")
         var listener = listeners[0]
@@ -291,7 +291,7 @@ struct DeploymentManifestTests {
         listener["bind"] = "198.18.0.1:\(port)"
         listener["interface"] = topology.proxyInterface
         listener["kubernetes"] = nil
-        listener["downstream"] = [["name": "b1", "address": "\(Topology.backendIPv4(1)):\(TCEndToEndTests.port)"]]
+        listener["downstream"] = [["name": "b1", "address": "\(Topology.backendIPv4(1)):\(TCFixtures.port)"]]
         config["listeners"] = [listener]
         let netns = topology.prefix(topology.proxy)
         let scratch = try Scratch(config)
@@ -311,7 +311,7 @@ struct DeploymentManifestTests {
         #expect(report.int("received") == 200, "\(report)")
         #expect(Array(report.object("sources").keys) == ["198.18.0.2"], "the client's source address")
         try Self.expectEachCapabilityNeeded(set, scratch, netns: netns)
-        try TCEndToEndTests.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
     }
 
     @Test("every ConfigMap's embedded config passes udp-fanout --check (tc_ebpf: in a namespace with the config's interface)", .enabled(if: Privileges.enabled, Privileges.reason))

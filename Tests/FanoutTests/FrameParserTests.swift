@@ -164,7 +164,7 @@ struct FrameParserTests {
 
     @Test("Fuzz: random and mutated frames never crash and never report an offset outside the frame")
     func fuzz() {
-        var random = TCPacketFuzzTests.Generator(state: UInt64.random(in: 0...UInt64.max))
+        var random = PacketFuzz.Generator(state: UInt64.random(in: 0...UInt64.max))
         let seed = random.state
         let bases = Self.cases.map(\.frame)
         var accepted = 0

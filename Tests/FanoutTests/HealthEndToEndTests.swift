@@ -12,7 +12,7 @@ import Glibc
 /// Health through the udp-fanout binary, in tc_ebpf (namespaces, ICMP) and userspace (loopback,
 /// udp_echo with health ports, passive reports): a downstream that stops answering leaves its
 /// listener's rotation and comes back; only its sources move (checked exactly against the table
-/// every mode computes, `MembershipPathTests.owners`); all down is counted and not ready.
+/// every mode computes, `DaemonFixtures.owners`); all down is counted and not ready.
 @Suite("HealthEndToEnd", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct HealthEndToEndTests {
     static let health = "health: {enabled: true, protocol: icmp, interval_secs: 1, timeout_secs: 1, fall: 2, rise: 2}"
@@ -23,22 +23,22 @@ struct HealthEndToEndTests {
     func tcICMP() throws {
         let topology = try Topology(backends: 3)
         defer { topology.destroy() }
-        try TCEndToEndTests.addClientSources(topology)
-        let collectors = try TCEndToEndTests.collectors(topology)
-        let (daemon, file) = try TCEndToEndTests.start(topology, TCEndToEndTests.config(topology, backends: [1, 2, 3], balancing: "source_ip") + "\n" + Self.health, "health-tc")
+        try TCFixtures.addClientSources(topology)
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], balancing: "source_ip") + "\n" + Self.health, "health-tc")
         defer { try? FileManager.default.removeItem(at: file) }
-        let b2 = "b2\",address=\"\(Topology.backendIPv4(2)):\(TCEndToEndTests.port)\""
+        let b2 = "b2\",address=\"\(Topology.backendIPv4(2)):\(TCFixtures.port)\""
         let total = 200_000
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", "198.18.0.10-198.18.0.73", "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
         usleep(1_000_000)
         try Self.icmp(topology, topology.backends[1], answer: false)
-        let down = Self.waitFor(seconds: 8) { (try? TCEndToEndTests.metrics(topology))?.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"\(b2)} 0") == true }
+        let down = Probe.waitFor(seconds: 8) { (try? TCFixtures.metrics(topology))?.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"\(b2)} 0") == true }
         #expect(down, "b2 down after fall failed probes: \(daemon.stderr)")
         // While b2 is out nothing more is forwarded to it (two scrapes after the change was applied).
-        let outBefore = try TCEndToEndTests.forwardedCounts(topology)
+        let outBefore = try TCFixtures.forwardedCounts(topology)
         usleep(500_000)
-        let outAfter = try TCEndToEndTests.forwardedCounts(topology)
+        let outAfter = try TCFixtures.forwardedCounts(topology)
         #expect(outAfter.total - outBefore.total > 3000, "still forwarding: \(outBefore) \(outAfter)")
         // Everything forwarded went to b1 and b3 (one scrape is not atomic at 20k/s: a few
         // packets of slack). b2's series stays while it is out (a downstream's counters live as
@@ -47,15 +47,15 @@ struct HealthEndToEndTests {
                 "while b2 is down everything forwarded went to b1 and b3: \(outBefore) \(outAfter)")
         #expect(outBefore.b2 > 0 && outAfter.b2 == outBefore.b2, "b2's series stays and no longer grows: \(outBefore) \(outAfter)")
         try Self.icmp(topology, topology.backends[1], answer: true)
-        let up = Self.waitFor(seconds: 8) { (try? TCEndToEndTests.metrics(topology))?.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"\(b2)} 1") == true }
+        let up = Probe.waitFor(seconds: 8) { (try? TCFixtures.metrics(topology))?.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"\(b2)} 1") == true }
         #expect(up, "b2 back after rise probes: \(daemon.stderr)")
         #expect(publisher.process.isRunning, "the run covered both changes (else the phases below are not all exercised)")
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
         usleep(300_000)
-        let metrics = try TCEndToEndTests.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         try Self.checkExposition(metrics)
         #expect(metric(metrics, "udp_fanout_packets_no_healthy_total", "listener=\"tc\",mode=\"tc_ebpf\"") == 0, "\(metrics)")
-        let target = "\(Topology.backendIPv4(2)):\(TCEndToEndTests.port)"
+        let target = "\(Topology.backendIPv4(2)):\(TCFixtures.port)"
         #expect(metric(metrics, "udp_fanout_health_transitions_total", "target=\"\(target)\",to=\"down\"") == 1)
         #expect(metric(metrics, "udp_fanout_health_transitions_total", "target=\"\(target)\",to=\"up\"") == 1)
         daemon.signal(SIGTERM)
@@ -63,11 +63,11 @@ struct HealthEndToEndTests {
         let log = daemon.stderr
         #expect(Self.logLine(log, "downstream marked unhealthy, disabling")?.contains(target) == true, "\(log)")
         #expect(Self.logLine(log, "downstream is healthy")?.contains(target) == true, "\(log)")
-        try TCEndToEndTests.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
 
         // b2 still received UDP while its ICMP was ignored: every datagram arrived somewhere.
         let reports = try collectors.map { try $0.stop() }
-        let received = TCEndToEndTests.received(reports)
+        let received = TCFixtures.received(reports)
         #expect(received.reduce(0, +) == total, "per backend \(received)")
         try Self.expectOwners(reports, phases: [[1, 2, 3], [1, 3]], movedExpected: true)
     }
@@ -76,38 +76,38 @@ struct HealthEndToEndTests {
     func tcAllDown() throws {
         let topology = try Topology(backends: 3)
         defer { topology.destroy() }
-        let collectors = try TCEndToEndTests.collectors(topology)
-        let (daemon, file) = try TCEndToEndTests.start(topology, TCEndToEndTests.config(topology, backends: [1, 2, 3], balancing: "source_ip") + "\n" + Self.health, "health-all")
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], balancing: "source_ip") + "\n" + Self.health, "health-all")
         defer { try? FileManager.default.removeItem(at: file) }
-        #expect(Self.waitFor(seconds: 5) { Self.readyz(topology)?.status == 200 })
+        #expect(Probe.waitFor(seconds: 5) { Self.readyz(topology)?.status == 200 })
         let total = 80_000
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--rate", "10000"], prefix: topology.prefix(topology.client))
         usleep(500_000)
         for backend in topology.backends { try Self.icmp(topology, backend, answer: false) }
-        let allDown = Self.waitFor(seconds: 8) {
-            guard let text = try? TCEndToEndTests.metrics(topology) else { return false }
-            return (1...3).allSatisfy { text.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"b\($0)\",address=\"\(Topology.backendIPv4($0)):\(TCEndToEndTests.port)\"} 0") }
+        let allDown = Probe.waitFor(seconds: 8) {
+            guard let text = try? TCFixtures.metrics(topology) else { return false }
+            return (1...3).allSatisfy { text.contains("udp_fanout_downstream_up{listener=\"tc\",downstream=\"b\($0)\",address=\"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"} 0") }
         }
         #expect(allDown, "\(daemon.stderr)")
         let ready = try #require(Self.readyz(topology))
         #expect(ready.status == 503 && ready.body.contains("listener 'tc' has no healthy downstream"), "\(ready)")
         usleep(300_000)
-        let dropping = try TCEndToEndTests.metrics(topology)
+        let dropping = try TCFixtures.metrics(topology)
         #expect((metric(dropping, "udp_fanout_packets_no_healthy_total", "listener=\"tc\",mode=\"tc_ebpf\"") ?? 0) > 0, "\(dropping)")
         try Self.icmp(topology, topology.backends[0], answer: true)
-        #expect(Self.waitFor(seconds: 8) { Self.readyz(topology)?.status == 200 }, "ready again once b1 answers")
+        #expect(Probe.waitFor(seconds: 8) { Self.readyz(topology)?.status == 200 }, "ready again once b1 answers")
         #expect(publisher.process.isRunning, "the run covered the outage and the return")
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
         usleep(300_000)
-        let metrics = try TCEndToEndTests.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         try Self.checkExposition(metrics)
         let noHealthy = try #require(metric(metrics, "udp_fanout_packets_no_healthy_total", "listener=\"tc\",mode=\"tc_ebpf\""))
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
-        let received = TCEndToEndTests.received(try collectors.map { try $0.stop() })
+        let received = TCFixtures.received(try collectors.map { try $0.stop() })
         #expect(received.reduce(0, +) + noHealthy == total, "received \(received) + no_healthy \(noHealthy) == sent \(total)")
         #expect(received[0] > 0 && noHealthy > 0)
-        try TCEndToEndTests.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
     }
 
     // MARK: userspace
@@ -126,7 +126,7 @@ struct HealthEndToEndTests {
             try pool.send(to: run.bind, rounds: rounds, rate: 20_000)
             let spread = SourcePool.spread(sinks.map { $0! })
             #expect(spread.received == rounds.count * 64, "\(what): every datagram arrived: \(spread.perSink)")
-            let owner = MembershipPathTests.owners(pool.sources, members.map { downstreams[$0] })
+            let owner = DaemonFixtures.owners(pool.sources, members.map { downstreams[$0] })
             for (source, reached) in spread.bySource {
                 let expected = downstreams.firstIndex { $0.address == owner[pool.sources[source]] }!
                 #expect(reached == [expected], "\(what): source \(source) reached \(reached.sorted()), the table gives \(expected)")
@@ -136,14 +136,14 @@ struct HealthEndToEndTests {
             metric(Self.get(run.metrics, "/metrics")?.body ?? "", "udp_fanout_downstream_up", "listener=\"u\",downstream=\"d\(index)\",address=\"127.0.0.1:\(ports[index])\"")
         }
         try phase([0, 1, 2], rounds: 0..<10, "all up")
-        let owner = MembershipPathTests.owners(pool.sources, downstreams)
+        let owner = DaemonFixtures.owners(pool.sources, downstreams)
         #expect(owner.values.contains(downstreams[1].address), "some sources belong to d1")
 
         echoes[1].mode.store(EchoServer.Mode.silent.rawValue, ordering: .relaxed)
-        #expect(Self.waitFor(seconds: 8) { up(1) == 0 }, "d1 down after fall timeouts: \(run.daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 8) { up(1) == 0 }, "d1 down after fall timeouts: \(run.daemon.stderr)")
         try phase([0, 2], rounds: 10..<20, "d1 down")
         echoes[1].mode.store(EchoServer.Mode.echo.rawValue, ordering: .relaxed)
-        #expect(Self.waitFor(seconds: 8) { up(1) == 1 }, "d1 back after rise: \(run.daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 8) { up(1) == 1 }, "d1 back after rise: \(run.daemon.stderr)")
         try phase([0, 1, 2], rounds: 20..<30, "d1 back")
 
         // Passive: d2's receiver dies (its port answers ICMP port unreachable) and its echo goes
@@ -171,7 +171,7 @@ struct HealthEndToEndTests {
         _ = SourcePool.spread(sinks.compactMap { $0 })
         sinks[2] = try Sink(port: ports[2])
         echoes[2].mode.store(EchoServer.Mode.echo.rawValue, ordering: .relaxed)
-        #expect(Self.waitFor(seconds: 8) { up(2) == 1 }, "d2 back once it echoes: \(run.daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 8) { up(2) == 1 }, "d2 back once it echoes: \(run.daemon.stderr)")
         try phase([0, 1, 2], rounds: 100..<110, "d2 back")
 
         run.daemon.signal(SIGTERM)
@@ -198,7 +198,7 @@ struct HealthEndToEndTests {
             metric(text, "udp_fanout_health_probes_total", "target=\"127.0.0.1:\(port)\",result=\"\(result)\"") ?? 0
         }
         // fall 2 at 1 s: after 3 probes of each target a mismatching echo would have taken it down.
-        #expect(Self.waitFor(seconds: 8) { let text = scrape(); return ports.allSatisfy { probes(text, $0, "ok") >= 3 } }, "\(scrape())\n\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 8) { let text = scrape(); return ports.allSatisfy { probes(text, $0, "ok") >= 3 } }, "\(scrape())\n\(daemon.stderr)")
         let text = scrape()
         for (index, port) in ports.enumerated() {
             #expect(probes(text, port, "mismatch") == 0, "target 127.0.0.1:\(port) mismatch probes: \(text)")
@@ -233,14 +233,14 @@ struct HealthEndToEndTests {
         func scrape() -> String { Self.get(run.metrics, "/metrics")?.body ?? "" }
         func up(_ text: String) -> Int? { metric(text, "udp_fanout_downstream_up", "listener=\"u\",downstream=\"d1\",address=\"127.0.0.1:\(ports[1])\"") }
         echoes[1].mode.store(EchoServer.Mode.silent.rawValue, ordering: .relaxed)
-        #expect(Self.waitFor(seconds: 8) { up(scrape()) == 0 }, "\(run.daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 8) { up(scrape()) == 0 }, "\(run.daemon.stderr)")
         let before = scrape()
         let timeouts = try #require(metric(before, "udp_fanout_health_probes_total", "target=\"\(target)\",result=\"timeout\""))
 
         func reload(_ health: String, _ count: Int) throws {
             try run.yaml(health).write(to: run.file, atomically: true, encoding: .utf8)
             run.daemon.signal(SIGHUP)
-            #expect(Self.waitFor(seconds: 5) { run.daemon.stderr.components(separatedBy: "reload=true").count - 1 == count }, "\(run.daemon.stderr)")
+            #expect(Probe.waitFor(seconds: 5) { run.daemon.stderr.components(separatedBy: "reload=true").count - 1 == count }, "\(run.daemon.stderr)")
         }
         try reload("health: {enabled: true, protocol: udp_echo, interval_secs: 2, timeout_secs: 1, fall: 2, rise: 1}", 1)
         let afterInterval = scrape()
@@ -255,7 +255,7 @@ struct HealthEndToEndTests {
         #expect(up(afterProtocol) == 0, "still down right after a protocol change")
         #expect(metric(afterProtocol, "udp_fanout_health_transitions_total", "target=\"\(target)\",to=\"down\"") == 1)
         #expect((metric(afterProtocol, "udp_fanout_health_probes_total", "target=\"\(target)\",result=\"timeout\"") ?? 0) >= timeouts, "counters kept")
-        #expect(Self.waitFor(seconds: 10) { up(scrape()) == 1 }, "up after rise ICMP probes: \(run.daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 10) { up(scrape()) == 1 }, "up after rise ICMP probes: \(run.daemon.stderr)")
         let final = scrape()
         #expect(metric(final, "udp_fanout_health_transitions_total", "target=\"\(target)\",to=\"up\"") == 1)
         #expect(metric(final, "udp_fanout_health_target_up", "target=\"127.0.0.1:\(echoes[0].address.port)\"") == 1, "the other target stayed up")
@@ -287,26 +287,26 @@ struct HealthEndToEndTests {
             metrics: {enabled: true, bind: "127.0.0.1:\(metricsPort)"}
             """
         }
-        let file = try TCEndToEndTests.write(yaml("health: {enabled: false}"), "health-rej")
+        let file = try TCFixtures.write(yaml("health: {enabled: false}"), "health-rej")
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path],
                                prefix: nsExec + ["/usr/bin/setpriv", "--bounding-set=-net_raw", "--inh-caps=-net_raw", "--"])
-        #expect(Self.waitFor(seconds: 10) { Self.curl(nsExec, metricsPort, "/readyz")?.status == 200 }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 10) { Probe.curl(nsExec, metricsPort, "/readyz")?.status == 200 }, "\(daemon.stderr)")
         try yaml("health: {enabled: true, protocol: icmp, interval_secs: 1, timeout_secs: 1}").write(to: file, atomically: true, encoding: .utf8)
         daemon.signal(SIGHUP)
-        #expect(Self.waitFor(seconds: 5) { daemon.stderr.contains("configuration reload rejected") }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 5) { daemon.stderr.contains("configuration reload rejected") }, "\(daemon.stderr)")
         let line = Self.logLine(daemon.stderr, "configuration reload rejected") ?? ""
         #expect(line.contains("ping_group_range") && line.contains("CAP_NET_RAW"), "names both fixes: \(line)")
         usleep(300_000)
         #expect(daemon.process.isRunning, "the daemon keeps running on its previous configuration")
-        let metrics = Self.curl(nsExec, metricsPort, "/metrics")?.body ?? ""
+        let metrics = Probe.curl(nsExec, metricsPort, "/metrics")?.body ?? ""
         #expect(metric(metrics, "udp_fanout_config_reloads_total", "result=\"rejected\"") == 1, "\(metrics)")
         #expect(!metrics.contains("udp_fanout_health_target_up{"), "health stays disabled")
 
         try Self.ip(["netns", "exec", namespace, "/usr/sbin/sysctl", "-q", "-w", "net.ipv4.ping_group_range=0 2147483647"])
         daemon.signal(SIGHUP)
-        #expect(Self.waitFor(seconds: 5) { daemon.stderr.contains("reload=true") }, "\(daemon.stderr)")
-        #expect(Self.waitFor(seconds: 5) { daemon.stderr.contains("ICMP probe socket opened") }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 5) { daemon.stderr.contains("reload=true") }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 5) { daemon.stderr.contains("ICMP probe socket opened") }, "\(daemon.stderr)")
         #expect(Self.logLine(daemon.stderr, "ICMP probe socket opened")?.contains("datagram") == true)
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
@@ -342,9 +342,9 @@ struct HealthEndToEndTests {
             metrics: {enabled: true, bind: "\(metrics)"}
             """
         }
-        let file = try TCEndToEndTests.write(yaml(health), "health-us")
+        let file = try TCFixtures.write(yaml(health), "health-us")
         let daemon = try Child("udp-fanout", ["-c", file.path])
-        let ready = waitFor(seconds: 10) { get(metrics, "/readyz")?.status == 200 }
+        let ready = Probe.waitFor(seconds: 10) { get(metrics, "/readyz")?.status == 200 }
         try #require(ready, "udp-fanout ready: \(daemon.stderr)")
         return Userspace(daemon: daemon, file: file, bind: bind, metrics: metrics, yaml: yaml)
     }
@@ -356,33 +356,12 @@ struct HealthEndToEndTests {
 
     /// `/readyz` of the daemon in the proxy namespace.
     static func readyz(_ topology: Topology) -> (status: Int, body: String)? {
-        curl(topology.prefix(topology.proxy), 9464, "/readyz")
+        Probe.curl(topology.prefix(topology.proxy), 9464, "/readyz")
     }
-
-    /// GET with curl (run under `prefix`), nil when nothing answers yet.
-    static func curl(_ prefix: [String], _ port: Int, _ path: String) -> (status: Int, body: String)? {
-        let command = prefix + ["/usr/bin/curl", "-s", "-w", "\n%{http_code}", "http://127.0.0.1:\(port)\(path)"]
-        guard let result = try? TestSupport.run(command[0], Array(command.dropFirst())), result.status == 0 else { return nil }
-        var lines = result.output.split(separator: "\n", omittingEmptySubsequences: false)
-        let status = Int(lines.removeLast()) ?? 0
-        return (status, lines.joined(separator: "\n"))
-    }
-
-    static func curl(_ prefix: [String], _ port: UInt16, _ path: String) -> (status: Int, body: String)? { curl(prefix, Int(port), path) }
 
     /// GET on the host's loopback, nil when nothing answers yet.
     static func get(_ address: SocketAddress, _ path: String) -> (status: Int, body: String)? {
-        curl([], Int(address.port), path)
-    }
-
-    /// Polls `condition` every 50 ms for at most `seconds`.
-    static func waitFor(seconds: Double, _ condition: () -> Bool) -> Bool {
-        let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
-        while ContinuousClock.now < deadline {
-            if condition() { return true }
-            usleep(50_000)
-        }
-        return condition()
+        Probe.curl([], Int(address.port), path)
     }
 
     /// The first log line with `message` (and `containing`, if given).
@@ -399,9 +378,9 @@ struct HealthEndToEndTests {
         #expect(reached.count == 64, "64 sources seen: \(reached.count)")
         let sources = (10..<74).map { "198.18.0.\($0)" }
         func backends(_ numbers: [Int]) -> [Downstream] {
-            numbers.map { Downstream(name: "b\($0)", address: SocketAddress("\(Topology.backendIPv4($0)):\(TCEndToEndTests.port)")!) }
+            numbers.map { Downstream(name: "b\($0)", address: SocketAddress("\(Topology.backendIPv4($0)):\(TCFixtures.port)")!) }
         }
-        let owners = phases.map { phase in (phase, MembershipPathTests.owners(sources, backends(phase))) }
+        let owners = phases.map { phase in (phase, DaemonFixtures.owners(sources, backends(phase))) }
         var moved = 0
         for (source, backendsReached) in reached {
             let allowed = Set(owners.map { phase, owner in phase.first { owner[source]?.ip == IPAddress(Topology.backendIPv4($0))! } ?? 0 })

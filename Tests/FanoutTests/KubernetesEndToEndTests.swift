@@ -73,7 +73,7 @@ struct KubernetesEndToEndTests {
     static func expectOnlyTableMoves(_ reached: [String: Set<Int>], address: (Int) -> String, port: UInt16) {
         let sources = Array(reached.keys)
         let owners = phases.map { phase in
-            (phase, MembershipPathTests.owners(sources, phase.map { Downstream(name: "pod-\($0)", address: SocketAddress("\(address($0)):\(port)")!) }))
+            (phase, DaemonFixtures.owners(sources, phase.map { Downstream(name: "pod-\($0)", address: SocketAddress("\(address($0)):\(port)")!) }))
         }
         var moved = 0
         for (source, endpoints) in reached {
@@ -135,14 +135,14 @@ struct KubernetesEndToEndTests {
     func tc() async throws {
         nonisolated(unsafe) let topology = try Topology(backends: 4)
         defer { topology.destroy() }
-        try TCEndToEndTests.addClientSources(topology)
-        nonisolated(unsafe) let collectors = try TCEndToEndTests.collectors(topology)
-        let port = UInt16(TCEndToEndTests.port)
+        try TCFixtures.addClientSources(topology)
+        nonisolated(unsafe) let collectors = try TCFixtures.collectors(topology)
+        let port = UInt16(TCFixtures.port)
         let address: @Sendable (Int) -> String = { Topology.backendIPv4($0 + 1) }
         try await KubernetesAPIServer.with { server in
             server.apply(.init(name: "recv-a", namespace: "test", service: "receivers", endpoints: (0..<3).map { .init(address: address($0), pod: "pod-\($0)") }))
             let kubeconfig = try server.writeKubeconfig(namespace: "test")
-            let daemon = try MembershipPathTests.startInProxy(topology, """
+            let daemon = try DaemonFixtures.startInProxy(topology, """
                 listeners:
                   - name: tc
                     bind: "198.18.0.1:5514"
@@ -151,7 +151,7 @@ struct KubernetesEndToEndTests {
                     balancing: source_ip
                     kubernetes: {service: receivers, port: \(port)}
                 """)
-            defer { MembershipPathTests.stopInProxy(topology, daemon) }
+            defer { DaemonFixtures.stopInProxy(topology, daemon) }
             let total = 64_000
             try await Self.withDiscovery(daemon, kubeconfig: kubeconfig) {
                 #expect(await server.eventually { daemon.isReady }, "\(daemon.readiness)")
@@ -163,7 +163,7 @@ struct KubernetesEndToEndTests {
             usleep(300_000)
             let counters = try #require(daemon.counters(of: "tc"))
             let reports = try collectors.map { try $0.stop() }
-            let received = TCEndToEndTests.received(reports)
+            let received = TCFixtures.received(reports)
             #expect(received.reduce(0, +) == total, "per backend \(received); no_healthy \(counters.noHealthy), dropped \(counters.dropped)")
             var reached: [String: Set<Int>] = [:]
             for (index, report) in reports.enumerated() {

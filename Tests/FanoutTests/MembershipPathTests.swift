@@ -80,25 +80,6 @@ private func sleepUntil(_ instant: ContinuousClock.Instant) throws {
 struct MembershipPathTests {
     static func start(_ yaml: String) throws -> FanoutDaemon { try startDaemon(yaml, waitReady: false) }
 
-    /// Starts the engine in-process inside the topology's proxy namespace (its tc_ebpf
-    /// listeners attach there); the caller stops it with ``stopInProxy(_:_:)``.
-    static func startInProxy(_ topology: Topology, _ yaml: String) throws -> FanoutDaemon {
-        let config = try ConfigParser.parse(yaml)
-        try config.validate(localAddresses: [])
-        var logger = Logger(label: "fanout-in-proxy")
-        logger.logLevel = .warning
-        let daemon = FanoutDaemon(config: config, configPath: nil, logger: logger)
-        let started = inNetworkNamespace(topology.proxy) { () -> String? in
-            do { try daemon.start(); return nil } catch { return "\(error)" }
-        }
-        try #require(started == .some(nil), "start in \(topology.proxy): \(String(describing: started))")
-        return daemon
-    }
-
-    static func stopInProxy(_ topology: Topology, _ daemon: FanoutDaemon) {
-        _ = inNetworkNamespace(topology.proxy) { daemon.shutdown() }
-    }
-
     static func endpoints(_ sinks: [Sink]) -> [Downstream] {
         sinks.map { Downstream(name: "pod-\($0.address.port)", address: $0.address) }
     }
@@ -137,7 +118,7 @@ struct MembershipPathTests {
         #expect(counters.noHealthy == 0 && counters.droppedTotal == 0)
         // Each source reached only the sinks the table gives it in the three phases (the same
         // function the tc_ebpf test checks against: one table in every mode).
-        let phases = [[0, 1, 2], [0, 2, 3]].map { Self.owners(pool.sources, Self.endpoints($0.map { sinks[$0] })) }
+        let phases = [[0, 1, 2], [0, 2, 3]].map { DaemonFixtures.owners(pool.sources, Self.endpoints($0.map { sinks[$0] })) }
         var moved = 0
         for (source, reached) in bySource {
             let allowed = Set(phases.map { phase in sinks.firstIndex { $0.address == phase[pool.sources[source]] }! })
@@ -201,30 +182,15 @@ struct MembershipPathTests {
         #expect(daemon.isReady, "\(daemon.readiness)")
     }
 
-    /// The downstream each source gets from a table over `downstreams` (what every mode computes).
-    static func owners(_ sources: [String], _ downstreams: [Downstream]) -> [String: SocketAddress] {
-        let table = SourceTable.entries(downstreams, size: DownstreamSelector.tableSize)
-        var result: [String: SocketAddress] = [:]
-        for source in sources {
-            var storage = sockaddr_storage()
-            _ = SocketAddress(ip: IPAddress(source)!, port: 0).withSockAddr { address, length in
-                withUnsafeMutableBytes(of: &storage) { $0.copyMemory(from: UnsafeRawBufferPointer(start: address, count: Int(length))) }
-            }
-            let hash = withUnsafePointer(to: &storage) { DownstreamSelector.sourceHash($0) }
-            result[source] = downstreams[Int(table[Int(rplb_reduce(hash, UInt32(table.count)))])].address
-        }
-        return result
-    }
-
     @Test("tc_ebpf: endpoints replaced and a backend down and up under 20k pps: nothing lost, each source only at the backends the table gives it",
           .enabled(if: Privileges.enabled, Privileges.reason))
     func tcUnderLoad() throws {
         let topology = try Topology(backends: 4)
         defer { topology.destroy() }
-        try TCEndToEndTests.addClientSources(topology)
-        let collectors = try TCEndToEndTests.collectors(topology)
-        let port = TCEndToEndTests.port
-        let daemon = try Self.startInProxy(topology, """
+        try TCFixtures.addClientSources(topology)
+        let collectors = try TCFixtures.collectors(topology)
+        let port = TCFixtures.port
+        let daemon = try DaemonFixtures.startInProxy(topology, """
             listeners:
               - name: tc
                 bind: "198.18.0.1:5514"
@@ -234,7 +200,7 @@ struct MembershipPathTests {
                 kubernetes: {namespace: test, service: receivers, port: \(port)}
             health: {enabled: true, protocol: icmp, interval_secs: 60, timeout_secs: 1}
             """)
-        defer { Self.stopInProxy(topology, daemon) }
+        defer { DaemonFixtures.stopInProxy(topology, daemon) }
         let spec = DiscoverySpec.kubernetes(listener: "tc", Kubernetes(namespace: "test", service: "receivers", port: UInt16(port)))
         func backends(_ numbers: [Int]) -> [Downstream] {
             numbers.map { Downstream(name: "b\($0)", address: SocketAddress("\(Topology.backendIPv4($0)):\(port)")!) }
@@ -256,7 +222,7 @@ struct MembershipPathTests {
         usleep(300_000)
         let counters = try #require(daemon.counters(of: "tc"))
         let reports = try collectors.map { try $0.stop() }
-        let received = TCEndToEndTests.received(reports)
+        let received = TCFixtures.received(reports)
         #expect(received.reduce(0, +) == total, "per backend \(received); no_healthy \(counters.noHealthy), dropped \(counters.dropped)")
         #expect(counters.noHealthy == 0)
         var reached: [String: Set<Int>] = [:]
@@ -265,7 +231,7 @@ struct MembershipPathTests {
         }
         #expect(reached.count == 64)
         let sources = (10..<74).map { "198.18.0.\($0)" }
-        let owners = phases.map { phase in (phase, Self.owners(sources, backends(phase))) }
+        let owners = phases.map { phase in (phase, DaemonFixtures.owners(sources, backends(phase))) }
         var moved = 0
         for (source, backendsReached) in reached {
             let allowed = Set(owners.map { phase, owner in

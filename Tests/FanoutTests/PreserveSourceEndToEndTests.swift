@@ -14,10 +14,10 @@ struct PreserveSourceEndToEndTests {
     @Test("Userspace mode, output preserve_source: each collector sees the clients' own addresses (samplicator -S)")
     func userspacePreserveSource() throws {
         let topology = try Topology(backends: 3)
-        try TCEndToEndTests.addClientSources(topology)
-        let collectors = try TCEndToEndTests.collectors(topology)
-        let downstreams = (1...3).map { "\(Topology.backendIPv4($0)):\(TCEndToEndTests.port)" }.enumerated().map { "      - {name: b\($0.offset + 1), address: \"\($0.element)\"}" }.joined(separator: "\n")
-        let file = try TCEndToEndTests.write("""
+        try TCFixtures.addClientSources(topology)
+        let collectors = try TCFixtures.collectors(topology)
+        let downstreams = (1...3).map { "\(Topology.backendIPv4($0)):\(TCFixtures.port)" }.enumerated().map { "      - {name: b\($0.offset + 1), address: \"\($0.element)\"}" }.joined(separator: "\n")
+        let file = try TCFixtures.write("""
             listeners:
               - name: u
                 bind: "198.18.0.1:5514"
@@ -25,24 +25,24 @@ struct PreserveSourceEndToEndTests {
                 settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608}
                 downstream:
             \(downstreams)
-            metrics: {enabled: true, bind: "127.0.0.1:\(AFXDPEndToEndTests.metricsPort)"}
+            metrics: {enabled: true, bind: "127.0.0.1:\(Scrape.metricsPort)"}
             """, "userspace-preserve")
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         try daemon.waitFor("entering receive loop")
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCEndToEndTests.clientSources, "--rate", "20000"],
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCFixtures.clientSources, "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
         // All 3000 forwarded before the daemon stops (a loaded machine may still be forwarding).
-        let metrics = try AFXDPEndToEndTests.metrics({ try topology.exec(topology.proxy, $0) },
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) },
                                                      until: "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}", is: 3000)
-        #expect(AFXDPEndToEndTests.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}") == 3000, "\(metrics)")
+        #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}") == 3000, "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }
         // Only to name where datagrams went if some are missing.
         let kernelDrops = (try? topology.clientPathDrops()).map(String.init) ?? "unreadable"
-        #expect(TCEndToEndTests.received(reports).reduce(0, +) == 3000, "\(TCEndToEndTests.received(reports)) kernel drops \(kernelDrops)\n\(metrics)")
+        #expect(TCFixtures.received(reports).reduce(0, +) == 3000, "\(TCFixtures.received(reports)) kernel drops \(kernelDrops)\n\(metrics)")
         var owner: [String: Int] = [:]
         for (index, report) in reports.enumerated() {
             for source in report.object("sources").keys {

@@ -12,7 +12,7 @@ import Glibc
 /// Scale-out: three udp-fanout nodes with one configuration behind an ECMP router (L4 hash),
 /// shared backends. With `source_ip` every node must send a source to the same backend, so a
 /// source whose flows the router spreads over several nodes still reaches one backend: the one
-/// the table every mode computes gives it (`MembershipPathTests.owners`). Shown when a node
+/// the table every mode computes gives it (`DaemonFixtures.owners`). Shown when a node
 /// leaves the route (nobody moves) and when a backend leaves every node's configuration by
 /// SIGHUP (only its sources move, each where the table for the smaller set says).
 @Suite("ScaleOut", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
@@ -59,7 +59,7 @@ struct ScaleOutTests {
 
     /// The backend number the table gives each source over `backends`.
     static func predicted(_ sources: [String], _ backends: [Int]) -> [String: Int] {
-        let owners = MembershipPathTests.owners(sources, downstreams(backends))
+        let owners = DaemonFixtures.owners(sources, downstreams(backends))
         return owners.mapValues { owner in backends.first { ScaleOutTopology.backendAddress($0) == owner.ip.description } ?? 0 }
     }
 
@@ -75,7 +75,7 @@ struct ScaleOutTests {
         var files: [String: URL] = [:]
         defer { for file in files.values { try? FileManager.default.removeItem(at: file) } }
         for mode in Set(modes.perNode) {
-            files[mode] = try TCEndToEndTests.write(Self.config(mode: mode, backends: Array(1...Self.backendCount), reordered: modes.reordered(mode), bind: modes.bind(mode)), "scale-out")
+            files[mode] = try TCFixtures.write(Self.config(mode: mode, backends: Array(1...Self.backendCount), reordered: modes.reordered(mode), bind: modes.bind(mode)), "scale-out")
         }
         var daemons: [Child] = []
         // Stopped by PID before the namespaces go, even when an expectation above failed.
@@ -84,7 +84,7 @@ struct ScaleOutTests {
             daemons.append(try Child("udp-fanout", ["-c", files[modes.perNode[index]]!.path], prefix: topology.prefix(node)))
         }
         for (index, node) in topology.nodes.enumerated() {
-            let ready = HealthEndToEndTests.waitFor(seconds: 10) { HealthEndToEndTests.curl(topology.prefix(node), Self.metricsPort, "/readyz")?.status == 200 }
+            let ready = Probe.waitFor(seconds: 10) { Probe.curl(topology.prefix(node), Self.metricsPort, "/readyz")?.status == 200 }
             try #require(ready, "node \(index + 1) ready: \(daemons[index].stderr)")
             if modes.perNode[index] == "tc_ebpf" { try daemons[index].waitFor("registered listener in eBPF map") }
         }
@@ -156,7 +156,7 @@ struct ScaleOutTests {
             }
             for daemon in daemons { daemon.signal(SIGHUP) }
             for (index, node) in topology.nodes.enumerated() {
-                let applied = HealthEndToEndTests.waitFor(seconds: 10) {
+                let applied = Probe.waitFor(seconds: 10) {
                     metric((try? Self.metrics(topology, node)) ?? "", "udp_fanout_config_reloads_total", "result=\"ok\"") == count
                 }
                 try #require(applied, "node \(index + 1) applied reload \(count): \(daemons[index].stderr)")
@@ -183,7 +183,7 @@ struct ScaleOutTests {
         try topology.exec(topology.backends, ["/usr/sbin/ip", "route", "add", "blackhole", "default", "table", "100"])
         try topology.exec(topology.backends, ["/usr/sbin/ip", "rule", "add", "from", ScaleOutTopology.backendAddress(3), "lookup", "100"])
         for (index, node) in topology.nodes.enumerated() {
-            let down = HealthEndToEndTests.waitFor(seconds: 10) {
+            let down = Probe.waitFor(seconds: 10) {
                 ((try? Self.metrics(topology, node)) ?? "").split(separator: "\n").contains {
                     $0.hasPrefix("udp_fanout_downstream_up{") && $0.contains("address=\"\(ScaleOutTopology.backendAddress(3)):\(Self.backendPort)\"") && $0.hasSuffix(" 0")
                 }

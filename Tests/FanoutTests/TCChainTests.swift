@@ -17,8 +17,8 @@ struct TCChainTests {
     @Test("Traffic that is not ours reaches a later filter or TCX program; ours does not", arguments: ["clsact", "tcx"])
     func notOursContinues(attach: String) throws {
         let topology = try Topology(backends: 1)
-        let collectors = try TCEndToEndTests.collectors(topology)
-        let (daemon, file) = try TCEndToEndTests.start(topology, TCEndToEndTests.config(topology, backends: [1], attach: attach), "tc-chain")
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1], attach: attach), "tc-chain")
         defer { try? FileManager.default.removeItem(at: file) }
         #expect(daemon.stderr.contains("attach=\(attach)"), "\(daemon.stderr)")
         let counter = try TCChainCounter(attach == "tcx" ? .tcx : .clsact, namespace: topology.proxy, interface: topology.proxyInterface)
@@ -37,14 +37,14 @@ struct TCChainTests {
         counter.remove()
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
-        try TCEndToEndTests.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
         #expect(try collectors[0].stop().int("received") == 300)
     }
 
     @Test("A clsact qdisc we created is kept, with its filters, while another party's filter is on it; ours alone goes")
     func foreignFilterKeepsQdisc() throws {
         let topology = try Topology(backends: 1)
-        let (daemon, file) = try TCEndToEndTests.start(topology, TCEndToEndTests.config(topology, backends: [1], attach: "clsact"), "tc-foreign")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1], attach: "clsact"), "tc-foreign")
         defer { try? FileManager.default.removeItem(at: file) }
         // Added after our start, on the qdisc udp-fanout created.
         let counter = try TCChainCounter(.clsact, namespace: topology.proxy, interface: topology.proxyInterface)
@@ -57,7 +57,7 @@ struct TCChainTests {
         #expect(!filters.contains("fanout_tc"), "ours is gone: \(filters)")
         let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
         #expect(qdiscs.contains("clsact"), "\(qdiscs)")
-        let programs = try TCEndToEndTests.programsAfterRelease()
+        let programs = try TCFixtures.programsAfterRelease()
         #expect(!programs.contains("fanout_tc"), "\(programs)")
     }
 

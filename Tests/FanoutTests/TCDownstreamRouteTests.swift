@@ -18,8 +18,8 @@ struct TCDownstreamRouteTests {
             interface: \(topology.proxyInterface)
             mode: tc_ebpf
             downstream:
-              - {name: b1, address: "\(Topology.backendIPv4(1)):\(TCEndToEndTests.port)"}
-              - {name: lost, address: "\(unroutable):\(TCEndToEndTests.port)"}
+              - {name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}
+              - {name: lost, address: "\(unroutable):\(TCFixtures.port)"}
         metrics: {enabled: true, bind: "127.0.0.1:9464"}
         """
     }
@@ -27,9 +27,9 @@ struct TCDownstreamRouteTests {
     @Test("Warned at start and at reload; no_route counted for that downstream, with a reason label")
     func warnedAndCounted() throws {
         let topology = try Topology(backends: 1)
-        let collectors = try TCEndToEndTests.collectors(topology)
+        let collectors = try TCFixtures.collectors(topology)
         // 198.19.99.0/24 is routed nowhere in the proxy namespace.
-        let (daemon, file) = try TCEndToEndTests.start(topology, Self.config(topology, unroutable: "198.19.99.1"), "tc-noroute")
+        let (daemon, file) = try TCFixtures.start(topology, Self.config(topology, unroutable: "198.19.99.1"), "tc-noroute")
         defer { try? FileManager.default.removeItem(at: file) }
         let warning = daemon.stderr.split(separator: "\n").first { $0.contains("no route to downstream") }
         #expect(warning != nil, "a warning at start: \(daemon.stderr)")
@@ -38,7 +38,7 @@ struct TCDownstreamRouteTests {
 
         #expect(try Child("publisher", ["198.18.0.1", "5514", "100"], prefix: topology.prefix(topology.client)).wait() == 0)
         usleep(200_000)
-        let metrics = try TCEndToEndTests.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         func value(_ series: String) -> Int {
             metrics.split(separator: "\n").first { $0.hasPrefix(series + " ") }.flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? -1
         }

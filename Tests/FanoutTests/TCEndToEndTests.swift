@@ -12,127 +12,16 @@ import Glibc
 /// 2001:db8::/32, in namespaces each test creates and deletes.
 @Suite("tc_ebpf end to end in namespaces", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct TCEndToEndTests {
-    static let port = 6000
-
-    /// A config with one tc_ebpf listener on the proxy's client-facing interface.
-    static func config(_ topology: Topology, backends: [Int], balancing: String = "round_robin", attach: String = "auto",
-                       ipv6: Bool = false, metricsPort: Int = 9464) -> String {
-        let downstreams = backends.map { n in
-            let address = ipv6 ? "[\(Topology.backendIPv6(n))]:\(port)" : "\(Topology.backendIPv4(n)):\(port)"
-            return "      - {name: b\(n), address: \"\(address)\"}"
-        }.joined(separator: "\n")
-        return """
-            listeners:
-              - name: tc
-                bind: "\(ipv6 ? "[2001:db8::1]" : "198.18.0.1"):5514"
-                interface: \(topology.proxyInterface)
-                mode: tc_ebpf
-                balancing: \(balancing)
-                settings: {tc_attach: \(attach)}
-                downstream:
-            \(downstreams)
-            metrics: {enabled: true, bind: "127.0.0.1:\(metricsPort)"}
-            """
-    }
-
-    /// Writes `config`, starts udp-fanout in the proxy namespace and waits until the listener
-    /// is in the maps. The caller removes the returned file.
-    static func start(_ topology: Topology, _ config: String, _ name: String) throws -> (daemon: Child, file: URL) {
-        let file = try write(config, name)
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("registered listener in eBPF map")
-        return (daemon, file)
-    }
-
-    static func write(_ text: String, _ name: String) throws -> URL {
-        let file = FileManager.default.temporaryDirectory.appendingPathComponent("\(name)-\(UUID().uuidString).yaml")
-        try text.write(to: file, atomically: true, encoding: .utf8)
-        return file
-    }
-
-    /// 64 more client addresses, 198.18.0.10 to 198.18.0.73 (`publisher --sources`), for tests
-    /// that follow each source.
-    static let clientSources = "198.18.0.10-198.18.0.73"
-
-    static func addClientSources(_ topology: Topology) throws {
-        let device = "cp\(topology.suffix.prefix(8))"
-        for n in 10..<74 { try topology.exec(topology.client, ["/usr/sbin/ip", "addr", "add", "198.18.0.\(n)/24", "dev", device]) }
-    }
-
-    /// One collector per backend namespace on the backend's address.
-    static func collectors(_ topology: Topology, ipv6: Bool = false) throws -> [Child] {
-        try topology.backends.enumerated().map { index, namespace in
-            let address = ipv6 ? Topology.backendIPv6(index + 1) : Topology.backendIPv4(index + 1)
-            let child = try Child("collector", [address, "\(port)", "0", "1", "--rcvbuf", "8388608"], prefix: topology.prefix(namespace))
-            try child.waitFor("ready")
-            return child
-        }
-    }
-
-    static func metrics(_ topology: Topology, port: Int = 9464) throws -> String {
-        try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(port)/metrics"])
-    }
-
-    /// Nothing of ours is left: no program named fanout_tc loaded, no filter or tcx link on the
-    /// interface, no lock file.
-    static func expectNothingLeft(_ topology: Topology) throws {
-        let programs = try programsAfterRelease()
-        #expect(!programs.contains("fanout_tc"), "a fanout_tc program is still loaded: \(programs)")
-        let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
-        #expect(filters.isEmpty, "tc filter show: \(filters)")
-        let net = try topology.exec(topology.proxy, ["/usr/sbin/bpftool", "net", "show", "dev", topology.proxyInterface])
-        #expect(!net.contains("fanout_tc"), "bpftool net show: \(net)")
-        let locks = (try? FileManager.default.contentsOfDirectory(atPath: "/run/udp-fanout")) ?? []
-        #expect(!locks.contains { $0.contains(topology.proxyInterface) }, "lock files: \(locks)")
-    }
-
-    static func forwardedCounts(_ topology: Topology) throws -> (total: Int, b1: Int, b2: Int, b3: Int) {
-        let text = try metrics(topology)
-        func value(_ prefix: String, _ filter: String) -> Int {
-            let line = text.split(separator: "\n").first { $0.hasPrefix(prefix) && $0.contains(filter) }
-            return line.flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? -1
-        }
-        let series = "udp_fanout_downstream_packets_forwarded_total"
-        return (value("udp_fanout_packets_forwarded_total", "listener=\"tc\""),
-                value(series, "downstream=\"b1\""), value(series, "downstream=\"b2\""), value(series, "downstream=\"b3\""))
-    }
-
-    /// `bpftool prog show`, waiting up to 1 s for fanout_tc to go: the kernel frees a program
-    /// after an RCU grace period once its last link or descriptor is closed.
-    static func programsAfterRelease() throws -> String {
-        var programs = ""
-        for _ in 0..<50 {
-            programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
-            if !programs.contains("fanout_tc") { break }
-            usleep(20_000)
-        }
-        return programs
-    }
-
-    static func received(_ reports: [[String: Any]]) -> [Int] { reports.map { $0.int("received") } }
-
-    /// Which backend (index) saw each source address; an issue for a source seen at two.
-    static func owners(_ reports: [[String: Any]]) -> [String: Int] {
-        var owner: [String: Int] = [:]
-        for (index, report) in reports.enumerated() {
-            for source in report.object("sources").keys {
-                #expect(owner[source] == nil, "source \(source) reached two backends")
-                owner[source] = index
-            }
-        }
-        return owner
-    }
-
     @Test("IPv4 round robin: each datagram at exactly one backend with the client's source address, evenly; SIGTERM leaves nothing")
     func roundRobinIPv4() throws {
         let topology = try Topology(backends: 3)
-        let collectors = try Self.collectors(topology)
-        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-rr")
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3]), "tc-rr")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
         usleep(300_000)
-        let metrics = try Self.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         #expect(metrics.contains("udp_fanout_packets_received_total{listener=\"tc\",mode=\"tc_ebpf\"} 3000"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} 3000"), "\(metrics)")
         for n in 1...3 {
@@ -142,9 +31,9 @@ struct TCEndToEndTests {
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         #expect(daemon.stderr.contains("detached tc_ebpf program"))
-        try Self.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
-        let counts = Self.received(reports)
+        let counts = TCFixtures.received(reports)
         #expect(counts.reduce(0, +) == 3000, "every datagram delivered once: \(counts)")
         // Per-CPU rotations: each backend within the number of CPUs of an exact third.
         #expect(counts.allSatisfy { abs($0 - 1000) <= 8 }, "round robin evenness: \(counts)")
@@ -161,8 +50,8 @@ struct TCEndToEndTests {
         for n in 16..<48 {
             try topology.exec(topology.client, ["/usr/sbin/ip", "-6", "addr", "add", "2001:db8::\(String(n, radix: 16))/64", "dev", "cp\(topology.suffix.prefix(8))", "nodad"])
         }
-        let collectors = try Self.collectors(topology, ipv6: true)
-        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
+        let collectors = try TCFixtures.collectors(topology, ipv6: true)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["2001:db8::1", "5514", "3200", "--sources", "2001:db8::10-2001:db8::2f", "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
@@ -170,10 +59,10 @@ struct TCEndToEndTests {
         usleep(300_000)
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
-        try Self.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
-        #expect(Self.received(reports).reduce(0, +) == 3200, "\(Self.received(reports))")
-        let owner = Self.owners(reports)
+        #expect(TCFixtures.received(reports).reduce(0, +) == 3200, "\(TCFixtures.received(reports))")
+        let owner = TCFixtures.owners(reports)
         #expect(owner.count == 32, "32 client sources seen: \(owner.keys.sorted())")
         #expect(Set(owner.values).count == 3, "sources spread over all backends")
     }
@@ -181,48 +70,48 @@ struct TCEndToEndTests {
     @Test("Fragmented datagrams (3000 bytes over a 1500 MTU) are reassembled whole at one backend")
     func fragments() throws {
         let topology = try Topology(backends: 3)
-        let collectors = try Self.collectors(topology)
-        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-frag")
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3]), "tc-frag")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
         usleep(300_000)
-        let metrics = try Self.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         // 3 fragments per datagram, each counted.
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} 1800"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_tc_unmatched_packets_total{reason=\"fragment_untracked\"} 0"), "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }
-        #expect(Self.received(reports).reduce(0, +) == 600, "\(Self.received(reports))")
+        #expect(TCFixtures.received(reports).reduce(0, +) == 600, "\(TCFixtures.received(reports))")
         #expect(reports.map { $0.int("bytes") }.reduce(0, +) == 600 * 3000, "every datagram whole")
-        #expect(Self.received(reports).allSatisfy { $0 >= 190 }, "round robin over datagrams: \(Self.received(reports))")
+        #expect(TCFixtures.received(reports).allSatisfy { $0 >= 190 }, "round robin over datagrams: \(TCFixtures.received(reports))")
     }
 
     @Test("Backend set changed live by SIGHUP: no datagram lost, the removed backend stops receiving")
     func liveChange() throws {
         let topology = try Topology(backends: 3)
-        let collectors = try Self.collectors(topology)
-        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1, 2, 3]), "tc-live")
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3]), "tc-live")
         defer { try? FileManager.default.removeItem(at: file) }
         let total = 30000
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--rate", "15000", "--batch", "8"], prefix: topology.prefix(topology.client))
         usleep(500_000)
-        try Self.config(topology, backends: [1, 2]).write(to: file, atomically: true, encoding: .utf8)
+        try TCFixtures.config(topology, backends: [1, 2]).write(to: file, atomically: true, encoding: .utf8)
         daemon.signal(SIGHUP)
         usleep(400_000)
         // While b3 is out, everything forwarded goes to b1 and b2 (one scrape is not atomic
         // at 15k/s: a few packets of slack).
-        let before = try Self.forwardedCounts(topology)
+        let before = try TCFixtures.forwardedCounts(topology)
         usleep(400_000)
-        let after = try Self.forwardedCounts(topology)
+        let after = try TCFixtures.forwardedCounts(topology)
         // A downstream's series lives as long as the process (issue 21): b3's stays, and grows no more.
         #expect(before.b3 > 0 && after.b3 == before.b3, "b3's series stays with its total and no longer grows: \(before) \(after)")
         #expect(after.total - before.total > 3000, "still forwarding: \(before) \(after)")
         #expect(abs((after.total - before.total) - (after.b1 - before.b1) - (after.b2 - before.b2)) <= 60,
                 "everything forwarded went to b1 and b2: \(before) \(after)")
-        try Self.config(topology, backends: [1, 2, 3]).write(to: file, atomically: true, encoding: .utf8)
+        try TCFixtures.config(topology, backends: [1, 2, 3]).write(to: file, atomically: true, encoding: .utf8)
         daemon.signal(SIGHUP)
         #expect(publisher.wait() == 0)
         usleep(300_000)
@@ -230,7 +119,7 @@ struct TCEndToEndTests {
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }
-        let counts = Self.received(reports)
+        let counts = TCFixtures.received(reports)
         #expect(counts.reduce(0, +) == total, "no datagram lost across two reloads: \(counts)")
         #expect(counts[2] < counts[0] - 1000, "b3 missed the removed period: \(counts)")
     }
@@ -238,7 +127,7 @@ struct TCEndToEndTests {
     @Test("Two listeners share one attachment; removing one by reload keeps the other forwarding; removing both detaches")
     func twoListeners() throws {
         let topology = try Topology(backends: 2)
-        let collectors = try Self.collectors(topology)
+        let collectors = try TCFixtures.collectors(topology)
         func config(_ ports: [Int]) -> String {
             "listeners:\n" + ports.map { port in
                 """
@@ -247,12 +136,12 @@ struct TCEndToEndTests {
                     interface: \(topology.proxyInterface)
                     mode: tc_ebpf
                     downstream:
-                      - {name: b\(port - 5513), address: "\(Topology.backendIPv4(port - 5513)):\(Self.port)"}
+                      - {name: b\(port - 5513), address: "\(Topology.backendIPv4(port - 5513)):\(TCFixtures.port)"}
 
                 """
             }.joined() + "metrics: {enabled: true, bind: \"127.0.0.1:9464\"}\n"
         }
-        let (daemon, file) = try Self.start(topology, config([5514, 5515]), "tc-two")
+        let (daemon, file) = try TCFixtures.start(topology, config([5514, 5515]), "tc-two")
         defer { try? FileManager.default.removeItem(at: file) }
         #expect(daemon.stderr.components(separatedBy: "attached tc_ebpf program").count == 2, "one attachment for both")
         for port in ["5514", "5515"] {
@@ -264,21 +153,21 @@ struct TCEndToEndTests {
         #expect(try Child("publisher", ["198.18.0.1", "5515", "100"], prefix: topology.prefix(topology.client)).wait() == 0)
         #expect(try Child("publisher", ["198.18.0.1", "5514", "100"], prefix: topology.prefix(topology.client)).wait() == 0)
         usleep(200_000)
-        let metrics = try Self.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"l5515\",mode=\"tc_ebpf\"} 200"), "\(metrics)")
         #expect(!metrics.contains("listener=\"l5514\""))
         #expect(!daemon.stderr.contains("detached tc_ebpf program"), "still attached for l5515")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
-        try Self.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
         // The second round to 5514 found no listener: passed to the proxy's stack, not forwarded.
-        #expect(Self.received(reports) == [100, 200], "\(Self.received(reports))")
+        #expect(TCFixtures.received(reports) == [100, 200], "\(TCFixtures.received(reports))")
     }
 
     @Test("Without CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON: one clear error at start, exit status 1, nothing attached")
     func withoutCapabilities() throws {
-        let file = try Self.write("""
+        let file = try TCFixtures.write("""
             listeners:
               - name: tc
                 bind: "198.18.0.1:5514"
@@ -299,11 +188,11 @@ struct TCEndToEndTests {
     func existingQdiscAndForwarding() throws {
         let topology = try Topology(backends: 1)
         try topology.exec(topology.proxy, ["tc", "qdisc", "add", "dev", topology.proxyInterface, "clsact"])
-        let (daemon, file) = try Self.start(topology, Self.config(topology, backends: [1], attach: "clsact"), "tc-qdisc")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1], attach: "clsact"), "tc-qdisc")
         defer { try? FileManager.default.removeItem(at: file) }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
-        try Self.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
         let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
         #expect(qdiscs.contains("clsact"), "the qdisc that was there before stays: \(qdiscs)")
 
@@ -311,17 +200,17 @@ struct TCEndToEndTests {
         let refused = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         #expect(refused.wait() == 1)
         #expect(refused.stderr.contains("sysctl -w net.ipv4.conf.\(topology.proxyInterface).forwarding=1"), "\(refused.stderr)")
-        try Self.expectNothingLeft(topology)
+        try TCFixtures.expectNothingLeft(topology)
     }
 
     @Test("kill -9 and restart (clsact, tcx, clsact then tcx): leftovers are removed, and SIGTERM leaves nothing")
     func crashAndRestart() throws {
         let topology = try Topology(backends: 1)
-        let collectors = try Self.collectors(topology)
+        let collectors = try TCFixtures.collectors(topology)
         // (attach of the run that is killed, attach of the restart)
         let scenarios = [("clsact", "clsact"), ("tcx", "tcx"), ("clsact", "tcx")]
         for (attach, restart) in scenarios {
-            let file = try Self.write(Self.config(topology, backends: [1], attach: attach), "tc-crash")
+            let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], attach: attach), "tc-crash")
             defer { try? FileManager.default.removeItem(at: file) }
             let first = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
             try first.waitFor("registered listener in eBPF map")
@@ -334,10 +223,10 @@ struct TCEndToEndTests {
             first.wait()
             if attach == "tcx" {
                 // The link died with the process: nothing to clean even before a restart.
-                let programs = try Self.programsAfterRelease()
+                let programs = try TCFixtures.programsAfterRelease()
                 #expect(!programs.contains("fanout_tc"), "tcx link outlived kill -9: \(programs)")
             }
-            try Self.config(topology, backends: [1], attach: restart).write(to: file, atomically: true, encoding: .utf8)
+            try TCFixtures.config(topology, backends: [1], attach: restart).write(to: file, atomically: true, encoding: .utf8)
             let second = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
             try second.waitFor("registered listener in eBPF map")
             if restart == "tcx" {
@@ -349,7 +238,7 @@ struct TCEndToEndTests {
             usleep(200_000)
             second.signal(SIGTERM)
             #expect(second.wait() == 0)
-            try Self.expectNothingLeft(topology)
+            try TCFixtures.expectNothingLeft(topology)
             let qdiscs = try topology.exec(topology.proxy, ["tc", "qdisc", "show", "dev", topology.proxyInterface])
             #expect(!qdiscs.contains("clsact"), "the clsact qdisc a run of ours created is gone: \(qdiscs)")
         }

@@ -17,8 +17,8 @@ import Glibc
 /// 02:00:00:00:00:0c) so that replies can be routed back.
 @Suite("tc program: two-way nat listeners", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct TCNATProgramTests {
-    typealias Fixture = TCProgramTests.Fixture
-    static let redirect = TCProgramTests.redirect, shot = TCProgramTests.shot, pass = TCProgramTests.pass
+    typealias Fixture = TCProgramFixture
+    static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot, pass = TCProgramFixture.pass
     static let clientMAC: [UInt8] = [2, 0, 0, 0, 0, 0x0c]
     static let vip = SocketAddress("198.18.100.1:5800")!
     static let vip6 = SocketAddress("[2001:db8:100::1]:5800")!

@@ -82,7 +82,7 @@ struct TCNonLinearTests {
     func pulled() throws {
         let topology = try Topology(backends: 1)
         let tap = try FragmentTap(topology)
-        let collectors = try TCEndToEndTests.collectors(topology)
+        let collectors = try TCFixtures.collectors(topology)
         let config = """
             listeners:
               - name: tc
@@ -90,10 +90,10 @@ struct TCNonLinearTests {
                 interface: \(tap.name)
                 mode: tc_ebpf
                 downstream:
-                  - {name: b1, address: "\(Topology.backendIPv4(1)):\(TCEndToEndTests.port)"}
+                  - {name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}
             metrics: {enabled: true, bind: "127.0.0.1:9464"}
             """
-        let (daemon, file) = try TCEndToEndTests.start(topology, config, "tc-nonlinear")
+        let (daemon, file) = try TCFixtures.start(topology, config, "tc-nonlinear")
         defer { try? FileManager.default.removeItem(at: file) }
         let source: [UInt8] = [198, 19, 0, 2]
         var sent = 0
@@ -108,7 +108,7 @@ struct TCNonLinearTests {
             }
         }
         usleep(300_000)
-        let metrics = try TCEndToEndTests.metrics(topology)
+        let metrics = try TCFixtures.metrics(topology)
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} \(sent)"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_tc_unmatched_packets_total{reason=\"malformed\"} 0"), "\(metrics)")
         daemon.signal(SIGTERM)

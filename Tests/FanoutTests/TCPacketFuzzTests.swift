@@ -26,121 +26,9 @@ import Glibc
 /// else 1,000,000 with RELIABILITY=full, else 50,000 (make test). RELIABILITY_SEED repeats a run.
 @Suite("tc program: packet fuzz (reliability)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct TCPacketFuzzTests {
-    static var packetCount: Int {
-        if let text = ProcessInfo.processInfo.environment["RELIABILITY_PACKETS"], let count = Int(text), count > 0 { return count }
-        return ProcessInfo.processInfo.environment["RELIABILITY"] == "full" ? 1_000_000 : 50_000
-    }
-
-    /// SplitMix64: small, fast, and reproducible from the printed seed.
-    struct Generator {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
-        mutating func byte() -> UInt8 { UInt8(truncatingIfNeeded: next()) }
-        mutating func bytes(_ count: Int) -> [UInt8] { (0..<count).map { _ in byte() } }
-        mutating func chance(_ percent: Int) -> Bool { below(100) < percent }
-    }
-
-    static let listenerPorts: [UInt16] = [5514, 5515, 5516, 5517, 5602]
+    typealias Generator = PacketFuzz.Generator
+    /// Where the fixture's backends are: a redirected packet goes to one of them.
     static let backends: Set<[UInt8]> = [[198, 18, 200, 10], [198, 18, 200, 20], [198, 18, 210, 10], IPAddress("2001:db8:200::10")!.bytes]
-
-    /// A valid frame of one of the kinds above, and where its headers end (truncations and
-    /// byte mutations sweep the headers, not the payload).
-    /// One round of the fuzz: a base packet, sent as is, truncated at every header offset, with
-    /// each header byte replaced, with a few random flips, or as random bytes after a plausible
-    /// Ethernet type. Shared by the tc and XDP fuzz tests.
-    static func mutate(_ random: inout Generator, _ execute: ([UInt8]) -> Void) {
-        let (base, headerEnd) = basePacket(&random)
-        switch random.below(10) {
-        case 0, 1:
-            execute(base)
-        case 2, 3:
-            // Truncated at every offset of the headers (and a few into the payload).
-            for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
-        case 4, 5, 6:
-            // Every header byte replaced by another value, one at a time.
-            for offset in 0..<min(base.count, headerEnd) {
-                var mutated = base
-                mutated[offset] ^= UInt8(1 + random.below(255))
-                execute(mutated)
-            }
-        case 7, 8:
-            // A few random flips anywhere in the headers.
-            var mutated = base
-            for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
-            execute(mutated)
-        default:
-            // Random bytes after a plausible Ethernet type.
-            let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
-            execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
-        }
-    }
-
-    static func basePacket(_ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
-        let payload = random.bytes(random.chance(80) ? random.below(200) : random.below(1400))
-        let port = random.chance(85) ? listenerPorts[random.below(listenerPorts.count)] : UInt16(truncatingIfNeeded: random.next())
-        switch random.below(10) {
-        case 0, 1, 2:
-            let options = random.chance(40) ? Array(random.bytes(4 * (1 + random.below(10)))) : []
-            let ttl: UInt8 = random.chance(10) ? UInt8(random.below(2)) : 64
-            let vlan: UInt16? = random.chance(20) ? UInt16(random.below(4095)) : nil
-            let frame = Packet.ipv4(payload: payload, port: port, ttl: ttl, options: options, vlan: vlan,
-                                    zeroChecksum: random.chance(10), protocolNumber: random.chance(90) ? 17 : 6)
-            return (frame, Packet.ethernet + (vlan == nil ? 0 : 4) + 20 + options.count + 8)
-        case 3, 4:
-            return ipv6WithExtensions(payload: payload, port: port, &random)
-        case 5:
-            // QinQ: an 802.1ad tag around an 802.1Q tag.
-            let inner = Packet.ipv4(payload: payload, port: port, vlan: UInt16(random.below(4095)))
-            let frame = Array(inner[0..<12]) + [0x88, 0xa8, 0, UInt8(random.below(256))] + Array(inner[12...])
-            return (frame, Packet.ethernet + 8 + 28)
-        case 6:
-            let pieces = Packet.ipv4Fragments(payload: payload + random.bytes(600), id: UInt16(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
-            return (pieces[random.below(pieces.count)], Packet.ethernet + 28)
-        case 7:
-            let pieces = Packet.ipv6Fragments(payload: payload + random.bytes(600), id: UInt32(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
-            return (pieces[random.below(pieces.count)], Packet.ethernet + 56)
-        case 8:
-            // Another destination address, or ARP and other Ethernet types.
-            if random.chance(50) {
-                var frame = Packet.ipv4(payload: payload, port: port)
-                frame[Packet.ethernet + 19] = random.byte()
-                return (frame, Packet.ethernet + 28)
-            }
-            return (Packet.ethernetHeader(type: UInt16(truncatingIfNeeded: random.next())) + payload, Packet.ethernet)
-        default:
-            return (Packet.ipv6(payload: payload, port: port), Packet.ethernet + 48)
-        }
-    }
-
-    /// IPv6 with 1 to 5 extension headers (hop-by-hop, routing, destination options, and
-    /// maybe a first fragment), each of random length.
-    static func ipv6WithExtensions(payload: [UInt8], port: UInt16, _ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
-        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
-        var kinds = (0..<(1 + random.below(5))).map { _ in [UInt8(0), 43, 60][random.below(3)] }
-        if random.chance(30) { kinds.append(44) }
-        let udp = Packet.udp(source: source, destination: destination, port: port, payload: payload)
-        var extensions: [UInt8] = []
-        for (index, kind) in kinds.enumerated() {
-            let next = index + 1 < kinds.count ? kinds[index + 1] : 17
-            if kind == 44 {
-                extensions += [next, 0, 0, 0] + random.bytes(4)  // offset 0, no more fragments
-            } else {
-                let units = random.below(3)
-                extensions += [next, UInt8(units)] + [UInt8](repeating: 0, count: 6 + units * 8)
-            }
-        }
-        let frame = Packet.ethernetHeader(type: 0x86dd)
-            + Packet.ipv6Header(next: kinds[0], length: extensions.count + udp.count, source: source, destination: destination)
-            + extensions + udp
-        return (frame, Packet.ethernet + 40 + extensions.count + 8)
-    }
 
     /// Where a frame's layers start, walked as the program walks them (one tag, IPv4 options,
     /// up to four IPv6 extension headers); nil if it is not IP carrying UDP, or the UDP header
@@ -218,9 +106,9 @@ struct TCPacketFuzzTests {
 
     @Test("Random and mutated packets: every one gets a counted verdict; redirected checksums as valid as on arrival")
     func fuzz() throws {
-        let fixture = try TCProgramTests.Fixture()
+        let fixture = try TCProgramFixture()
         // A listener behind a 600-byte route MTU, so too_large is reached too.
-        try fixture.add(TCProgramTests.Fixture.listenerBind(5602), id: 5, BackendSet(
+        try fixture.add(TCProgramFixture.listenerBind(5602), id: 5, BackendSet(
             downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 0]))
         let ids: [UInt32] = [0, 1, 2, 3, 4, 5, UInt32(FANOUT_UNMATCHED_STATS)]
         func verdictTotals() -> [UInt64] {
@@ -228,7 +116,7 @@ struct TCPacketFuzzTests {
         }
         let before = verdictTotals()
         let seed = ProcessInfo.processInfo.environment["RELIABILITY_SEED"].flatMap { UInt64($0) } ?? UInt64.random(in: 0...UInt64.max)
-        let target = Self.packetCount
+        let target = PacketFuzz.packetCount
         let outcome = Outcome()
         let (program, namespaceFD, ifindex) = (fixture.program.program, fixture.namespaceFD, fixture.ifindex)
         OSThread(name: "fuzz") {
@@ -238,7 +126,7 @@ struct TCPacketFuzzTests {
             let start = DispatchTime.now()
             func execute(_ frame: [UInt8]) {
                 guard outcome.run < target else { return }
-                let (result, verdict, size) = TCProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, output: &output)
+                let (result, verdict, size) = TCProgramFixture.testRun(program, frame, ifindex: ifindex, output: &output)
                 if result != 0 {
                     // The runner itself refuses frames shorter than Ethernet plus a base IPv4 /
                     // IPv6 header (for those Ethernet types); nothing else may fail.
@@ -274,7 +162,7 @@ struct TCPacketFuzzTests {
                 }
             }
             while outcome.run < target && outcome.problems.count < 20 {
-                Self.mutate(&random, execute)
+                PacketFuzz.mutate(&random, execute)
             }
             outcome.seconds = Double(DispatchTime.now().uptimeNanoseconds - start.uptimeNanoseconds) / 1e9
         }.join()

@@ -25,7 +25,7 @@ struct TCPreflightTests {
 
     /// Runs `udp-fanout --check` on `text` in the proxy namespace.
     static func check(_ topology: Topology, _ text: String) throws -> (status: Int32, stdout: String, stderr: String) {
-        let file = try TCEndToEndTests.write(text, "tc-check")
+        let file = try TCFixtures.write(text, "tc-check")
         defer { try? FileManager.default.removeItem(at: file) }
         let child = try Child("udp-fanout", ["--check", "-c", file.path], prefix: topology.prefix(topology.proxy))
         let status = child.wait()

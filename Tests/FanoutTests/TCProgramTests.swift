@@ -20,139 +20,14 @@ import Glibc
 /// to 198.19.99.0/24.
 @Suite("tc program under BPF_PROG_TEST_RUN", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct TCProgramTests {
-    static let listenerV4 = SocketAddress("198.18.100.1:5514")!
-    static let listenerV6 = SocketAddress("[2001:db8:100::1]:5514")!
-    static let clientV4: [UInt8] = [198, 18, 50, 7]
-    static let clientV6 = IPAddress("2001:db8:50::7")!.bytes
-    static let neighbourMAC: [UInt8] = [2, 0, 0, 0, 0, 0x0a]
-
-    /// A namespace with the routes and neighbours above, and the program loaded with listeners:
-    /// 5514 (v4 and v6) round robin over three reachable backends; 5515 no backend; 5516 a
-    /// backend without a route; 5517 a backend without a neighbour entry.
-    final class Fixture {
-        let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
-        let program: TCProgram
-        var ifindex: Int32 = 0
-        /// t0's index: the backends' side, where no listener of the fixture's is configured.
-        var otherIfindex: Int32 = 0
-        var sourceMAC: [UInt8] = []
-        let namespaceFD: Int32
-
-        init() throws {
-            for arguments in [
-                ["netns", "add", namespace],
-                ["-n", namespace, "link", "add", "t0", "type", "veth", "peer", "name", "t1"],
-                ["-n", namespace, "addr", "add", "198.18.200.1/24", "dev", "t0"],
-                ["-n", namespace, "-6", "addr", "add", "2001:db8:200::1/64", "dev", "t0", "nodad"],
-                ["-n", namespace, "link", "set", "t0", "up"],
-                ["-n", namespace, "link", "set", "t1", "up"],
-                ["-n", namespace, "neigh", "add", "198.18.200.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
-                ["-n", namespace, "-6", "neigh", "add", "2001:db8:200::10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
-                // A narrow path: 198.18.210.0/24 through t0 with a route MTU of 600.
-                ["-n", namespace, "route", "add", "198.18.210.0/24", "dev", "t0", "mtu", "lock", "600"],
-                ["-n", namespace, "neigh", "add", "198.18.210.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
-            ] {
-                let result = try run("/usr/sbin/ip", arguments)
-                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
-            }
-            for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
-                _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", setting])
-            }
-            namespaceFD = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
-            program = try TCProgram()
-            // Packets arrive on t1; the backends are reached through t0.
-            func link(_ name: String) throws -> [String: Any] {
-                let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
-                return try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first)
-            }
-            ifindex = Int32(try link("t1").int("ifindex"))
-            otherIfindex = Int32(try link("t0").int("ifindex"))
-            sourceMAC = try #require(try link("t0")["address"] as? String).split(separator: ":").map { UInt8($0, radix: 16)! }
-            let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
-            let backendsV6 = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("[2001:db8:200::10]:\(6000 + $0)")!) }
-            let slots: [String: UInt16] = ["b1": 0, "b2": 1, "b3": 2]
-            try add(Fixture.listenerBind(5514), id: 0, BackendSet(downstreams: backends, balancing: .roundRobin, slots: slots))
-            try add(TCProgramTests.listenerV6, id: 1, BackendSet(downstreams: backendsV6, balancing: .roundRobin, slots: slots))
-            try add(Fixture.listenerBind(5515), id: 2, BackendSet(downstreams: [], balancing: .roundRobin, slots: [:]))
-            try add(Fixture.listenerBind(5516), id: 3, BackendSet(downstreams: [Downstream(name: "x", address: SocketAddress("198.19.99.1:7000")!)], balancing: .roundRobin, slots: ["x": 0]))
-            try add(Fixture.listenerBind(5517), id: 4, BackendSet(downstreams: [Downstream(name: "n", address: SocketAddress("198.18.200.20:7000")!)], balancing: .roundRobin, slots: ["n": 0]))
-        }
-
-        static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: TCProgramTests.listenerV4.ip, port: port) }
-
-        func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet, ifindex: Int32? = nil) throws {
-            program.resetListener(id: id)
-            try program.writeSet(id: id, generation: 0, set)
-            var entry = fanout_listener()
-            entry.id = id
-            entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
-            try program.putListener(bind, ifindex: UInt32(ifindex ?? self.ifindex), entry)
-        }
-
-        deinit {
-            program.closeDescriptors()
-            close(namespaceFD)
-            _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
-        }
-
-        /// Runs the program once on `frame` arriving on t1 (or `ifindex`), from a thread inside
-        /// the namespace.
-        func execute(_ frame: [UInt8], ifindex: Int32? = nil) -> (verdict: UInt32, output: [UInt8]) {
-            let box = ResultBox()
-            let (program, fd, ifindex) = (self.program.program, namespaceFD, ifindex ?? self.ifindex)
-            OSThread(name: "test-run") {
-                guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
-                // One CPU: the rotation is per CPU, so every run then takes the next entry.
-                _ = shim_pin_current_thread(0)
-                var output = [UInt8](repeating: 0, count: 4096)
-                let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output)
-                box.set(result == 0 ? (verdict, Array(output[0..<size])) : (UInt32.max - UInt32(-result), []))
-            }.join()
-            return box.value
-        }
-
-        /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex`, from the calling thread (which
-        /// must be in the namespace). Returns libbpf's result (0 or -errno), the program's
-        /// verdict and the output's length in `output`.
-        static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8]) -> (result: Int32, verdict: UInt32, size: Int) {
-            var input = frame
-            var context = __sk_buff()
-            context.ifindex = UInt32(ifindex)
-            var options = bpf_test_run_opts()
-            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-            let result = input.withUnsafeMutableBytes { inBytes in
-                output.withUnsafeMutableBytes { outBytes in
-                    withUnsafeMutablePointer(to: &context) { contextPointer in
-                        options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                        options.data_size_in = UInt32(inBytes.count)
-                        options.data_out = outBytes.baseAddress
-                        options.data_size_out = UInt32(outBytes.count)
-                        options.ctx_in = UnsafeRawPointer(contextPointer)
-                        options.ctx_size_in = UInt32(MemoryLayout<__sk_buff>.size)
-                        options.repeat = 1
-                        return bpf_prog_test_run_opts(program, &options)
-                    }
-                }
-            }
-            return (result, options.retval, Int(options.data_size_out))
-        }
-
-        func stats(_ id: UInt32) -> (received: UInt64, verdicts: [UInt64]) {
-            let stats = program.listenerStats(id: id)
-            return (stats.received, stats.verdicts)
-        }
-    }
-
-    final class ResultBox: @unchecked Sendable {
-        var value: (verdict: UInt32, output: [UInt8]) = (UInt32.max, [])
-        func set(_ value: (UInt32, [UInt8])) { self.value = value }
-    }
+    // The fixture's addresses and verdicts, under the names the cases use.
+    static let listenerV4 = ProgramFrames.listenerV4, listenerV6 = ProgramFrames.listenerV6
+    static let clientV4 = ProgramFrames.clientV4, clientV6 = ProgramFrames.clientV6
+    static let neighbourMAC = ProgramFrames.neighbourMAC
+    typealias Fixture = TCProgramFixture
+    static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot, pass = TCProgramFixture.pass
 
     // MARK: cases
-
-    static let redirect: UInt32 = 7, shot: UInt32 = 2
-    /// TC_ACT_UNSPEC (TCX_NEXT): not ours, on to the next filter or program.
-    static let pass = UInt32(bitPattern: -1)
 
     struct Case: CustomStringConvertible, Sendable {
         var name: String

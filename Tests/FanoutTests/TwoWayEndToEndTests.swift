@@ -63,7 +63,7 @@ struct TwoWayEndToEndTests {
         let child: Child
         let file: URL
         init(_ topology: TwoWayTopology, _ path: Path, _ yaml: String) throws {
-            file = try TCEndToEndTests.write(yaml, "twoway")
+            file = try TCFixtures.write(yaml, "twoway")
             child = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.balancer))
             try child.waitFor(path == .nat ? "registered listener in eBPF map" : "entering receive loop")
         }
@@ -74,7 +74,7 @@ struct TwoWayEndToEndTests {
             let before = child.stderr.components(separatedBy: "configuration loaded").count
             try yaml.write(to: file, atomically: true, encoding: .utf8)
             child.signal(SIGHUP)
-            let applied = HealthEndToEndTests.waitFor(seconds: 10) { child.stderr.components(separatedBy: "configuration loaded").count > before }
+            let applied = Probe.waitFor(seconds: 10) { child.stderr.components(separatedBy: "configuration loaded").count > before }
             #expect(applied, "reload applied: \(child.stderr)")
             usleep(300_000)
         }
@@ -170,26 +170,6 @@ struct TwoWayEndToEndTests {
         return try #require(fd.flatMap { $0 >= 0 ? $0 : nil }, "client socket \(address):\(port) in \(topology.clients): errno \(errno)")
     }
 
-    /// The next datagram on `fd` within `milliseconds`: (source, payload), nil if none came.
-    static func receive(_ fd: Int32, milliseconds: Int32 = 2000) -> (source: SocketAddress, payload: String)? {
-        var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
-        guard poll(&descriptor, 1, milliseconds) == 1 else { return nil }
-        var buffer = [UInt8](repeating: 0, count: 2048)
-        var storage = sockaddr_storage()
-        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-        let count = withUnsafeMutablePointer(to: &storage) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, 2048, Int32(MSG_DONTWAIT), $0, &length) }
-        }
-        guard count >= 0, let source = withUnsafePointer(to: &storage, { SocketAddress(storage: UnsafeRawPointer($0)) }) else { return nil }
-        return (source, String(decoding: buffer[0..<count], as: UTF8.self))
-    }
-
-    static func send(_ fd: Int32, _ text: String, to destination: SocketAddress) throws {
-        var bytes = Array(text.utf8)
-        let sent = destination.withSockAddr { sendto(fd, &bytes, bytes.count, 0, $0, $1) }
-        try #require(sent == bytes.count, "sendto \(destination): errno \(errno)")
-    }
-
     static var vip: SocketAddress { SocketAddress(ip: IPAddress(TwoWayTopology.vip())!, port: listenerPort) }
 
     /// Nothing of ours attached on the load balancer's interfaces (per namespace: other
@@ -274,12 +254,12 @@ struct TwoWayEndToEndTests {
         defer { close(fd) }
         servers[2] = try Self.server(topology, 2, initiate: "\(client):41000")
         try servers[2]!.waitFor("initiated to")
-        let first = try #require(Self.receive(fd), "the server's datagram reached the client: \(daemon.child.stderr)")
+        let first = try #require(Datagrams.receive(fd), "the server's datagram reached the client: \(daemon.child.stderr)")
         #expect(first.source == Self.vip, "from the VIP: \(first.source)")
         #expect(first.payload == "b2")
         for round in 0..<5 {
-            try Self.send(fd, "request \(round)", to: Self.vip)
-            let reply = try #require(Self.receive(fd), "reply \(round)")
+            try Datagrams.send(fd, "request \(round)", to: Self.vip)
+            let reply = try #require(Datagrams.receive(fd), "reply \(round)")
             #expect(reply.source == Self.vip && reply.payload == "request \(round)b2", "\(reply)")
         }
         let text = try Self.metrics(topology) { Self.value($0, .nat, "udp_fanout_associations") == 1 }
@@ -301,21 +281,21 @@ struct TwoWayEndToEndTests {
         let client = TwoWayTopology.clientAddress(3)
         let fd = try Self.clientSocket(topology, client, 41001)
         defer { close(fd) }
-        try Self.send(fd, "hello", to: Self.vip)
-        let reply = try #require(Self.receive(fd), "the first reply: \(daemon.child.stderr)")
+        try Datagrams.send(fd, "hello", to: Self.vip)
+        let reply = try #require(Datagrams.receive(fd), "the first reply: \(daemon.child.stderr)")
         let owner = try #require(Int(reply.payload.dropFirst("hello".count).dropFirst()), "tag b<N>: \(reply.payload)")
         let other = owner % 3 + 1
         // The other server, restarted, sends from its echo socket (its downstream address and port).
         _ = try servers[other]!.stop()
         servers[other] = try Self.server(topology, other, initiate: "\(client):41001")
         try servers[other]!.waitFor("initiated to")
-        #expect(Self.receive(fd, milliseconds: 1000) == nil, "nothing from b\(other) reaches the client")
+        #expect(Datagrams.receive(fd, milliseconds: 1000) == nil, "nothing from b\(other) reaches the client")
         let text = try Self.metrics(topology)
         #expect(Self.value(text, .nat, "udp_fanout_replies_dropped_total", ",reason=\"wrong_server\"") == 1, "\(text)")
         #expect(Self.value(text, .nat, "udp_fanout_association_events_total", ",event=\"server_initiated\"") == 0, "\(text)")
         // The association stayed: the client is still served by its server.
-        try Self.send(fd, "again", to: Self.vip)
-        let again = try #require(Self.receive(fd), "reply after the drop")
+        try Datagrams.send(fd, "again", to: Self.vip)
+        let again = try #require(Datagrams.receive(fd), "reply after the drop")
         #expect(again.source == Self.vip && again.payload == "againb\(owner)", "\(again)")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
@@ -369,7 +349,7 @@ struct TwoWayEndToEndTests {
         let daemon = try Daemon(topology, .nat, Self.config(topology, .nat, servers: [1, 2, 3], health: true))
         try Self.expectOnlyItsClientsMove(topology, .nat, clients: 60, count: 5) {
             try topology.exec(topology.servers[2], ["/usr/sbin/sysctl", "-q", "-w", "net.ipv4.icmp_echo_ignore_all=1"])
-            let down = HealthEndToEndTests.waitFor(seconds: 10) {
+            let down = Probe.waitFor(seconds: 10) {
                 (try? Self.metrics(topology)).map { metric($0, "udp_fanout_downstream_up", "listener=\"tw\",downstream=\"b3\",address=\"\(TwoWayTopology.serverAddress(3)):\(Self.serverPort)\"") == 0 } == true
             }
             #expect(down, "b3 down after fall probes: \(daemon.child.stderr)")

@@ -31,25 +31,25 @@ struct XDPPacketFuzzTests {
     @Test("Random and mutated frames: each passed or redirected, untouched, counted exactly once")
     func fuzz() throws {
         // 600 bytes: the generator's frames reach up to about 1,460, so too_large is reached too.
-        let fixture = try XDPProgramTests.Fixture(maxFrameLength: 600)
+        let fixture = try XDPProgramFixture(maxFrameLength: 600)
         let socket = try #require(inNetworkNamespace(fixture.namespace) { TestXSK.open(interface: "x1", queue: 1) }, "namespace thread")
         let fd = try socket.get()
         defer { close(fd) }
         try fixture.program.setSocket(queue: 1, fd: fd)
         let before = fixture.snapshot()
         let seed = ProcessInfo.processInfo.environment["RELIABILITY_SEED"].flatMap { UInt64($0) } ?? UInt64.random(in: 0...UInt64.max)
-        let target = TCPacketFuzzTests.packetCount
+        let target = PacketFuzz.packetCount
         let outcome = Outcome()
         let (program, ifindex) = (fixture.program.program, fixture.ifindex)
         _ = inNetworkNamespace(fixture.namespace) {
-            var random = TCPacketFuzzTests.Generator(state: seed)
+            var random = PacketFuzz.Generator(state: seed)
             // The queue of each frame from a generator of its own: `random` is the mutator's while it runs.
-            var queues = TCPacketFuzzTests.Generator(state: seed ^ 0x9e37_79b9_7f4a_7c15)
+            var queues = PacketFuzz.Generator(state: seed ^ 0x9e37_79b9_7f4a_7c15)
             var output = [UInt8](repeating: 0, count: 4096)
             func execute(_ frame: [UInt8]) {
                 guard outcome.run < target else { return }
                 let queue = UInt32(queues.below(2))
-                let (result, action, size) = XDPProgramTests.Fixture.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
+                let (result, action, size) = XDPProgramFixture.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
                 if result != 0 {
                     // The runner refuses frames shorter than an Ethernet header; nothing else may fail.
                     if result == -EINVAL && frame.count < 14 { outcome.refused += 1 } else { outcome.problem("test run \(result) for \(frame)") }
@@ -59,15 +59,15 @@ struct XDPPacketFuzzTests {
                 outcome.bytes += UInt64(frame.count)
                 if Array(output[0..<size]) != frame { outcome.problem("frame changed: \(frame)") }
                 switch action {
-                case XDPProgramTests.pass: outcome.pass += 1
-                case XDPProgramTests.redirect:
+                case XDPProgramFixture.pass: outcome.pass += 1
+                case XDPProgramFixture.redirect:
                     outcome.redirect += 1
                     if queue != 1 { outcome.problem("redirected on queue \(queue), which has no socket: \(frame)") }
                 default: outcome.problem("action \(action) for \(frame)")
                 }
             }
             while outcome.run < target && outcome.problems.count < 20 {
-                TCPacketFuzzTests.mutate(&random, execute)
+                PacketFuzz.mutate(&random, execute)
             }
             return true
         }

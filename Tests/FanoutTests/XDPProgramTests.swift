@@ -20,118 +20,10 @@ import Glibc
 /// test creates, with veth x1 (two queues; the listeners' interface) and its peer x0.
 @Suite("XDP program under BPF_PROG_TEST_RUN", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct XDPProgramTests {
-    static let pass: UInt32 = 2, redirect: UInt32 = 4  // XDP_PASS, XDP_REDIRECT
-    static let maxFrame: UInt32 = 1500
-
-    final class Fixture {
-        let namespace = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
-        let program: XDPProgram
-        var ifindex: UInt32 = 0
-        var otherIfindex: UInt32 = 0
-
-        /// - Parameter maxFrameLength: the program's max_frame_len (the table cases assume the default).
-        init(maxFrameLength: UInt32 = XDPProgramTests.maxFrame) throws {
-            for arguments in [
-                ["netns", "add", namespace],
-                ["-n", namespace, "link", "add", "x0", "numrxqueues", "2", "numtxqueues", "2", "type", "veth",
-                 "peer", "name", "x1", "numrxqueues", "2", "numtxqueues", "2"],
-                ["-n", namespace, "link", "set", "x0", "up"],
-                ["-n", namespace, "link", "set", "x1", "up"],
-            ] {
-                let result = try run("/usr/sbin/ip", arguments)
-                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
-            }
-            program = try XDPProgram(maxFrameLength: maxFrameLength)
-            func index(_ name: String) throws -> UInt32 {
-                let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
-                return UInt32(try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first).int("ifindex"))
-            }
-            ifindex = try index("x1")
-            otherIfindex = try index("x0")
-            try program.putListener(TCProgramTests.listenerV4, ifindex: ifindex, id: 0)
-            try program.putListener(TCProgramTests.listenerV6, ifindex: ifindex, id: 1)
-            try program.putListener(SocketAddress("0.0.0.0:5520")!, ifindex: ifindex, id: 2)
-            try program.putListener(SocketAddress("[::]:5520")!, ifindex: ifindex, id: 3)
-            // An exact bind and a wildcard on the same port: the exact one wins for its address.
-            try program.putListener(SocketAddress("198.18.100.1:5521")!, ifindex: ifindex, id: 4)
-            try program.putListener(SocketAddress("0.0.0.0:5521")!, ifindex: ifindex, id: 5)
-        }
-
-        deinit {
-            program.closeDescriptors()
-            _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
-        }
-
-        /// Runs the program once on `frame` arriving on x1 (or `ifindex`) at `queue`, from a
-        /// thread inside the namespace. Returns the action (UInt32.max - errno if the run
-        /// failed) and the frame as the program left it.
-        func execute(_ frame: [UInt8], ifindex: UInt32? = nil, queue: UInt32 = 0) -> (action: UInt32, output: [UInt8]) {
-            let (program, ifindex) = (self.program.program, ifindex ?? self.ifindex)
-            return inNetworkNamespace(namespace) {
-                var output = [UInt8](repeating: 0, count: 4096)
-                let (result, action, size) = Self.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
-                return result == 0 ? (action, Array(output[0..<size])) : (UInt32.max - UInt32(-result), [])
-            } ?? (UInt32.max, [])
-        }
-
-        /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex` at `queue`, from the calling
-        /// thread (which must be in the interface's namespace). Returns libbpf's result (0 or
-        /// -errno), the program's action and the output's length in `output`.
-        static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: UInt32, queue: UInt32,
-                            output: inout [UInt8]) -> (result: Int32, action: UInt32, size: Int) {
-            var input = frame
-            var context = xdp_md()
-            context.data_end = UInt32(frame.count)
-            context.ingress_ifindex = ifindex
-            context.rx_queue_index = queue
-            var options = bpf_test_run_opts()
-            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-            let result = input.withUnsafeMutableBytes { inBytes in
-                output.withUnsafeMutableBytes { outBytes in
-                    withUnsafeMutablePointer(to: &context) { contextPointer in
-                        options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                        options.data_size_in = UInt32(inBytes.count)
-                        options.data_out = outBytes.baseAddress
-                        options.data_size_out = UInt32(outBytes.count)
-                        options.ctx_in = UnsafeRawPointer(contextPointer)
-                        options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
-                        options.repeat = 1
-                        return bpf_prog_test_run_opts(program, &options)
-                    }
-                }
-            }
-            return (result, options.retval, Int(options.data_size_out))
-        }
-
-        /// Every stats entry the fixture uses, and the unmatched one.
-        var keys: [UInt32] { Array(0...5) + [XDPProgram.unmatched] }
-
-        func snapshot() -> [UInt32: (received: UInt64, bytes: UInt64, verdicts: [XDPVerdict: UInt64])] {
-            Dictionary(uniqueKeysWithValues: keys.map { ($0, program.stats(listener: $0)) })
-        }
-
-        /// Runs `frame` and checks the action, that the frame passed untouched (unless
-        /// redirected), and that entry `key` counted it once as `verdict` with its length, and
-        /// nothing else moved.
-        func expectVerdict(_ name: String, _ frame: [UInt8], action: UInt32, key: UInt32, _ verdict: XDPVerdict,
-                           ifindex: UInt32? = nil, queue: UInt32 = 0, sourceLocation: SourceLocation = #_sourceLocation) {
-            let before = snapshot()
-            let (result, output) = execute(frame, ifindex: ifindex, queue: queue)
-            #expect(result == action, "\(name): action \(result)", sourceLocation: sourceLocation)
-            #expect(output == frame, "\(name): frame untouched", sourceLocation: sourceLocation)
-            let after = snapshot()
-            for entry in keys {
-                let (old, new) = (before[entry]!, after[entry]!)
-                let counted = entry == key
-                #expect(new.received == old.received + (counted ? 1 : 0), "\(name): received of entry \(entry)", sourceLocation: sourceLocation)
-                #expect(new.bytes == old.bytes + (counted ? UInt64(frame.count) : 0), "\(name): bytes of entry \(entry)", sourceLocation: sourceLocation)
-                for each in XDPVerdict.allCases {
-                    let rise: UInt64 = counted && each == verdict ? 1 : 0
-                    #expect(new.verdicts[each] == old.verdicts[each]! + rise, "\(name): \(each.label) of entry \(entry)", sourceLocation: sourceLocation)
-                }
-            }
-        }
-    }
+    // The fixture's actions and frame limit, under the names the cases use.
+    static let pass = XDPProgramFixture.pass, redirect = XDPProgramFixture.redirect
+    static let maxFrame = XDPProgramFixture.maxFrame
+    typealias Fixture = XDPProgramFixture
 
     // MARK: frames
 
@@ -140,7 +32,7 @@ struct XDPProgramTests {
 
     /// IPv6 with a hop-by-hop options header (PadN) and a destination options header before UDP.
     static func v6ExtensionHeaders() -> [UInt8] {
-        let (source, destination) = (TCProgramTests.clientV6, TCProgramTests.listenerV6.ip.bytes)
+        let (source, destination) = (ProgramFrames.clientV6, ProgramFrames.listenerV6.ip.bytes)
         let udp = Packet.udp(source: source, destination: destination, port: 5514, payload: [1, 2, 3, 4])
         let hopByHop: [UInt8] = [60, 0, 1, 4, 0, 0, 0, 0]
         let destinationOptions: [UInt8] = [17, 1, 1, 12] + [UInt8](repeating: 0, count: 12)
@@ -236,7 +128,7 @@ struct XDPProgramTests {
         // The listener's datagram arriving on another interface is not its.
         fixture.expectVerdict("other interface", Self.v4, action: Self.pass, key: unmatched, .notOurs, ifindex: fixture.otherIfindex)
         // A removed listener no longer matches.
-        fixture.program.removeListener(TCProgramTests.listenerV4, ifindex: fixture.ifindex)
+        fixture.program.removeListener(ProgramFrames.listenerV4, ifindex: fixture.ifindex)
         fixture.expectVerdict("removed listener", Self.v4, action: Self.pass, key: unmatched, .notOurs)
     }
 

@@ -1,0 +1,350 @@
+import BPFKernelABI
+import CLibBPF
+import CSystemShim
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The addresses the tc and XDP program fixtures configure, and the fuzz tests' frames use.
+enum ProgramFrames {
+    static let listenerV4 = SocketAddress("198.18.100.1:5514")!
+    static let listenerV6 = SocketAddress("[2001:db8:100::1]:5514")!
+    static let clientV4: [UInt8] = [198, 18, 50, 7]
+    static let clientV6 = IPAddress("2001:db8:50::7")!.bytes
+    static let neighbourMAC: [UInt8] = [2, 0, 0, 0, 0, 0x0a]
+}
+
+/// A namespace with the routes and neighbours above, and the program loaded with listeners:
+/// 5514 (v4 and v6) round robin over three reachable backends; 5515 no backend; 5516 a
+/// backend without a route; 5517 a backend without a neighbour entry.
+final class TCProgramFixture {
+    static let redirect: UInt32 = 7, shot: UInt32 = 2
+    /// TC_ACT_UNSPEC (TCX_NEXT): not ours, on to the next filter or program.
+    static let pass = UInt32(bitPattern: -1)
+
+    let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+    let program: TCProgram
+    var ifindex: Int32 = 0
+    /// t0's index: the backends' side, where no listener of the fixture's is configured.
+    var otherIfindex: Int32 = 0
+    var sourceMAC: [UInt8] = []
+    let namespaceFD: Int32
+
+    init() throws {
+        for arguments in [
+            ["netns", "add", namespace],
+            ["-n", namespace, "link", "add", "t0", "type", "veth", "peer", "name", "t1"],
+            ["-n", namespace, "addr", "add", "198.18.200.1/24", "dev", "t0"],
+            ["-n", namespace, "-6", "addr", "add", "2001:db8:200::1/64", "dev", "t0", "nodad"],
+            ["-n", namespace, "link", "set", "t0", "up"],
+            ["-n", namespace, "link", "set", "t1", "up"],
+            ["-n", namespace, "neigh", "add", "198.18.200.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+            ["-n", namespace, "-6", "neigh", "add", "2001:db8:200::10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+            // A narrow path: 198.18.210.0/24 through t0 with a route MTU of 600.
+            ["-n", namespace, "route", "add", "198.18.210.0/24", "dev", "t0", "mtu", "lock", "600"],
+            ["-n", namespace, "neigh", "add", "198.18.210.10", "lladdr", "02:00:00:00:00:0a", "dev", "t0", "nud", "permanent"],
+        ] {
+            let result = try run("/usr/sbin/ip", arguments)
+            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+        }
+        for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
+            _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", setting])
+        }
+        namespaceFD = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
+        program = try TCProgram()
+        // Packets arrive on t1; the backends are reached through t0.
+        func link(_ name: String) throws -> [String: Any] {
+            let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
+            return try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first)
+        }
+        ifindex = Int32(try link("t1").int("ifindex"))
+        otherIfindex = Int32(try link("t0").int("ifindex"))
+        sourceMAC = try #require(try link("t0")["address"] as? String).split(separator: ":").map { UInt8($0, radix: 16)! }
+        let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
+        let backendsV6 = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("[2001:db8:200::10]:\(6000 + $0)")!) }
+        let slots: [String: UInt16] = ["b1": 0, "b2": 1, "b3": 2]
+        try add(TCProgramFixture.listenerBind(5514), id: 0, BackendSet(downstreams: backends, balancing: .roundRobin, slots: slots))
+        try add(ProgramFrames.listenerV6, id: 1, BackendSet(downstreams: backendsV6, balancing: .roundRobin, slots: slots))
+        try add(TCProgramFixture.listenerBind(5515), id: 2, BackendSet(downstreams: [], balancing: .roundRobin, slots: [:]))
+        try add(TCProgramFixture.listenerBind(5516), id: 3, BackendSet(downstreams: [Downstream(name: "x", address: SocketAddress("198.19.99.1:7000")!)], balancing: .roundRobin, slots: ["x": 0]))
+        try add(TCProgramFixture.listenerBind(5517), id: 4, BackendSet(downstreams: [Downstream(name: "n", address: SocketAddress("198.18.200.20:7000")!)], balancing: .roundRobin, slots: ["n": 0]))
+    }
+
+    static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: ProgramFrames.listenerV4.ip, port: port) }
+
+    func add(_ bind: SocketAddress, id: UInt32, _ set: BackendSet, ifindex: Int32? = nil) throws {
+        program.resetListener(id: id)
+        try program.writeSet(id: id, generation: 0, set)
+        var entry = fanout_listener()
+        entry.id = id
+        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        try program.putListener(bind, ifindex: UInt32(ifindex ?? self.ifindex), entry)
+    }
+
+    deinit {
+        program.closeDescriptors()
+        close(namespaceFD)
+        _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
+    }
+
+    /// Runs the program once on `frame` arriving on t1 (or `ifindex`), from a thread inside
+    /// the namespace.
+    func execute(_ frame: [UInt8], ifindex: Int32? = nil) -> (verdict: UInt32, output: [UInt8]) {
+        let box = RunResultBox()
+        let (program, fd, ifindex) = (self.program.program, namespaceFD, ifindex ?? self.ifindex)
+        OSThread(name: "test-run") {
+            guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
+            // One CPU: the rotation is per CPU, so every run then takes the next entry.
+            _ = shim_pin_current_thread(0)
+            var output = [UInt8](repeating: 0, count: 4096)
+            let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output)
+            box.set(result == 0 ? (verdict, Array(output[0..<size])) : (UInt32.max - UInt32(-result), []))
+        }.join()
+        return box.value
+    }
+
+    /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex`, from the calling thread (which
+    /// must be in the namespace). Returns libbpf's result (0 or -errno), the program's
+    /// verdict and the output's length in `output`.
+    static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8]) -> (result: Int32, verdict: UInt32, size: Int) {
+        var context = __sk_buff()
+        context.ifindex = UInt32(ifindex)
+        let (result, verdict, size) = ProgramTestRun.run(program, frame, context: context, output: &output)
+        return (result, verdict, size)
+    }
+
+    func stats(_ id: UInt32) -> (received: UInt64, verdicts: [UInt64]) {
+        let stats = program.listenerStats(id: id)
+        return (stats.received, stats.verdicts)
+    }
+}
+
+/// What the test-run thread hands back to the caller, which joins the thread before reading.
+private final class RunResultBox: @unchecked Sendable {
+    var value: (verdict: UInt32, output: [UInt8]) = (UInt32.max, [])
+    func set(_ value: (UInt32, [UInt8])) { self.value = value }
+}
+
+/// A namespace with veth x1 (two queues; the listeners' interface) and its peer x0, and the
+/// XDP program loaded with listeners on x1.
+final class XDPProgramFixture {
+    static let pass: UInt32 = 2, redirect: UInt32 = 4  // XDP_PASS, XDP_REDIRECT
+    static let maxFrame: UInt32 = 1500
+
+    let namespace = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+    let program: XDPProgram
+    var ifindex: UInt32 = 0
+    var otherIfindex: UInt32 = 0
+
+    /// - Parameter maxFrameLength: the program's max_frame_len (the table cases assume the default).
+    init(maxFrameLength: UInt32 = XDPProgramFixture.maxFrame) throws {
+        for arguments in [
+            ["netns", "add", namespace],
+            ["-n", namespace, "link", "add", "x0", "numrxqueues", "2", "numtxqueues", "2", "type", "veth",
+             "peer", "name", "x1", "numrxqueues", "2", "numtxqueues", "2"],
+            ["-n", namespace, "link", "set", "x0", "up"],
+            ["-n", namespace, "link", "set", "x1", "up"],
+        ] {
+            let result = try run("/usr/sbin/ip", arguments)
+            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+        }
+        program = try XDPProgram(maxFrameLength: maxFrameLength)
+        func index(_ name: String) throws -> UInt32 {
+            let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
+            return UInt32(try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first).int("ifindex"))
+        }
+        ifindex = try index("x1")
+        otherIfindex = try index("x0")
+        try program.putListener(ProgramFrames.listenerV4, ifindex: ifindex, id: 0)
+        try program.putListener(ProgramFrames.listenerV6, ifindex: ifindex, id: 1)
+        try program.putListener(SocketAddress("0.0.0.0:5520")!, ifindex: ifindex, id: 2)
+        try program.putListener(SocketAddress("[::]:5520")!, ifindex: ifindex, id: 3)
+        // An exact bind and a wildcard on the same port: the exact one wins for its address.
+        try program.putListener(SocketAddress("198.18.100.1:5521")!, ifindex: ifindex, id: 4)
+        try program.putListener(SocketAddress("0.0.0.0:5521")!, ifindex: ifindex, id: 5)
+    }
+
+    deinit {
+        program.closeDescriptors()
+        _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
+    }
+
+    /// Runs the program once on `frame` arriving on x1 (or `ifindex`) at `queue`, from a
+    /// thread inside the namespace. Returns the action (UInt32.max - errno if the run
+    /// failed) and the frame as the program left it.
+    func execute(_ frame: [UInt8], ifindex: UInt32? = nil, queue: UInt32 = 0) -> (action: UInt32, output: [UInt8]) {
+        let (program, ifindex) = (self.program.program, ifindex ?? self.ifindex)
+        return inNetworkNamespace(namespace) {
+            var output = [UInt8](repeating: 0, count: 4096)
+            let (result, action, size) = Self.testRun(program, frame, ifindex: ifindex, queue: queue, output: &output)
+            return result == 0 ? (action, Array(output[0..<size])) : (UInt32.max - UInt32(-result), [])
+        } ?? (UInt32.max, [])
+    }
+
+    /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex` at `queue`, from the calling
+    /// thread (which must be in the interface's namespace). Returns libbpf's result (0 or
+    /// -errno), the program's action and the output's length in `output`.
+    static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: UInt32, queue: UInt32,
+                        output: inout [UInt8]) -> (result: Int32, action: UInt32, size: Int) {
+        var context = xdp_md()
+        context.data_end = UInt32(frame.count)
+        context.ingress_ifindex = ifindex
+        context.rx_queue_index = queue
+        let (result, action, size) = ProgramTestRun.run(program, frame, context: context, output: &output)
+        return (result, action, size)
+    }
+
+    /// Every stats entry the fixture uses, and the unmatched one.
+    var keys: [UInt32] { Array(0...5) + [XDPProgram.unmatched] }
+
+    func snapshot() -> [UInt32: (received: UInt64, bytes: UInt64, verdicts: [XDPVerdict: UInt64])] {
+        Dictionary(uniqueKeysWithValues: keys.map { ($0, program.stats(listener: $0)) })
+    }
+
+    /// Runs `frame` and checks the action, that the frame passed untouched (unless
+    /// redirected), and that entry `key` counted it once as `verdict` with its length, and
+    /// nothing else moved.
+    func expectVerdict(_ name: String, _ frame: [UInt8], action: UInt32, key: UInt32, _ verdict: XDPVerdict,
+                       ifindex: UInt32? = nil, queue: UInt32 = 0, sourceLocation: SourceLocation = #_sourceLocation) {
+        let before = snapshot()
+        let (result, output) = execute(frame, ifindex: ifindex, queue: queue)
+        #expect(result == action, "\(name): action \(result)", sourceLocation: sourceLocation)
+        #expect(output == frame, "\(name): frame untouched", sourceLocation: sourceLocation)
+        let after = snapshot()
+        for entry in keys {
+            let (old, new) = (before[entry]!, after[entry]!)
+            let counted = entry == key
+            #expect(new.received == old.received + (counted ? 1 : 0), "\(name): received of entry \(entry)", sourceLocation: sourceLocation)
+            #expect(new.bytes == old.bytes + (counted ? UInt64(frame.count) : 0), "\(name): bytes of entry \(entry)", sourceLocation: sourceLocation)
+            for each in XDPVerdict.allCases {
+                let rise: UInt64 = counted && each == verdict ? 1 : 0
+                #expect(new.verdicts[each] == old.verdicts[each]! + rise, "\(name): \(each.label) of entry \(entry)", sourceLocation: sourceLocation)
+            }
+        }
+    }
+}
+
+/// The packet fuzz the tc and XDP program tests share: how many packets, a seeded generator, and
+/// one round of base packets and their mutations.
+enum PacketFuzz {
+    static var packetCount: Int {
+        if let text = ProcessInfo.processInfo.environment["RELIABILITY_PACKETS"], let count = Int(text), count > 0 { return count }
+        return ProcessInfo.processInfo.environment["RELIABILITY"] == "full" ? 1_000_000 : 50_000
+    }
+
+    /// SplitMix64: small, fast, and reproducible from the printed seed.
+    struct Generator {
+        var state: UInt64
+        mutating func next() -> UInt64 {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return z ^ (z >> 31)
+        }
+        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
+        mutating func byte() -> UInt8 { UInt8(truncatingIfNeeded: next()) }
+        mutating func bytes(_ count: Int) -> [UInt8] { (0..<count).map { _ in byte() } }
+        mutating func chance(_ percent: Int) -> Bool { below(100) < percent }
+    }
+
+    static let listenerPorts: [UInt16] = [5514, 5515, 5516, 5517, 5602]
+
+    /// A valid frame of one of the kinds above, and where its headers end (truncations and
+    /// byte mutations sweep the headers, not the payload).
+    /// One round of the fuzz: a base packet, sent as is, truncated at every header offset, with
+    /// each header byte replaced, with a few random flips, or as random bytes after a plausible
+    /// Ethernet type. Shared by the tc and XDP fuzz tests.
+    static func mutate(_ random: inout Generator, _ execute: ([UInt8]) -> Void) {
+        let (base, headerEnd) = basePacket(&random)
+        switch random.below(10) {
+        case 0, 1:
+            execute(base)
+        case 2, 3:
+            // Truncated at every offset of the headers (and a few into the payload).
+            for length in Packet.ethernet...min(base.count, headerEnd + 4) { execute(Array(base[0..<length])) }
+        case 4, 5, 6:
+            // Every header byte replaced by another value, one at a time.
+            for offset in 0..<min(base.count, headerEnd) {
+                var mutated = base
+                mutated[offset] ^= UInt8(1 + random.below(255))
+                execute(mutated)
+            }
+        case 7, 8:
+            // A few random flips anywhere in the headers.
+            var mutated = base
+            for _ in 0..<(1 + random.below(4)) { mutated[random.below(min(base.count, headerEnd))] ^= UInt8(1 << random.below(8)) }
+            execute(mutated)
+        default:
+            // Random bytes after a plausible Ethernet type.
+            let types: [[UInt8]] = [[0x08, 0x00], [0x86, 0xdd], [0x81, 0x00], [0x88, 0xa8]]
+            execute(Array(base[0..<12]) + types[random.below(types.count)] + random.bytes(40 + random.below(200)))
+        }
+    }
+
+    static func basePacket(_ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
+        let payload = random.bytes(random.chance(80) ? random.below(200) : random.below(1400))
+        let port = random.chance(85) ? listenerPorts[random.below(listenerPorts.count)] : UInt16(truncatingIfNeeded: random.next())
+        switch random.below(10) {
+        case 0, 1, 2:
+            let options = random.chance(40) ? Array(random.bytes(4 * (1 + random.below(10)))) : []
+            let ttl: UInt8 = random.chance(10) ? UInt8(random.below(2)) : 64
+            let vlan: UInt16? = random.chance(20) ? UInt16(random.below(4095)) : nil
+            let frame = Packet.ipv4(payload: payload, port: port, ttl: ttl, options: options, vlan: vlan,
+                                    zeroChecksum: random.chance(10), protocolNumber: random.chance(90) ? 17 : 6)
+            return (frame, Packet.ethernet + (vlan == nil ? 0 : 4) + 20 + options.count + 8)
+        case 3, 4:
+            return ipv6WithExtensions(payload: payload, port: port, &random)
+        case 5:
+            // QinQ: an 802.1ad tag around an 802.1Q tag.
+            let inner = Packet.ipv4(payload: payload, port: port, vlan: UInt16(random.below(4095)))
+            let frame = Array(inner[0..<12]) + [0x88, 0xa8, 0, UInt8(random.below(256))] + Array(inner[12...])
+            return (frame, Packet.ethernet + 8 + 28)
+        case 6:
+            let pieces = Packet.ipv4Fragments(payload: payload + random.bytes(600), id: UInt16(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
+            return (pieces[random.below(pieces.count)], Packet.ethernet + 28)
+        case 7:
+            let pieces = Packet.ipv6Fragments(payload: payload + random.bytes(600), id: UInt32(truncatingIfNeeded: random.next()), pieceSize: 8 * (20 + random.below(60)))
+            return (pieces[random.below(pieces.count)], Packet.ethernet + 56)
+        case 8:
+            // Another destination address, or ARP and other Ethernet types.
+            if random.chance(50) {
+                var frame = Packet.ipv4(payload: payload, port: port)
+                frame[Packet.ethernet + 19] = random.byte()
+                return (frame, Packet.ethernet + 28)
+            }
+            return (Packet.ethernetHeader(type: UInt16(truncatingIfNeeded: random.next())) + payload, Packet.ethernet)
+        default:
+            return (Packet.ipv6(payload: payload, port: port), Packet.ethernet + 48)
+        }
+    }
+
+    /// IPv6 with 1 to 5 extension headers (hop-by-hop, routing, destination options, and
+    /// maybe a first fragment), each of random length.
+    static func ipv6WithExtensions(payload: [UInt8], port: UInt16, _ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
+        let (source, destination) = (ProgramFrames.clientV6, ProgramFrames.listenerV6.ip.bytes)
+        var kinds = (0..<(1 + random.below(5))).map { _ in [UInt8(0), 43, 60][random.below(3)] }
+        if random.chance(30) { kinds.append(44) }
+        let udp = Packet.udp(source: source, destination: destination, port: port, payload: payload)
+        var extensions: [UInt8] = []
+        for (index, kind) in kinds.enumerated() {
+            let next = index + 1 < kinds.count ? kinds[index + 1] : 17
+            if kind == 44 {
+                extensions += [next, 0, 0, 0] + random.bytes(4)  // offset 0, no more fragments
+            } else {
+                let units = random.below(3)
+                extensions += [next, UInt8(units)] + [UInt8](repeating: 0, count: 6 + units * 8)
+            }
+        }
+        let frame = Packet.ethernetHeader(type: 0x86dd)
+            + Packet.ipv6Header(next: kinds[0], length: extensions.count + udp.count, source: source, destination: destination)
+            + extensions + udp
+        return (frame, Packet.ethernet + 40 + extensions.count + 8)
+    }
+}
