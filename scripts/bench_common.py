@@ -101,15 +101,15 @@ def sh(*args, check=True):
     return subprocess.run(args, check=check, capture_output=True, text=True).stdout
 
 
-class Topology:
-    def __init__(self, queues=1):
-        self.queues = queues
+class NamespaceTopology:
+    """Namespaces of this run, named with a random tag: `_name(tag)` names them, `_build(tag)`
+    creates them (appending each to `created`), `destroy()` removes them, also when the build
+    fails half way."""
+
+    def __init__(self):
         tag = f"{random.getrandbits(32):08x}"
-        self.client, self.proxy = f"btc-{tag}", f"btp-{tag}"
-        self.backends = [f"btb{n}-{tag}" for n in range(1, BACKENDS + 1)]
-        self.proxy_if = f"pc{tag}"
-        self.backend_ifs = [f"b{n}{tag}" for n in range(1, BACKENDS + 1)]
         self.created = []
+        self._name(tag)
         try:
             self._build(tag)
         except BaseException:
@@ -118,6 +118,25 @@ class Topology:
 
     def ns(self, namespace, *command, check=True):
         return sh(*in_namespace(namespace), *command, check=check)
+
+    def destroy(self):
+        for namespace in self.created:
+            sh("ip", "netns", "delete", namespace, check=False)
+        self.created = []
+
+
+class Topology(NamespaceTopology):
+    """client ── proxy ── backend 1..3; `queues` RX/TX queues on the client link."""
+
+    def __init__(self, queues=1):
+        self.queues = queues
+        super().__init__()
+
+    def _name(self, tag):
+        self.client, self.proxy = f"btc-{tag}", f"btp-{tag}"
+        self.backends = [f"btb{n}-{tag}" for n in range(1, BACKENDS + 1)]
+        self.proxy_if = f"pc{tag}"
+        self.backend_ifs = [f"b{n}{tag}" for n in range(1, BACKENDS + 1)]
 
     def _build(self, tag):
         for namespace in [self.client, self.proxy] + self.backends:
@@ -157,10 +176,6 @@ class Topology:
             total += link["stats64"]["rx"]["packets"]
         return total
 
-    def destroy(self):
-        for namespace in self.created:
-            sh("ip", "netns", "delete", namespace, check=False)
-        self.created = []
 
 
 def publish_in(topology, target, count, extra=()):

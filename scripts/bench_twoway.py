@@ -88,23 +88,14 @@ REFLECTOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 ROUTED = ("198.18.1.2", SERVER_PORT)
 
 
-class Topology:
-    """clients ── lb ── server 1..3 over veth pairs; the servers' default route is the lb."""
+class Topology(common.NamespaceTopology):
+    """clients ── lb ── server 1..3 over veth pairs; the servers' default route is the lb.
+    The nft tables live in the lb netns and go with it."""
 
-    def __init__(self):
-        tag = f"{random.getrandbits(32):08x}"
+    def _name(self, tag):
         self.clients, self.lb = f"b2c-{tag}", f"b2l-{tag}"
         self.servers = [f"b2s{n}-{tag}" for n in range(1, SERVERS + 1)]
         self.lb_if = f"lc{tag}"
-        self.created = []
-        try:
-            self._build(tag)
-        except BaseException:
-            self.destroy()
-            raise
-
-    def ns(self, namespace, *command, check=True):
-        return common.sh(*common.in_namespace(namespace), *command, check=check)
 
     def _build(self, tag):
         for namespace in [self.clients, self.lb] + self.servers:
@@ -147,12 +138,6 @@ class Topology:
                 # ip netns exec mounts the netns' own /sys, where its interfaces are.
                 common.sh("ip", "netns", "exec", namespace, "sh", "-c",
                             f"echo {mask if on else '0'} > /sys/class/net/{interface}/queues/rx-0/rps_cpus")
-
-    def destroy(self):
-        # The nft tables live in the lb netns and go with it.
-        for namespace in self.created:
-            common.sh("ip", "netns", "delete", namespace, check=False)
-        self.created = []
 
 
 def start_logged(command, log_path):
