@@ -81,8 +81,8 @@ package func perCPUSum(_ fd: Int32, key: UInt32, words: Int) throws(SystemCallEr
 }
 
 /// Writes `value` as `object`'s .rodata before the load: the object's only read-only global,
-/// `global` of C type `type`. The size check guards against a second read-only global (or a
-/// string constant) appearing in .rodata unnoticed. `objectName` names the object in errors.
+/// `global` of C type `type`. The size check guards against a second const global appearing in
+/// .rodata unnoticed. `objectName` names the object in errors.
 package func setReadOnlyGlobal<Value>(_ object: OpaquePointer, _ value: Value, objectName: String, global: String, type: String) throws(SystemCallError) {
     var map = bpf_object__next_map(object, nil)
     while let current = map {

@@ -56,8 +56,8 @@ public enum Datagrams {
 
 /// The Prometheus text of a daemon's endpoint, read with curl where the daemon runs.
 public enum Scrape {
-    /// The metrics port of the end-to-end tests' daemons inside their namespaces (each
-    /// namespace has a loopback of its own).
+    /// The metrics port the af_xdp and preserve_source end-to-end tests' daemons serve on inside
+    /// their namespaces (each namespace has a loopback of its own; tc_ebpf's use 9464).
     public static let metricsPort = 9474
 
     /// /metrics from `namespace` once `prefix`'s value is `expected` (polled up to 10 s: a loaded CI

@@ -5,14 +5,15 @@ import Testing
 import Glibc
 #endif
 
-/// tc_ebpf end-to-end fixtures on a ``Topology``: the listener's config, the daemon in the proxy
-/// namespace, collectors on the backends, metrics, and the check that nothing is left attached.
+/// End-to-end fixtures on a ``Topology``: a tc_ebpf listener's config and the daemon in the proxy
+/// namespace, the check that nothing of tc_ebpf is left attached, and what every mode's end-to-end
+/// tests use (config files, collectors on the backends, metrics, who received which source).
 public enum TCFixtures {
     public static let port = 6000
 
     /// A config with one tc_ebpf listener on the proxy's client-facing interface.
     public static func config(_ topology: Topology, backends: [Int], balancing: String = "round_robin", attach: String = "auto",
-                       ipv6: Bool = false, metricsPort: Int = 9464) -> String {
+                              ipv6: Bool = false, metricsPort: Int = 9464) -> String {
         let downstreams = backends.map { n in
             let address = ipv6 ? "[\(Topology.backendIPv6(n))]:\(port)" : "\(Topology.backendIPv4(n)):\(port)"
             return "      - {name: b\(n), address: \"\(address)\"}"
@@ -108,7 +109,7 @@ public enum TCFixtures {
     public static func received(_ reports: [[String: Any]]) -> [Int] { reports.map { $0.int("received") } }
 
     /// Which backend (index) saw each source address; an issue for a source seen at two.
-    public static func owners(_ reports: [[String: Any]]) -> [String: Int] {
+    public static func observedOwners(_ reports: [[String: Any]]) -> [String: Int] {
         var owner: [String: Int] = [:]
         for (index, report) in reports.enumerated() {
             for source in report.object("sources").keys {

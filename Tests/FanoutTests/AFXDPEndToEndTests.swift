@@ -182,7 +182,7 @@ struct AFXDPEndToEndTests {
             #expect(daemon.wait() == 0)
             let reports = try collectors.map { try $0.stop() }
             #expect(TCFixtures.received(reports).reduce(0, +) == 3200, "\(TCFixtures.received(reports))")
-            let owner = TCFixtures.owners(reports)
+            let owner = TCFixtures.observedOwners(reports)
             #expect(owner.count == 32 && Set(owner.values).count == 3, "32 sources over 3 backends: \(owner)")
         }
         // Fragments: the program passes them, the kernel reassembles, the companion forwards.

@@ -3,6 +3,7 @@ import Testing
 import Glibc
 #endif
 @testable import FanoutCore
+import Logging
 import ReusePortLB
 
 /// The reference documents' configurations, unchanged.
@@ -85,6 +86,42 @@ enum ReferenceConfigs {
 
 @Suite("Configuration")
 struct ConfigTests {
+    @Test("The daemon's kinds are the registry's, in the same order (validation and the daemon resolve a listener alike)")
+    func kindRegistries() {
+        let running = ListenerKinds(logger: Logger(label: "kinds")).all.map { ObjectIdentifier(type(of: $0)) }
+        #expect(running == ListenerKinds.types.map { ObjectIdentifier($0) })
+    }
+
+    @Test("With several problems in one file, the first reported is the one checked first, as before the kinds owned their checks",
+          arguments: [
+            // userspace: xdp_tx before the family check and nat.
+            ("  - name: a\n    bind: \"127.0.0.1:7000\"\n    replies: nat\n    settings: {output: xdp_tx}\n    downstream: [{name: d, address: \"[::1]:7001\"}]\n",
+             "listeners[0].settings.output"),
+            // relay: the family check before relay's own output and worker_steering checks.
+            ("  - name: a\n    bind: \"127.0.0.1:7000\"\n    replies: relay\n    settings: {output: preserve_source, worker_steering: round_robin}\n    downstream: [{name: d, address: \"[::1]:7001\"}]\n",
+             "listeners[0].downstream[0].address"),
+            // af_xdp: zero_copy before the nat refusal.
+            ("  - name: a\n    bind: \"198.18.0.1:7000\"\n    mode: af_xdp\n    interface: lo\n    replies: nat\n    settings: {zero_copy: on, xdp_mode: generic}\n    downstream: [{name: d, address: \"198.18.1.2:7001\"}]\n",
+             "listeners[0].settings.zero_copy"),
+            // tc_ebpf: an output key before nat's wildcard bind.
+            ("  - name: a\n    bind: \"0.0.0.0:7000\"\n    mode: tc_ebpf\n    interface: lo\n    replies: nat\n    settings: {output: socket}\n    downstream: [{name: d, address: \"198.18.1.2:7001\"}]\n",
+             "listeners[0].settings.output"),
+            // Across listeners: tc_attach disagreement before the health section.
+            ("  - name: a\n    bind: \"198.18.0.1:7000\"\n    mode: tc_ebpf\n    interface: lo\n    settings: {tc_attach: tcx}\n    downstream: [{name: d, address: \"198.18.1.2:7001\"}]\n"
+             + "  - name: b\n    bind: \"198.18.0.1:7002\"\n    mode: tc_ebpf\n    interface: lo\n    settings: {tc_attach: clsact}\n    downstream: [{name: d, address: \"198.18.1.2:7003\"}]\n"
+             + "health: {enabled: true, interval_secs: 1, timeout_secs: 2}\n",
+             "listeners[0].settings.tc_attach"),
+          ])
+    func firstProblemFirst(_ listeners: String, _ key: String) throws {
+        do {
+            try ConfigParser.parse("listeners:\n" + listeners).validate(localAddresses: [])
+            Issue.record("accepted: \(listeners)")
+        } catch {
+            #expect(error.key == key, "\(error)")
+            #expect(error.line != nil, "\(error)")
+        }
+    }
+
     @Test("Every mode and replies pair is served by exactly one listener kind, the expected one; validation asks that kind")
     func kindsCoverEveryMode() throws {
         let expected: [Mode: String] = [.userspace: "UserspaceKind", .tcEBPF: "TCKind", .afXDP: "AFXDPKind"]
@@ -97,7 +134,7 @@ struct ConfigTests {
                 #expect(ListenerKinds.type(for: listener).map { "\($0)" } == kind)
             }
         }
-        // A kind's own check runs in validate(): relay's round_robin refusal, af_xdp's umem rule.
+        // A kind's own check runs in validate(): relay's round_robin refusal.
         let relay = """
             listeners:
               - name: r

@@ -20,7 +20,10 @@ enum ProgramFrames {
     static let neighbourMAC: [UInt8] = [2, 0, 0, 0, 0, 0x0a]
 }
 
-/// A namespace with the routes and neighbours above, and the program loaded with listeners:
+/// A namespace with interface t0 (198.18.200.1/24 and 2001:db8:200::1/64), a permanent
+/// neighbour .10 / ::10 (MAC 02:00:00:00:00:0a), no neighbour for .20, no route to
+/// 198.19.99.0/24, and 198.18.210.0/24 through t0 with a route MTU of 600; packets arrive on its
+/// peer t1. The program is loaded with listeners:
 /// 5514 (v4 and v6) round robin over three reachable backends; 5515 no backend; 5516 a
 /// backend without a route; 5517 a backend without a neighbour entry.
 final class TCProgramFixture {
@@ -256,8 +259,6 @@ enum PacketFuzz {
 
     static let listenerPorts: [UInt16] = [5514, 5515, 5516, 5517, 5602]
 
-    /// A valid frame of one of the kinds above, and where its headers end (truncations and
-    /// byte mutations sweep the headers, not the payload).
     /// One round of the fuzz: a base packet, sent as is, truncated at every header offset, with
     /// each header byte replaced, with a few random flips, or as random bytes after a plausible
     /// Ethernet type. Shared by the tc and XDP fuzz tests.
@@ -288,6 +289,9 @@ enum PacketFuzz {
         }
     }
 
+    /// A valid frame (IPv4 with and without options, IPv6 with extension headers, 802.1Q, QinQ,
+    /// fragments, TCP, other ports and addresses, TTL 0/1), and where its headers end
+    /// (truncations and byte mutations sweep the headers, not the payload).
     static func basePacket(_ random: inout Generator) -> (frame: [UInt8], headerEnd: Int) {
         let payload = random.bytes(random.chance(80) ? random.below(200) : random.below(1400))
         let port = random.chance(85) ? listenerPorts[random.below(listenerPorts.count)] : UInt16(truncatingIfNeeded: random.next())
@@ -346,5 +350,208 @@ enum PacketFuzz {
             + Packet.ipv6Header(next: kinds[0], length: extensions.count + udp.count, source: source, destination: destination)
             + extensions + udp
         return (frame, Packet.ethernet + 40 + extensions.count + 8)
+    }
+}
+
+/// Test frames: Ethernet, optional 802.1Q, IPv4/IPv6, UDP, built and checked with checksums
+/// computed here (RFC 1071), not by the code under test.
+enum Packet {
+    static let ethernet = 14
+
+    static func ethernetHeader(type: UInt16, vlan: UInt16? = nil) -> [UInt8] {
+        var frame: [UInt8] = [2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2]
+        if let vlan { frame += [0x81, 0x00, UInt8(vlan >> 8), UInt8(vlan & 0xff)] }
+        return frame + [UInt8(type >> 8), UInt8(type & 0xff)]
+    }
+
+    static func sum(_ bytes: [UInt8], initial: UInt32 = 0) -> UInt32 {
+        var total = initial
+        var index = 0
+        while index + 1 < bytes.count {
+            total += UInt32(bytes[index]) << 8 | UInt32(bytes[index + 1])
+            index += 2
+        }
+        if index < bytes.count { total += UInt32(bytes[index]) << 8 }
+        return total
+    }
+
+    static func fold(_ value: UInt32) -> UInt16 {
+        var total = value
+        while total >> 16 != 0 { total = (total & 0xffff) + (total >> 16) }
+        return UInt16(total)
+    }
+
+    static func udpChecksum(source: [UInt8], destination: [UInt8], udp: [UInt8]) -> UInt16 {
+        let pseudo = source + destination + (source.count == 4
+            ? [0, 17, UInt8(udp.count >> 8), UInt8(udp.count & 0xff)]
+            : [0, 0, UInt8(udp.count >> 8), UInt8(udp.count & 0xff), 0, 0, 0, 17])
+        let value = ~fold(sum(udp, initial: sum(pseudo)))
+        return value == 0 ? 0xffff : value
+    }
+
+    static func udpChecksumValid(source: [UInt8], destination: [UInt8], udp: [UInt8]) -> Bool {
+        let pseudo = source + destination + (source.count == 4
+            ? [0, 17, UInt8(udp.count >> 8), UInt8(udp.count & 0xff)]
+            : [0, 0, UInt8(udp.count >> 8), UInt8(udp.count & 0xff), 0, 0, 0, 17])
+        return fold(sum(udp, initial: sum(pseudo))) == 0xffff
+    }
+
+    static func udp(source: [UInt8], destination: [UInt8], port: UInt16, payload: [UInt8], zeroChecksum: Bool = false) -> [UInt8] {
+        let length = 8 + payload.count
+        var udp: [UInt8] = [0x9c, 0x40, UInt8(port >> 8), UInt8(port & 0xff), UInt8(length >> 8), UInt8(length & 0xff), 0, 0] + payload
+        if !zeroChecksum {
+            let checksum = udpChecksum(source: source, destination: destination, udp: udp)
+            udp[6] = UInt8(checksum >> 8)
+            udp[7] = UInt8(checksum & 0xff)
+        }
+        return udp
+    }
+
+    static func ipv4Header(source: [UInt8], destination: [UInt8], length: Int, protocolNumber: UInt8 = 17, ttl: UInt8 = 64,
+                           options: [UInt8] = [], id: UInt16 = 1, fragment: UInt16 = 0) -> [UInt8] {
+        let headerLength = 20 + options.count
+        let total = headerLength + length
+        var header: [UInt8] = [UInt8(0x40 | headerLength / 4), 0, UInt8(total >> 8), UInt8(total & 0xff),
+                               UInt8(id >> 8), UInt8(id & 0xff), UInt8(fragment >> 8), UInt8(fragment & 0xff),
+                               ttl, protocolNumber, 0, 0] + source + destination + options
+        let checksum = ~fold(sum(header))
+        header[10] = UInt8(checksum >> 8)
+        header[11] = UInt8(checksum & 0xff)
+        return header
+    }
+
+    static func ipv4(payload: [UInt8], source: [UInt8] = ProgramFrames.clientV4, port: UInt16 = 5514, ttl: UInt8 = 64,
+                     options: [UInt8] = [], vlan: UInt16? = nil, zeroChecksum: Bool = false, protocolNumber: UInt8 = 17) -> [UInt8] {
+        let destination = ProgramFrames.listenerV4.ip.bytes
+        let udp = udp(source: source, destination: destination, port: port, payload: payload, zeroChecksum: zeroChecksum)
+        return ethernetHeader(type: 0x0800, vlan: vlan)
+            + ipv4Header(source: source, destination: destination, length: udp.count, protocolNumber: protocolNumber, ttl: ttl, options: options)
+            + udp
+    }
+
+    static func ipv6(payload: [UInt8], port: UInt16 = 5514) -> [UInt8] {
+        let (source, destination) = (ProgramFrames.clientV6, ProgramFrames.listenerV6.ip.bytes)
+        let udp = udp(source: source, destination: destination, port: port, payload: payload)
+        return ethernetHeader(type: 0x86dd) + ipv6Header(next: 17, length: udp.count, source: source, destination: destination) + udp
+    }
+
+    static func ipv6Header(next: UInt8, length: Int, source: [UInt8], destination: [UInt8]) -> [UInt8] {
+        [0x60, 0, 0, 0, UInt8(length >> 8), UInt8(length & 0xff), next, 64] + source + destination
+    }
+
+    /// A UDP datagram cut into IPv4 fragments of `pieceSize` bytes (a multiple of 8).
+    static func ipv4Fragments(payload: [UInt8], id: UInt16, pieceSize: Int) -> [[UInt8]] {
+        let (source, destination) = (ProgramFrames.clientV4, ProgramFrames.listenerV4.ip.bytes)
+        let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
+        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
+            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
+            let more: UInt16 = offset + pieceSize < whole.count ? 0x2000 : 0
+            return ethernetHeader(type: 0x0800)
+                + ipv4Header(source: source, destination: destination, length: piece.count, id: id, fragment: more | UInt16(offset / 8))
+                + piece
+        }
+    }
+
+    static func ipv6Fragments(payload: [UInt8], id: UInt32, pieceSize: Int) -> [[UInt8]] {
+        let (source, destination) = (ProgramFrames.clientV6, ProgramFrames.listenerV6.ip.bytes)
+        let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
+        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
+            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
+            let more: UInt16 = offset + pieceSize < whole.count ? 1 : 0
+            let field = UInt16(offset / 8) << 3 | more
+            let fragmentHeader: [UInt8] = [17, 0, UInt8(field >> 8), UInt8(field & 0xff),
+                                           UInt8(id >> 24), UInt8((id >> 16) & 0xff), UInt8((id >> 8) & 0xff), UInt8(id & 0xff)]
+            return ethernetHeader(type: 0x86dd) + ipv6Header(next: 44, length: 8 + piece.count, source: source, destination: destination)
+                + fragmentHeader + piece
+        }
+    }
+
+    struct Parsed {
+        var tagged: Bool
+        var l3: Int
+        var l4: Int
+        var source: [UInt8]
+        var destination: [UInt8]
+        var hopLimit: UInt8
+        var destinationPort: UInt16
+        var udpChecksum: UInt16
+        var payload: [UInt8]
+        var frame: [UInt8]
+    }
+
+    static func parse(_ frame: [UInt8]) -> Parsed? {
+        guard frame.count >= ethernet else { return nil }
+        var l3 = ethernet
+        var type = UInt16(frame[12]) << 8 | UInt16(frame[13])
+        let tagged = type == 0x8100
+        if tagged {
+            type = UInt16(frame[16]) << 8 | UInt16(frame[17])
+            l3 += 4
+        }
+        let l4: Int, source: [UInt8], destination: [UInt8], hops: UInt8
+        if type == 0x0800 {
+            guard frame.count >= l3 + 20 else { return nil }
+            l4 = l3 + Int(frame[l3] & 0x0f) * 4
+            (source, destination, hops) = (Array(frame[(l3 + 12)..<(l3 + 16)]), Array(frame[(l3 + 16)..<(l3 + 20)]), frame[l3 + 8])
+        } else if type == 0x86dd {
+            guard frame.count >= l3 + 40 else { return nil }
+            l4 = l3 + 40 + (frame[l3 + 6] == 44 ? 8 : 0)
+            (source, destination, hops) = (Array(frame[(l3 + 8)..<(l3 + 24)]), Array(frame[(l3 + 24)..<(l3 + 40)]), frame[l3 + 7])
+        } else {
+            return nil
+        }
+        guard frame.count >= l4 + 8 else { return nil }
+        return Parsed(tagged: tagged, l3: l3, l4: l4, source: source, destination: destination, hopLimit: hops,
+                      destinationPort: UInt16(frame[l4 + 2]) << 8 | UInt16(frame[l4 + 3]),
+                      udpChecksum: UInt16(frame[l4 + 6]) << 8 | UInt16(frame[l4 + 7]),
+                      payload: Array(frame[(l4 + 8)...]), frame: frame)
+    }
+
+    static func ipv4HeaderValid(_ packet: Parsed) -> Bool {
+        fold(sum(Array(packet.frame[packet.l3..<packet.l4]))) == 0xffff
+    }
+
+    static func udpChecksumValid(_ packet: Parsed) -> Bool {
+        udpChecksumValid(source: packet.source, destination: packet.destination, udp: Array(packet.frame[packet.l4...]))
+    }
+}
+
+/// A minimal AF_XDP socket for the tests (copy mode, no packets read): a UMEM of 16 frames,
+/// fill, completion and RX rings, bound to one queue: enough for the XSKMAP to accept it.
+/// Built from the uapi (linux/if_xdp.h) by hand so the test needs no libxdp.
+enum TestXSK {
+    static let afXDP: Int32 = 44, solXDP: Int32 = 283
+    static let rxRing: Int32 = 2, umemReg: Int32 = 4, fillRing: Int32 = 5, completionRing: Int32 = 6
+    static let copyMode: UInt16 = 1 << 1
+
+    /// The socket's descriptor, or the failing call. Call on a thread in the interface's namespace.
+    static func open(interface: String, queue: UInt32) -> Result<Int32, SystemCallError> {
+        let fd = socket(afXDP, Int32(SOCK_RAW.rawValue), 0)
+        guard fd >= 0 else { return .failure(SystemCallError(call: "socket AF_XDP", errno: errno)) }
+        func fail(_ call: String) -> Result<Int32, SystemCallError> {
+            let error = errno
+            close(fd)
+            return .failure(SystemCallError(call: call, errno: error))
+        }
+        let size = 16 * 4096
+        // The UMEM stays mapped for the process's life: the socket holds it until closed.
+        guard let area = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), area != MAP_FAILED else {
+            return fail("mmap UMEM")
+        }
+        // struct xdp_umem_reg: addr, len (u64), chunk_size, headroom, flags, tx_metadata_len (u32).
+        var registration: (UInt64, UInt64, UInt32, UInt32, UInt32, UInt32) = (UInt64(UInt(bitPattern: area)), UInt64(size), 4096, 0, 0, 0)
+        guard setsockopt(fd, solXDP, umemReg, &registration, socklen_t(MemoryLayout.size(ofValue: registration))) == 0 else { return fail("XDP_UMEM_REG") }
+        var entries: Int32 = 16
+        for option in [fillRing, completionRing, rxRing] {
+            guard setsockopt(fd, solXDP, option, &entries, 4) == 0 else { return fail("setsockopt SOL_XDP \(option)") }
+        }
+        // struct sockaddr_xdp: family, flags (u16), ifindex, queue_id, shared_umem_fd (u32).
+        var address: (UInt16, UInt16, UInt32, UInt32, UInt32) = (UInt16(afXDP), copyMode, if_nametoindex(interface), queue, 0)
+        let addressLength = socklen_t(MemoryLayout.size(ofValue: address))
+        let bound = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, addressLength) }
+        }
+        guard bound == 0 else { return fail("bind AF_XDP \(interface) queue \(queue)") }
+        return .success(fd)
     }
 }

@@ -480,11 +480,11 @@ struct SystemdTests {
             // Stopped as a failed test's daemon is: SIGTERM (its own shutdown), SIGKILL after 5 s.
             if Self.isDaemon(daemon, configPath: file.path) {
                 kill(daemon, SIGTERM)
-                let deadline = ContinuousClock.now + .seconds(5)
-                while Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < deadline { usleep(20_000) }
+                let stopped = ContinuousClock.now + .seconds(5)
+                while Self.isDaemon(daemon, configPath: file.path) && ContinuousClock.now < stopped { usleep(20_000) }
                 if Self.isDaemon(daemon, configPath: file.path) { kill(daemon, SIGKILL) }
             }
-            tracer.wait()
+            tracer.wait(seconds: 20)
             throw error
         }
         kill(daemon, SIGTERM)

@@ -62,7 +62,7 @@ struct TCEndToEndTests {
         try TCFixtures.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
         #expect(TCFixtures.received(reports).reduce(0, +) == 3200, "\(TCFixtures.received(reports))")
-        let owner = TCFixtures.owners(reports)
+        let owner = TCFixtures.observedOwners(reports)
         #expect(owner.count == 32, "32 client sources seen: \(owner.keys.sorted())")
         #expect(Set(owner.values).count == 3, "sources spread over all backends")
     }

@@ -156,65 +156,14 @@ struct XDPProgramTests {
         for (frame, verdict) in [(Packet.ipv4(payload: [UInt8](repeating: 1, count: 300 - 42)), XDPVerdict.tooLarge),
                                  (Packet.ipv4(payload: [UInt8](repeating: 1, count: 200 - 42)), .noSocket)] {
             let before = program.stats(listener: 0).verdicts[verdict]!
-            var input = frame
             var context = xdp_md()
             context.data_end = UInt32(frame.count)
             context.ingress_ifindex = 1  // lo of the test's own namespace: only its index is used
-            var options = bpf_test_run_opts()
-            options.sz = MemoryLayout<bpf_test_run_opts>.offset(of: \.batch_size)! + 4
-            let result = input.withUnsafeMutableBytes { inBytes in
-                withUnsafeMutablePointer(to: &context) { contextPointer in
-                    options.data_in = UnsafeRawPointer(inBytes.baseAddress)
-                    options.data_size_in = UInt32(inBytes.count)
-                    options.ctx_in = UnsafeRawPointer(contextPointer)
-                    options.ctx_size_in = UInt32(MemoryLayout<xdp_md>.size)
-                    options.repeat = 1
-                    return bpf_prog_test_run_opts(program.program, &options)
-                }
-            }
-            #expect(result == 0 && options.retval == Self.pass)
+            var output = [UInt8](repeating: 0, count: 4096)
+            let (result, action, _) = ProgramTestRun.run(program.program, frame, context: context, output: &output)
+            #expect(result == 0 && action == Self.pass)
             #expect(program.stats(listener: 0).verdicts[verdict] == before + 1, "\(frame.count) bytes: \(verdict.label)")
         }
         #expect(throws: SystemCallError.self) { try program.putListener(SocketAddress("0.0.0.0:1")!, ifindex: 1, id: UInt32(FANOUT_MAX_LISTENERS)) }
-    }
-}
-
-/// A minimal AF_XDP socket for the tests (copy mode, no packets read): a UMEM of 16 frames,
-/// fill, completion and RX rings, bound to one queue: enough for the XSKMAP to accept it.
-/// Built from the uapi (linux/if_xdp.h) by hand so the test needs no libxdp.
-enum TestXSK {
-    static let afXDP: Int32 = 44, solXDP: Int32 = 283
-    static let rxRing: Int32 = 2, umemReg: Int32 = 4, fillRing: Int32 = 5, completionRing: Int32 = 6
-    static let copyMode: UInt16 = 1 << 1
-
-    /// The socket's descriptor, or the failing call. Call on a thread in the interface's namespace.
-    static func open(interface: String, queue: UInt32) -> Result<Int32, SystemCallError> {
-        let fd = socket(afXDP, Int32(SOCK_RAW.rawValue), 0)
-        guard fd >= 0 else { return .failure(SystemCallError(call: "socket AF_XDP", errno: errno)) }
-        func fail(_ call: String) -> Result<Int32, SystemCallError> {
-            let error = errno
-            close(fd)
-            return .failure(SystemCallError(call: call, errno: error))
-        }
-        let size = 16 * 4096
-        // The UMEM stays mapped for the process's life: the socket holds it until closed.
-        guard let area = mmap(nil, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), area != MAP_FAILED else {
-            return fail("mmap UMEM")
-        }
-        // struct xdp_umem_reg: addr, len (u64), chunk_size, headroom, flags, tx_metadata_len (u32).
-        var registration: (UInt64, UInt64, UInt32, UInt32, UInt32, UInt32) = (UInt64(UInt(bitPattern: area)), UInt64(size), 4096, 0, 0, 0)
-        guard setsockopt(fd, solXDP, umemReg, &registration, socklen_t(MemoryLayout.size(ofValue: registration))) == 0 else { return fail("XDP_UMEM_REG") }
-        var entries: Int32 = 16
-        for option in [fillRing, completionRing, rxRing] {
-            guard setsockopt(fd, solXDP, option, &entries, 4) == 0 else { return fail("setsockopt SOL_XDP \(option)") }
-        }
-        // struct sockaddr_xdp: family, flags (u16), ifindex, queue_id, shared_umem_fd (u32).
-        var address: (UInt16, UInt16, UInt32, UInt32, UInt32) = (UInt16(afXDP), copyMode, if_nametoindex(interface), queue, 0)
-        let addressLength = socklen_t(MemoryLayout.size(ofValue: address))
-        let bound = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, addressLength) }
-        }
-        guard bound == 0 else { return fail("bind AF_XDP \(interface) queue \(queue)") }
-        return .success(fd)
     }
 }

@@ -9,13 +9,13 @@ struct AFXDPKind: ListenerKind {
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         try SharedChecks.sourcePreservingFamilies(listener, path: path, of: config)
         if listener.settings.zeroCopy == .on && listener.settings.xdpMode == .generic {
-            throw config.error("\(path).settings.zero_copy", "on with xdp_mode: generic cannot bind: zero-copy needs the driver's XDP hook (xdp_mode: native or auto), or set zero_copy: auto/off")
+            throw config.configError("\(path).settings.zero_copy", "on with xdp_mode: generic cannot bind: zero-copy needs the driver's XDP hook (xdp_mode: native or auto), or set zero_copy: auto/off")
         }
         if let other = config.listeners[..<index].firstIndex(where: { serves($0) && $0.interface == listener.interface }) {
-            throw config.error("\(path).interface", "\(listener.interface ?? "") already serves listener '\(config.listeners[other].name)': one af_xdp listener per interface (its AF_XDP sockets hold the interface's queues); use another interface, or mode userspace/tc_ebpf for this bind")
+            throw config.configError("\(path).interface", "\(listener.interface ?? "") already serves listener '\(config.listeners[other].name)': one af_xdp listener per interface (its AF_XDP sockets hold the interface's queues); use another interface, or mode userspace/tc_ebpf for this bind")
         }
         if listener.settings.umemFrames < 2 * listener.settings.ringSize {
-            throw config.error("\(path).settings.umem_frames", "\(listener.settings.umemFrames) frames: must be at least twice ring_size (\(listener.settings.ringSize)), so the fill ring stays full while frames are in flight")
+            throw config.configError("\(path).settings.umem_frames", "\(listener.settings.umemFrames) frames: must be at least twice ring_size (\(listener.settings.ringSize)), so the fill ring stays full while frames are in flight")
         }
         switch listener.replies {
         case .none: break
@@ -26,9 +26,9 @@ struct AFXDPKind: ListenerKind {
 
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
         var warnings: [ConfigWarning] = []
-        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.warning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
+        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
         for key in ["workers", "worker_steering"] where config.lines.isSet("\(path).settings.\(key)") {
-            warnings.append(config.warning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
+            warnings.append(config.configWarning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
         }
         return warnings
     }

@@ -10,7 +10,7 @@ extension FanoutConfig {
     /// - Parameter localAddresses: this host's addresses, to find downstreams that would loop
     ///   back into a wildcard listener.
     public func validate(localAddresses: Set<IPAddress> = LocalAddresses.current()) throws(ConfigError) {
-        func fail(_ key: String, _ problem: String) -> ConfigError { error(key, problem) }
+        func fail(_ key: String, _ problem: String) -> ConfigError { configError(key, problem) }
         guard !listeners.isEmpty else { throw fail("listeners", "empty: configure at least one listener") }
         var names = Set<String>()
         // Binds by family and port, so the overlap and loop checks are linear in the listeners.
@@ -46,8 +46,11 @@ extension FanoutConfig {
             let path = "listeners[\(index)]"
             // A mode this release does not serve is named first: asking for its interface would
             // only lead to this error next.
-            guard Mode.implemented.contains(listener.mode), let kind = ListenerKinds.type(for: listener) else {
+            guard Mode.implemented.contains(listener.mode) else {
                 throw fail("\(path).mode", "\(listener.mode.rawValue) is not implemented in this release (implemented: \(Mode.allCases.filter { Mode.implemented.contains($0) }.map(\.rawValue).joined(separator: ", "))); it is never served by another mode")
+            }
+            guard let kind = ListenerKinds.type(for: listener) else {
+                preconditionFailure("mode \(listener.mode.rawValue) is implemented but no listener kind serves it: register one in ListenerKinds")
             }
             if kind.attachesToInterface && (listener.interface ?? "").isEmpty {
                 throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
@@ -94,10 +97,10 @@ extension FanoutConfig {
     }
 
     /// The error for `key`, with the line the file sets it on.
-    func error(_ key: String, _ problem: String) -> ConfigError { ConfigError(key, problem, line: lines.line(of: key)) }
+    func configError(_ key: String, _ problem: String) -> ConfigError { ConfigError(key, problem, line: lines.line(of: key)) }
 
     /// The warning for `key`, with the line the file sets it on.
-    func warning(_ key: String, _ message: String) -> ConfigWarning { ConfigWarning(key: key, line: lines.line(of: key), message: message) }
+    func configWarning(_ key: String, _ message: String) -> ConfigWarning { ConfigWarning(key: key, line: lines.line(of: key), message: message) }
 
     /// A Kubernetes object name of the DNS-label kind (RFC 1123): namespaces and Services.
     static func isDNSLabel(_ text: String) -> Bool {
@@ -109,7 +112,7 @@ extension FanoutConfig {
     /// logged at start and on reload, and printed by `--check`, so no key is silently ignored.
     public func warnings() -> [ConfigWarning] {
         var warnings: [ConfigWarning] = []
-        func warn(_ key: String, _ message: String) { warnings.append(warning(key, message)) }
+        func warn(_ key: String, _ message: String) { warnings.append(configWarning(key, message)) }
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
             warnings += ListenerKinds.type(for: listener)?.warnings(listener, path: path, of: self) ?? []

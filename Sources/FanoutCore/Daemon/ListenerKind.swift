@@ -36,9 +36,9 @@ protocol ListenerKind: Sendable {
     /// over its sockets. False (tc_ebpf): it steers by a map entry and has no socket on the bind.
     var receivesOnBind: Bool { get }
     /// True when its instances hand over: a retiring one drains its sessions
-    /// (``RunningListener/handOver(drainSecs:drained:)``) once a successor of this kind, with
-    /// eBPF steering, took exactly its bind over; such a successor is what a handover needs,
-    /// and while none steers that bind any more a drain still going on there ends.
+    /// (``RunningListener/handOver(drainSecs:drained:)``) once a successor of a kind that also
+    /// drains (relay is the only one), with eBPF steering, took exactly its bind over; while no
+    /// such successor steers that bind any more, a drain still going on there ends.
     var drainsOnHandOver: Bool { get }
     /// Exposition text of what the kind counts beyond its listeners (empty: nothing).
     func metricsText() -> String
@@ -139,24 +139,24 @@ enum SharedChecks {
     static func sourcePreservingFamilies(_ listener: Listener, path: String, of config: FanoutConfig) throws(ConfigError) {
         guard listener.settings.output != .socket, !FanoutConfig.isUnspecified(listener.bind.ip) else { return }
         for (position, downstream) in listener.downstreams.enumerated() where downstream.address.ip.family != listener.bind.ip.family {
-            throw config.error("\(path).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): output \(listener.settings.output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
+            throw config.configError("\(path).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): output \(listener.settings.output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
         }
     }
 
     /// `replies: nat` on a kind that does not rewrite in the kernel.
     static func natNeedsTC(path: String, of config: FanoutConfig) -> ConfigError {
-        config.error("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
+        config.configError("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
     }
 
     /// `replies: relay` on a kind that has no userspace sessions.
     static func relayNeedsUserspace(path: String, of config: FanoutConfig) -> ConfigError {
-        config.error("\(path).replies", "relay uses session sockets in userspace: it needs mode userspace (mode tc_ebpf offers replies: nat)")
+        config.configError("\(path).replies", "relay uses session sockets in userspace: it needs mode userspace (mode tc_ebpf offers replies: nat)")
     }
 
     /// af_xdp's settings, set on another kind.
     static func afXDPKeys(path: String, of config: FanoutConfig) -> [ConfigWarning] {
         ["xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
-            config.warning("\(path).settings.\($0)", "applies to mode af_xdp only")
+            config.configWarning("\(path).settings.\($0)", "applies to mode af_xdp only")
         }
     }
 }

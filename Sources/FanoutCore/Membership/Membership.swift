@@ -24,6 +24,7 @@ enum Membership {
         var seen = Set(members.map(\.address))
         var names = Set(members.map(\.name))
         var skipped: [String] = []
+        let kind = ListenerKinds.type(for: listener)
         func add(_ given: Downstream, from source: String) {
             guard seen.insert(given.address).inserted else { return }
             // Names label counters and key tc_ebpf's counter slots: one per member (a dual-stack
@@ -31,7 +32,7 @@ enum Membership {
             var downstream = given
             if names.contains(downstream.name) { downstream.name += "/\(downstream.address.ip)" }
             // What the listener's kind cannot forward to (tc_ebpf: another family, beyond its maps).
-            if let problem = ListenerKinds.type(for: listener)?.memberProblem(downstream, of: listener, accepted: members.count) {
+            if let problem = kind?.memberProblem(downstream, of: listener, accepted: members.count) {
                 skipped.append("\(source) \(downstream.address): \(problem)")
                 return
             }

@@ -9,10 +9,10 @@ struct RelayKind: ListenerKind {
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         try UserspaceKind.validate(listener, index: index, path: path, of: config, localAddresses: localAddresses)
         guard listener.settings.output == .socket else {
-            throw config.error("\(path).settings.output", "\(listener.settings.output.rawValue): replies relay receives the downstreams' replies on its own session sockets, so datagrams must leave through them (output: socket)")
+            throw config.configError("\(path).settings.output", "\(listener.settings.output.rawValue): replies relay receives the downstreams' replies on its own session sockets, so datagrams must leave through them (output: socket)")
         }
         guard listener.settings.workerSteering != .roundRobin else {
-            throw config.error("\(path).settings.worker_steering", "round_robin spreads one client over every worker, and each worker keeps its own sessions: replies relay needs five_tuple or source_ip")
+            throw config.configError("\(path).settings.worker_steering", "round_robin spreads one client over every worker, and each worker keeps its own sessions: replies relay needs five_tuple or source_ip")
         }
     }
 

@@ -14,7 +14,7 @@ struct TCKind: ListenerKind {
         switch listener.settings.output {
         case .socket, .xdpTX:
             if config.lines.isSet("\(path).settings.output") {
-                throw config.error("\(path).settings.output", "\(listener.settings.output.rawValue): tc_ebpf forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+                throw config.configError("\(path).settings.output", "\(listener.settings.output.rawValue): tc_ebpf forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
             }
         default: break
         }
@@ -22,25 +22,25 @@ struct TCKind: ListenerKind {
         case .none: break
         case .nat:
             guard !FanoutConfig.isUnspecified(listener.bind.ip) else {
-                throw config.error("\(path).bind", "\(listener.bind): with replies nat the replies leave from the listener's address, so it must be the virtual address itself (e.g. 198.18.0.1:5683), not a wildcard")
+                throw config.configError("\(path).bind", "\(listener.bind): with replies nat the replies leave from the listener's address, so it must be the virtual address itself (e.g. 198.18.0.1:5683), not a wildcard")
             }
         case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
         }
         // tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
         guard listener.downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
-            throw config.error("\(path).downstream", "\(listener.downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener")
+            throw config.configError("\(path).downstream", "\(listener.downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener")
         }
         for (position, downstream) in listener.downstreams.enumerated() {
             let key = "\(path).downstream[\(position)].address"
             let ip = downstream.address.ip
             guard ip.family == listener.bind.ip.family else {
-                throw config.error(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): tc_ebpf rewrites the destination in place and cannot translate between IPv4 and IPv6")
+                throw config.configError(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): tc_ebpf rewrites the destination in place and cannot translate between IPv4 and IPv6")
             }
             if FanoutConfig.isUnspecified(ip) || downstream.address.port == 0 {
-                throw config.error(key, "\(downstream.address): tc_ebpf needs a concrete address and port")
+                throw config.configError(key, "\(downstream.address): tc_ebpf needs a concrete address and port")
             }
             if localAddresses.contains(ip) || ip.bytes.first == 127 || ip == IPAddress("::1")! {
-                throw config.error(key, "\(downstream.address) is an address of this host: tc_ebpf forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
+                throw config.configError(key, "\(downstream.address) is an address of this host: tc_ebpf forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
             }
         }
     }
@@ -51,7 +51,7 @@ struct TCKind: ListenerKind {
         let listeners = config.listeners
         let tcListeners = listeners.filter(serves)
         if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
-            throw config.error("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+            throw config.configError("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
         }
         // A reply is matched to its listener by the downstream's address and port, so a
         // downstream answers for one nat listener only.
@@ -59,14 +59,14 @@ struct TCKind: ListenerKind {
         for (index, listener) in listeners.enumerated() where listener.replies == .nat {
             for (position, downstream) in listener.downstreams.enumerated() {
                 if let other = natDownstreams[downstream.address], other != index {
-                    throw config.error("listeners[\(index)].downstream[\(position)].address", "\(downstream.address) is also a downstream of listener '\(listeners[other].name)' with replies nat: its replies could not be told apart; give each nat listener its own downstream ports")
+                    throw config.configError("listeners[\(index)].downstream[\(position)].address", "\(downstream.address) is also a downstream of listener '\(listeners[other].name)' with replies nat: its replies could not be told apart; give each nat listener its own downstream ports")
                 }
                 natDownstreams[downstream.address] = index
             }
         }
         for (index, listener) in listeners.enumerated() where serves(listener) {
             if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
-                throw config.error("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
+                throw config.configError("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
             }
         }
     }
@@ -81,7 +81,7 @@ struct TCKind: ListenerKind {
 
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
         SharedChecks.afXDPKeys(path: path, of: config) + ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size", "worker_steering"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
-            config.warning("\(path).settings.\($0)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
+            config.configWarning("\(path).settings.\($0)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
         }
     }
 
