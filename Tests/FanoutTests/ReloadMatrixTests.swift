@@ -387,6 +387,38 @@ struct ReloadMatrixTests {
         Self.report("\(cell.cell.kind.rawValue) × \(cell.cell.key), failing at \(cell.step.rawValue)", outcome, pass: checks.allSatisfy(\.0))
     }
 
+    @Test("Issue 21 (operator): a reload whose other listener cannot start is rolled back before the tc_attach change stops the tc_ebpf listener: never interrupted, the log says the configuration was kept; when the tc_ebpf successor itself fails, the rejection says the listener was stopped and started again")
+    func rollbackBeforeStopFirst() throws {
+        let base = Shape(.tcEBPF)
+        let changed = Cell(kind: .tcEBPF, key: "tc_attach").changed(base)
+        let harness = try Harness(base)
+        // Another listener of the new file, whose start fails (as a bind another process holds would).
+        let other = "  - name: y\n    bind: \"127.0.0.1:\(freePort())\"\n    downstream: [{name: d, address: \"127.0.0.1:\(freePort())\"}]\n"
+        var mark = harness.logCount
+        harness.daemon.failureInjection.withLock { $0 = { at, listener in at == .start && listener == "y" } }
+        #expect(!harness.reload(changed.yaml(harness.topology) + other))
+        harness.daemon.failureInjection.withLock { $0 = nil }
+        var log = harness.lines(from: mark)
+        #expect(!log.contains { $0.contains("tc_attach changes") || $0.contains("detached tc_ebpf program") },
+                "the tc_ebpf listener was not stopped for a change that could not be made: \(log.joined(separator: "\n"))")
+        #expect(log.contains { $0.hasPrefix("configuration reload rejected") && $0.contains("keeping the running configuration") }, "\(log.joined(separator: "\n"))")
+        // The tc_ebpf listener's own successor fails: it was stopped first, and is started again.
+        mark = harness.logCount
+        harness.daemon.failureInjection.withLock { $0 = Self.once(.start) }
+        #expect(!harness.reload(changed.yaml(harness.topology)))
+        harness.daemon.failureInjection.withLock { $0 = nil }
+        log = harness.lines(from: mark)
+        #expect(log.contains { $0.hasPrefix("configuration reload rejected") && $0.contains("'x' was stopped for it and started again") && !$0.contains("keeping the running configuration") },
+                "the rejection says the listener was interrupted: \(log.joined(separator: "\n"))")
+        let before = harness.settle(["x"])
+        let burst = try harness.publisher(port: base.port, count: Self.traffic.burst, rate: 20000)
+        #expect(burst.wait(seconds: 20) == 0, "\(burst.stderr)")
+        let after = harness.settle(["x"])
+        #expect(after.forwarded - before.forwarded == Self.traffic.burst, "the listener serves after both rejected reloads")
+        let delivered = try harness.stop().reduce(0, +)
+        #expect(delivered == after.forwarded)
+    }
+
     @Test("Issue 21: every start of a listener fails (the af_xdp query), so a failed change loses it: the log says so, /readyz and a gauge show it, and the next reload starts it again",
           arguments: [Kind.afXDP, .tcEBPF, .userspace])
     func lost(kind: Kind) throws {

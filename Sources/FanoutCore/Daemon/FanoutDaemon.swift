@@ -97,6 +97,9 @@ public final class FanoutDaemon: Sendable {
         var answered: Set<DiscoverySpec> = []
         /// Set by ``shutdown()``: `/readyz` says so.
         var stopping = false
+        /// Listeners the last failed change stopped first and started again (their datagrams
+        /// meanwhile reached no socket of ours): its rejection says so.
+        var interrupted: [String] = []
         /// Relay instances replaced by a successor on their bind whose sessions still drain
         /// (``RunningListener/handOver(drainSecs:drained:)``), with their listener's name and bind: their
         /// counters stay in /metrics meanwhile, and ``shutdown()`` ends their drain.
@@ -269,18 +272,29 @@ public final class FanoutDaemon: Sendable {
             case .releaseFirst: released.append(listener)
             }
         }
-        for (listener, warning) in stopFirst {
-            logger.warning(warning, metadata: ["listener": "\(listener.name)", "interface": "\(listener.interface ?? "")"])
-            running[listener.name]?.shutdown()
-        }
-        for listener in released { running[listener.name]?.releaseInterface() }
         let stopFirstListeners = stopFirst.map(\.listener)
+        // The new listeners that need what an old instance gives up first: those of its kind on
+        // its interface. Every other one starts before anything is stopped or released, so a
+        // change that fails there (a bind another process holds) interrupts nothing.
+        func sameKind(_ a: Listener, _ b: Listener) -> Bool {
+            ObjectIdentifier(type(of: kinds.kind(for: a))) == ObjectIdentifier(type(of: kinds.kind(for: b)))
+        }
+        let makingWay = stopFirstListeners + released
+        let waiting = Set(fresh.filter { listener in makingWay.contains { $0.interface == listener.interface && sameKind($0, listener) } }.map(\.name))
 
         var started: [String: any RunningListener] = [:]
         var activateLater: [Listener] = []
+        var madeWay = false
         do {
-            for listener in stopFirstListeners + released { try failIfInjected(.release, listener.name) }
-            for listener in fresh { started[listener.name] = try makeListener(effective[listener.name]!) }
+            for listener in fresh where !waiting.contains(listener.name) { started[listener.name] = try makeListener(effective[listener.name]!) }
+            madeWay = true
+            for (listener, warning) in stopFirst {
+                logger.warning(warning, metadata: ["listener": "\(listener.name)", "interface": "\(listener.interface ?? "")"])
+                running[listener.name]?.shutdown()
+            }
+            for listener in released { running[listener.name]?.releaseInterface() }
+            for listener in makingWay { try failIfInjected(.release, listener.name) }
+            for listener in fresh where waiting.contains(listener.name) { started[listener.name] = try makeListener(effective[listener.name]!) }
             for listener in fresh {
                 let instance = started[listener.name]!
                 try failIfInjected(.activate, listener.name)
@@ -298,7 +312,8 @@ public final class FanoutDaemon: Sendable {
         } catch {
             // The old listeners take their binds back (a new userspace group may have activated,
             // a new tc_ebpf listener written its entry over theirs) before the new ones stop.
-            let stoppedEarly = Set(stopFirstListeners.map(\.name))
+            // Nothing was stopped or released if the change failed before it made way.
+            let stoppedEarly = madeWay ? Set(stopFirstListeners.map(\.name)) : []
             var lost: [String] = []
             for listener in retiring where !stoppedEarly.contains(listener.name) {
                 do {
@@ -343,7 +358,7 @@ public final class FanoutDaemon: Sendable {
             // A released af_xdp listener comes back as a new instance of its previous settings
             // (its companion socket still receives meanwhile), which takes the bind over before
             // the released one stops.
-            for listener in released {
+            for listener in released where madeWay {
                 let previous = running[listener.name]
                 if let restarted = restart(listener) {
                     do {
@@ -356,8 +371,12 @@ public final class FanoutDaemon: Sendable {
                 }
                 previous?.shutdown()
             }
-            for listener in stopFirstListeners { _ = restart(listener) }
-            if !lost.isEmpty { state.withLock { $0.lost.formUnion(lost) } }
+            // Stopped first and started again: said in the rejection (``reloadChangesHeld(_:)``).
+            let interrupted = madeWay ? stopFirstListeners.filter { restart($0) != nil }.map(\.name) : []
+            state.withLock { state in
+                state.lost.formUnion(lost)
+                state.interrupted = interrupted
+            }
             throw error
         }
         state.withLock { state in
@@ -565,14 +584,21 @@ public final class FanoutDaemon: Sendable {
                 return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", "health.protocol icmp: \(error)")
             }
         }
+        state.withLock { $0.interrupted = [] }
         do {
             try transitionChangesHeld(to: new, from: old)
         } catch {
             // Only what is true: a listener the rollback could not start again is not kept.
-            let lost = state.withLock { $0.lost }
+            let (lost, interrupted) = state.withLock { ($0.lost, $0.interrupted) }
             guard lost.isEmpty else {
                 return rejected("configuration reload rejected: it could not be applied; the running configuration stays in force, but listeners of it could not be started again and are not running (not ready; the next reload that applies starts them)",
                                 "\(error); not running: \(lost.sorted().map { "'\($0)'" }.joined(separator: ", "))")
+            }
+            // A listener stopped first for the change (tc_attach) ran again, after a gap.
+            guard interrupted.isEmpty else {
+                let names = interrupted.sorted().map { "'\($0)'" }.joined(separator: ", ")
+                return rejected("configuration reload rejected: it could not be applied; the running configuration is in force again, but \(interrupted.count == 1 ? "listener \(names) was" : "listeners \(names) were") stopped for it and started again: datagrams that arrived in between reached no socket of ours (the host's Udp NoPorts counts them)",
+                                error)
             }
             return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", error)
         }
