@@ -419,6 +419,26 @@ struct ReloadMatrixTests {
         #expect(delivered == after.forwarded)
     }
 
+    @Test("Issue 21 (operator): tc_ebpf's unmatched counters do not go backwards when a tc_attach change loads the program again")
+    func unmatchedAcrossReattach() throws {
+        let base = Shape(.tcEBPF)
+        let harness = try Harness(base)
+        // Datagrams to a port no listener has: counted not_ours, then passed to the host's stack.
+        func notOurs() -> Int {
+            let line = harness.daemon.metricsText().split(separator: "\n").first { $0.hasPrefix("udp_fanout_tc_unmatched_packets_total{reason=\"not_ours\"}") }
+            return line.flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? -1
+        }
+        let stray = try harness.publisher(port: base.port + 100, count: 50, rate: 5000)
+        #expect(stray.wait(seconds: 20) == 0, "\(stray.stderr)")
+        let before = notOurs()
+        #expect(before >= 50, "the stray datagrams are counted not_ours: \(before)")
+        let mark = harness.logCount
+        #expect(harness.reload(Cell(kind: .tcEBPF, key: "tc_attach").changed(base).yaml(harness.topology)), "\(harness.lines(from: mark).joined(separator: "\n"))")
+        #expect(harness.lines(from: mark).contains { $0.contains("tc_attach changes") }, "the program was attached again")
+        #expect(notOurs() >= before, "not_ours after the re-attach: \(notOurs()), before: \(before)")
+        _ = try harness.stop()
+    }
+
     @Test("Issue 21: every start of a listener fails (the af_xdp query), so a failed change loses it: the log says so, /readyz and a gauge show it, and the next reload starts it again",
           arguments: [Kind.afXDP, .tcEBPF, .userspace])
     func lost(kind: Kind) throws {

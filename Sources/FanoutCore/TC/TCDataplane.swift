@@ -16,6 +16,10 @@ final class TCDataplane: Sendable {
         var program: TCProgram?
         var attachments: [String: (attachment: TCAttachment, users: Int)] = [:]
         var freeIDs = Array((0..<UInt32(FANOUT_MAX_LISTENERS)).reversed())
+        /// What closed programs counted as unmatched (``TCDataplane/unmatchedReasons`` order):
+        /// a program loaded again (a tc_attach change) starts its maps at 0, and the counters
+        /// must not go backwards.
+        var unmatchedBefore = [UInt64](repeating: 0, count: TCDataplane.unmatchedReasons.count)
     }
 
     private let state = Mutex(State())
@@ -139,6 +143,7 @@ final class TCDataplane: Sendable {
             }
         }
         if state.attachments.isEmpty, let program = state.program {
+            state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
             program.closeDescriptors()
             state.program = nil
         }
@@ -156,12 +161,24 @@ final class TCDataplane: Sendable {
     }
 
     /// Packets counted before any listener could be known, by verdict name.
+    /// Totals since the daemon started (programs loaded before this one included); empty while
+    /// no program is loaded.
     func unmatched() -> [(String, UInt64)] {
-        guard let program = state.withLock({ $0.program }) else { return [] }
+        state.withLock { state in
+            guard let program = state.program else { return [] }
+            return Array(zip(Self.unmatchedReasons.map(\.label), zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)))
+        }
+    }
+
+    /// The unmatched verdicts, by label, in the order `unmatchedCounts` returns them.
+    static let unmatchedReasons: [(label: String, verdict: fanout_verdict)] = [
+        ("malformed", FANOUT_VERDICT_MALFORMED), ("fragment_untracked", FANOUT_VERDICT_FRAGMENT_UNTRACKED), ("not_ours", FANOUT_VERDICT_NOT_OURS),
+    ]
+
+    /// What `program` has counted as unmatched, in ``unmatchedReasons`` order.
+    private static func unmatchedCounts(_ program: TCProgram) -> [UInt64] {
         let stats = program.listenerStats(id: UInt32(FANOUT_UNMATCHED_STATS))
-        return [("malformed", stats.verdicts[Int(FANOUT_VERDICT_MALFORMED.rawValue)]),
-                ("fragment_untracked", stats.verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)]),
-                ("not_ours", stats.verdicts[Int(FANOUT_VERDICT_NOT_OURS.rawValue)])]
+        return unmatchedReasons.map { stats.verdicts[Int($0.verdict.rawValue)] }
     }
 
     static func readFirstLine(_ path: String) -> String? {
