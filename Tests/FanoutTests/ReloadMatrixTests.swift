@@ -410,13 +410,7 @@ struct ReloadMatrixTests {
         log = harness.lines(from: mark)
         #expect(log.contains { $0.hasPrefix("configuration reload rejected") && $0.contains("'x' was stopped for it and started again") && !$0.contains("keeping the running configuration") },
                 "the rejection says the listener was interrupted: \(log.joined(separator: "\n"))")
-        let before = harness.settle(["x"])
-        let burst = try harness.publisher(port: base.port, count: Self.traffic.burst, rate: 20000)
-        #expect(burst.wait(seconds: 20) == 0, "\(burst.stderr)")
-        let after = harness.settle(["x"])
-        #expect(after.forwarded - before.forwarded == Self.traffic.burst, "the listener serves after both rejected reloads")
-        let delivered = try harness.stop().reduce(0, +)
-        #expect(delivered == after.forwarded)
+        try Self.expectServes(harness, port: base.port, "the listener serves after both rejected reloads")
     }
 
     @Test("Issue 21 (operator): tc_ebpf's unmatched counters do not go backwards when a tc_attach change loads the program again")
@@ -469,13 +463,21 @@ struct ReloadMatrixTests {
         while !harness.daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
         #expect(harness.daemon.isReady, "\(harness.daemon.readiness)")
         #expect(harness.daemon.metricsText().contains("udp_fanout_listeners_lost 0\n"))
+        let served = try Self.expectServes(harness, port: base.port, "the listener serves again after the reload")
+        print("reload matrix: \(kind.rawValue) lost listener: \(loses ? "lost, then started again by the next reload" : "not lost"); \(served) of \(Self.traffic.burst) served after it")
+    }
+
+    /// After the reloads: a burst to `port` is forwarded whole by listener x, and everything it
+    /// forwarded arrived (the harness is stopped). - Returns: how many of the burst it forwarded.
+    @discardableResult
+    static func expectServes(_ harness: Harness, port: Int, _ what: String) throws -> Int {
         let before = harness.settle(["x"])
-        let burst = try harness.publisher(port: base.port, count: Self.traffic.burst, rate: 20000)
+        let burst = try harness.publisher(port: port, count: traffic.burst, rate: 20000)
         #expect(burst.wait(seconds: 20) == 0, "\(burst.stderr)")
         let after = harness.settle(["x"])
-        #expect(after.forwarded - before.forwarded == Self.traffic.burst, "the listener serves again after the reload")
+        #expect(after.forwarded - before.forwarded == traffic.burst, "\(what)")
         let delivered = try harness.stop().reduce(0, +)
         #expect(delivered == after.forwarded)
-        print("reload matrix: \(kind.rawValue) lost listener: \(loses ? "lost, then started again by the next reload" : "not lost"); \(after.forwarded - before.forwarded) of \(Self.traffic.burst) served after it")
+        return after.forwarded - before.forwarded
     }
 }
