@@ -1,0 +1,171 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The way out of the tc program (bpf/tc_fanout.bpf.c), once a datagram's new destination (or,
+ * for a reply, its new source) is known: the route toward it (lookup_route: bpf_fib_lookup,
+ * with the route's MTU check), the ingress link's VLAN tags popped (pop_vlan), the rewrite of
+ * address, port, checksums and TTL / hop limit (rewrite), and the redirect's two ways: the
+ * Ethernet addresses from the fib lookup (write_macs, then bpf_redirect) or the kernel's
+ * neighbour resolution (redirect_neigh). Which way, and what is counted, the program decides.
+ * Uses the load-time options of fanout_tc_maps.h (FANOUT_OPTIONS.ipv6_csum_flags) and csum.h's
+ * incremental updates. Self-contained: includes linux/bpf.h, linux/if_ether.h, bpf_helpers.h,
+ * fanout_tc_shared.h, parse.h (struct packet, AF_INET, IPPROTO_UDP), csum.h and
+ * fanout_tc_maps.h itself, so nothing has to come before it; like fanout_tc_maps.h, for the tc
+ * program only.
+ */
+#ifndef FANOUT_REDIRECT_H
+#define FANOUT_REDIRECT_H
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <bpf/bpf_helpers.h>
+#include "fanout_tc_shared.h"
+#include "parse.h"
+#include "csum.h"
+#include "fanout_tc_maps.h"
+
+/* The route toward the datagram's new destination, into `fib` (zeroed by the caller; the
+ * egress interface, MACs and next hop are read from it afterwards). `to` is the backend
+ * (forward) or the listener's address and port (reply). Returns bpf_fib_lookup's result.
+ * `reply` is a _Bool: as an int it compiled the selects below into other (equivalent)
+ * instructions than the program had when this code was inline. */
+static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
+					 _Bool reply, struct bpf_fib_lookup *fib)
+{
+	fib->family = p->family;
+	fib->l4_protocol = IPPROTO_UDP;
+	fib->sport = reply ? to->port : p->sport;
+	fib->dport = reply ? p->dport : to->port;
+	/* The route's MTU is checked against the IP length, so a packet the egress device would
+	 * drop uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by
+	 * the kernel per segment on the way out: tot_len 0 skips the check. */
+	if (skb->gso_size == 0)
+		fib->tot_len = p->tot_len;
+	fib->ifindex = skb->ifindex;
+	/* Forward: from the client to the backend. Reply: from the listener's address to the client. */
+	__u32 *source = reply ? to->addr : p->saddr;
+	__u32 *destination = reply ? p->daddr : to->addr;
+	if (p->family == AF_INET) {
+		fib->ipv4_src = source[0];
+		fib->ipv4_dst = destination[0];
+	} else {
+		__builtin_memcpy(fib->ipv6_src, source, 16);
+		__builtin_memcpy(fib->ipv6_dst, destination, 16);
+	}
+	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+}
+
+/* Pops the VLAN tags of the ingress link (in the frame, then in skb metadata too) and moves the
+ * parsed offsets with the frame's. Returns < 0 if the kernel refused. */
+static __always_inline int pop_vlan(struct __sk_buff *skb, struct packet *p)
+{
+	/* A tag in the frame or in skb metadata belongs to the ingress link, not the egress. */
+	if (p->tagged || skb->vlan_present) {
+		if (bpf_skb_vlan_pop(skb) < 0)
+			return -1;
+		if (p->tagged) {
+			p->l3 -= 4;
+			p->l4 -= 4;
+		}
+		if (p->tagged && skb->vlan_present && bpf_skb_vlan_pop(skb) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Writes the new destination, fixes the checksums, decrements TTL / hop limit.
+ *
+ * The UDP checksum goes through bpf_l4_csum_replace, which knows how the skb carries it
+ * (CHECKSUM_PARTIAL holds only the pseudo-header sum; CHECKSUM_COMPLETE needs skb->csum
+ * adjusted). Everything else is written directly: the IPv4 header checksum is updated in
+ * place, which keeps the header's sum, and so skb->csum, unchanged. */
+static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to, int reply)
+{
+	/* Forward: the destination address and port change; reply: the source. */
+	__u32 *old_addr = reply ? p->saddr : p->daddr;
+	__u16 old_port = reply ? p->sport : p->dport;
+	__u32 csum = p->l4 + 6;
+	if (p->has_udp) {
+		long failed;
+		if (p->family == AF_INET) {
+			failed = bpf_l4_csum_replace(skb, csum, old_addr[0], to->addr[0],
+						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | sizeof(__u32));
+		} else {
+			__u64 diff = 0;
+#pragma unroll
+			for (int i = 0; i < 4; i++)
+				diff += (__u32)~old_addr[i] + (__u64)to->addr[i];
+			diff = (diff & 0xffffffff) + (diff >> 32);
+			diff = (diff & 0xffffffff) + (diff >> 32);
+			failed = bpf_l4_csum_replace(skb, csum, 0, (__u32)diff,
+						     BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | FANOUT_OPTIONS.ipv6_csum_flags);
+		}
+		if (failed)
+			return -1;
+		if (to->port != old_port &&
+		    bpf_l4_csum_replace(skb, csum, old_port, to->port, BPF_F_MARK_MANGLED_0 | sizeof(__u16)))
+			return -1;
+	}
+	/* The helpers moved the packet: bounds again. */
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 l3 = p->l3, l4 = p->l4;
+	if (l3 > 18 || l4 > 512)
+		return -1;
+	if (p->family == AF_INET) {
+		__u8 *ip = data + l3;
+		if ((void *)(ip + 20) > end)
+			return -1;
+		__u32 at = reply ? 12 : 16;
+		__u16 check = *(__u16 *)(ip + 10);
+		__u16 old_word = *(__u16 *)(ip + 8);
+		ip[8] -= 1;
+		check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
+		check = csum_update32(check, *(__u32 *)(ip + at), to->addr[0]);
+		*(__u32 *)(ip + at) = to->addr[0];
+		*(__u16 *)(ip + 10) = check;
+	} else {
+		__u8 *ip = data + l3;
+		if ((void *)(ip + 40) > end)
+			return -1;
+		ip[7] -= 1;
+		__builtin_memcpy(ip + (reply ? 8 : 24), to->addr, 16);
+	}
+	if (p->has_udp && to->port != old_port) {
+		__u8 *udp = data + l4;
+		if ((void *)(udp + 8) > end)
+			return -1;
+		*(__u16 *)(udp + (reply ? 0 : 2)) = to->port;
+	}
+	return 0;
+}
+
+/* Ethernet addresses from the fib lookup. */
+static __always_inline int write_macs(struct __sk_buff *skb, struct bpf_fib_lookup *fib)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return -1;
+	__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
+	return 0;
+}
+
+/* The redirect when the fib lookup did not know the next hop's Ethernet address
+ * (FANOUT_VERDICT_FORWARDED_NEIGH): the kernel resolves it for the route's next hop. Returns
+ * bpf_redirect_neigh's result (TC_ACT_REDIRECT when it took the packet). */
+static __always_inline long redirect_neigh(struct packet *p, struct bpf_fib_lookup *fib)
+{
+	struct bpf_redir_neigh neighbour = {};
+	if (p->family == AF_INET) {
+		neighbour.nh_family = AF_INET;
+		neighbour.ipv4_nh = fib->ipv4_dst;
+	} else {
+		neighbour.nh_family = AF_INET6;
+		__builtin_memcpy(neighbour.ipv6_nh, fib->ipv6_dst, 16);
+	}
+	return bpf_redirect_neigh(fib->ifindex, &neighbour, sizeof(neighbour), 0);
+}
+
+#endif /* FANOUT_REDIRECT_H */
