@@ -268,7 +268,7 @@ struct ConfigTests {
                 settings: {reply_interfaces: [lo, nosuchif0]}
                 downstream: [{address: "198.18.1.2:5683"}]
             """)
-        let problems = Preflight.replyInterfaceProblems(config.listeners[0], path: "listeners[0]")
+        let problems = TCPreflight.replyInterfaceProblems(config.listeners[0], path: "listeners[0]")
         #expect(problems.contains { $0.hasPrefix("listeners[0].settings.reply_interfaces[1]: listener 'coap': reply interface 'nosuchif0' not found") }, "\(problems)")
         #expect(!problems.contains { $0.contains("reply_interfaces[0]") && $0.contains("not found") }, "lo exists: \(problems)")
     }

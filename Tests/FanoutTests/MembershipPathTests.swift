@@ -100,8 +100,8 @@ struct MembershipPathTests {
         defer { daemon.shutdown() }
         #expect(!daemon.isReady)
         #expect(daemon.readiness.joined().contains("waiting for the first EndpointSlice list of test/receivers"))
-        let spec = DiscoverySpec.kubernetes(listener: "k", Kubernetes(namespace: "test", service: "receivers", port: 5514))
-        daemon.discovered(spec, kubernetes: Self.endpoints(Array(sinks[0..<3])))
+        let spec = DiscoverySpec(KubernetesSource(listener: "k", service: Kubernetes(namespace: "test", service: "receivers", port: 5514)))
+        daemon.discovered(spec, Self.endpoints(Array(sinks[0..<3])))
         let deadline = ContinuousClock.now + .seconds(5)
         while !daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
         #expect(daemon.isReady, "\(daemon.readiness)")
@@ -109,8 +109,8 @@ struct MembershipPathTests {
         // Phase 1: sinks 0, 1, 2. Phase 2: sink 1 gone, sink 3 added. Phase 3: back to 0, 1, 2.
         let pool = try SourcePool(64)
         let sent = try pool.send(to: bind, rounds: 0..<300, rate: 20_000) { round in
-            if round == 100 { daemon.discovered(spec, kubernetes: Self.endpoints([sinks[0], sinks[2], sinks[3]])) }
-            if round == 200 { daemon.discovered(spec, kubernetes: Self.endpoints(Array(sinks[0..<3]))) }
+            if round == 100 { daemon.discovered(spec, Self.endpoints([sinks[0], sinks[2], sinks[3]])) }
+            if round == 200 { daemon.discovered(spec, Self.endpoints(Array(sinks[0..<3]))) }
         }
         let (bySource, received, perSink) = SourcePool.spread(sinks)
         let counters = try #require(daemon.counters(of: "k"))
@@ -201,11 +201,11 @@ struct MembershipPathTests {
             health: {enabled: true, protocol: icmp, interval_secs: 60, timeout_secs: 1}
             """)
         defer { DaemonFixtures.stopInProxy(topology, daemon) }
-        let spec = DiscoverySpec.kubernetes(listener: "tc", Kubernetes(namespace: "test", service: "receivers", port: UInt16(port)))
+        let spec = DiscoverySpec(KubernetesSource(listener: "tc", service: Kubernetes(namespace: "test", service: "receivers", port: UInt16(port))))
         func backends(_ numbers: [Int]) -> [Downstream] {
             numbers.map { Downstream(name: "b\($0)", address: SocketAddress("\(Topology.backendIPv4($0)):\(port)")!) }
         }
-        daemon.discovered(spec, kubernetes: backends([1, 2, 3]))
+        daemon.discovered(spec, backends([1, 2, 3]))
         #expect(daemon.isReady, "\(daemon.readiness)")
         // Phases: {1,2,3}; endpoint 2 deleted and 4 added: {1,3,4}; 3 down: {1,4}; 3 back: {1,3,4}.
         let phases = [[1, 2, 3], [1, 3, 4], [1, 4], [1, 3, 4]]
@@ -213,7 +213,7 @@ struct MembershipPathTests {
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", "198.18.0.10-198.18.0.73", "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
         usleep(700_000)
-        daemon.discovered(spec, kubernetes: backends([1, 3, 4]))
+        daemon.discovered(spec, backends([1, 3, 4]))
         usleep(700_000)
         daemon.healthChanged(SocketAddress("\(Topology.backendIPv4(3)):\(port)")!, up: false)
         usleep(700_000)
@@ -263,9 +263,9 @@ struct MembershipPathTests {
         }
         let daemon = try Self.start(yaml("old"))
         defer { daemon.shutdown() }
-        let old = DiscoverySpec.kubernetes(listener: "r", Kubernetes(namespace: "test", service: "old", port: 5514))
-        let new = DiscoverySpec.kubernetes(listener: "r", Kubernetes(namespace: "test", service: "new", port: 5514))
-        daemon.discovered(old, kubernetes: Self.endpoints([sinks[0]]))
+        let old = DiscoverySpec(KubernetesSource(listener: "r", service: Kubernetes(namespace: "test", service: "old", port: 5514)))
+        let new = DiscoverySpec(KubernetesSource(listener: "r", service: Kubernetes(namespace: "test", service: "new", port: 5514)))
+        daemon.discovered(old, Self.endpoints([sinks[0]]))
         #expect(daemon.reload(text: yaml("new")))
         // Still ready and forwarding to the old Service's endpoint until the new one lists.
         let deadline = ContinuousClock.now + .seconds(5)
@@ -273,10 +273,10 @@ struct MembershipPathTests {
         #expect(daemon.isReady, "\(daemon.readiness)")
         try sendNumbered(to: bind, count: 10)
         #expect(sinks[0].drain().count == 10)
-        daemon.discovered(old, kubernetes: Self.endpoints([sinks[2]]))
+        daemon.discovered(old, Self.endpoints([sinks[2]]))
         try sendNumbered(to: bind, count: 10)
         #expect(sinks[0].drain().count == 10 && sinks[2].drain().isEmpty, "a watcher of the old configuration changes nothing")
-        daemon.discovered(new, kubernetes: Self.endpoints([sinks[1]]))
+        daemon.discovered(new, Self.endpoints([sinks[1]]))
         try sendNumbered(to: bind, count: 10)
         #expect(sinks[1].drain().count == 10 && sinks[0].drain().isEmpty)
         // A static entry added by reload joins the discovered one.

@@ -76,6 +76,11 @@ struct MembershipTests {
         try ConfigParser.parse("listeners:\n" + yaml).listeners[0]
     }
 
+    /// What a DNS source records: the addresses it resolved (the entry names them).
+    static func addresses(_ texts: String...) -> [Downstream] {
+        texts.map { Downstream(name: "", address: SocketAddress($0)!) }
+    }
+
     @Test("members: static first, then each DNS entry's addresses, then Kubernetes endpoints; an address once")
     func members() throws {
         let listener = try Self.listener("""
@@ -89,8 +94,8 @@ struct MembershipTests {
         #expect(listener.dnsDownstreams == [DNSDownstream(name: "pool", host: "pool.example", port: 6000, weight: 3, healthPort: 7)])
         var discovered = Discovered()
         #expect(Membership.pending(listener, discovered).count == 2)
-        discovered.dns["pool"] = [SocketAddress("198.18.3.2:6000")!, SocketAddress("198.18.2.2:6000")!]
-        discovered.kubernetes = [
+        discovered.found["dns/pool"] = Self.addresses("198.18.3.2:6000", "198.18.2.2:6000")
+        discovered.found["kubernetes"] = [
             Downstream(name: "pod-b:5514", address: SocketAddress("198.18.9.2:5514")!),
             Downstream(name: "dup:5514", address: SocketAddress("198.18.1.2:5514")!),
             Downstream(name: "pod-a:5514", address: SocketAddress("[2001:db8::9]:5514")!),
@@ -115,7 +120,7 @@ struct MembershipTests {
                 kubernetes: {service: receivers, port: 5514}
             """)
         var discovered = Discovered()
-        discovered.kubernetes = (0..<70).map { Downstream(name: "p\($0)", address: SocketAddress("198.18.\($0 / 200 + 1).\($0 % 200 + 2):5514")!) }
+        discovered.found["kubernetes"] = (0..<70).map { Downstream(name: "p\($0)", address: SocketAddress("198.18.\($0 / 200 + 1).\($0 % 200 + 2):5514")!) }
             + [Downstream(name: "v6", address: SocketAddress("[2001:db8::5]:5514")!)]
         let (members, skipped) = Membership.members(listener, discovered)
         #expect(members.count == 64)
@@ -127,9 +132,9 @@ struct MembershipTests {
     @Test("a reload keeps discovered sets while their source stays, and drops them when it goes")
     func carried() throws {
         var discovered = Discovered()
-        discovered.dns["pool"] = [SocketAddress("198.18.3.2:6000")!]
-        discovered.dns["gone"] = [SocketAddress("198.18.4.2:6000")!]
-        discovered.kubernetes = [Downstream(name: "p", address: SocketAddress("198.18.9.2:5514")!)]
+        discovered.found["dns/pool"] = Self.addresses("198.18.3.2:6000")
+        discovered.found["dns/gone"] = Self.addresses("198.18.4.2:6000")
+        discovered.found["kubernetes"] = [Downstream(name: "p", address: SocketAddress("198.18.9.2:5514")!)]
         let listener = try Self.listener("""
               - name: l
                 bind: "0.0.0.0:5514"
@@ -137,8 +142,8 @@ struct MembershipTests {
                   - {name: pool, address: "other.example:6000"}
             """)
         let kept = Membership.carried(discovered, into: listener)
-        #expect(kept.dns == ["pool": [SocketAddress("198.18.3.2:6000")!]])
-        #expect(kept.kubernetes == nil)
+        #expect(kept.found == ["dns/pool": Self.addresses("198.18.3.2:6000")])
+        #expect(kept.found["kubernetes"] == nil)
     }
 
     @Test("configuration: health rise/fall, health_port, DNS names, resolve interval, kubernetes without static downstreams")
@@ -163,7 +168,7 @@ struct MembershipTests {
         #expect(config.listeners[1].settings.resolveIntervalSecs == 10)
         #expect(config.listeners[1].downstreams[0].healthTarget == SocketAddress("198.18.1.2:7")!)
         #expect(config.warnings().isEmpty)
-        #expect(DiscoverySpec.all(config).count == 2)
+        #expect(DiscoverySources.all(config).count == 2)
     }
 
     @Test("configuration errors name the key and the fix", arguments: [

@@ -1,3 +1,7 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFKernelABI
 import ReusePortLB
 
 /// af_xdp: an XDP program steers the listener's datagrams into AF_XDP sockets (one per queue),
@@ -31,6 +35,35 @@ struct AFXDPKind: ListenerKind {
             warnings.append(config.configWarning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
         }
         return warnings
+    }
+
+    /// Its interface exists and carries no other tool's XDP program, and has the queues asked for.
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
+        var problems: [String] = [], notes: [String] = []
+        let interface = listener.interface ?? ""
+        let ifindex = if_nametoindex(interface)
+        guard ifindex > 0 else {
+            return (["listeners[\(index)].interface: listener '\(listener.name)': interface '\(interface)' not found in this network namespace: fix the name (ip link show lists them) or create the interface first"], [])
+        }
+        // The start's own check: another tool's XDP program on the interface refuses it.
+        do throws(XDPError) {
+            try XDPAttachment.checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
+        } catch .foreignProgram(_, _, let name, _) where name == FANOUT_PROG_XDP_NAME {
+            // Most likely the daemon this file is about to reload (`--check` before SIGHUP).
+            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second af_xdp daemon on it would be refused")
+        } catch .foreignProgram(_, let id, "?", _) {
+            // Its name could not be read (bpf_prog_get_fd_by_id needs CAP_SYS_ADMIN): it may be
+            // the running daemon's own, so not a problem for an unprivileged check.
+            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs an XDP program (id \(id)) whose name this process cannot read: fine if it is the udp-fanout this file reloads; another program refuses the start (check as root, or bpftool prog show id \(id))")
+        } catch .query(_, let error) {
+            notes.append("listeners[\(index)].interface: listener '\(listener.name)': the XDP programs of \(interface) could not be read (\(error)); the start checks them again")
+        } catch {
+            problems.append("listeners[\(index)].interface: listener '\(listener.name)': \(error)")
+        }
+        if listener.settings.queues > 0, let available = try? RXQueues.count(interface: interface), listener.settings.queues > available {
+            problems.append("listeners[\(index)].settings.queues: listener '\(listener.name)': \(listener.settings.queues) but \(interface) has \(available) RX queue(s): lower it (0 serves them all)")
+        }
+        return (problems, notes)
     }
 
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {

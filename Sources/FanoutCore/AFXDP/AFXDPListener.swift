@@ -7,7 +7,7 @@ import ReusePortLB
 import Synchronization
 
 /// Why an af_xdp listener could not start; each names the problem and the fix.
-public enum AFXDPError: Error, CustomStringConvertible, Sendable {
+package enum AFXDPError: Error, CustomStringConvertible, Sendable {
     case capabilities(missing: [String])
     case noInterface(String)
     case queues(interface: String, configured: Int, available: Int)
@@ -18,7 +18,7 @@ public enum AFXDPError: Error, CustomStringConvertible, Sendable {
     case queueCount(XSKError)
     case companion(ReusePortError)
 
-    public var description: String {
+    package var description: String {
         switch self {
         case .capabilities(let missing):
             return "af_xdp needs \(missing.joined(separator: ", ")): grant them (systemd: AmbientCapabilities=; Kubernetes: securityContext.capabilities.add) or run as root"

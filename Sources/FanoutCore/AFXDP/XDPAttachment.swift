@@ -143,7 +143,7 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
 }
 
 /// Why the af_xdp program could not be attached: every case names the problem and the fix.
-public enum XDPError: Error, CustomStringConvertible, Sendable {
+package enum XDPError: Error, CustomStringConvertible, Sendable {
     case privileges(missing: [String])
     case interfaceNotFound(String)
     /// `ipKeyword`: how `ip link set dev X <keyword> off` detaches it (xdp, xdpgeneric, xdpoffload).
@@ -152,7 +152,7 @@ public enum XDPError: Error, CustomStringConvertible, Sendable {
     case query(interface: String, SystemCallError)
     case attach(interface: String, mode: XDPMode, SystemCallError)
 
-    public var description: String {
+    package var description: String {
         switch self {
         case .privileges(let missing):
             let list = missing.joined(separator: " and ")

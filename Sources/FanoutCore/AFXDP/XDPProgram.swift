@@ -10,7 +10,7 @@ import ReusePortLB
 
 /// What the XDP program did with a frame: the mirror of `enum fanout_xdp_verdict`. Every frame
 /// gets exactly one; only `redirected` reaches the AF_XDP socket, the rest pass to the kernel.
-public enum XDPVerdict: Int, Sendable, CaseIterable {
+package enum XDPVerdict: Int, Sendable, CaseIterable {
     case redirected = 0
     case noSocket = 1
     case fragment = 2
@@ -22,7 +22,7 @@ public enum XDPVerdict: Int, Sendable, CaseIterable {
     var raw: fanout_xdp_verdict { fanout_xdp_verdict(rawValue: UInt32(rawValue)) }
 
     /// The metric's `reason` label.
-    public var label: String {
+    package var label: String {
         switch self {
         case .redirected: return "redirected"
         case .noSocket: return "no_socket"

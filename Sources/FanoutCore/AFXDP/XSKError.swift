@@ -4,7 +4,7 @@ import Glibc
 
 /// Why an AF_XDP socket, its UMEM or the locked memory for it could not be set up. Every
 /// message names the failing call, its errno and the fix.
-public enum XSKError: Error, CustomStringConvertible, Equatable, Sendable {
+package enum XSKError: Error, CustomStringConvertible, Equatable, Sendable {
     /// A configuration value the kernel would refuse.
     case invalidConfig(String)
     /// RLIMIT_MEMLOCK is below `needed` bytes and cannot be raised (`setrlimit` failed with errno, or 0 when the
@@ -20,7 +20,7 @@ public enum XSKError: Error, CustomStringConvertible, Equatable, Sendable {
     /// A socket option (busy polling) was refused.
     case socketOption(interface: String, queue: UInt32, option: String, errno: Int32)
 
-    public var description: String {
+    package var description: String {
         switch self {
         case .invalidConfig(let problem):
             return "AF_XDP settings: \(problem)"

@@ -6,7 +6,7 @@ import ReusePortLB
 import Synchronization
 
 /// Why the daemon could not start.
-public enum DaemonError: Error, CustomStringConvertible {
+package enum DaemonError: Error, CustomStringConvertible {
     /// A listener's kind could not start it (the error names what and the fix).
     case listener(name: String, any Error)
     case output(name: String, OutboxError)
@@ -14,7 +14,7 @@ public enum DaemonError: Error, CustomStringConvertible {
     /// A failure a test injected at one step of a change (``FanoutDaemon/failureInjection``).
     case injected(name: String, step: TransitionStep)
 
-    public var description: String {
+    package var description: String {
         switch self {
         case .listener(let name, let error): return "listener '\(name)' could not start: \(error)"
         case .output(let name, let error): return "listener '\(name)' could not start: \(error)"
@@ -131,7 +131,7 @@ public final class FanoutDaemon: Sendable {
     /// Active and passive health of every member (a service of its own in the ServiceGroup).
     public let health: HealthChecker
     /// The forwarding path's last check (``WatchdogService``): what `/healthz` answers.
-    public let path = PathMonitor()
+    package let path = PathMonitor()
     /// Tests only (nil in production): asked at each step of a change's transaction with the
     /// listener's name; true fails that step as a real failure there would, so a test reaches
     /// every rollback path (``TransitionStep``).
@@ -154,7 +154,7 @@ public final class FanoutDaemon: Sendable {
 
     /// Starts every listener. On failure stops what started. The HTTP endpoint is a service of
     /// its own: ``StatusEndpointService``.
-    public func start() throws(DaemonError) {
+    package func start() throws(DaemonError) {
         let config = state.withLock { $0.config }
         var byMode: [String: Int] = [:]
         for listener in config.listeners { byMode[listener.mode.rawValue, default: 0] += 1 }
@@ -387,7 +387,7 @@ public final class FanoutDaemon: Sendable {
             // is gone with it.
             state.lost = []
             state.discovered = discovered
-            state.answered.formIntersection(DiscoverySpec.all(new))
+            state.answered.formIntersection(DiscoverySources.all(new))
             state.members = members
             state.applied = effective.mapValues(\.downstreams)
             state.discoveryErrors = state.discoveryErrors.filter { discovered[$0.key] != nil }
@@ -496,12 +496,12 @@ public final class FanoutDaemon: Sendable {
     var metricsPath: String { state.withLock { $0.config.metrics.path } }
 
     /// True once every listener's workers are in their receive loops.
-    public var isReady: Bool { readiness.isEmpty }
+    package var isReady: Bool { readiness.isEmpty }
 
     /// Why the daemon is not ready, one line per problem (empty: ready): a listener lost in a
     /// failed change, not yet receiving, waiting for its first discovery, or with no available
     /// downstream.
-    public var readiness: [String] {
+    package var readiness: [String] {
         state.withLock { state in
             if state.stopping { return ["udp-fanout is stopping"] }
             var reasons = state.lost.sorted().map { "listener '\($0)' is not running: a change failed and it could not be started again" }
@@ -522,7 +522,7 @@ public final class FanoutDaemon: Sendable {
     }
 
     /// The Prometheus text of every listener's counters.
-    public func metricsText() -> String {
+    package func metricsText() -> String {
         let counters = state.withLock { state in
             // A handed-over relay instance that still drains under a name no longer configured
             // (a rename) keeps that name's series until it stops.
@@ -541,7 +541,7 @@ public final class FanoutDaemon: Sendable {
     }
 
     /// The counters of one listener (tests and benchmarks read them directly).
-    public func counters(of listener: String) -> ListenerCounters.Snapshot? {
+    package func counters(of listener: String) -> ListenerCounters.Snapshot? {
         state.withLock { $0.counters[listener] }?.snapshot()
     }
 
@@ -552,7 +552,7 @@ public final class FanoutDaemon: Sendable {
     /// exactly as it was; a later reload tries again.
     /// - Returns: true if the new configuration is in force.
     @discardableResult
-    public func reload(text: String? = nil) -> Bool {
+    package func reload(text: String? = nil) -> Bool {
         let new: FanoutConfig
         do {
             let source = try text ?? readFile(configPath ?? "")
@@ -602,7 +602,7 @@ public final class FanoutDaemon: Sendable {
             }
             return rejected("configuration reload rejected: it could not be applied; keeping the running configuration", error)
         }
-        _ = state.withLock { $0.discovery }?.yield(DiscoverySpec.all(new))
+        _ = state.withLock { $0.discovery }?.yield(DiscoverySources.all(new))
         if old.metrics != new.metrics {
             // The endpoint service binds the new address before it closes the old one; if that
             // bind fails it keeps the old one and logs it. Listeners are reloaded either way.
@@ -616,7 +616,7 @@ public final class FanoutDaemon: Sendable {
     /// Stops every listener (each forwards what its sockets hold, then leaves its group).
     /// Idempotent. The HTTP endpoint stops with its own service (graceful shutdown of the
     /// `ServiceGroup`, or cancellation of its task); meanwhile `/readyz` answers 503.
-    public func shutdown() {
+    package func shutdown() {
         // Not while a membership change or reload is writing to a listener.
         changes.withLock { _ in shutdownChangesHeld() }
     }
@@ -633,7 +633,7 @@ public final class FanoutDaemon: Sendable {
 
 
 /// Reads a whole file as UTF-8.
-public func readFile(_ path: String) throws(ConfigError) -> String {
+package func readFile(_ path: String) throws(ConfigError) -> String {
     guard let file = fopen(path, "r") else {
         throw ConfigError("--config", "cannot read \(path): \(String(decoding: Array(String(cString: strerror(errno)).utf8), as: UTF8.self))")
     }

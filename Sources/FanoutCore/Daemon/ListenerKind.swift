@@ -24,6 +24,13 @@ protocol ListenerKind: Sendable {
     /// Why a discovered `downstream` cannot be a member of `listener`, which has `accepted`
     /// members so far (nil: it can). The discovered address is then skipped, with this reason.
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String?
+    /// What `--check` finds for `listener` (`listeners[index]` of a validated configuration)
+    /// without binding, loading or attaching anything: problems (the file cannot start here as it
+    /// is; each naming the key and the fix) and notes (worth knowing, not in the way).
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String])
+    /// What it logs beyond "listener downstream set changed" when `listener` applied a new
+    /// set of `downstreams` because of `cause` (a discovery kind, `health`).
+    static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger)
     /// Starts the running instance of `listener` (not yet steering its bind:
     /// ``RunningListener/activate()`` follows). A failure is thrown as ``DaemonError/listener(name:_:)``.
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener
@@ -49,6 +56,8 @@ extension ListenerKind {
     static var bindsPerInterface: Bool { false }
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {}
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? { nil }
+    static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {}
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) { ([], []) }
     func succession(of old: Listener, fresh: [Listener]) -> Succession { .besideSuccessor }
     var receivesOnBind: Bool { true }
     var drainsOnHandOver: Bool { false }

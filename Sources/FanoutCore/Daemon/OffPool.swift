@@ -9,7 +9,7 @@ import Glibc
 /// - Parameters:
 ///   - name: the thread's name (at most 15 characters are kept), as `ps -L` and `top -H` show it.
 ///   - body: the work; its result is handed back to the caller.
-public func offCooperativePool<T: Sendable>(_ name: String, _ body: @escaping @Sendable () -> T) async -> T {
+package func offCooperativePool<T: Sendable>(_ name: String, _ body: @escaping @Sendable () -> T) async -> T {
     await withCheckedContinuation { continuation in
         OSThread.detached(name: name) { continuation.resume(returning: body()) }
     }

@@ -5,7 +5,7 @@ import UnixSignals
 
 extension FanoutDaemon {
     /// systemd's STATUS= line: the listeners by mode, and how many reasons `/readyz` gives.
-    public func statusLine() -> String {
+    package func statusLine() -> String {
         let (listeners, lost) = state.withLock { ($0.config.listeners, $0.lost.sorted()) }
         let modes = Dictionary(grouping: listeners, by: \.mode.rawValue).map { "\($0.value.count) \($0.key)" }.sorted()
         let notReady = readiness.count

@@ -28,7 +28,7 @@ public final class SystemdNotifier: Sendable {
     /// Sends `state` (newline-separated `KEY=value` assignments) in one datagram.
     /// - Returns: nil when sent or not under systemd, else what failed.
     @discardableResult
-    public func send(_ state: String) -> String? {
+    package func send(_ state: String) -> String? {
         guard let path, !path.isEmpty else { return nil }
         let problem = deliver(state, to: path)
         if let problem, !failureLogged.exchange(true, ordering: .relaxed) {
@@ -60,7 +60,7 @@ public final class SystemdNotifier: Sendable {
 
     /// CLOCK_MONOTONIC in microseconds: the `MONOTONIC_USEC=` that must accompany `RELOADING=1`
     /// (systemd 253+ with Type=notify-reload uses it to tell this reload from an earlier one).
-    public static func monotonicMicroseconds() -> UInt64 {
+    package static func monotonicMicroseconds() -> UInt64 {
         var now = timespec()
         clock_gettime(CLOCK_MONOTONIC, &now)
         return UInt64(now.tv_sec) * 1_000_000 + UInt64(now.tv_nsec) / 1_000

@@ -1,7 +1,7 @@
 /// A step of the transaction that moves running listeners to a new configuration (see
 /// `FanoutDaemon.transitionLocked`), where a test can inject a failure
 /// (``FanoutDaemon/failureInjection``).
-public enum TransitionStep: String, Sendable, CaseIterable {
+package enum TransitionStep: String, Sendable, CaseIterable {
     /// The old instance gives up what only one instance can hold, before its successor starts: a
     /// tc_ebpf listener is stopped (its map entries are keyed by bind and interface), an af_xdp
     /// listener releases its interface's XDP hook and queues. Userspace listeners have no such

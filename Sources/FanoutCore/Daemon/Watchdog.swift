@@ -6,9 +6,9 @@ import ServiceLifecycle
 import Synchronization
 
 /// One part of the forwarding path as the systemd watchdog sees it.
-public struct PathHeartbeat: Sendable, Equatable {
+package struct PathHeartbeat: Sendable, Equatable {
     /// What moves, or what must still be in place.
-    public enum Beat: Sendable, Equatable {
+    package enum Beat: Sendable, Equatable {
         /// A userspace worker: `count` grows at every idle poll timeout (100 ms) and at every
         /// batch it receives; not at a turn whose receive failed.
         case worker(index: Int, count: UInt64)
@@ -18,18 +18,18 @@ public struct PathHeartbeat: Sendable, Equatable {
     }
 
     /// The listener's name.
-    public let listener: String
+    package let listener: String
     /// Which running instance of the listener (a reload that rebuilds it starts a new one,
     /// whose counters start again from zero).
-    public let instance: UInt64
+    package let instance: UInt64
     /// The part and its state.
-    public let beat: Beat
+    package let beat: Beat
 
     /// - Parameters:
     ///   - listener: the listener's name.
     ///   - instance: the running instance (``ListenerInstance/next()`` numbers them).
     ///   - beat: the worker's progress counter or the kernel attachment's state.
-    public init(listener: String, instance: UInt64, beat: Beat) {
+    package init(listener: String, instance: UInt64, beat: Beat) {
         self.listener = listener
         self.instance = instance
         self.beat = beat
@@ -46,7 +46,7 @@ enum ListenerInstance {
 /// previous check must have moved since, and every tc_ebpf attachment must still be in place. A
 /// part seen for the first time counts as alive (it has just started). No clock: each call is one
 /// tick of the pinger, so the decision is tested with made-up heartbeats.
-public struct WatchdogJudge: Sendable {
+package struct WatchdogJudge: Sendable {
     struct Key: Hashable {
         let listener: String
         let instance: UInt64
@@ -57,23 +57,23 @@ public struct WatchdogJudge: Sendable {
     /// Parts reported stuck and not yet recovered: each stall is logged once.
     private var stuck: Set<Key> = []
 
-    public init() {}
+    package init() {}
 
     /// The verdict of one check.
-    public struct Verdict: Sendable, Equatable {
+    package struct Verdict: Sendable, Equatable {
         /// True: send WATCHDOG=1.
-        public var alive: Bool
+        package var alive: Bool
         /// Parts that stopped since the previous check, one line each (for the log).
-        public var newlyStuck: [String]
+        package var newlyStuck: [String]
         /// Parts that move again after being reported stuck.
-        public var recovered: [String]
+        package var recovered: [String]
         /// Every part stuck now, one line each (what /healthz answers).
-        public var problems: [String] = []
+        package var problems: [String] = []
     }
 
     /// Compares `heartbeats` with those of the previous check.
     /// - Returns: whether to ping, and the stalls and recoveries to log.
-    public mutating func check(_ heartbeats: [PathHeartbeat]) -> Verdict {
+    package mutating func check(_ heartbeats: [PathHeartbeat]) -> Verdict {
         var verdict = Verdict(alive: true, newlyStuck: [], recovered: [])
         var seen: [Key: UInt64] = [:]
         var stuckNow: Set<Key> = []
@@ -108,7 +108,7 @@ public struct WatchdogJudge: Sendable {
 }
 
 /// systemd's watchdog settings from the environment (sd_watchdog_enabled(3)).
-public enum WatchdogSettings {
+package enum WatchdogSettings {
     /// The interval systemd expects WATCHDOG=1 within, or nil: no watchdog for this process.
     /// - Parameters:
     ///   - environment: `WATCHDOG_USEC` (microseconds) and `WATCHDOG_PID` (when set, the
@@ -116,7 +116,7 @@ public enum WatchdogSettings {
     ///   - pid: this process's id.
     /// - Throws: a message naming the variable when `WATCHDOG_USEC` or `WATCHDOG_PID` is not a
     ///   positive number (systemd would then kill the daemon for pings it never sends).
-    public static func interval(environment: [String: String], pid: pid_t) throws(ConfigError) -> Duration? {
+    package static func interval(environment: [String: String], pid: pid_t) throws(ConfigError) -> Duration? {
         guard let text = environment["WATCHDOG_USEC"], !text.isEmpty else { return nil }
         guard let microseconds = UInt64(text), microseconds > 0 else {
             throw ConfigError("WATCHDOG_USEC", "'\(text)' is not a positive number of microseconds: fix WatchdogSec= in the unit (or unset WATCHDOG_USEC)")
@@ -133,7 +133,7 @@ public enum WatchdogSettings {
 
 /// The forwarding path's state as the last check found it: shared by the path check
 /// (``WatchdogService``), `/healthz` and systemd's watchdog.
-public final class PathMonitor: Sendable {
+package final class PathMonitor: Sendable {
     private struct State {
         var started: Bool
         var problems: [String] = []
@@ -141,23 +141,23 @@ public final class PathMonitor: Sendable {
     private let state: Mutex<State>
 
     /// How often the path is checked when systemd asks for no watchdog (for `/healthz`).
-    public static let defaultCheckInterval: Duration = .seconds(5)
+    package static let defaultCheckInterval: Duration = .seconds(5)
 
     /// - Parameter started: false until the listeners have started (``markStarted()``): a path
     ///   still starting is neither judged nor pinged for.
-    public init(started: Bool = false) {
+    package init(started: Bool = false) {
         state = Mutex(State(started: started))
     }
 
     /// The listeners have started: checks begin.
-    public func markStarted() { state.withLock { $0.started = true } }
+    package func markStarted() { state.withLock { $0.started = true } }
 
     var started: Bool { state.withLock { $0.started } }
 
     func record(_ problems: [String]) { state.withLock { $0.problems = problems } }
 
     /// What the last check found stuck, one line each (empty: alive). `/healthz` answers 503 with them.
-    public var problems: [String] { state.withLock { $0.problems } }
+    package var problems: [String] { state.withLock { $0.problems } }
 }
 
 /// Checks the forwarding path (``WatchdogJudge``) on a schedule, always: the verdict is what
@@ -181,7 +181,7 @@ public struct WatchdogService: Service {
     /// and `WATCHDOG_PID` unset or this process).
     /// - Throws: ``WatchdogSettings/interval(environment:pid:)``'s error.
     public init(daemon: FanoutDaemon, notifier: SystemdNotifier,
-                environment: [String: String] = ProcessEnvironment.current()) throws(ConfigError) {
+               environment: [String: String] = ProcessEnvironment.current()) throws(ConfigError) {
         let interval = try WatchdogSettings.interval(environment: environment, pid: getpid())
         // The check takes the daemon's locks and asks the kernel: off the cooperative pool.
         self.init(interval: interval, checkEvery: interval.map { $0 / 2 } ?? PathMonitor.defaultCheckInterval,
@@ -195,7 +195,7 @@ public struct WatchdogService: Service {
     ///   - heartbeats: the forwarding path's state now.
     ///   - send: delivers one sd_notify message.
     ///   - logger: where stalls and recoveries are logged.
-    public init(interval: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
+    package init(interval: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
                 send: @escaping @Sendable (String) -> Void, logger: Logger) {
         self.init(interval: interval, checkEvery: interval / 2, heartbeats: heartbeats, send: send, logger: logger,
                   monitor: PathMonitor(started: true))
@@ -205,7 +205,7 @@ public struct WatchdogService: Service {
     ///   - interval: systemd's WatchdogSec, or nil: check only, never ping.
     ///   - checkEvery: the time between checks.
     ///   - monitor: where each verdict goes; nothing is judged before it is marked started.
-    public init(interval: Duration?, checkEvery: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
+    package init(interval: Duration?, checkEvery: Duration, heartbeats: @escaping @Sendable () async -> [PathHeartbeat],
                 send: @escaping @Sendable (String) -> Void, logger: Logger, monitor: PathMonitor,
                 status: (@Sendable () -> String)? = nil) {
         self.status = status
@@ -259,7 +259,7 @@ extension FanoutDaemon {
     /// attachments' state), for the path check. Empty while stopping. A listener a failed change
     /// left stopped is not a stall but a readiness problem (`/readyz`): a restart would read the
     /// same file, fail the same way and take the other listeners down with it.
-    public func heartbeats() -> [PathHeartbeat] {
+    package func heartbeats() -> [PathHeartbeat] {
         let listeners = state.withLock { state in state.stopping ? [] : Array(state.listeners.values) }
         return listeners.flatMap { $0.heartbeats() }
     }

@@ -6,14 +6,14 @@ import CSystemShim
 import ReusePortLB
 
 /// Why a downstream's way out could not be made, naming the fix.
-public struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable {
+package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable {
     /// The downstream the outbox was for.
-    public var downstream: SocketAddress
+    package var downstream: SocketAddress
     /// The C call that failed.
-    public var call: String
-    public var errno: Int32
+    package var call: String
+    package var errno: Int32
 
-    public var description: String {
+    package var description: String {
         let base = "downstream \(downstream): \(call) failed: \(String(cString: strerror(errno))) (errno \(errno))"
         guard errno == EPERM || errno == EACCES else { return base }
         return base + ": output preserve_source sends through a raw IP socket, which needs CAP_NET_RAW: run as root, or grant it "

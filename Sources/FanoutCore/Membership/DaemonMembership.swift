@@ -3,35 +3,6 @@ import Logging
 import ReusePortLB
 import Synchronization
 
-/// A discovery source of one listener: what ``DiscoveryService`` runs a watcher for.
-enum DiscoverySpec: Hashable, Sendable, CustomStringConvertible {
-    case dns(listener: String, entry: String, host: String, port: UInt16, maximumInterval: Int)
-    case kubernetes(listener: String, Kubernetes)
-
-    var listener: String {
-        switch self {
-        case .dns(let listener, _, _, _, _), .kubernetes(let listener, _): return listener
-        }
-    }
-
-    var description: String {
-        switch self {
-        case .dns(let listener, let entry, let host, let port, _): return "\(listener)/dns/\(entry)/\(host):\(port)"
-        case .kubernetes(let listener, let source): return "\(listener)/kubernetes/\(source.namespace ?? "")/\(source.service):\(source.port)"
-        }
-    }
-
-    /// Every discovery source of a configuration.
-    static func all(_ config: FanoutConfig) -> [DiscoverySpec] {
-        config.listeners.flatMap { listener in
-            listener.dnsDownstreams.map {
-                DiscoverySpec.dns(listener: listener.name, entry: $0.name, host: $0.host, port: $0.port,
-                                  maximumInterval: listener.settings.resolveIntervalSecs)
-            } + (listener.kubernetes.map { [DiscoverySpec.kubernetes(listener: listener.name, $0)] } ?? [])
-        }
-    }
-}
-
 extension HealthPolicy {
     /// The probe settings of the configuration's `health` section.
     init(_ health: Health) {
@@ -56,32 +27,20 @@ final class HealthLink: Sendable {
 }
 
 extension FanoutDaemon {
-    /// A DNS entry of a listener resolved to `addresses`.
-    func discovered(_ spec: DiscoverySpec, dns addresses: [SocketAddress]) {
-        guard case .dns(_, let entry, _, _, _) = spec else { return }
-        discovered(spec, cause: "dns") { $0.dns[entry] = addresses }
-    }
-
-    /// The Kubernetes Service of a listener has these ready endpoints.
-    func discovered(_ spec: DiscoverySpec, kubernetes endpoints: [Downstream]) {
-        // The watcher logs the reference's `k8s discovery: 0 ready endpoints` itself.
-        discovered(spec, cause: "kubernetes") { $0.kubernetes = endpoints }
-    }
-
-    /// Records what a source found and applies it, under the change lock (a reload running
-    /// meanwhile would otherwise overwrite it with its snapshot). A spec of a configuration no
-    /// longer in force changes nothing.
-    private func discovered(_ spec: DiscoverySpec, cause: String, _ change: (inout Discovered) -> Void) {
+    /// A discovery source found `downstreams`: records it and applies it, under the change lock
+    /// (a reload running meanwhile would otherwise overwrite it with its snapshot). A spec of a
+    /// configuration no longer in force changes nothing.
+    func discovered(_ spec: DiscoverySpec, _ downstreams: [Downstream]) {
         changes.withLock { _ in
             let current = state.withLock { state in
-                guard DiscoverySpec.all(state.config).contains(spec) else { return false }
-                change(&state.discovered[spec.listener, default: Discovered()])
+                guard DiscoverySources.all(state.config).contains(spec) else { return false }
+                state.discovered[spec.listener, default: Discovered()].found[spec.slot] = downstreams
                 state.answered.insert(spec)
                 state.discoveryErrors[spec.listener] = nil
                 return true
             }
             guard current else { return }
-            refreshChangesHeld(spec.listener, cause: cause)
+            refreshChangesHeld(spec.listener, cause: spec.kind)
             updateHealthTargetsChangesHeld()
         }
     }
@@ -90,7 +49,7 @@ extension FanoutDaemon {
     /// `/readyz` while the listener's first discovery is pending.
     func discoveryFailed(_ spec: DiscoverySpec, _ error: String) {
         state.withLock { state in
-            guard DiscoverySpec.all(state.config).contains(spec) else { return }
+            guard DiscoverySources.all(state.config).contains(spec) else { return }
             state.discoveryErrors[spec.listener] = error
         }
     }
@@ -100,7 +59,7 @@ extension FanoutDaemon {
     func attachDiscovery(_ changes: AsyncStream<[DiscoverySpec]>.Continuation) -> [DiscoverySpec] {
         state.withLock { state in
             state.discovery = changes
-            return DiscoverySpec.all(state.config)
+            return DiscoverySources.all(state.config)
         }
     }
 
@@ -155,9 +114,7 @@ extension FanoutDaemon {
         state.withLock { $0.applied[name] = work.available }
         membershipUpdates.wrappingAdd(1, ordering: .relaxed)
         let before = Set((work.previous ?? []).map(\.address)), after = Set(work.available.map(\.address))
-        if work.listener.mode == .tcEBPF && cause == "kubernetes" {
-            logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(name)", "downstreams": "\(work.available.count)"])
-        }
+        ListenerKinds.type(for: work.listener)?.membershipApplied(work.listener, cause: cause, downstreams: work.available.count, logger: logger)
         logger.info("listener downstream set changed", metadata: [
             "listener": "\(name)", "cause": "\(cause)", "downstreams": "\(work.available.count)",
             "added": "\(after.subtracting(before).map(\.description).sorted())",
@@ -205,24 +162,30 @@ extension FanoutDaemon {
                 out += "udp_fanout_downstream_up{listener=\"\(PrometheusText.escape(listener.name))\",downstream=\"\(PrometheusText.escape(member.name))\",address=\"\(member.address)\"} \(available.contains(member.address) ? 1 : 0)\n"
             }
         }
-        out += "# HELP udp_fanout_downstreams Members of each listener by source (static, dns, kubernetes)\n# TYPE udp_fanout_downstreams gauge\n"
+        let kinds = DiscoverySources.types.map { $0.kind }
+        out += "# HELP udp_fanout_downstreams Members of each listener by source (static, \(kinds.joined(separator: ", ")))\n# TYPE udp_fanout_downstreams gauge\n"
         for listener in listeners {
             let all = members[listener.name] ?? []
             let statics = listener.downstreams.count
-            // Members after the static ones come from DNS if a name resolved to their address.
-            let resolved = Set((discovered[listener.name]?.dns.values).map { Array($0.joined()) } ?? [])
-            let dns = all.dropFirst(statics).filter { resolved.contains($0.address) }.count
+            // Members after the static ones come from the first source (in member order) that
+            // found their address.
+            let sources = DiscoverySources.of(listener).map { spec in
+                (kind: spec.kind, addresses: Set((discovered[listener.name]?.found[spec.slot] ?? []).map(\.address)))
+            }
+            var counts: [String: Int] = [:]
+            for member in all.dropFirst(statics) {
+                if let source = sources.first(where: { $0.addresses.contains(member.address) }) { counts[source.kind, default: 0] += 1 }
+            }
             let labels = "listener=\"\(PrometheusText.escape(listener.name))\""
             out += "udp_fanout_downstreams{\(labels),source=\"static\"} \(statics)\n"
-            out += "udp_fanout_downstreams{\(labels),source=\"dns\"} \(dns)\n"
-            out += "udp_fanout_downstreams{\(labels),source=\"kubernetes\"} \(all.count - statics - dns)\n"
+            for kind in kinds { out += "udp_fanout_downstreams{\(labels),source=\"\(kind)\"} \(counts[kind] ?? 0)\n" }
         }
         out += "# HELP udp_fanout_discovered_not_used Discovered addresses a listener cannot use (address family, tc_ebpf's 64 per listener)\n# TYPE udp_fanout_discovered_not_used gauge\n"
         for listener in listeners {
             out += "udp_fanout_discovered_not_used{listener=\"\(PrometheusText.escape(listener.name))\"} \(skipped[listener.name]?.count ?? 0)\n"
         }
         out += "# HELP udp_fanout_discovery_waiting Discovery sources of a listener that have not answered yet since start or the reload that configured them (a renamed DNS entry or another Service serves the previous set meanwhile)\n# TYPE udp_fanout_discovery_waiting gauge\n"
-        let specs = DiscoverySpec.all(config)
+        let specs = DiscoverySources.all(config)
         for listener in listeners {
             let waiting = specs.filter { $0.listener == listener.name && !answered.contains($0) }.count
             out += "udp_fanout_discovery_waiting{listener=\"\(PrometheusText.escape(listener.name))\"} \(waiting)\n"

@@ -1,23 +1,22 @@
 import CSystemShim
 import ReusePortLB
 
-/// What discovery found for one listener (its configuration holds the rest).
+/// What discovery found for one listener (its configuration holds the rest): each source's last
+/// answer by its ``DiscoverySource/slot``, absent until its first answer (a DNS entry's
+/// addresses, the Kubernetes Service's ready endpoints).
 struct Discovered: Sendable, Equatable {
-    /// The addresses each DNS downstream resolved to, by the entry's name; absent until its
-    /// first successful resolution.
-    var dns: [String: [SocketAddress]] = [:]
-    /// The ready endpoints of the listener's Kubernetes Service; nil until the first list.
-    var kubernetes: [Downstream]?
+    var found: [String: [Downstream]] = [:]
 }
 
-/// Membership is one path: static downstreams, DNS names and Kubernetes endpoints make a
+/// Membership is one path: static downstreams and what discovery sources found make a
 /// listener's *members*; health takes the down ones out, leaving the *available* set, which one
 /// step (``RunningListener/update(downstreams:balancing:)``) applies in every mode. Pure
 /// functions here; ``FanoutDaemon`` keeps the state and applies.
 enum Membership {
-    /// Every downstream of `listener`: configured ones first, in file order, then each DNS
-    /// entry's addresses (sorted), then Kubernetes endpoints (sorted by address). An address is
-    /// a member once (the first wins: a static downstream keeps its name and weight).
+    /// Every downstream of `listener`: configured ones first, in file order, then what each
+    /// discovery source found, in ``DiscoverySources`` order (DNS entries' addresses sorted,
+    /// then Kubernetes endpoints sorted by address). An address is a member once (the first
+    /// wins: a static downstream keeps its name and weight).
     /// - Returns: the members, and why discovered addresses were left out (mode limits).
     static func members(_ listener: Listener, _ discovered: Discovered) -> (members: [Downstream], skipped: [String]) {
         var members = listener.downstreams
@@ -43,14 +42,8 @@ enum Membership {
             members.append(downstream)
             names.insert(downstream.name)
         }
-        for entry in listener.dnsDownstreams {
-            for address in (discovered.dns[entry.name] ?? []).sorted(by: { $0.description < $1.description }) {
-                add(Downstream(name: "\(entry.name)/\(address.ip)", address: address, weight: entry.weight, healthPort: entry.healthPort),
-                    from: "DNS \(entry.host)")
-            }
-        }
-        for endpoint in (discovered.kubernetes ?? []).sorted(by: { $0.address.description < $1.address.description }) {
-            add(endpoint, from: "Kubernetes \(listener.kubernetes?.service ?? "")")
+        for spec in DiscoverySources.of(listener) {
+            for downstream in spec.source.members(discovered.found[spec.slot] ?? []) { add(downstream, from: spec.source.label) }
         }
         return (members, skipped)
     }
@@ -62,24 +55,16 @@ enum Membership {
 
     /// Why the listener's first discovery is not complete yet (empty: complete).
     static func pending(_ listener: Listener, _ discovered: Discovered) -> [String] {
-        var reasons: [String] = []
-        if let kubernetes = listener.kubernetes, discovered.kubernetes == nil {
-            reasons.append("waiting for the first EndpointSlice list of \(kubernetes.namespace.map { "\($0)/" } ?? "")\(kubernetes.service)")
-        }
-        for entry in listener.dnsDownstreams where discovered.dns[entry.name] == nil {
-            reasons.append("waiting for the first resolution of \(entry.host)")
-        }
-        return reasons
+        DiscoverySources.of(listener).filter { discovered.found[$0.slot] == nil }.map(\.source.waiting)
     }
 
-    /// What a reload keeps of the discovered sets: each DNS entry's last addresses while an entry
-    /// of that name stays, and the Kubernetes endpoints while the listener still discovers, even
-    /// if the name, Service or port changed: the old set serves until the new watcher's first
-    /// answer replaces it (the new state is ready before the old one goes).
+    /// What a reload keeps of the discovered sets: each source's last answer while a source
+    /// with its slot stays (a DNS entry of that name; the Kubernetes endpoints while the listener
+    /// still discovers, even if the Service or port changed): the old set serves until the new
+    /// watcher's first answer replaces it (the new state is ready before the old one goes).
     static func carried(_ discovered: Discovered, into listener: Listener) -> Discovered {
         var kept = Discovered()
-        for entry in listener.dnsDownstreams { kept.dns[entry.name] = discovered.dns[entry.name] }
-        if listener.kubernetes != nil { kept.kubernetes = discovered.kubernetes }
+        for spec in DiscoverySources.of(listener) { kept.found[spec.slot] = discovered.found[spec.slot] }
         return kept
     }
 }

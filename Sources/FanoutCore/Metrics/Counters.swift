@@ -2,7 +2,7 @@ import ReusePortLB
 import Synchronization
 
 /// Why a datagram was not forwarded. Each reason is a `reason` label value.
-public enum DropReason: String, CaseIterable, Sendable {
+package enum DropReason: String, CaseIterable, Sendable {
     /// Larger than settings.max_packet_size (MSG_TRUNC): never forwarded cut.
     case tooLarge = "too_large"
     /// The downstream socket's send buffer was full (EAGAIN/ENOBUFS).
@@ -27,7 +27,7 @@ public enum DropReason: String, CaseIterable, Sendable {
 }
 
 /// Why a reply (downstream to client) of a two-way listener was not sent on.
-public enum ReplyDropReason: String, CaseIterable, Sendable {
+package enum ReplyDropReason: String, CaseIterable, Sendable {
     /// nat: from a downstream that is not the client's associated one (sbulb's rule).
     case wrongServer = "wrong_server"
     /// nat: the kernel's fib lookup found no route to the client.
@@ -52,7 +52,7 @@ public enum ReplyDropReason: String, CaseIterable, Sendable {
 }
 
 /// What happened to the associations (nat) or sessions (relay) of a two-way listener.
-public enum AssociationEvent: String, CaseIterable, Sendable {
+package enum AssociationEvent: String, CaseIterable, Sendable {
     /// A client's first datagram made one (its downstream chosen by the listener's balancing).
     case created
     /// nat: a downstream's datagram to a client without one made it (server-initiated).
@@ -71,32 +71,32 @@ public enum AssociationEvent: String, CaseIterable, Sendable {
 }
 
 /// The reply side of a two-way listener (``Replies``).
-public struct TwoWaySnapshot: Sendable {
-    public var replies: UInt64 = 0
-    public var replyBytes: UInt64 = 0
-    public var replyDropped: [ReplyDropReason: UInt64] = [:]
+package struct TwoWaySnapshot: Sendable {
+    package var replies: UInt64 = 0
+    package var replyBytes: UInt64 = 0
+    package var replyDropped: [ReplyDropReason: UInt64] = [:]
     /// Associations (nat) or sessions (relay) present now.
-    public var associations: UInt64 = 0
-    public var events: [AssociationEvent: UInt64] = [:]
+    package var associations: UInt64 = 0
+    package var events: [AssociationEvent: UInt64] = [:]
     /// Replies sent on per downstream, by name.
-    public var downstreamReplies: [String: UInt64] = [:]
+    package var downstreamReplies: [String: UInt64] = [:]
     /// relay: session-socket sends and receives made through the workers' io_urings (tests only:
     /// not exported, not part of the public snapshot).
     var ringSends: UInt64 = 0
     var ringReceives: UInt64 = 0
 
-    public init() {}
+    package init() {}
 }
 
 /// One client of a two-way listener and the downstream it is associated with.
-public struct AssociationEntry: Sendable, Equatable {
-    public var client: SocketAddress
+package struct AssociationEntry: Sendable, Equatable {
+    package var client: SocketAddress
     /// The downstream's name, or its address when it is no longer in the set.
-    public var downstream: String
+    package var downstream: String
     /// relay: seconds since the session's last datagram; nil for nat (the LRU map keeps no time).
-    public var idleSeconds: Int?
+    package var idleSeconds: Int?
 
-    public init(client: SocketAddress, downstream: String, idleSeconds: Int? = nil) {
+    package init(client: SocketAddress, downstream: String, idleSeconds: Int? = nil) {
         self.client = client
         self.downstream = downstream
         self.idleSeconds = idleSeconds
@@ -105,9 +105,9 @@ public struct AssociationEntry: Sendable, Equatable {
 
 /// One listener's counters, shared by its workers (each adds once per batch) and read by
 /// the metrics endpoint. Kept across reloads while the listener's name exists.
-public final class ListenerCounters: Sendable {
-    public let name: String
-    public let mode: String
+package final class ListenerCounters: Sendable {
+    package let name: String
+    package let mode: String
     let received = Atomic<UInt64>(0)
     let bytesReceived = Atomic<UInt64>(0)
     let forwarded = Atomic<UInt64>(0)
@@ -203,16 +203,16 @@ public final class ListenerCounters: Sendable {
         }
     }
 
-    public struct Snapshot: Sendable {
-        public var received, bytesReceived, forwarded, bytesForwarded, noHealthy, receiveQueueDrops: UInt64
-        public var dropped: [DropReason: UInt64]
-        public var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)]
+    package struct Snapshot: Sendable {
+        package var received, bytesReceived, forwarded, bytesForwarded, noHealthy, receiveQueueDrops: UInt64
+        package var dropped: [DropReason: UInt64]
+        package var downstreams: [String: (forwarded: UInt64, bytes: UInt64, dropped: UInt64)]
         /// Drops per downstream by reason, where the mode counts them so (tc_ebpf: `no_route`,
         /// `too_large`); empty otherwise.
-        public var downstreamDropped: [String: [DropReason: UInt64]] = [:]
+        package var downstreamDropped: [String: [DropReason: UInt64]] = [:]
         /// Two-way listeners only.
-        public var twoWay: TwoWaySnapshot? = nil
-        public var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
+        package var twoWay: TwoWaySnapshot? = nil
+        package var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
 
         /// These values on top of `base`'s (a previous instance's); the associations gauge is this one's.
         func adding(_ base: Snapshot) -> Snapshot {
@@ -254,7 +254,7 @@ public final class ListenerCounters: Sendable {
         }
     }
 
-    public func snapshot() -> Snapshot {
+    package func snapshot() -> Snapshot {
         if let external = external.withLock({ $0 }) {
             // Each running instance's maps are read outside the lock.
             return external.running.values.reduce(external.stopped) { total, source in source().adding(total) }
@@ -277,7 +277,7 @@ public final class ListenerCounters: Sendable {
 }
 
 /// One downstream's counters.
-public final class DownstreamCounters: Sendable {
+package final class DownstreamCounters: Sendable {
     let forwarded = Atomic<UInt64>(0)
     let bytes = Atomic<UInt64>(0)
     let dropped = Atomic<UInt64>(0)

@@ -5,6 +5,11 @@ import ReusePortLB
 struct RelayKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
 
+    /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
+        Preflight.bindProblems(listener, index: index)
+    }
+
     /// A userspace listener's checks, then the sessions'.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         try UserspaceKind.validate(listener, index: index, path: path, of: config, localAddresses: localAddresses)

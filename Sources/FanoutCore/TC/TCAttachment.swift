@@ -295,7 +295,7 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
 }
 
 /// Why a tc_ebpf listener could not start.
-public enum TCError: Error, CustomStringConvertible, Sendable {
+package enum TCError: Error, CustomStringConvertible, Sendable {
     case privileges(missing: [String])
     case interfaceNotFound(String)
     case interfaceBusy(String, lockPath: String)
@@ -309,7 +309,7 @@ public enum TCError: Error, CustomStringConvertible, Sendable {
     /// A `settings.reply_interfaces` entry of a nat listener that names no interface.
     case replyInterfaceNotFound(listener: String, interface: String)
 
-    public var description: String {
+    package var description: String {
         switch self {
         case .privileges(let missing):
             let list = missing.count > 1 ? missing.dropLast().joined(separator: ", ") + " and " + missing.last! : missing.joined()

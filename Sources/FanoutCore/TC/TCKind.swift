@@ -1,4 +1,5 @@
 import BPFKernelABI
+import Logging
 import ReusePortLB
 
 /// tc_ebpf: in-kernel DNAT, fib lookup and redirect at the interface's tc hook. One program per
@@ -77,6 +78,20 @@ struct TCKind: ListenerKind {
             return "not of the listener's address family (tc_ebpf cannot translate between IPv4 and IPv6)"
         }
         return accepted < Int(FANOUT_MAX_BACKENDS) ? nil : "tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) downstreams per listener"
+    }
+
+    /// The interface exists and forwards, each downstream has a route, and with replies nat the
+    /// reply interfaces exist and forward (``TCPreflight``).
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
+        var problems = TCPreflight.problems(listener, index: index)
+        if listener.replies == .nat { problems += TCPreflight.replyInterfaceProblems(listener, path: "listeners[\(index)]") }
+        return (problems, [])
+    }
+
+    /// The reference's log line for a Kubernetes change of a tc_ebpf listener's maps.
+    static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {
+        guard cause == KubernetesSource.kind else { return }
+        logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams)"])
     }
 
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {

@@ -4,6 +4,11 @@ import ReusePortLB
 struct UserspaceKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies != .relay }
 
+    /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
+    static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
+        Preflight.bindProblems(listener, index: index)
+    }
+
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         if listener.settings.output == .xdpTX {
             throw config.configError("\(path).settings.output", "xdp_tx needs mode af_xdp (it transmits from the AF_XDP ring); userspace mode offers socket or preserve_source")
