@@ -35,6 +35,9 @@ let package = Package(
         .systemLibrary(name: "CLibXDP", pkgConfig: "libxdp", providers: [.apt(["libxdp-dev"])]),
         // What Swift cannot import from Glibc.
         .target(name: "CSystemShim"),
+        // The system-call layer: every socket, option, send/receive, poll, epoll and ioctl call
+        // goes through it (EINTR retried, would-block a value, errors naming call, errno and fix).
+        .target(name: "SystemCalls", dependencies: ["CSystemShim"]),
         // The kernel/user ABI of the BPF programs: bpf/include's shared headers, one definition for both sides.
         .target(name: "BPFKernelABI"),
         // Compiles bpf/*.bpf.c with the toolchain's clang and embeds the objects.
@@ -42,8 +45,8 @@ let package = Package(
         .target(name: "BPFObjects", plugins: ["BPFObjectCompiler"]),
         // What every BPF program's loader shares: system calls, loading embedded objects, per-CPU
         // counters, capabilities (ReusePortLB's sk_reuseport program, udp-fanout's tc and XDP ones).
-        .target(name: "BPFSupport", dependencies: ["CLibBPF", "BPFObjects"]),
-        .target(name: "ReusePortLB", dependencies: ["BPFSupport", "BPFKernelABI", "CLibBPF", "CSystemShim", "BPFObjects"]),
+        .target(name: "BPFSupport", dependencies: ["CLibBPF", "BPFObjects", "SystemCalls"]),
+        .target(name: "ReusePortLB", dependencies: ["BPFSupport", "BPFKernelABI", "CLibBPF", "CSystemShim", "BPFObjects", "SystemCalls"]),
         // SONAME libreuseportlb.so.0, so C programs record the ABI version (make install adds the links).
         .target(
             name: "ReusePortLBCAPI", dependencies: ["ReusePortLB"],
@@ -59,20 +62,20 @@ let package = Package(
         .executableTarget(
             name: "collector",
             dependencies: [
-                "ReusePortLB", "TrafficModel",
+                "ReusePortLB", "TrafficModel", "SystemCalls", "CSystemShim",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
             ]),
         .executableTarget(
             name: "publisher",
             dependencies: [
-                "ReusePortLB", "TrafficModel",
+                "ReusePortLB", "TrafficModel", "SystemCalls", "CSystemShim",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
             ]),
         // udp-fanout's engine, driven in-process by tests and benchmarks.
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "BPFSupport", "BPFKernelABI", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects",
+                "ReusePortLB", "BPFSupport", "BPFKernelABI", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects", "SystemCalls",
                 .product(name: "Yams", package: "Yams"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
@@ -93,11 +96,11 @@ let package = Package(
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
             ]),
         // Helpers both test targets use (privilege gating, child processes, loopback senders).
-        .target(name: "TestSupport", dependencies: ["ReusePortLB", "CLibBPF"]),
+        .target(name: "TestSupport", dependencies: ["ReusePortLB", "CLibBPF", "SystemCalls", "CSystemShim"]),
         .testTarget(
             name: "FanoutTests",
             dependencies: [
-                "FanoutCore", "ReusePortLB", "BPFSupport", "BPFKernelABI", "TestSupport", "CLibBPF", "CLibXDP", "CSystemShim", "udp-fanout", "collector", "publisher",
+                "FanoutCore", "ReusePortLB", "BPFSupport", "BPFKernelABI", "TestSupport", "CLibBPF", "CLibXDP", "CSystemShim", "SystemCalls", "udp-fanout", "collector", "publisher",
                 .product(name: "Logging", package: "swift-log"),
                 // The Kubernetes API test server (HTTPS with a CA the test makes).
                 .product(name: "Hummingbird", package: "hummingbird"),
@@ -107,6 +110,6 @@ let package = Package(
             ]),
         .testTarget(
             name: "ReusePortLBTests",
-            dependencies: ["ReusePortLB", "BPFSupport", "BPFKernelABI", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "collector", "publisher"]),
+            dependencies: ["ReusePortLB", "BPFSupport", "BPFKernelABI", "TrafficModel", "TestSupport", "CLibBPF", "CSystemShim", "SystemCalls", "collector", "publisher"]),
     ]
 )

@@ -3,6 +3,7 @@ import Glibc
 #endif
 import BPFObjects
 import CLibBPF
+import SystemCalls
 
 /// Opens one of the embedded BPF objects, lets `prepare` adjust it before load (map sizes,
 /// read-only globals), loads it, and returns our own close-on-exec descriptors: the program

@@ -3,6 +3,7 @@ import Glibc
 #endif
 import CSystemShim
 import BPFSupport
+import SystemCalls
 
 /// bpffs: where a group's program and maps are pinned so separate processes share them.
 ///

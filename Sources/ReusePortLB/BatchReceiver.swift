@@ -3,6 +3,7 @@ import Glibc
 #endif
 import CSystemShim
 import BPFSupport
+import SystemCalls
 
 /// Receives datagrams in batches with recvmmsg(2) into buffers made once and reused: nothing is
 /// allocated per datagram. Used by the collector and by udp-fanout's userspace workers.
@@ -72,20 +73,15 @@ public final class BatchReceiver {
             headers[index].msg_hdr.msg_controllen = controlSpace
             headers[index].msg_hdr.msg_flags = 0
         }
-        while true {
-            let count = shim_recvmmsg(socket, headers + slots.lowerBound, UInt32(slots.count), flags)
-            if count >= 0 {
-                if count > 0 {
-                    var drops: UInt32 = 0
-                    if shim_rxq_ovfl(&headers[slots.lowerBound + Int(count) - 1].msg_hdr, &drops) == 1 { socketDrops = drops }
-                }
-                return Int(count)
+        switch try Syscall.recvmmsg(socket, headers + slots.lowerBound, slots.count, flags) {
+        case .wouldBlock:
+            return 0
+        case .processed(let count):
+            if count > 0 {
+                var drops: UInt32 = 0
+                if shim_rxq_ovfl(&headers[slots.lowerBound + count - 1].msg_hdr, &drops) == 1 { socketDrops = drops }
             }
-            switch errno {
-            case EINTR: continue
-            case EAGAIN: return 0
-            default: throw SystemCallError(call: "recvmmsg", errno: errno)
-            }
+            return count
         }
     }
 

@@ -3,6 +3,7 @@ import Glibc
 #endif
 import CSystemShim
 import BPFSupport
+import SystemCalls
 
 /// The unprivileged steering: a classic BPF program attached with SO_ATTACH_REUSEPORT_CBPF,
 /// which returns a socket's position in the group (join order). An index past the group's

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// A sign, visible to every process of the network namespace whatever its bpffs mount and
 /// privileges, that an eBPF-steered group runs on an address: each eBPF member holds an
@@ -32,8 +33,7 @@ enum EBPFMarker {
     /// Binds the marker for one member; the caller closes it when the member leaves. -1 if the
     /// socket cannot be made (the marker is a safeguard for others, not needed to steer).
     static func hold(_ address: SocketAddress) -> Int32 {
-        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { return -1 }
+        guard let fd = try? Syscall.socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue)) else { return -1 }
         let name = Array((prefix(address) + "\(getpid())-\(counter.next())").utf8.prefix(100))
         var unix = sockaddr_un()
         unix.sun_family = sa_family_t(AF_UNIX)
@@ -43,10 +43,10 @@ enum EBPFMarker {
         }
         let length = socklen_t(MemoryLayout<sa_family_t>.size + 1 + name.count)
         let bound = withUnsafePointer(to: &unix) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) }
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { try? Syscall.bind(fd, $0, length) }
         }
-        guard bound == 0 else {
-            close(fd)
+        guard bound != nil else {
+            Syscall.close(fd)
             return -1
         }
         return fd

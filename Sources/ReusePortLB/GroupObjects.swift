@@ -6,6 +6,7 @@ import BPFObjects
 import CLibBPF
 import CSystemShim
 import BPFSupport
+import SystemCalls
 
 /// The program and maps of one eBPF-steered group: pinned under `directory` and opened by one
 /// member, or (directory nil) loaded for one process alone by a ``ReusePortGroup``.

@@ -108,11 +108,11 @@ public struct SocketAddress: Hashable, Sendable, CustomStringConvertible {
     }
 
     /// Calls `body` with this address as a `sockaddr` and its length.
-    public func withSockAddr<R>(_ body: (UnsafePointer<sockaddr>, socklen_t) throws -> R) rethrows -> R {
+    public func withSockAddr<R, E: Error>(_ body: (UnsafePointer<sockaddr>, socklen_t) throws(E) -> R) throws(E) -> R {
         var storage = sockaddr_storage()
         let length = write(to: &storage)
-        return try withUnsafePointer(to: &storage) {
-            try $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { try body($0, length) }
+        return try withUnsafePointer(to: &storage) { (pointer) throws(E) -> R in
+            try pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { (address) throws(E) -> R in try body(address, length) }
         }
     }
 

@@ -5,6 +5,7 @@ import CLibBPF
 import CSystemShim
 import Synchronization
 import BPFSupport
+import SystemCalls
 
 /// A SO_REUSEPORT group served by one process alone, whose program and maps that process holds
 /// (nothing is pinned in bpffs, so no bpffs is needed), with explicit succession: a new group
@@ -154,18 +155,14 @@ public final class ReusePortGroup: @unchecked Sendable {
     private func attach(through socket: Int32) throws(SystemCallError) {
         switch steering {
         case .ebpf:
-            var program = objects!.program
-            try systemCall("setsockopt SO_ATTACH_REUSEPORT_EBPF") {
-                setsockopt(socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, &program, socklen_t(MemoryLayout<Int32>.size))
-            }
+            try Syscall.setsockopt(socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, objects!.program, call: "setsockopt SO_ATTACH_REUSEPORT_EBPF")
         case .classicBPF:
             try ClassicSteering.attach(socket: socket, policy: options.policy, capacity: options.capacity)
         case .kernelHash:
-            var unused: Int32 = 0
-            if setsockopt(socket, SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, &unused, socklen_t(MemoryLayout<Int32>.size)) != 0
-                && errno != ENOENT  // no program was attached: nothing to undo
-            {
-                throw SystemCallError(call: "setsockopt SO_DETACH_REUSEPORT_BPF", errno: errno)
+            do {
+                try Syscall.setsockopt(socket, SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, Int32(0), call: "setsockopt SO_DETACH_REUSEPORT_BPF")
+            } catch where error.errno == ENOENT {
+                // No program was attached: nothing to undo.
             }
         }
     }

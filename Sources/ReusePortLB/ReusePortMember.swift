@@ -6,6 +6,7 @@ import CLibBPF
 import CSystemShim
 import Synchronization
 import BPFSupport
+import SystemCalls
 
 /// One socket in a SO_REUSEPORT UDP group, steered by the group's policy.
 ///
@@ -124,10 +125,7 @@ public final class ReusePortMember: @unchecked Sendable {
                 } else if running != nil {
                     // Forced kernel hash: the running program would keep steering past this
                     // socket, so take it off the group.
-                    var unused: Int32 = 0
-                    try systemCall("setsockopt SO_DETACH_REUSEPORT_BPF") {
-                        setsockopt(socket, SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, &unused, socklen_t(MemoryLayout<Int32>.size))
-                    }
+                    try Syscall.setsockopt(socket, SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, Int32(0), call: "setsockopt SO_DETACH_REUSEPORT_BPF")
                 }
                 try running?.setSteeringOverride(
                     UInt32(fallback == .classicBPF ? RPLB_OVERRIDE_CLASSIC_BPF.rawValue : RPLB_OVERRIDE_KERNEL_HASH.rawValue))
@@ -239,11 +237,10 @@ public final class ReusePortMember: @unchecked Sendable {
         }
         do throws(ReusePortError) {
             let slot = try place(socket, request, objects)
-            var program = objects.program
-            let attached = setsockopt(
-                socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, &program, socklen_t(MemoryLayout<Int32>.size))
-            guard attached == 0 else {
-                throw ReusePortError.system(SystemCallError(call: "setsockopt SO_ATTACH_REUSEPORT_EBPF", errno: errno))
+            do {
+                try Syscall.setsockopt(socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, objects.program, call: "setsockopt SO_ATTACH_REUSEPORT_EBPF")
+            } catch {
+                throw ReusePortError.system(error)
             }
             // This group's program is in force again (a forced member may have replaced it).
             if objects.steeringOverride() != UInt32(RPLB_OVERRIDE_NONE.rawValue) {

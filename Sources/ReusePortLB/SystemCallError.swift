@@ -1,5 +1,5 @@
-import BPFSupport
+import SystemCalls
 
-/// The error of a failed system or libbpf call (defined in BPFSupport, shared with udp-fanout's
-/// loaders): kept under this name, which ReusePortLB's API has always used.
-public typealias SystemCallError = BPFSupport.SystemCallError
+/// The error of a failed system or libbpf call (defined in SystemCalls, shared with udp-fanout):
+/// kept under this name, which ReusePortLB's API has always used.
+public typealias SystemCallError = SystemCalls.SystemCallError

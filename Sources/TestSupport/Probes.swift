@@ -1,3 +1,4 @@
+import SystemCalls
 import Foundation
 import Testing
 import ReusePortLB
@@ -36,21 +37,18 @@ public enum Datagrams {
     /// The next datagram on `fd` within `milliseconds`: (source, payload), nil if none came.
     public static func receive(_ fd: Int32, milliseconds: Int32 = 2000) -> (source: SocketAddress, payload: String)? {
         var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
-        guard poll(&descriptor, 1, milliseconds) == 1 else { return nil }
+        guard (try? Syscall.poll(&descriptor, 1, milliseconds)) == 1 else { return nil }
         var buffer = [UInt8](repeating: 0, count: 2048)
         var storage = sockaddr_storage()
-        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-        let count = withUnsafeMutablePointer(to: &storage) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, 2048, Int32(MSG_DONTWAIT), $0, &length) }
-        }
-        guard count >= 0, let source = withUnsafePointer(to: &storage, { SocketAddress(storage: UnsafeRawPointer($0)) }) else { return nil }
+        guard case .processed(let count)? = try? Syscall.recvfrom(fd, &buffer, 2048, Int32(MSG_DONTWAIT), &storage),
+              let source = withUnsafePointer(to: &storage, { SocketAddress(storage: UnsafeRawPointer($0)) }) else { return nil }
         return (source, String(decoding: buffer[0..<count], as: UTF8.self))
     }
 
     public static func send(_ fd: Int32, _ text: String, to destination: SocketAddress) throws {
-        var bytes = Array(text.utf8)
-        let sent = destination.withSockAddr { sendto(fd, &bytes, bytes.count, 0, $0, $1) }
-        try #require(sent == bytes.count, "sendto \(destination): errno \(errno)")
+        let bytes = Array(text.utf8)
+        let sent = try Syscall.sendto(fd, bytes, bytes.count, 0, destination, call: "sendto \(destination)")
+        try #require(sent == .processed(bytes.count), "sendto \(destination): \(sent)")
     }
 }
 

@@ -1,3 +1,4 @@
+import SystemCalls
 import Foundation
 import Testing
 import ReusePortLB
@@ -19,16 +20,14 @@ public enum Privileges {
 
 /// Sends `count` datagrams from `source` (bound first) to `destination`; payload `tag`.
 public func send(from source: String, to destination: SocketAddress, count: Int = 1, sourcePort: UInt16 = 0) throws {
-    let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue), 0)
-    defer { close(fd) }
-    var one: Int32 = 1
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, 4)
-    let bound = SocketAddress(ip: IPAddress(source)!, port: sourcePort).withSockAddr { bind(fd, $0, $1) }
-    try #require(bound == 0, "bind \(source): errno \(errno)")
-    var payload = Array("probe from \(source)".utf8)
+    let fd = try Syscall.socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue))
+    defer { Syscall.close(fd) }
+    try Syscall.setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, Int32(1), call: "setsockopt SO_REUSEADDR")
+    try Syscall.bind(fd, SocketAddress(ip: IPAddress(source)!, port: sourcePort), call: "bind \(source)")
+    let payload = Array("probe from \(source)".utf8)
     for _ in 0..<count {
-        let sent = destination.withSockAddr { sendto(fd, &payload, payload.count, 0, $0, $1) }
-        try #require(sent == payload.count, "sendto: errno \(errno)")
+        let sent = try Syscall.sendto(fd, payload, payload.count, 0, destination)
+        try #require(sent == .processed(payload.count), "sendto: \(sent)")
     }
 }
 

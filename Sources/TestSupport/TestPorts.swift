@@ -1,3 +1,4 @@
+import SystemCalls
 import Foundation
 import ReusePortLB
 import Synchronization
@@ -59,10 +60,9 @@ public final class TestPortAllocator: Sendable {
     /// endpoint take TCP; listeners take UDP).
     public static func isFree(_ port: UInt16) -> Bool {
         [SOCK_DGRAM, SOCK_STREAM].allSatisfy { type in
-            let fd = socket(AF_INET, Int32(type.rawValue), 0)
-            guard fd >= 0 else { return false }
-            defer { close(fd) }
-            return SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).withSockAddr { bind(fd, $0, $1) } == 0
+            guard let fd = try? Syscall.socket(AF_INET, Int32(type.rawValue)) else { return false }
+            defer { Syscall.close(fd) }
+            return (try? Syscall.bind(fd, SocketAddress(ip: IPAddress("127.0.0.1")!, port: port))) != nil
         }
     }
 

@@ -6,6 +6,7 @@ import TrafficModel
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// A sample collector: joins a ReusePortLB group and counts what it receives per source.
 @main
@@ -237,7 +238,7 @@ struct Run {
                 let until = delayed[delayedHead].due - clock.now
                 wait = min(wait, max(0, Int32(until.components.seconds * 1000 + until.components.attoseconds / 1_000_000_000_000_000)))
             }
-            _ = poll(&pollDescriptor, 1, wait)
+            _ = try? Syscall.poll(&pollDescriptor, 1, wait)
             while true {
                 let count: Int
                 do {
@@ -272,13 +273,16 @@ struct Run {
     mutating func initiate(to client: SocketAddress) {
         guard let echoTag else { return }
         let sent = echoTag.withUnsafeBytes { bytes in
-            client.withSockAddr { sendto(member.socket, bytes.baseAddress, bytes.count, 0, $0, $1) }
+            Result { () throws(SystemCallError) in try Syscall.sendto(member.socket, bytes.baseAddress, bytes.count, 0, client) }
         }
-        if sent == echoTag.count {
+        switch sent {
+        case .success(.processed(echoTag.count)):
             initiated += 1
             printError("collector slot \(member.slot): initiated to \(client)")
-        } else {
-            printError("collector slot \(member.slot): initiate to \(client) failed: \(SystemCallError(call: "sendto", errno: errno))")
+        case .success:
+            printError("collector slot \(member.slot): initiate to \(client) failed: \(SystemCallError(call: "sendto", errno: EAGAIN))")
+        case .failure(let error):
+            printError("collector slot \(member.slot): initiate to \(client) failed: \(error)")
         }
     }
 
@@ -316,15 +320,16 @@ struct Run {
     mutating func sendEcho(_ bytes: UnsafeRawBufferPointer, to storage: UnsafePointer<sockaddr_storage>, probe: Bool) {
         let length = bytes.count
         let nameLength = socklen_t(Int32(storage.pointee.ss_family) == AF_INET6 ? MemoryLayout<sockaddr_in6>.size : MemoryLayout<sockaddr_in>.size)
-        let sent = storage.withMemoryRebound(to: sockaddr.self, capacity: 1) {
-            sendto(member.socket, bytes.baseAddress, length, Int32(MSG_DONTWAIT), $0, nameLength)
+        let sent = storage.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
+            Result { () throws(SystemCallError) in try Syscall.sendto(member.socket, bytes.baseAddress, length, Int32(MSG_DONTWAIT), name, nameLength) }
         }
-        if sent == length {
+        if case .success(.processed(length)) = sent {
             echoed += 1
             if probe { probes += 1 }
         } else {
             if echoFailed == 0 {
-                printError("collector slot \(member.slot): echo failed: \(SystemCallError(call: "sendto", errno: errno)) (counted as echo_failed; later failures are not logged)")
+                let error = if case .failure(let error) = sent { error } else { SystemCallError(call: "sendto", errno: EAGAIN) }
+                printError("collector slot \(member.slot): echo failed: \(error) (counted as echo_failed; later failures are not logged)")
             }
             echoFailed += 1
         }

@@ -6,6 +6,7 @@ import TrafficModel
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// `publisher --exchange`: request/response clients of a two-way load balancer. Each client is
 /// one socket (a source address and port); it sends a numbered request, waits for the reply
@@ -43,19 +44,23 @@ struct Exchange {
         // shim header), and at a few thousand sockets poll's scan costs little next to the I/O.
         var descriptors: [pollfd] = []
         for index in 0..<clients {
-            let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
-            guard fd >= 0 else { throw failure("socket", errno) }
+            let fd: Int32
+            do {
+                fd = try Syscall.socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue) | Int32(SOCK_NONBLOCK.rawValue))
+            } catch {
+                throw failure("socket", error.errno)
+            }
             states.append(Client(fd: fd))
             let source = sources.map { $0[index % $0.count] }
                 ?? (destination.ip.family == AF_INET6 ? IPAddress("::")! : IPAddress("0.0.0.0")!)
             let port = clientPortBase == 0 ? 0 : clientPortBase + UInt16(index)
-            let bound = SocketAddress(ip: source, port: port).withSockAddr { bind(fd, $0, $1) }
-            guard bound == 0 else { throw failure("bind \(SocketAddress(ip: source, port: port))", errno) }
-            var storage = sockaddr_storage()
-            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-            withUnsafeMutablePointer(to: &storage) { pointer in
-                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { _ = getsockname(fd, $0, &length) }
+            do {
+                try Syscall.bind(fd, SocketAddress(ip: source, port: port))
+            } catch {
+                throw failure("bind \(SocketAddress(ip: source, port: port))", error.errno)
             }
+            var storage = sockaddr_storage()
+            try? Syscall.getsockname(fd, &storage)
             states[index].address = withUnsafePointer(to: &storage) { SocketAddress(storage: UnsafeRawPointer($0))?.description } ?? "?"
             descriptors.append(pollfd(fd: fd, events: Int16(POLLIN), revents: 0))
         }
@@ -71,13 +76,20 @@ struct Exchange {
             let sequence = UInt64(states[index].sent)
             Payload.write(into: request, capacity: size, source: UInt32(index), sequence: sequence)
             let sent = withUnsafePointer(to: &name) {
-                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(states[index].fd, request, size, 0, $0, nameLength) }
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { address in
+                    Result { () throws(SystemCallError) in try Syscall.sendto(states[index].fd, request, size, 0, address, nameLength) }
+                }
             }
             states[index].sent += 1
             // A request that did not leave is awaited all the same: it ends as lost, counted.
-            if sent != size {
+            switch sent {
+            case .success(.processed(size)): break
+            case .success:
                 sendErrors += 1
-                lastSendError = errno
+                lastSendError = EAGAIN
+            case .failure(let error):
+                sendErrors += 1
+                lastSendError = error.errno
             }
             states[index].outstanding[sequence] = now
         }
@@ -111,10 +123,11 @@ struct Exchange {
                     }
                 }
             }
-            let ready = poll(&descriptors, nfds_t(descriptors.count), 5)
-            if ready < 0 {
-                if errno == EINTR { continue }
-                throw failure("poll", errno)
+            let ready: Int
+            do {
+                ready = try Syscall.poll(&descriptors, descriptors.count, 5)
+            } catch {
+                throw failure("poll", error.errno)
             }
             for index in descriptors.indices where ready > 0 && descriptors[index].revents != 0 {
                 while true {

@@ -6,6 +6,7 @@ import TrafficModel
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// Test-traffic generator: many source addresses, a rate, a payload size, sendmmsg batches.
 @main
@@ -113,14 +114,20 @@ struct Publisher: ParsableCommand {
         var senders: [Int32] = []
         defer { for fd in senders { close(fd) } }
         for source in addresses?.map(Optional.some) ?? [nil] {
-            let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-            guard fd >= 0 else { throw failure("socket", errno) }
+            let fd: Int32
+            do {
+                fd = try Syscall.socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+            } catch {
+                throw failure("socket", error.errno)
+            }
             senders.append(fd)
-            var size: Int32 = 4 << 20
-            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
+            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, Int32(4 << 20))
             if let source {
-                let bound = SocketAddress(ip: source, port: 0).withSockAddr { bind(fd, $0, $1) }
-                guard bound == 0 else { throw failure("bind \(source)", errno) }
+                do {
+                    try Syscall.bind(fd, SocketAddress(ip: source, port: 0))
+                } catch {
+                    throw failure("bind \(source)", error.errno)
+                }
             }
         }
         var sender = BatchSender(destination: destination, batch: batch, size: size, gso: gso)
@@ -254,20 +261,23 @@ struct BatchSender {
                 header.msg_iov = vector
                 header.msg_iovlen = 1
                 shim_set_udp_segment(&header, control, UInt16(size))
-                while true {
-                    if sendmsg(fd, &header, 0) >= 0 { return (count, 0, 0) }
-                    if errno != EINTR { return (0, 1, errno) }
+                do throws(SystemCallError) {
+                    // A blocking socket: would-block is a failure like any other.
+                    guard case .processed = try Syscall.sendmsg(fd, &header, 0) else { return (0, 1, EAGAIN) }
+                    return (count, 0, 0)
+                } catch {
+                    return (0, 1, error.errno)
                 }
             }
         }
         var done = 0
         while done < count {
-            let result = shim_sendmmsg(fd, headers + done, UInt32(count - done), 0)
-            if result < 0 {
-                if errno == EINTR { continue }
-                return (done, 1, errno)
+            do {
+                guard case .processed(let sent) = try Syscall.sendmmsg(fd, headers + done, count - done, 0) else { return (done, 1, EAGAIN) }
+                done += sent
+            } catch {
+                return (done, 1, error.errno)
             }
-            done += Int(result)
         }
         return (done, 0, 0)
     }

@@ -9,6 +9,7 @@ import CSystemShim
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// The exact capability sets of udp-fanout's modes (docs/udp-fanout.md, "Capabilities"), run as
 /// uid nobody with setpriv: what each mode needs, and what it says without it.

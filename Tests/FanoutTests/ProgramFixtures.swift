@@ -10,6 +10,7 @@ import TestSupport
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// The addresses the tc and XDP program fixtures configure, and the fuzz tests' frames use.
 enum ProgramFrames {

@@ -10,6 +10,7 @@ import TestSupport
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// The XDP steering program under BPF_PROG_TEST_RUN, table-driven: the action, that the frame
 /// is untouched, and that exactly one verdict counter (and received/bytes) rose in exactly one

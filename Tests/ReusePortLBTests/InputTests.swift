@@ -8,6 +8,7 @@ import TestSupport
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// Input checks of the collector, the publisher and the library: each bad input one clear
 /// message naming it, never a parse error about options.

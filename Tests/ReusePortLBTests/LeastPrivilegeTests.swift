@@ -11,6 +11,7 @@ import TestSupport
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// Least privilege: eBPF steering as a non-root user with only CAP_BPF, and
 /// the fallback to classic BPF on every bpffs problem.

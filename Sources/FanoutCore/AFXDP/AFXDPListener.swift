@@ -5,6 +5,7 @@ import BPFSupport
 import Logging
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// Why an af_xdp listener could not start; each names the problem and the fix.
 package enum AFXDPError: Error, CustomStringConvertible, Sendable {

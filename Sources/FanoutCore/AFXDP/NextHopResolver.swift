@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import ReusePortLB
+import SystemCalls
 
 /// Where a frame for a downstream leaves and the Ethernet addresses it carries (output `xdp_tx`).
 struct NextHop: Equatable {

@@ -4,6 +4,7 @@ import CSystemShim
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// The receive queues of an interface: af_xdp runs one socket and one forwarder per queue,
 /// since an AF_XDP socket sees only the queue it is bound to.
@@ -17,9 +18,13 @@ enum RXQueues {
     /// - Throws: `XSKError.queueCount` naming the call (socket, ETHTOOL_GCHANNELS) and errno;
     ///   ENODEV when there is no such interface. Calls ioctl(SIOCETHTOOL).
     static func count(interface: String) throws(XSKError) -> Int {
-        let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { throw .queueCount(interface: interface, call: "socket", errno: errno) }
-        defer { close(fd) }
+        let fd: Int32
+        do {
+            fd = try Syscall.socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+        } catch {
+            throw .queueCount(interface: interface, call: "socket", errno: error.errno)
+        }
+        defer { Syscall.close(fd) }
         var rx: UInt32 = 0
         var combined: UInt32 = 0
         if xsk_shim_channels(fd, interface, &rx, &combined) == 0 {

@@ -8,6 +8,7 @@ import Logging
 import BPFSupport
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// The XDP program attached to one interface through a BPF link: the kernel detaches it when
 /// the link's last descriptor closes, so a crash (even kill -9) leaves nothing attached.

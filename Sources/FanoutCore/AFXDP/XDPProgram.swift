@@ -7,6 +7,7 @@ import BPFObjects
 import CSystemShim
 import BPFSupport
 import ReusePortLB
+import SystemCalls
 
 /// What the XDP program did with a frame: the mirror of `enum fanout_xdp_verdict`. Every frame
 /// gets exactly one; only `redirected` reaches the AF_XDP socket, the rest pass to the kernel.

@@ -5,6 +5,7 @@ import Synchronization
 #if canImport(Glibc)
 import Glibc
 #endif
+import SystemCalls
 
 /// A received frame: where its packet lies in the UMEM and how long it is.
 struct XSKFrame: Equatable, Sendable {
@@ -184,7 +185,7 @@ final class XSKSocket: @unchecked Sendable {
             // Busy polling is driven by syscalls, and a zero-copy driver that set need_wakeup on
             // the fill ring waits for one: recvfrom with nothing to read is the cheapest.
             if config.busyPoll || xsk_ring_prod__needs_wakeup(fill) != 0 {
-                _ = recvfrom(fd, nil, 0, Int32(MSG_DONTWAIT), nil, nil)
+                _ = try? Syscall.recvfrom(fd, nil, 0, Int32(MSG_DONTWAIT), nil)
             }
         }
         refillFromFreeList()
@@ -254,18 +255,20 @@ final class XSKSocket: @unchecked Sendable {
         if transmitting > 0 { reapCompletions(); kickTransmit() }
         if xsk_cons_nb_avail(rx, 1) > 0 { return true }
         var request = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
-        let result = poll(&request, 1, milliseconds)
-        return result > 0 && request.revents & Int16(POLLIN) != 0
+        let ready = (try? Syscall.poll(&request, 1, milliseconds)) ?? 0
+        return ready > 0 && request.revents & Int16(POLLIN) != 0
     }
 
     /// The kernel's XDP_STATISTICS for this socket (getsockopt SOL_XDP); zero once closed.
     func statistics() -> XSKStatistics {
         guard !closed else { return XSKStatistics() }
-        var raw = xdp_statistics()
-        var length = socklen_t(MemoryLayout<xdp_statistics>.size)
-        let result = getsockopt(fd, SOL_XDP, XDP_STATISTICS, &raw, &length)
-        // Only a bad descriptor or buffer fails here: programmer errors.
-        precondition(result == 0, "getsockopt XDP_STATISTICS failed: errno \(errno)")
+        let raw: xdp_statistics
+        do {
+            raw = try Syscall.getsockopt(fd, SOL_XDP, XDP_STATISTICS, initial: xdp_statistics(), call: "getsockopt XDP_STATISTICS")
+        } catch {
+            // Only a bad descriptor or buffer fails here: programmer errors.
+            preconditionFailure("\(error)")
+        }
         return XSKStatistics(rxDropped: raw.rx_dropped, rxInvalidDescriptors: raw.rx_invalid_descs,
                              txInvalidDescriptors: raw.tx_invalid_descs, rxRingFull: raw.rx_ring_full,
                              fillRingEmpty: raw.rx_fill_ring_empty_descs, txRingEmpty: raw.tx_ring_empty_descs)
@@ -337,10 +340,15 @@ final class XSKSocket: @unchecked Sendable {
         var attempts = transmitting / 32 + 2
         while attempts > 0 {
             attempts -= 1
-            if sendto(fd, nil, 0, Int32(MSG_DONTWAIT), nil, 0) >= 0 { return }
-            let error = errno
-            precondition(error != EBADF && error != EFAULT, "sendto on an AF_XDP socket misused: errno \(error)")
-            if error == EAGAIN || error == EBUSY || error == EINTR {
+            let code: Int32
+            do {
+                guard case .wouldBlock = try Syscall.sendto(fd, nil, 0, Int32(MSG_DONTWAIT), nil, 0) else { return }
+                code = EAGAIN
+            } catch {
+                precondition(error.errno != EBADF && error.errno != EFAULT, "sendto on an AF_XDP socket misused: errno \(error.errno)")
+                code = error.errno
+            }
+            if code == EAGAIN || code == EBUSY {
                 // More than one batch queued: the kernel consumed one; go on while it still lags.
                 if xsk_prod_nb_free(tx, UInt32(truncatingIfNeeded: Int(tx.pointee.size))) >= tx.pointee.size { return }
                 continue
@@ -351,9 +359,10 @@ final class XSKSocket: @unchecked Sendable {
     }
 
     private func setOption(_ option: Int32, _ value: Int32, name: String) throws(XSKError) {
-        var value = value
-        guard setsockopt(fd, SOL_SOCKET, option, &value, socklen_t(MemoryLayout<Int32>.size)) == 0 else {
-            throw .socketOption(interface: interface, queue: queue, option: name, errno: errno)
+        do {
+            try Syscall.setsockopt(fd, SOL_SOCKET, option, value, call: "setsockopt \(name)")
+        } catch {
+            throw .socketOption(interface: interface, queue: queue, option: name, errno: error.errno)
         }
     }
 
@@ -383,9 +392,11 @@ final class XSKSocket: @unchecked Sendable {
         // xsk_umem__create opens the socket and registers the UMEM and reports either failure
         // as one errno: an EPERM there would not say whether a capability or locked memory is
         // missing. Opening one here first names the capability case.
-        let probe = Glibc.socket(AF_XDP, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard probe >= 0 else { throw .umem(interface: interface, queue: queue, call: "socket", errno: errno, bytes: bytes) }
-        Glibc.close(probe)
+        do {
+            Syscall.close(try Syscall.socket(AF_XDP, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue)))
+        } catch {
+            throw .umem(interface: interface, queue: queue, call: "socket", errno: error.errno, bytes: bytes)
+        }
         guard let area = mmap(nil, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), area != MAP_FAILED else {
             throw .umem(interface: interface, queue: queue, call: "mmap", errno: errno, bytes: bytes)
         }

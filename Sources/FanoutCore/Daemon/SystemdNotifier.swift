@@ -1,11 +1,11 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import CLibXDP
 import CSystemShim
 import Logging
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET when run under systemd
 /// (Type=notify); nothing otherwise. A message that cannot be sent is logged (the first failure
@@ -40,9 +40,13 @@ public final class SystemdNotifier: Sendable {
     }
 
     private func deliver(_ state: String, to path: String) -> String? {
-        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { return "\(SystemCallError(call: "socket AF_UNIX", errno: errno))" }
-        defer { close(fd) }
+        let fd: Int32
+        do {
+            fd = try Syscall.socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket AF_UNIX")
+        } catch {
+            return "\(error)"
+        }
+        defer { Syscall.close(fd) }
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
         var bytes = Array(path.utf8)
@@ -51,11 +55,17 @@ public final class SystemdNotifier: Sendable {
         guard bytes.count < capacity else { return "the path is longer than \(capacity - 1) bytes" }
         withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
         let length = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
-        var message = Array(state.utf8)
+        let message = Array(state.utf8)
         let sent = withUnsafePointer(to: &address) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &message, message.count, Int32(MSG_NOSIGNAL), $0, length) }
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
+                Result { () throws(SystemCallError) in try Syscall.sendto(fd, message, message.count, Int32(MSG_NOSIGNAL), name, length, call: "sendto \(path)") }
+            }
         }
-        return sent == message.count ? nil : "\(SystemCallError(call: "sendto \(path)", errno: errno))"
+        switch sent {
+        case .success(.processed(message.count)): return nil
+        case .success: return "sendto \(path): the socket took part of the message or none (its buffer is full)"
+        case .failure(let error): return "\(error)"
+        }
     }
 
     /// CLOCK_MONOTONIC in microseconds: the `MONOTONIC_USEC=` that must accompany `RELOADING=1`

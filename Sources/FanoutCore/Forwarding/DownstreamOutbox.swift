@@ -1,7 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import CLibXDP
+import SystemCalls
 import CSystemShim
 import ReusePortLB
 
@@ -50,17 +50,20 @@ final class DownstreamOutbox: Outbox {
 
     /// Makes the connected socket; on failure keeps the error and when to try again.
     private func connect() {
-        let fd = Glibc.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        var error: Int32 = fd < 0 ? errno : 0
-        if fd >= 0 {
-            var size: Int32 = 4 << 20
-            if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, 4) != 0 {
-                setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
+        var fd: Int32 = -1
+        var error: Int32 = 0
+        do {
+            fd = try Syscall.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+            let size: Int32 = 4 << 20
+            if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, size)) == nil {
+                try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, size)
             }
-            if address.withSockAddr({ Glibc.connect(fd, $0, $1) }) != 0 { error = errno }
+            try Syscall.connect(fd, address)
+        } catch let failure {
+            error = failure.errno
         }
         socket = error == 0 ? fd : -1
-        if error != 0 && fd >= 0 { close(fd) }
+        if error != 0 && fd >= 0 { Syscall.close(fd) }
         connectError = error
         nextConnect = ContinuousClock.now + Self.reconnectInterval
     }
@@ -101,14 +104,17 @@ final class DownstreamOutbox: Outbox {
             let messages = build(from: first)
             var message = 0
             while message < messages {
-                let sent = shim_sendmmsg(socket, headers + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
-                if sent > 0 {
-                    for index in message..<(message + Int(sent)) { account(headers[index].msg_hdr, &result) }
-                    message += Int(sent)
-                    continue
+                let error: Int32
+                do {
+                    if case .processed(let sent) = try Syscall.sendmmsg(socket, headers + message, messages - message, Int32(MSG_DONTWAIT)), sent > 0 {
+                        for index in message..<(message + sent) { account(headers[index].msg_hdr, &result) }
+                        message += sent
+                        continue
+                    }
+                    error = EAGAIN
+                } catch let failure {
+                    error = failure.errno
                 }
-                let error = errno
-                if error == EINTR { continue }
                 let failed = headers[message].msg_hdr
                 if failed.msg_controllen > 0 && (error == EINVAL || error == EIO || error == EMSGSIZE) {
                     // The kernel refuses GSO here (a segment above the path MTU: EMSGSIZE/EINVAL; no GSO:

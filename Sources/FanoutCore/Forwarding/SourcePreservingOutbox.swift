@@ -1,7 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import CLibXDP
+import SystemCalls
 import CSystemShim
 import ReusePortLB
 
@@ -88,25 +88,30 @@ final class SourcePreservingOutbox: Outbox {
     /// - Throws: `OutboxError` from socket(2)/setsockopt(2); EPERM names CAP_NET_RAW and how to grant it.
     init(address: SocketAddress, capacity: Int) throws(OutboxError) {
         let family = address.ip.family
-        let fd = Glibc.socket(family, Int32(SOCK_RAW.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), Int32(IPPROTO_RAW))
-        guard fd >= 0 else { throw OutboxError(downstream: address, call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: errno) }
+        let fd: Int32
+        do {
+            fd = try Syscall.socket(family, Int32(SOCK_RAW.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), Int32(IPPROTO_RAW))
+        } catch {
+            throw OutboxError(downstream: address, call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: error.errno)
+        }
         if family == AF_INET {
-            var one: Int32 = 1
-            if setsockopt(fd, Int32(IPPROTO_IP), IP_HDRINCL, &one, 4) != 0 {
-                let error = errno
-                close(fd)
-                throw OutboxError(downstream: address, call: "setsockopt IP_HDRINCL", errno: error)
+            do {
+                try Syscall.setsockopt(fd, Int32(IPPROTO_IP), IP_HDRINCL, Int32(1))
+            } catch {
+                Syscall.close(fd)
+                throw OutboxError(downstream: address, call: "setsockopt IP_HDRINCL", errno: error.errno)
             }
         }
-        var size: Int32 = 4 << 20
-        if setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &size, 4) != 0 {
-            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &size, 4)
+        let size: Int32 = 4 << 20
+        if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, size)) == nil {
+            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, size)
         }
-        let probe = Glibc.socket(family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard probe >= 0 else {
-            let error = errno
-            close(fd)
-            throw OutboxError(downstream: address, call: "socket(SOCK_DGRAM) to learn the MTU toward it", errno: error)
+        let probe: Int32
+        do {
+            probe = try Syscall.socket(family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+        } catch {
+            Syscall.close(fd)
+            throw OutboxError(downstream: address, call: "socket(SOCK_DGRAM) to learn the MTU toward it", errno: error.errno)
         }
         mtuSocket = probe
         mtu = Self.minimumMTU(family: family)
@@ -138,14 +143,11 @@ final class SourcePreservingOutbox: Outbox {
     /// the route it found, a changed route is seen only by a new connect) and IP_MTU / IPV6_MTU.
     /// Without a route it stays as it was (the send fails with the route's own errno anyway).
     func refreshMTU() {
-        let connected = address.withSockAddr { Glibc.connect(mtuSocket, $0, $1) } == 0
-        guard connected else { return }
-        var value: Int32 = 0
-        var length = socklen_t(4)
-        let ok = address.ip.family == AF_INET
-            ? getsockopt(mtuSocket, Int32(IPPROTO_IP), IP_MTU, &value, &length) == 0
-            : getsockopt(mtuSocket, Int32(IPPROTO_IPV6), IPV6_MTU, &value, &length) == 0
-        if ok && value > 0 { mtu = Int(value) }
+        guard (try? Syscall.connect(mtuSocket, address)) != nil else { return }
+        let value = address.ip.family == AF_INET
+            ? try? Syscall.getsockopt(mtuSocket, Int32(IPPROTO_IP), IP_MTU, initial: Int32(0))
+            : try? Syscall.getsockopt(mtuSocket, Int32(IPPROTO_IPV6), IPV6_MTU, initial: Int32(0))
+        if let value, value > 0 { mtu = Int(value) }
     }
 
     deinit {
@@ -204,15 +206,18 @@ final class SourcePreservingOutbox: Outbox {
             // A run of whole datagrams up to the next one to fragment: one sendmmsg.
             var end = message + 1
             while end < built && !fragmented[end] { end += 1 }
-            let sent = shim_sendmmsg(socket, messages + message, UInt32(end - message), Int32(MSG_DONTWAIT))
-            if sent > 0 {
-                for index in message..<(message + Int(sent)) { result.bytes += UInt64(iovecs[2 * index + 1].iov_len) }
-                result.sent += UInt64(sent)
-                message += Int(sent)
-                continue
+            let error: Int32
+            do {
+                if case .processed(let sent) = try Syscall.sendmmsg(socket, messages + message, end - message, Int32(MSG_DONTWAIT)), sent > 0 {
+                    for index in message..<(message + sent) { result.bytes += UInt64(iovecs[2 * index + 1].iov_len) }
+                    result.sent += UInt64(sent)
+                    message += sent
+                    continue
+                }
+                error = EAGAIN
+            } catch let failure {
+                error = failure.errno
             }
-            let error = errno
-            if error == EINTR { continue }
             if error == EMSGSIZE {
                 // The MTU shrank since it was read: read it again and fragment. Still within it
                 // (a route MTU above the device's): nothing smaller to cut to, too_large.
@@ -247,9 +252,11 @@ final class SourcePreservingOutbox: Outbox {
                 message.msg_namelen = destinationLength
                 message.msg_iov = vectors
                 message.msg_iovlen = count
-                while true {
-                    if sendmsg(socket, &message, Int32(MSG_DONTWAIT)) >= 0 { return 0 }
-                    if errno != EINTR { return errno }
+                do throws(SystemCallError) {
+                    if case .processed = try Syscall.sendmsg(socket, &message, Int32(MSG_DONTWAIT)) { return 0 }
+                    return EAGAIN
+                } catch {
+                    return error.errno
                 }
             }
             guard error == EMSGSIZE && attempt == 0 else { break }

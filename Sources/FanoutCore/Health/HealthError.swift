@@ -1,4 +1,5 @@
 import ReusePortLB
+import SystemCalls
 
 /// Why the health checker cannot probe: each case names the problem and the fix.
 enum HealthError: Error, CustomStringConvertible, Sendable, Equatable {

@@ -1,10 +1,9 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import BPFSupport
-import CLibXDP
 import CSystemShim
 import ReusePortLB
+import SystemCalls
 
 /// One ICMP (IPv4) or ICMPv6 socket sending echo requests and reading replies, without spawning
 /// `ping`. An ICMP datagram socket is tried first: it needs no privilege where the sysctl
@@ -34,7 +33,7 @@ final class ICMPProbeSocket {
         token = UInt64.random(in: 1...UInt64.max)
     }
 
-    deinit { close(fd) }
+    deinit { Syscall.close(fd) }
 
     /// Opens a socket for `family` (AF_INET or AF_INET6), trying the kinds in order.
     /// - Throws: ``HealthError/icmpUnavailable(family:datagram:raw:)`` naming both failures and the fix.
@@ -56,7 +55,7 @@ final class ICMPProbeSocket {
         let proto = family == AF_INET6 ? Int32(IPPROTO_ICMPV6) : Int32(IPPROTO_ICMP)
         let type = (kind == .datagram ? Int32(SOCK_DGRAM.rawValue) : Int32(SOCK_RAW.rawValue)) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue)
         let call = "socket(\(family == AF_INET6 ? "AF_INET6" : "AF_INET"), \(kind == .datagram ? "SOCK_DGRAM" : "SOCK_RAW"), \(family == AF_INET6 ? "IPPROTO_ICMPV6" : "IPPROTO_ICMP"))"
-        let fd = try systemCall(call) { socket(family, type, proto) }
+        let fd = try Syscall.socket(family, type, proto, call: call)
         guard kind == .datagram else {
             return ICMPProbeSocket(fd: fd, family: family, kind: kind, identifier: UInt16.random(in: 1...UInt16.max))
         }
@@ -64,21 +63,23 @@ final class ICMPProbeSocket {
         // getsockname reports.
         let any = SocketAddress(ip: family == AF_INET6 ? IPAddress("::")! : IPAddress("0.0.0.0")!, port: 0)
         do {
-            try systemCall("bind(ICMP datagram socket)") { any.withSockAddr { bind(fd, $0, $1) } }
+            try Syscall.bind(fd, any, call: "bind(ICMP datagram socket)")
         } catch {
-            close(fd)
+            Syscall.close(fd)
             throw error
         }
         var storage = sockaddr_storage()
-        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-        let named = withUnsafeMutablePointer(to: &storage) {
-            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) }
+        let naming = "getsockname(ICMP datagram socket)"
+        do {
+            try Syscall.getsockname(fd, &storage, call: naming)
+        } catch {
+            Syscall.close(fd)
+            throw error
         }
         // Without its identifier no reply could be matched: every probe would time out.
-        guard named == 0, let port = withUnsafeBytes(of: &storage, { SocketAddress(storage: $0.baseAddress!)?.port }) else {
-            let error = SystemCallError(call: "getsockname(ICMP datagram socket)", errno: named == 0 ? EAFNOSUPPORT : errno)
-            close(fd)
-            throw error
+        guard let port = withUnsafeBytes(of: &storage, { SocketAddress(storage: $0.baseAddress!)?.port }) else {
+            Syscall.close(fd)
+            throw SystemCallError(call: naming, errno: EAFNOSUPPORT)
         }
         return ICMPProbeSocket(fd: fd, family: family, kind: kind, identifier: port)
     }
@@ -87,10 +88,11 @@ final class ICMPProbeSocket {
     /// the sequence, 16 bytes in all (the size `ping -s 16` sends).
     /// - Throws: the `sendto` error (e.g. ENETUNREACH).
     func sendEcho(to ip: IPAddress, sequence: UInt16) throws(SystemCallError) {
-        var packet = Self.echoRequest(family: family, identifier: identifier, sequence: sequence, token: token)
-        let destination = SocketAddress(ip: ip, port: 0)
-        try systemCall("sendto(ICMP echo to \(ip))") {
-            destination.withSockAddr { sendto(fd, &packet, packet.count, Int32(MSG_DONTWAIT), $0, $1) }
+        let packet = Self.echoRequest(family: family, identifier: identifier, sequence: sequence, token: token)
+        let call = "sendto(ICMP echo to \(ip))"
+        // A full send buffer fails this probe like any other send error.
+        if case .wouldBlock = try Syscall.sendto(fd, packet, packet.count, Int32(MSG_DONTWAIT), SocketAddress(ip: ip, port: 0), call: call) {
+            throw SystemCallError(call: call, errno: EAGAIN)
         }
     }
 
@@ -101,14 +103,13 @@ final class ICMPProbeSocket {
         var buffer = [UInt8](repeating: 0, count: 2048)
         while true {
             var storage = sockaddr_storage()
-            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-            let count = withUnsafeMutablePointer(to: &storage) {
-                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), $0, &length) }
-            }
-            if count < 0 {
-                if errno == EINTR { continue }
-                // EAGAIN: all read. Anything else (a queued ICMP error) is left to the timeout.
-                if errno == EAGAIN { break }
+            let count: Int
+            do {
+                // Would block: all read.
+                guard case .processed(let received) = try Syscall.recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), &storage) else { break }
+                count = received
+            } catch {
+                // A queued ICMP error: left to the timeout.
                 continue
             }
             guard let source = withUnsafeBytes(of: &storage, { SocketAddress(storage: $0.baseAddress!) })?.ip else { continue }

@@ -1,10 +1,9 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import BPFSupport
-import CLibXDP
 import CSystemShim
 import ReusePortLB
+import SystemCalls
 
 /// The probe thread of a ``HealthChecker``: one poll(2) over the wake pipe, the ICMP sockets
 /// and each udp_echo target's connected socket. Each target has its own schedule and at most
@@ -188,9 +187,13 @@ final class ProbeLoop {
             icmpInFlight[family, default: [:]][short] = slot.target
         case .udpEcho:
             probe.payload = withUnsafeBytes(of: slot.token.bigEndian) { Array($0) } + withUnsafeBytes(of: sequence.bigEndian) { Array($0) }
-            do {
+            do throws(SystemCallError) {
                 if slot.udp < 0 { slot.udp = try Self.connectedSocket(to: slot.target) }
-                try systemCall("send(udp_echo probe to \(slot.target))") { Glibc.send(slot.udp, probe.payload, probe.payload.count, Int32(MSG_DONTWAIT)) }
+                let call = "send(udp_echo probe to \(slot.target))"
+                // A full send buffer fails this probe like any other send error.
+                if case .wouldBlock = try Syscall.send(slot.udp, probe.payload, probe.payload.count, Int32(MSG_DONTWAIT), call: call) {
+                    throw SystemCallError(call: call, errno: EAGAIN)
+                }
             } catch {
                 slot.inFlight = probe
                 finish(slot, Self.result(of: error.errno), error: error)
@@ -201,15 +204,13 @@ final class ProbeLoop {
     }
 
     private static func connectedSocket(to target: SocketAddress) throws(SystemCallError) -> Int32 {
-        let fd = try systemCall("socket(udp_echo)") {
-            socket(target.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        }
+        let fd = try Syscall.socket(target.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket(udp_echo)")
         do {
             // Connected, so the kernel delivers only the target's datagrams and reports its ICMP
             // port unreachable as ECONNREFUSED.
-            try systemCall("connect(udp_echo to \(target))") { target.withSockAddr { connect(fd, $0, $1) } }
+            try Syscall.connect(fd, target, call: "connect(udp_echo to \(target))")
         } catch {
-            close(fd)
+            Syscall.close(fd)
             throw error
         }
         return fd
@@ -261,9 +262,9 @@ final class ProbeLoop {
         for family in families { descriptors.append(pollfd(fd: icmp[family]!.fd, events: Int16(POLLIN), revents: 0)) }
         let udpSlots = slots.values.filter { $0.udp >= 0 }
         for slot in udpSlots { descriptors.append(pollfd(fd: slot.udp, events: Int16(POLLIN), revents: 0)) }
-        let ready: Int32
+        let ready: Int
         do {
-            ready = try systemCall("poll(health probe sockets)") { poll(&descriptors, nfds_t(descriptors.count), milliseconds) }
+            ready = try Syscall.poll(&descriptors, descriptors.count, milliseconds, call: "poll(health probe sockets)")
         } catch {
             throw .probeLoop(error)
         }
@@ -308,13 +309,13 @@ final class ProbeLoop {
     private func readUDP(_ slot: Slot) {
         var buffer = [UInt8](repeating: 0, count: 2048)
         while slot.udp >= 0 {
-            let count = recv(slot.udp, &buffer, buffer.count, Int32(MSG_DONTWAIT))
-            if count < 0 {
-                let error = errno
-                if error == EINTR { continue }
-                if error == EAGAIN { return }
+            let count: Int
+            do {
+                guard case .processed(let received) = try Syscall.recv(slot.udp, &buffer, buffer.count, Int32(MSG_DONTWAIT), call: "recv(udp_echo reply from \(slot.target))") else { return }
+                count = received
+            } catch {
                 // ICMP port/host unreachable for a probe of this socket: an immediate failure.
-                if slot.inFlight != nil { finish(slot, Self.result(of: error), error: SystemCallError(call: "recv(udp_echo reply from \(slot.target))", errno: error)) }
+                if slot.inFlight != nil { finish(slot, Self.result(of: error.errno), error: error) }
                 continue
             }
             guard let probe = slot.inFlight else { continue }

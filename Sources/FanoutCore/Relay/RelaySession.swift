@@ -1,7 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import CLibXDP
+import SystemCalls
 import CSystemShim
 import ReusePortLB
 
@@ -66,19 +66,24 @@ final class RelaySession {
     /// port unreachable comes back as ECONNREFUSED). - Returns: 0, or the errno that failed.
     func connect() -> Int32 {
         let address = downstream.address
-        let fd = Glibc.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
-        guard fd >= 0 else { return errno }
-        if address.withSockAddr({ Glibc.connect(fd, $0, $1) }) != 0 {
-            let error = errno
-            close(fd)
-            return error
+        let fd: Int32
+        do {
+            fd = try Syscall.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+        } catch {
+            return error.errno
+        }
+        do {
+            try Syscall.connect(fd, address)
+        } catch {
+            Syscall.close(fd)
+            return error.errno
         }
         socket = fd
         return 0
     }
 
     func closeSocket() {
-        if socket >= 0 { close(socket) }
+        if socket >= 0 { Syscall.close(socket) }
         socket = -1
     }
 

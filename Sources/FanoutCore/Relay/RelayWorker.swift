@@ -1,12 +1,11 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import BPFSupport
-import CLibXDP
 import CSystemShim
 import Logging
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// One worker thread of a `replies: relay` listener. Like ``UserspaceWorker`` it owns one socket
 /// of the listener's ReusePortLB group (steered per client: five_tuple or source_ip, so a client
@@ -115,28 +114,29 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         ringTargets.initialize(repeating: -1, count: batch)
         ringSessions = Array(repeating: nil, count: batch)
         events = .allocate(capacity: Self.eventCapacity)
-        epoll = epoll_create1(Int32(EPOLL_CLOEXEC))
-        guard epoll >= 0 else {
-            let error = errno
+        do {
+            epoll = try Syscall.epollCreate()
+        } catch {
             replyHeaders.deallocate()
             replyIovecs.deallocate()
             ringSockets.deallocate()
             ringTargets.deallocate()
             events.deallocate()
-            throw .system(SystemCallError(call: "epoll_create1", errno: error))
+            throw .system(error)
         }
         var event = epoll_event()
         event.events = UInt32(EPOLLIN.rawValue)
         event.data.fd = member.socket
-        if epoll_ctl(epoll, EPOLL_CTL_ADD, member.socket, &event) != 0 {
-            let error = errno
-            close(epoll)
+        do {
+            try Syscall.epollControl(epoll, EPOLL_CTL_ADD, member.socket, &event)
+        } catch {
+            Syscall.close(epoll)
             replyHeaders.deallocate()
             replyIovecs.deallocate()
             ringSockets.deallocate()
             ringTargets.deallocate()
             events.deallocate()
-            throw .system(SystemCallError(call: "epoll_ctl", errno: error))
+            throw .system(error)
         }
     }
 
@@ -165,14 +165,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         // The idle sweep: once a second, not per datagram.
         var nextSweep = monotonicMilliseconds() + 1000
         while !stop.isSet {
-            let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
+            let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 100)) ?? -1
             if ready == 0 {
                 progress.wrappingAdd(1, ordering: .relaxed)
                 counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
             }
             if ready > 0 {
                 wakeup &+= 1
-                for slot in 0..<Int(ready) {
+                for slot in 0..<ready {
                     let fd = events[slot].data.fd
                     // A few batches per socket per wakeup (epoll is level-triggered: a socket that still
                     // holds datagrams is reported again), so a flood of requests cannot starve the
@@ -209,7 +209,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         repeat {
             drainQueue(deadline: deadline)
-        } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
+        } while clock.now < deadline && (try? Syscall.poll(&descriptor, 1, 20)) ?? 0 > 0
         counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
@@ -482,17 +482,14 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     /// Sends one request on its session socket (a system call).
     private func send(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
-        while true {
-            if Glibc.send(socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT)) >= 0 {
-                settle(target, bytes: payload.count, error: 0, &failures)
-                return
-            }
-            let error = errno
-            if error != EINTR {
-                settle(target, bytes: payload.count, error: error, &failures)
-                return
-            }
+        let error: Int32
+        do {
+            error = try Syscall.send(socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT)) == .wouldBlock ? EAGAIN : 0
+        } catch {
+            settle(target, bytes: payload.count, error: error.errno, &failures)
+            return
         }
+        settle(target, bytes: payload.count, error: error, &failures)
     }
 
     /// Counts one request for downstream `target`: sent (`error` 0), or dropped for `error`.
@@ -544,14 +541,15 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             var event = epoll_event()
             event.events = UInt32(EPOLLIN.rawValue)
             event.data.fd = session.socket
-            if epoll_ctl(epoll, EPOLL_CTL_ADD, session.socket, &event) == 0 {
+            do {
+                try Syscall.epollControl(epoll, EPOLL_CTL_ADD, session.socket, &event)
                 bySocket[session.socket] = session
                 return true
+            } catch {
+                session.closeSocket()
+                logFailure("relay session socket could not join the worker's epoll set", error)
+                return false
             }
-            let failed = errno
-            session.closeSocket()
-            logFailure("relay session socket could not join the worker's epoll set", SystemCallError(call: "epoll_ctl", errno: failed))
-            return false
         }
         // EMFILE/ENFILE: raise the open-files limit (LimitNOFILE) or lower settings.max_sessions;
         // EADDRNOTAVAIL/EAGAIN: the ephemeral ports (net.ipv4.ip_local_port_range) are used up.
@@ -784,18 +782,21 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var failed: UInt64 = 0
         var message = 0
         while message < messages {
-            let result = shim_sendmmsg(member.socket, replyHeaders + message, UInt32(messages - message), Int32(MSG_DONTWAIT))
-            if result > 0 {
-                var bytes: UInt64 = 0
-                for index in message..<(message + Int(result)) { bytes += UInt64(replyIovecs[index].iov_len) }
-                credit(message..<(message + Int(result)))
-                relay.replies.wrappingAdd(UInt64(result), ordering: .relaxed)
-                relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
-                message += Int(result)
-                continue
+            let error: Int32
+            do {
+                if case .processed(let result) = try Syscall.sendmmsg(member.socket, replyHeaders + message, messages - message, Int32(MSG_DONTWAIT)), result > 0 {
+                    var bytes: UInt64 = 0
+                    for index in message..<(message + result) { bytes += UInt64(replyIovecs[index].iov_len) }
+                    credit(message..<(message + result))
+                    relay.replies.wrappingAdd(UInt64(result), ordering: .relaxed)
+                    relay.replyBytes.wrappingAdd(bytes, ordering: .relaxed)
+                    message += result
+                    continue
+                }
+                error = EAGAIN
+            } catch let failure {
+                error = failure.errno
             }
-            let error = errno
-            if error == EINTR { continue }
             if error == EAGAIN || error == ENOBUFS { bufferFull += 1 } else { failed += 1 }
             message += 1
         }
@@ -851,7 +852,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// (``sweep(now:)``). Returns when the last one closed, or soon after the handover is cut short.
     private func drainAfterHandOver() {
         // Requests are the successor's now (its eBPF steering selects only its own sockets).
-        epoll_ctl(epoll, EPOLL_CTL_DEL, member.socket, nil)
+        try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, member.socket, nil)
         let now = monotonicMilliseconds()
         let drain = handOver.drainMilliseconds.load(ordering: .relaxed)
         tableLock.withLock { _ in
@@ -867,9 +868,9 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         }
         var nextSweep = now + 1000
         while !draining.isEmpty && !handOver.cutShort.isSet {
-            let ready = epoll_wait(epoll, events, Int32(Self.eventCapacity), 100)
+            let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 100)) ?? 0
             progress.wrappingAdd(1, ordering: .relaxed)
-            for slot in 0..<max(0, Int(ready)) { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
+            for slot in 0..<ready { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
             flushReplies()
             // Once a second, as in the receive loop: it closes the sockets silent long enough.
             let time = monotonicMilliseconds()

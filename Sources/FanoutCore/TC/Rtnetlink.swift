@@ -1,10 +1,9 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import BPFSupport
-import CLibXDP
 import CSystemShim
 import ReusePortLB
+import SystemCalls
 
 /// Requests to the kernel's routing netlink (NETLINK_ROUTE) in the calling thread's network
 /// namespace: a route lookup and a filter dump, the two questions libbpf does not answer.
@@ -20,8 +19,8 @@ enum Rtnetlink {
     /// Sends one request (`type`, `flags`, `body` after the nlmsghdr) and returns the replies:
     /// one message, or every message up to NLMSG_DONE for a dump.
     static func request(type: UInt16, flags: UInt16, body: [UInt8]) throws(SystemCallError) -> [Message] {
-        let fd = try systemCall("socket AF_NETLINK NETLINK_ROUTE") { socket(AF_NETLINK, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0) }
-        defer { close(fd) }
+        let fd = try Syscall.socket(AF_NETLINK, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket AF_NETLINK NETLINK_ROUTE")
+        defer { Syscall.close(fd) }
         var request = [UInt8]()
         append32(&request, UInt32(16 + body.count))
         append16(&request, type)
@@ -29,12 +28,17 @@ enum Rtnetlink {
         append32(&request, 1)          // sequence
         append32(&request, 0)          // port id: the kernel's
         request += body
-        try systemCall("send rtnetlink \(type)") { send(fd, request, request.count, 0) }
+        // A blocking socket: would-block cannot happen, and would be a failure like any other.
+        guard case .processed = try Syscall.send(fd, request, request.count, 0, call: "send rtnetlink \(type)") else {
+            throw SystemCallError(call: "send rtnetlink \(type)", errno: EAGAIN)
+        }
         let dump = flags & 0x300 != 0
         var messages: [Message] = []
         var buffer = [UInt8](repeating: 0, count: 32768)
         while true {
-            let count = try systemCall("recv rtnetlink \(type)") { recv(fd, &buffer, buffer.count, 0) }
+            guard case .processed(let count) = try Syscall.recv(fd, &buffer, buffer.count, 0, call: "recv rtnetlink \(type)") else {
+                throw SystemCallError(call: "recv rtnetlink \(type)", errno: EAGAIN)
+            }
             var offset = 0
             while offset + 16 <= count {
                 let length = Int(load32(buffer, offset))

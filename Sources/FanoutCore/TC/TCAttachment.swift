@@ -7,6 +7,7 @@ import CLibBPF
 import CSystemShim
 import Logging
 import ReusePortLB
+import SystemCalls
 
 /// The program attached at one interface's ingress: a TCX bpf_link (the kernel detaches it when
 /// the descriptor closes, so a crash leaves nothing), or a cls_bpf filter on clsact.

@@ -8,6 +8,7 @@ import CSystemShim
 import Logging
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// The daemon's tc_ebpf side: one loaded program, attached once per interface that has a
 /// tc_ebpf listener, and the listener ids and counter slots of the shared maps.

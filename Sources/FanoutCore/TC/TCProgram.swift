@@ -7,6 +7,7 @@ import CLibBPF
 import CSystemShim
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// The loaded tc_ebpf program and its maps: one per daemon, shared by every tc_ebpf listener
 /// and interface. Nothing is pinned: closing the descriptors (or the process ending) frees it.

@@ -2,6 +2,7 @@
 import Glibc
 #endif
 import ReusePortLB
+import SystemCalls
 
 /// Asks the kernel for its route to an address (RTM_GETROUTE, what `ip route get` asks), in the
 /// calling thread's network namespace: the route the program's fib lookup will find, known

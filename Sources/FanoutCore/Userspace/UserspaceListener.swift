@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Logging
 import ReusePortLB
+import SystemCalls
 
 /// A userspace listener: `settings.workers` worker threads, each a member of the listener's
 /// own ReusePortLB group (process-private: nothing pinned). Joining happens before any thread
@@ -115,9 +116,7 @@ final class UserspaceListener: RunningListener {
     /// without CAP_NET_ADMIN it caps a request at net.core.rmem_max, silently.
     static func receiveBufferShortfall(socket: Int32, requested: Int) -> Int? {
         guard requested > 0 else { return nil }
-        var value: Int32 = 0
-        var length = socklen_t(MemoryLayout<Int32>.size)
-        guard getsockopt(socket, SOL_SOCKET, SO_RCVBUF, &value, &length) == 0 else { return nil }
+        guard let value = try? Syscall.getsockopt(socket, SOL_SOCKET, SO_RCVBUF, initial: Int32(0)) else { return nil }
         let granted = Int(value) / 2
         return granted < requested ? granted : nil
     }

@@ -1,7 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
-import CLibXDP
+import SystemCalls
 import CSystemShim
 import Logging
 import ReusePortLB
@@ -71,7 +71,7 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
         while !stop.isSet {
             // Progress is an idle poll timeout or a batch received (drainQueue), not a loop turn:
             // a socket whose every receive fails spins here without counting as alive.
-            if poll(&descriptor, 1, 100) == 0 {
+            if (try? Syscall.poll(&descriptor, 1, 100)) == 0 {
                 progress.wrappingAdd(1, ordering: .relaxed)
                 counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
             }
@@ -92,7 +92,7 @@ final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
         let deadline = clock.now + .seconds(1)
         repeat {
             drainQueue(deadline: deadline)
-        } while clock.now < deadline && poll(&descriptor, 1, 20) > 0
+        } while clock.now < deadline && (try? Syscall.poll(&descriptor, 1, 20)) ?? 0 > 0
         counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         receivingNow.store(false, ordering: .relaxed)
         member.leave()

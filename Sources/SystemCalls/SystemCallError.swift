@@ -2,8 +2,11 @@
 import Glibc
 #endif
 
-// BPFSupport: what the three BPF programs' loaders share (ReusePortLB's sk_reuseport, udp-fanout's
-// tc and XDP): the system-call layer, loading an embedded object, per-CPU counters, capabilities.
+// SystemCalls: the one layer every socket, setsockopt/getsockopt, send/receive, poll, epoll and
+// ioctl call of the package goes through (in the manner of swift-nio's NIOPosix/System.swift).
+// EINTR is retried here; would-block is a value (IOResult.wouldBlock), not an error; every
+// other failure is a SystemCallError naming the call, the errno and, where the cause lies
+// outside the call, the fix.
 
 /// A failed system or libbpf call: the call's name and the errno it left.
 public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatable {
@@ -31,8 +34,8 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
     }
 }
 
-/// The thin layer every syscall goes through: retries EINTR, throws the call's name and errno.
-/// EBADF and EFAULT are programmer errors and stop the process.
+/// The general form every call of the layer is built on: retries EINTR, throws the call's name
+/// and errno. EBADF and EFAULT are programmer errors and stop the process.
 @inline(__always)
 @discardableResult
 package func systemCall<T: BinaryInteger>(

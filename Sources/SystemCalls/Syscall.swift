@@ -1,0 +1,211 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+
+/// What a non-blocking send or receive did: `processed` with its count (bytes, or messages for
+/// the batch calls), or `wouldBlock` (EAGAIN: nothing waiting, or the socket's buffer is full).
+/// Would-block is an outcome the hot paths expect every batch, so it is a value, not an error.
+public enum IOResult<Value: Sendable>: Sendable {
+    case processed(Value)
+    case wouldBlock
+}
+
+extension IOResult: Equatable where Value: Equatable {}
+
+/// The package's system calls. Each retries EINTR and throws ``SystemCallError`` (the call's
+/// name, its errno and the fix where the cause is outside the call); the sends and receives
+/// return ``IOResult/wouldBlock`` for EAGAIN. Every wrapper is inlinable: the hot paths pay
+/// nothing for going through it. `call` names the call in the error when the caller knows
+/// more than the call's name (`setsockopt SO_RCVBUF`, `sendto(ICMP echo to 198.18.0.2)`).
+public enum Syscall {
+    // MARK: Descriptors
+
+    /// socket(2).
+    @inlinable
+    public static func socket(_ domain: Int32, _ type: Int32, _ proto: Int32 = 0, call: @autoclosure () -> String = "socket") throws(SystemCallError) -> Int32 {
+        try retrying(call()) { Glibc.socket(domain, type, proto) }
+    }
+
+    /// close(2). Not retried on EINTR: Linux has released the descriptor either way.
+    @inlinable
+    public static func close(_ fd: Int32) {
+        _ = Glibc.close(fd)
+    }
+
+    /// fcntl(2) with an integer argument.
+    @inlinable
+    @discardableResult
+    public static func fcntl(_ fd: Int32, _ command: Int32, _ argument: Int32, call: @autoclosure () -> String = "fcntl") throws(SystemCallError) -> Int32 {
+        try retrying(call()) { Glibc.fcntl(fd, command, argument) }
+    }
+
+    /// ioctl(2) with a pointer argument.
+    @inlinable
+    @discardableResult
+    public static func ioctl(_ fd: Int32, _ request: UInt, _ argument: UnsafeMutableRawPointer, call: @autoclosure () -> String = "ioctl") throws(SystemCallError) -> Int32 {
+        try retrying(call()) { Glibc.ioctl(fd, request, argument) }
+    }
+
+    // MARK: Addresses and options
+
+    /// bind(2).
+    @inlinable
+    public static func bind(_ fd: Int32, _ address: UnsafePointer<sockaddr>, _ length: socklen_t, call: @autoclosure () -> String = "bind") throws(SystemCallError) {
+        try retrying(call()) { Glibc.bind(fd, address, length) }
+    }
+
+    /// connect(2) (a datagram socket: sets its peer).
+    @inlinable
+    public static func connect(_ fd: Int32, _ address: UnsafePointer<sockaddr>, _ length: socklen_t, call: @autoclosure () -> String = "connect") throws(SystemCallError) {
+        try retrying(call()) { Glibc.connect(fd, address, length) }
+    }
+
+    /// getsockname(2) into `storage`.
+    @inlinable
+    public static func getsockname(_ fd: Int32, _ storage: UnsafeMutablePointer<sockaddr_storage>, call: @autoclosure () -> String = "getsockname") throws(SystemCallError) {
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        try retrying(call()) { storage.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.getsockname(fd, $0, &length) } }
+    }
+
+    /// setsockopt(2) with `value` (an integer or a struct).
+    @inlinable
+    public static func setsockopt<Value>(_ fd: Int32, _ level: Int32, _ option: Int32, _ value: Value, call: @autoclosure () -> String = "setsockopt") throws(SystemCallError) {
+        var value = value
+        try retrying(call()) { Glibc.setsockopt(fd, level, option, &value, socklen_t(MemoryLayout<Value>.size)) }
+    }
+
+    /// setsockopt(2) with `length` bytes at `value`.
+    @inlinable
+    public static func setsockopt(_ fd: Int32, _ level: Int32, _ option: Int32, _ value: UnsafeRawPointer?, _ length: socklen_t, call: @autoclosure () -> String = "setsockopt") throws(SystemCallError) {
+        try retrying(call()) { Glibc.setsockopt(fd, level, option, value, length) }
+    }
+
+    /// getsockopt(2) of a fixed-size value (an integer or a struct).
+    @inlinable
+    public static func getsockopt<Value>(_ fd: Int32, _ level: Int32, _ option: Int32, initial value: Value, call: @autoclosure () -> String = "getsockopt") throws(SystemCallError) -> Value {
+        var value = value
+        var length = socklen_t(MemoryLayout<Value>.size)
+        try retrying(call()) { Glibc.getsockopt(fd, level, option, &value, &length) }
+        return value
+    }
+
+    /// getsockopt(2) into `length` bytes at `buffer`; returns the length the kernel wrote.
+    @inlinable
+    @discardableResult
+    public static func getsockopt(_ fd: Int32, _ level: Int32, _ option: Int32, _ buffer: UnsafeMutableRawPointer, _ length: socklen_t, call: @autoclosure () -> String = "getsockopt") throws(SystemCallError) -> socklen_t {
+        var length = length
+        try retrying(call()) { Glibc.getsockopt(fd, level, option, buffer, &length) }
+        return length
+    }
+
+    // MARK: Waiting
+
+    /// poll(2): how many descriptors are ready (0: the timeout passed).
+    @inlinable
+    public static func poll(_ descriptors: UnsafeMutablePointer<pollfd>, _ count: Int, _ milliseconds: Int32, call: @autoclosure () -> String = "poll") throws(SystemCallError) -> Int {
+        Int(try retrying(call()) { Glibc.poll(descriptors, nfds_t(count), milliseconds) })
+    }
+
+    /// poll(2) on one descriptor for `events`: true when one of them (or an error) is ready.
+    @inlinable
+    public static func poll(_ fd: Int32, _ events: Int16, _ milliseconds: Int32, call: @autoclosure () -> String = "poll") throws(SystemCallError) -> Bool {
+        var descriptor = pollfd(fd: fd, events: events, revents: 0)
+        return try poll(&descriptor, 1, milliseconds, call: call()) > 0
+    }
+
+    /// epoll_create1(2) with EPOLL_CLOEXEC.
+    @inlinable
+    public static func epollCreate(call: @autoclosure () -> String = "epoll_create1") throws(SystemCallError) -> Int32 {
+        try retrying(call()) { epoll_create1(Int32(EPOLL_CLOEXEC)) }
+    }
+
+    /// epoll_ctl(2).
+    @inlinable
+    public static func epollControl(_ epoll: Int32, _ operation: Int32, _ fd: Int32, _ event: UnsafeMutablePointer<epoll_event>?, call: @autoclosure () -> String = "epoll_ctl") throws(SystemCallError) {
+        try retrying(call()) { epoll_ctl(epoll, operation, fd, event) }
+    }
+
+    /// epoll_wait(2): how many events were written (0: the timeout passed).
+    @inlinable
+    public static func epollWait(_ epoll: Int32, _ events: UnsafeMutablePointer<epoll_event>, _ capacity: Int32, _ milliseconds: Int32, call: @autoclosure () -> String = "epoll_wait") throws(SystemCallError) -> Int {
+        Int(try retrying(call()) { epoll_wait(epoll, events, capacity, milliseconds) })
+    }
+
+    // MARK: Sending and receiving
+
+    /// send(2).
+    @inlinable
+    public static func send(_ fd: Int32, _ buffer: UnsafeRawPointer?, _ count: Int, _ flags: Int32, call: @autoclosure () -> String = "send") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { Glibc.send(fd, buffer, count, flags) }
+    }
+
+    /// sendto(2).
+    @inlinable
+    public static func sendto(_ fd: Int32, _ buffer: UnsafeRawPointer?, _ count: Int, _ flags: Int32, _ address: UnsafePointer<sockaddr>?, _ length: socklen_t, call: @autoclosure () -> String = "sendto") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { Glibc.sendto(fd, buffer, count, flags, address, length) }
+    }
+
+    /// sendmsg(2).
+    @inlinable
+    public static func sendmsg(_ fd: Int32, _ message: UnsafePointer<msghdr>, _ flags: Int32, call: @autoclosure () -> String = "sendmsg") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { Glibc.sendmsg(fd, message, flags) }
+    }
+
+    /// sendmmsg(2): how many messages left.
+    @inlinable
+    public static func sendmmsg(_ fd: Int32, _ vector: UnsafeMutablePointer<shim_mmsghdr>, _ count: Int, _ flags: Int32, call: @autoclosure () -> String = "sendmmsg") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { shim_sendmmsg(fd, vector, UInt32(count), flags) }
+    }
+
+    /// recv(2).
+    @inlinable
+    public static func recv(_ fd: Int32, _ buffer: UnsafeMutableRawPointer?, _ count: Int, _ flags: Int32, call: @autoclosure () -> String = "recv") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { Glibc.recv(fd, buffer, count, flags) }
+    }
+
+    /// recvfrom(2), the sender's address into `storage` (nil: not wanted).
+    @inlinable
+    public static func recvfrom(_ fd: Int32, _ buffer: UnsafeMutableRawPointer?, _ count: Int, _ flags: Int32, _ storage: UnsafeMutablePointer<sockaddr_storage>?, call: @autoclosure () -> String = "recvfrom") throws(SystemCallError) -> IOResult<Int> {
+        guard let storage else { return try io(call()) { Glibc.recvfrom(fd, buffer, count, flags, nil, nil) } }
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        return try io(call()) { storage.withMemoryRebound(to: sockaddr.self, capacity: 1) { Glibc.recvfrom(fd, buffer, count, flags, $0, &length) } }
+    }
+
+    /// recvmmsg(2): how many messages arrived.
+    @inlinable
+    public static func recvmmsg(_ fd: Int32, _ vector: UnsafeMutablePointer<shim_mmsghdr>, _ count: Int, _ flags: Int32, call: @autoclosure () -> String = "recvmmsg") throws(SystemCallError) -> IOResult<Int> {
+        try io(call()) { shim_recvmmsg(fd, vector, UInt32(count), flags) }
+    }
+
+    // MARK: The two shapes
+
+    /// Retries EINTR; any other failure is thrown.
+    @inlinable
+    @usableFromInline
+    @discardableResult
+    static func retrying<T: BinaryInteger>(_ name: @autoclosure () -> String, _ body: () -> T) throws(SystemCallError) -> T {
+        while true {
+            let result = body()
+            if result >= 0 { return result }
+            let error = Glibc.errno
+            if error == EINTR { continue }
+            throw SystemCallError(call: name(), errno: error)
+        }
+    }
+
+    /// Retries EINTR; EAGAIN is ``IOResult/wouldBlock``; any other failure is thrown (the hot
+    /// paths count it by its errno: ECONNREFUSED, ENOBUFS, EMSGSIZE are outcomes there).
+    @inlinable
+    @usableFromInline
+    static func io<T: BinaryInteger>(_ name: @autoclosure () -> String, _ body: () -> T) throws(SystemCallError) -> IOResult<Int> {
+        while true {
+            let result = body()
+            if result >= 0 { return .processed(Int(result)) }
+            let error = Glibc.errno
+            if error == EINTR { continue }
+            if error == EAGAIN || error == EWOULDBLOCK { return .wouldBlock }
+            throw SystemCallError(call: name(), errno: error)
+        }
+    }
+}
