@@ -166,3 +166,15 @@ extension IPAddress {
         return "'\(text)' is not an IPv4 or IPv6 address"
     }
 }
+
+extension IPAddress {
+    /// The address's bytes (4 or 16) in four 32-bit words, network order, the rest zero: how the
+    /// BPF programs' map keys and values hold an address.
+    package var words: (UInt32, UInt32, UInt32, UInt32) {
+        var words: (UInt32, UInt32, UInt32, UInt32) = (0, 0, 0, 0)
+        withUnsafeMutableBytes(of: &words) { raw in
+            for (index, byte) in bytes.enumerated() { raw[index] = byte }
+        }
+        return words
+    }
+}

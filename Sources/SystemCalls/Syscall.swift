@@ -33,20 +33,6 @@ public enum Syscall {
         _ = Glibc.close(fd)
     }
 
-    /// fcntl(2) with an integer argument.
-    @inlinable
-    @discardableResult
-    public static func fcntl(_ fd: Int32, _ command: Int32, _ argument: Int32, call: @autoclosure () -> String = "fcntl") throws(SystemCallError) -> Int32 {
-        try retrying(call()) { Glibc.fcntl(fd, command, argument) }
-    }
-
-    /// ioctl(2) with a pointer argument.
-    @inlinable
-    @discardableResult
-    public static func ioctl(_ fd: Int32, _ request: UInt, _ argument: UnsafeMutableRawPointer, call: @autoclosure () -> String = "ioctl") throws(SystemCallError) -> Int32 {
-        try retrying(call()) { Glibc.ioctl(fd, request, argument) }
-    }
-
     // MARK: Addresses and options
 
     /// bind(2).
@@ -180,7 +166,8 @@ public enum Syscall {
 
     // MARK: The two shapes
 
-    /// Retries EINTR; any other failure is thrown.
+    /// Retries EINTR; any other failure is thrown. EBADF and EFAULT are programmer errors and
+    /// stop the process (as ``systemCall(_:_:)`` does).
     @inlinable
     @usableFromInline
     @discardableResult
@@ -190,12 +177,14 @@ public enum Syscall {
             if result >= 0 { return result }
             let error = Glibc.errno
             if error == EINTR { continue }
+            precondition(error != EBADF && error != EFAULT, "\(name()) misused a descriptor or pointer: errno \(error)")
             throw SystemCallError(call: name(), errno: error)
         }
     }
 
-    /// Retries EINTR; EAGAIN is ``IOResult/wouldBlock``; any other failure is thrown (the hot
-    /// paths count it by its errno: ECONNREFUSED, ENOBUFS, EMSGSIZE are outcomes there).
+    /// Retries EINTR; EAGAIN is ``IOResult/wouldBlock``; any other failure is thrown, EBADF
+    /// included: the forwarding paths count every failed send by its errno (ECONNREFUSED,
+    /// ENOBUFS, EMSGSIZE are outcomes there), and a send must never stop the process.
     @inlinable
     @usableFromInline
     static func io<T: BinaryInteger>(_ name: @autoclosure () -> String, _ body: () -> T) throws(SystemCallError) -> IOResult<Int> {

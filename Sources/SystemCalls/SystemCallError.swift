@@ -2,8 +2,8 @@
 import Glibc
 #endif
 
-// SystemCalls: the one layer every socket, setsockopt/getsockopt, send/receive, poll, epoll and
-// ioctl call of the package goes through (in the manner of swift-nio's NIOPosix/System.swift).
+// SystemCalls: the one layer every socket, setsockopt/getsockopt, send/receive, poll and epoll
+// call of the package goes through (in the manner of swift-nio's NIOPosix/System.swift).
 // EINTR is retried here; would-block is a value (IOResult.wouldBlock), not an error; every
 // other failure is a SystemCallError naming the call, the errno and, where the cause lies
 // outside the call, the fix.
@@ -34,8 +34,9 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
     }
 }
 
-/// The general form every call of the layer is built on: retries EINTR, throws the call's name
-/// and errno. EBADF and EFAULT are programmer errors and stop the process.
+/// The general form for calls the layer has no wrapper for (bpf, fcntl, a C shim's socket
+/// calls): retries EINTR, throws the call's name and errno. EBADF and EFAULT are programmer
+/// errors and stop the process.
 @inline(__always)
 @discardableResult
 package func systemCall<T: BinaryInteger>(

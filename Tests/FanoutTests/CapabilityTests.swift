@@ -68,15 +68,15 @@ struct ShortfallTests {
         let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
         try #require(fd >= 0)
         defer { close(fd) }
-        let rmemMax = try #require(UserspaceListener.rmemMax)
+        let rmemMax = try #require(SocketGroupListener.rmemMax)
         let huge = rmemMax * 4
         var value = Int32(clamping: huge)
         #expect(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &value, socklen_t(MemoryLayout<Int32>.size)) == 0)
-        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: huge) == rmemMax, "capped at rmem_max \(rmemMax)")
+        #expect(SocketGroupListener.receiveBufferShortfall(socket: fd, requested: huge) == rmemMax, "capped at rmem_max \(rmemMax)")
         var small = Int32(4096)
         #expect(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, socklen_t(MemoryLayout<Int32>.size)) == 0)
-        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: 4096) == nil)
-        #expect(UserspaceListener.receiveBufferShortfall(socket: fd, requested: 0) == nil, "0 asks for the default")
+        #expect(SocketGroupListener.receiveBufferShortfall(socket: fd, requested: 4096) == nil)
+        #expect(SocketGroupListener.receiveBufferShortfall(socket: fd, requested: 0) == nil, "0 asks for the default")
     }
 
     @Test("tc_ebpf errors name the fix: EPERM at load with the capabilities held names seccomp; an unwritable lock directory names RuntimeDirectory= and the hostPath; all three capabilities missing are listed once")

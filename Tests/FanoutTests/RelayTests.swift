@@ -555,7 +555,7 @@ struct RelayTests {
         // As the daemon restarts a listener: the counters stay, the new instance is made beside
         // the old one, takes the bind over, and only then the old one stops.
         let counters = ListenerCounters(name: "swap", mode: "userspace")
-        let old = try UserspaceListener(config.listeners[0], counters: counters, logger: Logger(label: "relay-test"))
+        let old = try RelayListener(config.listeners[0], counters: counters, logger: Logger(label: "relay-test"))
         try old.activate()
         let clients = try loopbackSources(10, base: 100).map { try RelayClient(source: $0) }
         func round(_ number: Int) throws {
@@ -564,7 +564,7 @@ struct RelayTests {
         try round(0)
         var changed = config.listeners[0]
         changed.settings.sessionIdleSecs = 300
-        let new = try UserspaceListener(changed, counters: counters, logger: Logger(label: "relay-test"))
+        let new = try RelayListener(changed, counters: counters, logger: Logger(label: "relay-test"))
         defer { new.shutdown() }
         try round(1)  // still the old instance's: the new one has not taken the bind over
         try new.activate()
@@ -877,7 +877,7 @@ struct RelayTests {
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let config = try ConfigParser.parse(relayYAML("list", bind: bind, servers))
         try config.validate()
-        let listener = try UserspaceListener(config.listeners[0], counters: ListenerCounters(name: "list", mode: "userspace"), logger: Logger(label: "relay-test"))
+        let listener = try RelayListener(config.listeners[0], counters: ListenerCounters(name: "list", mode: "userspace"), logger: Logger(label: "relay-test"))
         defer { listener.shutdown() }
         try listener.activate()
         let clients = try loopbackSources(6, base: 230).map { try RelayClient(source: $0) }

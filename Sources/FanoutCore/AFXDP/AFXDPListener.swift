@@ -58,7 +58,7 @@ final class AFXDPListener: RunningListener {
     private let sockets: [XSKSocket]
     private let forwarders: [AFXDPForwarder]
     private let threads: [OSThread]
-    private let companion: UserspaceListener
+    private let companion: SocketGroupListener
     private let passiveHealth: (@Sendable (SocketAddress) -> Void)?
     private let instance = ListenerInstance.next()
     private let released = Atomic<Bool>(false)
@@ -121,7 +121,7 @@ final class AFXDPListener: RunningListener {
         if companionConfig.settings.recvBufSize == 0 { companionConfig.settings.recvBufSize = Self.companionReceiveBuffer }
         if companionConfig.settings.output == .xdpTX { companionConfig.settings.output = .preserveSource }
         do {
-            companion = try UserspaceListener(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth)
+            companion = try SocketGroupListener.oneWay(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth)
         } catch {
             throw failed(.companion(error))
         }
@@ -211,7 +211,8 @@ final class AFXDPListener: RunningListener {
 
     func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
-        return companion.update(downstreams: downstreams, balancing: balancing, keeping: keeping)
+        companion.replacePlan(downstreams: downstreams, balancing: balancing)
+        return true
     }
 
     func heartbeats() -> [PathHeartbeat] {

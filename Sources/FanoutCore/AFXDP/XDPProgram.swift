@@ -82,7 +82,7 @@ final class XDPProgram: @unchecked Sendable {  // descriptors only; callers seri
         key.ifindex = ifindex
         key.family = UInt8(bind.ip.family)
         key.port = bind.port.bigEndian
-        key.addr = TCProgram.addressWords(bind.ip)
+        key.addr = bind.ip.words
         return key
     }
 

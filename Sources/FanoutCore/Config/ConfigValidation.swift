@@ -61,7 +61,7 @@ extension FanoutConfig {
             if let kubernetes = listener.kubernetes, !Self.isDNSLabel(kubernetes.service) {
                 throw fail("\(path).kubernetes.service", "'\(kubernetes.service)' is not a Kubernetes Service name (lowercase letters, digits and '-', at most 63)")
             }
-            let discovered = listener.kubernetes != nil || !listener.dnsDownstreams.isEmpty
+            let discovered = !DiscoverySources.of(listener).isEmpty
             guard !listener.downstreams.isEmpty || discovered else {
                 throw fail("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
             }

@@ -143,6 +143,26 @@ struct ListenerKinds: Sendable {
 
 /// Checks more than one kind makes.
 enum SharedChecks {
+    /// A socket-group listener (userspace, relay): its way out is a socket or a raw socket, and
+    /// two-way in the kernel is tc_ebpf's.
+    static func socketGroup(_ listener: Listener, path: String, of config: FanoutConfig) throws(ConfigError) {
+        if listener.settings.output == .xdpTX {
+            throw config.configError("\(path).settings.output", "xdp_tx needs mode af_xdp (it transmits from the AF_XDP ring); userspace mode offers socket or preserve_source")
+        }
+        try sourcePreservingFamilies(listener, path: path, of: config)
+        if listener.replies == .nat { throw natNeedsTC(path: path, of: config) }
+    }
+
+    /// A socket-group listener's keys that have no effect there.
+    static func socketGroupWarnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
+        var warnings: [ConfigWarning] = []
+        if config.lines.isSet("\(path).interface") {
+            warnings.append(config.configWarning("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)"))
+        }
+        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
+        return warnings + afXDPKeys(path: path, of: config)
+    }
+
     /// A source-preserving way out (userspace or af_xdp) keeps the client's address: a client of
     /// the bind's family cannot be sent to a downstream of the other (every datagram would be dropped).
     static func sourcePreservingFamilies(_ listener: Listener, path: String, of config: FanoutConfig) throws(ConfigError) {

@@ -35,6 +35,9 @@ public struct DiscoveryService: Service {
     }
 
     public func run() async throws {
+        // One HTTP client per run, shut down at its end.
+        var environment = self.environment
+        environment.http = LazyHTTPClient()
         let (changes, continuation) = AsyncStream.makeStream(of: [DiscoverySpec].self, bufferingPolicy: .bufferingNewest(1))
         var watchers: [DiscoverySpec: Running] = [:]
         func start(_ spec: DiscoverySpec, restart: (any Sendable)? = nil) {

@@ -12,7 +12,7 @@ struct RelayKind: ListenerKind {
 
     /// A userspace listener's checks, then the sessions'.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
-        try UserspaceKind.validate(listener, index: index, path: path, of: config, localAddresses: localAddresses)
+        try SharedChecks.socketGroup(listener, path: path, of: config)
         guard listener.settings.output == .socket else {
             throw config.configError("\(path).settings.output", "\(listener.settings.output.rawValue): replies relay receives the downstreams' replies on its own session sockets, so datagrams must leave through them (output: socket)")
         }
@@ -22,12 +22,16 @@ struct RelayKind: ListenerKind {
     }
 
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        UserspaceKind.warnings(listener, path: path, of: config)
+        SharedChecks.socketGroupWarnings(listener, path: path, of: config)
     }
 
-    /// Its workers are userspace workers with a relay loop (``RelayWorker``).
+    /// Relay workers (``RelayWorker``) on the listener's socket group (``RelayListener``).
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {
-        try UserspaceKind().start(listener, context)
+        do {
+            return try RelayListener(listener, counters: context.counters, logger: context.logger, passiveHealth: context.refused)
+        } catch {
+            throw .listener(name: listener.name, error)
+        }
     }
 
     /// A successor with eBPF steering on exactly the same bind gets every new request, so the

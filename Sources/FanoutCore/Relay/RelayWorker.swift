@@ -7,7 +7,7 @@ import ReusePortLB
 import Synchronization
 import SystemCalls
 
-/// One worker thread of a `replies: relay` listener. Like ``UserspaceWorker`` it owns one socket
+/// One worker thread of a `replies: relay` listener. Like ``SocketWorker`` it owns one socket
 /// of the listener's ReusePortLB group (steered per client: five_tuple or source_ip, so a client
 /// always reaches the same worker), and it keeps its own session table: client address and port
 /// → ``RelaySession``. A client's datagrams leave on its session socket; one epoll set holds the
@@ -18,7 +18,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
-    /// Grows at every idle wait timeout (100 ms) and every batch, as ``UserspaceWorker/progress``.
+    /// Grows at every idle wait timeout (100 ms) and every batch, as ``SocketWorker/progress``.
     let progress = Atomic<UInt64>(0)
     private let listener: Listener
     private let counters: ListenerCounters

@@ -68,17 +68,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         key.ifindex = ifindex
         key.family = UInt8(bind.ip.family)
         key.port = bind.port.bigEndian
-        key.addr = addressWords(bind.ip)
+        key.addr = bind.ip.words
         return key
-    }
-
-    /// An address as the program's `__u32 addr[4]`: network order, IPv4 in the first word.
-    static func addressWords(_ ip: IPAddress) -> (UInt32, UInt32, UInt32, UInt32) {
-        var words: (UInt32, UInt32, UInt32, UInt32) = (0, 0, 0, 0)
-        withUnsafeMutableBytes(of: &words) { raw in
-            for (index, byte) in ip.bytes.enumerated() { raw[index] = byte }
-        }
-        return words
     }
 
     func putListener(_ bind: SocketAddress, ifindex: UInt32, _ value: fanout_listener) throws(SystemCallError) {
@@ -205,7 +196,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         var key = id
         var value = fanout_nat()
         if let bind {
-            value.addr = Self.addressWords(bind.ip)
+            value.addr = bind.ip.words
             value.port = bind.port.bigEndian
             value.family = UInt8(bind.ip.family)
             value.enabled = 1
@@ -215,7 +206,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     static func liveKey(_ address: SocketAddress) -> fanout_live_key {
         var key = fanout_live_key()
-        key.addr = addressWords(address.ip)
+        key.addr = address.ip.words
         key.port = address.port.bigEndian
         key.family = UInt8(address.ip.family)
         return key
@@ -324,7 +315,7 @@ struct BackendSet {
     init(downstreams: [Downstream], balancing: Balancing, slots: [String: UInt16]) {
         backends = downstreams.map { downstream in
             var backend = fanout_backend()
-            backend.addr = TCProgram.addressWords(downstream.address.ip)
+            backend.addr = downstream.address.ip.words
             backend.port = downstream.address.port.bigEndian
             backend.counter_slot = slots[downstream.name] ?? UInt16(FANOUT_MAX_BACKENDS)
             return backend

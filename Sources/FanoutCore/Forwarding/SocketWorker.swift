@@ -7,21 +7,11 @@ import Logging
 import ReusePortLB
 import Synchronization
 
-/// What a userspace listener needs of each of its worker threads, one-way or relay.
-protocol ListenerWorker: AnyObject, Sendable {
-    var index: Int { get }
-    /// In its receive loop (readiness).
-    var isReceiving: Bool { get }
-    /// Grows while the worker moves (the path check).
-    var progressCount: UInt64 { get }
-    /// The thread's body: until the listener's stop signal, then drain and leave the group.
-    func run()
-}
-
-/// One worker thread of a userspace listener: its own socket in the listener's ReusePortLB
-/// group (steered per flow by default: `settings.worker_steering`), recvmmsg in, one sendmmsg
-/// batch per downstream out. Nothing is allocated per datagram.
-final class UserspaceWorker: ListenerWorker, @unchecked Sendable {
+/// One one-way worker thread of a socket-group listener (userspace, and af_xdp's companion
+/// socket): its own socket in the listener's ReusePortLB group (steered per flow by default:
+/// `settings.worker_steering`), recvmmsg in, one sendmmsg batch per downstream out. Nothing is
+/// allocated per datagram.
+final class SocketWorker: ListenerWorker, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)

@@ -1,0 +1,188 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import ReusePortLB
+import SystemCalls
+
+/// A worker thread of a socket-group listener (one-way, relay).
+protocol ListenerWorker: AnyObject, Sendable {
+    var index: Int { get }
+    /// In its receive loop (readiness).
+    var isReceiving: Bool { get }
+    /// Grows while the worker moves (the path check).
+    var progressCount: UInt64 { get }
+    /// The thread's body: until the listener's stop signal, then drain and leave the group.
+    func run()
+}
+
+/// What a socket-group listener's workers share: the plan they forward by, the stop signal, and
+/// the handover request (relay workers drain their sessions on it).
+struct WorkerShared: Sendable {
+    let plans: PlanHolder
+    let stop: StopSignal
+    let handOver: HandOverSignal
+}
+
+/// The part every listener that receives on its bind's sockets shares (userspace, relay, and
+/// af_xdp's companion socket): `settings.workers` worker threads, each a member of the
+/// listener's own ReusePortLB group (process-private: nothing pinned). Joining happens before
+/// any thread starts, so a bind error fails the start. The group steers nothing until
+/// ``activate()``: a reload prepares the new workers beside the old ones on the same bind,
+/// activates them (from then on every new datagram goes to them), and only then stops the old
+/// ones, which forward what their sockets still hold. The kind supplies its workers.
+final class SocketGroupListener: Sendable {
+    let config: Listener
+    let counters: ListenerCounters
+    let group: ReusePortGroup
+    let plans: PlanHolder
+    let stop = StopSignal()
+    let handOverSignal = HandOverSignal()
+    /// Set once every worker returned after a handover (``drainInBackground(drainSecs:drained:)``).
+    private let drainedSignal = StopSignal()
+    let workers: [any ListenerWorker]
+    private let threads: [OSThread]
+    let passiveHealth: (@Sendable (SocketAddress) -> Void)?
+    private let instance = ListenerInstance.next()
+    let logger: Logger
+
+    /// - Parameters:
+    ///   - passiveHealth: told a downstream's address when a send to it got ICMP port
+    ///     unreachable (at most once per batch per downstream and worker); nil: not reported.
+    ///   - makeWorkers: the kind's workers, one per member (in slot order).
+    init(_ config: Listener, counters: ListenerCounters, logger: Logger,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil,
+         makeWorkers: ([ReusePortMember], WorkerShared) throws(ReusePortError) -> [any ListenerWorker]) throws(ReusePortError) {
+        self.config = config
+        self.counters = counters
+        self.passiveHealth = passiveHealth
+        self.logger = logger
+        let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
+        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
+        let options = GroupOptions(
+            policy: config.settings.workerSteering.policy, capacity: count,
+            receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
+        group = try ReusePortGroup(privateTo: config.bind, options: options)
+        var members: [ReusePortMember] = []
+        for slot in 0..<count {
+            do {
+                members.append(try group.join(slot: slot))
+            } catch {
+                for member in members { member.leave() }
+                throw error
+            }
+        }
+        for overlap in SocketOverlap.warnings(config.bind) {
+            logger.warning("bind overlaps another process's socket", metadata: ["listener": "\(config.name)", "overlap": "\(overlap)"])
+        }
+        if let note = group.steeringNote {
+            logger.warning("worker steering fallback", metadata: ["listener": "\(config.name)", "note": "\(note)"])
+        }
+        if let member = members.first, let granted = Self.receiveBufferShortfall(socket: member.socket, requested: config.settings.recvBufSize) {
+            logger.warning("recv_buf_size was capped by the kernel: raise net.core.rmem_max (sysctl -w net.core.rmem_max=\(config.settings.recvBufSize)) or grant CAP_NET_ADMIN (SO_RCVBUFFORCE)", metadata: [
+                "listener": "\(config.name)", "recv_buf_size": "\(config.settings.recvBufSize)", "granted": "\(granted)",
+                "rmem_max": "\(Self.rmemMax.map(String.init) ?? "unknown")",
+            ])
+        }
+        logger.info("starting userspace forwarder", metadata: [
+            "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
+            "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
+            "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
+        ])
+        do {
+            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal))
+        } catch {
+            for member in members { member.leave() }
+            throw error
+        }
+        threads = workers.map { worker in
+            OSThread(name: "fanout-\(worker.index)") { worker.run() }
+        }
+    }
+
+    /// A one-way listener's group: a ``SocketWorker`` per member, each forwarding through the
+    /// listener's `output`.
+    static func oneWay(_ config: Listener, counters: ListenerCounters, logger: Logger,
+                       passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) -> SocketGroupListener {
+        let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth) { members, shared in
+            members.enumerated().map { index, member in
+                SocketWorker(index: index, member: member, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
+                             makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
+            }
+        }
+        // A reload that turned relay off: no two-way series for a one-way listener.
+        counters.twoWaySource.withLock { $0 = nil }
+        return made
+    }
+
+    /// The receive buffer a socket got when it is smaller than `requested` (bytes; 0: none
+    /// requested), else nil. The kernel reports twice what it grants (bookkeeping overhead), and
+    /// without CAP_NET_ADMIN it caps a request at net.core.rmem_max, silently.
+    static func receiveBufferShortfall(socket: Int32, requested: Int) -> Int? {
+        guard requested > 0 else { return nil }
+        guard let value = try? Syscall.getsockopt(socket, SOL_SOCKET, SO_RCVBUF, initial: Int32(0)) else { return nil }
+        let granted = Int(value) / 2
+        return granted < requested ? granted : nil
+    }
+
+    static var rmemMax: Int? {
+        (try? readFile("/proc/sys/net/core/rmem_max")).flatMap { Int($0.filter(\.isNumber)) }
+    }
+
+    /// Every worker is in its receive loop.
+    var isReceiving: Bool { workers.allSatisfy(\.isReceiving) }
+
+    /// Each worker's progress counter, for the systemd watchdog.
+    func heartbeats() -> [PathHeartbeat] {
+        // Stopping (replaced in a reload, or shutdown): its workers drain and leave, not stuck.
+        guard !stop.isSet else { return [] }
+        return workers.map { PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: $0.index, count: $0.progressCount)) }
+    }
+
+    /// Makes this listener's group the steering on its bind: every new datagram goes to these
+    /// workers from now on (a previous listener on the bind keeps only what it has queued).
+    func activate() throws(DaemonError) {
+        do {
+            try group.activate()
+        } catch {
+            throw .listener(name: config.name, error)
+        }
+    }
+
+    /// eBPF steering selects only this group's sockets; classic BPF and the kernel hash cannot
+    /// exclude a previous group's.
+    var takesOverExactly: Bool { group.steering == .ebpf }
+
+    /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
+    func replacePlan(downstreams: [Downstream], balancing: Balancing) {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
+    }
+
+    /// Asks the workers to drain for `drainSecs` in the background (relay: the sessions' replies
+    /// still reach their clients); `drained` is called once the last worker returned, telling
+    /// whether ``shutdown()`` cut the drain short.
+    func drainInBackground(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) {
+        handOverSignal.drainMilliseconds.store(Int64(drainSecs) * 1000, ordering: .relaxed)
+        handOverSignal.requested.set()
+        stop.set()
+        let (threads, finished, signal) = (self.threads, drainedSignal, handOverSignal)
+        OSThread.detached(name: "\(config.name)-drain") {
+            for thread in threads { thread.join() }
+            // Before the signal: a shutdown() waiting on it returns after the caller heard.
+            drained(signal.cutShort.isSet)
+            finished.set()
+        }
+    }
+
+    /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
+    /// After a handover: ends the drain now and waits for the workers to return.
+    func shutdown() {
+        if handOverSignal.requested.isSet {
+            handOverSignal.cutShort.set()
+            while !drainedSignal.isSet { usleep(10_000) }
+            return
+        }
+        stop.set()
+        for thread in threads { thread.join() }
+    }
+}

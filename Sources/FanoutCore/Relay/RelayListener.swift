@@ -1,0 +1,86 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import ReusePortLB
+
+/// A `replies: relay` listener: ``RelayWorker``s on the listener's own socket group
+/// (``SocketGroupListener``). Each worker keeps its own sessions (validation guarantees
+/// per-client worker steering); a listener replaced by one that took exactly its bind over
+/// drains its sessions in the background (``handOver(drainSecs:drained:)``).
+final class RelayListener: RunningListener {
+    let group: SocketGroupListener
+    /// The workers' shared session count and reply counters.
+    private let relay: RelayCounters
+    private var config: Listener { group.config }
+
+    init(_ config: Listener, counters: ListenerCounters, logger: Logger,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) {
+        // The counters outlive a restart (reload of the bind or settings), and the relay totals
+        // with them; the session count is this instance's.
+        let relay = counters.relayCounters()
+        let sessions = RelaySessionCount(maxSessions: config.settings.maxSessions)
+        self.relay = relay
+        group = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth) { members, shared throws(ReusePortError) in
+            try members.enumerated().map { (index, member) throws(ReusePortError) in
+                try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
+                                sessions: sessions, plans: shared.plans, stop: shared.stop, handOver: shared.handOver, logger: logger)
+            }
+        }
+        // Each session is a socket: a table the open-files limit cannot hold fails at run time,
+        // client by client (counted send_error). Say so now.
+        var files = rlimit()
+        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, UInt64(config.settings.maxSessions) + 256 > UInt64(files.rlim_cur) {
+            logger.warning("replies relay: settings.max_sessions is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "open_files_limit": "\(files.rlim_cur)",
+            ])
+        }
+        counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
+    }
+
+    var isReceiving: Bool { group.isReceiving }
+    func heartbeats() -> [PathHeartbeat] { group.heartbeats() }
+    func activate() throws(DaemonError) { try group.activate() }
+    var takesOverExactly: Bool { group.takesOverExactly }
+
+    /// Swaps the downstreams and balancing in place (workers pick it up at their next batch),
+    /// saying once what a leaving downstream's sessions do.
+    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+        let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
+        for leaving in group.plans.plan.downstreams where leaving.weight > 0 && !staying.contains(leaving.address) {
+            group.logger.info(config.settings.drainSecs > 0
+                ? "downstream draining: no new clients; its sessions' replies are relayed until settings.drain_secs passes, later ones counted drained"
+                : "downstream left the set (settings.drain_secs 0): its sessions' replies from now on are counted drained", metadata: [
+                "listener": "\(config.name)", "downstream": "\(leaving.name)", "address": "\(leaving.address)", "drain_secs": "\(config.settings.drainSecs)",
+            ])
+        }
+        group.replacePlan(downstreams: downstreams, balancing: balancing)
+        return true
+    }
+
+    /// Up to `limit` sessions (client, downstream name, idle seconds) from every worker's table
+    /// (each table locked briefly), and how many are open.
+    func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? {
+        var entries: [AssociationEntry] = []
+        var total = 0
+        for case let worker as RelayWorker in group.workers {
+            let listed = worker.associations(limit: max(0, limit - entries.count))
+            total += listed.total
+            entries += listed.entries
+        }
+        return (entries, total)
+    }
+
+    /// A successor on the same bind took it over (eBPF steering: nothing new reaches this
+    /// instance): the sessions drain in the background for the successor's `drainSecs`, so the
+    /// replies to requests already sent still reach their clients from the listener's address,
+    /// and later ones are counted (``RelayWorker``); `drained` is called once the last worker
+    /// returned, telling whether ``shutdown()`` cut the drain short.
+    func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool {
+        group.drainInBackground(drainSecs: drainSecs, drained: drained)
+        return true
+    }
+
+    /// Stops the workers (after a handover: ends the sessions' drain now).
+    func shutdown() { group.shutdown() }
+}
