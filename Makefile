@@ -4,7 +4,7 @@ DESTDIR ?=
 VERSION ?= 0.1.0
 BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability bench install install-files uninstall dist dist-check container clean
+.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container clean
 
 all: build
 
@@ -28,6 +28,12 @@ reliability: setup
 bench:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh
 	@scripts/bench.sh $(BENCH)
+
+# The userspace, tc_ebpf and af_xdp rows of a change: this tree against BEFORE=<git rev>,
+# alternated in one run (scripts/bench_compare.py).
+bench-compare:
+	@WITH_BENCH_PEERS=1 scripts/setup.sh
+	@BEFORE=$(BEFORE) scripts/bench.sh compare
 
 # Builds (release) and installs the C library, its header and reuseportlb.pc.
 install: build

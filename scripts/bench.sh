@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
 echo "bench: building (release)"
 swift build -c release >/dev/null
+if [ "${1:-}" = compare ]; then exec python3 scripts/bench_compare.py; fi
 exec python3 scripts/bench.py "$@"

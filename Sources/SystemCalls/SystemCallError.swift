@@ -42,14 +42,7 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
 package func systemCall<T: BinaryInteger>(
     _ name: @autoclosure () -> String, _ body: () -> T
 ) throws(SystemCallError) -> T {
-    while true {
-        let result = body()
-        if result >= 0 { return result }
-        let error = Glibc.errno
-        if error == EINTR { continue }
-        precondition(error != EBADF && error != EFAULT, "\(name()) misused a descriptor or pointer: errno \(error)")
-        throw SystemCallError(call: name(), errno: error)
-    }
+    try Syscall.retrying(name(), body)
 }
 
 /// The same for libbpf calls that return a negative errno instead of setting errno.

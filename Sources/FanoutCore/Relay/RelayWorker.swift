@@ -114,9 +114,15 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         ringTargets.initialize(repeating: -1, count: batch)
         ringSessions = Array(repeating: nil, count: batch)
         events = .allocate(capacity: Self.eventCapacity)
+        var created: Int32 = -1
         do {
-            epoll = try Syscall.epollCreate()
+            created = try Syscall.epollCreate()
+            var event = epoll_event()
+            event.events = UInt32(EPOLLIN.rawValue)
+            event.data.fd = member.socket
+            try Syscall.epollControl(created, EPOLL_CTL_ADD, member.socket, &event)
         } catch {
+            if created >= 0 { Syscall.close(created) }
             replyHeaders.deallocate()
             replyIovecs.deallocate()
             ringSockets.deallocate()
@@ -124,20 +130,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             events.deallocate()
             throw .system(error)
         }
-        var event = epoll_event()
-        event.events = UInt32(EPOLLIN.rawValue)
-        event.data.fd = member.socket
-        do {
-            try Syscall.epollControl(epoll, EPOLL_CTL_ADD, member.socket, &event)
-        } catch {
-            Syscall.close(epoll)
-            replyHeaders.deallocate()
-            replyIovecs.deallocate()
-            ringSockets.deallocate()
-            ringTargets.deallocate()
-            events.deallocate()
-            throw .system(error)
-        }
+        epoll = created
     }
 
     deinit {

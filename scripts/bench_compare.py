@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""make bench-compare BEFORE=<git rev>: the per-datagram cost of a change, side by side in one run.
+
+The af_xdp benchmark's topology (client -> proxy with 2 RX queues -> 3 backends, veth) and
+load, run for udp-fanout's userspace, tc_ebpf and af_xdp (socket output) listeners with two
+release builds: BEFORE (a git revision, built in a worktree of its own) and this tree. Each run
+alternates the builds and the variants, so both see the same machine; each row gives the median
+of the per-run ratios after / before (1.00: no change) with its range. Saturation: delivered pps
+of 600,000 64-byte datagrams sent as fast as the publisher can; CPU: busy time of every CPU
+per delivered datagram at 100,000 pps for 4 s (the generator's share included, the same for
+both builds).
+"""
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import bench_afxdp
+import bench_common as common
+
+VARIANTS = ["userspace", "tc_ebpf", "af_xdp socket"]
+
+
+def build_before(revision):
+    """Builds `revision` (release) in a worktree under /tmp; returns its bin directory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.check_output(["git", "-C", root, "rev-parse", "--short", revision], text=True).strip()
+    tree = f"/tmp/udp-fanout-bench-before-{commit}"
+    if not os.path.isdir(tree):
+        subprocess.run(["git", "-C", root, "worktree", "add", "--detach", tree, commit], check=True, stdout=subprocess.DEVNULL)
+    if os.path.exists(os.path.join(root, "Package.resolved")):
+        subprocess.run(["cp", os.path.join(root, "Package.resolved"), tree], check=True)
+    print(f"bench-compare: building {revision} ({commit}) in {tree} (release)", flush=True)
+    subprocess.run(["swift", "build", "-c", "release"], cwd=tree, check=True, stdout=subprocess.DEVNULL)
+    return subprocess.check_output(["swift", "build", "-c", "release", "--show-bin-path"], cwd=tree, text=True).strip(), commit
+
+
+def run(name, binary, topology, work, fixed):
+    common.BIN = binary
+    return bench_afxdp.run_once(name, topology, work, fixed=fixed)
+
+
+def main():
+    revision = os.environ.get("BEFORE") or (sys.argv[1] if len(sys.argv) > 1 else "")
+    if not revision:
+        raise SystemExit("bench-compare: say which revision to compare with: make bench-compare BEFORE=<git rev>")
+    after = common.BIN
+    before, commit = build_before(revision)
+    builds = [("before", before), ("after", after)]
+    work = tempfile.mkdtemp(prefix="udp-fanout-bench-compare-")
+    topology = common.Topology(queues=2)
+    results = {(name, build, fixed): [] for name in VARIANTS for build, _ in builds for fixed in (False, True)}
+    try:
+        print(f"bench-compare: {commit} (before) vs this tree (after); {', '.join(VARIANTS)}; {common.RUNS} alternated runs;"
+              f" saturation {bench_afxdp.DATAGRAMS} datagrams, CPU at {bench_afxdp.FIXED_RATE:,} pps for {bench_afxdp.FIXED_SECONDS} s;"
+              f" {os.cpu_count()} CPUs", flush=True)
+        for number in range(common.RUNS):
+            order = builds if number % 2 == 0 else list(reversed(builds))
+            for fixed in (False, True):
+                for name in VARIANTS:
+                    for build, binary in order:
+                        results[(name, build, fixed)].append(run(name, binary, topology, work, fixed))
+    finally:
+        common.BIN = after
+        topology.destroy()
+        subprocess.run(["rm", "-rf", work])
+    rows = []
+    for name in VARIANTS:
+        for fixed, key, scenario, unit in ((False, "pps", "delivered pps at saturation", "pps"),
+                                           (True, "ns_per_packet", f"CPU per datagram at {bench_afxdp.FIXED_RATE // 1000}k pps", "ns")):
+            ours = results[(name, "after", fixed)]
+            peer = results[(name, "before", fixed)]
+            a, b = common.spread([r[key] for r in ours]), common.spread([r[key] for r in peer])
+            ratios = common.spread([o[key] / p[key] for o, p in zip(ours, peer)])
+            delivered = statistics.median(r["delivered"] for r in ours), statistics.median(r["delivered"] for r in peer)
+            rows.append((f"{name}: {scenario}", f"before ({commit})", f"{a[0]:,.0f} {unit} ({a[1]:,.0f}-{a[2]:,.0f})",
+                         f"{b[0]:,.0f} {unit} ({b[1]:,.0f}-{b[2]:,.0f})", f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                         f"delivered/sent after {delivered[0]:.3f}, before {delivered[1]:.3f}"))
+    header = ("scenario", "compared to", "after: median (min-max)", "before: median (min-max)", "ratio after/before (per run)", "note")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+if __name__ == "__main__":
+    main()
