@@ -13,6 +13,22 @@ public enum IOResult<Value: Sendable>: Sendable {
 
 extension IOResult: Equatable where Value: Equatable {}
 
+/// Socket types and flags as Swift constants. Glibc declares these as enum members
+/// (bits/socket_type.h, bits/socket.h), and which Clang module owns those headers depends on
+/// which modules a target loads (libxdp's headers include them too): a file that does not import
+/// that module cannot see them in a whole-module (release) build. Read here, in a target that
+/// loads no other C library, they are always visible.
+public enum Socket {
+    public static let datagram = Int32(SOCK_DGRAM.rawValue)
+    public static let stream = Int32(SOCK_STREAM.rawValue)
+    public static let raw = Int32(SOCK_RAW.rawValue)
+    public static let nonBlocking = Int32(SOCK_NONBLOCK.rawValue)
+    public static let closeOnExec = Int32(SOCK_CLOEXEC.rawValue)
+    public static let dontWait = Int32(MSG_DONTWAIT)
+    public static let noSignal = Int32(MSG_NOSIGNAL)
+    public static let truncate = Int32(MSG_TRUNC)
+}
+
 /// The package's system calls. Each retries EINTR and throws ``SystemCallError`` (the call's
 /// name, its errno and the fix where the cause is outside the call); the sends and receives
 /// return ``IOResult/wouldBlock`` for EAGAIN. Every wrapper is inlinable: the hot paths pay

@@ -20,7 +20,7 @@ enum RXQueues {
     static func count(interface: String) throws(XSKError) -> Int {
         let fd: Int32
         do {
-            fd = try Syscall.socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+            fd = try Syscall.socket(AF_INET, Socket.datagram | Socket.closeOnExec)
         } catch {
             throw .queueCount(interface: interface, call: "socket", errno: error.errno)
         }

@@ -185,7 +185,7 @@ final class XSKSocket: @unchecked Sendable {
             // Busy polling is driven by syscalls, and a zero-copy driver that set need_wakeup on
             // the fill ring waits for one: recvfrom with nothing to read is the cheapest.
             if config.busyPoll || xsk_ring_prod__needs_wakeup(fill) != 0 {
-                _ = try? Syscall.recvfrom(fd, nil, 0, Int32(MSG_DONTWAIT), nil)
+                _ = try? Syscall.recvfrom(fd, nil, 0, Socket.dontWait, nil)
             }
         }
         refillFromFreeList()
@@ -342,7 +342,7 @@ final class XSKSocket: @unchecked Sendable {
             attempts -= 1
             let code: Int32
             do {
-                guard case .wouldBlock = try Syscall.sendto(fd, nil, 0, Int32(MSG_DONTWAIT), nil, 0) else { return }
+                guard case .wouldBlock = try Syscall.sendto(fd, nil, 0, Socket.dontWait, nil, 0) else { return }
                 code = EAGAIN
             } catch {
                 precondition(error.errno != EBADF && error.errno != EFAULT, "sendto on an AF_XDP socket misused: errno \(error.errno)")
@@ -393,7 +393,7 @@ final class XSKSocket: @unchecked Sendable {
         // as one errno: an EPERM there would not say whether a capability or locked memory is
         // missing. Opening one here first names the capability case.
         do {
-            Syscall.close(try Syscall.socket(AF_XDP, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue)))
+            Syscall.close(try Syscall.socket(AF_XDP, Socket.raw | Socket.closeOnExec))
         } catch {
             throw .umem(interface: interface, queue: queue, call: "socket", errno: error.errno, bytes: bytes)
         }

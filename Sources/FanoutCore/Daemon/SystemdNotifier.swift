@@ -42,7 +42,7 @@ public final class SystemdNotifier: Sendable {
     private func deliver(_ state: String, to path: String) -> String? {
         let fd: Int32
         do {
-            fd = try Syscall.socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket AF_UNIX")
+            fd = try Syscall.socket(AF_UNIX, Socket.datagram | Socket.closeOnExec, call: "socket AF_UNIX")
         } catch {
             return "\(error)"
         }
@@ -58,7 +58,7 @@ public final class SystemdNotifier: Sendable {
         let message = Array(state.utf8)
         let sent = withUnsafePointer(to: &address) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
-                Result { () throws(SystemCallError) in try Syscall.sendto(fd, message, message.count, Int32(MSG_NOSIGNAL), name, length, call: "sendto \(path)") }
+                Result { () throws(SystemCallError) in try Syscall.sendto(fd, message, message.count, Socket.noSignal, name, length, call: "sendto \(path)") }
             }
         }
         switch sent {

@@ -52,8 +52,8 @@ final class DownstreamOutbox: Outbox {
     private func connect() {
         var fd: Int32 = -1
         var error: Int32 = 0
-        do {
-            fd = try Syscall.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+        do throws(SystemCallError) {
+            fd = try Syscall.socket(address.ip.family, Socket.datagram | Socket.nonBlocking | Socket.closeOnExec)
             let size: Int32 = 4 << 20
             if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, size)) == nil {
                 try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, size)
@@ -105,8 +105,8 @@ final class DownstreamOutbox: Outbox {
             var message = 0
             while message < messages {
                 let error: Int32
-                do {
-                    if case .processed(let sent) = try Syscall.sendmmsg(socket, headers + message, messages - message, Int32(MSG_DONTWAIT)), sent > 0 {
+                do throws(SystemCallError) {
+                    if case .processed(let sent) = try Syscall.sendmmsg(socket, headers + message, messages - message, Socket.dontWait), sent > 0 {
                         for index in message..<(message + sent) { account(headers[index].msg_hdr, &result) }
                         message += sent
                         continue

@@ -96,7 +96,7 @@ final class SocketWorker: ListenerWorker, @unchecked Sendable {
             let count: Int
             do {
                 // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
-                count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+                count = try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
             } catch {
                 // At most one line a second: a receive that fails every time must not flood the log
                 // (the path check reports the worker stuck).

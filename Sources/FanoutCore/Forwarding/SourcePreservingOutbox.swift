@@ -90,7 +90,7 @@ final class SourcePreservingOutbox: Outbox {
         let family = address.ip.family
         let fd: Int32
         do {
-            fd = try Syscall.socket(family, Int32(SOCK_RAW.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), Int32(IPPROTO_RAW))
+            fd = try Syscall.socket(family, Socket.raw | Socket.nonBlocking | Socket.closeOnExec, Int32(IPPROTO_RAW))
         } catch {
             throw OutboxError(downstream: address, call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: error.errno)
         }
@@ -108,7 +108,7 @@ final class SourcePreservingOutbox: Outbox {
         }
         let probe: Int32
         do {
-            probe = try Syscall.socket(family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+            probe = try Syscall.socket(family, Socket.datagram | Socket.closeOnExec)
         } catch {
             Syscall.close(fd)
             throw OutboxError(downstream: address, call: "socket(SOCK_DGRAM) to learn the MTU toward it", errno: error.errno)
@@ -207,8 +207,8 @@ final class SourcePreservingOutbox: Outbox {
             var end = message + 1
             while end < built && !fragmented[end] { end += 1 }
             let error: Int32
-            do {
-                if case .processed(let sent) = try Syscall.sendmmsg(socket, messages + message, end - message, Int32(MSG_DONTWAIT)), sent > 0 {
+            do throws(SystemCallError) {
+                if case .processed(let sent) = try Syscall.sendmmsg(socket, messages + message, end - message, Socket.dontWait), sent > 0 {
                     for index in message..<(message + sent) { result.bytes += UInt64(iovecs[2 * index + 1].iov_len) }
                     result.sent += UInt64(sent)
                     message += sent
@@ -253,7 +253,7 @@ final class SourcePreservingOutbox: Outbox {
                 message.msg_iov = vectors
                 message.msg_iovlen = count
                 do throws(SystemCallError) {
-                    if case .processed = try Syscall.sendmsg(socket, &message, Int32(MSG_DONTWAIT)) { return 0 }
+                    if case .processed = try Syscall.sendmsg(socket, &message, Socket.dontWait) { return 0 }
                     return EAGAIN
                 } catch {
                     return error.errno

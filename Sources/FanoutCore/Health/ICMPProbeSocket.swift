@@ -53,7 +53,7 @@ final class ICMPProbeSocket {
 
     static func open(family: Int32, kind: Kind) throws(SystemCallError) -> ICMPProbeSocket {
         let proto = family == AF_INET6 ? Int32(IPPROTO_ICMPV6) : Int32(IPPROTO_ICMP)
-        let type = (kind == .datagram ? Int32(SOCK_DGRAM.rawValue) : Int32(SOCK_RAW.rawValue)) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue)
+        let type = (kind == .datagram ? Socket.datagram : Socket.raw) | Socket.nonBlocking | Socket.closeOnExec
         let call = "socket(\(family == AF_INET6 ? "AF_INET6" : "AF_INET"), \(kind == .datagram ? "SOCK_DGRAM" : "SOCK_RAW"), \(family == AF_INET6 ? "IPPROTO_ICMPV6" : "IPPROTO_ICMP"))"
         let fd = try Syscall.socket(family, type, proto, call: call)
         guard kind == .datagram else {
@@ -91,7 +91,7 @@ final class ICMPProbeSocket {
         let packet = Self.echoRequest(family: family, identifier: identifier, sequence: sequence, token: token)
         let call = "sendto(ICMP echo to \(ip))"
         // A full send buffer fails this probe like any other send error.
-        if case .wouldBlock = try Syscall.sendto(fd, packet, packet.count, Int32(MSG_DONTWAIT), SocketAddress(ip: ip, port: 0), call: call) {
+        if case .wouldBlock = try Syscall.sendto(fd, packet, packet.count, Socket.dontWait, SocketAddress(ip: ip, port: 0), call: call) {
             throw SystemCallError(call: call, errno: EAGAIN)
         }
     }
@@ -106,7 +106,7 @@ final class ICMPProbeSocket {
             let count: Int
             do {
                 // Would block: all read.
-                guard case .processed(let received) = try Syscall.recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), &storage) else { break }
+                guard case .processed(let received) = try Syscall.recvfrom(fd, &buffer, buffer.count, Socket.dontWait, &storage) else { break }
                 count = received
             } catch {
                 // A queued ICMP error: left to the timeout.

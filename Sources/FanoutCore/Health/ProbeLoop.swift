@@ -191,7 +191,7 @@ final class ProbeLoop {
                 if slot.udp < 0 { slot.udp = try Self.connectedSocket(to: slot.target) }
                 let call = "send(udp_echo probe to \(slot.target))"
                 // A full send buffer fails this probe like any other send error.
-                if case .wouldBlock = try Syscall.send(slot.udp, probe.payload, probe.payload.count, Int32(MSG_DONTWAIT), call: call) {
+                if case .wouldBlock = try Syscall.send(slot.udp, probe.payload, probe.payload.count, Socket.dontWait, call: call) {
                     throw SystemCallError(call: call, errno: EAGAIN)
                 }
             } catch {
@@ -204,7 +204,7 @@ final class ProbeLoop {
     }
 
     private static func connectedSocket(to target: SocketAddress) throws(SystemCallError) -> Int32 {
-        let fd = try Syscall.socket(target.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket(udp_echo)")
+        let fd = try Syscall.socket(target.ip.family, Socket.datagram | Socket.nonBlocking | Socket.closeOnExec, call: "socket(udp_echo)")
         do {
             // Connected, so the kernel delivers only the target's datagrams and reports its ICMP
             // port unreachable as ECONNREFUSED.
@@ -311,7 +311,7 @@ final class ProbeLoop {
         while slot.udp >= 0 {
             let count: Int
             do {
-                guard case .processed(let received) = try Syscall.recv(slot.udp, &buffer, buffer.count, Int32(MSG_DONTWAIT), call: "recv(udp_echo reply from \(slot.target))") else { return }
+                guard case .processed(let received) = try Syscall.recv(slot.udp, &buffer, buffer.count, Socket.dontWait, call: "recv(udp_echo reply from \(slot.target))") else { return }
                 count = received
             } catch {
                 // ICMP port/host unreachable for a probe of this socket: an immediate failure.

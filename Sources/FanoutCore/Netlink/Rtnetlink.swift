@@ -19,7 +19,7 @@ enum Rtnetlink {
     /// Sends one request (`type`, `flags`, `body` after the nlmsghdr) and returns the replies:
     /// one message, or every message up to NLMSG_DONE for a dump.
     static func request(type: UInt16, flags: UInt16, body: [UInt8]) throws(SystemCallError) -> [Message] {
-        let fd = try Syscall.socket(AF_NETLINK, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), call: "socket AF_NETLINK NETLINK_ROUTE")
+        let fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec, call: "socket AF_NETLINK NETLINK_ROUTE")
         defer { Syscall.close(fd) }
         var request = [UInt8]()
         append32(&request, UInt32(16 + body.count))

@@ -68,7 +68,7 @@ final class RelaySession {
         let address = downstream.address
         let fd: Int32
         do {
-            fd = try Syscall.socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue) | Int32(SOCK_CLOEXEC.rawValue))
+            fd = try Syscall.socket(address.ip.family, Socket.datagram | Socket.nonBlocking | Socket.closeOnExec)
         } catch {
             return error.errno
         }

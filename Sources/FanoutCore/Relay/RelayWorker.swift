@@ -341,7 +341,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             batches += 1
             let count: Int
             do {
-                count = try receiver.receive(from: member.socket, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC))
+                count = try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
             } catch {
                 logFailure("receive failed", error)
                 return false
@@ -477,7 +477,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     private func send(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
         let error: Int32
         do {
-            error = try Syscall.send(socket, payload.baseAddress, payload.count, Int32(MSG_DONTWAIT)) == .wouldBlock ? EAGAIN : 0
+            error = try Syscall.send(socket, payload.baseAddress, payload.count, Socket.dontWait) == .wouldBlock ? EAGAIN : 0
         } catch {
             settle(target, bytes: payload.count, error: error.errno, &failures)
             return
@@ -612,7 +612,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             let free = replySlotsUsed..<replyReceiver.batchSize
             let count: Int
             do throws(SystemCallError) {
-                count = try replyReceiver.receive(from: fd, flags: Int32(MSG_DONTWAIT) | Int32(MSG_TRUNC), slots: free)
+                count = try replyReceiver.receive(from: fd, flags: Socket.dontWait | Socket.truncate, slots: free)
             } catch {
                 if receiveFailed(error, on: session, counting: counting) { continue }
                 return received
@@ -683,7 +683,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
                 let slot = replySlotsUsed
                 let buffer = replyReceiver.buffer(slot)
                 // At most a batch of slots is in the ring, and it holds a batch: this cannot fail.
-                guard shim_uring_queue_recv(ring, fd, buffer.baseAddress, UInt32(buffer.count), Int32(MSG_TRUNC), UInt64(slot)) == 0 else {
+                guard shim_uring_queue_recv(ring, fd, buffer.baseAddress, UInt32(buffer.count), Socket.truncate, UInt64(slot)) == 0 else {
                     busySessions.append(session)
                     continue
                 }
@@ -776,8 +776,8 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var message = 0
         while message < messages {
             let error: Int32
-            do {
-                if case .processed(let result) = try Syscall.sendmmsg(member.socket, replyHeaders + message, messages - message, Int32(MSG_DONTWAIT)), result > 0 {
+            do throws(SystemCallError) {
+                if case .processed(let result) = try Syscall.sendmmsg(member.socket, replyHeaders + message, messages - message, Socket.dontWait), result > 0 {
                     var bytes: UInt64 = 0
                     for index in message..<(message + result) { bytes += UInt64(replyIovecs[index].iov_len) }
                     credit(message..<(message + result))
