@@ -3,6 +3,7 @@ import CSystemShim
 import Foundation
 import Logging
 import ReusePortLB
+import SystemCalls
 import Testing
 import TestSupport
 @testable import FanoutCore
@@ -216,6 +217,40 @@ struct XDPAttachTests {
         try #require(detached.status == 0, "\(detached.output)")
         let accepted = try run("/usr/sbin/ip", check)
         #expect(accepted.status == 0 && accepted.output.contains("configuration OK"), "\(accepted.status): \(accepted.output)")
+    }
+
+    @Test("--check: an af_xdp listener whose bind another process holds is an error naming it, as the start's companion socket would be (operator finding)")
+    func checkHeldBind() throws {
+        let namespace = try Namespace()
+        // This test process holds the bind inside the namespace, as another program would.
+        let holder = try #require(inNetworkNamespace(namespace.name) { () -> Int32? in
+            guard let fd = try? Syscall.socket(AF_INET, Socket.datagram | Socket.closeOnExec) else { return nil }
+            guard (try? Syscall.bind(fd, SocketAddress("0.0.0.0:9000")!)) != nil else {
+                Syscall.close(fd)
+                return nil
+            }
+            return fd
+        } ?? nil, "hold 0.0.0.0:9000 in \(namespace.name)")
+        defer { Syscall.close(holder) }
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("xdp-check-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try """
+            listeners:
+              - name: x
+                bind: "0.0.0.0:9000"
+                interface: v1
+                mode: af_xdp
+                settings: {xdp_mode: generic}
+                downstream: [{address: "198.18.1.2:9000"}]
+            """.write(to: file, atomically: true, encoding: .utf8)
+        let check = ["netns", "exec", namespace.name, binaryDirectory.appendingPathComponent("udp-fanout").path, "--check", "-c", file.path]
+        let refused = try run("/usr/sbin/ip", check)
+        #expect(refused.status == 2, "exit \(refused.status): \(refused.output)")
+        #expect(!refused.output.contains("configuration OK"), "\(refused.output)")
+        let line = refused.output.split(separator: "\n").first { $0.contains("listeners[0].bind") } ?? ""
+        for part in ["0.0.0.0:9000 is already served by another process", "pid \(getpid())", "stop it or use another bind"] {
+            #expect(line.contains(part), "names \(part): \(refused.output)")
+        }
     }
 
     @Test("Unknown interface: the error names it")

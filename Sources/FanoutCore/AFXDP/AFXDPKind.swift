@@ -37,13 +37,15 @@ struct AFXDPKind: ListenerKind {
         return warnings
     }
 
-    /// Its interface exists and carries no other tool's XDP program, and has the queues asked for.
+    /// Its companion socket's bind is free of other processes (``Preflight/bindProblems(_:index:)``),
+    /// and its interface exists, carries no other tool's XDP program and has the queues asked for.
     static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
-        var problems: [String] = [], notes: [String] = []
+        var (problems, notes) = Preflight.bindProblems(listener, index: index)
         let interface = listener.interface ?? ""
         let ifindex = if_nametoindex(interface)
         guard ifindex > 0 else {
-            return (["listeners[\(index)].interface: listener '\(listener.name)': interface '\(interface)' not found in this network namespace: fix the name (ip link show lists them) or create the interface first"], [])
+            problems.append("listeners[\(index)].interface: listener '\(listener.name)': interface '\(interface)' not found in this network namespace: fix the name (ip link show lists them) or create the interface first")
+            return (problems, notes)
         }
         // The start's own check: another tool's XDP program on the interface refuses it.
         do throws(XDPError) {

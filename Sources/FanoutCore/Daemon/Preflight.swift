@@ -3,8 +3,9 @@ import ReusePortLB
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching
 /// anything: each listener's kind checks what it needs here (``ListenerKind/preflight(_:index:)``:
 /// tc_ebpf interfaces, forwarding, routes and replies nat's reply interfaces; that an af_xdp listener's interface exists and
-/// carries no other tool's XDP program; that no other process already serves a userspace or
-/// relay listener's bind), and discovery sources say where they would look.
+/// carries no other tool's XDP program; that no other process already serves the bind of a
+/// userspace or relay listener or of af_xdp's companion socket), and discovery sources say where
+/// they would look.
 public enum Preflight {
     /// Problems (each naming the key and the fix; the file cannot start as it is) and notes
     /// (worth knowing, not in the way), listener by listener.
@@ -22,7 +23,7 @@ public enum Preflight {
         return (problems, notes)
     }
 
-    /// A socket-receiving listener's bind (userspace, relay): another process that already serves
+    /// A socket-receiving listener's bind (userspace, relay, af_xdp's companion socket): another process that already serves
     /// it refuses the start (a udp-fanout there is a note: most likely the daemon this file
     /// reloads); a wildcard bind overlapping another process's socket is a note.
     static func bindProblems(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
