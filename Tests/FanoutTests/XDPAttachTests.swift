@@ -193,25 +193,10 @@ struct XDPAttachTests {
         let namespace = try Namespace()
         let (foreign, info) = try Self.attachForeignProgram(namespace, "v1")
         defer { close(foreign) }
-        let file = FileManager.default.temporaryDirectory.appendingPathComponent("xdp-check-\(UUID().uuidString).yaml")
+        let (check, file) = try Self.afXDPCheck(namespace, bind: "198.18.0.1:9000")
         defer { try? FileManager.default.removeItem(at: file) }
-        try """
-            listeners:
-              - name: x
-                bind: "198.18.0.1:9000"
-                interface: v1
-                mode: af_xdp
-                settings: {xdp_mode: generic}
-                downstream: [{address: "198.18.1.2:9000"}]
-            """.write(to: file, atomically: true, encoding: .utf8)
-        let check = ["netns", "exec", namespace.name, binaryDirectory.appendingPathComponent("udp-fanout").path, "--check", "-c", file.path]
-        let refused = try run("/usr/sbin/ip", check)
-        #expect(refused.status == 2, "exit \(refused.status): \(refused.output)")
-        #expect(!refused.output.contains("configuration OK"), "\(refused.output)")
-        let line = refused.output.split(separator: "\n").first { $0.contains("listeners[0].interface") } ?? ""
-        for part in ["listener 'x'", "id \(info.id)", "'other_xdp'", "ip link set dev v1 xdpgeneric off", "another interface"] {
-            #expect(line.contains(part), "names \(part): \(refused.output)")
-        }
+        try Self.expectRefused(check, key: "listeners[0].interface",
+                               naming: ["listener 'x'", "id \(info.id)", "'other_xdp'", "ip link set dev v1 xdpgeneric off", "another interface"])
         // Attached in generic mode: `xdp off` alone would ask the driver mode and leave it there.
         let detached = try run("/usr/sbin/ip", ["-n", namespace.name, "link", "set", "dev", "v1", "xdpgeneric", "off"])
         try #require(detached.status == 0, "\(detached.output)")
@@ -232,23 +217,35 @@ struct XDPAttachTests {
             return fd
         } ?? nil, "hold 0.0.0.0:9000 in \(namespace.name)")
         defer { Syscall.close(holder) }
-        let file = FileManager.default.temporaryDirectory.appendingPathComponent("xdp-check-\(UUID().uuidString).yaml")
+        let (check, file) = try Self.afXDPCheck(namespace, bind: "0.0.0.0:9000")
         defer { try? FileManager.default.removeItem(at: file) }
+        try Self.expectRefused(check, key: "listeners[0].bind",
+                               naming: ["0.0.0.0:9000 is already served by another process", "pid \(getpid())", "stop it or use another bind"])
+    }
+
+    /// `ip netns exec <namespace> udp-fanout --check` of a file with one af_xdp listener `x` on
+    /// `bind` at v1 (the caller removes the file).
+    static func afXDPCheck(_ namespace: Namespace, bind: String) throws -> (command: [String], file: URL) {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("xdp-check-\(UUID().uuidString).yaml")
         try """
             listeners:
               - name: x
-                bind: "0.0.0.0:9000"
+                bind: "\(bind)"
                 interface: v1
                 mode: af_xdp
                 settings: {xdp_mode: generic}
                 downstream: [{address: "198.18.1.2:9000"}]
             """.write(to: file, atomically: true, encoding: .utf8)
-        let check = ["netns", "exec", namespace.name, binaryDirectory.appendingPathComponent("udp-fanout").path, "--check", "-c", file.path]
+        return (["netns", "exec", namespace.name, binaryDirectory.appendingPathComponent("udp-fanout").path, "--check", "-c", file.path], file)
+    }
+
+    /// The check exits 2, does not say OK, and its line for `key` names every part.
+    static func expectRefused(_ check: [String], key: String, naming parts: [String]) throws {
         let refused = try run("/usr/sbin/ip", check)
         #expect(refused.status == 2, "exit \(refused.status): \(refused.output)")
         #expect(!refused.output.contains("configuration OK"), "\(refused.output)")
-        let line = refused.output.split(separator: "\n").first { $0.contains("listeners[0].bind") } ?? ""
-        for part in ["0.0.0.0:9000 is already served by another process", "pid \(getpid())", "stop it or use another bind"] {
+        let line = refused.output.split(separator: "\n").first { $0.contains(key) } ?? ""
+        for part in parts {
             #expect(line.contains(part), "names \(part): \(refused.output)")
         }
     }
