@@ -20,7 +20,6 @@ extension IOResult: Equatable where Value: Equatable {}
 /// loads no other C library, they are always visible.
 public enum Socket {
     public static let datagram = Int32(SOCK_DGRAM.rawValue)
-    public static let stream = Int32(SOCK_STREAM.rawValue)
     public static let raw = Int32(SOCK_RAW.rawValue)
     public static let nonBlocking = Int32(SOCK_NONBLOCK.rawValue)
     public static let closeOnExec = Int32(SOCK_CLOEXEC.rawValue)
@@ -77,12 +76,6 @@ public enum Syscall {
         try retrying(call()) { Glibc.setsockopt(fd, level, option, &value, socklen_t(MemoryLayout<Value>.size)) }
     }
 
-    /// setsockopt(2) with `length` bytes at `value`.
-    @inlinable
-    public static func setsockopt(_ fd: Int32, _ level: Int32, _ option: Int32, _ value: UnsafeRawPointer?, _ length: socklen_t, call: @autoclosure () -> String = "setsockopt") throws(SystemCallError) {
-        try retrying(call()) { Glibc.setsockopt(fd, level, option, value, length) }
-    }
-
     /// getsockopt(2) of a fixed-size value (an integer or a struct).
     @inlinable
     public static func getsockopt<Value>(_ fd: Int32, _ level: Int32, _ option: Int32, initial value: Value, call: @autoclosure () -> String = "getsockopt") throws(SystemCallError) -> Value {
@@ -107,13 +100,6 @@ public enum Syscall {
     @inlinable
     public static func poll(_ descriptors: UnsafeMutablePointer<pollfd>, _ count: Int, _ milliseconds: Int32, call: @autoclosure () -> String = "poll") throws(SystemCallError) -> Int {
         Int(try retrying(call()) { Glibc.poll(descriptors, nfds_t(count), milliseconds) })
-    }
-
-    /// poll(2) on one descriptor for `events`: true when one of them (or an error) is ready.
-    @inlinable
-    public static func poll(_ fd: Int32, _ events: Int16, _ milliseconds: Int32, call: @autoclosure () -> String = "poll") throws(SystemCallError) -> Bool {
-        var descriptor = pollfd(fd: fd, events: events, revents: 0)
-        return try poll(&descriptor, 1, milliseconds, call: call()) > 0
     }
 
     /// epoll_create1(2) with EPOLL_CLOEXEC.

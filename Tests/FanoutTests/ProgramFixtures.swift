@@ -440,13 +440,19 @@ enum Packet {
         [0x60, 0, 0, 0, UInt8(length >> 8), UInt8(length & 0xff), next, 64] + source + destination
     }
 
+    /// `whole` cut into pieces of `size` bytes: each piece's offset, its bytes, and whether it is the last.
+    static func pieces(_ whole: [UInt8], _ size: Int) -> [(offset: Int, piece: [UInt8], last: Bool)] {
+        stride(from: 0, to: whole.count, by: size).map { offset in
+            (offset, Array(whole[offset..<min(offset + size, whole.count)]), offset + size >= whole.count)
+        }
+    }
+
     /// A UDP datagram cut into IPv4 fragments of `pieceSize` bytes (a multiple of 8).
     static func ipv4Fragments(payload: [UInt8], id: UInt16, pieceSize: Int) -> [[UInt8]] {
         let (source, destination) = (ProgramFrames.clientV4, ProgramFrames.listenerV4.ip.bytes)
         let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
-        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
-            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
-            let more: UInt16 = offset + pieceSize < whole.count ? 0x2000 : 0
+        return pieces(whole, pieceSize).map { offset, piece, last in
+            let more: UInt16 = last ? 0 : 0x2000
             return ethernetHeader(type: 0x0800)
                 + ipv4Header(source: source, destination: destination, length: piece.count, id: id, fragment: more | UInt16(offset / 8))
                 + piece
@@ -456,9 +462,8 @@ enum Packet {
     static func ipv6Fragments(payload: [UInt8], id: UInt32, pieceSize: Int) -> [[UInt8]] {
         let (source, destination) = (ProgramFrames.clientV6, ProgramFrames.listenerV6.ip.bytes)
         let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
-        return stride(from: 0, to: whole.count, by: pieceSize).map { offset in
-            let piece = Array(whole[offset..<min(offset + pieceSize, whole.count)])
-            let more: UInt16 = offset + pieceSize < whole.count ? 1 : 0
+        return pieces(whole, pieceSize).map { offset, piece, last in
+            let more: UInt16 = last ? 0 : 1
             let field = UInt16(offset / 8) << 3 | more
             let fragmentHeader: [UInt8] = [17, 0, UInt8(field >> 8), UInt8(field & 0xff),
                                            UInt8(id >> 24), UInt8((id >> 16) & 0xff), UInt8((id >> 8) & 0xff), UInt8(id & 0xff)]
