@@ -5,24 +5,24 @@ import CSystemShim
 import Logging
 import ReusePortLB
 import Synchronization
+import SystemCalls
 
 /// One RX queue's forwarder thread of an af_xdp listener (`<listener>-q<N>`): takes frames off
 /// its AF_XDP socket's RX ring in batches, parses them in place (UMEM), picks each datagram's
 /// downstream with the listener's shared ``BatchForwarder`` and sends it out the listener's way
 /// (`settings.output`), then gives the frames back to the fill ring. `xdp_tx` rewrites a frame in
 /// UMEM and puts it on the TX ring when the downstream's next hop is on this interface; other
-/// datagrams of that listener go out as `preserve_source` (counted by reason).
-final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once started
+/// datagrams of that listener go out as `preserve_source` (counted by reason). The thread runs
+/// the shared ``ReceiveLoop``; this type is what it does with a batch.
+final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by its thread once started
     let queue: UInt32
     let socket: XSKSocket
-    /// Grows at every idle wait and every batch (the path check's heartbeat).
-    let progress = Atomic<UInt64>(0)
+    private let loop: ReceiveLoop
     /// Frames taken off the RX ring.
     let received = Atomic<UInt64>(0)
     private let listener: Listener
     private let counters: ListenerCounters
     private let afxdp: AFXDPCounters
-    private let stop: StopSignal
     private let logger: Logger
     private let forwarder: BatchForwarder
     private let batch: Int
@@ -50,8 +50,8 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
         self.listener = listener
         self.counters = counters
         self.afxdp = afxdp
-        self.stop = stop
         self.logger = logger
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)"])
         batch = max(1, listener.settings.batchSize)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
         frames = .allocate(capacity: batch)
@@ -79,30 +79,40 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
             "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)", "cpu": "\(cpu)",
             "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
         ])
-        while !stop.isSet {
-            if receiveBatch() == 0 {
-                // Idle: wait for frames (or the fill ring's wakeup); a timeout is progress too.
-                if !socket.wait(milliseconds: 100) { progress.wrappingAdd(1, ordering: .relaxed) }
-            }
-        }
-        // Drain: forward what the ring still holds (the program no longer redirects here: the
-        // listener cleared this queue's socket first) until it stays empty for 20 ms, at most 1 s.
-        let clock = ContinuousClock()
-        let deadline = clock.now + .seconds(1)
-        var quietSince = clock.now
-        while clock.now < deadline && clock.now - quietSince < .milliseconds(20) {
-            if receiveBatch() > 0 { quietSince = clock.now } else { usleep(1000) }
-        }
+        loop.run(self)
     }
 
-    /// Receives, forwards and recycles one batch; returns the frames received.
-    private func receiveBatch() -> Int {
+    /// Grows at every idle wait and every batch (the path check's heartbeat).
+    var progressCount: UInt64 { loop.progressCount }
+
+    // MARK: ReceiveLoopBody
+
+    /// Until the ring is empty: the forwarder has no other events.
+    var batchesPerTurn: Int { .max }
+
+    func receiveBatch() -> Int {
         let count = socket.receive(into: frames)
-        guard count > 0 else { return 0 }
-        progress.wrappingAdd(1, ordering: .relaxed)
-        received.wrappingAdd(UInt64(count), ordering: .relaxed)
+        if count > 0 { received.wrappingAdd(UInt64(count), ordering: .relaxed) }
+        return count
+    }
+
+    func adoptPlanIfChanged() {
         forwarder.adoptPlanIfChanged()
         if resolver != nil { refreshHops() }
+    }
+
+    /// Waits for frames (or the fill ring's wakeup). During the stop drain the program no longer
+    /// redirects here: the listener cleared this queue's socket from the XSKMAP first.
+    func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
+        socket.wait(milliseconds: milliseconds) ? .source : .timedOut
+    }
+
+    func idle() {}
+    func endOfTurn() {}
+    func everySecond() {}
+
+    /// Forwards and recycles the batch ``receiveBatch()`` took off the RX ring.
+    func forward(_ count: Int) {
         var doneCount = 0
         var transmitCount = 0
         var bytesReceived: UInt64 = 0
@@ -201,7 +211,6 @@ final class AFXDPForwarder: @unchecked Sendable {  // owned by its thread once s
             counters.drop(.parseError, parseErrors)
         }
         socket.recycle(UnsafeBufferPointer(rebasing: done[0..<doneCount]))
-        return count
     }
 
     /// xdp_tx: looks each downstream's next hop up again when the plan changed, and at most once a

@@ -219,7 +219,7 @@ final class AFXDPListener: RunningListener {
         guard !released.load(ordering: .relaxed) else { return companion.heartbeats() }
         let interface = config.interface ?? ""
         var beats = forwarders.map {
-            PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: Int($0.queue), count: $0.progress.load(ordering: .relaxed)))
+            PathHeartbeat(listener: config.name, instance: instance, beat: .worker(index: Int($0.queue), count: $0.progressCount))
         }
         beats.append(PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: attachment.isAttached ? nil : "the XDP program is no longer attached to \(interface)")))
         return beats + companion.heartbeats()

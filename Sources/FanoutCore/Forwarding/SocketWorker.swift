@@ -9,28 +9,23 @@ import Synchronization
 
 /// One one-way worker thread of a socket-group listener (userspace, and af_xdp's companion
 /// socket): its own socket in the listener's ReusePortLB group (steered per flow by default:
-/// `settings.worker_steering`), recvmmsg in, one sendmmsg batch per downstream out. Nothing is
-/// allocated per datagram.
-final class SocketWorker: ListenerWorker, @unchecked Sendable {
+/// `settings.worker_steering`), recvmmsg in, one sendmmsg batch per downstream out, in the shared
+/// ``ReceiveLoop``. Nothing is allocated per datagram.
+final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
-    /// Grows at every idle poll timeout (100 ms) and every batch received, not at a turn whose
-    /// receive failed: the path check (/healthz, systemd's watchdog) sees the worker alive only
-    /// while it moves.
-    let progress = Atomic<UInt64>(0)
+    private let loop: ReceiveLoop
     private let listener: Listener
     private let counters: ListenerCounters
-    private let plans: PlanHolder
-    private let stop: StopSignal
     private let logger: Logger
     private let receiver: BatchReceiver
     // Owned by the worker thread once it runs:
     private let forwarder: BatchForwarder
     private var reportedSocketDrops: UInt32 = 0
-    /// Receive errors since the last "receive failed" line, and when that line was logged.
-    private var receiveFailures = 0
-    private var lastReceiveFailureLog: ContinuousClock.Instant?
+    private var descriptor: pollfd
+    /// Seconds since the last heartbeat line (one every 5 s, at debug level).
+    private var secondsSinceHeartbeat = 0
 
     /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
@@ -39,88 +34,59 @@ final class SocketWorker: ListenerWorker, @unchecked Sendable {
         self.member = member
         self.listener = listener
         self.counters = counters
-        self.plans = plans
-        self.stop = stop
         self.logger = logger
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+        descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
 
     var isReceiving: Bool { receivingNow.load(ordering: .relaxed) }
-    var progressCount: UInt64 { progress.load(ordering: .relaxed) }
+    var progressCount: UInt64 { loop.progressCount }
 
     func run() {
         let cpu = pinWorkerThread(listener, index, logger: logger)
         forwarder.adoptPlanIfChanged()
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
-        var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
-        let clock = ContinuousClock()
-        var nextHeartbeat = clock.now + .seconds(5)
-        while !stop.isSet {
-            // Progress is an idle poll timeout or a batch received (drainQueue), not a loop turn:
-            // a socket whose every receive fails spins here without counting as alive.
-            if (try? Syscall.poll(&descriptor, 1, 100)) == 0 {
-                progress.wrappingAdd(1, ordering: .relaxed)
-                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
-            }
-            // A receive that fails while poll says readable would spin a core: wait a little.
-            if !drainQueue(deadline: nil) { usleep(10_000) }
-            if clock.now >= nextHeartbeat {
-                nextHeartbeat = clock.now + .seconds(5)
-                let snapshot = counters.snapshot()
-                logger.debug("userspace worker heartbeat", metadata: [
-                    "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(forwarder.outboxes.count)",
-                    "received": "\(snapshot.received)", "forwarded": "\(snapshot.forwarded)", "dropped": "\(snapshot.droppedTotal)",
-                ])
-            }
-        }
-        // Drain: forward what the socket holds until it stays empty for 20 ms, so a datagram the
-        // kernel steered here just before a successor took the bind over (or before the stop)
-        // is still read; at most 1 s.
-        let deadline = clock.now + .seconds(1)
-        repeat {
-            drainQueue(deadline: deadline)
-        } while clock.now < deadline && (try? Syscall.poll(&descriptor, 1, 20)) ?? 0 > 0
+        loop.run(self)
         counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         receivingNow.store(false, ordering: .relaxed)
         member.leave()
     }
 
-    /// Receives and forwards batches until the socket is empty (or stop, or the deadline).
-    /// - Returns: false when a receive failed.
-    @discardableResult
-    private func drainQueue(deadline: ContinuousClock.Instant?) -> Bool {
-        while true {
-            let count: Int
-            do {
-                // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
-                count = try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
-            } catch {
-                // At most one line a second: a receive that fails every time must not flood the log
-                // (the path check reports the worker stuck).
-                receiveFailures += 1
-                let now = ContinuousClock.now
-                if lastReceiveFailureLog.map({ now - $0 >= .seconds(1) }) ?? true {
-                    logger.error("receive failed", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)", "failures_since_last_line": "\(receiveFailures)"])
-                    lastReceiveFailureLog = now
-                    receiveFailures = 0
-                }
-                return false
-            }
-            if count == 0 { break }
-            // Under sustained load this loop does not return to poll: the batches are the progress.
-            progress.wrappingAdd(1, ordering: .relaxed)
-            forwarder.adoptPlanIfChanged()
-            forward(count)
-            if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
-        }
-        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
-        return true
+    // MARK: ReceiveLoopBody
+
+    var batchesPerTurn: Int { .max }
+
+    func receiveBatch() throws(SystemCallError) -> Int {
+        // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
+        try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
     }
 
-    private func forward(_ count: Int) {
+    func adoptPlanIfChanged() { forwarder.adoptPlanIfChanged() }
+
+    func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
+        (try? Syscall.poll(&descriptor, 1, milliseconds)) ?? 0 > 0 ? .source : .timedOut
+    }
+
+    func idle() { counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops) }
+
+    func endOfTurn() { counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops) }
+
+    func everySecond() {
+        secondsSinceHeartbeat += 1
+        guard secondsSinceHeartbeat >= 5 else { return }
+        secondsSinceHeartbeat = 0
+        let snapshot = counters.snapshot()
+        logger.debug("userspace worker heartbeat", metadata: [
+            "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(forwarder.outboxes.count)",
+            "received": "\(snapshot.received)", "forwarded": "\(snapshot.forwarded)", "dropped": "\(snapshot.droppedTotal)",
+        ])
+    }
+
+    func forward(_ count: Int) {
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
         var noHealthy: UInt64 = 0

@@ -13,13 +13,13 @@ import SystemCalls
 /// → ``RelaySession``. A client's datagrams leave on its session socket; one epoll set holds the
 /// listener socket and every session socket, and what a session socket receives (the
 /// downstream's replies) is sent to the client from the listener socket, so the client sees the
-/// listener's address and port as the source.
-final class RelayWorker: ListenerWorker, @unchecked Sendable {
+/// listener's address and port as the source. The thread runs the shared ``ReceiveLoop``, with
+/// the session sockets as this body's other events.
+final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
-    /// Grows at every idle wait timeout (100 ms) and every batch, as ``SocketWorker/progress``.
-    let progress = Atomic<UInt64>(0)
+    private let loop: ReceiveLoop
     private let listener: Listener
     private let counters: ListenerCounters
     private let relay: RelayCounters
@@ -100,6 +100,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         self.stop = stop
         self.handOver = handOver
         self.logger = logger
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
         let batch = listener.settings.batchSize
@@ -146,63 +147,18 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     }
 
     var isReceiving: Bool { receivingNow.load(ordering: .relaxed) }
-    var progressCount: UInt64 { progress.load(ordering: .relaxed) }
+    var progressCount: UInt64 { loop.progressCount }
 
     func run() {
         let cpu = pinWorkerThread(listener, index, logger: logger)
         openRing()
-        tableLock.withLock { _ in adoptPlanIfChanged() }
+        tableLock.withLock { _ in adoptPlanLocked() }
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay", "cpu": "\(cpu)",
                                                         "io_uring": "\(ring != nil)"])
-        // The idle sweep: once a second, not per datagram.
-        var nextSweep = monotonicMilliseconds() + 1000
-        while !stop.isSet {
-            let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 100)) ?? -1
-            if ready == 0 {
-                progress.wrappingAdd(1, ordering: .relaxed)
-                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
-            }
-            if ready > 0 {
-                wakeup &+= 1
-                for slot in 0..<ready {
-                    let fd = events[slot].data.fd
-                    // A few batches per socket per wakeup (epoll is level-triggered: a socket that still
-                    // holds datagrams is reported again), so a flood of requests cannot starve the
-                    // replies or the idle sweep, nor one chatty downstream the others.
-                    if fd == member.socket {
-                        // A receive that fails while epoll says readable would spin a core: wait a little.
-                        if !drainQueue(deadline: nil, budget: Self.batchesPerWakeup) {
-                            flushReplies()
-                            usleep(10_000)
-                        }
-                    } else if ring != nil {
-                        readySockets.append(fd)
-                    } else {
-                        drainReplies(fd, budget: Self.batchesPerWakeup)
-                    }
-                }
-                if !readySockets.isEmpty { receiveReadyReplies() }
-            }
-            let now = monotonicMilliseconds()
-            if now >= nextSweep {
-                nextSweep = now + 1000
-                sweep(now: now)
-                // Replies can keep this loop from ever idling: drops of the listener's socket
-                // are read here too, not only with its next request.
-                counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
-            }
-            // What this wakeup gathered from the session sockets goes to the clients in one call.
-            flushReplies()
-        }
-        // Drain as the one-way worker does: what the socket still holds goes out (until it
-        // stays empty 20 ms, at most 1 s); replies already queued are relayed once more.
-        let clock = ContinuousClock()
-        let deadline = clock.now + .seconds(1)
-        var descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
-        repeat {
-            drainQueue(deadline: deadline)
-        } while clock.now < deadline && (try? Syscall.poll(&descriptor, 1, 20)) ?? 0 > 0
+        // The loop's stop drain forwards what the listener socket still holds (until it stays
+        // empty 20 ms, at most 1 s); replies already queued are relayed once more below.
+        loop.run(self)
         counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
@@ -213,6 +169,58 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         member.leave()
         if let ring { shim_uring_destroy(ring) }
         ring = nil
+    }
+
+    // MARK: ReceiveLoopBody
+
+    /// A few batches per turn (epoll is level-triggered: a listener socket that still holds
+    /// datagrams is reported again), so a flood of requests cannot starve the replies or the idle
+    /// sweep.
+    var batchesPerTurn: Int { Self.batchesPerWakeup }
+
+    func receiveBatch() throws(SystemCallError) -> Int {
+        try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
+    }
+
+    func adoptPlanIfChanged() { tableLock.withLock { _ in adoptPlanLocked() } }
+
+    func forward(_ count: Int) { tableLock.withLock { _ in forwardLocked(count) } }
+
+    /// One epoll wait over the listener socket and every session socket: the session sockets'
+    /// replies are read here (a few batches per socket per wakeup, so one chatty downstream
+    /// cannot starve the others) and staged for ``endOfTurn()``.
+    func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
+        guard let ready = try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), milliseconds) else { return .other }
+        guard ready > 0 else { return .timedOut }
+        wakeup &+= 1
+        var listenerReady = false
+        for slot in 0..<ready {
+            let fd = events[slot].data.fd
+            if fd == member.socket {
+                listenerReady = true
+            } else if ring != nil {
+                readySockets.append(fd)
+            } else {
+                drainReplies(fd, budget: Self.batchesPerWakeup)
+            }
+        }
+        if !readySockets.isEmpty { receiveReadyReplies() }
+        return listenerReady ? .source : .other
+    }
+
+    func idle() { counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops) }
+
+    /// What this turn gathered from the session sockets goes to the clients in one call.
+    func endOfTurn() {
+        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
+        flushReplies()
+    }
+
+    func everySecond() {
+        sweep(now: monotonicMilliseconds())
+        // Replies can keep the loop from ever idling: drops of the listener's socket are read
+        // here too, not only with its next request.
+        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
     }
 
     // MARK: io_uring
@@ -280,7 +288,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Takes the current plan if a reload or health replaced it. Sessions whose downstream (name
     /// and address) stays are kept, at its new index; the others lose their socket and get a new
     /// downstream at their client's next datagram (counted `moved` then). Called with the table lock held.
-    private func adoptPlanIfChanged() {
+    private func adoptPlanLocked() {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
         version = current
@@ -331,33 +339,6 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
 
     // MARK: Client → downstream
 
-    /// Receives and forwards batches until the listener socket is empty (or stop, or the
-    /// deadline, or `budget` batches).
-    /// - Returns: false when a receive failed.
-    @discardableResult
-    private func drainQueue(deadline: ContinuousClock.Instant?, budget: Int = .max) -> Bool {
-        var batches = 0
-        while batches < budget {
-            batches += 1
-            let count: Int
-            do {
-                count = try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
-            } catch {
-                logFailure("receive failed", error)
-                return false
-            }
-            if count == 0 { break }
-            progress.wrappingAdd(1, ordering: .relaxed)
-            tableLock.withLock { _ in
-                adoptPlanIfChanged()
-                forward(count)
-            }
-            if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
-        }
-        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
-        return true
-    }
-
     /// Why requests of one batch were not sent (send_buffer_full, unreachable, send_error).
     private struct SendFailures {
         var bufferFull: UInt64 = 0
@@ -368,7 +349,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Sends each datagram of the batch on its client's session socket (a send per datagram:
     /// consecutive datagrams rarely share a session; all of them in one io_uring submit when the
     /// worker has its ring), making sessions for new clients.
-    private func forward(_ count: Int) {
+    private func forwardLocked(_ count: Int) {
         let now = monotonicMilliseconds()
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
@@ -619,7 +600,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             }
             if count == 0 { return received }
             received += count
-            progress.wrappingAdd(1, ordering: .relaxed)
+            loop.progress.wrappingAdd(1, ordering: .relaxed)
             if relaying {
                 stage(replySlotsUsed..<(replySlotsUsed + count), from: session, counter: counter)
                 replySlotsUsed += count
@@ -715,7 +696,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
             if result >= 0 {
                 replyReceiver.record(slot, length: Int(result))
                 session.lastActive = now
-                progress.wrappingAdd(1, ordering: .relaxed)
+                loop.progress.wrappingAdd(1, ordering: .relaxed)
                 stage(slot..<(slot + 1), from: session, counter: replyCounter(session, .plan))
             } else if -result != EAGAIN {
                 _ = receiveFailed(SystemCallError(call: "io_uring recv", errno: -result), on: session, counting: .plan)
@@ -807,7 +788,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
     /// Closes the sessions without a datagram either way for `session_idle_secs` (event `expired`).
     private func sweep(now: Int64) {
         tableLock.withLock { _ in
-            adoptPlanIfChanged()
+            adoptPlanLocked()
             // Keys first: removing while iterating would copy the whole table.
             let idle = sessions.compactMap { now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
             var expired = 0
@@ -862,7 +843,7 @@ final class RelayWorker: ListenerWorker, @unchecked Sendable {
         var nextSweep = now + 1000
         while !draining.isEmpty && !handOver.cutShort.isSet {
             let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 100)) ?? 0
-            progress.wrappingAdd(1, ordering: .relaxed)
+            loop.progress.wrappingAdd(1, ordering: .relaxed)
             for slot in 0..<ready { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
             flushReplies()
             // Once a second, as in the receive loop: it closes the sockets silent long enough.

@@ -1,0 +1,150 @@
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import Synchronization
+import SystemCalls
+
+/// What one kind does inside the shared ``ReceiveLoop``: where its batches come from and what it
+/// does with each. A userspace worker's source is its group member's socket, a relay worker's
+/// the same socket plus its session sockets (its other events), an af_xdp queue's forwarder its
+/// AF_XDP socket's RX ring.
+protocol ReceiveLoopBody: AnyObject {
+    /// Batches taken in a row before the loop looks at the body's other events again (relay: its
+    /// session sockets' replies; a flood of requests must not starve them). `.max`: until the
+    /// source is empty or the loop is told to stop.
+    var batchesPerTurn: Int { get }
+    /// Receives one batch without blocking: the datagrams received (0: the source is empty).
+    /// - Throws: the failed receive; the loop logs it (at most a line a second) and backs off.
+    func receiveBatch() throws(SystemCallError) -> Int
+    /// Takes the current plan if a reload, health or discovery replaced it: before every batch.
+    func adoptPlanIfChanged()
+    /// Forwards the `count` datagrams the last ``receiveBatch()`` took.
+    func forward(_ count: Int)
+    /// Waits up to `milliseconds` for the source to become readable, and handles the body's
+    /// other events that arrive meanwhile.
+    func wait(milliseconds: Int32) -> ReceiveLoop.Readiness
+    /// After a wait that timed out (the loop is idle): the socket's own drop counter is read here,
+    /// so drops at the end of a burst are counted without waiting for more traffic.
+    func idle()
+    /// After each turn's batches (and a failed receive): what the turn gathered goes out (relay:
+    /// the replies, in one call) and the receive counters are settled.
+    func endOfTurn()
+    /// Once a second, whatever the traffic: a heartbeat line, the relay's idle sweep.
+    func everySecond()
+}
+
+/// The receive loop of every forwarding thread (userspace and relay workers, af_xdp queue
+/// forwarders): wait, drain up to the body's budget, adopt a new plan before each batch, count
+/// progress for the path check (/healthz and systemd's watchdog), and on stop forward what the
+/// source still holds. The kind supplies only a ``ReceiveLoopBody``: what it does with a batch.
+final class ReceiveLoop: Sendable {
+    /// What a wait saw.
+    enum Readiness {
+        /// Nothing came before the timeout.
+        case timedOut
+        /// The source holds datagrams.
+        case source
+        /// Only the body's other events came (handled by the body's wait).
+        case other
+    }
+
+    /// Grows at every idle wait timeout (100 ms) and every batch received, not at a turn whose
+    /// receive failed: the path check sees the thread alive only while it moves. Under sustained
+    /// load the loop never idles: the batches are the progress.
+    let progress = Atomic<UInt64>(0)
+    private let stop: StopSignal
+    private let logger: Logger
+    private let metadata: Logger.Metadata
+    /// Receive failures since the last "receive failed" line, and when that line was logged.
+    private let failures = Mutex<(count: Int, lastLine: ContinuousClock.Instant?)>((0, nil))
+
+    /// - Parameters:
+    ///   - stop: ends the loop (after the stop drain).
+    ///   - metadata: the thread's log identity (listener, worker), on the loop's own log lines.
+    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata) {
+        self.stop = stop
+        self.logger = logger
+        self.metadata = metadata
+    }
+
+    var progressCount: UInt64 { progress.load(ordering: .relaxed) }
+
+    /// Runs `body` until the stop signal, then drains: forwards what the source holds until it
+    /// stays quiet for 20 ms (a datagram steered here just before a successor took the bind
+    /// over, or before the stop, is still read), at most 1 s. Generic, so each kind's loop is
+    /// specialised: no existential on the per-batch path.
+    func run<Body: ReceiveLoopBody>(_ body: Body) {
+        let clock = ContinuousClock()
+        var nextSecond = clock.now + .seconds(1)
+        // The previous turn spent its budget: the source still holds datagrams, so the body's
+        // other events are looked at without waiting.
+        var pending = false
+        while !stop.isSet {
+            let readiness = body.wait(milliseconds: pending ? 0 : 100)
+            if readiness == .timedOut && !pending {
+                progress.wrappingAdd(1, ordering: .relaxed)
+                body.idle()
+            }
+            var drained = Drained.empty
+            if readiness == .source || pending {
+                drained = drain(body, budget: body.batchesPerTurn, deadline: nil)
+            }
+            body.endOfTurn()
+            // A receive that fails while the source says readable would spin a core: wait a little.
+            if drained == .failed { usleep(10_000) }
+            pending = drained == .budgetSpent
+            let now = clock.now
+            if now >= nextSecond {
+                nextSecond = now + .seconds(1)
+                body.everySecond()
+            }
+        }
+        let deadline = clock.now + .seconds(1)
+        repeat {
+            _ = drain(body, budget: .max, deadline: deadline)
+            body.endOfTurn()
+        } while clock.now < deadline && body.wait(milliseconds: 20) != .timedOut
+    }
+
+    private enum Drained { case empty, budgetSpent, failed }
+
+    /// Receives and forwards batches until the source is empty, `budget` batches, or the stop
+    /// signal (with a deadline: until the deadline instead).
+    private func drain<Body: ReceiveLoopBody>(_ body: Body, budget: Int, deadline: ContinuousClock.Instant?) -> Drained {
+        var batches = 0
+        while batches < budget {
+            let count: Int
+            do {
+                count = try body.receiveBatch()
+            } catch {
+                logFailure(error)
+                return .failed
+            }
+            if count == 0 { return .empty }
+            batches += 1
+            progress.wrappingAdd(1, ordering: .relaxed)
+            body.adoptPlanIfChanged()
+            body.forward(count)
+            if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
+        }
+        return .budgetSpent
+    }
+
+    /// At most one line a second: a receive that fails every time must not flood the log (the
+    /// path check reports the thread stuck).
+    private func logFailure(_ error: SystemCallError) {
+        let now = ContinuousClock.now
+        let line: Int? = failures.withLock { state in
+            state.count += 1
+            guard state.lastLine.map({ now - $0 >= .seconds(1) }) ?? true else { return nil }
+            defer { state = (0, now) }
+            return state.count
+        }
+        guard let count = line else { return }
+        var fields = metadata
+        fields["error"] = "\(error)"
+        fields["failures_since_last_line"] = "\(count)"
+        logger.error("receive failed", metadata: fields)
+    }
+}
