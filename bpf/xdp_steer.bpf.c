@@ -8,6 +8,9 @@
  * listeners map (exact address first, then the family's wildcard), as the tc program does.
  * Redirect with bpf_redirect_map on the XSKMAP, keyed by ctx->rx_queue_index.
  *
+ * A redirected frame carries what the parse found in its metadata area (struct fanout_xdp_meta),
+ * so userspace does not parse it again; where the driver has no metadata area it goes without.
+ *
  * Nothing is rewritten and nothing is dropped: what the socket cannot take (fragments, frames
  * longer than a UMEM frame, a queue without a socket) and everything that is not ours goes on
  * to the kernel's stack with XDP_PASS. Every frame gets one counted verdict
@@ -73,6 +76,25 @@ static __always_inline struct fanout_xdp_listener *find_listener(__u32 ifindex, 
 	return bpf_map_lookup_elem(&FANOUT_MAP_XDP_LISTENERS, &key);
 }
 
+/* Hands the parse to userspace in the metadata area (struct fanout_xdp_meta). The frame's data
+ * stays as it arrived; a driver without a metadata area refuses the adjustment, and the frame
+ * goes without (userspace then parses it). */
+static __always_inline void write_meta(struct xdp_md *ctx, struct packet *p)
+{
+	if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(struct fanout_xdp_meta)))
+		return;
+	void *data = (void *)(long)ctx->data;
+	struct fanout_xdp_meta *meta = (void *)(long)ctx->data_meta;
+	if ((void *)(meta + 1) > data)
+		return;
+	meta->l3 = p->l3;
+	meta->l4 = p->l4;
+	meta->ip_end = p->l3 + p->tot_len;
+	meta->family = p->family;
+	meta->hop_limit = p->hop_limit;
+	meta->magic = FANOUT_XDP_META_MAGIC;
+}
+
 SEC("xdp")
 int FANOUT_PROG_XDP(struct xdp_md *ctx)
 {
@@ -107,6 +129,7 @@ int FANOUT_PROG_XDP(struct xdp_md *ctx)
 	 * outcomes apart for the counters. */
 	if (!bpf_map_lookup_elem(&FANOUT_MAP_XDP_SOCKETS, &queue))
 		return count(id, length, FANOUT_XDP_VERDICT_NO_SOCKET);
+	write_meta(ctx, &p);
 	long action = bpf_redirect_map(&FANOUT_MAP_XDP_SOCKETS, queue, XDP_PASS);
 	if (action != XDP_REDIRECT)
 		return count(id, length, FANOUT_XDP_VERDICT_NO_SOCKET);

@@ -1,3 +1,4 @@
+import BPFKernelABI
 import CSystemShim
 import Testing
 @testable import FanoutCore
@@ -192,5 +193,63 @@ struct FrameParserTests {
         }
         // Mutations that keep the frame valid are common: a parser refusing everything would fail here.
         #expect(accepted > 100, "seed \(seed): only \(accepted) accepted")
+    }
+
+    /// A received frame as the AF_XDP socket shows it: `meta` in the bytes right before it.
+    static func received(_ frame: [UInt8], meta: fanout_xdp_meta?, _ body: (UnsafeMutableRawBufferPointer, UnsafeMutableRawPointer) -> Void) {
+        let size = MemoryLayout<fanout_xdp_meta>.size
+        var bytes = [UInt8](repeating: 0, count: size) + frame
+        bytes.withUnsafeMutableBytes { all in
+            if let meta { all.baseAddress!.storeBytes(of: meta, as: fanout_xdp_meta.self) }
+            body(UnsafeMutableRawBufferPointer(rebasing: all[size...]), all.baseAddress!)
+        }
+    }
+
+    @Test("The XDP program's metadata gives what the walk gives, source included, and its magic is cleared", arguments: cases.filter { $0.expected != nil })
+    func metadataAgreesWithTheWalk(_ test: Case) throws {
+        var walkedSource = sockaddr_storage()
+        let walked = try #require(test.frame.withUnsafeBytes { FrameParser.parse($0, source: &walkedSource) })
+        Self.received(test.frame, meta: fanout_xdp_meta(walked: walked, frame: test.frame)) { frame, metadata in
+            var source = sockaddr_storage()
+            let parsed = FrameParser.parse(received: frame, source: &source)
+            #expect(parsed == walked, "\(test.description)")
+            #expect(withUnsafeBytes(of: &source) { Array($0) } == withUnsafeBytes(of: &walkedSource) { Array($0) }, "\(test.description): source")
+            #expect(metadata.load(fromByteOffset: MemoryLayout<fanout_xdp_meta>.offset(of: \.magic)!, as: UInt32.self) == 0,
+                    "\(test.description): the magic stays after the frame was taken")
+        }
+    }
+
+    @Test("A frame without metadata (a driver with no metadata area) is walked, and refused as the walk refuses it", arguments: cases)
+    func noMetadataIsWalked(_ test: Case) {
+        var walkedSource = sockaddr_storage()
+        let walked = test.frame.withUnsafeBytes { FrameParser.parse($0, source: &walkedSource) }
+        Self.received(test.frame, meta: nil) { frame, _ in
+            var source = sockaddr_storage()
+            #expect(FrameParser.parse(received: frame, source: &source) == walked, "\(test.description)")
+        }
+    }
+
+    @Test("Metadata that disagrees with the frame is refused (a parse error), never read past the frame")
+    func metadataOutsideTheFrame() throws {
+        let frame = Self.ipv4(payload: Self.payload)
+        var ignored = sockaddr_storage()
+        let walked = try #require(frame.withUnsafeBytes { FrameParser.parse($0, source: &ignored) })
+        let good = fanout_xdp_meta(walked: walked, frame: frame)
+        var cases: [(String, fanout_xdp_meta)] = []
+        var meta = good
+        meta.ip_end = UInt16(frame.count + 1); cases.append(("IP end past the frame", meta))
+        meta = good; meta.l4 = meta.ip_end - 7; cases.append(("UDP header past the IP end", meta))
+        meta = good; meta.l4 = 30; cases.append(("UDP header inside the IPv4 header", meta))
+        meta = good; meta.l3 = 12; cases.append(("IP header inside the Ethernet header", meta))
+        meta = good; meta.l3 = 15; cases.append(("IP header not after whole VLAN tags", meta))
+        meta = good; meta.family = 7; cases.append(("no such family", meta))
+        meta = good; meta.family = UInt8(AF_INET6); cases.append(("IPv6 with a 20-byte header", meta))
+        meta = good; meta.ip_end = UInt16(walked.l4Offset + 8 + Self.payload.count - 1); cases.append(("UDP length past the IP end", meta))
+        for (description, meta) in cases {
+            Self.received(frame, meta: meta) { frame, _ in
+                var source = sockaddr_storage()
+                #expect(FrameParser.parse(received: frame, source: &source) == nil, "\(description)")
+            }
+        }
     }
 }

@@ -219,7 +219,18 @@ final class XDPProgramFixture {
         let before = snapshot()
         let (result, output) = execute(frame, ifindex: ifindex, queue: queue)
         #expect(result == action, "\(name): action \(result)", sourceLocation: sourceLocation)
-        #expect(output == frame, "\(name): frame untouched", sourceLocation: sourceLocation)
+        // A redirected frame carries the program's parse in its metadata area, where the test
+        // run's output starts: the forwarder's own walk of the frame must give the same.
+        let metadataSize = action == Self.redirect ? MemoryLayout<fanout_xdp_meta>.size : 0
+        #expect(output.count == frame.count + metadataSize && Array(output.dropFirst(metadataSize)) == frame, "\(name): frame untouched",
+                sourceLocation: sourceLocation)
+        if metadataSize > 0 {
+            var source = sockaddr_storage()
+            let walked = frame.withUnsafeBytes { FrameParser.parse($0, source: &source) }
+            let expected = walked.map { fanout_xdp_meta(walked: $0, frame: frame) }.map { meta in withUnsafeBytes(of: meta) { Array($0) } }
+            #expect(Array(output.prefix(metadataSize)) == expected, "\(name): metadata \(output.prefix(metadataSize)), the walk's \(String(describing: expected))",
+                    sourceLocation: sourceLocation)
+        }
         let after = snapshot()
         for entry in keys {
             let (old, new) = (before[entry]!, after[entry]!)
@@ -231,6 +242,18 @@ final class XDPProgramFixture {
                 #expect(new.verdicts[each] == old.verdicts[each]! + rise, "\(name): \(each.label) of entry \(entry)", sourceLocation: sourceLocation)
             }
         }
+    }
+}
+
+extension fanout_xdp_meta {
+    /// What the XDP program writes for a frame it redirects (its own parse, bpf/xdp_steer.bpf.c),
+    /// made from the forwarder's walk of the frame (``FrameParser/parse(_:source:)``).
+    init(walked parsed: ParsedFrame, frame: [UInt8]) {
+        let l3 = parsed.l3Offset
+        let ipEnd = parsed.family == AF_INET ? l3 + (Int(frame[l3 + 2]) << 8 | Int(frame[l3 + 3]))
+                                             : l3 + 40 + (Int(frame[l3 + 4]) << 8 | Int(frame[l3 + 5]))
+        self.init(l3: UInt16(l3), l4: UInt16(parsed.l4Offset), ip_end: UInt16(ipEnd), family: UInt8(parsed.family),
+                  hop_limit: parsed.hopLimit, magic: FANOUT_XDP_META_MAGIC)
     }
 }
 

@@ -1,3 +1,4 @@
+import BPFKernelABI
 import CLibBPF
 import CSystemShim
 import Foundation
@@ -16,14 +17,16 @@ import Glibc
 /// BPF_PROG_TEST_RUN, on queue 0 (no socket) and queue 1 (an AF_XDP socket in the XSKMAP).
 ///
 /// Every frame must come back XDP_PASS or XDP_REDIRECT (never dropped or aborted), untouched,
-/// and be counted exactly once: the verdicts' sum, the received counters' sum and the bytes
+/// and be counted exactly once; a redirected frame carries the program's parse in its metadata
+/// (struct fanout_xdp_meta), which must give what the forwarder's own walk of the frame gives
+/// (accepted with the same offsets and source, or refused by both), a passed one none: the verdicts' sum, the received counters' sum and the bytes
 /// equal what was run; redirected frames equal the `redirected` count and happen only on
 /// queue 1. Same count and seed variables as the tc fuzz (RELIABILITY_PACKETS,
 /// RELIABILITY=full, RELIABILITY_SEED).
 @Suite("XDP program: packet fuzz (reliability)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct XDPPacketFuzzTests {
     final class Outcome: @unchecked Sendable {
-        var run = 0, refused = 0, bytes: UInt64 = 0, redirect = 0, pass = 0
+        var run = 0, refused = 0, bytes: UInt64 = 0, redirect = 0, pass = 0, metadataAccepted = 0
         var problems: [String] = []
         func problem(_ text: String) { if problems.count < 20 { problems.append(text) } }
     }
@@ -57,12 +60,25 @@ struct XDPPacketFuzzTests {
                 }
                 outcome.run += 1
                 outcome.bytes += UInt64(frame.count)
-                if Array(output[0..<size]) != frame { outcome.problem("frame changed: \(frame)") }
+                // The test run's output starts at the metadata area (empty unless the program wrote one).
+                let metadataSize = action == XDPProgramFixture.redirect ? MemoryLayout<fanout_xdp_meta>.size : 0
+                if size != frame.count + metadataSize || Array(output[metadataSize..<size]) != frame { outcome.problem("frame changed: \(frame)") }
                 switch action {
                 case XDPProgramFixture.pass: outcome.pass += 1
                 case XDPProgramFixture.redirect:
                     outcome.redirect += 1
                     if queue != 1 { outcome.problem("redirected on queue \(queue), which has no socket: \(frame)") }
+                    guard size == frame.count + metadataSize else { break }
+                    let meta = output.withUnsafeBytes { $0.loadUnaligned(as: fanout_xdp_meta.self) }
+                    if meta.magic != FANOUT_XDP_META_MAGIC { outcome.problem("redirected without metadata: \(frame)") }
+                    var fromMetadata = sockaddr_storage(), walkedSource = sockaddr_storage()
+                    let parsed = frame.withUnsafeBytes { FrameParser.parse($0, meta, source: &fromMetadata) }
+                    let walked = frame.withUnsafeBytes { FrameParser.parse($0, source: &walkedSource) }
+                    let sameSource = withUnsafeBytes(of: &fromMetadata) { Array($0) } == withUnsafeBytes(of: &walkedSource) { Array($0) }
+                    if parsed != walked || !sameSource {
+                        outcome.problem("metadata \(meta) gives \(String(describing: parsed)), the walk \(String(describing: walked)): \(frame)")
+                    }
+                    if parsed != nil { outcome.metadataAccepted += 1 }
                 default: outcome.problem("action \(action) for \(frame)")
                 }
             }
@@ -81,13 +97,14 @@ struct XDPPacketFuzzTests {
             bytes += new.bytes - old.bytes
             for verdict in XDPVerdict.allCases { verdicts[verdict, default: 0] += new.verdicts[verdict]! - old.verdicts[verdict]! }
         }
-        print("xdp packet fuzz: seed \(seed), \(outcome.run) frames run (\(outcome.refused) refused by the test runner) ; returned redirect \(outcome.redirect), pass \(outcome.pass); counted "
+        print("xdp packet fuzz: seed \(seed), \(outcome.run) frames run (\(outcome.refused) refused by the test runner) ; returned redirect \(outcome.redirect) (\(outcome.metadataAccepted) of them forwardable by their metadata), pass \(outcome.pass); counted "
               + XDPVerdict.allCases.map { "\($0.label) \(verdicts[$0]!)" }.joined(separator: ", "))
         #expect(outcome.problems.isEmpty, "seed \(seed): \(outcome.problems.joined(separator: "\n"))")
         #expect(outcome.run == target)
         #expect(verdicts.values.reduce(0, +) == UInt64(outcome.run), "every frame counted once: \(verdicts) for \(outcome.run)")
         #expect(received == UInt64(outcome.run) && bytes == outcome.bytes, "received \(received), bytes \(bytes) vs \(outcome.bytes)")
         #expect(verdicts[.redirected] == UInt64(outcome.redirect))
+        #expect(outcome.metadataAccepted > 0, "redirected frames whose metadata the forwarder takes")
         for verdict in XDPVerdict.allCases {
             #expect(verdicts[verdict]! > 0, "the mix reaches \(verdict.label)")
         }

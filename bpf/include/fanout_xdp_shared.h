@@ -79,6 +79,21 @@ struct fanout_xdp_listener {
 	__u32 flags;    /* reserved, 0 */
 };
 
+/* What the program found in a frame it redirects to an AF_XDP socket, written in the frame's
+ * metadata area (bpf_xdp_adjust_meta) so that userspace takes the program's parse instead of
+ * walking the headers again. It lies right before the frame's first byte, `magic` last; the
+ * forwarder reads it and clears `magic` (a frame without metadata, where the driver has no
+ * metadata area, is parsed in userspace). Offsets are from the start of the frame. */
+#define FANOUT_XDP_META_MAGIC 0xfa0d0e7aU
+struct fanout_xdp_meta {
+	__u16 l3;         /* the IP header */
+	__u16 l4;         /* the UDP header */
+	__u16 ip_end;     /* the end of the IP packet (l3 + its length): Ethernet padding follows */
+	__u8 family;      /* AF_INET or AF_INET6 */
+	__u8 hop_limit;   /* IPv4 TTL or IPv6 hop limit */
+	__u32 magic;      /* FANOUT_XDP_META_MAGIC */
+};
+
 /* Per-CPU counters of one listener (or of the unmatched entry). received and bytes count
  * every frame counted here, so received is the sum of the verdicts. */
 struct fanout_xdp_stats {

@@ -8,7 +8,8 @@ import Synchronization
 import SystemCalls
 
 /// One RX queue's forwarder thread of an af_xdp listener (`<listener>-q<N>`): takes frames off
-/// its AF_XDP socket's RX ring in batches, parses them in place (UMEM), picks each datagram's
+/// its AF_XDP socket's RX ring in batches, takes the XDP program's parse of each from its
+/// metadata (in place, in UMEM), picks each datagram's
 /// downstream with the listener's shared ``BatchForwarder`` and sends it out the listener's way
 /// (`settings.output`), then gives the frames back to the fill ring. `xdp_tx` rewrites a frame in
 /// UMEM and puts it on the TX ring when the downstream's next hop is on this interface; other
@@ -130,7 +131,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             let frame = frames[index]
             let bytes = socket.bytes(frame)
             let source = sources + index
-            guard let parsed = FrameParser.parse(UnsafeRawBufferPointer(bytes), source: source) else {
+            guard let parsed = FrameParser.parse(received: bytes, source: source) else {
                 parseErrors += 1
                 done[doneCount] = frame
                 doneCount += 1

@@ -1,6 +1,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFKernelABI
 
 /// Where a received frame's headers and UDP payload are, and the datagram's destination.
 /// Offsets are from the start of the frame; all lie inside it.
@@ -33,8 +34,9 @@ struct ParsedFrame: Equatable, Sendable {
 }
 
 /// Parses the frames the XDP program hands to AF_XDP sockets. Per datagram on the hot path:
-/// no allocation, every read bounds checked against the frame (a frame is whatever the wire
-/// delivered; the XDP program's checks are not relied on).
+/// no allocation, every read bounds checked against the frame. The forwarder takes the XDP
+/// program's parse from the frame's metadata (``parse(received:source:)``), checked against the
+/// frame; ``parse(_:source:)`` walks the headers itself, relying on none of the program's checks.
 enum FrameParser {
     static let etherTypeIPv4: UInt16 = 0x0800
     static let etherTypeIPv6: UInt16 = 0x86dd
@@ -83,18 +85,7 @@ enum FrameParser {
         guard total >= headerLength, l3 + total <= frame.count else { return nil }
         // Any fragment (more-fragments flag or an offset) goes to the kernel, which reassembles.
         guard frame.bigEndian16(at: l3 + 6) & 0x3fff == 0, frame[l3 + 9] == UInt8(IPPROTO_UDP) else { return nil }
-        guard let udp = parseUDP(frame, l4: l3 + headerLength, end: l3 + total) else { return nil }
-        let destination = frame.loadUnaligned(fromByteOffset: l3 + 16, as: UInt32.self)
-        source.withMemoryRebound(to: sockaddr_in.self, capacity: 1) { address in
-            address.pointee = sockaddr_in()
-            address.pointee.sin_family = sa_family_t(AF_INET)
-            address.pointee.sin_port = udp.sourcePortNetworkOrder
-            address.pointee.sin_addr.s_addr = frame.loadUnaligned(fromByteOffset: l3 + 12, as: UInt32.self)
-        }
-        return ParsedFrame(family: AF_INET, vlanTags: tags, l3Offset: l3, l4Offset: l3 + headerLength,
-                           payloadOffset: l3 + headerLength + 8, payloadLength: udp.payloadLength,
-                           destinationPort: udp.destinationPort, destinationAddress: (destination, 0, 0, 0),
-                           hopLimit: frame[l3 + 8])
+        return finish(frame, family: AF_INET, tags: tags, l3: l3, l4: l3 + headerLength, end: l3 + total, hopLimit: frame[l3 + 8], source: source)
     }
 
     private static func parseIPv6(_ frame: UnsafeRawBufferPointer, l3: Int, tags: Int,
@@ -114,22 +105,65 @@ enum FrameParser {
             next = frame[l4]
             l4 += 8 * (Int(frame[l4 + 1]) + 1)
         }
-        guard next == UInt8(IPPROTO_UDP), let udp = parseUDP(frame, l4: l4, end: end) else { return nil }
-        source.withMemoryRebound(to: sockaddr_in6.self, capacity: 1) { address in
-            address.pointee = sockaddr_in6()
-            address.pointee.sin6_family = sa_family_t(AF_INET6)
-            address.pointee.sin6_port = udp.sourcePortNetworkOrder
-            withUnsafeMutableBytes(of: &address.pointee.sin6_addr) { bytes in
-                bytes.copyMemory(from: UnsafeRawBufferPointer(rebasing: frame[(l3 + 8)..<(l3 + 24)]))
+        guard next == UInt8(IPPROTO_UDP) else { return nil }
+        return finish(frame, family: AF_INET6, tags: tags, l3: l3, l4: l4, end: end, hopLimit: frame[l3 + 7], source: source)
+    }
+
+    /// The XDP program's parse of a frame it redirected to an AF_XDP socket: the
+    /// ``fanout_xdp_meta`` in the frame's metadata area, which ends where `frame` starts (in the
+    /// UMEM frame's headroom). It is checked against the frame, and the UDP length, which the
+    /// program does not check, is checked as ``parse(_:source:)`` does; the metadata's magic is
+    /// cleared, so a recycled frame never shows a stale one. A frame without metadata (a driver
+    /// with no metadata area) is parsed here instead.
+    static func parse(received frame: UnsafeMutableRawBufferPointer, source: UnsafeMutablePointer<sockaddr_storage>) -> ParsedFrame? {
+        let metadata = frame.baseAddress! - MemoryLayout<fanout_xdp_meta>.size
+        let meta = metadata.loadUnaligned(as: fanout_xdp_meta.self)
+        guard meta.magic == FANOUT_XDP_META_MAGIC else { return parse(UnsafeRawBufferPointer(frame), source: source) }
+        metadata.storeBytes(of: 0, toByteOffset: MemoryLayout<fanout_xdp_meta>.offset(of: \.magic)!, as: UInt32.self)
+        return parse(UnsafeRawBufferPointer(frame), meta, source: source)
+    }
+
+    /// The frame as `meta` describes it; nil where the two disagree.
+    static func parse(_ frame: UnsafeRawBufferPointer, _ meta: fanout_xdp_meta,
+                      source: UnsafeMutablePointer<sockaddr_storage>) -> ParsedFrame? {
+        let (l3, l4, end) = (Int(meta.l3), Int(meta.l4), Int(meta.ip_end))
+        let family = Int32(meta.family)
+        let header = family == AF_INET ? 20 : family == AF_INET6 ? 40 : Int.max
+        guard l3 >= 14, (l3 - 14) % 4 == 0, header != .max, l4 >= l3 + header, end <= frame.count else { return nil }
+        return finish(frame, family: family, tags: (l3 - 14) / 4, l3: l3, l4: l4, end: end, hopLimit: meta.hop_limit, source: source)
+    }
+
+    /// The UDP datagram at `l4` of an IP packet that ends at `end`: its source into `source`,
+    /// its offsets and destination.
+    private static func finish(_ frame: UnsafeRawBufferPointer, family: Int32, tags: Int, l3: Int, l4: Int, end: Int, hopLimit: UInt8,
+                               source: UnsafeMutablePointer<sockaddr_storage>) -> ParsedFrame? {
+        guard let udp = parseUDP(frame, l4: l4, end: end) else { return nil }
+        let destination: (UInt32, UInt32, UInt32, UInt32)
+        if family == AF_INET {
+            destination = (frame.loadUnaligned(fromByteOffset: l3 + 16, as: UInt32.self), 0, 0, 0)
+            source.withMemoryRebound(to: sockaddr_in.self, capacity: 1) { address in
+                address.pointee = sockaddr_in()
+                address.pointee.sin_family = sa_family_t(AF_INET)
+                address.pointee.sin_port = udp.sourcePortNetworkOrder
+                address.pointee.sin_addr.s_addr = frame.loadUnaligned(fromByteOffset: l3 + 12, as: UInt32.self)
             }
-        }
-        let destination = (frame.loadUnaligned(fromByteOffset: l3 + 24, as: UInt32.self),
+        } else {
+            destination = (frame.loadUnaligned(fromByteOffset: l3 + 24, as: UInt32.self),
                            frame.loadUnaligned(fromByteOffset: l3 + 28, as: UInt32.self),
                            frame.loadUnaligned(fromByteOffset: l3 + 32, as: UInt32.self),
                            frame.loadUnaligned(fromByteOffset: l3 + 36, as: UInt32.self))
-        return ParsedFrame(family: AF_INET6, vlanTags: tags, l3Offset: l3, l4Offset: l4, payloadOffset: l4 + 8,
+            source.withMemoryRebound(to: sockaddr_in6.self, capacity: 1) { address in
+                address.pointee = sockaddr_in6()
+                address.pointee.sin6_family = sa_family_t(AF_INET6)
+                address.pointee.sin6_port = udp.sourcePortNetworkOrder
+                withUnsafeMutableBytes(of: &address.pointee.sin6_addr) { bytes in
+                    bytes.copyMemory(from: UnsafeRawBufferPointer(rebasing: frame[(l3 + 8)..<(l3 + 24)]))
+                }
+            }
+        }
+        return ParsedFrame(family: family, vlanTags: tags, l3Offset: l3, l4Offset: l4, payloadOffset: l4 + 8,
                            payloadLength: udp.payloadLength, destinationPort: udp.destinationPort,
-                           destinationAddress: destination, hopLimit: frame[l3 + 7])
+                           destinationAddress: destination, hopLimit: hopLimit)
     }
 
     /// The UDP header at `l4`, whose datagram must end at or before `end` (the IP payload's end).
