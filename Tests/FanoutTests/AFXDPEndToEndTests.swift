@@ -80,6 +80,8 @@ struct AFXDPEndToEndTests {
         let q1 = Scrape.value(metrics, "udp_fanout_afxdp_queue_frames_total{listener=\"x\",mode=\"af_xdp\",queue=\"1\"}")
         #expect(q0 > 0 && q1 > 0 && q0 + q1 == total, "both queues used: q0 \(q0), q1 \(q1)")
         #expect(Scrape.value(metrics, "udp_fanout_xdp_verdicts_total{listener=\"x\",mode=\"af_xdp\",reason=\"redirected\"}") == total, "\(metrics)")
+        // veth has a metadata area: every frame came with the XDP program's parse, none was walked again.
+        #expect(metrics.contains("udp_fanout_afxdp_frames_parsed_in_userspace_total{listener=\"x\",mode=\"af_xdp\"} 0\n"), "\(metrics)")
         if output == "xdp_tx" {
             // The backends are behind other interfaces: every datagram went out as preserve_source, counted.
             #expect(Scrape.value(metrics, "udp_fanout_afxdp_xdp_tx_fallback_total{listener=\"x\",mode=\"af_xdp\",reason=\"other_interface\"}") == total, "\(metrics)")

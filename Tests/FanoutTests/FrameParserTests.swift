@@ -211,7 +211,9 @@ struct FrameParserTests {
         let walked = try #require(test.frame.withUnsafeBytes { FrameParser.parse($0, source: &walkedSource) })
         Self.received(test.frame, meta: fanout_xdp_meta(walked: walked, frame: test.frame)) { frame, metadata in
             var source = sockaddr_storage()
-            let parsed = FrameParser.parse(received: frame, source: &source)
+            var walkedFrames: UInt64 = 0
+            let parsed = FrameParser.parse(received: frame, source: &source, walked: &walkedFrames)
+            #expect(walkedFrames == 0, "\(test.description): taken from the metadata")
             #expect(parsed == walked, "\(test.description)")
             #expect(withUnsafeBytes(of: &source) { Array($0) } == withUnsafeBytes(of: &walkedSource) { Array($0) }, "\(test.description): source")
             #expect(metadata.load(fromByteOffset: MemoryLayout<fanout_xdp_meta>.offset(of: \.magic)!, as: UInt32.self) == 0,
@@ -225,7 +227,9 @@ struct FrameParserTests {
         let walked = test.frame.withUnsafeBytes { FrameParser.parse($0, source: &walkedSource) }
         Self.received(test.frame, meta: nil) { frame, _ in
             var source = sockaddr_storage()
-            #expect(FrameParser.parse(received: frame, source: &source) == walked, "\(test.description)")
+            var walkedFrames: UInt64 = 0
+            #expect(FrameParser.parse(received: frame, source: &source, walked: &walkedFrames) == walked, "\(test.description)")
+            #expect(walkedFrames == 1, "\(test.description): counted as walked")
         }
     }
 
@@ -248,7 +252,8 @@ struct FrameParserTests {
         for (description, meta) in cases {
             Self.received(frame, meta: meta) { frame, _ in
                 var source = sockaddr_storage()
-                #expect(FrameParser.parse(received: frame, source: &source) == nil, "\(description)")
+                var walkedFrames: UInt64 = 0
+                #expect(FrameParser.parse(received: frame, source: &source, walked: &walkedFrames) == nil, "\(description)")
             }
         }
     }

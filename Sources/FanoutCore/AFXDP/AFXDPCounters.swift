@@ -7,6 +7,9 @@ import Synchronization
 final class AFXDPCounters: Sendable {
     let listener: String
     let parseErrors = Atomic<UInt64>(0)
+    /// Frames that came without the XDP program's parse in their metadata (the driver has no
+    /// metadata area), whose headers the forwarder walked itself.
+    let framesWalked = Atomic<UInt64>(0)
     /// xdp_tx datagrams sent as preserve_source, by reason (no_route, other_interface, no_neighbour, rewrite_refused).
     private let fallbacks = Mutex<[String: UInt64]>([:])
 
@@ -85,6 +88,7 @@ final class AFXDPCounters: Sendable {
         }
         family("udp_fanout_afxdp_rx_ring_empty_total", "Receive calls that found the AF_XDP RX ring empty", [("", totals.rxRingEmpty)])
         family("udp_fanout_afxdp_fill_ring_full_total", "Frames that could not go back to the fill ring at once (kept on a free list, not lost)", [("", totals.fillRingFull)])
+        family("udp_fanout_afxdp_frames_parsed_in_userspace_total", "Frames from the RX ring without the XDP program's parse in their metadata (a driver with no metadata area), whose headers the forwarder parsed itself (more CPU per datagram)", [("", framesWalked.load(ordering: .relaxed))])
         family("udp_fanout_afxdp_parse_errors_total", "Frames from the RX ring whose Ethernet/IP/UDP headers did not parse (dropped)", [("", parseErrors.load(ordering: .relaxed))])
         family("udp_fanout_afxdp_queue_frames_total", "Frames each RX queue's forwarder took off its AF_XDP socket",
                totals.received.sorted { $0.key < $1.key }.map { (",queue=\"\($0.key)\"", $0.value) })

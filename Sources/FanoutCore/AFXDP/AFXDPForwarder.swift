@@ -118,6 +118,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         var transmitCount = 0
         var bytesReceived: UInt64 = 0
         var parseErrors: UInt64 = 0
+        var walked: UInt64 = 0
         var tooLarge: UInt64 = 0
         var noHealthy: UInt64 = 0
         var ttlExpired: UInt64 = 0
@@ -131,7 +132,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             let frame = frames[index]
             let bytes = socket.bytes(frame)
             let source = sources + index
-            guard let parsed = FrameParser.parse(received: bytes, source: source) else {
+            guard let parsed = FrameParser.parse(received: bytes, source: source, walked: &walked) else {
                 parseErrors += 1
                 done[doneCount] = frame
                 doneCount += 1
@@ -207,6 +208,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         // The outboxes' iovecs point into UMEM: frames are recycled only after these sends returned.
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy,
                         forwarded: transmitted, bytesForwarded: transmittedBytes)
+        if walked > 0 { afxdp.framesWalked.wrappingAdd(walked, ordering: .relaxed) }
         if parseErrors > 0 {
             afxdp.parseErrors.wrappingAdd(parseErrors, ordering: .relaxed)
             counters.drop(.parseError, parseErrors)

@@ -35,7 +35,7 @@ struct ParsedFrame: Equatable, Sendable {
 
 /// Parses the frames the XDP program hands to AF_XDP sockets. Per datagram on the hot path:
 /// no allocation, every read bounds checked against the frame. The forwarder takes the XDP
-/// program's parse from the frame's metadata (``parse(received:source:)``), checked against the
+/// program's parse from the frame's metadata (``parse(received:source:walked:)``), checked against the
 /// frame; ``parse(_:source:)`` walks the headers itself, relying on none of the program's checks.
 enum FrameParser {
     static let etherTypeIPv4: UInt16 = 0x0800
@@ -114,11 +114,15 @@ enum FrameParser {
     /// UMEM frame's headroom). It is checked against the frame, and the UDP length, which the
     /// program does not check, is checked as ``parse(_:source:)`` does; the metadata's magic is
     /// cleared, so a recycled frame never shows a stale one. A frame without metadata (a driver
-    /// with no metadata area) is parsed here instead.
-    static func parse(received frame: UnsafeMutableRawBufferPointer, source: UnsafeMutablePointer<sockaddr_storage>) -> ParsedFrame? {
+    /// with no metadata area) is parsed here instead, and counted in `walked`.
+    static func parse(received frame: UnsafeMutableRawBufferPointer, source: UnsafeMutablePointer<sockaddr_storage>,
+                      walked: inout UInt64) -> ParsedFrame? {
         let metadata = frame.baseAddress! - MemoryLayout<fanout_xdp_meta>.size
         let meta = metadata.loadUnaligned(as: fanout_xdp_meta.self)
-        guard meta.magic == FANOUT_XDP_META_MAGIC else { return parse(UnsafeRawBufferPointer(frame), source: source) }
+        guard meta.magic == FANOUT_XDP_META_MAGIC else {
+            walked += 1
+            return parse(UnsafeRawBufferPointer(frame), source: source)
+        }
         metadata.storeBytes(of: 0, toByteOffset: MemoryLayout<fanout_xdp_meta>.offset(of: \.magic)!, as: UInt32.self)
         return parse(UnsafeRawBufferPointer(frame), meta, source: source)
     }
