@@ -45,7 +45,8 @@ final class ReceiveLoop: Sendable {
         case timedOut
         /// The source holds datagrams.
         case source
-        /// Only the body's other events came (handled by the body's wait).
+        /// Only the body's other events came (handled by the body's wait), or the wait itself
+        /// failed: neither idle (no progress) nor a reason to receive.
         case other
     }
 

@@ -68,7 +68,9 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     func adoptPlanIfChanged() { forwarder.adoptPlanIfChanged() }
 
     func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
-        (try? Syscall.poll(&descriptor, 1, milliseconds)) ?? 0 > 0 ? .source : .timedOut
+        // A failed poll is no idle turn: the path check must not see the worker alive through it.
+        guard let ready = try? Syscall.poll(&descriptor, 1, milliseconds) else { return .other }
+        return ready > 0 ? .source : .timedOut
     }
 
     func idle() { counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops) }
