@@ -123,7 +123,7 @@ struct TCNATListenerTests {
         // The serving backend leaves the set: the reply interface toward it is detached.
         let remaining = served == "b1" ? 2 : 1
         let updated = inNetworkNamespace(topology.proxy) {
-            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, keeping: [])
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, pools: [], keeping: [])
         }
         #expect(updated == true)
         // The gone backend's side stays attached while it drains and after (its late replies are
@@ -193,7 +193,7 @@ struct TCNATListenerTests {
         let removed = try #require(served, "the client's request made an association")
         let remaining = removed == "b1" ? 2 : 1
         let updated = inNetworkNamespace(topology.proxy) {
-            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, keeping: [])
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, pools: [], keeping: [])
         }
         #expect(updated == true)
         client.waitUntilExit()

@@ -54,7 +54,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         self.logger = logger
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)"])
         batch = max(1, listener.settings.batchSize)
-        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
+        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
+                                   output: listener.settings.output, capacity: listener.settings.batchSize, makeOutbox: makeOutbox)
         frames = .allocate(capacity: batch)
         sources = .allocate(capacity: batch)
         done = .allocate(capacity: batch)

@@ -209,7 +209,7 @@ final class AFXDPListener: RunningListener {
 
     var takesOverExactly: Bool { companion.takesOverExactly }
 
-    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
         companion.replacePlan(downstreams: downstreams, balancing: balancing)
         return true

@@ -54,8 +54,9 @@ struct DownstreamSelector {
         }
     }
 
-    /// The same hash ReusePortLB's kernel program computes for a source address.
-    static func sourceHash(_ source: UnsafePointer<sockaddr_storage>) -> UInt32 {
+    /// The same hash ReusePortLB's kernel program computes for a source address (with `seed`:
+    /// the balancing's, or another for a choice that must not follow it).
+    static func sourceHash(_ source: UnsafePointer<sockaddr_storage>, seed: UInt32 = seed) -> UInt32 {
         let raw = UnsafeRawPointer(source)
         var words: (UInt32, UInt32, UInt32, UInt32) = (0, 0, 0, 0)
         let count: UInt32

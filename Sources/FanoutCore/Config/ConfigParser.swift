@@ -90,36 +90,12 @@ public enum ConfigParser {
 
     static func listener(_ node: Node, path: String) throws(ConfigError) -> Listener {
         let fields = try Fields(node, path: path)
-        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies"])
+        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
         guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
         let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
-        var downstreams: [Downstream] = []
-        var dnsDownstreams: [DNSDownstream] = []
-        for (index, item) in try fields.sequence("downstream", required: false).enumerated() {
-            let entry = try Fields(item, path: "\(path).downstream[\(index)]")
-            try entry.allow(["name", "address", "mac", "weight", "health_port"])
-            let weight = UInt32(try entry.int("weight", in: 0...1_000_000) ?? 1)
-            let healthPort = try entry.int("health_port", in: 1...65535).map { UInt16($0) }
-            if let text = try entry.string("address"), let (host, port) = Self.hostAndPort(text) {
-                if try entry.string("mac") != nil { throw entry.error("mac", "not used with a DNS name: the next hop's MAC comes from the kernel's neighbour table") }
-                dnsDownstreams.append(DNSDownstream(
-                    name: try entry.string("name") ?? text, host: host, port: port, weight: weight, healthPort: healthPort))
-                continue
-            }
-            guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port, or dns-name:port)") }
-            downstreams.append(Downstream(
-                name: try entry.string("name") ?? address.description, address: address,
-                mac: try entry.string("mac"), weight: weight, healthPort: healthPort))
-        }
-        var kubernetes: Kubernetes?
-        if let node = fields["kubernetes"] {
-            let entry = try Fields(node, path: "\(path).kubernetes")
-            try entry.allow(["namespace", "service", "port"])
-            guard let service = try entry.string("service") else { throw entry.error("service", "required with kubernetes") }
-            guard let port = try entry.int("port", in: 1...65535) else { throw entry.error("port", "required with kubernetes (1-65535)") }
-            kubernetes = Kubernetes(namespace: try entry.string("namespace"), service: service, port: UInt16(port))
-        }
+        let (downstreams, dnsDownstreams) = try Self.downstreams(fields, path: path)
+        let kubernetes = try Self.kubernetes(fields, path: path)
         var settings = Settings()
         if let node = fields["settings"] {
             let entry = try Fields(node, path: "\(path).settings")
@@ -170,10 +146,67 @@ public enum ConfigParser {
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
         let replies = try fields.choice("replies", Replies.allCases.map(\.rawValue)) ?? Replies.none.rawValue
+        var pools: [Pool] = []
+        for (index, item) in try fields.sequence("pools", required: false).enumerated() {
+            pools.append(try pool(item, path: "\(path).pools[\(index)]"))
+        }
         return Listener(
             name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
             downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: kubernetes, settings: settings,
-            balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!)
+            balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!, pools: pools)
+    }
+
+    /// One entry of a listener's `pools` (replication; docs/replication.md).
+    static func pool(_ node: Node, path: String) throws(ConfigError) -> Pool {
+        let fields = try Fields(node, path: path)
+        try fields.allow(["name", "balancing", "downstream", "kubernetes", "sample", "sources", "output"])
+        guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
+        let (downstreams, dnsDownstreams) = try Self.downstreams(fields, path: path)
+        let balancing = try fields.choice("balancing", PoolBalancing.allCases.map(\.rawValue)) ?? PoolBalancing.roundRobin.rawValue
+        var sources: [SourcePrefix] = []
+        for (position, item) in try fields.sequence("sources", required: false).enumerated() {
+            guard case .scalar(let scalar) = item, let prefix = SourcePrefix(scalar.string) else {
+                throw ConfigError("\(path).sources[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark?.line)
+            }
+            sources.append(prefix)
+        }
+        let output = try fields.choice("output", [Output.socket, .preserveSource].map(\.rawValue)).map { Output(rawValue: $0)! }
+        return Pool(
+            name: name, downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: try Self.kubernetes(fields, path: path),
+            balancing: PoolBalancing(rawValue: balancing)!, sample: try fields.int("sample", in: 1...1_000_000) ?? 1, sources: sources, output: output)
+    }
+
+    /// The `downstream` list of a listener or pool at `path`: by address, and by DNS name.
+    static func downstreams(_ fields: Fields, path: String) throws(ConfigError) -> ([Downstream], [DNSDownstream]) {
+        var downstreams: [Downstream] = []
+        var dnsDownstreams: [DNSDownstream] = []
+        for (index, item) in try fields.sequence("downstream", required: false).enumerated() {
+            let entry = try Fields(item, path: "\(path).downstream[\(index)]")
+            try entry.allow(["name", "address", "mac", "weight", "health_port"])
+            let weight = UInt32(try entry.int("weight", in: 0...1_000_000) ?? 1)
+            let healthPort = try entry.int("health_port", in: 1...65535).map { UInt16($0) }
+            if let text = try entry.string("address"), let (host, port) = Self.hostAndPort(text) {
+                if try entry.string("mac") != nil { throw entry.error("mac", "not used with a DNS name: the next hop's MAC comes from the kernel's neighbour table") }
+                dnsDownstreams.append(DNSDownstream(
+                    name: try entry.string("name") ?? text, host: host, port: port, weight: weight, healthPort: healthPort))
+                continue
+            }
+            guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port, or dns-name:port)") }
+            downstreams.append(Downstream(
+                name: try entry.string("name") ?? address.description, address: address,
+                mac: try entry.string("mac"), weight: weight, healthPort: healthPort))
+        }
+        return (downstreams, dnsDownstreams)
+    }
+
+    /// The `kubernetes` discovery of a listener or pool at `path`.
+    static func kubernetes(_ fields: Fields, path: String) throws(ConfigError) -> Kubernetes? {
+        guard let node = fields["kubernetes"] else { return nil }
+        let entry = try Fields(node, path: "\(path).kubernetes")
+        try entry.allow(["namespace", "service", "port"])
+        guard let service = try entry.string("service") else { throw entry.error("service", "required with kubernetes") }
+        guard let port = try entry.int("port", in: 1...65535) else { throw entry.error("port", "required with kubernetes (1-65535)") }
+        return Kubernetes(namespace: try entry.string("namespace"), service: service, port: UInt16(port))
     }
 
     /// `host:port` where host is a DNS name (RFC 1123 labels of letters, digits, `-` and `_`,

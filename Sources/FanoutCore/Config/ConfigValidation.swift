@@ -55,37 +55,21 @@ extension FanoutConfig {
             if kind.attachesToInterface && (listener.interface ?? "").isEmpty {
                 throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
             }
-            if let kubernetes = listener.kubernetes, let namespace = kubernetes.namespace, !Self.isDNSLabel(namespace) {
-                throw fail("\(path).kubernetes.namespace", "'\(namespace)' is not a Kubernetes namespace name (lowercase letters, digits and '-', at most 63)")
-            }
-            if let kubernetes = listener.kubernetes, !Self.isDNSLabel(kubernetes.service) {
-                throw fail("\(path).kubernetes.service", "'\(kubernetes.service)' is not a Kubernetes Service name (lowercase letters, digits and '-', at most 63)")
-            }
-            let discovered = !DiscoverySources.of(listener).isEmpty
-            guard !listener.downstreams.isEmpty || discovered else {
-                throw fail("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
-            }
-            var downstreamNames = Set<String>()
-            for (position, downstream) in listener.downstreams.enumerated() {
-                let key = "\(path).downstream[\(position)]"
-                guard downstreamNames.insert(downstream.name).inserted else {
-                    throw fail("\(key).name", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
+            try validateMembers(of: listener, group: listener.ownMembers, path: path, all: all, localAddresses: localAddresses)
+            if !listener.pools.isEmpty {
+                guard kind.replicates else {
+                    throw fail("\(path).pools", "replication is not available in mode \(listener.mode.rawValue)\(listener.replies == .none ? "" : " with replies \(listener.replies.rawValue)") in this release: mode userspace (one way) has it; remove pools or use mode userspace")
                 }
-                if let problem = Self.unicastProblem(downstream.address) { throw fail("\(key).address", problem) }
-                if let target = all.loopTarget(downstream.address, localAddresses) {
-                    throw fail("\(key).address", "\(downstream.address) is listener '\(listeners[target].name)' (\(listeners[target].bind)): forwarding loop")
+                var poolNames: Set<String> = [Pool.defaultName]
+                for (position, pool) in listener.pools.enumerated() {
+                    let poolPath = "\(path).pools[\(position)]"
+                    guard poolNames.insert(pool.name).inserted else {
+                        throw fail("\(poolPath).name", pool.name == Pool.defaultName
+                            ? "'\(Pool.defaultName)' names the listener's own downstreams (its first pool): give this pool another name"
+                            : "duplicate pool name '\(pool.name)' in listener '\(listener.name)'")
+                    }
+                    try validateMembers(of: listener, group: MemberGroup(pool), path: poolPath, all: all, localAddresses: localAddresses)
                 }
-                if let mac = downstream.mac, !Self.isMAC(mac) {
-                    throw fail("\(key).mac", "'\(mac)' is not a MAC address (six hex pairs separated by colons, e.g. 02:00:00:00:00:01)")
-                }
-            }
-            for downstream in listener.dnsDownstreams {
-                guard downstreamNames.insert(downstream.name).inserted else {
-                    throw fail("\(path).downstream", "duplicate downstream name '\(downstream.name)' in listener '\(listener.name)'")
-                }
-            }
-            guard discovered || listener.downstreams.contains(where: { $0.weight > 0 }) else {
-                throw fail("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
             }
             // The kind's own keys: its ways out, its two-way mode, its settings.
             try kind.validate(listener, index: index, path: path, of: self, localAddresses: localAddresses)
@@ -93,6 +77,45 @@ extension FanoutConfig {
         for kind in ListenerKinds.types { try kind.validateTogether(self) }
         if health.timeoutSecs > health.intervalSecs {
             throw fail("health.timeout_secs", "\(health.timeoutSecs) s is longer than interval_secs (\(health.intervalSecs) s): a probe must time out before the next one is due")
+        }
+    }
+
+    /// Checks one member group of `listener` at `path` (its own downstreams, or a pool's): unique
+    /// names, unicast addresses, no loop into a listener, MACs, and a way to get a member.
+    private func validateMembers(of listener: Listener, group: MemberGroup, path: String, all: BindIndex, localAddresses: Set<IPAddress>) throws(ConfigError) {
+        func fail(_ key: String, _ problem: String) -> ConfigError { configError(key, problem) }
+        let owner = group.pool.map { "pool '\($0)' of listener '\(listener.name)'" } ?? "listener '\(listener.name)'"
+        let discovered = DiscoverySources.of(listener).contains { $0.pool == group.pool }
+        if let kubernetes = group.kubernetes, let namespace = kubernetes.namespace, !Self.isDNSLabel(namespace) {
+            throw fail("\(path).kubernetes.namespace", "'\(namespace)' is not a Kubernetes namespace name (lowercase letters, digits and '-', at most 63)")
+        }
+        if let kubernetes = group.kubernetes, !Self.isDNSLabel(kubernetes.service) {
+            throw fail("\(path).kubernetes.service", "'\(kubernetes.service)' is not a Kubernetes Service name (lowercase letters, digits and '-', at most 63)")
+        }
+        guard !group.downstreams.isEmpty || discovered else {
+            throw fail("\(path).downstream", "empty, and no kubernetes discovery: add at least one downstream")
+        }
+        var downstreamNames = Set<String>()
+        for (position, downstream) in group.downstreams.enumerated() {
+            let key = "\(path).downstream[\(position)]"
+            guard downstreamNames.insert(downstream.name).inserted else {
+                throw fail("\(key).name", "duplicate downstream name '\(downstream.name)' in \(owner)")
+            }
+            if let problem = Self.unicastProblem(downstream.address) { throw fail("\(key).address", problem) }
+            if let target = all.loopTarget(downstream.address, localAddresses) {
+                throw fail("\(key).address", "\(downstream.address) is listener '\(listeners[target].name)' (\(listeners[target].bind)): forwarding loop")
+            }
+            if let mac = downstream.mac, !Self.isMAC(mac) {
+                throw fail("\(key).mac", "'\(mac)' is not a MAC address (six hex pairs separated by colons, e.g. 02:00:00:00:00:01)")
+            }
+        }
+        for downstream in group.dnsDownstreams {
+            guard downstreamNames.insert(downstream.name).inserted else {
+                throw fail("\(path).downstream", "duplicate downstream name '\(downstream.name)' in \(owner)")
+            }
+        }
+        guard discovered || group.downstreams.contains(where: { $0.weight > 0 }) else {
+            throw fail("\(path).downstream", "every downstream has weight 0: nothing could be forwarded")
         }
     }
 

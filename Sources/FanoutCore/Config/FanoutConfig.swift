@@ -1,3 +1,6 @@
+#if canImport(Glibc)
+import Glibc
+#endif
 import BPFKernelABI
 import ReusePortLB
 
@@ -39,11 +42,14 @@ public struct Listener: Equatable, Sendable {
     /// One way (fan-out), or two: replies from the downstreams go back to the client from the
     /// listener's address.
     public var replies: Replies
+    /// Replication: pools that each datagram also goes to, beside the listener's own downstreams
+    /// (its first pool, named ``Pool/defaultName``).
+    public var pools: [Pool]
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
         downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
-        settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none
+        settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none, pools: [Pool] = []
     ) {
         self.name = name
         self.bind = bind
@@ -55,9 +61,10 @@ public struct Listener: Equatable, Sendable {
         self.settings = settings
         self.balancing = balancing
         self.replies = replies
+        self.pools = pools
     }
 
-    /// Everything but the downstreams and balancing: what a reload cannot change without
+    /// Everything but the downstreams, balancing and pools: what a reload cannot change without
     /// restarting the listener's workers.
     var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies) }
 
@@ -109,6 +116,91 @@ public enum Balancing: String, Sendable, CaseIterable {
     case sourceIP = "source_ip"
 }
 
+/// A pool of a replicating listener: each datagram the listener receives also goes to this pool
+/// (to one member, or to every member with ``PoolBalancing/all``), if it passes the pool's
+/// `sources` and `sample`. Its members come from its own downstreams and discovery, as a
+/// listener's do.
+public struct Pool: Equatable, Sendable {
+    /// The name of a listener's own downstreams as a pool (metrics, logs); no other pool takes it.
+    public static let defaultName = "default"
+    public var name: String
+    public var downstreams: [Downstream]
+    public var dnsDownstreams: [DNSDownstream]
+    public var kubernetes: Kubernetes?
+    public var balancing: PoolBalancing
+    /// One datagram in `sample` goes to the pool: the datagrams of one source in `sample` of the
+    /// sources, chosen by a hash of the source address (``PoolPlan/sampled(_:)``); 1: every datagram.
+    public var sample: Int
+    /// Only datagrams from these client prefixes go to the pool (empty: every client).
+    public var sources: [SourcePrefix]
+    /// How copies leave for the pool's members (nil: the listener's `settings.output`).
+    public var output: Output?
+
+    public init(name: String, downstreams: [Downstream] = [], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
+                balancing: PoolBalancing = .roundRobin, sample: Int = 1, sources: [SourcePrefix] = [], output: Output? = nil) {
+        self.name = name
+        self.downstreams = downstreams
+        self.dnsDownstreams = dnsDownstreams
+        self.kubernetes = kubernetes
+        self.balancing = balancing
+        self.sample = sample
+        self.sources = sources
+        self.output = output
+    }
+}
+
+/// How a pool spreads the datagrams it takes over its members.
+public enum PoolBalancing: String, Sendable, CaseIterable {
+    /// One member per datagram, as the listener's `round_robin`.
+    case roundRobin = "round_robin"
+    /// One member per source address, as the listener's `source_ip` (the same table).
+    case sourceIP = "source_ip"
+    /// Every member gets a copy of each datagram.
+    case all
+
+    /// The one-member balancing, nil for `all`.
+    var single: Balancing? {
+        switch self {
+        case .roundRobin: return .roundRobin
+        case .sourceIP: return .sourceIP
+        case .all: return nil
+        }
+    }
+}
+
+/// A client prefix of a pool's `sources` (`198.18.0.0/16`, `2001:db8::/32`).
+public struct SourcePrefix: Hashable, Sendable, CustomStringConvertible {
+    public let address: IPAddress
+    public let length: Int
+
+    /// Parses `address/length` (a bare address is a host prefix); nil if malformed or if the
+    /// address has bits set past the length.
+    public init?(_ text: String) {
+        let parts = text.split(separator: "/", maxSplits: 1, omittingEmptySubsequences: false)
+        guard let address = IPAddress(String(parts[0])) else { return nil }
+        let maximum = address.family == AF_INET ? 32 : 128
+        var length = maximum
+        if parts.count == 2 {
+            guard let given = Int(parts[1]), (0...maximum).contains(given), parts[1].allSatisfy(\.isNumber) else { return nil }
+            length = given
+        }
+        self.address = address
+        self.length = length
+        guard Self.masked(address.bytes, length) == address.bytes else { return nil }
+    }
+
+    public var description: String { "\(address)/\(length)" }
+
+    /// `bytes` with every bit past `length` cleared.
+    static func masked(_ bytes: [UInt8], _ length: Int) -> [UInt8] {
+        bytes.enumerated().map { index, byte in
+            let bits = min(max(length - index * 8, 0), 8)
+            return bits == 8 ? byte : byte & UInt8(truncatingIfNeeded: 0xff << (8 - bits))
+        }
+    }
+
+}
+
 public struct Downstream: Equatable, Sendable {
     public var name: String
     public var address: SocketAddress
@@ -118,13 +210,16 @@ public struct Downstream: Equatable, Sendable {
     public var weight: UInt32
     /// Where health probes go, if not to `address`'s port.
     public var healthPort: UInt16?
+    /// The pool it is a member of (nil: the listener's own downstreams, its first pool).
+    public var pool: String?
 
-    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1, healthPort: UInt16? = nil) {
+    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1, healthPort: UInt16? = nil, pool: String? = nil) {
         self.name = name
         self.address = address
         self.mac = mac
         self.weight = weight
         self.healthPort = healthPort
+        self.pool = pool
     }
 
     /// The address health probes go to.

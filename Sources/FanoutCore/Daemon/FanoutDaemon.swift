@@ -36,11 +36,12 @@ protocol RunningListener: AnyObject, Sendable {
     /// bind (eBPF). Classic BPF picks sockets by position, where the previous instance's come
     /// first: such a listener is activated only after its predecessor stopped.
     var takesOverExactly: Bool { get }
-    /// Swaps the downstreams and balancing in place, without losing datagrams.
+    /// Swaps the downstreams, balancing and replication pools in place, without losing datagrams.
+    /// `downstreams` holds every group's available members (a pool's carry its name).
     /// - Parameter keeping: names of members that get nothing now (health took them out) whose
     ///   counters stay.
     /// - Returns: false if the new set could not be applied (the previous one stays, logged).
-    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool
+    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
     /// What the systemd watchdog checks (``WatchdogJudge``): each worker's progress counter,
@@ -237,9 +238,7 @@ public final class FanoutDaemon: Sendable {
             let (found, skipped) = Membership.members(listener, discovered[listener.name] ?? Discovered())
             members[listener.name] = found
             noteSkipped(listener.name, skipped)
-            var running = listener
-            running.downstreams = Membership.available(found, down: new.health.enabled ? down : [])
-            effective[listener.name] = running
+            effective[listener.name] = listener.withMembers(Membership.available(found, down: new.health.enabled ? down : []))
         }
         let oldByName = Dictionary(old.listeners.map { ($0.name, $0) }, uniquingKeysWith: { first, _ in first })
         let running = state.withLock { $0.listeners }
@@ -249,7 +248,7 @@ public final class FanoutDaemon: Sendable {
             // A listener that is not running (lost in a failed change) starts again, even unchanged.
             if let previous = oldByName[listener.name], previous.socketShape == listener.socketShape, running[listener.name] != nil {
                 // Also when only the available set changed (health turned off puts every member back).
-                if previous != listener || effective[listener.name]!.downstreams != appliedBefore[listener.name] { inPlace.append(listener) }
+                if previous != listener || effective[listener.name]!.members != appliedBefore[listener.name] { inPlace.append(listener) }
             } else {
                 fresh.append(listener)
             }
@@ -389,14 +388,14 @@ public final class FanoutDaemon: Sendable {
             state.discovered = discovered
             state.answered.formIntersection(DiscoverySources.all(new))
             state.members = members
-            state.applied = effective.mapValues(\.downstreams)
+            state.applied = effective.mapValues(\.members)
             state.discoveryErrors = state.discoveryErrors.filter { discovered[$0.key] != nil }
             if !new.health.enabled { state.down = [] }
         }
         for listener in inPlace {
-            let downstreams = effective[listener.name]!.downstreams
+            let downstreams = effective[listener.name]!.members
             let keeping = Set(members[listener.name]!.map(\.name))
-            if running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing, keeping: keeping) == false {
+            if running[listener.name]?.update(downstreams: downstreams, balancing: listener.balancing, pools: listener.pools, keeping: keeping) == false {
                 // The previous set stays in force (logged by the listener): record it so the next
                 // membership change tries again, and count it.
                 state.withLock { $0.applied[listener.name] = appliedBefore[listener.name] }
@@ -512,8 +511,9 @@ public final class FanoutDaemon: Sendable {
                     reasons.append("listener '\(listener.name)': \(pending.joined(separator: "; "))\(error)")
                 } else if state.listeners[listener.name]?.isReceiving != true {
                     reasons.append("listener '\(listener.name)' is not receiving yet")
-                } else if (state.applied[listener.name] ?? []).allSatisfy({ $0.weight == 0 }) {
-                    let members = state.members[listener.name]?.count ?? 0
+                } else if (state.applied[listener.name] ?? []).allSatisfy({ $0.weight == 0 || $0.pool != nil }) {
+                    // The listener's own downstreams (a replication pool without members is counted, not unready).
+                    let members = state.members[listener.name]?.filter { $0.pool == nil }.count ?? 0
                     reasons.append("listener '\(listener.name)' has no healthy downstream (\(members) member(s), all down or none discovered): its datagrams are dropped and counted in udp_fanout_packets_no_healthy_total")
                 }
             }

@@ -14,6 +14,9 @@ protocol ListenerKind: Sendable {
     /// two of its listeners may share a bind on two interfaces, and it overlaps another
     /// listener's bind only on its own interface.
     static var bindsPerInterface: Bool { get }
+    /// True when it serves replication pools (`pools:`); a listener of another kind with pools is
+    /// refused at validation, naming the key.
+    static var replicates: Bool { get }
     /// Checks its own keys of `listener` (`listeners[index]` of `config`, at `path`): throws the
     /// first problem, naming its key and line. Runs after the checks every kind shares.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError)
@@ -54,6 +57,7 @@ protocol ListenerKind: Sendable {
 extension ListenerKind {
     static var attachesToInterface: Bool { false }
     static var bindsPerInterface: Bool { false }
+    static var replicates: Bool { false }
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {}
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? { nil }
     static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {}
@@ -164,11 +168,16 @@ enum SharedChecks {
     }
 
     /// A source-preserving way out (userspace or af_xdp) keeps the client's address: a client of
-    /// the bind's family cannot be sent to a downstream of the other (every datagram would be dropped).
+    /// the bind's family cannot be sent to a downstream of the other (every datagram would be
+    /// dropped). The same for each pool with its own way out.
     static func sourcePreservingFamilies(_ listener: Listener, path: String, of config: FanoutConfig) throws(ConfigError) {
-        guard listener.settings.output != .socket, !FanoutConfig.isUnspecified(listener.bind.ip) else { return }
-        for (position, downstream) in listener.downstreams.enumerated() where downstream.address.ip.family != listener.bind.ip.family {
-            throw config.configError("\(path).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): output \(listener.settings.output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
+        guard !FanoutConfig.isUnspecified(listener.bind.ip) else { return }
+        let groups = [(path, listener.settings.output, listener.downstreams, "output")]
+            + listener.pools.enumerated().map { ("\(path).pools[\($0)]", $1.output ?? listener.settings.output, $1.downstreams, $1.output == nil ? "the listener's output" : "output") }
+        for (groupPath, output, downstreams, key) in groups where output != .socket {
+            for (position, downstream) in downstreams.enumerated() where downstream.address.ip.family != listener.bind.ip.family {
+                throw config.configError("\(groupPath).downstream[\(position)].address", "\(downstream.address) is not of the listener's address family (\(listener.bind)): \(key) \(output.rawValue) keeps the client's source address, which cannot reach a downstream of the other family; use output: socket or a downstream of the same family")
+            }
         }
     }
 

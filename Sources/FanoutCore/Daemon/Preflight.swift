@@ -45,7 +45,10 @@ public enum Preflight {
     static func discoveryNotes(_ config: FanoutConfig, environment: [String: String] = ProcessEnvironment.current()) -> [String] {
         let given = DiscoveryEnvironment(variables: environment, serviceAccountDirectory: KubernetesCredentials.serviceAccountDirectory)
         return config.listeners.enumerated().flatMap { index, listener in
-            DiscoverySources.of(listener).compactMap { $0.source.checkNote(path: "listeners[\(index)]", given) }
+            DiscoverySources.of(listener).compactMap { spec in
+                let pool = spec.pool.flatMap { name in listener.pools.firstIndex { $0.name == name } }
+                return spec.source.checkNote(path: "listeners[\(index)]\(pool.map { ".pools[\($0)]" } ?? "")", given)
+            }
         }
     }
 }

@@ -17,6 +17,8 @@ protocol DiscoverySource: Hashable, Sendable, CustomStringConvertible {
 
     /// The listener it finds downstreams for.
     var listener: String { get }
+    /// The pool of the listener it finds members of (nil: the listener's own downstreams).
+    var pool: String? { get }
     /// Where the listener keeps what it found, and what a reload keeps: a source of the new
     /// configuration with the same slot serves the last set until its own first answer (a DNS
     /// entry keeps its name's set, a Kubernetes source its endpoints even if the Service changed).
@@ -75,6 +77,7 @@ struct DiscoverySpec: Hashable, Sendable, CustomStringConvertible {
     init(_ source: any DiscoverySource) { self.source = source }
 
     var listener: String { source.listener }
+    var pool: String? { source.pool }
     var slot: String { source.slot }
     var kind: String { type(of: source).kind }
     var description: String { source.description }

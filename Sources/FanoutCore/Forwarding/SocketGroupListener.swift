@@ -58,7 +58,9 @@ final class SocketGroupListener: Sendable {
         self.passiveHealth = passiveHealth
         self.logger = logger
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
-        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
+        plans = PlanHolder(ForwardingPlan(
+            downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters,
+            passiveHealth: passiveHealth))
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,
             receiveBufferSize: config.settings.recvBufSize > 0 ? config.settings.recvBufSize : nil)
@@ -86,7 +88,7 @@ final class SocketGroupListener: Sendable {
         }
         logger.info("starting userspace forwarder", metadata: [
             "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
-            "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
+            "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)", "pools": "\(config.pools.count)",
             "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
         ])
         do {
@@ -153,9 +155,9 @@ final class SocketGroupListener: Sendable {
     /// exclude a previous group's.
     var takesOverExactly: Bool { group.steering == .ebpf }
 
-    /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
-    func replacePlan(downstreams: [Downstream], balancing: Balancing) {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
+    /// Swaps the downstreams, balancing and pools in place: workers pick it up at their next batch.
+    func replacePlan(downstreams: [Downstream], balancing: Balancing, pools: [Pool] = []) {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, pools: pools, counters: counters, passiveHealth: passiveHealth))
     }
 
     /// Asks the workers to drain for `drainSecs` in the background (relay: the sessions' replies

@@ -37,7 +37,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.logger = logger
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
-        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger, makeOutbox: makeOutbox)
+        forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
+                                   output: listener.settings.output, capacity: listener.settings.batchSize, makeOutbox: makeOutbox)
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
@@ -99,11 +100,13 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 continue
             }
             let source = receiver.sourceStorage(datagram)
+            let payload = receiver.payload(datagram)
+            forwarder.replicate(payload, source: source)
             guard let target = forwarder.pick(source) else {
                 noHealthy += 1
                 continue
             }
-            forwarder.append(target, receiver.payload(datagram), source: source)
+            forwarder.append(target, payload, source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)
     }

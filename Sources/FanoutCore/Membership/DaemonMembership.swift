@@ -107,7 +107,7 @@ extension FanoutDaemon {
         noteSkipped(name, work.skipped)
         guard work.available != work.previous else { return }
         if let running = work.running,
-            !running.update(downstreams: work.available, balancing: work.listener.balancing, keeping: Set(work.members.map(\.name))) {
+            !running.update(downstreams: work.available, balancing: work.listener.balancing, pools: work.listener.pools, keeping: Set(work.members.map(\.name))) {
             membershipFailures.wrappingAdd(1, ordering: .relaxed)
             return
         }
@@ -158,18 +158,29 @@ extension FanoutDaemon {
         var out = "# HELP udp_fanout_downstream_up 1 if the downstream is in rotation, 0 if health took it out\n# TYPE udp_fanout_downstream_up gauge\n"
         for listener in listeners {
             let available = Set((applied[listener.name] ?? []).map(\.address))
-            for member in members[listener.name] ?? [] {
+            for member in members[listener.name] ?? [] where member.pool == nil {
                 out += "udp_fanout_downstream_up{listener=\"\(PrometheusText.escape(listener.name))\",downstream=\"\(PrometheusText.escape(member.name))\",address=\"\(member.address)\"} \(available.contains(member.address) ? 1 : 0)\n"
+            }
+        }
+        if listeners.contains(where: { !$0.pools.isEmpty }) {
+            out += "# HELP udp_fanout_pool_member_up 1 if the member of a replication pool is in rotation, 0 if health took it out\n# TYPE udp_fanout_pool_member_up gauge\n"
+            for listener in listeners where !listener.pools.isEmpty {
+                let available = Set((applied[listener.name] ?? []).filter { $0.pool != nil }.map(\.address))
+                for member in members[listener.name] ?? [] {
+                    guard let pool = member.pool else { continue }
+                    out += "udp_fanout_pool_member_up{listener=\"\(PrometheusText.escape(listener.name))\",pool=\"\(PrometheusText.escape(pool))\",downstream=\"\(PrometheusText.escape(member.name))\",address=\"\(member.address)\"} \(available.contains(member.address) ? 1 : 0)\n"
+                }
             }
         }
         let kinds = DiscoverySources.types.map { $0.kind }
         out += "# HELP udp_fanout_downstreams Members of each listener by source (static, \(kinds.joined(separator: ", ")))\n# TYPE udp_fanout_downstreams gauge\n"
         for listener in listeners {
-            let all = members[listener.name] ?? []
+            // The listener's own downstreams (pools' members are in udp_fanout_pool_member_up).
+            let all = (members[listener.name] ?? []).filter { $0.pool == nil }
             let statics = listener.downstreams.count
             // Members after the static ones come from the first source (in member order) that
             // found their address.
-            let sources = DiscoverySources.of(listener).map { spec in
+            let sources = DiscoverySources.of(listener).filter { $0.pool == nil }.map { spec in
                 (kind: spec.kind, addresses: Set((discovered[listener.name]?.found[spec.slot] ?? []).map(\.address)))
             }
             var counts: [String: Int] = [:]

@@ -133,6 +133,9 @@ package final class ListenerCounters: Sendable {
     /// A relay listener's reply totals, shared by its instances (made at the first relay start).
     private let relayTotals = Mutex<RelayCounters?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
+    /// Replication pools' counters by pool name, made on first use and kept for the life of the
+    /// process (as the downstreams').
+    let pools = Mutex<[String: PoolCounters]>([:])
     /// Where a kernel-side listener's counters come from (tc_ebpf reads its maps): its running
     /// instances (two at once while a reload hands the bind from one to the other) on top of
     /// what its stopped instances counted. nil: the atomics above.
@@ -175,6 +178,16 @@ package final class ListenerCounters: Sendable {
         downstreams.withLock { table in
             if let existing = table[name] { return existing }
             let made = DownstreamCounters()
+            table[name] = made
+            return made
+        }
+    }
+
+    /// The counters of replication pool `name`, made on first use and kept.
+    func pool(_ name: String) -> PoolCounters {
+        pools.withLock { table in
+            if let existing = table[name] { return existing }
+            let made = PoolCounters()
             table[name] = made
             return made
         }
@@ -281,4 +294,53 @@ package final class DownstreamCounters: Sendable {
     let forwarded = Atomic<UInt64>(0)
     let bytes = Atomic<UInt64>(0)
     let dropped = Atomic<UInt64>(0)
+}
+
+/// What happened to the datagrams a replication pool was offered (every datagram its listener
+/// received): each is forwarded, dropped, sampled out or filtered out, so the four add up to the
+/// listener's `received`. For a balanced pool a datagram is one copy, forwarded when it was sent;
+/// for an `all` pool it is forwarded when every member in rotation got a copy to send, and each
+/// copy's fate is its member's. Updated once per batch.
+package final class PoolCounters: Sendable {
+    let forwarded = Atomic<UInt64>(0)
+    let dropped = Atomic<UInt64>(0)
+    let sampledOut = Atomic<UInt64>(0)
+    let filteredOut = Atomic<UInt64>(0)
+    /// Drops by reason: datagrams with no member in rotation (`no_healthy`) or above
+    /// max_packet_size (`too_large`), and copies a send dropped.
+    let drops = Mutex<[String: UInt64]>([:])
+    let members = Mutex<[String: DownstreamCounters]>([:])
+
+    /// A member's copies sent, bytes and copies dropped, made on first use and kept.
+    func member(_ name: String) -> DownstreamCounters {
+        members.withLock { table in
+            if let existing = table[name] { return existing }
+            let made = DownstreamCounters()
+            table[name] = made
+            return made
+        }
+    }
+
+    func addDrops(_ reason: String, _ count: UInt64) {
+        guard count > 0 else { return }
+        drops.withLock { $0[reason, default: 0] &+= count }
+    }
+
+    package struct Snapshot: Sendable, Equatable {
+        package var forwarded, dropped, sampledOut, filteredOut: UInt64
+        package var drops: [String: UInt64]
+        /// Copies sent, bytes and copies dropped per member, by name.
+        package var members: [String: [UInt64]]
+        package var received: UInt64 { forwarded &+ dropped &+ sampledOut &+ filteredOut }
+    }
+
+    package func snapshot() -> Snapshot {
+        Snapshot(
+            forwarded: forwarded.load(ordering: .relaxed), dropped: dropped.load(ordering: .relaxed),
+            sampledOut: sampledOut.load(ordering: .relaxed), filteredOut: filteredOut.load(ordering: .relaxed),
+            drops: drops.withLock { $0 },
+            members: members.withLock { table in
+                table.mapValues { [$0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)] }
+            })
+    }
 }

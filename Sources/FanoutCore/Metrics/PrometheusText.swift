@@ -41,6 +41,26 @@ enum PrometheusText {
             family("udp_fanout_downstream_packets_dropped_by_reason_total", "Packets dropped per downstream, by reason (tc_ebpf: no_route, too_large)",
                    rows: downstreamDropRows)
         }
+        let pools = snapshots.flatMap { listener, _ in
+            listener.pools.withLock { $0 }.sorted { $0.key < $1.key }.map { (labels(listener) + ",pool=\"\(escape($0.key))\"", $0.value.snapshot()) }
+        }
+        if !pools.isEmpty {
+            family("udp_fanout_pool_datagrams_total", "Datagrams offered to each replication pool (every one its listener received) by outcome: forwarded, dropped, sampled_out (its sample), filtered_out (its sources); the four add up to the listener's received",
+                   rows: pools.flatMap { pool, values in
+                       [("forwarded", values.forwarded), ("dropped", values.dropped), ("sampled_out", values.sampledOut), ("filtered_out", values.filteredOut)]
+                           .map { (pool + ",outcome=\"\($0.0)\"", $0.1) }
+                   })
+            family("udp_fanout_pool_dropped_total", "Drops of each replication pool by reason: datagrams with no member in rotation (no_healthy) or too large, and copies a send dropped",
+                   rows: pools.flatMap { pool, values in
+                       PoolPlan.dropReasons.map { (pool + ",reason=\"\($0)\"", values.drops[$0] ?? 0) }
+                   })
+            let members = pools.flatMap { pool, values in
+                values.members.sorted { $0.key < $1.key }.map { (pool + ",downstream=\"\(escape($0.key))\"", $0.value) }
+            }
+            family("udp_fanout_pool_member_copies_total", "Copies sent to each member of a replication pool", rows: members.map { ($0.0, $0.1[0]) })
+            family("udp_fanout_pool_member_bytes_total", "Bytes sent to each member of a replication pool", rows: members.map { ($0.0, $0.1[1]) })
+            family("udp_fanout_pool_member_dropped_total", "Copies dropped on send to each member of a replication pool", rows: members.map { ($0.0, $0.1[2]) })
+        }
         let twoWay = snapshots.compactMap { listener, snapshot in snapshot.twoWay.map { (listener, $0) } }
         if !twoWay.isEmpty {
             family("udp_fanout_replies_total", "Replies of two-way listeners sent on to clients from the listener's address",

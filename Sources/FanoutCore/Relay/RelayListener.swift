@@ -45,7 +45,7 @@ final class RelayListener: RunningListener {
 
     /// Swaps the downstreams and balancing in place (workers pick it up at their next batch),
     /// saying once what a leaving downstream's sessions do.
-    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
         let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
         for leaving in group.plans.plan.downstreams where leaving.weight > 0 && !staying.contains(leaving.address) {
             group.logger.info(config.settings.drainSecs > 0

@@ -580,7 +580,7 @@ final class TCListener: RunningListener {
         return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: problem))]
     }
 
-    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
         do throws(TCError) {
             try apply(downstreams: downstreams, balancing: balancing, keeping: keeping)
             logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])

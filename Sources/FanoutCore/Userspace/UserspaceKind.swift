@@ -3,6 +3,8 @@ import ReusePortLB
 /// userspace: recvmmsg/sendmmsg workers on a SO_REUSEPORT group of the bind (ReusePortLB).
 struct UserspaceKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies != .relay }
+    /// Each datagram to every pool: one receive, one batch per pool member out.
+    static let replicates = true
 
     /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
     static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {

@@ -19,9 +19,9 @@ final class UserspaceListener: RunningListener {
     func activate() throws(DaemonError) { try group.activate() }
     var takesOverExactly: Bool { group.takesOverExactly }
 
-    /// Swaps the downstreams and balancing in place: workers pick it up at their next batch.
-    func update(downstreams: [Downstream], balancing: Balancing, keeping: Set<String>) -> Bool {
-        group.replacePlan(downstreams: downstreams, balancing: balancing)
+    /// Swaps the downstreams, balancing and pools in place: workers pick it up at their next batch.
+    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
+        group.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
         return true
     }
 

@@ -6,13 +6,16 @@ struct DNSSource: DiscoverySource {
     static let kind = "dns"
 
     static func sources(of listener: Listener) -> [DNSSource] {
-        listener.dnsDownstreams.map {
-            DNSSource(listener: listener.name, entry: $0.name, host: $0.host, port: $0.port,
-                      maximumInterval: listener.settings.resolveIntervalSecs, weight: $0.weight, healthPort: $0.healthPort)
+        listener.memberGroups.flatMap { group in
+            group.dnsDownstreams.map {
+                DNSSource(listener: listener.name, pool: group.pool, entry: $0.name, host: $0.host, port: $0.port,
+                          maximumInterval: listener.settings.resolveIntervalSecs, weight: $0.weight, healthPort: $0.healthPort)
+            }
         }
     }
 
     let listener: String
+    let pool: String?
     /// The entry's name (`downstream[].name`, else its `name:port`).
     let entry: String
     let host: String
@@ -24,17 +27,18 @@ struct DNSSource: DiscoverySource {
     let weight: UInt32
     let healthPort: UInt16?
 
-    var slot: String { "dns/\(entry)" }
+    var slot: String { "\(pool.map { "pool/\($0)/" } ?? "")dns/\(entry)" }
     var label: String { "DNS \(host)" }
     var waiting: String { "waiting for the first resolution of \(host)" }
-    var description: String { "\(listener)/dns/\(entry)/\(host):\(port)" }
+    var description: String { "\(listener)/\(pool.map { "pool/\($0)/" } ?? "")dns/\(entry)/\(host):\(port)" }
 
     static func == (lhs: DNSSource, rhs: DNSSource) -> Bool {
-        (lhs.listener, lhs.entry, lhs.host, lhs.port, lhs.maximumInterval) == (rhs.listener, rhs.entry, rhs.host, rhs.port, rhs.maximumInterval)
+        (lhs.listener, lhs.pool, lhs.entry, lhs.host, lhs.port, lhs.maximumInterval) == (rhs.listener, rhs.pool, rhs.entry, rhs.host, rhs.port, rhs.maximumInterval)
     }
 
     func hash(into hasher: inout Hasher) {
         hasher.combine(listener)
+        hasher.combine(pool)
         hasher.combine(entry)
         hasher.combine(host)
         hasher.combine(port)
@@ -43,7 +47,7 @@ struct DNSSource: DiscoverySource {
 
     func members(_ found: [Downstream]) -> [Downstream] {
         found.map(\.address).sorted { $0.description < $1.description }.map {
-            Downstream(name: "\(entry)/\($0.ip)", address: $0, weight: weight, healthPort: healthPort)
+            Downstream(name: "\(entry)/\($0.ip)", address: $0, weight: weight, healthPort: healthPort, pool: pool)
         }
     }
 

@@ -6,19 +6,32 @@ struct KubernetesSource: DiscoverySource {
     static let kind = "kubernetes"
 
     static func sources(of listener: Listener) -> [KubernetesSource] {
-        listener.kubernetes.map { [KubernetesSource(listener: listener.name, service: $0)] } ?? []
+        listener.memberGroups.compactMap { group in
+            group.kubernetes.map { KubernetesSource(listener: listener.name, pool: group.pool, service: $0) }
+        }
     }
 
     let listener: String
+    let pool: String?
     let service: Kubernetes
 
-    var slot: String { "kubernetes" }
+    init(listener: String, pool: String? = nil, service: Kubernetes) {
+        self.listener = listener
+        self.pool = pool
+        self.service = service
+    }
+
+    var slot: String { "\(pool.map { "pool/\($0)/" } ?? "")kubernetes" }
     var label: String { "Kubernetes \(service.service)" }
     var waiting: String { "waiting for the first EndpointSlice list of \(service.namespace.map { "\($0)/" } ?? "")\(service.service)" }
-    var description: String { "\(listener)/kubernetes/\(service.namespace ?? "")/\(service.service):\(service.port)" }
+    var description: String { "\(listener)/\(pool.map { "pool/\($0)/" } ?? "")kubernetes/\(service.namespace ?? "")/\(service.service):\(service.port)" }
 
     func members(_ found: [Downstream]) -> [Downstream] {
-        found.sorted { $0.address.description < $1.address.description }
+        found.sorted { $0.address.description < $1.address.description }.map { endpoint in
+            var member = endpoint
+            member.pool = pool
+            return member
+        }
     }
 
     /// Where Kubernetes credentials come from. A note, not a problem: a token may appear after
