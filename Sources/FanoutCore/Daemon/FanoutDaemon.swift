@@ -183,9 +183,13 @@ public final class FanoutDaemon: Sendable {
         // A way out that cannot work (preserve_source without CAP_NET_RAW) fails the start, named.
         do {
             // One of each family the listener sends to (a raw socket per family).
-            var families: [Int32: SocketAddress] = [listener.bind.ip.family: listener.bind]
-            for downstream in listener.downstreams { families[downstream.address.ip.family] = downstream.address }
-            for address in families.values { try Outboxes.check(listener.settings.output, address) }
+            // Each replication pool's way out too.
+            let groups = [(listener.settings.output, listener.downstreams)] + listener.pools.map { ($0.output ?? listener.settings.output, $0.downstreams) }
+            for (output, downstreams) in groups {
+                var families: [Int32: SocketAddress] = [listener.bind.ip.family: listener.bind]
+                for downstream in downstreams { families[downstream.address.ip.family] = downstream.address }
+                for address in families.values { try Outboxes.check(output, address) }
+            }
         } catch {
             throw .output(name: listener.name, error)
         }
@@ -339,9 +343,7 @@ public final class FanoutDaemon: Sendable {
             func restart(_ listener: Listener) -> (any RunningListener)? {
                 do {
                     let restarted = try makeListener(state.withLock { state in
-                        var previous = listener
-                        previous.downstreams = state.applied[listener.name] ?? listener.downstreams
-                        return previous
+                        state.applied[listener.name].map(listener.withMembers) ?? listener
                     })
                     state.withLock { $0.listeners[listener.name] = restarted }
                     return restarted
