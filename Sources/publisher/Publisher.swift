@@ -47,6 +47,11 @@ struct Publisher: ParsableCommand {
     var window: Int = 1
     @Option(name: .customLong("client-port-base"), help: "--exchange: client i binds port BASE+i (0: ephemeral ports), so a later run is the same clients.")
     var clientPortBase: Int = 0
+    @Option(help: "Send NetFlow export packets instead of numbered payloads: v9 or ipfix (one exporter per source address: template, then data records; sequence numbers per exporter). --size does not apply.")
+    var netflow: NetFlowExporter.Version?
+    @Option(help: "--netflow: data records per packet, 1...40.") var records: Int = 10
+    @Option(name: .customLong("template-every"), help: "--netflow: an exporter sends its template in its first packet and again every N packets.")
+    var templateEvery: Int = 20
     @Flag(name: .customLong("per-client"), help: "--exchange: add client_tags, each client's address:port and the tags it saw in order.")
     var perClient = false
 
@@ -77,6 +82,13 @@ struct Publisher: ParsableCommand {
             }
         }
         guard rate >= 0, duration >= 0 else { throw ValidationError("--rate and --duration must not be negative") }
+        if netflow != nil {
+            guard (1...40).contains(records) else { throw ValidationError("--records must be 1...40") }
+            guard (1...100_000).contains(templateEvery) else { throw ValidationError("--template-every must be 1...100000") }
+            guard !gso, !exchange else { throw ValidationError("--netflow sends export packets one way: --gso and --exchange do not apply") }
+        } else if records != 10 || templateEvery != 20 {
+            throw ValidationError("--records and --template-every need --netflow")
+        }
         if exchange {
             guard size >= Payload.timestampedSize else { throw ValidationError("--exchange: --size must be at least \(Payload.timestampedSize)") }
             guard (1...65536).contains(clients) else { throw ValidationError("--clients must be 1...65536") }
@@ -130,7 +142,11 @@ struct Publisher: ParsableCommand {
                 }
             }
         }
-        var sender = BatchSender(destination: destination, batch: batch, size: size, gso: gso)
+        var exporter = netflow.map {
+            NetFlowExporter(version: $0, exporters: senders.count, recordsPerPacket: records, templateEvery: templateEvery, nowMilliseconds: Self.milliseconds())
+        }
+        var sender = BatchSender(destination: destination, batch: batch, size: exporter?.maximumSize ?? size, gso: gso)
+        var bytesSent: UInt64 = 0
         let clock = ContinuousClock()
         let start = clock.now
         let deadline = duration > 0 ? start + .milliseconds(Int64(duration * 1000)) : nil
@@ -159,7 +175,14 @@ struct Publisher: ParsableCommand {
                 if due > now { sleep(for: due - now) }
             }
             let n = min(batch, Int(quota[source] - sentBySource[source]))
-            let result = sender.send(n, from: senders[source], source: UInt32(source), firstSequence: sentBySource[source])
+            let result: (sent: Int, failed: Int, errno: Int32, bytes: Int)
+            if exporter != nil {
+                let now = Self.milliseconds()
+                result = sender.send(n, from: senders[source]) { pointer in exporter!.write(into: pointer, exporter: source, nowMilliseconds: now) }
+            } else {
+                result = sender.send(n, from: senders[source], source: UInt32(source), firstSequence: sentBySource[source])
+            }
+            bytesSent += UInt64(result.bytes)
             sentBySource[source] += UInt64(result.sent)
             sent += UInt64(result.sent)
             errors += UInt64(result.failed)
@@ -182,7 +205,11 @@ struct Publisher: ParsableCommand {
         var json = JSONObject()
         json.add("destination", destination.description)
         json.add("sent", sent)
-        json.add("bytes", sent * UInt64(size))
+        json.add("bytes", bytesSent)
+        if let netflow {
+            json.add("netflow", netflow.rawValue)
+            json.add("records", sent * UInt64(records))
+        }
         json.add("errors", errors)
         json.add("sources", senders.count)
         json.add("size", size)
@@ -194,6 +221,13 @@ struct Publisher: ParsableCommand {
         }
         json.add("sent_by_source", perSource)
         print(json.text)
+    }
+
+    /// Milliseconds since the epoch.
+    static func milliseconds() -> UInt64 {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        return UInt64(now.tv_sec) * 1000 + UInt64(now.tv_nsec / 1_000_000)
     }
 
     /// Blocks the thread (nanosleep): the publisher is a plain loop, not a task.
@@ -247,10 +281,27 @@ struct BatchSender {
     /// Sends `count` datagrams numbered from `firstSequence`; returns how many went out, how
     /// many failed (a failure ends the batch: the rest are not sent and are not counted as sent)
     /// and the failure's errno.
-    mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int, errno: Int32) {
+    mutating func send(_ count: Int, from fd: Int32, source: UInt32, firstSequence: UInt64) -> (sent: Int, failed: Int, errno: Int32, bytes: Int) {
         for index in 0..<count {
             Payload.write(into: buffers.baseAddress! + index * size, capacity: size, source: source, sequence: firstSequence + UInt64(index))
         }
+        let result = sendBatch(count, from: fd)
+        return (result.sent, result.failed, result.errno, result.sent * size)
+    }
+
+    /// Sends `count` datagrams that `fill` writes (each at most `size` bytes; it returns the length).
+    mutating func send(_ count: Int, from fd: Int32, fill: (UnsafeMutableRawPointer) -> Int) -> (sent: Int, failed: Int, errno: Int32, bytes: Int) {
+        var lengths: [Int] = []
+        for index in 0..<count {
+            let length = fill(buffers.baseAddress! + index * size)
+            iovecs[index].iov_len = length
+            lengths.append(length)
+        }
+        let result = sendBatch(count, from: fd)
+        return (result.sent, result.failed, result.errno, lengths.prefix(result.sent).reduce(0, +))
+    }
+
+    private mutating func sendBatch(_ count: Int, from fd: Int32) -> (sent: Int, failed: Int, errno: Int32) {
         if gso && count > 1 {
             // One message: the batch's contiguous buffers, cut by the kernel into `size` datagrams.
             var vector = iovec(iov_base: buffers.baseAddress, iov_len: count * size)

@@ -326,3 +326,101 @@ struct ReplicationTests {
         #expect(daemon.isReady, "a pool without members does not make the listener unready: \(daemon.readiness)")
     }
 }
+
+/// Real NetFlow through pools: the publisher exports NetFlow v9 from 40 exporter addresses, real
+/// collectors (nfdump's nfcapd) store what each pool member gets, and nfdump decodes it.
+@Suite("replication with real NetFlow collectors", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct ReplicationNetFlowTests {
+    /// An nfcapd on `port` of 127.0.0.1, writing into a directory of its own.
+    final class Collector {
+        let port: UInt16
+        let directory: URL
+        let child: Child
+
+        init() throws {
+            port = freePort()
+            directory = FileManager.default.temporaryDirectory.appendingPathComponent("nfcapd-\(UUID().uuidString)")
+            try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+            // The test process blocks signals its daemon threads wait for, and a child inherits the
+            // mask: nfcapd (which writes its file when SIGTERM's handler runs) gets it unblocked.
+            child = try Child("/usr/bin/python3", [
+                "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
+                "/usr/bin/nfcapd", "-b", "127.0.0.1", "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608",
+            ])
+        }
+
+        deinit { try? FileManager.default.removeItem(at: directory) }
+
+        /// Stops it (it writes its file on SIGTERM) and returns the flows by exporter address.
+        func flowsByExporter() throws -> [String: Int] {
+            child.signal(SIGTERM)
+            #expect(child.wait(seconds: 10) == 0, "nfcapd: \(child.stderr)")
+            let decoded = try run("/usr/bin/nfdump", ["-R", directory.path, "-q", "-o", "fmt:%ra"])
+            #expect(decoded.status == 0, "\(decoded.output)")
+            var flows: [String: Int] = [:]
+            for line in decoded.output.split(separator: "\n") {
+                let exporter = line.trimmingCharacters(in: .whitespaces)
+                if !exporter.isEmpty { flows[exporter, default: 0] += 1 }
+            }
+            return flows
+        }
+    }
+
+    @Test("NetFlow v9 from 40 exporters: the balanced pair stores each exporter's flows at one member, each member of the all pair every flow, the sample: 10 collector every flow of about one exporter in ten; exporter addresses kept (preserve_source)")
+    func netflowPools() throws {
+        try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
+        let own = try (0..<2).map { _ in try Collector() }
+        let archive = try (0..<2).map { _ in try Collector() }
+        let sampled = try Collector()
+        usleep(300_000)  // the collectors bind
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        func members(_ prefix: String, _ collectors: [Collector]) -> String {
+            collectors.enumerated().map { "          - {name: \(prefix)-\($0 + 1), address: \"127.0.0.1:\($1.port)\"}\n" }.joined()
+        }
+        let yaml = """
+            listeners:
+              - name: rep
+                bind: "\(bind)"
+                balancing: source_ip
+                settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608}
+                downstream:
+            \(members("own", own).replacingOccurrences(of: "          - ", with: "      - "))    pools:
+                  - name: archive
+                    balancing: all
+                    downstream:
+            \(members("archive", archive))      - name: sampled
+                    sample: 10
+                    downstream:
+            \(members("sampled", [sampled]))
+            """
+        let daemon = try startDaemon(yaml)
+        defer { daemon.shutdown() }
+        let exporters = (2...41).map { "127.0.0.\($0)" }
+        let publisher = try Child("publisher", ["127.0.0.1", "\(bind.port)", "800", "--sources", "127.0.0.2-127.0.0.41", "--netflow", "v9", "--rate", "4000"])
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        let report = try publisher.json()
+        #expect(report.int("sent") == 800 && report.int("records") == 8000)
+        usleep(500_000)
+        let perExporter = 200  // 20 packets of 10 records each
+
+        let ownFlows = try own.map { try $0.flowsByExporter() }
+        // Each exporter's flows all at one member of the balanced pair, and every flow stored.
+        for exporter in exporters {
+            let counts = ownFlows.map { $0[exporter] ?? 0 }
+            #expect(counts.sorted() == [0, perExporter], "\(exporter): \(counts)")
+        }
+        #expect(ownFlows.allSatisfy { !$0.isEmpty })
+        for collector in archive {
+            #expect(try collector.flowsByExporter() == Dictionary(uniqueKeysWithValues: exporters.map { ($0, perExporter) }))
+        }
+        let kept = exporters.filter { exporter in
+            var storage = ReplicationTests.storage(SocketAddress(ip: IPAddress(exporter)!, port: 1))
+            return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
+        }
+        #expect(try sampled.flowsByExporter() == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }))
+        #expect(!kept.isEmpty && kept.count < 12, "\(kept.count) of 40 exporters sampled")
+        let text = daemon.metricsText()
+        #expect(ReplicationTests.outcomes(text, "archive") == ["forwarded": 800, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationTests.outcomes(text, "sampled") == ["forwarded": 20 * kept.count, "dropped": 0, "sampled_out": 800 - 20 * kept.count, "filtered_out": 0])
+    }
+}
