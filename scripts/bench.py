@@ -17,6 +17,7 @@ import time
 
 import bench_afxdp
 import bench_fanout
+import bench_replication
 import bench_tc
 import bench_twoway
 from bench_common import (BIN, DATAGRAMS, RUNS, SOURCES, BPFStats, Collectors, free_port, ns_per_run, publish,
@@ -129,6 +130,8 @@ def main():
         rows += bench_afxdp.rows()
     if only in ("all", "twoway"):
         rows += bench_twoway.rows()
+    if only in ("all", "replication"):
+        rows += bench_replication.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
     for row in [HEADER] + rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -86,6 +86,9 @@ struct Publisher: ParsableCommand {
             guard (1...40).contains(records) else { throw ValidationError("--records must be 1...40") }
             guard (1...100_000).contains(templateEvery) else { throw ValidationError("--template-every must be 1...100000") }
             guard !gso, !exchange else { throw ValidationError("--netflow sends export packets one way: --gso and --exchange do not apply") }
+            guard !CommandLine.arguments.contains(where: { $0 == "--size" || $0.hasPrefix("--size=") }) else {
+                throw ValidationError("--netflow sizes each packet by its records: use --records instead of --size")
+            }
         } else if records != 10 || templateEvery != 20 {
             throw ValidationError("--records and --template-every need --netflow")
         }

@@ -97,6 +97,22 @@ struct ReplicationTests {
         }
     }
 
+    @Test("warnings name a pool's keys: a member's health_port with health off, its mac; resolve_interval_secs counts a pool's DNS names")
+    func warnings() throws {
+        let config = try ConfigParser.parse(Self.base.replacingOccurrences(of: "    downstream:", with: "    settings: {resolve_interval_secs: 10}\n    downstream:") + """
+                pools:
+                  - name: archive
+                    downstream:
+                      - {address: "127.0.0.1:9301", health_port: 7, mac: "02:00:00:00:00:01"}
+                      - {address: "archive.example:9302"}
+            """)
+        try config.validate(localAddresses: [])
+        let keys = config.warnings().map(\.key)
+        #expect(keys.contains("listeners[0].pools[0].downstream[0].health_port"), "\(keys)")
+        #expect(keys.contains("listeners[0].pools[0].downstream[0].mac"), "\(keys)")
+        #expect(!keys.contains("listeners[0].settings.resolve_interval_secs"), "\(keys)")
+    }
+
     @Test("sources: IPv4 and IPv6 prefixes, an IPv4-mapped client as its IPv4 address; sample: one source in N, every datagram of a kept source")
     func sourcesAndSample() throws {
         let filter = SourceFilter([SourcePrefix("198.18.0.0/15")!, SourcePrefix("2001:db8::/32")!, SourcePrefix("127.0.0.5")!])

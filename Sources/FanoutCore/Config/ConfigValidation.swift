@@ -139,13 +139,17 @@ extension FanoutConfig {
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
             warnings += ListenerKinds.type(for: listener)?.warnings(listener, path: path, of: self) ?? []
-            for (position, downstream) in listener.downstreams.enumerated() where downstream.mac != nil {
-                warn("\(path).downstream[\(position)].mac", "accepted for compatibility and not used: the next hop's MAC comes from the kernel's neighbour table")
-            }
-            if !health.enabled {
-                for position in 0..<(listener.downstreams.count + listener.dnsDownstreams.count)
-                where lines.isSet("\(path).downstream[\(position)].health_port") {
-                    warn("\(path).downstream[\(position)].health_port", "not used: health.enabled is false")
+            // The listener's own downstreams and each pool's.
+            let groups = [(path, listener.ownMembers)] + listener.pools.enumerated().map { ("\(path).pools[\($0)]", MemberGroup($1)) }
+            for (groupPath, group) in groups {
+                for (position, downstream) in group.downstreams.enumerated() where downstream.mac != nil {
+                    warn("\(groupPath).downstream[\(position)].mac", "accepted for compatibility and not used: the next hop's MAC comes from the kernel's neighbour table")
+                }
+                if !health.enabled {
+                    for position in 0..<(group.downstreams.count + group.dnsDownstreams.count)
+                    where lines.isSet("\(groupPath).downstream[\(position)].health_port") {
+                        warn("\(groupPath).downstream[\(position)].health_port", "not used: health.enabled is false")
+                    }
                 }
             }
             for key in ["max_associations", "reply_interfaces"] where listener.replies != .nat && lines.isSet("\(path).settings.\(key)") {
@@ -157,7 +161,7 @@ extension FanoutConfig {
             if listener.replies == .none && lines.isSet("\(path).settings.drain_secs") {
                 warn("\(path).settings.drain_secs", "applies to two-way listeners (replies: nat or relay) only")
             }
-            if listener.dnsDownstreams.isEmpty && lines.isSet("\(path).settings.resolve_interval_secs") {
+            if listener.memberGroups.allSatisfy({ $0.dnsDownstreams.isEmpty }) && lines.isSet("\(path).settings.resolve_interval_secs") {
                 warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")
             }
         }

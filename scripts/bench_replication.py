@@ -1,0 +1,144 @@
+"""Replication benchmark for make bench (BENCH=replication): udp-fanout (userspace, pools) against
+pmacct's nfacctd tee plugin, each copying every NetFlow v9 datagram to 3 receivers on loopback,
+plain and keeping the exporter's address (preserve_source / tee_transparent). Run by bench.py;
+shares bench_common's helpers."""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import bench_common as common
+
+PACKETS = int(os.environ.get("BENCH_REPLICATION_PACKETS", "200000"))
+# CPU per datagram is measured at a rate both forwarders keep up with (a forwarder that drops at
+# its socket does less work per datagram sent); delivered copies at saturation.
+RATE = int(os.environ.get("BENCH_REPLICATION_RATE", "40000"))
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_seconds(pgid):
+    """User + system CPU seconds of every process in process group `pgid` (nfacctd forks its
+    plugin; udp-fanout is one process)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the comm: state(0) ppid(1) pgrp(2) ... utime(11) stime(12)
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / HZ
+
+
+class Replicator:
+    """udp-fanout with the listener's own receiver and a pool of the other two (balancing: all),
+    or nfacctd with a tee plugin of three single-receiver pools: 3 copies of each datagram either way."""
+
+    def __init__(self, variant, listen, receivers, work, transparent):
+        self.variant = variant
+        if variant == "udp-fanout":
+            path = os.path.join(work, "fanout.yaml")
+            output = "preserve_source" if transparent else "socket"
+            members = "".join(f'          - address: "127.0.0.1:{p}"\n' for p in receivers[1:])
+            with open(path, "w") as f:
+                f.write(f"""listeners:
+  - name: bench
+    bind: "127.0.0.1:{listen}"
+    settings: {{workers: 1, batch_size: 64, recv_buf_size: 16777216, output: {output}}}
+    downstream:
+      - address: "127.0.0.1:{receivers[0]}"
+    pools:
+      - name: copies
+        balancing: all
+        downstream:
+{members}""")
+            self.proc = subprocess.Popen([f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True,
+                                         start_new_session=True)
+            while "entering receive loop" not in (line := self.proc.stderr.readline()):
+                if not line:
+                    raise SystemExit("udp-fanout exited")
+        else:
+            lst = os.path.join(work, "tee_receivers.lst")
+            with open(lst, "w") as f:
+                f.writelines(f"id={i + 1} ip=127.0.0.1:{p}\n" for i, p in enumerate(receivers))
+            conf = os.path.join(work, "nfacctd.conf")
+            with open(conf, "w") as f:
+                f.write(f"daemonize: false\nnfacctd_ip: 127.0.0.1\nnfacctd_port: {listen}\nnfacctd_pipe_size: 16777216\n"
+                        f"plugins: tee[t]\ntee_receivers[t]: {lst}\ntee_transparent[t]: {'true' if transparent else 'false'}\n"
+                        "plugin_pipe_size[t]: 67108864\nplugin_buffer_size[t]: 65536\n")
+            self.proc = subprocess.Popen(["nfacctd", "-f", conf], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True, start_new_session=True)
+            time.sleep(1.5)
+            if self.proc.poll() is not None:
+                raise SystemExit(f"nfacctd exited: {self.proc.stderr.read()}")
+
+    def cpu(self):
+        return group_cpu_seconds(self.proc.pid)
+
+    def stop(self):
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run(variant, work, transparent, rate=0):
+    receivers = [common.free_port() for _ in range(3)]
+    groups = [common.Collectors(port, "automatic", count=1) for port in receivers]
+    listen = common.free_port()
+    lb = Replicator(variant, listen, receivers, work, transparent)
+    try:
+        before = lb.cpu()
+        count = min(PACKETS, rate * 3) if rate else PACKETS
+        sent = common.publish(listen, count=count, extra=("--netflow", "v9", "--records", "10", "--rate", str(rate)))
+        time.sleep(1.0)  # what is queued drains
+        cpu = lb.cpu() - before
+    finally:
+        lb.stop()
+    copies = sum(group.stop()[0]["received"] for group in groups)
+    return {"cpu_us": cpu / sent["sent"] * 1e6, "copies_pps": copies / sent["seconds"], "delivered": copies / (3 * sent["sent"])}
+
+
+def rows():
+    if not shutil.which("nfacctd"):
+        raise SystemExit("nfacctd is not installed: run make bench (it installs pmacct as root)")
+    work = tempfile.mkdtemp(prefix="rplb-replication-bench-")
+    out = []
+    try:
+        print(f"bench: replication to 3 receivers, udp-fanout (userspace, 1 worker, pools) vs nfacctd tee plugin (pmacct),"
+              f" {PACKETS} NetFlow v9 datagrams (10 records) from 240 exporters as fast as the publisher sends", flush=True)
+        for transparent in (False, True):
+            results = {"udp-fanout": [], "nfacctd": []}
+            paced = {"udp-fanout": [], "nfacctd": []}
+            for index in range(common.RUNS):
+                for variant in (("udp-fanout", "nfacctd") if index % 2 == 0 else ("nfacctd", "udp-fanout")):
+                    paced[variant].append(run(variant, work, transparent, RATE))
+                    results[variant].append(run(variant, work, transparent))
+            label = "keeping the exporter's address" if transparent else "plain"
+            ours = common.spread([r["cpu_us"] for r in paced["udp-fanout"]])
+            peer = common.spread([r["cpu_us"] for r in paced["nfacctd"]])
+            ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(paced["udp-fanout"], paced["nfacctd"])])
+            out.append((f"replication: CPU per received datagram at {RATE:,} pps, {label}",
+                        f"nfacctd tee{', tee_transparent' if transparent else ''}",
+                        f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{peer[0]:.2f} us ({peer[1]:.2f}-{peer[2]:.2f})",
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.33",
+                        f"the LB's user+system CPU / datagrams sent; least delivered: ours {min(r['delivered'] for r in paced['udp-fanout']):.3f},"
+                        f" nfacctd {min(r['delivered'] for r in paced['nfacctd']):.3f}"))
+            ours = common.spread([r["copies_pps"] for r in results["udp-fanout"]])
+            peer = common.spread([r["copies_pps"] for r in results["nfacctd"]])
+            delivered = (min(r["delivered"] for r in results["udp-fanout"]), min(r["delivered"] for r in results["nfacctd"]))
+            out.append((f"replication: delivered copies/s at saturation, {label}", f"nfacctd tee{', tee_transparent' if transparent else ''}",
+                        f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                        f"{ours[0] / peer[0]:.2f}",
+                        f"least copies delivered / 3 x sent: ours {delivered[0]:.3f}, nfacctd {delivered[1]:.3f}"))
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
