@@ -105,6 +105,58 @@ struct AFXDPEndToEndTests {
         }
     }
 
+    @Test("Replication: an all pool of two backends beside the listener's own, its copies sent from UMEM with the clients' source (pool output preserve_source); every pool's outcomes add up")
+    func replication() throws {
+        let topology = try Topology(backends: 3, queues: 2)
+        try TCFixtures.addClientSources(topology)
+        let own = try Self.collectors([topology.backends[0]], addresses: [Topology.backendIPv4(1)], prefix: topology.prefix)
+        let copies = try [2, 3].map { backend in
+            let child = try Child("collector", [Topology.backendIPv4(backend), "\(Self.port + 1)", "0", "1", "--rcvbuf", "8388608"],
+                                  prefix: topology.prefix(topology.backends[backend - 1]))
+            try child.waitFor("ready")
+            return child
+        }
+        var config = Self.config(topology.proxyInterface, backends: [Self.routedBackends()[0]])
+        config = config.replacingOccurrences(of: "\nmetrics:", with: """
+
+                pools:
+                  - name: copies
+                    balancing: all
+                    output: preserve_source
+                    downstream:
+                      - {name: c2, address: "\(Topology.backendIPv4(2)):\(Self.port + 1)"}
+                      - {name: c3, address: "\(Topology.backendIPv4(3)):\(Self.port + 1)"}
+            metrics:
+            """)
+        let (daemon, file) = try Self.start(topology.prefix(topology.proxy), config, "afxdp-pools")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let total = 3000
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(total)", "--sources", TCFixtures.clientSources, "--rate", "20000", "--batch", "16"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0, "\(publisher.stderr)")
+        let pool = "listener=\"x\",mode=\"af_xdp\",pool=\"copies\""
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: "udp_fanout_pool_datagrams_total{\(pool),outcome=\"forwarded\"}", is: total)
+        #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == total, "\(metrics)")
+        for member in ["c2", "c3"] {
+            #expect(Scrape.value(metrics, "udp_fanout_pool_member_copies_total{\(pool),downstream=\"\(member)\"}") == total, "\(metrics)")
+        }
+        for outcome in ["dropped", "sampled_out", "filtered_out"] {
+            #expect(Scrape.value(metrics, "udp_fanout_pool_datagrams_total{\(pool),outcome=\"\(outcome)\"}") == 0, "\(metrics)")
+        }
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(daemon.stderr)")
+        try Self.expectNothingAttached({ try topology.exec(topology.proxy, $0) }, interface: topology.proxyInterface)
+        let ownReport = try own[0].stop()
+        #expect(TCFixtures.received([ownReport]) == [total])
+        #expect(Set(ownReport.object("sources").keys) == ["198.18.1.1"], "the listener's own output: socket")
+        for child in copies {
+            let report = try child.stop()
+            #expect(TCFixtures.received([report]) == [total], "every datagram at each member of the all pool")
+            let sources = Set(report.object("sources").keys)
+            #expect(sources.count > 30 && sources.allSatisfy { $0.hasPrefix("198.18.0.") }, "the clients' addresses: \(sources.sorted())")
+        }
+    }
+
     @Test("One arm (client, balancer and backends on one segment): xdp_tx sends from the TX ring with the client's source, IPv4 and IPv6")
     func oneArm() throws {
         let topology = try OneArmTopology(backends: 3)

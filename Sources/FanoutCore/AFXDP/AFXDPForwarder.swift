@@ -146,6 +146,9 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
                 doneCount += 1
                 continue
             }
+            let payload = UnsafeRawBufferPointer(rebasing: UnsafeRawBufferPointer(bytes)[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)])
+            // Replication: each pool's copies point at the payload in UMEM (no copy), sent at the flush.
+            forwarder.replicate(payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
             guard let target = forwarder.pick(source) else {
                 noHealthy += 1
                 done[doneCount] = frame
@@ -169,7 +172,6 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
                 case .failure(.noNeighbour): fallbacks.noNeighbour += 1
                 }
             }
-            let payload = UnsafeRawBufferPointer(rebasing: UnsafeRawBufferPointer(bytes)[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)])
             forwarder.append(target, payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
             done[doneCount] = frame
             doneCount += 1
@@ -208,7 +210,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         if ttlExpired > 0 { counters.drop(.ttlExpired, ttlExpired) }
         // The outboxes' iovecs point into UMEM: frames are recycled only after these sends returned.
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy,
-                        forwarded: transmitted, bytesForwarded: transmittedBytes)
+                        forwarded: transmitted, bytesForwarded: transmittedBytes, notOffered: [(.parseError, parseErrors), (.ttlExpired, ttlExpired)])
         if walked > 0 { afxdp.framesWalked.wrappingAdd(walked, ordering: .relaxed) }
         if parseErrors > 0 {
             afxdp.parseErrors.wrappingAdd(parseErrors, ordering: .relaxed)

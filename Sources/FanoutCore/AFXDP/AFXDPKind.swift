@@ -9,6 +9,9 @@ import ReusePortLB
 struct AFXDPKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .afXDP }
     static var attachesToInterface: Bool { true }
+    /// Each frame's payload to every pool from UMEM, through the pools' sockets (socket or
+    /// preserve_source; a listener's xdp_tx leaves pools as preserve_source).
+    static let replicates = true
 
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         try SharedChecks.sourcePreservingFamilies(listener, path: path, of: config)

@@ -104,7 +104,7 @@ final class AFXDPListener: RunningListener {
         } catch {
             throw .memory(error)
         }
-        plans = PlanHolder(ForwardingPlan(downstreams: config.downstreams, balancing: config.balancing, counters: counters, passiveHealth: passiveHealth))
+        plans = PlanHolder(ForwardingPlan(downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters, passiveHealth: passiveHealth))
 
         // Everything made so far is undone if a later step fails.
         var undo: [() -> Void] = []
@@ -210,8 +210,8 @@ final class AFXDPListener: RunningListener {
     var takesOverExactly: Bool { companion.takesOverExactly }
 
     func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, counters: counters, passiveHealth: passiveHealth))
-        companion.replacePlan(downstreams: downstreams, balancing: balancing)
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, pools: pools, counters: counters, passiveHealth: passiveHealth))
+        companion.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
         return true
     }
 

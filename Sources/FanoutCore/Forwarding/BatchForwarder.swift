@@ -109,12 +109,14 @@ final class BatchForwarder {
         }
     }
 
-    /// Sends every pool's copies and counts the batch per pool (`tooLarge` datagrams reached none).
-    private func flushPools(tooLarge: UInt64) {
+    /// Sends every pool's copies and counts the batch per pool (`notOffered`: datagrams that
+    /// reached no pool, by reason).
+    private func flushPools(notOffered: [(DropReason, UInt64)]) {
+        let unoffered = notOffered.reduce(0) { $0 + $1.1 }
         for index in pools.indices {
             let pool = pools[index].plan
             var forwarded = pools[index].copiedToAll
-            var dropped = pools[index].noMember + tooLarge
+            var dropped = pools[index].noMember + unoffered
             for (member, outbox) in pools[index].outboxes.enumerated() where outbox.count > 0 {
                 if outbox.reconnectIfDue() {
                     logger.notice("pool member socket connected", metadata: ["listener": "\(listener)", "pool": "\(pool.name)", "downstream": "\(pool.members[member].name)"])
@@ -138,7 +140,7 @@ final class BatchForwarder {
                 }
             }
             pool.counters.addDrops("no_healthy", pools[index].noMember)
-            pool.counters.addDrops(DropReason.tooLarge.rawValue, tooLarge)
+            for (reason, count) in notOffered { pool.counters.addDrops(reason.rawValue, count) }
             counters.add(pool.counters.forwarded, forwarded)
             counters.add(pool.counters.dropped, dropped)
             counters.add(pool.counters.sampledOut, pools[index].sampledOut)
@@ -177,8 +179,10 @@ final class BatchForwarder {
     /// Sends every outbox, then counts the batch: `received` datagrams of `bytesReceived` bytes,
     /// of which `tooLarge` and `noHealthy` were not appended; `forwarded` and `bytesForwarded`
     /// add datagrams the caller sent another way (af_xdp's TX ring).
+    /// `notOffered`: datagrams dropped before any pool was offered them, other than `tooLarge`
+    /// (af_xdp: unparsable frames, TTL expired), so each pool's outcomes add up to `received`.
     func flush(received: Int, bytesReceived: UInt64, tooLarge: UInt64 = 0, noHealthy: UInt64 = 0,
-               forwarded extraForwarded: UInt64 = 0, bytesForwarded extraBytes: UInt64 = 0) {
+               forwarded extraForwarded: UInt64 = 0, bytesForwarded extraBytes: UInt64 = 0, notOffered: [(DropReason, UInt64)] = []) {
         var forwarded = extraForwarded
         var bytesForwarded = extraBytes
         if let plan {
@@ -194,7 +198,7 @@ final class BatchForwarder {
                 bytesForwarded += sent.bytes
             }
         }
-        if !pools.isEmpty { flushPools(tooLarge: tooLarge) }
+        if !pools.isEmpty { flushPools(notOffered: [(.tooLarge, tooLarge)] + notOffered) }
         counters.add(counters.received, UInt64(received))
         counters.add(counters.bytesReceived, bytesReceived)
         counters.add(counters.forwarded, forwarded)

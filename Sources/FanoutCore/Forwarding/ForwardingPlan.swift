@@ -42,7 +42,7 @@ final class ForwardingPlan: Sendable {
 /// to all), and which datagrams it takes (`sources`, then `sample`).
 final class PoolPlan: Sendable {
     /// The `reason` values of `udp_fanout_pool_dropped_total`.
-    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .sendBufferFull, .unreachable, .sendError, .familyMismatch].map(\.rawValue)
+    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .parseError, .ttlExpired, .sendBufferFull, .unreachable, .sendError, .familyMismatch].map(\.rawValue)
     /// Seed of the sampling hash: not the balancing's, so which sources a sampled pool keeps does
     /// not follow which downstream of another pool they go to.
     static let sampleSeed: UInt32 = 0x5341_4d50
