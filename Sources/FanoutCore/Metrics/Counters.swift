@@ -174,24 +174,10 @@ package final class ListenerCounters: Sendable {
     /// process: a downstream that leaves the set (reload, health, discovery) keeps its series
     /// with its totals, and goes on from them when it comes back, so the per-downstream series
     /// always sum to the listener's totals.
-    func downstream(_ name: String) -> DownstreamCounters {
-        downstreams.withLock { table in
-            if let existing = table[name] { return existing }
-            let made = DownstreamCounters()
-            table[name] = made
-            return made
-        }
-    }
+    func downstream(_ name: String) -> DownstreamCounters { kept(name, in: downstreams, make: DownstreamCounters.init) }
 
     /// The counters of replication pool `name`, made on first use and kept.
-    func pool(_ name: String) -> PoolCounters {
-        pools.withLock { table in
-            if let existing = table[name] { return existing }
-            let made = PoolCounters()
-            table[name] = made
-            return made
-        }
-    }
+    func pool(_ name: String) -> PoolCounters { kept(name, in: pools, make: PoolCounters.init) }
 
     /// Adds the counters of instance `owner` (read from `source`) from now on: a restarted
     /// kernel-side listener goes on from its predecessors' totals, and while both run (a reload
@@ -312,14 +298,7 @@ package final class PoolCounters: Sendable {
     let members = Mutex<[String: DownstreamCounters]>([:])
 
     /// A member's copies sent, bytes and copies dropped, made on first use and kept.
-    func member(_ name: String) -> DownstreamCounters {
-        members.withLock { table in
-            if let existing = table[name] { return existing }
-            let made = DownstreamCounters()
-            table[name] = made
-            return made
-        }
-    }
+    func member(_ name: String) -> DownstreamCounters { kept(name, in: members, make: DownstreamCounters.init) }
 
     func addDrops(_ reason: String, _ count: UInt64) {
         guard count > 0 else { return }
@@ -342,5 +321,16 @@ package final class PoolCounters: Sendable {
             members: members.withLock { table in
                 table.mapValues { [$0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)] }
             })
+    }
+}
+
+/// The entry `name` of a table of counters, made by `make` on first use and kept for the life of
+/// the process (a downstream or pool that leaves and comes back goes on from its totals).
+func kept<Counters: Sendable>(_ name: String, in table: borrowing Mutex<[String: Counters]>, make: () -> Counters) -> Counters {
+    table.withLock { table in
+        if let existing = table[name] { return existing }
+        let made = make()
+        table[name] = made
+        return made
     }
 }

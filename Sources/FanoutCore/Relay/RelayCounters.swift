@@ -79,14 +79,7 @@ final class RelayCounters: Sendable {
     }
 
     /// The counter of replies from downstream `name` (made on first use; a plan change, not a datagram).
-    func downstream(_ name: String) -> DownstreamReplies {
-        downstreams.withLock { table in
-            if let counter = table[name] { return counter }
-            let counter = DownstreamReplies()
-            table[name] = counter
-            return counter
-        }
-    }
+    func downstream(_ name: String) -> DownstreamReplies { kept(name, in: downstreams, make: DownstreamReplies.init) }
 
     /// The totals, with `sessions` (the running instance's) as the associations gauge.
     func snapshot(sessions: RelaySessionCount) -> TwoWaySnapshot {
