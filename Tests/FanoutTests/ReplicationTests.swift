@@ -70,7 +70,7 @@ struct ReplicationTests {
         #expect(members.map(\.name) == ["127.0.0.1:9201", "a1"] && members.map(\.pool) == [nil, "archive"])
     }
 
-    @Test("a bad pool is refused naming its key and line: a repeated or reserved name, sample 0, a malformed prefix, no way to get members, a kind without replication")
+    @Test("a bad pool is refused naming its key and line: a repeated or reserved name, sample 0, a malformed prefix, no way to get members, a kind without replication, a pool asking for replies")
     func refusals() throws {
         let cases: [(pools: String, mode: String, key: String, line: Int, text: String)] = [
             ("pools:\n  - name: a\n    downstream: [{address: \"127.0.0.1:9301\"}]\n  - name: a\n    downstream: [{address: \"127.0.0.1:9302\"}]\n",
@@ -84,7 +84,7 @@ struct ReplicationTests {
             ("pools:\n  - name: s\n    balancing: hash\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "", "listeners[0].pools[0].balancing", 8, "not one of round_robin, source_ip, all"),
             ("pools:\n  - name: s\n    output: xdp_tx\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "", "listeners[0].pools[0].output", 8, "not one of socket, preserve_source"),
             ("pools:\n  - name: s\n    downstream: [{address: \"127.0.0.1:9100\"}]\n", "", "listeners[0].pools[0].downstream[0].address", 8, "forwarding loop"),
-            ("pools:\n  - name: s\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "    replies: relay\n", "listeners[0].pools", 7, "not available in mode userspace with replies relay"),
+            ("pools:\n  - name: s\n    replies: relay\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "    replies: relay\n", "listeners[0].pools[0].replies", 9, "unknown key"),
             ("pools:\n  - name: s\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "    mode: tc_ebpf\n    interface: lo\n", "listeners[0].pools", 8, "not available in mode tc_ebpf"),
             ("pools:\n  - name: s\n    output: preserve_source\n    downstream: [{address: \"[::1]:9301\"}]\n", "", "listeners[0].pools[0].downstream[0].address", 9, "not of the listener's address family"),
         ]
@@ -227,6 +227,30 @@ struct ReplicationTests {
         // The listener's own series are as without pools.
         #expect(!text.contains("udp_fanout_downstream_up{listener=\"rep\",downstream=\"archive-1\""))
         #expect(metric(text, "udp_fanout_downstreams", "listener=\"rep\",source=\"static\"") == 2)
+    }
+
+    @Test("replies: relay with a pool: every request also goes one way to the pool; replies come only from the listener's own downstreams, from the listener's address")
+    func relayPool() throws {
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let archive = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let yaml = relayYAML("rep", bind: bind, servers) + "    pools:\n      - name: archive\n        downstream:\n          - {name: archive-1, address: \"\(archive.address)\"}\n"
+        let daemon = try startDaemon(yaml)
+        defer { daemon.shutdown() }
+        let clients = try loopbackSources(20, base: 120).map { try RelayClient(source: $0) }
+        var answered = 0
+        for round in 0..<10 {
+            for client in clients where try client.exchange("\(client.source)-\(round)", with: bind) != nil { answered += 1 }
+        }
+        #expect(answered == 200)
+        // Each request once at the pool, and nothing else: its member's answers (none here) are no replies.
+        let copies = archive.drain().map { String(decoding: $0, as: UTF8.self) }
+        #expect(copies.count == 200 && Set(copies).count == 200)
+        settle { daemon.counters(of: "rep")?.twoWay?.replies == 200 }
+        let text = daemon.metricsText()
+        #expect(metric(text, "udp_fanout_replies_total", "listener=\"rep\",mode=\"userspace\"") == 200)
+        #expect(Self.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("archive") + ",downstream=\"archive-1\"") == 200)
     }
 
     @Test("a dead member of an all pool: its copies are counted dropped (unreachable), the other member, the listener's own downstreams and other pools get everything")

@@ -20,21 +20,8 @@ final class BatchForwarder {
     private(set) var plan: ForwardingPlan?
     private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
     private(set) var outboxes: [any Outbox] = []
-    /// Replication: each pool's selector, outboxes (one per member) and this batch's tallies.
-    private var pools: [PoolState] = []
-    private let output: Output
-    private let capacity: Int
-
-    private struct PoolState {
-        let plan: PoolPlan
-        var selector: DownstreamSelector?
-        let outboxes: [any Outbox]
-        /// This batch: datagrams copied to every member (`all`), with no member, sampled out, filtered out.
-        var copiedToAll: UInt64 = 0
-        var noMember: UInt64 = 0
-        var sampledOut: UInt64 = 0
-        var filteredOut: UInt64 = 0
-    }
+    /// Replication: the plan's pools, offered each datagram.
+    private let replicator: PoolReplicator
 
     /// - Parameters:
     ///   - makeOutbox: the way out to each of the listener's own downstreams.
@@ -47,8 +34,7 @@ final class BatchForwarder {
         self.plans = plans
         self.logger = logger
         self.makeOutbox = makeOutbox
-        self.output = output
-        self.capacity = capacity
+        replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity)
     }
 
     /// Takes the current plan if a reload or membership change replaced it (one atomic load).
@@ -66,90 +52,13 @@ final class BatchForwarder {
                                metadata: ["listener": "\(listener)", "downstream": "\(downstream.name)"])
             }
         }
-        pools = plan.pools.map { pool in
-            let make = Outboxes.factory(output: pool.output ?? output, capacity: capacity)
-            let state = PoolState(plan: pool, selector: pool.method.map(DownstreamSelector.init), outboxes: pool.members.map(make))
-            for (outbox, member) in zip(state.outboxes, pool.members) {
-                if let problem = outbox.unavailable {
-                    logger.warning("pool member \(problem); its copies are dropped and counted, trying again every second",
-                                   metadata: ["listener": "\(listener)", "pool": "\(pool.name)", "downstream": "\(member.name)"])
-                }
-            }
-            return state
-        }
+        replicator.adopt(plan)
     }
 
-    /// Offers one datagram to every replication pool: each takes it if `source` passes its
-    /// `sources` and `sample`, and queues it for one member, or for every member (`all`).
-    /// Nothing when the listener has no pools.
+    /// Offers one datagram to every replication pool (``PoolReplicator/replicate(_:source:hopLimit:)``).
     @inline(__always)
     func replicate(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8 = 0) {
-        for index in pools.indices {
-            let pool = pools[index].plan
-            guard pool.sources.admits(source) else {
-                pools[index].filteredOut += 1
-                continue
-            }
-            guard pool.samples(source) else {
-                pools[index].sampledOut += 1
-                continue
-            }
-            if pool.method == nil {
-                guard !pool.everyMember.isEmpty else {
-                    pools[index].noMember += 1
-                    continue
-                }
-                for member in pool.everyMember { pools[index].outboxes[member].append(payload, source: source, hopLimit: hopLimit) }
-                pools[index].copiedToAll += 1
-            } else if let member = pools[index].selector?.pick(source: source) {
-                pools[index].outboxes[member].append(payload, source: source, hopLimit: hopLimit)
-            } else {
-                pools[index].noMember += 1
-            }
-        }
-    }
-
-    /// Sends every pool's copies and counts the batch per pool (`notOffered`: datagrams that
-    /// reached no pool, by reason).
-    private func flushPools(notOffered: [(DropReason, UInt64)]) {
-        let unoffered = notOffered.reduce(0) { $0 + $1.1 }
-        for index in pools.indices {
-            let pool = pools[index].plan
-            var forwarded = pools[index].copiedToAll
-            var dropped = pools[index].noMember + unoffered
-            for (member, outbox) in pools[index].outboxes.enumerated() where outbox.count > 0 {
-                if outbox.reconnectIfDue() {
-                    logger.notice("pool member socket connected", metadata: ["listener": "\(listener)", "pool": "\(pool.name)", "downstream": "\(pool.members[member].name)"])
-                }
-                var result: FlushResult = (0, 0, [:])
-                outbox.flush(&result)
-                if outbox.refused, let report = plan?.passiveHealth { report(pool.members[member].address) }
-                let counters = pool.memberCounters[member]
-                counters.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
-                counters.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
-                var copiesDropped: UInt64 = 0
-                for (reason, count) in result.dropped {
-                    pool.counters.addDrops(reason.rawValue, count)
-                    copiesDropped += count
-                }
-                counters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)
-                // A balanced pool's datagram is its one copy.
-                if pool.method != nil {
-                    forwarded += result.sent
-                    dropped += copiesDropped
-                }
-            }
-            pool.counters.addDrops("no_healthy", pools[index].noMember)
-            for (reason, count) in notOffered { pool.counters.addDrops(reason.rawValue, count) }
-            counters.add(pool.counters.forwarded, forwarded)
-            counters.add(pool.counters.dropped, dropped)
-            counters.add(pool.counters.sampledOut, pools[index].sampledOut)
-            counters.add(pool.counters.filteredOut, pools[index].filteredOut)
-            pools[index].copiedToAll = 0
-            pools[index].noMember = 0
-            pools[index].sampledOut = 0
-            pools[index].filteredOut = 0
-        }
+        replicator.replicate(payload, source: source, hopLimit: hopLimit)
     }
 
     /// The downstream index for a datagram from `source`, nil if none is available.
@@ -198,7 +107,7 @@ final class BatchForwarder {
                 bytesForwarded += sent.bytes
             }
         }
-        if !pools.isEmpty { flushPools(notOffered: [(.tooLarge, tooLarge)] + notOffered) }
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)] + notOffered) }
         counters.add(counters.received, UInt64(received))
         counters.add(counters.bytesReceived, bytesReceived)
         counters.add(counters.forwarded, forwarded)

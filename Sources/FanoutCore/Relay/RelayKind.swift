@@ -4,6 +4,8 @@ import ReusePortLB
 /// client towards its downstream, replies relayed from the listener's address.
 struct RelayKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
+    /// Pools get one-way copies of the requests; replies come only from the listener's own downstreams.
+    static let replicates = true
 
     /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
     static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {

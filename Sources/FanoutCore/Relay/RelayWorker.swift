@@ -70,6 +70,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     private var plan: ForwardingPlan?
     private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
     private var replyCounters: [RelayCounters.DownstreamReplies] = []
+    /// Replication: the plan's pools get a one-way copy of every request (replies come only from
+    /// the listener's own downstreams, through the sessions).
+    private let replicator: PoolReplicator
     /// Per downstream of the plan, for one batch: datagrams and bytes sent, datagrams dropped,
     /// and whether a send was refused (passive health is told once per batch).
     private var batchSent: [UInt64] = []
@@ -100,6 +103,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.stop = stop
         self.handOver = handOver
         self.logger = logger
+        replicator = PoolReplicator(listener: listener.name, counters: counters, logger: logger, output: listener.settings.output,
+                                    capacity: listener.settings.batchSize)
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
@@ -295,6 +300,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         let plan = plans.plan
         self.plan = plan
         selector = DownstreamSelector(plan.method)
+        replicator.adopt(plan)
         let previousCounters = replyCounters
         replyCounters = plan.downstreams.map { relay.downstream($0.name) }
         batchSent = Array(repeating: 0, count: plan.downstreams.count)
@@ -367,6 +373,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 continue
             }
             let source = receiver.sourceStorage(datagram)
+            replicator.replicate(receiver.payload(datagram), source: source)
             let key = ClientKey(source)
             let session: RelaySession
             if let known = sessions[key] {
@@ -420,6 +427,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             send(payload, on: session.socket, for: session.target, &failures)
         }
         if queued > 0, let ring { completeSends(ring, count, &failures) }
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)]) }
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
         if let plan {
