@@ -14,6 +14,10 @@
  * Fragments: the first fragment's choice is remembered by (source, destination, IP id) and
  * later fragments follow it, so a datagram is reassembled whole at one backend.
  *
+ * Replication (`pools:`, fanout_pools.h): each datagram of a listener with pools is first copied
+ * to every pool that takes it (bpf_clone_redirect, the client's source kept), then its own
+ * datagram leaves as above; fragments follow their first fragment's pools too.
+ *
  * Two-way listeners (fanout_listener.reserved & FANOUT_LISTENER_NAT, `replies: nat`): a client
  * keeps its backend through the listener's association map (an LRU hash, inner map of
  * FANOUT_MAP_ASSOCIATIONS at the listener's id) while that backend is live (FANOUT_MAP_LIVE).
@@ -43,6 +47,7 @@
 #include "fanout_choice.h"    /* listener, backend (rotation, source table, association), fragment key */
 #include "fanout_nat.h"       /* the reply direction of nat listeners */
 #include "fanout_redirect.h"  /* route, VLAN pop, rewrite with checksums, MACs, redirect */
+#include "fanout_pools.h"     /* replication: each datagram copied to the listener's pools */
 
 /* VLAN tags accepted in the frame: one (the tag is popped before the redirect). */
 #define FANOUT_TC_VLAN_TAGS 1
@@ -78,6 +83,30 @@ static __always_inline int pull_headers(struct __sk_buff *skb)
 	return bpf_skb_pull_data(skb, want) == 0;
 }
 
+/* A first fragment's decision, for its later fragments: the backend it left for (own_verdict
+ * FORWARDED), or, when it did not but the listener's pools took it, what became of it, and the
+ * pools' decisions (`work`, the per-CPU scratch; NULL without pools). Nothing for a packet that
+ * is not a first fragment. */
+static __always_inline void remember_fragment(struct packet *p, struct fanout_fragment_key *key,
+					      struct fanout_backend *backend, __u32 id, int reply,
+					      __u32 own_verdict, struct fanout_fragment *work)
+{
+	if (!p->has_udp || !p->fragment)
+		return;
+	if (own_verdict != FANOUT_VERDICT_FORWARDED && !work)
+		return;
+	struct fanout_fragment *remembered = work ? work : pool_scratch();
+	if (!remembered)
+		return;
+	if (!work)
+		remembered->pool_count = 0;
+	remembered->backend = *backend;
+	remembered->listener_id = id;
+	remembered->direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD;
+	remembered->own_verdict = own_verdict;
+	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, key, remembered, BPF_ANY);
+}
+
 SEC("tc")
 int FANOUT_PROG_TC(struct __sk_buff *skb)
 {
@@ -111,6 +140,12 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	int new_association = 0;
 	__u32 event = ASSOCIATION_KEPT;
 	__u32 reply_moved = 0;
+	/* Replication: the pools' decisions (per-CPU scratch), and for a later fragment what became
+	 * of its first fragment at the listener's own backend. */
+	struct fanout_fragment *work = NULL;
+	__u32 own_verdict = FANOUT_VERDICT_FORWARDED;
+	/* 1 until the TTL / hop limit was decremented (by a pool's copy, or the own rewrite). */
+	__u32 hop = 1;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(skb, &p);
 		if (listener) {
@@ -119,6 +154,11 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 				chosen = choose_associated(listener, &p, &backend, &event);
 			else
 				chosen = choose(listener, &p, &backend);
+			if (listener->pool_count) {
+				work = pool_scratch();
+				if (work)
+					decide_pools(listener, &p, skb->len, work);
+			}
 		} else {
 			int found = find_reply(&p, &backend, &id, &reply_moved);
 			if (found == REPLY_NOT_OURS) {
@@ -139,6 +179,15 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 		backend = remembered->backend;
 		id = remembered->listener_id;
 		reply = remembered->direction == FANOUT_DIRECTION_REPLY;
+		own_verdict = remembered->own_verdict;
+		if (!reply && remembered->pool_count) {
+			work = pool_scratch();
+			if (work) {
+				work->pool_count = remembered->pool_count;
+				__builtin_memcpy(work->pools, remembered->pools, sizeof(work->pools));
+				count_decisions(work, skb->len);
+			}
+		}
 	}
 	/* Neither happens (ids are bounded by userspace, the array has every id): counted anyway,
 	 * so that every packet has a verdict. */
@@ -160,8 +209,18 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 			stats->created++;
 		else if (event == ASSOCIATION_MOVED)
 			stats->moved++;
+		/* The pools' copies first: the listener's own datagram leaves last, rewritten from the
+		 * last copy's destination (or not at all). */
+		if (work && send_copies(skb, &p, work, &hop) < 0)
+			goto failed;
 		if (!chosen) {
 			count(stats, reply, FANOUT_VERDICT_NO_BACKEND);
+			remember_fragment(&p, &fragment_key, &backend, id, reply, FANOUT_VERDICT_NO_BACKEND, work);
+			return TC_ACT_SHOT;
+		}
+		/* A later fragment whose first did not leave for the listener's own backend. */
+		if (own_verdict != FANOUT_VERDICT_FORWARDED && own_verdict < FANOUT_VERDICT_COUNT) {
+			count(stats, reply, own_verdict);
 			return TC_ACT_SHOT;
 		}
 	}
@@ -204,23 +263,19 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 			else
 				dropped->too_large++;
 		}
+		if (!reply)
+			remember_fragment(&p, &fragment_key, &backend, id, reply, verdict, work);
 		return TC_ACT_SHOT;
 	}
 
 	if (new_association)
 		associate_reply(&p, id, stats, reply_moved);
 	/* Later fragments follow the first one's choice (only once it is known to leave). */
-	if (p.has_udp && p.fragment) {
-		struct fanout_fragment remembered = {
-			.backend = backend, .listener_id = id,
-			.direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD,
-		};
-		bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
-	}
+	remember_fragment(&p, &fragment_key, &backend, id, reply, FANOUT_VERDICT_FORWARDED, work);
 
 	if (pop_vlan(skb, &p) < 0)
 		goto failed;
-	if (rewrite(skb, &p, &backend, reply) < 0)
+	if (rewrite(skb, &p, &backend, reply, hop) < 0)
 		goto failed;
 
 	long redirected;

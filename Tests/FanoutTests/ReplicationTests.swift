@@ -85,7 +85,6 @@ struct ReplicationTests {
             ("pools:\n  - name: s\n    output: xdp_tx\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "", "listeners[0].pools[0].output", 8, "not one of socket, preserve_source"),
             ("pools:\n  - name: s\n    downstream: [{address: \"127.0.0.1:9100\"}]\n", "", "listeners[0].pools[0].downstream[0].address", 8, "forwarding loop"),
             ("pools:\n  - name: s\n    replies: relay\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "    replies: relay\n", "listeners[0].pools[0].replies", 9, "unknown key"),
-            ("pools:\n  - name: s\n    downstream: [{address: \"127.0.0.1:9301\"}]\n", "    mode: tc_ebpf\n    interface: lo\n", "listeners[0].pools", 8, "not available in mode tc_ebpf"),
             ("pools:\n  - name: s\n    output: preserve_source\n    downstream: [{address: \"[::1]:9301\"}]\n", "", "listeners[0].pools[0].downstream[0].address", 9, "not of the listener's address family"),
         ]
         for (pools, mode, key, line, text) in cases {
@@ -95,6 +94,54 @@ struct ReplicationTests {
             #expect(error.key == key && error.problem.contains(text), "\(error)")
             #expect(error.line == line, "\(error)")
         }
+    }
+
+    @Test("tc_ebpf pools are refused naming the key and line: output socket (copies are made in the kernel), a member of this host or of the other family, more than 8 pools, more listeners and pools than the maps hold")
+    func tcRefusals() throws {
+        let base = """
+            listeners:
+              - name: rep
+                bind: "198.18.0.1:9100"
+                mode: tc_ebpf
+                interface: lo
+                downstream:
+                  - address: "198.18.1.1:9201"
+
+            """
+        func refused(_ text: String) -> ConfigError? {
+            do {
+                let config = try ConfigParser.parse(text)
+                try config.validate(localAddresses: [])
+                return nil
+            } catch {
+                return error
+            }
+        }
+        func pool(_ name: String, _ extra: String = "", member: String = "198.18.2.1:9301") -> String {
+            "    pools:\n" + "      - name: \(name)\n\(extra)        downstream: [{address: \"\(member)\"}]\n"
+        }
+        let nine = "    pools:\n" + (1...9).map { "      - name: p\($0)\n        downstream: [{address: \"198.18.2.\($0):9301\"}]\n" }.joined()
+        let cases: [(text: String, key: String, line: Int, problem: String)] = [
+            (base + pool("s", "        output: socket\n"), "listeners[0].pools[0].output", 10, "keeps the client's source"),
+            (base + pool("s", member: "127.0.0.1:9301"), "listeners[0].pools[0].downstream[0].address", 10, "an address of this host"),
+            (base + pool("s", member: "[2001:db8::1]:9301"), "listeners[0].pools[0].downstream[0].address", 10, "not of the listener's address family"),
+            (base + nine, "listeners[0].pools", 8, "at most 8 pools"),
+        ]
+        for (text, key, line, problem) in cases {
+            let error = try #require(refused(text), "accepted: \(text)")
+            #expect(error.key == key && error.problem.contains(problem), "\(error)")
+            #expect(error.line == line, "\(error)")
+        }
+        // 8 listeners with 7 pools each: 64 slots, the maps' size; one more pool is refused.
+        func listeners(_ count: Int, pools: Int) -> String {
+            "listeners:\n" + (0..<count).map { index in
+                "  - name: l\(index)\n    bind: \"198.18.0.1:\(9100 + index)\"\n    mode: tc_ebpf\n    interface: lo\n    downstream: [{address: \"198.18.1.1:9201\"}]\n"
+                    + (pools == 0 ? "" : "    pools:\n" + (0..<pools).map { "      - name: p\($0)\n        downstream: [{address: \"198.18.2.1:\(9300 + $0)\"}]\n" }.joined())
+            }.joined()
+        }
+        #expect(refused(listeners(8, pools: 7)) == nil)
+        let full = try #require(refused(listeners(8, pools: 7) + "  - name: extra\n    bind: \"198.18.0.1:9200\"\n    mode: tc_ebpf\n    interface: lo\n    downstream: [{address: \"198.18.1.1:9201\"}]\n"))
+        #expect(full.key == "listeners" && full.problem.contains("at most 64 listeners and pools together"), "\(full)")
     }
 
     @Test("warnings name a pool's keys: a member's health_port with health off, its mac; resolve_interval_secs counts a pool's DNS names")

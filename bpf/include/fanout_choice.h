@@ -36,39 +36,53 @@ static __always_inline struct fanout_listener *find_listener(struct __sk_buff *s
 	return bpf_map_lookup_elem(&FANOUT_MAP_LISTENERS, &key);
 }
 
-/* The backend for this packet, copied out of the set, or 0 if none. */
-static __always_inline int choose(struct fanout_listener *listener, struct packet *p,
-				  struct fanout_backend *chosen)
+/* The index of the backend for this packet in the set of `id` at `generation`, by `policy`
+ * (rotation or source table), or -1 if none; the set into `*found`. A listener's and a
+ * replication pool's choice alike. */
+static __always_inline int choose_index(__u32 id, __u32 generation, __u32 policy, struct packet *p,
+					struct fanout_set **found)
 {
-	__u32 set_key = listener->id * 2 + (listener->generation & 1);
+	__u32 set_key = id * 2 + (generation & 1);
 	struct fanout_set *set = bpf_map_lookup_elem(&FANOUT_MAP_SETS, &set_key);
 	if (!set)
-		return 0;
+		return -1;
 	__u32 index;
-	if (listener->policy == FANOUT_POLICY_SOURCE_IP) {
+	if (policy == FANOUT_POLICY_SOURCE_IP) {
 		__u32 size = set->table_size;
 		if (size == 0 || size > FANOUT_TABLE_SIZE)
-			return 0;
+			return -1;
 		__u32 hash = rplb_source_hash(p->saddr, p->family == AF_INET ? 1 : 4, 0, set->seed, 0);
 		__u32 position = rplb_reduce(hash, size);
 		if (position >= FANOUT_TABLE_SIZE)
-			return 0;
+			return -1;
 		index = set->table[position];
 	} else {
-		__u32 key = listener->id;
+		__u32 key = id;
 		__u32 *next = bpf_map_lookup_elem(&FANOUT_MAP_RR, &key);
 		__u32 length = set->rotation_len;
 		if (!next || length == 0 || length > FANOUT_ROTATION_MAX)
-			return 0;
+			return -1;
 		__u32 position = *next;
 		if (position >= length)
 			position = 0;
 		*next = position + 1;
 		if (position >= FANOUT_ROTATION_MAX)
-			return 0;
+			return -1;
 		index = set->rotation[position];
 	}
 	if (index >= set->count || index >= FANOUT_MAX_BACKENDS)
+		return -1;
+	*found = set;
+	return index;
+}
+
+/* The backend for this packet, copied out of the set, or 0 if none. */
+static __always_inline int choose(struct fanout_listener *listener, struct packet *p,
+				  struct fanout_backend *chosen)
+{
+	struct fanout_set *set = NULL;
+	int index = choose_index(listener->id, listener->generation, listener->policy, p, &set);
+	if (index < 0 || index >= FANOUT_MAX_BACKENDS || !set)
 		return 0;
 	*chosen = set->backends[index];
 	return 1;

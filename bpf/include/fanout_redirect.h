@@ -68,17 +68,20 @@ static __always_inline int pop_vlan(struct __sk_buff *skb, struct packet *p)
 		}
 		if (p->tagged && skb->vlan_present && bpf_skb_vlan_pop(skb) < 0)
 			return -1;
+		/* Popped: a second call (the listener's own after its pools' copies) does nothing. */
+		p->tagged = 0;
 	}
 	return 0;
 }
 
-/* Writes the new destination, fixes the checksums, decrements TTL / hop limit.
+/* Writes the new destination, fixes the checksums, decrements TTL / hop limit when `hop` (once
+ * per packet: a replication pool's copy may have done it already, see fanout_pools.h).
  *
  * The UDP checksum goes through bpf_l4_csum_replace, which knows how the skb carries it
  * (CHECKSUM_PARTIAL holds only the pseudo-header sum; CHECKSUM_COMPLETE needs skb->csum
  * adjusted). Everything else is written directly: the IPv4 header checksum is updated in
  * place, which keeps the header's sum, and so skb->csum, unchanged. */
-static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to, int reply)
+static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to, int reply, __u32 hop)
 {
 	/* Forward: the destination address and port change; reply: the source. */
 	__u32 *old_addr = reply ? p->saddr : p->daddr;
@@ -117,9 +120,11 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 			return -1;
 		__u32 at = reply ? 12 : 16;
 		__u16 check = *(__u16 *)(ip + 10);
-		__u16 old_word = *(__u16 *)(ip + 8);
-		ip[8] -= 1;
-		check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
+		if (hop) {
+			__u16 old_word = *(__u16 *)(ip + 8);
+			ip[8] -= 1;
+			check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
+		}
 		check = csum_update32(check, *(__u32 *)(ip + at), to->addr[0]);
 		*(__u32 *)(ip + at) = to->addr[0];
 		*(__u16 *)(ip + 10) = check;
@@ -127,7 +132,8 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 		__u8 *ip = data + l3;
 		if ((void *)(ip + 40) > end)
 			return -1;
-		ip[7] -= 1;
+		if (hop)
+			ip[7] -= 1;
 		__builtin_memcpy(ip + (reply ? 8 : 24), to->addr, 16);
 	}
 	if (p->has_udp && to->port != old_port) {

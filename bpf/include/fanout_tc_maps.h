@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * The tc program's maps (bpf/tc_fanout.bpf.c): listeners, backend sets, round-robin positions,
- * remembered fragments, per-listener and per-backend counters, the two-way (nat) maps
+ * remembered fragments, per-listener and per-backend counters, the replication pools' sources, the two-way (nat) maps
  * (associations: an array of per-listener LRU hashes made from the inner map template below;
  * live backends; the listeners' addresses), the load-time options (.rodata), and the small
  * accessors of the counter maps (count_unmatched, backend_stats, count). Names, keys and values
@@ -58,6 +58,15 @@ struct {
 	__type(key, __u32);
 	__type(value, struct fanout_backend_stats);
 } FANOUT_MAP_BACKEND_STATS SEC(".maps");
+
+/* Replication pools' `sources`: an entry per prefix of each pool (the value is unused). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, FANOUT_POOL_SOURCE_ENTRIES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct fanout_pool_source_key);
+	__type(value, __u8);
+} FANOUT_MAP_POOL_SOURCES SEC(".maps");
 
 /* The inner map template: userspace creates one LRU hash per nat listener with
  * max_entries = settings.max_associations (hash inner maps may differ in max_entries). */

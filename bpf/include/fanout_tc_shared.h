@@ -14,6 +14,18 @@
 #define FANOUT_MAX_LISTENERS 64
 #define FANOUT_MAX_BACKENDS 64
 
+/* Replication pools per listener (`pools:`, besides its own downstreams). A pool takes an id from
+ * the listeners' (its sets at id*2 + generation, rotation, counters and member counter slots are
+ * a listener's), so listeners and pools together are at most FANOUT_MAX_LISTENERS. */
+#define FANOUT_MAX_POOLS 8
+
+/* Source prefixes of every pool at once (`sources:`), in FANOUT_MAP_POOL_SOURCES. */
+#define FANOUT_POOL_SOURCE_ENTRIES 4096
+
+/* Seed of the sampling hash (`sample:`): PoolPlan.sampleSeed, so every kind and node keeps the
+ * same sources of a sampled pool. */
+#define FANOUT_SAMPLE_SEED 0x53414d50u
+
 /* Longest weighted round-robin rotation (userspace scales weights to fit). */
 #define FANOUT_ROTATION_MAX 1024
 
@@ -40,6 +52,8 @@
 #define FANOUT_MAP_STATS_NAME    "fanout_stats"
 #define FANOUT_MAP_BACKEND_STATS fanout_bstats
 #define FANOUT_MAP_BACKEND_STATS_NAME "fanout_bstats"
+#define FANOUT_MAP_POOL_SOURCES  fanout_psrc
+#define FANOUT_MAP_POOL_SOURCES_NAME "fanout_psrc"
 
 /* Two-way listeners (`replies: nat`), see docs/two-way-nat.md. */
 #define FANOUT_MAP_ASSOCIATIONS  fanout_assoc
@@ -79,6 +93,8 @@ enum fanout_policy {
 	FANOUT_POLICY_ROUND_ROBIN = 0,
 	/* every packet of one source address to one backend (Maglev table, weights) */
 	FANOUT_POLICY_SOURCE_IP = 1,
+	/* replication pools only (`balancing: all`): every member with a weight gets a copy */
+	FANOUT_POLICY_ALL = 2,
 };
 
 /* What the program did with a packet: every packet gets exactly one. Counted per listener
@@ -118,7 +134,12 @@ enum fanout_verdict {
 	/* a datagram from a backend that left a nat listener's set more than settings.drain_secs
 	 * ago (FANOUT_LIVE_GONE): its clients have other backends now; dropped (reply direction) */
 	FANOUT_VERDICT_DRAINED = 12,
-	FANOUT_VERDICT_COUNT = 13,
+	/* replication pools only: a copy whose next hop's Ethernet address the kernel does not know
+	 * yet (a copy is cloned with the fib lookup's MACs; only the listener's own datagram can wait
+	 * for the neighbour): dropped. udp-fanout keeps managed neighbour entries for the pools'
+	 * next hops, so this stops once the kernel resolved them. */
+	FANOUT_VERDICT_NO_NEIGHBOUR = 13,
+	FANOUT_VERDICT_COUNT = 14,
 };
 
 /* Key of the listeners map: the interface the packet arrived on (the listener's configured
@@ -133,14 +154,38 @@ struct fanout_listener_key {
 	__u8 pad;
 };
 
+/* fanout_pool.flags */
+/* Only datagrams from the pool's `sources` (FANOUT_MAP_POOL_SOURCES under the pool's id). */
+#define FANOUT_POOL_SOURCES 1u
+
+/* A replication pool of a listener: each datagram of the listener is also offered to it. */
+struct fanout_pool {
+	__u32 id;         /* its own id (< FANOUT_MAX_LISTENERS): set key / 2, rotation, counters */
+	__u32 generation; /* 0 or 1, flipped with the listener's entry */
+	__u32 policy;     /* enum fanout_policy: one member by rotation or source, or ALL */
+	__u32 sample;     /* one source address in `sample` (0 and 1: every source) */
+	__u32 flags;      /* FANOUT_POOL_SOURCES */
+};
+
 /* Value of the listeners map. The program reads the backend set at key id*2 + generation:
  * userspace writes the other generation and then flips this value, so a packet sees either
- * the old set or the new one, never a mix. */
+ * the old set or the new one, never a mix (its pools' sets too). */
 struct fanout_listener {
 	__u32 id;         /* < FANOUT_MAX_LISTENERS: stats key, and set key / 2 */
 	__u32 generation; /* 0 or 1 */
 	__u32 policy;     /* enum fanout_policy */
 	__u32 reserved;   /* flags: FANOUT_LISTENER_NAT */
+	__u32 pool_count; /* <= FANOUT_MAX_POOLS */
+	struct fanout_pool pools[FANOUT_MAX_POOLS];
+};
+
+/* Key of FANOUT_MAP_POOL_SOURCES (an LPM trie): a pool's id * 2 + generation (the prefixes of
+ * each generation apart, flipped with the listener's entry), then the address as IPv6 (an IPv4
+ * prefix as IPv4-mapped, ::ffff:a.b.c.d). prefixlen counts the id's 32 bits too. */
+struct fanout_pool_source_key {
+	__u32 prefixlen;
+	__u32 pool_id;    /* id * 2 + generation */
+	__u8 addr[16];
 };
 
 struct fanout_backend {
@@ -171,6 +216,26 @@ struct fanout_fragment_key {
 	__u8 pad[3];
 };
 
+/* fanout_fragment_pool.member when the pool copies to every member (FANOUT_POLICY_ALL). */
+#define FANOUT_FRAGMENT_EVERY_MEMBER 0xffff
+
+/* fanout_fragment_pool.outcome: what a pool did with a datagram. */
+#define FANOUT_POOL_TAKEN       1 /* copied to its member (or every member) */
+#define FANOUT_POOL_FILTERED    2 /* not from its `sources` */
+#define FANOUT_POOL_SAMPLED     3 /* not one of its `sample` */
+#define FANOUT_POOL_NO_MEMBER   4 /* it has no member with a weight */
+#define FANOUT_POOL_TTL_EXPIRED 5 /* TTL / hop limit 1: goes nowhere */
+
+/* What a datagram did in one replication pool: decided for a whole datagram or first fragment,
+ * remembered so later fragments follow it. */
+struct fanout_fragment_pool {
+	__u32 id;         /* the pool's id */
+	__u32 generation; /* the set the first fragment's choice was made in */
+	__u16 member;     /* index in that set, or FANOUT_FRAGMENT_EVERY_MEMBER */
+	__u8 outcome;     /* FANOUT_POOL_* */
+	__u8 pad;
+};
+
 /* A remembered first fragment's decision. FANOUT_DIRECTION_FORWARD: `backend` is the new
  * destination; FANOUT_DIRECTION_REPLY: `backend` is the listener's address and port, the new
  * source, and counter_slot the replying backend's slot. */
@@ -178,6 +243,12 @@ struct fanout_fragment {
 	struct fanout_backend backend;
 	__u32 listener_id;
 	__u32 direction;
+	/* FANOUT_VERDICT_FORWARDED when the first fragment left for `backend`; else its verdict
+	 * (the listener had no backend, say, while its pools took it): later fragments go to the
+	 * pools and are dropped with that verdict */
+	__u32 own_verdict;
+	__u32 pool_count;
+	struct fanout_fragment_pool pools[FANOUT_MAX_POOLS];
 };
 
 /* Per-CPU counters of one listener. `received`, `bytes_received` and `bytes_forwarded` count
@@ -195,6 +266,9 @@ struct fanout_stats {
 	__u64 created;           /* associations made for a new client (its first datagram) */
 	__u64 server_initiated;  /* associations made by a backend's datagram to a new client */
 	__u64 moved;             /* associations whose backend was no longer live: chosen again */
+	/* replication pools (at the pool's id): datagrams not taken by `sample`, by `sources` */
+	__u64 sampled_out;
+	__u64 filtered_out;
 };
 
 /* Per-CPU counters of one backend slot of one listener: forwarded, and dropped for this
@@ -206,6 +280,10 @@ struct fanout_backend_stats {
 	__u64 too_large; /* FANOUT_VERDICT_TOO_LARGE */
 	__u64 replies;   /* nat listeners: this backend's replies redirected to clients */
 	__u64 reply_bytes;
+	/* replication pools: copies to this member dropped for want of its next hop's MAC
+	 * (FANOUT_VERDICT_NO_NEIGHBOUR), or refused by a helper (FANOUT_VERDICT_REWRITE_FAILED) */
+	__u64 no_neighbour;
+	__u64 rewrite_failed;
 };
 
 /* Key of an association (the inner maps of FANOUT_MAP_ASSOCIATIONS): a client. */

@@ -58,7 +58,7 @@ extension FanoutConfig {
             try validateMembers(of: listener, group: listener.ownMembers, path: path, all: all, localAddresses: localAddresses)
             if !listener.pools.isEmpty {
                 guard kind.replicates else {
-                    throw fail("\(path).pools", "replication is not available in mode \(listener.mode.rawValue)\(listener.replies == .none ? "" : " with replies \(listener.replies.rawValue)") in this release: modes userspace (one way, or replies: relay) and af_xdp have it; remove pools or use one of those")
+                    throw fail("\(path).pools", "replication is not available in mode \(listener.mode.rawValue) in this release: remove pools or choose a mode that has it (docs/replication.md lists them)")
                 }
                 var poolNames: Set<String> = [Pool.defaultName]
                 for (position, pool) in listener.pools.enumerated() {

@@ -42,7 +42,9 @@ final class ForwardingPlan: Sendable {
 /// to all), and which datagrams it takes (`sources`, then `sample`).
 final class PoolPlan: Sendable {
     /// The `reason` values of `udp_fanout_pool_dropped_total`.
-    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .parseError, .ttlExpired, .sendBufferFull, .unreachable, .sendError, .familyMismatch].map(\.rawValue)
+    /// (tc_ebpf's copies: `no_route`, `no_neighbour`, `rewrite_failed` too, see bpf/include/fanout_pools.h.)
+    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .parseError, .ttlExpired, .sendBufferFull, .unreachable, .sendError, .familyMismatch, .noRoute].map(\.rawValue)
+        + ["no_neighbour", DropReason.rewriteFailed.rawValue]
     /// Seed of the sampling hash: not the balancing's, so which sources a sampled pool keeps does
     /// not follow which downstream of another pool they go to.
     static let sampleSeed: UInt32 = 0x5341_4d50

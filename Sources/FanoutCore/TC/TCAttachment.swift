@@ -338,7 +338,7 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
         case .replyInterfaceNotFound(let listener, let name):
             return "listener '\(listener)': settings.reply_interfaces names '\(name)', which is not an interface here (ip link show lists this namespace's interfaces): name the interfaces the downstreams' replies arrive on, or leave reply_interfaces empty to use the interfaces the kernel routes the downstreams through"
         case .tooManyListeners:
-            return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners"
+            return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners and replication pools together (each pool takes a listener's slot in the program's maps)"
         }
     }
 }

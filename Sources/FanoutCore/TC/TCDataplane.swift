@@ -21,6 +21,15 @@ final class TCDataplane: Sendable {
         /// a program loaded again (a tc_attach change) starts its maps at 0, and the counters
         /// must not go backwards.
         var unmatchedBefore = [UInt64](repeating: 0, count: TCDataplane.unmatchedReasons.count)
+        /// Managed neighbour entries this process made for replication pools' next hops, with how
+        /// many pool members need each (deleted when none does).
+        var neighbours: [Neighbour: Int] = [:]
+    }
+
+    /// A next hop's neighbour entry: interface index and address.
+    struct Neighbour: Hashable, Sendable {
+        let ifindex: UInt32
+        let address: IPAddress
     }
 
     private let state = Mutex(State())
@@ -66,6 +75,68 @@ final class TCDataplane: Sendable {
             program.resetListener(id: id)
             return (program, id, UInt32(attachment.ifindex))
         }
+    }
+
+    /// A fresh id for a replication pool of a registered listener (its sets, rotation and counters
+    /// are a listener's), with its counters and rotation zeroed.
+    func poolID() throws(TCError) -> UInt32 {
+        try state.withLock { state throws(TCError) in
+            guard let program = state.program, let id = state.freeIDs.popLast() else { throw .tooManyListeners }
+            program.resetListener(id: id)
+            return id
+        }
+    }
+
+    /// Keeps the neighbour entries of `members`' next hops resolved (managed entries, made where
+    /// none exists): a pool's copies are cloned with the fib lookup's MACs and cannot wait for a
+    /// neighbour (bpf/include/fanout_pools.h). Returns the entries held for them, to give back
+    /// with ``releaseNeighbours(_:)``. A failure is logged (the copies are counted no_neighbour
+    /// until something else resolves the next hop).
+    func holdNeighbours(for members: [Downstream]) -> [Neighbour] {
+        var held: [Neighbour] = []
+        for member in members where member.weight > 0 {
+            guard let hop = TCRoute.nextHop(to: member.address.ip) else { continue }
+            let neighbour = Neighbour(ifindex: hop.ifindex, address: hop.address)
+            guard !held.contains(neighbour) else { continue }
+            state.withLock { state in
+                if let users = state.neighbours[neighbour] {
+                    state.neighbours[neighbour] = users + 1
+                    held.append(neighbour)
+                    return
+                }
+                do throws(SystemCallError) {
+                    // Not made here (it exists): not ours to delete, nothing to count.
+                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) else { return }
+                    state.neighbours[neighbour] = 1
+                    held.append(neighbour)
+                } catch {
+                    logger.warning("could not add a managed neighbour entry for a pool member's next hop: its copies are dropped and counted no_neighbour until the kernel resolves it otherwise (ip neigh add \(hop.address) dev <interface> managed)", metadata: [
+                        "downstream": "\(member.name)", "next_hop": "\(hop.address)", "error": "\(error)",
+                    ])
+                }
+            }
+        }
+        return held
+    }
+
+    /// Gives neighbour entries back: the last user deletes the entry this process made.
+    func releaseNeighbours(_ neighbours: [Neighbour]) {
+        state.withLock { state in
+            for neighbour in neighbours {
+                guard let users = state.neighbours[neighbour] else { continue }
+                if users > 1 {
+                    state.neighbours[neighbour] = users - 1
+                } else {
+                    state.neighbours[neighbour] = nil
+                    TCRoute.removeNeighbour(neighbour.address, ifindex: neighbour.ifindex)
+                }
+            }
+        }
+    }
+
+    /// Gives a pool's id back (its listener entry no longer names it).
+    func releasePoolID(_ id: UInt32) {
+        state.withLock { $0.freeIDs.append(id) }
     }
 
     /// Attaches the program at `interface` (or counts one more user of an attachment there);
@@ -224,6 +295,32 @@ final class TCListener: RunningListener {
         /// The totals of downstreams whose counter slots were given up: they go on under the
         /// name when it comes back (a downstream's counters live as long as the process).
         var retired: [String: BackendTotals] = [:]
+        /// Replication pools by name (fanout_pools.h).
+        var pools: [String: PoolLive] = [:]
+        /// The managed neighbour entries held for the pools' members (``TCDataplane/holdNeighbours(for:)``).
+        var neighbours: [TCDataplane.Neighbour] = []
+    }
+    /// A replication pool in the program's maps: its own id (sets, rotation, counters), the set
+    /// generation the listener entry points at, its members' counter slots, its `sources` in force,
+    /// and what its counters were when last added to the pool's metrics (the metrics are the
+    /// process's totals, so each instance adds what its maps counted since).
+    private struct PoolLive {
+        let id: UInt32
+        var generation: UInt32?
+        var slots: [String: UInt16] = [:]
+        var sources: [SourcePrefix] = []
+        var seen = PoolTally()
+        var seenMembers: [String: MemberTally] = [:]
+    }
+    /// A pool's datagram outcomes as its counters have them.
+    private struct PoolTally: Equatable {
+        var forwarded: UInt64 = 0, dropped: UInt64 = 0, sampledOut: UInt64 = 0, filteredOut: UInt64 = 0
+        var noHealthy: UInt64 = 0, ttlExpired: UInt64 = 0
+    }
+    /// A pool member's copies as its counter slot has them.
+    private struct MemberTally {
+        var copies: UInt64 = 0, bytes: UInt64 = 0
+        var dropped: [String: UInt64] = [:]
     }
     private struct Draining {
         var slot: UInt16
@@ -284,7 +381,7 @@ final class TCListener: RunningListener {
             associationMap = nil
         }
         do throws(TCError) {
-            try apply(downstreams: config.downstreams, balancing: config.balancing)
+            try apply(downstreams: config.downstreams, balancing: config.balancing, pools: config.pools.map { ($0, $0.downstreams) })
         } catch {
             program.removeListener(config.bind, ifindex: ifindex, id: id)
             releaseNAT()
@@ -309,7 +406,9 @@ final class TCListener: RunningListener {
     /// out after it (their clients move on their next datagram), then detaches where no longer needed.
     /// - Parameter keeping: names whose counter slots stay although they get no datagram now
     ///   (members health took out: their counters go on when they come back).
-    private func apply(downstreams: [Downstream], balancing: Balancing, keeping: Set<String> = []) throws(TCError) {
+    /// - Parameter pools: the replication pools with their available members: each gets its sets
+    ///   and `sources` written under the inactive generation, flipped with the listener's entry.
+    private func apply(downstreams: [Downstream], balancing: Balancing, pools: [(Pool, [Downstream])], keeping: Set<String> = []) throws(TCError) {
         let nat = config.replies == .nat
         let (held, leaving) = live.withLock { ($0.replyInterfaces, Array($0.liveBackends.keys) + Array($0.draining.keys) + $0.gone) }
         // Also where the draining and gone backends' datagrams arrive: relayed, or counted.
@@ -319,6 +418,8 @@ final class TCListener: RunningListener {
         // Backends marked live by this call: taken out again if the change fails, so a failed
         // change leaves no entry behind that a later listener with this id would inherit.
         var markedLive: [SocketAddress] = []
+        // Pools new in this call: their ids go back if the change fails.
+        var newPoolIDs: [UInt32] = []
         do throws(SystemCallError) {
             try live.withLock { live throws(SystemCallError) in
                 let wanted = Set(downstreams.map(\.name))
@@ -366,10 +467,16 @@ final class TCListener: RunningListener {
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
                 entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
+                let prepared = try preparePools(pools, keeping: keeping, newIDs: &newPoolIDs, in: &live)
+                entry.pool_count = UInt32(prepared.count)
+                withUnsafeMutableBytes(of: &entry.pools) { raw in
+                    for (index, pool) in prepared.enumerated() { raw.storeBytes(of: pool.record, toByteOffset: index * MemoryLayout<fanout_pool>.stride, as: fanout_pool.self) }
+                }
                 // The entry replaces a previous instance's on the same bind at once (a reload's
                 // successor takes over here; that one's shutdown leaves this entry alone).
                 try program.putListener(config.bind, ifindex: ifindex, entry)
                 live.entry = entry
+                commitPools(prepared, in: &live)
                 for (name, slot) in given { retiredNow.append((name, totals(slot: slot))) }
                 for (name, counted) in retiredNow { live.retired[name, default: BackendTotals()].add(counted) }
                 // Gone from the set: they drain (no new client; their replies in flight still
@@ -389,7 +496,9 @@ final class TCListener: RunningListener {
                 live.replyInterfaces = wantedInterfaces
             }
         } catch {
-            // Back as they were: a backend that was draining or gone is marked so again.
+            // Back as they were: a backend that was draining or gone is marked so again; new
+            // pools' ids go back (nothing points at them).
+            for id in newPoolIDs { dataplane.releasePoolID(id) }
             live.withLock { live in
                 for address in markedLive {
                     if let draining = live.draining[address] {
@@ -405,7 +514,144 @@ final class TCListener: RunningListener {
             throw .maps(error)
         }
         dataplane.releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
-        warnUnroutable(downstreams)
+        // The pools' next hops resolved from now on; those no longer needed given back after.
+        let neighbours = dataplane.holdNeighbours(for: pools.flatMap { $0.1 })
+        dataplane.releaseNeighbours(live.withLock { live in
+            defer { live.neighbours = neighbours }
+            return live.neighbours
+        })
+        warnUnroutable(downstreams + pools.flatMap { $0.1 })
+    }
+
+    /// A pool made ready for the flip: its record in the listener entry, and its state after it.
+    private struct PreparedPool {
+        let name: String
+        let record: fanout_pool
+        let state: PoolLive
+    }
+
+    /// Writes each pool's members (the inactive generation of its set, with counter slots) and
+    /// `sources` (under the inactive generation's key); a pool new to this listener gets an id
+    /// (appended to `newIDs`). Nothing the program reads changes until the listener entry flips.
+    private func preparePools(_ pools: [(Pool, [Downstream])], keeping: Set<String>, newIDs: inout [UInt32], in live: inout Live) throws(SystemCallError) -> [PreparedPool] {
+        var prepared: [PreparedPool] = []
+        for (pool, members) in pools {
+            var state: PoolLive
+            if live.pools[pool.name] != nil {
+                // What its counters hold now goes to the metrics first (a member slot may be reused below).
+                pumpPool(pool.name, &live.pools[pool.name]!)
+                state = live.pools[pool.name]!
+            } else {
+                do throws(TCError) {
+                    state = PoolLive(id: try dataplane.poolID())
+                } catch {
+                    throw SystemCallError(call: "tc_ebpf pool '\(pool.name)': \(error)", errno: ENOSPC)
+                }
+                newIDs.append(state.id)
+            }
+            let everyMember = pool.balancing == .all
+            // An `all` pool copies to each member with a weight: only those are in its set.
+            let inSet = everyMember ? members.filter { $0.weight > 0 } : members
+            let wanted = Set(members.map(\.name))
+            var slots = state.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
+            for name in state.slots.keys where slots[name] == nil { state.seenMembers[name] = nil }
+            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !slots.values.contains($0) }.reversed().map { $0 }
+            for member in members where slots[member.name] == nil {
+                guard let slot = free.popLast() else { break }
+                program.zeroPerCPU(program.backendStats, key: state.id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
+                slots[member.name] = slot
+                state.seenMembers[member.name] = MemberTally()
+            }
+            let generation = state.generation.map { $0 ^ 1 } ?? 0
+            let balancing: Balancing = pool.balancing.single ?? .roundRobin
+            try program.writeSet(id: state.id, generation: generation, BackendSet(downstreams: inSet, balancing: balancing, slots: slots))
+            let key = state.id * 2 + generation
+            // What an earlier change may have left under this generation's key, then the new prefixes.
+            try program.writePoolSources(key: key, state.sources, remove: true)
+            try program.writePoolSources(key: key, pool.sources)
+            var record = fanout_pool()
+            record.id = state.id
+            record.generation = generation
+            record.policy = everyMember ? FANOUT_POLICY_ALL.rawValue : balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
+            record.sample = UInt32(pool.sample)
+            record.flags = pool.sources.isEmpty ? 0 : FANOUT_POOL_SOURCES
+            state.slots = slots
+            state.generation = generation
+            state.sources = pool.sources
+            prepared.append(PreparedPool(name: pool.name, record: record, state: state))
+        }
+        return prepared
+    }
+
+    /// After the flip: the pools' new state; the previous generation's `sources` of each pool
+    /// taken out; pools no longer configured give their id back (their counts added first).
+    private func commitPools(_ prepared: [PreparedPool], in live: inout Live) {
+        var kept: [String: PoolLive] = [:]
+        for pool in prepared {
+            if let previous = live.pools[pool.name], let generation = previous.generation {
+                try? program.writePoolSources(key: previous.id * 2 + generation, previous.sources, remove: true)
+            }
+            kept[pool.name] = pool.state
+        }
+        for (name, var gone) in live.pools where kept[name] == nil {
+            releasePool(name, &gone)
+        }
+        live.pools = kept
+    }
+
+    /// A pool leaves the program: its last counts to the metrics, its `sources` out, its id back.
+    private func releasePool(_ name: String, _ pool: inout PoolLive) {
+        pumpPool(name, &pool)
+        if let generation = pool.generation {
+            try? program.writePoolSources(key: pool.id * 2 + generation, pool.sources, remove: true)
+        }
+        dataplane.releasePoolID(pool.id)
+    }
+
+    /// Adds what a pool's counters (and its members' slots) counted since the last time to the
+    /// pool's metrics: datagrams by outcome, drops by reason (datagrams with no member or whose TTL
+    /// ran out, and copies dropped: fanout_pools.h), and each member's copies.
+    private func pumpPool(_ name: String, _ pool: inout PoolLive) {
+        let counters = self.counters.pool(name)
+        let read = program.poolStats(id: pool.id)
+        func verdict(_ value: fanout_verdict) -> UInt64 { read.verdicts[Int(value.rawValue)] }
+        let forwarded = verdict(FANOUT_VERDICT_FORWARDED) &+ verdict(FANOUT_VERDICT_FORWARDED_NEIGH)
+        let now = PoolTally(
+            forwarded: forwarded, dropped: read.verdicts.reduce(0, &+) &- forwarded,
+            sampledOut: read.sampledOut, filteredOut: read.filteredOut,
+            noHealthy: verdict(FANOUT_VERDICT_NO_BACKEND), ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED))
+        // A counter below what was seen was zeroed in between (a slot reused): all it holds is new.
+        func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
+        let before = pool.seen
+        self.counters.add(counters.forwarded, since(now.forwarded, before.forwarded))
+        self.counters.add(counters.dropped, since(now.dropped, before.dropped))
+        self.counters.add(counters.sampledOut, since(now.sampledOut, before.sampledOut))
+        self.counters.add(counters.filteredOut, since(now.filteredOut, before.filteredOut))
+        counters.addDrops("no_healthy", since(now.noHealthy, before.noHealthy))
+        counters.addDrops(DropReason.ttlExpired.rawValue, since(now.ttlExpired, before.ttlExpired))
+        pool.seen = now
+        for (member, slot) in pool.slots {
+            let counted = program.memberStats(id: pool.id, slot: slot)
+            let seen = pool.seenMembers[member] ?? MemberTally()
+            let memberCounters = counters.member(member)
+            memberCounters.forwarded.wrappingAdd(since(counted.copies, seen.copies), ordering: .relaxed)
+            memberCounters.bytes.wrappingAdd(since(counted.bytes, seen.bytes), ordering: .relaxed)
+            var copiesDropped: UInt64 = 0
+            for (reason, count) in counted.dropped {
+                let delta = since(count, seen.dropped[reason] ?? 0)
+                counters.addDrops(reason, delta)
+                copiesDropped &+= delta
+            }
+            memberCounters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)
+            pool.seenMembers[member] = MemberTally(copies: counted.copies, bytes: counted.bytes, dropped: counted.dropped)
+        }
+    }
+
+    /// Every pool's counts since the last time, to the metrics (a scrape, a stop).
+    private func pumpPools() {
+        live.withLock { live in
+            for name in Array(live.pools.keys) { pumpPool(name, &live.pools[name]!) }
+        }
     }
 
     /// Where the downstreams' replies arrive: `settings.reply_interfaces`, else the interfaces the
@@ -582,7 +828,8 @@ final class TCListener: RunningListener {
 
     func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
         do throws(TCError) {
-            try apply(downstreams: downstreams, balancing: balancing, keeping: keeping)
+            let own = downstreams.filter { $0.pool == nil }
+            try apply(downstreams: own, balancing: balancing, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
             logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
             return true
         } catch {
@@ -596,6 +843,14 @@ final class TCListener: RunningListener {
         // Only this instance's entry: a successor on the same bind has overwritten it already.
         program.removeListener(config.bind, ifindex: ifindex, id: id)
         releaseNAT()
+        // Its pools' last counts, and their ids back (no entry names them now).
+        let neighbours = live.withLock { live in
+            for (name, var pool) in live.pools { releasePool(name, &pool) }
+            live.pools = [:]
+            defer { live.neighbours = [] }
+            return live.neighbours
+        }
+        dataplane.releaseNeighbours(neighbours)
         // Its last counts, once nothing new reaches it, and before its id (and stats slot) is free.
         counters.freeze(ObjectIdentifier(self))
         dataplane.unregister(interface: config.interface ?? "", id: id)
@@ -643,6 +898,8 @@ final class TCListener: RunningListener {
 
     /// The listener's counters, read from the per-CPU maps.
     func snapshot() -> ListenerCounters.Snapshot {
+        // Read when the listener's metrics are: its pools' are rendered after it.
+        pumpPools()
         let stats = program.listenerStats(id: id)
         // The client direction's verdicts: a nat listener's verdicts count its replies too.
         let replyShare = config.replies == .nat ? program.natStats(id: id).replyVerdicts : nil

@@ -10,6 +10,8 @@ struct TCKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .tcEBPF }
     static var attachesToInterface: Bool { true }
     static var bindsPerInterface: Bool { true }
+    /// Copies made in the kernel (bpf/include/fanout_pools.h), each keeping the client's source.
+    static let replicates = true
 
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         switch listener.settings.output {
@@ -27,11 +29,26 @@ struct TCKind: ListenerKind {
             }
         case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
         }
-        // tc_ebpf rewrites and routes at L3: downstreams are other hosts of the listener's family.
-        guard listener.downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
-            throw config.configError("\(path).downstream", "\(listener.downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener")
+        try validateDownstreams(listener.downstreams, of: listener, path: path, config, localAddresses)
+        guard listener.pools.count <= Int(FANOUT_MAX_POOLS) else {
+            throw config.configError("\(path).pools", "\(listener.pools.count) pools: tc_ebpf copies to at most \(FANOUT_MAX_POOLS) pools per listener")
         }
-        for (position, downstream) in listener.downstreams.enumerated() {
+        for (position, pool) in listener.pools.enumerated() {
+            let poolPath = "\(path).pools[\(position)]"
+            if pool.output == .socket || pool.output == .xdpTX {
+                throw config.configError("\(poolPath).output", "\(pool.output?.rawValue ?? ""): tc_ebpf copies in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+            }
+            try validateDownstreams(pool.downstreams, of: listener, path: poolPath, config, localAddresses)
+        }
+    }
+
+    /// tc_ebpf rewrites and routes at L3: a group's downstreams are other hosts of the listener's
+    /// family, at most FANOUT_MAX_BACKENDS.
+    private static func validateDownstreams(_ downstreams: [Downstream], of listener: Listener, path: String, _ config: FanoutConfig, _ localAddresses: Set<IPAddress>) throws(ConfigError) {
+        guard downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
+            throw config.configError("\(path).downstream", "\(downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener or pool")
+        }
+        for (position, downstream) in downstreams.enumerated() {
             let key = "\(path).downstream[\(position)].address"
             let ip = downstream.address.ip
             guard ip.family == listener.bind.ip.family else {
@@ -51,8 +68,15 @@ struct TCKind: ListenerKind {
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {
         let listeners = config.listeners
         let tcListeners = listeners.filter(serves)
-        if tcListeners.count > Int(FANOUT_MAX_LISTENERS) {
-            throw config.configError("listeners", "\(tcListeners.count) tc_ebpf listeners: at most \(FANOUT_MAX_LISTENERS)")
+        // A pool takes a listener's slot in the maps.
+        let slots = tcListeners.reduce(0) { $0 + 1 + $1.pools.count }
+        if slots > Int(FANOUT_MAX_LISTENERS) {
+            throw config.configError("listeners", "\(tcListeners.count) tc_ebpf listeners with \(slots - tcListeners.count) pools: at most \(FANOUT_MAX_LISTENERS) listeners and pools together")
+        }
+        // Each pool's prefixes are in the map twice while a reload flips them.
+        let prefixes = tcListeners.reduce(0) { $0 + $1.pools.reduce(0) { $0 + $1.sources.count } }
+        if prefixes * 2 > Int(FANOUT_POOL_SOURCE_ENTRIES) {
+            throw config.configError("listeners", "\(prefixes) pool sources prefixes over the tc_ebpf listeners: at most \(FANOUT_POOL_SOURCE_ENTRIES / 2)")
         }
         // A reply is matched to its listener by the downstream's address and port, so a
         // downstream answers for one nat listener only.

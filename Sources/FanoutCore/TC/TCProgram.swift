@@ -24,11 +24,13 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let associations: Int32
     let liveBackends: Int32
     let nat: Int32
+    /// Replication pools' `sources` (an LPM trie keyed by pool id * 2 + generation and address).
+    let poolSources: Int32
     let cpus: Int
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat] }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources] }
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -40,12 +42,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             .tcFanout, program: FANOUT_PROG_TC_NAME,
             maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
                    FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME, FANOUT_MAP_ASSOCIATIONS_NAME, FANOUT_MAP_LIVE_NAME,
-                   FANOUT_MAP_NAT_NAME],
+                   FANOUT_MAP_NAT_NAME, FANOUT_MAP_POOL_SOURCES_NAME],
             prepare: { object throws(SystemCallError) in
                 try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
-        (associations, liveBackends, nat) = (owned[7], owned[8], owned[9])
+        (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
     }
 
@@ -142,6 +144,47 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     func backendStats(id: UInt32, slot: UInt16) -> (packets: UInt64, bytes: UInt64, noRoute: UInt64, tooLarge: UInt64, replies: UInt64, replyBytes: UInt64) {
         let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
         return (words[0], words[1], words[2], words[3], words[4], words[5])
+    }
+
+    /// A replication pool's counters at its id (see struct fanout_stats and fanout_pools.h): the
+    /// datagrams offered, each verdict, sampled out and filtered out.
+    func poolStats(id: UInt32) -> (received: UInt64, verdicts: [UInt64], sampledOut: UInt64, filteredOut: UInt64) {
+        let words = perCPUSum(stats, key: id, as: fanout_stats.self)
+        let count = Int(FANOUT_VERDICT_COUNT.rawValue)
+        let after = 3 + 2 * count + 4
+        return (words[0], Array(words[3..<(3 + count)]), words[after], words[after + 1])
+    }
+
+    /// A pool member's counters: copies sent and their bytes, and copies dropped by reason
+    /// (`no_route`, `too_large`, `no_neighbour`, `rewrite_failed`).
+    func memberStats(id: UInt32, slot: UInt16) -> (copies: UInt64, bytes: UInt64, dropped: [String: UInt64]) {
+        let words = perCPUSum(backendStats, key: id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
+        return (words[0], words[1], ["no_route": words[2], "too_large": words[3], "no_neighbour": words[6], "rewrite_failed": words[7]])
+    }
+
+    /// Puts (or, with `remove`, takes out) a pool's `sources` under `key` (its id * 2 + generation).
+    func writePoolSources(key: UInt32, _ prefixes: [SourcePrefix], remove: Bool = false) throws(SystemCallError) {
+        for prefix in prefixes {
+            var entry = fanout_pool_source_key()
+            entry.pool_id = key
+            var bytes = [UInt8](repeating: 0, count: 16)
+            if prefix.address.family == AF_INET {
+                bytes[10] = 0xff
+                bytes[11] = 0xff
+                bytes.replaceSubrange(12..<16, with: prefix.address.bytes)
+                entry.prefixlen = UInt32(32 + 96 + prefix.length)
+            } else {
+                bytes = prefix.address.bytes
+                entry.prefixlen = UInt32(32 + prefix.length)
+            }
+            withUnsafeMutableBytes(of: &entry.addr) { $0.copyBytes(from: bytes) }
+            if remove {
+                bpf_map_delete_elem(poolSources, &entry)
+            } else {
+                var value: UInt8 = 1
+                try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_POOL_SOURCES_NAME)") { bpf_map_update_elem(poolSources, &entry, &value, UInt64(BPF_ANY)) }
+            }
+        }
     }
 
     /// A nat listener's reply-direction counters (see struct fanout_stats).

@@ -53,6 +53,60 @@ enum TCRoute {
         return nil
     }
 
+    /// The next hop the kernel routes `ip` through: the route's interface index (RTA_OIF) and its
+    /// gateway (RTA_GATEWAY), or `ip` itself on a directly connected route; nil without a unicast route.
+    static func nextHop(to ip: IPAddress) -> (ifindex: UInt32, address: IPAddress)? {
+        guard let replies = try? lookup(ip), let reply = replies.first, reply.type == 24, reply.payload.count >= 12, reply.payload[7] == 1  // RTM_NEWROUTE, RTN_UNICAST
+        else { return nil }
+        var ifindex: UInt32?
+        var gateway: IPAddress?
+        var offset = 12
+        while offset + 4 <= reply.payload.count {
+            let length = Int(Rtnetlink.load16(reply.payload, offset))
+            guard length >= 4, offset + length <= reply.payload.count else { break }
+            switch Rtnetlink.load16(reply.payload, offset + 2) {
+            case 4 where length >= 8: ifindex = Rtnetlink.load32(reply.payload, offset + 4)  // RTA_OIF
+            case 5: gateway = IPAddress(bytes: Array(reply.payload[(offset + 4)..<(offset + length)]))  // RTA_GATEWAY
+            default: break
+            }
+            offset += (length + 3) & ~3
+        }
+        return ifindex.map { ($0, gateway ?? ip) }
+    }
+
+    /// Asks the kernel to keep the neighbour entry of `address` at `ifindex` resolved on its own
+    /// (a managed entry, NTF_EXT_MANAGED: what bpf_fib_lookup needs to hand a copy its MAC).
+    /// Returns true when this call made the entry (false: one was there already, left as it is).
+    static func addManagedNeighbour(_ address: IPAddress, ifindex: UInt32) throws(SystemCallError) -> Bool {
+        let reply = try Rtnetlink.request(type: 28, flags: 0x4 | 0x400 | 0x200, body: neighbourBody(address, ifindex: ifindex, managed: true))  // RTM_NEWNEIGH, ACK|CREATE|EXCL
+        guard let message = reply.first, message.type == Rtnetlink.error else { return false }
+        let code = Rtnetlink.errorCode(message)
+        if code == EEXIST { return false }
+        guard code == 0 else { throw SystemCallError(call: "RTM_NEWNEIGH \(address) managed", errno: code) }
+        return true
+    }
+
+    /// Deletes a neighbour entry this process made.
+    static func removeNeighbour(_ address: IPAddress, ifindex: UInt32) {
+        _ = try? Rtnetlink.request(type: 29, flags: 0x4, body: neighbourBody(address, ifindex: ifindex, managed: false))  // RTM_DELNEIGH, ACK
+    }
+
+    /// ndmsg (family, pads, ifindex, state NUD_NONE, flags, type), NDA_DST, and NDA_FLAGS_EXT.
+    private static func neighbourBody(_ address: IPAddress, ifindex: UInt32, managed: Bool) -> [UInt8] {
+        var body: [UInt8] = [UInt8(address.family), 0, 0, 0]
+        Rtnetlink.append32(&body, ifindex)
+        body += [0, 0, 0, 0]
+        Rtnetlink.append16(&body, UInt16(4 + address.bytes.count))
+        Rtnetlink.append16(&body, 1)  // NDA_DST
+        body += address.bytes
+        if managed {
+            Rtnetlink.append16(&body, 8)
+            Rtnetlink.append16(&body, 15)  // NDA_FLAGS_EXT
+            Rtnetlink.append32(&body, 1)   // NTF_EXT_MANAGED
+        }
+        return body
+    }
+
     /// The kernel's answer to RTM_GETROUTE for `ip`: rtmsg (family, dst_len, src_len, tos, table,
     /// protocol, scope, type, flags) and RTA_DST.
     private static func lookup(_ ip: IPAddress) throws(SystemCallError) -> [Rtnetlink.Message] {
