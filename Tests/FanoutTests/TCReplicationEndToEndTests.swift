@@ -1,0 +1,128 @@
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Replication in tc_ebpf through the daemon, over veth namespaces: copies made in the kernel
+/// reach each pool's collectors with the clients' addresses, a sampled and source-filtered pool
+/// keeps exactly the sources userspace's hash keeps, a reload that changes one pool moves nothing
+/// in the others and loses nothing, and a clean stop leaves no program and no neighbour entry.
+@Suite("tc_ebpf replication end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TCReplicationEndToEndTests {
+    static func config(_ topology: Topology, archive: [Int]) -> String {
+        func member(_ n: Int) -> String { "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
+        return """
+            listeners:
+              - name: tc
+                bind: "198.18.0.1:5514"
+                interface: \(topology.proxyInterface)
+                mode: tc_ebpf
+                downstream: [\(member(1))]
+                pools:
+                  - name: archive
+                    balancing: all
+                    downstream: [\(archive.map(member).joined(separator: ", "))]
+                  - name: security
+                    sample: 2
+                    sources: ["198.18.0.0/27"]
+                    downstream: [\(member(4))]
+            metrics: {enabled: true, bind: "127.0.0.1:9464"}
+            """
+    }
+
+    /// The clients (publisher --sources) the security pool keeps: in 198.18.0.0/27 and one in 2
+    /// by the sampling hash, as userspace decides it.
+    static func keptBySecurity() -> Set<String> {
+        let pool = PoolPlan(Pool(name: "security", sample: 2, sources: [SourcePrefix("198.18.0.0/27")!]), members: [], counters: PoolCounters())
+        return Set((10..<74).map { "198.18.0.\($0)" }.filter { address in
+            var storage = ReplicationTests.storage(SocketAddress("\(address):1")!)
+            return withUnsafePointer(to: &storage) { pool.sources.admits($0) && pool.samples($0) }
+        })
+    }
+
+    static func packets(_ report: [String: Any]) -> [String: Int] {
+        report.object("sources").mapValues { (($0 as? [String: Any]) ?? [:]).int("packets") }
+    }
+
+    static func outcomes(_ metrics: String, _ pool: String) -> [String: Int] {
+        var found: [String: Int] = [:]
+        for line in metrics.split(separator: "\n") where line.hasPrefix("udp_fanout_pool_datagrams_total{listener=\"tc\",mode=\"tc_ebpf\",pool=\"\(pool)\",outcome=") {
+            let outcome = line.split(separator: "\"")[7]
+            found[String(outcome)] = Int(line.split(separator: " ").last ?? "") ?? -1
+        }
+        return found
+    }
+
+    @Test("Own downstream, an all pool of two and a sampled, source-filtered pool: every copy in the kernel with the client's address; the sampled pool keeps userspace's sources; a reload of one pool moves nothing in the other; SIGTERM leaves no program and no managed neighbour")
+    func pools() throws {
+        let topology = try Topology(backends: 4)
+        defer { topology.destroy() }
+        try TCFixtures.addClientSources(topology)
+        // Unresolved next hops, as on a host that has not talked to its collectors yet: the pools'
+        // copies need managed neighbour entries (the listener's own datagram resolves its own).
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "flush", "all"])
+        let collectors = try TCFixtures.collectors(topology)
+        let (daemon, file) = try TCFixtures.start(topology, Self.config(topology, archive: [2, 3]), "tc-pools")
+        defer { try? FileManager.default.removeItem(at: file) }
+        // The managed entries resolve within a few probes.
+        var neighbours = ""
+        for _ in 0..<50 {
+            neighbours = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show"])
+            if (2...4).allSatisfy({ n in neighbours.split(separator: "\n").contains { $0.hasPrefix("\(Topology.backendIPv4(n)) ") && $0.contains("managed") && $0.contains("REACHABLE") } }) { break }
+            usleep(100_000)
+        }
+        #expect((2...4).allSatisfy { n in neighbours.contains("\(Topology.backendIPv4(n)) ") }, "managed neighbour entries for the pools' members: \(neighbours)")
+
+        let perPhase = 6400
+        func send() throws {
+            let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(perPhase)", "--rate", "20000", "--batch", "16", "--sources", TCFixtures.clientSources],
+                                      prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0)
+            usleep(300_000)
+        }
+        try send()
+        let metrics = try TCFixtures.metrics(topology)
+        #expect(metrics.contains("udp_fanout_packets_received_total{listener=\"tc\",mode=\"tc_ebpf\"} \(perPhase)"), "\(metrics)")
+        let archive = Self.outcomes(metrics, "archive")
+        #expect(archive["forwarded"] == perPhase && archive.values.reduce(0, +) == perPhase, "archive: \(archive)")
+        let security = Self.outcomes(metrics, "security")
+        #expect(security.values.reduce(0, +) == perPhase, "security's outcomes add up to received: \(security)")
+        #expect(metrics.contains("udp_fanout_pool_member_copies_total{listener=\"tc\",mode=\"tc_ebpf\",pool=\"archive\",downstream=\"b2\"} \(perPhase)"), "\(metrics)")
+
+        // Phase 2: the archive pool loses b3 by reload; the security pool and the own downstream move nothing.
+        try Self.config(topology, archive: [2]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        try daemon.waitFor("updated tc_ebpf downstream set")
+        try send()
+        let after = try TCFixtures.metrics(topology)
+        #expect(Self.outcomes(after, "archive")["forwarded"] == 2 * perPhase, "\(Self.outcomes(after, "archive"))")
+        #expect(Self.outcomes(after, "security").values.reduce(0, +) == 2 * perPhase)
+
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try TCFixtures.expectNothingLeft(topology)
+        let left = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show"])
+        #expect(!left.contains("managed"), "the managed neighbour entries udp-fanout made are gone: \(left)")
+
+        let reports = try collectors.map { try $0.stop() }
+        let counts = TCFixtures.received(reports)
+        #expect(counts[0] == 2 * perPhase, "own downstream: every datagram: \(counts)")
+        #expect(counts[1] == 2 * perPhase, "archive b2: every datagram of both phases: \(counts)")
+        #expect(counts[2] == perPhase, "archive b3: the first phase only: \(counts)")
+        let bySource = reports.map(Self.packets)
+        #expect(bySource[1].count == 64 && bySource[1] == bySource[0], "archive copies keep each client's address, as many per client as the own downstream got")
+        let kept = Self.keptBySecurity()
+        #expect(!kept.isEmpty && kept.count < 22, "the sample keeps some of the 22 sources in the prefix: \(kept.sorted())")
+        #expect(Set(bySource[3].keys) == kept, "security: exactly the sources userspace's hash keeps: \(bySource[3].keys.sorted()) vs \(kept.sorted())")
+        for source in kept { #expect(bySource[3][source] == bySource[0][source], "security gets every datagram of \(source)") }
+        let securityOutcomes = Self.outcomes(after, "security")
+        #expect(securityOutcomes["forwarded"] == counts[3], "security forwarded as its collector counted: \(securityOutcomes) \(counts)")
+        #expect((securityOutcomes["filtered_out"] ?? 0) > 0 && (securityOutcomes["sampled_out"] ?? 0) > 0, "\(securityOutcomes)")
+        for report in reports { #expect(report.int("foreign") == 0) }
+    }
+}
