@@ -418,22 +418,23 @@ struct ReplicationTests {
 /// collectors (nfdump's nfcapd) store what each pool member gets, and nfdump decodes it.
 @Suite("replication with real NetFlow collectors", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct ReplicationNetFlowTests {
-    /// An nfcapd on `port` of 127.0.0.1, writing into a directory of its own.
+    /// An nfcapd on `port` of `address` (127.0.0.1 and a free port, or a backend namespace's
+    /// address: `prefix` runs it there), writing into a directory of its own.
     final class Collector {
         let port: UInt16
         let directory: URL
         let child: Child
 
-        init() throws {
-            port = freePort()
+        init(address: String = "127.0.0.1", port given: UInt16? = nil, prefix: [String] = []) throws {
+            port = given ?? freePort()
             directory = FileManager.default.temporaryDirectory.appendingPathComponent("nfcapd-\(UUID().uuidString)")
             try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
             // The test process blocks signals its daemon threads wait for, and a child inherits the
             // mask: nfcapd (which writes its file when SIGTERM's handler runs) gets it unblocked.
             child = try Child("/usr/bin/python3", [
                 "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
-                "/usr/bin/nfcapd", "-b", "127.0.0.1", "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608",
-            ])
+                "/usr/bin/nfcapd", "-b", address, "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608",
+            ], prefix: prefix)
         }
 
         deinit { try? FileManager.default.removeItem(at: directory) }

@@ -1,3 +1,4 @@
+import BPFKernelABI
 import Foundation
 import ReusePortLB
 import Testing
@@ -124,5 +125,48 @@ struct TCReplicationEndToEndTests {
         #expect(securityOutcomes["forwarded"] == counts[3], "security forwarded as its collector counted: \(securityOutcomes) \(counts)")
         #expect((securityOutcomes["filtered_out"] ?? 0) > 0 && (securityOutcomes["sampled_out"] ?? 0) > 0, "\(securityOutcomes)")
         for report in reports { #expect(report.int("foreign") == 0) }
+    }
+
+    @Test("NetFlow v9 from 40 exporters through tc_ebpf pools into nfcapd: the own collector and the all pool's store every flow under its exporter's address, the sample: 10 pool every flow of the exporters userspace's hash keeps")
+    func netflow() throws {
+        try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
+        let topology = try Topology(backends: 3)
+        defer { topology.destroy() }
+        try TCFixtures.addClientSources(topology)
+        let collectors = try (1...3).map { n in
+            try ReplicationNetFlowTests.Collector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
+        }
+        usleep(300_000)  // the collectors bind
+        func member(_ n: Int) -> String { "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
+        let (daemon, file) = try TCFixtures.start(topology, """
+            listeners:
+              - name: tc
+                bind: "198.18.0.1:2055"
+                interface: \(topology.proxyInterface)
+                mode: tc_ebpf
+                downstream: [\(member(1))]
+                pools:
+                  - {name: archive, balancing: all, downstream: [\(member(2))]}
+                  - {name: sampled, sample: 10, downstream: [\(member(3))]}
+            metrics: {enabled: true, bind: "127.0.0.1:9464"}
+            """, "tc-netflow")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let exporters = (10..<50).map { "198.18.0.\($0)" }
+        let publisher = try Child("publisher", ["198.18.0.1", "2055", "800", "--sources", "198.18.0.10-198.18.0.49", "--netflow", "v9", "--rate", "4000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        usleep(500_000)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let perExporter = 200  // 20 packets of 10 records each
+        let every = Dictionary(uniqueKeysWithValues: exporters.map { ($0, perExporter) })
+        #expect(try collectors[0].flowsByExporter() == every, "own collector")
+        #expect(try collectors[1].flowsByExporter() == every, "archive collector")
+        let kept = exporters.filter { exporter in
+            var storage = ReplicationTests.storage(SocketAddress(ip: IPAddress(exporter)!, port: 1))
+            return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
+        }
+        #expect(!kept.isEmpty && kept.count < 12, "\(kept.count) of 40 exporters sampled")
+        #expect(try collectors[2].flowsByExporter() == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }), "sampled collector: the kept exporters, whole")
     }
 }
