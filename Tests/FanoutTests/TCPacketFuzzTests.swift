@@ -104,12 +104,24 @@ struct TCPacketFuzzTests {
         }
     }
 
-    @Test("Random and mutated packets: every one gets a counted verdict; redirected checksums as valid as on arrival")
-    func fuzz() throws {
+    @Test("Random and mutated packets: every one gets a counted verdict; redirected checksums as valid as on arrival (with replication pools: after every copy's rewrite, and each pool's counts add up)", arguments: [false, true])
+    func fuzz(pools: Bool) throws {
         let fixture = try TCProgramFixture()
         // A listener behind a 600-byte route MTU, so too_large is reached too.
         try fixture.add(TCProgramFixture.listenerBind(5602), id: 5, BackendSet(
             downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 0]))
+        if pools {
+            // The 5514 listeners again, each with pools: copies (one without a neighbour), a sample.
+            let member = TCPoolProgramTests.member
+            try TCPoolProgramTests.addListener(fixture, bind: ProgramFrames.listenerV4, id: 0, own: (1...3).map { member("b\($0)", "198.18.200.10:\(6000 + $0)") }, pools: [
+                .init(id: 11, policy: FANOUT_POLICY_ALL, members: [member("a1", "198.18.200.10:7001"), member("a2", "198.18.200.20:7002")]),
+                .init(id: 12, policy: FANOUT_POLICY_SOURCE_IP, members: [member("s1", "198.18.200.10:7101"), member("s2", "198.18.210.10:7102")], sample: 2),
+            ])
+            try TCPoolProgramTests.addListener(fixture, bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
+                .init(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [member("v1", "[2001:db8:200::10]:7201")], sources: [SourcePrefix("2001:db8::/32")!]),
+            ])
+        }
+        let receivedBefore = (fixture.program.listenerStats(id: 0).received, fixture.program.listenerStats(id: 1).received)
         let ids: [UInt32] = [0, 1, 2, 3, 4, 5, UInt32(FANOUT_UNMATCHED_STATS)]
         func verdictTotals() -> [UInt64] {
             ids.map { fixture.stats($0).verdicts }.reduce([UInt64](repeating: 0, count: Int(FANOUT_VERDICT_COUNT.rawValue))) { zip($0, $1).map(+) }
@@ -181,6 +193,17 @@ struct TCPacketFuzzTests {
         #expect(count(FANOUT_VERDICT_NO_BACKEND) + count(FANOUT_VERDICT_NO_ROUTE) + count(FANOUT_VERDICT_TTL_EXPIRED)
                 + count(FANOUT_VERDICT_TOO_LARGE) + count(FANOUT_VERDICT_REWRITE_FAILED) == UInt64(outcome.shot))
         #expect(count(FANOUT_VERDICT_FRAGMENT_UNTRACKED) + count(FANOUT_VERDICT_MALFORMED) + count(FANOUT_VERDICT_NOT_OURS) == UInt64(outcome.pass))
+        if pools {
+            // Every datagram a listener received was offered to each of its pools, and each had one outcome.
+            let received = (fixture.program.listenerStats(id: 0).received - receivedBefore.0, fixture.program.listenerStats(id: 1).received - receivedBefore.1)
+            for (id, listener) in [(UInt32(11), received.0), (12, received.0), (13, received.1)] {
+                let counted = TCPoolProgramTests.pool(fixture, id)
+                #expect(counted.received == listener, "pool \(id) offered \(counted.received) of \(listener)")
+                #expect(counted.forwarded + counted.dropped + counted.sampledOut + counted.filteredOut == counted.received, "pool \(id): \(counted)")
+                #expect(counted.forwarded > 0, "pool \(id) copied")
+            }
+            print("tc packet fuzz, pools: " + [UInt32(11), 12, 13].map { "pool \($0) \(TCPoolProgramTests.pool(fixture, $0))" }.joined(separator: "; "))
+        }
         // The mix reaches every verdict but rewrite_failed (no helper refuses a valid rewrite).
         for (index, name) in names.enumerated() where name != "rewrite_failed" {
             #expect(counted[index] > 0, "the mix reaches \(name)")
