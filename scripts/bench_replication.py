@@ -1,7 +1,8 @@
 """Replication benchmark for make bench (BENCH=replication): udp-fanout (userspace, pools) against
 pmacct's nfacctd tee plugin, each copying every NetFlow v9 datagram to 3 receivers on loopback,
-plain and keeping the exporter's address (preserve_source / tee_transparent). Run by bench.py;
-shares bench_common's helpers."""
+plain and keeping the exporter's address (preserve_source / tee_transparent); then udp-fanout
+tc_ebpf (copies made in the kernel) against nfacctd tee_transparent in the proxy namespace of
+client -> proxy -> 3 backends. Run by bench.py; shares bench_common's helpers."""
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import tempfile
 import time
 
 import bench_common as common
+from bench_common import BACKENDS, Topology, in_namespace
 
 PACKETS = int(os.environ.get("BENCH_REPLICATION_PACKETS", "200000"))
 # CPU per datagram is measured at a rate both forwarders keep up with (a forwarder that drops at
@@ -139,6 +141,124 @@ def rows():
                         f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} ({peer[1]:,.0f}-{peer[2]:,.0f})",
                         f"{ours[0] / peer[0]:.2f}",
                         f"least copies delivered / 3 x sent: ours {delivered[0]:.3f}, nfacctd {delivered[1]:.3f}"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out + kernel_rows()
+
+
+# tc_ebpf: the copies are made in softirq, not in a process: CPU is the whole machine's (user,
+# system, irq and softirq of all CPUs, /proc/stat) at a rate both keep up with, minus the same
+# measure with the proxy dropping the datagrams at its ingress (the generator's and the sinks'
+# share), per datagram sent.
+TC_RATE = int(os.environ.get("BENCH_REPLICATION_TC_RATE", "20000"))
+TC_SECONDS = int(os.environ.get("BENCH_REPLICATION_TC_SECONDS", "4"))
+
+
+def machine_cpu_seconds():
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return sum(int(fields[i]) for i in (1, 2, 3, 6, 7)) / HZ
+
+
+class KernelReplicator:
+    """In the proxy namespace: udp-fanout tc_ebpf with backend 1 its own and backends 2 and 3 an
+    `all` pool (3 copies of each datagram, the exporter's address kept), nfacctd tee_transparent to
+    the 3 backends, or the baseline (the proxy drops at its ingress)."""
+
+    def __init__(self, variant, topology, work):
+        self.variant, self.topology, self.proc = variant, topology, None
+        receivers = [f"198.18.{n}.2:6000" for n in range(1, BACKENDS + 1)]
+        if variant == "tc_ebpf":
+            path = os.path.join(work, "tc-pools.yaml")
+            members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
+            with open(path, "w") as f:
+                f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
+                        f'    mode: tc_ebpf\n    downstream: [{{address: "{receivers[0]}"}}]\n'
+                        f"    pools:\n      - {{name: copies, balancing: all, downstream: [{members}]}}\n")
+            self.proc = subprocess.Popen([*in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path],
+                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+            while "registered listener in eBPF map" not in (line := self.proc.stderr.readline()):
+                if not line:
+                    raise SystemExit("udp-fanout (tc_ebpf) exited")
+        elif variant == "nfacctd":
+            lst = os.path.join(work, "tee_receivers_ns.lst")
+            with open(lst, "w") as f:
+                f.writelines(f"id={i + 1} ip={r}\n" for i, r in enumerate(receivers))
+            conf = os.path.join(work, "nfacctd_ns.conf")
+            with open(conf, "w") as f:
+                f.write(f"daemonize: false\nnfacctd_ip: 198.18.0.1\nnfacctd_port: 5514\nnfacctd_pipe_size: 16777216\n"
+                        f"plugins: tee[t]\ntee_receivers[t]: {lst}\ntee_transparent[t]: true\n"
+                        "plugin_pipe_size[t]: 67108864\nplugin_buffer_size[t]: 65536\n")
+            self.proc = subprocess.Popen([*in_namespace(topology.proxy), "nfacctd", "-f", conf], stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+            time.sleep(1.5)
+            if self.proc.poll() is not None:
+                raise SystemExit(f"nfacctd exited: {self.proc.stderr.read()}")
+        else:
+            rules = (f'table netdev replication_bench {{\n chain in {{\n  type filter hook ingress device "{topology.proxy_if}" priority 0;'
+                     f' policy accept;\n  ip daddr 198.18.0.1 udp dport 5514 drop\n }}\n}}\n')
+            subprocess.run([*in_namespace(topology.proxy), "nft", "-f", "-"], input=rules, text=True, check=True)
+
+    def stop(self):
+        if self.proc:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        else:
+            self.topology.ns(self.topology.proxy, "nft", "delete", "table", "netdev", "replication_bench")
+
+
+def run_kernel(variant, topology, work, fixed):
+    lb = KernelReplicator(variant, topology, work)
+    try:
+        before = topology.delivered()
+        cpu = machine_cpu_seconds()
+        count = TC_RATE * TC_SECONDS if fixed else PACKETS
+        extra = ("--netflow", "v9", "--records", "10") + (("--rate", str(TC_RATE)) if fixed else ())
+        sent = common.publish_in(topology, ("198.18.0.1", 5514), count, extra)
+        time.sleep(0.5)
+        cpu = machine_cpu_seconds() - cpu
+        delivered = topology.delivered() - before
+    finally:
+        lb.stop()
+    return {"cpu_us": cpu / sent["sent"] * 1e6, "copies_pps": delivered / sent["seconds"], "delivered": delivered / (3 * sent["sent"])}
+
+
+def kernel_rows():
+    work = tempfile.mkdtemp(prefix="rplb-replication-tc-bench-")
+    topology = Topology()
+    try:
+        print(f"bench: replication in the kernel, udp-fanout tc_ebpf (own backend + an all pool of 2) vs nfacctd tee_transparent"
+              f" in the proxy namespace, 3 copies of each NetFlow v9 datagram; CPU at {TC_RATE:,} pps for {TC_SECONDS} s net of"
+              f" the generator baseline, copies/s at saturation ({PACKETS} datagrams)", flush=True)
+        fixed = {"tc_ebpf": [], "nfacctd": [], "baseline": []}
+        saturation = {"tc_ebpf": [], "nfacctd": []}
+        for index in range(common.RUNS):
+            order = ("tc_ebpf", "nfacctd") if index % 2 == 0 else ("nfacctd", "tc_ebpf")
+            for variant in order + ("baseline",):
+                fixed[variant].append(run_kernel(variant, topology, work, fixed=True))
+            for variant in order:
+                saturation[variant].append(run_kernel(variant, topology, work, fixed=False))
+        net = {v: [r["cpu_us"] - b["cpu_us"] for r, b in zip(fixed[v], fixed["baseline"])] for v in ("tc_ebpf", "nfacctd")}
+        ours, peer = common.spread(net["tc_ebpf"]), common.spread(net["nfacctd"])
+        ratios = common.spread([o / p for o, p in zip(net["tc_ebpf"], net["nfacctd"])])
+        base = common.spread([r["cpu_us"] for r in fixed["baseline"]])
+        out = [(f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "nfacctd tee, tee_transparent",
+                f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{peer[0]:.2f} us ({peer[1]:.2f}-{peer[2]:.2f})",
+                f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.10",
+                f"all CPUs' user+sys+irq+softirq / sent, minus the generator baseline ({base[0]:.2f} us); least delivered:"
+                f" ours {min(r['delivered'] for r in fixed['tc_ebpf']):.3f}, nfacctd {min(r['delivered'] for r in fixed['nfacctd']):.3f}")]
+        ours, peer = common.spread([r["copies_pps"] for r in saturation["tc_ebpf"]]), common.spread([r["copies_pps"] for r in saturation["nfacctd"]])
+        ratios = common.spread([o["copies_pps"] / p["copies_pps"] for o, p in zip(saturation["tc_ebpf"], saturation["nfacctd"])])
+        out.append(("replication tc_ebpf: delivered copies/s at saturation", "nfacctd tee, tee_transparent",
+                    f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                    f"copies on the backend links / s; least delivered / 3 x sent: ours {min(r['delivered'] for r in saturation['tc_ebpf']):.3f},"
+                    f" nfacctd {min(r['delivered'] for r in saturation['nfacctd']):.3f}"))
         return out
     finally:
+        topology.destroy()
         shutil.rmtree(work, ignore_errors=True)

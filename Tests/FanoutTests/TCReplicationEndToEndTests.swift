@@ -126,47 +126,64 @@ struct TCReplicationEndToEndTests {
         #expect((securityOutcomes["filtered_out"] ?? 0) > 0 && (securityOutcomes["sampled_out"] ?? 0) > 0, "\(securityOutcomes)")
         for report in reports { #expect(report.int("foreign") == 0) }
     }
+}
 
-    @Test("NetFlow v9 from 40 exporters through tc_ebpf pools into nfcapd: the own collector and the all pool's store every flow under its exporter's address, the sample: 10 pool every flow of the exporters userspace's hash keeps")
-    func netflow() throws {
+/// The issue's NetFlow check in the kernel modes: three pools (a balanced pair, an `all` pair, a
+/// `sample: 10` single collector) fed by the publisher's NetFlow v9 from 40 exporters, stored by
+/// nfcapd in the backend namespaces and decoded by nfdump.
+@Suite("replication with real NetFlow collectors, tc_ebpf and af_xdp", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct KernelModeNetFlowTests {
+    @Test("NetFlow v9 from 40 exporters into nfcapd through three pools: each exporter's flows at one member of the balanced pair, every flow at each member of the all pair, every flow of the exporters userspace's sample keeps at the sampled one; exporter addresses kept", arguments: ["tc_ebpf", "af_xdp"])
+    func netflow(mode: String) throws {
         try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
-        let topology = try Topology(backends: 3)
+        let topology = try Topology(backends: 5, queues: 2)
         defer { topology.destroy() }
         try TCFixtures.addClientSources(topology)
-        let collectors = try (1...3).map { n in
+        let collectors = try (1...5).map { n in
             try ReplicationNetFlowTests.Collector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
         }
         usleep(300_000)  // the collectors bind
-        func member(_ n: Int) -> String { "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
-        let (daemon, file) = try TCFixtures.start(topology, """
+        func members(_ numbers: [Int]) -> String {
+            numbers.map { "{name: b\($0), address: \"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"}" }.joined(separator: ", ")
+        }
+        let kind = mode == "af_xdp" ? "mode: af_xdp\n    settings: {output: preserve_source}" : "mode: tc_ebpf"
+        let file = try TCFixtures.write("""
             listeners:
-              - name: tc
+              - name: nf
                 bind: "198.18.0.1:2055"
                 interface: \(topology.proxyInterface)
-                mode: tc_ebpf
-                downstream: [\(member(1))]
+                \(kind)
+                balancing: source_ip
+                downstream: [\(members([1, 2]))]
                 pools:
-                  - {name: archive, balancing: all, downstream: [\(member(2))]}
-                  - {name: sampled, sample: 10, downstream: [\(member(3))]}
+                  - {name: archive, balancing: all, downstream: [\(members([3, 4]))]}
+                  - {name: sampled, sample: 10, downstream: [\(members([5]))]}
             metrics: {enabled: true, bind: "127.0.0.1:9464"}
-            """, "tc-netflow")
+            """, "netflow-\(mode)")
         defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor(mode == "af_xdp" ? "AF_XDP path initialized" : "registered listener in eBPF map")
         let exporters = (10..<50).map { "198.18.0.\($0)" }
         let publisher = try Child("publisher", ["198.18.0.1", "2055", "800", "--sources", "198.18.0.10-198.18.0.49", "--netflow", "v9", "--rate", "4000"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
         usleep(500_000)
         daemon.signal(SIGTERM)
-        #expect(daemon.wait() == 0)
+        #expect(daemon.wait() == 0, "\(daemon.stderr)")
         let perExporter = 200  // 20 packets of 10 records each
+        let flows = try collectors.map { try $0.flowsByExporter() }
+        for exporter in exporters {
+            let counts = flows[0..<2].map { $0[exporter] ?? 0 }
+            #expect(counts.sorted() == [0, perExporter], "\(mode), \(exporter) in the balanced pair: \(counts)")
+        }
+        #expect(flows[0..<2].allSatisfy { !$0.isEmpty }, "\(mode): both members of the balanced pair")
         let every = Dictionary(uniqueKeysWithValues: exporters.map { ($0, perExporter) })
-        #expect(try collectors[0].flowsByExporter() == every, "own collector")
-        #expect(try collectors[1].flowsByExporter() == every, "archive collector")
+        #expect(flows[2] == every && flows[3] == every, "\(mode): every flow at each member of the all pair, under its exporter's address")
         let kept = exporters.filter { exporter in
             var storage = ReplicationTests.storage(SocketAddress(ip: IPAddress(exporter)!, port: 1))
             return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
         }
         #expect(!kept.isEmpty && kept.count < 12, "\(kept.count) of 40 exporters sampled")
-        #expect(try collectors[2].flowsByExporter() == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }), "sampled collector: the kept exporters, whole")
+        #expect(flows[4] == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }), "\(mode): the sampled collector has the kept exporters, whole")
     }
 }

@@ -301,14 +301,13 @@ final class TCListener: RunningListener {
         var neighbours: [TCDataplane.Neighbour] = []
     }
     /// A replication pool in the program's maps: its own id (sets, rotation, counters), the set
-    /// generation the listener entry points at, its members' counter slots, its `sources` in force,
-    /// and what its counters were when last added to the pool's metrics (the metrics are the
+    /// generation the listener entry points at (its `sources` are under id * 2 + generation), its
+    /// members' counter slots, and what its counters were when last added to the pool's metrics (the metrics are the
     /// process's totals, so each instance adds what its maps counted since).
     private struct PoolLive {
         let id: UInt32
         var generation: UInt32?
         var slots: [String: UInt16] = [:]
-        var sources: [SourcePrefix] = []
         var seen = PoolTally()
         var seenMembers: [String: MemberTally] = [:]
     }
@@ -566,8 +565,9 @@ final class TCListener: RunningListener {
             let balancing: Balancing = pool.balancing.single ?? .roundRobin
             try program.writeSet(id: state.id, generation: generation, BackendSet(downstreams: inSet, balancing: balancing, slots: slots))
             let key = state.id * 2 + generation
-            // What an earlier change may have left under this generation's key, then the new prefixes.
-            try program.writePoolSources(key: key, state.sources, remove: true)
+            // Whatever an earlier change left under this generation's key (one that failed half way
+            // too), then the new prefixes.
+            program.clearPoolSources(key: key)
             try program.writePoolSources(key: key, pool.sources)
             var record = fanout_pool()
             record.id = state.id
@@ -577,7 +577,6 @@ final class TCListener: RunningListener {
             record.flags = pool.sources.isEmpty ? 0 : FANOUT_POOL_SOURCES
             state.slots = slots
             state.generation = generation
-            state.sources = pool.sources
             prepared.append(PreparedPool(name: pool.name, record: record, state: state))
         }
         return prepared
@@ -589,7 +588,7 @@ final class TCListener: RunningListener {
         var kept: [String: PoolLive] = [:]
         for pool in prepared {
             if let previous = live.pools[pool.name], let generation = previous.generation {
-                try? program.writePoolSources(key: previous.id * 2 + generation, previous.sources, remove: true)
+                program.clearPoolSources(key: previous.id * 2 + generation)
             }
             kept[pool.name] = pool.state
         }
@@ -602,9 +601,9 @@ final class TCListener: RunningListener {
     /// A pool leaves the program: its last counts to the metrics, its `sources` out, its id back.
     private func releasePool(_ name: String, _ pool: inout PoolLive) {
         pumpPool(name, &pool)
-        if let generation = pool.generation {
-            try? program.writePoolSources(key: pool.id * 2 + generation, pool.sources, remove: true)
-        }
+        // Both generations: a change that failed half way may have written the other.
+        program.clearPoolSources(key: pool.id * 2)
+        program.clearPoolSources(key: pool.id * 2 + 1)
         dataplane.releasePoolID(pool.id)
     }
 

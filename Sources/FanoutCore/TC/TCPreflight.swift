@@ -19,9 +19,12 @@ enum TCPreflight {
         if TCDataplane.readFirstLine(forwarding.path) != "1" {
             problems.append("\(key).interface: \(name): IP forwarding is disabled for '\(interface)', so the kernel's fib lookup refuses to route: enable it with sysctl -w \(forwarding.sysctl)=1")
         }
-        for (position, downstream) in listener.downstreams.enumerated() {
-            guard let problem = TCRoute.problem(to: downstream.address.ip) else { continue }
-            problems.append("\(key).downstream[\(position)]: \(name), downstream '\(downstream.name)' \(downstream.address): no route from this host (\(problem)): add one (ip route add \(downstream.address.ip) via <gateway>) or fix the address; until then its datagrams are dropped and counted no_route")
+        let groups = [(key, listener.downstreams)] + listener.pools.enumerated().map { ("\(key).pools[\($0)]", $1.downstreams) }
+        for (path, downstreams) in groups {
+            for (position, downstream) in downstreams.enumerated() {
+                guard let problem = TCRoute.problem(to: downstream.address.ip) else { continue }
+                problems.append("\(path).downstream[\(position)]: \(name), downstream '\(downstream.name)' \(downstream.address): no route from this host (\(problem)): add one (ip route add \(downstream.address.ip) via <gateway>) or fix the address; until then its datagrams are dropped and counted no_route")
+            }
         }
         return problems
     }

@@ -162,8 +162,23 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (words[0], words[1], ["no_route": words[2], "too_large": words[3], "no_neighbour": words[6], "rewrite_failed": words[7]])
     }
 
-    /// Puts (or, with `remove`, takes out) a pool's `sources` under `key` (its id * 2 + generation).
-    func writePoolSources(key: UInt32, _ prefixes: [SourcePrefix], remove: Bool = false) throws(SystemCallError) {
+    /// Takes every prefix under `key` (a pool's id * 2 + generation) out of the sources map,
+    /// whatever wrote it (a change that failed half way included).
+    func clearPoolSources(key: UInt32) {
+        var stale: [fanout_pool_source_key] = []
+        var current = fanout_pool_source_key()
+        var next = fanout_pool_source_key()
+        var first = true
+        while (first ? bpf_map_get_next_key(poolSources, nil, &next) : bpf_map_get_next_key(poolSources, &current, &next)) == 0 {
+            first = false
+            if next.pool_id == key { stale.append(next) }
+            current = next
+        }
+        for var entry in stale { bpf_map_delete_elem(poolSources, &entry) }
+    }
+
+    /// Puts a pool's `sources` under `key` (its id * 2 + generation).
+    func writePoolSources(key: UInt32, _ prefixes: [SourcePrefix]) throws(SystemCallError) {
         for prefix in prefixes {
             var entry = fanout_pool_source_key()
             entry.pool_id = key
@@ -178,12 +193,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
                 entry.prefixlen = UInt32(32 + prefix.length)
             }
             withUnsafeMutableBytes(of: &entry.addr) { $0.copyBytes(from: bytes) }
-            if remove {
-                bpf_map_delete_elem(poolSources, &entry)
-            } else {
-                var value: UInt8 = 1
-                try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_POOL_SOURCES_NAME)") { bpf_map_update_elem(poolSources, &entry, &value, UInt64(BPF_ANY)) }
-            }
+            var value: UInt8 = 1
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_POOL_SOURCES_NAME)") { bpf_map_update_elem(poolSources, &entry, &value, UInt64(BPF_ANY)) }
         }
     }
 
