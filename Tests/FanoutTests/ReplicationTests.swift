@@ -164,7 +164,7 @@ struct ReplicationTests {
     func sourcesAndSample() throws {
         let filter = SourceFilter([SourcePrefix("198.18.0.0/15")!, SourcePrefix("2001:db8::/32")!, SourcePrefix("127.0.0.5")!])
         func admits(_ text: String) -> Bool {
-            var storage = Self.storage(SocketAddress(ip: IPAddress(text)!, port: 1))
+            var storage = ReplicationFixtures.storage(SocketAddress(ip: IPAddress(text)!, port: 1))
             return filter.admits(&storage)
         }
         #expect(admits("198.18.0.1") && admits("198.19.255.255") && !admits("198.20.0.0") && !admits("198.17.255.255"))
@@ -178,21 +178,13 @@ struct ReplicationTests {
         let pool = PoolPlan(Pool(name: "s", sample: 10), members: [], counters: counters.pool("s"))
         let sources = (0..<10_000).map { IPAddress(bytes: [10, UInt8($0 >> 8), UInt8($0 & 0xff), 1])! }
         let kept = sources.filter { address in
-            var storage = Self.storage(SocketAddress(ip: address, port: 1))
+            var storage = ReplicationFixtures.storage(SocketAddress(ip: address, port: 1))
             // The same answer for every port of a source (datagram after datagram).
-            var other = Self.storage(SocketAddress(ip: address, port: 40_000))
+            var other = ReplicationFixtures.storage(SocketAddress(ip: address, port: 40_000))
             #expect(pool.samples(&storage) == pool.samples(&other))
             return pool.samples(&storage)
         }
         #expect((900...1100).contains(kept.count), "one source in 10: \(kept.count) of 10,000")
-    }
-
-    static func storage(_ address: SocketAddress) -> sockaddr_storage {
-        var storage = sockaddr_storage()
-        address.withSockAddr { pointer, length in
-            withUnsafeMutableBytes(of: &storage) { $0.copyMemory(from: UnsafeRawBufferPointer(start: pointer, count: Int(length))) }
-        }
-        return storage
     }
 
     // MARK: forwarding
@@ -217,16 +209,6 @@ struct ReplicationTests {
         return tags
     }
 
-    static func poolLabels(_ pool: String) -> String { "listener=\"rep\",mode=\"userspace\",pool=\"\(pool)\"" }
-
-    /// `udp_fanout_pool_datagrams_total` of `pool` by outcome.
-    static func outcomes(_ text: String, _ pool: String) -> [String: Int] {
-        var values: [String: Int] = [:]
-        for outcome in ["forwarded", "dropped", "sampled_out", "filtered_out"] {
-            values[outcome] = metric(text, "udp_fanout_pool_datagrams_total", poolLabels(pool) + ",outcome=\"\(outcome)\"")
-        }
-        return values
-    }
 
     @Test("one listener, four pools on loopback: its own pair by source, an all pair each gets every datagram, sample: 10 gets whole sources, sources: only its prefix; every pool's outcomes add up to received")
     func fourPools() throws {
@@ -252,7 +234,7 @@ struct ReplicationTests {
         for received in archiveReceived { #expect(received == Dictionary(uniqueKeysWithValues: sources.map { ($0, 10) })) }
         // sample: 10: whole sources, the ones the sampling hash keeps (about one in ten).
         let kept = sources.filter { source in
-            var storage = Self.storage(SocketAddress(ip: IPAddress(source)!, port: 1))
+            var storage = ReplicationFixtures.storage(SocketAddress(ip: IPAddress(source)!, port: 1))
             return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
         }
         #expect(securityReceived == Dictionary(uniqueKeysWithValues: kept.map { ($0, 10) }))
@@ -263,14 +245,14 @@ struct ReplicationTests {
         let text = daemon.metricsText()
         #expect(metric(text, "udp_fanout_packets_received_total", "listener=\"rep\",mode=\"userspace\"") == 1000)
         #expect(metric(text, "udp_fanout_packets_forwarded_total", "listener=\"rep\",mode=\"userspace\"") == 1000)
-        #expect(Self.outcomes(text, "archive") == ["forwarded": 1000, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
-        #expect(Self.outcomes(text, "security") == ["forwarded": 10 * kept.count, "dropped": 0, "sampled_out": 1000 - 10 * kept.count, "filtered_out": 0])
-        #expect(Self.outcomes(text, "lab") == ["forwarded": 40, "dropped": 0, "sampled_out": 0, "filtered_out": 960])
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 1000, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "security") == ["forwarded": 10 * kept.count, "dropped": 0, "sampled_out": 1000 - 10 * kept.count, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "lab") == ["forwarded": 40, "dropped": 0, "sampled_out": 0, "filtered_out": 960])
         for member in ["archive-1", "archive-2"] {
-            #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("archive") + ",downstream=\"\(member)\"") == 1000)
+            #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("archive") + ",downstream=\"\(member)\"") == 1000)
             #expect(metric(text, "udp_fanout_pool_member_up", "listener=\"rep\",pool=\"archive\",downstream=\"\(member)\",address=\"\(archive[member == "archive-1" ? 0 : 1].address)\"") == 1)
         }
-        #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("lab") + ",downstream=\"lab-1\"") == 40)
+        #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("lab") + ",downstream=\"lab-1\"") == 40)
         // The listener's own series are as without pools.
         #expect(!text.contains("udp_fanout_downstream_up{listener=\"rep\",downstream=\"archive-1\""))
         #expect(metric(text, "udp_fanout_downstreams", "listener=\"rep\",source=\"static\"") == 2)
@@ -296,8 +278,8 @@ struct ReplicationTests {
         settle { daemon.counters(of: "rep")?.twoWay?.replies == 200 }
         let text = daemon.metricsText()
         #expect(metric(text, "udp_fanout_replies_total", "listener=\"rep\",mode=\"userspace\"") == 200)
-        #expect(Self.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
-        #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("archive") + ",downstream=\"archive-1\"") == 200)
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("archive") + ",downstream=\"archive-1\"") == 200)
     }
 
     @Test("a dead member of an all pool: its copies are counted dropped (unreachable), the other member, the listener's own downstreams and other pools get everything")
@@ -319,14 +301,14 @@ struct ReplicationTests {
         #expect(alive.drain().count == 200)
         #expect(other.drain().count == 200)
         let text = daemon.metricsText()
-        let labels = Self.poolLabels("archive")
+        let labels = ReplicationFixtures.poolLabels("archive")
         let sent = try #require(metric(text, "udp_fanout_pool_member_copies_total", labels + ",downstream=\"dead\""))
         let dropped = try #require(metric(text, "udp_fanout_pool_member_dropped_total", labels + ",downstream=\"dead\""))
         #expect(sent + dropped == 200 && dropped > 0, "dead member: \(sent) sent, \(dropped) dropped")
         #expect(metric(text, "udp_fanout_pool_dropped_total", labels + ",reason=\"unreachable\"") == dropped)
         #expect(metric(text, "udp_fanout_pool_member_copies_total", labels + ",downstream=\"archive-1\"") == 200)
-        #expect(Self.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
-        #expect(Self.outcomes(text, "other") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "other") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
         #expect(metric(text, "udp_fanout_packets_dropped_total", "listener=\"rep\",mode=\"userspace\"") == 0)
     }
 
@@ -351,7 +333,7 @@ struct ReplicationTests {
         sender.start()
         // The reload comes once the pool has had copies and while the sender still sends.
         let deadline = ContinuousClock.now + .seconds(5)
-        while (Self.outcomes(daemon.metricsText(), "security")["forwarded"] ?? 0) < 100 && ContinuousClock.now < deadline { usleep(2_000) }
+        while (ReplicationFixtures.outcomes(daemon.metricsText(), "security")["forwarded"] ?? 0) < 100 && ContinuousClock.now < deadline { usleep(2_000) }
         try #require(!sender.isFinished, "the sender finished before the reload")
         #expect(daemon.reload(text: yaml(after)))
         while !sender.isFinished { usleep(10_000) }
@@ -364,8 +346,8 @@ struct ReplicationTests {
         let moved = (before.drain().count, after.drain().count)
         #expect(moved.0 + moved.1 == total && moved.0 > 0 && moved.1 > 0, "security before and after the reload: \(moved)")
         let text = daemon.metricsText()
-        #expect(Self.outcomes(text, "security") == ["forwarded": total, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
-        #expect(Self.outcomes(text, "archive") == ["forwarded": total, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "security") == ["forwarded": total, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": total, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
     }
 
     @Test("a pool's members from DNS and from EndpointSlices, through the one membership path: each pool gets only what its own source found")
@@ -399,8 +381,8 @@ struct ReplicationTests {
         #expect(pod.drain().count == 50)
         #expect(resolved.drain().count == 50)
         let text = daemon.metricsText()
-        #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("k8s") + ",downstream=\"ids-pod\"") == 50)
-        #expect(metric(text, "udp_fanout_pool_member_copies_total", Self.poolLabels("dns") + ",downstream=\"archive/127.0.0.1\"") == 50)
+        #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("k8s") + ",downstream=\"ids-pod\"") == 50)
+        #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("dns") + ",downstream=\"archive/127.0.0.1\"") == 50)
         // The listener's own members are its static one only.
         #expect(metric(text, "udp_fanout_downstreams", "listener=\"rep\",source=\"kubernetes\"") == 0)
         // The Service's endpoints go: that pool has no member, counted; the others go on.
@@ -408,8 +390,8 @@ struct ReplicationTests {
         try sendNumbered(to: bind, count: 30)
         #expect(own.drain().count == 30 && resolved.drain().count == 30 && pod.drain(quiet: .milliseconds(100)).isEmpty)
         let after = daemon.metricsText()
-        #expect(Self.outcomes(after, "k8s") == ["forwarded": 50, "dropped": 30, "sampled_out": 0, "filtered_out": 0])
-        #expect(metric(after, "udp_fanout_pool_dropped_total", Self.poolLabels("k8s") + ",reason=\"no_healthy\"") == 30)
+        #expect(ReplicationFixtures.outcomes(after, "k8s") == ["forwarded": 50, "dropped": 30, "sampled_out": 0, "filtered_out": 0])
+        #expect(metric(after, "udp_fanout_pool_dropped_total", ReplicationFixtures.poolLabels("k8s") + ",reason=\"no_healthy\"") == 30)
         #expect(daemon.isReady, "a pool without members does not make the listener unready: \(daemon.readiness)")
     }
 }
@@ -418,51 +400,15 @@ struct ReplicationTests {
 /// collectors (nfdump's nfcapd) store what each pool member gets, and nfdump decodes it.
 @Suite("replication with real NetFlow collectors", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct ReplicationNetFlowTests {
-    /// An nfcapd on `port` of `address` (127.0.0.1 and a free port, or a backend namespace's
-    /// address: `prefix` runs it there), writing into a directory of its own.
-    final class Collector {
-        let port: UInt16
-        let directory: URL
-        let child: Child
-
-        init(address: String = "127.0.0.1", port given: UInt16? = nil, prefix: [String] = []) throws {
-            port = given ?? freePort()
-            directory = FileManager.default.temporaryDirectory.appendingPathComponent("nfcapd-\(UUID().uuidString)")
-            try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-            // The test process blocks signals its daemon threads wait for, and a child inherits the
-            // mask: nfcapd (which writes its file when SIGTERM's handler runs) gets it unblocked.
-            child = try Child("/usr/bin/python3", [
-                "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
-                "/usr/bin/nfcapd", "-b", address, "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608",
-            ], prefix: prefix)
-        }
-
-        deinit { try? FileManager.default.removeItem(at: directory) }
-
-        /// Stops it (it writes its file on SIGTERM) and returns the flows by exporter address.
-        func flowsByExporter() throws -> [String: Int] {
-            child.signal(SIGTERM)
-            #expect(child.wait(seconds: 10) == 0, "nfcapd: \(child.stderr)")
-            let decoded = try run("/usr/bin/nfdump", ["-R", directory.path, "-q", "-o", "fmt:%ra"])
-            #expect(decoded.status == 0, "\(decoded.output)")
-            var flows: [String: Int] = [:]
-            for line in decoded.output.split(separator: "\n") {
-                let exporter = line.trimmingCharacters(in: .whitespaces)
-                if !exporter.isEmpty { flows[exporter, default: 0] += 1 }
-            }
-            return flows
-        }
-    }
-
     @Test("NetFlow v9 from 40 exporters: the balanced pair stores each exporter's flows at one member, each member of the all pair every flow, the sample: 10 collector every flow of about one exporter in ten; exporter addresses kept (preserve_source)")
     func netflowPools() throws {
         try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
-        let own = try (0..<2).map { _ in try Collector() }
-        let archive = try (0..<2).map { _ in try Collector() }
-        let sampled = try Collector()
+        let own = try (0..<2).map { _ in try NetFlowCollector() }
+        let archive = try (0..<2).map { _ in try NetFlowCollector() }
+        let sampled = try NetFlowCollector()
         usleep(300_000)  // the collectors bind
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        func members(_ prefix: String, _ collectors: [Collector]) -> String {
+        func members(_ prefix: String, _ collectors: [NetFlowCollector]) -> String {
             collectors.enumerated().map { "          - {name: \(prefix)-\($0 + 1), address: \"127.0.0.1:\($1.port)\"}\n" }.joined()
         }
         let yaml = """
@@ -501,14 +447,11 @@ struct ReplicationNetFlowTests {
         for collector in archive {
             #expect(try collector.flowsByExporter() == Dictionary(uniqueKeysWithValues: exporters.map { ($0, perExporter) }))
         }
-        let kept = exporters.filter { exporter in
-            var storage = ReplicationTests.storage(SocketAddress(ip: IPAddress(exporter)!, port: 1))
-            return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
-        }
+        let kept = ReplicationFixtures.sampled(exporters, sample: 10)
         #expect(try sampled.flowsByExporter() == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }))
         #expect(!kept.isEmpty && kept.count < 12, "\(kept.count) of 40 exporters sampled")
         let text = daemon.metricsText()
-        #expect(ReplicationTests.outcomes(text, "archive") == ["forwarded": 800, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
-        #expect(ReplicationTests.outcomes(text, "sampled") == ["forwarded": 20 * kept.count, "dropped": 0, "sampled_out": 800 - 20 * kept.count, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 800, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        #expect(ReplicationFixtures.outcomes(text, "sampled") == ["forwarded": 20 * kept.count, "dropped": 0, "sampled_out": 800 - 20 * kept.count, "filtered_out": 0])
     }
 }

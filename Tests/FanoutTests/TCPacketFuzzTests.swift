@@ -112,12 +112,12 @@ struct TCPacketFuzzTests {
             downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 0]))
         if pools {
             // The 5514 listeners again, each with pools: copies (one without a neighbour), a sample.
-            let member = TCPoolProgramTests.member
-            try TCPoolProgramTests.addListener(fixture, bind: ProgramFrames.listenerV4, id: 0, own: (1...3).map { member("b\($0)", "198.18.200.10:\(6000 + $0)") }, pools: [
+            let member = TCProgramFixture.member
+            try fixture.addListener(bind: ProgramFrames.listenerV4, id: 0, own: (1...3).map { member("b\($0)", "198.18.200.10:\(6000 + $0)") }, pools: [
                 .init(id: 11, policy: FANOUT_POLICY_ALL, members: [member("a1", "198.18.200.10:7001"), member("a2", "198.18.200.20:7002")]),
                 .init(id: 12, policy: FANOUT_POLICY_SOURCE_IP, members: [member("s1", "198.18.200.10:7101"), member("s2", "198.18.210.10:7102")], sample: 2),
             ])
-            try TCPoolProgramTests.addListener(fixture, bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
+            try fixture.addListener(bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
                 .init(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [member("v1", "[2001:db8:200::10]:7201")], sources: [SourcePrefix("2001:db8::/32")!]),
             ])
         }
@@ -197,12 +197,12 @@ struct TCPacketFuzzTests {
             // Every datagram a listener received was offered to each of its pools, and each had one outcome.
             let received = (fixture.program.listenerStats(id: 0).received - receivedBefore.0, fixture.program.listenerStats(id: 1).received - receivedBefore.1)
             for (id, listener) in [(UInt32(11), received.0), (12, received.0), (13, received.1)] {
-                let counted = TCPoolProgramTests.pool(fixture, id)
+                let counted = fixture.pool(id)
                 #expect(counted.received == listener, "pool \(id) offered \(counted.received) of \(listener)")
                 #expect(counted.forwarded + counted.dropped + counted.sampledOut + counted.filteredOut == counted.received, "pool \(id): \(counted)")
                 #expect(counted.forwarded > 0, "pool \(id) copied")
             }
-            print("tc packet fuzz, pools: " + [UInt32(11), 12, 13].map { "pool \($0) \(TCPoolProgramTests.pool(fixture, $0))" }.joined(separator: "; "))
+            print("tc packet fuzz, pools: " + [UInt32(11), 12, 13].map { "pool \($0) \(fixture.pool($0))" }.joined(separator: "; "))
         }
         // The mix reaches every verdict but rewrite_failed (no helper refuses a valid rewrite).
         for (index, name) in names.enumerated() where name != "rewrite_failed" {

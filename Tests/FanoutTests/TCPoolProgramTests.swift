@@ -21,58 +21,9 @@ struct TCPoolProgramTests {
     typealias Fixture = TCProgramFixture
     static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot
 
-    /// The pools of the listener at `port` (id `id`, its own backends `own`), each a pool id.
-    struct PoolSpec {
-        var id: UInt32
-        var policy: fanout_policy
-        var members: [Downstream]
-        var sample: UInt32 = 1
-        var sources: [SourcePrefix] = []
-    }
-
-    static func member(_ name: String, _ address: String) -> Downstream { Downstream(name: name, address: SocketAddress(address)!) }
-
-    /// Writes a listener with pools into the fixture's maps.
-    static func addListener(_ fixture: Fixture, bind: SocketAddress, id: UInt32, own: [Downstream], pools: [PoolSpec]) throws {
-        let program = fixture.program
-        program.resetListener(id: id)
-        try program.writeSet(id: id, generation: 0, BackendSet(downstreams: own, balancing: .roundRobin, slots: Dictionary(uniqueKeysWithValues: own.enumerated().map { ($1.name, UInt16($0)) })))
-        var entry = fanout_listener()
-        entry.id = id
-        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
-        entry.pool_count = UInt32(pools.count)
-        var records: [fanout_pool] = []
-        for pool in pools {
-            program.resetListener(id: pool.id)
-            for slot in 0..<pool.members.count {
-                program.zeroPerCPU(program.backendStats, key: pool.id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
-            }
-            let slots = Dictionary(uniqueKeysWithValues: pool.members.enumerated().map { ($1.name, UInt16($0)) })
-            try program.writeSet(id: pool.id, generation: 0, BackendSet(downstreams: pool.members, balancing: pool.policy == FANOUT_POLICY_SOURCE_IP ? .sourceIP : .roundRobin, slots: slots))
-            try program.writePoolSources(key: pool.id * 2, pool.sources)
-            var record = fanout_pool()
-            record.id = pool.id
-            record.policy = pool.policy.rawValue
-            record.sample = pool.sample
-            record.flags = pool.sources.isEmpty ? 0 : FANOUT_POOL_SOURCES
-            records.append(record)
-        }
-        withUnsafeMutableBytes(of: &entry.pools) { raw in
-            for (index, record) in records.enumerated() { raw.storeBytes(of: record, toByteOffset: index * MemoryLayout<fanout_pool>.stride, as: fanout_pool.self) }
-        }
-        try program.putListener(bind, ifindex: UInt32(fixture.ifindex), entry)
-    }
-
-    /// A pool's counters: offered, forwarded, dropped, sampled out, filtered out, and each verdict.
-    static func pool(_ fixture: Fixture, _ id: UInt32) -> (received: UInt64, forwarded: UInt64, dropped: UInt64, sampledOut: UInt64, filteredOut: UInt64, verdicts: [UInt64]) {
-        let read = fixture.program.poolStats(id: id)
-        let forwarded = read.verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)]
-        return (read.received, forwarded, read.verdicts.reduce(0, +) - forwarded, read.sampledOut, read.filteredOut, read.verdicts)
-    }
-
     static func expectBalanced(_ fixture: Fixture, _ ids: [UInt32], received: UInt64, sourceLocation: SourceLocation = #_sourceLocation) {
         for id in ids {
-            let counted = pool(fixture, id)
+            let counted = fixture.pool(id)
             #expect(counted.received == received, "pool \(id) offered \(counted.received)", sourceLocation: sourceLocation)
             #expect(counted.forwarded + counted.dropped + counted.sampledOut + counted.filteredOut == counted.received,
                     "pool \(id): \(counted)", sourceLocation: sourceLocation)
@@ -139,28 +90,23 @@ struct TCPoolProgramTests {
 
     // MARK: cases
 
-    static let allMembers = [member("a1", "198.18.200.10:7001"), member("a2", "198.18.200.10:7002")]
-    static let rrMembers = [member("r1", "198.18.200.10:7101"), member("r2", "198.18.200.10:7102")]
-    static let own = (1...3).map { member("b\($0)", "198.18.200.10:\(6000 + $0)") }
+    static let allMembers = [Fixture.member("a1", "198.18.200.10:7001"), Fixture.member("a2", "198.18.200.10:7002")]
+    static let rrMembers = [Fixture.member("r1", "198.18.200.10:7101"), Fixture.member("r2", "198.18.200.10:7102")]
+    static let own = (1...3).map { Fixture.member("b\($0)", "198.18.200.10:\(6000 + $0)") }
     static let copyPorts: Set<UInt16> = [7001, 7002, 7101, 7102, 7201, 7301, 7401]
 
     @Test("IPv4, with options, 802.1Q, zero checksum: one copy per member of an all pool and one to a round-robin pool, each rewritten (source kept, TTL once, checksums valid); the own datagram as before; sample and sources count what they keep out")
     func copies() throws {
         let fixture = try Fixture()
         let bind = SocketAddress(ip: ProgramFrames.listenerV4.ip, port: 5520)
-        try Self.addListener(fixture, bind: bind, id: 10, own: Self.own, pools: [
-            PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers),
-            PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: Self.rrMembers),
+        try fixture.addListener(bind: bind, id: 10, own: Self.own, pools: [
+            Fixture.PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers),
+            Fixture.PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: Self.rrMembers),
             // One source in a million: this client is kept out (checked against userspace's hash below).
-            PoolSpec(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Self.member("s", "198.18.200.10:7201")], sample: 1_000_000),
-            PoolSpec(id: 14, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Self.member("f", "198.18.200.10:7301")], sources: [SourcePrefix("198.19.0.0/16")!, SourcePrefix("2001:db8:99::/48")!]),
+            Fixture.PoolSpec(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Fixture.member("s", "198.18.200.10:7201")], sample: 1_000_000),
+            Fixture.PoolSpec(id: 14, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Fixture.member("f", "198.18.200.10:7301")], sources: [SourcePrefix("198.19.0.0/16")!, SourcePrefix("2001:db8:99::/48")!]),
         ])
-        var source = sockaddr_storage()
-        withUnsafeMutableBytes(of: &source) { raw in
-            raw.storeBytes(of: sa_family_t(AF_INET), toByteOffset: 0, as: sa_family_t.self)
-            for (index, byte) in ProgramFrames.clientV4.enumerated() { raw[MemoryLayout<sockaddr_in>.offset(of: \.sin_addr)! + index] = byte }
-        }
-        #expect(withUnsafePointer(to: &source) { rplb_reduce(DownstreamSelector.sourceHash($0, seed: PoolPlan.sampleSeed), 1_000_000) } != 0,
+        #expect(ReplicationFixtures.sampled([ProgramFrames.clientV4.map(String.init).joined(separator: ".")], sample: 1_000_000).isEmpty,
                 "userspace keeps this client out of a 1-in-a-million sample too")
         let frames: [(String, [UInt8])] = [
             ("IPv4", Packet.ipv4(payload: Array(repeating: 0x41, count: 100), port: 5520)),
@@ -193,8 +139,8 @@ struct TCPoolProgramTests {
             Self.expectBalanced(fixture, [11, 12, 13, 14], received: UInt64(index + 1))
         }
         #expect(roundRobin == [7101, 7102], "the round-robin pool alternates")
-        #expect(Self.pool(fixture, 11).forwarded == 4 && Self.pool(fixture, 12).forwarded == 4)
-        #expect(Self.pool(fixture, 13).sampledOut == 4 && Self.pool(fixture, 14).filteredOut == 4)
+        #expect(fixture.pool(11).forwarded == 4 && fixture.pool(12).forwarded == 4)
+        #expect(fixture.pool(13).sampledOut == 4 && fixture.pool(14).filteredOut == 4)
         #expect(fixture.program.memberStats(id: 11, slot: 0).copies == 4 && fixture.program.memberStats(id: 11, slot: 1).copies == 4)
         #expect(fixture.program.memberStats(id: 12, slot: 0).copies + fixture.program.memberStats(id: 12, slot: 1).copies == 4)
         #expect(fixture.stats(10).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)] == 4, "the listener's own: forwarded 4")
@@ -203,9 +149,9 @@ struct TCPoolProgramTests {
     @Test("IPv6, and a source inside the pool's sources: copies rewritten with the IPv6 pseudo-header checksum; a source-ip pool sends one source to one member")
     func ipv6() throws {
         let fixture = try Fixture()
-        let members = [Self.member("v1", "[2001:db8:200::10]:7101"), Self.member("v2", "[2001:db8:200::10]:7102")]
-        try Self.addListener(fixture, bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { Self.member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
-            PoolSpec(id: 21, policy: FANOUT_POLICY_SOURCE_IP, members: members, sources: [SourcePrefix("2001:db8:50::/48")!]),
+        let members = [Fixture.member("v1", "[2001:db8:200::10]:7101"), Fixture.member("v2", "[2001:db8:200::10]:7102")]
+        try fixture.addListener(bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { Fixture.member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
+            Fixture.PoolSpec(id: 21, policy: FANOUT_POLICY_SOURCE_IP, members: members, sources: [SourcePrefix("2001:db8:50::/48")!]),
         ])
         var chosen = Set<UInt16>()
         for round in 0..<4 {
@@ -220,17 +166,17 @@ struct TCPoolProgramTests {
         }
         #expect(chosen.count == 1, "one source, one member of a source_ip pool")
         Self.expectBalanced(fixture, [21], received: 4)
-        #expect(Self.pool(fixture, 21).forwarded == 4)
+        #expect(fixture.pool(21).forwarded == 4)
     }
 
     @Test("The listener with no backend of its own still copies to its pools; a copy whose next hop has no neighbour entry is dropped no_neighbour; TTL 1 goes to no pool; every pool's counts add up")
     func dropsAndNoBackend() throws {
         let fixture = try Fixture()
         let bind = SocketAddress(ip: ProgramFrames.listenerV4.ip, port: 5521)
-        try Self.addListener(fixture, bind: bind, id: 10, own: [], pools: [
-            PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers + [Self.member("far", "198.18.200.20:7401")]),
-            PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Self.member("n", "198.18.200.20:7401")]),
-            PoolSpec(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Self.member("x", "198.19.99.1:7401")]),
+        try fixture.addListener(bind: bind, id: 10, own: [], pools: [
+            Fixture.PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers + [Fixture.member("far", "198.18.200.20:7401")]),
+            Fixture.PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Fixture.member("n", "198.18.200.20:7401")]),
+            Fixture.PoolSpec(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Fixture.member("x", "198.19.99.1:7401")]),
         ])
         let frame = Packet.ipv4(payload: [1, 2, 3, 4], port: 5521)
         let (verdict, _, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts)
@@ -239,25 +185,25 @@ struct TCPoolProgramTests {
         #expect(copies.count == 2, "the all pool's two members with a neighbour: \(copies.count)")
         for copy in copies { try Self.expectCopy(copy, of: frame, to: Self.allMembers, sourceMAC: fixture.sourceMAC) }
         #expect(fixture.program.memberStats(id: 11, slot: 2).dropped["no_neighbour"] == 1, "the all pool's member without a neighbour")
-        #expect(Self.pool(fixture, 11).forwarded == 1, "an all pool's datagram is forwarded once copied to its members")
-        #expect(Self.pool(fixture, 12).verdicts[Int(FANOUT_VERDICT_NO_NEIGHBOUR.rawValue)] == 1)
+        #expect(fixture.pool(11).forwarded == 1, "an all pool's datagram is forwarded once copied to its members")
+        #expect(fixture.pool(12).verdicts[Int(FANOUT_VERDICT_NO_NEIGHBOUR.rawValue)] == 1)
         #expect(fixture.program.memberStats(id: 12, slot: 0).dropped["no_neighbour"] == 1)
-        #expect(Self.pool(fixture, 13).verdicts[Int(FANOUT_VERDICT_NO_ROUTE.rawValue)] == 1)
+        #expect(fixture.pool(13).verdicts[Int(FANOUT_VERDICT_NO_ROUTE.rawValue)] == 1)
         #expect(fixture.program.memberStats(id: 13, slot: 0).dropped["no_route"] == 1)
 
         let expiring = Packet.ipv4(payload: [5], port: 5521, ttl: 1)
         let (_, _, none) = Self.executeCapturing(fixture, expiring, ports: Self.copyPorts)
         #expect(none.isEmpty, "TTL 1: no copy")
-        for id: UInt32 in [11, 12, 13] { #expect(Self.pool(fixture, id).verdicts[Int(FANOUT_VERDICT_TTL_EXPIRED.rawValue)] == 1, "pool \(id): ttl_expired") }
+        for id: UInt32 in [11, 12, 13] { #expect(fixture.pool(id).verdicts[Int(FANOUT_VERDICT_TTL_EXPIRED.rawValue)] == 1, "pool \(id): ttl_expired") }
         Self.expectBalanced(fixture, [11, 12, 13], received: 2)
     }
 
     @Test("Fragments: later fragments follow their first fragment's pools (the same round-robin member, every member of an all pool)")
     func fragments() throws {
         let fixture = try Fixture()
-        try Self.addListener(fixture, bind: ProgramFrames.listenerV4, id: 0, own: Self.own, pools: [
-            PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers),
-            PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: Self.rrMembers),
+        try fixture.addListener(bind: ProgramFrames.listenerV4, id: 0, own: Self.own, pools: [
+            Fixture.PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: Self.allMembers),
+            Fixture.PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: Self.rrMembers),
         ])
         let payload = (0..<2400).map { UInt8(truncatingIfNeeded: $0 * 7) }
         let pieces = Packet.ipv4Fragments(payload: payload, id: 0x5151, pieceSize: 1000)
@@ -284,7 +230,7 @@ struct TCPoolProgramTests {
         let firstPorts = byPiece[0].compactMap { Packet.parse($0.1)?.destinationPort }.sorted()
         #expect(firstPorts.count == 3 && firstPorts.filter { $0 == 7001 || $0 == 7002 }.count == 2, "first fragment: every all member and one round-robin member: \(firstPorts)")
         Self.expectBalanced(fixture, [11, 12], received: 4)
-        #expect(Self.pool(fixture, 12).forwarded == 4, "every fragment's copy left")
+        #expect(fixture.pool(12).forwarded == 4, "every fragment's copy left")
         #expect(fixture.stats(0).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)] == 4, "the own datagram's three pieces and the one in between forwarded")
         // Each member got exactly the datagram's three pieces (the round-robin one included).
         let member = try #require(firstPorts.first { $0 >= 7101 })

@@ -41,22 +41,13 @@ struct TCReplicationEndToEndTests {
     static func keptBySecurity() -> Set<String> {
         let pool = PoolPlan(Pool(name: "security", sample: 2, sources: [SourcePrefix("198.18.0.0/27")!]), members: [], counters: PoolCounters())
         return Set((10..<74).map { "198.18.0.\($0)" }.filter { address in
-            var storage = ReplicationTests.storage(SocketAddress("\(address):1")!)
+            var storage = ReplicationFixtures.storage(SocketAddress("\(address):1")!)
             return withUnsafePointer(to: &storage) { pool.sources.admits($0) && pool.samples($0) }
         })
     }
 
     static func packets(_ report: [String: Any]) -> [String: Int] {
         report.object("sources").mapValues { (($0 as? [String: Any]) ?? [:]).int("packets") }
-    }
-
-    static func outcomes(_ metrics: String, _ pool: String) -> [String: Int] {
-        var found: [String: Int] = [:]
-        for line in metrics.split(separator: "\n") where line.hasPrefix("udp_fanout_pool_datagrams_total{listener=\"tc\",mode=\"tc_ebpf\",pool=\"\(pool)\",outcome=") {
-            let outcome = line.split(separator: "\"")[7]
-            found[String(outcome)] = Int(line.split(separator: " ").last ?? "") ?? -1
-        }
-        return found
     }
 
     @Test("Own downstream, an all pool of two and a sampled, source-filtered pool: every copy in the kernel with the client's address; the sampled pool keeps userspace's sources; a reload of one pool moves nothing in the other; SIGTERM leaves no program and no managed neighbour")
@@ -89,9 +80,9 @@ struct TCReplicationEndToEndTests {
         try send()
         let metrics = try TCFixtures.metrics(topology)
         #expect(metrics.contains("udp_fanout_packets_received_total{listener=\"tc\",mode=\"tc_ebpf\"} \(perPhase)"), "\(metrics)")
-        let archive = Self.outcomes(metrics, "archive")
+        let archive = ReplicationFixtures.outcomes(metrics, "archive", listener: "tc", mode: "tc_ebpf")
         #expect(archive["forwarded"] == perPhase && archive.values.reduce(0, +) == perPhase, "archive: \(archive)")
-        let security = Self.outcomes(metrics, "security")
+        let security = ReplicationFixtures.outcomes(metrics, "security", listener: "tc", mode: "tc_ebpf")
         #expect(security.values.reduce(0, +) == perPhase, "security's outcomes add up to received: \(security)")
         #expect(metrics.contains("udp_fanout_pool_member_copies_total{listener=\"tc\",mode=\"tc_ebpf\",pool=\"archive\",downstream=\"b2\"} \(perPhase)"), "\(metrics)")
 
@@ -101,8 +92,8 @@ struct TCReplicationEndToEndTests {
         try daemon.waitFor("updated tc_ebpf downstream set")
         try send()
         let after = try TCFixtures.metrics(topology)
-        #expect(Self.outcomes(after, "archive")["forwarded"] == 2 * perPhase, "\(Self.outcomes(after, "archive"))")
-        #expect(Self.outcomes(after, "security").values.reduce(0, +) == 2 * perPhase)
+        #expect(ReplicationFixtures.outcomes(after, "archive", listener: "tc", mode: "tc_ebpf")["forwarded"] == 2 * perPhase, "\(ReplicationFixtures.outcomes(after, "archive", listener: "tc", mode: "tc_ebpf"))")
+        #expect(ReplicationFixtures.outcomes(after, "security", listener: "tc", mode: "tc_ebpf").values.reduce(0, +) == 2 * perPhase)
 
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
@@ -121,7 +112,7 @@ struct TCReplicationEndToEndTests {
         #expect(!kept.isEmpty && kept.count < 22, "the sample keeps some of the 22 sources in the prefix: \(kept.sorted())")
         #expect(Set(bySource[3].keys) == kept, "security: exactly the sources userspace's hash keeps: \(bySource[3].keys.sorted()) vs \(kept.sorted())")
         for source in kept { #expect(bySource[3][source] == bySource[0][source], "security gets every datagram of \(source)") }
-        let securityOutcomes = Self.outcomes(after, "security")
+        let securityOutcomes = ReplicationFixtures.outcomes(after, "security", listener: "tc", mode: "tc_ebpf")
         #expect(securityOutcomes["forwarded"] == counts[3], "security forwarded as its collector counted: \(securityOutcomes) \(counts)")
         #expect((securityOutcomes["filtered_out"] ?? 0) > 0 && (securityOutcomes["sampled_out"] ?? 0) > 0, "\(securityOutcomes)")
         for report in reports { #expect(report.int("foreign") == 0) }
@@ -140,7 +131,7 @@ struct KernelModeNetFlowTests {
         defer { topology.destroy() }
         try TCFixtures.addClientSources(topology)
         let collectors = try (1...5).map { n in
-            try ReplicationNetFlowTests.Collector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
+            try NetFlowCollector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
         }
         usleep(300_000)  // the collectors bind
         func members(_ numbers: [Int]) -> String {
@@ -179,10 +170,7 @@ struct KernelModeNetFlowTests {
         #expect(flows[0..<2].allSatisfy { !$0.isEmpty }, "\(mode): both members of the balanced pair")
         let every = Dictionary(uniqueKeysWithValues: exporters.map { ($0, perExporter) })
         #expect(flows[2] == every && flows[3] == every, "\(mode): every flow at each member of the all pair, under its exporter's address")
-        let kept = exporters.filter { exporter in
-            var storage = ReplicationTests.storage(SocketAddress(ip: IPAddress(exporter)!, port: 1))
-            return rplb_reduce(DownstreamSelector.sourceHash(&storage, seed: PoolPlan.sampleSeed), 10) == 0
-        }
+        let kept = ReplicationFixtures.sampled(exporters, sample: 10)
         #expect(!kept.isEmpty && kept.count < 12, "\(kept.count) of 40 exporters sampled")
         #expect(flows[4] == Dictionary(uniqueKeysWithValues: kept.map { ($0, perExporter) }), "\(mode): the sampled collector has the kept exporters, whole")
     }
