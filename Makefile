@@ -1,10 +1,11 @@
 # ReusePortLB / udp-fanout. `make demo` and `make test` are the two quick-start commands.
 PREFIX ?= /usr/local
 DESTDIR ?=
-VERSION ?= 0.1.0
+# The version: Sources/ReusePortLB/ProjectVersion.swift is the one place it is written.
+VERSION ?= $(shell sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)
 BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container clean
+.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container clean print-version
 
 all: build
 
@@ -71,3 +72,7 @@ container: dist-check
 
 clean:
 	swift package clean
+
+# The version every tool and artifact carries (Sources/ReusePortLB/ProjectVersion.swift).
+print-version:
+	@echo $(VERSION)

@@ -90,7 +90,7 @@ let package = Package(
         .executableTarget(
             name: "udp-fanout",
             dependencies: [
-                "FanoutCore",
+                "FanoutCore", "ReusePortLB",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/smoke.sh
-version=${VERSION:-0.1.0}
+version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 name="udp-fanout-$version-linux-$(uname -m)"
 image="localhost/udp-fanout:$version"
 base=${BASE:-localhost/debian:bookworm-slim}

@@ -6,7 +6,7 @@
 # C API sample against the unpacked prefix with pkg-config and runs it. Needs root (unshare -m).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=${VERSION:-0.1.0}
+version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 name="udp-fanout-$version-linux-$(uname -m)"
 tarball="dist/$name.tar.gz"
 [ -f "$tarball" ] || { echo "dist-check: $tarball is missing: run make dist first" >&2; exit 1; }

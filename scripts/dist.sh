@@ -11,7 +11,7 @@
 # the documented Debian packages do not provide.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=${VERSION:-0.1.0}
+version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 arch=$(uname -m)
 name="udp-fanout-$version-linux-$arch"
 echo "dist: release build (static Swift runtime)"

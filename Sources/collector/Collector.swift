@@ -25,7 +25,8 @@ struct Collector: ParsableCommand {
             this socket with --tag appended (so a client can tell which server answered), except \
             udp-fanout's udp_echo health probes, which go back unchanged so the probe passes; \
             --initiate sends one datagram holding only the tag to each given client at start.
-            """)
+            """,
+        version: ProjectVersion.string)
 
     @Argument(help: "Address to bind (IPv4 or IPv6).") var ip: String
     @Argument(help: "UDP port.") var port: UInt16

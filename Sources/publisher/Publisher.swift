@@ -24,7 +24,8 @@ struct Publisher: ParsableCommand {
             exchanges per client (see --clients); the JSON line then counts replies, lost ones, \
             replies from a source other than the destination, and the servers (tags appended by \
             `collector --echo`) each client saw.
-            """)
+            """,
+        version: ProjectVersion.string)
 
     @Argument(help: "Destination address (IPv4 or IPv6).") var ip: String
     @Argument(help: "Destination UDP port.") var port: UInt16

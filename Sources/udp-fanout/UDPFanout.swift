@@ -1,6 +1,7 @@
 import ArgumentParser
 import FanoutCore
 import Logging
+import ReusePortLB
 import ServiceLifecycle
 
 #if canImport(Glibc)
@@ -19,7 +20,7 @@ struct UDPFanout: AsyncParsableCommand {
             forwarding, an invalid file is rejected and the running configuration stays. The environment variable UDP_FANOUT_LOG (or RUST_LOG, \
             as in the reference) overrides --log-level.
             """,
-        version: "0.1.0")
+        version: ProjectVersion.string)
 
     @Option(name: [.customShort("c"), .long], help: "Path to the YAML configuration file.")
     var config = "config.yaml"
@@ -55,7 +56,7 @@ struct UDPFanout: AsyncParsableCommand {
             return handler
         }
         let logger = Logger(label: "udp-fanout")
-        logger.info(check ? "checking udp-fanout configuration" : "starting udp-fanout", metadata: ["version": "0.1.0", "config": "\(config)"])
+        logger.info(check ? "checking udp-fanout configuration" : "starting udp-fanout", metadata: ["version": "\(ProjectVersion.string)", "config": "\(config)"])
         for (flag, value) in [("--ebpf-program", ebpfProgram), ("--xdp-program", xdpProgram)] where value != nil {
             logger.notice("\(flag) is accepted for compatibility and ignored: the BPF programs are embedded in udp-fanout", metadata: ["path": "\(value!)"])
         }

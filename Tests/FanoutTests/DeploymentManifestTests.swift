@@ -454,6 +454,26 @@ struct DeploymentManifestTests {
         try run("/usr/bin/env", ["python3", "-m", "kubernetes_validate", "--strict", "--quiet", "--kubernetes-version", kubernetesVersion] + files)
     }
 
+    @Test("One version, written once: every image the manifests run, the Containerfile's default and the Makefile's VERSION are ProjectVersion.string; every tool's --version prints it")
+    func oneVersion() throws {
+        let root = Self.directory.deletingLastPathComponent()
+        let version = ProjectVersion.string
+        for file in try Self.manifestFiles() {
+            let text = try String(contentsOf: file, encoding: .utf8)
+            for line in text.split(separator: "\n") where line.contains("image: udp-fanout:") {
+                #expect(line.hasSuffix("udp-fanout:\(version)"), "\(file.lastPathComponent): \(line)")
+            }
+        }
+        let containerfile = try String(contentsOf: root.appendingPathComponent("Containerfile"), encoding: .utf8)
+        #expect(containerfile.contains("ARG VERSION=\(version)\n"), "Containerfile's ARG VERSION")
+        let make = try run("/usr/bin/make", ["-s", "-C", root.path, "print-version"])
+        #expect(make.status == 0 && make.output.trimmingCharacters(in: .whitespacesAndNewlines) == version, "make print-version: \(make.output)")
+        for tool in ["udp-fanout", "collector", "publisher"] {
+            let printed = try run(binaryDirectory.appendingPathComponent(tool).path, ["--version"])
+            #expect(printed.status == 0 && printed.output.trimmingCharacters(in: .whitespacesAndNewlines) == version, "\(tool) --version: \(printed.output)")
+        }
+    }
+
     @Test("every manifest in k8s/ validates with kubernetes-validate --strict against Kubernetes 1.30; a manifest with an unknown field fails")
     func manifestsValidate() throws {
         let installed = try run("/usr/bin/env", ["python3", "-c", "import kubernetes_validate"])

@@ -46,6 +46,30 @@ struct HTTPEndpointTests {
         #expect(try endpoint.request("GET /associations?listener=http&limit=x HTTP/1.1").status == 400)
     }
 
+    @Test("The standard process series and the build's version: CPU seconds, resident and virtual memory, open and maximum descriptors, start time, udp_fanout_build_info; one HELP and TYPE each")
+    func processSeries() throws {
+        let endpoint = try RunningEndpoint()
+        let body = try endpoint.request("GET /metrics HTTP/1.1").body
+        try HealthEndToEndTests.checkExposition(body)
+        func value(_ name: String) -> Double? {
+            body.split(separator: "\n").first { $0.hasPrefix(name + " ") }.flatMap { Double($0.split(separator: " ").last ?? "") }
+        }
+        let resident = try #require(value("process_resident_memory_bytes"), "\(body)")
+        #expect(resident > 1_000_000 && resident <= (value("process_virtual_memory_bytes") ?? 0), "resident \(resident)")
+        let open = try #require(value("process_open_fds"))
+        let max = try #require(value("process_max_fds"))
+        #expect(open >= 3 && open < max, "open \(open) of \(max)")
+        var limit = rlimit()
+        _ = getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit)
+        #expect(max == Double(limit.rlim_cur))
+        #expect((try #require(value("process_cpu_seconds_total"))) > 0)
+        // This process started within the last day, and not in the future.
+        let started = try #require(value("process_start_time_seconds"))
+        let now = Double(time(nil))
+        #expect(started <= now + 1 && started > now - 86_400, "start \(started), now \(now)")
+        #expect(body.contains("udp_fanout_build_info{version=\"\(ProjectVersion.string)\"} 1"), "\(body)")
+    }
+
     @Test("(a) A slowloris client (one header byte every 500 ms) does not delay /healthz; forwarding loses nothing")
     func slowloris() throws {
         let endpoint = try RunningEndpoint()

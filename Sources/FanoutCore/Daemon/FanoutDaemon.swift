@@ -539,6 +539,7 @@ public final class FanoutDaemon: Sendable {
         text += lostListenersMetrics()
         text += health.metricsText()
         text += PrometheusText.merge(discoveryMetrics.withLock { $0 }.sorted { "\($0.key)" < "\($1.key)" }.map { $0.value() })
+        text += ProcessMetrics.text()
         return text
     }
 
