@@ -1,3 +1,5 @@
+import ReusePortLB
+
 /// Writes one line of JSON without Foundation: the collector's and publisher's reports.
 public struct JSONObject {
     private var fields: [String] = []
@@ -26,21 +28,5 @@ public struct JSONObject {
 
     public var text: String { "{" + fields.joined(separator: ",") + "}" }
 
-    static func quote(_ text: String) -> String {
-        var out = "\""
-        for scalar in text.unicodeScalars {
-            switch scalar {
-            case "\"": out += "\\\""
-            case "\\": out += "\\\\"
-            case "\n": out += "\\n"
-            case _ where scalar.value < 0x20: out += "\\u" + String(scalar.value, radix: 16).leftPadded(4)
-            default: out.unicodeScalars.append(scalar)
-            }
-        }
-        return out + "\""
-    }
-}
-
-extension String {
-    func leftPadded(_ width: Int) -> String { String(repeating: "0", count: max(0, width - count)) + self }
+    static func quote(_ text: String) -> String { JSONText.quote(text) }
 }

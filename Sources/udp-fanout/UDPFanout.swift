@@ -28,6 +28,9 @@ struct UDPFanout: AsyncParsableCommand {
     @Option(name: [.customShort("l"), .customLong("log-level")], help: "trace, debug, info, warn, error or off.")
     var logLevel = "info"
 
+    @Option(name: .customLong("log-format"), help: "text (default) or json: one JSON object per line (time, level, message, label, then the line's keys such as listener and downstream).")
+    var logFormat = "text"
+
     @Flag(help: "Validate the configuration, print a summary and exit (0 valid, 2 invalid).")
     var check = false
 
@@ -40,6 +43,12 @@ struct UDPFanout: AsyncParsableCommand {
     @Option(name: .customLong("xdp-program"), help: "Accepted for compatibility: the BPF programs are embedded in this binary; the file is not read.")
     var xdpProgram: String?
 
+    func validate() throws {
+        guard ["text", "json"].contains(logFormat) else {
+            throw ValidationError("--log-format '\(logFormat)' is not one of text, json")
+        }
+    }
+
     func run() async throws {
         // UDP_FANOUT_LOG wins over RUST_LOG; an empty one counts as unset.
         let names: [String] = ["UDP_FANOUT_LOG", "RUST_LOG"]
@@ -49,8 +58,14 @@ struct UDPFanout: AsyncParsableCommand {
             return text.isEmpty ? nil : text
         }.first
         let filter = try Self.logFilter(environment: environment, flag: logLevel)
+        let json = logFormat == "json"
         LoggingSystem.bootstrap { label in
             guard case .level(let level) = filter else { return SwiftLogNoOpLogHandler(label) }
+            if json {
+                var handler = JSONLogHandler(label: label)
+                handler.logLevel = level
+                return handler
+            }
             var handler = StreamLogHandler.standardError(label: label)
             handler.logLevel = level
             return handler
