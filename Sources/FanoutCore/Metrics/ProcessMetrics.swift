@@ -71,15 +71,6 @@ enum ProcessMetrics {
     }
 
     private static func read(_ path: String) -> String? {
-        guard let file = fopen(path, "r") else { return nil }
-        defer { fclose(file) }
-        var bytes: [UInt8] = []
-        var buffer = [UInt8](repeating: 0, count: 4096)
-        while true {
-            let count = fread(&buffer, 1, buffer.count, file)
-            if count <= 0 { break }
-            bytes += buffer[0..<count]
-        }
-        return String(decoding: bytes, as: UTF8.self)
+        ConfigFileWatcher.read(path).map { String(decoding: $0, as: UTF8.self) }
     }
 }
