@@ -31,8 +31,11 @@ struct TCPoolProgramTests {
     }
 
     /// Runs the program on `frame` (arriving on t1) and captures the frames the clones put on t1
-    /// (UDP to `ports`) within a short wait.
-    static func executeCapturing(_ fixture: Fixture, _ frame: [UInt8], ports: Set<UInt16>, accept: (@Sendable (Packet.Parsed) -> Bool)? = nil) -> (verdict: UInt32, output: [UInt8], copies: [[UInt8]]) {
+    /// (UDP to `ports`): until `expected` arrived and 100 ms more passed with nothing else (a
+    /// busy machine delays the backlog, not the count), or for 300 ms when none is expected; at
+    /// most 5 s.
+    static func executeCapturing(_ fixture: Fixture, _ frame: [UInt8], ports: Set<UInt16>, expected: Int,
+                                 accept: (@Sendable (Packet.Parsed) -> Bool)? = nil) -> (verdict: UInt32, output: [UInt8], copies: [[UInt8]]) {
         let box = CaptureBox()
         let (program, fd, ifindex) = (fixture.program.program, fixture.namespaceFD, fixture.ifindex)
         OSThread(name: "test-run") {
@@ -55,10 +58,14 @@ struct TCPoolProgramTests {
             let (result, verdict, size) = Fixture.testRun(program, frame, ifindex: ifindex, output: &output)
             var copies: [[UInt8]] = []
             var buffer = [UInt8](repeating: 0, count: 4096)
-            // Clones cross the veth through the backlog: wait until a quiet 100 ms.
+            // Clones cross the veth through the backlog.
             var quietSince = ContinuousClock.now
-            let deadline = ContinuousClock.now + .seconds(2)
-            while ContinuousClock.now - quietSince < .milliseconds(100) && ContinuousClock.now < deadline {
+            let deadline = ContinuousClock.now + .seconds(5)
+            func done() -> Bool {
+                let quiet = ContinuousClock.now - quietSince
+                return expected == 0 ? quiet >= .milliseconds(300) : copies.count >= expected && quiet >= .milliseconds(100)
+            }
+            while !done() && ContinuousClock.now < deadline {
                 let count = recv(capture, &buffer, buffer.count, 0)
                 if count > 0 {
                     let received = Array(buffer[0..<count])
@@ -116,7 +123,7 @@ struct TCPoolProgramTests {
         ]
         var roundRobin = Set<UInt16>()
         for (index, (name, frame)) in frames.enumerated() {
-            let (verdict, output, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts)
+            let (verdict, output, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts, expected: 3)
             #expect(verdict == Self.redirect, "\(name): the own datagram redirected")
             let own = try #require(Packet.parse(output), "\(name)")
             #expect((6001...6003).contains(own.destinationPort) && own.hopLimit == 63 && Packet.ipv4HeaderValid(own), "\(name): own rewritten, TTL once")
@@ -156,7 +163,7 @@ struct TCPoolProgramTests {
         var chosen = Set<UInt16>()
         for round in 0..<4 {
             let frame = Packet.ipv6(payload: Array(repeating: UInt8(round), count: 99))
-            let (verdict, _, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts)
+            let (verdict, _, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts, expected: 1)
             #expect(verdict == Self.redirect)
             #expect(copies.count == 1, "round \(round): one copy")
             for copy in copies {
@@ -179,7 +186,7 @@ struct TCPoolProgramTests {
             Fixture.PoolSpec(id: 13, policy: FANOUT_POLICY_ROUND_ROBIN, members: [Fixture.member("x", "198.19.99.1:7401")]),
         ])
         let frame = Packet.ipv4(payload: [1, 2, 3, 4], port: 5521)
-        let (verdict, _, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts)
+        let (verdict, _, copies) = Self.executeCapturing(fixture, frame, ports: Self.copyPorts, expected: 2)
         #expect(verdict == Self.shot, "no backend of its own: dropped, after the copies")
         #expect(fixture.stats(10).verdicts[Int(FANOUT_VERDICT_NO_BACKEND.rawValue)] == 1)
         #expect(copies.count == 2, "the all pool's two members with a neighbour: \(copies.count)")
@@ -192,7 +199,7 @@ struct TCPoolProgramTests {
         #expect(fixture.program.memberStats(id: 13, slot: 0).dropped["no_route"] == 1)
 
         let expiring = Packet.ipv4(payload: [5], port: 5521, ttl: 1)
-        let (_, _, none) = Self.executeCapturing(fixture, expiring, ports: Self.copyPorts)
+        let (_, _, none) = Self.executeCapturing(fixture, expiring, ports: Self.copyPorts, expected: 0)
         #expect(none.isEmpty, "TTL 1: no copy")
         for id: UInt32 in [11, 12, 13] { #expect(fixture.pool(id).verdicts[Int(FANOUT_VERDICT_TTL_EXPIRED.rawValue)] == 1, "pool \(id): ttl_expired") }
         Self.expectBalanced(fixture, [11, 12, 13], received: 2)
@@ -211,10 +218,10 @@ struct TCPoolProgramTests {
         for (index, piece) in pieces.enumerated() {
             if index == 1 {
                 // Another datagram in between moves the round-robin pool on.
-                #expect(Self.executeCapturing(fixture, Packet.ipv4(payload: [9]), ports: Self.copyPorts).copies.count == 3)
+                #expect(Self.executeCapturing(fixture, Packet.ipv4(payload: [9]), ports: Self.copyPorts, expected: 3).copies.count == 3)
             }
             // Later fragments have no UDP header: copies are told by address.
-            let (verdict, output, copies) = Self.executeCapturing(fixture, piece, ports: [], accept: { $0.destination == [198, 18, 200, 10] && $0.source == ProgramFrames.clientV4 })
+            let (verdict, output, copies) = Self.executeCapturing(fixture, piece, ports: [], expected: 3, accept: { $0.destination == [198, 18, 200, 10] && $0.source == ProgramFrames.clientV4 })
             #expect(verdict == Self.redirect, "fragment \(index)")
             #expect(Packet.parse(output)?.destination == [198, 18, 200, 10], "fragment \(index): the own datagram rewritten")
             #expect(copies.count == 3, "fragment \(index): three copies")
