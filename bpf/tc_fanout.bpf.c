@@ -127,7 +127,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	}
 
 	struct fanout_fragment_key fragment_key = {};
-	fill_fragment_key(skb, &p, &fragment_key);
+	fill_fragment_key(skb->ifindex, &p, &fragment_key);
 
 	/* Forward: the backend (the new destination). Reply: the listener's address and port (the
 	 * new source), with the replying backend's counter slot. */
@@ -147,7 +147,7 @@ int FANOUT_PROG_TC(struct __sk_buff *skb)
 	/* 1 until the TTL / hop limit was decremented (by a pool's copy, or the own rewrite). */
 	__u32 hop = 1;
 	if (p.has_udp) {
-		struct fanout_listener *listener = find_listener(skb, &p);
+		struct fanout_listener *listener = find_listener(skb->ifindex, &p);
 		if (listener) {
 			id = listener->id;
 			if (listener->reserved & FANOUT_LISTENER_NAT)

@@ -10,6 +10,8 @@ public enum BPFObject: Sendable, CaseIterable {
     case tcFanout
     /// `bpf/xdp_steer.bpf.c`: the XDP program of udp-fanout's af_xdp mode.
     case xdpSteer
+    /// `bpf/xdp_fanout.bpf.c`: the XDP program of udp-fanout's xdp mode (loaded with tc_fanout's maps).
+    case xdpFanout
 
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
@@ -17,6 +19,7 @@ public enum BPFObject: Sendable, CaseIterable {
         case .reuseportSelect: return Base64.decode(EmbeddedBPF.reuseportSelect)
         case .tcFanout: return Base64.decode(EmbeddedBPF.tcFanout)
         case .xdpSteer: return Base64.decode(EmbeddedBPF.xdpSteer)
+        case .xdpFanout: return Base64.decode(EmbeddedBPF.xdpFanout)
         }
     }
 }

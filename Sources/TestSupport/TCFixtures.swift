@@ -11,9 +11,9 @@ import Glibc
 public enum TCFixtures {
     public static let port = 6000
 
-    /// A config with one tc_ebpf listener on the proxy's client-facing interface.
+    /// A config with one tc_ebpf (or `mode`: xdp) listener on the proxy's client-facing interface.
     public static func config(_ topology: Topology, backends: [Int], balancing: String = "round_robin", attach: String = "auto",
-                              ipv6: Bool = false, metricsPort: Int = 9464) -> String {
+                              ipv6: Bool = false, metricsPort: Int = 9464, mode: String = "tc_ebpf") -> String {
         let downstreams = backends.map { n in
             let address = ipv6 ? "[\(Topology.backendIPv6(n))]:\(port)" : "\(Topology.backendIPv4(n)):\(port)"
             return "      - {name: b\(n), address: \"\(address)\"}"
@@ -23,7 +23,7 @@ public enum TCFixtures {
               - name: tc
                 bind: "\(ipv6 ? "[2001:db8::1]" : "198.18.0.1"):5514"
                 interface: \(topology.proxyInterface)
-                mode: tc_ebpf
+                mode: \(mode)
                 balancing: \(balancing)
                 settings: {tc_attach: \(attach)}
                 downstream:

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
- * Choosing a downstream (backend) in the tc program (bpf/tc_fanout.bpf.c): the listener a
+ * Choosing a downstream (backend) in the tc and xdp programs (bpf/tc_fanout.bpf.c, bpf/xdp_fanout.bpf.c): the listener a
  * datagram is for (find_listener: arrival interface and destination, exact address first, then
  * the family's wildcard), the backend of the listener's current set by its policy (choose:
  * per-CPU weighted rotation, or the source-address table hashed with rplb_shared.h's
@@ -10,7 +10,7 @@
  * (fill_fragment_key). Reads the maps of fanout_tc_maps.h. Self-contained: includes
  * linux/bpf.h, bpf_helpers.h, rplb_shared.h, fanout_tc_shared.h, parse.h (struct packet,
  * AF_INET) and fanout_tc_maps.h itself, so nothing has to come before it; like
- * fanout_tc_maps.h, for the tc program only.
+ * fanout_tc_maps.h, for the programs that share the tc program's maps only.
  */
 #ifndef FANOUT_CHOICE_H
 #define FANOUT_CHOICE_H
@@ -22,10 +22,12 @@
 #include "parse.h"
 #include "fanout_tc_maps.h"
 
-static __always_inline struct fanout_listener *find_listener(struct __sk_buff *skb, struct packet *p)
+/* The listener of a datagram that arrived at interface `ifindex` (skb->ifindex at tc ingress,
+ * ctx->ingress_ifindex at XDP). */
+static __always_inline struct fanout_listener *find_listener(__u32 ifindex, struct packet *p)
 {
 	struct fanout_listener_key key = {};
-	key.ifindex = skb->ifindex;
+	key.ifindex = ifindex;
 	key.family = p->family;
 	key.port = p->dport;
 	__builtin_memcpy(key.addr, p->daddr, sizeof(key.addr));
@@ -146,14 +148,14 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 /* Fragments: the first fragment's choice is remembered by (source, destination, IP id) at the
  * arrival interface, and later fragments follow it. The key of this packet's datagram, into
  * `key` (zeroed by the caller), when the packet is a fragment; left zero otherwise. */
-static __always_inline void fill_fragment_key(struct __sk_buff *skb, struct packet *p,
+static __always_inline void fill_fragment_key(__u32 ifindex, struct packet *p,
 					      struct fanout_fragment_key *key)
 {
 	if (p->fragment) {
 		__builtin_memcpy(key->saddr, p->saddr, sizeof(p->saddr));
 		__builtin_memcpy(key->daddr, p->daddr, sizeof(p->daddr));
 		key->id = p->id;
-		key->ifindex = skb->ifindex;
+		key->ifindex = ifindex;
 		key->family = p->family;
 	}
 }

@@ -23,24 +23,21 @@
 #include "csum.h"
 #include "fanout_tc_maps.h"
 
-/* The route toward the datagram's new destination, into `fib` (zeroed by the caller; the
- * egress interface, MACs and next hop are read from it afterwards). `to` is the backend
- * (forward) or the listener's address and port (reply). Returns bpf_fib_lookup's result.
- * `reply` is a _Bool: as an int it compiled the selects below into other (equivalent)
- * instructions than the program had when this code was inline. */
-static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
-					 _Bool reply, struct bpf_fib_lookup *fib)
+/* The route request toward the datagram's new destination, into `fib` (zeroed by the caller):
+ * `to` is the backend (forward) or the listener's address and port (reply), `ifindex` the arrival
+ * interface, `tot_len` the IP length the route's MTU is checked against (0: not checked). The tc
+ * and xdp programs alike; each then calls bpf_fib_lookup with its own context. `reply` is a
+ * _Bool: as an int it compiled the selects below into other (equivalent) instructions than the
+ * program had when this code was inline. */
+static __always_inline void route_request(struct packet *p, struct fanout_backend *to, _Bool reply,
+					  __u32 ifindex, __u32 tot_len, struct bpf_fib_lookup *fib)
 {
 	fib->family = p->family;
 	fib->l4_protocol = IPPROTO_UDP;
 	fib->sport = reply ? to->port : p->sport;
 	fib->dport = reply ? p->dport : to->port;
-	/* The route's MTU is checked against the IP length, so a packet the egress device would
-	 * drop uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by
-	 * the kernel per segment on the way out: tot_len 0 skips the check. */
-	if (skb->gso_size == 0)
-		fib->tot_len = p->tot_len;
-	fib->ifindex = skb->ifindex;
+	fib->tot_len = tot_len;
+	fib->ifindex = ifindex;
 	/* Forward: from the client to the backend. Reply: from the listener's address to the client. */
 	__u32 *source = reply ? to->addr : p->saddr;
 	__u32 *destination = reply ? p->daddr : to->addr;
@@ -51,6 +48,17 @@ static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p
 		__builtin_memcpy(fib->ipv6_src, source, 16);
 		__builtin_memcpy(fib->ipv6_dst, destination, 16);
 	}
+}
+
+/* The route toward the datagram's new destination (route_request), into `fib`; the egress
+ * interface, MACs and next hop are read from it afterwards. Returns bpf_fib_lookup's result.
+ * The route's MTU is checked against the IP length, so a packet the egress device would drop
+ * uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by the kernel per
+ * segment on the way out: tot_len 0 skips the check. */
+static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
+					 _Bool reply, struct bpf_fib_lookup *fib)
+{
+	route_request(p, to, reply, skb->ifindex, skb->gso_size == 0 ? p->tot_len : 0, fib);
 	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
 }
 

@@ -63,6 +63,53 @@
 #define FANOUT_MAP_NAT           fanout_nat
 #define FANOUT_MAP_NAT_NAME      "fanout_nat"
 
+/* The xdp kind (`mode: xdp`, bpf/xdp_fanout.bpf.c): an XDP program in front of the tc program
+ * at the same interfaces, loaded with the tc program's maps (one set of listeners, backend sets,
+ * associations and counters), plus its own three below. What it cannot finish it passes to the
+ * stack, where the tc program finishes it (enum fanout_xfwd_pass). */
+#define FANOUT_PROG_XFWD         fanout_xfwd
+#define FANOUT_PROG_XFWD_NAME    "fanout_xfwd"
+/* By listener id (an ARRAY of __u32): 1 for the listeners (and their nat replies) the XDP
+ * program serves; the tc program serves the others on the same interface. */
+#define FANOUT_MAP_XFWD_IDS      fanout_xids
+#define FANOUT_MAP_XFWD_IDS_NAME "fanout_xids"
+/* The interfaces XDP may redirect to (a DEVMAP_HASH keyed by ifindex): those that transmit XDP
+ * frames. A route through any other is finished by the tc program (FANOUT_XFWD_PASS_NO_XDP_XMIT). */
+#define FANOUT_MAP_XFWD_DEVICES  fanout_xdevs
+#define FANOUT_MAP_XFWD_DEVICES_NAME "fanout_xdevs"
+#define FANOUT_XFWD_DEVICES      256
+/* Per-CPU, by listener id (FANOUT_UNMATCHED_STATS: no listener known): struct fanout_xfwd_passed. */
+#define FANOUT_MAP_XFWD_PASSED   fanout_xpass
+#define FANOUT_MAP_XFWD_PASSED_NAME "fanout_xpass"
+
+/* Why the XDP program passed a datagram of its listener on to the stack, where the tc program
+ * at the same interface finishes it (and counts its verdict there). */
+enum fanout_xfwd_pass {
+	/* the fib lookup knows the route but not the next hop's Ethernet address: tc's
+	 * bpf_redirect_neigh lets the kernel resolve it */
+	FANOUT_XFWD_PASS_NO_NEIGHBOUR = 0,
+	/* larger than the route's MTU: tc counts and drops it too_large (as the tc_ebpf kind) */
+	FANOUT_XFWD_PASS_TOO_LARGE = 1,
+	/* a later fragment whose first fragment did not leave at XDP (unseen, forgotten, or
+	 * finished by tc): tc follows the first fragment, or counts it fragment_untracked */
+	FANOUT_XFWD_PASS_FRAGMENT = 2,
+	/* a listener with replication pools: tc makes the copies (bpf_clone_redirect has no XDP
+	 * counterpart) */
+	FANOUT_XFWD_PASS_POOLS = 3,
+	/* the route leaves through an interface not in FANOUT_MAP_XFWD_DEVICES (it cannot transmit
+	 * XDP frames, e.g. a veth whose peer has neither XDP nor GRO): tc redirects the skb */
+	FANOUT_XFWD_PASS_NO_XDP_XMIT = 4,
+	/* a UDP checksum that holds only the pseudo-header's sum (CHECKSUM_PARTIAL: a local
+	 * sender through a veth, or generic XDP): XDP cannot tell the skb's checksum state, and the
+	 * frame would leave with the sum unfinished; tc rewrites it knowing the state */
+	FANOUT_XFWD_PASS_CHECKSUM_PARTIAL = 5,
+	FANOUT_XFWD_PASS_COUNT = 6,
+};
+
+struct fanout_xfwd_passed {
+	__u64 reasons[FANOUT_XFWD_PASS_COUNT];
+};
+
 /* Live backends of every nat listener at once: each listener's backends fit. */
 /* Every nat listener's live, draining and gone backends (at most FANOUT_MAX_BACKENDS each). */
 #define FANOUT_LIVE_ENTRIES (3 * FANOUT_MAX_LISTENERS * FANOUT_MAX_BACKENDS)

@@ -10,6 +10,15 @@ import ReusePortLB
 import Synchronization
 import SystemCalls
 
+/// A loaded XDP program an ``XDPAttachment`` attaches: af_xdp's steering program
+/// (``XDPProgram``) or the xdp kind's forwarding program (``XDPForwardProgram``).
+protocol LoadedXDPProgram: Sendable {
+    /// The program's descriptor.
+    var program: Int32 { get }
+    /// The kernel's id of the program.
+    var programID: UInt32 { get }
+}
+
 /// The XDP program attached to one interface through a BPF link: the kernel detaches it when
 /// the link's last descriptor closes, so a crash (even kill -9) leaves nothing attached.
 final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guarded by `link`
@@ -38,7 +47,7 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
     /// trying SKB mode" and generic. Logs info "attached XDP program" (interface, mode).
     /// A program already attached to the interface that is not ours is an error naming it; ours
     /// already attached is `.alreadyAttached` (attach once per interface).
-    static func attach(_ program: XDPProgram, interface: String, mode: XDPMode, logger: Logger) throws(XDPError) -> XDPAttachment {
+    static func attach(_ program: some LoadedXDPProgram, interface: String, mode: XDPMode, logger: Logger) throws(XDPError) -> XDPAttachment {
         let capabilities = Capabilities.current()
         var missing: [String] = []
         if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
@@ -162,6 +171,9 @@ package enum XDPError: Error, CustomStringConvertible, Sendable {
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .foreignProgram(let name, let id, let program, let keyword):
+            if program == FANOUT_PROG_XFWD_NAME {
+                return "interface '\(name)' already runs udp-fanout's xdp forwarding program (id \(id)) for another udp-fanout process (one daemon's XDP program per interface): stop that daemon, or choose another interface. Its program is held by a BPF link, which goes when that process exits (`bpftool link` lists it)"
+            }
             if program == FANOUT_PROG_XDP_NAME {
                 return "interface '\(name)' already runs udp-fanout's XDP program (id \(id)) for another udp-fanout process (one af_xdp daemon per interface): stop that daemon, or choose another interface for af_xdp. Its program is held by a BPF link, which goes when that process exits (`bpftool link` lists it; `ip link set dev \(name) xdp off` cannot remove a link)"
             }

@@ -38,7 +38,7 @@ package enum XDPVerdict: Int, Sendable, CaseIterable {
 /// The loaded XDP steering program and its maps: one per daemon, shared by every af_xdp
 /// listener and interface. Nothing is pinned: closing the descriptors (or the process ending)
 /// frees it.
-final class XDPProgram: @unchecked Sendable {  // descriptors only; callers serialize writes
+final class XDPProgram: LoadedXDPProgram, @unchecked Sendable {  // descriptors only; callers serialize writes
     let program: Int32
     let listeners: Int32
     let sockets: Int32

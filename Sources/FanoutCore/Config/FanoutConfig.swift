@@ -102,9 +102,12 @@ public enum Mode: String, Sendable, CaseIterable {
     /// XDP redirects matching datagrams to AF_XDP sockets, one per RX queue; userspace forwards
     /// them. Needs CAP_BPF, CAP_NET_ADMIN, CAP_NET_RAW (and CAP_IPC_LOCK or a locked-memory limit).
     case afXDP = "af_xdp"
+    /// tc_ebpf's forwarding at the driver's XDP hook (before a socket buffer exists), with the
+    /// tc_ebpf program behind it for what XDP cannot finish. Needs what tc_ebpf needs.
+    case xdp
 
     /// Modes this release can serve; the others are refused at validation.
-    public static let implemented: Set<Mode> = [.userspace, .tcEBPF, .afXDP]
+    public static let implemented: Set<Mode> = [.userspace, .tcEBPF, .afXDP, .xdp]
 }
 
 /// How a listener picks the downstream of each datagram.

@@ -2,7 +2,7 @@ import Logging
 import ReusePortLB
 import Synchronization
 
-/// One kind of listener (userspace, relay, tc_ebpf, af_xdp): everything the daemon does with a
+/// One kind of listener (userspace, relay, tc_ebpf, xdp, af_xdp): everything the daemon does with a
 /// listener it does through its kind, without knowing which kind it is. A kind is a type in its
 /// own folder, registered in ``ListenerKinds``.
 protocol ListenerKind: Sendable {
@@ -117,12 +117,14 @@ final class KeptState: Sendable {
 struct ListenerKinds: Sendable {
     /// Every kind, for what needs no running daemon (validation, warnings). A new kind is one
     /// line here and one in ``init(logger:)``.
-    static let types: [any ListenerKind.Type] = [TCKind.self, AFXDPKind.self, RelayKind.self, UserspaceKind.self]
+    static let types: [any ListenerKind.Type] = [TCKind.self, XDPKind.self, AFXDPKind.self, RelayKind.self, UserspaceKind.self]
 
     let all: [any ListenerKind]
 
     init(logger: Logger) {
-        all = [TCKind(dataplane: TCDataplane(logger: logger)), AFXDPKind(), RelayKind(), UserspaceKind()]
+        // tc_ebpf and xdp listeners are entries in one tc program's maps.
+        let tc = TCDataplane(logger: logger)
+        all = [TCKind(dataplane: tc), XDPKind(dataplane: tc, front: XDPFront(logger: logger)), AFXDPKind(), RelayKind(), UserspaceKind()]
     }
 
     /// The kind of a listener of a validated configuration: every mode has exactly one
@@ -183,7 +185,7 @@ enum SharedChecks {
 
     /// `replies: nat` on a kind that does not rewrite in the kernel.
     static func natNeedsTC(path: String, of config: FanoutConfig) -> ConfigError {
-        config.configError("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
+        config.configError("\(path).replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf or xdp (mode userspace offers replies: relay; af_xdp has no two-way path in this release)")
     }
 
     /// `replies: relay` on a kind that has no userspace sessions.

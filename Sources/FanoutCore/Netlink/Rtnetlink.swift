@@ -18,8 +18,9 @@ enum Rtnetlink {
 
     /// Sends one request (`type`, `flags`, `body` after the nlmsghdr) and returns the replies:
     /// one message, or every message up to NLMSG_DONE for a dump.
-    static func request(type: UInt16, flags: UInt16, body: [UInt8]) throws(SystemCallError) -> [Message] {
-        let fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec, call: "socket AF_NETLINK NETLINK_ROUTE")
+    /// `family`: the netlink protocol (0, NETLINK_ROUTE; 16, NETLINK_GENERIC).
+    static func request(type: UInt16, flags: UInt16, body: [UInt8], family: Int32 = 0) throws(SystemCallError) -> [Message] {
+        let fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec, family, call: "socket AF_NETLINK \(family == 0 ? "NETLINK_ROUTE" : "NETLINK_GENERIC")")
         defer { Syscall.close(fd) }
         var request = [UInt8]()
         append32(&request, UInt32(16 + body.count))

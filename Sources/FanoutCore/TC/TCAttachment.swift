@@ -309,6 +309,9 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
     case lockFile(path: String, SystemCallError)
     /// A `settings.reply_interfaces` entry of a nat listener that names no interface.
     case replyInterfaceNotFound(listener: String, interface: String)
+    /// The xdp kind's XDP program in front of the tc program: it could not load or attach.
+    case xdpLoad(SystemCallError)
+    case xdpAttach(XDPError)
 
     package var description: String {
         switch self {
@@ -337,6 +340,10 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
             return "cannot create the tc_ebpf lock file \(path): \(error): \(TCAttachment.lockDirectory) must exist and be writable by this user (systemd: RuntimeDirectory=udp-fanout, as in systemd/udp-fanout.service; Kubernetes: the /run/udp-fanout hostPath of k8s/daemonset-tc-ebpf.yaml; else create it: install -d -o <user> \(TCAttachment.lockDirectory))"
         case .replyInterfaceNotFound(let listener, let name):
             return "listener '\(listener)': settings.reply_interfaces names '\(name)', which is not an interface here (ip link show lists this namespace's interfaces): name the interfaces the downstreams' replies arrive on, or leave reply_interfaces empty to use the interfaces the kernel routes the downstreams through"
+        case .xdpLoad(let error):
+            return "cannot load the xdp program (bpf/xdp_fanout.bpf.c) with the tc program's maps: \(error)"
+        case .xdpAttach(let error):
+            return "\(error)"
         case .tooManyListeners:
             return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners and replication pools together (each pool takes a listener's slot in the program's maps)"
         }

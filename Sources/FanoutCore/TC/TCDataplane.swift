@@ -39,6 +39,12 @@ final class TCDataplane: Sendable {
         self.logger = logger
     }
 
+    /// The listeners that are entries in this program's maps: tc_ebpf's, and xdp's (its XDP
+    /// program reads the same maps, with the tc program behind it).
+    static func serves(_ listener: Listener) -> Bool {
+        TCKind.serves(listener) || XDPKind.serves(listener)
+    }
+
     /// Checks privileges and sysctls, loads the program on first use, attaches to the
     /// listener's interface (once per interface), and returns a fresh listener id and the
     /// interface's index (part of the listener's map key).
@@ -268,6 +274,7 @@ final class TCListener: RunningListener {
     let config: Listener
     let counters: ListenerCounters
     private let dataplane: TCDataplane
+    private let front: (program: XDPFront, mode: XDPMode)?
     private let program: TCProgram
     private let id: UInt32
     /// The configured interface's index: the listener matches only packets arriving there.
@@ -361,18 +368,38 @@ final class TCListener: RunningListener {
     /// Set by shutdown(): a listener being replaced in a reload is no longer judged by the path check.
     private let stopped = Atomic<Bool>(false)
 
-    init(_ config: Listener, counters: ListenerCounters, dataplane: TCDataplane, logger: Logger) throws(TCError) {
+    /// - Parameter front: the xdp kind's XDP program to put in front of the tc program at the
+    ///   listener's interfaces (its own and, nat, where replies arrive), in that XDP mode; nil for tc_ebpf.
+    init(_ config: Listener, counters: ListenerCounters, dataplane: TCDataplane, front: (program: XDPFront, mode: XDPMode)? = nil, logger: Logger) throws(TCError) {
         self.config = config
         self.counters = counters
         self.dataplane = dataplane
+        self.front = front
         self.logger = logger
         (program, id, ifindex) = try dataplane.register(config)
+        if let front {
+            do throws(TCError) {
+                try front.program.attach(interface: config.interface ?? "", mode: front.mode, sharing: program)
+                do throws(TCError) { try front.program.serve(id: id, name: config.name) } catch {
+                    front.program.detach(interface: config.interface ?? "")
+                    throw error
+                }
+            } catch {
+                program.resetListener(id: id)
+                dataplane.unregister(interface: config.interface ?? "", id: id)
+                throw error
+            }
+        }
         if config.replies == .nat {
             do throws(SystemCallError) {
                 associationMap = try program.createAssociations(id: id, maxEntries: UInt32(clamping: config.settings.maxAssociations))
                 try program.putNAT(id: id, bind: config.bind)
             } catch {
                 program.resetListener(id: id)
+                if let front {
+                    front.program.stopServing(id: id)
+                    front.program.detach(interface: config.interface ?? "")
+                }
                 dataplane.unregister(interface: config.interface ?? "", id: id)
                 throw .maps(error)
             }
@@ -384,6 +411,7 @@ final class TCListener: RunningListener {
         } catch {
             program.removeListener(config.bind, ifindex: ifindex, id: id)
             releaseNAT()
+            releaseFront()
             dataplane.unregister(interface: config.interface ?? "", id: id)
             throw error
         }
@@ -413,7 +441,7 @@ final class TCListener: RunningListener {
         // Also where the draining and gone backends' datagrams arrive: relayed, or counted.
         let wantedInterfaces = nat ? replyInterfaces(for: downstreams, leaving: leaving) : []
         let added = wantedInterfaces.filter { !held.contains($0) }
-        try dataplane.acquireReplyInterfaces(added, for: config)
+        try acquireReplyInterfaces(added)
         // Backends marked live by this call: taken out again if the change fails, so a failed
         // change leaves no entry behind that a later listener with this id would inherit.
         var markedLive: [SocketAddress] = []
@@ -509,10 +537,12 @@ final class TCListener: RunningListener {
                     }
                 }
             }
-            dataplane.releaseReplyInterfaces(added)
+            releaseReplyInterfaces(added)
             throw .maps(error)
         }
-        dataplane.releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
+        releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
+        // xdp: the interfaces toward the downstreams that take XDP frames.
+        front?.program.route(toward: downstreams + pools.flatMap { $0.1 })
         // The pools' next hops resolved from now on; those no longer needed given back after.
         let neighbours = dataplane.holdNeighbours(for: pools.flatMap { $0.1 })
         dataplane.releaseNeighbours(live.withLock { live in
@@ -779,7 +809,40 @@ final class TCListener: RunningListener {
         }
         program.removeAssociations(id: id)
         close(associationMap)
+        releaseReplyInterfaces(interfaces)
+    }
+
+    /// Attaches at a nat listener's reply interfaces: the tc program and (xdp) the XDP program in
+    /// front of it. On an error none of `interfaces` is held.
+    private func acquireReplyInterfaces(_ interfaces: [String]) throws(TCError) {
+        try dataplane.acquireReplyInterfaces(interfaces, for: config)
+        guard let front else { return }
+        var held: [String] = []
+        for interface in interfaces {
+            do throws(TCError) {
+                try front.program.attach(interface: interface, mode: front.mode, sharing: program)
+                held.append(interface)
+            } catch {
+                for done in held { front.program.detach(interface: done) }
+                dataplane.releaseReplyInterfaces(interfaces)
+                throw error
+            }
+        }
+    }
+
+    /// One user fewer at each reply interface, XDP first (it passes to tc, never the reverse).
+    private func releaseReplyInterfaces(_ interfaces: [String]) {
+        if let front {
+            for interface in interfaces { front.program.detach(interface: interface) }
+        }
         dataplane.releaseReplyInterfaces(interfaces)
+    }
+
+    /// xdp: no longer served at XDP, and one user fewer of the XDP attachment at the interface.
+    private func releaseFront() {
+        guard let front else { return }
+        front.program.stopServing(id: id)
+        front.program.detach(interface: config.interface ?? "")
     }
 
     /// A downstream the kernel has no route to loses every datagram sent its way (counted
@@ -819,7 +882,8 @@ final class TCListener: RunningListener {
     func heartbeats() -> [PathHeartbeat] {
         guard !stopped.load(ordering: .relaxed) else { return [] }
         let interface = config.interface ?? ""
-        let problem = dataplane.attachmentProblem(interface: interface)
+        front?.program.recheckDevices()
+        let problem = dataplane.attachmentProblem(interface: interface) ?? front?.program.attachmentProblem(interface: interface)
         // A reload may have stopped it (and detached) during the query: not a stall.
         guard !stopped.load(ordering: .relaxed) else { return [] }
         return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: problem))]
@@ -829,10 +893,10 @@ final class TCListener: RunningListener {
         do throws(TCError) {
             let own = downstreams.filter { $0.pool == nil }
             try apply(downstreams: own, balancing: balancing, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
-            logger.info("updated tc_ebpf downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
+            logger.info("updated \(config.mode.rawValue) downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
             return true
         } catch {
-            logger.error("could not update the tc_ebpf downstream set; the previous set stays (counted in udp_fanout_membership_update_failures_total; the next change tries again)", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+            logger.error("could not update the \(config.mode.rawValue) downstream set; the previous set stays (counted in udp_fanout_membership_update_failures_total; the next change tries again)", metadata: ["listener": "\(config.name)", "error": "\(error)"])
             return false
         }
     }
@@ -852,6 +916,7 @@ final class TCListener: RunningListener {
         dataplane.releaseNeighbours(neighbours)
         // Its last counts, once nothing new reaches it, and before its id (and stats slot) is free.
         counters.freeze(ObjectIdentifier(self))
+        releaseFront()
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
 

@@ -17,7 +17,7 @@ struct TCKind: ListenerKind {
         switch listener.settings.output {
         case .socket, .xdpTX:
             if config.lines.isSet("\(path).settings.output") {
-                throw config.configError("\(path).settings.output", "\(listener.settings.output.rawValue): tc_ebpf forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+                throw config.configError("\(path).settings.output", "\(listener.settings.output.rawValue): \(listener.mode.rawValue) forwards in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
             }
         default: break
         }
@@ -31,12 +31,12 @@ struct TCKind: ListenerKind {
         }
         try validateDownstreams(listener.downstreams, of: listener, path: path, config, localAddresses)
         guard listener.pools.count <= Int(FANOUT_MAX_POOLS) else {
-            throw config.configError("\(path).pools", "\(listener.pools.count) pools: tc_ebpf copies to at most \(FANOUT_MAX_POOLS) pools per listener")
+            throw config.configError("\(path).pools", "\(listener.pools.count) pools: \(listener.mode.rawValue) copies to at most \(FANOUT_MAX_POOLS) pools per listener")
         }
         for (position, pool) in listener.pools.enumerated() {
             let poolPath = "\(path).pools[\(position)]"
             if pool.output == .socket || pool.output == .xdpTX {
-                throw config.configError("\(poolPath).output", "\(pool.output?.rawValue ?? ""): tc_ebpf copies in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
+                throw config.configError("\(poolPath).output", "\(pool.output?.rawValue ?? ""): \(listener.mode.rawValue) copies in the kernel and always keeps the client's source (preserve_source); remove the key or choose mode userspace/af_xdp")
             }
             try validateDownstreams(pool.downstreams, of: listener, path: poolPath, config, localAddresses)
         }
@@ -46,19 +46,19 @@ struct TCKind: ListenerKind {
     /// family, at most FANOUT_MAX_BACKENDS.
     private static func validateDownstreams(_ downstreams: [Downstream], of listener: Listener, path: String, _ config: FanoutConfig, _ localAddresses: Set<IPAddress>) throws(ConfigError) {
         guard downstreams.count <= Int(FANOUT_MAX_BACKENDS) else {
-            throw config.configError("\(path).downstream", "\(downstreams.count) downstreams: tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) per listener or pool")
+            throw config.configError("\(path).downstream", "\(downstreams.count) downstreams: \(listener.mode.rawValue) serves at most \(FANOUT_MAX_BACKENDS) per listener or pool")
         }
         for (position, downstream) in downstreams.enumerated() {
             let key = "\(path).downstream[\(position)].address"
             let ip = downstream.address.ip
             guard ip.family == listener.bind.ip.family else {
-                throw config.configError(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): tc_ebpf rewrites the destination in place and cannot translate between IPv4 and IPv6")
+                throw config.configError(key, "\(downstream.address) is not of the listener's address family (\(listener.bind)): \(listener.mode.rawValue) rewrites the destination in place and cannot translate between IPv4 and IPv6")
             }
             if FanoutConfig.isUnspecified(ip) || downstream.address.port == 0 {
-                throw config.configError(key, "\(downstream.address): tc_ebpf needs a concrete address and port")
+                throw config.configError(key, "\(downstream.address): \(listener.mode.rawValue) needs a concrete address and port")
             }
             if localAddresses.contains(ip) || ip.bytes.first == 127 || ip == IPAddress("::1")! {
-                throw config.configError(key, "\(downstream.address) is an address of this host: tc_ebpf forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
+                throw config.configError(key, "\(downstream.address) is an address of this host: \(listener.mode.rawValue) forwards to other hosts (routed through the kernel's fib); use mode userspace for local downstreams")
             }
         }
     }
@@ -67,16 +67,17 @@ struct TCKind: ListenerKind {
     /// listener, and one way of attaching per interface.
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {
         let listeners = config.listeners
-        let tcListeners = listeners.filter(serves)
+        // xdp listeners are entries in the same maps (TCDataplane serves both kinds).
+        let tcListeners = listeners.filter(TCDataplane.serves)
         // A pool takes a listener's slot in the maps.
         let slots = tcListeners.reduce(0) { $0 + 1 + $1.pools.count }
         if slots > Int(FANOUT_MAX_LISTENERS) {
-            throw config.configError("listeners", "\(tcListeners.count) tc_ebpf listeners with \(slots - tcListeners.count) pools: at most \(FANOUT_MAX_LISTENERS) listeners and pools together")
+            throw config.configError("listeners", "\(tcListeners.count) tc_ebpf and xdp listeners with \(slots - tcListeners.count) pools: at most \(FANOUT_MAX_LISTENERS) listeners and pools together")
         }
         // Each pool's prefixes are in the map twice while a reload flips them.
         let prefixes = tcListeners.reduce(0) { $0 + $1.pools.reduce(0) { $0 + $1.sources.count } }
         if prefixes * 2 > Int(FANOUT_POOL_SOURCE_ENTRIES) {
-            throw config.configError("listeners", "\(prefixes) pool sources prefixes over the tc_ebpf listeners: at most \(FANOUT_POOL_SOURCE_ENTRIES / 2)")
+            throw config.configError("listeners", "\(prefixes) pool sources prefixes over the tc_ebpf and xdp listeners: at most \(FANOUT_POOL_SOURCE_ENTRIES / 2)")
         }
         // A reply is matched to its listener by the downstream's address and port, so a
         // downstream answers for one nat listener only.
@@ -89,7 +90,7 @@ struct TCKind: ListenerKind {
                 natDownstreams[downstream.address] = index
             }
         }
-        for (index, listener) in listeners.enumerated() where serves(listener) {
+        for (index, listener) in listeners.enumerated() where TCDataplane.serves(listener) {
             if let other = tcListeners.first(where: { $0.interface == listener.interface && $0.settings.tcAttach != listener.settings.tcAttach }) {
                 throw config.configError("listeners[\(index)].settings.tc_attach", "\(listener.settings.tcAttach.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one program per interface, set the same tc_attach")
             }
@@ -99,9 +100,9 @@ struct TCKind: ListenerKind {
     /// The program rewrites in place (one family) and holds at most FANOUT_MAX_BACKENDS per listener.
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? {
         if downstream.address.ip.family != listener.bind.ip.family {
-            return "not of the listener's address family (tc_ebpf cannot translate between IPv4 and IPv6)"
+            return "not of the listener's address family (\(listener.mode.rawValue) cannot translate between IPv4 and IPv6)"
         }
-        return accepted < Int(FANOUT_MAX_BACKENDS) ? nil : "tc_ebpf serves at most \(FANOUT_MAX_BACKENDS) downstreams per listener"
+        return accepted < Int(FANOUT_MAX_BACKENDS) ? nil : "\(listener.mode.rawValue) serves at most \(FANOUT_MAX_BACKENDS) downstreams per listener"
     }
 
     /// The interface exists and forwards, each downstream has a route, and with replies nat the
