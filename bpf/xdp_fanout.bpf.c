@@ -78,14 +78,6 @@ static __always_inline int served(__u32 id)
 	return flag && *flag;
 }
 
-/* The UDP checksum after a 32-bit word changed from `old` to `new`: an IPv4 checksum of zero
- * (none) stays zero, and a computed zero is sent as 0xffff (RFC 768). */
-static __always_inline __u16 udp_update32(__u16 check, __u32 old, __u32 new)
-{
-	check = csum_update32(check, old, new);
-	return check ? check : 0xffff;
-}
-
 /* Whether the UDP checksum holds only the pseudo-header's sum, as a sender that offloads it
  * leaves it (CHECKSUM_PARTIAL, seen at a veth or in generic mode): the folded sum of source,
  * destination, protocol and UDP length as they lie in the packet. A finished checksum equals it
@@ -110,7 +102,9 @@ static __always_inline int checksum_partial(void *data, void *end, struct packet
 }
 
 /* Writes the new destination (reply: source) address and port, decrements TTL / hop limit, and
- * updates the IPv4 header and UDP checksums incrementally, all in the frame. */
+ * updates the IPv4 header and UDP checksums incrementally, all in the frame. A UDP checksum of
+ * zero (none) stays zero, as tc's bpf_l4_csum_replace leaves it (BPF_F_MARK_MANGLED_0), and a
+ * computed zero is sent as 0xffff (RFC 768). */
 static __always_inline int rewrite_frame(void *data, void *end, struct packet *p, struct fanout_backend *to, int reply)
 {
 	__u32 l3 = p->l3, l4 = p->l4;
@@ -124,39 +118,42 @@ static __always_inline int rewrite_frame(void *data, void *end, struct packet *p
 		udp_here = 1;
 	}
 	__u16 old_port = reply ? p->sport : p->dport;
+	__u16 check = udp_here ? *(__u16 *)(udp + 6) : 0;
+	int summed = check != 0;
 	if (p->family == AF_INET) {
 		__u8 *ip = data + l3;
 		if ((void *)(ip + 20) > end)
 			return -1;
 		__u32 at = reply ? 12 : 16;
 		__u32 old = *(__u32 *)(ip + at);
-		__u16 check = *(__u16 *)(ip + 10);
+		__u16 header = *(__u16 *)(ip + 10);
 		__u16 old_word = *(__u16 *)(ip + 8);
 		ip[8] -= 1;
-		check = csum_update16(check, old_word, *(__u16 *)(ip + 8));
-		*(__u16 *)(ip + 10) = csum_update32(check, old, to->addr[0]);
+		header = csum_update16(header, old_word, *(__u16 *)(ip + 8));
+		*(__u16 *)(ip + 10) = csum_update32(header, old, to->addr[0]);
 		*(__u32 *)(ip + at) = to->addr[0];
-		if (udp_here && *(__u16 *)(udp + 6) != 0)
-			*(__u16 *)(udp + 6) = udp_update32(*(__u16 *)(udp + 6), old, to->addr[0]);
+		if (summed)
+			check = csum_update32(check, old, to->addr[0]);
 	} else {
 		__u8 *ip = data + l3;
 		if ((void *)(ip + 40) > end)
 			return -1;
 		ip[7] -= 1;
 		__u32 *address = (__u32 *)(ip + (reply ? 8 : 24));
-		if (udp_here) {
-			__u16 check = *(__u16 *)(udp + 6);
+		if (summed) {
 #pragma unroll
 			for (int i = 0; i < 4; i++)
 				check = csum_update32(check, address[i], to->addr[i]);
-			*(__u16 *)(udp + 6) = check ? check : 0xffff;
 		}
 		__builtin_memcpy(address, to->addr, 16);
 	}
 	if (udp_here && to->port != old_port) {
-		*(__u16 *)(udp + 6) = csum_update16(*(__u16 *)(udp + 6), old_port, to->port) ?: 0xffff;
+		if (summed)
+			check = csum_update16(check, old_port, to->port);
 		*(__u16 *)(udp + (reply ? 0 : 2)) = to->port;
 	}
+	if (summed)
+		*(__u16 *)(udp + 6) = check ? check : 0xffff;
 	return 0;
 }
 
