@@ -107,6 +107,14 @@ public final class Child {
         try process.run()
     }
 
+    /// A program that does not set its own signal mask (dnsmasq, nfcapd, dig), started with
+    /// every signal unblocked: the test process blocks the signals its daemon threads wait for,
+    /// and a child inherits the mask, so SIGTERM would stay pending in it forever.
+    public static func unblocked(_ executable: String, _ arguments: [String], prefix: [String] = []) throws -> Child {
+        try Child("/usr/bin/python3", ["-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
+                                       executable] + arguments, prefix: prefix)
+    }
+
     deinit {
         // A failed test still stops its children cleanly, so they remove their pins.
         if process.isRunning {
@@ -179,4 +187,68 @@ public func run(_ command: String, _ arguments: [String]) throws -> (status: Int
 extension Dictionary where Key == String, Value == Any {
     public func int(_ key: String) -> Int { (self[key] as? NSNumber)?.intValue ?? -1 }
     public func object(_ key: String) -> [String: Any] { self[key] as? [String: Any] ?? [:] }
+}
+
+/// A process started with posix_spawn rather than Foundation's Process, for programs that close
+/// the descriptors they inherit (dnsmasq): Foundation takes that for the child's exit and blocks
+/// in waitpid, which stalls every other Process of the run. The spawn resets the signal mask
+/// (the runner's threads block SIGHUP and SIGTERM, and the child would inherit that) and the
+/// dispositions; stdout and stderr go to `log`. Stopped by its PID (``stop()``), also on deinit.
+public final class SpawnedProcess {
+    public private(set) var pid: pid_t?
+    public let log: String
+
+    public init(_ arguments: [String], log: String) throws {
+        self.log = log
+        var actions = posix_spawn_file_actions_t()
+        posix_spawn_file_actions_init(&actions)
+        defer { posix_spawn_file_actions_destroy(&actions) }
+        posix_spawn_file_actions_addopen(&actions, 2, log, O_WRONLY | O_CREAT | O_TRUNC, 0o644)
+        posix_spawn_file_actions_adddup2(&actions, 2, 1)
+        var attributes = posix_spawnattr_t()
+        posix_spawnattr_init(&attributes)
+        defer { posix_spawnattr_destroy(&attributes) }
+        var empty = sigset_t()
+        sigemptyset(&empty)
+        var all = sigset_t()
+        sigfillset(&all)
+        posix_spawnattr_setsigmask(&attributes, &empty)
+        posix_spawnattr_setsigdefault(&attributes, &all)
+        posix_spawnattr_setflags(&attributes, Int16(POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF))
+        let argv = arguments.map { strdup($0) } + [nil]
+        defer { argv.forEach { free($0) } }
+        var pid: pid_t = 0
+        let result = posix_spawn(&pid, arguments[0], &actions, &attributes, argv, environ)
+        guard result == 0 else { throw SpawnError(program: arguments[0], errno: result) }
+        self.pid = pid
+    }
+
+    public struct SpawnError: Error, CustomStringConvertible {
+        public let program: String
+        public let errno: Int32
+        public var description: String { "posix_spawn \(program): \(String(cString: strerror(errno)))" }
+    }
+
+    /// What it wrote so far.
+    public var output: String { (try? String(contentsOfFile: log, encoding: .utf8)) ?? "" }
+
+    public func signal(_ signal: Int32) {
+        if let pid { kill(pid, signal) }
+    }
+
+    /// Stops it (SIGTERM, SIGKILL after 2 s) and reaps it.
+    public func stop() {
+        guard let pid else { return }
+        self.pid = nil
+        kill(pid, SIGTERM)
+        var status: Int32 = 0
+        for _ in 0..<100 {
+            if waitpid(pid, &status, WNOHANG) == pid { return }
+            usleep(20_000)
+        }
+        kill(pid, SIGKILL)
+        waitpid(pid, &status, 0)
+    }
+
+    deinit { stop() }
 }

@@ -346,16 +346,14 @@ private final class Updates: Sendable {
 
 /// dnsmasq serving a hosts file for the zone fanout.test (names outside it are REFUSED, unknown
 /// names in it NXDOMAIN) on 127.0.0.1 at a free port, with every record's TTL `ttl`. Started
-/// with posix_spawn, not Foundation's Process: dnsmasq closes the descriptors it inherits,
-/// Foundation takes that for the child's exit and blocks in waitpid, which stalls every other
-/// Process of the run. The spawn resets the signal mask (the runner's threads block SIGHUP and
-/// SIGTERM, and dnsmasq would inherit that). Stopped by its PID; its directory removed.
+/// as a ``SpawnedProcess`` (dnsmasq closes the descriptors it inherits, which stalls Foundation's
+/// Process). Stopped by its PID; its directory removed.
 final class DNSServer {
     let directory: URL
     let hostsFile: URL
     let address: SocketAddress
     private let logFile: URL
-    private var pid: pid_t?
+    private var process: SpawnedProcess?
 
     /// - Parameter namespace: run inside this network namespace on 127.0.0.1:53 (a port
     ///   resolv.conf can name) instead of at a free port in the test's own namespace.
@@ -375,7 +373,7 @@ final class DNSServer {
         if Privileges.isRoot { arguments.append("--user=root") }
         // ip netns exec execs dnsmasq in place: the spawned PID is dnsmasq's.
         if let namespace { arguments = ["/usr/sbin/ip", "netns", "exec", namespace] + arguments }
-        pid = try Self.spawn(arguments, log: logFile.path)
+        process = try SpawnedProcess(arguments, log: logFile.path)
         try waitForLog(reads: 1)
     }
 
@@ -398,7 +396,7 @@ final class DNSServer {
     func replaceHosts(_ hosts: [String]) throws {
         let before = log.components(separatedBy: "read \(hostsFile.path)").count - 1
         try writeHosts(hosts)
-        if let pid { kill(pid, SIGHUP) }
+        process?.signal(SIGHUP)
         try waitForLog(reads: before + 1)
     }
 
@@ -413,42 +411,9 @@ final class DNSServer {
 
     /// Stops dnsmasq by its PID (SIGTERM, SIGKILL after 2 s) and reaps it.
     func stop() {
-        guard let pid else { return }
-        self.pid = nil
-        kill(pid, SIGTERM)
-        var status: Int32 = 0
-        for _ in 0..<100 {
-            if waitpid(pid, &status, WNOHANG) == pid { return }
-            usleep(20_000)
-        }
-        kill(pid, SIGKILL)
-        waitpid(pid, &status, 0)
+        process?.stop()
+        process = nil
     }
 
-    /// posix_spawn with stdout and stderr to `log`, default signal dispositions and an empty mask.
-    private static func spawn(_ arguments: [String], log: String) throws -> pid_t {
-        var actions = posix_spawn_file_actions_t()
-        posix_spawn_file_actions_init(&actions)
-        defer { posix_spawn_file_actions_destroy(&actions) }
-        posix_spawn_file_actions_addopen(&actions, 2, log, O_WRONLY | O_CREAT | O_TRUNC, 0o644)
-        posix_spawn_file_actions_adddup2(&actions, 2, 1)
-        var attributes = posix_spawnattr_t()
-        posix_spawnattr_init(&attributes)
-        defer { posix_spawnattr_destroy(&attributes) }
-        var empty = sigset_t()
-        sigemptyset(&empty)
-        var all = sigset_t()
-        sigfillset(&all)
-        posix_spawnattr_setsigmask(&attributes, &empty)
-        posix_spawnattr_setsigdefault(&attributes, &all)
-        posix_spawnattr_setflags(&attributes, Int16(POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF))
-        let argv = arguments.map { strdup($0) } + [nil]
-        defer { argv.forEach { free($0) } }
-        var pid: pid_t = 0
-        let result = posix_spawn(&pid, arguments[0], &actions, &attributes, argv, environ)
-        guard result == 0 else { throw DNSServerError.spawn(arguments[0], result) }
-        return pid
-    }
-
-    enum DNSServerError: Error { case notReady(String), spawn(String, Int32) }
+    enum DNSServerError: Error { case notReady(String) }
 }

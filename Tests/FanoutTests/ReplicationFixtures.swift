@@ -55,12 +55,8 @@ final class NetFlowCollector {
         port = given ?? freePort()
         directory = FileManager.default.temporaryDirectory.appendingPathComponent("nfcapd-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        // The test process blocks signals its daemon threads wait for, and a child inherits the
-        // mask: nfcapd (which writes its file when SIGTERM's handler runs) gets it unblocked.
-        child = try Child("/usr/bin/python3", [
-            "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); os.execv(sys.argv[1], sys.argv[1:])",
-            "/usr/bin/nfcapd", "-b", address, "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608",
-        ], prefix: prefix)
+        // nfcapd writes its file when SIGTERM's handler runs: started with signals unblocked.
+        child = try Child.unblocked("/usr/bin/nfcapd", ["-b", address, "-p", "\(port)", "-w", directory.path, "-t", "3600", "-B", "8388608"], prefix: prefix)
     }
 
     deinit { try? FileManager.default.removeItem(at: directory) }

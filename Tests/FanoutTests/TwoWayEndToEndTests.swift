@@ -246,6 +246,44 @@ struct TwoWayEndToEndTests {
         try Self.expectNothingAttached(topology)
     }
 
+    @Test("nat (tc_ebpf, xdp): dig against dnsmasq on three servers through the VIP: 30 queries, each answered from the VIP by one server; one association each",
+          arguments: [Path.nat, .xdp])
+    func natDNS(path: Path) throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 1)
+        try Self.prepare(topology, path)
+        // Each server answers svc.test with an address of its own: the answer names the server.
+        // (dnsmasq as a SpawnedProcess: under Foundation's Process it stalls the run.)
+        let servers = try (1...3).map { n in
+            try SpawnedProcess(topology.prefix(topology.servers[n - 1]) + [
+                "/usr/sbin/dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--bind-interfaces",
+                "--listen-address=\(TwoWayTopology.serverAddress(n))", "--port=\(Self.serverPort)", "--address=/svc.test/198.18.99.\(n)",
+                "--pid-file=", "--user=root", "--log-facility=-"], log: FileManager.default.temporaryDirectory.appendingPathComponent("dnsmasq-\(UUID().uuidString)").path)
+        }
+        defer {
+            for server in servers {
+                server.stop()
+                try? FileManager.default.removeItem(atPath: server.log)
+            }
+        }
+        usleep(300_000)
+        let daemon = try Daemon(topology, path, Self.config(topology, path, servers: [1, 2, 3]))
+        var answers: [String: Int] = [:]
+        for _ in 0..<30 {
+            let answer = try topology.exec(topology.clients, ["/usr/bin/dig", "@\(TwoWayTopology.vip())", "-p", "\(Self.listenerPort)", "+short", "+tries=1", "+time=2", "svc.test", "A"])
+                .trimmingCharacters(in: .whitespacesAndNewlines)
+            answers[answer, default: 0] += 1
+        }
+        #expect(Set(answers.keys) == ["198.18.99.1", "198.18.99.2", "198.18.99.3"], "every query answered by a server, all three used: \(answers)")
+        #expect(answers.values.reduce(0, +) == 30)
+        let text = try Self.metrics(topology) { Self.value($0, path, "udp_fanout_replies_total") == 30 }
+        #expect(Self.value(text, path, "udp_fanout_replies_total") == 30, "\(text)")
+        #expect(Self.value(text, path, "udp_fanout_association_events_total", ",event=\"created\"") == 30, "each query a client of its own (dig's random port): \(text)")
+        Self.expectFinishedAtXDP(text, path)
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        try Self.expectNothingAttached(topology)
+    }
+
     @Test("nat: max_associations 64 with 200 clients: evictions counted, every reply from the VIP and from the server its request reached")
     func natEvictions() throws {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 50)
