@@ -124,7 +124,7 @@ struct ConfigTests {
 
     @Test("Every mode and replies pair is served by exactly one listener kind, the expected one; validation asks that kind")
     func kindsCoverEveryMode() throws {
-        let expected: [Mode: String] = [.userspace: "UserspaceKind", .tcEBPF: "TCKind", .afXDP: "AFXDPKind"]
+        let expected: [Mode: String] = [.userspace: "UserspaceKind", .tcEBPF: "TCKind", .afXDP: "AFXDPKind", .xdp: "XDPKind"]
         for mode in Mode.allCases {
             for replies in Replies.allCases {
                 let listener = Listener(name: "l", bind: SocketAddress("127.0.0.1:9000")!, mode: mode, downstreams: [], replies: replies)
@@ -336,6 +336,19 @@ struct ConfigTests {
          "listeners[0].replies", "nat rewrites both directions in the kernel: it needs mode tc_ebpf"),
         ("listeners:\n  - name: a\n    bind: \"0.0.0.0:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: nat\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
          "listeners[0].bind", "must be the virtual address itself"),
+        // xdp: tc_ebpf's rules in its own name, and one XDP program per interface.
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: xdp\n    settings: {output: socket}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.output", "socket: xdp forwards in the kernel"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: xdp\n    downstream: [{address: \"[2001:db8::2]:2\"}]\n",
+         "listeners[0].downstream[0].address", "xdp rewrites the destination in place"),
+        ("listeners:\n  - name: a\n    bind: \"0.0.0.0:1\"\n    interface: eth0\n    mode: xdp\n    replies: nat\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].bind", "must be the virtual address itself"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: af_xdp\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].interface", "an interface runs one XDP program"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: xdp\n    settings: {xdp_mode: native}\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: xdp\n    settings: {xdp_mode: generic}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.xdp_mode", "one XDP program per interface, set the same xdp_mode"),
+        ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: xdp\n    settings: {tc_attach: tcx}\n    downstream: [{address: \"198.18.1.2:2\"}]\n  - name: b\n    bind: \"198.18.0.1:3\"\n    interface: eth0\n    mode: tc_ebpf\n    settings: {tc_attach: clsact}\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
+         "listeners[0].settings.tc_attach", "one program per interface, set the same tc_attach"),
         ("listeners:\n  - name: a\n    bind: \"198.18.0.1:1\"\n    interface: eth0\n    mode: tc_ebpf\n    replies: relay\n    downstream: [{address: \"198.18.1.2:2\"}]\n",
          "listeners[0].replies", "relay uses session sockets in userspace"),
         ("listeners:\n  - name: a\n    bind: \"127.0.0.1:1\"\n    replies: relay\n    settings: {output: preserve_source}\n    downstream: [{address: \"127.0.0.1:2\"}]\n",
