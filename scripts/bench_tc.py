@@ -10,6 +10,9 @@ Backends drop the UDP that arrives at their interface (nftables netdev ingress),
 receive limits the rate. Variants, alternated run by run:
 
   tc_ebpf         udp-fanout, mode tc_ebpf, round robin over the 3 backends
+  xdp             udp-fanout, mode xdp, the same at the XDP hook (native on the proxy's veth; the
+                  backends' veth ends get GRO, so the proxy's can transmit XDP frames, and the
+                  client computes its checksums, tx off: XDP passes an offloaded one to tc)
   nft stateless   prerouting raw: notrack, ip daddr set numgen inc mod 3 map, udp dport set
   nft conntrack   nat prerouting: dnat to numgen inc mod 3 map (balances flows, not packets)
   routing         no proxy rules: the client sends to backend 1 directly, the proxy only routes
@@ -34,7 +37,7 @@ from bench_common import BACKENDS, Topology, in_namespace, sh
 DATAGRAMS = int(os.environ.get("BENCH_TC_DATAGRAMS", "600000"))
 FIXED_RATE = int(os.environ.get("BENCH_TC_RATE", "150000"))
 FIXED_SECONDS = int(os.environ.get("BENCH_TC_SECONDS", "4"))
-VARIANTS = ["tc_ebpf", "nft stateless", "nft conntrack", "routing"]
+VARIANTS = ["tc_ebpf", "xdp", "nft stateless", "nft conntrack", "routing"]
 
 
 class Variant:
@@ -44,18 +47,20 @@ class Variant:
         self.name, self.topology, self.proc = name, topology, None
         self.target = ("198.18.1.2", 6000) if name == "routing" else ("198.18.0.1", 5514)
         backends = ", ".join(f"{n - 1} : 198.18.{n}.2" for n in range(1, BACKENDS + 1))
-        if name == "tc_ebpf":
+        if name in ("tc_ebpf", "xdp"):
+            if name == "xdp":
+                self.xdp_ends(True)
             downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, BACKENDS + 1))
             path = os.path.join(work, "tc.yaml")
             with open(path, "w") as f:
                 f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
-                        f"    mode: tc_ebpf\n    downstream:\n{downstreams}\n")
+                        f"    mode: {name}\n    downstream:\n{downstreams}\n")
             self.proc = subprocess.Popen([*in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path],
                                          stderr=subprocess.PIPE, text=True)
             while True:
                 line = self.proc.stderr.readline()
                 if not line:
-                    raise SystemExit("udp-fanout (tc_ebpf) exited")
+                    raise SystemExit(f"udp-fanout ({name}) exited")
                 if "registered listener in eBPF map" in line:
                     break
         elif name == "nft stateless":
@@ -70,6 +75,13 @@ class Variant:
             self.nft(f"table ip fanout_bench {{\n chain pre {{\n  type nat hook prerouting priority dstnat; policy accept;\n"
                      f"  ip daddr 198.18.0.1 udp dport 5514 dnat ip to numgen inc mod {BACKENDS} map {{ {pairs} }}\n }}\n}}\n")
 
+    def xdp_ends(self, on):
+        """GRO on the backends' veth ends, checksums computed by the client (tx off), or back."""
+        topology = self.topology
+        for backend, inner in zip(topology.backends, topology.backend_ifs):
+            topology.ns(backend, "ethtool", "-K", inner, "gro", "on" if on else "off")
+        topology.ns(topology.client, "ethtool", "-K", f"cp{topology.proxy_if[2:]}", "tx", "off" if on else "on")
+
     def nft(self, rules):
         subprocess.run([*in_namespace(self.topology.proxy), "nft", "-f", "-"], input=rules, text=True, check=True)
 
@@ -77,6 +89,8 @@ class Variant:
         if self.proc:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=10)
+            if self.name == "xdp":
+                self.xdp_ends(False)
         elif self.name.startswith("nft"):
             self.topology.ns(self.topology.proxy, "nft", "delete", "table", "ip", "fanout_bench")
         elif self.name == "baseline":
@@ -109,12 +123,12 @@ def run_once(name, topology, work, fixed):
             "ns_per_packet": cpu * 1e9 / max(delivered, 1)}
 
 
-def program_cost(topology, work):
-    variant = Variant("tc_ebpf", topology, work)
+def program_cost(topology, work, name="tc_ebpf", program="fanout_tc"):
+    variant = Variant(name, topology, work)
     try:
         with common.BPFStats():
             common.publish_in(topology, variant.target, 200000, ("--rate", str(FIXED_RATE)))
-            cost, runs = common.ns_per_run(["name", "fanout_tc"])
+            cost, runs = common.ns_per_run(["name", program])
     finally:
         variant.stop()
     return cost
@@ -171,6 +185,33 @@ def rows():
                         f"{mine_net[0]:,.0f} ns ({mine_net[1]:,.0f}-{mine_net[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
                         f"the row above minus the generator baseline ({base[0]:,.0f} ns) of the same run"))
+        if "xdp" in saturation:
+            xdp = common.spread([r["pps"] for r in saturation["xdp"]])
+            xdp_delivered = statistics.median(r["delivered"] for r in saturation["xdp"])
+            for peer_name in ("tc_ebpf", "nft stateless", "nft conntrack", "routing"):
+                if peer_name not in saturation:
+                    continue
+                peer = common.spread([r["pps"] for r in saturation[peer_name]])
+                ratios = common.spread([o["pps"] / p["pps"] for o, p in zip(saturation["xdp"], saturation[peer_name])])
+                goal = " goal >= 1.5" if peer_name == "tc_ebpf" else ""
+                peer_delivered = statistics.median(r["delivered"] for r in saturation[peer_name])
+                out.append(("xdp: delivered pps at saturation", "routing only (ceiling)" if peer_name == "routing" else peer_name,
+                            f"{xdp[0]:,.0f} pps ({xdp[1]:,.0f}-{xdp[2]:,.0f})", f"{peer[0]:,.0f} pps ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                            f"delivered/sent ours {xdp_delivered:.3f}, peer {peer_delivered:.3f}; not LB-bound: the sender shares the CPUs"))
+            xdp_net = common.spread([net(fixed["xdp"], i) for i in range(common.RUNS)])
+            for peer_name in ("tc_ebpf", "nft stateless", "nft conntrack", "routing"):
+                if peer_name not in fixed:
+                    continue
+                peer = common.spread([net(fixed[peer_name], i) for i in range(common.RUNS)])
+                ratios = common.spread([net(fixed["xdp"], i) / net(fixed[peer_name], i) for i in range(common.RUNS)])
+                out.append((f"xdp: forwarding CPU per packet at {FIXED_RATE // 1000}k pps", "routing only" if peer_name == "routing" else peer_name,
+                            f"{xdp_net[0]:,.0f} ns ({xdp_net[1]:,.0f}-{xdp_net[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                            f"sys+irq+softirq of all CPUs / delivered, minus the generator baseline ({base[0]:,.0f} ns) of the same run"))
+            xdp_costs = common.spread([program_cost(topology, work, "xdp", "fanout_xfwd") for _ in range(3)])
+            out.append(("xdp: program cost fanout_xfwd, raw", "-", f"{xdp_costs[0]:.1f} ns/run ({xdp_costs[1]:.1f}-{xdp_costs[2]:.1f})", "-", "-",
+                        "kernel.bpf_stats_enabled run_time_ns/run_cnt, incl. fib lookup (the redirect's transmit runs after the program)"))
         costs = common.spread([program_cost(topology, work) for _ in range(3)])
         out.append(("tc: program cost fanout_tc, raw", "-", f"{costs[0]:.1f} ns/run ({costs[1]:.1f}-{costs[2]:.1f})", "-", "-",
                     "kernel.bpf_stats_enabled run_time_ns/run_cnt, incl. fib lookup and redirect"))

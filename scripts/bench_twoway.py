@@ -12,6 +12,10 @@ when its source is not the VIP). Variants, alternated run by run, all in the lb 
 
   tc_ebpf nat     udp-fanout mode tc_ebpf, replies: nat (associations in the kernel, DNAT in,
                   source NAT of the replies back to the VIP)
+  xdp nat         udp-fanout mode xdp, replies: nat: the same at the XDP hook (load-generator run
+                  only). The endpoints' veths get GRO (a veth transmits XDP frames only then) and
+                  compute their checksums (tx off); every veth's NAPI runs threaded, the lb's
+                  threads on CPU 1 and the endpoints' on CPU 0, since XDP runs in NAPI, before RPS
   nft conntrack   nftables `nat prerouting` dnat to numgen inc mod 3 map: conntrack balances
                   flows and un-NATs the replies by itself (the kernel's stateful NAT)
   relay           udp-fanout mode userspace (2 workers; 1 on its own CPU), replies: relay (a session socket per client;
@@ -69,7 +73,10 @@ EXCHANGES = 10_000_000
 SOURCES = "198.18.0.10-198.18.0.25"
 SERVERS = 3
 VIP, PORT, SERVER_PORT = "198.18.0.1", 5514, 6000
-VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "relay, no io_uring", "nginx-1", "nginx-2", "routed"]
+VARIANTS = ["tc_ebpf nat", "xdp nat", "nft conntrack", "relay", "relay, no io_uring", "nginx-1", "nginx-2", "routed"]
+# BENCH_TWOWAY_ONLY=a,b: only these variants (e.g. "xdp nat,tc_ebpf nat,nft conntrack").
+if os.environ.get("BENCH_TWOWAY_ONLY"):
+    VARIANTS = [v for v in VARIANTS if v in os.environ["BENCH_TWOWAY_ONLY"].split(",")]
 # Measured with the whole machine shared by clients, servers and the load balancer.
 SHARED_VARIANTS = ["tc_ebpf nat", "nft conntrack", "relay", "nginx-1", "nginx-2"]
 # Measured again with the load balancer on a CPU of its own (one core: nginx-1 is the peer).
@@ -80,7 +87,7 @@ SPLIT = os.environ.get("BENCH_TWOWAY_SPLIT", "1") != "0" and {0, 1} <= os.sched_
 REFLECT = SPLIT and os.environ.get("BENCH_TWOWAY_REFLECT", "1") != "0"
 # Measured in the load-generator run only: the relay with settings.io_uring false (one system
 # call per session-socket send and receive: what a worker does where io_uring is refused).
-REFLECT_ONLY_VARIANTS = ["relay, no io_uring"]
+REFLECT_ONLY_VARIANTS = ["relay, no io_uring", "xdp nat"]
 IN_FLIGHT = int(os.environ.get("BENCH_TWOWAY_IN_FLIGHT", "256"))
 REFLECTOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "reflect.bpf.c")
 # The baseline: the clients talk to one echo server directly, routed by the lb netns with no
@@ -205,6 +212,7 @@ class Variant:
 
     def __init__(self, name, topology, work, split=False):
         self.name, self.topology, self.work, self.proc, self.log, self.table = name, topology, work, None, None, False
+        self.xdp = False
         # Split: the load balancer's process on CPU 1 only (taskset; nginx's workers inherit it;
         # the relay's one worker runs unpinned, so within it too).
         self.prefix = ["taskset", "-c", "1"] if split else []
@@ -212,6 +220,11 @@ class Variant:
         try:
             if name == "tc_ebpf nat":
                 self.daemon(f"    interface: {topology.lb_if}\n    mode: tc_ebpf\n    replies: nat\n", "registered listener in eBPF map")
+            elif name == "xdp nat":
+                self.xdp = True
+                self.xdp_endpoints(True)
+                self.daemon(f"    interface: {topology.lb_if}\n    mode: xdp\n    replies: nat\n", "registered listener in eBPF map")
+                self.threaded_napi(True)
             elif name in ("relay", "relay, no io_uring"):
                 ring = "true" if name == "relay" else "false"
                 self.daemon(f"    mode: userspace\n    replies: relay\n    settings: {{workers: {workers}, batch_size: 64, pin_cpus: {str(not split).lower()}, io_uring: {ring}}}\n",
@@ -313,10 +326,33 @@ stream {{
         except OSError as error:
             return f"(no log: {error})"
 
+    def xdp_endpoints(self, on):
+        """GRO on the endpoints' veths (so the lb's can transmit XDP frames to them) and their
+        checksums computed at send (tx off: XDP passes an offloaded one to tc), or back."""
+        for namespace, interface in self.topology.endpoint_side:
+            self.topology.ns(namespace, "ethtool", "-K", interface, "gro", "on" if on else "off", "tx", "off" if on else "on")
+
+    def threaded_napi(self, on):
+        """Every veth's NAPI in a kernel thread of its own, the lb's on CPU 1, the endpoints' on
+        CPU 0 (or back to softirq): XDP runs in NAPI, before RPS could move it."""
+        for side, cpu in ((self.topology.lb_side, "1"), (self.topology.endpoint_side, "0")):
+            for namespace, interface in side:
+                common.sh("ip", "netns", "exec", namespace, "sh", "-c", f"echo {1 if on else 0} > /sys/class/net/{interface}/threaded")
+                if not on:
+                    continue
+                for line in common.sh("ps", "-eo", "pid=,comm=").splitlines():
+                    pid, _, comm = line.strip().partition(" ")
+                    if comm.strip().startswith(f"napi/{interface}"[:15]):
+                        common.sh("taskset", "-p", "-c", cpu, pid)
+
     def stop(self):
         if self.proc:
             stop_process(self.proc)
             self.proc = None
+        if self.xdp:
+            self.threaded_napi(False)
+            self.xdp_endpoints(False)
+            self.xdp = False
         if self.table:
             # Deleting the table also drops the netns' conntrack hooks: the entries left behind
             # are no longer consulted, so they cannot divert a later variant's datagrams.
@@ -595,6 +631,8 @@ def table(phases):
         above_routed_row(split_saturation, "saturation", "tc_ebpf nat", "nft conntrack")
         rate_row(split_saturation, " (LB on its own CPU)", "tc_ebpf nat", "nft conntrack DNAT", ["nft conntrack"], "")
     reflected_rows("tc_ebpf nat", "nft conntrack", " goal >= 1.2", " goal <= 0.7")
+    reflected_rows("xdp nat", "nft conntrack", " goal >= 2", "", "; ours with threaded NAPI (XDP runs there), GRO on the endpoints' veths")
+    reflected_rows("xdp nat", "tc_ebpf nat", "", "", "; what the XDP hook buys over tc, in the same runs")
     if "relay" in saturation:
         nginx = [n for n in ("nginx-1", "nginx-2") if n in saturation]
         for n in nginx:
