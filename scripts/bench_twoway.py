@@ -337,7 +337,7 @@ stream {{
         CPU 0 (or back to softirq): XDP runs in NAPI, before RPS could move it."""
         for side, cpu in ((self.topology.lb_side, "1"), (self.topology.endpoint_side, "0")):
             for namespace, interface in side:
-                common.sh("ip", "netns", "exec", namespace, "sh", "-c", f"echo {1 if on else 0} > /sys/class/net/{interface}/threaded")
+                common.sh("ip", "netns", "exec", namespace, "sh", "-c", f"echo {1 if on else 0} > /sys/class/net/{interface}/threaded", check=on)
                 if not on:
                     continue
                 for line in common.sh("ps", "-eo", "pid=,comm=").splitlines():
@@ -346,11 +346,13 @@ stream {{
                         common.sh("taskset", "-p", "-c", cpu, pid)
 
     def stop(self):
+        if self.xdp:
+            # Back to softirq NAPI while the lb's veths still have NAPI (the XDP program's).
+            self.threaded_napi(False)
         if self.proc:
             stop_process(self.proc)
             self.proc = None
         if self.xdp:
-            self.threaded_napi(False)
             self.xdp_endpoints(False)
             self.xdp = False
         if self.table:

@@ -28,7 +28,7 @@ struct ReloadMatrixTests {
 
     /// A listener kind of the matrix.
     enum Kind: String, CaseIterable, Sendable, CustomTestStringConvertible {
-        case userspace, relay, tcEBPF = "tc_ebpf", afXDP = "af_xdp"
+        case userspace, relay, tcEBPF = "tc_ebpf", afXDP = "af_xdp", xdp
         var testDescription: String { rawValue }
     }
 
@@ -51,6 +51,7 @@ struct ReloadMatrixTests {
                 settings = [("workers", "2"), ("io_uring", "true"), ("recv_buf_size", "8388608")]
             case .tcEBPF: settings = [("tc_attach", "auto"), ("max_packet_size", "9000")]
             case .afXDP: settings = [("output", "socket"), ("queues", "2"), ("xdp_mode", "auto"), ("batch_size", "64")]
+            case .xdp: settings = [("tc_attach", "auto"), ("xdp_mode", "auto")]
             }
         }
 
@@ -59,9 +60,10 @@ struct ReloadMatrixTests {
             case .userspace, .relay: "userspace"
             case .tcEBPF: "tc_ebpf"
             case .afXDP: "af_xdp"
+            case .xdp: "xdp"
             }
             var text = "listeners:\n  - name: \(name)\n    bind: \"198.18.0.1:\(port)\"\n    mode: \(mode)\n    balancing: \(balancing)\n"
-            if kind == .tcEBPF || kind == .afXDP { text += "    interface: \(topology.proxyInterface)\n" }
+            if kind == .tcEBPF || kind == .afXDP || kind == .xdp { text += "    interface: \(topology.proxyInterface)\n" }
             if let replies { text += "    replies: \(replies)\n" }
             text += "    settings: {\(settings.map { "\($0.0): \($0.1)" }.joined(separator: ", "))}\n    downstream:\n"
             for n in backends { text += "      - {name: b\(n), address: \"\(Topology.backendIPv4(n)):\(ReloadMatrixTests.backendPort)\"}\n" }
@@ -115,6 +117,7 @@ struct ReloadMatrixTests {
         .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name"],
         .tcEBPF: ["tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
         .afXDP: ["output", "queues", "xdp_mode", "batch_size", "bind", "balancing", "downstream", "name"],
+        .xdp: ["xdp_mode", "tc_attach", "bind", "balancing", "downstream", "name", "replies"],
     ]
 
     /// The short form (`make test`) runs every af_xdp key (issue 21's case) and each other kind's
@@ -124,6 +127,7 @@ struct ReloadMatrixTests {
         .relay: ["io_uring", "replies"],
         .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name"],
         .afXDP: Set(keys[.afXDP]!),
+        .xdp: ["xdp_mode", "downstream", "replies", "name"],
     ]
 
     static let cells: [Cell] = Kind.allCases.flatMap { kind in
@@ -155,6 +159,14 @@ struct ReloadMatrixTests {
         init(_ base: Shape) throws {
             let topology = try Topology(backends: 3, queues: 2)
             self.topology = topology
+            if base.kind == .xdp {
+                // The backends' veth ends with GRO (the proxy's ends then transmit XDP frames) and
+                // the client's checksums computed at send: the XDP program forwards, not tc.
+                for (index, backend) in topology.backends.enumerated() {
+                    _ = try topology.exec(backend, ["/usr/sbin/ethtool", "-K", "b\(index + 1)\(topology.suffix.prefix(8))", "gro", "on"])
+                }
+                _ = try topology.exec(topology.client, ["/usr/sbin/ethtool", "-K", "cp\(topology.suffix.prefix(8))", "tx", "off"])
+            }
             collectors = try topology.backends.enumerated().map { index, namespace in
                 let child = try Child("collector", [Topology.backendIPv4(index + 1), "\(ReloadMatrixTests.backendPort)", "0", "1", "--rcvbuf", "8388608"],
                                       prefix: topology.prefix(namespace))
@@ -272,16 +284,17 @@ struct ReloadMatrixTests {
         return outcome
     }
 
-    /// tc_ebpf changes whose old listener is stopped before the new one registers: a change of
-    /// tc_attach attaches the program at the interface again (once per interface), which the
-    /// daemon warns about; every other tc_ebpf successor writes its entry over its predecessor's.
+    /// tc_ebpf and xdp changes whose old listener is stopped before the new one registers: a
+    /// change of tc_attach (or xdp's xdp_mode) attaches the programs at the interface again (once
+    /// per interface), which the daemon warns about; every other successor writes its entry over
+    /// its predecessor's.
     static func stopsFirst(_ cell: Cell) -> Bool {
-        cell.kind == .tcEBPF && cell.key == "tc_attach"
+        (cell.kind == .tcEBPF && cell.key == "tc_attach") || (cell.kind == .xdp && (cell.key == "tc_attach" || cell.key == "xdp_mode"))
     }
 
-    /// The warning a tc_attach change logs before it stops the old listener.
+    /// The warning a tc_attach (or xdp_mode) change logs before it stops the old listener.
     static func warnsOfReattach(_ log: [String]) -> Bool {
-        log.contains { $0.contains("tc_attach changes: the program is attached again at this interface") }
+        log.contains { $0.contains("changes: the program") && $0.contains("attached again at this interface") }
     }
 
     /// What every cell asserts about its traffic.

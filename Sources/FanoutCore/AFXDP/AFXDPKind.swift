@@ -33,7 +33,7 @@ struct AFXDPKind: ListenerKind {
 
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
         var warnings: [ConfigWarning] = []
-        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
+        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to modes tc_ebpf and xdp only")) }
         for key in ["workers", "worker_steering"] where config.lines.isSet("\(path).settings.\(key)") {
             warnings.append(config.configWarning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
         }

@@ -165,7 +165,7 @@ enum SharedChecks {
         if config.lines.isSet("\(path).interface") {
             warnings.append(config.configWarning("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)"))
         }
-        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to mode tc_ebpf only")) }
+        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to modes tc_ebpf and xdp only")) }
         return warnings + afXDPKeys(path: path, of: config)
     }
 
@@ -196,7 +196,7 @@ enum SharedChecks {
     /// af_xdp's settings, set on another kind.
     static func afXDPKeys(path: String, of config: FanoutConfig) -> [ConfigWarning] {
         ["xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
-            config.configWarning("\(path).settings.\($0)", "applies to mode af_xdp only")
+            config.configWarning("\(path).settings.\($0)", $0 == "xdp_mode" ? "applies to modes af_xdp and xdp only" : "applies to mode af_xdp only")
         }
     }
 }
