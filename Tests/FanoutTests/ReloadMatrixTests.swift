@@ -51,7 +51,7 @@ struct ReloadMatrixTests {
                 settings = [("workers", "2"), ("io_uring", "true"), ("recv_buf_size", "8388608")]
             case .tcEBPF: settings = [("tc_attach", "auto"), ("max_packet_size", "9000")]
             case .afXDP: settings = [("output", "socket"), ("queues", "2"), ("xdp_mode", "auto"), ("batch_size", "64")]
-            case .xdp: settings = [("tc_attach", "auto"), ("xdp_mode", "auto")]
+            case .xdp: settings = [("tc_attach", "auto"), ("xdp_mode", "auto"), ("max_packet_size", "9000")]
             }
         }
 
@@ -117,7 +117,7 @@ struct ReloadMatrixTests {
         .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name"],
         .tcEBPF: ["tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
         .afXDP: ["output", "queues", "xdp_mode", "batch_size", "bind", "balancing", "downstream", "name"],
-        .xdp: ["xdp_mode", "tc_attach", "bind", "balancing", "downstream", "name", "replies"],
+        .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
     ]
 
     /// The short form (`make test`) runs every af_xdp key (issue 21's case) and each other kind's
@@ -127,7 +127,7 @@ struct ReloadMatrixTests {
         .relay: ["io_uring", "replies"],
         .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name"],
         .afXDP: Set(keys[.afXDP]!),
-        .xdp: ["xdp_mode", "downstream", "replies", "name"],
+        .xdp: ["xdp_mode", "max_packet_size", "downstream", "replies", "name"],
     ]
 
     static let cells: [Cell] = Kind.allCases.flatMap { kind in
@@ -350,7 +350,7 @@ struct ReloadMatrixTests {
     /// Injected-failure cells: a settings key per kind (a change that rebuilds the listener) and
     /// each step of the transaction the kind has (userspace kinds have no release step: their old
     /// instance stops after the change committed).
-    static let injectedCells: [InjectedCell] = [(Kind.userspace, "workers"), (.relay, "workers"), (.tcEBPF, "tc_attach"), (.tcEBPF, "max_packet_size"), (.afXDP, "batch_size")]
+    static let injectedCells: [InjectedCell] = [(Kind.userspace, "workers"), (.relay, "workers"), (.tcEBPF, "tc_attach"), (.tcEBPF, "max_packet_size"), (.afXDP, "batch_size"), (.xdp, "xdp_mode"), (.xdp, "max_packet_size")]
         .flatMap { kind, key in
             // A release step: an af_xdp interface handed over, a tc_ebpf listener stopped first.
             TransitionStep.allCases.filter { $0 != .release || kind == .afXDP || Self.stopsFirst(Cell(kind: kind, key: key)) }
@@ -447,10 +447,10 @@ struct ReloadMatrixTests {
     }
 
     @Test("Issue 21: every start of a listener fails (the af_xdp query), so a failed change loses it: the log says so, /readyz and a gauge show it, and the next reload starts it again",
-          arguments: [Kind.afXDP, .tcEBPF, .userspace])
+          arguments: [Kind.afXDP, .tcEBPF, .xdp, .userspace])
     func lost(kind: Kind) throws {
         let base = Shape(kind)
-        let changed = Cell(kind: kind, key: kind == .afXDP ? "batch_size" : kind == .tcEBPF ? "tc_attach" : "workers").changed(base)
+        let changed = Cell(kind: kind, key: kind == .afXDP ? "batch_size" : kind == .tcEBPF ? "tc_attach" : kind == .xdp ? "xdp_mode" : "workers").changed(base)
         let harness = try Harness(base)
         var mark = harness.logCount
         harness.daemon.failureInjection.withLock { $0 = { at, listener in at == .start && listener == "x" } }
