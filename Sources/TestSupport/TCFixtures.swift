@@ -70,11 +70,28 @@ public enum TCFixtures {
         try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(port)/metrics"])
     }
 
-    /// Nothing of ours is left: no program named fanout_tc loaded, no filter or tcx link on the
-    /// interface, no lock file.
+    /// xdp: the backends' veth ends with GRO (a veth transmits XDP frames only then, so the
+    /// proxy's ends take redirects) and, with `checksums`, the client's UDP checksums computed at
+    /// send (tx off), as datagrams from a NIC arrive (an offloaded one XDP passes to tc).
+    public static func prepareXDP(_ topology: Topology, gro: Bool = true, checksums: Bool = true) throws {
+        if gro {
+            for (index, backend) in topology.backends.enumerated() {
+                _ = try topology.exec(backend, ["/usr/sbin/ethtool", "-K", "b\(index + 1)\(topology.suffix.prefix(8))", "gro", "on"])
+            }
+        }
+        if checksums {
+            _ = try topology.exec(topology.client, ["/usr/sbin/ethtool", "-K", "cp\(topology.suffix.prefix(8))", "tx", "off"])
+        }
+    }
+
+    /// Nothing of ours is left: no program named fanout_tc or fanout_xfwd loaded, no filter,
+    /// tcx link or XDP program on the interface, no lock file.
     public static func expectNothingLeft(_ topology: Topology) throws {
         let programs = try programsAfterRelease()
         #expect(!programs.contains("fanout_tc"), "a fanout_tc program is still loaded: \(programs)")
+        #expect(!programs.contains("fanout_xfwd"), "a fanout_xfwd program is still loaded: \(programs)")
+        let link = try topology.exec(topology.proxy, ["/usr/sbin/ip", "link", "show", "dev", topology.proxyInterface])
+        #expect(!link.contains("xdp"), "ip link show: \(link)")
         let filters = try topology.exec(topology.proxy, ["tc", "filter", "show", "dev", topology.proxyInterface, "ingress"])
         #expect(filters.isEmpty, "tc filter show: \(filters)")
         let net = try topology.exec(topology.proxy, ["/usr/sbin/bpftool", "net", "show", "dev", topology.proxyInterface])
@@ -94,13 +111,13 @@ public enum TCFixtures {
                 value(series, "downstream=\"b1\""), value(series, "downstream=\"b2\""), value(series, "downstream=\"b3\""))
     }
 
-    /// `bpftool prog show`, waiting up to 1 s for fanout_tc to go: the kernel frees a program
+    /// `bpftool prog show`, waiting up to 1 s for fanout_tc (and fanout_xfwd) to go: the kernel frees a program
     /// after an RCU grace period once its last link or descriptor is closed.
     public static func programsAfterRelease() throws -> String {
         var programs = ""
         for _ in 0..<50 {
             programs = try run("/usr/sbin/bpftool", ["prog", "show"]).output
-            if !programs.contains("fanout_tc") { break }
+            if !programs.contains("fanout_tc") && !programs.contains("fanout_xfwd") { break }
             usleep(20_000)
         }
         return programs

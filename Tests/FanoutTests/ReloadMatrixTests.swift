@@ -160,12 +160,8 @@ struct ReloadMatrixTests {
             let topology = try Topology(backends: 3, queues: 2)
             self.topology = topology
             if base.kind == .xdp {
-                // The backends' veth ends with GRO (the proxy's ends then transmit XDP frames) and
-                // the client's checksums computed at send: the XDP program forwards, not tc.
-                for (index, backend) in topology.backends.enumerated() {
-                    _ = try topology.exec(backend, ["/usr/sbin/ethtool", "-K", "b\(index + 1)\(topology.suffix.prefix(8))", "gro", "on"])
-                }
-                _ = try topology.exec(topology.client, ["/usr/sbin/ethtool", "-K", "cp\(topology.suffix.prefix(8))", "tx", "off"])
+                // The XDP program forwards, not tc (TCFixtures.prepareXDP).
+                try TCFixtures.prepareXDP(topology)
             }
             collectors = try topology.backends.enumerated().map { index, namespace in
                 let child = try Child("collector", [Topology.backendIPv4(index + 1), "\(ReloadMatrixTests.backendPort)", "0", "1", "--rcvbuf", "8388608"],

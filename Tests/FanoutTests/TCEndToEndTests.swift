@@ -44,19 +44,26 @@ struct TCEndToEndTests {
         }
     }
 
-    @Test("IPv6 source_ip: every source to one backend, source addresses preserved")
-    func sourceIPv6() throws {
+    @Test("IPv6 source_ip: every source to one backend, source addresses preserved (tc_ebpf, and xdp: none passed to tc)", arguments: ["tc_ebpf", "xdp"])
+    func sourceIPv6(mode: String) throws {
         let topology = try Topology(backends: 3)
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         for n in 16..<48 {
             try topology.exec(topology.client, ["/usr/sbin/ip", "-6", "addr", "add", "2001:db8::\(String(n, radix: 16))/64", "dev", "cp\(topology.suffix.prefix(8))", "nodad"])
         }
         let collectors = try TCFixtures.collectors(topology, ipv6: true)
-        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true), "tc-v6")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], balancing: "source_ip", ipv6: true, mode: mode), "tc-v6")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["2001:db8::1", "5514", "3200", "--sources", "2001:db8::10-2001:db8::2f", "--rate", "20000"],
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0, "\(publisher.stderr)")
         usleep(300_000)
+        if mode == "xdp" {
+            let metrics = try TCFixtures.metrics(topology)
+            for reason in ["no_xdp_xmit", "checksum_partial"] {
+                #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"\(reason)\"") == 0, "\(reason): \(metrics)")
+            }
+        }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         try TCFixtures.expectNothingLeft(topology)
@@ -67,11 +74,13 @@ struct TCEndToEndTests {
         #expect(Set(owner.values).count == 3, "sources spread over all backends")
     }
 
-    @Test("Fragmented datagrams (3000 bytes over a 1500 MTU) are reassembled whole at one backend")
-    func fragments() throws {
+    @Test("Fragmented datagrams (3000 bytes over a 1500 MTU) are reassembled whole at one backend (tc_ebpf, and xdp: each first fragment's choice followed at XDP)",
+          arguments: ["tc_ebpf", "xdp"])
+    func fragments(mode: String) throws {
         let topology = try Topology(backends: 3)
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
-        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3]), "tc-frag")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], mode: mode), "tc-frag")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "600", "--size", "3000", "--rate", "5000", "--batch", "8"],
                                   prefix: topology.prefix(topology.client))
@@ -79,8 +88,11 @@ struct TCEndToEndTests {
         usleep(300_000)
         let metrics = try TCFixtures.metrics(topology)
         // 3 fragments per datagram, each counted.
-        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"tc_ebpf\"} 1800"), "\(metrics)")
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"\(mode)\"} 1800"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_tc_unmatched_packets_total{reason=\"fragment_untracked\"} 0"), "\(metrics)")
+        if mode == "xdp" {
+            #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"fragment\"") == 0, "\(metrics)")
+        }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }

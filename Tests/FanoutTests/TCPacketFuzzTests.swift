@@ -91,6 +91,27 @@ struct TCPacketFuzzTests {
         func problem(_ text: String) { if problems.count < 20 { problems.append(text) } }
     }
 
+    /// A frame the program sent on (`out`, from `frame`): a UDP packet to a backend, its IPv4
+    /// header and UDP checksums as valid as on arrival (a zero UDP checksum stays zero; a
+    /// fragment carries only part of its datagram, so its UDP checksum is not checked).
+    static func checkSent(_ frame: [UInt8], _ out: [UInt8], _ outcome: Outcome) {
+        guard let inLayers = layers(frame), let outLayers = layers(out) else {
+            outcome.problem("sent on, but not a UDP packet: \(frame) -> \(out)")
+            return
+        }
+        let destination = Array(out[(outLayers.l3 + (outLayers.family == AF_INET ? 16 : 24))..<(outLayers.l3 + (outLayers.family == AF_INET ? 20 : 40))])
+        if !backends.contains(destination) { outcome.problem("sent to \(destination), not a backend: \(frame)") }
+        let (a, b) = (checksums(frame, inLayers), checksums(out, outLayers))
+        if a.ipv4 != b.ipv4 { outcome.problem("IPv4 header checksum valid \(a.ipv4) -> \(b.ipv4): \(frame)") }
+        if !inLayers.fragment {
+            if a.udpField == 0 {
+                if b.udpField != 0 { outcome.problem("a zero UDP checksum became \(b.udpField): \(frame)") }
+            } else if a.udp != b.udp {
+                outcome.problem("UDP checksum valid \(a.udp) -> \(b.udp): \(frame)")
+            }
+        }
+    }
+
     @Test("The independent checksum check sees a valid frame as valid, and one changed address byte as invalid")
     func checkerCatches() throws {
         for frame in [Packet.ipv4(payload: [1, 2, 3], options: [1, 1, 1, 0], vlan: 7), Packet.ipv6(payload: [4, 5, 6])] {
@@ -153,22 +174,7 @@ struct TCPacketFuzzTests {
                 case 2: outcome.shot += 1
                 case 7:
                     outcome.redirect += 1
-                    let out = Array(output[0..<size])
-                    guard let inLayers = Self.layers(frame), let outLayers = Self.layers(out) else {
-                        outcome.problem("redirected, but not a UDP packet: \(frame) -> \(out)")
-                        return
-                    }
-                    let destination = Array(out[(outLayers.l3 + (outLayers.family == AF_INET ? 16 : 24))..<(outLayers.l3 + (outLayers.family == AF_INET ? 20 : 40))])
-                    if !Self.backends.contains(destination) { outcome.problem("redirected to \(destination), not a backend: \(frame)") }
-                    let (a, b) = (Self.checksums(frame, inLayers), Self.checksums(out, outLayers))
-                    if a.ipv4 != b.ipv4 { outcome.problem("IPv4 header checksum valid \(a.ipv4) -> \(b.ipv4): \(frame)") }
-                    if !inLayers.fragment {
-                        if a.udpField == 0 {
-                            if b.udpField != 0 { outcome.problem("a zero UDP checksum became \(b.udpField): \(frame)") }
-                        } else if a.udp != b.udp {
-                            outcome.problem("UDP checksum valid \(a.udp) -> \(b.udp): \(frame)")
-                        }
-                    }
+                    Self.checkSent(frame, Array(output[0..<size]), outcome)
                 default:
                     outcome.problem("verdict \(verdict) for \(frame)")
                 }

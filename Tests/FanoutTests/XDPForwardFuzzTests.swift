@@ -66,22 +66,7 @@ struct XDPForwardFuzzTests {
                 case Self.transmit, Self.redirect:
                     if action == Self.transmit { sent.add() }
                     outcome.redirect += 1
-                    let out = Array(output[0..<size])
-                    guard let inLayers = TCPacketFuzzTests.layers(frame), let outLayers = TCPacketFuzzTests.layers(out) else {
-                        outcome.problem("sent, but not a UDP packet: \(frame) -> \(out)")
-                        return
-                    }
-                    let destination = Array(out[(outLayers.l3 + (outLayers.family == AF_INET ? 16 : 24))..<(outLayers.l3 + (outLayers.family == AF_INET ? 20 : 40))])
-                    if !TCPacketFuzzTests.backends.contains(destination) { outcome.problem("sent to \(destination), not a backend: \(frame)") }
-                    let (a, b) = (TCPacketFuzzTests.checksums(frame, inLayers), TCPacketFuzzTests.checksums(out, outLayers))
-                    if a.ipv4 != b.ipv4 { outcome.problem("IPv4 header checksum valid \(a.ipv4) -> \(b.ipv4): \(frame)") }
-                    if !inLayers.fragment {
-                        if a.udpField == 0 {
-                            if b.udpField != 0 { outcome.problem("a zero UDP checksum became \(b.udpField): \(frame)") }
-                        } else if a.udp != b.udp {
-                            outcome.problem("UDP checksum valid \(a.udp) -> \(b.udp): \(frame)")
-                        }
-                    }
+                    TCPacketFuzzTests.checkSent(frame, Array(output[0..<size]), outcome)
                 default:
                     outcome.problem("action \(action) for \(frame)")
                 }

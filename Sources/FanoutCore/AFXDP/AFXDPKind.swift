@@ -51,20 +51,9 @@ struct AFXDPKind: ListenerKind {
             return (problems, notes)
         }
         // The start's own check: another tool's XDP program on the interface refuses it.
-        do throws(XDPError) {
-            try XDPAttachment.checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
-        } catch .foreignProgram(_, _, let name, _) where name == FANOUT_PROG_XDP_NAME {
-            // Most likely the daemon this file is about to reload (`--check` before SIGHUP).
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second af_xdp daemon on it would be refused")
-        } catch .foreignProgram(_, let id, "?", _) {
-            // Its name could not be read (bpf_prog_get_fd_by_id needs CAP_SYS_ADMIN): it may be
-            // the running daemon's own, so not a problem for an unprivileged check.
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs an XDP program (id \(id)) whose name this process cannot read: fine if it is the udp-fanout this file reloads; another program refuses the start (check as root, or bpftool prog show id \(id))")
-        } catch .query(_, let error) {
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': the XDP programs of \(interface) could not be read (\(error)); the start checks them again")
-        } catch {
-            problems.append("listeners[\(index)].interface: listener '\(listener.name)': \(error)")
-        }
+        let xdp = XDPAttachment.preflight(listener, index: index, ifindex: ifindex, ours: FANOUT_PROG_XDP_NAME, kind: "af_xdp daemon")
+        problems += xdp.problems
+        notes += xdp.notes
         if listener.settings.queues > 0, let available = try? RXQueues.count(interface: interface), listener.settings.queues > available {
             problems.append("listeners[\(index)].settings.queues: listener '\(listener.name)': \(listener.settings.queues) but \(interface) has \(available) RX queue(s): lower it (0 serves them all)")
         }

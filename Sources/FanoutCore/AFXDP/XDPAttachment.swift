@@ -113,6 +113,29 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         }
     }
 
+    /// What `--check` says about the XDP programs on `listener`'s interface (`ifindex`), asking
+    /// as the start would: udp-fanout's own program named `ours` (most likely the daemon this
+    /// file is about to reload) and one whose name cannot be read are notes; another tool's
+    /// program is a problem. `kind` names who would be refused ("af_xdp daemon").
+    static func preflight(_ listener: Listener, index: Int, ifindex: UInt32, ours: String, kind: String) -> (problems: [String], notes: [String]) {
+        let interface = listener.interface ?? ""
+        let at = "listeners[\(index)].interface: listener '\(listener.name)'"
+        do throws(XDPError) {
+            try checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
+        } catch .foreignProgram(_, _, let name, _) where name == ours {
+            return ([], ["\(at): \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second \(kind) on it would be refused"])
+        } catch .foreignProgram(_, let id, "?", _) {
+            // Its name could not be read (bpf_prog_get_fd_by_id needs CAP_SYS_ADMIN): it may be
+            // the running daemon's own, so not a problem for an unprivileged check.
+            return ([], ["\(at): \(interface) already runs an XDP program (id \(id)) whose name this process cannot read: fine if it is the udp-fanout this file reloads; another program refuses the start (check as root, or bpftool prog show id \(id))"])
+        } catch .query(_, let error) {
+            return ([], ["\(at): the XDP programs of \(interface) could not be read (\(error)); the start checks them again"])
+        } catch {
+            return (["\(at): \(error)"], [])
+        }
+        return ([], [])
+    }
+
     /// The name of the loaded program `id` ("?" if it cannot be read).
     static func programName(id: UInt32) -> String {
         let fd = bpf_prog_get_fd_by_id(id)

@@ -62,17 +62,9 @@ struct XDPKind: ListenerKind {
         let interface = listener.interface ?? ""
         let ifindex = if_nametoindex(interface)
         guard ifindex > 0 else { return (problems, notes) }
-        do throws(XDPError) {
-            try XDPAttachment.checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
-        } catch .foreignProgram(_, _, let name, _) where name == FANOUT_PROG_XFWD_NAME {
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs udp-fanout's xdp program: fine if that is the daemon this file reloads; a second daemon's would be refused")
-        } catch .foreignProgram(_, let id, "?", _) {
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': \(interface) already runs an XDP program (id \(id)) whose name this process cannot read: fine if it is the udp-fanout this file reloads; another program refuses the start (check as root, or bpftool prog show id \(id))")
-        } catch .query(_, let error) {
-            notes.append("listeners[\(index)].interface: listener '\(listener.name)': the XDP programs of \(interface) could not be read (\(error)); the start checks them again")
-        } catch {
-            problems.append("listeners[\(index)].interface: listener '\(listener.name)': \(error)")
-        }
+        let xdp = XDPAttachment.preflight(listener, index: index, ifindex: ifindex, ours: FANOUT_PROG_XFWD_NAME, kind: "daemon's xdp program")
+        problems += xdp.problems
+        notes += xdp.notes
         return (problems, notes)
     }
 
