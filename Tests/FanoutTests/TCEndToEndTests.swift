@@ -60,9 +60,8 @@ struct TCEndToEndTests {
         usleep(300_000)
         if mode == "xdp" {
             let metrics = try TCFixtures.metrics(topology)
-            for reason in ["no_xdp_xmit", "checksum_partial"] {
-                #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"\(reason)\"") == 0, "\(reason): \(metrics)")
-            }
+            #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"no_xdp_xmit\"") == 0, "\(metrics)")
+            #expect((metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"checksum_partial\"") ?? -1) <= TCFixtures.coincidentalPartials(3200), "\(metrics)")
         }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)

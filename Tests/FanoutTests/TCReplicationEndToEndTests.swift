@@ -122,14 +122,15 @@ struct TCReplicationEndToEndTests {
 /// The issue's NetFlow check in the kernel modes: three pools (a balanced pair, an `all` pair, a
 /// `sample: 10` single collector) fed by the publisher's NetFlow v9 from 40 exporters, stored by
 /// nfcapd in the backend namespaces and decoded by nfdump.
-@Suite("replication with real NetFlow collectors, tc_ebpf and af_xdp", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+@Suite("replication with real NetFlow collectors, tc_ebpf, xdp and af_xdp", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct KernelModeNetFlowTests {
-    @Test("NetFlow v9 from 40 exporters into nfcapd through three pools: each exporter's flows at one member of the balanced pair, every flow at each member of the all pair, every flow of the exporters userspace's sample keeps at the sampled one; exporter addresses kept", arguments: ["tc_ebpf", "af_xdp"])
+    @Test("NetFlow v9 from 40 exporters into nfcapd through three pools: each exporter's flows at one member of the balanced pair, every flow at each member of the all pair, every flow of the exporters userspace's sample keeps at the sampled one; exporter addresses kept (xdp: every datagram passed to tc, which copies, counted pools)", arguments: ["tc_ebpf", "xdp", "af_xdp"])
     func netflow(mode: String) throws {
         try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
         let topology = try Topology(backends: 5, queues: 2)
         defer { topology.destroy() }
         try TCFixtures.addClientSources(topology)
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try (1...5).map { n in
             try NetFlowCollector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
         }
@@ -137,7 +138,7 @@ struct KernelModeNetFlowTests {
         func members(_ numbers: [Int]) -> String {
             numbers.map { "{name: b\($0), address: \"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"}" }.joined(separator: ", ")
         }
-        let kind = mode == "af_xdp" ? "mode: af_xdp\n    settings: {output: preserve_source}" : "mode: tc_ebpf"
+        let kind = mode == "af_xdp" ? "mode: af_xdp\n    settings: {output: preserve_source}" : "mode: \(mode)"
         let file = try TCFixtures.write("""
             listeners:
               - name: nf
@@ -159,6 +160,10 @@ struct KernelModeNetFlowTests {
                                   prefix: topology.prefix(topology.client))
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
         usleep(500_000)
+        if mode == "xdp" {
+            let metrics = try TCFixtures.metrics(topology)
+            #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"nf\",reason=\"pools\"") == 800, "\(metrics)")
+        }
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0, "\(daemon.stderr)")
         let perExporter = 200  // 20 packets of 10 records each

@@ -149,12 +149,14 @@ struct TwoWayEndToEndTests {
         }
     }
 
-    /// xdp: nothing of the listener's went to tc because XDP could not send it or finish its checksum.
-    static func expectFinishedAtXDP(_ text: String, _ path: Path) {
+    /// xdp: nothing of the listener's `datagrams` (both directions) went to tc because XDP could
+    /// not send it or finish its checksum (but a finished checksum that looks offloaded by chance).
+    static func expectFinishedAtXDP(_ text: String, _ path: Path, datagrams: Int) {
         guard path == .xdp else { return }
-        for reason in ["no_xdp_xmit", "checksum_partial", "pools", "fragment"] {
+        for reason in ["no_xdp_xmit", "pools", "fragment"] {
             #expect(metric(text, "udp_fanout_xdp_passed_total", "listener=\"tw\",reason=\"\(reason)\"") == 0, "\(reason): \(text)")
         }
+        #expect((metric(text, "udp_fanout_xdp_passed_total", "listener=\"tw\",reason=\"checksum_partial\"") ?? -1) <= TCFixtures.coincidentalPartials(datagrams), "\(text)")
     }
 
     /// A two-way family's value for the listener (with `extra` labels after mode), nil if absent.
@@ -238,7 +240,7 @@ struct TwoWayEndToEndTests {
         #expect(Self.value(text, path, "udp_fanout_association_events_total", ",event=\"evicted\"") == 0, "\(text)")
         #expect(Self.value(text, path, "udp_fanout_replies_total") == 20000, "\(text)")
         #expect(Self.value(text, path, "udp_fanout_replies_dropped_total", ",reason=\"wrong_server\"") == 0, "\(text)")
-        Self.expectFinishedAtXDP(text, path)
+        Self.expectFinishedAtXDP(text, path, datagrams: 40000)
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         let reports = try Self.stop(servers)
@@ -278,7 +280,7 @@ struct TwoWayEndToEndTests {
         let text = try Self.metrics(topology) { Self.value($0, path, "udp_fanout_replies_total") == 30 }
         #expect(Self.value(text, path, "udp_fanout_replies_total") == 30, "\(text)")
         #expect(Self.value(text, path, "udp_fanout_association_events_total", ",event=\"created\"") == 30, "each query a client of its own (dig's random port): \(text)")
-        Self.expectFinishedAtXDP(text, path)
+        Self.expectFinishedAtXDP(text, path, datagrams: 60)
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         try Self.expectNothingAttached(topology)
@@ -439,7 +441,7 @@ struct TwoWayEndToEndTests {
         #expect(Self.value(text, path, "udp_fanout_associations") == 50, "\(text)")
         #expect(Self.value(text, path, "udp_fanout_association_events_total", ",event=\"created\"") == 50, "\(text)")
         #expect(Self.value(text, path, "udp_fanout_replies_total") == 1000, "\(text)")
-        Self.expectFinishedAtXDP(text, path)
+        Self.expectFinishedAtXDP(text, path, datagrams: 2000)
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         let reports = try Self.stop(servers)

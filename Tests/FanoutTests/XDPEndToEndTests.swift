@@ -33,9 +33,10 @@ struct XDPEndToEndTests {
         let metrics = try TCFixtures.metrics(topology)
         #expect(metrics.contains("udp_fanout_packets_received_total{listener=\"tc\",mode=\"xdp\"} 3000"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"xdp\"} 3000"), "\(metrics)")
-        for reason in ["no_neighbour", "too_large", "fragment", "pools", "no_xdp_xmit", "checksum_partial"] {
+        for reason in ["no_neighbour", "too_large", "fragment", "pools", "no_xdp_xmit"] {
             #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
         }
+        #expect((Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"checksum_partial\"}") ?? -1) <= TCFixtures.coincidentalPartials(3000), "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         #expect(daemon.stderr.contains("detached XDP program"))
@@ -90,6 +91,35 @@ struct XDPEndToEndTests {
         // The collectors' sockets drop a datagram whose checksum is wrong: all arrived.
         let reports = try collectors.map { try $0.stop() }
         #expect(TCFixtures.received(reports).reduce(0, +) == 1200, "\(TCFixtures.received(reports))")
+    }
+
+    @Test("NetFlow v9 from 40 exporters through XDP itself (source_ip over two nfcapd, no pools): each exporter's flows whole at one collector under its own address; nothing passed to tc")
+    func netflow() throws {
+        let topology = try Topology(backends: 2)
+        try TCFixtures.addClientSources(topology)
+        try TCFixtures.prepareXDP(topology)
+        let collectors = try (1...2).map { n in
+            try NetFlowCollector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
+        }
+        usleep(300_000)  // the collectors bind
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2], balancing: "source_ip", mode: "xdp"), "xdp-netflow")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "800", "--sources", "198.18.0.10-198.18.0.49", "--netflow", "v9", "--rate", "4000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        usleep(500_000)
+        let metrics = try TCFixtures.metrics(topology)
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"xdp\"} 800"), "\(metrics)")
+        for reason in ["no_neighbour", "no_xdp_xmit", "pools", "fragment"] {
+            #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
+        }
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let flows = try collectors.map { try $0.flowsByExporter() }
+        for exporter in (10..<50).map({ "198.18.0.\($0)" }) {
+            #expect(flows.map { $0[exporter] ?? 0 }.sorted() == [0, 200], "\(exporter): 200 flows at exactly one collector, under its address: \(flows.map { $0[exporter] ?? 0 })")
+        }
+        #expect(flows.allSatisfy { !$0.isEmpty }, "both collectors used")
     }
 
     @Test("kill -9 leaves no XDP program attached (a BPF link); the restart attaches again and its SIGTERM leaves nothing")

@@ -12,6 +12,8 @@ struct AFXDPKind: ListenerKind {
     /// Each frame's payload to every pool from UMEM, through the pools' sockets (socket or
     /// preserve_source; a listener's xdp_tx leaves pools as preserve_source).
     static let replicates = true
+    /// Its steering program holds the interface's XDP hook.
+    static let holdsXDPHook = true
 
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         try SharedChecks.sourcePreservingFamilies(listener, path: path, of: config)

@@ -17,6 +17,9 @@ protocol ListenerKind: Sendable {
     /// True when it serves replication pools (`pools:`); a listener of another kind with pools is
     /// refused at validation, naming the key.
     static var replicates: Bool { get }
+    /// True when it attaches a program to its interface's XDP hook, which holds one program: two
+    /// such kinds cannot share an interface.
+    static var holdsXDPHook: Bool { get }
     /// Checks its own keys of `listener` (`listeners[index]` of `config`, at `path`): throws the
     /// first problem, naming its key and line. Runs after the checks every kind shares.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError)
@@ -58,6 +61,7 @@ extension ListenerKind {
     static var attachesToInterface: Bool { false }
     static var bindsPerInterface: Bool { false }
     static var replicates: Bool { false }
+    static var holdsXDPHook: Bool { false }
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {}
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? { nil }
     static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {}
@@ -134,6 +138,11 @@ struct ListenerKinds: Sendable {
             preconditionFailure("no listener kind serves mode \(listener.mode.rawValue) (replies \(listener.replies.rawValue)): register one in ListenerKinds")
         }
         return kind
+    }
+
+    /// Whether `listener`'s kind attaches to its interface's XDP hook.
+    static func holdsXDPHook(_ listener: Listener) -> Bool {
+        type(for: listener)?.holdsXDPHook ?? false
     }
 
     /// The kind of `listener`, nil if none serves its mode.

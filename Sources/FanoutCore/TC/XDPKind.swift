@@ -5,7 +5,8 @@ import BPFKernelABI
 import Logging
 import ReusePortLB
 
-/// xdp: tc_ebpf's forwarding at the driver's XDP hook. A listener is an entry in the tc program's
+/// xdp: tc_ebpf's forwarding at the driver's XDP hook. It lives beside TCKind because it is the
+/// same dataplane with one more program in front. A listener is an entry in the tc program's
 /// maps (``TCDataplane``, shared with tc_ebpf) and an XDP program (bpf/xdp_fanout.bpf.c,
 /// ``XDPFront``) loaded with those maps sits in front of the tc program at its interfaces: it
 /// finishes what it can before the kernel builds a socket buffer and passes the rest, counted by
@@ -19,6 +20,8 @@ struct XDPKind: ListenerKind {
     static var bindsPerInterface: Bool { true }
     /// The copies are tc's (bpf_clone_redirect): a listener with pools is passed to it, counted `pools`.
     static let replicates = true
+    /// Its program sits at the interface's XDP hook (and at a nat listener's reply interfaces').
+    static let holdsXDPHook = true
 
     /// tc_ebpf's keys and limits (the same maps and rewrite), and xdp_mode's.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
@@ -31,8 +34,8 @@ struct XDPKind: ListenerKind {
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {
         let listeners = config.listeners
         for (index, listener) in listeners.enumerated() where serves(listener) {
-            if let other = listeners.first(where: { AFXDPKind.serves($0) && $0.interface == listener.interface }) {
-                throw config.configError("listeners[\(index)].interface", "\(listener.interface ?? "") also serves af_xdp listener '\(other.name)': an interface runs one XDP program, and both kinds need it; put one of them on another interface, or use mode tc_ebpf for this listener (the same forwarding at the tc hook)")
+            if let other = listeners.first(where: { !serves($0) && ListenerKinds.holdsXDPHook($0) && $0.interface == listener.interface }) {
+                throw config.configError("listeners[\(index)].interface", "\(listener.interface ?? "") also serves \(other.mode.rawValue) listener '\(other.name)': an interface runs one XDP program, and both kinds need it; put one of them on another interface, or use mode tc_ebpf for this listener (the same forwarding at the tc hook)")
             }
             if let other = listeners.first(where: { serves($0) && $0.interface == listener.interface && $0.settings.xdpMode != listener.settings.xdpMode }) {
                 throw config.configError("listeners[\(index)].settings.xdp_mode", "\(listener.settings.xdpMode.rawValue) differs from listener '\(other.name)' on the same interface \(listener.interface ?? ""): one XDP program per interface, set the same xdp_mode")
@@ -40,8 +43,8 @@ struct XDPKind: ListenerKind {
         }
         for (index, listener) in listeners.enumerated() where serves(listener) && listener.replies == .nat {
             for interface in listener.settings.replyInterfaces {
-                if let other = listeners.first(where: { AFXDPKind.serves($0) && $0.interface == interface }) {
-                    throw config.configError("listeners[\(index)].settings.reply_interfaces", "\(interface) serves af_xdp listener '\(other.name)': the xdp program attaches where replies arrive, and an interface runs one XDP program; use mode tc_ebpf for this listener or another interface")
+                if let other = listeners.first(where: { !serves($0) && ListenerKinds.holdsXDPHook($0) && $0.interface == interface }) {
+                    throw config.configError("listeners[\(index)].settings.reply_interfaces", "\(interface) serves \(other.mode.rawValue) listener '\(other.name)': the xdp program attaches where replies arrive, and an interface runs one XDP program; use mode tc_ebpf for this listener or another interface")
                 }
             }
         }
