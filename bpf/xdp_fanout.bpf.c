@@ -22,8 +22,12 @@
  * the copies), a route through an interface that cannot transmit XDP frames, a UDP checksum left
  * for offload (CHECKSUM_PARTIAL: only tc knows the skb's checksum state). Passed uncounted:
  * everything that is not a datagram of a listener served here (tc counts it as its own or
- * unmatched). Dropped and counted with the tc program's verdicts: no backend, TTL expired, no
- * route, wrong server, drained, and a rewrite the frame's bounds refuse.
+ * unmatched; a later fragment XDP cannot follow is counted `fragment` here too, under its
+ * listener when known). Dropped and counted with the tc program's verdicts: no backend, TTL
+ * expired, no route, wrong server, drained, and a rewrite the frame's bounds refuse (a dropped
+ * first fragment is remembered with its verdict: tc drops its later fragments the same way).
+ * A datagram passed after its backend was chosen puts the listener's rotation back, so tc
+ * chooses the same backend.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -69,6 +73,16 @@ static __always_inline int pass(__u32 id, __u32 reason)
 	if (passed && reason < FANOUT_XFWD_PASS_COUNT)
 		passed->reasons[reason]++;
 	return XDP_PASS;
+}
+
+/* Passes a datagram whose backend was chosen here: the rotation goes back to where it was, so
+ * tc chooses the same backend (and moves it once). A new association keeps the choice itself:
+ * tc finds it, chooses nothing, and the rotation stays moved once. */
+static __always_inline int pass_chosen(__u32 id, __u32 reason, __u32 *rotation, __u32 position, __u32 event)
+{
+	if (rotation && event == ASSOCIATION_KEPT)
+		*rotation = position;
+	return pass(id, reason);
 }
 
 /* Whether listener `id` is served here (an xdp listener), not by the tc program alone. */
@@ -181,6 +195,11 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 	int new_association = 0;
 	__u32 event = ASSOCIATION_KEPT;
 	__u32 reply_moved = 0;
+	/* The listener's per-CPU rotation and its position before the choice: a datagram passed to
+	 * tc after the choice puts it back, so tc's own choice is this one and the rotation moves
+	 * once per datagram (on this CPU: the stack runs tc where XDP ran). */
+	__u32 *rotation = NULL;
+	__u32 position = 0;
 	if (p.has_udp) {
 		struct fanout_listener *listener = find_listener(ifindex, &p);
 		if (listener) {
@@ -189,6 +208,12 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 				return XDP_PASS; /* a tc_ebpf listener on this interface */
 			if (listener->pool_count)
 				return pass(id, FANOUT_XFWD_PASS_POOLS);
+			/* Before the choice, which has effects (rotation, association). */
+			if (checksum_partial(data, end, &p))
+				return pass(id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
+			rotation = bpf_map_lookup_elem(&FANOUT_MAP_RR, &id);
+			if (rotation)
+				position = *rotation;
 			if (listener->reserved & FANOUT_LISTENER_NAT)
 				chosen = choose_associated(listener, &p, &backend, &event);
 			else
@@ -201,6 +226,8 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 			wrong_server = found == REPLY_WRONG_SERVER;
 			drained = found == REPLY_DRAINED;
 			new_association = found == REPLY_NEW;
+			if (checksum_partial(data, end, &p))
+				return pass(id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
 		}
 	} else {
 		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
@@ -215,8 +242,6 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 	struct fanout_stats *stats = id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id) : NULL;
 	if (!stats)
 		return XDP_PASS;
-	if (checksum_partial(data, end, &p))
-		return pass(id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
 	/* The association this datagram made is counted here even when tc finishes the datagram
 	 * (tc then finds it made). */
 	if (event == ASSOCIATION_CREATED)
@@ -249,9 +274,9 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 		goto drop;
 	}
 	if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
-		return pass(id, FANOUT_XFWD_PASS_NO_NEIGHBOUR);
+		return pass_chosen(id, FANOUT_XFWD_PASS_NO_NEIGHBOUR, rotation, position, event);
 	if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-		return pass(id, FANOUT_XFWD_PASS_TOO_LARGE);
+		return pass_chosen(id, FANOUT_XFWD_PASS_TOO_LARGE, rotation, position, event);
 	if (route != BPF_FIB_LKUP_RET_SUCCESS) {
 		verdict = FANOUT_VERDICT_NO_ROUTE;
 		struct fanout_backend_stats *dropped = reply ? NULL : backend_stats(id, backend.counter_slot);
@@ -263,7 +288,7 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 	 * needs its peer's XDP or GRO as much as a redirect does). */
 	__u32 egress = fib.ifindex;
 	if (!bpf_map_lookup_elem(&FANOUT_MAP_XFWD_DEVICES, &egress))
-		return pass(id, FANOUT_XFWD_PASS_NO_XDP_XMIT);
+		return pass_chosen(id, FANOUT_XFWD_PASS_NO_XDP_XMIT, rotation, position, event);
 	int transmit = egress == ifindex;
 
 	if (new_association)
@@ -328,6 +353,16 @@ int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 	return action;
 
 drop:
+	/* A first fragment dropped here: its later fragments follow it to tc, which drops and counts
+	 * them with this verdict. */
+	if (!reply && p.has_udp && p.fragment) {
+		struct fanout_fragment remembered = {};
+		remembered.backend = backend;
+		remembered.listener_id = id;
+		remembered.direction = FANOUT_DIRECTION_FORWARD;
+		remembered.own_verdict = verdict;
+		bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
+	}
 	if (!reply) {
 		stats->received++;
 		stats->bytes_received += length;

@@ -36,7 +36,7 @@ struct XDPEndToEndTests {
         for reason in ["no_neighbour", "too_large", "fragment", "pools", "no_xdp_xmit"] {
             #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
         }
-        #expect((Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"checksum_partial\"}") ?? -1) <= TCFixtures.coincidentalPartials(3000), "\(metrics)")
+        #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"checksum_partial\"}").map { $0 <= TCFixtures.coincidentalPartials(3000) } == true, "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         #expect(daemon.stderr.contains("detached XDP program"))
@@ -53,10 +53,10 @@ struct XDPEndToEndTests {
 
     @Test("A route through an interface that cannot transmit XDP frames (its veth peer without GRO): every datagram passed to tc, counted no_xdp_xmit, delivered; the log says why")
     func noXDPTransmit() throws {
-        let topology = try Topology(backends: 3)
+        let topology = try Topology(backends: 2)
         try TCFixtures.prepareXDP(topology, gro: false)
         let collectors = try TCFixtures.collectors(topology)
-        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], mode: "xdp"), "xdp-noxmit")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2], mode: "xdp"), "xdp-noxmit")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
@@ -70,14 +70,16 @@ struct XDPEndToEndTests {
         try TCFixtures.expectNothingLeft(topology)
         let reports = try collectors.map { try $0.stop() }
         #expect(TCFixtures.received(reports).reduce(0, +) == 1200, "\(TCFixtures.received(reports))")
+        // XDP's choice is tc's: the rotation moves once per datagram, so two backends stay even.
+        #expect(TCFixtures.received(reports).allSatisfy { abs($0 - 600) <= 8 }, "round robin evenness through tc: \(TCFixtures.received(reports))")
     }
 
     @Test("A local sender through a veth with checksum offload (CHECKSUM_PARTIAL): each datagram passed to tc, counted checksum_partial, delivered with a valid checksum")
     func checksumPartial() throws {
-        let topology = try Topology(backends: 3)
+        let topology = try Topology(backends: 2)
         try TCFixtures.prepareXDP(topology, checksums: false)
         let collectors = try TCFixtures.collectors(topology)
-        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2, 3], mode: "xdp"), "xdp-partial")
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2], mode: "xdp"), "xdp-partial")
         defer { try? FileManager.default.removeItem(at: file) }
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
         #expect(publisher.wait() == 0)
@@ -91,6 +93,7 @@ struct XDPEndToEndTests {
         // The collectors' sockets drop a datagram whose checksum is wrong: all arrived.
         let reports = try collectors.map { try $0.stop() }
         #expect(TCFixtures.received(reports).reduce(0, +) == 1200, "\(TCFixtures.received(reports))")
+        #expect(TCFixtures.received(reports).allSatisfy { abs($0 - 600) <= 8 }, "round robin evenness through tc: \(TCFixtures.received(reports))")
     }
 
     @Test("NetFlow v9 from 40 exporters through XDP itself (source_ip over two nfcapd, no pools): each exporter's flows whole at one collector under its own address; nothing passed to tc")

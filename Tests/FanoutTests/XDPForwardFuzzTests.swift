@@ -36,8 +36,8 @@ struct XDPForwardFuzzTests {
         func verdictTotals() -> [UInt64] {
             ids.map { fixture.stats($0).verdicts }.reduce([UInt64](repeating: 0, count: Int(FANOUT_VERDICT_COUNT.rawValue))) { zip($0, $1).map(+) }
         }
-        func passTotals() -> [UInt64] {
-            (ids + [UInt32(FANOUT_UNMATCHED_STATS)]).map { xdp.passedCounts(id: $0) }.reduce([UInt64](repeating: 0, count: XDPPassReason.allCases.count)) { zip($0, $1).map(+) }
+        func passTotals() throws -> [UInt64] {
+            try (ids + [UInt32(FANOUT_UNMATCHED_STATS)]).map { try #require(xdp.passedCounts(id: $0)) }.reduce([UInt64](repeating: 0, count: XDPPassReason.allCases.count)) { zip($0, $1).map(+) }
         }
         let before = verdictTotals()
         let seed = ProcessInfo.processInfo.environment["RELIABILITY_SEED"].flatMap { UInt64($0) } ?? UInt64.random(in: 0...UInt64.max)
@@ -80,7 +80,7 @@ struct XDPForwardFuzzTests {
 
         let counted = zip(verdictTotals(), before).map { $0 - $1 }
         func count(_ verdict: fanout_verdict) -> UInt64 { counted[Int(verdict.rawValue)] }
-        let passes = passTotals()
+        let passes = try passTotals()
         let names = ["forwarded", "forwarded_neigh", "no_backend", "no_route", "ttl_expired", "too_large", "rewrite_failed"]
         print("xdp packet fuzz: seed \(seed), \(outcome.run) packets run (\(outcome.refused) refused by the test runner) in \(String(format: "%.1f", outcome.seconds)) s; "
               + "returned redirect \(outcome.redirect - transmitted), tx \(transmitted), drop \(outcome.shot), pass \(outcome.pass); counted "

@@ -80,9 +80,9 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
     }
 
     /// What the program passed to tc for listener `id` (FANOUT_UNMATCHED_STATS: a later fragment
-    /// no listener could be known for), by ``XDPPassReason``.
-    func passedCounts(id: UInt32) -> [UInt64] {
-        (try? perCPUSum(passed, key: id, words: Int(FANOUT_XFWD_PASS_COUNT.rawValue))) ?? [UInt64](repeating: 0, count: Int(FANOUT_XFWD_PASS_COUNT.rawValue))
+    /// no listener could be known for), by ``XDPPassReason``; nil if the map cannot be read.
+    func passedCounts(id: UInt32) -> [UInt64]? {
+        try? perCPUSum(passed, key: id, words: Int(FANOUT_XFWD_PASS_COUNT.rawValue))
     }
 
     /// Lets the program redirect to interface `ifindex` (or no longer).

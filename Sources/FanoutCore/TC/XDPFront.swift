@@ -19,9 +19,14 @@ final class XDPFront: Sendable {
         /// name (counters must not go backwards when a reload gives the listener a new id).
         var served: [UInt32: String] = [:]
         var passedBefore: [String: [UInt64]] = [:]
+        /// Each served id's counts as last read: a read that fails uses them, so no counter goes back.
+        var lastRead: [UInt32: [UInt64]] = [:]
         /// Interfaces in the device map, and those found unable to transmit XDP frames (warned once).
         var devices: Set<UInt32> = []
         var refused: Set<UInt32> = []
+        /// Interfaces whose XDP features the kernel could not tell (no netdev family before 6.3,
+        /// or a failed query): warned once; left as they are in the device map.
+        var unknown: Set<UInt32> = []
     }
 
     private let state = Mutex(State())
@@ -87,8 +92,18 @@ final class XDPFront: Sendable {
     }
 
     private func retire(id: UInt32, name: String, _ program: XDPForwardProgram, _ state: inout State) {
-        let counts = program.passedCounts(id: id)
+        let counts = read(id: id, program, &state)
         state.passedBefore[name] = zip(state.passedBefore[name] ?? counts.map { _ in 0 }, counts).map { $0 &+ $1 }
+        state.lastRead[id] = nil
+    }
+
+    /// Listener `id`'s passes now, or as last read when the map cannot be read.
+    private func read(id: UInt32, _ program: XDPForwardProgram, _ state: inout State) -> [UInt64] {
+        if let counts = program.passedCounts(id: id) {
+            state.lastRead[id] = counts
+            return counts
+        }
+        return state.lastRead[id] ?? [UInt64](repeating: 0, count: XDPPassReason.allCases.count)
     }
 
     /// Marks listener `id` (named `name`) served at XDP; call after ``attach(interface:mode:sharing:)``.
@@ -120,18 +135,26 @@ final class XDPFront: Sendable {
         }
     }
 
-    /// Checks again that each interface in the device map still transmits XDP frames (a veth's
-    /// peer may have lost its XDP program or GRO): one that no longer does leaves the map, so
-    /// its datagrams go through tc rather than being dropped by the driver.
+    /// Checks again each interface in the device map (a veth's peer may have lost its XDP
+    /// program or GRO: it leaves the map, so its datagrams go through tc rather than being dropped
+    /// by the driver) and each one refused before (it joins the map once it transmits XDP frames).
     func recheckDevices() {
         state.withLock { state in
-            for ifindex in state.devices { refreshDevice(ifindex, in: &state) }
+            for ifindex in state.devices.union(state.refused) { refreshDevice(ifindex, in: &state) }
         }
     }
 
     private func refreshDevice(_ ifindex: UInt32, in state: inout State) {
         guard let program = state.program else { return }
-        let transmits = NetdevFeatures.transmitsXDP(ifindex: ifindex) ?? false
+        guard let transmits = NetdevFeatures.transmitsXDP(ifindex: ifindex) else {
+            // Unknown: the map stays as it is (an interface not in it goes through tc, counted).
+            if !state.unknown.contains(ifindex) {
+                state.unknown.insert(ifindex)
+                logger.warning("the kernel could not tell whether this interface transmits XDP frames (its netdev netlink family, kernel 6.3+): until it can, datagrams routed through it that are not in the xdp device map yet are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(Self.name(ifindex))"])
+            }
+            return
+        }
+        state.unknown.remove(ifindex)
         let present = state.devices.contains(ifindex)
         if transmits && !present {
             do throws(SystemCallError) {
@@ -175,7 +198,7 @@ final class XDPFront: Sendable {
             var totals = state.passedBefore
             if let program = state.program {
                 for (id, name) in state.served {
-                    let counts = program.passedCounts(id: id)
+                    let counts = read(id: id, program, &state)
                     totals[name] = zip(totals[name] ?? counts.map { _ in 0 }, counts).map { $0 &+ $1 }
                 }
             }
