@@ -67,12 +67,6 @@ final class XDPProgram: LoadedXDPProgram, @unchecked Sendable {  // descriptors 
         for fd in [program, listeners, sockets, stats] { close(fd) }
     }
 
-    /// The kernel's id of the loaded program (what `bpftool prog` and `ip link` print).
-    var programID: UInt32 {
-        var info = bpf_prog_info()
-        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
-        return bpf_obj_get_info_by_fd(program, &info, &length) == 0 ? info.id : 0
-    }
 
     // MARK: listeners and sockets
 

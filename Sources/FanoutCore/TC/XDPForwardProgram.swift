@@ -60,12 +60,6 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
         for fd in [program, served, devices, passed] { close(fd) }
     }
 
-    /// The kernel's id of the loaded program (what `bpftool prog` and `ip link` print).
-    var programID: UInt32 {
-        var info = bpf_prog_info()
-        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
-        return bpf_obj_get_info_by_fd(program, &info, &length) == 0 ? info.id : 0
-    }
 
     /// Marks listener `id` served at XDP (its counters of passes zeroed first) or not.
     func serve(id: UInt32, _ serving: Bool) throws(SystemCallError) {

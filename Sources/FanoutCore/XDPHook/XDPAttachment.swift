@@ -15,8 +15,15 @@ import SystemCalls
 protocol LoadedXDPProgram: Sendable {
     /// The program's descriptor.
     var program: Int32 { get }
-    /// The kernel's id of the program.
-    var programID: UInt32 { get }
+}
+
+extension LoadedXDPProgram {
+    /// The kernel's id of the loaded program (what `bpftool prog` and `ip link` print).
+    var programID: UInt32 {
+        var info = bpf_prog_info()
+        var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+        return bpf_obj_get_info_by_fd(program, &info, &length) == 0 ? info.id : 0
+    }
 }
 
 /// The XDP program attached to one interface through a BPF link: the kernel detaches it when
