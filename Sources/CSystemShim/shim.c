@@ -12,6 +12,7 @@
 #include <netinet/udp.h>
 #include <stdlib.h>
 #include <netinet/in.h>
+#include <linux/errqueue.h>
 #include <arpa/nameser.h>
 #include <resolv.h>
 #ifndef UDP_SEGMENT
@@ -45,6 +46,51 @@ int shim_rxq_ovfl(const struct msghdr *message, uint32_t *drops)
 unsigned int shim_rxq_ovfl_space(void)
 {
 	return CMSG_SPACE(sizeof(uint32_t));
+}
+
+int shim_enable_error_queue(int fd, int family)
+{
+	int on = 1;
+	if (family == AF_INET6)
+		return setsockopt(fd, SOL_IPV6, IPV6_RECVERR, &on, sizeof(on)) == 0 ? 0 : -errno;
+	return setsockopt(fd, SOL_IP, IP_RECVERR, &on, sizeof(on)) == 0 ? 0 : -errno;
+}
+
+int shim_drop_all_input(int fd)
+{
+	/* One classic BPF instruction, "return 0": every datagram arriving is dropped before the
+	 * queue (ICMP errors do not pass the filter: they reach the error queue). */
+	struct sock_filter code[] = { BPF_STMT(BPF_RET | BPF_K, 0) };
+	struct sock_fprog program = { .len = 1, .filter = code };
+	return setsockopt(fd, SOL_SOCKET, SO_ATTACH_FILTER, &program, sizeof(program)) == 0 ? 0 : -errno;
+}
+
+int shim_read_error_queue(int fd, struct sockaddr_storage *destination, int *error)
+{
+	char control[512];
+	char data[1];
+	struct iovec vector = { data, sizeof(data) };
+	struct msghdr message;
+	memset(&message, 0, sizeof(message));
+	memset(destination, 0, sizeof(*destination));
+	message.msg_name = destination;
+	message.msg_namelen = sizeof(*destination);
+	message.msg_iov = &vector;
+	message.msg_iovlen = 1;
+	message.msg_control = control;
+	message.msg_controllen = sizeof(control);
+	if (recvmsg(fd, &message, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
+		return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -errno;
+	*error = 0;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&message); c != NULL; c = CMSG_NXTHDR(&message, c)) {
+		if ((c->cmsg_level == SOL_IP && c->cmsg_type == IP_RECVERR) ||
+		    (c->cmsg_level == SOL_IPV6 && c->cmsg_type == IPV6_RECVERR)) {
+			struct sock_extended_err extended;
+			memcpy(&extended, CMSG_DATA(c), sizeof(extended));
+			*error = (int)extended.ee_errno;
+		}
+	}
+	return 1;
 }
 
 static volatile sig_atomic_t stop_flag;

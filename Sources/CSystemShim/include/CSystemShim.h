@@ -40,6 +40,19 @@ void shim_set_udp_segment(struct msghdr *message, void *control, uint16_t size);
 /* Size of the control buffer that holds the SO_RXQ_OVFL message (CMSG_SPACE is a macro). */
 unsigned int shim_rxq_ovfl_space(void);
 
+/* IP_RECVERR (IPV6_RECVERR for AF_INET6) on: ICMP errors about what the socket sent are queued
+ * with the destination they were about. 0 or -errno. */
+int shim_enable_error_queue(int fd, int family);
+
+/* Attaches a classic BPF filter that drops every datagram arriving at the socket (a send-only
+ * socket: nothing piles up in its receive buffer, which its error queue shares). 0 or -errno. */
+int shim_drop_all_input(int fd);
+
+/* Reads one entry of the socket's error queue: the destination of the datagram it is about into
+ * `destination` (address and port) and its errno (ECONNREFUSED: ICMP port unreachable) into
+ * `error`. 1 when one was read, 0 when the queue is empty, -errno on failure. */
+int shim_read_error_queue(int fd, struct sockaddr_storage *destination, int *error);
+
 /* Installs async-signal-safe handlers that only set a flag for SIGINT, SIGTERM (and SIGHUP,
  * reported separately): a Swift closure cannot be a signal handler under strict concurrency. */
 void shim_install_signal_flags(void);

@@ -10,7 +10,8 @@ import ReusePortLB
 /// ``flush(received:bytesReceived:tooLarge:noHealthy:)`` once. Nothing is allocated per datagram;
 /// the plan (downstreams, balancing) is taken at the next batch after a reload swapped it.
 final class BatchForwarder {
-    typealias OutboxFactory = (Downstream) -> any Outbox
+    /// The way out to one downstream; `output: socket` ones send through the thread's shared sender.
+    typealias OutboxFactory = (Downstream, SharedSender) -> any Outbox
     let listener: String
     private let counters: ListenerCounters
     private let plans: PlanHolder
@@ -20,6 +21,20 @@ final class BatchForwarder {
     private(set) var plan: ForwardingPlan?
     private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
     private(set) var outboxes: [any Outbox] = []
+    /// The same outboxes, unretained, when every one is a ``DownstreamOutbox`` (`output: socket`,
+    /// the usual case), else empty: the per-datagram path calls them without an existential and
+    /// without a retain and release per call (``outboxes`` owns them; both change together).
+    private var sockets: [Unmanaged<DownstreamOutbox>] = []
+    /// The outboxes of each downstream address (an ICMP error names an address).
+    private var outboxesAt: [SocketAddress: [Int]] = [:]
+    /// The listener's way out (what `makeOutbox` makes): outboxes are kept across plans by it and address.
+    private let output: Output
+    /// The indexes of the outboxes appended to since the last flush (a batch touches at most
+    /// its size of them, whatever the number of downstreams).
+    private var touched: [Int] = []
+    /// One unconnected socket per family and one sendmmsg per batch for every `output: socket`
+    /// downstream and pool member of this thread.
+    let sender: SharedSender
     /// Replication: the plan's pools, offered each datagram.
     private let replicator: PoolReplicator
 
@@ -34,7 +49,10 @@ final class BatchForwarder {
         self.plans = plans
         self.logger = logger
         self.makeOutbox = makeOutbox
-        replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity)
+        self.output = output
+        sender = SharedSender(capacity: capacity, logger: logger)
+        touched.reserveCapacity(capacity)
+        replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
     }
 
     /// Takes the current plan if a reload or membership change replaced it (one atomic load).
@@ -43,15 +61,22 @@ final class BatchForwarder {
         guard current != version else { return }
         version = current
         let plan = plans.plan
+        var shelf = OutboxShelf()
+        for (outbox, downstream) in zip(outboxes, self.plan?.downstreams ?? []) { shelf.put(outbox, output: output, address: downstream.address) }
         self.plan = plan
         selector = DownstreamSelector(plan.method)
-        outboxes = plan.downstreams.map(makeOutbox)
-        for (outbox, downstream) in zip(outboxes, plan.downstreams) {
-            if let problem = outbox.unavailable {
+        outboxes = plan.downstreams.map { downstream in
+            let (outbox, made) = shelf.take(output: output, address: downstream.address) { makeOutbox(downstream, sender) }
+            if made, let problem = outbox.unavailable {
                 logger.warning("downstream \(problem); its datagrams are dropped and counted, trying again every second",
                                metadata: ["listener": "\(listener)", "downstream": "\(downstream.name)"])
             }
+            return outbox
         }
+        let direct = outboxes.compactMap { $0 as? DownstreamOutbox }
+        sockets = direct.count == outboxes.count ? direct.map { Unmanaged.passUnretained($0) } : []
+        outboxesAt = Dictionary(grouping: plan.downstreams.indices, by: { plan.downstreams[$0].address })
+        touched.removeAll(keepingCapacity: true)
         replicator.adopt(plan)
     }
 
@@ -67,7 +92,16 @@ final class BatchForwarder {
 
     @inline(__always)
     func append(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8 = 0) {
-        outboxes[target].append(payload, source: source, hopLimit: hopLimit)
+        if !sockets.isEmpty {
+            sockets[target]._withUnsafeGuaranteedRef { outbox in
+                if outbox.count == 0 { touched.append(target) }
+                outbox.append(payload, source: source, hopLimit: hopLimit)
+            }
+            return
+        }
+        let outbox = outboxes[target]
+        if outbox.count == 0 { touched.append(target) }
+        outbox.append(payload, source: source, hopLimit: hopLimit)
     }
 
     /// Adds what was sent to (or dropped for) downstream `target` to its counters and the
@@ -75,14 +109,25 @@ final class BatchForwarder {
     @discardableResult
     func record(_ target: Int, _ result: FlushResult) -> (sent: UInt64, bytes: UInt64) {
         guard let plan else { return (0, 0) }
-        let downstream = plan.counters[target]
-        downstream.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
-        downstream.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
-        for (reason, dropped) in result.dropped {
-            counters.drop(reason, dropped)
-            downstream.dropped.wrappingAdd(dropped, ordering: .relaxed)
-        }
+        record(plan, target, result)
         return (result.sent, result.bytes)
+    }
+
+    /// ``record(_:_:)`` with the plan in hand (the flush's loop holds it once for every downstream).
+    @inline(__always)
+    private func record(_ plan: ForwardingPlan, _ target: Int, _ result: FlushResult) {
+        plan.counters.withUnsafeBufferPointer { downstreams in
+            let downstream = downstreams[target]
+            if result.sent > 0 {
+                downstream.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
+                downstream.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
+            }
+            guard !result.dropped.isEmpty else { return }
+            for (reason, dropped) in result.dropped {
+                counters.drop(reason, dropped)
+                downstream.dropped.wrappingAdd(dropped, ordering: .relaxed)
+            }
+        }
     }
 
     /// Sends every outbox, then counts the batch: `received` datagrams of `bytesReceived` bytes,
@@ -94,25 +139,57 @@ final class BatchForwarder {
                forwarded extraForwarded: UInt64 = 0, bytesForwarded extraBytes: UInt64 = 0, notOffered: [(DropReason, UInt64)] = []) {
         var forwarded = extraForwarded
         var bytesForwarded = extraBytes
+        // Everything of the batch for the shared socket goes in one sendmmsg: stage, then send.
+        if sockets.isEmpty {
+            for target in touched { outboxes[target].stage() }
+        } else {
+            for target in touched { sockets[target]._withUnsafeGuaranteedRef { $0.stage() } }
+        }
+        if !replicator.isEmpty { replicator.stage() }
+        sender.send()
+        noteICMPErrors()
         if let plan {
-            for (target, outbox) in outboxes.enumerated() where outbox.count > 0 {
-                if outbox.reconnectIfDue() {
-                    logger.notice("downstream socket connected", metadata: ["listener": "\(listener)", "downstream": "\(plan.downstreams[target].name)"])
-                }
+            for target in touched {
                 var result: FlushResult = (0, 0, [:])
-                outbox.flush(&result)
-                if outbox.refused, let report = plan.passiveHealth { report(plan.downstreams[target].address) }
-                let sent = record(target, result)
-                forwarded += sent.sent
-                bytesForwarded += sent.bytes
+                let refused = sockets.isEmpty ? flush(outboxes[target], target, plan, &result)
+                                              : sockets[target]._withUnsafeGuaranteedRef { flush($0, target, plan, &result) }
+                if refused {
+                    let address = plan.downstreams[target].address
+                    if sender.firstReport(of: address), let report = plan.passiveHealth { report(address) }
+                }
+                record(plan, target, result)
+                forwarded += result.sent
+                bytesForwarded += result.bytes
             }
         }
-        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)] + notOffered) }
+        touched.removeAll(keepingCapacity: true)
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)] + notOffered, sent: true) }
         counters.add(counters.received, UInt64(received))
         counters.add(counters.bytesReceived, bytesReceived)
         counters.add(counters.forwarded, forwarded)
         counters.add(counters.bytesForwarded, bytesForwarded)
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
+    }
+
+    /// Flushes one outbox (reconnecting it first if due): whether it was refused (port unreachable).
+    @inline(__always)
+    private func flush<Box: Outbox>(_ outbox: Box, _ target: Int, _ plan: ForwardingPlan, _ result: inout FlushResult) -> Bool {
+        if outbox.reconnectIfDue() {
+            logger.notice("downstream socket connected", metadata: ["listener": "\(listener)", "downstream": "\(plan.downstreams[target].name)"])
+        }
+        outbox.flush(&result)
+        return outbox.refused
+    }
+
+    /// ICMP errors the shared socket's error queue held: each downstream (or pool member) they were
+    /// about sends through its own connected socket for a while, and a port unreachable is
+    /// reported to passive health, as a connected socket's ECONNREFUSED is.
+    private func noteICMPErrors() {
+        for (address, error) in sender.takeErrors() {
+            for target in outboxesAt[address] ?? [] { outboxes[target].drewError(at: address) }
+            replicator.drewError(at: address)
+            if error == ECONNREFUSED, sender.firstReport(of: address), let report = plan?.passiveHealth { report(address) }
+        }
     }
 }

@@ -5,9 +5,13 @@ import SystemCalls
 import CSystemShim
 import ReusePortLB
 
-/// One downstream as a worker sees it: a connected, non-blocking UDP socket (so ICMP port
-/// unreachable comes back as ECONNREFUSED on the next send) and a sendmmsg batch pointing into
-/// the receiver's buffers (no copy).
+/// One downstream as a forwarding thread sees it (`output: socket`): the datagrams of the batch
+/// for it, pointing into the receiver's buffers (no copy), sent through the thread's
+/// ``SharedSender`` (one unconnected socket, one sendmmsg for every downstream of the batch) or,
+/// for a second after the downstream drew an ICMP error, through its own connected socket: the
+/// next ICMP port unreachable its datagrams draw comes back as ECONNREFUSED on its following
+/// send, which is counted `unreachable` and reported to passive health, as it always was.
+/// The connected socket is also what says the downstream has a route (connect fails without one).
 ///
 /// UDP GSO: a run of consecutive datagrams of one size (the last may be shorter), up to 64 and
 /// 64 KB, goes out as one message with a UDP_SEGMENT control message whose iovecs are the
@@ -33,12 +37,28 @@ final class DownstreamOutbox: Outbox {
     private(set) var gsoEnabled = true
     /// The last flush got ECONNREFUSED: the downstream answered ICMP port unreachable (passive health).
     private(set) var refused = false
+    /// The thread's shared way out (nil: always the connected socket).
+    private let shared: SharedSender?
+    /// The downstream as msg_name, for the shared socket.
+    private let destination: UnsafeMutablePointer<sockaddr_storage>
+    private let destinationLength: socklen_t
+    /// Until when the connected socket sends (the downstream drew an ICMP error); nil: the shared one.
+    private var directUntil: ContinuousClock.Instant?
+    static let directInterval = Duration.seconds(1)
+    /// This batch went to the shared sender; its outcome is in `pending` until the flush.
+    private var staged = false
+    private var pending: FlushResult = (0, 0, [:])
 
     static let maximumSegments = 64
     static let maximumGSOBytes = 65000
 
-    init(address: SocketAddress, capacity: Int) {
+    /// - Parameter shared: the forwarding thread's sender (nil: the connected socket always).
+    init(address: SocketAddress, capacity: Int, shared: SharedSender? = nil) {
         self.capacity = capacity
+        self.shared = shared
+        destination = .allocate(capacity: 1)
+        destination.initialize(to: sockaddr_storage())
+        destinationLength = address.write(to: &destination.pointee)
         headers = .allocate(capacity: capacity)
         iovecs = .allocate(capacity: capacity)
         controlSpace = Int(shim_udp_segment_space())
@@ -80,6 +100,7 @@ final class DownstreamOutbox: Outbox {
         headers.deallocate()
         iovecs.deallocate()
         controls.deallocate()
+        destination.deallocate()
     }
 
     /// The payload alone goes out; the source is this host's (the socket's).
@@ -95,6 +116,12 @@ final class DownstreamOutbox: Outbox {
     func flush(_ result: inout FlushResult) {
         defer { count = 0 }
         refused = false
+        if staged {
+            staged = false
+            result = pending
+            pending = (0, 0, [:])
+            return
+        }
         guard socket >= 0 else {
             result.dropped[Self.reason(connectError), default: 0] += UInt64(count)
             return
@@ -123,6 +150,7 @@ final class DownstreamOutbox: Outbox {
                     break
                 }
                 if error == ECONNREFUSED { refused = true }
+                if Self.isICMPError(error) { directUntil = ContinuousClock.now + Self.directInterval }
                 result.dropped[Self.reason(error), default: 0] += UInt64(failed.msg_iovlen)
                 message += 1
             }
@@ -135,24 +163,94 @@ final class DownstreamOutbox: Outbox {
         var messages = 0
         var index = first
         while index < count {
-            let size = iovecs[index].iov_len
-            var end = index + 1
-            if gsoEnabled {
-                while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
-                    let length = iovecs[end].iov_len
-                    if length > size { break }
-                    end += 1
-                    if length < size { break }  // a shorter datagram ends the run
-                }
-            }
-            headers[messages].msg_hdr.msg_iov = iovecs + index
-            headers[messages].msg_hdr.msg_iovlen = end - index
-            let segment = end - index > 1 ? UInt16(size) : 0
-            shim_set_udp_segment(&headers[messages].msg_hdr, controls + messages * controlSpace, segment)
+            let end = runEnd(index)
+            fill(&headers[messages].msg_hdr, control: controls + messages * controlSpace, from: index, to: end)
             messages += 1
             index = end
         }
         return messages
+    }
+
+    /// The end of the GSO run starting at datagram `index` (index + 1 without GSO).
+    @inline(__always)
+    private func runEnd(_ index: Int) -> Int {
+        let size = iovecs[index].iov_len
+        var end = index + 1
+        if gsoEnabled {
+            while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
+                let length = iovecs[end].iov_len
+                if length > size { break }
+                end += 1
+                if length < size { break }  // a shorter datagram ends the run
+            }
+        }
+        return end
+    }
+
+    /// One message of datagrams `index..<end` (a GSO run when more than one).
+    @inline(__always)
+    private func fill(_ header: inout msghdr, control: UnsafeMutableRawPointer, from index: Int, to end: Int) {
+        header.msg_iov = iovecs + index
+        header.msg_iovlen = end - index
+        shim_set_udp_segment(&header, control, end - index > 1 ? UInt16(iovecs[index].iov_len) : 0)
+    }
+
+    // MARK: The shared sender
+
+    /// Puts this batch's messages into the thread's ``SharedSender`` (unless the downstream sends
+    /// through its connected socket now: no route, or an ICMP error in the last second); the
+    /// outcome is what the next ``flush(_:)`` returns.
+    func stage() {
+        guard count > 0, socket >= 0, let shared else { return }
+        if let until = directUntil {
+            guard ContinuousClock.now >= until else { return }
+            directUntil = nil
+        }
+        let family = address.ip.family
+        guard shared.reserve(count, family: family) else { return }
+        var index = 0
+        while index < count {
+            let end = runEnd(index)
+            let slot = shared.next(family: family)
+            slot.header.pointee.msg_hdr.msg_name = UnsafeMutableRawPointer(destination)
+            slot.header.pointee.msg_hdr.msg_namelen = destinationLength
+            fill(&slot.header.pointee.msg_hdr, control: slot.control, from: index, to: end)
+            shared.commit(family: family, owner: self)
+            index = end
+        }
+        staged = true
+    }
+
+    /// The shared sender sent `message` (one of this outbox's).
+    @inline(__always)
+    func delivered(_ message: msghdr) { account(message, &pending) }
+
+    /// The shared sender could not send `message`: its datagrams are dropped with the reason.
+    func failed(_ message: msghdr, _ error: Int32) {
+        pending.dropped[Self.reason(error), default: 0] += UInt64(message.msg_iovlen)
+    }
+
+    /// The kernel refused a GSO message of this outbox: one datagram per message from now on.
+    func gsoRefused() { gsoEnabled = false }
+
+    /// An ICMP error came back to the shared socket about a datagram sent to `address`: if that is
+    /// this downstream, its connected socket sends for the next second, where the next ICMP error
+    /// about it fails its following send (counted and, for port unreachable, reported).
+    /// An error the connected socket still holds from an earlier direct period (an ICMP error that
+    /// arrived after its last send then) is cleared first (SO_ERROR): it is not about this one.
+    func drewError(at address: SocketAddress) {
+        guard address == self.address else { return }
+        let now = ContinuousClock.now
+        if directUntil.map({ now >= $0 }) ?? true, socket >= 0 { _ = try? Syscall.getsockopt(socket, SOL_SOCKET, SO_ERROR, initial: Int32(0)) }
+        directUntil = now + Self.directInterval
+    }
+
+    /// Errors that an ICMP message sets on a socket (as opposed to local ones such as a full buffer).
+    static func isICMPError(_ error: Int32) -> Bool {
+        switch error {
+        case ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EHOSTDOWN, EPROTO, EMSGSIZE: return true
+        default: return false
+        }
     }
 
     /// The index of the first datagram of message `message` (messages are built in order).

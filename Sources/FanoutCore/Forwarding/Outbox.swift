@@ -18,6 +18,11 @@ protocol Outbox: AnyObject {
     /// Adds one datagram: `payload` must stay valid until ``flush(_:)`` returns (no copy).
     /// `hopLimit`: the TTL/hop limit a source-preserving way out sends with (0: its default).
     func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8)
+    /// Hands what was appended to the thread's ``SharedSender`` when this way out sends through it
+    /// (the next ``flush(_:)`` then returns the outcome instead of sending).
+    func stage()
+    /// An ICMP error came back to the shared socket about a datagram sent to `address`.
+    func drewError(at address: SocketAddress)
     /// Sends what was appended; every datagram is either counted sent or dropped with its reason.
     func flush(_ result: inout FlushResult)
     /// Retries a socket that could not be made, at most once a second; true when this call made it.
@@ -26,15 +31,46 @@ protocol Outbox: AnyObject {
     var unavailable: String? { get }
 }
 
+extension Outbox {
+    func stage() {}
+    func drewError(at address: SocketAddress) {}
+}
+
+/// The outboxes of a plan being replaced, by way out and address: the new plan takes those of the
+/// downstreams it keeps (their sockets, GSO and error state) and makes only the others, so a
+/// membership change opens sockets for new downstreams only. Taken between batches (empty outboxes).
+struct OutboxShelf {
+    private struct Key: Hashable {
+        let output: Output
+        let address: SocketAddress
+    }
+    private var shelf: [Key: [any Outbox]] = [:]
+
+    /// Keeps `outbox` for the next plan, unless it is unavailable (no route, no raw socket): the
+    /// next plan makes that one again, which tries again and logs what is still wrong. A kept
+    /// `preserve_source` outbox keeps its path MTU (re-read when a send says it shrank).
+    mutating func put(_ outbox: any Outbox, output: Output, address: SocketAddress) {
+        guard outbox.unavailable == nil else { return }
+        shelf[Key(output: output, address: address), default: []].append(outbox)
+    }
+
+    /// An outbox of the previous plan for `address` with `output`, or a new one from `make`
+    /// (`made` says which: a new one's problems are logged once, where it is made).
+    mutating func take(output: Output, address: SocketAddress, make: () -> any Outbox) -> (outbox: any Outbox, made: Bool) {
+        if let outbox = shelf[Key(output: output, address: address)]?.popLast() { return (outbox, false) }
+        return (make(), true)
+    }
+}
+
 /// Makes the way out to each downstream for a listener's `settings.output`.
 enum Outboxes {
     static func factory(output: Output, capacity: Int) -> BatchForwarder.OutboxFactory {
         switch output {
         case .socket:
-            return { downstream in DownstreamOutbox(address: downstream.address, capacity: capacity) }
+            return { downstream, sender in DownstreamOutbox(address: downstream.address, capacity: capacity, shared: sender) }
         case .preserveSource, .xdpTX:
             // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
-            return { downstream in
+            return { downstream, _ in
                 do {
                     return try SourcePreservingOutbox(address: downstream.address, capacity: capacity)
                 } catch {

@@ -20,6 +20,8 @@ final class PoolReplicator {
     private let capacity: Int
     private var pools: [PoolState] = []
     private var passiveHealth: (@Sendable (SocketAddress) -> Void)?
+    /// The thread's shared way out for `output: socket` members.
+    private let sender: SharedSender
 
     private struct PoolState {
         let plan: PoolPlan
@@ -32,8 +34,10 @@ final class PoolReplicator {
         var filteredOut: UInt64 = 0
     }
 
-    init(listener: String, counters: ListenerCounters, logger: Logger, output: Output, capacity: Int) {
+    /// - Parameter sender: the thread's (a one-way forwarder shares its own: one sendmmsg for the batch).
+    init(listener: String, counters: ListenerCounters, logger: Logger, output: Output, capacity: Int, sender: SharedSender) {
         self.listener = listener
+        self.sender = sender
         self.counters = counters
         self.logger = logger
         self.output = output
@@ -43,19 +47,26 @@ final class PoolReplicator {
     /// True when the plan has no pools (the flush has nothing to do).
     var isEmpty: Bool { pools.isEmpty }
 
-    /// Takes `plan`'s pools, with new outboxes (what the previous ones held was sent at their flush).
+    /// Takes `plan`'s pools; members kept (same address and way out) keep their outboxes, the
+    /// others get new ones (what the previous ones held was sent at their flush).
     func adopt(_ plan: ForwardingPlan) {
         passiveHealth = plan.passiveHealth
+        var shelf = OutboxShelf()
+        for pool in pools {
+            for (outbox, member) in zip(pool.outboxes, pool.plan.members) { shelf.put(outbox, output: pool.plan.output ?? output, address: member.address) }
+        }
         pools = plan.pools.map { pool in
-            let make = Outboxes.factory(output: pool.output ?? output, capacity: capacity)
-            let state = PoolState(plan: pool, selector: pool.method.map(DownstreamSelector.init), outboxes: pool.members.map(make))
-            for (outbox, member) in zip(state.outboxes, pool.members) {
-                if let problem = outbox.unavailable {
+            let way = pool.output ?? output
+            let make = Outboxes.factory(output: way, capacity: capacity)
+            let outboxes = pool.members.map { member in
+                let (outbox, made) = shelf.take(output: way, address: member.address) { make(member, sender) }
+                if made, let problem = outbox.unavailable {
                     logger.warning("pool member \(problem); its copies are dropped and counted, trying again every second",
                                    metadata: ["listener": "\(listener)", "pool": "\(pool.name)", "downstream": "\(member.name)"])
                 }
+                return outbox
             }
-            return state
+            return PoolState(plan: pool, selector: pool.method.map(DownstreamSelector.init), outboxes: outboxes)
         }
     }
 
@@ -89,9 +100,32 @@ final class PoolReplicator {
         }
     }
 
+    /// Hands the copies for `output: socket` members to the shared sender.
+    func stage() {
+        for pool in pools {
+            for outbox in pool.outboxes where outbox.count > 0 { outbox.stage() }
+        }
+    }
+
+    /// An ICMP error came back to the shared socket about a copy sent to `address`.
+    func drewError(at address: SocketAddress) {
+        for pool in pools {
+            for outbox in pool.outboxes { outbox.drewError(at: address) }
+        }
+    }
+
     /// Sends every pool's copies and counts the batch per pool (`notOffered`: datagrams that
-    /// reached no pool, by reason).
-    func flush(notOffered: [(DropReason, UInt64)]) {
+    /// reached no pool, by reason). `sent`: the caller already staged them and sent its shared
+    /// sender (a one-way forwarder, whose own downstreams go in the same sendmmsg).
+    func flush(notOffered: [(DropReason, UInt64)], sent: Bool = false) {
+        if !sent {
+            stage()
+            sender.send()
+            for (address, error) in sender.takeErrors() {
+                drewError(at: address)
+                if error == ECONNREFUSED, sender.firstReport(of: address), let passiveHealth { passiveHealth(address) }
+            }
+        }
         let unoffered = notOffered.reduce(0) { $0 + $1.1 }
         for index in pools.indices {
             let pool = pools[index].plan
@@ -103,7 +137,8 @@ final class PoolReplicator {
                 }
                 var result: FlushResult = (0, 0, [:])
                 outbox.flush(&result)
-                if outbox.refused, let report = passiveHealth { report(pool.members[member].address) }
+                let address = pool.members[member].address
+                if outbox.refused, sender.firstReport(of: address), let report = passiveHealth { report(address) }
                 let counters = pool.memberCounters[member]
                 counters.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
                 counters.bytes.wrappingAdd(result.bytes, ordering: .relaxed)

@@ -22,7 +22,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     private let receiver: BatchReceiver
     // Owned by the worker thread once it runs:
     private let forwarder: BatchForwarder
-    private var reportedSocketDrops: UInt32 = 0
+    private var drops: ReceiveQueueDropReading
     private var descriptor: pollfd
     /// Seconds since the last heartbeat line (one every 5 s, at debug level).
     private var secondsSinceHeartbeat = 0
@@ -32,6 +32,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
         self.index = index
         self.member = member
+        drops = ReceiveQueueDropReading(member)
         self.listener = listener
         self.counters = counters
         self.logger = logger
@@ -52,7 +53,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
         loop.run(self)
-        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
+        drops.read(member, into: counters)
         receivingNow.store(false, ordering: .relaxed)
         member.leave()
     }
@@ -74,9 +75,9 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         return ready > 0 ? .source : .timedOut
     }
 
-    func idle() { counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops) }
+    func idle() { drops.read(member, into: counters) }
 
-    func endOfTurn() { counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops) }
+    func endOfTurn() { drops.endOfTurn(member, into: counters) }
 
     func everySecond() {
         secondsSinceHeartbeat += 1
@@ -125,28 +126,41 @@ func pinWorkerThread(_ listener: Listener, _ index: Int, role: String = "worker"
     return "any"
 }
 
-extension ListenerCounters {
-    /// Adds what the socket dropped since `reported` (its SO_RXQ_OVFL count, as the receiver last
-    /// saw it) to receive_queue_drops.
-    func addReceiveQueueDrops(_ receiver: BatchReceiver, reported: inout UInt32) {
-        addReceiveQueueDrops(receiver.socketDrops, reported: &reported)
+/// A worker's reading of its socket's drop counter (sk_drops, receive_queue_drops): SO_MEMINFO at
+/// the end of a turn at most every ``interval``, and whenever the worker idles or stops. The
+/// socket's SO_RXQ_OVFL is turned off: a control message with every datagram cost the kernel
+/// about a tenth of a small datagram's forwarding (measured: __sock_recv_cmsgs and put_cmsg), where
+/// a reading is one system call per turn at the most.
+struct ReceiveQueueDropReading {
+    private var reported: UInt32 = 0
+    private var lastRead: Int64 = 0
+    /// Milliseconds between readings at the end of busy turns.
+    static let interval: Int64 = 10
+
+    /// Turns the member's SO_RXQ_OVFL off (best effort: on failure the messages only cost time).
+    init(_ member: ReusePortMember) {
+        _ = try? Syscall.setsockopt(member.socket, SOL_SOCKET, SO_RXQ_OVFL, Int32(0))
     }
 
-    /// Adds what the socket dropped since `reported`, read now (SO_MEMINFO). SO_RXQ_OVFL reports
-    /// drops only with the next datagram read: a worker calls this when idle and when it stops,
-    /// so drops at the end of a burst are counted without waiting for more traffic.
-    func addReceiveQueueDrops(_ member: ReusePortMember, reported: inout UInt32) {
+    /// Reads the counter now (idle, stopping) and adds what is new to the listener's.
+    mutating func read(_ member: ReusePortMember, into counters: ListenerCounters) {
         guard let drops = try? member.socketStatistics().drops else { return }
-        addReceiveQueueDrops(drops, reported: &reported)
-    }
-
-    /// Both readings are the socket's one drop counter (sk_drops), but a datagram read after
-    /// SO_MEMINFO may carry an older SO_RXQ_OVFL value: only a count ahead of `reported`
-    /// (modulo 2^32) is new.
-    private func addReceiveQueueDrops(_ drops: UInt32, reported: inout UInt32) {
+        lastRead = coarseMilliseconds()
         let new = drops &- reported
         guard new != 0, new < UInt32.max / 2 else { return }
-        add(receiveQueueDrops, UInt64(new))
+        counters.add(counters.receiveQueueDrops, UInt64(new))
         reported = drops
+    }
+
+    /// At the end of a turn: reads if ``interval`` has passed since the last reading.
+    mutating func endOfTurn(_ member: ReusePortMember, into counters: ListenerCounters) {
+        if coarseMilliseconds() - lastRead >= Self.interval { read(member, into: counters) }
+    }
+
+    /// CLOCK_MONOTONIC_COARSE (the vDSO's, a few nanoseconds) in milliseconds.
+    private func coarseMilliseconds() -> Int64 {
+        var now = timespec()
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &now)
+        return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
     }
 }

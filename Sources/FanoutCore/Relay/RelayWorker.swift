@@ -79,7 +79,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     private var batchBytes: [UInt64] = []
     private var batchDropped: [UInt64] = []
     private var batchRefused: [Bool] = []
-    private var reportedSocketDrops: UInt32 = 0
+    private var drops: ReceiveQueueDropReading
     private var lastFailureLog: Int64 = -1_000_000
     private var failuresSinceLog = 0
     /// The session table. The worker holds ``tableLock`` while it changes the table or a
@@ -95,6 +95,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
          sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger) throws(ReusePortError) {
         self.index = index
         self.member = member
+        drops = ReceiveQueueDropReading(member)
         self.listener = listener
         self.counters = counters
         self.relay = relay
@@ -104,7 +105,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.handOver = handOver
         self.logger = logger
         replicator = PoolReplicator(listener: listener.name, counters: counters, logger: logger, output: listener.settings.output,
-                                    capacity: listener.settings.batchSize)
+                                    capacity: listener.settings.batchSize, sender: SharedSender(capacity: listener.settings.batchSize, logger: logger))
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
@@ -164,7 +165,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // The loop's stop drain forwards what the listener socket still holds (until it stays
         // empty 20 ms, at most 1 s); replies already queued are relayed once more below.
         loop.run(self)
-        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
+        drops.read(member, into: counters)
         for fd in Array(bySocket.keys) { drainReplies(fd) }
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
@@ -213,11 +214,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         return listenerReady ? .source : .other
     }
 
-    func idle() { counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops) }
+    func idle() { drops.read(member, into: counters) }
 
     /// What this turn gathered from the session sockets goes to the clients in one call.
     func endOfTurn() {
-        counters.addReceiveQueueDrops(receiver, reported: &reportedSocketDrops)
+        drops.endOfTurn(member, into: counters)
         flushReplies()
     }
 
@@ -225,7 +226,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         sweep(now: monotonicMilliseconds())
         // Replies can keep the loop from ever idling: drops of the listener's socket are read
         // here too, not only with its next request.
-        counters.addReceiveQueueDrops(member, reported: &reportedSocketDrops)
+        drops.read(member, into: counters)
     }
 
     // MARK: io_uring

@@ -1,0 +1,213 @@
+import Foundation
+import Testing
+import Logging
+import TestSupport
+import CSystemShim
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `output: socket` through the thread's shared unconnected socket: one sendmmsg per batch
+/// whatever the number of downstreams, GSO runs kept, ICMP errors attributed to the downstream
+/// they were about (passive health), nothing of a healthy downstream lost to another's error.
+@Suite("udp-fanout: the shared way out (one sendmmsg per batch)", .serialized)
+struct SharedSenderTests {
+    /// `perOutbox` datagrams "<tag>-<outbox>-<copy>" (padded to `size` bytes) per outbox, staged,
+    /// sent once, flushed: what each flush returned.
+    private static func send(_ outboxes: [DownstreamOutbox], _ sender: SharedSender, tag: String, perOutbox: Int = 1, size: Int = 0) -> [FlushResult] {
+        send(outboxes, sender, payloads: outboxes.indices.map { index in
+            (0..<perOutbox).map { copy in
+                let payload = Array("\(tag)-\(index)-\(copy)".utf8)
+                return payload + [UInt8](repeating: UInt8(copy % 251), count: max(0, size - payload.count))
+            }
+        })
+    }
+
+    /// Appends `payloads[i]` to outbox i, stages every outbox, sends once, flushes: each flush's result.
+    private static func send(_ outboxes: [DownstreamOutbox], _ sender: SharedSender, payloads: [[[UInt8]]]) -> [FlushResult] {
+        let flat = payloads.flatMap { $0 }
+        var source = sockaddr_storage()
+        return flat.withUnsafeBufferPointer { all in
+            var next = 0
+            for (outbox, datagrams) in zip(outboxes, payloads) {
+                for _ in datagrams {
+                    all[next].withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) }
+                    next += 1
+                }
+            }
+            for outbox in outboxes { outbox.stage() }
+            sender.send()
+            return outboxes.map { outbox in
+                var result: FlushResult = (0, 0, [:])
+                outbox.flush(&result)
+                return result
+            }
+        }
+    }
+
+    @Test("a batch spread over 300 downstreams is one sendmmsg, each downstream gets its datagram and its count")
+    func oneCallForManyDownstreams() throws {
+        let sinks = try (0..<300).map { _ in try Sink() }
+        let sender = SharedSender(capacity: 512)
+        let outboxes = sinks.map { DownstreamOutbox(address: $0.address, capacity: 4, shared: sender) }
+        let results = Self.send(outboxes, sender, tag: "wide")
+        #expect(sender.sendCalls == 1, "one system call for the batch, not one per downstream: \(sender.sendCalls)")
+        for (index, sink) in sinks.enumerated() {
+            let received = sink.drain(quiet: .milliseconds(index == 0 ? 300 : 5))
+            #expect(received.map { String(decoding: $0, as: UTF8.self) } == ["wide-\(index)-0"], "downstream \(index)")
+            #expect(results[index].sent == 1 && results[index].bytes == UInt64("wide-\(index)-0".utf8.count) && results[index].dropped.isEmpty)
+        }
+    }
+
+    @Test("a batch above the sender's room goes in as few calls as the room allows, nothing lost")
+    func overflowSendsEarly() throws {
+        let sinks = try (0..<10).map { _ in try Sink() }
+        let sender = SharedSender(capacity: 64)
+        let outboxes = sinks.map { DownstreamOutbox(address: $0.address, capacity: 64, shared: sender) }
+        // 10 × 20 datagrams of different sizes (no GSO run): 200 messages through room for 64.
+        let payloads = (0..<10).map { index in (0..<20).map { copy in Array("o-\(index)-\(copy)-".utf8) + [UInt8](repeating: 1, count: copy) } }
+        let results = Self.send(outboxes, sender, payloads: payloads)
+        #expect(sender.sendCalls == 4, "200 messages in calls of at most 64: \(sender.sendCalls)")
+        #expect(results.allSatisfy { $0.sent == 20 && $0.dropped.isEmpty })
+        for (index, sink) in sinks.enumerated() {
+            #expect(sink.drain(quiet: .milliseconds(index == 0 ? 300 : 20)).count == 20)
+        }
+    }
+
+    @Test("a run of datagrams to one downstream is one GSO message: one call, every datagram separate and whole")
+    func gsoRunsKept() throws {
+        let sink = try Sink()
+        let sender = SharedSender(capacity: 64)
+        let outbox = DownstreamOutbox(address: sink.address, capacity: 64, shared: sender)
+        let results = Self.send([outbox], sender, tag: "run", perOutbox: 40, size: 1000)
+        #expect(sender.sendCalls == 1 && sender.messagesSent == 1, "one GSO message: \(sender.messagesSent) messages in \(sender.sendCalls) calls")
+        #expect(results[0].sent == 40 && results[0].bytes == 40_000)
+        #expect(outbox.gsoEnabled, "the kernel took the GSO message")
+        let received = sink.drain()
+        #expect(received.count == 40)
+        for (copy, payload) in received.enumerated() {
+            var expected = Array("run-0-\(copy)".utf8)
+            expected += [UInt8](repeating: UInt8(copy % 251), count: 1000 - expected.count)
+            #expect(payload == expected, "datagram \(copy) byte for byte, in order")
+        }
+    }
+
+    @Test("ICMP port unreachable through the shared socket: named by the error queue, the dead downstream then counts its drops on its own socket, the live one loses nothing",
+          arguments: ["127.0.0.1", "::1", "::ffff:127.0.0.1"])
+    func icmpAttributed(ip: String) throws {
+        let alive = try Sink(ip: ip)
+        // Nobody listens there: the kernel answers ICMP port unreachable (ICMPv4 for the mapped address).
+        let dead = SocketAddress(ip: IPAddress(ip)!, port: freePort())
+        let sender = SharedSender(capacity: 64)
+        let outboxes = [DownstreamOutbox(address: dead, capacity: 8, shared: sender), DownstreamOutbox(address: alive.address, capacity: 8, shared: sender)]
+        var namedByQueue = 0
+        var refusedOnOwnSocket = 0
+        var droppedDead: UInt64 = 0
+        var aliveSent: UInt64 = 0
+        for round in 0..<20 {
+            let results = Self.send(outboxes, sender, tag: "r\(round)")
+            aliveSent += results[1].sent
+            #expect(results[1].dropped.isEmpty, "round \(round): the live downstream never pays for the dead one's error: \(results[1].dropped)")
+            droppedDead += results[0].dropped[.unreachable, default: 0]
+            if outboxes[0].refused { refusedOnOwnSocket += 1 }
+            #expect(!outboxes[1].refused)
+            for (address, error) in sender.takeErrors() {
+                #expect(address == dead && error == ECONNREFUSED, "\(address) \(error)")
+                for outbox in outboxes { outbox.drewError(at: address) }
+                namedByQueue += 1
+            }
+            usleep(5_000)  // the ICMP comes back before the next round
+        }
+        #expect(aliveSent == 20 && alive.drain().count == 20)
+        #expect(namedByQueue > 0, "the shared socket's error queue named the dead downstream")
+        #expect(refusedOnOwnSocket > 0, "on its connected socket, the dead downstream's ECONNREFUSED is seen (passive health's report)")
+        #expect(droppedDead > 0, "once named, the dead downstream's datagrams are counted unreachable on its connected socket")
+    }
+
+    @Test("a full send buffer fails the rest of the batch at once, each datagram counted send_buffer_full by its own downstream, not a system call each (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func sendBufferFull() throws {
+        let namespace = "rplb-sndbuf-\(UInt32.random(in: 0...UInt32.max))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        for arguments in [
+            ["-n", namespace, "link", "add", "sb0", "type", "veth", "peer", "name", "sb1"],
+            ["-n", namespace, "addr", "add", "198.18.77.1/24", "dev", "sb0"],
+            ["-n", namespace, "link", "set", "sb0", "up"],
+            ["-n", namespace, "link", "set", "sb1", "up"],
+            ["-n", namespace, "neigh", "add", "198.18.77.2", "lladdr", "02:00:00:00:77:02", "dev", "sb0", "nud", "permanent"],
+        ] {
+            let result = try run("/usr/sbin/ip", arguments)
+            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+        }
+        // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
+        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "sb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
+        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        let outcome = inNetworkNamespace(namespace) { () -> (calls: Int, full: Int, results: [FlushResult]) in
+            // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
+            let sender = SharedSender(capacity: 64, sendBuffer: 4096)
+            let outboxes = (0..<64).map { DownstreamOutbox(address: SocketAddress(ip: IPAddress("198.18.77.2")!, port: UInt16(7000 + $0)), capacity: 4, shared: sender) }
+            let results = Self.send(outboxes, sender, tag: "full", size: 1000)
+            return (sender.sendCalls, sender.sendBufferFullCalls, results)
+        }
+        let (calls, full, results) = try #require(outcome, "entered \(namespace)")
+        let sent = results.reduce(0) { $0 + $1.sent }
+        let dropped = results.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
+        #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")
+        #expect(sent + dropped == 64 && results.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each datagram sent or counted send_buffer_full by its own downstream: \(results.map(\.dropped))")
+        #expect(full == 1 && calls <= 3, "the rest failed at once: \(calls) sendmmsg calls for \(dropped) datagrams that could not go")
+    }
+
+    @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")
+    func membershipKeepsOutboxes() throws {
+        let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }
+        let downstreams = addresses.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element) }
+        let counters = ListenerCounters(name: "shelf", mode: "userspace")
+        let plans = PlanHolder(ForwardingPlan(downstreams: Array(downstreams[0..<3]), balancing: .roundRobin, counters: counters))
+        var made: [SocketAddress] = []
+        let forwarder = BatchForwarder(listener: "shelf", counters: counters, plans: plans, logger: Logger(label: "shelf-test"), output: .socket,
+                                       capacity: 8) { downstream, sender in
+            made.append(downstream.address)
+            return DownstreamOutbox(address: downstream.address, capacity: 8, shared: sender)
+        }
+        forwarder.adoptPlanIfChanged()
+        let before = forwarder.outboxes
+        #expect(made == Array(addresses[0..<3]))
+        // d1 leaves, d3 comes: d0 and d2 keep theirs, d3 gets a new one.
+        plans.replace(with: ForwardingPlan(downstreams: [downstreams[0], downstreams[2], downstreams[3]], balancing: .roundRobin, counters: counters))
+        forwarder.adoptPlanIfChanged()
+        #expect(made == Array(addresses[0..<3]) + [addresses[3]], "only the new downstream's outbox is made: \(made)")
+        #expect(forwarder.outboxes.count == 3)
+        #expect(forwarder.outboxes[0] === before[0] && forwarder.outboxes[1] === before[2])
+        #expect(forwarder.outboxes[2] !== before[1])
+    }
+
+    @Test("an outbox that could not be made (no route, no raw socket) is not kept: the next plan makes it again, which retries")
+    func unavailableOutboxIsRemade() throws {
+        let addresses = (0..<2).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }
+        let downstreams = addresses.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element) }
+        let counters = ListenerCounters(name: "shelf", mode: "userspace")
+        let plans = PlanHolder(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, counters: counters))
+        var made: [SocketAddress] = []
+        let forwarder = BatchForwarder(listener: "shelf", counters: counters, plans: plans, logger: Logger(label: "shelf-test"), output: .socket,
+                                       capacity: 8) { downstream, sender -> any Outbox in
+            made.append(downstream.address)
+            // d0's first outbox cannot be made (as when its capability or route is missing).
+            if downstream.address == addresses[0] && made.filter({ $0 == addresses[0] }).count == 1 {
+                return UnavailableOutbox(problem: "test: no way out yet")
+            }
+            return DownstreamOutbox(address: downstream.address, capacity: 8, shared: sender)
+        }
+        forwarder.adoptPlanIfChanged()
+        #expect(forwarder.outboxes[0].unavailable != nil)
+        let kept = forwarder.outboxes[1]
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, counters: counters))
+        forwarder.adoptPlanIfChanged()
+        #expect(made == addresses + [addresses[0]], "the unavailable outbox is made again, the working one kept: \(made)")
+        #expect(forwarder.outboxes[0].unavailable == nil, "the second try works")
+        #expect(forwarder.outboxes[1] === kept)
+    }
+}
