@@ -88,8 +88,11 @@ int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, u
 		      int *slot);
 
 /* Takes the member's slot out of selection, for a leave that loses nothing: its sources fail
- * over to the live members at once and what is queued stays on the socket. Then read until
- * reuseportlb_queued_bytes() returns 0 and nothing new arrived for ~100 ms, and call
+ * over to the live members at once and what is queued stays on the socket. Blocks for a grace
+ * period of the kernel (membarrier(2) MEMBARRIER_CMD_GLOBAL, milliseconds; 50 ms where the kernel
+ * refuses it), after which a datagram the kernel steered to this member just before is queued
+ * on its socket. Then read until reuseportlb_queued_bytes() returns 0 and nothing new arrived
+ * for ~100 ms, and call
  * reuseportlb_leave(). Returns 0 (also if the slot was already taken over or withdrawn),
  * -EOPNOTSUPP with classic BPF or kernel-hash steering (no slot to withdraw: datagrams arriving
  * between the last read and the leave are lost), or a negative errno. */

@@ -15,6 +15,8 @@
 #include <linux/errqueue.h>
 #include <arpa/nameser.h>
 #include <resolv.h>
+#include <linux/membarrier.h>
+#include <sys/syscall.h>
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
@@ -270,4 +272,15 @@ int shim_dns_send(const char *name, int type, const struct sockaddr_storage *ser
 	*error = errno;
 	res_nclose(&state);
 	return received;
+}
+
+int shim_kernel_grace_period(void)
+{
+	return (int)syscall(__NR_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0);
+}
+
+int shim_kernel_grace_period_available(void)
+{
+	long commands = syscall(__NR_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+	return commands >= 0 && (commands & MEMBARRIER_CMD_GLOBAL) ? 1 : 0;
 }

@@ -127,7 +127,10 @@ public final class ReusePortGroup: @unchecked Sendable {
     /// SO_ATTACH_REUSEPORT_EBPF through one of this group's members), replacing the program a
     /// previous group of this process attached: from then on only this group's members get new
     /// datagrams (a datagram whose slot is empty fails over to a live member of this group); the
-    /// previous group's members keep what is queued. Classic BPF: attaches the classic program
+    /// previous group's members keep what is queued. It returns after a grace period of the kernel
+    /// (``KernelGracePeriod``), so a datagram the replaced program steered to a previous member
+    /// is on that member's queue by then: reading the previous members until they are empty
+    /// after this returns loses nothing. Classic BPF: attaches the classic program
     /// (SO_ATTACH_REUSEPORT_CBPF). Kernel hash: detaches any program a previous group attached
     /// (SO_DETACH_REUSEPORT_BPF), so the kernel's hash spreads over every socket on the address.
     /// - Throws: ``ReusePortError/noLiveMember(_:)`` before any ``join(slot:)``, or the failed
@@ -145,7 +148,9 @@ public final class ReusePortGroup: @unchecked Sendable {
             }
             switch result {
             case .none: continue  // left meanwhile: try another member
-            case .success: return
+            case .success:
+                if steering == .ebpf { KernelGracePeriod.wait() }
+                return
             case .failure(let error): throw .system(error)
             }
         }

@@ -358,10 +358,10 @@ public final class ReusePortMember: @unchecked Sendable {
     /// Takes this member's slot out of the group's selection, for a leave that loses nothing:
     /// the slot's entry is deleted if it still holds this socket (under the bpffs lock, so a
     /// concurrent takeover is not undone), its sources fail over to live members at once, and
-    /// what is already queued stays on the socket. Then read until
-    /// ``socketStatistics()`` shows 0 queued bytes and nothing new arrived for a moment (a
-    /// datagram the kernel steered just before the delete can land a few microseconds later;
-    /// the collector waits 100 ms), and ``leave()``.
+    /// what is already queued stays on the socket. It returns after a grace period of the kernel
+    /// (``KernelGracePeriod``: a datagram the kernel steered here just before the delete is
+    /// queued by then). Then read until ``socketStatistics()`` shows 0 queued bytes (the
+    /// collector also waits until nothing arrived for 100 ms), and ``leave()``.
     ///
     /// The last live member has nobody to fail over to: the kernel's hash keeps delivering to
     /// the sockets still bound, so its drain ends only when it stops reading.
@@ -373,10 +373,21 @@ public final class ReusePortMember: @unchecked Sendable {
     /// - Throws: ``ReusePortError`` if the bpffs lock or the map delete fails.
     public func withdraw() throws(ReusePortError) -> Bool {
         guard let objects else { return false }
+        let withdrawn = try withdrawLocked(objects)
+        // After the lock is released (others' joins and withdrawals do not wait for it): whether
+        // this call deleted the slot or a takeover replaced it, a selection made just before is
+        // queued here once a grace period has passed.
+        if withdrawn { KernelGracePeriod.wait() }
+        return withdrawn
+    }
+
+    /// ``withdraw()``'s part under the bpffs lock: true if the slot is out of selection now.
+    private func withdrawLocked(_ objects: GroupObjects) throws(ReusePortError) -> Bool {
         let lock = try filesystem?.lock()
         defer { if let lock { close(lock) } }
         // A member forced in without eBPF replaced the program: the map steers nothing now.
         guard objects.steeringOverride() == UInt32(RPLB_OVERRIDE_NONE.rawValue) else { return false }
+        // Replaced by a takeover: out of selection, but perhaps only just.
         guard objects.cookie(inSlot: slot) == cookie else { return true }
         do {
             try objects.remove(slot: slot)

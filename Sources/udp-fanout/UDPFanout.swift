@@ -88,6 +88,9 @@ struct UDPFanout: AsyncParsableCommand {
             if check { printError("udp-fanout: \(warning)") } else { logger.warning("\(warning)") }
         }
         logger.info("configuration loaded", metadata: ["listeners": "\(parsed.listeners.count)", "path": "\(config)"])
+        if !check && !KernelGracePeriod.isAvailable {
+            logger.warning("the kernel refuses membarrier(MEMBARRIER_CMD_GLOBAL) (a nohz_full kernel, or a seccomp filter): a listener handed to its successor on a reload waits \(KernelGracePeriod.fallback) for datagrams already steered to it instead of a kernel grace period, which covers any stall seen in practice but is not a guarantee (allow membarrier in the seccomp profile)")
+        }
         if check {
             // Interfaces, forwarding, routes and binds, checked without binding, loading or attaching.
             let (problems, notes) = Preflight.check(parsed)

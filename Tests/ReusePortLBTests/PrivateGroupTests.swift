@@ -47,6 +47,15 @@ struct PrivateGroupTests {
         return (progress, thread)
     }
 
+    @Test("The kernel grace period activate() and withdraw() wait for is membarrier's, not the 50 ms fallback, on this kernel kind")
+    func gracePeriod() {
+        #expect(KernelGracePeriod.isAvailable, "membarrier(MEMBARRIER_CMD_QUERY) lists MEMBARRIER_CMD_GLOBAL")
+        let clock = ContinuousClock()
+        var waited = true
+        let elapsed = clock.measure { waited = KernelGracePeriod.wait() }
+        #expect(waited, "membarrier(MEMBARRIER_CMD_GLOBAL) returned 0, took \(elapsed)")
+    }
+
     @Test("Succession: group B joins and activates under traffic, group A drains and leaves: every datagram once, none new to A, nothing pinned")
     func succession() throws {
         let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())

@@ -48,6 +48,16 @@ int shim_enable_error_queue(int fd, int family);
  * socket: nothing piles up in its receive buffer, which its error queue shares). 0 or -errno. */
 int shim_drop_all_input(int fd);
 
+/* Waits for an RCU grace period of the kernel (membarrier(2) MEMBARRIER_CMD_GLOBAL, which is
+ * synchronize_rcu()): every softirq that started receiving a packet before the call has
+ * finished with it, e.g. queued it on the socket a replaced sk_reuseport program selected.
+ * 0, or -1 with errno (EINVAL on nohz_full kernels, ENOSYS, EPERM under a seccomp filter). */
+int shim_kernel_grace_period(void);
+
+/* Whether shim_kernel_grace_period() can work here: MEMBARRIER_CMD_QUERY lists
+ * MEMBARRIER_CMD_GLOBAL (not on nohz_full kernels; a seccomp filter may refuse the query too). */
+int shim_kernel_grace_period_available(void);
+
 /* Reads one entry of the socket's error queue: the destination of the datagram it is about into
  * `destination` (address and port) and its errno (ECONNREFUSED: ICMP port unreachable) into
  * `error`. 1 when one was read, 0 when the queue is empty, -errno on failure. */

@@ -72,8 +72,9 @@ final class ReceiveLoop: Sendable {
     var progressCount: UInt64 { progress.load(ordering: .relaxed) }
 
     /// Runs `body` until the stop signal, then drains: forwards what the source holds until it
-    /// stays quiet for 20 ms (a datagram steered here just before a successor took the bind
-    /// over, or before the stop, is still read), at most 1 s. Generic, so each kind's loop is
+    /// stays quiet for 20 ms (a datagram steered here before the stop is still read; one steered
+    /// before a successor took the bind over is queued once the successor's activation, which
+    /// waits a kernel grace period, returned), at most 1 s. Generic, so each kind's loop is
     /// specialised: no existential on the per-batch path.
     func run<Body: ReceiveLoopBody>(_ body: Body) {
         let clock = ContinuousClock()
