@@ -2,7 +2,8 @@
 # The whole test suite: unit tests, sk_reuseport tests with real sockets, collector processes,
 # namespaces and the C API. Privileged tests need root; under CI=true they never skip.
 # Fails if a run leaves anything pinned under /sys/fs/bpf/reuseportlb, a tc_ebpf program
-# (fanout_tc) or af_xdp program (fanout_xdp) loaded, or a tc_ebpf lock file under /run/udp-fanout.
+# (fanout_tc), af_xdp program (fanout_xdp) or association counter (fanout_map_count) loaded, or a
+# tc_ebpf lock file under /run/udp-fanout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
@@ -72,6 +73,10 @@ if [ "$(id -u)" = 0 ]; then
   fi
   if bpftool prog show 2>/dev/null | grep -q "name fanout_xdp"; then
     echo "test: FAILED: a fanout_xdp program is still loaded (bpftool prog show)" >&2
+    exit 1
+  fi
+  if bpftool prog show 2>/dev/null | grep -q "name fanout_map_coun"; then
+    echo "test: FAILED: a fanout_map_count iterator is still loaded (bpftool prog show)" >&2
     exit 1
   fi
   echo "test: no tc_ebpf or af_xdp program loaded, no tc_ebpf lock file left"

@@ -12,6 +12,8 @@ public enum BPFObject: Sendable, CaseIterable {
     case xdpSteer
     /// `bpf/xdp_fanout.bpf.c`: the XDP program of udp-fanout's xdp mode (loaded with tc_fanout's maps).
     case xdpFanout
+    /// `bpf/map_count.bpf.c`: a map iterator that counts the entries of nat listeners' association maps.
+    case mapCount
 
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
@@ -20,6 +22,7 @@ public enum BPFObject: Sendable, CaseIterable {
         case .tcFanout: return Base64.decode(EmbeddedBPF.tcFanout)
         case .xdpSteer: return Base64.decode(EmbeddedBPF.xdpSteer)
         case .xdpFanout: return Base64.decode(EmbeddedBPF.xdpFanout)
+        case .mapCount: return Base64.decode(EmbeddedBPF.mapCount)
         }
     }
 }

@@ -381,6 +381,73 @@ struct TCNATProgramTests {
         #expect(present.total <= 64 && present.total > 0, "present \(present.total)")
         #expect(present.entries.count == present.total)
         #expect(Int(created) - present.total > 0, "evicted")
+        #expect(fixture.program.countAssociations(maps[0], maximum: .max) == present.total, "the kernel's count, evictions included")
+        let iterated = try AssociationCounter().counts()[try AssociationCounter.mapID(maps[0])]
+        #expect(iterated == present.total, "the iterator's own count")
         #expect(present.entries.allSatisfy { $0.client.ip == IPAddress("198.18.50.7")! && (6001...6003).contains($0.backend.port) })
+    }
+
+    @Test("Counting and listing associations in batches (BPF_MAP_LOOKUP_BATCH): the same clients, backends and total as a walk with get_next_key, across several batches; limit and maximum honoured; the kernel's own count (map_count iterator) agrees")
+    func batchedCount() throws {
+        let entries = TCProgram.associationBatch * 2 + 123
+        let fd = bpf_map_create(BPF_MAP_TYPE_LRU_HASH, "fanout_assoc_t", UInt32(MemoryLayout<fanout_association_key>.size),
+                                UInt32(MemoryLayout<fanout_association>.size), UInt32(entries * 2), nil)
+        try #require(fd >= 0, "bpf_map_create: errno \(errno)")
+        defer { close(fd) }
+        for index in 0..<entries {
+            var key = fanout_association_key()
+            var value = fanout_association()
+            // Every third client IPv6; backends 6001...6003.
+            if index % 3 == 0 {
+                key.family = UInt8(AF_INET6)
+                key.addr = (UInt32(0x20010db8).bigEndian, 0, 0, UInt32(index).bigEndian)
+                value.addr = (UInt32(0x20010db8).bigEndian, 0, 0, UInt32(0x200).bigEndian)
+            } else {
+                key.family = UInt8(AF_INET)
+                key.addr.0 = (UInt32(0xc6120000) + UInt32(index)).bigEndian
+                value.addr.0 = UInt32(0xc612c80a).bigEndian
+            }
+            key.port = UInt16(40000 + index % 1000).bigEndian
+            value.port = UInt16(6001 + index % 3).bigEndian
+            try #require(bpf_map_update_elem(fd, &key, &value, UInt64(BPF_NOEXIST)) == 0, "entry \(index): errno \(errno)")
+        }
+        let refusals = TCProgram.batchRefusals.load(ordering: .relaxed)
+        let batched = TCProgram.associationEntries(fd, limit: .max)
+        #expect(TCProgram.batchRefusals.load(ordering: .relaxed) == refusals, "the kernel took the batch lookups (no walk)")
+        let walked = TCProgram.walkAssociations(fd, limit: .max, maximum: .max)
+        #expect(batched.total == entries && walked.total == entries)
+        let pairs = { (list: [(client: SocketAddress, backend: SocketAddress)]) in Set(list.map { "\($0.client)>\($0.backend)" }) }
+        #expect(batched.entries.count == entries && pairs(batched.entries) == pairs(walked.entries))
+        #expect(batched.entries.allSatisfy { (6001...6003).contains($0.backend.port) })
+        let listed = TCProgram.associationEntries(fd, limit: 10)
+        #expect(listed.entries.count == 10 && listed.total == entries)
+        #expect(TCProgram.associationEntries(fd, limit: 0, maximum: 5000).total == 5000)
+        // The kernel's own count (the map_count iterator needs Linux 6.6+ with BTF, as on this
+        // machine kind): the iterator itself says so for this map, and leaves out a map without
+        // the association prefix.
+        let counter = try AssociationCounter()
+        let other = bpf_map_create(BPF_MAP_TYPE_HASH, "fanout_other", 4, 4, 16, nil)
+        try #require(other >= 0)
+        defer { close(other) }
+        var key: UInt32 = 1, value: UInt32 = 1
+        try #require(bpf_map_update_elem(other, &key, &value, UInt64(BPF_ANY)) == 0)
+        let counts = try counter.counts()
+        let (mapID, otherID) = (try AssociationCounter.mapID(fd), try AssociationCounter.mapID(other))
+        #expect(counts[mapID] == entries, "the iterator counted \(String(describing: counts[mapID]))")
+        #expect(counts[otherID] == nil, "a map without the prefix is not counted")
+        let program = try TCProgram()
+        #expect(program.countAssociations(fd, maximum: .max) == entries)
+        #expect(program.countsFromKernel, "the map_count iterator loaded")
+        #expect(program.countAssociations(fd, maximum: 5000) == 5000)
+        // Closed: no counter is made again (a scrape racing the stop falls back, then finds nothing).
+        program.closeDescriptors()
+        _ = program.countAssociations(fd, maximum: .max)
+        #expect(!program.countsFromKernel)
+        // An empty map: nothing, no error.
+        let empty = bpf_map_create(BPF_MAP_TYPE_LRU_HASH, "fanout_assoc_e", UInt32(MemoryLayout<fanout_association_key>.size),
+                                   UInt32(MemoryLayout<fanout_association>.size), 64, nil)
+        try #require(empty >= 0)
+        defer { close(empty) }
+        #expect(TCProgram.associationEntries(empty, limit: 10).total == 0)
     }
 }

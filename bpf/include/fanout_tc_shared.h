@@ -383,4 +383,16 @@ struct fanout_nat {
 	__u8 enabled;    /* 1 while the listener is a nat listener */
 };
 
+/* Each nat listener's association map is created by userspace with this name and its listener
+ * id ("fanout_assoc_7"); bpf/map_count.bpf.c counts the maps with this prefix. */
+#define FANOUT_ASSOCIATION_MAP_PREFIX "fanout_assoc_"
+
+/* What bpf/map_count.bpf.c writes per association map: the map's kernel id and the number of
+ * entries in it now (the kernel's own count: evictions of the LRU map included). */
+struct fanout_map_count {
+	__u32 id;
+	__u32 pad;
+	__s64 entries;
+};
+
 #endif /* FANOUT_TC_SHARED_H */

@@ -352,7 +352,7 @@ final class TCListener: RunningListener {
     static let drainingLimit = Int(FANOUT_MAX_BACKENDS)
     /// nat: the listener's association map (its descriptor; the program's array holds it at `id`).
     private let associationMap: Int32?
-    /// nat: the last count of the association map (at most one walk per `countInterval`).
+    /// nat: the last count of the association map (at most one count per `countInterval`).
     private struct AssociationCount {
         var at: ContinuousClock.Instant?
         var present: Int = 0
@@ -924,9 +924,11 @@ final class TCListener: RunningListener {
     /// or its address when it is no longer in the set, and how many there are.
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? {
         guard let associationMap, !stopped.load(ordering: .relaxed) else { return nil }
-        let listed = TCProgram.associationEntries(associationMap, limit: limit)
+        // The first `limit` entries only; the total is the kernel's count, not a read of the whole map.
+        let listed = TCProgram.associationEntries(associationMap, limit: limit, maximum: limit)
+        let total = program.countAssociations(associationMap, maximum: config.settings.maxAssociations)
         let names = live.withLock { live in live.names.merging(live.draining.mapValues(\.name)) { current, _ in current } }
-        return (listed.entries.map { AssociationEntry(client: $0.client, downstream: names[$0.backend] ?? "\($0.backend)") }, listed.total)
+        return (listed.entries.map { AssociationEntry(client: $0.client, downstream: names[$0.backend] ?? "\($0.backend)") }, max(total, listed.entries.count))
     }
 
     /// nat: the reply direction's counters, the association events and the number present.
@@ -944,7 +946,11 @@ final class TCListener: RunningListener {
         let counted = associationCount.withLock { count in
             let now = ContinuousClock.now
             if let associationMap, !stopped.load(ordering: .relaxed), count.at.map({ now - $0 >= Self.countInterval }) ?? true {
-                count.present = TCProgram.associationEntries(associationMap, limit: 0, maximum: config.settings.maxAssociations).total
+                count.present = program.countAssociations(associationMap, maximum: config.settings.maxAssociations)
+                if let refusal = program.takeCounterRefusal() {
+                    logger.notice("nat associations are counted by reading the association map in batches (about a third of a second of CPU per 1,048,576, at most once every 2 s), as the kernel refused the counting iterator (bpf/map_count.bpf.c needs Linux 6.6 or later with BTF, and CAP_BPF with CAP_PERFMON)",
+                                  metadata: ["listener": "\(config.name)", "error": "\(refusal)"])
+                }
                 count.at = now
                 // Made and present read together: evicted is what was made and is gone.
                 count.evicted = max(count.evicted, made > UInt64(count.present) ? made - UInt64(count.present) : 0)

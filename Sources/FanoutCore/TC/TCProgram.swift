@@ -53,6 +53,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     func closeDescriptors() {
         for fd in descriptors { close(fd) }
+        counter.withLock { $0 = .closed }  // the iterator's program and link close with it
     }
 
     /// The kernel's id of the loaded program (what `bpftool prog` and `tc filter show` print).
@@ -223,8 +224,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// Creates a listener's association map (an LRU hash of `maxEntries` clients) and puts it
     /// at `id` in the associations array. Returns its descriptor (the caller closes it).
     func createAssociations(id: UInt32, maxEntries: UInt32) throws(SystemCallError) -> Int32 {
-        let fd = try libbpfCall("bpf_map_create fanout_assoc_\(id) (max_associations \(maxEntries))") {
-            bpf_map_create(BPF_MAP_TYPE_LRU_HASH, "fanout_assoc_\(id)", UInt32(MemoryLayout<fanout_association_key>.size),
+        // The name bpf/map_count.bpf.c counts by.
+        let name = FANOUT_ASSOCIATION_MAP_PREFIX + "\(id)"
+        let fd = try libbpfCall("bpf_map_create \(name) (max_associations \(maxEntries))") {
+            bpf_map_create(BPF_MAP_TYPE_LRU_HASH, name, UInt32(MemoryLayout<fanout_association_key>.size),
                            UInt32(MemoryLayout<fanout_association>.size), maxEntries, nil)
         }
         var key = id
@@ -313,12 +316,104 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         }
     }
 
+    /// How many entries association map `fd` holds: the kernel's own count through
+    /// ``AssociationCounter`` (made at the first count; Linux 6.6 and later), else counted with
+    /// batched lookups (``associationEntries(_:limit:maximum:)``), never more than `maximum`.
+    /// After ``closeDescriptors()`` it makes no counter again.
+    func countAssociations(_ fd: Int32, maximum: Int) -> Int {
+        let counted: Int? = counter.withLock { state in
+            if case .untried = state {
+                do throws(SystemCallError) {
+                    state = .ready(try AssociationCounter())
+                } catch {
+                    state = .refused(error)
+                }
+            }
+            guard case .ready(let counter) = state, let id = try? AssociationCounter.mapID(fd), let counts = try? counter.counts() else { return nil }
+            return counts[id]
+        }
+        if let counted { return min(counted, maximum) }
+        return Self.associationEntries(fd, limit: 0, maximum: maximum).total
+    }
+
+    /// ``countAssociations(_:maximum:)``'s iterator: not tried yet, made, refused by the kernel
+    /// (why), or the program's descriptors closed.
+    enum CounterState {
+        case untried, ready(AssociationCounter), refused(SystemCallError), closed
+    }
+    private let counter = Mutex<CounterState>(.untried)
+    private let counterRefusalSaid = Atomic<Bool>(false)
+
+    /// Whether counts come from the kernel's own count (tests; false before the first count).
+    var countsFromKernel: Bool { counter.withLock { if case .ready = $0 { true } else { false } } }
+
+    /// Why the kernel refused the counting iterator, the first time it is asked after the refusal
+    /// (the caller logs it once); nil otherwise.
+    func takeCounterRefusal() -> SystemCallError? {
+        guard case .refused(let error) = counter.withLock({ $0 }) else { return nil }
+        return counterRefusalSaid.exchange(true, ordering: .relaxed) ? nil : error
+    }
+
     /// The entries of an association map: each client and its backend, up to `limit`, and the
-    /// number present (walked with get_next_key: LRU hash maps have no batch lookup on every kernel).
-    /// - Parameter maximum: the map's size: a walk that restarts (the LRU map evicted the key it
-    ///   stood on, so get_next_key begins again) stops there, so it is bounded and never counts
-    ///   more than the map can hold.
+    /// number present. Read in batches (BPF_MAP_LOOKUP_BATCH, ``associationBatch`` entries a
+    /// system call: a full 1,048,576-entry map costs about a third of a second of CPU, where a
+    /// walk with get_next_key, a system call per entry, took 0.7 s); a kernel that refuses
+    /// batches is walked instead (``walkAssociations(_:limit:maximum:)``).
+    /// - Parameter maximum: counting stops there (a walk that restarts never counts more than the
+    ///   map can hold).
     static func associationEntries(_ fd: Int32, limit: Int, maximum: Int = .max) -> (entries: [(client: SocketAddress, backend: SocketAddress)], total: Int) {
+        var entries: [(client: SocketAddress, backend: SocketAddress)] = []
+        var total = 0
+        let keys = UnsafeMutablePointer<fanout_association_key>.allocate(capacity: associationBatch)
+        let values = UnsafeMutablePointer<fanout_association>.allocate(capacity: associationBatch)
+        defer {
+            keys.deallocate()
+            values.deallocate()
+        }
+        // The position between calls: a bucket index for hash maps, room for a key to be safe.
+        var position = fanout_association_key()
+        var next = fanout_association_key()
+        var first = true
+        // Options in zeroed storage (libbpf refuses non-zero padding; see withLibbpfOptions).
+        let refused = withLibbpfOptions(bpf_map_batch_opts.self) { options -> Bool in
+            while total < maximum {
+                var count = UInt32(associationBatch)
+                let result = withUnsafeMutablePointer(to: &position) { inBatch in
+                    bpf_map_lookup_batch(fd, first ? nil : UnsafeMutableRawPointer(inBatch), &next, keys, values, &count, options)
+                }
+                let failure = result < 0 ? errno : 0
+                // No batch lookup (EINVAL, or the kernel's ENOTSUPP, 524), a position the kernel no
+                // longer knows, or anything else: walk from the start rather than count short.
+                if failure != 0 && failure != ENOENT { return true }
+                first = false
+                for index in 0..<Int(count) where total < maximum {
+                    total += 1
+                    guard entries.count < limit else { continue }
+                    let family = Int32(keys[index].family)
+                    entries.append((socketAddress(keys[index].addr, port: keys[index].port, family: family),
+                                    socketAddress(values[index].addr, port: values[index].port, family: family)))
+                }
+                // ENOENT: the last entries were in this batch.
+                if failure == ENOENT { break }
+                position = next
+            }
+            return false
+        }
+        if refused {
+            batchRefusals.wrappingAdd(1, ordering: .relaxed)
+            return walkAssociations(fd, limit: limit, maximum: maximum)
+        }
+        return (entries, total)
+    }
+
+    /// Entries read per BPF_MAP_LOOKUP_BATCH call (40 bytes each: 160 KiB of buffers).
+    static let associationBatch = 4096
+    /// How often the kernel refused a batch lookup and the map was walked instead (tests).
+    static let batchRefusals = Atomic<Int>(0)
+
+    /// ``associationEntries(_:limit:maximum:)`` with get_next_key, a system call per entry: for
+    /// kernels without batch lookup on LRU hash maps.
+    static func walkAssociations(_ fd: Int32, limit: Int, maximum: Int) -> (entries: [(client: SocketAddress, backend: SocketAddress)], total: Int) {
         var entries: [(client: SocketAddress, backend: SocketAddress)] = []
         var total = 0
         var key = fanout_association_key()
@@ -339,7 +434,6 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (entries, total)
     }
 
-    /// `__u32 addr[4]` and a network-order port back to a SocketAddress.
     static func socketAddress(_ words: (UInt32, UInt32, UInt32, UInt32), port: UInt16, family: Int32) -> SocketAddress {
         var words = words
         let bytes = withUnsafeBytes(of: &words) { Array($0.prefix(family == AF_INET ? 4 : 16)) }
