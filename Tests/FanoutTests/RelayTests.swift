@@ -920,4 +920,36 @@ struct RelayTests {
         #expect(log.contains("kernel.io_uring_disabled=0") && log.contains("settings.io_uring: false") && log.contains("Operation not permitted"), "\(log)")
         #expect(log.contains("io_uring=false") && !log.contains("io_uring=true"), "\(log)")
     }
+
+    @Test("Limits a session table needs, at start (the real binary under prlimit): the soft open-files limit is raised for max_sessions as far as the hard one allows; a hard limit too low is warned about, and so are more sessions than local ports (net.ipv4.ip_local_port_range)")
+    func sessionLimits() throws {
+        var limit = rlimit()
+        try #require(getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0)
+        let hard = min(Int(limit.rlim_max), 4000)
+        try #require(hard >= 2300, "this test needs a hard open-files limit of 2,300 or more (it is \(limit.rlim_max))")
+        let ports = try #require(RelayListener.ephemeralPorts())
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        func run(soft: Int, hard: Int, maxSessions: Int) throws -> (limits: String, log: String) {
+            let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+            let file = FileManager.default.temporaryDirectory.appendingPathComponent("relay-limits-\(UUID().uuidString).yaml")
+            try relayYAML("limits", bind: bind, servers, settings: "      max_sessions: \(maxSessions)\n").write(to: file, atomically: true, encoding: .utf8)
+            defer { try? FileManager.default.removeItem(at: file) }
+            let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/prlimit", "--nofile=\(soft):\(hard)"])
+            try daemon.waitFor("entering receive loop")
+            let limits = (try? String(contentsOfFile: "/proc/\(daemon.process.processIdentifier)/limits", encoding: .utf8)) ?? ""
+            daemon.signal(SIGTERM)
+            #expect(daemon.wait() == 0)
+            return (limits.split(separator: "\n").first { $0.hasPrefix("Max open files") }.map(String.init) ?? "", daemon.stderr)
+        }
+        func words(_ line: String) -> [String] { line.split(separator: " ").map(String.init) }
+        // Room enough: raised to max_sessions + 256, nothing said.
+        let roomy = try run(soft: 1024, hard: hard, maxSessions: 2000)
+        #expect(Array(words(roomy.limits).suffix(3).prefix(2)) == ["2256", "\(hard)"], "\(roomy.limits)")
+        #expect(!roomy.log.contains("open-files limit") && !roomy.log.contains("ip_local_port_range"), "\(roomy.log)")
+        // A hard limit below what max_sessions needs, and more sessions than local ports: both said.
+        let short = try run(soft: 512, hard: 1024, maxSessions: ports + 1)
+        #expect(Array(words(short.limits).suffix(3).prefix(2)) == ["1024", "1024"], "raised to the hard limit: \(short.limits)")
+        #expect(short.log.contains("open-files limit") && short.log.contains("open_files_limit=1024"), "\(short.log)")
+        #expect(short.log.contains("net.ipv4.ip_local_port_range") && short.log.contains("local_ports=\(ports)"), "\(short.log)")
+    }
 }

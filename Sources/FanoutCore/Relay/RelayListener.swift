@@ -28,14 +28,44 @@ final class RelayListener: RunningListener {
             }
         }
         // Each session is a socket: a table the open-files limit cannot hold fails at run time,
-        // client by client (counted send_error). Say so now.
+        // client by client (counted send_error). The soft limit is raised as far as the hard one
+        // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both); short of that, say so now.
         var files = rlimit()
-        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, UInt64(config.settings.maxSessions) + 256 > UInt64(files.rlim_cur) {
+        let needed = rlim_t(config.settings.maxSessions) + 256
+        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, files.rlim_cur < needed, files.rlim_cur < files.rlim_max {
+            var raised = files
+            raised.rlim_cur = min(needed, files.rlim_max)
+            if setrlimit(Int32(RLIMIT_NOFILE.rawValue), &raised) == 0 { files = raised }
+        }
+        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, needed > files.rlim_cur {
             logger.warning("replies relay: settings.max_sessions is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
                 "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "open_files_limit": "\(files.rlim_cur)",
             ])
         }
+        // Each session socket also takes a local port of the kernel's ephemeral range (connect
+        // picks one, unique per source address): past them a new client's socket cannot be made.
+        if let ports = Self.ephemeralPorts(), config.settings.maxSessions > ports {
+            logger.notice("replies relay: settings.max_sessions is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "local_ports": "\(ports)",
+            ])
+        }
         counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
+    }
+
+    /// How many ports net.ipv4.ip_local_port_range (this network namespace's) gives connect(),
+    /// less the reserved ones (ip_local_reserved_ports); nil when it cannot be read.
+    static func ephemeralPorts() -> Int? {
+        func numbers(_ text: Substring) -> [Int] { text.split(whereSeparator: { !$0.isNumber }).compactMap { Int($0) } }
+        guard let range = try? readFile("/proc/sys/net/ipv4/ip_local_port_range") else { return nil }
+        let bounds = numbers(Substring(range))
+        guard bounds.count == 2, bounds[0] <= bounds[1] else { return nil }
+        var ports = bounds[1] - bounds[0] + 1
+        // "1000-1005,2000": ranges and single ports, counted where they fall inside the range.
+        for item in ((try? readFile("/proc/sys/net/ipv4/ip_local_reserved_ports")) ?? "").split(separator: ",") {
+            guard let low = numbers(item).first, let high = numbers(item).last else { continue }
+            ports -= max(0, min(high, bounds[1]) - max(low, bounds[0]) + 1)
+        }
+        return max(0, ports)
     }
 
     var isReceiving: Bool { group.isReceiving }
