@@ -161,6 +161,47 @@ struct SharedSenderTests {
         #expect(full == 1 && calls <= 3, "the rest failed at once: \(calls) sendmmsg calls for \(dropped) datagrams that could not go")
     }
 
+    @Test("an egress queue's drop (ENOBUFS) costs that datagram alone: the other downstreams' datagrams of the batch still go (two veths in a namespace of the test's, one with a tbf qdisc that queues nothing)",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func egressDropIsOneDatagram() throws {
+        let namespace = "rplb-enobufs-\(UInt32.random(in: 0...UInt32.max))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        for (device, subnet) in [("nb", 77), ("nc", 78)] {
+            for arguments in [
+                ["-n", namespace, "link", "add", "\(device)0", "type", "veth", "peer", "name", "\(device)1"],
+                ["-n", namespace, "addr", "add", "198.18.\(subnet).1/24", "dev", "\(device)0"],
+                ["-n", namespace, "link", "set", "\(device)0", "up"],
+                ["-n", namespace, "link", "set", "\(device)1", "up"],
+                ["-n", namespace, "neigh", "add", "198.18.\(subnet).2", "lladdr", "02:00:00:00:\(subnet):02", "dev", "\(device)0", "nud", "permanent"],
+            ] {
+                let result = try run("/usr/sbin/ip", arguments)
+                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+            }
+        }
+        // nb0 passes one datagram on its burst and drops the rest (a queue of 1 byte); nc0 passes all.
+        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "nb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "1"])
+        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        let outcome = inNetworkNamespace(namespace) { () -> (full: Int, results: [FlushResult]) in
+            let sender = SharedSender(capacity: 64)
+            // Interleaved: shaped, free, shaped, free, ...
+            let outboxes = (0..<32).map { index in
+                DownstreamOutbox(address: SocketAddress(ip: IPAddress(index % 2 == 0 ? "198.18.77.2" : "198.18.78.2")!, port: UInt16(7000 + index)),
+                                 capacity: 4, shared: sender)
+            }
+            let results = Self.send(outboxes, sender, tag: "egress", size: 1000)
+            return (sender.sendBufferFullCalls, results)
+        }
+        let (full, results) = try #require(outcome, "entered \(namespace)")
+        let shapedResults = results.enumerated().filter { $0.offset % 2 == 0 }.map(\.element)
+        let freeResults = results.enumerated().filter { $0.offset % 2 == 1 }.map(\.element)
+        #expect(freeResults.allSatisfy { $0.sent == 1 && $0.dropped.isEmpty }, "every datagram through the free device went: \(freeResults.map { ($0.sent, $0.dropped) })")
+        let shapedDropped = shapedResults.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
+        #expect(shapedResults.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each shaped datagram sent or counted send_buffer_full: \(shapedResults.map(\.dropped))")
+        #expect(shapedDropped >= 14, "the qdisc dropped nearly all of the shaped device's: \(shapedDropped)")
+        #expect(full == 0, "no drop failed the rest of the batch")
+    }
+
     @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")
     func membershipKeepsOutboxes() throws {
         let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }

@@ -107,6 +107,17 @@ final class SharedSender {
             if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, sendBuffer)) == nil {
                 try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, sendBuffer)
             }
+            // The error queue is charged to the receive buffer (no datagram is queued there):
+            // room for thousands of ICMP errors, so each is named, not only the socket's error.
+            if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, Self.errorQueueBuffer)) == nil {
+                try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUF, Self.errorQueueBuffer)
+            }
+            // The kernel reports twice what it was asked for; without CAP_NET_ADMIN it caps the
+            // request at net.core.wmem_max, for every downstream of the thread together.
+            if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)), granted / 2 < min(sendBuffer, Self.smallSendBuffer) {
+                logger.notice("the shared send socket's buffer is \(granted / 2) bytes, not the \(sendBuffer) asked for (net.core.wmem_max caps it without CAP_NET_ADMIN): a burst to the worker's downstreams beyond it is dropped and counted send_buffer_full; raise net.core.wmem_max (sysctl -w net.core.wmem_max=16777216) or grant CAP_NET_ADMIN",
+                              metadata: ["family": "\(family == AF_INET6 ? "ipv6" : "ipv4")"])
+            }
             // The error queue names the destination of each ICMP error (IP_RECVERR also on the
             // IPv6 socket: IPv4-mapped downstreams draw ICMPv4). Without the input filter, replies
             // would fill the receive buffer the error queue shares, and errors would go unnamed.
@@ -177,6 +188,12 @@ final class SharedSender {
         transmit(lanes[lane].socket, lanes[lane].headers, lanes[lane].owners, count)
     }
 
+    /// The shared sockets' receive buffer, which holds only their error queue (SO_RCVBUFFORCE
+    /// where allowed, else up to rmem_max).
+    static let errorQueueBuffer: Int32 = 1 << 20
+    /// A granted send buffer under this (or under what was asked, if less) is logged when the socket is made.
+    static let smallSendBuffer: Int32 = 1 << 20
+
     /// A message failed while ICMP errors were pending on the socket: it goes again, at most this
     /// many times (each time only if the error queue held something, i.e. the error may not be its own).
     static let maximumRetries = 4
@@ -209,16 +226,20 @@ final class SharedSender {
             }
             // A pending ICMP error fails whichever message comes next: read the queue; if it held
             // anything, the error may be another destination's, and this message goes again.
+            // ECONNREFUSED on an unconnected socket is never the message's own: it is the
+            // socket's pending error, set even when the error queue had no room for its entry
+            // (then nothing names the downstream it was about).
             let pending = drain(fd)
-            if pending > 0 && retries < Self.maximumRetries {
+            if (pending > 0 || error == ECONNREFUSED) && retries < Self.maximumRetries {
                 retries += 1
                 continue
             }
             retries = 0
-            if pending == 0 && (error == EAGAIN || error == ENOBUFS) {
-                // The socket's send buffer is full (or the device's queue): the rest of the lane
-                // would meet the same within this batch, at two system calls each. They fail now,
-                // each counted by its own downstream (send_buffer_full).
+            if pending == 0 && error == EAGAIN {
+                // The socket's send buffer is full: the rest of the lane would meet the same
+                // within this batch, at two system calls each. They fail now, each counted by its
+                // own downstream (send_buffer_full). (ENOBUFS, an egress queue's drop, is one
+                // device's: that message fails alone, below.)
                 for index in message..<count { owners[index].takeUnretainedValue().failed(headers[index].msg_hdr, error) }
                 sendBufferFullCalls += 1
                 return
