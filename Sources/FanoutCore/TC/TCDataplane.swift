@@ -951,6 +951,10 @@ final class TCListener: RunningListener {
                     logger.notice("nat associations are counted by reading the association map in batches (about a third of a second of CPU per 1,048,576, at most once every 2 s), as the kernel refused the counting iterator (bpf/map_count.bpf.c needs Linux 6.6 or later with BTF, and CAP_BPF with CAP_PERFMON)",
                                   metadata: ["listener": "\(config.name)", "error": "\(refusal)"])
                 }
+                if let failure = program.takeCounterFailure() {
+                    logger.warning("a count of nat associations by the kernel's iterator failed: that count (and any other that fails) reads the association map in batches instead (about a third of a second of CPU per 1,048,576); said once",
+                                   metadata: ["listener": "\(config.name)", "error": "\(failure)"])
+                }
                 count.at = now
                 // Made and present read together: evicted is what was made and is gone.
                 count.evicted = max(count.evicted, made > UInt64(count.present) ? made - UInt64(count.present) : 0)

@@ -329,8 +329,16 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
                     state = .refused(error)
                 }
             }
-            guard case .ready(let counter) = state, let id = try? AssociationCounter.mapID(fd), let counts = try? counter.counts() else { return nil }
-            return counts[id]
+            guard case .ready(let counter) = state else { return nil }
+            do throws(SystemCallError) {
+                let id = try AssociationCounter.mapID(fd)
+                return try counter.counts()[id]
+            } catch {
+                // Made, but this count failed (no descriptor left for the iterator, say): counted
+                // in batches this time; the first such failure is logged.
+                counterFailure.withLock { if $0 == nil { $0 = (error, false) } }
+                return nil
+            }
         }
         if let counted { return min(counted, maximum) }
         return Self.associationEntries(fd, limit: 0, maximum: maximum).total
@@ -343,6 +351,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
     private let counter = Mutex<CounterState>(.untried)
     private let counterRefusalSaid = Atomic<Bool>(false)
+    /// The first count the made iterator failed (error, and whether it was said).
+    private let counterFailure = Mutex<(error: SystemCallError, said: Bool)?>(nil)
 
     /// Whether counts come from the kernel's own count (tests; false before the first count).
     var countsFromKernel: Bool { counter.withLock { if case .ready = $0 { true } else { false } } }
@@ -352,6 +362,16 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     func takeCounterRefusal() -> SystemCallError? {
         guard case .refused(let error) = counter.withLock({ $0 }) else { return nil }
         return counterRefusalSaid.exchange(true, ordering: .relaxed) ? nil : error
+    }
+
+    /// Why a count of the made iterator failed (and was counted in batches instead), the first
+    /// time it is asked after the first such failure (the caller logs it once); nil otherwise.
+    func takeCounterFailure() -> SystemCallError? {
+        counterFailure.withLock { failure in
+            guard let current = failure, !current.said else { return nil }
+            failure = (current.error, true)
+            return current.error
+        }
     }
 
     /// The entries of an association map: each client and its backend, up to `limit`, and the
