@@ -27,7 +27,7 @@ public struct SystemCallError: Error, CustomStringConvertible, Sendable, Equatab
     /// The fix, for errors whose cause is outside the call.
     private var hint: String {
         switch errno {
-        case EMFILE: return ": the process's open-file limit is reached; raise it (ulimit -n, LimitNOFILE= in the systemd unit) or use fewer workers"
+        case EMFILE: return ": the process's open-file limit is reached; raise it (ulimit -n, LimitNOFILE= in the systemd unit) or use fewer workers (with replies: relay, a lower max_sessions)"
         case ENFILE: return ": the system's open-file limit is reached; raise fs.file-max"
         default: return ""
         }

@@ -3,6 +3,7 @@ import Glibc
 #endif
 import Logging
 import ReusePortLB
+import Synchronization
 
 /// A `replies: relay` listener: ``RelayWorker``s on the listener's own socket group
 /// (``SocketGroupListener``). Each worker keeps its own sessions (validation guarantees
@@ -13,6 +14,13 @@ final class RelayListener: RunningListener {
     /// The workers' shared session count and reply counters.
     private let relay: RelayCounters
     private var config: Listener { group.config }
+    /// This listener's max_sessions in ``reservedSessions`` until it goes.
+    private let reserved: Int
+    /// max_sessions summed over the process's relay listeners: the sockets they may hold
+    /// together, which the open-files limit must fit.
+    private static let reservedSessions = Atomic<Int>(0)
+
+    deinit { Self.reservedSessions.subtract(reserved, ordering: .relaxed) }
 
     init(_ config: Listener, counters: ListenerCounters, logger: Logger,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) {
@@ -29,17 +37,21 @@ final class RelayListener: RunningListener {
         }
         // Each session is a socket: a table the open-files limit cannot hold fails at run time,
         // client by client (counted send_error). The soft limit is raised as far as the hard one
-        // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both); short of that, say so now.
+        // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both); short of that, say
+        // so now. Every relay listener of the process counts (one that drains on after a reload too).
+        reserved = config.settings.maxSessions
+        let allReserved = Self.reservedSessions.add(reserved, ordering: .relaxed).newValue
         var files = rlimit()
-        let needed = rlim_t(config.settings.maxSessions) + 256
+        let needed = rlim_t(allReserved) + 256
         if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, files.rlim_cur < needed, files.rlim_cur < files.rlim_max {
             var raised = files
             raised.rlim_cur = min(needed, files.rlim_max)
             if setrlimit(Int32(RLIMIT_NOFILE.rawValue), &raised) == 0 { files = raised }
         }
         if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, needed > files.rlim_cur {
-            logger.warning("replies relay: settings.max_sessions is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "open_files_limit": "\(files.rlim_cur)",
+            logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(allReserved)",
+                "open_files_limit": "\(files.rlim_cur)", "sessions_that_fit": "\(max(0, Int(files.rlim_cur) - 256))",
             ])
         }
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
