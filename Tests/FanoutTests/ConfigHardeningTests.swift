@@ -139,6 +139,10 @@ struct ConfigHardeningTests {
         ], "\(warnings)")
         #expect(warnings.first?.line == 4)
         #expect(try ConfigParser.parse(Self.base).warnings().isEmpty)
+        // A health block without enabled: true probes nothing: each key it sets is named.
+        let quiet = try ConfigParser.parse(Self.base + "\nhealth: {protocol: udp_echo, fall: 2}\n").warnings()
+        #expect(quiet.map(\.key) == ["health.protocol", "health.fall"] && quiet.allSatisfy { $0.message.contains("enabled: true") }, "\(quiet)")
+        #expect(try ConfigParser.parse(Self.base + "\nhealth: {enabled: true, protocol: udp_echo}\n").warnings().isEmpty)
     }
 
     @Test("tc_ebpf listeners may share a bind on two interfaces; not on one, and not with a socket listener")

@@ -165,6 +165,11 @@ extension FanoutConfig {
                 warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")
             }
         }
+        if !health.enabled {
+            for key in ["interval_secs", "timeout_secs", "protocol", "rise", "fall"] where lines.isSet("health.\(key)") {
+                warn("health.\(key)", "not used: health.enabled is false, so no downstream is probed (add enabled: true to the health block)")
+            }
+        }
         return warnings
     }
 
