@@ -133,6 +133,7 @@ public final class ReusePortGroup: @unchecked Sendable {
     /// after this returns loses nothing. Classic BPF: attaches the classic program
     /// (SO_ATTACH_REUSEPORT_CBPF). Kernel hash: detaches any program a previous group attached
     /// (SO_DETACH_REUSEPORT_BPF), so the kernel's hash spreads over every socket on the address.
+    /// Every kind returns after the grace period.
     /// - Throws: ``ReusePortError/noLiveMember(_:)`` before any ``join(slot:)``, or the failed
     ///   setsockopt.
     public func activate() throws(ReusePortError) {
@@ -149,7 +150,9 @@ public final class ReusePortGroup: @unchecked Sendable {
             switch result {
             case .none: continue  // left meanwhile: try another member
             case .success:
-                if steering == .ebpf { KernelGracePeriod.wait() }
+                // Whatever the steering: the program replaced (or the kernel's hash restored) is
+                // swapped under RCU like the eBPF one.
+                KernelGracePeriod.wait()
                 return
             case .failure(let error): throw .system(error)
             }

@@ -113,7 +113,7 @@ package final class ListenerCounters: Sendable {
     let forwarded = Atomic<UInt64>(0)
     let bytesForwarded = Atomic<UInt64>(0)
     let noHealthy = Atomic<UInt64>(0)
-    /// Datagrams the workers' sockets dropped before we could read them (SO_RXQ_OVFL).
+    /// Datagrams the workers' sockets dropped before we could read them (the socket drop counter, read with SO_MEMINFO).
     let receiveQueueDrops = Atomic<UInt64>(0)
     let tooLarge = Atomic<UInt64>(0)
     let sendBufferFull = Atomic<UInt64>(0)
