@@ -229,6 +229,25 @@ func openSockets() -> Set<String> {
     })
 }
 
+/// ``openSockets()`` limited to UDP sockets whose local or remote port is one of `ports`
+/// (/proc/self/net/udp and udp6): a test's listener and session sockets, not the sockets of
+/// tests running beside it.
+func openSockets(_ ports: Set<UInt16>) -> Set<String> {
+    var inodes = Set<String>()
+    for table in ["/proc/self/net/udp", "/proc/self/net/udp6"] {
+        // fread to the end: procfs gives a page per read (String(contentsOfFile:) would stop there).
+        let text = (try? readFile(table)) ?? ""
+        for line in text.split(separator: "\n").dropFirst() {
+            let fields = line.split(separator: " ")
+            guard fields.count > 9 else { continue }
+            let local = fields[1].split(separator: ":").last.flatMap { UInt16($0, radix: 16) }
+            let remote = fields[2].split(separator: ":").last.flatMap { UInt16($0, radix: 16) }
+            if local.map(ports.contains) == true || remote.map(ports.contains) == true { inodes.insert(String(fields[9])) }
+        }
+    }
+    return openSockets().filter { entry in inodes.contains(String(entry.split(separator: "[").last?.dropLast() ?? "")) }
+}
+
 /// How many io_uring instances this process has open (/proc/self/fd links "anon_inode:[io_uring]"):
 /// one per relay worker that uses its ring.
 func openRings() -> Int {
@@ -501,7 +520,9 @@ struct RelayTests {
         let servers = try (1...3).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let clients = try loopbackSources(30, base: 170).map { try RelayClient(source: $0) }
-        let before = openSockets()
+        // Only this test's sockets (others run in parallel): the listener's and those toward its servers.
+        let scope = Set([bind.port] + servers.map(\.address.port))
+        let before = openSockets(scope)
         let daemon = try startDaemon(relayYAML("move", bind: bind, servers))
         var owner: [String: String] = [:]
         for client in clients { owner[client.source] = try client.exchange("\(client.source)-1", with: bind) }
@@ -521,9 +542,9 @@ struct RelayTests {
         #expect(twoWay.events[.moved] == UInt64(removed))
         #expect(twoWay.events[.created] == 30)
         #expect(twoWay.associations == 30)
-        #expect(openSockets().subtracting(before).count >= 30, "one session socket per client while running")
+        #expect(openSockets(scope).subtracting(before).count >= 30, "one session socket per client while running")
         daemon.shutdown()
-        #expect(openSockets() == before, "every session socket closed after stop; still open: \(openSockets().subtracting(before))")
+        #expect(openSockets(scope) == before, "every session socket closed after stop; still open: \(openSockets(scope).subtracting(before))")
     }
 
     @Test("A reload that restarts the listener (settings changed): its relay totals go on from where they were")
@@ -646,7 +667,9 @@ struct RelayTests {
         let log = CapturedLog()
         let settings = "      drain_secs: 5\n      session_idle_secs: 1\n"
         let clients = try loopbackSources(40, base: 70).map { try RelayClient(source: $0) }
-        let before = openSockets()
+        // Only this test's sockets (others run in parallel): the listener's and those toward its servers.
+        let scope = Set([bind.port] + servers.map(\.address.port))
+        let before = openSockets(scope)
         let daemon = try startDaemon(drainYAML("hand", bind: bind, servers, settings: settings), logger: log.logger(level: .info))
         defer { daemon.shutdown() }
         let drains = change != "rename, drain_secs 0"
@@ -703,8 +726,8 @@ struct RelayTests {
         // The old instance's sockets are all closed: once the successor's sessions expire too
         // (session_idle_secs), only its two workers' listener sockets are left.
         let deadline2 = ContinuousClock.now + .seconds(6)
-        while openSockets().subtracting(before).count != 2 && ContinuousClock.now < deadline2 { usleep(50_000) }
-        #expect(openSockets().subtracting(before).count == 2, "\(openSockets().subtracting(before))")
+        while openSockets(scope).subtracting(before).count != 2 && ContinuousClock.now < deadline2 { usleep(50_000) }
+        #expect(openSockets(scope).subtracting(before).count == 2, "\(openSockets(scope).subtracting(before))")
     }
 
     @Test("A handover ends or never starts where draining cannot work: the daemon stops (drain cut short at once), the successor is removed (cut short), the bind handed over again (the first drain cut short), another address on the port (a wildcard is another kernel group: no handover); an unrelated reload does not end it; every socket closed after",
@@ -715,7 +738,9 @@ struct RelayTests {
         let port = freePort()
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port)
         let clients = try loopbackSources(10, base: 120).map { try RelayClient(source: $0) }
-        let before = openSockets()
+        // Only this test's sockets (others run in parallel): the listener's and those toward its servers.
+        let scope = Set([bind.port] + [server.address.port, second.address.port])
+        let before = openSockets(scope)
         let log = CapturedLog()
         let settings = "      drain_secs: 60\n"
         let daemon = try startDaemon(relayYAML("end", bind: bind, [server], settings: settings), logger: log.logger(level: .info))
@@ -766,8 +791,8 @@ struct RelayTests {
         if handedOver == 1 && change != "handed over again" {
             #expect(log.count(.info, containing: "handed-over listener stopped: its drain was cut short") == 1, "\(log.all.map(\.message))")
         }
-        settle { openSockets() == before }
-        #expect(openSockets() == before, "every socket of both instances closed: \(openSockets().subtracting(before))")
+        settle { openSockets(scope) == before }
+        #expect(openSockets(scope) == before, "every socket of both instances closed: \(openSockets(scope).subtracting(before))")
     }
 
     @Test("drain_secs 1: a removed downstream's reply 2.5 s late is dropped and counted drained, not relayed; its socket closes once silent for session_idle_secs; nothing open after stop")
@@ -776,7 +801,9 @@ struct RelayTests {
         defer { for server in servers { server.stop() } }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let clients = try loopbackSources(10, base: 90).map { try RelayClient(source: $0) }
-        let before = openSockets()
+        // Only this test's sockets (others run in parallel): the listener's and those toward its servers.
+        let scope = Set([bind.port] + servers.map(\.address.port))
+        let before = openSockets(scope)
         let settings = "      drain_secs: 1\n      session_idle_secs: 2\n"
         // One worker: its round robin gives each server half the clients.
         let daemon = try startDaemon(drainYAML("late", bind: bind, servers, workers: 1, settings: settings))
@@ -786,7 +813,7 @@ struct RelayTests {
         #expect(moving.count == 5 && owner.count == 10, "\(owner)")
         // late-2 answers in 30 ms and once more 2.5 s later: long after its drain time.
         servers[1].answer(after: [30, 2500])
-        let running = openSockets()
+        let running = openSockets(scope)
         for client in moving { try client.send("\(client.source)-2", to: bind) }
         // On their way to late-2 before it leaves (the worker takes a new plan before its next batch).
         settle { daemon.counters(of: "late")?.forwarded == UInt64(clients.count + moving.count) }
@@ -803,7 +830,7 @@ struct RelayTests {
             #expect(expected.isEmpty, "\(client.source): no reply to \(expected)")
         }
         // The moved clients' new sockets are open beside their old ones, which drain.
-        #expect(openSockets().count == running.count + moving.count, "\(openSockets().subtracting(running))")
+        #expect(openSockets(scope).count == running.count + moving.count, "\(openSockets(scope).subtracting(running))")
         // Every client keeps its session (session_idle_secs 2) with a round trip every 300 ms, now
         // all on late-1, while the draining sockets count the late replies and, silent for
         // session_idle_secs after them (checked once a second), close. A late reply relayed would
@@ -811,14 +838,14 @@ struct RelayTests {
         var exchanges = 0
         let deadline = ContinuousClock.now + .seconds(12)
         func drained() -> UInt64 { daemon.counters(of: "late")?.twoWay?.replyDropped[.drained, default: 0] ?? 0 }
-        while (drained() < UInt64(moving.count) || openSockets().count > running.count) && ContinuousClock.now < deadline {
+        while (drained() < UInt64(moving.count) || openSockets(scope).count > running.count) && ContinuousClock.now < deadline {
             for client in clients {
                 #expect(try client.exchange("\(client.source)-keep-\(exchanges)", with: bind) == "late-1")
             }
             exchanges += 1
             usleep(300_000)
         }
-        let after = openSockets()
+        let after = openSockets(scope)
         let kept = try #require(daemon.counters(of: "late")?.twoWay)
         #expect(kept.associations == UInt64(clients.count) && kept.events[.expired, default: 0] == 0, "the sessions stayed: \(kept.associations), \(kept.events)")
         #expect(after.count == running.count, "\(after.subtracting(running))")
@@ -831,7 +858,7 @@ struct RelayTests {
         #expect(twoWay.replies == UInt64(clients.count * (2 + exchanges) + moving.count))
         #expect(twoWay.downstreamReplies["late-2"] == UInt64(2 * moving.count), "\(twoWay.downstreamReplies)")
         daemon.shutdown()
-        #expect(openSockets() == before, "nothing left open after stop: \(openSockets().subtracting(before))")
+        #expect(openSockets(scope) == before, "nothing left open after stop: \(openSockets(scope).subtracting(before))")
     }
 
     @Test("Stop while sockets drain (drain_secs 30): every session and draining socket is closed")
@@ -839,19 +866,21 @@ struct RelayTests {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let clients = try loopbackSources(10, base: 110).map { try RelayClient(source: $0) }
-        let before = openSockets()
+        // Only this test's sockets (others run in parallel): the listener's and those toward its servers.
+        let scope = Set([bind.port] + servers.map(\.address.port))
+        let before = openSockets(scope)
         let daemon = try startDaemon(relayYAML("stopdrain", bind: bind, servers))
         for client in clients { #expect(try client.exchange("\(client.source)-1", with: bind) != nil) }
-        let running = openSockets()
+        let running = openSockets(scope)
         #expect(daemon.reload(text: relayYAML("stopdrain", bind: bind, [servers[0]])))
         for client in clients {
             #expect(try client.exchange("\(client.source)-2", with: bind) == "echo-1")
         }
         let moved = Int(daemon.counters(of: "stopdrain")?.twoWay?.events[.moved] ?? 0)
         #expect(moved > 0)
-        #expect(openSockets().count == running.count + moved, "old sockets drain beside the new ones")
+        #expect(openSockets(scope).count == running.count + moved, "old sockets drain beside the new ones")
         daemon.shutdown()
-        #expect(openSockets() == before, "nothing left open after stop: \(openSockets().subtracting(before))")
+        #expect(openSockets(scope) == before, "nothing left open after stop: \(openSockets(scope).subtracting(before))")
     }
 
     @Test("IPv6 clients on ::1: replies come from the listener's IPv6 address, one session per client port")
