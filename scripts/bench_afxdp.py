@@ -19,7 +19,6 @@ over the run divided by what was delivered; the generator's share is the same fo
 variant. RSS: the daemon's VmRSS after the fixed-rate run.
 """
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -79,15 +78,8 @@ class Daemon:
         return 0
 
     def stop(self):
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            # Never leave a daemon holding the interface behind (its link goes with it).
-            self.proc.kill()
-            self.proc.wait()
+        # Never leave a daemon holding the interface behind (its link goes with it).
+        common.stop_process(self.proc)
 
 
 def run_once(name, topology, work, fixed):

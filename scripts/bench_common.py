@@ -1,6 +1,7 @@
-"""What the make bench modules share (bench.py runs them; none imports another): the built
-binaries, run counts, loopback collectors and publisher, BPF run-time statistics, the
-client/proxy/backends namespace topology and its publisher, nginx's stream proxy, spreads."""
+"""What the make bench modules share (bench.py runs them; none imports another but the scale
+parts, which use bench_scale's helpers and bench_twoway's topology): the built binaries, run
+counts, loopback collectors and publisher, BPF run-time statistics, the client/proxy/backends
+namespace topology and its publisher, nginx's stream proxy, spreads."""
 import json
 import os
 import random
@@ -97,6 +98,29 @@ def in_namespace(namespace):
     return ["nsenter", f"--net=/run/netns/{namespace}", "--"]
 
 
+def stop_process(proc, grace=15):
+    """SIGTERM, then SIGKILL after `grace` seconds: never leave one of ours behind."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def stop_with_output(proc, grace=15):
+    """SIGTERM, then SIGKILL after `grace` seconds; the process's stdout (its report)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""
+
+
 def sh(*args, check=True):
     return subprocess.run(args, check=check, capture_output=True, text=True).stdout
 
@@ -157,6 +181,10 @@ class Topology(NamespaceTopology):
             sh("ip", "link", "add", outer, "netns", self.proxy, "type", "veth", "peer", "name", inner, "netns", backend)
             sh("ip", "-n", self.proxy, "addr", "add", f"198.18.{n}.1/24", "dev", outer)
             sh("ip", "-n", self.proxy, "link", "set", outer, "up")
+            # As a NIC without UDP segmentation offload: a forwarder's UDP GSO send is segmented
+            # before the veth, so the backend's receive count is one per datagram (a veth would
+            # otherwise carry the GSO packet whole and count it once).
+            sh("ip", "netns", "exec", self.proxy, "ethtool", "-K", outer, "tx-udp-segmentation", "off")
             sh("ip", "-n", backend, "addr", "add", f"198.18.{n}.2/24", "dev", inner)
             sh("ip", "-n", backend, "link", "set", inner, "up")
             sh("ip", "-n", backend, "route", "add", "default", "via", f"198.18.{n}.1")
@@ -224,3 +252,34 @@ stream {{
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=10)
+
+
+def idle_seconds_per_cpu():
+    """Idle + iowait + steal time of each CPU, in seconds (/proc/stat cpuN lines). On this
+    tickless kernel a CPU's idle time is measured (entry to exit of idle), while its busy fields
+    are sampled by the 250 Hz tick, which misses the short softirq bursts of a mostly idle CPU:
+    busy is therefore taken as wall time minus idle."""
+    idle = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0].startswith("cpu") and fields[0] != "cpu":
+                values = [int(x) for x in fields[1:]]
+                idle[int(fields[0][3:])] = (values[3] + values[4] + values[7]) / os.sysconf("SC_CLK_TCK")
+    return idle
+
+
+def busy_during(work):
+    """Runs work(): its result, the seconds it took, and each CPU's busy seconds meanwhile
+    (wall minus the idle time /proc/stat measures)."""
+    before, started = idle_seconds_per_cpu(), time.monotonic()
+    result = work()
+    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+    return result, elapsed, {cpu: max(0.0, elapsed - (after[cpu] - before[cpu])) for cpu in after}
+
+
+def background():
+    """Each CPU's busy share over one second with no traffic (the LB at rest, kernel threads,
+    anything else on the machine): taken off what a run measures."""
+    _, elapsed, busy = busy_during(lambda: time.sleep(1))
+    return {cpu: seconds / elapsed for cpu, seconds in busy.items()}

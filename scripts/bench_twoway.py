@@ -50,7 +50,6 @@ BENCH_TWOWAY_IN_FLIGHT sets its datagrams (256); BENCH_TWOWAY_JSON=PATH writes e
 """
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -153,18 +152,6 @@ def start_logged(command, log_path):
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def stop_process(proc, grace=15):
-    """SIGTERM, then SIGKILL after `grace` seconds: never leave one of ours behind."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def wait_for_log(proc, log_path, marker, what, seconds=20, count=1):
     deadline = time.monotonic() + seconds
     while True:
@@ -173,7 +160,7 @@ def wait_for_log(proc, log_path, marker, what, seconds=20, count=1):
         if text.count(marker) >= count:
             return
         if proc.poll() is not None or time.monotonic() > deadline:
-            stop_process(proc)
+            common.stop_process(proc)
             raise SystemExit(f"{what} did not start (waited for {marker!r}):\n{text[-2000:]}")
         time.sleep(0.05)
 
@@ -203,16 +190,27 @@ class EchoServers:
 
     def stop(self):
         for proc in self.procs:
-            stop_process(proc)
+            common.stop_process(proc)
         self.procs = []
 
 
 class Variant:
     """Sets a variant up in the lb netns, and waits until a request through the VIP is answered."""
 
-    def __init__(self, name, topology, work, split=False):
+    # udp-fanout's metrics endpoint in the lb netns (a netns of this run: the port is free).
+    METRICS = "127.0.0.1:9464"
+
+    def __init__(self, name, topology, work, split=False, settings="", listener_lines="", nginx_session=None, nginx_connections=65536):
+        """settings: more of udp-fanout's settings keys ("max_sessions: 200000"); listener_lines:
+        more of its listener keys ("    balancing: source_ip\n"); nginx_session: the stream
+        server's session lines in place of one session per request (proxy_responses 1), and its
+        worker_connections."""
         self.name, self.topology, self.work, self.proc, self.log, self.table = name, topology, work, None, None, False
         self.xdp = False
+        self.settings = settings
+        self.listener_lines = listener_lines
+        self.nginx_session = nginx_session or "proxy_responses 1;\n    proxy_timeout 600s;"
+        self.nginx_connections = nginx_connections
         # Split: the load balancer's process on CPU 1 only (taskset; nginx's workers inherit it;
         # the relay's one worker runs unpinned, so within it too).
         self.prefix = ["taskset", "-c", "1"] if split else []
@@ -249,10 +247,15 @@ class Variant:
             raise
 
     def daemon(self, shape, ready, count=1):
+        if self.settings:
+            shape = (shape.replace("}\n", f", {self.settings}}}\n") if "settings: {" in shape
+                     else shape + f"    settings: {{{self.settings}}}\n")
+        shape += self.listener_lines
         downstreams = "\n".join(f'      - {{name: s{n}, address: "198.18.{n}.2:{SERVER_PORT}"}}' for n in range(1, SERVERS + 1))
         path = os.path.join(self.work, "twoway.yaml")
         with open(path, "w") as f:
-            f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n")
+            f.write(f'listeners:\n  - name: bench\n    bind: "{VIP}:{PORT}"\n' + shape + f"    downstream:\n{downstreams}\n"
+                    f'metrics: {{enabled: true, bind: "{self.METRICS}"}}\n')
         self.log = os.path.join(self.work, "udp-fanout.log")
         self.proc = start_logged([*common.in_namespace(self.topology.lb), *self.prefix, f"{common.BIN}/udp-fanout", "-c", path], self.log)
         wait_for_log(self.proc, self.log, ready, f"udp-fanout ({self.name})", count=count)
@@ -264,11 +267,11 @@ class Variant:
         # proxy_responses 1: a request's session ends with its one reply (the exchange's count);
         # proxy_timeout long, so no session ends by timer during a run.
         conf = f"""{load}worker_processes {workers};
-worker_rlimit_nofile 131072;
+worker_rlimit_nofile 1048576;
 daemon off;
 pid {self.work}/nginx.pid;
 error_log {self.work}/nginx-error.log warn;
-events {{ worker_connections 65536; }}
+events {{ worker_connections {self.nginx_connections}; }}
 stream {{
   upstream echo {{
 {servers}
@@ -276,8 +279,7 @@ stream {{
   server {{
     listen {VIP}:{PORT} udp reuseport;
     proxy_pass echo;
-    proxy_responses 1;
-    proxy_timeout 600s;
+    {self.nginx_session}
   }}
 }}
 """
@@ -350,7 +352,7 @@ stream {{
             # Back to softirq NAPI while the lb's veths still have NAPI (the XDP program's).
             self.threaded_napi(False)
         if self.proc:
-            stop_process(self.proc)
+            common.stop_process(self.proc)
             self.proc = None
         if self.xdp:
             self.xdp_endpoints(False)
@@ -380,42 +382,11 @@ def exchange(topology, name, clients, window, timeout_ms, cpu=None):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def idle_seconds_per_cpu():
-    """Idle + iowait + steal time of each CPU, in seconds (/proc/stat cpuN lines). On this
-    tickless kernel a CPU's idle time is measured (entry to exit of idle), while its busy fields
-    are sampled by the 250 Hz tick, which misses the short softirq bursts of a mostly idle CPU:
-    busy is therefore taken as wall time minus idle."""
-    idle = {}
-    with open("/proc/stat") as f:
-        for line in f:
-            fields = line.split()
-            if fields and fields[0].startswith("cpu") and fields[0] != "cpu":
-                values = [int(x) for x in fields[1:]]
-                idle[int(fields[0][3:])] = (values[3] + values[4] + values[7]) / os.sysconf("SC_CLK_TCK")
-    return idle
-
-
-def busy_during(work):
-    """Runs work(): its result, the seconds it took, and each CPU's busy seconds meanwhile
-    (wall minus the idle time /proc/stat measures)."""
-    before, started = idle_seconds_per_cpu(), time.monotonic()
-    result = work()
-    after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
-    return result, elapsed, {cpu: max(0.0, elapsed - (after[cpu] - before[cpu])) for cpu in after}
-
-
-def background():
-    """Each CPU's busy share over one second with no traffic (the LB at rest, kernel threads,
-    anything else on the machine): taken off what a run measures."""
-    _, elapsed, busy = busy_during(lambda: time.sleep(1))
-    return {cpu: seconds / elapsed for cpu, seconds in busy.items()}
-
-
 def lb_cpu_run(topology, name, clients, window, timeout_ms):
     """An exchange with the endpoints on CPU 0 and the LB on CPU 1: the report, with CPU 1's
     busy time per round trip (the load balancer's CPU) and CPU 1's busy share."""
-    quiet = background()
-    report, elapsed, busy = busy_during(lambda: exchange(topology, name, clients, window, timeout_ms, cpu="0"))
+    quiet = common.background()
+    report, elapsed, busy = common.busy_during(lambda: exchange(topology, name, clients, window, timeout_ms, cpu="0"))
     lb = max(0.0, busy[1] - quiet[1] * elapsed)
     report["cpu1_background"] = quiet[1]
     report["lb_ns_per_round_trip"] = lb * 1e9 / max(report["replies"], 1)
@@ -458,7 +429,7 @@ def reflected_run(topology, name, obj):
     the endpoints cost a few hundred ns per lap, so the LB's CPU is what bounds the rate (as
     with a hardware traffic generator). Round trips are the clients' veth receive count.
     CPU 1's and CPU 0's background at rest are taken off their busy time."""
-    quiet = background()
+    quiet = common.background()
     try:
         reflectors(topology, obj)
         ip, port = destination(name)
@@ -472,7 +443,7 @@ def reflected_run(topology, name, obj):
         subprocess.run([*common.in_namespace(topology.clients), "python3", "-c", script], check=True, timeout=60)
         time.sleep(0.5)  # every datagram lapping, sessions and associations made
         start = client_received(topology)
-        laps, elapsed, busy = busy_during(lambda: time.sleep(SECONDS) or client_received(topology) - start)
+        laps, elapsed, busy = common.busy_during(lambda: time.sleep(SECONDS) or client_received(topology) - start)
         # The rate over the last 0.4 s against the run's: a variant losing its datagrams as they
         # lap would slow down towards 0 here (a few ARP frames a second aside).
         end = client_received(topology)
@@ -494,9 +465,9 @@ def run_variant(name, topology, servers, work, reflector):
         variant = Variant(name, topology, work)
         try:
             results["saturation"] = exchange(topology, name, CLIENTS, WINDOW, SATURATION_TIMEOUT_MS)
-            before, started = idle_seconds_per_cpu(), time.monotonic()
+            before, started = common.idle_seconds_per_cpu(), time.monotonic()
             results["fixed"] = exchange(topology, name, FIXED_CLIENTS, FIXED_WINDOW, FIXED_TIMEOUT_MS)
-            after, elapsed = idle_seconds_per_cpu(), time.monotonic() - started
+            after, elapsed = common.idle_seconds_per_cpu(), time.monotonic() - started
             cpu = elapsed * len(after) - sum(after.values()) + sum(before.values())
         finally:
             variant.stop()
