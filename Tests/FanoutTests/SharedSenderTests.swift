@@ -48,6 +48,33 @@ struct SharedSenderTests {
         }
     }
 
+    /// A namespace of the test's (`prefix` and a random number) with, per link, a veth pair
+    /// `<device>0`/`<device>1`, 198.18.<subnet>.1/24 on `<device>0` and 198.18.<subnet>.2 a
+    /// permanent neighbour there (what is sent to it leaves by `<device>0` and ends at `<device>1`).
+    /// Deleted again if a step fails; the caller deletes it after use.
+    private static func vethNamespace(_ prefix: String, _ links: [(device: String, subnet: Int)]) throws -> String {
+        let namespace = "\(prefix)-\(UInt32.random(in: 0...UInt32.max))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        do {
+            for (device, subnet) in links {
+                for arguments in [
+                    ["-n", namespace, "link", "add", "\(device)0", "type", "veth", "peer", "name", "\(device)1"],
+                    ["-n", namespace, "addr", "add", "198.18.\(subnet).1/24", "dev", "\(device)0"],
+                    ["-n", namespace, "link", "set", "\(device)0", "up"],
+                    ["-n", namespace, "link", "set", "\(device)1", "up"],
+                    ["-n", namespace, "neigh", "add", "198.18.\(subnet).2", "lladdr", "02:00:00:00:\(subnet):02", "dev", "\(device)0", "nud", "permanent"],
+                ] {
+                    let result = try run("/usr/sbin/ip", arguments)
+                    try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+                }
+            }
+        } catch {
+            _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace])
+            throw error
+        }
+        return namespace
+    }
+
     @Test("a batch spread over 300 downstreams is one sendmmsg, each downstream gets its datagram and its count")
     func oneCallForManyDownstreams() throws {
         let sinks = try (0..<300).map { _ in try Sink() }
@@ -130,19 +157,8 @@ struct SharedSenderTests {
     @Test("a full send buffer fails the rest of the batch at once, each datagram counted send_buffer_full by its own downstream, not a system call each (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)",
           .enabled(if: Privileges.enabled, Privileges.reason))
     func sendBufferFull() throws {
-        let namespace = "rplb-sndbuf-\(UInt32.random(in: 0...UInt32.max))"
-        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        let namespace = try Self.vethNamespace("rplb-sndbuf", [("sb", 77)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        for arguments in [
-            ["-n", namespace, "link", "add", "sb0", "type", "veth", "peer", "name", "sb1"],
-            ["-n", namespace, "addr", "add", "198.18.77.1/24", "dev", "sb0"],
-            ["-n", namespace, "link", "set", "sb0", "up"],
-            ["-n", namespace, "link", "set", "sb1", "up"],
-            ["-n", namespace, "neigh", "add", "198.18.77.2", "lladdr", "02:00:00:00:77:02", "dev", "sb0", "nud", "permanent"],
-        ] {
-            let result = try run("/usr/sbin/ip", arguments)
-            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
-        }
         // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
         let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "sb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
         try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
@@ -164,21 +180,8 @@ struct SharedSenderTests {
     @Test("an egress queue's drop (ENOBUFS) costs that datagram alone: the other downstreams' datagrams of the batch still go (two veths in a namespace of the test's, one with a tbf qdisc that queues nothing)",
           .enabled(if: Privileges.enabled, Privileges.reason))
     func egressDropIsOneDatagram() throws {
-        let namespace = "rplb-enobufs-\(UInt32.random(in: 0...UInt32.max))"
-        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        let namespace = try Self.vethNamespace("rplb-enobufs", [("nb", 77), ("nc", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        for (device, subnet) in [("nb", 77), ("nc", 78)] {
-            for arguments in [
-                ["-n", namespace, "link", "add", "\(device)0", "type", "veth", "peer", "name", "\(device)1"],
-                ["-n", namespace, "addr", "add", "198.18.\(subnet).1/24", "dev", "\(device)0"],
-                ["-n", namespace, "link", "set", "\(device)0", "up"],
-                ["-n", namespace, "link", "set", "\(device)1", "up"],
-                ["-n", namespace, "neigh", "add", "198.18.\(subnet).2", "lladdr", "02:00:00:00:\(subnet):02", "dev", "\(device)0", "nud", "permanent"],
-            ] {
-                let result = try run("/usr/sbin/ip", arguments)
-                try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
-            }
-        }
         // nb0 passes one datagram on its burst and drops the rest (a queue of 1 byte); nc0 passes all.
         let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "nb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "1"])
         try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
