@@ -133,11 +133,15 @@ public final class ReusePortGroup: @unchecked Sendable {
     /// after this returns loses nothing. Classic BPF: attaches the classic program
     /// (SO_ATTACH_REUSEPORT_CBPF). Kernel hash: detaches any program a previous group attached
     /// (SO_DETACH_REUSEPORT_BPF), so the kernel's hash spreads over every socket on the address.
-    /// Every kind returns after the grace period.
+    /// Every kind returns after the grace period, when other sockets are bound on the address
+    /// (a first group on it has no predecessor to wait for: it returns at once).
     /// - Throws: ``ReusePortError/noLiveMember(_:)`` before any ``join(slot:)``, or the failed
     ///   setsockopt.
     public func activate() throws(ReusePortError) {
         let candidates = members.withLock { $0.compactMap(\.member) }
+        // Sockets on the address besides this group's: a previous group's members, which the
+        // replaced steering may have chosen a moment ago. None (a first start): nothing to wait for.
+        let others = BoundSockets.bound(on: address).count > candidates.filter { !$0.hasLeft }.count
         for member in candidates {
             let result: Result<Void, SystemCallError>? = member.withOpenSocket { socket in
                 do throws(SystemCallError) {
@@ -152,7 +156,7 @@ public final class ReusePortGroup: @unchecked Sendable {
             case .success:
                 // Whatever the steering: the program replaced (or the kernel's hash restored) is
                 // swapped under RCU like the eBPF one.
-                KernelGracePeriod.wait()
+                if others { KernelGracePeriod.wait() }
                 return
             case .failure(let error): throw .system(error)
             }
