@@ -182,7 +182,7 @@ struct SharedSenderTests {
     func egressDropIsOneDatagram() throws {
         let namespace = try Self.vethNamespace("rplb-enobufs", [("nb", 77), ("nc", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        // nb0 passes one datagram on its burst and drops the rest (a queue of 1 byte); nc0 passes all.
+        // nb0's tbf queues at most 1 byte: it drops (nearly) every datagram; nc0 passes all.
         let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "nb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "1"])
         try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
         let outcome = inNetworkNamespace(namespace) { () -> (full: Int, results: [FlushResult]) in

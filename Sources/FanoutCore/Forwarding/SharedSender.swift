@@ -5,6 +5,7 @@ import Logging
 import SystemCalls
 import CSystemShim
 import ReusePortLB
+import Synchronization
 
 /// The way out of one forwarding thread's `output: socket` datagrams: one unconnected UDP socket
 /// per address family, and one sendmmsg per batch whatever the number of downstreams, a
@@ -21,7 +22,8 @@ import ReusePortLB
 /// while, where the kernel's per-downstream semantics apply). The kernel also keeps the error as
 /// the socket's pending error, which fails the next send whatever its destination: a message
 /// that fails while the error queue held entries is sent again (up to ``maximumRetries`` times,
-/// each time only if the queue held more), so a healthy downstream does not pay for another's
+/// each time only if the queue held more, or the error was ECONNREFUSED, which an
+/// unconnected socket only gets from its pending error), so a healthy downstream does not pay for another's
 /// ICMP unless errors keep arriving faster than that. Datagrams arriving at the sockets (replies
 /// to a one-way forwarder) are dropped by a socket filter before any queue.
 final class SharedSender {
@@ -114,7 +116,8 @@ final class SharedSender {
             }
             // The kernel reports twice what it was asked for; without CAP_NET_ADMIN it caps the
             // request at net.core.wmem_max, for every downstream of the thread together.
-            if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)), granted / 2 < min(sendBuffer, Self.smallSendBuffer) {
+            if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)), granted / 2 < min(sendBuffer, Self.smallSendBuffer),
+               !Self.smallSendBufferSaid.exchange(true, ordering: .relaxed) {
                 logger.notice("the shared send socket's buffer is \(granted / 2) bytes, not the \(sendBuffer) asked for (net.core.wmem_max caps it without CAP_NET_ADMIN): a burst to the worker's downstreams beyond it is dropped and counted send_buffer_full; raise net.core.wmem_max (sysctl -w net.core.wmem_max=16777216) or grant CAP_NET_ADMIN",
                               metadata: ["family": "\(family == AF_INET6 ? "ipv6" : "ipv4")"])
             }
@@ -191,12 +194,18 @@ final class SharedSender {
     /// The shared sockets' receive buffer, which holds only their error queue (SO_RCVBUFFORCE
     /// where allowed, else up to rmem_max).
     static let errorQueueBuffer: Int32 = 1 << 20
-    /// A granted send buffer under this (or under what was asked, if less) is logged when the socket is made.
+    /// A granted send buffer under this (or under what was asked, if less) is logged when the
+    /// socket is made, once per process.
     static let smallSendBuffer: Int32 = 1 << 20
+    private static let smallSendBufferSaid = Atomic<Bool>(false)
 
     /// A message failed while ICMP errors were pending on the socket: it goes again, at most this
-    /// many times (each time only if the error queue held something, i.e. the error may not be its own).
+    /// many times (each time only if the error queue held something or the error was
+    /// ECONNREFUSED, i.e. the error may not be its own).
     static let maximumRetries = 4
+    /// Messages of a lane the egress queue drops in a row (ENOBUFS) before the rest of the lane
+    /// fails at once, as with a full send buffer.
+    static let maximumEgressDrops = 8
 
     /// Sends messages `0..<count` of `headers` (each owned by `owners[i]`) on `fd`, telling each
     /// owner what became of its messages.
@@ -204,6 +213,7 @@ final class SharedSender {
                           _ owners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>, _ count: Int) {
         var message = 0
         var retries = 0
+        var egressDrops = 0
         while message < count {
             let error: Int32
             do throws(SystemCallError) {
@@ -213,6 +223,7 @@ final class SharedSender {
                     messagesSent += sent
                     message += sent
                     retries = 0
+                    egressDrops = 0
                     // A short count: the next message failed and sendmmsg dropped its error. Over
                     // loopback that is typically the ICMP error of a message of this very call,
                     // taken as the socket's error by the next one: read the queue, then go on from
@@ -229,23 +240,33 @@ final class SharedSender {
             // ECONNREFUSED on an unconnected socket is never the message's own: it is the
             // socket's pending error, set even when the error queue had no room for its entry
             // (then nothing names the downstream it was about).
-            let pending = drain(fd)
+            // (ENOBUFS is an egress queue's drop of this message, no ICMP error: nothing to read.)
+            let pending = error == ENOBUFS ? 0 : drain(fd)
             if (pending > 0 || error == ECONNREFUSED) && retries < Self.maximumRetries {
                 retries += 1
                 continue
             }
             retries = 0
-            if pending == 0 && error == EAGAIN {
-                // The socket's send buffer is full: the rest of the lane would meet the same
-                // within this batch, at two system calls each. They fail now, each counted by its
-                // own downstream (send_buffer_full). (ENOBUFS, an egress queue's drop, is one
-                // device's: that message fails alone, below.)
+            if error == ENOBUFS { egressDrops += 1 }
+            if pending == 0 && (error == EAGAIN || egressDrops >= Self.maximumEgressDrops) {
+                // The socket's send buffer is full, or the egress queue dropped this many messages
+                // in a row: the rest of the lane would meet the same within this batch, at a system
+                // call or two each. They fail now, each counted by its own downstream
+                // (send_buffer_full). (A single ENOBUFS is one device's: that message fails alone, below.)
                 for index in message..<count { owners[index].takeUnretainedValue().failed(headers[index].msg_hdr, error) }
                 sendBufferFullCalls += 1
                 return
             }
             let failed = headers[message].msg_hdr
             let owner = owners[message].takeUnretainedValue()
+            if error == ECONNREFUSED && pending == 0 {
+                // Still the socket's pending error after every retry: another destination's
+                // (this message's own would come back later, in the error queue), so not counted
+                // unreachable here.
+                owner.failed(failed, EIO)
+                message += 1
+                continue
+            }
             if pending == 0 && failed.msg_controllen > 0 && (error == EINVAL || error == EIO || error == EMSGSIZE) {
                 // The kernel refuses GSO here (no ICMP error was pending: the refusal is this
                 // message's): this outbox sends one datagram per message from now on, and this

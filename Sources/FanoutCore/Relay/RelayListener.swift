@@ -56,9 +56,9 @@ final class RelayListener: RunningListener {
         }
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
         // picks one, unique per source address): past them a new client's socket cannot be made.
-        if let ports = Self.ephemeralPorts(), config.settings.maxSessions > ports {
-            logger.notice("replies relay: settings.max_sessions is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "local_ports": "\(ports)",
+        if let ports = Self.ephemeralPorts(), allReserved > ports {
+            logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(allReserved)", "local_ports": "\(ports)",
             ])
         }
         counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }

@@ -952,8 +952,8 @@ final class TCListener: RunningListener {
                                   metadata: ["listener": "\(config.name)", "error": "\(refusal)"])
                 }
                 if let failure = program.takeCounterFailure() {
-                    logger.warning("a count of nat associations by the kernel's iterator failed: that count (and any other that fails) reads the association map in batches instead (about a third of a second of CPU per 1,048,576); said once",
-                                   metadata: ["listener": "\(config.name)", "error": "\(failure)"])
+                    logger.warning("a count of nat associations by the kernel's iterator failed: that count (and any other that fails, of any nat listener) reads the association map in batches instead (about a third of a second of CPU per 1,048,576); said once per process",
+                                   metadata: ["error": "\(failure)"])
                 }
                 count.at = now
                 // Made and present read together: evicted is what was made and is gone.
