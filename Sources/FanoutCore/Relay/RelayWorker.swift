@@ -199,6 +199,10 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         guard let ready = try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), milliseconds) else { return .other }
         guard ready > 0 else { return .timedOut }
         wakeup &+= 1
+        // A plan a reload or health replaced applies before the replies of this wakeup are read,
+        // not only at the next request: from then on a leaving downstream's replies are its
+        // drain's (counted drained once drain_secs is over), as the daemon's log says.
+        adoptPlanIfChanged()
         var listenerReady = false
         for slot in 0..<ready {
             let fd = events[slot].data.fd
