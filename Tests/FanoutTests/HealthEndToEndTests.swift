@@ -125,7 +125,8 @@ struct HealthEndToEndTests {
         func phase(_ members: [Int], rounds: Range<Int>, _ what: String) throws {
             try pool.send(to: run.bind, rounds: rounds, rate: 20_000)
             let spread = SourcePool.spread(sinks.map { $0! })
-            #expect(spread.received == rounds.count * 64, "\(what): every datagram arrived: \(spread.perSink)")
+            // On a loss, the daemon's own counts say where it went (dropped by reason, or sent and lost after).
+            #expect(spread.received == rounds.count * 64, "\(what): every datagram arrived: \(spread.perSink); the daemon's counts: \((Self.get(run.metrics, "/metrics")?.body ?? "").split(separator: "\n").filter { $0.hasPrefix("udp_fanout_") && ($0.contains("dropped") || $0.contains("forwarded_total") || $0.contains("receive_queue")) && !$0.hasPrefix("#") })")
             let owner = DaemonFixtures.owners(pool.sources, members.map { downstreams[$0] })
             for (source, reached) in spread.bySource {
                 let expected = downstreams.firstIndex { $0.address == owner[pool.sources[source]] }!

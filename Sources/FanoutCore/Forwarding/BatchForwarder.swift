@@ -60,6 +60,9 @@ final class BatchForwarder {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
         version = current
+        // ICMP errors that came back before the change belong to the plan they were sent under.
+        sender.readErrors()
+        noteICMPErrors()
         let plan = plans.plan
         var shelf = OutboxShelf()
         for (outbox, downstream) in zip(outboxes, self.plan?.downstreams ?? []) { shelf.put(outbox, output: output, address: downstream.address) }

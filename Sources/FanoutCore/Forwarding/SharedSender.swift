@@ -170,6 +170,14 @@ final class SharedSender {
         send(1)
     }
 
+    /// Reads what the error queues hold now (into what ``takeErrors()`` returns), which also
+    /// clears the sockets' pending error: called before a plan change, so that errors about
+    /// the downstreams of the plan going are attributed under it, not met by the next plan's
+    /// first send (a downstream that left dead and comes back would be reported for them).
+    func readErrors() {
+        for lane in lanes where lane.socket >= 0 { drain(lane.socket) }
+    }
+
     /// What the error queues held since the last call: one error per destination, the first.
     func takeErrors() -> [(SocketAddress, Int32)] {
         guard !errors.isEmpty else { return [] }
