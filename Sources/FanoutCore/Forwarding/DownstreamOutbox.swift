@@ -245,6 +245,14 @@ final class DownstreamOutbox: Outbox {
         directUntil = now + Self.directInterval
     }
 
+    /// Ends a direct period and clears what the connected socket holds (SO_ERROR): kept across a
+    /// plan change, a downstream that was dead and is back must not fail its next send for an
+    /// ICMP error about a datagram of before.
+    func forgetErrors() {
+        directUntil = nil
+        if socket >= 0 { _ = try? Syscall.getsockopt(socket, SOL_SOCKET, SO_ERROR, initial: Int32(0)) }
+    }
+
     /// Errors that an ICMP message sets on a socket (as opposed to local ones such as a full buffer).
     static func isICMPError(_ error: Int32) -> Bool {
         switch error {

@@ -23,6 +23,9 @@ protocol Outbox: AnyObject {
     func stage()
     /// An ICMP error came back to the shared socket about a datagram sent to `address`.
     func drewError(at address: SocketAddress)
+    /// A plan change kept this way out: ICMP errors it holds from before are about sends of the
+    /// plan that went, and are forgotten.
+    func forgetErrors()
     /// Sends what was appended; every datagram is either counted sent or dropped with its reason.
     func flush(_ result: inout FlushResult)
     /// Retries a socket that could not be made, at most once a second; true when this call made it.
@@ -34,6 +37,7 @@ protocol Outbox: AnyObject {
 extension Outbox {
     func stage() {}
     func drewError(at address: SocketAddress) {}
+    func forgetErrors() {}
 }
 
 /// The outboxes of a plan being replaced, by way out and address: the new plan takes those of the

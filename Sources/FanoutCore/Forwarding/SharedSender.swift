@@ -171,9 +171,9 @@ final class SharedSender {
     }
 
     /// Reads what the error queues hold now (into what ``takeErrors()`` returns), which also
-    /// clears the sockets' pending error: called before a plan change, so that errors about
-    /// the downstreams of the plan going are attributed under it, not met by the next plan's
-    /// first send (a downstream that left dead and comes back would be reported for them).
+    /// clears the sockets' pending error: called at a plan change, so that errors about sends
+    /// of the plan going are not met by the next plan's first send (a downstream that was dead
+    /// and is back would be reported refused for them).
     func readErrors() {
         for lane in lanes where lane.socket >= 0 { drain(lane.socket) }
     }
