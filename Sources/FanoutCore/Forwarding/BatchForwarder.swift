@@ -60,13 +60,6 @@ final class BatchForwarder {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
         version = current
-        // ICMP errors queued before the change are about sends of a plan that is gone (a worker
-        // without traffic for a while adopts late, from a plan long replaced): read and dropped,
-        // not reported, and the outboxes kept start clean, so that a downstream that was dead and
-        // is back is not reported refused, nor fails a send, for them. A downstream still dead
-        // draws new errors with its next datagrams.
-        sender.readErrors()
-        _ = sender.takeErrors()
         let plan = plans.plan
         var shelf = OutboxShelf()
         for (outbox, downstream) in zip(outboxes, self.plan?.downstreams ?? []) { shelf.put(outbox, output: output, address: downstream.address) }
@@ -74,7 +67,6 @@ final class BatchForwarder {
         selector = DownstreamSelector(plan.method)
         outboxes = plan.downstreams.map { downstream in
             let (outbox, made) = shelf.take(output: output, address: downstream.address) { makeOutbox(downstream, sender) }
-            if !made { outbox.forgetErrors() }
             if made, let problem = outbox.unavailable {
                 logger.warning("downstream \(problem); its datagrams are dropped and counted, trying again every second",
                                metadata: ["listener": "\(listener)", "downstream": "\(downstream.name)"])

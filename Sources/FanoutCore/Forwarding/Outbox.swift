@@ -61,7 +61,11 @@ struct OutboxShelf {
     /// An outbox of the previous plan for `address` with `output`, or a new one from `make`
     /// (`made` says which: a new one's problems are logged once, where it is made).
     mutating func take(output: Output, address: SocketAddress, make: () -> any Outbox) -> (outbox: any Outbox, made: Bool) {
-        if let outbox = shelf[Key(output: output, address: address)]?.popLast() { return (outbox, false) }
+        if let outbox = shelf[Key(output: output, address: address)]?.popLast() {
+            // Kept across the change: ICMP errors it holds are about sends of the plan that went.
+            outbox.forgetErrors()
+            return (outbox, false)
+        }
         return (make(), true)
     }
 }

@@ -51,6 +51,13 @@ final class PoolReplicator {
     /// others get new ones (what the previous ones held was sent at their flush).
     func adopt(_ plan: ForwardingPlan) {
         passiveHealth = plan.passiveHealth
+        // Every plan change of the thread comes here (one-way forwarders and relay workers):
+        // ICMP errors queued before it are about sends of a plan that is gone (a worker without
+        // traffic for a while adopts late): dropped, not reported, so that a downstream that was
+        // dead and is back is not reported refused, nor fails a send, for them. A downstream
+        // still dead draws new errors with its next datagrams. (Kept outboxes forget theirs in
+        // OutboxShelf.take.)
+        sender.discardErrors()
         var shelf = OutboxShelf()
         for pool in pools {
             for (outbox, member) in zip(pool.outboxes, pool.plan.members) { shelf.put(outbox, output: pool.plan.output ?? output, address: member.address) }

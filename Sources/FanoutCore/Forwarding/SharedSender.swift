@@ -170,12 +170,14 @@ final class SharedSender {
         send(1)
     }
 
-    /// Reads what the error queues hold now (into what ``takeErrors()`` returns), which also
-    /// clears the sockets' pending error: called at a plan change, so that errors about sends
-    /// of the plan going are not met by the next plan's first send (a downstream that was dead
-    /// and is back would be reported refused for them).
-    func readErrors() {
+    /// Reads and drops what the error queues hold now, which also clears the sockets' pending
+    /// error: at a plan change, so that errors about sends of the plan going are not met by the
+    /// next plan's first send (a downstream that was dead and is back would be reported refused
+    /// for them).
+    func discardErrors() {
         for lane in lanes where lane.socket >= 0 { drain(lane.socket) }
+        errors.removeAll(keepingCapacity: true)
+        erred.removeAll(keepingCapacity: true)
     }
 
     /// What the error queues held since the last call: one error per destination, the first.
