@@ -3,7 +3,7 @@
 # and a bpffs mount at /sys/fs/bpf (when root). Safe to run again: it changes nothing that is
 # already in place.
 set -euo pipefail
-packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux procps make gcc netcat-openbsd curl iputils-ping dnsmasq-base systemd strace nfdump ethtool bind9-dnsutils)
+packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux procps make gcc netcat-openbsd curl iputils-ping dnsmasq-base systemd strace nfdump ethtool bind9-dnsutils prometheus tmux dpkg-dev lintian debootstrap fakeroot)
 [ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx libnginx-mod-stream nftables conntrack pmacct python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
@@ -29,6 +29,16 @@ else
   echo "setup: installing kubernetes-validate 1.37.0 (pip)"
   python3 -m pip install --quiet 'kubernetes-validate==1.37.0' || {
     echo "setup: could not install kubernetes-validate with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install kubernetes-validate==1.37.0" >&2
+    exit 1
+  }
+fi
+# The configuration schema test (ConfigSchemaTests) runs check-jsonschema from PyPI.
+if python3 -c 'import check_jsonschema' 2>/dev/null; then
+  echo "setup: check-jsonschema present"
+else
+  echo "setup: installing check-jsonschema 0.33.0 (pip)"
+  python3 -m pip install --quiet 'check-jsonschema==0.33.0' || {
+    echo "setup: could not install check-jsonschema with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install check-jsonschema==0.33.0" >&2
     exit 1
   }
 fi
