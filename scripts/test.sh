@@ -81,3 +81,5 @@ if [ "$(id -u)" = 0 ]; then
   fi
   echo "test: no tc_ebpf or af_xdp program loaded, no tc_ebpf lock file left"
 fi
+echo "test: scripts/check-monitoring.sh (dashboard, rules, monitors against a real Prometheus)"
+scripts/check-monitoring.sh "$(swift build --show-bin-path)"
