@@ -15,6 +15,15 @@ work=$(mktemp -d /tmp/udp-fanout-dist-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xzf "$tarball"
 prefix="$work/$name"
+# The man pages and completions (scripts/lib/manpages.sh) are in the tarball.
+for program in udp-fanout collector publisher; do
+  for file in "share/man/man1/$program.1.gz" "share/bash-completion/completions/$program" \
+    "share/zsh/site-functions/_$program" "share/fish/vendor_completions.d/$program.fish"; do
+    [ -s "$prefix/$file" ] || { echo "dist-check: FAILED: $file is missing from $tarball" >&2; exit 1; }
+  done
+done
+man -M "$prefix/share/man" -w udp-fanout >/dev/null || { echo "dist-check: FAILED: man does not find udp-fanout in share/man" >&2; exit 1; }
+echo "dist-check: man pages (man -M share/man -w udp-fanout finds it) and bash/zsh/fish completions of the three programs present"
 source scripts/lib/smoke.sh
 # Assigned before the export: `export X=$(...)` would hide a failing free_port from set -e.
 LISTEN_PORT=$(free_port); C_PORT=$(free_port)

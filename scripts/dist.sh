@@ -7,6 +7,9 @@
 #   share/udp-fanout/    config.example.yaml, k8s/ manifests, systemd/ drop-in, Containerfile,
 #                        examples/c/steering.c
 #   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
+#   share/man/man1/      udp-fanout.1.gz, collector.1.gz, publisher.1.gz
+#   share/bash-completion/completions/, share/zsh/site-functions/, share/fish/vendor_completions.d/
+#                        the programs' shell completions (scripts/lib/manpages.sh, as make deb)
 # Fails, naming the file, if anything still needs a library from the Swift toolchain or one that
 # the documented Debian packages do not provide.
 set -euo pipefail
@@ -39,6 +42,12 @@ cp systemd/*.conf "$stage/share/udp-fanout/systemd/"
 cp -r k8s "$stage/share/udp-fanout/"
 cp README.md "$stage/share/doc/udp-fanout/"
 cp -r docs "$stage/share/doc/udp-fanout/"
+# Man pages and shell completions, made from the staged programs (the same as make deb's).
+source scripts/lib/manpages.sh
+tool=$(manpage_tool)
+write_manpages "$tool" "$stage/bin" "$stage/share/man/man1"
+write_completions "$stage/bin" "$stage/share/bash-completion/completions" "$stage/share/zsh/site-functions" \
+  "$stage/share/fish/vendor_completions.d"
 
 # Every needed library must come from Debian's runtime packages, none from /opt/swift.
 allowed='^(libbpf\.so\.1|libxdp\.so\.1|libelf\.so\.1|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
@@ -71,4 +80,5 @@ TXT
 tar -C dist -czf "dist/$name.tar.gz" --owner=0 --group=0 "$name"
 echo "dist: dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)): $(cd "$stage" && find . -type f -o -type l | wc -l) files"
 echo "dist: libreuseportlb.so.$version exports only the reuseportlb_* C API (version LIBREUSEPORTLB_0)"
+echo "dist: man pages (share/man/man1) and bash, zsh and fish completions of udp-fanout, collector, publisher"
 echo "dist: needs only Debian's libbpf1 libxdp1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
