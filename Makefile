@@ -5,7 +5,7 @@ DESTDIR ?=
 VERSION ?= $(shell sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)
 BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container clean print-version
+.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container deb deb-check clean print-version
 
 all: build
 
@@ -69,6 +69,14 @@ dist-check: dist
 # Builds the container image with buildah on a debootstrap base and runs it (.ci/run runs this too).
 container: dist-check
 	@VERSION=$(VERSION) scripts/container.sh
+
+# Debian packages from the release build: udp-fanout, libreuseportlb0, libreuseportlb-dev (docs/packaging.md).
+deb: setup
+	@VERSION=$(VERSION) scripts/deb.sh
+
+# lintian, then install, start as the unit does, and purge in a clean Debian root (.ci/run runs this too).
+deb-check: deb
+	@VERSION=$(VERSION) scripts/deb-check.sh
 
 clean:
 	swift package clean
