@@ -25,6 +25,9 @@ if [ -z "${DEB_CHECK_NAMESPACE:-}" ]; then
   exec env DEB_CHECK_NAMESPACE=1 unshare -m --propagation private "$self" "$@"
 fi
 started=$(date +%s)
+# The script's own stderr, for the cleanup: a signal's trap runs inside whatever redirection the
+# interrupted command had (e.g. into a log that the cleanup removes).
+exec 3>&2
 source scripts/lib/smoke.sh
 version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 debversion="$version-${DEB_REVISION:-1}"
@@ -61,11 +64,11 @@ cleanup() {
   fi
   # Never remove through a mount that is still there (a bound /dev would lose its nodes).
   if grep -q " $work/" /proc/self/mountinfo; then
-    echo "deb-check: mounts under $work remain; not removing it" >&2
+    echo "deb-check: mounts under $work remain; not removing it" >&3
   else
     rm -rf "$work"
   fi
-  [ $status = 0 ] || echo "deb-check: FAILED (exit $status) after $(($(date +%s) - started)) s" >&2
+  [ $status = 0 ] || echo "deb-check: FAILED (exit $status) after $(($(date +%s) - started)) s" >&3
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
