@@ -305,7 +305,8 @@ say "\$ ExecStartPre=$start_pre"
 (as_unit $start_pre) >"$work/start-pre.log" 2>&1 || { cat "$work/start-pre.log" >&2; fail "ExecStartPre= failed"; }
 sed 's/^/  /' "$work/start-pre.log"
 i=0
-for port in "$sink0" "$sink1" "$sink2"; do start_collector "$root/usr/bin/collector" "$work" "sink$i" "$port"; i=$((i+1)); done
+# (the log files exist before start_collector looks into them)
+for port in "$sink0" "$sink1" "$sink2"; do : >"$work/sink$i.err"; start_collector "$root/usr/bin/collector" "$work" "sink$i" "$port"; i=$((i+1)); done
 say "collectors on the host: 127.0.0.1:$sink0 127.0.0.1:$sink1 127.0.0.1:$sink2 (pids ${pids[*]})"
 say "\$ ExecStart=$start"
 # shellcheck disable=SC2086
