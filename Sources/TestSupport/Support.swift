@@ -236,6 +236,21 @@ public final class SpawnedProcess {
         if let pid { kill(pid, signal) }
     }
 
+    /// Waits at most `seconds` for it to exit and reaps it: its exit status, or nil if it is
+    /// still running (then ``stop()`` ends it).
+    public func wait(seconds: Double) -> Int32? {
+        guard let pid else { return nil }
+        var status: Int32 = 0
+        for _ in 0..<max(1, Int(seconds * 50)) {
+            if waitpid(pid, &status, WNOHANG) == pid {
+                self.pid = nil
+                return (status & 0x7f) == 0 ? (status >> 8) & 0xff : 128 + (status & 0x7f)
+            }
+            usleep(20_000)
+        }
+        return nil
+    }
+
     /// Stops it (SIGTERM, SIGKILL after 2 s) and reaps it.
     public func stop() {
         guard let pid else { return }

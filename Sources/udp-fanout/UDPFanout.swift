@@ -8,12 +8,22 @@ import ServiceLifecycle
 import Glibc
 #endif
 
-/// The udp-fanout daemon: forwards each datagram received on a listener to one downstream.
+/// udp-fanout: the daemon (the default command, so `udp-fanout -c FILE` runs it as the reference
+/// documents do) and `udp-fanout status`, the live view of a running one.
 @main
 struct UDPFanout: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "udp-fanout",
-        abstract: "Forward each UDP datagram received on a listener to exactly one downstream.",
+        abstract: "Forward each UDP datagram received on a listener to downstreams; show a running daemon (status).",
+        version: ProjectVersion.string,
+        subcommands: [Run.self, Status.self],
+        defaultSubcommand: Run.self)
+}
+
+/// The udp-fanout daemon: forwards each datagram received on a listener to one downstream.
+struct Run: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Run the daemon (the default: `udp-fanout -c FILE` is `udp-fanout run -c FILE`).",
         discussion: """
             SIGTERM/SIGINT: stop receiving, forward what is queued, exit 0. SIGHUP: reload the \
             configuration file (--watch-config: also when the file changes); unchanged listeners keep \
@@ -145,7 +155,7 @@ struct UDPFanout: AsyncParsableCommand {
     }
 }
 
-extension UDPFanout {
+extension Run {
     static func logFilter(environment: String?, flag: String) throws(ValidationError) -> LogDirectives.Filter {
         do {
             return try LogDirectives.filter(environment: environment, flag: flag)

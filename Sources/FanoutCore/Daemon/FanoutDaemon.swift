@@ -116,8 +116,8 @@ public final class FanoutDaemon: Sendable {
     let configPath: String?
     let logger: Logger
     let state: Mutex<State>
-    private let reloadsOK = Atomic<UInt64>(0)
-    private let reloadsRejected = Atomic<UInt64>(0)
+    let reloadsOK = Atomic<UInt64>(0)
+    let reloadsRejected = Atomic<UInt64>(0)
     /// Why the last reload was rejected (systemd's STATUS= line says it).
     let lastRejection = Mutex<String?>(nil)
     let membershipUpdates = Atomic<UInt64>(0)

@@ -52,8 +52,7 @@ package struct JSONLogHandler: LogHandler {
 
     /// Now, as 2026-11-24T21:00:00.123Z.
     static func now() -> String {
-        var spec = timespec()
-        clock_gettime(CLOCK_REALTIME, &spec)
+        let spec = WallClock.now()
         var seconds = spec.tv_sec
         var parts = tm()
         gmtime_r(&seconds, &parts)
@@ -67,5 +66,20 @@ package struct JSONLogHandler: LogHandler {
     private func print(_ line: String) {
         var text = line + "\n"
         text.withUTF8 { _ = write(2, $0.baseAddress, $0.count) }
+    }
+}
+
+/// The wall clock (CLOCK_REALTIME): log times and the times `/status` reports.
+enum WallClock {
+    static func now() -> timespec {
+        var spec = timespec()
+        clock_gettime(CLOCK_REALTIME, &spec)
+        return spec
+    }
+
+    /// Seconds since the epoch.
+    static func seconds() -> Double {
+        let spec = now()
+        return Double(spec.tv_sec) + Double(spec.tv_nsec) / 1e9
     }
 }

@@ -46,7 +46,8 @@ public struct EndpointLimits: Sendable {
     }
 }
 
-/// The HTTP endpoint as a `Service`: GET/HEAD `metrics.path` (Prometheus text), `/healthz`
+/// The HTTP endpoint as a `Service`: GET/HEAD `metrics.path` (Prometheus text), `/status`
+/// (JSON: every listener and downstream now, ``StatusReport``; what `udp-fanout status` reads), `/healthz`
 /// (`ok` while running), `/readyz` (200 once every listener is receiving, has finished its first discovery and has an available
 /// downstream; else 503 with one line per reason), 404 for
 /// other paths, 405 for other methods. A Hummingbird (SwiftNIO) server: connections are served
@@ -239,6 +240,8 @@ struct StatusResponder: HTTPResponder {
                 let reasons = daemon.readiness
                 (status, body, type) = reasons.isEmpty
                     ? (.ok, "ready\n", plain) : (.serviceUnavailable, "not ready\n" + reasons.map { "- \($0)\n" }.joined(), plain)
+            case "/status":
+                (status, body, type) = (.ok, daemon.statusReport().json() + "\n", "application/json")
             case "/associations":
                 // Reading a large association map takes a while: off the event loop.
                 let query = request.uri.queryParameters

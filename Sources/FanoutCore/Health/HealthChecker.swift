@@ -22,6 +22,8 @@ public final class HealthChecker: Service, Sendable {
         var durationSum: Double = 0
         var durationCount: UInt64 = 0
         var passive: UInt64 = 0
+        /// When the target became a target or last changed state (seconds since the epoch), for `/status`.
+        var since = WallClock.seconds()
         /// Passive reports not yet applied to `state` by the probe thread.
         var pendingPassive = 0
     }
@@ -105,6 +107,11 @@ public final class HealthChecker: Service, Sendable {
     }
 
     /// False only for a target that is down; an unknown target is not known to be down.
+    /// Each target's state and since when (seconds since the epoch), for `/status`.
+    func states() -> [SocketAddress: (up: Bool, since: Double)] {
+        shared.withLock { $0.records.mapValues { ($0.state.isUp, $0.since) } }
+    }
+
     func isUp(_ target: SocketAddress) -> Bool {
         shared.withLock { $0.records[target]?.state.isUp ?? true }
     }
@@ -209,6 +216,7 @@ public final class HealthChecker: Service, Sendable {
             case .down: record.transitionsDown += 1
             case nil: break
             }
+            if transition != nil { record.since = WallClock.seconds() }
             shared.records[target] = record
             return transition.map { ($0, $0 == .up ? record.state.consecutiveSuccesses : record.state.consecutiveFailures) }
         }

@@ -150,6 +150,19 @@ extension FanoutDaemon {
     }
 
     /// `udp_fanout_downstream_up`, members per listener and membership updates.
+    /// Where each of `members` (a listener's own downstreams, in member order) comes from:
+    /// `static` for the configured ones (first), else the kind of the first discovery source (in
+    /// member order) that found its address, or `unknown`.
+    static func sources(of members: [Downstream], listener: Listener, discovered: Discovered?) -> [String] {
+        let statics = listener.downstreams.count
+        let found = DiscoverySources.of(listener).filter { $0.pool == nil }.map { spec in
+            (kind: spec.kind, addresses: Set((discovered?.found[spec.slot] ?? []).map(\.address)))
+        }
+        return members.enumerated().map { index, member in
+            index < statics ? "static" : found.first(where: { $0.addresses.contains(member.address) })?.kind ?? "unknown"
+        }
+    }
+
     func membershipMetrics() -> String {
         let (config, members, applied, skipped, answered, discovered) = state.withLock {
             ($0.config, $0.members, $0.applied, $0.skipped, $0.answered, $0.discovered)
@@ -177,18 +190,12 @@ extension FanoutDaemon {
         for listener in listeners {
             // The listener's own downstreams (pools' members are in udp_fanout_pool_member_up).
             let all = (members[listener.name] ?? []).filter { $0.pool == nil }
-            let statics = listener.downstreams.count
-            // Members after the static ones come from the first source (in member order) that
-            // found their address.
-            let sources = DiscoverySources.of(listener).filter { $0.pool == nil }.map { spec in
-                (kind: spec.kind, addresses: Set((discovered[listener.name]?.found[spec.slot] ?? []).map(\.address)))
-            }
             var counts: [String: Int] = [:]
-            for member in all.dropFirst(statics) {
-                if let source = sources.first(where: { $0.addresses.contains(member.address) }) { counts[source.kind, default: 0] += 1 }
+            for source in Self.sources(of: all, listener: listener, discovered: discovered[listener.name]) where source != "static" {
+                counts[source, default: 0] += 1
             }
             let labels = "listener=\"\(PrometheusText.escape(listener.name))\""
-            out += "udp_fanout_downstreams{\(labels),source=\"static\"} \(statics)\n"
+            out += "udp_fanout_downstreams{\(labels),source=\"static\"} \(listener.downstreams.count)\n"
             for kind in kinds { out += "udp_fanout_downstreams{\(labels),source=\"\(kind)\"} \(counts[kind] ?? 0)\n" }
         }
         out += "# HELP udp_fanout_discovered_not_used Discovered addresses a listener cannot use (address family, tc_ebpf's 64 per listener)\n# TYPE udp_fanout_discovered_not_used gauge\n"

@@ -22,8 +22,8 @@ enum ProcessMetrics {
             }
             if let vsize = UInt64(stat[20]) { gauge("process_virtual_memory_bytes", "Virtual memory size in bytes.", "\(vsize)") }
             if let pages = UInt64(stat[21]) { gauge("process_resident_memory_bytes", "Resident memory size in bytes.", "\(pages * UInt64(sysconf(Int32(_SC_PAGESIZE))))") }
-            if let start = Double(stat[19]), let boot = bootTime() {
-                gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", format(boot + start / ticks))
+            if let start = startTime(stat) {
+                gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", format(start))
             }
         }
         if let open = openDescriptors() { gauge("process_open_fds", "Number of open file descriptors.", "\(open)") }
@@ -34,6 +34,12 @@ enum ProcessMetrics {
         out += "# HELP udp_fanout_build_info The udp-fanout build: its version (value 1).\n# TYPE udp_fanout_build_info gauge\n"
         out += "udp_fanout_build_info{version=\"\(ProjectVersion.string)\"} 1\n"
         return out
+    }
+
+    /// When the process started, in seconds since the epoch (from /proc/self/stat and btime).
+    static func startTime(_ fields: [String]? = statFields()) -> Double? {
+        guard let fields, let start = Double(fields[19]), let boot = bootTime() else { return nil }
+        return boot + start / Double(sysconf(Int32(_SC_CLK_TCK)))
     }
 
     private static func format(_ value: Double) -> String {
