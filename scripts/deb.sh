@@ -93,6 +93,10 @@ fi
 install -m 0644 config.example.yaml "$root/etc/udp-fanout/config.yaml"
 install -m 0644 config.example.yaml "$root/usr/share/udp-fanout/config.example.yaml"
 install -m 0644 systemd/udp-fanout-userspace.conf "$root/usr/share/udp-fanout/systemd/"
+# The monitoring kit (docs/monitoring.md): Grafana dashboard and provisioning, Prometheus rules.
+for file in $(cd monitoring && find . -type f | sort); do
+  install -D -m 0644 "monitoring/$file" "$root/usr/share/udp-fanout/monitoring/${file#./}"
+done
 install -m 0644 packaging/sysusers.conf "$root/usr/lib/sysusers.d/udp-fanout.conf"
 tool=$(manpage_tool)
 write_manpages "$tool" "$root/usr/bin" "$root/usr/share/man/man1"

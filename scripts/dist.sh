@@ -4,7 +4,8 @@
 #   lib/       libreuseportlb.so.VERSION (+ .so.0 SONAME link, + .so), pkgconfig/reuseportlb.pc
 #   include/   reuseportlb.h
 #   lib/systemd/system/  the units of systemd/
-#   share/udp-fanout/    config.example.yaml, k8s/ manifests, systemd/ drop-in, Containerfile,
+#   share/udp-fanout/    config.example.yaml, k8s/ manifests (k8s/monitoring/ too), monitoring/
+#                        (Grafana dashboard, Prometheus rules), systemd/ drop-in, Containerfile,
 #                        examples/c/steering.c
 #   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
 #   share/man/man1/      udp-fanout.1.gz, collector.1.gz, publisher.1.gz
@@ -39,7 +40,7 @@ cp systemd/*.service "$stage/lib/systemd/system/"
 # The drop-in for userspace-only hosts (docs/systemd.md): copied into udp-fanout.service.d/ by hand.
 mkdir -p "$stage/share/udp-fanout/systemd"
 cp systemd/*.conf "$stage/share/udp-fanout/systemd/"
-cp -r k8s "$stage/share/udp-fanout/"
+cp -r k8s monitoring "$stage/share/udp-fanout/"
 cp README.md "$stage/share/doc/udp-fanout/"
 cp -r docs "$stage/share/doc/udp-fanout/"
 # Man pages and shell completions, made from the staged programs (the same as make deb's).
