@@ -1,0 +1,344 @@
+"""Writes schema/udp-fanout-config.schema.json (JSON Schema draft-07) from the rules below, which
+follow Sources/FanoutCore/Config/ConfigParser.swift and the validation (ConfigValidation.swift and
+each listener kind's validate): python3 schema/generate-schema.py. The schema must never refuse a
+file the daemon accepts; Tests/FanoutTests/ConfigSchemaTests.swift checks that."""
+import json, os, sys
+
+# ---- regular expressions (ECMA-262 and Python re compatible) ----
+OCTET = r'(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])'          # inet_pton: no leading zeros
+IPV4 = rf'{OCTET}(?:\.{OCTET}){{3}}'
+H = r'[0-9A-Fa-f]{1,4}'
+def ipv6():
+    # Sound and a little lax: the group count around :: is not checked (inet_pton's is).
+    v4tail = rf'(?:(?:{H}:){{1,6}}|(?:(?:{H}:){{1,5}}|:):(?:{H}:){{0,5}}){IPV4}'
+    return rf'(?:(?:{H}:){{7}}{H}|(?:(?:{H}:){{1,7}}|:):(?:(?:{H}:){{0,6}}{H})?|{v4tail})'
+IPV6 = ipv6()
+# UInt16(text): an optional +, leading zeros; "-0" is 0 too.
+PORT1 = r'\+?0*(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})'
+PORT0 = rf'(?:[-+]?0+|{PORT1})'
+def sockaddr(port):
+    return rf'^(?:{IPV4}|\[{IPV6}\]):{port}$'
+# ConfigParser.hostAndPort: lowercased labels of [a-z0-9_-] (not starting or ending with -), at least
+# one letter, 1 to 63 characters each, at most 253 in all (a trailing dot aside). U+212A (Kelvin sign)
+# lowercases to k.
+LC = 'A-Za-z0-9_\u212a'
+LABEL = rf'[{LC}](?:[{LC}-]{{0,61}}[{LC}])?'
+DNS = rf'^(?=[^:]{{1,254}}:)(?=[^:]*[A-Za-z\u212a]){LABEL}(?:\.{LABEL})*\.?:{PORT1}$'
+UNSPEC_V4 = r'^0\.0\.0\.0:'
+UNSPEC_V6 = r'^\[[0:]*(?:0\.0\.0\.0)?\]:'
+MCAST_V4 = r'^(?:22[4-9]|23[0-9])\.'
+BCAST_V4 = r'^255\.255\.255\.255:'
+MCAST_V6 = r'^\[[Ff][Ff][0-9A-Fa-f]{2}:'
+CONTROL = r'[\x00-\x1f\x7f]'
+BOOL_TEXT = r'^(?:[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee]|[Yy][Ee][Ss]|[Nn][Oo]|[Oo][Nn]|[Oo][Ff][Ff])$'
+INT_TEXT = r'^[-+_]*[0-9][-+_0-9A-Fa-fxXoObB]*$|:'
+DNS_LABEL = r'^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$'
+MAC = r'^[-+0-9A-Fa-f][0-9A-Fa-f](?::[-+0-9A-Fa-f][0-9A-Fa-f]){5}$'
+PREFIX = rf'^(?:{IPV4}(?:/0*(?:3[0-2]|[12]?[0-9]))?|{IPV6}(?:/0*(?:12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)$'
+IFNAME = r'^[!-.0-~]{1,15}$'
+PATH = r'^/[^ ]*$'
+
+def ref(name): return {'$ref': f'#/definitions/{name}'}
+
+def octal_reading(v):
+    """What a YAML 1.2 tool reads for the YAML 1.1 octal spelling of v (0144 is 100 to the daemon, 144 to them)."""
+    return int(oct(v)[2:])
+
+def integer(lo, hi, description, default=None):
+    branches = [{'type': 'integer', 'minimum': lo, 'maximum': hi}]
+    top = octal_reading(hi)
+    if top > hi:
+        branches.append({'type': 'integer', 'minimum': hi + 1, 'maximum': top,
+                         'description': f'a 0-prefixed YAML 1.1 octal spelling (0{oct(hi)[2:]} is {hi} to the daemon), which YAML 1.2 tools read in decimal'})
+    branches += [ref('integer-text'), ref('yaml-binary')]
+    schema = {'description': description, 'anyOf': branches}
+    if default is not None: schema['default'] = default
+    return schema
+
+def choice(values, description, default=None, yaml11_bool=False):
+    enum = list(values) + ([True, False] if yaml11_bool else [])
+    schema = {'description': description, 'anyOf': [{'enum': enum}, ref('yaml-binary')]}
+    if default is not None: schema['default'] = default
+    return schema
+
+def boolean(description, default):
+    return {'description': description, 'allOf': [ref('boolean')], 'default': default}
+
+def text(description, definition='text'):
+    return {'description': description, 'allOf': [ref(definition)]}
+
+def powers(lo, hi):
+    v = lo; out = []
+    while v <= hi: out.append(v); v *= 2
+    return out
+
+definitions = {
+    'json-value': {
+        'description': 'Any JSON value: the values below are checked only when they are one. YAML loaders give bytes for a scalar tagged !!binary, which is no JSON type; the daemon reads such a scalar\'s text, so it is let through unchecked.',
+        'type': ['null', 'boolean', 'object', 'array', 'number', 'string']},
+    'text': {
+        'description': 'Any scalar: the daemon reads its text (123, true and null are the strings "123", "true" and "null"); no control characters.',
+        'anyOf': [{'type': 'string', 'not': {'pattern': CONTROL}}, {'type': ['number', 'boolean', 'null']}, ref('yaml-binary')]},
+    'name': {
+        'description': 'A non-empty scalar (read as text), no control characters.',
+        'anyOf': [{'type': 'string', 'minLength': 1, 'not': {'pattern': CONTROL}}, {'type': ['number', 'boolean', 'null']}, ref('yaml-binary')]},
+    'boolean': {
+        'description': 'true or false; the daemon also takes yes/no and on/off (YAML 1.1), in any case, quoted or not.',
+        'anyOf': [{'type': 'boolean'}, {'type': 'string', 'pattern': BOOL_TEXT}, ref('yaml-binary')]},
+    'integer-text': {
+        'description': 'A plain scalar that YAML 1.2 tools keep as a string but the daemon (YAML 1.1) reads as a whole number: sexagesimal (1:30 is 90), or one tagged !!str. Its range is checked by udp-fanout --check only. A quoted number is refused by the daemon.',
+        'type': 'string', 'pattern': INT_TEXT},
+    'listen-address': {
+        'description': 'ip:port or [ipv6]:port, port 1-65535 (no scope: fe80::1%eth0 is refused).',
+        'anyOf': [{'type': 'string', 'pattern': sockaddr(PORT1)}, ref('yaml-binary')]},
+    'metrics-address': {
+        'description': 'ip:port or [ipv6]:port (TCP).',
+        'anyOf': [{'type': 'string', 'pattern': sockaddr(PORT0)}, ref('yaml-binary')]},
+    'dns-address': {
+        'description': 'dns-name:port: letters, digits, - and _ in dot-separated labels, at least one letter, an optional trailing dot; port 1-65535.',
+        'type': 'string', 'pattern': DNS},
+    'downstream-address': {
+        'description': 'ip:port, [ipv6]:port (one host: not 0.0.0.0 or ::, not multicast, not 255.255.255.255; port 1-65535), or dns-name:port (every A/AAAA record becomes a downstream).',
+        'anyOf': [
+            ref('dns-address'),
+            {'type': 'string', 'pattern': sockaddr(PORT1),
+             'not': {'anyOf': [{'pattern': p} for p in (UNSPEC_V4, UNSPEC_V6, MCAST_V4, BCAST_V4, MCAST_V6)]}},
+            ref('yaml-binary')]},
+    'kubernetes-name': {
+        'description': 'A DNS label: lowercase letters, digits and -, at most 63, not starting or ending with -.',
+        'anyOf': [{'type': 'string', 'pattern': DNS_LABEL}, {'type': 'number', 'minimum': 0}, {'type': ['boolean', 'null']}, ref('yaml-binary')]},
+    'kubernetes': {
+        'description': 'EndpointSlice discovery: every ready endpoint of the Service becomes a downstream at port (docs/kubernetes.md). With downstream entries too, both are used (static entries first).',
+        'type': 'object', 'additionalProperties': False, 'required': ['service', 'port'],
+        'properties': {
+            'namespace': {'description': "Namespace of the Service. Default: the pod's (in-cluster), the kubeconfig context's, else default.", 'allOf': [ref('kubernetes-name')]},
+            'service': {'description': 'The Service whose EndpointSlices are watched (label kubernetes.io/service-name).', 'allOf': [ref('kubernetes-name')]},
+            'port': integer(1, 65535, 'UDP port to send to on each ready endpoint.'),
+        }},
+    'downstream': {
+        'description': 'One downstream: an address, or a DNS name whose every A/AAAA record is a downstream.',
+        'type': 'object', 'additionalProperties': False, 'required': ['address'],
+        'properties': {
+            'name': text('Unique within the listener (or pool); the downstream label of metrics. Default: the address.'),
+            'address': {'description': 'ip:port or [ipv6]:port (one host: not 0.0.0.0/::, not multicast or broadcast, port 1-65535, not a listener of this file), or dns-name:port: every A and AAAA record becomes a downstream named <name>/<ip>, re-resolved on the record\'s TTL (docs/dns.md). Scoped IPv6 (fe80::1%eth0) is refused.',
+                        'allOf': [ref('downstream-address')]},
+            'mac': {'description': "Legacy field of the reference: validated (six hex pairs separated by colons), then not used (the next hop's MAC comes from the kernel's neighbour table); a warning says so. Not with a DNS name.",
+                    'anyOf': [{'type': 'string', 'pattern': MAC}, {'type': 'integer', 'minimum': 0, 'description': 'a MAC of decimal pairs such as 11:22:33:44:55:06 under a %YAML 1.1 directive, which YAML loaders read as a sexagesimal number'}, ref('yaml-binary')]},
+            'weight': integer(0, 1_000_000, 'Share of the datagrams relative to the other downstreams; 0 takes it out of rotation. A DNS entry\'s weight applies to each of its addresses.', 1),
+            'health_port': integer(1, 65535, "Where health probes go instead of the downstream's port (e.g. a UDP echo service next to the receiver)."),
+        },
+        'if': {'required': ['address'], 'properties': {'address': ref('dns-address')}},
+        'then': {'not': {'required': ['mac']}}},
+    'downstreams': {
+        'description': 'Downstreams: required (non-empty) unless kubernetes is configured. Entries given by DNS name are resolved into downstreams.',
+        'type': 'array', 'items': ref('downstream')},
+    'members-required': {
+        'description': 'Without kubernetes discovery, at least one downstream, and one that can take datagrams (weight above 0, or a DNS name).',
+        'if': {'not': {'required': ['kubernetes']}},
+        'then': {'required': ['downstream'], 'properties': {'downstream': {
+            'minItems': 1,
+            'contains': {'anyOf': [
+                {'not': {'required': ['weight']}},
+                {'properties': {'weight': {'not': {'const': 0}}}},
+                {'required': ['address'], 'properties': {'address': ref('dns-address')}}]}}}}},
+    'pool': {
+        'description': 'A replication pool: each datagram the listener receives also goes to it (docs/replication.md).',
+        'type': 'object', 'additionalProperties': False, 'required': ['name'],
+        'properties': {
+            'name': {'description': 'Unique within the listener, not default (the name of the listener\'s own downstreams); the pool label of metrics.',
+                     'allOf': [ref('name'), {'not': {'const': 'default'}}]},
+            'balancing': choice(['round_robin', 'source_ip', 'all'], 'One member per datagram, as the listener\'s balancing (the same table), or all: every member gets a copy.', 'round_robin'),
+            'downstream': {'description': "The pool's members, as the listener's downstream.", 'allOf': [ref('downstreams')]},
+            'kubernetes': {'description': "EndpointSlice discovery of the pool's members, as the listener's.", 'allOf': [ref('kubernetes')]},
+            'sample': integer(1, 1_000_000, 'One source in N: every datagram of the sources whose address hashes to this pool\'s share; the others are counted sampled_out.', 1),
+            'sources': {'description': 'Only clients in these prefixes go to the pool (an IPv4-mapped client counts as its IPv4 address); the others are counted filtered_out. A prefix with bits set past its length is refused.',
+                        'type': 'array', 'items': {'description': 'A client prefix: 198.18.0.0/16, 2001:db8::/32, or a bare address.',
+                                                   'anyOf': [{'type': 'string', 'pattern': PREFIX}, {'type': 'integer', 'minimum': 0, 'description': 'an IPv6 address of decimal groups (1:2:3:4:5:6:7:8) under a %YAML 1.1 directive, read as a sexagesimal number'}, ref('yaml-binary')]}},
+            'output': choice(['socket', 'preserve_source'], "How the pool's copies leave. Default: the listener's settings.output; tc_ebpf and xdp always keep the client's source (socket is refused there)."),
+        },
+        'allOf': [ref('members-required')]},
+}
+
+settings = {
+    'type': 'object', 'additionalProperties': False,
+    'description': 'Per-listener tuning. Keys that have no effect in the listener\'s mode are warned about by name, not refused.',
+    'properties': {
+        'max_packet_size': integer(1, 65527, 'Largest datagram forwarded, in bytes (1-65507 for an IPv4 bind, 65527 for IPv6); a larger one is dropped with reason too_large, never forwarded cut.', 9000),
+        'batch_size': integer(1, 1024, 'Datagrams per recvmmsg/sendmmsg.', 32),
+        'workers': integer(0, 256, 'Worker threads; 0: one per CPU the daemon may run on. Each has its own socket in a ReusePortLB group steered by worker_steering.', 0),
+        'pin_cpus': boolean('Pin worker i to the i-th CPU (mod their count) of those the daemon may run on.', True),
+        'recv_buf_size': integer(0, 1 << 30, 'Receive buffer per worker socket in bytes; 0: the system\'s (SO_RCVBUFFORCE as root, else SO_RCVBUF capped by net.core.rmem_max).', 0),
+        'tc_attach': choice(['auto', 'tcx', 'clsact'], 'tc_ebpf and xdp: a TCX link where the kernel has one (6.6+), else a clsact filter; or force one. Listeners on one interface must agree.', 'auto'),
+        'worker_steering': choice(['five_tuple', 'source_ip', 'round_robin'], 'How datagrams are spread over the workers: five_tuple keeps each flow on one worker (its order kept); source_ip keeps a source address on one worker; round_robin spreads one heavy flow over every worker and may reorder it.', 'five_tuple'),
+        'resolve_interval_secs': integer(1, 86400, 'The longest time between two resolutions of a DNS downstream; a shorter record TTL wins.', 30),
+        'output': choice(['socket', 'preserve_source', 'xdp_tx'], 'userspace and af_xdp: how datagrams leave. socket: the payload through a UDP socket of this host; preserve_source: the whole datagram with the client\'s source address and port (CAP_NET_RAW); xdp_tx (af_xdp only): sent on the RX queue\'s TX ring when the next hop is on the same interface. tc_ebpf and xdp always keep the client\'s source: socket and xdp_tx are refused there.', 'socket'),
+        'xdp_mode': choice(['auto', 'native', 'generic'], 'af_xdp and xdp: how the XDP program attaches. auto: native, else generic with a warning. xdp listeners on one interface must agree.', 'auto'),
+        'queues': integer(0, 64, 'af_xdp: RX queues served from queue 0; 0: every RX queue of the interface.', 0),
+        'umem_frame_size': {'description': 'af_xdp: bytes per UMEM frame, 2048 or 4096.', 'default': 4096,
+                            'anyOf': [{'enum': [2048, 4096]}, {'enum': [octal_reading(2048), octal_reading(4096)], 'description': '0-prefixed YAML 1.1 octal spellings (04000 is 2048 to the daemon), read in decimal by YAML 1.2 tools'}, ref('integer-text'), ref('yaml-binary')]},
+        'umem_frames': integer(64, 1 << 20, 'af_xdp: UMEM frames per queue; at least twice ring_size.', 4096),
+        'ring_size': {'description': 'af_xdp: entries of the RX, TX, fill and completion rings: a power of two, 64 to 16384.', 'default': 2048,
+                      'anyOf': [{'enum': powers(64, 16384)}, {'enum': [octal_reading(v) for v in powers(64, 16384)], 'description': '0-prefixed YAML 1.1 octal spellings (0100 is 64 to the daemon), read in decimal by YAML 1.2 tools'}, ref('integer-text'), ref('yaml-binary')]},
+        'zero_copy': choice(['auto', 'on', 'off'], 'af_xdp: zero-copy binding where the driver has it (auto falls back to copy mode, logged), always (on), or never (off).', 'auto', yaml11_bool=True),
+        'busy_poll': boolean('af_xdp: SO_PREFER_BUSY_POLL on the sockets (lower latency, more CPU).', False),
+        'max_associations': integer(16, 1 << 26, 'replies: nat only: clients remembered at once (LRU; when full the least recently used association is forgotten, counted evicted).', 1 << 20),
+        'reply_interfaces': {'description': "replies: nat only: interfaces the downstreams' replies arrive on, where the program is attached too. Empty (default): the interfaces the kernel routes the downstreams through.",
+                             'type': 'array', 'items': {'description': 'An interface name: 1 to 15 printable ASCII characters, no / or space.',
+                                                        'anyOf': [{'type': 'string', 'pattern': IFNAME}, {'type': ['number', 'boolean', 'null']}, ref('yaml-binary')]}},
+        'max_sessions': integer(1, 1 << 20, 'replies: relay only: session sockets open at once; a new client beyond it is dropped and counted table_full.', 65536),
+        'session_idle_secs': integer(1, 86400, 'replies: relay only: a session with no datagram either way for this long is closed.', 120),
+        'io_uring': boolean('replies: relay only: session sockets served through an io_uring, a batch per system call (false: one system call each).', True),
+        'drain_secs': integer(0, 3600, 'Two-way listeners (replies: nat or relay): how long a removed or unhealthy downstream keeps relaying its clients\' replies; 0: it goes at once.', 30),
+    }}
+
+def mode_is(*modes): return {'required': ['mode'], 'properties': {'mode': {'enum': list(modes)}}}
+def settings_key_is(key, *values): return {'required': ['settings'], 'properties': {'settings': {'required': [key], 'properties': {key: {'enum': list(values)}}}}}
+
+ring_clauses = []
+for v in powers(64, 16384):
+    for seen in sorted({v, octal_reading(v)}):
+        ring_clauses.append({
+            'if': {'allOf': [mode_is('af_xdp'), settings_key_is('ring_size', seen)]},
+            'then': {'properties': {'settings': {'properties': {'umem_frames': {'minimum': 2 * v}}}}}})
+
+UNSPECIFIED_BIND = {'anyOf': [{'pattern': UNSPEC_V4}, {'pattern': UNSPEC_V6}]}
+V4_LITERAL = r'^[0-9]+(?:\.[0-9]+){3}:'
+V6_LITERAL = r'^\['
+LOOPBACK = r'^127\.|^\[[0:]*:0*1\]:'
+BIND_V4 = {'required': ['bind'], 'properties': {'bind': {'type': 'string', 'pattern': V4_LITERAL}}}
+BIND_V6 = {'required': ['bind'], 'properties': {'bind': {'type': 'string', 'pattern': V6_LITERAL}}}
+NOT_WILDCARD = {'properties': {'bind': {'not': UNSPECIFIED_BIND}}}
+def own_members_not(pattern):
+    return {'properties': {'downstream': {'items': {'properties': {'address': {'not': {'pattern': pattern}}}}}}}
+def pool_members_not(pattern, condition=None):
+    item = own_members_not(pattern)
+    if condition is not None: item = {'if': condition, 'then': item}
+    return {'properties': {'pools': {'items': item}}}
+def members_not(pattern): return {'allOf': [own_members_not(pattern), pool_members_not(pattern)]}
+POOL_PRESERVES = {'required': ['output'], 'properties': {'output': {'const': 'preserve_source'}}}
+POOL_INHERITS = {'not': {'required': ['output']}}
+family_clauses = []
+for bind, other in ((BIND_V4, V6_LITERAL), (BIND_V6, V4_LITERAL)):
+    # tc_ebpf and xdp rewrite the destination in place: every static downstream of the bind's family.
+    family_clauses.append({'if': {'allOf': [mode_is('tc_ebpf', 'xdp'), bind]}, 'then': members_not(other)})
+    # A way out that keeps the client's source (the listener's output, or a pool's) cannot reach the other family.
+    family_clauses.append({'if': {'allOf': [bind, NOT_WILDCARD, settings_key_is('output', 'preserve_source', 'xdp_tx')]},
+                           'then': {'allOf': [own_members_not(other), pool_members_not(other, POOL_INHERITS)]}})
+    family_clauses.append({'if': {'allOf': [bind, NOT_WILDCARD]}, 'then': pool_members_not(other, POOL_PRESERVES)})
+listener = {
+    'type': 'object', 'additionalProperties': False, 'required': ['name', 'bind'],
+    'properties': {
+        'name': {'description': 'Unique; the listener label of every metric.', 'allOf': [ref('name')]},
+        'bind': {'description': "Where datagrams arrive: ip:port or [ipv6]:port, port 1-65535; must not overlap another listener's bind.", 'allOf': [ref('listen-address')]},
+        'interface': text('The network interface for tc_ebpf, xdp and af_xdp (required with them); warned about in userspace.'),
+        'mode': choice(['userspace', 'tc_ebpf', 'xdp', 'af_xdp'], 'Forwarding path (docs/udp-fanout.md, docs/af_xdp.md). At most one af_xdp listener per interface; xdp and af_xdp listeners cannot share one.', 'userspace'),
+        'balancing': choice(['round_robin', 'source_ip'], 'round_robin: each datagram to the next downstream, in proportion to weights. source_ip: every datagram of one source address to one downstream (the same choice on every node with the same downstreams).', 'round_robin'),
+        'replies': choice(['none', 'nat', 'relay'], 'One way (none), or a two-way load balancer: nat (tc_ebpf and xdp; bind must be the virtual address, not a wildcard; docs/two-way-nat.md) or relay (userspace only, output: socket, worker_steering five_tuple or source_ip; docs/two-way-relay.md).', 'none'),
+        'downstream': {'description': 'Downstreams: required (non-empty) unless kubernetes is configured. Entries given by DNS name are resolved into downstreams.', 'allOf': [ref('downstreams')]},
+        'kubernetes': ref('kubernetes'),
+        'settings': settings,
+        'pools': {'description': "Replication (docs/replication.md): each datagram the listener receives also goes to each pool; the listener's own downstream list is its first pool (named default). tc_ebpf and xdp: at most 8 per listener.",
+                  'type': 'array', 'items': ref('pool')},
+    },
+    'allOf': [
+        ref('members-required'),
+        {'if': mode_is('tc_ebpf', 'xdp', 'af_xdp'),
+         'then': {'required': ['interface'], 'properties': {'interface': {'not': {'const': ''}}}}},
+        {'if': {'required': ['replies'], 'properties': {'replies': {'const': 'nat'}}},
+         'then': {'required': ['mode'], 'properties': {'mode': {'not': {'enum': ['userspace', 'af_xdp']}}, 'bind': {'not': UNSPECIFIED_BIND}}}},
+        {'if': {'required': ['replies'], 'properties': {'replies': {'const': 'relay'}}},
+         'then': {'properties': {'mode': {'not': {'enum': ['tc_ebpf', 'xdp', 'af_xdp']}},
+                                 'settings': {'properties': {'output': {'not': {'enum': ['preserve_source', 'xdp_tx']}},
+                                                             'worker_steering': {'not': {'const': 'round_robin'}}}}}}},
+        {'if': {'anyOf': [{'not': {'required': ['mode']}}, mode_is('userspace')]},
+         'then': {'properties': {'settings': {'properties': {'output': {'not': {'const': 'xdp_tx'}}}}}}},
+        {'if': mode_is('tc_ebpf', 'xdp'), 'then': members_not(LOOPBACK)},
+        {'if': mode_is('tc_ebpf', 'xdp'),
+         'then': {'properties': {'settings': {'properties': {'output': {'not': {'enum': ['socket', 'xdp_tx']}}}},
+                                 'pools': {'maxItems': 8, 'items': {'properties': {'output': {'not': {'const': 'socket'}}}}}}}},
+        {'if': {'allOf': [mode_is('af_xdp'), settings_key_is('xdp_mode', 'generic')]},
+         'then': {'properties': {'settings': {'properties': {'zero_copy': {'not': {'enum': ['on', True]}}}}}}},
+        {'if': {'allOf': [mode_is('af_xdp'), {'not': {'required': ['settings'], 'properties': {'settings': {'required': ['ring_size']}}}}]},
+         'then': {'properties': {'settings': {'properties': {'umem_frames': {'minimum': 4096}}}}}},
+        {'if': {'allOf': [mode_is('af_xdp'), {'not': {'required': ['settings'], 'properties': {'settings': {'required': ['umem_frames']}}}}]},
+         'then': {'properties': {'settings': {'properties': {'ring_size': {'not': {'enum': [v for v in powers(4096, 16384)] + [octal_reading(v) for v in powers(4096, 16384)]}}}}}}},
+    ] + family_clauses + ring_clauses,
+}
+
+health = {
+    'type': 'object', 'additionalProperties': False,
+    'description': 'Active health checks of every downstream, static and discovered (docs/health.md).',
+    'properties': {
+        'enabled': boolean('Probe every downstream, each on its own schedule. The other keys are warned about while this is false.', False),
+        'interval_secs': integer(1, 3600, 'Time between two probes of one downstream.', 5),
+        'timeout_secs': integer(1, 3600, 'How long a probe waits; at most interval_secs.', 2),
+        'protocol': choice(['icmp', 'udp_echo'], "ICMP echo to the downstream's address, or a UDP datagram to its port (or health_port) that must come back byte for byte.", 'icmp'),
+        'rise': integer(1, 100, 'Consecutive successful probes that bring a downstream back.', 1),
+        'fall': integer(1, 100, 'Consecutive failed probes that take a downstream out.', 3),
+    },
+    'allOf': [
+        {'if': {'not': {'required': ['interval_secs']}}, 'then': {'properties': {'timeout_secs': {'maximum': 5}}}},
+        {'if': {'not': {'required': ['timeout_secs']}}, 'then': {'properties': {'interval_secs': {'minimum': 2}}}},
+    ] + [
+        # Both set: the common intervals (a YAML 1.1 octal timeout such as 010, 8 to the daemon, reads 10 here).
+        {'if': {'required': ['interval_secs'], 'properties': {'interval_secs': {'const': v}}},
+         'then': {'properties': {'timeout_secs': {'maximum': octal_reading(v)}}}}
+        for v in list(range(1, 11)) + [15, 20, 30, 60]
+    ]}
+
+metrics = {
+    'type': 'object', 'additionalProperties': False,
+    'description': 'The HTTP endpoint: Prometheus text, /healthz and /readyz.',
+    'properties': {
+        'enabled': boolean('Serve /metrics (or path), /healthz and /readyz.', False),
+        'bind': {'description': 'TCP address of the endpoint. Default 127.0.0.1:9090 (loopback); 0.0.0.0:9090, [::]:9090 or the pod IP let scrapers and kubelets on other hosts reach it.', 'default': '127.0.0.1:9090', 'allOf': [ref('metrics-address')]},
+        'path': {'description': 'Path of the Prometheus text: starts with /, no spaces.', 'default': '/metrics',
+                 'anyOf': [{'type': 'string', 'pattern': PATH, 'not': {'pattern': CONTROL}}, ref('yaml-binary')]},
+    }}
+
+schema = {
+    '$schema': 'http://json-schema.org/draft-07/schema#',
+    'title': 'udp-fanout configuration',
+    '$comment': 'Never stricter than the daemon (Tests/FanoutTests/ConfigSchemaTests.swift checks it on the reliability suite\'s mutated files). Generated by schema/generate-schema.py. The daemon reads YAML 1.1 (Yams), YAML tools here read YAML 1.2: hence the extra branches for yes/no/on/off booleans, sexagesimal and !!str numbers (integer-text), 0-prefixed octal numbers (read in decimal here, so a range reaches up to the octal spelling of its maximum read in decimal) and !!binary scalars (bytes: json-value).',
+    'description': 'The YAML configuration of udp-fanout (docs/configuration.md). Never stricter than the daemon: every file `udp-fanout --check` accepts passes; the daemon also checks what a schema cannot (duplicate names, overlapping binds, forwarding loops, interfaces, address families, limits across listeners), so `udp-fanout --check -c FILE` stays the authority.',
+    'type': 'object', 'additionalProperties': False, 'required': ['listeners'],
+    'properties': {
+        'listeners': {'description': 'One entry per listening socket; at least one.', 'type': 'array', 'minItems': 1, 'items': listener},
+        'health': health,
+        'metrics': metrics,
+    },
+    'definitions': definitions,
+}
+BIN = ref('yaml-binary')
+def lift_binary(node):
+    """anyOf [..., yaml-binary] becomes if json-value then anyOf [...]: clearer errors than a failed not."""
+    if isinstance(node, list): return [lift_binary(x) for x in node]
+    if not isinstance(node, dict): return node
+    for k in list(node): node[k] = lift_binary(node[k])
+    # Choices and booleans keep anyOf: editors complete their values from it.
+    completable = 'anyOf' in node and any('enum' in b or b.get('type') == 'boolean' for b in node['anyOf'])
+    if 'anyOf' in node and BIN in node['anyOf'] and completable:
+        node['anyOf'] = [b if b != BIN else {'not': ref('json-value')} for b in node['anyOf']]
+    elif 'anyOf' in node and BIN in node['anyOf']:
+        assert 'if' not in node and 'then' not in node
+        branches = [b for b in node.pop('anyOf') if b != BIN]
+        node['if'] = ref('json-value')
+        node['then'] = branches[0] if len(branches) == 1 else {'anyOf': branches}
+    return node
+schema = lift_binary(schema)
+assert 'yaml-binary' not in json.dumps(schema)
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), 'udp-fanout-config.schema.json')
+def dumps(value, indent=0, width=110):
+    flat = json.dumps(value, ensure_ascii=False)
+    if len(flat) + indent <= width or not isinstance(value, (dict, list)) or not value:
+        return flat
+    pad = ' ' * (indent + 2)
+    if isinstance(value, dict):
+        items = [pad + json.dumps(k, ensure_ascii=False) + ': ' + dumps(v, indent + 2, width) for k, v in value.items()]
+        return '{\n' + ',\n'.join(items) + '\n' + ' ' * indent + '}'
+    items = [pad + dumps(v, indent + 2, width) for v in value]
+    return '[\n' + ',\n'.join(items) + '\n' + ' ' * indent + ']'
+with open(out, 'w') as f:
+    f.write(dumps(schema) + '\n')
+assert json.load(open(out)) == schema
+print('wrote', out)
