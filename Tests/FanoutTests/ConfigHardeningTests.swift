@@ -46,6 +46,26 @@ struct ConfigHardeningTests {
         #expect(parseError(Self.base.replacingOccurrences(of: "name: a", with: "name: \"" + String(repeating: "[", count: 500) + "\"")) == nil)
     }
 
+    @Test("YAML 1.1 sexagesimal numbers (1:30 is 90) are read without overflow: one too large for a number is refused as out of range, not a crash (SIGILL in the parser before)")
+    func sexagesimal() throws {
+        let settings = Self.base + "    settings:\n      workers: "
+        #expect(parseError(settings + "1:30\n") == nil)
+        #expect(try ConfigParser.parse(settings + "1:0\n").listeners[0].settings.workers == 60)
+        #expect(try ConfigParser.parse(Self.base + "    settings:\n      max_packet_size: 1_0:00\n").listeners[0].settings.maxPacketSize == 600)
+        for huge in ["1:2:3:4:5:6:7:8:9:10:11", "-1:2:3:4:5:6:7:8:9:10:11", "99999999999999999999:1", "1:" + String(repeating: "59:", count: 40) + "0"] {
+            let error = try #require(parseError(settings + huge + "\n"), "\(huge) accepted")
+            #expect(error.key == "listeners[0].settings.workers" && error.problem.contains("out of range"), "\(huge): \(error)")
+        }
+        let notNumber = try #require(parseError(settings + "1:60\n"))
+        #expect(notNumber.problem.contains("expected a whole number"), "\(notNumber)")
+        // Through the daemon's own check, as an operator runs it: exit 2 and the key, no signal.
+        let file = try TCFixtures.write(settings + "1:2:3:4:5:6:7:8:9:10:11\n", "sexagesimal")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let check = try Child("udp-fanout", ["--check", "-c", file.path])
+        #expect(check.wait() == 2 && check.process.terminationReason == .exit, "\(check.stderr)")
+        #expect(check.stderr.contains("listeners[0].settings.workers"), "\(check.stderr)")
+    }
+
     @Test("A file larger than the limit is refused with its size")
     func size() throws {
         let big = Self.base + "# " + String(repeating: "x", count: ConfigLimits.maximumBytes) + "\n"
