@@ -131,14 +131,18 @@ struct SourceFilter: Sendable {
 /// The current plan and a version number workers compare once per batch (an atomic load).
 final class PlanHolder: Sendable {
     let version = Atomic<Int>(0)
-    private let current: Mutex<ForwardingPlan>
+    private let current: Mutex<(plan: ForwardingPlan, replacedAt: Int64)>
 
-    init(_ plan: ForwardingPlan) { current = Mutex(plan) }
+    init(_ plan: ForwardingPlan) { current = Mutex((plan, monotonicMilliseconds())) }
 
-    var plan: ForwardingPlan { current.withLock { $0 } }
+    var plan: ForwardingPlan { current.withLock { $0.plan } }
+
+    /// The plan and when it replaced the previous one (``monotonicMilliseconds()``): a relay
+    /// worker that adopts it later still counts a leaving downstream's drain from then.
+    var planAndTime: (plan: ForwardingPlan, replacedAt: Int64) { current.withLock { $0 } }
 
     func replace(with plan: ForwardingPlan) {
-        current.withLock { $0 = plan }
+        current.withLock { $0 = (plan, monotonicMilliseconds()) }
         version.wrappingAdd(1, ordering: .releasing)
     }
 }

@@ -297,12 +297,16 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     /// Takes the current plan if a reload or health replaced it. Sessions whose downstream (name
     /// and address) stays are kept, at its new index; the others lose their socket and get a new
-    /// downstream at their client's next datagram (counted `moved` then). Called with the table lock held.
+    /// downstream at their client's next datagram (counted `moved` then). A leaving downstream's
+    /// drain time counts from when the plan was replaced, not from this adoption: a worker that
+    /// adopts late (its first wakeup after the reload) does not relay what arrived meanwhile
+    /// beyond `drain_secs` (with 0: a reply not read before the reload is counted drained).
+    /// Called with the table lock held.
     private func adoptPlanLocked() {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
         version = current
-        let plan = plans.plan
+        let (plan, replacedAt) = plans.planAndTime
         self.plan = plan
         selector = DownstreamSelector(plan.method)
         replicator.adopt(plan)
@@ -319,11 +323,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             if let target = index["\(session.downstream.name)|\(session.downstream.address)"] {
                 session.target = target
             } else {
-                // Replies already queued from the leaving downstream still reach the client.
-                // Its target is an index into the previous plan: its replies count there.
+                // Its target is an index into the previous plan: its replies count there. Replies
+                // already queued are relayed within the drain time, else counted drained.
                 let counter = session.target < previousCounters.count ? previousCounters[session.target] : nil
-                relayQueued(session, budget: .max, counting: .leaving(counter))
-                retire(session, counter: counter, now: now)
+                let fd = session.socket
+                retire(session, counter: counter, now: now, until: replacedAt + drainMilliseconds)
+                if let socket = draining[fd] { relayDraining(socket, budget: .max) }
             }
         }
     }
@@ -332,7 +337,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// downstream) and keeps it draining: the downstream may still answer requests it took.
     /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged),
     /// unless `bounded` is false (a handover: every session becomes a draining socket).
-    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil) {
+    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil,
+                        until: Int64? = nil) {
         let fd = session.socket
         bySocket[fd] = nil
         if !bounded { sessionCount.forceDraining() }
@@ -345,7 +351,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // The descriptor moves, still in the epoll set: the session makes a new one when its
         // client next sends.
         session.socket = -1
-        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: now + (drain ?? drainMilliseconds), now: now)
+        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: until ?? now + (drain ?? drainMilliseconds), now: now)
     }
 
     // MARK: Client → downstream
@@ -547,7 +553,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     // MARK: Downstream → client
 
-    /// Stages what session socket `fd` holds (at most `budget` batches) for its client (see ``relayQueued(_:budget:counting:)``).
+    /// Stages what session socket `fd` holds (at most `budget` batches) for its client (see ``relayQueued(_:budget:)``).
     private func drainReplies(_ fd: Int32, budget: Int = .max) {
         tableLock.withLock { _ in
             if let session = bySocket[fd], session.socket == fd {
@@ -569,11 +575,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Stages what the session's socket holds (at most `budget` batches' worth of datagrams) for
     /// its client, to be sent from the listener socket: by ``flushReplies()`` at the end of the
     /// wakeup, or at once when the stage is full. Called with the table lock held.
-    /// - Parameter counting: `.leaving` when the session's downstream left the plan just adopted
-    ///   (its `target` is an index into the previous plan), with that downstream's reply counter.
-    private func relayQueued(_ session: RelaySession, budget: Int, counting: ReplyCounting = .plan) {
+    private func relayQueued(_ session: RelaySession, budget: Int) {
         guard session.socket >= 0 else { return }
-        if receiveQueued(session.socket, for: session, counter: replyCounter(session, counting), counting: counting, budget: budget, relaying: true) > 0 {
+        if receiveQueued(session.socket, for: session, counter: replyCounter(session, .plan), counting: .plan, budget: budget, relaying: true) > 0 {
             session.lastActive = monotonicMilliseconds()
         }
     }
