@@ -90,7 +90,10 @@ if grep -n /usr/local "$root"/lib/systemd/system/*.service; then
   echo "deb: FAILED: the units still name /usr/local (above)" >&2
   exit 1
 fi
-install -m 0644 config.example.yaml "$root/etc/udp-fanout/config.yaml"
+# The conffile's yaml-language-server modeline names the installed schema by its absolute path.
+sed 's|\$schema=schema/|$schema=/usr/share/udp-fanout/schema/|' config.example.yaml >"$root/etc/udp-fanout/config.yaml"
+chmod 0644 "$root/etc/udp-fanout/config.yaml"
+install -D -m 0644 schema/udp-fanout-config.schema.json "$root/usr/share/udp-fanout/schema/udp-fanout-config.schema.json"
 install -m 0644 config.example.yaml "$root/usr/share/udp-fanout/config.example.yaml"
 install -m 0644 systemd/udp-fanout-userspace.conf "$root/usr/share/udp-fanout/systemd/"
 # The monitoring kit (docs/monitoring.md): Grafana dashboard and provisioning, Prometheus rules.

@@ -5,7 +5,8 @@
 #   include/   reuseportlb.h
 #   lib/systemd/system/  the units of systemd/
 #   share/udp-fanout/    config.example.yaml, k8s/ manifests (k8s/monitoring/ too), monitoring/
-#                        (Grafana dashboard, Prometheus rules), systemd/ drop-in, Containerfile,
+#                        (Grafana dashboard, Prometheus rules), schema/ (the configuration's JSON
+#                        Schema), systemd/ drop-in, Containerfile,
 #                        examples/c/steering.c
 #   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
 #   share/man/man1/      udp-fanout.1.gz, collector.1.gz, publisher.1.gz
@@ -35,6 +36,8 @@ sed -e 's|^prefix=@PREFIX@|prefix=${pcfiledir}/../..|' -e "s|@VERSION@|$version|
   >"$stage/lib/pkgconfig/reuseportlb.pc"
 cp include/reuseportlb.h "$stage/include/"
 cp config.example.yaml Containerfile "$stage/share/udp-fanout/"
+# The configuration's JSON Schema, where config.example.yaml's yaml-language-server modeline points.
+mkdir -p "$stage/share/udp-fanout/schema" && cp schema/udp-fanout-config.schema.json "$stage/share/udp-fanout/schema/"
 cp examples/c/steering.c "$stage/share/udp-fanout/examples/c/"
 cp systemd/*.service "$stage/lib/systemd/system/"
 # The drop-in for userspace-only hosts (docs/systemd.md): copied into udp-fanout.service.d/ by hand.
