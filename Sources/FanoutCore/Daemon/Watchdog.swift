@@ -235,7 +235,7 @@ public struct WatchdogService: Service {
                     for line in verdict.newlyStuck { logger.error("\(line)") }
                 } else {
                     for line in verdict.newlyStuck {
-                        logger.error("\(line.replacingOccurrences(of: ", withholding WATCHDOG=1", with: "")); /healthz answers 503")
+                        logger.error("\(line.replacing(", withholding WATCHDOG=1", with: "")); /healthz answers 503")
                     }
                 }
                 for line in verdict.recovered { logger.notice("\(line)") }
