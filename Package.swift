@@ -1,4 +1,4 @@
-// swift-tools-version:6.0
+// swift-tools-version:6.1
 import PackageDescription
 
 /// The package's directory: linker flags that name files need an absolute path.
@@ -19,9 +19,13 @@ let package = Package(
         .package(url: "https://github.com/apple/swift-argument-parser", from: "1.8.2"),
         .package(url: "https://github.com/apple/swift-log", from: "1.16.2"),
         .package(url: "https://github.com/swift-server/swift-service-lifecycle", from: "2.13.0"),
+        // Only the tests read YAML with it (k8s/ manifests); the daemon reads its configuration with
+        // Debian's libyaml (CYAML): Yams needs all of Foundation, and with it ICU's data.
         .package(url: "https://github.com/jpsim/Yams", from: "5.0.1"),
         // The HTTP endpoint (/metrics, /healthz, /readyz): a maintained SwiftNIO server.
-        .package(url: "https://github.com/hummingbird-project/hummingbird", from: "2.28.1"),
+        // Without its default FullFoundation trait, whose URL-encoded form dates use Foundation's
+        // DateFormatter: that alone links all of Foundation and ICU's data (about 40 MB) into udp-fanout.
+        .package(url: "https://github.com/hummingbird-project/hummingbird", from: "2.28.1", traits: ["ConfigurationSupport"]),
         // Already in Hummingbird's graph; named for the endpoint's request-deadline handler.
         .package(url: "https://github.com/apple/swift-nio", from: "2.101.2"),
         .package(url: "https://github.com/apple/swift-nio-extras", from: "1.35.2"),
@@ -30,9 +34,11 @@ let package = Package(
         .package(url: "https://github.com/apple/swift-nio-ssl", from: "2.37.6"),
     ],
     targets: [
-        // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev).
+        // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev, libyaml-dev).
         .systemLibrary(name: "CLibBPF", pkgConfig: "libbpf", providers: [.apt(["libbpf-dev"])]),
         .systemLibrary(name: "CLibXDP", pkgConfig: "libxdp", providers: [.apt(["libxdp-dev"])]),
+        // The configuration's YAML parser (Sources/FanoutCore/Config/YAMLDocument.swift).
+        .systemLibrary(name: "CYAML", pkgConfig: "yaml-0.1", providers: [.apt(["libyaml-dev"])]),
         // What Swift cannot import from Glibc.
         .target(name: "CSystemShim"),
         // The system-call layer: every socket, option, send/receive, poll, epoll and ioctl call
@@ -75,8 +81,7 @@ let package = Package(
         .target(
             name: "FanoutCore",
             dependencies: [
-                "ReusePortLB", "BPFSupport", "BPFKernelABI", "CSystemShim", "CLibBPF", "CLibXDP", "BPFObjects", "SystemCalls",
-                .product(name: "Yams", package: "Yams"),
+                "ReusePortLB", "BPFSupport", "BPFKernelABI", "CSystemShim", "CLibBPF", "CLibXDP", "CYAML", "BPFObjects", "SystemCalls",
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
                 .product(name: "UnixSignals", package: "swift-service-lifecycle"),

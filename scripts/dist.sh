@@ -54,7 +54,7 @@ write_completions "$stage/bin" "$stage/share/bash-completion/completions" "$stag
   "$stage/share/fish/vendor_completions.d"
 
 # Every needed library must come from Debian's runtime packages, none from /opt/swift.
-allowed='^(libbpf\.so\.1|libxdp\.so\.1|libelf\.so\.1|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
+allowed='^(libbpf\.so\.1|libxdp\.so\.1|libelf\.so\.1|libyaml-0\.so\.2|libz\.so\.1|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1|libreuseportlb\.so\.0)$'
 for file in "$stage"/bin/* "$stage/lib/libreuseportlb.so.$version"; do
   needed=$(readelf -d "$file" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
   for library in $needed; do

@@ -1,5 +1,4 @@
 import ReusePortLB
-import Yams
 
 /// A configuration problem: the key path, the line where known, and what is wrong.
 public struct ConfigError: Error, CustomStringConvertible, Equatable, Sendable {
@@ -26,17 +25,13 @@ public struct ConfigError: Error, CustomStringConvertible, Equatable, Sendable {
 public enum ConfigParser {
     public static func parse(_ text: String) throws(ConfigError) -> FanoutConfig {
         try ConfigLimits.check(text)
-        let root: Node
-        do {
-            guard let node = try Yams.compose(yaml: text) else { throw ConfigError("(document)", "the file is empty") }
-            root = node
-        } catch let error as ConfigError {
-            throw error
-        } catch let error as YamlError {
-            throw Self.describe(error)
+        let composed: YAMLNode?
+        do throws(YAMLError) {
+            composed = try YAMLComposer.compose(text)
         } catch {
-            throw ConfigError("(document)", "not valid YAML: \(error)")
+            throw Self.describe(error)
         }
+        guard let root = composed else { throw ConfigError("(document)", "the file is empty") }
         let top = try Fields(root, path: "")
         try top.allow(["listeners", "health", "metrics"])
         let listenerNodes = try top.sequence("listeners", required: true)
@@ -75,20 +70,19 @@ public enum ConfigParser {
 
     /// A YAML syntax error as one line: the problem and where, without the echo of the
     /// offending line and the caret line under it that the parser's own description has.
-    static func describe(_ error: YamlError) -> ConfigError {
+    static func describe(_ error: YAMLError) -> ConfigError {
         switch error {
-        case .scanner(let context, let problem, let mark, _), .parser(let context, let problem, let mark, _),
-            .composer(let context, let problem, let mark, _):
+        case .syntax(let context, let problem, let mark):
             let detail = context.map { "\($0.text) (line \($0.mark.line)): " } ?? ""
             return ConfigError("(document)", "not valid YAML: \(detail)\(problem) at column \(mark.column)", line: mark.line)
-        case .reader(let problem, let offset, _, _):
+        case .reader(let problem, let offset):
             return ConfigError("(document)", "not valid YAML: \(problem)\(offset.map { " at byte \($0)" } ?? "")")
-        default:
-            return ConfigError("(document)", "not valid YAML: \(error)")
+        case .memory:
+            return ConfigError("(document)", "not valid YAML: Memory error")
         }
     }
 
-    static func listener(_ node: Node, path: String) throws(ConfigError) -> Listener {
+    static func listener(_ node: YAMLNode, path: String) throws(ConfigError) -> Listener {
         let fields = try Fields(node, path: path)
         try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
@@ -135,7 +129,7 @@ public enum ConfigParser {
                 guard case .scalar(let scalar) = item, !scalar.string.isEmpty, scalar.string.utf8.count < 16,
                     !scalar.string.contains(where: { $0 == "/" || $0 == " " || $0.asciiValue.map { $0 < 0x20 || $0 == 0x7f } ?? true })
                 else {
-                    throw ConfigError("\(path).settings.reply_interfaces[\(position)]", "expected an interface name (1 to 15 characters, no '/' or spaces)", line: item.mark?.line)
+                    throw ConfigError("\(path).settings.reply_interfaces[\(position)]", "expected an interface name (1 to 15 characters, no '/' or spaces)", line: item.mark.line)
                 }
                 settings.replyInterfaces.append(scalar.string)
             }
@@ -157,7 +151,7 @@ public enum ConfigParser {
     }
 
     /// One entry of a listener's `pools` (replication; docs/replication.md).
-    static func pool(_ node: Node, path: String) throws(ConfigError) -> Pool {
+    static func pool(_ node: YAMLNode, path: String) throws(ConfigError) -> Pool {
         let fields = try Fields(node, path: path)
         try fields.allow(["name", "balancing", "downstream", "kubernetes", "sample", "sources", "output"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
@@ -166,7 +160,7 @@ public enum ConfigParser {
         var sources: [SourcePrefix] = []
         for (position, item) in try fields.sequence("sources", required: false).enumerated() {
             guard case .scalar(let scalar) = item, let prefix = SourcePrefix(scalar.string) else {
-                throw ConfigError("\(path).sources[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark?.line)
+                throw ConfigError("\(path).sources[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark.line)
             }
             sources.append(prefix)
         }
@@ -228,19 +222,19 @@ public enum ConfigParser {
 /// A YAML mapping read key by key, with errors that name the full key path.
 struct Fields {
     let path: String
-    let node: Node
-    let pairs: [(key: String, value: Node)]
+    let node: YAMLNode
+    let pairs: [(key: String, value: YAMLNode)]
 
-    init(_ node: Node, path: String) throws(ConfigError) {
+    init(_ node: YAMLNode, path: String) throws(ConfigError) {
         self.path = path
         self.node = node
         guard case .mapping(let mapping) = node else {
-            throw ConfigError(path.isEmpty ? "(document)" : path, "expected a mapping of keys", line: node.mark?.line)
+            throw ConfigError(path.isEmpty ? "(document)" : path, "expected a mapping of keys", line: node.mark.line)
         }
-        var pairs: [(String, Node)] = []
+        var pairs: [(String, YAMLNode)] = []
         for (key, value) in mapping {
             guard let name = key.string else {
-                throw ConfigError(path.isEmpty ? "(document)" : path, "keys must be strings (a key here is a list or a mapping)", line: key.mark?.line)
+                throw ConfigError(path.isEmpty ? "(document)" : path, "keys must be strings (a key here is a list or a mapping)", line: key.mark.line)
             }
             pairs.append((name, value))
         }
@@ -254,18 +248,18 @@ struct Fields {
     }
 
     func error(_ name: String, _ problem: String) -> ConfigError {
-        ConfigError(key(name), problem, line: self[name]?.mark?.line ?? node.mark?.line)
+        ConfigError(key(name), problem, line: self[name]?.mark.line ?? node.mark.line)
     }
 
-    subscript(_ name: String) -> Node? { pairs.first { $0.key == name }?.value }
+    subscript(_ name: String) -> YAMLNode? { pairs.first { $0.key == name }?.value }
 
     func allow(_ known: [String]) throws(ConfigError) {
         var seen = Set<String>()
         for (name, value) in pairs {
             guard known.contains(name) else {
-                throw ConfigError(key(name), "unknown key (known here: \(known.joined(separator: ", ")))", line: value.mark?.line)
+                throw ConfigError(key(name), "unknown key (known here: \(known.joined(separator: ", ")))", line: value.mark.line)
             }
-            guard seen.insert(name).inserted else { throw ConfigError(key(name), "given twice", line: value.mark?.line) }
+            guard seen.insert(name).inserted else { throw ConfigError(key(name), "given twice", line: value.mark.line) }
         }
     }
 
@@ -343,9 +337,9 @@ struct Fields {
         return address
     }
 
-    func sequence(_ name: String, required: Bool) throws(ConfigError) -> [Node] {
+    func sequence(_ name: String, required: Bool) throws(ConfigError) -> [YAMLNode] {
         guard let value = self[name] else {
-            if required { throw ConfigError(key(name), "required (a list)", line: node.mark?.line) }
+            if required { throw ConfigError(key(name), "required (a list)", line: node.mark.line) }
             return []
         }
         guard case .sequence(let sequence) = value else { throw error(name, "expected a list") }

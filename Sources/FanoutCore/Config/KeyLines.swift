@@ -1,5 +1,3 @@
-import Yams
-
 /// The line of every key of a parsed configuration, by key path (`listeners[0].bind`,
 /// `listeners[1].downstream[2].address`): errors found after parsing, across fields
 /// (duplicate names, overlapping binds, loops), name the line too, and warnings can tell a key
@@ -11,7 +9,7 @@ public struct KeyLines: Sendable {
 
     /// Records every mapping key and sequence item of `root`. The depth is bounded by
     /// ``ConfigLimits`` before parsing, so the recursion is too.
-    init(_ root: Node) {
+    init(_ root: YAMLNode) {
         var budget = Self.maximumNodes
         record(root, path: "", budget: &budget)
     }
@@ -20,7 +18,7 @@ public struct KeyLines: Sendable {
     /// an exponential tree ("billion laughs"): past this many nodes, later keys have no line.
     static let maximumNodes = 1_000_000
 
-    private mutating func record(_ node: Node, path: String, budget: inout Int) {
+    private mutating func record(_ node: YAMLNode, path: String, budget: inout Int) {
         guard budget > 0 else { return }
         budget -= 1
         switch node {
@@ -28,13 +26,13 @@ public struct KeyLines: Sendable {
             for (key, value) in mapping {
                 guard let name = key.string else { continue }
                 let child = path.isEmpty ? name : "\(path).\(name)"
-                if let line = key.mark?.line { lines[child] = line }
+                lines[child] = key.mark.line
                 record(value, path: child, budget: &budget)
             }
         case .sequence(let sequence):
             for (index, item) in sequence.enumerated() {
                 let child = "\(path)[\(index)]"
-                if let line = item.mark?.line { lines[child] = line }
+                lines[child] = item.mark.line
                 record(item, path: child, budget: &budget)
             }
         default:

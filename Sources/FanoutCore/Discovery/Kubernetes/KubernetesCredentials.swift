@@ -1,6 +1,5 @@
-import Foundation
+import FoundationEssentials
 import NIOSSL
-import Yams
 
 /// Where and how to reach the Kubernetes API server, from the places client-go looks, in its
 /// order: `KUBECONFIG` (a colon-separated list, merged: the first file to define a name wins),
@@ -101,7 +100,7 @@ struct KubernetesCredentials: Sendable {
         case .none: return nil
         case .token(let token): return "Bearer \(token)"
         case .tokenFile(let path):
-            let token = try Self.read(path).trimmingCharacters(in: .whitespacesAndNewlines)
+            let token = try Self.read(path).trimmingWhitespace()
             guard !token.isEmpty else { throw .unreadable(path: path, problem: "the token file is empty") }
             return "Bearer \(token)"
         }
@@ -119,7 +118,7 @@ struct KubernetesCredentials: Sendable {
         let namespacePath = directory + "/namespace"
         var namespace = "default"
         if FileManager.default.fileExists(atPath: namespacePath) {
-            let text = try read(namespacePath).trimmingCharacters(in: .whitespacesAndNewlines)
+            let text = try read(namespacePath).trimmingWhitespace()
             if !text.isEmpty { namespace = text }
         }
         // An IPv6 service host needs brackets in a URL.
@@ -132,51 +131,153 @@ struct KubernetesCredentials: Sendable {
 
     // MARK: kubeconfig
 
-    private struct Kubeconfig: Decodable {
-        struct NamedCluster: Decodable { var name: String?; var cluster: Cluster? }
-        struct Cluster: Decodable {
+    /// What udp-fanout reads of a kubeconfig (other keys are ignored). Read the way Yams'
+    /// YAMLDecoder read it: a key that is absent or null (`~`, `null`, empty) is nil, `<<` merges
+    /// a mapping in, the last of a repeated key wins, true/yes/on and false/no/off are booleans,
+    /// and a value of the wrong kind is an error naming its key and line.
+    private struct Kubeconfig {
+        struct NamedCluster { var name: String?; var cluster: Cluster? }
+        struct Cluster {
             var server: String?
             var certificateAuthority: String?
             var certificateAuthorityData: String?
             var insecureSkipTLSVerify: Bool?
-            enum CodingKeys: String, CodingKey {
-                case server
-                case certificateAuthority = "certificate-authority"
-                case certificateAuthorityData = "certificate-authority-data"
-                case insecureSkipTLSVerify = "insecure-skip-tls-verify"
-            }
         }
-        struct NamedUser: Decodable { var name: String?; var user: User? }
-        struct User: Decodable {
+        struct NamedUser { var name: String?; var user: User? }
+        struct User {
             var token: String?
             var tokenFile: String?
             var clientCertificate: String?
             var clientCertificateData: String?
             var clientKey: String?
             var clientKeyData: String?
-            var exec: Ignored?
-            var authProvider: Ignored?
-            enum CodingKeys: String, CodingKey {
-                case token, tokenFile, exec
-                case clientCertificate = "client-certificate"
-                case clientCertificateData = "client-certificate-data"
-                case clientKey = "client-key"
-                case clientKeyData = "client-key-data"
-                case authProvider = "auth-provider"
-            }
+            /// Present or not is all that matters.
+            var exec: Bool
+            var authProvider: Bool
         }
-        struct NamedContext: Decodable { var name: String?; var context: Context? }
-        struct Context: Decodable { var cluster: String?; var user: String?; var namespace: String? }
-        /// Present or not is all that matters.
-        struct Ignored: Decodable { init(from decoder: any Decoder) throws {} }
+        struct NamedContext { var name: String?; var context: Context? }
+        struct Context { var cluster: String?; var user: String?; var namespace: String? }
 
         var clusters: [NamedCluster]?
         var users: [NamedUser]?
         var contexts: [NamedContext]?
         var currentContext: String?
-        enum CodingKeys: String, CodingKey {
-            case clusters, users, contexts
-            case currentContext = "current-context"
+
+        /// - Throws: the problem, for "not a kubeconfig: ...".
+        init(_ text: String) throws(Problem) {
+            let root: YAMLNode?
+            do throws(YAMLError) {
+                root = try YAMLComposer.compose(text)
+            } catch {
+                let described = ConfigParser.describe(error)
+                throw Problem(described.problem + (described.line.map { " (line \($0))" } ?? ""))
+            }
+            guard let root else { throw Problem("the file is empty") }
+            let top = try Fields(root, path: "")
+            clusters = try top.list("clusters") { entry throws(Problem) in
+                NamedCluster(
+                    name: try entry.string("name"),
+                    cluster: try entry.mapping("cluster").map { cluster throws(Problem) in
+                        Cluster(
+                            server: try cluster.string("server"), certificateAuthority: try cluster.string("certificate-authority"),
+                            certificateAuthorityData: try cluster.string("certificate-authority-data"),
+                            insecureSkipTLSVerify: try cluster.bool("insecure-skip-tls-verify"))
+                    })
+            }
+            users = try top.list("users") { entry throws(Problem) in
+                NamedUser(
+                    name: try entry.string("name"),
+                    user: try entry.mapping("user").map { user throws(Problem) in
+                        User(
+                            token: try user.string("token"), tokenFile: try user.string("tokenFile"),
+                            clientCertificate: try user.string("client-certificate"), clientCertificateData: try user.string("client-certificate-data"),
+                            clientKey: try user.string("client-key"), clientKeyData: try user.string("client-key-data"),
+                            exec: user["exec"] != nil, authProvider: user["auth-provider"] != nil)
+                    })
+            }
+            contexts = try top.list("contexts") { entry throws(Problem) in
+                NamedContext(
+                    name: try entry.string("name"),
+                    context: try entry.mapping("context").map { context throws(Problem) in
+                        Context(cluster: try context.string("cluster"), user: try context.string("user"), namespace: try context.string("namespace"))
+                    })
+            }
+            currentContext = try top.string("current-context")
+        }
+
+        struct Problem: Error {
+            var text: String
+            init(_ text: String) { self.text = text }
+        }
+
+        /// A mapping's keys, `<<` merges applied.
+        struct Fields {
+            let path: String
+            let pairs: [(key: YAMLNode, value: YAMLNode)]
+
+            init(_ node: YAMLNode, path: String) throws(Problem) {
+                guard case .mapping(let mapping) = node else { throw Problem("\(path.isEmpty ? "the document" : path) is not a mapping (line \(node.mark.line))") }
+                self.path = path
+                pairs = Self.merged(mapping)
+            }
+
+            /// Merged pairs first, so the mapping's own keys (later) win.
+            static func merged(_ mapping: YAMLMapping) -> [(key: YAMLNode, value: YAMLNode)] {
+                var merge: [(key: YAMLNode, value: YAMLNode)] = []
+                var own: [(key: YAMLNode, value: YAMLNode)] = []
+                for pair in mapping {
+                    guard case .scalar(let key) = pair.key,
+                        key.tag == "tag:yaml.org,2002:merge" || (key.tag == nil && key.string == "<<")
+                    else {
+                        own.append(pair)
+                        continue
+                    }
+                    switch pair.value {
+                    case .mapping(let inner): merge += merged(inner)
+                    case .sequence(let list):
+                        for case .mapping(let inner) in list.reversed() { merge += merged(inner) }
+                    case .scalar: break
+                    }
+                }
+                return merge + own
+            }
+
+            /// The last value of `key`, nil when absent or null.
+            subscript(_ key: String) -> YAMLNode? {
+                guard let value = pairs.last(where: { if case .scalar(let scalar) = $0.key { scalar.string == key } else { false } })?.value,
+                    !value.isNull
+                else { return nil }
+                return value
+            }
+
+            func child(_ key: String) -> String { path.isEmpty ? key : "\(path).\(key)" }
+
+            func string(_ key: String) throws(Problem) -> String? {
+                guard let value = self[key] else { return nil }
+                guard case .scalar(let scalar) = value else { throw Problem("\(child(key)) is not a string (line \(value.mark.line))") }
+                return scalar.string
+            }
+
+            func bool(_ key: String) throws(Problem) -> Bool? {
+                guard let value = self[key] else { return nil }
+                guard let bool = value.bool else { throw Problem("\(child(key)) is not true or false (line \(value.mark.line))") }
+                return bool
+            }
+
+            func mapping(_ key: String) throws(Problem) -> Fields? {
+                guard let value = self[key] else { return nil }
+                return try Fields(value, path: child(key))
+            }
+
+            func list<T>(_ key: String, _ each: (Fields) throws(Problem) -> T) throws(Problem) -> [T]? {
+                guard let value = self[key] else { return nil }
+                guard case .sequence(let items) = value else { throw Problem("\(child(key)) is not a list (line \(value.mark.line))") }
+                var result: [T] = []
+                for (index, item) in items.enumerated() {
+                    result.append(try each(try Fields(item, path: "\(child(key))[\(index)]")))
+                }
+                return result
+            }
         }
     }
 
@@ -198,12 +299,12 @@ struct KubernetesCredentials: Sendable {
         for path in paths {
             let text = try read(path)
             let config: Kubeconfig
-            do {
-                config = try YAMLDecoder().decode(Kubeconfig.self, from: text)
+            do throws(Kubeconfig.Problem) {
+                config = try Kubeconfig(text)
             } catch {
-                throw .kubeconfig(path: path, problem: "not a kubeconfig: \(error)")
+                throw .kubeconfig(path: path, problem: "not a kubeconfig: \(error.text)")
             }
-            let base = (path as NSString).deletingLastPathComponent
+            let base = Self.directory(of: path)
             for entry in config.clusters ?? [] { if let name = entry.name, let value = entry.cluster, clusters[name] == nil { clusters[name] = (value, base) } }
             for entry in config.users ?? [] { if let name = entry.name, let value = entry.user, users[name] == nil { users[name] = (value, base) } }
             for entry in config.contexts ?? [] { if let name = entry.name, let value = entry.context, contexts[name] == nil { contexts[name] = value } }
@@ -235,7 +336,7 @@ struct KubernetesCredentials: Sendable {
                 throw .kubeconfig(path: files, problem: "context '\(contextName)' names user '\(userName)', which is not in users")
             }
             let (user, userBase) = userEntry
-            if user.exec != nil || user.authProvider != nil, user.token == nil, user.tokenFile == nil, user.clientCertificate == nil, user.clientCertificateData == nil {
+            if user.exec || user.authProvider, user.token == nil, user.tokenFile == nil, user.clientCertificate == nil, user.clientCertificateData == nil {
                 throw .kubeconfig(path: files, problem: "user '\(userName)' authenticates with an exec or auth-provider plugin, which udp-fanout does not run; give it a token, tokenFile or client certificate (e.g. a service account token)")
             }
             if let token = user.token, !token.isEmpty {
@@ -290,12 +391,23 @@ struct KubernetesCredentials: Sendable {
         }
     }
 
+    /// The directory part of `path` as NSString's deletingLastPathComponent gives it: repeated
+    /// and trailing slashes dropped, "" for a bare name, "/" for a file in the root.
+    static func directory(of path: String) -> String {
+        var components = path.split(separator: "/", omittingEmptySubsequences: true)
+        let absolute = path.hasPrefix("/")
+        guard !components.isEmpty else { return absolute ? "/" : "" }
+        components.removeLast()
+        let joined = components.joined(separator: "/")
+        return absolute ? "/" + joined : joined
+    }
+
     private static func resolve(_ path: String, against base: String) -> String {
         path.hasPrefix("/") || base.isEmpty ? path : base + "/" + path
     }
 
     private static func decodeBase64(_ text: String, what: String) throws(DiscoveryError) -> [UInt8] {
-        guard let data = Data(base64Encoded: text.trimmingCharacters(in: .whitespacesAndNewlines), options: .ignoreUnknownCharacters) else {
+        guard let data = Data(base64Encoded: text.trimmingWhitespace(), options: .ignoreUnknownCharacters) else {
             throw .certificate(what: what, problem: "not base64")
         }
         return Array(data)
@@ -310,5 +422,17 @@ struct KubernetesCredentials: Sendable {
         }
         guard !loaded.isEmpty else { throw .certificate(what: what, problem: "no PEM certificate in it") }
         return loaded
+    }
+}
+
+extension String {
+    /// Without leading and trailing white space and newlines (Unicode White_Space: the set
+    /// Foundation's CharacterSet.whitespacesAndNewlines holds).
+    fileprivate func trimmingWhitespace() -> String {
+        let scalars = unicodeScalars
+        guard let first = scalars.firstIndex(where: { !$0.properties.isWhitespace }),
+            let last = scalars.lastIndex(where: { !$0.properties.isWhitespace })
+        else { return "" }
+        return String(scalars[first...last])
     }
 }
