@@ -168,12 +168,14 @@ enum YAMLComposer {
     static func compose(_ text: String) throws(YAMLError) -> YAMLNode? {
         var input = text  // withUTF8 may make the bytes contiguous: a copy, so `text` stays readable
         let result: Result<YAMLNode?, YAMLError> = input.withUTF8 { bytes in
+            // No document (libyaml asserts on a null input pointer, which an empty buffer may have).
+            guard let start = bytes.baseAddress, !bytes.isEmpty else { return .success(nil) }
             let parser = UnsafeMutablePointer<yaml_parser_t>.allocate(capacity: 1)
             defer { parser.deallocate() }
             guard yaml_parser_initialize(parser) == 1 else { return .failure(.memory) }
             defer { yaml_parser_delete(parser) }
             yaml_parser_set_encoding(parser, YAML_UTF8_ENCODING)
-            yaml_parser_set_input_string(parser, bytes.baseAddress, bytes.count)
+            yaml_parser_set_input_string(parser, start, bytes.count)
             var composer = Composition(parser: parser, text: text)
             do throws(YAMLError) {
                 return .success(try composer.singleRoot())
