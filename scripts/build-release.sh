@@ -2,7 +2,7 @@
 # The release build everything shipped comes from (make build, make demo, make dist, make container):
 # the Swift runtime is linked statically (--static-swift-stdlib for the programs, -static-stdlib for
 # libreuseportlb.so in Package.swift), so the results need only Debian's runtime libraries
-# (libbpf1, libxdp1, libelf1, zlib1g, libstdc++6, libgcc-s1, libc6), not a Swift toolchain.
+# (libbpf1, libxdp1, libelf1, libyaml-0-2, zlib1g, libstdc++6, libgcc-s1, libc6), not a Swift toolchain.
 # Products are built one by one: a plain `swift build` would also build the test-only TestSupport
 # target, whose Testing module has no static version.
 # Prints the build's output only if it fails (dependencies' warnings are not ours); BUILD_LOG names

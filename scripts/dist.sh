@@ -77,7 +77,7 @@ fi
 cat >"$stage/share/doc/udp-fanout/DEPENDENCIES" <<TXT
 udp-fanout $version for Linux $arch. The programs and libreuseportlb.so carry the Swift runtime;
 on Debian 12 (bookworm) or later they need only:
-  apt-get install libbpf1 libxdp1 libelf1 zlib1g libstdc++6 libgcc-s1
+  apt-get install libbpf1 libxdp1 libelf1 libyaml-0-2 zlib1g libstdc++6 libgcc-s1
 Unpack into a prefix (e.g. tar -C /usr/local --strip-components=1 -xzf $name.tar.gz);
 reuseportlb.pc is relocatable (PKG_CONFIG_PATH=<prefix>/lib/pkgconfig).
 TXT
@@ -85,4 +85,4 @@ tar -C dist -czf "dist/$name.tar.gz" --owner=0 --group=0 "$name"
 echo "dist: dist/$name.tar.gz ($(du -h "dist/$name.tar.gz" | cut -f1)): $(cd "$stage" && find . -type f -o -type l | wc -l) files"
 echo "dist: libreuseportlb.so.$version exports only the reuseportlb_* C API (version LIBREUSEPORTLB_0)"
 echo "dist: man pages (share/man/man1) and bash, zsh and fish completions of udp-fanout, collector, publisher"
-echo "dist: needs only Debian's libbpf1 libxdp1 libelf1 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
+echo "dist: needs only Debian's libbpf1 libxdp1 libelf1 libyaml-0-2 zlib1g libstdc++6 libgcc-s1 (checked with readelf; no /opt/swift run path)"
