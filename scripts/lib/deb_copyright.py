@@ -39,12 +39,20 @@ def license_of(text):
     return None
 
 
+# Packages of Package.resolved that only the tests use (Yams reads the k8s/ manifests there; the
+# programs read YAML with Debian's libyaml-0-2, a Depends:).
+TEST_ONLY = {"yams"}
+
+
 def main():
     template, resolved, checkouts, out = sys.argv[1:5]
     notice_dir = sys.argv[5] if len(sys.argv) > 5 else None
     pins = json.load(open(resolved))["pins"]
     paragraphs = []
     for pin in sorted(pins, key=lambda p: p["identity"]):
+        # Test-only dependencies are not in the programs.
+        if pin["identity"] in TEST_ONLY:
+            continue
         url = pin["location"]
         name = os.path.basename(url.rstrip("/"))
         if name.endswith(".git"):
