@@ -11,8 +11,10 @@
 #      one with an invalid file, and stops one downstream;
 #   4. through Prometheus' HTTP API: every panel query of the dashboard (and its variables) must
 #      return series; every alert's expression is evaluated, and the rules evaluate without error.
-# Everything listens on and sends to 127.0.0.1, on fixed ports MONITORING_PORT_BASE (47300) to
-# +23, all within 47000-47499; a port taken fails the run naming it. Exits non-zero on any failure.
+# Everything listens on and sends to 127.0.0.1, on fixed ports MONITORING_PORT_BASE (31300) to
+# +23, outside the kernel's ephemeral range (net.ipv4.ip_local_port_range), so no socket the
+# kernel gives a port to takes one between the check and the bind; a port taken fails the run
+# naming it. Exits non-zero on any failure.
 # BIN_DIR holds udp-fanout, collector and publisher (e.g. .build/debug, or a copy of it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,9 +48,11 @@ rules=$root/monitoring/prometheus/udp-fanout-rules.yml
 rules_test=$root/monitoring/prometheus/udp-fanout-rules.test.yml
 dashboard=$root/monitoring/grafana/udp-fanout.json
 
-base=${MONITORING_PORT_BASE:-47300}
-{ [[ $base =~ ^[0-9]+$ ]] && [ "$base" -ge 47000 ] && [ $((base + 23)) -le 47499 ]; } ||
-  fail "MONITORING_PORT_BASE=$base: the ports used are BASE..BASE+23 and must lie within 47000-47499"
+base=${MONITORING_PORT_BASE:-31300}
+read -r ephemeral_low ephemeral_high </proc/sys/net/ipv4/ip_local_port_range
+{ [[ $base =~ ^[0-9]+$ ]] && [ "$base" -ge 1024 ] && [ $((base + 23)) -le 65535 ] &&
+  { [ $((base + 23)) -lt "$ephemeral_low" ] || [ "$base" -gt "$ephemeral_high" ]; }; } ||
+  fail "MONITORING_PORT_BASE=$base: the ports used are BASE..BASE+23 and must lie outside the ephemeral range $ephemeral_low-$ephemeral_high (net.ipv4.ip_local_port_range), above 1023"
 prom_port=$base
 metrics_port=$((base + 1))
 oneway_port=$((base + 2))

@@ -13,7 +13,7 @@
 #     collectors on the host, ExecReload= (RELOADING=1, READY=1), SIGTERM (STOPPING=1, exit 0); the
 #     C sample built against libreuseportlb-dev and run in the chroot;
 #  4. apt-get remove --purge: nothing left but what the design leaves (the system users).
-# Ports: 127.0.0.1, 47500-47999 only. Needs root (chroot, mounts). Processes are stopped by PID,
+# Ports: 127.0.0.1, 31500-31999 only (outside the ephemeral range). Needs root (chroot, mounts). Processes are stopped by PID,
 # mounts unmounted and the root removed on any exit; the whole run is in a private mount namespace.
 # DEB_CHECK_BASE=auto (default) | buildah | debootstrap.
 set -euo pipefail
@@ -73,12 +73,16 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# free_ports N: N distinct ports of 127.0.0.1 in 47500-47999, free for both UDP and TCP.
+# free_ports N: N distinct ports of 127.0.0.1 in 31500-31999, free for both UDP and TCP: outside
+# the kernel's ephemeral range, so nothing takes one between this check and the bind.
 free_ports() {
   python3 - "$1" <<'PY'
 import random, socket, sys
+low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+if not (31999 < low or 31500 > high):
+    sys.exit("deb-check: ports 31500-31999 are inside the ephemeral range %d-%d (net.ipv4.ip_local_port_range): move the range or the ports" % (low, high))
 chosen = []
-for port in random.sample(range(47500, 48000), 500):
+for port in random.sample(range(31500, 32000), 500):
     try:
         for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
             s = socket.socket(socket.AF_INET, kind)
@@ -90,7 +94,7 @@ for port in random.sample(range(47500, 48000), 500):
     if len(chosen) == int(sys.argv[1]):
         print(" ".join(map(str, chosen)))
         sys.exit(0)
-sys.exit("deb-check: fewer than %s free ports in 127.0.0.1:47500-47999" % sys.argv[1])
+sys.exit("deb-check: fewer than %s free ports in 127.0.0.1:31500-31999" % sys.argv[1])
 PY
 }
 in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive LC_ALL=C "$@"; }
