@@ -18,13 +18,14 @@ struct Status: AsyncParsableCommand {
             endpoint is metrics.bind of the configuration the daemon runs with (-c, as for the \
             daemon; a wildcard address is read as loopback) or --endpoint. --watch redraws the \
             screen every --interval, as top does, until interrupted (Ctrl-C); --json prints one \
-            report with the rates as JSON, for scripts (docs/udp-fanout.md, "Status").
+            report with the rates as JSON, for scripts (docs/udp-fanout.md, "Status"). Exit status: \
+            0 shown, 1 no daemon answered, 2 the file cannot be read or has no endpoint, 64 usage.
             """)
 
     @Option(name: [.customShort("c"), .long], help: "The configuration file the daemon runs with: its metrics.bind is the endpoint.")
     var config = "config.yaml"
 
-    @Option(help: "The daemon's HTTP endpoint, e.g. http://127.0.0.1:9090 (instead of reading -c).")
+    @Option(help: "The daemon's HTTP endpoint, http://HOST:PORT or HOST:PORT, e.g. http://127.0.0.1:9090 (instead of reading -c).")
     var endpoint: String?
 
     @Flag(help: "Redraw every --interval until interrupted.")
@@ -33,7 +34,7 @@ struct Status: AsyncParsableCommand {
     @Flag(help: "Print one report, with the rates, as JSON.")
     var json = false
 
-    @Option(help: "Seconds between the two reads that give the rates, and between redraws.")
+    @Option(help: "Seconds between the two reads that give the rates, and between redraws (0.1 to 3600).")
     var interval: Double = 1
 
     func validate() throws {
@@ -41,12 +42,19 @@ struct Status: AsyncParsableCommand {
             throw ValidationError("--interval \(interval) is out of range: give seconds from 0.1 to 3600")
         }
         guard !(watch && json) else { throw ValidationError("--watch and --json do not go together: --json prints one report") }
+        if let endpoint {
+            do {
+                _ = try StatusClient.statusURL(endpoint)
+            } catch {
+                throw ValidationError("\(error)")
+            }
+        }
     }
 
     func run() async throws {
         let url: String
         do {
-            url = try endpoint ?? StatusClient.endpoint(of: ConfigParser.parse(readFile(config)), path: config)
+            url = try endpoint ?? StatusClient.endpoint(configFile: config)
         } catch {
             printError("udp-fanout status: \(error)")
             throw ExitCode(2)

@@ -15,6 +15,11 @@ struct UDPFanout: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "udp-fanout",
         abstract: "Forward each UDP datagram received on a listener to downstreams; show a running daemon (status).",
+        discussion: """
+            Without a subcommand udp-fanout runs the daemon: `udp-fanout -c FILE` is `udp-fanout run \
+            -c FILE`. Its options (-c/--config, --check, -l/--log-level, --log-format, --watch-config): \
+            `udp-fanout help run`.
+            """,
         version: ProjectVersion.string,
         subcommands: [Run.self, Status.self],
         defaultSubcommand: Run.self)

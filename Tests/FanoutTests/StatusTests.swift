@@ -15,7 +15,7 @@ struct StatusTests {
     static func downstream(_ name: String, forwarded: UInt64, bytes: UInt64, health: String? = "up") -> DownstreamStatus {
         DownstreamStatus(
             name: name, address: "127.0.0.1:9", source: "static", weight: 1, inRotation: health != "down", health: health, healthSince: 1_000,
-            forwarded: forwarded, bytes: bytes, dropped: 0, droppedByReason: nil, replies: nil)
+            forwarded: forwarded, bytes: bytes, dropped: 0, droppedByReason: nil, replySent: nil)
     }
 
     static func report(time: Double, received: UInt64, tooLarge: UInt64, sink: UInt64, pid: Int32 = 7) -> StatusReport {
@@ -94,6 +94,27 @@ struct StatusTests {
         #expect(try StatusClient.endpoint(of: config, path: "c.yaml") == "http://[2001:db8::5]:9191")
         config.metrics.bind = SocketAddress("198.18.0.1:80")!
         #expect(try StatusClient.endpoint(of: config, path: "c.yaml") == "http://198.18.0.1:80")
+        // --endpoint: with or without the scheme or /status; another scheme or path is refused with the fix.
+        #expect(try StatusClient.statusURL("127.0.0.1:9191") == "http://127.0.0.1:9191/status")
+        #expect(try StatusClient.statusURL("http://[::1]:9191/") == "http://[::1]:9191/status")
+        #expect(try StatusClient.statusURL("HTTP://h:1/status") == "http://h:1/status")
+        for (bad, said) in [("https://h:1", "only http://"), ("http://h:1/metrics", "'/metrics' is a path"), ("http://", "no HOST:PORT"), ("not a url", "no HOST:PORT")] {
+            #expect {
+                try StatusClient.statusURL(bad)
+            } throws: { error in
+                "\(error)".contains(said) && "\(error)".contains("http://HOST:PORT")
+            }
+        }
+        // metrics.path may not hide /status (or the other paths the endpoint serves).
+        for reserved in Metrics.reservedPaths {
+            #expect(throws: ConfigError.self) { try ConfigParser.parse("listeners: []\nmetrics:\n  enabled: true\n  path: \(reserved)\n") }
+        }
+        // A directory given as the file: its read error, not "empty".
+        #expect {
+            try StatusClient.endpoint(configFile: "/tmp")
+        } throws: { error in
+            "\(error)".contains("cannot read /tmp: Is a directory") && "\(error)".contains("--endpoint")
+        }
         config.metrics.enabled = false
         #expect {
             try StatusClient.endpoint(of: config, path: "c.yaml")

@@ -60,6 +60,9 @@ public enum ConfigParser {
                 guard path.hasPrefix("/"), !path.contains(" ") else {
                     throw fields.error("path", "'\(path)' must start with / and contain no spaces")
                 }
+                guard !Metrics.reservedPaths.contains(path) else {
+                    throw fields.error("path", "'\(path)' is one of the endpoint's own paths (\(Metrics.reservedPaths.joined(separator: ", "))): choose another, e.g. /metrics")
+                }
                 metrics.path = path
             }
         }

@@ -393,6 +393,8 @@ public struct Metrics: Equatable, Sendable {
     /// (`0.0.0.0:9090` or the pod IP; see docs/configuration.md).
     public var bind = SocketAddress("127.0.0.1:9090")!
     public var path = "/metrics"
+    /// What the endpoint serves besides `path`, which `path` may not be.
+    public static let reservedPaths = ["/status", "/healthz", "/readyz", "/associations"]
 
     public init() {}
 }

@@ -648,5 +648,9 @@ package func readFile(_ path: String) throws(ConfigError) -> String {
         if count <= 0 { break }
         bytes += buffer[0..<count]
     }
+    // fopen opens a directory; reading it fails with EISDIR (not an empty file).
+    if ferror(file) != 0 {
+        throw ConfigError("--config", "cannot read \(path): \(String(decoding: Array(String(cString: strerror(errno)).utf8), as: UTF8.self))")
+    }
     return String(decoding: bytes, as: UTF8.self)
 }

@@ -8,6 +8,8 @@ import ReusePortLB
 /// Why `udp-fanout status` could not show the daemon, each with the fix.
 package enum StatusClientError: Error, CustomStringConvertible {
     case endpointDisabled(config: String)
+    case badEndpoint(String, problem: String)
+    case config(path: String, ConfigError)
     case unreachable(url: String, problem: String)
     case httpStatus(url: String, status: Int, body: String)
     case notStatus(url: String, problem: String)
@@ -16,6 +18,10 @@ package enum StatusClientError: Error, CustomStringConvertible {
         switch self {
         case .endpointDisabled(let config):
             return "\(config) has no HTTP endpoint (metrics.enabled is false): /status is served there; set metrics.enabled: true and reload, or pass --endpoint http://HOST:PORT"
+        case .badEndpoint(let endpoint, let problem):
+            return "--endpoint '\(endpoint)': \(problem); give the daemon's HTTP endpoint as http://HOST:PORT (its metrics.bind)"
+        case .config(let path, let error):
+            return "cannot find the endpoint in \(path): \(error); pass -c with the file the daemon runs with (e.g. /etc/udp-fanout/config.yaml), or --endpoint http://HOST:PORT"
         case .unreachable(let url, let problem):
             return "cannot reach udp-fanout at \(url): \(problem); is udp-fanout running with this configuration? (or pass --endpoint http://HOST:PORT)"
         case .httpStatus(let url, let status, let body):
@@ -42,11 +48,41 @@ package enum StatusClient {
         }
     }
 
-    /// One report from `endpoint` (`http://HOST:PORT`, with or without a trailing `/status`).
+    /// The status URL of `endpoint`: `http://HOST:PORT` (or `HOST:PORT`), with or without `/status`.
+    package static func statusURL(_ endpoint: String) throws(StatusClientError) -> String {
+        var rest = Substring(endpoint)
+        if let scheme = endpoint.firstRange(of: "://") {
+            guard endpoint[..<scheme.lowerBound].lowercased() == "http" else {
+                throw .badEndpoint(endpoint, problem: "only http:// is served (the endpoint has no TLS)")
+            }
+            rest = endpoint[scheme.upperBound...]
+        }
+        let host = rest.prefix { $0 != "/" }
+        var path = rest.dropFirst(host.count)
+        while path.hasSuffix("/") { path.removeLast() }
+        guard !host.isEmpty, !host.contains(where: { $0 == " " || $0 == "@" || $0 == "?" || $0 == "#" }) else {
+            throw .badEndpoint(endpoint, problem: "no HOST:PORT in it")
+        }
+        guard path.isEmpty || path == "/status" else {
+            throw .badEndpoint(endpoint, problem: "'\(path)' is a path; /status is read from the endpoint's root")
+        }
+        return "http://\(host)/status"
+    }
+
+    /// The endpoint of the configuration file at `path` (see ``endpoint(of:path:)``).
+    package static func endpoint(configFile path: String) throws(StatusClientError) -> String {
+        let config: FanoutConfig
+        do {
+            config = try ConfigParser.parse(readFile(path))
+        } catch {
+            throw .config(path: path, error)
+        }
+        return try endpoint(of: config, path: path)
+    }
+
+    /// One report from `endpoint` (``statusURL(_:)``).
     package static func fetch(_ endpoint: String, timeout: Duration = .seconds(3)) async throws(StatusClientError) -> StatusReport {
-        var base = endpoint
-        while base.hasSuffix("/") { base.removeLast() }
-        let url = base.hasSuffix("/status") ? base : base + "/status"
+        let url = try statusURL(endpoint)
         var request = HTTPClientRequest(url: url)
         request.headers.add(name: "Accept", value: "application/json")
         request.headers.add(name: "User-Agent", value: "udp-fanout status")
@@ -58,7 +94,9 @@ package enum StatusClient {
             code = Int(response.status.code)
             body = Array(buffer: try await response.body.collect(upTo: 64 << 20))
         } catch {
-            throw .unreachable(url: url, problem: "\(error)")
+            // NIO's text for a refused connect reads "connection reset (error set): Connection refused) (errno: 111)".
+            let text = "\(error)"
+            throw .unreachable(url: url, problem: text.contains("Connection refused") ? "connection refused" : text)
         }
         guard code == 200 else {
             throw .httpStatus(url: url, status: code, body: String(decoding: body.prefix(300), as: UTF8.self).trimmingTrailingNewlines)

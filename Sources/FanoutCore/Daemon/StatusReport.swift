@@ -92,7 +92,7 @@ package struct DownstreamStatus: Codable, Sendable, Equatable {
     /// Drops by reason where the kind counts them per downstream (tc_ebpf, xdp).
     package var droppedByReason: [String: UInt64]?
     /// Two-way listeners: replies from this downstream sent on to clients.
-    package var replies: UInt64?
+    package var replySent: UInt64?
     package var rates: Rates?
 }
 
@@ -105,6 +105,7 @@ package struct Rates: Codable, Sendable, Equatable {
     package var bytesForwarded: Double?
     package var dropped: Double?
     package var noHealthy: Double?
+    package var receiveQueueDrops: Double?
     package var replies: Double?
     package var droppedByReason: [String: Double]?
 
@@ -149,7 +150,7 @@ extension FanoutDaemon {
                     health: target.map { $0.up ? "up" : "down" }, healthSince: target?.since,
                     forwarded: sent?.forwarded ?? 0, bytes: sent?.bytes ?? 0, dropped: sent?.dropped ?? 0,
                     droppedByReason: snapshot.downstreamDropped[member.name].map(Self.named),
-                    replies: snapshot.twoWay.map { $0.downstreamReplies[member.name] ?? 0 })
+                    replySent: snapshot.twoWay.map { $0.downstreamReplies[member.name] ?? 0 })
             }
             let own = (members[listener.name] ?? []).filter { $0.pool == nil }
             let sources = Self.sources(of: own, listener: listener, discovered: discovered[listener.name])

@@ -23,7 +23,7 @@ package enum StatusView {
                 rates.forwarded = rate(downstream.forwarded, old.forwarded)
                 rates.bytesForwarded = rate(downstream.bytes, old.bytes)
                 rates.dropped = rate(downstream.dropped, old.dropped)
-                rates.replies = rate(downstream.replies, old.replies)
+                rates.replies = rate(downstream.replySent, old.replySent)
                 downstream.rates = rates
                 return downstream
             }
@@ -38,6 +38,7 @@ package enum StatusView {
             rates.bytesForwarded = rate(listener.bytesForwarded, old.bytesForwarded)
             rates.dropped = rate(listener.dropped.values.reduce(0, +), old.dropped.values.reduce(0, +))
             rates.noHealthy = rate(listener.noHealthy, old.noHealthy)
+            rates.receiveQueueDrops = rate(listener.receiveQueueDrops, old.receiveQueueDrops)
             rates.replies = rate(listener.replySent, old.replySent)
             rates.droppedByReason = byReason(listener.dropped, old.dropped)
             report.listeners[index].rates = rates
@@ -70,7 +71,7 @@ package enum StatusView {
             lines.append(
                 "  in  \(count(rates?.received)) dgram/s  \(bytes(rates?.bytesReceived))/s"
                     + "   out \(count(rates?.forwarded)) dgram/s  \(bytes(rates?.bytesForwarded))/s"
-                    + "   dropped \(count(rates?.dropped))/s   no healthy \(count(rates?.noHealthy))/s")
+                    + "   dropped \(count(rates?.dropped))/s   no healthy \(count(rates?.noHealthy))/s   queue drops \(count(rates?.receiveQueueDrops))/s")
             lines.append(
                 "  total in \(grouped(listener.received)) (\(grouped(listener.bytesReceived)) B), out \(grouped(listener.forwarded)) (\(grouped(listener.bytesForwarded)) B), receive queue drops \(grouped(listener.receiveQueueDrops))")
             if !listener.dropped.isEmpty {

@@ -340,9 +340,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil,
                         until: Int64? = nil) {
         let fd = session.socket
+        let deadline = until ?? now + (drain ?? drainMilliseconds)
         bySocket[fd] = nil
         if !bounded { sessionCount.forceDraining() }
         guard !bounded || sessionCount.admitDraining() else {
+            // What it holds already is relayed within the drain time, else counted drained.
+            _ = receiveQueued(fd, for: session, counter: counter, counting: .leaving(counter), budget: .max, relaying: monotonicMilliseconds() < deadline)
             session.closeSocket()  // close removes it from the epoll set
             logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted (raise settings.max_sessions or lower settings.drain_secs)",
                        DrainingLimitReached(downstream: session.downstream.address, limit: sessionCount.maxSessions))
@@ -351,7 +354,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // The descriptor moves, still in the epoll set: the session makes a new one when its
         // client next sends.
         session.socket = -1
-        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: until ?? now + (drain ?? drainMilliseconds), now: now)
+        draining[fd] = DrainingSocket(socket: fd, session: session, counter: counter, until: deadline, now: now)
     }
 
     // MARK: Client → downstream
