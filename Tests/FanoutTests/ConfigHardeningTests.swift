@@ -66,6 +66,26 @@ struct ConfigHardeningTests {
         #expect(check.stderr.contains("listeners[0].settings.workers"), "\(check.stderr)")
     }
 
+    @Test("The YAML loader refuses nesting beyond its own bound (a kubeconfig has no pre-scan) and merge keys that multiply, instead of exhausting the stack or memory")
+    func loaderBounds() throws {
+        let deep = "a: " + String(repeating: "[", count: 5000) + String(repeating: "]", count: 5000) + "\n"
+        #expect {
+            _ = try YAMLComposer.compose(deep)
+        } throws: { error in
+            "\(error)".contains("nested deeper than 512 levels")
+        }
+        #expect(try YAMLComposer.compose("a: " + String(repeating: "[", count: 500) + String(repeating: "]", count: 500) + "\n") != nil)
+        // Each level merges the previous one ten times: 10^6 pairs at the last.
+        var bomb = "l0: &l0 {k: v}\n"
+        for level in 1...6 { bomb += "l\(level): &l\(level) {<<: [" + Array(repeating: "*l\(level - 1)", count: 10).joined(separator: ", ") + "]}\n" }
+        bomb += "<<: *l6\nclusters: []\n"
+        #expect {
+            _ = try KubernetesCredentials.Kubeconfig(bomb)
+        } throws: { error in
+            "\(error)".contains("bring more than 100000 pairs")
+        }
+    }
+
     @Test("A file larger than the limit is refused with its size")
     func size() throws {
         let big = Self.base + "# " + String(repeating: "x", count: ConfigLimits.maximumBytes) + "\n"

@@ -200,6 +200,11 @@ enum YAMLComposer {
         let parser: UnsafeMutablePointer<yaml_parser_t>
         let text: String
         var anchors: [String: YAMLNode] = [:]
+        /// Collections open now: the composition recurses once per level, so a file nested
+        /// deeper than ``maximumDepth`` (a kubeconfig, which no pre-scan bounds) is refused
+        /// rather than exhausting the stack.
+        var depth = 0
+        static let maximumDepth = 512
 
         init(parser: UnsafeMutablePointer<yaml_parser_t>, text: String) {
             self.parser = parser
@@ -230,7 +235,11 @@ enum YAMLComposer {
                 return target
             case YAML_SCALAR_EVENT:
                 node = .scalar(YAMLScalar(string: event.value, tag: event.tag, style: event.style, mark: event.mark))
+            case YAML_SEQUENCE_START_EVENT where depth >= Self.maximumDepth, YAML_MAPPING_START_EVENT where depth >= Self.maximumDepth:
+                throw .syntax(context: nil, problem: "nested deeper than \(Self.maximumDepth) levels", mark: event.mark)
             case YAML_SEQUENCE_START_EVENT:
+                depth += 1
+                defer { depth -= 1 }
                 var items: [YAMLNode] = []
                 var item = try next()
                 while item.type != YAML_SEQUENCE_END_EVENT {
@@ -239,6 +248,8 @@ enum YAMLComposer {
                 }
                 node = .sequence(YAMLSequence(nodes: items, tag: event.tag, mark: event.mark))
             case YAML_MAPPING_START_EVENT:
+                depth += 1
+                defer { depth -= 1 }
                 var pairs: [(key: YAMLNode, value: YAMLNode)] = []
                 var item = try next()
                 while item.type != YAML_MAPPING_END_EVENT {

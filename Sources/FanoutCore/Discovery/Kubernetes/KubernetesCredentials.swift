@@ -135,7 +135,7 @@ struct KubernetesCredentials: Sendable {
     /// YAMLDecoder read it: a key that is absent or null (`~`, `null`, empty) is nil, `<<` merges
     /// a mapping in, the last of a repeated key wins, true/yes/on and false/no/off are booleans,
     /// and a value of the wrong kind is an error naming its key and line.
-    private struct Kubeconfig {
+    struct Kubeconfig {
         struct NamedCluster { var name: String?; var cluster: Cluster? }
         struct Cluster {
             var server: String?
@@ -218,11 +218,18 @@ struct KubernetesCredentials: Sendable {
             init(_ node: YAMLNode, path: String) throws(Problem) {
                 guard case .mapping(let mapping) = node else { throw Problem("\(path.isEmpty ? "the document" : path) is not a mapping (line \(node.mark.line))") }
                 self.path = path
-                pairs = Self.merged(mapping)
+                var budget = Self.maximumMergedPairs
+                pairs = try Self.merged(mapping, budget: &budget)
             }
 
+            /// Merge keys (`<<`) of aliases of aliases grow exponentially: a mapping whose merges
+            /// bring more pairs than this is refused.
+            static let maximumMergedPairs = 100_000
+
             /// Merged pairs first, so the mapping's own keys (later) win.
-            static func merged(_ mapping: YAMLMapping) -> [(key: YAMLNode, value: YAMLNode)] {
+            static func merged(_ mapping: YAMLMapping, budget: inout Int) throws(Problem) -> [(key: YAMLNode, value: YAMLNode)] {
+                budget -= mapping.pairs.count
+                guard budget >= 0 else { throw Problem("merge keys (<<) at line \(mapping.mark.line) bring more than \(maximumMergedPairs) pairs") }
                 var merge: [(key: YAMLNode, value: YAMLNode)] = []
                 var own: [(key: YAMLNode, value: YAMLNode)] = []
                 for pair in mapping {
@@ -233,9 +240,9 @@ struct KubernetesCredentials: Sendable {
                         continue
                     }
                     switch pair.value {
-                    case .mapping(let inner): merge += merged(inner)
+                    case .mapping(let inner): merge += try merged(inner, budget: &budget)
                     case .sequence(let list):
-                        for case .mapping(let inner) in list.reversed() { merge += merged(inner) }
+                        for case .mapping(let inner) in list.reversed() { merge += try merged(inner, budget: &budget) }
                     case .scalar: break
                     }
                 }
