@@ -32,7 +32,7 @@ source scripts/lib/smoke.sh
 version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 debversion="$version-${DEB_REVISION:-1}"
 arch=$(dpkg --print-architecture)
-multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null)
+multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null) || { echo "deb-check: dpkg-architecture failed: install dpkg-dev (scripts/setup.sh does, as root)" >&2; exit 1; }
 packages=(udp-fanout libreuseportlb0 libreuseportlb-dev)
 debs=()
 for package in "${packages[@]}"; do
@@ -56,6 +56,14 @@ cleanup() {
   set +e
   [ -n "$daemon" ] && kill -TERM "$daemon" 2>/dev/null
   for pid in "${pids[@]}" $listener; do kill -TERM "$pid" 2>/dev/null; done
+  # At most 5 s for them to end, then SIGKILL: a child that ignores SIGTERM must not hold the exit.
+  for _ in $(seq 50); do
+    alive=""
+    for pid in $daemon "${pids[@]}" $listener; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ -z "$alive" ] && break
+    sleep 0.1
+  done
+  for pid in $daemon "${pids[@]}" $listener; do kill -KILL "$pid" 2>/dev/null; done
   wait 2>/dev/null
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount "${mounts[i]}" 2>/dev/null || umount -l "${mounts[i]}"; done
   if [ -n "$container" ]; then
@@ -359,7 +367,9 @@ pc=$(PKG_CONFIG_LIBDIR="$root/usr/lib/$multiarch/pkgconfig" PKG_CONFIG_SYSROOT_D
 say "\$ pkg-config --cflags --libs reuseportlb (the root's .pc): ${pc//$root/ROOT}"
 # shellcheck disable=SC2086
 cc -Wall -Werror -o "$root/tmp/udp-fanout-check/steering" "$root/usr/share/doc/libreuseportlb-dev/examples/steering.c" $pc
-readelf -d "$root/tmp/udp-fanout-check/steering" | grep -q 'RUNPATH\|RPATH' && fail "the sample got a run path from reuseportlb.pc"
+# Read whole first: under pipefail, grep -q ending early could fail readelf and hide a match.
+dynamic=$(readelf -d "$root/tmp/udp-fanout-check/steering")
+if grep -q 'RUNPATH\|RPATH' <<<"$dynamic"; then fail "the sample got a run path from reuseportlb.pc"; fi
 say "ldconfig (trigger of libreuseportlb0): $(in_root ldconfig -p | grep -m1 'libreuseportlb.so.0' | sed 's/^\s*//')"
 output=$(in_root /tmp/udp-fanout-check/steering "$c_port" 2>&1) || fail "the C sample exited $?: $output"
 say "\$ steering $c_port (in the root): $output"

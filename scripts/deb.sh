@@ -19,7 +19,7 @@ source scripts/lib/manpages.sh
 version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 debversion="$version-${DEB_REVISION:-1}"
 arch=$(dpkg --print-architecture)
-multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null)
+multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null) || { echo "deb: dpkg-architecture failed: install dpkg-dev (scripts/setup.sh does, as root)" >&2; exit 1; }
 maintainer=${DEB_MAINTAINER:-$(git log -1 --format='%an <%ae>')}
 commit=$(git rev-parse --short=12 HEAD)
 export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct)}

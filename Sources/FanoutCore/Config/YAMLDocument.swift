@@ -313,10 +313,8 @@ enum YAMLComposer {
             case YAML_MEMORY_ERROR:
                 return .memory
             case YAML_READER_ERROR:
-                // libyaml counts bytes; the message counts characters (nil inside one).
-                let index = text.utf8.index(text.utf8.startIndex, offsetBy: state.problem_offset, limitedBy: text.utf8.endIndex)?
-                    .samePosition(in: text)
-                return .reader(problem: problem, offset: index.map { text.distance(from: text.startIndex, to: $0) })
+                // The byte offset, as libyaml counts and the message ("at byte N") says.
+                return .reader(problem: problem, offset: Int(state.problem_offset))
             default:
                 let context = state.context.map {
                     YAMLError.Context(
