@@ -226,8 +226,13 @@ struct StatusTests {
         #expect(lines.contains { $0.hasPrefix("  echo ") && $0.contains(" up ") }, "\(screen)")
         // Ctrl-C ends it, as it ends top.
         _ = try Self.tmux(socket, ["send-keys", "-t", "status", "C-c"])
-        try await Task.sleep(for: .milliseconds(500))
-        let after = try Self.tmux(socket, ["capture-pane", "-p", "-t", "status"])
+        // The pane closes with its command, and the session with it: capture-pane then fails.
+        var after = try Self.tmux(socket, ["capture-pane", "-p", "-t", "status"])
+        let stopBy = ContinuousClock.now + .seconds(10)
+        while after.status == 0 && after.output.contains("LISTENER") && ContinuousClock.now < stopBy {
+            try await Task.sleep(for: .milliseconds(100))
+            after = try Self.tmux(socket, ["capture-pane", "-p", "-t", "status"])
+        }
         #expect(after.status != 0 || !after.output.contains("LISTENER"), "still drawing after Ctrl-C: \(after.output)")
 
         // --json: one report with rates, for scripts.
