@@ -22,26 +22,22 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
   echo "setup: Debian packages present (${packages[*]})"
 fi
-# The k8s/ manifest validation test (DeploymentManifestTests) runs kubernetes-validate from PyPI.
-if python3 -c 'import kubernetes_validate' 2>/dev/null; then
-  echo "setup: kubernetes-validate present"
-else
-  echo "setup: installing kubernetes-validate 1.37.0 (pip)"
-  python3 -m pip install --quiet 'kubernetes-validate==1.37.0' || {
-    echo "setup: could not install kubernetes-validate with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install kubernetes-validate==1.37.0" >&2
+# pip_tool MODULE PACKAGE VERSION: installs a Python tool from PyPI unless MODULE imports.
+pip_tool() {
+  if python3 -c "import $1" 2>/dev/null; then
+    echo "setup: $2 present"
+    return 0
+  fi
+  echo "setup: installing $2 $3 (pip)"
+  python3 -m pip install --quiet "$2==$3" || {
+    echo "setup: could not install $2 with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install $2==$3" >&2
     exit 1
   }
-fi
-# The configuration schema test (ConfigSchemaTests) runs check-jsonschema from PyPI.
-if python3 -c 'import check_jsonschema' 2>/dev/null; then
-  echo "setup: check-jsonschema present"
-else
-  echo "setup: installing check-jsonschema 0.33.0 (pip)"
-  python3 -m pip install --quiet 'check-jsonschema==0.33.0' || {
-    echo "setup: could not install check-jsonschema with '$(command -v python3) -m pip': install pip for it (Debian: python3-pip, or a venv) and run: python3 -m pip install check-jsonschema==0.33.0" >&2
-    exit 1
-  }
-fi
+}
+# The k8s/ manifest validation test (DeploymentManifestTests) runs kubernetes-validate.
+pip_tool kubernetes_validate kubernetes-validate 1.37.0
+# The configuration schema test (ConfigSchemaTests) runs check-jsonschema.
+pip_tool check_jsonschema check-jsonschema 0.33.0
 if [ "$(stat -f -c %T /sys/fs/bpf 2>/dev/null)" = "bpf_fs" ]; then
   echo "setup: bpffs already mounted at /sys/fs/bpf"
 elif [ "$(id -u)" = 0 ]; then
