@@ -290,7 +290,7 @@ metrics = {
     'type': 'object', 'additionalProperties': False,
     'description': 'The HTTP endpoint: Prometheus text, /healthz and /readyz.',
     'properties': {
-        'enabled': boolean('Serve /metrics (or path), /healthz and /readyz.', False),
+        'enabled': boolean('Serve /metrics (or path), /status, /healthz, /readyz and /associations.', False),
         'bind': {'description': 'TCP address of the endpoint. Default 127.0.0.1:9090 (loopback); 0.0.0.0:9090, [::]:9090 or the pod IP let scrapers and kubelets on other hosts reach it.', 'default': '127.0.0.1:9090', 'allOf': [ref('metrics-address')]},
         'path': {'description': 'Path of the Prometheus text: starts with /, no spaces.', 'default': '/metrics',
                  'anyOf': [{'type': 'string', 'pattern': PATH, 'not': {'pattern': CONTROL}}, ref('yaml-binary')]},

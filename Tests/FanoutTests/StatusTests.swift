@@ -26,7 +26,7 @@ struct StatusTests {
             downstreams: [downstream("sink-1", forwarded: sink, bytes: sink * 100), downstream("sink-2", forwarded: 0, bytes: 0, health: "down")],
             pools: [])
         return StatusReport(
-            version: "1.2.3", pid: pid, startedAt: 900, time: time, ready: true, notReady: [], healthy: true, problems: [],
+            version: "1.2.3", pid: pid, startedAt: 900, time: time, monotonic: time - 800, ready: true, notReady: [], healthy: true, problems: [],
             reloads: Reloads(ok: 2, rejected: 1), healthProtocol: "udp_echo", healthIntervalSecs: 1, listeners: [listener])
     }
 
@@ -104,6 +104,12 @@ struct StatusTests {
             } throws: { error in
                 "\(error)".contains(said) && "\(error)".contains("http://HOST:PORT")
             }
+        }
+        // metrics.bind needs a fixed port.
+        #expect {
+            try ConfigParser.parse("listeners: []\nmetrics:\n  enabled: true\n  bind: \"127.0.0.1:0\"\n")
+        } throws: { error in
+            "\(error)".contains("metrics.bind") && "\(error)".contains("port 0")
         }
         // metrics.path may not hide /status (or the other paths the endpoint serves).
         for reserved in Metrics.reservedPaths {

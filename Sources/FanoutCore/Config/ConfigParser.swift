@@ -56,6 +56,9 @@ public enum ConfigParser {
             try fields.allow(["enabled", "bind", "path"])
             metrics.enabled = try fields.bool("enabled") ?? metrics.enabled
             metrics.bind = try fields.address("bind") ?? metrics.bind
+            guard metrics.bind.port != 0 else {
+                throw fields.error("bind", "port 0 would serve on a port chosen at each start, which Prometheus, probes and udp-fanout status cannot find: give a fixed one (e.g. 127.0.0.1:9090)")
+            }
             if let path = try fields.string("path") {
                 guard path.hasPrefix("/"), !path.contains(" ") else {
                     throw fields.error("path", "'\(path)' must start with / and contain no spaces")

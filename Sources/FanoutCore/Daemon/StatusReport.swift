@@ -15,6 +15,9 @@ package struct StatusReport: Codable, Sendable, Equatable {
     package var startedAt: Double
     /// When this report was made, seconds since the epoch.
     package var time: Double
+    /// The daemon's monotonic clock then (seconds): what rates divide by, so a wall-clock step
+    /// between two reports does not skew them.
+    package var monotonic: Double
     /// `/readyz`: true, or false with `notReady` saying why.
     package var ready: Bool
     package var notReady: [String]
@@ -180,7 +183,7 @@ extension FanoutDaemon {
                 downstreams: zip(own, sources).map { status($0, source: $1) }, pools: pools))
         }
         return StatusReport(
-            version: ProjectVersion.string, pid: getpid(), startedAt: ProcessMetrics.startTime() ?? 0, time: WallClock.seconds(),
+            version: ProjectVersion.string, pid: getpid(), startedAt: ProcessMetrics.startTime() ?? 0, time: WallClock.seconds(), monotonic: Double(monotonicMilliseconds()) / 1000,
             ready: reasons.isEmpty, notReady: reasons, healthy: problems.isEmpty, problems: problems,
             reloads: Reloads(ok: reloadsOK.load(ordering: .relaxed), rejected: reloadsRejected.load(ordering: .relaxed)),
             healthProtocol: config.health.enabled ? config.health.proto : nil,

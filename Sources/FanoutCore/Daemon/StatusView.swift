@@ -4,7 +4,7 @@ package enum StatusView {
     /// matched by name; a counter that went back, as after a restart, gets no rate).
     package static func rates(from previous: StatusReport, to current: StatusReport) -> StatusReport {
         var report = current
-        let seconds = current.time - previous.time
+        let seconds = current.monotonic - previous.monotonic
         guard seconds > 0, previous.pid == current.pid, previous.startedAt == current.startedAt else { return report }
         report.intervalSeconds = seconds
         func rate(_ now: UInt64?, _ before: UInt64?) -> Double? {
