@@ -287,42 +287,15 @@ struct Fields {
 
     func int(_ name: String, in range: ClosedRange<Int>) throws(ConfigError) -> Int? {
         guard let value = self[name] else { return nil }
-        let expected = "expected a whole number in \(range.lowerBound)...\(range.upperBound)"
-        // YAML 1.1 base 60 (1:30 is 90), read here: the YAML library's own reading traps on overflow.
-        if case .scalar(let scalar) = value, scalar.style == .plain, scalar.string.contains(":") {
-            guard let int = try Self.sexagesimal(scalar.string, range: range, name: name, fields: self) else { throw error(name, expected) }
+        switch value.integer {
+        case .value(let int)?:
+            guard range.contains(int) else { throw error(name, "\(int) is out of range \(range.lowerBound)...\(range.upperBound)") }
             return int
+        case .tooLarge?:
+            throw error(name, "\(value.string ?? "") is out of range \(range.lowerBound)...\(range.upperBound)")
+        case nil:
+            throw error(name, "expected a whole number in \(range.lowerBound)...\(range.upperBound)")
         }
-        guard let int = value.int else { throw error(name, expected) }
-        guard range.contains(int) else { throw error(name, "\(int) is out of range \(range.lowerBound)...\(range.upperBound)") }
-        return int
-    }
-
-    /// A YAML 1.1 base 60 integer (`[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+`): nil if `text` is not
-    /// one; out of range (not an overflow) if its value is too large for a number.
-    static func sexagesimal(_ text: String, range: ClosedRange<Int>, name: String, fields: Fields) throws(ConfigError) -> Int? {
-        var parts = text.split(separator: ":", omittingEmptySubsequences: false).map(String.init)
-        parts[0] = parts[0].filter { $0 != "_" }
-        var negative = false
-        if let sign = parts[0].first, sign == "-" || sign == "+" {
-            negative = sign == "-"
-            parts[0].removeFirst()
-        }
-        guard parts.count > 1, let first = parts[0].first, first != "0",
-              parts.allSatisfy({ !$0.isEmpty && $0.allSatisfy(\.isASCII) && $0.allSatisfy(\.isNumber) }),
-              parts.dropFirst().allSatisfy({ $0.count <= 2 && Int($0)! < 60 })
-        else { return nil }
-        var total = 0
-        for part in parts {
-            guard let digits = Int(part) else { throw fields.error(name, "\(text) is out of range \(range.lowerBound)...\(range.upperBound)") }
-            let (shifted, over) = total.multipliedReportingOverflow(by: 60)
-            let (sum, carry) = shifted.addingReportingOverflow(digits)
-            guard !over && !carry else { throw fields.error(name, "\(text) is out of range \(range.lowerBound)...\(range.upperBound)") }
-            total = sum
-        }
-        let value = negative ? -total : total
-        guard range.contains(value) else { throw fields.error(name, "\(text) (\(value)) is out of range \(range.lowerBound)...\(range.upperBound)") }
-        return value
     }
 
     func choice(_ name: String, _ choices: [String]) throws(ConfigError) -> String? {

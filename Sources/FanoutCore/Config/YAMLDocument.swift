@@ -63,6 +63,13 @@ enum YAMLError: Error, Sendable {
     }
 }
 
+/// How a plain scalar reads as an integer (``YAMLNode/integer``).
+enum YAMLInteger: Equatable {
+    case value(Int)
+    /// Base 60 whose value does not fit an Int.
+    case tooLarge
+}
+
 extension YAMLNode {
     var mark: YAMLMark {
         switch self {
@@ -95,46 +102,45 @@ extension YAMLNode {
     }
 
     /// A plain scalar that is a YAML 1.1 integer: decimal with an optional sign, 0x hex, 0b
-    /// binary, 0o or 0 octal, `_` anywhere ignored, base 60 (1:30); nil otherwise, and nil for a
-    /// value too large for an Int.
-    var int: Int? {
+    /// binary, 0o or 0 octal, `_` anywhere ignored, base 60 (1:30, see ``sexagesimal(_:)``); nil
+    /// otherwise, and nil for a value too large for an Int but in base 60, which says so.
+    var integer: YAMLInteger? {
         guard case .scalar(let scalar) = self, scalar.style == .plain else { return nil }
         let withSign = scalar.string.filter { $0 != "_" }
-        if withSign == "0" { return 0 }
+        if withSign == "0" { return .value(0) }
         let negative = withSign.hasPrefix("-")
         let signPrefix = negative ? "-" : ""
         let digits = withSign.dropFirst(negative || withSign.hasPrefix("+") ? 1 : 0)
         for (prefix, radix) in [("0x", 16), ("0b", 2), ("0o", 8), ("0", 8)] where digits.hasPrefix(prefix) {
-            return Int(signPrefix + digits.dropFirst(prefix.count), radix: radix)
+            return Int(signPrefix + digits.dropFirst(prefix.count), radix: radix).map(YAMLInteger.value)
         }
-        if digits.contains(":") { return Self.sexagesimal(withSign) }
-        return Int(withSign)
+        if digits.contains(":") { return Self.sexagesimal(scalar.string) }
+        return Int(withSign).map(YAMLInteger.value)
     }
 
-    /// `[-+]?d:d:...` in base 60; parts that are not numbers are skipped (as Yams did); nil on
-    /// overflow (Yams trapped).
-    private static func sexagesimal(_ text: String) -> Int? {
-        var body = Substring(text)
-        var sign = 1
-        if body.hasPrefix("-") {
-            sign = -1
-            body = body.dropFirst()
-        } else if body.hasPrefix("+") {
-            body = body.dropFirst()
+    /// YAML 1.1 base 60, `[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+` (1:30 is 90): nil if `text` is not
+    /// one, ``YAMLInteger/tooLarge`` if its value does not fit an Int (Yams trapped there).
+    private static func sexagesimal(_ text: String) -> YAMLInteger? {
+        var parts = text.split(separator: ":", omittingEmptySubsequences: false).map(String.init)
+        parts[0] = parts[0].filter { $0 != "_" }
+        var negative = false
+        if let sign = parts[0].first, sign == "-" || sign == "+" {
+            negative = sign == "-"
+            parts[0].removeFirst()
         }
-        var value = 0
-        var base = 1
-        var baseOverflowed = false
-        for part in body.split(separator: ":", omittingEmptySubsequences: false).compactMap({ Int($0, radix: 10) }).reversed() {
-            guard !baseOverflowed else { return nil }
-            let (product, productOverflow) = part.multipliedReportingOverflow(by: base)
-            let (sum, sumOverflow) = value.addingReportingOverflow(product)
-            guard !productOverflow, !sumOverflow else { return nil }
-            value = sum
-            (base, baseOverflowed) = base.multipliedReportingOverflow(by: 60)
+        guard parts.count > 1, let first = parts[0].first, first != "0",
+              parts.allSatisfy({ !$0.isEmpty && $0.allSatisfy(\.isASCII) && $0.allSatisfy(\.isNumber) }),
+              parts.dropFirst().allSatisfy({ $0.count <= 2 && Int($0)! < 60 })
+        else { return nil }
+        var total = 0
+        for part in parts {
+            guard let digits = Int(part) else { return .tooLarge }
+            let (shifted, over) = total.multipliedReportingOverflow(by: 60)
+            let (sum, carry) = shifted.addingReportingOverflow(digits)
+            guard !over && !carry else { return .tooLarge }
+            total = sum
         }
-        let (signed, overflow) = value.multipliedReportingOverflow(by: sign)
-        return overflow ? nil : signed
+        return .value(negative ? -total : total)
     }
 
     /// True for a null: an empty plain or quoted scalar, `~`, `null`, `Null`, `NULL`.

@@ -106,12 +106,12 @@ public final class HealthChecker: Service, Sendable {
         if changed { wake() }
     }
 
-    /// False only for a target that is down; an unknown target is not known to be down.
     /// Each target's state and since when (seconds since the epoch), for `/status`.
     func states() -> [SocketAddress: (up: Bool, since: Double)] {
         shared.withLock { $0.records.mapValues { ($0.state.isUp, $0.since) } }
     }
 
+    /// False only for a target that is down; an unknown target is not known to be down.
     func isUp(_ target: SocketAddress) -> Bool {
         shared.withLock { $0.records[target]?.state.isUp ?? true }
     }

@@ -149,7 +149,6 @@ extension FanoutDaemon {
         }
     }
 
-    /// `udp_fanout_downstream_up`, members per listener and membership updates.
     /// Where each of `members` (a listener's own downstreams, in member order) comes from:
     /// `static` for the configured ones (first), else the kind of the first discovery source (in
     /// member order) that found its address, or `unknown`.
@@ -163,6 +162,7 @@ extension FanoutDaemon {
         }
     }
 
+    /// `udp_fanout_downstream_up`, members per listener and membership updates.
     func membershipMetrics() -> String {
         let (config, members, applied, skipped, answered, discovered) = state.withLock {
             ($0.config, $0.members, $0.applied, $0.skipped, $0.answered, $0.discovered)
