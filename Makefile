@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ReusePortLB / udp-fanout. `make demo` and `make test` are the two quick-start commands.
 PREFIX ?= /usr/local
 DESTDIR ?=

@@ -1,4 +1,10 @@
 // swift-tools-version:6.1
+// SPDX-License-Identifier: Apache-2.0
+//
+// ReusePortLB and udp-fanout are licensed under the Apache License, Version 2.0 (LICENSE).
+// The BPF programs in bpf/ (compiled by the BPFObjectCompiler plugin and embedded in the
+// binaries) are GPL-2.0 OR BSD-2-Clause (bpf/LICENSE.GPL-2.0, bpf/LICENSE.BSD-2-Clause), the
+// license they declare to the kernel as "Dual BSD/GPL".
 import PackageDescription
 
 /// The package's directory: linker flags that name files need an absolute path.

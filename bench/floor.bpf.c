@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * Benchmark floors for the sk_reuseport program cost (make bench only, never embedded):
  * floor_empty measures what kernel.bpf_stats_enabled itself costs per run on this machine;

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * A packet reflector for the two-way benchmarks' load-generator phase (make bench only, never
  * embedded). Attached at tc ingress of an endpoint's veth (a client's or a real server's), it

@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * What the benchmarks' packet reflectors share (make bench only, never embedded): the swap that
  * turns a received IPv4 UDP datagram into one going back where it came from. Swapping the

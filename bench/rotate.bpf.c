@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * The clients' side of the two-way scale benchmark (make bench only, never embedded): at tc
  * ingress of the clients' veth, it turns each reply into the next request of another client, so

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The scale benchmark's own programs (scripts/bench_scale.py builds this with the system cc):
 //
 //   scale sink ADDRESS COUNT [drop]

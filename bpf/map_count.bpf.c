@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * A BPF iterator over the kernel's maps: for each nat listener's association map (named
  * FANOUT_ASSOCIATION_MAP_PREFIX + listener id), it writes the map's id and the number of

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * sk_reuseport program of ReusePortLB: picks the member socket of a SO_REUSEPORT UDP group
  * for each datagram.

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * tc ingress program of udp-fanout's tc_ebpf mode: each UDP datagram to a listener's address
  * and port goes to one of the listener's backends, rewritten and redirected in the kernel.

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * XDP program of udp-fanout's xdp mode: the tc_ebpf listener's behaviour at the driver, before
  * the kernel builds a socket buffer. Loaded with the tc program's maps (the Swift side hands it

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
 /*
  * XDP program of udp-fanout's af_xdp mode: each whole UDP datagram to a listener's address and
  * port goes to the AF_XDP socket of the receive queue it arrived on; userspace forwards it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * ReusePortLB C API: join a SO_REUSEPORT UDP group whose datagrams are steered by source
  * address (or round robin, or five-tuple) by an sk_reuseport program, from a C collector.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Writes schema/udp-fanout-config.schema.json (JSON Schema draft-07) from the rules below, which
 follow Sources/FanoutCore/Config/ConfigParser.swift and the validation (ConfigValidation.swift and
 each listener kind's validate): python3 schema/generate-schema.py. The schema must never refuse a

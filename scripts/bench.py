@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """make bench: ReusePortLB benchmarks. Variants are alternated run by run (the machine is noisy);
 each line gives the median, the min-max over runs, the peer it is compared to, and the ratio."""
 import ctypes

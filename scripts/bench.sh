@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make bench: builds release and runs the benchmarks (needs root for eBPF steering and BPF stats).
 set -euo pipefail
 cd "$(dirname "$0")/.."

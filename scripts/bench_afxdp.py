@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """udp-fanout af_xdp benchmarks for make bench (BENCH=afxdp): af_xdp (each output) against
 userspace mode and tc_ebpf, in bench_common's namespace topology with two RX queues on the client
 link, built here and removed afterwards. Run by bench.py; shares bench_common's helpers.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the make bench modules share (bench.py runs them; none imports another but the scale
 parts, which use bench_scale's helpers and bench_twoway's topology): the built binaries, run
 counts, loopback collectors and publisher, BPF run-time statistics, the client/proxy/backends

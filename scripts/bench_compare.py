@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """make bench-compare BEFORE=<git rev>: the per-datagram cost of a change, side by side in one run.
 
 The af_xdp benchmark's topology (client -> proxy with 2 RX queues -> 3 backends, veth) and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """udp-fanout benchmarks for make bench: delivered pps vs nginx's stream proxy, added latency,
 and daemon RSS. Run by bench.py; shares bench_common's helpers."""
 import json

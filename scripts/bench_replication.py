@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Replication benchmark for make bench (BENCH=replication): udp-fanout (userspace, pools) against
 pmacct's nfacctd tee plugin, each copying every NetFlow v9 datagram to 3 receivers on loopback,
 plain and keeping the exporter's address (preserve_source / tee_transparent); then udp-fanout

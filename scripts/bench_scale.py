@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BENCH=scale make bench: how the cost per datagram grows with the work, each curve beside its
 peer in the same run, written as a table and as plots (docs/bench-scale-*.svg, matplotlib).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BENCH=scale, the namespace parts (BENCH_SCALE_ONLY=namespace): the kernel-facing kinds in
 bench_common's topology, built here (with IPv6 beside IPv4) and removed after.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BENCH=scale, part `twoway` (BENCH_SCALE_ONLY=twoway): how a two-way load balancer's cost and
 memory grow with the number of clients it keeps at once, each variant beside its peer in the
 same runs, as a table and as plots (docs/bench-scale-twoway-*.svg).

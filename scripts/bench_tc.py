@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """udp-fanout tc_ebpf benchmarks for make bench: the in-kernel path against nftables peers and
 plain routing, in one namespace topology built here and removed afterwards. Run by
 bench.py; shares bench_common's helpers.

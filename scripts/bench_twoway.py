@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """udp-fanout two-way benchmarks for make bench (BENCH=twoway): round trips per second and CPU
 per round trip through a load balancer, in one namespace topology built here and removed after.
 Run by bench.py; shares bench_common's helpers.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The release build everything shipped comes from (make build, make demo, make dist, make container):
 # the Swift runtime is linked statically (--static-swift-stdlib for the programs, -static-stdlib for
 # libreuseportlb.so in Package.swift), so the results need only Debian's runtime libraries

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # scripts/check-monitoring.sh BIN_DIR: the monitoring kit (docs/monitoring.md) against a real
 # Prometheus and a real udp-fanout.
 #   1. promtool check rules and promtool test rules on monitoring/prometheus/;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make container: builds the udp-fanout image from the release tarball of `make dist` with buildah
 # (no Docker engine needed), on a Debian base made here with debootstrap (no registry needed), and
 # runs it: `udp-fanout --check` on the shipped config, then a forwarding smoke test (host network,

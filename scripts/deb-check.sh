@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make deb-check: checks the packages of `make deb` (docs/packaging.md, "Debian package"):
 #  1. lintian on the three .debs: fails on any error or warning that is not overridden (every
 #     override in packaging/*/lintian-overrides has its reason), prints lintian's summary;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make deb: Debian packages from one release build (scripts/build-release.sh, as make dist):
 #   dist/udp-fanout_VERSION-REV_ARCH.deb        udp-fanout, collector, publisher in /usr/bin (stripped);
 #       their units in /lib/systemd/system (paths /usr/bin); /etc/udp-fanout/config.yaml (a conffile,

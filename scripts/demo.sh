@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Demo: udp-fanout runs config.example.yaml on loopback. Three collectors are its downstreams
 # (127.0.0.1:5601-5603), the publisher sends 60000 datagrams from 48 source addresses to the
 # listener 127.0.0.1:5514; then it prints what each downstream received and the daemon's metrics.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make dist-check: proves the tarball of `make dist` runs without the Swift toolchain. It unpacks
 # the tarball, hides /opt/swift under an empty read-only tmpfs in a private mount namespace
 # (unshare -m), and there: checks no program or library needs a missing library; runs each
@@ -15,6 +16,9 @@ work=$(mktemp -d /tmp/udp-fanout-dist-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 tar -C "$work" -xzf "$tarball"
 prefix="$work/$name"
+for file in share/doc/udp-fanout/LICENSE share/doc/udp-fanout/bpf/LICENSE.GPL-2.0 share/doc/udp-fanout/bpf/LICENSE.BSD-2-Clause; do
+  [ -s "$prefix/$file" ] || { echo "dist-check: FAILED: $file (the license) is missing from $tarball" >&2; exit 1; }
+done
 # The man pages and completions (scripts/lib/manpages.sh) are in the tarball.
 for program in udp-fanout collector publisher; do
   for file in "share/man/man1/$program.1.gz" "share/bash-completion/completions/$program" \

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make dist: dist/udp-fanout-VERSION-linux-ARCH.tar.gz, laid out like a /usr/local prefix:
 #   bin/       udp-fanout, collector, publisher (Swift runtime linked in, stripped)
 #   lib/       libreuseportlb.so.VERSION (+ .so.0 SONAME link, + .so), pkgconfig/reuseportlb.pc
@@ -8,7 +9,7 @@
 #                        (Grafana dashboard, Prometheus rules), schema/ (the configuration's JSON
 #                        Schema), systemd/ drop-in, Containerfile,
 #                        examples/c/steering.c
-#   share/doc/udp-fanout/ README.md, docs/, DEPENDENCIES (the Debian packages the programs need)
+#   share/doc/udp-fanout/ README.md, LICENSE, bpf/LICENSE.*, docs/, DEPENDENCIES (the Debian packages the programs need)
 #   share/man/man1/      udp-fanout.1.gz, collector.1.gz, publisher.1.gz
 #   share/bash-completion/completions/, share/zsh/site-functions/, share/fish/vendor_completions.d/
 #                        the programs' shell completions (scripts/lib/manpages.sh, as make deb)
@@ -44,7 +45,8 @@ cp systemd/*.service "$stage/lib/systemd/system/"
 mkdir -p "$stage/share/udp-fanout/systemd"
 cp systemd/*.conf "$stage/share/udp-fanout/systemd/"
 cp -r k8s monitoring "$stage/share/udp-fanout/"
-cp README.md "$stage/share/doc/udp-fanout/"
+cp README.md LICENSE "$stage/share/doc/udp-fanout/"
+mkdir -p "$stage/share/doc/udp-fanout/bpf" && cp bpf/LICENSE.GPL-2.0 bpf/LICENSE.BSD-2-Clause "$stage/share/doc/udp-fanout/bpf/"
 cp -r docs "$stage/share/doc/udp-fanout/"
 # Man pages and shell completions, made from the staged programs (the same as make deb's).
 source scripts/lib/manpages.sh

@@ -1,4 +1,5 @@
 #!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
 """Draws one benchmark curve set as an SVG with matplotlib (Debian's python3-matplotlib, which
 make bench's setup installs): plot_curves.py SPEC.json OUT.svg, where SPEC holds title, ylabel,
 xlabel, xs and curves [{label, medians, ranges: [[min, max], ...]}]."""

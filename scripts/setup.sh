@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs what building and testing need, and says what it did: Debian packages (when root),
 # and a bpffs mount at /sys/fs/bpf (when root). Safe to run again: it changes nothing that is
 # already in place.

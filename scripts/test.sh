@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The whole test suite: unit tests, sk_reuseport tests with real sockets, collector processes,
 # namespaces and the C API. Privileged tests need root; under CI=true they never skip.
 # Fails if a run leaves anything pinned under /sys/fs/bpf/reuseportlb, a tc_ebpf program

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// The BPF objects compiled from `bpf/*.bpf.c` by the BPFObjectCompiler plugin, one static
 /// base64 string per program (`reuseport_select.bpf.c` becomes `reuseportSelect`).
 public enum EmbeddedBPF {}

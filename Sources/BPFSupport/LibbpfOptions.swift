@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libbpf's option structs (`struct bpf_*_opts`) filled the way its LIBBPF_OPTS macro does.
 
 /// Calls `body` with a libbpf options struct whose every byte is zero, padding included, and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #ifndef CLIBBPF_SHIM_H
 #define CLIBBPF_SHIM_H
 #include <bpf/bpf.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #ifndef CLIBXDP_SHIM_H
 #define CLIBXDP_SHIM_H
 #include <xdp/libxdp.h>

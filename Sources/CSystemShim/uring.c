@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A minimal io_uring(7) submission/completion pair for the relay (see CSystemShim.h). */
 #include "CSystemShim.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// JSON string literals without Foundation, for the package's one-line JSON writers (the
 /// collector's and publisher's reports, udp-fanout's `--log-format json`).
 package enum JSONText {

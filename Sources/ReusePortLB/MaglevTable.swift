@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// A Maglev consistent-hashing lookup table (Eisenbud et al., NSDI 2016): every entry names one
 /// backend, each backend owns entries in proportion to its weight, and adding or removing one of
 /// N backends changes about 1/N of the entries.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// Everything that can go wrong joining, using or leaving a group. Each description names the
 /// problem and, where there is one, the fix.
 public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable {

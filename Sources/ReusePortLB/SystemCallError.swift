@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import SystemCalls
 
 /// The error of a failed system or libbpf call (defined in SystemCalls, shared with udp-fanout):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C API of include/reuseportlb.h, exported from libreuseportlb.so.
 #if canImport(Glibc)
 import Glibc

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import CLibBPF
 
 /// BPF_PROG_TEST_RUN, the one harness the tc and XDP program tests share.

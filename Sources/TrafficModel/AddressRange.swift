@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// A list of source addresses written as `A`, `A-B` (inclusive, same family, at most 65536

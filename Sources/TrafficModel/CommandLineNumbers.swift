@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// ArgumentParser reads a token such as `-5` as an option, so `--rate -5` ends in "Missing value
 /// for '--rate'" and a negative positional in "Missing expected argument": messages about options,
 /// not about the number. This rewrites the command line before ArgumentParser sees it: a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// udp-fanout's `udp_echo` health probe as the collector sees it: 16 bytes (a per-target random
 /// token, then the probe's sequence number, both big-endian u64), and a success only when the
 /// target sends back exactly those bytes (docs/health.md, FanoutCore's `ProbeLoop`). The

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// Writes one line of JSON without Foundation: the collector's and publisher's reports.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// What one collector saw of one source address: every datagram, and for those that carry the
 /// publisher's header, loss and reordering from its sequence numbers.
 public struct SourceTally: Sendable, Equatable {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ArgumentParser
 
 /// Export packets of NetFlow v9 (RFC 3954) or IPFIX (RFC 7011) from one exporter per source

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SOCK_DGRAM: through CSystemShim when a file of the same compile batch imports it (development.md).
 import CSystemShim
 import Foundation

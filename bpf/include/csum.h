@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * One's-complement checksum helpers (RFC 1071/1624) shared by the BPF programs. Words are
  * taken as they lie in memory on both sides of every update, which the checksum's byte-order

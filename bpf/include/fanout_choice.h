@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * Choosing a downstream (backend) in the tc and xdp programs (bpf/tc_fanout.bpf.c, bpf/xdp_fanout.bpf.c): the listener a
  * datagram is for (find_listener: arrival interface and destination, exact address first, then

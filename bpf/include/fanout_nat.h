@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * The reply direction of the tc program's two-way (nat) listeners (bpf/tc_fanout.bpf.c; see
  * docs/two-way-nat.md): a datagram that matched no listener is a reply if its source is a live

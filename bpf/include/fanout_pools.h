@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * Replication in the tc program (bpf/tc_fanout.bpf.c): each datagram of a listener with `pools:`
  * is also copied to each pool that takes it, in the kernel, before the listener's own datagram

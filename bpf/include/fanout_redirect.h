@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * The way out of the tc program (bpf/tc_fanout.bpf.c), once a datagram's new destination (or,
  * for a reply, its new source) is known: the route toward it (lookup_route: bpf_fib_lookup,

@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * The tc program's maps (bpf/tc_fanout.bpf.c): listeners, backend sets, round-robin positions,
  * remembered fragments, per-listener and per-backend counters, the replication pools' sources, the two-way (nat) maps

@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * udp-fanout af_xdp mode: every type, constant and name that crosses the kernel/user line of
  * the XDP steering program.

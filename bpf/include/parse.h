@@ -1,4 +1,4 @@
-/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * The packet parser shared by the udp-fanout BPF programs (tc and XDP): Ethernet with up to
  * PARSE_MAX_VLAN_TAGS 802.1Q/802.1ad tags (each program says how many it accepts), IPv4 with

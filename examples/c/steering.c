@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The C API sample (docs/reuseportlb.md): joins two members of a SO_REUSEPORT group on
  * 127.0.0.1:PORT with source-IP steering, sends 2 datagrams from each of 20 loopback sources,
  * checks each arrived at the member reuseportlb_owner names, exercises the errors, withdraws

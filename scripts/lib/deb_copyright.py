@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Writes the Debian copyright file (machine-readable, DEP-5) of scripts/deb.sh.
 
 usage: deb_copyright.py TEMPLATE PACKAGE_RESOLVED CHECKOUTS OUT_COPYRIGHT [NOTICE_DIR]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shared by scripts/dist.sh and scripts/deb.sh: the man pages and shell completions of udp-fanout,
 # collector and publisher, made from the release binaries each time (nothing generated is committed).
 #

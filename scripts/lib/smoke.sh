@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Shared by scripts/dist-check.sh and scripts/container.sh: the forwarding smoke test's parts.
 # Each function fails loudly (a message naming what failed, then exit 1).
 

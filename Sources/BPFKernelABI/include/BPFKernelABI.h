@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * The kernel/user ABI of the BPF programs: every struct, enum, constant and map or program name
  * that crosses between bpf/*.bpf.c and Swift, from the headers the programs include themselves

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /*
  * What Swift cannot reach through Glibc on Linux, kept small; each function says why it is here.
  */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import Synchronization
 
 /// The af_xdp counters of one listener beyond ``ListenerCounters``: the reference's AF_XDP

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// One AF_XDP socket's memory and rings. The defaults suit a 1500-byte MTU at line rate on one
 /// queue: 16 MiB of UMEM per queue, locked (see `MemoryLock`).
 struct XSKConfig: Equatable, Sendable {

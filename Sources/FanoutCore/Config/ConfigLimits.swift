@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// Bounds checked on the raw text before the YAML parser sees it. The parser composes nodes
 /// recursively: a document nested a few thousand levels deep overflows the stack and kills the
 /// process (at start, and on SIGHUP the running daemon). A configuration is a few levels deep

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// A configuration problem: the key path, the line where known, and what is wrong.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// The line of every key of a parsed configuration, by key path (`listeners[0].bind`,
 /// `listeners[1].downstream[2].address`): errors found after parsing, across fields
 /// (duplicate names, overlapping binds, loops), name the line too, and warnings can tell a key

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import CYAML
 
 // The configuration's YAML reader: Debian's libyaml (the parser Yams bundled, the same 0.2.5)

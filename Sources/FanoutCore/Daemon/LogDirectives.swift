@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import Logging
 
 /// The log level from `UDP_FANOUT_LOG`/`RUST_LOG` or `--log-level`, read as the reference's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 extension FanoutDaemon {
     /// `udp_fanout_listeners_lost`: listeners of the configuration in force that are not running
     /// because a change failed and they could not be started again (`/readyz` names them; the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// `udp-fanout status`: the rates between two ``StatusReport``s, and the screen it prints.
 package enum StatusView {
     /// `current` with the per-second rates since `previous` filled in (listeners and downstreams

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// A step of the transaction that moves running listeners to a new configuration (see
 /// `FanoutDaemon.transitionLocked`), where a test can inject a failure
 /// (``FanoutDaemon/failureInjection``).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// The Internet checksum (RFC 1071) for headers built or rewritten in userspace: the UDP checksum
 /// of a source-preserving datagram, and the incremental updates (RFC 1624) of a frame rewritten for
 /// XDP TX.

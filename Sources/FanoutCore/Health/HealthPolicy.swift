@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// How downstreams are probed: the config's `health:` keys {enabled, protocol: icmp|udp_echo,
 /// interval_secs, timeout_secs} plus ours {rise, fall}. The reference's rule is the default: a
 /// downstream is out after 3 consecutive failures and back after 1 success.

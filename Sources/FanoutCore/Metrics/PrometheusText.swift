@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// Renders the counters in the Prometheus text format (version 0.0.4), with the reference
 /// documents' metric names and our per-downstream and per-reason additions.
 enum PrometheusText {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// A session socket whose downstream left the plan (reload, health, discovery). Its client has
 /// moved on (a new session socket at its next datagram), but the downstream may still be
 /// answering requests it took before it left: the socket stays open, in the worker's epoll set,

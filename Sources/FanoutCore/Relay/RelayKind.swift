@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// relay (`mode: userspace` with `replies: relay`): two-way in userspace, a session socket per

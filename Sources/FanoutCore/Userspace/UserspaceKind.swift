@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// userspace: recvmmsg/sendmmsg workers on a SO_REUSEPORT group of the bind (ReusePortLB).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// The parts of a DNS response (RFC 1035 §4.1) that downstream discovery uses, read with a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// A downstream given by DNS name (`downstream[].address: name:port`): every A/AAAA record is a

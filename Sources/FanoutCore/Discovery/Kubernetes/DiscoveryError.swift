@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /// Why Kubernetes discovery cannot reach or understand the API server. Each case names the
 /// problem and the fix; the watcher logs and counts it, and retries where retrying can help.
 enum DiscoveryError: Error, CustomStringConvertible, Sendable {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 import ReusePortLB
 
 /// A listener's Kubernetes Service (`kubernetes: {namespace, service, port}`): its ready
