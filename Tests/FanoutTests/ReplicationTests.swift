@@ -283,6 +283,58 @@ struct ReplicationTests {
         #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("archive") + ",downstream=\"archive-1\"") == 200)
     }
 
+    @Test("an all pool keeps every copy after each in-place update of the listener's own downstreams (reload, health, discovery), one-way and replies: relay", arguments: ["none", "relay"])
+    func poolsAfterInPlaceUpdates(replies: String) throws {
+        // Own downstreams: s1 and s4 static, s2 from a Service; the pool's two members each get every datagram.
+        let own = try (0..<4).map { _ in try Sink() }
+        let archive = try (0..<2).map { _ in try Sink() }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let service = Kubernetes(namespace: "test", service: "own", port: 5514)
+        func yaml(_ statics: [Int]) -> String {
+            let relay = replies == "relay" ? "    replies: relay\n" : ""
+            let steering = replies == "relay" ? ", worker_steering: five_tuple" : ""
+            return "listeners:\n  - name: rep\n    bind: \"\(bind)\"\n    mode: userspace\n\(relay)"
+                + "    settings: {workers: 2\(steering), recv_buf_size: 8388608}\n"
+                + "    kubernetes: {namespace: test, service: own, port: 5514}\n    downstream:\n"
+                + statics.map { "      - {name: s\($0), address: \"\(own[$0 - 1].address)\"}\n" }.joined()
+                + Self.poolsYAML([("archive", "balancing: all", archive)])
+                + "health: {enabled: true, protocol: udp_echo, interval_secs: 60, timeout_secs: 1}\n"
+        }
+        let daemon = try startDaemon(yaml([1, 4]), waitReady: false)
+        defer { daemon.shutdown() }
+        let spec = DiscoverySpec(KubernetesSource(listener: "rep", service: service))
+        daemon.discovered(spec, [Downstream(name: "s2", address: own[1].address)])
+        let deadline = ContinuousClock.now + .seconds(5)
+        while !daemon.isReady && ContinuousClock.now < deadline { usleep(10_000) }
+        try #require(daemon.isReady, "\(daemon.readiness)")
+        let sources = loopbackSources(20, base: 60)
+        let perPhase = 20 * 50
+        var phases: [(String, own: Int, archive: [Int])] = []
+        func phase(_ name: String) throws {
+            try Self.send(sources, count: 50, to: bind)
+            let archiveCounts = archive.map { $0.drain().count }
+            phases.append((name, own.map { $0.drain().count }.reduce(0, +), archiveCounts))
+        }
+        try phase("start")
+        // A reload that only removes one of the listener's own static downstreams: applied in place.
+        #expect(daemon.reload(text: yaml([1])))
+        try phase("reload")
+        daemon.healthChanged(own[1].address, up: false)
+        try phase("health down")
+        daemon.healthChanged(own[1].address, up: true)
+        daemon.discovered(spec, [])
+        try phase("discovery")
+        for (name, ownCount, archiveCounts) in phases {
+            #expect(ownCount == perPhase, "\(replies), \(name): the listener's own downstreams got \(ownCount) of \(perPhase)")
+            #expect(archiveCounts == [perPhase, perPhase], "\(replies), \(name): each pool member gets every datagram: \(archiveCounts) of \(perPhase)")
+        }
+        let text = daemon.metricsText()
+        #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 4 * perPhase, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
+        for member in ["archive-1", "archive-2"] {
+            #expect(metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("archive") + ",downstream=\"\(member)\"") == 4 * perPhase)
+        }
+    }
+
     @Test("a dead member of an all pool: its copies are counted dropped (unreachable), the other member, the listener's own downstreams and other pools get everything")
     func deadMember() throws {
         let own = try Sink(), alive = try Sink(), other = try Sink()

@@ -120,6 +120,72 @@ struct TCReplicationEndToEndTests {
     }
 }
 
+/// A listener's in-place updates (reload, health, discovery) carry its pools along in every
+/// kernel kind, as in userspace and relay (ReplicationTests.poolsAfterInPlaceUpdates).
+@Suite("kernel kinds: pools across in-place updates", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct KernelPoolUpdateTests {
+    @Test("an all pool of two keeps every copy after each in-place update of the listener's own downstreams: a reload, a health change, a discovery change", arguments: ["tc_ebpf", "xdp", "af_xdp"])
+    func poolsAfterInPlaceUpdates(mode: String) throws {
+        let topology = try Topology(backends: 5, queues: 2)
+        defer { topology.destroy() }
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
+        let collectors = try TCFixtures.collectors(topology)
+        let port = TCFixtures.port
+        func member(_ n: Int) -> String { "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(port)\"}" }
+        let kind = mode == "af_xdp" ? "mode: af_xdp\n    settings: {output: preserve_source}" : "mode: \(mode)"
+        // Own downstreams: b1 and b4 static, b2 from a Service; the pool: b3 and b5, each every datagram.
+        func yaml(_ statics: [Int]) -> String {
+            """
+            listeners:
+              - name: up
+                bind: "198.18.0.1:5514"
+                interface: \(topology.proxyInterface)
+                \(kind)
+                kubernetes: {namespace: test, service: own, port: \(port)}
+                downstream: [\(statics.map(member).joined(separator: ", "))]
+                pools:
+                  - {name: archive, balancing: all, downstream: [\(member(3)), \(member(5))]}
+            health: {enabled: true, protocol: icmp, interval_secs: 60, timeout_secs: 1}
+            """
+        }
+        let daemon = try DaemonFixtures.startInProxy(topology, yaml([1, 4]))
+        defer { DaemonFixtures.stopInProxy(topology, daemon) }
+        let spec = DiscoverySpec(KubernetesSource(listener: "up", service: Kubernetes(namespace: "test", service: "own", port: UInt16(port))))
+        let b2 = SocketAddress("\(Topology.backendIPv4(2)):\(port)")!
+        _ = inNetworkNamespace(topology.proxy) { daemon.discovered(spec, [Downstream(name: "b2", address: b2)]) }
+        #expect(daemon.isReady, "\(daemon.readiness)")
+        let perPhase = 2000
+        var copies: [(String, [Int])] = []
+        func phase(_ name: String) throws {
+            let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(perPhase)", "--rate", "20000", "--sources", "198.18.0.2-198.18.0.2"],
+                                      prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0, "\(publisher.stderr)")
+            usleep(300_000)
+            let text = daemon.metricsText()
+            copies.append((name, ["b3", "b5"].map { metric(text, "udp_fanout_pool_member_copies_total", ReplicationFixtures.poolLabels("archive", listener: "up", mode: mode) + ",downstream=\"\($0)\"") ?? -1 }))
+        }
+        try phase("start")
+        // Each change from inside the proxy's namespace, as the daemon's own threads run there.
+        let reloaded = yaml([1])
+        #expect(inNetworkNamespace(topology.proxy) { daemon.reload(text: reloaded) } == true)
+        try phase("reload")
+        _ = inNetworkNamespace(topology.proxy) { daemon.healthChanged(b2, up: false) }
+        try phase("health down")
+        _ = inNetworkNamespace(topology.proxy) {
+            daemon.healthChanged(b2, up: true)
+            daemon.discovered(spec, [])
+        }
+        try phase("discovery")
+        for (index, (name, counts)) in copies.enumerated() {
+            #expect(counts == [perPhase * (index + 1), perPhase * (index + 1)], "\(mode), after \(name): the pool members' copies \(counts), expected \(perPhase * (index + 1)) each")
+        }
+        DaemonFixtures.stopInProxy(topology, daemon)
+        let received = TCFixtures.received(try collectors.map { try $0.stop() })
+        #expect(received[2] == 4 * perPhase && received[4] == 4 * perPhase, "\(mode): each pool member received every datagram of the four phases: \(received)")
+        #expect(received[0] + received[1] + received[3] == 4 * perPhase, "\(mode): the own downstreams every datagram once: \(received)")
+    }
+}
+
 /// The issue's NetFlow check in the kernel modes: three pools (a balanced pair, an `all` pair, a
 /// `sample: 10` single collector) fed by the publisher's NetFlow v9 from 40 exporters, stored by
 /// nfcapd in the backend namespaces and decoded by nfdump.
