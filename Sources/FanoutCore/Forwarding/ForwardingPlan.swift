@@ -27,7 +27,7 @@ final class ForwardingPlan: Sendable {
     /// - Parameters:
     ///   - downstreams: the available members of every group (a pool's carry its name).
     ///   - pools: the listener's pools as configured.
-    init(downstreams: [Downstream], balancing: Balancing, pools: [Pool] = [], counters: ListenerCounters,
+    init(downstreams: [Downstream], balancing: Balancing, pools: [Pool], counters: ListenerCounters,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) {
         let own = downstreams.filter { $0.pool == nil }
         self.downstreams = own

@@ -157,7 +157,7 @@ final class SocketGroupListener: Sendable {
     var takesOverExactly: Bool { group.steering == .ebpf }
 
     /// Swaps the downstreams, balancing and pools in place: workers pick it up at their next batch.
-    func replacePlan(downstreams: [Downstream], balancing: Balancing, pools: [Pool] = []) {
+    func replacePlan(downstreams: [Downstream], balancing: Balancing, pools: [Pool]) {
         plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, pools: pools, counters: counters, passiveHealth: passiveHealth))
     }
 

@@ -86,7 +86,7 @@ final class RelayListener: RunningListener {
     func activate() throws(DaemonError) { try group.activate() }
     var takesOverExactly: Bool { group.takesOverExactly }
 
-    /// Swaps the downstreams and balancing in place (workers pick it up at their next batch),
+    /// Swaps the downstreams, balancing and pools in place (workers pick it up at their next batch),
     /// saying once what a leaving downstream's sessions do.
     func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
         let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
@@ -97,7 +97,7 @@ final class RelayListener: RunningListener {
                 "listener": "\(config.name)", "downstream": "\(leaving.name)", "address": "\(leaving.address)", "drain_secs": "\(config.settings.drainSecs)",
             ])
         }
-        group.replacePlan(downstreams: downstreams, balancing: balancing)
+        group.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
         return true
     }
 
