@@ -63,7 +63,17 @@ struct XDPEndToEndTests {
         #expect(publisher.wait() == 0)
         usleep(300_000)
         let metrics = try TCFixtures.metrics(topology)
-        #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"no_xdp_xmit\"}") == 1200, "\(metrics)")
+        // Every datagram passed to tc once, under a reason true for it: no_xdp_xmit, except the
+        // few whose finished checksum equals the pseudo-header's sum by chance (the payload carries
+        // the send time, so which ones differs run by run): the program checks that first and
+        // rightly passes them as checksum_partial. Nothing else, and no drop.
+        let noTransmit = Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"no_xdp_xmit\"}") ?? -1
+        let partial = Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"checksum_partial\"}") ?? -1
+        #expect(noTransmit + partial == 1200 && (0...TCFixtures.coincidentalPartials(1200)).contains(partial),
+                "no_xdp_xmit \(noTransmit) + checksum_partial \(partial) (at most \(TCFixtures.coincidentalPartials(1200)) by chance) must be 1200: \(metrics)")
+        for reason in ["no_neighbour", "too_large", "fragment", "pools"] {
+            #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
+        }
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"xdp\"} 1200"), "\(metrics)")
         #expect(daemon.stderr.contains("interface cannot transmit XDP frames"), "\(daemon.stderr)")
         daemon.signal(SIGTERM)
