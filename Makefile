@@ -6,7 +6,7 @@ DESTDIR ?=
 VERSION ?= $(shell sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)
 BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability bench bench-compare install install-files uninstall dist dist-check container deb deb-check clean print-version
+.PHONY: all setup build demo test reliability docs bench bench-compare install install-files uninstall dist dist-check container deb deb-check clean print-version
 
 all: build
 
@@ -26,6 +26,22 @@ test: setup
 # The full reliability suite (make test runs its short form); figures in docs/reliability.md.
 reliability: setup
 	@RELIABILITY=full scripts/test.sh --filter 'Reliability|HTTPEndpoint|TCPacketFuzz'
+
+# The libraries' DocC documentation (Sources/ReusePortLB/Docs.docc, Sources/FanoutCore/Docs.docc),
+# built by swift-docc-plugin with DocC's --warnings-as-errors: a broken ``Symbol`` link, in an
+# article or a doc comment, fails it (docs/api-documentation.md). It reuses the debug build that
+# make test made (.build); DOCS_SCRATCH=DIR builds in a folder of its own instead.
+DOCS_SCRATCH ?= .build
+DOCS_OUTPUT = $(DOCS_SCRATCH)/plugins/Swift-DocC/outputs
+DOCS_BUILD = swift package --scratch-path $(DOCS_SCRATCH) --disable-sandbox generate-documentation
+
+docs:
+	@export PATH=/opt/swift/usr/bin:$$PATH; \
+	echo "docs: $(DOCS_BUILD) --target ReusePortLB --target FanoutCore --warnings-as-errors"; \
+	$(DOCS_BUILD) --target ReusePortLB --target FanoutCore --warnings-as-errors || { \
+	  echo "docs: FAILED: the documentation has DocC warnings, shown above as errors (a broken \`\`Symbol\`\` link names the file and line)" >&2; exit 1; }
+	@echo "docs: ReusePortLB and FanoutCore documented: $(DOCS_OUTPUT)/ReusePortLB.doccarchive and $(DOCS_OUTPUT)/FanoutCore.doccarchive"
+	@echo "docs: to read them: python3 -m http.server -d $(DOCS_OUTPUT)/ReusePortLB.doccarchive, then /documentation/reuseportlb (docs/api-documentation.md)"
 
 bench:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh

@@ -38,6 +38,9 @@ let package = Package(
         // Kubernetes discovery: list and watch EndpointSlices over HTTPS.
         .package(url: "https://github.com/swift-server/async-http-client", from: "1.37.0"),
         .package(url: "https://github.com/apple/swift-nio-ssl", from: "2.37.6"),
+        // Only a command plugin (`make docs`: the DocC catalogs in Sources/*/Docs.docc); no target
+        // depends on it, so nothing of it is linked into a product.
+        .package(url: "https://github.com/swiftlang/swift-docc-plugin", from: "1.5.0"),
     ],
     targets: [
         // System libraries, found with pkg-config (Debian: libbpf-dev, libxdp-dev, libyaml-dev).

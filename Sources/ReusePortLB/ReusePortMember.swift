@@ -56,7 +56,7 @@ public final class ReusePortMember: @unchecked Sendable {
     /// Joins the group at `address`.
     /// - Parameters:
     ///   - address: the group's address and port (IPv4 or IPv6).
-    ///   - slot: which slot to take (lowest free, a given index, or a takeover for handover).
+    ///   - request: which slot to take (lowest free, a given index, or a takeover for handover).
     ///   - options: the group's policy, capacity and seed (must match an existing group's) and
     ///     this member's steering preference.
     /// - Throws: ``ReusePortError``: port 0, capacity or slot out of range, slot in use, group full,
@@ -413,7 +413,7 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// True once another socket took this member's slot over (see ``SlotRequest/takeover(_:)``):
     /// from then on no new datagram reaches this socket, and the member should drain what it
-    /// has queued (``queuedBytes()`` reaches 0 and stays there) and leave.
+    /// has queued (``socketStatistics()`` shows 0 queued bytes, and stays there) and leave.
     /// Always false without eBPF steering.
     public var isReplaced: Bool {
         guard let objects else { return false }

@@ -133,7 +133,7 @@ public struct Pool: Equatable, Sendable {
     public var kubernetes: Kubernetes?
     public var balancing: PoolBalancing
     /// One datagram in `sample` goes to the pool: the datagrams of one source in `sample` of the
-    /// sources, chosen by a hash of the source address (``PoolPlan/sampled(_:)``); 1: every datagram.
+    /// sources, chosen by a hash of the source address (`PoolPlan/sampled(_:)`); 1: every datagram.
     public var sample: Int
     /// Only datagrams from these client prefixes go to the pool (empty: every client).
     public var sources: [SourcePrefix]

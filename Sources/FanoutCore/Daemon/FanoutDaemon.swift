@@ -144,6 +144,7 @@ public final class FanoutDaemon: Sendable {
     /// - Parameters:
     ///   - config: a validated configuration.
     ///   - configPath: the file SIGHUP reloads (nil: reload takes text only).
+    ///   - logger: where the engine and its listeners log (the executable's, with `--log-format`).
     public init(config: FanoutConfig, configPath: String?, logger: Logger) {
         self.configPath = configPath
         self.logger = logger

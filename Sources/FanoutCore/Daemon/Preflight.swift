@@ -2,7 +2,7 @@
 import ReusePortLB
 
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching
-/// anything: each listener's kind checks what it needs here (``ListenerKind/preflight(_:index:)``:
+/// anything: each listener's kind checks what it needs here (`ListenerKind/preflight(_:index:)`:
 /// tc_ebpf interfaces, forwarding, routes and replies nat's reply interfaces; that an af_xdp listener's interface exists and
 /// carries no other tool's XDP program; that no other process already serves the bind of a
 /// userspace or relay listener or of af_xdp's companion socket), and discovery sources say where

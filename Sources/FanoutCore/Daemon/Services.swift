@@ -62,6 +62,7 @@ public struct ForwardingService: Service {
     let watchInterval: Duration?
 
     /// - Parameters:
+    ///   - daemon: the engine whose listeners this service starts, reloads and stops.
     ///   - notifier: where the sd_notify messages go (default: `$NOTIFY_SOCKET`).
     ///   - watchInterval: how often the configuration file is checked for changes (`--watch-config`);
     ///     nil: only SIGHUP reloads.

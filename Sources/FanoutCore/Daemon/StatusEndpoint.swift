@@ -48,7 +48,7 @@ public struct EndpointLimits: Sendable {
 }
 
 /// The HTTP endpoint as a `Service`: GET/HEAD `metrics.path` (Prometheus text), `/status`
-/// (JSON: every listener and downstream now, ``StatusReport``; what `udp-fanout status` reads), `/healthz`
+/// (JSON: every listener and downstream now, `StatusReport`; what `udp-fanout status` reads), `/healthz`
 /// (`ok` while running), `/readyz` (200 once every listener is receiving, has finished its first discovery and has an available
 /// downstream; else 503 with one line per reason), 404 for
 /// other paths, 405 for other methods. A Hummingbird (SwiftNIO) server: connections are served
@@ -79,7 +79,7 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
     public var description: String { "StatusEndpointService" }
 
     /// Serves until graceful shutdown or cancellation.
-    /// - Throws: ``DaemonError/metrics(_:_:)`` when the configured address cannot be bound at
+    /// - Throws: `DaemonError/metrics(_:_:)` when the configured address cannot be bound at
     ///   start (the daemon exits 1 with `metrics server error`).
     public func run() async throws {
         let (changes, continuation) = AsyncStream.makeStream(of: Metrics.self, bufferingPolicy: .bufferingNewest(1))
@@ -168,7 +168,7 @@ public struct StatusEndpointService: Service, CustomStringConvertible {
 
     /// Binds a server on `bind` and runs it in a child task of `group`.
     /// - Returns: once the server is listening.
-    /// - Throws: ``DaemonError/metrics(_:_:)`` when it cannot listen there.
+    /// - Throws: `DaemonError/metrics(_:_:)` when it cannot listen there.
     private func start(_ bind: SocketAddress, in group: inout ThrowingDiscardingTaskGroup<any Error>) async throws(DaemonError) -> RunningServer {
         let logger = daemon.logger
         let (outcome, report) = AsyncStream.makeStream(of: (any Error)?.self, bufferingPolicy: .bufferingOldest(1))

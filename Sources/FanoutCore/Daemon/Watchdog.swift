@@ -161,7 +161,7 @@ package final class PathMonitor: Sendable {
     package var problems: [String] { state.withLock { $0.problems } }
 }
 
-/// Checks the forwarding path (``WatchdogJudge``) on a schedule, always: the verdict is what
+/// Checks the forwarding path (`WatchdogJudge`) on a schedule, always: the verdict is what
 /// `/healthz` answers (a Kubernetes liveness probe restarts a daemon whose workers hang), and
 /// under systemd with `WatchdogSec=` each alive check sends WATCHDOG=1 (every half interval), so
 /// systemd restarts a daemon whose workers hang rather than one whose timer stopped. Stalls are
@@ -180,7 +180,7 @@ public struct WatchdogService: Service {
 
     /// The daemon's path check, pinging systemd when it asked for a watchdog (`WATCHDOG_USEC` set,
     /// and `WATCHDOG_PID` unset or this process).
-    /// - Throws: ``WatchdogSettings/interval(environment:pid:)``'s error.
+    /// - Throws: `WatchdogSettings/interval(environment:pid:)`'s error.
     public init(daemon: FanoutDaemon, notifier: SystemdNotifier,
                environment: [String: String] = ProcessEnvironment.current()) throws(ConfigError) {
         let interval = try WatchdogSettings.interval(environment: environment, pid: getpid())

@@ -9,7 +9,7 @@ import ServiceLifecycle
 import Synchronization
 
 /// Runs one watcher per discovery source of the configuration in force (a DNS name, a
-/// Kubernetes Service: ``DiscoverySources``) and reconciles them on every reload: new sources
+/// Kubernetes Service: `DiscoverySources`) and reconciles them on every reload: new sources
 /// get a watcher, removed ones are cancelled, unchanged ones keep running unless the source says
 /// a reload restarts them (Kubernetes reads its credentials again: a watcher whose credentials
 /// changed starts over with the new ones; one still waiting for usable credentials tries again

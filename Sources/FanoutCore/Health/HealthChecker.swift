@@ -7,7 +7,7 @@ import ReusePortLB
 import ServiceLifecycle
 import Synchronization
 
-/// Active health probes of downstreams (ICMP echo or UDP echo, see ``HealthPolicy``) plus passive
+/// Active health probes of downstreams (ICMP echo or UDP echo, see `HealthPolicy`) plus passive
 /// reports from the forwarding path. Every target is probed on its own schedule, concurrently
 /// (many probes in flight at once from one thread that polls every probe socket; a slow target
 /// never delays another), with a jittered first probe so N targets do not probe in one burst.
@@ -169,8 +169,8 @@ public final class HealthChecker: Service, Sendable {
     }
 
     /// Probes until graceful shutdown or cancellation, on a thread of its own.
-    /// - Throws: ``HealthError/icmpUnavailable(family:datagram:raw:)`` when protocol icmp is in
-    ///   force and no ICMP socket can be opened (logged too), ``HealthError/probeLoop(_:)`` if
+    /// - Throws: `HealthError/icmpUnavailable(family:datagram:raw:)` when protocol icmp is in
+    ///   force and no ICMP socket can be opened (logged too), `HealthError/probeLoop(_:)` if
     ///   poll fails.
     public func run() async throws {
         try await withTaskCancellationHandler {
