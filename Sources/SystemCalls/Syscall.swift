@@ -167,6 +167,51 @@ public enum Syscall {
         try io(call()) { shim_recvmmsg(fd, vector, UInt32(count), flags) }
     }
 
+    // MARK: Pipes and limits
+
+    /// pipe(2) whose two ends are non-blocking and close-on-exec (fcntl(2) F_SETFL and F_SETFD:
+    /// pipe2 is a GNU extension Glibc's module does not show). Both ends are closed when a
+    /// step fails.
+    /// - Returns: the read and the write end.
+    public static func pipe(call: @autoclosure () -> String = "pipe") throws(SystemCallError) -> (read: Int32, write: Int32) {
+        var fds: [Int32] = [-1, -1]
+        try retrying(call()) { Glibc.pipe(&fds) }
+        do {
+            for fd in fds {
+                let flags = try retrying("fcntl F_GETFL") { fcntl(fd, F_GETFL) }
+                try retrying("fcntl F_SETFL O_NONBLOCK") { fcntl(fd, F_SETFL, flags | O_NONBLOCK) }
+                try retrying("fcntl F_SETFD FD_CLOEXEC") { fcntl(fd, F_SETFD, FD_CLOEXEC) }
+            }
+        } catch {
+            for fd in fds { close(fd) }
+            throw error
+        }
+        return (fds[0], fds[1])
+    }
+
+    /// The resources ``getrlimit(_:call:)`` and ``setrlimit(_:_:call:)`` take. Glibc declares
+    /// them as enum members whose Swift type differs from the calls' parameter type.
+    public enum Resource {
+        /// RLIMIT_NOFILE: open file descriptors.
+        public static let openFiles = Int32(RLIMIT_NOFILE.rawValue)
+        /// RLIMIT_MEMLOCK: bytes of locked memory (an AF_XDP UMEM is charged to it).
+        public static let lockedMemory = Int32(__RLIMIT_MEMLOCK.rawValue)
+    }
+
+    /// getrlimit(2): the soft (`rlim_cur`) and hard (`rlim_max`) limit of `resource`.
+    public static func getrlimit(_ resource: Int32, call: @autoclosure () -> String = "getrlimit") throws(SystemCallError) -> rlimit {
+        var limit = rlimit()
+        try retrying(call()) { Glibc.getrlimit(resource, &limit) }
+        return limit
+    }
+
+    /// setrlimit(2): sets the soft and hard limit of `resource` (raising the hard one needs
+    /// CAP_SYS_RESOURCE).
+    public static func setrlimit(_ resource: Int32, _ limit: rlimit, call: @autoclosure () -> String = "setrlimit") throws(SystemCallError) {
+        var limit = limit
+        try retrying(call()) { Glibc.setrlimit(resource, &limit) }
+    }
+
     // MARK: The two shapes
 
     /// Retries EINTR; any other failure is thrown. EBADF and EFAULT are programmer errors and

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 import BPFSupport
 import ReusePortLB
+import SystemCalls
 
 #if canImport(Glibc)
 import Glibc
@@ -44,9 +45,11 @@ enum MemoryLock {
     ///   LimitMEMLOCK=infinity, ulimit -l) when the limit cannot be raised. Calls getrlimit(2)
     ///   and setrlimit(2).
     static func ensure(bytes: Int, exempt: Bool? = nil, canRaiseHard: Bool? = nil) throws(XSKError) {
-        var limit = rlimit()
-        guard getrlimit(RLIMIT_MEMLOCK_VALUE, &limit) == 0 else {
-            throw .memoryLock(needed: bytes, soft: 0, hard: 0, errno: errno)
+        let limit: rlimit
+        do {
+            limit = try Syscall.getrlimit(Syscall.Resource.lockedMemory)
+        } catch {
+            throw .memoryLock(needed: bytes, soft: 0, hard: 0, errno: error.errno)
         }
         let capabilities = Capabilities.current()
         switch plan(needed: bytes, soft: UInt64(limit.rlim_cur), hard: UInt64(limit.rlim_max),
@@ -56,13 +59,11 @@ enum MemoryLock {
         case .impossible:
             throw .memoryLock(needed: bytes, soft: UInt64(limit.rlim_cur), hard: UInt64(limit.rlim_max), errno: 0)
         case let .raise(soft, hard):
-            var raised = rlimit(rlim_cur: rlim_t(soft), rlim_max: rlim_t(hard))
-            guard setrlimit(RLIMIT_MEMLOCK_VALUE, &raised) == 0 else {
-                throw .memoryLock(needed: bytes, soft: UInt64(limit.rlim_cur), hard: UInt64(limit.rlim_max), errno: errno)
+            do {
+                try Syscall.setrlimit(Syscall.Resource.lockedMemory, rlimit(rlim_cur: rlim_t(soft), rlim_max: rlim_t(hard)))
+            } catch {
+                throw .memoryLock(needed: bytes, soft: UInt64(limit.rlim_cur), hard: UInt64(limit.rlim_max), errno: error.errno)
             }
         }
     }
-
-    /// RLIMIT_MEMLOCK is a macro for the enum case __RLIMIT_MEMLOCK, which is what Swift sees.
-    private static var RLIMIT_MEMLOCK_VALUE: Int32 { Int32(__RLIMIT_MEMLOCK.rawValue) }
 }

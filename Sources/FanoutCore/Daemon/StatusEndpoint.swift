@@ -6,6 +6,7 @@ import Hummingbird
 import HummingbirdCore
 import Logging
 import ReusePortLB
+import SystemCalls
 import ServiceLifecycle
 
 /// Deadlines and limits of the HTTP endpoint. Each one keeps a slow, idle or abusive client from
@@ -40,9 +41,8 @@ public struct EndpointLimits: Sendable {
     }
 
     private static func defaultMaximumConnections() -> Int {
-        var limit = rlimit()
         // RLIM_INFINITY is the largest value, so it gives 1,000 too.
-        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1000 }
+        guard let limit = try? Syscall.getrlimit(Syscall.Resource.openFiles) else { return 1000 }
         return max(64, min(1000, Int(clamping: limit.rlim_cur / 2)))
     }
 }

@@ -4,6 +4,7 @@ import Glibc
 #endif
 import Logging
 import ReusePortLB
+import SystemCalls
 import ServiceLifecycle
 import Synchronization
 
@@ -61,18 +62,12 @@ public final class HealthChecker: Service, Sendable {
         self.logger = logger
         self.onChange = onChange
         self.icmpKinds = icmpKinds
-        var fds: [Int32] = [-1, -1]
-        if pipe(&fds) == 0 {
-            for fd in fds {
-                _ = fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK)
-                _ = fcntl(fd, F_SETFD, FD_CLOEXEC)
-            }
-        } else {
-            logger.warning("health checker: no wake-up pipe (polling every 100 ms instead)", metadata: ["errno": "\(errno)"])
-            fds = [-1, -1]
+        do {
+            (wakeRead, wakeWrite) = try Syscall.pipe(call: "pipe (health checker wake-up)")
+        } catch {
+            logger.warning("health checker: no wake-up pipe (polling every 100 ms instead)", metadata: ["errno": "\(error.errno)", "error": "\(error)"])
+            (wakeRead, wakeWrite) = (-1, -1)
         }
-        wakeRead = fds[0]
-        wakeWrite = fds[1]
     }
 
     deinit {

@@ -3,6 +3,7 @@
 import Glibc
 #endif
 import ReusePortLB
+import SystemCalls
 
 /// The standard process series every Prometheus client library exports (`process_*`, read from
 /// /proc/self at each scrape) and `udp_fanout_build_info`, so the dashboards and alerts written
@@ -28,8 +29,7 @@ enum ProcessMetrics {
             }
         }
         if let open = openDescriptors() { gauge("process_open_fds", "Number of open file descriptors.", "\(open)") }
-        var limit = rlimit()
-        if getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 {
+        if let limit = try? Syscall.getrlimit(Syscall.Resource.openFiles) {
             gauge("process_max_fds", "Maximum number of open file descriptors.", "\(limit.rlim_cur)")
         }
         out += "# HELP udp_fanout_build_info The udp-fanout build: its version (value 1).\n# TYPE udp_fanout_build_info gauge\n"

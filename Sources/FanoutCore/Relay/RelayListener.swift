@@ -4,6 +4,7 @@ import Glibc
 #endif
 import Logging
 import ReusePortLB
+import SystemCalls
 import Synchronization
 
 /// A `replies: relay` listener: ``RelayWorker``s on the listener's own socket group
@@ -42,14 +43,13 @@ final class RelayListener: RunningListener {
         // so now. Every relay listener of the process counts (one that drains on after a reload too).
         reserved = config.settings.maxSessions
         let allReserved = Self.reservedSessions.add(reserved, ordering: .relaxed).newValue
-        var files = rlimit()
         let needed = rlim_t(allReserved) + 256
-        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, files.rlim_cur < needed, files.rlim_cur < files.rlim_max {
+        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), files.rlim_cur < needed, files.rlim_cur < files.rlim_max {
             var raised = files
             raised.rlim_cur = min(needed, files.rlim_max)
-            if setrlimit(Int32(RLIMIT_NOFILE.rawValue), &raised) == 0 { files = raised }
+            try? Syscall.setrlimit(Syscall.Resource.openFiles, raised)
         }
-        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &files) == 0, needed > files.rlim_cur {
+        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), needed > files.rlim_cur {
             logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
                 "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(allReserved)",
                 "open_files_limit": "\(files.rlim_cur)", "sessions_that_fit": "\(max(0, Int(files.rlim_cur) - 256))",

@@ -20,77 +20,77 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
-    private let loop: ReceiveLoop
-    private let listener: Listener
-    private let counters: ListenerCounters
-    private let relay: RelayCounters
-    private let sessionCount: RelaySessionCount
-    private let plans: PlanHolder
-    private let stop: StopSignal
-    private let handOver: HandOverSignal
-    private let logger: Logger
-    private let idleMilliseconds: Int64
+    let loop: ReceiveLoop
+    let listener: Listener
+    let counters: ListenerCounters
+    let relay: RelayCounters
+    let sessionCount: RelaySessionCount
+    let plans: PlanHolder
+    let stop: StopSignal
+    let handOver: HandOverSignal
+    let logger: Logger
+    let idleMilliseconds: Int64
     /// settings.drain_secs: how long a draining socket's replies are still relayed.
-    private let drainMilliseconds: Int64
+    let drainMilliseconds: Int64
     // Owned by the worker thread once it runs:
-    private let receiver: BatchReceiver
-    private let replyReceiver: BatchReceiver
-    private let replyHeaders: UnsafeMutablePointer<shim_mmsghdr>
-    private let replyIovecs: UnsafeMutablePointer<iovec>
+    let receiver: BatchReceiver
+    let replyReceiver: BatchReceiver
+    let replyHeaders: UnsafeMutablePointer<shim_mmsghdr>
+    let replyIovecs: UnsafeMutablePointer<iovec>
     /// Replies received from session sockets and not yet sent: they fill ``replyReceiver``'s
     /// slots 0..<replySlotsUsed (gathered from every session socket an epoll wakeup reports) and
     /// leave in one sendmmsg on the listener socket (``flushReplies()``), not one call per
     /// session. A run per receive call: its session (held, so its client address stays valid
     /// until the flush even if the session closes first), its downstream's reply counter, and
     /// the end of its messages in replyHeaders (0..<stagedMessages).
-    private var replySlotsUsed = 0
-    private var stagedMessages = 0
-    private var stagedRuns: [(session: RelaySession, counter: RelayCounters.DownstreamReplies?, end: Int)] = []
-    private var stagedTooLarge: UInt64 = 0
-    private let epoll: Int32
-    private let events: UnsafeMutablePointer<epoll_event>
+    var replySlotsUsed = 0
+    var stagedMessages = 0
+    var stagedRuns: [(session: RelaySession, counter: RelayCounters.DownstreamReplies?, end: Int)] = []
+    var stagedTooLarge: UInt64 = 0
+    let epoll: Int32
+    let events: UnsafeMutablePointer<epoll_event>
     /// The io_uring the per-session sends and receives go through, a batch's worth per system
     /// call (settings.io_uring); nil: one system call each (the setting is off, or the kernel
     /// refused, logged once per worker at start). Made by the worker thread in ``run()``.
-    private var ring: OpaquePointer?
+    var ring: IOURing?
     /// Per datagram of the batch being forwarded through the ring: its session socket and its
     /// downstream's index (-1: not in the ring).
-    private let ringSockets: UnsafeMutablePointer<Int32>
-    private let ringTargets: UnsafeMutablePointer<Int>
+    let ringSockets: UnsafeMutablePointer<Int32>
+    let ringTargets: UnsafeMutablePointer<Int>
     /// Per reply slot being received into through the ring: its session.
-    private var ringSessions: [RelaySession?]
+    var ringSessions: [RelaySession?]
     /// The session sockets the current wakeup reported readable, and the busy ones among them
     /// (readable in the previous wakeup too): read in batches (recvmmsg), as without the ring.
-    private var readySockets: [Int32] = []
-    private var busySessions: [RelaySession] = []
-    private var wakeup: UInt64 = 0
-    private static let eventCapacity = 256
+    var readySockets: [Int32] = []
+    var busySessions: [RelaySession] = []
+    var wakeup: UInt64 = 0
+    static let eventCapacity = 256
     /// Batches read from one socket per epoll wakeup.
-    private static let batchesPerWakeup = 8
-    private var version = -1
-    private var plan: ForwardingPlan?
-    private var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
-    private var replyCounters: [RelayCounters.DownstreamReplies] = []
+    static let batchesPerWakeup = 8
+    var version = -1
+    var plan: ForwardingPlan?
+    var selector = DownstreamSelector(downstreams: [], balancing: .roundRobin)
+    var replyCounters: [RelayCounters.DownstreamReplies] = []
     /// Replication: the plan's pools get a one-way copy of every request (replies come only from
     /// the listener's own downstreams, through the sessions).
-    private let replicator: PoolReplicator
+    let replicator: PoolReplicator
     /// Per downstream of the plan, for one batch: datagrams and bytes sent, datagrams dropped,
     /// and whether a send was refused (passive health is told once per batch).
-    private var batchSent: [UInt64] = []
-    private var batchBytes: [UInt64] = []
-    private var batchDropped: [UInt64] = []
-    private var batchRefused: [Bool] = []
-    private var drops: ReceiveQueueDropReading
-    private var lastFailureLog: Int64 = -1_000_000
-    private var failuresSinceLog = 0
+    var batchSent: [UInt64] = []
+    var batchBytes: [UInt64] = []
+    var batchDropped: [UInt64] = []
+    var batchRefused: [Bool] = []
+    var drops: ReceiveQueueDropReading
+    var lastFailureLog: Int64 = -1_000_000
+    var failuresSinceLog = 0
     /// The session table. The worker holds ``tableLock`` while it changes the table or a
     /// session (one batch at a time), ``associations()`` while it reads it.
-    private let tableLock = Mutex<Void>(())
-    private var sessions: [ClientKey: RelaySession] = [:]
-    private var bySocket: [Int32: RelaySession] = [:]
+    let tableLock = Mutex<Void>(())
+    var sessions: [ClientKey: RelaySession] = [:]
+    var bySocket: [Int32: RelaySession] = [:]
     /// Session sockets whose downstream left the plan, by descriptor: in the same epoll set,
     /// told apart from ``bySocket``'s by lookup (they are few, and only while a change drains).
-    private var draining: [Int32: DrainingSocket] = [:]
+    var draining: [Int32: DrainingSocket] = [:]
 
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
          sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger) throws(ReusePortError) {
@@ -145,7 +145,6 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // Here, not at the end of run(): a worker whose thread never ran (a later worker of the
         // listener failed to start) must not leak its epoll descriptor.
         close(epoll)
-        if let ring { shim_uring_destroy(ring) }
         replyHeaders.deallocate()
         replyIovecs.deallocate()
         ringSockets.deallocate()
@@ -174,7 +173,6 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         receivingNow.store(false, ordering: .relaxed)
         closeEverySession()
         member.leave()
-        if let ring { shim_uring_destroy(ring) }
         ring = nil
     }
 
@@ -209,13 +207,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             let fd = events[slot].data.fd
             if fd == member.socket {
                 listenerReady = true
-            } else if ring != nil {
-                readySockets.append(fd)
             } else {
-                drainReplies(fd, budget: Self.batchesPerWakeup)
+                replyReady(fd)
             }
         }
-        if !readySockets.isEmpty { receiveReadyReplies() }
+        finishReadyReplies()
         return listenerReady ? .source : .other
     }
 
@@ -232,48 +228,6 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // Replies can keep the loop from ever idling: drops of the listener's socket are read
         // here too, not only with its next request.
         drops.read(member, into: counters)
-    }
-
-    // MARK: io_uring
-
-    /// Makes the worker's ring (settings.io_uring), on its own thread; a refusal is logged and
-    /// the worker makes one system call per session send and receive instead.
-    private func openRing() {
-        guard listener.settings.ioUring, ring == nil else { return }
-        var error: Int32 = 0
-        if let made = shim_uring_create(UInt32(listener.settings.batchSize), &error) {
-            ring = made
-            return
-        }
-        let fix = switch error {
-        case EOPNOTSUPP: "a kernel of 5.6 or later has io_uring's send and receive"
-        case ENOSYS: "a kernel built with CONFIG_IO_URING"
-        case ENOMEM: "before Linux 5.12 the ring counts against the locked-memory limit: raise LimitMEMLOCK / ulimit -l"
-        default: "allow io_uring: sysctl kernel.io_uring_disabled=0 (or 1 with the daemon's group in kernel.io_uring_group), a seccomp profile that permits io_uring_setup, io_uring_enter and io_uring_register"
-        }
-        logger.warning("io_uring refused: this relay worker makes one system call per session-socket send and receive, which costs CPU (\(fix); or set settings.io_uring: false)",
-                       metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_setup", errno: error))"])
-    }
-
-    /// Tests: the errno the next submit of sends (or of receives) of any relay worker fails with
-    /// (0: none), to reach ``ringFailed(_:)``.
-    static let injectedSendFailure = Atomic<Int32>(0)
-    static let injectedReceiveFailure = Atomic<Int32>(0)
-
-    /// Submits what the ring holds and waits for every result (``shim_uring_submit``).
-    private func submit(_ ring: OpaquePointer, sending: Bool) -> Int32 {
-        let injected = sending ? Self.injectedSendFailure.exchange(0, ordering: .relaxed) : Self.injectedReceiveFailure.exchange(0, ordering: .relaxed)
-        if injected != 0 { shim_uring_fail_next_submit(ring, injected) }
-        return shim_uring_submit(ring)
-    }
-
-    /// A submit through the ring failed (the kernel refused io_uring_enter): logged, and the
-    /// worker goes on without the ring. The caller finishes, by system calls, what it had queued.
-    private func ringFailed(_ error: Int32) {
-        logger.error("io_uring submit failed: this relay worker goes on with one system call per session-socket send and receive",
-                     metadata: ["listener": "\(listener.name)", "worker": "\(index)", "error": "\(SystemCallError(call: "io_uring_enter", errno: error))"])
-        if let ring { shim_uring_destroy(ring) }
-        ring = nil
     }
 
     /// Up to `limit` sessions' client, downstream name (its address once the downstream left the
@@ -294,6 +248,49 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         }
     }
 
+    // MARK: Session sockets: two paths behind one interface
+
+    // The rest of the worker moves datagrams on its session sockets through these four calls
+    // alone. The ring path (RelayWorker+IOURing.swift) batches a turn's sends and receives into
+    // one io_uring submit each; the system-call path (RelayWorker+SystemCalls.swift) makes one
+    // send(2) per request and drains each readable socket with recvmmsg(2). A worker starts on
+    // the ring when settings.io_uring is on and the kernel allows it, and falls back to system
+    // calls for good when a submit fails (after finishing what the ring had not taken).
+
+    /// Sends request `datagram` of the received batch on its session's socket: queued in the
+    /// ring (returns true: ``finishRequests(_:_:)`` submits it), else one system call now.
+    func sendRequest(_ datagram: Int, on session: RelaySession, _ failures: inout SendFailures) -> Bool {
+        let payload = receiver.payload(datagram)
+        // The ring holds at most a batch, and it is empty here: queueing cannot fail.
+        if let ring, ring.queueSend(session.socket, payload.baseAddress, payload.count, data: UInt64(datagram)) {
+            ringSockets[datagram] = session.socket
+            ringTargets[datagram] = session.target
+            return true
+        }
+        send(payload, on: session.socket, for: session.target, &failures)
+        return false
+    }
+
+    /// Submits the batch's queued requests (the batch had `count` datagrams) and counts them.
+    func finishRequests(_ count: Int, _ failures: inout SendFailures) {
+        if let ring { completeSends(ring, count, &failures) }
+    }
+
+    /// A session socket this wakeup reported readable: drained now by system calls, or queued
+    /// for the ring's one submit in ``finishReadyReplies()``.
+    func replyReady(_ fd: Int32) {
+        if ring != nil {
+            readySockets.append(fd)
+        } else {
+            drainReplies(fd, budget: Self.batchesPerWakeup)
+        }
+    }
+
+    /// Reads what ``replyReady(_:)`` queued for the ring, if anything.
+    func finishReadyReplies() {
+        if !readySockets.isEmpty { receiveReadyReplies() }
+    }
+
     // MARK: Plan
 
     /// Takes the current plan if a reload or health replaced it. Sessions whose downstream (name
@@ -303,7 +300,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// adopts late (its first wakeup after the reload) does not relay what arrived meanwhile
     /// beyond `drain_secs` (with 0: a reply not read before the reload is counted drained).
     /// Called with the table lock held.
-    private func adoptPlanLocked() {
+    func adoptPlanLocked() {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
         version = current
@@ -338,7 +335,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// downstream) and keeps it draining: the downstream may still answer requests it took.
     /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged),
     /// unless `bounded` is false (a handover: every session becomes a draining socket).
-    private func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil,
+    func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil,
                         until: Int64? = nil) {
         let fd = session.socket
         let deadline = until ?? now + (drain ?? drainMilliseconds)
@@ -361,7 +358,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     // MARK: Client → downstream
 
     /// Why requests of one batch were not sent (send_buffer_full, unreachable, send_error).
-    private struct SendFailures {
+    struct SendFailures {
         var bufferFull: UInt64 = 0
         var unreachable: UInt64 = 0
         var other: UInt64 = 0
@@ -370,7 +367,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Sends each datagram of the batch on its client's session socket (a send per datagram:
     /// consecutive datagrams rarely share a session; all of them in one io_uring submit when the
     /// worker has its ring), making sessions for new clients.
-    private func forwardLocked(_ count: Int) {
+    func forwardLocked(_ count: Int) {
         let now = monotonicMilliseconds()
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
@@ -429,19 +426,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 created += 1
             }
             session.lastActive = now
-            let payload = receiver.payload(datagram)
-            if let ring {
-                // The ring holds at most a batch, and it is empty here: queueing cannot fail.
-                if shim_uring_queue_send(ring, session.socket, payload.baseAddress, UInt32(payload.count), 0, UInt64(datagram)) == 0 {
-                    ringSockets[datagram] = session.socket
-                    ringTargets[datagram] = session.target
-                    queued += 1
-                    continue
-                }
-            }
-            send(payload, on: session.socket, for: session.target, &failures)
+            if sendRequest(datagram, on: session, &failures) { queued += 1 }
         }
-        if queued > 0, let ring { completeSends(ring, count, &failures) }
+        if queued > 0 { finishRequests(count, &failures) }
         if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)]) }
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
@@ -477,20 +464,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         if moved > 0 { relay.moved.wrappingAdd(moved, ordering: .relaxed) }
     }
 
-    /// Sends one request on its session socket (a system call).
-    private func send(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
-        let error: Int32
-        do {
-            error = try Syscall.send(socket, payload.baseAddress, payload.count, Socket.dontWait) == .wouldBlock ? EAGAIN : 0
-        } catch {
-            settle(target, bytes: payload.count, error: error.errno, &failures)
-            return
-        }
-        settle(target, bytes: payload.count, error: error, &failures)
-    }
-
     /// Counts one request for downstream `target`: sent (`error` 0), or dropped for `error`.
-    private func settle(_ target: Int, bytes: Int, error: Int32, _ failures: inout SendFailures) {
+    func settle(_ target: Int, bytes: Int, error: Int32, _ failures: inout SendFailures) {
         if error == 0 {
             batchSent[target] += 1
             batchBytes[target] += UInt64(bytes)
@@ -505,34 +480,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         if error == ECONNREFUSED { batchRefused[target] = true }
     }
 
-    /// Submits the batch's queued sends and counts their results. If the submit fails, the
-    /// worker leaves the ring and sends the datagrams the kernel did not take by system calls,
-    /// in order (they are the last ones queued).
-    private func completeSends(_ ring: OpaquePointer, _ count: Int, _ failures: inout SendFailures) {
-        let submitted = submit(ring, sending: true)
-        var data: UInt64 = 0
-        var result: Int32 = 0
-        var ringSends: UInt64 = 0
-        while shim_uring_next(ring, &data, &result) == 1 {
-            let datagram = Int(data)
-            guard datagram < count, ringTargets[datagram] >= 0 else { continue }
-            settle(ringTargets[datagram], bytes: receiver.payload(datagram).count, error: result >= 0 ? 0 : -result, &failures)
-            ringTargets[datagram] = -1
-            ringSends += 1
-        }
-        if ringSends > 0 { relay.ringSends.wrappingAdd(ringSends, ordering: .relaxed) }
-        if submitted < 0 {
-            ringFailed(-submitted)
-            for datagram in 0..<count where ringTargets[datagram] >= 0 {
-                send(receiver.payload(datagram), on: ringSockets[datagram], for: ringTargets[datagram], &failures)
-                ringTargets[datagram] = -1
-            }
-        }
-    }
-
     /// Opens the session's socket and adds it to the epoll set; false (logged, at most once a
     /// second) when it cannot: the datagram is dropped as send_error.
-    private func open(_ session: RelaySession) -> Bool {
+    func open(_ session: RelaySession) -> Bool {
         let error = session.connect()
         if error == 0 {
             var event = epoll_event()
@@ -557,17 +507,6 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     // MARK: Downstream → client
 
-    /// Stages what session socket `fd` holds (at most `budget` batches) for its client (see ``relayQueued(_:budget:)``).
-    private func drainReplies(_ fd: Int32, budget: Int = .max) {
-        tableLock.withLock { _ in
-            if let session = bySocket[fd], session.socket == fd {
-                relayQueued(session, budget: budget)
-            } else if let socket = draining[fd] {
-                relayDraining(socket, budget: budget)
-            }
-        }
-    }
-
     /// Which downstream a session's replies count for.
     enum ReplyCounting {
         /// The plan's downstream at the session's `target`.
@@ -576,66 +515,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         case leaving(RelayCounters.DownstreamReplies?)
     }
 
-    /// Stages what the session's socket holds (at most `budget` batches' worth of datagrams) for
-    /// its client, to be sent from the listener socket: by ``flushReplies()`` at the end of the
-    /// wakeup, or at once when the stage is full. Called with the table lock held.
-    private func relayQueued(_ session: RelaySession, budget: Int) {
-        guard session.socket >= 0 else { return }
-        if receiveQueued(session.socket, for: session, counter: replyCounter(session, .plan), counting: .plan, budget: budget, relaying: true) > 0 {
-            session.lastActive = monotonicMilliseconds()
-        }
-    }
-
-    /// What a draining socket holds: relayed to its client as a session's replies (counted for the
-    /// downstream that left) until its drain time is over, then read and counted `drained`.
-    /// Called with the table lock held.
-    private func relayDraining(_ socket: DrainingSocket, budget: Int) {
-        let now = monotonicMilliseconds()
-        let relaying = now < socket.until
-        if receiveQueued(socket.socket, for: socket.session, counter: socket.counter, counting: .leaving(socket.counter), budget: budget, relaying: relaying) > 0 {
-            socket.lastActive = now
-        }
-    }
-
-    /// Reads what socket `fd` holds (at most `budget` batches' worth of datagrams) into the free
-    /// reply slots. `relaying`: staged for `session`'s client, credited to `counter`; otherwise
-    /// counted `drained` and the slots stay free. Called with the table lock held.
-    /// - Returns: the datagrams read.
-    private func receiveQueued(_ fd: Int32, for session: RelaySession, counter: RelayCounters.DownstreamReplies?, counting: ReplyCounting,
-                               budget: Int, relaying: Bool) -> Int {
-        // In datagrams, so that receiving into the last few free slots does not use up a batch.
-        let (limit, overflow) = budget.multipliedReportingOverflow(by: replyReceiver.batchSize)
-        let allowed = overflow ? Int.max : limit
-        var received = 0
-        var calls = 0
-        while received < allowed && calls < allowed {
-            calls += 1
-            if replySlotsUsed == replyReceiver.batchSize { flushReplies() }
-            let free = replySlotsUsed..<replyReceiver.batchSize
-            let count: Int
-            do throws(SystemCallError) {
-                count = try replyReceiver.receive(from: fd, flags: Socket.dontWait | Socket.truncate, slots: free)
-            } catch {
-                if receiveFailed(error, on: session, counting: counting) { continue }
-                return received
-            }
-            if count == 0 { return received }
-            received += count
-            loop.progress.wrappingAdd(1, ordering: .relaxed)
-            if relaying {
-                stage(replySlotsUsed..<(replySlotsUsed + count), from: session, counter: counter)
-                replySlotsUsed += count
-            } else {
-                relay.drained.wrappingAdd(UInt64(count), ordering: .relaxed)
-            }
-            // Fewer than asked for: the socket is empty.
-            if count < free.count { return received }
-        }
-        return received
-    }
-
     /// The counter a session's replies are credited to.
-    private func replyCounter(_ session: RelaySession, _ counting: ReplyCounting) -> RelayCounters.DownstreamReplies? {
+    func replyCounter(_ session: RelaySession, _ counting: ReplyCounting) -> RelayCounters.DownstreamReplies? {
         switch counting {
         case .plan: session.target < replyCounters.count ? replyCounters[session.target] : nil
         case .leaving(let previous): previous
@@ -644,7 +525,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     /// Counts a failed receive on a session socket. - Returns: true when the socket may still
     /// hold replies (the error was an ICMP report, which reading clears).
-    private func receiveFailed(_ error: SystemCallError, on session: RelaySession, counting: ReplyCounting) -> Bool {
+    func receiveFailed(_ error: SystemCallError, on session: RelaySession, counting: ReplyCounting) -> Bool {
         if error.errno == ECONNREFUSED || error.errno == EHOSTUNREACH || error.errno == ENETUNREACH {
             // ICMP unreachable for a request sent on this session: the downstream did not take
             // it. The request was counted forwarded, so this is counted on the reply side (no
@@ -659,82 +540,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         return false
     }
 
-    /// Reads the replies of the session sockets this wakeup reported readable through the ring:
-    /// one receive per socket into the next free reply slot, all of them in one submit (more when
-    /// the slots fill). A socket readable in the previous wakeup too is busy: it is drained in
-    /// batches (recvmmsg) after the others, as without the ring.
-    private func receiveReadyReplies() {
-        tableLock.withLock { _ in
-            for fd in readySockets {
-                guard let session = bySocket[fd], session.socket == fd else {
-                    // Draining sockets are few and short-lived: read by system calls.
-                    if let socket = draining[fd] { relayDraining(socket, budget: Self.batchesPerWakeup) }
-                    continue
-                }
-                let busy = session.readyWakeup &+ 1 == wakeup
-                session.readyWakeup = wakeup
-                if !busy, replySlotsUsed == replyReceiver.batchSize, let ring {
-                    completeReceives(ring)
-                    flushReplies()
-                }
-                // Looked up after the submit above: a failed one leaves the ring (and frees it).
-                guard let ring, !busy else {
-                    busySessions.append(session)
-                    continue
-                }
-                let slot = replySlotsUsed
-                let buffer = replyReceiver.buffer(slot)
-                // At most a batch of slots is in the ring, and it holds a batch: this cannot fail.
-                guard shim_uring_queue_recv(ring, fd, buffer.baseAddress, UInt32(buffer.count), Socket.truncate, UInt64(slot)) == 0 else {
-                    busySessions.append(session)
-                    continue
-                }
-                ringSessions[slot] = session
-                // A receive that finds nothing (or an error) leaves its slot unused until the flush.
-                replySlotsUsed += 1
-            }
-            if let ring { completeReceives(ring) }
-            for session in busySessions { relayQueued(session, budget: Self.batchesPerWakeup) }
-        }
-        readySockets.removeAll(keepingCapacity: true)
-        busySessions.removeAll(keepingCapacity: true)
-    }
-
-    /// Submits the queued receives and stages what they read. If the submit fails, the worker
-    /// leaves the ring and drains the sockets whose receive was not taken by system calls.
-    private func completeReceives(_ ring: OpaquePointer) {
-        let submitted = submit(ring, sending: false)
-        var data: UInt64 = 0
-        var result: Int32 = 0
-        var ringReceives: UInt64 = 0
-        defer { if ringReceives > 0 { relay.ringReceives.wrappingAdd(ringReceives, ordering: .relaxed) } }
-        let now = monotonicMilliseconds()
-        while shim_uring_next(ring, &data, &result) == 1 {
-            let slot = Int(data)
-            guard slot < ringSessions.count, let session = ringSessions[slot] else { continue }
-            ringSessions[slot] = nil
-            ringReceives += 1
-            if result >= 0 {
-                replyReceiver.record(slot, length: Int(result))
-                session.lastActive = now
-                loop.progress.wrappingAdd(1, ordering: .relaxed)
-                stage(slot..<(slot + 1), from: session, counter: replyCounter(session, .plan))
-            } else if -result != EAGAIN {
-                _ = receiveFailed(SystemCallError(call: "io_uring recv", errno: -result), on: session, counting: .plan)
-            }
-        }
-        guard submitted < 0 else { return }
-        ringFailed(-submitted)
-        for slot in ringSessions.indices {
-            guard let session = ringSessions[slot] else { continue }
-            ringSessions[slot] = nil
-            busySessions.append(session)
-        }
-    }
-
     /// Adds the replies just received into `slots` to the staged batch, addressed to the
     /// session's client (the caller marks the slots used).
-    private func stage(_ slots: Range<Int>, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
+    func stage(_ slots: Range<Int>, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
         for slot in slots {
             if replyReceiver.isTruncated(slot) {
                 stagedTooLarge += 1
@@ -757,7 +565,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Sends the staged replies to their clients (sendmmsg on the listener socket), counts them,
     /// and empties the stage. Holding each reply's session keeps its client address valid even
     /// if the session closed (idle, reload) after the reply was staged.
-    private func flushReplies() {
+    func flushReplies() {
         let messages = stagedMessages
         // Credits the messages `sent` (a range of replyHeaders) to their runs' downstreams.
         var run = 0
@@ -807,7 +615,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     // MARK: Idle and stop
 
     /// Closes the sessions without a datagram either way for `session_idle_secs` (event `expired`).
-    private func sweep(now: Int64) {
+    func sweep(now: Int64) {
         tableLock.withLock { _ in
             adoptPlanLocked()
             // Keys first: removing while iterating would copy the whole table.
@@ -845,7 +653,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// from the listener's address until the successor's settings.drain_secs passes (with 0:
     /// none), later ones read and counted `drained` until the socket is silent
     /// (``sweep(now:)``). Returns when the last one closed, or soon after the handover is cut short.
-    private func drainAfterHandOver() {
+    func drainAfterHandOver() {
         // Requests are the successor's now (its eBPF steering selects only its own sockets).
         try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, member.socket, nil)
         let now = monotonicMilliseconds()
@@ -879,7 +687,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
-    private func closeEverySession() {
+    func closeEverySession() {
         tableLock.withLock { _ in
             for session in sessions.values { session.closeSocket() }
             sessionCount.release(sessions.count)
@@ -892,7 +700,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     }
 
     /// At most one line a second: an error that repeats every datagram must not flood the log.
-    private func logFailure(_ message: Logger.Message, _ error: any Error) {
+    func logFailure(_ message: Logger.Message, _ error: any Error) {
         failuresSinceLog += 1
         let now = monotonicMilliseconds()
         guard now - lastFailureLog >= 1000 else { return }
