@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Writes schema/udp-fanout-config.schema.json (JSON Schema draft-07) from the rules below, which
 follow Sources/FanoutCore/Config/ConfigParser.swift and the validation (ConfigValidation.swift and
-each listener kind's validate): python3 schema/generate-schema.py. The schema must never refuse a
+each listener kind's validate), and from schema/settings-table.json for the listener settings:
+python3 schema/generate-schema.py. The schema must never refuse a
 file the daemon accepts; Tests/FanoutTests/ConfigSchemaTests.swift checks that."""
 import json, os, sys
 
@@ -160,37 +161,41 @@ definitions = {
         'allOf': [ref('members-required')]},
 }
 
+def setting(key):
+    """The schema of one listener setting, from its declaration in the settings table."""
+    doc, default = key['doc'], key['default']
+    if key['type'] == 'boolean':
+        return boolean(doc, default)
+    if key['type'] == 'choice':
+        # A word YAML 1.1 reads as a boolean (on, off) is one to YAML 1.2 tools too.
+        return choice(key['values'], doc, default, yaml11_bool=any(v in ('on', 'off', 'yes', 'no') for v in key['values']))
+    if key['type'] == 'interface_names':
+        return {'description': doc,
+                'type': 'array', 'items': {'description': 'An interface name: 1 to 15 printable ASCII characters, no / or space.',
+                                           'anyOf': [{'type': 'string', 'pattern': IFNAME}, {'type': ['number', 'boolean', 'null']}, ref('yaml-binary')]}}
+    assert key['type'] == 'integer', key
+    lo, hi = key['minimum'], key['maximum']
+    if key.get('power_of_two'):
+        values = powers(lo, hi)
+        low = values[0]
+        spelled = f'0{oct(low)[2:]} is {low}'
+    elif 'values' in key:
+        values = key['values']
+        low = values[0]
+        spelled = f'0{oct(low)[2:]} is {low}'
+    else:
+        return integer(lo, hi, doc, default)
+    octal = {'enum': [octal_reading(v) for v in values],
+             'description': f'0-prefixed YAML 1.1 octal spellings ({spelled} to the daemon), read in decimal by YAML 1.2 tools'}
+    return {'description': doc, 'default': default, 'anyOf': [{'enum': values}, octal, ref('integer-text'), ref('yaml-binary')]}
+
+# The settings are declared in the daemon, beside the kind that owns each (SettingKey); schema/settings-table.json is
+# their dump (udp-fanout --print-settings-table), checked by SettingsTableTests to be the daemon's.
+TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'settings-table.json')
 settings = {
     'type': 'object', 'additionalProperties': False,
     'description': 'Per-listener tuning. Keys that have no effect in the listener\'s mode are warned about by name, not refused.',
-    'properties': {
-        'max_packet_size': integer(1, 65527, 'Largest datagram forwarded, in bytes (1-65507 for an IPv4 bind, 65527 for IPv6); a larger one is dropped with reason too_large, never forwarded cut.', 9000),
-        'batch_size': integer(1, 1024, 'Datagrams per recvmmsg/sendmmsg.', 32),
-        'workers': integer(0, 256, 'Worker threads; 0: one per CPU the daemon may run on. Each has its own socket in a ReusePortLB group steered by worker_steering.', 0),
-        'pin_cpus': boolean('Pin worker i to the i-th CPU (mod their count) of those the daemon may run on.', True),
-        'recv_buf_size': integer(0, 1 << 30, 'Receive buffer per worker socket in bytes; 0: the system\'s (SO_RCVBUFFORCE as root, else SO_RCVBUF capped by net.core.rmem_max).', 0),
-        'tc_attach': choice(['auto', 'tcx', 'clsact'], 'tc_ebpf and xdp: a TCX link where the kernel has one (6.6+), else a clsact filter; or force one. Listeners on one interface must agree.', 'auto'),
-        'worker_steering': choice(['five_tuple', 'source_ip', 'round_robin'], 'How datagrams are spread over the workers: five_tuple keeps each flow on one worker (its order kept); source_ip keeps a source address on one worker; round_robin spreads one heavy flow over every worker and may reorder it.', 'five_tuple'),
-        'resolve_interval_secs': integer(1, 86400, 'The longest time between two resolutions of a DNS downstream; a shorter record TTL wins.', 30),
-        'output': choice(['socket', 'preserve_source', 'xdp_tx'], 'userspace and af_xdp: how datagrams leave. socket: the payload through a UDP socket of this host; preserve_source: the whole datagram with the client\'s source address and port (CAP_NET_RAW); xdp_tx (af_xdp only): sent on the RX queue\'s TX ring when the next hop is on the same interface. tc_ebpf and xdp always keep the client\'s source: socket and xdp_tx are refused there.', 'socket'),
-        'xdp_mode': choice(['auto', 'native', 'generic'], 'af_xdp and xdp: how the XDP program attaches. auto: native, else generic with a warning. xdp listeners on one interface must agree.', 'auto'),
-        'queues': integer(0, 64, 'af_xdp: RX queues served from queue 0; 0: every RX queue of the interface.', 0),
-        'umem_frame_size': {'description': 'af_xdp: bytes per UMEM frame, 2048 or 4096.', 'default': 4096,
-                            'anyOf': [{'enum': [2048, 4096]}, {'enum': [octal_reading(2048), octal_reading(4096)], 'description': '0-prefixed YAML 1.1 octal spellings (04000 is 2048 to the daemon), read in decimal by YAML 1.2 tools'}, ref('integer-text'), ref('yaml-binary')]},
-        'umem_frames': integer(64, 1 << 20, 'af_xdp: UMEM frames per queue; at least twice ring_size.', 4096),
-        'ring_size': {'description': 'af_xdp: entries of the RX, TX, fill and completion rings: a power of two, 64 to 16384.', 'default': 2048,
-                      'anyOf': [{'enum': powers(64, 16384)}, {'enum': [octal_reading(v) for v in powers(64, 16384)], 'description': '0-prefixed YAML 1.1 octal spellings (0100 is 64 to the daemon), read in decimal by YAML 1.2 tools'}, ref('integer-text'), ref('yaml-binary')]},
-        'zero_copy': choice(['auto', 'on', 'off'], 'af_xdp: zero-copy binding where the driver has it (auto falls back to copy mode, logged), always (on), or never (off).', 'auto', yaml11_bool=True),
-        'busy_poll': boolean('af_xdp: SO_PREFER_BUSY_POLL on the sockets (lower latency, more CPU).', False),
-        'max_associations': integer(16, 1 << 26, 'replies: nat only: clients remembered at once (LRU; when full the least recently used association is forgotten, counted evicted).', 1 << 20),
-        'reply_interfaces': {'description': "replies: nat only: interfaces the downstreams' replies arrive on, where the program is attached too. Empty (default): the interfaces the kernel routes the downstreams through.",
-                             'type': 'array', 'items': {'description': 'An interface name: 1 to 15 printable ASCII characters, no / or space.',
-                                                        'anyOf': [{'type': 'string', 'pattern': IFNAME}, {'type': ['number', 'boolean', 'null']}, ref('yaml-binary')]}},
-        'max_sessions': integer(1, 1 << 20, 'replies: relay only: session sockets open at once; a new client beyond it is dropped and counted table_full.', 65536),
-        'session_idle_secs': integer(1, 86400, 'replies: relay only: a session with no datagram either way for this long is closed.', 120),
-        'io_uring': boolean('replies: relay only: session sockets served through an io_uring, a batch per system call (false: one system call each).', True),
-        'drain_secs': integer(0, 3600, 'Two-way listeners (replies: nat or relay): how long a removed or unhealthy downstream keeps relaying its clients\' replies; 0: it goes at once.', 30),
-    }}
+    'properties': {key['name']: setting(key) for key in json.load(open(TABLE))['settings']}}
 
 def mode_is(*modes): return {'required': ['mode'], 'properties': {'mode': {'enum': list(modes)}}}
 def settings_key_is(key, *values): return {'required': ['settings'], 'properties': {'settings': {'required': [key], 'properties': {key: {'enum': list(values)}}}}}

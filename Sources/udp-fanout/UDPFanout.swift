@@ -53,6 +53,9 @@ struct Run: AsyncParsableCommand {
     @Flag(name: .customLong("watch-config"), help: "Also reload when the configuration file changes (checked every second, as sbulb does); SIGHUP still works.")
     var watchConfig = false
 
+    @Flag(name: .customLong("print-settings-table"), help: .hidden)
+    var printSettingsTable = false
+
     @Option(name: .customLong("ebpf-program"), help: "Accepted for compatibility: the BPF programs are embedded in this binary; the file is not read.")
     var ebpfProgram: String?
 
@@ -66,6 +69,11 @@ struct Run: AsyncParsableCommand {
     }
 
     func run() async throws {
+        // The settings table as JSON (schema/settings-table.json, which schema/generate-schema.py reads).
+        if printSettingsTable {
+            print(SettingsTable.json(), terminator: "")
+            return
+        }
         // UDP_FANOUT_LOG wins over RUST_LOG; an empty one counts as unset.
         let names: [String] = ["UDP_FANOUT_LOG", "RUST_LOG"]
         let environment = names.compactMap { (name: String) -> String? in

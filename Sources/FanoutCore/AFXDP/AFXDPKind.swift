@@ -8,6 +8,8 @@ import ReusePortLB
 /// af_xdp: an XDP program steers the listener's datagrams into AF_XDP sockets (one per queue),
 /// and a companion socket on the bind receives what the program passes.
 struct AFXDPKind: ListenerKind {
+    static let name = Mode.afXDP.rawValue
+    static let withoutWorkers: String? = "one forwarder per RX queue: settings.queues"
     static func serves(_ listener: Listener) -> Bool { listener.mode == .afXDP }
     static var attachesToInterface: Bool { true }
     /// Each frame's payload to every pool from UMEM, through the pools' sockets (socket or
@@ -32,15 +34,6 @@ struct AFXDPKind: ListenerKind {
         case .nat: throw SharedChecks.natNeedsTC(path: path, of: config)
         case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
         }
-    }
-
-    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        var warnings: [ConfigWarning] = []
-        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to modes tc_ebpf and xdp only")) }
-        for key in ["workers", "worker_steering"] where config.lines.isSet("\(path).settings.\(key)") {
-            warnings.append(config.configWarning("\(path).settings.\(key)", "not used in mode af_xdp (one forwarder per RX queue: settings.queues)"))
-        }
-        return warnings
     }
 
     /// Its companion socket's bind is free of other processes (``Preflight/bindProblems(_:index:)``),

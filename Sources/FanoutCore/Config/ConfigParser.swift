@@ -99,51 +99,7 @@ public enum ConfigParser {
         let kubernetes = try Self.kubernetes(fields, path: path)
         var settings = Settings()
         if let node = fields["settings"] {
-            let entry = try Fields(node, path: "\(path).settings")
-            try entry.allow(["max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
-                             "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll",
-                             "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs", "io_uring", "drain_secs"])
-            let maximum: Int
-            if case .v4 = bind.ip { maximum = 65507 } else { maximum = 65527 }
-            settings.maxPacketSize = try entry.int("max_packet_size", in: 1...maximum) ?? settings.maxPacketSize
-            settings.batchSize = try entry.int("batch_size", in: 1...1024) ?? settings.batchSize
-            settings.workers = try entry.int("workers", in: 0...ReusePortMember.maximumCapacity) ?? settings.workers
-            settings.pinCPUs = try entry.bool("pin_cpus") ?? settings.pinCPUs
-            settings.recvBufSize = try entry.int("recv_buf_size", in: 0...(1 << 30)) ?? settings.recvBufSize
-            if let steering = try entry.choice("worker_steering", WorkerSteering.allCases.map(\.rawValue)) {
-                settings.workerSteering = WorkerSteering(rawValue: steering)!
-            }
-            if let attach = try entry.choice("tc_attach", TCAttach.allCases.map(\.rawValue)) {
-                settings.tcAttach = TCAttach(rawValue: attach)!
-            }
-            settings.resolveIntervalSecs = try entry.int("resolve_interval_secs", in: 1...86400) ?? settings.resolveIntervalSecs
-            if let output = try entry.choice("output", Output.allCases.map(\.rawValue)) { settings.output = Output(rawValue: output)! }
-            if let mode = try entry.choice("xdp_mode", XDPMode.allCases.map(\.rawValue)) { settings.xdpMode = XDPMode(rawValue: mode)! }
-            settings.queues = try entry.int("queues", in: 0...Settings.maximumQueues) ?? settings.queues
-            if let size = try entry.int("umem_frame_size", in: 2048...4096) {
-                guard size == 2048 || size == 4096 else { throw entry.error("umem_frame_size", "\(size): must be 2048 or 4096 (AF_XDP aligned frames)") }
-                settings.umemFrameSize = size
-            }
-            settings.umemFrames = try entry.int("umem_frames", in: 64...(1 << 20)) ?? settings.umemFrames
-            if let size = try entry.int("ring_size", in: 64...16384) {
-                guard size & (size - 1) == 0 else { throw entry.error("ring_size", "\(size): must be a power of two (64 to 16384)") }
-                settings.ringSize = size
-            }
-            if let zeroCopy = try entry.choice("zero_copy", ZeroCopy.allCases.map(\.rawValue)) { settings.zeroCopy = ZeroCopy(rawValue: zeroCopy)! }
-            settings.busyPoll = try entry.bool("busy_poll") ?? settings.busyPoll
-            settings.maxAssociations = try entry.int("max_associations", in: 16...(1 << 26)) ?? settings.maxAssociations
-            for (position, item) in try entry.sequence("reply_interfaces", required: false).enumerated() {
-                guard case .scalar(let scalar) = item, !scalar.string.isEmpty, scalar.string.utf8.count < 16,
-                    !scalar.string.contains(where: { $0 == "/" || $0 == " " || $0.asciiValue.map { $0 < 0x20 || $0 == 0x7f } ?? true })
-                else {
-                    throw ConfigError("\(path).settings.reply_interfaces[\(position)]", "expected an interface name (1 to 15 characters, no '/' or spaces)", line: item.mark.line)
-                }
-                settings.replyInterfaces.append(scalar.string)
-            }
-            settings.maxSessions = try entry.int("max_sessions", in: 1...(1 << 20)) ?? settings.maxSessions
-            settings.sessionIdleSecs = try entry.int("session_idle_secs", in: 1...86400) ?? settings.sessionIdleSecs
-            settings.ioUring = try entry.bool("io_uring") ?? settings.ioUring
-            settings.drainSecs = try entry.int("drain_secs", in: 0...3600) ?? settings.drainSecs
+            settings = try SettingsTable.parse(node, path: "\(path).settings", bind: bind)
         }
         let balancing = try fields.choice("balancing", Balancing.allCases.map(\.rawValue)) ?? Balancing.roundRobin.rawValue
         let replies = try fields.choice("replies", Replies.allCases.map(\.rawValue)) ?? Replies.none.rawValue

@@ -139,7 +139,12 @@ extension FanoutConfig {
         func warn(_ key: String, _ message: String) { warnings.append(configWarning(key, message)) }
         for (index, listener) in listeners.enumerated() {
             let path = "listeners[\(index)]"
-            warnings += ListenerKinds.type(for: listener)?.warnings(listener, path: path, of: self) ?? []
+            let kind = ListenerKinds.type(for: listener)
+            // The kind's own keys, then its settings that have no effect in it.
+            if let kind {
+                warnings += kind.warnings(listener, path: path, of: self)
+                warnings += SettingsTable.warnings(listener, of: kind, path: path, config: self) { $0 == .modes || $0 == .workers }
+            }
             // The listener's own downstreams and each pool's.
             let groups = [(path, listener.ownMembers)] + listener.pools.enumerated().map { ("\(path).pools[\($0)]", MemberGroup($1)) }
             for (groupPath, group) in groups {
@@ -153,17 +158,9 @@ extension FanoutConfig {
                     }
                 }
             }
-            for key in ["max_associations", "reply_interfaces"] where listener.replies != .nat && lines.isSet("\(path).settings.\(key)") {
-                warn("\(path).settings.\(key)", "applies to replies: nat only")
-            }
-            for key in ["max_sessions", "session_idle_secs", "io_uring"] where listener.replies != .relay && lines.isSet("\(path).settings.\(key)") {
-                warn("\(path).settings.\(key)", "applies to replies: relay only")
-            }
-            if listener.replies == .none && lines.isSet("\(path).settings.drain_secs") {
-                warn("\(path).settings.drain_secs", "applies to two-way listeners (replies: nat or relay) only")
-            }
-            if listener.memberGroups.allSatisfy({ $0.dnsDownstreams.isEmpty }) && lines.isSet("\(path).settings.resolve_interval_secs") {
-                warn("\(path).settings.resolve_interval_secs", "not used: no downstream of this listener is given by DNS name")
+            // The settings that depend on the listener's shape (its replies, its DNS downstreams).
+            if let kind {
+                warnings += SettingsTable.warnings(listener, of: kind, path: path, config: self) { $0 != .modes && $0 != .workers }
             }
         }
         if !health.enabled {

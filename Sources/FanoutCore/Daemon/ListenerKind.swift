@@ -7,6 +7,11 @@ import Synchronization
 /// listener it does through its kind, without knowing which kind it is. A kind is a type in its
 /// own folder, registered in ``ListenerKinds``.
 protocol ListenerKind: Sendable {
+    /// Its name in the settings table (schema/settings-table.json): the mode, or relay.
+    static var name: String { get }
+    /// Why the workers' settings (``UserspaceSettings``) have no effect in this kind, if they do not:
+    /// the end of their warning.
+    static var withoutWorkers: String? { get }
     /// True for the listeners of this kind (by `mode`, and `replies` for relay).
     static func serves(_ listener: Listener) -> Bool
     /// True when it attaches to a network interface, so `interface` must be set.
@@ -26,7 +31,8 @@ protocol ListenerKind: Sendable {
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError)
     /// Checks across its listeners (after each was checked alone).
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError)
-    /// Its keys that `listener` sets where they have no effect (before the warnings every kind shares).
+    /// Its keys that `listener` sets where they have no effect, besides its settings (which the
+    /// settings table warns about), before the warnings every kind shares.
     static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning]
     /// Why a discovered `downstream` cannot be a member of `listener`, which has `accepted`
     /// members so far (nil: it can). The discovered address is then skipped, with this reason.
@@ -59,6 +65,8 @@ protocol ListenerKind: Sendable {
 }
 
 extension ListenerKind {
+    static var withoutWorkers: String? { nil }
+    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] { [] }
     static var attachesToInterface: Bool { false }
     static var bindsPerInterface: Bool { false }
     static var replicates: Bool { false }
@@ -124,6 +132,19 @@ struct ListenerKinds: Sendable {
     /// line here and one in ``init(logger:)``.
     static let types: [any ListenerKind.Type] = [TCKind.self, XDPKind.self, AFXDPKind.self, RelayKind.self, UserspaceKind.self]
 
+    /// The kinds' settings tables, each in its kind's folder (``SettingKey``): a new table is one
+    /// line here. Their order is the order of the warnings (a kind's own keys, then those of
+    /// the listener's shape).
+    static let settingTables: [[SettingKey]] = [TCSettings.keys, AFXDPSettings.keys, UserspaceSettings.keys, RelaySettings.keys, SharedSettings.keys]
+
+    /// Every setting of the tables once, in the reference's order: the parser reads them in
+    /// it and an unknown key's error lists them in it (``SettingsTable/keys``).
+    static let settingsOrder = [
+        "max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
+        "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll",
+        "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs", "io_uring", "drain_secs",
+    ]
+
     let all: [any ListenerKind]
 
     init(logger: Logger) {
@@ -169,14 +190,10 @@ enum SharedChecks {
         if listener.replies == .nat { throw natNeedsTC(path: path, of: config) }
     }
 
-    /// A socket-group listener's keys that have no effect there.
+    /// A socket-group listener's keys that have no effect there (besides its settings).
     static func socketGroupWarnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        var warnings: [ConfigWarning] = []
-        if config.lines.isSet("\(path).interface") {
-            warnings.append(config.configWarning("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)"))
-        }
-        if config.lines.isSet("\(path).settings.tc_attach") { warnings.append(config.configWarning("\(path).settings.tc_attach", "applies to modes tc_ebpf and xdp only")) }
-        return warnings + afXDPKeys(path: path, of: config)
+        guard config.lines.isSet("\(path).interface") else { return [] }
+        return [config.configWarning("\(path).interface", "not used in mode userspace (the socket receives on every interface that routes to the bind address)")]
     }
 
     /// A source-preserving way out (userspace or af_xdp) keeps the client's address: a client of
@@ -202,11 +219,5 @@ enum SharedChecks {
     static func relayNeedsUserspace(path: String, of config: FanoutConfig) -> ConfigError {
         config.configError("\(path).replies", "relay uses session sockets in userspace: it needs mode userspace (mode tc_ebpf offers replies: nat)")
     }
-
-    /// af_xdp's settings, set on another kind.
-    static func afXDPKeys(path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        ["xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
-            config.configWarning("\(path).settings.\($0)", $0 == "xdp_mode" ? "applies to modes af_xdp and xdp only" : "applies to mode af_xdp only")
-        }
-    }
 }
+

@@ -4,6 +4,7 @@ import ReusePortLB
 /// relay (`mode: userspace` with `replies: relay`): two-way in userspace, a session socket per
 /// client towards its downstream, replies relayed from the listener's address.
 struct RelayKind: ListenerKind {
+    static let name = Replies.relay.rawValue
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
     /// Pools get one-way copies of the requests; replies come only from the listener's own downstreams.
     static let replicates = true

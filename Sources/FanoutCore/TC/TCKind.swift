@@ -8,6 +8,8 @@ import ReusePortLB
 struct TCKind: ListenerKind {
     let dataplane: TCDataplane
 
+    static let name = Mode.tcEBPF.rawValue
+    static let withoutWorkers: String? = "it sets userspace workers; the kernel forwards here"
     static func serves(_ listener: Listener) -> Bool { listener.mode == .tcEBPF }
     static var attachesToInterface: Bool { true }
     static var bindsPerInterface: Bool { true }
@@ -118,12 +120,6 @@ struct TCKind: ListenerKind {
     static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {
         guard cause == KubernetesSource.kind else { return }
         logger.info("tc_ebpf k8s membership updated", metadata: ["listener": "\(listener.name)", "downstreams": "\(downstreams)"])
-    }
-
-    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        SharedChecks.afXDPKeys(path: path, of: config) + ["workers", "batch_size", "pin_cpus", "recv_buf_size", "max_packet_size", "worker_steering"].filter { config.lines.isSet("\(path).settings.\($0)") }.map {
-            config.configWarning("\(path).settings.\($0)", "not used in mode \(listener.mode.rawValue) (it sets userspace workers; the kernel forwards here)")
-        }
     }
 
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {

@@ -16,6 +16,8 @@ struct XDPKind: ListenerKind {
     let dataplane: TCDataplane
     let front: XDPFront
 
+    static let name = Mode.xdp.rawValue
+    static let withoutWorkers = TCKind.withoutWorkers
     static func serves(_ listener: Listener) -> Bool { listener.mode == .xdp }
     static var attachesToInterface: Bool { true }
     static var bindsPerInterface: Bool { true }
@@ -49,10 +51,6 @@ struct XDPKind: ListenerKind {
                 }
             }
         }
-    }
-
-    static func warnings(_ listener: Listener, path: String, of config: FanoutConfig) -> [ConfigWarning] {
-        TCKind.warnings(listener, path: path, of: config).filter { !$0.key.hasSuffix(".settings.xdp_mode") }
     }
 
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? {

@@ -3,6 +3,7 @@ import ReusePortLB
 
 /// userspace: recvmmsg/sendmmsg workers on a SO_REUSEPORT group of the bind (ReusePortLB).
 struct UserspaceKind: ListenerKind {
+    static let name = Mode.userspace.rawValue
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies != .relay }
     /// Each datagram to every pool: one receive, one batch per pool member out.
     static let replicates = true
