@@ -53,6 +53,11 @@ rm -f "dist/udp-fanout_${debversion}_$arch.deb" "dist/libreuseportlb0_${debversi
 # Every package's /usr/share/doc/<package>: copyright and changelog.Debian.gz.
 python3 scripts/lib/deb_copyright.py packaging/copyright.in Package.resolved .build/checkouts \
   "$work/copyright" "$work/third-party"
+# What is not linked into the programs has no paragraph there (the tests' Yams, the docs plugin).
+if grep -Eiq '^Files: .*(yams|swift-docc)' "$work/copyright"; then
+  echo "deb: FAILED: the copyright file names a package that is not linked into the programs: $(grep -Ei '^Files: .*(yams|swift-docc)' "$work/copyright")" >&2
+  exit 1
+fi
 sed -e "s|@DEBVERSION@|$debversion|" -e "s|@COMMIT@|$commit|" -e "s|@MAINTAINER@|$maintainer|" \
   -e "s|@DATE@|$(date -u -R -d "@$SOURCE_DATE_EPOCH")|" packaging/changelog.in >"$work/changelog.Debian"
 gzip -9n "$work/changelog.Debian"

@@ -13,16 +13,23 @@ if ! [[ $limit =~ ^[1-9][0-9]*$ ]]; then
   echo "test: TEST_TIME_LIMIT must be a number of seconds above 0, not '$limit'" >&2
   exit 2
 fi
-# Every source, build and script file states its license in an SPDX line (Apache-2.0; the BPF
-# programs GPL-2.0 OR BSD-2-Clause): README.md, "License".
+# Every source, build and script file states its license in an SPDX line: the BPF programs and
+# their headers (bpf/, bench/*.bpf.c, bench/reflect.h) GPL-2.0 OR BSD-2-Clause, everything else
+# Apache-2.0 (README.md, "License").
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  unlicensed=$(git ls-files | grep -E '\.(swift|c|h|sh|py|modulemap)$|(^|/)(Makefile|Containerfile)$|^\.ci/run$' |
-    while read -r file; do head -3 "$file" | grep -q 'SPDX-License-Identifier: ' || echo "$file"; done)
+  unlicensed=$(git ls-files | grep -E '\.(swift|c|h|sh|py|modulemap)$|(^|/)(Makefile|Containerfile)$|^\.ci/run$|^packaging/[^/]+/(postinst|prerm|postrm)$' |
+    while read -r file; do
+      case "$file" in
+        bpf/*|bench/*.bpf.c|bench/reflect.h) license='GPL-2.0 OR BSD-2-Clause' ;;
+        *) license='Apache-2.0' ;;
+      esac
+      head -3 "$file" | grep -Eq "SPDX-License-Identifier: $license( \*/)?\$" || echo "$file (expected $license)"
+    done)
   if [ -n "$unlicensed" ]; then
-    echo "test: FAILED: no SPDX-License-Identifier line in the first 3 lines of: $unlicensed" >&2
+    echo "test: FAILED: these files lack their SPDX-License-Identifier line in the first 3 lines: $unlicensed" >&2
     exit 1
   fi
-  echo "test: every source file has its SPDX line"
+  echo "test: every source file has its SPDX line (Apache-2.0; the BPF programs GPL-2.0 OR BSD-2-Clause)"
 fi
 pins() { ls /sys/fs/bpf/reuseportlb 2>/dev/null | sort || true; }
 before=$(pins)

@@ -40,9 +40,11 @@ def license_of(text):
     return None
 
 
-# Packages of Package.resolved that only the tests use (Yams reads the k8s/ manifests there; the
-# programs read YAML with Debian's libyaml-0-2, a Depends:).
-TEST_ONLY = {"yams"}
+# Packages of Package.resolved that are not linked into the programs: Yams, which only the tests
+# use (it reads the k8s/ manifests there; the programs read YAML with Debian's libyaml-0-2, a
+# Depends:), and swift-docc-plugin with its swift-docc-symbolkit, a command plugin that make docs
+# runs (no target depends on it).
+NOT_LINKED = {"yams", "swift-docc-plugin", "swift-docc-symbolkit"}
 
 
 def main():
@@ -51,8 +53,8 @@ def main():
     pins = json.load(open(resolved))["pins"]
     paragraphs = []
     for pin in sorted(pins, key=lambda p: p["identity"]):
-        # Test-only dependencies are not in the programs.
-        if pin["identity"] in TEST_ONLY:
+        # Test-only dependencies and build plugins are not in the programs.
+        if pin["identity"] in NOT_LINKED:
             continue
         url = pin["location"]
         name = os.path.basename(url.rstrip("/"))
