@@ -54,6 +54,60 @@ struct SettingsTableTests {
         }
     }
 
+    @Test("The warnings' texts, order and lines are the ones the kinds wrote before the table (each kind, the replies and DNS keys)")
+    func warningTexts() throws {
+        // Written from the texts of the kinds' and the validation's own warnings before the
+        // settings moved into tables (b752ec6): the table assembles them from its data now.
+        let yaml = """
+            listeners:
+              - name: one
+                bind: "127.0.0.1:7500"
+                settings: {max_sessions: 10, tc_attach: tcx, queues: 2, max_associations: 100, drain_secs: 5}
+                downstream:
+                  - address: "127.0.0.1:7501"
+              - name: k
+                bind: "198.18.0.1:5514"
+                interface: eth0
+                mode: tc_ebpf
+                settings: {workers: 2, batch_size: 64, umem_frames: 8192, io_uring: true}
+                downstream:
+                  - address: "198.18.0.2:5514"
+              - name: x
+                bind: "198.18.0.1:5515"
+                interface: eth1
+                mode: af_xdp
+                settings: {workers: 2, worker_steering: round_robin, tc_attach: tcx, resolve_interval_secs: 5}
+                downstream:
+                  - address: "198.18.0.2:5514"
+              - name: d
+                bind: "198.18.0.1:5516"
+                interface: eth2
+                mode: xdp
+                settings: {pin_cpus: true, xdp_mode: native, session_idle_secs: 30}
+                downstream:
+                  - address: "198.18.0.2:5514"
+            """
+        let config = try ConfigParser.parse(yaml)
+        try config.validate(localAddresses: [])
+        #expect(config.warnings().map(\.description) == [
+            "configuration warning: listeners[0].settings.tc_attach (line 4): applies to modes tc_ebpf and xdp only",
+            "configuration warning: listeners[0].settings.queues (line 4): applies to mode af_xdp only",
+            "configuration warning: listeners[0].settings.max_associations (line 4): applies to replies: nat only",
+            "configuration warning: listeners[0].settings.max_sessions (line 4): applies to replies: relay only",
+            "configuration warning: listeners[0].settings.drain_secs (line 4): applies to two-way listeners (replies: nat or relay) only",
+            "configuration warning: listeners[1].settings.umem_frames (line 11): applies to mode af_xdp only",
+            "configuration warning: listeners[1].settings.workers (line 11): not used in mode tc_ebpf (it sets userspace workers; the kernel forwards here)",
+            "configuration warning: listeners[1].settings.batch_size (line 11): not used in mode tc_ebpf (it sets userspace workers; the kernel forwards here)",
+            "configuration warning: listeners[1].settings.io_uring (line 11): applies to replies: relay only",
+            "configuration warning: listeners[2].settings.tc_attach (line 18): applies to modes tc_ebpf and xdp only",
+            "configuration warning: listeners[2].settings.workers (line 18): not used in mode af_xdp (one forwarder per RX queue: settings.queues)",
+            "configuration warning: listeners[2].settings.worker_steering (line 18): not used in mode af_xdp (one forwarder per RX queue: settings.queues)",
+            "configuration warning: listeners[2].settings.resolve_interval_secs (line 18): not used: no downstream of this listener is given by DNS name",
+            "configuration warning: listeners[3].settings.pin_cpus (line 25): not used in mode xdp (it sets userspace workers; the kernel forwards here)",
+            "configuration warning: listeners[3].settings.session_idle_secs (line 25): applies to replies: relay only",
+        ])
+    }
+
     @Test("schema/settings-table.json is the daemon's table (regenerate: udp-fanout --print-settings-table > schema/settings-table.json)")
     func committedDump() throws {
         #expect(try Self.text("schema/settings-table.json") == SettingsTable.json())

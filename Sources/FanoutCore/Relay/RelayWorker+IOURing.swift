@@ -76,7 +76,7 @@ extension RelayWorker {
         if let failure {
             ringFailed(failure)
             for datagram in 0..<count where ringTargets[datagram] >= 0 {
-                send(receiver.payload(datagram), on: ringSockets[datagram], for: ringTargets[datagram], &failures)
+                sendBySystemCall(receiver.payload(datagram), on: ringSockets[datagram], for: ringTargets[datagram], &failures)
                 ringTargets[datagram] = -1
             }
         }

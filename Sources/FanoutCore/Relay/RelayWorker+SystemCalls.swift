@@ -11,7 +11,7 @@ import SystemCalls
 /// (RelayWorker+IOURing.swift) uses the receive side too, for sockets busy since the last wakeup.
 extension RelayWorker {
     /// Sends one request on its session socket (a system call).
-    func send(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
+    func sendBySystemCall(_ payload: UnsafeRawBufferPointer, on socket: Int32, for target: Int, _ failures: inout SendFailures) {
         let error: Int32
         do {
             error = try Syscall.send(socket, payload.baseAddress, payload.count, Socket.dontWait) == .wouldBlock ? EAGAIN : 0

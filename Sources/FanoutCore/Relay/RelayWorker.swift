@@ -267,7 +267,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             ringTargets[datagram] = session.target
             return true
         }
-        send(payload, on: session.socket, for: session.target, &failures)
+        sendBySystemCall(payload, on: session.socket, for: session.target, &failures)
         return false
     }
 
