@@ -33,10 +33,10 @@
 #include <linux/if_ether.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
 #include "csum.h"
-#include "fanout_tc_maps.h"   /* the tc program's maps (their descriptors reused at load) */
+#include "fanout_maps.h"   /* the tc program's maps (their descriptors reused at load) */
 #include "fanout_choice.h"    /* listener, backend (rotation, source table, association), fragment key */
 #include "fanout_nat.h"       /* the reply direction of nat listeners */
 #include "fanout_redirect.h"  /* route_request */
