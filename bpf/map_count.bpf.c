@@ -14,7 +14,7 @@
 #include <linux/bpf.h>
 #include <linux/types.h>
 #include <bpf/bpf_helpers.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 
 struct bpf_map {
 	__u32 id;

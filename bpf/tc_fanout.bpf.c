@@ -33,7 +33,7 @@
  * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
  *
  * This file holds the program itself: what is done in which order and what is counted. The
- * maps are in bpf/include/fanout_tc_maps.h, the choice of a backend in fanout_choice.h, the
+ * maps are in bpf/include/fanout_maps.h, the choice of a backend in fanout_choice.h, the
  * reply direction in fanout_nat.h, route, rewrite and redirect in fanout_redirect.h.
  */
 #include <linux/bpf.h>
@@ -41,9 +41,9 @@
 #include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
-#include "fanout_tc_maps.h"   /* the maps and their counter accessors */
+#include "fanout_maps.h"   /* the maps and their counter accessors */
 #include "fanout_choice.h"    /* listener, backend (rotation, source table, association), fragment key */
 #include "fanout_nat.h"       /* the reply direction of nat listeners */
 #include "fanout_redirect.h"  /* route, VLAN pop, rewrite with checksums, MACs, redirect */

@@ -7,7 +7,8 @@
  * at the same interfaces and finishes what this one passes.
  *
  * For a datagram of a listener this program serves (FANOUT_MAP_XFWD_IDS), in the tc program's
- * order and with its verdicts: choose the backend (fanout_choice.h; a nat client keeps its
+ * order and with its verdicts (the decision is bpf/include/fanout_decide.h, written over hooks
+ * for the tc program too, which does not compile it yet; this file holds the XDP hook's part): choose the backend (fanout_choice.h; a nat client keeps its
  * association), TTL / hop limit, the route (bpf_fib_lookup, MTU checked), pop one VLAN tag,
  * rewrite destination (reply: source) with incremental checksums (a zero IPv4 UDP checksum stays
  * zero), the fib's MACs, then XDP_TX when the route leaves through the arrival interface, or
@@ -28,18 +29,23 @@
  * first fragment is remembered with its verdict: tc drops its later fragments the same way).
  * A datagram passed after its backend was chosen puts the listener's rotation back, so tc
  * chooses the same backend.
+ *
+ * Here: how the frame is read (no pull: a frame is linear), what is passed to tc (hook_admit,
+ * hook_follow, hook_can_send), and the way out (adjust_head for the tag, rewrite_frame's checksum
+ * updates in the frame, XDP_TX or the device map's redirect).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
 #include "csum.h"
-#include "fanout_tc_maps.h"   /* the tc program's maps (their descriptors reused at load) */
+#include "fanout_maps.h"   /* the tc program's maps (their descriptors reused at load) */
 #include "fanout_choice.h"    /* listener, backend (rotation, source table, association), fragment key */
 #include "fanout_nat.h"       /* the reply direction of nat listeners */
 #include "fanout_redirect.h"  /* route_request */
+
 
 /* VLAN tags accepted in the frame: one, popped before the redirect (as the tc program). */
 #define FANOUT_XFWD_VLAN_TAGS 1
@@ -65,6 +71,16 @@ struct {
 	__type(value, struct fanout_xfwd_passed);
 } FANOUT_MAP_XFWD_PASSED SEC(".maps");
 
+/* A first fragment's decision on its way to FANOUT_MAP_FRAGMENTS: per CPU (XDP runs to its end
+ * on one), off the 512-byte stack that the decision fills. Only the xdp program's: userspace
+ * never reads it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fanout_fragment);
+} fanout_xrecord SEC(".maps");
+
 /* Passes the datagram on to the stack (and the tc program), counted with its reason. */
 static __always_inline int pass(__u32 id, __u32 reason)
 {
@@ -73,16 +89,6 @@ static __always_inline int pass(__u32 id, __u32 reason)
 	if (passed && reason < FANOUT_XFWD_PASS_COUNT)
 		passed->reasons[reason]++;
 	return XDP_PASS;
-}
-
-/* Passes a datagram whose backend was chosen here: the rotation goes back to where it was, so
- * tc chooses the same backend (and moves it once). A new association keeps the choice itself:
- * tc finds it, chooses nothing, and the rotation stays moved once. */
-static __always_inline int pass_chosen(__u32 id, __u32 reason, __u32 *rotation, __u32 position, __u32 event)
-{
-	if (rotation && event == ASSOCIATION_KEPT)
-		*rotation = position;
-	return pass(id, reason);
 }
 
 /* Whether listener `id` is served here (an xdp listener), not by the tc program alone. */
@@ -171,204 +177,162 @@ static __always_inline int rewrite_frame(void *data, void *end, struct packet *p
 	return 0;
 }
 
+/* The xdp hook's part of the decision (fanout_decide.h): the listener's per-CPU rotation and
+ * its position before the choice (a datagram passed to tc after the choice puts it back, so tc's
+ * own choice is this one and the rotation moves once per datagram: on this CPU, the stack runs
+ * tc where XDP ran). */
+struct fanout_hook {
+	__u32 *rotation;
+	__u32 position;
+};
+
+#define FANOUT_CTX struct xdp_md
+#define FANOUT_ACT_DROP XDP_DROP
+#include "fanout_decide.h"   /* the decision, in the tc program's order */
+
+/* Passes a datagram whose backend was chosen here: the rotation goes back to where it was, so
+ * tc chooses the same backend (and moves it once). A new association keeps the choice itself:
+ * tc finds it, chooses nothing, and the rotation stays moved once. */
+static __always_inline int pass_chosen(struct fanout_decision *c, __u32 reason)
+{
+	if (c->hook.rotation && c->event == ASSOCIATION_KEPT)
+		*c->hook.rotation = c->hook.position;
+	return pass(c->id, reason);
+}
+
+/* Not IP/UDP, malformed: the tc program counts it (not_ours, malformed). */
+static __always_inline int hook_parse(struct fanout_decision *c)
+{
+	void *data = (void *)(long)c->ctx->data;
+	void *end = (void *)(long)c->ctx->data_end;
+	if (parse_frame(data, end, c->length, FANOUT_XFWD_VLAN_TAGS, &c->p) != PARSED_OK)
+		return XDP_PASS;
+	return FANOUT_GO_ON;
+}
+
+/* Passed uncounted: tc counts it. */
+static __always_inline int hook_not_ours(struct fanout_decision *c)
+{
+	return XDP_PASS;
+}
+
+/* Only the datagrams of a listener served here, without pools (tc clones the copies), whose
+ * checksum is finished; before the choice, which has effects (rotation, association). */
+static __always_inline int hook_admit(struct fanout_decision *c, struct fanout_listener *listener)
+{
+	if (!served(c->id))
+		return XDP_PASS; /* a tc_ebpf listener on this interface */
+	if (listener && listener->pool_count)
+		return pass(c->id, FANOUT_XFWD_PASS_POOLS);
+	void *data = (void *)(long)c->ctx->data;
+	void *end = (void *)(long)c->ctx->data_end;
+	if (checksum_partial(data, end, &c->p))
+		return pass(c->id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
+	if (listener) {
+		c->hook.rotation = bpf_map_lookup_elem(&FANOUT_MAP_RR, &c->id);
+		if (c->hook.rotation)
+			c->hook.position = *c->hook.rotation;
+	}
+	return FANOUT_GO_ON;
+}
+
+static __always_inline void hook_chosen(struct fanout_decision *c, struct fanout_listener *listener)
+{
+}
+
+static __always_inline int hook_untracked(struct fanout_decision *c)
+{
+	return pass(FANOUT_UNMATCHED_STATS, FANOUT_XFWD_PASS_FRAGMENT);
+}
+
+/* Only a fragment whose first left here: tc follows every other. */
+static __always_inline int hook_follow(struct fanout_decision *c, struct fanout_fragment *remembered)
+{
+	if (!served(c->id) || remembered->pool_count || remembered->own_verdict != FANOUT_VERDICT_FORWARDED)
+		return pass(c->id, FANOUT_XFWD_PASS_FRAGMENT);
+	return FANOUT_GO_ON;
+}
+
+/* Nothing leaves ahead of the datagram (pools are tc's). */
+static __always_inline int hook_ahead(struct fanout_decision *c)
+{
+	return 0;
+}
+
+static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
+{
+	route_request(&c->p, &c->backend, c->reply, c->ifindex, c->p.tot_len, fib);
+	return bpf_fib_lookup(c->ctx, fib, sizeof(*fib), 0);
+}
+
+/* tc finishes what needs the kernel's neighbour resolution or its too_large drop, and what
+ * leaves through an interface that does not transmit XDP frames (the arrival one too: a veth's
+ * XDP_TX needs its peer's XDP or GRO as much as a redirect does). */
+static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
+{
+	if (verdict == FANOUT_VERDICT_FORWARDED_NEIGH)
+		return pass_chosen(c, FANOUT_XFWD_PASS_NO_NEIGHBOUR);
+	if (verdict == FANOUT_VERDICT_TOO_LARGE)
+		return pass_chosen(c, FANOUT_XFWD_PASS_TOO_LARGE);
+	if (verdict == FANOUT_VERDICT_FORWARDED) {
+		__u32 egress = fib->ifindex;
+		if (!bpf_map_lookup_elem(&FANOUT_MAP_XFWD_DEVICES, &egress))
+			return pass_chosen(c, FANOUT_XFWD_PASS_NO_XDP_XMIT);
+	}
+	return FANOUT_GO_ON;
+}
+
+/* Every drop of a first fragment: its later fragments follow it to tc, which drops and counts
+ * them with this verdict. */
+static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict)
+{
+	return 1;
+}
+
+/* The per-CPU record (its pools stay none: pools are tc's). */
+static __always_inline struct fanout_fragment *hook_fragment_record(struct fanout_decision *c)
+{
+	__u32 key = 0;
+	return bpf_map_lookup_elem(&fanout_xrecord, &key);
+}
+
+/* The ingress link's tag off, the rewrite in the frame, the fib's MACs, then XDP_TX when the
+ * route leaves through the arrival interface, else the device map's redirect. */
+static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
+{
+	struct xdp_md *ctx = c->ctx;
+	struct packet *p = &c->p;
+	int transmit = fib->ifindex == c->ifindex;
+	/* The frame starts 4 bytes later, its Ethernet header written below over the tag's end,
+	 * where the encapsulated protocol already lies in place. */
+	if (p->tagged) {
+		if (bpf_xdp_adjust_head(ctx, 4))
+			return -1;
+		p->l3 -= 4;
+		p->l4 -= 4;
+	}
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	if (rewrite_frame(data, end, p, &c->backend, c->reply) < 0)
+		return -1;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return -1;
+	__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
+	long action = transmit ? XDP_TX : bpf_redirect_map(&FANOUT_MAP_XFWD_DEVICES, fib->ifindex, 0);
+	return action == XDP_TX || action == XDP_REDIRECT ? action : -1;
+}
+
+static __always_inline __u32 hook_sent_length(struct fanout_decision *c)
+{
+	return c->ctx->data_end - c->ctx->data;
+}
+
 SEC("xdp")
 int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 {
-	void *data = (void *)(long)ctx->data;
-	void *end = (void *)(long)ctx->data_end;
-	__u32 length = end - data;
-	__u32 ifindex = ctx->ingress_ifindex;
-	struct packet p = {};
-	/* Not IP/UDP, malformed: the tc program counts it (not_ours, malformed). */
-	if (parse_frame(data, end, length, FANOUT_XFWD_VLAN_TAGS, &p) != PARSED_OK)
-		return XDP_PASS;
-
-	struct fanout_fragment_key fragment_key = {};
-	fill_fragment_key(ifindex, &p, &fragment_key);
-
-	struct fanout_backend backend = {};
-	__u32 id = 0;
-	int chosen = 1;
-	int reply = 0;
-	int wrong_server = 0;
-	int drained = 0;
-	int new_association = 0;
-	__u32 event = ASSOCIATION_KEPT;
-	__u32 reply_moved = 0;
-	/* The listener's per-CPU rotation and its position before the choice: a datagram passed to
-	 * tc after the choice puts it back, so tc's own choice is this one and the rotation moves
-	 * once per datagram (on this CPU: the stack runs tc where XDP ran). */
-	__u32 *rotation = NULL;
-	__u32 position = 0;
-	if (p.has_udp) {
-		struct fanout_listener *listener = find_listener(ifindex, &p);
-		if (listener) {
-			id = listener->id;
-			if (!served(id))
-				return XDP_PASS; /* a tc_ebpf listener on this interface */
-			if (listener->pool_count)
-				return pass(id, FANOUT_XFWD_PASS_POOLS);
-			/* Before the choice, which has effects (rotation, association). */
-			if (checksum_partial(data, end, &p))
-				return pass(id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
-			rotation = bpf_map_lookup_elem(&FANOUT_MAP_RR, &id);
-			if (rotation)
-				position = *rotation;
-			if (listener->reserved & FANOUT_LISTENER_NAT)
-				chosen = choose_associated(listener, &p, &backend, &event);
-			else
-				chosen = choose(listener, &p, &backend);
-		} else {
-			int found = find_reply(&p, &backend, &id, &reply_moved);
-			if (found == REPLY_NOT_OURS || !served(id))
-				return XDP_PASS;
-			reply = 1;
-			wrong_server = found == REPLY_WRONG_SERVER;
-			drained = found == REPLY_DRAINED;
-			new_association = found == REPLY_NEW;
-			if (checksum_partial(data, end, &p))
-				return pass(id, FANOUT_XFWD_PASS_CHECKSUM_PARTIAL);
-		}
-	} else {
-		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
-		if (!remembered)
-			return pass(FANOUT_UNMATCHED_STATS, FANOUT_XFWD_PASS_FRAGMENT);
-		id = remembered->listener_id;
-		if (!served(id) || remembered->pool_count || remembered->own_verdict != FANOUT_VERDICT_FORWARDED)
-			return pass(id, FANOUT_XFWD_PASS_FRAGMENT);
-		backend = remembered->backend;
-		reply = remembered->direction == FANOUT_DIRECTION_REPLY;
-	}
-	struct fanout_stats *stats = id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id) : NULL;
-	if (!stats)
-		return XDP_PASS;
-	/* The association this datagram made is counted here even when tc finishes the datagram
-	 * (tc then finds it made). */
-	if (event == ASSOCIATION_CREATED)
-		stats->created++;
-	else if (event == ASSOCIATION_MOVED)
-		stats->moved++;
-
-	__u32 verdict = FANOUT_VERDICT_FORWARDED;
-	if (reply && wrong_server) {
-		verdict = FANOUT_VERDICT_WRONG_SERVER;
-		goto drop;
-	}
-	if (!reply && !chosen) {
-		verdict = FANOUT_VERDICT_NO_BACKEND;
-		goto drop;
-	}
-	if (p.hop_limit <= 1 && !drained) {
-		verdict = FANOUT_VERDICT_TTL_EXPIRED;
-		goto drop;
-	}
-
-	struct bpf_fib_lookup fib = {};
-	route_request(&p, &backend, reply, ifindex, p.tot_len, &fib);
-	long route = bpf_fib_lookup(ctx, &fib, sizeof(fib), 0);
-	/* A backend's datagram to this host itself: no reply to a client (tc passes it up too). */
-	if (reply && route == BPF_FIB_LKUP_RET_NOT_FWDED)
-		return XDP_PASS;
-	if (drained) {
-		verdict = FANOUT_VERDICT_DRAINED;
-		goto drop;
-	}
-	if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
-		return pass_chosen(id, FANOUT_XFWD_PASS_NO_NEIGHBOUR, rotation, position, event);
-	if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-		return pass_chosen(id, FANOUT_XFWD_PASS_TOO_LARGE, rotation, position, event);
-	if (route != BPF_FIB_LKUP_RET_SUCCESS) {
-		verdict = FANOUT_VERDICT_NO_ROUTE;
-		struct fanout_backend_stats *dropped = reply ? NULL : backend_stats(id, backend.counter_slot);
-		if (dropped)
-			dropped->no_route++;
-		goto drop;
-	}
-	/* Only through an interface that transmits XDP frames (the arrival one too: a veth's XDP_TX
-	 * needs its peer's XDP or GRO as much as a redirect does). */
-	__u32 egress = fib.ifindex;
-	if (!bpf_map_lookup_elem(&FANOUT_MAP_XFWD_DEVICES, &egress))
-		return pass_chosen(id, FANOUT_XFWD_PASS_NO_XDP_XMIT, rotation, position, event);
-	int transmit = egress == ifindex;
-
-	if (new_association)
-		associate_reply(&p, id, stats, reply_moved);
-	/* Later fragments follow the first one's choice, here or in tc. */
-	if (p.has_udp && p.fragment) {
-		struct fanout_fragment remembered = {};
-		remembered.backend = backend;
-		remembered.listener_id = id;
-		remembered.direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD;
-		remembered.own_verdict = FANOUT_VERDICT_FORWARDED;
-		bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
-	}
-
-	/* The ingress link's tag: the frame starts 4 bytes later, its Ethernet header written below
-	 * over the tag's end, where the encapsulated protocol already lies in place. */
-	if (p.tagged) {
-		if (bpf_xdp_adjust_head(ctx, 4)) {
-			verdict = FANOUT_VERDICT_REWRITE_FAILED;
-			goto drop;
-		}
-		p.l3 -= 4;
-		p.l4 -= 4;
-		data = (void *)(long)ctx->data;
-		end = (void *)(long)ctx->data_end;
-	}
-	if (rewrite_frame(data, end, &p, &backend, reply) < 0) {
-		verdict = FANOUT_VERDICT_REWRITE_FAILED;
-		goto drop;
-	}
-	struct ethhdr *eth = data;
-	if ((void *)(eth + 1) > end) {
-		verdict = FANOUT_VERDICT_REWRITE_FAILED;
-		goto drop;
-	}
-	__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
-	__u32 sent = end - data;
-	long action = transmit ? XDP_TX : bpf_redirect_map(&FANOUT_MAP_XFWD_DEVICES, fib.ifindex, 0);
-	if (action != XDP_TX && action != XDP_REDIRECT) {
-		verdict = FANOUT_VERDICT_REWRITE_FAILED;
-		goto drop;
-	}
-	struct fanout_backend_stats *per_backend = backend_stats(id, backend.counter_slot);
-	if (reply) {
-		count(stats, reply, FANOUT_VERDICT_REPLIED);
-		stats->reply_bytes += sent;
-		if (per_backend) {
-			per_backend->replies++;
-			per_backend->reply_bytes += sent;
-		}
-		return action;
-	}
-	stats->received++;
-	stats->bytes_received += length;
-	count(stats, reply, FANOUT_VERDICT_FORWARDED);
-	stats->bytes_forwarded += sent;
-	if (per_backend) {
-		per_backend->packets++;
-		per_backend->bytes += sent;
-	}
-	return action;
-
-drop:
-	/* A first fragment dropped here: its later fragments follow it to tc, which drops and counts
-	 * them with this verdict. */
-	if (!reply && p.has_udp && p.fragment) {
-		struct fanout_fragment remembered = {};
-		remembered.backend = backend;
-		remembered.listener_id = id;
-		remembered.direction = FANOUT_DIRECTION_FORWARD;
-		remembered.own_verdict = verdict;
-		bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key, &remembered, BPF_ANY);
-	}
-	if (!reply) {
-		stats->received++;
-		stats->bytes_received += length;
-	}
-	count(stats, reply, verdict);
-	return XDP_DROP;
+	return fanout_decide(ctx, ctx->ingress_ifindex, ctx->data_end - ctx->data);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

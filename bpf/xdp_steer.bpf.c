@@ -20,7 +20,7 @@
 #include <linux/if_ether.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
-#include "fanout_xdp_shared.h"
+#include "afxdp_shared.h"
 #include "parse.h"
 
 /* VLAN tags accepted in the frame: a QinQ frame's two. The socket receives the frame as it

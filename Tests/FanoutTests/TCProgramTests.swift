@@ -12,8 +12,9 @@ import TestSupport
 import Glibc
 #endif
 
-/// The tc program under BPF_PROG_TEST_RUN, table-driven: verdict, rewritten bytes, checksums
-/// (recomputed here independently) and counters.
+/// The tc program under BPF_PROG_TEST_RUN: rewritten bytes, checksums (recomputed here
+/// independently) and counters. Its table of verdicts (not ours, malformed, no backend, no route,
+/// no neighbour, TTL 1) is DecisionTableTests', which runs it through the xdp program too.
 ///
 /// The fib lookup is made deterministic by running the program from a thread inside a network
 /// namespace this test creates: interface t0 with 198.18.200.1/24 and 2001:db8:200::1/64, a
@@ -27,17 +28,6 @@ struct TCProgramTests {
     static let neighbourMAC = ProgramFrames.neighbourMAC
     typealias Fixture = TCProgramFixture
     static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot, pass = TCProgramFixture.pass
-
-    // MARK: cases
-
-    struct Case: CustomStringConvertible, Sendable {
-        var name: String
-        var frame: @Sendable () -> [UInt8]
-        var verdict: UInt32
-        /// The counter expected to rise by one: (stats key, verdict); nil: no counter.
-        var counter: (UInt32, fanout_verdict)?
-        var description: String { name }
-    }
 
     @Test("IPv4, IPv4 with options, IPv6, VLAN and zero checksum: rewritten, checksums valid, MACs from the fib, counted")
     func forwarded() throws {
@@ -119,50 +109,6 @@ struct TCProgramTests {
             let (verdict, output) = fixture.execute(piece)
             #expect(verdict == Self.redirect)
             #expect(Packet.parse(output)?.destination == chosen6.destination)
-        }
-    }
-
-    @Test("Not ours, malformed, no backend, no route, no neighbour, TTL 1: each its verdict and counter (not ours too)", arguments: [
-        Case(name: "TCP to the listener", frame: { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
-        Case(name: "other port", frame: { Packet.ipv4(payload: [1, 2, 3], port: 9999) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
-        Case(name: "ARP", frame: { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) }, verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_NOT_OURS)),
-        // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
-        // cut headers are options and extension headers.
-        Case(name: "IPv4 options cut (IHL 15, frame ends after 24 bytes)", frame: {
-            var f = Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
-        }, verdict: pass,
-             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "UDP header cut", frame: { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) }, verdict: pass,
-             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IPv6 extension header cut", frame: {
-            var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
-        }, verdict: pass,
-             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IPv4 total length beyond the frame (cut in transit)", frame: { Array(Packet.ipv4(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 40)) },
-             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IPv6 payload length beyond the frame", frame: { Array(Packet.ipv6(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 60)) },
-             verdict: pass, counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "IHL below 5", frame: { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f }, verdict: pass,
-             counter: (UInt32(FANOUT_UNMATCHED_STATS), FANOUT_VERDICT_MALFORMED)),
-        Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) }, verdict: shot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),
-        Case(name: "no route", frame: { Packet.ipv4(payload: [1, 2], port: 5516) }, verdict: shot, counter: (3, FANOUT_VERDICT_NO_ROUTE)),
-        Case(name: "no neighbour: bpf_redirect_neigh", frame: { Packet.ipv4(payload: [1, 2], port: 5517) }, verdict: redirect,
-             counter: (4, FANOUT_VERDICT_FORWARDED_NEIGH)),
-        Case(name: "TTL 1", frame: { Packet.ipv4(payload: [1, 2], ttl: 1) }, verdict: shot, counter: (0, FANOUT_VERDICT_TTL_EXPIRED)),
-    ])
-    func verdicts(_ test: Case) throws {
-        let fixture = try Fixture()
-        let frame = test.frame()
-        let before = test.counter.map { fixture.stats($0.0).verdicts[Int($0.1.rawValue)] }
-        let (verdict, output) = fixture.execute(frame)
-        #expect(verdict == test.verdict, "\(test.name): verdict \(verdict)")
-        if test.verdict == Self.pass { #expect(output == frame, "\(test.name): passed untouched") }
-        if let (key, counted) = test.counter {
-            #expect(fixture.stats(key).verdicts[Int(counted.rawValue)] == before! + 1, "\(test.name): counted")
-        } else {
-            for key in 0...UInt32(FANOUT_UNMATCHED_STATS) where key <= 4 || key == UInt32(FANOUT_UNMATCHED_STATS) {
-                #expect(fixture.stats(key).verdicts.reduce(0, +) == 0, "\(test.name): nothing counted")
-            }
         }
     }
 

@@ -14,7 +14,9 @@ import Glibc
 /// The xdp kind's program case by case under BPF_PROG_TEST_RUN, loaded with the tc fixture's maps
 /// (TCProgramFixture: 5514 round robin over three reachable backends, 5515 no backend, 5516 no
 /// route, 5517 no neighbour entry), its listeners served at XDP and both veth ends in its device
-/// map. Each frame's action, rewrite (checked with checksums computed here) and counter.
+/// map. Each frame's action, rewrite (checked with checksums computed here) and counter. The
+/// verdicts it shares with tc (no backend, no route, TTL 1; no neighbour and not ours, which it
+/// passes) are rows of DecisionTableTests' table, run through both programs.
 @Suite("xdp program (BPF_PROG_TEST_RUN)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct XDPForwardProgramTests {
     static let (drop, pass, transmit, redirect): (UInt32, UInt32, UInt32, UInt32) = (1, 2, 3, 4)
@@ -94,18 +96,6 @@ struct XDPForwardProgramTests {
         #expect(action == Self.redirect)
         try expectSent(rig, output, port: 6001, ipv6: true, "IPv6")
         #expect(rig.verdict(0, FANOUT_VERDICT_FORWARDED) == 6 && rig.verdict(1, FANOUT_VERDICT_FORWARDED) == 1)
-    }
-
-    @Test("Dropped at XDP with tc's verdicts: no backend, no route, TTL 1")
-    func drops() throws {
-        let rig = try Rig()
-        let payload = Array("xdp-table".utf8)
-        #expect(rig.run(Packet.ipv4(payload: payload, port: 5515)).action == Self.drop)
-        #expect(rig.verdict(2, FANOUT_VERDICT_NO_BACKEND) == 1)
-        #expect(rig.run(Packet.ipv4(payload: payload, port: 5516)).action == Self.drop)
-        #expect(rig.verdict(3, FANOUT_VERDICT_NO_ROUTE) == 1)
-        #expect(rig.run(Packet.ipv4(payload: payload, ttl: 1)).action == Self.drop)
-        #expect(rig.verdict(0, FANOUT_VERDICT_TTL_EXPIRED) == 1)
     }
 
     @Test("Passed to tc untouched, each with its reason: no neighbour, an offloaded checksum, an interface outside the device map; not ours and a tc_ebpf listener's uncounted")

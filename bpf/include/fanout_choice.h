@@ -7,10 +7,10 @@
  * rplb_source_hash and rplb_reduce), a nat listener's client kept on its associated backend
  * while that backend is live (choose_associated, with enum association_event for the counters),
  * and the key under which a fragmented datagram's choice is remembered for its later fragments
- * (fill_fragment_key). Reads the maps of fanout_tc_maps.h. Self-contained: includes
- * linux/bpf.h, bpf_helpers.h, rplb_shared.h, fanout_tc_shared.h, parse.h (struct packet,
- * AF_INET) and fanout_tc_maps.h itself, so nothing has to come before it; like
- * fanout_tc_maps.h, for the programs that share the tc program's maps only.
+ * (fill_fragment_key). Reads the maps of fanout_maps.h. Self-contained: includes
+ * linux/bpf.h, bpf_helpers.h, rplb_shared.h, fanout_shared.h, parse.h (struct packet,
+ * AF_INET) and fanout_maps.h itself, so nothing has to come before it; like
+ * fanout_maps.h, for the programs that share the tc program's maps only.
  */
 #ifndef FANOUT_CHOICE_H
 #define FANOUT_CHOICE_H
@@ -18,9 +18,9 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "rplb_shared.h"
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
-#include "fanout_tc_maps.h"
+#include "fanout_maps.h"
 
 /* The listener of a datagram that arrived at interface `ifindex` (skb->ifindex at tc ingress,
  * ctx->ingress_ifindex at XDP). */

@@ -5,9 +5,9 @@
  * backend of a nat listener (find_reply, whose enum reply_kind tells the program what to do
  * with it), and a reply that leaves associates its client with that backend (associate;
  * associate_reply also counts it). The client direction's association (choose_associated) is in
- * fanout_choice.h. Reads and writes the live, nat and association maps of fanout_tc_maps.h.
- * Self-contained: includes linux/bpf.h, bpf_helpers.h, fanout_tc_shared.h, parse.h (struct
- * packet) and fanout_tc_maps.h itself, so nothing has to come before it; like fanout_tc_maps.h,
+ * fanout_choice.h. Reads and writes the live, nat and association maps of fanout_maps.h.
+ * Self-contained: includes linux/bpf.h, bpf_helpers.h, fanout_shared.h, parse.h (struct
+ * packet) and fanout_maps.h itself, so nothing has to come before it; like fanout_maps.h,
  * for the tc program only.
  */
 #ifndef FANOUT_NAT_H
@@ -15,9 +15,9 @@
 
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
-#include "fanout_tc_maps.h"
+#include "fanout_maps.h"
 
 static __always_inline int same_endpoint(const __u32 *a, __u16 a_port, const __u32 *b, __u16 b_port)
 {

@@ -37,9 +37,9 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "rplb_shared.h"
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
-#include "fanout_tc_maps.h"
+#include "fanout_maps.h"
 #include "fanout_choice.h"
 #include "fanout_redirect.h"
 

@@ -6,10 +6,10 @@
  * address, port, checksums and TTL / hop limit (rewrite), and the redirect's two ways: the
  * Ethernet addresses from the fib lookup (write_macs, then bpf_redirect) or the kernel's
  * neighbour resolution (redirect_neigh). Which way, and what is counted, the program decides.
- * Uses the load-time options of fanout_tc_maps.h (FANOUT_OPTIONS.ipv6_csum_flags) and csum.h's
+ * Uses the load-time options of fanout_maps.h (FANOUT_OPTIONS.ipv6_csum_flags) and csum.h's
  * incremental updates. Self-contained: includes linux/bpf.h, linux/if_ether.h, bpf_helpers.h,
- * fanout_tc_shared.h, parse.h (struct packet, AF_INET, IPPROTO_UDP), csum.h and
- * fanout_tc_maps.h itself, so nothing has to come before it; like fanout_tc_maps.h, for the tc
+ * fanout_shared.h, parse.h (struct packet, AF_INET, IPPROTO_UDP), csum.h and
+ * fanout_maps.h itself, so nothing has to come before it; like fanout_maps.h, for the tc
  * program only.
  */
 #ifndef FANOUT_REDIRECT_H
@@ -18,10 +18,10 @@
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <bpf/bpf_helpers.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 #include "parse.h"
 #include "csum.h"
-#include "fanout_tc_maps.h"
+#include "fanout_maps.h"
 
 /* The route request toward the datagram's new destination, into `fib` (zeroed by the caller):
  * `to` is the backend (forward) or the listener's address and port (reply), `ifindex` the arrival

@@ -8,7 +8,7 @@
 #define BPFKERNELABI_H
 
 #include "../../../bpf/include/rplb_shared.h"
-#include "../../../bpf/include/fanout_tc_shared.h"
-#include "../../../bpf/include/fanout_xdp_shared.h"
+#include "../../../bpf/include/fanout_shared.h"
+#include "../../../bpf/include/afxdp_shared.h"
 
 #endif

@@ -4,13 +4,13 @@
  * the XDP steering program.
  *
  * Included by bpf/xdp_steer.bpf.c and imported by Swift through the BPFKernelABI module.
- * FANOUT_MAX_LISTENERS comes from fanout_tc_shared.h (the same bound in both modes).
+ * FANOUT_MAX_LISTENERS comes from fanout_shared.h (the same bound in both modes).
  */
-#ifndef FANOUT_XDP_SHARED_H
-#define FANOUT_XDP_SHARED_H
+#ifndef AFXDP_SHARED_H
+#define AFXDP_SHARED_H
 
 #include <linux/types.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 
 /* Receive queues per interface that can hold an AF_XDP socket (the XSKMAP's size): the
  * program redirects to the socket of the queue the frame arrived on. */
@@ -102,4 +102,4 @@ struct fanout_xdp_stats {
 	__u64 verdicts[FANOUT_XDP_VERDICT_COUNT];
 };
 
-#endif /* FANOUT_XDP_SHARED_H */
+#endif /* AFXDP_SHARED_H */

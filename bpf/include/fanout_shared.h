@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
- * udp-fanout tc_ebpf mode: every type, constant and name that crosses the kernel/user line.
+ * udp-fanout tc_ebpf and xdp modes: every type, constant and name that crosses the kernel/user
+ * line.
  *
- * Included by bpf/tc_fanout.bpf.c and imported by Swift through the BPFKernelABI module.
+ * Included by bpf/tc_fanout.bpf.c, bpf/xdp_fanout.bpf.c (which runs with the tc program's maps)
+ * and bpf/map_count.bpf.c, and imported by Swift through the BPFKernelABI module.
  */
-#ifndef FANOUT_TC_SHARED_H
-#define FANOUT_TC_SHARED_H
+#ifndef FANOUT_SHARED_H
+#define FANOUT_SHARED_H
 
 #include <linux/types.h>
 
@@ -395,4 +397,4 @@ struct fanout_map_count {
 	__s64 entries;
 };
 
-#endif /* FANOUT_TC_SHARED_H */
+#endif /* FANOUT_SHARED_H */

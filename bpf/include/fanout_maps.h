@@ -1,21 +1,22 @@
 /* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
- * The tc program's maps (bpf/tc_fanout.bpf.c): listeners, backend sets, round-robin positions,
+ * The maps of the tc program (bpf/tc_fanout.bpf.c), which the xdp program (bpf/xdp_fanout.bpf.c)
+ * is loaded with (the Swift side hands it their descriptors): listeners, backend sets, round-robin positions,
  * remembered fragments, per-listener and per-backend counters, the replication pools' sources, the two-way (nat) maps
  * (associations: an array of per-listener LRU hashes made from the inner map template below;
  * live backends; the listeners' addresses), the load-time options (.rodata), and the small
  * accessors of the counter maps (count_unmatched, backend_stats, count). Names, keys and values
- * are fanout_tc_shared.h's, shared with userspace. This header DEFINES the maps, so only the tc
- * program includes it (directly or through fanout_choice.h, fanout_nat.h, fanout_redirect.h),
+ * are fanout_shared.h's, shared with userspace. This header DEFINES the maps, so only the tc
+ * and xdp programs include it (directly or through fanout_choice.h, fanout_nat.h, fanout_redirect.h),
  * never the Swift side (BPFKernelABI.h) nor a *_shared.h. Self-contained: includes linux/bpf.h,
- * bpf_helpers.h and fanout_tc_shared.h itself, so nothing has to come before it.
+ * bpf_helpers.h and fanout_shared.h itself, so nothing has to come before it.
  */
-#ifndef FANOUT_TC_MAPS_H
-#define FANOUT_TC_MAPS_H
+#ifndef FANOUT_MAPS_H
+#define FANOUT_MAPS_H
 
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
-#include "fanout_tc_shared.h"
+#include "fanout_shared.h"
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -128,4 +129,4 @@ static __always_inline void count(struct fanout_stats *stats, int reply, __u32 v
 		stats->reply_verdicts[verdict]++;
 }
 
-#endif /* FANOUT_TC_MAPS_H */
+#endif /* FANOUT_MAPS_H */

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: Apache-2.0
+import BPFKernelABI
+import Foundation
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// One table of datagrams run through both hooks of the one decision (bpf/include/fanout_decide.h,
+/// compiled into the tc and xdp programs), as katran's fixtures run one table through its
+/// programs: each row says what tc does and what XDP does (the same verdict, or XDP passing the
+/// datagram to tc where tc finishes it). The tc column runs the tc program alone
+/// (TCProgramFixture); the xdp column the xdp program loaded with that fixture's maps
+/// (XDPForwardProgramTests.Rig: its listeners served at XDP, both veth ends in its device map).
+/// Each run is on a fresh fixture: the action, an untouched frame where it passes, and the one
+/// counter expected to rise (or none at all).
+@Suite("tc and xdp programs: one decision table (BPF_PROG_TEST_RUN)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct DecisionTableTests {
+    static let tcRedirect = TCProgramFixture.redirect, tcShot = TCProgramFixture.shot, tcPass = TCProgramFixture.pass
+    static let xdpDrop = XDPForwardProgramTests.drop, xdpPass = XDPForwardProgramTests.pass
+
+    /// What one hook does with a row's frame: its action, and the counter expected to rise by one:
+    /// a verdict (stats key, verdict), or for XDP a reason it passed the datagram to tc (listener
+    /// id, reason). nil: nothing counted.
+    struct Expected: Sendable {
+        var action: UInt32
+        var counter: (UInt32, fanout_verdict)?
+        var passed: (UInt32, XDPPassReason)?
+    }
+
+    struct Case: CustomStringConvertible, Sendable {
+        var name: String
+        var frame: @Sendable () -> [UInt8]
+        var tc: Expected
+        var xdp: Expected
+        var description: String { name }
+    }
+
+    static let unmatched = UInt32(FANOUT_UNMATCHED_STATS)
+    /// Not ours for both: tc counts it unmatched and continues down the chain; XDP passes it to tc
+    /// uncounted.
+    static func notOurs(_ name: String, _ verdict: fanout_verdict = FANOUT_VERDICT_NOT_OURS, _ frame: @escaping @Sendable () -> [UInt8]) -> Case {
+        Case(name: name, frame: frame, tc: Expected(action: tcPass, counter: (unmatched, verdict)), xdp: Expected(action: xdpPass))
+    }
+
+    static let cases: [Case] = [
+        notOurs("TCP to the listener") { Packet.ipv4(payload: [1, 2, 3], protocolNumber: 6) },
+        notOurs("other port") { Packet.ipv4(payload: [1, 2, 3], port: 9999) },
+        notOurs("ARP") { Packet.ethernetHeader(type: 0x0806) + [UInt8](repeating: 0, count: 28) },
+        // The kernel's test runner refuses frames shorter than a base IPv4/IPv6 header, so the
+        // cut headers are options and extension headers.
+        notOurs("IPv4 options cut (IHL 15, frame ends after 24 bytes)", FANOUT_VERDICT_MALFORMED) {
+            var f = Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 24)); f[Packet.ethernet] = 0x4f; return f
+        },
+        notOurs("UDP header cut", FANOUT_VERDICT_MALFORMED) { Array(Packet.ipv4(payload: [1]).prefix(Packet.ethernet + 20 + 4)) },
+        notOurs("IPv6 extension header cut", FANOUT_VERDICT_MALFORMED) {
+            var f = Array(Packet.ipv6(payload: [1]).prefix(Packet.ethernet + 41)); f[Packet.ethernet + 6] = 0; return f
+        },
+        notOurs("IPv4 total length beyond the frame (cut in transit)", FANOUT_VERDICT_MALFORMED) {
+            Array(Packet.ipv4(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 40))
+        },
+        notOurs("IPv6 payload length beyond the frame", FANOUT_VERDICT_MALFORMED) {
+            Array(Packet.ipv6(payload: [UInt8](repeating: 1, count: 100)).prefix(Packet.ethernet + 60))
+        },
+        notOurs("IHL below 5", FANOUT_VERDICT_MALFORMED) { var f = Packet.ipv4(payload: [1]); f[Packet.ethernet] = 0x44; return f },
+        Case(name: "no backend", frame: { Packet.ipv4(payload: [1, 2], port: 5515) },
+             tc: Expected(action: tcShot, counter: (2, FANOUT_VERDICT_NO_BACKEND)),
+             xdp: Expected(action: xdpDrop, counter: (2, FANOUT_VERDICT_NO_BACKEND))),
+        Case(name: "no route", frame: { Packet.ipv4(payload: [1, 2], port: 5516) },
+             tc: Expected(action: tcShot, counter: (3, FANOUT_VERDICT_NO_ROUTE)),
+             xdp: Expected(action: xdpDrop, counter: (3, FANOUT_VERDICT_NO_ROUTE))),
+        // tc's bpf_redirect_neigh lets the kernel resolve the next hop; XDP cannot wait for it.
+        Case(name: "no neighbour: bpf_redirect_neigh", frame: { Packet.ipv4(payload: [1, 2], port: 5517) },
+             tc: Expected(action: tcRedirect, counter: (4, FANOUT_VERDICT_FORWARDED_NEIGH)),
+             xdp: Expected(action: xdpPass, passed: (4, .noNeighbour))),
+        Case(name: "TTL 1", frame: { Packet.ipv4(payload: [1, 2], ttl: 1) },
+             tc: Expected(action: tcShot, counter: (0, FANOUT_VERDICT_TTL_EXPIRED)),
+             xdp: Expected(action: xdpDrop, counter: (0, FANOUT_VERDICT_TTL_EXPIRED))),
+    ]
+
+    /// The listeners' and the unmatched key's verdict counters, all of them.
+    static func verdictTotals(_ fixture: TCProgramFixture) -> [UInt64] {
+        (0...4).map { fixture.stats(UInt32($0)).verdicts.reduce(0, +) } + [fixture.stats(unmatched).verdicts.reduce(0, +)]
+    }
+
+    /// Checks one hook's run of `frame`: `run` gives the action and the frame as it leaves.
+    static func check(_ name: String, _ frame: [UInt8], _ expected: Expected, pass: UInt32, fixture: TCProgramFixture,
+                      passedCounts: () -> [UInt64], run: ([UInt8]) -> (UInt32, [UInt8])) {
+        let before = expected.counter.map { fixture.stats($0.0).verdicts[Int($0.1.rawValue)] }
+        let totals = verdictTotals(fixture)
+        let passedBefore = passedCounts()
+        let (action, output) = run(frame)
+        #expect(action == expected.action, "\(name): action \(action)")
+        if expected.action == pass { #expect(output == frame, "\(name): passed untouched") }
+        if let (key, counted) = expected.counter {
+            #expect(fixture.stats(key).verdicts[Int(counted.rawValue)] == before! + 1, "\(name): counted")
+        } else {
+            #expect(verdictTotals(fixture) == totals, "\(name): no verdict counted")
+        }
+        if let (id, reason) = expected.passed {
+            var counts = passedBefore
+            counts[Int(id) * XDPPassReason.allCases.count + reason.rawValue] += 1
+            #expect(passedCounts() == counts, "\(name): passed to tc, counted \(reason.label) and nothing else")
+        } else {
+            #expect(passedCounts() == passedBefore, "\(name): no pass reason counted")
+        }
+    }
+
+    @Test("tc: each row's verdict and counter (not ours too)", arguments: cases)
+    func tc(_ test: Case) throws {
+        let fixture = try TCProgramFixture()
+        Self.check(test.name, test.frame(), test.tc, pass: Self.tcPass, fixture: fixture, passedCounts: { [] }) { fixture.execute($0) }
+    }
+
+    @Test("xdp: each row's verdict and counter, or the reason it passes the datagram to tc", arguments: cases)
+    func xdp(_ test: Case) throws {
+        let rig = try XDPForwardProgramTests.Rig()
+        let passedCounts = {
+            (0...4).flatMap { rig.xdp.passedCounts(id: UInt32($0)) ?? [] } + (rig.xdp.passedCounts(id: Self.unmatched) ?? [])
+        }
+        Self.check(test.name, test.frame(), test.xdp, pass: Self.xdpPass, fixture: rig.fixture, passedCounts: passedCounts) { rig.run($0) }
+    }
+}

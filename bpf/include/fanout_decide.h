@@ -1,0 +1,309 @@
+/* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
+/*
+ * The decision of the xdp program (bpf/xdp_fanout.bpf.c), written over hooks so that the tc
+ * program (bpf/tc_fanout.bpf.c), whose main has the same order, can be compiled from it too: for
+ * a parsed datagram, in this order, the listener (or the reply
+ * of a nat listener's backend, or the remembered first fragment), the backend, the counters,
+ * wrong server, no backend, TTL / hop limit, the route, drained, the association a reply makes,
+ * the fragment memory, then the rewrite and transmit, counted forwarded or replied.
+ *
+ * tc does not use it yet: compiled from it (its hooks: pull, pools, VLAN pop, checksum helpers,
+ * redirect or redirect_neigh), the tc program is smaller (2776 instructions against 2836) but
+ * its verification passes the kernel's limit of 1,000,000 processed instructions (its own main
+ * needs 622,938), so the tc program keeps its main until the decision verifies there.
+ *
+ * What differs between the hooks is how a packet is read and sent, and what XDP leaves to tc:
+ * each program defines, before including this header,
+ *   FANOUT_CTX        its context type (struct __sk_buff, struct xdp_md)
+ *   FANOUT_ACT_DROP   the action that drops (TC_ACT_SHOT, XDP_DROP)
+ *   struct fanout_hook  its own state in the decision (tc: the replication pools' work and the
+ *                     TTL decrement; xdp: the rotation to put back)
+ * and, after it, the hook functions declared below (hook_*): each says what it does at its step
+ * and returns an action, or FANOUT_GO_ON to let the decision go on. An action returned by a hook
+ * is final (passed on, counted by the hook's own rules).
+ *
+ * Self-contained: includes what it uses; for the programs that share the tc program's maps only.
+ */
+#ifndef FANOUT_DECIDE_H
+#define FANOUT_DECIDE_H
+
+#include <linux/bpf.h>
+#include <bpf/bpf_helpers.h>
+#include "fanout_shared.h"
+#include "parse.h"
+#include "fanout_maps.h"
+#include "fanout_choice.h"
+#include "fanout_nat.h"
+
+#if !defined(FANOUT_CTX) || !defined(FANOUT_ACT_DROP)
+#error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
+#endif
+
+/* A hook's "not final: go on with the decision". No action of either hook is negative. */
+#define FANOUT_GO_ON (-1)
+
+/* One datagram's decision so far. Forward: `backend` is the new destination. Reply: the
+ * listener's address and port (the new source), with the replying backend's counter slot. */
+struct fanout_decision {
+	FANOUT_CTX *ctx;
+	struct packet p;
+	struct fanout_fragment_key fragment_key;
+	struct fanout_backend backend;
+	struct fanout_stats *stats;
+	__u32 ifindex;      /* the arrival interface */
+	__u32 length;       /* the packet's length as it arrived */
+	__u32 id;           /* the listener's (reply: of the replying backend's listener) */
+	__u8 chosen;        /* a backend was found (forward) */
+	__u8 reply;
+	__u8 wrong_server;
+	__u8 drained;
+	__u8 new_association;
+	__u32 event;        /* enum association_event */
+	__u32 reply_moved;
+	/* FANOUT_VERDICT_FORWARDED, or for a later fragment what became of its first fragment at
+	 * the listener's own backend (it may still go to the listener's pools). */
+	__u32 own_verdict;
+	struct fanout_hook hook;
+};
+
+/* The hooks (defined by the program file; see the top of this header). */
+
+/* The first hook: sets up the hook's own state (c->hook, zeroed), and parses the packet into
+ * c->p (c->ctx, ifindex and length are set). FANOUT_GO_ON for a UDP datagram or fragment, else
+ * the action for what is not one (counted as the hook counts it). */
+static __always_inline int hook_parse(struct fanout_decision *c);
+/* Not this listener set's packet: no listener, no reply, no listener stats, a backend's
+ * datagram to this host itself. The action that lets it continue untouched. */
+static __always_inline int hook_not_ours(struct fanout_decision *c);
+/* A datagram of listener c->id (`listener`; NULL: a reply) before anything is chosen: whether
+ * this hook finishes it. */
+static __always_inline int hook_admit(struct fanout_decision *c, struct fanout_listener *listener);
+/* After the listener's backend was chosen (the listener's other choices). */
+static __always_inline void hook_chosen(struct fanout_decision *c, struct fanout_listener *listener);
+/* A later fragment with no remembered first fragment. */
+static __always_inline int hook_untracked(struct fanout_decision *c);
+/* A later fragment following its remembered first fragment (c->backend, id, reply set). */
+static __always_inline int hook_follow(struct fanout_decision *c, struct fanout_fragment *remembered);
+/* Before the listener's own verdicts: what leaves ahead of its own datagram. < 0: the packet
+ * cannot go on (counted rewrite_failed). */
+static __always_inline int hook_ahead(struct fanout_decision *c);
+/* The route toward c->backend (reply: from it) into `fib`: bpf_fib_lookup's result. */
+static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib);
+/* The route's verdict (forwarded, forwarded_neigh, too_large, no_route) known: whether this
+ * hook can finish the datagram that way. */
+static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib);
+/* Whether a first fragment dropped with `verdict` is remembered, so its later fragments are
+ * dropped with it. */
+static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict);
+/* Where a first fragment's decision is written before it goes into FANOUT_MAP_FRAGMENTS, with
+ * what the hook adds to it (off the stack: the decision leaves too little), or NULL. */
+static __always_inline struct fanout_fragment *hook_fragment_record(struct fanout_decision *c);
+/* Rewrites and sends the datagram along `fib` (verdict forwarded or forwarded_neigh): the
+ * action, or < 0 when it could not (counted rewrite_failed). */
+static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib);
+/* The packet's length as it leaves. */
+static __always_inline __u32 hook_sent_length(struct fanout_decision *c);
+
+/* A first fragment's decision, for its later fragments: the backend it left for (verdict
+ * FORWARDED), or what became of it. Nothing for a packet that is not a first fragment. */
+static __always_inline void remember_fragment(struct fanout_decision *c, __u32 verdict)
+{
+	if (!c->p.has_udp || !c->p.fragment)
+		return;
+	struct fanout_fragment *remembered = hook_fragment_record(c);
+	if (!remembered)
+		return;
+	remembered->backend = c->backend;
+	remembered->listener_id = c->id;
+	remembered->direction = c->reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD;
+	remembered->own_verdict = verdict;
+	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &c->fragment_key, remembered, BPF_ANY);
+}
+
+/* A client's datagram reached a verdict at this hook: counted received. */
+static __always_inline void count_received(struct fanout_decision *c)
+{
+	if (!c->reply) {
+		c->stats->received++;
+		c->stats->bytes_received += c->length;
+	}
+}
+
+/* Left (`action`) with `verdict`, counted, per backend too. */
+static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int action)
+{
+	__u32 length = hook_sent_length(c);
+	struct fanout_stats *stats = c->stats;
+	struct fanout_backend_stats *per_backend = backend_stats(c->id, c->backend.counter_slot);
+	if (c->reply) {
+		count(stats, 1, FANOUT_VERDICT_REPLIED);
+		stats->reply_bytes += length;
+		if (per_backend) {
+			per_backend->replies++;
+			per_backend->reply_bytes += length;
+		}
+		return action;
+	}
+	count_received(c);
+	count(stats, 0, verdict);
+	stats->bytes_forwarded += length;
+	if (per_backend) {
+		per_backend->packets++;
+		per_backend->bytes += length;
+	}
+	return action;
+}
+
+/* The datagram's listener, backend and direction: from the listener it is for, the nat listener
+ * whose backend sent it, or the first fragment it follows. */
+static __always_inline int find_datagram(struct fanout_decision *c)
+{
+	int action;
+	if (c->p.has_udp) {
+		struct fanout_listener *listener = find_listener(c->ifindex, &c->p);
+		if (listener) {
+			c->id = listener->id;
+			action = hook_admit(c, listener);
+			if (action != FANOUT_GO_ON)
+				return action;
+			if (listener->reserved & FANOUT_LISTENER_NAT)
+				c->chosen = choose_associated(listener, &c->p, &c->backend, &c->event);
+			else
+				c->chosen = choose(listener, &c->p, &c->backend);
+			hook_chosen(c, listener);
+			return FANOUT_GO_ON;
+		}
+		int found = find_reply(&c->p, &c->backend, &c->id, &c->reply_moved);
+		if (found == REPLY_NOT_OURS)
+			return hook_not_ours(c);
+		c->reply = 1;
+		c->wrong_server = found == REPLY_WRONG_SERVER;
+		c->drained = found == REPLY_DRAINED;
+		c->new_association = found == REPLY_NEW;
+		return hook_admit(c, NULL);
+	}
+	struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &c->fragment_key);
+	if (!remembered)
+		return hook_untracked(c);
+	c->backend = remembered->backend;
+	c->id = remembered->listener_id;
+	c->reply = remembered->direction == FANOUT_DIRECTION_REPLY;
+	c->own_verdict = remembered->own_verdict;
+	return hook_follow(c, remembered);
+}
+
+/* The verdict of a route lookup's result. */
+static __always_inline __u32 route_verdict(long route)
+{
+	if (route == BPF_FIB_LKUP_RET_SUCCESS)
+		return FANOUT_VERDICT_FORWARDED;
+	if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
+		return FANOUT_VERDICT_FORWARDED_NEIGH;
+	if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		return FANOUT_VERDICT_TOO_LARGE;
+	return FANOUT_VERDICT_NO_ROUTE;
+}
+
+/* The decision for one packet arriving at `ifindex`, `length` bytes long: the hook's action. */
+static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 length)
+{
+	struct fanout_decision c = {};
+	c.ctx = ctx;
+	c.ifindex = ifindex;
+	c.length = length;
+	c.chosen = 1;
+	c.event = ASSOCIATION_KEPT;
+	c.own_verdict = FANOUT_VERDICT_FORWARDED;
+	int action = hook_parse(&c);
+	if (action != FANOUT_GO_ON)
+		return action;
+	fill_fragment_key(ifindex, &c.p, &c.fragment_key);
+	action = find_datagram(&c);
+	if (action != FANOUT_GO_ON)
+		return action;
+
+	/* Neither happens (ids are bounded by userspace, the array has every id). */
+	c.stats = c.id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &c.id) : NULL;
+	if (!c.stats)
+		return hook_not_ours(&c);
+	/* The association the choice made is counted even when the datagram goes on to tc (which
+	 * then finds it made). */
+	if (c.event == ASSOCIATION_CREATED)
+		c.stats->created++;
+	else if (c.event == ASSOCIATION_MOVED)
+		c.stats->moved++;
+
+	__u32 verdict;
+	if (c.reply && c.wrong_server) {
+		verdict = FANOUT_VERDICT_WRONG_SERVER;
+		goto drop;
+	}
+	if (!c.reply) {
+		/* What leaves ahead of the listener's own datagram (tc: the pools' copies): the
+		 * listener's own leaves last, rewritten from the last copy's destination, or not at all. */
+		if (hook_ahead(&c) < 0) {
+			verdict = FANOUT_VERDICT_REWRITE_FAILED;
+			goto drop;
+		}
+		if (!c.chosen) {
+			verdict = FANOUT_VERDICT_NO_BACKEND;
+			goto drop;
+		}
+		/* A later fragment whose first did not leave for the listener's own backend. */
+		if (c.own_verdict != FANOUT_VERDICT_FORWARDED && c.own_verdict < FANOUT_VERDICT_COUNT) {
+			verdict = c.own_verdict;
+			goto drop;
+		}
+	}
+	/* A gone backend's datagram is counted drained (below, once known not to be for this host). */
+	if (c.p.hop_limit <= 1 && !c.drained) {
+		verdict = FANOUT_VERDICT_TTL_EXPIRED;
+		goto drop;
+	}
+
+	struct bpf_fib_lookup fib = {};
+	long route = hook_route(&c, &fib);
+	/* A backend's datagram to this host itself (a udp_echo health probe's answer, say) is no
+	 * reply to a client: it goes up the stack untouched, and associates nothing. */
+	if (c.reply && route == BPF_FIB_LKUP_RET_NOT_FWDED)
+		return hook_not_ours(&c);
+	/* A backend whose drain ended: what it sends toward a client is dropped, counted (after the
+	 * check above, so its datagrams to this host itself still pass). */
+	if (c.drained) {
+		verdict = FANOUT_VERDICT_DRAINED;
+		goto drop;
+	}
+	verdict = route_verdict(route);
+	action = hook_can_send(&c, verdict, &fib);
+	if (action != FANOUT_GO_ON)
+		return action;
+	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
+		struct fanout_backend_stats *dropped = c.reply ? NULL : backend_stats(c.id, c.backend.counter_slot);
+		if (dropped) {
+			if (verdict == FANOUT_VERDICT_NO_ROUTE)
+				dropped->no_route++;
+			else
+				dropped->too_large++;
+		}
+		goto drop;
+	}
+
+	if (c.new_association)
+		associate_reply(&c.p, c.id, c.stats, c.reply_moved);
+	/* Later fragments follow the first one's choice (only once it is known to leave). */
+	remember_fragment(&c, FANOUT_VERDICT_FORWARDED);
+
+	long sending = hook_send(&c, verdict, &fib);
+	if (sending >= 0)
+		return sent(&c, verdict, (int)sending);
+	verdict = FANOUT_VERDICT_REWRITE_FAILED;
+
+drop:
+	if (!c.reply && hook_remembers_drop(&c, verdict))
+		remember_fragment(&c, verdict);
+	count_received(&c);
+	count(c.stats, c.reply, verdict);
+	return FANOUT_ACT_DROP;
+}
+
+#endif /* FANOUT_DECIDE_H */
