@@ -145,7 +145,7 @@ struct SettingKey: Sendable {
     }
 }
 
-/// Every listener setting: the union of the kinds' tables (``ListenerKinds/settingTables``), in
+/// Every listener setting: the union of the kinds' tables (`ListenerKinds.settingTables`), in
 /// the order of the reference (the order the parser reads them and its errors list them).
 public enum SettingsTable {
     /// The keys, in the reference's order.
