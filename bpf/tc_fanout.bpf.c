@@ -32,9 +32,18 @@
  * Everything that is not a datagram for a listener passes untouched and continues down the
  * chain (FANOUT_PASS). Every other outcome is a counted verdict (enum fanout_verdict).
  *
- * This file holds the program itself: what is done in which order and what is counted. The
- * maps are in bpf/include/fanout_maps.h, the choice of a backend in fanout_choice.h, the
- * reply direction in fanout_nat.h, route, rewrite and redirect in fanout_redirect.h.
+ * The order of the decision and what is counted is bpf/include/fanout_decide.h, shared with the
+ * xdp program; this file holds the tc hook's part (hook_*): how the packet is read (a pull when
+ * the headers lie outside the linear area), the pools' decisions and copies, and the way out
+ * (VLAN pop, rewrite with checksum helpers, bpf_redirect or bpf_redirect_neigh). The maps are in
+ * bpf/include/fanout_maps.h, the choice of a backend in fanout_choice.h, the reply direction in
+ * fanout_nat.h, route, rewrite and redirect in fanout_redirect.h, replication in fanout_pools.h.
+ *
+ * Three steps are global functions (fanout_tc_parse, fanout_tc_decide_pools, fanout_tc_copies):
+ * the verifier checks each once, on its own, instead of once per path that reaches it. The
+ * program's verification processes about 51,000 instructions (inlined, it passed the kernel's
+ * limit of 1,000,000: the parser's exact results multiplied the paths below it). Their pointer
+ * arguments are checked for NULL, as the verifier requires of a global function's.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -83,232 +92,183 @@ static __always_inline int pull_headers(struct __sk_buff *skb)
 	return bpf_skb_pull_data(skb, want) == 0;
 }
 
-/* A first fragment's decision, for its later fragments: the backend it left for (own_verdict
- * FORWARDED), or, when it did not but the listener's pools took it, what became of it, and the
- * pools' decisions (`work`, the per-CPU scratch; NULL without pools). Nothing for a packet that
- * is not a first fragment. */
-static __always_inline void remember_fragment(struct packet *p, struct fanout_fragment_key *key,
-					      struct fanout_backend *backend, __u32 id, int reply,
-					      __u32 own_verdict, struct fanout_fragment *work)
+/* The tc hook's part of the decision (fanout_decide.h): the replication pools' decisions (the
+ * per-CPU scratch; NULL when the listener has no pools) and whether the TTL / hop limit is still
+ * to be decremented (1 until a pool's copy or the own rewrite did). */
+struct fanout_hook {
+	struct fanout_fragment *work;
+	__u32 hop;
+};
+
+#define FANOUT_CTX struct __sk_buff
+#define FANOUT_ACT_DROP TC_ACT_SHOT
+#include "fanout_decide.h"   /* the decision, shared with the xdp program */
+
+/* Parses (verified once, a global function), pulling the headers into the linear area when
+ * they lie outside it. */
+__noinline int fanout_tc_parse(struct __sk_buff *skb, struct packet *p)
 {
-	if (!p->has_udp || !p->fragment)
+	if (!skb || !p)
+		return PARSED_OTHER;
+	enum parsed parsed = parse(skb, p);
+	/* Headers cut short in the linear area but present in the packet: pull and look again. */
+	if (parsed == PARSED_MALFORMED && pull_headers(skb)) {
+		__builtin_memset(p, 0, sizeof(*p));
+		parsed = parse(skb, p);
+	}
+	return parsed;
+}
+
+/* What is not a UDP datagram or fragment continues down the chain, counted unmatched. */
+static __always_inline int hook_parse(struct fanout_decision *c)
+{
+	c->hook.hop = 1;
+	int parsed = fanout_tc_parse(c->ctx, &c->p);
+	if (parsed == PARSED_OTHER) {
+		count_unmatched(FANOUT_VERDICT_NOT_OURS);
+		return FANOUT_PASS;
+	}
+	if (parsed != PARSED_OK) {
+		count_unmatched(FANOUT_VERDICT_MALFORMED);
+		return FANOUT_PASS;
+	}
+	return FANOUT_GO_ON;
+}
+
+static __always_inline int hook_not_ours(struct fanout_decision *c)
+{
+	count_unmatched(FANOUT_VERDICT_NOT_OURS);
+	return FANOUT_PASS;
+}
+
+/* tc takes every datagram of every listener at its interface. */
+static __always_inline int hook_admit(struct fanout_decision *c, struct fanout_listener *listener)
+{
+	return FANOUT_GO_ON;
+}
+
+__noinline int fanout_tc_decide_pools(struct fanout_listener *listener, struct packet *p, __u32 length, struct fanout_fragment *work)
+{
+	if (!listener || !p || !work)
+		return 0;
+	decide_pools(listener, p, length, work);
+	return 0;
+}
+
+/* The listener's pools decide too. */
+static __always_inline void hook_chosen(struct fanout_decision *c, struct fanout_listener *listener)
+{
+	if (!listener->pool_count)
 		return;
-	if (own_verdict != FANOUT_VERDICT_FORWARDED && !work)
-		return;
-	struct fanout_fragment *remembered = work ? work : pool_scratch();
-	if (!remembered)
-		return;
-	if (!work)
-		remembered->pool_count = 0;
-	remembered->backend = *backend;
-	remembered->listener_id = id;
-	remembered->direction = reply ? FANOUT_DIRECTION_REPLY : FANOUT_DIRECTION_FORWARD;
-	remembered->own_verdict = own_verdict;
-	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, key, remembered, BPF_ANY);
+	c->hook.work = pool_scratch();
+	if (c->hook.work)
+		fanout_tc_decide_pools(listener, &c->p, c->length, c->hook.work);
+}
+
+static __always_inline int hook_untracked(struct fanout_decision *c)
+{
+	count_unmatched(FANOUT_VERDICT_FRAGMENT_UNTRACKED);
+	return FANOUT_PASS;
+}
+
+/* A later fragment follows its first fragment's pools too. */
+static __always_inline int hook_follow(struct fanout_decision *c, struct fanout_fragment *remembered)
+{
+	if (c->reply || !remembered->pool_count)
+		return FANOUT_GO_ON;
+	struct fanout_fragment *work = pool_scratch();
+	if (work) {
+		work->pool_count = remembered->pool_count;
+		__builtin_memcpy(work->pools, remembered->pools, sizeof(work->pools));
+		count_decisions(work, c->length);
+	}
+	c->hook.work = work;
+	return FANOUT_GO_ON;
+}
+
+/* The pools' copies, verified once (a global function): -1 when the packet cannot go on, else
+ * whether the TTL / hop limit is still to be decremented. */
+__noinline int fanout_tc_copies(struct __sk_buff *skb, struct packet *p, struct fanout_fragment *work)
+{
+	__u32 hop = 1;
+	if (!skb || !p || !work)
+		return -1;
+	if (send_copies(skb, p, work, &hop) < 0)
+		return -1;
+	return hop;
+}
+
+/* The pools' copies leave first. */
+static __always_inline int hook_ahead(struct fanout_decision *c)
+{
+	if (!c->hook.work)
+		return 0;
+	int hop = fanout_tc_copies(c->ctx, &c->p, c->hook.work);
+	if (hop < 0)
+		return -1;
+	c->hook.hop = hop;
+	return 0;
+}
+
+static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
+{
+	return lookup_route(c->ctx, &c->p, &c->backend, c->reply, fib);
+}
+
+/* tc sends whatever routes. */
+static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
+{
+	return FANOUT_GO_ON;
+}
+
+/* A first fragment dropped for want of a backend or a route is remembered when its pools took it
+ * (their copies left; its later fragments follow them and are dropped at the listener's own). */
+static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict)
+{
+	return c->hook.work && (verdict == FANOUT_VERDICT_NO_BACKEND || verdict == FANOUT_VERDICT_NO_ROUTE ||
+				verdict == FANOUT_VERDICT_TOO_LARGE);
+}
+
+/* The pools' record (their decisions kept with it), or the per-CPU scratch with no pools. */
+static __always_inline struct fanout_fragment *hook_fragment_record(struct fanout_decision *c)
+{
+	if (c->hook.work)
+		return c->hook.work;
+	struct fanout_fragment *record = pool_scratch();
+	if (record)
+		record->pool_count = 0;
+	return record;
+}
+
+/* The ingress link's tag off, the rewrite with checksum helpers, then the fib's MACs and
+ * bpf_redirect, or bpf_redirect_neigh when the next hop's address is not known yet. */
+static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
+{
+	struct __sk_buff *skb = c->ctx;
+	if (pop_vlan(skb, &c->p) < 0)
+		return -1;
+	if (rewrite(skb, &c->p, &c->backend, c->reply, c->hook.hop) < 0)
+		return -1;
+	long redirected;
+	if (verdict == FANOUT_VERDICT_FORWARDED) {
+		if (write_macs(skb, fib) < 0)
+			return -1;
+		redirected = bpf_redirect(fib->ifindex, 0);
+	} else {
+		redirected = redirect_neigh(&c->p, fib);
+	}
+	return redirected == TC_ACT_REDIRECT ? redirected : -1;
+}
+
+static __always_inline __u32 hook_sent_length(struct fanout_decision *c)
+{
+	return c->ctx->len;
 }
 
 SEC("tc")
 int FANOUT_PROG_TC(struct __sk_buff *skb)
 {
-	struct packet p = {};
-	enum parsed parsed = parse(skb, &p);
-	/* Headers cut short in the linear area but present in the packet: pull and look again. */
-	if (parsed == PARSED_MALFORMED && pull_headers(skb)) {
-		__builtin_memset(&p, 0, sizeof(p));
-		parsed = parse(skb, &p);
-	}
-	if (parsed == PARSED_OTHER) {
-		count_unmatched(FANOUT_VERDICT_NOT_OURS);
-		return FANOUT_PASS;
-	}
-	if (parsed == PARSED_MALFORMED) {
-		count_unmatched(FANOUT_VERDICT_MALFORMED);
-		return FANOUT_PASS;
-	}
-
-	struct fanout_fragment_key fragment_key = {};
-	fill_fragment_key(skb->ifindex, &p, &fragment_key);
-
-	/* Forward: the backend (the new destination). Reply: the listener's address and port (the
-	 * new source), with the replying backend's counter slot. */
-	struct fanout_backend backend = {};
-	__u32 id = 0;
-	int chosen = 1;
-	int reply = 0;
-	int wrong_server = 0;
-	int drained = 0;
-	int new_association = 0;
-	__u32 event = ASSOCIATION_KEPT;
-	__u32 reply_moved = 0;
-	/* Replication: the pools' decisions (per-CPU scratch), and for a later fragment what became
-	 * of its first fragment at the listener's own backend. */
-	struct fanout_fragment *work = NULL;
-	__u32 own_verdict = FANOUT_VERDICT_FORWARDED;
-	/* 1 until the TTL / hop limit was decremented (by a pool's copy, or the own rewrite). */
-	__u32 hop = 1;
-	if (p.has_udp) {
-		struct fanout_listener *listener = find_listener(skb->ifindex, &p);
-		if (listener) {
-			id = listener->id;
-			if (listener->reserved & FANOUT_LISTENER_NAT)
-				chosen = choose_associated(listener, &p, &backend, &event);
-			else
-				chosen = choose(listener, &p, &backend);
-			if (listener->pool_count) {
-				work = pool_scratch();
-				if (work)
-					decide_pools(listener, &p, skb->len, work);
-			}
-		} else {
-			int found = find_reply(&p, &backend, &id, &reply_moved);
-			if (found == REPLY_NOT_OURS) {
-				count_unmatched(FANOUT_VERDICT_NOT_OURS);
-				return FANOUT_PASS;
-			}
-			reply = 1;
-			wrong_server = found == REPLY_WRONG_SERVER;
-			drained = found == REPLY_DRAINED;
-			new_association = found == REPLY_NEW;
-		}
-	} else {
-		struct fanout_fragment *remembered = bpf_map_lookup_elem(&FANOUT_MAP_FRAGMENTS, &fragment_key);
-		if (!remembered) {
-			count_unmatched(FANOUT_VERDICT_FRAGMENT_UNTRACKED);
-			return FANOUT_PASS;
-		}
-		backend = remembered->backend;
-		id = remembered->listener_id;
-		reply = remembered->direction == FANOUT_DIRECTION_REPLY;
-		own_verdict = remembered->own_verdict;
-		if (!reply && remembered->pool_count) {
-			work = pool_scratch();
-			if (work) {
-				work->pool_count = remembered->pool_count;
-				__builtin_memcpy(work->pools, remembered->pools, sizeof(work->pools));
-				count_decisions(work, skb->len);
-			}
-		}
-	}
-	/* Neither happens (ids are bounded by userspace, the array has every id): counted anyway,
-	 * so that every packet has a verdict. */
-	struct fanout_stats *stats = id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &id) : NULL;
-	if (!stats) {
-		count_unmatched(FANOUT_VERDICT_NOT_OURS);
-		return FANOUT_PASS;
-	}
-	if (reply) {
-		if (wrong_server) {
-			count(stats, reply, FANOUT_VERDICT_WRONG_SERVER);
-			return TC_ACT_SHOT;
-		}
-
-	} else {
-		stats->received++;
-		stats->bytes_received += skb->len;
-		if (event == ASSOCIATION_CREATED)
-			stats->created++;
-		else if (event == ASSOCIATION_MOVED)
-			stats->moved++;
-		/* The pools' copies first: the listener's own datagram leaves last, rewritten from the
-		 * last copy's destination (or not at all). */
-		if (work && send_copies(skb, &p, work, &hop) < 0)
-			goto failed;
-		if (!chosen) {
-			count(stats, reply, FANOUT_VERDICT_NO_BACKEND);
-			remember_fragment(&p, &fragment_key, &backend, id, reply, FANOUT_VERDICT_NO_BACKEND, work);
-			return TC_ACT_SHOT;
-		}
-		/* A later fragment whose first did not leave for the listener's own backend. */
-		if (own_verdict != FANOUT_VERDICT_FORWARDED && own_verdict < FANOUT_VERDICT_COUNT) {
-			count(stats, reply, own_verdict);
-			return TC_ACT_SHOT;
-		}
-	}
-
-	__u32 verdict;
-	/* A gone backend's datagram is counted drained (below, once known not to be for this host). */
-	if (p.hop_limit <= 1 && !drained) {
-		count(stats, reply, FANOUT_VERDICT_TTL_EXPIRED);
-		return TC_ACT_SHOT;
-	}
-
-	struct bpf_fib_lookup fib = {};
-	long route = lookup_route(skb, &p, &backend, reply, &fib);
-	/* A backend's datagram to this host itself (a udp_echo health probe's answer, say) is no
-	 * reply to a client: it goes up the stack untouched, and associates nothing. */
-	if (reply && route == BPF_FIB_LKUP_RET_NOT_FWDED) {
-		count_unmatched(FANOUT_VERDICT_NOT_OURS);
-		return FANOUT_PASS;
-	}
-	/* A backend whose drain ended: what it sends toward a client is dropped, counted (after the
-	 * check above, so its datagrams to this host itself still pass). */
-	if (drained) {
-		count(stats, reply, FANOUT_VERDICT_DRAINED);
-		return TC_ACT_SHOT;
-	}
-	if (route == BPF_FIB_LKUP_RET_SUCCESS)
-		verdict = FANOUT_VERDICT_FORWARDED;
-	else if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
-		verdict = FANOUT_VERDICT_FORWARDED_NEIGH;
-	else if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-		verdict = FANOUT_VERDICT_TOO_LARGE;
-	else
-		verdict = FANOUT_VERDICT_NO_ROUTE;
-	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
-		count(stats, reply, verdict);
-		struct fanout_backend_stats *dropped = reply ? NULL : backend_stats(id, backend.counter_slot);
-		if (dropped) {
-			if (verdict == FANOUT_VERDICT_NO_ROUTE)
-				dropped->no_route++;
-			else
-				dropped->too_large++;
-		}
-		if (!reply)
-			remember_fragment(&p, &fragment_key, &backend, id, reply, verdict, work);
-		return TC_ACT_SHOT;
-	}
-
-	if (new_association)
-		associate_reply(&p, id, stats, reply_moved);
-	/* Later fragments follow the first one's choice (only once it is known to leave). */
-	remember_fragment(&p, &fragment_key, &backend, id, reply, FANOUT_VERDICT_FORWARDED, work);
-
-	if (pop_vlan(skb, &p) < 0)
-		goto failed;
-	if (rewrite(skb, &p, &backend, reply, hop) < 0)
-		goto failed;
-
-	long redirected;
-	if (verdict == FANOUT_VERDICT_FORWARDED) {
-		if (write_macs(skb, &fib) < 0)
-			goto failed;
-		redirected = bpf_redirect(fib.ifindex, 0);
-	} else {
-		redirected = redirect_neigh(&p, &fib);
-	}
-	if (redirected != TC_ACT_REDIRECT)
-		goto failed;
-	struct fanout_backend_stats *per_backend = backend_stats(id, backend.counter_slot);
-	if (reply) {
-		count(stats, reply, FANOUT_VERDICT_REPLIED);
-		stats->reply_bytes += skb->len;
-		if (per_backend) {
-			per_backend->replies++;
-			per_backend->reply_bytes += skb->len;
-		}
-		return TC_ACT_REDIRECT;
-	}
-	count(stats, reply, verdict);
-	stats->bytes_forwarded += skb->len;
-	if (per_backend) {
-		per_backend->packets++;
-		per_backend->bytes += skb->len;
-	}
-	return TC_ACT_REDIRECT;
-
-failed:
-	count(stats, reply, FANOUT_VERDICT_REWRITE_FAILED);
-	return TC_ACT_SHOT;
+	return fanout_decide(skb, skb->ifindex, skb->len);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

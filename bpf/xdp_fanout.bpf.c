@@ -7,8 +7,8 @@
  * at the same interfaces and finishes what this one passes.
  *
  * For a datagram of a listener this program serves (FANOUT_MAP_XFWD_IDS), in the tc program's
- * order and with its verdicts (the decision is bpf/include/fanout_decide.h, written over hooks
- * for the tc program too, which does not compile it yet; this file holds the XDP hook's part): choose the backend (fanout_choice.h; a nat client keeps its
+ * order and with its verdicts (the decision is bpf/include/fanout_decide.h, which the tc
+ * program compiles too; this file holds the XDP hook's part): choose the backend (fanout_choice.h; a nat client keeps its
  * association), TTL / hop limit, the route (bpf_fib_lookup, MTU checked), pop one VLAN tag,
  * rewrite destination (reply: source) with incremental checksums (a zero IPv4 UDP checksum stays
  * zero), the fib's MACs, then XDP_TX when the route leaves through the arrival interface, or

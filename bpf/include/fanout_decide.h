@@ -1,16 +1,10 @@
 /* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
- * The decision of the xdp program (bpf/xdp_fanout.bpf.c), written over hooks so that the tc
- * program (bpf/tc_fanout.bpf.c), whose main has the same order, can be compiled from it too: for
- * a parsed datagram, in this order, the listener (or the reply
- * of a nat listener's backend, or the remembered first fragment), the backend, the counters,
- * wrong server, no backend, TTL / hop limit, the route, drained, the association a reply makes,
- * the fragment memory, then the rewrite and transmit, counted forwarded or replied.
- *
- * tc does not use it yet: compiled from it (its hooks: pull, pools, VLAN pop, checksum helpers,
- * redirect or redirect_neigh), the tc program is smaller (2776 instructions against 2836) but
- * its verification passes the kernel's limit of 1,000,000 processed instructions (its own main
- * needs 622,938), so the tc program keeps its main until the decision verifies there.
+ * The decision of the tc and xdp programs (bpf/tc_fanout.bpf.c, bpf/xdp_fanout.bpf.c), written
+ * once over hooks: for a parsed datagram, in this order, the listener (or the reply of a nat
+ * listener's backend, or the remembered first fragment), the backend, the counters, wrong
+ * server, no backend, TTL / hop limit, the route, drained, the association a reply makes, the
+ * fragment memory, then the rewrite and transmit, counted forwarded or replied.
  *
  * What differs between the hooks is how a packet is read and sent, and what XDP leaves to tc:
  * each program defines, before including this header,
@@ -39,8 +33,9 @@
 #error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
 #endif
 
-/* A hook's "not final: go on with the decision". No action of either hook is negative. */
-#define FANOUT_GO_ON (-1)
+/* A hook's "not final: go on with the decision": no action of either hook (XDP's are 0 to 4,
+ * tc's -1, TC_ACT_UNSPEC, to 8). */
+#define FANOUT_GO_ON (-2)
 
 /* One datagram's decision so far. Forward: `backend` is the new destination. Reply: the
  * listener's address and port (the new source), with the replying backend's counter slot. */
