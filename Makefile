@@ -47,7 +47,7 @@ bench:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh
 	@scripts/bench.sh $(BENCH)
 
-# The userspace, tc_ebpf and af_xdp rows of a change: this tree against BEFORE=<git rev>,
+# The userspace, tc_ebpf, xdp and af_xdp rows of a change: this tree against BEFORE=<git rev>,
 # alternated in one run (scripts/bench_compare.py).
 bench-compare:
 	@WITH_BENCH_PEERS=1 scripts/setup.sh

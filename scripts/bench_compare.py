@@ -3,13 +3,17 @@
 """make bench-compare BEFORE=<git rev>: the per-datagram cost of a change, side by side in one run.
 
 The af_xdp benchmark's topology (client -> proxy with 2 RX queues -> 3 backends, veth) and
-load, run for udp-fanout's userspace, tc_ebpf and af_xdp (socket output) listeners with two
+load, run for udp-fanout's userspace, tc_ebpf, xdp and af_xdp (socket output) listeners with two
 release builds: BEFORE (a git revision, built in a worktree of its own) and this tree. Each run
 alternates the builds and the variants, so both see the same machine; each row gives the median
 of the per-run ratios after / before (1.00: no change) with its range. Saturation: delivered pps
 of 600,000 64-byte datagrams sent as fast as the publisher can; CPU: busy time of every CPU
 per delivered datagram at 100,000 pps for 4 s (the generator's share included, the same for
-both builds).
+both builds). The xdp variant is bench_tc's (GRO on the backends' veth ends, the client's
+checksums computed), its CPU the kernel's share (system + irq + softirq: it has no userspace
+part). For the two BPF programs, a third row: their own run time per datagram, from the
+kernel's BPF statistics (bpf_stats_enabled) over 200,000 datagrams at the fixed rate, which
+the rest of the machine does not blur.
 """
 import os
 import statistics
@@ -19,8 +23,11 @@ import tempfile
 
 import bench_afxdp
 import bench_common as common
+import bench_tc
 
-VARIANTS = ["userspace", "tc_ebpf", "af_xdp socket"]
+VARIANTS = ["userspace", "tc_ebpf", "xdp", "af_xdp socket"]
+# The BPF programs whose run time per datagram is compared: variant -> program name.
+PROGRAMS = {"tc_ebpf": "fanout_tc", "xdp": "fanout_xfwd"}
 
 
 def build_before(revision):
@@ -39,7 +46,14 @@ def build_before(revision):
 
 def run(name, binary, topology, work, fixed):
     common.BIN = binary
+    if name == "xdp":
+        return bench_tc.run_once(name, topology, work, fixed=fixed)
     return bench_afxdp.run_once(name, topology, work, fixed=fixed)
+
+
+def program_cost(name, binary, topology, work):
+    common.BIN = binary
+    return {"ns_per_run": bench_tc.program_cost(topology, work, name, PROGRAMS[name])}
 
 
 def main():
@@ -49,9 +63,12 @@ def main():
     after = common.BIN
     before, commit = build_before(revision)
     builds = [("before", before), ("after", after)]
+    # One fixed rate for every variant (bench_tc's own default differs).
+    bench_tc.FIXED_RATE = bench_afxdp.FIXED_RATE
+    bench_tc.FIXED_SECONDS = bench_afxdp.FIXED_SECONDS
     work = tempfile.mkdtemp(prefix="udp-fanout-bench-compare-")
     topology = common.Topology(queues=2)
-    results = {(name, build, fixed): [] for name in VARIANTS for build, _ in builds for fixed in (False, True)}
+    results = {(name, build, fixed): [] for name in VARIANTS for build, _ in builds for fixed in (False, True, "program")}
     try:
         print(f"bench-compare: {commit} (before) vs this tree (after); {', '.join(VARIANTS)}; {common.RUNS} alternated runs;"
               f" saturation {bench_afxdp.DATAGRAMS} datagrams, CPU at {bench_afxdp.FIXED_RATE:,} pps for {bench_afxdp.FIXED_SECONDS} s;"
@@ -62,22 +79,31 @@ def main():
                 for name in VARIANTS:
                     for build, binary in order:
                         results[(name, build, fixed)].append(run(name, binary, topology, work, fixed))
+            for name in PROGRAMS:
+                for build, binary in order:
+                    results[(name, build, "program")].append(program_cost(name, binary, topology, work))
     finally:
         common.BIN = after
         topology.destroy()
         subprocess.run(["rm", "-rf", work])
     rows = []
     for name in VARIANTS:
-        for fixed, key, scenario, unit in ((False, "pps", "delivered pps at saturation", "pps"),
-                                           (True, "ns_per_packet", f"CPU per datagram at {bench_afxdp.FIXED_RATE // 1000}k pps", "ns")):
+        scenarios = [(False, "pps", "delivered pps at saturation", "pps"),
+                     (True, "ns_per_packet", f"CPU per datagram at {bench_afxdp.FIXED_RATE // 1000}k pps", "ns")]
+        if name in PROGRAMS:
+            scenarios.append(("program", "ns_per_run", f"{PROGRAMS[name]} run time per datagram (BPF stats)", "ns"))
+        for fixed, key, scenario, unit in scenarios:
             ours = results[(name, "after", fixed)]
             peer = results[(name, "before", fixed)]
             a, b = common.spread([r[key] for r in ours]), common.spread([r[key] for r in peer])
             ratios = common.spread([o[key] / p[key] for o, p in zip(ours, peer)])
-            delivered = statistics.median(r["delivered"] for r in ours), statistics.median(r["delivered"] for r in peer)
+            if fixed == "program":
+                note = "the program alone, measured by the kernel"
+            else:
+                delivered = statistics.median(r["delivered"] for r in ours), statistics.median(r["delivered"] for r in peer)
+                note = f"delivered/sent after {delivered[0]:.3f}, before {delivered[1]:.3f}"
             rows.append((f"{name}: {scenario}", f"before ({commit})", f"{a[0]:,.0f} {unit} ({a[1]:,.0f}-{a[2]:,.0f})",
-                         f"{b[0]:,.0f} {unit} ({b[1]:,.0f}-{b[2]:,.0f})", f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
-                         f"delivered/sent after {delivered[0]:.3f}, before {delivered[1]:.3f}"))
+                         f"{b[0]:,.0f} {unit} ({b[1]:,.0f}-{b[2]:,.0f})", f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})", note))
     header = ("scenario", "compared to", "after: median (min-max)", "before: median (min-max)", "ratio after/before (per run)", "note")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
