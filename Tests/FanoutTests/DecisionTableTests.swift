@@ -115,6 +115,58 @@ struct DecisionTableTests {
         Self.check(test.name, test.frame(), test.tc, pass: Self.tcPass, fixture: fixture, passedCounts: { [] }) { fixture.execute($0) }
     }
 
+    /// A first fragment dropped at listener `id` (port `port`, TTL `ttl`) with `verdict`.
+    struct DroppedFirst: CustomStringConvertible, Sendable {
+        var name: String
+        var port: UInt16
+        var ttl: UInt8
+        var id: UInt32
+        var verdict: fanout_verdict
+        /// The verdict is one the listener's downstream counts too (no_route, too_large).
+        var perDownstream: Bool
+        var description: String { name }
+    }
+
+    static let droppedFirsts = [
+        DroppedFirst(name: "no backend", port: 5515, ttl: 64, id: 2, verdict: FANOUT_VERDICT_NO_BACKEND, perDownstream: false),
+        DroppedFirst(name: "no route", port: 5516, ttl: 64, id: 3, verdict: FANOUT_VERDICT_NO_ROUTE, perDownstream: true),
+        DroppedFirst(name: "TTL 1", port: 5514, ttl: 1, id: 0, verdict: FANOUT_VERDICT_TTL_EXPIRED, perDownstream: false),
+    ]
+
+    /// A datagram whose first fragment is dropped is dropped whole, each fragment counted once
+    /// with the first's verdict (and at the downstream it was meant for), by both programs: tc
+    /// follows the first fragment's memory; XDP drops the first, passes the later ones to tc
+    /// (reason fragment), and tc drops them the same way. None goes up the stack as untracked.
+    @Test("A dropped first fragment: its later fragments are dropped with its verdict, at tc and through xdp", arguments: droppedFirsts)
+    func droppedFirstFragment(_ test: DroppedFirst) throws {
+        let pieces = Packet.ipv4Fragments(payload: (0..<2400).map { UInt8(truncatingIfNeeded: $0) }, id: 0x3838, pieceSize: 1000,
+                                          port: test.port, ttl: test.ttl)
+        #expect(pieces.count == 3)
+        let untracked = Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)
+        do {
+            let fixture = try TCProgramFixture()
+            for (index, piece) in pieces.enumerated() {
+                #expect(fixture.execute(piece).verdict == Self.tcShot, "tc: fragment \(index) dropped")
+            }
+            #expect(fixture.stats(test.id).verdicts[Int(test.verdict.rawValue)] == 3, "tc: each fragment counted with the first's verdict")
+            #expect(fixture.stats(Self.unmatched).verdicts[untracked] == 0, "tc: no fragment passed as untracked")
+            #expect(fixture.program.backendStats(id: test.id, slot: 0).noRoute == (test.perDownstream ? 3 : 0), "tc: per downstream")
+        }
+        do {
+            let rig = try XDPForwardProgramTests.Rig()
+            #expect(rig.run(pieces[0]).action == Self.xdpDrop, "xdp: the first fragment dropped")
+            for (index, piece) in pieces.enumerated().dropFirst() {
+                let (action, output) = rig.run(piece)
+                #expect(action == Self.xdpPass && output == piece, "xdp: fragment \(index) passed to tc untouched")
+                #expect(rig.fixture.execute(piece).verdict == Self.tcShot, "xdp: fragment \(index) dropped by tc")
+            }
+            #expect(rig.passed(test.id, .fragment) == 2, "xdp: the later fragments passed with reason fragment")
+            #expect(rig.verdict(test.id, test.verdict) == 3, "xdp: each fragment counted with the first's verdict")
+            #expect(rig.fixture.stats(Self.unmatched).verdicts[untracked] == 0, "xdp: no fragment passed as untracked")
+            #expect(rig.fixture.program.backendStats(id: test.id, slot: 0).noRoute == (test.perDownstream ? 3 : 0), "xdp: per downstream")
+        }
+    }
+
     @Test("xdp: each row's verdict and counter, or the reason it passes the datagram to tc", arguments: cases)
     func xdp(_ test: Case) throws {
         let rig = try XDPForwardProgramTests.Rig()

@@ -472,13 +472,13 @@ enum Packet {
     }
 
     /// A UDP datagram cut into IPv4 fragments of `pieceSize` bytes (a multiple of 8).
-    static func ipv4Fragments(payload: [UInt8], id: UInt16, pieceSize: Int) -> [[UInt8]] {
+    static func ipv4Fragments(payload: [UInt8], id: UInt16, pieceSize: Int, port: UInt16 = 5514, ttl: UInt8 = 64) -> [[UInt8]] {
         let (source, destination) = (ProgramFrames.clientV4, ProgramFrames.listenerV4.ip.bytes)
-        let whole = udp(source: source, destination: destination, port: 5514, payload: payload)
+        let whole = udp(source: source, destination: destination, port: port, payload: payload)
         return pieces(whole, pieceSize).map { offset, piece, last in
             let more: UInt16 = last ? 0 : 0x2000
             return ethernetHeader(type: 0x0800)
-                + ipv4Header(source: source, destination: destination, length: piece.count, id: id, fragment: more | UInt16(offset / 8))
+                + ipv4Header(source: source, destination: destination, length: piece.count, ttl: ttl, id: id, fragment: more | UInt16(offset / 8))
                 + piece
         }
     }
