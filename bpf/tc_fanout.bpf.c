@@ -41,7 +41,7 @@
  *
  * Three steps are global functions (fanout_tc_parse, fanout_tc_decide_pools, fanout_tc_copies):
  * the verifier checks each once, on its own, instead of once per path that reaches it. The
- * program's verification processes about 60,000 instructions (inlined, it passed the kernel's
+ * program's verification processes about 60,000 instructions (inlined, it exceeded the kernel's
  * limit of 1,000,000: the parser's exact results multiplied the paths below it). Their pointer
  * arguments are checked for NULL, as the verifier requires of a global function's.
  */
@@ -94,7 +94,13 @@ static __always_inline int pull_headers(struct __sk_buff *skb)
 
 /* The tc hook's part of the decision (fanout_decide.h): the replication pools' decisions (the
  * per-CPU scratch; NULL when the listener has no pools) and whether the TTL / hop limit is still
- * to be decremented (1 until a pool's copy or the own rewrite did). */
+ * to be decremented by the listener's own rewrite (0 once a pool's copy did).
+ *
+ * Stack: the decision, its callees and two levels of the pools' bpf_loop callbacks share the
+ * 512 bytes (fanout_tc -> fanout_tc_copies -> pool_step -> member_step is the deepest chain):
+ * about 24 bytes are left, so a field added to struct fanout_decision, this struct or struct
+ * replication may make the verifier refuse the program ("combined stack size ... Too large");
+ * move such state into a per-CPU map, as the pools' scratch is. */
 struct fanout_hook {
 	struct fanout_fragment *work;
 	__u32 hop;
@@ -105,7 +111,8 @@ struct fanout_hook {
 #include "fanout_decide.h"   /* the decision, shared with the xdp program */
 
 /* Parses (verified once, a global function), pulling the headers into the linear area when
- * they lie outside it. */
+ * they lie outside it. bpf_skb_pull_data moves the packet: no caller may keep a packet pointer
+ * across this call (none does: the decision reads the packet through its helpers afterwards). */
 __noinline int fanout_tc_parse(struct __sk_buff *skb, struct packet *p)
 {
 	if (!skb || !p)
@@ -187,7 +194,8 @@ static __always_inline int hook_follow(struct fanout_decision *c, struct fanout_
 }
 
 /* The pools' copies, verified once (a global function): -1 when the packet cannot go on, else
- * whether the TTL / hop limit is still to be decremented. */
+ * whether the TTL / hop limit is still to be decremented. The copies rewrite the packet and pop
+ * its tag: as after fanout_tc_parse, no caller keeps a packet pointer across the call. */
 __noinline int fanout_tc_copies(struct __sk_buff *skb, struct packet *p, struct fanout_fragment *work)
 {
 	__u32 hop = 1;
@@ -219,14 +227,6 @@ static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib
 static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
 {
 	return FANOUT_GO_ON;
-}
-
-/* A first fragment dropped for want of a backend or a route is remembered when its pools took it
- * (their copies left; its later fragments follow them and are dropped at the listener's own). */
-static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict)
-{
-	return c->hook.work && (verdict == FANOUT_VERDICT_NO_BACKEND || verdict == FANOUT_VERDICT_NO_ROUTE ||
-				verdict == FANOUT_VERDICT_TOO_LARGE);
 }
 
 /* The pools' record (their decisions kept with it), or the per-CPU scratch with no pools. */

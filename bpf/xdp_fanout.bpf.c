@@ -282,13 +282,6 @@ static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdic
 	return FANOUT_GO_ON;
 }
 
-/* Every drop of a first fragment: its later fragments follow it to tc, which drops and counts
- * them with this verdict. */
-static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict)
-{
-	return 1;
-}
-
 /* The per-CPU record (its pools stay none: pools are tc's). */
 static __always_inline struct fanout_fragment *hook_fragment_record(struct fanout_decision *c)
 {

@@ -87,9 +87,6 @@ static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib
 /* The route's verdict (forwarded, forwarded_neigh, too_large, no_route) known: whether this
  * hook can finish the datagram that way. */
 static __always_inline int hook_can_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib);
-/* Whether a first fragment dropped with `verdict` is remembered, so its later fragments are
- * dropped with it. */
-static __always_inline int hook_remembers_drop(struct fanout_decision *c, __u32 verdict);
 /* Where a first fragment's decision is written before it goes into FANOUT_MAP_FRAGMENTS, with
  * what the hook adds to it (off the stack: the decision leaves too little), or NULL. */
 static __always_inline struct fanout_fragment *hook_fragment_record(struct fanout_decision *c);
@@ -147,6 +144,20 @@ static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int ac
 		per_backend->bytes += length;
 	}
 	return action;
+}
+
+/* A client's datagram (or fragment) dropped for its downstream's sake: counted there too. */
+static __always_inline void count_downstream_drop(struct fanout_decision *c, __u32 verdict)
+{
+	if (verdict != FANOUT_VERDICT_NO_ROUTE && verdict != FANOUT_VERDICT_TOO_LARGE)
+		return;
+	struct fanout_backend_stats *dropped = backend_stats(c->id, c->backend.counter_slot);
+	if (!dropped)
+		return;
+	if (verdict == FANOUT_VERDICT_NO_ROUTE)
+		dropped->no_route++;
+	else
+		dropped->too_large++;
 }
 
 /* The datagram's listener, backend and direction: from the listener it is for, the nat listener
@@ -272,16 +283,8 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	action = hook_can_send(&c, verdict, &fib);
 	if (action != FANOUT_GO_ON)
 		return action;
-	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH) {
-		struct fanout_backend_stats *dropped = c.reply ? NULL : backend_stats(c.id, c.backend.counter_slot);
-		if (dropped) {
-			if (verdict == FANOUT_VERDICT_NO_ROUTE)
-				dropped->no_route++;
-			else
-				dropped->too_large++;
-		}
+	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH)
 		goto drop;
-	}
 
 	if (c.new_association)
 		associate_reply(&c.p, c.id, c.stats, c.reply_moved);
@@ -294,8 +297,12 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	verdict = FANOUT_VERDICT_REWRITE_FAILED;
 
 drop:
-	if (!c.reply && hook_remembers_drop(&c, verdict))
+	if (!c.reply) {
+		/* A dropped first fragment is remembered with its verdict: its later fragments are
+		 * dropped the same way (after what the pools took), never passed on untracked. */
 		remember_fragment(&c, verdict);
+		count_downstream_drop(&c, verdict);
+	}
 	count_received(&c);
 	count(c.stats, c.reply, verdict);
 	return FANOUT_ACT_DROP;
