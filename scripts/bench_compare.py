@@ -61,14 +61,14 @@ def main():
     if not revision:
         raise SystemExit("bench-compare: say which revision to compare with: make bench-compare BEFORE=<git rev>")
     after = common.BIN
-    before, commit = build_before(revision)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     variants, programs = list(VARIANTS), dict(PROGRAMS)
     # A revision older than the xdp kind (its program) cannot run the xdp variant.
-    if subprocess.run(["git", "-C", root, "cat-file", "-e", f"{commit}:bpf/xdp_fanout.bpf.c"], stderr=subprocess.DEVNULL).returncode != 0:
-        print(f"bench-compare: {commit} has no xdp kind: the xdp rows are left out", flush=True)
-        variants.remove("xdp")
-        programs.pop("xdp")
+    if subprocess.run(["git", "-C", root, "cat-file", "-e", f"{revision}:bpf/xdp_fanout.bpf.c"], stderr=subprocess.DEVNULL).returncode != 0:
+        print(f"bench-compare: {revision} has no xdp kind: the xdp rows are left out", flush=True)
+        variants = [name for name in variants if name != "xdp"]
+        programs.pop("xdp", None)
+    before, commit = build_before(revision)
     builds = [("before", before), ("after", after)]
     # One fixed rate for every variant (bench_tc's own default differs).
     bench_tc.FIXED_RATE = bench_afxdp.FIXED_RATE

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 import BPFKernelABI
 import Foundation
+import ReusePortLB
 import Testing
 import TestSupport
 @testable import FanoutCore
@@ -119,51 +120,81 @@ struct DecisionTableTests {
     struct DroppedFirst: CustomStringConvertible, Sendable {
         var name: String
         var port: UInt16
-        var ttl: UInt8
+        var ttl: UInt8 = 64
         var id: UInt32
         var verdict: fanout_verdict
-        /// The verdict is one the listener's downstream counts too (no_route, too_large).
-        var perDownstream: Bool
+        /// The downstream's counter slot.
+        var slot: UInt16 = 0
+        /// XDP passes the first fragment to tc with this reason (tc then drops it), instead of
+        /// dropping it itself.
+        var xdpPassesFirst: XDPPassReason? = nil
         var description: String { name }
     }
 
     static let droppedFirsts = [
-        DroppedFirst(name: "no backend", port: 5515, ttl: 64, id: 2, verdict: FANOUT_VERDICT_NO_BACKEND, perDownstream: false),
-        DroppedFirst(name: "no route", port: 5516, ttl: 64, id: 3, verdict: FANOUT_VERDICT_NO_ROUTE, perDownstream: true),
-        DroppedFirst(name: "TTL 1", port: 5514, ttl: 1, id: 0, verdict: FANOUT_VERDICT_TTL_EXPIRED, perDownstream: false),
+        DroppedFirst(name: "no backend", port: 5515, id: 2, verdict: FANOUT_VERDICT_NO_BACKEND),
+        DroppedFirst(name: "no route", port: 5516, id: 3, verdict: FANOUT_VERDICT_NO_ROUTE),
+        DroppedFirst(name: "TTL 1", port: 5514, ttl: 1, id: 0, verdict: FANOUT_VERDICT_TTL_EXPIRED),
+        DroppedFirst(name: "too large for the route MTU", port: 5602, id: 9, verdict: FANOUT_VERDICT_TOO_LARGE, slot: 5, xdpPassesFirst: .tooLarge),
     ]
+
+    /// Listener 9 at 5602: one downstream (slot 5) behind the fixture's 600-byte route MTU.
+    static func addNarrow(_ fixture: TCProgramFixture) throws {
+        try fixture.add(TCProgramFixture.listenerBind(5602), id: 9, BackendSet(
+            downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 5]))
+    }
+
+    /// Each fragment counted once at the listener, received and with the first's verdict, none
+    /// untracked; at the downstream (no_route, too_large) once each, and nothing sent.
+    static func checkDroppedWhole(_ test: DroppedFirst, _ fixture: TCProgramFixture, _ hook: String) {
+        let stats = fixture.stats(test.id)
+        #expect(stats.received == 3, "\(hook): each fragment received once")
+        #expect(stats.verdicts[Int(test.verdict.rawValue)] == 3 && stats.verdicts.reduce(0, +) == 3,
+                "\(hook): each fragment counted with the first's verdict, nothing else: \(stats.verdicts)")
+        #expect(fixture.stats(Self.unmatched).verdicts[Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)] == 0, "\(hook): no fragment untracked")
+        let downstream = fixture.program.backendStats(id: test.id, slot: test.slot)
+        #expect(downstream.noRoute == (test.verdict == FANOUT_VERDICT_NO_ROUTE ? 3 : 0)
+                && downstream.tooLarge == (test.verdict == FANOUT_VERDICT_TOO_LARGE ? 3 : 0) && downstream.packets == 0,
+                "\(hook): at the downstream \(downstream)")
+    }
 
     /// A datagram whose first fragment is dropped is dropped whole, each fragment counted once
     /// with the first's verdict (and at the downstream it was meant for), by both programs: tc
-    /// follows the first fragment's memory; XDP drops the first, passes the later ones to tc
-    /// (reason fragment), and tc drops them the same way. None goes up the stack as untracked.
+    /// follows the first fragment's memory; XDP drops the first (or passes it to tc, which drops
+    /// it), passes the later ones to tc (reason fragment), and tc drops them the same way. None
+    /// goes up the stack as untracked.
     @Test("A dropped first fragment: its later fragments are dropped with its verdict, at tc and through xdp", arguments: droppedFirsts)
     func droppedFirstFragment(_ test: DroppedFirst) throws {
         let pieces = Packet.ipv4Fragments(payload: (0..<2400).map { UInt8(truncatingIfNeeded: $0) }, id: 0x3838, pieceSize: 1000,
                                           port: test.port, ttl: test.ttl)
         #expect(pieces.count == 3)
-        let untracked = Int(FANOUT_VERDICT_FRAGMENT_UNTRACKED.rawValue)
         do {
             let fixture = try TCProgramFixture()
+            try Self.addNarrow(fixture)
             for (index, piece) in pieces.enumerated() {
                 #expect(fixture.execute(piece).verdict == Self.tcShot, "tc: fragment \(index) dropped")
             }
-            #expect(fixture.stats(test.id).verdicts[Int(test.verdict.rawValue)] == 3, "tc: each fragment counted with the first's verdict")
-            #expect(fixture.stats(Self.unmatched).verdicts[untracked] == 0, "tc: no fragment passed as untracked")
-            #expect(fixture.program.backendStats(id: test.id, slot: 0).noRoute == (test.perDownstream ? 3 : 0), "tc: per downstream")
+            Self.checkDroppedWhole(test, fixture, "tc")
         }
         do {
             let rig = try XDPForwardProgramTests.Rig()
-            #expect(rig.run(pieces[0]).action == Self.xdpDrop, "xdp: the first fragment dropped")
+            try Self.addNarrow(rig.fixture)
+            try rig.xdp.serve(id: 9, true)
+            let (action, output) = rig.run(pieces[0])
+            if let reason = test.xdpPassesFirst {
+                #expect(action == Self.xdpPass && output == pieces[0], "xdp: the first fragment passed to tc untouched")
+                #expect(rig.passed(test.id, reason) == 1, "xdp: passed with reason \(reason.label)")
+                #expect(rig.fixture.execute(pieces[0]).verdict == Self.tcShot, "xdp: the first fragment dropped by tc")
+            } else {
+                #expect(action == Self.xdpDrop, "xdp: the first fragment dropped")
+            }
             for (index, piece) in pieces.enumerated().dropFirst() {
                 let (action, output) = rig.run(piece)
                 #expect(action == Self.xdpPass && output == piece, "xdp: fragment \(index) passed to tc untouched")
                 #expect(rig.fixture.execute(piece).verdict == Self.tcShot, "xdp: fragment \(index) dropped by tc")
             }
             #expect(rig.passed(test.id, .fragment) == 2, "xdp: the later fragments passed with reason fragment")
-            #expect(rig.verdict(test.id, test.verdict) == 3, "xdp: each fragment counted with the first's verdict")
-            #expect(rig.fixture.stats(Self.unmatched).verdicts[untracked] == 0, "xdp: no fragment passed as untracked")
-            #expect(rig.fixture.program.backendStats(id: test.id, slot: 0).noRoute == (test.perDownstream ? 3 : 0), "xdp: per downstream")
+            Self.checkDroppedWhole(test, rig.fixture, "xdp")
         }
     }
 
