@@ -99,6 +99,12 @@ def in_namespace(namespace):
     return ["nsenter", f"--net=/run/netns/{namespace}", "--"]
 
 
+def terminated(*_):
+    """A SIGTERM handler (signal.signal(signal.SIGTERM, terminated)): a cancelled run (a CI job,
+    kill) raises here, so the callers' finally blocks still stop daemons and remove namespaces."""
+    raise SystemExit("bench: terminated")
+
+
 def stop_process(proc, grace=15):
     """SIGTERM, then SIGKILL after `grace` seconds: never leave one of ours behind."""
     if proc.poll() is not None:

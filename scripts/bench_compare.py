@@ -16,6 +16,7 @@ kernel's BPF statistics (bpf_stats_enabled) over 200,000 datagrams at the fixed 
 the rest of the machine does not blur.
 """
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,8 @@ def main():
     bench_tc.FIXED_RATE = bench_afxdp.FIXED_RATE
     bench_tc.FIXED_SECONDS = bench_afxdp.FIXED_SECONDS
     bench_tc.DATAGRAMS = bench_afxdp.DATAGRAMS
+    # A SIGTERM (a CI job cancelled, kill) must still reach the cleanup below.
+    signal.signal(signal.SIGTERM, common.terminated)
     work = tempfile.mkdtemp(prefix="udp-fanout-bench-compare-")
     topology = common.Topology(queues=2)
     results = {(name, build, fixed): [] for name in variants for build, _ in builds for fixed in (False, True, "program")}

@@ -670,15 +670,11 @@ def remove_iproute2_pin_dirs():
             pass
 
 
-def terminated(*_):
-    raise SystemExit("bench: terminated")
-
-
 def rows():
     if not shutil.which("nginx") or not shutil.which("nft"):
         raise SystemExit("nginx or nft is not installed: run make bench (it installs nginx, libnginx-mod-stream and nftables as root)")
     # A SIGTERM (a CI job cancelled) must still reach the cleanup below.
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = signal.signal(signal.SIGTERM, common.terminated)
     work = tempfile.mkdtemp(prefix="rplb-twoway-bench-")
     made_pin_dirs = REFLECT and not os.path.exists("/sys/fs/bpf/tc")
     topology = None
