@@ -18,6 +18,7 @@
 #include <resolv.h>
 #include <linux/membarrier.h>
 #include <sys/syscall.h>
+#include <sys/mman.h>
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
@@ -284,4 +285,62 @@ int shim_kernel_grace_period_available(void)
 {
 	long commands = syscall(__NR_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
 	return commands >= 0 && (commands & MEMBARRIER_CMD_GLOBAL) ? 1 : 0;
+}
+
+long shim_send_with_descriptors(int fd, const void *data, size_t length, const struct sockaddr *address,
+				socklen_t address_length, const int *descriptors, int count)
+{
+	if (count < 0 || count > 253)
+		return -EINVAL;
+	size_t space = CMSG_SPACE(sizeof(int) * (size_t)count);
+	char *control = count > 0 ? calloc(1, space) : NULL;
+	if (count > 0 && !control)
+		return -ENOMEM;
+	struct iovec vector = { .iov_base = (void *)data, .iov_len = length };
+	struct msghdr message = {
+		.msg_name = (void *)address, .msg_namelen = address_length,
+		.msg_iov = &vector, .msg_iovlen = 1,
+		.msg_control = control, .msg_controllen = count > 0 ? space : 0,
+	};
+	if (count > 0) {
+		struct cmsghdr *header = CMSG_FIRSTHDR(&message);
+		header->cmsg_level = SOL_SOCKET;
+		header->cmsg_type = SCM_RIGHTS;
+		header->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)count);
+		memcpy(CMSG_DATA(header), descriptors, sizeof(int) * (size_t)count);
+	}
+	ssize_t sent = sendmsg(fd, &message, MSG_NOSIGNAL);
+	int saved = errno;
+	free(control);
+	return sent < 0 ? -saved : (long)sent;
+}
+
+long shim_receive_with_descriptors(int fd, void *data, size_t length, int *descriptors, int capacity, int *count)
+{
+	char control[CMSG_SPACE(sizeof(int) * 253)];
+	struct iovec vector = { .iov_base = data, .iov_len = length };
+	struct msghdr message = { .msg_iov = &vector, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof(control) };
+	*count = 0;
+	ssize_t received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+	if (received < 0)
+		return -errno;
+	for (struct cmsghdr *header = CMSG_FIRSTHDR(&message); header; header = CMSG_NXTHDR(&message, header)) {
+		if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS)
+			continue;
+		int n = (int)((header->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+		int *received_fds = (int *)CMSG_DATA(header);
+		for (int i = 0; i < n; i++) {
+			if (*count < capacity)
+				descriptors[(*count)++] = received_fds[i];
+			else
+				close(received_fds[i]);
+		}
+	}
+	return (long)received;
+}
+
+int shim_memfd(const char *name)
+{
+	int fd = memfd_create(name, MFD_CLOEXEC);
+	return fd < 0 ? -errno : fd;
 }

@@ -28,6 +28,9 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     case noLiveMember(SocketAddress)
     /// An address no group can use (port 0).
     case invalidAddress(SocketAddress, reason: String)
+    /// A socket handed over by another process (the service manager's descriptor store) is not
+    /// a UDP socket bound to the listener's address.
+    case handedOverMismatch(SocketAddress, reason: String)
 
     /// Why port 0 is refused.
     public static let portZeroReason = "port 0 is not a group's port: the kernel would bind each member to its own random port; use 1...65535"
@@ -69,6 +72,8 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
             return "\(address): \(reason)"
         case .noLiveMember(let address):
             return "the group on \(address) has no member to attach its program through: join a slot before activate()"
+        case .handedOverMismatch(let address, let reason):
+            return "a socket handed over for \(address) is \(reason): closed, a new one is bound"
         }
     }
 }

@@ -172,6 +172,21 @@ public final class ReusePortMember: @unchecked Sendable {
         marker = -1
     }
 
+    /// A socket another process bound and handed over (the service manager's descriptor store),
+    /// to read what it holds and then ``leave()``: it is in no slot of this process's groups.
+    /// - Throws: ``ReusePortError/handedOverMismatch(_:reason:)`` (the socket is closed) if it is
+    ///   not a UDP socket bound to `address`.
+    package convenience init(handedOver socket: Int32, address: SocketAddress, options: GroupOptions) throws(ReusePortError) {
+        let type = try? Syscall.getsockopt(socket, SOL_SOCKET, SO_TYPE, initial: Int32(0))
+        let bound = UDPSocket.localAddress(socket)
+        guard type == Int32(SOCK_DGRAM.rawValue), bound == address else {
+            close(socket)
+            let what = type == Int32(SOCK_DGRAM.rawValue) ? "bound to \(bound.map { "\($0)" } ?? "nothing")" : "not a datagram socket"
+            throw .handedOverMismatch(address, reason: what)
+        }
+        try self.init(privateSocket: socket, slot: -1, address: address, options: options, steering: .kernelHash, steeringNote: nil, objects: nil)
+    }
+
     /// True once ``leave()`` ran.
     public var hasLeft: Bool { state.withLock { $0.left } }
 

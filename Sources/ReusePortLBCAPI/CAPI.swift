@@ -31,7 +31,7 @@ private func code(of error: ReusePortError) -> Int32 {
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
     case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF: return -EOPNOTSUPP
     case .groupSettingsMismatch: return -EEXIST
-    case .invalidCapacity, .slotOutOfRange, .noLiveMember, .invalidAddress: return -EINVAL
+    case .invalidCapacity, .slotOutOfRange, .noLiveMember, .invalidAddress, .handedOverMismatch: return -EINVAL
     }
 }
 

@@ -199,13 +199,21 @@ public final class SpawnedProcess {
     public private(set) var pid: pid_t?
     public let log: String
 
-    public init(_ arguments: [String], log: String) throws {
+    /// - Parameters:
+    ///   - descriptors: given to the child as descriptors 3, 4, ... (a service manager's
+    ///     LISTEN_FDS), in order.
+    ///   - environment: set in the child's environment besides the test process's.
+    public init(_ arguments: [String], log: String, descriptors: [Int32] = [], environment: [String: String] = [:]) throws {
         self.log = log
         var actions = posix_spawn_file_actions_t()
         posix_spawn_file_actions_init(&actions)
         defer { posix_spawn_file_actions_destroy(&actions) }
         posix_spawn_file_actions_addopen(&actions, 2, log, O_WRONLY | O_CREAT | O_TRUNC, 0o644)
         posix_spawn_file_actions_adddup2(&actions, 2, 1)
+        // Copies above any target first, so no dup2 overwrites a descriptor still to be given.
+        let high = descriptors.map { fcntl($0, F_DUPFD_CLOEXEC, 1000) }
+        defer { for fd in high where fd >= 0 { close(fd) } }
+        for (index, fd) in high.enumerated() { posix_spawn_file_actions_adddup2(&actions, fd, Int32(3 + index)) }
         var attributes = posix_spawnattr_t()
         posix_spawnattr_init(&attributes)
         defer { posix_spawnattr_destroy(&attributes) }
@@ -218,8 +226,12 @@ public final class SpawnedProcess {
         posix_spawnattr_setflags(&attributes, Int16(POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF))
         let argv = arguments.map { strdup($0) } + [nil]
         defer { argv.forEach { free($0) } }
+        var variables = ProcessInfo.processInfo.environment
+        for (key, value) in environment { variables[key] = value }
+        let envp = variables.map { strdup("\($0.key)=\($0.value)") } + [nil]
+        defer { envp.forEach { free($0) } }
         var pid: pid_t = 0
-        let result = posix_spawn(&pid, arguments[0], &actions, &attributes, argv, environ)
+        let result = posix_spawn(&pid, arguments[0], &actions, &attributes, argv, envp)
         guard result == 0 else { throw SpawnError(program: arguments[0], errno: result) }
         self.pid = pid
     }

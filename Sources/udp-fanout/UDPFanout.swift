@@ -134,11 +134,14 @@ struct Run: AsyncParsableCommand {
             }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : ""))
             return
         }
-        let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger)
         // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still
         // answers (/readyz then says 503), then probes and discovery stop, then the endpoint
         // closes its connections.
         let notifier = SystemdNotifier(logger: logger)
+        // What systemd's descriptor store handed back (a restart, an upgrade, a crash's automatic
+        // restart): the previous process's sockets, adopted by the listeners on their binds.
+        let descriptors = DescriptorStore.fromEnvironment(notifier: notifier, logger: logger)
+        let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger, descriptors: descriptors)
         var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil)]
         do {
             // The path check behind /healthz and systemd's watchdog. Last, so it stops first: no

@@ -95,6 +95,19 @@ int shim_attach_reuseport_cbpf(int fd, const struct sock_filter *filter, unsigne
  * struct statfs is not visible through Glibc's module. */
 int shim_is_bpffs(const char *path);
 
+/* sendmsg(2) of `length` bytes to the AF_UNIX datagram socket at `address`, with `count`
+ * descriptors (at most 253) in one SCM_RIGHTS message: sd_pid_notify_with_fds(3)'s FDSTORE=1
+ * (CMSG_* are macros). The bytes sent, or -errno. */
+long shim_send_with_descriptors(int fd, const void *data, size_t length, const struct sockaddr *address,
+				socklen_t address_length, const int *descriptors, int count);
+
+/* recvmsg(2) of one datagram and the descriptors of its SCM_RIGHTS messages (close-on-exec), at
+ * most `capacity` (more are closed): the bytes received, or -errno; `*count` descriptors stored. */
+long shim_receive_with_descriptors(int fd, void *data, size_t length, int *descriptors, int capacity, int *count);
+
+/* memfd_create(2) with MFD_CLOEXEC: Glibc hides it without _GNU_SOURCE. The descriptor, or -errno. */
+int shim_memfd(const char *name);
+
 /* SKF_NET_OFF is defined as an expression Swift does not import. */
 static inline int32_t shim_skf_net_off(void) { return SKF_NET_OFF; }
 static inline int32_t shim_skf_ad_random(void) { return SKF_AD_OFF + SKF_AD_RANDOM; }

@@ -138,6 +138,8 @@ public final class FanoutDaemon: Sendable {
     /// listener's name; true fails that step as a real failure there would, so a test reaches
     /// every rollback path (``TransitionStep``).
     let failureInjection = Mutex<(@Sendable (TransitionStep, String) -> Bool)?>(nil)
+    /// The service manager's descriptor store (``DescriptorStore``).
+    package let descriptors: DescriptorStore
     /// Metrics of the running discovery watchers, by spec.
     let discoveryMetrics = Mutex<[DiscoverySpec: @Sendable () -> String]>([:])
 
@@ -145,9 +147,13 @@ public final class FanoutDaemon: Sendable {
     ///   - config: a validated configuration.
     ///   - configPath: the file SIGHUP reloads (nil: reload takes text only).
     ///   - logger: where the engine and its listeners log (the executable's, with `--log-format`).
-    public init(config: FanoutConfig, configPath: String?, logger: Logger) {
+    ///   - descriptors: what the service manager handed over and where descriptors go for the
+    ///     next process (``DescriptorStore/fromEnvironment(notifier:logger:)``); nil: nothing
+    ///     handed over or stored.
+    public init(config: FanoutConfig, configPath: String?, logger: Logger, descriptors: DescriptorStore? = nil) {
         self.configPath = configPath
         self.logger = logger
+        self.descriptors = descriptors ?? .none(logger: logger)
         state = Mutex(State(config: config))
         kinds = ListenerKinds(logger: logger)
         let link = HealthLink()
@@ -169,6 +175,8 @@ public final class FanoutDaemon: Sendable {
             shutdown()
             throw error
         }
+        // Handed over for a bind this configuration does not have: closed, counted, logged.
+        descriptors.closeUnused()
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see
@@ -199,7 +207,7 @@ public final class FanoutDaemon: Sendable {
         let name = listener.name
         let context = ListenerContext(counters: counters, logger: logger, refused: { [weak self] address in
             self?.downstreamRefused(address, listener: name)
-        }, kept: kept)
+        }, kept: kept, descriptors: descriptors)
         return try kinds.kind(for: listener).start(listener, context)
     }
 
@@ -212,6 +220,8 @@ public final class FanoutDaemon: Sendable {
 
     private func transitionChangesHeld(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         try transitionLocked(to: new, from: old)
+        // A listener a reload removed: its sockets leave the service manager's store with it.
+        descriptors.forget(except: Set(new.listeners.filter(UserspaceKind.serves).map { DescriptorStore.socketName($0.bind) }))
         // Disabled: no targets; the policy of a disabled section is not applied (nothing to probe).
         if new.health.enabled { health.setPolicy(HealthPolicy(new.health)) }
         updateHealthTargetsChangesHeld()

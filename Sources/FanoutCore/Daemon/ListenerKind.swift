@@ -103,6 +103,9 @@ struct ListenerContext: Sendable {
     let refused: @Sendable (SocketAddress) -> Void
     /// What the kind keeps across the listener's instances (reloads), made once per name and type.
     let kept: KeptState
+    /// The service manager's descriptor store: what a previous process handed over, and where
+    /// the listener's own descriptors go for the next one.
+    let descriptors: DescriptorStore
 }
 
 /// State kinds keep across a listener's instances, by listener name and type.

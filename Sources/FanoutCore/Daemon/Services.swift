@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 import Logging
+import ReusePortLB
 import Synchronization
 import ServiceLifecycle
 import UnixSignals
@@ -81,6 +82,9 @@ public struct ForwardingService: Service {
 
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
+        let startedAt = ProcessMetrics.startTime() ?? WallClock.seconds()
+        // Which process this one takes over from (logged), and this one's record for the next.
+        daemon.descriptors.announce(version: ProjectVersion.string, startedAt: startedAt)
         // Loading programs, joining groups and binding block: off the cooperative pool.
         try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
         // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
@@ -116,6 +120,7 @@ public struct ForwardingService: Service {
             }
             group.cancelAll()
         }
+        daemon.descriptors.stopping(version: ProjectVersion.string, startedAt: startedAt)
         notifier.send("STOPPING=1\nSTATUS=stopping: draining the listeners")
         daemon.logger.info("shutting down: stopping listeners")
         await offCooperativePool("fanout-stop") { daemon.shutdown() }

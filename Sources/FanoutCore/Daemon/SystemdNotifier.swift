@@ -30,8 +30,16 @@ public final class SystemdNotifier: Sendable {
     /// - Returns: nil when sent or not under systemd, else what failed.
     @discardableResult
     package func send(_ state: String) -> String? {
+        send(state, descriptors: [])
+    }
+
+    /// Sends `state` with `descriptors` in one SCM_RIGHTS message (sd_pid_notify_with_fds(3):
+    /// `FDSTORE=1`), at most 253.
+    /// - Returns: nil when sent or not under systemd, else what failed.
+    @discardableResult
+    package func send(_ state: String, descriptors: [Int32]) -> String? {
         guard let path, !path.isEmpty else { return nil }
-        let problem = deliver(state, to: path)
+        let problem = deliver(state, descriptors: descriptors, to: path)
         if let problem, !failureLogged.exchange(true, ordering: .relaxed) {
             logger?.error("sd_notify failed; later failures are not logged", metadata: [
                 "NOTIFY_SOCKET": "\(path)", "message": "\(state.split(separator: "\n").first ?? "")", "error": "\(problem)",
@@ -40,7 +48,7 @@ public final class SystemdNotifier: Sendable {
         return problem
     }
 
-    private func deliver(_ state: String, to path: String) -> String? {
+    private func deliver(_ state: String, descriptors: [Int32], to path: String) -> String? {
         let fd: Int32
         do {
             fd = try Syscall.socket(AF_UNIX, Socket.datagram | Socket.closeOnExec, call: "socket AF_UNIX")
@@ -57,6 +65,15 @@ public final class SystemdNotifier: Sendable {
         withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
         let length = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
         let message = Array(state.utf8)
+        if !descriptors.isEmpty {
+            let sent = withUnsafePointer(to: &address) {
+                $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
+                    shim_send_with_descriptors(fd, message, message.count, name, length, descriptors, Int32(descriptors.count))
+                }
+            }
+            if sent < 0 { return "sendmsg \(path) with \(descriptors.count) descriptor(s): \(String(cString: strerror(Int32(-sent))))" }
+            return sent == message.count ? nil : "sendmsg \(path): the socket took part of the message"
+        }
         let sent = withUnsafePointer(to: &address) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
                 Result { () throws(SystemCallError) in try Syscall.sendto(fd, message, message.count, Socket.noSignal, name, length, call: "sendto \(path)") }

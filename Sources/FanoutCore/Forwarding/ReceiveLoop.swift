@@ -56,6 +56,9 @@ final class ReceiveLoop: Sendable {
     /// load the loop never idles: the batches are the progress.
     let progress = Atomic<UInt64>(0)
     private let stop: StopSignal
+    /// How long the stop drain may last (1 s; a socket handed over by a previous process, which
+    /// gets nothing new, longer).
+    private let drainLimit: Duration
     private let logger: Logger
     private let metadata: Logger.Metadata
     /// Receive failures since the last "receive failed" line, and when that line was logged.
@@ -64,8 +67,9 @@ final class ReceiveLoop: Sendable {
     /// - Parameters:
     ///   - stop: ends the loop (after the stop drain).
     ///   - metadata: the thread's log identity (listener, worker), on the loop's own log lines.
-    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata) {
+    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata, drainLimit: Duration = .seconds(1)) {
         self.stop = stop
+        self.drainLimit = drainLimit
         self.logger = logger
         self.metadata = metadata
     }
@@ -103,7 +107,7 @@ final class ReceiveLoop: Sendable {
                 body.everySecond()
             }
         }
-        let deadline = clock.now + .seconds(1)
+        let deadline = clock.now + drainLimit
         repeat {
             _ = drain(body, budget: .max, deadline: deadline)
             body.endOfTurn()

@@ -46,18 +46,28 @@ final class SocketGroupListener: Sendable {
     let passiveHealth: (@Sendable (SocketAddress) -> Void)?
     private let instance = ListenerInstance.next()
     let logger: Logger
+    /// Where this listener's sockets are handed to the service manager (one-way userspace; nil:
+    /// not stored), and the sockets a previous process handed over on this bind, read out once
+    /// this group took the bind over (``activate()``).
+    private let descriptors: DescriptorStore?
+    private let handedOver: [ReusePortMember]
 
     /// - Parameters:
     ///   - passiveHealth: told a downstream's address when a send to it got ICMP port
     ///     unreachable (at most once per batch per downstream and worker); nil: not reported.
     ///   - makeWorkers: the kind's workers, one per member (in slot order).
+    ///   - descriptors: the service manager's store: the sockets a previous process handed over
+    ///     on this bind are taken from it (read out after ``activate()``), and this group's are
+    ///     stored in their place; nil: neither.
     init(_ config: Listener, counters: ListenerCounters, logger: Logger,
-         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil,
          makeWorkers: ([ReusePortMember], WorkerShared) throws(ReusePortError) -> [any ListenerWorker]) throws(ReusePortError) {
         self.config = config
         self.counters = counters
         self.passiveHealth = passiveHealth
         self.logger = logger
+        self.descriptors = descriptors
+        handedOver = Self.takeHandedOver(config, descriptors, logger: logger)
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(
             downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters,
@@ -106,8 +116,9 @@ final class SocketGroupListener: Sendable {
     /// A one-way listener's group: a ``SocketWorker`` per member, each forwarding through the
     /// listener's `output`.
     static func oneWay(_ config: Listener, counters: ListenerCounters, logger: Logger,
-                       passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) -> SocketGroupListener {
-        let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth) { members, shared in
+                       passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil,
+                       descriptors: DescriptorStore? = nil) throws(ReusePortError) -> SocketGroupListener {
+        let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors) { members, shared in
             members.enumerated().map { index, member in
                 SocketWorker(index: index, member: member, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
                              makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
@@ -149,6 +160,61 @@ final class SocketGroupListener: Sendable {
             try group.activate()
         } catch {
             throw .listener(name: config.name, error)
+        }
+        guard let descriptors else { return }
+        descriptors.replace(DescriptorStore.socketName(config.bind), with: workers.compactMap { ($0 as? SocketWorker)?.member.socket })
+        drainHandedOver()
+    }
+
+    /// The sockets a previous process handed over on this bind that are UDP sockets bound to it
+    /// (others are closed, counted rejected).
+    private static func takeHandedOver(_ config: Listener, _ descriptors: DescriptorStore?, logger: Logger) -> [ReusePortMember] {
+        guard let descriptors else { return [] }
+        let name = DescriptorStore.socketName(config.bind)
+        var members: [ReusePortMember] = []
+        for fd in descriptors.take(name) {
+            do throws(ReusePortError) {
+                members.append(try ReusePortMember(handedOver: fd, address: config.bind, options: GroupOptions(policy: .fiveTuple, capacity: 1)))
+            } catch {
+                let note = "listener '\(config.name)': \(error)"
+                descriptors.count(Mode.userspace.rawValue, .rejected, note: note)
+                logger.warning("\(note)")
+            }
+        }
+        return members
+    }
+
+    /// Reads out the sockets a previous process handed over (after ``activate()`` they get
+    /// nothing new): each forwards what it holds through this listener's plan, then closes.
+    private func drainHandedOver() {
+        guard !handedOver.isEmpty, let descriptors else { return }
+        var queued = 0
+        var dropped: UInt64 = 0
+        for member in handedOver {
+            if let statistics = try? member.socketStatistics() {
+                queued += statistics.queuedBytes
+                dropped += UInt64(statistics.drops)
+            }
+        }
+        let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
+        let note = "listener '\(config.name)' on \(config.bind): adopted \(handedOver.count) socket(s) from \(previous) holding \(queued) bytes, \(dropped) datagram(s) dropped by the kernel over their life"
+        descriptors.count(Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
+        logger.info("adopted the sockets of the previous process: forwarding what they queued while no process read them", metadata: [
+            "listener": "\(config.name)", "bind": "\(config.bind)", "sockets": "\(handedOver.count)", "queued_bytes": "\(queued)",
+            "kernel_drops": "\(dropped)", "previous": "\(previous)",
+        ])
+        let stopped = StopSignal()
+        stopped.set()
+        let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
+        let drains = handedOver.enumerated().map { index, member in
+            SocketWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
+                         makeOutbox: factory, drainLimit: .seconds(30))
+        }
+        let (name, log) = (config.name, logger)
+        OSThread.detached(name: "\(config.name)-adopted") {
+            let threads = drains.map { worker in OSThread(name: "adopted-\(worker.index)") { worker.run() } }
+            for thread in threads { thread.join() }
+            log.info("the sockets of the previous process are read out and closed", metadata: ["listener": "\(name)"])
         }
     }
 

@@ -30,14 +30,15 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
-         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
+         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
+         drainLimit: Duration = .seconds(1)) {
         self.index = index
         self.member = member
         drops = ReceiveQueueDropReading(member)
         self.listener = listener
         self.counters = counters
         self.logger = logger
-        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"], drainLimit: drainLimit)
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize, makeOutbox: makeOutbox)

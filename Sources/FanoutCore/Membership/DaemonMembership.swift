@@ -213,6 +213,7 @@ extension FanoutDaemon {
         out += "udp_fanout_membership_updates_total \(membershipUpdates.load(ordering: .relaxed))\n"
         out += "# HELP udp_fanout_membership_update_failures_total Downstream set changes a running listener could not apply (the previous set stays; the next change tries again)\n# TYPE udp_fanout_membership_update_failures_total counter\n"
         out += "udp_fanout_membership_update_failures_total \(membershipFailures.load(ordering: .relaxed))\n"
+        out += descriptors.metrics()
         return out
     }
 }

@@ -33,6 +33,22 @@ package struct StatusReport: Codable, Sendable, Equatable {
     package var listeners: [ListenerStatus]
     /// Filled by `udp-fanout status` from two reports; never sent by the daemon.
     package var intervalSeconds: Double?
+    /// What this process took over from the previous one at start (the service manager's
+    /// descriptor store); nil: nothing was handed over.
+    package var takeover: Takeover?
+}
+
+/// A start that took over descriptors from a previous process (docs/restarts.md).
+package struct Takeover: Codable, Sendable, Equatable {
+    /// The previous process's pid and version (nil: it left no record).
+    package var previousPid: Int32?
+    package var previousVersion: String?
+    /// True: it stopped cleanly (a restart or an upgrade); false: it ended without a stop (a
+    /// crash or kill -9), and its data path ran unattended for `unattendedSeconds`.
+    package var previousStoppedCleanly: Bool?
+    package var unattendedSeconds: Double?
+    /// What was adopted, rejected or left unused, and why, one line each.
+    package var notes: [String]
 }
 
 package struct Reloads: Codable, Sendable, Equatable {
@@ -189,7 +205,17 @@ extension FanoutDaemon {
             reloads: Reloads(ok: reloadsOK.load(ordering: .relaxed), rejected: reloadsRejected.load(ordering: .relaxed)),
             healthProtocol: config.health.enabled ? config.health.proto : nil,
             healthIntervalSecs: config.health.enabled ? config.health.intervalSecs : nil,
-            listeners: listeners)
+            listeners: listeners, takeover: takeover)
+    }
+
+    /// ``StatusReport/takeover`` from the descriptor store.
+    private var takeover: Takeover? {
+        let previous = descriptors.predecessor
+        let notes = descriptors.report
+        guard previous != nil || !notes.isEmpty else { return nil }
+        return Takeover(
+            previousPid: previous?.pid, previousVersion: previous?.version, previousStoppedCleanly: previous.map { $0.stoppedAt != nil },
+            unattendedSeconds: previous.flatMap { $0.stoppedAt == nil ? descriptors.startedAt - $0.lastSeenAt : nil }, notes: notes)
     }
 
     /// Non-zero counts by their label value.

@@ -64,6 +64,16 @@ package enum StatusView {
         for reason in report.notReady { lines.append("  not ready: \(reason)") }
         for problem in report.problems { lines.append("  UNHEALTHY: \(problem)") }
         lines.append(report.healthProtocol.map { "health: \($0) probes every \(report.healthIntervalSecs ?? 0) s" } ?? "health: off")
+        if let takeover = report.takeover {
+            let from = takeover.previousPid.map { "pid \($0)\(takeover.previousVersion.map { ", version \($0)" } ?? "")" } ?? "a process that left no record"
+            let how = switch takeover.previousStoppedCleanly {
+            case true?: ", which stopped cleanly"
+            case false?: ", which ended without a stop (crash); its data path ran unattended \(((takeover.unattendedSeconds ?? 0) * 10).rounded() / 10) s"
+            case nil: ""
+            }
+            lines.append("took over from \(from)\(how)")
+            for note in takeover.notes { lines.append("  \(note)") }
+        }
         for listener in report.listeners {
             lines.append("")
             let twoWay = listener.replies == "none" ? "" : "  replies \(listener.replies)"

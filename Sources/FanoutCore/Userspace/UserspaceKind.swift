@@ -23,7 +23,8 @@ struct UserspaceKind: ListenerKind {
 
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {
         do {
-            return try UserspaceListener(listener, counters: context.counters, logger: context.logger, passiveHealth: context.refused)
+            return try UserspaceListener(listener, counters: context.counters, logger: context.logger, passiveHealth: context.refused,
+                                         descriptors: context.descriptors)
         } catch {
             throw .listener(name: listener.name, error)
         }

@@ -10,9 +10,11 @@ final class UserspaceListener: RunningListener {
 
     /// - Parameter passiveHealth: told a downstream's address when a send to it got ICMP port
     ///   unreachable (at most once per batch per downstream and worker); nil: not reported.
+    /// - Parameter descriptors: the service manager's store (sockets handed over by a previous
+    ///   process on this bind are read out, this listener's are stored); nil: not used.
     init(_ config: Listener, counters: ListenerCounters, logger: Logger,
-         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) {
-        group = try SocketGroupListener.oneWay(config, counters: counters, logger: logger, passiveHealth: passiveHealth)
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil) throws(ReusePortError) {
+        group = try SocketGroupListener.oneWay(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors)
     }
 
     var isReceiving: Bool { group.isReceiving }

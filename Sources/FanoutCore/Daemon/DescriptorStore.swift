@@ -1,0 +1,311 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import Logging
+import ReusePortLB
+import Synchronization
+import SystemCalls
+
+/// The service manager's file descriptor store: what lets a restart, an upgrade or a crash under
+/// systemd lose nothing (docs/restarts.md).
+///
+/// The daemon hands the descriptors its data path lives in to the service manager
+/// (`FDSTORE=1`, sd_pid_notify_with_fds(3)), by name. systemd keeps them while the unit is
+/// restarted, also automatically after a crash (`Restart=on-failure`), and gives them back to the
+/// next process (`LISTEN_FDS`, `LISTEN_FDNAMES`, sd_listen_fds_with_names(3)); a UDP socket it
+/// holds stays bound and queues what arrives meanwhile. It closes them when the unit is stopped
+/// with no job queued for it (`systemctl stop`): so systemd itself tells a stop from a restart,
+/// with the same SIGTERM for both. The unit needs `FileDescriptorStoreMax=`.
+///
+/// Names (at most 255 printable characters, no `:`):
+/// - `udp-fanout.socket.<bind>`: a one-way userspace listener's sockets on `<bind>` (`:` written `_`);
+/// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
+///   last ran or stopped (``ProcessRecord``), for the successor's log line and `/status`.
+public final class DescriptorStore: Sendable {
+    /// An adoption's outcome, for `udp_fanout_adoptions_total{kind,outcome}`.
+    package enum Outcome: String, Sendable, CaseIterable {
+        /// Taken over and used.
+        case adopted
+        /// Handed over but not usable (another bind, type or family): closed.
+        case rejected
+        /// Handed over for a bind this configuration does not have: closed.
+        case unused
+    }
+
+    /// What the previous process left in its record.
+    package struct Predecessor: Sendable, Equatable {
+        package var pid: Int32
+        package var version: String
+        package var startedAt: Double
+        /// Wall-clock seconds of its last heartbeat (once a second while it ran).
+        package var lastSeenAt: Double
+        /// Wall-clock seconds when its clean stop began; nil: it ended without one (a crash).
+        package var stoppedAt: Double?
+    }
+
+    private struct State {
+        var inherited: [String: [Int32]]
+        var stored: Set<String> = []
+        var outcomes: [String: [Outcome: UInt64]] = [:]
+        /// Lines for `/status`: what was adopted, rejected or left unused, and why.
+        var report: [String] = []
+        var record: Int32 = -1
+    }
+
+    private let state: Mutex<State>
+    private let notifier: SystemdNotifier?
+    private let logger: Logger
+    /// The previous process's record, when one was handed over.
+    package let predecessor: Predecessor?
+    private let heartbeat = StopSignal()
+    /// When this store was made (wall clock): the predecessor's unattended time ends here.
+    package let startedAt = WallClock.seconds()
+
+    package static let processName = "udp-fanout.process"
+
+    /// - Parameters:
+    ///   - inherited: descriptors handed over at start, by name.
+    ///   - notifier: where `FDSTORE=1` goes; nil (or not under systemd): nothing is stored.
+    package init(inherited: [String: [Int32]], notifier: SystemdNotifier?, logger: Logger) {
+        self.logger = logger
+        self.notifier = notifier?.path.map { $0.isEmpty ? nil : notifier } ?? nil
+        var inherited = inherited
+        var predecessor: Predecessor?
+        for fd in inherited.removeValue(forKey: Self.processName) ?? [] {
+            predecessor = predecessor ?? Self.readRecord(fd)
+            close(fd)
+        }
+        self.predecessor = predecessor
+        state = Mutex(State(inherited: inherited))
+    }
+
+    /// Nothing handed over, nothing stored (tests, in-process use).
+    package static func none(logger: Logger) -> DescriptorStore {
+        DescriptorStore(inherited: [:], notifier: nil, logger: logger)
+    }
+
+    /// The descriptors systemd handed to this process (`LISTEN_PID` is this process), by name;
+    /// the variables are unset so that no child takes them, and each descriptor is made
+    /// close-on-exec. Stores through `notifier` when run under systemd.
+    public static func fromEnvironment(notifier: SystemdNotifier, logger: Logger) -> DescriptorStore {
+        var environment: [String: String] = [:]
+        for key in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+            if let value = getenv(key) { environment[key] = String(cString: value) }
+            unsetenv(key)
+        }
+        let (named, problem) = parse(environment: environment, pid: getpid())
+        if let problem { logger.warning("\(problem)") }
+        var inherited: [String: [Int32]] = [:]
+        for (name, fd) in named {
+            guard fcntl(fd, F_SETFD, FD_CLOEXEC) == 0 else {
+                logger.warning("a descriptor handed over by the service manager is not open: ignored", metadata: ["fd": "\(fd)", "name": "\(name)"])
+                continue
+            }
+            inherited[name, default: []].append(fd)
+        }
+        return DescriptorStore(inherited: inherited, notifier: notifier, logger: logger)
+    }
+
+    /// sd_listen_fds_with_names(3): descriptors 3..<3+LISTEN_FDS with the names of
+    /// LISTEN_FDNAMES (`unknown` where missing), when LISTEN_PID is `pid`.
+    /// - Returns: the named descriptors, and a problem to log (values that do not parse).
+    package static func parse(environment: [String: String], pid: Int32) -> (named: [(String, Int32)], problem: String?) {
+        guard let count = environment["LISTEN_FDS"] else { return ([], nil) }
+        guard let owner = environment["LISTEN_PID"], Int32(owner) == pid else {
+            // Meant for another process (a parent that did not unset them): not ours to take.
+            return ([], nil)
+        }
+        guard let total = Int(count), (0...65_536).contains(total) else {
+            return ([], "LISTEN_FDS=\(count) is not a count of descriptors: nothing handed over is used")
+        }
+        let names = environment["LISTEN_FDNAMES"].map { $0.split(separator: ":", omittingEmptySubsequences: false).map(String.init) } ?? []
+        var problem: String?
+        if !names.isEmpty && names.count != total {
+            problem = "LISTEN_FDNAMES has \(names.count) name(s) for LISTEN_FDS=\(total): the descriptors without one are named unknown"
+        }
+        return ((0..<total).map { index in (index < names.count ? names[index] : "unknown", Int32(3 + index)) }, problem)
+    }
+
+    /// The name under which a one-way userspace listener's sockets on `bind` are stored.
+    package static func socketName(_ bind: SocketAddress) -> String {
+        "udp-fanout.socket." + String("\(bind)".map { $0 == ":" ? "_" : $0 })
+    }
+
+    /// Whether descriptors go to a service manager (`NOTIFY_SOCKET` set).
+    package var stores: Bool { notifier != nil }
+
+    /// Takes the descriptors handed over under `name` (each once).
+    package func take(_ name: String) -> [Int32] {
+        state.withLock { $0.inherited.removeValue(forKey: name) ?? [] }
+    }
+
+    /// Counts an adoption's outcome for `kind` and notes it for `/status`.
+    package func count(_ kind: String, _ outcome: Outcome, _ amount: Int = 1, note: String) {
+        state.withLock { state in
+            state.outcomes[kind, default: [:]][outcome, default: 0] += UInt64(amount)
+            state.report.append(note)
+        }
+    }
+
+    /// Stores `descriptors` under `name` in place of what was stored under it before: the
+    /// service manager holds them from now on (a failure is logged: the next restart then loses
+    /// what arrives while no process runs). Nothing happens when not under a service manager.
+    package func replace(_ name: String, with descriptors: [Int32]) {
+        guard let notifier else { return }
+        notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
+        var problem: String?
+        // SCM_RIGHTS carries at most 253 descriptors per message.
+        var start = 0
+        while start < descriptors.count, problem == nil {
+            let chunk = Array(descriptors[start..<min(start + 253, descriptors.count)])
+            // FDPOLL=0: a socket error (POLLERR) must not make systemd drop a listener's socket.
+            problem = notifier.send("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: chunk)
+            start += chunk.count
+        }
+        state.withLock { _ = $0.stored.insert(name) }
+        if let problem {
+            logger.warning("could not hand descriptors to the service manager: a restart loses what arrives while no process runs", metadata: [
+                "name": "\(name)", "error": "\(problem)",
+            ])
+        }
+    }
+
+    /// Takes every name stored by this process but not in `wanted` out of the service manager's
+    /// store (a listener removed by a reload: its sockets must not outlive it).
+    package func forget(except wanted: Set<String>) {
+        let gone = state.withLock { state in
+            let gone = state.stored.subtracting(wanted).subtracting([Self.processName])
+            state.stored.subtract(gone)
+            return gone
+        }
+        for name in gone.sorted() { notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)") }
+    }
+
+    /// After the first start: closes what was handed over and not taken (a bind the
+    /// configuration no longer has), counted `unused`, and takes it out of the store.
+    package func closeUnused() {
+        let unused = state.withLock { state in
+            let unused = state.inherited
+            state.inherited = [:]
+            return unused
+        }
+        for (name, fds) in unused.sorted(by: { $0.key < $1.key }) {
+            let queued = fds.reduce(0) { $0 + Self.queuedBytes($1) }
+            for fd in fds { close(fd) }
+            notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
+            let kind = name.hasPrefix("udp-fanout.socket.") ? Mode.userspace.rawValue : "unknown"
+            let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed (\(queued) bytes were queued in them)"
+            count(kind, .unused, fds.count, note: note)
+            logger.warning("\(note)")
+        }
+    }
+
+    /// Bytes queued on a socket's receive queue (SIOCINQ); 0 if it cannot be read.
+    static func queuedBytes(_ fd: Int32) -> Int {
+        var value: Int32 = 0
+        return ioctl(fd, UInt(FIONREAD), &value) == 0 ? Int(value) : 0
+    }
+
+    /// Adoption outcomes by kind, for /metrics.
+    package var outcomes: [String: [Outcome: UInt64]] { state.withLock { $0.outcomes } }
+
+    /// `udp_fanout_adoptions_total{kind,outcome}`: every outcome of the kinds that hand over,
+    /// 0 included, and of any other kind something was counted for.
+    package func metrics() -> String {
+        let counted = outcomes
+        var out = "# HELP udp_fanout_adoptions_total Descriptors handed over by the previous process (the service manager's store) at this start, by kind and outcome: adopted, rejected (not usable: closed), unused (no listener of this configuration: closed)\n# TYPE udp_fanout_adoptions_total counter\n"
+        for kind in Set(counted.keys).union([Mode.userspace.rawValue]).sorted() {
+            for outcome in Outcome.allCases {
+                out += "udp_fanout_adoptions_total{kind=\"\(PrometheusText.escape(kind))\",outcome=\"\(outcome.rawValue)\"} \(counted[kind]?[outcome] ?? 0)\n"
+            }
+        }
+        return out
+    }
+
+    /// What was adopted, rejected or left unused at this start, for /status.
+    package var report: [String] { state.withLock { $0.report } }
+
+    // MARK: The process record
+
+    /// Logs what the previous process left (how long the data path ran unattended after a crash)
+    /// and stores this process's record, refreshed once a second until ``stopping()``.
+    package func announce(version: String, startedAt: Double) {
+        if let previous = predecessor {
+            let now = self.startedAt
+            var metadata: Logger.Metadata = [
+                "previous_pid": "\(previous.pid)", "previous_version": "\(previous.version)",
+            ]
+            if let stopped = previous.stoppedAt {
+                metadata["stopped_seconds_ago"] = "\(Self.rounded(now - stopped))"
+                logger.info("taking over from the previous process, which stopped cleanly", metadata: metadata)
+            } else {
+                metadata["unattended_seconds"] = "\(Self.rounded(now - previous.lastSeenAt))"
+                logger.warning("the previous process ended without a stop (a crash or kill -9): its data path ran unattended on its last plan until this start", metadata: metadata)
+            }
+        }
+        guard let notifier else { return }
+        let fd = shim_memfd(Self.processName)
+        guard fd >= 0 else {
+            logger.warning("memfd_create failed: the next process will not know which process it takes over from", metadata: ["errno": "\(-fd)"])
+            return
+        }
+        state.withLock { $0.record = fd }
+        writeRecord(version: version, startedAt: startedAt, stoppedAt: nil)
+        notifier.send("FDSTOREREMOVE=1\nFDNAME=\(Self.processName)")
+        if notifier.send("FDSTORE=1\nFDNAME=\(Self.processName)\nFDPOLL=0", descriptors: [fd]) == nil {
+            state.withLock { _ = $0.stored.insert(Self.processName) }
+        }
+        let signal = heartbeat
+        OSThread.detached(name: "fdstore-heartbeat") { [weak self] in
+            while !signal.isSet {
+                usleep(1_000_000)
+                guard let self, !signal.isSet else { return }
+                self.writeRecord(version: version, startedAt: startedAt, stoppedAt: nil)
+            }
+        }
+    }
+
+    /// The clean stop begins: the record says so (the successor logs a stop, not a crash).
+    package func stopping(version: String, startedAt: Double) {
+        heartbeat.set()
+        writeRecord(version: version, startedAt: startedAt, stoppedAt: WallClock.seconds())
+    }
+
+    private func writeRecord(version: String, startedAt: Double, stoppedAt: Double?) {
+        var text = "pid=\(getpid())\nversion=\(version)\nstarted=\(startedAt)\nseen=\(WallClock.seconds())\n"
+        if let stoppedAt { text += "stopped=\(stoppedAt)\n" }
+        // Fixed size: a reader never sees the tail of a longer earlier record.
+        var bytes = Array(text.utf8.prefix(511))
+        bytes += [UInt8](repeating: 0, count: 512 - bytes.count)
+        state.withLock { state in
+            guard state.record >= 0 else { return }
+            _ = pwrite(state.record, bytes, bytes.count, 0)
+        }
+    }
+
+    static func readRecord(_ fd: Int32) -> Predecessor? {
+        var bytes = [UInt8](repeating: 0, count: 512)
+        let count = pread(fd, &bytes, bytes.count, 0)
+        guard count > 0 else { return nil }
+        let text = String(decoding: bytes[0..<count].prefix { $0 != 0 }, as: UTF8.self)
+        return parseRecord(text)
+    }
+
+    package static func parseRecord(_ text: String) -> Predecessor? {
+        var fields: [String: String] = [:]
+        for line in text.split(separator: "\n") {
+            guard let equals = line.firstIndex(of: "=") else { continue }
+            fields[String(line[..<equals])] = String(line[line.index(after: equals)...])
+        }
+        guard let pid = fields["pid"].flatMap({ Int32($0) }), let version = fields["version"],
+              let started = fields["started"].flatMap({ Double($0) }), let seen = fields["seen"].flatMap({ Double($0) })
+        else { return nil }
+        return Predecessor(pid: pid, version: version, startedAt: started, lastSeenAt: seen, stoppedAt: fields["stopped"].flatMap { Double($0) })
+    }
+
+    private static func rounded(_ seconds: Double) -> String {
+        String(Double(Int((seconds * 1000).rounded())) / 1000)
+    }
+}

@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Synchronization
+import Testing
+import TestSupport
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A service manager speaking systemd's protocol to one service, as systemd 252 does for a
+/// `Type=notify` unit with `FileDescriptorStoreMax=`: `$NOTIFY_SOCKET` (READY=1, STOPPING=1,
+/// `FDSTORE=1` with `FDNAME=` and the descriptors in SCM_RIGHTS, `FDSTOREREMOVE=1`), and a start
+/// that hands the stored descriptors back as `LISTEN_FDS`, `LISTEN_FDNAMES` and `LISTEN_PID`.
+/// ``stop()`` closes the store, as systemd does once a unit is stopped with no job queued.
+final class ServiceManager {
+    let notify: NotifySocket
+    /// The store, in the order descriptors arrived.
+    private(set) var store: [(name: String, fd: Int32)] = []
+    private(set) var process: SpawnedProcess?
+    private(set) var logs: [String] = []
+    let arguments: [String]
+    /// False: a unit without `FileDescriptorStoreMax=` (systemd closes what it is sent).
+    let keepsDescriptors: Bool
+
+    init(_ arguments: [String], keepsDescriptors: Bool = true) throws {
+        notify = try NotifySocket()
+        self.arguments = arguments
+        self.keepsDescriptors = keepsDescriptors
+    }
+
+    deinit {
+        process?.stop()
+        for entry in store { close(entry.fd) }
+    }
+
+    /// Starts the service with the store handed back; waits for READY=1.
+    func start() throws {
+        let given = store
+        let log = "/tmp/restart-\(UUID().uuidString.prefix(8)).log"
+        var environment = ["NOTIFY_SOCKET": notify.path]
+        if !given.isEmpty {
+            environment["LISTEN_FDS"] = "\(given.count)"
+            environment["LISTEN_FDNAMES"] = given.map(\.name).joined(separator: ":")
+        }
+        // LISTEN_PID is the service's own pid: a shell that sets it and execs keeps its pid.
+        process = try SpawnedProcess(["/bin/sh", "-c", "export LISTEN_PID=$$; exec \"$0\" \"$@\""] + arguments, log: log,
+                                     descriptors: given.map(\.fd), environment: environment)
+        try #require(pump(until: { $0["READY"] == "1" }), "no READY=1; log: \(process?.output ?? "")")
+    }
+
+    /// Reads notifications (keeping the store) until one satisfies `matches` or `seconds` pass.
+    @discardableResult
+    func pump(within seconds: Double = 30, until matches: ([String: String]) -> Bool = { _ in false }) -> Bool {
+        let deadline = ContinuousClock.now + .milliseconds(Int64(seconds * 1000))
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        var received = [Int32](repeating: -1, count: 253)
+        var descriptor = pollfd(fd: notify.fd, events: Int16(POLLIN), revents: 0)
+        while ContinuousClock.now < deadline {
+            guard poll(&descriptor, 1, 20) > 0 else { continue }
+            var count: Int32 = 0
+            let length = shim_receive_with_descriptors(notify.fd, &buffer, buffer.count, &received, Int32(received.count), &count)
+            guard length >= 0 else { continue }
+            let fields = NotifySocket.fields(String(decoding: buffer[0..<Int(length)], as: UTF8.self))
+            let fds = Array(received[0..<Int(count)])
+            if fields["FDSTORE"] == "1" && keepsDescriptors {
+                store += fds.map { (fields["FDNAME"] ?? "stored", $0) }
+            } else {
+                for fd in fds { close(fd) }
+            }
+            if fields["FDSTOREREMOVE"] == "1", let name = fields["FDNAME"] {
+                for entry in store where entry.name == name { close(entry.fd) }
+                store.removeAll { $0.name == name }
+            }
+            if matches(fields) { return true }
+        }
+        return false
+    }
+
+    /// SIGTERM and wait for the exit (a restart's or a stop's first half); the store stays.
+    func terminate() throws {
+        let running = try #require(process)
+        running.signal(SIGTERM)
+        // Notifications sent while stopping (STOPPING=1) are read meanwhile.
+        var status: Int32?
+        for _ in 0..<300 where status == nil {
+            pump(within: 0.05)
+            status = running.wait(seconds: 0.02)
+        }
+        logs.append(running.output)
+        process = nil
+        #expect(status == 0, "exit status \(String(describing: status)); log: \(running.output)")
+    }
+
+    /// kill -9: the process ends without a stop; the store stays.
+    func kill9() throws {
+        let running = try #require(process)
+        running.signal(SIGKILL)
+        _ = running.wait(seconds: 10)
+        pump(within: 0.1)
+        logs.append(running.output)
+        process = nil
+    }
+
+    /// The unit is stopped with no job queued: systemd closes the store.
+    func stop() throws {
+        try terminate()
+        for entry in store { close(entry.fd) }
+        store = []
+    }
+
+    var output: String { process?.output ?? "" }
+}
+
+/// Sends numbered datagrams at a steady rate from a thread until told to stop; a receiver thread
+/// notes each number a sink got.
+final class NumberedStream: @unchecked Sendable {
+    private let stopSending = Atomic<Bool>(false)
+    private let stopReceiving = Atomic<Bool>(false)
+    let sent = Atomic<Int>(0)
+    private let seen = Mutex<Set<UInt32>>([])
+    private let gaps = Mutex<(last: ContinuousClock.Instant?, longest: Duration)>((nil, .zero))
+    private var threads: [Thread] = []
+    let sink: Int32
+
+    /// - Parameters:
+    ///   - rate: datagrams per second (in bursts of 20 every 1 ms at 20,000/s).
+    ///   - limit: at most this many (bounded in count as well as in time).
+    init(to destination: SocketAddress, sink: Sink, rate: Int, limit: Int) {
+        self.sink = sink.fd
+        let sender = Thread { [self] in
+            let fd = socket(destination.ip.family, Int32(SOCK_DGRAM.rawValue), 0)
+            defer { close(fd) }
+            var payload = [UInt8](repeating: 0x5a, count: 64)
+            let burst = 20
+            let interval = Duration.nanoseconds(Int64(1_000_000_000 / rate * burst))
+            var next = ContinuousClock.now
+            var number: UInt32 = 0
+            while !stopSending.load(ordering: .relaxed) && Int(number) < limit {
+                for _ in 0..<burst where Int(number) < limit {
+                    withUnsafeBytes(of: number.bigEndian) { payload.replaceSubrange(0..<4, with: $0) }
+                    _ = destination.withSockAddr { sendto(fd, &payload, payload.count, 0, $0, $1) }
+                    number += 1
+                }
+                sent.store(Int(number), ordering: .relaxed)
+                next += interval
+                let wait = next - ContinuousClock.now
+                if wait > .zero { Thread.sleep(forTimeInterval: Double(wait.components.attoseconds) / 1e18 + Double(wait.components.seconds)) }
+            }
+        }
+        let receiver = Thread { [self] in
+            var buffer = [UInt8](repeating: 0, count: 2048)
+            var descriptor = pollfd(fd: sink.fd, events: Int16(POLLIN), revents: 0)
+            while !stopReceiving.load(ordering: .relaxed) {
+                guard poll(&descriptor, 1, 50) > 0 else { continue }
+                while true {
+                    let count = recv(sink.fd, &buffer, buffer.count, Int32(MSG_DONTWAIT))
+                    guard count >= 4 else { break }
+                    let number = buffer[0..<4].reduce(UInt32(0)) { $0 << 8 | UInt32($1) }
+                    let now = ContinuousClock.now
+                    gaps.withLock { state in
+                        if let last = state.last, now - last > state.longest { state.longest = now - last }
+                        state.last = now
+                    }
+                    _ = seen.withLock { $0.insert(number) }
+                }
+            }
+        }
+        threads = [sender, receiver]
+        for thread in threads { thread.start() }
+    }
+
+    /// Waits until `count` have been sent (at most `seconds`).
+    func waitUntilSent(_ count: Int, seconds: Double = 30) {
+        let deadline = Date().addingTimeInterval(seconds)
+        while sent.load(ordering: .relaxed) < count && Date() < deadline { usleep(5_000) }
+    }
+
+    /// Stops sending, waits until the sink stays quiet for `quiet`, stops receiving.
+    /// - Returns: (sent, distinct numbers received, the longest pause between two arrivals).
+    func finish(quiet: Duration = .milliseconds(1500)) -> (sent: Int, received: Int, longestGap: Duration) {
+        stopSending.store(true, ordering: .relaxed)
+        var previous = -1
+        let deadline = ContinuousClock.now + .seconds(60)
+        while ContinuousClock.now < deadline {
+            Thread.sleep(forTimeInterval: Double(quiet.components.seconds) + Double(quiet.components.attoseconds) / 1e18)
+            let now = seen.withLock { $0.count }
+            if now == previous { break }
+            previous = now
+        }
+        stopReceiving.store(true, ordering: .relaxed)
+        while threads.contains(where: { !$0.isFinished }) { usleep(10_000) }
+        return (sent.load(ordering: .relaxed), seen.withLock { $0.count }, gaps.withLock { $0.longest })
+    }
+}
+
+@Suite("restarts: the service manager's descriptor store (userspace)", .serialized,
+       .enabled(if: Privileges.enabled, Privileges.reason))
+struct RestartTests {
+    /// A userspace listener on loopback with a large receive buffer (what arrives while no process
+    /// reads waits in it), two workers, one downstream.
+    static func configuration(bind: SocketAddress, sink: Sink, file: String = "/tmp/restart-\(UUID().uuidString.prefix(8)).yaml") throws -> String {
+        let yaml = """
+            listeners:
+              - name: restart
+                bind: "\(bind)"
+                mode: userspace
+                settings:
+                  workers: 2
+                  recv_buf_size: 67108864
+                downstream:
+                  - name: sink
+                    address: "\(sink.address)"
+
+            """
+        try yaml.write(toFile: file, atomically: true, encoding: .utf8)
+        return file
+    }
+
+    enum Interruption { case restart, kill9, restartWithoutStore }
+
+    /// 20,000 datagrams/s for 3 s, interrupted once after 1 s: (sent, received, longest gap, the
+    /// second process's log).
+    static func run(_ interruption: Interruption) throws -> (sent: Int, received: Int, longestGap: Duration, log: String, manager: ServiceManager) {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = try configuration(bind: bind, sink: sink)
+        defer { try? FileManager.default.removeItem(atPath: file) }
+        let manager = try ServiceManager([binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file],
+                                         keepsDescriptors: interruption != .restartWithoutStore)
+        try manager.start()
+        let stream = NumberedStream(to: bind, sink: sink, rate: 20_000, limit: 60_000)
+        stream.waitUntilSent(20_000)
+        switch interruption {
+        case .restart: try manager.terminate()
+        case .kill9: try manager.kill9()
+        case .restartWithoutStore: try manager.terminate()
+        }
+        try manager.start()
+        stream.waitUntilSent(60_000)
+        let (sent, received, gap) = stream.finish()
+        let log = manager.output
+        try manager.stop()
+        return (sent, received, gap, log, manager)
+    }
+
+    @Test("a planned restart (SIGTERM, then a start with the store handed back) loses no datagram at 20,000/s")
+    func plannedRestart() throws {
+        let result = try Self.run(.restart)
+        #expect(result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("taking over from the previous process, which stopped cleanly"), "\(result.log)")
+        #expect(result.log.contains("adopted the sockets of the previous process"), "\(result.log)")
+        print("restart: sent \(result.sent), received \(result.received), longest gap \(result.longestGap)")
+    }
+
+    @Test("kill -9 then a start (systemd's Restart=on-failure): what queued meanwhile is forwarded, nothing lost; the log says it was a crash")
+    func killAndStart() throws {
+        let result = try Self.run(.kill9)
+        #expect(result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("the previous process ended without a stop"), "\(result.log)")
+        print("kill -9: sent \(result.sent), received \(result.received), longest gap \(result.longestGap)")
+    }
+
+    @Test("the same restart under a unit without a descriptor store loses datagrams (what the store prevents)")
+    func restartWithoutStore() throws {
+        let result = try Self.run(.restartWithoutStore)
+        #expect(result.received < result.sent, "sent \(result.sent), received \(result.received)")
+        print("restart without the store: sent \(result.sent), received \(result.received), longest gap \(result.longestGap)")
+    }
+
+    @Test("a stop (the store closed) leaves nothing bound; a reload that removes the listener takes its sockets out of the store")
+    func stopLeavesNothing() throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = try Self.configuration(bind: bind, sink: sink)
+        defer { try? FileManager.default.removeItem(atPath: file) }
+        let manager = try ServiceManager([binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file])
+        try manager.start()
+        let name = DescriptorStore.socketName(bind)
+        #expect(manager.store.filter { $0.name == name }.count == 2, "\(manager.store.map(\.name))")
+        #expect(manager.store.contains { $0.name == DescriptorStore.processName })
+        // A reload to another bind: the old bind's sockets leave the store, the new one's come.
+        let other = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let sink2 = try Sink()
+        _ = try Self.configuration(bind: other, sink: sink2, file: file)
+        manager.process?.signal(SIGHUP)
+        #expect(manager.pump(until: { ($0["STATUS"] ?? "").contains("reloaded") }), "\(manager.output)")
+        #expect(!manager.store.contains { $0.name == name }, "\(manager.store.map(\.name))")
+        #expect(manager.store.filter { $0.name == DescriptorStore.socketName(other) }.count == 2, "\(manager.store.map(\.name))")
+        try manager.stop()
+        #expect(BoundSockets.foreign(on: bind).isEmpty && BoundSockets.foreign(on: other).isEmpty)
+    }
+}
+
+@Suite("descriptor store: LISTEN_FDS and the process record")
+struct DescriptorStoreTests {
+    @Test("LISTEN_FDS for this pid: descriptors 3... with their LISTEN_FDNAMES; another pid, or none: nothing; bad values said")
+    func parse() {
+        let named = DescriptorStore.parse(environment: ["LISTEN_PID": "42", "LISTEN_FDS": "3", "LISTEN_FDNAMES": "a:b:a"], pid: 42)
+        #expect(named.named.map(\.0) == ["a", "b", "a"] && named.named.map(\.1) == [3, 4, 5] && named.problem == nil)
+        #expect(DescriptorStore.parse(environment: ["LISTEN_PID": "43", "LISTEN_FDS": "3"], pid: 42).named.isEmpty)
+        #expect(DescriptorStore.parse(environment: ["LISTEN_FDS": "3"], pid: 42).named.isEmpty)
+        #expect(DescriptorStore.parse(environment: [:], pid: 42).named.isEmpty)
+        let unnamed = DescriptorStore.parse(environment: ["LISTEN_PID": "42", "LISTEN_FDS": "2"], pid: 42)
+        #expect(unnamed.named.map(\.0) == ["unknown", "unknown"])
+        let short = DescriptorStore.parse(environment: ["LISTEN_PID": "42", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "a"], pid: 42)
+        #expect(short.named.map(\.0) == ["a", "unknown"] && short.problem?.contains("LISTEN_FDNAMES has 1 name(s) for LISTEN_FDS=2") == true)
+        let bad = DescriptorStore.parse(environment: ["LISTEN_PID": "42", "LISTEN_FDS": "x"], pid: 42)
+        #expect(bad.named.isEmpty && bad.problem?.contains("LISTEN_FDS=x") == true)
+    }
+
+    @Test("names systemd accepts: printable, no ':', at most 255 characters")
+    func names() {
+        for bind in ["127.0.0.1:5000", "[2001:db8::1]:65535", "[::]:1"] {
+            let name = DescriptorStore.socketName(SocketAddress(bind)!)
+            #expect(!name.contains(":") && name.count <= 255 && name.allSatisfy { $0.isASCII && !$0.isWhitespace })
+        }
+        #expect(DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5000")!) != DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5001")!))
+    }
+
+    @Test("the process record: a clean stop and a crash told apart")
+    func record() {
+        #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\n")
+            == .init(pid: 7, version: "1.2", startedAt: 10.5, lastSeenAt: 20, stoppedAt: 21))
+        #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\n")?.stoppedAt == nil)
+        #expect(DescriptorStore.parseRecord("pid=x\n") == nil)
+    }
+}
