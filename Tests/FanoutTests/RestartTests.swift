@@ -330,3 +330,67 @@ struct DescriptorStoreTests {
         #expect(DescriptorStore.parseRecord("pid=x\n") == nil)
     }
 }
+
+@Suite("restarts: the tc program keeps forwarding through the service manager's store", .serialized,
+       .enabled(if: Privileges.enabled, Privileges.reason))
+struct KernelRestartTests {
+    /// A tc_ebpf (or xdp) listener in the proxy namespace of a one-backend topology, run by a
+    /// service manager; publisher in the client namespace at 20,000 datagrams/s for 3 s,
+    /// interrupted after 1 s: (sent, received at the backend, the second process's log).
+    static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf") throws -> (sent: Int, received: Int, log: String) {
+        let topology = try Topology(backends: 1)
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
+        let collectors = try TCFixtures.collectors(topology)
+        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort()), mode: mode), "tc-restart")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path],
+                                         keepsDescriptors: interruption != .restartWithoutStore)
+        try manager.start()
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "60000", "--rate", "20000"], prefix: topology.prefix(topology.client))
+        usleep(1_000_000)
+        switch interruption {
+        case .restart, .restartWithoutStore: try manager.terminate()
+        case .kill9: try manager.kill9()
+        }
+        try manager.start()
+        #expect(publisher.wait(seconds: 30) == 0)
+        usleep(500_000)
+        let log = manager.output
+        let sent = try publisher.json().int("sent")
+        let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
+        try manager.stop()
+        try TCFixtures.expectNothingLeft(topology)
+        return (sent, received, log)
+    }
+
+    @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
+    func plannedRestart() throws {
+        let result = try Self.run(.restart)
+        #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("took over the tc_ebpf link the previous process left"), "\(result.log)")
+        #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
+        print("tc_ebpf restart: sent \(result.sent), received \(result.received)")
+    }
+
+    @Test("tc_ebpf: kill -9 then a start loses no datagram: the program forwards unattended meanwhile")
+    func killAndStart() throws {
+        let result = try Self.run(.kill9)
+        #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("the previous process ended without a stop"), "\(result.log)")
+        print("tc_ebpf kill -9: sent \(result.sent), received \(result.received)")
+    }
+
+    @Test("tc_ebpf: the same restart under a unit without a descriptor store loses datagrams (the program is detached until the next start attaches)")
+    func restartWithoutStore() throws {
+        let result = try Self.run(.restartWithoutStore)
+        #expect(result.received < result.sent, "sent \(result.sent), received \(result.received)")
+        print("tc_ebpf restart without the store: sent \(result.sent), received \(result.received)")
+    }
+
+    @Test("xdp: a planned restart loses no datagram (XDP detaches with the process; the tc program behind it forwards meanwhile)")
+    func xdpPlannedRestart() throws {
+        let result = try Self.run(.restart, mode: "xdp")
+        #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        print("xdp restart: sent \(result.sent), received \(result.received)")
+    }
+}

@@ -21,6 +21,8 @@ import SystemCalls
 ///
 /// Names (at most 255 printable characters, no `:`):
 /// - `udp-fanout.socket.<bind>`: a one-way userspace listener's sockets on `<bind>` (`:` written `_`);
+/// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
+///   at an interface: it keeps forwarding on the last plan while no process runs;
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
 ///   last ran or stopped (``ProcessRecord``), for the successor's log line and `/status`.
 public final class DescriptorStore: Sendable {
@@ -128,10 +130,24 @@ public final class DescriptorStore: Sendable {
         return ((0..<total).map { index in (index < names.count ? names[index] : "unknown", Int32(3 + index)) }, problem)
     }
 
+    static let socketPrefix = "udp-fanout.socket."
+    static let tcLinkPrefix = "udp-fanout.tcx."
+
     /// The name under which a one-way userspace listener's sockets on `bind` are stored.
     package static func socketName(_ bind: SocketAddress) -> String {
-        "udp-fanout.socket." + String("\(bind)".map { $0 == ":" ? "_" : $0 })
+        socketPrefix + String("\(bind)".map { $0 == ":" ? "_" : $0 })
     }
+
+    /// The name under which the tc_ebpf program's TCX link at `interface` is stored.
+    package static func tcLinkName(_ interface: String) -> String {
+        tcLinkPrefix + interface
+    }
+
+    /// Set by ``stopping(version:startedAt:)`` when descriptors go to a service manager: the
+    /// process is stopping and hands its data path over (fail static): kernel kinds leave their
+    /// maps as they are and only close their own descriptors.
+    package var handingOver: Bool { handingOverFlag.load(ordering: .relaxed) }
+    private let handingOverFlag = Atomic<Bool>(false)
 
     /// Whether descriptors go to a service manager (`NOTIFY_SOCKET` set).
     package var stores: Bool { notifier != nil }
@@ -172,11 +188,19 @@ public final class DescriptorStore: Sendable {
         }
     }
 
-    /// Takes every name stored by this process but not in `wanted` out of the service manager's
-    /// store (a listener removed by a reload: its sockets must not outlive it).
-    package func forget(except wanted: Set<String>) {
+    /// Takes `name` out of the service manager's store now (what it names is released: a tc_ebpf
+    /// link must not stay attached through the store's copy).
+    package func remove(_ name: String) {
+        guard let notifier else { return }
+        notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
+        state.withLock { _ = $0.stored.remove(name) }
+    }
+
+    /// Takes every listener socket name stored by this process but not in `wanted` out of the
+    /// service manager's store (a listener removed by a reload: its sockets must not outlive it).
+    package func forgetSockets(except wanted: Set<String>) {
         let gone = state.withLock { state in
-            let gone = state.stored.subtracting(wanted).subtracting([Self.processName])
+            let gone = state.stored.filter { $0.hasPrefix(Self.socketPrefix) }.subtracting(wanted)
             state.stored.subtract(gone)
             return gone
         }
@@ -195,7 +219,7 @@ public final class DescriptorStore: Sendable {
             let queued = fds.reduce(0) { $0 + Self.queuedBytes($1) }
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = name.hasPrefix("udp-fanout.socket.") ? Mode.userspace.rawValue : "unknown"
+            let kind = name.hasPrefix(Self.socketPrefix) ? Mode.userspace.rawValue : name.hasPrefix(Self.tcLinkPrefix) ? Mode.tcEBPF.rawValue : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed (\(queued) bytes were queued in them)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")
@@ -216,7 +240,7 @@ public final class DescriptorStore: Sendable {
     package func metrics() -> String {
         let counted = outcomes
         var out = "# HELP udp_fanout_adoptions_total Descriptors handed over by the previous process (the service manager's store) at this start, by kind and outcome: adopted, rejected (not usable: closed), unused (no listener of this configuration: closed)\n# TYPE udp_fanout_adoptions_total counter\n"
-        for kind in Set(counted.keys).union([Mode.userspace.rawValue]).sorted() {
+        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Mode.tcEBPF.rawValue]).sorted() {
             for outcome in Outcome.allCases {
                 out += "udp_fanout_adoptions_total{kind=\"\(PrometheusText.escape(kind))\",outcome=\"\(outcome.rawValue)\"} \(counted[kind]?[outcome] ?? 0)\n"
             }
@@ -269,6 +293,7 @@ public final class DescriptorStore: Sendable {
 
     /// The clean stop begins: the record says so (the successor logs a stop, not a crash).
     package func stopping(version: String, startedAt: Double) {
+        if notifier != nil { handingOverFlag.store(true, ordering: .relaxed) }
         heartbeat.set()
         writeRecord(version: version, startedAt: startedAt, stoppedAt: WallClock.seconds())
     }

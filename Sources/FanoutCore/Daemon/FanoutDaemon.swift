@@ -155,7 +155,7 @@ public final class FanoutDaemon: Sendable {
         self.logger = logger
         self.descriptors = descriptors ?? .none(logger: logger)
         state = Mutex(State(config: config))
-        kinds = ListenerKinds(logger: logger)
+        kinds = ListenerKinds(logger: logger, descriptors: self.descriptors)
         let link = HealthLink()
         health = HealthChecker(policy: HealthPolicy(config.health), logger: logger) { target, up in link.forward(target, up) }
         link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
@@ -175,6 +175,9 @@ public final class FanoutDaemon: Sendable {
             shutdown()
             throw error
         }
+        // Every listener is in the tc program's maps: links taken over from the previous
+        // process run this process's program from now on.
+        kinds.tc.completeAdoptions()
         // Handed over for a bind this configuration does not have: closed, counted, logged.
         descriptors.closeUnused()
     }
@@ -221,7 +224,7 @@ public final class FanoutDaemon: Sendable {
     private func transitionChangesHeld(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
         try transitionLocked(to: new, from: old)
         // A listener a reload removed: its sockets leave the service manager's store with it.
-        descriptors.forget(except: Set(new.listeners.filter(UserspaceKind.serves).map { DescriptorStore.socketName($0.bind) }))
+        descriptors.forgetSockets(except: Set(new.listeners.filter(UserspaceKind.serves).map { DescriptorStore.socketName($0.bind) }))
         // Disabled: no targets; the policy of a disabled section is not applied (nothing to probe).
         if new.health.enabled { health.setPolicy(HealthPolicy(new.health)) }
         updateHealthTargetsChangesHeld()

@@ -149,10 +149,12 @@ struct ListenerKinds: Sendable {
     ]
 
     let all: [any ListenerKind]
+    /// tc_ebpf and xdp listeners are entries in one tc program's maps.
+    let tc: TCDataplane
 
-    init(logger: Logger) {
-        // tc_ebpf and xdp listeners are entries in one tc program's maps.
-        let tc = TCDataplane(logger: logger)
+    init(logger: Logger, descriptors: DescriptorStore? = nil) {
+        let tc = TCDataplane(logger: logger, descriptors: descriptors)
+        self.tc = tc
         all = [TCKind(dataplane: tc), XDPKind(dataplane: tc, front: XDPFront(logger: logger)), AFXDPKind(), RelayKind(), UserspaceKind()]
     }
 

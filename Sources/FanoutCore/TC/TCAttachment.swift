@@ -73,6 +73,57 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
         }
     }
 
+    /// Takes over the TCX link a previous process attached at `interface` (handed over by the
+    /// service manager, ``DescriptorStore``): it keeps running the previous program, on the
+    /// previous plan, until ``swap(to:)``, so no datagram meets an empty hook meanwhile.
+    /// - Throws: `.adoption` (the link is left to the caller to close) if it is not a TCX ingress
+    ///   link at this interface; the lock's errors.
+    init(adopting link: Int32, interface: String, logger: Logger) throws(TCError) {
+        self.interface = interface
+        self.logger = logger
+        ifindex = Int32(if_nametoindex(interface))
+        guard ifindex > 0 else { throw .interfaceNotFound(interface) }
+        guard let info = Self.linkInfo(link) else {
+            throw .adoption(interface: interface, reason: "the descriptor handed over is not a BPF link (\(String(cString: strerror(errno))))")
+        }
+        guard info.type == Self.tcxLinkType, info.ifindex == UInt32(ifindex), info.attachType == Self.tcxIngress.rawValue else {
+            throw .adoption(interface: interface, reason: "the link handed over is of type \(info.type) at ifindex \(info.ifindex) (attach type \(info.attachType)), not TCX ingress at ifindex \(ifindex): the interface was recreated, or the link is another program's")
+        }
+        (lock, lockPath) = try Self.takeLock(interface: interface)
+        kind = .tcx(link: link)
+        Self.writeState(lockPath, createdQdisc: false)
+    }
+
+    /// BPF_LINK_TYPE_TCX: the kernel's value (6.6+); not in this system's headers.
+    static let tcxLinkType: UInt32 = 11
+
+    /// A link's type, its interface and attach type (struct bpf_link_info's `tcx` or `xdp`
+    /// member, read raw: this system's headers predate TCX); nil if it is not a link.
+    static func linkInfo(_ fd: Int32) -> (type: UInt32, programID: UInt32, ifindex: UInt32, attachType: UInt32)? {
+        var words = [UInt32](repeating: 0, count: 64)
+        var length = UInt32(words.count * 4)
+        guard bpf_obj_get_info_by_fd(fd, &words, &length) == 0, length >= 24 else { return nil }
+        // type, id, prog_id, then the union at offset 16 (8-byte aligned): ifindex, attach_type.
+        return (words[0], words[2], words[4], words[5])
+    }
+
+    /// Makes the link run `program` in place of the one it runs (bpf_link_update: atomic, every
+    /// packet sees one program or the other).
+    func swap(to program: TCProgram) throws(TCError) {
+        guard case .tcx(let link) = kind else { return }
+        do {
+            try libbpfCall("bpf_link_update (TCX ingress at \(interface))") { bpf_link_update(link, program.program, nil) }
+        } catch {
+            throw .attach(interface: interface, error)
+        }
+    }
+
+    /// The TCX link's descriptor (nil for a clsact filter, which the service manager cannot keep).
+    var link: Int32? {
+        if case .tcx(let link) = kind { return link }
+        return nil
+    }
+
     var kindName: String {
         switch kind {
         case .tcx: return "tcx"
@@ -313,6 +364,8 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
     /// The xdp kind's XDP program in front of the tc program: it could not load or attach.
     case xdpLoad(SystemCallError)
     case xdpAttach(XDPError)
+    /// A link handed over by the previous process that cannot be taken over (why).
+    case adoption(interface: String, reason: String)
 
     package var description: String {
         switch self {
@@ -345,6 +398,8 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
             return "cannot load the xdp program (bpf/xdp_fanout.bpf.c) with the tc program's maps: \(error)"
         case .xdpAttach(let error):
             return "\(error)"
+        case .adoption(let name, let reason):
+            return "cannot take over the tc_ebpf link the previous process left at '\(name)': \(reason)"
         case .tooManyListeners:
             return "more than \(FANOUT_MAX_LISTENERS) tc_ebpf listeners and replication pools together (each pool takes a listener's slot in the program's maps)"
         }

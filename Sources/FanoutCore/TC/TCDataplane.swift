@@ -25,6 +25,9 @@ final class TCDataplane: Sendable {
         /// Managed neighbour entries this process made for replication pools' next hops, with how
         /// many pool members need each (deleted when none does).
         var neighbours: [Neighbour: Int] = [:]
+        /// Interfaces whose TCX link was taken over from the previous process and still runs its
+        /// program (on its plan) until ``TCDataplane/completeAdoptions()``.
+        var pendingSwaps: [String] = []
     }
 
     /// A next hop's neighbour entry: interface index and address.
@@ -35,10 +38,18 @@ final class TCDataplane: Sendable {
 
     private let state = Mutex(State())
     let logger: Logger
+    /// The service manager's store: the TCX links go there, and the previous process's come
+    /// from there (docs/restarts.md).
+    let descriptors: DescriptorStore
 
-    init(logger: Logger) {
+    init(logger: Logger, descriptors: DescriptorStore? = nil) {
         self.logger = logger
+        self.descriptors = descriptors ?? .none(logger: logger)
     }
+
+    /// The process is stopping and hands its data path to the next one: listeners leave the maps
+    /// as they are (the program keeps forwarding on the last plan through the stored links).
+    var handingOver: Bool { descriptors.handingOver }
 
     /// The listeners that are entries in this program's maps: tc_ebpf's, and xdp's (its XDP
     /// program reads the same maps, with the tc program behind it).
@@ -154,6 +165,11 @@ final class TCDataplane: Sendable {
             state.attachments[interface] = (existing.attachment, existing.users + 1)
             return existing.attachment
         }
+        if mode != .clsact, let adopted = adopt(interface: interface) {
+            state.attachments[interface] = (adopted, 1)
+            state.pendingSwaps.append(interface)
+            return adopted
+        }
         let attachment: TCAttachment
         do throws(TCError) {
             attachment = try TCAttachment(interface: interface, program: program, mode: mode, logger: logger)
@@ -169,7 +185,67 @@ final class TCDataplane: Sendable {
         logger.info("attached tc_ebpf program", metadata: [
             "interface": "\(interface)", "attach": "\(attachment.kindName)", "program_id": "\(program.programID)",
         ])
+        // A TCX link outlives this process in the service manager's store (a clsact filter cannot).
+        if let link = attachment.link { descriptors.replace(DescriptorStore.tcLinkName(interface), with: [link]) }
         return attachment
+    }
+
+    /// The TCX link the previous process left at `interface` (handed over by the service
+    /// manager), taken over; nil when there is none or it cannot be (closed, counted rejected).
+    private func adopt(interface: String) -> TCAttachment? {
+        let name = DescriptorStore.tcLinkName(interface)
+        var links = descriptors.take(name)
+        guard !links.isEmpty else { return nil }
+        let link = links.removeFirst()
+        for extra in links { close(extra) }
+        do throws(TCError) {
+            let attachment = try TCAttachment(adopting: link, interface: interface, logger: logger)
+            let previous = TCAttachment.linkInfo(link)?.programID ?? 0
+            let note = "tc_ebpf at \(interface): took over the TCX link of the previous process (program id \(previous)); it forwarded on the previous plan until this start replaced its program"
+            descriptors.count(Mode.tcEBPF.rawValue, .adopted, note: note)
+            logger.info("took over the tc_ebpf link the previous process left: it forwards on the previous plan until this start replaces the program in place", metadata: [
+                "interface": "\(interface)", "previous_program_id": "\(previous)",
+            ])
+            descriptors.replace(name, with: [link])
+            return attachment
+        } catch {
+            close(link)
+            descriptors.remove(name)
+            descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: "\(error)")
+            logger.warning("\(error): attaching anew", metadata: ["interface": "\(interface)"])
+            return nil
+        }
+    }
+
+    /// Once every listener of a start is in the maps: each link taken over from the previous
+    /// process runs this process's program from now on (bpf_link_update, atomic). A link that
+    /// refuses is detached and the program attached anew (a gap, logged).
+    func completeAdoptions() {
+        state.withLock { state in
+            guard let program = state.program else { return }
+            for interface in state.pendingSwaps {
+                guard let entry = state.attachments[interface] else { continue }
+                do throws(TCError) {
+                    try entry.attachment.swap(to: program)
+                    logger.info("replaced the previous process's tc_ebpf program in place", metadata: [
+                        "interface": "\(interface)", "program_id": "\(program.programID)",
+                    ])
+                } catch {
+                    logger.error("\(error): detaching it and attaching anew (datagrams arriving meanwhile are not forwarded)", metadata: ["interface": "\(interface)"])
+                    descriptors.remove(DescriptorStore.tcLinkName(interface))
+                    entry.attachment.detach()
+                    do throws(TCError) {
+                        let fresh = try TCAttachment(interface: interface, program: program, mode: .tcx, logger: logger)
+                        state.attachments[interface] = (fresh, entry.users)
+                        if let link = fresh.link { descriptors.replace(DescriptorStore.tcLinkName(interface), with: [link]) }
+                    } catch {
+                        state.attachments[interface] = nil
+                        logger.error("\(error)", metadata: ["interface": "\(interface)"])
+                    }
+                }
+            }
+            state.pendingSwaps = []
+        }
     }
 
     /// Attaches the program where a nat listener's replies arrive (one more user of each
@@ -214,6 +290,10 @@ final class TCDataplane: Sendable {
     private func release(interface: String, in state: inout State) {
         if let entry = state.attachments[interface] {
             if entry.users <= 1 {
+                // Handing over: the store's copy keeps the link attached for the next process.
+                // Otherwise it must not: out of the store first, then closed (detached).
+                if !handingOver { descriptors.remove(DescriptorStore.tcLinkName(interface)) }
+                state.pendingSwaps.removeAll { $0 == interface }
                 entry.attachment.detach()
                 state.attachments[interface] = nil
                 logger.info("detached tc_ebpf program", metadata: ["interface": "\(interface)"])
@@ -904,6 +984,10 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         stopped.store(true, ordering: .relaxed)
+        if dataplane.handingOver {
+            handOverToNextProcess()
+            return
+        }
         // Only this instance's entry: a successor on the same bind has overwritten it already.
         program.removeListener(config.bind, ifindex: ifindex, id: id)
         releaseNAT()
@@ -917,6 +1001,22 @@ final class TCListener: RunningListener {
         dataplane.releaseNeighbours(neighbours)
         // Its last counts, once nothing new reaches it, and before its id (and stats slot) is free.
         counters.freeze(ObjectIdentifier(self))
+        releaseFront()
+        dataplane.unregister(interface: config.interface ?? "", id: id)
+    }
+
+    /// The process stops and hands its data path over (docs/restarts.md): the maps keep this
+    /// listener's entry, sets, associations and neighbour entries, so the program, held attached
+    /// by the service manager's copy of its link, forwards on this plan until the next process
+    /// replaces it; only this process's descriptors close.
+    private func handOverToNextProcess() {
+        counters.freeze(ObjectIdentifier(self))
+        if let associationMap { close(associationMap) }
+        let interfaces = live.withLock { live in
+            defer { live.replyInterfaces = []; live.neighbours = [] }
+            return live.replyInterfaces
+        }
+        releaseReplyInterfaces(interfaces)
         releaseFront()
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
