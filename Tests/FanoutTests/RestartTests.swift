@@ -337,11 +337,12 @@ struct KernelRestartTests {
     /// A tc_ebpf (or xdp) listener in the proxy namespace of a one-backend topology, run by a
     /// service manager; publisher in the client namespace at 20,000 datagrams/s for 3 s,
     /// interrupted after 1 s: (sent, received at the backend, the second process's log).
-    static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf") throws -> (sent: Int, received: Int, log: String) {
+    static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf") throws -> (sent: Int, received: Int, counted: Int, log: String) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
-        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort()), mode: mode), "tc-restart")
+        let metricsPort: Int? = Int(freePort())
+        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: metricsPort!, mode: mode), "tc-restart")
         defer { try? FileManager.default.removeItem(at: file) }
         let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path],
                                          keepsDescriptors: interruption != .restartWithoutStore)
@@ -358,9 +359,17 @@ struct KernelRestartTests {
         let log = manager.output
         let sent = try publisher.json().int("sent")
         let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
+        // The listener's counter in the second process: the maps' count since the first start
+        // when they were taken over (counters never go backwards).
+        let counted = metricsPort.flatMap { port in
+            (try? TCFixtures.metrics(topology, port: port)).flatMap { text in
+                text.split(separator: "\n").first { $0.hasPrefix("udp_fanout_packets_received_total{listener=\"tc\"") }
+                    .flatMap { $0.split(separator: " ").last }.flatMap { Int($0) }
+            }
+        } ?? -1
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
-        return (sent, received, log)
+        return (sent, received, counted, log)
     }
 
     @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
@@ -369,7 +378,9 @@ struct KernelRestartTests {
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("took over the tc_ebpf link the previous process left"), "\(result.log)")
         #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
-        print("tc_ebpf restart: sent \(result.sent), received \(result.received)")
+        #expect(result.log.contains("took over the tc_ebpf maps of the previous process"), "\(result.log)")
+        #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
+        print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
     }
 
     @Test("tc_ebpf: kill -9 then a start loses no datagram: the program forwards unattended meanwhile")
@@ -377,7 +388,8 @@ struct KernelRestartTests {
         let result = try Self.run(.kill9)
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("the previous process ended without a stop"), "\(result.log)")
-        print("tc_ebpf kill -9: sent \(result.sent), received \(result.received)")
+        #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
+        print("tc_ebpf kill -9: sent \(result.sent), received \(result.received), counted \(result.counted)")
     }
 
     @Test("tc_ebpf: the same restart under a unit without a descriptor store loses datagrams (the program is detached until the next start attaches)")
@@ -391,6 +403,55 @@ struct KernelRestartTests {
     func xdpPlannedRestart() throws {
         let result = try Self.run(.restart, mode: "xdp")
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
-        print("xdp restart: sent \(result.sent), received \(result.received)")
+        #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
+        print("xdp restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+    }
+
+    /// 30 two-way clients with fixed ports exchanging without pause through a nat listener
+    /// (tc_ebpf or xdp, round robin over three echo servers) for 3 s, the daemon interrupted after
+    /// 1 s: the publisher's report and the second process's log.
+    static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption) throws -> (report: [String: Any], log: String) {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 30)
+        try TwoWayEndToEndTests.prepare(topology, path)
+        let servers = try TwoWayEndToEndTests.servers(topology)
+        let file = try TCFixtures.write(TwoWayEndToEndTests.config(topology, path, servers: [1, 2, 3]), "nat-restart")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.balancer) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path],
+                                         keepsDescriptors: interruption != .restartWithoutStore)
+        try manager.start()
+        let publisher = try Child("publisher", [TwoWayTopology.vip(), "\(TwoWayEndToEndTests.listenerPort)", "100000000", "--exchange", "--clients", "30",
+                                                "--sources", topology.clientRange(ipv6: false), "--client-port-base", "41000",
+                                                "--reply-timeout-ms", "1000", "--duration", "3"],
+                                  prefix: topology.prefix(topology.clients))
+        usleep(1_000_000)
+        switch interruption {
+        case .restart, .restartWithoutStore: try manager.terminate()
+        case .kill9: try manager.kill9()
+        }
+        try manager.start()
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        let report = try publisher.json()
+        let log = manager.output
+        try manager.stop()
+        _ = servers
+        return (report, log)
+    }
+
+    @Test("nat (tc_ebpf, xdp): a planned restart and kill -9 under 30 exchanging clients: no reply lost, every client keeps its server",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp], [RestartTests.Interruption.restart, .kill9])
+    func natRestart(path: TwoWayEndToEndTests.Path, interruption: RestartTests.Interruption) throws {
+        let (report, log) = try Self.twoWay(path, interruption)
+        print("\(path) \(interruption): \(report)")
+        #expect(report.int("lost") == 0, "no reply lost: \(report); log: \(log)")
+        #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
+        #expect(report.int("clients_with_one_server") == 30, "every client kept its server: \(report)")
+        #expect(report.int("replies") > 1000, "\(report)")
+    }
+
+    @Test("nat (tc_ebpf): the same restart without the store loses replies or moves clients (what the store prevents)")
+    func natRestartWithoutStore() throws {
+        let (report, _) = try Self.twoWay(.nat, .restartWithoutStore)
+        print("nat restart without the store: \(report)")
+        #expect(report.int("lost") > 0 || report.int("clients_with_one_server") < 30, "\(report)")
     }
 }

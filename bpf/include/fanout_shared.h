@@ -43,6 +43,12 @@
 #define FANOUT_PROG_TC           fanout_tc
 #define FANOUT_PROG_TC_NAME      "fanout_tc"
 #define FANOUT_MAP_LISTENERS     fanout_listen
+/* The layout of the tc program's maps as a whole (their keys, values, sizes and meaning): a
+ * restarted daemon takes a previous process's maps over only when it is the same
+ * (docs/restarts.md), else starts them anew and says what it lost. Raise it with any change to
+ * a map or struct this header or fanout_maps.h defines. */
+#define FANOUT_MAPS_LAYOUT 1
+
 #define FANOUT_MAP_LISTENERS_NAME "fanout_listen"
 #define FANOUT_MAP_SETS          fanout_sets
 #define FANOUT_MAP_SETS_NAME     "fanout_sets"

@@ -2,6 +2,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFKernelABI
 import CSystemShim
 import Logging
 import ReusePortLB
@@ -23,6 +24,8 @@ import SystemCalls
 /// - `udp-fanout.socket.<bind>`: a one-way userspace listener's sockets on `<bind>` (`:` written `_`);
 /// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
 ///   at an interface: it keeps forwarding on the last plan while no process runs;
+/// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
+///   maps and nat listeners' association maps, taken over by a program of the same layout;
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
 ///   last ran or stopped (``ProcessRecord``), for the successor's log line and `/status`.
 public final class DescriptorStore: Sendable {
@@ -138,6 +141,28 @@ public final class DescriptorStore: Sendable {
         socketPrefix + String("\(bind)".map { $0 == ":" ? "_" : $0 })
     }
 
+    static let tcMapPrefix = "udp-fanout.tcmap."
+
+    /// The name under which the tc program's map `map` is stored: with the maps' layout, so a
+    /// program of another layout never takes them (``FANOUT_MAPS_LAYOUT``).
+    package static func tcMapName(_ map: String) -> String {
+        "\(tcMapPrefix)\(FANOUT_MAPS_LAYOUT).\(map)"
+    }
+
+    /// The name under which a nat listener's association map (listener id `id`) is stored.
+    package static func tcAssociationsName(_ id: UInt32) -> String {
+        "udp-fanout.tcassoc.\(FANOUT_MAPS_LAYOUT).\(id)"
+    }
+
+    /// Takes every name handed over that starts with `prefix`.
+    package func takeAll(prefix: String) -> [String: [Int32]] {
+        state.withLock { state in
+            let taken = state.inherited.filter { $0.key.hasPrefix(prefix) }
+            for name in taken.keys { state.inherited[name] = nil }
+            return taken
+        }
+    }
+
     /// The name under which the tc_ebpf program's TCX link at `interface` is stored.
     package static func tcLinkName(_ interface: String) -> String {
         tcLinkPrefix + interface
@@ -219,7 +244,8 @@ public final class DescriptorStore: Sendable {
             let queued = fds.reduce(0) { $0 + Self.queuedBytes($1) }
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = name.hasPrefix(Self.socketPrefix) ? Mode.userspace.rawValue : name.hasPrefix(Self.tcLinkPrefix) ? Mode.tcEBPF.rawValue : "unknown"
+            let kind = name.hasPrefix(Self.socketPrefix) ? Mode.userspace.rawValue
+                : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed (\(queued) bytes were queued in them)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")

@@ -5,6 +5,7 @@ import Glibc
 import BPFKernelABI
 import Dispatch
 import BPFSupport
+import CLibBPF
 import CSystemShim
 import Logging
 import ReusePortLB
@@ -28,6 +29,18 @@ final class TCDataplane: Sendable {
         /// Interfaces whose TCX link was taken over from the previous process and still runs its
         /// program (on its plan) until ``TCDataplane/completeAdoptions()``.
         var pendingSwaps: [String] = []
+        /// The previous process's listener entries, when its maps were taken over at this start,
+        /// that no listener of this start has claimed yet (by bind and interface index); and the
+        /// ids its entries and pools hold, kept off the free list until ``TCDataplane/completeAdoptions()``.
+        var adoptedEntries: [AdoptedKey: fanout_listener] = [:]
+        var reservedIDs: Set<UInt32> = []
+        var claimedIDs: Set<UInt32> = []
+    }
+
+    /// A listener entry's key: its bind at an interface.
+    struct AdoptedKey: Hashable {
+        let bind: SocketAddress
+        let ifindex: UInt32
     }
 
     /// A next hop's neighbour entry: interface index and address.
@@ -58,9 +71,11 @@ final class TCDataplane: Sendable {
     }
 
     /// Checks privileges and sysctls, loads the program on first use, attaches to the
-    /// listener's interface (once per interface), and returns a fresh listener id and the
-    /// interface's index (part of the listener's map key).
-    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32, ifindex: UInt32) {
+    /// listener's interface (once per interface), and returns a listener id and the interface's
+    /// index (part of the listener's map key): the id of the previous process's entry for the
+    /// same bind and interface, with that entry, when its maps were taken over (its counters,
+    /// rotation and associations go on), else a fresh one.
+    func register(_ listener: Listener) throws(TCError) -> (program: TCProgram, id: UInt32, ifindex: UInt32, adopted: fanout_listener?) {
         let capabilities = Capabilities.current()
         var missing: [String] = []
         if !capabilities.canLoadBPF { missing.append("CAP_BPF") }
@@ -79,20 +94,140 @@ final class TCDataplane: Sendable {
             if let loaded = state.program {
                 program = loaded
             } else {
-                do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
+                program = try load(in: &state)
                 state.program = program
                 logger.info("eBPF fast path initialized", metadata: [
                     "program_id": "\(program.programID)", "ipv6_csum_flag": "\(program.features.ipv6ChecksumFlag ? "BPF_F_IPV6" : "unsupported by this kernel")",
                 ])
             }
             let attachment = try acquire(interface: interface, mode: listener.settings.tcAttach, in: &state)
+            let key = AdoptedKey(bind: listener.bind, ifindex: UInt32(attachment.ifindex))
+            // The previous process's entry for this bind, if of the same direction (nat or not).
+            if let entry = state.adoptedEntries[key], (entry.reserved & FANOUT_LISTENER_NAT != 0) == (listener.replies == .nat) {
+                state.adoptedEntries[key] = nil
+                state.claimedIDs.insert(entry.id)
+                return (program, entry.id, key.ifindex, entry)
+            }
             guard let id = state.freeIDs.popLast() else {
                 release(interface: interface, in: &state)
                 throw .tooManyListeners
             }
             program.resetListener(id: id)
-            return (program, id, UInt32(attachment.ifindex))
+            return (program, id, key.ifindex, nil)
         }
+    }
+
+    /// Loads the program: on the previous process's maps when they were handed over and fit
+    /// (same layout: ``FANOUT_MAPS_LAYOUT``), noting its listener entries for ``register(_:)``;
+    /// else on new maps, saying what was lost. Its maps go to the service manager's store.
+    private func load(in state: inout State) throws(TCError) -> TCProgram {
+        let (handed, problem) = handedOverMaps()
+        defer { for fd in handed.values { close(fd) } }
+        if let problem {
+            descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: problem)
+            logger.warning("\(problem)")
+        }
+        var loaded: TCProgram?
+        if !handed.isEmpty {
+            do throws(SystemCallError) {
+                let program = try TCProgram(reusing: handed)
+                for (bind, ifindex, entry) in program.listenerEntries() {
+                    state.adoptedEntries[AdoptedKey(bind: bind, ifindex: ifindex)] = entry
+                    state.reservedIDs.insert(entry.id)
+                    withUnsafeBytes(of: entry.pools) { raw in
+                        for index in 0..<Int(min(entry.pool_count, UInt32(FANOUT_MAX_POOLS))) {
+                            state.reservedIDs.insert(raw.load(fromByteOffset: index * MemoryLayout<fanout_pool>.stride, as: fanout_pool.self).id)
+                        }
+                    }
+                }
+                state.freeIDs.removeAll { state.reservedIDs.contains($0) }
+                let note = "tc_ebpf: took over the previous process's maps (\(state.adoptedEntries.count) listener entries): counters, rotations, fragment state and nat associations go on"
+                descriptors.count(Mode.tcEBPF.rawValue, .adopted, note: note)
+                logger.info("took over the tc_ebpf maps of the previous process: counters, rotations, fragment state and associations go on", metadata: [
+                    "listener_entries": "\(state.adoptedEntries.count)",
+                ])
+                loaded = program
+            } catch {
+                let note = "tc_ebpf: the previous process's maps do not fit this program (\(error)): counters, rotations, fragment state and nat associations start anew"
+                descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: note)
+                logger.warning("\(note)")
+            }
+        }
+        let program: TCProgram
+        if let loaded {
+            program = loaded
+        } else {
+            do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
+        }
+        for (name, fd) in zip(TCProgram.mapNames, program.mapDescriptors) {
+            descriptors.replace(DescriptorStore.tcMapName(name), with: [fd])
+        }
+        return program
+    }
+
+    /// The previous process's maps handed over (of this layout, every one of them), and what
+    /// could not be used: another layout, or some maps missing.
+    private func handedOverMaps() -> (maps: [String: Int32], problem: String?) {
+        var maps: [String: Int32] = [:]
+        for name in TCProgram.mapNames {
+            var fds = descriptors.take(DescriptorStore.tcMapName(name))
+            guard !fds.isEmpty else { continue }
+            maps[name] = fds.removeFirst()
+            for extra in fds { close(extra) }
+        }
+        let others = descriptors.takeAll(prefix: DescriptorStore.tcMapPrefix)
+        for fds in others.values { for fd in fds { close(fd) } }
+        if !others.isEmpty {
+            for fd in maps.values { close(fd) }
+            let layouts = Set(others.keys.compactMap { $0.dropFirst(DescriptorStore.tcMapPrefix.count).split(separator: ".").first }).sorted()
+            return ([:], "tc_ebpf: the previous process's maps have layout \(layouts.joined(separator: ", ")), this program \(FANOUT_MAPS_LAYOUT): counters, rotations, fragment state and nat associations start anew (the link is still taken over: no datagram meets an empty hook)")
+        }
+        if !maps.isEmpty && maps.count < TCProgram.mapNames.count {
+            for fd in maps.values { close(fd) }
+            let missing = TCProgram.mapNames.filter { maps[$0] == nil }
+            return ([:], "tc_ebpf: the previous process handed over only some of its maps (missing: \(missing.joined(separator: ", "))): counters, rotations, fragment state and nat associations start anew")
+        }
+        return (maps, nil)
+    }
+
+    /// A nat listener's association map: the previous process's for `id` when its maps were
+    /// taken over and `adopted` (if it holds as many entries as configured now), else a new one;
+    /// put at `id` in the associations array and handed to the service manager's store.
+    func associationMap(id: UInt32, listener: Listener, program: TCProgram, adopted: Bool) throws(SystemCallError) -> Int32 {
+        let name = DescriptorStore.tcAssociationsName(id)
+        let maxEntries = UInt32(clamping: listener.settings.maxAssociations)
+        var handed = descriptors.take(name)
+        if adopted, !handed.isEmpty {
+            let fd = handed.removeFirst()
+            for extra in handed { close(extra) }
+            var info = bpf_map_info()
+            var length = UInt32(MemoryLayout<bpf_map_info>.size)
+            if bpf_obj_get_info_by_fd(fd, &info, &length) == 0, info.max_entries == maxEntries,
+               info.key_size == UInt32(MemoryLayout<fanout_association_key>.size) {
+                do throws(SystemCallError) {
+                    try program.putAssociations(id: id, fd: fd)
+                    descriptors.replace(name, with: [fd])
+                    return fd
+                } catch {
+                    close(fd)
+                    throw error
+                }
+            }
+            logger.warning("the previous process's association map does not fit (max_associations changed): this listener's clients are associated anew", metadata: [
+                "listener": "\(listener.name)", "previous_max_entries": "\(info.max_entries)", "max_associations": "\(maxEntries)",
+            ])
+            close(fd)
+        } else {
+            for fd in handed { close(fd) }
+        }
+        let fd = try program.createAssociations(id: id, maxEntries: maxEntries)
+        descriptors.replace(name, with: [fd])
+        return fd
+    }
+
+    /// A nat listener's association map leaves the store (its listener stops for good).
+    func forgetAssociations(id: UInt32) {
+        if !handingOver { descriptors.remove(DescriptorStore.tcAssociationsName(id)) }
     }
 
     /// A fresh id for a replication pool of a registered listener (its sets, rotation and counters
@@ -223,6 +358,27 @@ final class TCDataplane: Sendable {
     func completeAdoptions() {
         state.withLock { state in
             guard let program = state.program else { return }
+            // The previous process's listeners that this configuration no longer has: their
+            // entries go, and every id its entries and pools held that nothing claimed is free
+            // again (zeroed, its nat entries taken out).
+            for (key, entry) in state.adoptedEntries {
+                program.removeListener(key.bind, ifindex: key.ifindex, id: entry.id)
+                logger.info("removed a listener entry of the previous process that this configuration does not have", metadata: [
+                    "bind": "\(key.bind)", "ifindex": "\(key.ifindex)", "id": "\(entry.id)",
+                ])
+            }
+            let unclaimed = state.reservedIDs.subtracting(state.claimedIDs)
+            if !unclaimed.isEmpty {
+                program.removeLive(ids: unclaimed)
+                for id in unclaimed.sorted() {
+                    program.resetListener(id: id)
+                    descriptors.remove(DescriptorStore.tcAssociationsName(id))
+                    state.freeIDs.append(id)
+                }
+            }
+            state.adoptedEntries = [:]
+            state.reservedIDs = []
+            state.claimedIDs = []
             for interface in state.pendingSwaps {
                 guard let entry = state.attachments[interface] else { continue }
                 do throws(TCError) {
@@ -302,6 +458,9 @@ final class TCDataplane: Sendable {
             }
         }
         if state.attachments.isEmpty, let program = state.program {
+            if !handingOver {
+                for name in TCProgram.mapNames { descriptors.remove(DescriptorStore.tcMapName(name)) }
+            }
             state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
             program.closeDescriptors()
             state.program = nil
@@ -457,7 +616,21 @@ final class TCListener: RunningListener {
         self.dataplane = dataplane
         self.front = front
         self.logger = logger
-        (program, id, ifindex) = try dataplane.register(config)
+        let registered = try dataplane.register(config)
+        (program, id, ifindex) = (registered.program, registered.id, registered.ifindex)
+        if let adopted = registered.adopted {
+            // The previous process's entry: the next set goes to the other generation, and each
+            // downstream at the same address keeps its counter slot (its counters go on).
+            let previous = program.setSlots(id: id, generation: adopted.generation)
+            live.withLock { live in
+                live.generation = adopted.generation
+                for downstream in config.downstreams {
+                    guard let slot = previous[TCProgram.backendKey(downstream.address.ip.words, port: downstream.address.port.bigEndian)],
+                          !live.slots.values.contains(slot) else { continue }
+                    live.slots[downstream.name] = slot
+                }
+            }
+        }
         if let front {
             do throws(TCError) {
                 try front.program.attach(interface: config.interface ?? "", mode: front.mode, sharing: program)
@@ -473,7 +646,7 @@ final class TCListener: RunningListener {
         }
         if config.replies == .nat {
             do throws(SystemCallError) {
-                associationMap = try program.createAssociations(id: id, maxEntries: UInt32(clamping: config.settings.maxAssociations))
+                associationMap = try dataplane.associationMap(id: id, listener: config, program: program, adopted: registered.adopted != nil)
                 try program.putNAT(id: id, bind: config.bind)
             } catch {
                 program.resetListener(id: id)
@@ -889,6 +1062,7 @@ final class TCListener: RunningListener {
             logger.warning("could not clear the nat listener's address from the map", metadata: ["listener": "\(config.name)", "error": "\(error)"])
         }
         program.removeAssociations(id: id)
+        dataplane.forgetAssociations(id: id)
         close(associationMap)
         releaseReplyInterfaces(interfaces)
     }

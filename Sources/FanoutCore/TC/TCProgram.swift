@@ -33,19 +33,35 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources] }
 
+    /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
+    /// of ``mapDescriptors``.
+    static let mapNames = [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
+                           FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME, FANOUT_MAP_ASSOCIATIONS_NAME, FANOUT_MAP_LIVE_NAME,
+                           FANOUT_MAP_NAT_NAME, FANOUT_MAP_POOL_SOURCES_NAME]
+
+    /// The maps' descriptors, in ``mapNames`` order.
+    var mapDescriptors: [Int32] { Array(descriptors.dropFirst()) }
+
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
-    init(features: TCKernelFeatures = .probe()) throws(SystemCallError) {
+    /// - Parameter reusing: maps of a previous process's program by name (``mapNames``), used
+    ///   instead of new ones (bpf_map__reuse_fd; the load fails if one does not fit: type, key,
+    ///   value or size). The caller still owns and closes these descriptors.
+    init(features: TCKernelFeatures = .probe(), reusing: [String: Int32] = [:]) throws(SystemCallError) {
         self.features = features
         var options = fanout_tc_options()
         options.ipv6_csum_flags = features.ipv6ChecksumFlag ? UInt64(BPF_F_IPV6) : 0
         let owned = try loadEmbeddedObject(
             .tcFanout, program: FANOUT_PROG_TC_NAME,
-            maps: [FANOUT_MAP_LISTENERS_NAME, FANOUT_MAP_SETS_NAME, FANOUT_MAP_RR_NAME, FANOUT_MAP_FRAGMENTS_NAME,
-                   FANOUT_MAP_STATS_NAME, FANOUT_MAP_BACKEND_STATS_NAME, FANOUT_MAP_ASSOCIATIONS_NAME, FANOUT_MAP_LIVE_NAME,
-                   FANOUT_MAP_NAT_NAME, FANOUT_MAP_POOL_SOURCES_NAME],
+            maps: Self.mapNames,
             prepare: { object throws(SystemCallError) in
                 try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
+                for (name, fd) in reusing.sorted(by: { $0.key < $1.key }) {
+                    guard let map = bpf_object__find_map_by_name(object, name) else {
+                        throw SystemCallError(call: "bpf_object__find_map_by_name \(name) (a map handed over that this program does not have)", errno: ENOENT)
+                    }
+                    try libbpfCall("bpf_map__reuse_fd \(name)") { bpf_map__reuse_fd(map, fd) }
+                }
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
@@ -222,6 +238,54 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     // MARK: two-way (replies: nat)
 
+    /// Every listener entry in the maps, by bind and interface index (a previous process's, when
+    /// the maps were taken over).
+    func listenerEntries() -> [(bind: SocketAddress, ifindex: UInt32, entry: fanout_listener)] {
+        var result: [(SocketAddress, UInt32, fanout_listener)] = []
+        var current = fanout_listener_key()
+        var next = fanout_listener_key()
+        var first = true
+        while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(listeners, first ? nil : $0, &next) }) == 0 {
+            first = false
+            current = next
+            var value = fanout_listener()
+            guard bpf_map_lookup_elem(listeners, &current, &value) == 0 else { continue }
+            result.append((Self.socketAddress(current.addr, port: current.port, family: Int32(current.family)), current.ifindex, value))
+        }
+        return result
+    }
+
+    /// The counter slot of each backend of generation `generation` of set `id`, by
+    /// ``backendKey(_:port:)``.
+    func setSlots(id: UInt32, generation: UInt32) -> [String: UInt16] {
+        var key = id * 2 + generation
+        let size = MemoryLayout<fanout_set>.size
+        let buffer = UnsafeMutableRawPointer.allocate(byteCount: size, alignment: 8)
+        defer { buffer.deallocate() }
+        guard bpf_map_lookup_elem(sets, &key, buffer) == 0 else { return [:] }
+        let count = Int(buffer.load(fromByteOffset: MemoryLayout<fanout_set>.offset(of: \.count)!, as: UInt32.self))
+        let backends = MemoryLayout<fanout_set>.offset(of: \.backends)!
+        var slots: [String: UInt16] = [:]
+        for index in 0..<min(count, Int(FANOUT_MAX_BACKENDS)) {
+            let backend = buffer.load(fromByteOffset: backends + index * MemoryLayout<fanout_backend>.stride, as: fanout_backend.self)
+            slots[Self.backendKey(backend.addr, port: backend.port)] = backend.counter_slot
+        }
+        return slots
+    }
+
+    /// A backend's address words and port (network order) as one key.
+    static func backendKey(_ words: (UInt32, UInt32, UInt32, UInt32), port: UInt16) -> String {
+        "\(words.0).\(words.1).\(words.2).\(words.3)/\(port)"
+    }
+
+    /// Puts an association map a previous process made (handed over) at `id` in the
+    /// associations array (where it is already, when the maps were taken over too).
+    func putAssociations(id: UInt32, fd: Int32) throws(SystemCallError) {
+        var key = id
+        var value = UInt32(fd)
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_ASSOCIATIONS_NAME)") { bpf_map_update_elem(associations, &key, &value, UInt64(BPF_ANY)) }
+    }
+
     /// Creates a listener's association map (an LRU hash of `maxEntries` clients) and puts it
     /// at `id` in the associations array. Returns its descriptor (the caller closes it).
     func createAssociations(id: UInt32, maxEntries: UInt32) throws(SystemCallError) -> Int32 {
@@ -314,6 +378,24 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             var value = fanout_live()
             guard bpf_map_lookup_elem(liveBackends, &key, &value) == 0, value.listener_id == id else { return }
             bpf_map_delete_elem(liveBackends, &key)
+        }
+    }
+
+    /// Takes out every live map entry of the listeners `ids` (ids a previous process used that
+    /// nothing uses now).
+    func removeLive(ids: Set<UInt32>) {
+        liveWrites.withLock { _ in
+            var stale: [fanout_live_key] = []
+            var current = fanout_live_key()
+            var next = fanout_live_key()
+            var first = true
+            while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(liveBackends, first ? nil : $0, &next) }) == 0 {
+                first = false
+                current = next
+                var value = fanout_live()
+                if bpf_map_lookup_elem(liveBackends, &current, &value) == 0, ids.contains(value.listener_id) { stale.append(current) }
+            }
+            for var key in stale { bpf_map_delete_elem(liveBackends, &key) }
         }
     }
 
