@@ -27,7 +27,7 @@ import SystemCalls
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
 ///   maps and nat listeners' association maps, taken over by a program of the same layout;
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
-///   last ran or stopped (``ProcessRecord``), for the successor's log line and `/status`.
+///   last ran or stopped, for the successor's log line and `/status`.
 public final class DescriptorStore: Sendable {
     /// An adoption's outcome, for `udp_fanout_adoptions_total{kind,outcome}`.
     package enum Outcome: String, Sendable, CaseIterable {
@@ -144,7 +144,7 @@ public final class DescriptorStore: Sendable {
     static let tcMapPrefix = "udp-fanout.tcmap."
 
     /// The name under which the tc program's map `map` is stored: with the maps' layout, so a
-    /// program of another layout never takes them (``FANOUT_MAPS_LAYOUT``).
+    /// program of another layout never takes them (`FANOUT_MAPS_LAYOUT` in fanout_shared.h).
     package static func tcMapName(_ map: String) -> String {
         "\(tcMapPrefix)\(FANOUT_MAPS_LAYOUT).\(map)"
     }
@@ -280,7 +280,7 @@ public final class DescriptorStore: Sendable {
     // MARK: The process record
 
     /// Logs what the previous process left (how long the data path ran unattended after a crash)
-    /// and stores this process's record, refreshed once a second until ``stopping()``.
+    /// and stores this process's record, refreshed once a second until ``stopping(version:startedAt:)``.
     package func announce(version: String, startedAt: Double) {
         if let previous = predecessor {
             let now = self.startedAt

@@ -118,7 +118,7 @@ final class TCDataplane: Sendable {
     }
 
     /// Loads the program: on the previous process's maps when they were handed over and fit
-    /// (same layout: ``FANOUT_MAPS_LAYOUT``), noting its listener entries for ``register(_:)``;
+    /// (same layout: `FANOUT_MAPS_LAYOUT`), noting its listener entries for ``register(_:)``;
     /// else on new maps, saying what was lost. Its maps go to the service manager's store.
     private func load(in state: inout State) throws(TCError) -> TCProgram {
         let (handed, problem) = handedOverMaps()
