@@ -11,8 +11,12 @@
 #  3. the daemon started from the chroot as udp-fanout.service would start it (its ExecStartPre=,
 #     ExecStart=, User=, capabilities, UMask=, limits, RuntimeDirectory= and NOTIFY_SOCKET, read from
 #     the installed unit; no systemd runs in a chroot): READY=1, /readyz, 3,000 datagrams to three
-#     collectors on the host, ExecReload= (RELOADING=1, READY=1), SIGTERM (STOPPING=1, exit 0); the
-#     C sample built against libreuseportlb-dev and run in the chroot;
+#     collectors on the host, ExecReload= (RELOADING=1, READY=1); a package upgrade under traffic
+#     (40,000 datagrams at 20,000/s while apt-get installs the next version and the service is
+#     restarted as its postinst's try-restart does, by scripts/lib/service_manager.py, which
+#     keeps the descriptor store as systemd does: every datagram delivered); the stop (SIGTERM,
+#     STOPPING=1, exit 0, the store closed, nothing left bound); the C sample built against
+#     libreuseportlb-dev and run in the chroot;
 #  4. apt-get remove --purge: nothing left but what the design leaves (the system users).
 # Ports: 127.0.0.1, 31500-31999 only (outside the ephemeral range). Needs root (chroot, mounts). Processes are stopped by PID,
 # mounts unmounted and the root removed on any exit; the whole run is in a private mount namespace.
@@ -280,38 +284,30 @@ listeners:
       - { name: a, address: "127.0.0.1:$sink0" }
       - { name: b, address: "127.0.0.1:$sink1" }
       - { name: c, address: "127.0.0.1:$sink2" }
-    settings: { workers: 1 }
+    settings: { workers: 1, recv_buf_size: 33554432 }
 metrics: { enabled: true, bind: "127.0.0.1:$metrics" }
 YAML
 uid=$(in_root id -u "$user"); gid=$(in_root id -g "$user")
 install -d -o "$uid" -g "$gid" -m 0755 "$root/run/udp-fanout"
 install -d -m 0755 "$root/run/udp-fanout-check"
 : >"$work/notify.log"
-# systemd's notification socket, standing in for PID 1 (NotifyAccess=main).
-python3 - "$root/run/udp-fanout-check" "$work/notify.log" <<'PY' &
-import os, socket, sys
-os.chdir(sys.argv[1])  # a short relative path: the root's absolute one may exceed sun_path
-s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-s.bind("notify")
-os.chmod("notify", 0o777)
-out = open(sys.argv[2], "a", buffering=1)
-out.write("listening\n")
-while True:
-    out.write(s.recv(4096).decode(errors="replace").replace("\n", " ") + "\n")
-PY
-listener=$!
-wait_for_line "$work/notify.log" listening "the notification socket"
-# as_unit COMMAND...: in the root, with the unit's user, groups, capabilities, limits, umask and
-# environment. It execs (every step below execs too): run it in a subshell or in the background,
-# and $! is the daemon's own pid.
+# unit_command COMMAND...: sets `unit_cmd` to COMMAND run in the root with the unit's user, groups,
+# capabilities, limits, umask and environment (every step execs: the command keeps the pid).
+# UNIT_ENV, when set, is a word placed in env's assignments (service_manager.py's @ENV@: LISTEN_*).
+unit_command() {
+  unit_cmd=(chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8
+    USER="$user" LOGNAME="$user" HOME=/ SHELL=/usr/sbin/nologin NOTIFY_SOCKET=/run/udp-fanout-check/notify
+    RUNTIME_DIRECTORY=/run/udp-fanout CONFIGURATION_DIRECTORY=/etc/udp-fanout)
+  [ -z "${UNIT_ENV:-}" ] || unit_cmd+=("$UNIT_ENV")
+  unit_cmd+=(prlimit --nofile="$nofile:$nofile" --memlock="$memlock:$memlock"
+    setpriv --reuid="$user" --regid="$user" --init-groups --inh-caps="-all,$ambient" --ambient-caps="$ambient"
+    --bounding-set="-all,$bounding" --no-new-privs
+    /bin/sh -c 'umask "$0"; [ -z "${LISTEN_FDS:-}" ] || export LISTEN_PID=$$; exec "$@"' "$umask_value" "$@")
+}
+# as_unit COMMAND...: runs it so (execs: run it in a subshell or in the background).
 as_unit() {
-  exec chroot "$root" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
-    USER="$user" LOGNAME="$user" HOME=/ SHELL=/usr/sbin/nologin NOTIFY_SOCKET=/run/udp-fanout-check/notify \
-    RUNTIME_DIRECTORY=/run/udp-fanout CONFIGURATION_DIRECTORY=/etc/udp-fanout \
-    prlimit --nofile="$nofile:$nofile" --memlock="$memlock:$memlock" \
-    setpriv --reuid="$user" --regid="$user" --init-groups --inh-caps="-all,$ambient" --ambient-caps="$ambient" \
-    --bounding-set="-all,$bounding" --no-new-privs \
-    /bin/sh -c 'umask "$0"; exec "$@"' "$umask_value" "$@"
+  unit_command "$@"
+  exec "${unit_cmd[@]}"
 }
 say "\$ ExecStartPre=$start_pre"
 # shellcheck disable=SC2086 # the unit's command line, split as systemd splits this one (no quotes)
@@ -319,14 +315,18 @@ say "\$ ExecStartPre=$start_pre"
 sed 's/^/  /' "$work/start-pre.log"
 i=0
 # (the log files exist before start_collector looks into them)
-for port in "$sink0" "$sink1" "$sink2"; do : >"$work/sink$i.err"; start_collector "$root/usr/bin/collector" "$work" "sink$i" "$port"; i=$((i+1)); done
+# (a receive buffer for the burst a restart leaves queued: the daemon forwards it at once)
+for port in "$sink0" "$sink1" "$sink2"; do : >"$work/sink$i.err"; start_collector "$root/usr/bin/collector" "$work" "sink$i" "$port" --rcvbuf 33554432; i=$((i+1)); done
 say "collectors on the host: 127.0.0.1:$sink0 127.0.0.1:$sink1 127.0.0.1:$sink2 (pids ${pids[*]})"
-say "\$ ExecStart=$start"
+say "\$ ExecStart=$start (run by scripts/lib/service_manager.py, standing in for PID 1: NOTIFY_SOCKET, NotifyAccess=main, the descriptor store of FileDescriptorStoreMax=$(value FileDescriptorStoreMax))"
 # shellcheck disable=SC2086
-as_unit $start 2>"$work/fanout.err" >/dev/null &
-daemon=$!
-for _ in $(seq 200); do grep -q '^READY=1' "$work/notify.log" && break; kill -0 "$daemon" 2>/dev/null || break; sleep 0.05; done
-grep -q '^READY=1' "$work/notify.log" || { cat "$work/fanout.err" >&2; fail "udp-fanout sent no READY=1 within 10 s (its log above)"; }
+UNIT_ENV=@ENV@ unit_command $start
+python3 scripts/lib/service_manager.py "$root/run/udp-fanout-check/notify" "$work/notify.log" "$work/daemon.pid" -- "${unit_cmd[@]}" \
+  2>"$work/fanout.err" >/dev/null &
+listener=$!
+for _ in $(seq 200); do grep -q '^READY=1' "$work/notify.log" && break; kill -0 "$listener" 2>/dev/null || break; sleep 0.05; done
+grep -q '^READY=1' "$work/notify.log" || { cat "$work/notify.log" "$work/fanout.err" >&2; fail "udp-fanout sent no READY=1 within 10 s (its log above)"; }
+daemon=$(cat "$work/daemon.pid")
 running_uid=$(awk '/^Uid:/ { print $2 }' "/proc/$daemon/status")
 [ "$running_uid" = "$uid" ] || fail "the daemon runs as uid $running_uid, not $user ($uid)"
 say "daemon pid $daemon as $user (uid $running_uid), capabilities $(grep CapEff "/proc/$daemon/status" | cut -f2) effective, $(grep CapAmb "/proc/$daemon/status" | cut -f2) ambient"
@@ -346,21 +346,52 @@ for _ in $(seq 200); do [ "$(grep -c '^READY=1' "$work/notify.log")" -ge 2 ] && 
 grep -q '^RELOADING=1' "$work/notify.log" && [ "$(grep -c '^READY=1' "$work/notify.log")" -ge 2 ] \
   || { cat "$work/notify.log" >&2; fail "no RELOADING=1 then READY=1 after SIGHUP (notifications above)"; }
 say "notify: $(grep -m1 '^RELOADING=1' "$work/notify.log" | cut -c1-80)... then $(grep '^READY=1' "$work/notify.log" | tail -1)"
-say "\$ kill -TERM $daemon (KillSignal=SIGTERM)"
-kill -TERM "$daemon"
-status=0
-wait "$daemon" || status=$?
-daemon=""
-[ $status = 0 ] || { cat "$work/fanout.err" >&2; fail "udp-fanout exited $status on SIGTERM (its log above)"; }
-grep -q '^STOPPING=1' "$work/notify.log" || fail "no STOPPING=1 before the exit"
-say "udp-fanout exited 0 after STOPPING=1"
-stop_collectors
-check_delivered "deb-check: the daemon started from the root as the unit does ($user, $ambient) forwarded 3000 datagrams from 16 sources" \
-  3000 "$work/sink0.json" "$work/sink1.json" "$work/sink2.json"
-kill -TERM "$listener" 2>/dev/null || true
+
+step "package upgrade under traffic"
+# The next version: this package with a higher version, installed over it as apt-get upgrade does.
+# No systemd runs in the root, so its postinst skips the try-restart; the service manager here
+# does it (SIGUSR1: SIGTERM, then a start with the descriptor store handed back).
+next="$debversion+check1"
+dpkg-deb -R "dist/udp-fanout_${debversion}_$arch.deb" "$work/next"
+sed -i "s/^Version: .*/Version: $next/" "$work/next/DEBIAN/control"
+mkdir -p "$root/tmp/udp-fanout-check"
+dpkg-deb --root-owner-group -b "$work/next" "$root/tmp/udp-fanout-check/udp-fanout_${next}_$arch.deb" >/dev/null
+rm -rf "$work/next"
+say "\$ publisher 127.0.0.1 $listen 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 (in the root), meanwhile:"
+in_root /usr/bin/publisher 127.0.0.1 "$listen" 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >"$work/upgrade-publisher.json" &
+publisher=$!
+sleep 0.5
+say "\$ apt-get install ./udp-fanout_${next}_$arch.deb (in the root)"
+in_root sh -c "cd /tmp/udp-fanout-check && apt-get install -y --no-install-recommends ./udp-fanout_${next}_$arch.deb" >"$work/apt-upgrade.log" 2>&1 \
+  || { cat "$work/apt-upgrade.log" >&2; fail "apt-get install of the next version"; }
+grep -E '^(Preparing to unpack|Unpacking|Setting up) ' "$work/apt-upgrade.log" | sed 's/^/  /'
+readies=$(grep -c '^READY=1' "$work/notify.log")
+say "try-restart udp-fanout.service (what the postinst asks systemd for): SIGTERM, then a start with the stored descriptors"
+kill -USR1 "$listener"
+for _ in $(seq 300); do [ "$(grep -c '^READY=1' "$work/notify.log")" -gt "$readies" ] && break; sleep 0.05; done
+[ "$(grep -c '^READY=1' "$work/notify.log")" -gt "$readies" ] || { cat "$work/notify.log" "$work/fanout.err" >&2; fail "no READY=1 after the restart (above)"; }
+daemon=$(cat "$work/daemon.pid")
+say "notify: $(grep -E '^(exited|restarting|started)' "$work/notify.log" | tail -3 | paste -sd';' | sed 's/;/; /g')"
+grep -E "taking over from the previous process|adopted the sockets of the previous process" "$work/fanout.err" | sed 's/^[^ ]* [^ ]* //' | cut -c1-220 | sed 's/^/  /'
+wait "$publisher" || fail "the publisher failed during the upgrade"
+say "publisher: $(python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print("sent %d in %.2f s" % (r["sent"], r["seconds"]))' "$work/upgrade-publisher.json")"
+sleep 1
+
+say "\$ systemctl stop udp-fanout: SIGTERM (KillSignal=SIGTERM), then the store closed (no job queued)"
+kill -TERM "$listener"
 wait "$listener" 2>/dev/null || true
 listener=""
-rm -rf "$root/run/udp-fanout-check"
+daemon=""
+grep -q '^STOPPING=1' "$work/notify.log" || fail "no STOPPING=1 before the exit"
+[ "$(grep '^exited' "$work/notify.log" | tail -1)" = "exited 0" ] || { cat "$work/fanout.err" >&2; fail "udp-fanout did not exit 0 on SIGTERM: $(grep '^exited' "$work/notify.log" | tail -1) (its log above)"; }
+grep -q '^stopped: the store is closed' "$work/notify.log" || fail "the service manager did not close the store"
+bound=$(ss -Hua "sport = :$listen" | wc -l)
+[ "$bound" = 0 ] || fail "after the stop $bound socket(s) are still bound on 127.0.0.1:$listen: $(ss -Hua "sport = :$listen")"
+say "udp-fanout exited 0 after STOPPING=1; the store closed; nothing bound on 127.0.0.1:$listen"
+stop_collectors
+check_delivered "deb-check: the daemon started from the root as the unit does ($user, $ambient) forwarded 3000 datagrams from 16 sources, then 40000 through the package upgrade" \
+  43000 "$work/sink0.json" "$work/sink1.json" "$work/sink2.json"
+rm -rf "$root/run/udp-fanout-check" "$root/tmp/udp-fanout-check/udp-fanout_${next}_$arch.deb"
 
 step "libreuseportlb0 and libreuseportlb-dev: the C sample"
 c_port=$(free_ports 1)

@@ -13,6 +13,8 @@ package enum BoundSockets {
         package var inode: UInt64
         package var pid: Int32?
         package var command: String?
+        /// The socket's owner uid (/proc/net/udp), when known.
+        package var uid: UInt32? = nil
 
         /// "pid 4242, udp-fanout", or what is known.
         package var owner: String {
@@ -23,15 +25,15 @@ package enum BoundSockets {
     /// The sockets bound to exactly `address` (the kernel's grouping key) in this thread's
     /// network namespace that are not open in this process, with their owner where /proc shows it.
     package static func foreign(on address: SocketAddress) -> [Foreign] {
-        let inodes = bound(on: address)
-        guard !inodes.isEmpty else { return [] }
+        let bound = boundWithOwners(on: address)
+        guard !bound.isEmpty else { return [] }
         let own = socketInodes(ofProcess: "self")
-        let others = inodes.filter { !own.contains($0) }
+        let others = bound.filter { !own.contains($0.inode) }
         guard !others.isEmpty else { return [] }
-        let owners = owners(of: Set(others))
-        return others.map { inode in
-            let pid = owners[inode]
-            return Foreign(inode: inode, pid: pid, command: pid.flatMap(command(of:)))
+        let owners = owners(of: Set(others.map(\.inode)))
+        return others.map { socket in
+            let pid = owners[socket.inode]
+            return Foreign(inode: socket.inode, pid: pid, command: pid.flatMap(command(of:)), uid: socket.uid)
         }
     }
 
@@ -72,6 +74,12 @@ package enum BoundSockets {
 
     /// Inodes of the sockets in /proc/thread-self/net/udp{,6} whose local address is `address`.
     static func bound(on address: SocketAddress) -> [UInt64] {
+        boundWithOwners(on: address).map(\.inode)
+    }
+
+    /// The sockets in /proc/thread-self/net/udp{,6} whose local address is `address`: inode and
+    /// owner uid.
+    static func boundWithOwners(on address: SocketAddress) -> [(inode: UInt64, uid: UInt32?)] {
         let isV4 = address.ip.family == AF_INET
         // /proc/net/udp prints each 32-bit word of the address as the host-order value of its
         // network-order bytes, then the port in host order: "0100007F:1F90" on x86.
@@ -83,13 +91,13 @@ package enum BoundSockets {
             wanted += hex(value, width: 8)
         }
         wanted += ":" + hex(UInt32(address.port), width: 4)
-        var inodes: [UInt64] = []
+        var sockets: [(UInt64, UInt32?)] = []
         for line in lines(of: "/proc/thread-self/net/" + (isV4 ? "udp" : "udp6")).dropFirst() {
             let fields = line.split(separator: " ", omittingEmptySubsequences: true)
             guard fields.count > 9, fields[1] == wanted, let inode = UInt64(fields[9]), inode != 0 else { continue }
-            inodes.append(inode)
+            sockets.append((inode, UInt32(fields[7])))
         }
-        return inodes
+        return sockets
     }
 
     private static func hex(_ value: UInt32, width: Int) -> String {

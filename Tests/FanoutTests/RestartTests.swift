@@ -38,8 +38,12 @@ final class ServiceManager {
         for entry in store { close(entry.fd) }
     }
 
-    /// Starts the service with the store handed back; waits for READY=1.
+    /// Starts the service with the store handed back, after `--check` as the unit's
+    /// `ExecStartPre=` runs it (the store still holds the previous process's sockets); waits for
+    /// READY=1.
     func start() throws {
+        let check = try run(arguments[0], Array(arguments.dropFirst()) + ["--check"])
+        #expect(check.status == 0, "ExecStartPre= udp-fanout --check: \(check.output)")
         let given = store
         let log = "/tmp/restart-\(UUID().uuidString.prefix(8)).log"
         var environment = ["NOTIFY_SOCKET": notify.path]
@@ -104,6 +108,14 @@ final class ServiceManager {
         pump(within: 0.1)
         logs.append(running.output)
         process = nil
+    }
+
+    /// Renames every stored descriptor whose name starts with `prefix` (a previous version's
+    /// names, for a test of what a start does with them).
+    func rename(prefix: String, to replacement: String) {
+        store = store.map { entry in
+            entry.name.hasPrefix(prefix) ? (replacement + entry.name.dropFirst(prefix.count), entry.fd) : entry
+        }
     }
 
     /// The unit is stopped with no job queued: systemd closes the store.
@@ -252,7 +264,7 @@ struct RestartTests {
     func plannedRestart() throws {
         let result = try Self.run(.restart)
         #expect(result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
-        #expect(result.log.contains("taking over from the previous process, which stopped cleanly"), "\(result.log)")
+        #expect(result.log.contains("taking over from the previous process, which began a clean stop"), "\(result.log)")
         #expect(result.log.contains("adopted the sockets of the previous process"), "\(result.log)")
         print("restart: sent \(result.sent), received \(result.received), longest gap \(result.longestGap)")
     }
@@ -337,7 +349,8 @@ struct KernelRestartTests {
     /// A tc_ebpf (or xdp) listener in the proxy namespace of a one-backend topology, run by a
     /// service manager; publisher in the client namespace at 20,000 datagrams/s for 3 s,
     /// interrupted after 1 s: (sent, received at the backend, the second process's log).
-    static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf") throws -> (sent: Int, received: Int, counted: Int, log: String) {
+    static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf",
+                    beforeSecondStart: (ServiceManager) -> Void = { _ in }) throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
@@ -353,6 +366,7 @@ struct KernelRestartTests {
         case .restart, .restartWithoutStore: try manager.terminate()
         case .kill9: try manager.kill9()
         }
+        beforeSecondStart(manager)
         try manager.start()
         #expect(publisher.wait(seconds: 30) == 0)
         usleep(500_000)
@@ -361,15 +375,11 @@ struct KernelRestartTests {
         let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
         // The listener's counter in the second process: the maps' count since the first start
         // when they were taken over (counters never go backwards).
-        let counted = metricsPort.flatMap { port in
-            (try? TCFixtures.metrics(topology, port: port)).flatMap { text in
-                text.split(separator: "\n").first { $0.hasPrefix("udp_fanout_packets_received_total{listener=\"tc\"") }
-                    .flatMap { $0.split(separator: " ").last }.flatMap { Int($0) }
-            }
-        } ?? -1
+        let metrics = (try? TCFixtures.metrics(topology, port: metricsPort!)) ?? ""
+        let counted = metric(metrics, "udp_fanout_packets_received_total", "listener=\"tc\",mode=\"\(mode)\"") ?? -1
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
-        return (sent, received, counted, log)
+        return (sent, received, counted, log, metrics)
     }
 
     @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
@@ -380,7 +390,41 @@ struct KernelRestartTests {
         #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
         #expect(result.log.contains("took over the tc_ebpf maps of the previous process"), "\(result.log)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
+        #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 2, "the link and the maps: \(result.metrics)")
+        #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 0)
         print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+    }
+
+    @Test("tc_ebpf: a reload that removes the last tc listener takes its link and maps out of the store (nothing stays attached through it)")
+    func reloadRemovesFromStore() throws {
+        let topology = try Topology(backends: 1)
+        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort())), "tc-store")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
+        try manager.start()
+        #expect(manager.store.contains { $0.name == DescriptorStore.tcLinkName(topology.proxyInterface) }, "\(manager.store.map(\.name))")
+        #expect(manager.store.filter { $0.name.hasPrefix(DescriptorStore.tcMapPrefix) }.count == TCProgram.mapNames.count, "\(manager.store.map(\.name))")
+        let sink = try Sink()
+        try ("listeners:\n" + listenerYAML("u", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), [sink])).write(to: file, atomically: true, encoding: .utf8)
+        manager.process?.signal(SIGHUP)
+        #expect(manager.pump(until: { ($0["STATUS"] ?? "").contains("reloaded") }), "\(manager.output)")
+        #expect(!manager.store.contains { $0.name.hasPrefix("udp-fanout.tc") }, "\(manager.store.map(\.name))")
+        let programs = try TCFixtures.programsAfterRelease()
+        #expect(!programs.contains("fanout_tc"), "the store holds no copy that keeps it loaded and attached: \(programs)")
+        try manager.stop()
+        try TCFixtures.expectNothingLeft(topology)
+    }
+
+    @Test("tc_ebpf: maps of another layout are not taken over, the link still is: no datagram lost, the log says what starts anew, counted rejected")
+    func incompatibleLayout() throws {
+        let current = DescriptorStore.tcMapName("")
+        let result = try Self.run(.restart) { manager in manager.rename(prefix: current, to: DescriptorStore.tcMapPrefix + "999.") }
+        #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("the previous process's maps have layout 999"), "\(result.log)")
+        #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
+        #expect(result.counted < result.sent, "new maps count from 0: \(result.counted)")
+        #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 1, "\(result.metrics)")
+        #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 1, "the link: \(result.metrics)")
     }
 
     @Test("tc_ebpf: kill -9 then a start loses no datagram: the program forwards unattended meanwhile")
@@ -410,11 +454,12 @@ struct KernelRestartTests {
     /// 30 two-way clients with fixed ports exchanging without pause through a nat listener
     /// (tc_ebpf or xdp, round robin over three echo servers) for 3 s, the daemon interrupted after
     /// 1 s: the publisher's report and the second process's log.
-    static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption) throws -> (report: [String: Any], log: String) {
+    static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption,
+                       secondServers: [Int]? = nil) throws -> (report: [String: Any], log: String) {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 30)
         try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try TwoWayEndToEndTests.servers(topology)
-        let file = try TCFixtures.write(TwoWayEndToEndTests.config(topology, path, servers: [1, 2, 3]), "nat-restart")
+        let file = try TCFixtures.write(TwoWayEndToEndTests.config(topology, path, servers: [1, 2, 3], drainSecs: 0), "nat-restart")
         defer { try? FileManager.default.removeItem(at: file) }
         let manager = try ServiceManager(topology.prefix(topology.balancer) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path],
                                          keepsDescriptors: interruption != .restartWithoutStore)
@@ -427,6 +472,9 @@ struct KernelRestartTests {
         switch interruption {
         case .restart, .restartWithoutStore: try manager.terminate()
         case .kill9: try manager.kill9()
+        }
+        if let secondServers {
+            try TwoWayEndToEndTests.config(topology, path, servers: secondServers, drainSecs: 0).write(to: file, atomically: true, encoding: .utf8)
         }
         try manager.start()
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
@@ -446,6 +494,17 @@ struct KernelRestartTests {
         #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
         #expect(report.int("clients_with_one_server") == 30, "every client kept its server: \(report)")
         #expect(report.int("replies") > 1000, "\(report)")
+    }
+
+    @Test("nat (tc_ebpf): a restart whose configuration removed a server: its 10 clients move to the others (it is gone, drain_secs 0), the 20 others keep theirs")
+    func natRestartWithoutAServer() throws {
+        let (report, log) = try Self.twoWay(.nat, .restart, secondServers: [1, 2])
+        print("nat restart without b3: \(report)")
+        #expect(log.contains("downstream left the set"), "\(log)")
+        #expect(report.int("clients_with_one_server") == 20, "b3's 10 clients moved, the others kept theirs: \(report)")
+        // At most the one request each of b3's clients had outstanding when it went.
+        #expect(report.int("lost") <= 10, "\(report)")
+        #expect(report.int("wrong_source") == 0, "\(report)")
     }
 
     @Test("nat (tc_ebpf): the same restart without the store loses replies or moves clients (what the store prevents)")

@@ -24,10 +24,11 @@ metrics: { enabled: false }
 YAML
 }
 
-# start_collector BIN DIR NAME PORT: a collector on 127.0.0.1:PORT (report DIR/NAME.json, log
-# DIR/NAME.err); appends its pid to the caller's `pids` array; fails if it is not ready in 5 s.
+# start_collector BIN DIR NAME PORT [ARG...]: a collector on 127.0.0.1:PORT (report DIR/NAME.json,
+# log DIR/NAME.err; further collector arguments after PORT); appends its pid to the caller's
+# `pids` array; fails if it is not ready in 5 s.
 start_collector() {
-  "$1" 127.0.0.1 "$4" 0 1 >"$2/$3.json" 2>"$2/$3.err" &
+  "$1" 127.0.0.1 "$4" 0 1 "${@:5}" >"$2/$3.json" 2>"$2/$3.err" &
   pids+=($!)
   for _ in $(seq 100); do grep -q ready "$2/$3.err" && return 0; sleep 0.05; done
   echo "smoke: the collector on 127.0.0.1:$4 was not ready within 5 s; it said: $(cat "$2/$3.err")" >&2

@@ -102,6 +102,14 @@ public final class DescriptorStore: Sendable {
         }
         let (named, problem) = parse(environment: environment, pid: getpid())
         if let problem { logger.warning("\(problem)") }
+        if named.isEmpty, let owner = environment["LISTEN_PID"], Int32(owner) != getpid(),
+           let count = environment["LISTEN_FDS"].flatMap({ Int($0) }), (1...65_536).contains(count) {
+            // Handed to another pid (a wrapper that forked instead of exec'ing: sudo, a shell
+            // without exec): not used, and closed, so nothing they hold (a previous process's
+            // tc link still forwarding on its old plan) stays alive through this process.
+            for fd in Int32(3)..<Int32(3 + count) { close(fd) }
+            logger.warning("LISTEN_FDS names another process (LISTEN_PID=\(owner), this one is \(getpid())): its \(count) descriptor(s) are closed, nothing handed over is used; start udp-fanout with exec (not through a wrapper that forks) to take the previous process's data path over")
+        }
         var inherited: [String: [Int32]] = [:]
         for (name, fd) in named {
             guard fcntl(fd, F_SETFD, FD_CLOEXEC) == 0 else {
@@ -123,7 +131,7 @@ public final class DescriptorStore: Sendable {
             return ([], nil)
         }
         guard let total = Int(count), (0...65_536).contains(total) else {
-            return ([], "LISTEN_FDS=\(count) is not a count of descriptors: nothing handed over is used")
+            return ([], "LISTEN_FDS=\(count) is not a count of descriptors: nothing handed over is used, and what was handed over stays open unused (a previous process's tc link keeps forwarding on its old plan until this process ends): fix the service manager's environment")
         }
         let names = environment["LISTEN_FDNAMES"].map { $0.split(separator: ":", omittingEmptySubsequences: false).map(String.init) } ?? []
         var problem: String?
@@ -149,6 +157,10 @@ public final class DescriptorStore: Sendable {
         "\(tcMapPrefix)\(FANOUT_MAPS_LAYOUT).\(map)"
     }
 
+    /// The name of the memfd listing the managed neighbour entries the tc program's pools need
+    /// (made by the process that stored it).
+    package static let tcNeighboursName = "udp-fanout.tcneigh"
+
     /// The name under which a nat listener's association map (listener id `id`) is stored.
     package static func tcAssociationsName(_ id: UInt32) -> String {
         "udp-fanout.tcassoc.\(FANOUT_MAPS_LAYOUT).\(id)"
@@ -165,7 +177,11 @@ public final class DescriptorStore: Sendable {
 
     /// The name under which the tc_ebpf program's TCX link at `interface` is stored.
     package static func tcLinkName(_ interface: String) -> String {
-        tcLinkPrefix + interface
+        // systemd accepts printable ASCII without ':' (an interface name may hold other bytes).
+        tcLinkPrefix + interface.utf8.map { byte in
+            (0x21..<0x7f).contains(byte) && byte != UInt8(ascii: ":") && byte != UInt8(ascii: "%")
+                ? String(UnicodeScalar(byte)) : "%" + String(byte, radix: 16)
+        }.joined()
     }
 
     /// Set by ``stopping(version:startedAt:)`` when descriptors go to a service manager: the
@@ -173,6 +189,12 @@ public final class DescriptorStore: Sendable {
     /// maps as they are and only close their own descriptors.
     package var handingOver: Bool { handingOverFlag.load(ordering: .relaxed) }
     private let handingOverFlag = Atomic<Bool>(false)
+
+    /// A start failed: under a service manager, what it took over and stored is left for the
+    /// next attempt (kernel kinds keep forwarding on the plan they were found with).
+    package func handOverAfterFailedStart() {
+        if notifier != nil { handingOverFlag.store(true, ordering: .relaxed) }
+    }
 
     /// Whether descriptors go to a service manager (`NOTIFY_SOCKET` set).
     package var stores: Bool { notifier != nil }
@@ -241,12 +263,12 @@ public final class DescriptorStore: Sendable {
             return unused
         }
         for (name, fds) in unused.sorted(by: { $0.key < $1.key }) {
-            let queued = fds.reduce(0) { $0 + Self.queuedBytes($1) }
+            let socket = name.hasPrefix(Self.socketPrefix)
+            let queued = socket ? " (\(fds.reduce(0) { $0 + Self.queuedBytes($1) }) bytes were queued in them)" : ""
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = name.hasPrefix(Self.socketPrefix) ? Mode.userspace.rawValue
-                : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
-            let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed (\(queued) bytes were queued in them)"
+            let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
+            let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")
         }
@@ -289,7 +311,7 @@ public final class DescriptorStore: Sendable {
             ]
             if let stopped = previous.stoppedAt {
                 metadata["stopped_seconds_ago"] = "\(Self.rounded(now - stopped))"
-                logger.info("taking over from the previous process, which stopped cleanly", metadata: metadata)
+                logger.info("taking over from the previous process, which began a clean stop", metadata: metadata)
             } else {
                 metadata["unattended_seconds"] = "\(Self.rounded(now - previous.lastSeenAt))"
                 logger.warning("the previous process ended without a stop (a crash or kill -9): its data path ran unattended on its last plan until this start", metadata: metadata)

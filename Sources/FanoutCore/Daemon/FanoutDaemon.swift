@@ -172,6 +172,9 @@ public final class FanoutDaemon: Sendable {
         do {
             try transition(to: config, from: FanoutConfig(listeners: []))
         } catch {
+            // Under a service manager what this start took over stays as it was found (fail
+            // static): the previous plan forwards until a start succeeds, or the unit stops.
+            descriptors.handOverAfterFailedStart()
             shutdown()
             throw error
         }
@@ -222,9 +225,18 @@ public final class FanoutDaemon: Sendable {
     }
 
     private func transitionChangesHeld(to new: FanoutConfig, from old: FanoutConfig) throws(DaemonError) {
-        try transitionLocked(to: new, from: old)
-        // A listener a reload removed: its sockets leave the service manager's store with it.
-        descriptors.forgetSockets(except: Set(new.listeners.filter(UserspaceKind.serves).map { DescriptorStore.socketName($0.bind) }))
+        // A listener a reload removed: its sockets leave the service manager's store with it; a
+        // change that failed and was rolled back leaves none of the new one's there either.
+        func keepSockets(of config: FanoutConfig) {
+            descriptors.forgetSockets(except: Set(config.listeners.filter(UserspaceKind.serves).map { DescriptorStore.socketName($0.bind) }))
+        }
+        do {
+            try transitionLocked(to: new, from: old)
+        } catch {
+            keepSockets(of: old)
+            throw error
+        }
+        keepSockets(of: new)
         // Disabled: no targets; the policy of a disabled section is not applied (nothing to probe).
         if new.health.enabled { health.setPolicy(HealthPolicy(new.health)) }
         updateHealthTargetsChangesHeld()

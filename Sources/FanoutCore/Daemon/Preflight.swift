@@ -1,4 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
 import ReusePortLB
 
 /// What `--check` verifies beyond the file itself, without binding, loading or attaching
@@ -29,7 +32,17 @@ public enum Preflight {
     /// reloads); a wildcard bind overlapping another process's socket is a note.
     static func bindProblems(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
         var notes = SocketOverlap.warnings(listener.bind).map { "listeners[\(index)].bind: \($0)" }
-        guard let other = BoundSockets.foreign(on: listener.bind).first else { return ([], notes) }
+        let foreign = BoundSockets.foreign(on: listener.bind)
+        // Held by the service manager (systemd's descriptor store, PID 1, or the process that
+        // started this one: ExecStartPre= of a restart, or after a crash): the daemon this start
+        // makes takes them over (docs/restarts.md). Without /proc access to PID 1 (DynamicUser=)
+        // the owner is unknown: a socket of this very user is taken for one.
+        let held = foreign.filter { $0.pid == 1 || $0.pid == getppid() || ($0.pid == nil && $0.uid == geteuid()) }
+        if !held.isEmpty && held.count == foreign.count {
+            notes.append("listeners[\(index)].bind: \(listener.bind) has \(held.count) socket(s) held by the service manager's descriptor store (a restart): the daemon takes them over and forwards what they queued")
+            return ([], notes)
+        }
+        guard let other = foreign.first(where: { !held.contains($0) }) else { return ([], notes) }
         let text = "listeners[\(index)].bind: \(listener.bind) is already served by another process (\(other.owner))"
         if other.command == "udp-fanout" {
             // Most likely the daemon this file is about to reload (`--check` before SIGHUP).

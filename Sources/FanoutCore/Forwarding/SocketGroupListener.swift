@@ -197,18 +197,23 @@ final class SocketGroupListener: Sendable {
             }
         }
         let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
-        let note = "listener '\(config.name)' on \(config.bind): adopted \(handedOver.count) socket(s) from \(previous) holding \(queued) bytes, \(dropped) datagram(s) dropped by the kernel over their life"
+        let note = "listener '\(config.name)' on \(config.bind): adopted \(handedOver.count) socket(s) from \(previous) holding \(queued) bytes, \(dropped) datagram(s) dropped by the kernel over their life (counted in receive_queue_drops)"
         descriptors.count(Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
-        logger.info("adopted the sockets of the previous process: forwarding what they queued while no process read them", metadata: [
+        var metadata: Logger.Metadata = [
             "listener": "\(config.name)", "bind": "\(config.bind)", "sockets": "\(handedOver.count)", "queued_bytes": "\(queued)",
-            "kernel_drops": "\(dropped)", "previous": "\(previous)",
-        ])
+            "kernel_drops": "\(dropped)",
+        ]
+        if let predecessor = descriptors.predecessor {
+            metadata["previous_pid"] = "\(predecessor.pid)"
+            metadata["previous_version"] = "\(predecessor.version)"
+        }
+        logger.info("adopted the sockets of the previous process: forwarding what they queued while no process read them", metadata: metadata)
         let stopped = StopSignal()
         stopped.set()
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
         let drains = handedOver.enumerated().map { index, member in
             SocketWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
-                         makeOutbox: factory, drainLimit: .seconds(30))
+                         makeOutbox: factory, drainLimit: .seconds(30), handedOver: true)
         }
         let (name, log) = (config.name, logger)
         OSThread.detached(name: "\(config.name)-adopted") {

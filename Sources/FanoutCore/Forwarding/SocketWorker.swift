@@ -16,6 +16,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let index: Int
     let member: ReusePortMember
     let receivingNow = Atomic<Bool>(false)
+    /// Reads out a socket the previous process handed over (its log line says so).
+    private let handedOver: Bool
     private let loop: ReceiveLoop
     private let listener: Listener
     private let counters: ListenerCounters
@@ -31,7 +33,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
-         drainLimit: Duration = .seconds(1)) {
+         drainLimit: Duration = .seconds(1), handedOver: Bool = false) {
+        self.handedOver = handedOver
         self.index = index
         self.member = member
         drops = ReceiveQueueDropReading(member)
@@ -53,7 +56,11 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         let cpu = pinWorkerThread(listener, index, logger: logger)
         forwarder.adoptPlanIfChanged()
         receivingNow.store(true, ordering: .relaxed)
-        logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
+        if handedOver {
+            logger.info("reading out a socket the previous process handed over", metadata: ["listener": "\(listener.name)", "socket": "\(index)", "cpu": "\(cpu)"])
+        } else {
+            logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
+        }
         loop.run(self)
         drops.read(member, into: counters)
         receivingNow.store(false, ordering: .relaxed)

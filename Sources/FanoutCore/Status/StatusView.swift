@@ -67,7 +67,7 @@ package enum StatusView {
         if let takeover = report.takeover {
             let from = takeover.previousPid.map { "pid \($0)\(takeover.previousVersion.map { ", version \($0)" } ?? "")" } ?? "a process that left no record"
             let how = switch takeover.previousStoppedCleanly {
-            case true?: ", which stopped cleanly"
+            case true?: ", which began a clean stop"
             case false?: ", which ended without a stop (crash); its data path ran unattended \(((takeover.unattendedSeconds ?? 0) * 10).rounded() / 10) s"
             case nil: ""
             }

@@ -35,6 +35,10 @@ final class TCDataplane: Sendable {
         var adoptedEntries: [AdoptedKey: fanout_listener] = [:]
         var reservedIDs: Set<UInt32> = []
         var claimedIDs: Set<UInt32> = []
+        /// Managed neighbour entries the previous process made for its pools' next hops (handed
+        /// over with its data path): this process's once a pool needs one, removed at
+        /// ``TCDataplane/completeAdoptions()`` otherwise.
+        var inheritedNeighbours: Set<Neighbour> = []
     }
 
     /// A listener entry's key: its bind at an interface.
@@ -121,6 +125,7 @@ final class TCDataplane: Sendable {
     /// (same layout: `FANOUT_MAPS_LAYOUT`), noting its listener entries for ``register(_:)``;
     /// else on new maps, saying what was lost. Its maps go to the service manager's store.
     private func load(in state: inout State) throws(TCError) -> TCProgram {
+        state.inheritedNeighbours = takeHandedOverNeighbours()
         let (handed, problem) = handedOverMaps()
         defer { for fd in handed.values { close(fd) } }
         if let problem {
@@ -190,6 +195,36 @@ final class TCDataplane: Sendable {
         return (maps, nil)
     }
 
+    /// The managed neighbour entries the previous process made (a memfd of "ifindex address"
+    /// lines, `udp-fanout.tcneigh`).
+    private func takeHandedOverNeighbours() -> Set<Neighbour> {
+        var found: Set<Neighbour> = []
+        for fd in descriptors.take(DescriptorStore.tcNeighboursName) {
+            defer { close(fd) }
+            var bytes = [UInt8](repeating: 0, count: 65536)
+            let count = pread(fd, &bytes, bytes.count, 0)
+            guard count > 0 else { continue }
+            for line in String(decoding: bytes[0..<count], as: UTF8.self).split(separator: "\n") {
+                let fields = line.split(separator: " ")
+                guard fields.count == 2, let ifindex = UInt32(fields[0]), let address = IPAddress(String(fields[1])) else { continue }
+                found.insert(Neighbour(ifindex: ifindex, address: address))
+            }
+        }
+        return found
+    }
+
+    /// Hands the managed neighbour entries this process made to the next one (the process stops
+    /// and hands its data path over: the pools' copies still need them).
+    private func handOverNeighbours(_ neighbours: [Neighbour]) {
+        guard !neighbours.isEmpty else { return }
+        let fd = shim_memfd(DescriptorStore.tcNeighboursName)
+        guard fd >= 0 else { return }
+        defer { close(fd) }
+        let text = Array(neighbours.map { "\($0.ifindex) \($0.address)\n" }.joined().utf8)
+        guard pwrite(fd, text, text.count, 0) == text.count else { return }
+        descriptors.replace(DescriptorStore.tcNeighboursName, with: [fd])
+    }
+
     /// A nat listener's association map: the previous process's for `id` when its maps were
     /// taken over and `adopted` (if it holds as many entries as configured now), else a new one;
     /// put at `id` in the associations array and handed to the service manager's store.
@@ -213,9 +248,9 @@ final class TCDataplane: Sendable {
                     throw error
                 }
             }
-            logger.warning("the previous process's association map does not fit (max_associations changed): this listener's clients are associated anew", metadata: [
-                "listener": "\(listener.name)", "previous_max_entries": "\(info.max_entries)", "max_associations": "\(maxEntries)",
-            ])
+            let note = "listener '\(listener.name)': the previous process's association map holds \(info.max_entries) entries, max_associations is \(maxEntries) now: its clients are associated anew"
+            descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: note)
+            logger.warning("\(note)")
             close(fd)
         } else {
             for fd in handed { close(fd) }
@@ -258,8 +293,14 @@ final class TCDataplane: Sendable {
                     return
                 }
                 do throws(SystemCallError) {
-                    // Not made here (it exists): not ours to delete, nothing to count.
-                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) else { return }
+                    // Not made here (it exists): not ours to delete, nothing to count; unless the
+                    // previous process made it and handed it over.
+                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) else {
+                        guard state.inheritedNeighbours.remove(neighbour) != nil else { return }
+                        state.neighbours[neighbour] = 1
+                        held.append(neighbour)
+                        return
+                    }
                     state.neighbours[neighbour] = 1
                     held.append(neighbour)
                 } catch {
@@ -284,6 +325,14 @@ final class TCDataplane: Sendable {
                     TCRoute.removeNeighbour(neighbour.address, ifindex: neighbour.ifindex)
                 }
             }
+        }
+    }
+
+    /// Ids of the previous process's pools that a listener taken over keeps (not freed at
+    /// ``completeAdoptions()``).
+    func claim(ids: [UInt32]) {
+        state.withLock { state in
+            for id in ids where state.reservedIDs.contains(id) { state.claimedIDs.insert(id) }
         }
     }
 
@@ -357,7 +406,11 @@ final class TCDataplane: Sendable {
     /// refuses is detached and the program attached anew (a gap, logged).
     func completeAdoptions() {
         state.withLock { state in
-            guard let program = state.program else { return }
+            guard let program = state.program else {
+                // No tc_ebpf or xdp listener now: the previous process's neighbour entries go.
+                for neighbour in takeHandedOverNeighbours() { TCRoute.removeNeighbour(neighbour.address, ifindex: neighbour.ifindex) }
+                return
+            }
             // The previous process's listeners that this configuration no longer has: their
             // entries go, and every id its entries and pools held that nothing claimed is free
             // again (zeroed, its nat entries taken out).
@@ -372,6 +425,8 @@ final class TCDataplane: Sendable {
                 program.removeLive(ids: unclaimed)
                 for id in unclaimed.sorted() {
                     program.resetListener(id: id)
+                    program.clearPoolSources(key: id * 2)
+                    program.clearPoolSources(key: id * 2 + 1)
                     descriptors.remove(DescriptorStore.tcAssociationsName(id))
                     state.freeIDs.append(id)
                 }
@@ -379,6 +434,9 @@ final class TCDataplane: Sendable {
             state.adoptedEntries = [:]
             state.reservedIDs = []
             state.claimedIDs = []
+            // The previous process's managed neighbour entries that no pool of this start needs.
+            for neighbour in state.inheritedNeighbours { TCRoute.removeNeighbour(neighbour.address, ifindex: neighbour.ifindex) }
+            state.inheritedNeighbours = []
             for interface in state.pendingSwaps {
                 guard let entry = state.attachments[interface] else { continue }
                 do throws(TCError) {
@@ -458,8 +516,11 @@ final class TCDataplane: Sendable {
             }
         }
         if state.attachments.isEmpty, let program = state.program {
-            if !handingOver {
+            if handingOver {
+                handOverNeighbours(Array(state.neighbours.keys))
+            } else {
                 for name in TCProgram.mapNames { descriptors.remove(DescriptorStore.tcMapName(name)) }
+                descriptors.remove(DescriptorStore.tcNeighboursName)
             }
             state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
             program.closeDescriptors()
@@ -639,7 +700,8 @@ final class TCListener: RunningListener {
                     throw error
                 }
             } catch {
-                program.resetListener(id: id)
+                // An id taken over keeps the previous process's state: its plan still forwards.
+                if registered.adopted == nil { program.resetListener(id: id) }
                 dataplane.unregister(interface: config.interface ?? "", id: id)
                 throw error
             }
@@ -649,7 +711,7 @@ final class TCListener: RunningListener {
                 associationMap = try dataplane.associationMap(id: id, listener: config, program: program, adopted: registered.adopted != nil)
                 try program.putNAT(id: id, bind: config.bind)
             } catch {
-                program.resetListener(id: id)
+                if registered.adopted == nil { program.resetListener(id: id) }
                 if let front {
                     front.program.stopServing(id: id)
                     front.program.detach(interface: config.interface ?? "")
@@ -660,11 +722,31 @@ final class TCListener: RunningListener {
         } else {
             associationMap = nil
         }
+        if config.replies == .nat, registered.adopted != nil {
+            // Backends the previous process had live for this listener that this configuration
+            // does not have: they drain (or are gone) as if a reload had removed them, keeping
+            // their counter slots meanwhile (no new downstream is given one).
+            let wanted = Set(config.downstreams.filter { $0.weight > 0 }.map(\.address))
+            let now = ContinuousClock.now
+            let previous = program.liveEntries(id: id).filter { !wanted.contains($0.address) }
+            live.withLock { live in
+                for (address, slot) in previous where !live.slots.values.contains(slot) {
+                    live.slots["\(address)"] = slot
+                    startDrain(address, slot: slot, name: "\(address)", now: now, in: &live)
+                }
+            }
+        }
         do throws(TCError) {
+            try pools(adopting: registered.adopted)
             try apply(downstreams: config.downstreams, balancing: config.balancing, pools: config.pools.map { ($0, $0.downstreams) })
         } catch {
-            program.removeListener(config.bind, ifindex: ifindex, id: id)
-            releaseNAT()
+            if registered.adopted == nil {
+                program.removeListener(config.bind, ifindex: ifindex, id: id)
+                releaseNAT()
+            } else if let associationMap {
+                // The previous process's entry, sets and associations stay: its plan still forwards.
+                close(associationMap)
+            }
             releaseFront()
             dataplane.unregister(interface: config.interface ?? "", id: id)
             throw error
@@ -680,6 +762,34 @@ final class TCListener: RunningListener {
             "id": "\(id)", "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
         ])
         counters.setSource(for: ObjectIdentifier(self)) { [weak self] in self?.snapshot() ?? .zero }
+    }
+
+    /// A listener taken over from the previous process keeps its pools' ids (in the order of the
+    /// configuration: the previous entry's first pool is the first configured one), their set
+    /// generation, rotation, counters and members' counter slots (by address). Pools beyond the
+    /// previous entry's get new ids.
+    private func pools(adopting entry: fanout_listener?) throws(TCError) {
+        guard let entry else { return }
+        let previous: [fanout_pool] = withUnsafeBytes(of: entry.pools) { raw in
+            (0..<Int(min(entry.pool_count, UInt32(FANOUT_MAX_POOLS)))).map { raw.load(fromByteOffset: $0 * MemoryLayout<fanout_pool>.stride, as: fanout_pool.self) }
+        }
+        let count = min(previous.count, config.pools.count)
+        guard count > 0 else { return }
+        dataplane.claim(ids: previous.prefix(count).map(\.id))
+        live.withLock { live in
+            for (pool, record) in zip(config.pools.prefix(count), previous.prefix(count)) {
+                var state = PoolLive(id: record.id)
+                state.generation = record.generation
+                let slots = program.setSlots(id: record.id, generation: record.generation)
+                for member in pool.downstreams {
+                    guard let slot = slots[TCProgram.backendKey(member.address.ip.words, port: member.address.port.bigEndian)],
+                          !state.slots.values.contains(slot) else { continue }
+                    state.slots[member.name] = slot
+                    state.seenMembers[member.name] = MemberTally()
+                }
+                live.pools[pool.name] = state
+            }
+        }
     }
 
     /// Writes the inactive generation, then points the listener entry at it. nat: attaches at

@@ -381,6 +381,24 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         }
     }
 
+    /// The backends listener `id` has in the live map, with their counter slots.
+    func liveEntries(id: UInt32) -> [(address: SocketAddress, slot: UInt16)] {
+        liveWrites.withLock { _ in
+            var found: [(SocketAddress, UInt16)] = []
+            var current = fanout_live_key()
+            var next = fanout_live_key()
+            var first = true
+            while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(liveBackends, first ? nil : $0, &next) }) == 0 {
+                first = false
+                current = next
+                var value = fanout_live()
+                guard bpf_map_lookup_elem(liveBackends, &current, &value) == 0, value.listener_id == id else { continue }
+                found.append((Self.socketAddress(current.addr, port: current.port, family: Int32(current.family)), value.counter_slot))
+            }
+            return found
+        }
+    }
+
     /// Takes out every live map entry of the listeners `ids` (ids a previous process used that
     /// nothing uses now).
     func removeLive(ids: Set<UInt32>) {
