@@ -12,7 +12,7 @@
 #     ExecStart=, User=, capabilities, UMask=, limits, RuntimeDirectory= and NOTIFY_SOCKET, read from
 #     the installed unit; no systemd runs in a chroot): READY=1, /readyz, 3,000 datagrams to three
 #     collectors on the host, ExecReload= (RELOADING=1, READY=1); a package upgrade under traffic
-#     (40,000 datagrams at 20,000/s while apt-get installs the next version and the service is
+#     (apt-get installs the next version, then with 40,000 datagrams at 20,000/s flowing the service is
 #     restarted as its postinst's try-restart does, by scripts/lib/service_manager.py, which
 #     keeps the descriptor store as systemd does: every datagram delivered); the stop (SIGTERM,
 #     STOPPING=1, exit 0, the store closed, nothing left bound); the C sample built against
@@ -357,22 +357,27 @@ sed -i "s/^Version: .*/Version: $next/" "$work/next/DEBIAN/control"
 mkdir -p "$root/tmp/udp-fanout-check"
 dpkg-deb --root-owner-group -b "$work/next" "$root/tmp/udp-fanout-check/udp-fanout_${next}_$arch.deb" >/dev/null
 rm -rf "$work/next"
-say "\$ publisher 127.0.0.1 $listen 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 (in the root), meanwhile:"
-in_root /usr/bin/publisher 127.0.0.1 "$listen" 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >"$work/upgrade-publisher.json" &
-publisher=$!
-sleep 0.5
-say "\$ apt-get install ./udp-fanout_${next}_$arch.deb (in the root)"
+say "\$ apt-get install ./udp-fanout_${next}_$arch.deb (in the root; the running daemon goes on forwarding)"
 in_root sh -c "cd /tmp/udp-fanout-check && apt-get install -y --no-install-recommends ./udp-fanout_${next}_$arch.deb" >"$work/apt-upgrade.log" 2>&1 \
   || { cat "$work/apt-upgrade.log" >&2; fail "apt-get install of the next version"; }
 grep -E '^(Preparing to unpack|Unpacking|Setting up) ' "$work/apt-upgrade.log" | sed 's/^/  /'
+say "\$ publisher 127.0.0.1 $listen 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 (in the root), and 0.7 s into it:"
+in_root /usr/bin/publisher 127.0.0.1 "$listen" 40000 --sources 127.0.0.10-127.0.0.25 --rate 20000 >"$work/upgrade-publisher.json" &
+publisher=$!
+pids+=("$publisher")
+sleep 0.7
+kill -0 "$publisher" 2>/dev/null || fail "the publisher ended before the restart: the restart would not be under traffic"
 readies=$(grep -c '^READY=1' "$work/notify.log")
-say "try-restart udp-fanout.service (what the postinst asks systemd for): SIGTERM, then a start with the stored descriptors"
+say "try-restart udp-fanout.service (what the postinst asks systemd for; no systemd runs in the root): SIGTERM, then the new version started with the stored descriptors"
 kill -USR1 "$listener"
 for _ in $(seq 300); do [ "$(grep -c '^READY=1' "$work/notify.log")" -gt "$readies" ] && break; sleep 0.05; done
 [ "$(grep -c '^READY=1' "$work/notify.log")" -gt "$readies" ] || { cat "$work/notify.log" "$work/fanout.err" >&2; fail "no READY=1 after the restart (above)"; }
 daemon=$(cat "$work/daemon.pid")
 say "notify: $(grep -E '^(exited|restarting|started)' "$work/notify.log" | tail -3 | paste -sd';' | sed 's/;/; /g')"
-grep -E "taking over from the previous process|adopted the sockets of the previous process" "$work/fanout.err" | sed 's/^[^ ]* [^ ]* //' | cut -c1-220 | sed 's/^/  /'
+takeover=$(grep -E "taking over from the previous process|adopted the sockets of the previous process" "$work/fanout.err") \
+  || { cat "$work/fanout.err" >&2; fail "the new version did not say it took the previous process's sockets over (its log above)"; }
+sed 's/^[^ ]* [^ ]* //' <<<"$takeover" | cut -c1-220 | sed 's/^/  /'
+kill -0 "$publisher" 2>/dev/null && say "the publisher was still sending when the new version was ready"
 wait "$publisher" || fail "the publisher failed during the upgrade"
 say "publisher: $(python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print("sent %d in %.2f s" % (r["sent"], r["seconds"]))' "$work/upgrade-publisher.json")"
 sleep 1

@@ -16,6 +16,13 @@ package enum BoundSockets {
         /// The socket's owner uid (/proc/net/udp), when known.
         package var uid: UInt32? = nil
 
+        package init(inode: UInt64, pid: Int32?, command: String?, uid: UInt32? = nil) {
+            self.inode = inode
+            self.pid = pid
+            self.command = command
+            self.uid = uid
+        }
+
         /// "pid 4242, udp-fanout", or what is known.
         package var owner: String {
             pid.map { "pid \($0)\(command.map { ", \($0)" } ?? "")" } ?? "another user or namespace"

@@ -44,6 +44,25 @@ final class ServiceManager {
     func start() throws {
         let check = try run(arguments[0], Array(arguments.dropFirst()) + ["--check"])
         #expect(check.status == 0, "ExecStartPre= udp-fanout --check: \(check.output)")
+        try launch()
+        try #require(pump(until: { $0["READY"] == "1" }), "no READY=1; log: \(process?.output ?? "")")
+    }
+
+    /// A start that fails (without ExecStartPre=): waits for the exit and returns its status
+    /// and log; the store stays, as systemd keeps it while Restart=on-failure is pending.
+    func failingStart() throws -> (status: Int32?, log: String) {
+        try launch()
+        let running = try #require(process)
+        var status: Int32?
+        for _ in 0..<600 where status == nil {
+            pump(within: 0.05)
+            status = running.wait(seconds: 0.02)
+        }
+        process = nil
+        return (status, running.output)
+    }
+
+    private func launch() throws {
         let given = store
         let log = "/tmp/restart-\(UUID().uuidString.prefix(8)).log"
         var environment = ["NOTIFY_SOCKET": notify.path]
@@ -54,7 +73,6 @@ final class ServiceManager {
         // LISTEN_PID is the service's own pid: a shell that sets it and execs keeps its pid.
         process = try SpawnedProcess(["/bin/sh", "-c", "export LISTEN_PID=$$; exec \"$0\" \"$@\""] + arguments, log: log,
                                      descriptors: given.map(\.fd), environment: environment)
-        try #require(pump(until: { $0["READY"] == "1" }), "no READY=1; log: \(process?.output ?? "")")
     }
 
     /// Reads notifications (keeping the store) until one satisfies `matches` or `seconds` pass.
@@ -334,6 +352,25 @@ struct DescriptorStoreTests {
         #expect(DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5000")!) != DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5001")!))
     }
 
+    @Test("--check: a socket on the bind held by the service manager (PID 1, the parent, or unknown and of this user) is a restart's, not another process's")
+    func heldByServiceManager() {
+        func socket(_ pid: Int32?, uid: UInt32?) -> BoundSockets.Foreign { BoundSockets.Foreign(inode: 1, pid: pid, command: nil, uid: uid) }
+        #expect(Preflight.heldByServiceManager(socket(1, uid: 0), parent: 77, uid: 5))
+        #expect(Preflight.heldByServiceManager(socket(77, uid: 5), parent: 77, uid: 5))
+        #expect(Preflight.heldByServiceManager(socket(nil, uid: 5), parent: 77, uid: 5))
+        #expect(!Preflight.heldByServiceManager(socket(nil, uid: 6), parent: 77, uid: 5))
+        #expect(!Preflight.heldByServiceManager(socket(nil, uid: nil), parent: 77, uid: 5))
+        #expect(!Preflight.heldByServiceManager(socket(78, uid: 5), parent: 77, uid: 5))
+    }
+
+    @Test("interface names in store names: printable ASCII without ':' or '%', others escaped two hex digits each")
+    func interfaceNames() {
+        #expect(DescriptorStore.tcLinkName("eth0") == "udp-fanout.tcx.eth0")
+        #expect(DescriptorStore.tcLinkName("a\u{01}2") == "udp-fanout.tcx.a%012")
+        #expect(DescriptorStore.tcLinkName("a\u{12}") == "udp-fanout.tcx.a%12")
+        #expect(DescriptorStore.tcLinkName("é%") == "udp-fanout.tcx.%c3%a9%25")
+    }
+
     @Test("the process record: a clean stop and a crash told apart")
     func record() {
         #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\n")
@@ -393,6 +430,48 @@ struct KernelRestartTests {
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 2, "the link and the maps: \(result.metrics)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 0)
         print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+    }
+
+    @Test("tc_ebpf: a start that fails (a userspace bind taken) hands back what it took over: the tc program forwards on, the next start takes it over, no datagram lost")
+    func failedStart() throws {
+        let topology = try Topology(backends: 1)
+        let collectors = try TCFixtures.collectors(topology)
+        let metricsPort = Int(freePort())
+        let good = TCFixtures.config(topology, backends: [1], metricsPort: metricsPort)
+        let file = try TCFixtures.write(good, "tc-failed-start")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
+        try manager.start()
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "60000", "--rate", "20000"], prefix: topology.prefix(topology.client))
+        usleep(800_000)
+        try manager.terminate()
+        // The next file adds a userspace listener on a port another socket holds: the start fails.
+        let port = freePort()
+        let blocker = inNetworkNamespace(topology.proxy) { () -> Int32 in
+            let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+            _ = SocketAddress(ip: IPAddress("198.18.0.1")!, port: port).withSockAddr { bind(fd, $0, $1) }
+            return fd
+        }
+        defer { if let blocker { close(blocker) } }
+        let sink = try Sink()
+        try good.replacingOccurrences(of: "metrics:", with: listenerYAML("blocked", bind: SocketAddress(ip: IPAddress("198.18.0.1")!, port: port), [sink]) + "metrics:")
+            .write(to: file, atomically: true, encoding: .utf8)
+        let failed = try manager.failingStart()
+        #expect(failed.status != 0, "the start fails: \(failed.log)")
+        #expect(manager.store.contains { $0.name == DescriptorStore.tcLinkName(topology.proxyInterface) }, "the link stays stored: \(manager.store.map(\.name))")
+        // Restart=on-failure: the next start, with the file fixed.
+        try good.write(to: file, atomically: true, encoding: .utf8)
+        try manager.start()
+        #expect(publisher.wait(seconds: 30) == 0)
+        usleep(500_000)
+        let metrics = try TCFixtures.metrics(topology, port: metricsPort)
+        let sent = try publisher.json().int("sent")
+        let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
+        try manager.stop()
+        try TCFixtures.expectNothingLeft(topology)
+        #expect(sent == 60_000 && received == sent, "sent \(sent), received \(received); failed start's log: \(failed.log)")
+        #expect(metric(metrics, "udp_fanout_packets_received_total", "listener=\"tc\",mode=\"tc_ebpf\"") == sent, "the maps went on: \(metrics)")
+        print("tc_ebpf failed start: sent \(sent), received \(received)")
     }
 
     @Test("tc_ebpf: a reload that removes the last tc listener takes its link and maps out of the store (nothing stays attached through it)")

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 
 def main():
@@ -56,7 +57,8 @@ def main():
         def place():
             # The store's descriptors at 3, 4, ... (copies above them first: no dup2 overwrites
             # one still to be placed). Every other descriptor is closed after this (close_fds).
-            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]
+            base = max(fds + [2]) + len(fds) + 1
+            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
             for index, fd in enumerate(moved):
                 os.dup2(fd, 3 + index, inheritable=True)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -72,8 +74,13 @@ def main():
         if child is None:
             return
         child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20  # the unit's TimeoutStopSec=
         while child.poll() is None:
             receive(0.05)
+            if time.monotonic() > deadline:
+                log.write("stop timed out after 20 s: SIGKILL\n")
+                child.kill()
+                child.wait()
         receive(0)
         log.write("exited %d\n" % child.returncode)
         child = None
@@ -84,7 +91,9 @@ def main():
             if not ready:
                 return
             timeout = 0
-            message, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(253 * 4))
+            message, ancillary, flags, _ = sock.recvmsg(4096, socket.CMSG_SPACE(253 * 4))
+            if flags & socket.MSG_CTRUNC:
+                log.write("a notification's descriptors were cut (MSG_CTRUNC)\n")
             fds = array.array("i")
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

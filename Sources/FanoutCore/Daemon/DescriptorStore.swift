@@ -102,13 +102,13 @@ public final class DescriptorStore: Sendable {
         }
         let (named, problem) = parse(environment: environment, pid: getpid())
         if let problem { logger.warning("\(problem)") }
-        if named.isEmpty, let owner = environment["LISTEN_PID"], Int32(owner) != getpid(),
-           let count = environment["LISTEN_FDS"].flatMap({ Int($0) }), (1...65_536).contains(count) {
-            // Handed to another pid (a wrapper that forked instead of exec'ing: sudo, a shell
-            // without exec): not used, and closed, so nothing they hold (a previous process's
-            // tc link still forwarding on its old plan) stays alive through this process.
-            for fd in Int32(3)..<Int32(3 + count) { close(fd) }
-            logger.warning("LISTEN_FDS names another process (LISTEN_PID=\(owner), this one is \(getpid())): its \(count) descriptor(s) are closed, nothing handed over is used; start udp-fanout with exec (not through a wrapper that forks) to take the previous process's data path over")
+        if named.isEmpty, environment["LISTEN_FDS"] != nil {
+            // Handed over but not for this process (LISTEN_PID of another: a wrapper that forked
+            // instead of exec'ing, sudo, a shell without exec) or not countable: nothing is used,
+            // and what this process inherited is closed, so nothing it holds (a previous
+            // process's tc link forwarding on its old plan) stays alive through this process.
+            let closed = closeInherited()
+            logger.warning("descriptors handed over by the service manager are not for this process (LISTEN_PID=\(environment["LISTEN_PID"] ?? "unset"), this one is \(getpid()); LISTEN_FDS=\(environment["LISTEN_FDS"] ?? "")): none is used, \(closed) inherited descriptor(s) closed; start udp-fanout with exec (not through a wrapper that forks) to take the previous process's data path over")
         }
         var inherited: [String: [Int32]] = [:]
         for (name, fd) in named {
@@ -121,6 +121,23 @@ public final class DescriptorStore: Sendable {
         return DescriptorStore(inherited: inherited, notifier: notifier, logger: logger)
     }
 
+    /// Closes every descriptor above 2 without close-on-exec: at the start of the process these
+    /// are only the ones it inherited (everything this process opens is close-on-exec).
+    /// - Returns: how many were closed.
+    private static func closeInherited() -> Int {
+        guard let directory = opendir("/proc/self/fd") else { return 0 }
+        var inherited: [Int32] = []
+        while let entry = readdir(directory) {
+            let name = withUnsafeBytes(of: entry.pointee.d_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+            guard let fd = Int32(name), fd > 2, fd != dirfd(directory) else { continue }
+            let flags = fcntl(fd, F_GETFD)
+            if flags >= 0 && flags & FD_CLOEXEC == 0 { inherited.append(fd) }
+        }
+        closedir(directory)
+        for fd in inherited { close(fd) }
+        return inherited.count
+    }
+
     /// sd_listen_fds_with_names(3): descriptors 3..<3+LISTEN_FDS with the names of
     /// LISTEN_FDNAMES (`unknown` where missing), when LISTEN_PID is `pid`.
     /// - Returns: the named descriptors, and a problem to log (values that do not parse).
@@ -131,7 +148,7 @@ public final class DescriptorStore: Sendable {
             return ([], nil)
         }
         guard let total = Int(count), (0...65_536).contains(total) else {
-            return ([], "LISTEN_FDS=\(count) is not a count of descriptors: nothing handed over is used, and what was handed over stays open unused (a previous process's tc link keeps forwarding on its old plan until this process ends): fix the service manager's environment")
+            return ([], "LISTEN_FDS=\(count) is not a count of descriptors: fix the service manager's environment")
         }
         let names = environment["LISTEN_FDNAMES"].map { $0.split(separator: ":", omittingEmptySubsequences: false).map(String.init) } ?? []
         var problem: String?
@@ -180,7 +197,7 @@ public final class DescriptorStore: Sendable {
         // systemd accepts printable ASCII without ':' (an interface name may hold other bytes).
         tcLinkPrefix + interface.utf8.map { byte in
             (0x21..<0x7f).contains(byte) && byte != UInt8(ascii: ":") && byte != UInt8(ascii: "%")
-                ? String(UnicodeScalar(byte)) : "%" + String(byte, radix: 16)
+                ? String(UnicodeScalar(byte)) : "%" + (byte < 16 ? "0" : "") + String(byte, radix: 16)
         }.joined()
     }
 
@@ -190,10 +207,10 @@ public final class DescriptorStore: Sendable {
     package var handingOver: Bool { handingOverFlag.load(ordering: .relaxed) }
     private let handingOverFlag = Atomic<Bool>(false)
 
-    /// A start failed: under a service manager, what it took over and stored is left for the
-    /// next attempt (kernel kinds keep forwarding on the plan they were found with).
-    package func handOverAfterFailedStart() {
-        if notifier != nil { handingOverFlag.store(true, ordering: .relaxed) }
+    /// While the first start runs (under a service manager): a listener it rolls back hands
+    /// over instead of tearing down, so a failed start leaves the data path forwarding.
+    package func handingOverWhile(starting: Bool) {
+        if notifier != nil { handingOverFlag.store(starting, ordering: .relaxed) }
     }
 
     /// Whether descriptors go to a service manager (`NOTIFY_SOCKET` set).

@@ -169,15 +169,18 @@ public final class FanoutDaemon: Sendable {
         for listener in config.listeners { byMode[listener.mode.rawValue, default: 0] += 1 }
         logger.info("configured listeners by mode", metadata: byMode.mapValues { "\($0)" })
         for warning in config.warnings() { logger.warning("\(warning)") }
+        // Under a service manager, a start that fails half way hands over what it took over and
+        // made (fail static): every listener it started and rolls back leaves the kernel maps and
+        // the stored descriptors as they are, and the plan in them forwards until a start
+        // succeeds or the unit is stopped.
+        descriptors.handingOverWhile(starting: true)
         do {
             try transition(to: config, from: FanoutConfig(listeners: []))
         } catch {
-            // Under a service manager what this start took over stays as it was found (fail
-            // static): the previous plan forwards until a start succeeds, or the unit stops.
-            descriptors.handOverAfterFailedStart()
             shutdown()
             throw error
         }
+        descriptors.handingOverWhile(starting: false)
         // Every listener is in the tc program's maps: links taken over from the previous
         // process run this process's program from now on.
         kinds.tc.completeAdoptions()
@@ -233,7 +236,8 @@ public final class FanoutDaemon: Sendable {
         do {
             try transitionLocked(to: new, from: old)
         } catch {
-            keepSockets(of: old)
+            // (Not at the first start: what it stored stays for the next attempt.)
+            if !old.listeners.isEmpty { keepSockets(of: old) }
             throw error
         }
         keepSockets(of: new)

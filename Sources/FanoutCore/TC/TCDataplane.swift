@@ -181,14 +181,20 @@ final class TCDataplane: Sendable {
             for extra in fds { close(extra) }
         }
         let others = descriptors.takeAll(prefix: DescriptorStore.tcMapPrefix)
-        for fds in others.values { for fd in fds { close(fd) } }
+        for (name, fds) in others {
+            for fd in fds { close(fd) }
+            descriptors.remove(name)
+        }
         if !others.isEmpty {
             for fd in maps.values { close(fd) }
             let layouts = Set(others.keys.compactMap { $0.dropFirst(DescriptorStore.tcMapPrefix.count).split(separator: ".").first }).sorted()
             return ([:], "tc_ebpf: the previous process's maps have layout \(layouts.joined(separator: ", ")), this program \(FANOUT_MAPS_LAYOUT): counters, rotations, fragment state and nat associations start anew (the link is still taken over: no datagram meets an empty hook)")
         }
         if !maps.isEmpty && maps.count < TCProgram.mapNames.count {
-            for fd in maps.values { close(fd) }
+            for (name, fd) in maps {
+                close(fd)
+                descriptors.remove(DescriptorStore.tcMapName(name))
+            }
             let missing = TCProgram.mapNames.filter { maps[$0] == nil }
             return ([:], "tc_ebpf: the previous process handed over only some of its maps (missing: \(missing.joined(separator: ", "))): counters, rotations, fragment state and nat associations start anew")
         }
@@ -199,7 +205,10 @@ final class TCDataplane: Sendable {
     /// lines, `udp-fanout.tcneigh`).
     private func takeHandedOverNeighbours() -> Set<Neighbour> {
         var found: Set<Neighbour> = []
-        for fd in descriptors.take(DescriptorStore.tcNeighboursName) {
+        let handed = descriptors.take(DescriptorStore.tcNeighboursName)
+        // This process hands its own over when it stops; the previous record goes now.
+        if !handed.isEmpty { descriptors.remove(DescriptorStore.tcNeighboursName) }
+        for fd in handed {
             defer { close(fd) }
             var bytes = [UInt8](repeating: 0, count: 65536)
             let count = pread(fd, &bytes, bytes.count, 0)
@@ -295,12 +304,8 @@ final class TCDataplane: Sendable {
                 do throws(SystemCallError) {
                     // Not made here (it exists): not ours to delete, nothing to count; unless the
                     // previous process made it and handed it over.
-                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) else {
-                        guard state.inheritedNeighbours.remove(neighbour) != nil else { return }
-                        state.neighbours[neighbour] = 1
-                        held.append(neighbour)
-                        return
-                    }
+                    let inherited = state.inheritedNeighbours.remove(neighbour) != nil
+                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) || inherited else { return }
                     state.neighbours[neighbour] = 1
                     held.append(neighbour)
                 } catch {
@@ -517,7 +522,7 @@ final class TCDataplane: Sendable {
         }
         if state.attachments.isEmpty, let program = state.program {
             if handingOver {
-                handOverNeighbours(Array(state.neighbours.keys))
+                handOverNeighbours(Array(Set(state.neighbours.keys).union(state.inheritedNeighbours)))
             } else {
                 for name in TCProgram.mapNames { descriptors.remove(DescriptorStore.tcMapName(name)) }
                 descriptors.remove(DescriptorStore.tcNeighboursName)
@@ -730,9 +735,16 @@ final class TCListener: RunningListener {
             let now = ContinuousClock.now
             let previous = program.liveEntries(id: id).filter { !wanted.contains($0.address) }
             live.withLock { live in
-                for (address, slot) in previous where !live.slots.values.contains(slot) {
-                    live.slots["\(address)"] = slot
-                    startDrain(address, slot: slot, name: "\(address)", now: now, in: &live)
+                for (address, slot, state) in previous {
+                    if state == UInt8(FANOUT_LIVE_GONE) {
+                        // Its drain had ended: it stays gone (taken out when the listener stops).
+                        if live.gone.count < Self.goneLimit { live.gone.append(address) } else { program.removeLive(address, id: id) }
+                    } else if !live.slots.values.contains(slot) {
+                        live.slots["\(address)"] = slot
+                        startDrain(address, slot: slot, name: "\(address)", now: now, in: &live)
+                    } else {
+                        program.removeLive(address, id: id)
+                    }
                 }
             }
         }

@@ -238,21 +238,28 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     // MARK: two-way (replies: nat)
 
+    /// Every entry of hash map `fd` (a get_next_key walk; an entry deleted meanwhile is skipped).
+    static func walk<Key, Value>(_ fd: Int32, keys: Key, values: Value) -> [(key: Key, value: Value)] {
+        var result: [(Key, Value)] = []
+        var current = keys
+        var next = keys
+        var first = true
+        while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(fd, first ? nil : $0, &next) }) == 0 {
+            first = false
+            current = next
+            var value = values
+            guard bpf_map_lookup_elem(fd, &current, &value) == 0 else { continue }
+            result.append((current, value))
+        }
+        return result
+    }
+
     /// Every listener entry in the maps, by bind and interface index (a previous process's, when
     /// the maps were taken over).
     func listenerEntries() -> [(bind: SocketAddress, ifindex: UInt32, entry: fanout_listener)] {
-        var result: [(SocketAddress, UInt32, fanout_listener)] = []
-        var current = fanout_listener_key()
-        var next = fanout_listener_key()
-        var first = true
-        while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(listeners, first ? nil : $0, &next) }) == 0 {
-            first = false
-            current = next
-            var value = fanout_listener()
-            guard bpf_map_lookup_elem(listeners, &current, &value) == 0 else { continue }
-            result.append((Self.socketAddress(current.addr, port: current.port, family: Int32(current.family)), current.ifindex, value))
+        Self.walk(listeners, keys: fanout_listener_key(), values: fanout_listener()).map { key, value in
+            (Self.socketAddress(key.addr, port: key.port, family: Int32(key.family)), key.ifindex, value)
         }
-        return result
     }
 
     /// The counter slot of each backend of generation `generation` of set `id`, by
@@ -381,21 +388,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         }
     }
 
-    /// The backends listener `id` has in the live map, with their counter slots.
-    func liveEntries(id: UInt32) -> [(address: SocketAddress, slot: UInt16)] {
+    /// The backends listener `id` has in the live map, with their counter slots and states.
+    func liveEntries(id: UInt32) -> [(address: SocketAddress, slot: UInt16, state: UInt8)] {
         liveWrites.withLock { _ in
-            var found: [(SocketAddress, UInt16)] = []
-            var current = fanout_live_key()
-            var next = fanout_live_key()
-            var first = true
-            while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(liveBackends, first ? nil : $0, &next) }) == 0 {
-                first = false
-                current = next
-                var value = fanout_live()
-                guard bpf_map_lookup_elem(liveBackends, &current, &value) == 0, value.listener_id == id else { continue }
-                found.append((Self.socketAddress(current.addr, port: current.port, family: Int32(current.family)), value.counter_slot))
+            Self.walk(liveBackends, keys: fanout_live_key(), values: fanout_live()).filter { $0.value.listener_id == id }.map { key, value in
+                (Self.socketAddress(key.addr, port: key.port, family: Int32(key.family)), value.counter_slot, value.state)
             }
-            return found
         }
     }
 
@@ -403,17 +401,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// nothing uses now).
     func removeLive(ids: Set<UInt32>) {
         liveWrites.withLock { _ in
-            var stale: [fanout_live_key] = []
-            var current = fanout_live_key()
-            var next = fanout_live_key()
-            var first = true
-            while withUnsafeMutablePointer(to: &current, { bpf_map_get_next_key(liveBackends, first ? nil : $0, &next) }) == 0 {
-                first = false
-                current = next
-                var value = fanout_live()
-                if bpf_map_lookup_elem(liveBackends, &current, &value) == 0, ids.contains(value.listener_id) { stale.append(current) }
+            for (key, value) in Self.walk(liveBackends, keys: fanout_live_key(), values: fanout_live()) where ids.contains(value.listener_id) {
+                var key = key
+                bpf_map_delete_elem(liveBackends, &key)
             }
-            for var key in stale { bpf_map_delete_elem(liveBackends, &key) }
         }
     }
 
