@@ -7,7 +7,7 @@ import CSystemShim
 import SystemCalls
 
 /// Socket calls the library makes, each through the SystemCalls layer (``Syscall``).
-enum UDPSocket {
+package enum UDPSocket {
     /// A UDP socket with SO_REUSEPORT and SO_RXQ_OVFL, bound to `address`.
     static func makeReusePort(bound address: SocketAddress, receiveBufferSize: Int?) throws(ReusePortError) -> Int32 {
         let fd: Int32
@@ -48,7 +48,7 @@ enum UDPSocket {
     }
 
     /// SO_MEMINFO: (bytes queued for reading, datagrams dropped by the socket).
-    static func memoryInfo(_ fd: Int32) throws(SystemCallError) -> (queuedBytes: Int, drops: UInt32) {
+    package static func memoryInfo(_ fd: Int32) throws(SystemCallError) -> (queuedBytes: Int, drops: UInt32) {
         let info = UnsafeMutableBufferPointer<UInt32>.allocate(capacity: Int(SK_MEMINFO_VARS))
         defer { info.deallocate() }
         info.initialize(repeating: 0)

@@ -291,10 +291,9 @@ public final class DescriptorStore: Sendable {
         }
     }
 
-    /// Bytes queued on a socket's receive queue (SIOCINQ); 0 if it cannot be read.
+    /// Bytes a socket's receive queue holds (SO_MEMINFO); 0 if it cannot be read.
     static func queuedBytes(_ fd: Int32) -> Int {
-        var value: Int32 = 0
-        return ioctl(fd, UInt(FIONREAD), &value) == 0 ? Int(value) : 0
+        (try? UDPSocket.memoryInfo(fd))?.queuedBytes ?? 0
     }
 
     /// Adoption outcomes by kind, for /metrics.

@@ -33,11 +33,11 @@ public enum Preflight {
     static func bindProblems(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {
         var notes = SocketOverlap.warnings(listener.bind).map { "listeners[\(index)].bind: \($0)" }
         let foreign = BoundSockets.foreign(on: listener.bind)
-        // Held by the service manager (systemd's descriptor store, PID 1, or the process that
-        // started this one: ExecStartPre= of a restart, or after a crash): the daemon this start
-        // makes takes them over (docs/restarts.md). Without /proc access to PID 1 (DynamicUser=)
-        // the owner is unknown: a socket of this very user is taken for one.
-        let held = foreign.filter { heldByServiceManager($0, parent: getppid(), uid: geteuid()) }
+        // Held by the service manager (systemd's descriptor store: ExecStartPre= of a restart, or
+        // after a crash): the daemon this start makes takes them over (docs/restarts.md).
+        // Without /proc access to PID 1 (DynamicUser=) the owner is unknown: a socket of this
+        // very user is taken for one.
+        let held = foreign.filter { heldByServiceManager($0, uid: geteuid()) }
         if !held.isEmpty && held.count == foreign.count {
             notes.append("listeners[\(index)].bind: \(listener.bind) has \(held.count) socket(s) held by the service manager's descriptor store (a restart): the daemon takes them over and forwards what they queued")
             return ([], notes)
@@ -53,11 +53,11 @@ public enum Preflight {
     }
 
     /// Whether a socket another process holds on a bind is the service manager's (its
-    /// descriptor store, across a restart): held by PID 1 or by `parent` (the process that
-    /// started this one: systemd for ExecStartPre=), or, when /proc does not say who holds it
-    /// (DynamicUser= cannot read PID 1's descriptors), a socket of this very user `uid`.
-    static func heldByServiceManager(_ socket: BoundSockets.Foreign, parent: Int32, uid: UInt32) -> Bool {
-        socket.pid == 1 || socket.pid == parent || (socket.pid == nil && socket.uid == uid)
+    /// descriptor store, across a restart: `ExecStartPre=` runs while systemd holds the previous
+    /// process's sockets): held by PID 1, or, when /proc does not say who holds it (DynamicUser=
+    /// cannot read PID 1's descriptors), a socket of this very user `uid`.
+    static func heldByServiceManager(_ socket: BoundSockets.Foreign, uid: UInt32) -> Bool {
+        socket.pid == 1 || (socket.pid == nil && socket.uid == uid)
     }
 
     /// What each discovery source says about itself (Kubernetes: where its credentials come
