@@ -373,6 +373,42 @@ struct DescriptorStoreTests {
         #expect(DescriptorStore.tcLinkName("é%") == "udp-fanout.tcx.%c3%a9%25")
     }
 
+    @Test("more descriptors stored than the shipped unit's FileDescriptorStoreMax=: said once, with the drop-in that raises it; said again after falling below and crossing again")
+    func storeLimit() throws {
+        let notify = try NotifySocket()
+        // Read as systemd reads them: a unix datagram socket queues 10 messages, and a sender blocks beyond.
+        let reading = Atomic<Bool>(true)
+        let socketFD = notify.fd
+        let reader = Thread {
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            var descriptor = pollfd(fd: socketFD, events: Int16(POLLIN), revents: 0)
+            while reading.load(ordering: .relaxed) {
+                // Received without a control buffer: the kernel closes the descriptors they carry.
+                if poll(&descriptor, 1, 20) > 0 { _ = recv(socketFD, &buffer, buffer.count, Int32(MSG_DONTWAIT)) }
+            }
+        }
+        reader.start()
+        defer {
+            reading.store(false, ordering: .relaxed)
+            while !reader.isFinished { usleep(10_000) }
+        }
+        let log = LogStore()
+        let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
+        let fd = open("/dev/null", O_RDONLY)
+        defer { close(fd) }
+        func warnings() -> Int { log.lines.withLock { $0.filter { $0.message.contains("FileDescriptorStoreMax=4096") }.count } }
+        store.replace("a", with: Array(repeating: fd, count: 4000))
+        #expect(store.storedDescriptors == 4000 && warnings() == 0)
+        store.replace("b", with: Array(repeating: fd, count: 200))
+        #expect(store.storedDescriptors == 4200 && warnings() == 1)
+        store.replace("c", with: [fd])
+        #expect(warnings() == 1, "said once while over")
+        store.remove("b")
+        store.replace("b", with: Array(repeating: fd, count: 200))
+        #expect(warnings() == 2, "said again after falling below and crossing again")
+        #expect(log.lines.withLock { $0.filter { $0.message.contains("could not hand descriptors") }.isEmpty }, "every message was sent")
+    }
+
     @Test("the process record: a clean stop and a crash told apart")
     func record() {
         #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\n")
@@ -524,12 +560,13 @@ struct KernelRestartTests {
         print("tc_ebpf restart without the store: sent \(result.sent), received \(result.received)")
     }
 
-    @Test("xdp: a planned restart loses no datagram (XDP detaches with the process; the tc program behind it forwards meanwhile)")
-    func xdpPlannedRestart() throws {
-        let result = try Self.run(.restart, mode: "xdp")
+    @Test("xdp: a planned restart and kill -9 lose no datagram (XDP detaches with the process; the tc program behind it forwards meanwhile)",
+          arguments: [RestartTests.Interruption.restart, .kill9])
+    func xdpRestart(interruption: RestartTests.Interruption) throws {
+        let result = try Self.run(interruption, mode: "xdp")
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
-        print("xdp restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+        print("xdp \(interruption): sent \(result.sent), received \(result.received), counted \(result.counted)")
     }
 
     /// 30 two-way clients with fixed ports exchanging without pause through a nat listener

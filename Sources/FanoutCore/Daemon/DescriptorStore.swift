@@ -53,6 +53,10 @@ public final class DescriptorStore: Sendable {
     private struct State {
         var inherited: [String: [Int32]]
         var stored: Set<String> = []
+        /// How many descriptors each stored name holds (the store's size, against the unit's
+        /// `FileDescriptorStoreMax=`), and whether the warning about it was said.
+        var storedCounts: [String: Int] = [:]
+        var overLimitSaid = false
         var outcomes: [String: [Outcome: UInt64]] = [:]
         /// Lines for `/status`: what was adopted, rejected or left unused, and why.
         var report: [String] = []
@@ -244,7 +248,18 @@ public final class DescriptorStore: Sendable {
             problem = notifier.send("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: chunk)
             start += chunk.count
         }
-        state.withLock { _ = $0.stored.insert(name) }
+        let total = state.withLock { state in
+            state.stored.insert(name)
+            state.storedCounts[name] = descriptors.count
+            let total = state.storedCounts.values.reduce(0, +)
+            defer { state.overLimitSaid = total > Self.storeLimit }
+            return state.overLimitSaid ? nil : total
+        }
+        if let total, total > Self.storeLimit {
+            logger.warning("more descriptors are in the service manager's store than the shipped unit's FileDescriptorStoreMax=\(Self.storeLimit) allows: systemd keeps no more than its maximum, and a restart loses the share of the sockets it did not keep; raise it in a drop-in (systemctl edit udp-fanout: [Service] FileDescriptorStoreMax=\(total * 2))", metadata: [
+                "descriptors": "\(total)",
+            ])
+        }
         if let problem {
             logger.warning("could not hand descriptors to the service manager: a restart loses what arrives while no process runs", metadata: [
                 "name": "\(name)", "error": "\(problem)",
@@ -252,12 +267,22 @@ public final class DescriptorStore: Sendable {
         }
     }
 
+    /// The shipped unit's `FileDescriptorStoreMax=` (systemd/udp-fanout.service).
+    static let storeLimit = 4096
+
+    /// Descriptors this process keeps in the service manager's store now.
+    package var storedDescriptors: Int { state.withLock { $0.storedCounts.values.reduce(0, +) } }
+
     /// Takes `name` out of the service manager's store now (what it names is released: a tc_ebpf
     /// link must not stay attached through the store's copy).
     package func remove(_ name: String) {
         guard let notifier else { return }
         notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-        state.withLock { _ = $0.stored.remove(name) }
+        state.withLock { state in
+            state.stored.remove(name)
+            state.storedCounts[name] = nil
+            if state.storedCounts.values.reduce(0, +) <= Self.storeLimit { state.overLimitSaid = false }
+        }
     }
 
     /// Takes every listener socket name stored by this process but not in `wanted` out of the
@@ -266,6 +291,8 @@ public final class DescriptorStore: Sendable {
         let gone = state.withLock { state in
             let gone = state.stored.filter { $0.hasPrefix(Self.socketPrefix) }.subtracting(wanted)
             state.stored.subtract(gone)
+            for name in gone { state.storedCounts[name] = nil }
+            if state.storedCounts.values.reduce(0, +) <= Self.storeLimit { state.overLimitSaid = false }
             return gone
         }
         for name in gone.sorted() { notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)") }
@@ -343,7 +370,10 @@ public final class DescriptorStore: Sendable {
         writeRecord(version: version, startedAt: startedAt, stoppedAt: nil)
         notifier.send("FDSTOREREMOVE=1\nFDNAME=\(Self.processName)")
         if notifier.send("FDSTORE=1\nFDNAME=\(Self.processName)\nFDPOLL=0", descriptors: [fd]) == nil {
-            state.withLock { _ = $0.stored.insert(Self.processName) }
+            state.withLock { state in
+                state.stored.insert(Self.processName)
+                state.storedCounts[Self.processName] = 1
+            }
         }
         let signal = heartbeat
         OSThread.detached(name: "fdstore-heartbeat") { [weak self] in
