@@ -583,7 +583,7 @@ struct KernelRestartTests {
                                          keepsDescriptors: interruption != .restartWithoutStore)
         try manager.start()
         let publisher = try Child("publisher", [TwoWayTopology.vip(), "\(TwoWayEndToEndTests.listenerPort)", "100000000", "--exchange", "--clients", "30",
-                                                "--sources", topology.clientRange(ipv6: false), "--client-port-base", "41000",
+                                                "--sources", topology.clientRange(ipv6: false), "--client-port-base", "31000",
                                                 "--reply-timeout-ms", "1000", "--duration", "3"],
                                   prefix: topology.prefix(topology.clients))
         usleep(1_000_000)

@@ -4,6 +4,7 @@ import Glibc
 #endif
 import Logging
 import ReusePortLB
+import Synchronization
 import SystemCalls
 
 /// A worker thread of a socket-group listener (one-way, relay).
@@ -51,6 +52,9 @@ final class SocketGroupListener: Sendable {
     /// this group took the bind over (``activate()``).
     private let descriptors: DescriptorStore?
     private let handedOver: [ReusePortMember]
+    /// Set by the first ``activate()``: the handed-over sockets are read out once (a rollback may
+    /// activate this instance again, after they closed).
+    private let handedOverRead = Atomic<Bool>(false)
 
     /// - Parameters:
     ///   - passiveHealth: told a downstream's address when a send to it got ICMP port
@@ -187,7 +191,7 @@ final class SocketGroupListener: Sendable {
     /// Reads out the sockets a previous process handed over (after ``activate()`` they get
     /// nothing new): each forwards what it holds through this listener's plan, then closes.
     private func drainHandedOver() {
-        guard !handedOver.isEmpty, let descriptors else { return }
+        guard !handedOver.isEmpty, let descriptors, !handedOverRead.exchange(true, ordering: .relaxed) else { return }
         var queued = 0
         var dropped: UInt64 = 0
         for member in handedOver {

@@ -226,11 +226,18 @@ final class TCDataplane: Sendable {
     /// and hands its data path over: the pools' copies still need them).
     private func handOverNeighbours(_ neighbours: [Neighbour]) {
         guard !neighbours.isEmpty else { return }
+        let problem = "could not hand the pools' managed neighbour entries to the next process: it keeps them but will not remove them when no pool needs them (ip neigh del <address> dev <interface>)"
         let fd = shim_memfd(DescriptorStore.tcNeighboursName)
-        guard fd >= 0 else { return }
+        guard fd >= 0 else {
+            logger.warning("\(problem)", metadata: ["error": "memfd_create: \(String(cString: strerror(-fd)))"])
+            return
+        }
         defer { close(fd) }
         let text = Array(neighbours.map { "\($0.ifindex) \($0.address)\n" }.joined().utf8)
-        guard pwrite(fd, text, text.count, 0) == text.count else { return }
+        guard pwrite(fd, text, text.count, 0) == text.count else {
+            logger.warning("\(problem)", metadata: ["error": "pwrite: \(String(cString: strerror(errno)))"])
+            return
+        }
         descriptors.replace(DescriptorStore.tcNeighboursName, with: [fd])
     }
 
@@ -687,14 +694,10 @@ final class TCListener: RunningListener {
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
             // downstream at the same address keeps its counter slot (its counters go on).
-            let previous = program.setSlots(id: id, generation: adopted.generation)
+            let slots = Self.slotsByAddress(config.downstreams, previous: program.setSlots(id: id, generation: adopted.generation))
             live.withLock { live in
                 live.generation = adopted.generation
-                for downstream in config.downstreams {
-                    guard let slot = previous[TCProgram.backendKey(downstream.address.ip.words, port: downstream.address.port.bigEndian)],
-                          !live.slots.values.contains(slot) else { continue }
-                    live.slots[downstream.name] = slot
-                }
+                live.slots = slots
             }
         }
         if let front {
@@ -792,16 +795,24 @@ final class TCListener: RunningListener {
             for (pool, record) in zip(config.pools.prefix(count), previous.prefix(count)) {
                 var state = PoolLive(id: record.id)
                 state.generation = record.generation
-                let slots = program.setSlots(id: record.id, generation: record.generation)
-                for member in pool.downstreams {
-                    guard let slot = slots[TCProgram.backendKey(member.address.ip.words, port: member.address.port.bigEndian)],
-                          !state.slots.values.contains(slot) else { continue }
-                    state.slots[member.name] = slot
-                    state.seenMembers[member.name] = MemberTally()
-                }
+                state.slots = Self.slotsByAddress(pool.downstreams, previous: program.setSlots(id: record.id, generation: record.generation))
+                for member in state.slots.keys { state.seenMembers[member] = MemberTally() }
                 live.pools[pool.name] = state
             }
         }
+    }
+
+    /// The counter slot each of `members` keeps from a previous process's set (`previous`, by
+    /// ``TCProgram/backendKey(_:port:)``): a member at an address the set had keeps its slot
+    /// (each slot once), so its counters go on.
+    private static func slotsByAddress(_ members: [Downstream], previous: [String: UInt16]) -> [String: UInt16] {
+        var slots: [String: UInt16] = [:]
+        for member in members {
+            guard let slot = previous[TCProgram.backendKey(member.address.ip.words, port: member.address.port.bigEndian)],
+                  !slots.values.contains(slot) else { continue }
+            slots[member.name] = slot
+        }
+        return slots
     }
 
     /// Writes the inactive generation, then points the listener entry at it. nat: attaches at
