@@ -475,11 +475,13 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// Bytes queued on the socket for reading, and datagrams the socket dropped because its
     /// receive buffer was full (SO_MEMINFO; the same counter SO_RXQ_OVFL reports per datagram).
+    /// - Throws: ``ReusePortError/system(_:)``: the call failed, or the member left (EBADF).
     public func socketStatistics() throws(ReusePortError) -> (queuedBytes: Int, drops: UInt32) {
-        do {
-            return try UDPSocket.memoryInfo(socket)
-        } catch {
-            throw .system(error)
+        let read = withOpenSocket { socket in Result { () throws(SystemCallError) in try UDPSocket.memoryInfo(socket) } }
+        switch read {
+        case .success(let statistics): return statistics
+        case .failure(let error): throw .system(error)
+        case .none: throw .system(SystemCallError(call: "getsockopt SO_MEMINFO (the member left)", errno: EBADF))
         }
     }
 }

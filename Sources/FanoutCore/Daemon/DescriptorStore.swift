@@ -21,7 +21,10 @@ import SystemCalls
 /// with the same SIGTERM for both. The unit needs `FileDescriptorStoreMax=`.
 ///
 /// Names (at most 255 printable characters, no `:`):
-/// - `udp-fanout.socket.<bind>`: a one-way userspace listener's sockets on `<bind>` (`:` written `_`);
+/// - `udp-fanout.socket.<bind>.<slot>`: a userspace or relay listener's socket of worker `<slot>` on
+///   `<bind>` (`:` written `_`);
+/// - `udp-fanout.relay.<bind>.<worker>.<inode>.<client>`: a relay session's socket (connected to
+///   its downstream), one name each, so a closed session leaves the store alone;
 /// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
 ///   at an interface: it keeps forwarding on the last plan while no process runs;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
@@ -56,6 +59,7 @@ public final class DescriptorStore: Sendable {
         /// How many descriptors each stored name holds (the store's size, against the unit's
         /// `FileDescriptorStoreMax=`), and whether the warning about it was said.
         var storedCounts: [String: Int] = [:]
+        var storedTotal = 0
         var overLimitSaid = false
         var outcomes: [String: [Outcome: UInt64]] = [:]
         /// Lines for `/status`: what was adopted, rejected or left unused, and why.
@@ -164,10 +168,43 @@ public final class DescriptorStore: Sendable {
 
     static let socketPrefix = "udp-fanout.socket."
     static let tcLinkPrefix = "udp-fanout.tcx."
+    static let relayPrefix = "udp-fanout.relay."
 
-    /// The name under which a one-way userspace listener's sockets on `bind` are stored.
+    /// An address as a name part: systemd's names hold no `:`.
+    static func escaped(_ address: SocketAddress) -> String {
+        String("\(address)".map { $0 == ":" ? "_" : $0 })
+    }
+
+    /// What the listener sockets on `bind` are stored under: this, a dot and the worker's slot.
     package static func socketName(_ bind: SocketAddress) -> String {
-        socketPrefix + String("\(bind)".map { $0 == ":" ? "_" : $0 })
+        socketPrefix + escaped(bind)
+    }
+
+    /// The name of the listener socket of worker `slot` on `bind`.
+    package static func socketName(_ bind: SocketAddress, slot: Int) -> String {
+        socketName(bind) + ".\(slot)"
+    }
+
+    /// What every relay session socket of a listener on `bind` is stored under starts with this.
+    package static func relaySessionPrefix(_ bind: SocketAddress) -> String {
+        relayPrefix + escaped(bind) + "."
+    }
+
+    /// The name of a relay session socket: its worker, the socket's inode (unique while it is
+    /// open: a successor's session for the same client never shares the name) and its client.
+    package static func relaySessionName(_ bind: SocketAddress, worker: Int, inode: UInt64, client: SocketAddress) -> String {
+        relaySessionPrefix(bind) + "\(worker).\(inode).\(escaped(client))"
+    }
+
+    /// The worker and client in a relay session's name (from ``relaySessionName(_:worker:inode:client:)``).
+    package static func parseRelaySession(_ name: String, bind: SocketAddress) -> (worker: Int, client: SocketAddress)? {
+        let prefix = relaySessionPrefix(bind)
+        guard name.hasPrefix(prefix) else { return nil }
+        let parts = name.dropFirst(prefix.count).split(separator: ".", maxSplits: 2, omittingEmptySubsequences: false)
+        guard parts.count == 3, let worker = Int(parts[0]), worker >= 0, UInt64(parts[1]) != nil,
+              let client = SocketAddress(String(parts[2].map { $0 == "_" ? ":" : $0 }))
+        else { return nil }
+        return (worker, client)
     }
 
     static let tcMapPrefix = "udp-fanout.tcmap."
@@ -188,12 +225,21 @@ public final class DescriptorStore: Sendable {
     }
 
     /// Takes every name handed over that starts with `prefix`.
+    /// (What is taken stays in the service manager's store, as this process's: it is replaced or
+    /// removed like what this process stored itself.)
     package func takeAll(prefix: String) -> [String: [Int32]] {
         state.withLock { state in
             let taken = state.inherited.filter { $0.key.hasPrefix(prefix) }
-            for name in taken.keys { state.inherited[name] = nil }
+            for (name, fds) in taken { Self.taken(name, fds, &state) }
             return taken
         }
+    }
+
+    private static func taken(_ name: String, _ fds: [Int32], _ state: inout State) {
+        state.inherited[name] = nil
+        state.stored.insert(name)
+        state.storedTotal += fds.count - (state.storedCounts[name] ?? 0)
+        state.storedCounts[name] = fds.count
     }
 
     /// The name under which the tc_ebpf program's TCX link at `interface` is stored.
@@ -222,7 +268,23 @@ public final class DescriptorStore: Sendable {
 
     /// Takes the descriptors handed over under `name` (each once).
     package func take(_ name: String) -> [Int32] {
-        state.withLock { $0.inherited.removeValue(forKey: name) ?? [] }
+        state.withLock { state in
+            guard let fds = state.inherited[name] else { return [] }
+            Self.taken(name, fds, &state)
+            return fds
+        }
+    }
+
+    /// Takes the listener sockets handed over on `bind`: by worker slot, and nil for sockets
+    /// stored without one (one name for all of a listener's sockets, before slots were named).
+    package func takeSockets(_ bind: SocketAddress) -> [(slot: Int?, socket: Int32)] {
+        let prefix = Self.socketName(bind) + "."
+        var sockets: [(slot: Int?, socket: Int32)] = []
+        for (name, fds) in takeAll(prefix: prefix).sorted(by: { $0.key < $1.key }) {
+            let slot = Int(name.dropFirst(prefix.count))
+            sockets += fds.map { (slot, $0) }
+        }
+        return sockets + take(Self.socketName(bind)).map { (nil, $0) }
     }
 
     /// Counts an adoption's outcome for `kind` and notes it for `/status`.
@@ -248,18 +310,7 @@ public final class DescriptorStore: Sendable {
             problem = notifier.send("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: chunk)
             start += chunk.count
         }
-        let total = state.withLock { state in
-            state.stored.insert(name)
-            state.storedCounts[name] = descriptors.count
-            let total = state.storedCounts.values.reduce(0, +)
-            defer { state.overLimitSaid = total > Self.storeLimit }
-            return state.overLimitSaid ? nil : total
-        }
-        if let total, total > Self.storeLimit {
-            logger.warning("more descriptors are in the service manager's store than the shipped unit's FileDescriptorStoreMax=\(Self.storeLimit) allows: systemd keeps no more than its maximum, and a restart loses the share of the sockets it did not keep; raise it in a drop-in (systemctl edit udp-fanout: [Service] FileDescriptorStoreMax=\(total * 2))", metadata: [
-                "descriptors": "\(total)",
-            ])
-        }
+        noteStored(name, count: descriptors.count)
         if let problem {
             logger.warning("could not hand descriptors to the service manager: a restart loses what arrives while no process runs", metadata: [
                 "name": "\(name)", "error": "\(problem)",
@@ -271,31 +322,79 @@ public final class DescriptorStore: Sendable {
     static let storeLimit = 4096
 
     /// Descriptors this process keeps in the service manager's store now.
-    package var storedDescriptors: Int { state.withLock { $0.storedCounts.values.reduce(0, +) } }
+    package var storedDescriptors: Int { state.withLock { $0.storedTotal } }
 
-    /// Takes `name` out of the service manager's store now (what it names is released: a tc_ebpf
-    /// link must not stay attached through the store's copy).
-    package func remove(_ name: String) {
-        guard let notifier else { return }
-        notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-        state.withLock { state in
-            state.stored.remove(name)
-            state.storedCounts[name] = nil
-            if state.storedCounts.values.reduce(0, +) <= Self.storeLimit { state.overLimitSaid = false }
+    /// Records `count` descriptors stored under `name` (0: none), and says once when the store
+    /// holds more than the shipped unit allows (again after falling below and crossing again).
+    private func noteStored(_ name: String, count: Int) {
+        let total = state.withLock { state -> Int? in
+            state.storedTotal += count - (state.storedCounts[name] ?? 0)
+            if count > 0 {
+                state.stored.insert(name)
+                state.storedCounts[name] = count
+            } else {
+                state.stored.remove(name)
+                state.storedCounts[name] = nil
+            }
+            let total = state.storedTotal
+            defer { state.overLimitSaid = total > Self.storeLimit }
+            return state.overLimitSaid ? nil : total
+        }
+        if let total, total > Self.storeLimit {
+            logger.warning("more descriptors are in the service manager's store than the shipped unit's FileDescriptorStoreMax=\(Self.storeLimit) allows: systemd keeps no more than its maximum, and a restart loses the share of the sockets it did not keep; raise it in a drop-in (systemctl edit udp-fanout: [Service] FileDescriptorStoreMax=\(total * 2))", metadata: [
+                "descriptors": "\(total)",
+            ])
         }
     }
 
-    /// Takes every listener socket name stored by this process but not in `wanted` out of the
-    /// service manager's store (a listener removed by a reload: its sockets must not outlive it).
-    package func forgetSockets(except wanted: Set<String>) {
-        let gone = state.withLock { state in
-            let gone = state.stored.filter { $0.hasPrefix(Self.socketPrefix) }.subtracting(wanted)
-            state.stored.subtract(gone)
-            for name in gone { state.storedCounts[name] = nil }
-            if state.storedCounts.values.reduce(0, +) <= Self.storeLimit { state.overLimitSaid = false }
-            return gone
+    /// Takes `name` out of the service manager's store now (what it names is released: a tc_ebpf
+    /// link must not stay attached through the store's copy).
+    /// - Parameter waiting: false: not waiting for a service manager whose queue is full (a
+    ///   forwarding thread): the caller tries again later.
+    /// - Returns: false when, not waiting, the service manager did not take the request now.
+    @discardableResult
+    package func remove(_ name: String, waiting: Bool = true) -> Bool {
+        guard let notifier else { return true }
+        let problem = notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)", descriptors: [], waiting: waiting)
+        guard problem == nil || waiting else { return false }
+        noteStored(name, count: 0)
+        return true
+    }
+
+    /// Stores one descriptor under a name of its own (a relay session's socket), by default
+    /// without waiting for the service manager: false when it did not take it (its queue is
+    /// full, or it failed).
+    package func store(_ name: String, _ descriptor: Int32, waiting: Bool = false) -> Bool {
+        guard let notifier else { return false }
+        guard notifier.send("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: [descriptor], waiting: waiting) == nil else { return false }
+        noteStored(name, count: 1)
+        return true
+    }
+
+    /// Stores a listener's sockets on `bind`, one name per worker slot, in place of what was
+    /// stored for the bind before (slots a smaller group no longer has are taken out).
+    package func replaceSockets(_ bind: SocketAddress, with sockets: [Int32]) {
+        guard notifier != nil else { return }
+        let prefix = Self.socketName(bind) + "."
+        let stale = state.withLock { state in
+            state.stored.filter { name in
+                name == Self.socketName(bind) || (name.hasPrefix(prefix) && Int(name.dropFirst(prefix.count)).map { $0 >= sockets.count } ?? true)
+            }
         }
-        for name in gone.sorted() { notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)") }
+        for name in stale.sorted() { remove(name) }
+        for (slot, socket) in sockets.enumerated() { replace(Self.socketName(bind, slot: slot), with: [socket]) }
+    }
+
+    /// Takes every listener socket stored by this process for a bind not in `binds` (names from
+    /// ``socketName(_:)``) out of the service manager's store (a listener removed by a reload:
+    /// its sockets must not outlive it).
+    package func forgetSockets(except binds: Set<String>) {
+        let gone = state.withLock { state in
+            state.stored.filter { name in
+                name.hasPrefix(Self.socketPrefix) && !binds.contains { name == $0 || name.hasPrefix($0 + ".") }
+            }
+        }
+        for name in gone.sorted() { remove(name) }
     }
 
     /// After the first start: closes what was handed over and not taken (a bind the
@@ -307,11 +406,12 @@ public final class DescriptorStore: Sendable {
             return unused
         }
         for (name, fds) in unused.sorted(by: { $0.key < $1.key }) {
-            let socket = name.hasPrefix(Self.socketPrefix)
+            let socket = name.hasPrefix(Self.socketPrefix) || name.hasPrefix(Self.relayPrefix)
             let queued = socket ? " (\(fds.reduce(0) { $0 + Self.queuedBytes($1) }) bytes were queued in them)" : ""
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
+            let kind = name.hasPrefix(Self.relayPrefix) ? Replies.relay.rawValue
+                : socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")
@@ -331,7 +431,7 @@ public final class DescriptorStore: Sendable {
     package func metrics() -> String {
         let counted = outcomes
         var out = "# HELP udp_fanout_adoptions_total Descriptors handed over by the previous process (the service manager's store) at this start, by kind and outcome: adopted, rejected (not usable: closed), unused (no listener of this configuration: closed)\n# TYPE udp_fanout_adoptions_total counter\n"
-        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Mode.tcEBPF.rawValue]).sorted() {
+        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Replies.relay.rawValue, Mode.tcEBPF.rawValue]).sorted() {
             for outcome in Outcome.allCases {
                 out += "udp_fanout_adoptions_total{kind=\"\(PrometheusText.escape(kind))\",outcome=\"\(outcome.rawValue)\"} \(counted[kind]?[outcome] ?? 0)\n"
             }
@@ -370,10 +470,7 @@ public final class DescriptorStore: Sendable {
         writeRecord(version: version, startedAt: startedAt, stoppedAt: nil)
         notifier.send("FDSTOREREMOVE=1\nFDNAME=\(Self.processName)")
         if notifier.send("FDSTORE=1\nFDNAME=\(Self.processName)\nFDPOLL=0", descriptors: [fd]) == nil {
-            state.withLock { state in
-                state.stored.insert(Self.processName)
-                state.storedCounts[Self.processName] = 1
-            }
+            noteStored(Self.processName, count: 1)
         }
         let signal = heartbeat
         OSThread.detached(name: "fdstore-heartbeat") { [weak self] in

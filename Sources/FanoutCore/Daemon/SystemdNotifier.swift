@@ -37,10 +37,13 @@ public final class SystemdNotifier: Sendable {
     /// `FDSTORE=1`), at most 253.
     /// - Returns: nil when sent or not under systemd, else what failed.
     @discardableResult
-    package func send(_ state: String, descriptors: [Int32]) -> String? {
+    /// - Parameter waiting: false: fails at once (EAGAIN) when the service manager's queue is
+    ///   full, instead of waiting for it (a forwarding thread must not wait on PID 1).
+    package func send(_ state: String, descriptors: [Int32], waiting: Bool = true) -> String? {
         guard let path, !path.isEmpty else { return nil }
-        let problem = deliver(state, descriptors: descriptors, to: path)
-        if let problem, !failureLogged.exchange(true, ordering: .relaxed) {
+        let problem = deliver(state, descriptors: descriptors, to: path, waiting: waiting)
+        // Without waiting, the caller says what failed (a full queue is expected under load).
+        if let problem, waiting, !failureLogged.exchange(true, ordering: .relaxed) {
             logger?.error("sd_notify failed; later failures are not logged", metadata: [
                 "NOTIFY_SOCKET": "\(path)", "message": "\(state.split(separator: "\n").first ?? "")", "error": "\(problem)",
             ])
@@ -48,10 +51,10 @@ public final class SystemdNotifier: Sendable {
         return problem
     }
 
-    private func deliver(_ state: String, descriptors: [Int32], to path: String) -> String? {
+    private func deliver(_ state: String, descriptors: [Int32], to path: String, waiting: Bool) -> String? {
         let fd: Int32
         do {
-            fd = try Syscall.socket(AF_UNIX, Socket.datagram | Socket.closeOnExec, call: "socket AF_UNIX")
+            fd = try Syscall.socket(AF_UNIX, Socket.datagram | Socket.closeOnExec | (waiting ? 0 : Socket.nonBlocking), call: "socket AF_UNIX")
         } catch {
             return "\(error)"
         }

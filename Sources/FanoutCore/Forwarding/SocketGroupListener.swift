@@ -10,6 +10,8 @@ import SystemCalls
 /// A worker thread of a socket-group listener (one-way, relay).
 protocol ListenerWorker: AnyObject, Sendable {
     var index: Int { get }
+    /// Its socket in the listener's group.
+    var member: ReusePortMember { get }
     /// In its receive loop (readiness).
     var isReceiving: Bool { get }
     /// Grows while the worker moves (the path check).
@@ -24,6 +26,12 @@ struct WorkerShared: Sendable {
     let plans: PlanHolder
     let stop: StopSignal
     let handOver: HandOverSignal
+    /// Listeners that read a previous process's sockets themselves (relay): per worker, the
+    /// handed-over sockets it reads beside its own until they are empty after ``activated``.
+    let inherited: [[ReusePortMember]]
+    /// Set once the group took the bind over (``SocketGroupListener/activate()``): inherited
+    /// sockets get nothing new from then on.
+    let activated: StopSignal
 }
 
 /// The part every listener that receives on its bind's sockets shares (userspace, relay, and
@@ -51,7 +59,12 @@ final class SocketGroupListener: Sendable {
     /// not stored), and the sockets a previous process handed over on this bind, read out once
     /// this group took the bind over (``activate()``).
     private let descriptors: DescriptorStore?
-    private let handedOver: [ReusePortMember]
+    private let handedOver: [(slot: Int?, member: ReusePortMember)]
+    /// The workers read the handed-over sockets themselves (relay: a client's queued requests
+    /// must reach the worker that holds its session); else they are read out by one-way workers
+    /// of their own after ``activate()``.
+    private let workersReadHandedOver: Bool
+    private let activated = StopSignal()
     /// Set by the first ``activate()``: the handed-over sockets are read out once (a rollback may
     /// activate this instance again, after they closed).
     private let handedOverRead = Atomic<Bool>(false)
@@ -63,15 +76,19 @@ final class SocketGroupListener: Sendable {
     ///   - descriptors: the service manager's store: the sockets a previous process handed over
     ///     on this bind are taken from it (read out after ``activate()``), and this group's are
     ///     stored in their place; nil: neither.
+    ///   - workersReadHandedOver: the handed-over sockets go to the workers
+    ///     (``WorkerShared/inherited``, by the slot they had: with the same workers and steering,
+    ///     each to the worker its clients' datagrams reach); false: one-way readers of their own.
     init(_ config: Listener, counters: ListenerCounters, logger: Logger,
-         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil,
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil, workersReadHandedOver: Bool = false,
          makeWorkers: ([ReusePortMember], WorkerShared) throws(ReusePortError) -> [any ListenerWorker]) throws(ReusePortError) {
         self.config = config
         self.counters = counters
         self.passiveHealth = passiveHealth
         self.logger = logger
         self.descriptors = descriptors
-        handedOver = Self.takeHandedOver(config, descriptors, logger: logger)
+        self.workersReadHandedOver = workersReadHandedOver
+        handedOver = Self.takeHandedOver(config, descriptors, kind: workersReadHandedOver ? Replies.relay.rawValue : Mode.userspace.rawValue, logger: logger)
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(
             downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters,
@@ -107,7 +124,11 @@ final class SocketGroupListener: Sendable {
             "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
         ])
         do {
-            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal))
+            var inherited = [[ReusePortMember]](repeating: [], count: count)
+            if workersReadHandedOver {
+                for (position, socket) in handedOver.enumerated() { inherited[(socket.slot ?? position) % count].append(socket.member) }
+            }
+            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated))
         } catch {
             for member in members { member.leave() }
             throw error
@@ -165,23 +186,37 @@ final class SocketGroupListener: Sendable {
         } catch {
             throw .listener(name: config.name, error)
         }
+        // Read while the workers that read handed-over sockets cannot close them yet.
+        let queued = handedOverQueue()
+        activated.set()
         guard let descriptors else { return }
-        descriptors.replace(DescriptorStore.socketName(config.bind), with: workers.compactMap { ($0 as? SocketWorker)?.member.socket })
-        drainHandedOver()
+        descriptors.replaceSockets(config.bind, with: workers.map(\.member.socket))
+        drainHandedOver(queued)
+    }
+
+    /// Bytes the handed-over sockets hold, and datagrams the kernel dropped on them.
+    private func handedOverQueue() -> (bytes: Int, drops: UInt64) {
+        var queued = (bytes: 0, drops: UInt64(0))
+        for (_, member) in handedOver {
+            if let statistics = try? member.socketStatistics() {
+                queued.bytes += statistics.queuedBytes
+                queued.drops += UInt64(statistics.drops)
+            }
+        }
+        return queued
     }
 
     /// The sockets a previous process handed over on this bind that are UDP sockets bound to it
     /// (others are closed, counted rejected).
-    private static func takeHandedOver(_ config: Listener, _ descriptors: DescriptorStore?, logger: Logger) -> [ReusePortMember] {
+    private static func takeHandedOver(_ config: Listener, _ descriptors: DescriptorStore?, kind: String, logger: Logger) -> [(slot: Int?, member: ReusePortMember)] {
         guard let descriptors else { return [] }
-        let name = DescriptorStore.socketName(config.bind)
-        var members: [ReusePortMember] = []
-        for fd in descriptors.take(name) {
+        var members: [(slot: Int?, member: ReusePortMember)] = []
+        for (slot, fd) in descriptors.takeSockets(config.bind) {
             do throws(ReusePortError) {
-                members.append(try ReusePortMember(handedOver: fd, address: config.bind, options: GroupOptions(policy: .fiveTuple, capacity: 1)))
+                members.append((slot, try ReusePortMember(handedOver: fd, address: config.bind, options: GroupOptions(policy: .fiveTuple, capacity: 1))))
             } catch {
                 let note = "listener '\(config.name)': \(error)"
-                descriptors.count(Mode.userspace.rawValue, .rejected, note: note)
+                descriptors.count(kind, .rejected, note: note)
                 logger.warning("\(note)")
             }
         }
@@ -189,20 +224,14 @@ final class SocketGroupListener: Sendable {
     }
 
     /// Reads out the sockets a previous process handed over (after ``activate()`` they get
-    /// nothing new): each forwards what it holds through this listener's plan, then closes.
-    private func drainHandedOver() {
+    /// nothing new): each forwards what it holds through this listener's plan, then closes
+    /// (relay: its workers read them already; this only says so).
+    private func drainHandedOver(_ queue: (bytes: Int, drops: UInt64)) {
         guard !handedOver.isEmpty, let descriptors, !handedOverRead.exchange(true, ordering: .relaxed) else { return }
-        var queued = 0
-        var dropped: UInt64 = 0
-        for member in handedOver {
-            if let statistics = try? member.socketStatistics() {
-                queued += statistics.queuedBytes
-                dropped += UInt64(statistics.drops)
-            }
-        }
+        let (queued, dropped) = queue
         let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
         let note = "listener '\(config.name)' on \(config.bind): adopted \(handedOver.count) socket(s) from \(previous) holding \(queued) bytes, \(dropped) datagram(s) dropped by the kernel over their life (counted in receive_queue_drops)"
-        descriptors.count(Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
+        descriptors.count(workersReadHandedOver ? Replies.relay.rawValue : Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
         var metadata: Logger.Metadata = [
             "listener": "\(config.name)", "bind": "\(config.bind)", "sockets": "\(handedOver.count)", "queued_bytes": "\(queued)",
             "kernel_drops": "\(dropped)",
@@ -212,11 +241,12 @@ final class SocketGroupListener: Sendable {
             metadata["previous_version"] = "\(predecessor.version)"
         }
         logger.info("adopted the sockets of the previous process: forwarding what they queued while no process read them", metadata: metadata)
+        guard !workersReadHandedOver else { return }
         let stopped = StopSignal()
         stopped.set()
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
-        let drains = handedOver.enumerated().map { index, member in
-            SocketWorker(index: index, member: member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
+        let drains = handedOver.enumerated().map { index, socket in
+            SocketWorker(index: index, member: socket.member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
                          makeOutbox: factory, drainLimit: .seconds(30), handedOver: true)
         }
         let (name, log) = (config.name, logger)

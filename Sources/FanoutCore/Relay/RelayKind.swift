@@ -32,7 +32,8 @@ struct RelayKind: ListenerKind {
     /// Relay workers (``RelayWorker``) on the listener's socket group (``RelayListener``).
     func start(_ listener: Listener, _ context: ListenerContext) throws(DaemonError) -> any RunningListener {
         do {
-            return try RelayListener(listener, counters: context.counters, logger: context.logger, passiveHealth: context.refused)
+            return try RelayListener(listener, counters: context.counters, logger: context.logger, passiveHealth: context.refused,
+                                     descriptors: context.descriptors)
         } catch {
             throw .listener(name: listener.name, error)
         }

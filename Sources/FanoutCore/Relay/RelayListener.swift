@@ -24,18 +24,41 @@ final class RelayListener: RunningListener {
 
     deinit { Self.reservedSessions.subtract(reserved, ordering: .relaxed) }
 
+    /// - Parameter descriptors: the service manager's store: the listener sockets and sessions a
+    ///   previous process handed over on this bind are taken from it, and this instance's are
+    ///   stored (``RelayWorker/store(_:)``); nil: neither.
     init(_ config: Listener, counters: ListenerCounters, logger: Logger,
-         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(ReusePortError) {
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil) throws(ReusePortError) {
         // The counters outlive a restart (reload of the bind or settings), and the relay totals
         // with them; the session count is this instance's.
         let relay = counters.relayCounters()
         let sessions = RelaySessionCount(maxSessions: config.settings.maxSessions)
         self.relay = relay
-        group = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth) { members, shared throws(ReusePortError) in
-            try members.enumerated().map { (index, member) throws(ReusePortError) in
-                try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
-                                sessions: sessions, plans: shared.plans, stop: shared.stop, handOver: shared.handOver, logger: logger)
+        let handed = descriptors.map { Self.takeSessions(config, $0) } ?? []
+        var assigned = false
+        defer { if !assigned { for session in handed { close(session.socket) } } }
+        group = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors,
+                                        workersReadHandedOver: true) { members, shared throws(ReusePortError) in
+            var adopted = [[RelaySession]](repeating: [], count: members.count)
+            assigned = true
+            if let descriptors, !handed.isEmpty {
+                adopted = Self.assign(handed, to: members, config: config, sessions: sessions, descriptors: descriptors, logger: logger)
             }
+            var workers: [RelayWorker] = []
+            for (index, member) in members.enumerated() {
+                do throws(ReusePortError) {
+                    workers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
+                                                   sessions: sessions, plans: shared.plans, stop: shared.stop, handOver: shared.handOver, logger: logger,
+                                                   descriptors: descriptors, inherited: shared.inherited[index], activated: shared.activated,
+                                                   adopted: adopted[index]))
+                } catch {
+                    // The sessions not yet in a worker close here (a worker's own close with it).
+                    for session in adopted[index...].joined() { session.closeSocket() }
+                    for worker in workers { worker.closeEverySession() }
+                    throw error
+                }
+            }
+            return workers
         }
         // Each session is a socket: a table the open-files limit cannot hold fails at run time,
         // client by client (counted send_error). The soft limit is raised as far as the hard one
@@ -63,6 +86,88 @@ final class RelayListener: RunningListener {
             ])
         }
         counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
+    }
+
+    /// A session socket a previous process handed over: its stored name, worker, client and the
+    /// downstream it is connected to.
+    struct HandedSession {
+        let name: String
+        let socket: Int32
+        let worker: Int
+        let client: SocketAddress
+        let downstream: SocketAddress
+    }
+
+    /// Takes the session sockets a previous process handed over on this listener's bind; one
+    /// that is not a UDP socket connected to an address is closed (counted rejected).
+    static func takeSessions(_ config: Listener, _ descriptors: DescriptorStore) -> [HandedSession] {
+        var handed: [HandedSession] = []
+        for (name, fds) in descriptors.takeAll(prefix: DescriptorStore.relaySessionPrefix(config.bind)).sorted(by: { $0.key < $1.key }) {
+            for fd in fds {
+                var storage = sockaddr_storage()
+                var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+                let connected = withUnsafeMutablePointer(to: &storage) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getpeername(fd, $0, &length) == 0 }
+                }
+                let peer = connected ? withUnsafeBytes(of: &storage) { SocketAddress(storage: $0.baseAddress!) } : nil
+                let type = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_TYPE, initial: Int32(0))
+                if let parsed = DescriptorStore.parseRelaySession(name, bind: config.bind), let peer, type == Int32(SOCK_DGRAM.rawValue), fds.count == 1 {
+                    handed.append(HandedSession(name: name, socket: fd, worker: parsed.worker, client: parsed.client, downstream: peer))
+                } else {
+                    close(fd)
+                    descriptors.remove(name)
+                    descriptors.count(Replies.relay.rawValue, .rejected, note: "listener '\(config.name)': \(name) is not a relay session's socket (a UDP socket connected to a downstream, one per name): closed")
+                }
+            }
+        }
+        return handed
+    }
+
+    /// Gives each handed-over session to the worker its client's datagrams reach now: with eBPF
+    /// steering the one the kernel program picks (the same computation), else the worker of its
+    /// number. Past `max_sessions` a session is closed (counted rejected). Logged and counted.
+    static func assign(_ handed: [HandedSession], to members: [ReusePortMember], config: Listener, sessions: RelaySessionCount,
+                       descriptors: DescriptorStore, logger: Logger) -> [[RelaySession]] {
+        var adopted = [[RelaySession]](repeating: [], count: members.count)
+        let now = monotonicMilliseconds()
+        var byDownstream: [String: Int] = [:]
+        var rejected = 0
+        for session in handed {
+            guard sessions.admit() else {
+                close(session.socket)
+                descriptors.remove(session.name)
+                rejected += 1
+                continue
+            }
+            let steered = Self.steeredAddress(session.client)
+            let worker = (try? members.first?.owner(of: steered.ip, port: steered.port)).flatMap { $0 } ?? session.worker % members.count
+            let downstream = config.members.first { $0.pool == nil && $0.address == session.downstream }
+                ?? Downstream(name: "\(session.downstream)", address: session.downstream)
+            byDownstream[downstream.name, default: 0] += 1
+            adopted[worker].append(RelaySession(client: session.client, socket: session.socket, stored: session.name, downstream: downstream, now: now))
+        }
+        let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
+        let kept = handed.count - rejected
+        descriptors.count(Replies.relay.rawValue, .adopted, kept, note: "listener '\(config.name)' on \(config.bind): adopted \(kept) relay session(s) from \(previous): their clients keep their downstream and source port")
+        logger.info("adopted the relay sessions of the previous process: each client keeps its downstream, and replies on the way are relayed", metadata: [
+            "listener": "\(config.name)", "sessions": "\(kept)",
+            "by_downstream": "\(byDownstream.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ","))",
+        ])
+        if rejected > 0 {
+            let note = "listener '\(config.name)': \(rejected) relay session(s) handed over beyond settings.max_sessions (\(config.settings.maxSessions)) were closed: those clients start anew"
+            descriptors.count(Replies.relay.rawValue, .rejected, rejected, note: note)
+            logger.warning("\(note)")
+        }
+        return adopted
+    }
+
+    /// The address the kernel program hashes for a client: an IPv4 client of an IPv6 socket
+    /// (`::ffff:a.b.c.d`) arrives in IPv4 packets.
+    static func steeredAddress(_ client: SocketAddress) -> SocketAddress {
+        let bytes = client.ip.bytes
+        guard bytes.count == 16, bytes[0..<10].allSatisfy({ $0 == 0 }), bytes[10] == 0xff, bytes[11] == 0xff,
+              let v4 = IPAddress(bytes: bytes[12...]) else { return client }
+        return SocketAddress(ip: v4, port: client.port)
     }
 
     /// How many ports net.ipv4.ip_local_port_range (this network namespace's) gives connect(),

@@ -48,6 +48,18 @@ final class RelaySession {
     /// The worker's last epoll wakeup that reported this session's socket readable: a session
     /// readable in consecutive wakeups is busy, and is read in batches (recvmmsg).
     var readyWakeup: UInt64 = .max
+    /// The name its socket is stored under in the service manager's store (a restart or crash
+    /// hands it to the next process); nil: not stored.
+    var stored: String?
+
+    /// A session the previous process handed over: its connected `socket` and stored name.
+    convenience init(client: SocketAddress, socket: Int32, stored: String, downstream: Downstream, now: Int64) {
+        var storage = sockaddr_storage()
+        _ = client.write(to: &storage)
+        self.init(client: &storage, downstream: downstream, target: 0, now: now)
+        self.socket = socket
+        self.stored = stored
+    }
 
     init(client source: UnsafePointer<sockaddr_storage>, downstream: Downstream, target: Int, now: Int64) {
         client = .allocate(capacity: 1)

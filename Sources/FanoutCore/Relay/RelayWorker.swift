@@ -91,11 +91,29 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Session sockets whose downstream left the plan, by descriptor: in the same epoll set,
     /// told apart from ``bySocket``'s by lookup (they are few, and only while a change drains).
     var draining: [Int32: DrainingSocket] = [:]
+    /// The service manager's store: each session socket is handed to it as it opens and taken
+    /// out as it closes, so a restart or crash keeps the sessions (nil: not stored).
+    let descriptors: DescriptorStore?
+    /// Listener sockets of the previous process (a restart) this worker reads before its own:
+    /// a client's requests queued there while no process ran reach the worker that holds its
+    /// session. Each closes once empty after ``activated``.
+    var inherited: [ReusePortMember]
+    /// Set once the listener's group took the bind over: the inherited sockets get nothing new.
+    let activated: StopSignal
 
+    /// - Parameters:
+    ///   - inherited: listener sockets a previous process handed over, read beside `member`.
+    ///   - adopted: sessions a previous process handed over whose clients this worker's
+    ///     steering receives (socket open, counted in `sessions` already).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
-         sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger) throws(ReusePortError) {
+         sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger,
+         descriptors: DescriptorStore? = nil, inherited: [ReusePortMember] = [], activated: StopSignal = StopSignal(),
+         adopted: [RelaySession] = []) throws(ReusePortError) {
         self.index = index
         self.member = member
+        self.descriptors = descriptors
+        self.inherited = inherited
+        self.activated = activated
         drops = ReceiveQueueDropReading(member)
         self.listener = listener
         self.counters = counters
@@ -125,10 +143,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var created: Int32 = -1
         do {
             created = try Syscall.epollCreate()
-            var event = epoll_event()
-            event.events = UInt32(EPOLLIN.rawValue)
-            event.data.fd = member.socket
-            try Syscall.epollControl(created, EPOLL_CTL_ADD, member.socket, &event)
+            for socket in [member.socket] + inherited.map(\.socket) + adopted.map(\.socket) {
+                var event = epoll_event()
+                event.events = UInt32(EPOLLIN.rawValue)
+                event.data.fd = socket
+                try Syscall.epollControl(created, EPOLL_CTL_ADD, socket, &event)
+            }
         } catch {
             if created >= 0 { Syscall.close(created) }
             replyHeaders.deallocate()
@@ -139,6 +159,10 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             throw .system(error)
         }
         epoll = created
+        for session in adopted {
+            self.sessions[ClientKey(session.client)] = session
+            bySocket[session.socket] = session
+        }
     }
 
     deinit {
@@ -171,7 +195,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
         if handOver.requested.isSet { drainAfterHandOver() }
         receivingNow.store(false, ordering: .relaxed)
+        // Handing over: every session goes to the store, waiting for the service manager now;
+        // else every one goes out of it (the removals it did not take at once, waiting too).
+        if descriptors?.handingOver == true { storePending(waiting: true) }
         closeEverySession()
+        storePending(waiting: true)
+        for socket in inherited { socket.leave() }
         member.leave()
         ring = nil
     }
@@ -184,7 +213,16 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var batchesPerTurn: Int { Self.batchesPerWakeup }
 
     func receiveBatch() throws(SystemCallError) -> Int {
-        try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
+        // What the previous process's sockets hold came first.
+        while let first = inherited.first {
+            let count = try receiver.receive(from: first.socket, flags: Socket.dontWait | Socket.truncate)
+            if count > 0 { return count }
+            guard activated.isSet else { break }
+            try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, first.socket, nil)
+            first.leave()
+            inherited.removeFirst()
+        }
+        return try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
     }
 
     func adoptPlanIfChanged() { tableLock.withLock { _ in adoptPlanLocked() } }
@@ -205,7 +243,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var listenerReady = false
         for slot in 0..<ready {
             let fd = events[slot].data.fd
-            if fd == member.socket {
+            if fd == member.socket || inherited.contains(where: { $0.socket == fd }) {
                 listenerReady = true
             } else {
                 replyReady(fd)
@@ -221,6 +259,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     func endOfTurn() {
         drops.endOfTurn(member, into: counters)
         flushReplies()
+        storePending(waiting: false)
     }
 
     func everySecond() {
@@ -340,6 +379,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         let fd = session.socket
         let deadline = until ?? now + (drain ?? drainMilliseconds)
         bySocket[fd] = nil
+        // A draining socket is not a session: a restart does not keep it.
+        unstore(session)
         if !bounded { sessionCount.forceDraining() }
         guard !bounded || sessionCount.admitDraining() else {
             // What it holds already is relayed within the drain time, else counted drained.
@@ -491,6 +532,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             do {
                 try Syscall.epollControl(epoll, EPOLL_CTL_ADD, session.socket, &event)
                 bySocket[session.socket] = session
+                store(session)
                 return true
             } catch {
                 session.closeSocket()
@@ -626,6 +668,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 // A reply that arrived in this very instant still goes out.
                 relayQueued(session, budget: .max)
                 if session.socket >= 0 { bySocket[session.socket] = nil }
+                unstore(session)
                 session.closeSocket()
                 expired += 1
             }
@@ -687,15 +730,82 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
+    /// Closes every session and draining socket. A process that stops to hand its data path
+    /// over (a restart) leaves the sessions in the service manager's store for the next one.
     func closeEverySession() {
+        let handing = descriptors?.handingOver ?? false
         tableLock.withLock { _ in
-            for session in sessions.values { session.closeSocket() }
+            for session in sessions.values {
+                if !handing { unstore(session) }
+                session.closeSocket()
+            }
             sessionCount.release(sessions.count)
             for fd in draining.keys { close(fd) }
             sessionCount.releaseDraining(draining.count)
             sessions = [:]
             bySocket = [:]
             draining = [:]
+        }
+    }
+
+    /// Hands the session's socket to the service manager's store under a name of its own (its
+    /// client in it), without waiting: one the store did not take is logged, and a restart
+    /// starts that client's session anew.
+    /// - Returns: false when the store did not take it now (it is tried again: ``storePending(waiting:)``).
+    @discardableResult
+    func store(_ session: RelaySession, waiting: Bool = false) -> Bool {
+        guard let descriptors, descriptors.stores, session.socket >= 0, session.stored == nil, let client = session.clientAddress else { return true }
+        var status = stat()
+        guard fstat(session.socket, &status) == 0 else { return true }
+        let name = DescriptorStore.relaySessionName(listener.bind, worker: index, inode: UInt64(status.st_ino), client: client)
+        if descriptors.store(name, session.socket, waiting: waiting) {
+            session.stored = name
+            return true
+        }
+        if pendingStore.isEmpty { pendingSince = monotonicMilliseconds() }
+        pendingStore.append(session)
+        return false
+    }
+
+    /// Sessions the service manager's store did not take when they opened (its queue was full:
+    /// a burst of new clients), and names of closed ones it did not take out, tried again at the
+    /// end of each turn (at most every 20 ms) and, waiting, when the process stops; since when
+    /// some wait.
+    var pendingStore: [RelaySession] = []
+    var pendingRemoval: [String] = []
+    var pendingSince: Int64 = 0
+    var lastStoreRetry: Int64 = 0
+
+    /// Tries the waiting sessions again, in order, until the store refuses one.
+    func storePending(waiting: Bool) {
+        guard !pendingStore.isEmpty || !pendingRemoval.isEmpty else { return }
+        let now = monotonicMilliseconds()
+        guard waiting || now - lastStoreRetry >= 20 else { return }
+        lastStoreRetry = now
+        while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != false { pendingRemoval.removeFirst() }
+        let queued = pendingStore
+        pendingStore = []
+        for (position, session) in queued.enumerated() where !store(session, waiting: waiting) {
+            // store() put it back; the rest keep their turn after it.
+            pendingStore += queued[(position + 1)...]
+            break
+        }
+        if pendingStore.isEmpty && pendingRemoval.isEmpty { return }
+        if now - pendingSince >= 1000 {
+            logFailure("relay session sockets wait for the service manager's store to take them in or out (its queue stays full): a restart or crash now starts those clients' sessions anew, and closed ones stay open in the store meanwhile",
+                       SystemCallError(call: "sd_notify FDSTORE=1 (\(pendingStore.count) waiting) / FDSTOREREMOVE=1 (\(pendingRemoval.count) waiting)", errno: EAGAIN))
+        }
+    }
+
+    /// Takes the session's socket out of the service manager's store (it closes, or stops being
+    /// a session), without waiting.
+    func unstore(_ session: RelaySession) {
+        guard let name = session.stored, let descriptors else { return }
+        session.stored = nil
+        if !descriptors.remove(name, waiting: false) {
+            // Until it goes, the store's copy keeps the socket (and its port) open.
+            if pendingStore.isEmpty && pendingRemoval.isEmpty { pendingSince = monotonicMilliseconds() }
+            pendingRemoval.append(name)
         }
     }
 
