@@ -62,7 +62,8 @@ struct AFXDPKind: ListenerKind {
         let afxdp = context.kept.value(listener.name) { AFXDPCounters(listener: listener.name) }
         context.counters.modeMetrics.withLock { $0 = { afxdp.metricsText(mode: Mode.afXDP.rawValue) } }
         do {
-            return try AFXDPListener(listener, counters: context.counters, afxdp: afxdp, logger: context.logger, passiveHealth: context.refused)
+            return try AFXDPListener(listener, counters: context.counters, afxdp: afxdp, logger: context.logger, passiveHealth: context.refused,
+                                     descriptors: context.descriptors)
         } catch {
             context.logger.error("af_xdp listener could not start", metadata: ["listener": "\(listener.name)", "error": "\(error)"])
             throw .listener(name: listener.name, error)

@@ -75,8 +75,11 @@ final class AFXDPListener: RunningListener {
     static let registeredUMEM = Atomic<Int>(0)
     private let umemBytes: Int
 
+    /// - Parameter descriptors: the service manager's store: the companion's sockets go there (a
+    ///   restart or crash: the XDP program detaches with the process, and what the kernel then
+    ///   delivers waits in them for the next process), and a previous process's are read out.
     init(_ config: Listener, counters: ListenerCounters, afxdp: AFXDPCounters, logger: Logger,
-         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) throws(AFXDPError) {
+         passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil, descriptors: DescriptorStore? = nil) throws(AFXDPError) {
         self.config = config
         self.counters = counters
         self.afxdp = afxdp
@@ -122,7 +125,8 @@ final class AFXDPListener: RunningListener {
         if companionConfig.settings.recvBufSize == 0 { companionConfig.settings.recvBufSize = Self.companionReceiveBuffer }
         if companionConfig.settings.output == .xdpTX { companionConfig.settings.output = .preserveSource }
         do {
-            companion = try SocketGroupListener.oneWay(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth)
+            companion = try SocketGroupListener.oneWay(companionConfig, counters: counters, logger: logger, passiveHealth: passiveHealth,
+                                                       descriptors: descriptors)
         } catch {
             throw failed(.companion(error))
         }

@@ -231,7 +231,7 @@ public final class FanoutDaemon: Sendable {
         // A listener a reload removed: its sockets leave the service manager's store with it; a
         // change that failed and was rolled back leaves none of the new one's there either.
         func keepSockets(of config: FanoutConfig) {
-            descriptors.forgetSockets(except: Set(config.listeners.filter { UserspaceKind.serves($0) || RelayKind.serves($0) }.map { DescriptorStore.socketName($0.bind) }))
+            descriptors.forgetSockets(except: Set(config.listeners.filter { UserspaceKind.serves($0) || RelayKind.serves($0) || AFXDPKind.serves($0) }.map { DescriptorStore.socketName($0.bind) }))
         }
         do {
             try transitionLocked(to: new, from: old)
