@@ -131,6 +131,16 @@ final class ServiceManager {
         process = nil
     }
 
+    /// Stores the first descriptor whose name starts with `prefix` once more, under the same name
+    /// with another inode part (as a second session of the same client would be).
+    func duplicateFirst(prefix: String) {
+        guard let entry = store.first(where: { $0.name.hasPrefix(prefix) }) else { return }
+        var parts = entry.name.dropFirst(prefix.count).split(separator: ".", maxSplits: 3, omittingEmptySubsequences: false).map(String.init)
+        guard parts.count == 4 else { return }
+        parts[2] += "f"
+        store.append((prefix + parts.joined(separator: "."), dup(entry.fd)))
+    }
+
     /// Renames every stored descriptor whose name starts with `prefix` (a previous version's
     /// names, for a test of what a start does with them).
     func rename(prefix: String, to replacement: String) {
@@ -397,22 +407,8 @@ struct DescriptorStoreTests {
     @Test("more descriptors stored than the shipped unit's FileDescriptorStoreMax=: said once, with the drop-in that raises it; said again after falling below and crossing again")
     func storeLimit() throws {
         let notify = try NotifySocket()
-        // Read as systemd reads them: a unix datagram socket queues 10 messages, and a sender blocks beyond.
-        let reading = Atomic<Bool>(true)
-        let socketFD = notify.fd
-        let reader = Thread {
-            var buffer = [UInt8](repeating: 0, count: 4096)
-            var descriptor = pollfd(fd: socketFD, events: Int16(POLLIN), revents: 0)
-            while reading.load(ordering: .relaxed) {
-                // Received without a control buffer: the kernel closes the descriptors they carry.
-                if poll(&descriptor, 1, 20) > 0 { _ = recv(socketFD, &buffer, buffer.count, Int32(MSG_DONTWAIT)) }
-            }
-        }
-        reader.start()
-        defer {
-            reading.store(false, ordering: .relaxed)
-            while !reader.isFinished { usleep(10_000) }
-        }
+        let stopReading = Self.read(notify)
+        defer { stopReading() }
         let log = LogStore()
         let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
         let fd = open("/dev/null", O_RDONLY)
@@ -428,6 +424,58 @@ struct DescriptorStoreTests {
         store.replace("b", with: Array(repeating: fd, count: 200))
         #expect(warnings() == 2, "said again after falling below and crossing again")
         #expect(log.lines.withLock { $0.filter { $0.message.contains("could not hand descriptors") }.isEmpty }, "every message was sent")
+    }
+
+    /// Reads `notify` as systemd reads its notifications, on a thread, until the returned
+    /// function is called (a unix datagram socket queues 10 messages, and a sender blocks beyond).
+    static func read(_ notify: NotifySocket) -> () -> Void {
+        let reading = Atomic<Bool>(true)
+        let socketFD = notify.fd
+        let reader = Thread {
+            var buffer = [UInt8](repeating: 0, count: 4096)
+            var descriptor = pollfd(fd: socketFD, events: Int16(POLLIN), revents: 0)
+            while reading.load(ordering: .relaxed) {
+                // Received without a control buffer: the kernel closes the descriptors they carry.
+                if poll(&descriptor, 1, 20) > 0 { _ = recv(socketFD, &buffer, buffer.count, Int32(MSG_DONTWAIT)) }
+            }
+        }
+        reader.start()
+        return {
+            reading.store(false, ordering: .relaxed)
+            while !reader.isFinished { usleep(10_000) }
+        }
+    }
+
+    @Test("relay sessions stop being stored at the budget (every name comes back in one 128 KiB environment string, LISTEN_FDNAMES); nothing makes the names pass 126,000 bytes")
+    func sessionBudget() throws {
+        let notify = try NotifySocket()
+        let stopReading = Self.read(notify)
+        defer { stopReading() }
+        let log = LogStore()
+        let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
+        let fd = open("/dev/null", O_RDONLY)
+        defer { close(fd) }
+        store.replace(DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5514")!, slot: 0), with: [fd])
+        let bind = SocketAddress("[2001:db8::1]:5514")!
+        var stored = 0
+        var outcome = DescriptorStore.StoreOutcome.stored
+        for session in 0..<5000 {
+            let client = SocketAddress(ip: IPAddress("2001:db8:ffff:ffff:ffff:ffff:ffff:\(String(session, radix: 16))")!, port: 65535)
+            repeat {
+                outcome = store.store(DescriptorStore.relaySessionName(bind, worker: 63, inode: UInt64(1) << 40 | UInt64(session), client: client), fd)
+            } while outcome == .busy
+            guard outcome == .stored else { break }
+            stored += 1
+        }
+        #expect(outcome == .overBudget, "\(outcome)")
+        #expect(store.storedNameBytes <= DescriptorStore.sessionNameBudget && store.storedNameBytes > DescriptorStore.sessionNameBudget - 100, "\(store.storedNameBytes)")
+        #expect(stored > 1000, "IPv6 clients' names are at most about 75 bytes: \(stored) stored")
+        // Listener sockets still fit beside them; past the limit nothing is stored, said.
+        store.replace(DescriptorStore.socketName(bind, slot: 1), with: [fd])
+        #expect(store.storedDescriptors == stored + 2)
+        store.replace("udp-fanout.socket.too-many", with: Array(repeating: fd, count: 2000))
+        #expect(store.storedNameBytes <= DescriptorStore.nameBytesLimit && store.storedDescriptors == stored + 2)
+        #expect(log.lines.withLock { $0.contains { $0.message.contains("LISTEN_FDNAMES") } })
     }
 
     @Test("the process record: a clean stop and a crash told apart")
@@ -615,8 +663,8 @@ struct KernelRestartTests {
     /// 30 two-way clients with fixed ports exchanging without pause through a nat listener
     /// (tc_ebpf or xdp, round robin over three echo servers) for 3 s, the daemon interrupted after
     /// 1 s: the publisher's report and the second process's log.
-    static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption,
-                       secondServers: [Int]? = nil) throws -> (report: [String: Any], log: String) {
+    static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption, secondServers: [Int]? = nil,
+                       beforeSecondStart: (ServiceManager) -> Void = { _ in }) throws -> (report: [String: Any], log: String, metrics: String) {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 30)
         try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try TwoWayEndToEndTests.servers(topology)
@@ -639,20 +687,22 @@ struct KernelRestartTests {
         if let secondServers {
             try TwoWayEndToEndTests.config(topology, path, servers: secondServers, drainSecs: 0).write(to: file, atomically: true, encoding: .utf8)
         }
+        beforeSecondStart(manager)
         try manager.start()
         for _ in 0..<600 where publisher.process.isRunning { manager.pump(within: 0.05) }
         #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
         let report = try publisher.json()
         let log = manager.output
+        let metrics = (try? TwoWayEndToEndTests.metrics(topology)) ?? ""
         try manager.stop()
         _ = servers
-        return (report, log)
+        return (report, log, metrics)
     }
 
     @Test("nat (tc_ebpf, xdp): a planned restart and kill -9 under 30 exchanging clients: no reply lost, every client keeps its server",
           arguments: [TwoWayEndToEndTests.Path.nat, .xdp], [RestartTests.Interruption.restart, .kill9])
     func natRestart(path: TwoWayEndToEndTests.Path, interruption: RestartTests.Interruption) throws {
-        let (report, log) = try Self.twoWay(path, interruption)
+        let (report, log, _) = try Self.twoWay(path, interruption)
         print("\(path) \(interruption): \(report)")
         #expect(report.int("lost") == 0, "no reply lost: \(report); log: \(log)")
         #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
@@ -663,7 +713,11 @@ struct KernelRestartTests {
     @Test("relay: a planned restart and kill -9 under 30 exchanging clients: every client keeps its server, no reply lost (kill -9: but what the process held), sessions and listener sockets handed over",
           arguments: [RestartTests.Interruption.restart, .kill9])
     func relayRestart(interruption: RestartTests.Interruption) throws {
-        let (report, log) = try Self.twoWay(.relay, interruption)
+        // The planned restart also finds a client with two stored sessions (as after a restart
+        // that changed the workers): one is kept, the other closed; the stop that follows is clean.
+        let (report, log, metrics) = try Self.twoWay(.relay, interruption, beforeSecondStart: { manager in
+            if interruption == .restart { manager.duplicateFirst(prefix: DescriptorStore.relayPrefix) }
+        })
         print("relay \(interruption): \(report)")
         if interruption == .kill9 {
             // What the killed process held (read, not yet sent) is gone with it: at most the one
@@ -676,19 +730,24 @@ struct KernelRestartTests {
         #expect(report.int("clients_with_one_server") == 30, "every client kept its server: \(report); log: \(log)")
         #expect(report.int("replies") > 1000, "\(report)")
         #expect(log.contains("adopted the relay sessions of the previous process"), "\(log)")
-        #expect(log.contains("\"sessions\":\"30\"") || log.contains("sessions=30"), "all 30 sessions adopted: \(log)")
+        #expect(log.contains("sessions=30 "), "all 30 sessions adopted: \(log)")
+        // The clients used the adopted sessions: the second process made none.
+        #expect(TwoWayEndToEndTests.value(metrics, .relay, "udp_fanout_association_events_total", ",event=\"created\"") == 0, "\(metrics)")
+        if interruption == .restart {
+            #expect(log.contains("1 relay session(s) handed over for a client that had another"), "\(log)")
+        }
     }
 
     @Test("relay: the same restart without the store loses replies or moves clients (what the store prevents)")
     func relayRestartWithoutStore() throws {
-        let (report, _) = try Self.twoWay(.relay, .restartWithoutStore)
+        let (report, _, _) = try Self.twoWay(.relay, .restartWithoutStore)
         print("relay restart without the store: \(report)")
         #expect(report.int("lost") > 0 || report.int("clients_with_one_server") < 30, "\(report)")
     }
 
     @Test("nat (tc_ebpf): a restart whose configuration removed a server: its 10 clients move to the others (it is gone, drain_secs 0), the 20 others keep theirs")
     func natRestartWithoutAServer() throws {
-        let (report, log) = try Self.twoWay(.nat, .restart, secondServers: [1, 2])
+        let (report, log, _) = try Self.twoWay(.nat, .restart, secondServers: [1, 2])
         print("nat restart without b3: \(report)")
         #expect(log.contains("downstream left the set"), "\(log)")
         #expect(report.int("clients_with_one_server") == 20, "b3's 10 clients moved, the others kept theirs: \(report)")
@@ -699,7 +758,7 @@ struct KernelRestartTests {
 
     @Test("nat (tc_ebpf): the same restart without the store loses replies or moves clients (what the store prevents)")
     func natRestartWithoutStore() throws {
-        let (report, _) = try Self.twoWay(.nat, .restartWithoutStore)
+        let (report, _, _) = try Self.twoWay(.nat, .restartWithoutStore)
         print("nat restart without the store: \(report)")
         #expect(report.int("lost") > 0 || report.int("clients_with_one_server") < 30, "\(report)")
     }

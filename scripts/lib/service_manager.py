@@ -55,16 +55,23 @@ def main():
             environment.update(a.split("=", 1) for a in assignments)
 
         def place():
-            # The store's descriptors at 3, 4, ... (copies above them first: no dup2 overwrites
-            # one still to be placed). Every other descriptor is closed after this (close_fds).
+            # The store's descriptors at 3, 4, ... (close-on-exec copies above them first: no
+            # dup2 overwrites one still to be placed). Every other descriptor of this process is
+            # close-on-exec (the received ones are made so), so the child gets only these; not
+            # pass_fds, which subprocess checks before this runs, when 3... may not be open yet.
             base = max(fds + [2]) + len(fds) + 1
-            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in fds]
+            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, base) for fd in fds]
             for index, fd in enumerate(moved):
                 os.dup2(fd, 3 + index, inheritable=True)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
-        child = subprocess.Popen(argv, env=environment, preexec_fn=place, close_fds=True,
-                                 pass_fds=tuple(range(3, 3 + len(fds))))
+        try:
+            child = subprocess.Popen(argv, env=environment, preexec_fn=place, close_fds=False)
+        except OSError as error:
+            # As systemd: the start fails (e.g. E2BIG, LISTEN_FDNAMES over 128 KiB), the store stays.
+            log.write("start failed: %s\n" % error)
+            child = None
+            return
         with open(pidfile, "w") as out:
             out.write("%d\n" % child.pid)
         log.write("started %d with %d descriptor(s)\n" % (child.pid, len(fds)))
@@ -98,6 +105,8 @@ def main():
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+            for fd in fds:
+                os.set_inheritable(fd, False)
             fields = dict(line.split("=", 1) for line in message.decode(errors="replace").split("\n") if "=" in line)
             if fields.get("FDSTORE") == "1":
                 store.extend((fields.get("FDNAME", "stored"), fd) for fd in fds)

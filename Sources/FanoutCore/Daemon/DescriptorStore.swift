@@ -23,8 +23,9 @@ import SystemCalls
 /// Names (at most 255 printable characters, no `:`):
 /// - `udp-fanout.socket.<bind>.<slot>`: a userspace or relay listener's socket of worker `<slot>` on
 ///   `<bind>` (`:` written `_`);
-/// - `udp-fanout.relay.<bind>.<worker>.<inode>.<client>`: a relay session's socket (connected to
-///   its downstream), one name each, so a closed session leaves the store alone;
+/// - `udp-fanout.r.<bind hash>.<worker>.<inode>.<client>`: a relay session's socket (connected to
+///   its downstream), one name each, so a closed session leaves the store alone; within a budget
+///   (``sessionNameBudget``), since systemd passes every name back in one environment string;
 /// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
 ///   at an interface: it keeps forwarding on the last plan while no process runs;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
@@ -60,6 +61,7 @@ public final class DescriptorStore: Sendable {
         /// `FileDescriptorStoreMax=`), and whether the warning about it was said.
         var storedCounts: [String: Int] = [:]
         var storedTotal = 0
+        var storedNameBytes = 0
         var overLimitSaid = false
         var outcomes: [String: [Outcome: UInt64]] = [:]
         /// Lines for `/status`: what was adopted, rejected or left unused, and why.
@@ -168,7 +170,7 @@ public final class DescriptorStore: Sendable {
 
     static let socketPrefix = "udp-fanout.socket."
     static let tcLinkPrefix = "udp-fanout.tcx."
-    static let relayPrefix = "udp-fanout.relay."
+    package static let relayPrefix = "udp-fanout.r."
 
     /// An address as a name part: systemd's names hold no `:`.
     static func escaped(_ address: SocketAddress) -> String {
@@ -185,15 +187,18 @@ public final class DescriptorStore: Sendable {
         socketName(bind) + ".\(slot)"
     }
 
-    /// What every relay session socket of a listener on `bind` is stored under starts with this.
+    /// What every relay session socket of a listener on `bind` is stored under starts with this
+    /// (the bind as 8 hex digits of its hash: the names are short, see ``sessionNameBudget``).
     package static func relaySessionPrefix(_ bind: SocketAddress) -> String {
-        relayPrefix + escaped(bind) + "."
+        let hash = UInt32(truncatingIfNeeded: MaglevTable.fnv1a64("\(bind)", seed: 0))
+        let hex = String(hash, radix: 16)
+        return relayPrefix + String(repeating: "0", count: 8 - hex.count) + hex + "."
     }
 
-    /// The name of a relay session socket: its worker, the socket's inode (unique while it is
-    /// open: a successor's session for the same client never shares the name) and its client.
+    /// The name of a relay session socket: its worker, the socket's inode (hex; unique while it
+    /// is open: a successor's session for the same client never shares the name) and its client.
     package static func relaySessionName(_ bind: SocketAddress, worker: Int, inode: UInt64, client: SocketAddress) -> String {
-        relaySessionPrefix(bind) + "\(worker).\(inode).\(escaped(client))"
+        relaySessionPrefix(bind) + "\(worker).\(String(inode, radix: 16)).\(escaped(client))"
     }
 
     /// The worker and client in a relay session's name (from ``relaySessionName(_:worker:inode:client:)``).
@@ -201,7 +206,7 @@ public final class DescriptorStore: Sendable {
         let prefix = relaySessionPrefix(bind)
         guard name.hasPrefix(prefix) else { return nil }
         let parts = name.dropFirst(prefix.count).split(separator: ".", maxSplits: 2, omittingEmptySubsequences: false)
-        guard parts.count == 3, let worker = Int(parts[0]), worker >= 0, UInt64(parts[1]) != nil,
+        guard parts.count == 3, let worker = Int(parts[0]), worker >= 0, UInt64(parts[1], radix: 16) != nil,
               let client = SocketAddress(String(parts[2].map { $0 == "_" ? ":" : $0 }))
         else { return nil }
         return (worker, client)
@@ -238,6 +243,7 @@ public final class DescriptorStore: Sendable {
     private static func taken(_ name: String, _ fds: [Int32], _ state: inout State) {
         state.inherited[name] = nil
         state.stored.insert(name)
+        state.storedNameBytes += (fds.count - (state.storedCounts[name] ?? 0)) * (name.utf8.count + 1)
         state.storedTotal += fds.count - (state.storedCounts[name] ?? 0)
         state.storedCounts[name] = fds.count
     }
@@ -301,6 +307,16 @@ public final class DescriptorStore: Sendable {
     package func replace(_ name: String, with descriptors: [Int32]) {
         guard let notifier else { return }
         notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
+        let bytes = state.withLock { state in
+            state.storedNameBytes - (state.storedCounts[name] ?? 0) * (name.utf8.count + 1) + descriptors.count * (name.utf8.count + 1)
+        }
+        guard bytes <= Self.nameBytesLimit else {
+            noteStored(name, count: 0)
+            logger.error("not handed to the service manager: systemd gives every stored name back in one environment variable (LISTEN_FDNAMES), which the kernel limits to 128 KiB, and the next start would fail to execute; a restart loses what arrives for these while no process runs (fewer listeners' workers, or fewer relay sessions: settings.max_sessions)", metadata: [
+                "name": "\(name)", "descriptors": "\(descriptors.count)", "name_bytes": "\(bytes)",
+            ])
+            return
+        }
         var problem: String?
         // SCM_RIGHTS carries at most 253 descriptors per message.
         var start = 0
@@ -321,6 +337,30 @@ public final class DescriptorStore: Sendable {
     /// The shipped unit's `FileDescriptorStoreMax=` (systemd/udp-fanout.service).
     static let storeLimit = 4096
 
+    /// systemd hands every stored name back in one environment string, `LISTEN_FDNAMES` (each
+    /// name and a `:`), and the kernel refuses a string over 128 KiB (MAX_ARG_STRLEN): the next
+    /// start would fail to execute, again at every automatic restart. Nothing is stored past this.
+    static let nameBytesLimit = 126_000
+    /// Relay sessions are stored only while all names take at most this, and the store holds at
+    /// most ``storeLimit`` less ``sessionReserve`` descriptors: the rest is kept for listener
+    /// sockets, links and maps, which a restart needs more.
+    static let sessionNameBudget = 100_000
+    static let sessionReserve = 256
+
+    /// What became of a store request.
+    package enum StoreOutcome: Equatable {
+        case stored
+        /// The service manager's queue was full (EAGAIN): worth sending again soon.
+        case busy
+        /// Past the budget for relay sessions (``sessionNameBudget``, ``sessionReserve``).
+        case overBudget
+        /// Not under a service manager, or it failed otherwise: not worth sending again.
+        case failed(String)
+    }
+
+    /// Name bytes `LISTEN_FDNAMES` would take for what this process keeps stored now.
+    package var storedNameBytes: Int { state.withLock { $0.storedNameBytes } }
+
     /// Descriptors this process keeps in the service manager's store now.
     package var storedDescriptors: Int { state.withLock { $0.storedTotal } }
 
@@ -328,6 +368,7 @@ public final class DescriptorStore: Sendable {
     /// holds more than the shipped unit allows (again after falling below and crossing again).
     private func noteStored(_ name: String, count: Int) {
         let total = state.withLock { state -> Int? in
+            state.storedNameBytes += (count - (state.storedCounts[name] ?? 0)) * (name.utf8.count + 1)
             state.storedTotal += count - (state.storedCounts[name] ?? 0)
             if count > 0 {
                 state.stored.insert(name)
@@ -364,11 +405,18 @@ public final class DescriptorStore: Sendable {
     /// Stores one descriptor under a name of its own (a relay session's socket), by default
     /// without waiting for the service manager: false when it did not take it (its queue is
     /// full, or it failed).
-    package func store(_ name: String, _ descriptor: Int32, waiting: Bool = false) -> Bool {
-        guard let notifier else { return false }
-        guard notifier.send("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: [descriptor], waiting: waiting) == nil else { return false }
-        noteStored(name, count: 1)
-        return true
+    package func store(_ name: String, _ descriptor: Int32, waiting: Bool = false) -> StoreOutcome {
+        guard let notifier else { return .failed("not under a service manager") }
+        let fits = state.withLock { state in
+            state.storedTotal < Self.storeLimit - Self.sessionReserve && state.storedNameBytes + name.utf8.count + 1 <= Self.sessionNameBudget
+        }
+        guard fits else { return .overBudget }
+        let (problem, error) = notifier.sendReporting("FDSTORE=1\nFDNAME=\(name)\nFDPOLL=0", descriptors: [descriptor], waiting: waiting)
+        guard let problem else {
+            noteStored(name, count: 1)
+            return .stored
+        }
+        return error == EAGAIN ? .busy : .failed(problem)
     }
 
     /// Stores a listener's sockets on `bind`, one name per worker slot, in place of what was
@@ -405,13 +453,22 @@ public final class DescriptorStore: Sendable {
             state.inherited = [:]
             return unused
         }
-        for (name, fds) in unused.sorted(by: { $0.key < $1.key }) {
-            let socket = name.hasPrefix(Self.socketPrefix) || name.hasPrefix(Self.relayPrefix)
+        // Relay sessions: one line per listener's bind (there may be thousands).
+        let sessions = unused.filter { $0.key.hasPrefix(Self.relayPrefix) }
+        for (prefix, names) in Dictionary(grouping: sessions.keys, by: { String($0.prefix(Self.relayPrefix.count + 9)) }).sorted(by: { $0.key < $1.key }) {
+            let fds = names.flatMap { sessions[$0] ?? [] }
+            for fd in fds { close(fd) }
+            for name in names { notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)") }
+            let note = "\(prefix)*: \(fds.count) relay session socket(s) handed over for a bind no relay listener of this configuration has: closed, those clients start anew"
+            count(Replies.relay.rawValue, .unused, fds.count, note: note)
+            logger.warning("\(note)")
+        }
+        for (name, fds) in unused.sorted(by: { $0.key < $1.key }) where !name.hasPrefix(Self.relayPrefix) {
+            let socket = name.hasPrefix(Self.socketPrefix)
             let queued = socket ? " (\(fds.reduce(0) { $0 + Self.queuedBytes($1) }) bytes were queued in them)" : ""
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = name.hasPrefix(Self.relayPrefix) ? Replies.relay.rawValue
-                : socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
+            let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")

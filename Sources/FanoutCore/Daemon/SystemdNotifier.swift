@@ -40,31 +40,39 @@ public final class SystemdNotifier: Sendable {
     /// - Parameter waiting: false: fails at once (EAGAIN) when the service manager's queue is
     ///   full, instead of waiting for it (a forwarding thread must not wait on PID 1).
     package func send(_ state: String, descriptors: [Int32], waiting: Bool = true) -> String? {
-        guard let path, !path.isEmpty else { return nil }
-        let problem = deliver(state, descriptors: descriptors, to: path, waiting: waiting)
+        sendReporting(state, descriptors: descriptors, waiting: waiting).problem
+    }
+
+    /// ``send(_:descriptors:waiting:)``, also with the errno that failed (0 when none did or the
+    /// problem was not a system call's).
+    package func sendReporting(_ state: String, descriptors: [Int32], waiting: Bool = true) -> (problem: String?, errno: Int32) {
+        guard let path, !path.isEmpty else { return (nil, 0) }
+        let (problem, error) = deliver(state, descriptors: descriptors, to: path, waiting: waiting)
         // Without waiting, the caller says what failed (a full queue is expected under load).
         if let problem, waiting, !failureLogged.exchange(true, ordering: .relaxed) {
             logger?.error("sd_notify failed; later failures are not logged", metadata: [
                 "NOTIFY_SOCKET": "\(path)", "message": "\(state.split(separator: "\n").first ?? "")", "error": "\(problem)",
             ])
         }
-        return problem
+        return (problem, error)
     }
 
-    private func deliver(_ state: String, descriptors: [Int32], to path: String, waiting: Bool) -> String? {
+    private func deliver(_ state: String, descriptors: [Int32], to path: String, waiting: Bool) -> (String?, Int32) {
         let fd: Int32
         do {
             fd = try Syscall.socket(AF_UNIX, Socket.datagram | Socket.closeOnExec | (waiting ? 0 : Socket.nonBlocking), call: "socket AF_UNIX")
         } catch {
-            return "\(error)"
+            return ("\(error)", error.errno)
         }
         defer { Syscall.close(fd) }
+        // Waiting, but not for ever: a stalled service manager must not hang a stop or a reload.
+        if waiting { _ = try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, timeval(tv_sec: 2, tv_usec: 0), call: "setsockopt SO_SNDTIMEO") }
         var address = sockaddr_un()
         address.sun_family = sa_family_t(AF_UNIX)
         var bytes = Array(path.utf8)
         if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }  // abstract namespace
         let capacity = MemoryLayout.size(ofValue: address.sun_path)
-        guard bytes.count < capacity else { return "the path is longer than \(capacity - 1) bytes" }
+        guard bytes.count < capacity else { return ("the path is longer than \(capacity - 1) bytes", 0) }
         withUnsafeMutableBytes(of: &address.sun_path) { $0.copyBytes(from: bytes) }
         let length = socklen_t(MemoryLayout<sa_family_t>.size + bytes.count)
         let message = Array(state.utf8)
@@ -74,8 +82,8 @@ public final class SystemdNotifier: Sendable {
                     shim_send_with_descriptors(fd, message, message.count, name, length, descriptors, Int32(descriptors.count))
                 }
             }
-            if sent < 0 { return "sendmsg \(path) with \(descriptors.count) descriptor(s): \(String(cString: strerror(Int32(-sent))))" }
-            return sent == message.count ? nil : "sendmsg \(path): the socket took part of the message"
+            if sent < 0 { return ("sendmsg \(path) with \(descriptors.count) descriptor(s): \(String(cString: strerror(Int32(-sent))))", Int32(-sent)) }
+            return (sent == message.count ? nil : "sendmsg \(path): the socket took part of the message", 0)
         }
         let sent = withUnsafePointer(to: &address) {
             $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { name in
@@ -83,9 +91,9 @@ public final class SystemdNotifier: Sendable {
             }
         }
         switch sent {
-        case .success(.processed(message.count)): return nil
-        case .success: return "sendto \(path): the socket took part of the message or none (its buffer is full)"
-        case .failure(let error): return "\(error)"
+        case .success(.processed(message.count)): return (nil, 0)
+        case .success: return ("sendto \(path): the socket took part of the message or none (its buffer is full)", EAGAIN)
+        case .failure(let error): return ("\(error)", error.errno)
         }
     }
 

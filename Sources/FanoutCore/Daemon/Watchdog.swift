@@ -241,16 +241,21 @@ public struct WatchdogService: Service {
                 }
                 for line in verdict.recovered { logger.notice("\(line)") }
                 if verdict.alive && interval != nil { send("WATCHDOG=1") }
-                if let status, case let line = status(), line != lastStatus {
+            }
+            // STATUS= follows readiness within a second (a start's first check may come before
+            // the listeners receive), the path check keeps its own pace.
+            let next = ContinuousClock.now + checkEvery
+            repeat {
+                if monitor.started, let status, case let line = status(), line != lastStatus {
                     send("STATUS=\(line)")
                     lastStatus = line
                 }
-            }
-            do {
-                try await cancelWhenGracefulShutdown { try await Task.sleep(for: checkEvery) }
-            } catch {
-                break
-            }
+                do {
+                    try await cancelWhenGracefulShutdown { try await Task.sleep(for: min(.seconds(1), max(.zero, next - ContinuousClock.now))) }
+                } catch {
+                    return
+                }
+            } while ContinuousClock.now < next && !Task.isShuttingDownGracefully && !Task.isCancelled
         }
     }
 }

@@ -65,6 +65,8 @@ final class SocketGroupListener: Sendable {
     /// of their own after ``activate()``.
     private let workersReadHandedOver: Bool
     private let activated = StopSignal()
+    /// What the handed-over sockets held when taken: bytes, and the kernel's drops on them.
+    private let handedOverQueued: (bytes: Int, drops: UInt64)
     /// Set by the first ``activate()``: the handed-over sockets are read out once (a rollback may
     /// activate this instance again, after they closed).
     private let handedOverRead = Atomic<Bool>(false)
@@ -88,7 +90,9 @@ final class SocketGroupListener: Sendable {
         self.logger = logger
         self.descriptors = descriptors
         self.workersReadHandedOver = workersReadHandedOver
-        handedOver = Self.takeHandedOver(config, descriptors, kind: workersReadHandedOver ? Replies.relay.rawValue : Mode.userspace.rawValue, logger: logger)
+        handedOver = Self.takeHandedOver(config, descriptors, logger: logger)
+        // Before any worker reads them (relay workers read them from their start).
+        handedOverQueued = Self.queue(of: handedOver)
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(
             downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters,
@@ -186,16 +190,14 @@ final class SocketGroupListener: Sendable {
         } catch {
             throw .listener(name: config.name, error)
         }
-        // Read while the workers that read handed-over sockets cannot close them yet.
-        let queued = handedOverQueue()
         activated.set()
         guard let descriptors else { return }
         descriptors.replaceSockets(config.bind, with: workers.map(\.member.socket))
-        drainHandedOver(queued)
+        drainHandedOver(handedOverQueued)
     }
 
     /// Bytes the handed-over sockets hold, and datagrams the kernel dropped on them.
-    private func handedOverQueue() -> (bytes: Int, drops: UInt64) {
+    private static func queue(of handedOver: [(slot: Int?, member: ReusePortMember)]) -> (bytes: Int, drops: UInt64) {
         var queued = (bytes: 0, drops: UInt64(0))
         for (_, member) in handedOver {
             if let statistics = try? member.socketStatistics() {
@@ -208,7 +210,7 @@ final class SocketGroupListener: Sendable {
 
     /// The sockets a previous process handed over on this bind that are UDP sockets bound to it
     /// (others are closed, counted rejected).
-    private static func takeHandedOver(_ config: Listener, _ descriptors: DescriptorStore?, kind: String, logger: Logger) -> [(slot: Int?, member: ReusePortMember)] {
+    private static func takeHandedOver(_ config: Listener, _ descriptors: DescriptorStore?, logger: Logger) -> [(slot: Int?, member: ReusePortMember)] {
         guard let descriptors else { return [] }
         var members: [(slot: Int?, member: ReusePortMember)] = []
         for (slot, fd) in descriptors.takeSockets(config.bind) {
@@ -216,7 +218,7 @@ final class SocketGroupListener: Sendable {
                 members.append((slot, try ReusePortMember(handedOver: fd, address: config.bind, options: GroupOptions(policy: .fiveTuple, capacity: 1))))
             } catch {
                 let note = "listener '\(config.name)': \(error)"
-                descriptors.count(kind, .rejected, note: note)
+                descriptors.count(Mode.userspace.rawValue, .rejected, note: note)
                 logger.warning("\(note)")
             }
         }
@@ -231,7 +233,7 @@ final class SocketGroupListener: Sendable {
         let (queued, dropped) = queue
         let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
         let note = "listener '\(config.name)' on \(config.bind): adopted \(handedOver.count) socket(s) from \(previous) holding \(queued) bytes, \(dropped) datagram(s) dropped by the kernel over their life (counted in receive_queue_drops)"
-        descriptors.count(workersReadHandedOver ? Replies.relay.rawValue : Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
+        descriptors.count(Mode.userspace.rawValue, .adopted, handedOver.count, note: note)
         var metadata: Logger.Metadata = [
             "listener": "\(config.name)", "bind": "\(config.bind)", "sockets": "\(handedOver.count)", "queued_bytes": "\(queued)",
             "kernel_drops": "\(dropped)",

@@ -125,14 +125,32 @@ final class RelayListener: RunningListener {
 
     /// Gives each handed-over session to the worker its client's datagrams reach now: with eBPF
     /// steering the one the kernel program picks (the same computation), else the worker of its
-    /// number. Past `max_sessions` a session is closed (counted rejected). Logged and counted.
+    /// number. One session per client (a client can have had two: a restart that changed the
+    /// workers; the one to a configured downstream is kept); past `max_sessions` a session is
+    /// closed. Logged and counted (rejected).
     static func assign(_ handed: [HandedSession], to members: [ReusePortMember], config: Listener, sessions: RelaySessionCount,
                        descriptors: DescriptorStore, logger: Logger) -> [[RelaySession]] {
         var adopted = [[RelaySession]](repeating: [], count: members.count)
         let now = monotonicMilliseconds()
         var byDownstream: [String: Int] = [:]
         var rejected = 0
+        var duplicates = 0
+        let configured = Set(config.members.filter { $0.pool == nil }.map(\.address))
+        var kept: [SocketAddress: HandedSession] = [:]
         for session in handed {
+            if let other = kept[session.client] {
+                // Keep the one to a configured downstream (else the first): close the other.
+                let (keep, drop) = !configured.contains(other.downstream) && configured.contains(session.downstream) ? (session, other) : (other, session)
+                kept[session.client] = keep
+                close(drop.socket)
+                descriptors.remove(drop.name)
+                duplicates += 1
+            } else {
+                kept[session.client] = session
+            }
+        }
+        var unconfigured = 0
+        for session in kept.values.sorted(by: { $0.name < $1.name }) {
             guard sessions.admit() else {
                 close(session.socket)
                 descriptors.remove(session.name)
@@ -143,20 +161,31 @@ final class RelayListener: RunningListener {
             let worker = (try? members.first?.owner(of: steered.ip, port: steered.port)).flatMap { $0 } ?? session.worker % members.count
             let downstream = config.members.first { $0.pool == nil && $0.address == session.downstream }
                 ?? Downstream(name: "\(session.downstream)", address: session.downstream)
+            if !configured.contains(session.downstream) { unconfigured += 1 }
             byDownstream[downstream.name, default: 0] += 1
             adopted[worker].append(RelaySession(client: session.client, socket: session.socket, stored: session.name, downstream: downstream, now: now))
         }
         let previous = descriptors.predecessor.map { "pid \($0.pid), version \($0.version)" } ?? "an unknown process"
-        let kept = handed.count - rejected
-        descriptors.count(Replies.relay.rawValue, .adopted, kept, note: "listener '\(config.name)' on \(config.bind): adopted \(kept) relay session(s) from \(previous): their clients keep their downstream and source port")
+        let adoptedCount = kept.count - rejected
+        descriptors.count(Replies.relay.rawValue, .adopted, adoptedCount, note: "listener '\(config.name)' on \(config.bind): adopted \(adoptedCount) relay session(s) from \(previous): their clients keep their downstream and source port (\(unconfigured) to a downstream this configuration does not have: they drain for settings.drain_secs, their clients move)")
         logger.info("adopted the relay sessions of the previous process: each client keeps its downstream, and replies on the way are relayed", metadata: [
-            "listener": "\(config.name)", "sessions": "\(kept)",
+            "listener": "\(config.name)", "sessions": "\(adoptedCount)",
             "by_downstream": "\(byDownstream.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" }.joined(separator: ","))",
         ])
+        if unconfigured > 0 {
+            logger.warning("adopted relay sessions to a downstream this configuration does not have (removed, or not discovered yet at the start): they drain for settings.drain_secs and their clients get another downstream at their next datagram", metadata: [
+                "listener": "\(config.name)", "sessions": "\(unconfigured)", "drain_secs": "\(config.settings.drainSecs)",
+            ])
+        }
         if rejected > 0 {
             let note = "listener '\(config.name)': \(rejected) relay session(s) handed over beyond settings.max_sessions (\(config.settings.maxSessions)) were closed: those clients start anew"
             descriptors.count(Replies.relay.rawValue, .rejected, rejected, note: note)
             logger.warning("\(note)")
+        }
+        if duplicates > 0 {
+            let note = "listener '\(config.name)': \(duplicates) relay session(s) handed over for a client that had another (a restart that changed workers or worker_steering gives some clients two) were closed, one per client kept"
+            descriptors.count(Replies.relay.rawValue, .rejected, duplicates, note: note)
+            logger.info("\(note)")
         }
         return adopted
     }

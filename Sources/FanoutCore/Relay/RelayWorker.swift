@@ -160,6 +160,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         }
         epoll = created
         for session in adopted {
+            // One session per client (the listener keeps one): a second would be overwritten
+            // in the table and never closed.
+            precondition(self.sessions[ClientKey(session.client)] == nil, "one adopted relay session per client")
             self.sessions[ClientKey(session.client)] = session
             bySocket[session.socket] = session
         }
@@ -213,14 +216,20 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var batchesPerTurn: Int { Self.batchesPerWakeup }
 
     func receiveBatch() throws(SystemCallError) -> Int {
-        // What the previous process's sockets hold came first.
-        while let first = inherited.first {
-            let count = try receiver.receive(from: first.socket, flags: Socket.dontWait | Socket.truncate)
+        // What the previous process's sockets hold came first; each closes once empty after the
+        // group took the bind over (nothing new reaches it then).
+        var position = 0
+        while position < inherited.count {
+            let socket = inherited[position]
+            let count = try receiver.receive(from: socket.socket, flags: Socket.dontWait | Socket.truncate)
             if count > 0 { return count }
-            guard activated.isSet else { break }
-            try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, first.socket, nil)
-            first.leave()
-            inherited.removeFirst()
+            if activated.isSet {
+                try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
+                socket.leave()
+                inherited.remove(at: position)
+            } else {
+                position += 1
+            }
         }
         return try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
     }
@@ -385,7 +394,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         guard !bounded || sessionCount.admitDraining() else {
             // What it holds already is relayed within the drain time, else counted drained.
             _ = receiveQueued(fd, for: session, counter: counter, counting: .leaving(counter), budget: .max, relaying: monotonicMilliseconds() < deadline)
-            session.closeSocket()  // close removes it from the epoll set
+            closeSession(session)
             logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted (raise settings.max_sessions or lower settings.drain_secs)",
                        DrainingLimitReached(downstream: session.downstream.address, limit: sessionCount.maxSessions))
             return
@@ -669,7 +678,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 relayQueued(session, budget: .max)
                 if session.socket >= 0 { bySocket[session.socket] = nil }
                 unstore(session)
-                session.closeSocket()
+                closeSession(session)
                 expired += 1
             }
             sessionCount.release(expired)
@@ -683,7 +692,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 guard let socket = draining.removeValue(forKey: fd) else { continue }
                 // One last read: a reply that arrived in this very instant is counted too.
                 relayDraining(socket, budget: .max)
-                close(fd)
+                closeDraining(fd)
             }
             sessionCount.releaseDraining(silent.count)
         }
@@ -697,8 +706,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// none), later ones read and counted `drained` until the socket is silent
     /// (``sweep(now:)``). Returns when the last one closed, or soon after the handover is cut short.
     func drainAfterHandOver() {
-        // Requests are the successor's now (its eBPF steering selects only its own sockets).
-        try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, member.socket, nil)
+        // Requests are the successor's now (its eBPF steering selects only its own sockets); the
+        // stop drain read out what the sockets held.
+        for socket in [member.socket] + inherited.map(\.socket) { try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket, nil) }
         let now = monotonicMilliseconds()
         let drain = handOver.drainMilliseconds.load(ordering: .relaxed)
         tableLock.withLock { _ in
@@ -737,10 +747,10 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         tableLock.withLock { _ in
             for session in sessions.values {
                 if !handing { unstore(session) }
-                session.closeSocket()
+                closeSession(session)
             }
             sessionCount.release(sessions.count)
-            for fd in draining.keys { close(fd) }
+            for fd in draining.keys { closeDraining(fd) }
             sessionCount.releaseDraining(draining.count)
             sessions = [:]
             bySocket = [:]
@@ -749,64 +759,94 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     }
 
     /// Hands the session's socket to the service manager's store under a name of its own (its
-    /// client in it), without waiting: one the store did not take is logged, and a restart
+    /// client in it), without waiting. One whose message the store's full queue refused waits
+    /// in ``pendingStore`` to be sent again; one past the store's budget for sessions
+    /// (``DescriptorStore/sessionNameBudget``) is not stored (said once per worker): a restart
     /// starts that client's session anew.
-    /// - Returns: false when the store did not take it now (it is tried again: ``storePending(waiting:)``).
-    @discardableResult
-    func store(_ session: RelaySession, waiting: Bool = false) -> Bool {
-        guard let descriptors, descriptors.stores, session.socket >= 0, session.stored == nil, let client = session.clientAddress else { return true }
-        var status = stat()
-        guard fstat(session.socket, &status) == 0 else { return true }
-        let name = DescriptorStore.relaySessionName(listener.bind, worker: index, inode: UInt64(status.st_ino), client: client)
-        if descriptors.store(name, session.socket, waiting: waiting) {
-            session.stored = name
-            return true
+    func store(_ session: RelaySession) {
+        guard descriptors?.stores == true else { return }
+        if attemptStore(session, waiting: false) == .busy {
+            if pendingStore.isEmpty && pendingRemoval.isEmpty { pendingSince = monotonicMilliseconds() }
+            // Bounded: past it (the service manager does not read at all) the rest is not stored.
+            if pendingStore.count < Self.pendingLimit { pendingStore.append(session) }
         }
-        if pendingStore.isEmpty { pendingSince = monotonicMilliseconds() }
-        pendingStore.append(session)
-        return false
     }
 
-    /// Sessions the service manager's store did not take when they opened (its queue was full:
-    /// a burst of new clients), and names of closed ones it did not take out, tried again at the
-    /// end of each turn (at most every 20 ms) and, waiting, when the process stops; since when
-    /// some wait.
-    var pendingStore: [RelaySession] = []
-    var pendingRemoval: [String] = []
-    var pendingSince: Int64 = 0
-    var lastStoreRetry: Int64 = 0
-
-    /// Tries the waiting sessions again, in order, until the store refuses one.
-    func storePending(waiting: Bool) {
-        guard !pendingStore.isEmpty || !pendingRemoval.isEmpty else { return }
-        let now = monotonicMilliseconds()
-        guard waiting || now - lastStoreRetry >= 20 else { return }
-        lastStoreRetry = now
-        while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != false { pendingRemoval.removeFirst() }
-        let queued = pendingStore
-        pendingStore = []
-        for (position, session) in queued.enumerated() where !store(session, waiting: waiting) {
-            // store() put it back; the rest keep their turn after it.
-            pendingStore += queued[(position + 1)...]
+    /// One attempt to store `session`'s socket; anything but `.busy` is final (and said).
+    func attemptStore(_ session: RelaySession, waiting: Bool) -> DescriptorStore.StoreOutcome {
+        guard let descriptors, session.socket >= 0, session.stored == nil, let client = session.clientAddress else { return .stored }
+        var status = stat()
+        guard fstat(session.socket, &status) == 0 else { return .failed("fstat") }
+        let name = DescriptorStore.relaySessionName(listener.bind, worker: index, inode: UInt64(status.st_ino), client: client)
+        let outcome = descriptors.store(name, session.socket, waiting: waiting)
+        switch outcome {
+        case .stored:
+            session.stored = name
+        case .busy:
             break
+        case .overBudget:
+            if !budgetSaid {
+                budgetSaid = true
+                logger.warning("relay sessions past the service manager's store budget are not handed to it: after a restart their clients start new sessions (with round_robin possibly on another server). systemd gives every stored name back in one environment variable the kernel limits to 128 KiB, and the unit keeps at most FileDescriptorStoreMax=4096", metadata: [
+                    "listener": "\(listener.name)", "worker": "\(index)", "stored_descriptors": "\(descriptors.storedDescriptors)", "stored_name_bytes": "\(descriptors.storedNameBytes)",
+                ])
+            }
+        case .failed(let problem):
+            logFailure("a relay session socket could not be handed to the service manager's store: after a restart its client starts a new session",
+                       SystemCallError(call: "sd_notify FDSTORE=1 \(name): \(problem)", errno: EIO))
         }
-        if pendingStore.isEmpty && pendingRemoval.isEmpty { return }
-        if now - pendingSince >= 1000 {
-            logFailure("relay session sockets wait for the service manager's store to take them in or out (its queue stays full): a restart or crash now starts those clients' sessions anew, and closed ones stay open in the store meanwhile",
-                       SystemCallError(call: "sd_notify FDSTORE=1 (\(pendingStore.count) waiting) / FDSTOREREMOVE=1 (\(pendingRemoval.count) waiting)", errno: EAGAIN))
-        }
+        return outcome
     }
 
     /// Takes the session's socket out of the service manager's store (it closes, or stops being
-    /// a session), without waiting.
+    /// a session), without waiting; a refused request waits in ``pendingRemoval``.
     func unstore(_ session: RelaySession) {
         guard let name = session.stored, let descriptors else { return }
         session.stored = nil
         if !descriptors.remove(name, waiting: false) {
             // Until it goes, the store's copy keeps the socket (and its port) open.
             if pendingStore.isEmpty && pendingRemoval.isEmpty { pendingSince = monotonicMilliseconds() }
-            pendingRemoval.append(name)
+            if pendingRemoval.count < Self.pendingLimit { pendingRemoval.append(name) }
         }
+    }
+
+    /// Sessions the service manager's queue refused when they opened (a burst of new clients),
+    /// and names of closed ones it did not take out, sent again at the end of a turn (at most
+    /// every 20 ms) and, waiting, when the process stops; since when some wait.
+    var pendingStore: [RelaySession] = []
+    var pendingRemoval: [String] = []
+    var pendingSince: Int64 = 0
+    var lastStoreRetry: Int64 = 0
+    /// The session budget's warning was said (once per worker).
+    var budgetSaid = false
+    static let pendingLimit = 4096
+
+    /// Sends what waits again, in order, until the service manager's queue refuses one.
+    func storePending(waiting: Bool) {
+        guard !pendingStore.isEmpty || !pendingRemoval.isEmpty else { return }
+        let now = monotonicMilliseconds()
+        guard waiting || now - lastStoreRetry >= 20 else { return }
+        lastStoreRetry = now
+        while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != false { pendingRemoval.removeFirst() }
+        while let session = pendingStore.first, pendingRemoval.isEmpty, attemptStore(session, waiting: waiting) != .busy { pendingStore.removeFirst() }
+        if pendingStore.isEmpty && pendingRemoval.isEmpty { return }
+        if waiting || now - pendingSince >= 1000 {
+            logFailure("relay session sockets wait for the service manager's store to take them in or out (its queue stays full): a restart or crash now starts those clients' sessions anew, and closed ones stay open in the store meanwhile",
+                       SystemCallError(call: "sd_notify FDSTORE=1 (\(pendingStore.count) waiting) / FDSTOREREMOVE=1 (\(pendingRemoval.count) waiting)", errno: EAGAIN))
+        }
+    }
+
+    /// Closes a session's socket, out of the epoll set first: the service manager's copy keeps
+    /// the socket open, and epoll would go on reporting a descriptor this worker no longer has.
+    func closeSession(_ session: RelaySession) {
+        if session.socket >= 0 { try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, session.socket, nil) }
+        session.closeSocket()
+    }
+
+    /// Closes a draining socket, out of the epoll set first (as ``closeSession(_:)``).
+    func closeDraining(_ fd: Int32) {
+        try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, fd, nil)
+        close(fd)
     }
 
     /// At most one line a second: an error that repeats every datagram must not flood the log.
