@@ -406,13 +406,10 @@ struct DescriptorStoreTests {
 
     @Test("more descriptors stored than the shipped unit's FileDescriptorStoreMax=: said once, with the drop-in that raises it; said again after falling below and crossing again")
     func storeLimit() throws {
-        let notify = try NotifySocket()
-        let stopReading = Self.read(notify)
-        defer { stopReading() }
-        let log = LogStore()
-        let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
-        let fd = open("/dev/null", O_RDONLY)
-        defer { close(fd) }
+        try Self.withStore { store, log, fd in try storeLimit(store, log, fd) }
+    }
+
+    private func storeLimit(_ store: DescriptorStore, _ log: LogStore, _ fd: Int32) throws {
         func warnings() -> Int { log.lines.withLock { $0.filter { $0.message.contains("FileDescriptorStoreMax=4096") }.count } }
         store.replace("a", with: Array(repeating: fd, count: 4000))
         #expect(store.storedDescriptors == 4000 && warnings() == 0)
@@ -424,6 +421,19 @@ struct DescriptorStoreTests {
         store.replace("b", with: Array(repeating: fd, count: 200))
         #expect(warnings() == 2, "said again after falling below and crossing again")
         #expect(log.lines.withLock { $0.filter { $0.message.contains("could not hand descriptors") }.isEmpty }, "every message was sent")
+    }
+
+    /// Runs `body` with a store that sends to a notification socket read as systemd reads it, its
+    /// log, and a descriptor to store (/dev/null).
+    static func withStore(_ body: (DescriptorStore, LogStore, Int32) throws -> Void) throws {
+        let notify = try NotifySocket()
+        let stopReading = Self.read(notify)
+        defer { stopReading() }
+        let log = LogStore()
+        let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
+        let fd = open("/dev/null", O_RDONLY)
+        defer { close(fd) }
+        try body(store, log, fd)
     }
 
     /// Reads `notify` as systemd reads its notifications, on a thread, until the returned
@@ -448,13 +458,10 @@ struct DescriptorStoreTests {
 
     @Test("relay sessions stop being stored at the budget (every name comes back in one 128 KiB environment string, LISTEN_FDNAMES); nothing makes the names pass 126,000 bytes")
     func sessionBudget() throws {
-        let notify = try NotifySocket()
-        let stopReading = Self.read(notify)
-        defer { stopReading() }
-        let log = LogStore()
-        let store = DescriptorStore(inherited: [:], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
-        let fd = open("/dev/null", O_RDONLY)
-        defer { close(fd) }
+        try Self.withStore { store, log, fd in try sessionBudget(store, log, fd) }
+    }
+
+    private func sessionBudget(_ store: DescriptorStore, _ log: LogStore, _ fd: Int32) throws {
         store.replace(DescriptorStore.socketName(SocketAddress("[2001:db8::1]:5514")!, slot: 0), with: [fd])
         let bind = SocketAddress("[2001:db8::1]:5514")!
         var stored = 0
