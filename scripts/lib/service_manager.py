@@ -20,9 +20,35 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
+
+
+class Child:
+    """A started service: its pid, and its exit status once reaped (as subprocess.Popen's)."""
+
+    def __init__(self, pid):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, number):
+        if self.returncode is None:
+            os.kill(self.pid, number)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def main():
@@ -54,24 +80,23 @@ def main():
         if "@ENV@" not in command:
             environment.update(a.split("=", 1) for a in assignments)
 
-        def place():
-            # The store's descriptors at 3, 4, ... (close-on-exec copies above them first: no
-            # dup2 overwrites one still to be placed). Every other descriptor of this process is
-            # close-on-exec (the received ones are made so), so the child gets only these; not
-            # pass_fds, which subprocess checks before this runs, when 3... may not be open yet.
-            base = max(fds + [2]) + len(fds) + 1
-            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, base) for fd in fds]
-            for index, fd in enumerate(moved):
-                os.dup2(fd, 3 + index, inheritable=True)
-            signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
+        # The store's descriptors at 3, 4, ... in the child: close-on-exec copies above that range
+        # first (no dup2 overwrites one still to be placed), then posix_spawn's dup2 actions.
+        # Every other descriptor of this process is close-on-exec (the received ones are made
+        # so), so the child gets only these; an exec failure (E2BIG: LISTEN_FDNAMES over
+        # 128 KiB) comes back here as OSError, and the start fails as systemd's would.
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(fds)) for fd in fds]
         try:
-            child = subprocess.Popen(argv, env=environment, preexec_fn=place, close_fds=False)
+            pid = os.posix_spawnp(argv[0], argv, environment, setsigmask=(),
+                                  file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3 + index) for index, fd in enumerate(moved)])
         except OSError as error:
-            # As systemd: the start fails (e.g. E2BIG, LISTEN_FDNAMES over 128 KiB), the store stays.
             log.write("start failed: %s\n" % error)
             child = None
             return
+        finally:
+            for fd in moved:
+                os.close(fd)
+        child = Child(pid)
         with open(pidfile, "w") as out:
             out.write("%d\n" % child.pid)
         log.write("started %d with %d descriptor(s)\n" % (child.pid, len(fds)))

@@ -358,6 +358,9 @@ public final class DescriptorStore: Sendable {
         case failed(String)
     }
 
+    /// Whether this process keeps `name` in the service manager's store.
+    package func isStored(_ name: String) -> Bool { state.withLock { $0.stored.contains(name) } }
+
     /// Name bytes `LISTEN_FDNAMES` would take for what this process keeps stored now.
     package var storedNameBytes: Int { state.withLock { $0.storedNameBytes } }
 
@@ -392,14 +395,18 @@ public final class DescriptorStore: Sendable {
     /// link must not stay attached through the store's copy).
     /// - Parameter waiting: false: not waiting for a service manager whose queue is full (a
     ///   forwarding thread): the caller tries again later.
-    /// - Returns: false when, not waiting, the service manager did not take the request now.
+    /// - Returns: `.stored` when the service manager took the request (the name is out), `.busy`
+    ///   when its full queue refused it (not waiting, or waiting past the send timeout), else
+    ///   `.failed`.
     @discardableResult
-    package func remove(_ name: String, waiting: Bool = true) -> Bool {
-        guard let notifier else { return true }
-        let problem = notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)", descriptors: [], waiting: waiting)
-        guard problem == nil || waiting else { return false }
-        noteStored(name, count: 0)
-        return true
+    package func remove(_ name: String, waiting: Bool = true) -> StoreOutcome {
+        guard let notifier else { return .stored }
+        let (problem, error) = notifier.sendReporting("FDSTOREREMOVE=1\nFDNAME=\(name)", descriptors: [], waiting: waiting)
+        guard let problem else {
+            noteStored(name, count: 0)
+            return .stored
+        }
+        return error == EAGAIN ? .busy : .failed(problem)
     }
 
     /// Stores one descriptor under a name of its own (a relay session's socket), by default

@@ -93,6 +93,11 @@ final class RelayListener: RunningListener {
     struct HandedSession {
         let name: String
         let socket: Int32
+        /// The socket's inode (newer sockets have larger ones).
+        var inode: UInt64 {
+            var status = stat()
+            return fstat(socket, &status) == 0 ? UInt64(status.st_ino) : 0
+        }
         let worker: Int
         let client: SocketAddress
         let downstream: SocketAddress
@@ -139,8 +144,11 @@ final class RelayListener: RunningListener {
         var kept: [SocketAddress: HandedSession] = [:]
         for session in handed {
             if let other = kept[session.client] {
-                // Keep the one to a configured downstream (else the first): close the other.
-                let (keep, drop) = !configured.contains(other.downstream) && configured.contains(session.downstream) ? (session, other) : (other, session)
+                // Keep the one to a configured downstream, else the newer socket (the larger
+                // inode: the one the client used last); close the other.
+                let otherFirst = configured.contains(other.downstream) != configured.contains(session.downstream)
+                    ? configured.contains(other.downstream) : other.inode > session.inode
+                let (keep, drop) = otherFirst ? (other, session) : (session, other)
                 kept[session.client] = keep
                 close(drop.socket)
                 descriptors.remove(drop.name)

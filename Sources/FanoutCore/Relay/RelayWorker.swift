@@ -803,10 +803,16 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     func unstore(_ session: RelaySession) {
         guard let name = session.stored, let descriptors else { return }
         session.stored = nil
-        if !descriptors.remove(name, waiting: false) {
+        switch descriptors.remove(name, waiting: false) {
+        case .busy:
             // Until it goes, the store's copy keeps the socket (and its port) open.
             if pendingStore.isEmpty && pendingRemoval.isEmpty { pendingSince = monotonicMilliseconds() }
             if pendingRemoval.count < Self.pendingLimit { pendingRemoval.append(name) }
+        case .failed(let problem):
+            logFailure("a closed relay session could not be taken out of the service manager's store: its copy stays open there until the unit stops",
+                       SystemCallError(call: "sd_notify FDSTOREREMOVE=1 \(name): \(problem)", errno: EIO))
+        case .stored, .overBudget:
+            break
         }
     }
 
@@ -821,13 +827,14 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var budgetSaid = false
     static let pendingLimit = 4096
 
-    /// Sends what waits again, in order, until the service manager's queue refuses one.
+    /// Sends what waits again, in order, until the service manager's queue refuses one (waiting:
+    /// each send waits at most 2 s, and all of them stop at the first refusal).
     func storePending(waiting: Bool) {
         guard !pendingStore.isEmpty || !pendingRemoval.isEmpty else { return }
         let now = monotonicMilliseconds()
         guard waiting || now - lastStoreRetry >= 20 else { return }
         lastStoreRetry = now
-        while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != false { pendingRemoval.removeFirst() }
+        while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != .busy { pendingRemoval.removeFirst() }
         while let session = pendingStore.first, pendingRemoval.isEmpty, attemptStore(session, waiting: waiting) != .busy { pendingStore.removeFirst() }
         if pendingStore.isEmpty && pendingRemoval.isEmpty { return }
         if waiting || now - pendingSince >= 1000 {

@@ -522,7 +522,7 @@ final class TCDataplane: Sendable {
                 state.pendingSwaps.removeAll { $0 == interface }
                 entry.attachment.detach()
                 state.attachments[interface] = nil
-                if handingOver {
+                if handingOver, entry.attachment.link != nil, descriptors.isStored(DescriptorStore.tcLinkName(interface)) {
                     logger.info("left the tc_ebpf program attached for the next process: its link is in the service manager's store, forwarding on the last plan", metadata: ["interface": "\(interface)"])
                 } else {
                     logger.info("detached tc_ebpf program", metadata: ["interface": "\(interface)"])
