@@ -6,7 +6,7 @@ DESTDIR ?=
 VERSION ?= $(shell sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)
 BUILD_DIR = $(shell PATH=/opt/swift/usr/bin:$$PATH swift build -c release --static-swift-stdlib --show-bin-path 2>/dev/null)
 
-.PHONY: all setup build demo test reliability docs bench bench-compare install install-files uninstall dist dist-check container deb deb-check clean print-version
+.PHONY: all setup build demo test reliability docs bench bench-compare install install-files uninstall dist dist-check container deb deb-check systemd-check clean print-version
 
 all: build
 
@@ -94,6 +94,12 @@ deb: setup
 # lintian, then install, start as the unit does, and purge in a clean Debian root (.ci/run runs this too).
 deb-check: deb
 	@VERSION=$(VERSION) scripts/deb-check.sh
+	@VERSION=$(VERSION) scripts/systemd-check.sh
+
+# The package under systemd itself, booted by systemd-nspawn: restart and kill -9 under traffic,
+# then stop (docs/restarts.md). Uses the packages make deb left in dist/ (deb-check runs it too).
+systemd-check: setup
+	@VERSION=$(VERSION) scripts/systemd-check.sh
 
 clean:
 	swift package clean

@@ -22,17 +22,9 @@
 # mounts unmounted and the root removed on any exit; the whole run is in a private mount namespace.
 # DEB_CHECK_BASE=auto (default) | buildah | debootstrap.
 set -euo pipefail
-self=$(readlink -f "$0")
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "deb-check: needs root (chroot, mounts); run: sudo make deb-check" >&2; exit 1; }
-if [ -z "${DEB_CHECK_NAMESPACE:-}" ]; then
-  # Mounts made below cannot outlive the run, whatever ends it.
-  exec env DEB_CHECK_NAMESPACE=1 unshare -m --propagation private "$self" "$@"
-fi
-started=$(date +%s)
-# The script's own stderr, for the cleanup: a signal's trap runs inside whatever redirection the
-# interrupted command had (e.g. into a log that the cleanup removes).
-exec 3>&2
+source scripts/lib/debian_root.sh
+as_root_in_private_mounts deb-check "chroot, mounts" "$0" "$@"
 source scripts/lib/smoke.sh
 version=${VERSION:-$(sed -n 's/.*static let string = "\(.*\)"/\1/p' Sources/ReusePortLB/ProjectVersion.swift)}
 debversion="$version-${DEB_REVISION:-1}"
@@ -136,32 +128,7 @@ if grep -E '^.: [^ ]+: (unused-override|mismatched-override)' "$work/lintian.log
 say "lintian: passed (no error, no warning that is not overridden)"
 
 step "clean Debian root"
-mode=${DEB_CHECK_BASE:-auto}
-base=localhost/debian:bookworm-slim
-if [ "$mode" != debootstrap ] && command -v buildah >/dev/null && buildah inspect --type image "$base" >/dev/null 2>&1; then
-  say "\$ buildah from $base; buildah mount  (make container's debootstrap minbase image, reused)"
-  container=$(buildah from --pull=never --name "udp-fanout-deb-check-$$" "$base")
-  root=$(buildah mount "$container")
-elif [ "$mode" = buildah ]; then
-  fail "DEB_CHECK_BASE=buildah, but buildah has no image $base (make container makes it)"
-else
-  mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
-  mirror=${mirror:-http://deb.debian.org/debian}
-  cache=${DEB_CHECK_CACHE:-/var/cache/udp-fanout}
-  tarball="$cache/debootstrap-bookworm-minbase-$arch.tar.gz"
-  if [ ! -f "$tarball" ]; then
-    mkdir -p "$cache"
-    say "\$ debootstrap --variant=minbase --make-tarball=$tarball bookworm ... $mirror  (once; cached)"
-    debootstrap --variant=minbase --make-tarball="$tarball.part" bookworm "$work/tarball" "$mirror" >"$work/debootstrap.log" 2>&1 \
-      || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap --make-tarball (log above)"; }
-    mv "$tarball.part" "$tarball"
-    rm -rf "$work/tarball"
-  fi
-  root="$work/root"
-  say "\$ debootstrap --variant=minbase --unpack-tarball=$tarball bookworm $root $mirror"
-  debootstrap --variant=minbase --unpack-tarball="$tarball" bookworm "$root" "$mirror" >"$work/debootstrap.log" 2>&1 \
-    || { tail -20 "$work/debootstrap.log" >&2; fail "debootstrap --unpack-tarball (log above)"; }
-fi
+debian_root "$work"
 say "root: $root ($(cat "$root/etc/debian_version"), $(in_root dpkg-query -W -f='${Status}\n' | grep -c 'install ok installed') packages)"
 mount -t proc proc "$root/proc" && mounts+=("$root/proc")
 mount --bind /sys "$root/sys" && mounts+=("$root/sys")
