@@ -273,6 +273,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     func everySecond() {
         sweep(now: monotonicMilliseconds())
+        storeWithinBudget()
         // Replies can keep the loop from ever idling: drops of the listener's socket are read
         // here too, not only with its next request.
         drops.read(member, into: counters)
@@ -785,6 +786,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         case .busy:
             break
         case .overBudget:
+            budgetRefused = true
             if !budgetSaid {
                 budgetSaid = true
                 logger.warning("relay sessions past the service manager's store budget are not handed to it: after a restart their clients start new sessions (with round_robin possibly on another server). systemd gives every stored name back in one environment variable the kernel limits to 128 KiB, and the unit keeps at most FileDescriptorStoreMax=4096", metadata: [
@@ -796,6 +798,19 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                        SystemCallError(call: "sd_notify FDSTORE=1 \(name): \(problem)", errno: EIO))
         }
         return outcome
+    }
+
+    /// Stores up to 256 of the sessions the budget turned away, while it has room again (closed
+    /// sessions made some); once none is left unstored, stops looking.
+    func storeWithinBudget() {
+        guard budgetRefused, pendingStore.isEmpty else { return }
+        var stored = 0
+        for session in sessions.values where session.socket >= 0 && session.stored == nil {
+            guard stored < 256 else { return }
+            guard attemptStore(session, waiting: false) == .stored else { return }
+            stored += 1
+        }
+        budgetRefused = false
     }
 
     /// Takes the session's socket out of the service manager's store (it closes, or stops being
@@ -825,6 +840,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var lastStoreRetry: Int64 = 0
     /// The session budget's warning was said (once per worker).
     var budgetSaid = false
+    /// Some session was not stored for the budget: once a second, while there is room again
+    /// (sessions closed), ``storeWithinBudget()`` stores some of those that are not.
+    var budgetRefused = false
     static let pendingLimit = 4096
 
     /// Sends what waits again, in order, until the service manager's queue refuses one (waiting:
