@@ -855,11 +855,17 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         while let name = pendingRemoval.first, descriptors?.remove(name, waiting: waiting) != .busy { pendingRemoval.removeFirst() }
         while let session = pendingStore.first, pendingRemoval.isEmpty, attemptStore(session, waiting: waiting) != .busy { pendingStore.removeFirst() }
         if pendingStore.isEmpty && pendingRemoval.isEmpty { return }
-        if waiting || now - pendingSince >= 1000 {
-            logFailure("relay session sockets wait for the service manager's store to take them in or out (its queue stays full): a restart or crash now starts those clients' sessions anew, and closed ones stay open in the store meanwhile",
-                       SystemCallError(call: "sd_notify FDSTORE=1 (\(pendingStore.count) waiting) / FDSTOREREMOVE=1 (\(pendingRemoval.count) waiting)", errno: EAGAIN))
-        }
+        // Said at most every 10 s while some wait longer than a second (a burst of new or
+        // expiring clients fills the queue for a moment; what waits is sent again).
+        guard waiting || (now - pendingSince >= 1000 && now - lastPendingLine >= 10_000) else { return }
+        lastPendingLine = now
+        logger.warning("the service manager's queue stays full: relay session store messages wait to be sent again", metadata: [
+            "listener": "\(listener.name)", "worker": "\(index)",
+            "new_sessions_waiting": "\(pendingStore.count)", "closed_sessions_waiting": "\(pendingRemoval.count)",
+            "meaning": "a restart or crash now starts the new ones anew; the closed ones stay open in the store until it takes them out",
+        ])
     }
+    var lastPendingLine: Int64 = -1_000_000
 
     /// Closes a session's socket, out of the epoll set first: the service manager's copy keeps
     /// the socket open, and epoll would go on reporting a descriptor this worker no longer has.
