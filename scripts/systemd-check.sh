@@ -10,6 +10,8 @@
 #     datagram delivered (what queued meanwhile waits in the stored sockets) but the batch a
 #     killed worker may have held (at most 2 x batch_size 32);
 #  3. `systemctl stop udp-fanout`: the store is empty (NFileDescriptorStore=0), nothing bound.
+# Ports 127.0.0.1:31511-31512 in the container's own network namespace, outside the ephemeral
+# range (no socket of the daemon, publisher or collector can hold one first).
 # Needs root; systemd-container (scripts/setup.sh installs it). The container, its root and the
 # run's files are removed on any exit; the whole run is in a private mount namespace.
 set -euo pipefail
@@ -90,14 +92,14 @@ step "the unit with a userspace listener"
 inside sh -c 'cat > /etc/udp-fanout/config.yaml' <<'YAML'
 listeners:
   - name: check
-    bind: "127.0.0.1:45311"
+    bind: "127.0.0.1:31511"
     mode: userspace
     settings:
       workers: 2
       recv_buf_size: 16777216
     downstream:
       - name: sink
-        address: "127.0.0.1:45312"
+        address: "127.0.0.1:31512"
 YAML
 inside systemctl restart udp-fanout || { inside journalctl -u udp-fanout --no-pager | tail -30 >&2; fail "systemctl restart udp-fanout"; }
 say "$(inside systemctl show -p ActiveState -p MainPID -p NFileDescriptorStore udp-fanout | tr '\n' ' ')"
@@ -106,9 +108,9 @@ say "$(inside systemctl show -p ActiveState -p MainPID -p NFileDescriptorStore u
 # (kill -9: but the batch each of the two workers may have held).
 traffic() {
   local action=$1
-  inside sh -c 'collector 127.0.0.1 45312 0 1 --rcvbuf 67108864 --duration 12 >/root/collector.json 2>/root/collector.err & echo $! >/root/collector.pid'
+  inside sh -c 'collector 127.0.0.1 31512 0 1 --rcvbuf 67108864 --duration 12 >/root/collector.json 2>/root/collector.err & echo $! >/root/collector.pid'
   sleep 1
-  inside sh -c 'publisher 127.0.0.1 45311 60000 --rate 20000 --size 100 >/root/publisher.json 2>/root/publisher.err & echo $! >/root/publisher.pid'
+  inside sh -c 'publisher 127.0.0.1 31511 60000 --rate 20000 --size 100 >/root/publisher.json 2>/root/publisher.err & echo $! >/root/publisher.pid'
   sleep 1
   case $action in
     restart) say "\$ systemctl restart udp-fanout"; inside systemctl restart udp-fanout ;;
@@ -136,8 +138,8 @@ traffic kill9
 step "systemctl stop"
 inside systemctl stop udp-fanout
 stored=$(inside systemctl show -p NFileDescriptorStore --value udp-fanout)
-bound=$(inside ss -Huanp | grep -c ':45311 ' || true)
-say "after the stop: NFileDescriptorStore=$stored, sockets on 127.0.0.1:45311: $bound"
+bound=$(inside ss -Huanp | grep -c ':31511 ' || true)
+say "after the stop: NFileDescriptorStore=$stored, sockets on 127.0.0.1:31511: $bound"
 [ "$stored" = 0 ] && [ "$bound" = 0 ] || fail "the stop left the store ($stored) or a socket ($bound)"
 
 inside systemctl poweroff || true
