@@ -25,7 +25,7 @@ import SystemCalls
 ///   `<bind>` (`:` written `_`);
 /// - `udp-fanout.r.<bind hash>.<worker>.<inode>.<client>`: a relay session's socket (connected to
 ///   its downstream), one name each, so a closed session leaves the store alone; within a budget
-///   (``sessionNameBudget``), since systemd passes every name back in one environment string;
+///   (`sessionNameBudget`), since systemd passes every name back in one environment string;
 /// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
 ///   at an interface: it keeps forwarding on the last plan while no process runs;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
@@ -188,7 +188,7 @@ public final class DescriptorStore: Sendable {
     }
 
     /// What every relay session socket of a listener on `bind` is stored under starts with this
-    /// (the bind as 8 hex digits of its hash: the names are short, see ``sessionNameBudget``).
+    /// (the bind as 8 hex digits of its hash: the names are short, see `sessionNameBudget`).
     package static func relaySessionPrefix(_ bind: SocketAddress) -> String {
         let hash = UInt32(truncatingIfNeeded: MaglevTable.fnv1a64("\(bind)", seed: 0))
         let hex = String(hash, radix: 16)
@@ -342,7 +342,7 @@ public final class DescriptorStore: Sendable {
     /// start would fail to execute, again at every automatic restart. Nothing is stored past this.
     static let nameBytesLimit = 126_000
     /// Relay sessions are stored only while all names take at most this, and the store holds at
-    /// most ``storeLimit`` less ``sessionReserve`` descriptors: the rest is kept for listener
+    /// most ``storeLimit`` less `sessionReserve` descriptors: the rest is kept for listener
     /// sockets, links and maps, which a restart needs more.
     static let sessionNameBudget = 100_000
     static let sessionReserve = 256
@@ -352,7 +352,7 @@ public final class DescriptorStore: Sendable {
         case stored
         /// The service manager's queue was full (EAGAIN): worth sending again soon.
         case busy
-        /// Past the budget for relay sessions (``sessionNameBudget``, ``sessionReserve``).
+        /// Past the budget for relay sessions (`sessionNameBudget`, `sessionReserve`).
         case overBudget
         /// Not under a service manager, or it failed otherwise: not worth sending again.
         case failed(String)

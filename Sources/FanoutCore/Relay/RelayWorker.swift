@@ -762,7 +762,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Hands the session's socket to the service manager's store under a name of its own (its
     /// client in it), without waiting. One whose message the store's full queue refused waits
     /// in ``pendingStore`` to be sent again; one past the store's budget for sessions
-    /// (``DescriptorStore/sessionNameBudget``) is not stored (said once per worker): a restart
+    /// (`DescriptorStore.sessionNameBudget`) is not stored (said once per worker): a restart
     /// starts that client's session anew.
     func store(_ session: RelaySession) {
         guard descriptors?.stores == true else { return }
