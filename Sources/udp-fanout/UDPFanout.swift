@@ -15,14 +15,14 @@ import Glibc
 struct UDPFanout: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "udp-fanout",
-        abstract: "Forward each UDP datagram received on a listener to downstreams; show a running daemon (status).",
+        abstract: "Forward each UDP datagram received on a listener to downstreams; show a running daemon (status); take it out of its fleet (drain).",
         discussion: """
             Without a subcommand udp-fanout runs the daemon: `udp-fanout -c FILE` is `udp-fanout run \
             -c FILE`. Its options (-c/--config, --check, -l/--log-level, --log-format, --watch-config): \
             `udp-fanout help run`.
             """,
         version: ProjectVersion.string,
-        subcommands: [Run.self, Status.self],
+        subcommands: [Run.self, Status.self, Drain.self],
         defaultSubcommand: Run.self)
 }
 
@@ -31,7 +31,9 @@ struct Run: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         abstract: "Run the daemon (the default: `udp-fanout -c FILE` is `udp-fanout run -c FILE`).",
         discussion: """
-            SIGTERM/SIGINT: stop receiving, forward what is queued, exit 0. SIGHUP: reload the \
+            SIGTERM/SIGINT: stop receiving, forward what is queued, exit 0 (with an announce section, \
+            first withdraw the addresses and serve for drain_secs). SIGUSR2 (udp-fanout drain): the \
+            same, then exit 0. SIGHUP: reload the \
             configuration file (--watch-config: also when the file changes); unchanged listeners keep \
             forwarding, an invalid file is rejected and the running configuration stays. The environment variable UDP_FANOUT_LOG (or RUST_LOG, \
             as in the reference) overrides --log-level.
@@ -142,7 +144,9 @@ struct Run: AsyncParsableCommand {
         // restart): the previous process's sockets, adopted by the listeners on their binds.
         let descriptors = DescriptorStore.fromEnvironment(notifier: notifier, logger: logger)
         let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger, descriptors: descriptors)
-        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil)]
+        // The announcer stops after the listeners: a stop withdraws the addresses first
+        // (ForwardingService, docs/fleet.md), then drains, then stops them.
+        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, AnnounceService(daemon: daemon), ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil)]
         do {
             // The path check behind /healthz and systemd's watchdog. Last, so it stops first: no
             // ping once shutdown starts (systemd stops the watchdog for a stopping unit anyway).
@@ -157,10 +161,13 @@ struct Run: AsyncParsableCommand {
         // closed") after the real one, which read as more failures. The real error still ends
         // run() and is printed below.
         var configuration = ServiceGroupConfiguration(
-            services: services.map { .init(service: $0, failureTerminationBehavior: .gracefullyShutdownGroup) },
+            // A drain (SIGUSR2) ends ForwardingService on its own: the others then stop as on SIGTERM.
+            services: services.map { .init(service: $0, successTerminationBehavior: .gracefullyShutdownGroup, failureTerminationBehavior: .gracefullyShutdownGroup) },
             gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
         // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
-        configuration.maximumGracefulShutdownDuration = .seconds(10)
+        // A drain (announce.drain_secs, up to 300 s) comes first; the deadline is the largest one
+        // a reload could set, so a reload never makes a drain cut short.
+        configuration.maximumGracefulShutdownDuration = .seconds(10 + (parsed.announce != nil ? 300 : 0))
         let group = ServiceGroup(configuration: configuration)
         do {
             try await group.run()

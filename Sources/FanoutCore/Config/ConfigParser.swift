@@ -34,7 +34,7 @@ public enum ConfigParser {
         }
         guard let root = composed else { throw ConfigError("(document)", "the file is empty") }
         let top = try Fields(root, path: "")
-        try top.allow(["listeners", "health", "metrics"])
+        try top.allow(["listeners", "health", "metrics", "announce"])
         let listenerNodes = try top.sequence("listeners", required: true)
         var listeners: [Listener] = []
         for (index, node) in listenerNodes.enumerated() {
@@ -71,8 +71,53 @@ public enum ConfigParser {
             }
         }
         var config = FanoutConfig(listeners: listeners, health: health, metrics: metrics)
+        if let node = top["announce"] { config.announce = try announce(node) }
         config.lines = KeyLines(root)
         return config
+    }
+
+    /// The `announce` section (docs/fleet.md).
+    static func announce(_ node: YAMLNode) throws(ConfigError) -> Announce {
+        let fields = try Fields(node, path: "announce")
+        try fields.allow(["addresses", "table", "protocol", "drain_secs"])
+        var addresses: [IPAddress] = []
+        for (index, entry) in try fields.sequence("addresses", required: true).enumerated() {
+            let key = "announce.addresses[\(index)]"
+            guard case .scalar(let scalar) = entry, !scalar.string.unicodeScalars.contains(where: { $0.value < 0x20 || $0.value == 0x7f }) else {
+                throw ConfigError(key, "expected an IP address (e.g. 198.51.100.10 or 2001:db8::10)", line: entry.mark.line)
+            }
+            let text = scalar.string
+            guard let address = IPAddress(text), !text.contains("%") else {
+                throw ConfigError(key, "'\(text)' is not an IP address (e.g. 198.51.100.10 or 2001:db8::10): each is announced as one host route, /32 or /128, without a prefix length or scope", line: entry.mark.line)
+            }
+            let bytes = address.bytes
+            guard !bytes.allSatisfy({ $0 == 0 }) else {
+                throw ConfigError(key, "\(text) is the unspecified address: announce the address clients send to (the listeners may still bind the wildcard)", line: entry.mark.line)
+            }
+            guard !(bytes.count == 4 ? bytes[0] >= 224 || bytes[0] == 127 : bytes[0] == 0xff || bytes == [UInt8](repeating: 0, count: 15) + [1]) else {
+                throw ConfigError(key, "\(text) is a \(bytes.count == 4 ? (bytes[0] == 127 ? "loopback" : "multicast or reserved") : (bytes[0] == 0xff ? "multicast" : "loopback")) address: routers forward only unicast addresses to a node", line: entry.mark.line)
+            }
+            guard !addresses.contains(address) else {
+                throw ConfigError(key, "\(text) is listed twice", line: entry.mark.line)
+            }
+            addresses.append(address)
+        }
+        guard !addresses.isEmpty else { throw fields.error("addresses", "empty: list the virtual addresses to announce, or remove the announce section") }
+        var announce = Announce(addresses: addresses)
+        if let table = try fields.int("table", in: 1...Int(UInt32.max)) {
+            guard ![253, 255].contains(table) else {
+                throw fields.error("table", "\(table) is the kernel's \(table == 255 ? "local" : "default") table: choose a table of its own (201 by default) or main (254)")
+            }
+            announce.table = UInt32(table)
+        }
+        if let number = try fields.int("protocol", in: 1...255) {
+            guard !Announce.reservedProtocols.contains(where: { $0.contains(number) }) else {
+                throw fields.error("protocol", "\(number) is the kernel's or a routing daemon's own protocol number (0-4 the kernel, 11 and 186-198 FRR, 12 BIRD, 42 babeld): the daemon would take the routes for its own; choose another, e.g. 201")
+            }
+            announce.protocolNumber = UInt8(number)
+        }
+        announce.drainSecs = try fields.int("drain_secs", in: 0...300) ?? announce.drainSecs
+        return announce
     }
 
     /// A YAML syntax error as one line: the problem and where, without the echo of the

@@ -76,8 +76,24 @@ extension FanoutConfig {
             try kind.validate(listener, index: index, path: path, of: self, localAddresses: localAddresses)
         }
         for kind in ListenerKinds.types { try kind.validateTogether(self) }
+        if let announce {
+            for (index, address) in announce.addresses.enumerated() where Self.listeners(serving: address, in: listeners).isEmpty {
+                throw fail("announce.addresses[\(index)]", "no listener receives on \(address): bind one to it (or to the wildcard of its family); the address is announced only while the listeners on it are ready")
+            }
+        }
         if health.timeoutSecs > health.intervalSecs {
             throw fail("health.timeout_secs", "\(health.timeoutSecs) s is longer than interval_secs (\(health.intervalSecs) s): a probe must time out before the next one is due")
+        }
+    }
+
+    /// The listeners that receive what is sent to `address`: bound to it, or to the wildcard of
+    /// its family (`[::]` receives IPv4 too).
+    static func listeners(serving address: IPAddress, in listeners: [Listener]) -> [Listener] {
+        listeners.filter { listener in
+            let bind = listener.bind.ip
+            if bind == address { return true }
+            guard bind.bytes.allSatisfy({ $0 == 0 }) else { return false }
+            return bind.family == address.family || bind.family == AF_INET6
         }
     }
 

@@ -11,18 +11,22 @@ public struct FanoutConfig: Equatable, Sendable {
     public var listeners: [Listener]
     public var health: Health
     public var metrics: Metrics
+    /// Virtual addresses published to the node's routing daemon while their listeners are
+    /// ready (docs/fleet.md); nil: nothing is announced.
+    public var announce: Announce?
     /// Where each key stands in the file (empty for a configuration built in code). Not part
     /// of equality: moving a key to another line changes nothing.
     public var lines = KeyLines()
 
     public static func == (lhs: FanoutConfig, rhs: FanoutConfig) -> Bool {
-        lhs.listeners == rhs.listeners && lhs.health == rhs.health && lhs.metrics == rhs.metrics
+        lhs.listeners == rhs.listeners && lhs.health == rhs.health && lhs.metrics == rhs.metrics && lhs.announce == rhs.announce
     }
 
-    public init(listeners: [Listener], health: Health = Health(), metrics: Metrics = Metrics()) {
+    public init(listeners: [Listener], health: Health = Health(), metrics: Metrics = Metrics(), announce: Announce? = nil) {
         self.listeners = listeners
         self.health = health
         self.metrics = metrics
+        self.announce = announce
     }
 }
 
@@ -398,4 +402,29 @@ public struct Metrics: Equatable, Sendable {
     public static let reservedPaths = ["/status", "/healthz", "/readyz", "/associations"]
 
     public init() {}
+}
+
+/// The `announce` section: each address becomes a host route (/32, /128) of type blackhole in
+/// `table`, marked with `protocol`, while every listener serving it is ready; the node's BIRD or
+/// FRR exports those routes to its BGP peers (docs/fleet.md). A stop or a drain withdraws them
+/// first, then serves what still arrives for `drainSecs`.
+public struct Announce: Equatable, Sendable {
+    public var addresses: [IPAddress]
+    /// The kernel routing table the routes are kept in: 201 by default, a table no rule points
+    /// to, so the routes change nothing in this node's forwarding.
+    public var table: UInt32 = 201
+    /// The routes' protocol number (`ip route ... proto N`): how the routing daemon picks them
+    /// (BIRD's `krt_source`) and how udp-fanout tells its routes from others.
+    public var protocolNumber: UInt8 = 201
+    /// How long a stop or a drain keeps serving after the withdrawal.
+    public var drainSecs = 5
+
+    public init(addresses: [IPAddress]) {
+        self.addresses = addresses
+    }
+
+    /// Protocol numbers udp-fanout will not use: the kernel's own (0 to 4), and those BIRD
+    /// (12), FRR (11, 186 to 198) and babeld (42) mark their own routes with: they would take
+    /// the route for theirs, and replace or delete it.
+    public static let reservedProtocols: [ClosedRange<Int>] = [0...4, 11...12, 42...42, 186...198]
 }

@@ -99,6 +99,11 @@ public final class FanoutDaemon: Sendable {
         var answered: Set<DiscoverySpec> = []
         /// Set by ``shutdown()``: `/readyz` says so.
         var stopping = false
+        /// Set when a stop or a drain withdrew the announced addresses and serves what still
+        /// arrives for `announce.drain_secs` (``ForwardingService``): `/readyz` says so.
+        var draining = false
+        /// A drain was asked for (SIGUSR2): the stop that follows says so.
+        var drainRequested = false
         /// Listeners the last failed change stopped first and started again (their datagrams
         /// meanwhile reached no socket of ours): its rejection says so.
         var interrupted: [String] = []
@@ -140,6 +145,8 @@ public final class FanoutDaemon: Sendable {
     let failureInjection = Mutex<(@Sendable (TransitionStep, String) -> Bool)?>(nil)
     /// The service manager's descriptor store (``DescriptorStore``).
     package let descriptors: DescriptorStore
+    /// Publishes the `announce` addresses to the routing daemon while they are ready (docs/fleet.md).
+    package let announcer: RouteAnnouncer
     /// Metrics of the running discovery watchers, by spec.
     let discoveryMetrics = Mutex<[DiscoverySpec: @Sendable () -> String]>([:])
 
@@ -150,9 +157,16 @@ public final class FanoutDaemon: Sendable {
     ///   - descriptors: what the service manager handed over and where descriptors go for the
     ///     next process (``DescriptorStore/fromEnvironment(notifier:logger:)``); nil: nothing
     ///     handed over or stored.
-    public init(config: FanoutConfig, configPath: String?, logger: Logger, descriptors: DescriptorStore? = nil) {
+    public convenience init(config: FanoutConfig, configPath: String?, logger: Logger, descriptors: DescriptorStore? = nil) {
+        self.init(config: config, configPath: configPath, logger: logger, descriptors: descriptors, routes: nil)
+    }
+
+    /// The same, with `routes`: where announced addresses go (tests give their own; nil: the
+    /// kernel's tables).
+    package init(config: FanoutConfig, configPath: String?, logger: Logger, descriptors: DescriptorStore? = nil, routes: (any HostRoutes)?) {
         self.configPath = configPath
         self.logger = logger
+        announcer = RouteAnnouncer(routes: routes ?? KernelHostRoutes(), logger: logger)
         self.descriptors = descriptors ?? .none(logger: logger)
         state = Mutex(State(config: config))
         kinds = ListenerKinds(logger: logger, descriptors: self.descriptors)
@@ -268,23 +282,57 @@ public final class FanoutDaemon: Sendable {
     /// downstream.
     package var readiness: [String] {
         state.withLock { state in
-            if state.stopping { return ["udp-fanout is stopping"] }
-            var reasons = state.lost.sorted().map { "listener '\($0)' is not running: a change failed and it could not be started again" }
-            for listener in state.config.listeners where !state.lost.contains(listener.name) {
-                let pending = Membership.pending(listener, state.discovered[listener.name] ?? Discovered())
-                if !pending.isEmpty {
-                    let error = state.discoveryErrors[listener.name].map { " (last error: \($0))" } ?? ""
-                    reasons.append("listener '\(listener.name)': \(pending.joined(separator: "; "))\(error)")
-                } else if state.listeners[listener.name]?.isReceiving != true {
-                    reasons.append("listener '\(listener.name)' is not receiving yet")
-                } else if (state.applied[listener.name] ?? []).allSatisfy({ $0.weight == 0 || $0.pool != nil }) {
-                    // The listener's own downstreams (a replication pool without members is counted, not unready).
-                    let members = state.members[listener.name]?.filter { $0.pool == nil }.count ?? 0
-                    reasons.append("listener '\(listener.name)' has no healthy downstream (\(members) member(s), all down or none discovered): its datagrams are dropped and counted in udp_fanout_packets_no_healthy_total")
-                }
-            }
-            return reasons
+            let (all, byListener) = Self.readiness(state)
+            guard all.isEmpty else { return all }
+            let lost = state.lost.sorted().flatMap { byListener[$0] ?? [] }
+            return lost + state.config.listeners.filter { !state.lost.contains($0.name) }.flatMap { byListener[$0.name] ?? [] }
         }
+    }
+
+    /// What keeps every listener from being ready (stopping, draining), and why each listener is
+    /// not ready (no entry: ready).
+    static func readiness(_ state: State) -> (all: [String], byListener: [String: [String]]) {
+        if state.stopping { return (["udp-fanout is stopping"], [:]) }
+        if state.draining { return (["udp-fanout is draining: its addresses are withdrawn, it serves what still arrives, then stops"], [:]) }
+        var reasons: [String: [String]] = [:]
+        for name in state.lost { reasons[name] = ["listener '\(name)' is not running: a change failed and it could not be started again"] }
+        for listener in state.config.listeners where !state.lost.contains(listener.name) {
+            let pending = Membership.pending(listener, state.discovered[listener.name] ?? Discovered())
+            if !pending.isEmpty {
+                let error = state.discoveryErrors[listener.name].map { " (last error: \($0))" } ?? ""
+                reasons[listener.name] = ["listener '\(listener.name)': \(pending.joined(separator: "; "))\(error)"]
+            } else if state.listeners[listener.name]?.isReceiving != true {
+                reasons[listener.name] = ["listener '\(listener.name)' is not receiving yet"]
+            } else if (state.applied[listener.name] ?? []).allSatisfy({ $0.weight == 0 || $0.pool != nil }) {
+                // The listener's own downstreams (a replication pool without members is counted, not unready).
+                let members = state.members[listener.name]?.filter { $0.pool == nil }.count ?? 0
+                reasons[listener.name] = ["listener '\(listener.name)' has no healthy downstream (\(members) member(s), all down or none discovered): its datagrams are dropped and counted in udp_fanout_packets_no_healthy_total"]
+            }
+        }
+        return ([], reasons)
+    }
+
+    /// The `announce` section in force and, per address, why it must not be announced now
+    /// (empty: every listener receiving on it is ready).
+    package func announcementReasons() -> (settings: Announce?, reasons: [IPAddress: [String]]) {
+        state.withLock { state in
+            guard let settings = state.config.announce else { return (nil, [:]) }
+            let (all, byListener) = Self.readiness(state)
+            var reasons: [IPAddress: [String]] = [:]
+            for address in settings.addresses {
+                let serving = FanoutConfig.listeners(serving: address, in: state.config.listeners)
+                reasons[address] = serving.isEmpty ? ["no listener receives on it"] : all + serving.flatMap { byListener[$0.name] ?? [] }
+            }
+            return (settings, reasons)
+        }
+    }
+
+    /// Brings the announced routes in line with readiness now (``RouteAnnouncer``); `verify`
+    /// also compares them with the kernel's table.
+    package func reconcileAnnouncements(verify: Bool = false) {
+        let (settings, reasons) = announcementReasons()
+        announcer.apply(settings, reasons, now: WallClock.seconds())
+        if verify { announcer.verify(settings) }
     }
 
     /// The Prometheus text of every listener's counters.
@@ -302,6 +350,7 @@ public final class FanoutDaemon: Sendable {
         text += membershipMetrics()
         text += lostListenersMetrics()
         text += health.metricsText()
+        text += announcer.metricsText()
         text += PrometheusText.merge(discoveryMetrics.withLock { $0 }.sorted { "\($0.key)" < "\($1.key)" }.map { $0.value() })
         text += ProcessMetrics.text()
         return text

@@ -82,6 +82,8 @@ public struct ForwardingService: Service {
 
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
+        // `udp-fanout drain` (or `systemctl kill -s SIGUSR2`): withdraw, serve, then stop and exit 0.
+        let drains = await UnixSignalsSequence(trapping: .sigusr2)
         let startedAt = ProcessMetrics.startTime() ?? WallClock.seconds()
         // Which process this one takes over from (logged), and this one's record for the next.
         daemon.descriptors.announce(version: ProjectVersion.string, startedAt: startedAt)
@@ -97,6 +99,15 @@ public struct ForwardingService: Service {
             group.addTask {
                 for await _ in hangups.cancelOnGracefulShutdown() { requests.yield(.hangup) }
                 requests.finish()
+            }
+            group.addTask {
+                for await _ in drains.cancelOnGracefulShutdown() {
+                    daemon.logger.notice("SIGUSR2: draining, then stopping")
+                    daemon.state.withLock { $0.drainRequested = true }
+                    // The reload under way (if any) ends first; then the loop below ends.
+                    requests.finish()
+                    break
+                }
             }
             if let interval = watchInterval, let path = daemon.configPath {
                 daemon.logger.info("watching the configuration file for changes", metadata: ["path": "\(path)", "interval": "\(interval)"])
@@ -120,10 +131,36 @@ public struct ForwardingService: Service {
             }
             group.cancelAll()
         }
+        await drain()
         daemon.descriptors.stopping(version: ProjectVersion.string, startedAt: startedAt)
         notifier.send("STOPPING=1\nSTATUS=stopping: draining the listeners")
         daemon.logger.info("shutting down: stopping listeners")
         await offCooperativePool("fanout-stop") { daemon.shutdown() }
+    }
+
+    /// Before a stop (SIGTERM, SIGINT) or after a drain request (SIGUSR2) with addresses to
+    /// announce: withdraws them, then keeps every listener serving what still arrives (datagrams
+    /// routers already sent, two-way replies) for `announce.drain_secs`. Routers stop sending
+    /// here within their convergence time; the stop that follows loses only what arrives later.
+    private func drain() async {
+        let (settings, requested) = daemon.state.withLock { state in
+            state.draining = state.config.announce != nil
+            return (state.config.announce, state.drainRequested)
+        }
+        guard let settings else {
+            if requested { daemon.logger.notice("drain: no addresses to withdraw (no announce section): stopping now") }
+            return
+        }
+        notifier.send("STOPPING=1\nSTATUS=draining: withdrawing \(settings.addresses.map { "\($0)" }.joined(separator: ", ")), then serving for \(settings.drainSecs) s")
+        let withdrawn = await offCooperativePool("fanout-drain") {
+            daemon.announcer.withdrawAll(reason: requested ? "drained (SIGUSR2, udp-fanout drain)" : "udp-fanout is stopping", now: WallClock.seconds())
+        }
+        daemon.logger.notice("draining: addresses withdrawn; serving what still arrives, then stopping", metadata: [
+            "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "drain_secs": "\(settings.drainSecs)",
+        ])
+        // Not cut short by the graceful shutdown itself (this is its first step); the group's
+        // deadline (drain_secs and 10 s) still ends it.
+        try? await Task.sleep(for: .seconds(settings.drainSecs))
     }
 
     /// The watcher, shared by the polling task and the reload loop (which rebases it).

@@ -8,7 +8,7 @@ import SystemCalls
 /// The standard process series every Prometheus client library exports (`process_*`, read from
 /// /proc/self at each scrape) and `udp_fanout_build_info`, so the dashboards and alerts written
 /// for any exporter work here too.
-enum ProcessMetrics {
+package enum ProcessMetrics {
     /// The exposition text: CPU seconds, resident and virtual memory, open and maximum file
     /// descriptors, start time, and the build's version (a series of value 1).
     static func text() -> String {
@@ -49,9 +49,14 @@ enum ProcessMetrics {
         return text
     }
 
+    /// When process `pid` of this pid namespace started, seconds since the epoch (nil: no such process).
+    package static func startTime(pid: Int32) -> Double? {
+        startTime(statFields("/proc/\(pid)/stat"))
+    }
+
     /// /proc/self/stat's fields after the command (which may hold spaces and parentheses).
-    private static func statFields() -> [String]? {
-        guard let text = read("/proc/self/stat"), let close = text.lastIndex(of: ")") else { return nil }
+    private static func statFields(_ path: String = "/proc/self/stat") -> [String]? {
+        guard let text = read(path), let close = text.lastIndex(of: ")") else { return nil }
         let fields = text[text.index(after: close)...].split(separator: " ").map(String.init)
         return fields.count > 21 ? fields : nil
     }

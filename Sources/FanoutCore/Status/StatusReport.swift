@@ -36,6 +36,29 @@ package struct StatusReport: Codable, Sendable, Equatable {
     /// What this process took over from the previous one at start (the service manager's
     /// descriptor store); nil: nothing was handed over.
     package var takeover: Takeover?
+    /// The `announce` section's addresses and where each stands (nil: no announce section).
+    package var announce: AnnounceStatus? = nil
+}
+
+/// The virtual addresses published to the routing daemon (docs/fleet.md).
+package struct AnnounceStatus: Codable, Sendable, Equatable {
+    package var table: UInt32
+    package var protocolNumber: Int
+    package var drainSecs: Int
+    /// True while a stop or a drain serves what still arrives after withdrawing.
+    package var draining: Bool
+    package var addresses: [AnnouncedAddress]
+}
+
+package struct AnnouncedAddress: Codable, Sendable, Equatable {
+    package var address: String
+    package var announced: Bool
+    /// When it was last announced or withdrawn, seconds since the epoch.
+    package var since: Double
+    /// Why it is not announced (nil while it is).
+    package var reason: String?
+    package var announcements: UInt64
+    package var withdrawals: UInt64
 }
 
 /// A start that took over descriptors from a previous process (docs/restarts.md).
@@ -205,7 +228,22 @@ extension FanoutDaemon {
             reloads: Reloads(ok: reloadsOK.load(ordering: .relaxed), rejected: reloadsRejected.load(ordering: .relaxed)),
             healthProtocol: config.health.enabled ? config.health.proto : nil,
             healthIntervalSecs: config.health.enabled ? config.health.intervalSecs : nil,
-            listeners: listeners, takeover: takeover)
+            listeners: listeners, takeover: takeover, announce: announceStatus)
+    }
+
+    /// ``StatusReport/announce`` from the announcer.
+    private var announceStatus: AnnounceStatus? {
+        let (settings, draining) = state.withLock { ($0.config.announce, $0.draining) }
+        guard let settings else { return nil }
+        let entries = Dictionary(announcer.snapshot().map { ("\($0.address)", $0.entry) }, uniquingKeysWith: { first, _ in first })
+        return AnnounceStatus(
+            table: settings.table, protocolNumber: Int(settings.protocolNumber), drainSecs: settings.drainSecs, draining: draining,
+            addresses: settings.addresses.map { address in
+                let entry = entries["\(address)"]
+                return AnnouncedAddress(address: "\(address)", announced: entry?.announced ?? false, since: entry?.since ?? 0,
+                                        reason: entry.map { $0.reason } ?? "not checked yet",
+                                        announcements: entry?.announcements ?? 0, withdrawals: entry?.withdrawals ?? 0)
+            })
     }
 
     /// ``StatusReport/takeover`` from the descriptor store.

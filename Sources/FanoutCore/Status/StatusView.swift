@@ -74,6 +74,14 @@ package enum StatusView {
             lines.append("took over from \(from)\(how)")
             for note in takeover.notes { lines.append("  \(note)") }
         }
+        if let announce = report.announce {
+            lines.append("announce: table \(announce.table) protocol \(announce.protocolNumber), drain \(announce.drainSecs) s\(announce.draining ? "  DRAINING" : "")")
+            for address in announce.addresses {
+                let state = address.announced ? "announced" : "WITHDRAWN"
+                let age = address.since > 0 ? " for \(duration(report.time - address.since))" : ""
+                lines.append("  \(address.address)  \(state)\(age)\(address.reason.map { ": \($0)" } ?? "")")
+            }
+        }
         for listener in report.listeners {
             lines.append("")
             let twoWay = listener.replies == "none" ? "" : "  replies \(listener.replies)"

@@ -1,0 +1,196 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import ReusePortLB
+import Synchronization
+import SystemCalls
+
+/// Publishes virtual addresses to the node's routing daemon (docs/fleet.md): each address is a
+/// host route in the configured table while every listener on it is ready, and none otherwise.
+/// BIRD (`protocol kernel { learn; }`) or FRR (`ip import-table`, `redistribute`) turn the
+/// route into a BGP announcement, and its removal into a withdrawal.
+///
+/// ``apply(_:_:now:)`` is the whole state machine: called with what the listeners say, it adds
+/// or removes routes where the answer changed; ``verify(_:)`` compares with the kernel table now
+/// and then, to put back a route removed behind its back and remove one left by a crashed run.
+package final class RouteAnnouncer: Sendable {
+    /// One address: announced or not, since when, and why not.
+    package struct Entry: Sendable, Equatable {
+        package var announced = false
+        /// Wall clock of the last change, seconds since the epoch.
+        package var since: Double
+        /// Why it is not announced (nil while it is).
+        package var reason: String?
+        /// Where the route is (while announced): a reload may move it.
+        var table: UInt32 = 0
+        var protocolNumber: UInt8 = 0
+        package var announcements: UInt64 = 0
+        package var withdrawals: UInt64 = 0
+        /// The last failure adding or removing its route (logged once until it changes).
+        var failure: String?
+    }
+
+    let routes: any HostRoutes
+    let logger: Logger
+    let entries = Mutex<[IPAddress: Entry]>([:])
+    /// Route changes the kernel refused.
+    let errors = Atomic<UInt64>(0)
+    /// Routes that differed from what udp-fanout had set (removed or left by someone else) and were set right.
+    let repairs = Atomic<UInt64>(0)
+
+    package init(routes: any HostRoutes = KernelHostRoutes(), logger: Logger) {
+        self.routes = routes
+        self.logger = logger
+    }
+
+    /// Makes the routes follow `reasons`: an address with no reason is announced, one with
+    /// reasons is withdrawn (the first reason is kept for /status). Addresses no longer
+    /// configured are withdrawn and forgotten. `settings` nil: nothing is announced.
+    package func apply(_ settings: Announce?, _ reasons: [IPAddress: [String]], now: Double) {
+        entries.withLock { entries in
+            for address in Array(entries.keys) where !(settings?.addresses.contains(address) ?? false) {
+                if entries[address]!.announced { _ = withdraw(address, &entries[address]!, reason: "no longer in announce.addresses", now: now) }
+                if !entries[address]!.announced { entries[address] = nil }
+            }
+            guard let settings else { return }
+            for address in settings.addresses {
+                var entry = entries[address] ?? Entry(since: now, reason: "not checked yet")
+                let why = reasons[address] ?? ["no listener receives on it"]
+                if let reason = why.first {
+                    if entry.announced {
+                        _ = withdraw(address, &entry, reason: reason, now: now)
+                    } else {
+                        entry.reason = reason
+                    }
+                } else if !entry.announced || entry.table != settings.table || entry.protocolNumber != settings.protocolNumber {
+                    // Moved by a reload: the new route first, then the old one goes.
+                    let previous = entry.announced ? (entry.table, entry.protocolNumber) : nil
+                    if announce(address, &entry, settings, now: now), let (table, number) = previous,
+                       table != settings.table || number != settings.protocolNumber {
+                        try? routes.remove(address, table: table, protocolNumber: number)
+                    }
+                }
+                entries[address] = entry
+            }
+        }
+    }
+
+    /// Withdraws every announced address now (a stop, a drain). - Returns: the addresses withdrawn.
+    @discardableResult
+    package func withdrawAll(reason: String, now: Double) -> [IPAddress] {
+        entries.withLock { entries in
+            var withdrawn: [IPAddress] = []
+            for address in entries.keys.sorted(by: { "\($0)" < "\($1)" }) where entries[address]!.announced {
+                if withdraw(address, &entries[address]!, reason: reason, now: now) { withdrawn.append(address) }
+            }
+            return withdrawn
+        }
+    }
+
+    /// Compares the kernel's table with what was set: an announced route that is missing is
+    /// added again, one of ours for an address not announced (a crashed run's, or added by
+    /// hand with our protocol number) is removed. Each counted in repairs and logged.
+    package func verify(_ settings: Announce?) {
+        guard let settings else { return }
+        let present: Set<IPAddress>
+        do {
+            present = try routes.list(table: settings.table, protocolNumber: settings.protocolNumber)
+        } catch {
+            errors.wrappingAdd(1, ordering: .relaxed)
+            logger.error("could not read the announced routes back from the kernel", metadata: ["table": "\(settings.table)", "error": "\(error)"])
+            return
+        }
+        entries.withLock { entries in
+            for address in present where entries[address]?.announced != true {
+                do {
+                    try routes.remove(address, table: settings.table, protocolNumber: settings.protocolNumber)
+                    repairs.wrappingAdd(1, ordering: .relaxed)
+                    logger.warning("removed a route of udp-fanout's protocol for an address that is not announced now (left by a previous run, or added by hand): the routing daemon would announce it", metadata: [
+                        "address": "\(address)", "table": "\(settings.table)", "protocol": "\(settings.protocolNumber)",
+                    ])
+                } catch {
+                    errors.wrappingAdd(1, ordering: .relaxed)
+                }
+            }
+            for (address, entry) in entries where entry.announced && entry.table == settings.table && !present.contains(address) {
+                do {
+                    try routes.add(address, table: settings.table, protocolNumber: settings.protocolNumber)
+                    repairs.wrappingAdd(1, ordering: .relaxed)
+                    logger.warning("the route announcing an address was removed by something else (ip route, a network manager flushing foreign routes): added again", metadata: [
+                        "address": "\(address)", "table": "\(settings.table)",
+                    ])
+                } catch {
+                    errors.wrappingAdd(1, ordering: .relaxed)
+                }
+            }
+        }
+    }
+
+    private func announce(_ address: IPAddress, _ entry: inout Entry, _ settings: Announce, now: Double) -> Bool {
+        do {
+            try routes.add(address, table: settings.table, protocolNumber: settings.protocolNumber)
+        } catch {
+            failed(address, &entry, "could not add the route announcing the address", error)
+            return false
+        }
+        entry = Entry(announced: true, since: now, reason: nil, table: settings.table, protocolNumber: settings.protocolNumber,
+                      announcements: entry.announcements + 1, withdrawals: entry.withdrawals)
+        logger.notice("announced: every listener on the address is ready", metadata: [
+            "address": "\(address)", "table": "\(settings.table)", "protocol": "\(settings.protocolNumber)",
+        ])
+        return true
+    }
+
+    private func withdraw(_ address: IPAddress, _ entry: inout Entry, reason: String, now: Double) -> Bool {
+        do {
+            try routes.remove(address, table: entry.table, protocolNumber: entry.protocolNumber)
+        } catch {
+            failed(address, &entry, "could not remove the route announcing the address: routers keep sending its traffic here", error)
+            return false
+        }
+        entry.announced = false
+        entry.since = now
+        entry.reason = reason
+        entry.withdrawals += 1
+        entry.failure = nil
+        logger.notice("withdrawn", metadata: ["address": "\(address)", "reason": "\(reason)"])
+        return true
+    }
+
+    private func failed(_ address: IPAddress, _ entry: inout Entry, _ message: String, _ error: SystemCallError) {
+        errors.wrappingAdd(1, ordering: .relaxed)
+        let text = "\(error)"
+        if entry.failure != text {
+            logger.error("\(message); tried again every check", metadata: ["address": "\(address)", "error": "\(text)"])
+        }
+        entry.failure = text
+        if !entry.announced { entry.reason = "\(message): \(text)" }
+    }
+
+    /// Each address's entry now, sorted by address.
+    package func snapshot() -> [(address: IPAddress, entry: Entry)] {
+        entries.withLock { $0 }.map { ($0.key, $0.value) }.sorted { "\($0.address)" < "\($1.address)" }
+    }
+
+    /// The Prometheus text: udp_fanout_announced, udp_fanout_announce_changes_total,
+    /// udp_fanout_announce_errors_total, udp_fanout_announce_repairs_total. Empty while nothing
+    /// is configured to be announced and nothing ever was.
+    package func metricsText() -> String {
+        let snapshot = snapshot()
+        guard !snapshot.isEmpty || errors.load(ordering: .relaxed) > 0 else { return "" }
+        var text = "# HELP udp_fanout_announced Whether the virtual address is announced now: its route is in the announce table, for the routing daemon (docs/fleet.md).\n# TYPE udp_fanout_announced gauge\n"
+        for (address, entry) in snapshot { text += "udp_fanout_announced{address=\"\(address)\"} \(entry.announced ? 1 : 0)\n" }
+        text += "# HELP udp_fanout_announce_changes_total Announcements and withdrawals of the virtual address.\n# TYPE udp_fanout_announce_changes_total counter\n"
+        for (address, entry) in snapshot {
+            text += "udp_fanout_announce_changes_total{address=\"\(address)\",action=\"announce\"} \(entry.announcements)\n"
+            text += "udp_fanout_announce_changes_total{address=\"\(address)\",action=\"withdraw\"} \(entry.withdrawals)\n"
+        }
+        text += "# HELP udp_fanout_announce_errors_total Route changes or reads the kernel refused (logged; tried again every check).\n# TYPE udp_fanout_announce_errors_total counter\n"
+        text += "udp_fanout_announce_errors_total \(errors.load(ordering: .relaxed))\n"
+        text += "# HELP udp_fanout_announce_repairs_total Routes of the announce table that differed from what udp-fanout set (removed by something else, or left by a previous run) and were set right.\n# TYPE udp_fanout_announce_repairs_total counter\n"
+        text += "udp_fanout_announce_repairs_total \(repairs.load(ordering: .relaxed))\n"
+        return text
+    }
+}

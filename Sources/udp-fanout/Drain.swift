@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: Apache-2.0
+import ArgumentParser
+import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `udp-fanout drain`: take a node out of its fleet without losing what is in flight.
+struct Drain: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        abstract: "Drain a running udp-fanout: withdraw its announced addresses, serve what still arrives for drain_secs, then stop it.",
+        discussion: """
+            Finds the daemon through its HTTP endpoint (GET /status gives its pid; -c reads \
+            metrics.bind of its configuration, or --endpoint), then sends it SIGUSR2, which is \
+            what `systemctl kill -s SIGUSR2 udp-fanout` does too. The daemon removes the routes \
+            of its announce addresses (the routing daemon withdraws them from its peers), keeps \
+            every listener serving for announce.drain_secs (datagrams routers already sent, \
+            replies to two-way clients), then stops and exits 0: under systemd the unit stays \
+            stopped (docs/fleet.md). Without --no-wait the command waits until the daemon is \
+            gone. Exit status: 0 drained (or asked, with --no-wait), 1 no daemon answered or it \
+            did not stop in time, 2 the file cannot be read or has no endpoint, 4 not allowed \
+            to signal it (run as root or the daemon's user).
+            """)
+
+    @Option(name: [.customShort("c"), .long], help: "The configuration file the daemon runs with: its metrics.bind is the endpoint.")
+    var config = "config.yaml"
+
+    @Option(help: "The daemon's HTTP endpoint, http://HOST:PORT or HOST:PORT (instead of reading -c).")
+    var endpoint: String?
+
+    @Flag(help: "Return once the daemon was asked, without waiting for it to stop.")
+    var noWait = false
+
+    func validate() throws {
+        if let endpoint {
+            do {
+                _ = try StatusClient.statusURL(endpoint)
+            } catch {
+                throw ValidationError("\(error)")
+            }
+        }
+    }
+
+    func run() async throws {
+        let url: String
+        do {
+            url = try endpoint ?? StatusClient.endpoint(configFile: config)
+        } catch {
+            printError("udp-fanout drain: \(error)")
+            throw ExitCode(2)
+        }
+        let report: StatusReport
+        do {
+            report = try await StatusClient.fetch(url)
+        } catch {
+            printError("udp-fanout drain: \(error)")
+            throw ExitCode(1)
+        }
+        // The pid is the daemon's in its own pid namespace: here it may be another process.
+        guard let started = ProcessMetrics.startTime(pid: report.pid), abs(started - report.startedAt) < 1 else {
+            printError("udp-fanout drain: pid \(report.pid) here is not the daemon at \(url) (it runs in another pid namespace, a container): run the command there, or `systemctl kill -s SIGUSR2 udp-fanout`")
+            throw ExitCode(1)
+        }
+        guard kill(report.pid, SIGUSR2) == 0 else {
+            let code = errno
+            printError("udp-fanout drain: cannot signal pid \(report.pid) (the daemon at \(url)): \(String(cString: strerror(code)))"
+                + (code == EPERM ? ": run as root or as the daemon's user" : ""))
+            throw ExitCode(code == EPERM ? 4 : 1)
+        }
+        let addresses = report.announce?.addresses.map(\.address) ?? []
+        let drainSecs = report.announce?.drainSecs ?? 0
+        print(addresses.isEmpty
+              ? "udp-fanout drain: pid \(report.pid) has no announce section: nothing to withdraw, it stops now"
+              : "udp-fanout drain: pid \(report.pid) withdraws \(addresses.joined(separator: ", ")) and serves for \(drainSecs) s, then stops")
+        guard !noWait else { return }
+        // Gone when the pid is (or is another process: its endpoint then stops answering too).
+        let deadline = ContinuousClock.now + .seconds(drainSecs + 30)
+        while ContinuousClock.now < deadline {
+            if kill(report.pid, 0) != 0 && errno == ESRCH {
+                print("udp-fanout drain: pid \(report.pid) stopped")
+                return
+            }
+            try await Task.sleep(for: .milliseconds(100))
+        }
+        printError("udp-fanout drain: pid \(report.pid) is still running \(drainSecs + 30) s later: see its log")
+        throw ExitCode(1)
+    }
+}
