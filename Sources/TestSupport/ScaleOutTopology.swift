@@ -46,7 +46,16 @@ public final class ScaleOutTopology {
     /// The backends namespace's interface toward node i (i from 1).
     public static func backendsInterface(_ i: Int) -> String { "n\(i)" }
 
-    public init(nodes count: Int, backends backendCount: Int, sources sourceCount: Int) throws {
+    /// With `bgp`, the router learns the VIP from the nodes (``FleetRouting``) instead of a
+    /// static multipath route, and the router-node links have IPv6 addresses too
+    /// (2001:db8:(110+i)::1 and ::2), with the IPv6 VIP ``vip6`` on every node's `lo`.
+    public let bgp: Bool
+
+    /// The IPv6 virtual address (with `bgp`).
+    public static let vip6 = "2001:db8:200::1"
+
+    public init(nodes count: Int, backends backendCount: Int, sources sourceCount: Int, bgp: Bool = false) throws {
+        self.bgp = bgp
         precondition((1...9).contains(count) && (1...250).contains(backendCount) && (1...240).contains(sourceCount))
         let suffix = String(UInt32.random(in: 0...UInt32.max), radix: 16)
         self.suffix = suffix
@@ -94,7 +103,18 @@ public final class ScaleOutTopology {
         }
         try exec(router, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         try exec(router, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv4.fib_multipath_hash_policy=1"])
-        try route(through: Array(1...nodes.count))
+        if bgp {
+            try exec(router, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv6.conf.all.forwarding=1"])
+            try exec(router, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv6.fib_multipath_hash_policy=1"])
+            for (index, node) in nodes.enumerated() {
+                let i = index + 1
+                try Topology.ip(["-n", node, "addr", "add", "2001:db8:\(110 + i)::2/64", "dev", Self.nodeInterface, "nodad"])
+                try Topology.ip(["-n", router, "addr", "add", "2001:db8:\(110 + i)::1/64", "dev", "n\(i)", "nodad"])
+                try Topology.ip(["-n", node, "addr", "add", "\(Self.vip6)/128", "dev", "lo"])
+            }
+        } else {
+            try route(through: Array(1...nodes.count))
+        }
         // Neighbours resolved up front: while unresolved the kernel queues only a few packets
         // (and tc_ebpf's fib lookup finds no neighbour at all).
         try exec(clients, ["ping", "-c", "1", "-W", "3", "198.18.100.1"])

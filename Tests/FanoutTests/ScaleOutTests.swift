@@ -286,11 +286,12 @@ final class ClientFlows {
     deinit { for flow in flows { close(flow.socket) } }
 
     /// Sends `rounds` datagrams on every flow, paced (about 6,000 a second); returns how many.
+    /// Payload: `<source> <phase> <round> <flow>` (the flow's index in ``flows``).
     func send(phase: Int, rounds: Int, size: Int = 0) throws -> Int {
         var sent = 0
         for round in 0..<rounds {
-            for flow in flows {
-                var payload = Array("\(flow.source) \(phase) \(round)".utf8)
+            for (index, flow) in flows.enumerated() {
+                var payload = Array("\(flow.source) \(phase) \(round) \(index)".utf8)
                 // Padded with spaces, which the receivers' field split drops.
                 if payload.count < size { payload += [UInt8](repeating: 0x20, count: size - payload.count) }
                 let result = destination.withSockAddr { sendto(flow.socket, &payload, payload.count, 0, $0, $1) }
@@ -313,6 +314,9 @@ final class BackendReceivers {
         let phase: Int
         let sender: String
         let length: Int
+        /// The round and the client flow (an index in ``ClientFlows/flows``), when the payload says.
+        var round: Int? = nil
+        var flow: Int? = nil
     }
 
     let sockets: [Int32]
@@ -404,8 +408,9 @@ final class BackendReceivers {
         let sender = withUnsafePointer(to: &name) { SocketAddress(storage: UnsafeRawPointer($0)) }
         let fields = String(decoding: data.prefix(count), as: UTF8.self).split(separator: " ")
         return Arrival(backend: backend, node: ifindex.flatMap { nodeByIndex[$0] },
-                       client: fields.first.map(String.init) ?? "?", phase: fields.count == 3 ? Int(fields[1]) ?? -1 : -1,
-                       sender: sender?.ip.description ?? "?", length: count)
+                       client: fields.first.map(String.init) ?? "?", phase: fields.count == 4 ? Int(fields[1]) ?? -1 : -1,
+                       sender: sender?.ip.description ?? "?", length: count,
+                       round: fields.count == 4 ? Int(fields[2]) : nil, flow: fields.count == 4 ? Int(fields[3]) : nil)
     }
 }
 

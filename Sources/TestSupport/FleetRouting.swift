@@ -1,0 +1,220 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The routing daemons of a ``ScaleOutTopology`` made with `bgp: true`: FRR (zebra, bgpd, bfdd)
+/// on the router with docs/fleet/frr-router.conf as written, and on each node BIRD 2 with
+/// docs/fleet/bird-node.conf or FRR with docs/fleet/frr-node.conf, node 1's addresses replaced by
+/// the node's own. Every daemon runs in the foreground as a child of the test (stopped by its
+/// PID), with its configuration, control socket and pid file in a directory of this run.
+/// `ip -ts monitor route` on the router records when the VIP's nexthops change.
+public final class FleetRouting {
+    public enum Speaker: String, Sendable { case bird, frr }
+
+    public let topology: ScaleOutTopology
+    public let speakers: [Speaker]
+    public let directory: URL
+    private var children: [String: [Child]] = [:]
+    private let monitor: Child
+    private var stopped = false
+
+    /// docs/fleet/ of this checkout.
+    public static let examples = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
+        .deletingLastPathComponent().appendingPathComponent("docs/fleet")
+
+    /// Whether BIRD and FRR are installed (scripts/setup.sh installs them).
+    public static var installed: Bool {
+        FileManager.default.isExecutableFile(atPath: "/usr/sbin/bird") && FileManager.default.isExecutableFile(atPath: "/usr/lib/frr/bgpd")
+    }
+
+    /// The router's address toward node `i` and the node's own (IPv4).
+    public static func routerAddress(_ i: Int) -> String { "198.18.\(110 + i).1" }
+    public static func nodeUplink(_ i: Int) -> String { "198.18.\(110 + i).2" }
+
+    public init(_ topology: ScaleOutTopology, speakers: [Speaker]) throws {
+        precondition(topology.bgp && speakers.count == topology.nodes.count)
+        self.topology = topology
+        self.speakers = speakers
+        directory = URL(fileURLWithPath: "/tmp/fleet-\(topology.suffix)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        monitor = try Child.unblocked("/usr/sbin/ip", ["-n", topology.router, "-ts", "monitor", "route"])
+        do {
+            try startFRR(in: topology.router, name: "router", config: try String(contentsOf: Self.examples.appendingPathComponent("frr-router.conf"), encoding: .utf8))
+            for index in topology.nodes.indices { try startNode(index + 1) }
+        } catch {
+            stop()
+            throw error
+        }
+    }
+
+    deinit { stop() }
+
+    /// Node 1's lines of an example, made node `i`'s.
+    static func forNode(_ text: String, _ i: Int) -> String {
+        text.replacingOccurrences(of: "198.18.111.", with: "198.18.\(110 + i).")
+            .replacingOccurrences(of: "2001:db8:111::", with: "2001:db8:\(110 + i)::")
+            .replacingOccurrences(of: "hostname fanout-node", with: "hostname node\(i)")
+    }
+
+    /// Starts node `i`'s routing daemon (again, after ``kill(node:)``).
+    public func startNode(_ i: Int) throws {
+        let namespace = topology.nodes[i - 1]
+        switch speakers[i - 1] {
+        case .bird:
+            let example = try String(contentsOf: Self.examples.appendingPathComponent("bird-node.conf"), encoding: .utf8)
+            let node = directory.appendingPathComponent("node\(i)")
+            try FileManager.default.createDirectory(at: node, withIntermediateDirectories: true)
+            let config = node.appendingPathComponent("bird.conf")
+            try Self.forNode(example, i).write(to: config, atomically: true, encoding: .utf8)
+            children[namespace] = [try Child.unblocked("/usr/sbin/bird", ["-f", "-c", config.path, "-s", node.appendingPathComponent("bird.ctl").path,
+                                                                         "-P", node.appendingPathComponent("bird.pid").path], prefix: topology.prefix(namespace))]
+        case .frr:
+            // zebra announces a prefix's best route only, and an address would be a connected
+            // route that always wins: the VIPs are local routes here (docs/fleet/frr-node.conf).
+            for (address, length) in [(ScaleOutTopology.vip, 32), (ScaleOutTopology.vip6, 128)] {
+                _ = try? run("/usr/sbin/ip", ["-n", namespace, "addr", "del", "\(address)/\(length)", "dev", "lo"])
+                let family = length == 32 ? "-4" : "-6"
+                if (try? run("/usr/sbin/ip", [family, "-n", namespace, "route", "show", "table", "local", address]))?.output.isEmpty ?? true {
+                    try Topology.ip([family, "-n", namespace, "route", "add", "local", "\(address)/\(length)", "dev", "lo", "table", "local"])
+                }
+            }
+            try topology.exec(namespace, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv6.ip_nonlocal_bind=1"])
+            let example = try String(contentsOf: Self.examples.appendingPathComponent("frr-node.conf"), encoding: .utf8)
+            try startFRR(in: namespace, name: "node\(i)", config: Self.forNode(example, i))
+        }
+    }
+
+    /// FRR's zebra, bfdd and bgpd in `namespace`, then `config` loaded through vtysh.
+    private func startFRR(in namespace: String, name: String, config: String) throws {
+        let place = directory.appendingPathComponent(name)
+        try FileManager.default.createDirectory(at: place, withIntermediateDirectories: true)
+        let empty = place.appendingPathComponent("empty.conf")
+        try "".write(to: empty, atomically: true, encoding: .utf8)
+        let file = place.appendingPathComponent("frr.conf")
+        try config.write(to: file, atomically: true, encoding: .utf8)
+        // The daemons drop to user frr: their directory must be its.
+        _ = try run("/usr/bin/chown", ["-R", "frr:frr", place.path])
+        var started: [Child] = []
+        for daemon in ["zebra", "bfdd", "bgpd"] {
+            var arguments = ["-u", "frr", "-g", "frr", "-f", empty.path, "-i", place.appendingPathComponent("\(daemon).pid").path,
+                             "-z", place.appendingPathComponent("zserv.api").path, "--vty_socket", place.path, "-A", "127.0.0.1", "-P", "0"]
+            if daemon == "bfdd" { arguments += ["--bfdctl", place.appendingPathComponent("bfdd.sock").path] }
+            started.append(try Child.unblocked("/usr/lib/frr/\(daemon)", arguments, prefix: topology.prefix(namespace)))
+            // bgpd and bfdd connect to zebra's socket.
+            if daemon == "zebra" {
+                _ = Probe.waitFor(seconds: 5) { FileManager.default.fileExists(atPath: place.appendingPathComponent("zserv.api").path) }
+            }
+        }
+        children[namespace] = started
+        let ready = Probe.waitFor(seconds: 10) {
+            ["zebra", "bfdd", "bgpd"].allSatisfy { FileManager.default.fileExists(atPath: place.appendingPathComponent("\($0).vty").path) }
+        }
+        try #require(ready, "FRR in \(namespace): \(started.map(\.stderr).joined(separator: "\n"))")
+        let loaded = try vtysh(namespace, name: name, ["-f", file.path])
+        try #require(loaded.status == 0, "vtysh -f \(file.lastPathComponent) in \(namespace): \(loaded.output)")
+        _ = try vtysh(namespace, name: name, ["-c", "configure terminal", "-c", "log file \(place.appendingPathComponent("frr.log").path)", "-c", "log timestamp precision 3"])
+    }
+
+    /// Runs vtysh against the FRR of `name` (router, node<i>).
+    @discardableResult
+    public func vtysh(_ namespace: String, name: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
+        try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/bin/vtysh", "--vty_socket", directory.appendingPathComponent(name).path] + arguments)
+    }
+
+    /// The nodes (numbers from 1) whose sessions with the router are established, IPv4 and IPv6.
+    public func establishedNodes() -> (v4: Set<Int>, v6: Set<Int>) {
+        var v4 = Set<Int>(), v6 = Set<Int>()
+        guard let text = try? vtysh(topology.router, name: "router", ["-c", "show bgp summary json"]).output,
+              let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else { return (v4, v6) }
+        for (family, key) in [("ipv4Unicast", 4), ("ipv6Unicast", 6)] {
+            let peers = (object[family] as? [String: Any])?["peers"] as? [String: Any] ?? [:]
+            for (peer, value) in peers where (value as? [String: Any])?["state"] as? String == "Established" {
+                for i in topology.nodes.indices.map({ $0 + 1 }) where peer == Self.nodeUplink(i) || peer == "2001:db8:\(110 + i)::2" {
+                    if key == 4 { v4.insert(i) } else { v6.insert(i) }
+                }
+            }
+        }
+        return (v4, v6)
+    }
+
+    /// The nodes (numbers from 1) the router's route to `address` goes through now.
+    public func routerNodes(_ address: String) -> Set<Int> {
+        guard let text = try? run("/usr/sbin/ip", [address.contains(":") ? "-6" : "-4", "-n", topology.router, "-j", "route", "show", address]).output,
+              let routes = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]] else { return [] }
+        // By device: IPv6 nexthops are the nodes' link-local addresses.
+        var devices: [String] = []
+        for route in routes {
+            if let device = route["dev"] as? String { devices.append(device) }
+            for hop in route["nexthops"] as? [[String: Any]] ?? [] { if let device = hop["dev"] as? String { devices.append(device) } }
+        }
+        return Set(topology.nodes.indices.map { $0 + 1 }.filter { devices.contains("n\($0)") })
+    }
+
+    /// Waits until the router's route to `address` goes through exactly `nodes`; returns when
+    /// it did (nil: not within `seconds`).
+    public func waitForRouter(_ address: String, nodes: Set<Int>, seconds: Double = 15) -> ContinuousClock.Instant? {
+        let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
+        while ContinuousClock.now < deadline {
+            if routerNodes(address) == nodes { return ContinuousClock.now }
+            usleep(10_000)
+        }
+        return nil
+    }
+
+    /// When the router's route to `address` changed, as `ip -ts monitor route` printed it
+    /// (wall clock, seconds since the epoch).
+    public func routeChanges(_ address: String) -> [Double] {
+        monitor.stdout.split(separator: "\n").compactMap { line -> Double? in
+            // "[2026-11-26T16:12:43.123456] [Deleted ]198.18.200.1 ..."; nexthop lines follow.
+            guard line.hasPrefix("["), let close = line.firstIndex(of: "]"), line.contains(" \(address) ") else { return nil }
+            return Self.seconds(String(line[line.index(after: line.startIndex)..<close]))
+        }
+    }
+
+    /// The first change of the router's route to `address` at or after `time`, seconds after it.
+    public func convergence(_ address: String, after time: Double) -> Double? {
+        routeChanges(address).first { $0 >= time }.map { $0 - time }
+    }
+
+    static func seconds(_ stamp: String) -> Double? {
+        // 2026-11-26T16:12:43.123456
+        let parts = stamp.split(separator: ".")
+        guard parts.count == 2, let fraction = Double("0." + parts[1]) else { return nil }
+        let formatter = DateFormatter()
+        formatter.locale = Locale(identifier: "en_US_POSIX")
+        formatter.timeZone = TimeZone.current  // ip -ts prints local time
+        formatter.dateFormat = "yyyy-MM-dd'T'HH:mm:ss"
+        guard let date = formatter.date(from: String(parts[0])) else { return nil }
+        return date.timeIntervalSince1970 + fraction
+    }
+
+    /// Kills node `i`'s routing daemon with SIGKILL (a crash: no withdrawal, no notification).
+    public func kill(node i: Int) {
+        for child in children[topology.nodes[i - 1]] ?? [] where child.process.isRunning {
+            child.signal(SIGKILL)
+            child.wait(seconds: 5)
+        }
+    }
+
+    /// The routing daemons' own logs, for a failed expectation.
+    public var logs: String {
+        children.map { namespace, started in "\(namespace):\n" + started.map { $0.stderr.suffix(2000) }.joined(separator: "\n") }.joined(separator: "\n")
+    }
+
+    /// Stops every daemon of this run by its PID, then removes the directory.
+    public func stop() {
+        guard !stopped else { return }
+        stopped = true
+        for started in children.values {
+            for child in started where child.process.isRunning { child.signal(SIGTERM) }
+            for child in started { child.wait(seconds: 5) }
+        }
+        if monitor.process.isRunning { monitor.signal(SIGTERM) }
+        monitor.wait(seconds: 5)
+        try? FileManager.default.removeItem(at: directory)
+    }
+}

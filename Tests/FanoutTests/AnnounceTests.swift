@@ -1,0 +1,195 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Logging
+import Synchronization
+import Testing
+import TestSupport
+@testable import FanoutCore
+import ReusePortLB
+import SystemCalls
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The `announce` section (docs/fleet.md): its keys, the announcer's state machine against a
+/// table in memory, the daemon's readiness per address, and the real routes in a namespace.
+@Suite("Announce")
+struct AnnounceTests {
+    static let listener = "listeners:\n  - name: a\n    bind: \"198.18.0.1:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
+
+    @Test("The announce keys parse, with their defaults")
+    func parses() throws {
+        let config = try ConfigParser.parse(Self.listener + "announce: {addresses: [198.18.0.1]}\n")
+        try config.validate(localAddresses: [])
+        #expect(config.announce?.addresses == [IPAddress("198.18.0.1")!])
+        #expect(config.announce?.table == 201 && config.announce?.protocolNumber == 201 && config.announce?.drainSecs == 5)
+        let wildcard = try ConfigParser.parse("listeners:\n  - name: a\n    bind: \"[::]:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
+            + "announce: {addresses: [198.18.0.9, \"2001:db8::9\"], table: 1000, protocol: 250, drain_secs: 0}\n")
+        try wildcard.validate(localAddresses: [])
+        #expect(wildcard.announce?.table == 1000 && wildcard.announce?.protocolNumber == 250 && wildcard.announce?.drainSecs == 0)
+    }
+
+    static let invalidSections: [(String, String, String)] = [
+        ("announce: {addresses: []}\n", "announce.addresses", "empty"),
+        ("announce: {}\n", "announce.addresses", "required"),
+        ("announce: {addresses: [198.18.0.1/32]}\n", "announce.addresses[0]", "not an IP address"),
+        ("announce: {addresses: [\"fe80::1%eth0\"]}\n", "announce.addresses[0]", "not an IP address"),
+        ("announce: {addresses: [0.0.0.0]}\n", "announce.addresses[0]", "unspecified"),
+        ("announce: {addresses: [127.0.0.1]}\n", "announce.addresses[0]", "loopback"),
+        ("announce: {addresses: [224.0.0.5]}\n", "announce.addresses[0]", "multicast"),
+        ("announce: {addresses: [198.18.0.1, 198.18.0.1]}\n", "announce.addresses[1]", "listed twice"),
+        ("announce: {addresses: [198.18.0.2]}\n", "announce.addresses[0]", "no listener receives on 198.18.0.2"),
+        ("announce: {addresses: [\"2001:db8::1\"]}\n", "announce.addresses[0]", "no listener receives"),
+        ("announce: {addresses: [198.18.0.1], table: 255}\n", "announce.table", "local"),
+        ("announce: {addresses: [198.18.0.1], table: 0}\n", "announce.table", "out of range"),
+        ("announce: {addresses: [198.18.0.1], protocol: 12}\n", "announce.protocol", "routing daemon's own"),
+        ("announce: {addresses: [198.18.0.1], protocol: 186}\n", "announce.protocol", "routing daemon's own"),
+        ("announce: {addresses: [198.18.0.1], protocol: 2}\n", "announce.protocol", "kernel's"),
+        ("announce: {addresses: [198.18.0.1], drain_secs: 301}\n", "announce.drain_secs", "out of range"),
+        ("announce: {addresses: [198.18.0.1], hold: 1}\n", "announce.hold", "unknown key"),
+    ]
+
+    @Test("An invalid announce section: one message naming the key and the problem", arguments: invalidSections)
+    func invalid(section: String, key: String, problem: String) {
+        do {
+            try ConfigParser.parse(Self.listener + section).validate(localAddresses: [])
+            Issue.record("accepted: \(section)")
+        } catch {
+            #expect(error.key == key, "\(error)")
+            #expect(error.problem.contains(problem), "\(error)")
+        }
+    }
+
+    /// A routing table in memory, with failures on demand.
+    final class MemoryRoutes: HostRoutes, @unchecked Sendable {
+        let routes = Mutex<Set<String>>([])
+        let failing = Mutex(false)
+
+        static func key(_ address: IPAddress, _ table: UInt32, _ number: UInt8) -> String { "\(address) \(table) \(number)" }
+
+        func add(_ address: IPAddress, table: UInt32, protocolNumber: UInt8) throws(SystemCallError) {
+            if failing.withLock({ $0 }) { throw SystemCallError(call: "add route", errno: EPERM) }
+            routes.withLock { _ = $0.insert(Self.key(address, table, protocolNumber)) }
+        }
+
+        func remove(_ address: IPAddress, table: UInt32, protocolNumber: UInt8) throws(SystemCallError) {
+            if failing.withLock({ $0 }) { throw SystemCallError(call: "remove route", errno: EPERM) }
+            routes.withLock { _ = $0.remove(Self.key(address, table, protocolNumber)) }
+        }
+
+        func list(table: UInt32, protocolNumber: UInt8) throws(SystemCallError) -> Set<IPAddress> {
+            Set(routes.withLock { $0 }.compactMap { entry in
+                let parts = entry.split(separator: " ")
+                return parts[1] == "\(table)" && parts[2] == "\(protocolNumber)" ? IPAddress(String(parts[0])) : nil
+            })
+        }
+    }
+
+    @Test("Announced while ready, withdrawn at the first reason, moved by a table change, repaired when the kernel differs, failures counted and retried")
+    func stateMachine() {
+        let routes = MemoryRoutes()
+        let announcer = RouteAnnouncer(routes: routes, logger: Logger(label: "test"))
+        let a = IPAddress("198.18.0.1")!, b = IPAddress("2001:db8::1")!
+        var settings = Announce(addresses: [a, b])
+        announcer.apply(settings, [a: [], b: ["listener 'x' is not receiving yet"]], now: 1)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 201 201"])
+        #expect(announcer.snapshot().map(\.entry.announced) == [true, false])
+        #expect(announcer.snapshot().first { $0.address == b }?.entry.reason == "listener 'x' is not receiving yet")
+        announcer.apply(settings, [a: [], b: []], now: 2)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 201 201", "2001:db8::1 201 201"])
+        // Unready: withdrawn, with the reason.
+        announcer.apply(settings, [a: ["listener 'a' has no healthy downstream"], b: []], now: 3)
+        #expect(routes.routes.withLock { $0 } == ["2001:db8::1 201 201"])
+        let entryA = announcer.snapshot().first { $0.address == a }!.entry
+        #expect(!entryA.announced && entryA.withdrawals == 1 && entryA.announcements == 1 && entryA.since == 3)
+        // A reload moves the table: the new route, then the old one goes.
+        settings.table = 1000
+        announcer.apply(settings, [a: [], b: []], now: 4)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "2001:db8::1 1000 201"])
+        // Someone removed one, and left one of ours for an address not announced.
+        routes.routes.withLock { $0 = ["2001:db8::1 1000 201", "198.18.9.9 1000 201", "198.18.9.8 1000 7"] }
+        announcer.verify(settings)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "2001:db8::1 1000 201", "198.18.9.8 1000 7"], "another protocol's route is left alone")
+        #expect(announcer.repairs.load(ordering: .relaxed) == 2)
+        // The kernel refuses: counted, said in the reason, tried again at the next check.
+        routes.failing.withLock { $0 = true }
+        announcer.apply(settings, [a: ["stopping"], b: []], now: 5)
+        #expect(announcer.errors.load(ordering: .relaxed) == 1)
+        #expect(announcer.snapshot().first { $0.address == a }?.entry.announced == true, "still announced: the route is still there")
+        routes.failing.withLock { $0 = false }
+        announcer.apply(settings, [a: ["stopping"], b: []], now: 6)
+        #expect(routes.routes.withLock { $0 } == ["2001:db8::1 1000 201", "198.18.9.8 1000 7"])
+        // An address removed from the section is withdrawn and forgotten; so is all at a stop.
+        settings.addresses = [a]
+        announcer.apply(settings, [a: []], now: 7)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "198.18.9.8 1000 7"])
+        #expect(announcer.snapshot().map(\.address) == [a])
+        #expect(announcer.withdrawAll(reason: "stopping", now: 8) == [a])
+        #expect(routes.routes.withLock { $0 } == ["198.18.9.8 1000 7"])
+        let text = announcer.metricsText()
+        #expect(text.contains("udp_fanout_announced{address=\"198.18.0.1\"} 0"))
+        #expect(text.contains("udp_fanout_announce_changes_total{address=\"198.18.0.1\",action=\"announce\"} 3"))
+        #expect(text.contains("udp_fanout_announce_errors_total 1"))
+        #expect(text.contains("udp_fanout_announce_repairs_total 2"))
+    }
+
+    @Test("The daemon's reasons per address: a listener not running keeps its address withdrawn, a stop withdraws every address")
+    func daemonReasons() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: a
+                bind: "198.18.0.1:5514"
+                downstream: [{address: "198.18.1.2:2"}]
+              - name: b
+                bind: "0.0.0.0:5515"
+                downstream: [{address: "198.18.1.2:2"}]
+            announce: {addresses: [198.18.0.1, 198.18.0.2]}
+
+            """)
+        try config.validate(localAddresses: [])
+        let routes = MemoryRoutes()
+        let daemon = FanoutDaemon(config: config, configPath: nil, logger: Logger(label: "test"), routes: routes)
+        let (settings, reasons) = daemon.announcementReasons()
+        #expect(settings == config.announce)
+        // Nothing started: every listener is "not receiving yet"; 198.18.0.1 has both, .2 only b.
+        #expect(reasons[IPAddress("198.18.0.1")!] == ["listener 'a' is not receiving yet", "listener 'b' is not receiving yet"])
+        #expect(reasons[IPAddress("198.18.0.2")!] == ["listener 'b' is not receiving yet"])
+        daemon.reconcileAnnouncements(verify: true)
+        #expect(routes.routes.withLock { $0 }.isEmpty)
+        daemon.shutdown()
+        #expect(daemon.announcementReasons().reasons[IPAddress("198.18.0.2")!] == ["udp-fanout is stopping"])
+    }
+
+    @Test("Real routes: added, listed, replaced and removed by rtnetlink in a namespace of this test, IPv4 and IPv6, a table above 255; another protocol's route is left",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func kernelRoutes() throws {
+        let namespace = "tca-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        let outcome = inNetworkNamespace(namespace) { () -> String in
+            let routes = KernelHostRoutes()
+            let a = IPAddress("198.18.0.1")!, b = IPAddress("2001:db8::1")!
+            do {
+                for table: UInt32 in [201, 70000] {
+                    try routes.add(a, table: table, protocolNumber: 201)
+                    try routes.add(a, table: table, protocolNumber: 201)  // replaces, no EEXIST
+                    try routes.add(b, table: table, protocolNumber: 201)
+                    guard try routes.list(table: table, protocolNumber: 201) == [a, b] else { return "list \(table): \(try routes.list(table: table, protocolNumber: 201))" }
+                    guard try routes.list(table: table, protocolNumber: 202).isEmpty else { return "another protocol lists ours" }
+                    // Another protocol's route of the same address is not removed by ours.
+                    try routes.remove(a, table: table, protocolNumber: 202)
+                    guard try routes.list(table: table, protocolNumber: 201) == [a, b] else { return "removed by another protocol number" }
+                    try routes.remove(a, table: table, protocolNumber: 201)
+                    try routes.remove(a, table: table, protocolNumber: 201)  // gone already: no error
+                    try routes.remove(b, table: table, protocolNumber: 201)
+                    guard try routes.list(table: table, protocolNumber: 201).isEmpty else { return "left in \(table)" }
+                }
+                return "ok"
+            } catch {
+                return "\(error)"
+            }
+        }
+        #expect(outcome == "ok")
+    }
+}

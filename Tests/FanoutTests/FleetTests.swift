@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+import TestSupport
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A fleet behind a real router (docs/fleet.md): three udp-fanout nodes announce the VIP through
+/// their own routing daemons (BIRD 2 on nodes 1 and 2, FRR on node 3, with docs/fleet/'s example
+/// configurations as written) to an FRR router that spreads it over them by ECMP with an L4
+/// hash and watches them with BFD. In one topology per kind, while clients send from 48 sources
+/// × 8 ports:
+/// - nodes start: each is announced only once its listeners are ready;
+/// - node 3 joins under traffic: nothing lost, about half the flows move (the kernel's ECMP is
+///   hash-threshold: 2 nexthops to 3 moves half), and no source changes backend (`source_ip`:
+///   the same choice on every node);
+/// - node 2 is drained (`udp-fanout drain`) under traffic: nothing lost, the router stops
+///   using it at once, the node exits 0 with its route withdrawn;
+/// - node 1 dies (its packets dropped, then udp-fanout and its BIRD killed with SIGKILL): the
+///   router stops using it within BFD's detection time, not BGP's hold time, and datagrams are
+///   lost only while it had not.
+/// Each phase prints its figures (sent, delivered, lost, flows moved, the router's convergence).
+@Suite("Fleet", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct FleetTests {
+    static let metricsPort = 9465
+    static let backendCount = 4
+    static let sourceCount = 48
+    static let portsPerSource = 8
+    static let vip = ScaleOutTopology.vip
+
+    /// The configuration of node `i` in `mode`: ScaleOut's listener, plus the announce section
+    /// (table 201 for the BIRD nodes, main for the FRR one, as docs/fleet/ says). Userspace also
+    /// listens on the IPv6 VIP, which is then announced too.
+    static func config(mode: String, node i: Int, speaker: FleetRouting.Speaker) -> String {
+        let downstreams = (1...backendCount).map { k in
+            "      - {name: b\(k), address: \"\(ScaleOutTopology.backendAddress(k)):\(ScaleOutTests.backendPort)\"}"
+        }.joined(separator: "\n")
+        let modeKeys = mode == "userspace"
+            ? "    mode: userspace\n    settings: {workers: 1, pin_cpus: false, recv_buf_size: 8388608}"
+            : "    mode: \(mode)\n    interface: \(ScaleOutTopology.nodeInterface)"
+        var listeners = """
+              - name: lb
+                bind: "\(vip):\(ScaleOutTests.port)"
+            \(modeKeys)
+                balancing: source_ip
+                downstream:
+            \(downstreams)
+
+            """
+        var addresses = [vip]
+        if mode == "userspace" {
+            listeners += """
+                  - name: lb6
+                    bind: "[\(ScaleOutTopology.vip6)]:\(ScaleOutTests.port)"
+                \(modeKeys)
+                    balancing: source_ip
+                    downstream:
+                \(downstreams)
+
+                """
+            addresses.append(ScaleOutTopology.vip6)
+        }
+        return """
+            listeners:
+            \(listeners)metrics: {enabled: true, bind: "127.0.0.1:\(metricsPort)"}
+            announce:
+              addresses: [\(addresses.map { "\"\($0)\"" }.joined(separator: ", "))]
+              table: \(speaker == .bird ? 201 : 254)
+              drain_secs: 2
+
+            """
+    }
+
+    /// One phase's traffic, sent from a thread while the test changes the fleet.
+    final class Traffic: @unchecked Sendable {
+        let flows: ClientFlows
+        let phase: Int
+        let rounds: Int
+        private let done = DispatchSemaphore(value: 0)
+        private(set) var sent = 0
+        private(set) var error: (any Error)?
+        /// When the first and last datagram left (wall clock).
+        private(set) var started = 0.0, ended = 0.0
+
+        init(_ flows: ClientFlows, phase: Int, rounds: Int) {
+            self.flows = flows
+            self.phase = phase
+            self.rounds = rounds
+            Thread {
+                self.started = WallClock.seconds()
+                do {
+                    self.sent = try self.flows.send(phase: phase, rounds: rounds)
+                } catch {
+                    self.error = error
+                }
+                self.ended = WallClock.seconds()
+                self.done.signal()
+            }.start()
+        }
+
+        func wait() throws -> Int {
+            done.wait()
+            if let error { throw error }
+            return sent
+        }
+    }
+
+    /// What one phase showed.
+    struct Outcome {
+        var sent = 0
+        var delivered = 0
+        var lost: Int { sent - delivered }
+        /// Flows (source and port) seen at more than one node.
+        var movedFlows = 0
+        var flows = 0
+        /// Sources that reached more than one backend, or one the table does not give them.
+        var changedBackend = 0
+        var arrivals: [BackendReceivers.Arrival] = []
+    }
+
+    /// Waits for the traffic, collects its arrivals and checks every source's backend.
+    static func collect(_ traffic: Traffic, _ receivers: BackendReceivers, _ topology: ScaleOutTopology, kind: String, label: String) throws -> Outcome {
+        var outcome = Outcome()
+        outcome.sent = try traffic.wait()
+        outcome.arrivals = receivers.drain().filter { $0.phase == traffic.phase }
+        outcome.delivered = outcome.arrivals.count
+        let expected = ScaleOutTests.predicted(topology.sources, Array(1...backendCount))
+        var backendsOf: [String: Set<Int>] = [:]
+        var nodesOfFlow: [Int: Set<Int>] = [:]
+        for arrival in outcome.arrivals {
+            backendsOf[arrival.client, default: []].insert(arrival.backend)
+            if let flow = arrival.flow, let node = arrival.node { nodesOfFlow[flow, default: []].insert(node) }
+        }
+        outcome.flows = nodesOfFlow.count
+        outcome.movedFlows = nodesOfFlow.values.filter { $0.count > 1 }.count
+        outcome.changedBackend = topology.sources.filter { source in backendsOf[source].map { $0 != [expected[source]!] } ?? false }.count
+        #expect(outcome.changedBackend == 0, "\(kind) \(label): \(outcome.changedBackend) sources reached another backend than the table's")
+        return outcome
+    }
+
+    static func report(_ line: String) {
+        FileHandle.standardError.write(Data("fleet: \(line)\n".utf8))
+    }
+
+    @Test("BGP fleet (BIRD and FRR nodes, an FRR router with ECMP and BFD): announced once ready, a joining node moves half the flows (hash-threshold ECMP) and no source's backend, a drain loses nothing, a dead node is dropped within BFD's detection time",
+          .timeLimit(.minutes(3)), arguments: ["userspace", "tc_ebpf", "xdp"])
+    func fleet(mode: String) throws {
+        try #require(FleetRouting.installed, "BIRD 2 and FRR are missing: run scripts/setup.sh (apt-get install bird2 frr)")
+        let speakers: [FleetRouting.Speaker] = [.bird, .bird, .frr]
+        let topology = try ScaleOutTopology(nodes: 3, backends: Self.backendCount, sources: Self.sourceCount, bgp: true)
+        defer { topology.destroy() }
+        let routing = try FleetRouting(topology, speakers: speakers)
+        defer { routing.stop() }
+        let receivers = try BackendReceivers(topology, backends: Self.backendCount)
+        let flows = try ClientFlows(topology, portsPerSource: Self.portsPerSource)
+        var files: [URL] = []
+        defer { for file in files { try? FileManager.default.removeItem(at: file) } }
+        for i in 1...3 {
+            files.append(try TCFixtures.write(Self.config(mode: mode, node: i, speaker: speakers[i - 1]), "fleet-node\(i)"))
+        }
+        var daemons: [Int: Child] = [:]
+        defer { for daemon in daemons.values where daemon.process.isRunning { daemon.signal(SIGTERM); daemon.wait() } }
+        let sessions = Probe.waitFor(seconds: 30) { routing.establishedNodes() == ([1, 2, 3], [1, 2, 3]) }
+        try #require(sessions, "BGP sessions: \(routing.establishedNodes())\n\(routing.logs)")
+        #expect(routing.routerNodes(Self.vip).isEmpty, "nothing announced before udp-fanout runs")
+
+        func start(_ i: Int) throws {
+            let namespace = topology.nodes[i - 1]
+            daemons[i] = try Child("udp-fanout", ["-c", files[i - 1].path], prefix: topology.prefix(namespace))
+        }
+        func readyAt(_ i: Int) throws -> Double {
+            var at = 0.0
+            let ready = Probe.waitFor(seconds: 15) {
+                guard Probe.curl(topology.prefix(topology.nodes[i - 1]), Self.metricsPort, "/readyz")?.status == 200 else { return false }
+                at = WallClock.seconds()
+                return true
+            }
+            try #require(ready, "node \(i) ready: \(daemons[i]?.stderr ?? "")")
+            return at
+        }
+
+        // 1. Nodes 1 and 2 start: each announced once ready (its log says so after its listeners
+        //    entered their receive loops), the router uses both, every datagram arrives.
+        try start(1)
+        try start(2)
+        for i in [1, 2] { _ = try readyAt(i) }
+        try #require(routing.waitForRouter(Self.vip, nodes: [1, 2]) != nil, "router via nodes 1 and 2: \(routing.routerNodes(Self.vip))\n\(routing.logs)")
+        for i in [1, 2] {
+            let log = daemons[i]!.stderr
+            let announced = try #require(log.range(of: "announced: every listener on the address is ready"), "node \(i): \(log)")
+            let receiving = try #require(log.range(of: "entering receive loop") ?? log.range(of: "registered listener") ?? log.range(of: "attached"), "node \(i): \(log)")
+            #expect(receiving.lowerBound < announced.lowerBound, "node \(i): announced before its listener was receiving")
+        }
+        if mode == "userspace" {
+            #expect(routing.waitForRouter(ScaleOutTopology.vip6, nodes: [1, 2]) != nil, "IPv6 VIP via nodes 1 and 2: \(routing.routerNodes(ScaleOutTopology.vip6))")
+        }
+        let baseline = try Self.collect(Traffic(flows, phase: 1, rounds: 10), receivers, topology, kind: mode, label: "two nodes")
+        #expect(baseline.lost == 0, "\(mode) two nodes: \(baseline.lost) of \(baseline.sent) lost")
+        Self.report("\(mode) two nodes: sent \(baseline.sent) delivered \(baseline.delivered) lost \(baseline.lost)")
+
+        // 2. Node 3 (FRR) joins under traffic.
+        let joining = Traffic(flows, phase: 2, rounds: 40)
+        usleep(400_000)
+        let start3 = WallClock.seconds()
+        try start(3)
+        let ready3 = try readyAt(3) - start3
+        let joined = routing.waitForRouter(Self.vip, nodes: [1, 2, 3])
+        let join = try Self.collect(joining, receivers, topology, kind: mode, label: "join")
+        try #require(joined != nil, "router via all three nodes: \(routing.routerNodes(Self.vip))\n\(routing.logs)")
+        let joinChange = routing.convergence(Self.vip, after: start3)
+        #expect(join.lost == 0, "\(mode) join: \(join.lost) of \(join.sent) lost")
+        // The kernel's ECMP is hash-threshold (RFC 2992): from 2 nexthops to 3 moves half the
+        // flows (384 here, so 134 to 250), not a third; no source changes backend all the same.
+        #expect((join.flows * 35 / 100...join.flows * 65 / 100).contains(join.movedFlows), "\(mode) join: \(join.movedFlows) of \(join.flows) flows moved")
+        Self.report("\(mode) node 3 joins: sent \(join.sent) delivered \(join.delivered) lost \(join.lost); flows moved \(join.movedFlows) of \(join.flows); sources that changed backend \(join.changedBackend); node 3 ready \(String(format: "%.0f ms", ready3 * 1000)) and in the router's route \(joinChange.map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after its udp-fanout started")
+
+        // 3. Node 2 is drained under traffic: withdrawn at once, serves for drain_secs, exits 0.
+        let draining = Traffic(flows, phase: 3, rounds: 40)
+        usleep(400_000)
+        let drainStarted = WallClock.seconds()
+        let drain = try Child("udp-fanout", ["drain", "--endpoint", "127.0.0.1:\(Self.metricsPort)"], prefix: topology.prefix(topology.nodes[1]))
+        let withdrawn = routing.waitForRouter(Self.vip, nodes: [1, 3])
+        let drained = try Self.collect(draining, receivers, topology, kind: mode, label: "drain")
+        #expect(drain.wait(seconds: 20) == 0, "udp-fanout drain: \(drain.stdout) \(drain.stderr)")
+        #expect(daemons[2]!.wait(seconds: 20) == 0, "node 2 after the drain: \(daemons[2]!.stderr)")
+        try #require(withdrawn != nil, "router via nodes 1 and 3 after the drain: \(routing.routerNodes(Self.vip))")
+        let drainChange = routing.convergence(Self.vip, after: drainStarted)
+        #expect(drained.lost == 0, "\(mode) drain: \(drained.lost) of \(drained.sent) lost")
+        let left = try topology.exec(topology.nodes[1], ["/usr/sbin/ip", "route", "show", "table", "201"])
+        #expect(left.isEmpty, "node 2's table 201 after the drain: \(left)")
+        Self.report("\(mode) node 2 drained: sent \(drained.sent) delivered \(drained.delivered) lost \(drained.lost); router withdrew it \(drainChange.map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after the command")
+
+        // 4. Node 1 dies: nothing leaves or enters it any more (as a powered-off machine), then
+        //    its udp-fanout and BIRD are killed. BFD (3 x 100 ms) takes it out.
+        let dying = Traffic(flows, phase: 4, rounds: 40)
+        usleep(400_000)
+        let death = WallClock.seconds()
+        let rules = try TCFixtures.write("""
+            table inet dead {
+              chain i { type filter hook input priority -400; policy drop; }
+              chain o { type filter hook output priority -400; policy drop; }
+              chain f { type filter hook forward priority -400; policy drop; }
+            }
+
+            """, "fleet-dead")
+        defer { try? FileManager.default.removeItem(at: rules) }
+        try topology.exec(topology.nodes[0], ["/usr/sbin/nft", "-f", rules.path])
+        daemons[1]!.signal(SIGKILL)
+        daemons[1]!.wait()
+        routing.kill(node: 1)
+        let dropped = routing.waitForRouter(Self.vip, nodes: [3])
+        let died = try Self.collect(dying, receivers, topology, kind: mode, label: "node death")
+        try #require(dropped != nil, "router via node 3 only: \(routing.routerNodes(Self.vip))")
+        let convergence = routing.convergence(Self.vip, after: death) ?? 99
+        // Within BFD's detection (300 ms) and the router's reaction, well short of the 9 s hold time.
+        #expect(convergence < 3, "\(mode) node death: the router took \(convergence) s")
+        // Lost: only what the router sent to node 1 before it converged (and none after).
+        let lastLostRound = Set(died.arrivals.map { "\($0.flow ?? -1) \($0.round ?? -1)" })
+        var lateLost = 0
+        let perRound = flows.flows.count
+        let roundsAfter = Int(((death + convergence + 0.5) - dying.started) / ((dying.ended - dying.started) / Double(dying.rounds)))
+        for round in max(0, roundsAfter)..<dying.rounds {
+            for flow in 0..<perRound where !lastLostRound.contains("\(flow) \(round)") { lateLost += 1 }
+        }
+        #expect(lateLost == 0, "\(mode) node death: \(lateLost) datagrams lost after the router converged")
+        Self.report("\(mode) node 1 killed: sent \(died.sent) delivered \(died.delivered) lost \(died.lost) (all before the router converged: \(lateLost == 0)); router dropped it \(String(format: "%.0f ms", convergence * 1000)) after the node went silent")
+    }
+}
