@@ -4,7 +4,7 @@
 # and a bpffs mount at /sys/fs/bpf (when root). Safe to run again: it changes nothing that is
 # already in place.
 set -euo pipefail
-packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux procps make gcc netcat-openbsd curl iputils-ping dnsmasq-base systemd strace nfdump ethtool bind9-dnsutils prometheus tmux dpkg-dev lintian debootstrap fakeroot man-db libyaml-dev systemd-container)
+packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux procps make gcc netcat-openbsd curl iputils-ping dnsmasq-base systemd strace nfdump ethtool bind9-dnsutils prometheus tmux dpkg-dev lintian debootstrap fakeroot man-db libyaml-dev systemd-container nftables bird2 frr)
 [ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx libnginx-mod-stream nftables conntrack pmacct python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
@@ -14,7 +14,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian packages: ${missing[*]}"
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # The fleet tests start BIRD and FRR in their own namespaces: their packages' services are
+    # not started on the host (a policy-rc.d for the install, unless one is in place).
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || { [ -z "$policy" ] || rm -f "$policy"; exit 1; }
+    [ -z "$policy" ] || rm -f "$policy"
     echo "setup: installed ${missing[*]}"
   else
     echo "setup: missing Debian packages: ${missing[*]}; run as root, or: sudo apt-get install ${missing[*]}" >&2
