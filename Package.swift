@@ -104,10 +104,11 @@ let package = Package(
         .executableTarget(
             name: "udp-fanout",
             dependencies: [
-                "FanoutCore", "ReusePortLB",
+                "FanoutCore", "ReusePortLB", "SystemCalls", "CSystemShim",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+                .product(name: "UnixSignals", package: "swift-service-lifecycle"),
             ]),
         // Helpers both test targets use (privilege gating, child processes, loopback senders).
         .target(name: "TestSupport", dependencies: ["ReusePortLB", "CLibBPF", "SystemCalls", "CSystemShim"]),

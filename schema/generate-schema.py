@@ -302,7 +302,9 @@ metrics = {
                  'anyOf': [{'type': 'string', 'pattern': PATH, 'not': {'pattern': CONTROL}}, ref('yaml-binary')]},
     }}
 
-RESERVED_PROTOCOLS = [1, 2, 3, 4, 11, 12, 42] + list(range(186, 199))
+# Only values whose 0-prefixed (YAML 1.1 octal) spelling the daemon refuses too: 253, 255, 11, 12
+# and 42 spelled 0253... are other numbers to the daemon, which it accepts.
+RESERVED_PROTOCOLS = [1, 2, 3, 4] + list(range(186, 199))
 announce = {
     'type': 'object', 'additionalProperties': False, 'required': ['addresses'],
     'description': 'Virtual addresses published to the node\'s routing daemon (BIRD, FRR) as host routes while every listener receiving on them is ready; a stop or a drain withdraws them first (docs/fleet.md).',
@@ -311,7 +313,7 @@ announce = {
                       'type': 'array', 'minItems': 1,
                       'items': {'type': 'string', 'pattern': rf'^(?:{IPV4}|{IPV6})$'}},
         'table': dict(integer(1, 4294967295, 'The kernel routing table the routes are kept in (not 253 or 255); main (254) for FRR nodes (docs/fleet.md).', 201),
-                      **{'not': {'enum': [253, 255]}}),
+                      ),
         'protocol': dict(integer(1, 255, 'The routes\' protocol number: what the routing daemon selects them by. Not the kernel\'s (1-4) or a routing daemon\'s own (11, 12, 42, 186-198).', 201),
                          **{'not': {'enum': RESERVED_PROTOCOLS}}),
         'drain_secs': integer(0, 300, 'How long a stop or a drain (udp-fanout drain, SIGUSR2) keeps serving after the withdrawal.', 5),

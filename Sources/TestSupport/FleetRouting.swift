@@ -98,18 +98,19 @@ public final class FleetRouting {
         try config.write(to: file, atomically: true, encoding: .utf8)
         // The daemons drop to user frr: their directory must be its.
         _ = try run("/usr/bin/chown", ["-R", "frr:frr", place.path])
-        var started: [Child] = []
+        children[namespace] = []
         for daemon in ["zebra", "bfdd", "bgpd"] {
             var arguments = ["-u", "frr", "-g", "frr", "-f", empty.path, "-i", place.appendingPathComponent("\(daemon).pid").path,
                              "-z", place.appendingPathComponent("zserv.api").path, "--vty_socket", place.path, "-A", "127.0.0.1", "-P", "0"]
             if daemon == "bfdd" { arguments += ["--bfdctl", place.appendingPathComponent("bfdd.sock").path] }
-            started.append(try Child.unblocked("/usr/lib/frr/\(daemon)", arguments, prefix: topology.prefix(namespace)))
+            // Kept at once: a later failure still stops it.
+            children[namespace, default: []].append(try Child.unblocked("/usr/lib/frr/\(daemon)", arguments, prefix: topology.prefix(namespace)))
             // bgpd and bfdd connect to zebra's socket.
             if daemon == "zebra" {
                 _ = Probe.waitFor(seconds: 5) { FileManager.default.fileExists(atPath: place.appendingPathComponent("zserv.api").path) }
             }
         }
-        children[namespace] = started
+        let started = children[namespace] ?? []
         let ready = Probe.waitFor(seconds: 10) {
             ["zebra", "bfdd", "bgpd"].allSatisfy { FileManager.default.fileExists(atPath: place.appendingPathComponent("\($0).vty").path) }
         }
@@ -160,7 +161,7 @@ public final class FleetRouting {
         let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
         while ContinuousClock.now < deadline {
             if routerNodes(address) == nodes { return ContinuousClock.now }
-            usleep(10_000)
+            usleep(50_000)
         }
         return nil
     }
@@ -196,8 +197,16 @@ public final class FleetRouting {
     public func kill(node i: Int) {
         for child in children[topology.nodes[i - 1]] ?? [] where child.process.isRunning {
             child.signal(SIGKILL)
-            child.wait(seconds: 5)
+            Self.end(child)
         }
+    }
+
+    /// Waits up to 5 s for a child signalled to end, then kills it: a slow cleanup is not a
+    /// test failure.
+    static func end(_ child: Child) {
+        for _ in 0..<250 where child.process.isRunning { usleep(20_000) }
+        if child.process.isRunning { child.signal(SIGKILL) }
+        child.process.waitUntilExit()
     }
 
     /// The routing daemons' own logs, for a failed expectation.
@@ -211,10 +220,10 @@ public final class FleetRouting {
         stopped = true
         for started in children.values {
             for child in started where child.process.isRunning { child.signal(SIGTERM) }
-            for child in started { child.wait(seconds: 5) }
+            for child in started { Self.end(child) }
         }
         if monitor.process.isRunning { monitor.signal(SIGTERM) }
-        monitor.wait(seconds: 5)
+        Self.end(monitor)
         try? FileManager.default.removeItem(at: directory)
     }
 }

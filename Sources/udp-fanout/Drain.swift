@@ -2,6 +2,8 @@
 import ArgumentParser
 import FanoutCore
 import ReusePortLB
+import SystemCalls
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc
@@ -58,31 +60,39 @@ struct Drain: AsyncParsableCommand {
             printError("udp-fanout drain: \(error)")
             throw ExitCode(1)
         }
-        // The pid is the daemon's in its own pid namespace: here it may be another process.
-        guard let started = ProcessMetrics.startTime(pid: report.pid), abs(started - report.startedAt) < 1 else {
+        // The pid is the daemon's in its own pid namespace: here it may be another process. A
+        // pidfd pins the process checked, so the signal cannot reach a pid reused in between.
+        let pidfd = shim_pidfd_open(report.pid)
+        guard pidfd >= 0, let started = ProcessMetrics.startTime(pid: report.pid), abs(started - report.startedAt) < 1 else {
             printError("udp-fanout drain: pid \(report.pid) here is not the daemon at \(url) (it runs in another pid namespace, a container): run the command there, or `systemctl kill -s SIGUSR2 udp-fanout`")
             throw ExitCode(1)
         }
-        guard kill(report.pid, SIGUSR2) == 0 else {
-            let code = errno
-            printError("udp-fanout drain: cannot signal pid \(report.pid) (the daemon at \(url)): \(String(cString: strerror(code)))"
-                + (code == EPERM ? ": run as root or as the daemon's user" : ""))
-            throw ExitCode(code == EPERM ? 4 : 1)
+        defer { close(pidfd) }
+        if report.announce?.draining == true {
+            print("udp-fanout drain: pid \(report.pid) is already draining")
+        } else {
+            guard shim_pidfd_send_signal(pidfd, SIGUSR2) == 0 else {
+                let code = errno
+                printError("udp-fanout drain: cannot signal pid \(report.pid) (the daemon at \(url)): \(String(cString: strerror(code)))"
+                    + (code == EPERM ? ": run as root or as the daemon's user" : ""))
+                throw ExitCode(code == EPERM ? 4 : 1)
+            }
+            let addresses = report.announce?.addresses.map(\.address) ?? []
+            print(addresses.isEmpty
+                  ? "udp-fanout drain: pid \(report.pid) has no announce section: nothing to withdraw, it stops now"
+                  : "udp-fanout drain: pid \(report.pid) withdraws \(addresses.joined(separator: ", ")) and serves for up to \(report.announce?.drainSecs ?? 0) s, then stops")
         }
-        let addresses = report.announce?.addresses.map(\.address) ?? []
-        let drainSecs = report.announce?.drainSecs ?? 0
-        print(addresses.isEmpty
-              ? "udp-fanout drain: pid \(report.pid) has no announce section: nothing to withdraw, it stops now"
-              : "udp-fanout drain: pid \(report.pid) withdraws \(addresses.joined(separator: ", ")) and serves for \(drainSecs) s, then stops")
         guard !noWait else { return }
-        // Gone when the pid is (or is another process: its endpoint then stops answering too).
+        let drainSecs = report.announce?.drainSecs ?? 0
+        // The pidfd turns readable when the process exits.
+        var entry = pollfd(fd: pidfd, events: Int16(POLLIN), revents: 0)
         let deadline = ContinuousClock.now + .seconds(drainSecs + 30)
         while ContinuousClock.now < deadline {
-            if kill(report.pid, 0) != 0 && errno == ESRCH {
+            if (try? Syscall.poll(&entry, 1, 100, call: "poll pidfd")).map({ $0 > 0 }) == true {
                 print("udp-fanout drain: pid \(report.pid) stopped")
                 return
             }
-            try await Task.sleep(for: .milliseconds(100))
+            try await Task.sleep(for: .milliseconds(1))
         }
         printError("udp-fanout drain: pid \(report.pid) is still running \(drainSecs + 30) s later: see its log")
         throw ExitCode(1)

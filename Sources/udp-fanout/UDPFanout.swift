@@ -4,6 +4,7 @@ import FanoutCore
 import Logging
 import ReusePortLB
 import ServiceLifecycle
+import UnixSignals
 
 #if canImport(Glibc)
 import Glibc
@@ -22,7 +23,7 @@ struct UDPFanout: AsyncParsableCommand {
             `udp-fanout help run`.
             """,
         version: ProjectVersion.string,
-        subcommands: [Run.self, Status.self, Drain.self],
+        subcommands: [Run.self, Status.self, Drain.self, Withdraw.self],
         defaultSubcommand: Run.self)
 }
 
@@ -144,9 +145,16 @@ struct Run: AsyncParsableCommand {
         // restart): the previous process's sockets, adopted by the listeners on their binds.
         let descriptors = DescriptorStore.fromEnvironment(notifier: notifier, logger: logger)
         let daemon = FanoutDaemon(config: parsed, configPath: config, logger: logger, descriptors: descriptors)
+        // SIGUSR2 (udp-fanout drain) trapped before the endpoint answers: its default action
+        // would end the process. Kept until the process exits.
+        let drains = await UnixSignalsSequence(trapping: .sigusr2)
+        // A drain (announce.drain_secs, up to 300 s) comes first in the graceful shutdown: the
+        // deadline leaves room for it when the file at start announces (a reload that adds the
+        // section later drains at most drainLimit seconds, said in the log).
+        let drainLimit = parsed.announce != nil ? 300 : 5
         // The announcer stops after the listeners: a stop withdraws the addresses first
         // (ForwardingService, docs/fleet.md), then drains, then stops them.
-        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, AnnounceService(daemon: daemon), ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil)]
+        var services: [any Service] = [StatusEndpointService(daemon: daemon), DiscoveryService(daemon: daemon), daemon.health, AnnounceService(daemon: daemon), ForwardingService(daemon: daemon, notifier: notifier, watchInterval: watchConfig ? .seconds(1) : nil, drains: drains, drainLimit: drainLimit)]
         do {
             // The path check behind /healthz and systemd's watchdog. Last, so it stops first: no
             // ping once shutdown starts (systemd stops the watchdog for a stopping unit anyway).
@@ -165,9 +173,7 @@ struct Run: AsyncParsableCommand {
             services: services.map { .init(service: $0, successTerminationBehavior: .gracefullyShutdownGroup, failureTerminationBehavior: .gracefullyShutdownGroup) },
             gracefulShutdownSignals: [.sigterm, .sigint], cancellationSignals: [], logger: logger)
         // Past this, whatever has not stopped is cancelled: a stuck client never holds the exit.
-        // A drain (announce.drain_secs, up to 300 s) comes first; the deadline is the largest one
-        // a reload could set, so a reload never makes a drain cut short.
-        configuration.maximumGracefulShutdownDuration = .seconds(10 + (parsed.announce != nil ? 300 : 0))
+        configuration.maximumGracefulShutdownDuration = .seconds(10 + drainLimit)
         let group = ServiceGroup(configuration: configuration)
         do {
             try await group.run()
@@ -176,6 +182,7 @@ struct Run: AsyncParsableCommand {
             throw ExitCode(1)
         }
         logger.info("udp-fanout stopped")
+        withExtendedLifetime(drains) {}
     }
 }
 

@@ -62,9 +62,10 @@ struct AnnounceTests {
     }
 
     /// A routing table in memory, with failures on demand.
-    final class MemoryRoutes: HostRoutes, @unchecked Sendable {
+    final class MemoryRoutes: HostRoutes {
         let routes = Mutex<Set<String>>([])
         let failing = Mutex(false)
+        let failOnRemove = Mutex(false)
 
         static func key(_ address: IPAddress, _ table: UInt32, _ number: UInt8) -> String { "\(address) \(table) \(number)" }
 
@@ -74,7 +75,7 @@ struct AnnounceTests {
         }
 
         func remove(_ address: IPAddress, table: UInt32, protocolNumber: UInt8) throws(SystemCallError) {
-            if failing.withLock({ $0 }) { throw SystemCallError(call: "remove route", errno: EPERM) }
+            if failing.withLock({ $0 }) || failOnRemove.withLock({ $0 }) { throw SystemCallError(call: "remove route", errno: EPERM) }
             routes.withLock { _ = $0.remove(Self.key(address, table, protocolNumber)) }
         }
 
@@ -107,11 +108,13 @@ struct AnnounceTests {
         settings.table = 1000
         announcer.apply(settings, [a: [], b: []], now: 4)
         #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "2001:db8::1 1000 201"])
-        // Someone removed one, and left one of ours for an address not announced.
+        // Someone removed one; a route of ours for an address not configured (another
+        // instance's) and another protocol's route are left alone.
         routes.routes.withLock { $0 = ["2001:db8::1 1000 201", "198.18.9.9 1000 201", "198.18.9.8 1000 7"] }
         announcer.verify(settings)
-        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "2001:db8::1 1000 201", "198.18.9.8 1000 7"], "another protocol's route is left alone")
-        #expect(announcer.repairs.load(ordering: .relaxed) == 2)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "2001:db8::1 1000 201", "198.18.9.9 1000 201", "198.18.9.8 1000 7"])
+        #expect(announcer.repairs.load(ordering: .relaxed) == 1)
+        routes.routes.withLock { _ = $0.remove("198.18.9.9 1000 201") }
         // The kernel refuses: counted, said in the reason, tried again at the next check.
         routes.failing.withLock { $0 = true }
         announcer.apply(settings, [a: ["stopping"], b: []], now: 5)
@@ -120,18 +123,35 @@ struct AnnounceTests {
         routes.failing.withLock { $0 = false }
         announcer.apply(settings, [a: ["stopping"], b: []], now: 6)
         #expect(routes.routes.withLock { $0 } == ["2001:db8::1 1000 201", "198.18.9.8 1000 7"])
+        // A configured address that is not ready but has a route of ours (a killed run's): removed.
+        routes.routes.withLock { _ = $0.insert("198.18.0.1 1000 201") }
+        announcer.verify(settings)
+        #expect(routes.routes.withLock { $0 } == ["2001:db8::1 1000 201", "198.18.9.8 1000 7"])
+        #expect(announcer.repairs.load(ordering: .relaxed) == 2)
         // An address removed from the section is withdrawn and forgotten; so is all at a stop.
         settings.addresses = [a]
         announcer.apply(settings, [a: []], now: 7)
         #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "198.18.9.8 1000 7"])
         #expect(announcer.snapshot().map(\.address) == [a])
+        // A move whose removal of the old route fails keeps it, and removes it at a later check.
+        routes.failOnRemove.withLock { $0 = true }
+        settings.table = 1001
+        announcer.apply(settings, [a: []], now: 7.5)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1000 201", "198.18.0.1 1001 201", "198.18.9.8 1000 7"])
+        routes.failOnRemove.withLock { $0 = false }
+        announcer.apply(settings, [a: []], now: 7.6)
+        #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1001 201", "198.18.9.8 1000 7"])
         #expect(announcer.withdrawAll(reason: "stopping", now: 8) == [a])
         #expect(routes.routes.withLock { $0 } == ["198.18.9.8 1000 7"])
+        // Sealed by the stop: a check that finds every listener ready announces nothing.
+        announcer.apply(settings, [a: []], now: 9)
+        #expect(routes.routes.withLock { $0 } == ["198.18.9.8 1000 7"])
+        #expect(announcer.lastWithdrawal == 8)
         let text = announcer.metricsText()
         #expect(text.contains("udp_fanout_announced{address=\"198.18.0.1\"} 0"))
-        #expect(text.contains("udp_fanout_announce_changes_total{address=\"198.18.0.1\",action=\"announce\"} 3"))
-        #expect(text.contains("udp_fanout_announce_errors_total 1"))
-        #expect(text.contains("udp_fanout_announce_repairs_total 2"))
+        #expect(text.contains("udp_fanout_announce_changes_total{address=\"198.18.0.1\",action=\"announce\"} 4"), "\(text)")
+        #expect(text.contains("udp_fanout_announce_errors_total 2"), "\(text)")
+        #expect(text.contains("udp_fanout_announce_repairs_total 2"), "\(text)")
     }
 
     @Test("The daemon's reasons per address: a listener not running keeps its address withdrawn, a stop withdraws every address")
@@ -161,12 +181,47 @@ struct AnnounceTests {
         #expect(daemon.announcementReasons().reasons[IPAddress("198.18.0.2")!] == ["udp-fanout is stopping"])
     }
 
+    @Test("A listener receiving, with health checks on, is not announced before one of its downstreams passed a probe (an operator saw a node join ECMP with its backend dead); without health checks it is, if its address is local",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func announcedOnlyWhenProven() throws {
+        let address = IPAddress("127.0.0.1")!
+        for health in [true, false] {
+            var config = try ConfigParser.parse("""
+                listeners:
+                  - name: a
+                    bind: "127.0.0.1:\(freePort())"
+                    downstream: [{address: "127.0.0.1:\(freePort())"}]
+                health: {enabled: \(health), protocol: udp_echo, interval_secs: 1, timeout_secs: 1}
+
+                """)
+            // Loopback is refused in a file (it never leaves the host): set in code, unvalidated.
+            config.announce = Announce(addresses: [address])
+            let daemon = FanoutDaemon(config: config, configPath: nil, logger: Logger(label: "test"), routes: MemoryRoutes())
+            try daemon.start()
+            defer { daemon.shutdown() }
+            let ready = Probe.waitFor(seconds: 5) { daemon.readiness.isEmpty }
+            #expect(ready, "\(daemon.readiness)")
+            // The health checker is not running here: no probe ever passes.
+            let reasons = daemon.announcementReasons().reasons[address] ?? []
+            if health {
+                #expect(reasons == ["listener 'a': none of its downstreams has passed a health probe yet"], "\(reasons)")
+            } else {
+                #expect(reasons.isEmpty, "\(reasons)")
+                let notLocal = daemon.announcementReasons(isLocal: { _ in false }).reasons[address] ?? []
+                #expect(notLocal.count == 1 && notLocal[0].contains("is not local on this node"), "\(notLocal)")
+                #expect(daemon.announcementReasons(isLocal: KernelHostRoutes.isLocal).reasons[address]?.isEmpty == true, "127.0.0.1 is local")
+            }
+        }
+    }
+
     @Test("Real routes: added, listed, replaced and removed by rtnetlink in a namespace of this test, IPv4 and IPv6, a table above 255; another protocol's route is left",
           .enabled(if: Privileges.enabled, Privileges.reason))
     func kernelRoutes() throws {
         let namespace = "tca-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
         try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        // Another program's route of an address, in the same table: never taken over.
+        try #require(try run("/usr/sbin/ip", ["-n", namespace, "route", "add", "blackhole", "198.18.0.9/32", "table", "201", "proto", "202"]).status == 0)
         let outcome = inNetworkNamespace(namespace) { () -> String in
             let routes = KernelHostRoutes()
             let a = IPAddress("198.18.0.1")!, b = IPAddress("2001:db8::1")!
@@ -176,7 +231,7 @@ struct AnnounceTests {
                     try routes.add(a, table: table, protocolNumber: 201)  // replaces, no EEXIST
                     try routes.add(b, table: table, protocolNumber: 201)
                     guard try routes.list(table: table, protocolNumber: 201) == [a, b] else { return "list \(table): \(try routes.list(table: table, protocolNumber: 201))" }
-                    guard try routes.list(table: table, protocolNumber: 202).isEmpty else { return "another protocol lists ours" }
+                    guard try routes.list(table: table, protocolNumber: 202) == (table == 201 ? [IPAddress("198.18.0.9")!] : []) else { return "the other protocol's list: \(try routes.list(table: table, protocolNumber: 202))" }
                     // Another protocol's route of the same address is not removed by ours.
                     try routes.remove(a, table: table, protocolNumber: 202)
                     guard try routes.list(table: table, protocolNumber: 201) == [a, b] else { return "removed by another protocol number" }
@@ -184,6 +239,12 @@ struct AnnounceTests {
                     try routes.remove(a, table: table, protocolNumber: 201)  // gone already: no error
                     try routes.remove(b, table: table, protocolNumber: 201)
                     guard try routes.list(table: table, protocolNumber: 201).isEmpty else { return "left in \(table)" }
+                }
+                do {
+                    try routes.add(IPAddress("198.18.0.9")!, table: 201, protocolNumber: 201)
+                    return "announced over another protocol's route"
+                } catch let error as SystemCallError where error.errno == EEXIST {
+                    guard try routes.list(table: 201, protocolNumber: 202) == [IPAddress("198.18.0.9")!] else { return "the other route is gone" }
                 }
                 return "ok"
             } catch {

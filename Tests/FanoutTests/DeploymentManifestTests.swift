@@ -511,4 +511,33 @@ struct DeploymentManifestTests {
         })
         #expect(!accounts.isEmpty && accounts == Set(subjects.compactMap { $0["name"] as? String }), "bound: \(subjects), used: \(accounts)")
     }
+
+    @Test("k8s/metallb/bgp.yaml: the BGP peer uses the BFD profile, the advertisement the pool that holds the Service's address, one /32 per node; the DaemonSets wait in preStop, within their grace period, for MetalLB to withdraw")
+    func metallbBGP() throws {
+        let text = try String(contentsOf: Self.directory.appendingPathComponent("metallb/bgp.yaml"), encoding: .utf8)
+        let objects = try text.components(separatedBy: "\n---\n").compactMap { try Yams.load(yaml: $0) as? [String: Any] }
+        func object(_ kind: String) throws -> [String: Any] {
+            try #require(objects.first { $0["kind"] as? String == kind }, "\(kind) in k8s/metallb/bgp.yaml")
+        }
+        func name(_ object: [String: Any]) -> String? { (object["metadata"] as? [String: Any])?["name"] as? String }
+        func spec(_ object: [String: Any]) -> [String: Any] { object["spec"] as? [String: Any] ?? [:] }
+        #expect(Set(objects.compactMap { $0["apiVersion"] as? String }).isSubset(of: ["metallb.io/v1beta1", "metallb.io/v1beta2"]))
+        #expect(objects.allSatisfy { ($0["metadata"] as? [String: Any])?["namespace"] as? String == "metallb-system" })
+        let pool = try object("IPAddressPool"), bfd = try object("BFDProfile"), peer = try object("BGPPeer"), advertisement = try object("BGPAdvertisement")
+        #expect(spec(peer)["bfdProfile"] as? String == name(bfd))
+        #expect(spec(bfd)["detectMultiplier"] as? Int == 3 && spec(bfd)["receiveInterval"] as? Int == 100)
+        #expect((spec(advertisement)["ipAddressPools"] as? [String]) == [name(pool)].compactMap { $0 })
+        #expect(spec(advertisement)["aggregationLength"] as? Int == 32)
+        let service = try #require(try Self.documents().first { $0.file == "service-metallb.yaml" }?.object)
+        let address = try #require(((service["metadata"] as? [String: Any])?["annotations"] as? [String: String])?["metallb.universe.tf/loadBalancerIPs"])
+        #expect((spec(pool)["addresses"] as? [String])?.contains("\(address)/32") == true, "the pool holds \(address)")
+        for file in ["daemonset.yaml", "daemonset-tc-ebpf.yaml"] {
+            let set = try #require(try Self.documents().first { $0.file == file && $0.object["kind"] as? String == "DaemonSet" }?.object)
+            let pod = try #require(((set["spec"] as? [String: Any])?["template"] as? [String: Any])?["spec"] as? [String: Any])
+            let container = try #require((pod["containers"] as? [[String: Any]])?.first)
+            let sleep = (((container["lifecycle"] as? [String: Any])?["preStop"] as? [String: Any])?["sleep"] as? [String: Any])?["seconds"] as? Int
+            let grace = pod["terminationGracePeriodSeconds"] as? Int ?? 30
+            #expect(sleep.map { $0 >= 3 && $0 + 10 <= grace } == true, "\(file): preStop sleep \(sleep.map(String.init) ?? "none"), grace \(grace) s")
+        }
+    }
 }

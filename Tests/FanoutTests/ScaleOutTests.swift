@@ -287,9 +287,11 @@ final class ClientFlows {
 
     /// Sends `rounds` datagrams on every flow, paced (about 6,000 a second); returns how many.
     /// Payload: `<source> <phase> <round> <flow>` (the flow's index in ``flows``).
-    func send(phase: Int, rounds: Int, size: Int = 0) throws -> Int {
+    /// `onRound` is told each round as it starts.
+    func send(phase: Int, rounds: Int, size: Int = 0, onRound: (Int) -> Void = { _ in }) throws -> Int {
         var sent = 0
         for round in 0..<rounds {
+            onRound(round)
             for (index, flow) in flows.enumerated() {
                 var payload = Array("\(flow.source) \(phase) \(round) \(index)".utf8)
                 // Padded with spaces, which the receivers' field split drops.

@@ -125,6 +125,13 @@ int shim_dns_send(const char *name, int type, const struct sockaddr_storage *ser
 		  int timeout_seconds, int attempts, unsigned char *answer, int answer_length,
 		  uint16_t *query_id, int *error);
 
+/* pidfd_open(2) and pidfd_send_signal(2), for `udp-fanout drain`: a signal to the very process
+ * whose start time was checked, not to a pid reused meanwhile. syscall(2) is variadic. */
+#include <sys/syscall.h>
+#include <unistd.h>
+static inline int shim_pidfd_open(int pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
+static inline int shim_pidfd_send_signal(int pidfd, int signal) { return (int)syscall(SYS_pidfd_send_signal, pidfd, signal, (void *)0, 0); }
+
 /* io_uring(7), kept to what the relay needs: Glibc wraps none of its system calls (and syscall(2)
  * is variadic), and the rings are shared memory read and written with acquire/release ordering.
  * The relay queues a non-blocking send or receive per datagram (each on its own session socket)

@@ -94,8 +94,21 @@ public enum ConfigParser {
             guard !bytes.allSatisfy({ $0 == 0 }) else {
                 throw ConfigError(key, "\(text) is the unspecified address: announce the address clients send to (the listeners may still bind the wildcard)", line: entry.mark.line)
             }
-            guard !(bytes.count == 4 ? bytes[0] >= 224 || bytes[0] == 127 : bytes[0] == 0xff || bytes == [UInt8](repeating: 0, count: 15) + [1]) else {
-                throw ConfigError(key, "\(text) is a \(bytes.count == 4 ? (bytes[0] == 127 ? "loopback" : "multicast or reserved") : (bytes[0] == 0xff ? "multicast" : "loopback")) address: routers forward only unicast addresses to a node", line: entry.mark.line)
+            let kind: String? = if bytes.count == 4 {
+                bytes[0] == 127 ? "a loopback address: it never leaves a host" : bytes[0] >= 224 ? "a multicast or reserved address" : nil
+            } else if bytes[0] == 0xff {
+                "a multicast address"
+            } else if bytes == [UInt8](repeating: 0, count: 15) + [1] {
+                "the loopback address: it never leaves a host"
+            } else if bytes[0] == 0xfe && bytes[1] & 0xc0 == 0x80 {
+                "a link-local address: it is not routed"
+            } else if bytes[0..<10].allSatisfy({ $0 == 0 }) && bytes[10] == 0xff && bytes[11] == 0xff {
+                "an IPv4-mapped address: announce the IPv4 address itself"
+            } else {
+                nil
+            }
+            if let kind {
+                throw ConfigError(key, "\(text) is \(kind); announce a unicast address routers can forward to this node", line: entry.mark.line)
             }
             guard !addresses.contains(address) else {
                 throw ConfigError(key, "\(text) is listed twice", line: entry.mark.line)
@@ -112,7 +125,7 @@ public enum ConfigParser {
         }
         if let number = try fields.int("protocol", in: 1...255) {
             guard !Announce.reservedProtocols.contains(where: { $0.contains(number) }) else {
-                throw fields.error("protocol", "\(number) is the kernel's or a routing daemon's own protocol number (0-4 the kernel, 11 and 186-198 FRR, 12 BIRD, 42 babeld): the daemon would take the routes for its own; choose another, e.g. 201")
+                throw fields.error("protocol", "\(number) is the kernel's or a routing daemon's own protocol number (1-4 the kernel, 11 and 186-198 FRR, 12 BIRD, 42 babeld): the daemon would take the routes for its own; choose another, e.g. 201")
             }
             announce.protocolNumber = UInt8(number)
         }

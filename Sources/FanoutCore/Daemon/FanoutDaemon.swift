@@ -313,24 +313,52 @@ public final class FanoutDaemon: Sendable {
     }
 
     /// The `announce` section in force and, per address, why it must not be announced now
-    /// (empty: every listener receiving on it is ready).
-    package func announcementReasons() -> (settings: Announce?, reasons: [IPAddress: [String]]) {
-        state.withLock { state in
-            guard let settings = state.config.announce else { return (nil, [:]) }
-            let (all, byListener) = Self.readiness(state)
+    /// (empty: every listener receiving on it is ready). Stricter than `/readyz`: with health
+    /// checks on, a listener counts only once one of its downstreams passed a probe (a node must
+    /// not join before it knows it can forward), and a socket listener's address must be local
+    /// (`isLocal`; kernel kinds take their datagrams before routing).
+    package func announcementReasons(isLocal: (IPAddress) -> Bool? = { _ in true }) -> (settings: Announce?, reasons: [IPAddress: [String]]) {
+        let proven = health.provenUp()
+        let (settings, socketServed, reasons) = state.withLock { state -> (Announce?, Set<IPAddress>, [IPAddress: [String]]) in
+            guard let settings = state.config.announce else { return (nil, [], [:]) }
+            var (all, byListener) = Self.readiness(state)
+            if state.drainRequested { all.append("a drain was asked for (SIGUSR2, udp-fanout drain)") }
             var reasons: [IPAddress: [String]] = [:]
+            var socketServed = Set<IPAddress>()
             for address in settings.addresses {
                 let serving = FanoutConfig.listeners(serving: address, in: state.config.listeners)
-                reasons[address] = serving.isEmpty ? ["no listener receives on it"] : all + serving.flatMap { byListener[$0.name] ?? [] }
+                guard !serving.isEmpty else {
+                    reasons[address] = ["no listener receives on it"]
+                    continue
+                }
+                var why = all + serving.flatMap { byListener[$0.name] ?? [] }
+                for listener in serving {
+                    if ListenerKinds.type(for: listener)?.bindsPerInterface != true { socketServed.insert(address) }
+                    guard state.config.health.enabled, byListener[listener.name] == nil else { continue }
+                    let own = (state.applied[listener.name] ?? []).filter { $0.pool == nil && $0.weight > 0 }
+                    if !own.contains(where: { proven.contains($0.healthTarget) }) {
+                        why.append("listener '\(listener.name)': none of its downstreams has passed a health probe yet")
+                    }
+                }
+                reasons[address] = why
             }
-            return (settings, reasons)
+            return (settings, socketServed, reasons)
         }
+        var checked = reasons
+        for address in socketServed where checked[address]?.isEmpty == true {
+            switch isLocal(address) {
+            case true?: break
+            case false?: checked[address] = ["\(address) is not local on this node (no address or local route for it): a socket listener would never receive what routers send to it; add it to lo (or ip route add local \(address) dev lo table local)"]
+            case nil: checked[address] = ["could not look up whether \(address) is local on this node"]
+            }
+        }
+        return (settings, checked)
     }
 
     /// Brings the announced routes in line with readiness now (``RouteAnnouncer``); `verify`
     /// also compares them with the kernel's table.
     package func reconcileAnnouncements(verify: Bool = false) {
-        let (settings, reasons) = announcementReasons()
+        let (settings, reasons) = announcementReasons(isLocal: KernelHostRoutes.isLocal)
         announcer.apply(settings, reasons, now: WallClock.seconds())
         if verify { announcer.verify(settings) }
     }

@@ -61,16 +61,26 @@ public struct ForwardingService: Service {
     let daemon: FanoutDaemon
     let notifier: SystemdNotifier
     let watchInterval: Duration?
+    /// SIGUSR2, trapped by the caller before anything else started (so a drain asked for early
+    /// is not the signal's default action, termination); nil: trapped when this service runs.
+    let drains: UnixSignalsSequence?
+    /// The longest drain the process's shutdown deadline leaves room for (seconds).
+    let drainLimit: Int
 
     /// - Parameters:
     ///   - daemon: the engine whose listeners this service starts, reloads and stops.
     ///   - notifier: where the sd_notify messages go (default: `$NOTIFY_SOCKET`).
     ///   - watchInterval: how often the configuration file is checked for changes (`--watch-config`);
     ///     nil: only SIGHUP reloads.
-    public init(daemon: FanoutDaemon, notifier: SystemdNotifier? = nil, watchInterval: Duration? = nil) {
+    ///   - drains: SIGUSR2 trapped early by the caller (nil: trapped when the service runs).
+    ///   - drainLimit: the longest drain the caller's shutdown deadline allows, in seconds.
+    public init(daemon: FanoutDaemon, notifier: SystemdNotifier? = nil, watchInterval: Duration? = nil,
+                drains: UnixSignalsSequence? = nil, drainLimit: Int = 300) {
         self.daemon = daemon
         self.notifier = notifier ?? SystemdNotifier(logger: daemon.logger)
         self.watchInterval = watchInterval
+        self.drains = drains
+        self.drainLimit = drainLimit
     }
 
     /// What asked for a reload.
@@ -83,7 +93,21 @@ public struct ForwardingService: Service {
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
         // `udp-fanout drain` (or `systemctl kill -s SIGUSR2`): withdraw, serve, then stop and exit 0.
-        let drains = await UnixSignalsSequence(trapping: .sigusr2)
+        let drains = if let given = self.drains { given } else { await UnixSignalsSequence(trapping: .sigusr2) }
+        // One reload at a time, in order; a request that arrives during a reload waits (one is enough).
+        let (triggers, requests) = AsyncStream<Trigger>.makeStream(bufferingPolicy: .bufferingNewest(1))
+        // Listened to from before the start: a drain asked for meanwhile keeps the addresses
+        // withdrawn (a readiness reason) and ends the run as soon as the start is done.
+        let drainWatch = Task {
+            for await _ in drains {
+                daemon.logger.notice("SIGUSR2: draining, then stopping")
+                daemon.state.withLock { $0.drainRequested = true }
+                // The reload under way (if any) ends first; then the loop below ends.
+                requests.finish()
+                break
+            }
+        }
+        defer { drainWatch.cancel() }
         let startedAt = ProcessMetrics.startTime() ?? WallClock.seconds()
         // Which process this one takes over from (logged), and this one's record for the next.
         daemon.descriptors.announce(version: ProjectVersion.string, startedAt: startedAt)
@@ -92,22 +116,11 @@ public struct ForwardingService: Service {
         // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
         daemon.path.markStarted()
         notifier.send("READY=1\nSTATUS=\(forwardingStatus())")
-        // One reload at a time, in order; a request that arrives during a reload waits (one is enough).
-        let (triggers, requests) = AsyncStream<Trigger>.makeStream(bufferingPolicy: .bufferingNewest(1))
         let watcher = SharedWatcher(watchInterval != nil ? daemon.configPath.map { ConfigFileWatcher(path: $0) } : nil)
         await withDiscardingTaskGroup { group in
             group.addTask {
                 for await _ in hangups.cancelOnGracefulShutdown() { requests.yield(.hangup) }
                 requests.finish()
-            }
-            group.addTask {
-                for await _ in drains.cancelOnGracefulShutdown() {
-                    daemon.logger.notice("SIGUSR2: draining, then stopping")
-                    daemon.state.withLock { $0.drainRequested = true }
-                    // The reload under way (if any) ends first; then the loop below ends.
-                    requests.finish()
-                    break
-                }
             }
             if let interval = watchInterval, let path = daemon.configPath {
                 daemon.logger.info("watching the configuration file for changes", metadata: ["path": "\(path)", "interval": "\(interval)"])
@@ -123,6 +136,8 @@ public struct ForwardingService: Service {
                 }
             }
             for await trigger in triggers {
+                // A reload buffered before a drain request is not applied: the drain comes first.
+                if daemon.state.withLock({ $0.drainRequested }) { break }
                 await reload(trigger)
                 // After a SIGHUP the file as it is now is the baseline, so a change the SIGHUP
                 // loaded is not loaded again when the watcher sees it. (A file-triggered reload
@@ -147,20 +162,32 @@ public struct ForwardingService: Service {
             state.draining = state.config.announce != nil
             return (state.config.announce, state.drainRequested)
         }
-        guard let settings else {
-            if requested { daemon.logger.notice("drain: no addresses to withdraw (no announce section): stopping now") }
-            return
-        }
-        notifier.send("STOPPING=1\nSTATUS=draining: withdrawing \(settings.addresses.map { "\($0)" }.joined(separator: ", ")), then serving for \(settings.drainSecs) s")
+        // Whatever is still announced goes, even if a reload just removed the section.
         let withdrawn = await offCooperativePool("fanout-drain") {
             daemon.announcer.withdrawAll(reason: requested ? "drained (SIGUSR2, udp-fanout drain)" : "udp-fanout is stopping", now: WallClock.seconds())
         }
+        guard let settings else {
+            if requested { daemon.logger.notice("drain: no announce section: nothing to withdraw, stopping now") }
+            return
+        }
+        // Serve as long as routers may still send here: drain_secs after the last withdrawal
+        // (none if nothing was announced within that time), within the shutdown deadline.
+        let since = WallClock.seconds() - daemon.announcer.lastWithdrawal
+        var wait = withdrawn.isEmpty ? max(0, Double(settings.drainSecs) - since) : Double(settings.drainSecs)
+        if wait > Double(drainLimit) {
+            daemon.logger.warning("drain cut short: the shutdown deadline set at start leaves \(drainLimit) s (the process started without an announce section, or with a smaller drain_secs): restart to apply drain_secs \(settings.drainSecs)")
+            wait = Double(drainLimit)
+        }
+        guard wait > 0 else {
+            daemon.logger.info("stopping: nothing was announced within drain_secs, no drain needed")
+            return
+        }
+        notifier.send("STOPPING=1\nSTATUS=draining: withdrew \(withdrawn.map { "\($0)" }.joined(separator: ", ")), serving for \(Int(wait.rounded())) s")
         daemon.logger.notice("draining: addresses withdrawn; serving what still arrives, then stopping", metadata: [
-            "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "drain_secs": "\(settings.drainSecs)",
+            "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "serving_secs": "\(Int(wait.rounded()))",
         ])
-        // Not cut short by the graceful shutdown itself (this is its first step); the group's
-        // deadline (drain_secs and 10 s) still ends it.
-        try? await Task.sleep(for: .seconds(settings.drainSecs))
+        // Not cut short by the graceful shutdown itself (this is its first step).
+        try? await Task.sleep(for: .milliseconds(Int(wait * 1000)))
     }
 
     /// The watcher, shared by the polling task and the reload loop (which rebases it).

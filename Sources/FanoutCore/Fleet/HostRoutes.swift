@@ -41,9 +41,17 @@ package struct KernelHostRoutes: HostRoutes {
     }
 
     package func add(_ address: IPAddress, table: UInt32, protocolNumber: UInt8) throws(SystemCallError) {
-        // NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE: one route per address, whatever was there.
-        try Self.acknowledged(Self.newRoute, flags: 0x4 | 0x400 | 0x100, Self.message(address, table: table, protocolNumber: protocolNumber),
-                              call: "add route \(address) table \(table) proto \(protocolNumber)")
+        // NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL: a replace would take over another program's
+        // route of the address (the kernel matches on prefix and metric, not protocol).
+        let call = "add route \(address) table \(table) proto \(protocolNumber)"
+        do {
+            try Self.acknowledged(Self.newRoute, flags: 0x4 | 0x400 | 0x200, Self.message(address, table: table, protocolNumber: protocolNumber), call: call)
+        } catch where error.errno == EEXIST {
+            // Ours already (a previous run's, or added twice): fine. Another program's: refused.
+            guard try list(table: table, protocolNumber: protocolNumber).contains(address) else {
+                throw SystemCallError(call: call + ": table \(table) has a route of another protocol for the address (ip route show table \(table) \(address)); it is left alone", errno: EEXIST)
+            }
+        }
     }
 
     package func remove(_ address: IPAddress, table: UInt32, protocolNumber: UInt8) throws(SystemCallError) {
@@ -69,7 +77,12 @@ package struct KernelHostRoutes: HostRoutes {
         var found = Set<IPAddress>()
         for family in [AF_INET, AF_INET6] {
             let body: [UInt8] = [UInt8(family), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-            for message in try Rtnetlink.request(type: Self.getRoute, flags: 0x300, body: body) where message.type == Self.newRoute {
+            let messages = try Rtnetlink.request(type: Self.getRoute, flags: 0x300, body: body)
+            // An error inside the dump would leave the list partial: routes would look missing.
+            if let failed = messages.first(where: { $0.type == Rtnetlink.error }), Rtnetlink.errorCode(failed) != 0 {
+                throw SystemCallError(call: "dump routes", errno: Rtnetlink.errorCode(failed))
+            }
+            for message in messages where message.type == Self.newRoute {
                 let payload = message.payload
                 guard payload.count >= 12, payload[5] == protocolNumber, payload[1] == (family == AF_INET ? 32 : 128) else { continue }
                 var routeTable = UInt32(payload[4])
@@ -82,5 +95,18 @@ package struct KernelHostRoutes: HostRoutes {
             }
         }
         return found
+    }
+
+    /// Whether the kernel delivers `address` locally here (an address of an interface, or a
+    /// `local` route): what a socket listener needs to receive what is sent to it. Nil: the
+    /// lookup failed.
+    package static func isLocal(_ address: IPAddress) -> Bool? {
+        let bytes = address.bytes
+        var body: [UInt8] = [UInt8(address.family), UInt8(bytes.count * 8), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        NextHopResolver.appendAttribute(&body, type: attributeDestination, bytes)
+        guard let reply = try? Rtnetlink.request(type: getRoute, flags: 0, body: body).first else { return nil }
+        if reply.type == Rtnetlink.error { return false }  // unreachable: not local either
+        guard reply.type == newRoute, reply.payload.count >= 12 else { return nil }
+        return reply.payload[7] == 2  // RTN_LOCAL
     }
 }

@@ -32,9 +32,27 @@ package final class RouteAnnouncer: Sendable {
         var failure: String?
     }
 
+    /// Where a route is: an address in a table with a protocol number.
+    struct Place: Hashable {
+        var address: IPAddress
+        var table: UInt32
+        var protocolNumber: UInt8
+    }
+
+    /// The addresses, and what the state machine cannot drop yet.
+    struct State {
+        var entries: [IPAddress: Entry] = [:]
+        /// Routes left where a reload moved them from, whose removal failed: tried again at every check.
+        var stale: Set<Place> = []
+        /// Set by a stop or a drain (``withdrawAll(reason:now:)``): nothing is announced any more.
+        var sealed = false
+        /// When an address was last withdrawn (wall clock; 0: never).
+        var lastWithdrawal = 0.0
+    }
+
     let routes: any HostRoutes
     let logger: Logger
-    let entries = Mutex<[IPAddress: Entry]>([:])
+    let state = Mutex(State())
     /// Route changes the kernel refused.
     let errors = Atomic<UInt64>(0)
     /// Routes that differed from what udp-fanout had set (removed or left by someone else) and were set right.
@@ -49,72 +67,97 @@ package final class RouteAnnouncer: Sendable {
     /// reasons is withdrawn (the first reason is kept for /status). Addresses no longer
     /// configured are withdrawn and forgotten. `settings` nil: nothing is announced.
     package func apply(_ settings: Announce?, _ reasons: [IPAddress: [String]], now: Double) {
-        entries.withLock { entries in
-            for address in Array(entries.keys) where !(settings?.addresses.contains(address) ?? false) {
-                if entries[address]!.announced { _ = withdraw(address, &entries[address]!, reason: "no longer in announce.addresses", now: now) }
-                if !entries[address]!.announced { entries[address] = nil }
+        state.withLock { state in
+            retryStale(&state)
+            for address in Array(state.entries.keys) where !(settings?.addresses.contains(address) ?? false) {
+                if state.entries[address]!.announced { _ = withdraw(address, &state, reason: "no longer in announce.addresses", now: now) }
+                if !state.entries[address]!.announced { state.entries[address] = nil }
             }
             guard let settings else { return }
             for address in settings.addresses {
-                var entry = entries[address] ?? Entry(since: now, reason: "not checked yet")
-                let why = reasons[address] ?? ["no listener receives on it"]
+                if state.entries[address] == nil { state.entries[address] = Entry(since: now, reason: "not checked yet") }
+                let entry = state.entries[address]!
+                let why = state.sealed ? ["udp-fanout is stopping"] : reasons[address] ?? ["no listener receives on it"]
                 if let reason = why.first {
                     if entry.announced {
-                        _ = withdraw(address, &entry, reason: reason, now: now)
+                        _ = withdraw(address, &state, reason: reason, now: now)
                     } else {
-                        entry.reason = reason
+                        state.entries[address]!.reason = reason
                     }
                 } else if !entry.announced || entry.table != settings.table || entry.protocolNumber != settings.protocolNumber {
                     // Moved by a reload: the new route first, then the old one goes.
-                    let previous = entry.announced ? (entry.table, entry.protocolNumber) : nil
-                    if announce(address, &entry, settings, now: now), let (table, number) = previous,
-                       table != settings.table || number != settings.protocolNumber {
-                        try? routes.remove(address, table: table, protocolNumber: number)
+                    let previous = entry.announced ? Place(address: address, table: entry.table, protocolNumber: entry.protocolNumber) : nil
+                    if announce(address, &state, settings, now: now), let previous,
+                       previous.table != settings.table || previous.protocolNumber != settings.protocolNumber {
+                        state.stale.insert(previous)
+                        retryStale(&state)
                     }
                 }
-                entries[address] = entry
             }
         }
     }
 
-    /// Withdraws every announced address now (a stop, a drain). - Returns: the addresses withdrawn.
+    /// Removes the routes left where a reload moved them from; what fails stays for the next check.
+    private func retryStale(_ state: inout State) {
+        for place in state.stale {
+            do {
+                try routes.remove(place.address, table: place.table, protocolNumber: place.protocolNumber)
+                state.stale.remove(place)
+                logger.info("removed the route from where the announce settings moved it", metadata: [
+                    "address": "\(place.address)", "table": "\(place.table)", "protocol": "\(place.protocolNumber)",
+                ])
+            } catch {
+                errors.wrappingAdd(1, ordering: .relaxed)
+            }
+        }
+    }
+
+    /// Withdraws every announced address now (a stop, a drain), and announces nothing after.
+    /// - Returns: the addresses withdrawn.
     @discardableResult
     package func withdrawAll(reason: String, now: Double) -> [IPAddress] {
-        entries.withLock { entries in
+        state.withLock { state in
+            state.sealed = true
+            retryStale(&state)
             var withdrawn: [IPAddress] = []
-            for address in entries.keys.sorted(by: { "\($0)" < "\($1)" }) where entries[address]!.announced {
-                if withdraw(address, &entries[address]!, reason: reason, now: now) { withdrawn.append(address) }
+            for address in state.entries.keys.sorted(by: { "\($0)" < "\($1)" }) where state.entries[address]!.announced {
+                if withdraw(address, &state, reason: reason, now: now) { withdrawn.append(address) }
             }
             return withdrawn
         }
     }
 
+    /// When an address was last withdrawn (wall clock; 0: never).
+    package var lastWithdrawal: Double { state.withLock { $0.lastWithdrawal } }
+
     /// Compares the kernel's table with what was set: an announced route that is missing is
-    /// added again, one of ours for an address not announced (a crashed run's, or added by
-    /// hand with our protocol number) is removed. Each counted in repairs and logged.
+    /// added again; a route of ours for a configured address that is not announced (a previous
+    /// run's, after a crash) is removed. Routes of other addresses are left alone, even with
+    /// our protocol number: another udp-fanout of this namespace may announce them. Each
+    /// change is counted in repairs and logged.
     package func verify(_ settings: Announce?) {
         guard let settings else { return }
-        let present: Set<IPAddress>
-        do {
-            present = try routes.list(table: settings.table, protocolNumber: settings.protocolNumber)
-        } catch {
-            errors.wrappingAdd(1, ordering: .relaxed)
-            logger.error("could not read the announced routes back from the kernel", metadata: ["table": "\(settings.table)", "error": "\(error)"])
-            return
-        }
-        entries.withLock { entries in
-            for address in present where entries[address]?.announced != true {
+        state.withLock { state in
+            let present: Set<IPAddress>
+            do {
+                present = try routes.list(table: settings.table, protocolNumber: settings.protocolNumber)
+            } catch {
+                errors.wrappingAdd(1, ordering: .relaxed)
+                logger.error("could not read the announced routes back from the kernel", metadata: ["table": "\(settings.table)", "error": "\(error)"])
+                return
+            }
+            for address in present where settings.addresses.contains(address) && state.entries[address]?.announced != true {
                 do {
                     try routes.remove(address, table: settings.table, protocolNumber: settings.protocolNumber)
                     repairs.wrappingAdd(1, ordering: .relaxed)
-                    logger.warning("removed a route of udp-fanout's protocol for an address that is not announced now (left by a previous run, or added by hand): the routing daemon would announce it", metadata: [
+                    logger.warning("removed a route announcing an address that is not ready (left by a previous run, or added by hand): the routing daemon would announce it", metadata: [
                         "address": "\(address)", "table": "\(settings.table)", "protocol": "\(settings.protocolNumber)",
                     ])
                 } catch {
                     errors.wrappingAdd(1, ordering: .relaxed)
                 }
             }
-            for (address, entry) in entries where entry.announced && entry.table == settings.table && !present.contains(address) {
+            for (address, entry) in state.entries where entry.announced && entry.table == settings.table && entry.protocolNumber == settings.protocolNumber && !present.contains(address) {
                 do {
                     try routes.add(address, table: settings.table, protocolNumber: settings.protocolNumber)
                     repairs.wrappingAdd(1, ordering: .relaxed)
@@ -128,7 +171,9 @@ package final class RouteAnnouncer: Sendable {
         }
     }
 
-    private func announce(_ address: IPAddress, _ entry: inout Entry, _ settings: Announce, now: Double) -> Bool {
+    private func announce(_ address: IPAddress, _ state: inout State, _ settings: Announce, now: Double) -> Bool {
+        var entry = state.entries[address]!
+        defer { state.entries[address] = entry }
         do {
             try routes.add(address, table: settings.table, protocolNumber: settings.protocolNumber)
         } catch {
@@ -143,7 +188,9 @@ package final class RouteAnnouncer: Sendable {
         return true
     }
 
-    private func withdraw(_ address: IPAddress, _ entry: inout Entry, reason: String, now: Double) -> Bool {
+    private func withdraw(_ address: IPAddress, _ state: inout State, reason: String, now: Double) -> Bool {
+        var entry = state.entries[address]!
+        defer { state.entries[address] = entry }
         do {
             try routes.remove(address, table: entry.table, protocolNumber: entry.protocolNumber)
         } catch {
@@ -155,6 +202,7 @@ package final class RouteAnnouncer: Sendable {
         entry.reason = reason
         entry.withdrawals += 1
         entry.failure = nil
+        state.lastWithdrawal = now
         logger.notice("withdrawn", metadata: ["address": "\(address)", "reason": "\(reason)"])
         return true
     }
@@ -171,7 +219,7 @@ package final class RouteAnnouncer: Sendable {
 
     /// Each address's entry now, sorted by address.
     package func snapshot() -> [(address: IPAddress, entry: Entry)] {
-        entries.withLock { $0 }.map { ($0.key, $0.value) }.sorted { "\($0.address)" < "\($1.address)" }
+        state.withLock { $0.entries }.map { ($0.key, $0.value) }.sorted { "\($0.address)" < "\($1.address)" }
     }
 
     /// The Prometheus text: udp_fanout_announced, udp_fanout_announce_changes_total,

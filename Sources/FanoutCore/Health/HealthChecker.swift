@@ -107,6 +107,12 @@ public final class HealthChecker: Service, Sendable {
         shared.withLock { $0.records.mapValues { ($0.state.isUp, $0.since) } }
     }
 
+    /// The targets that are up and have passed at least one probe (a new target starts up
+    /// before its first probe: this set waits for the probe).
+    func provenUp() -> Set<SocketAddress> {
+        shared.withLock { Set($0.records.filter { $0.value.state.isUp && ($0.value.results[.ok] ?? 0) > 0 }.keys) }
+    }
+
     /// False only for a target that is down; an unknown target is not known to be down.
     func isUp(_ target: SocketAddress) -> Bool {
         shared.withLock { $0.records[target]?.state.isUp ?? true }
