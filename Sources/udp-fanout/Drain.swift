@@ -26,33 +26,13 @@ struct Drain: AsyncParsableCommand {
             to signal it (run as root or the daemon's user).
             """)
 
-    @Option(name: [.customShort("c"), .long], help: "The configuration file the daemon runs with: its metrics.bind is the endpoint.")
-    var config = "config.yaml"
-
-    @Option(help: "The daemon's HTTP endpoint, http://HOST:PORT or HOST:PORT (instead of reading -c).")
-    var endpoint: String?
+    @OptionGroup var daemon: DaemonEndpoint
 
     @Flag(help: "Return once the daemon was asked, without waiting for it to stop.")
     var noWait = false
 
-    func validate() throws {
-        if let endpoint {
-            do {
-                _ = try StatusClient.statusURL(endpoint)
-            } catch {
-                throw ValidationError("\(error)")
-            }
-        }
-    }
-
     func run() async throws {
-        let url: String
-        do {
-            url = try endpoint ?? StatusClient.endpoint(configFile: config)
-        } catch {
-            printError("udp-fanout drain: \(error)")
-            throw ExitCode(2)
-        }
+        let url = try daemon.url("drain")
         let report: StatusReport
         do {
             report = try await StatusClient.fetch(url)

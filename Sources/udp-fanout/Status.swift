@@ -23,11 +23,7 @@ struct Status: AsyncParsableCommand {
             0 shown, 1 no daemon answered, 2 the file cannot be read or has no endpoint, 64 usage.
             """)
 
-    @Option(name: [.customShort("c"), .long], help: "The configuration file the daemon runs with: its metrics.bind is the endpoint.")
-    var config = "config.yaml"
-
-    @Option(help: "The daemon's HTTP endpoint, http://HOST:PORT or HOST:PORT, e.g. http://127.0.0.1:9090 (instead of reading -c).")
-    var endpoint: String?
+    @OptionGroup var daemon: DaemonEndpoint
 
     @Flag(help: "Redraw every --interval until interrupted.")
     var watch = false
@@ -43,23 +39,10 @@ struct Status: AsyncParsableCommand {
             throw ValidationError("--interval \(interval) is out of range: give seconds from 0.1 to 3600")
         }
         guard !(watch && json) else { throw ValidationError("--watch and --json do not go together: --json prints one report") }
-        if let endpoint {
-            do {
-                _ = try StatusClient.statusURL(endpoint)
-            } catch {
-                throw ValidationError("\(error)")
-            }
-        }
     }
 
     func run() async throws {
-        let url: String
-        do {
-            url = try endpoint ?? StatusClient.endpoint(configFile: config)
-        } catch {
-            printError("udp-fanout status: \(error)")
-            throw ExitCode(2)
-        }
+        let url = try daemon.url("status")
         let pause = Duration.milliseconds(Int64((interval * 1000).rounded()))
         guard watch else {
             do {

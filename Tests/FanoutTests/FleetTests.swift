@@ -147,6 +147,25 @@ struct FleetTests {
         return outcome
     }
 
+    /// Node `i` dies as a powered-off machine would: nothing leaves or enters it any more (an
+    /// nftables table dropping everything), then its udp-fanout and routing daemon are killed
+    /// with SIGKILL. Only BFD can tell the router.
+    static func kill(node i: Int, _ daemon: Child, _ topology: ScaleOutTopology, _ routing: FleetRouting) throws {
+        let rules = try TCFixtures.write("""
+            table inet dead {
+              chain i { type filter hook input priority -400; policy drop; }
+              chain o { type filter hook output priority -400; policy drop; }
+              chain f { type filter hook forward priority -400; policy drop; }
+            }
+
+            """, "fleet-dead")
+        defer { try? FileManager.default.removeItem(at: rules) }
+        try topology.exec(topology.nodes[i - 1], ["/usr/sbin/nft", "-f", rules.path])
+        daemon.signal(SIGKILL)
+        daemon.wait()
+        routing.kill(node: i)
+    }
+
     static func report(_ line: String) {
         FileHandle.standardError.write(Data("fleet: \(line)\n".utf8))
     }
@@ -243,19 +262,7 @@ struct FleetTests {
         let dying = Traffic(flows, phase: 4, rounds: 40)
         usleep(400_000)
         let death = WallClock.seconds()
-        let rules = try TCFixtures.write("""
-            table inet dead {
-              chain i { type filter hook input priority -400; policy drop; }
-              chain o { type filter hook output priority -400; policy drop; }
-              chain f { type filter hook forward priority -400; policy drop; }
-            }
-
-            """, "fleet-dead")
-        defer { try? FileManager.default.removeItem(at: rules) }
-        try topology.exec(topology.nodes[0], ["/usr/sbin/nft", "-f", rules.path])
-        daemons[1]!.signal(SIGKILL)
-        daemons[1]!.wait()
-        routing.kill(node: 1)
+        try Self.kill(node: 1, daemons[1]!, topology, routing)
         let dropped = routing.waitForRouter(Self.vip, nodes: [3])
         let died = try Self.collect(dying, receivers, topology, kind: mode, label: "node death")
         try #require(dropped != nil, "router via node 3 only: \(routing.routerNodes(Self.vip))")
@@ -451,22 +458,10 @@ struct FleetTests {
         #expect(daemons[2]!.wait(seconds: 20) == 0, "node 2 after the drain: \(daemons[2]!.stderr)")
         Self.report("relay node 2 drained: requests \(drained.sent) replies \(drained.replies.count) lost \(drained.sent - drained.replies.count); router withdrew it \(routing.convergence(Self.vip, after: drainStarted).map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after the command")
 
-        let rules = try TCFixtures.write("""
-            table inet dead {
-              chain i { type filter hook input priority -400; policy drop; }
-              chain o { type filter hook output priority -400; policy drop; }
-              chain f { type filter hook forward priority -400; policy drop; }
-            }
-
-            """, "fleet-dead")
-        defer { try? FileManager.default.removeItem(at: rules) }
         var death = 0.0
         let died = try phase(4, rounds: 40, label: "node death") {
             death = WallClock.seconds()
-            try topology.exec(topology.nodes[0], ["/usr/sbin/nft", "-f", rules.path])
-            daemons[1]!.signal(SIGKILL)
-            daemons[1]!.wait()
-            routing.kill(node: 1)
+            try Self.kill(node: 1, daemons[1]!, topology, routing)
             try #require(routing.waitForRouter(Self.vip, nodes: [3]) != nil, "router via node 3 only: \(routing.routerNodes(Self.vip))")
         }
         let convergence = routing.convergence(Self.vip, after: death) ?? 99
