@@ -283,6 +283,28 @@ struct FleetTests {
         Self.report("\(mode) node 1 killed: sent \(died.sent) delivered \(died.delivered) lost \(died.lost) (all before the router converged: \(lateLost == 0)); router dropped it \(String(format: "%.0f ms", convergence * 1000)) after the node went silent")
     }
 
+    /// Reads the non-blocking `sockets` while `running` holds, each datagram to `handle` (the
+    /// socket's index, its bytes, its sender and the sender's length); idles 0.5 ms when none has one.
+    static func pump(_ sockets: [Int32], _ running: borrowing Atomic<Bool>, _ handle: (Int, [UInt8], sockaddr_storage, socklen_t) -> Void) {
+        var buffer = [UInt8](repeating: 0, count: 2048)
+        while running.load(ordering: .relaxed) {
+            var any = false
+            for (index, fd) in sockets.enumerated() {
+                while true {
+                    var peer = sockaddr_storage()
+                    var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+                    let count = withUnsafeMutablePointer(to: &peer) { pointer in
+                        pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, 1900, Int32(MSG_DONTWAIT), $0, &length) }
+                    }
+                    guard count > 0 else { break }
+                    any = true
+                    handle(index, Array(buffer[0..<count]), peer, length)
+                }
+            }
+            if !any { usleep(500) }
+        }
+    }
+
     /// Backends that answer (in the backends namespace): each datagram goes back to its sender
     /// (the relay node's session socket) with ` b<k>` appended.
     final class EchoBackends: @unchecked Sendable {
@@ -302,25 +324,12 @@ struct FleetTests {
             } ?? []
             try #require(sockets.count == backends && !sockets.contains(-1), "echo backends: \(sockets)")
             Thread { [self] in
-                var buffer = [UInt8](repeating: 0, count: 2048)
-                while running.load(ordering: .relaxed) {
-                    var any = false
-                    for (index, fd) in sockets.enumerated() {
-                        while true {
-                            var peer = sockaddr_storage()
-                            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-                            let count = withUnsafeMutablePointer(to: &peer) { pointer in
-                                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, 1900, 0, $0, &length) }
-                            }
-                            guard count > 0 else { break }
-                            any = true
-                            var reply = Array(buffer[0..<count]) + Array(" b\(index + 1)".utf8)
-                            _ = withUnsafePointer(to: &peer) { pointer in
-                                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, &reply, reply.count, 0, $0, length) }
-                            }
-                        }
+                FleetTests.pump(sockets, running) { index, bytes, peer, length in
+                    var reply = bytes + Array(" b\(index + 1)".utf8)
+                    var peer = peer
+                    _ = withUnsafePointer(to: &peer) { pointer in
+                        pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(sockets[index], &reply, reply.count, 0, $0, length) }
                     }
-                    if !any { usleep(500) }
                 }
                 done.signal()
             }.start()
@@ -345,29 +354,16 @@ struct FleetTests {
         init(_ flows: ClientFlows) {
             let sockets = flows.flows.map(\.socket)
             Thread { [self] in
-                var buffer = [UInt8](repeating: 0, count: 2048)
-                while running.load(ordering: .relaxed) {
-                    var any = false
-                    for (index, fd) in sockets.enumerated() {
-                        while true {
-                            var peer = sockaddr_storage()
-                            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-                            let count = withUnsafeMutablePointer(to: &peer) { pointer in
-                                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, 2048, Int32(MSG_DONTWAIT), $0, &length) }
-                            }
-                            guard count > 0 else { break }
-                            any = true
-                            // `<source> <phase> <round> <flow> b<k>`
-                            let fields = String(decoding: buffer[0..<count], as: UTF8.self).split(separator: " ")
-                            let sender = withUnsafePointer(to: &peer) { SocketAddress(storage: UnsafeRawPointer($0)) }.map { "\($0)" } ?? "?"
-                            guard fields.count == 5, let phase = Int(fields[1]), let round = Int(fields[2]), let backend = Int(fields[4].dropFirst()) else {
-                                replies.withLock { $0.append(Reply(flow: index, phase: -1, round: -1, backend: -1, sender: sender)) }
-                                continue
-                            }
-                            replies.withLock { $0.append(Reply(flow: index, phase: phase, round: round, backend: backend, sender: sender)) }
-                        }
+                FleetTests.pump(sockets, running) { index, bytes, peer, _ in
+                    // `<source> <phase> <round> <flow> b<k>`
+                    let fields = String(decoding: bytes, as: UTF8.self).split(separator: " ")
+                    var peer = peer
+                    let sender = withUnsafePointer(to: &peer) { SocketAddress(storage: UnsafeRawPointer($0)) }.map { "\($0)" } ?? "?"
+                    guard fields.count == 5, let phase = Int(fields[1]), let round = Int(fields[2]), let backend = Int(fields[4].dropFirst()) else {
+                        replies.withLock { $0.append(Reply(flow: index, phase: -1, round: -1, backend: -1, sender: sender)) }
+                        return
                     }
-                    if !any { usleep(500) }
+                    replies.withLock { $0.append(Reply(flow: index, phase: phase, round: round, backend: backend, sender: sender)) }
                 }
                 done.signal()
             }.start()
