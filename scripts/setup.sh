@@ -16,13 +16,13 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     # The fleet tests start BIRD and FRR in their own namespaces: their packages' services are
     # not started on the host (a policy-rc.d for the install, unless one is in place).
-    policy=""
     if [ ! -e /usr/sbin/policy-rc.d ]; then
-      policy=/usr/sbin/policy-rc.d
-      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
+      # Removed however the install ends (an interrupt included): left behind it would keep
+      # every later package's service from starting.
+      trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
     fi
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || { [ -z "$policy" ] || rm -f "$policy"; exit 1; }
-    [ -z "$policy" ] || rm -f "$policy"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     echo "setup: installed ${missing[*]}"
   else
     echo "setup: missing Debian packages: ${missing[*]}; run as root, or: sudo apt-get install ${missing[*]}" >&2
