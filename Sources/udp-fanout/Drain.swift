@@ -43,11 +43,16 @@ struct Drain: AsyncParsableCommand {
         // The pid is the daemon's in its own pid namespace: here it may be another process. A
         // pidfd pins the process checked, so the signal cannot reach a pid reused in between.
         let pidfd = shim_pidfd_open(report.pid)
-        guard pidfd >= 0, let started = ProcessMetrics.startTime(pid: report.pid), abs(started - report.startedAt) < 1 else {
-            printError("udp-fanout drain: pid \(report.pid) here is not the daemon at \(url) (it runs in another pid namespace, a container): run the command there, or `systemctl kill -s SIGUSR2 udp-fanout`")
+        let openError = pidfd >= 0 ? 0 : errno
+        guard pidfd >= 0 || openError == ESRCH else {
+            printError("udp-fanout drain: pidfd_open(\(report.pid)): \(String(cString: strerror(openError))) (a kernel before 5.3, or a seccomp profile that refuses it): use `systemctl kill -s SIGUSR2 udp-fanout` or `kill -USR2 \(report.pid)`")
             throw ExitCode(1)
         }
-        defer { close(pidfd) }
+        defer { if pidfd >= 0 { close(pidfd) } }
+        guard pidfd >= 0, let started = ProcessMetrics.startTime(pid: report.pid), abs(started - report.startedAt) < 1 else {
+            printError("udp-fanout drain: pid \(report.pid) here is not the daemon at \(url) (it runs in another pid namespace, a container, or it has just exited): run the command there, or `systemctl kill -s SIGUSR2 udp-fanout`")
+            throw ExitCode(1)
+        }
         if report.announce?.draining == true {
             print("udp-fanout drain: pid \(report.pid) is already draining")
         } else {

@@ -38,6 +38,9 @@ struct AnnounceTests {
         ("announce: {addresses: [0.0.0.0]}\n", "announce.addresses[0]", "unspecified"),
         ("announce: {addresses: [127.0.0.1]}\n", "announce.addresses[0]", "loopback"),
         ("announce: {addresses: [224.0.0.5]}\n", "announce.addresses[0]", "multicast"),
+        ("announce: {addresses: [169.254.1.1]}\n", "announce.addresses[0]", "link-local"),
+        ("announce: {addresses: [\"fe80::1\"]}\n", "announce.addresses[0]", "link-local"),
+        ("announce: {addresses: [\"::ffff:198.18.0.1\"]}\n", "announce.addresses[0]", "IPv4-mapped"),
         ("announce: {addresses: [198.18.0.1, 198.18.0.1]}\n", "announce.addresses[1]", "listed twice"),
         ("announce: {addresses: [198.18.0.2]}\n", "announce.addresses[0]", "no listener receives on 198.18.0.2"),
         ("announce: {addresses: [\"2001:db8::1\"]}\n", "announce.addresses[0]", "no listener receives"),
@@ -228,7 +231,7 @@ struct AnnounceTests {
             do {
                 for table: UInt32 in [201, 70000] {
                     try routes.add(a, table: table, protocolNumber: 201)
-                    try routes.add(a, table: table, protocolNumber: 201)  // replaces, no EEXIST
+                    try routes.add(a, table: table, protocolNumber: 201)  // ours already: EEXIST taken as success
                     try routes.add(b, table: table, protocolNumber: 201)
                     guard try routes.list(table: table, protocolNumber: 201) == [a, b] else { return "list \(table): \(try routes.list(table: table, protocolNumber: 201))" }
                     guard try routes.list(table: table, protocolNumber: 202) == (table == 201 ? [IPAddress("198.18.0.9")!] : []) else { return "the other protocol's list: \(try routes.list(table: table, protocolNumber: 202))" }

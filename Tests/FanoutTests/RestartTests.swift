@@ -747,11 +747,16 @@ struct KernelRestartTests {
         }
     }
 
-    @Test("relay: the same restart without the store loses replies or moves clients (what the store prevents)")
+    @Test("relay: the same restart without the store adopts no session (what the store prevents); replies lost, clients moved and sessions made anew are printed")
     func relayRestartWithoutStore() throws {
-        let (report, _, _) = try Self.twoWay(.relay, .restartWithoutStore)
+        let (report, log, metrics) = try Self.twoWay(.relay, .restartWithoutStore)
         print("relay restart without the store: \(report)")
-        #expect(report.int("lost") > 0 || report.int("clients_with_one_server") < 30, "\(report)")
+        // Whether replies are lost or clients move depends on timing (a round-robin order can
+        // come out the same; it did, once in about ten full runs), and the metrics read may be
+        // the stopping process's while it drains: what is certain is that nothing was adopted.
+        #expect(!log.contains("adopted the relay sessions of the previous process"), "\(log)")
+        let created = TwoWayEndToEndTests.value(metrics, .relay, "udp_fanout_association_events_total", ",event=\"created\"")
+        print("relay restart without the store: sessions made anew \(created.map(String.init) ?? "none")")
     }
 
     @Test("nat (tc_ebpf): a restart whose configuration removed a server: its 10 clients move to the others (it is gone, drain_secs 0), the 20 others keep theirs")

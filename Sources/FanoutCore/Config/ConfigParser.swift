@@ -95,7 +95,10 @@ public enum ConfigParser {
                 throw ConfigError(key, "\(text) is the unspecified address: announce the address clients send to (the listeners may still bind the wildcard)", line: entry.mark.line)
             }
             let kind: String? = if bytes.count == 4 {
-                bytes[0] == 127 ? "a loopback address: it never leaves a host" : bytes[0] >= 224 ? "a multicast or reserved address" : nil
+                bytes[0] == 127 ? "a loopback address: it never leaves a host"
+                    : bytes[0] >= 224 ? "a multicast or reserved address"
+                    : bytes[0] == 169 && bytes[1] == 254 ? "a link-local address: it is not routed"
+                    : bytes[0] == 0 ? "in 0.0.0.0/8 (this network): not a destination" : nil
             } else if bytes[0] == 0xff {
                 "a multicast address"
             } else if bytes == [UInt8](repeating: 0, count: 15) + [1] {

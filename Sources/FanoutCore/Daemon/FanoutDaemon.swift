@@ -319,6 +319,9 @@ public final class FanoutDaemon: Sendable {
     /// (`isLocal`; kernel kinds take their datagrams before routing).
     package func announcementReasons(isLocal: (IPAddress) -> Bool? = { _ in true }) -> (settings: Announce?, reasons: [IPAddress: [String]]) {
         let proven = health.provenUp()
+        // The proof is asked before an address joins: one announced stays while its downstreams
+        // change (new targets start unproven) and health takes the down ones out.
+        let announced = Set(announcer.snapshot().filter(\.entry.announced).map(\.address))
         let (settings, socketServed, reasons) = state.withLock { state -> (Announce?, Set<IPAddress>, [IPAddress: [String]]) in
             guard let settings = state.config.announce else { return (nil, [], [:]) }
             var (all, byListener) = Self.readiness(state)
@@ -334,7 +337,7 @@ public final class FanoutDaemon: Sendable {
                 var why = all + serving.flatMap { byListener[$0.name] ?? [] }
                 for listener in serving {
                     if ListenerKinds.type(for: listener)?.bindsPerInterface != true { socketServed.insert(address) }
-                    guard state.config.health.enabled, byListener[listener.name] == nil else { continue }
+                    guard state.config.health.enabled, byListener[listener.name] == nil, !announced.contains(address) else { continue }
                     let own = (state.applied[listener.name] ?? []).filter { $0.pool == nil && $0.weight > 0 }
                     if !own.contains(where: { proven.contains($0.healthTarget) }) {
                         why.append("listener '\(listener.name)': none of its downstreams has passed a health probe yet")

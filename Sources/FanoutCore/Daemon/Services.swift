@@ -182,7 +182,7 @@ public struct ForwardingService: Service {
             daemon.logger.info("stopping: nothing was announced within drain_secs, no drain needed")
             return
         }
-        notifier.send("STOPPING=1\nSTATUS=draining: withdrew \(withdrawn.map { "\($0)" }.joined(separator: ", ")), serving for \(Int(wait.rounded())) s")
+        notifier.send("STOPPING=1\nSTATUS=draining: addresses withdrawn, serving for \(Int(wait.rounded())) s")
         daemon.logger.notice("draining: addresses withdrawn; serving what still arrives, then stopping", metadata: [
             "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "serving_secs": "\(Int(wait.rounded()))",
         ])

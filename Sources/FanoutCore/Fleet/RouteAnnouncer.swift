@@ -42,8 +42,9 @@ package final class RouteAnnouncer: Sendable {
     /// The addresses, and what the state machine cannot drop yet.
     struct State {
         var entries: [IPAddress: Entry] = [:]
-        /// Routes left where a reload moved them from, whose removal failed: tried again at every check.
-        var stale: Set<Place> = []
+        /// Routes left where a reload moved them from, whose removal failed: tried again at every
+        /// check, with the last error said (logged when it changes).
+        var stale: [Place: String] = [:]
         /// Set by a stop or a drain (``withdrawAll(reason:now:)``): nothing is announced any more.
         var sealed = false
         /// When an address was last withdrawn (wall clock; 0: never).
@@ -87,10 +88,13 @@ package final class RouteAnnouncer: Sendable {
                 } else if !entry.announced || entry.table != settings.table || entry.protocolNumber != settings.protocolNumber {
                     // Moved by a reload: the new route first, then the old one goes.
                     let previous = entry.announced ? Place(address: address, table: entry.table, protocolNumber: entry.protocolNumber) : nil
-                    if announce(address, &state, settings, now: now), let previous,
-                       previous.table != settings.table || previous.protocolNumber != settings.protocolNumber {
-                        state.stale.insert(previous)
-                        retryStale(&state)
+                    if announce(address, &state, settings, now: now) {
+                        // Where it is now is not stale (a move back to a place whose removal failed).
+                        state.stale[Place(address: address, table: settings.table, protocolNumber: settings.protocolNumber)] = nil
+                        if let previous, previous.table != settings.table || previous.protocolNumber != settings.protocolNumber {
+                            state.stale[previous] = ""
+                            retryStale(&state)
+                        }
                     }
                 }
             }
@@ -99,15 +103,21 @@ package final class RouteAnnouncer: Sendable {
 
     /// Removes the routes left where a reload moved them from; what fails stays for the next check.
     private func retryStale(_ state: inout State) {
-        for place in state.stale {
+        for (place, lastError) in state.stale {
             do {
                 try routes.remove(place.address, table: place.table, protocolNumber: place.protocolNumber)
-                state.stale.remove(place)
+                state.stale[place] = nil
                 logger.info("removed the route from where the announce settings moved it", metadata: [
                     "address": "\(place.address)", "table": "\(place.table)", "protocol": "\(place.protocolNumber)",
                 ])
             } catch {
                 errors.wrappingAdd(1, ordering: .relaxed)
+                if lastError != "\(error)" {
+                    logger.error("could not remove the route from where the announce settings moved it; tried again every check", metadata: [
+                        "address": "\(place.address)", "table": "\(place.table)", "error": "\(error)",
+                    ])
+                }
+                state.stale[place] = "\(error)"
             }
         }
     }
@@ -157,7 +167,8 @@ package final class RouteAnnouncer: Sendable {
                     errors.wrappingAdd(1, ordering: .relaxed)
                 }
             }
-            for (address, entry) in state.entries where entry.announced && entry.table == settings.table && entry.protocolNumber == settings.protocolNumber && !present.contains(address) {
+            // After a stop nothing is put back (a withdrawal that failed is retried by withdrawAll's caller).
+            for (address, entry) in state.entries where !state.sealed && entry.announced && entry.table == settings.table && entry.protocolNumber == settings.protocolNumber && !present.contains(address) {
                 do {
                     try routes.add(address, table: settings.table, protocolNumber: settings.protocolNumber)
                     repairs.wrappingAdd(1, ordering: .relaxed)
