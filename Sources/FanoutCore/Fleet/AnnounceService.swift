@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 import ServiceLifecycle
 
-/// Keeps the `announce` addresses' routes in line with readiness (``RouteAnnouncer``): a check
-/// every ``checkInterval``, a comparison with the kernel's table every ``verifyInterval``. At
+/// Keeps the `announce` addresses' routes in line with readiness (`RouteAnnouncer`): a check
+/// every 200 ms, a comparison with the kernel's table every 5 s. At
 /// its end (after the listeners stopped: it stops after ``ForwardingService``) every address
 /// still announced is withdrawn.
 public struct AnnounceService: Service {
