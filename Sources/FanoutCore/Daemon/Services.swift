@@ -175,7 +175,7 @@ public struct ForwardingService: Service {
         let since = WallClock.seconds() - daemon.announcer.lastWithdrawal
         var wait = withdrawn.isEmpty ? max(0, Double(settings.drainSecs) - since) : Double(settings.drainSecs)
         if wait > Double(drainLimit) {
-            daemon.logger.warning("drain cut short: the shutdown deadline set at start leaves \(drainLimit) s (the process started without an announce section, or with a smaller drain_secs): restart to apply drain_secs \(settings.drainSecs)")
+            daemon.logger.warning("drain cut short: the shutdown deadline set at start leaves \(drainLimit) s (the process started without an announce section): restart to apply drain_secs \(settings.drainSecs)")
             wait = Double(drainLimit)
         }
         guard wait > 0 else {
