@@ -12,14 +12,23 @@ import Glibc
 /// the node's own. Every daemon runs in the foreground as a child of the test (stopped by its
 /// PID), with its configuration, control socket and pid file in a directory of this run.
 /// `ip -ts monitor route` on the router records when the VIP's nexthops change.
+///
+/// With `servers`, the backends' namespace runs the servers' router too (FRR with
+/// docs/fleet/frr-servers.conf as written), and every node's configuration gets its servers'
+/// part (docs/fleet/bird-node-servers.conf or frr-node-servers.conf) appended: the backends'
+/// route to the clients then goes through the ready nodes only, as `replies: nat` needs.
 public final class FleetRouting {
     public enum Speaker: String, Sendable { case bird, frr }
 
     public let topology: ScaleOutTopology
     public let speakers: [Speaker]
+    /// Whether the servers' router runs (in the backends' namespace).
+    public let servers: Bool
     public let directory: URL
     private var children: [String: [Child]] = [:]
     private let monitor: Child
+    /// `ip -ts monitor route` in the backends' namespace (with `servers`).
+    private let serversMonitor: Child?
     private var stopped = false
 
     /// docs/fleet/ of this checkout.
@@ -35,15 +44,30 @@ public final class FleetRouting {
     public static func routerAddress(_ i: Int) -> String { "198.18.\(110 + i).1" }
     public static func nodeUplink(_ i: Int) -> String { "198.18.\(110 + i).2" }
 
-    public init(_ topology: ScaleOutTopology, speakers: [Speaker]) throws {
+    /// The clients' prefix, routed by the servers' router through the VIP.
+    public static let clientsPrefix = "198.18.100.0/24"
+
+    public init(_ topology: ScaleOutTopology, speakers: [Speaker], servers: Bool = false) throws {
         precondition(topology.bgp && speakers.count == topology.nodes.count)
         self.topology = topology
         self.speakers = speakers
+        self.servers = servers
         directory = URL(fileURLWithPath: "/tmp/fleet-\(topology.suffix)")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
         monitor = try Child.unblocked("/usr/sbin/ip", ["-n", topology.router, "-ts", "monitor", "route"])
         do {
+            serversMonitor = servers ? try Child.unblocked("/usr/sbin/ip", ["-n", topology.backends, "-ts", "monitor", "route"]) : nil
+        } catch {
+            monitor.signal(SIGTERM)
+            Self.end(monitor)
+            throw error
+        }
+        do {
             try startFRR(in: topology.router, name: "router", config: try String(contentsOf: Self.examples.appendingPathComponent("frr-router.conf"), encoding: .utf8))
+            if servers {
+                try topology.exec(topology.backends, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv4.fib_multipath_hash_policy=1"])
+                try startFRR(in: topology.backends, name: "servers", daemons: ["zebra", "bfdd", "bgpd", "staticd"], config: try String(contentsOf: Self.examples.appendingPathComponent("frr-servers.conf"), encoding: .utf8))
+            }
             for index in topology.nodes.indices { try startNode(index + 1) }
         } catch {
             stop()
@@ -56,6 +80,7 @@ public final class FleetRouting {
     /// Node 1's lines of an example, made node `i`'s.
     static func forNode(_ text: String, _ i: Int) -> String {
         text.replacingOccurrences(of: "198.18.111.", with: "198.18.\(110 + i).")
+            .replacingOccurrences(of: "198.18.121.", with: "198.18.\(120 + i).")
             .replacingOccurrences(of: "2001:db8:111::", with: "2001:db8:\(110 + i)::")
             .replacingOccurrences(of: "hostname fanout-node", with: "hostname node\(i)")
     }
@@ -65,7 +90,8 @@ public final class FleetRouting {
         let namespace = topology.nodes[i - 1]
         switch speakers[i - 1] {
         case .bird:
-            let example = try String(contentsOf: Self.examples.appendingPathComponent("bird-node.conf"), encoding: .utf8)
+            var example = try String(contentsOf: Self.examples.appendingPathComponent("bird-node.conf"), encoding: .utf8)
+            if servers { example += "\n" + (try String(contentsOf: Self.examples.appendingPathComponent("bird-node-servers.conf"), encoding: .utf8)) }
             let node = directory.appendingPathComponent("node\(i)")
             try FileManager.default.createDirectory(at: node, withIntermediateDirectories: true)
             let config = node.appendingPathComponent("bird.conf")
@@ -83,13 +109,14 @@ public final class FleetRouting {
                 }
             }
             try topology.exec(namespace, ["/usr/sbin/sysctl", "-q", "-w", "net.ipv6.ip_nonlocal_bind=1"])
-            let example = try String(contentsOf: Self.examples.appendingPathComponent("frr-node.conf"), encoding: .utf8)
+            var example = try String(contentsOf: Self.examples.appendingPathComponent("frr-node.conf"), encoding: .utf8)
+            if servers { example += "!\n" + (try String(contentsOf: Self.examples.appendingPathComponent("frr-node-servers.conf"), encoding: .utf8)) }
             try startFRR(in: namespace, name: "node\(i)", config: Self.forNode(example, i))
         }
     }
 
-    /// FRR's zebra, bfdd and bgpd in `namespace`, then `config` loaded through vtysh.
-    private func startFRR(in namespace: String, name: String, config: String) throws {
+    /// FRR's `daemons` (zebra first) in `namespace`, then `config` loaded through vtysh.
+    private func startFRR(in namespace: String, name: String, daemons: [String] = ["zebra", "bfdd", "bgpd"], config: String) throws {
         let place = directory.appendingPathComponent(name)
         try FileManager.default.createDirectory(at: place, withIntermediateDirectories: true)
         let empty = place.appendingPathComponent("empty.conf")
@@ -99,7 +126,7 @@ public final class FleetRouting {
         // The daemons drop to user frr: their directory must be its.
         _ = try run("/usr/bin/chown", ["-R", "frr:frr", place.path])
         children[namespace] = []
-        for daemon in ["zebra", "bfdd", "bgpd"] {
+        for daemon in daemons {
             var arguments = ["-u", "frr", "-g", "frr", "-f", empty.path, "-i", place.appendingPathComponent("\(daemon).pid").path,
                              "-z", place.appendingPathComponent("zserv.api").path, "--vty_socket", place.path, "-A", "127.0.0.1", "-P", "0"]
             if daemon == "bfdd" { arguments += ["--bfdctl", place.appendingPathComponent("bfdd.sock").path] }
@@ -112,7 +139,7 @@ public final class FleetRouting {
         }
         let started = children[namespace] ?? []
         let ready = Probe.waitFor(seconds: 10) {
-            ["zebra", "bfdd", "bgpd"].allSatisfy { FileManager.default.fileExists(atPath: place.appendingPathComponent("\($0).vty").path) }
+            daemons.allSatisfy { FileManager.default.fileExists(atPath: place.appendingPathComponent("\($0).vty").path) }
         }
         try #require(ready, "FRR in \(namespace): \(started.map(\.stderr).joined(separator: "\n"))")
         let loaded = try vtysh(namespace, name: name, ["-f", file.path])
@@ -126,15 +153,18 @@ public final class FleetRouting {
         try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/bin/vtysh", "--vty_socket", directory.appendingPathComponent(name).path] + arguments)
     }
 
-    /// The nodes (numbers from 1) whose sessions with the router are established, IPv4 and IPv6.
-    public func establishedNodes() -> (v4: Set<Int>, v6: Set<Int>) {
+    /// The nodes (numbers from 1) whose sessions with the router (or the servers' router) are
+    /// established, IPv4 and IPv6.
+    public func establishedNodes(servers: Bool = false) -> (v4: Set<Int>, v6: Set<Int>) {
         var v4 = Set<Int>(), v6 = Set<Int>()
-        guard let text = try? vtysh(topology.router, name: "router", ["-c", "show bgp summary json"]).output,
+        let (namespace, name) = servers ? (topology.backends, "servers") : (topology.router, "router")
+        guard let text = try? vtysh(namespace, name: name, ["-c", "show bgp summary json"]).output,
               let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else { return (v4, v6) }
         for (family, key) in [("ipv4Unicast", 4), ("ipv6Unicast", 6)] {
             let peers = (object[family] as? [String: Any])?["peers"] as? [String: Any] ?? [:]
             for (peer, value) in peers where (value as? [String: Any])?["state"] as? String == "Established" {
-                for i in topology.nodes.indices.map({ $0 + 1 }) where peer == Self.nodeUplink(i) || peer == "2001:db8:\(110 + i)::2" {
+                for i in topology.nodes.indices.map({ $0 + 1 })
+                where peer == Self.nodeUplink(i) || peer == "2001:db8:\(110 + i)::2" || peer == ScaleOutTopology.nodeAddress(i) {
                     if key == 4 { v4.insert(i) } else { v6.insert(i) }
                 }
             }
@@ -142,9 +172,11 @@ public final class FleetRouting {
         return (v4, v6)
     }
 
-    /// The nodes (numbers from 1) the router's route to `address` goes through now.
-    public func routerNodes(_ address: String) -> Set<Int> {
-        guard let text = try? run("/usr/sbin/ip", [address.contains(":") ? "-6" : "-4", "-n", topology.router, "-j", "route", "show", address]).output,
+    /// The nodes (numbers from 1) the router's route to `address` goes through now (with
+    /// `servers`, the servers' route: its devices n<i> lead to node i too).
+    public func routerNodes(_ address: String, servers: Bool = false) -> Set<Int> {
+        let namespace = servers ? topology.backends : topology.router
+        guard let text = try? run("/usr/sbin/ip", [address.contains(":") ? "-6" : "-4", "-n", namespace, "-j", "route", "show", address]).output,
               let routes = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]] else { return [] }
         // By device: IPv6 nexthops are the nodes' link-local addresses.
         var devices: [String] = []
@@ -157,19 +189,19 @@ public final class FleetRouting {
 
     /// Waits until the router's route to `address` goes through exactly `nodes`; returns when
     /// it did (nil: not within `seconds`).
-    public func waitForRouter(_ address: String, nodes: Set<Int>, seconds: Double = 15) -> ContinuousClock.Instant? {
+    public func waitForRouter(_ address: String, nodes: Set<Int>, servers: Bool = false, seconds: Double = 15) -> ContinuousClock.Instant? {
         let deadline = ContinuousClock.now + .milliseconds(Int(seconds * 1000))
         while ContinuousClock.now < deadline {
-            if routerNodes(address) == nodes { return ContinuousClock.now }
+            if routerNodes(address, servers: servers) == nodes { return ContinuousClock.now }
             usleep(50_000)
         }
         return nil
     }
 
-    /// When the router's route to `address` changed, as `ip -ts monitor route` printed it
-    /// (wall clock, seconds since the epoch).
-    public func routeChanges(_ address: String) -> [Double] {
-        monitor.stdout.split(separator: "\n").compactMap { line -> Double? in
+    /// When the router's (or the servers' router's) route to `address` changed, as `ip -ts
+    /// monitor route` printed it (wall clock, seconds since the epoch).
+    public func routeChanges(_ address: String, servers: Bool = false) -> [Double] {
+        ((servers ? serversMonitor : monitor)?.stdout ?? "").split(separator: "\n").compactMap { line -> Double? in
             // "[2026-11-26T16:12:43.123456] [Deleted ]198.18.200.1 ..."; nexthop lines follow.
             guard line.hasPrefix("["), let close = line.firstIndex(of: "]"), line.contains(" \(address) ") else { return nil }
             return Self.seconds(String(line[line.index(after: line.startIndex)..<close]))
@@ -177,8 +209,8 @@ public final class FleetRouting {
     }
 
     /// The first change of the router's route to `address` at or after `time`, seconds after it.
-    public func convergence(_ address: String, after time: Double) -> Double? {
-        routeChanges(address).first { $0 >= time }.map { $0 - time }
+    public func convergence(_ address: String, after time: Double, servers: Bool = false) -> Double? {
+        routeChanges(address, servers: servers).first { $0 >= time }.map { $0 - time }
     }
 
     static func seconds(_ stamp: String) -> Double? {
@@ -222,8 +254,10 @@ public final class FleetRouting {
             for child in started where child.process.isRunning { child.signal(SIGTERM) }
             for child in started { Self.end(child) }
         }
-        if monitor.process.isRunning { monitor.signal(SIGTERM) }
-        Self.end(monitor)
+        for monitor in [monitor, serversMonitor].compactMap({ $0 }) {
+            if monitor.process.isRunning { monitor.signal(SIGTERM) }
+            Self.end(monitor)
+        }
         try? FileManager.default.removeItem(at: directory)
     }
 }

@@ -44,6 +44,7 @@ struct FleetTests {
         let modeKeys = switch mode {
         case "userspace": "    mode: userspace\n    settings: {workers: 1, pin_cpus: false, recv_buf_size: 8388608}"
         case "relay": "    mode: userspace\n    replies: relay\n    settings: {workers: 1, pin_cpus: false, recv_buf_size: 8388608, drain_secs: 2}"
+        case "nat tc_ebpf", "nat xdp": "    mode: \(mode.dropFirst(4))\n    interface: \(ScaleOutTopology.nodeInterface)\n    replies: nat"
         default: "    mode: \(mode)\n    interface: \(ScaleOutTopology.nodeInterface)"
         }
         var listeners = """
@@ -241,7 +242,7 @@ struct FleetTests {
         // The kernel's ECMP is hash-threshold (RFC 2992): from 2 nexthops to 3 moves half the
         // flows (384 here, so 134 to 250), not a third; no source changes backend all the same.
         #expect((join.flows * 35 / 100...join.flows * 65 / 100).contains(join.movedFlows), "\(mode) join: \(join.movedFlows) of \(join.flows) flows moved")
-        Self.report("\(mode) node 3 joins: sent \(join.sent) delivered \(join.delivered) lost \(join.lost); flows moved \(join.movedFlows) of \(join.flows); sources that changed backend \(join.changedBackend); node 3 ready \(String(format: "%.0f ms", ready3 * 1000)) and in the router's route \(joinChange.map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after its udp-fanout started")
+        Self.report("\(mode) node 3 joins: sent \(join.sent) delivered \(join.delivered) lost \(join.lost); flows moved \(join.movedFlows) of \(join.flows); sources that changed backend \(join.changedBackend); node 3 seen ready (/readyz 200, polled) \(String(format: "%.0f ms", ready3 * 1000)) and in the router's route \(joinChange.map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after its udp-fanout started")
 
         // 3. Node 2 is drained under traffic: withdrawn at once, serves for drain_secs, exits 0.
         let draining = Traffic(flows, phase: 3, rounds: 80)
@@ -275,17 +276,22 @@ struct FleetTests {
         // Within BFD's detection (300 ms) and the router's reaction, well short of the 9 s hold time.
         #expect(convergence < 3, "\(mode) node death: the router took \(convergence) s")
         // Lost: only what the router sent to node 1 before it converged (and none after).
-        let lastLostRound = Set(died.arrivals.map { "\($0.flow ?? -1) \($0.round ?? -1)" })
-        var lateLost = 0
-        let perRound = flows.flows.count
-        // Rounds that started half a second after the router converged (by their own start times).
-        let roundsAfter = dying.roundStarts.firstIndex { $0 > death + convergence + 0.5 } ?? dying.rounds
-        #expect(roundsAfter < dying.rounds, "\(mode) node death: no round was sent after the router converged")
-        for round in roundsAfter..<dying.rounds {
-            for flow in 0..<perRound where !lastLostRound.contains("\(flow) \(round)") { lateLost += 1 }
-        }
+        let lateLost = Self.lostAfter(death + convergence, dying, received: died.arrivals.map { ($0.flow ?? -1, $0.round ?? -1) }, kind: mode)
         #expect(lateLost == 0, "\(mode) node death: \(lateLost) datagrams lost after the router converged")
         Self.report("\(mode) node 1 killed: sent \(died.sent) delivered \(died.delivered) lost \(died.lost) (all before the router converged: \(lateLost == 0)); router dropped it \(String(format: "%.0f ms", convergence * 1000)) after the node went silent")
+    }
+
+    /// What `traffic` lost in its rounds that started half a second after `converged` (by their
+    /// own start times): `received` are the (flow, round) that arrived.
+    static func lostAfter(_ converged: Double, _ traffic: Traffic, received: [(flow: Int, round: Int)], kind: String) -> Int {
+        let arrived = Set(received.map { "\($0.flow) \($0.round)" })
+        let roundsAfter = traffic.roundStarts.firstIndex { $0 > converged + 0.5 } ?? traffic.rounds
+        #expect(roundsAfter < traffic.rounds, "\(kind) node death: no round was sent after the routers converged")
+        var lost = 0
+        for round in roundsAfter..<traffic.rounds {
+            for flow in traffic.flows.flows.indices where !arrived.contains("\(flow) \(round)") { lost += 1 }
+        }
+        return lost
     }
 
     /// Reads the non-blocking `sockets` while `running` holds, each datagram to `handle` (the
@@ -395,14 +401,17 @@ struct FleetTests {
         deinit { stop() }
     }
 
-    @Test("BGP fleet, two-way (replies: relay, source_ip): a client whose flow moves to another node keeps its server and gets every reply from the VIP; a joining node and a drain lose no reply; a dead node loses only what the router sent it before BFD took it out",
-          .timeLimit(.minutes(3)))
-    func relayFleet() throws {
+    @Test("BGP fleet, two-way (source_ip; relay, and nat with the servers' router routing replies through the ready nodes): a client whose flow moves to another node keeps its server and gets every reply from the VIP; a joining node and a drain lose no reply; a dead node loses only what the routers sent it before BFD took it out",
+          .timeLimit(.minutes(3)), arguments: ["relay", "nat tc_ebpf", "nat xdp"])
+    func twoWayFleet(kind: String) throws {
         try #require(FleetRouting.installed, "BIRD 2 and FRR are missing: run scripts/setup.sh (apt-get install bird2 frr)")
         let speakers: [FleetRouting.Speaker] = [.bird, .bird, .frr]
+        // nat keeps the client's address: the servers reply to it, through the nodes their
+        // router learned the VIP from (docs/fleet/frr-servers.conf).
+        let nat = kind.hasPrefix("nat")
         let topology = try ScaleOutTopology(nodes: 3, backends: Self.backendCount, sources: Self.sourceCount, bgp: true)
         defer { topology.destroy() }
-        let routing = try FleetRouting(topology, speakers: speakers)
+        let routing = try FleetRouting(topology, speakers: speakers, servers: nat)
         defer { routing.stop() }
         let backends = try EchoBackends(topology, backends: Self.backendCount)
         defer { backends.stop() }
@@ -411,73 +420,114 @@ struct FleetTests {
         defer { reader.stop() }
         var files: [URL] = []
         defer { for file in files { try? FileManager.default.removeItem(at: file) } }
-        for i in 1...3 { files.append(try TCFixtures.write(Self.config(mode: "relay", node: i, speaker: speakers[i - 1]), "fleet-relay\(i)")) }
+        for i in 1...3 { files.append(try TCFixtures.write(Self.config(mode: kind, node: i, speaker: speakers[i - 1]), "fleet-2way\(i)")) }
         var daemons: [Int: Child] = [:]
         defer { for daemon in daemons.values where daemon.process.isRunning { daemon.signal(SIGTERM); daemon.wait() } }
-        let sessions = Probe.waitFor(seconds: 30) { routing.establishedNodes().v4 == [1, 2, 3] }
-        try #require(sessions, "BGP sessions: \(routing.establishedNodes())\n\(routing.logs)")
+        let sessions = Probe.waitFor(seconds: 30) {
+            routing.establishedNodes().v4 == [1, 2, 3] && (!nat || routing.establishedNodes(servers: true).v4 == [1, 2, 3])
+        }
+        try #require(sessions, "BGP sessions: \(routing.establishedNodes()), servers' \(routing.establishedNodes(servers: true))\n\(routing.logs)")
         func start(_ i: Int) throws {
             daemons[i] = try Child("udp-fanout", ["-c", files[i - 1].path], prefix: topology.prefix(topology.nodes[i - 1]))
             let ready = Probe.waitFor(seconds: 15) { Probe.curl(topology.prefix(topology.nodes[i - 1]), Self.metricsPort, "/readyz")?.status == 200 }
             try #require(ready, "node \(i) ready: \(daemons[i]?.stderr ?? "")")
         }
+        /// Both routers (the servers' with nat) use exactly `nodes`.
+        func routed(_ nodes: Set<Int>) throws {
+            try #require(routing.waitForRouter(Self.vip, nodes: nodes) != nil, "\(kind): router via \(nodes.sorted()): \(routing.routerNodes(Self.vip))\n\(routing.logs)")
+            if nat {
+                try #require(routing.waitForRouter(FleetRouting.clientsPrefix, nodes: nodes, servers: true) != nil,
+                             "\(kind): servers' route to the clients via \(nodes.sorted()): \(routing.routerNodes(FleetRouting.clientsPrefix, servers: true))\n\((try? routing.vtysh(topology.backends, name: "servers", ["-c", "show ip route"]).output) ?? "")\n\(routing.logs)")
+            }
+        }
         let expected = ScaleOutTests.predicted(topology.sources, Array(1...Self.backendCount))
         let vip = "\(Self.vip):\(ScaleOutTests.port)"
         var serversOf: [String: Set<Int>] = [:]
         /// Sends a phase (the fleet changed by `during` meanwhile); returns sent and replies.
-        func phase(_ number: Int, rounds: Int, label: String, during: () throws -> Void = {}) throws -> (sent: Int, replies: [ReplyReader.Reply], ended: Double) {
+        func phase(_ number: Int, rounds: Int, label: String, during: () throws -> Void = {}) throws -> (sent: Int, replies: [ReplyReader.Reply], ended: Double, traffic: Traffic) {
             let traffic = Traffic(flows, phase: number, rounds: rounds)
             usleep(400_000)
             try during()
             let sent = try traffic.wait()
             let replies = reader.take(phase: number)
-            #expect(replies.allSatisfy { $0.sender == vip }, "relay \(label): replies from \(Set(replies.map(\.sender)))")
+            #expect(replies.allSatisfy { $0.sender == vip }, "\(kind) \(label): replies from \(Set(replies.map(\.sender)))")
             for reply in replies { serversOf[flows.flows[reply.flow].source, default: []].insert(reply.backend) }
-            return (sent, replies, traffic.ended)
+            return (sent, replies, traffic.ended, traffic)
         }
 
         try start(1)
         try start(2)
-        try #require(routing.waitForRouter(Self.vip, nodes: [1, 2]) != nil, "router via nodes 1 and 2: \(routing.routerNodes(Self.vip))")
+        try routed([1, 2])
         let baseline = try phase(1, rounds: 10, label: "two nodes")
-        #expect(baseline.replies.count == baseline.sent, "relay two nodes: \(baseline.replies.count) replies of \(baseline.sent)")
+        #expect(baseline.replies.count == baseline.sent, "\(kind) two nodes: \(baseline.replies.count) replies of \(baseline.sent)")
+        Self.report("\(kind) two nodes: requests \(baseline.sent) replies \(baseline.replies.count) lost \(baseline.sent - baseline.replies.count)")
 
         var joinedAt = 0.0
         let join = try phase(2, rounds: 80, label: "join") {
             try start(3)
-            try #require(routing.waitForRouter(Self.vip, nodes: [1, 2, 3]) != nil, "router via all three: \(routing.routerNodes(Self.vip))")
+            try routed([1, 2, 3])
             joinedAt = WallClock.seconds()
         }
         try #require(joinedAt < join.ended - 0.5, "node 3 joined \(joinedAt - join.ended) s after the requests ended")
-        #expect(join.replies.count == join.sent, "relay join: \(join.replies.count) replies of \(join.sent)")
-        Self.report("relay node 3 joins: requests \(join.sent) replies \(join.replies.count) lost \(join.sent - join.replies.count)")
+        #expect(join.replies.count == join.sent, "\(kind) join: \(join.replies.count) replies of \(join.sent)")
+        Self.report("\(kind) node 3 joins: requests \(join.sent) replies \(join.replies.count) lost \(join.sent - join.replies.count)")
 
-        let drainStarted = WallClock.seconds()
+        var drainStarted = 0.0
         var withdrawnAt = 0.0
         let drained = try phase(3, rounds: 80, label: "drain") {
+            drainStarted = WallClock.seconds()
             let drain = try Child("udp-fanout", ["drain", "--endpoint", "127.0.0.1:\(Self.metricsPort)"], prefix: topology.prefix(topology.nodes[1]))
-            try #require(routing.waitForRouter(Self.vip, nodes: [1, 3]) != nil, "router via nodes 1 and 3: \(routing.routerNodes(Self.vip))")
+            try routed([1, 3])
             withdrawnAt = WallClock.seconds()
             #expect(drain.wait(seconds: 20) == 0, "udp-fanout drain: \(drain.stderr)")
         }
         try #require(withdrawnAt < drained.ended - 0.5, "node 2 withdrawn \(withdrawnAt - drained.ended) s after the requests ended")
-        #expect(drained.replies.count == drained.sent, "relay drain: \(drained.replies.count) replies of \(drained.sent)")
+        #expect(drained.replies.count == drained.sent, "\(kind) drain: \(drained.replies.count) replies of \(drained.sent)")
         #expect(daemons[2]!.wait(seconds: 20) == 0, "node 2 after the drain: \(daemons[2]!.stderr)")
-        Self.report("relay node 2 drained: requests \(drained.sent) replies \(drained.replies.count) lost \(drained.sent - drained.replies.count); router withdrew it \(routing.convergence(Self.vip, after: drainStarted).map { String(format: "%.0f ms", $0 * 1000) } ?? "?") after the command")
+        Self.report("\(kind) node 2 drained: requests \(drained.sent) replies \(drained.replies.count) lost \(drained.sent - drained.replies.count); \(Self.convergences(routing, after: drainStarted)) after the command")
 
+        // With nat, node 3's associations show how many clients' replies came through it without
+        // their requests having made an association there first (server_initiated).
+        let associations = nat ? (try? Self.metrics(topology, node: 3)).map { Self.associationEvents($0) } ?? "?" : ""
         var death = 0.0
         let died = try phase(4, rounds: 40, label: "node death") {
             death = WallClock.seconds()
             try Self.kill(node: 1, daemons[1]!, topology, routing)
-            try #require(routing.waitForRouter(Self.vip, nodes: [3]) != nil, "router via node 3 only: \(routing.routerNodes(Self.vip))")
+            try routed([3])
         }
         let convergence = routing.convergence(Self.vip, after: death) ?? 99
-        #expect(convergence < 3, "relay node death: the router took \(convergence) s")
-        Self.report("relay node 1 killed: requests \(died.sent) replies \(died.replies.count) lost \(died.sent - died.replies.count); router dropped it \(String(format: "%.0f ms", convergence * 1000)) after the node went silent")
+        let serversConvergence = nat ? routing.convergence(FleetRouting.clientsPrefix, after: death, servers: true) ?? 99 : 0
+        #expect(convergence < 3, "\(kind) node death: the router took \(convergence) s")
+        #expect(serversConvergence < 3, "\(kind) node death: the servers' router took \(serversConvergence) s")
+        // Replies lost: only requests the router sent to node 1, and replies the servers' router
+        // sent through it, before they converged (and none after).
+        let lateLost = Self.lostAfter(death + max(convergence, serversConvergence), died.traffic, received: died.replies.map { ($0.flow, $0.round) }, kind: kind)
+        #expect(lateLost == 0, "\(kind) node death: \(lateLost) replies lost after the routers converged")
+        Self.report("\(kind) node 1 killed: requests \(died.sent) replies \(died.replies.count) lost \(died.sent - died.replies.count) (all before the routers converged: \(lateLost == 0)); \(Self.convergences(routing, after: death)) after the node went silent")
 
         // Every client kept one server, the table's, whichever nodes its flows went through.
         let changed = topology.sources.filter { source in serversOf[source].map { $0 != [expected[source]!] } ?? true }
-        #expect(changed.isEmpty, "relay: clients that changed server or got none: \(changed.map { "\($0) \(serversOf[$0].map { $0.sorted() } ?? [])" })")
-        Self.report("relay: \(topology.sources.count - changed.count) of \(topology.sources.count) clients kept their server through join, drain and node death; every reply from \(vip)")
+        #expect(changed.isEmpty, "\(kind): clients that changed server or got none: \(changed.map { "\($0) \(serversOf[$0].map { $0.sorted() } ?? [])" })")
+        Self.report("\(kind): \(topology.sources.count - changed.count) of \(topology.sources.count) clients kept their server through join, drain and node death; every reply from \(vip)\(nat ? "; node 3's associations before node 1 died: \(associations)" : "")")
+    }
+
+    /// "router 140 ms" (and "servers' router 150 ms"): when their routes first changed after `time`.
+    static func convergences(_ routing: FleetRouting, after time: Double) -> String {
+        func text(_ seconds: Double?) -> String { seconds.map { String(format: "%.0f ms", $0 * 1000) } ?? "?" }
+        var line = "router changed its route \(text(routing.convergence(vip, after: time)))"
+        if routing.servers { line += ", servers' router \(text(routing.convergence(FleetRouting.clientsPrefix, after: time, servers: true)))" }
+        return line
+    }
+
+    static func metrics(_ topology: ScaleOutTopology, node i: Int) throws -> String {
+        try topology.exec(topology.nodes[i - 1], ["/usr/bin/curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
+    }
+
+    /// `created 10 server_initiated 38 ...` from udp_fanout_association_events_total.
+    static func associationEvents(_ text: String) -> String {
+        text.split(separator: "\n").filter { $0.hasPrefix("udp_fanout_association_events_total{") && !$0.hasSuffix(" 0") }.compactMap { line -> String? in
+            guard let range = line.range(of: "event=\""), let end = line[range.upperBound...].firstIndex(of: "\"") else { return nil }
+            return "\(line[range.upperBound..<end]) \(line.split(separator: " ").last ?? "?")"
+        }.joined(separator: ", ")
     }
 }
