@@ -24,6 +24,14 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     echo "setup: installed ${missing[*]}"
+    # Nor at the next boot: the services of BIRD and FRR installed here are disabled (only those
+    # this run installed; one already installed is the machine's own).
+    for service in bird frr; do
+      package=$([ "$service" = bird ] && echo bird2 || echo frr)
+      if [[ " ${missing[*]} " == *" $package "* ]] && systemctl is-enabled --quiet "$service" 2>/dev/null; then
+        systemctl disable --quiet "$service" 2>/dev/null && echo "setup: disabled the $service service at boot (the tests start their own)"
+      fi
+    done
   else
     echo "setup: missing Debian packages: ${missing[*]}; run as root, or: sudo apt-get install ${missing[*]}" >&2
     exit 1
