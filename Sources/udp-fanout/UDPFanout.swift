@@ -134,7 +134,8 @@ struct Run: AsyncParsableCommand {
                 }
                 return "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets.joined(separator: " + ")), \(listener.balancing.rawValue)"
                     + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
-            }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : ""))
+            }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : "")
+                + (parsed.announce.map { "; announce \($0.addresses.map(\.description).joined(separator: ", ")) (table \($0.table), protocol \($0.protocolNumber), drain \($0.drainSecs) s)" } ?? ""))
             return
         }
         // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still

@@ -90,6 +90,26 @@ struct AnnounceTests {
         }
     }
 
+    @Test("--check: the announce section in the summary; an announced address a socket listener receives on that is not local here is a note, not for a tc_ebpf listener")
+    func check() throws {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("announce-check-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let userspace = "listeners:\n  - name: a\n    bind: \"0.0.0.0:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
+        try (userspace + "announce: {addresses: [198.18.77.1], drain_secs: 3}\n").write(to: file, atomically: true, encoding: .utf8)
+        let checked = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
+        #expect(checked.status == 0, "\(checked.output)")
+        #expect(checked.output.contains("; announce 198.18.77.1 (table 201, protocol 201, drain 3 s)"), "\(checked.output)")
+        #expect(checked.output.contains("note: announce.addresses: 198.18.77.1 is not local on this node: it stays withdrawn until it is"), "\(checked.output)")
+        // The rule itself, with the locality given: a tc_ebpf listener takes datagrams before routing.
+        let socket = try ConfigParser.parse(userspace + "announce: {addresses: [198.18.77.1]}\n")
+        #expect(Preflight.announceNotes(socket, isLocal: { _ in false }).count == 1)
+        #expect(Preflight.announceNotes(socket, isLocal: { _ in true }).isEmpty)
+        #expect(Preflight.announceNotes(socket, isLocal: { _ in nil }).isEmpty)
+        let tc = try ConfigParser.parse("listeners:\n  - name: a\n    mode: tc_ebpf\n    interface: lo\n    bind: \"198.18.77.1:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
+            + "announce: {addresses: [198.18.77.1]}\n")
+        #expect(Preflight.announceNotes(tc, isLocal: { _ in false }).isEmpty)
+    }
+
     @Test("Announced while ready, withdrawn at the first reason, moved by a table change, repaired when the kernel differs, failures counted and retried")
     func stateMachine() {
         let routes = MemoryRoutes()

@@ -24,7 +24,20 @@ public enum Preflight {
             }
         }
         notes += discoveryNotes(config)
+        notes += announceNotes(config, isLocal: KernelHostRoutes.isLocal)
         return (problems, notes)
+    }
+
+    /// An announced address that a socket listener (userspace, relay, af_xdp's companion)
+    /// receives on but that is not local here: the daemon starts, and keeps the address
+    /// withdrawn until it is (docs/fleet.md).
+    package static func announceNotes(_ config: FanoutConfig, isLocal: (IPAddress) -> Bool?) -> [String] {
+        guard let announce = config.announce else { return [] }
+        return announce.addresses.compactMap { address in
+            let serving = FanoutConfig.listeners(serving: address, in: config.listeners)
+            guard serving.contains(where: { ListenerKinds.type(for: $0)?.bindsPerInterface != true }), isLocal(address) == false else { return nil }
+            return "announce.addresses: \(address) is not local on this node: it stays withdrawn until it is (add it to lo, or ip route add local \(address) dev lo table local)"
+        }
     }
 
     /// A socket-receiving listener's bind (userspace, relay, af_xdp's companion socket): another process that already serves
