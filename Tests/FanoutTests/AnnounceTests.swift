@@ -7,6 +7,7 @@ import TestSupport
 @testable import FanoutCore
 import ReusePortLB
 import SystemCalls
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc
@@ -235,6 +236,78 @@ struct AnnounceTests {
                 #expect(daemon.announcementReasons(isLocal: KernelHostRoutes.isLocal).reasons[address]?.isEmpty == true, "127.0.0.1 is local")
             }
         }
+    }
+
+    @Test("udp-fanout drain on one node (no router needed): the route leaves at once, /readyz says draining, a datagram arriving meanwhile is still forwarded, a SIGTERM during the drain is logged and waits for it, exit 0, no route left; after a kill -9, udp-fanout withdraw removes the route the crash left",
+          .enabled(if: Privileges.enabled, Privileges.reason), .timeLimit(.minutes(1)))
+    func drainCommand() throws {
+        let namespace = "tca-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        let prefix = ["/usr/bin/nsenter", "--net=/run/netns/\(namespace)", "--"]
+        for command in [["link", "set", "lo", "up"], ["addr", "add", "198.18.5.1/32", "dev", "lo"], ["addr", "add", "198.18.5.2/32", "dev", "lo"]] {
+            try #require(try run("/usr/sbin/ip", ["-n", namespace] + command).status == 0)
+        }
+        let (receiver, client) = inNetworkNamespace(namespace) { () -> (Int32, Int32) in
+            let receiver = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
+            let bound = SocketAddress("198.18.5.2:6000")!.withSockAddr { bind(receiver, $0, $1) }
+            let client = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+            return (bound == 0 ? receiver : -1, client)
+        } ?? (-1, -1)
+        defer { close(receiver); close(client) }
+        try #require(receiver >= 0 && client >= 0)
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("announce-drain-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try """
+            listeners:
+              - name: a
+                bind: "198.18.5.1:5514"
+                settings: {workers: 1, pin_cpus: false}
+                downstream: [{address: "198.18.5.2:6000"}]
+            metrics: {enabled: true, bind: "127.0.0.1:9466"}
+            announce: {addresses: [198.18.5.1], drain_secs: 4}
+
+            """.write(to: file, atomically: true, encoding: .utf8)
+        func routes() -> String { (try? run("/usr/sbin/ip", ["-n", namespace, "route", "show", "table", "201"]).output) ?? "?" }
+        func received() -> Int {
+            var count = 0
+            var buffer = [UInt8](repeating: 0, count: 64)
+            while recv(receiver, &buffer, buffer.count, Int32(MSG_DONTWAIT)) > 0 { count += 1 }
+            return count
+        }
+        func send() {
+            var byte: UInt8 = 1
+            _ = SocketAddress("198.18.5.1:5514")!.withSockAddr { sendto(client, &byte, 1, 0, $0, $1) }
+        }
+
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
+        defer { if daemon.process.isRunning { daemon.signal(SIGKILL); daemon.wait() } }
+        try #require(Probe.waitFor(seconds: 10) { routes().contains("blackhole 198.18.5.1 proto 201") }, "announced: \(routes())\n\(daemon.stderr)")
+        // The command waits for the daemon to stop (--no-wait would not).
+        let drain = try Child("udp-fanout", ["drain", "--endpoint", "127.0.0.1:9466"], prefix: prefix)
+        #expect(Probe.waitFor(seconds: 2) { routes().isEmpty }, "withdrawn at once: \(routes())")
+        let ready = Probe.curl(prefix, 9466, "/readyz")
+        #expect(ready?.status == 503 && ready?.body.contains("draining") == true, "/readyz while draining: \(String(describing: ready))")
+        _ = received()
+        send()
+        #expect(Probe.waitFor(seconds: 2) { received() == 1 }, "a datagram that arrives during the drain is forwarded")
+        daemon.signal(SIGTERM)
+        try daemon.waitFor("a stop was asked for during the drain: stopping when the drain ends")
+        #expect(daemon.process.isRunning, "the SIGTERM waits for the drain")
+        #expect(daemon.wait(seconds: 10) == 0, "\(daemon.stderr)")
+        #expect(drain.wait(seconds: 5) == 0, "udp-fanout drain: \(drain.stdout) \(drain.stderr)")
+        #expect(drain.stdout.contains("stopped"), "udp-fanout drain waited for the stop: \(drain.stdout)")
+        #expect(routes().isEmpty, "after the drain: \(routes())")
+
+        // A crash leaves the route (the kernel keeps it); the unit's ExecStopPost runs withdraw.
+        let crashed = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
+        try #require(Probe.waitFor(seconds: 10) { routes().contains("blackhole 198.18.5.1 proto 201") }, "announced again: \(routes())\n\(crashed.stderr)")
+        crashed.signal(SIGKILL)
+        crashed.wait()
+        #expect(routes().contains("blackhole 198.18.5.1 proto 201"), "kill -9 leaves the route: \(routes())")
+        let withdraw = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", binaryDirectory.appendingPathComponent("udp-fanout").path, "withdraw", "-c", file.path])
+        #expect(withdraw.status == 0, "udp-fanout withdraw: \(withdraw.output)")
+        #expect(routes().isEmpty, "after udp-fanout withdraw: \(routes())")
     }
 
     @Test("Real routes: added, listed, replaced and removed by rtnetlink in a namespace of this test, IPv4 and IPv6, a table above 255; another protocol's route is left",

@@ -186,8 +186,16 @@ public struct ForwardingService: Service {
         daemon.logger.notice("draining: addresses withdrawn; serving what still arrives, then stopping", metadata: [
             "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "serving_secs": "\(Int(wait.rounded()))",
         ])
-        // Not cut short by the graceful shutdown itself (this is its first step).
-        try? await Task.sleep(for: .milliseconds(Int(wait * 1000)))
+        // Not cut short by the graceful shutdown itself (this is its first step). A stop asked
+        // for during a drain (SIGTERM after udp-fanout drain) waits for it, and says so.
+        let alreadyStopping = Task.isShuttingDownGracefully
+        let serving = wait
+        await withGracefulShutdownHandler {
+            try? await Task.sleep(for: .milliseconds(Int(serving * 1000)))
+        } onGracefulShutdown: { [daemon] in
+            guard !alreadyStopping else { return }
+            daemon.logger.notice("a stop was asked for during the drain: stopping when the drain ends", metadata: ["serving_secs": "\(Int(serving.rounded()))"])
+        }
     }
 
     /// The watcher, shared by the polling task and the reload loop (which rebases it).
