@@ -100,12 +100,16 @@ struct AnnounceTests {
         let checked = try run(binaryDirectory.appendingPathComponent("udp-fanout").path, ["--check", "-c", file.path])
         #expect(checked.status == 0, "\(checked.output)")
         #expect(checked.output.contains("; announce 198.18.77.1 (table 201, protocol 201, drain 3 s)"), "\(checked.output)")
-        #expect(checked.output.contains("note: announce.addresses: 198.18.77.1 is not local on this node: it stays withdrawn until it is"), "\(checked.output)")
+        #expect(checked.output.contains("note: announce.addresses: 198.18.77.1 is not local on this node: the address stays withdrawn until it is local"), "\(checked.output)")
         // The rule itself, with the locality given: a tc_ebpf listener takes datagrams before routing.
         let socket = try ConfigParser.parse(userspace + "announce: {addresses: [198.18.77.1]}\n")
         #expect(Preflight.announceNotes(socket, isLocal: { _ in false }).count == 1)
         #expect(Preflight.announceNotes(socket, isLocal: { _ in true }).isEmpty)
         #expect(Preflight.announceNotes(socket, isLocal: { _ in nil }).isEmpty)
+        // A listener bound to the address itself cannot even start (unless non-local binds are allowed).
+        let bound = try ConfigParser.parse("listeners:\n  - name: a\n    bind: \"198.18.77.1:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
+            + "announce: {addresses: [198.18.77.1]}\n")
+        #expect(Preflight.announceNotes(bound, isLocal: { _ in false }).first?.contains("a listener bound to it cannot start here (unless net.ipv4.ip_nonlocal_bind") == true)
         let tc = try ConfigParser.parse("listeners:\n  - name: a\n    mode: tc_ebpf\n    interface: lo\n    bind: \"198.18.77.1:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
             + "announce: {addresses: [198.18.77.1]}\n")
         #expect(Preflight.announceNotes(tc, isLocal: { _ in false }).isEmpty)
@@ -114,10 +118,14 @@ struct AnnounceTests {
     @Test("Announced while ready, withdrawn at the first reason, moved by a table change, repaired when the kernel differs, failures counted and retried")
     func stateMachine() {
         let routes = MemoryRoutes()
-        let announcer = RouteAnnouncer(routes: routes, logger: Logger(label: "test"))
+        let log = LogStore()
+        let announcer = RouteAnnouncer(routes: routes, logger: log.logger)
         let a = IPAddress("198.18.0.1")!, b = IPAddress("2001:db8::1")!
         var settings = Announce(addresses: [a, b])
         announcer.apply(settings, [a: [], b: ["listener 'x' is not receiving yet"]], now: 1)
+        // An address that stays withdrawn says why in the log, once per reason.
+        announcer.apply(settings, [a: [], b: ["listener 'x' is not receiving yet"]], now: 1.5)
+        #expect(log.lines.withLock { $0 }.filter { $0.message == "not announced" }.map { $0.metadata["reason"] ?? "" } == ["listener 'x' is not receiving yet"])
         #expect(routes.routes.withLock { $0 } == ["198.18.0.1 201 201"])
         #expect(announcer.snapshot().map(\.entry.announced) == [true, false])
         #expect(announcer.snapshot().first { $0.address == b }?.entry.reason == "listener 'x' is not receiving yet")
@@ -292,12 +300,24 @@ struct AnnounceTests {
         send()
         #expect(Probe.waitFor(seconds: 2) { received() == 1 }, "a datagram that arrives during the drain is forwarded")
         daemon.signal(SIGTERM)
-        try daemon.waitFor("a stop was asked for during the drain: stopping when the drain ends")
+        try daemon.waitFor("a stop was asked for during the drain: stopping when the drain ends (send it again to stop now)")
         #expect(daemon.process.isRunning, "the SIGTERM waits for the drain")
         #expect(daemon.wait(seconds: 10) == 0, "\(daemon.stderr)")
         #expect(drain.wait(seconds: 5) == 0, "udp-fanout drain: \(drain.stdout) \(drain.stderr)")
         #expect(drain.stdout.contains("stopped"), "udp-fanout drain waited for the stop: \(drain.stdout)")
         #expect(routes().isEmpty, "after the drain: \(routes())")
+
+        // A SIGTERM starts a drain (of 120 s here); one more stop signal, SIGINT (Ctrl-C), cuts it short.
+        try String(contentsOf: file, encoding: .utf8).replacingOccurrences(of: "drain_secs: 4", with: "drain_secs: 120").write(to: file, atomically: true, encoding: .utf8)
+        let interrupted = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
+        defer { if interrupted.process.isRunning { interrupted.signal(SIGKILL); interrupted.wait() } }
+        try #require(Probe.waitFor(seconds: 10) { routes().contains("blackhole 198.18.5.1 proto 201") }, "announced: \(routes())\n\(interrupted.stderr)")
+        interrupted.signal(SIGTERM)
+        try interrupted.waitFor("draining: addresses withdrawn")
+        interrupted.signal(SIGINT)
+        try interrupted.waitFor("SIGINT again during the drain: cut short, stopping now")
+        #expect(interrupted.wait(seconds: 10) == 0, "\(interrupted.stderr)")
+        #expect(routes().isEmpty, "after the interrupted drain: \(routes())")
 
         // A crash leaves the route (the kernel keeps it); the unit's ExecStopPost runs withdraw.
         let crashed = try Child("udp-fanout", ["-c", file.path], prefix: prefix)

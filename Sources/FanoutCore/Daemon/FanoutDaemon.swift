@@ -171,7 +171,7 @@ public final class FanoutDaemon: Sendable {
         state = Mutex(State(config: config))
         kinds = ListenerKinds(logger: logger, descriptors: self.descriptors)
         let link = HealthLink()
-        health = HealthChecker(policy: HealthPolicy(config.health), logger: logger) { target, up in link.forward(target, up) }
+        health = HealthChecker(policy: HealthPolicy(config.health), probing: config.health.enabled, logger: logger) { target, up in link.forward(target, up) }
         link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
     }
 

@@ -36,7 +36,8 @@ public enum Preflight {
         return announce.addresses.compactMap { address in
             let serving = FanoutConfig.listeners(serving: address, in: config.listeners)
             guard serving.contains(where: { ListenerKinds.type(for: $0)?.bindsPerInterface != true }), isLocal(address) == false else { return nil }
-            return "announce.addresses: \(address) is not local on this node: it stays withdrawn until it is (add it to lo, or ip route add local \(address) dev lo table local)"
+            let bound = serving.contains { $0.bind.ip == address }
+            return "announce.addresses: \(address) is not local on this node: \(bound ? "a listener bound to it cannot start here (unless net.ipv4.ip_nonlocal_bind or net.ipv6.ip_nonlocal_bind is 1), and " : "")the address stays withdrawn until it is local (add it to lo, or ip route add local \(address) dev lo table local)"
         }
     }
 

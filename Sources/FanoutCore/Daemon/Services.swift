@@ -187,14 +187,30 @@ public struct ForwardingService: Service {
             "withdrawn": "\(withdrawn.map { "\($0)" }.joined(separator: ","))", "serving_secs": "\(Int(wait.rounded()))",
         ])
         // Not cut short by the graceful shutdown itself (this is its first step). A stop asked
-        // for during a drain (SIGTERM after udp-fanout drain) waits for it, and says so.
+        // for during a drain (SIGTERM after udp-fanout drain) waits for it, and says so; one more
+        // SIGTERM or SIGINT (Ctrl-C) cuts it short.
         let alreadyStopping = Task.isShuttingDownGracefully
         let serving = wait
+        let stops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
         await withGracefulShutdownHandler {
-            try? await Task.sleep(for: .milliseconds(Int(serving * 1000)))
+            await withTaskGroup(of: Void.self) { group in
+                group.addTask { try? await Task.sleep(for: .milliseconds(Int(serving * 1000))) }
+                group.addTask { [daemon] in
+                    // The signal that started this stop (if one did) was the first.
+                    var count = alreadyStopping ? 1 : 0
+                    for await signal in stops {
+                        count += 1
+                        guard count >= 2 else { continue }
+                        daemon.logger.notice("\(signal) again during the drain: cut short, stopping now")
+                        return
+                    }
+                }
+                await group.next()
+                group.cancelAll()
+            }
         } onGracefulShutdown: { [daemon] in
             guard !alreadyStopping else { return }
-            daemon.logger.notice("a stop was asked for during the drain: stopping when the drain ends", metadata: ["serving_secs": "\(Int(serving.rounded()))"])
+            daemon.logger.notice("a stop was asked for during the drain: stopping when the drain ends (send it again to stop now)", metadata: ["serving_secs": "\(Int(serving.rounded()))"])
         }
     }
 

@@ -82,8 +82,11 @@ package final class RouteAnnouncer: Sendable {
                 if let reason = why.first {
                     if entry.announced {
                         _ = withdraw(address, &state, reason: reason, now: now)
-                    } else {
+                    } else if entry.reason != reason {
+                        // Said once per reason: an address that stays withdrawn from the start
+                        // (not local, no healthy downstream) is in the log, not only in /status.
                         state.entries[address]!.reason = reason
+                        logger.info("not announced", metadata: ["address": "\(address)", "reason": "\(reason)"])
                     }
                 } else if !entry.announced || entry.table != settings.table || entry.protocolNumber != settings.protocolNumber {
                     // Moved by a reload: the new route first, then the old one goes.

@@ -44,6 +44,8 @@ public final class HealthChecker: Service, Sendable {
     let onChange: @Sendable (_ target: SocketAddress, _ up: Bool) -> Void
     /// Which ICMP socket kinds are tried, in order (tests force one).
     let icmpKinds: [ICMPProbeSocket.Kind]
+    /// Whether the configuration at start turns active probes on (the start's log line says which).
+    let probingAtStart: Bool
     /// Written to wake the probe thread (new targets, passive reports, policy, stop); -1 if the
     /// pipe could not be made, then the thread polls at least every 100 ms instead.
     let wakeRead: Int32
@@ -53,11 +55,13 @@ public final class HealthChecker: Service, Sendable {
     ///   - policy: protocol, interval, timeout, rise and fall.
     ///   - onChange: called on each transition (up→down after `fall` consecutive failures,
     ///     down→up after `rise` consecutive successes), from the probe thread.
-    convenience init(policy: HealthPolicy, logger: Logger, onChange: @escaping @Sendable (_ target: SocketAddress, _ up: Bool) -> Void) {
-        self.init(policy: policy, logger: logger, icmpKinds: ICMPProbeSocket.Kind.allCases, onChange: onChange)
+    ///   - probing: the configuration's `health.enabled` at start.
+    convenience init(policy: HealthPolicy, probing: Bool = true, logger: Logger, onChange: @escaping @Sendable (_ target: SocketAddress, _ up: Bool) -> Void) {
+        self.init(policy: policy, probing: probing, logger: logger, icmpKinds: ICMPProbeSocket.Kind.allCases, onChange: onChange)
     }
 
-    init(policy: HealthPolicy, logger: Logger, icmpKinds: [ICMPProbeSocket.Kind], onChange: @escaping @Sendable (_ target: SocketAddress, _ up: Bool) -> Void) {
+    init(policy: HealthPolicy, probing: Bool = true, logger: Logger, icmpKinds: [ICMPProbeSocket.Kind], onChange: @escaping @Sendable (_ target: SocketAddress, _ up: Bool) -> Void) {
+        probingAtStart = probing
         shared = Mutex(Shared(policy: policy))
         self.logger = logger
         self.onChange = onChange

@@ -61,10 +61,14 @@ final class ProbeLoop {
     }
 
     func run() throws(HealthError) {
-        checker.logger.info("health checker started", metadata: [
-            "protocol": "\(policy.proto.rawValue)", "interval": "\(policy.interval)", "timeout": "\(policy.timeout)",
-            "rise": "\(policy.rise)", "fall": "\(policy.fall)",
-        ])
+        if checker.probingAtStart {
+            checker.logger.info("health checker started", metadata: [
+                "protocol": "\(policy.proto.rawValue)", "interval": "\(policy.interval)", "timeout": "\(policy.timeout)",
+                "rise": "\(policy.rise)", "fall": "\(policy.fall)",
+            ])
+        } else {
+            checker.logger.info("health checks off (health.enabled: false): no downstream is taken out for not answering")
+        }
         while true {
             let (stopped, passive) = syncWithChecker()
             if stopped { break }
