@@ -168,7 +168,13 @@ struct FleetTests {
         // A crashed tc_ebpf or xdp daemon leaves its lock file in /run/udp-fanout, as it would
         // on a machine (the next start there takes it over). This test caused the crash, so it
         // removes the file: the name is the namespace's inode, which a later namespace reuses.
-        if let lock = ScaleOutTests.lockFile(topology, topology.nodes[i - 1]) { unlink(lock) }
+        // Every interface's: nat attaches to the reply interface (down0) too.
+        if let lock = ScaleOutTests.lockFile(topology, topology.nodes[i - 1]) {
+            let prefix = (lock as NSString).lastPathComponent.replacingOccurrences(of: "-\(ScaleOutTopology.nodeInterface).lock", with: "-")
+            for name in (try? FileManager.default.contentsOfDirectory(atPath: TCAttachment.lockDirectory)) ?? [] where name.hasPrefix(prefix) {
+                unlink("\(TCAttachment.lockDirectory)/\(name)")
+            }
+        }
     }
 
     static func report(_ line: String) {
@@ -497,8 +503,22 @@ struct FleetTests {
         Self.report("\(kind) node 2 drained: requests \(drained.sent) replies \(drained.replies.count) lost \(drained.sent - drained.replies.count); \(Self.convergences(routing, after: drainStarted)) after the command")
 
         // With nat, node 3's associations show how many clients' replies came through it without
-        // their requests having made an association there first (server_initiated).
-        let associations = nat ? (try? Self.metrics(topology, node: 3)).map { Self.associationEvents($0) } ?? "?" : ""
+        // their requests having made an association there first (server_initiated): replies did
+        // cross nodes; none was refused (wrong_server), and none left a running node untranslated
+        // (the nft rule's counter).
+        var associations = ""
+        if nat {
+            let text = try Self.metrics(topology, node: 3)
+            associations = Self.associationEvents(text)
+            let crossed = text.split(separator: "\n").first { $0.hasPrefix("udp_fanout_association_events_total{") && $0.contains("event=\"server_initiated\"") }
+                .flatMap { $0.split(separator: " ").last }.flatMap { Int($0) } ?? 0
+            #expect(crossed > 0, "\(kind): no reply crossed nodes: \(associations)")
+            for line in text.split(separator: "\n") where line.hasPrefix("udp_fanout_replies_dropped_total{") && line.contains("wrong_server") {
+                #expect(line.hasSuffix(" 0"), "\(kind) node 3: \(line)")
+            }
+            let rule = try topology.exec(topology.nodes[2], ["/usr/sbin/nft", "list", "chain", "inet", "fanout-nat", "forward"])
+            #expect(rule.contains("counter packets 0 "), "\(kind): replies left node 3 untranslated: \(rule)")
+        }
         var death = 0.0
         let died = try phase(4, rounds: 40, label: "node death") {
             death = WallClock.seconds()

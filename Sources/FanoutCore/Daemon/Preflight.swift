@@ -33,12 +33,19 @@ public enum Preflight {
     /// withdrawn until it is (docs/fleet.md).
     package static func announceNotes(_ config: FanoutConfig, isLocal: (IPAddress) -> Bool?) -> [String] {
         guard let announce = config.announce else { return [] }
-        return announce.addresses.compactMap { address in
+        var notes: [String] = announce.addresses.compactMap { address in
             let serving = FanoutConfig.listeners(serving: address, in: config.listeners)
             guard serving.contains(where: { ListenerKinds.type(for: $0)?.bindsPerInterface != true }), isLocal(address) == false else { return nil }
             let bound = serving.contains { $0.bind.ip == address }
-            return "announce.addresses: \(address) is not local on this node: \(bound ? "a listener bound to it cannot start here (unless net.ipv4.ip_nonlocal_bind or net.ipv6.ip_nonlocal_bind is 1), and " : "")the address stays withdrawn until it is local (add it to lo, or ip route add local \(address) dev lo table local)"
+            let sysctl = address.family == AF_INET6 ? "net.ipv6.ip_nonlocal_bind" : "net.ipv4.ip_nonlocal_bind"
+            return "announce.addresses: \(address) is not local on this node: \(bound ? "a listener bound to it cannot start here (unless \(sysctl) is 1), and " : "")the address stays withdrawn until it is local (add it to lo, or ip route add local \(address) dev lo table local)"
         }
+        // nat in a fleet: every node must make the same choice for a client (docs/fleet.md).
+        for (index, listener) in config.listeners.enumerated() where listener.replies == .nat && listener.balancing != .sourceIP
+            && announce.addresses.contains(where: { FanoutConfig.listeners(serving: $0, in: [listener]).isEmpty == false }) {
+            notes.append("listeners[\(index)].balancing: \(listener.balancing.rawValue) with replies: nat on an announced address: nodes of a fleet choose differently for a client, so replies crossing nodes are dropped (wrong_server) and clients change server when their flow moves; use balancing: source_ip (docs/fleet.md)")
+        }
+        return notes
     }
 
     /// A socket-receiving listener's bind (userspace, relay, af_xdp's companion socket): another process that already serves

@@ -90,8 +90,23 @@ public struct ForwardingService: Service {
         case fileChanged(String)
     }
 
+    /// SIGTERM and SIGINT received so far (the first starts the graceful shutdown; during a
+    /// drain, one more cuts it short).
+    private let stopSignals = StopSignalCount()
+
+    final class StopSignalCount: Sendable {
+        let count = Atomic<Int>(0)
+    }
+
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
+        // Counted from the start, so none is missed however late a drain begins (the service
+        // group handles the first itself).
+        let stops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
+        let stopWatch = Task { [stopSignals] in
+            for await _ in stops { stopSignals.count.add(1, ordering: .relaxed) }
+        }
+        defer { stopWatch.cancel() }
         // `udp-fanout drain` (or `systemctl kill -s SIGUSR2`): withdraw, serve, then stop and exit 0.
         let drains = if let given = self.drains { given } else { await UnixSignalsSequence(trapping: .sigusr2) }
         // One reload at a time, in order; a request that arrives during a reload waits (one is enough).
@@ -191,22 +206,18 @@ public struct ForwardingService: Service {
         // SIGTERM or SIGINT (Ctrl-C) cuts it short.
         let alreadyStopping = Task.isShuttingDownGracefully
         let serving = wait
-        let stops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
+        // A stop that began with a signal counts it (it may not be counted yet); a drain asked
+        // for by SIGUSR2 lets the first stop signal wait for it.
+        let seen = stopSignals.count.load(ordering: .relaxed)
+        let cutAt = alreadyStopping ? max(seen, 1) + 1 : seen + 2
         await withGracefulShutdownHandler {
-            await withTaskGroup(of: Void.self) { group in
-                group.addTask { try? await Task.sleep(for: .milliseconds(Int(serving * 1000))) }
-                group.addTask { [daemon] in
-                    // The signal that started this stop (if one did) was the first.
-                    var count = alreadyStopping ? 1 : 0
-                    for await signal in stops {
-                        count += 1
-                        guard count >= 2 else { continue }
-                        daemon.logger.notice("\(signal) again during the drain: cut short, stopping now")
-                        return
-                    }
+            let end = ContinuousClock.now + .milliseconds(Int(serving * 1000))
+            while ContinuousClock.now < end {
+                if stopSignals.count.load(ordering: .relaxed) >= cutAt {
+                    daemon.logger.notice("a stop signal again during the drain (SIGTERM or SIGINT): cut short, stopping now")
+                    return
                 }
-                await group.next()
-                group.cancelAll()
+                guard (try? await Task.sleep(for: .milliseconds(50))) != nil else { return }
             }
         } onGracefulShutdown: { [daemon] in
             guard !alreadyStopping else { return }

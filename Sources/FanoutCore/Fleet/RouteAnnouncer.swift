@@ -30,7 +30,13 @@ package final class RouteAnnouncer: Sendable {
         package var withdrawals: UInt64 = 0
         /// The last failure adding or removing its route (logged once until it changes).
         var failure: String?
+        /// Since when `reason` is the reason, and the last reason the log was told.
+        var reasonSince: Double = 0
+        var loggedReason: String?
     }
+
+    /// How long a reason must last before the log says it (a start's passing reasons do not).
+    static let reasonLogDelay = 2.0
 
     /// Where a route is: an address in a table with a protocol number.
     struct Place: Hashable {
@@ -82,11 +88,20 @@ package final class RouteAnnouncer: Sendable {
                 if let reason = why.first {
                     if entry.announced {
                         _ = withdraw(address, &state, reason: reason, now: now)
-                    } else if entry.reason != reason {
-                        // Said once per reason: an address that stays withdrawn from the start
-                        // (not local, no healthy downstream) is in the log, not only in /status.
-                        state.entries[address]!.reason = reason
-                        logger.info("not announced", metadata: ["address": "\(address)", "reason": "\(reason)"])
+                        state.entries[address]!.reasonSince = now
+                        state.entries[address]!.loggedReason = reason
+                    } else {
+                        if entry.reason != reason {
+                            state.entries[address]!.reason = reason
+                            state.entries[address]!.reasonSince = now
+                        }
+                        // An address that stays withdrawn (not local, no healthy downstream) is
+                        // in the log, not only in /status: once per reason that lasts.
+                        let current = state.entries[address]!
+                        if current.loggedReason != reason && now - current.reasonSince >= Self.reasonLogDelay {
+                            state.entries[address]!.loggedReason = reason
+                            logger.notice("not announced", metadata: ["address": "\(address)", "reason": "\(reason)"])
+                        }
                     }
                 } else if !entry.announced || entry.table != settings.table || entry.protocolNumber != settings.protocolNumber {
                     // Moved by a reload: the new route first, then the old one goes.

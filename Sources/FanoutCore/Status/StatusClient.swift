@@ -100,13 +100,29 @@ package enum StatusClient {
             throw .unreachable(url: url, problem: text.contains("Connection refused") ? "connection refused" : text)
         }
         guard code == 200 else {
-            throw .httpStatus(url: url, status: code, body: String(decoding: body.prefix(300), as: UTF8.self).trimmingTrailingNewlines)
+            throw .httpStatus(url: url, status: code, body: Self.excerpt(body))
         }
         do {
             return try StatusReport.decode(body)
+        } catch let error as DecodingError {
+            // The path and what was missing or wrong, not the decoder's whole dump.
+            let context: DecodingError.Context? = switch error {
+            case .keyNotFound(_, let context), .typeMismatch(_, let context), .valueNotFound(_, let context), .dataCorrupted(let context): context
+            @unknown default: nil
+            }
+            let path = context.map { $0.codingPath.map(\.stringValue).joined(separator: ".") } ?? ""
+            throw .notStatus(url: url, problem: "\(context?.debugDescription ?? "not JSON")\(path.isEmpty ? "" : " at \(path)"); answered: \(Self.excerpt(body))")
         } catch {
-            throw .notStatus(url: url, problem: "\(error)")
+            throw .notStatus(url: url, problem: "\(error); answered: \(Self.excerpt(body))")
         }
+    }
+
+    /// What a server answered, for an error line: one line of at most 120 characters, or "an
+    /// HTML page".
+    static func excerpt(_ body: [UInt8]) -> String {
+        let text = String(decoding: body.prefix(2000), as: UTF8.self).split(whereSeparator: \.isWhitespace).joined(separator: " ")
+        if text.hasPrefix("<") { return "an HTML page" }
+        return text.count > 120 ? String(text.prefix(120)) + "…" : text
     }
 }
 
