@@ -102,9 +102,13 @@ struct AnnounceTests {
         #expect(checked.output.contains("; announce 198.18.77.1 (table 201, protocol 201, drain 3 s)"), "\(checked.output)")
         #expect(checked.output.contains("note: announce.addresses: 198.18.77.1 is not local on this node: the address stays withdrawn until it is local"), "\(checked.output)")
         // nat on an announced address with another balancing than source_ip: a note.
-        let nat = try ConfigParser.parse("listeners:\n  - name: a\n    mode: tc_ebpf\n    interface: lo\n    replies: nat\n    bind: \"198.18.77.1:5514\"\n    downstream: [{address: \"198.18.1.2:2\"}]\n"
-            + "announce: {addresses: [198.18.77.1]}\n")
+        let nat = try ConfigParser.parse("listeners:\n  - name: a\n    mode: tc_ebpf\n    interface: lo\n    replies: nat\n    bind: \"198.18.77.1:5514\"\n"
+            + "    downstream: [{address: \"198.18.1.2:2\"}, {address: \"198.18.1.3:2\"}]\n" + "announce: {addresses: [198.18.77.1]}\n")
         #expect(Preflight.announceNotes(nat, isLocal: { _ in true }).first?.contains("listeners[0].balancing: round_robin with replies: nat on an announced address") == true)
+        // One static downstream: every node chooses it, nothing to note.
+        let single = try ConfigParser.parse("listeners:\n  - name: a\n    mode: tc_ebpf\n    interface: lo\n    replies: nat\n    bind: \"198.18.77.1:5514\"\n"
+            + "    downstream: [{address: \"198.18.1.2:2\"}]\n" + "announce: {addresses: [198.18.77.1]}\n")
+        #expect(Preflight.announceNotes(single, isLocal: { _ in true }).isEmpty)
         // The rule itself, with the locality given: a tc_ebpf listener takes datagrams before routing.
         let socket = try ConfigParser.parse(userspace + "announce: {addresses: [198.18.77.1]}\n")
         #expect(Preflight.announceNotes(socket, isLocal: { _ in false }).count == 1)
@@ -183,9 +187,15 @@ struct AnnounceTests {
         #expect(routes.routes.withLock { $0 } == ["198.18.0.1 1001 201", "198.18.9.8 1000 7"])
         #expect(announcer.withdrawAll(reason: "stopping", now: 8) == [a])
         #expect(routes.routes.withLock { $0 } == ["198.18.9.8 1000 7"])
-        // Sealed by the stop: a check that finds every listener ready announces nothing.
+        // Sealed by the stop: a check that finds every listener ready announces nothing; the
+        // withdrawal's reason stays, and the drain's checks log no "not announced".
+        let before = logged()
         announcer.apply(settings, [a: []], now: 9)
+        announcer.apply(settings, [a: ["udp-fanout is stopping"]], now: 8.2)
+        announcer.apply(settings, [a: ["udp-fanout is stopping"]], now: 11)
         #expect(routes.routes.withLock { $0 } == ["198.18.9.8 1000 7"])
+        #expect(announcer.snapshot().first { $0.address == a }?.entry.reason == "stopping")
+        #expect(logged() == before, "\(logged())")
         #expect(announcer.lastWithdrawal == 8)
         let text = announcer.metricsText()
         #expect(text.contains("udp_fanout_announced{address=\"198.18.0.1\"} 0"))
@@ -317,17 +327,31 @@ struct AnnounceTests {
         #expect(drain.stdout.contains("stopped"), "udp-fanout drain waited for the stop: \(drain.stdout)")
         #expect(routes().isEmpty, "after the drain: \(routes())")
 
-        // A SIGTERM starts a drain (of 120 s here); one more stop signal, SIGINT (Ctrl-C), cuts it short.
+        #expect(!daemon.stderr.contains("cut short"), "\(daemon.stderr)")
+
+        // Drains of 120 s here. After `udp-fanout drain`, a first SIGTERM waits and the next stop
+        // signal, SIGINT (Ctrl-C), cuts it short; after a SIGTERM, the next one does.
         try String(contentsOf: file, encoding: .utf8).replacingOccurrences(of: "drain_secs: 10", with: "drain_secs: 120").write(to: file, atomically: true, encoding: .utf8)
-        let interrupted = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
-        defer { if interrupted.process.isRunning { interrupted.signal(SIGKILL); interrupted.wait() } }
-        try #require(Probe.waitFor(seconds: 10) { routes().contains("blackhole 198.18.5.1 proto 201") }, "announced: \(routes())\n\(interrupted.stderr)")
-        interrupted.signal(SIGTERM)
-        try interrupted.waitFor("draining: addresses withdrawn")
-        interrupted.signal(SIGINT)
-        try interrupted.waitFor("a stop signal again during the drain (SIGTERM or SIGINT): cut short, stopping now")
-        #expect(interrupted.wait(seconds: 10) == 0, "\(interrupted.stderr)")
-        #expect(routes().isEmpty, "after the interrupted drain: \(routes())")
+        for drainedBy in ["udp-fanout drain", "SIGTERM"] {
+            let interrupted = try Child("udp-fanout", ["-c", file.path], prefix: prefix)
+            defer { if interrupted.process.isRunning { interrupted.signal(SIGKILL); interrupted.wait() } }
+            try #require(Probe.waitFor(seconds: 10) { routes().contains("blackhole 198.18.5.1 proto 201") }, "announced: \(routes())\n\(interrupted.stderr)")
+            if drainedBy == "SIGTERM" {
+                interrupted.signal(SIGTERM)
+                try interrupted.waitFor("draining: addresses withdrawn")
+                interrupted.signal(SIGTERM)
+            } else {
+                let asked = try Child("udp-fanout", ["drain", "--no-wait", "--endpoint", "127.0.0.1:9466"], prefix: prefix)
+                #expect(asked.wait(seconds: 10) == 0, "\(asked.stdout) \(asked.stderr)")
+                try interrupted.waitFor("draining: addresses withdrawn")
+                interrupted.signal(SIGTERM)
+                try interrupted.waitFor("a stop was asked for during the drain")
+                interrupted.signal(SIGINT)
+            }
+            try interrupted.waitFor("a stop signal again during the drain (SIGTERM or SIGINT): cut short, stopping now")
+            #expect(interrupted.wait(seconds: 10) == 0, "\(drainedBy): \(interrupted.stderr)")
+            #expect(routes().isEmpty, "after the interrupted drain (\(drainedBy)): \(routes())")
+        }
 
         // A crash leaves the route (the kernel keeps it); the unit's ExecStopPost runs withdraw.
         let crashed = try Child("udp-fanout", ["-c", file.path], prefix: prefix)

@@ -98,6 +98,7 @@ struct StatusTests {
         // Another server's answer in an error line: one short line, an HTML page named as such.
         #expect(StatusClient.excerpt(Array("<!DOCTYPE HTML>\n<html>\n  <body>404</body>".utf8)) == "an HTML page")
         #expect(StatusClient.excerpt(Array("not\n  found\n".utf8)) == "not found")
+        #expect(StatusClient.excerpt(Array("a\u{1b}[2Jb".utf8)) == "a?[2Jb", "no terminal escape reaches stderr")
         #expect(StatusClient.excerpt(Array(String(repeating: "x", count: 500).utf8)) == String(repeating: "x", count: 120) + "…")
         // --endpoint: with or without the scheme or /status; another scheme or path is refused with the fix.
         #expect(try StatusClient.statusURL("127.0.0.1:9191") == "http://127.0.0.1:9191/status")

@@ -30,7 +30,9 @@ public enum Preflight {
 
     /// An announced address that a socket listener (userspace, relay, af_xdp's companion)
     /// receives on but that is not local here: the daemon starts, and keeps the address
-    /// withdrawn until it is (docs/fleet.md).
+    /// withdrawn until it is (a listener bound to the address itself cannot start); and a
+    /// `replies: nat` listener on an announced address with another balancing than `source_ip`
+    /// (nodes would choose differently for a client; docs/fleet.md).
     package static func announceNotes(_ config: FanoutConfig, isLocal: (IPAddress) -> Bool?) -> [String] {
         guard let announce = config.announce else { return [] }
         var notes: [String] = announce.addresses.compactMap { address in
@@ -42,7 +44,8 @@ public enum Preflight {
         }
         // nat in a fleet: every node must make the same choice for a client (docs/fleet.md).
         for (index, listener) in config.listeners.enumerated() where listener.replies == .nat && listener.balancing != .sourceIP
-            && announce.addresses.contains(where: { FanoutConfig.listeners(serving: $0, in: [listener]).isEmpty == false }) {
+            && announce.addresses.contains(where: { FanoutConfig.listeners(serving: $0, in: [listener]).isEmpty == false })
+            && (listener.downstreams.count > 1 || !listener.dnsDownstreams.isEmpty || listener.kubernetes != nil) {
             notes.append("listeners[\(index)].balancing: \(listener.balancing.rawValue) with replies: nat on an announced address: nodes of a fleet choose differently for a client, so replies crossing nodes are dropped (wrong_server) and clients change server when their flow moves; use balancing: source_ip (docs/fleet.md)")
         }
         return notes

@@ -101,7 +101,9 @@ public struct ForwardingService: Service {
     public func run() async throws {
         let hangups = await UnixSignalsSequence(trapping: .sighup)
         // Counted from the start, so none is missed however late a drain begins (the service
-        // group handles the first itself).
+        // group handles the first itself; libdispatch gives every source of a signal each
+        // delivery, so the group's and this one coexist). One sent while this registers, or two
+        // sent so close that the kernel merges them, counts once.
         let stops = await UnixSignalsSequence(trapping: .sigterm, .sigint)
         let stopWatch = Task { [stopSignals] in
             for await _ in stops { stopSignals.count.add(1, ordering: .relaxed) }
@@ -206,10 +208,9 @@ public struct ForwardingService: Service {
         // SIGTERM or SIGINT (Ctrl-C) cuts it short.
         let alreadyStopping = Task.isShuttingDownGracefully
         let serving = wait
-        // A stop that began with a signal counts it (it may not be counted yet); a drain asked
-        // for by SIGUSR2 lets the first stop signal wait for it.
-        let seen = stopSignals.count.load(ordering: .relaxed)
-        let cutAt = alreadyStopping ? max(seen, 1) + 1 : seen + 2
+        // Every stop signal of the process leads to this one drain: the first started the stop
+        // or came during the drain (it waits for it), the second cuts it short.
+        let cutAt = 2
         await withGracefulShutdownHandler {
             let end = ContinuousClock.now + .milliseconds(Int(serving * 1000))
             while ContinuousClock.now < end {

@@ -88,8 +88,9 @@ package final class RouteAnnouncer: Sendable {
                 if let reason = why.first {
                     if entry.announced {
                         _ = withdraw(address, &state, reason: reason, now: now)
-                        state.entries[address]!.reasonSince = now
-                        state.entries[address]!.loggedReason = reason
+                    } else if state.sealed {
+                        // Stopping: the withdrawal's reason stays (a drain's), nothing more logged.
+                        continue
                     } else {
                         if entry.reason != reason {
                             state.entries[address]!.reason = reason
@@ -229,6 +230,8 @@ package final class RouteAnnouncer: Sendable {
         entry.announced = false
         entry.since = now
         entry.reason = reason
+        entry.reasonSince = now
+        entry.loggedReason = reason
         entry.withdrawals += 1
         entry.failure = nil
         state.lastWithdrawal = now

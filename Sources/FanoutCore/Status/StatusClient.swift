@@ -110,7 +110,7 @@ package enum StatusClient {
             case .keyNotFound(_, let context), .typeMismatch(_, let context), .valueNotFound(_, let context), .dataCorrupted(let context): context
             @unknown default: nil
             }
-            let path = context.map { $0.codingPath.map(\.stringValue).joined(separator: ".") } ?? ""
+            let path = context.map { $0.codingPath.map { key in key.intValue.map { "[\($0)]" } ?? key.stringValue }.joined(separator: ".") } ?? ""
             throw .notStatus(url: url, problem: "\(context?.debugDescription ?? "not JSON")\(path.isEmpty ? "" : " at \(path)"); answered: \(Self.excerpt(body))")
         } catch {
             throw .notStatus(url: url, problem: "\(error); answered: \(Self.excerpt(body))")
@@ -120,16 +120,10 @@ package enum StatusClient {
     /// What a server answered, for an error line: one line of at most 120 characters, or "an
     /// HTML page".
     static func excerpt(_ body: [UInt8]) -> String {
-        let text = String(decoding: body.prefix(2000), as: UTF8.self).split(whereSeparator: \.isWhitespace).joined(separator: " ")
+        // Control characters (a terminal's escape sequences) shown as "?".
+        let text = String(String(decoding: body.prefix(2000), as: UTF8.self).split(whereSeparator: \.isWhitespace).joined(separator: " ")
+            .map { $0.isASCII && $0.asciiValue! < 0x20 || $0 == "\u{7f}" ? "?" : $0 })
         if text.hasPrefix("<") { return "an HTML page" }
         return text.count > 120 ? String(text.prefix(120)) + "…" : text
-    }
-}
-
-extension String {
-    fileprivate var trimmingTrailingNewlines: String {
-        var text = self
-        while text.hasSuffix("\n") { text.removeLast() }
-        return text
     }
 }
