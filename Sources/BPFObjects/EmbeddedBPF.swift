@@ -16,6 +16,17 @@ public enum BPFObject: Sendable, CaseIterable {
     /// `bpf/map_count.bpf.c`: a map iterator that counts the entries of nat listeners' association maps.
     case mapCount
 
+    /// The name of the object file the plugin compiles (`tc_fanout.bpf.o`).
+    public var fileName: String {
+        switch self {
+        case .reuseportSelect: return "reuseport_select.bpf.o"
+        case .tcFanout: return "tc_fanout.bpf.o"
+        case .xdpSteer: return "xdp_steer.bpf.o"
+        case .xdpFanout: return "xdp_fanout.bpf.o"
+        case .mapCount: return "map_count.bpf.o"
+        }
+    }
+
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
         switch self {

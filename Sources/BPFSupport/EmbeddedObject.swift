@@ -15,7 +15,7 @@ package func loadEmbeddedObject(
     prepare: (OpaquePointer) throws(SystemCallError) -> Void = { _ in }
 ) throws(SystemCallError) -> [Int32] {
     libbpf_set_print(nil)  // errors come back as errno; libbpf's own log would go to stderr
-    let elf = which.elfBytes
+    let elf = try BPFObjectOverride.bytes(which)
     guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
         throw SystemCallError(call: "bpf_object__open_mem \(program)", errno: errno)
     }
@@ -100,4 +100,50 @@ package func setReadOnlyGlobal<Value>(_ object: OpaquePointer, _ value: Value, o
         map = bpf_object__next_map(object, current)
     }
     throw SystemCallError(call: "\(objectName) has no .rodata map for \(global)", errno: ENOENT)
+}
+
+/// udp-fanout's programs from a directory instead of the binary: `UDP_FANOUT_BPF_DIR` names a
+/// directory of objects compiled from `bpf/` (`tc_fanout.bpf.o`, `xdp_fanout.bpf.o`,
+/// `xdp_steer.bpf.o`, `map_count.bpf.o`); each one found there is loaded instead of the embedded
+/// one. For development (a changed program tried on a running node without rebuilding the binary:
+/// a restart swaps it in on the same maps, as an upgrade does) and the tests of that upgrade.
+/// ReusePortLB's own program is never replaced: a library does not read this process setting.
+package enum BPFObjectOverride {
+    package static let variable = "UDP_FANOUT_BPF_DIR"
+
+    /// The directory, when the variable is set and not empty.
+    package static var directory: String? {
+        guard let value = getenv(variable), value.pointee != 0 else { return nil }
+        return String(cString: value)
+    }
+
+    /// The objects the directory replaces (their paths), for the start's log line.
+    package static func replaced() -> [String] {
+        guard let directory else { return [] }
+        return BPFObject.allCases.filter { $0 != .reuseportSelect }
+            .map { directory + "/" + $0.fileName }
+            .filter { access($0, F_OK) == 0 }
+    }
+
+    /// The bytes to load for `which`: the directory's file when it has one, else the embedded object.
+    static func bytes(_ which: BPFObject) throws(SystemCallError) -> [UInt8] {
+        guard which != .reuseportSelect, let directory else { return which.elfBytes }
+        let path = directory + "/" + which.fileName
+        guard access(path, F_OK) == 0 else { return which.elfBytes }
+        let fd = open(path, O_RDONLY | O_CLOEXEC)
+        guard fd >= 0 else { throw SystemCallError(call: "open \(path) (\(variable))", errno: errno) }
+        defer { close(fd) }
+        var bytes: [UInt8] = []
+        var chunk = [UInt8](repeating: 0, count: 65536)
+        while true {
+            let count = chunk.withUnsafeMutableBytes { read(fd, $0.baseAddress, $0.count) }
+            if count < 0 {
+                if errno == EINTR { continue }
+                throw SystemCallError(call: "read \(path) (\(variable))", errno: errno)
+            }
+            if count == 0 { break }
+            bytes += chunk[0..<count]
+        }
+        return bytes
+    }
 }

@@ -102,6 +102,7 @@ struct Run: AsyncParsableCommand {
         for (flag, value) in [("--ebpf-program", ebpfProgram), ("--xdp-program", xdpProgram)] where value != nil {
             logger.notice("\(flag) is accepted for compatibility and ignored: the BPF programs are embedded in udp-fanout", metadata: ["path": "\(value!)"])
         }
+        logProgramOverride(logger)
         let parsed: FanoutConfig
         do {
             parsed = try ConfigParser.parse(try readFile(config))

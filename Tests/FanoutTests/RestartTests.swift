@@ -5,6 +5,8 @@ import Testing
 import TestSupport
 // SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
 import CSystemShim
+import CLibBPF
+import BPFSupport
 @testable import FanoutCore
 import ReusePortLB
 
@@ -26,6 +28,8 @@ final class ServiceManager {
     let arguments: [String]
     /// False: a unit without `FileDescriptorStoreMax=` (systemd closes what it is sent).
     let keepsDescriptors: Bool
+    /// Set in the environment of the next starts (as a unit's `Environment=` would be).
+    var environment: [String: String] = [:]
 
     init(_ arguments: [String], keepsDescriptors: Bool = true) throws {
         notify = try NotifySocket()
@@ -68,7 +72,8 @@ final class ServiceManager {
     private func launch() throws {
         let given = store
         let log = "/tmp/restart-\(UUID().uuidString.prefix(8)).log"
-        var environment = ["NOTIFY_SOCKET": notify.path]
+        var environment = self.environment
+        environment["NOTIFY_SOCKET"] = notify.path
         if !given.isEmpty {
             environment["LISTEN_FDS"] = "\(given.count)"
             environment["LISTEN_FDNAMES"] = given.map(\.name).joined(separator: ":")
@@ -157,6 +162,49 @@ final class ServiceManager {
     }
 
     var output: String { process?.output ?? "" }
+
+    /// The tag (the kernel's hash of its instructions) of the program each stored TCX link runs.
+    func linkProgramTags() -> [String] {
+        store.filter { $0.name.hasPrefix(DescriptorStore.tcLinkPrefix) }.compactMap { entry in
+            guard let info = TCAttachment.linkInfo(entry.fd) else { return nil }
+            let fd = bpf_prog_get_fd_by_id(info.programID)
+            guard fd >= 0 else { return nil }
+            defer { close(fd) }
+            var program = bpf_prog_info()
+            var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+            guard bpf_obj_get_info_by_fd(fd, &program, &length) == 0 else { return nil }
+            return withUnsafeBytes(of: program.tag) { $0.map { String(format: "%02x", $0) }.joined() }
+        }
+    }
+}
+
+/// What an upgrade brings: udp-fanout's BPF programs built anew from `bpf/` for another
+/// instruction set (`-mcpu=v4`; the embedded ones are clang's default, v3), so their instructions
+/// differ and their maps do not, in a directory for `UDP_FANOUT_BPF_DIR`.
+enum ChangedPrograms {
+    /// Builds them in a directory of their own; the caller removes it.
+    static func build() throws -> URL {
+        let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        let output = URL(fileURLWithPath: "/tmp/udp-fanout-changed-bpf-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: output, withIntermediateDirectories: true)
+        var uts = utsname()
+        uname(&uts)
+        let machine = withUnsafeBytes(of: uts.machine) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
+        for name in ["tc_fanout", "xdp_fanout", "xdp_steer"] {
+            let result = try run(clang, ["-O2", "-g", "-target", "bpf", "-mcpu=v4", "-Wall", "-Werror",
+                                          "-I", root.appendingPathComponent("bpf/include").path, "-I", "/usr/include/\(machine)-linux-gnu",
+                                          "-c", root.appendingPathComponent("bpf/\(name).bpf.c").path,
+                                          "-o", output.appendingPathComponent("\(name).bpf.o").path])
+            try #require(result.status == 0, "clang for \(name): \(result.output)")
+        }
+        return output
+    }
+
+    /// The toolchain's clang (it has the bpf target): next to swift, or on PATH.
+    static var clang: String {
+        let candidates = ["/opt/swift/usr/bin/clang"] + (ProcessInfo.processInfo.environment["PATH"] ?? "").split(separator: ":").map { "\($0)/clang" }
+        return candidates.first { FileManager.default.isExecutableFile(atPath: $0) } ?? "clang"
+    }
 }
 
 /// Sends numbered datagrams at a steady rate from a thread until told to stop; a receiver thread
@@ -503,7 +551,8 @@ struct KernelRestartTests {
     /// service manager; publisher in the client namespace at 20,000 datagrams/s for 3 s,
     /// interrupted after 1 s: (sent, received at the backend, the second process's log).
     static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf",
-                    beforeSecondStart: (ServiceManager) -> Void = { _ in }) throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String) {
+                    beforeSecondStart: (ServiceManager) -> Void = { _ in },
+                    beforeStop: (ServiceManager) -> Void = { _ in }) throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
@@ -533,6 +582,7 @@ struct KernelRestartTests {
         // when they were taken over (counters never go backwards).
         let metrics = (try? TCFixtures.metrics(topology, port: metricsPort!)) ?? ""
         let counted = metric(metrics, "udp_fanout_packets_received_total", "listener=\"\(mode == "af_xdp" ? "x" : "tc")\",mode=\"\(mode)\"") ?? -1
+        beforeStop(manager)
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
         return (sent, received, counted, log, metrics)
@@ -540,7 +590,9 @@ struct KernelRestartTests {
 
     @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
     func plannedRestart() throws {
-        let result = try Self.run(.restart)
+        var tags: (before: [String], after: [String]) = ([], [])
+        let result = try Self.run(.restart, beforeSecondStart: { tags.before = $0.linkProgramTags() }, beforeStop: { tags.after = $0.linkProgramTags() })
+        #expect(tags.before.count == 1 && tags.after == tags.before, "the same program runs on the link after a restart of the same binary: \(tags)")
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("took over the tc_ebpf link the previous process left"), "\(result.log)")
         #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
@@ -549,6 +601,33 @@ struct KernelRestartTests {
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 2, "the link and the maps: \(result.metrics)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 0)
         print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+    }
+
+    @Test("an upgrade to a changed program (tc_ebpf, xdp, af_xdp): the next start's programs, built for another instruction set, replace the running ones (tc: on the same link and maps, the counter goes on): no datagram lost at 20,000/s",
+          arguments: ["tc_ebpf", "xdp", "af_xdp"])
+    func upgrade(mode: String) throws {
+        let changed = try ChangedPrograms.build()
+        defer { try? FileManager.default.removeItem(at: changed) }
+        var tags: (before: [String], after: [String]) = ([], [])
+        let result = try Self.run(.restart, mode: mode, beforeSecondStart: { manager in
+            tags.before = manager.linkProgramTags()
+            manager.environment[BPFObjectOverride.variable] = changed.path
+        }, beforeStop: { tags.after = $0.linkProgramTags() })
+        #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        #expect(result.log.contains("BPF programs loaded from \(BPFObjectOverride.variable)"), "\(result.log)")
+        #expect(result.log.contains("objects=tc_fanout.bpf.o,xdp_steer.bpf.o,xdp_fanout.bpf.o"), "\(result.log)")
+        if mode == "af_xdp" {
+            // Its XDP program is the process's (attached anew by each start); its sockets wait
+            // in the store meanwhile.
+            #expect(result.log.contains("adopted the sockets of the previous process"), "\(result.log)")
+            print("af_xdp upgrade to a changed program: sent \(result.sent), received \(result.received)")
+            return
+        }
+        #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
+        #expect(result.log.contains("took over the tc_ebpf maps of the previous process"), "\(result.log)")
+        #expect(tags.before.count == 1 && tags.after.count == 1 && tags.before != tags.after, "the link runs the changed program: \(tags)")
+        #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
+        print("\(mode) upgrade to a changed program: sent \(result.sent), received \(result.received), counted \(result.counted), program tag \(tags.before) -> \(tags.after)")
     }
 
     @Test("tc_ebpf: a start that fails (a userspace bind taken) hands back what it took over: the tc program forwards on, the next start takes it over, no datagram lost")
@@ -673,7 +752,8 @@ struct KernelRestartTests {
     /// (tc_ebpf or xdp, round robin over three echo servers) for 3 s, the daemon interrupted after
     /// 1 s: the publisher's report and the second process's log.
     static func twoWay(_ path: TwoWayEndToEndTests.Path, _ interruption: RestartTests.Interruption, secondServers: [Int]? = nil,
-                       beforeSecondStart: (ServiceManager) -> Void = { _ in }) throws -> (report: [String: Any], log: String, metrics: String) {
+                       beforeSecondStart: (ServiceManager) -> Void = { _ in },
+                       beforeStop: (ServiceManager) -> Void = { _ in }) throws -> (report: [String: Any], log: String, metrics: String) {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 30)
         try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try TwoWayEndToEndTests.servers(topology)
@@ -703,6 +783,7 @@ struct KernelRestartTests {
         let report = try publisher.json()
         let log = manager.output
         let metrics = (try? TwoWayEndToEndTests.metrics(topology)) ?? ""
+        beforeStop(manager)
         try manager.stop()
         _ = servers
         return (report, log, metrics)
@@ -713,6 +794,25 @@ struct KernelRestartTests {
     func natRestart(path: TwoWayEndToEndTests.Path, interruption: RestartTests.Interruption) throws {
         let (report, log, _) = try Self.twoWay(path, interruption)
         print("\(path) \(interruption): \(report)")
+        #expect(report.int("lost") == 0, "no reply lost: \(report); log: \(log)")
+        #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
+        #expect(report.int("clients_with_one_server") == 30, "every client kept its server: \(report)")
+        #expect(report.int("replies") > 1000, "\(report)")
+    }
+
+    @Test("nat (tc_ebpf, xdp): an upgrade to a changed program under 30 exchanging clients: the changed programs take over the associations, no reply lost, every client keeps its server",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp])
+    func natUpgrade(path: TwoWayEndToEndTests.Path) throws {
+        let changed = try ChangedPrograms.build()
+        defer { try? FileManager.default.removeItem(at: changed) }
+        var tags: (before: [String], after: [String]) = ([], [])
+        let (report, log, _) = try Self.twoWay(path, .restart, beforeSecondStart: { manager in
+            tags.before = manager.linkProgramTags()
+            manager.environment[BPFObjectOverride.variable] = changed.path
+        }, beforeStop: { tags.after = $0.linkProgramTags() })
+        print("\(path) upgrade to a changed program: \(report), program tag \(tags.before) -> \(tags.after)")
+        #expect(log.contains("BPF programs loaded from \(BPFObjectOverride.variable)"), "\(log)")
+        #expect(!tags.before.isEmpty && tags.after.count == tags.before.count && Set(tags.before).isDisjoint(with: tags.after), "every link runs the changed program: \(tags)")
         #expect(report.int("lost") == 0, "no reply lost: \(report); log: \(log)")
         #expect(report.int("wrong_source") == 0, "every reply from the VIP: \(report)")
         #expect(report.int("clients_with_one_server") == 30, "every client kept its server: \(report)")

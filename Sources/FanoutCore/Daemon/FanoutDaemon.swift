@@ -2,6 +2,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFSupport
 import Logging
 import ReusePortLB
 import Synchronization
@@ -497,4 +498,14 @@ package func readFile(_ path: String) throws(ConfigError) -> String {
         throw ConfigError("--config", "cannot read \(path): \(String(decoding: Array(String(cString: strerror(errno)).utf8), as: UTF8.self))")
     }
     return String(decoding: bytes, as: UTF8.self)
+}
+
+/// Logs, at a start, which BPF programs `UDP_FANOUT_BPF_DIR` replaces (docs/development.md).
+package func logProgramOverride(_ logger: Logger) {
+    guard let directory = BPFObjectOverride.directory else { return }
+    let replaced = BPFObjectOverride.replaced()
+    logger.warning(replaced.isEmpty
+        ? "\(BPFObjectOverride.variable) names a directory without any of udp-fanout's BPF objects: the programs built into this binary are loaded"
+        : "BPF programs loaded from \(BPFObjectOverride.variable) instead of the ones built into this binary (development): a start swaps them in on the running maps, as an upgrade does",
+        metadata: ["directory": "\(directory)", "objects": "\(replaced.map { $0.split(separator: "/").last.map(String.init) ?? $0 }.joined(separator: ","))"])
 }
