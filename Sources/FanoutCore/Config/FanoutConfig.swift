@@ -271,6 +271,9 @@ public struct Settings: Equatable, Sendable {
     public var recvBufSize: Int = 0
     /// How datagrams are spread over the workers (their sockets' ReusePortLB policy).
     public var workerSteering: WorkerSteering = .fiveTuple
+    /// userspace: NetFlow v9 / IPFIX templates copied to every downstream and replayed to one
+    /// that takes an exporter over (docs/flow-templates.md).
+    public var flowTemplates: Bool = false
     /// tc_ebpf: how the program is attached to the interface.
     public var tcAttach: TCAttach = .auto
     /// Longest time between two resolutions of a DNS downstream (the record's TTL, if shorter, wins).

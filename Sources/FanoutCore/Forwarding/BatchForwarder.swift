@@ -38,13 +38,16 @@ final class BatchForwarder {
     let sender: SharedSender
     /// Replication: the plan's pools, offered each datagram.
     private let replicator: PoolReplicator
+    /// `settings.flow_templates`: the caller offers it each datagram before appending it.
+    let templates: FlowTemplateRelay?
 
     /// - Parameters:
     ///   - makeOutbox: the way out to each of the listener's own downstreams.
     ///   - output: the listener's `settings.output`, for pools that do not set their own.
     ///   - capacity: datagrams per batch (a pool member's outbox holds at most one batch).
+    ///   - templates: the listener's flow export templates (`settings.flow_templates`), nil when off.
     init(listener: String, counters: ListenerCounters, plans: PlanHolder, logger: Logger, output: Output, capacity: Int,
-         makeOutbox: @escaping OutboxFactory) {
+         templates: FlowTemplateState? = nil, makeOutbox: @escaping OutboxFactory) {
         self.listener = listener
         self.counters = counters
         self.plans = plans
@@ -54,6 +57,8 @@ final class BatchForwarder {
         sender = SharedSender(capacity: capacity, logger: logger)
         touched.reserveCapacity(capacity)
         replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
+        let shared = sender
+        self.templates = templates.map { FlowTemplateRelay(state: $0, sender: shared, output: output) }
     }
 
     /// Takes the current plan if a reload or membership change replaced it (one atomic load).
@@ -79,6 +84,7 @@ final class BatchForwarder {
         outboxesAt = Dictionary(grouping: plan.downstreams.indices, by: { plan.downstreams[$0].address })
         touched.removeAll(keepingCapacity: true)
         replicator.adopt(plan)
+        templates?.adopt(plan)
     }
 
     /// Offers one datagram to every replication pool (``PoolReplicator/replicate(_:source:hopLimit:)``).
@@ -140,6 +146,8 @@ final class BatchForwarder {
                forwarded extraForwarded: UInt64 = 0, bytesForwarded extraBytes: UInt64 = 0, notOffered: [(DropReason, UInt64)] = []) {
         var forwarded = extraForwarded
         var bytesForwarded = extraBytes
+        // Template copies and replays first: a replay arrives before the data it serves.
+        templates?.flush()
         // Everything of the batch for the shared socket goes in one sendmmsg: stage, then send.
         if sockets.isEmpty {
             for target in touched { outboxes[target].stage() }

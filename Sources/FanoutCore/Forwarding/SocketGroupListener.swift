@@ -150,7 +150,8 @@ final class SocketGroupListener: Sendable {
         let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors) { members, shared in
             members.enumerated().map { index, member in
                 SocketWorker(index: index, member: member, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
-                             makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize))
+                             makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize),
+                             templates: counters.flowTemplates(config))
             }
         }
         // A reload that turned relay off: no two-way series for a one-way listener.
@@ -249,7 +250,7 @@ final class SocketGroupListener: Sendable {
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
         let drains = handedOver.enumerated().map { index, socket in
             SocketWorker(index: index, member: socket.member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
-                         makeOutbox: factory, drainLimit: .seconds(30), handedOver: true)
+                         makeOutbox: factory, drainLimit: .seconds(30), handedOver: true, templates: counters.flowTemplates(config))
         }
         let (name, log) = (config.name, logger)
         OSThread.detached(name: "\(config.name)-adopted") {

@@ -33,7 +33,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
-         drainLimit: Duration = .seconds(1), handedOver: Bool = false) {
+         drainLimit: Duration = .seconds(1), handedOver: Bool = false, templates: FlowTemplateState? = nil) {
         self.handedOver = handedOver
         self.index = index
         self.member = member
@@ -44,7 +44,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"], drainLimit: drainLimit)
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
-                                   output: listener.settings.output, capacity: listener.settings.batchSize, makeOutbox: makeOutbox)
+                                   output: listener.settings.output, capacity: listener.settings.batchSize, templates: templates,
+                                   makeOutbox: makeOutbox)
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
@@ -116,6 +117,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 noHealthy += 1
                 continue
             }
+            if let templates = forwarder.templates { templates.note(target, payload, source: source) }
             forwarder.append(target, payload, source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)

@@ -133,6 +133,9 @@ package final class ListenerCounters: Sendable {
     let twoWaySource = Mutex<(@Sendable () -> TwoWaySnapshot)?>(nil)
     /// A relay listener's reply totals, shared by its instances (made at the first relay start).
     private let relayTotals = Mutex<RelayCounters?>(nil)
+    /// A userspace listener's flow export templates (`settings.flow_templates`): made at the
+    /// first start with it on, kept across reloads.
+    let flowTemplateState = Mutex<FlowTemplateState?>(nil)
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Replication pools' counters by pool name, made on first use and kept for the life of the
     /// process (as the downstreams').
@@ -241,6 +244,17 @@ package final class ListenerCounters: Sendable {
         static let zero = Snapshot(
             received: 0, bytesReceived: 0, forwarded: 0, bytesForwarded: 0, noHealthy: 0, receiveQueueDrops: 0,
             dropped: [:], downstreams: [:])
+    }
+
+    /// The listener's flow export templates when `config` turns them on (userspace listeners), else nil.
+    func flowTemplates(_ config: Listener) -> FlowTemplateState? {
+        guard config.mode == .userspace, config.settings.flowTemplates else { return nil }
+        return flowTemplateState.withLock { state in
+            if let state { return state }
+            let made = FlowTemplateState()
+            state = made
+            return made
+        }
     }
 
     /// The relay reply totals every instance of this listener adds to: a restart's old instance

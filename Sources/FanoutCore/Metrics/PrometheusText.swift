@@ -82,6 +82,13 @@ enum PrometheusText {
                        values.downstreamReplies.sorted { $0.key < $1.key }.map { (labels(listener) + ",downstream=\"\(escape($0.key))\"", $0.value) }
                    })
         }
+        let templates = snapshots.compactMap { listener, _ in listener.flowTemplateState.withLock { $0 }.map { $0.metricsRows(labels(listener)) } }
+        if !templates.isEmpty {
+            family("udp_fanout_flow_templates_total", "NetFlow v9 / IPFIX templates (settings.flow_templates), by event: template_packets seen, templates defined, redefined, withdrawn, template packets copied to the other downstreams and replayed to one that took an exporter over, malformed packets, copies and replays a send dropped, exporters evicted, templates refused",
+                   rows: templates.flatMap(\.events))
+            family("udp_fanout_flow_template_exporters", "Exporters whose templates are kept", type: "gauge", rows: templates.map(\.exporters))
+            family("udp_fanout_flow_templates", "Templates kept, of every exporter", type: "gauge", rows: templates.map(\.templates))
+        }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
         return out

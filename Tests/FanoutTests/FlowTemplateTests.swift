@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+import TestSupport
+@testable import FanoutCore
+import ReusePortLB
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `settings.flow_templates` with real collectors: NetFlow v9 and IPFIX from 40 exporters whose
+/// templates are sent once (in each exporter's first packet), balanced by source over nfcapd
+/// collectors; mid-run one collector is killed (kill -9: what it stored is gone) and taken out
+/// by a reload, then a third collector is added by another. Every record the living collectors
+/// were sent must decode; without the option the exporters that moved lose theirs.
+@Suite("flow templates: real collectors keep decoding when exporters change collector (userspace)", .serialized,
+       .enabled(if: Privileges.enabled, Privileges.reason))
+struct FlowTemplateEndToEndTests {
+    struct Outcome {
+        var records = 0
+        /// Records decoded by the two collectors alive at the end.
+        var decoded = 0
+        /// Records in the datagrams the killed collector was given (lost with it).
+        var toKilled = 0
+        var metrics = ""
+
+        func event(_ name: String) -> Int? { metric(metrics, "udp_fanout_flow_templates_total", "listener=\"nf\",mode=\"userspace\",event=\"\(name)\"") }
+    }
+
+    static func run(_ version: String, templates: Bool) throws -> Outcome {
+        try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
+        let collectors = try (0..<3).map { _ in try NetFlowCollector() }
+        usleep(300_000)  // the collectors bind
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        func yaml(_ members: [Int]) -> String {
+            """
+            listeners:
+              - name: nf
+                bind: "\(bind)"
+                balancing: source_ip
+                settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608, flow_templates: \(templates)}
+                downstream:
+            \(members.map { "      - {name: c\($0), address: \"127.0.0.1:\(collectors[$0].port)\"}\n" }.joined())
+            """
+        }
+        let daemon = try startDaemon(yaml([0, 1]))
+        defer { daemon.shutdown() }
+        // 40 exporters, 150 packets each of 10 records at 2,000 packets/s: 3 s. Templates in
+        // each exporter's first packet only.
+        let publisher = try Child("publisher", ["127.0.0.1", "\(bind.port)", "6000", "--sources", "127.0.0.2-127.0.0.41", "--netflow", version,
+                                                "--template-every", "100000", "--rate", "2000"])
+        usleep(1_000_000)
+        collectors[0].child.signal(SIGKILL)
+        _ = collectors[0].child.wait(seconds: 5)
+        #expect(daemon.reload(text: yaml([1])), "c0 taken out")
+        usleep(700_000)
+        #expect(daemon.reload(text: yaml([1, 2])), "c2 added")
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        let report = try publisher.json()
+        usleep(500_000)
+        var outcome = Outcome()
+        outcome.records = report.int("records")
+        outcome.metrics = daemon.metricsText()
+        let given = (metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"userspace\",downstream=\"c0\"") ?? 0)
+            + (metric(outcome.metrics, "udp_fanout_downstream_packets_dropped_total", "listener=\"nf\",mode=\"userspace\",downstream=\"c0\"") ?? 0)
+        outcome.toKilled = given * 10
+        let flows = try collectors[1...].map { try $0.flowsByExporter() }
+        outcome.decoded = flows.map { $0.values.reduce(0, +) }.reduce(0, +)
+        #expect(report.int("sent") == 6000 && outcome.records == 60_000, "\(report)")
+        #expect(flows[1].values.reduce(0, +) > 0, "the added collector got exporters: \(flows[1])")
+        print("flow templates \(version) \(templates ? "on" : "off"): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
+        return outcome
+    }
+
+    @Test("on: every record sent to a living collector decodes, through a kill -9 and an added collector (v9, IPFIX); templates copied and replayed, counted",
+          arguments: ["v9", "ipfix"])
+    func templatesFollow(version: String) throws {
+        let outcome = try Self.run(version, templates: true)
+        #expect(outcome.toKilled > 0 && outcome.decoded == outcome.records - outcome.toKilled,
+                "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect(outcome.event("template_packets") == 40, "each exporter's first packet: \(outcome.metrics)")
+        #expect((outcome.event("copied") ?? 0) >= 40, "each exporter's templates to the other collector")
+        #expect((outcome.event("replayed") ?? 0) > 0, "to the added collector")
+        #expect(outcome.event("malformed") == 0 && outcome.event("send_dropped") == 0)
+        #expect(metric(outcome.metrics, "udp_fanout_flow_template_exporters", "listener=\"nf\",mode=\"userspace\"") == 40)
+    }
+
+    @Test("off (what the option fixes): the exporters that moved lose their records at their new collector")
+    func withoutTemplates() throws {
+        let outcome = try Self.run("v9", templates: false)
+        #expect(outcome.decoded < outcome.records - outcome.toKilled, "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect(outcome.event("replayed") == nil, "no template series without the option")
+    }
+}
+
+/// One worker's part, without a daemon: copies and replays through its own lanes.
+@Suite("flow templates: a worker's copies and replays")
+struct FlowTemplateRelayTests {
+    /// A NetFlow v9 packet: a template (ID 256, one field) and, unless `templateOnly`, one data record of it.
+    static func v9(template: Bool, data: Bool, sequence: UInt32 = 1) -> [UInt8] {
+        var body: [UInt8] = []
+        if template { body += [0, 0, 0, 12, 1, 0, 0, 1, 0, 8, 0, 4] }
+        if data { body += [1, 0, 0, 8, 10, 0, 0, 1] }
+        let count = UInt16((template ? 1 : 0) + (data ? 1 : 0))
+        return [0, 9, UInt8(count >> 8), UInt8(count & 0xff), 0, 0, 0, 1, 0, 0, 0, 2]
+            + withUnsafeBytes(of: sequence.bigEndian) { Array($0) } + [0, 0, 0, 7] + body
+    }
+
+    @Test("200 exporters' templates in one batch reach the other downstream whole (a lane flushed as it fills); a downstream that joins gets an exporter's templates once, before its data; data to a downstream that holds them adds nothing")
+    func copiesAndReplays() throws {
+        let sinks = try (0..<3).map { _ in try Sink() }
+        let downstreams = sinks.enumerated().map { Downstream(name: "s\($0.offset)", address: $0.element.address) }
+        let counters = ListenerCounters(name: "t", mode: "userspace")
+        let state = FlowTemplateState()
+        let relay = FlowTemplateRelay(state: state, sender: SharedSender(capacity: 32), output: .socket)
+        relay.adopt(ForwardingPlan(downstreams: Array(downstreams[0..<2]), balancing: .roundRobin, pools: [], counters: counters))
+        func note(_ target: Int, _ packet: [UInt8], exporter: Int) {
+            var storage = sockaddr_storage()
+            _ = SocketAddress(ip: IPAddress("10.0.\(exporter / 250).\(exporter % 250 + 1)")!, port: 2055).write(to: &storage)
+            packet.withUnsafeBytes { bytes in withUnsafePointer(to: &storage) { relay.note(target, bytes, source: $0) } }
+        }
+        for exporter in 0..<200 { note(0, Self.v9(template: true, data: true), exporter: exporter) }
+        relay.flush()
+        usleep(100_000)
+        #expect(sinks[1].drain().count == 200, "a copy of each exporter's templates")
+        #expect(sinks[0].drain().isEmpty, "the datagram itself is the forwarder's to send")
+        #expect(state.copies.load(ordering: .relaxed) == 200 && state.templatePackets.load(ordering: .relaxed) == 200)
+        // The same templates again change nothing: no copy.
+        note(0, Self.v9(template: true, data: true, sequence: 2), exporter: 0)
+        relay.flush()
+        #expect(state.copies.load(ordering: .relaxed) == 200)
+        // s2 joins; exporter 0's data goes there: one replay, once.
+        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        note(2, Self.v9(template: false, data: true, sequence: 3), exporter: 0)
+        note(2, Self.v9(template: false, data: true, sequence: 4), exporter: 0)
+        note(1, Self.v9(template: false, data: true, sequence: 5), exporter: 0)
+        relay.flush()
+        usleep(100_000)
+        let replayed = sinks[2].drain()
+        #expect(replayed.count == 1 && state.replays.load(ordering: .relaxed) == 1, "\(replayed.count) replays")
+        #expect(replayed.first.map { Array($0.prefix(2)) } == [0, 9] && replayed.first.map { Array($0.suffix(12)) } == [0, 0, 0, 12, 1, 0, 0, 1, 0, 8, 0, 4],
+                "the template, with no data record: \(replayed)")
+        #expect(sinks[1].drain().isEmpty, "s1 holds the templates already")
+        // A malformed version 9 datagram is counted, not learned.
+        note(0, Array(Self.v9(template: true, data: false).prefix(26)) + [0, 0], exporter: 7)
+        #expect(state.malformed.load(ordering: .relaxed) == 1)
+    }
+}
