@@ -5,6 +5,7 @@ import Glibc
 import BPFObjects
 import CLibBPF
 import SystemCalls
+import Synchronization
 
 /// Opens one of the embedded BPF objects, lets `prepare` adjust it before load (map sizes,
 /// read-only globals), loads it, and returns our own close-on-exec descriptors: the program
@@ -16,8 +17,10 @@ package func loadEmbeddedObject(
 ) throws(SystemCallError) -> [Int32] {
     libbpf_set_print(nil)  // errors come back as errno; libbpf's own log would go to stderr
     let elf = try BPFObjectOverride.bytes(which)
+    // A replaced object's errors name its file and the way back.
+    let origin = BPFObjectOverride.path(which).map { " of \($0) (\(BPFObjectOverride.variable): compile it from bpf/ as docs/development.md says, or unset the variable)" } ?? ""
     guard let object = elf.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
-        throw SystemCallError(call: "bpf_object__open_mem \(program)", errno: errno)
+        throw SystemCallError(call: "bpf_object__open_mem \(program)\(origin)", errno: errno)
     }
     defer { bpf_object__close(object) }
     try prepare(object)
@@ -27,12 +30,14 @@ package func loadEmbeddedObject(
     let log = UnsafeMutablePointer<CChar>.allocate(capacity: logSize)
     defer { log.deallocate() }
     log[0] = 0
-    let handle = bpf_object__find_program_by_name(object, program)
+    guard let handle = bpf_object__find_program_by_name(object, program) else {
+        throw SystemCallError(call: "bpf_object__find_program_by_name \(program)\(origin)", errno: ENOENT)
+    }
     bpf_program__set_log_buf(handle, log, logSize)
     let loaded = bpf_object__load(object)
     if loaded < 0 {
         let error = loaded == -1 ? errno : -loaded
-        throw SystemCallError(call: "bpf_object__load \(program)" + verifierExcerpt(String(cString: log)), errno: error)
+        throw SystemCallError(call: "bpf_object__load \(program)\(origin)" + verifierExcerpt(String(cString: log)), errno: error)
     }
     var libbpfOwned = [bpf_program__fd(bpf_object__find_program_by_name(object, program))]
     for name in maps { libbpfOwned.append(bpf_map__fd(bpf_object__find_map_by_name(object, name))) }
@@ -119,17 +124,59 @@ package enum BPFObjectOverride {
 
     /// The objects the directory replaces (their paths), for the start's log line.
     package static func replaced() -> [String] {
-        guard let directory else { return [] }
-        return BPFObject.allCases.filter { $0 != .reuseportSelect }
-            .map { directory + "/" + $0.fileName }
-            .filter { access($0, F_OK) == 0 }
+        BPFObject.allCases.compactMap(path)
     }
 
-    /// The bytes to load for `which`: the directory's file when it has one, else the embedded object.
-    static func bytes(_ which: BPFObject) throws(SystemCallError) -> [UInt8] {
-        guard which != .reuseportSelect, let directory else { return which.elfBytes }
+    /// Whether the directory exists (a mistyped one is said at the start).
+    package static var directoryExists: Bool {
+        var status = stat()
+        guard let directory else { return false }
+        return stat(directory, &status) == 0 && (status.st_mode & S_IFMT) == S_IFDIR
+    }
+
+    /// The file that replaces `which`: any entry of its name in the directory (a dangling link
+    /// or a directory there fails the load, naming it), nil when there is none.
+    package static func path(_ which: BPFObject) -> String? {
+        guard which != .reuseportSelect, let directory else { return nil }
         let path = directory + "/" + which.fileName
-        guard access(path, F_OK) == 0 else { return which.elfBytes }
+        var status = stat()
+        return lstat(path, &status) == 0 ? path : nil
+    }
+
+    /// What is wrong with the objects the directory replaces (each opened, not loaded: not a
+    /// BPF object, or without its program), for `--check`.
+    package static func problems() -> [String] {
+        BPFObject.allCases.compactMap { which -> String? in
+            guard let path = path(which) else { return nil }
+            let bytes: [UInt8]
+            do { bytes = try Self.bytes(which) } catch { return "\(error)" }
+            libbpf_set_print(nil)
+            guard let object = bytes.withUnsafeBytes({ bpf_object__open_mem($0.baseAddress, $0.count, nil) }) else {
+                return "\(path) (\(variable)) is not a BPF object libbpf can open (errno \(errno)): compile it from bpf/ as docs/development.md says, or unset \(variable)"
+            }
+            defer { bpf_object__close(object) }
+            let expected = which.programName
+            return bpf_object__find_program_by_name(object, expected) == nil
+                ? "\(path) (\(variable)) has no program \(expected): it is not \(which.fileName) compiled from bpf/"
+                : nil
+        }
+    }
+
+    /// The files as first read (the start reads them, for its warning and `--check`): every
+    /// later load (a reload, a first use) takes the same bytes, whatever the directory holds now.
+    private static let kept = Mutex<[BPFObject: [UInt8]]>([:])
+
+    /// The bytes to load for `which`: the directory's file when it has one (as first read),
+    /// else the embedded object.
+    static func bytes(_ which: BPFObject) throws(SystemCallError) -> [UInt8] {
+        if let bytes = kept.withLock({ $0[which] }) { return bytes }
+        guard let path = path(which) else { return which.elfBytes }
+        let bytes = try readFile(path)
+        kept.withLock { $0[which] = $0[which] ?? bytes }
+        return kept.withLock { $0[which]! }
+    }
+
+    private static func readFile(_ path: String) throws(SystemCallError) -> [UInt8] {
         let fd = open(path, O_RDONLY | O_CLOEXEC)
         guard fd >= 0 else { throw SystemCallError(call: "open \(path) (\(variable))", errno: errno) }
         defer { close(fd) }

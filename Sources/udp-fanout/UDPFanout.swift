@@ -102,7 +102,11 @@ struct Run: AsyncParsableCommand {
         for (flag, value) in [("--ebpf-program", ebpfProgram), ("--xdp-program", xdpProgram)] where value != nil {
             logger.notice("\(flag) is accepted for compatibility and ignored: the BPF programs are embedded in udp-fanout", metadata: ["path": "\(value!)"])
         }
-        logProgramOverride(logger)
+        let programProblems = logProgramOverride(logger, checking: check)
+        if check && !programProblems.isEmpty {
+            for problem in programProblems { printError("udp-fanout: \(problem)") }
+            throw ExitCode(2)
+        }
         let parsed: FanoutConfig
         do {
             parsed = try ConfigParser.parse(try readFile(config))

@@ -49,7 +49,9 @@ final class ServiceManager {
         // As systemd runs it, the check cannot see who holds the stored sockets (PID 1's
         // descriptors are not readable by the unit's DynamicUser=): in a PID namespace of its
         // own, the test process that holds them is not in its /proc.
-        let check = try run("/usr/bin/unshare", ["--pid", "--fork", "--mount-proc", "--"] + arguments + ["--check"])
+        // ExecStartPre= runs with the unit's Environment= too.
+        let check = try run("/usr/bin/unshare", ["--pid", "--fork", "--mount-proc", "--", "/usr/bin/env"]
+                            + environment.sorted { $0.key < $1.key }.map { "\($0.key)=\($0.value)" } + arguments + ["--check"])
         #expect(check.status == 0, "ExecStartPre= udp-fanout --check: \(check.output)")
         try launch()
         try #require(pump(until: { $0["READY"] == "1" }), "no READY=1; log: \(process?.output ?? "")")
@@ -164,18 +166,34 @@ final class ServiceManager {
     var output: String { process?.output ?? "" }
 
     /// The tag (the kernel's hash of its instructions) of the program each stored TCX link runs.
-    func linkProgramTags() -> [String] {
+    func linkProgramTags() -> [String] { linkPrograms().map(\.tag) }
+
+    /// The id and tag of the program each stored TCX link runs.
+    func linkPrograms() -> [(id: UInt32, tag: String)] {
         store.filter { $0.name.hasPrefix(DescriptorStore.tcLinkPrefix) }.compactMap { entry in
-            guard let info = TCAttachment.linkInfo(entry.fd) else { return nil }
-            let fd = bpf_prog_get_fd_by_id(info.programID)
-            guard fd >= 0 else { return nil }
-            defer { close(fd) }
-            var program = bpf_prog_info()
-            var length = UInt32(MemoryLayout<bpf_prog_info>.size)
-            guard bpf_obj_get_info_by_fd(fd, &program, &length) == 0 else { return nil }
-            return withUnsafeBytes(of: program.tag) { $0.map { String(format: "%02x", $0) }.joined() }
+            guard let info = TCAttachment.linkInfo(entry.fd), let tag = programTag(info.programID) else { return nil }
+            return (info.programID, tag)
         }
     }
+}
+
+/// The tag of the loaded program `id` (the kernel's hash of its instructions), nil if it is gone.
+func programTag(_ id: UInt32) -> String? {
+    let fd = bpf_prog_get_fd_by_id(id)
+    guard fd >= 0 else { return nil }
+    defer { close(fd) }
+    var program = bpf_prog_info()
+    var length = UInt32(MemoryLayout<bpf_prog_info>.size)
+    guard bpf_obj_get_info_by_fd(fd, &program, &length) == 0 else { return nil }
+    return withUnsafeBytes(of: program.tag) { $0.map { String(format: "%02x", $0) }.joined() }
+}
+
+/// The tag of the XDP program attached to `interface` (in the namespace `prefix` enters), nil if none.
+func xdpProgramTag(_ interface: String, prefix: [String]) -> String? {
+    guard let shown = try? run(prefix.first ?? "/usr/sbin/ip", Array(prefix.dropFirst()) + (prefix.isEmpty ? [] : ["/usr/sbin/ip"]) + ["-d", "link", "show", "dev", interface]),
+          let range = shown.output.range(of: #"prog/xdp id [0-9]+"#, options: .regularExpression),
+          let id = UInt32(shown.output[range].split(separator: " ").last ?? "") else { return nil }
+    return programTag(id)
 }
 
 /// What an upgrade brings: udp-fanout's BPF programs built anew from `bpf/` for another
@@ -187,6 +205,9 @@ enum ChangedPrograms {
         let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
         let output = URL(fileURLWithPath: "/tmp/udp-fanout-changed-bpf-\(UUID().uuidString.prefix(8))")
         try FileManager.default.createDirectory(at: output, withIntermediateDirectories: true)
+        var built = false
+        defer { if !built { try? FileManager.default.removeItem(at: output) } }
+        let clang = try #require(Self.clang, "no clang with the bpf target: the Swift toolchain's (/opt/swift/usr/bin/clang) or one on PATH")
         var uts = utsname()
         uname(&uts)
         let machine = withUnsafeBytes(of: uts.machine) { String(decoding: $0.prefix(while: { $0 != 0 }), as: UTF8.self) }
@@ -197,13 +218,14 @@ enum ChangedPrograms {
                                           "-o", output.appendingPathComponent("\(name).bpf.o").path])
             try #require(result.status == 0, "clang for \(name): \(result.output)")
         }
+        built = true
         return output
     }
 
     /// The toolchain's clang (it has the bpf target): next to swift, or on PATH.
-    static var clang: String {
+    static var clang: String? {
         let candidates = ["/opt/swift/usr/bin/clang"] + (ProcessInfo.processInfo.environment["PATH"] ?? "").split(separator: ":").map { "\($0)/clang" }
-        return candidates.first { FileManager.default.isExecutableFile(atPath: $0) } ?? "clang"
+        return candidates.first { FileManager.default.isExecutableFile(atPath: $0) }
     }
 }
 
@@ -552,7 +574,8 @@ struct KernelRestartTests {
     /// interrupted after 1 s: (sent, received at the backend, the second process's log).
     static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf",
                     beforeSecondStart: (ServiceManager) -> Void = { _ in },
-                    beforeStop: (ServiceManager) -> Void = { _ in }) throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String) {
+                    beforeStop: (ServiceManager) -> Void = { _ in })
+        throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String, xdpTags: (first: String?, second: String?)) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
@@ -567,6 +590,8 @@ struct KernelRestartTests {
         try manager.start()
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "60000", "--rate", "20000"], prefix: topology.prefix(topology.client))
         usleep(1_000_000)
+        // The XDP program each process attached (xdp, af_xdp), read while it runs.
+        var xdpTags: (first: String?, second: String?) = (xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy)), nil)
         switch interruption {
         case .restart, .restartWithoutStore: try manager.terminate()
         case .kill9: try manager.kill9()
@@ -583,16 +608,19 @@ struct KernelRestartTests {
         let metrics = (try? TCFixtures.metrics(topology, port: metricsPort!)) ?? ""
         let counted = metric(metrics, "udp_fanout_packets_received_total", "listener=\"\(mode == "af_xdp" ? "x" : "tc")\",mode=\"\(mode)\"") ?? -1
         beforeStop(manager)
+        xdpTags.second = xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy))
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
-        return (sent, received, counted, log, metrics)
+        return (sent, received, counted, log, metrics, xdpTags)
     }
 
     @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
     func plannedRestart() throws {
-        var tags: (before: [String], after: [String]) = ([], [])
-        let result = try Self.run(.restart, beforeSecondStart: { tags.before = $0.linkProgramTags() }, beforeStop: { tags.after = $0.linkProgramTags() })
-        #expect(tags.before.count == 1 && tags.after == tags.before, "the same program runs on the link after a restart of the same binary: \(tags)")
+        var programs: (before: [(id: UInt32, tag: String)], after: [(id: UInt32, tag: String)]) = ([], [])
+        let result = try Self.run(.restart, beforeSecondStart: { programs.before = $0.linkPrograms() }, beforeStop: { programs.after = $0.linkPrograms() })
+        #expect(programs.before.count == 1 && programs.after.count == 1 && programs.after.map(\.tag) == programs.before.map(\.tag)
+                && programs.after[0].id != programs.before[0].id && result.log.contains("program_id=\(programs.after[0].id)"),
+                "the next process's own program (a new id, the same instructions) runs on the link: \(programs)")
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("took over the tc_ebpf link the previous process left"), "\(result.log)")
         #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
@@ -616,9 +644,13 @@ struct KernelRestartTests {
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("BPF programs loaded from \(BPFObjectOverride.variable)"), "\(result.log)")
         #expect(result.log.contains("objects=tc_fanout.bpf.o,xdp_steer.bpf.o,xdp_fanout.bpf.o"), "\(result.log)")
+        if mode != "tc_ebpf" {
+            // The XDP program is the process's: each start attaches its own.
+            #expect(result.xdpTags.first != nil && result.xdpTags.second != nil && result.xdpTags.first != result.xdpTags.second,
+                    "the interface runs the changed XDP program: \(String(describing: result.xdpTags))")
+        }
         if mode == "af_xdp" {
-            // Its XDP program is the process's (attached anew by each start); its sockets wait
-            // in the store meanwhile.
+            // Its sockets wait in the store meanwhile.
             #expect(result.log.contains("adopted the sockets of the previous process"), "\(result.log)")
             print("af_xdp upgrade to a changed program: sent \(result.sent), received \(result.received)")
             return
@@ -702,6 +734,48 @@ struct KernelRestartTests {
         #expect(result.counted < result.sent, "new maps count from 0: \(result.counted)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 1, "\(result.metrics)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 1, "the link: \(result.metrics)")
+    }
+
+    @Test("tc_ebpf: a handed-over map of another shape (its value size changed without FANOUT_MAPS_LAYOUT raised) is refused, naming the difference; maps that fit are taken")
+    func mapOfAnotherShape() throws {
+        let fresh = try TCProgram()
+        defer { fresh.closeDescriptors() }
+        var handed = Dictionary(uniqueKeysWithValues: zip(TCProgram.mapNames, fresh.mapDescriptors.map { dup($0) }))
+        defer { for fd in handed.values { close(fd) } }
+        let taken = try TCProgram(reusing: handed)
+        #expect(taken.programID != 0, "maps of this program's own shape are taken")
+        taken.closeDescriptors()
+        let name = TCProgram.mapNames[4]
+        var info = bpf_map_info()
+        var length = UInt32(MemoryLayout<bpf_map_info>.size)
+        try #require(bpf_obj_get_info_by_fd(handed[name]!, &info, &length) == 0)
+        let other = bpf_map_create(bpf_map_type(info.type), "misfit", info.key_size, info.value_size + 8, info.max_entries, nil)
+        try #require(other >= 0, "bpf_map_create: errno \(errno)")
+        close(handed[name]!)
+        handed[name] = other
+        do {
+            let program = try TCProgram(reusing: handed)
+            program.closeDescriptors()
+            Issue.record("a map of another value size was taken over")
+        } catch {
+            #expect("\(error)".contains("map \(name) handed over: value size \(info.value_size + 8), this program's \(info.value_size)"), "\(error)")
+        }
+    }
+
+    @Test("UDP_FANOUT_BPF_DIR: --check refuses an object that is not one (naming the file, the variable and the fix); a directory that does not exist is said")
+    func programDirectoryCheck() throws {
+        let directory = URL(fileURLWithPath: "/tmp/udp-fanout-bad-bpf-\(UUID().uuidString.prefix(8))")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        try Data((0..<4096).map { UInt8(truncatingIfNeeded: $0 &* 7) }).write(to: directory.appendingPathComponent("tc_fanout.bpf.o"))
+        let sink = try Sink()
+        let file = try RestartTests.configuration(bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), sink: sink)
+        defer { try? FileManager.default.removeItem(atPath: file) }
+        let binary = binaryDirectory.appendingPathComponent("udp-fanout").path
+        let bad = try TestSupport.run("/usr/bin/env", ["\(BPFObjectOverride.variable)=\(directory.path)", binary, "-c", file, "--check"])
+        #expect(bad.status == 2 && bad.output.contains("\(directory.path)/tc_fanout.bpf.o (\(BPFObjectOverride.variable)) is not a BPF object"), "\(bad.output)")
+        let missing = try TestSupport.run("/usr/bin/env", ["\(BPFObjectOverride.variable)=\(directory.path)-missing", binary, "-c", file, "--check"])
+        #expect(missing.status == 0 && missing.output.contains("names no directory"), "\(missing.output)")
     }
 
     @Test("tc_ebpf: kill -9 then a start loses no datagram: the program forwards unattended meanwhile")

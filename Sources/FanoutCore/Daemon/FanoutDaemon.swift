@@ -501,11 +501,21 @@ package func readFile(_ path: String) throws(ConfigError) -> String {
 }
 
 /// Logs, at a start, which BPF programs `UDP_FANOUT_BPF_DIR` replaces (docs/development.md).
-package func logProgramOverride(_ logger: Logger) {
-    guard let directory = BPFObjectOverride.directory else { return }
+/// Returns what is wrong with the objects it names (``BPFObjectOverride/problems()``), which
+/// `--check` refuses.
+@discardableResult
+package func logProgramOverride(_ logger: Logger, checking: Bool = false) -> [String] {
+    guard let directory = BPFObjectOverride.directory else { return [] }
     let replaced = BPFObjectOverride.replaced()
-    logger.warning(replaced.isEmpty
-        ? "\(BPFObjectOverride.variable) names a directory without any of udp-fanout's BPF objects: the programs built into this binary are loaded"
-        : "BPF programs loaded from \(BPFObjectOverride.variable) instead of the ones built into this binary (development): a start swaps them in on the running maps, as an upgrade does",
-        metadata: ["directory": "\(directory)", "objects": "\(replaced.map { $0.split(separator: "/").last.map(String.init) ?? $0 }.joined(separator: ","))"])
+    let objects = replaced.map { $0.split(separator: "/").last.map(String.init) ?? $0 }.joined(separator: ",")
+    let loads = checking ? "would be loaded" : "loaded"
+    if !BPFObjectOverride.directoryExists {
+        logger.warning("\(BPFObjectOverride.variable) names no directory: the programs built into this binary are \(loads) (no upgrade to other programs)", metadata: ["directory": "\(directory)"])
+    } else if replaced.isEmpty {
+        logger.warning("\(BPFObjectOverride.variable) names a directory without any of udp-fanout's BPF objects (tc_fanout.bpf.o, xdp_fanout.bpf.o, xdp_steer.bpf.o, map_count.bpf.o): the programs built into this binary are \(loads)", metadata: ["directory": "\(directory)"])
+    } else {
+        logger.warning("BPF programs \(loads) from \(BPFObjectOverride.variable) instead of the ones built into this binary (development): a start swaps them in on the running maps, as an upgrade does",
+                       metadata: ["directory": "\(directory)", "objects": "\(objects)"])
+    }
+    return BPFObjectOverride.problems()
 }

@@ -153,6 +153,9 @@ final class TCDataplane: Sendable {
                 ])
                 loaded = program
             } catch {
+                // On new maps: when that fails too, the program itself is the problem (said as
+                // the start's error), not the maps.
+                do throws(SystemCallError) { loaded = try TCProgram() } catch { throw .load(error) }
                 let note = "tc_ebpf: the previous process's maps do not fit this program (\(error)): counters, rotations, fragment state and nat associations start anew"
                 descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: note)
                 logger.warning("\(note)")

@@ -60,12 +60,32 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
                     guard let map = bpf_object__find_map_by_name(object, name) else {
                         throw SystemCallError(call: "bpf_object__find_map_by_name \(name) (a map handed over that this program does not have)", errno: ENOENT)
                     }
+                    if let misfit = Self.misfit(map, fd) {
+                        throw SystemCallError(call: "map \(name) handed over: \(misfit)", errno: EINVAL)
+                    }
                     try libbpfCall("bpf_map__reuse_fd \(name)") { bpf_map__reuse_fd(map, fd) }
                 }
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
+    }
+
+    /// How a handed-over map differs from the object's definition of it (type, key and value
+    /// size, entries, flags), nil when it fits. bpf_map__reuse_fd takes the handed-over map's
+    /// definition as it is, so a program whose map changed without `FANOUT_MAPS_LAYOUT` raised
+    /// would otherwise run on a map of another shape.
+    static func misfit(_ map: OpaquePointer, _ fd: Int32) -> String? {
+        var info = bpf_map_info()
+        var length = UInt32(MemoryLayout<bpf_map_info>.size)
+        guard bpf_obj_get_info_by_fd(fd, &info, &length) == 0 else { return "its information cannot be read (errno \(errno))" }
+        let pairs: [(String, UInt32, UInt32)] = [
+            ("type", info.type, bpf_map__type(map).rawValue), ("key size", info.key_size, bpf_map__key_size(map)),
+            ("value size", info.value_size, bpf_map__value_size(map)), ("entries", info.max_entries, bpf_map__max_entries(map)),
+            ("flags", info.map_flags, bpf_map__map_flags(map)),
+        ]
+        let differences = pairs.filter { $0.1 != $0.2 }.map { "\($0.0) \($0.1), this program's \($0.2)" }
+        return differences.isEmpty ? nil : differences.joined(separator: "; ")
     }
 
     func closeDescriptors() {
