@@ -575,7 +575,7 @@ struct KernelRestartTests {
     static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf",
                     beforeSecondStart: (ServiceManager) -> Void = { _ in },
                     beforeStop: (ServiceManager) -> Void = { _ in })
-        throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String, xdpTags: (first: String?, second: String?)) {
+        throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String, xdpTags: (first: String?, between: String?, second: String?)) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
@@ -591,11 +591,13 @@ struct KernelRestartTests {
         let publisher = try Child("publisher", ["198.18.0.1", "5514", "60000", "--rate", "20000"], prefix: topology.prefix(topology.client))
         usleep(1_000_000)
         // The XDP program each process attached (xdp, af_xdp), read while it runs.
-        var xdpTags: (first: String?, second: String?) = (xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy)), nil)
+        var xdpTags: (first: String?, between: String?, second: String?) = (xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy)), nil, nil)
         switch interruption {
         case .restart, .restartWithoutStore: try manager.terminate()
         case .kill9: try manager.kill9()
         }
+        // While no process runs.
+        xdpTags.between = xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy))
         beforeSecondStart(manager)
         try manager.start()
         #expect(publisher.wait(seconds: 30) == 0)
@@ -645,9 +647,13 @@ struct KernelRestartTests {
         #expect(result.log.contains("BPF programs loaded from \(BPFObjectOverride.variable)"), "\(result.log)")
         #expect(result.log.contains("objects=tc_fanout.bpf.o,xdp_steer.bpf.o,xdp_fanout.bpf.o"), "\(result.log)")
         if mode != "tc_ebpf" {
-            // The XDP program is the process's: each start attaches its own.
             #expect(result.xdpTags.first != nil && result.xdpTags.second != nil && result.xdpTags.first != result.xdpTags.second,
                     "the interface runs the changed XDP program: \(String(describing: result.xdpTags))")
+        }
+        if mode == "xdp" {
+            // xdp's link is handed over: the old program ran while no process did (af_xdp's
+            // detaches with the process, its companion socket takes the datagrams).
+            #expect(result.xdpTags.between == result.xdpTags.first, "\(String(describing: result.xdpTags))")
         }
         if mode == "af_xdp" {
             // Its sockets wait in the store meanwhile.
@@ -704,22 +710,25 @@ struct KernelRestartTests {
         print("tc_ebpf failed start: sent \(sent), received \(received)")
     }
 
-    @Test("tc_ebpf: a reload that removes the last tc listener takes its link and maps out of the store (nothing stays attached through it)")
-    func reloadRemovesFromStore() throws {
+    @Test("tc_ebpf, xdp: a reload that removes the last tc listener takes its links and maps out of the store (nothing stays attached through it)",
+          arguments: ["tc_ebpf", "xdp"])
+    func reloadRemovesFromStore(mode: String) throws {
         let topology = try Topology(backends: 1)
-        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort())), "tc-store")
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
+        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: Int(freePort()), mode: mode), "tc-store")
         defer { try? FileManager.default.removeItem(at: file) }
         let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
         try manager.start()
         #expect(manager.store.contains { $0.name == DescriptorStore.tcLinkName(topology.proxyInterface) }, "\(manager.store.map(\.name))")
         #expect(manager.store.filter { $0.name.hasPrefix(DescriptorStore.tcMapPrefix) }.count == TCProgram.mapNames.count, "\(manager.store.map(\.name))")
+        #expect(manager.store.contains { $0.name == DescriptorStore.xdpLinkName(topology.proxyInterface) } == (mode == "xdp"), "\(manager.store.map(\.name))")
         let sink = try Sink()
         try ("listeners:\n" + listenerYAML("u", bind: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), [sink])).write(to: file, atomically: true, encoding: .utf8)
         manager.process?.signal(SIGHUP)
         #expect(manager.pump(until: { ($0["STATUS"] ?? "").contains("reloaded") }), "\(manager.output)")
-        #expect(!manager.store.contains { $0.name.hasPrefix("udp-fanout.tc") }, "\(manager.store.map(\.name))")
+        #expect(!manager.store.contains { $0.name.hasPrefix("udp-fanout.tc") || $0.name.hasPrefix(DescriptorStore.xdpLinkPrefix) }, "\(manager.store.map(\.name))")
         let programs = try TCFixtures.programsAfterRelease()
-        #expect(!programs.contains("fanout_tc"), "the store holds no copy that keeps it loaded and attached: \(programs)")
+        #expect(!programs.contains("fanout_tc") && !programs.contains("fanout_xfwd"), "the store holds no copy that keeps it loaded and attached: \(programs)")
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
     }
@@ -794,11 +803,17 @@ struct KernelRestartTests {
         print("tc_ebpf restart without the store: sent \(result.sent), received \(result.received)")
     }
 
-    @Test("xdp: a planned restart and kill -9 lose no datagram (XDP detaches with the process; the tc program behind it forwards meanwhile)",
+    @Test("xdp: a planned restart and kill -9 lose no datagram; the XDP link stays in the store, its program attached while no process runs, and the next process swaps its own in",
           arguments: [RestartTests.Interruption.restart, .kill9])
     func xdpRestart(interruption: RestartTests.Interruption) throws {
         let result = try Self.run(interruption, mode: "xdp")
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
+        // The XDP hook is never empty: the stored link keeps the program attached while no
+        // process runs, and the next one swaps its own in.
+        #expect(result.xdpTags.first != nil && result.xdpTags.between == result.xdpTags.first && result.xdpTags.second == result.xdpTags.first,
+                "\(String(describing: result.xdpTags))")
+        #expect(result.log.contains("took over the XDP link the previous process left and replaced its program in place"), "\(result.log)")
+        #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"xdp\",outcome=\"adopted\"") == 1, "\(result.metrics)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
         print("xdp \(interruption): sent \(result.sent), received \(result.received), counted \(result.counted)")
     }

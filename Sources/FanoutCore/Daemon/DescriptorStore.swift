@@ -250,8 +250,19 @@ public final class DescriptorStore: Sendable {
 
     /// The name under which the tc_ebpf program's TCX link at `interface` is stored.
     package static func tcLinkName(_ interface: String) -> String {
+        tcLinkPrefix + escaped(interface: interface)
+    }
+
+    static let xdpLinkPrefix = "udp-fanout.xdp."
+
+    /// The name under which the xdp kind's XDP link at `interface` is stored.
+    package static func xdpLinkName(_ interface: String) -> String {
+        xdpLinkPrefix + escaped(interface: interface)
+    }
+
+    private static func escaped(interface: String) -> String {
         // systemd accepts printable ASCII without ':' (an interface name may hold other bytes).
-        tcLinkPrefix + interface.utf8.map { byte in
+        interface.utf8.map { byte in
             (0x21..<0x7f).contains(byte) && byte != UInt8(ascii: ":") && byte != UInt8(ascii: "%")
                 ? String(UnicodeScalar(byte)) : "%" + (byte < 16 ? "0" : "") + String(byte, radix: 16)
         }.joined()

@@ -155,7 +155,7 @@ struct ListenerKinds: Sendable {
     init(logger: Logger, descriptors: DescriptorStore? = nil) {
         let tc = TCDataplane(logger: logger, descriptors: descriptors)
         self.tc = tc
-        all = [TCKind(dataplane: tc), XDPKind(dataplane: tc, front: XDPFront(logger: logger)), AFXDPKind(), RelayKind(), UserspaceKind()]
+        all = [TCKind(dataplane: tc), XDPKind(dataplane: tc, front: XDPFront(logger: logger, descriptors: descriptors)), AFXDPKind(), RelayKind(), UserspaceKind()]
     }
 
     /// The kind of a listener of a validated configuration: every mode has exactly one

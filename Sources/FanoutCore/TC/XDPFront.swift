@@ -32,9 +32,13 @@ final class XDPFront: Sendable {
 
     private let state = Mutex(State())
     private let logger: Logger
+    /// Where the XDP links go when a service manager keeps them (docs/restarts.md): the next
+    /// process takes each over and swaps its program in, so the hook is never empty.
+    private let descriptors: DescriptorStore
 
-    init(logger: Logger) {
+    init(logger: Logger, descriptors: DescriptorStore? = nil) {
         self.logger = logger
+        self.descriptors = descriptors ?? .none(logger: logger)
     }
 
     /// Attaches at `interface` in `mode` (loaded with `tc`'s maps on first use), or counts one
@@ -54,12 +58,18 @@ final class XDPFront: Sendable {
                 state.program = program
             }
             let attachment: XDPAttachment
-            do throws(XDPError) {
-                attachment = try XDPAttachment.attach(program, interface: interface, mode: mode, logger: logger)
-            } catch {
-                if state.attachments.isEmpty { close(&state) }
-                throw .xdpAttach(error)
+            if let adopted = adopt(interface: interface, program, mode: mode) {
+                attachment = adopted
+            } else {
+                do throws(XDPError) {
+                    attachment = try XDPAttachment.attach(program, interface: interface, mode: mode, logger: logger)
+                } catch {
+                    if state.attachments.isEmpty { close(&state) }
+                    throw .xdpAttach(error)
+                }
             }
+            // The link outlives this process in the service manager's store.
+            descriptors.replace(DescriptorStore.xdpLinkName(interface), with: [attachment.linkDescriptor])
             if attachment.attachedMode == .generic {
                 logger.warning("xdp runs in generic (SKB) mode here: the kernel builds a socket buffer before the program runs, so it costs about what tc_ebpf does; a driver with native XDP (virtio_net, mlx5, ice, i40e, ixgbe, veth) avoids that", metadata: ["interface": "\(interface)"])
             }
@@ -69,7 +79,33 @@ final class XDPFront: Sendable {
         }
     }
 
-    /// One user fewer at `interface` (detached where it was the last; closed with the last attachment).
+    /// The XDP link the previous process left at `interface`, taken over with `program` swapped
+    /// in; nil when there is none or it cannot be (closed: detached; counted rejected).
+    private func adopt(interface: String, _ program: XDPForwardProgram, mode: XDPMode) -> XDPAttachment? {
+        let name = DescriptorStore.xdpLinkName(interface)
+        var links = descriptors.take(name)
+        guard !links.isEmpty else { return nil }
+        let link = links.removeFirst()
+        for extra in links { Glibc.close(extra) }
+        do throws(XDPError) {
+            let (attachment, previous) = try XDPAttachment.adopt(link: link, program, interface: interface, mode: mode, logger: logger)
+            descriptors.count(Mode.xdp.rawValue, .adopted, note: "xdp at \(interface): took over the XDP link of the previous process (program id \(previous)) and replaced its program in place")
+            logger.info("took over the XDP link the previous process left and replaced its program in place", metadata: [
+                "interface": "\(interface)", "previous_program_id": "\(previous)", "program_id": "\(program.programID)", "mode": "\(attachment.attachedMode.rawValue)",
+            ])
+            return attachment
+        } catch {
+            Glibc.close(link)
+            descriptors.remove(name)
+            descriptors.count(Mode.xdp.rawValue, .rejected, note: "\(error)")
+            logger.warning("\(error)", metadata: ["interface": "\(interface)"])
+            return nil
+        }
+    }
+
+    /// One user fewer at `interface` (detached where it was the last; closed with the last
+    /// attachment). Handing over (a stop under a service manager): the store's copy of the link
+    /// keeps the program attached, forwarding on the last plan, for the next process.
     func detach(interface: String) {
         state.withLock { state in
             guard let entry = state.attachments[interface] else { return }
@@ -77,7 +113,13 @@ final class XDPFront: Sendable {
                 state.attachments[interface] = (entry.attachment, entry.users - 1)
                 return
             }
-            entry.attachment.detach()
+            let name = DescriptorStore.xdpLinkName(interface)
+            if !descriptors.handingOver { descriptors.remove(name) }
+            let kept = descriptors.handingOver && descriptors.isStored(name)
+            entry.attachment.detach(quietly: kept)
+            if kept {
+                logger.info("left the XDP program attached for the next process: its link is in the service manager's store, forwarding on the last plan", metadata: ["interface": "\(interface)"])
+            }
             state.attachments[interface] = nil
             if state.attachments.isEmpty { close(&state) }
         }

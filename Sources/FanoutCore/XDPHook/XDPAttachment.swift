@@ -101,6 +101,42 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         throw .attach(interface: interface, mode: mode, lastError)
     }
 
+    /// BPF_LINK_TYPE_XDP (uapi/linux/bpf.h).
+    static let xdpLinkType: UInt32 = 6
+
+    /// Takes over the XDP link the previous process left at `interface` (handed over by the
+    /// service manager) and makes it run `program` in its place (bpf_link_update, atomic: the
+    /// hook is never empty). Refused when the descriptor is not an XDP link there, or runs in
+    /// another mode than `mode` asks for (the caller closes it: detached, then attached anew).
+    static func adopt(link: Int32, _ program: some LoadedXDPProgram, interface: String, mode: XDPMode, logger: Logger) throws(XDPError) -> (attachment: XDPAttachment, previous: UInt32) {
+        let ifindex = if_nametoindex(interface)
+        guard ifindex > 0 else { throw .interfaceNotFound(interface) }
+        var info = bpf_link_info()
+        var length = UInt32(MemoryLayout<bpf_link_info>.size)
+        guard bpf_obj_get_info_by_fd(link, &info, &length) == 0, info.type == xdpLinkType, info.xdp.ifindex == ifindex else {
+            throw .handedOver(interface: interface, "the descriptor is not an XDP link at this interface")
+        }
+        var query = bpf_xdp_query_opts()
+        query.sz = MemoryLayout<bpf_xdp_query_opts>.size
+        guard bpf_xdp_query(Int32(ifindex), 0, &query) == 0 else {
+            throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: errno))
+        }
+        // XDP_ATTACHED_DRV 1, XDP_ATTACHED_SKB 2 (uapi/linux/if_link.h).
+        let attached: XDPMode = query.attach_mode == 1 ? .native : .generic
+        guard mode == .auto || mode == attached else {
+            throw .handedOver(interface: interface, "it runs in \(attached.rawValue) mode, xdp_mode asks for \(mode.rawValue)")
+        }
+        let previous = info.prog_id
+        let updated = bpf_link_update(link, program.program, nil)
+        guard updated == 0 else {
+            throw .handedOver(interface: interface, "bpf_link_update failed: \(SystemCallError(call: "bpf_link_update", errno: updated == -1 ? errno : -updated))")
+        }
+        return (XDPAttachment(ifindex: ifindex, interface: interface, mode: attached, link: link, logger: logger), previous)
+    }
+
+    /// The link's descriptor (-1 once detached), for the service manager's store.
+    var linkDescriptor: Int32 { link.withLock { $0 } }
+
     /// Throws `.foreignProgram` if an XDP program other than `ours` is attached to the interface
     /// in any mode (bpf_xdp_query: driver, generic or offloaded). The start asks before it
     /// attaches; `--check` (``Preflight``) asks with `ours` nil, having loaded nothing, so that it
@@ -169,15 +205,15 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         }
     }
 
-    /// Detaches (closes the link). Idempotent.
-    func detach() {
+    /// Detaches (closes the link; `quietly`: another copy keeps it attached, no log line). Idempotent.
+    func detach(quietly: Bool = false) {
         let closed = link.withLock { fd -> Bool in
             guard fd >= 0 else { return false }
             close(fd)
             fd = -1
             return true
         }
-        if closed { logger.info("detached XDP program", metadata: ["interface": "\(interface)"]) }
+        if closed && !quietly { logger.info("detached XDP program", metadata: ["interface": "\(interface)"]) }
     }
 
     deinit { detach() }
@@ -192,6 +228,9 @@ package enum XDPError: Error, CustomStringConvertible, Sendable {
     case alreadyAttached(interface: String, id: UInt32)
     case query(interface: String, SystemCallError)
     case attach(interface: String, mode: XDPMode, SystemCallError)
+    /// The link the previous process left could not be taken over (it is closed, and the
+    /// program attached anew).
+    case handedOver(interface: String, String)
 
     package var description: String {
         switch self {
@@ -213,6 +252,8 @@ package enum XDPError: Error, CustomStringConvertible, Sendable {
             return "this daemon's XDP program (id \(id)) is already attached to '\(name)': one attachment serves every af_xdp listener on an interface; attach once per interface"
         case .query(let name, let error):
             return "cannot query the XDP programs of '\(name)': \(error): check the interface exists in this network namespace and this process holds CAP_NET_ADMIN"
+        case .handedOver(let name, let why):
+            return "the XDP link the previous process left at '\(name)' cannot be taken over (\(why)): detaching it and attaching anew (datagrams arriving meanwhile reach the tc program)"
         case .attach(let name, let mode, let error):
             switch mode {
             case .native:
