@@ -66,6 +66,35 @@ package enum FlowExport {
         bytes.withUnsafeBytes { parse($0) }
     }
 
+    /// The exporter a version 9 or 10 datagram's header names (its version and observation
+    /// domain or source ID), read without parsing the sets; nil when it is neither or too short.
+    package static func header(_ bytes: UnsafeRawBufferPointer) -> (version: Version, domain: UInt32)? {
+        guard bytes.count >= 2, let version = Version(rawValue: u16(bytes, 0)), bytes.count >= version.headerLength else { return nil }
+        return (version, u32(bytes, version == .v9 ? 16 : 12))
+    }
+
+    /// Whether ``parse(_:)`` has more to say than "data": a template or options template set, or
+    /// sets whose lengths do not add up (malformed). Walks the set headers only, allocates nothing:
+    /// the cost of a datagram of data alone.
+    package static func needsParsing(_ bytes: UnsafeRawBufferPointer) -> Bool {
+        guard bytes.count >= 2, let version = Version(rawValue: u16(bytes, 0)) else { return false }
+        guard bytes.count >= version.headerLength else { return true }
+        var end = bytes.count
+        if version == .ipfix {
+            let length = Int(u16(bytes, 2))
+            guard length >= 16, length <= bytes.count else { return true }
+            end = length
+        }
+        var offset = version.headerLength
+        while end - offset >= 4 {
+            let id = u16(bytes, offset)
+            let length = Int(u16(bytes, offset + 2))
+            if length < 4 || offset + length > end || id == version.templateSet || id == version.optionsSet { return true }
+            offset += length
+        }
+        return version == .ipfix && offset != end
+    }
+
     package static func parse(_ bytes: UnsafeRawBufferPointer) -> Parsed {
         guard bytes.count >= 2, let version = Version(rawValue: u16(bytes, 0)) else { return .notFlowExport }
         guard bytes.count >= version.headerLength else {

@@ -145,5 +145,34 @@ struct FlowTemplateRelayTests {
         // A malformed version 9 datagram is counted, not learned.
         note(0, Array(Self.v9(template: true, data: false).prefix(26)) + [0, 0], exporter: 7)
         #expect(state.malformed.load(ordering: .relaxed) == 1)
+        // Templates that arrive while no downstream is available are learned all the same: the
+        // downstream that takes the exporter's data later gets them first.
+        var storage = sockaddr_storage()
+        _ = SocketAddress(ip: IPAddress("10.0.9.9")!, port: 2055).write(to: &storage)
+        relay.adopt(ForwardingPlan(downstreams: [], balancing: .roundRobin, pools: [], counters: counters))
+        Self.v9(template: true, data: true).withUnsafeBytes { bytes in withUnsafePointer(to: &storage) { relay.note(nil, bytes, source: $0) } }
+        relay.flush()
+        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        Self.v9(template: false, data: true, sequence: 9).withUnsafeBytes { bytes in withUnsafePointer(to: &storage) { relay.note(2, bytes, source: $0) } }
+        relay.flush()
+        usleep(100_000)
+        let late = sinks[2].drain()
+        #expect(late.count == 1 && late.first.map { Array($0[12..<16]) } == [0, 0, 0, 9], "the replay carries the datagram's sequence number: \(late)")
+        // Data of an exporter nobody knows the templates of: counted, nothing sent.
+        note(1, Self.v9(template: false, data: true), exporter: 600)
+        relay.flush()
+        #expect(state.unknown.load(ordering: .relaxed) == 1)
+        #expect(sinks.allSatisfy { $0.drain(quiet: .milliseconds(100)).isEmpty })
+    }
+
+    @Test("Which datagrams are parsed: template and options template sets and malformed ones; data alone, v5 and others are not")
+    func needsParsing() {
+        func needs(_ bytes: [UInt8]) -> Bool { bytes.withUnsafeBytes { FlowExport.needsParsing($0) } }
+        #expect(needs(Self.v9(template: true, data: true)))
+        #expect(!needs(Self.v9(template: false, data: true)))
+        #expect(needs(Array(Self.v9(template: false, data: true).prefix(26))), "a set running past the end")
+        #expect(!needs([0, 5] + [UInt8](repeating: 0, count: 70)), "NetFlow v5")
+        #expect(!needs([0, 0, 0, 5] + [UInt8](repeating: 0, count: 24)), "sFlow v5")
+        #expect(needs([0, 9, 0, 1]), "a v9 header cut short")
     }
 }

@@ -174,6 +174,15 @@ extension FanoutConfig {
                     }
                 }
             }
+            // flow_templates where it does less than asked.
+            if listener.mode == .userspace && listener.replies == Replies.none && listener.settings.flowTemplates {
+                if listener.settings.output == .socket {
+                    warn("\(path).settings.flow_templates", "with output: socket every datagram, template copies and replays included, leaves from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
+                }
+                if !listener.pools.isEmpty {
+                    warn("\(path).settings.flow_templates", "the replication pools' members are not sent templates, only the listener's own downstreams are (docs/flow-templates.md)")
+                }
+            }
             // The settings that depend on the listener's shape (its replies, its DNS downstreams).
             if let kind {
                 warnings += SettingsTable.warnings(listener, of: kind, path: path, config: self) { $0 != .modes && $0 != .workers }

@@ -21,6 +21,10 @@ final class FlowTemplateState: Sendable {
     let malformed = Atomic<UInt64>(0)
     /// Copies and replays a send dropped (the downstream's socket refused them).
     let sendDropped = Atomic<UInt64>(0)
+    /// Datagrams of data sent to a downstream not known to hold their exporter's templates,
+    /// which are not known here either (udp-fanout has not seen them since it started, or the
+    /// exporter was evicted): the collector drops them until the exporter's next template.
+    let unknown = Atomic<UInt64>(0)
 
     /// The listener's families' samples (`labels` are the listener's).
     func metricsRows(_ labels: String) -> (events: [(String, UInt64)], exporters: (String, UInt64), templates: (String, UInt64)) {
@@ -30,6 +34,7 @@ final class FlowTemplateState: Sendable {
             ("defined", counters.defined), ("redefined", counters.redefined), ("withdrawn", counters.withdrawn),
             ("copied", copies.load(ordering: .relaxed)), ("replayed", replays.load(ordering: .relaxed)),
             ("malformed", malformed.load(ordering: .relaxed)), ("send_dropped", sendDropped.load(ordering: .relaxed)),
+            ("unknown_templates", unknown.load(ordering: .relaxed)),
             ("exporters_evicted", counters.exportersEvicted), ("templates_refused", counters.templatesRefused),
         ]
         return (events.map { (labels + ",event=\"\($0.0)\"", $0.1) }, (labels, UInt64(exporters)), (labels, UInt64(templates)))
@@ -37,34 +42,37 @@ final class FlowTemplateState: Sendable {
 }
 
 /// One worker's part of `flow_templates`: it learns the templates of the flow export datagrams
-/// it forwards, copies an exporter's templates to every other downstream of the plan when they
-/// change, and before the first datagram of an exporter to a downstream that does not hold its
-/// templates (it joined, came back, or the exporter moved there), sends that downstream the
-/// exporter's templates. Copies and replays leave through outboxes of their own, sent before the
-/// batch's datagrams (so a replay arrives before the data it serves), from the exporter's address
-/// where the listener's `output` keeps sources. Only datagrams whose first two bytes say version
-/// 9 or 10 are parsed; anything else costs one comparison.
+/// it receives, copies an exporter's templates to every other downstream of the plan when they
+/// change, and before a datagram of an exporter goes to a downstream not known to hold its
+/// templates (it joined, came back, the exporter moved there, or a copy to it was dropped), sends
+/// that downstream the exporter's templates. Copies and replays leave through outboxes of their
+/// own, sent before the batch's datagrams (so a replay leaves before the data it serves), from the
+/// exporter's address where the listener's `output` keeps sources. A datagram of data alone costs
+/// a walk over its set headers and two lookups; anything not version 9 or 10, one comparison.
 final class FlowTemplateRelay {
+    typealias Exporter = FlowTemplateCache.Exporter
     let state: FlowTemplateState
     private let makeOutbox: BatchForwarder.OutboxFactory
     private let sender: SharedSender
-    /// Per exporter address: the downstreams known to hold its current templates (they were
-    /// sent a copy or a replay by this worker, or its datagrams with the templates).
-    private var informed: [IPAddress: Set<SocketAddress>] = [:]
+    /// Per exporter: the downstreams known to hold its current templates (this worker sent them
+    /// a copy, a replay, or the exporter's own datagram with them).
+    private var informed: [Exporter: Set<SocketAddress>] = [:]
     /// At most this many exporters remembered; beyond, the map starts anew (each exporter's next
     /// datagram then replays once more: harmless).
     static let maximumExporters = 65_536
     private var downstreams: [Downstream] = []
-    /// The outboxes of copies and replays, by downstream index, made on first use per plan.
-    private var lanes: [Int: any Outbox] = [:]
-    private var touched: [Int] = []
+    private var present: Set<SocketAddress> = []
+    /// The outboxes of copies and replays, by downstream address, made on first use and kept
+    /// while the address is in the plan.
+    private var lanes: [SocketAddress: any Outbox] = [:]
+    private var touched: [SocketAddress] = []
     /// Packets waiting in the lanes (their bytes in `arena`) until ``flush()``.
     private let arena: UnsafeMutableRawPointer
     static let arenaSize = 1 << 18
     private var used = 0
     static let laneCapacity = 64
-    /// Which packets each lane holds are copies (else replays), for the counters.
-    private var pending: [Int: (copies: UInt64, replays: UInt64)] = [:]
+    /// How many of each lane's packets are copies and replays, for the counters.
+    private var pending: [SocketAddress: (copies: UInt64, replays: UInt64)] = [:]
 
     /// - Parameter output: the listener's way out (its lanes hold ``laneCapacity`` packets each).
     init(state: FlowTemplateState, sender: SharedSender, output: Output) {
@@ -80,81 +88,117 @@ final class FlowTemplateRelay {
     func adopt(_ plan: ForwardingPlan) {
         flush()
         downstreams = plan.downstreams
-        lanes = [:]
-        let present = Set(plan.downstreams.map(\.address))
+        present = Set(plan.downstreams.map(\.address))
+        lanes = lanes.filter { present.contains($0.key) }
         for (exporter, holders) in informed { informed[exporter] = holders.intersection(present) }
     }
 
-    /// Called for each datagram before it is appended for downstream `target`.
+    /// Called for each datagram before it is appended for downstream `target` (nil: none
+    /// available; its templates are still learned).
     @inline(__always)
-    func note(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
-        guard payload.count >= 16, payload[0] == 0, payload[1] == 9 || payload[1] == 10 else { return }
+    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+        guard payload.count >= 2, payload[0] == 0, payload[1] == 9 || payload[1] == 10 else { return }
         learn(target, payload, source: source)
     }
 
-    private func learn(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
-        guard target < downstreams.count, let exporter = SocketAddress(storage: source)?.ip else { return }
-        let address = downstreams[target].address
-        if informed.count >= Self.maximumExporters && informed[exporter] == nil { informed = [:] }
-        if !(informed[exporter]?.contains(address) ?? false) {
-            // This downstream lacks what the cache holds for the exporter (nothing, on first contact).
-            let packets = state.cache.withLock { cache in cache.exporters(at: exporter).flatMap { cache.replay($0) } }
-            for packet in packets { enqueue(target, packet, source: source, copy: false) }
-            informed[exporter, default: []].insert(address)
+    private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+        guard let ip = SocketAddress(storage: source)?.ip else { return }
+        let address = target.flatMap { $0 < downstreams.count ? downstreams[$0].address : nil }
+        var lacking = false
+        if let (version, domain) = FlowExport.header(payload), let address {
+            let exporter = Exporter(address: ip, version: version, domain: domain)
+            if !(informed[exporter]?.contains(address) ?? false) {
+                let packets = state.cache.withLock { $0.replay(exporter) }
+                if packets.isEmpty {
+                    lacking = true
+                } else {
+                    for packet in packets { enqueue(address, Self.headed(packet, like: payload), source: source, copy: false) }
+                    inform(exporter, address)
+                }
+            }
+        }
+        guard FlowExport.needsParsing(payload) else {
+            if lacking { state.unknown.wrappingAdd(1, ordering: .relaxed) }
+            return
         }
         let packet: FlowExport.Packet
         switch FlowExport.parse(payload) {
         case .packet(let parsed) where !parsed.changes.isEmpty: packet = parsed
         case .malformed: state.malformed.wrappingAdd(1, ordering: .relaxed); return
-        default: return
+        default:
+            if lacking { state.unknown.wrappingAdd(1, ordering: .relaxed) }
+            return
         }
         state.templatePackets.wrappingAdd(1, ordering: .relaxed)
+        let exporter = Exporter(address: ip, version: packet.version, domain: packet.domain)
         let copies: [[UInt8]]? = state.cache.withLock { cache in
-            guard cache.apply(packet, from: exporter) else { return nil }
-            return cache.replay(FlowTemplateCache.Exporter(address: exporter, version: packet.version, domain: packet.domain))
+            cache.apply(packet, from: ip) ? cache.replay(exporter) : nil
         }
+        // The target gets the templates with the datagram itself.
+        if let address { inform(exporter, address) }
         guard let copies else { return }
         // Changed: every other downstream gets the exporter's templates as they are now.
-        for other in downstreams.indices where downstreams[other].address != address {
-            for packet in copies { enqueue(other, packet, source: source, copy: true) }
+        for other in downstreams where other.address != address {
+            for copy in copies { enqueue(other.address, copy, source: source, copy: true) }
         }
-        informed[exporter] = Set(downstreams.map(\.address))
+        informed[exporter] = present
     }
 
-    private func enqueue(_ target: Int, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
-        guard packet.count <= Self.arenaSize else { return }
-        if used + packet.count > Self.arenaSize || (lanes[target]?.count ?? 0) >= Self.laneCapacity { flush() }
+    private func inform(_ exporter: Exporter, _ address: SocketAddress) {
+        if informed.count >= Self.maximumExporters && informed[exporter] == nil { informed = [:] }
+        informed[exporter, default: []].insert(address)
+    }
+
+    /// A replayed packet with the header times and sequence number of the datagram it precedes
+    /// (same version and domain): an IPFIX collector sees no gap (template records do not count
+    /// in its sequence), a v9 one the datagram's number twice.
+    static func headed(_ packet: [UInt8], like datagram: UnsafeRawBufferPointer) -> [UInt8] {
+        var headed = packet
+        let fields = packet.count >= 2 && packet[1] == 9 ? 4..<16 : 4..<12
+        guard datagram.count >= fields.upperBound, headed.count >= fields.upperBound else { return packet }
+        for index in fields { headed[index] = datagram[index] }
+        return headed
+    }
+
+    private func enqueue(_ address: SocketAddress, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
+        guard packet.count <= Self.arenaSize, let downstream = downstreams.first(where: { $0.address == address }) else { return }
+        if used + packet.count > Self.arenaSize || (lanes[address]?.count ?? 0) >= Self.laneCapacity { flush() }
         let lane: any Outbox
-        if let made = lanes[target] {
+        if let made = lanes[address] {
             lane = made
         } else {
-            lane = makeOutbox(downstreams[target], sender)
-            lanes[target] = lane
+            lane = makeOutbox(downstream, sender)
+            lanes[address] = lane
         }
         let bytes = UnsafeMutableRawBufferPointer(start: arena + used, count: packet.count)
         bytes.copyBytes(from: packet)
         used += packet.count
-        if lane.count == 0 { touched.append(target) }
+        if lane.count == 0 { touched.append(address) }
         lane.append(UnsafeRawBufferPointer(bytes), source: source, hopLimit: 0)
-        if copy { pending[target, default: (0, 0)].copies += 1 } else { pending[target, default: (0, 0)].replays += 1 }
+        if copy { pending[address, default: (0, 0)].copies += 1 } else { pending[address, default: (0, 0)].replays += 1 }
     }
 
-    /// Sends what waits (before the batch's own datagrams), and counts it.
+    /// Sends what waits (before the batch's own datagrams), and counts it. A downstream a copy
+    /// or replay could not be sent to is no longer known to hold anything: the next datagram of
+    /// each exporter to it replays again.
     func flush() {
         guard !touched.isEmpty else { return }
-        for target in touched {
-            guard let lane = lanes[target] else { continue }
+        for address in touched {
+            guard let lane = lanes[address] else { continue }
             var result: FlushResult = (0, 0, [:])
             _ = lane.reconnectIfDue()
             lane.flush(&result)
             let dropped = result.dropped.values.reduce(0, +)
-            let sent = pending[target] ?? (0, 0)
+            let sent = pending[address] ?? (0, 0)
             // What was dropped is taken from the replays first, then the copies.
             let replaysSent = sent.replays - min(sent.replays, dropped)
             let copiesSent = sent.copies - min(sent.copies, dropped - min(sent.replays, dropped))
             state.replays.wrappingAdd(replaysSent, ordering: .relaxed)
             state.copies.wrappingAdd(copiesSent, ordering: .relaxed)
-            if dropped > 0 { state.sendDropped.wrappingAdd(dropped, ordering: .relaxed) }
+            if dropped > 0 {
+                state.sendDropped.wrappingAdd(dropped, ordering: .relaxed)
+                for (exporter, holders) in informed where holders.contains(address) { informed[exporter]?.remove(address) }
+            }
         }
         touched.removeAll(keepingCapacity: true)
         pending.removeAll(keepingCapacity: true)

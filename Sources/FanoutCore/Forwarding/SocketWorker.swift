@@ -114,6 +114,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             let payload = receiver.payload(datagram)
             forwarder.replicate(payload, source: source)
             guard let target = forwarder.pick(source) else {
+                // Templates are learned even when no downstream takes the datagram.
+                if let templates = forwarder.templates { templates.note(nil, payload, source: source) }
                 noHealthy += 1
                 continue
             }

@@ -248,7 +248,12 @@ package final class ListenerCounters: Sendable {
 
     /// The listener's flow export templates when `config` turns them on (userspace listeners), else nil.
     func flowTemplates(_ config: Listener) -> FlowTemplateState? {
-        guard config.mode == .userspace, config.settings.flowTemplates else { return nil }
+        guard config.mode == .userspace, config.settings.flowTemplates else {
+            // Off: what was kept is dropped (an instance still running keeps its own reference),
+            // so turning it on again starts from what the exporters send then, not stale templates.
+            flowTemplateState.withLock { $0 = nil }
+            return nil
+        }
         return flowTemplateState.withLock { state in
             if let state { return state }
             let made = FlowTemplateState()
