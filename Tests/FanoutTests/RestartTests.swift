@@ -818,6 +818,33 @@ struct KernelRestartTests {
         print("xdp \(interruption): sent \(result.sent), received \(result.received), counted \(result.counted)")
     }
 
+    @Test("xdp, then af_xdp at the same interface across a restart: the previous process's XDP link is closed first (counted unused) and the af_xdp start attaches and forwards")
+    func xdpThenAFXDP() throws {
+        let topology = try Topology(backends: 1)
+        try TCFixtures.prepareXDP(topology)
+        let collectors = try TCFixtures.collectors(topology)
+        let metricsPort = Int(freePort())
+        let file = try TCFixtures.write(TCFixtures.config(topology, backends: [1], metricsPort: metricsPort, mode: "xdp"), "xdp-then-afxdp")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.proxy) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
+        try manager.start()
+        #expect(manager.store.contains { $0.name == DescriptorStore.xdpLinkName(topology.proxyInterface) }, "\(manager.store.map(\.name))")
+        try manager.terminate()
+        try AFXDPEndToEndTests.config(topology.proxyInterface, backends: ["\(Topology.backendIPv4(1)):\(TCFixtures.port)"], metricsBind: "127.0.0.1:\(metricsPort)")
+            .write(to: file, atomically: true, encoding: .utf8)
+        try manager.start()
+        #expect(manager.output.contains("where this configuration runs af_xdp: closed"), "\(manager.output)")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "1000", "--rate", "2000"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait(seconds: 30) == 0)
+        usleep(500_000)
+        let metrics = (try? TCFixtures.metrics(topology, port: metricsPort)) ?? ""
+        let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
+        try manager.stop()
+        try TCFixtures.expectNothingLeft(topology)
+        #expect(received == 1000, "\(received) of 1000")
+        #expect(metric(metrics, "udp_fanout_adoptions_total", "kind=\"xdp\",outcome=\"unused\"") == 1, "\(metrics)")
+    }
+
     @Test("af_xdp: a planned restart and kill -9 lose no datagram: the XDP program detaches with the process, the kernel delivers to the companion's sockets in the store, the next process reads them out",
           arguments: [RestartTests.Interruption.restart, .kill9, .restartWithoutStore])
     func afxdpRestart(interruption: RestartTests.Interruption) throws {

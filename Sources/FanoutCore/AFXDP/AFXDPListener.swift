@@ -140,6 +140,10 @@ final class AFXDPListener: RunningListener {
         } catch {
             throw failed(.program(error))
         }
+        // An xdp listener's link the previous process left here (the interface changed kind):
+        // it goes first, or it would count as another program.
+        descriptors?.closeHandedOver(DescriptorStore.xdpLinkName(interface), kind: Mode.xdp.rawValue,
+                                     why: "the previous process's xdp link at \(interface), where this configuration runs af_xdp")
         do {
             attachment = try XDPAttachment.attach(program, interface: interface, mode: settings.xdpMode, logger: logger)
         } catch {

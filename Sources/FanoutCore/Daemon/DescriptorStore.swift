@@ -28,6 +28,8 @@ import SystemCalls
 ///   (`sessionNameBudget`), since systemd passes every name back in one environment string;
 /// - `udp-fanout.tcx.<interface>`: the TCX link of the tc_ebpf program (tc_ebpf and xdp listeners)
 ///   at an interface: it keeps forwarding on the last plan while no process runs;
+/// - `udp-fanout.xdp.<interface>`: the xdp kind's XDP link at an interface, kept the same way and
+///   swapped to the next process's program;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
 ///   maps and nat listeners' association maps, taken over by a program of the same layout;
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
@@ -486,11 +488,24 @@ public final class DescriptorStore: Sendable {
             let queued = socket ? " (\(fds.reduce(0) { $0 + Self.queuedBytes($1) }) bytes were queued in them)" : ""
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
-            let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue : "unknown"
+            let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue
+                : name.hasPrefix(Self.xdpLinkPrefix) ? Mode.xdp.rawValue : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")
         }
+    }
+
+    /// Closes what was handed over under `name` and takes it out of the store (counted unused,
+    /// logged with `why`): a previous process's descriptor this one must not keep.
+    package func closeHandedOver(_ name: String, kind: String, why: String) {
+        let fds = take(name)
+        guard !fds.isEmpty else { return }
+        for fd in fds { close(fd) }
+        remove(name)
+        let note = "\(name): \(why): closed"
+        count(kind, .unused, fds.count, note: note)
+        logger.notice("\(note)")
     }
 
     /// Bytes a socket's receive queue holds (SO_MEMINFO); 0 if it cannot be read.
@@ -506,7 +521,7 @@ public final class DescriptorStore: Sendable {
     package func metrics() -> String {
         let counted = outcomes
         var out = "# HELP udp_fanout_adoptions_total Descriptors handed over by the previous process (the service manager's store) at this start, by kind and outcome: adopted, rejected (not usable: closed), unused (no listener of this configuration: closed)\n# TYPE udp_fanout_adoptions_total counter\n"
-        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Replies.relay.rawValue, Mode.tcEBPF.rawValue]).sorted() {
+        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Replies.relay.rawValue, Mode.tcEBPF.rawValue, Mode.xdp.rawValue]).sorted() {
             for outcome in Outcome.allCases {
                 out += "udp_fanout_adoptions_total{kind=\"\(PrometheusText.escape(kind))\",outcome=\"\(outcome.rawValue)\"} \(counted[kind]?[outcome] ?? 0)\n"
             }

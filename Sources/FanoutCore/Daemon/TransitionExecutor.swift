@@ -105,7 +105,12 @@ extension FanoutDaemon {
                 handOver(instance, oldByName[step.name]!, to: newByName[successor]!)
             } else {
                 running[step.name]?.shutdown()
-                if step.removed { logger.info("listener removed", metadata: ["listener": "\(step.name)"]) }
+                if step.removed {
+                    logger.info("listener removed", metadata: ["listener": "\(step.name)"])
+                    // Its flow templates go with it: a listener of that name added later starts
+                    // from what the exporters send then (its counters' other series stay).
+                    state.withLock { $0.counters[step.name] }?.flowTemplateState.withLock { $0 = nil }
+                }
             }
         }
         for name in activateLater {

@@ -166,6 +166,8 @@ final class BatchForwarder {
                     let address = plan.downstreams[target].address
                     if sender.firstReport(of: address), let report = plan.passiveHealth { report(address) }
                 }
+                // A datagram that carried templates may be among the dropped ones.
+                if !result.dropped.isEmpty, let templates { templates.forget(plan.downstreams[target].address) }
                 record(plan, target, result)
                 forwarded += result.sent
                 bytesForwarded += result.bytes

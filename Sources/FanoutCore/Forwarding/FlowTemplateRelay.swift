@@ -25,6 +25,9 @@ final class FlowTemplateState: Sendable {
     /// which are not known here either (udp-fanout has not seen them since it started, or the
     /// exporter was evicted): the collector drops them until the exporter's next template.
     let unknown = Atomic<UInt64>(0)
+    /// Raised whenever the cache learns a change: a worker that found an exporter's templates
+    /// missing asks the cache again only after it moved.
+    let generation = Atomic<UInt64>(0)
 
     /// The listener's families' samples (`labels` are the listener's).
     func metricsRows(_ labels: String) -> (events: [(String, UInt64)], exporters: (String, UInt64), templates: (String, UInt64)) {
@@ -55,13 +58,19 @@ final class FlowTemplateRelay {
     private let makeOutbox: BatchForwarder.OutboxFactory
     private let sender: SharedSender
     /// Per exporter: the downstreams known to hold its current templates (this worker sent them
-    /// a copy, a replay, or the exporter's own datagram with them).
-    private var informed: [Exporter: Set<SocketAddress>] = [:]
+    /// a copy, a replay, or the exporter's own datagram with them), each with its epoch then.
+    private var informed: [Exporter: [SocketAddress: UInt64]] = [:]
+    /// Per downstream address: raised when what it holds is no longer known (it left the plan, a
+    /// send to it dropped something): every mark of an older epoch is void, at once.
+    private var epochs: [SocketAddress: UInt64] = [:]
+    /// Exporters whose templates the cache did not have, at which generation of it.
+    private var missing: [Exporter: UInt64] = [:]
     /// At most this many exporters remembered; beyond, the map starts anew (each exporter's next
     /// datagram then replays once more: harmless).
     static let maximumExporters = 65_536
     private var downstreams: [Downstream] = []
     private var present: Set<SocketAddress> = []
+    private var byAddress: [SocketAddress: Downstream] = [:]
     /// The outboxes of copies and replays, by downstream address, made on first use and kept
     /// while the address is in the plan.
     private var lanes: [SocketAddress: any Outbox] = [:]
@@ -87,10 +96,21 @@ final class FlowTemplateRelay {
     /// A new plan: the downstreams that left it are forgotten (one that comes back is replayed to).
     func adopt(_ plan: ForwardingPlan) {
         flush()
+        let previous = present
         downstreams = plan.downstreams
         present = Set(plan.downstreams.map(\.address))
+        byAddress = Dictionary(plan.downstreams.map { ($0.address, $0) }, uniquingKeysWith: { first, _ in first })
         lanes = lanes.filter { present.contains($0.key) }
-        for (exporter, holders) in informed { informed[exporter] = holders.intersection(present) }
+        for address in previous.subtracting(present) { forget(address) }
+    }
+
+    /// What `address` holds is no longer known: the next datagram of each exporter to it replays.
+    func forget(_ address: SocketAddress) {
+        epochs[address, default: 0] &+= 1
+    }
+
+    private func holds(_ exporter: Exporter, _ address: SocketAddress) -> Bool {
+        informed[exporter]?[address] == epochs[address, default: 0]
     }
 
     /// Called for each datagram before it is appended for downstream `target` (nil: none
@@ -107,10 +127,14 @@ final class FlowTemplateRelay {
         var lacking = false
         if let (version, domain) = FlowExport.header(payload), let address {
             let exporter = Exporter(address: ip, version: version, domain: domain)
-            if !(informed[exporter]?.contains(address) ?? false) {
-                let packets = state.cache.withLock { $0.replay(exporter) }
+            if !holds(exporter, address) {
+                let generation = state.generation.load(ordering: .acquiring)
+                // The shared cache is asked again only once it learned something since it last had nothing.
+                let packets = missing[exporter] == generation ? [] : state.cache.withLock { $0.replay(exporter) }
                 if packets.isEmpty {
                     lacking = true
+                    if missing.count >= Self.maximumExporters { missing = [:] }
+                    missing[exporter] = generation
                 } else {
                     for packet in packets { enqueue(address, Self.headed(packet, like: payload), source: source, copy: false) }
                     inform(exporter, address)
@@ -132,7 +156,9 @@ final class FlowTemplateRelay {
         state.templatePackets.wrappingAdd(1, ordering: .relaxed)
         let exporter = Exporter(address: ip, version: packet.version, domain: packet.domain)
         let copies: [[UInt8]]? = state.cache.withLock { cache in
-            cache.apply(packet, from: ip) ? cache.replay(exporter) : nil
+            guard cache.apply(packet, from: ip) else { return nil }
+            state.generation.wrappingAdd(1, ordering: .releasing)
+            return cache.replay(exporter)
         }
         // The target gets the templates with the datagram itself.
         if let address { inform(exporter, address) }
@@ -141,12 +167,12 @@ final class FlowTemplateRelay {
         for other in downstreams where other.address != address {
             for copy in copies { enqueue(other.address, copy, source: source, copy: true) }
         }
-        informed[exporter] = present
+        for other in present { inform(exporter, other) }
     }
 
     private func inform(_ exporter: Exporter, _ address: SocketAddress) {
         if informed.count >= Self.maximumExporters && informed[exporter] == nil { informed = [:] }
-        informed[exporter, default: []].insert(address)
+        informed[exporter, default: [:]][address] = epochs[address, default: 0]
     }
 
     /// A replayed packet with the header times and sequence number of the datagram it precedes
@@ -161,7 +187,7 @@ final class FlowTemplateRelay {
     }
 
     private func enqueue(_ address: SocketAddress, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
-        guard packet.count <= Self.arenaSize, let downstream = downstreams.first(where: { $0.address == address }) else { return }
+        guard packet.count <= Self.arenaSize, let downstream = byAddress[address] else { return }
         if used + packet.count > Self.arenaSize || (lanes[address]?.count ?? 0) >= Self.laneCapacity { flush() }
         let lane: any Outbox
         if let made = lanes[address] {
@@ -197,7 +223,7 @@ final class FlowTemplateRelay {
             state.copies.wrappingAdd(copiesSent, ordering: .relaxed)
             if dropped > 0 {
                 state.sendDropped.wrappingAdd(dropped, ordering: .relaxed)
-                for (exporter, holders) in informed where holders.contains(address) { informed[exporter]?.remove(address) }
+                forget(address)
             }
         }
         touched.removeAll(keepingCapacity: true)

@@ -163,7 +163,9 @@ final class XDPFront: Sendable {
         state.withLock { state in
             guard let program = state.program, let name = state.served[id] else { return }
             retire(id: id, name: name, program, &state)
-            try? program.serve(id: id, false)
+            // Handing over: the program stays attached through the store and goes on serving
+            // the listener on the last plan.
+            if !descriptors.handingOver { try? program.serve(id: id, false) }
             state.served[id] = nil
         }
     }

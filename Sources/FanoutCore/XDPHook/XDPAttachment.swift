@@ -28,7 +28,8 @@ extension LoadedXDPProgram {
 }
 
 /// The XDP program attached to one interface through a BPF link: the kernel detaches it when
-/// the link's last descriptor closes, so a crash (even kill -9) leaves nothing attached.
+/// the link's last descriptor closes, so a crash (even kill -9) leaves nothing attached, unless
+/// the service manager's store holds a copy (the xdp kind's link, for the next process).
 final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guarded by `link`
     let ifindex: UInt32
     let interface: String
@@ -116,13 +117,19 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
         guard bpf_obj_get_info_by_fd(link, &info, &length) == 0, info.type == xdpLinkType, info.xdp.ifindex == ifindex else {
             throw .handedOver(interface: interface, "the descriptor is not an XDP link at this interface")
         }
-        var query = bpf_xdp_query_opts()
-        query.sz = MemoryLayout<bpf_xdp_query_opts>.size
-        guard bpf_xdp_query(Int32(ifindex), 0, &query) == 0 else {
-            throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: errno))
+        // Zeroed storage (issue 21), as in checkNoForeignProgram.
+        let (result, ids) = withLibbpfOptions(bpf_xdp_query_opts.self) { query in
+            (bpf_xdp_query(Int32(ifindex), 0, query), (driver: query.pointee.drv_prog_id, generic: query.pointee.skb_prog_id, offloaded: query.pointee.hw_prog_id))
         }
-        // XDP_ATTACHED_DRV 1, XDP_ATTACHED_SKB 2 (uapi/linux/if_link.h).
-        let attached: XDPMode = query.attach_mode == 1 ? .native : .generic
+        guard result == 0 else { throw .query(interface: interface, SystemCallError(call: "bpf_xdp_query", errno: -result)) }
+        let attached: XDPMode
+        switch info.prog_id {
+        case ids.driver where ids.generic == 0 && ids.offloaded == 0: attached = .native
+        case ids.generic where ids.driver == 0 && ids.offloaded == 0: attached = .generic
+        default:
+            // Another program beside it (attached by another tool while no process ran).
+            throw .handedOver(interface: interface, "another XDP program is attached beside it (driver \(ids.driver), generic \(ids.generic), offloaded \(ids.offloaded))")
+        }
         guard mode == .auto || mode == attached else {
             throw .handedOver(interface: interface, "it runs in \(attached.rawValue) mode, xdp_mode asks for \(mode.rawValue)")
         }
@@ -168,6 +175,10 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
             try checkNoForeignProgram(ifindex: ifindex, interface: interface, ours: nil)
         } catch .foreignProgram(_, _, let name, _) where name == ours {
             return ([], ["\(at): \(interface) already runs udp-fanout's XDP program: fine if that is the daemon this file reloads; a second \(kind) on it would be refused"])
+        } catch .foreignProgram(_, _, let name, _) where name == FANOUT_PROG_XFWD_NAME || name == FANOUT_PROG_XDP_NAME {
+            // The other kind's program of udp-fanout: the previous process's, left in the
+            // service manager's store, is closed by the start (docs/restarts.md).
+            return ([], ["\(at): \(interface) runs udp-fanout's \(name == FANOUT_PROG_XFWD_NAME ? "xdp" : "af_xdp") program: fine if the previous process of this unit left it (a restart closes it first); another running udp-fanout refuses the start"])
         } catch .foreignProgram(_, let id, "?", _) {
             // Its name could not be read (bpf_prog_get_fd_by_id needs CAP_SYS_ADMIN): it may be
             // the running daemon's own, so not a problem for an unprivileged check.
