@@ -562,6 +562,8 @@ struct DescriptorStoreTests {
         #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\n")
             == .init(pid: 7, version: "1.2", startedAt: 10.5, lastSeenAt: 20, stoppedAt: 21))
         #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\n")?.stoppedAt == nil)
+        #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\nstart_failed=1\n")?.startFailed == true)
+        #expect(DescriptorStore.parseRecord("pid=7\nversion=1.2\nstarted=10.5\nseen=20\nstopped=21\n")?.startFailed == false)
         #expect(DescriptorStore.parseRecord("pid=x\n") == nil)
     }
 }
@@ -698,6 +700,7 @@ struct KernelRestartTests {
         // Restart=on-failure: the next start, with the file fixed.
         try good.write(to: file, atomically: true, encoding: .utf8)
         try manager.start()
+        #expect(manager.output.contains("taking over from the previous process, whose start failed"), "not a crash: \(manager.output)")
         #expect(publisher.wait(seconds: 30) == 0)
         usleep(500_000)
         let metrics = try TCFixtures.metrics(topology, port: metricsPort)

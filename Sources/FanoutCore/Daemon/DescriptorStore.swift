@@ -54,6 +54,8 @@ public final class DescriptorStore: Sendable {
         package var lastSeenAt: Double
         /// Wall-clock seconds when its clean stop began; nil: it ended without one (a crash).
         package var stoppedAt: Double?
+        /// Its start failed (it stopped with its error, handing over what it took over).
+        package var startFailed = false
     }
 
     private struct State {
@@ -542,7 +544,10 @@ public final class DescriptorStore: Sendable {
             var metadata: Logger.Metadata = [
                 "previous_pid": "\(previous.pid)", "previous_version": "\(previous.version)",
             ]
-            if let stopped = previous.stoppedAt {
+            if let stopped = previous.stoppedAt, previous.startFailed {
+                metadata["stopped_seconds_ago"] = "\(Self.rounded(now - stopped))"
+                logger.notice("taking over from the previous process, whose start failed (its log says why): what it took over forwarded on meanwhile", metadata: metadata)
+            } else if let stopped = previous.stoppedAt {
                 metadata["stopped_seconds_ago"] = "\(Self.rounded(now - stopped))"
                 logger.info("taking over from the previous process, which began a clean stop", metadata: metadata)
             } else {
@@ -579,9 +584,17 @@ public final class DescriptorStore: Sendable {
         writeRecord(version: version, startedAt: startedAt, stoppedAt: WallClock.seconds())
     }
 
-    private func writeRecord(version: String, startedAt: Double, stoppedAt: Double?) {
+    /// The start failed and the process stops with its error: the record says so (the successor
+    /// logs a failed start, not a crash).
+    package func startFailed(version: String, startedAt: Double) {
+        heartbeat.set()
+        writeRecord(version: version, startedAt: startedAt, stoppedAt: WallClock.seconds(), failed: true)
+    }
+
+    private func writeRecord(version: String, startedAt: Double, stoppedAt: Double?, failed: Bool = false) {
         var text = "pid=\(getpid())\nversion=\(version)\nstarted=\(startedAt)\nseen=\(WallClock.seconds())\n"
         if let stoppedAt { text += "stopped=\(stoppedAt)\n" }
+        if failed { text += "start_failed=1\n" }
         // Fixed size: a reader never sees the tail of a longer earlier record.
         var bytes = Array(text.utf8.prefix(511))
         bytes += [UInt8](repeating: 0, count: 512 - bytes.count)
@@ -608,7 +621,8 @@ public final class DescriptorStore: Sendable {
         guard let pid = fields["pid"].flatMap({ Int32($0) }), let version = fields["version"],
               let started = fields["started"].flatMap({ Double($0) }), let seen = fields["seen"].flatMap({ Double($0) })
         else { return nil }
-        return Predecessor(pid: pid, version: version, startedAt: started, lastSeenAt: seen, stoppedAt: fields["stopped"].flatMap { Double($0) })
+        return Predecessor(pid: pid, version: version, startedAt: started, lastSeenAt: seen, stoppedAt: fields["stopped"].flatMap { Double($0) },
+                           startFailed: fields["start_failed"] == "1")
     }
 
     private static func rounded(_ seconds: Double) -> String {

@@ -129,7 +129,12 @@ public struct ForwardingService: Service {
         // Which process this one takes over from (logged), and this one's record for the next.
         daemon.descriptors.announce(version: ProjectVersion.string, startedAt: startedAt)
         // Loading programs, joining groups and binding block: off the cooperative pool.
-        try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
+        do {
+            try await offCooperativePool("fanout-start") { Result { () throws(DaemonError) in try daemon.start() } }.get()
+        } catch {
+            daemon.descriptors.startFailed(version: ProjectVersion.string, startedAt: startedAt)
+            throw error
+        }
         // After start(): every listener is bound (or attached), so systemd's "started" means forwarding.
         daemon.path.markStarted()
         notifier.send("READY=1\nSTATUS=\(forwardingStatus())")
