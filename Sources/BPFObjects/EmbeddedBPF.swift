@@ -27,17 +27,6 @@ public enum BPFObject: Sendable, CaseIterable {
         }
     }
 
-    /// The name of the program its loader takes (bpf/include's `*_PROG_*_NAME`).
-    public var programName: String {
-        switch self {
-        case .reuseportSelect: return "rplb_select"
-        case .tcFanout: return "fanout_tc"
-        case .xdpSteer: return "fanout_xdp"
-        case .xdpFanout: return "fanout_xfwd"
-        case .mapCount: return "fanout_map_count"
-        }
-    }
-
     /// The ELF object's bytes, decoded from the embedded base64 text.
     public var elfBytes: [UInt8] {
         switch self {

@@ -144,8 +144,8 @@ package enum BPFObjectOverride {
     }
 
     /// What is wrong with the objects the directory replaces (each opened, not loaded: not a
-    /// BPF object, or without its program), for `--check`.
-    package static func problems() -> [String] {
+    /// BPF object, or without the program its loader takes, named in `programs`), for `--check`.
+    package static func problems(programs: [BPFObject: String]) -> [String] {
         BPFObject.allCases.compactMap { which -> String? in
             guard let path = path(which) else { return nil }
             let bytes: [UInt8]
@@ -155,7 +155,7 @@ package enum BPFObjectOverride {
                 return "\(path) (\(variable)) is not a BPF object libbpf can open (errno \(errno)): compile it from bpf/ as docs/development.md says, or unset \(variable)"
             }
             defer { bpf_object__close(object) }
-            let expected = which.programName
+            guard let expected = programs[which] else { return nil }
             return bpf_object__find_program_by_name(object, expected) == nil
                 ? "\(path) (\(variable)) has no program \(expected): it is not \(which.fileName) compiled from bpf/"
                 : nil

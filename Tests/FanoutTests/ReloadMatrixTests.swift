@@ -103,6 +103,7 @@ struct ReloadMatrixTests {
             case "output": shape = shape.setting("output", "preserve_source")
             case "queues": shape = shape.setting("queues", "1")
             case "xdp_mode": shape = shape.setting("xdp_mode", "generic")
+            case "flow_templates": shape = shape.setting("flow_templates", "true")
             default: Issue.record("no change defined for key \(key)")
             }
             return shape
@@ -114,7 +115,7 @@ struct ReloadMatrixTests {
     /// Every key a reload can change, per kind. `interface` is not in it: the fixture has one
     /// client-facing interface (docs/reliability.md, "Not covered").
     static let keys: [Kind: [String]] = [
-        .userspace: ["workers", "batch_size", "recv_buf_size", "bind", "balancing", "downstream", "name"],
+        .userspace: ["workers", "batch_size", "recv_buf_size", "flow_templates", "bind", "balancing", "downstream", "name"],
         .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name"],
         .tcEBPF: ["tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
         .afXDP: ["output", "queues", "xdp_mode", "batch_size", "bind", "balancing", "downstream", "name"],

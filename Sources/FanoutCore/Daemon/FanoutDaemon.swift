@@ -2,6 +2,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import BPFKernelABI
 import BPFSupport
 import Logging
 import ReusePortLB
@@ -501,7 +502,7 @@ package func readFile(_ path: String) throws(ConfigError) -> String {
 }
 
 /// Logs, at a start, which BPF programs `UDP_FANOUT_BPF_DIR` replaces (docs/development.md).
-/// Returns what is wrong with the objects it names (``BPFObjectOverride/problems()``), which
+/// Returns what is wrong with the objects it names (``BPFObjectOverride/problems(programs:)``), which
 /// `--check` refuses.
 @discardableResult
 package func logProgramOverride(_ logger: Logger, checking: Bool = false) -> [String] {
@@ -517,5 +518,7 @@ package func logProgramOverride(_ logger: Logger, checking: Bool = false) -> [St
         logger.warning("BPF programs \(loads) from \(BPFObjectOverride.variable) instead of the ones built into this binary (development): a start swaps them in on the running maps, as an upgrade does",
                        metadata: ["directory": "\(directory)", "objects": "\(objects)"])
     }
-    return BPFObjectOverride.problems()
+    return BPFObjectOverride.problems(programs: [
+        .tcFanout: FANOUT_PROG_TC_NAME, .xdpFanout: FANOUT_PROG_XFWD_NAME, .xdpSteer: FANOUT_PROG_XDP_NAME, .mapCount: AssociationCounter.programName,
+    ])
 }

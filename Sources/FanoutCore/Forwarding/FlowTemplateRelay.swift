@@ -60,9 +60,12 @@ final class FlowTemplateRelay {
     /// Per exporter: the downstreams known to hold its current templates (this worker sent them
     /// a copy, a replay, or the exporter's own datagram with them), each with its epoch then.
     private var informed: [Exporter: [SocketAddress: UInt64]] = [:]
-    /// Per downstream address: raised when what it holds is no longer known (it left the plan, a
-    /// send to it dropped something): every mark of an older epoch is void, at once.
+    /// Per downstream address of the plan: its epoch, a value never given before, renewed when
+    /// what it holds is no longer known (a send to it dropped something): every older mark is
+    /// void at once. An address that leaves the plan loses its epoch (and its marks), one that
+    /// comes back gets a new one.
     private var epochs: [SocketAddress: UInt64] = [:]
+    private var nextEpoch: UInt64 = 0
     /// Exporters whose templates the cache did not have, at which generation of it.
     private var missing: [Exporter: UInt64] = [:]
     /// At most this many exporters remembered; beyond, the map starts anew (each exporter's next
@@ -101,16 +104,24 @@ final class FlowTemplateRelay {
         present = Set(plan.downstreams.map(\.address))
         byAddress = Dictionary(plan.downstreams.map { ($0.address, $0) }, uniquingKeysWith: { first, _ in first })
         lanes = lanes.filter { present.contains($0.key) }
-        for address in previous.subtracting(present) { forget(address) }
+        let left = previous.subtracting(present)
+        for address in left { epochs[address] = nil }
+        if !left.isEmpty {
+            for exporter in informed.keys { informed[exporter] = informed[exporter]?.filter { !left.contains($0.key) } }
+        }
+        for address in present.subtracting(previous) { forget(address) }
     }
 
     /// What `address` holds is no longer known: the next datagram of each exporter to it replays.
     func forget(_ address: SocketAddress) {
-        epochs[address, default: 0] &+= 1
+        guard present.contains(address) else { return }
+        nextEpoch &+= 1
+        epochs[address] = nextEpoch
     }
 
     private func holds(_ exporter: Exporter, _ address: SocketAddress) -> Bool {
-        informed[exporter]?[address] == epochs[address, default: 0]
+        guard let epoch = epochs[address] else { return false }
+        return informed[exporter]?[address] == epoch
     }
 
     /// Called for each datagram before it is appended for downstream `target` (nil: none
@@ -171,8 +182,9 @@ final class FlowTemplateRelay {
     }
 
     private func inform(_ exporter: Exporter, _ address: SocketAddress) {
+        guard let epoch = epochs[address] else { return }
         if informed.count >= Self.maximumExporters && informed[exporter] == nil { informed = [:] }
-        informed[exporter, default: [:]][address] = epochs[address, default: 0]
+        informed[exporter, default: [:]][address] = epoch
     }
 
     /// A replayed packet with the header times and sequence number of the datagram it precedes

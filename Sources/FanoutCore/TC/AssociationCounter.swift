@@ -19,8 +19,11 @@ final class AssociationCounter: Sendable {
     /// Loads the iterator and makes its link. - Throws: the failing call (an older kernel has no
     /// `bpf_map_sum_elem_count`, a kernel without BTF cannot relocate the program): the caller
     /// then counts with batched lookups.
+    /// The iterator program's name in bpf/map_count.bpf.c.
+    static let programName = "fanout_map_count"
+
     init() throws(SystemCallError) {
-        let owned = try loadEmbeddedObject(.mapCount, program: "fanout_map_count", maps: [])
+        let owned = try loadEmbeddedObject(.mapCount, program: Self.programName, maps: [])
         program = owned[0]
         do {
             link = try libbpfCall("bpf_link_create fanout_map_count (BPF_TRACE_ITER)") { bpf_link_create(owned[0], 0, BPF_TRACE_ITER, nil) }
