@@ -99,6 +99,46 @@ int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, u
  * between the last read and the leave are lost), or a negative errno. */
 int reuseportlb_withdraw(reuseportlb_member *member);
 
+/* The group's NetFlow v9 / IPFIX template store (eBPF steering, pinned beside the group): every
+ * member passes each datagram it receives to reuseportlb_templates_learn(); a member that meets
+ * a data set whose template it does not know asks reuseportlb_templates_lookup(), so exporters
+ * it takes over from another member decode at once. The last member to leave removes it. */
+typedef struct reuseportlb_templates reuseportlb_templates;
+/* What the store did, for this process. */
+struct reuseportlb_template_counters {
+	uint64_t written;           /* templates and options templates written */
+	uint64_t withdrawn;         /* deleted by an IPFIX withdrawal */
+	uint64_t refused_too_large; /* larger than REUSEPORTLB_TEMPLATE_MAX bytes: not stored */
+	uint64_t refused_full;      /* the store was full: not stored */
+	uint64_t failed;            /* writes or deletes the kernel refused otherwise */
+	uint64_t malformed;         /* version 9/10 datagrams whose sets do not add up */
+	uint64_t found;             /* lookups answered */
+	uint64_t missing;           /* lookups that found nothing */
+};
+/* The largest template record the store holds, in bytes. */
+#define REUSEPORTLB_TEMPLATE_MAX 1020
+/* Opens (or creates) the store of the member's group. -EOPNOTSUPP (with the reason in `error`)
+ * when the member does not use eBPF steering in a pinned group. */
+int reuseportlb_templates_open(reuseportlb_member *member, reuseportlb_templates **store,
+			       char *error, size_t error_size);
+/* Stores the templates the datagram defines and deletes those it withdraws (IPFIX); `exporter`
+ * is its source (struct sockaddr_in or sockaddr_in6, as recvfrom/recvmmsg give it). Returns how
+ * many templates were written or deleted (0 for data alone or not NetFlow v9/IPFIX), -EINVAL for
+ * a NULL store or another address family. */
+int reuseportlb_templates_learn(reuseportlb_templates *store, const void *datagram, size_t length,
+				const void *exporter);
+/* Copies the record of template `template_id` of the exporter (its address, version 9 or 10,
+ * observation domain or source ID) into `record` and sets *options (may be NULL) to 1 for an
+ * options template. Returns the record's length, -ENOENT if none is stored, -ENOSPC if
+ * record_size is too small (REUSEPORTLB_TEMPLATE_MAX always fits), -EINVAL for bad arguments. */
+int reuseportlb_templates_lookup(reuseportlb_templates *store, const void *exporter, uint16_t version,
+				 uint32_t domain, uint16_t template_id, void *record, size_t record_size,
+				 int *options);
+/* Fills *counters; -EINVAL for NULL. */
+int reuseportlb_templates_counters(const reuseportlb_templates *store,
+				   struct reuseportlb_template_counters *counters);
+/* Closes this process's handle (the store stays with the group) and frees it (NULL: nothing). */
+void reuseportlb_templates_close(reuseportlb_templates *store);
 /* Leaves the group (closes the socket; the last member out removes the group's pins) and frees
  * the handle (NULL: nothing). Whatever is still queued on the socket is dropped: call reuseportlb_withdraw()
  * and drain first. */

@@ -8,7 +8,8 @@ import SystemCalls
 
 /// bpffs: where a group's program and maps are pinned so separate processes share them.
 ///
-/// Layout: `<root>/reuseportlb/<group>/{prog,members,config,table,outcomes,delivered,rr}` where
+/// Layout: `<root>/reuseportlb/<group>/{prog,members,config,table,outcomes,delivered,rr}` (and
+/// `templates` once a member opens the group's ``FlowTemplateStore``) where
 /// `<group>` is `udp4-127_0_0_1-9000-net4026531833` or `udp6-2001_db8__1-9000-net…`: the
 /// address (bpffs refuses names with a dot, so dots and colons become underscores), the port,
 /// and the network namespace's inode, since the same address and port in two namespaces are

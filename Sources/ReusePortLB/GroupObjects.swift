@@ -170,7 +170,8 @@ final class GroupObjects {
     }
 
     static func removePins(directory: String) {
-        for name in pinNames { unlink(directory + "/" + name) }
+        // The group's template store (FlowTemplateStore) goes with the group.
+        for name in pinNames + [FlowTemplateStore.pinName] { unlink(directory + "/" + name) }
         rmdir(directory)
     }
 

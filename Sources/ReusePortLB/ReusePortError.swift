@@ -31,6 +31,8 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     /// A socket handed over by another process (the service manager's descriptor store) is not
     /// a UDP socket bound to the listener's address.
     case handedOverMismatch(SocketAddress, reason: String)
+    /// A ``FlowTemplateStore`` cannot be opened for this member.
+    case templateStoreUnavailable(reason: String)
 
     /// Why port 0 is refused.
     public static let portZeroReason = "port 0 is not a group's port: the kernel would bind each member to its own random port; use 1...65535"
@@ -74,6 +76,8 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
             return "the group on \(address) has no member to attach its program through: join a slot before activate()"
         case .handedOverMismatch(let address, let reason):
             return "a socket handed over for \(address) is \(reason): closed, a new one is bound"
+        case .templateStoreUnavailable(let reason):
+            return "the group's flow template store cannot be opened: \(reason)"
         }
     }
 }

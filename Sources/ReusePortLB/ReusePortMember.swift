@@ -190,6 +190,12 @@ public final class ReusePortMember: @unchecked Sendable {
     /// True once ``leave()`` ran.
     public var hasLeft: Bool { state.withLock { $0.left } }
 
+    /// The group's pin directory and bpffs, for an eBPF member of a pinned group.
+    var pinnedGroup: (directory: String, filesystem: BPFFilesystem)? {
+        guard let directory = objects?.directory, let filesystem else { return nil }
+        return (directory, filesystem)
+    }
+
     /// Runs `body` with the socket while the member has not left (holding off a concurrent
     /// ``leave()``, so the descriptor cannot be closed and reused meanwhile); nil once it left.
     func withOpenSocket<R>(_ body: (Int32) -> R) -> R? {

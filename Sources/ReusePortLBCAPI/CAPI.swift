@@ -29,7 +29,7 @@ private func code(of error: ReusePortError) -> Int32 {
     case .slotInUse, .addressInUse, .addressServedByAnotherProcess, .steeringConflict, .bpffsNotShared: return -EADDRINUSE
     case .groupFull: return -ENOSPC
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
-    case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF: return -EOPNOTSUPP
+    case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF, .templateStoreUnavailable: return -EOPNOTSUPP
     case .groupSettingsMismatch: return -EEXIST
     case .invalidCapacity, .slotOutOfRange, .noLiveMember, .invalidAddress, .handedOverMismatch: return -EINVAL
     }
@@ -169,5 +169,84 @@ public func reuseportlb_leave(_ handle: OpaquePointer?) {
     guard let handle else { return }
     let unmanaged = Unmanaged<ReusePortMember>.fromOpaque(UnsafeRawPointer(handle))
     unmanaged.takeUnretainedValue().leave()
+    unmanaged.release()
+}
+
+// MARK: The group's flow template store
+
+private func store(_ handle: OpaquePointer) -> FlowTemplateStore {
+    Unmanaged<FlowTemplateStore>.fromOpaque(UnsafeRawPointer(handle)).takeUnretainedValue()
+}
+
+/// The exporter's address in a sockaddr_in or sockaddr_in6; nil for another family.
+private func exporterAddress(_ address: UnsafeRawPointer?) -> IPAddress? {
+    guard let address else { return nil }
+    let family = Int32(address.loadUnaligned(fromByteOffset: MemoryLayout<sockaddr>.offset(of: \.sa_family)!, as: sa_family_t.self))
+    guard family == AF_INET || family == AF_INET6 else { return nil }
+    return SocketAddress(storage: address)?.ip
+}
+
+@_cdecl("reuseportlb_templates_open")
+public func reuseportlb_templates_open(
+    _ handle: OpaquePointer?, _ out: UnsafeMutablePointer<OpaquePointer?>?, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    guard let handle, let out else {
+        writeMessage("member and store must not be NULL", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    do {
+        let opened = try FlowTemplateStore(member: member(handle))
+        out.pointee = OpaquePointer(Unmanaged.passRetained(opened).toOpaque())
+        return 0
+    } catch {
+        writeMessage(error.description, errorBuffer, errorSize)
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_templates_learn")
+public func reuseportlb_templates_learn(
+    _ handle: OpaquePointer?, _ datagram: UnsafeRawPointer?, _ length: Int, _ exporter: UnsafeRawPointer?
+) -> Int32 {
+    guard let handle, datagram != nil || length == 0, length >= 0, let address = exporterAddress(exporter) else { return -EINVAL }
+    return Int32(store(handle).learn(UnsafeRawBufferPointer(start: datagram, count: length), from: address))
+}
+
+@_cdecl("reuseportlb_templates_lookup")
+public func reuseportlb_templates_lookup(
+    _ handle: OpaquePointer?, _ exporter: UnsafeRawPointer?, _ version: UInt16, _ domain: UInt32, _ id: UInt16,
+    _ record: UnsafeMutableRawPointer?, _ recordSize: Int, _ options: UnsafeMutablePointer<Int32>?
+) -> Int32 {
+    guard let handle, let address = exporterAddress(exporter), version == 9 || version == 10 else { return -EINVAL }
+    guard let template = store(handle).template(exporter: address, version: version, domain: domain, id: id) else { return -ENOENT }
+    guard let record, recordSize >= template.record.count else { return -ENOSPC }
+    template.record.withUnsafeBytes { record.copyMemory(from: $0.baseAddress!, byteCount: $0.count) }
+    options?.pointee = template.options ? 1 : 0
+    return Int32(template.record.count)
+}
+
+/// Mirrors `struct reuseportlb_template_counters`.
+public struct CTemplateCounters {
+    var written, withdrawn, refusedTooLarge, refusedFull, failed, malformed, found, missing: UInt64
+}
+
+@_cdecl("reuseportlb_templates_counters")
+public func reuseportlb_templates_counters(_ handle: OpaquePointer?, _ out: UnsafeMutableRawPointer?) -> Int32 {
+    guard let handle, let out else { return -EINVAL }
+    let counters = store(handle).counters
+    out.storeBytes(
+        of: CTemplateCounters(
+            written: counters.written, withdrawn: counters.withdrawn, refusedTooLarge: counters.refusedTooLarge,
+            refusedFull: counters.refusedFull, failed: counters.failed, malformed: counters.malformed,
+            found: counters.found, missing: counters.missing),
+        as: CTemplateCounters.self)
+    return 0
+}
+
+@_cdecl("reuseportlb_templates_close")
+public func reuseportlb_templates_close(_ handle: OpaquePointer?) {
+    guard let handle else { return }
+    let unmanaged = Unmanaged<FlowTemplateStore>.fromOpaque(UnsafeRawPointer(handle))
+    unmanaged.takeUnretainedValue().close()
     unmanaged.release()
 }

@@ -25,7 +25,10 @@ struct Collector: ParsableCommand {
             With --echo it is a server of two-way tests: every datagram goes back to its sender from \
             this socket with --tag appended (so a client can tell which server answered), except \
             udp-fanout's udp_echo health probes, which go back unchanged so the probe passes; \
-            --initiate sends one datagram holding only the tag to each given client at start.
+            --initiate sends one datagram holding only the tag to each given client at start. \
+            With --flows it decodes NetFlow v9 and IPFIX and counts records decoded and data sets \
+            dropped for an unknown template; --shared-templates keeps templates in the group's \
+            store, so sources taken over from another member decode at once.
             """,
         version: ProjectVersion.string)
 
@@ -59,13 +62,17 @@ struct Collector: ParsableCommand {
     var initiate: String?
     @Option(name: .customLong("echo-delay-ms"), help: "With --echo: answer each datagram this many milliseconds after it arrived (a slow server; health probes are answered at once).")
     var echoDelayMilliseconds: Int = 0
+    @Flag(help: "Decode NetFlow v9 and IPFIX: count the data records decoded, and the data sets (and v9 records) dropped for a template this collector does not know (report: flows).")
+    var flows = false
+    @Flag(name: .customLong("shared-templates"), help: "With --flows: keep the templates in the group's shared store (eBPF steering), so exporters this collector takes over from another member decode at once.")
+    var sharedTemplates = false
 
     /// Negative numbers reach validation (or one clear message) instead of ArgumentParser's
     /// option errors.
     static func main() {
         switch CommandLineNumbers.rewrite(
             Array(CommandLine.arguments.dropFirst()), positionals: ["ip", "port", "index", "count"],
-            flags: ["--takeover", "--force", "--echo", "--help"])
+            flags: ["--takeover", "--force", "--echo", "--flows", "--shared-templates", "--help"])
         {
         case .failure(let message): exit(withError: ValidationError(message.text))
         case .success(let arguments): main(arguments)
@@ -96,6 +103,9 @@ struct Collector: ParsableCommand {
         guard (0...60_000).contains(echoDelayMilliseconds) else { throw ValidationError("--echo-delay-ms must be 0...60000") }
         if echoDelayMilliseconds > 0 && !echo {
             throw ValidationError("--echo-delay-ms needs --echo (it delays the echoes)")
+        }
+        if sharedTemplates && !flows {
+            throw ValidationError("--shared-templates needs --flows (the store serves the decoding)")
         }
         _ = try initiateAddresses()
     }
@@ -129,13 +139,24 @@ struct Collector: ParsableCommand {
             printError("collector: \(error)")
             throw ExitCode(2)
         }
+        var store: FlowTemplateStore?
+        if sharedTemplates {
+            do {
+                store = try FlowTemplateStore(member: member)
+            } catch {
+                printError("collector: --shared-templates: \(error)")
+                member.leave()
+                throw ExitCode(2)
+            }
+        }
         var line = "collector: ready address=\(address) slot=\(member.slot) steering=\(member.steering)"
         if let note = member.steeringNote { line += " note=\"\(note)\"" }
         printError(line)
 
         let echoTag = Array((tag ?? "\(address)/\(member.slot)").utf8)
         var run = Run(member: member, batch: batch, maxSources: maxSources, echoTag: echo ? echoTag : nil,
-                      echoDelay: echoDelayMilliseconds > 0 ? .milliseconds(echoDelayMilliseconds) : nil)
+                      echoDelay: echoDelayMilliseconds > 0 ? .milliseconds(echoDelayMilliseconds) : nil,
+                      flows: flows ? FlowDecoder(store: store) : nil)
         for client in try initiateAddresses() { run.initiate(to: client) }
         run.loop(duration: duration, statsInterval: statsInterval)
         // Echoes still waiting at the stop leave now rather than never.
@@ -176,9 +197,14 @@ struct Run {
     let echoDelay: Duration?
     var delayed: [(due: ContinuousClock.Instant, bytes: [UInt8], destination: sockaddr_storage)] = []
     var delayedHead = 0
+    /// --flows: the NetFlow v9 / IPFIX decoding (nil: off).
+    var flows: FlowDecoder?
+    /// Store failures already said (each kind once).
+    var storeFailureSaid = false
 
-    init(member: ReusePortMember, batch: Int, maxSources: Int, echoTag: [UInt8]?, echoDelay: Duration? = nil) {
+    init(member: ReusePortMember, batch: Int, maxSources: Int, echoTag: [UInt8]?, echoDelay: Duration? = nil, flows: FlowDecoder? = nil) {
         self.member = member
+        self.flows = flows
         self.echoTag = echoTag
         self.echoDelay = echoDelay
         echoBuffer = .allocate(byteCount: 65535 + (echoTag?.count ?? 0), alignment: 16)
@@ -206,7 +232,7 @@ struct Run {
                 withdraw()
             }
             if let due = nextStats, now >= due {
-                printError("collector slot \(member.slot): received \(received)")
+                printError("collector slot \(member.slot): received \(received)\(flows.map { " records \($0.counters.records) unknown_template_sets \($0.counters.unknownTemplateSets)" } ?? "")")
                 nextStats = due + .milliseconds(Int64(statsInterval * 1000))
             }
             if now >= nextReplacementCheck {
@@ -344,6 +370,13 @@ struct Run {
         bytes += UInt64(payload.count)
         if receiver.isTruncated(index) { truncated += 1 }
         let source = SourceKey(receiver.sourceStorage(index))
+        if flows != nil {
+            flows!.decode(payload, from: source.address, now: Payload.monotonicNanoseconds())
+            if !storeFailureSaid, let store = flows!.store, let failure = store.lastFailure {
+                storeFailureSaid = true
+                printError("collector slot \(member.slot): template store: \(failure) (counted as store.failed; later failures are not logged)")
+            }
+        }
         guard let header = Payload.read(payload) else {
             foreign += 1
             sources.record(source, sequence: nil)
@@ -412,6 +445,33 @@ struct Run {
             summary.add("p50", latency.percentile(0.50)!)
             summary.add("p99", latency.percentile(0.99)!)
             json.add("latency_us", summary)
+        }
+        if let flows {
+            let counters = flows.counters
+            var decoded = JSONObject()
+            decoded.add("packets", counters.packets)
+            decoded.add("other_packets", counters.otherPackets)
+            decoded.add("records", counters.records)
+            decoded.add("template_records", counters.templateRecords)
+            decoded.add("unknown_template_sets", counters.unknownTemplateSets)
+            decoded.add("unknown_template_records_v9", counters.unknownTemplateRecords)
+            decoded.add("templates_from_store", counters.templatesFromStore)
+            decoded.add("malformed", counters.malformed)
+            if let store = flows.store {
+                let stored = store.counters
+                var shared = JSONObject()
+                shared.add("path", store.path)
+                shared.add("written", stored.written)
+                shared.add("withdrawn", stored.withdrawn)
+                shared.add("refused_too_large", stored.refusedTooLarge)
+                shared.add("refused_full", stored.refusedFull)
+                shared.add("failed", stored.failed)
+                shared.add("malformed", stored.malformed)
+                shared.add("found", stored.found)
+                shared.add("missing", stored.missing)
+                decoded.add("store", shared)
+            }
+            json.add("flows", decoded)
         }
         if let counters = try? member.counters() {
             var kernel = JSONObject()

@@ -91,6 +91,8 @@ struct InputTests {
             .steeringConflict(group: address, running: settings + ", 256 live member(s)", requested: .classicBPF),
             .takeoverNeedsEBPF(.classicBPF), .bpffsNotShared(address, bpffs: "/sys/fs/bpf", sockets: Int.max),
             .noLiveMember(address), .invalidAddress(address, reason: ReusePortError.portZeroReason),
+            .templateStoreUnavailable(reason: "\(group)/templates is a map of key size 4294967295 and value size 4294967295, not 24 and 1024: a member of another version created it; stop every member of the group to recreate it"),
+            .templateStoreUnavailable(reason: "this member uses classicBPF steering in a process-private group: the store lives in the pinned eBPF group's directory; join with eBPF steering and bpffs (CAP_BPF)"),
         ]
         for error in errors {
             #expect(error.description.utf8.count < maximum, "\(error.description.utf8.count) bytes: \(error)")

@@ -257,7 +257,69 @@ struct LifecycleTests {
         let library = prefix.appendingPathComponent("lib/libreuseportlb.so.0").path
         #expect(try run("/usr/bin/readelf", ["-d", library]).output.contains("Library soname: [libreuseportlb.so.0]"))
         #expect(try run("/usr/bin/readelf", ["-d", binary]).output.contains("Shared library: [libreuseportlb.so.0]"))
+
+        // The template store through the C API: one member learns, the other looks up.
+        let storeSource = prefix.appendingPathComponent("templates.c")
+        try Self.templatesProgram.write(to: storeSource, atomically: true, encoding: .utf8)
+        let storeBinary = prefix.appendingPathComponent("templates").path
+        let storeBuild = try run("/bin/sh", ["-c", "cc -Wall -Werror -o \(storeBinary) \(storeSource.path) $(PKG_CONFIG_PATH=\(prefix.path)/lib/pkgconfig pkg-config --cflags --libs reuseportlb)"])
+        try #require(storeBuild.status == 0, "\(storeBuild.output)")
+        let stored = try run(storeBinary, [String(freePort())])
+        #expect(stored.status == 0, "\(stored.output)")
+        #expect(stored.output.contains("learned=1 length=12 options=0 same=1 data=0 other_domain=-2 small=-28 null=-22 written=1 found=2 missing=1"), "\(stored.output)")
     }
+
+    /// Two members of one group: the first learns a NetFlow v9 template, the second reads it.
+    static let templatesProgram = #"""
+        // SPDX-License-Identifier: Apache-2.0
+        #include <arpa/inet.h>
+        #include <netinet/in.h>
+        #include <stdio.h>
+        #include <stdlib.h>
+        #include <string.h>
+        #include <reuseportlb.h>
+
+        int main(int argc, char **argv) {
+            char error[REUSEPORTLB_ERROR_MAX];
+            uint16_t port = (uint16_t)atoi(argv[1]);
+            reuseportlb_member *first, *second;
+            reuseportlb_templates *writer, *reader;
+            if (reuseportlb_join("127.0.0.1", port, 0, 2, REUSEPORTLB_SOURCE_IP, &first, error, sizeof error) < 0 ||
+                reuseportlb_join("127.0.0.1", port, 1, 2, REUSEPORTLB_SOURCE_IP, &second, error, sizeof error) < 0 ||
+                reuseportlb_templates_open(first, &writer, error, sizeof error) < 0 ||
+                reuseportlb_templates_open(second, &reader, error, sizeof error) < 0) {
+                fprintf(stderr, "%s\n", error);
+                return 1;
+            }
+            /* v9 header (count 1, source ID 7), template set: template 256 with 2 fields. */
+            const uint8_t packet[] = {0, 9, 0, 1, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 7,
+                                      0, 0, 0, 16, 1, 0, 0, 2, 0, 8, 0, 4, 0, 12, 0, 4};
+            const uint8_t data[] = {0, 9, 0, 1, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 4, 0, 0, 0, 7,
+                                    1, 0, 0, 12, 1, 2, 3, 4, 5, 6, 7, 8};
+            struct sockaddr_in exporter = {.sin_family = AF_INET, .sin_port = htons(2055)};
+            inet_pton(AF_INET, "192.0.2.5", &exporter.sin_addr);
+            int learned = reuseportlb_templates_learn(writer, packet, sizeof packet, &exporter);
+            int ignored = reuseportlb_templates_learn(writer, data, sizeof data, &exporter);
+            uint8_t record[REUSEPORTLB_TEMPLATE_MAX];
+            int options = -1;
+            int length = reuseportlb_templates_lookup(reader, &exporter, 9, 7, 256, record, sizeof record, &options);
+            int same = length == 12 && memcmp(record, packet + 24, 12) == 0;
+            int other = reuseportlb_templates_lookup(reader, &exporter, 9, 8, 256, record, sizeof record, NULL);
+            int small = reuseportlb_templates_lookup(reader, &exporter, 9, 7, 256, record, 4, NULL);
+            int null = reuseportlb_templates_learn(NULL, packet, sizeof packet, &exporter);
+            struct reuseportlb_template_counters written, read;
+            reuseportlb_templates_counters(writer, &written);
+            reuseportlb_templates_counters(reader, &read);
+            printf("learned=%d length=%d options=%d same=%d data=%d other_domain=%d small=%d null=%d written=%llu found=%llu missing=%llu\n",
+                   learned, length, options, same, ignored, other, small, null, (unsigned long long)written.written,
+                   (unsigned long long)read.found, (unsigned long long)read.missing);
+            reuseportlb_templates_close(writer);
+            reuseportlb_templates_close(reader);
+            reuseportlb_leave(first);
+            reuseportlb_leave(second);
+            return 0;
+        }
+        """#
 
     /// The shipped C API sample (examples/c/steering.c), which make dist and the self-contained check use too.
     var cProgram: String {
