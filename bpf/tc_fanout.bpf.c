@@ -110,6 +110,12 @@ struct fanout_hook {
 #define FANOUT_ACT_DROP TC_ACT_SHOT
 #include "fanout_decide.h"   /* the decision, shared with the xdp program */
 
+/* flow_templates (fanout_templates.h): the packet's bytes wherever they lie (linear or not). */
+static __always_inline long hook_load_bytes(struct __sk_buff *skb, __u32 offset, void *to, __u32 length)
+{
+	return bpf_skb_load_bytes(skb, offset, to, length);
+}
+
 /* Parses (verified once, a global function), pulling the headers into the linear area when
  * they lie outside it. bpf_skb_pull_data moves the packet: no caller may keep a packet pointer
  * across this call (none does: the decision reads the packet through its helpers afterwards). */

@@ -190,6 +190,12 @@ struct fanout_hook {
 #define FANOUT_ACT_DROP XDP_DROP
 #include "fanout_decide.h"   /* the decision, in the tc program's order */
 
+/* flow_templates (fanout_templates.h): the frame's bytes (its fragments too, multi-buffer). */
+static __always_inline long hook_load_bytes(struct xdp_md *ctx, __u32 offset, void *to, __u32 length)
+{
+	return bpf_xdp_load_bytes(ctx, offset, to, length);
+}
+
 /* Passes a datagram whose backend was chosen here: the rotation goes back to where it was, so
  * tc chooses the same backend (and moves it once). A new association keeps the choice itself:
  * tc finds it, chooses nothing, and the rotation stays moved once. */

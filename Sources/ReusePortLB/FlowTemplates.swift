@@ -333,6 +333,9 @@ package struct FlowTemplateCache: Sendable {
         (entries[exporter]?.templates.values).map { $0.sorted { ($0.id, $0.options ? 1 : 0) < ($1.id, $1.options ? 1 : 0) } } ?? []
     }
 
+    /// Every exporter whose templates are kept.
+    package var allExporters: [Exporter] { Array(entries.keys) }
+
     /// The exporters of `address` (one per version and domain).
     package func exporters(at address: IPAddress) -> [Exporter] {
         entries.keys.filter { $0.address == address }.sorted { ($0.version.rawValue, $0.domain) < ($1.version.rawValue, $1.domain) }

@@ -28,6 +28,7 @@
 #include "fanout_maps.h"
 #include "fanout_choice.h"
 #include "fanout_nat.h"
+#include "fanout_templates.h"
 
 #if !defined(FANOUT_CTX) || !defined(FANOUT_ACT_DROP)
 #error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
@@ -177,6 +178,8 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			else
 				c->chosen = choose(listener, &c->p, &c->backend);
 			hook_chosen(c, listener);
+			if (listener->reserved & FANOUT_LISTENER_TEMPLATES)
+				fanout_capture_templates(c->ctx, &c->p, c->id);
 			return FANOUT_GO_ON;
 		}
 		int found = find_reply(&c->p, &c->backend, &c->id, &c->reply_moved);

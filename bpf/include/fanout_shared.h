@@ -71,6 +71,40 @@
 #define FANOUT_MAP_NAT           fanout_nat
 #define FANOUT_MAP_NAT_NAME      "fanout_nat"
 
+/* settings.flow_templates in the kernel kinds (bpf/include/fanout_templates.h): a ring buffer
+ * of the template-bearing datagrams of listeners with FANOUT_LISTENER_TEMPLATES, read by the
+ * daemon, and their per-CPU counters by listener id (struct fanout_template_stats). Neither is
+ * handed to the next process (a restart starts them anew; no other map changes). */
+#define FANOUT_MAP_TEMPLATES     fanout_tpl
+#define FANOUT_MAP_TEMPLATES_NAME "fanout_tpl"
+#define FANOUT_MAP_TEMPLATE_STATS fanout_tplst
+#define FANOUT_MAP_TEMPLATE_STATS_NAME "fanout_tplst"
+/* The largest UDP payload passed to the daemon whole; a larger template-bearing one is counted
+ * too_large and forwarded unread. */
+#define FANOUT_TEMPLATE_DATA_MAX 2048
+/* Sets read before the search for a template set gives up (templates come first in practice). */
+#define FANOUT_TEMPLATE_SETS_MAX 16
+#define FANOUT_TEMPLATE_RING_BYTES (1 << 20)
+
+/* A template-bearing datagram for the daemon: its listener, source and UDP payload. */
+struct fanout_template_event {
+	__u32 listener_id;
+	__u32 length;   /* bytes of `data`: the UDP payload */
+	__u32 saddr[4]; /* as struct packet's */
+	__u16 sport;    /* network order */
+	__u8 family;
+	__u8 reserved;
+	__u32 reserved2;
+	__u8 data[FANOUT_TEMPLATE_DATA_MAX];
+};
+
+struct fanout_template_stats {
+	__u64 captured;   /* passed to the daemon */
+	__u64 too_large;  /* longer than FANOUT_TEMPLATE_DATA_MAX: forwarded, not read */
+	__u64 ring_full;  /* the ring buffer had no room (the daemon is behind): forwarded, not read */
+	__u64 fragmented; /* a fragment of a version 9/10 datagram: forwarded, not read */
+};
+
 /* The xdp kind (`mode: xdp`, bpf/xdp_fanout.bpf.c): an XDP program in front of the tc program
  * at the same interfaces, loaded with the tc program's maps (one set of listeners, backend sets,
  * associations and counters), plus its own three below. What it cannot finish it passes to the
@@ -126,6 +160,10 @@ struct fanout_xfwd_passed {
 /* The listener is two-way (replies: nat): clients keep their backend through the
  * associations map, and the backends' replies leave from the listener's address. */
 #define FANOUT_LISTENER_NAT 1u
+/* The listener follows NetFlow v9 / IPFIX templates (settings.flow_templates): each datagram of
+ * it that carries a template or options template set is also passed to the daemon through
+ * FANOUT_MAP_TEMPLATES (fanout_templates.h); the datagram itself is forwarded as any other. */
+#define FANOUT_LISTENER_TEMPLATES 2u
 
 /* fanout_fragment.direction */
 #define FANOUT_DIRECTION_FORWARD 0 /* client to backend: destination rewritten */

@@ -25,6 +25,11 @@ final class FlowTemplateState: Sendable {
     /// which are not known here either (udp-fanout has not seen them since it started, or the
     /// exporter was evicted): the collector drops them until the exporter's next template.
     let unknown = Atomic<UInt64>(0)
+    /// Kernel kinds: template-bearing datagrams the program forwarded without passing them up
+    /// (longer than it reads, its ring buffer full, or a fragment), from its counters.
+    let kernelTooLarge = Atomic<UInt64>(0)
+    let kernelRingFull = Atomic<UInt64>(0)
+    let kernelFragmented = Atomic<UInt64>(0)
     /// Raised whenever the cache learns a change: a worker that found an exporter's templates
     /// missing asks the cache again only after it moved.
     let generation = Atomic<UInt64>(0)
@@ -39,6 +44,8 @@ final class FlowTemplateState: Sendable {
             ("malformed", malformed.load(ordering: .relaxed)), ("send_dropped", sendDropped.load(ordering: .relaxed)),
             ("unknown_templates", unknown.load(ordering: .relaxed)),
             ("exporters_evicted", counters.exportersEvicted), ("templates_refused", counters.templatesRefused),
+            ("too_large", kernelTooLarge.load(ordering: .relaxed)), ("ring_full", kernelRingFull.load(ordering: .relaxed)),
+            ("fragmented", kernelFragmented.load(ordering: .relaxed)),
         ]
         return (events.map { (labels + ",event=\"\($0.0)\"", $0.1) }, (labels, UInt64(exporters)), (labels, UInt64(templates)))
     }

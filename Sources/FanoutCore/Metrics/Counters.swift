@@ -246,9 +246,10 @@ package final class ListenerCounters: Sendable {
             dropped: [:], downstreams: [:])
     }
 
-    /// The listener's flow export templates when `config` turns them on (userspace listeners), else nil.
+    /// The listener's flow export templates when `config` turns them on (one-way userspace,
+    /// tc_ebpf and xdp listeners), else nil.
     func flowTemplates(_ config: Listener) -> FlowTemplateState? {
-        guard config.mode == .userspace, config.settings.flowTemplates else {
+        guard Self.followsTemplates(config) else {
             // Off: what was kept is dropped (an instance still running keeps its own reference),
             // so turning it on again starts from what the exporters send then, not stale templates.
             flowTemplateState.withLock { $0 = nil }
@@ -260,6 +261,13 @@ package final class ListenerCounters: Sendable {
             state = made
             return made
         }
+    }
+
+    /// Whether `config` follows flow export templates: `settings.flow_templates` on a one-way
+    /// listener of a kind that can (userspace, tc_ebpf, xdp).
+    static func followsTemplates(_ config: Listener) -> Bool {
+        guard config.settings.flowTemplates, config.replies == Replies.none else { return false }
+        return [.userspace, .tcEBPF, .xdp].contains(config.mode)
     }
 
     /// The relay reply totals every instance of this listener adds to: a restart's old instance

@@ -39,6 +39,9 @@ final class TCDataplane: Sendable {
         /// over with its data path): this process's once a pool needs one, removed at
         /// ``TCDataplane/completeAdoptions()`` otherwise.
         var inheritedNeighbours: Set<Neighbour> = []
+        /// flow_templates: the program's ring buffer of template-bearing datagrams, read while a
+        /// listener follows templates.
+        var templateTap: TCTemplateTap?
     }
 
     /// A listener entry's key: its bind at an interface.
@@ -86,6 +89,8 @@ final class TCDataplane: Sendable {
         if !capabilities.has(Capabilities.netAdmin) { missing.append("CAP_NET_ADMIN") }
         // The program rewrites packets through computed pointers: the verifier wants CAP_PERFMON.
         if !capabilities.canUsePointerArithmetic { missing.append("CAP_PERFMON") }
+        // flow_templates sends copies and replays from the exporters' addresses (a raw socket).
+        if ListenerCounters.followsTemplates(listener) && !capabilities.has(Capabilities.netRaw) { missing.append("CAP_NET_RAW (settings.flow_templates)") }
         guard missing.isEmpty else { throw .privileges(missing: missing) }
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
@@ -507,6 +512,28 @@ final class TCDataplane: Sendable {
         }
     }
 
+    /// flow_templates: hands listener `id`'s template-bearing datagrams to `follower` (the ring
+    /// buffer is read from the first such listener on).
+    func followTemplates(id: UInt32, _ follower: KernelTemplateFollower) throws(TCError) {
+        try state.withLock { state throws(TCError) in
+            guard let program = state.program else { return }
+            if state.templateTap == nil {
+                do throws(SystemCallError) { state.templateTap = try TCTemplateTap(ringBuffer: program.templates) } catch { throw .maps(error) }
+            }
+            state.templateTap?.register(id: id, follower)
+        }
+    }
+
+    func stopFollowingTemplates(id: UInt32) {
+        state.withLock { state in
+            state.templateTap?.unregister(id: id)
+            if state.templateTap?.isEmpty == true {
+                state.templateTap?.stop()
+                state.templateTap = nil
+            }
+        }
+    }
+
     /// Returns a listener's id and detaches from its interface if it was the last user there;
     /// closes the program when no listener is left.
     func unregister(interface: String, id: UInt32) {
@@ -542,6 +569,8 @@ final class TCDataplane: Sendable {
                 descriptors.remove(DescriptorStore.tcNeighboursName)
             }
             state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
+            state.templateTap?.stop()
+            state.templateTap = nil
             program.closeDescriptors()
             state.program = nil
         }
@@ -683,6 +712,10 @@ final class TCListener: RunningListener {
     private let associationCount = Mutex(AssociationCount())
     static let countInterval: Duration = .seconds(2)
     private let live = Mutex(Live())
+    /// flow_templates: the follower of the program's template-bearing datagrams (nil: off), and
+    /// the program's counts of those it did not pass up, as last added to the metrics.
+    private let templates: KernelTemplateFollower?
+    private let templateCountsSeen: Mutex<(tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64)>
     private let logger: Logger
     private let instance = ListenerInstance.next()
     /// Set by shutdown(): a listener being replaced in a reload is no longer judged by the path check.
@@ -698,6 +731,13 @@ final class TCListener: RunningListener {
         self.logger = logger
         let registered = try dataplane.register(config)
         (program, id, ifindex) = (registered.program, registered.id, registered.ifindex)
+        if let state = counters.flowTemplates(config) {
+            templates = KernelTemplateFollower(listener: config.name, state: state, logger: logger)
+        } else {
+            templates = nil
+        }
+        // An id taken over from the previous process keeps its counts; a new one starts at 0.
+        templateCountsSeen = Mutex(registered.adopted != nil ? Self.notPassedUp(registered.program.templateCounts(id: registered.id)) : (0, 0, 0))
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
             // downstream at the same address keeps its counter slot (its counters go on).
@@ -759,9 +799,11 @@ final class TCListener: RunningListener {
             }
         }
         do throws(TCError) {
+            if let templates { try dataplane.followTemplates(id: id, templates) }
             try pools(adopting: registered.adopted)
             try apply(downstreams: config.downstreams, balancing: config.balancing, pools: config.pools.map { ($0, $0.downstreams) })
         } catch {
+            if templates != nil { dataplane.stopFollowingTemplates(id: id) }
             if registered.adopted == nil {
                 program.removeListener(config.bind, ifindex: ifindex, id: id)
                 releaseNAT()
@@ -882,20 +924,27 @@ final class TCListener: RunningListener {
                     }
                 }
                 let generation = live.generation.map { $0 ^ 1 } ?? 0
-                try program.writeSet(id: id, generation: generation, BackendSet(downstreams: downstreams, balancing: balancing, slots: slots))
+                let set = BackendSet(downstreams: downstreams, balancing: balancing, slots: slots)
+                try program.writeSet(id: id, generation: generation, set)
                 var entry = fanout_listener()
                 entry.id = id
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
-                entry.reserved = nat ? FANOUT_LISTENER_NAT : 0
+                entry.reserved = (nat ? FANOUT_LISTENER_NAT : 0) | (templates != nil ? FANOUT_LISTENER_TEMPLATES : 0)
                 let prepared = try preparePools(pools, keeping: keeping, newIDs: &newPoolIDs, in: &live)
                 entry.pool_count = UInt32(prepared.count)
                 withUnsafeMutableBytes(of: &entry.pools) { raw in
                     for (index, pool) in prepared.enumerated() { raw.storeBytes(of: pool.record, toByteOffset: index * MemoryLayout<fanout_pool>.stride, as: fanout_pool.self) }
                 }
+                // flow_templates: the downstreams that become an exporter's are sent its templates
+                // before the flip below puts the set in force.
+                let previousPlan = templates?.switchPlan(to: .init(set, downstreams: downstreams.map(\.address), sourceIP: balancing == .sourceIP))
                 // The entry replaces a previous instance's on the same bind at once (a reload's
                 // successor takes over here; that one's shutdown leaves this entry alone).
-                try program.putListener(config.bind, ifindex: ifindex, entry)
+                do throws(SystemCallError) { try program.putListener(config.bind, ifindex: ifindex, entry) } catch {
+                    if let templates, let previousPlan { templates.restore(previousPlan) }
+                    throw error
+                }
                 live.entry = entry
                 commitPools(prepared, in: &live)
                 for (name, slot) in given { retiredNow.append((name, totals(slot: slot))) }
@@ -1298,6 +1347,10 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         stopped.store(true, ordering: .relaxed)
+        if templates != nil {
+            dataplane.stopFollowingTemplates(id: id)
+            pumpTemplateCounts()
+        }
         if dataplane.handingOver {
             handOverToNextProcess()
             return
@@ -1333,6 +1386,25 @@ final class TCListener: RunningListener {
         releaseReplyInterfaces(interfaces)
         releaseFront()
         dataplane.unregister(interface: config.interface ?? "", id: id)
+    }
+
+    /// flow_templates: the program's counts of template-bearing datagrams it did not pass up.
+    private static func notPassedUp(_ counts: (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64)) -> (tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64) {
+        (counts.tooLarge, counts.ringFull, counts.fragmented)
+    }
+
+    /// Adds what the program counted since the last call to the listener's template metrics
+    /// (which live as long as the process; this instance's id counts from its start).
+    private func pumpTemplateCounts() {
+        guard let state = templates?.state else { return }
+        let now = Self.notPassedUp(program.templateCounts(id: id))
+        templateCountsSeen.withLock { seen in
+            func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
+            state.kernelTooLarge.add(since(now.tooLarge, seen.tooLarge), ordering: .relaxed)
+            state.kernelRingFull.add(since(now.ringFull, seen.ringFull), ordering: .relaxed)
+            state.kernelFragmented.add(since(now.fragmented, seen.fragmented), ordering: .relaxed)
+            seen = now
+        }
     }
 
     /// nat: the clients in the association map (at most `limit`) with their downstream's name,
@@ -1389,6 +1461,7 @@ final class TCListener: RunningListener {
     func snapshot() -> ListenerCounters.Snapshot {
         // Read when the listener's metrics are: its pools' are rendered after it.
         pumpPools()
+        if templates != nil { pumpTemplateCounts() }
         let stats = program.listenerStats(id: id)
         // The client direction's verdicts: a nat listener's verdicts count its replies too.
         let replyShare = config.replies == .nat ? program.natStats(id: id).replyVerdicts : nil

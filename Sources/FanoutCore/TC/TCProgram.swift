@@ -27,11 +27,15 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let nat: Int32
     /// Replication pools' `sources` (an LPM trie keyed by pool id * 2 + generation and address).
     let poolSources: Int32
+    /// flow_templates: the ring buffer of template-bearing datagrams and their per-CPU counters
+    /// by listener id (not handed to the next process).
+    let templates: Int32
+    let templateStats: Int32
     let cpus: Int
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources] }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, templates, templateStats] }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -40,7 +44,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
                            FANOUT_MAP_NAT_NAME, FANOUT_MAP_POOL_SOURCES_NAME]
 
     /// The maps' descriptors, in ``mapNames`` order.
-    var mapDescriptors: [Int32] { Array(descriptors.dropFirst()) }
+    var mapDescriptors: [Int32] { Array(descriptors[1...Self.mapNames.count]) }
+
+    /// The maps that start anew with each process: flow_templates' ring buffer and counters.
+    static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -53,7 +60,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         options.ipv6_csum_flags = features.ipv6ChecksumFlag ? UInt64(BPF_F_IPV6) : 0
         let owned = try loadEmbeddedObject(
             .tcFanout, program: FANOUT_PROG_TC_NAME,
-            maps: Self.mapNames,
+            maps: Self.mapNames + Self.ownMapNames,
             prepare: { object throws(SystemCallError) in
                 try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
                 for (name, fd) in reusing.sorted(by: { $0.key < $1.key }) {
@@ -68,6 +75,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
+        (templates, templateStats) = (owned[11], owned[12])
         cpus = max(1, Int(libbpf_num_possible_cpus()))
     }
 
@@ -172,6 +180,14 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// One listener's counters: received, bytes received, bytes forwarded, then each verdict.
+    /// flow_templates: listener `id`'s template-bearing datagrams as the program counted them
+    /// (struct fanout_template_stats, summed over the CPUs).
+    func templateCounts(id: UInt32) -> (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64) {
+        let sums = perCPUSum(templateStats, key: id, as: fanout_template_stats.self)
+        guard sums.count >= 4 else { return (0, 0, 0, 0) }
+        return (sums[0], sums[1], sums[2], sums[3])
+    }
+
     func listenerStats(id: UInt32) -> (received: UInt64, bytesReceived: UInt64, bytesForwarded: UInt64, verdicts: [UInt64]) {
         let words = perCPUSum(stats, key: id, as: fanout_stats.self)
         return (words[0], words[1], words[2], Array(words[3..<(3 + Int(FANOUT_VERDICT_COUNT.rawValue))]))
@@ -576,6 +592,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// slots are zeroed as downstreams are given them.
     func resetListener(id: UInt32) {
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
+        zeroPerCPU(templateStats, key: id, as: fanout_template_stats.self)
         // A per-CPU value takes 8 bytes per CPU in userspace even when it is a u32.
         zeroPerCPU(roundRobin, key: id, as: UInt64.self)
         try? putNAT(id: id, bind: nil)

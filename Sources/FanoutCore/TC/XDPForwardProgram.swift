@@ -42,6 +42,7 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_FRAGMENTS_NAME, tc.fragments), (FANOUT_MAP_STATS_NAME, tc.stats), (FANOUT_MAP_BACKEND_STATS_NAME, tc.backendStats),
             (FANOUT_MAP_ASSOCIATIONS_NAME, tc.associations), (FANOUT_MAP_LIVE_NAME, tc.liveBackends), (FANOUT_MAP_NAT_NAME, tc.nat),
             (FANOUT_MAP_POOL_SOURCES_NAME, tc.poolSources),
+            (FANOUT_MAP_TEMPLATES_NAME, tc.templates), (FANOUT_MAP_TEMPLATE_STATS_NAME, tc.templateStats),
         ]
         let owned = try loadEmbeddedObject(
             .xdpFanout, program: FANOUT_PROG_XFWD_NAME,

@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+import BPFKernelABI
+import CLibBPF
+import Logging
+import ReusePortLB
+import Synchronization
+import SystemCalls
+
+/// `settings.flow_templates` in the kernel kinds (tc_ebpf, xdp): the program forwards every
+/// datagram itself and passes a copy of each template-bearing one to the daemon through a ring
+/// buffer (bpf/include/fanout_templates.h). This reads that ring buffer on a thread of its own,
+/// one per loaded program, and hands each datagram to its listener's ``KernelTemplateFollower``.
+final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thread, then freed by stop()
+    private let ring: OpaquePointer
+    private let followers = Mutex<[UInt32: KernelTemplateFollower]>([:])
+    private let running = Atomic<Bool>(true)
+    private let thread = Mutex<OSThread?>(nil)
+    /// Events of a listener id no follower is registered for (a listener stopping, or one turned off).
+    let unclaimed = Atomic<UInt64>(0)
+
+    init(ringBuffer fd: Int32) throws(SystemCallError) {
+        let holder = Holder()
+        let made = ring_buffer__new(fd, { context, data, size in
+            guard let context, let data else { return 0 }
+            Unmanaged<Holder>.fromOpaque(context).takeUnretainedValue().tap?.deliver(UnsafeRawPointer(data), size: size)
+            return 0
+        }, Unmanaged.passUnretained(holder).toOpaque(), nil)
+        guard let made else { throw SystemCallError(call: "ring_buffer__new \(FANOUT_MAP_TEMPLATES_NAME)", errno: errno) }
+        ring = made
+        self.holder = holder
+        holder.tap = self
+        let started = OSThread(name: "udp-fanout-tpl") { [self] in
+            while running.load(ordering: .relaxed) {
+                _ = ring_buffer__poll(ring, 100)
+            }
+        }
+        thread.withLock { $0 = started }
+    }
+
+    /// The callback's context: a reference the ring holds without retaining the tap.
+    private final class Holder: @unchecked Sendable {
+        weak var tap: TCTemplateTap?
+    }
+    private let holder: Holder
+
+    func register(id: UInt32, _ follower: KernelTemplateFollower) {
+        followers.withLock { $0[id] = follower }
+    }
+
+    func unregister(id: UInt32) {
+        followers.withLock { _ = $0.removeValue(forKey: id) }
+    }
+
+    var isEmpty: Bool { followers.withLock { $0.isEmpty } }
+
+    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent.
+    func stop() {
+        running.store(false, ordering: .relaxed)
+        guard let started = thread.withLock({ state -> OSThread? in
+            defer { state = nil }
+            return state
+        }) else { return }
+        started.join()
+        ring_buffer__free(ring)
+    }
+
+    private func deliver(_ data: UnsafeRawPointer, size: Int) {
+        let header = MemoryLayout<fanout_template_event>.offset(of: \.data)!
+        guard size >= header else { return }
+        let event = data.loadUnaligned(as: (UInt32, UInt32).self)
+        let (id, length) = event
+        guard Int(length) <= size - header, Int(length) <= Int(FANOUT_TEMPLATE_DATA_MAX) else { return }
+        let words = data.loadUnaligned(fromByteOffset: MemoryLayout<fanout_template_event>.offset(of: \.saddr)!, as: (UInt32, UInt32, UInt32, UInt32).self)
+        let port = UInt16(bigEndian: data.loadUnaligned(fromByteOffset: MemoryLayout<fanout_template_event>.offset(of: \.sport)!, as: UInt16.self))
+        let family = data.load(fromByteOffset: MemoryLayout<fanout_template_event>.offset(of: \.family)!, as: UInt8.self)
+        let ip: IPAddress? = withUnsafeBytes(of: words) { raw in
+            Int32(family) == AF_INET ? IPAddress(bytes: raw.prefix(4)) : IPAddress(bytes: raw)
+        }
+        guard let ip, let follower = followers.withLock({ $0[id] }) else {
+            unclaimed.add(1, ordering: .relaxed)
+            return
+        }
+        follower.received(UnsafeRawBufferPointer(start: data + header, count: Int(length)), from: SocketAddress(ip: ip, port: port))
+    }
+}
+
+/// One kernel-kind listener's part of `flow_templates`: it learns the templates the program
+/// passes up (into the listener's ``FlowTemplateState``, kept across reloads), copies an
+/// exporter's templates to the set's other downstreams when they change, and, whenever the set
+/// changes (a reload, health, discovery, a weight), sends each downstream that becomes an
+/// exporter's (its table slot moved there, or it joined a round-robin set) that exporter's
+/// templates before the new set is in force. Copies and replays leave from the exporter's address
+/// and port, as the program's own datagrams do, through a raw socket (CAP_NET_RAW).
+final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable is under `plan`
+    typealias Exporter = FlowTemplateCache.Exporter
+    let state: FlowTemplateState
+    private let listener: String
+    private let logger: Logger
+
+    /// The set in force as the program reads it.
+    struct Plan {
+        var downstreams: [SocketAddress] = []
+        var sourceIP = true
+        var table: [UInt16] = []
+        var seed: UInt32 = 0
+
+        init() {}
+
+        init(_ set: BackendSet, downstreams: [SocketAddress], sourceIP: Bool) {
+            self.downstreams = downstreams
+            self.sourceIP = sourceIP
+            table = set.table
+            seed = set.seed
+        }
+
+        /// The downstream that receives `address`'s datagrams: one (source_ip), or nil for
+        /// round robin (every one) and an empty set.
+        func owner(of address: IPAddress) -> SocketAddress? {
+            guard sourceIP, !table.isEmpty else { return nil }
+            var words = address.words
+            let count: UInt32 = address.family == AF_INET ? 1 : 4
+            let hash = withUnsafePointer(to: &words) { $0.withMemoryRebound(to: UInt32.self, capacity: 4) { rplb_source_hash($0, count, 0, seed, 0) } }
+            let index = Int(table[Int(rplb_reduce(hash, UInt32(table.count)))])
+            return index < downstreams.count ? downstreams[index] : nil
+        }
+
+        /// The downstreams that receive `address`'s datagrams.
+        func receivers(of address: IPAddress) -> [SocketAddress] {
+            if sourceIP { return owner(of: address).map { [$0] } ?? [] }
+            return downstreams
+        }
+    }
+
+    private struct Mutable {
+        var plan: Plan?
+        /// Each exporter address's source port as last seen (its copies and replays leave from it).
+        var ports: [IPAddress: UInt16] = [:]
+        var outboxes: [SocketAddress: SourcePreservingOutbox] = [:]
+        /// Downstreams whose raw socket could not be opened, said once each.
+        var refused: Set<SocketAddress> = []
+    }
+    private let mutable = Mutex(Mutable())
+
+    init(listener: String, state: FlowTemplateState, logger: Logger) {
+        self.listener = listener
+        self.state = state
+        self.logger = logger
+    }
+
+    /// A template-bearing datagram the program passed up (the tap's thread).
+    func received(_ payload: UnsafeRawBufferPointer, from source: SocketAddress) {
+        state.templatePackets.add(1, ordering: .relaxed)
+        let packet: FlowExport.Packet
+        switch FlowExport.parse(payload) {
+        case .notFlowExport: return
+        case .malformed:
+            state.malformed.add(1, ordering: .relaxed)
+            return
+        case .packet(let parsed): packet = parsed
+        }
+        let changed = state.cache.withLock { $0.apply(packet, from: source.ip) }
+        if changed { state.generation.add(1, ordering: .relaxed) }
+        mutable.withLock { mutable in
+            mutable.ports[source.ip] = source.port
+            guard changed, let plan = mutable.plan else { return }
+            // Its own downstream has the datagram from the program; the others get a copy.
+            let receivers = Set(plan.receivers(of: source.ip))
+            let exporter = Exporter(address: source.ip, version: packet.version, domain: packet.domain)
+            let others = plan.downstreams.filter { !receivers.contains($0) }
+            let sent = send(state.cache.withLock { $0.replay(exporter) }, from: source, to: others, in: &mutable)
+            state.copies.add(sent, ordering: .relaxed)
+        }
+    }
+
+    /// Puts `plan` in force for what follows: before the caller flips the program to the new
+    /// set, each downstream that receives an exporter's datagrams in `plan` and did not in the
+    /// previous plan is sent that exporter's templates. Returns the previous plan (for
+    /// ``restore(_:)`` when the flip fails).
+    @discardableResult
+    func switchPlan(to plan: Plan) -> Plan? {
+        let exporters = state.cache.withLock { $0.allExporters }
+        return mutable.withLock { mutable in
+            let previous = mutable.plan
+            mutable.plan = plan
+            guard !exporters.isEmpty else { return previous }
+            var replayed: UInt64 = 0
+            for exporter in exporters {
+                let before = Set(previous?.receivers(of: exporter.address) ?? [])
+                let newly = plan.receivers(of: exporter.address).filter { !before.contains($0) }
+                guard !newly.isEmpty else { continue }
+                let source = SocketAddress(ip: exporter.address, port: mutable.ports[exporter.address] ?? 0)
+                replayed += send(state.cache.withLock { $0.replay(exporter) }, from: source, to: newly, in: &mutable)
+            }
+            state.replays.add(replayed, ordering: .relaxed)
+            // Ways out to downstreams no longer in the set close.
+            let present = Set(plan.downstreams)
+            for address in mutable.outboxes.keys where !present.contains(address) { mutable.outboxes[address] = nil }
+            return previous
+        }
+    }
+
+    /// The plan before a flip that failed: the program still reads it (what was replayed for the
+    /// failed one is harmless, a collector takes a template it has again).
+    func restore(_ plan: Plan?) {
+        mutable.withLock { $0.plan = plan }
+    }
+
+    /// Sends `packets` from `source` to each of `targets`; returns how many left, counts the rest
+    /// `send_dropped`.
+    private func send(_ packets: [[UInt8]], from source: SocketAddress, to targets: [SocketAddress], in mutable: inout Mutable) -> UInt64 {
+        guard !packets.isEmpty, !targets.isEmpty else { return 0 }
+        var storage = sockaddr_storage()
+        _ = source.write(to: &storage)
+        var sent: UInt64 = 0
+        for target in targets {
+            guard let outbox = outbox(target, in: &mutable) else {
+                state.sendDropped.add(UInt64(packets.count), ordering: .relaxed)
+                continue
+            }
+            var result: FlushResult = (0, 0, [:])
+            for start in stride(from: 0, to: packets.count, by: Self.batch) {
+                let part = packets[start..<min(packets.count, start + Self.batch)]
+                withUnsafePointer(to: &storage) { source in
+                    // The payloads stay in place until the flush, within this closure.
+                    func append(_ rest: ArraySlice<[UInt8]>) {
+                        guard let first = rest.first else {
+                            outbox.flush(&result)
+                            return
+                        }
+                        first.withUnsafeBytes { bytes in
+                            outbox.append(bytes, source: source, hopLimit: 0)
+                            append(rest.dropFirst())
+                        }
+                    }
+                    append(part)
+                }
+            }
+            sent += result.sent
+            let dropped = result.dropped.values.reduce(0, +)
+            if dropped > 0 { state.sendDropped.add(dropped, ordering: .relaxed) }
+        }
+        return sent
+    }
+
+    static let batch = 16
+
+    private func outbox(_ address: SocketAddress, in mutable: inout Mutable) -> SourcePreservingOutbox? {
+        if let made = mutable.outboxes[address] { return made }
+        do throws(OutboxError) {
+            let made = try SourcePreservingOutbox(address: address, capacity: Self.batch)
+            mutable.outboxes[address] = made
+            mutable.refused.remove(address)
+            return made
+        } catch {
+            if mutable.refused.insert(address).inserted {
+                logger.error("flow_templates: cannot send templates to a downstream (counted send_dropped)", metadata: [
+                    "listener": "\(listener)", "downstream": "\(address)", "error": "\(error)",
+                ])
+            }
+            return nil
+        }
+    }
+}

@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: Apache-2.0
+import BPFKernelABI
+import CSystemShim
+import Foundation
+import Logging
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// flow_templates in the tc and xdp programs (BPF_PROG_TEST_RUN): which datagrams of a listener
+/// that follows templates are passed up through the ring buffer, and what is counted instead.
+@Suite("flow templates: the kernel programs pass template-bearing datagrams up (BPF_PROG_TEST_RUN)", .serialized,
+       .enabled(if: Privileges.enabled, Privileges.reason))
+struct KernelFlowTemplateProgramTests {
+    typealias T = NetFlowBytes
+    static let id: UInt32 = 9
+    static let bind = TCProgramFixture.listenerBind(2055)
+    static let client = SocketAddress(ip: IPAddress(bytes: ProgramFrames.clientV4)!, port: 40000)
+
+    final class Rig {
+        let fixture: TCProgramFixture
+        let state = FlowTemplateState()
+        let follower: KernelTemplateFollower
+        let tap: TCTemplateTap
+
+        init(templates: Bool = true) throws {
+            fixture = try TCProgramFixture()
+            let backends = (1...3).map { Downstream(name: "b\($0)", address: SocketAddress("198.18.200.10:\(6000 + $0)")!) }
+            let set = BackendSet(downstreams: backends, balancing: .sourceIP, slots: ["b1": 0, "b2": 1, "b3": 2])
+            fixture.program.resetListener(id: id)
+            try fixture.program.writeSet(id: id, generation: 0, set)
+            var entry = fanout_listener()
+            entry.id = id
+            entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
+            entry.reserved = templates ? FANOUT_LISTENER_TEMPLATES : 0
+            try fixture.program.putListener(bind, ifindex: UInt32(fixture.ifindex), entry)
+            follower = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
+            tap = try TCTemplateTap(ringBuffer: fixture.program.templates)
+            tap.register(id: id, follower)
+        }
+
+        deinit { tap.stop() }
+
+        /// Waits (up to 2 s) until the daemon side has taken `count` template-bearing datagrams.
+        func waitForTemplatePackets(_ count: UInt64) -> UInt64 {
+            for _ in 0..<200 where state.templatePackets.load(ordering: .relaxed) < count { usleep(10_000) }
+            usleep(50_000)  // and nothing more arrives
+            return state.templatePackets.load(ordering: .relaxed)
+        }
+    }
+
+    static func frame(_ payload: [UInt8], from source: SocketAddress = client) -> [UInt8] {
+        TCNATProgramTests.frame(from: source, to: bind, payload: payload)
+    }
+
+    static let t256 = T.template(256, T.fields4)
+    static let data = T.set(256, [UInt8](repeating: 1, count: 12))
+
+    @Test("tc: a v9 datagram with a template set is forwarded and passed up (the template learned); data alone, v5 and other listeners' datagrams are not; IPFIX with the template set second is")
+    func tcPassesTemplates() throws {
+        let rig = try Rig()
+        let verdict = rig.fixture.execute(Self.frame(T.v9(count: 2, sets: [T.set(0, Self.t256), Self.data]))).verdict
+        #expect(verdict == TCProgramFixture.redirect, "forwarded as any other datagram")
+        #expect(rig.waitForTemplatePackets(1) == 1)
+        let exporter = FlowTemplateCache.Exporter(address: Self.client.ip, version: .v9, domain: 7)
+        #expect(rig.state.cache.withLock { $0.templates(of: exporter) }.map(\.record) == [Self.t256])
+        // Data alone, NetFlow v5, and a template to a listener that does not follow templates.
+        _ = rig.fixture.execute(Self.frame(T.v9(sets: [Self.data])))
+        _ = rig.fixture.execute(Self.frame([0, 5] + [UInt8](repeating: 0, count: 70)))
+        _ = rig.fixture.execute(TCNATProgramTests.frame(from: Self.client, to: TCProgramFixture.listenerBind(5514), payload: T.v9(sets: [T.set(0, Self.t256)])))
+        #expect(rig.waitForTemplatePackets(2) == 1, "nothing else passed up")
+        // IPFIX: a data set, then an options template set.
+        let o300 = T.be16([300, 2, 1, 149, 4, 41, 8])
+        _ = rig.fixture.execute(Self.frame(T.ipfix(sets: [T.set(256, [UInt8](repeating: 0, count: 12)), T.set(3, o300)])))
+        #expect(rig.waitForTemplatePackets(2) == 2)
+        #expect(rig.fixture.program.templateCounts(id: Self.id).captured == 2)
+        #expect(rig.tap.unclaimed.load(ordering: .relaxed) == 0)
+    }
+
+    @Test("tc: a template-bearing datagram longer than the program reads is counted too_large, a first fragment fragmented; neither passed up")
+    func tcCountsWhatItCannotRead() throws {
+        let rig = try Rig()
+        // 2,100 bytes of UDP payload: the template set, then a long data set.
+        let long = T.v9(count: 2, sets: [T.set(0, Self.t256), T.set(256, [UInt8](repeating: 1, count: 12 * 170))])
+        #expect(long.count > Int(FANOUT_TEMPLATE_DATA_MAX))
+        // (Longer than this route's MTU too: the datagram itself is dropped, counted too_large
+        // with the listener's verdicts; on a jumbo-frame path it would be forwarded.)
+        #expect(rig.fixture.execute(Self.frame(long)).verdict == TCProgramFixture.shot)
+        #expect(rig.fixture.stats(Self.id).verdicts[Int(FANOUT_VERDICT_TOO_LARGE.rawValue)] == 1)
+        // A first fragment (more fragments set) of a template-bearing datagram.
+        var fragment = Self.frame(T.v9(sets: [T.set(0, Self.t256)]))
+        fragment[14 + 6] = 0x20
+        _ = rig.fixture.execute(fragment)
+        #expect(rig.waitForTemplatePackets(1) == 0)
+        let counts = rig.fixture.program.templateCounts(id: Self.id)
+        #expect(counts.tooLarge == 1 && counts.fragmented == 1 && counts.captured == 0, "\(counts)")
+    }
+
+    @Test("xdp: the XDP program passes the template-bearing datagrams it forwards up too, into the same ring buffer")
+    func xdpPassesTemplates() throws {
+        let rig = try Rig()
+        let xdp = try XDPForwardProgram(sharing: rig.fixture.program)
+        defer { xdp.closeDescriptors() }
+        try xdp.serve(id: Self.id, true)
+        try xdp.setDevice(UInt32(rig.fixture.otherIfindex), present: true)
+        try xdp.setDevice(UInt32(rig.fixture.ifindex), present: true)
+        let (program, fd, ifindex) = (xdp.program, rig.fixture.namespaceFD, UInt32(rig.fixture.ifindex))
+        let frame = Self.frame(T.v9(count: 2, sets: [T.set(0, Self.t256), Self.data]))
+        let box = XDPForwardProgramTests.Box()
+        OSThread(name: "xdp-test-run") {
+            guard shim_setns(fd, 0x4000_0000) == 0 else { return }
+            var output = [UInt8](repeating: 0, count: 4096)
+            let (result, action, size) = XDPProgramFixture.testRun(program, frame, ifindex: ifindex, queue: 0, output: &output)
+            box.value = result == 0 ? (action, Array(output[0..<size])) : (UInt32.max, [])
+        }.join()
+        #expect(box.value.0 == XDPForwardProgramTests.redirect, "forwarded at XDP")
+        #expect(rig.waitForTemplatePackets(1) == 1)
+        #expect(rig.fixture.program.templateCounts(id: Self.id).captured == 1)
+    }
+
+    @Test("The follower: a change of template is copied to the set's other downstreams; a set change replays to each downstream that becomes an exporter's, before the flip")
+    func followerCopiesAndReplays() throws {
+        let state = FlowTemplateState()
+        let follower = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
+        // Three collectors on loopback: what the raw socket sends from the exporter's address arrives there.
+        let sockets = try (0..<3).map { _ in try UDPReceiver(port: freePort()) }
+        let downstreams = sockets.map { SocketAddress(ip: IPAddress("127.0.0.1")!, port: $0.port) }
+        func plan(_ members: [Int]) -> KernelTemplateFollower.Plan {
+            let chosen = members.map { Downstream(name: "c\($0)", address: downstreams[$0]) }
+            return .init(BackendSet(downstreams: chosen, balancing: .sourceIP, slots: [:]), downstreams: chosen.map(\.address), sourceIP: true)
+        }
+        follower.switchPlan(to: plan([0, 1]))
+        let exporters = (2..<42).map { SocketAddress(ip: IPAddress("127.0.0.\($0)")!, port: 2055) }
+        for exporter in exporters {
+            T.v9(sets: [T.set(0, Self.t256)]).withUnsafeBytes { follower.received($0, from: exporter) }
+        }
+        // Each exporter's template copied to the one other downstream of the two.
+        #expect(state.copies.load(ordering: .relaxed) == 40)
+        let copied = sockets.map { $0.drain() }
+        #expect(copied[0].count + copied[1].count == 40 && copied[2].isEmpty, "\(copied.map(\.count))")
+        #expect(copied[0].allSatisfy { $0.payload == T.v9(count: 1, sets: [T.set(0, Self.t256)]) || $0.payload.count > 0 })
+        #expect(Set(copied.flatMap { $0 }.map(\.source)) == Set(exporters), "from each exporter's address and port")
+        // The same template again changes nothing: no copy.
+        T.v9(sets: [T.set(0, Self.t256)]).withUnsafeBytes { follower.received($0, from: exporters[0]) }
+        #expect(state.copies.load(ordering: .relaxed) == 40)
+        // c0 leaves, c2 joins: the exporters whose owner changed are replayed to the new owner, before the caller's flip.
+        let before = plan([0, 1]), after = plan([1, 2])
+        let moved = exporters.filter { before.owner(of: $0.ip) != after.owner(of: $0.ip) }
+        follower.switchPlan(to: after)
+        #expect(state.replays.load(ordering: .relaxed) == UInt64(moved.count) && !moved.isEmpty)
+        let replayed = sockets.map { $0.drain() }
+        #expect(replayed[0].isEmpty)
+        for exporter in moved {
+            let owner = try #require(after.owner(of: exporter.ip))
+            let index = try #require(downstreams.firstIndex(of: owner))
+            #expect(replayed[index].contains { $0.source == exporter }, "\(exporter) replayed to its new owner \(owner)")
+        }
+        #expect(state.sendDropped.load(ordering: .relaxed) == 0)
+    }
+}
+
+/// NetFlow v9 and IPFIX packets built byte by byte (as ReusePortLBTests' FlowTemplatesTests).
+enum NetFlowBytes {
+    static func be16(_ values: [Int]) -> [UInt8] { values.flatMap { [UInt8($0 >> 8 & 0xff), UInt8($0 & 0xff)] } }
+    static func be32(_ value: UInt32) -> [UInt8] { be16([Int(value >> 16), Int(value & 0xffff)]) }
+
+    static func v9(domain: UInt32 = 7, sequence: UInt32 = 42, count: Int = 1, sets: [[UInt8]]) -> [UInt8] {
+        be16([9, count]) + be32(1000) + be32(1_700_000_000) + be32(sequence) + be32(domain) + sets.flatMap { $0 }
+    }
+
+    static func ipfix(domain: UInt32 = 7, sequence: UInt32 = 42, sets: [[UInt8]]) -> [UInt8] {
+        let body = sets.flatMap { $0 }
+        return be16([10, 16 + body.count]) + be32(1_700_000_000) + be32(sequence) + be32(domain) + body
+    }
+
+    static func set(_ id: Int, _ body: [UInt8]) -> [UInt8] { be16([id, 4 + body.count]) + body }
+
+    /// A template record: ID, field count, (type, length) pairs.
+    static func template(_ id: Int, _ fields: [(Int, Int)]) -> [UInt8] { be16([id, fields.count] + fields.flatMap { [$0.0, $0.1] }) }
+
+    static let fields4 = [(8, 4), (12, 4), (7, 2), (11, 2)]
+}
+
+/// A UDP socket on loopback that reads what has arrived, with its sources.
+final class UDPReceiver {
+    let fd: Int32
+    let port: UInt16
+
+    init(port: UInt16) throws {
+        fd = socket(AF_INET, 2 | 0o4000, 0)  // SOCK_DGRAM | SOCK_NONBLOCK
+        self.port = port
+        var address = sockaddr_storage()
+        _ = SocketAddress(ip: IPAddress("127.0.0.1")!, port: port).write(to: &address)
+        let bound = withUnsafePointer(to: &address) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) } }
+        try #require(fd >= 0 && bound == 0, "bind 127.0.0.1:\(port): errno \(errno)")
+    }
+
+    deinit { close(fd) }
+
+    /// Everything queued now (after a moment for the loopback to deliver).
+    func drain() -> [(source: SocketAddress, payload: [UInt8])] {
+        usleep(50_000)
+        var found: [(SocketAddress, [UInt8])] = []
+        var buffer = [UInt8](repeating: 0, count: 65536)
+        while true {
+            var address = sockaddr_storage()
+            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            let count = withUnsafeMutablePointer(to: &address) { pointer in
+                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, 0, $0, &length) }
+            }
+            guard count >= 0, let source = withUnsafePointer(to: &address, { SocketAddress(storage: UnsafeRawPointer($0)) }) else { break }
+            found.append((source, Array(buffer[0..<count])))
+        }
+        return found
+    }
+}
+
+/// settings.flow_templates with real collectors in the kernel kinds: the userspace test's scenario
+/// (FlowTemplateEndToEndTests) in namespaces, through tc_ebpf and xdp. 40 exporters send
+/// NetFlow v9 or IPFIX, templates in each one's first packet only, balanced by source over two
+/// nfcapd collectors; mid-run one collector is killed (kill -9) and a reload takes it out, then a
+/// third is added by another reload.
+@Suite("flow templates: real collectors keep decoding when exporters change collector (tc_ebpf, xdp)", .serialized,
+       .enabled(if: Privileges.enabled, Privileges.reason))
+struct KernelFlowTemplateEndToEndTests {
+    struct Outcome {
+        var records = 0
+        var decoded = 0
+        var toKilled = 0
+        var metrics = ""
+        var mode = ""
+
+        func event(_ name: String) -> Int? { metric(metrics, "udp_fanout_flow_templates_total", "listener=\"nf\",mode=\"\(mode)\",event=\"\(name)\"") }
+    }
+
+    static func run(_ mode: String, _ version: String, templates: Bool) throws -> Outcome {
+        try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
+        let topology = try Topology(backends: 3)
+        defer { topology.destroy() }
+        try TCFixtures.addClientSources(topology)
+        if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
+        let collectors = try (1...3).map { n in
+            try NetFlowCollector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
+        }
+        usleep(300_000)  // the collectors bind
+        func yaml(_ members: [Int]) -> String {
+            """
+            listeners:
+              - name: nf
+                bind: "198.18.0.1:2055"
+                interface: \(topology.proxyInterface)
+                mode: \(mode)
+                balancing: source_ip
+                settings: {flow_templates: \(templates)}
+                downstream: [\(members.map { "{name: c\($0), address: \"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"}" }.joined(separator: ", "))]
+            metrics: {enabled: true, bind: "127.0.0.1:9464"}
+            """
+        }
+        let (daemon, file) = try TCFixtures.start(topology, yaml([1, 2]), "flow-templates-\(mode)")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let publisher = try Child("publisher", ["198.18.0.1", "2055", "6000", "--sources", "198.18.0.10-198.18.0.49", "--netflow", version,
+                                                "--template-every", "100000", "--rate", "2000"], prefix: topology.prefix(topology.client))
+        usleep(1_000_000)
+        collectors[0].child.signal(SIGKILL)
+        _ = collectors[0].child.wait(seconds: 5)
+        try yaml([2]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        usleep(700_000)
+        try yaml([2, 3]).write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        #expect(publisher.wait(seconds: 30) == 0, "\(publisher.stderr)")
+        let report = try publisher.json()
+        usleep(500_000)
+        var outcome = Outcome()
+        outcome.mode = mode
+        outcome.records = report.int("records")
+        outcome.metrics = try TCFixtures.metrics(topology)
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(daemon.stderr)")
+        #expect(daemon.stderr.components(separatedBy: "updated \(mode) downstream set").count == 3, "two reloads applied: \(daemon.stderr)")
+        let given = metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"\(mode)\",downstream=\"c1\"") ?? 0
+        outcome.toKilled = given * 10
+        let flows = try collectors[1...].map { try $0.flowsByExporter() }
+        outcome.decoded = flows.map { $0.values.reduce(0, +) }.reduce(0, +)
+        #expect(report.int("sent") == 6000 && outcome.records == 60_000, "\(report)")
+        #expect(flows[1].values.reduce(0, +) > 0, "the added collector got exporters: \(flows[1])")
+        print("flow templates \(mode) \(version) \(templates ? "on" : "off"): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); template packets passed up \(outcome.event("template_packets").map(String.init) ?? "-"), replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
+        return outcome
+    }
+
+    @Test("on: every record sent to a living collector decodes, through a kill -9 and an added collector; templates passed up, copied and replayed, counted",
+          arguments: [("tc_ebpf", "v9"), ("tc_ebpf", "ipfix"), ("xdp", "v9")])
+    func templatesFollow(mode: String, version: String) throws {
+        let outcome = try Self.run(mode, version, templates: true)
+        #expect(outcome.toKilled > 0 && outcome.decoded == outcome.records - outcome.toKilled,
+                "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect((outcome.event("template_packets") ?? 0) >= 40, "each exporter's first packet (xdp: tc may pass one up again): \(outcome.metrics)")
+        #expect((outcome.event("copied") ?? 0) >= 40, "each exporter's templates to the other collector")
+        #expect((outcome.event("replayed") ?? 0) > 0, "to the added collector")
+        for event in ["malformed", "send_dropped", "too_large", "ring_full", "fragmented"] {
+            #expect(outcome.event(event) == 0, "\(event): \(outcome.metrics)")
+        }
+        #expect(metric(outcome.metrics, "udp_fanout_flow_template_exporters", "listener=\"nf\",mode=\"\(mode)\"") == 40)
+    }
+
+    @Test("off (what the option fixes), tc_ebpf: the exporters that moved lose their records at their new collector")
+    func withoutTemplates() throws {
+        let outcome = try Self.run("tc_ebpf", "v9", templates: false)
+        #expect(outcome.decoded < outcome.records - outcome.toKilled, "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect(outcome.event("template_packets") == nil, "no template series without the option")
+    }
+}
