@@ -21,6 +21,7 @@ import bench_fanout
 import bench_replication
 import bench_scale
 import bench_tc
+import bench_templates
 import bench_twoway
 from bench_common import (BIN, DATAGRAMS, RUNS, SOURCES, BPFStats, Collectors, free_port, ns_per_run, publish,
                           rss_kib, spread)
@@ -134,6 +135,8 @@ def main():
         rows += bench_twoway.rows()
     if only in ("all", "replication"):
         rows += bench_replication.rows()
+    if only in ("all", "templates"):
+        rows += bench_templates.rows()
     if only == "scale":  # not in "all": it runs for most of an hour
         rows += bench_scale.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]

@@ -117,9 +117,9 @@ struct ReloadMatrixTests {
     static let keys: [Kind: [String]] = [
         .userspace: ["workers", "batch_size", "recv_buf_size", "flow_templates", "bind", "balancing", "downstream", "name"],
         .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name"],
-        .tcEBPF: ["tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
-        .afXDP: ["output", "queues", "xdp_mode", "batch_size", "bind", "balancing", "downstream", "name"],
-        .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "bind", "balancing", "downstream", "name", "replies"],
+        .tcEBPF: ["tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies"],
+        .afXDP: ["output", "queues", "xdp_mode", "batch_size", "flow_templates", "bind", "balancing", "downstream", "name"],
+        .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies"],
     ]
 
     /// The short form (`make test`) runs every af_xdp key (issue 21's case) and each other kind's

@@ -56,7 +56,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)"])
         batch = max(1, listener.settings.batchSize)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
-                                   output: listener.settings.output, capacity: listener.settings.batchSize, makeOutbox: makeOutbox)
+                                   output: listener.settings.output, capacity: listener.settings.batchSize,
+                                   templates: counters.flowTemplates(listener), makeOutbox: makeOutbox)
         frames = .allocate(capacity: batch)
         sources = .allocate(capacity: batch)
         done = .allocate(capacity: batch)
@@ -151,11 +152,16 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             // Replication: each pool's copies point at the payload in UMEM (no copy), sent at the flush.
             forwarder.replicate(payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
             guard let target = forwarder.pick(source) else {
+                // Templates are learned even when no downstream takes the datagram.
+                if let templates = forwarder.templates { templates.note(nil, payload, source: source) }
                 noHealthy += 1
                 done[doneCount] = frame
                 doneCount += 1
                 continue
             }
+            // flow_templates: replays this downstream lacks wait in the relay's lanes, sent before
+            // the batch's datagrams (the TX ring's too, below).
+            if let templates = forwarder.templates { templates.note(target, payload, source: source) }
             if resolver != nil, let plan = forwarder.plan, target < hops.count {
                 switch hops[target] {
                 case .success(let hop):
@@ -180,6 +186,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         var transmitted: UInt64 = 0
         var transmittedBytes: UInt64 = 0
         if transmitCount > 0 {
+            // Replays and copies leave before the frames they precede.
+            forwarder.templates?.flush()
             let targets = forwarder.outboxes.count
             if transmitSent.count != targets { transmitSent = Array(repeating: (0, 0, 0), count: targets) }
             let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]))
@@ -191,6 +199,10 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
                 } else {
                     // The TX ring is full: the frame comes back to us, dropped and counted.
                     transmitSent[target].dropped += 1
+                    // It may have carried templates the relay now believes delivered.
+                    if let templates = forwarder.templates, let plan = forwarder.plan, target < plan.downstreams.count {
+                        templates.forget(plan.downstreams[target].address)
+                    }
                     done[doneCount] = transmit[index]
                     doneCount += 1
                 }

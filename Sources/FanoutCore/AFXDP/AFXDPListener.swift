@@ -119,8 +119,8 @@ final class AFXDPListener: RunningListener {
         var companionConfig = config
         companionConfig.mode = .userspace
         companionConfig.settings.workers = 1
-        // userspace's own options stay off in the companion (flow_templates applies to userspace only).
-        companionConfig.settings.flowTemplates = false
+        // flow_templates as the listener's: the companion's workers share its templates (one
+        // state per listener name) for the datagrams that reach the companion.
         // While the interface is handed over (a settings reload) every datagram of the listener
         // comes through this one socket: unless recv_buf_size says otherwise, give it room for a
         // stalled worker at a high rate rather than the system's default (about 200 KiB).

@@ -182,7 +182,7 @@ extension FanoutConfig {
                     warn("\(path).settings.flow_templates", "the replication pools' members are not sent templates, only the listener's own downstreams are (docs/flow-templates.md)")
                 }
             }
-            if listener.mode == .userspace && listener.replies == Replies.none && listener.settings.flowTemplates {
+            if (listener.mode == .userspace || listener.mode == .afXDP) && listener.replies == Replies.none && listener.settings.flowTemplates {
                 if listener.settings.output == .socket {
                     warn("\(path).settings.flow_templates", "with output: socket every datagram, template copies and replays included, leaves from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
                 }

@@ -247,7 +247,7 @@ package final class ListenerCounters: Sendable {
     }
 
     /// The listener's flow export templates when `config` turns them on (one-way userspace,
-    /// tc_ebpf and xdp listeners), else nil.
+    /// tc_ebpf, xdp and af_xdp listeners; an af_xdp listener's companion shares them), else nil.
     func flowTemplates(_ config: Listener) -> FlowTemplateState? {
         guard Self.followsTemplates(config) else {
             // Off: what was kept is dropped (an instance still running keeps its own reference),
@@ -264,10 +264,10 @@ package final class ListenerCounters: Sendable {
     }
 
     /// Whether `config` follows flow export templates: `settings.flow_templates` on a one-way
-    /// listener of a kind that can (userspace, tc_ebpf, xdp).
+    /// listener of a kind that can (userspace, tc_ebpf, xdp, af_xdp).
     static func followsTemplates(_ config: Listener) -> Bool {
         guard config.settings.flowTemplates, config.replies == Replies.none else { return false }
-        return [.userspace, .tcEBPF, .xdp].contains(config.mode)
+        return [.userspace, .tcEBPF, .xdp, .afXDP].contains(config.mode)
     }
 
     /// The relay reply totals every instance of this listener adds to: a restart's old instance

@@ -23,7 +23,7 @@ enum UserspaceSettings {
         .choice("worker_steering", WorkerSteering.self, kinds: [UserspaceKind.self, RelayKind.self], scope: .workers,
                 doc: "How datagrams are spread over the workers: five_tuple keeps each flow on one worker (its order kept); source_ip keeps a source address on one worker; round_robin spreads one heavy flow over every worker and may reorder it.",
                 get: { $0.workerSteering }, set: { $0.workerSteering = $1 }),
-        .boolean("flow_templates", kinds: [UserspaceKind.self, TCKind.self, XDPKind.self], scope: .modes,
+        .boolean("flow_templates", kinds: [UserspaceKind.self, TCKind.self, XDPKind.self, AFXDPKind.self], scope: .modes,
                  doc: "NetFlow v9 / IPFIX: keep each exporter's latest templates, copy them to every downstream when they change, and send them to a downstream that takes an exporter over (joined, came back, or the exporter moved) before its next datagram there. One-way listeners (not replies: nat).",
                  get: { $0.flowTemplates }, set: { $0.flowTemplates = $1 }),
     ]
