@@ -61,9 +61,12 @@ package struct FlowDecoder {
         /// field runs past it. Trailing bytes shorter than a record are padding.
         package func records(in body: UnsafeRawBufferPointer) -> Int? {
             if let fixedLength { return body.count / fixedLength }
+            // The shortest record: every variable-length field empty (one length byte). What is
+            // left shorter than that is padding (RFC 7011, 3.3.1).
+            let shortest = lengths.reduce(0) { $0 + ($1 == 65535 ? 1 : Int($1)) }
             var offset = 0
             var count = 0
-            records: while offset < body.count {
+            records: while body.count - offset >= shortest {
                 var end = offset
                 for length in lengths {
                     var field = Int(length)

@@ -71,8 +71,10 @@ public final class FlowTemplateStore: @unchecked Sendable {
 
     /// The map's pin.
     public let path: String
-    private let fd: Int32
-    private let state = Mutex<(counters: Counters, lastFailure: String?, closed: Bool)>((Counters(), nil, false))
+    /// The map's descriptor, -1 once closed: every call on it holds this lock, so a close never
+    /// races a call (whose descriptor number could be reused meanwhile).
+    private let descriptor: Mutex<Int32>
+    private let state = Mutex<(counters: Counters, lastFailure: String?)>((Counters(), nil))
 
     /// Opens the store of `member`'s group, creating and pinning it if no member did yet.
     /// - Throws: ``ReusePortError/templateStoreUnavailable(reason:)`` when the member does not
@@ -97,7 +99,7 @@ public final class FlowTemplateStore: @unchecked Sendable {
                 Glibc.close(pinned)
                 throw .templateStoreUnavailable(reason: "\(path) is \(problem): a member of another version created it; stop every member of the group to recreate it")
             }
-            fd = pinned
+            descriptor = Mutex(pinned)
             return
         }
         guard errno == ENOENT else {
@@ -118,18 +120,24 @@ public final class FlowTemplateStore: @unchecked Sendable {
             Glibc.close(created)
             throw BPFFilesystem.failure(error, path: directory)
         }
-        fd = created
+        descriptor = Mutex(created)
     }
 
     deinit { close() }
 
-    /// Closes this process's descriptor (the pinned store stays with the group). Idempotent.
+
+    /// Closes this process's descriptor (the pinned store stays with the group). Idempotent;
+    /// afterwards ``learn(_:from:)`` learns nothing and lookups find nothing.
     public func close() {
-        let first = state.withLock { state in
-            defer { state.closed = true }
-            return !state.closed
+        descriptor.withLock { fd in
+            if fd >= 0 { _ = Glibc.close(fd) }
+            fd = -1
         }
-        if first { _ = Glibc.close(fd) }
+    }
+
+    /// Runs `body` with the open descriptor; nil once closed.
+    private func withDescriptor<R>(_ body: (Int32) -> R) -> R? {
+        descriptor.withLock { fd in fd >= 0 ? body(fd) : nil }
     }
 
     /// What a pinned map differs in from the store's shape; nil when it fits.
@@ -215,7 +223,7 @@ public final class FlowTemplateStore: @unchecked Sendable {
         value[1] = UInt8(template.record.count & 0xff)
         value[2] = template.options ? 1 : 0
         value.replaceSubrange(4..<(4 + template.record.count), with: template.record)
-        let result = bpf_map_update_elem(fd, &key, &value, UInt64(BPF_ANY))
+        guard let result = withDescriptor({ bpf_map_update_elem($0, &key, &value, UInt64(BPF_ANY)) }) else { return false }
         let error = result == 0 ? 0 : (result == -1 ? errno : -result)
         state.withLock { state in
             switch error {
@@ -231,7 +239,7 @@ public final class FlowTemplateStore: @unchecked Sendable {
 
     private func delete(_ key: [UInt8]) -> Bool {
         var key = key
-        let result = bpf_map_delete_elem(fd, &key)
+        guard let result = withDescriptor({ bpf_map_delete_elem($0, &key) }) else { return false }
         let error = result == 0 ? 0 : (result == -1 ? errno : -result)
         state.withLock { state in
             switch error {
@@ -248,7 +256,7 @@ public final class FlowTemplateStore: @unchecked Sendable {
     private func lookup(_ key: [UInt8]) -> FlowTemplate? {
         var key = key
         var value = [UInt8](repeating: 0, count: Self.valueSize)
-        guard bpf_map_lookup_elem(fd, &key, &value) == 0 else { return nil }
+        guard withDescriptor({ bpf_map_lookup_elem($0, &key, &value) }) == 0 else { return nil }
         let length = Int(value[0]) << 8 | Int(value[1])
         guard length >= 4, length <= Self.maximumRecordSize else { return nil }
         let id = UInt16(key[18]) << 8 | UInt16(key[19])
@@ -259,17 +267,17 @@ public final class FlowTemplateStore: @unchecked Sendable {
     private func keys(of exporter: IPAddress, version: UInt16, domain: UInt32) -> [[UInt8]] {
         let prefix = Array(Self.key(exporter, version, domain, 0)[0..<18]) + Array(Self.key(exporter, version, domain, 0)[20..<24])
         var found: [[UInt8]] = []
+        var seen = Set<[UInt8]>()
         var previous: [UInt8]? = nil
         var next = [UInt8](repeating: 0, count: Self.keySize)
-        // Bounded: a walk restarts from the first key when its previous one was deleted meanwhile.
+        // Bounded: a walk restarts from the first key when its previous one was deleted meanwhile
+        // (a key met twice is listed once).
         for _ in 0...Self.capacity {
-            let result: Int32 = if var previous {
-                bpf_map_get_next_key(fd, &previous, &next)
-            } else {
-                bpf_map_get_next_key(fd, nil, &next)
+            let result: Int32? = withDescriptor { fd in
+                if var previous { bpf_map_get_next_key(fd, &previous, &next) } else { bpf_map_get_next_key(fd, nil, &next) }
             }
             guard result == 0 else { break }
-            if Array(next[0..<18]) + Array(next[20..<24]) == prefix { found.append(next) }
+            if Array(next[0..<18]) + Array(next[20..<24]) == prefix, seen.insert(next).inserted { found.append(next) }
             previous = next
         }
         return found

@@ -217,9 +217,9 @@ public func reuseportlb_templates_lookup(
     _ handle: OpaquePointer?, _ exporter: UnsafeRawPointer?, _ version: UInt16, _ domain: UInt32, _ id: UInt16,
     _ record: UnsafeMutableRawPointer?, _ recordSize: Int, _ options: UnsafeMutablePointer<Int32>?
 ) -> Int32 {
-    guard let handle, let address = exporterAddress(exporter), version == 9 || version == 10 else { return -EINVAL }
+    guard let handle, let address = exporterAddress(exporter), version == 9 || version == 10, let record, recordSize >= 0 else { return -EINVAL }
     guard let template = store(handle).template(exporter: address, version: version, domain: domain, id: id) else { return -ENOENT }
-    guard let record, recordSize >= template.record.count else { return -ENOSPC }
+    guard recordSize >= template.record.count else { return -ENOSPC }
     template.record.withUnsafeBytes { record.copyMemory(from: $0.baseAddress!, byteCount: $0.count) }
     options?.pointee = template.options ? 1 : 0
     return Int32(template.record.count)

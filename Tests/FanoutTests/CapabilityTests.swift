@@ -92,5 +92,10 @@ struct ShortfallTests {
         #expect(all.hasPrefix("tc_ebpf needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON: run as root") && all.contains("capabilities.add"), "\(all)")
         let one = TCError.privileges(missing: ["CAP_PERFMON"]).description
         #expect(one.hasPrefix("tc_ebpf needs CAP_PERFMON (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)"), "\(one)")
+        // settings.flow_templates adds CAP_NET_RAW, and every fix named grants it (operator trial, issue 41).
+        let raw = TCError.privileges(missing: ["CAP_NET_RAW (settings.flow_templates)"]).description
+        #expect(raw.hasPrefix("tc_ebpf needs CAP_NET_RAW (settings.flow_templates) (it needs CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON and CAP_NET_RAW)"), "\(raw)")
+        #expect(raw.contains("AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON CAP_NET_RAW") && raw.contains("[BPF, NET_ADMIN, PERFMON, NET_RAW]")
+                && raw.contains("setcap cap_bpf,cap_net_admin,cap_perfmon,cap_net_raw+ep"), "\(raw)")
     }
 }

@@ -40,7 +40,7 @@ struct KernelFlowTemplateProgramTests {
             entry.reserved = templates ? FANOUT_LISTENER_TEMPLATES : 0
             try fixture.program.putListener(bind, ifindex: UInt32(fixture.ifindex), entry)
             follower = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
-            tap = try TCTemplateTap(ringBuffer: fixture.program.templates)
+            tap = try TCTemplateTap(ringBuffer: fixture.program.templates, logger: Logger(label: "test"))
             tap.register(id: id, follower)
         }
 
@@ -80,6 +80,37 @@ struct KernelFlowTemplateProgramTests {
         #expect(rig.waitForTemplatePackets(2) == 2)
         #expect(rig.fixture.program.templateCounts(id: Self.id).captured == 2)
         #expect(rig.tap.unclaimed.load(ordering: .relaxed) == 0)
+    }
+
+    @Test("tc: an IPv6 exporter's and a VLAN-tagged frame's templates are passed up too, with their exporter's address and port")
+    func tcPassesIPv6AndTagged() throws {
+        let rig = try Rig()
+        let bind6 = SocketAddress("[2001:db8:100::1]:2055")!
+        let members = (1...2).map { Downstream(name: "v\($0)", address: SocketAddress("[2001:db8:200::10]:\(6100 + $0)")!) }
+        let set = BackendSet(downstreams: members, balancing: .sourceIP, slots: ["v1": 0, "v2": 1])
+        rig.fixture.program.resetListener(id: 12)
+        try rig.fixture.program.writeSet(id: 12, generation: 0, set)
+        var entry = fanout_listener()
+        entry.id = 12
+        entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
+        entry.reserved = FANOUT_LISTENER_TEMPLATES
+        try rig.fixture.program.putListener(bind6, ifindex: UInt32(rig.fixture.ifindex), entry)
+        let follower6 = KernelTemplateFollower(listener: "nf6", state: rig.state, logger: Logger(label: "test"))
+        rig.tap.register(id: 12, follower6)
+        let client6 = SocketAddress(ip: IPAddress(bytes: ProgramFrames.clientV6)!, port: 40001)
+        #expect(rig.fixture.execute(TCNATProgramTests.frame(from: client6, to: bind6, payload: T.v9(domain: 3, sets: [T.set(0, Self.t256)]))).verdict == TCProgramFixture.redirect)
+        // IPv4 with an 802.1Q tag (VLAN 5) in front.
+        var tagged = Self.frame(T.v9(domain: 4, sets: [T.set(0, Self.t256)]))
+        tagged.replaceSubrange(0..<14, with: Packet.ethernetHeader(type: 0x0800, vlan: 5))
+        #expect(rig.fixture.execute(tagged).verdict == TCProgramFixture.redirect)
+        #expect(rig.waitForTemplatePackets(2) == 2)
+        rig.state.cache.withLock { cache in
+            #expect(cache.templates(of: .init(address: client6.ip, version: .v9, domain: 3)).map(\.record) == [Self.t256])
+            #expect(cache.templates(of: .init(address: Self.client.ip, version: .v9, domain: 4)).map(\.record) == [Self.t256])
+        }
+        rig.state.kernelFollowing.withLock { following in
+            #expect(following.ports[client6.ip] == 40001 && following.ports[Self.client.ip] == 40000, "each exporter's port, for its copies and replays")
+        }
     }
 
     @Test("tc: a template-bearing datagram longer than the program reads is counted too_large, a first fragment fragmented; neither passed up")
@@ -123,6 +154,32 @@ struct KernelFlowTemplateProgramTests {
         #expect(rig.fixture.program.templateCounts(id: Self.id).captured == 1)
     }
 
+    @Test("The follower's owner of an exporter is the program's choice (source_ip; IPv4 and IPv6, a weight-0 member in the set)")
+    func ownerIsTheProgramsChoice() throws {
+        let rig = try Rig(templates: false)
+        for (id, bind, host) in [(UInt32(10), SocketAddress("198.18.100.1:2056")!, "198.18.200.10"), (11, SocketAddress("[2001:db8:100::1]:2056")!, "[2001:db8:200::10]")] {
+            var members = (1...4).map { Downstream(name: "m\($0)", address: SocketAddress("\(host):\(7000 + $0)")!) }
+            members[2].weight = 0
+            let set = BackendSet(downstreams: members, balancing: .sourceIP, slots: ["m1": 0, "m2": 1, "m3": 2, "m4": 3])
+            rig.fixture.program.resetListener(id: id)
+            try rig.fixture.program.writeSet(id: id, generation: 0, set)
+            var entry = fanout_listener()
+            entry.id = id
+            entry.policy = FANOUT_POLICY_SOURCE_IP.rawValue
+            try rig.fixture.program.putListener(bind, ifindex: UInt32(rig.fixture.ifindex), entry)
+            let plan = KernelTemplateFollower.Plan(set, downstreams: members.map(\.address), sourceIP: true)
+            var seen = Set<UInt16>()
+            for n in 1...64 {
+                let ip = bind.ip.family == AF_INET ? IPAddress("198.18.\(50 + n / 200).\(n % 200 + 1)")! : IPAddress("2001:db8:50::\(String(n, radix: 16))")!
+                let output = rig.fixture.execute(TCNATProgramTests.frame(from: SocketAddress(ip: ip, port: 40000), to: bind, payload: [1, 2, 3])).output
+                let parsed = try #require(Packet.parse(output), "\(ip)")
+                #expect(parsed.destinationPort == plan.owner(of: ip)?.port, "\(ip)")
+                seen.insert(parsed.destinationPort)
+            }
+            #expect(seen == [7001, 7002, 7004], "every weighted member chosen, the weight-0 one never: \(seen)")
+        }
+    }
+
     @Test("The follower: a change of template is copied to the set's other downstreams; a set change replays to each downstream that becomes an exporter's, before the flip")
     func followerCopiesAndReplays() throws {
         let state = FlowTemplateState()
@@ -139,15 +196,18 @@ struct KernelFlowTemplateProgramTests {
         for exporter in exporters {
             T.v9(sets: [T.set(0, Self.t256)]).withUnsafeBytes { follower.received($0, from: exporter) }
         }
-        // Each exporter's template copied to the one other downstream of the two.
-        #expect(state.copies.load(ordering: .relaxed) == 40)
+        // Each exporter's template copied to both downstreams of the set (its own too: the
+        // program may have forwarded it by the set before).
+        #expect(state.copies.load(ordering: .relaxed) == 80)
         let copied = sockets.map { $0.drain() }
-        #expect(copied[0].count + copied[1].count == 40 && copied[2].isEmpty, "\(copied.map(\.count))")
-        #expect(copied[0].allSatisfy { $0.payload == T.v9(count: 1, sets: [T.set(0, Self.t256)]) || $0.payload.count > 0 })
-        #expect(Set(copied.flatMap { $0 }.map(\.source)) == Set(exporters), "from each exporter's address and port")
+        #expect(copied[0].count == 40 && copied[1].count == 40 && copied[2].isEmpty, "\(copied.map(\.count))")
+        #expect(Set(copied[0].map(\.source)) == Set(exporters) && Set(copied[1].map(\.source)) == Set(exporters), "from each exporter's address and port")
+        #expect(copied.flatMap { $0 }.allSatisfy { packet in
+            packet.payload.withUnsafeBytes { FlowExport.parse($0) }.templates == [Self.t256]
+        }, "the template, as a template-only packet")
         // The same template again changes nothing: no copy.
         T.v9(sets: [T.set(0, Self.t256)]).withUnsafeBytes { follower.received($0, from: exporters[0]) }
-        #expect(state.copies.load(ordering: .relaxed) == 40)
+        #expect(state.copies.load(ordering: .relaxed) == 80)
         // c0 leaves, c2 joins: the exporters whose owner changed are replayed to the new owner, before the caller's flip.
         let before = plan([0, 1]), after = plan([1, 2])
         let moved = exporters.filter { before.owner(of: $0.ip) != after.owner(of: $0.ip) }
@@ -160,6 +220,17 @@ struct KernelFlowTemplateProgramTests {
             let index = try #require(downstreams.firstIndex(of: owner))
             #expect(replayed[index].contains { $0.source == exporter }, "\(exporter) replayed to its new owner \(owner)")
         }
+        #expect(state.sendDropped.load(ordering: .relaxed) == 0)
+        // A reload's successor (a new instance, the same listener's state): the same set replays
+        // nothing; its first change replays from each exporter's own port, never port 0.
+        let successor = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
+        let replaysBefore = state.replays.load(ordering: .relaxed)
+        successor.switchPlan(to: after)
+        #expect(state.replays.load(ordering: .relaxed) == replaysBefore, "the set the program reads is known to the successor")
+        let third = plan([0, 2])
+        successor.switchPlan(to: third)
+        let again = sockets.map { $0.drain() }.flatMap { $0 }
+        #expect(!again.isEmpty && again.allSatisfy { $0.source.port == 2055 }, "\(again.map(\.source))")
         #expect(state.sendDropped.load(ordering: .relaxed) == 0)
     }
 }
@@ -184,6 +255,14 @@ enum NetFlowBytes {
     static func template(_ id: Int, _ fields: [(Int, Int)]) -> [UInt8] { be16([id, fields.count] + fields.flatMap { [$0.0, $0.1] }) }
 
     static let fields4 = [(8, 4), (12, 4), (7, 2), (11, 2)]
+}
+
+extension FlowExport.Parsed {
+    /// The template records a parsed packet defines (empty for anything else).
+    var templates: [[UInt8]] {
+        guard case .packet(let packet) = self else { return [] }
+        return packet.changes.compactMap { if case .defined(let template) = $0 { template.record } else { nil } }
+    }
 }
 
 /// A UDP socket on loopback that reads what has arrived, with its sources.
@@ -224,7 +303,7 @@ final class UDPReceiver {
 /// (FlowTemplateEndToEndTests) in namespaces, through tc_ebpf, xdp and af_xdp. 40 exporters send
 /// NetFlow v9 or IPFIX, templates in each one's first packet only, balanced by source over two
 /// nfcapd collectors; mid-run one collector is killed (kill -9) and a reload takes it out, then a
-/// third is added by another reload.
+/// third, pmacct's nfacctd, is added by another reload.
 @Suite("flow templates: real collectors keep decoding when exporters change collector (tc_ebpf, xdp, af_xdp)", .serialized,
        .enabled(if: Privileges.enabled, Privileges.reason))
 struct KernelFlowTemplateEndToEndTests {
@@ -244,8 +323,11 @@ struct KernelFlowTemplateEndToEndTests {
         defer { topology.destroy() }
         try TCFixtures.addClientSources(topology)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
-        let collectors = try (1...3).map { n in
-            try NetFlowCollector(address: Topology.backendIPv4(n), port: UInt16(TCFixtures.port), prefix: topology.prefix(topology.backends[n - 1]))
+        // Two nfcapd and, added mid-run, pmacct's nfacctd.
+        let collectors: [any FlowCollector] = try (1...3).map { n in
+            let (address, prefix) = (Topology.backendIPv4(n), topology.prefix(topology.backends[n - 1]))
+            return n < 3 ? try NetFlowCollector(address: address, port: UInt16(TCFixtures.port), prefix: prefix)
+                : try NFAcctCollector(address: address, port: UInt16(TCFixtures.port), prefix: prefix)
         }
         usleep(300_000)  // the collectors bind
         func yaml(_ members: [Int]) -> String {
@@ -290,7 +372,9 @@ struct KernelFlowTemplateEndToEndTests {
         let flows = try collectors[1...].map { try $0.flowsByExporter() }
         outcome.decoded = flows.map { $0.values.reduce(0, +) }.reduce(0, +)
         #expect(report.int("sent") == 6000 && outcome.records == 60_000, "\(report)")
-        #expect(flows[1].values.reduce(0, +) > 0, "the added collector got exporters: \(flows[1])")
+        // Forwarded to, whether it could decode them or not (off: it cannot).
+        #expect((metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"\(mode)\",downstream=\"c3\"") ?? 0) > 0,
+                "the added collector got exporters: \(outcome.metrics)")
         print("flow templates \(mode) \(version) \(templates ? "on" : "off"): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); template packets passed up \(outcome.event("template_packets").map(String.init) ?? "-"), replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
         return outcome
     }
@@ -302,7 +386,8 @@ struct KernelFlowTemplateEndToEndTests {
         #expect(outcome.toKilled > 0 && outcome.decoded == outcome.records - outcome.toKilled,
                 "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
         #expect((outcome.event("template_packets") ?? 0) >= 40, "each exporter's first packet (xdp: tc may pass one up again): \(outcome.metrics)")
-        #expect((outcome.event("copied") ?? 0) >= 40, "each exporter's templates to the other collector")
+        // tc_ebpf and xdp copy to both collectors of the set; af_xdp's relay to the other one.
+        #expect(mode == "af_xdp" ? (outcome.event("copied") ?? 0) >= 40 : outcome.event("copied") == 80, "each exporter's templates to the collectors")
         #expect((outcome.event("replayed") ?? 0) > 0, "to the added collector")
         for event in ["malformed", "send_dropped"] + (mode == "af_xdp" ? [] : ["too_large", "ring_full", "fragmented"]) {
             #expect(outcome.event(event) == 0, "\(event): \(outcome.metrics)")

@@ -108,6 +108,33 @@ struct SettingsTableTests {
         ])
     }
 
+    @Test("flow_templates where it does nothing: a relay listener (mode userspace) is told so, not 'applies to mode userspace'; a nat listener too")
+    func flowTemplatesWarnings() throws {
+        let yaml = """
+            listeners:
+              - name: r
+                bind: "127.0.0.1:7600"
+                replies: relay
+                settings: {flow_templates: true}
+                downstream:
+                  - address: "127.0.0.1:7601"
+              - name: n
+                bind: "198.18.0.1:5514"
+                interface: eth0
+                mode: tc_ebpf
+                replies: nat
+                settings: {flow_templates: true}
+                downstream:
+                  - address: "198.18.0.2:5514"
+            """
+        let config = try ConfigParser.parse(yaml)
+        try config.validate(localAddresses: [])
+        #expect(config.warnings().map(\.description) == [
+            "configuration warning: listeners[0].settings.flow_templates (line 5): no effect on a relay listener (mode userspace with replies: relay)",
+            "configuration warning: listeners[1].settings.flow_templates (line 13): no effect on a two-way listener (replies: nat): flow export is one-way; templates are followed on one-way listeners only",
+        ], "\(config.warnings())")
+    }
+
     @Test("schema/settings-table.json is the daemon's table (regenerate: udp-fanout --print-settings-table > schema/settings-table.json)")
     func committedDump() throws {
         #expect(try Self.text("schema/settings-table.json") == SettingsTable.json())

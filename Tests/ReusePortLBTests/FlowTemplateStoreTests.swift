@@ -51,6 +51,11 @@ struct FlowDecoderTests {
         #expect(decoder.counters.templateRecords == 3 && decoder.counters.malformed == 0)
         Self.decode(&decoder, [T.ipfix(sets: [T.set(2, T.be16([300, 0]))]), T.ipfix(sets: [T.set(300, records300)])])
         #expect(decoder.counters.records == 5 && decoder.counters.unknownTemplateSets == 1, "withdrawn: \(decoder.counters)")
+        // A template of variable-length fields only: padding zeros after the records are not records.
+        let t303 = T.be16([303, 2, 82, 65535, 83, 65535])
+        let before = decoder.counters.records
+        Self.decode(&decoder, [T.ipfix(sets: [T.set(2, t303), T.set(303, [2, 0x61, 0x62, 0, 0, 0, 0])])])
+        #expect(decoder.counters.records == before + 2, "two records (the second of two empty fields) and one byte of padding: \(decoder.counters)")
         // A variable-length length running past the set is malformed, not a crash.
         Self.decode(&decoder, [T.ipfix(sets: [T.set(2, t300)]), T.ipfix(sets: [T.set(300, [1, 2, 3, 4, 255, 0])])])
         #expect(decoder.counters.malformed == 1)

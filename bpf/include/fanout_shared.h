@@ -103,6 +103,7 @@ struct fanout_template_stats {
 	__u64 too_large;  /* longer than FANOUT_TEMPLATE_DATA_MAX: forwarded, not read */
 	__u64 ring_full;  /* the ring buffer had no room (the daemon is behind): forwarded, not read */
 	__u64 fragmented; /* a fragment of a version 9/10 datagram: forwarded, not read */
+	__u64 sets_unread; /* FANOUT_TEMPLATE_SETS_MAX sets looked at, none a template set, more follow */
 };
 
 /* The xdp kind (`mode: xdp`, bpf/xdp_fanout.bpf.c): an XDP program in front of the tc program

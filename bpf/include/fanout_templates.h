@@ -36,6 +36,16 @@ struct {
 	__type(value, struct fanout_template_stats);
 } FANOUT_MAP_TEMPLATE_STATS SEC(".maps");
 
+/* Where an event is assembled (per CPU, off the stack) before bpf_ringbuf_output copies its
+ * used length into the ring: a ring of FANOUT_TEMPLATE_RING_BYTES then holds thousands of
+ * template datagrams, not FANOUT_TEMPLATE_RING_BYTES / sizeof(struct fanout_template_event). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fanout_template_event);
+} fanout_tplbuf SEC(".maps");
+
 static __always_inline long hook_load_bytes(FANOUT_CTX *ctx, __u32 offset, void *to, __u32 length);
 
 static __always_inline __u32 be16_at(const __u8 *bytes)
@@ -79,7 +89,8 @@ __noinline int fanout_capture_templates(FANOUT_CTX *ctx, struct packet *p, __u32
 	__u32 template_set = version == 9 ? 0 : 2;
 	__u32 offset = start + (version == 9 ? 20 : 16);
 	int found = 0;
-	for (int i = 0; i < FANOUT_TEMPLATE_SETS_MAX; i++) {
+	int i;
+	for (i = 0; i < FANOUT_TEMPLATE_SETS_MAX; i++) {
 		if (offset + 4 > end || offset > 0xffff)
 			break;
 		if (hook_load_bytes(ctx, offset, head, 4) < 0)
@@ -94,18 +105,21 @@ __noinline int fanout_capture_templates(FANOUT_CTX *ctx, struct packet *p, __u32
 			break;
 		offset += length;
 	}
-	if (!found)
+	if (!found) {
+		/* More sets follow the ones looked at: a template set among them goes unseen. */
+		if (i == FANOUT_TEMPLATE_SETS_MAX && offset + 4 <= end)
+			stats->sets_unread++;
 		return 0;
+	}
 	__u32 length = udp_length - 8;
 	if (length > FANOUT_TEMPLATE_DATA_MAX) {
 		stats->too_large++;
 		return 0;
 	}
-	struct fanout_template_event *event = bpf_ringbuf_reserve(&FANOUT_MAP_TEMPLATES, sizeof(*event), 0);
-	if (!event) {
-		stats->ring_full++;
+	__u32 zero = 0;
+	struct fanout_template_event *event = bpf_map_lookup_elem(&fanout_tplbuf, &zero);
+	if (!event)
 		return 0;
-	}
 	event->listener_id = id;
 	event->length = length;
 	__builtin_memcpy(event->saddr, p->saddr, sizeof(event->saddr));
@@ -113,11 +127,13 @@ __noinline int fanout_capture_templates(FANOUT_CTX *ctx, struct packet *p, __u32
 	event->family = p->family;
 	event->reserved = 0;
 	event->reserved2 = 0;
-	if (length < 1 || length > FANOUT_TEMPLATE_DATA_MAX || hook_load_bytes(ctx, start, event->data, length) < 0) {
-		bpf_ringbuf_discard(event, 0);
+	if (length < 1 || length > FANOUT_TEMPLATE_DATA_MAX || hook_load_bytes(ctx, start, event->data, length) < 0)
+		return 0;
+	__u64 size = __builtin_offsetof(struct fanout_template_event, data) + length;
+	if (bpf_ringbuf_output(&FANOUT_MAP_TEMPLATES, event, size, 0) < 0) {
+		stats->ring_full++;
 		return 0;
 	}
-	bpf_ringbuf_submit(event, 0);
 	stats->captured++;
 	return 1;
 }

@@ -101,6 +101,10 @@ struct SettingKey: Sendable {
         case .modes:
             guard !applies(to: kind) else { return nil }
             let names = kinds.map { $0.name }
+            // A relay listener is of mode userspace: "applies to mode userspace" would read as if it did.
+            if listener.mode.rawValue != kind.name && names.contains(listener.mode.rawValue) {
+                return "no effect on a \(kind.name) listener (mode \(listener.mode.rawValue) with replies: \(listener.replies.rawValue))"
+            }
             return names.count == 1 ? "applies to mode \(names[0]) only" : "applies to modes \(names.dropLast().joined(separator: ", ")) and \(names.last!) only"
         case .workers:
             guard !applies(to: kind) else { return nil }

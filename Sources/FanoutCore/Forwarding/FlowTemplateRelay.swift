@@ -28,6 +28,16 @@ final class FlowTemplateState: Sendable {
     /// Kernel kinds: template-bearing datagrams the program forwarded without passing them up
     /// (longer than it reads, its ring buffer full, or a fragment), from its counters.
     let kernelTooLarge = Atomic<UInt64>(0)
+    /// Kernel kinds: template-bearing datagrams the program passed up (template_packets counts
+    /// those the daemon took: the difference was still in the ring buffer at a stop, or came for
+    /// a listener instance that had stopped), and datagrams whose sets after the program's 16th
+    /// were not looked at.
+    let kernelPassedUp = Atomic<UInt64>(0)
+    let kernelSetsUnread = Atomic<UInt64>(0)
+    /// Kernel kinds: the set the program reads as the daemon last put it in force, and each
+    /// exporter address's source port (its copies and replays leave from it), kept across the
+    /// listener's instances: a reload's successor replays against the set its predecessor left.
+    let kernelFollowing = Mutex<(plan: KernelTemplateFollower.Plan?, ports: [IPAddress: UInt16])>((nil, [:]))
     let kernelRingFull = Atomic<UInt64>(0)
     let kernelFragmented = Atomic<UInt64>(0)
     /// Raised whenever the cache learns a change: a worker that found an exporter's templates
@@ -45,7 +55,8 @@ final class FlowTemplateState: Sendable {
             ("unknown_templates", unknown.load(ordering: .relaxed)),
             ("exporters_evicted", counters.exportersEvicted), ("templates_refused", counters.templatesRefused),
             ("too_large", kernelTooLarge.load(ordering: .relaxed)), ("ring_full", kernelRingFull.load(ordering: .relaxed)),
-            ("fragmented", kernelFragmented.load(ordering: .relaxed)),
+            ("fragmented", kernelFragmented.load(ordering: .relaxed)), ("passed_up", kernelPassedUp.load(ordering: .relaxed)),
+            ("sets_unread", kernelSetsUnread.load(ordering: .relaxed)),
         ]
         return (events.map { (labels + ",event=\"\($0.0)\"", $0.1) }, (labels, UInt64(exporters)), (labels, UInt64(templates)))
     }

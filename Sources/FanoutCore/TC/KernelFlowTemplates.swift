@@ -21,7 +21,7 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
     /// Events of a listener id no follower is registered for (a listener stopping, or one turned off).
     let unclaimed = Atomic<UInt64>(0)
 
-    init(ringBuffer fd: Int32) throws(SystemCallError) {
+    init(ringBuffer fd: Int32, logger: Logger) throws(SystemCallError) {
         let holder = Holder()
         let made = ring_buffer__new(fd, { context, data, size in
             guard let context, let data else { return 0 }
@@ -33,9 +33,23 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
         self.holder = holder
         holder.tap = self
         let started = OSThread(name: "udp-fanout-tpl") { [self] in
+            var said = false
             while running.load(ordering: .relaxed) {
-                _ = ring_buffer__poll(ring, 100)
+                let result = ring_buffer__poll(ring, 100)
+                if result < 0 && result != -EINTR {
+                    // Not expected (the ring's descriptors are this process's): said once, and
+                    // no busy loop while it lasts.
+                    if !said {
+                        said = true
+                        logger.error("flow_templates: reading the program's template-bearing datagrams failed; they are forwarded but not learned while it lasts (counted: passed_up grows, template_packets does not)", metadata: [
+                            "error": "\(SystemCallError(call: "ring_buffer__poll \(FANOUT_MAP_TEMPLATES_NAME)", errno: -result))",
+                        ])
+                    }
+                    usleep(100_000)
+                }
             }
+            // What the program passed up before the stop is still taken.
+            _ = ring_buffer__consume(ring)
         }
         thread.withLock { $0 = started }
     }
@@ -89,7 +103,7 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
 
 /// One kernel-kind listener's part of `flow_templates`: it learns the templates the program
 /// passes up (into the listener's ``FlowTemplateState``, kept across reloads), copies an
-/// exporter's templates to the set's other downstreams when they change, and, whenever the set
+/// exporter's templates to every downstream of the set when they change, and, whenever the set
 /// changes (a reload, health, discovery, a weight), sends each downstream that becomes an
 /// exporter's (its table slot moved there, or it joined a round-robin set) that exporter's
 /// templates before the new set is in force. Copies and replays leave from the exporter's address
@@ -135,9 +149,6 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     }
 
     private struct Mutable {
-        var plan: Plan?
-        /// Each exporter address's source port as last seen (its copies and replays leave from it).
-        var ports: [IPAddress: UInt16] = [:]
         var outboxes: [SocketAddress: SourcePreservingOutbox] = [:]
         /// Downstreams whose raw socket could not be opened, said once each.
         var refused: Set<SocketAddress> = []
@@ -164,13 +175,20 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
         let changed = state.cache.withLock { $0.apply(packet, from: source.ip) }
         if changed { state.generation.add(1, ordering: .relaxed) }
         mutable.withLock { mutable in
-            mutable.ports[source.ip] = source.port
-            guard changed, let plan = mutable.plan else { return }
-            // Its own downstream has the datagram from the program; the others get a copy.
-            let receivers = Set(plan.receivers(of: source.ip))
+            let plan = state.kernelFollowing.withLock { following in
+                // Bounded: beyond the cache's exporters the ports start anew (each learnt again
+                // from the exporter's next template).
+                if following.ports[source.ip] == nil && following.ports.count >= Self.maximumPorts { following.ports = [:] }
+                following.ports[source.ip] = source.port
+                return following.plan
+            }
+            guard changed, let plan else { return }
+            // Every downstream of the set in force gets a copy, the exporter's own too: the
+            // program forwarded the datagram by the set it read then, which may be the one before
+            // this plan (a flip between the two), and this exporter may have been unknown to the
+            // replays of that flip. A collector takes a template it has again.
             let exporter = Exporter(address: source.ip, version: packet.version, domain: packet.domain)
-            let others = plan.downstreams.filter { !receivers.contains($0) }
-            let sent = send(state.cache.withLock { $0.replay(exporter) }, from: source, to: others, in: &mutable)
+            let sent = send(state.cache.withLock { $0.replay(exporter) }, from: source, to: plan.downstreams, in: &mutable)
             state.copies.add(sent, ordering: .relaxed)
         }
     }
@@ -183,16 +201,24 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     func switchPlan(to plan: Plan) -> Plan? {
         let exporters = state.cache.withLock { $0.allExporters }
         return mutable.withLock { mutable in
-            let previous = mutable.plan
-            mutable.plan = plan
+            let (previous, ports) = state.kernelFollowing.withLock { following in
+                defer { following.plan = plan }
+                return (following.plan, following.ports)
+            }
             guard !exporters.isEmpty else { return previous }
             var replayed: UInt64 = 0
             for exporter in exporters {
                 let before = Set(previous?.receivers(of: exporter.address) ?? [])
                 let newly = plan.receivers(of: exporter.address).filter { !before.contains($0) }
                 guard !newly.isEmpty else { continue }
-                let source = SocketAddress(ip: exporter.address, port: mutable.ports[exporter.address] ?? 0)
-                replayed += send(state.cache.withLock { $0.replay(exporter) }, from: source, to: newly, in: &mutable)
+                let packets = state.cache.withLock { $0.replay(exporter) }
+                guard let port = ports[exporter.address] else {
+                    // Learnt by another kind's instance (a mode change kept the templates): no
+                    // source port to send from. Counted, not sent from port 0.
+                    state.sendDropped.add(UInt64(packets.count * newly.count), ordering: .relaxed)
+                    continue
+                }
+                replayed += send(packets, from: SocketAddress(ip: exporter.address, port: port), to: newly, in: &mutable)
             }
             state.replays.add(replayed, ordering: .relaxed)
             // Ways out to downstreams no longer in the set close.
@@ -205,8 +231,10 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     /// The plan before a flip that failed: the program still reads it (what was replayed for the
     /// failed one is harmless, a collector takes a template it has again).
     func restore(_ plan: Plan?) {
-        mutable.withLock { $0.plan = plan }
+        mutable.withLock { _ in state.kernelFollowing.withLock { $0.plan = plan } }
     }
+
+    static let maximumPorts = 65_536
 
     /// Sends `packets` from `source` to each of `targets`; returns how many left, counts the rest
     /// `send_dropped`.

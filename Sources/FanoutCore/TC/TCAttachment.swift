@@ -371,8 +371,13 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
         switch self {
         case .privileges(let missing):
             let list = missing.count > 1 ? missing.dropLast().joined(separator: ", ") + " and " + missing.last! : missing.joined()
-            let all = missing.count < 3 ? " (it needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)" : ""
-            return "tc_ebpf needs \(list)\(all): run as root, or grant them: systemd AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON (systemd/udp-fanout.service); Kubernetes runAsUser: 0 with capabilities.add [BPF, NET_ADMIN, PERFMON] (k8s/daemonset-tc-ebpf.yaml); or setcap cap_bpf,cap_net_admin,cap_perfmon+ep on the binary"
+            // settings.flow_templates adds CAP_NET_RAW to the kind's three.
+            let raw = missing.contains { $0.hasPrefix("CAP_NET_RAW") }
+            let needed = ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"] + (raw ? ["CAP_NET_RAW"] : [])
+            let all = missing.count < needed.count ? " (it needs \(needed.dropLast().joined(separator: ", ")) and \(needed.last!))" : ""
+            let kubernetes = needed.map { $0.dropFirst(4) }.joined(separator: ", ")
+            let setcap = needed.map { $0.lowercased() }.joined(separator: ",")
+            return "tc_ebpf needs \(list)\(all): run as root, or grant them: systemd AmbientCapabilities=\(needed.joined(separator: " ")) (systemd/udp-fanout.service); Kubernetes runAsUser: 0 with capabilities.add [\(kubernetes)] (k8s/daemonset-tc-ebpf.yaml); or setcap \(setcap)+ep on the binary"
         case .interfaceNotFound(let name):
             return "interface not found: '\(name)' (ip link show lists this namespace's interfaces)"
         case .interfaceBusy(let name, let path):

@@ -518,20 +518,21 @@ final class TCDataplane: Sendable {
         try state.withLock { state throws(TCError) in
             guard let program = state.program else { return }
             if state.templateTap == nil {
-                do throws(SystemCallError) { state.templateTap = try TCTemplateTap(ringBuffer: program.templates) } catch { throw .maps(error) }
+                do throws(SystemCallError) { state.templateTap = try TCTemplateTap(ringBuffer: program.templates, logger: logger) } catch { throw .maps(error) }
             }
             state.templateTap?.register(id: id, follower)
         }
     }
 
     func stopFollowingTemplates(id: UInt32) {
-        state.withLock { state in
+        let idle = state.withLock { state -> TCTemplateTap? in
             state.templateTap?.unregister(id: id)
-            if state.templateTap?.isEmpty == true {
-                state.templateTap?.stop()
-                state.templateTap = nil
-            }
+            guard state.templateTap?.isEmpty == true else { return nil }
+            defer { state.templateTap = nil }
+            return state.templateTap
         }
+        // Outside the lock: the reader's last poll and delivery may take a moment.
+        idle?.stop()
     }
 
     /// Returns a listener's id and detaches from its interface if it was the last user there;
@@ -715,7 +716,7 @@ final class TCListener: RunningListener {
     /// flow_templates: the follower of the program's template-bearing datagrams (nil: off), and
     /// the program's counts of those it did not pass up, as last added to the metrics.
     private let templates: KernelTemplateFollower?
-    private let templateCountsSeen: Mutex<(tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64)>
+    private let templateCountsSeen: Mutex<TemplateCounts>
     private let logger: Logger
     private let instance = ListenerInstance.next()
     /// Set by shutdown(): a listener being replaced in a reload is no longer judged by the path check.
@@ -737,7 +738,8 @@ final class TCListener: RunningListener {
             templates = nil
         }
         // An id taken over from the previous process keeps its counts; a new one starts at 0.
-        templateCountsSeen = Mutex(registered.adopted != nil ? Self.notPassedUp(registered.program.templateCounts(id: registered.id)) : (0, 0, 0))
+        // The counters are not handed over (a new process's maps start them at 0).
+        templateCountsSeen = Mutex(Self.templateCounts(registered.program, id: registered.id))
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
             // downstream at the same address keeps its counter slot (its counters go on).
@@ -1388,21 +1390,25 @@ final class TCListener: RunningListener {
         dataplane.unregister(interface: config.interface ?? "", id: id)
     }
 
-    /// flow_templates: the program's counts of template-bearing datagrams it did not pass up.
-    private static func notPassedUp(_ counts: (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64)) -> (tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64) {
-        (counts.tooLarge, counts.ringFull, counts.fragmented)
+    /// flow_templates: the program's counts of listener `id` (struct fanout_template_stats).
+    typealias TemplateCounts = (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64, setsUnread: UInt64)
+
+    private static func templateCounts(_ program: TCProgram, id: UInt32) -> TemplateCounts {
+        program.templateCounts(id: id)
     }
 
     /// Adds what the program counted since the last call to the listener's template metrics
     /// (which live as long as the process; this instance's id counts from its start).
     private func pumpTemplateCounts() {
         guard let state = templates?.state else { return }
-        let now = Self.notPassedUp(program.templateCounts(id: id))
+        let now = Self.templateCounts(program, id: id)
         templateCountsSeen.withLock { seen in
             func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
+            state.kernelPassedUp.add(since(now.captured, seen.captured), ordering: .relaxed)
             state.kernelTooLarge.add(since(now.tooLarge, seen.tooLarge), ordering: .relaxed)
             state.kernelRingFull.add(since(now.ringFull, seen.ringFull), ordering: .relaxed)
             state.kernelFragmented.add(since(now.fragmented, seen.fragmented), ordering: .relaxed)
+            state.kernelSetsUnread.add(since(now.setsUnread, seen.setsUnread), ordering: .relaxed)
             seen = now
         }
     }

@@ -182,10 +182,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// One listener's counters: received, bytes received, bytes forwarded, then each verdict.
     /// flow_templates: listener `id`'s template-bearing datagrams as the program counted them
     /// (struct fanout_template_stats, summed over the CPUs).
-    func templateCounts(id: UInt32) -> (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64) {
+    func templateCounts(id: UInt32) -> (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64, setsUnread: UInt64) {
         let sums = perCPUSum(templateStats, key: id, as: fanout_template_stats.self)
-        guard sums.count >= 4 else { return (0, 0, 0, 0) }
-        return (sums[0], sums[1], sums[2], sums[3])
+        guard sums.count >= 5 else { return (0, 0, 0, 0, 0) }
+        return (sums[0], sums[1], sums[2], sums[3], sums[4])
     }
 
     func listenerStats(id: UInt32) -> (received: UInt64, bytesReceived: UInt64, bytesForwarded: UInt64, verdicts: [UInt64]) {
