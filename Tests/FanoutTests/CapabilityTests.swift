@@ -97,5 +97,8 @@ struct ShortfallTests {
         #expect(raw.hasPrefix("tc_ebpf needs CAP_NET_RAW (settings.flow_templates) (it needs CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON and CAP_NET_RAW)"), "\(raw)")
         #expect(raw.contains("AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON CAP_NET_RAW") && raw.contains("[BPF, NET_ADMIN, PERFMON, NET_RAW]")
                 && raw.contains("setcap cap_bpf,cap_net_admin,cap_perfmon,cap_net_raw+ep"), "\(raw)")
+        // A flow_templates listener that has CAP_NET_RAW but lacks another: the fixes keep CAP_NET_RAW.
+        let keeps = TCError.privileges(missing: ["CAP_BPF"], flowTemplates: true).description
+        #expect(keeps.contains("AmbientCapabilities=CAP_BPF CAP_NET_ADMIN CAP_PERFMON CAP_NET_RAW") && keeps.contains("cap_net_raw+ep"), "\(keeps)")
     }
 }

@@ -180,7 +180,7 @@ struct KernelFlowTemplateProgramTests {
         }
     }
 
-    @Test("The follower: a change of template is copied to the set's other downstreams; a set change replays to each downstream that becomes an exporter's, before the flip")
+    @Test("The follower: a change of template is copied to every downstream of the set; a set change replays to each downstream that becomes an exporter's, before the flip; a successor and a rollback replay against the set the program reads")
     func followerCopiesAndReplays() throws {
         let state = FlowTemplateState()
         let follower = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
@@ -232,6 +232,13 @@ struct KernelFlowTemplateProgramTests {
         let again = sockets.map { $0.drain() }.flatMap { $0 }
         #expect(!again.isEmpty && again.allSatisfy { $0.source.port == 2055 }, "\(again.map(\.source))")
         #expect(state.sendDropped.load(ordering: .relaxed) == 0)
+        // The reload fails and is rolled back: the first follower's set ([1, 2]) is the program's
+        // again, and the exporters it gives back to c1 are replayed there.
+        let givenBack = exporters.filter { third.owner(of: $0.ip) != after.owner(of: $0.ip) && after.owner(of: $0.ip) == downstreams[1] }
+        follower.reassert()
+        let back = sockets.map { $0.drain() }
+        #expect(!givenBack.isEmpty && Set(back[1].map(\.source)) == Set(givenBack), "\(back.map(\.count)) for \(givenBack.count)")
+        #expect(state.kernelFollowing.withLock { $0.plan?.downstreams } == after.downstreams)
     }
 }
 

@@ -133,8 +133,9 @@ final class NFAcctCollector: FlowCollector {
             let files = (try? FileManager.default.contentsOfDirectory(atPath: directory.path)) ?? []
             for file in files where file.hasSuffix(".csv") {
                 let text = (try? String(contentsOfFile: directory.appendingPathComponent(file).path, encoding: .utf8)) ?? ""
-                for line in text.split(separator: "\n") where !line.hasPrefix("PEER_SRC_IP") {
-                    if let exporter = line.split(separator: ",").first { flows[String(exporter), default: 0] += 1 }
+                // Only lines that start with an address: titles and markers are not records.
+                for line in text.split(separator: "\n") {
+                    if let exporter = line.split(separator: ",").first.map(String.init), IPAddress(exporter) != nil { flows[exporter, default: 0] += 1 }
                 }
             }
             let count = flows.values.reduce(0, +)

@@ -4,7 +4,7 @@
  * v9 and IPFIX datagrams that carry a template or options template set (v9 set IDs 0 and 1,
  * IPFIX 2 and 3) and passes a copy of each to the daemon through a ring buffer; the datagram is
  * forwarded as any other, so its own collector gets it in order. The daemon keeps each
- * exporter's templates, copies them to the listener's other downstreams, and sends them to a
+ * exporter's templates, copies them to every downstream of the listener, and sends them to a
  * downstream before the set that makes it an exporter's new one is in force (docs/flow-templates.md).
  * A datagram of data alone costs the walk over at most FANOUT_TEMPLATE_SETS_MAX set headers.
  *

@@ -16,6 +16,11 @@ import SystemCalls
 final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thread, then freed by stop()
     private let ring: OpaquePointer
     private let followers = Mutex<[UInt32: KernelTemplateFollower]>([:])
+    /// Ids unregistered, with the reader's round then: each keeps its follower until a round
+    /// that began after it, so what its listener's program entry passed up before it stopped
+    /// still reaches its follower (whose templates a reload's successor shares).
+    private let retiring = Mutex<[UInt32: UInt64]>([:])
+    private let rounds = Atomic<UInt64>(0)
     private let running = Atomic<Bool>(true)
     private let thread = Mutex<OSThread?>(nil)
     /// Events of a listener id no follower is registered for (a listener stopping, or one turned off).
@@ -35,7 +40,9 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
         let started = OSThread(name: "udp-fanout-tpl") { [self] in
             var said = false
             while running.load(ordering: .relaxed) {
+                let round = rounds.add(1, ordering: .relaxed).newValue
                 let result = ring_buffer__poll(ring, 100)
+                retire(before: round)
                 if result < 0 && result != -EINTR {
                     // Not expected (the ring's descriptors are this process's): said once, and
                     // no busy loop while it lasts.
@@ -46,6 +53,11 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
                         ])
                     }
                     usleep(100_000)
+                } else if result > 0 {
+                    // The kernel wakes an idle reader for each datagram: with the exporters'
+                    // templates every few packets that is a wakeup per template. Letting them
+                    // gather for a moment takes them in batches (make bench BENCH=templates).
+                    usleep(Self.gather)
                 }
             }
             // What the program passed up before the stop is still taken.
@@ -54,6 +66,10 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
         thread.withLock { $0 = started }
     }
 
+    /// How long the reader lets datagrams gather after it took some, in microseconds: templates
+    /// are learned, copied and replayed within that much more.
+    static let gather: useconds_t = 5_000
+
     /// The callback's context: a reference the ring holds without retaining the tap.
     private final class Holder: @unchecked Sendable {
         weak var tap: TCTemplateTap?
@@ -61,14 +77,32 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
     private let holder: Holder
 
     func register(id: UInt32, _ follower: KernelTemplateFollower) {
+        retiring.withLock { _ = $0.removeValue(forKey: id) }
         followers.withLock { $0[id] = follower }
     }
 
+    /// Takes `id`'s follower out once the reader has read what was passed up for it so far.
     func unregister(id: UInt32) {
-        followers.withLock { _ = $0.removeValue(forKey: id) }
+        let round = rounds.load(ordering: .relaxed)
+        retiring.withLock { $0[id] = round }
     }
 
-    var isEmpty: Bool { followers.withLock { $0.isEmpty } }
+    /// Drops the followers of ids unregistered before the round `round` began.
+    private func retire(before round: UInt64) {
+        let gone = retiring.withLock { retiring -> [UInt32] in
+            let due = retiring.filter { $0.value < round }.map(\.key)
+            for id in due { retiring[id] = nil }
+            return due
+        }
+        guard !gone.isEmpty else { return }
+        followers.withLock { followers in for id in gone { followers[id] = nil } }
+    }
+
+    /// No follower left but the retiring ones.
+    var isEmpty: Bool {
+        let leaving = retiring.withLock { Set($0.keys) }
+        return followers.withLock { $0.keys.allSatisfy { leaving.contains($0) } }
+    }
 
     /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent.
     func stop() {
@@ -149,6 +183,8 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     }
 
     private struct Mutable {
+        /// The set this instance last put in force (``reassert()`` puts it back).
+        var lastPlan: Plan?
         var outboxes: [SocketAddress: SourcePreservingOutbox] = [:]
         /// Downstreams whose raw socket could not be opened, said once each.
         var refused: Set<SocketAddress> = []
@@ -175,10 +211,11 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
         let changed = state.cache.withLock { $0.apply(packet, from: source.ip) }
         if changed { state.generation.add(1, ordering: .relaxed) }
         mutable.withLock { mutable in
+            // Bounded: beyond the limit, the ports of addresses the cache no longer holds go.
+            let kept: Set<IPAddress>? = state.kernelFollowing.withLock { $0.ports[source.ip] == nil && $0.ports.count >= Self.maximumPorts }
+                ? Set(state.cache.withLock { $0.allExporters.map(\.address) }) : nil
             let plan = state.kernelFollowing.withLock { following in
-                // Bounded: beyond the cache's exporters the ports start anew (each learnt again
-                // from the exporter's next template).
-                if following.ports[source.ip] == nil && following.ports.count >= Self.maximumPorts { following.ports = [:] }
+                if let kept { following.ports = following.ports.filter { kept.contains($0.key) } }
                 following.ports[source.ip] = source.port
                 return following.plan
             }
@@ -199,8 +236,11 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     /// ``restore(_:)`` when the flip fails).
     @discardableResult
     func switchPlan(to plan: Plan) -> Plan? {
-        let exporters = state.cache.withLock { $0.allExporters }
-        return mutable.withLock { mutable in
+        mutable.withLock { mutable in
+            // Under this lock, so an exporter learnt meanwhile is either replayed here or copied
+            // by ``received(_:from:)`` under this plan.
+            let exporters = state.cache.withLock { $0.allExporters }
+            mutable.lastPlan = plan
             let (previous, ports) = state.kernelFollowing.withLock { following in
                 defer { following.plan = plan }
                 return (following.plan, following.ports)
@@ -213,8 +253,8 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
                 guard !newly.isEmpty else { continue }
                 let packets = state.cache.withLock { $0.replay(exporter) }
                 guard let port = ports[exporter.address] else {
-                    // Learnt by another kind's instance (a mode change kept the templates): no
-                    // source port to send from. Counted, not sent from port 0.
+                    // Its port was pruned (more than maximumPorts addresses sent templates): no
+                    // source port to send from until its next template. Counted, not sent from port 0.
                     state.sendDropped.add(UInt64(packets.count * newly.count), ordering: .relaxed)
                     continue
                 }
@@ -232,6 +272,13 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     /// failed one is harmless, a collector takes a template it has again).
     func restore(_ plan: Plan?) {
         mutable.withLock { _ in state.kernelFollowing.withLock { $0.plan = plan } }
+    }
+
+    /// This instance's set is in force again (a failed reload's rollback wrote its listener
+    /// entry back): replays to the downstreams it gives exporters back to, as for any change.
+    func reassert() {
+        guard let plan = mutable.withLock({ $0.lastPlan }) else { return }
+        switchPlan(to: plan)
     }
 
     static let maximumPorts = 65_536

@@ -349,7 +349,8 @@ final class TCAttachment: @unchecked Sendable {  // owned and closed by TCDatapl
 
 /// Why a tc_ebpf listener could not start.
 package enum TCError: Error, CustomStringConvertible, Sendable {
-    case privileges(missing: [String])
+    /// `flowTemplates`: the listener follows flow templates, which needs CAP_NET_RAW too.
+    case privileges(missing: [String], flowTemplates: Bool = false)
     case interfaceNotFound(String)
     case interfaceBusy(String, lockPath: String)
     case forwardingDisabled(interface: String, sysctl: String)
@@ -369,10 +370,10 @@ package enum TCError: Error, CustomStringConvertible, Sendable {
 
     package var description: String {
         switch self {
-        case .privileges(let missing):
+        case .privileges(let missing, let flowTemplates):
             let list = missing.count > 1 ? missing.dropLast().joined(separator: ", ") + " and " + missing.last! : missing.joined()
-            // settings.flow_templates adds CAP_NET_RAW to the kind's three.
-            let raw = missing.contains { $0.hasPrefix("CAP_NET_RAW") }
+            // settings.flow_templates adds CAP_NET_RAW to the kind's three: every fix named grants it.
+            let raw = flowTemplates || missing.contains { $0.hasPrefix("CAP_NET_RAW") }
             let needed = ["CAP_BPF", "CAP_NET_ADMIN", "CAP_PERFMON"] + (raw ? ["CAP_NET_RAW"] : [])
             let all = missing.count < needed.count ? " (it needs \(needed.dropLast().joined(separator: ", ")) and \(needed.last!))" : ""
             let kubernetes = needed.map { $0.dropFirst(4) }.joined(separator: ", ")

@@ -91,7 +91,7 @@ final class TCDataplane: Sendable {
         if !capabilities.canUsePointerArithmetic { missing.append("CAP_PERFMON") }
         // flow_templates sends copies and replays from the exporters' addresses (a raw socket).
         if ListenerCounters.followsTemplates(listener) && !capabilities.has(Capabilities.netRaw) { missing.append("CAP_NET_RAW (settings.flow_templates)") }
-        guard missing.isEmpty else { throw .privileges(missing: missing) }
+        guard missing.isEmpty else { throw .privileges(missing: missing, flowTemplates: ListenerCounters.followsTemplates(listener)) }
         let interface = listener.interface ?? ""
         guard if_nametoindex(interface) > 0 else { throw .interfaceNotFound(interface) }
         // The fib lookup refuses to route unless forwarding is on (per interface for IPv4).
@@ -525,14 +525,15 @@ final class TCDataplane: Sendable {
     }
 
     func stopFollowingTemplates(id: UInt32) {
-        let idle = state.withLock { state -> TCTemplateTap? in
-            state.templateTap?.unregister(id: id)
-            guard state.templateTap?.isEmpty == true else { return nil }
-            defer { state.templateTap = nil }
-            return state.templateTap
+        state.withLock { state in
+            guard let tap = state.templateTap else { return }
+            tap.unregister(id: id)
+            guard tap.isEmpty else { return }
+            // The last one: the reader reads what is left (still delivered to this id's
+            // follower) and stops. Under the lock, so no second reader of the ring starts meanwhile.
+            tap.stop()
+            state.templateTap = nil
         }
-        // Outside the lock: the reader's last poll and delivery may take a moment.
-        idle?.stop()
     }
 
     /// Returns a listener's id and detaches from its interface if it was the last user there;
@@ -737,8 +738,8 @@ final class TCListener: RunningListener {
         } else {
             templates = nil
         }
-        // An id taken over from the previous process keeps its counts; a new one starts at 0.
-        // The counters are not handed over (a new process's maps start them at 0).
+        // The program's template counters of this id as they are now (0: a new id is reset, and
+        // they are not handed over from a previous process); later counts are added from here.
         templateCountsSeen = Mutex(Self.templateCounts(registered.program, id: registered.id))
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
@@ -944,7 +945,7 @@ final class TCListener: RunningListener {
                 // The entry replaces a previous instance's on the same bind at once (a reload's
                 // successor takes over here; that one's shutdown leaves this entry alone).
                 do throws(SystemCallError) { try program.putListener(config.bind, ifindex: ifindex, entry) } catch {
-                    if let templates, let previousPlan { templates.restore(previousPlan) }
+                    if let templates { templates.restore(previousPlan ?? nil) }
                     throw error
                 }
                 live.entry = entry
@@ -1311,6 +1312,8 @@ final class TCListener: RunningListener {
         do throws(SystemCallError) {
             try live.withLock { live throws(SystemCallError) in
                 guard let entry = live.entry else { return }
+                // flow_templates: the set this instance had is the program's again.
+                templates?.reassert()
                 try program.putListener(config.bind, ifindex: ifindex, entry)
                 for (address, slot) in live.liveBackends { try program.putLive(address, id: id, slot: slot) }
                 for (address, draining) in live.draining { try program.putLive(address, id: id, slot: draining.slot, state: FANOUT_LIVE_DRAINING) }
