@@ -126,12 +126,13 @@ package struct FlowDecoder {
         let exporter = FlowTemplateCache.Exporter(address: address, version: version, domain: domain)
         if let last = lastSeen[exporter], now &- last > recheckAfter { returned[exporter] = now }
         lastSeen[exporter] = now
-        store?.learn(bytes, from: address)
         if FlowExport.needsParsing(bytes) {
             guard case .packet(let packet) = FlowExport.parse(bytes) else {
                 counters.malformed += 1
                 return
             }
+            // The store learns from this parse (a datagram of data alone changes nothing there).
+            store?.learn(packet, from: address)
             for change in packet.changes {
                 switch change {
                 case .defined(let template):

@@ -176,6 +176,12 @@ public final class FlowTemplateStore: @unchecked Sendable {
             return 0
         case .packet(let parsed): packet = parsed
         }
+        return learn(packet, from: exporter)
+    }
+
+    /// ``learn(_:from:)`` for a datagram the caller parsed already (``FlowDecoder``).
+    @discardableResult
+    package func learn(_ packet: FlowExport.Packet, from exporter: IPAddress) -> Int {
         var changed = 0
         for change in packet.changes {
             switch change {

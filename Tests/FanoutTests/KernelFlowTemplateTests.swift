@@ -242,28 +242,6 @@ struct KernelFlowTemplateProgramTests {
     }
 }
 
-/// NetFlow v9 and IPFIX packets built byte by byte (as ReusePortLBTests' FlowTemplatesTests).
-enum NetFlowBytes {
-    static func be16(_ values: [Int]) -> [UInt8] { values.flatMap { [UInt8($0 >> 8 & 0xff), UInt8($0 & 0xff)] } }
-    static func be32(_ value: UInt32) -> [UInt8] { be16([Int(value >> 16), Int(value & 0xffff)]) }
-
-    static func v9(domain: UInt32 = 7, sequence: UInt32 = 42, count: Int = 1, sets: [[UInt8]]) -> [UInt8] {
-        be16([9, count]) + be32(1000) + be32(1_700_000_000) + be32(sequence) + be32(domain) + sets.flatMap { $0 }
-    }
-
-    static func ipfix(domain: UInt32 = 7, sequence: UInt32 = 42, sets: [[UInt8]]) -> [UInt8] {
-        let body = sets.flatMap { $0 }
-        return be16([10, 16 + body.count]) + be32(1_700_000_000) + be32(sequence) + be32(domain) + body
-    }
-
-    static func set(_ id: Int, _ body: [UInt8]) -> [UInt8] { be16([id, 4 + body.count]) + body }
-
-    /// A template record: ID, field count, (type, length) pairs.
-    static func template(_ id: Int, _ fields: [(Int, Int)]) -> [UInt8] { be16([id, fields.count] + fields.flatMap { [$0.0, $0.1] }) }
-
-    static let fields4 = [(8, 4), (12, 4), (7, 2), (11, 2)]
-}
-
 extension FlowExport.Parsed {
     /// The template records a parsed packet defines (empty for anything else).
     var templates: [[UInt8]] {

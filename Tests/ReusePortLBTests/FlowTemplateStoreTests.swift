@@ -13,7 +13,7 @@ import Glibc
 /// without its template dropped and counted.
 @Suite("Flow decoding (sample collector)")
 struct FlowDecoderTests {
-    typealias T = FlowTemplatesTests
+    typealias T = NetFlowBytes
     static let exporter = IPAddress("192.0.2.9")!
 
     static func decode(_ decoder: inout FlowDecoder, _ packets: [[UInt8]], now: UInt64 = 1) {
@@ -73,7 +73,7 @@ struct FlowDecoderTests {
 /// The group's template store: a pinned map members write and read.
 @Suite("Flow template store", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct FlowTemplateStoreTests {
-    typealias T = FlowTemplatesTests
+    typealias T = NetFlowBytes
 
     func member(_ port: UInt16, slot: Int = 0, steering: SteeringPreference = .ebpf) throws -> ReusePortMember {
         try ReusePortMember(joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: port), slot: .index(slot),

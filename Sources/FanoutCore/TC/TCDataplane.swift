@@ -740,7 +740,7 @@ final class TCListener: RunningListener {
         }
         // The program's template counters of this id as they are now (0: a new id is reset, and
         // they are not handed over from a previous process); later counts are added from here.
-        templateCountsSeen = Mutex(Self.templateCounts(registered.program, id: registered.id))
+        templateCountsSeen = Mutex(registered.program.templateCounts(id: registered.id))
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
             // downstream at the same address keeps its counter slot (its counters go on).
@@ -1396,15 +1396,11 @@ final class TCListener: RunningListener {
     /// flow_templates: the program's counts of listener `id` (struct fanout_template_stats).
     typealias TemplateCounts = (captured: UInt64, tooLarge: UInt64, ringFull: UInt64, fragmented: UInt64, setsUnread: UInt64)
 
-    private static func templateCounts(_ program: TCProgram, id: UInt32) -> TemplateCounts {
-        program.templateCounts(id: id)
-    }
-
     /// Adds what the program counted since the last call to the listener's template metrics
     /// (which live as long as the process; this instance's id counts from its start).
     private func pumpTemplateCounts() {
         guard let state = templates?.state else { return }
-        let now = Self.templateCounts(program, id: id)
+        let now = program.templateCounts(id: id)
         templateCountsSeen.withLock { seen in
             func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
             state.kernelPassedUp.add(since(now.captured, seen.captured), ordering: .relaxed)
