@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 import Foundation
+import Logging
 import Testing
 import TestSupport
 @testable import FanoutCore
@@ -23,27 +24,49 @@ struct FlowTemplateEndToEndTests {
         var decoded = 0
         /// Records in the datagrams the killed collector was given (lost with it).
         var toKilled = 0
+        /// Pooled: records decoded by the listener's own collector (every datagram reaches it).
+        var decodedByOwn = 0
         var metrics = ""
 
         func event(_ name: String) -> Int? { metric(metrics, "udp_fanout_flow_templates_total", "listener=\"nf\",mode=\"userspace\",event=\"\(name)\"") }
     }
 
-    static func run(_ version: String, templates: Bool) throws -> Outcome {
+    /// - Parameter pooled: the three collectors are members of a replication pool (`collectors`,
+    ///   source_ip) instead of the listener's own downstreams, which are one more nfcapd that
+    ///   gets every datagram.
+    static func run(_ version: String, templates: Bool, pooled: Bool = false) throws -> Outcome {
         try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
-        // Two nfcapd and, added mid-run, pmacct's nfacctd.
+        // Two nfcapd and, added mid-run, pmacct's nfacctd (pooled: and the listener's own nfcapd).
         let collectors: [any FlowCollector] = [try NetFlowCollector(), try NetFlowCollector(), try NFAcctCollector()]
+        let own = pooled ? try NetFlowCollector() : nil
         usleep(300_000)  // the collectors bind
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         func yaml(_ members: [Int]) -> String {
-            """
-            listeners:
-              - name: nf
-                bind: "\(bind)"
-                balancing: source_ip
-                settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608, flow_templates: \(templates)}
-                downstream:
-            \(members.map { "      - {name: c\($0), address: \"127.0.0.1:\(collectors[$0].port)\"}\n" }.joined())
-            """
+            let list = members.map { "      - {name: c\($0), address: \"127.0.0.1:\(collectors[$0].port)\"}\n" }.joined()
+            guard let own else {
+                return """
+                    listeners:
+                      - name: nf
+                        bind: "\(bind)"
+                        balancing: source_ip
+                        settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608, flow_templates: \(templates)}
+                        downstream:
+                    \(list)
+                    """
+            }
+            return """
+                listeners:
+                  - name: nf
+                    bind: "\(bind)"
+                    settings: {output: preserve_source, workers: 2, recv_buf_size: 8388608, flow_templates: \(templates)}
+                    downstream:
+                      - {name: own, address: "127.0.0.1:\(own.port)"}
+                    pools:
+                      - name: collectors
+                        balancing: source_ip
+                        downstream:
+                \(list.split(separator: "\n").map { "    " + $0 + "\n" }.joined())
+                """
         }
         let daemon = try startDaemon(yaml([0, 1]))
         defer { daemon.shutdown() }
@@ -63,16 +86,20 @@ struct FlowTemplateEndToEndTests {
         var outcome = Outcome()
         outcome.records = report.int("records")
         outcome.metrics = daemon.metricsText()
-        let given = (metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"userspace\",downstream=\"c0\"") ?? 0)
-            + (metric(outcome.metrics, "udp_fanout_downstream_packets_dropped_total", "listener=\"nf\",mode=\"userspace\",downstream=\"c0\"") ?? 0)
-        outcome.toKilled = given * 10
+        func count(_ family: String, _ member: String) -> Int {
+            pooled ? metric(outcome.metrics, "udp_fanout_pool_member_\(family == "forwarded" ? "copies" : family)_total", "listener=\"nf\",mode=\"userspace\",pool=\"collectors\",downstream=\"\(member)\"") ?? 0
+                   : metric(outcome.metrics, "udp_fanout_downstream_packets_\(family)_total", "listener=\"nf\",mode=\"userspace\",downstream=\"\(member)\"") ?? 0
+        }
+        outcome.toKilled = (count("forwarded", "c0") + count("dropped", "c0")) * 10
         let flows = try collectors[1...].map { try $0.flowsByExporter() }
         outcome.decoded = flows.map { $0.values.reduce(0, +) }.reduce(0, +)
         #expect(report.int("sent") == 6000 && outcome.records == 60_000, "\(report)")
         // Forwarded to, whether it could decode them or not (off: it cannot).
-        #expect((metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"userspace\",downstream=\"c2\"") ?? 0) > 0,
-                "the added collector got exporters: \(outcome.metrics)")
-        print("flow templates \(version) \(templates ? "on" : "off"): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
+        #expect(count("forwarded", "c2") > 0, "the added collector got exporters: \(outcome.metrics)")
+        if let own {
+            outcome.decodedByOwn = try own.flowsByExporter().values.reduce(0, +)
+        }
+        print("flow templates \(version) \(templates ? "on" : "off")\(pooled ? ", the collectors in a replication pool" : ""): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
         return outcome
     }
 
@@ -89,9 +116,20 @@ struct FlowTemplateEndToEndTests {
         #expect(metric(outcome.metrics, "udp_fanout_flow_template_exporters", "listener=\"nf\",mode=\"userspace\"") == 40)
     }
 
-    @Test("off (what the option fixes): the exporters that moved lose their records at their new collector")
-    func withoutTemplates() throws {
-        let outcome = try Self.run("v9", templates: false)
+    @Test("on, the collectors members of a replication pool: every record sent to a living member decodes through the kill -9 and the added member; the listener's own collector decodes every record")
+    func templatesFollowInPool() throws {
+        let outcome = try Self.run("v9", templates: true, pooled: true)
+        #expect(outcome.toKilled > 0 && outcome.decoded == outcome.records - outcome.toKilled,
+                "sent \(outcome.records), to the killed member \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect(outcome.decodedByOwn == outcome.records, "the listener's own collector: \(outcome.decodedByOwn) of \(outcome.records)")
+        #expect((outcome.event("copied") ?? 0) >= 40 && (outcome.event("replayed") ?? 0) > 0, "\(outcome.metrics)")
+        #expect(outcome.event("send_dropped") == 0 && outcome.event("unknown_templates") == 0, "\(outcome.metrics)")
+    }
+
+    @Test("off (what the option fixes): the exporters that moved lose their records at their new collector (the listener's own, or a replication pool's member)",
+          arguments: [false, true])
+    func withoutTemplates(pooled: Bool) throws {
+        let outcome = try Self.run("v9", templates: false, pooled: pooled)
         #expect(outcome.decoded < outcome.records - outcome.toKilled, "sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded \(outcome.decoded)")
         #expect(outcome.event("replayed") == nil, "no template series without the option")
     }
@@ -166,6 +204,71 @@ struct FlowTemplateRelayTests {
         relay.flush()
         #expect(state.unknown.load(ordering: .relaxed) == 1)
         #expect(sinks.allSatisfy { $0.drain(quiet: .milliseconds(100)).isEmpty })
+    }
+
+    @Test("Replication pools: a template change is copied to every member of a balanced pool that takes the exporter, not to a pool whose sources leave it out, nor again to an `all` pool's members (each got the datagram); a member that joins a pool is sent an exporter's templates before its data (through the forwarder, as a worker does)")
+    func pools() throws {
+        let sinks = try (0..<9).map { _ in try Sink() }
+        // s0, s1: the listener's own; s2, s3: pool `balanced` (source_ip); s4, s5: pool `every`
+        // (all); s6, s7: pool `elsewhere` (source_ip, sources 10.99.0.0/16: none of these exporters);
+        // s8 joins `balanced`, then `every`.
+        func member(_ index: Int, _ pool: String?) -> Downstream {
+            Downstream(name: "s\(index)", address: sinks[index].address, pool: pool)
+        }
+        let poolConfigs = [
+            Pool(name: "balanced", balancing: .sourceIP),
+            Pool(name: "every", balancing: .all),
+            Pool(name: "elsewhere", balancing: .sourceIP, sources: [SourcePrefix("10.99.0.0/16")!]),
+        ]
+        let counters = ListenerCounters(name: "t", mode: "userspace")
+        func plan(balanced: [Int], every: [Int]) -> ForwardingPlan {
+            ForwardingPlan(downstreams: [member(0, nil), member(1, nil)] + balanced.map { member($0, "balanced") } + every.map { member($0, "every") }
+                             + [member(6, "elsewhere"), member(7, "elsewhere")],
+                           balancing: .sourceIP, pools: poolConfigs, counters: counters)
+        }
+        let plans = PlanHolder(plan(balanced: [2, 3], every: [4, 5]))
+        let state = FlowTemplateState()
+        let forwarder = BatchForwarder(listener: "t", counters: counters, plans: plans, logger: Logger(label: "test"), output: .socket, capacity: 64,
+                                       templates: state, makeOutbox: Outboxes.factory(output: .socket, capacity: 64))
+        /// One batch: each exporter's datagram, through the pools and the listener's choice.
+        func batch(_ packet: [UInt8], exporters: Range<Int>) {
+            forwarder.adoptPlanIfChanged()
+            for exporter in exporters {
+                var storage = sockaddr_storage()
+                _ = SocketAddress(ip: IPAddress("10.0.0.\(exporter + 1)")!, port: 2055).write(to: &storage)
+                packet.withUnsafeBytes { payload in
+                    withUnsafePointer(to: &storage) { source in
+                        forwarder.replicate(payload, source: source)
+                        let target = forwarder.pick(source)
+                        forwarder.noteTemplates(target, payload, source: source)
+                        if let target { forwarder.append(target, payload, source: source) }
+                    }
+                }
+            }
+            forwarder.flush(received: exporters.count, bytesReceived: 0)
+        }
+        batch(Self.v9(template: true, data: true), exporters: 0..<20)
+        var got = sinks.map { $0.drain(quiet: .milliseconds(150)).count }
+        // The listener's pair and `balanced`: each exporter's datagram to one, its copy to the other.
+        #expect(got[0] + got[1] == 40 && got[0] >= 20 && got[1] >= 20, "the listener's own: \(got)")
+        #expect(got[2] + got[3] == 40 && got[2] >= 20 && got[3] >= 20, "balanced: \(got)")
+        #expect(got[4] == 20 && got[5] == 20, "every: the datagrams themselves, no copy: \(got)")
+        #expect(got[6] == 0 && got[7] == 0 && got[8] == 0, "elsewhere takes none of these exporters: \(got)")
+        #expect(state.copies.load(ordering: .relaxed) == 40 && state.replays.load(ordering: .relaxed) == 0)
+        // s8 joins `balanced` and `every`: data alone from every exporter. Each exporter `balanced`
+        // now gives s8 is sent its templates first; `every` gives s8 all of them.
+        plans.replace(with: plan(balanced: [2, 3, 8], every: [4, 5, 8]))
+        batch(Self.v9(template: false, data: true, sequence: 2), exporters: 0..<20)
+        let packets = sinks[8].drain(quiet: .milliseconds(150))
+        got = sinks.map { $0.drain(quiet: .milliseconds(150)).count }
+        let templatesFirst = packets.prefix { $0.count > 21 && $0[20] == 0 && $0[21] == 0 }
+        // s8 gets `every`'s datagram of each exporter, and `balanced`'s of those that moved there.
+        let moved = packets.count - templatesFirst.count - 20
+        #expect(moved > 0, "some exporters moved to s8 in `balanced`: \(packets.count) packets")
+        #expect(templatesFirst.count == 20 && state.replays.load(ordering: .relaxed) == 20,
+                "s8: each exporter's templates once (it is one collector in two pools), before the batch's datagrams: \(packets.count) packets, \(templatesFirst.count) templates first")
+        #expect(got[2] + got[3] == 20 - moved && got[4] == 20 && got[5] == 20 && got[0] + got[1] == 20, "no replay to a member that holds them: \(got)")
+        #expect(state.unknown.load(ordering: .relaxed) == 0 && state.sendDropped.load(ordering: .relaxed) == 0)
     }
 
     @Test("Which datagrams are parsed: template and options template sets and malformed ones; data alone, v5 and others are not")

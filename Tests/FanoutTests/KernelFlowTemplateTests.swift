@@ -240,6 +240,51 @@ struct KernelFlowTemplateProgramTests {
         #expect(!givenBack.isEmpty && Set(back[1].map(\.source)) == Set(givenBack), "\(back.map(\.count)) for \(givenBack.count)")
         #expect(state.kernelFollowing.withLock { $0.plan?.downstreams } == after.downstreams)
     }
+
+    @Test("The follower with replication pools: a change of template is copied to the listener's set and to every member of each pool that takes the exporter (not one whose sources leave it out); a member joining a pool gets the exporters it becomes the receiver of, before the flip")
+    func followerFollowsPools() throws {
+        let state = FlowTemplateState()
+        let follower = KernelTemplateFollower(listener: "nf", state: state, logger: Logger(label: "test"))
+        let sockets = try (0..<6).map { _ in try UDPReceiver(port: freePort()) }
+        let addresses = sockets.map { SocketAddress(ip: IPAddress("127.0.0.1")!, port: $0.port) }
+        func set(_ members: [Int], sourceIP: Bool) -> KernelTemplateFollower.Plan {
+            let chosen = members.map { Downstream(name: "c\($0)", address: addresses[$0]) }
+            return .init(BackendSet(downstreams: chosen, balancing: sourceIP ? .sourceIP : .roundRobin, slots: [:]), downstreams: chosen.map(\.address), sourceIP: sourceIP)
+        }
+        // c0: the listener's; c1, c2: a source_ip pool; c3: an `all` pool; c4: a pool taking 10.99.0.0/16 only.
+        func plan(balanced: [Int]) -> KernelTemplateFollower.Plan {
+            var plan = set([0], sourceIP: true)
+            plan.pools = [
+                .init(set: set(balanced, sourceIP: true), sample: 1, sources: SourceFilter([])),
+                .init(set: set([3], sourceIP: false), sample: 1, sources: SourceFilter([])),
+                .init(set: set([4], sourceIP: true), sample: 1, sources: SourceFilter([SourcePrefix("10.99.0.0/16")!])),
+            ]
+            return plan
+        }
+        follower.switchPlan(to: plan(balanced: [1, 2]))
+        let exporters = (2..<42).map { SocketAddress(ip: IPAddress("127.0.0.\($0)")!, port: 2055) }
+        for exporter in exporters {
+            T.v9(sets: [T.set(0, Self.t256)]).withUnsafeBytes { follower.received($0, from: exporter) }
+        }
+        let copied = sockets.map { $0.drain().count }
+        #expect(copied == [40, 40, 40, 40, 0, 0], "every exporter's template to c0-c3, none to c4: \(copied)")
+        #expect(state.copies.load(ordering: .relaxed) == 160)
+        // c5 joins the source_ip pool: the exporters it now receives are replayed there, and only there.
+        let before = plan(balanced: [1, 2]), after = plan(balanced: [1, 2, 5])
+        let moved = exporters.filter { before.pools[0].set.owner(of: $0.ip) != after.pools[0].set.owner(of: $0.ip) }
+        follower.switchPlan(to: after)
+        let replayed = sockets.map { $0.drain() }
+        #expect(!moved.isEmpty && moved.allSatisfy { after.pools[0].set.owner(of: $0.ip) == addresses[5] })
+        #expect(Set(replayed[5].map(\.source)) == Set(moved) && replayed[5].count == moved.count, "\(replayed.map(\.count)) for \(moved.count) moved")
+        #expect(replayed[0...4].allSatisfy { $0.isEmpty })
+        #expect(state.replays.load(ordering: .relaxed) == UInt64(moved.count) && state.sendDropped.load(ordering: .relaxed) == 0)
+        // A listener's downstream that is also a pool's member is one receiver: sent once.
+        var shared = plan(balanced: [1, 2, 5])
+        shared.pools[1] = .init(set: set([0, 3], sourceIP: false), sample: 1, sources: SourceFilter([]))
+        T.v9(sets: [T.set(0, T.template(257, T.fields4))]).withUnsafeBytes { follower.switchPlan(to: shared); follower.received($0, from: exporters[0]) }
+        let once = sockets.map { $0.drain().count }
+        #expect(once[0] == 1 && once[3] == 1 && once[4] == 0, "\(once)")
+    }
 }
 
 extension FlowExport.Parsed {
@@ -298,11 +343,16 @@ struct KernelFlowTemplateEndToEndTests {
         var toKilled = 0
         var metrics = ""
         var mode = ""
+        /// Pooled: records decoded by the listener's own collector (every datagram reaches it).
+        var decodedByOwn = 0
 
         func event(_ name: String) -> Int? { metric(metrics, "udp_fanout_flow_templates_total", "listener=\"nf\",mode=\"\(mode)\",event=\"\(name)\"") }
     }
 
-    static func run(_ mode: String, _ version: String, templates: Bool) throws -> Outcome {
+    /// - Parameter pooled: the three collectors are members of a replication pool (`collectors`,
+    ///   source_ip) instead of the listener's own downstreams, which are one more nfcapd (in the
+    ///   third backend, on the next port) that gets every datagram.
+    static func run(_ mode: String, _ version: String, templates: Bool, pooled: Bool = false) throws -> Outcome {
         try #require(FileManager.default.isExecutableFile(atPath: "/usr/bin/nfcapd"), "nfcapd missing: make test installs nfdump (scripts/setup.sh)")
         let topology = try Topology(backends: 3, queues: mode == "af_xdp" ? 2 : 1)
         defer { topology.destroy() }
@@ -314,19 +364,21 @@ struct KernelFlowTemplateEndToEndTests {
             return n < 3 ? try NetFlowCollector(address: address, port: UInt16(TCFixtures.port), prefix: prefix)
                 : try NFAcctCollector(address: address, port: UInt16(TCFixtures.port), prefix: prefix)
         }
+        let own = pooled ? try NetFlowCollector(address: Topology.backendIPv4(3), port: UInt16(TCFixtures.port + 1), prefix: topology.prefix(topology.backends[2])) : nil
         usleep(300_000)  // the collectors bind
         func yaml(_ members: [Int]) -> String {
-            """
-            listeners:
-              - name: nf
-                bind: "198.18.0.1:2055"
-                interface: \(topology.proxyInterface)
-                mode: \(mode)
-                balancing: source_ip
-                settings: {flow_templates: \(templates)\(mode == "af_xdp" ? ", output: preserve_source" : "")}
-                downstream: [\(members.map { "{name: c\($0), address: \"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"}" }.joined(separator: ", "))]
-            metrics: {enabled: true, bind: "127.0.0.1:9464"}
-            """
+            let list = "[\(members.map { "{name: c\($0), address: \"\(Topology.backendIPv4($0)):\(TCFixtures.port)\"}" }.joined(separator: ", "))]"
+            return """
+                listeners:
+                  - name: nf
+                    bind: "198.18.0.1:2055"
+                    interface: \(topology.proxyInterface)
+                    mode: \(mode)
+                    balancing: source_ip
+                    settings: {flow_templates: \(templates)\(mode == "af_xdp" ? ", output: preserve_source" : "")}
+                    downstream: \(own == nil ? list : "[{name: own, address: \"\(Topology.backendIPv4(3)):\(TCFixtures.port + 1)\"}]")
+                \(own == nil ? "" : "    pools: [{name: collectors, balancing: source_ip, downstream: \(list)}]\n")metrics: {enabled: true, bind: "127.0.0.1:9464"}
+                """
         }
         let file = try TCFixtures.write(yaml([1, 2]), "flow-templates-\(mode)")
         defer { try? FileManager.default.removeItem(at: file) }
@@ -352,15 +404,18 @@ struct KernelFlowTemplateEndToEndTests {
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0, "\(daemon.stderr)")
         #expect(daemon.stderr.components(separatedBy: "reload=true").count - 1 == 2, "two reloads applied: \(daemon.stderr)")
-        let given = metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"\(mode)\",downstream=\"c1\"") ?? 0
-        outcome.toKilled = given * 10
+        func forwarded(_ member: String) -> Int {
+            pooled ? metric(outcome.metrics, "udp_fanout_pool_member_copies_total", "listener=\"nf\",mode=\"\(mode)\",pool=\"collectors\",downstream=\"\(member)\"") ?? 0
+                   : metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"\(mode)\",downstream=\"\(member)\"") ?? 0
+        }
+        outcome.toKilled = forwarded("c1") * 10
         let flows = try collectors[1...].map { try $0.flowsByExporter() }
         outcome.decoded = flows.map { $0.values.reduce(0, +) }.reduce(0, +)
+        if let own { outcome.decodedByOwn = try own.flowsByExporter().values.reduce(0, +) }
         #expect(report.int("sent") == 6000 && outcome.records == 60_000, "\(report)")
         // Forwarded to, whether it could decode them or not (off: it cannot).
-        #expect((metric(outcome.metrics, "udp_fanout_downstream_packets_forwarded_total", "listener=\"nf\",mode=\"\(mode)\",downstream=\"c3\"") ?? 0) > 0,
-                "the added collector got exporters: \(outcome.metrics)")
-        print("flow templates \(mode) \(version) \(templates ? "on" : "off"): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); template packets passed up \(outcome.event("template_packets").map(String.init) ?? "-"), replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
+        #expect(forwarded("c3") > 0, "the added collector got exporters: \(outcome.metrics)")
+        print("flow templates \(mode) \(version) \(templates ? "on" : "off")\(pooled ? ", the collectors in a replication pool" : ""): records sent \(outcome.records), to the killed collector \(outcome.toKilled), decoded by the others \(outcome.decoded), lost \(outcome.records - outcome.toKilled - outcome.decoded); template packets passed up \(outcome.event("template_packets").map(String.init) ?? "-"), replayed \(outcome.event("replayed").map(String.init) ?? "-"), copied \(outcome.event("copied").map(String.init) ?? "-")")
         return outcome
     }
 
@@ -378,6 +433,17 @@ struct KernelFlowTemplateEndToEndTests {
             #expect(outcome.event(event) == 0, "\(event): \(outcome.metrics)")
         }
         #expect(metric(outcome.metrics, "udp_fanout_flow_template_exporters", "listener=\"nf\",mode=\"\(mode)\"") == 40)
+    }
+
+    @Test("on, the collectors members of a replication pool: every record sent to a living member decodes through the kill -9 and the added member; the listener's own collector decodes every record",
+          arguments: ["tc_ebpf", "af_xdp"])
+    func templatesFollowInPool(mode: String) throws {
+        let outcome = try Self.run(mode, "v9", templates: true, pooled: true)
+        #expect(outcome.toKilled > 0 && outcome.decoded == outcome.records - outcome.toKilled,
+                "sent \(outcome.records), to the killed member \(outcome.toKilled), decoded \(outcome.decoded)")
+        #expect(outcome.decodedByOwn == outcome.records, "the listener's own collector: \(outcome.decodedByOwn) of \(outcome.records)")
+        #expect((outcome.event("copied") ?? 0) >= 40 && (outcome.event("replayed") ?? 0) > 0, "\(outcome.metrics)")
+        #expect(outcome.event("send_dropped") == 0 && outcome.event("malformed") == 0, "\(outcome.metrics)")
     }
 
     @Test("off (what the option fixes): the exporters that moved lose their records at their new collector", arguments: ["tc_ebpf", "xdp", "af_xdp"])

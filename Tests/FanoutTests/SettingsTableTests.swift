@@ -108,7 +108,7 @@ struct SettingsTableTests {
         ])
     }
 
-    @Test("flow_templates where it does nothing: a relay listener (mode userspace) is told so, not 'applies to mode userspace'; a nat listener too")
+    @Test("flow_templates where it does nothing: a relay listener (mode userspace) is told so, not 'applies to mode userspace'; a nat listener too; a replication pool whose copies leave from this host's address is warned about, one that keeps sources is not")
     func flowTemplatesWarnings() throws {
         let yaml = """
             listeners:
@@ -126,12 +126,26 @@ struct SettingsTableTests {
                 settings: {flow_templates: true}
                 downstream:
                   - address: "198.18.0.2:5514"
+              - name: p
+                bind: "127.0.0.1:7602"
+                settings: {flow_templates: true, output: preserve_source}
+                downstream:
+                  - address: "127.0.0.1:7603"
+                pools:
+                  - name: copies
+                    output: socket
+                    downstream:
+                      - address: "127.0.0.1:7604"
+                  - name: kept
+                    downstream:
+                      - address: "127.0.0.1:7605"
             """
         let config = try ConfigParser.parse(yaml)
         try config.validate(localAddresses: [])
         #expect(config.warnings().map(\.description) == [
             "configuration warning: listeners[0].settings.flow_templates (line 5): no effect on a relay listener (mode userspace with replies: relay)",
             "configuration warning: listeners[1].settings.flow_templates (line 13): no effect on a two-way listener (replies: nat): flow export is one-way; templates are followed on one-way listeners only",
+            "configuration warning: listeners[2].pools[0].output (line 23): with output: socket this pool's copies, template copies and replays included, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source",
         ], "\(config.warnings())")
     }
 

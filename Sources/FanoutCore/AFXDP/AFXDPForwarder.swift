@@ -153,7 +153,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             forwarder.replicate(payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
             guard let target = forwarder.pick(source) else {
                 // Templates are learned even when no downstream takes the datagram.
-                if let templates = forwarder.templates { templates.note(nil, payload, source: source) }
+                forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1
                 done[doneCount] = frame
                 doneCount += 1
@@ -161,7 +161,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             }
             // flow_templates: replays this downstream lacks wait in the relay's lanes, sent before
             // the batch's datagrams (the TX ring's too, below).
-            if let templates = forwarder.templates { templates.note(target, payload, source: source) }
+            forwarder.noteTemplates(target, payload, source: source)
             if resolver != nil, let plan = forwarder.plan, target < hops.count {
                 switch hops[target] {
                 case .success(let hop):

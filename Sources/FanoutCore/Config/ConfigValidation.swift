@@ -178,16 +178,14 @@ extension FanoutConfig {
             if listener.settings.flowTemplates && (listener.mode == .tcEBPF || listener.mode == .xdp) {
                 if listener.replies != Replies.none {
                     warn("\(path).settings.flow_templates", "no effect on a two-way listener (replies: \(listener.replies.rawValue)): flow export is one-way; templates are followed on one-way listeners only")
-                } else if !listener.pools.isEmpty {
-                    warn("\(path).settings.flow_templates", "the replication pools' members are not sent templates, only the listener's own downstreams are (docs/flow-templates.md)")
                 }
             }
             if (listener.mode == .userspace || listener.mode == .afXDP) && listener.replies == Replies.none && listener.settings.flowTemplates {
                 if listener.settings.output == .socket {
                     warn("\(path).settings.flow_templates", "with output: socket every datagram, template copies and replays included, leaves from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
                 }
-                if !listener.pools.isEmpty {
-                    warn("\(path).settings.flow_templates", "the replication pools' members are not sent templates, only the listener's own downstreams are (docs/flow-templates.md)")
+                for (index, pool) in listener.pools.enumerated() where pool.output == .socket && listener.settings.output != .socket {
+                    warn("\(path).pools[\(index)].output", "with output: socket this pool's copies, template copies and replays included, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
                 }
             }
             // The settings that depend on the listener's shape (its replies, its DNS downstreams).

@@ -58,7 +58,17 @@ final class BatchForwarder {
         touched.reserveCapacity(capacity)
         replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
         let shared = sender
-        self.templates = templates.map { FlowTemplateRelay(state: $0, sender: shared, output: output) }
+        let relay = templates.map { FlowTemplateRelay(state: $0, sender: shared, output: output) }
+        self.templates = relay
+        replicator.templates = relay
+    }
+
+    /// `settings.flow_templates`: offers the datagram to the relay, with downstream `target`
+    /// (nil: none available) and what each replication pool did with it; after ``replicate(_:source:hopLimit:)``.
+    @inline(__always)
+    func noteTemplates(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+        guard let templates else { return }
+        templates.note(target, payload, source: source, pools: replicator.isEmpty ? [] : replicator.picks)
     }
 
     /// Takes the current plan if a reload or membership change replaced it (one atomic load).

@@ -63,25 +63,28 @@ final class FlowTemplateState: Sendable {
 }
 
 /// One worker's part of `flow_templates`: it learns the templates of the flow export datagrams
-/// it receives, copies an exporter's templates to every other downstream of the plan when they
-/// change, and before a datagram of an exporter goes to a downstream not known to hold its
+/// it receives, copies an exporter's templates to every other downstream of the plan, and to
+/// every member of each balanced replication pool that takes the exporter, when they change; and
+/// before a datagram of an exporter goes to a downstream or pool member not known to hold its
 /// templates (it joined, came back, the exporter moved there, or a copy to it was dropped), sends
-/// that downstream the exporter's templates. Copies and replays leave through outboxes of their
-/// own, sent before the batch's datagrams (so a replay leaves before the data it serves), from the
-/// exporter's address where the listener's `output` keeps sources. A datagram of data alone costs
-/// a walk over its set headers and two lookups; anything not version 9 or 10, one comparison.
+/// it the exporter's templates. Copies and replays leave through outboxes of their own, sent
+/// before the batch's datagrams (so a replay leaves before the data it serves), from the
+/// exporter's address where the output (the listener's, or a pool's own) keeps sources. A
+/// datagram of data alone costs a walk over its set headers and two lookups per receiver;
+/// anything not version 9 or 10, one comparison.
 final class FlowTemplateRelay {
     typealias Exporter = FlowTemplateCache.Exporter
     let state: FlowTemplateState
-    private let makeOutbox: BatchForwarder.OutboxFactory
+    private let output: Output
     private let sender: SharedSender
-    /// Per exporter: the downstreams known to hold its current templates (this worker sent them
-    /// a copy, a replay, or the exporter's own datagram with them), each with its epoch then.
+    /// Per exporter: the downstreams and pool members (by address: one collector) known to hold
+    /// its current templates (this worker sent them a copy, a replay, or the exporter's own
+    /// datagram with them), each with its epoch then.
     private var informed: [Exporter: [SocketAddress: UInt64]] = [:]
-    /// Per downstream address of the plan: its epoch, a value never given before, renewed when
-    /// what it holds is no longer known (a send to it dropped something): every older mark is
-    /// void at once. An address that leaves the plan loses its epoch (and its marks), one that
-    /// comes back gets a new one.
+    /// Per address of the plan: its epoch, a value never given before, renewed when what it
+    /// holds is no longer known (a send to it dropped something): every older mark is void at
+    /// once. An address that leaves the plan loses its epoch (and its marks), one that comes back
+    /// gets a new one.
     private var epochs: [SocketAddress: UInt64] = [:]
     private var nextEpoch: UInt64 = 0
     /// Exporters whose templates the cache did not have, at which generation of it.
@@ -90,11 +93,16 @@ final class FlowTemplateRelay {
     /// datagram then replays once more: harmless).
     static let maximumExporters = 65_536
     private var downstreams: [Downstream] = []
+    /// The plan's replication pools, in its order (``PoolReplicator/picks`` index them): each
+    /// member's address, those an `all` pool copies to, and whether one member takes a datagram.
+    private var pools: [(members: [SocketAddress], every: [SocketAddress], balanced: Bool)] = []
     private var present: Set<SocketAddress> = []
-    private var byAddress: [SocketAddress: Downstream] = [:]
-    /// The outboxes of copies and replays, by downstream address, made on first use and kept
-    /// while the address is in the plan.
-    private var lanes: [SocketAddress: any Outbox] = [:]
+    /// Every address of the plan with its way out: the listener's output for its own
+    /// downstreams, a pool's for its members (an address in both: the listener's).
+    private var byAddress: [SocketAddress: (downstream: Downstream, output: Output)] = [:]
+    /// The outboxes of copies and replays, by address, made on first use and kept while the
+    /// address is in the plan with the same way out.
+    private var lanes: [SocketAddress: (outbox: any Outbox, output: Output)] = [:]
     private var touched: [SocketAddress] = []
     /// Packets waiting in the lanes (their bytes in `arena`) until ``flush()``.
     private let arena: UnsafeMutableRawPointer
@@ -108,20 +116,29 @@ final class FlowTemplateRelay {
     init(state: FlowTemplateState, sender: SharedSender, output: Output) {
         self.state = state
         self.sender = sender
-        makeOutbox = Outboxes.factory(output: output, capacity: Self.laneCapacity)
+        self.output = output
         arena = .allocate(byteCount: Self.arenaSize, alignment: 8)
     }
 
     deinit { arena.deallocate() }
 
-    /// A new plan: the downstreams that left it are forgotten (one that comes back is replayed to).
+    /// A new plan: the downstreams and pool members that left it are forgotten (one that comes
+    /// back is replayed to).
     func adopt(_ plan: ForwardingPlan) {
         flush()
         let previous = present
         downstreams = plan.downstreams
-        present = Set(plan.downstreams.map(\.address))
-        byAddress = Dictionary(plan.downstreams.map { ($0.address, $0) }, uniquingKeysWith: { first, _ in first })
-        lanes = lanes.filter { present.contains($0.key) }
+        pools = plan.pools.map { pool in
+            (pool.members.map(\.address), pool.everyMember.map { pool.members[$0].address }, pool.method != nil)
+        }
+        var ways: [SocketAddress: (downstream: Downstream, output: Output)] = [:]
+        for downstream in plan.downstreams where ways[downstream.address] == nil { ways[downstream.address] = (downstream, output) }
+        for pool in plan.pools {
+            for member in pool.members where ways[member.address] == nil { ways[member.address] = (member, pool.output ?? output) }
+        }
+        byAddress = ways
+        present = Set(ways.keys)
+        lanes = lanes.filter { ways[$0.key]?.output == $0.value.output }
         let left = previous.subtracting(present)
         for address in left { epochs[address] = nil }
         if !left.isEmpty {
@@ -143,31 +160,53 @@ final class FlowTemplateRelay {
     }
 
     /// Called for each datagram before it is appended for downstream `target` (nil: none
-    /// available; its templates are still learned).
+    /// available; its templates are still learned), after the replication pools were offered it.
+    /// - Parameter picks: what each pool did with it (``PoolReplicator/picks``; empty: no pools).
     @inline(__always)
-    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, pools picks: [Int] = []) {
         guard payload.count >= 2, payload[0] == 0, payload[1] == 9 || payload[1] == 10 else { return }
-        learn(target, payload, source: source)
+        learn(target, payload, source: source, picks: picks)
     }
 
-    private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
+    /// Calls `body` with each address that receives the datagram: the listener's `target`, and
+    /// each pool's member (or, for `all`, every weighted member) as `picks` say.
+    @inline(__always)
+    private func forEachReceiver(_ target: SocketAddress?, _ picks: [Int], _ body: (SocketAddress) -> Void) {
+        if let target { body(target) }
+        for (index, pick) in picks.enumerated() where index < pools.count {
+            if pick >= 0 {
+                if pick < pools[index].members.count { body(pools[index].members[pick]) }
+            } else if pick == PoolReplicator.Pick.everyMember {
+                for member in pools[index].every { body(member) }
+            }
+        }
+    }
+
+    private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, picks: [Int]) {
         guard let ip = SocketAddress(storage: source)?.ip else { return }
         let address = target.flatMap { $0 < downstreams.count ? downstreams[$0].address : nil }
         var lacking = false
-        if let (version, domain) = FlowExport.header(payload), let address {
+        if let (version, domain) = FlowExport.header(payload) {
             let exporter = Exporter(address: ip, version: version, domain: domain)
-            if !holds(exporter, address) {
-                let generation = state.generation.load(ordering: .acquiring)
-                // The shared cache is asked again only once it learned something since it last had nothing.
-                let packets = missing[exporter] == generation ? [] : state.cache.withLock { $0.replay(exporter) }
-                if packets.isEmpty {
-                    lacking = true
-                    if missing.count >= Self.maximumExporters { missing = [:] }
-                    missing[exporter] = generation
-                } else {
-                    for packet in packets { enqueue(address, Self.headed(packet, like: payload), source: source, copy: false) }
-                    inform(exporter, address)
+            // The exporter's templates, asked of the shared cache once, for the first receiver
+            // that lacks them, and only once the cache learned something since it last had none.
+            var packets: [[UInt8]]?
+            forEachReceiver(address, picks) { receiver in
+                guard !holds(exporter, receiver) else { return }
+                if packets == nil {
+                    let generation = state.generation.load(ordering: .acquiring)
+                    packets = missing[exporter] == generation ? [] : state.cache.withLock { $0.replay(exporter) }
+                    if packets!.isEmpty {
+                        if missing.count >= Self.maximumExporters { missing = [:] }
+                        missing[exporter] = generation
+                    }
                 }
+                guard let packets, !packets.isEmpty else {
+                    lacking = true
+                    return
+                }
+                for packet in packets { enqueue(receiver, Self.headed(packet, like: payload), source: source, copy: false) }
+                inform(exporter, receiver)
             }
         }
         guard FlowExport.needsParsing(payload) else {
@@ -189,14 +228,24 @@ final class FlowTemplateRelay {
             state.generation.wrappingAdd(1, ordering: .releasing)
             return cache.replay(exporter)
         }
-        // The target gets the templates with the datagram itself.
-        if let address { inform(exporter, address) }
-        guard let copies else { return }
-        // Changed: every other downstream gets the exporter's templates as they are now.
-        for other in downstreams where other.address != address {
-            for copy in copies { enqueue(other.address, copy, source: source, copy: true) }
+        // The receivers get the templates with the datagram itself.
+        var reached: Set<SocketAddress> = []
+        forEachReceiver(address, picks) { receiver in
+            inform(exporter, receiver)
+            if copies != nil { reached.insert(receiver) }
         }
-        for other in present { inform(exporter, other) }
+        guard let copies else { return }
+        // Changed: every other downstream, and every other member of each balanced pool that
+        // takes this exporter, gets its templates as they are now.
+        func copy(to other: SocketAddress) {
+            guard reached.insert(other).inserted else { return }
+            for copy in copies { enqueue(other, copy, source: source, copy: true) }
+            inform(exporter, other)
+        }
+        for other in downstreams { copy(to: other.address) }
+        for (index, pick) in picks.enumerated() where index < pools.count && pick != PoolReplicator.Pick.notTaken && pools[index].balanced {
+            for member in pools[index].members { copy(to: member) }
+        }
     }
 
     private func inform(_ exporter: Exporter, _ address: SocketAddress) {
@@ -217,14 +266,14 @@ final class FlowTemplateRelay {
     }
 
     private func enqueue(_ address: SocketAddress, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
-        guard packet.count <= Self.arenaSize, let downstream = byAddress[address] else { return }
-        if used + packet.count > Self.arenaSize || (lanes[address]?.count ?? 0) >= Self.laneCapacity { flush() }
+        guard packet.count <= Self.arenaSize, let way = byAddress[address] else { return }
+        if used + packet.count > Self.arenaSize || (lanes[address]?.outbox.count ?? 0) >= Self.laneCapacity { flush() }
         let lane: any Outbox
         if let made = lanes[address] {
-            lane = made
+            lane = made.outbox
         } else {
-            lane = makeOutbox(downstream, sender)
-            lanes[address] = lane
+            lane = Outboxes.factory(output: way.output, capacity: Self.laneCapacity)(way.downstream, sender)
+            lanes[address] = (lane, way.output)
         }
         let bytes = UnsafeMutableRawBufferPointer(start: arena + used, count: packet.count)
         bytes.copyBytes(from: packet)
@@ -240,7 +289,7 @@ final class FlowTemplateRelay {
     func flush() {
         guard !touched.isEmpty else { return }
         for address in touched {
-            guard let lane = lanes[address] else { continue }
+            guard let lane = lanes[address]?.outbox else { continue }
             var result: FlushResult = (0, 0, [:])
             _ = lane.reconnectIfDue()
             lane.flush(&result)

@@ -23,6 +23,22 @@ final class PoolReplicator {
     private var passiveHealth: (@Sendable (SocketAddress) -> Void)?
     /// The thread's shared way out for `output: socket` members.
     private let sender: SharedSender
+    /// Per pool, what ``replicate(_:source:hopLimit:)`` did with the datagram it was last
+    /// offered (``Pick``): `settings.flow_templates` reads it to know which members got it.
+    private(set) var picks: [Int] = []
+    /// `settings.flow_templates`: told of members whose copies a send dropped (they may have
+    /// carried templates).
+    var templates: FlowTemplateRelay?
+
+    /// What a pool did with the datagram last offered, in ``picks``: a member's index, or one of these.
+    enum Pick {
+        /// Filtered or sampled out: the pool never sees this source.
+        static let notTaken = -1
+        /// Taken, but no member was available.
+        static let noMember = -2
+        /// Copied to every member with a weight (`all`).
+        static let everyMember = -3
+    }
 
     private struct PoolState {
         let plan: PoolPlan
@@ -76,6 +92,7 @@ final class PoolReplicator {
             }
             return PoolState(plan: pool, selector: pool.method.map(DownstreamSelector.init), outboxes: outboxes)
         }
+        picks = Array(repeating: Pick.notTaken, count: pools.count)
     }
 
     /// Offers one datagram to every replication pool: each takes it if `source` passes its
@@ -87,23 +104,29 @@ final class PoolReplicator {
             let pool = pools[index].plan
             guard pool.sources.admits(source) else {
                 pools[index].filteredOut += 1
+                picks[index] = Pick.notTaken
                 continue
             }
             guard pool.samples(source) else {
                 pools[index].sampledOut += 1
+                picks[index] = Pick.notTaken
                 continue
             }
             if pool.method == nil {
                 guard !pool.everyMember.isEmpty else {
                     pools[index].noMember += 1
+                    picks[index] = Pick.noMember
                     continue
                 }
                 for member in pool.everyMember { pools[index].outboxes[member].append(payload, source: source, hopLimit: hopLimit) }
                 pools[index].copiedToAll += 1
+                picks[index] = Pick.everyMember
             } else if let member = pools[index].selector?.pick(source: source) {
                 pools[index].outboxes[member].append(payload, source: source, hopLimit: hopLimit)
+                picks[index] = member
             } else {
                 pools[index].noMember += 1
+                picks[index] = Pick.noMember
             }
         }
     }
@@ -156,6 +179,8 @@ final class PoolReplicator {
                     copiesDropped += count
                 }
                 counters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)
+                // A copy that carried templates may be among the dropped ones.
+                if copiesDropped > 0, let templates { templates.forget(address) }
                 // A balanced pool's datagram is its one copy.
                 if pool.method != nil {
                     forwarded += result.sent

@@ -115,11 +115,11 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             forwarder.replicate(payload, source: source)
             guard let target = forwarder.pick(source) else {
                 // Templates are learned even when no downstream takes the datagram.
-                if let templates = forwarder.templates { templates.note(nil, payload, source: source) }
+                forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1
                 continue
             }
-            if let templates = forwarder.templates { templates.note(target, payload, source: source) }
+            forwarder.noteTemplates(target, payload, source: source)
             forwarder.append(target, payload, source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)

@@ -137,10 +137,11 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
 
 /// One kernel-kind listener's part of `flow_templates`: it learns the templates the program
 /// passes up (into the listener's ``FlowTemplateState``, kept across reloads), copies an
-/// exporter's templates to every downstream of the set when they change, and, whenever the set
-/// changes (a reload, health, discovery, a weight), sends each downstream that becomes an
-/// exporter's (its table slot moved there, or it joined a round-robin set) that exporter's
-/// templates before the new set is in force. Copies and replays leave from the exporter's address
+/// exporter's templates to every downstream of the set, and to every member of each replication
+/// pool that takes the exporter, when they change, and, whenever a set changes (a reload, health,
+/// discovery, a weight), sends each downstream or pool member that becomes an exporter's (its
+/// table slot moved there, or it joined a round-robin or `all` set) that exporter's templates
+/// before the new set is in force. Copies and replays leave from the exporter's address
 /// and port, as the program's own datagrams do, through a raw socket (CAP_NET_RAW).
 final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable is under `plan`
     typealias Exporter = FlowTemplateCache.Exporter
@@ -148,24 +149,45 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     private let listener: String
     private let logger: Logger
 
-    /// The set in force as the program reads it.
+    /// The set in force as the program reads it: the listener's, and each replication pool's.
     struct Plan {
         var downstreams: [SocketAddress] = []
         var sourceIP = true
         var table: [UInt16] = []
         var seed: UInt32 = 0
+        /// The listener's replication pools (bpf/include/fanout_pools.h), in its order.
+        var pools: [Pool] = []
+
+        /// A replication pool as the program reads it: its set, and which sources it takes.
+        struct Pool {
+            /// `downstreams`: the members in its set (an `all` pool: those with a weight);
+            /// `sourceIP` false: round robin or `all`, every member gets the exporter's data.
+            var set: Plan
+            var sample: UInt32
+            var sources: SourceFilter
+
+            /// The pool takes `address`'s datagrams: its `sources` admit it and its `sample` keeps it.
+            func takes(_ address: IPAddress) -> Bool {
+                var storage = sockaddr_storage()
+                _ = SocketAddress(ip: address, port: 0).write(to: &storage)
+                return withUnsafePointer(to: &storage) { source in
+                    sources.admits(source) && (sample <= 1 || rplb_reduce(DownstreamSelector.sourceHash(source, seed: PoolPlan.sampleSeed), sample) == 0)
+                }
+            }
+        }
 
         init() {}
 
-        init(_ set: BackendSet, downstreams: [SocketAddress], sourceIP: Bool) {
+        init(_ set: BackendSet, downstreams: [SocketAddress], sourceIP: Bool, pools: [Pool] = []) {
             self.downstreams = downstreams
             self.sourceIP = sourceIP
             table = set.table
             seed = set.seed
+            self.pools = pools
         }
 
-        /// The downstream that receives `address`'s datagrams: one (source_ip), or nil for
-        /// round robin (every one) and an empty set.
+        /// The listener's downstream that receives `address`'s datagrams: one (source_ip), or
+        /// nil for round robin (every one) and an empty set.
         func owner(of address: IPAddress) -> SocketAddress? {
             guard sourceIP, !table.isEmpty else { return nil }
             var words = address.words
@@ -175,10 +197,31 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
             return index < downstreams.count ? downstreams[index] : nil
         }
 
-        /// The downstreams that receive `address`'s datagrams.
+        /// Every address that receives `address`'s datagrams: the listener's downstream (or
+        /// downstreams), and those of each pool that takes it; each once.
         func receivers(of address: IPAddress) -> [SocketAddress] {
+            var all = ownReceivers(of: address)
+            for pool in pools where pool.takes(address) { all += pool.set.ownReceivers(of: address) }
+            return Self.unique(all)
+        }
+
+        /// Every address that is sent a copy when `address`'s templates change: each downstream
+        /// of the listener's set and of each pool that takes it, once.
+        func copyTargets(of address: IPAddress) -> [SocketAddress] {
+            Self.unique(downstreams + pools.filter { $0.takes(address) }.flatMap(\.set.downstreams))
+        }
+
+        /// Every address of the plan (ways out to others close).
+        var everyAddress: Set<SocketAddress> { Set(downstreams + pools.flatMap(\.set.downstreams)) }
+
+        private func ownReceivers(of address: IPAddress) -> [SocketAddress] {
             if sourceIP { return owner(of: address).map { [$0] } ?? [] }
             return downstreams
+        }
+
+        private static func unique(_ addresses: [SocketAddress]) -> [SocketAddress] {
+            var seen = Set<SocketAddress>()
+            return addresses.filter { seen.insert($0).inserted }
         }
     }
 
@@ -220,12 +263,13 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
                 return following.plan
             }
             guard changed, let plan else { return }
-            // Every downstream of the set in force gets a copy, the exporter's own too: the
-            // program forwarded the datagram by the set it read then, which may be the one before
-            // this plan (a flip between the two), and this exporter may have been unknown to the
-            // replays of that flip. A collector takes a template it has again.
+            // Every downstream of the set in force gets a copy, and every member of each pool
+            // that takes the exporter, its own too: the program forwarded the datagram by the
+            // set it read then, which may be the one before this plan (a flip between the two),
+            // and this exporter may have been unknown to the replays of that flip. A collector
+            // takes a template it has again.
             let exporter = Exporter(address: source.ip, version: packet.version, domain: packet.domain)
-            let sent = send(state.cache.withLock { $0.replay(exporter) }, from: source, to: plan.downstreams, in: &mutable)
+            let sent = send(state.cache.withLock { $0.replay(exporter) }, from: source, to: plan.copyTargets(of: source.ip), in: &mutable)
             state.copies.add(sent, ordering: .relaxed)
         }
     }
@@ -262,7 +306,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
             }
             state.replays.add(replayed, ordering: .relaxed)
             // Ways out to downstreams no longer in the set close.
-            let present = Set(plan.downstreams)
+            let present = plan.everyAddress
             for address in mutable.outboxes.keys where !present.contains(address) { mutable.outboxes[address] = nil }
             return previous
         }

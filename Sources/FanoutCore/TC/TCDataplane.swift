@@ -941,7 +941,8 @@ final class TCListener: RunningListener {
                 }
                 // flow_templates: the downstreams that become an exporter's are sent its templates
                 // before the flip below puts the set in force.
-                let previousPlan = templates?.switchPlan(to: .init(set, downstreams: downstreams.map(\.address), sourceIP: balancing == .sourceIP))
+                let previousPlan = templates?.switchPlan(to: .init(set, downstreams: downstreams.map(\.address), sourceIP: balancing == .sourceIP,
+                                                                   pools: prepared.map(\.following)))
                 // The entry replaces a previous instance's on the same bind at once (a reload's
                 // successor takes over here; that one's shutdown leaves this entry alone).
                 do throws(SystemCallError) { try program.putListener(config.bind, ifindex: ifindex, entry) } catch {
@@ -1003,6 +1004,8 @@ final class TCListener: RunningListener {
         let name: String
         let record: fanout_pool
         let state: PoolLive
+        /// The pool as flow_templates' follower sees it (its set, `sample` and `sources`).
+        let following: KernelTemplateFollower.Plan.Pool
     }
 
     /// Writes each pool's members (the inactive generation of its set, with counter slots) and
@@ -1039,7 +1042,8 @@ final class TCListener: RunningListener {
             }
             let generation = state.generation.map { $0 ^ 1 } ?? 0
             let balancing: Balancing = pool.balancing.single ?? .roundRobin
-            try program.writeSet(id: state.id, generation: generation, BackendSet(downstreams: inSet, balancing: balancing, slots: slots))
+            let set = BackendSet(downstreams: inSet, balancing: balancing, slots: slots)
+            try program.writeSet(id: state.id, generation: generation, set)
             let key = state.id * 2 + generation
             // Whatever an earlier change left under this generation's key (one that failed half way
             // too), then the new prefixes.
@@ -1053,7 +1057,10 @@ final class TCListener: RunningListener {
             record.flags = pool.sources.isEmpty ? 0 : FANOUT_POOL_SOURCES
             state.slots = slots
             state.generation = generation
-            prepared.append(PreparedPool(name: pool.name, record: record, state: state))
+            let following = KernelTemplateFollower.Plan.Pool(
+                set: .init(set, downstreams: inSet.map(\.address), sourceIP: !everyMember && balancing == .sourceIP),
+                sample: UInt32(pool.sample), sources: SourceFilter(pool.sources))
+            prepared.append(PreparedPool(name: pool.name, record: record, state: state, following: following))
         }
         return prepared
     }
