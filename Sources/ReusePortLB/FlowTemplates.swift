@@ -328,6 +328,14 @@ package struct FlowTemplateCache: Sendable {
         return changed
     }
 
+    /// Takes in a packet a previous process's cache replayed (a restart hands them over), as
+    /// ``apply(_:from:)`` does, without counting what it defines: they were counted there.
+    package mutating func restore(_ packet: FlowExport.Packet, from address: IPAddress) {
+        let counted = counters
+        apply(packet, from: address)
+        counters = counted
+    }
+
     /// The exporter's templates, by ID (templates and options templates).
     package func templates(of exporter: Exporter) -> [FlowExport.Template] {
         (entries[exporter]?.templates.values).map { $0.sorted { ($0.id, $0.options ? 1 : 0) < ($1.id, $1.options ? 1 : 0) } } ?? []

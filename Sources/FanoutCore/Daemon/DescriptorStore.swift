@@ -32,6 +32,8 @@ import SystemCalls
 ///   swapped to the next process's program;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
 ///   maps and nat listeners' association maps, taken over by a program of the same layout;
+/// - `udp-fanout.tpl.<listener>`: a memfd with a `flow_templates` listener's templates
+///   (``TemplateHandOver``);
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
 ///   last ran or stopped, for the successor's log line and `/status`.
 public final class DescriptorStore: Sendable {
@@ -373,6 +375,12 @@ public final class DescriptorStore: Sendable {
         case failed(String)
     }
 
+    /// The names starting with `prefix` this process keeps in the service manager's store
+    /// (stored, or taken over from the previous process).
+    package func storedNames(prefix: String) -> [String] {
+        state.withLock { $0.stored.filter { $0.hasPrefix(prefix) }.sorted() }
+    }
+
     /// Whether this process keeps `name` in the service manager's store.
     package func isStored(_ name: String) -> Bool { state.withLock { $0.stored.contains(name) } }
 
@@ -491,7 +499,7 @@ public final class DescriptorStore: Sendable {
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
             let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue
-                : name.hasPrefix(Self.xdpLinkPrefix) ? Mode.xdp.rawValue : "unknown"
+                : name.hasPrefix(Self.xdpLinkPrefix) ? Mode.xdp.rawValue : name.hasPrefix(TemplateHandOver.prefix) ? "flow_templates" : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
             logger.warning("\(note)")

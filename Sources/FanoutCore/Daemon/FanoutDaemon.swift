@@ -133,6 +133,9 @@ public final class FanoutDaemon: Sendable {
     let membershipFailures = Atomic<UInt64>(0)
     /// The listener kinds; every listener is started and replaced through its kind.
     let kinds: ListenerKinds
+    /// `settings.flow_templates` across a restart: each listener's templates in the service
+    /// manager's store.
+    let templateHandOver: TemplateHandOver
     /// What kinds keep across a listener's instances (af_xdp: its ring and XDP counters).
     private let kept = KeptState()
     /// Serialises every change of the running listeners: reloads and membership updates.
@@ -172,6 +175,7 @@ public final class FanoutDaemon: Sendable {
         self.descriptors = descriptors ?? .none(logger: logger)
         state = Mutex(State(config: config))
         kinds = ListenerKinds(logger: logger, descriptors: self.descriptors)
+        templateHandOver = TemplateHandOver(descriptors: self.descriptors, logger: logger)
         let link = HealthLink()
         health = HealthChecker(policy: HealthPolicy(config.health), probing: config.health.enabled, logger: logger) { target, up in link.forward(target, up) }
         link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
@@ -197,6 +201,7 @@ public final class FanoutDaemon: Sendable {
             throw error
         }
         descriptors.handingOverWhile(starting: false)
+        templateHandOver.start { [weak self] in self?.templateStates() ?? [:] }
         // Every listener is in the tc program's maps: links taken over from the previous
         // process run this process's program from now on.
         kinds.tc.completeAdoptions()
@@ -215,6 +220,8 @@ public final class FanoutDaemon: Sendable {
             state.counters[listener.name] = made
             return made
         }
+        // The previous process's templates, before the kind's threads read the state.
+        if let templates = counters.flowTemplates(listener) { templateHandOver.adopt(listener.name, into: templates) }
         // A way out that cannot work (preserve_source without CAP_NET_RAW) fails the start, named.
         do {
             // One of each family the listener sends to (a raw socket per family).
@@ -477,6 +484,13 @@ public final class FanoutDaemon: Sendable {
             return Array(state.listeners.values) + state.handingOver.values.map(\.instance)
         }
         for listener in listeners { listener.shutdown() }
+        // What the stopped listeners learnt last (a kernel kind's ring buffer consumed at its stop).
+        templateHandOver.finish(states: templateStates())
+    }
+
+    /// Every listener's flow templates (`settings.flow_templates` on), by name.
+    private func templateStates() -> [String: FlowTemplateState] {
+        state.withLock { $0.counters }.compactMapValues { $0.flowTemplateState.withLock { $0 } }
     }
 }
 

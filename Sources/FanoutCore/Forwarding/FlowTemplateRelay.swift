@@ -44,6 +44,80 @@ final class FlowTemplateState: Sendable {
     /// missing asks the cache again only after it moved.
     let generation = Atomic<UInt64>(0)
 
+    /// What a restart hands the next process (``TemplateHandOver``): each exporter's templates
+    /// as the packets a replay sends, with its source port where the kernel kinds learnt it
+    /// (else 0). Layout: ``handOverMagic``, then per exporter its address (family byte, 16
+    /// bytes), port and packet count (16 bits each, big endian), then each packet's length (16
+    /// bits) and bytes.
+    func handOverBytes() -> [UInt8] {
+        let ports = kernelFollowing.withLock { $0.ports }
+        var bytes = Self.handOverMagic
+        cache.withLock { cache in
+            for exporter in cache.allExporters {
+                let packets = cache.replay(exporter)
+                guard !packets.isEmpty else { continue }
+                let address = exporter.address.bytes
+                bytes.append(exporter.address.family == AF_INET ? 4 : 6)
+                bytes += address + [UInt8](repeating: 0, count: 16 - address.count)
+                Self.put16(&bytes, ports[exporter.address] ?? 0)
+                Self.put16(&bytes, UInt16(packets.count))
+                for packet in packets {
+                    Self.put16(&bytes, UInt16(packet.count))
+                    bytes += packet
+                }
+            }
+        }
+        return bytes
+    }
+
+    static let handOverMagic: [UInt8] = Array("UFTPL1\n\u{0}".utf8)
+
+    /// Takes in what a previous process's ``handOverBytes()`` wrote (its templates count as
+    /// known, not as defined here; the exporters' ports join the kernel kinds' map). Returns the
+    /// exporters and templates taken, or nil when `bytes` is not such a record (nothing taken).
+    func restore(_ bytes: [UInt8]) -> (exporters: Int, templates: Int)? {
+        guard bytes.starts(with: Self.handOverMagic) else { return nil }
+        var offset = Self.handOverMagic.count
+        func u16() -> UInt16? {
+            guard offset + 2 <= bytes.count else { return nil }
+            defer { offset += 2 }
+            return UInt16(bytes[offset]) << 8 | UInt16(bytes[offset + 1])
+        }
+        var records: [(IPAddress, UInt16, [FlowExport.Packet])] = []
+        while offset < bytes.count {
+            guard offset + 17 <= bytes.count, bytes[offset] == 4 || bytes[offset] == 6 else { return nil }
+            let length = bytes[offset] == 4 ? 4 : 16
+            guard let address = IPAddress(bytes: bytes[(offset + 1)..<(offset + 1 + length)]) else { return nil }
+            offset += 17
+            guard let port = u16(), let count = u16() else { return nil }
+            var packets: [FlowExport.Packet] = []
+            for _ in 0..<count {
+                guard let size = u16(), offset + Int(size) <= bytes.count else { return nil }
+                let parsed = bytes[offset..<(offset + Int(size))].withUnsafeBytes { FlowExport.parse($0) }
+                offset += Int(size)
+                guard case .packet(let packet) = parsed else { return nil }
+                packets.append(packet)
+            }
+            records.append((address, port, packets))
+        }
+        let taken = cache.withLock { cache in
+            for (address, _, packets) in records {
+                for packet in packets { cache.restore(packet, from: address) }
+            }
+            return (cache.exporterCount, cache.templateCount)
+        }
+        kernelFollowing.withLock { following in
+            for (address, port, _) in records where port != 0 && following.ports[address] == nil { following.ports[address] = port }
+        }
+        generation.wrappingAdd(1, ordering: .releasing)
+        return taken
+    }
+
+    private static func put16(_ bytes: inout [UInt8], _ value: UInt16) {
+        bytes.append(UInt8(value >> 8))
+        bytes.append(UInt8(value & 0xff))
+    }
+
     /// The listener's families' samples (`labels` are the listener's).
     func metricsRows(_ labels: String) -> (events: [(String, UInt64)], exporters: (String, UInt64), templates: (String, UInt64)) {
         let (counters, exporters, templates) = cache.withLock { ($0.counters, $0.exporterCount, $0.templateCount) }
