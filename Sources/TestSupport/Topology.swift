@@ -96,16 +96,24 @@ public final class Topology {
     /// (`net.core.netdev_max_backlog`) while softirqs wait for a CPU; no udp-fanout counter can
     /// see those datagrams, the kernel's do.
     public func clientPathDrops() throws -> Int {
-        func dropped(_ namespace: String, _ interface: String, _ direction: String) throws -> Int {
-            let text = try exec(namespace, [Self.ip, "-s", "-j", "link", "show", "dev", interface])
-            guard let links = try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]],
-                  let stats = links.first?["stats64"] as? [String: Any], let side = stats[direction] as? [String: Any],
-                  let value = side["dropped"] as? Int else {
-                throw TopologyError.unreadable("ip -s -j link show dev \(interface) in \(namespace): \(text)")
-            }
-            return value
+        try Self.dropped(self, client, "cp\(suffix.prefix(8))", "tx") + Self.dropped(self, proxy, proxyInterface, "rx")
+    }
+
+    /// The datagrams the client's veth could not hand to the proxy's side (its TX drops: veth
+    /// counts there each one its peer's full backlog refused), each once. The proxy side's RX
+    /// drops count the same datagrams again (the backlog's own drop), and any other packet too.
+    public func clientSendDrops() throws -> Int {
+        try Self.dropped(self, client, "cp\(suffix.prefix(8))", "tx")
+    }
+
+    private static func dropped(_ topology: Topology, _ namespace: String, _ interface: String, _ direction: String) throws -> Int {
+        let text = try topology.exec(namespace, [Self.ip, "-s", "-j", "link", "show", "dev", interface])
+        guard let links = try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]],
+              let stats = links.first?["stats64"] as? [String: Any], let side = stats[direction] as? [String: Any],
+              let value = side["dropped"] as? Int else {
+            throw TopologyError.unreadable("ip -s -j link show dev \(interface) in \(namespace): \(text)")
         }
-        return try dropped(client, "cp\(suffix.prefix(8))", "tx") + dropped(proxy, proxyInterface, "rx")
+        return value
     }
 
     /// Backend N's IPv4 / IPv6 address (N from 1).

@@ -271,6 +271,43 @@ struct FlowTemplateRelayTests {
         #expect(state.unknown.load(ordering: .relaxed) == 0 && state.sendDropped.load(ordering: .relaxed) == 0)
     }
 
+    @Test("A collector reached two ways (the listener's output: socket, a pool's preserve_source) is two receivers: one holding the templates does not spare the other its replay")
+    func twoWaysToOneCollector() throws {
+        let sinks = try (0..<2).map { _ in try Sink() }
+        let counters = ListenerCounters(name: "t", mode: "userspace")
+        let pool = Pool(name: "raw", balancing: .sourceIP, output: .preserveSource)
+        func plan(_ member: Int) -> ForwardingPlan {
+            ForwardingPlan(downstreams: [Downstream(name: "own", address: sinks[0].address), Downstream(name: "m", address: sinks[member].address, pool: "raw")],
+                           balancing: .sourceIP, pools: [pool], counters: counters)
+        }
+        let plans = PlanHolder(plan(1))
+        let state = FlowTemplateState()
+        let forwarder = BatchForwarder(listener: "t", counters: counters, plans: plans, logger: Logger(label: "test"), output: .socket, capacity: 64,
+                                       templates: state, makeOutbox: Outboxes.factory(output: .socket, capacity: 64))
+        func send(_ packet: [UInt8]) {
+            forwarder.adoptPlanIfChanged()
+            var storage = sockaddr_storage()
+            _ = SocketAddress(ip: IPAddress("127.0.0.9")!, port: 2055).write(to: &storage)
+            packet.withUnsafeBytes { payload in
+                withUnsafePointer(to: &storage) { source in
+                    forwarder.replicate(payload, source: source)
+                    let target = forwarder.pick(source)
+                    forwarder.noteTemplates(target, payload, source: source)
+                    if let target { forwarder.append(target, payload, source: source) }
+                }
+            }
+            forwarder.flush(received: 1, bytesReceived: 0)
+        }
+        send(Self.v9(template: true, data: true))
+        #expect(sinks.map { $0.drain(quiet: .milliseconds(150)).count } == [1, 1], "each way its datagram")
+        // The pool's member is now the listener's own collector, reached from the exporter's address.
+        plans.replace(with: plan(0))
+        send(Self.v9(template: false, data: true, sequence: 2))
+        let got = sinks[0].drain(quiet: .milliseconds(150))
+        #expect(got.count == 3 && got.filter { $0.count > 21 && $0[20] == 0 && $0[21] == 0 }.count == 1 && state.replays.load(ordering: .relaxed) == 1,
+                "one replay (for the pool's way), then the two datagrams: \(got.map(\.count))")
+    }
+
     @Test("Which datagrams are parsed: template and options template sets and malformed ones; data alone, v5 and others are not")
     func needsParsing() {
         func needs(_ bytes: [UInt8]) -> Bool { bytes.withUnsafeBytes { FlowExport.needsParsing($0) } }

@@ -255,9 +255,9 @@ struct KernelFlowTemplateProgramTests {
         func plan(balanced: [Int]) -> KernelTemplateFollower.Plan {
             var plan = set([0], sourceIP: true)
             plan.pools = [
-                .init(set: set(balanced, sourceIP: true), sample: 1, sources: SourceFilter([])),
-                .init(set: set([3], sourceIP: false), sample: 1, sources: SourceFilter([])),
-                .init(set: set([4], sourceIP: true), sample: 1, sources: SourceFilter([SourcePrefix("10.99.0.0/16")!])),
+                .init(set: set(balanced, sourceIP: true), sample: 1, prefixes: []),
+                .init(set: set([3], sourceIP: false), sample: 1, prefixes: []),
+                .init(set: set([4], sourceIP: true), sample: 1, prefixes: [SourcePrefix("10.99.0.0/16")!]),
             ]
             return plan
         }
@@ -280,7 +280,7 @@ struct KernelFlowTemplateProgramTests {
         #expect(state.replays.load(ordering: .relaxed) == UInt64(moved.count) && state.sendDropped.load(ordering: .relaxed) == 0)
         // A listener's downstream that is also a pool's member is one receiver: sent once.
         var shared = plan(balanced: [1, 2, 5])
-        shared.pools[1] = .init(set: set([0, 3], sourceIP: false), sample: 1, sources: SourceFilter([]))
+        shared.pools[1] = .init(set: set([0, 3], sourceIP: false), sample: 1, prefixes: [])
         T.v9(sets: [T.set(0, T.template(257, T.fields4))]).withUnsafeBytes { follower.switchPlan(to: shared); follower.received($0, from: exporters[0]) }
         let once = sockets.map { $0.drain().count }
         #expect(once[0] == 1 && once[3] == 1 && once[4] == 0, "\(once)")

@@ -140,8 +140,8 @@ struct ReloadMatrixTests {
     /// holds, and those a full receive buffer dropped.
     struct KernelUDP {
         var noPorts = 0, receiveBufferErrors = 0, inErrors = 0
-        /// Datagrams the client's and the proxy's veth dropped (``Topology/clientPathDrops()``):
-        /// a loaded machine can overflow the per-CPU backlog before any socket sees them.
+        /// Datagrams the client's veth could not hand to the proxy (``Topology/clientSendDrops()``,
+        /// each once): a loaded machine can overflow the per-CPU backlog before any socket sees them.
         var pathDrops = 0
 
         init(_ topology: Topology) throws {
@@ -152,7 +152,7 @@ struct ReloadMatrixTests {
             noPorts = table["NoPorts"] ?? 0
             receiveBufferErrors = table["RcvbufErrors"] ?? 0
             inErrors = table["InErrors"] ?? 0
-            pathDrops = try topology.clientPathDrops()
+            pathDrops = try topology.clientSendDrops()
         }
     }
 

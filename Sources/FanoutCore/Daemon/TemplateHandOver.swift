@@ -7,23 +7,31 @@ import Logging
 import Synchronization
 
 /// `settings.flow_templates` across a restart, an upgrade or a crash: each listener's templates
-/// (and, in the kernel kinds, its exporters' source ports) live in a memfd of the service
-/// manager's store, `udp-fanout.tpl.<listener>` (docs/restarts.md), written anew within a second
-/// of a change and once more at the stop; the next process takes them in when the listener
-/// starts, so a change of collector after the restart is repaired as before it. Nothing is
-/// written when no service manager keeps descriptors.
+/// (with, in the kernel kinds, its exporters' source ports and the set its program reads) live
+/// in a memfd of the service manager's store (docs/restarts.md), written anew once they have
+/// been still for 100 ms after a change (at least a second after the first change not written)
+/// and at the stop; the next process takes them in when the listener starts, so a change of
+/// collector after the restart is repaired as before it. Two names per listener,
+/// `udp-fanout.tpl.<listener>.0` and `.1`, written in turn, each record numbered: a crash
+/// between storing one and taking the other out leaves both, and the next process takes the
+/// newer. Nothing is written when no service manager keeps descriptors.
 final class TemplateHandOver: Sendable {
     static let prefix = "udp-fanout.tpl."
+    /// The record's header: this, then its number (64 bits, big endian), then the state's record.
+    static let magic: [UInt8] = Array("UFTHO1\n\u{0}".utf8)
 
     private let descriptors: DescriptorStore
     private let logger: Logger
-    /// What this process stored, by listener: the memfd and what it held when written.
+    /// What this process stored, by listener: which state (a listener started anew has another),
+    /// its hand-over version then, and the name it is under.
     private struct Written {
-        var fd: Int32
-        var generation: UInt64
-        var ports: Int
+        var state: ObjectIdentifier
+        var version: UInt64
+        var slot: Int
     }
     private let written = Mutex<[String: Written]>([:])
+    /// The next record's number: above every record taken in.
+    private let sequence = Atomic<UInt64>(1)
     private let stop = StopSignal()
     private let thread = Mutex<OSThread?>(nil)
 
@@ -32,53 +40,68 @@ final class TemplateHandOver: Sendable {
         self.logger = logger
     }
 
-    /// The store name of `listener`'s templates: printable ASCII without `:`, others escaped
-    /// (`%` and two hex digits); a name past systemd's 255 characters keeps its first 200 and
-    /// a hash of the whole (FNV-1a, the same in every process).
-    static func name(_ listener: String) -> String {
-        let full = escapedName(listener)
-        guard full.utf8.count > 255 else { return full }
-        var hash: UInt64 = 0xcbf2_9ce4_8422_2325
-        for byte in listener.utf8 { hash = (hash ^ UInt64(byte)) &* 0x100_0000_01b3 }
-        return String(full.prefix(200)) + "~" + String(hash, radix: 16)
-    }
-
-    private static func escapedName(_ listener: String) -> String {
+    /// The store names of `listener`'s records (slots 0 and 1): printable ASCII without `:`,
+    /// others escaped (`%` and two hex digits); a name past systemd's 255 characters keeps its
+    /// first 200 and a hash of the whole listener name (FNV-1a, the same in every process).
+    static func names(_ listener: String) -> [String] {
         var escaped = ""
         for byte in listener.utf8 {
             if (0x30...0x39).contains(byte) || (0x41...0x5a).contains(byte) || (0x61...0x7a).contains(byte) || byte == 0x2d || byte == 0x5f || byte == 0x2e {
                 escaped.append(Character(UnicodeScalar(byte)))
             } else {
-                escaped += "%" + String(byte, radix: 16, uppercase: true).leftPadded(to: 2)
+                let hex = String(byte, radix: 16, uppercase: true)
+                escaped += "%" + (hex.count < 2 ? "0" + hex : hex)
             }
         }
-        return prefix + escaped
+        var base = prefix + escaped
+        if base.utf8.count > 253 {
+            var hash: UInt64 = 0xcbf2_9ce4_8422_2325
+            for byte in listener.utf8 { hash = (hash ^ UInt64(byte)) &* 0x100_0000_01b3 }
+            base = String(base.prefix(200)) + "~" + String(hash, radix: 16)
+        }
+        return [base + ".0", base + ".1"]
     }
 
     /// At `listener`'s start: the previous process's templates for it, taken in once (a reload's
-    /// successor instance shares the state already). Logged and counted (`udp_fanout_adoptions_total{kind="flow_templates"}`).
+    /// successor instance shares the state already): the newer of its two records that reads
+    /// whole. Logged and counted (`udp_fanout_adoptions_total{kind="flow_templates"}`).
     func adopt(_ listener: String, into state: FlowTemplateState) {
-        let name = Self.name(listener)
-        for fd in descriptors.take(name) {
-            defer { close(fd) }
-            let bytes = Self.read(fd)
-            if let (exporters, templates) = state.restore(bytes) {
-                let note = "listener '\(listener)': the previous process's flow templates taken in: \(exporters) exporter(s), \(templates) template(s)"
-                descriptors.count("flow_templates", .adopted, note: note)
-                logger.info("flow_templates: the previous process's templates taken in: an exporter that changes collector before its next template is replayed to as before the restart", metadata: [
-                    "listener": "\(listener)", "exporters": "\(exporters)", "templates": "\(templates)",
-                ])
-            } else {
-                let note = "listener '\(listener)': \(name) holds no flow templates this version reads (\(bytes.count) bytes): not taken, the exporters' next templates are learnt"
-                descriptors.count("flow_templates", .rejected, note: note)
-                logger.warning("\(note)")
+        var records: [(number: UInt64, body: [UInt8])] = []
+        var unreadable = 0
+        for name in Self.names(listener) {
+            for fd in descriptors.take(name) {
+                let bytes = Self.read(fd)
+                close(fd)
+                var input = RecordReader(bytes)
+                if input.take(Self.magic), let high = input.u32(), let low = input.u32(), let body = input.bytes(input.remaining) {
+                    records.append((UInt64(high) << 32 | UInt64(low), Array(body)))
+                } else {
+                    unreadable += 1
+                }
             }
         }
+        guard !records.isEmpty || unreadable > 0 else { return }
+        for record in records.sorted(by: { $0.number > $1.number }) {
+            guard let (exporters, templates) = state.restore(record.body) else {
+                unreadable += 1
+                continue
+            }
+            sequence.store(max(sequence.load(ordering: .relaxed), record.number + 1), ordering: .relaxed)
+            let note = "listener '\(listener)': the previous process's flow templates taken in: \(exporters) exporter(s), \(templates) template(s)"
+            descriptors.count("flow_templates", .adopted, note: note)
+            logger.info("flow_templates: the previous process's templates taken in: an exporter that changes collector before its next template is replayed to as before the restart", metadata: [
+                "listener": "\(listener)", "exporters": "\(exporters)", "templates": "\(templates)",
+            ])
+            return
+        }
+        let note = "listener '\(listener)': no record of the previous process's flow templates this version reads (\(unreadable) unreadable): the exporters' next templates are learnt"
+        descriptors.count("flow_templates", .rejected, unreadable, note: note)
+        logger.warning("\(note)")
     }
 
-    /// Starts the writer: what changed goes to the store once the templates have been still
-    /// for 100 ms, and at least a second after the first change not written (a crash loses at
-    /// most that much of what the exporters changed); only under a service manager.
+    /// Starts the writer (only under a service manager): a listener's templates go to the store
+    /// once they have been still for 100 ms after a change, and at least a second after the first
+    /// change not yet written (a crash loses at most that much of what the exporters changed).
     func start(states: @escaping @Sendable () -> [String: FlowTemplateState]) {
         guard descriptors.stores else { return }
         let stop = self.stop
@@ -86,28 +109,30 @@ final class TemplateHandOver: Sendable {
             guard thread == nil else { return }
             thread = OSThread(name: "templates-store") { [weak self] in
                 let clock = ContinuousClock()
-                var written: UInt64 = 0
-                var seen: (value: UInt64, at: ContinuousClock.Instant)?
-                var pendingSince: ContinuousClock.Instant?
+                // Per listener: the state and version last seen, when it last moved, and since
+                // when a change has waited.
+                var seen: [String: (state: ObjectIdentifier, version: UInt64, moved: ContinuousClock.Instant, waiting: ContinuousClock.Instant?)] = [:]
                 while !stop.isSet {
                     usleep(50_000)
+                    guard let self else { return }
                     let current = states()
-                    // Every change moves the generation of its listener, or adds an exporter's port.
-                    let value = current.values.reduce(UInt64(current.count)) { sum, state in
-                        sum &+ state.generation.load(ordering: .acquiring) &+ UInt64(state.kernelFollowing.withLock { $0.ports.count })
-                    }
                     let now = clock.now
-                    if value != seen?.value { seen = (value, now) }
-                    guard value != written else {
-                        pendingSince = nil
-                        continue
+                    var due = false
+                    for (listener, state) in current {
+                        let identity = ObjectIdentifier(state), version = state.handOverVersion.load(ordering: .acquiring)
+                        var entry = seen[listener] ?? (identity, version, now, nil)
+                        if entry.state != identity || entry.version != version { entry = (identity, version, now, entry.waiting ?? now) }
+                        if self.isWritten(listener, identity, version) {
+                            entry.waiting = nil
+                        } else {
+                            let waiting = entry.waiting ?? now
+                            entry.waiting = waiting
+                            if now - entry.moved >= .milliseconds(100) || now - waiting >= .seconds(1) { due = true }
+                        }
+                        seen[listener] = entry
                     }
-                    let since = pendingSince ?? now
-                    pendingSince = since
-                    guard now - seen!.at >= .milliseconds(100) || now - since >= .seconds(1) else { continue }
-                    self?.write(current)
-                    written = value
-                    pendingSince = nil
+                    seen = seen.filter { current[$0.key] != nil }
+                    if due || self.hasGone(current) { self.write(current) }
                 }
             }
         }
@@ -124,49 +149,60 @@ final class TemplateHandOver: Sendable {
         write(states)
     }
 
-    /// Writes the templates of each listener in `states` that changed since last written, and
-    /// takes those of listeners no longer in `states` (removed, or the option turned off) out of
-    /// the store. Returns whether it wrote any.
+    private func isWritten(_ listener: String, _ state: ObjectIdentifier, _ version: UInt64) -> Bool {
+        written.withLock { $0[listener].map { $0.state == state && $0.version == version } ?? false }
+    }
+
+    /// Some listener this process stored a record for is no longer in `states`.
+    private func hasGone(_ states: [String: FlowTemplateState]) -> Bool {
+        written.withLock { $0.keys.contains { states[$0] == nil } }
+    }
+
+    /// Writes the record of each listener in `states` whose templates changed since written (or
+    /// that is another state, started anew), and takes those of listeners no longer in `states`
+    /// (removed, or the option turned off) out of the store. Returns whether it wrote any.
     @discardableResult
     func write(_ states: [String: FlowTemplateState]) -> Bool {
         guard descriptors.stores else { return false }
         var wrote = false
         for (listener, state) in states.sorted(by: { $0.key < $1.key }) {
-            let generation = state.generation.load(ordering: .acquiring)
-            let ports = state.kernelFollowing.withLock { $0.ports.count }
-            if let last = written.withLock({ $0[listener] }), last.generation == generation, last.ports == ports { continue }
-            let bytes = state.handOverBytes()
-            let name = Self.name(listener)
-            let fd = shim_memfd(name)
+            let identity = ObjectIdentifier(state)
+            let version = state.handOverVersion.load(ordering: .acquiring)
+            let last = written.withLock { $0[listener] }
+            if let last, last.state == identity, last.version == version { continue }
+            var bytes = Self.magic
+            let number = sequence.wrappingAdd(1, ordering: .relaxed).oldValue
+            bytes += (0..<8).map { UInt8(truncatingIfNeeded: number >> (56 - 8 * $0)) }
+            bytes += state.record()
+            let fd = shim_memfd("udp-fanout.tpl")
             guard fd >= 0 else {
-                logger.warning("flow_templates: memfd_create failed: the next process does not get this listener's templates", metadata: ["listener": "\(listener)", "errno": "\(-fd)"])
+                logger.warning("flow_templates: memfd_create failed: the next process does not get this listener's latest templates", metadata: ["listener": "\(listener)", "errno": "\(-fd)"])
                 continue
             }
+            defer { close(fd) }
             guard Self.write(bytes, to: fd) else {
                 logger.warning("flow_templates: could not write the templates for the next process", metadata: ["listener": "\(listener)", "errno": "\(errno)"])
-                close(fd)
                 continue
             }
-            // A new memfd each time: the one stored stays whole until this one replaces it.
-            descriptors.replace(name, with: [fd])
+            // The other slot takes the new record; the one stored stays until then, whole.
+            let names = Self.names(listener)
+            let slot = last.map { 1 - $0.slot } ?? 0
+            descriptors.replace(names[slot], with: [fd])
+            if descriptors.isStored(names[1 - slot]) { descriptors.remove(names[1 - slot]) }
+            written.withLock { $0[listener] = Written(state: identity, version: version, slot: slot) }
             wrote = true
-            let previous = written.withLock { written in
-                defer { written[listener] = Written(fd: fd, generation: generation, ports: ports) }
-                return written[listener]?.fd
-            }
-            if let previous { close(previous) }
         }
         let gone = written.withLock { written in
-            let gone = written.filter { states[$0.key] == nil }
-            for name in gone.keys { written[name] = nil }
+            let gone = written.keys.filter { states[$0] == nil }
+            for name in gone { written[name] = nil }
             return gone
         }
-        for (listener, entry) in gone {
-            descriptors.remove(Self.name(listener))
-            close(entry.fd)
+        for listener in gone {
+            for name in Self.names(listener) { descriptors.remove(name) }
         }
         // Taken over from the previous process but no longer following templates here.
-        for name in descriptors.storedNames(prefix: Self.prefix) where !states.keys.contains(where: { Self.name($0) == name }) {
+        let kept = Set(states.keys.flatMap(Self.names))
+        for name in descriptors.storedNames(prefix: Self.prefix) where !kept.contains(name) {
             descriptors.remove(name)
         }
         return wrote
@@ -176,6 +212,7 @@ final class TemplateHandOver: Sendable {
         var offset = 0
         while offset < bytes.count {
             let count = bytes[offset...].withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(offset)) }
+            if count < 0 && errno == EINTR { continue }
             guard count > 0 else { return false }
             offset += count
         }
@@ -187,15 +224,10 @@ final class TemplateHandOver: Sendable {
         var buffer = [UInt8](repeating: 0, count: 1 << 16)
         while true {
             let count = pread(fd, &buffer, buffer.count, off_t(bytes.count))
+            if count < 0 && errno == EINTR { continue }
             guard count > 0 else { break }
             bytes += buffer[0..<count]
         }
         return bytes
-    }
-}
-
-extension String {
-    fileprivate func leftPadded(to width: Int) -> String {
-        count >= width ? self : String(repeating: "0", count: width - count) + self
     }
 }

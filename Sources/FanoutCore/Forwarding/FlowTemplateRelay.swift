@@ -43,80 +43,9 @@ final class FlowTemplateState: Sendable {
     /// Raised whenever the cache learns a change: a worker that found an exporter's templates
     /// missing asks the cache again only after it moved.
     let generation = Atomic<UInt64>(0)
-
-    /// What a restart hands the next process (``TemplateHandOver``): each exporter's templates
-    /// as the packets a replay sends, with its source port where the kernel kinds learnt it
-    /// (else 0). Layout: ``handOverMagic``, then per exporter its address (family byte, 16
-    /// bytes), port and packet count (16 bits each, big endian), then each packet's length (16
-    /// bits) and bytes.
-    func handOverBytes() -> [UInt8] {
-        let ports = kernelFollowing.withLock { $0.ports }
-        var bytes = Self.handOverMagic
-        cache.withLock { cache in
-            for exporter in cache.allExporters {
-                let packets = cache.replay(exporter)
-                guard !packets.isEmpty else { continue }
-                let address = exporter.address.bytes
-                bytes.append(exporter.address.family == AF_INET ? 4 : 6)
-                bytes += address + [UInt8](repeating: 0, count: 16 - address.count)
-                Self.put16(&bytes, ports[exporter.address] ?? 0)
-                Self.put16(&bytes, UInt16(packets.count))
-                for packet in packets {
-                    Self.put16(&bytes, UInt16(packet.count))
-                    bytes += packet
-                }
-            }
-        }
-        return bytes
-    }
-
-    static let handOverMagic: [UInt8] = Array("UFTPL1\n\u{0}".utf8)
-
-    /// Takes in what a previous process's ``handOverBytes()`` wrote (its templates count as
-    /// known, not as defined here; the exporters' ports join the kernel kinds' map). Returns the
-    /// exporters and templates taken, or nil when `bytes` is not such a record (nothing taken).
-    func restore(_ bytes: [UInt8]) -> (exporters: Int, templates: Int)? {
-        guard bytes.starts(with: Self.handOverMagic) else { return nil }
-        var offset = Self.handOverMagic.count
-        func u16() -> UInt16? {
-            guard offset + 2 <= bytes.count else { return nil }
-            defer { offset += 2 }
-            return UInt16(bytes[offset]) << 8 | UInt16(bytes[offset + 1])
-        }
-        var records: [(IPAddress, UInt16, [FlowExport.Packet])] = []
-        while offset < bytes.count {
-            guard offset + 17 <= bytes.count, bytes[offset] == 4 || bytes[offset] == 6 else { return nil }
-            let length = bytes[offset] == 4 ? 4 : 16
-            guard let address = IPAddress(bytes: bytes[(offset + 1)..<(offset + 1 + length)]) else { return nil }
-            offset += 17
-            guard let port = u16(), let count = u16() else { return nil }
-            var packets: [FlowExport.Packet] = []
-            for _ in 0..<count {
-                guard let size = u16(), offset + Int(size) <= bytes.count else { return nil }
-                let parsed = bytes[offset..<(offset + Int(size))].withUnsafeBytes { FlowExport.parse($0) }
-                offset += Int(size)
-                guard case .packet(let packet) = parsed else { return nil }
-                packets.append(packet)
-            }
-            records.append((address, port, packets))
-        }
-        let taken = cache.withLock { cache in
-            for (address, _, packets) in records {
-                for packet in packets { cache.restore(packet, from: address) }
-            }
-            return (cache.exporterCount, cache.templateCount)
-        }
-        kernelFollowing.withLock { following in
-            for (address, port, _) in records where port != 0 && following.ports[address] == nil { following.ports[address] = port }
-        }
-        generation.wrappingAdd(1, ordering: .releasing)
-        return taken
-    }
-
-    private static func put16(_ bytes: inout [UInt8], _ value: UInt16) {
-        bytes.append(UInt8(value >> 8))
-        bytes.append(UInt8(value & 0xff))
-    }
+    /// Raised at every change a restart must hand over (``TemplateHandOver``): the cache's, an
+    /// exporter's source port, the kernel kinds' set in force.
+    let handOverVersion = Atomic<UInt64>(0)
 
     /// The listener's families' samples (`labels` are the listener's).
     func metricsRows(_ labels: String) -> (events: [(String, UInt64)], exporters: (String, UInt64), templates: (String, UInt64)) {
@@ -142,49 +71,56 @@ final class FlowTemplateState: Sendable {
 /// before a datagram of an exporter goes to a downstream or pool member not known to hold its
 /// templates (it joined, came back, the exporter moved there, or a copy to it was dropped), sends
 /// it the exporter's templates. Copies and replays leave through outboxes of their own, sent
-/// before the batch's datagrams (so a replay leaves before the data it serves), from the
-/// exporter's address where the output (the listener's, or a pool's own) keeps sources. A
-/// datagram of data alone costs a walk over its set headers and two lookups per receiver;
-/// anything not version 9 or 10, one comparison.
+/// before the batch's datagrams (so a replay leaves before the data it serves), the way the data
+/// leaves (the listener's output, or a pool's own): from the exporter's address where it keeps
+/// sources. A datagram of data alone costs a walk over its set headers and two lookups per
+/// receiver; anything not version 9 or 10, one comparison.
 final class FlowTemplateRelay {
     typealias Exporter = FlowTemplateCache.Exporter
+
+    /// A receiver as a collector sees it: its address, and the way datagrams reach it (from the
+    /// exporter's address or this host's). A collector that is a downstream of the listener and
+    /// a member of a pool with the same way out is one receiver; with another way out it sees
+    /// another source, so it is another.
+    struct Way: Hashable {
+        let address: SocketAddress
+        let output: Output
+    }
+
     let state: FlowTemplateState
     private let output: Output
     private let sender: SharedSender
-    /// Per exporter: the downstreams and pool members (by address: one collector) known to hold
-    /// its current templates (this worker sent them a copy, a replay, or the exporter's own
-    /// datagram with them), each with its epoch then.
-    private var informed: [Exporter: [SocketAddress: UInt64]] = [:]
-    /// Per address of the plan: its epoch, a value never given before, renewed when what it
+    /// Per exporter: the receivers known to hold its current templates (this worker sent them a
+    /// copy, a replay, or the exporter's own datagram with them), each with its epoch then.
+    private var informed: [Exporter: [Way: UInt64]] = [:]
+    /// Per receiver of the plan: its epoch, a value never given before, renewed when what it
     /// holds is no longer known (a send to it dropped something): every older mark is void at
-    /// once. An address that leaves the plan loses its epoch (and its marks), one that comes back
+    /// once. A receiver that leaves the plan loses its epoch (and its marks), one that comes back
     /// gets a new one.
-    private var epochs: [SocketAddress: UInt64] = [:]
+    private var epochs: [Way: UInt64] = [:]
     private var nextEpoch: UInt64 = 0
     /// Exporters whose templates the cache did not have, at which generation of it.
     private var missing: [Exporter: UInt64] = [:]
     /// At most this many exporters remembered; beyond, the map starts anew (each exporter's next
     /// datagram then replays once more: harmless).
     static let maximumExporters = 65_536
-    private var downstreams: [Downstream] = []
+    /// The listener's own downstreams, as receivers.
+    private var downstreams: [Way] = []
     /// The plan's replication pools, in its order (``PoolReplicator/picks`` index them): each
-    /// member's address, those an `all` pool copies to, and whether one member takes a datagram.
-    private var pools: [(members: [SocketAddress], every: [SocketAddress], balanced: Bool)] = []
-    private var present: Set<SocketAddress> = []
-    /// Every address of the plan with its way out: the listener's output for its own
-    /// downstreams, a pool's for its members (an address in both: the listener's).
-    private var byAddress: [SocketAddress: (downstream: Downstream, output: Output)] = [:]
-    /// The outboxes of copies and replays, by address, made on first use and kept while the
-    /// address is in the plan with the same way out.
-    private var lanes: [SocketAddress: (outbox: any Outbox, output: Output)] = [:]
-    private var touched: [SocketAddress] = []
+    /// member as a receiver, those an `all` pool copies to, and whether one member takes a datagram.
+    private var pools: [(members: [Way], every: [Way], balanced: Bool)] = []
+    /// Every receiver of the plan, with the downstream it sends to.
+    private var present: [Way: Downstream] = [:]
+    /// The outboxes of copies and replays, by receiver, made on first use and kept while it is in the plan.
+    private var lanes: [Way: any Outbox] = [:]
+    private var touched: [Way] = []
     /// Packets waiting in the lanes (their bytes in `arena`) until ``flush()``.
     private let arena: UnsafeMutableRawPointer
     static let arenaSize = 1 << 18
     private var used = 0
     static let laneCapacity = 64
     /// How many of each lane's packets are copies and replays, for the counters.
-    private var pending: [SocketAddress: (copies: UInt64, replays: UInt64)] = [:]
+    private var pending: [Way: (copies: UInt64, replays: UInt64)] = [:]
 
     /// - Parameter output: the listener's way out (its lanes hold ``laneCapacity`` packets each).
     init(state: FlowTemplateState, sender: SharedSender, output: Output) {
@@ -196,56 +132,64 @@ final class FlowTemplateRelay {
 
     deinit { arena.deallocate() }
 
-    /// A new plan: the downstreams and pool members that left it are forgotten (one that comes
-    /// back is replayed to).
+    /// A new plan: the receivers that left it are forgotten (one that comes back is replayed to).
     func adopt(_ plan: ForwardingPlan) {
         flush()
-        let previous = present
-        downstreams = plan.downstreams
+        let previous = Set(present.keys)
+        var ways: [Way: Downstream] = [:]
+        downstreams = plan.downstreams.map { downstream in
+            let way = Way(address: downstream.address, output: output)
+            if ways[way] == nil { ways[way] = downstream }
+            return way
+        }
         pools = plan.pools.map { pool in
-            (pool.members.map(\.address), pool.everyMember.map { pool.members[$0].address }, pool.method != nil)
+            let members = pool.members.map { member in
+                let way = Way(address: member.address, output: pool.output ?? output)
+                if ways[way] == nil { ways[way] = member }
+                return way
+            }
+            return (members, pool.everyMember.map { members[$0] }, pool.method != nil)
         }
-        var ways: [SocketAddress: (downstream: Downstream, output: Output)] = [:]
-        for downstream in plan.downstreams where ways[downstream.address] == nil { ways[downstream.address] = (downstream, output) }
-        for pool in plan.pools {
-            for member in pool.members where ways[member.address] == nil { ways[member.address] = (member, pool.output ?? output) }
-        }
-        byAddress = ways
-        present = Set(ways.keys)
-        lanes = lanes.filter { ways[$0.key]?.output == $0.value.output }
-        let left = previous.subtracting(present)
-        for address in left { epochs[address] = nil }
+        present = ways
+        lanes = lanes.filter { ways[$0.key] != nil }
+        let left = previous.filter { ways[$0] == nil }
+        for way in left { epochs[way] = nil }
         if !left.isEmpty {
             for exporter in informed.keys { informed[exporter] = informed[exporter]?.filter { !left.contains($0.key) } }
         }
-        for address in present.subtracting(previous) { forget(address) }
+        for way in ways.keys where !previous.contains(way) { forget(way) }
     }
 
-    /// What `address` holds is no longer known: the next datagram of each exporter to it replays.
-    func forget(_ address: SocketAddress) {
-        guard present.contains(address) else { return }
+    /// What the listener's downstream at `address` holds is no longer known (a send to it
+    /// dropped something): the next datagram of each exporter to it replays.
+    func forget(_ address: SocketAddress) { forget(Way(address: address, output: output)) }
+
+    /// What `way` holds is no longer known: the next datagram of each exporter to it replays.
+    func forget(_ way: Way) {
+        guard present[way] != nil else { return }
         nextEpoch &+= 1
-        epochs[address] = nextEpoch
+        epochs[way] = nextEpoch
     }
 
-    private func holds(_ exporter: Exporter, _ address: SocketAddress) -> Bool {
-        guard let epoch = epochs[address] else { return false }
-        return informed[exporter]?[address] == epoch
+    private func holds(_ exporter: Exporter, _ way: Way) -> Bool {
+        guard let epoch = epochs[way] else { return false }
+        return informed[exporter]?[way] == epoch
     }
 
     /// Called for each datagram before it is appended for downstream `target` (nil: none
     /// available; its templates are still learned), after the replication pools were offered it.
-    /// - Parameter picks: what each pool did with it (``PoolReplicator/picks``; empty: no pools).
+    /// - Parameter picks: what each pool did with it (``PoolReplicator/picks``; empty: no
+    ///   pools), read only for version 9 and 10 datagrams.
     @inline(__always)
-    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, pools picks: [Int] = []) {
+    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, pools picks: @autoclosure () -> [Int] = []) {
         guard payload.count >= 2, payload[0] == 0, payload[1] == 9 || payload[1] == 10 else { return }
-        learn(target, payload, source: source, picks: picks)
+        learn(target, payload, source: source, picks: picks())
     }
 
-    /// Calls `body` with each address that receives the datagram: the listener's `target`, and
-    /// each pool's member (or, for `all`, every weighted member) as `picks` say.
+    /// Calls `body` with each receiver of the datagram: the listener's `target`, and each pool's
+    /// member (or, for `all`, every weighted member) as `picks` say.
     @inline(__always)
-    private func forEachReceiver(_ target: SocketAddress?, _ picks: [Int], _ body: (SocketAddress) -> Void) {
+    private func forEachReceiver(_ target: Way?, _ picks: [Int], _ body: (Way) -> Void) {
         if let target { body(target) }
         for (index, pick) in picks.enumerated() where index < pools.count {
             if pick >= 0 {
@@ -258,14 +202,14 @@ final class FlowTemplateRelay {
 
     private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, picks: [Int]) {
         guard let ip = SocketAddress(storage: source)?.ip else { return }
-        let address = target.flatMap { $0 < downstreams.count ? downstreams[$0].address : nil }
+        let own = target.flatMap { $0 < downstreams.count ? downstreams[$0] : nil }
         var lacking = false
         if let (version, domain) = FlowExport.header(payload) {
             let exporter = Exporter(address: ip, version: version, domain: domain)
             // The exporter's templates, asked of the shared cache once, for the first receiver
             // that lacks them, and only once the cache learned something since it last had none.
             var packets: [[UInt8]]?
-            forEachReceiver(address, picks) { receiver in
+            forEachReceiver(own, picks) { receiver in
                 guard !holds(exporter, receiver) else { return }
                 if packets == nil {
                     let generation = state.generation.load(ordering: .acquiring)
@@ -300,32 +244,33 @@ final class FlowTemplateRelay {
         let copies: [[UInt8]]? = state.cache.withLock { cache in
             guard cache.apply(packet, from: ip) else { return nil }
             state.generation.wrappingAdd(1, ordering: .releasing)
+            state.handOverVersion.wrappingAdd(1, ordering: .releasing)
             return cache.replay(exporter)
         }
         // The receivers get the templates with the datagram itself.
-        var reached: Set<SocketAddress> = []
-        forEachReceiver(address, picks) { receiver in
+        var reached: Set<Way> = []
+        forEachReceiver(own, picks) { receiver in
             inform(exporter, receiver)
             if copies != nil { reached.insert(receiver) }
         }
         guard let copies else { return }
         // Changed: every other downstream, and every other member of each balanced pool that
         // takes this exporter, gets its templates as they are now.
-        func copy(to other: SocketAddress) {
+        func copy(to other: Way) {
             guard reached.insert(other).inserted else { return }
             for copy in copies { enqueue(other, copy, source: source, copy: true) }
             inform(exporter, other)
         }
-        for other in downstreams { copy(to: other.address) }
+        for other in downstreams { copy(to: other) }
         for (index, pick) in picks.enumerated() where index < pools.count && pick != PoolReplicator.Pick.notTaken && pools[index].balanced {
             for member in pools[index].members { copy(to: member) }
         }
     }
 
-    private func inform(_ exporter: Exporter, _ address: SocketAddress) {
-        guard let epoch = epochs[address] else { return }
+    private func inform(_ exporter: Exporter, _ way: Way) {
+        guard let epoch = epochs[way] else { return }
         if informed.count >= Self.maximumExporters && informed[exporter] == nil { informed = [:] }
-        informed[exporter, default: [:]][address] = epoch
+        informed[exporter, default: [:]][way] = epoch
     }
 
     /// A replayed packet with the header times and sequence number of the datagram it precedes
@@ -339,22 +284,22 @@ final class FlowTemplateRelay {
         return headed
     }
 
-    private func enqueue(_ address: SocketAddress, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
-        guard packet.count <= Self.arenaSize, let way = byAddress[address] else { return }
-        if used + packet.count > Self.arenaSize || (lanes[address]?.outbox.count ?? 0) >= Self.laneCapacity { flush() }
+    private func enqueue(_ way: Way, _ packet: [UInt8], source: UnsafePointer<sockaddr_storage>, copy: Bool) {
+        guard packet.count <= Self.arenaSize, let downstream = present[way] else { return }
+        if used + packet.count > Self.arenaSize || (lanes[way]?.count ?? 0) >= Self.laneCapacity { flush() }
         let lane: any Outbox
-        if let made = lanes[address] {
-            lane = made.outbox
+        if let made = lanes[way] {
+            lane = made
         } else {
-            lane = Outboxes.factory(output: way.output, capacity: Self.laneCapacity)(way.downstream, sender)
-            lanes[address] = (lane, way.output)
+            lane = Outboxes.factory(output: way.output, capacity: Self.laneCapacity)(downstream, sender)
+            lanes[way] = lane
         }
         let bytes = UnsafeMutableRawBufferPointer(start: arena + used, count: packet.count)
         bytes.copyBytes(from: packet)
         used += packet.count
-        if lane.count == 0 { touched.append(address) }
+        if lane.count == 0 { touched.append(way) }
         lane.append(UnsafeRawBufferPointer(bytes), source: source, hopLimit: 0)
-        if copy { pending[address, default: (0, 0)].copies += 1 } else { pending[address, default: (0, 0)].replays += 1 }
+        if copy { pending[way, default: (0, 0)].copies += 1 } else { pending[way, default: (0, 0)].replays += 1 }
     }
 
     /// Sends what waits (before the batch's own datagrams), and counts it. A downstream a copy
@@ -362,13 +307,13 @@ final class FlowTemplateRelay {
     /// each exporter to it replays again.
     func flush() {
         guard !touched.isEmpty else { return }
-        for address in touched {
-            guard let lane = lanes[address]?.outbox else { continue }
+        for way in touched {
+            guard let lane = lanes[way] else { continue }
             var result: FlushResult = (0, 0, [:])
             _ = lane.reconnectIfDue()
             lane.flush(&result)
             let dropped = result.dropped.values.reduce(0, +)
-            let sent = pending[address] ?? (0, 0)
+            let sent = pending[way] ?? (0, 0)
             // What was dropped is taken from the replays first, then the copies.
             let replaysSent = sent.replays - min(sent.replays, dropped)
             let copiesSent = sent.copies - min(sent.copies, dropped - min(sent.replays, dropped))
@@ -376,7 +321,7 @@ final class FlowTemplateRelay {
             state.copies.wrappingAdd(copiesSent, ordering: .relaxed)
             if dropped > 0 {
                 state.sendDropped.wrappingAdd(dropped, ordering: .relaxed)
-                forget(address)
+                forget(way)
             }
         }
         touched.removeAll(keepingCapacity: true)

@@ -180,7 +180,7 @@ final class PoolReplicator {
                 }
                 counters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)
                 // A copy that carried templates may be among the dropped ones.
-                if copiesDropped > 0, let templates { templates.forget(address) }
+                if copiesDropped > 0, let templates { templates.forget(FlowTemplateRelay.Way(address: address, output: pool.output ?? output)) }
                 // A balanced pool's datagram is its one copy.
                 if pool.method != nil {
                     forwarded += result.sent

@@ -150,7 +150,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     private let logger: Logger
 
     /// The set in force as the program reads it: the listener's, and each replication pool's.
-    struct Plan {
+    struct Plan: Sendable {
         var downstreams: [SocketAddress] = []
         var sourceIP = true
         var table: [UInt16] = []
@@ -159,12 +159,21 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
         var pools: [Pool] = []
 
         /// A replication pool as the program reads it: its set, and which sources it takes.
-        struct Pool {
+        struct Pool: Sendable {
             /// `downstreams`: the members in its set (an `all` pool: those with a weight);
             /// `sourceIP` false: round robin or `all`, every member gets the exporter's data.
             var set: Plan
             var sample: UInt32
-            var sources: SourceFilter
+            /// Its `sources` (empty: every source), and their filter.
+            let prefixes: [SourcePrefix]
+            let sources: SourceFilter
+
+            init(set: Plan, sample: UInt32, prefixes: [SourcePrefix]) {
+                self.set = set
+                self.sample = sample
+                self.prefixes = prefixes
+                sources = SourceFilter(prefixes)
+            }
 
             /// The pool takes `address`'s datagrams: its `sources` admit it and its `sample` keeps it.
             func takes(_ address: IPAddress) -> Bool {
@@ -252,14 +261,17 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
         case .packet(let parsed): packet = parsed
         }
         let changed = state.cache.withLock { $0.apply(packet, from: source.ip) }
-        if changed { state.generation.add(1, ordering: .relaxed) }
+        if changed {
+            state.generation.add(1, ordering: .relaxed)
+            state.handOverVersion.add(1, ordering: .relaxed)
+        }
         mutable.withLock { mutable in
             // Bounded: beyond the limit, the ports of addresses the cache no longer holds go.
             let kept: Set<IPAddress>? = state.kernelFollowing.withLock { $0.ports[source.ip] == nil && $0.ports.count >= Self.maximumPorts }
                 ? Set(state.cache.withLock { $0.allExporters.map(\.address) }) : nil
             let plan = state.kernelFollowing.withLock { following in
                 if let kept { following.ports = following.ports.filter { kept.contains($0.key) } }
-                following.ports[source.ip] = source.port
+                if following.ports.updateValue(source.port, forKey: source.ip) != source.port { state.handOverVersion.add(1, ordering: .relaxed) }
                 return following.plan
             }
             guard changed, let plan else { return }
@@ -286,7 +298,10 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
             let exporters = state.cache.withLock { $0.allExporters }
             mutable.lastPlan = plan
             let (previous, ports) = state.kernelFollowing.withLock { following in
-                defer { following.plan = plan }
+                defer {
+                    following.plan = plan
+                    state.handOverVersion.add(1, ordering: .relaxed)
+                }
                 return (following.plan, following.ports)
             }
             guard !exporters.isEmpty else { return previous }
@@ -316,6 +331,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
     /// failed one is harmless, a collector takes a template it has again).
     func restore(_ plan: Plan?) {
         mutable.withLock { _ in state.kernelFollowing.withLock { $0.plan = plan } }
+        state.handOverVersion.add(1, ordering: .relaxed)
     }
 
     /// This instance's set is in force again (a failed reload's rollback wrote its listener

@@ -1059,7 +1059,7 @@ final class TCListener: RunningListener {
             state.generation = generation
             let following = KernelTemplateFollower.Plan.Pool(
                 set: .init(set, downstreams: inSet.map(\.address), sourceIP: !everyMember && balancing == .sourceIP),
-                sample: UInt32(pool.sample), sources: SourceFilter(pool.sources))
+                sample: UInt32(pool.sample), prefixes: pool.sources)
             prepared.append(PreparedPool(name: pool.name, record: record, state: state, following: following))
         }
         return prepared
