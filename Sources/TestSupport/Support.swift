@@ -187,6 +187,7 @@ public func run(_ command: String, _ arguments: [String]) throws -> (status: Int
 
 extension Dictionary where Key == String, Value == Any {
     public func int(_ key: String) -> Int { (self[key] as? NSNumber)?.intValue ?? -1 }
+    public func double(_ key: String) -> Double { (self[key] as? NSNumber)?.doubleValue ?? -1 }
     public func object(_ key: String) -> [String: Any] { self[key] as? [String: Any] ?? [:] }
 }
 

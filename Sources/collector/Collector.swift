@@ -181,6 +181,10 @@ struct Run {
     /// The steering serving the group as last seen (another member may have replaced ours).
     var steeringInForce: Steering
     var latency = LatencyHistogram()
+    /// The longest pause between two receives that returned datagrams (a restart of what sends
+    /// to us shows as one), and when the last one returned.
+    var longestGap: Duration = .zero
+    var lastArrival: ContinuousClock.Instant?
     let clock = ContinuousClock()
     let started: ContinuousClock.Instant
     /// --echo: the tag appended to every echoed datagram (nil: no echo).
@@ -277,6 +281,8 @@ struct Run {
                 }
                 if count == 0 { break }
                 lastDatagram = clock.now
+                if let last = lastArrival, lastDatagram - last > longestGap { longestGap = lastDatagram - last }
+                lastArrival = lastDatagram
                 for index in 0..<count { record(index) }
             }
         }
@@ -422,6 +428,7 @@ struct Run {
         }
         json.add("socket_drops", (try? member.socketStatistics().drops).map(UInt64.init) ?? UInt64(receiver.socketDrops))
         json.add("seconds", (clock.now - started).seconds)
+        json.add("longest_gap_ms", Double(Int((longestGap.seconds * 10_000).rounded())) / 10)
         var perSource = JSONObject()
         for (key, tally) in sources.tallies.sorted(by: { $0.key < $1.key }) {
             var entry = JSONObject()

@@ -109,6 +109,9 @@ struct Exchange {
             for _ in 0..<min(window, exchanges) { send(index, at: started) }
         }
         var lastScan = started
+        // The longest pause between two replies (a restart of what answers shows as one).
+        var lastReply: UInt64?
+        var longestGap: UInt64 = 0
         while shim_stop_requested() == 0 {
             let now = Payload.monotonicNanoseconds()
             if now >= deadline { break }
@@ -152,6 +155,8 @@ struct Exchange {
                             continue
                         }
                         replies += 1
+                        if let last = lastReply, at > last, at - last > longestGap { longestGap = at - last }
+                        lastReply = at
                         rtt.record(nanoseconds: at > sentAt ? at - sentAt : 0)
                         if receiver.source(datagram) != destination {
                             // Counted, and its tag left out: servers_per_client judges only real replies.
@@ -188,6 +193,7 @@ struct Exchange {
         json.add("round_trips_per_sec", seconds > 0 ? Double(replies) / seconds : 0)
         json.add("rtt_p50_us", rtt.percentile(0.50) ?? 0)
         json.add("rtt_p99_us", rtt.percentile(0.99) ?? 0)
+        json.add("longest_gap_ms", Double(longestGap / 100_000) / 10)
         var byTag: [String: Int] = [:]
         for state in states { for tag in state.tags { byTag[tag, default: 0] += 1 } }
         var tags = JSONObject()

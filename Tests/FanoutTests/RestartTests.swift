@@ -577,7 +577,7 @@ struct KernelRestartTests {
     static func run(_ interruption: RestartTests.Interruption, mode: String = "tc_ebpf",
                     beforeSecondStart: (ServiceManager) -> Void = { _ in },
                     beforeStop: (ServiceManager) -> Void = { _ in })
-        throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String, xdpTags: (first: String?, between: String?, second: String?)) {
+        throws -> (sent: Int, received: Int, counted: Int, log: String, metrics: String, xdpTags: (first: String?, between: String?, second: String?), gap: Double) {
         let topology = try Topology(backends: 1)
         if mode == "xdp" { try TCFixtures.prepareXDP(topology) }
         let collectors = try TCFixtures.collectors(topology)
@@ -606,7 +606,10 @@ struct KernelRestartTests {
         usleep(500_000)
         let log = manager.output
         let sent = try publisher.json().int("sent")
-        let received = try collectors.map { try $0.stop() }.reduce(0) { $0 + $1.int("received") }
+        let reports = try collectors.map { try $0.stop() }
+        let received = reports.reduce(0) { $0 + $1.int("received") }
+        // The longest pause at the backend (ms): the restart's hole, if it made one.
+        let gap = reports.map { $0.double("longest_gap_ms") }.max() ?? -1
         // The listener's counter in the second process: the maps' count since the first start
         // when they were taken over (counters never go backwards).
         let metrics = (try? TCFixtures.metrics(topology, port: metricsPort!)) ?? ""
@@ -615,7 +618,7 @@ struct KernelRestartTests {
         xdpTags.second = xdpProgramTag(topology.proxyInterface, prefix: topology.prefix(topology.proxy))
         try manager.stop()
         try TCFixtures.expectNothingLeft(topology)
-        return (sent, received, counted, log, metrics, xdpTags)
+        return (sent, received, counted, log, metrics, xdpTags, gap)
     }
 
     @Test("tc_ebpf: a planned restart loses no datagram at 20,000/s: the link stays attached on the last plan and the next process swaps its program in")
@@ -632,7 +635,7 @@ struct KernelRestartTests {
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"adopted\"") == 2, "the link and the maps: \(result.metrics)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"tc_ebpf\",outcome=\"rejected\"") == 0)
-        print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted)")
+        print("tc_ebpf restart: sent \(result.sent), received \(result.received), counted \(result.counted), longest gap at the backend \(result.gap) ms")
     }
 
     @Test("an upgrade to a changed program (tc_ebpf, xdp, af_xdp): the next start's programs, built for another instruction set, replace the running ones (tc: on the same link and maps, the counter goes on): no datagram lost at 20,000/s",
@@ -660,14 +663,14 @@ struct KernelRestartTests {
         if mode == "af_xdp" {
             // Its sockets wait in the store meanwhile.
             #expect(result.log.contains("adopted the sockets of the previous process"), "\(result.log)")
-            print("af_xdp upgrade to a changed program: sent \(result.sent), received \(result.received)")
+            print("af_xdp upgrade to a changed program: sent \(result.sent), received \(result.received), longest gap at the backend \(result.gap) ms")
             return
         }
         #expect(result.log.contains("replaced the previous process's tc_ebpf program in place"), "\(result.log)")
         #expect(result.log.contains("took over the tc_ebpf maps of the previous process"), "\(result.log)")
         #expect(tags.before.count == 1 && tags.after.count == 1 && tags.before != tags.after, "the link runs the changed program: \(tags)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
-        print("\(mode) upgrade to a changed program: sent \(result.sent), received \(result.received), counted \(result.counted), program tag \(tags.before) -> \(tags.after)")
+        print("\(mode) upgrade to a changed program: sent \(result.sent), received \(result.received), counted \(result.counted), longest gap at the backend \(result.gap) ms, program tag \(tags.before) -> \(tags.after)")
     }
 
     @Test("tc_ebpf: a start that fails (a userspace bind taken) hands back what it took over: the tc program forwards on, the next start takes it over, no datagram lost")
@@ -796,14 +799,14 @@ struct KernelRestartTests {
         #expect(result.sent == 60_000 && result.received == result.sent, "sent \(result.sent), received \(result.received); log: \(result.log)")
         #expect(result.log.contains("the previous process ended without a stop"), "\(result.log)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
-        print("tc_ebpf kill -9: sent \(result.sent), received \(result.received), counted \(result.counted)")
+        print("tc_ebpf kill -9: sent \(result.sent), received \(result.received), counted \(result.counted), longest gap at the backend \(result.gap) ms")
     }
 
     @Test("tc_ebpf: the same restart under a unit without a descriptor store loses datagrams (the program is detached until the next start attaches)")
     func restartWithoutStore() throws {
         let result = try Self.run(.restartWithoutStore)
         #expect(result.received < result.sent, "sent \(result.sent), received \(result.received)")
-        print("tc_ebpf restart without the store: sent \(result.sent), received \(result.received)")
+        print("tc_ebpf restart without the store: sent \(result.sent), received \(result.received), longest gap at the backend \(result.gap) ms")
     }
 
     @Test("xdp: a planned restart and kill -9 lose no datagram; the XDP link stays in the store, its program attached while no process runs, and the next process swaps its own in",
@@ -818,7 +821,7 @@ struct KernelRestartTests {
         #expect(result.log.contains("took over the XDP link the previous process left and replaced its program in place"), "\(result.log)")
         #expect(metric(result.metrics, "udp_fanout_adoptions_total", "kind=\"xdp\",outcome=\"adopted\"") == 1, "\(result.metrics)")
         #expect(result.counted == result.sent, "the received counter goes on from the first process's: \(result.counted)")
-        print("xdp \(interruption): sent \(result.sent), received \(result.received), counted \(result.counted)")
+        print("xdp \(interruption): sent \(result.sent), received \(result.received), counted \(result.counted), longest gap at the backend \(result.gap) ms")
     }
 
     @Test("xdp, then af_xdp at the same interface across a restart: the previous process's XDP link is closed first (counted unused) and the af_xdp start attaches and forwards")
@@ -852,7 +855,7 @@ struct KernelRestartTests {
           arguments: [RestartTests.Interruption.restart, .kill9, .restartWithoutStore])
     func afxdpRestart(interruption: RestartTests.Interruption) throws {
         let result = try Self.run(interruption, mode: "af_xdp")
-        print("af_xdp \(interruption): sent \(result.sent), received \(result.received)")
+        print("af_xdp \(interruption): sent \(result.sent), received \(result.received), longest gap at the backend \(result.gap) ms")
         if interruption == .restartWithoutStore {
             #expect(result.received < result.sent, "without the store the gap loses: sent \(result.sent), received \(result.received)")
             return
