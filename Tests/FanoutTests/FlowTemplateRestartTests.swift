@@ -260,6 +260,26 @@ struct TemplateHandOverTests {
         #expect(removed.contains { $0.0 == "remove" && $0.1.hasPrefix("udp-fanout.tpl.nf.") } && store.storedNames(prefix: TemplateHandOver.prefix).isEmpty, "\(removed)")
     }
 
+    @Test("The first write after an adoption goes to the other name than the record taken in, stored before that one is taken out; a userspace listener does not keep a kernel set in force")
+    func firstWriteAfterAdoption() throws {
+        let notify = try NotifySocket()
+        let state = try Self.sample()
+        let fd = shim_memfd("test")
+        let bytes = TemplateHandOver.magic + [0, 0, 0, 0, 0, 0, 0, 4] + state.record()
+        _ = bytes.withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, 0) }
+        let store = DescriptorStore(inherited: ["udp-fanout.tpl.nf.0": [fd]], notifier: SystemdNotifier(environment: notify.path), logger: LogStore().logger)
+        let handOver = TemplateHandOver(descriptors: store, logger: LogStore().logger)
+        let next = FlowTemplateState()
+        handOver.adopt("nf", into: next, setInForce: false)
+        #expect(next.cache.withLock { $0.exporterCount } == 2 && next.kernelFollowing.withLock { $0.plan == nil }, "templates taken, no set in force for a userspace listener")
+        #expect(handOver.write(["nf": next]))
+        let sent = Self.sent(notify)
+        let storeOne = sent.firstIndex { $0 == ("store", "udp-fanout.tpl.nf.1", 1) }, removeZero = sent.firstIndex { $0.0 == "remove" && $0.1 == "udp-fanout.tpl.nf.0" }
+        let removeOne = sent.firstIndex { $0.0 == "remove" && $0.1 == "udp-fanout.tpl.nf.1" }
+        #expect(storeOne != nil && removeZero != nil && storeOne! < removeZero!, "stored under .1, then .0 taken out: \(sent)")
+        #expect(removeOne == nil || removeOne! < storeOne!, "\(sent)")
+    }
+
     @Test("Adoption takes the newer of the two records that reads whole: a record half written by a crash, or of another version, does not stop it; one numbered lower loses to one numbered higher")
     func adoption() throws {
         func memfd(_ bytes: [UInt8]) -> Int32 {
@@ -276,18 +296,19 @@ struct TemplateHandOverTests {
             guard case .packet(let parsed) = T.v9(domain: 8, sets: [T.set(0, T.template(260, T.fields4))]).withUnsafeBytes({ FlowExport.parse($0) }) else { return }
             _ = cache.apply(parsed, from: IPAddress("198.18.0.77")!)
         }
-        for (first, second, exporters) in [(record(5, older), record(9, newer), 3), (record(9, newer), Array(record(12, older).dropLast(5)), 3), (record(7, older), Array("junk".utf8), 2)] {
+        for (first, second, exporters) in [(record(5, older), record(9, newer), 3), (record(9, newer), record(5, older), 3),
+                                           (record(9, newer), Array(record(12, older).dropLast(5)), 3), (record(7, older), Array("junk".utf8), 2)] {
             let log = LogStore()
             let store = DescriptorStore(inherited: ["udp-fanout.tpl.nf.0": [memfd(first)], "udp-fanout.tpl.nf.1": [memfd(second)]], notifier: nil, logger: log.logger)
             let state = FlowTemplateState()
-            TemplateHandOver(descriptors: store, logger: log.logger).adopt("nf", into: state)
+            TemplateHandOver(descriptors: store, logger: log.logger).adopt("nf", into: state, setInForce: true)
             #expect(state.cache.withLock { $0.exporterCount } == exporters, "\(log.lines.withLock { $0.map(\.message) })")
             #expect(store.outcomes["flow_templates"]?[.adopted] == 1)
         }
         // Nothing readable: counted rejected, said.
         let log = LogStore()
         let store = DescriptorStore(inherited: ["udp-fanout.tpl.nf.0": [memfd(Array("junk".utf8))]], notifier: nil, logger: log.logger)
-        TemplateHandOver(descriptors: store, logger: log.logger).adopt("nf", into: FlowTemplateState())
+        TemplateHandOver(descriptors: store, logger: log.logger).adopt("nf", into: FlowTemplateState(), setInForce: true)
         #expect(store.outcomes["flow_templates"]?[.rejected] == 1 && log.lines.withLock { $0.contains { $0.message.contains("no record of the previous process's flow templates") } })
     }
 }

@@ -145,7 +145,7 @@ struct SettingsTableTests {
         #expect(config.warnings().map(\.description) == [
             "configuration warning: listeners[0].settings.flow_templates (line 5): no effect on a relay listener (mode userspace with replies: relay)",
             "configuration warning: listeners[1].settings.flow_templates (line 13): no effect on a two-way listener (replies: nat): flow export is one-way; templates are followed on one-way listeners only",
-            "configuration warning: listeners[2].pools[0].output (line 23): with output: socket this pool's copies, template copies and replays included, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source",
+            "configuration warning: listeners[2].pools[0].output (line 23): with output: socket this pool's copies, and the templates sent to its members, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source",
         ], "\(config.warnings())")
     }
 

@@ -185,7 +185,7 @@ extension FanoutConfig {
                     warn("\(path).settings.flow_templates", "with output: socket every datagram, template copies and replays included, leaves from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
                 }
                 for (index, pool) in listener.pools.enumerated() where pool.output == .socket && listener.settings.output != .socket {
-                    warn("\(path).pools[\(index)].output", "with output: socket this pool's copies, template copies and replays included, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
+                    warn("\(path).pools[\(index)].output", "with output: socket this pool's copies, and the templates sent to its members, leave from this host's address: collectors that tell exporters apart by source address (nfcapd, nfacctd) mix their templates up; set output: preserve_source")
                 }
             }
             // The settings that depend on the listener's shape (its replies, its DNS downstreams).

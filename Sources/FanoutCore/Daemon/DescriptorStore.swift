@@ -321,8 +321,10 @@ public final class DescriptorStore: Sendable {
     /// Stores `descriptors` under `name` in place of what was stored under it before: the
     /// service manager holds them from now on (a failure is logged: the next restart then loses
     /// what arrives while no process runs). Nothing happens when not under a service manager.
-    package func replace(_ name: String, with descriptors: [Int32]) {
-        guard let notifier else { return }
+    /// - Returns: whether the service manager took them all (false when not under one).
+    @discardableResult
+    package func replace(_ name: String, with descriptors: [Int32]) -> Bool {
+        guard let notifier else { return false }
         notifier.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
         let bytes = state.withLock { state in
             state.storedNameBytes - (state.storedCounts[name] ?? 0) * (name.utf8.count + 1) + descriptors.count * (name.utf8.count + 1)
@@ -332,7 +334,7 @@ public final class DescriptorStore: Sendable {
             logger.error("not handed to the service manager: systemd gives every stored name back in one environment variable (LISTEN_FDNAMES), which the kernel limits to 128 KiB, and the next start would fail to execute; a restart loses what arrives for these while no process runs (fewer listeners' workers, or fewer relay sessions: settings.max_sessions)", metadata: [
                 "name": "\(name)", "descriptors": "\(descriptors.count)", "name_bytes": "\(bytes)",
             ])
-            return
+            return false
         }
         var problem: String?
         // SCM_RIGHTS carries at most 253 descriptors per message.
@@ -349,6 +351,7 @@ public final class DescriptorStore: Sendable {
                 "name": "\(name)", "error": "\(problem)",
             ])
         }
+        return problem == nil
     }
 
     /// The shipped unit's `FileDescriptorStoreMax=` (systemd/udp-fanout.service).

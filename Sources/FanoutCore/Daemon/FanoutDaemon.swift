@@ -221,7 +221,9 @@ public final class FanoutDaemon: Sendable {
             return made
         }
         // The previous process's templates, before the kind's threads read the state.
-        if let templates = counters.flowTemplates(listener) { templateHandOver.adopt(listener.name, into: templates) }
+        if let templates = counters.flowTemplates(listener) {
+            templateHandOver.adopt(listener.name, into: templates, setInForce: listener.mode == .tcEBPF || listener.mode == .xdp)
+        }
         // A way out that cannot work (preserve_source without CAP_NET_RAW) fails the start, named.
         do {
             // One of each family the listener sends to (a raw socket per family).

@@ -25,11 +25,16 @@ final class TemplateHandOver: Sendable {
     /// What this process stored, by listener: which state (a listener started anew has another),
     /// its hand-over version then, and the name it is under.
     private struct Written {
-        var state: ObjectIdentifier
+        var state: UInt64
         var version: UInt64
         var slot: Int
     }
     private let written = Mutex<[String: Written]>([:])
+    /// The slot of the record taken in at a listener's start: its first write goes to the other
+    /// one, so the record taken in stays whole until the new one is stored.
+    private let adopted = Mutex<[String: Int]>([:])
+    /// When storing a listener's record last failed: tried again a second later at the earliest.
+    private let failed = Mutex<[String: ContinuousClock.Instant]>([:])
     /// The next record's number: above every record taken in.
     private let sequence = Atomic<UInt64>(1)
     private let stop = StopSignal()
@@ -65,38 +70,54 @@ final class TemplateHandOver: Sendable {
     /// At `listener`'s start: the previous process's templates for it, taken in once (a reload's
     /// successor instance shares the state already): the newer of its two records that reads
     /// whole. Logged and counted (`udp_fanout_adoptions_total{kind="flow_templates"}`).
-    func adopt(_ listener: String, into state: FlowTemplateState) {
-        var records: [(number: UInt64, body: [UInt8])] = []
+    /// - Parameter setInForce: the listener is tc_ebpf or xdp, whose program kept reading the set
+    ///   the record holds.
+    func adopt(_ listener: String, into state: FlowTemplateState, setInForce: Bool) {
+        var records: [(number: UInt64, slot: Int, body: [UInt8])] = []
         var unreadable = 0
-        for name in Self.names(listener) {
+        for (slot, name) in Self.names(listener).enumerated() {
             for fd in descriptors.take(name) {
                 let bytes = Self.read(fd)
                 close(fd)
                 var input = RecordReader(bytes)
                 if input.take(Self.magic), let high = input.u32(), let low = input.u32(), let body = input.bytes(input.remaining) {
-                    records.append((UInt64(high) << 32 | UInt64(low), Array(body)))
+                    records.append((UInt64(high) << 32 | UInt64(low), slot, Array(body)))
                 } else {
                     unreadable += 1
                 }
             }
         }
         guard !records.isEmpty || unreadable > 0 else { return }
+        // This process's records are numbered above every one it was handed, read or not.
+        if let highest = records.map(\.number).max() { raiseSequence(above: highest) }
         for record in records.sorted(by: { $0.number > $1.number }) {
-            guard let (exporters, templates) = state.restore(record.body) else {
+            guard let (exporters, templates) = state.restore(record.body, setInForce: setInForce) else {
                 unreadable += 1
+                logger.warning("flow_templates: a record of the previous process's templates this version does not read: the older one is tried", metadata: [
+                    "listener": "\(listener)", "record": "\(record.number)",
+                ])
                 continue
             }
-            sequence.store(max(sequence.load(ordering: .relaxed), record.number + 1), ordering: .relaxed)
+            adopted.withLock { $0[listener] = record.slot }
             let note = "listener '\(listener)': the previous process's flow templates taken in: \(exporters) exporter(s), \(templates) template(s)"
             descriptors.count("flow_templates", .adopted, note: note)
             logger.info("flow_templates: the previous process's templates taken in: an exporter that changes collector before its next template is replayed to as before the restart", metadata: [
-                "listener": "\(listener)", "exporters": "\(exporters)", "templates": "\(templates)",
+                "listener": "\(listener)", "exporters": "\(exporters)", "templates": "\(templates)", "record": "\(record.number)",
             ])
             return
         }
         let note = "listener '\(listener)': no record of the previous process's flow templates this version reads (\(unreadable) unreadable): the exporters' next templates are learnt"
         descriptors.count("flow_templates", .rejected, unreadable, note: note)
         logger.warning("\(note)")
+    }
+
+    private func raiseSequence(above number: UInt64) {
+        var current = sequence.load(ordering: .relaxed)
+        while current <= number {
+            let (exchanged, original) = sequence.compareExchange(expected: current, desired: number &+ 1, ordering: .relaxed)
+            if exchanged { return }
+            current = original
+        }
     }
 
     /// Starts the writer (only under a service manager): a listener's templates go to the store
@@ -111,7 +132,7 @@ final class TemplateHandOver: Sendable {
                 let clock = ContinuousClock()
                 // Per listener: the state and version last seen, when it last moved, and since
                 // when a change has waited.
-                var seen: [String: (state: ObjectIdentifier, version: UInt64, moved: ContinuousClock.Instant, waiting: ContinuousClock.Instant?)] = [:]
+                var seen: [String: (state: UInt64, version: UInt64, moved: ContinuousClock.Instant, waiting: ContinuousClock.Instant?)] = [:]
                 while !stop.isSet {
                     usleep(50_000)
                     guard let self else { return }
@@ -119,7 +140,7 @@ final class TemplateHandOver: Sendable {
                     let now = clock.now
                     var due = false
                     for (listener, state) in current {
-                        let identity = ObjectIdentifier(state), version = state.handOverVersion.load(ordering: .acquiring)
+                        let identity = state.serial, version = state.handOverVersion.load(ordering: .acquiring)
                         var entry = seen[listener] ?? (identity, version, now, nil)
                         if entry.state != identity || entry.version != version { entry = (identity, version, now, entry.waiting ?? now) }
                         if self.isWritten(listener, identity, version) {
@@ -149,7 +170,7 @@ final class TemplateHandOver: Sendable {
         write(states)
     }
 
-    private func isWritten(_ listener: String, _ state: ObjectIdentifier, _ version: UInt64) -> Bool {
+    private func isWritten(_ listener: String, _ state: UInt64, _ version: UInt64) -> Bool {
         written.withLock { $0[listener].map { $0.state == state && $0.version == version } ?? false }
     }
 
@@ -165,29 +186,39 @@ final class TemplateHandOver: Sendable {
     func write(_ states: [String: FlowTemplateState]) -> Bool {
         guard descriptors.stores else { return false }
         var wrote = false
+        let now = ContinuousClock.now
         for (listener, state) in states.sorted(by: { $0.key < $1.key }) {
-            let identity = ObjectIdentifier(state)
+            let identity = state.serial
             let version = state.handOverVersion.load(ordering: .acquiring)
             let last = written.withLock { $0[listener] }
             if let last, last.state == identity, last.version == version { continue }
+            if let at = failed.withLock({ $0[listener] }), now - at < .seconds(1) { continue }
             var bytes = Self.magic
             let number = sequence.wrappingAdd(1, ordering: .relaxed).oldValue
             bytes += (0..<8).map { UInt8(truncatingIfNeeded: number >> (56 - 8 * $0)) }
             bytes += state.record()
             let fd = shim_memfd("udp-fanout.tpl")
             guard fd >= 0 else {
-                logger.warning("flow_templates: memfd_create failed: the next process does not get this listener's latest templates", metadata: ["listener": "\(listener)", "errno": "\(-fd)"])
+                failed.withLock { $0[listener] = now }
+                logger.warning("flow_templates: memfd_create failed: the next process does not get this listener's latest templates (tried again in a second)", metadata: ["listener": "\(listener)", "errno": "\(-fd)"])
                 continue
             }
             defer { close(fd) }
             guard Self.write(bytes, to: fd) else {
-                logger.warning("flow_templates: could not write the templates for the next process", metadata: ["listener": "\(listener)", "errno": "\(errno)"])
+                failed.withLock { $0[listener] = now }
+                logger.warning("flow_templates: could not write the templates for the next process (tried again in a second)", metadata: ["listener": "\(listener)", "errno": "\(errno)"])
                 continue
             }
-            // The other slot takes the new record; the one stored stays until then, whole.
+            // The other slot than the record stored (this process's last, or the one taken in)
+            // takes the new record; that one stays whole until the new one is stored.
             let names = Self.names(listener)
-            let slot = last.map { 1 - $0.slot } ?? 0
-            descriptors.replace(names[slot], with: [fd])
+            let slot = last.map { 1 - $0.slot } ?? adopted.withLock({ $0[listener] }).map { 1 - $0 } ?? (descriptors.isStored(names[0]) ? 1 : 0)
+            guard descriptors.replace(names[slot], with: [fd]) else {
+                // Said by the store; the record stored before, if any, stays.
+                failed.withLock { $0[listener] = now }
+                continue
+            }
+            failed.withLock { $0[listener] = nil }
             if descriptors.isStored(names[1 - slot]) { descriptors.remove(names[1 - slot]) }
             written.withLock { $0[listener] = Written(state: identity, version: version, slot: slot) }
             wrote = true
@@ -198,7 +229,8 @@ final class TemplateHandOver: Sendable {
             return gone
         }
         for listener in gone {
-            for name in Self.names(listener) { descriptors.remove(name) }
+            adopted.withLock { $0[listener] = nil }
+            for name in Self.names(listener) where descriptors.isStored(name) { descriptors.remove(name) }
         }
         // Taken over from the previous process but no longer following templates here.
         let kept = Set(states.keys.flatMap(Self.names))

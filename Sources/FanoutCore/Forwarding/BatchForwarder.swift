@@ -68,7 +68,7 @@ final class BatchForwarder {
     @inline(__always)
     func noteTemplates(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>) {
         guard let templates else { return }
-        templates.note(target, payload, source: source, pools: self.replicator.isEmpty ? [] : self.replicator.picks)
+        templates.note(target, payload, source: source, pools: replicator.isEmpty ? nil : replicator)
     }
 
     /// Takes the current plan if a reload or membership change replaced it (one atomic load).

@@ -42,11 +42,12 @@ extension FlowTemplateState {
     }
 
     /// Takes in what a previous process's ``record()`` wrote: its templates count as known,
-    /// not as defined here; the exporters' ports join the kernel kinds' map, and its set in
-    /// force becomes the one the next change is compared with (when this state has none yet).
+    /// not as defined here; the exporters' ports join the kernel kinds' map, and, with
+    /// `setInForce` (a tc_ebpf or xdp listener, whose program kept reading it), its set in force
+    /// becomes the one the next change is compared with (when this state has none yet).
     /// Returns the exporters and templates kept now, or nil when `bytes` is not a whole record
     /// (nothing is taken then).
-    func restore(_ bytes: [UInt8]) -> (exporters: Int, templates: Int)? {
+    func restore(_ bytes: [UInt8], setInForce: Bool = true) -> (exporters: Int, templates: Int)? {
         var input = RecordReader(bytes)
         guard input.take(Self.recordMagic), let hasPlan = input.u8(), hasPlan <= 1 else { return nil }
         var plan: KernelTemplateFollower.Plan?
@@ -73,7 +74,7 @@ extension FlowTemplateState {
         }
         kernelFollowing.withLock { following in
             for (address, port, _) in records where port != 0 && following.ports[address] == nil { following.ports[address] = port }
-            if following.plan == nil { following.plan = plan }
+            if setInForce && following.plan == nil { following.plan = plan }
         }
         generation.wrappingAdd(1, ordering: .releasing)
         handOverVersion.wrappingAdd(1, ordering: .releasing)

@@ -11,6 +11,10 @@ import Synchronization
 /// listener's counters), and what was done with them, counted.
 final class FlowTemplateState: Sendable {
     let cache = Mutex(FlowTemplateCache())
+    /// A number no other state of this process has: a listener whose option was turned off and
+    /// on again, or that was removed and added again, has a new state (``TemplateHandOver``).
+    let serial = FlowTemplateState.serials.wrappingAdd(1, ordering: .relaxed).newValue
+    private static let serials = Atomic<UInt64>(0)
     /// Flow export packets that carried templates (or withdrawals).
     let templatePackets = Atomic<UInt64>(0)
     /// Template packets sent to the other downstreams when an exporter's templates changed.
@@ -84,7 +88,16 @@ final class FlowTemplateRelay {
     /// another source, so it is another.
     struct Way: Hashable {
         let address: SocketAddress
-        let output: Output
+        /// From the exporter's address (`preserve_source`, `xdp_tx`), or from this host's (`socket`).
+        let keepsSource: Bool
+
+        init(address: SocketAddress, output: Output) {
+            self.address = address
+            keepsSource = output != .socket
+        }
+
+        /// How copies and replays leave for it.
+        var output: Output { keepsSource ? .preserveSource : .socket }
     }
 
     let state: FlowTemplateState
@@ -178,20 +191,22 @@ final class FlowTemplateRelay {
 
     /// Called for each datagram before it is appended for downstream `target` (nil: none
     /// available; its templates are still learned), after the replication pools were offered it.
-    /// - Parameter picks: what each pool did with it (``PoolReplicator/picks``; empty: no
-    ///   pools), read only for version 9 and 10 datagrams.
+    /// - Parameter replicator: the thread's replication, which was offered the datagram (its
+    ///   ``PoolReplicator/pick(_:)`` says what each pool did with it); nil: no pools.
     @inline(__always)
-    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, pools picks: @autoclosure () -> [Int] = []) {
+    func note(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, pools replicator: PoolReplicator? = nil) {
         guard payload.count >= 2, payload[0] == 0, payload[1] == 9 || payload[1] == 10 else { return }
-        learn(target, payload, source: source, picks: picks())
+        learn(target, payload, source: source, picks: replicator)
     }
 
     /// Calls `body` with each receiver of the datagram: the listener's `target`, and each pool's
-    /// member (or, for `all`, every weighted member) as `picks` say.
+    /// member (or, for `all`, every weighted member) as the replicator's picks say.
     @inline(__always)
-    private func forEachReceiver(_ target: Way?, _ picks: [Int], _ body: (Way) -> Void) {
+    private func forEachReceiver(_ target: Way?, _ picks: PoolReplicator?, _ body: (Way) -> Void) {
         if let target { body(target) }
-        for (index, pick) in picks.enumerated() where index < pools.count {
+        guard let picks else { return }
+        for index in 0..<min(pools.count, picks.poolCount) {
+            let pick = picks.pick(index)
             if pick >= 0 {
                 if pick < pools[index].members.count { body(pools[index].members[pick]) }
             } else if pick == PoolReplicator.Pick.everyMember {
@@ -200,7 +215,7 @@ final class FlowTemplateRelay {
         }
     }
 
-    private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, picks: [Int]) {
+    private func learn(_ target: Int?, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, picks: PoolReplicator?) {
         guard let ip = SocketAddress(storage: source)?.ip else { return }
         let own = target.flatMap { $0 < downstreams.count ? downstreams[$0] : nil }
         var lacking = false
@@ -262,7 +277,8 @@ final class FlowTemplateRelay {
             inform(exporter, other)
         }
         for other in downstreams { copy(to: other) }
-        for (index, pick) in picks.enumerated() where index < pools.count && pick != PoolReplicator.Pick.notTaken && pools[index].balanced {
+        guard let picks else { return }
+        for index in 0..<min(pools.count, picks.poolCount) where pools[index].balanced && picks.pick(index) != PoolReplicator.Pick.notTaken {
             for member in pools[index].members { copy(to: member) }
         }
     }

@@ -79,8 +79,12 @@ final class PoolPlan: Sendable {
     /// `sample`, by a hash of its address (the same on every worker, node and restart), so a
     /// sampled exporter's stream reaches the pool whole, templates included.
     @inline(__always)
-    func samples(_ source: UnsafePointer<sockaddr_storage>) -> Bool {
-        sample <= 1 || rplb_reduce(DownstreamSelector.sourceHash(source, seed: Self.sampleSeed), sample) == 0
+    func samples(_ source: UnsafePointer<sockaddr_storage>) -> Bool { Self.samples(source, sample) }
+
+    /// Whether a pool with `sample` takes `source` (the kernel kinds' program decides the same).
+    @inline(__always)
+    static func samples(_ source: UnsafePointer<sockaddr_storage>, _ sample: UInt32) -> Bool {
+        sample <= 1 || rplb_reduce(DownstreamSelector.sourceHash(source, seed: sampleSeed), sample) == 0
     }
 }
 

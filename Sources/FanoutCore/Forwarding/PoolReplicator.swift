@@ -25,7 +25,7 @@ final class PoolReplicator {
     private let sender: SharedSender
     /// Per pool, what ``replicate(_:source:hopLimit:)`` did with the datagram it was last
     /// offered (``Pick``): `settings.flow_templates` reads it to know which members got it.
-    private(set) var picks: [Int] = []
+    private var picks: [Int] = []
     /// `settings.flow_templates`: told of members whose copies a send dropped (they may have
     /// carried templates).
     var templates: FlowTemplateRelay?
@@ -60,6 +60,13 @@ final class PoolReplicator {
         self.output = output
         self.capacity = capacity
     }
+
+    /// How many pools ``pick(_:)`` answers for.
+    var poolCount: Int { picks.count }
+
+    /// What pool `index` did with the datagram last offered (``Pick``, or a member's index).
+    @inline(__always)
+    func pick(_ index: Int) -> Int { picks[index] }
 
     /// True when the plan has no pools (the flush has nothing to do).
     var isEmpty: Bool { pools.isEmpty }

@@ -180,7 +180,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
                 var storage = sockaddr_storage()
                 _ = SocketAddress(ip: address, port: 0).write(to: &storage)
                 return withUnsafePointer(to: &storage) { source in
-                    sources.admits(source) && (sample <= 1 || rplb_reduce(DownstreamSelector.sourceHash(source, seed: PoolPlan.sampleSeed), sample) == 0)
+                    sources.admits(source) && PoolPlan.samples(source, sample)
                 }
             }
         }
