@@ -206,6 +206,25 @@ struct FlowTemplateRelayTests {
         #expect(sinks.allSatisfy { $0.drain(quiet: .milliseconds(100)).isEmpty })
     }
 
+    /// One batch through `forwarder` as a worker forwards it: each exporter's datagram (from
+    /// port 2055) offered to the pools, to the listener's choice, and to the templates.
+    static func batch(_ forwarder: BatchForwarder, _ packet: [UInt8], from exporters: [IPAddress]) {
+        forwarder.adoptPlanIfChanged()
+        for exporter in exporters {
+            var storage = sockaddr_storage()
+            _ = SocketAddress(ip: exporter, port: 2055).write(to: &storage)
+            packet.withUnsafeBytes { payload in
+                withUnsafePointer(to: &storage) { source in
+                    forwarder.replicate(payload, source: source)
+                    let target = forwarder.pick(source)
+                    forwarder.noteTemplates(target, payload, source: source)
+                    if let target { forwarder.append(target, payload, source: source) }
+                }
+            }
+        }
+        forwarder.flush(received: exporters.count, bytesReceived: 0)
+    }
+
     @Test("Replication pools: a template change is copied to every member of a balanced pool that takes the exporter, not to a pool whose sources leave it out, nor again to an `all` pool's members (each got the datagram); a member that joins a pool is sent an exporter's templates before its data (through the forwarder, as a worker does)")
     func pools() throws {
         let sinks = try (0..<9).map { _ in try Sink() }
@@ -230,22 +249,8 @@ struct FlowTemplateRelayTests {
         let state = FlowTemplateState()
         let forwarder = BatchForwarder(listener: "t", counters: counters, plans: plans, logger: Logger(label: "test"), output: .socket, capacity: 64,
                                        templates: state, makeOutbox: Outboxes.factory(output: .socket, capacity: 64))
-        /// One batch: each exporter's datagram, through the pools and the listener's choice.
         func batch(_ packet: [UInt8], exporters: Range<Int>) {
-            forwarder.adoptPlanIfChanged()
-            for exporter in exporters {
-                var storage = sockaddr_storage()
-                _ = SocketAddress(ip: IPAddress("10.0.0.\(exporter + 1)")!, port: 2055).write(to: &storage)
-                packet.withUnsafeBytes { payload in
-                    withUnsafePointer(to: &storage) { source in
-                        forwarder.replicate(payload, source: source)
-                        let target = forwarder.pick(source)
-                        forwarder.noteTemplates(target, payload, source: source)
-                        if let target { forwarder.append(target, payload, source: source) }
-                    }
-                }
-            }
-            forwarder.flush(received: exporters.count, bytesReceived: 0)
+            Self.batch(forwarder, packet, from: exporters.map { IPAddress("10.0.0.\($0 + 1)")! })
         }
         batch(Self.v9(template: true, data: true), exporters: 0..<20)
         var got = sinks.map { $0.drain(quiet: .milliseconds(150)).count }
@@ -284,20 +289,7 @@ struct FlowTemplateRelayTests {
         let state = FlowTemplateState()
         let forwarder = BatchForwarder(listener: "t", counters: counters, plans: plans, logger: Logger(label: "test"), output: .socket, capacity: 64,
                                        templates: state, makeOutbox: Outboxes.factory(output: .socket, capacity: 64))
-        func send(_ packet: [UInt8]) {
-            forwarder.adoptPlanIfChanged()
-            var storage = sockaddr_storage()
-            _ = SocketAddress(ip: IPAddress("127.0.0.9")!, port: 2055).write(to: &storage)
-            packet.withUnsafeBytes { payload in
-                withUnsafePointer(to: &storage) { source in
-                    forwarder.replicate(payload, source: source)
-                    let target = forwarder.pick(source)
-                    forwarder.noteTemplates(target, payload, source: source)
-                    if let target { forwarder.append(target, payload, source: source) }
-                }
-            }
-            forwarder.flush(received: 1, bytesReceived: 0)
-        }
+        func send(_ packet: [UInt8]) { Self.batch(forwarder, packet, from: [IPAddress("127.0.0.9")!]) }
         send(Self.v9(template: true, data: true))
         #expect(sinks.map { $0.drain(quiet: .milliseconds(150)).count } == [1, 1], "each way its datagram")
         // The pool's member is now the listener's own collector, reached from the exporter's address.
