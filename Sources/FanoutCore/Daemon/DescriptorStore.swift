@@ -33,7 +33,7 @@ import SystemCalls
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
 ///   maps and nat listeners' association maps, taken over by a program of the same layout;
 /// - `udp-fanout.tpl.<listener>`: a memfd with a `flow_templates` listener's templates
-///   (``TemplateHandOver``);
+///   (`TemplateHandOver`);
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
 ///   last ran or stopped, for the successor's log line and `/status`.
 public final class DescriptorStore: Sendable {
