@@ -143,7 +143,8 @@ final class AFXDPListener: RunningListener {
         // An xdp listener's link the previous process left here (the interface changed kind):
         // it goes first, or it would count as another program.
         descriptors?.closeHandedOver(DescriptorStore.xdpLinkName(interface), kind: Mode.xdp.rawValue,
-                                     why: "the previous process's xdp link at \(interface), where this configuration runs af_xdp")
+                                     why: "the previous process's xdp link at \(interface), where this configuration runs af_xdp",
+                                     close: XDPAttachment.detach(link:))
         do {
             attachment = try XDPAttachment.attach(program, interface: interface, mode: settings.xdpMode, logger: logger)
         } catch {

@@ -511,10 +511,12 @@ public final class DescriptorStore: Sendable {
 
     /// Closes what was handed over under `name` and takes it out of the store (counted unused,
     /// logged with `why`): a previous process's descriptor this one must not keep.
-    package func closeHandedOver(_ name: String, kind: String, why: String) {
+    /// - Parameter close: how each descriptor goes (a link: detached first, so it is gone at
+    ///   once, not when the service manager reads the removal and drops its copy).
+    package func closeHandedOver(_ name: String, kind: String, why: String, close closing: (Int32) -> Void = { _ = close($0) }) {
         let fds = take(name)
         guard !fds.isEmpty else { return }
-        for fd in fds { close(fd) }
+        for fd in fds { closing(fd) }
         remove(name)
         let note = "\(name): \(why): closed"
         count(kind, .unused, fds.count, note: note)

@@ -1006,6 +1006,10 @@ final class TCListener: RunningListener {
         let state: PoolLive
         /// The pool as flow_templates' follower sees it (its set, `sample` and `sources`).
         let following: KernelTemplateFollower.Plan.Pool
+        /// Members this change takes out, with their counter slots: the set in force sends them
+        /// copies until the flip, so their last counts are read after it (and the slots are not
+        /// given to a new member in the same change).
+        let leaving: [String: UInt16]
     }
 
     /// Writes each pool's members (the inactive generation of its set, with counter slots) and
@@ -1032,8 +1036,8 @@ final class TCListener: RunningListener {
             let inSet = everyMember ? members.filter { $0.weight > 0 } : members
             let wanted = Set(members.map(\.name))
             var slots = state.slots.filter { wanted.contains($0.key) || keeping.contains($0.key) }
-            for name in state.slots.keys where slots[name] == nil { state.seenMembers[name] = nil }
-            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !slots.values.contains($0) }.reversed().map { $0 }
+            let leaving = state.slots.filter { slots[$0.key] == nil }
+            var free = (0..<UInt16(FANOUT_MAX_BACKENDS)).filter { !slots.values.contains($0) && !leaving.values.contains($0) }.reversed().map { $0 }
             for member in members where slots[member.name] == nil {
                 guard let slot = free.popLast() else { break }
                 program.zeroPerCPU(program.backendStats, key: state.id * UInt32(FANOUT_MAX_BACKENDS) + UInt32(slot), as: fanout_backend_stats.self)
@@ -1060,7 +1064,7 @@ final class TCListener: RunningListener {
             let following = KernelTemplateFollower.Plan.Pool(
                 set: .init(set, downstreams: inSet.map(\.address), sourceIP: !everyMember && balancing == .sourceIP),
                 sample: UInt32(pool.sample), prefixes: pool.sources)
-            prepared.append(PreparedPool(name: pool.name, record: record, state: state, following: following))
+            prepared.append(PreparedPool(name: pool.name, record: record, state: state, following: following, leaving: leaving))
         }
         return prepared
     }
@@ -1073,7 +1077,11 @@ final class TCListener: RunningListener {
             if let previous = live.pools[pool.name], let generation = previous.generation {
                 program.clearPoolSources(key: previous.id * 2 + generation)
             }
-            kept[pool.name] = pool.state
+            var state = pool.state
+            // What the members taken out were sent until the flip, to their counters.
+            pumpMembers(pool.name, pool.leaving, &state)
+            for name in pool.leaving.keys { state.seenMembers[name] = nil }
+            kept[pool.name] = state
         }
         for (name, var gone) in live.pools where kept[name] == nil {
             releasePool(name, &gone)
@@ -1112,7 +1120,14 @@ final class TCListener: RunningListener {
         counters.addDrops("no_healthy", since(now.noHealthy, before.noHealthy))
         counters.addDrops(DropReason.ttlExpired.rawValue, since(now.ttlExpired, before.ttlExpired))
         pool.seen = now
-        for (member, slot) in pool.slots {
+        pumpMembers(name, pool.slots, &pool)
+    }
+
+    /// Adds what `members`' counter slots counted since the last time to their metrics.
+    private func pumpMembers(_ name: String, _ members: [String: UInt16], _ pool: inout PoolLive) {
+        let counters = self.counters.pool(name)
+        func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
+        for (member, slot) in members {
             let counted = program.memberStats(id: pool.id, slot: slot)
             let seen = pool.seenMembers[member] ?? MemberTally()
             let memberCounters = counters.member(member)

@@ -95,7 +95,9 @@ final class XDPFront: Sendable {
             ])
             return attachment
         } catch {
-            Glibc.close(link)
+            // Detached now: the program attached anew next must not meet it on the hook while
+            // the service manager still holds its copy.
+            XDPAttachment.detach(link: link)
             descriptors.remove(name)
             descriptors.count(Mode.xdp.rawValue, .rejected, note: "\(error)")
             logger.warning("\(error)", metadata: ["interface": "\(interface)"])

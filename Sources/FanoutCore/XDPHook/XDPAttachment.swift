@@ -217,14 +217,27 @@ final class XDPAttachment: @unchecked Sendable {  // the link descriptor is guar
     }
 
     /// Detaches (closes the link; `quietly`: another copy keeps it attached, no log line). Idempotent.
+    /// - Parameter quietly: the service manager's store keeps a copy of the link for the next
+    ///   process (a stop that hands over): only this descriptor closes. Otherwise the link is
+    ///   detached first (BPF_LINK_DETACH): the program leaves the hook now, even while the store
+    ///   still holds a copy it was told to drop (it closes it when it reads that), so another XDP
+    ///   program can be attached at once.
     func detach(quietly: Bool = false) {
         let closed = link.withLock { fd -> Bool in
             guard fd >= 0 else { return false }
+            if !quietly { _ = bpf_link_detach(fd) }
             close(fd)
             fd = -1
             return true
         }
         if closed && !quietly { logger.info("detached XDP program", metadata: ["interface": "\(interface)"]) }
+    }
+
+    /// Detaches the XDP link `fd` (a handed-over one this process does not keep) and closes it:
+    /// its program leaves the hook now, whoever else still holds the link.
+    static func detach(link fd: Int32) {
+        _ = bpf_link_detach(fd)
+        close(fd)
     }
 
     deinit { detach() }
