@@ -366,7 +366,8 @@ struct KubernetesDiscoveryTests {
         try await KubernetesAPIServer.with { server in
             server.apply(.init(name: "syslog-1", service: "syslog", endpoints: [.init(address: "198.18.0.1", pod: "pod-1")]))
             try await Self.watch(server, token: "wrong") { watcher, updates, log in
-                #expect(await server.eventually { watcher.errorCount("unauthorized") >= 3 })
+                // The error is counted, then logged: both, for each of the three.
+                #expect(await server.eventually { watcher.errorCount("unauthorized") >= 3 && log.count(.error, containing: "HTTP 401") >= 3 })
                 #expect(updates.sets.isEmpty)
                 #expect(log.count(.error, containing: "HTTP 401") >= 3)
                 let metrics = watcher.metricsText()
@@ -388,7 +389,8 @@ struct KubernetesDiscoveryTests {
             let credentials = try KubernetesCredentials.load(environment: ["KUBECONFIG": path])
             #expect(credentials.authentication == .token("wrong"))
             try await Self.watch(server, credentials: credentials) { watcher, updates, log in
-                #expect(await server.eventually { watcher.errorCount("unauthorized") >= 3 })
+                // The error is counted, then logged: both, for each of the three.
+                #expect(await server.eventually { watcher.errorCount("unauthorized") >= 3 && log.count(.error, containing: "HTTP 401") >= 3 })
                 #expect(updates.sets.isEmpty)
                 #expect(log.count(.error, containing: "HTTP 401") >= 3)
                 try server.writeKubeconfig(to: path)
