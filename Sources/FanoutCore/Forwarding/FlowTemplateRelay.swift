@@ -119,7 +119,7 @@ final class FlowTemplateRelay {
     static let maximumExporters = 65_536
     /// The listener's own downstreams, as receivers.
     private var downstreams: [Way] = []
-    /// The plan's replication pools, in its order (``PoolReplicator/picks`` index them): each
+    /// The plan's replication pools, in its order (``PoolReplicator/pick(_:)`` indexes them): each
     /// member as a receiver, those an `all` pool copies to, and whether one member takes a datagram.
     private var pools: [(members: [Way], every: [Way], balanced: Bool)] = []
     /// Every receiver of the plan, with the downstream it sends to.
