@@ -108,6 +108,11 @@ long shim_receive_with_descriptors(int fd, void *data, size_t length, int *descr
 /* memfd_create(2) with MFD_CLOEXEC: Glibc hides it without _GNU_SOURCE. The descriptor, or -errno. */
 int shim_memfd(const char *name);
 
+/* A 64-bit store and load another process may read after this one died (crash ledger, a memfd
+ * mapped shared): atomic, so no store is torn, split or elided; relaxed, nothing is ordered. */
+static inline void shim_store_shared_u64(uint64_t *address, uint64_t value) { __atomic_store_n(address, value, __ATOMIC_RELAXED); }
+static inline uint64_t shim_load_shared_u64(const uint64_t *address) { return __atomic_load_n(address, __ATOMIC_RELAXED); }
+
 /* SKF_NET_OFF is defined as an expression Swift does not import. */
 static inline int32_t shim_skf_net_off(void) { return SKF_NET_OFF; }
 static inline int32_t shim_skf_ad_random(void) { return SKF_AD_OFF + SKF_AD_RANDOM; }

@@ -53,7 +53,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         self.counters = counters
         self.afxdp = afxdp
         self.logger = logger
-        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)"])
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)"],
+                           ledger: counters.ledger?.claim(listener: listener.name))
         batch = max(1, listener.settings.batchSize)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize,
@@ -84,6 +85,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
         ])
         loop.run(self)
+        loop.ledger?.release()
     }
 
     /// Grows at every idle wait and every batch (the path check's heartbeat).

@@ -136,6 +136,9 @@ public final class FanoutDaemon: Sendable {
     /// `settings.flow_templates` across a restart: each listener's templates in the service
     /// manager's store.
     let templateHandOver: TemplateHandOver
+    /// Where the forwarding threads note what they hold, so the next process counts what a crash
+    /// took (``CrashLedger``); nil when no service manager keeps descriptors.
+    let crashLedger: CrashLedger?
     /// What kinds keep across a listener's instances (af_xdp: its ring and XDP counters).
     private let kept = KeptState()
     /// Serialises every change of the running listeners: reloads and membership updates.
@@ -176,6 +179,7 @@ public final class FanoutDaemon: Sendable {
         state = Mutex(State(config: config))
         kinds = ListenerKinds(logger: logger, descriptors: self.descriptors)
         templateHandOver = TemplateHandOver(descriptors: self.descriptors, logger: logger)
+        crashLedger = CrashLedger.open(descriptors: self.descriptors, logger: logger)
         let link = HealthLink()
         health = HealthChecker(policy: HealthPolicy(config.health), probing: config.health.enabled, logger: logger) { target, up in link.forward(target, up) }
         link.connect { [weak self] target, up in self?.healthChanged(target, up: up) }
@@ -207,6 +211,7 @@ public final class FanoutDaemon: Sendable {
         kinds.tc.completeAdoptions()
         // Handed over for a bind this configuration does not have: closed, counted, logged.
         descriptors.closeUnused()
+        crashLedger?.reportUnclaimed()
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see
@@ -214,11 +219,17 @@ public final class FanoutDaemon: Sendable {
     func makeListener(_ listener: Listener) throws(DaemonError) -> any RunningListener {
         // Here, not in the transaction: a rollback's restart of the old instance is a start too.
         try failIfInjected(.start, listener.name)
+        let ledger = crashLedger
         let counters = state.withLock { state in
             if let existing = state.counters[listener.name], existing.mode == listener.mode.rawValue { return existing }
-            let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue)
+            let made = ListenerCounters(name: listener.name, mode: listener.mode.rawValue, ledger: ledger)
             state.counters[listener.name] = made
             return made
+        }
+        // What the previous process's threads of this listener held when it crashed.
+        if let held = crashLedger?.takeInherited(listener.name) {
+            counters.drop(.crash, held.requests)
+            if held.replies > 0 { counters.relayCounters().crash.wrappingAdd(held.replies, ordering: .relaxed) }
         }
         // The previous process's templates, before the kind's threads read the state.
         if let templates = counters.flowTemplates(listener) {

@@ -63,11 +63,16 @@ final class ReceiveLoop: Sendable {
     private let metadata: Logger.Metadata
     /// Receive failures since the last "receive failed" line, and when that line was logged.
     private let failures = Mutex<(count: Int, lastLine: ContinuousClock.Instant?)>((0, nil))
+    /// Where the thread notes the batch it holds between receive and forward (``CrashLedger``):
+    /// what a crash takes is counted by the next process. The thread releases it when it ends.
+    let ledger: CrashLedger.Slot?
 
     /// - Parameters:
     ///   - stop: ends the loop (after the stop drain).
     ///   - metadata: the thread's log identity (listener, worker), on the loop's own log lines.
-    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata, drainLimit: Duration = .seconds(1)) {
+    ///   - ledger: the thread's slot in the crash ledger; nil: none.
+    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata, drainLimit: Duration = .seconds(1), ledger: CrashLedger.Slot? = nil) {
+        self.ledger = ledger
         self.stop = stop
         self.drainLimit = drainLimit
         self.logger = logger
@@ -132,7 +137,9 @@ final class ReceiveLoop: Sendable {
             batches += 1
             progress.wrappingAdd(1, ordering: .relaxed)
             body.adoptPlanIfChanged()
+            ledger?.holding(count)
             body.forward(count)
+            ledger?.holding(0)
             if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }
         }
         return .budgetSpent

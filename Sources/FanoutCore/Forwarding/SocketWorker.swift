@@ -41,7 +41,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.listener = listener
         self.counters = counters
         self.logger = logger
-        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"], drainLimit: drainLimit)
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"], drainLimit: drainLimit,
+                           ledger: counters.ledger?.claim(listener: listener.name))
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize, templates: templates,
@@ -65,6 +66,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         loop.run(self)
         drops.read(member, into: counters)
         receivingNow.store(false, ordering: .relaxed)
+        loop.ledger?.release()
         member.leave()
     }
 

@@ -25,6 +25,9 @@ package enum DropReason: String, CaseIterable, Sendable {
     case familyMismatch = "family_mismatch"
     /// replies relay: a new client while `settings.max_sessions` sessions are open.
     case tableFull = "table_full"
+    /// Read by a process that then ended without a stop (kill -9, a fatal signal) before it sent
+    /// them: counted by the next process at the listener's start (``CrashLedger``).
+    case crash
 }
 
 /// Why a reply (downstream to client) of a two-way listener was not sent on.
@@ -50,6 +53,9 @@ package enum ReplyDropReason: String, CaseIterable, Sendable {
     /// A reply from a downstream that left the set (reload, health, discovery) more than
     /// `settings.drain_secs` ago: its clients have other downstreams now.
     case drained
+    /// relay: staged for its client by a process that then ended without a stop before it sent
+    /// it: counted by the next process at the listener's start (``CrashLedger``).
+    case crash
 }
 
 /// What happened to the associations (nat) or sessions (relay) of a two-way listener.
@@ -128,6 +134,11 @@ package final class ListenerCounters: Sendable {
     let modeMetrics = Mutex<(@Sendable () -> String)?>(nil)
     let familyMismatch = Atomic<UInt64>(0)
     let tableFull = Atomic<UInt64>(0)
+    /// What the previous process held when it crashed (``CrashLedger``), counted at the first start.
+    let crash = Atomic<UInt64>(0)
+    /// The crash ledger this listener's forwarding threads note what they hold in; nil: none
+    /// (no service manager keeps descriptors).
+    let ledger: CrashLedger?
     /// A two-way listener's reply side, for listeners whose counters are the atomics above
     /// (userspace relay); nil: one way, or inside the external snapshot.
     let twoWaySource = Mutex<(@Sendable () -> TwoWaySnapshot)?>(nil)
@@ -151,9 +162,10 @@ package final class ListenerCounters: Sendable {
         var stopped = Snapshot.zero
     }
 
-    init(name: String, mode: String) {
+    init(name: String, mode: String, ledger: CrashLedger? = nil) {
         self.name = name
         self.mode = mode
+        self.ledger = ledger
     }
 
     func add(_ counter: borrowing Atomic<UInt64>, _ value: UInt64) {
@@ -170,6 +182,7 @@ package final class ListenerCounters: Sendable {
         case .familyMismatch: add(familyMismatch, count)
         case .ttlExpired: add(ttlExpired, count)
         case .tableFull: add(tableFull, count)
+        case .crash: add(crash, count)
         case .noRoute, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -291,6 +304,7 @@ package final class ListenerCounters: Sendable {
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
             .noRoute: 0, .ttlExpired: ttlExpired.load(ordering: .relaxed), .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
             .familyMismatch: familyMismatch.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
+            .crash: crash.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

@@ -63,6 +63,8 @@ final class RelayCounters: Sendable {
     let downstreamUnreachable = Atomic<UInt64>(0)
     /// A reply read on a draining socket after `settings.drain_secs` (``DrainingSocket``).
     let drained = Atomic<UInt64>(0)
+    /// Replies the previous process had staged when it crashed (``CrashLedger``).
+    let crash = Atomic<UInt64>(0)
     let created = Atomic<UInt64>(0)
     let moved = Atomic<UInt64>(0)
     let expired = Atomic<UInt64>(0)
@@ -93,6 +95,7 @@ final class RelayCounters: Sendable {
             .tooLarge: replyTooLarge.load(ordering: .relaxed),
             .downstreamUnreachable: downstreamUnreachable.load(ordering: .relaxed),
             .drained: drained.load(ordering: .relaxed),
+            .crash: crash.load(ordering: .relaxed),
         ]
         snapshot.associations = UInt64(max(0, sessions.open.load(ordering: .relaxed)))
         snapshot.events = [

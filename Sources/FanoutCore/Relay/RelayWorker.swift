@@ -125,7 +125,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.logger = logger
         replicator = PoolReplicator(listener: listener.name, counters: counters, logger: logger, output: listener.settings.output,
                                     capacity: listener.settings.batchSize, sender: SharedSender(capacity: listener.settings.batchSize, logger: logger))
-        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+        loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"],
+                           ledger: counters.ledger?.claim(listener: listener.name))
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
         let batch = listener.settings.batchSize
@@ -204,6 +205,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         closeEverySession()
         storePending(waiting: true)
         for socket in inherited { socket.leave() }
+        loop.ledger?.release()
         member.leave()
         ring = nil
     }
@@ -612,6 +614,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             stagedMessages += 1
         }
         stagedRuns.append((session, counter, stagedMessages))
+        loop.ledger?.holdingReplies(stagedMessages)
     }
 
     /// Sends the staged replies to their clients (sendmmsg on the listener socket), counts them,
@@ -662,6 +665,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         stagedRuns.removeAll(keepingCapacity: true)
         stagedMessages = 0
         replySlotsUsed = 0
+        loop.ledger?.holdingReplies(0)
     }
 
     // MARK: Idle and stop

@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+import CSystemShim
+import Logging
+import Synchronization
+
+/// What a crash takes with it, counted. Every forwarding thread (userspace and relay workers,
+/// af_xdp queue forwarders and their companion's workers) notes in shared memory how many
+/// datagrams it holds between its receive and its send, and a relay worker also the replies it
+/// has staged for its clients. The memory is a memfd in the service manager's store
+/// (`udp-fanout.ledger`): after a crash (kill -9, a fatal signal, the watchdog's abort) the next
+/// process reads what each thread held when it died, counts it dropped with reason `crash` on the
+/// listener of the same name (replies: reply drop reason `crash`), and logs it. A clean stop
+/// leaves every slot empty: the threads finish their batches before they end.
+///
+/// Layout: a header slot (magic, slot count), then ``slotCount`` slots of ``slotBytes`` bytes,
+/// each its own cache lines: requests held, replies held, the FNV-1a hash of the listener's name
+/// (0: a free slot), the name's length, and its first ``nameBytes`` bytes.
+package final class CrashLedger: @unchecked Sendable {
+    package static let storeName = "udp-fanout.ledger"
+    /// "UFLEDG01", little endian.
+    static let magic: UInt64 = 0x3130_4744_454c_4655
+    static let slotBytes = 128
+    /// Threads one process can note at once: more (1,024 workers and queues) run without a slot,
+    /// said once.
+    static let slotCount = 1024
+    static let nameBytes = slotBytes - 32
+    static var totalBytes: Int { slotBytes * (slotCount + 1) }
+
+    /// What the previous process's threads of one listener held when it ended.
+    package struct Held: Equatable, Sendable {
+        package var requests: UInt64 = 0
+        package var replies: UInt64 = 0
+    }
+
+    /// One thread's place in the ledger, from ``claim(listener:)`` to ``release()``.
+    package final class Slot: @unchecked Sendable {
+        private let words: UnsafeMutablePointer<UInt64>
+        private let index: Int
+        private let ledger: CrashLedger
+        private let released = Atomic<Bool>(false)
+
+        fileprivate init(words: UnsafeMutablePointer<UInt64>, index: Int, ledger: CrashLedger) {
+            self.words = words
+            self.index = index
+            self.ledger = ledger
+        }
+
+        /// The thread holds `count` datagrams it received and has not yet sent or counted.
+        @inline(__always)
+        package func holding(_ count: Int) { shim_store_shared_u64(words, UInt64(truncatingIfNeeded: count)) }
+
+        /// The thread holds `count` replies staged for its clients (relay).
+        @inline(__always)
+        package func holdingReplies(_ count: Int) { shim_store_shared_u64(words + 1, UInt64(truncatingIfNeeded: count)) }
+
+        /// The thread ends: the slot is empty and free for another. Idempotent.
+        package func release() {
+            guard !released.exchange(true, ordering: .relaxed) else { return }
+            ledger.free(index, words)
+        }
+
+        deinit { release() }
+    }
+
+    private let fd: Int32
+    private let base: UnsafeMutableRawPointer
+    private let logger: Logger
+    private let freeSlots: Mutex<[Int]>
+    private let inherited: Mutex<[String: Held]>
+    private let fullSaid = Atomic<Bool>(false)
+
+    private init(fd: Int32, base: UnsafeMutableRawPointer, inherited: [String: Held], logger: Logger) {
+        self.fd = fd
+        self.base = base
+        self.logger = logger
+        self.inherited = Mutex(inherited)
+        freeSlots = Mutex(Array((1...Self.slotCount).reversed()))
+    }
+
+    deinit {
+        munmap(base, Self.totalBytes)
+        close(fd)
+    }
+
+    /// The ledger of this process: the previous process's, taken over from the store (what its
+    /// threads held is read out first, then every slot is emptied), else a new one stored there.
+    /// nil when no service manager keeps descriptors (nothing would outlive a crash) or the
+    /// memory cannot be had (logged: crash losses go uncounted).
+    package static func open(descriptors: DescriptorStore, logger: Logger) -> CrashLedger? {
+        guard descriptors.stores else { return nil }
+        for fd in descriptors.take(storeName) {
+            if let base = map(fd, checking: true) {
+                let held = readOut(base)
+                return CrashLedger(fd: fd, base: base, inherited: held, logger: logger)
+            }
+            close(fd)
+            descriptors.remove(storeName)
+            descriptors.count("ledger", .rejected, note: "\(storeName): not a ledger this version reads (another size or layout): a crash of the previous process went uncounted, if it crashed")
+            logger.warning("the previous process's crash ledger is not one this version reads: if it crashed, what its threads held goes uncounted")
+        }
+        let fd = shim_memfd(storeName)
+        guard fd >= 0 else {
+            logger.warning("memfd_create failed: datagrams a crash takes with it will not be counted by the next process", metadata: ["errno": "\(-fd)"])
+            return nil
+        }
+        guard ftruncate(fd, off_t(totalBytes)) == 0, let base = map(fd, checking: false) else {
+            logger.warning("the crash ledger could not be sized or mapped: datagrams a crash takes with it will not be counted by the next process", metadata: ["errno": "\(errno)"])
+            close(fd)
+            return nil
+        }
+        base.storeBytes(of: magic, as: UInt64.self)
+        base.storeBytes(of: UInt64(slotCount), toByteOffset: 8, as: UInt64.self)
+        _ = descriptors.replace(storeName, with: [fd])
+        return CrashLedger(fd: fd, base: base, inherited: [:], logger: logger)
+    }
+
+    /// Maps the ledger in `fd`; with `checking`, only one of this layout.
+    private static func map(_ fd: Int32, checking: Bool) -> UnsafeMutableRawPointer? {
+        if checking {
+            var status = stat()
+            guard fstat(fd, &status) == 0, Int(status.st_size) == totalBytes else { return nil }
+        }
+        guard let base = mmap(nil, totalBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0), base != MAP_FAILED else { return nil }
+        if checking {
+            let words = base.assumingMemoryBound(to: UInt64.self)
+            guard shim_load_shared_u64(words) == magic, shim_load_shared_u64(words + 1) == UInt64(slotCount) else {
+                munmap(base, totalBytes)
+                return nil
+            }
+        }
+        return base
+    }
+
+    /// What each listener's threads held, by name; every slot emptied.
+    private static func readOut(_ base: UnsafeMutableRawPointer) -> [String: Held] {
+        var held: [String: Held] = [:]
+        for index in 1...slotCount {
+            let words = (base + index * slotBytes).assumingMemoryBound(to: UInt64.self)
+            let hash = shim_load_shared_u64(words + 2)
+            if hash != 0 {
+                let requests = shim_load_shared_u64(words)
+                let replies = shim_load_shared_u64(words + 1)
+                let length = min(Int(shim_load_shared_u64(words + 3)), nameBytes)
+                let name = String(decoding: UnsafeRawBufferPointer(start: UnsafeRawPointer(words + 4), count: length), as: UTF8.self)
+                if requests > 0 || replies > 0 {
+                    held[name, default: Held()].requests &+= requests
+                    held[name, default: Held()].replies &+= replies
+                }
+            }
+            for word in 0..<4 { shim_store_shared_u64(words + word, 0) }
+        }
+        return held
+    }
+
+    /// A slot for a thread of `listener`; nil when every slot is taken (said once).
+    package func claim(listener: String) -> Slot? {
+        guard let index = freeSlots.withLock({ $0.popLast() }) else {
+            if !fullSaid.exchange(true, ordering: .relaxed) {
+                logger.warning("more forwarding threads than the crash ledger's \(Self.slotCount) slots: what the others hold at a crash goes uncounted", metadata: ["listener": "\(listener)"])
+            }
+            return nil
+        }
+        let words = (base + index * Self.slotBytes).assumingMemoryBound(to: UInt64.self)
+        let name = Array(listener.utf8.prefix(Self.nameBytes))
+        shim_store_shared_u64(words, 0)
+        shim_store_shared_u64(words + 1, 0)
+        shim_store_shared_u64(words + 3, UInt64(name.count))
+        UnsafeMutableRawPointer(words + 4).copyMemory(from: name, byteCount: name.count)
+        // Last: a slot counts as a thread's once its name is whole.
+        shim_store_shared_u64(words + 2, Self.hash(listener))
+        return Slot(words: words, index: index, ledger: self)
+    }
+
+    fileprivate func free(_ index: Int, _ words: UnsafeMutablePointer<UInt64>) {
+        shim_store_shared_u64(words + 2, 0)
+        shim_store_shared_u64(words, 0)
+        shim_store_shared_u64(words + 1, 0)
+        freeSlots.withLock { $0.append(index) }
+    }
+
+    /// What the previous process's threads of `listener` held when it ended, once (the
+    /// listener's first start counts it); logged when anything.
+    package func takeInherited(_ listener: String) -> Held? {
+        let key = String(decoding: listener.utf8.prefix(Self.nameBytes), as: UTF8.self)
+        guard let held = inherited.withLock({ $0.removeValue(forKey: key) }) else { return nil }
+        logger.warning("the previous process ended without a stop holding datagrams it had read and not yet sent: counted dropped, reason crash", metadata: [
+            "listener": "\(listener)", "datagrams": "\(held.requests)", "replies": "\(held.replies)",
+        ])
+        return held
+    }
+
+    /// After the first start: what the previous process held for listeners this configuration
+    /// does not have (logged: no listener to count it on).
+    package func reportUnclaimed() {
+        let left = inherited.withLock { left in
+            defer { left = [:] }
+            return left
+        }
+        for (listener, held) in left.sorted(by: { $0.key < $1.key }) {
+            logger.warning("the previous process ended without a stop holding datagrams of a listener this configuration does not have: lost, counted nowhere else", metadata: [
+                "listener": "\(listener)", "datagrams": "\(held.requests)", "replies": "\(held.replies)",
+            ])
+        }
+    }
+
+    /// FNV-1a of the name, never 0 (0 marks a free slot).
+    static func hash(_ name: String) -> UInt64 {
+        var hash: UInt64 = 0xcbf2_9ce4_8422_2325
+        for byte in name.utf8 { hash = (hash ^ UInt64(byte)) &* 0x100_0000_01b3 }
+        return hash == 0 ? 1 : hash
+    }
+
+    /// The slots in use now (tests).
+    package var claimedSlots: Int { Self.slotCount - freeSlots.withLock { $0.count } }
+}
