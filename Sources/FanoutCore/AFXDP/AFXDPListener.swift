@@ -74,6 +74,7 @@ final class AFXDPListener: RunningListener {
     /// UMEM bytes the running af_xdp listeners of this process hold (RLIMIT_MEMLOCK counts them all).
     static let registeredUMEM = Atomic<Int>(0)
     private let umemBytes: Int
+    private let descriptors: DescriptorStore?
 
     /// - Parameter descriptors: the service manager's store: the companion's sockets go there (a
     ///   restart or crash: the XDP program detaches with the process, and what the kernel then
@@ -85,6 +86,7 @@ final class AFXDPListener: RunningListener {
         self.afxdp = afxdp
         self.logger = logger
         self.passiveHealth = passiveHealth
+        self.descriptors = descriptors
         let settings = config.settings
         let interface = config.interface ?? ""
         let capabilities = Capabilities.current()
@@ -159,6 +161,13 @@ final class AFXDPListener: RunningListener {
         xsk.zeroCopy = attachment.attachedMode == .generic && settings.zeroCopy == .auto ? .off : settings.zeroCopy
         xsk.busyPoll = settings.busyPoll
         xsk.batchSize = settings.batchSize
+        let makeOutbox = Outboxes.factory(output: settings.output, capacity: settings.batchSize)
+        // A previous process that crashed left its sockets in the store: what their RX rings hold
+        // goes out first (it came before what waits in the companion), and the queues are freed.
+        if let descriptors {
+            Self.readOut(descriptors, interface: interface, ifindex: ifindex, config: config, counters: counters, afxdp: afxdp, plans: plans,
+                         logger: logger, makeOutbox: makeOutbox)
+        }
         var made: [XSKSocket] = []
         for queue in 0..<UInt32(queueCount) {
             do {
@@ -171,7 +180,15 @@ final class AFXDPListener: RunningListener {
         }
         sockets = made
         Self.registeredUMEM.wrappingAdd(umemBytes, ordering: .relaxed)
-        let makeOutbox = Outboxes.factory(output: settings.output, capacity: settings.batchSize)
+        // In the store, a crash leaves what the rings hold to the next process (a clean stop
+        // drains them and takes them out).
+        if let descriptors, descriptors.stores {
+            for socket in made {
+                let names = DescriptorStore.xskNames(interface, queue: socket.queue)
+                _ = descriptors.replace(names.socket, with: [socket.fd])
+                _ = descriptors.replace(names.umem, with: [socket.umemFD])
+            }
+        }
         let (plans, stop) = (self.plans, self.stop)
         forwarders = made.map { socket in
             AFXDPForwarder(queue: socket.queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
@@ -247,6 +264,14 @@ final class AFXDPListener: RunningListener {
         for thread in threads { thread.join() }
         afxdp.retire(instance)
         attachment.detach()
+        // Drained: nothing for a successor to read out.
+        if let descriptors, descriptors.stores {
+            for socket in sockets {
+                let names = DescriptorStore.xskNames(config.interface ?? "", queue: socket.queue)
+                descriptors.remove(names.socket)
+                descriptors.remove(names.umem)
+            }
+        }
         for socket in sockets { socket.close() }
         Self.registeredUMEM.wrappingSubtract(umemBytes, ordering: .relaxed)
         program.closeDescriptors()
@@ -256,5 +281,64 @@ final class AFXDPListener: RunningListener {
     func shutdown() {
         releaseInterface()
         companion.shutdown()
+    }
+
+    /// Reads out the AF_XDP sockets a previous process left in the store at `interface` (it
+    /// ended without a stop): each one's RX ring is forwarded by a forwarder of its own under
+    /// this listener's plan, what its TX ring holds is sent, then it is closed and taken out of
+    /// the store, so the queue can be bound anew. Logged and counted
+    /// (`udp_fanout_adoptions_total{kind="af_xdp"}`); one that cannot be mapped is closed,
+    /// counted rejected.
+    private static func readOut(_ descriptors: DescriptorStore, interface: String, ifindex: UInt32, config: Listener, counters: ListenerCounters,
+                                afxdp: AFXDPCounters, plans: PlanHolder, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
+        let prefix = DescriptorStore.xskNames(interface, queue: 0).socket.dropLast(1)
+        for (name, fds) in descriptors.takeAll(prefix: String(prefix)).sorted(by: { $0.key < $1.key }) {
+            guard let queue = UInt32(name.dropFirst(prefix.count)), let socketFD = fds.first else {
+                for fd in fds { close(fd) }
+                descriptors.remove(name)
+                continue
+            }
+            for fd in fds.dropFirst() { close(fd) }
+            let names = DescriptorStore.xskNames(interface, queue: queue)
+            let umemFDs = descriptors.take(names.umem)
+            defer {
+                descriptors.remove(names.socket)
+                descriptors.remove(names.umem)
+            }
+            guard let umemFD = umemFDs.first else {
+                close(socketFD)
+                let note = "\(name): an AF_XDP socket handed over without its UMEM: closed, what its RX ring held is lost"
+                descriptors.count(Mode.afXDP.rawValue, .rejected, note: note)
+                logger.warning("\(note)")
+                continue
+            }
+            for fd in umemFDs.dropFirst() { close(fd) }
+            let socket: XSKSocket
+            do {
+                socket = try XSKSocket(adopting: socketFD, umem: umemFD, interface: interface, queue: queue)
+            } catch {
+                close(socketFD)
+                close(umemFD)
+                let note = "\(name): the previous process's AF_XDP socket could not be read out (\(error)): closed, what its RX ring held is lost"
+                descriptors.count(Mode.afXDP.rawValue, .rejected, note: note)
+                logger.warning("\(note)")
+                continue
+            }
+            let waiting = socket.rxRingLevel
+            let queued = socket.transmittingCount
+            let stopped = StopSignal()
+            stopped.set()
+            let forwarder = AFXDPForwarder(queue: queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
+                                           plans: plans, stop: stopped, logger: logger, makeOutbox: makeOutbox)
+            OSThread(name: "\(config.name)-r\(queue)") { forwarder.run() }.join()
+            socket.finishTransmitting(milliseconds: 100)
+            let left = socket.rxRingLevel
+            socket.close()
+            let note = "\(name): the previous process's AF_XDP socket read out: \(waiting - left) frame(s) from its RX ring forwarded, \(queued) on its TX ring sent"
+            descriptors.count(Mode.afXDP.rawValue, .adopted, note: note)
+            logger.notice("the previous process's AF_XDP socket read out: what its RX ring held is forwarded, then the queue is bound anew", metadata: [
+                "listener": "\(config.name)", "interface": "\(interface)", "queue": "\(queue)", "frames": "\(waiting - left)", "tx_queued": "\(queued)",
+            ])
+        }
     }
 }

@@ -77,8 +77,18 @@ final class XSKSocket: @unchecked Sendable {
     private let completion: UnsafeMutablePointer<xsk_ring_cons>
     private let rx: UnsafeMutablePointer<xsk_ring_cons>
     private let tx: UnsafeMutablePointer<xsk_ring_prod>
-    private let umem: OpaquePointer
-    private let socket: OpaquePointer
+    /// libxdp's UMEM and socket; nil for a socket taken over from a previous process (its rings
+    /// are mapped here, without libxdp).
+    private let umem: OpaquePointer?
+    private let socket: OpaquePointer?
+    /// The memfd the UMEM lives in (shared memory: a successor maps the same frames), with a
+    /// header page after the frames saying their layout (``UMEMHeader``).
+    let umemFD: Int32
+    /// The rings this process mapped itself (a socket taken over): unmapped at close.
+    private let ringMappings: [(UnsafeMutableRawPointer, Int)]
+    /// A socket taken over from a previous process, read out and closed: nothing goes to the fill
+    /// ring any more, frames given back wait on the free list.
+    let drainOnly: Bool
     /// Frames in no ring and not the caller's: a stack of frame base addresses.
     private let freeFrames: UnsafeMutablePointer<UInt64>
     private var freeCount = 0
@@ -99,8 +109,10 @@ final class XSKSocket: @unchecked Sendable {
         let completion: UnsafeMutablePointer<xsk_ring_cons>
         let rx: UnsafeMutablePointer<xsk_ring_cons>
         let tx: UnsafeMutablePointer<xsk_ring_prod>
-        let umem: OpaquePointer
-        let socket: OpaquePointer
+        let umem: OpaquePointer?
+        let socket: OpaquePointer?
+        let umemFD: Int32
+        var ringMappings: [(UnsafeMutableRawPointer, Int)] = []
     }
 
     /// Creates the UMEM (mmap, XDP_UMEM_REG), the socket bound to `queue` of `interface` with
@@ -142,6 +154,9 @@ final class XSKSocket: @unchecked Sendable {
         tx = parts.tx
         umem = parts.umem
         socket = parts.socket
+        umemFD = parts.umemFD
+        ringMappings = []
+        drainOnly = false
         fd = xsk_socket__fd(parts.socket)
         frameBaseMask = ~UInt64(config.frameSize - 1)
         fillTarget = config.ringSize - UInt32(config.batchSize)
@@ -165,6 +180,112 @@ final class XSKSocket: @unchecked Sendable {
     }
 
     deinit { close() }
+
+    /// Takes over a socket a previous process left in the service manager's store (it crashed
+    /// holding it): its UMEM memfd says the layout, its rings are mapped here. Only to be read
+    /// out: what its RX ring holds is received as from any socket, what its TX ring holds is
+    /// sent, and frames given back stay off the fill ring (``drainOnly``); then it is closed.
+    /// - Throws: `.invalidConfig` when the memfd is not a UMEM this version wrote, `.umem` or
+    ///   `.socket` naming the call that failed.
+    init(adopting fd: Int32, umem umemFD: Int32, interface: String, queue: UInt32) throws(XSKError) {
+        guard let header = UMEMHeader.read(umemFD) else {
+            throw .invalidConfig("the UMEM handed over for \(interface) queue \(queue) is not one this version wrote")
+        }
+        var config = XSKConfig()
+        config.frameSize = header.frameSize
+        config.frameCount = header.frameCount
+        config.ringSize = header.ringSize
+        config.batchSize = 1
+        let bytes = config.umemBytes
+        guard let area = mmap(nil, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, umemFD, 0), area != MAP_FAILED else {
+            throw .umem(interface: interface, queue: queue, call: "mmap", errno: errno, bytes: bytes)
+        }
+        var mappings: [(UnsafeMutableRawPointer, Int)] = []
+        func unmapAll() {
+            for (address, length) in mappings { munmap(address, length) }
+            munmap(area, bytes)
+        }
+        let offsets: xdp_mmap_offsets
+        do {
+            offsets = try Syscall.getsockopt(fd, SOL_XDP, XDP_MMAP_OFFSETS, initial: xdp_mmap_offsets(), call: "getsockopt XDP_MMAP_OFFSETS")
+        } catch {
+            unmapAll()
+            throw .socket(interface: interface, queue: queue, call: "getsockopt XDP_MMAP_OFFSETS", errno: error.errno, zeroCopy: false, queueCount: nil)
+        }
+        // Maps one ring: its producer, consumer, flags and descriptors, as libxdp does.
+        func ring(_ offset: xdp_ring_offset, page: UInt64, entry: Int) throws(XSKError) -> (UnsafeMutableRawPointer, xdp_ring_offset) {
+            let length = Int(offset.desc) + Int(header.ringSize) * entry
+            guard let mapped = mmap(nil, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, off_t(Int64(bitPattern: page))), mapped != MAP_FAILED else {
+                let error = errno
+                unmapAll()
+                throw .socket(interface: interface, queue: queue, call: "mmap of a ring", errno: error, zeroCopy: false, queueCount: nil)
+            }
+            mappings.append((mapped, length))
+            return (mapped, offset)
+        }
+        let rxMap = try ring(offsets.rx, page: UInt64(XDP_PGOFF_RX_RING), entry: MemoryLayout<xdp_desc>.stride)
+        let txMap = try ring(offsets.tx, page: UInt64(XDP_PGOFF_TX_RING), entry: MemoryLayout<xdp_desc>.stride)
+        let fillMap = try ring(offsets.fr, page: XDP_UMEM_PGOFF_FILL_RING, entry: MemoryLayout<UInt64>.stride)
+        let completionMap = try ring(offsets.cr, page: XDP_UMEM_PGOFF_COMPLETION_RING, entry: MemoryLayout<UInt64>.stride)
+        func pointers(_ map: (UnsafeMutableRawPointer, xdp_ring_offset)) -> (producer: UnsafeMutablePointer<UInt32>, consumer: UnsafeMutablePointer<UInt32>, ring: UnsafeMutableRawPointer, flags: UnsafeMutablePointer<UInt32>) {
+            ((map.0 + Int(map.1.producer)).assumingMemoryBound(to: UInt32.self), (map.0 + Int(map.1.consumer)).assumingMemoryBound(to: UInt32.self),
+             map.0 + Int(map.1.desc), (map.0 + Int(map.1.flags)).assumingMemoryBound(to: UInt32.self))
+        }
+        let size = header.ringSize
+        func consumerRing(_ map: (UnsafeMutableRawPointer, xdp_ring_offset)) -> UnsafeMutablePointer<xsk_ring_cons> {
+            let (producer, consumer, ring, flags) = pointers(map)
+            let made = UnsafeMutablePointer<xsk_ring_cons>.allocate(capacity: 1)
+            made.initialize(to: xsk_ring_cons(cached_prod: producer.pointee, cached_cons: consumer.pointee, mask: size - 1, size: size,
+                                              producer: producer, consumer: consumer, ring: ring, flags: flags))
+            return made
+        }
+        func producerRing(_ map: (UnsafeMutableRawPointer, xdp_ring_offset)) -> UnsafeMutablePointer<xsk_ring_prod> {
+            let (producer, consumer, ring, flags) = pointers(map)
+            let made = UnsafeMutablePointer<xsk_ring_prod>.allocate(capacity: 1)
+            // libxdp's convention: a producer ring's cached consumer is one ring ahead.
+            made.initialize(to: xsk_ring_prod(cached_prod: producer.pointee, cached_cons: consumer.pointee &+ size, mask: size - 1, size: size,
+                                              producer: producer, consumer: consumer, ring: ring, flags: flags))
+            return made
+        }
+        self.interface = interface
+        self.queue = queue
+        self.config = config
+        self.fd = fd
+        self.umemFD = umemFD
+        zeroCopyInUse = false
+        needWakeup = true
+        drainOnly = true
+        self.area = area
+        rx = consumerRing(rxMap)
+        tx = producerRing(txMap)
+        fill = producerRing(fillMap)
+        completion = consumerRing(completionMap)
+        umem = nil
+        socket = nil
+        ringMappings = mappings
+        frameBaseMask = ~UInt64(config.frameSize - 1)
+        fillTarget = 0
+        freeFrames = .allocate(capacity: Int(config.frameCount))
+        freeCount = 0
+        // What the TX ring still holds goes out at the next kick; the completion ring's come back.
+        transmitting = Int(tx.pointee.producer.pointee &- tx.pointee.consumer.pointee)
+            + Int(completion.pointee.producer.pointee &- completion.pointee.consumer.pointee)
+    }
+
+    /// Frames on the RX ring, not yet received.
+    var rxRingLevel: Int { Int(rx.pointee.producer.pointee &- rx.pointee.consumer.pointee) }
+
+    /// Frames on the TX ring or back on the completion ring, not yet reaped.
+    var transmittingCount: Int { transmitting }
+
+    /// Reaps completions and kicks the TX ring until what was queued went out (at most `milliseconds`).
+    func finishTransmitting(milliseconds: Int) {
+        for _ in 0..<max(1, milliseconds) where transmitting > 0 {
+            reapCompletions()
+            kickTransmit()
+            if transmitting > 0 { usleep(1_000) }
+        }
+    }
 
     /// Takes up to `frames.count` received frames off the RX ring; they are the caller's until
     /// recycled or transmitted. Also reaps the completion ring and tops up the fill ring.
@@ -205,6 +326,10 @@ final class XSKSocket: @unchecked Sendable {
     func recycle(_ frames: UnsafeBufferPointer<XSKFrame>) {
         precondition(!closed, "recycle on a closed AF_XDP socket")
         guard !frames.isEmpty else { return }
+        if drainOnly {
+            for frame in frames { pushFree(frame.address) }
+            return
+        }
         let wanted = UInt32(truncatingIfNeeded: frames.count)
         let room = min(wanted, xsk_prod_nb_free(fill, wanted))
         var index: UInt32 = 0
@@ -279,8 +404,10 @@ final class XSKSocket: @unchecked Sendable {
     /// Idempotent; deinit calls it.
     func close() {
         guard !closedFlag.exchange(true, ordering: .acquiringAndReleasing) else { return }
-        Self.release(Parts(area: area, fill: fill, completion: completion, rx: rx, tx: tx, umem: umem, socket: socket),
-                       bytes: config.umemBytes)
+        var parts = Parts(area: area, fill: fill, completion: completion, rx: rx, tx: tx, umem: umem, socket: socket, umemFD: umemFD)
+        parts.ringMappings = ringMappings
+        if socket == nil { Glibc.close(fd) }
+        Self.release(parts, bytes: config.umemBytes)
         freeFrames.deallocate()
     }
 
@@ -304,7 +431,7 @@ final class XSKSocket: @unchecked Sendable {
 
     /// Moves frames from the free list to the fill ring, up to `fillTarget` frames on it.
     private func refillFromFreeList() {
-        guard freeCount > 0 else { return }
+        guard freeCount > 0, !drainOnly else { return }
         let free = xsk_prod_nb_free(fill, config.ringSize)
         let level = config.ringSize &- min(free, config.ringSize)
         guard level < fillTarget else { return }
@@ -398,8 +525,22 @@ final class XSKSocket: @unchecked Sendable {
         } catch {
             throw .umem(interface: interface, queue: queue, call: "socket", errno: error.errno, bytes: bytes)
         }
-        guard let area = mmap(nil, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0), area != MAP_FAILED else {
-            throw .umem(interface: interface, queue: queue, call: "mmap", errno: errno, bytes: bytes)
+        // Shared memory, so a successor can map the same frames (a crash: ``init(adopting:umem:interface:queue:)``),
+        // with a page after the frames saying their layout.
+        let umemFD = shim_memfd("udp-fanout.umem")
+        guard umemFD >= 0 else {
+            throw .umem(interface: interface, queue: queue, call: "memfd_create", errno: -umemFD, bytes: bytes)
+        }
+        guard ftruncate(umemFD, off_t(bytes + UMEMHeader.bytes)) == 0 else {
+            let error = errno
+            Glibc.close(umemFD)
+            throw .umem(interface: interface, queue: queue, call: "ftruncate", errno: error, bytes: bytes)
+        }
+        UMEMHeader(frameSize: config.frameSize, frameCount: config.frameCount, ringSize: config.ringSize).write(umemFD, at: bytes)
+        guard let area = mmap(nil, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, umemFD, 0), area != MAP_FAILED else {
+            let error = errno
+            Glibc.close(umemFD)
+            throw .umem(interface: interface, queue: queue, call: "mmap", errno: error, bytes: bytes)
         }
         // libxdp keeps pointers to these four structs for the socket's life: heap, not stack.
         let fill = UnsafeMutablePointer<xsk_ring_prod>.allocate(capacity: 1)
@@ -416,6 +557,7 @@ final class XSKSocket: @unchecked Sendable {
             rx.deallocate()
             tx.deallocate()
             munmap(area, bytes)
+            Glibc.close(umemFD)
         }
         var umemConfig = xsk_umem_config(fill_size: config.ringSize, comp_size: config.ringSize, frame_size: config.frameSize,
                                          frame_headroom: 0, flags: 0)
@@ -443,16 +585,50 @@ final class XSKSocket: @unchecked Sendable {
             throw .socket(interface: interface, queue: queue, call: "xsk_socket__create", errno: error, zeroCopy: zeroCopy,
                           queueCount: queueCount)
         }
-        return Parts(area: area, fill: fill, completion: completion, rx: rx, tx: tx, umem: umem, socket: socket)
+        return Parts(area: area, fill: fill, completion: completion, rx: rx, tx: tx, umem: umem, socket: socket, umemFD: umemFD)
     }
 
     private static func release(_ parts: Parts, bytes: Int) {
-        xsk_socket__delete(parts.socket)
-        xsk_umem__delete(parts.umem)
+        if let socket = parts.socket { xsk_socket__delete(socket) }
+        if let umem = parts.umem { xsk_umem__delete(umem) }
+        for (address, length) in parts.ringMappings { munmap(address, length) }
+        Glibc.close(parts.umemFD)
         parts.fill.deallocate()
         parts.completion.deallocate()
         parts.rx.deallocate()
         parts.tx.deallocate()
         munmap(parts.area, bytes)
+    }
+}
+
+/// The page after a UMEM's frames in its memfd: the layout a successor needs to map them and the
+/// rings (``XSKSocket/init(adopting:umem:interface:queue:)``).
+struct UMEMHeader: Equatable {
+    static let bytes = 4096
+    /// "UFUMEM01", little endian.
+    static let magic: UInt64 = 0x3130_4d45_4d55_4655
+    var frameSize: UInt32
+    var frameCount: UInt32
+    var ringSize: UInt32
+
+    func write(_ fd: Int32, at offset: Int) {
+        var words: [UInt64] = [Self.magic, UInt64(frameSize), UInt64(frameCount), UInt64(ringSize)]
+        _ = pwrite(fd, &words, words.count * 8, off_t(offset))
+    }
+
+    /// The header of the UMEM in `fd` (at its end), nil when it is not one.
+    static func read(_ fd: Int32) -> UMEMHeader? {
+        var status = stat()
+        guard fstat(fd, &status) == 0, Int(status.st_size) > bytes else { return nil }
+        var words = [UInt64](repeating: 0, count: 4)
+        guard pread(fd, &words, words.count * 8, off_t(Int(status.st_size) - bytes)) == 32, words[0] == magic else { return nil }
+        let header = UMEMHeader(frameSize: UInt32(truncatingIfNeeded: words[1]), frameCount: UInt32(truncatingIfNeeded: words[2]),
+                                ringSize: UInt32(truncatingIfNeeded: words[3]))
+        var config = XSKConfig()
+        config.frameSize = header.frameSize
+        config.frameCount = header.frameCount
+        config.ringSize = header.ringSize
+        guard (try? config.validate()) != nil, config.umemBytes + bytes == Int(status.st_size) else { return nil }
+        return header
     }
 }

@@ -32,6 +32,10 @@ import SystemCalls
 ///   swapped to the next process's program;
 /// - `udp-fanout.tcmap.<layout>.<map>` and `udp-fanout.tcassoc.<layout>.<id>`: the tc program's
 ///   maps and nat listeners' association maps, taken over by a program of the same layout;
+/// - `udp-fanout.xsk.<interface>.<queue>` and `udp-fanout.umem.<interface>.<queue>`: an af_xdp
+///   listener's AF_XDP socket and its UMEM's memfd: after a crash, the next process reads out
+///   what their rings hold before it binds the queue anew;
+/// - `udp-fanout.ledger`: a memfd where the forwarding threads note what they hold (``CrashLedger``);
 /// - `udp-fanout.tpl.<listener>`: a memfd with a `flow_templates` listener's templates
 ///   (`TemplateHandOver`);
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
@@ -264,6 +268,16 @@ public final class DescriptorStore: Sendable {
     /// The name under which the xdp kind's XDP link at `interface` is stored.
     package static func xdpLinkName(_ interface: String) -> String {
         xdpLinkPrefix + escaped(interface: interface)
+    }
+
+    static let xskPrefix = "udp-fanout.xsk."
+    static let umemPrefix = "udp-fanout.umem."
+
+    /// The names under which an af_xdp listener's AF_XDP socket of `queue` at `interface` and its
+    /// UMEM's memfd are stored: a crash leaves what their rings hold to the next process.
+    package static func xskNames(_ interface: String, queue: UInt32) -> (socket: String, umem: String) {
+        let part = escaped(interface: interface) + ".\(queue)"
+        return (xskPrefix + part, umemPrefix + part)
     }
 
     private static func escaped(interface: String) -> String {
@@ -502,6 +516,7 @@ public final class DescriptorStore: Sendable {
             for fd in fds { close(fd) }
             notifier?.send("FDSTOREREMOVE=1\nFDNAME=\(name)")
             let kind = socket ? Mode.userspace.rawValue : name.hasPrefix("udp-fanout.tc") ? Mode.tcEBPF.rawValue
+                : name.hasPrefix(Self.xskPrefix) || name.hasPrefix(Self.umemPrefix) ? Mode.afXDP.rawValue
                 : name.hasPrefix(Self.xdpLinkPrefix) ? Mode.xdp.rawValue : name.hasPrefix(TemplateHandOver.prefix) ? "flow_templates" : "unknown"
             let note = "\(name): \(fds.count) descriptor(s) handed over that no listener of this configuration uses: closed\(queued)"
             count(kind, .unused, fds.count, note: note)
@@ -550,7 +565,7 @@ public final class DescriptorStore: Sendable {
     // MARK: The process record
 
     /// Logs what the previous process left (how long the data path ran unattended after a crash)
-    /// and stores this process's record, refreshed once a second until ``stopping(version:startedAt:)``.
+    /// and stores this process's record, refreshed every 100 ms until ``stopping(version:startedAt:)``.
     package func announce(version: String, startedAt: Double) {
         if let previous = predecessor {
             let now = self.startedAt
@@ -583,7 +598,7 @@ public final class DescriptorStore: Sendable {
         let signal = heartbeat
         OSThread.detached(name: "fdstore-heartbeat") { [weak self] in
             while !signal.isSet {
-                usleep(1_000_000)
+                usleep(100_000)
                 guard let self, !signal.isSet else { return }
                 self.writeRecord(version: version, startedAt: startedAt, stoppedAt: nil)
             }
