@@ -13,20 +13,13 @@ import Glibc
 struct CrashLedgerTests {
     /// The descriptors stored under `name` since last asked (the rest closed).
     static func stored(_ notify: NotifySocket, _ name: String) -> [Int32] {
-        var kept: [Int32] = []
-        var buffer = [UInt8](repeating: 0, count: 4096)
-        var received = [Int32](repeating: -1, count: 253)
-        var descriptor = pollfd(fd: notify.fd, events: Int16(POLLIN), revents: 0)
-        while poll(&descriptor, 1, 50) > 0 {
-            var count: Int32 = 0
-            let length = shim_receive_with_descriptors(notify.fd, &buffer, buffer.count, &received, Int32(received.count), &count)
-            guard length > 0 else { break }
-            let fields = NotifySocket.fields(String(decoding: buffer[0..<Int(length)], as: UTF8.self))
-            for fd in received[0..<Int(count)] {
-                if fields["FDSTORE"] == "1" && fields["FDNAME"] == name { kept.append(fd) } else { close(fd) }
+        TemplateHandOverTests.messages(notify).flatMap { fields, fds in
+            guard fields["FDSTORE"] == "1" && fields["FDNAME"] == name else {
+                for fd in fds { close(fd) }
+                return [Int32]()
             }
+            return fds
         }
-        return kept
     }
 
     /// Every line logged, with its metadata.
@@ -34,7 +27,7 @@ struct CrashLedgerTests {
         log.lines.withLock { lines in lines.map { "\($0.message) \($0.metadata.sorted { $0.key < $1.key })" }.joined(separator: "\n") }
     }
 
-    @Test("Held at a crash, read by the next process: by listener (requests and replies), once; a thread that finished its batch or ended leaves nothing; the next process's own threads start from empty slots")
+    @Test("Held at a crash, read by the next process: by listener (requests, replies, a receive under way), once; a thread that finished its batch or ended leaves nothing; a next process that crashes before its start completed leaves it to the one after; once committed, the slots are empty and free")
     func crashReadOut() throws {
         let notify = try NotifySocket()
         let log = LogStore()
@@ -57,22 +50,39 @@ struct CrashLedgerTests {
         d.holding(4)
         d.holding(0)
         d.release()
-        #expect(ledger.claimedSlots == 4)
+        // A worker of "e" inside a receive call; one of "a" whose receive returned 6.
+        let e = try #require(ledger.claim(listener: "e"))
+        e.receiving()
+        let a3 = try #require(ledger.claim(listener: "a"))
+        a3.receiving()
+        a3.received(6)
+        #expect(ledger.claimedSlots == 6)
         // The process ends without a stop: the next one is handed the memfd.
         let second = DescriptorStore(inherited: [CrashLedger.storeName: [dup(fd)]], notifier: SystemdNotifier(environment: notify.path), logger: log.logger)
         let next = try #require(CrashLedger.open(descriptors: second, logger: log.logger))
-        #expect(next.takeInherited("a") == CrashLedger.Held(requests: 20, replies: 0))
+        #expect(next.takeInherited("a") == CrashLedger.Held(requests: 26, replies: 0))
         #expect(next.takeInherited("b") == CrashLedger.Held(requests: 2, replies: 5))
+        #expect(next.takeInherited("e") == CrashLedger.Held(requests: 0, replies: 0, receiving: 1))
         #expect(next.takeInherited("c") == nil && next.takeInherited("d") == nil, "nothing held")
         #expect(next.takeInherited("a") == nil, "counted once")
-        #expect(Self.text(log).contains("counted dropped, reason crash"), "\(Self.text(log))")
+        let text = Self.text(log)
+        #expect(text.contains("counted dropped, reason crash") && text.contains("inside a receive call"), "\(text)")
         #expect(Self.stored(notify, CrashLedger.storeName).isEmpty, "taken over in place: not stored again")
-        // Its slots were emptied: a third process reads nothing, and a new claim starts at 0.
+        #expect(second.outcomes["ledger"]?[.adopted] == 1, "\(second.outcomes)")
+        // Its own threads get other slots meanwhile.
         let fresh = try #require(next.claim(listener: "a"))
+        fresh.holding(1)
+        // It crashes before its start completed: the one after reads the same again (and its own thread's).
         let third = try #require(CrashLedger.open(descriptors: DescriptorStore(inherited: [CrashLedger.storeName: [dup(fd)]], notifier: SystemdNotifier(environment: notify.path), logger: log.logger), logger: log.logger))
-        #expect(third.takeInherited("a") == nil && third.takeInherited("b") == nil)
+        #expect(third.takeInherited("a") == CrashLedger.Held(requests: 27, replies: 0) && third.takeInherited("b") == CrashLedger.Held(requests: 2, replies: 5))
+        fresh.holding(0)
+        // Committed (the start completed): emptied; a fourth process reads nothing.
+        third.commit()
+        let fourth = try #require(CrashLedger.open(descriptors: DescriptorStore(inherited: [CrashLedger.storeName: [dup(fd)]], notifier: SystemdNotifier(environment: notify.path), logger: log.logger), logger: log.logger))
+        #expect(fourth.takeInherited("a") == nil && fourth.takeInherited("b") == nil && fourth.takeInherited("e") == nil)
+        #expect(fourth.claimedSlots == 0, "every slot free")
         fresh.release()
-        _ = (a1, a2, b, c)
+        _ = (a1, a2, b, c, e, a3)
     }
 
     @Test("A listener the next configuration does not have: logged as lost; a ledger of another layout is refused (counted rejected) and a new one stored; no service manager: no ledger")
@@ -86,7 +96,7 @@ struct CrashLedgerTests {
         let gone = try #require(ledger.claim(listener: "gone"))
         gone.holding(8)
         let next = try #require(CrashLedger.open(descriptors: DescriptorStore(inherited: [CrashLedger.storeName: [dup(fd)]], notifier: SystemdNotifier(environment: notify.path), logger: log.logger), logger: log.logger))
-        next.reportUnclaimed()
+        next.commit()
         #expect(Self.text(log).contains("a listener this configuration does not have") && Self.text(log).contains("gone"), "\(Self.text(log))")
 
         let junk = shim_memfd("junk")

@@ -219,7 +219,15 @@ struct TemplateHandOverTests {
 
     /// The notifications the store sent since last asked: (FDSTORE or FDSTOREREMOVE, name, descriptors).
     static func sent(_ notify: NotifySocket) -> [(String, String, Int)] {
-        var found: [(String, String, Int)] = []
+        messages(notify).map { fields, fds in
+            for fd in fds { close(fd) }
+            return (fields["FDSTORE"] == "1" ? "store" : fields["FDSTOREREMOVE"] == "1" ? "remove" : "other", fields["FDNAME"] ?? "", fds.count)
+        }
+    }
+
+    /// Every notification waiting on `notify`, with the descriptors it carried (the caller's to close).
+    static func messages(_ notify: NotifySocket) -> [(fields: [String: String], fds: [Int32])] {
+        var found: [(fields: [String: String], fds: [Int32])] = []
         var buffer = [UInt8](repeating: 0, count: 4096)
         var received = [Int32](repeating: -1, count: 253)
         var descriptor = pollfd(fd: notify.fd, events: Int16(POLLIN), revents: 0)
@@ -227,9 +235,7 @@ struct TemplateHandOverTests {
             var count: Int32 = 0
             let length = shim_receive_with_descriptors(notify.fd, &buffer, buffer.count, &received, Int32(received.count), &count)
             guard length > 0 else { break }
-            for fd in received[0..<Int(count)] { close(fd) }
-            let fields = NotifySocket.fields(String(decoding: buffer[0..<Int(length)], as: UTF8.self))
-            found.append((fields["FDSTORE"] == "1" ? "store" : fields["FDSTOREREMOVE"] == "1" ? "remove" : "other", fields["FDNAME"] ?? "", Int(count)))
+            found.append((NotifySocket.fields(String(decoding: buffer[0..<Int(length)], as: UTF8.self)), Array(received[0..<Int(count)])))
         }
         return found
     }

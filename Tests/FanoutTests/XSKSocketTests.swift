@@ -386,6 +386,73 @@ struct XSKSocketTests {
     }
 }
 
+extension XSKSocketTests {
+    @Test("Taken over after a crash: a socket and its UMEM memfd handed on (as the service manager's store does) are mapped again; what the RX ring held is received whole from the same frames, given-back frames stay off the fill ring, and closing the copy leaves the original working; a memfd that is not a UMEM is refused")
+    func adoption() throws {
+        let pair = try XSKVethPair()
+        defer { pair.destroy() }
+        let program = try XSKRedirectProgram(queues: 2)
+        let sockets = [try makeSocket(pair, queue: 0, Self.small).get(), try makeSocket(pair, queue: 1, Self.small).get()]
+        defer { sockets.forEach { $0.close() } }
+        for socket in sockets { try program.insert(socket) }
+        let attached = inNetworkNamespace(pair.listener) { [name = pair.listenerInterface] in program.attach(interface: name) }
+        try #require(attached == .some(nil), "\(String(describing: attached))")
+        #expect(UMEMHeader.read(sockets[0].umemFD) == UMEMHeader(frameSize: 4096, frameCount: 128, ringSize: 64))
+
+        // 24 datagrams, left on the RX rings (nobody receives: the process "crashed").
+        let sent: [String] = inNetworkNamespace(pair.peer) {
+            (0..<24).compactMap { index -> String? in
+                let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+                defer { close(fd) }
+                var destination = XSKSocketTests.address("198.18.0.1", 9999)
+                let text = "left on the ring \(index)"
+                let bytes = Array(text.utf8)
+                let written = withUnsafePointer(to: &destination) {
+                    $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { sendto(fd, bytes, bytes.count, 0, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+                }
+                return written == bytes.count ? text : nil
+            }
+        } ?? []
+        try #require(sent.count == 24)
+        let deadline = Date().addingTimeInterval(3)
+        while sockets.map(\.rxRingLevel).reduce(0, +) < 24, Date() < deadline { usleep(1000) }
+        try #require(sockets.map(\.rxRingLevel).reduce(0, +) == 24, "on the RX rings: \(sockets.map(\.rxRingLevel))")
+
+        var received: [String] = []
+        for socket in sockets {
+            let level = socket.rxRingLevel
+            let fill = socket.frameInventory().fill.count
+            let adopted = try XSKSocket(adopting: dup(socket.fd), umem: dup(socket.umemFD), interface: pair.listenerInterface, queue: socket.queue)
+            #expect(adopted.drainOnly && adopted.config.frameCount == 128 && adopted.config.ringSize == 64 && adopted.rxRingLevel == level)
+            var buffer = [XSKFrame](repeating: XSKFrame(address: 0, length: 0), count: 64)
+            let count = buffer.withUnsafeMutableBufferPointer { adopted.receive(into: $0) }
+            #expect(count == level)
+            for frame in buffer[0..<count] {
+                let bytes = UnsafeRawBufferPointer(adopted.bytes(frame))
+                var source = sockaddr_storage()
+                let parsed = try #require(FrameParser.parse(bytes, source: &source))
+                received.append(String(decoding: bytes[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)], as: UTF8.self))
+            }
+            buffer[0..<count].withUnsafeBufferPointer { adopted.recycle($0) }
+            let inventory = adopted.frameInventory()
+            #expect(inventory.free.count == count && inventory.fill.count == fill, "given back to the free list only: \(inventory.free.count) free, \(inventory.fill.count) on the fill ring (was \(fill))")
+            adopted.close()
+            #expect(fcntl(socket.fd, F_GETFD) >= 0 && socket.rxRingLevel == 0, "the original's descriptor is open and its ring was read out")
+        }
+        #expect(received.sorted() == sent.sorted(), "every datagram left on the rings, once: \(received.count)")
+
+        let junk = shim_memfd("junk")
+        defer { close(junk) }
+        #expect(ftruncate(junk, 8192) == 0)
+        // Refused without taking the descriptors: the caller closes them.
+        let (socketCopy, junkCopy) = (dup(sockets[0].fd), dup(junk))
+        #expect(throws: XSKError.self) { try XSKSocket(adopting: socketCopy, umem: junkCopy, interface: pair.listenerInterface, queue: 0) }
+        #expect(fcntl(socketCopy, F_GETFD) >= 0 && fcntl(junkCopy, F_GETFD) >= 0)
+        close(socketCopy)
+        close(junkCopy)
+    }
+}
+
 @Suite("af_xdp: locked memory for UMEMs")
 struct MemoryLockTests {
     static let mib = 1 << 20

@@ -67,6 +67,14 @@ final class AFXDPCounters: Sendable {
         state.withLock { $0.live[instance] = source }
     }
 
+    /// A previous process's socket of `queue`, read out: the kernel's events on it (XDP_STATISTICS)
+    /// join the base.
+    func addReadOut(queue: UInt32, _ kinds: [String: UInt64]) {
+        var totals = Totals()
+        totals.queues[queue] = kinds
+        state.withLock { $0.base = $0.base + totals }
+    }
+
     /// Instance `instance` stops: its last values join the base.
     func retire(_ instance: UInt64) {
         state.withLock { state in

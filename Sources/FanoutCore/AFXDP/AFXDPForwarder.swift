@@ -59,6 +59,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize,
                                    templates: counters.flowTemplates(listener), makeOutbox: makeOutbox)
+        forwarder.ledger = loop.ledger
         frames = .allocate(capacity: batch)
         sources = .allocate(capacity: batch)
         done = .allocate(capacity: batch)
@@ -80,10 +81,13 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
     func run() {
         let cpu = pinWorkerThread(listener, Int(queue), role: "queue", logger: logger)
         forwarder.adoptPlanIfChanged()
-        logger.info("AF_XDP forwarder started", metadata: [
-            "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)", "cpu": "\(cpu)",
-            "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
-        ])
+        // A previous process's socket being read out says so once done (AFXDPListener.readOut).
+        if !socket.drainOnly {
+            logger.info("AF_XDP forwarder started", metadata: [
+                "listener": "\(listener.name)", "forwarder": "\(listener.name)-q\(queue)", "queue": "\(queue)", "cpu": "\(cpu)",
+                "zero_copy": "\(socket.zeroCopyInUse)", "output": "\(listener.settings.output.rawValue)",
+            ])
+        }
         loop.run(self)
         loop.ledger?.release()
     }
@@ -97,7 +101,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
     var batchesPerTurn: Int { .max }
 
     func receiveBatch() -> Int {
-        let count = socket.receive(into: frames)
+        let count = socket.receive(into: frames, ledger: loop.ledger)
         if count > 0 { received.wrappingAdd(UInt64(count), ordering: .relaxed) }
         return count
     }
@@ -192,7 +196,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             forwarder.templates?.flush()
             let targets = forwarder.outboxes.count
             if transmitSent.count != targets { transmitSent = Array(repeating: (0, 0, 0), count: targets) }
-            let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]))
+            let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]), ledger: forwarder.ledger,
+                                         stillHeld: forwarder.ledger == nil ? 0 : forwarder.heldCount)
             for index in 0..<transmitCount {
                 let target = transmitTargets[index]
                 if index < queued {

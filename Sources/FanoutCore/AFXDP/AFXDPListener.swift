@@ -180,15 +180,6 @@ final class AFXDPListener: RunningListener {
         }
         sockets = made
         Self.registeredUMEM.wrappingAdd(umemBytes, ordering: .relaxed)
-        // In the store, a crash leaves what the rings hold to the next process (a clean stop
-        // drains them and takes them out).
-        if let descriptors, descriptors.stores {
-            for socket in made {
-                let names = DescriptorStore.xskNames(interface, queue: socket.queue)
-                _ = descriptors.replace(names.socket, with: [socket.fd])
-                _ = descriptors.replace(names.umem, with: [socket.umemFD])
-            }
-        }
         let (plans, stop) = (self.plans, self.stop)
         forwarders = made.map { socket in
             AFXDPForwarder(queue: socket.queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
@@ -200,6 +191,15 @@ final class AFXDPListener: RunningListener {
             } catch {
                 for queue in made.map(\.queue) { program.clearSocket(queue: queue) }
                 throw failed(.program(error))
+            }
+        }
+        // In the store once nothing can fail any more: a crash leaves what the rings hold to the
+        // next process (a clean stop drains them and takes them out).
+        if let descriptors, descriptors.stores {
+            for socket in made {
+                let names = DescriptorStore.xskNames(interface, queue: socket.queue)
+                _ = descriptors.replace(names.socket, with: [socket.fd])
+                _ = descriptors.replace(names.umem, with: [socket.umemFD])
             }
         }
         threads = forwarders.map { forwarder in
@@ -291,11 +291,16 @@ final class AFXDPListener: RunningListener {
     /// counted rejected.
     private static func readOut(_ descriptors: DescriptorStore, interface: String, ifindex: UInt32, config: Listener, counters: ListenerCounters,
                                 afxdp: AFXDPCounters, plans: PlanHolder, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
-        let prefix = DescriptorStore.xskNames(interface, queue: 0).socket.dropLast(1)
-        for (name, fds) in descriptors.takeAll(prefix: String(prefix)).sorted(by: { $0.key < $1.key }) {
+        let prefix = String(DescriptorStore.xskNames(interface, queue: 0).socket.dropLast(1))
+        // Only this interface's queues: another interface's name may begin with this one's and a dot.
+        let named = descriptors.takeAll(prefix: prefix) { rest in !rest.isEmpty && rest.utf8.allSatisfy { (0x30...0x39).contains($0) } }
+        for (name, fds) in named.sorted(by: { $0.key < $1.key }) {
             guard let queue = UInt32(name.dropFirst(prefix.count)), let socketFD = fds.first else {
                 for fd in fds { close(fd) }
                 descriptors.remove(name)
+                let note = "\(name): a queue number out of range: closed"
+                descriptors.count(Mode.afXDP.rawValue, .rejected, note: note)
+                logger.warning("\(note)")
                 continue
             }
             for fd in fds.dropFirst() { close(fd) }
@@ -325,20 +330,35 @@ final class AFXDPListener: RunningListener {
                 continue
             }
             let waiting = socket.rxRingLevel
-            let queued = socket.transmittingCount
+            let queued = socket.txRingLevel
             let stopped = StopSignal()
             stopped.set()
             let forwarder = AFXDPForwarder(queue: queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
                                            plans: plans, stop: stopped, logger: logger, makeOutbox: makeOutbox)
             OSThread(name: "\(config.name)-r\(queue)") { forwarder.run() }.join()
-            socket.finishTransmitting(milliseconds: 100)
+            // What the read-out put on the TX ring (xdp_tx) and what the previous process had left there.
+            let unsent = socket.finishTransmitting(milliseconds: 100)
             let left = socket.rxRingLevel
+            // The kernel's events on it since it opened: frames it dropped while the ring was full
+            // (a stalled or stopped process) are counted here, not lost silently.
+            let events = socket.statistics()
+            afxdp.addReadOut(queue: queue, events.byKind)
             socket.close()
-            let note = "\(name): the previous process's AF_XDP socket read out: \(waiting - left) frame(s) from its RX ring forwarded, \(queued) on its TX ring sent"
+            var note = "\(name): the previous process's AF_XDP socket read out: \(waiting - left) frame(s) from its RX ring forwarded, \(queued) found on its TX ring"
+            if unsent > 0 { note += ", \(unsent) frame(s) the kernel did not take from the TX ring in 100 ms, lost" }
+            if events.rxRingFull + events.rxDropped > 0 {
+                note += "; the kernel dropped \(events.rxRingFull) frame(s) on it for a full RX ring and \(events.rxDropped) for other reasons since it opened (udp_fanout_afxdp_socket_events_total)"
+            }
             descriptors.count(Mode.afXDP.rawValue, .adopted, note: note)
-            logger.notice("the previous process's AF_XDP socket read out: what its RX ring held is forwarded, then the queue is bound anew", metadata: [
-                "listener": "\(config.name)", "interface": "\(interface)", "queue": "\(queue)", "frames": "\(waiting - left)", "tx_queued": "\(queued)",
-            ])
+            let fields: Logger.Metadata = [
+                "listener": "\(config.name)", "interface": "\(interface)", "queue": "\(queue)", "frames": "\(waiting - left)", "tx_found": "\(queued)",
+                "tx_unsent": "\(unsent)", "rx_ring_full": "\(events.rxRingFull)", "rx_dropped": "\(events.rxDropped)",
+            ]
+            if unsent > 0 || events.rxRingFull + events.rxDropped > 0 {
+                logger.warning("the previous process's AF_XDP socket read out: what its RX ring held is forwarded, then the queue is bound anew; the kernel dropped frames on it (rx_ring_full, rx_dropped: since it opened) or did not send all its TX ring held (tx_unsent)", metadata: fields)
+            } else {
+                logger.notice("the previous process's AF_XDP socket read out: what its RX ring held is forwarded, then the queue is bound anew", metadata: fields)
+            }
         }
     }
 }

@@ -275,23 +275,29 @@ final class XSKSocket: @unchecked Sendable {
     /// Frames on the RX ring, not yet received.
     var rxRingLevel: Int { Int(rx.pointee.producer.pointee &- rx.pointee.consumer.pointee) }
 
-    /// Frames on the TX ring or back on the completion ring, not yet reaped.
-    var transmittingCount: Int { transmitting }
+    /// Frames on the TX ring the kernel has not taken yet.
+    var txRingLevel: Int { Int(tx.pointee.producer.pointee &- tx.pointee.consumer.pointee) }
 
-    /// Reaps completions and kicks the TX ring until what was queued went out (at most `milliseconds`).
-    func finishTransmitting(milliseconds: Int) {
-        for _ in 0..<max(1, milliseconds) where transmitting > 0 {
-            reapCompletions()
-            kickTransmit()
-            if transmitting > 0 { usleep(1_000) }
+    /// Kicks the TX ring until the kernel took every frame on it (at most `milliseconds`): a
+    /// socket being read out is closed after, and what its ring still holds then is lost.
+    /// - Returns: the frames it did not take.
+    func finishTransmitting(milliseconds: Int) -> Int {
+        var waited = 0
+        while txRingLevel > 0 && waited < milliseconds {
+            _ = try? Syscall.sendto(fd, nil, 0, Socket.dontWait, nil, 0)
+            if txRingLevel > 0 { usleep(1_000) }
+            waited += 1
         }
+        return txRingLevel
     }
 
     /// Takes up to `frames.count` received frames off the RX ring; they are the caller's until
     /// recycled or transmitted. Also reaps the completion ring and tops up the fill ring.
+    /// - Parameter ledger: the thread's crash ledger slot: the frames taken are noted held before
+    ///   the ring lets them go (a kill in between leaves them on the ring, or noted).
     /// - Returns: the number of frames written to `frames`; 0 when the RX ring was empty
     ///   (counted in `rxRingEmpty`).
-    func receive(into frames: UnsafeMutableBufferPointer<XSKFrame>) -> Int {
+    func receive(into frames: UnsafeMutableBufferPointer<XSKFrame>, ledger: CrashLedger.Slot? = nil) -> Int {
         precondition(!closed, "receive on a closed AF_XDP socket")
         reapCompletions()
         var index: UInt32 = 0
@@ -301,6 +307,7 @@ final class XSKSocket: @unchecked Sendable {
                 let descriptor = xsk_ring_cons__rx_desc(rx, index &+ offset)!.pointee
                 frames[Int(offset)] = XSKFrame(address: descriptor.addr, length: descriptor.len)
             }
+            ledger?.holding(Int(count))
             xsk_ring_cons__release(rx, count)
         } else {
             rxRingEmptyCount.wrappingAdd(1, ordering: .relaxed)
@@ -348,9 +355,11 @@ final class XSKSocket: @unchecked Sendable {
 
     /// Queues frames (rewritten in place by the caller) on the TX ring and kicks the kernel
     /// (sendto) when it asks for it. The frames come back through the completion ring.
+    /// - Parameter ledger: the thread's crash ledger slot, told `stillHeld` just before the ring
+    ///   takes the frames (on the ring they outlive a crash: the next process sends them).
     /// - Returns: how many were queued, from the first; the rest stay the caller's, who recycles
     ///   them and counts the drop.
-    func transmit(_ frames: UnsafeBufferPointer<XSKFrame>) -> Int {
+    func transmit(_ frames: UnsafeBufferPointer<XSKFrame>, ledger: CrashLedger.Slot? = nil, stillHeld: Int = 0) -> Int {
         precondition(!closed, "transmit on a closed AF_XDP socket")
         reapCompletions()
         let wanted = UInt32(truncatingIfNeeded: frames.count)
@@ -363,6 +372,7 @@ final class XSKSocket: @unchecked Sendable {
                 descriptor.pointee.len = frames[Int(offset)].length
                 descriptor.pointee.options = 0
             }
+            ledger?.holding(stillHeld)
             xsk_ring_prod__submit(tx, count)
             transmitting += Int(count)
         } else if count > 0 {
@@ -509,6 +519,11 @@ final class XSKSocket: @unchecked Sendable {
             do {
                 return try open(interface: interface, queue: queue, config: config, zeroCopy: zeroCopy)
             } catch .socket(_, _, _, let error, _, _) where error == EBUSY && waited < busyQueueGrace {
+                usleep(10_000)
+                waited += 0.01
+            } catch .umem(_, _, _, let error, _) where error == ENOBUFS && waited < busyQueueGrace {
+                // The locked memory of a UMEM just closed (a previous process's, read out) is
+                // given back in deferred work too.
                 usleep(10_000)
                 waited += 0.01
             }

@@ -239,12 +239,12 @@ public final class DescriptorStore: Sendable {
         "udp-fanout.tcassoc.\(FANOUT_MAPS_LAYOUT).\(id)"
     }
 
-    /// Takes every name handed over that starts with `prefix`.
+    /// Takes every name handed over that starts with `prefix` and whose rest `accepts`.
     /// (What is taken stays in the service manager's store, as this process's: it is replaced or
     /// removed like what this process stored itself.)
-    package func takeAll(prefix: String) -> [String: [Int32]] {
+    package func takeAll(prefix: String, where accepts: (String) -> Bool = { _ in true }) -> [String: [Int32]] {
         state.withLock { state in
-            let taken = state.inherited.filter { $0.key.hasPrefix(prefix) }
+            let taken = state.inherited.filter { $0.key.hasPrefix(prefix) && accepts(String($0.key.dropFirst(prefix.count))) }
             for (name, fds) in taken { Self.taken(name, fds, &state) }
             return taken
         }
@@ -551,7 +551,7 @@ public final class DescriptorStore: Sendable {
     package func metrics() -> String {
         let counted = outcomes
         var out = "# HELP udp_fanout_adoptions_total Descriptors handed over by the previous process (the service manager's store) at this start, by kind and outcome: adopted, rejected (not usable: closed), unused (no listener of this configuration: closed)\n# TYPE udp_fanout_adoptions_total counter\n"
-        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Replies.relay.rawValue, Mode.tcEBPF.rawValue, Mode.xdp.rawValue]).sorted() {
+        for kind in Set(counted.keys).union([Mode.userspace.rawValue, Replies.relay.rawValue, Mode.tcEBPF.rawValue, Mode.xdp.rawValue, Mode.afXDP.rawValue]).sorted() {
             for outcome in Outcome.allCases {
                 out += "udp_fanout_adoptions_total{kind=\"\(PrometheusText.escape(kind))\",outcome=\"\(outcome.rawValue)\"} \(counted[kind]?[outcome] ?? 0)\n"
             }

@@ -211,7 +211,7 @@ public final class FanoutDaemon: Sendable {
         kinds.tc.completeAdoptions()
         // Handed over for a bind this configuration does not have: closed, counted, logged.
         descriptors.closeUnused()
-        crashLedger?.reportUnclaimed()
+        crashLedger?.commit()
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see
@@ -226,10 +226,11 @@ public final class FanoutDaemon: Sendable {
             state.counters[listener.name] = made
             return made
         }
-        // What the previous process's threads of this listener held when it crashed.
+        // What the previous process's threads of this listener held when it crashed (replies
+        // only where they are exported: a listener that still relays).
         if let held = crashLedger?.takeInherited(listener.name) {
             counters.drop(.crash, held.requests)
-            if held.replies > 0 { counters.relayCounters().crash.wrappingAdd(held.replies, ordering: .relaxed) }
+            if held.replies > 0 && listener.replies == .relay { counters.relayCounters().crash.wrappingAdd(held.replies, ordering: .relaxed) }
         }
         // The previous process's templates, before the kind's threads read the state.
         if let templates = counters.flowTemplates(listener) {

@@ -222,6 +222,8 @@ final class DownstreamOutbox: Outbox {
         staged = true
     }
 
+    var isStaged: Bool { staged }
+
     /// The shared sender sent `message` (one of this outbox's).
     @inline(__always)
     func delivered(_ message: msghdr) { account(message, &pending) }

@@ -33,9 +33,13 @@ protocol Outbox: AnyObject {
     func reconnectIfDue() -> Bool
     /// Why datagrams are dropped right now without a send (no socket), for a log line; nil when sending.
     var unavailable: String? { get }
+    /// What was appended went to the thread's ``SharedSender`` at the last ``stage()`` (its send
+    /// carries them; ``flush(_:)`` makes no call of its own).
+    var isStaged: Bool { get }
 }
 
 extension Outbox {
+    var isStaged: Bool { false }
     func stage() {}
     func drewError(at address: SocketAddress) {}
     func forgetErrors() {}

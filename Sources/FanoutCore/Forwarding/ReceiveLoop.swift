@@ -63,8 +63,9 @@ final class ReceiveLoop: Sendable {
     private let metadata: Logger.Metadata
     /// Receive failures since the last "receive failed" line, and when that line was logged.
     private let failures = Mutex<(count: Int, lastLine: ContinuousClock.Instant?)>((0, nil))
-    /// Where the thread notes the batch it holds between receive and forward (``CrashLedger``):
-    /// what a crash takes is counted by the next process. The thread releases it when it ends.
+    /// Where the thread notes the batch it holds from its receive (the body notes it there) until
+    /// its sends (``CrashLedger``): what a crash takes is counted by the next process. Emptied
+    /// here after each batch; the thread releases it when it ends.
     let ledger: CrashLedger.Slot?
 
     /// - Parameters:
@@ -137,7 +138,6 @@ final class ReceiveLoop: Sendable {
             batches += 1
             progress.wrappingAdd(1, ordering: .relaxed)
             body.adoptPlanIfChanged()
-            ledger?.holding(count)
             body.forward(count)
             ledger?.holding(0)
             if deadline.map({ ContinuousClock.now >= $0 }) ?? stop.isSet { break }

@@ -47,6 +47,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize, templates: templates,
                                    makeOutbox: makeOutbox)
+        forwarder.ledger = loop.ledger
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
     }
@@ -76,7 +77,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     func receiveBatch() throws(SystemCallError) -> Int {
         // MSG_TRUNC: a datagram above max_packet_size reports its real size (bytes_received).
-        try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
+        try receiver.receiveNoting(loop.ledger, from: member.socket, flags: Socket.dontWait | Socket.truncate)
     }
 
     func adoptPlanIfChanged() { forwarder.adoptPlanIfChanged() }

@@ -297,7 +297,11 @@ package final class ListenerCounters: Sendable {
     package func snapshot() -> Snapshot {
         if let external = external.withLock({ $0 }) {
             // Each running instance's maps are read outside the lock.
-            return external.running.values.reduce(external.stopped) { total, source in source().adding(total) }
+            var total = external.running.values.reduce(external.stopped) { total, source in source().adding(total) }
+            // A previous process's crash, counted here when this listener's kind changed.
+            let crashed = crash.load(ordering: .relaxed)
+            if crashed > 0 { total.dropped[.crash, default: 0] &+= crashed }
+            return total
         }
         let dropped: [DropReason: UInt64] = [
             .tooLarge: tooLarge.load(ordering: .relaxed), .sendBufferFull: sendBufferFull.load(ordering: .relaxed),

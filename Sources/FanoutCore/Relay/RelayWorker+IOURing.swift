@@ -126,6 +126,9 @@ extension RelayWorker {
     /// Submits the queued receives and stages what they read. If the submit fails, the worker
     /// leaves the ring and drains the sockets whose receive was not taken by system calls.
     func completeReceives(_ ring: IOURing) {
+        // The crash ledger: a receive under way until what it read is staged.
+        loop.ledger?.receiving()
+        defer { loop.ledger?.receiveDone() }
         let failure = submit(ring, sending: false)
         var ringReceives: UInt64 = 0
         defer { if ringReceives > 0 { relay.ringReceives.wrappingAdd(ringReceives, ordering: .relaxed) } }

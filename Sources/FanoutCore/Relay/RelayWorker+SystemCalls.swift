@@ -70,6 +70,9 @@ extension RelayWorker {
             if replySlotsUsed == replyReceiver.batchSize { flushReplies() }
             let free = replySlotsUsed..<replyReceiver.batchSize
             let count: Int
+            // The crash ledger: a receive under way until what it read is staged (or counted).
+            loop.ledger?.receiving()
+            defer { loop.ledger?.receiveDone() }
             do throws(SystemCallError) {
                 count = try replyReceiver.receive(from: fd, flags: Socket.dontWait | Socket.truncate, slots: free)
             } catch {

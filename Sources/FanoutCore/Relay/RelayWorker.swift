@@ -223,7 +223,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var position = 0
         while position < inherited.count {
             let socket = inherited[position]
-            let count = try receiver.receive(from: socket.socket, flags: Socket.dontWait | Socket.truncate)
+            let count = try receiver.receiveNoting(loop.ledger, from: socket.socket, flags: Socket.dontWait | Socket.truncate)
             if count > 0 { return count }
             if activated.isSet {
                 try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
@@ -233,7 +233,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 position += 1
             }
         }
-        return try receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate)
+        return try receiver.receiveNoting(loop.ledger, from: member.socket, flags: Socket.dontWait | Socket.truncate)
     }
 
     func adoptPlanIfChanged() { tableLock.withLock { _ in adoptPlanLocked() } }
@@ -479,9 +479,15 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 created += 1
             }
             session.lastActive = now
+            // The crash ledger: held from here are the datagrams after this one and those queued
+            // for the ring (noted before the send call, which a kill cannot stop half way).
+            if ring == nil { loop.ledger?.holding(count - datagram - 1) }
             if sendRequest(datagram, on: session, &failures) { queued += 1 }
         }
-        if queued > 0 { finishRequests(count, &failures) }
+        if queued > 0 {
+            loop.ledger?.holding(0)
+            finishRequests(count, &failures)
+        }
         if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)]) }
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
@@ -639,6 +645,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var bufferFull: UInt64 = 0
         var failed: UInt64 = 0
         var message = 0
+        // The crash ledger: every staged reply is handed to the send calls below (or dropped, counted).
+        if messages > 0 { loop.ledger?.holdingReplies(0) }
         while message < messages {
             let error: Int32
             do throws(SystemCallError) {
