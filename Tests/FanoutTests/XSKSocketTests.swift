@@ -219,16 +219,33 @@ struct XSKSocketTests {
         return address
     }
 
+    /// The 2-queue veth pair with a socket on each queue and the program redirecting to them attached.
+    static func redirecting() throws -> (XSKVethPair, XSKRedirectProgram, [XSKSocket]) {
+        let pair = try XSKVethPair()
+        do {
+            let program = try XSKRedirectProgram(queues: 2)
+            let sockets = [try makeSocket(pair, queue: 0, small).get(), try makeSocket(pair, queue: 1, small).get()]
+            for socket in sockets { try program.insert(socket) }
+            let attached = inNetworkNamespace(pair.listener) { [name = pair.listenerInterface] in program.attach(interface: name) }
+            guard attached == .some(nil) else {
+                sockets.forEach { $0.close() }
+                throw XSKError.invalidConfig("the redirect program did not attach: \(String(describing: attached))")
+            }
+            return (pair, program, sockets)
+        } catch {
+            pair.destroy()
+            throw error
+        }
+    }
+
     @Test("End to end: datagrams from 16 source ports arrive on both queues, parse and match; 640 receive/recycle cycles leak no frame; frames held past the fill ring wait on the free list; a frame rewritten in UMEM and transmitted reaches the peer")
     func endToEnd() throws {
-        let pair = try XSKVethPair()
-        defer { pair.destroy() }
-        let program = try XSKRedirectProgram(queues: 2)
-        let sockets = [try makeSocket(pair, queue: 0, Self.small).get(), try makeSocket(pair, queue: 1, Self.small).get()]
-        defer { sockets.forEach { $0.close() } }
-        for socket in sockets { try program.insert(socket) }
-        let attached = inNetworkNamespace(pair.listener) { [name = pair.listenerInterface] in program.attach(interface: name) }
-        try #require(attached == .some(nil), "\(String(describing: attached))")
+        let (pair, program, sockets) = try Self.redirecting()
+        defer {
+            sockets.forEach { $0.close() }
+            pair.destroy()
+        }
+        _ = program
 
         // Senders in the peer namespace, each on its own source port (the flow hash picks the veth queue).
         let senders: [Int32] = inNetworkNamespace(pair.peer) {
@@ -389,14 +406,12 @@ struct XSKSocketTests {
 extension XSKSocketTests {
     @Test("Taken over after a crash: a socket and its UMEM memfd handed on (as the service manager's store does) are mapped again; what the RX ring held is received whole from the same frames, given-back frames stay off the fill ring, and closing the copy leaves the original working; a memfd that is not a UMEM is refused")
     func adoption() throws {
-        let pair = try XSKVethPair()
-        defer { pair.destroy() }
-        let program = try XSKRedirectProgram(queues: 2)
-        let sockets = [try makeSocket(pair, queue: 0, Self.small).get(), try makeSocket(pair, queue: 1, Self.small).get()]
-        defer { sockets.forEach { $0.close() } }
-        for socket in sockets { try program.insert(socket) }
-        let attached = inNetworkNamespace(pair.listener) { [name = pair.listenerInterface] in program.attach(interface: name) }
-        try #require(attached == .some(nil), "\(String(describing: attached))")
+        let (pair, program, sockets) = try Self.redirecting()
+        defer {
+            sockets.forEach { $0.close() }
+            pair.destroy()
+        }
+        _ = program
         #expect(UMEMHeader.read(sockets[0].umemFD) == UMEMHeader(frameSize: 4096, frameCount: 128, ringSize: 64))
 
         // 24 datagrams, left on the RX rings (nobody receives: the process "crashed").

@@ -196,8 +196,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             forwarder.templates?.flush()
             let targets = forwarder.outboxes.count
             if transmitSent.count != targets { transmitSent = Array(repeating: (0, 0, 0), count: targets) }
-            let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]), ledger: forwarder.ledger,
-                                         stillHeld: forwarder.ledger == nil ? 0 : forwarder.heldCount)
+            let queued = socket.transmit(UnsafeBufferPointer(rebasing: transmit[0..<transmitCount]), ledger: forwarder.ledger)
             for index in 0..<transmitCount {
                 let target = transmitTargets[index]
                 if index < queued {

@@ -345,9 +345,14 @@ final class AFXDPListener: RunningListener {
             afxdp.addReadOut(queue: queue, events.byKind)
             socket.close()
             var note = "\(name): the previous process's AF_XDP socket read out: \(waiting - left) frame(s) from its RX ring forwarded, \(queued) found on its TX ring"
-            if unsent > 0 { note += ", \(unsent) frame(s) the kernel did not take from the TX ring in 100 ms, lost" }
+            if unsent > 0 {
+                // Lost with the socket: counted as what the crash took.
+                counters.drop(.crash, UInt64(unsent))
+                note += ", \(unsent) frame(s) the kernel did not take from the TX ring in 100 ms, lost (counted crash)"
+            }
             if events.rxRingFull + events.rxDropped > 0 {
-                note += "; the kernel dropped \(events.rxRingFull) frame(s) on it for a full RX ring and \(events.rxDropped) for other reasons since it opened (udp_fanout_afxdp_socket_events_total)"
+                // A stalled or stopped process leaves its fill ring empty first: those drops are rx_dropped.
+                note += "; the kernel dropped \(events.rxRingFull + events.rxDropped) frame(s) on it since it opened (rx_dropped \(events.rxDropped): no fill ring entry, as when its process stalls or stops; rx_ring_full \(events.rxRingFull)), counted in udp_fanout_afxdp_socket_events_total"
             }
             descriptors.count(Mode.afXDP.rawValue, .adopted, note: note)
             let fields: Logger.Metadata = [

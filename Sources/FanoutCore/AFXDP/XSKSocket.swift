@@ -284,6 +284,9 @@ final class XSKSocket: @unchecked Sendable {
     func finishTransmitting(milliseconds: Int) -> Int {
         var waited = 0
         while txRingLevel > 0 && waited < milliseconds {
+            // The kernel takes a TX entry only with room on the completion ring.
+            let done = Int(completion.pointee.producer.pointee &- completion.pointee.consumer.pointee)
+            if done > 0 { xsk_ring_cons__release(completion, UInt32(done)) }
             _ = try? Syscall.sendto(fd, nil, 0, Socket.dontWait, nil, 0)
             if txRingLevel > 0 { usleep(1_000) }
             waited += 1
@@ -294,7 +297,7 @@ final class XSKSocket: @unchecked Sendable {
     /// Takes up to `frames.count` received frames off the RX ring; they are the caller's until
     /// recycled or transmitted. Also reaps the completion ring and tops up the fill ring.
     /// - Parameter ledger: the thread's crash ledger slot: the frames taken are noted held before
-    ///   the ring lets them go (a kill in between leaves them on the ring, or noted).
+    ///   the ring lets them go.
     /// - Returns: the number of frames written to `frames`; 0 when the RX ring was empty
     ///   (counted in `rxRingEmpty`).
     func receive(into frames: UnsafeMutableBufferPointer<XSKFrame>, ledger: CrashLedger.Slot? = nil) -> Int {
@@ -307,6 +310,8 @@ final class XSKSocket: @unchecked Sendable {
                 let descriptor = xsk_ring_cons__rx_desc(rx, index &+ offset)!.pointee
                 frames[Int(offset)] = XSKFrame(address: descriptor.addr, length: descriptor.len)
             }
+            // Noted before the ring lets them go: a kill in between leaves them both on the ring
+            // (forwarded by the next process) and noted (counted by it), never neither.
             ledger?.holding(Int(count))
             xsk_ring_cons__release(rx, count)
         } else {
@@ -355,11 +360,11 @@ final class XSKSocket: @unchecked Sendable {
 
     /// Queues frames (rewritten in place by the caller) on the TX ring and kicks the kernel
     /// (sendto) when it asks for it. The frames come back through the completion ring.
-    /// - Parameter ledger: the thread's crash ledger slot, told `stillHeld` just before the ring
-    ///   takes the frames (on the ring they outlive a crash: the next process sends them).
+    /// - Parameter ledger: the thread's crash ledger slot, told the frames are handed just before
+    ///   the ring takes them (on the ring they outlive a crash: the next process sends them).
     /// - Returns: how many were queued, from the first; the rest stay the caller's, who recycles
     ///   them and counts the drop.
-    func transmit(_ frames: UnsafeBufferPointer<XSKFrame>, ledger: CrashLedger.Slot? = nil, stillHeld: Int = 0) -> Int {
+    func transmit(_ frames: UnsafeBufferPointer<XSKFrame>, ledger: CrashLedger.Slot? = nil) -> Int {
         precondition(!closed, "transmit on a closed AF_XDP socket")
         reapCompletions()
         let wanted = UInt32(truncatingIfNeeded: frames.count)
@@ -372,7 +377,7 @@ final class XSKSocket: @unchecked Sendable {
                 descriptor.pointee.len = frames[Int(offset)].length
                 descriptor.pointee.options = 0
             }
-            ledger?.holding(stillHeld)
+            ledger?.handing(Int(count))
             xsk_ring_prod__submit(tx, count)
             transmitting += Int(count)
         } else if count > 0 {

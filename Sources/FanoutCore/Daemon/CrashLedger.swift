@@ -50,6 +50,8 @@ package final class CrashLedger: @unchecked Sendable {
         private let index: Int
         private let ledger: CrashLedger
         private let released = Atomic<Bool>(false)
+        /// What the slot says is held now (the owning thread's copy; only it writes the slot).
+        private var pending = 0
 
         fileprivate init(words: UnsafeMutablePointer<UInt64>, index: Int, ledger: CrashLedger) {
             self.words = words
@@ -59,7 +61,19 @@ package final class CrashLedger: @unchecked Sendable {
 
         /// The thread holds `count` datagrams it received and has not yet handed to a send call.
         @inline(__always)
-        package func holding(_ count: Int) { shim_store_shared_u64(words, UInt64(truncatingIfNeeded: count)) }
+        package func holding(_ count: Int) {
+            pending = count
+            shim_store_shared_u64(words, UInt64(truncatingIfNeeded: count))
+        }
+
+        /// The next send call carries `count` of the datagrams held: noted just before the call
+        /// (the kernel completes a send call it entered, whatever signal comes: what it carries
+        /// goes out, or is dropped and counted by the thread).
+        @inline(__always)
+        package func handing(_ count: Int) {
+            guard count > 0 else { return }
+            holding(max(0, pending - count))
+        }
 
         /// The thread enters a receive system call: what it takes is noted only once it returns.
         @inline(__always)
@@ -73,7 +87,7 @@ package final class CrashLedger: @unchecked Sendable {
         /// The receive call returned `count` datagrams: held from now on.
         @inline(__always)
         package func received(_ count: Int) {
-            shim_store_shared_u64(words, UInt64(truncatingIfNeeded: count))
+            holding(count)
             shim_store_shared_u64(words + 4, 0)
         }
 
@@ -93,6 +107,7 @@ package final class CrashLedger: @unchecked Sendable {
     private let fd: Int32
     private let base: UnsafeMutableRawPointer
     private let logger: Logger
+    private weak var descriptors: DescriptorStore?
     private let freeSlots: Mutex<[Int]>
     /// What the previous process's threads held, by listener, with the slots it is in: they stay
     /// as they are until ``commit()`` (a process that crashes before it started leaves them to
@@ -115,7 +130,7 @@ package final class CrashLedger: @unchecked Sendable {
     }
 
     /// The ledger of this process: the previous process's, taken over from the store (what its
-    /// threads held is read out first, then every slot is emptied), else a new one stored there.
+    /// threads held is read out first; its slots are emptied by ``commit()``), else a new one stored there.
     /// nil when no service manager keeps descriptors (nothing would outlive a crash) or the
     /// memory cannot be had (logged: crash losses go uncounted).
     package static func open(descriptors: DescriptorStore, logger: Logger) -> CrashLedger? {
@@ -127,7 +142,9 @@ package final class CrashLedger: @unchecked Sendable {
                 for extra in handed { close(extra) }
                 let held = readOut(base)
                 if !held.isEmpty { descriptors.count("ledger", .adopted, note: "\(storeName): the previous process ended without a stop; its threads held datagrams of \(held.keys.sorted().joined(separator: ", ")): counted at those listeners' start") }
-                return CrashLedger(fd: fd, base: base, inherited: held, logger: logger)
+                let ledger = CrashLedger(fd: fd, base: base, inherited: held, logger: logger)
+                ledger.descriptors = descriptors
+                return ledger
             }
             close(fd)
             descriptors.remove(storeName)
@@ -225,7 +242,8 @@ package final class CrashLedger: @unchecked Sendable {
 
     /// What the previous process's threads of `listener` held when it ended, once (the
     /// listener's first start counts it); logged when anything.
-    package func takeInherited(_ listener: String) -> Held? {
+    /// - Parameter countsReplies: the listener relays now, so replies held are counted (else only logged).
+    package func takeInherited(_ listener: String, countsReplies: Bool = true) -> Held? {
         let key = String(decoding: listener.utf8.prefix(Self.nameBytes), as: UTF8.self)
         let held: Held? = inherited.withLock { inherited in
             guard let entry = inherited[key], entry.held != Held() else { return nil }
@@ -235,19 +253,24 @@ package final class CrashLedger: @unchecked Sendable {
             return entry.held
         }
         guard let held else { return nil }
-        Self.log(logger, listener: listener, held, counted: true)
+        Self.log(logger, listener: listener, held, counted: true, countsReplies: countsReplies)
+        if held.receiving > 0 {
+            descriptors?.count("ledger", .adopted, 0, note: "listener '\(listener)': \(held.receiving) thread(s) of the previous process were inside a receive call when it ended: what they took (up to settings.batch_size datagrams each) was lost uncounted")
+        }
         return held
     }
 
-    private static func log(_ logger: Logger, listener: String, _ held: Held, counted: Bool) {
+    private static func log(_ logger: Logger, listener: String, _ held: Held, counted: Bool, countsReplies: Bool = true) {
         if held.requests > 0 || held.replies > 0 {
-            let message: Logger.Message = counted
+            let message: Logger.Message = !counted
+                ? "the previous process ended without a stop holding datagrams of a listener this configuration does not have: lost, counted nowhere else"
+                : countsReplies || held.replies == 0
                 ? "the previous process ended without a stop holding datagrams it had read and not yet sent: counted dropped, reason crash"
-                : "the previous process ended without a stop holding datagrams of a listener this configuration does not have: lost, counted nowhere else"
+                : "the previous process ended without a stop holding datagrams it had read and not yet sent: counted dropped, reason crash (its replies only logged: the listener no longer relays)"
             logger.warning(message, metadata: ["listener": "\(listener)", "datagrams": "\(held.requests)", "replies": "\(held.replies)"])
         }
         if held.receiving > 0 {
-            logger.warning("the previous process ended without a stop while a thread was inside a receive call: what that call took (up to settings.batch_size datagrams) was lost uncounted", metadata: [
+            logger.warning("the previous process ended without a stop while a thread was inside a receive call: what that call may have taken (up to settings.batch_size datagrams) was lost uncounted", metadata: [
                 "listener": "\(listener)", "threads": "\(held.receiving)",
             ])
         }

@@ -228,7 +228,7 @@ public final class FanoutDaemon: Sendable {
         }
         // What the previous process's threads of this listener held when it crashed (replies
         // only where they are exported: a listener that still relays).
-        if let held = crashLedger?.takeInherited(listener.name) {
+        if let held = crashLedger?.takeInherited(listener.name, countsReplies: listener.replies == .relay) {
             counters.drop(.crash, held.requests)
             if held.replies > 0 && listener.replies == .relay { counters.relayCounters().crash.wrappingAdd(held.replies, ordering: .relaxed) }
         }

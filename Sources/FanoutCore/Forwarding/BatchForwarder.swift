@@ -40,9 +40,11 @@ final class BatchForwarder {
     private let replicator: PoolReplicator
     /// `settings.flow_templates`: the caller offers it each datagram before appending it.
     let templates: FlowTemplateRelay?
-    /// The thread's crash ledger slot: ``flush(received:bytesReceived:tooLarge:noHealthy:forwarded:bytesForwarded:notOffered:)``
-    /// notes before each send call the datagrams that are still to be handed to one.
-    var ledger: CrashLedger.Slot?
+    /// The thread's crash ledger slot: the listener's own outboxes note in it what each send call
+    /// carries, just before the call.
+    var ledger: CrashLedger.Slot? {
+        didSet { for outbox in outboxes { outbox.ledger = ledger } }
+    }
 
     /// - Parameters:
     ///   - makeOutbox: the way out to each of the listener's own downstreams.
@@ -92,6 +94,7 @@ final class BatchForwarder {
             }
             return outbox
         }
+        for outbox in outboxes { outbox.ledger = ledger }
         let direct = outboxes.compactMap { $0 as? DownstreamOutbox }
         sockets = direct.count == outboxes.count ? direct.map { Unmanaged.passUnretained($0) } : []
         outboxesAt = Dictionary(grouping: plan.downstreams.indices, by: { plan.downstreams[$0].address })
@@ -168,21 +171,10 @@ final class BatchForwarder {
             for target in touched { sockets[target]._withUnsafeGuaranteedRef { $0.stage() } }
         }
         if !replicator.isEmpty { replicator.stage() }
-        // The crash ledger: what the shared send carries is handed over by it; the rest waits
-        // for its outbox's own call.
-        var unsent = 0
-        if let ledger {
-            for target in touched { unsent += unstaged(target) }
-            ledger.holding(unsent)
-        }
         sender.send()
         noteICMPErrors()
         if let plan {
             for target in touched {
-                if let ledger, case let own = unstaged(target), own > 0 {
-                    unsent -= own
-                    ledger.holding(unsent)
-                }
                 var result: FlushResult = (0, 0, [:])
                 let refused = sockets.isEmpty ? flush(outboxes[target], target, plan, &result)
                                               : sockets[target]._withUnsafeGuaranteedRef { flush($0, target, plan, &result) }
@@ -205,24 +197,6 @@ final class BatchForwarder {
         counters.add(counters.bytesForwarded, bytesForwarded)
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
-    }
-
-    /// The datagrams of outbox `target` its own flush sends (not staged for the shared sender).
-    @inline(__always)
-    private func unstaged(_ target: Int) -> Int {
-        if sockets.isEmpty {
-            let outbox = outboxes[target]
-            return outbox.isStaged ? 0 : outbox.count
-        }
-        return sockets[target]._withUnsafeGuaranteedRef { $0.isStaged ? 0 : $0.count }
-    }
-
-    /// The datagrams appended since the last flush, all still to be sent (af_xdp's TX ring takes
-    /// the rest of its batch before the flush).
-    var heldCount: Int {
-        var held = 0
-        for target in touched { held += sockets.isEmpty ? outboxes[target].count : sockets[target]._withUnsafeGuaranteedRef { $0.count } }
-        return held
     }
 
     /// Flushes one outbox (reconnecting it first if due): whether it was refused (port unreachable).

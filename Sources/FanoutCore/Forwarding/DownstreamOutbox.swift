@@ -35,6 +35,7 @@ final class DownstreamOutbox: Outbox {
     private let controls: UnsafeMutableRawPointer
     private let controlSpace: Int
     private(set) var count = 0
+    var ledger: CrashLedger.Slot?
     private(set) var gsoEnabled = true
     /// The last flush got ECONNREFUSED: the downstream answered ICMP port unreachable (passive health).
     private(set) var refused = false
@@ -124,9 +125,12 @@ final class DownstreamOutbox: Outbox {
             return
         }
         guard socket >= 0 else {
+            ledger?.handing(count)
             result.dropped[Self.reason(connectError), default: 0] += UInt64(count)
             return
         }
+        // The first call carries every datagram (the later ones, after a failure, the rest).
+        ledger?.handing(count)
         var first = 0
         while first < count {
             let messages = build(from: first)
@@ -221,8 +225,6 @@ final class DownstreamOutbox: Outbox {
         }
         staged = true
     }
-
-    var isStaged: Bool { staged }
 
     /// The shared sender sent `message` (one of this outbox's).
     @inline(__always)

@@ -33,13 +33,13 @@ protocol Outbox: AnyObject {
     func reconnectIfDue() -> Bool
     /// Why datagrams are dropped right now without a send (no socket), for a log line; nil when sending.
     var unavailable: String? { get }
-    /// What was appended went to the thread's ``SharedSender`` at the last ``stage()`` (its send
-    /// carries them; ``flush(_:)`` makes no call of its own).
-    var isStaged: Bool { get }
+    /// The crash ledger slot of the thread this outbox sends the listener's own datagrams for:
+    /// each send call carrying them notes it first (``CrashLedger/Slot/handing(_:)``); nil for
+    /// copies (pools, templates), which the ledger does not hold.
+    var ledger: CrashLedger.Slot? { get set }
 }
 
 extension Outbox {
-    var isStaged: Bool { false }
     func stage() {}
     func drewError(at address: SocketAddress) {}
     func forgetErrors() {}
@@ -109,6 +109,7 @@ extension Outboxes {
 /// appended is dropped and counted with `reason`.
 final class UnavailableOutbox: Outbox {
     private(set) var count = 0
+    var ledger: CrashLedger.Slot?
     let refused = false
     let unavailable: String?
     private let reason: DropReason
@@ -121,6 +122,7 @@ final class UnavailableOutbox: Outbox {
     func append(_ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8) { count += 1 }
 
     func flush(_ result: inout FlushResult) {
+        ledger?.handing(count)
         result.dropped[reason, default: 0] += UInt64(count)
         count = 0
     }

@@ -220,13 +220,31 @@ final class SharedSender {
 
     /// Sends messages `0..<count` of `headers` (each owned by `owners[i]`) on `fd`, telling each
     /// owner what became of its messages.
+    /// `noting` false: the datagrams were noted handed already (a GSO message sent again one by one).
     private func transmit(_ fd: Int32, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
-                          _ owners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>, _ count: Int) {
+                          _ owners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>, _ count: Int, noting: Bool = true) {
         var message = 0
         var retries = 0
         var egressDrops = 0
+        // The crash ledger: the listener's own datagrams (not pool or template copies) of the
+        // messages a call carries for the first time are noted handed just before it.
+        var noted = noting ? 0 : count
         while message < count {
             let error: Int32
+            if noted < count {
+                var carried = 0
+                var slot: CrashLedger.Slot?
+                for index in noted..<count {
+                    owners[index]._withUnsafeGuaranteedRef { owner in
+                        if let ledger = owner.ledger {
+                            slot = ledger
+                            carried += headers[index].msg_hdr.msg_iovlen
+                        }
+                    }
+                }
+                slot?.handing(carried)
+                noted = count
+            }
             do throws(SystemCallError) {
                 sendCalls += 1
                 if case .processed(let sent) = try Syscall.sendmmsg(fd, headers + message, count - message, Socket.dontWait), sent > 0 {
@@ -299,7 +317,7 @@ final class SharedSender {
                                            msg_iovlen: 1, msg_control: nil, msg_controllen: 0, msg_flags: 0)
             singleOwners[index] = Unmanaged.passUnretained(owner)
         }
-        transmit(fd, single, singleOwners, count)
+        transmit(fd, single, singleOwners, count, noting: false)
     }
 
     /// Reads `fd`'s error queue into ``errors``; returns how many entries it held.

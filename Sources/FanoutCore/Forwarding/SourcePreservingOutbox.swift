@@ -67,6 +67,7 @@ final class SourcePreservingOutbox: Outbox {
     private let destinationLength: socklen_t
     /// Datagrams appended since the last flush, sendable or not.
     private(set) var count = 0
+    var ledger: CrashLedger.Slot?
     /// Messages built (sendable datagrams) since the last flush.
     private var built = 0
     private var mismatched: UInt64 = 0
@@ -197,9 +198,16 @@ final class SourcePreservingOutbox: Outbox {
         }
         if mismatched > 0 { result.dropped[.familyMismatch, default: 0] += mismatched }
         if oversized > 0 { result.dropped[.tooLarge, default: 0] += oversized }
+        ledger?.handing(Int(mismatched + oversized))
         var message = 0
+        // The crash ledger: messages before this one were noted handed (one datagram each).
+        var noted = 0
         while message < built {
             if fragmented[message] {
+                if message >= noted {
+                    ledger?.handing(1)
+                    noted = message + 1
+                }
                 sendFragmented(message, &result)
                 message += 1
                 continue
@@ -207,6 +215,10 @@ final class SourcePreservingOutbox: Outbox {
             // A run of whole datagrams up to the next one to fragment: one sendmmsg.
             var end = message + 1
             while end < built && !fragmented[end] { end += 1 }
+            if end > noted {
+                ledger?.handing(end - max(noted, message))
+                noted = end
+            }
             let error: Int32
             do throws(SystemCallError) {
                 if case .processed(let sent) = try Syscall.sendmmsg(socket, messages + message, end - message, Socket.dontWait), sent > 0 {

@@ -479,13 +479,13 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 created += 1
             }
             session.lastActive = now
-            // The crash ledger: held from here are the datagrams after this one and those queued
-            // for the ring (noted before the send call, which a kill cannot stop half way).
-            if ring == nil { loop.ledger?.holding(count - datagram - 1) }
+            // The crash ledger: a request sent by a system call now is noted handed just before
+            // it; those queued for the ring, before its submit.
+            if ring == nil { loop.ledger?.handing(1) }
             if sendRequest(datagram, on: session, &failures) { queued += 1 }
         }
         if queued > 0 {
-            loop.ledger?.holding(0)
+            loop.ledger?.handing(queued)
             finishRequests(count, &failures)
         }
         if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)]) }
