@@ -35,7 +35,7 @@ import SystemCalls
 /// - `udp-fanout.xsk.<interface>.<queue>` and `udp-fanout.umem.<interface>.<queue>`: an af_xdp
 ///   listener's AF_XDP socket and its UMEM's memfd: after a crash, the next process reads out
 ///   what their rings hold before it binds the queue anew;
-/// - `udp-fanout.ledger`: a memfd where the forwarding threads note what they hold (``CrashLedger``);
+/// - `udp-fanout.ledger`: a memfd where the forwarding threads note what they hold (`CrashLedger`);
 /// - `udp-fanout.tpl.<listener>`: a memfd with a `flow_templates` listener's templates
 ///   (`TemplateHandOver`);
 /// - `udp-fanout.process`: a memfd saying which process stored them, its version, and when it
