@@ -131,16 +131,7 @@ struct Run: AsyncParsableCommand {
                 for problem in problems { printError("udp-fanout: \(problem)") }
                 throw ExitCode(2)
             }
-            print("configuration OK: \(parsed.listeners.count) listener(s): " + parsed.listeners.map { listener in
-                var targets = ["\(listener.downstreams.count) downstream(s)"]
-                targets += listener.dnsDownstreams.map { "DNS \($0.host):\($0.port)" }
-                if let source = listener.kubernetes {
-                    targets.append("Kubernetes \(source.namespace.map { "\($0)/" } ?? "")\(source.service):\(source.port)")
-                }
-                return "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets.joined(separator: " + ")), \(listener.balancing.rawValue)"
-                    + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
-            }.joined(separator: "; ") + (parsed.health.enabled ? "; health \(parsed.health.proto) every \(parsed.health.intervalSecs) s" : "")
-                + (parsed.announce.map { "; announce \($0.addresses.map(\.description).joined(separator: ", ")) (table \($0.table), protocol \($0.protocolNumber), drain \($0.drainSecs) s)" } ?? ""))
+            print(parsed.checkSummary)
             return
         }
         // Graceful shutdown runs in reverse order: listeners drain first while the endpoint still

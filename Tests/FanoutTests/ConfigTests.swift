@@ -381,6 +381,25 @@ struct ConfigTests {
     }
 }
 
+extension ConfigTests {
+    @Test("--check's summary names each listener's replication pools: balancing, members, sample, sources and way out")
+    func checkSummaryPools() throws {
+        let config = try ConfigParser.parse("""
+            listeners:
+              - name: nf
+                bind: "127.0.0.1:2055"
+                downstream: [{address: "127.0.0.1:9001"}]
+                pools:
+                  - {name: archive, balancing: all, downstream: [{address: "127.0.0.1:9002"}, {address: "127.0.0.1:9003"}]}
+                  - {name: sampled, balancing: source_ip, sample: 10, sources: ["10.0.0.0/8"], output: preserve_source, downstream: [{address: "127.0.0.1:9004"}]}
+
+            """)
+        let summary = config.checkSummary
+        #expect(summary.hasPrefix("configuration OK: 1 listener(s): nf 127.0.0.1:2055 userspace -> 1 downstream(s), round_robin"), "\(summary)")
+        #expect(summary.contains(", pool archive -> 2 downstream(s), all, pool sampled -> 1 downstream(s), source_ip, 1 in 10, sources 10.0.0.0/8, output preserve_source"), "\(summary)")
+    }
+}
+
 @Suite("Downstream selection")
 struct SelectorTests {
     func storage(_ ip: String) -> sockaddr_storage {

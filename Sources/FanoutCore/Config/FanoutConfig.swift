@@ -431,3 +431,31 @@ public struct Announce: Equatable, Sendable {
     /// the route for theirs, and replace or delete it.
     public static let reservedProtocols: [ClosedRange<Int>] = [0...4, 11...12, 42...42, 186...198]
 }
+
+extension FanoutConfig {
+    /// What `udp-fanout --check` prints for a valid configuration: each listener with its bind,
+    /// kind, downstreams (static, DNS, Kubernetes), balancing, replies and replication pools,
+    /// then health checks and announced addresses.
+    public var checkSummary: String {
+        func targets(_ downstreams: [Downstream], _ dns: [DNSDownstream], _ kubernetes: Kubernetes?) -> String {
+            var targets = ["\(downstreams.count) downstream(s)"]
+            targets += dns.map { "DNS \($0.host):\($0.port)" }
+            if let source = kubernetes {
+                targets.append("Kubernetes \(source.namespace.map { "\($0)/" } ?? "")\(source.service):\(source.port)")
+            }
+            return targets.joined(separator: " + ")
+        }
+        return "configuration OK: \(listeners.count) listener(s): " + listeners.map { listener in
+            var line = "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets(listener.downstreams, listener.dnsDownstreams, listener.kubernetes)), \(listener.balancing.rawValue)"
+                + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
+            for pool in listener.pools {
+                line += ", pool \(pool.name) -> \(targets(pool.downstreams, pool.dnsDownstreams, pool.kubernetes)), \(pool.balancing.rawValue)"
+                if pool.sample > 1 { line += ", 1 in \(pool.sample)" }
+                if !pool.sources.isEmpty { line += ", sources \(pool.sources.map(\.description).joined(separator: " "))" }
+                if let output = pool.output { line += ", output \(output.rawValue)" }
+            }
+            return line
+        }.joined(separator: "; ") + (health.enabled ? "; health \(health.proto) every \(health.intervalSecs) s" : "")
+            + (announce.map { "; announce \($0.addresses.map(\.description).joined(separator: ", ")) (table \($0.table), protocol \($0.protocolNumber), drain \($0.drainSecs) s)" } ?? "")
+    }
+}
