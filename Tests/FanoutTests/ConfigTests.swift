@@ -382,7 +382,7 @@ struct ConfigTests {
 }
 
 extension ConfigTests {
-    @Test("--check's summary names each listener's replication pools: balancing, members, sample, sources and way out")
+    @Test("--check's summary names each listener's replication pools: balancing, members, sources, the sample of sources and way out; without pools it is what it always was")
     func checkSummaryPools() throws {
         let config = try ConfigParser.parse("""
             listeners:
@@ -396,7 +396,21 @@ extension ConfigTests {
             """)
         let summary = config.checkSummary
         #expect(summary.hasPrefix("configuration OK: 1 listener(s): nf 127.0.0.1:2055 userspace -> 1 downstream(s), round_robin"), "\(summary)")
-        #expect(summary.contains(", pool archive -> 2 downstream(s), all, pool sampled -> 1 downstream(s), source_ip, 1 in 10, sources 10.0.0.0/8, output preserve_source"), "\(summary)")
+        #expect(summary.contains(", pool archive -> 2 downstream(s), all, output socket, pool sampled -> 1 downstream(s), source_ip, sources 10.0.0.0/8, 1 source in 10, output preserve_source"), "\(summary)")
+        // Without pools, what it always printed.
+        let plain = try ConfigParser.parse("""
+            listeners:
+              - name: a
+                bind: "127.0.0.1:7001"
+                balancing: source_ip
+                downstream: [{address: "127.0.0.1:7002"}, {address: "collector.example:7003"}]
+              - name: b
+                bind: "127.0.0.1:7011"
+                kubernetes: {namespace: ops, service: receivers, port: 5514}
+            health: {enabled: true, interval_secs: 2, timeout_secs: 1}
+
+            """)
+        #expect(plain.checkSummary == "configuration OK: 2 listener(s): a 127.0.0.1:7001 userspace -> 1 downstream(s) + DNS collector.example:7003, source_ip; b 127.0.0.1:7011 userspace -> 0 downstream(s) + Kubernetes ops/receivers:5514, round_robin; health icmp every 2 s", "\(plain.checkSummary)")
     }
 }
 

@@ -450,9 +450,10 @@ extension FanoutConfig {
                 + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
             for pool in listener.pools {
                 line += ", pool \(pool.name) -> \(targets(pool.downstreams, pool.dnsDownstreams, pool.kubernetes)), \(pool.balancing.rawValue)"
-                if pool.sample > 1 { line += ", 1 in \(pool.sample)" }
+                // In the order the filters apply: sources, then the sample (of sources, not datagrams).
                 if !pool.sources.isEmpty { line += ", sources \(pool.sources.map(\.description).joined(separator: " "))" }
-                if let output = pool.output { line += ", output \(output.rawValue)" }
+                if pool.sample > 1 { line += ", 1 source in \(pool.sample)" }
+                line += ", output \((pool.output ?? listener.settings.output).rawValue)"
             }
             return line
         }.joined(separator: "; ") + (health.enabled ? "; health \(health.proto) every \(health.intervalSecs) s" : "")
