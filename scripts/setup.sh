@@ -55,6 +55,8 @@ pip_tool() {
 pip_tool kubernetes_validate kubernetes-validate 1.37.0
 # The configuration schema test (ConfigSchemaTests) runs check-jsonschema.
 pip_tool check_jsonschema check-jsonschema 0.33.0
+# The QUIC-LB end-to-end tests (QUICEndToEndTests) run aioquic servers and clients (Tests/quic/).
+pip_tool aioquic aioquic 1.7.2
 if [ "$(stat -f -c %T /sys/fs/bpf 2>/dev/null)" = "bpf_fs" ]; then
   echo "setup: bpffs already mounted at /sys/fs/bpf"
 elif [ "$(id -u)" = 0 ]; then

@@ -216,7 +216,7 @@ struct FlowTemplateRelayTests {
             packet.withUnsafeBytes { payload in
                 withUnsafePointer(to: &storage) { source in
                     forwarder.replicate(payload, source: source)
-                    let target = forwarder.pick(source)
+                    let target = forwarder.pick(source, payload)
                     forwarder.noteTemplates(target, payload, source: source)
                     if let target { forwarder.append(target, payload, source: source) }
                 }

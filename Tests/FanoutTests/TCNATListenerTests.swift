@@ -124,7 +124,7 @@ struct TCNATListenerTests {
         // The serving backend leaves the set: the reply interface toward it is detached.
         let remaining = served == "b1" ? 2 : 1
         let updated = inNetworkNamespace(topology.proxy) {
-            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, pools: [], keeping: [])
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, quicLB: [], pools: [], keeping: [])
         }
         #expect(updated == true)
         // The gone backend's side stays attached while it drains and after (its late replies are
@@ -194,7 +194,7 @@ struct TCNATListenerTests {
         let removed = try #require(served, "the client's request made an association")
         let remaining = removed == "b1" ? 2 : 1
         let updated = inNetworkNamespace(topology.proxy) {
-            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, pools: [], keeping: [])
+            running.update(downstreams: [Downstream(name: "b\(remaining)", address: SocketAddress("198.18.\(remaining).2:6000")!)], balancing: .roundRobin, quicLB: [], pools: [], keeping: [])
         }
         #expect(updated == true)
         client.waitUntilExit()

@@ -157,7 +157,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             let payload = UnsafeRawBufferPointer(rebasing: UnsafeRawBufferPointer(bytes)[parsed.payloadOffset..<(parsed.payloadOffset + parsed.payloadLength)])
             // Replication: each pool's copies point at the payload in UMEM (no copy), sent at the flush.
             forwarder.replicate(payload, source: source, hopLimit: keepsSource ? parsed.hopLimit - 1 : 0)
-            guard let target = forwarder.pick(source) else {
+            guard let target = forwarder.pick(source, payload) else {
                 // Templates are learned even when no downstream takes the datagram.
                 forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1

@@ -15,6 +15,7 @@ struct AFXDPKind: ListenerKind {
     /// Each frame's payload to every pool from UMEM, through the pools' sockets (socket or
     /// preserve_source; a listener's xdp_tx leaves pools as preserve_source).
     static let replicates = true
+    static let routesQUIC = true
     /// Its steering program holds the interface's XDP hook.
     static let holdsXDPHook = true
 

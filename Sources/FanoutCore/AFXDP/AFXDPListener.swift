@@ -110,7 +110,7 @@ final class AFXDPListener: RunningListener {
         } catch {
             throw .memory(error)
         }
-        plans = PlanHolder(ForwardingPlan(downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters, passiveHealth: passiveHealth))
+        plans = PlanHolder(ForwardingPlan(downstreams: config.members, balancing: config.balancing, quicLB: config.quicLB, pools: config.pools, counters: counters, passiveHealth: passiveHealth))
 
         // Everything made so far is undone if a later step fails.
         var undo: [() -> Void] = []
@@ -238,9 +238,9 @@ final class AFXDPListener: RunningListener {
 
     var takesOverExactly: Bool { companion.takesOverExactly }
 
-    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, pools: pools, counters: counters, passiveHealth: passiveHealth))
-        companion.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
+    func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, quicLB: quicLB, pools: pools, counters: counters, passiveHealth: passiveHealth))
+        companion.replacePlan(downstreams: downstreams, balancing: balancing, quicLB: quicLB, pools: pools)
         return true
     }
 

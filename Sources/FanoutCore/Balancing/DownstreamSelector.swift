@@ -28,6 +28,11 @@ struct DownstreamSelector {
 
     let method: Method
     private var position = 0
+    /// QUIC-LB: tried first, `method` when it names no downstream; nil when the listener does
+    /// not route by connection ID.
+    let router: QUICRouter?
+    /// What ``router`` made of the datagrams since the last ``takeTally()``.
+    private(set) var tally = QUICTally()
 
     /// Seed of the source hash and table: fixed, so every node with the same downstreams agrees.
     static let seed: UInt32 = 0x5544_5046
@@ -35,10 +40,29 @@ struct DownstreamSelector {
     /// downstream whichever mode forwards it.
     static let tableSize = Int(FANOUT_TABLE_SIZE)
 
-    init(_ method: Method) { self.method = method }
+    init(_ method: Method, router: QUICRouter? = nil) {
+        self.method = method
+        self.router = router
+    }
 
     init(downstreams: [Downstream], balancing: Balancing) {
         self.init(Method(downstreams: downstreams, balancing: balancing))
+    }
+
+    /// The downstream index for `payload` from `source`: the one its QUIC connection ID names
+    /// (with a ``router``), else the balancing's; nil if none can be chosen.
+    @inline(__always)
+    mutating func pick(source: UnsafePointer<sockaddr_storage>, payload: UnsafeRawBufferPointer) -> Int? {
+        guard let router else { return pick(source: source) }
+        let (owner, outcome) = router.route(payload)
+        tally.note(outcome)
+        return owner ?? pick(source: source)
+    }
+
+    /// The outcomes tallied since the last call, and a fresh tally.
+    mutating func takeTally() -> QUICTally {
+        defer { tally = QUICTally() }
+        return tally
     }
 
     /// The downstream index for a datagram from `source`; nil if none can be chosen.

@@ -152,7 +152,7 @@ public enum ConfigParser {
 
     static func listener(_ node: YAMLNode, path: String) throws(ConfigError) -> Listener {
         let fields = try Fields(node, path: path)
-        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools"])
+        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools", "quic_lb"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
         guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
         let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
@@ -171,7 +171,74 @@ public enum ConfigParser {
         return Listener(
             name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
             downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: kubernetes, settings: settings,
-            balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!, pools: pools)
+            balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!, pools: pools,
+            quicLB: try quicLB(fields, path: path))
+    }
+
+    /// A listener's `quic_lb`: one configuration (a mapping) or several (a list, one per config
+    /// ID: a key rotation in progress). docs/quic.md.
+    static func quicLB(_ fields: Fields, path: String) throws(ConfigError) -> [QUICLBConfiguration] {
+        guard let node = fields["quic_lb"] else { return [] }
+        let items: [(YAMLNode, String)]
+        if case .sequence(let sequence) = node {
+            items = sequence.enumerated().map { ($1, "\(path).quic_lb[\($0)]") }
+            guard !items.isEmpty else { throw fields.error("quic_lb", "an empty list: give one configuration (config_id, server_id_length, nonce_length, key) or leave quic_lb out") }
+        } else {
+            items = [(node, "\(path).quic_lb")]
+        }
+        var configurations: [QUICLBConfiguration] = []
+        for (item, itemPath) in items {
+            let entry = try Fields(item, path: itemPath)
+            try entry.allow(["config_id", "server_id_length", "nonce_length", "key", "key_file"])
+            let configID = try entry.int("config_id", in: 0...6) ?? 0
+            guard let serverIDLength = try entry.int("server_id_length", in: 1...15) else {
+                throw entry.error("server_id_length", "required: octets of server ID in the connection IDs (1-15, as the servers are configured)")
+            }
+            guard let nonceLength = try entry.int("nonce_length", in: 4...18) else {
+                throw entry.error("nonce_length", "required: octets of nonce after the server ID (4-18, as the servers are configured)")
+            }
+            var key: [UInt8]?
+            if let text = try entry.string("key") {
+                guard try entry.string("key_file") == nil else { throw entry.error("key_file", "give key or key_file, not both") }
+                guard let bytes = hexBytes(text), bytes.count == 16 else { throw entry.error("key", "expected 32 hexadecimal digits (a 16-octet AES-128 key)") }
+                key = bytes
+            } else if let file = try entry.string("key_file") {
+                guard let text = try? readFile(file) else {
+                    throw entry.error("key_file", "cannot read '\(file)': give a readable file holding the key as 32 hexadecimal digits")
+                }
+                guard let bytes = hexBytes(String(text.filter { !$0.isWhitespace })), bytes.count == 16 else {
+                    throw entry.error("key_file", "'\(file)' does not hold 32 hexadecimal digits (a 16-octet AES-128 key)")
+                }
+                key = bytes
+            }
+            do {
+                configurations.append(try QUICLBConfiguration(configID: UInt8(configID), serverIDLength: serverIDLength, nonceLength: nonceLength, key: key))
+            } catch {
+                throw ConfigError(itemPath, error.description, line: item.mark.line)
+            }
+        }
+        return configurations
+    }
+
+    /// Octets from hexadecimal digits (an even number of them, no prefix); nil otherwise.
+    static func hexBytes(_ text: String) -> [UInt8]? {
+        let digits = Array(text.utf8)
+        guard !digits.isEmpty, digits.count % 2 == 0 else { return nil }
+        var bytes: [UInt8] = []
+        for index in stride(from: 0, to: digits.count, by: 2) {
+            guard let high = hexValue(digits[index]), let low = hexValue(digits[index + 1]) else { return nil }
+            bytes.append(high << 4 | low)
+        }
+        return bytes
+    }
+
+    private static func hexValue(_ digit: UInt8) -> UInt8? {
+        switch digit {
+        case UInt8(ascii: "0")...UInt8(ascii: "9"): return digit - UInt8(ascii: "0")
+        case UInt8(ascii: "a")...UInt8(ascii: "f"): return digit - UInt8(ascii: "a") + 10
+        case UInt8(ascii: "A")...UInt8(ascii: "F"): return digit - UInt8(ascii: "A") + 10
+        default: return nil
+        }
     }
 
     /// One entry of a listener's `pools` (replication; docs/replication.md).
@@ -200,11 +267,19 @@ public enum ConfigParser {
         var dnsDownstreams: [DNSDownstream] = []
         for (index, item) in try fields.sequence("downstream", required: false).enumerated() {
             let entry = try Fields(item, path: "\(path).downstream[\(index)]")
-            try entry.allow(["name", "address", "mac", "weight", "health_port"])
+            try entry.allow(["name", "address", "mac", "weight", "health_port", "server_id"])
             let weight = UInt32(try entry.int("weight", in: 0...1_000_000) ?? 1)
             let healthPort = try entry.int("health_port", in: 1...65535).map { UInt16($0) }
+            var serverID: [UInt8]?
+            if let text = try entry.string("server_id") {
+                guard let bytes = hexBytes(text), bytes.count <= 15 else {
+                    throw entry.error("server_id", "expected the server's QUIC-LB server ID as hexadecimal digits, two per octet (1-15 octets; quote it: \"0a01\")")
+                }
+                serverID = bytes
+            }
             if let text = try entry.string("address"), let (host, port) = Self.hostAndPort(text) {
                 if try entry.string("mac") != nil { throw entry.error("mac", "not used with a DNS name: the next hop's MAC comes from the kernel's neighbour table") }
+                if serverID != nil { throw entry.error("server_id", "not with a DNS name: each address a name resolves to is its own server, and one server ID cannot name them all; give each server by address") }
                 dnsDownstreams.append(DNSDownstream(
                     name: try entry.string("name") ?? text, host: host, port: port, weight: weight, healthPort: healthPort))
                 continue
@@ -212,7 +287,7 @@ public enum ConfigParser {
             guard let address = try entry.address("address") else { throw entry.error("address", "required (destination ip:port, or dns-name:port)") }
             downstreams.append(Downstream(
                 name: try entry.string("name") ?? address.description, address: address,
-                mac: try entry.string("mac"), weight: weight, healthPort: healthPort))
+                mac: try entry.string("mac"), weight: weight, healthPort: healthPort, serverID: serverID))
         }
         return (downstreams, dnsDownstreams)
     }

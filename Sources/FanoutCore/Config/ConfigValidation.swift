@@ -57,6 +57,7 @@ extension FanoutConfig {
                 throw fail("\(path).interface", "mode \(listener.mode.rawValue) attaches to a network interface: set interface (e.g. eth0)")
             }
             try validateMembers(of: listener, group: listener.ownMembers, path: path, all: all, localAddresses: localAddresses)
+            try validateQUICLB(listener, routes: kind.routesQUIC, path: path)
             if !listener.pools.isEmpty {
                 guard kind.replicates else {
                     throw fail("\(path).pools", "replication is not available in mode \(listener.mode.rawValue) in this release: remove pools or choose a mode that has it (docs/replication.md lists them)")
@@ -174,6 +175,15 @@ extension FanoutConfig {
                     }
                 }
             }
+            // quic_lb with members that have no server ID, or a balancing that splits a first flight.
+            if !listener.quicLB.isEmpty {
+                if !listener.dnsDownstreams.isEmpty || listener.kubernetes != nil {
+                    warn("\(path).quic_lb", "downstreams found by DNS name or Kubernetes have no server ID: only the balancing sends them datagrams, so their clients' connections break when an address changes; give QUIC servers by address with server_id")
+                }
+                if listener.balancing == .roundRobin {
+                    warn("\(path).balancing", "round_robin with quic_lb: the packets of a client's first flight (Initial, 0-RTT) that carry its own connection ID can reach different servers; use balancing: source_ip")
+                }
+            }
             // flow_templates where it does less than asked.
             if listener.settings.flowTemplates && (listener.mode == .tcEBPF || listener.mode == .xdp) {
                 if listener.replies != Replies.none {
@@ -280,6 +290,53 @@ public struct ConfigWarning: Sendable, Equatable, CustomStringConvertible {
     public let message: String
 
     public var description: String { "configuration warning: \(key)\(line.map { " (line \($0))" } ?? ""): \(message)" }
+}
+
+extension FanoutConfig {
+    /// `quic_lb` and the downstreams' `server_id`: a kind that routes by connection ID, distinct
+    /// config IDs of one server ID length, and one distinct server ID of that length on every
+    /// downstream given by address (docs/quic.md).
+    func validateQUICLB(_ listener: Listener, routes: Bool, path: String) throws(ConfigError) {
+        func fail(_ key: String, _ problem: String) -> ConfigError { configError(key, problem) }
+        if listener.quicLB.isEmpty {
+            for (position, downstream) in listener.downstreams.enumerated() where downstream.serverID != nil {
+                throw fail("\(path).downstream[\(position)].server_id", "only a listener with quic_lb routes by server ID: add quic_lb (docs/quic.md) or remove server_id")
+            }
+        } else {
+            guard routes else {
+                throw fail("\(path).quic_lb", "routing by QUIC connection ID is not available in mode \(listener.mode.rawValue) in this release (it is in userspace, relay and af_xdp): remove quic_lb or choose one of those modes (docs/quic.md)")
+            }
+            var configIDs = Set<UInt8>()
+            for (position, configuration) in listener.quicLB.enumerated() {
+                let key = listener.quicLB.count > 1 ? "\(path).quic_lb[\(position)]" : "\(path).quic_lb"
+                guard configIDs.insert(configuration.configID).inserted else {
+                    throw fail("\(key).config_id", "config ID \(configuration.configID) is given twice: each configuration of a listener has its own (0-6)")
+                }
+                guard configuration.serverIDLength == listener.quicLB[0].serverIDLength else {
+                    throw fail("\(key).server_id_length", "\(configuration.serverIDLength) differs from the first configuration's \(listener.quicLB[0].serverIDLength): a downstream's server_id serves every configuration, so they share one server ID length")
+                }
+            }
+            let length = listener.quicLB[0].serverIDLength
+            var owners: [[UInt8]: String] = [:]
+            for (position, downstream) in listener.downstreams.enumerated() {
+                let key = "\(path).downstream[\(position)]"
+                guard let serverID = downstream.serverID else {
+                    throw fail("\(key).server_id", "required with quic_lb: the server ID (\(length) octets, \(2 * length) hexadecimal digits) this server puts in its connection IDs")
+                }
+                guard serverID.count == length else {
+                    throw fail("\(key).server_id", "\(serverID.count) octets; quic_lb's server_id_length is \(length) (\(2 * length) hexadecimal digits)")
+                }
+                if let other = owners.updateValue(downstream.name, forKey: serverID) {
+                    throw fail("\(key).server_id", "the same server ID as downstream '\(other)': each server needs its own, or one would get the other's connections")
+                }
+            }
+        }
+        for (index, pool) in listener.pools.enumerated() {
+            for (position, downstream) in pool.downstreams.enumerated() where downstream.serverID != nil {
+                throw fail("\(path).pools[\(index)].downstream[\(position)].server_id", "pools do not route by server ID (quic_lb routes the listener's own downstreams): remove server_id")
+            }
+        }
+    }
 }
 
 /// This host's interface addresses (getifaddrs).

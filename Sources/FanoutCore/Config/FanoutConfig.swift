@@ -50,11 +50,16 @@ public struct Listener: Equatable, Sendable {
     /// Replication: pools that each datagram also goes to, beside the listener's own downstreams
     /// (its first pool, named ``Pool/defaultName``).
     public var pools: [Pool]
+    /// QUIC-LB: datagrams go to the downstream whose `server_id` their QUIC destination
+    /// connection ID carries, under these configurations (one per config ID); `balancing` chooses
+    /// for the others. Empty: no routing by connection ID.
+    public var quicLB: [QUICLBConfiguration]
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
         downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
-        settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none, pools: [Pool] = []
+        settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none, pools: [Pool] = [],
+        quicLB: [QUICLBConfiguration] = []
     ) {
         self.name = name
         self.bind = bind
@@ -67,9 +72,10 @@ public struct Listener: Equatable, Sendable {
         self.balancing = balancing
         self.replies = replies
         self.pools = pools
+        self.quicLB = quicLB
     }
 
-    /// Everything but the downstreams, balancing and pools: what a reload cannot change without
+    /// Everything but the downstreams, balancing, QUIC-LB and pools: what a reload cannot change without
     /// restarting the listener's workers.
     var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies) }
 
@@ -220,14 +226,19 @@ public struct Downstream: Equatable, Sendable {
     public var healthPort: UInt16?
     /// The pool it is a member of (nil: the listener's own downstreams, its first pool).
     public var pool: String?
+    /// QUIC-LB: the server ID this downstream puts into the connection IDs it issues (a listener
+    /// with `quic_lb` sends it every datagram whose ID carries it).
+    public var serverID: [UInt8]?
 
-    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1, healthPort: UInt16? = nil, pool: String? = nil) {
+    public init(name: String, address: SocketAddress, mac: String? = nil, weight: UInt32 = 1, healthPort: UInt16? = nil, pool: String? = nil,
+                serverID: [UInt8]? = nil) {
         self.name = name
         self.address = address
         self.mac = mac
         self.weight = weight
         self.healthPort = healthPort
         self.pool = pool
+        self.serverID = serverID
     }
 
     /// The address health probes go to.

@@ -44,7 +44,7 @@ protocol RunningListener: AnyObject, Sendable {
     /// - Parameter keeping: names of members that get nothing now (health took them out) whose
     ///   counters stay.
     /// - Returns: false if the new set could not be applied (the previous one stays, logged).
-    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool
+    func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
     /// What the systemd watchdog checks (``WatchdogJudge``): each worker's progress counter,

@@ -26,6 +26,9 @@ protocol ListenerKind: Sendable {
     /// True when it attaches a program to its interface's XDP hook, which holds one program: two
     /// such kinds cannot share an interface.
     static var holdsXDPHook: Bool { get }
+    /// True when it routes QUIC datagrams by connection ID (`quic_lb`); a listener of another
+    /// kind with `quic_lb` is refused at validation, naming the key.
+    static var routesQUIC: Bool { get }
     /// Checks its own keys of `listener` (`listeners[index]` of `config`, at `path`): throws the
     /// first problem, naming its key and line. Runs after the checks every kind shares.
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError)
@@ -71,6 +74,7 @@ extension ListenerKind {
     static var bindsPerInterface: Bool { false }
     static var replicates: Bool { false }
     static var holdsXDPHook: Bool { false }
+    static var routesQUIC: Bool { false }
     static func validateTogether(_ config: FanoutConfig) throws(ConfigError) {}
     static func memberProblem(_ downstream: Downstream, of listener: Listener, accepted: Int) -> String? { nil }
     static func membershipApplied(_ listener: Listener, cause: String, downstreams: Int, logger: Logger) {}

@@ -88,7 +88,7 @@ extension FanoutDaemon {
             let listener = newByName[name]!
             let downstreams = effective[name]!.members
             let keeping = Set(members[name]!.map(\.name))
-            if running[name]?.update(downstreams: downstreams, balancing: listener.balancing, pools: listener.pools, keeping: keeping) == false {
+            if running[name]?.update(downstreams: downstreams, balancing: listener.balancing, quicLB: listener.quicLB, pools: listener.pools, keeping: keeping) == false {
                 // The previous set stays in force (logged by the listener): record it so the next
                 // membership change tries again, and count it.
                 state.withLock { $0.applied[name] = appliedBefore[name] }

@@ -85,7 +85,7 @@ final class BatchForwarder {
         var shelf = OutboxShelf()
         for (outbox, downstream) in zip(outboxes, self.plan?.downstreams ?? []) { shelf.put(outbox, output: output, address: downstream.address) }
         self.plan = plan
-        selector = DownstreamSelector(plan.method)
+        selector = DownstreamSelector(plan.method, router: plan.quic)
         outboxes = plan.downstreams.map { downstream in
             let (outbox, made) = shelf.take(output: output, address: downstream.address) { makeOutbox(downstream, sender) }
             if made, let problem = outbox.unavailable {
@@ -109,9 +109,12 @@ final class BatchForwarder {
         replicator.replicate(payload, source: source, hopLimit: hopLimit)
     }
 
-    /// The downstream index for a datagram from `source`, nil if none is available.
+    /// The downstream index for `payload` from `source` (by its QUIC connection ID first, with
+    /// `quic_lb`), nil if none is available.
     @inline(__always)
-    func pick(_ source: UnsafePointer<sockaddr_storage>) -> Int? { selector.pick(source: source) }
+    func pick(_ source: UnsafePointer<sockaddr_storage>, _ payload: UnsafeRawBufferPointer) -> Int? {
+        selector.pick(source: source, payload: payload)
+    }
 
     @inline(__always)
     func append(_ target: Int, _ payload: UnsafeRawBufferPointer, source: UnsafePointer<sockaddr_storage>, hopLimit: UInt8 = 0) {
@@ -197,6 +200,7 @@ final class BatchForwarder {
         counters.add(counters.bytesForwarded, bytesForwarded)
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
+        if selector.router != nil { counters.add(selector.takeTally()) }
     }
 
     /// Flushes one outbox (reconnecting it first if due): whether it was refused (port unreachable).

@@ -21,18 +21,23 @@ final class ForwardingPlan: Sendable {
     let passiveHealth: (@Sendable (SocketAddress) -> Void)?
     /// Replication: the listener's other pools, in file order.
     let pools: [PoolPlan]
+    /// QUIC-LB routing over ``downstreams`` (`quic_lb`), nil when the listener has none.
+    let quic: QUICRouter?
 
     /// A downstream's counters are made on first use and kept for the life of the process (see
     /// ``ListenerCounters/downstream(_:)``), so one that leaves and comes back goes on counting.
     /// - Parameters:
     ///   - downstreams: the available members of every group (a pool's carry its name).
     ///   - pools: the listener's pools as configured.
-    init(downstreams: [Downstream], balancing: Balancing, pools: [Pool], counters: ListenerCounters,
+    ///   - quicLB: the listener's QUIC-LB configurations (empty: none).
+    init(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration] = [], pools: [Pool], counters: ListenerCounters,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) {
         let own = downstreams.filter { $0.pool == nil }
         self.downstreams = own
         self.balancing = balancing
         method = DownstreamSelector.Method(downstreams: own, balancing: balancing)
+        quic = QUICRouter(configurations: quicLB, downstreams: own)
+        if quic != nil { counters.routesQUIC.store(true, ordering: .relaxed) }
         self.passiveHealth = passiveHealth
         self.counters = own.map { counters.downstream($0.name) }
         self.pools = pools.map { pool in PoolPlan(pool, members: downstreams.filter { $0.pool == pool.name }, counters: counters.pool(pool.name)) }

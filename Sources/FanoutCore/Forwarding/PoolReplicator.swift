@@ -97,7 +97,7 @@ final class PoolReplicator {
                 }
                 return outbox
             }
-            return PoolState(plan: pool, selector: pool.method.map(DownstreamSelector.init), outboxes: outboxes)
+            return PoolState(plan: pool, selector: pool.method.map { DownstreamSelector($0) }, outboxes: outboxes)
         }
         picks = Array(repeating: Pick.notTaken, count: pools.count)
     }

@@ -95,7 +95,7 @@ final class SocketGroupListener: Sendable {
         handedOverQueued = Self.queue(of: handedOver)
         let count = config.settings.workers > 0 ? config.settings.workers : allowedCPUs().count
         plans = PlanHolder(ForwardingPlan(
-            downstreams: config.members, balancing: config.balancing, pools: config.pools, counters: counters,
+            downstreams: config.members, balancing: config.balancing, quicLB: config.quicLB, pools: config.pools, counters: counters,
             passiveHealth: passiveHealth))
         let options = GroupOptions(
             policy: config.settings.workerSteering.policy, capacity: count,
@@ -265,8 +265,8 @@ final class SocketGroupListener: Sendable {
     var takesOverExactly: Bool { group.steering == .ebpf }
 
     /// Swaps the downstreams, balancing and pools in place: workers pick it up at their next batch.
-    func replacePlan(downstreams: [Downstream], balancing: Balancing, pools: [Pool]) {
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, pools: pools, counters: counters, passiveHealth: passiveHealth))
+    func replacePlan(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool]) {
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: balancing, quicLB: quicLB, pools: pools, counters: counters, passiveHealth: passiveHealth))
     }
 
     /// Asks the workers to drain for `drainSecs` in the background (relay: the sessions' replies

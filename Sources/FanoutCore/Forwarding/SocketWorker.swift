@@ -116,7 +116,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             let source = receiver.sourceStorage(datagram)
             let payload = receiver.payload(datagram)
             forwarder.replicate(payload, source: source)
-            guard let target = forwarder.pick(source) else {
+            guard let target = forwarder.pick(source, payload) else {
                 // Templates are learned even when no downstream takes the datagram.
                 forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1

@@ -108,7 +108,7 @@ extension FanoutDaemon {
         noteSkipped(name, work.skipped)
         guard work.available != work.previous else { return }
         if let running = work.running,
-            !running.update(downstreams: work.available, balancing: work.listener.balancing, pools: work.listener.pools, keeping: Set(work.members.map(\.name))) {
+            !running.update(downstreams: work.available, balancing: work.listener.balancing, quicLB: work.listener.quicLB, pools: work.listener.pools, keeping: Set(work.members.map(\.name))) {
             membershipFailures.wrappingAdd(1, ordering: .relaxed)
             return
         }

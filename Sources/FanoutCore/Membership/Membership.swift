@@ -62,7 +62,7 @@ extension Listener {
 
 /// Membership is one path: static downstreams and what discovery sources found make a
 /// listener's *members*; health takes the down ones out, leaving the *available* set, which one
-/// step (``RunningListener/update(downstreams:balancing:pools:keeping:)``) applies in every mode. Pure
+/// step (``RunningListener/update(downstreams:balancing:quicLB:pools:keeping:)``) applies in every mode. Pure
 /// functions here; ``FanoutDaemon`` keeps the state and applies.
 enum Membership {
     /// Every downstream of `listener`: configured ones first, in file order, then what each

@@ -136,6 +136,14 @@ package final class ListenerCounters: Sendable {
     let tableFull = Atomic<UInt64>(0)
     /// What the previous process held when it crashed (``CrashLedger``), counted at the first start.
     let crash = Atomic<UInt64>(0)
+    /// `quic_lb` listeners: datagrams by ``QUICOutcome`` (in its order); all zero otherwise.
+    let quicRouted = Atomic<UInt64>(0)
+    let quicFallback = Atomic<UInt64>(0)
+    let quicUnknownServerID = Atomic<UInt64>(0)
+    let quicUndecodable = Atomic<UInt64>(0)
+    /// Set once the listener routes by QUIC connection ID (kept: the series keep their totals),
+    /// so its outcomes are shown, at zero too.
+    let routesQUIC = Atomic<Bool>(false)
     /// The crash ledger this listener's forwarding threads note what they hold in; nil: none
     /// (no service manager keeps descriptors).
     let ledger: CrashLedger?
@@ -170,6 +178,15 @@ package final class ListenerCounters: Sendable {
 
     func add(_ counter: borrowing Atomic<UInt64>, _ value: UInt64) {
         if value > 0 { counter.wrappingAdd(value, ordering: .relaxed) }
+    }
+
+    /// A forwarding thread's QUIC-LB outcomes since its last flush.
+    func add(_ tally: QUICTally) {
+        guard !tally.isEmpty else { return }
+        add(quicRouted, tally.counts.0)
+        add(quicFallback, tally.counts.1)
+        add(quicUnknownServerID, tally.counts.2)
+        add(quicUndecodable, tally.counts.3)
     }
 
     func drop(_ reason: DropReason, _ count: UInt64 = 1) {
@@ -228,6 +245,8 @@ package final class ListenerCounters: Sendable {
         package var downstreamDropped: [String: [DropReason: UInt64]] = [:]
         /// Two-way listeners only.
         package var twoWay: TwoWaySnapshot? = nil
+        /// `quic_lb` listeners only: datagrams by QUIC-LB outcome.
+        package var quic: [QUICOutcome: UInt64] = [:]
         package var droppedTotal: UInt64 { dropped.values.reduce(0, +) }
 
         /// These values on top of `base`'s (a previous instance's); the associations gauge is this one's.
@@ -242,6 +261,7 @@ package final class ListenerCounters: Sendable {
             sum.dropped.merge(base.dropped, uniquingKeysWith: &+)
             sum.downstreams.merge(base.downstreams) { ($0.forwarded &+ $1.forwarded, $0.bytes &+ $1.bytes, $0.dropped &+ $1.dropped) }
             sum.downstreamDropped.merge(base.downstreamDropped) { $0.merging($1, uniquingKeysWith: &+) }
+            sum.quic.merge(base.quic, uniquingKeysWith: &+)
             if let previous = base.twoWay {
                 var twoWay = sum.twoWay ?? TwoWaySnapshot()
                 twoWay.replies &+= previous.replies
@@ -313,11 +333,18 @@ package final class ListenerCounters: Sendable {
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }
         }
-        return Snapshot(
+        var snapshot = Snapshot(
             received: received.load(ordering: .relaxed), bytesReceived: bytesReceived.load(ordering: .relaxed),
             forwarded: forwarded.load(ordering: .relaxed), bytesForwarded: bytesForwarded.load(ordering: .relaxed),
             noHealthy: noHealthy.load(ordering: .relaxed), receiveQueueDrops: receiveQueueDrops.load(ordering: .relaxed),
             dropped: dropped, downstreams: downstreams, twoWay: twoWaySource.withLock { $0 }?())
+        if routesQUIC.load(ordering: .relaxed) {
+            snapshot.quic = [
+                .routed: quicRouted.load(ordering: .relaxed), .fallback: quicFallback.load(ordering: .relaxed),
+                .unknownServerID: quicUnknownServerID.load(ordering: .relaxed), .undecodable: quicUndecodable.load(ordering: .relaxed),
+            ]
+        }
+        return snapshot
     }
 }
 

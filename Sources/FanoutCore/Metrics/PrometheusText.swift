@@ -62,6 +62,13 @@ enum PrometheusText {
             family("udp_fanout_pool_member_bytes_total", "Bytes sent to each member of a replication pool", rows: members.map { ($0.0, $0.1[1]) })
             family("udp_fanout_pool_member_dropped_total", "Copies dropped on send to each member of a replication pool", rows: members.map { ($0.0, $0.1[2]) })
         }
+        let quic = snapshots.filter { !$0.1.quic.isEmpty }
+        if !quic.isEmpty {
+            family("udp_fanout_quic_lb_datagrams_total", "Datagrams of quic_lb listeners by what their QUIC connection ID said: routed (to the downstream whose server ID it carries), fallback (an Initial or 0-RTT packet with a client-chosen ID: the listener's balancing chose), unknown_server_id (a server ID no downstream has: balancing chose), undecodable (not a QUIC packet of a configured config ID: balancing chose)",
+                   rows: quic.flatMap { listener, snapshot in
+                       QUICOutcome.allCases.map { (labels(listener) + ",outcome=\"\($0.rawValue)\"", snapshot.quic[$0] ?? 0) }
+                   })
+        }
         let twoWay = snapshots.compactMap { listener, snapshot in snapshot.twoWay.map { (listener, $0) } }
         if !twoWay.isEmpty {
             family("udp_fanout_replies_total", "Replies of two-way listeners sent on to clients from the listener's address",

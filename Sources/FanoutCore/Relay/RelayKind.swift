@@ -8,6 +8,7 @@ struct RelayKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies == .relay }
     /// Pools get one-way copies of the requests; replies come only from the listener's own downstreams.
     static let replicates = true
+    static let routesQUIC = true
 
     /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
     static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {

@@ -230,7 +230,7 @@ final class RelayListener: RunningListener {
 
     /// Swaps the downstreams, balancing and pools in place (workers pick it up at their next batch),
     /// saying once what a leaving downstream's sessions do.
-    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
         let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
         for leaving in group.plans.plan.downstreams where leaving.weight > 0 && !staying.contains(leaving.address) {
             group.logger.info(config.settings.drainSecs > 0
@@ -239,7 +239,7 @@ final class RelayListener: RunningListener {
                 "listener": "\(config.name)", "downstream": "\(leaving.name)", "address": "\(leaving.address)", "drain_secs": "\(config.settings.drainSecs)",
             ])
         }
-        group.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
+        group.replacePlan(downstreams: downstreams, balancing: balancing, quicLB: quicLB, pools: pools)
         return true
     }
 

@@ -357,7 +357,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         version = current
         let (plan, replacedAt) = plans.planAndTime
         self.plan = plan
-        selector = DownstreamSelector(plan.method)
+        selector = DownstreamSelector(plan.method, router: plan.quic)
         replicator.adopt(plan)
         let previousCounters = replyCounters
         replyCounters = plan.downstreams.map { relay.downstream($0.name) }
@@ -445,7 +445,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 session = known
                 if session.socket < 0 {
                     // Its downstream left the plan: the client gets another one now.
-                    guard let target = selector.pick(source: source), let plan else {
+                    guard let target = selector.pick(source: source, payload: receiver.payload(datagram)), let plan else {
                         noHealthy += 1
                         continue
                     }
@@ -463,7 +463,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                     tableFull += 1
                     continue
                 }
-                guard let target = selector.pick(source: source), let plan else {
+                guard let target = selector.pick(source: source, payload: receiver.payload(datagram)), let plan else {
                     sessionCount.release()
                     noHealthy += 1
                     continue
@@ -514,6 +514,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
         counters.drop(.tableFull, tableFull)
+        if selector.router != nil { counters.add(selector.takeTally()) }
         counters.drop(.sendBufferFull, failures.bufferFull)
         counters.drop(.unreachable, failures.unreachable)
         counters.drop(.sendError, failures.other + unavailable)

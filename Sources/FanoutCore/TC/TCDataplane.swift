@@ -1360,7 +1360,7 @@ final class TCListener: RunningListener {
         return [PathHeartbeat(listener: config.name, instance: instance, beat: .kernel(interface: interface, problem: problem))]
     }
 
-    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
+    func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
         do throws(TCError) {
             let own = downstreams.filter { $0.pool == nil }
             try apply(downstreams: own, balancing: balancing, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)

@@ -7,6 +7,7 @@ struct UserspaceKind: ListenerKind {
     static func serves(_ listener: Listener) -> Bool { listener.mode == .userspace && listener.replies != .relay }
     /// Each datagram to every pool: one receive, one batch per pool member out.
     static let replicates = true
+    static let routesQUIC = true
 
     /// Its bind is free of other processes (``Preflight/bindProblems(_:index:)``).
     static func preflight(_ listener: Listener, index: Int) -> (problems: [String], notes: [String]) {

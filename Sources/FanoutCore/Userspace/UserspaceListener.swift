@@ -23,8 +23,8 @@ final class UserspaceListener: RunningListener {
     var takesOverExactly: Bool { group.takesOverExactly }
 
     /// Swaps the downstreams, balancing and pools in place: workers pick it up at their next batch.
-    func update(downstreams: [Downstream], balancing: Balancing, pools: [Pool], keeping: Set<String>) -> Bool {
-        group.replacePlan(downstreams: downstreams, balancing: balancing, pools: pools)
+    func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
+        group.replacePlan(downstreams: downstreams, balancing: balancing, quicLB: quicLB, pools: pools)
         return true
     }
 

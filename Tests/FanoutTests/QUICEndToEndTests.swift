@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+import TestSupport
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Real QUIC through udp-fanout in namespaces: aioquic servers that issue QUIC-LB connection IDs
+/// (Tests/quic/quic_lb_server.py) behind a listener, and aioquic clients that change their
+/// address and port halfway through a transfer (Tests/quic/quic_migrate_client.py). With
+/// `quic_lb` every connection completes on its server; with source-IP balancing alone the
+/// migration sends a connection to another server, which does not know it.
+@Suite("QUIC-LB end to end in namespaces", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct QUICEndToEndTests {
+    static let port: UInt16 = 4433
+    static let metricsPort = 9465
+    static let scripts = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent().appendingPathComponent("quic")
+    /// The client addresses the connections start from and move to (connection i from source
+    /// i mod 4 to source i+1 mod 4).
+    static let sources = (1...4).map { TwoWayTopology.clientAddress($0) }
+
+    /// One QUIC-LB layout: plaintext, four-pass or single-pass.
+    struct Layout: CustomStringConvertible, Sendable {
+        var serverIDLength: Int
+        var nonceLength: Int
+        var key: String?
+        var description: String { key == nil ? "plaintext" : serverIDLength + nonceLength == 16 ? "single-pass AES" : "four-pass AES" }
+        func serverID(_ n: Int) -> String { String(repeating: "0a", count: serverIDLength - 1) + String(format: "%02x", n) }
+    }
+
+    static let layouts = [
+        Layout(serverIDLength: 2, nonceLength: 6, key: nil),
+        Layout(serverIDLength: 2, nonceLength: 6, key: "8f95f09245765f80256934e50c66207f"),
+        Layout(serverIDLength: 8, nonceLength: 8, key: "fdf726a9893ec05c0632d3956680baf0"),
+    ]
+
+    /// A relay listener on the VIP over servers 1...count; `layout` nil: source-IP balancing alone.
+    static func config(servers count: Int, layout: Layout?) -> String {
+        let downstreams = (1...count).map { n in
+            "      - {name: s\(n), address: \"\(TwoWayTopology.serverAddress(n)):\(port)\"\(layout.map { ", server_id: \"\($0.serverID(n))\"" } ?? "")}"
+        }.joined(separator: "\n")
+        let quic = layout.map { layout in
+            "    quic_lb: {config_id: 1, server_id_length: \(layout.serverIDLength), nonce_length: \(layout.nonceLength)\(layout.key.map { ", key: \($0)" } ?? "")}\n"
+        } ?? ""
+        return """
+            listeners:
+              - name: quic
+                bind: "\(TwoWayTopology.vip()):\(port)"
+                mode: userspace
+                replies: relay
+                balancing: source_ip
+            \(quic)    downstream:
+            \(downstreams)
+            metrics: {enabled: true, bind: "127.0.0.1:\(metricsPort)"}
+
+            """
+    }
+
+    /// The QUIC servers, each issuing IDs of its server ID under `layout` (config ID 1).
+    static func servers(_ topology: TwoWayTopology, layout: Layout) throws -> [Child] {
+        try (1...topology.servers.count).map { n in
+            var arguments = ["--listen", "\(TwoWayTopology.serverAddress(n)):\(port)",
+                             "--name", "s\(n)", "--server-id", layout.serverID(n), "--config-id", "1", "--nonce-length", "\(layout.nonceLength)",
+                             "--duration", "120"]
+            if let key = layout.key { arguments += ["--key", key] }
+            // The scripts run with the python3 on PATH (where scripts/setup.sh installs aioquic).
+            let child = try Child.unblocked(scripts.appendingPathComponent("quic_lb_server.py").path, arguments, prefix: topology.prefix(topology.servers[n - 1]))
+            let ready = Probe.waitFor(seconds: 20) { child.stdout.contains("\"ready\"") || !child.process.isRunning }
+            try #require(ready && child.process.isRunning, "server s\(n) not ready: \(child.stderr)")
+            return child
+        }
+    }
+
+    /// `connections` clients transferring `bytes` each through the VIP, moving halfway; the client's JSON report.
+    static func migrate(_ topology: TwoWayTopology, connections: Int, bytes: Int) throws -> [String: Any] {
+        let client = try Child.unblocked(scripts.appendingPathComponent("quic_migrate_client.py").path, [
+            "--server", "\(TwoWayTopology.vip()):\(port)",
+            "--sources", sources.joined(separator: ","), "--connections", "\(connections)", "--bytes", "\(bytes)", "--migrate",
+            "--server-name-check", "--timeout", "15",
+        ], prefix: topology.prefix(topology.clients))
+        #expect(client.wait(seconds: 40) == 0, "client: \(client.stderr)")
+        let report = try client.json()
+        print("quic_migrate_client \(connections) x \(bytes) B: \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        return report
+    }
+
+    static func value(_ text: String, _ series: String) -> Int? {
+        text.split(separator: "\n").first { $0.hasPrefix(series + " ") }.flatMap { Int($0.split(separator: " ").last ?? "") }
+    }
+
+    static func failures(_ report: [String: Any]) -> Int { (report["failed"] as? [Any])?.count ?? -1 }
+
+    @Test("relay with quic_lb: 12 connections migrate mid-transfer, all complete on their server; each new client address is routed by its ID",
+          arguments: layouts)
+    func relayRoutesMigrations(layout: Layout) throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        let servers = try Self.servers(topology, layout: layout)
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, .relay, Self.config(servers: 3, layout: layout))
+        let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
+        #expect(report.int("connections") == 12 && report.int("completed") == 12 && report.int("migrated") == 12, "\(layout): \(report)")
+        #expect(Self.failures(report) == 0, "\(report)")
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
+        let labels = "listener=\"quic\",mode=\"userspace\""
+        func outcome(_ name: String) -> Int? { Self.value(text, "udp_fanout_quic_lb_datagrams_total{\(labels),outcome=\"\(name)\"}") }
+        // A relay chooses once per client address and port: each connection's first Initial (its
+        // own ID: the balancing chose), and its first datagram from the new address (by ID).
+        #expect(outcome("fallback") == 12 && outcome("routed") == 12, "\(text)")
+        #expect(outcome("unknown_server_id") == 0 && outcome("undecodable") == 0, "\(text)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers (\(layout)): \(totals)")
+        #expect(totals.map { $0.int("migrated_connections") }.reduce(0, +) == 12, "\(totals)")
+        #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 && $0.int("cids_not_quic_lb") == 0 }, "\(totals)")
+    }
+
+    @Test("relay with source-IP balancing alone: the same migrations reach other servers, which do not know them; connections fail")
+    func sourceIPBreaksMigrations() throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        let servers = try Self.servers(topology, layout: Self.layouts[1])
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, .relay, Self.config(servers: 3, layout: nil))
+        let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
+        #expect(report.int("migrated") == 12, "\(report)")
+        #expect(report.int("completed") < 12 && Self.failures(report) > 0, "source-IP balancing kept every migrated connection: \(report)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers (source_ip): \(totals)")
+        #expect(totals.map { $0.int("stray_datagrams") }.reduce(0, +) > 0, "\(totals)")
+    }
+}

@@ -1,0 +1,198 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+#if canImport(Glibc)
+import Glibc
+#endif
+@testable import FanoutCore
+import ReusePortLB
+
+/// `quic_lb`: the configuration, its validation, and routing a datagram by its QUIC destination
+/// connection ID (draft-ietf-quic-load-balancers), with the listener's balancing as the fallback.
+@Suite("QUIC-LB routing")
+struct QUICRoutingTests {
+    static let key = "8f95f09245765f80256934e50c66207f"
+
+    static func listener(_ quic: String, downstreams: String? = nil, mode: String = "userspace", extra: String = "") -> String {
+        """
+        listeners:
+          - name: q
+            bind: "127.0.0.1:4433"
+            mode: \(mode)
+        \(extra)    balancing: source_ip
+        \(quic)
+            downstream:
+        \(downstreams ?? "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a01\"}\n      - {name: b, address: \"127.0.0.1:4502\", server_id: \"0a02\"}")
+
+        """
+    }
+
+    static func problem(_ yaml: String) -> ConfigError? {
+        do {
+            try ConfigParser.parse(yaml).validate(localAddresses: [])
+            return nil
+        } catch {
+            return error
+        }
+    }
+
+    @Test("quic_lb parses as one configuration or a list; server_id as hex; key from the file or a key_file")
+    func parses() throws {
+        let one = try ConfigParser.parse(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6, key: \(Self.key)}"))
+        try one.validate(localAddresses: [])
+        let listener = try #require(one.listeners.first)
+        #expect(listener.quicLB == [try QUICLBConfiguration(configID: 0, serverIDLength: 2, nonceLength: 6, key: hex(Self.key))])
+        #expect(listener.downstreams.map(\.serverID) == [[0x0a, 0x01], [0x0a, 0x02]])
+
+        let keyFile = FileManager.default.temporaryDirectory.appendingPathComponent("quic-lb-\(UUID().uuidString).key")
+        try "\(Self.key)\n".write(to: keyFile, atomically: true, encoding: .utf8)
+        defer { try? FileManager.default.removeItem(at: keyFile) }
+        let list = try ConfigParser.parse(Self.listener("""
+                quic_lb:
+                  - {config_id: 1, server_id_length: 2, nonce_length: 6}
+                  - {config_id: 2, server_id_length: 2, nonce_length: 14, key_file: \(keyFile.path)}
+            """))
+        try list.validate(localAddresses: [])
+        #expect(list.listeners[0].quicLB.map(\.configID) == [1, 2])
+        #expect(list.listeners[0].quicLB[1].key == hex(Self.key))
+        #expect(list.listeners[0].quicLB[1].algorithm == "single-pass AES-128")
+        // relay and af_xdp route too.
+        #expect(Self.problem(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", extra: "    replies: relay\n")) == nil)
+    }
+
+    @Test("Refused, naming the key: each problem a quic_lb listener can have", arguments: [
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6}",
+         "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a01\"}\n      - {name: b, address: \"127.0.0.1:4502\"}" as String?, "userspace",
+         "listeners[0].downstream[1].server_id", "required with quic_lb"),
+        ("    quic_lb: {server_id_length: 3, nonce_length: 6}", nil, "userspace", "listeners[0].downstream[0].server_id", "quic_lb's server_id_length is 3"),
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6}", nil, "tc_ebpf", "listeners[0].quic_lb", "not available in mode tc_ebpf"),
+        ("    quic_lb: {server_id_length: 12, nonce_length: 8}", nil, "userspace", "listeners[0].quic_lb", "at most 19"),
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6, key: 00ff}", nil, "userspace", "listeners[0].quic_lb.key", "32 hexadecimal digits"),
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6, key_file: /nonexistent/quic.key}", nil, "userspace", "listeners[0].quic_lb.key_file", "cannot read"),
+        ("    quic_lb: {nonce_length: 6}", nil, "userspace", "listeners[0].quic_lb.server_id_length", "required"),
+        ("    quic_lb: {config_id: 7, server_id_length: 2, nonce_length: 6}", nil, "userspace", "listeners[0].quic_lb.config_id", "out of range"),
+        ("    quic_lb: [{config_id: 1, server_id_length: 2, nonce_length: 6}, {config_id: 1, server_id_length: 2, nonce_length: 8}]", nil, "userspace",
+         "listeners[0].quic_lb[1].config_id", "given twice"),
+        ("    quic_lb: [{config_id: 1, server_id_length: 2, nonce_length: 6}, {config_id: 2, server_id_length: 3, nonce_length: 8}]", nil, "userspace",
+         "listeners[0].quic_lb[1].server_id_length", "share one server ID length"),
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6}",
+         "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a01\"}\n      - {name: b, address: \"127.0.0.1:4502\", server_id: \"0A01\"}", "userspace",
+         "listeners[0].downstream[1].server_id", "the same server ID as downstream 'a'"),
+        ("", nil, "userspace", "listeners[0].downstream[0].server_id", "only a listener with quic_lb"),
+        ("    quic_lb: {server_id_length: 2, nonce_length: 6}",
+         "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a0g\"}", "userspace", "listeners[0].downstream[0].server_id", "hexadecimal digits"),
+    ])
+    func refused(_ quic: String, _ downstreams: String?, _ mode: String, _ key: String, _ words: String) throws {
+        let extra = mode == "tc_ebpf" ? "    interface: lo\n" : ""
+        let error = try #require(Self.problem(Self.listener(quic, downstreams: downstreams, mode: mode, extra: extra)), "accepted")
+        #expect(error.key == key, "\(error)")
+        #expect(error.problem.contains(words), "\(error)")
+    }
+
+    @Test("Warned: discovered downstreams have no server ID; round_robin splits a first flight")
+    func warnings() throws {
+        let yaml = Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}",
+                                 downstreams: "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a01\"}\n      - {name: d, address: \"quic.example.test:4433\"}")
+            .replacingOccurrences(of: "balancing: source_ip", with: "balancing: round_robin")
+        let config = try ConfigParser.parse(yaml)
+        try config.validate(localAddresses: [])
+        let warnings = config.warnings().map(\.description)
+        #expect(warnings.contains { $0.contains("listeners[0].quic_lb") && $0.contains("no server ID") }, "\(warnings)")
+        #expect(warnings.contains { $0.contains("listeners[0].balancing") && $0.contains("first flight") }, "\(warnings)")
+    }
+
+    // MARK: routing
+
+    static func downstreams(_ count: Int) -> [Downstream] {
+        (1...count).map { Downstream(name: "s\($0)", address: SocketAddress("127.0.0.1:\(4500 + $0)")!, serverID: [0x0a, UInt8($0)]) }
+    }
+
+    static func storage(_ ip: String) -> sockaddr_storage {
+        var storage = sockaddr_storage()
+        _ = SocketAddress(ip: IPAddress(ip)!, port: 1).write(to: &storage)
+        return storage
+    }
+
+    /// A short-header packet to `id`.
+    static func short(_ id: [UInt8]) -> [UInt8] { [0x41] + id + [UInt8](repeating: 0xee, count: 24) }
+    /// A QUIC v1 long-header packet of `type` (0 Initial, 1 0-RTT, 2 Handshake) to `id`.
+    static func long(_ type: UInt8, _ id: [UInt8]) -> [UInt8] { [0xc0 | type << 4, 0, 0, 0, 1, UInt8(id.count)] + id + [0, 0x44, 0x10] }
+
+    @Test("Each outcome: routed by server ID (short, Handshake, 0-RTT with a server's ID), fallback, unknown server ID, undecodable",
+          arguments: [nil, "8f95f09245765f80256934e50c66207f"])
+    func outcomes(_ key: String?) throws {
+        let configuration = try QUICLBConfiguration(configID: 1, serverIDLength: 2, nonceLength: 6, key: key.map(hex))
+        let codec = QUICLBCodec(configuration)
+        let downstreams = Self.downstreams(3)
+        let router = try #require(QUICRouter(configurations: [configuration], downstreams: downstreams))
+        func route(_ packet: [UInt8]) -> (Int?, QUICOutcome) { packet.withUnsafeBytes { router.route($0) } }
+        for n in 1...3 {
+            let id = try codec.encode(serverID: [0x0a, UInt8(n)], nonce: [1, 2, 3, 4, 5, UInt8(n)])
+            #expect(route(Self.short(id)) == (n - 1, .routed))
+            #expect(route(Self.long(2, id)) == (n - 1, .routed))
+            // A client's second Initial carries the server's ID: routed, whatever the balancing.
+            #expect(route(Self.long(0, id)) == (n - 1, .routed))
+            // A server's ID followed by octets of its own (a longer ID): still routed.
+            #expect(route(Self.long(2, id + [9, 9])) == (n - 1, .routed))
+        }
+        let stranger = try codec.encode(serverID: [0x0b, 0x07], nonce: [1, 2, 3, 4, 5, 6])
+        #expect(route(Self.short(stranger)) == (nil, .unknownServerID))
+        #expect(route(Self.long(2, stranger)) == (nil, .unknownServerID))
+        // The client's first Initial: an ID it made up (config ID 7, or one no configuration has).
+        #expect(route(Self.long(0, [0xe3, 1, 2, 3, 4, 5, 6, 7])) == (nil, .fallback))
+        #expect(route(Self.long(1, [0x03, 1, 2, 3, 4, 5, 6, 7])) == (nil, .fallback))
+        #expect(route(Self.long(0, stranger)) == (nil, .fallback))
+        // Too short for the configuration, a config ID with none, version negotiation, one octet.
+        #expect(route(Self.long(2, Array(stranger.prefix(5)))) == (nil, .undecodable))
+        #expect(route(Self.short([0x03] + Array(stranger.dropFirst()))) == (nil, .undecodable))
+        #expect(route([0x80, 0, 0, 0, 0, 8] + stranger) == (nil, .undecodable))
+        #expect(route([0x41]) == (nil, .undecodable))
+        #expect(route(Array(Self.short(stranger).prefix(5))) == (nil, .undecodable))
+    }
+
+    @Test("The selector routes by ID first, falls back to the listener's balancing, and tallies each outcome")
+    func selectorFallsBack() throws {
+        let configuration = try QUICLBConfiguration(configID: 0, serverIDLength: 2, nonceLength: 6, key: hex(Self.key))
+        let downstreams = Self.downstreams(4)
+        let method = DownstreamSelector.Method(downstreams: downstreams, balancing: .sourceIP)
+        var plain = DownstreamSelector(method)
+        var quic = DownstreamSelector(method, router: QUICRouter(configurations: [configuration], downstreams: downstreams))
+        let id = try QUICLBCodec(configuration).encode(serverID: [0x0a, 3], nonce: [6, 5, 4, 3, 2, 1])
+        for client in 1...40 {
+            var source = Self.storage("198.18.0.\(client)")
+            let expected = plain.pick(source: &source)
+            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, UInt8(client)])
+            #expect(initial.withUnsafeBytes { quic.pick(source: &source, payload: $0) } == expected)
+            #expect(Self.short(id).withUnsafeBytes { quic.pick(source: &source, payload: $0) } == 2)
+        }
+        let tally = quic.takeTally()
+        #expect(tally.counts == (40, 40, 0, 0))
+        #expect(quic.takeTally().isEmpty)
+        // Without a router nothing is parsed or tallied.
+        var source = Self.storage("198.18.0.1")
+        _ = Self.short(id).withUnsafeBytes { plain.pick(source: &source, payload: $0) }
+        #expect(plain.takeTally().isEmpty)
+    }
+
+    @Test("udp_fanout_quic_lb_datagrams_total: every outcome of a quic_lb listener, at zero too; nothing for other listeners")
+    func metrics() throws {
+        let quic = ListenerCounters(name: "q", mode: "userspace")
+        let other = ListenerCounters(name: "o", mode: "userspace")
+        let configuration = try QUICLBConfiguration(configID: 0, serverIDLength: 2, nonceLength: 6)
+        _ = ForwardingPlan(downstreams: Self.downstreams(2), balancing: .sourceIP, quicLB: [configuration], pools: [], counters: quic)
+        _ = ForwardingPlan(downstreams: Self.downstreams(2), balancing: .sourceIP, pools: [], counters: other)
+        var tally = QUICTally()
+        tally.note(.routed)
+        tally.note(.routed)
+        tally.note(.unknownServerID)
+        quic.add(tally)
+        let text = PrometheusText.render([quic, other], reloads: (0, 0))
+        #expect(text.contains("udp_fanout_quic_lb_datagrams_total{listener=\"q\",mode=\"userspace\",outcome=\"routed\"} 2"), "\(text)")
+        #expect(text.contains("udp_fanout_quic_lb_datagrams_total{listener=\"q\",mode=\"userspace\",outcome=\"fallback\"} 0"))
+        #expect(text.contains("udp_fanout_quic_lb_datagrams_total{listener=\"q\",mode=\"userspace\",outcome=\"unknown_server_id\"} 1"))
+        #expect(text.contains("udp_fanout_quic_lb_datagrams_total{listener=\"q\",mode=\"userspace\",outcome=\"undecodable\"} 0"))
+        #expect(!text.contains("quic_lb_datagrams_total{listener=\"o\""))
+    }
+}
+
+private func hex(_ text: String) -> [UInt8] { ConfigParser.hexBytes(text)! }
