@@ -38,6 +38,7 @@ DNS_LABEL = r'^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$'
 MAC = r'^[-+0-9A-Fa-f][0-9A-Fa-f](?::[-+0-9A-Fa-f][0-9A-Fa-f]){5}$'
 PREFIX = rf'^(?:{IPV4}(?:/0*(?:3[0-2]|[12]?[0-9]))?|{IPV6}(?:/0*(?:12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)$'
 IFNAME = r'^[!-.0-~]{1,15}$'
+HEX_OCTETS = r'^(?:[0-9A-Fa-f]{2}){1,15}$'
 PATH = r'^/[^ ]*$'
 
 def ref(name): return {'$ref': f'#/definitions/{name}'}
@@ -128,9 +129,25 @@ definitions = {
                     'anyOf': [{'type': 'string', 'pattern': MAC}, {'type': 'integer', 'minimum': 0, 'description': 'a MAC of decimal pairs such as 11:22:33:44:55:06 under a %YAML 1.1 directive, which YAML loaders read as a sexagesimal number'}, ref('yaml-binary')]},
             'weight': integer(0, 1_000_000, 'Share of the datagrams relative to the other downstreams; 0 takes it out of rotation. A DNS entry\'s weight applies to each of its addresses.', 1),
             'health_port': integer(1, 65535, "Where health probes go instead of the downstream's port (e.g. a UDP echo service next to the receiver)."),
+            'server_id': {'description': "QUIC-LB: the server ID this server puts in the connection IDs it issues, as hexadecimal digits, two per octet (quic_lb's server_id_length octets; quote it). Required on every downstream given by address of a listener with quic_lb, distinct; refused elsewhere and with a DNS name (docs/quic.md).",
+                          'anyOf': [{'type': 'string', 'pattern': HEX_OCTETS}, {'type': 'number', 'description': 'hexadecimal digits that YAML loaders read as a number (0102, 1e10)'}, ref('yaml-binary')]},
         },
-        'if': {'required': ['address'], 'properties': {'address': ref('dns-address')}},
-        'then': {'not': {'required': ['mac']}}},
+        'allOf': [
+            {'if': {'required': ['address'], 'properties': {'address': ref('dns-address')}},
+             'then': {'not': {'anyOf': [{'required': ['mac']}, {'required': ['server_id']}]}}},
+        ]},
+    'quic-lb': {
+        'description': 'One QUIC-LB configuration (draft-ietf-quic-load-balancers), as the QUIC servers behind the listener are configured.',
+        'type': 'object', 'additionalProperties': False, 'required': ['server_id_length', 'nonce_length'],
+        'properties': {
+            'config_id': integer(0, 6, 'The config rotation codepoint: the top three bits of the connection IDs of this configuration (7 is reserved for unroutable IDs).', 0),
+            'server_id_length': integer(1, 15, 'Octets of server ID after the first octet of a connection ID; every configuration of a listener has the same.'),
+            'nonce_length': integer(4, 18, 'Octets of nonce after the server ID; server ID and nonce together at most 19.'),
+            'key': {'description': 'The AES-128 key (32 hexadecimal digits): server IDs are encrypted (single-pass when server ID and nonce make 16 octets, four-pass otherwise). Without key or key_file they are plaintext.',
+                    'anyOf': [{'type': 'string', 'pattern': r'^[0-9A-Fa-f]{32}$'}, {'type': 'number'}, ref('yaml-binary')]},
+            'key_file': {'description': 'A file holding the key as 32 hexadecimal digits (whitespace ignored), read at start and at each reload; instead of key.', 'allOf': [ref('text')]},
+        },
+        'not': {'required': ['key', 'key_file']}},
     'downstreams': {
         'description': 'Downstreams: required (non-empty) unless kubernetes is configured. Entries given by DNS name are resolved into downstreams.',
         'type': 'array', 'items': ref('downstream')},
@@ -245,6 +262,8 @@ listener = {
         'settings': settings,
         'pools': {'description': "Replication (docs/replication.md): each datagram the listener receives also goes to each pool; the listener's own downstream list is its first pool (named default). tc_ebpf and xdp: at most 8 per listener.",
                   'type': 'array', 'items': ref('pool')},
+        'quic_lb': {'description': "QUIC-LB (docs/quic.md): each datagram goes to the downstream whose server_id its QUIC destination connection ID carries; balancing chooses for client-chosen and unknown IDs. One configuration, or a list of them with distinct config_id (a key rotation). userspace, relay and af_xdp.",
+                    'anyOf': [ref('quic-lb'), {'type': 'array', 'minItems': 1, 'items': ref('quic-lb')}]},
     },
     'allOf': [
         ref('members-required'),
@@ -259,6 +278,7 @@ listener = {
         {'if': {'anyOf': [{'not': {'required': ['mode']}}, mode_is('userspace')]},
          'then': {'properties': {'settings': {'properties': {'output': {'not': {'const': 'xdp_tx'}}}}}}},
         {'if': mode_is('tc_ebpf', 'xdp'), 'then': members_not(LOOPBACK)},
+        {'if': mode_is('tc_ebpf', 'xdp'), 'then': {'not': {'required': ['quic_lb']}}},
         {'if': mode_is('tc_ebpf', 'xdp'),
          'then': {'properties': {'settings': {'properties': {'output': {'not': {'enum': ['socket', 'xdp_tx']}}}},
                                  'pools': {'maxItems': 8, 'items': {'properties': {'output': {'not': {'const': 'socket'}}}}}}}},

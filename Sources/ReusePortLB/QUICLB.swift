@@ -53,7 +53,14 @@ public struct QUICLBConfiguration: Sendable, Hashable, CustomStringConvertible {
         "config \(configID): \(serverIDLength)-octet server ID, \(nonceLength)-octet nonce, \(algorithm)"
     }
 
-    // The key stays out of logs: equality and hashing still use it.
+}
+
+extension QUICLBConfiguration: CustomReflectable {
+    /// The key stays out of dumps and logs of a configuration (equality and hashing still use it).
+    public var customMirror: Mirror {
+        Mirror(self, children: ["configID": configID, "serverIDLength": serverIDLength, "nonceLength": nonceLength,
+                                "key": key == nil ? "none" : "(set, not shown)"])
+    }
 }
 
 /// A QUIC-LB configuration that cannot be used, or input that does not fit it.

@@ -56,6 +56,10 @@ struct QUICRoutingTests {
         #expect(list.listeners[0].quicLB.map(\.configID) == [1, 2])
         #expect(list.listeners[0].quicLB[1].key == hex(Self.key))
         #expect(list.listeners[0].quicLB[1].algorithm == "single-pass AES-128")
+        #expect(list.checkSummary == "configuration OK: 1 listener(s): q 127.0.0.1:4433 userspace -> 2 downstream(s), source_ip, quic_lb [config 1: 2-octet server ID, 6-octet nonce, plaintext; config 2: 2-octet server ID, 14-octet nonce, single-pass AES-128] before source_ip",
+                "\(list.checkSummary)")
+        // The key is never shown.
+        #expect(!one.checkSummary.contains(Self.key) && one.checkSummary.contains("four-pass AES-128"), "\(one.checkSummary)")
         // relay and af_xdp route too.
         #expect(Self.problem(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", extra: "    replies: relay\n")) == nil)
     }
@@ -167,6 +171,17 @@ struct QUICRoutingTests {
         }
         let tally = quic.takeTally()
         #expect(tally.counts == (40, 40, 0, 0))
+        // A downstream at weight 0 gets no new connection, and keeps the ones its ID names.
+        var draining = downstreams
+        draining[2].weight = 0
+        var drainingSelector = DownstreamSelector(DownstreamSelector.Method(downstreams: draining, balancing: .sourceIP),
+                                                  router: QUICRouter(configurations: [configuration], downstreams: draining))
+        for client in 1...40 {
+            var source = Self.storage("198.18.1.\(client)")
+            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, UInt8(client)])
+            #expect(initial.withUnsafeBytes { drainingSelector.pick(source: &source, payload: $0) } != 2)
+            #expect(Self.short(id).withUnsafeBytes { drainingSelector.pick(source: &source, payload: $0) } == 2)
+        }
         #expect(quic.takeTally().isEmpty)
         // Without a router nothing is parsed or tallied.
         var source = Self.storage("198.18.0.1")

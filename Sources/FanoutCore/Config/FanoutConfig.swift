@@ -445,7 +445,7 @@ public struct Announce: Equatable, Sendable {
 
 extension FanoutConfig {
     /// What `udp-fanout --check` prints for a valid configuration: each listener with its bind,
-    /// kind, downstreams (static, DNS, Kubernetes), balancing, replies and replication pools,
+    /// kind, downstreams (static, DNS, Kubernetes), balancing, replies, QUIC-LB and replication pools,
     /// then health checks and announced addresses.
     public var checkSummary: String {
         func targets(_ downstreams: [Downstream], _ dns: [DNSDownstream], _ kubernetes: Kubernetes?) -> String {
@@ -459,6 +459,10 @@ extension FanoutConfig {
         return "configuration OK: \(listeners.count) listener(s): " + listeners.map { listener in
             var line = "\(listener.name) \(listener.bind) \(listener.mode.rawValue) -> \(targets(listener.downstreams, listener.dnsDownstreams, listener.kubernetes)), \(listener.balancing.rawValue)"
                 + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)")
+            // QUIC-LB before the balancing it falls back to (which the line names already).
+            if !listener.quicLB.isEmpty {
+                line += ", quic_lb [\(listener.quicLB.map(\.description).joined(separator: "; "))] before \(listener.balancing.rawValue)"
+            }
             for pool in listener.pools {
                 line += ", pool \(pool.name) -> \(targets(pool.downstreams, pool.dnsDownstreams, pool.kubernetes)), \(pool.balancing.rawValue)"
                 // In the order the filters apply: sources, then the sample (of sources, not datagrams).
