@@ -9,6 +9,10 @@
  * one live member, and returns to its own slot as soon as a socket fills it again.
  * roundRobin: a per-CPU counter walks the slots, skipping empty ones.
  *
+ * QUIC-LB (quic_server_id_length > 0): before the policy, the server ID in the datagram's QUIC
+ * destination connection ID (plaintext, draft-ietf-quic-load-balancers) is looked up among the
+ * IDs the members registered; a match goes to that member, anything else to the policy.
+ *
  * Nothing is dropped: when no member can be selected the program returns SK_PASS without a
  * selection, and the kernel's own hash delivers the datagram. Every outcome is counted.
  */
@@ -59,6 +63,13 @@ struct {
 	__type(key, __u32);
 	__type(value, __u32);
 } RPLB_MAP_RR SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, RPLB_MAX_SERVER_IDS);
+	__type(key, struct rplb_server_id);
+	__type(value, __u32);
+} RPLB_MAP_QUIC_IDS SEC(".maps");
 
 /* The group's settings, written by its creator before load (bpf_map__set_initial_value on
  * .rodata) and frozen: the verifier then prunes the other policies' code. The config map holds
@@ -188,6 +199,71 @@ unparsed:
 	return -1;
 }
 
+/* QUIC-LB: the member whose registered server ID the datagram's destination connection ID
+ * carries. Returns 1 when it was selected (counted routed), 0 when the policy must choose (with
+ * the QUIC outcome counted; a registered member whose slot is empty counts routed, and the
+ * policy's failover takes the datagram). md->data is the UDP header: the QUIC packet is at 8. */
+static __always_inline int select_by_connection_id(struct sk_reuseport_md *md, __u32 id_length,
+						   __u32 nonce_length, __u32 config_id)
+{
+	__u8 head[6] = {};
+	__u32 id_offset;
+	int client_chosen = 0;
+
+	if (id_length == 0 || id_length > 15)
+		goto undecodable;
+	if (bpf_skb_load_bytes(md, 8, head, 2))
+		goto undecodable;
+	if (head[0] & 0x80) {
+		/* Long header: version (4 octets), then the destination ID's length and the ID. */
+		if (bpf_skb_load_bytes(md, 8, head, 6))
+			goto undecodable;
+		__u32 version = (__u32)head[1] << 24 | (__u32)head[2] << 16 | (__u32)head[3] << 8 | head[4];
+		__u32 type = (head[0] >> 4) & 3;
+		if (version == 0)
+			goto undecodable; /* version negotiation */
+		if (version == 1)
+			client_chosen = type == 0 || type == 1;          /* v1 Initial, 0-RTT */
+		else if (version == 0x6b3343cf)
+			client_chosen = type == 1 || type == 2;          /* v2 Initial, 0-RTT */
+		else
+			client_chosen = 1; /* another version: a client's first packet (version negotiation follows) */
+		if (head[5] < 1 + id_length + nonce_length)
+			goto fallback;
+		id_offset = 8 + 6;
+	} else {
+		id_offset = 8 + 1;
+	}
+	__u8 first = 0;
+	if (bpf_skb_load_bytes(md, id_offset, &first, 1))
+		goto fallback;
+	if ((__u32)(first >> 5) != config_id)
+		goto fallback;
+	/* A short header does not say its ID's length: the configuration's must be there whole. */
+	__u8 last = 0;
+	if (bpf_skb_load_bytes(md, id_offset + id_length + nonce_length, &last, 1))
+		goto fallback;
+	struct rplb_server_id key = {};
+	if (bpf_skb_load_bytes(md, id_offset + 1, key.bytes, id_length & 15))
+		goto fallback;
+	__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_QUIC_IDS, &key);
+	if (!slot) {
+		count_outcome(client_chosen ? RPLB_OUTCOME_QUIC_FALLBACK : RPLB_OUTCOME_QUIC_UNKNOWN);
+		return 0;
+	}
+	count_outcome(RPLB_OUTCOME_QUIC_ROUTED);
+	return try_slot(md, *slot, RPLB_OUTCOME_SELECTED);
+
+fallback:
+	if (client_chosen) {
+		count_outcome(RPLB_OUTCOME_QUIC_FALLBACK);
+		return 0;
+	}
+undecodable:
+	count_outcome(RPLB_OUTCOME_QUIC_UNDECODABLE);
+	return 0;
+}
+
 SEC("sk_reuseport")
 int RPLB_PROG_SELECT(struct sk_reuseport_md *md)
 {
@@ -200,6 +276,10 @@ int RPLB_PROG_SELECT(struct sk_reuseport_md *md)
 		count_outcome(RPLB_OUTCOME_NO_CONFIG);
 		return SK_PASS;
 	}
+	__u32 quic_id_length = rplb_settings.quic_server_id_length;
+	if (quic_id_length != 0 &&
+	    select_by_connection_id(md, quic_id_length, rplb_settings.quic_nonce_length, rplb_settings.quic_config_id))
+		return SK_PASS;
 	int selected;
 	if (policy == RPLB_POLICY_ROUND_ROBIN)
 		selected = select_round_robin(md, capacity);

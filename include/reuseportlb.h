@@ -139,6 +139,54 @@ int reuseportlb_templates_counters(const reuseportlb_templates *store,
 				   struct reuseportlb_template_counters *counters);
 /* Closes this process's handle (the store stays with the group) and frees it (NULL: nothing). */
 void reuseportlb_templates_close(reuseportlb_templates *store);
+/* QUIC-LB (draft-ietf-quic-load-balancers): how QUIC servers put a server ID into the
+ * connection IDs they issue. A group created with one (reuseportlb_join_quic) sends a datagram
+ * whose destination connection ID carries a member's server ID to that member, from any source
+ * address (a client that changed address keeps its server); the others (a client's first
+ * packets, unknown IDs) go by the group's policy. The group's sk_reuseport program reads
+ * plaintext server IDs: the group's configuration has no key. The encoder below takes keys too
+ * (for servers behind udp-fanout's quic_lb). */
+struct reuseportlb_quic_lb {
+	uint8_t config_id;        /* 0...6: the top three bits of each connection ID */
+	uint8_t server_id_length; /* 1...15 octets */
+	uint8_t nonce_length;     /* 4...18 octets; with server_id_length at most 19 */
+	const uint8_t *key;       /* 16 octets (AES-128), or NULL: plaintext server IDs */
+};
+/* The longest connection ID the encoder writes (QUIC v1's limit). */
+#define REUSEPORTLB_CONNECTION_ID_MAX 20
+/* Joins as reuseportlb_join does, in a group that routes by connection ID under `quic` (which
+ * must match the group's), and registers `server_id` (quic->server_id_length octets; NULL:
+ * none) for the member's slot. eBPF steering only: -EOPNOTSUPP without CAP_BPF or with a key. */
+int reuseportlb_join_quic(const char *ip, uint16_t port, int slot, unsigned int capacity,
+			  enum reuseportlb_policy policy, const struct reuseportlb_quic_lb *quic,
+			  const uint8_t *server_id, reuseportlb_member **member,
+			  char *error, size_t error_size);
+/* Registers one more server ID for the member's slot; -EEXIST if a live member holds it,
+ * -EINVAL for a group without QUIC-LB or an ID of another length. */
+int reuseportlb_quic_register(reuseportlb_member *member, const uint8_t *server_id, size_t length,
+			      char *error, size_t error_size);
+/* Writes a connection ID naming `server_id` with `nonce` (random; with a key, never repeated)
+ * into connection_id (size at least 1 + server_id_length + nonce_length, which it returns);
+ * the first octet carries the config ID and the length of the rest. -EINVAL (message in
+ * `error`) for a configuration out of the draft's ranges, -ENOSPC for a short buffer. */
+int reuseportlb_quic_encode(const struct reuseportlb_quic_lb *quic, const uint8_t *server_id,
+			    const uint8_t *nonce, uint8_t *connection_id, size_t size,
+			    char *error, size_t error_size);
+/* Copies the server ID a connection ID carries into server_id and returns its length;
+ * -ENOENT if the ID is shorter than the configuration's or of another config ID, -EINVAL for a
+ * bad configuration, -ENOSPC for a short buffer. */
+int reuseportlb_quic_decode(const struct reuseportlb_quic_lb *quic, const uint8_t *connection_id,
+			    size_t length, uint8_t *server_id, size_t size);
+/* The group program's QUIC-LB outcomes (besides struct reuseportlb_counters' deliveries). */
+struct reuseportlb_quic_counters {
+	uint64_t routed;            /* the ID named a registered member */
+	uint64_t fallback;          /* an Initial or 0-RTT packet's client-chosen ID: the policy chose */
+	uint64_t unknown_server_id; /* a server ID no member registered: the policy chose */
+	uint64_t undecodable;       /* not QUIC of the group's config ID, or too short: the policy chose */
+};
+/* Fills *counters; -EOPNOTSUPP without eBPF steering. */
+int reuseportlb_quic_counters(const reuseportlb_member *member, struct reuseportlb_quic_counters *counters);
+
 /* Leaves the group (closes the socket; the last member out removes the group's pins) and frees
  * the handle (NULL: nothing). Whatever is still queued on the socket is dropped: call reuseportlb_withdraw()
  * and drain first. */

@@ -23,8 +23,11 @@ final class GroupObjects {
     let delivered: Int32
     let table: Int32
     let roundRobin: Int32
+    /// QUIC-LB server IDs registered by the members (server ID to slot); -1 in a group of an
+    /// older layout, which the layout check refuses.
+    let quicIDs: Int32
 
-    private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr"]
+    private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr", "quic_ids"]
 
     private let closesOnDeinit: Bool
 
@@ -39,12 +42,13 @@ final class GroupObjects {
         outcomes = descriptors[4]
         delivered = descriptors[5]
         roundRobin = descriptors[6]
+        quicIDs = descriptors[7]
     }
 
-    var descriptors: [Int32] { [program, members, configMap, table, outcomes, delivered, roundRobin] }
+    var descriptors: [Int32] { [program, members, configMap, table, outcomes, delivered, roundRobin, quicIDs] }
 
     func closeDescriptors() {
-        for fd in descriptors { close(fd) }
+        for fd in descriptors where fd >= 0 { close(fd) }
     }
 
     deinit {
@@ -67,6 +71,8 @@ final class GroupObjects {
                 let have = existing.config
                 if have.layout_version != wanted.layout_version || have.policy != wanted.policy
                     || have.capacity != wanted.capacity || have.seed != wanted.seed
+                    || have.quic_server_id_length != wanted.quic_server_id_length || have.quic_nonce_length != wanted.quic_nonce_length
+                    || have.quic_config_id != wanted.quic_config_id
                 {
                     existing.closeDescriptors()
                     throw .groupSettingsMismatch(
@@ -80,13 +86,20 @@ final class GroupObjects {
 
     static func describe(_ config: rplb_config) -> String {
         let policy = BalancePolicy(kernelValue: config.policy)?.rawValue ?? "policy #\(config.policy)"
-        return "policy \(policy), capacity \(config.capacity), seed \(config.seed), layout v\(config.layout_version)"
+        let quic = config.quic_server_id_length == 0 ? ""
+            : ", QUIC-LB config \(config.quic_config_id) (\(config.quic_server_id_length)-octet server ID, \(config.quic_nonce_length)-octet nonce)"
+        return "policy \(policy), capacity \(config.capacity), seed \(config.seed)\(quic), layout v\(config.layout_version)"
     }
 
     static func open(directory: String) throws(ReusePortError) -> GroupObjects {
         var descriptors: [Int32] = []
         for name in pinNames {
             let fd = bpf_obj_get(directory + "/" + name)
+            // A group of an older layout has no quic_ids pin: its config says which layout it is.
+            if fd < 0 && name == "quic_ids" && errno == ENOENT {
+                descriptors.append(-1)
+                continue
+            }
             if fd < 0 {
                 let error = errno
                 for open in descriptors { close(open) }
@@ -109,7 +122,7 @@ final class GroupObjects {
         let descriptors = try loadDescriptors(config: config, table: table)
         do {
             try systemCall("mkdir \(directory)") { mkdir(directory, 0o700) == 0 || errno == EEXIST ? 0 : -1 }
-            for (name, fd) in zip(pinNames, descriptors) {
+            for (name, fd) in zip(pinNames, descriptors) where fd >= 0 {
                 try libbpfCall("bpf_obj_pin \(directory)/\(name)") { bpf_obj_pin(fd, directory + "/" + name) }
             }
         } catch {
@@ -134,7 +147,7 @@ final class GroupObjects {
             descriptors = try loadEmbeddedObject(
                 .reuseportSelect, program: RPLB_PROG_SELECT_NAME,
                 maps: [RPLB_MAP_MEMBERS_NAME, RPLB_MAP_CONFIG_NAME, RPLB_MAP_TABLE_NAME,
-                       RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME]
+                       RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME, RPLB_MAP_QUIC_IDS_NAME]
             ) { object throws(SystemCallError) in
                 let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
                 try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
@@ -234,6 +247,41 @@ final class GroupObjects {
         var info = bpf_map_info()
         var length = UInt32(MemoryLayout<bpf_map_info>.size)
         return bpf_obj_get_info_by_fd(fd, &info, &length) == 0 ? info.id : nil
+    }
+
+    /// Registers QUIC-LB `serverID` for `slot`; fails with EEXIST where another slot whose
+    /// socket is live holds it.
+    func registerServerID(_ serverID: [UInt8], slot: Int) throws(SystemCallError) {
+        var key = Self.serverIDKey(serverID)
+        var holder: UInt32 = 0
+        if bpf_map_lookup_elem(quicIDs, &key, &holder) == 0, Int(holder) != slot, cookie(inSlot: Int(holder)) != nil {
+            throw SystemCallError(call: "register server ID (held by slot \(holder))", errno: EEXIST)
+        }
+        var value = UInt32(slot)
+        try libbpfCall("bpf_map_update_elem quic_ids") { bpf_map_update_elem(quicIDs, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// Removes `serverID` if `slot` holds it; true if it did.
+    func withdrawServerID(_ serverID: [UInt8], slot: Int) -> Bool {
+        var key = Self.serverIDKey(serverID)
+        var holder: UInt32 = 0
+        guard bpf_map_lookup_elem(quicIDs, &key, &holder) == 0, Int(holder) == slot else { return false }
+        return bpf_map_delete_elem(quicIDs, &key) == 0
+    }
+
+    /// The slot `serverID` is registered for, if any.
+    func slot(ofServerID serverID: [UInt8]) -> Int? {
+        var key = Self.serverIDKey(serverID)
+        var holder: UInt32 = 0
+        return bpf_map_lookup_elem(quicIDs, &key, &holder) == 0 ? Int(holder) : nil
+    }
+
+    private static func serverIDKey(_ serverID: [UInt8]) -> rplb_server_id {
+        var key = rplb_server_id()
+        withUnsafeMutableBytes(of: &key.bytes) { bytes in
+            for (index, byte) in serverID.prefix(16).enumerated() { bytes[index] = byte }
+        }
+        return key
     }
 
     /// Sums a per-CPU u64 array map, entry by entry.

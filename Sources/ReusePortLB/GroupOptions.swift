@@ -92,13 +92,19 @@ public struct GroupOptions: Sendable {
     /// with ``ReusePortError/steeringConflict(group:running:requested:)`` and
     /// ``ReusePortError/bpffsNotShared(_:bpffs:sockets:)``.
     public var force: Bool
+    /// QUIC-LB: a datagram whose QUIC destination connection ID carries a server ID a member
+    /// registered (``ReusePortMember/registerServerID(_:)``) goes to that member; the others (a
+    /// client's first packets, unknown IDs) to `policy`. Plaintext server IDs (no key), eBPF
+    /// steering only; must match the group's. nil: no routing by connection ID.
+    public var quic: QUICLBConfiguration?
 
     public init(
         policy: BalancePolicy = .sourceIP, capacity: Int, seed: UInt32? = nil,
         steering: SteeringPreference = .automatic, bpffsRoot: String = "/sys/fs/bpf",
-        receiveBufferSize: Int? = nil, force: Bool = false
+        receiveBufferSize: Int? = nil, force: Bool = false, quic: QUICLBConfiguration? = nil
     ) {
         self.force = force
+        self.quic = quic
         self.policy = policy
         self.capacity = capacity
         self.seed = seed
@@ -118,6 +124,24 @@ public struct GroupOptions: Sendable {
         config.capacity = UInt32(capacity)
         config.table_size = UInt32(RPLB_TABLE_SIZE)
         config.seed = seed ?? Self.defaultSeed
+        if let quic {
+            config.quic_server_id_length = UInt32(quic.serverIDLength)
+            config.quic_nonce_length = UInt32(quic.nonceLength)
+            config.quic_config_id = UInt32(quic.configID)
+        }
         return config
+    }
+
+    /// Why `quic` cannot be served (an encrypted configuration, or a steering other than eBPF);
+    /// nil when it can or is not asked for.
+    var quicProblem: String? {
+        guard let quic else { return nil }
+        if quic.isEncrypted {
+            return "the sk_reuseport program reads plaintext server IDs only in this release; configure the servers' QUIC-LB without a key (a group is one host's processes), or put udp-fanout with quic_lb in front"
+        }
+        if steering == .classicBPF || steering == .kernelHash {
+            return "it needs eBPF steering (a classic BPF program and the kernel hash cannot read connection IDs); use steering automatic or ebpf with CAP_BPF"
+        }
+        return nil
     }
 }

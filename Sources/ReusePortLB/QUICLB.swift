@@ -91,7 +91,7 @@ public struct QUICLBCodec: Sendable {
     public func encode(serverID: [UInt8], nonce: [UInt8]) throws(QUICLBError) -> [UInt8] {
         let c = configuration
         guard serverID.count == c.serverIDLength else {
-            throw .invalid("server ID is \(serverID.count) octets; configuration \(c.configID) takes \(c.serverIDLength)")
+            throw .invalid("server ID is \(serverID.count) octet(s); configuration \(c.configID) takes \(c.serverIDLength)")
         }
         guard nonce.count == c.nonceLength else {
             throw .invalid("nonce is \(nonce.count) octets; configuration \(c.configID) takes \(c.nonceLength)")
@@ -259,10 +259,11 @@ public enum QUICHeader {
     public static let version2: UInt32 = 0x6b33_43cf
 
     /// What the first packet of a datagram says about its destination connection ID.
-    public enum DestinationID: Equatable {
+    public enum DestinationID: Equatable, Sendable {
         /// Offset and length of the ID in the datagram (the length a long header gives, or
         /// `shortLength` for a short header); `clientChosen`: an Initial or 0-RTT packet, whose
-        /// ID the client made up until the server's first reply.
+        /// ID the client made up until the server's first reply, or a long header of a version
+        /// other than 1 and 2 (a client's first packet, answered by version negotiation).
         case id(offset: Int, length: Int, clientChosen: Bool)
         /// Not a QUIC packet whose ID can be read: too short, or a version negotiation packet.
         case unreadable
@@ -286,7 +287,7 @@ public enum QUICHeader {
         switch version {
         case version1: clientChosen = type == 0 || type == 1
         case version2: clientChosen = type == 1 || type == 2
-        default: clientChosen = false
+        default: clientChosen = true
         }
         return .id(offset: 6, length: length, clientChosen: clientChosen)
     }

@@ -33,6 +33,10 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
     case handedOverMismatch(SocketAddress, reason: String)
     /// A ``FlowTemplateStore`` cannot be opened for this member.
     case templateStoreUnavailable(reason: String)
+    /// Routing by QUIC connection ID (``GroupOptions/quic``) cannot be served as asked
+    /// (`errno` EOPNOTSUPP), a server ID does not fit the group (EINVAL), or another live member
+    /// holds it (EEXIST): the C API returns it negated.
+    case connectionIDRouting(String, errno: Int32)
 
     /// Why port 0 is refused.
     public static let portZeroReason = "port 0 is not a group's port: the kernel would bind each member to its own random port; use 1...65535"
@@ -78,6 +82,8 @@ public enum ReusePortError: Error, CustomStringConvertible, Sendable, Equatable 
             return "a socket handed over for \(address) is \(reason): closed, a new one is bound"
         case .templateStoreUnavailable(let reason):
             return "the group's flow template store cannot be opened: \(reason)"
+        case .connectionIDRouting(let reason, _):
+            return "QUIC connection ID routing: \(reason)"
         }
     }
 }

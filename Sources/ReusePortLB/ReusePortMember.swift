@@ -72,6 +72,7 @@ public final class ReusePortMember: @unchecked Sendable {
         case .lowestFree:
             break
         }
+        if let problem = options.quicProblem { throw .connectionIDRouting(problem, errno: EOPNOTSUPP) }
         self.address = address
         self.options = options
         let filesystem = BPFFilesystem(root: options.bpffsRoot)
@@ -86,9 +87,9 @@ public final class ReusePortMember: @unchecked Sendable {
         if steering == .ebpf {
             do {
                 (objects, socket, slot) = try Self.joinWithEBPF(address, request, options, filesystem)
-            } catch .ebpfUnavailable(let reason) where options.steering == .automatic {
+            } catch .ebpfUnavailable(let reason) where options.steering == .automatic && options.quic == nil {
                 note_ = "eBPF refused (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
-            } catch .bpffsUnavailable(let path, let reason) where options.steering == .automatic {
+            } catch .bpffsUnavailable(let path, let reason) where options.steering == .automatic && options.quic == nil {
                 // No shared pins, no shared group: classic BPF still steers without them.
                 note_ = "bpffs at \(path) cannot be used (\(reason)); using \(Self.unprivilegedSteering(options.policy))"
             }
@@ -215,6 +216,9 @@ public final class ReusePortMember: @unchecked Sendable {
             return (.ebpf, nil)
         case .automatic:
             if Capabilities.current().canLoadBPF { return (.ebpf, nil) }
+            if options.quic != nil {
+                throw .connectionIDRouting("it needs eBPF steering and the process has neither CAP_BPF nor CAP_SYS_ADMIN: grant CAP_BPF", errno: EOPNOTSUPP)
+            }
             let fallback = unprivilegedSteering(options.policy)
             return (fallback, "no CAP_BPF: using \(fallback) steering")
         case .classicBPF:
@@ -442,6 +446,43 @@ public final class ReusePortMember: @unchecked Sendable {
         return holder != cookie
     }
 
+    /// QUIC-LB groups (``GroupOptions/quic``): datagrams whose QUIC destination connection ID
+    /// carries `serverID` come to this member's slot from now on, whatever their source. A
+    /// member may register several. Registrations belong to the slot: they outlive the member
+    /// (a member that takes the slot over gets its connections; while the slot is empty the
+    /// policy chooses) until ``withdrawServerID(_:)`` or the group's end.
+    /// - Throws: ``ReusePortError/connectionIDRouting(_:errno:)`` if the group does not route by
+    ///   connection ID, the ID is not the configuration's length, or another live member holds it.
+    public func registerServerID(_ serverID: [UInt8]) throws(ReusePortError) {
+        let objects = try quicObjects(serverID)
+        do {
+            try objects.registerServerID(serverID, slot: slot)
+        } catch {
+            if error.errno == EEXIST {
+                throw .connectionIDRouting("server ID \(Self.hex(serverID)) is registered by slot \(objects.slot(ofServerID: serverID).map(String.init) ?? "?"), whose member is live: each server ID names one member", errno: EEXIST)
+            }
+            throw .system(error)
+        }
+    }
+
+    /// Takes `serverID` back: its datagrams go to the policy. False if this slot did not hold it.
+    @discardableResult
+    public func withdrawServerID(_ serverID: [UInt8]) throws(ReusePortError) -> Bool {
+        try quicObjects(serverID).withdrawServerID(serverID, slot: slot)
+    }
+
+    private func quicObjects(_ serverID: [UInt8]) throws(ReusePortError) -> GroupObjects {
+        guard let quic = options.quic, let objects else {
+            throw .connectionIDRouting("this group does not route by connection ID: create it with GroupOptions.quic (eBPF steering)", errno: EINVAL)
+        }
+        guard serverID.count == quic.serverIDLength else {
+            throw .connectionIDRouting("server ID \(Self.hex(serverID)) is \(serverID.count) octet(s); the group's configuration takes \(quic.serverIDLength)", errno: EINVAL)
+        }
+        return objects
+    }
+
+    private static func hex(_ bytes: [UInt8]) -> String { bytes.map { ($0 < 16 ? "0" : "") + String($0, radix: 16) }.joined() }
+
     /// The slots that a live socket holds now. Throws without eBPF steering.
     public func liveSlots() throws(ReusePortError) -> [Int] {
         guard let objects else { throw .countersUnavailable(steering) }
@@ -506,6 +547,15 @@ public struct GroupCounters: Sendable, Equatable {
     public var noConfig: UInt64
     /// Datagrams the program steered to each slot (first choice and failovers).
     public var deliveredBySlot: [UInt64]
+    /// QUIC-LB groups, besides the delivery outcomes above: datagrams whose connection ID named
+    /// a registered member (delivered there, or by the policy's failover when its slot is empty).
+    public var quicRouted: UInt64
+    /// Initial and 0-RTT packets whose client-chosen ID named no member: the policy chose.
+    public var quicFallback: UInt64
+    /// Server-chosen IDs whose server ID no member registered: the policy chose.
+    public var quicUnknownServerID: UInt64
+    /// Not QUIC packets of the group's config ID, or too short: the policy chose.
+    public var quicUndecodable: UInt64
     /// Of those, the failovers: datagrams each slot received for a dead member's sources.
     public var failedOverBySlot: [UInt64]
 
@@ -523,6 +573,10 @@ public struct GroupCounters: Sendable, Equatable {
         fallback = outcomes[Int(RPLB_OUTCOME_FALLBACK.rawValue)]
         unparsed = outcomes[Int(RPLB_OUTCOME_UNPARSED.rawValue)]
         noConfig = outcomes[Int(RPLB_OUTCOME_NO_CONFIG.rawValue)]
+        quicRouted = outcomes[Int(RPLB_OUTCOME_QUIC_ROUTED.rawValue)]
+        quicFallback = outcomes[Int(RPLB_OUTCOME_QUIC_FALLBACK.rawValue)]
+        quicUnknownServerID = outcomes[Int(RPLB_OUTCOME_QUIC_UNKNOWN.rawValue)]
+        quicUndecodable = outcomes[Int(RPLB_OUTCOME_QUIC_UNDECODABLE.rawValue)]
     }
 
     /// Every outcome by its name, as the collector and metrics print them.

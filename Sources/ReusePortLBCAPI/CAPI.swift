@@ -30,6 +30,7 @@ private func code(of error: ReusePortError) -> Int32 {
     case .groupFull: return -ENOSPC
     case .bpffsUnavailable, .ebpfUnavailable: return -EPERM
     case .countersUnavailable, .policyNeedsEBPF, .takeoverNeedsEBPF, .templateStoreUnavailable: return -EOPNOTSUPP
+    case .connectionIDRouting(_, let errno): return -errno
     case .groupSettingsMismatch: return -EEXIST
     case .invalidCapacity, .slotOutOfRange, .noLiveMember, .invalidAddress, .handedOverMismatch: return -EINVAL
     }
@@ -37,7 +38,8 @@ private func code(of error: ReusePortError) -> Int32 {
 
 private func join(
     _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: SlotRequest?, _ capacity: UInt32, _ policy: Int32,
-    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int,
+    quic: QUICLBConfiguration? = nil, serverID: [UInt8]? = nil
 ) -> Int32 {
     guard let ip, let out else {
         writeMessage("ip and member must not be NULL", errorBuffer, errorSize)
@@ -57,10 +59,18 @@ private func join(
         writeMessage("slot must be 0 or more (or REUSEPORTLB_ANY_SLOT to join)", errorBuffer, errorSize)
         return -EINVAL
     }
-    do {
+    do throws(ReusePortError) {
         let joined = try ReusePortMember(
             joining: SocketAddress(ip: address, port: port), slot: slot,
-            options: GroupOptions(policy: balance, capacity: Int(capacity)))
+            options: GroupOptions(policy: balance, capacity: Int(capacity), quic: quic))
+        if let serverID {
+            do throws(ReusePortError) {
+                try joined.registerServerID(serverID)
+            } catch {
+                joined.leave()
+                throw error
+            }
+        }
         out.pointee = OpaquePointer(Unmanaged.passRetained(joined).toOpaque())
         return 0
     } catch {
@@ -84,6 +94,118 @@ public func reuseportlb_takeover(
     _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
 ) -> Int32 {
     join(ip, port, slot >= 0 ? .takeover(Int(slot)) : nil, capacity, policy, out, error, errorSize)
+}
+
+/// Reads `struct reuseportlb_quic_lb` (three octets, then the key pointer at offset 8 on LP64).
+private func quicConfiguration(_ raw: UnsafeRawPointer?) -> Result<QUICLBConfiguration, QUICLBError> {
+    guard let raw else { return .failure(.invalid("quic must not be NULL")) }
+    let configID = raw.load(fromByteOffset: 0, as: UInt8.self)
+    let serverIDLength = Int(raw.load(fromByteOffset: 1, as: UInt8.self))
+    let nonceLength = Int(raw.load(fromByteOffset: 2, as: UInt8.self))
+    let keyPointer = raw.load(fromByteOffset: MemoryLayout<UnsafeRawPointer?>.stride, as: UnsafePointer<UInt8>?.self)
+    let key = keyPointer.map { Array(UnsafeBufferPointer(start: $0, count: 16)) }
+    do throws(QUICLBError) {
+        return .success(try QUICLBConfiguration(configID: configID, serverIDLength: serverIDLength, nonceLength: nonceLength, key: key))
+    } catch {
+        return .failure(error)
+    }
+}
+
+@_cdecl("reuseportlb_join_quic")
+public func reuseportlb_join_quic(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+    _ quic: UnsafeRawPointer?, _ serverID: UnsafePointer<UInt8>?,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    let configuration: QUICLBConfiguration
+    switch quicConfiguration(quic) {
+    case .success(let value): configuration = value
+    case .failure(let problem):
+        writeMessage(problem.description, error, errorSize)
+        return -EINVAL
+    }
+    let request: SlotRequest? = slot == -1 ? .lowestFree : slot >= 0 ? .index(Int(slot)) : nil
+    let id = serverID.map { Array(UnsafeBufferPointer(start: $0, count: configuration.serverIDLength)) }
+    return join(ip, port, request, capacity, policy, out, error, errorSize, quic: configuration, serverID: id)
+}
+
+@_cdecl("reuseportlb_quic_register")
+public func reuseportlb_quic_register(
+    _ handle: OpaquePointer?, _ serverID: UnsafePointer<UInt8>?, _ length: Int,
+    _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    guard let handle, let serverID, length > 0 else { return -EINVAL }
+    do {
+        try member(handle).registerServerID(Array(UnsafeBufferPointer(start: serverID, count: length)))
+        return 0
+    } catch {
+        writeMessage(error.description, errorBuffer, errorSize)
+        return code(of: error)
+    }
+}
+
+@_cdecl("reuseportlb_quic_encode")
+public func reuseportlb_quic_encode(
+    _ quic: UnsafeRawPointer?, _ serverID: UnsafePointer<UInt8>?, _ nonce: UnsafePointer<UInt8>?,
+    _ connectionID: UnsafeMutablePointer<UInt8>?, _ size: Int, _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    let configuration: QUICLBConfiguration
+    switch quicConfiguration(quic) {
+    case .success(let value): configuration = value
+    case .failure(let problem):
+        writeMessage(problem.description, errorBuffer, errorSize)
+        return -EINVAL
+    }
+    guard let serverID, let nonce, let connectionID else {
+        writeMessage("server_id, nonce and connection_id must not be NULL", errorBuffer, errorSize)
+        return -EINVAL
+    }
+    guard size >= configuration.connectionIDLength else {
+        writeMessage("connection_id holds \(size) octets; this configuration's IDs are \(configuration.connectionIDLength)", errorBuffer, errorSize)
+        return -ENOSPC
+    }
+    do throws(QUICLBError) {
+        let id = try QUICLBCodec(configuration).encode(
+            serverID: Array(UnsafeBufferPointer(start: serverID, count: configuration.serverIDLength)),
+            nonce: Array(UnsafeBufferPointer(start: nonce, count: configuration.nonceLength)))
+        for (index, byte) in id.enumerated() { connectionID[index] = byte }
+        return Int32(id.count)
+    } catch {
+        writeMessage(error.description, errorBuffer, errorSize)
+        return -EINVAL
+    }
+}
+
+@_cdecl("reuseportlb_quic_decode")
+public func reuseportlb_quic_decode(
+    _ quic: UnsafeRawPointer?, _ connectionID: UnsafePointer<UInt8>?, _ length: Int,
+    _ serverID: UnsafeMutablePointer<UInt8>?, _ size: Int
+) -> Int32 {
+    guard case .success(let configuration) = quicConfiguration(quic), let connectionID, let serverID, length >= 0 else { return -EINVAL }
+    guard size >= configuration.serverIDLength else { return -ENOSPC }
+    guard let decoded = QUICLBCodec(configuration).decode(Array(UnsafeBufferPointer(start: connectionID, count: length))) else { return -ENOENT }
+    for (index, byte) in decoded.serverID.enumerated() { serverID[index] = byte }
+    return Int32(decoded.serverID.count)
+}
+
+/// Mirrors `struct reuseportlb_quic_counters`.
+public struct CQUICCounters {
+    var routed, fallback, unknownServerID, undecodable: UInt64
+}
+
+@_cdecl("reuseportlb_quic_counters")
+public func reuseportlb_quic_counters(_ handle: OpaquePointer?, _ out: UnsafeMutableRawPointer?) -> Int32 {
+    guard let handle, let out else { return -EINVAL }
+    do {
+        let counters = try member(handle).counters()
+        out.storeBytes(
+            of: CQUICCounters(routed: counters.quicRouted, fallback: counters.quicFallback,
+                              unknownServerID: counters.quicUnknownServerID, undecodable: counters.quicUndecodable),
+            as: CQUICCounters.self)
+        return 0
+    } catch {
+        return code(of: error)
+    }
 }
 
 @_cdecl("reuseportlb_socket")

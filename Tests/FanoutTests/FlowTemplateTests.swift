@@ -155,7 +155,7 @@ struct FlowTemplateRelayTests {
         let counters = ListenerCounters(name: "t", mode: "userspace")
         let state = FlowTemplateState()
         let relay = FlowTemplateRelay(state: state, sender: SharedSender(capacity: 32), output: .socket)
-        relay.adopt(ForwardingPlan(downstreams: Array(downstreams[0..<2]), balancing: .roundRobin, pools: [], counters: counters))
+        relay.adopt(ForwardingPlan(downstreams: Array(downstreams[0..<2]), balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         func note(_ target: Int, _ packet: [UInt8], exporter: Int) {
             var storage = sockaddr_storage()
             _ = SocketAddress(ip: IPAddress("10.0.\(exporter / 250).\(exporter % 250 + 1)")!, port: 2055).write(to: &storage)
@@ -172,7 +172,7 @@ struct FlowTemplateRelayTests {
         relay.flush()
         #expect(state.copies.load(ordering: .relaxed) == 200)
         // s2 joins; exporter 0's data goes there: one replay, once.
-        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         note(2, Self.v9(template: false, data: true, sequence: 3), exporter: 0)
         note(2, Self.v9(template: false, data: true, sequence: 4), exporter: 0)
         note(1, Self.v9(template: false, data: true, sequence: 5), exporter: 0)
@@ -190,10 +190,10 @@ struct FlowTemplateRelayTests {
         // downstream that takes the exporter's data later gets them first.
         var storage = sockaddr_storage()
         _ = SocketAddress(ip: IPAddress("10.0.9.9")!, port: 2055).write(to: &storage)
-        relay.adopt(ForwardingPlan(downstreams: [], balancing: .roundRobin, pools: [], counters: counters))
+        relay.adopt(ForwardingPlan(downstreams: [], balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         Self.v9(template: true, data: true).withUnsafeBytes { bytes in withUnsafePointer(to: &storage) { relay.note(nil, bytes, source: $0) } }
         relay.flush()
-        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        relay.adopt(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         Self.v9(template: false, data: true, sequence: 9).withUnsafeBytes { bytes in withUnsafePointer(to: &storage) { relay.note(2, bytes, source: $0) } }
         relay.flush()
         usleep(100_000)
@@ -243,7 +243,7 @@ struct FlowTemplateRelayTests {
         func plan(balanced: [Int], every: [Int]) -> ForwardingPlan {
             ForwardingPlan(downstreams: [member(0, nil), member(1, nil)] + balanced.map { member($0, "balanced") } + every.map { member($0, "every") }
                              + [member(6, "elsewhere"), member(7, "elsewhere")],
-                           balancing: .sourceIP, pools: poolConfigs, counters: counters)
+                           balancing: .sourceIP, quicLB: [], pools: poolConfigs, counters: counters)
         }
         let plans = PlanHolder(plan(balanced: [2, 3], every: [4, 5]))
         let state = FlowTemplateState()
@@ -283,7 +283,7 @@ struct FlowTemplateRelayTests {
         let pool = Pool(name: "raw", balancing: .sourceIP, output: .preserveSource)
         func plan(_ member: Int) -> ForwardingPlan {
             ForwardingPlan(downstreams: [Downstream(name: "own", address: sinks[0].address), Downstream(name: "m", address: sinks[member].address, pool: "raw")],
-                           balancing: .sourceIP, pools: [pool], counters: counters)
+                           balancing: .sourceIP, quicLB: [], pools: [pool], counters: counters)
         }
         let plans = PlanHolder(plan(1))
         let state = FlowTemplateState()

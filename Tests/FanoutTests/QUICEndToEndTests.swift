@@ -73,13 +73,19 @@ struct QUICEndToEndTests {
         }
     }
 
+    /// `connections` clients transferring `bytes` each through the VIP (moving halfway with
+    /// `migrate`), started.
+    static func startClients(_ topology: TwoWayTopology, connections: Int, bytes: Int, migrate: Bool = true, timeout: Int = 15) throws -> Child {
+        try Child.unblocked(scripts.appendingPathComponent("quic_migrate_client.py").path, [
+            "--server", "\(TwoWayTopology.vip()):\(port)",
+            "--sources", sources.joined(separator: ","), "--connections", "\(connections)", "--bytes", "\(bytes)",
+            "--server-name-check", "--timeout", "\(timeout)",
+        ] + (migrate ? ["--migrate"] : []), prefix: topology.prefix(topology.clients))
+    }
+
     /// `connections` clients transferring `bytes` each through the VIP, moving halfway; the client's JSON report.
     static func migrate(_ topology: TwoWayTopology, connections: Int, bytes: Int) throws -> [String: Any] {
-        let client = try Child.unblocked(scripts.appendingPathComponent("quic_migrate_client.py").path, [
-            "--server", "\(TwoWayTopology.vip()):\(port)",
-            "--sources", sources.joined(separator: ","), "--connections", "\(connections)", "--bytes", "\(bytes)", "--migrate",
-            "--server-name-check", "--timeout", "15",
-        ], prefix: topology.prefix(topology.clients))
+        let client = try startClients(topology, connections: connections, bytes: bytes)
         #expect(client.wait(seconds: 40) == 0, "client: \(client.stderr)")
         let report = try client.json()
         print("quic_migrate_client \(connections) x \(bytes) B: \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
@@ -114,6 +120,45 @@ struct QUICEndToEndTests {
         print("QUIC servers (\(layout)): \(totals)")
         #expect(totals.map { $0.int("migrated_connections") }.reduce(0, +) == 12, "\(totals)")
         #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 && $0.int("cids_not_quic_lb") == 0 }, "\(totals)")
+    }
+
+    @Test("relay with quic_lb: a server taken out by a reload and back a second later gets its connections back; each completes")
+    func relayFollowsIDBack() throws {
+        let layout = Self.layouts[1]
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        let servers = try Self.servers(topology, layout: layout)
+        let all = Self.config(servers: 3, layout: layout)
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, .relay, all)
+        // Long transfers without migration: every connection runs while its server leaves and returns.
+        let client = try Self.startClients(topology, connections: 8, bytes: 4_000_000, migrate: false, timeout: 30)
+        let started = Probe.waitFor(seconds: 10) { (try? Self.sessions(topology)) ?? 0 >= 8 }
+        #expect(started, "8 sessions")
+        // s1 leaves: its sessions move to another server by the balancing (which does not know
+        // their connections), then s1 comes back and the sessions follow their IDs to it.
+        let without = all.split(separator: "\n").filter { !$0.contains("name: s1,") }.joined(separator: "\n") + "\n"
+        try daemon.reload(without)
+        usleep(1_000_000)
+        try daemon.reload(all)
+        #expect(client.wait(seconds: 60) == 0, "client: \(client.stderr)")
+        let report = try client.json()
+        print("quic_migrate_client 8 x 4 MB across a reload: \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        let onS1 = (report["by_connection"] as? [String] ?? []).filter { $0 == "s1" }.count
+        #expect(onS1 > 0, "no connection on s1: the test would prove nothing: \(report)")
+        #expect(report.int("completed") == 8 && Self.failures(report) == 0, "\(report)")
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
+        let moved = Self.value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"userspace\",event=\"moved\"}") ?? 0
+        // Each of s1's sessions moved away, and back by its ID.
+        #expect(moved >= 2 * onS1, "\(text)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers across the reload: \(totals)")
+    }
+
+    /// The relay's sessions now (udp_fanout_associations).
+    static func sessions(_ topology: TwoWayTopology) throws -> Int {
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
+        return value(text, "udp_fanout_associations{listener=\"quic\",mode=\"userspace\"}") ?? 0
     }
 
     @Test("relay with source-IP balancing alone: the same migrations reach other servers, which do not know them; connections fail")

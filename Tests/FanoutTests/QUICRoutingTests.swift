@@ -62,6 +62,8 @@ struct QUICRoutingTests {
         #expect(!one.checkSummary.contains(Self.key) && one.checkSummary.contains("four-pass AES-128"), "\(one.checkSummary)")
         // relay and af_xdp route too.
         #expect(Self.problem(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", extra: "    replies: relay\n")) == nil)
+        let afxdp = Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", mode: "af_xdp", extra: "    interface: lo\n")
+        #expect(Self.problem(afxdp) == nil, "\(String(describing: Self.problem(afxdp)))")
     }
 
     @Test("Refused, naming the key: each problem a quic_lb listener can have", arguments: [
@@ -70,7 +72,7 @@ struct QUICRoutingTests {
          "listeners[0].downstream[1].server_id", "required with quic_lb"),
         ("    quic_lb: {server_id_length: 3, nonce_length: 6}", nil, "userspace", "listeners[0].downstream[0].server_id", "quic_lb's server_id_length is 3"),
         ("    quic_lb: {server_id_length: 2, nonce_length: 6}", nil, "tc_ebpf", "listeners[0].quic_lb", "not available in mode tc_ebpf"),
-        ("    quic_lb: {server_id_length: 12, nonce_length: 8}", nil, "userspace", "listeners[0].quic_lb", "at most 19"),
+        ("    quic_lb: {server_id_length: 12, nonce_length: 8}", nil, "userspace", "listeners[0].quic_lb.nonce_length", "use a nonce_length of at most 7"),
         ("    quic_lb: {server_id_length: 2, nonce_length: 6, key: 00ff}", nil, "userspace", "listeners[0].quic_lb.key", "32 hexadecimal digits"),
         ("    quic_lb: {server_id_length: 2, nonce_length: 6, key_file: /nonexistent/quic.key}", nil, "userspace", "listeners[0].quic_lb.key_file", "cannot read"),
         ("    quic_lb: {nonce_length: 6}", nil, "userspace", "listeners[0].quic_lb.server_id_length", "required"),
@@ -93,6 +95,22 @@ struct QUICRoutingTests {
         #expect(error.problem.contains(words), "\(error)")
     }
 
+    @Test("key_file: a FIFO, a device or a directory is refused at once (never read), an oversized file too")
+    func keyFileKinds() throws {
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("quic-key-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let fifo = directory.appendingPathComponent("fifo").path
+        try #require(mkfifo(fifo, 0o600) == 0)
+        let large = directory.appendingPathComponent("large")
+        try String(repeating: "0", count: 5000).write(to: large, atomically: true, encoding: .utf8)
+        for (path, words) in [(fifo, "not a regular file"), ("/dev/zero", "not a regular file"), (directory.path, "not a regular file"),
+                              (large.path, "5000 bytes")] {
+            let error = try #require(Self.problem(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6, key_file: \(path)}")), "\(path)")
+            #expect(error.key == "listeners[0].quic_lb.key_file" && error.problem.contains(words), "\(error)")
+        }
+    }
+
     @Test("Warned: discovered downstreams have no server ID; round_robin splits a first flight")
     func warnings() throws {
         let yaml = Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}",
@@ -103,6 +121,13 @@ struct QUICRoutingTests {
         let warnings = config.warnings().map(\.description)
         #expect(warnings.contains { $0.contains("listeners[0].quic_lb") && $0.contains("no server ID") }, "\(warnings)")
         #expect(warnings.contains { $0.contains("listeners[0].balancing") && $0.contains("first flight") }, "\(warnings)")
+        // One way with output: socket: the servers cannot answer the client.
+        #expect(warnings.contains { $0.contains("listeners[0].settings.output") && $0.contains("preserve_source") }, "\(warnings)")
+        // A relay keeps a client address and port on one session: neither warning applies.
+        let relay = try ConfigParser.parse(yaml.replacingOccurrences(of: "    balancing: round_robin", with: "    replies: relay\n    balancing: round_robin"))
+        try relay.validate(localAddresses: [])
+        let relayWarnings = relay.warnings().map(\.description)
+        #expect(!relayWarnings.contains { $0.contains("first flight") || $0.contains("settings.output") }, "\(relayWarnings)")
     }
 
     // MARK: routing
@@ -142,12 +167,19 @@ struct QUICRoutingTests {
         let stranger = try codec.encode(serverID: [0x0b, 0x07], nonce: [1, 2, 3, 4, 5, 6])
         #expect(route(Self.short(stranger)) == (nil, .unknownServerID))
         #expect(route(Self.long(2, stranger)) == (nil, .unknownServerID))
-        // The client's first Initial: an ID it made up (config ID 7, or one no configuration has).
-        #expect(route(Self.long(0, [0xe3, 1, 2, 3, 4, 5, 6, 7])) == (nil, .fallback))
-        #expect(route(Self.long(1, [0x03, 1, 2, 3, 4, 5, 6, 7])) == (nil, .fallback))
+        // The client's first Initial: an ID it made up (config ID 7, or one no configuration
+        // has, long enough for the configuration), or one too short for it.
+        #expect(route(Self.long(0, [0xe3, 1, 2, 3, 4, 5, 6, 7, 8])) == (nil, .fallback))
+        #expect(route(Self.long(1, [0x03, 1, 2, 3, 4, 5, 6, 7, 8])) == (nil, .fallback))
+        #expect(route(Self.long(0, [0x23, 1, 2, 3])) == (nil, .fallback))
         #expect(route(Self.long(0, stranger)) == (nil, .fallback))
-        // Too short for the configuration, a config ID with none, version negotiation, one octet.
+        // A long header of another QUIC version: a client's first packet too.
+        #expect(route([0xc0, 0x1a, 0x2a, 0x3a, 0x4a, 9] + [0x03, 1, 2, 3, 4, 5, 6, 7, 8]) == (nil, .fallback))
+        // Server-chosen packets: too short for the configuration, config ID 7 or one with no
+        // configuration (long enough), version negotiation, one octet.
         #expect(route(Self.long(2, Array(stranger.prefix(5)))) == (nil, .undecodable))
+        #expect(route(Self.long(2, [0xe3, 1, 2, 3, 4, 5, 6, 7, 8])) == (nil, .undecodable))
+        #expect(route(Self.short([0xe3, 1, 2, 3, 4, 5, 6, 7, 8])) == (nil, .undecodable))
         #expect(route(Self.short([0x03] + Array(stranger.dropFirst()))) == (nil, .undecodable))
         #expect(route([0x80, 0, 0, 0, 0, 8] + stranger) == (nil, .undecodable))
         #expect(route([0x41]) == (nil, .undecodable))
@@ -165,12 +197,11 @@ struct QUICRoutingTests {
         for client in 1...40 {
             var source = Self.storage("198.18.0.\(client)")
             let expected = plain.pick(source: &source)
-            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, UInt8(client)])
+            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, 8, UInt8(client)])
             #expect(initial.withUnsafeBytes { quic.pick(source: &source, payload: $0) } == expected)
             #expect(Self.short(id).withUnsafeBytes { quic.pick(source: &source, payload: $0) } == 2)
         }
-        let tally = quic.takeTally()
-        #expect(tally.counts == (40, 40, 0, 0))
+        #expect(quic.takeTally().counts == (40, 40, 0, 0))
         // A downstream at weight 0 gets no new connection, and keeps the ones its ID names.
         var draining = downstreams
         draining[2].weight = 0
@@ -178,15 +209,62 @@ struct QUICRoutingTests {
                                                   router: QUICRouter(configurations: [configuration], downstreams: draining))
         for client in 1...40 {
             var source = Self.storage("198.18.1.\(client)")
-            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, UInt8(client)])
+            let initial = Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, 8, UInt8(client)])
             #expect(initial.withUnsafeBytes { drainingSelector.pick(source: &source, payload: $0) } != 2)
             #expect(Self.short(id).withUnsafeBytes { drainingSelector.pick(source: &source, payload: $0) } == 2)
         }
-        #expect(quic.takeTally().isEmpty)
+        #expect(drainingSelector.takeTally().counts == (40, 40, 0, 0))
+        // owner(of:) (the relay's check on a known session): the ID's downstream, tallied
+        // routed; nothing for what the ID does not route.
+        #expect(Self.short(id).withUnsafeBytes { drainingSelector.owner(of: $0) } == 2)
+        #expect(Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, 8, 9]).withUnsafeBytes { drainingSelector.owner(of: $0) } == nil)
+        #expect(drainingSelector.takeTally().counts == (1, 0, 0, 0))
         // Without a router nothing is parsed or tallied.
         var source = Self.storage("198.18.0.1")
         _ = Self.short(id).withUnsafeBytes { plain.pick(source: &source, payload: $0) }
         #expect(plain.takeTally().isEmpty)
+    }
+
+    @Test("Two configurations at once (a key rotation): each config ID decoded with its own layout and key")
+    func rotation() throws {
+        let old = try QUICLBConfiguration(configID: 1, serverIDLength: 2, nonceLength: 6)
+        let new = try QUICLBConfiguration(configID: 2, serverIDLength: 2, nonceLength: 9, key: hex(Self.key))
+        let router = try #require(QUICRouter(configurations: [old, new], downstreams: Self.downstreams(3)))
+        for n in 1...3 {
+            for configuration in [old, new] {
+                let id = try QUICLBCodec(configuration).encode(serverID: [0x0a, UInt8(n)], nonce: [UInt8](repeating: UInt8(n), count: configuration.nonceLength))
+                #expect(Self.short(id).withUnsafeBytes { router.route($0) } == (n - 1, .routed), "\(configuration)")
+                #expect(Self.long(2, id).withUnsafeBytes { router.route($0) } == (n - 1, .routed), "\(configuration)")
+            }
+        }
+        // A config 2 ID cut to config 1's length is too short for config 2.
+        let cut = Array(try QUICLBCodec(new).encode(serverID: [0x0a, 1], nonce: [UInt8](repeating: 1, count: 9)).prefix(9))
+        #expect(Self.long(2, cut).withUnsafeBytes { router.route($0) } == (nil, .undecodable))
+    }
+
+    @Test("Hostile input: 20,000 random and truncated datagrams route without a crash, each to one outcome, a routed one to its owner")
+    func randomInput() throws {
+        let configurations = [try QUICLBConfiguration(configID: 0, serverIDLength: 1, nonceLength: 4),
+                              try QUICLBConfiguration(configID: 3, serverIDLength: 1, nonceLength: 15, key: hex(Self.key))]
+        let downstreams = (0..<16).map { Downstream(name: "s\($0)", address: SocketAddress("127.0.0.1:\(4600 + $0)")!, serverID: [UInt8($0)]) }
+        let router = try #require(QUICRouter(configurations: configurations, downstreams: downstreams))
+        var generator = SystemRandomNumberGenerator()
+        var seen = Set<QUICOutcome>()
+        for _ in 0..<20_000 {
+            let length = Int.random(in: 0...64, using: &generator)
+            var bytes = (0..<length).map { _ in UInt8.random(in: 0...255, using: &generator) }
+            // Half of them long headers of QUIC v1 with a plausible ID length.
+            if length > 6 && Bool.random(using: &generator) {
+                bytes[0] |= 0x80
+                bytes[1...4] = [0, 0, 0, 1]
+                bytes[5] = UInt8.random(in: 0...20, using: &generator)
+            }
+            let (owner, outcome) = bytes.withUnsafeBytes { router.route($0) }
+            seen.insert(outcome)
+            #expect((owner != nil) == (outcome == .routed))
+            if let owner { #expect((0..<16).contains(owner)) }
+        }
+        #expect(seen == Set(QUICOutcome.allCases), "\(seen)")
     }
 
     @Test("udp_fanout_quic_lb_datagrams_total: every outcome of a quic_lb listener, at zero too; nothing for other listeners")
@@ -195,7 +273,7 @@ struct QUICRoutingTests {
         let other = ListenerCounters(name: "o", mode: "userspace")
         let configuration = try QUICLBConfiguration(configID: 0, serverIDLength: 2, nonceLength: 6)
         _ = ForwardingPlan(downstreams: Self.downstreams(2), balancing: .sourceIP, quicLB: [configuration], pools: [], counters: quic)
-        _ = ForwardingPlan(downstreams: Self.downstreams(2), balancing: .sourceIP, pools: [], counters: other)
+        _ = ForwardingPlan(downstreams: Self.downstreams(2), balancing: .sourceIP, quicLB: [], pools: [], counters: other)
         var tally = QUICTally()
         tally.note(.routed)
         tally.note(.routed)

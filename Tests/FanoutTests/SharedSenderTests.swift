@@ -211,7 +211,7 @@ struct SharedSenderTests {
         let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }
         let downstreams = addresses.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element) }
         let counters = ListenerCounters(name: "shelf", mode: "userspace")
-        let plans = PlanHolder(ForwardingPlan(downstreams: Array(downstreams[0..<3]), balancing: .roundRobin, pools: [], counters: counters))
+        let plans = PlanHolder(ForwardingPlan(downstreams: Array(downstreams[0..<3]), balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         var made: [SocketAddress] = []
         let forwarder = BatchForwarder(listener: "shelf", counters: counters, plans: plans, logger: Logger(label: "shelf-test"), output: .socket,
                                        capacity: 8) { downstream, sender in
@@ -222,7 +222,7 @@ struct SharedSenderTests {
         let before = forwarder.outboxes
         #expect(made == Array(addresses[0..<3]))
         // d1 leaves, d3 comes: d0 and d2 keep theirs, d3 gets a new one.
-        plans.replace(with: ForwardingPlan(downstreams: [downstreams[0], downstreams[2], downstreams[3]], balancing: .roundRobin, pools: [], counters: counters))
+        plans.replace(with: ForwardingPlan(downstreams: [downstreams[0], downstreams[2], downstreams[3]], balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         forwarder.adoptPlanIfChanged()
         #expect(made == Array(addresses[0..<3]) + [addresses[3]], "only the new downstream's outbox is made: \(made)")
         #expect(forwarder.outboxes.count == 3)
@@ -235,7 +235,7 @@ struct SharedSenderTests {
         let addresses = (0..<2).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }
         let downstreams = addresses.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element) }
         let counters = ListenerCounters(name: "shelf", mode: "userspace")
-        let plans = PlanHolder(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        let plans = PlanHolder(ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         var made: [SocketAddress] = []
         let forwarder = BatchForwarder(listener: "shelf", counters: counters, plans: plans, logger: Logger(label: "shelf-test"), output: .socket,
                                        capacity: 8) { downstream, sender -> any Outbox in
@@ -249,7 +249,7 @@ struct SharedSenderTests {
         forwarder.adoptPlanIfChanged()
         #expect(forwarder.outboxes[0].unavailable != nil)
         let kept = forwarder.outboxes[1]
-        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, pools: [], counters: counters))
+        plans.replace(with: ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
         forwarder.adoptPlanIfChanged()
         #expect(made == addresses + [addresses[0]], "the unavailable outbox is made again, the working one kept: \(made)")
         #expect(forwarder.outboxes[0].unavailable == nil, "the second try works")

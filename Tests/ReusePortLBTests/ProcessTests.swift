@@ -267,7 +267,108 @@ struct LifecycleTests {
         let stored = try run(storeBinary, [String(freePort())])
         #expect(stored.status == 0, "\(stored.output)")
         #expect(stored.output.contains("learned=1 length=12 options=0 same=1 data=0 other_domain=-2 small=-28 null=-22 written=1 found=2 missing=1"), "\(stored.output)")
+
+        // QUIC-LB through the C API: the encoder against the draft's vectors, and a group that
+        // routes by the server IDs its members registered.
+        let quicSource = prefix.appendingPathComponent("quic.c")
+        try Self.quicProgram.write(to: quicSource, atomically: true, encoding: .utf8)
+        let quicBinary = prefix.appendingPathComponent("quic").path
+        let quicBuild = try run("/bin/sh", ["-c", "cc -Wall -Werror -o \(quicBinary) \(quicSource.path) $(PKG_CONFIG_PATH=\(prefix.path)/lib/pkgconfig pkg-config --cflags --libs reuseportlb)"])
+        try #require(quicBuild.status == 0, "\(quicBuild.output)")
+        let quic = try run(quicBinary, [String(freePort())])
+        #expect(quic.status == 0, "\(quic.output)")
+        #expect(quic.output.contains("plain=07c4605e4504cc4f four_pass=0767947d29be054a decoded=31441a bad=-22 short=-28 keyed_group=-95 taken=-17 wrong_length=-22 at0=20 at1=20 routed=40 fallback=0 unknown=0 undecodable=0"),
+                "\(quic.output)")
     }
+
+    /// QUIC-LB in C: encode and decode (the draft's vectors), then a two-member group that routes
+    /// short-header packets from 20 sources each to the member whose server ID they carry.
+    static let quicProgram = #"""
+        // SPDX-License-Identifier: Apache-2.0
+        #include <arpa/inet.h>
+        #include <errno.h>
+        #include <netinet/in.h>
+        #include <poll.h>
+        #include <stdio.h>
+        #include <stdlib.h>
+        #include <string.h>
+        #include <sys/socket.h>
+        #include <unistd.h>
+        #include <reuseportlb.h>
+
+        static void hex(const uint8_t *bytes, int length, char *out) {
+            for (int i = 0; i < length; i++) sprintf(out + 2 * i, "%02x", bytes[i]);
+        }
+
+        static int count(int fd) {
+            int received = 0;
+            uint8_t buffer[256];
+            while (poll(&(struct pollfd){.fd = fd, .events = POLLIN}, 1, 200) > 0 && recv(fd, buffer, sizeof buffer, 0) > 0) received++;
+            return received;
+        }
+
+        int main(int argc, char **argv) {
+            char error[REUSEPORTLB_ERROR_MAX];
+            uint16_t port = (uint16_t)atoi(argv[1]);
+            struct reuseportlb_quic_lb plain = {.config_id = 0, .server_id_length = 3, .nonce_length = 4, .key = NULL};
+            const uint8_t sid[] = {0xc4, 0x60, 0x5e}, nonce[] = {0x45, 0x04, 0xcc, 0x4f};
+            uint8_t id[REUSEPORTLB_CONNECTION_ID_MAX], decoded[16];
+            char plain_hex[64] = "", four_hex[64] = "", decoded_hex[64] = "";
+            int length = reuseportlb_quic_encode(&plain, sid, nonce, id, sizeof id, error, sizeof error);
+            if (length > 0) hex(id, length, plain_hex);
+            const uint8_t key[] = {0xfd, 0xf7, 0x26, 0xa9, 0x89, 0x3e, 0xc0, 0x5c, 0x06, 0x32, 0xd3, 0x95, 0x66, 0x80, 0xba, 0xf0};
+            struct reuseportlb_quic_lb keyed = {.config_id = 0, .server_id_length = 3, .nonce_length = 4, .key = key};
+            const uint8_t sid2[] = {0x31, 0x44, 0x1a}, nonce2[] = {0x9c, 0x69, 0xc2, 0x75};
+            length = reuseportlb_quic_encode(&keyed, sid2, nonce2, id, sizeof id, error, sizeof error);
+            if (length > 0) hex(id, length, four_hex);
+            int decoded_length = reuseportlb_quic_decode(&keyed, id, length, decoded, sizeof decoded);
+            if (decoded_length > 0) hex(decoded, decoded_length, decoded_hex);
+            struct reuseportlb_quic_lb bad = {.config_id = 7, .server_id_length = 3, .nonce_length = 4, .key = NULL};
+            int bad_result = reuseportlb_quic_encode(&bad, sid, nonce, id, sizeof id, error, sizeof error);
+            int short_result = reuseportlb_quic_encode(&plain, sid, nonce, id, 4, error, sizeof error);
+
+            reuseportlb_member *members[2], *other;
+            int keyed_group = reuseportlb_join_quic("127.0.0.1", port, 0, 2, REUSEPORTLB_SOURCE_IP, &keyed, sid2, &other, error, sizeof error);
+            struct reuseportlb_quic_lb group = {.config_id = 1, .server_id_length = 2, .nonce_length = 6, .key = NULL};
+            const uint8_t ids[2][2] = {{0x0a, 0x01}, {0x0a, 0x02}};
+            for (int m = 0; m < 2; m++) {
+                if (reuseportlb_join_quic("127.0.0.1", port, m, 2, REUSEPORTLB_SOURCE_IP, &group, ids[m], &members[m], error, sizeof error) < 0) {
+                    fprintf(stderr, "join: %s\n", error);
+                    return 1;
+                }
+            }
+            int taken = reuseportlb_quic_register(members[1], ids[0], 2, error, sizeof error);
+            int wrong_length = reuseportlb_quic_register(members[1], ids[0], 1, error, sizeof error);
+            /* 20 sources, each sending one short-header packet to each member's server ID. */
+            struct sockaddr_in group_address = {.sin_family = AF_INET, .sin_port = htons(port)};
+            inet_pton(AF_INET, "127.0.0.1", &group_address.sin_addr);
+            for (int s = 0; s < 20; s++) {
+                int fd = socket(AF_INET, SOCK_DGRAM, 0);
+                struct sockaddr_in source = {.sin_family = AF_INET};
+                char text[32];
+                snprintf(text, sizeof text, "127.0.9.%d", s + 2);
+                inet_pton(AF_INET, text, &source.sin_addr);
+                if (bind(fd, (struct sockaddr *)&source, sizeof source) < 0) { perror("bind"); return 1; }
+                for (int m = 0; m < 2; m++) {
+                    const uint8_t nonce3[] = {1, 2, 3, 4, 5, (uint8_t)s};
+                    uint8_t packet[64] = {0x41};
+                    int id_length = reuseportlb_quic_encode(&group, ids[m], nonce3, packet + 1, 20, error, sizeof error);
+                    sendto(fd, packet, 1 + id_length + 20, 0, (struct sockaddr *)&group_address, sizeof group_address);
+                }
+                close(fd);
+            }
+            int at0 = count(reuseportlb_socket(members[0])), at1 = count(reuseportlb_socket(members[1]));
+            struct reuseportlb_quic_counters counters = {0};
+            reuseportlb_quic_counters(members[0], &counters);
+            printf("plain=%s four_pass=%s decoded=%s bad=%d short=%d keyed_group=%d taken=%d wrong_length=%d at0=%d at1=%d routed=%llu fallback=%llu unknown=%llu undecodable=%llu\n",
+                   plain_hex, four_hex, decoded_hex, bad_result, short_result, keyed_group, taken, wrong_length, at0, at1,
+                   (unsigned long long)counters.routed, (unsigned long long)counters.fallback,
+                   (unsigned long long)counters.unknown_server_id, (unsigned long long)counters.undecodable);
+            reuseportlb_leave(members[0]);
+            reuseportlb_leave(members[1]);
+            return 0;
+        }
+        """#
 
     /// Two members of one group: the first learns a NetFlow v9 template, the second reads it.
     static let templatesProgram = #"""

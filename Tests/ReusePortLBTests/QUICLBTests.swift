@@ -105,6 +105,7 @@ struct QUICLBTests {
         #expect(throws: QUICLBError.self) { try QUICLBConfiguration(configID: 0, serverIDLength: 2, nonceLength: 6, key: [1, 2, 3]) }
         do {
             _ = try QUICLBConfiguration(configID: 0, serverIDLength: 10, nonceLength: 10)
+            Issue.record("20 octets accepted")
         } catch {
             #expect(error.description.contains("at most 19"))
         }
@@ -120,9 +121,15 @@ struct QUICLBTests {
         #expect(parse([0xc0, 0, 0, 0, 1, 8] + id + [0]) == .id(offset: 6, length: 8, clientChosen: true))
         #expect(parse([0xd0, 0, 0, 0, 1, 8] + id) == .id(offset: 6, length: 8, clientChosen: true))
         #expect(parse([0xe0, 0, 0, 0, 1, 8] + id) == .id(offset: 6, length: 8, clientChosen: false))
-        // v2: Initial is type 1, Handshake type 3.
+        // v1 Retry (type 3): the server's.
+        #expect(parse([0xf0, 0, 0, 0, 1, 8] + id) == .id(offset: 6, length: 8, clientChosen: false))
+        // v2: Initial is type 1, 0-RTT type 2, Handshake type 3, Retry type 0.
         #expect(parse([0xd0, 0x6b, 0x33, 0x43, 0xcf, 8] + id) == .id(offset: 6, length: 8, clientChosen: true))
+        #expect(parse([0xe0, 0x6b, 0x33, 0x43, 0xcf, 8] + id) == .id(offset: 6, length: 8, clientChosen: true))
         #expect(parse([0xf0, 0x6b, 0x33, 0x43, 0xcf, 8] + id) == .id(offset: 6, length: 8, clientChosen: false))
+        #expect(parse([0xc0, 0x6b, 0x33, 0x43, 0xcf, 8] + id) == .id(offset: 6, length: 8, clientChosen: false))
+        // Another version: a client's first packet.
+        #expect(parse([0xc0, 0xff, 0, 0, 0x1d, 8] + id) == .id(offset: 6, length: 8, clientChosen: true))
         // Short header: the configured length.
         #expect(parse([0x40] + id) == .id(offset: 1, length: 8, clientChosen: false))
         #expect(parse([0x40] + id.dropLast()) == .unreadable)

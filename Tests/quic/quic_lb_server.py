@@ -10,14 +10,27 @@ Application protocol (ALPN "quic-lb-test"): on each client bidirectional stream 
 Prints {"ready": true, ...} once listening, and one JSON line of totals on SIGTERM, SIGINT or
 after --duration seconds, then exits 0. --self-test checks the QUIC-LB encoder against the
 draft's test vectors and exits 0 or 1.
+
+Group mode (--reuseportlb LIBRARY): instead of binding a socket of its own, the server joins a
+ReusePortLB SO_REUSEPORT group on --listen's address and port (through the library's C API by
+ctypes; needs root or CAP_BPF for the eBPF steering) and serves on the member's socket. By
+default it joins with its QUIC-LB configuration and registers its server ID, so the group's
+sk_reuseport program sends each datagram whose destination connection ID names this server here,
+whatever its source address; --group-no-quic joins a plain group that spreads by --group-policy
+alone (for comparison: a migrated client may land on another member). The group reads plaintext
+server IDs only, so the QUIC-LB group mode takes no --key. Members leave the group at exit; in the
+QUIC-LB group mode the totals line carries the group's QUIC-LB counters (group_counters: the whole
+group's, read just before this member leaves).
 """
 import argparse
 import asyncio
+import ctypes
 import datetime
 import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -301,6 +314,111 @@ class CountingQuicServer(QuicServer):
         super().datagram_received(data, addr)
 
 
+# --- ReusePortLB group membership ----------------------------------------------------------------
+
+GROUP_POLICIES = {"source_ip": 0, "round_robin": 1, "five_tuple": 2}  # enum reuseportlb_policy
+REUSEPORTLB_ERROR_MAX = 1024
+REUSEPORTLB_ANY_SLOT = -1
+
+
+class ReusePortLbQuicConfig(ctypes.Structure):
+    """struct reuseportlb_quic_lb"""
+    _fields_ = [("config_id", ctypes.c_uint8), ("server_id_length", ctypes.c_uint8),
+                ("nonce_length", ctypes.c_uint8), ("key", ctypes.POINTER(ctypes.c_uint8))]
+
+
+class ReusePortLbQuicCounters(ctypes.Structure):
+    """struct reuseportlb_quic_counters"""
+    _fields_ = [("routed", ctypes.c_uint64), ("fallback", ctypes.c_uint64),
+                ("unknown_server_id", ctypes.c_uint64), ("undecodable", ctypes.c_uint64)]
+
+
+class GroupJoinError(Exception):
+    pass
+
+
+class ReusePortGroup:
+    """One member of a ReusePortLB group, joined through libreuseportlb's C API."""
+
+    def __init__(self, library_path: str):
+        try:
+            lib = ctypes.CDLL(library_path)
+        except OSError as error:
+            raise GroupJoinError(
+                f"cannot load {library_path}: {error} (if the Swift runtime is not found, set "
+                "LD_LIBRARY_PATH to its directory, e.g. /opt/swift/usr/lib/swift/linux)") from None
+        member_pp = ctypes.POINTER(ctypes.c_void_p)
+        lib.reuseportlb_join.argtypes = [ctypes.c_char_p, ctypes.c_uint16, ctypes.c_int, ctypes.c_uint,
+                                         ctypes.c_int, member_pp, ctypes.c_char_p, ctypes.c_size_t]
+        lib.reuseportlb_join.restype = ctypes.c_int
+        lib.reuseportlb_join_quic.argtypes = [
+            ctypes.c_char_p, ctypes.c_uint16, ctypes.c_int, ctypes.c_uint, ctypes.c_int,
+            ctypes.POINTER(ReusePortLbQuicConfig), ctypes.c_char_p, member_pp, ctypes.c_char_p, ctypes.c_size_t]
+        lib.reuseportlb_join_quic.restype = ctypes.c_int
+        lib.reuseportlb_socket.argtypes = [ctypes.c_void_p]
+        lib.reuseportlb_socket.restype = ctypes.c_int
+        lib.reuseportlb_slot.argtypes = [ctypes.c_void_p]
+        lib.reuseportlb_slot.restype = ctypes.c_int
+        lib.reuseportlb_steering.argtypes = [ctypes.c_void_p]
+        lib.reuseportlb_steering.restype = ctypes.c_char_p
+        lib.reuseportlb_quic_counters.argtypes = [ctypes.c_void_p, ctypes.POINTER(ReusePortLbQuicCounters)]
+        lib.reuseportlb_quic_counters.restype = ctypes.c_int
+        lib.reuseportlb_leave.argtypes = [ctypes.c_void_p]
+        lib.reuseportlb_leave.restype = None
+        self._lib = lib
+        self._member = ctypes.c_void_p()
+        self.quic = False
+
+    def join(self, host: str, port: int, slot: int, capacity: int, policy: str,
+             codec: "QuicLbCodec | None", server_id: bytes | None) -> None:
+        """Joins host:port; with a codec, as a QUIC-LB group registering server_id."""
+        error = ctypes.create_string_buffer(REUSEPORTLB_ERROR_MAX)
+        if codec is None:
+            result = self._lib.reuseportlb_join(
+                host.encode(), port, slot, capacity, GROUP_POLICIES[policy],
+                ctypes.byref(self._member), error, len(error))
+        else:
+            config = ReusePortLbQuicConfig(codec.config_id, codec.server_id_length, codec.nonce_length, None)
+            result = self._lib.reuseportlb_join_quic(
+                host.encode(), port, slot, capacity, GROUP_POLICIES[policy], ctypes.byref(config),
+                server_id, ctypes.byref(self._member), error, len(error))
+        if result != 0 or not self._member:
+            self._member = ctypes.c_void_p()
+            message = error.value.decode(errors="replace") or os.strerror(-result)
+            raise GroupJoinError(f"joining the group on {host}:{port} failed ({result}): {message}")
+        self.quic = codec is not None
+
+    def socket(self) -> socket.socket:
+        """A Python socket on a duplicate of the member's descriptor: asyncio closes the
+        duplicate, reuseportlb_leave closes the member's own (never the same number twice)."""
+        fd = self._lib.reuseportlb_socket(self._member)
+        if fd < 0:
+            raise GroupJoinError(f"reuseportlb_socket failed: {os.strerror(-fd)}")
+        return socket.socket(fileno=os.dup(fd))
+
+    @property
+    def slot(self) -> int:
+        return self._lib.reuseportlb_slot(self._member)
+
+    @property
+    def steering(self) -> str | None:
+        steering = self._lib.reuseportlb_steering(self._member)
+        return steering.decode() if steering is not None else None
+
+    def quic_counters(self) -> dict | str:
+        """The group program's QUIC-LB counters (the whole group's), or why there are none."""
+        counters = ReusePortLbQuicCounters()
+        result = self._lib.reuseportlb_quic_counters(self._member, ctypes.byref(counters))
+        if result != 0:
+            return f"unavailable: {os.strerror(-result)}"
+        return {name: getattr(counters, name) for name, _ in ReusePortLbQuicCounters._fields_}
+
+    def leave(self) -> None:
+        if self._member:
+            self._lib.reuseportlb_leave(self._member)
+            self._member = ctypes.c_void_p()
+
+
 # --- setup --------------------------------------------------------------------------------------
 
 
@@ -349,6 +467,16 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--private-key", help="PEM private key for --certificate")
     parser.add_argument("--duration", type=float, default=120, help="exit after this many seconds (default 120)")
     parser.add_argument("--verbose", action="store_true", help="log issued connection IDs and client address changes to stderr")
+    group = parser.add_argument_group("group mode (ReusePortLB: several servers share --listen's port)")
+    group.add_argument("--reuseportlb", metavar="LIBRARY_PATH",
+                       help="libreuseportlb.so: join its SO_REUSEPORT group on --listen instead of binding a socket")
+    group.add_argument("--group-slot", type=int, default=REUSEPORTLB_ANY_SLOT,
+                       help="this member's slot, 0..capacity-1 (default: the lowest free one)")
+    group.add_argument("--group-capacity", type=int, help="the group's number of slots (required with --reuseportlb)")
+    group.add_argument("--group-policy", choices=sorted(GROUP_POLICIES), default="source_ip",
+                       help="how the group spreads datagrams that name no member's server ID (default source_ip)")
+    group.add_argument("--group-no-quic", action="store_true",
+                       help="join a plain group (no QUIC-LB routing, no server ID registered), for comparison")
     arguments = parser.parse_args()
     if not arguments.self_test:
         missing = [option for option in ("listen", "name", "server_id") if getattr(arguments, option) is None]
@@ -356,6 +484,24 @@ def parse_arguments() -> argparse.Namespace:
             parser.error("required: " + ", ".join("--" + option.replace("_", "-") for option in missing))
         if (arguments.certificate is None) != (arguments.private_key is None):
             parser.error("--certificate and --private-key go together")
+        group_options = [option for option in ("group_capacity", "group_no_quic")
+                         if getattr(arguments, option) not in (None, False)]
+        if arguments.group_slot != REUSEPORTLB_ANY_SLOT:
+            group_options.append("group_slot")
+        if arguments.reuseportlb is None:
+            if group_options:
+                parser.error(", ".join("--" + option.replace("_", "-") for option in group_options)
+                             + " only go with --reuseportlb LIBRARY_PATH")
+        else:
+            if arguments.group_capacity is None or arguments.group_capacity < 1:
+                parser.error("--reuseportlb needs --group-capacity K (at least 1)")
+            if arguments.group_slot != REUSEPORTLB_ANY_SLOT and not 0 <= arguments.group_slot < arguments.group_capacity:
+                parser.error(f"--group-slot {arguments.group_slot} is out of range: use 0..{arguments.group_capacity - 1}")
+            if arguments.listen[1] == 0:
+                parser.error("--reuseportlb needs a port in --listen (the group is on that port; 0 is refused)")
+            if arguments.key is not None and not arguments.group_no_quic:
+                parser.error("the QUIC-LB group mode routes by plaintext server IDs: drop --key "
+                             "(the group's sk_reuseport program cannot decrypt connection IDs)")
         try:
             arguments.codec = QuicLbCodec(arguments.config_id, len(arguments.server_id), arguments.nonce_length, arguments.key)
         except ValueError as error:
@@ -363,7 +509,7 @@ def parse_arguments() -> argparse.Namespace:
     return arguments
 
 
-async def serve(arguments: argparse.Namespace) -> None:
+async def serve(arguments: argparse.Namespace, group: "ReusePortGroup | None" = None) -> None:
     configuration = QuicConfiguration(
         is_client=False, alpn_protocols=[ALPN], connection_id_length=arguments.codec.cid_length)
     if arguments.certificate:
@@ -382,12 +528,18 @@ async def serve(arguments: argparse.Namespace) -> None:
         return LbTestProtocol(quic, totals=totals, name=arguments.name, verbose=arguments.verbose)
 
     loop = asyncio.get_running_loop()
-    transport, server = await loop.create_datagram_endpoint(
-        lambda: CountingQuicServer(configuration=configuration, create_protocol=create_protocol, totals=totals),
-        local_addr=arguments.listen)
+    factory = lambda: CountingQuicServer(configuration=configuration, create_protocol=create_protocol, totals=totals)
+    if group is None:
+        transport, server = await loop.create_datagram_endpoint(factory, local_addr=arguments.listen)
+    else:
+        transport, server = await loop.create_datagram_endpoint(factory, sock=group.socket())
     host, port = transport.get_extra_info("sockname")[:2]
     listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    print(json.dumps({"ready": True, "name": arguments.name, "listen": listen}), flush=True)
+    ready = {"ready": True, "name": arguments.name, "listen": listen}
+    if group is not None:
+        ready["group"] = {"slot": group.slot, "capacity": arguments.group_capacity, "policy": arguments.group_policy,
+                          "quic_lb": group.quic, "steering": group.steering}
+    print(json.dumps(ready), flush=True)
 
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -397,14 +549,35 @@ async def serve(arguments: argparse.Namespace) -> None:
     except asyncio.TimeoutError:
         pass
     server.close()
-    print(json.dumps({"name": arguments.name, **vars(totals)}), flush=True)
+    result = {"name": arguments.name, **vars(totals)}
+    if group is not None:
+        await asyncio.sleep(0)  # let the transport close its socket (a duplicate of the member's)
+        if group.quic:
+            result["group_counters"] = group.quic_counters()
+        group.leave()
+    print(json.dumps(result), flush=True)
 
 
 def main() -> int:
     arguments = parse_arguments()
     if arguments.self_test:
         return 0 if self_test() else 1
-    asyncio.run(serve(arguments))
+    if arguments.reuseportlb is None:
+        asyncio.run(serve(arguments))
+        return 0
+    host, port = arguments.listen
+    try:
+        group = ReusePortGroup(arguments.reuseportlb)
+        group.join(host, port, arguments.group_slot, arguments.group_capacity, arguments.group_policy,
+                   None if arguments.group_no_quic else arguments.codec,
+                   None if arguments.group_no_quic else arguments.server_id)
+    except GroupJoinError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        asyncio.run(serve(arguments, group))
+    finally:
+        group.leave()  # nothing if serve left already
     return 0
 
 

@@ -13,7 +13,7 @@
 
 /* Bumped whenever a map layout or the meaning of a config field changes: a member of another
  * layout version refuses to join a group created by this one instead of misreading its maps. */
-#define RPLB_LAYOUT_VERSION 5
+#define RPLB_LAYOUT_VERSION 6
 
 /* The largest group the program serves: the size of the counter map, and the bound of the
  * kernel program's slot scan. */
@@ -44,6 +44,15 @@
 #define RPLB_MAP_DELIVERED_NAME "rplb_delivered"
 #define RPLB_MAP_RR             rplb_rr
 #define RPLB_MAP_RR_NAME        "rplb_rr"
+#define RPLB_MAP_QUIC_IDS       rplb_quic_ids
+#define RPLB_MAP_QUIC_IDS_NAME  "rplb_quic_ids"
+
+/* QUIC-LB server IDs the members registered (RPLB_MAP_QUIC_IDS: server ID, zero-padded to 16
+ * octets, to slot); a member may register several. */
+#define RPLB_MAX_SERVER_IDS 4096
+struct rplb_server_id {
+	__u8 bytes[16];
+};
 
 /* How a group spreads datagrams over its members. Chosen by the group's creator. */
 enum rplb_policy {
@@ -70,7 +79,17 @@ enum rplb_outcome {
 	RPLB_OUTCOME_UNPARSED = 3,
 	/* the program was loaded without settings (capacity 0): left to the kernel's hash */
 	RPLB_OUTCOME_NO_CONFIG = 4,
-	RPLB_OUTCOME_COUNT = 5,
+	/* QUIC-LB groups (rplb_config.quic_server_id_length > 0), one of these per datagram besides
+	 * its delivery: its destination connection ID named a registered server ID (delivered to
+	 * that member, or failed over by the policy if its slot is empty) */
+	RPLB_OUTCOME_QUIC_ROUTED = 5,
+	/* an Initial or 0-RTT packet whose client-chosen ID names no member: the policy chose */
+	RPLB_OUTCOME_QUIC_FALLBACK = 6,
+	/* a server-chosen ID whose server ID no member registered: the policy chose */
+	RPLB_OUTCOME_QUIC_UNKNOWN = 7,
+	/* not a QUIC packet of the group's config ID, or too short: the policy chose */
+	RPLB_OUTCOME_QUIC_UNDECODABLE = 8,
+	RPLB_OUTCOME_COUNT = 9,
 };
 
 /* Key of the per-CPU delivered map: one counter per slot and delivery outcome. */
@@ -86,6 +105,10 @@ struct rplb_config {
 	__u32 table_size;     /* entries of the lookup table in use, <= RPLB_TABLE_SIZE */
 	__u32 seed;           /* hash seed chosen by userspace */
 	__u32 steering_override; /* enum rplb_override: 0 while this group's program is attached */
+	/* QUIC-LB (plaintext server IDs): 0 for a group that does not route by connection ID */
+	__u32 quic_server_id_length; /* octets of server ID, 1...15 */
+	__u32 quic_nonce_length;     /* octets of nonce after it, 4...18 */
+	__u32 quic_config_id;        /* the config rotation codepoint, 0...6 */
 };
 
 /* Written into the config map by a member that was explicitly forced to replace the group's

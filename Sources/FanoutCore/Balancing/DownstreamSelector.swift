@@ -59,6 +59,17 @@ struct DownstreamSelector {
         return owner ?? pick(source: source)
     }
 
+    /// The downstream `payload`'s QUIC connection ID names (tallied `routed`), nil when it names
+    /// none or there is no ``router`` (nothing tallied: the caller keeps its choice).
+    @inline(__always)
+    mutating func owner(of payload: UnsafeRawBufferPointer) -> Int? {
+        guard let router else { return nil }
+        let (owner, outcome) = router.route(payload)
+        guard outcome == .routed else { return nil }
+        tally.note(.routed)
+        return owner
+    }
+
     /// The outcomes tallied since the last call, and a fresh tally.
     mutating func takeTally() -> QUICTally {
         defer { tally = QUICTally() }

@@ -2,12 +2,13 @@
 import ReusePortLB
 
 /// What QUIC-LB routing made of one datagram (the `outcome` label of
-/// `udp_fanout_quic_lb_datagrams_total`). Every datagram of a `quic_lb` listener has exactly one.
+/// `udp_fanout_quic_lb_datagrams_total`): one per datagram of a one-way `quic_lb` listener; a
+/// relay counts those that choose (or change) a session's downstream.
 package enum QUICOutcome: String, CaseIterable, Sendable {
     /// Its destination connection ID names a downstream's server ID: sent there.
     case routed
-    /// An Initial or 0-RTT packet whose client-chosen ID names no downstream: the listener's
-    /// balancing chose (a new connection; expected).
+    /// An Initial or 0-RTT packet (or a long header of another QUIC version) whose client-chosen
+    /// ID names no downstream: the listener's balancing chose (a new connection; expected).
     case fallback
     /// A server-chosen ID whose server ID no downstream has (its server left the set, or is not
     /// configured here): the listener's balancing chose, and the connection likely breaks.
@@ -48,9 +49,13 @@ final class QUICRouter: Sendable {
         for configuration in configurations { codecs[Int(configuration.configID)] = QUICLBCodec(configuration) }
         self.codecs = codecs
         var owners: [ServerIDKey: Int] = [:]
+        // Validation refuses other lengths and duplicates; a weight-0 downstream still owns its
+        // connections.
+        let length = configurations[0].serverIDLength
         for (index, downstream) in downstreams.enumerated() {
-            // Validation refuses duplicates; a weight-0 downstream still owns its connections.
-            if let serverID = downstream.serverID, owners[ServerIDKey(serverID)] == nil { owners[ServerIDKey(serverID)] = index }
+            if let serverID = downstream.serverID, serverID.count == length, owners[ServerIDKey(serverID)] == nil {
+                owners[ServerIDKey(serverID)] = index
+            }
         }
         self.owners = owners
     }

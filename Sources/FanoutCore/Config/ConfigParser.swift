@@ -1,4 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
 import ReusePortLB
 
 /// A configuration problem: the key path, the line where known, and what is wrong.
@@ -203,13 +206,19 @@ public enum ConfigParser {
                 guard let bytes = hexBytes(text), bytes.count == 16 else { throw entry.error("key", "expected 32 hexadecimal digits (a 16-octet AES-128 key)") }
                 key = bytes
             } else if let file = try entry.string("key_file") {
-                guard let text = try? readFile(file) else {
-                    throw entry.error("key_file", "cannot read '\(file)': give a readable file holding the key as 32 hexadecimal digits")
+                let text: String
+                switch readKeyFile(file) {
+                case .success(let read): text = read
+                case .failure(let reason):
+                    throw entry.error("key_file", "cannot read '\(file)' (\(reason)): give a regular file holding the key as 32 hexadecimal digits (a relative path is taken from the daemon's working directory)")
                 }
                 guard let bytes = hexBytes(String(text.filter { !$0.isWhitespace })), bytes.count == 16 else {
                     throw entry.error("key_file", "'\(file)' does not hold 32 hexadecimal digits (a 16-octet AES-128 key)")
                 }
                 key = bytes
+            }
+            guard serverIDLength + nonceLength <= 19 else {
+                throw entry.error("nonce_length", "\(nonceLength) with server_id_length \(serverIDLength) makes \(serverIDLength + nonceLength) octets; a QUIC v1 connection ID holds at most 19 after its first octet: use a nonce_length of at most \(max(4, 19 - serverIDLength))")
             }
             do {
                 configurations.append(try QUICLBConfiguration(configID: UInt8(configID), serverIDLength: serverIDLength, nonceLength: nonceLength, key: key))
@@ -218,6 +227,27 @@ public enum ConfigParser {
             }
         }
         return configurations
+    }
+
+    /// A key file's text: a regular file of at most 4 KiB, opened without blocking (a FIFO or a
+    /// device would hang `--check` and a reload, or read without end), else why not.
+    static func readKeyFile(_ path: String) -> Result<String, KeyFileProblem> {
+        let fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC)
+        guard fd >= 0 else { return .failure(KeyFileProblem(String(cString: strerror(errno)))) }
+        defer { close(fd) }
+        var status = stat()
+        guard fstat(fd, &status) == 0 else { return .failure(KeyFileProblem(String(cString: strerror(errno)))) }
+        guard status.st_mode & S_IFMT == S_IFREG else { return .failure(KeyFileProblem("not a regular file")) }
+        guard status.st_size <= 4096 else { return .failure(KeyFileProblem("\(status.st_size) bytes; a key file is 32 hexadecimal digits")) }
+        var bytes = [UInt8](repeating: 0, count: 4096)
+        let count = read(fd, &bytes, bytes.count)
+        guard count >= 0 else { return .failure(KeyFileProblem(String(cString: strerror(errno)))) }
+        return .success(String(decoding: bytes[0..<count], as: UTF8.self))
+    }
+
+    struct KeyFileProblem: Error, CustomStringConvertible {
+        let description: String
+        init(_ description: String) { self.description = description }
     }
 
     /// Octets from hexadecimal digits (an even number of them, no prefix); nil otherwise.

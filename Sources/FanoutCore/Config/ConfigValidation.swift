@@ -180,8 +180,11 @@ extension FanoutConfig {
                 if !listener.dnsDownstreams.isEmpty || listener.kubernetes != nil {
                     warn("\(path).quic_lb", "downstreams found by DNS name or Kubernetes have no server ID: only the balancing sends them datagrams, so their clients' connections break when an address changes; give QUIC servers by address with server_id")
                 }
-                if listener.balancing == .roundRobin {
+                if listener.balancing == .roundRobin && listener.replies != .relay {
                     warn("\(path).balancing", "round_robin with quic_lb: the packets of a client's first flight (Initial, 0-RTT) that carry its own connection ID can reach different servers; use balancing: source_ip")
+                }
+                if listener.replies == .none && listener.settings.output == .socket {
+                    warn("\(path).settings.output", "socket with a one-way quic_lb listener: the servers see this host's address, not the client's, so their replies cannot reach the client; use output: preserve_source with direct server return, or replies: relay (docs/quic.md)")
                 }
             }
             // flow_templates where it does less than asked.
@@ -324,7 +327,7 @@ extension FanoutConfig {
                     throw fail("\(key).server_id", "required with quic_lb: the server ID (\(length) octets, \(2 * length) hexadecimal digits) this server puts in its connection IDs")
                 }
                 guard serverID.count == length else {
-                    throw fail("\(key).server_id", "\(serverID.count) octets; quic_lb's server_id_length is \(length) (\(2 * length) hexadecimal digits)")
+                    throw fail("\(key).server_id", "\(serverID.count) octet(s); quic_lb's server_id_length is \(length) (\(2 * length) hexadecimal digits)")
                 }
                 if let other = owners.updateValue(downstream.name, forKey: serverID) {
                     throw fail("\(key).server_id", "the same server ID as downstream '\(other)': each server needs its own, or one would get the other's connections")

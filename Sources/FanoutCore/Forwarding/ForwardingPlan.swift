@@ -30,14 +30,14 @@ final class ForwardingPlan: Sendable {
     ///   - downstreams: the available members of every group (a pool's carry its name).
     ///   - pools: the listener's pools as configured.
     ///   - quicLB: the listener's QUIC-LB configurations (empty: none).
-    init(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration] = [], pools: [Pool], counters: ListenerCounters,
+    init(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], counters: ListenerCounters,
          passiveHealth: (@Sendable (SocketAddress) -> Void)? = nil) {
         let own = downstreams.filter { $0.pool == nil }
         self.downstreams = own
         self.balancing = balancing
         method = DownstreamSelector.Method(downstreams: own, balancing: balancing)
         quic = QUICRouter(configurations: quicLB, downstreams: own)
-        if quic != nil { counters.routesQUIC.store(true, ordering: .relaxed) }
+        if quic != nil { counters.showsQUICOutcomes.store(true, ordering: .relaxed) }
         self.passiveHealth = passiveHealth
         self.counters = own.map { counters.downstream($0.name) }
         self.pools = pools.map { pool in PoolPlan(pool, members: downstreams.filter { $0.pool == pool.name }, counters: counters.pool(pool.name)) }

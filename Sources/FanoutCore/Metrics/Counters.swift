@@ -143,7 +143,7 @@ package final class ListenerCounters: Sendable {
     let quicUndecodable = Atomic<UInt64>(0)
     /// Set once the listener routes by QUIC connection ID (kept: the series keep their totals),
     /// so its outcomes are shown, at zero too.
-    let routesQUIC = Atomic<Bool>(false)
+    let showsQUICOutcomes = Atomic<Bool>(false)
     /// The crash ledger this listener's forwarding threads note what they hold in; nil: none
     /// (no service manager keeps descriptors).
     let ledger: CrashLedger?
@@ -338,7 +338,7 @@ package final class ListenerCounters: Sendable {
             forwarded: forwarded.load(ordering: .relaxed), bytesForwarded: bytesForwarded.load(ordering: .relaxed),
             noHealthy: noHealthy.load(ordering: .relaxed), receiveQueueDrops: receiveQueueDrops.load(ordering: .relaxed),
             dropped: dropped, downstreams: downstreams, twoWay: twoWaySource.withLock { $0 }?())
-        if routesQUIC.load(ordering: .relaxed) {
+        if showsQUICOutcomes.load(ordering: .relaxed) {
             snapshot.quic = [
                 .routed: quicRouted.load(ordering: .relaxed), .fallback: quicFallback.load(ordering: .relaxed),
                 .unknownServerID: quicUnknownServerID.load(ordering: .relaxed), .undecodable: quicUndecodable.load(ordering: .relaxed),

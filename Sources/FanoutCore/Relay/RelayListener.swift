@@ -232,7 +232,15 @@ final class RelayListener: RunningListener {
     /// saying once what a leaving downstream's sessions do.
     func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
         let staying = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
+        let present = Set(downstreams.map(\.address))
         for leaving in group.plans.plan.downstreams where leaving.weight > 0 && !staying.contains(leaving.address) {
+            // At weight 0 it stays in the set: its sessions keep it until they end.
+            if present.contains(leaving.address) {
+                group.logger.info("downstream at weight 0: no new clients; its sessions stay with it until they end (remove it to move them)", metadata: [
+                    "listener": "\(config.name)", "downstream": "\(leaving.name)", "address": "\(leaving.address)",
+                ])
+                continue
+            }
             group.logger.info(config.settings.drainSecs > 0
                 ? "downstream draining: no new clients; its sessions' replies are relayed until settings.drain_secs passes, later ones counted drained"
                 : "downstream left the set (settings.drain_secs 0): its sessions' replies from now on are counted drained", metadata: [

@@ -443,6 +443,20 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             let session: RelaySession
             if let known = sessions[key] {
                 session = known
+                // quic_lb: a session follows its connection ID. When the ID names another
+                // downstream than the session's (its server came back after health or a reload
+                // moved the session, or the address and port now carry another connection), the
+                // old socket drains and the session moves there.
+                if session.socket >= 0, let plan, let owner = selector.owner(of: receiver.payload(datagram)), owner != session.target {
+                    retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now)
+                    session.downstream = plan.downstreams[owner]
+                    session.target = owner
+                    guard open(session) else {
+                        unavailable += 1
+                        continue
+                    }
+                    moved += 1
+                }
                 if session.socket < 0 {
                     // Its downstream left the plan: the client gets another one now.
                     guard let target = selector.pick(source: source, payload: receiver.payload(datagram)), let plan else {
