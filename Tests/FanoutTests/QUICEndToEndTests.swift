@@ -155,6 +155,43 @@ struct QUICEndToEndTests {
         print("QUIC servers across the reload: \(totals)")
     }
 
+    @Test("A ReusePortLB group of three aioquic servers on one port: with QUIC-LB every migrated connection completes on its server; a plain source-IP group breaks those whose new address hashes elsewhere")
+    func reusePortGroup() throws {
+        let library = binaryDirectory.appendingPathComponent("libreuseportlb.so").path
+        var outcomes: [Bool: (report: [String: Any], totals: [[String: Any]])] = [:]
+        for quic in [true, false] {
+            let port = freePort()
+            let servers = try (0..<3).map { slot in
+                let child = try Child.unblocked(Self.scripts.appendingPathComponent("quic_lb_server.py").path, [
+                    "--listen", "127.0.0.1:\(port)", "--name", "s\(slot + 1)", "--server-id", String(format: "0a%02x", slot + 1), "--config-id", "1",
+                    "--reuseportlb", library, "--group-slot", "\(slot)", "--group-capacity", "3", "--duration", "120",
+                ] + (quic ? [] : ["--group-no-quic"]))
+                let ready = Probe.waitFor(seconds: 20) { child.stdout.contains("\"ready\"") || !child.process.isRunning }
+                try #require(ready && child.process.isRunning, "server s\(slot + 1) not ready: \(child.stderr)")
+                return child
+            }
+            let client = try Child.unblocked(Self.scripts.appendingPathComponent("quic_migrate_client.py").path, [
+                "--server", "127.0.0.1:\(port)", "--sources", "127.0.0.2,127.0.0.3,127.0.0.4,127.0.0.5", "--connections", "12",
+                "--bytes", "200000", "--migrate", "--server-name-check", "--timeout", "10",
+            ])
+            #expect(client.wait(seconds: 40) == 0, "client: \(client.stderr)")
+            let report = try client.json()
+            print("ReusePortLB group (\(quic ? "QUIC-LB" : "source IP")): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+            let totals = try servers.map { try $0.stop() }
+            print("group members: \(totals)")
+            outcomes[quic] = (report, totals)
+        }
+        let routed = try #require(outcomes[true]), plain = try #require(outcomes[false])
+        #expect(routed.report.int("completed") == 12 && routed.report.int("migrated") == 12 && Self.failures(routed.report) == 0, "\(routed.report)")
+        #expect(routed.totals.map { $0.int("migrated_connections") }.reduce(0, +) == 12, "\(routed.totals)")
+        #expect(routed.totals.allSatisfy { $0.int("stray_datagrams") == 0 }, "\(routed.totals)")
+        let counters = routed.totals[0].object("group_counters")
+        #expect(counters.int("routed") > 0 && counters.int("fallback") == 12 && counters.int("unknown_server_id") == 0 && counters.int("undecodable") == 0,
+                "\(counters)")
+        #expect(plain.report.int("migrated") == 12 && plain.report.int("completed") < 12, "a plain group kept every migrated connection: \(plain.report)")
+        #expect(plain.totals.map { $0.int("stray_datagrams") }.reduce(0, +) > 0, "\(plain.totals)")
+    }
+
     /// The relay's sessions now (udp_fanout_associations).
     static func sessions(_ topology: TwoWayTopology) throws -> Int {
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
