@@ -54,6 +54,10 @@ struct Publisher: ParsableCommand {
     @Option(help: "--netflow: data records per packet, 1...40.") var records: Int = 10
     @Option(name: .customLong("template-every"), help: "--netflow: an exporter sends its template in its first packet and again every N packets.")
     var templateEvery: Int = 20
+    @Option(help: "Send QUIC short-header packets instead of numbered payloads, their destination connection IDs carrying the server IDs of --server-ids in turn under this QUIC-LB layout: SERVER_ID_LENGTH:NONCE_LENGTH[:CONFIG_ID[:KEY]] (KEY: 32 hexadecimal digits; none: plaintext), the rest of --size zero (docs/quic.md).")
+    var quic: String?
+    @Option(name: .customLong("server-ids"), help: "--quic: the server IDs, comma-separated hexadecimal digits (0a01,0a02).")
+    var serverIDs: String?
     @Flag(name: .customLong("per-client"), help: "--exchange: add client_tags, each client's address:port and the tags it saw in order.")
     var perClient = false
 
@@ -93,6 +97,11 @@ struct Publisher: ParsableCommand {
             }
         } else if records != 10 || templateEvery != 20 {
             throw ValidationError("--records and --template-every need --netflow")
+        }
+        if quic != nil || serverIDs != nil {
+            let traffic = try QUICTraffic.parse(quic, serverIDs)
+            guard netflow == nil, !exchange else { throw ValidationError("--quic sends QUIC packets one way: --netflow and --exchange do not apply") }
+            guard size >= traffic.packetLength else { throw ValidationError("--quic: --size must be at least \(traffic.packetLength) (a short header and the connection ID)") }
         }
         if exchange {
             guard size >= Payload.timestampedSize else { throw ValidationError("--exchange: --size must be at least \(Payload.timestampedSize)") }
@@ -150,6 +159,8 @@ struct Publisher: ParsableCommand {
         var exporter = netflow.map {
             NetFlowExporter(version: $0, exporters: senders.count, recordsPerPacket: records, templateEvery: templateEvery, nowMilliseconds: Self.milliseconds())
         }
+        let traffic = quic == nil ? nil : try QUICTraffic.parse(quic, serverIDs)
+        var quicIndex = 0
         var sender = BatchSender(destination: destination, batch: batch, size: exporter?.maximumSize ?? size, gso: gso)
         var bytesSent: UInt64 = 0
         let clock = ContinuousClock()
@@ -184,6 +195,12 @@ struct Publisher: ParsableCommand {
             if exporter != nil {
                 let now = Self.milliseconds()
                 result = sender.send(n, from: senders[source]) { pointer in exporter!.write(into: pointer, exporter: source, nowMilliseconds: now) }
+            } else if let traffic {
+                let size = self.size
+                result = sender.send(n, from: senders[source]) { pointer in
+                    defer { quicIndex += 1 }
+                    return traffic.write(into: pointer, size: size, index: quicIndex)
+                }
             } else {
                 result = sender.send(n, from: senders[source], source: UInt32(source), firstSequence: sentBySource[source])
             }
@@ -215,6 +232,7 @@ struct Publisher: ParsableCommand {
             json.add("netflow", netflow.rawValue)
             json.add("records", sent * UInt64(records))
         }
+        if let traffic { json.add("quic_server_ids", traffic.serverIDCount) }
         json.add("errors", errors)
         json.add("sources", senders.count)
         json.add("size", size)
@@ -336,5 +354,70 @@ struct BatchSender {
             }
         }
         return (done, 0, 0)
+    }
+}
+
+
+/// `--quic`: short-header QUIC packets whose destination connection IDs name the given server
+/// IDs in turn (QUIC-LB), 64 different IDs per server made up front, so encrypting costs the
+/// sender nothing per datagram.
+struct QUICTraffic {
+    let ids: [[UInt8]]
+    let serverIDCount: Int
+    var packetLength: Int { 1 + (ids.first?.count ?? 0) }
+
+    static func parse(_ layout: String?, _ serverIDs: String?) throws -> QUICTraffic {
+        guard let layout, let serverIDs else { throw ValidationError("--quic and --server-ids go together") }
+        let parts = layout.split(separator: ":", omittingEmptySubsequences: false).map(String.init)
+        guard (2...4).contains(parts.count), let serverIDLength = Int(parts[0]), let nonceLength = Int(parts[1]) else {
+            throw ValidationError("--quic: expected SERVER_ID_LENGTH:NONCE_LENGTH[:CONFIG_ID[:KEY]], e.g. 2:6 or 2:6:1:00112233445566778899aabbccddeeff")
+        }
+        let configID = parts.count > 2 ? UInt8(parts[2]) : 0
+        guard let configID else { throw ValidationError("--quic: the config ID is 0...6") }
+        var key: [UInt8]?
+        if parts.count > 3 {
+            guard let bytes = hexOctets(parts[3]), bytes.count == 16 else { throw ValidationError("--quic: the key is 32 hexadecimal digits") }
+            key = bytes
+        }
+        let configuration: QUICLBConfiguration
+        do {
+            configuration = try QUICLBConfiguration(configID: configID, serverIDLength: serverIDLength, nonceLength: nonceLength, key: key)
+        } catch {
+            throw ValidationError("--quic: \(error)")
+        }
+        let codec = QUICLBCodec(configuration)
+        var ids: [[UInt8]] = []
+        let servers = serverIDs.split(separator: ",").map(String.init)
+        guard !servers.isEmpty else { throw ValidationError("--server-ids: give at least one") }
+        for round in 0..<64 {
+            for text in servers {
+                guard let serverID = hexOctets(text) else { throw ValidationError("--server-ids: '\(text)' is not hexadecimal digits, two per octet") }
+                let nonce = (0..<nonceLength).map { UInt8(truncatingIfNeeded: round &* 31 &+ $0 &* 7) }
+                do {
+                    ids.append(try codec.encode(serverID: serverID, nonce: nonce))
+                } catch {
+                    throw ValidationError("--server-ids: \(error)")
+                }
+            }
+        }
+        return QUICTraffic(ids: ids, serverIDCount: servers.count)
+    }
+
+    static func hexOctets(_ text: String) -> [UInt8]? {
+        let digits = Array(text.utf8)
+        guard !digits.isEmpty, digits.count % 2 == 0 else { return nil }
+        return try? stride(from: 0, to: digits.count, by: 2).map { index throws(ValidationError) -> UInt8 in
+            guard let value = UInt8(String(decoding: digits[index..<index + 2], as: UTF8.self), radix: 16) else { throw ValidationError("") }
+            return value
+        }
+    }
+
+    /// Packet `index`: a short header (0x40), its connection ID, zeros to `size`.
+    func write(into buffer: UnsafeMutableRawPointer, size: Int, index: Int) -> Int {
+        let id = ids[index % ids.count]
+        buffer.storeBytes(of: UInt8(0x40), as: UInt8.self)
+        id.withUnsafeBytes { (buffer + 1).copyMemory(from: $0.baseAddress!, byteCount: id.count) }
+        (buffer + 1 + id.count).initializeMemory(as: UInt8.self, repeating: 0, count: size - 1 - id.count)
+        return size
     }
 }
