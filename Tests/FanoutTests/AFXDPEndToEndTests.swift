@@ -106,6 +106,41 @@ struct AFXDPEndToEndTests {
         }
     }
 
+    @Test("quic_lb: QUIC packets from 40 sources reach the backend whose server ID their connection ID carries (four-pass AES), an exact third each; an unknown server ID goes by source_ip, counted")
+    func quicRouting() throws {
+        let topology = try Topology(backends: 3, queues: 2)
+        try TCFixtures.addClientSources(topology)
+        let collectors = try Self.collectors(topology.backends, addresses: (1...3).map(Topology.backendIPv4), prefix: topology.prefix)
+        let key = "8f95f09245765f80256934e50c66207f"
+        var config = Self.config(topology.proxyInterface, backends: Self.routedBackends(), balancing: "source_ip")
+            .replacingOccurrences(of: "    downstream:\n", with: "    quic_lb: {config_id: 1, server_id_length: 2, nonce_length: 6, key: \(key)}\n    downstream:\n")
+        for (index, backend) in Self.routedBackends().enumerated() {
+            config = config.replacingOccurrences(of: "address: \"\(backend)\"}", with: "address: \"\(backend)\", server_id: \"0a0\(index + 1)\"}")
+        }
+        let (daemon, file) = try Self.start(topology.prefix(topology.proxy), config, "afxdp-quic")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let routed = 6000, unknown = 900
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(routed)", "--sources", TCFixtures.clientSources, "--rate", "20000", "--batch", "16",
+                                                "--quic", "2:6:1:\(key)", "--server-ids", "0a01,0a02,0a03"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0, "\(publisher.stderr)")
+        let routedSeries = "udp_fanout_quic_lb_datagrams_total{listener=\"x\",mode=\"af_xdp\",outcome=\"routed\"}"
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: routedSeries, is: routed)
+        #expect(Scrape.value(metrics, routedSeries) == routed, "\(metrics)")
+        let stray = try Child("publisher", ["198.18.0.1", "5514", "\(unknown)", "--sources", TCFixtures.clientSources, "--rate", "20000", "--batch", "16",
+                                            "--quic", "2:6:1:\(key)", "--server-ids", "0a09"], prefix: topology.prefix(topology.client))
+        #expect(stray.wait() == 0, "\(stray.stderr)")
+        let unknownSeries = "udp_fanout_quic_lb_datagrams_total{listener=\"x\",mode=\"af_xdp\",outcome=\"unknown_server_id\"}"
+        let after = try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: unknownSeries, is: unknown)
+        #expect(Scrape.value(after, unknownSeries) == unknown, "\(after)")
+        #expect(Scrape.value(after, "udp_fanout_packets_forwarded_total{listener=\"x\",mode=\"af_xdp\"}") == routed + unknown, "\(after)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(daemon.stderr)")
+        let counts = TCFixtures.received(try collectors.map { try $0.stop() })
+        #expect(counts.reduce(0, +) == routed + unknown, "\(counts)")
+        // Each backend: its third of the routed ones, and what source_ip gave it of the rest.
+        #expect(counts.allSatisfy { $0 >= routed / 3 && $0 <= routed / 3 + unknown }, "\(counts)")
+    }
+
     @Test("Replication: an all pool of two backends beside the listener's own, its copies sent from UMEM with the clients' source (pool output preserve_source); every pool's outcomes add up")
     func replication() throws {
         let topology = try Topology(backends: 3, queues: 2)

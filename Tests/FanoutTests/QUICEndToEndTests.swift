@@ -192,6 +192,37 @@ struct QUICEndToEndTests {
         #expect(plain.totals.map { $0.int("stray_datagrams") }.reduce(0, +) > 0, "\(plain.totals)")
     }
 
+    @Test("One-way userspace with quic_lb on loopback: 6,000 QUIC packets from 60 sources, an exact third to each server ID's downstream, counted routed")
+    func oneWayUserspace() throws {
+        let ports = (0..<3).map { _ in freePort() }
+        let sinks = try ports.map { port in
+            let child = try Child("collector", ["127.0.0.1", "\(port)", "0", "1"])
+            try child.waitFor("ready")
+            return child
+        }
+        let listen = freePort(), metrics = Int(freePort())
+        let downstreams = ports.enumerated().map { "      - {name: s\($0 + 1), address: \"127.0.0.1:\($1)\", server_id: \"0a0\($0 + 1)\"}" }.joined(separator: "\n")
+        let yaml = "listeners:\n  - name: quic\n    bind: \"127.0.0.1:\(listen)\"\n    balancing: source_ip\n"
+            + "    quic_lb: {config_id: 1, server_id_length: 2, nonce_length: 6}\n    settings: {output: socket}\n    downstream:\n"
+            + downstreams + "\nmetrics: {enabled: true, bind: \"127.0.0.1:\(metrics)\"}\n"
+        let file = try TCFixtures.write(yaml, "quic-oneway")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        try daemon.waitFor("entering receive loop")
+        let publisher = try Child("publisher", ["127.0.0.1", "\(listen)", "6000", "--sources", "127.0.5.2-127.0.5.61", "--rate", "20000", "--quic", "2:6:1",
+                                                "--server-ids", "0a01,0a02,0a03"])
+        #expect(publisher.wait() == 0, "\(publisher.stderr)")
+        let series = "udp_fanout_quic_lb_datagrams_total{listener=\"quic\",mode=\"userspace\",outcome=\"routed\"}"
+        let text = try Scrape.metrics({ try run("/usr/bin/curl", Array($0.dropFirst())).output }, port: metrics, until: series, is: 6000)
+        #expect(Scrape.value(text, series) == 6000, "\(text)")
+        // output: socket on a one-way quic_lb listener is warned about (the servers could not answer).
+        #expect(daemon.stderr.contains("settings.output") && daemon.stderr.contains("preserve_source"), "\(daemon.stderr)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let counts = try sinks.map { try $0.stop().int("received") }
+        #expect(counts == [2000, 2000, 2000], "\(counts)")
+    }
+
     /// The relay's sessions now (udp_fanout_associations).
     static func sessions(_ topology: TwoWayTopology) throws -> Int {
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
