@@ -9,9 +9,10 @@
  * one live member, and returns to its own slot as soon as a socket fills it again.
  * roundRobin: a per-CPU counter walks the slots, skipping empty ones.
  *
- * QUIC-LB (quic_server_id_length > 0): before the policy, the server ID in the datagram's QUIC
- * destination connection ID (plaintext, draft-ietf-quic-load-balancers) is looked up among the
- * IDs the members registered; a match goes to that member, anything else to the policy.
+ * QUIC-LB (rplb_settings.quic.server_id_length > 0): before the policy, the server ID in the
+ * datagram's QUIC destination connection ID (plaintext, draft-ietf-quic-load-balancers) is
+ * looked up among the IDs the members registered; a match goes to that member, anything else
+ * to the policy.
  *
  * Nothing is dropped: when no member can be selected the program returns SK_PASS without a
  * selection, and the kernel's own hash delivers the datagram. Every outcome is counted.
@@ -68,13 +69,20 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, RPLB_MAX_SERVER_IDS);
 	__type(key, struct rplb_server_id);
-	__type(value, __u32);
+	__type(value, struct rplb_server_owner);
 } RPLB_MAP_QUIC_IDS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct rplb_quic_config);
+} RPLB_MAP_QUIC_CONFIG SEC(".maps");
 
 /* The group's settings, written by its creator before load (bpf_map__set_initial_value on
  * .rodata) and frozen: the verifier then prunes the other policies' code. The config map holds
  * the same values for the members that join later. */
-const volatile struct rplb_config rplb_settings = {};
+const volatile struct rplb_program_settings rplb_settings = {};
 
 static __always_inline void count_outcome(__u32 outcome)
 {
@@ -201,8 +209,8 @@ unparsed:
 
 /* QUIC-LB: the member whose registered server ID the datagram's destination connection ID
  * carries. Returns 1 when it was selected (counted routed), 0 when the policy must choose (with
- * the QUIC outcome counted; a registered member whose slot is empty counts routed, and the
- * policy's failover takes the datagram). md->data is the UDP header: the QUIC packet is at 8. */
+ * the QUIC outcome counted: a registered ID whose member's slot is empty counts unknown).
+ * md->data is the UDP header: the QUIC packet is at 8. */
 static __always_inline int select_by_connection_id(struct sk_reuseport_md *md, __u32 id_length,
 						   __u32 nonce_length, __u32 config_id)
 {
@@ -246,13 +254,13 @@ static __always_inline int select_by_connection_id(struct sk_reuseport_md *md, _
 	struct rplb_server_id key = {};
 	if (bpf_skb_load_bytes(md, id_offset + 1, key.bytes, id_length & 15))
 		goto fallback;
-	__u32 *slot = bpf_map_lookup_elem(&RPLB_MAP_QUIC_IDS, &key);
-	if (!slot) {
+	struct rplb_server_owner *owner = bpf_map_lookup_elem(&RPLB_MAP_QUIC_IDS, &key);
+	if (!owner || !try_slot(md, owner->slot, RPLB_OUTCOME_SELECTED)) {
 		count_outcome(client_chosen ? RPLB_OUTCOME_QUIC_FALLBACK : RPLB_OUTCOME_QUIC_UNKNOWN);
 		return 0;
 	}
 	count_outcome(RPLB_OUTCOME_QUIC_ROUTED);
-	return try_slot(md, *slot, RPLB_OUTCOME_SELECTED);
+	return 1;
 
 fallback:
 	if (client_chosen) {
@@ -268,17 +276,17 @@ SEC("sk_reuseport")
 int RPLB_PROG_SELECT(struct sk_reuseport_md *md)
 {
 	/* read once: volatile keeps clang from folding the zero initialiser */
-	__u32 policy = rplb_settings.policy;
-	__u32 capacity = rplb_settings.capacity;
-	__u32 table_size = rplb_settings.table_size;
-	__u32 seed = rplb_settings.seed;
+	__u32 policy = rplb_settings.config.policy;
+	__u32 capacity = rplb_settings.config.capacity;
+	__u32 table_size = rplb_settings.config.table_size;
+	__u32 seed = rplb_settings.config.seed;
 	if (capacity == 0 || capacity > RPLB_MAX_MEMBERS || table_size == 0 || table_size > RPLB_TABLE_SIZE) {
 		count_outcome(RPLB_OUTCOME_NO_CONFIG);
 		return SK_PASS;
 	}
-	__u32 quic_id_length = rplb_settings.quic_server_id_length;
+	__u32 quic_id_length = rplb_settings.quic.server_id_length;
 	if (quic_id_length != 0 &&
-	    select_by_connection_id(md, quic_id_length, rplb_settings.quic_nonce_length, rplb_settings.quic_config_id))
+	    select_by_connection_id(md, quic_id_length, rplb_settings.quic.nonce_length, rplb_settings.quic.config_id))
 		return SK_PASS;
 	int selected;
 	if (policy == RPLB_POLICY_ROUND_ROBIN)

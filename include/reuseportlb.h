@@ -145,7 +145,8 @@ void reuseportlb_templates_close(reuseportlb_templates *store);
  * address (a client that changed address keeps its server); the others (a client's first
  * packets, unknown IDs) go by the group's policy. The group's sk_reuseport program reads
  * plaintext server IDs: the group's configuration has no key. The encoder below takes keys too
- * (for servers behind udp-fanout's quic_lb). */
+ * (for servers behind udp-fanout's quic_lb). The group's policy is sourceIP or fiveTuple (round
+ * robin would spread a client's first flight): -EOPNOTSUPP otherwise. */
 struct reuseportlb_quic_lb {
 	uint8_t config_id;        /* 0...6: the top three bits of each connection ID */
 	uint8_t server_id_length; /* 1...15 octets */
@@ -161,10 +162,20 @@ int reuseportlb_join_quic(const char *ip, uint16_t port, int slot, unsigned int 
 			  enum reuseportlb_policy policy, const struct reuseportlb_quic_lb *quic,
 			  const uint8_t *server_id, reuseportlb_member **member,
 			  char *error, size_t error_size);
+/* Takes `slot` over as reuseportlb_takeover does, in a QUIC-LB group: the server IDs registered
+ * for the slot stay with it (the new process serves their connections); registers `server_id`
+ * too (NULL: none). A member that joins an empty slot instead drops its last holder's IDs. */
+int reuseportlb_takeover_quic(const char *ip, uint16_t port, int slot, unsigned int capacity,
+			      enum reuseportlb_policy policy, const struct reuseportlb_quic_lb *quic,
+			      const uint8_t *server_id, reuseportlb_member **member,
+			      char *error, size_t error_size);
 /* Registers one more server ID for the member's slot; -EEXIST if a live member holds it,
  * -EINVAL for a group without QUIC-LB or an ID of another length. */
 int reuseportlb_quic_register(reuseportlb_member *member, const uint8_t *server_id, size_t length,
 			      char *error, size_t error_size);
+/* Takes back a server ID this member registered: its datagrams go by the policy. -ENOENT if
+ * the member did not register it (or was replaced), -EINVAL for bad arguments. */
+int reuseportlb_quic_withdraw(reuseportlb_member *member, const uint8_t *server_id, size_t length);
 /* Writes a connection ID naming `server_id` with `nonce` (random; with a key, never repeated)
  * into connection_id (size at least 1 + server_id_length + nonce_length, which it returns);
  * the first octet carries the config ID and the length of the rest. -EINVAL (message in
@@ -181,7 +192,7 @@ int reuseportlb_quic_decode(const struct reuseportlb_quic_lb *quic, const uint8_
 struct reuseportlb_quic_counters {
 	uint64_t routed;            /* the ID named a registered member */
 	uint64_t fallback;          /* an Initial or 0-RTT packet's client-chosen ID: the policy chose */
-	uint64_t unknown_server_id; /* a server ID no member registered: the policy chose */
+	uint64_t unknown_server_id; /* a server ID no live member holds: the policy chose */
 	uint64_t undecodable;       /* not QUIC of the group's config ID, or too short: the policy chose */
 };
 /* Fills *counters; -EOPNOTSUPP without eBPF steering. */

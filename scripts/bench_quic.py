@@ -47,11 +47,15 @@ def fanout_run(variant, work):
     path = os.path.join(work, f"quic-{variant}.yaml")
     with open(path, "w") as f:
         f.write(config)
-    proc = subprocess.Popen([f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
+    log = os.path.join(work, f"quic-{variant}.log")
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([f"{common.BIN}/udp-fanout", "-c", path], stderr=stderr)
     try:
-        while "entering receive loop" not in (line := proc.stderr.readline()):
-            if not line:
-                raise SystemExit(f"udp-fanout exited ({variant})")
+        deadline = time.time() + 20
+        while "entering receive loop" not in open(log).read():
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"udp-fanout did not start ({variant}): {open(log).read()}")
+            time.sleep(0.05)
         before = cpu_seconds(proc.pid)
         common.publish(listen, count=DATAGRAMS, extra=("--quic", layout, "--server-ids", ",".join(server_ids), "--rate", "200000"))
         time.sleep(0.3)
@@ -75,7 +79,14 @@ class Group:
                     ("key", ctypes.c_void_p)]
 
     def __init__(self, port, quic):
-        self.lib = ctypes.CDLL(f"{common.BIN}/libreuseportlb.so")
+        lib = ctypes.CDLL(f"{common.BIN}/libreuseportlb.so")
+        member_p = ctypes.POINTER(ctypes.c_void_p)
+        lib.reuseportlb_join.argtypes = [ctypes.c_char_p, ctypes.c_uint16, ctypes.c_int, ctypes.c_uint, ctypes.c_int, member_p,
+                                         ctypes.c_char_p, ctypes.c_size_t]
+        lib.reuseportlb_join_quic.argtypes = [ctypes.c_char_p, ctypes.c_uint16, ctypes.c_int, ctypes.c_uint, ctypes.c_int,
+                                              ctypes.POINTER(Group.QUIC), ctypes.POINTER(ctypes.c_uint8), member_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.reuseportlb_leave.argtypes = [ctypes.c_void_p]
+        self.lib = lib
         self.members = []
         error = ctypes.create_string_buffer(1024)
         layout = Group.QUIC(1, 2, 6, None)
@@ -83,11 +94,11 @@ class Group:
             member = ctypes.c_void_p()
             if quic:
                 sid = (ctypes.c_uint8 * 2)(0x0a, slot + 1)
-                code = self.lib.reuseportlb_join_quic(b"127.0.0.1", ctypes.c_uint16(port), slot, 3, 0, ctypes.byref(layout), sid,
-                                                      ctypes.byref(member), error, 1024)
+                code = lib.reuseportlb_join_quic(b"127.0.0.1", port, slot, 3, 0, ctypes.byref(layout), sid, ctypes.byref(member), error, 1024)
             else:
-                code = self.lib.reuseportlb_join(b"127.0.0.1", ctypes.c_uint16(port), slot, 3, 0, ctypes.byref(member), error, 1024)
+                code = lib.reuseportlb_join(b"127.0.0.1", port, slot, 3, 0, ctypes.byref(member), error, 1024)
             if code < 0:
+                self.leave()
                 raise SystemExit(f"join: {error.value.decode()}")
             self.members.append(member)
 

@@ -16,6 +16,8 @@ final class GroupObjects {
     /// the objects (and are closed when the last reference goes).
     let directory: String?
     let config: rplb_config
+    /// The group's QUIC-LB configuration (zero: none, or a group of an older layout).
+    let quic: rplb_quic_config
     let program: Int32
     let members: Int32
     let configMap: Int32
@@ -23,18 +25,24 @@ final class GroupObjects {
     let delivered: Int32
     let table: Int32
     let roundRobin: Int32
-    /// QUIC-LB server IDs registered by the members (server ID to slot); -1 in a group of an
-    /// older layout, which the layout check refuses.
+    /// QUIC-LB server IDs registered by the members (server ID to slot and socket cookie), and
+    /// the group's QUIC-LB configuration; -1 in a group of an older layout, which the layout
+    /// check refuses.
     let quicIDs: Int32
+    let quicConfig: Int32
 
-    private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr", "quic_ids"]
+    private static let pinNames = ["prog", "members", "config", "table", "outcomes", "delivered", "rr", "quic_ids", "quic_config"]
+    /// Pins a group of an older layout lacks: opened as -1, so its config is read and refused
+    /// by its layout version.
+    private static let newerPins: Set<String> = ["quic_ids", "quic_config"]
 
     private let closesOnDeinit: Bool
 
-    private init(directory: String?, config: rplb_config, descriptors: [Int32]) {
+    private init(directory: String?, config: rplb_config, quic: rplb_quic_config, descriptors: [Int32]) {
         self.directory = directory
         closesOnDeinit = directory == nil
         self.config = config
+        self.quic = quic
         program = descriptors[0]
         members = descriptors[1]
         configMap = descriptors[2]
@@ -43,9 +51,10 @@ final class GroupObjects {
         delivered = descriptors[5]
         roundRobin = descriptors[6]
         quicIDs = descriptors[7]
+        quicConfig = descriptors[8]
     }
 
-    var descriptors: [Int32] { [program, members, configMap, table, outcomes, delivered, roundRobin, quicIDs] }
+    var descriptors: [Int32] { [program, members, configMap, table, outcomes, delivered, roundRobin, quicIDs, quicConfig] }
 
     func closeDescriptors() {
         for fd in descriptors where fd >= 0 { close(fd) }
@@ -61,7 +70,8 @@ final class GroupObjects {
     ///
     /// A group whose pins exist but whose members map holds no live socket is a crashed run's
     /// leftover: it is removed and created anew with this member's settings.
-    static func openOrCreate(directory: String, config wanted: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+    static func openOrCreate(directory: String, config wanted: rplb_config, quic wantedQUIC: rplb_quic_config,
+                             table: MaglevTable) throws(ReusePortError) -> GroupObjects {
         if BPFFilesystem.exists(directory + "/config") {
             let existing = try open(directory: directory)
             if existing.liveSlots().isEmpty {
@@ -71,32 +81,32 @@ final class GroupObjects {
                 let have = existing.config
                 if have.layout_version != wanted.layout_version || have.policy != wanted.policy
                     || have.capacity != wanted.capacity || have.seed != wanted.seed
-                    || have.quic_server_id_length != wanted.quic_server_id_length || have.quic_nonce_length != wanted.quic_nonce_length
-                    || have.quic_config_id != wanted.quic_config_id
+                    || existing.quic.server_id_length != wantedQUIC.server_id_length || existing.quic.nonce_length != wantedQUIC.nonce_length
+                    || existing.quic.config_id != wantedQUIC.config_id
                 {
                     existing.closeDescriptors()
                     throw .groupSettingsMismatch(
-                        group: directory, existing: describe(have), requested: describe(wanted))
+                        group: directory, existing: describe(have, existing.quic), requested: describe(wanted, wantedQUIC))
                 }
                 return existing
             }
         }
-        return try create(directory: directory, config: wanted, table: table)
+        return try create(directory: directory, config: wanted, quic: wantedQUIC, table: table)
     }
 
-    static func describe(_ config: rplb_config) -> String {
+    static func describe(_ config: rplb_config, _ quic: rplb_quic_config = rplb_quic_config()) -> String {
         let policy = BalancePolicy(kernelValue: config.policy)?.rawValue ?? "policy #\(config.policy)"
-        let quic = config.quic_server_id_length == 0 ? ""
-            : ", QUIC-LB config \(config.quic_config_id) (\(config.quic_server_id_length)-octet server ID, \(config.quic_nonce_length)-octet nonce)"
-        return "policy \(policy), capacity \(config.capacity), seed \(config.seed)\(quic), layout v\(config.layout_version)"
+        let routing = quic.server_id_length == 0 ? ""
+            : ", QUIC-LB config \(quic.config_id) (\(quic.server_id_length)-octet server ID, \(quic.nonce_length)-octet nonce)"
+        return "policy \(policy), capacity \(config.capacity), seed \(config.seed)\(routing), layout v\(config.layout_version)"
     }
 
     static func open(directory: String) throws(ReusePortError) -> GroupObjects {
         var descriptors: [Int32] = []
         for name in pinNames {
             let fd = bpf_obj_get(directory + "/" + name)
-            // A group of an older layout has no quic_ids pin: its config says which layout it is.
-            if fd < 0 && name == "quic_ids" && errno == ENOENT {
+            // A group of an older layout lacks the newer pins: its config says which layout it is.
+            if fd < 0 && newerPins.contains(name) && errno == ENOENT {
                 descriptors.append(-1)
                 continue
             }
@@ -109,17 +119,35 @@ final class GroupObjects {
         }
         var key: UInt32 = 0
         var config = rplb_config()
+        var quic = rplb_quic_config()
         do {
+            // The value is read only into a buffer of its size: a group of another layout may
+            // have a larger one.
+            try checkValueSize(descriptors[2], MemoryLayout<rplb_config>.size, name: "config")
             try libbpfCall("bpf_map_lookup_elem config") { bpf_map_lookup_elem(descriptors[2], &key, &config) }
+            if descriptors[8] >= 0 {
+                try checkValueSize(descriptors[8], MemoryLayout<rplb_quic_config>.size, name: "quic_config")
+                try libbpfCall("bpf_map_lookup_elem quic_config") { bpf_map_lookup_elem(descriptors[8], &key, &quic) }
+            }
         } catch {
-            for open in descriptors { close(open) }
+            for open in descriptors where open >= 0 { close(open) }
             throw .system(error)
         }
-        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+        return GroupObjects(directory: directory, config: config, quic: quic, descriptors: descriptors)
     }
 
-    private static func create(directory: String, config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
-        let descriptors = try loadDescriptors(config: config, table: table)
+    /// Throws unless the map's values are `size` bytes.
+    private static func checkValueSize(_ fd: Int32, _ size: Int, name: String) throws(SystemCallError) {
+        var info = bpf_map_info()
+        var length = UInt32(MemoryLayout<bpf_map_info>.size)
+        try libbpfCall("bpf_obj_get_info_by_fd \(name)") { bpf_obj_get_info_by_fd(fd, &info, &length) }
+        guard info.value_size == UInt32(size) else {
+            throw SystemCallError(call: "the group's \(name) map has \(info.value_size)-byte values, this layout \(size) (another version's group)", errno: EPROTO)
+        }
+    }
+
+    private static func create(directory: String, config: rplb_config, quic: rplb_quic_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        let descriptors = try loadDescriptors(config: config, quic: quic, table: table)
         do {
             try systemCall("mkdir \(directory)") { mkdir(directory, 0o700) == 0 || errno == EEXIST ? 0 : -1 }
             for (name, fd) in zip(pinNames, descriptors) where fd >= 0 {
@@ -130,32 +158,35 @@ final class GroupObjects {
             removePins(directory: directory)
             throw BPFFilesystem.failure(error, path: directory)
         }
-        return GroupObjects(directory: directory, config: config, descriptors: descriptors)
+        return GroupObjects(directory: directory, config: config, quic: quic, descriptors: descriptors)
     }
 
     /// Loads the program and its maps with the group's settings and fills the config map and
     /// the lookup table, pinning nothing: the result belongs to this process alone (its
     /// descriptors close when it is released).
-    static func load(config: rplb_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
-        GroupObjects(directory: nil, config: config, descriptors: try loadDescriptors(config: config, table: table))
+    static func load(config: rplb_config, quic: rplb_quic_config, table: MaglevTable) throws(ReusePortError) -> GroupObjects {
+        GroupObjects(directory: nil, config: config, quic: quic, descriptors: try loadDescriptors(config: config, quic: quic, table: table))
     }
 
     /// The loaded program and maps (in ``pinNames`` order), config and table written.
-    private static func loadDescriptors(config: rplb_config, table: MaglevTable) throws(ReusePortError) -> [Int32] {
+    private static func loadDescriptors(config: rplb_config, quic: rplb_quic_config, table: MaglevTable) throws(ReusePortError) -> [Int32] {
         var descriptors: [Int32] = []
         do {
             descriptors = try loadEmbeddedObject(
                 .reuseportSelect, program: RPLB_PROG_SELECT_NAME,
                 maps: [RPLB_MAP_MEMBERS_NAME, RPLB_MAP_CONFIG_NAME, RPLB_MAP_TABLE_NAME,
-                       RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME, RPLB_MAP_QUIC_IDS_NAME]
+                       RPLB_MAP_OUTCOMES_NAME, RPLB_MAP_DELIVERED_NAME, RPLB_MAP_RR_NAME, RPLB_MAP_QUIC_IDS_NAME, RPLB_MAP_QUIC_CONFIG_NAME]
             ) { object throws(SystemCallError) in
                 let membersMap = bpf_object__find_map_by_name(object, RPLB_MAP_MEMBERS_NAME)
                 try libbpfCall("bpf_map__set_max_entries") { bpf_map__set_max_entries(membersMap, config.capacity) }
-                try setReadOnlyGlobal(object, config, objectName: "reuseport_select", global: "rplb_settings", type: "struct rplb_config")
+                try setReadOnlyGlobal(object, rplb_program_settings(config: config, quic: quic), objectName: "reuseport_select",
+                                      global: "rplb_settings", type: "struct rplb_program_settings")
             }
             var key: UInt32 = 0
             var value = config
             try libbpfCall("bpf_map_update_elem config") { bpf_map_update_elem(descriptors[2], &key, &value, UInt64(BPF_ANY)) }
+            var quicValue = quic
+            try libbpfCall("bpf_map_update_elem quic_config") { bpf_map_update_elem(descriptors[8], &key, &quicValue, UInt64(BPF_ANY)) }
             try writeTable(table, fd: descriptors[3])
         } catch {
             for fd in descriptors { close(fd) }
@@ -249,31 +280,48 @@ final class GroupObjects {
         return bpf_obj_get_info_by_fd(fd, &info, &length) == 0 ? info.id : nil
     }
 
-    /// Registers QUIC-LB `serverID` for `slot`; fails with EEXIST where another slot whose
-    /// socket is live holds it.
-    func registerServerID(_ serverID: [UInt8], slot: Int) throws(SystemCallError) {
+    /// Registers QUIC-LB `serverID` for `slot`, held by the socket `cookie`; fails with EEXIST
+    /// where another live registration holds it (its socket still in its slot).
+    func registerServerID(_ serverID: [UInt8], slot: Int, cookie mine: UInt64) throws(SystemCallError) {
         var key = Self.serverIDKey(serverID)
-        var holder: UInt32 = 0
-        if bpf_map_lookup_elem(quicIDs, &key, &holder) == 0, Int(holder) != slot, cookie(inSlot: Int(holder)) != nil {
-            throw SystemCallError(call: "register server ID (held by slot \(holder))", errno: EEXIST)
+        if let owner = owner(ofServerID: serverID), owner.cookie != mine, cookie(inSlot: Int(owner.slot)) == owner.cookie {
+            throw SystemCallError(call: "register server ID (held by slot \(owner.slot))", errno: EEXIST)
         }
-        var value = UInt32(slot)
+        var value = rplb_server_owner(slot: UInt32(slot), reserved: 0, cookie: mine)
         try libbpfCall("bpf_map_update_elem quic_ids") { bpf_map_update_elem(quicIDs, &key, &value, UInt64(BPF_ANY)) }
     }
 
-    /// Removes `serverID` if `slot` holds it; true if it did.
-    func withdrawServerID(_ serverID: [UInt8], slot: Int) -> Bool {
+    /// Removes `serverID` if the socket `cookie` registered it; true if it did.
+    func withdrawServerID(_ serverID: [UInt8], cookie mine: UInt64) -> Bool {
         var key = Self.serverIDKey(serverID)
-        var holder: UInt32 = 0
-        guard bpf_map_lookup_elem(quicIDs, &key, &holder) == 0, Int(holder) == slot else { return false }
+        guard owner(ofServerID: serverID)?.cookie == mine else { return false }
         return bpf_map_delete_elem(quicIDs, &key) == 0
     }
 
-    /// The slot `serverID` is registered for, if any.
-    func slot(ofServerID serverID: [UInt8]) -> Int? {
+    /// Who registered `serverID`, if anyone.
+    func owner(ofServerID serverID: [UInt8]) -> rplb_server_owner? {
         var key = Self.serverIDKey(serverID)
-        var holder: UInt32 = 0
-        return bpf_map_lookup_elem(quicIDs, &key, &holder) == 0 ? Int(holder) : nil
+        var owner = rplb_server_owner()
+        return bpf_map_lookup_elem(quicIDs, &key, &owner) == 0 ? owner : nil
+    }
+
+    /// Removes the registrations for `slot` that a socket other than `cookie` made: a member
+    /// that joins an empty slot does not inherit its last holder's connections (one that takes
+    /// the slot over does, and keeps them).
+    func clearStaleServerIDs(slot: Int, cookie mine: UInt64) {
+        guard quicIDs >= 0 else { return }
+        var stale: [rplb_server_id] = []
+        var key = rplb_server_id()
+        var next = rplb_server_id()
+        var first = true
+        while (first ? bpf_map_get_next_key(quicIDs, nil, &next) : bpf_map_get_next_key(quicIDs, &key, &next)) == 0 {
+            first = false
+            var owner = rplb_server_owner()
+            if bpf_map_lookup_elem(quicIDs, &next, &owner) == 0, Int(owner.slot) == slot, owner.cookie != mine { stale.append(next) }
+            key = next
+            if stale.count + 1 > Int(RPLB_MAX_SERVER_IDS) { break }
+        }
+        for var id in stale { _ = bpf_map_delete_elem(quicIDs, &id) }
     }
 
     private static func serverIDKey(_ serverID: [UInt8]) -> rplb_server_id {

@@ -124,10 +124,16 @@ public struct GroupOptions: Sendable {
         config.capacity = UInt32(capacity)
         config.table_size = UInt32(RPLB_TABLE_SIZE)
         config.seed = seed ?? Self.defaultSeed
+        return config
+    }
+
+    /// The group's QUIC-LB configuration as the kernel program and its map hold it (zero: none).
+    var kernelQUICConfig: rplb_quic_config {
+        var config = rplb_quic_config()
         if let quic {
-            config.quic_server_id_length = UInt32(quic.serverIDLength)
-            config.quic_nonce_length = UInt32(quic.nonceLength)
-            config.quic_config_id = UInt32(quic.configID)
+            config.server_id_length = UInt32(quic.serverIDLength)
+            config.nonce_length = UInt32(quic.nonceLength)
+            config.config_id = UInt32(quic.configID)
         }
         return config
     }
@@ -141,6 +147,9 @@ public struct GroupOptions: Sendable {
         }
         if steering == .classicBPF || steering == .kernelHash {
             return "it needs eBPF steering (a classic BPF program and the kernel hash cannot read connection IDs); use steering automatic or ebpf with CAP_BPF"
+        }
+        if policy == .roundRobin {
+            return "policy roundRobin would spread a client's first flight (the packets that carry its own connection ID) over several members; use sourceIP or fiveTuple"
         }
         return nil
     }

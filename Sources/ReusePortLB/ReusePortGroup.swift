@@ -68,6 +68,7 @@ public final class ReusePortGroup: @unchecked Sendable {
         if let other = BoundSockets.foreign(on: address).first {
             throw .addressServedByAnotherProcess(address, pid: other.pid, command: other.command)
         }
+        if let problem = options.quicProblem { throw .connectionIDRouting(problem, errno: EOPNOTSUPP) }
         self.address = address
         self.options = options
         var (steering, note) = try ReusePortMember.chooseSteering(options)
@@ -76,8 +77,8 @@ public final class ReusePortGroup: @unchecked Sendable {
             let config = options.kernelConfig
             do {
                 objects = try GroupObjects.load(
-                    config: config, table: ReusePortMember.slotTable(capacity: options.capacity, seed: config.seed))
-            } catch .ebpfUnavailable(let reason) where options.steering == .automatic {
+                    config: config, quic: options.kernelQUICConfig, table: ReusePortMember.slotTable(capacity: options.capacity, seed: config.seed))
+            } catch .ebpfUnavailable(let reason) where options.steering == .automatic && options.quic == nil {
                 steering = ReusePortMember.unprivilegedSteering(options.policy)
                 note = "eBPF refused (\(reason)); using \(steering)"
             }

@@ -256,7 +256,7 @@ public final class ReusePortMember: @unchecked Sendable {
         let objects: GroupObjects
         do {
             objects = try GroupObjects.openOrCreate(
-                directory: directory, config: config, table: slotTable(capacity: options.capacity, seed: config.seed))
+                directory: directory, config: config, quic: options.kernelQUICConfig, table: slotTable(capacity: options.capacity, seed: config.seed))
         } catch {
             close(socket)
             throw error
@@ -265,6 +265,13 @@ public final class ReusePortMember: @unchecked Sendable {
             let slot = try place(socket, request, objects)
             do {
                 try Syscall.setsockopt(socket, SOL_SOCKET, SO_ATTACH_REUSEPORT_EBPF, objects.program, call: "setsockopt SO_ATTACH_REUSEPORT_EBPF")
+                // A member that joins an empty slot (not a takeover) does not inherit the server
+                // IDs its last holder registered: their connections are that server's, not its.
+                var takesOver = false
+                if case .takeover = request { takesOver = true }
+                if options.quic != nil && !takesOver {
+                    objects.clearStaleServerIDs(slot: slot, cookie: try UDPSocket.cookie(socket))
+                }
             } catch {
                 throw ReusePortError.system(error)
             }
@@ -448,27 +455,36 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// QUIC-LB groups (``GroupOptions/quic``): datagrams whose QUIC destination connection ID
     /// carries `serverID` come to this member's slot from now on, whatever their source. A
-    /// member may register several. Registrations belong to the slot: they outlive the member
-    /// (a member that takes the slot over gets its connections; while the slot is empty the
-    /// policy chooses) until ``withdrawServerID(_:)`` or the group's end.
+    /// member may register several. A registration outlives its member until
+    /// ``withdrawServerID(_:)``, the group's end, or another member joining the empty slot: a
+    /// member that takes the slot over (``SlotRequest/takeover(_:)``) gets its connections, and
+    /// while the slot is empty the policy chooses (counted `quicUnknownServerID`).
     /// - Throws: ``ReusePortError/connectionIDRouting(_:errno:)`` if the group does not route by
     ///   connection ID, the ID is not the configuration's length, or another live member holds it.
     public func registerServerID(_ serverID: [UInt8]) throws(ReusePortError) {
         let objects = try quicObjects(serverID)
+        // Under the bpffs lock: two members registering one ID cannot both see it free.
+        let lock = try filesystem?.lock()
+        defer { if let lock { close(lock) } }
         do {
-            try objects.registerServerID(serverID, slot: slot)
+            try objects.registerServerID(serverID, slot: slot, cookie: cookie)
         } catch {
             if error.errno == EEXIST {
-                throw .connectionIDRouting("server ID \(Self.hex(serverID)) is registered by slot \(objects.slot(ofServerID: serverID).map(String.init) ?? "?"), whose member is live: each server ID names one member", errno: EEXIST)
+                throw .connectionIDRouting("server ID \(Self.hex(serverID)) is registered by slot \(objects.owner(ofServerID: serverID).map { String($0.slot) } ?? "?"), whose member is live: each server ID names one member", errno: EEXIST)
             }
             throw .system(error)
         }
     }
 
-    /// Takes `serverID` back: its datagrams go to the policy. False if this slot did not hold it.
+    /// Takes `serverID` back: its datagrams go to the policy. False if this member did not
+    /// register it, or was replaced (its successor in the slot serves the ID's connections now).
     @discardableResult
     public func withdrawServerID(_ serverID: [UInt8]) throws(ReusePortError) -> Bool {
-        try quicObjects(serverID).withdrawServerID(serverID, slot: slot)
+        let objects = try quicObjects(serverID)
+        guard !isReplaced else { return false }
+        let lock = try filesystem?.lock()
+        defer { if let lock { close(lock) } }
+        return objects.withdrawServerID(serverID, cookie: cookie)
     }
 
     private func quicObjects(_ serverID: [UInt8]) throws(ReusePortError) -> GroupObjects {

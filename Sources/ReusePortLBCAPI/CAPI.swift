@@ -111,9 +111,9 @@ private func quicConfiguration(_ raw: UnsafeRawPointer?) -> Result<QUICLBConfigu
     }
 }
 
-@_cdecl("reuseportlb_join_quic")
-public func reuseportlb_join_quic(
-    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+/// A QUIC-LB join or takeover: the configuration read, then `join`.
+private func joinQUIC(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ request: SlotRequest?, _ capacity: UInt32, _ policy: Int32,
     _ quic: UnsafeRawPointer?, _ serverID: UnsafePointer<UInt8>?,
     _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
 ) -> Int32 {
@@ -124,9 +124,37 @@ public func reuseportlb_join_quic(
         writeMessage(problem.description, error, errorSize)
         return -EINVAL
     }
-    let request: SlotRequest? = slot == -1 ? .lowestFree : slot >= 0 ? .index(Int(slot)) : nil
     let id = serverID.map { Array(UnsafeBufferPointer(start: $0, count: configuration.serverIDLength)) }
     return join(ip, port, request, capacity, policy, out, error, errorSize, quic: configuration, serverID: id)
+}
+
+@_cdecl("reuseportlb_join_quic")
+public func reuseportlb_join_quic(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+    _ quic: UnsafeRawPointer?, _ serverID: UnsafePointer<UInt8>?,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    let request: SlotRequest? = slot == -1 ? .lowestFree : slot >= 0 ? .index(Int(slot)) : nil
+    return joinQUIC(ip, port, request, capacity, policy, quic, serverID, out, error, errorSize)
+}
+
+@_cdecl("reuseportlb_takeover_quic")
+public func reuseportlb_takeover_quic(
+    _ ip: UnsafePointer<CChar>?, _ port: UInt16, _ slot: Int32, _ capacity: UInt32, _ policy: Int32,
+    _ quic: UnsafeRawPointer?, _ serverID: UnsafePointer<UInt8>?,
+    _ out: UnsafeMutablePointer<OpaquePointer?>?, _ error: UnsafeMutablePointer<CChar>?, _ errorSize: Int
+) -> Int32 {
+    joinQUIC(ip, port, slot >= 0 ? .takeover(Int(slot)) : nil, capacity, policy, quic, serverID, out, error, errorSize)
+}
+
+@_cdecl("reuseportlb_quic_withdraw")
+public func reuseportlb_quic_withdraw(_ handle: OpaquePointer?, _ serverID: UnsafePointer<UInt8>?, _ length: Int) -> Int32 {
+    guard let handle, let serverID, length > 0 else { return -EINVAL }
+    do {
+        return try member(handle).withdrawServerID(Array(UnsafeBufferPointer(start: serverID, count: length))) ? 0 : -ENOENT
+    } catch {
+        return code(of: error)
+    }
 }
 
 @_cdecl("reuseportlb_quic_register")
@@ -134,7 +162,10 @@ public func reuseportlb_quic_register(
     _ handle: OpaquePointer?, _ serverID: UnsafePointer<UInt8>?, _ length: Int,
     _ errorBuffer: UnsafeMutablePointer<CChar>?, _ errorSize: Int
 ) -> Int32 {
-    guard let handle, let serverID, length > 0 else { return -EINVAL }
+    guard let handle, let serverID, length > 0 else {
+        writeMessage("member and server_id must not be NULL, and length at least 1", errorBuffer, errorSize)
+        return -EINVAL
+    }
     do {
         try member(handle).registerServerID(Array(UnsafeBufferPointer(start: serverID, count: length)))
         return 0

@@ -405,7 +405,7 @@ struct QUICTraffic {
 
     static func hexOctets(_ text: String) -> [UInt8]? {
         let digits = Array(text.utf8)
-        guard !digits.isEmpty, digits.count % 2 == 0 else { return nil }
+        guard !digits.isEmpty, digits.count % 2 == 0, text.allSatisfy(\.isHexDigit) else { return nil }
         return try? stride(from: 0, to: digits.count, by: 2).map { index throws(ValidationError) -> UInt8 in
             guard let value = UInt8(String(decoding: digits[index..<index + 2], as: UTF8.self), radix: 16) else { throw ValidationError("") }
             return value

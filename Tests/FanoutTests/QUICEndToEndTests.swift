@@ -111,8 +111,9 @@ struct QUICEndToEndTests {
         let labels = "listener=\"quic\",mode=\"userspace\""
         func outcome(_ name: String) -> Int? { Self.value(text, "udp_fanout_quic_lb_datagrams_total{\(labels),outcome=\"\(name)\"}") }
         // A relay chooses once per client address and port: each connection's first Initial (its
-        // own ID: the balancing chose), and its first datagram from the new address (by ID).
-        #expect(outcome("fallback") == 12 && outcome("routed") == 12, "\(text)")
+        // own ID: the balancing chose; a retransmitted Initial from a new port on a loaded
+        // machine may add one), and its first datagram from the new address (by ID).
+        #expect((outcome("fallback") ?? 0) >= 12 && outcome("routed") == 12, "\(text)")
         #expect(outcome("unknown_server_id") == 0 && outcome("undecodable") == 0, "\(text)")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
@@ -137,6 +138,9 @@ struct QUICEndToEndTests {
         // their connections), then s1 comes back and the sessions follow their IDs to it.
         let without = all.split(separator: "\n").filter { !$0.contains("name: s1,") }.joined(separator: "\n") + "\n"
         try daemon.reload(without)
+        // s1's sessions moved away (their next datagrams), then about a second without s1.
+        let movedAway = Probe.waitFor(seconds: 10) { ((try? Self.moved(topology)) ?? 0) > 0 }
+        #expect(movedAway, "no session moved away from s1")
         usleep(1_000_000)
         try daemon.reload(all)
         #expect(client.wait(seconds: 60) == 0, "client: \(client.stderr)")
@@ -209,7 +213,7 @@ struct QUICEndToEndTests {
         defer { try? FileManager.default.removeItem(at: file) }
         let daemon = try Child("udp-fanout", ["-c", file.path])
         try daemon.waitFor("entering receive loop")
-        let publisher = try Child("publisher", ["127.0.0.1", "\(listen)", "6000", "--sources", "127.0.5.2-127.0.5.61", "--rate", "20000", "--quic", "2:6:1",
+        let publisher = try Child("publisher", ["127.0.0.1", "\(listen)", "6000", "--sources", "127.0.5.2-127.0.5.61", "--rate", "5000", "--quic", "2:6:1",
                                                 "--server-ids", "0a01,0a02,0a03"])
         #expect(publisher.wait() == 0, "\(publisher.stderr)")
         let series = "udp_fanout_quic_lb_datagrams_total{listener=\"quic\",mode=\"userspace\",outcome=\"routed\"}"
@@ -221,6 +225,12 @@ struct QUICEndToEndTests {
         #expect(daemon.wait() == 0)
         let counts = try sinks.map { try $0.stop().int("received") }
         #expect(counts == [2000, 2000, 2000], "\(counts)")
+    }
+
+    /// The relay's `moved` association events so far.
+    static func moved(_ topology: TwoWayTopology) throws -> Int {
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
+        return value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"userspace\",event=\"moved\"}") ?? 0
     }
 
     /// The relay's sessions now (udp_fanout_associations).

@@ -214,10 +214,12 @@ struct QUICRoutingTests {
             #expect(Self.short(id).withUnsafeBytes { drainingSelector.pick(source: &source, payload: $0) } == 2)
         }
         #expect(drainingSelector.takeTally().counts == (40, 40, 0, 0))
-        // owner(of:) (the relay's check on a known session): the ID's downstream, tallied
-        // routed; nothing for what the ID does not route.
+        // owner(of:) (the relay's check on a known session): the ID's downstream, nothing for
+        // what the ID does not route, and nothing tallied until the caller moves (noteRouted).
         #expect(Self.short(id).withUnsafeBytes { drainingSelector.owner(of: $0) } == 2)
         #expect(Self.long(0, [0xe1, 2, 3, 4, 5, 6, 7, 8, 9]).withUnsafeBytes { drainingSelector.owner(of: $0) } == nil)
+        #expect(drainingSelector.takeTally().isEmpty)
+        drainingSelector.noteRouted()
         #expect(drainingSelector.takeTally().counts == (1, 0, 0, 0))
         // Without a router nothing is parsed or tallied.
         var source = Self.storage("198.18.0.1")

@@ -277,7 +277,7 @@ struct LifecycleTests {
         try #require(quicBuild.status == 0, "\(quicBuild.output)")
         let quic = try run(quicBinary, [String(freePort())])
         #expect(quic.status == 0, "\(quic.output)")
-        #expect(quic.output.contains("plain=07c4605e4504cc4f four_pass=0767947d29be054a decoded=31441a bad=-22 short=-28 keyed_group=-95 taken=-17 wrong_length=-22 at0=20 at1=20 routed=40 fallback=0 unknown=0 undecodable=0"),
+        #expect(quic.output.contains("plain=07c4605e4504cc4f four_pass=0767947d29be054a decoded=31441a bad=-22 short=-28 keyed_group=-95 taken=-17 wrong_length=-22 at0=20 at1=20 routed=40 fallback=0 unknown=0 undecodable=0 not_mine=-2 withdrawn=0"),
                 "\(quic.output)")
     }
 
@@ -360,10 +360,12 @@ struct LifecycleTests {
             int at0 = count(reuseportlb_socket(members[0])), at1 = count(reuseportlb_socket(members[1]));
             struct reuseportlb_quic_counters counters = {0};
             reuseportlb_quic_counters(members[0], &counters);
-            printf("plain=%s four_pass=%s decoded=%s bad=%d short=%d keyed_group=%d taken=%d wrong_length=%d at0=%d at1=%d routed=%llu fallback=%llu unknown=%llu undecodable=%llu\n",
+            int not_mine = reuseportlb_quic_withdraw(members[0], ids[1], 2);
+            int withdrawn = reuseportlb_quic_withdraw(members[1], ids[1], 2);
+            printf("plain=%s four_pass=%s decoded=%s bad=%d short=%d keyed_group=%d taken=%d wrong_length=%d at0=%d at1=%d routed=%llu fallback=%llu unknown=%llu undecodable=%llu not_mine=%d withdrawn=%d\n",
                    plain_hex, four_hex, decoded_hex, bad_result, short_result, keyed_group, taken, wrong_length, at0, at1,
                    (unsigned long long)counters.routed, (unsigned long long)counters.fallback,
-                   (unsigned long long)counters.unknown_server_id, (unsigned long long)counters.undecodable);
+                   (unsigned long long)counters.unknown_server_id, (unsigned long long)counters.undecodable, not_mine, withdrawn);
             reuseportlb_leave(members[0]);
             reuseportlb_leave(members[1]);
             return 0;

@@ -90,14 +90,45 @@ struct QUICSteeringTests {
         counters = try members[0].counters()
         #expect(counters.quicUnknownServerID == 2, "\(counters)")
         // A member that left: its ID is still registered for its slot, which is empty, so the
-        // policy takes the datagram to the live member (counted routed all the same).
+        // policy takes the datagram to the live member (counted unknown: no live member holds it).
         try members[1].registerServerID([0x0b, 2])
         members[1].leave()
         try Self.send(Self.short(try Self.connectionID(1)), from: "127.0.3.7", to: address)
         received = drain([members[0]])
         #expect(received[0]["127.0.3.7"] == 1)
         counters = try members[0].counters()
-        #expect(counters.quicRouted == 1, "\(counters)")
+        #expect(counters.quicRouted == 0 && counters.quicUnknownServerID == 3, "\(counters)")
+    }
+
+    @Test("Registrations belong to the socket that made them: a takeover inherits them, a member joining the empty slot does not, and the old owner can register its ID again elsewhere")
+    func registrationLifecycle() throws {
+        let (address, members) = try group(3)
+        var all = members
+        defer { for member in all { member.leave() } }
+        let options = members[0].options
+        // A takeover of slot 0 keeps 0b01: its datagrams reach the new socket.
+        let successor = try ReusePortMember(joining: address, slot: .takeover(0), options: options)
+        all.append(successor)
+        #expect(members[0].isReplaced)
+        // The replaced member cannot withdraw what its successor serves now.
+        #expect(try !members[0].withdrawServerID([0x0b, 1]))
+        try Self.send(Self.short(try Self.connectionID(0)), from: "127.0.4.2", to: address)
+        #expect(drain([successor])[0]["127.0.4.2"] == 1)
+        members[0].leave()
+        // Slot 1's member leaves; a newcomer takes the empty slot (not a takeover): 0b02 is not
+        // its, and is gone, so the old server can register it again in another slot.
+        members[1].leave()
+        let newcomer = try ReusePortMember(joining: address, slot: .index(1), options: options)
+        all.append(newcomer)
+        try Self.send(Self.short(try Self.connectionID(1)), from: "127.0.4.3", to: address)
+        let counters = try newcomer.counters()
+        #expect(counters.quicUnknownServerID == 1, "\(counters)")
+        members[2].leave()
+        let returning = try ReusePortMember(joining: address, slot: .index(2), options: options)
+        all.append(returning)
+        try returning.registerServerID([0x0b, 2])
+        try Self.send(Self.short(try Self.connectionID(1)), from: "127.0.4.4", to: address)
+        #expect(drain([successor, newcomer, returning])[2]["127.0.4.4"] == 1)
     }
 
     @Test("A server ID held by a live member, of another length, or in a group without QUIC-LB is refused; so are encrypted configurations and classic BPF")
@@ -122,6 +153,10 @@ struct QUICSteeringTests {
         }
         let classic = GroupOptions(capacity: 1, steering: .classicBPF, quic: Self.configuration)
         #expect(throws: ReusePortError.self) { try ReusePortMember(joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: classic) }
+        // Round robin would spread a client's first flight; process-private groups check the same.
+        let spread = GroupOptions(policy: .roundRobin, capacity: 1, steering: .ebpf, quic: Self.configuration)
+        #expect(throws: ReusePortError.self) { try ReusePortMember(joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: spread) }
+        #expect(throws: ReusePortError.self) { try ReusePortGroup(privateTo: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: keyed) }
         let plain = try ReusePortMember(joining: SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()), options: GroupOptions(capacity: 1, steering: .ebpf))
         defer { plain.leave() }
         #expect(throws: ReusePortError.self) { try plain.registerServerID([0x0b, 1]) }

@@ -46,12 +46,21 @@
 #define RPLB_MAP_RR_NAME        "rplb_rr"
 #define RPLB_MAP_QUIC_IDS       rplb_quic_ids
 #define RPLB_MAP_QUIC_IDS_NAME  "rplb_quic_ids"
+#define RPLB_MAP_QUIC_CONFIG      rplb_quic_cfg
+#define RPLB_MAP_QUIC_CONFIG_NAME "rplb_quic_cfg"
 
 /* QUIC-LB server IDs the members registered (RPLB_MAP_QUIC_IDS: server ID, zero-padded to 16
- * octets, to slot); a member may register several. */
+ * octets, to its owner); a member may register several. */
 #define RPLB_MAX_SERVER_IDS 4096
 struct rplb_server_id {
 	__u8 bytes[16];
+};
+/* Who registered a server ID: the slot the program selects, and the registering socket's cookie
+ * (userspace only: a registration whose socket no longer holds the slot is stale). */
+struct rplb_server_owner {
+	__u32 slot;
+	__u32 reserved;
+	__u64 cookie;
 };
 
 /* How a group spreads datagrams over its members. Chosen by the group's creator. */
@@ -79,13 +88,14 @@ enum rplb_outcome {
 	RPLB_OUTCOME_UNPARSED = 3,
 	/* the program was loaded without settings (capacity 0): left to the kernel's hash */
 	RPLB_OUTCOME_NO_CONFIG = 4,
-	/* QUIC-LB groups (rplb_config.quic_server_id_length > 0), one of these per datagram besides
-	 * its delivery: its destination connection ID named a registered server ID (delivered to
-	 * that member, or failed over by the policy if its slot is empty) */
+	/* QUIC-LB groups (rplb_quic_config.server_id_length > 0), one of these per datagram besides
+	 * its delivery: its destination connection ID named a live member's server ID (delivered
+	 * to that member) */
 	RPLB_OUTCOME_QUIC_ROUTED = 5,
 	/* an Initial or 0-RTT packet whose client-chosen ID names no member: the policy chose */
 	RPLB_OUTCOME_QUIC_FALLBACK = 6,
-	/* a server-chosen ID whose server ID no member registered: the policy chose */
+	/* a server-chosen ID whose server ID no live member holds (none registered it, or its
+	 * member's slot is empty): the policy chose */
 	RPLB_OUTCOME_QUIC_UNKNOWN = 7,
 	/* not a QUIC packet of the group's config ID, or too short: the policy chose */
 	RPLB_OUTCOME_QUIC_UNDECODABLE = 8,
@@ -105,10 +115,24 @@ struct rplb_config {
 	__u32 table_size;     /* entries of the lookup table in use, <= RPLB_TABLE_SIZE */
 	__u32 seed;           /* hash seed chosen by userspace */
 	__u32 steering_override; /* enum rplb_override: 0 while this group's program is attached */
-	/* QUIC-LB (plaintext server IDs): 0 for a group that does not route by connection ID */
-	__u32 quic_server_id_length; /* octets of server ID, 1...15 */
-	__u32 quic_nonce_length;     /* octets of nonce after it, 4...18 */
-	__u32 quic_config_id;        /* the config rotation codepoint, 0...6 */
+};
+
+/* A QUIC-LB group's configuration (plaintext server IDs): the program's second read-only
+ * global and the single entry of RPLB_MAP_QUIC_CONFIG (what later members check theirs
+ * against). All zero: the group does not route by connection ID. Apart from rplb_config, whose
+ * size older members read into. */
+struct rplb_quic_config {
+	__u32 server_id_length; /* octets of server ID, 1...15 */
+	__u32 nonce_length;     /* octets of nonce after it, 4...18 */
+	__u32 config_id;        /* the config rotation codepoint, 0...6 */
+	__u32 reserved;
+};
+
+/* The program's read-only global (its .rodata holds this alone): the group's settings and its
+ * QUIC-LB configuration. */
+struct rplb_program_settings {
+	struct rplb_config config;
+	struct rplb_quic_config quic;
 };
 
 /* Written into the config map by a member that was explicitly forced to replace the group's

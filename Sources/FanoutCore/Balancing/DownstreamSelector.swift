@@ -59,16 +59,17 @@ struct DownstreamSelector {
         return owner ?? pick(source: source)
     }
 
-    /// The downstream `payload`'s QUIC connection ID names (tallied `routed`), nil when it names
-    /// none or there is no ``router`` (nothing tallied: the caller keeps its choice).
+    /// The downstream `payload`'s QUIC connection ID names, nil when it names none or there is
+    /// no ``router``. Nothing is tallied: a caller that moves to it notes ``noteRouted()``.
     @inline(__always)
-    mutating func owner(of payload: UnsafeRawBufferPointer) -> Int? {
+    func owner(of payload: UnsafeRawBufferPointer) -> Int? {
         guard let router else { return nil }
         let (owner, outcome) = router.route(payload)
-        guard outcome == .routed else { return nil }
-        tally.note(.routed)
-        return owner
+        return outcome == .routed ? owner : nil
     }
+
+    /// Tallies a datagram that a caller sent where ``owner(of:)`` named.
+    mutating func noteRouted() { tally.note(.routed) }
 
     /// The outcomes tallied since the last call, and a fresh tally.
     mutating func takeTally() -> QUICTally {

@@ -232,7 +232,7 @@ public enum ConfigParser {
     /// A key file's text: a regular file of at most 4 KiB, opened without blocking (a FIFO or a
     /// device would hang `--check` and a reload, or read without end), else why not.
     static func readKeyFile(_ path: String) -> Result<String, KeyFileProblem> {
-        let fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC)
+        let fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC)
         guard fd >= 0 else { return .failure(KeyFileProblem(String(cString: strerror(errno)))) }
         defer { close(fd) }
         var status = stat()

@@ -45,6 +45,9 @@ final class RelaySession {
     var target: Int
     /// Monotonic milliseconds of the last datagram either way.
     var lastActive: Int64
+    /// quic_lb: monotonic milliseconds of the last move to the downstream a connection ID named
+    /// (a session moves so at most once a second).
+    var movedByIDAt: Int64 = .min / 2
     /// The worker's last epoll wakeup that reported this session's socket readable: a session
     /// readable in consecutive wakeups is busy, and is read in batches (recvmmsg).
     var readyWakeup: UInt64 = .max

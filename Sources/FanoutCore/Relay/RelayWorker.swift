@@ -443,26 +443,28 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             let session: RelaySession
             if let known = sessions[key] {
                 session = known
-                // quic_lb: a session follows its connection ID. When the ID names another
-                // downstream than the session's (its server came back after health or a reload
-                // moved the session, or the address and port now carry another connection), the
-                // old socket drains and the session moves there.
-                if session.socket >= 0, let plan, let owner = selector.owner(of: receiver.payload(datagram)), owner != session.target {
-                    retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now)
-                    session.downstream = plan.downstreams[owner]
-                    session.target = owner
-                    guard open(session) else {
-                        unavailable += 1
-                        continue
-                    }
-                    moved += 1
-                }
+                var target: Int?
                 if session.socket < 0 {
                     // Its downstream left the plan: the client gets another one now.
-                    guard let target = selector.pick(source: source, payload: receiver.payload(datagram)), let plan else {
+                    guard let picked = selector.pick(source: source, payload: receiver.payload(datagram)) else {
                         noHealthy += 1
                         continue
                     }
+                    target = picked
+                } else if selector.router != nil, now - session.movedByIDAt >= 1000,
+                          let owner = selector.owner(of: receiver.payload(datagram)), owner != session.target {
+                    // quic_lb: a session follows its connection ID. The ID names another
+                    // downstream than the session's (its server came back after health or a
+                    // reload moved the session, or the address and port now carry another
+                    // connection): the old socket drains and the session moves there, at most
+                    // once a second (two connections on one client address and port to two
+                    // servers must not make a socket per datagram).
+                    retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now)
+                    session.movedByIDAt = now
+                    selector.noteRouted()
+                    target = owner
+                }
+                if let target, let plan {
                     session.downstream = plan.downstreams[target]
                     session.target = target
                     guard open(session) else {
