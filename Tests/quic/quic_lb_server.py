@@ -225,7 +225,8 @@ class Totals:
     streams_served: int = 0
     bytes_served: int = 0
     migrated_connections: int = 0
-    stray_datagrams: int = 0
+    stray_datagrams: int = 0  # for an ID of another server (or none): routed here wrongly
+    late_datagrams: int = 0  # for an ID of this server that it no longer knows (closed, retired)
     cids_issued: int = 0
     cids_not_quic_lb: int = 0  # must stay 0: an ID the hook missed
 
@@ -300,7 +301,9 @@ class LbTestProtocol(QuicConnectionProtocol):
 
 class CountingQuicServer(QuicServer):
     """aioquic's server, counting short-header datagrams for connection IDs it does not know
-    (which it drops): what arrives here when a load balancer routes a migrated client wrong."""
+    (which it drops): stray when the ID is not one of this server's (what arrives here when a
+    load balancer routes a migrated client wrong), late when it is (a connection this server
+    closed, or an ID the client retired, answered after the fact)."""
 
     def __init__(self, *, totals: Totals, **kwargs):
         super().__init__(**kwargs)
@@ -310,7 +313,14 @@ class CountingQuicServer(QuicServer):
         cid_length = self._configuration.connection_id_length
         is_short_header = len(data) > cid_length and not data[0] & 0x80
         if is_short_header and data[1:1 + cid_length] not in self._protocols:
-            self._totals.stray_datagrams += 1
+            try:
+                own = QuicLbConnection.codec.decode(data[1:1 + cid_length])[0] == QuicLbConnection.server_id
+            except ValueError:
+                own = False
+            if own:
+                self._totals.late_datagrams += 1
+            else:
+                self._totals.stray_datagrams += 1
         super().datagram_received(data, addr)
 
 
