@@ -269,8 +269,10 @@ public enum QUICHeader {
         case unreadable
     }
 
-    /// - Parameter shortLength: the connection ID length of short-header packets (at least the
-    ///   configurations' ``QUICLBConfiguration/connectionIDLength``).
+    /// - Parameters:
+    ///   - datagram: a UDP payload: the first QUIC packet of the datagram.
+    ///   - shortLength: the connection ID length of short-header packets (at least the
+    ///     configurations' ``QUICLBConfiguration/connectionIDLength``).
     @inline(__always)
     public static func destinationID(_ datagram: UnsafeRawBufferPointer, shortLength: Int) -> DestinationID {
         guard datagram.count >= 1 else { return .unreadable }
