@@ -446,7 +446,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 var target: Int?
                 if session.socket < 0 {
                     // Its downstream left the plan: the client gets another one now.
-                    guard let picked = selector.pick(source: source, payload: receiver.payload(datagram)) else {
+                    guard let picked = selector.pick(source: source, payload: receiver.payload(datagram)), plan != nil else {
                         noHealthy += 1
                         continue
                     }
