@@ -63,6 +63,30 @@ extension QUICLBConfiguration: CustomReflectable {
     }
 }
 
+extension QUICLBConfiguration {
+    /// Octets from hexadecimal digits, two per octet, no prefix or sign (server IDs and keys as
+    /// configurations and command lines write them); nil otherwise.
+    public static func octets(hex text: String) -> [UInt8]? {
+        let digits = Array(text.utf8)
+        guard !digits.isEmpty, digits.count % 2 == 0 else { return nil }
+        func value(_ digit: UInt8) -> UInt8? {
+            switch digit {
+            case UInt8(ascii: "0")...UInt8(ascii: "9"): return digit - UInt8(ascii: "0")
+            case UInt8(ascii: "a")...UInt8(ascii: "f"): return digit - UInt8(ascii: "a") + 10
+            case UInt8(ascii: "A")...UInt8(ascii: "F"): return digit - UInt8(ascii: "A") + 10
+            default: return nil
+            }
+        }
+        var bytes: [UInt8] = []
+        bytes.reserveCapacity(digits.count / 2)
+        for index in stride(from: 0, to: digits.count, by: 2) {
+            guard let high = value(digits[index]), let low = value(digits[index + 1]) else { return nil }
+            bytes.append(high << 4 | low)
+        }
+        return bytes
+    }
+}
+
 /// A QUIC-LB configuration that cannot be used, or input that does not fit it.
 public enum QUICLBError: Error, Equatable, CustomStringConvertible {
     case invalid(String)

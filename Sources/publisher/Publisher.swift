@@ -403,14 +403,7 @@ struct QUICTraffic {
         return QUICTraffic(ids: ids, serverIDCount: servers.count)
     }
 
-    static func hexOctets(_ text: String) -> [UInt8]? {
-        let digits = Array(text.utf8)
-        guard !digits.isEmpty, digits.count % 2 == 0, text.allSatisfy(\.isHexDigit) else { return nil }
-        return try? stride(from: 0, to: digits.count, by: 2).map { index throws(ValidationError) -> UInt8 in
-            guard let value = UInt8(String(decoding: digits[index..<index + 2], as: UTF8.self), radix: 16) else { throw ValidationError("") }
-            return value
-        }
-    }
+    static func hexOctets(_ text: String) -> [UInt8]? { QUICLBConfiguration.octets(hex: text) }
 
     /// Packet `index`: a short header (0x40), its connection ID, zeros to `size`.
     func write(into buffer: UnsafeMutableRawPointer, size: Int, index: Int) -> Int {

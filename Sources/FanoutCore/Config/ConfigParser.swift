@@ -250,26 +250,8 @@ public enum ConfigParser {
         init(_ description: String) { self.description = description }
     }
 
-    /// Octets from hexadecimal digits (an even number of them, no prefix); nil otherwise.
-    static func hexBytes(_ text: String) -> [UInt8]? {
-        let digits = Array(text.utf8)
-        guard !digits.isEmpty, digits.count % 2 == 0 else { return nil }
-        var bytes: [UInt8] = []
-        for index in stride(from: 0, to: digits.count, by: 2) {
-            guard let high = hexValue(digits[index]), let low = hexValue(digits[index + 1]) else { return nil }
-            bytes.append(high << 4 | low)
-        }
-        return bytes
-    }
-
-    private static func hexValue(_ digit: UInt8) -> UInt8? {
-        switch digit {
-        case UInt8(ascii: "0")...UInt8(ascii: "9"): return digit - UInt8(ascii: "0")
-        case UInt8(ascii: "a")...UInt8(ascii: "f"): return digit - UInt8(ascii: "a") + 10
-        case UInt8(ascii: "A")...UInt8(ascii: "F"): return digit - UInt8(ascii: "A") + 10
-        default: return nil
-        }
-    }
+    /// Octets from hexadecimal digits (``QUICLBConfiguration/octets(hex:)``).
+    static func hexBytes(_ text: String) -> [UInt8]? { QUICLBConfiguration.octets(hex: text) }
 
     /// One entry of a listener's `pools` (replication; docs/replication.md).
     static func pool(_ node: YAMLNode, path: String) throws(ConfigError) -> Pool {
