@@ -15,6 +15,8 @@ public enum BPFObject: Sendable, CaseIterable {
     case xdpFanout
     /// `bpf/map_count.bpf.c`: a map iterator that counts the entries of nat listeners' association maps.
     case mapCount
+    /// `bpf/fanout_quic_keys.bpf.c`: the syscall program that puts quic_lb keys into tc_fanout's key map.
+    case quicKeys
 
     /// The name of the object file the plugin compiles (`tc_fanout.bpf.o`).
     public var fileName: String {
@@ -24,6 +26,7 @@ public enum BPFObject: Sendable, CaseIterable {
         case .xdpSteer: return "xdp_steer.bpf.o"
         case .xdpFanout: return "xdp_fanout.bpf.o"
         case .mapCount: return "map_count.bpf.o"
+        case .quicKeys: return "fanout_quic_keys.bpf.o"
         }
     }
 
@@ -35,6 +38,7 @@ public enum BPFObject: Sendable, CaseIterable {
         case .xdpSteer: return Base64.decode(EmbeddedBPF.xdpSteer)
         case .xdpFanout: return Base64.decode(EmbeddedBPF.xdpFanout)
         case .mapCount: return Base64.decode(EmbeddedBPF.mapCount)
+        case .quicKeys: return Base64.decode(EmbeddedBPF.fanoutQuicKeys)
         }
     }
 }

@@ -3,4 +3,5 @@
 #define CLIBBPF_SHIM_H
 #include <bpf/bpf.h>
 #include <bpf/libbpf.h>
+#include <bpf/btf.h>
 #endif

@@ -36,8 +36,15 @@ struct QUICEndToEndTests {
         Layout(serverIDLength: 8, nonceLength: 8, key: "fdf726a9893ec05c0632d3956680baf0"),
     ]
 
-    /// A relay listener on the VIP over servers 1...count; `layout` nil: source-IP balancing alone.
-    static func config(servers count: Int, layout: Layout?) -> String {
+    /// A two-way listener on the VIP over servers 1...count (a relay, or tc_ebpf or xdp nat at
+    /// the clients' interface); `layout` nil: source-IP balancing alone.
+    static func config(servers count: Int, layout: Layout?, path: TwoWayEndToEndTests.Path = .relay, topology: TwoWayTopology? = nil) -> String {
+        let mode: String
+        switch path {
+        case .relay: mode = "    mode: userspace\n    replies: relay"
+        case .nat: mode = "    interface: \(topology?.clientInterface ?? "")\n    mode: tc_ebpf\n    replies: nat"
+        case .xdp: mode = "    interface: \(topology?.clientInterface ?? "")\n    mode: xdp\n    replies: nat"
+        }
         let downstreams = (1...count).map { n in
             "      - {name: s\(n), address: \"\(TwoWayTopology.serverAddress(n)):\(port)\"\(layout.map { ", server_id: \"\($0.serverID(n))\"" } ?? "")}"
         }.joined(separator: "\n")
@@ -48,8 +55,7 @@ struct QUICEndToEndTests {
             listeners:
               - name: quic
                 bind: "\(TwoWayTopology.vip()):\(port)"
-                mode: userspace
-                replies: relay
+            \(mode)
                 balancing: source_ip
             \(quic)    downstream:
             \(downstreams)
@@ -121,6 +127,47 @@ struct QUICEndToEndTests {
         print("QUIC servers (\(layout)): \(totals)")
         #expect(totals.map { $0.int("migrated_connections") }.reduce(0, +) == 12, "\(totals)")
         #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 && $0.int("cids_not_quic_lb") == 0 }, "\(totals)")
+    }
+
+    @Test("tc_ebpf and xdp nat with quic_lb: 12 connections migrate mid-transfer, all complete on their server; each datagram of a known ID routed in the kernel",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp], layouts)
+    func kernelRoutesMigrations(path: TwoWayEndToEndTests.Path, layout: Layout) throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        let servers = try Self.servers(topology, layout: layout)
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, path, Self.config(servers: 3, layout: layout, path: path, topology: topology))
+        let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
+        #expect(report.int("connections") == 12 && report.int("completed") == 12 && report.int("migrated") == 12, "\(path) \(layout): \(report)")
+        #expect(Self.failures(report) == 0, "\(report)")
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
+        let labels = "listener=\"quic\",mode=\"\(path == .nat ? "tc_ebpf" : "xdp")\""
+        func outcome(_ name: String) -> Int? { Self.value(text, "udp_fanout_quic_lb_datagrams_total{\(labels),outcome=\"\(name)\"}") }
+        // The kernel decides every datagram: each connection's Initials fall back (a
+        // retransmitted one adds one), everything after them carries a server's ID (each
+        // connection sends at least its Handshake and acknowledgements from both addresses).
+        #expect((outcome("fallback") ?? 0) >= 12 && (outcome("routed") ?? 0) >= 12 * 3, "\(text)")
+        #expect(outcome("unknown_server_id") == 0 && outcome("undecodable") == 0, "\(text)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers (\(path), \(layout)): \(totals)")
+        #expect(totals.map { $0.int("migrated_connections") }.reduce(0, +) == 12, "\(totals)")
+        #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 && $0.int("cids_not_quic_lb") == 0 }, "\(totals)")
+    }
+
+    @Test("tc_ebpf and xdp nat with source-IP balancing alone: the same migrations reach other servers; connections fail",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp])
+    func kernelSourceIPBreaksMigrations(path: TwoWayEndToEndTests.Path) throws {
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        let servers = try Self.servers(topology, layout: Self.layouts[0])
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, path, Self.config(servers: 3, layout: nil, path: path, topology: topology))
+        let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
+        #expect(report.int("migrated") == 12, "\(report)")
+        #expect(report.int("completed") < 12 && Self.failures(report) > 0, "source-IP balancing kept every migrated connection: \(report)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers (\(path), source_ip): \(totals)")
+        #expect(totals.map { $0.int("stray_datagrams") }.reduce(0, +) > 0, "\(totals)")
     }
 
     @Test("relay with quic_lb: a server taken out by a reload and back a second later gets its connections back; each completes")

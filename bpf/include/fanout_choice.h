@@ -90,6 +90,13 @@ static __always_inline int choose(struct fanout_listener *listener, struct packe
 	return 1;
 }
 
+static __always_inline int same_backend(struct fanout_association *associated, struct fanout_backend *backend)
+{
+	return associated->addr[0] == backend->addr[0] && associated->addr[1] == backend->addr[1] &&
+	       associated->addr[2] == backend->addr[2] && associated->addr[3] == backend->addr[3] &&
+	       associated->port == backend->port;
+}
+
 /* What choose_associated did to the listener's association map (counted once the listener's
  * stats are at hand). */
 enum association_event {
@@ -99,14 +106,16 @@ enum association_event {
 };
 
 /* A nat listener's backend for this client: its association while that backend is live for
- * this listener, else a new choice by the listener's balancing, remembered. */
+ * this listener, else a new choice by the listener's balancing, remembered. `routed`: quic_lb
+ * chose `chosen` by connection ID, and the client is associated with it whatever it was before
+ * (a client whose ID names another backend moves there: its server is there). */
 static __always_inline int choose_associated(struct fanout_listener *listener, struct packet *p,
-					     struct fanout_backend *chosen, __u32 *event)
+					     struct fanout_backend *chosen, __u32 *event, int routed)
 {
 	__u32 id = listener->id;
 	void *associations = bpf_map_lookup_elem(&FANOUT_MAP_ASSOCIATIONS, &id);
 	if (!associations)
-		return choose(listener, p, chosen); /* not set up (yet): one-way */
+		return routed || choose(listener, p, chosen); /* not set up (yet): one-way */
 	struct fanout_association_key key = {};
 	__builtin_memcpy(key.addr, p->saddr, sizeof(key.addr));
 	key.port = p->sport;
@@ -114,7 +123,10 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 	struct fanout_association *associated = bpf_map_lookup_elem(associations, &key);
 	__u32 happened = ASSOCIATION_CREATED;
 	__u16 drained_slot = 0;
-	if (associated) {
+	if (associated && routed) {
+		if (same_backend(associated, chosen))
+			return 1;
+	} else if (associated) {
 		struct fanout_live_key live_key = {};
 		__builtin_memcpy(live_key.addr, associated->addr, sizeof(live_key.addr));
 		live_key.port = associated->port;
@@ -132,9 +144,10 @@ static __always_inline int choose_associated(struct fanout_listener *listener, s
 			if (live->state == FANOUT_LIVE_DRAINING)
 				drained_slot = live->counter_slot + 1;
 		}
-		happened = ASSOCIATION_MOVED;
 	}
-	if (!choose(listener, p, chosen))
+	if (associated)
+		happened = ASSOCIATION_MOVED;
+	if (!routed && !choose(listener, p, chosen))
 		return 0;
 	struct fanout_association value = {};
 	__builtin_memcpy(value.addr, chosen->addr, sizeof(value.addr));

@@ -29,6 +29,7 @@
 #include "fanout_choice.h"
 #include "fanout_nat.h"
 #include "fanout_templates.h"
+#include "fanout_quic.h"
 
 #if !defined(FANOUT_CTX) || !defined(FANOUT_ACT_DROP)
 #error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
@@ -54,6 +55,7 @@ struct fanout_decision {
 	__u8 wrong_server;
 	__u8 drained;
 	__u8 new_association;
+	__u8 quic;          /* enum fanout_quic_outcome, counted where the hook finishes it */
 	__u32 event;        /* enum association_event */
 	__u32 reply_moved;
 	/* FANOUT_VERDICT_FORWARDED, or for a later fragment what became of its first fragment at
@@ -125,6 +127,7 @@ static __always_inline void count_received(struct fanout_decision *c)
 /* Left (`action`) with `verdict`, counted, per backend too. */
 static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int action)
 {
+	count_quic(c->id, c->quic);
 	__u32 length = hook_sent_length(c);
 	struct fanout_stats *stats = c->stats;
 	struct fanout_backend_stats *per_backend = backend_stats(c->id, c->backend.counter_slot);
@@ -173,10 +176,19 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			action = hook_admit(c, listener);
 			if (action != FANOUT_GO_ON)
 				return action;
+			/* quic_lb: the backend the connection ID names, before the policy and the
+			 * association (a client that moved its address keeps its server). */
+			int routed = 0;
+			if (listener->reserved & FANOUT_LISTENER_QUIC) {
+				c->quic = fanout_quic_route(c->ctx, &c->p, listener->id * 2 + (listener->generation & 1), &c->backend);
+				if (c->quic == FANOUT_QUIC_ENCRYPTED)
+					c->quic = fanout_quic_decrypt(&c->backend);
+				routed = c->quic == FANOUT_QUIC_ROUTED;
+			}
 			if (listener->reserved & FANOUT_LISTENER_NAT)
-				c->chosen = choose_associated(listener, &c->p, &c->backend, &c->event);
+				c->chosen = choose_associated(listener, &c->p, &c->backend, &c->event, routed);
 			else
-				c->chosen = choose(listener, &c->p, &c->backend);
+				c->chosen = routed || choose(listener, &c->p, &c->backend);
 			hook_chosen(c, listener);
 			if (listener->reserved & FANOUT_LISTENER_TEMPLATES)
 				fanout_capture_templates(c->ctx, &c->p, c->id);
@@ -222,6 +234,7 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	c.length = length;
 	c.chosen = 1;
 	c.event = ASSOCIATION_KEPT;
+	c.quic = FANOUT_QUIC_NONE;
 	c.own_verdict = FANOUT_VERDICT_FORWARDED;
 	int action = hook_parse(&c);
 	if (action != FANOUT_GO_ON)
@@ -308,6 +321,7 @@ drop:
 	}
 	count_received(&c);
 	count(c.stats, c.reply, verdict);
+	count_quic(c.id, c.quic);
 	return FANOUT_ACT_DROP;
 }
 

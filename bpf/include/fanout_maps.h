@@ -17,6 +17,7 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "fanout_shared.h"
+#include "fanout_quic_keys.h" /* the quic_lb keys map, shared with bpf/fanout_quic_keys.bpf.c */
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -98,6 +99,30 @@ struct {
 	__type(key, __u32);
 	__type(value, struct fanout_nat);
 } FANOUT_MAP_NAT SEC(".maps");
+
+/* quic_lb (fanout_quic.h): configurations by set key, server IDs of the sets' backends, the keys
+ * (fanout_quic_keys.h) and the outcomes by listener id. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS * 2);
+	__type(key, __u32);
+	__type(value, struct fanout_quic_configs);
+} FANOUT_MAP_QUIC_CONFIGS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, FANOUT_QUIC_ID_ENTRIES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct fanout_quic_id_key);
+	__type(value, __u32);
+} FANOUT_MAP_QUIC_IDS SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__type(value, struct fanout_quic_stats);
+} FANOUT_MAP_QUIC_STATS SEC(".maps");
 
 const volatile struct fanout_tc_options FANOUT_OPTIONS = {};
 

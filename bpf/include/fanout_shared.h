@@ -166,6 +166,11 @@ struct fanout_xfwd_passed {
  * FANOUT_MAP_TEMPLATES (fanout_templates.h); the datagram itself is forwarded as any other. */
 #define FANOUT_LISTENER_TEMPLATES 2u
 
+/* The listener routes QUIC datagrams by connection ID (`quic_lb`, fanout_quic.h): a datagram
+ * whose destination connection ID carries the server ID of a backend in the listener's set goes
+ * to that backend (a nat listener's client is associated with it); the rest by the policy. */
+#define FANOUT_LISTENER_QUIC 4u
+
 /* fanout_fragment.direction */
 #define FANOUT_DIRECTION_FORWARD 0 /* client to backend: destination rewritten */
 #define FANOUT_DIRECTION_REPLY   1 /* backend to client: source rewritten to the listener's */
@@ -440,6 +445,82 @@ struct fanout_map_count {
 	__u32 id;
 	__u32 pad;
 	__s64 entries;
+};
+
+/* QUIC-LB (`quic_lb`, bpf/include/fanout_quic.h; draft-ietf-quic-load-balancers). Each map is
+ * keyed by a listener's set key (id * 2 + generation): userspace writes the inactive generation's
+ * configurations, server IDs and keys with its set, and the flip of the listener entry puts them
+ * in force together. They are handed to the next process with the other maps when it has them
+ * (a previous process without them had no quic_lb listener in the kernel), so FANOUT_MAPS_LAYOUT
+ * stays. */
+#define FANOUT_MAP_QUIC_CONFIGS      fanout_quicc
+#define FANOUT_MAP_QUIC_CONFIGS_NAME "fanout_quicc"
+#define FANOUT_MAP_QUIC_IDS          fanout_quicid
+#define FANOUT_MAP_QUIC_IDS_NAME     "fanout_quicid"
+/* The AES-128 keys: an ARRAY by set key * FANOUT_QUIC_CONFIGS + config ID of kernel crypto
+ * contexts (struct bpf_crypto_ctx, ecb(aes)), made by the syscall program of
+ * bpf/fanout_quic_keys.bpf.c (FANOUT_PROG_QUIC_KEYS) from struct fanout_quic_key_args. */
+#define FANOUT_MAP_QUIC_KEYS         fanout_quick
+#define FANOUT_MAP_QUIC_KEYS_NAME    "fanout_quick"
+/* Per-CPU, by listener id: struct fanout_quic_stats (not handed over: a restart counts anew). */
+#define FANOUT_MAP_QUIC_STATS        fanout_quicst
+#define FANOUT_MAP_QUIC_STATS_NAME   "fanout_quicst"
+#define FANOUT_PROG_QUIC_KEYS        fanout_quic_key
+#define FANOUT_PROG_QUIC_KEYS_NAME   "fanout_quic_key"
+
+/* Config IDs (the top three bits of a connection ID's first octet); 7 is never configured. */
+#define FANOUT_QUIC_CONFIGS 8
+/* Server IDs of every set generation of every listener at once. */
+#define FANOUT_QUIC_ID_ENTRIES (FANOUT_MAX_LISTENERS * 2 * FANOUT_MAX_BACKENDS)
+#define FANOUT_QUIC_KEY_ENTRIES (FANOUT_MAX_LISTENERS * 2 * FANOUT_QUIC_CONFIGS)
+
+/* fanout_quic_config.cipher */
+#define FANOUT_QUIC_PLAINTEXT   0
+#define FANOUT_QUIC_SINGLE_PASS 1 /* server ID + nonce 16 octets: one AES-128 block */
+#define FANOUT_QUIC_FOUR_PASS   2 /* otherwise: the four-pass Feistel network */
+
+/* One config ID of a listener's set generation; server_id_length 0: none under this ID. */
+struct fanout_quic_config {
+	__u8 server_id_length; /* 1..15 */
+	__u8 nonce_length;     /* 4..18, with the server ID at most 19 */
+	__u8 cipher;           /* FANOUT_QUIC_* */
+	__u8 pad;
+};
+
+/* Value of FANOUT_MAP_QUIC_CONFIGS, by set key. */
+struct fanout_quic_configs {
+	struct fanout_quic_config configs[FANOUT_QUIC_CONFIGS];
+};
+
+/* Key of FANOUT_MAP_QUIC_IDS (a hash; the value is the backend's index in that set, __u32): a
+ * set key and a server ID, zero-padded. */
+struct fanout_quic_id_key {
+	__u32 set;
+	__u8 server_id[16];
+};
+
+/* What the program made of a quic_lb listener's datagram: the metric's `outcome`. */
+enum fanout_quic_outcome {
+	FANOUT_QUIC_ROUTED = 0,            /* its connection ID names a backend of the set */
+	FANOUT_QUIC_FALLBACK = 1,          /* a client-chosen ID (Initial, 0-RTT) naming none */
+	FANOUT_QUIC_UNKNOWN_SERVER_ID = 2, /* a server-chosen ID naming no backend of the set */
+	FANOUT_QUIC_UNDECODABLE = 3,       /* not readable as QUIC of a configured config ID */
+	FANOUT_QUIC_OUTCOMES = 4,
+	FANOUT_QUIC_ENCRYPTED = 254,       /* (in the program: the ID is read, to be decrypted) */
+	FANOUT_QUIC_NONE = 255,            /* not a quic_lb listener's datagram */
+};
+
+struct fanout_quic_stats {
+	__u64 outcomes[FANOUT_QUIC_OUTCOMES];
+};
+
+/* The context of FANOUT_PROG_QUIC_KEYS (BPF_PROG_TEST_RUN's ctx_in): puts an ecb(aes) context
+ * of `key` into FANOUT_MAP_QUIC_KEYS at `slot`, or empties the slot (`clear`). The run's
+ * return value is 0 or a negative errno (bpf_crypto_ctx_create's). */
+struct fanout_quic_key_args {
+	__u32 slot;
+	__u32 clear;
+	__u8 key[16];
 };
 
 #endif /* FANOUT_SHARED_H */

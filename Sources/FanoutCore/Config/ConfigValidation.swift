@@ -307,7 +307,7 @@ extension FanoutConfig {
             }
         } else {
             guard routes else {
-                throw fail("\(path).quic_lb", "routing by QUIC connection ID is not available in mode \(listener.mode.rawValue) in this release (it is in userspace, relay and af_xdp): remove quic_lb or choose one of those modes (docs/quic.md)")
+                throw fail("\(path).quic_lb", "routing by QUIC connection ID is not available in mode \(listener.mode.rawValue) in this release: remove quic_lb or choose a mode that has it (docs/quic.md lists them)")
             }
             var configIDs = Set<UInt8>()
             for (position, configuration) in listener.quicLB.enumerated() {

@@ -172,7 +172,7 @@ final class TCDataplane: Sendable {
         } else {
             do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
         }
-        for (name, fd) in zip(TCProgram.mapNames, program.mapDescriptors) {
+        for (name, fd) in zip(TCProgram.mapNames + TCProgram.optionalMapNames, program.mapDescriptors + program.optionalMapDescriptors) {
             descriptors.replace(DescriptorStore.tcMapName(name), with: [fd])
         }
         return program
@@ -182,7 +182,7 @@ final class TCDataplane: Sendable {
     /// could not be used: another layout, or some maps missing.
     private func handedOverMaps() -> (maps: [String: Int32], problem: String?) {
         var maps: [String: Int32] = [:]
-        for name in TCProgram.mapNames {
+        for name in TCProgram.mapNames + TCProgram.optionalMapNames {
             var fds = descriptors.take(DescriptorStore.tcMapName(name))
             guard !fds.isEmpty else { continue }
             maps[name] = fds.removeFirst()
@@ -198,7 +198,7 @@ final class TCDataplane: Sendable {
             let layouts = Set(others.keys.compactMap { $0.dropFirst(DescriptorStore.tcMapPrefix.count).split(separator: ".").first }).sorted()
             return ([:], "tc_ebpf: the previous process's maps have layout \(layouts.joined(separator: ", ")), this program \(FANOUT_MAPS_LAYOUT): counters, rotations, fragment state and nat associations start anew (the link is still taken over: no datagram meets an empty hook)")
         }
-        if !maps.isEmpty && maps.count < TCProgram.mapNames.count {
+        if !maps.isEmpty && TCProgram.mapNames.contains(where: { maps[$0] == nil }) {
             for (name, fd) in maps {
                 close(fd)
                 descriptors.remove(DescriptorStore.tcMapName(name))
@@ -567,7 +567,7 @@ final class TCDataplane: Sendable {
             if handingOver {
                 handOverNeighbours(Array(Set(state.neighbours.keys).union(state.inheritedNeighbours)))
             } else {
-                for name in TCProgram.mapNames { descriptors.remove(DescriptorStore.tcMapName(name)) }
+                for name in TCProgram.mapNames + TCProgram.optionalMapNames { descriptors.remove(DescriptorStore.tcMapName(name)) }
                 descriptors.remove(DescriptorStore.tcNeighboursName)
             }
             state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
@@ -657,6 +657,11 @@ final class TCListener: RunningListener {
         var pools: [String: PoolLive] = [:]
         /// The managed neighbour entries held for the pools' members (``TCDataplane/holdNeighbours(for:)``).
         var neighbours: [TCDataplane.Neighbour] = []
+        /// quic_lb: the key slots holding a key, by set generation (taken out when that
+        /// generation is written again without them, or the listener stops).
+        var quicKeySlots: [UInt32: [UInt32]] = [:]
+        /// quic_lb was on in some plan of this listener: its outcomes are shown.
+        var quicShown = false
     }
     /// A replication pool in the program's maps: its own id (sets, rotation, counters), the set
     /// generation the listener entry points at (its `sources` are under id * 2 + generation), its
@@ -804,12 +809,13 @@ final class TCListener: RunningListener {
         do throws(TCError) {
             if let templates { try dataplane.followTemplates(id: id, templates) }
             try pools(adopting: registered.adopted)
-            try apply(downstreams: config.downstreams, balancing: config.balancing, pools: config.pools.map { ($0, $0.downstreams) })
+            try apply(downstreams: config.downstreams, balancing: config.balancing, quicLB: config.quicLB, pools: config.pools.map { ($0, $0.downstreams) })
         } catch {
             if templates != nil { dataplane.stopFollowingTemplates(id: id) }
             if registered.adopted == nil {
                 program.removeListener(config.bind, ifindex: ifindex, id: id)
                 releaseNAT()
+                releaseQUIC()
             } else if let associationMap {
                 // The previous process's entry, sets and associations stay: its plan still forwards.
                 close(associationMap)
@@ -874,7 +880,9 @@ final class TCListener: RunningListener {
     ///   (members health took out: their counters go on when they come back).
     /// - Parameter pools: the replication pools with their available members: each gets its sets
     ///   and `sources` written under the inactive generation, flipped with the listener's entry.
-    private func apply(downstreams: [Downstream], balancing: Balancing, pools: [(Pool, [Downstream])], keeping: Set<String> = []) throws(TCError) {
+    /// - Parameter quicLB: the listener's QUIC-LB configurations (empty: off), written for the
+    ///   inactive generation with the server IDs of `downstreams` and flipped with the entry.
+    private func apply(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [(Pool, [Downstream])], keeping: Set<String> = []) throws(TCError) {
         let nat = config.replies == .nat
         let (held, leaving) = live.withLock { ($0.replyInterfaces, Array($0.liveBackends.keys) + Array($0.draining.keys) + $0.gone) }
         // Also where the draining and gone backends' datagrams arrive: relayed, or counted.
@@ -929,11 +937,12 @@ final class TCListener: RunningListener {
                 let generation = live.generation.map { $0 ^ 1 } ?? 0
                 let set = BackendSet(downstreams: downstreams, balancing: balancing, slots: slots)
                 try program.writeSet(id: id, generation: generation, set)
+                try writeQUIC(generation: generation, quicLB: quicLB, downstreams: downstreams, in: &live)
                 var entry = fanout_listener()
                 entry.id = id
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
-                entry.reserved = (nat ? FANOUT_LISTENER_NAT : 0) | (templates != nil ? FANOUT_LISTENER_TEMPLATES : 0)
+                entry.reserved = (nat ? FANOUT_LISTENER_NAT : 0) | (templates != nil ? FANOUT_LISTENER_TEMPLATES : 0) | (quicLB.isEmpty ? 0 : FANOUT_LISTENER_QUIC)
                 let prepared = try preparePools(pools, keeping: keeping, newIDs: &newPoolIDs, in: &live)
                 entry.pool_count = UInt32(prepared.count)
                 withUnsafeMutableBytes(of: &entry.pools) { raw in
@@ -997,6 +1006,35 @@ final class TCListener: RunningListener {
             return live.neighbours
         })
         warnUnroutable(downstreams + pools.flatMap { $0.1 })
+    }
+
+    /// quic_lb for set generation `generation` (not in force yet): its configurations, each
+    /// downstream's server ID at its index in the set, and the keys (made by the kernel; a key
+    /// slot this generation no longer uses is emptied). What an earlier change left under this
+    /// generation is taken out first.
+    private func writeQUIC(generation: UInt32, quicLB: [QUICLBConfiguration], downstreams: [Downstream], in live: inout Live) throws(SystemCallError) {
+        let setKey = id * 2 + generation
+        let held = live.quicKeySlots[generation] ?? []
+        program.clearQUICIDs(setKey: setKey)
+        try program.writeQUICConfigs(setKey: setKey, quicLB)
+        var keySlots: [UInt32] = []
+        for configuration in quicLB {
+            guard let key = configuration.key else { continue }
+            let slot = setKey * UInt32(FANOUT_QUIC_CONFIGS) + UInt32(configuration.configID)
+            do throws(SystemCallError) { try program.setQUICKey(slot: slot, key) } catch {
+                live.quicKeySlots[generation] = Array(Set(held + keySlots + [slot]))
+                throw error
+            }
+            keySlots.append(slot)
+        }
+        for slot in held where !keySlots.contains(slot) { try? program.setQUICKey(slot: slot, nil) }
+        live.quicKeySlots[generation] = keySlots
+        guard !quicLB.isEmpty else { return }
+        live.quicShown = true
+        for (index, downstream) in downstreams.enumerated() {
+            guard let serverID = downstream.serverID else { continue }
+            try program.putQUICID(setKey: setKey, serverID, index: UInt32(index))
+        }
     }
 
     /// A pool made ready for the flip: its record in the listener entry, and its state after it.
@@ -1262,6 +1300,16 @@ final class TCListener: RunningListener {
 
     /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
     /// address, its association map; detaches at its reply interfaces.
+    /// quic_lb: the keys out of the kernel, and the configurations and server IDs out of the
+    /// maps (both generations: the entry naming them is gone).
+    private func releaseQUIC() {
+        let keySlots = live.withLock { live in
+            defer { live.quicKeySlots = [:] }
+            return live.quicKeySlots
+        }
+        for generation: UInt32 in 0...1 { program.clearQUIC(setKey: id * 2 + generation, keySlots: keySlots[generation] ?? []) }
+    }
+
     private func releaseNAT() {
         guard let associationMap else { return }
         let (backends, interfaces) = live.withLock { live in
@@ -1363,7 +1411,7 @@ final class TCListener: RunningListener {
     func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
         do throws(TCError) {
             let own = downstreams.filter { $0.pool == nil }
-            try apply(downstreams: own, balancing: balancing, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
+            try apply(downstreams: own, balancing: balancing, quicLB: quicLB, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
             logger.info("updated \(config.mode.rawValue) downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
             return true
         } catch {
@@ -1385,6 +1433,7 @@ final class TCListener: RunningListener {
         // Only this instance's entry: a successor on the same bind has overwritten it already.
         program.removeListener(config.bind, ifindex: ifindex, id: id)
         releaseNAT()
+        releaseQUIC()
         // Its pools' last counts, and their ids back (no entry names them now).
         let neighbours = live.withLock { live in
             for (name, var pool) in live.pools { releasePool(name, &pool) }
@@ -1510,7 +1559,7 @@ final class TCListener: RunningListener {
             downstreams[name] = (counted.packets, counted.bytes, counted.noRoute &+ counted.tooLarge)
             downstreamDropped[name] = [.noRoute: counted.noRoute, .tooLarge: counted.tooLarge]
         }
-        return ListenerCounters.Snapshot(
+        var snapshot = ListenerCounters.Snapshot(
             received: stats.received, bytesReceived: stats.bytesReceived,
             forwarded: verdict(FANOUT_VERDICT_FORWARDED) + verdict(FANOUT_VERDICT_FORWARDED_NEIGH),
             bytesForwarded: stats.bytesForwarded, noHealthy: verdict(FANOUT_VERDICT_NO_BACKEND), receiveQueueDrops: 0,
@@ -1521,5 +1570,10 @@ final class TCListener: RunningListener {
             ],
             downstreams: downstreams, downstreamDropped: downstreamDropped,
             twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots, retired: retired) : nil)
+        if live.withLock({ $0.quicShown }) {
+            let counts = program.quicCounts(id: id)
+            for (outcome, count) in zip(QUICOutcome.allCases, counts) { snapshot.quic[outcome] = count }
+        }
+        return snapshot
     }
 }

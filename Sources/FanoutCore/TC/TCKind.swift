@@ -15,6 +15,8 @@ struct TCKind: ListenerKind {
     static var bindsPerInterface: Bool { true }
     /// Copies made in the kernel (bpf/include/fanout_pools.h), each keeping the client's source.
     static let replicates = true
+    /// quic_lb in the kernel (bpf/include/fanout_quic.h); encrypted IDs with the BPF crypto kfuncs.
+    static let routesQUIC = true
 
     static func validate(_ listener: Listener, index: Int, path: String, of config: FanoutConfig, localAddresses: Set<IPAddress>) throws(ConfigError) {
         switch listener.settings.output {
@@ -33,6 +35,10 @@ struct TCKind: ListenerKind {
         case .relay: throw SharedChecks.relayNeedsUserspace(path: path, of: config)
         }
         try validateDownstreams(listener.downstreams, of: listener, path: path, config, localAddresses)
+        if let encrypted = listener.quicLB.firstIndex(where: \.isEncrypted), let problem = TCKernelFeatures.quicCryptoProblem {
+            let key = listener.quicLB.count > 1 ? "\(path).quic_lb[\(encrypted)]" : "\(path).quic_lb"
+            throw config.configError(key, "an encrypted QUIC-LB configuration is decrypted in the kernel in mode \(listener.mode.rawValue), and \(problem): use plaintext server IDs (no key), or mode userspace, relay or af_xdp, which decrypt in the process (docs/quic.md)")
+        }
         guard listener.pools.count <= Int(FANOUT_MAX_POOLS) else {
             throw config.configError("\(path).pools", "\(listener.pools.count) pools: \(listener.mode.rawValue) copies to at most \(FANOUT_MAX_POOLS) pools per listener")
         }

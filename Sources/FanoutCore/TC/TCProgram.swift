@@ -31,11 +31,19 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// by listener id (not handed to the next process).
     let templates: Int32
     let templateStats: Int32
+    /// quic_lb (bpf/include/fanout_quic.h): configurations by set key, the sets' server IDs, the
+    /// keys (kernel crypto contexts), and the outcomes by listener id (not handed over).
+    let quicConfigs: Int32
+    let quicIDs: Int32
+    let quicKeys: Int32
+    let quicStats: Int32
+    /// The syscall program that puts keys into ``quicKeys`` (bpf/fanout_quic_keys.bpf.c).
+    let quicKeyProgram: Int32
     let cpus: Int
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, templates, templateStats] }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, quicKeyProgram] }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -46,8 +54,17 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// The maps' descriptors, in ``mapNames`` order.
     var mapDescriptors: [Int32] { Array(descriptors[1...Self.mapNames.count]) }
 
-    /// The maps that start anew with each process: flow_templates' ring buffer and counters.
-    static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME]
+    /// Maps handed over with ``mapNames`` when the previous process had them, made anew when it
+    /// did not (a release before quic_lb in the kernel had no quic_lb listener there): the
+    /// layout of the others stays, so such an upgrade keeps them.
+    static let optionalMapNames = [FANOUT_MAP_QUIC_CONFIGS_NAME, FANOUT_MAP_QUIC_IDS_NAME, FANOUT_MAP_QUIC_KEYS_NAME]
+
+    /// Their descriptors, in ``optionalMapNames`` order.
+    var optionalMapDescriptors: [Int32] { [quicConfigs, quicIDs, quicKeys] }
+
+    /// The maps that start anew with each process: flow_templates' ring buffer and counters,
+    /// and quic_lb's outcomes.
+    static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -60,7 +77,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         options.ipv6_csum_flags = features.ipv6ChecksumFlag ? UInt64(BPF_F_IPV6) : 0
         let owned = try loadEmbeddedObject(
             .tcFanout, program: FANOUT_PROG_TC_NAME,
-            maps: Self.mapNames + Self.ownMapNames,
+            maps: Self.mapNames + Self.optionalMapNames + Self.ownMapNames,
             prepare: { object throws(SystemCallError) in
                 try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
                 for (name, fd) in reusing.sorted(by: { $0.key < $1.key }) {
@@ -75,7 +92,21 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
-        (templates, templateStats) = (owned[11], owned[12])
+        (quicConfigs, quicIDs, quicKeys) = (owned[11], owned[12], owned[13])
+        (templates, templateStats, quicStats) = (owned[14], owned[15], owned[16])
+        let keyMap = owned[13]
+        do throws(SystemCallError) {
+            let keys = try loadEmbeddedObject(.quicKeys, program: FANOUT_PROG_QUIC_KEYS_NAME, maps: [], prepare: { object throws(SystemCallError) in
+                guard let map = bpf_object__find_map_by_name(object, FANOUT_MAP_QUIC_KEYS_NAME) else {
+                    throw SystemCallError(call: "fanout_quic_keys has no map \(FANOUT_MAP_QUIC_KEYS_NAME)", errno: ENOENT)
+                }
+                try libbpfCall("bpf_map__reuse_fd \(FANOUT_MAP_QUIC_KEYS_NAME)") { bpf_map__reuse_fd(map, keyMap) }
+            })
+            quicKeyProgram = keys[0]
+        } catch {
+            for fd in owned { close(fd) }
+            throw error
+        }
         cpus = max(1, Int(libbpf_num_possible_cpus()))
     }
 
@@ -161,6 +192,101 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             buffer.storeBytes(of: entry, toByteOffset: table + index * 2, as: UInt16.self)
         }
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_SETS_NAME)") { bpf_map_update_elem(sets, &key, buffer, UInt64(BPF_ANY)) }
+    }
+
+    // MARK: quic_lb
+
+    /// Writes the quic_lb configurations of set `setKey` (id * 2 + generation): each one's
+    /// layout under its config ID, the others empty.
+    func writeQUICConfigs(setKey: UInt32, _ configurations: [QUICLBConfiguration]) throws(SystemCallError) {
+        var value = fanout_quic_configs()
+        withUnsafeMutableBytes(of: &value.configs) { raw in
+            for configuration in configurations {
+                var entry = fanout_quic_config()
+                entry.server_id_length = UInt8(configuration.serverIDLength)
+                entry.nonce_length = UInt8(configuration.nonceLength)
+                entry.cipher = UInt8(!configuration.isEncrypted ? FANOUT_QUIC_PLAINTEXT : configuration.plaintextLength == 16 ? FANOUT_QUIC_SINGLE_PASS : FANOUT_QUIC_FOUR_PASS)
+                raw.storeBytes(of: entry, toByteOffset: Int(configuration.configID) * MemoryLayout<fanout_quic_config>.stride, as: fanout_quic_config.self)
+            }
+        }
+        var key = setKey
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_QUIC_CONFIGS_NAME)") { bpf_map_update_elem(quicConfigs, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    static func quicIDKey(setKey: UInt32, _ serverID: [UInt8]) -> fanout_quic_id_key {
+        var key = fanout_quic_id_key()
+        key.set = setKey
+        withUnsafeMutableBytes(of: &key.server_id) { raw in
+            for (index, octet) in serverID.prefix(16).enumerated() { raw[index] = octet }
+        }
+        return key
+    }
+
+    /// Server ID `serverID` belongs to the backend at `index` in set `setKey`.
+    func putQUICID(setKey: UInt32, _ serverID: [UInt8], index: UInt32) throws(SystemCallError) {
+        var key = Self.quicIDKey(setKey: setKey, serverID)
+        var value = index
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_QUIC_IDS_NAME)") { bpf_map_update_elem(quicIDs, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// Takes every server ID of set `setKey` out (what an earlier change wrote there).
+    func clearQUICIDs(setKey: UInt32) {
+        var doomed: [fanout_quic_id_key] = []
+        var current: fanout_quic_id_key?
+        while true {
+            var next = fanout_quic_id_key()
+            let found: Int32
+            if var previous = current {
+                found = bpf_map_get_next_key(quicIDs, &previous, &next)
+            } else {
+                found = bpf_map_get_next_key(quicIDs, nil, &next)
+            }
+            guard found == 0 else { break }
+            if next.set == setKey { doomed.append(next) }
+            current = next
+        }
+        for var entry in doomed { bpf_map_delete_elem(quicIDs, &entry) }
+    }
+
+    /// Puts `key` (16 octets; nil: none) under `slot` (set key * FANOUT_QUIC_CONFIGS + config ID)
+    /// through the key program: the kernel makes an ecb(aes) context of it. Fails with the
+    /// kernel's errno (no BPF crypto kfuncs: EOPNOTSUPP; no ecb(aes): ENOENT).
+    func setQUICKey(slot: UInt32, _ key: [UInt8]?) throws(SystemCallError) {
+        var args = fanout_quic_key_args()
+        args.slot = slot
+        args.clear = key == nil ? 1 : 0
+        if let key {
+            withUnsafeMutableBytes(of: &args.key) { raw in
+                for (index, octet) in key.prefix(16).enumerated() { raw[index] = octet }
+            }
+        }
+        let (result, retval) = withUnsafeMutableBytes(of: &args) { raw in
+            withLibbpfOptions(bpf_test_run_opts.self) { options in
+                options.pointee.ctx_in = UnsafeRawPointer(raw.baseAddress)
+                options.pointee.ctx_size_in = UInt32(raw.count)
+                return (bpf_prog_test_run_opts(quicKeyProgram, options), Int32(bitPattern: options.pointee.retval))
+            }
+        }
+        if result != 0 { throw SystemCallError(call: "BPF_PROG_TEST_RUN \(FANOUT_PROG_QUIC_KEYS_NAME)", errno: result == -1 ? errno : -result) }
+        if retval != 0 { throw SystemCallError(call: "bpf_crypto_ctx_create ecb(aes) for a quic_lb key", errno: -retval) }
+    }
+
+    /// Takes set `setKey`'s quic_lb state out: its configurations, server IDs, and the keys in
+    /// `keySlots` (nil: every config ID's; a kernel without the crypto kfuncs has none to take).
+    func clearQUIC(setKey: UInt32, keySlots: [UInt32]?) {
+        var key = setKey
+        var empty = fanout_quic_configs()
+        bpf_map_update_elem(quicConfigs, &key, &empty, UInt64(BPF_ANY))
+        clearQUICIDs(setKey: setKey)
+        for slot in keySlots ?? (0..<UInt32(FANOUT_QUIC_CONFIGS)).map({ setKey * UInt32(FANOUT_QUIC_CONFIGS) + $0 }) {
+            try? setQUICKey(slot: slot, nil)
+        }
+    }
+
+    /// Listener `id`'s quic_lb outcomes (routed, fallback, unknown server ID, undecodable) as the
+    /// program counted them, summed over the CPUs.
+    func quicCounts(id: UInt32) -> [UInt64] {
+        perCPUSum(quicStats, key: id, as: fanout_quic_stats.self)
     }
 
     // MARK: counters
@@ -593,6 +719,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     func resetListener(id: UInt32) {
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
         zeroPerCPU(templateStats, key: id, as: fanout_template_stats.self)
+        zeroPerCPU(quicStats, key: id, as: fanout_quic_stats.self)
+        for generation: UInt32 in 0...1 { clearQUIC(setKey: id * 2 + generation, keySlots: nil) }
         // A per-CPU value takes 8 bytes per CPU in userspace even when it is a u32.
         zeroPerCPU(roundRobin, key: id, as: UInt64.self)
         try? putNAT(id: id, bind: nil)

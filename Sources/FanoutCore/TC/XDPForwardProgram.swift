@@ -43,6 +43,8 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_ASSOCIATIONS_NAME, tc.associations), (FANOUT_MAP_LIVE_NAME, tc.liveBackends), (FANOUT_MAP_NAT_NAME, tc.nat),
             (FANOUT_MAP_POOL_SOURCES_NAME, tc.poolSources),
             (FANOUT_MAP_TEMPLATES_NAME, tc.templates), (FANOUT_MAP_TEMPLATE_STATS_NAME, tc.templateStats),
+            (FANOUT_MAP_QUIC_CONFIGS_NAME, tc.quicConfigs), (FANOUT_MAP_QUIC_IDS_NAME, tc.quicIDs), (FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys),
+            (FANOUT_MAP_QUIC_STATS_NAME, tc.quicStats),
         ]
         let owned = try loadEmbeddedObject(
             .xdpFanout, program: FANOUT_PROG_XFWD_NAME,

@@ -23,6 +23,8 @@ struct XDPKind: ListenerKind {
     static var bindsPerInterface: Bool { true }
     /// The copies are tc's (bpf_clone_redirect): a listener with pools is passed to it, counted `pools`.
     static let replicates = true
+    /// quic_lb in the kernel (bpf/include/fanout_quic.h); encrypted IDs with the BPF crypto kfuncs.
+    static let routesQUIC = true
     /// Its program sits at the interface's XDP hook (and at a nat listener's reply interfaces').
     static let holdsXDPHook = true
 
