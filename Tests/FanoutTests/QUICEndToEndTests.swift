@@ -170,40 +170,43 @@ struct QUICEndToEndTests {
         #expect(totals.map { $0.int("stray_datagrams") }.reduce(0, +) > 0, "\(totals)")
     }
 
-    @Test("relay with quic_lb: a server taken out by a reload and back a second later gets its connections back; each completes")
-    func relayFollowsIDBack() throws {
+    @Test("relay, tc_ebpf and xdp nat with quic_lb: a server taken out by a reload and back a second later gets its connections back; each completes",
+          arguments: [TwoWayEndToEndTests.Path.relay, .nat, .xdp])
+    func followsIDBack(path: TwoWayEndToEndTests.Path) throws {
         let layout = Self.layouts[1]
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
         let servers = try Self.servers(topology, layout: layout)
-        let all = Self.config(servers: 3, layout: layout)
-        let daemon = try TwoWayEndToEndTests.Daemon(topology, .relay, all)
+        let all = Self.config(servers: 3, layout: layout, path: path, topology: topology)
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, path, all)
+        let mode = Self.mode(path)
         // Long transfers without migration: every connection runs while its server leaves and returns.
         let client = try Self.startClients(topology, connections: 8, bytes: 4_000_000, migrate: false, timeout: 30)
-        let started = Probe.waitFor(seconds: 10) { (try? Self.sessions(topology)) ?? 0 >= 8 }
+        let started = Probe.waitFor(seconds: 10) { (try? Self.sessions(topology, mode: mode)) ?? 0 >= 8 }
         #expect(started, "8 sessions")
         // s1 leaves: its sessions move to another server by the balancing (which does not know
         // their connections), then s1 comes back and the sessions follow their IDs to it.
         let without = all.split(separator: "\n").filter { !$0.contains("name: s1,") }.joined(separator: "\n") + "\n"
         try daemon.reload(without)
         // s1's sessions moved away (their next datagrams), then about a second without s1.
-        let movedAway = Probe.waitFor(seconds: 10) { ((try? Self.moved(topology)) ?? 0) > 0 }
+        let movedAway = Probe.waitFor(seconds: 10) { ((try? Self.moved(topology, mode: mode)) ?? 0) > 0 }
         #expect(movedAway, "no session moved away from s1")
         usleep(1_000_000)
         try daemon.reload(all)
         #expect(client.wait(seconds: 60) == 0, "client: \(client.stderr)")
         let report = try client.json()
-        print("quic_migrate_client 8 x 4 MB across a reload: \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        print("quic_migrate_client 8 x 4 MB across a reload (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
         let onS1 = (report["by_connection"] as? [String] ?? []).filter { $0 == "s1" }.count
         #expect(onS1 > 0, "no connection on s1: the test would prove nothing: \(report)")
         #expect(report.int("completed") == 8 && Self.failures(report) == 0, "\(report)")
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
-        let moved = Self.value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"userspace\",event=\"moved\"}") ?? 0
+        print(text.split(separator: "\n").filter { $0.contains("listener=\"quic\"") && !$0.hasSuffix(" 0") }.joined(separator: "\n"))
+        let moved = Self.value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"\(mode)\",event=\"moved\"}") ?? 0
         // Each of s1's sessions moved away, and back by its ID.
         #expect(moved >= 2 * onS1, "\(text)")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         let totals = try servers.map { try $0.stop() }
-        print("QUIC servers across the reload: \(totals)")
+        print("QUIC servers across the reload (\(path)): \(totals)")
     }
 
     @Test("A ReusePortLB group of three aioquic servers on one port: with QUIC-LB every migrated connection completes on its server; a plain source-IP group breaks those whose new address hashes elsewhere")
@@ -274,16 +277,19 @@ struct QUICEndToEndTests {
         #expect(counts == [2000, 2000, 2000], "\(counts)")
     }
 
-    /// The relay's `moved` association events so far.
-    static func moved(_ topology: TwoWayTopology) throws -> Int {
+    /// The `mode` label of a path's listener.
+    static func mode(_ path: TwoWayEndToEndTests.Path) -> String { path == .relay ? "userspace" : path == .nat ? "tc_ebpf" : "xdp" }
+
+    /// The listener's `moved` association events so far.
+    static func moved(_ topology: TwoWayTopology, mode: String = "userspace") throws -> Int {
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
-        return value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"userspace\",event=\"moved\"}") ?? 0
+        return value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"\(mode)\",event=\"moved\"}") ?? 0
     }
 
-    /// The relay's sessions now (udp_fanout_associations).
-    static func sessions(_ topology: TwoWayTopology) throws -> Int {
+    /// The listener's sessions or associations now (udp_fanout_associations).
+    static func sessions(_ topology: TwoWayTopology, mode: String = "userspace") throws -> Int {
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(metricsPort)/metrics"])
-        return value(text, "udp_fanout_associations{listener=\"quic\",mode=\"userspace\"}") ?? 0
+        return value(text, "udp_fanout_associations{listener=\"quic\",mode=\"\(mode)\"}") ?? 0
     }
 
     @Test("relay with source-IP balancing alone: the same migrations reach other servers, which do not know them; connections fail")

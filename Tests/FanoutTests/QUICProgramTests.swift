@@ -171,6 +171,46 @@ struct QUICProgramTests {
         }
     }
 
+    @Test("nat with quic_lb: a migrated client is associated with its ID's backend (moved), and a backend's datagram to a client associated with another leaves (not wrong_server)")
+    func natAssociations() throws {
+        let (fixture, maps) = try TCNATProgramTests.natFixture()
+        defer { maps.forEach { close($0) } }
+        let program = fixture.program
+        let id = TCNATProgramTests.natID
+        let configuration = try QUICLBConfiguration(configID: 1, serverIDLength: 2, nonceLength: 6)
+        let serverIDs: [[UInt8]] = [[0x0a, 0x01], [0x0a, 0x02], [0x0a, 0x03]]
+        try program.writeQUICConfigs(setKey: id * 2, [configuration])
+        for (index, serverID) in serverIDs.enumerated() { try program.putQUICID(setKey: id * 2, serverID, index: UInt32(index)) }
+        try program.putNAT(id: id, bind: TCNATProgramTests.vip, quic: true)
+        var entry = fanout_listener()
+        entry.id = id
+        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        entry.reserved = FANOUT_LISTENER_NAT | FANOUT_LISTENER_QUIC
+        try program.putListener(TCNATProgramTests.vip, ifindex: UInt32(fixture.ifindex), entry)
+        let codec = QUICLBCodec(configuration)
+        let third = try codec.encode(serverID: serverIDs[2], nonce: [1, 2, 3, 4, 5, 6])
+        let before = SocketAddress("198.18.50.7:40000")!, after = SocketAddress("198.18.50.7:40001")!
+        // An Initial by the rotation (the first backend), then the client's ID names the third.
+        let initial = TCNATProgramTests.frame(from: before, to: TCNATProgramTests.vip, payload: Self.longHeader(type: 0, [UInt8](repeating: 0xe1, count: 8)))
+        #expect(try TCNATProgramTests.forwarded(fixture, initial).port == 6001)
+        for client in [before, after] {
+            let frame = TCNATProgramTests.frame(from: client, to: TCNATProgramTests.vip, payload: Self.shortHeader(third))
+            #expect(try TCNATProgramTests.forwarded(fixture, frame).port == 6003, "\(client)")
+        }
+        let nat = program.natStats(id: id)
+        #expect(nat.created == 2 && nat.moved == 1, "the first address moved to the third backend, the second was created there: \(nat)")
+        #expect(program.quicCounts(id: id) == [2, 1, 0, 0])
+        // The first backend answers the first address (now associated with the third): it leaves.
+        let late = TCNATProgramTests.frame(from: SocketAddress("198.18.200.10:6001")!, to: before, payload: [0x41, 9, 9])
+        #expect(fixture.execute(late, ifindex: fixture.otherIfindex).verdict == TCNATProgramTests.redirect)
+        let counted = program.natStats(id: id)
+        #expect(counted.verdict(FANOUT_VERDICT_REPLIED) == 1 && counted.verdict(FANOUT_VERDICT_WRONG_SERVER) == 0, "\(counted)")
+        // Without quic_lb the same datagram is wrong_server (sbulb's rule).
+        try program.putNAT(id: id, bind: TCNATProgramTests.vip, quic: false)
+        #expect(fixture.execute(late, ifindex: fixture.otherIfindex).verdict == TCNATProgramTests.shot)
+        #expect(program.natStats(id: id).verdict(FANOUT_VERDICT_WRONG_SERVER) == 1)
+    }
+
     @Test("a key taken out: encrypted IDs are no longer decrypted (undecodable), plaintext configurations need none; a key slot out of range is refused")
     func keySlots() throws {
         let rig = try Rig()

@@ -64,6 +64,36 @@ struct QUICRoutingTests {
         #expect(Self.problem(Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", extra: "    replies: relay\n")) == nil)
         let afxdp = Self.listener("    quic_lb: {server_id_length: 2, nonce_length: 6}", mode: "af_xdp", extra: "    interface: lo\n")
         #expect(Self.problem(afxdp) == nil, "\(String(describing: Self.problem(afxdp)))")
+        // tc_ebpf and xdp too, encrypted where the kernel has the BPF crypto kfuncs.
+        for mode in ["tc_ebpf", "xdp"] {
+            for quic in ["    quic_lb: {server_id_length: 2, nonce_length: 6}", "    quic_lb: {server_id_length: 2, nonce_length: 6, key: \(Self.key)}"] {
+                let remote = "      - {name: a, address: \"198.18.0.11:4501\", server_id: \"0a01\"}\n      - {name: b, address: \"198.18.0.12:4502\", server_id: \"0a02\"}"
+                let kernel = Self.listener(quic, downstreams: remote, mode: mode, extra: "    interface: lo\n")
+                let problem = Self.problem(kernel)
+                if quic.contains("key:"), TCKernelFeatures.quicCryptoProblem != nil {
+                    #expect(problem?.key == "listeners[0].quic_lb" && problem?.problem.contains("BPF crypto kfunc") == true, "\(String(describing: problem))")
+                } else {
+                    #expect(problem == nil, "\(mode): \(String(describing: problem))")
+                }
+            }
+        }
+    }
+
+    @Test("The kernel's BPF crypto kfuncs are looked up in its BTF: a kfunc it lacks is named as the problem")
+    func cryptoProbe() {
+        #expect(TCKernelFeatures.cryptoProblem(functions: ["bpf_crypto_decrypt", "bpf_crypto_nonexistent_kfunc"])?.contains("no BPF crypto kfunc bpf_crypto_nonexistent_kfunc") == true)
+        // This machine's kernel (6.10 or later) has them.
+        if let release = Self.kernelRelease(), release >= (6, 10) {
+            #expect(TCKernelFeatures.quicCryptoProblem == nil, "\(String(describing: TCKernelFeatures.quicCryptoProblem))")
+        }
+    }
+
+    static func kernelRelease() -> (Int, Int)? {
+        var name = utsname()
+        guard uname(&name) == 0 else { return nil }
+        let release = withUnsafeBytes(of: name.release) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+        let parts = release.split(separator: ".").prefix(2).compactMap { Int($0.prefix { $0.isNumber }) }
+        return parts.count == 2 ? (parts[0], parts[1]) : nil
     }
 
     @Test("Refused, naming the key: each problem a quic_lb listener can have", arguments: [
@@ -71,7 +101,6 @@ struct QUICRoutingTests {
          "      - {name: a, address: \"127.0.0.1:4501\", server_id: \"0a01\"}\n      - {name: b, address: \"127.0.0.1:4502\"}" as String?, "userspace",
          "listeners[0].downstream[1].server_id", "required with quic_lb"),
         ("    quic_lb: {server_id_length: 3, nonce_length: 6}", nil, "userspace", "listeners[0].downstream[0].server_id", "quic_lb's server_id_length is 3"),
-        ("    quic_lb: {server_id_length: 2, nonce_length: 6}", nil, "tc_ebpf", "listeners[0].quic_lb", "not available in mode tc_ebpf"),
         ("    quic_lb: {server_id_length: 12, nonce_length: 8}", nil, "userspace", "listeners[0].quic_lb.nonce_length", "use a nonce_length of at most 7"),
         ("    quic_lb: {server_id_length: 2, nonce_length: 6, key: 00ff}", nil, "userspace", "listeners[0].quic_lb.key", "32 hexadecimal digits"),
         ("    quic_lb: {server_id_length: 2, nonce_length: 6, key_file: /nonexistent/quic.key}", nil, "userspace", "listeners[0].quic_lb.key_file", "cannot read"),

@@ -35,6 +35,8 @@ enum reply_kind {
 	REPLY_DRAINING = 4,     /* from a draining backend to a client it served: leaves from the
 				 * listener's address, associates nothing */
 	REPLY_DRAINED = 5,      /* from a backend whose drain ended: dropped and counted */
+	REPLY_SHARED = 6,       /* a quic_lb listener's live backend to a client associated with
+				 * another live backend (FANOUT_NAT_QUIC): leaves, associates nothing */
 };
 
 /* A datagram that matched no listener: a reply if its source is a live backend of a nat
@@ -84,7 +86,7 @@ static __always_inline int find_reply(struct packet *p, struct fanout_backend *v
 	other.family = p->family;
 	struct fanout_live *other_live = bpf_map_lookup_elem(&FANOUT_MAP_LIVE, &other);
 	if (other_live && other_live->listener_id == listener && other_live->state == FANOUT_LIVE_ACTIVE)
-		return REPLY_WRONG_SERVER;
+		return nat->enabled & FANOUT_NAT_QUIC ? REPLY_SHARED : REPLY_WRONG_SERVER;
 	/* A draining backend makes no new association: its reply leaves, the client stays. */
 	if (draining)
 		return REPLY_DRAINING;

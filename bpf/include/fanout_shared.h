@@ -432,8 +432,16 @@ struct fanout_nat {
 	__u32 addr[4];
 	__u16 port;
 	__u8 family;
-	__u8 enabled;    /* 1 while the listener is a nat listener */
+	__u8 enabled;    /* FANOUT_NAT_ENABLED while the listener is a nat listener, with FANOUT_NAT_QUIC */
 };
+
+#define FANOUT_NAT_ENABLED 1u
+/* The nat listener routes by QUIC connection ID (quic_lb): one client address and port may hold
+ * connections on several backends (a QUIC client can multiplex them over one socket, and a
+ * connection follows its ID, not the client's association), so a live backend's datagram to a
+ * client associated with another one leaves too (fanout_nat.h: REPLY_SHARED), never counted
+ * wrong_server. */
+#define FANOUT_NAT_QUIC 2u
 
 /* Each nat listener's association map is created by userspace with this name and its listener
  * id ("fanout_assoc_7"); bpf/map_count.bpf.c counts the maps with this prefix. */

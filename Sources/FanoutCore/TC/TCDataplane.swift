@@ -662,6 +662,8 @@ final class TCListener: RunningListener {
         var quicKeySlots: [UInt32: [UInt32]] = [:]
         /// quic_lb was on in some plan of this listener: its outcomes are shown.
         var quicShown = false
+        /// nat: whether the nat entry says quic_lb (FANOUT_NAT_QUIC); nil before the first change.
+        var quicNAT: Bool?
     }
     /// A replication pool in the program's maps: its own id (sets, rotation, counters), the set
     /// generation the listener entry points at (its `sources` are under id * 2 + generation), its
@@ -772,7 +774,7 @@ final class TCListener: RunningListener {
         if config.replies == .nat {
             do throws(SystemCallError) {
                 associationMap = try dataplane.associationMap(id: id, listener: config, program: program, adopted: registered.adopted != nil)
-                try program.putNAT(id: id, bind: config.bind)
+                try program.putNAT(id: id, bind: config.bind, quic: !config.quicLB.isEmpty)
             } catch {
                 if registered.adopted == nil { program.resetListener(id: id) }
                 if let front {
@@ -959,6 +961,14 @@ final class TCListener: RunningListener {
                     throw error
                 }
                 live.entry = entry
+                // quic_lb turned on or off by this change: replies follow (after the flip, so a
+                // backend answers a client of another only once datagrams are routed by ID).
+                if nat, (live.quicNAT ?? !config.quicLB.isEmpty) != !quicLB.isEmpty {
+                    do throws(SystemCallError) { try program.putNAT(id: id, bind: config.bind, quic: !quicLB.isEmpty) } catch {
+                        logger.warning("could not mark the nat entry for quic_lb: a backend's datagram to a client associated with another backend is counted wrong_server and dropped until the next change", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+                    }
+                }
+                live.quicNAT = !quicLB.isEmpty
                 commitPools(prepared, in: &live)
                 for (name, slot) in given { retiredNow.append((name, totals(slot: slot))) }
                 for (name, counted) in retiredNow { live.retired[name, default: BackendTotals()].add(counted) }

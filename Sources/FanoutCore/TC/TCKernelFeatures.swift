@@ -50,16 +50,19 @@ extension TCKernelFeatures {
     /// Why this kernel cannot decrypt QUIC-LB connection IDs in tc_ebpf and xdp, nil when it can:
     /// the programs use the BPF crypto kfuncs (`bpf_crypto_decrypt`, Linux 6.10+), found in the
     /// kernel's BTF. Looked up once.
-    static let quicCryptoProblem: String? = {
+    static let quicCryptoProblem: String? = cryptoProblem(functions: ["bpf_crypto_ctx_create", "bpf_crypto_encrypt", "bpf_crypto_decrypt"])
+
+    /// The first of `functions` the kernel's BTF lacks, as the problem; nil when it has them all.
+    static func cryptoProblem(functions: [String]) -> String? {
         guard let btf = btf__load_vmlinux_btf() else {
             return "this kernel's BTF (/sys/kernel/btf/vmlinux) cannot be read, so its BPF crypto kfuncs cannot be found"
         }
         defer { btf__free(btf) }
         let functionKind: UInt32 = 12  // BTF_KIND_FUNC (linux/btf.h; two modules import it)
-        for function in ["bpf_crypto_ctx_create", "bpf_crypto_encrypt", "bpf_crypto_decrypt"]
+        for function in functions
         where btf__find_by_name_kind(btf, function, functionKind) < 0 {
             return "this kernel has no BPF crypto kfunc \(function) (Linux 6.10 and later have them)"
         }
         return nil
-    }()
+    }
 }

@@ -483,14 +483,16 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// Writes (or, with nil, clears) the address a nat listener's replies leave from.
-    func putNAT(id: UInt32, bind: SocketAddress?) throws(SystemCallError) {
+    /// - Parameter quic: the listener routes by QUIC connection ID (FANOUT_NAT_QUIC: a backend
+    ///   may answer a client associated with another).
+    func putNAT(id: UInt32, bind: SocketAddress?, quic: Bool = false) throws(SystemCallError) {
         var key = id
         var value = fanout_nat()
         if let bind {
             value.addr = bind.ip.words
             value.port = bind.port.bigEndian
             value.family = UInt8(bind.ip.family)
-            value.enabled = 1
+            value.enabled = UInt8(FANOUT_NAT_ENABLED | (quic ? FANOUT_NAT_QUIC : 0))
         }
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_NAT_NAME)") { bpf_map_update_elem(nat, &key, &value, UInt64(BPF_ANY)) }
     }
