@@ -133,6 +133,7 @@ struct QUICEndToEndTests {
           arguments: [TwoWayEndToEndTests.Path.nat, .xdp], layouts)
     func kernelRoutesMigrations(path: TwoWayEndToEndTests.Path, layout: Layout) throws {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try Self.servers(topology, layout: layout)
         let daemon = try TwoWayEndToEndTests.Daemon(topology, path, Self.config(servers: 3, layout: layout, path: path, topology: topology))
         let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
@@ -146,6 +147,9 @@ struct QUICEndToEndTests {
         // connection sends at least its Handshake and acknowledgements from both addresses).
         #expect((outcome("fallback") ?? 0) >= 12 && (outcome("routed") ?? 0) >= 12 * 3, "\(text)")
         #expect(outcome("unknown_server_id") == 0 && outcome("undecodable") == 0, "\(text)")
+        // xdp: decided and sent at XDP, not passed to tc.
+        let datagrams = (Self.value(text, "udp_fanout_packets_received_total{\(labels)}") ?? 0) + (Self.value(text, "udp_fanout_replies_total{\(labels)}") ?? 0)
+        TwoWayEndToEndTests.expectFinishedAtXDP(text, path, datagrams: datagrams, listener: "quic")
         daemon.child.signal(SIGTERM)
         #expect(daemon.child.wait() == 0)
         let totals = try servers.map { try $0.stop() }
@@ -154,10 +158,40 @@ struct QUICEndToEndTests {
         #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 && $0.int("cids_not_quic_lb") == 0 }, "\(totals)")
     }
 
+    @Test("tc_ebpf and xdp nat with quic_lb (four-pass): a planned restart while 12 connections transfer and migrate: each completes on its server; the QUIC-LB maps are taken over",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp])
+    func kernelRestart(path: TwoWayEndToEndTests.Path) throws {
+        let layout = Self.layouts[1]
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        try TwoWayEndToEndTests.prepare(topology, path)
+        let servers = try Self.servers(topology, layout: layout)
+        let file = try TCFixtures.write(Self.config(servers: 3, layout: layout, path: path, topology: topology), "quic-restart")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let manager = try ServiceManager(topology.prefix(topology.balancer) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
+        try manager.start()
+        // Transfers long enough that most connections migrate after the restart.
+        let client = try Self.startClients(topology, connections: 12, bytes: 3_000_000, timeout: 30)
+        manager.pump(within: 1)
+        try manager.terminate()
+        try manager.start()
+        for _ in 0..<900 where client.process.isRunning { manager.pump(within: 0.05) }
+        #expect(client.wait(seconds: 40) == 0, "client: \(client.stderr)")
+        let report = try client.json()
+        print("quic_migrate_client 12 x 3 MB across a restart (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        #expect(report.int("completed") == 12 && report.int("migrated") == 12 && Self.failures(report) == 0, "\(report)")
+        let log = manager.output
+        #expect(log.contains("took over the tc_ebpf maps of the previous process"), "\(log)")
+        try manager.stop()
+        let totals = try servers.map { try $0.stop() }
+        print("QUIC servers across the restart (\(path)): \(totals)")
+        #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 }, "\(totals)")
+    }
+
     @Test("tc_ebpf and xdp nat with source-IP balancing alone: the same migrations reach other servers; connections fail",
           arguments: [TwoWayEndToEndTests.Path.nat, .xdp])
     func kernelSourceIPBreaksMigrations(path: TwoWayEndToEndTests.Path) throws {
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try Self.servers(topology, layout: Self.layouts[0])
         let daemon = try TwoWayEndToEndTests.Daemon(topology, path, Self.config(servers: 3, layout: nil, path: path, topology: topology))
         let report = try Self.migrate(topology, connections: 12, bytes: 200_000)
@@ -175,6 +209,7 @@ struct QUICEndToEndTests {
     func followsIDBack(path: TwoWayEndToEndTests.Path) throws {
         let layout = Self.layouts[1]
         let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        try TwoWayEndToEndTests.prepare(topology, path)
         let servers = try Self.servers(topology, layout: layout)
         let all = Self.config(servers: 3, layout: layout, path: path, topology: topology)
         let daemon = try TwoWayEndToEndTests.Daemon(topology, path, all)
@@ -199,7 +234,6 @@ struct QUICEndToEndTests {
         #expect(onS1 > 0, "no connection on s1: the test would prove nothing: \(report)")
         #expect(report.int("completed") == 8 && Self.failures(report) == 0, "\(report)")
         let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
-        print(text.split(separator: "\n").filter { $0.contains("listener=\"quic\"") && !$0.hasSuffix(" 0") }.joined(separator: "\n"))
         let moved = Self.value(text, "udp_fanout_association_events_total{listener=\"quic\",mode=\"\(mode)\",event=\"moved\"}") ?? 0
         // Each of s1's sessions moved away, and back by its ID.
         #expect(moved >= 2 * onS1, "\(text)")

@@ -152,12 +152,12 @@ struct TwoWayEndToEndTests {
 
     /// xdp: nothing of the listener's `datagrams` (both directions) went to tc because XDP could
     /// not send it or finish its checksum (but a finished checksum that looks offloaded by chance).
-    static func expectFinishedAtXDP(_ text: String, _ path: Path, datagrams: Int) {
+    static func expectFinishedAtXDP(_ text: String, _ path: Path, datagrams: Int, listener: String = "tw") {
         guard path == .xdp else { return }
         for reason in ["no_xdp_xmit", "pools", "fragment"] {
-            #expect(metric(text, "udp_fanout_xdp_passed_total", "listener=\"tw\",reason=\"\(reason)\"") == 0, "\(reason): \(text)")
+            #expect(metric(text, "udp_fanout_xdp_passed_total", "listener=\"\(listener)\",reason=\"\(reason)\"") == 0, "\(reason): \(text)")
         }
-        #expect(metric(text, "udp_fanout_xdp_passed_total", "listener=\"tw\",reason=\"checksum_partial\"").map { $0 <= TCFixtures.coincidentalPartials(datagrams) } == true, "\(text)")
+        #expect(metric(text, "udp_fanout_xdp_passed_total", "listener=\"\(listener)\",reason=\"checksum_partial\"").map { $0 <= TCFixtures.coincidentalPartials(datagrams) } == true, "\(text)")
     }
 
     /// A two-way family's value for the listener (with `extra` labels after mode), nil if absent.
