@@ -4,7 +4,10 @@ source-IP balancing, on the same QUIC short-header packets (publisher --quic), i
 - udp-fanout userspace (one worker): CPU per datagram forwarded, quic_lb plaintext, four-pass and
   single-pass AES against balancing: source_ip alone.
 - ReusePortLB: ns per run of the sk_reuseport program in a QUIC-LB group against a plain
-  source-IP group (kernel.bpf_stats_enabled), members joined through the C API."""
+  source-IP group (kernel.bpf_stats_enabled), members joined through the C API.
+- tc_ebpf and xdp: ns per run of fanout_tc / fanout_xfwd (kernel.bpf_stats_enabled) forwarding the
+  same QUIC packets through a namespace topology (client, proxy, three backends), quic_lb
+  plaintext, four-pass and single-pass (the kernel's crypto kfuncs) against source_ip alone."""
 import ctypes
 import os
 import shutil
@@ -118,6 +121,76 @@ def program_run(quic):
         group.leave()
 
 
+KERNEL_DATAGRAMS = int(os.environ.get("BENCH_QUIC_KERNEL_DATAGRAMS", "200000"))
+KERNEL_RUNS = int(os.environ.get("BENCH_QUIC_KERNEL_RUNS", "3"))
+
+
+def kernel_run(topology, work, kind, variant):
+    """ns per run of the kind's program forwarding QUIC short-header packets to 3 backends."""
+    quic, layout, server_ids = VARIANTS[variant]
+    downstreams = "\n".join((f'      - {{name: b{n}, address: "198.18.{n}.2:6000", server_id: "{sid}"}}' if quic else
+                             f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
+                            for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
+    path = os.path.join(work, f"quic-{kind}-{variant}.yaml")
+    with open(path, "w") as f:
+        f.write(f'listeners:\n  - name: quic\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
+                f"    mode: {kind}\n    balancing: source_ip\n" + (f"    quic_lb: {quic}\n" if quic else "")
+                + f"    downstream:\n{downstreams}\n")
+    proc = subprocess.Popen([*common.in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            line = proc.stderr.readline()
+            if not line:
+                raise SystemExit(f"udp-fanout ({kind}, {variant}) exited")
+            if "registered listener in eBPF map" in line:
+                break
+        program = "fanout_tc" if kind == "tc_ebpf" else "fanout_xfwd"
+        before = topology.delivered()
+        with common.BPFStats():
+            common.publish_in(topology, ("198.18.0.1", 5514), KERNEL_DATAGRAMS,
+                              ("--quic", layout, "--server-ids", ",".join(server_ids), "--rate", "200000"))
+            time.sleep(0.2)
+            cost, runs = common.ns_per_run(["name", program])
+        delivered = topology.delivered() - before
+    finally:
+        common.stop_process(proc)
+    return {"ns": cost, "delivered": delivered / KERNEL_DATAGRAMS}
+
+
+def xdp_ends(topology, on):
+    """GRO on the backends' veth ends and the client's checksums computed (tx off): XDP transmits."""
+    for backend, inner in zip(topology.backends, topology.backend_ifs):
+        topology.ns(backend, "ethtool", "-K", inner, "gro", "on" if on else "off")
+    topology.ns(topology.client, "ethtool", "-K", f"cp{topology.proxy_if[2:]}", "tx", "off" if on else "on")
+
+
+def kernel_rows(work):
+    out = []
+    topology = common.Topology()
+    try:
+        for kind in ("tc_ebpf", "xdp"):
+            if kind == "xdp":
+                xdp_ends(topology, True)
+            names = list(VARIANTS)
+            results = {name: [] for name in names}
+            for run in range(KERNEL_RUNS):
+                for name in (names if run % 2 == 0 else list(reversed(names))):
+                    results[name].append(kernel_run(topology, work, kind, name))
+            base = results["source_ip"]
+            peer = common.spread([r["ns"] for r in base])
+            for name in names[1:]:
+                mine = common.spread([r["ns"] for r in results[name]])
+                ratios = common.spread([m["ns"] / b["ns"] for m, b in zip(results[name], base)])
+                program = "fanout_tc" if kind == "tc_ebpf" else "fanout_xfwd"
+                out.append((f"quic_lb {name}: {kind} program cost {program}", "balancing source_ip, same packets",
+                            f"{mine[0]:.1f} ns/run ({mine[1]:.1f}-{mine[2]:.1f})", f"{peer[0]:.1f} ns/run ({peer[1]:.1f}-{peer[2]:.1f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                            f"kernel.bpf_stats_enabled; {KERNEL_DATAGRAMS} datagrams x {KERNEL_RUNS} runs; delivered {min(r['delivered'] for r in results[name]):.4f}"))
+    finally:
+        topology.destroy()
+    return out
+
+
 def rows():
     work = tempfile.mkdtemp(prefix="rplb-quic-bench-")
     try:
@@ -148,6 +221,7 @@ def rows():
         out.append(("ReusePortLB QUIC-LB group: rplb_select", "plain source-IP group, same packets",
                     f"{mine[0]:.1f} ns/run ({mine[1]:.1f}-{mine[2]:.1f})", f"{peer[0]:.1f} ns/run ({peer[1]:.1f}-{peer[2]:.1f})",
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})", "kernel.bpf_stats_enabled; 3 members, plaintext 2-octet server IDs"))
+        out += kernel_rows(work)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
