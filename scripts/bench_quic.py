@@ -132,10 +132,11 @@ def kernel_run(topology, work, kind, variant):
                              f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
                             for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
     path = os.path.join(work, f"quic-{kind}-{variant}.yaml")
+    metrics = 19090  # inside the proxy namespace: its own loopback
     with open(path, "w") as f:
         f.write(f'listeners:\n  - name: quic\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
                 f"    mode: {kind}\n    balancing: source_ip\n" + (f"    quic_lb: {quic}\n" if quic else "")
-                + f"    downstream:\n{downstreams}\n")
+                + f"    downstream:\n{downstreams}\n" + f'metrics: {{enabled: true, bind: "127.0.0.1:{metrics}"}}\n')
     proc = subprocess.Popen([*common.in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True)
     try:
         while True:
@@ -152,8 +153,15 @@ def kernel_run(topology, work, kind, variant):
             time.sleep(0.2)
             cost, runs = common.ns_per_run(["name", program])
         delivered = topology.delivered() - before
+        text = topology.ns(topology.proxy, "curl", "-s", f"http://127.0.0.1:{metrics}/metrics")
+        routed = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("udp_fanout_quic_lb_datagrams_total{") and 'outcome="routed"' in line)
     finally:
         common.stop_process(proc)
+    # Every datagram carries a server's ID: a quic_lb variant that did not route them all would
+    # measure something else (a wrong key falls back to source_ip, counted unknown_server_id).
+    if quic and routed < KERNEL_DATAGRAMS:
+        raise SystemExit(f"bench: {kind} {variant}: {routed:.0f} of {KERNEL_DATAGRAMS} datagrams routed by ID")
     return {"ns": cost, "delivered": delivered / KERNEL_DATAGRAMS}
 
 

@@ -49,7 +49,8 @@ struct BPFObjectCompiler: BuildToolPlugin {
                     "-c", script, "sh", clang.path, source.path, object.path, output.path,
                     includeDirectory.path, identifier,
                 ],
-                inputFiles: [source] + headers,
+                // Every source: one may include another (tc_fanout_plain.bpf.c includes tc_fanout.bpf.c).
+                inputFiles: sources.map { bpfDirectory.appending(path: $0) } + headers,
                 outputFiles: [output])
         }
     }

@@ -17,6 +17,10 @@ public enum BPFObject: Sendable, CaseIterable {
     case mapCount
     /// `bpf/fanout_quic_keys.bpf.c`: the syscall program that puts quic_lb keys into tc_fanout's key map.
     case quicKeys
+    /// `bpf/tc_fanout_plain.bpf.c`, `bpf/xdp_fanout_plain.bpf.c`: the tc and xdp programs without
+    /// the BPF crypto kfuncs (kernels before 6.10: plaintext quic_lb server IDs only).
+    case tcFanoutPlain
+    case xdpFanoutPlain
 
     /// The name of the object file the plugin compiles (`tc_fanout.bpf.o`).
     public var fileName: String {
@@ -27,6 +31,8 @@ public enum BPFObject: Sendable, CaseIterable {
         case .xdpFanout: return "xdp_fanout.bpf.o"
         case .mapCount: return "map_count.bpf.o"
         case .quicKeys: return "fanout_quic_keys.bpf.o"
+        case .tcFanoutPlain: return "tc_fanout_plain.bpf.o"
+        case .xdpFanoutPlain: return "xdp_fanout_plain.bpf.o"
         }
     }
 
@@ -39,6 +45,8 @@ public enum BPFObject: Sendable, CaseIterable {
         case .xdpFanout: return Base64.decode(EmbeddedBPF.xdpFanout)
         case .mapCount: return Base64.decode(EmbeddedBPF.mapCount)
         case .quicKeys: return Base64.decode(EmbeddedBPF.fanoutQuicKeys)
+        case .tcFanoutPlain: return Base64.decode(EmbeddedBPF.tcFanoutPlain)
+        case .xdpFanoutPlain: return Base64.decode(EmbeddedBPF.xdpFanoutPlain)
         }
     }
 }

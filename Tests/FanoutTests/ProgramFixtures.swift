@@ -41,7 +41,8 @@ final class TCProgramFixture {
     var sourceMAC: [UInt8] = []
     let namespaceFD: Int32
 
-    init() throws {
+    /// - Parameter crypto: the program build with the BPF crypto kfuncs, or the plain one.
+    init(crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws {
         for arguments in [
             ["netns", "add", namespace],
             ["-n", namespace, "link", "add", "t0", "type", "veth", "peer", "name", "t1"],
@@ -62,7 +63,7 @@ final class TCProgramFixture {
             _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", setting])
         }
         namespaceFD = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
-        program = try TCProgram()
+        program = try TCProgram(crypto: crypto)
         // Packets arrive on t1; the backends are reached through t0.
         func link(_ name: String) throws -> [String: Any] {
             let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output

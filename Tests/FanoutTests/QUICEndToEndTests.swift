@@ -181,10 +181,48 @@ struct QUICEndToEndTests {
         #expect(report.int("completed") == 12 && report.int("migrated") == 12 && Self.failures(report) == 0, "\(report)")
         let log = manager.output
         #expect(log.contains("took over the tc_ebpf maps of the previous process"), "\(log)")
+        // The second process's own counts: the migrations after the restart were routed by ID.
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
+        let routed = Self.value(text, "udp_fanout_quic_lb_datagrams_total{listener=\"quic\",mode=\"\(Self.mode(path))\",outcome=\"routed\"}") ?? 0
+        #expect(routed > 0, "\(text)")
         try manager.stop()
         let totals = try servers.map { try $0.stop() }
         print("QUIC servers across the restart (\(path)): \(totals)")
         #expect(totals.allSatisfy { $0.int("stray_datagrams") == 0 }, "\(totals)")
+    }
+
+    @Test("tc_ebpf and xdp nat with quic_lb: a server set to weight 0 by a reload keeps its connections past the drain (routed by ID, its replies leave); new connections go to the others",
+          arguments: [TwoWayEndToEndTests.Path.nat, .xdp])
+    func weightZeroKeepsConnections(path: TwoWayEndToEndTests.Path) throws {
+        let layout = Self.layouts[0]
+        let topology = try TwoWayTopology(servers: 3, clientAddresses: 4)
+        try TwoWayEndToEndTests.prepare(topology, path)
+        let servers = try Self.servers(topology, layout: layout)
+        let all = Self.config(servers: 3, layout: layout, path: path, topology: topology)
+            .replacingOccurrences(of: "    balancing: source_ip\n", with: "    balancing: source_ip\n    settings: {drain_secs: 1}\n")
+        let daemon = try TwoWayEndToEndTests.Daemon(topology, path, all)
+        let mode = Self.mode(path)
+        let client = try Self.startClients(topology, connections: 8, bytes: 4_000_000, migrate: false, timeout: 30)
+        let started = Probe.waitFor(seconds: 10) { (try? Self.sessions(topology, mode: mode)) ?? 0 >= 8 }
+        #expect(started, "8 associations")
+        try daemon.reload(all.replacingOccurrences(of: "{name: s1,", with: "{name: s1, weight: 0,"))
+        // Past the drain (1 s): a backend that left the live set would have its replies dropped now.
+        usleep(2_000_000)
+        let fresh = try Self.startClients(topology, connections: 4, bytes: 50_000, migrate: false, timeout: 20)
+        #expect(fresh.wait(seconds: 40) == 0, "fresh clients: \(fresh.stderr)")
+        let newcomers = try fresh.json()
+        #expect(client.wait(seconds: 60) == 0, "client: \(client.stderr)")
+        let report = try client.json()
+        print("quic_migrate_client 8 x 4 MB across s1 set to weight 0 (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines)); afterwards: \(fresh.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        let onS1 = (report["by_connection"] as? [String] ?? []).filter { $0 == "s1" }.count
+        #expect(onS1 > 0, "no connection on s1: the test would prove nothing: \(report)")
+        #expect(report.int("completed") == 8 && Self.failures(report) == 0, "\(report)")
+        #expect(newcomers.int("completed") == 4 && !(newcomers["by_connection"] as? [String] ?? []).contains("s1"), "\(newcomers)")
+        let text = try topology.exec(topology.balancer, ["curl", "-s", "http://127.0.0.1:\(Self.metricsPort)/metrics"])
+        #expect(Self.value(text, "udp_fanout_replies_dropped_total{listener=\"quic\",mode=\"\(mode)\",reason=\"drained\"}") ?? 0 == 0, "\(text)")
+        daemon.child.signal(SIGTERM)
+        #expect(daemon.child.wait() == 0)
+        _ = try servers.map { try $0.stop() }
     }
 
     @Test("tc_ebpf and xdp nat with source-IP balancing alone: the same migrations reach other servers; connections fail",

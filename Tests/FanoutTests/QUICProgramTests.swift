@@ -31,7 +31,8 @@ struct QUICProgramTests {
         var serverID: String
         var nonce: String
         var key: String?
-        var ciphertext: String
+        /// nil: none in the draft for this layout; QUICLBCodec's.
+        var ciphertext: String?
         var description: String { name }
     }
 
@@ -47,6 +48,10 @@ struct QUICProgramTests {
                ciphertext: "5779c9cc86beb3a3a4a3ca96fce4bfe0cdbc"),
         Vector(name: "encryption example", configID: 0, serverID: "31441a", nonce: "9c69c275", key: "fdf726a9893ec05c0632d3956680baf0",
                ciphertext: "67947d29be054a"),
+        // Not the draft's: an even length whose server ID passes the left half (all four passes
+        // and the right half), its connection ID from QUICLBCodec (checked against the draft).
+        Vector(name: "four-pass, even length, server ID past the left half", configID: 4, serverID: "ed793a51d49b8f", nonce: "ee080dbf48",
+               key: key, ciphertext: nil),
     ]
 
     enum Hook: String, CustomStringConvertible, CaseIterable, Sendable {
@@ -59,8 +64,8 @@ struct QUICProgramTests {
         let forward: XDPForwardProgramTests.Rig
         var program: TCProgram { forward.fixture.program }
 
-        init() throws {
-            forward = try XDPForwardProgramTests.Rig()
+        init(crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws {
+            forward = try XDPForwardProgramTests.Rig(crypto: crypto)
             try forward.xdp.serve(id: QUICProgramTests.id, true)
         }
 
@@ -120,9 +125,10 @@ struct QUICProgramTests {
         let serverID = octets(vector.serverID)
         func other(_ last: UInt8) -> [UInt8] { Array(serverID.dropLast()) + [serverID.last! ^ last] }
         try rig.configure(configuration, serverIDs: [other(1), serverID, other(2)])
-        let id = [vector.configID << 5 | UInt8(configuration.plaintextLength)] + octets(vector.ciphertext)
+        let encoded = try QUICLBCodec(configuration).encode(serverID: serverID, nonce: octets(vector.nonce))
+        let id = vector.ciphertext.map { [vector.configID << 5 | UInt8(configuration.plaintextLength)] + octets($0) } ?? encoded
         // The encoder agrees with the draft (QUICLBTests checks it in full).
-        #expect(try QUICLBCodec(configuration).encode(serverID: serverID, nonce: octets(vector.nonce)) == id)
+        #expect(encoded == id)
         for round in 1...3 {
             #expect(rig.port(hook, Self.shortHeader(id)) == 6002, "\(hook) \(vector) datagram \(round)")
         }
@@ -209,6 +215,26 @@ struct QUICProgramTests {
         try program.putNAT(id: id, bind: TCNATProgramTests.vip, quic: false)
         #expect(fixture.execute(late, ifindex: fixture.otherIfindex).verdict == TCNATProgramTests.shot)
         #expect(program.natStats(id: id).verdict(FANOUT_VERDICT_WRONG_SERVER) == 1)
+    }
+
+    @Test("the build without the BPF crypto kfuncs (kernels before 6.10) loads, and routes plaintext IDs in tc and xdp; a key is refused, naming why; an encrypted configuration written anyway is never decrypted",
+          arguments: Hook.allCases)
+    func plainBuild(hook: Hook) throws {
+        let rig = try Rig(crypto: false)
+        #expect(!rig.program.crypto)
+        let plaintext = try QUICLBConfiguration(configID: 0, serverIDLength: 3, nonceLength: 4)
+        try rig.configure(plaintext, serverIDs: [octets("c4605f"), octets("c4605e"), octets("c4605d")])
+        for _ in 1...3 { #expect(rig.port(hook, Self.shortHeader(octets("07c4605e4504cc4f"))) == 6002) }
+        #expect(rig.outcomes == [3, 0, 0, 0], "\(rig.outcomes)")
+        let error = #expect(throws: SystemCallError.self) { try rig.program.setQUICKey(slot: 0, octets(Self.key)) }
+        #expect(error?.errno == EOPNOTSUPP && error?.call.contains("BPF crypto kfuncs") == true, "\(String(describing: error))")
+        // Emptying a slot is nothing to do here.
+        try rig.program.setQUICKey(slot: 0, nil)
+        let encrypted = try QUICLBConfiguration(configID: 2, serverIDLength: 8, nonceLength: 8, key: octets(Self.key))
+        try rig.program.writeQUICConfigs(setKey: Self.id * 2, [encrypted])
+        let id = try QUICLBCodec(encrypted).encode(serverID: octets("ed793a51d49b8f5f"), nonce: octets("ee080dbf48c0d1e5"))
+        #expect(rig.port(hook, Self.shortHeader(id)) != nil)
+        #expect(rig.outcomes == [3, 0, 0, 1], "\(rig.outcomes)")
     }
 
     @Test("a key taken out: encrypted IDs are no longer decrypted (undecodable), plaintext configurations need none; a key slot out of range is refused")

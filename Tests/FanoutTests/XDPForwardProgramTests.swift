@@ -25,8 +25,8 @@ struct XDPForwardProgramTests {
         let fixture: TCProgramFixture
         let xdp: XDPForwardProgram
 
-        init() throws {
-            fixture = try TCProgramFixture()
+        init(crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws {
+            fixture = try TCProgramFixture(crypto: crypto)
             xdp = try XDPForwardProgram(sharing: fixture.program)
             for id in UInt32(0)...4 { try xdp.serve(id: id, true) }
             try xdp.setDevice(UInt32(fixture.otherIfindex), present: true)

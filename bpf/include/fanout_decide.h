@@ -181,8 +181,10 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			int routed = 0;
 			if (listener->reserved & FANOUT_LISTENER_QUIC) {
 				c->quic = fanout_quic_route(c->ctx, &c->p, listener->id * 2 + (listener->generation & 1), &c->backend);
+#ifndef FANOUT_NO_QUIC_CRYPTO
 				if (c->quic == FANOUT_QUIC_ENCRYPTED)
 					c->quic = fanout_quic_decrypt(&c->backend);
+#endif
 				routed = c->quic == FANOUT_QUIC_ROUTED;
 			}
 			if (listener->reserved & FANOUT_LISTENER_NAT)

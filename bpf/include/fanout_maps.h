@@ -17,7 +17,9 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 #include "fanout_shared.h"
+#ifndef FANOUT_NO_QUIC_CRYPTO
 #include "fanout_quic_keys.h" /* the quic_lb keys map, shared with bpf/fanout_quic_keys.bpf.c */
+#endif
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);

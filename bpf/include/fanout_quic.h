@@ -14,6 +14,11 @@
  * where the program finishes the datagram (an xdp program that passes it to tc leaves the count
  * to tc).
  *
+ * Two builds of each program: with the crypto kfuncs (fanout_quic_keys.h: a map of kernel crypto
+ * contexts, a kptr whose type only kernels 6.10+ know, so the map cannot even be made on older
+ * ones), and without (FANOUT_NO_QUIC_CRYPTO: bpf/tc_fanout_plain.bpf.c, xdp_fanout_plain.bpf.c),
+ * loaded where the kernel lacks them: plaintext server IDs only.
+ *
  * Reads the packet through hook_load_bytes (the program's: bpf_skb_load_bytes or
  * bpf_xdp_load_bytes) into a per-CPU scratch area, so the decision's stack stays as it was.
  * Include after FANOUT_CTX is defined (fanout_decide.h does).
@@ -73,6 +78,7 @@ static __always_inline void quic_clear(struct fanout_quic_scratch *s)
 	}
 }
 
+#ifndef FANOUT_NO_QUIC_CRYPTO
 /* Decrypts the connection ID in s->id (its first octet, then s->length octets of server ID and
  * nonce) in place with `key`: one AES-128 block when they are 16 octets, else the four-pass
  * Feistel network (each pass: the other half ^= AES(this half zero-padded, the length at octet
@@ -141,6 +147,8 @@ static __always_inline int quic_decrypt(struct bpf_crypto_ctx *key, struct fanou
 			s->id[(1 + half + i) & 31] = s->halves[16 + ((i + odd) & 15)];
 	return 0;
 }
+
+#endif /* FANOUT_NO_QUIC_CRYPTO */
 
 /* The connection ID's offset in the packet into s->offset and whether the client chose it into
  * s->client_chosen (Initial and 0-RTT of QUIC v1 and v2, long headers of other versions), its
@@ -226,12 +234,20 @@ __noinline int fanout_quic_route(FANOUT_CTX *ctx, struct packet *p, __u32 set, s
 	if (!s->server_id_length || s->server_id_length > 15 || read < 6 || read > QUIC_ID_MAX ||
 	    ((s->head[0] & 0x80) && s->head[5] < read) || hook_load_bytes(ctx, s->offset, s->id, read) < 0)
 		return s->client_chosen ? FANOUT_QUIC_FALLBACK : FANOUT_QUIC_UNDECODABLE;
-	if (config->cipher != FANOUT_QUIC_PLAINTEXT)
+	if (config->cipher != FANOUT_QUIC_PLAINTEXT) {
+#ifdef FANOUT_NO_QUIC_CRYPTO
+		/* This program has no crypto (the kernel has no BPF crypto kfuncs): userspace refuses
+		 * an encrypted configuration here, so none is written. */
+		return s->client_chosen ? FANOUT_QUIC_FALLBACK : FANOUT_QUIC_UNDECODABLE;
+#else
 		return FANOUT_QUIC_ENCRYPTED;
+#endif
+	}
 	quic_server_id(s);
 	return quic_owner(s, chosen);
 }
 
+#ifndef FANOUT_NO_QUIC_CRYPTO
 /* fanout_quic_route's FANOUT_QUIC_ENCRYPTED: the ID in the scratch area decrypted with its
  * configuration's key, and its outcome as fanout_quic_route's. A global function too. */
 __noinline int fanout_quic_decrypt(struct fanout_backend *chosen)
@@ -251,6 +267,7 @@ __noinline int fanout_quic_decrypt(struct fanout_backend *chosen)
 	quic_server_id(s);
 	return quic_owner(s, chosen);
 }
+#endif /* FANOUT_NO_QUIC_CRYPTO */
 
 /* Counts a quic_lb listener's outcome (FANOUT_QUIC_NONE: not one). */
 static __always_inline void count_quic(__u32 id, __u8 outcome)

@@ -180,10 +180,12 @@ extension FanoutConfig {
                 if !listener.dnsDownstreams.isEmpty || listener.kubernetes != nil {
                     warn("\(path).quic_lb", "downstreams found by DNS name or Kubernetes have no server ID: only the balancing sends them datagrams, so their clients' connections break when an address changes; give QUIC servers by address with server_id")
                 }
-                if listener.balancing == .roundRobin && listener.replies != .relay {
+                // (A relay session and a nat association keep a client address on its first choice.)
+                if listener.balancing == .roundRobin && listener.replies == .none {
                     warn("\(path).balancing", "round_robin with quic_lb: the packets of a client's first flight (Initial, 0-RTT) that carry its own connection ID can reach different servers; use balancing: source_ip")
                 }
-                if listener.replies == .none && listener.settings.output == .socket {
+                // (tc_ebpf and xdp always keep the client's source.)
+                if listener.replies == .none && listener.settings.output == .socket && listener.mode != .tcEBPF && listener.mode != .xdp {
                     warn("\(path).settings.output", "socket with a one-way quic_lb listener: the servers see this host's address, not the client's, so their replies cannot reach the client; use output: preserve_source with direct server return, or replies: relay (docs/quic.md)")
                 }
             }

@@ -541,13 +541,13 @@ package func logProgramOverride(_ logger: Logger, checking: Bool = false) -> [St
     if !BPFObjectOverride.directoryExists {
         logger.warning("\(BPFObjectOverride.variable) names no directory: the programs built into this binary are \(loads) (no upgrade to other programs)", metadata: ["directory": "\(directory)"])
     } else if replaced.isEmpty {
-        logger.warning("\(BPFObjectOverride.variable) names a directory without any of udp-fanout's BPF objects (tc_fanout.bpf.o, xdp_fanout.bpf.o, xdp_steer.bpf.o, map_count.bpf.o, fanout_quic_keys.bpf.o): the programs built into this binary are \(loads)", metadata: ["directory": "\(directory)"])
+        logger.warning("\(BPFObjectOverride.variable) names a directory without any of udp-fanout's BPF objects (tc_fanout.bpf.o, xdp_fanout.bpf.o, xdp_steer.bpf.o, map_count.bpf.o, fanout_quic_keys.bpf.o, tc_fanout_plain.bpf.o, xdp_fanout_plain.bpf.o): the programs built into this binary are \(loads)", metadata: ["directory": "\(directory)"])
     } else {
         logger.warning("BPF programs \(loads) from \(BPFObjectOverride.variable) instead of the ones built into this binary (development): a start swaps them in on the running maps, as an upgrade does",
                        metadata: ["directory": "\(directory)", "objects": "\(objects)"])
     }
     return BPFObjectOverride.problems(programs: [
         .tcFanout: FANOUT_PROG_TC_NAME, .xdpFanout: FANOUT_PROG_XFWD_NAME, .xdpSteer: FANOUT_PROG_XDP_NAME, .mapCount: AssociationCounter.programName,
-        .quicKeys: FANOUT_PROG_QUIC_KEYS_NAME,
+        .quicKeys: FANOUT_PROG_QUIC_KEYS_NAME, .tcFanoutPlain: FANOUT_PROG_TC_NAME, .xdpFanoutPlain: FANOUT_PROG_XFWD_NAME,
     ])
 }

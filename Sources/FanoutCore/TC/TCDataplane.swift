@@ -172,7 +172,7 @@ final class TCDataplane: Sendable {
         } else {
             do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
         }
-        for (name, fd) in zip(TCProgram.mapNames + TCProgram.optionalMapNames, program.mapDescriptors + program.optionalMapDescriptors) {
+        for (name, fd) in program.handedOverMaps {
             descriptors.replace(DescriptorStore.tcMapName(name), with: [fd])
         }
         return program
@@ -658,8 +658,14 @@ final class TCListener: RunningListener {
         /// The managed neighbour entries held for the pools' members (``TCDataplane/holdNeighbours(for:)``).
         var neighbours: [TCDataplane.Neighbour] = []
         /// quic_lb: the key slots holding a key, by set generation (taken out when that
-        /// generation is written again without them, or the listener stops).
+        /// generation is written again without them, or the listener stops), and the key each
+        /// holds; the server IDs written, by generation. nil for a generation: not known (a
+        /// listener taken over at a restart: the previous process's may be there).
         var quicKeySlots: [UInt32: [UInt32]] = [:]
+        /// quic_lb's configurations as last written.
+        var quicLB: [QUICLBConfiguration] = []
+        var quicKeyValues: [UInt32: [UInt8]] = [:]
+        var quicIDs: [UInt32: [[UInt8]]] = [:]
         /// quic_lb was on in some plan of this listener: its outcomes are shown.
         var quicShown = false
         /// nat: whether the nat entry says quic_lb (FANOUT_NAT_QUIC); nil before the first change.
@@ -748,6 +754,12 @@ final class TCListener: RunningListener {
         // The program's template counters of this id as they are now (0: a new id is reset, and
         // they are not handed over from a previous process); later counts are added from here.
         templateCountsSeen = Mutex(registered.program.templateCounts(id: registered.id))
+        if registered.adopted == nil {
+            // A fresh id: resetListener emptied both generations' quic_lb state.
+            live.withLock { live in
+                (live.quicKeySlots, live.quicIDs) = ([0: [], 1: []], [0: [], 1: []])
+            }
+        }
         if let adopted = registered.adopted {
             // The previous process's entry: the next set goes to the other generation, and each
             // downstream at the same address keeps its counter slot (its counters go on).
@@ -791,7 +803,7 @@ final class TCListener: RunningListener {
             // Backends the previous process had live for this listener that this configuration
             // does not have: they drain (or are gone) as if a reload had removed them, keeping
             // their counter slots meanwhile (no new downstream is given one).
-            let wanted = Set(config.downstreams.filter { $0.weight > 0 }.map(\.address))
+            let wanted = Set(config.downstreams.filter { Self.keepsClients($0, quic: !config.quicLB.isEmpty) }.map(\.address))
             let now = ContinuousClock.now
             let previous = program.liveEntries(id: id).filter { !wanted.contains($0.address) }
             live.withLock { live in
@@ -832,10 +844,12 @@ final class TCListener: RunningListener {
                 "reply_interfaces": "\(live.withLock { $0.replyInterfaces }.joined(separator: ","))",
             ])
         }
-        logger.info("registered listener in eBPF map", metadata: [
+        var registration: Logger.Metadata = [
             "listener": "\(config.name)", "bind": "\(config.bind)", "interface": "\(config.interface ?? "")",
             "id": "\(id)", "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
-        ])
+        ]
+        if !config.quicLB.isEmpty { registration["quic_lb"] = "\(Self.describe(config.quicLB))" }
+        logger.info("registered listener in eBPF map", metadata: registration)
         counters.setSource(for: ObjectIdentifier(self)) { [weak self] in self?.snapshot() ?? .zero }
     }
 
@@ -888,7 +902,7 @@ final class TCListener: RunningListener {
         let nat = config.replies == .nat
         let (held, leaving) = live.withLock { ($0.replyInterfaces, Array($0.liveBackends.keys) + Array($0.draining.keys) + $0.gone) }
         // Also where the draining and gone backends' datagrams arrive: relayed, or counted.
-        let wantedInterfaces = nat ? replyInterfaces(for: downstreams, leaving: leaving) : []
+        let wantedInterfaces = nat ? replyInterfaces(for: downstreams, leaving: leaving, quic: !quicLB.isEmpty) : []
         let added = wantedInterfaces.filter { !held.contains($0) }
         try acquireReplyInterfaces(added)
         // Backends marked live by this call: taken out again if the change fails, so a failed
@@ -928,8 +942,9 @@ final class TCListener: RunningListener {
                 }
                 var liveBackends: [SocketAddress: UInt16] = [:]
                 if nat {
-                    // Only weighted members are chosen, so only they keep their clients.
-                    for downstream in downstreams where downstream.weight > 0 {
+                    // Only weighted members are chosen, so only they keep their clients; with
+                    // quic_lb a weight-0 one keeps them too (routed by their IDs).
+                    for downstream in downstreams where Self.keepsClients(downstream, quic: !quicLB.isEmpty) {
                         guard let slot = slots[downstream.name] else { continue }
                         liveBackends[downstream.address] = slot
                         if live.liveBackends[downstream.address] == nil { markedLive.append(downstream.address) }
@@ -964,11 +979,15 @@ final class TCListener: RunningListener {
                 // quic_lb turned on or off by this change: replies follow (after the flip, so a
                 // backend answers a client of another only once datagrams are routed by ID).
                 if nat, (live.quicNAT ?? !config.quicLB.isEmpty) != !quicLB.isEmpty {
-                    do throws(SystemCallError) { try program.putNAT(id: id, bind: config.bind, quic: !quicLB.isEmpty) } catch {
-                        logger.warning("could not mark the nat entry for quic_lb: a backend's datagram to a client associated with another backend is counted wrong_server and dropped until the next change", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+                    do throws(SystemCallError) {
+                        try program.putNAT(id: id, bind: config.bind, quic: !quicLB.isEmpty)
+                        live.quicNAT = !quicLB.isEmpty
+                    } catch {
+                        logger.warning("could not mark the nat entry for quic_lb: a backend's datagram to a client associated with another backend is counted wrong_server and dropped until a later change succeeds in marking it", metadata: ["listener": "\(config.name)", "error": "\(error)"])
                     }
+                } else if live.quicNAT == nil {
+                    live.quicNAT = !config.quicLB.isEmpty
                 }
-                live.quicNAT = !quicLB.isEmpty
                 commitPools(prepared, in: &live)
                 for (name, slot) in given { retiredNow.append((name, totals(slot: slot))) }
                 for (name, counted) in retiredNow { live.retired[name, default: BackendTotals()].add(counted) }
@@ -1020,31 +1039,48 @@ final class TCListener: RunningListener {
 
     /// quic_lb for set generation `generation` (not in force yet): its configurations, each
     /// downstream's server ID at its index in the set, and the keys (made by the kernel; a key
-    /// slot this generation no longer uses is emptied). What an earlier change left under this
-    /// generation is taken out first.
+    /// slot this generation no longer uses is emptied, one that keeps its key is left as it is).
+    /// What an earlier change left under this generation is taken out first.
     private func writeQUIC(generation: UInt32, quicLB: [QUICLBConfiguration], downstreams: [Downstream], in live: inout Live) throws(SystemCallError) {
         let setKey = id * 2 + generation
-        let held = live.quicKeySlots[generation] ?? []
-        program.clearQUICIDs(setKey: setKey)
+        // Not written by this process yet (a listener taken over at a restart): any slot of this
+        // generation may hold the previous process's key, and any server ID be there.
+        let held = live.quicKeySlots[generation] ?? (0..<UInt32(FANOUT_QUIC_CONFIGS)).map { setKey * UInt32(FANOUT_QUIC_CONFIGS) + $0 }
+        if let written = live.quicIDs[generation] {
+            for serverID in written { program.deleteQUICID(setKey: setKey, serverID) }
+        } else {
+            program.clearQUICIDs(setKey: setKey)
+        }
+        live.quicIDs[generation] = []
         try program.writeQUICConfigs(setKey: setKey, quicLB)
         var keySlots: [UInt32] = []
         for configuration in quicLB {
             guard let key = configuration.key else { continue }
             let slot = setKey * UInt32(FANOUT_QUIC_CONFIGS) + UInt32(configuration.configID)
-            do throws(SystemCallError) { try program.setQUICKey(slot: slot, key) } catch {
-                live.quicKeySlots[generation] = Array(Set(held + keySlots + [slot]))
-                throw error
-            }
             keySlots.append(slot)
+            // The kernel's context of this very key is there already (health and discovery
+            // changes write the set again, not the keys).
+            if held.contains(slot), live.quicKeyValues[slot] == key { continue }
+            live.quicKeyValues[slot] = nil
+            do throws(SystemCallError) { try program.setQUICKey(slot: slot, key) } catch {
+                live.quicKeySlots[generation] = Array(Set(held + keySlots))
+                throw SystemCallError(call: "listener \(config.name): quic_lb config \(configuration.configID)'s key into the kernel (\(error.call)); check that the kernel has ecb(aes) (/proc/crypto) or use plaintext server IDs", errno: error.errno)
+            }
+            live.quicKeyValues[slot] = key
         }
-        for slot in held where !keySlots.contains(slot) { try? program.setQUICKey(slot: slot, nil) }
+        for slot in held where !keySlots.contains(slot) {
+            try? program.setQUICKey(slot: slot, nil)
+            live.quicKeyValues[slot] = nil
+        }
         live.quicKeySlots[generation] = keySlots
+        live.quicLB = quicLB
         guard !quicLB.isEmpty else { return }
-        live.quicShown = true
         for (index, downstream) in downstreams.enumerated() {
             guard let serverID = downstream.serverID else { continue }
             try program.putQUICID(setKey: setKey, serverID, index: UInt32(index))
+            live.quicIDs[generation, default: []].append(serverID)
         }
+        live.quicShown = true
     }
 
     /// A pool made ready for the flip: its record in the listener entry, and its state after it.
@@ -1202,14 +1238,14 @@ final class TCListener: RunningListener {
     /// Where the downstreams' replies arrive: `settings.reply_interfaces`, else the interfaces the
     /// kernel routes the weighted downstreams through (a downstream without a route is warned
     /// about by warnUnroutable), and the backends that left the set (`leaving`: draining, gone).
-    private func replyInterfaces(for downstreams: [Downstream], leaving: [SocketAddress]) -> [String] {
+    private func replyInterfaces(for downstreams: [Downstream], leaving: [SocketAddress], quic: Bool) -> [String] {
         if !config.settings.replyInterfaces.isEmpty { return config.settings.replyInterfaces }
         var names: [String] = []
-        let current = Set(downstreams.filter { $0.weight > 0 }.map(\.address))
+        let current = Set(downstreams.filter { Self.keepsClients($0, quic: quic) }.map(\.address))
         for address in leaving where !current.contains(address) {
             if let name = TCRoute.interface(to: address.ip), !names.contains(name) { names.append(name) }
         }
-        for downstream in downstreams where downstream.weight > 0 {
+        for downstream in downstreams where Self.keepsClients(downstream, quic: quic) {
             guard let name = TCRoute.interface(to: downstream.address.ip) else {
                 logger.warning("replies nat: no interface routes to this downstream, so its replies are not watched (they would leave with its own address); add a route or set settings.reply_interfaces", metadata: [
                     "listener": "\(config.name)", "downstream": "\(downstream.name)", "address": "\(downstream.address)",
@@ -1314,10 +1350,12 @@ final class TCListener: RunningListener {
     /// maps (both generations: the entry naming them is gone).
     private func releaseQUIC() {
         let keySlots = live.withLock { live in
-            defer { live.quicKeySlots = [:] }
+            defer { (live.quicKeySlots, live.quicKeyValues, live.quicIDs) = ([:], [:], [:]) }
             return live.quicKeySlots
         }
-        for generation: UInt32 in 0...1 { program.clearQUIC(setKey: id * 2 + generation, keySlots: keySlots[generation] ?? []) }
+        // A generation this process never wrote (taken over at a restart) may hold the previous
+        // process's keys in any slot.
+        for generation: UInt32 in 0...1 { program.clearQUIC(setKey: id * 2 + generation, keySlots: keySlots[generation]) }
     }
 
     private func releaseNAT() {
@@ -1372,6 +1410,14 @@ final class TCListener: RunningListener {
         front.program.detach(interface: config.interface ?? "")
     }
 
+    /// quic_lb's configurations as logs show them (layouts and algorithms, never a key).
+    static func describe(_ quicLB: [QUICLBConfiguration]) -> String { quicLB.map(\.description).joined(separator: "; ") }
+
+    /// nat: a downstream that keeps its clients (live in the kernel): a weighted one, or with
+    /// quic_lb any (a weight-0 one gets no new client, but its connections reach it by ID, and
+    /// its replies leave from the listener's address).
+    static func keepsClients(_ downstream: Downstream, quic: Bool) -> Bool { downstream.weight > 0 || quic }
+
     /// A downstream the kernel has no route to loses every datagram sent its way (counted
     /// no_route): say so at start and at each reload, not only in a counter.
     private func warnUnroutable(_ downstreams: [Downstream]) {
@@ -1421,8 +1467,15 @@ final class TCListener: RunningListener {
     func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool {
         do throws(TCError) {
             let own = downstreams.filter { $0.pool == nil }
+            let before = live.withLock { $0.quicLB }
             try apply(downstreams: own, balancing: balancing, quicLB: quicLB, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
-            logger.info("updated \(config.mode.rawValue) downstream set", metadata: ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"])
+            var metadata: Logger.Metadata = ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"]
+            // A change of quic_lb (a key rotation, another layout) is said, never the key.
+            if before != quicLB {
+                metadata["quic_lb"] = "\(quicLB.isEmpty ? "off" : Self.describe(quicLB))"
+                if before.count == quicLB.count, zip(before, quicLB).allSatisfy({ $0.description == $1.description }) { metadata["quic_lb_keys"] = "changed" }
+            }
+            logger.info("updated \(config.mode.rawValue) downstream set", metadata: metadata)
             return true
         } catch {
             logger.error("could not update the \(config.mode.rawValue) downstream set; the previous set stays (counted in udp_fanout_membership_update_failures_total; the next change tries again)", metadata: ["listener": "\(config.name)", "error": "\(error)"])

@@ -38,12 +38,17 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let quicKeys: Int32
     let quicStats: Int32
     /// The syscall program that puts keys into ``quicKeys`` (bpf/fanout_quic_keys.bpf.c).
+    /// Both -1 in the build without crypto (``crypto`` false).
     let quicKeyProgram: Int32
+    /// The program decrypts QUIC-LB connection IDs with the kernel's BPF crypto kfuncs: the
+    /// build with them (tc_fanout.bpf.c) where the kernel has them, else the plain one
+    /// (tc_fanout_plain.bpf.c: its key map's kptr type would not exist in the kernel).
+    let crypto: Bool
     let cpus: Int
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, quicKeyProgram] }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, quicKeyProgram].filter { $0 >= 0 } }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -59,8 +64,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// layout of the others stays, so such an upgrade keeps them.
     static let optionalMapNames = [FANOUT_MAP_QUIC_CONFIGS_NAME, FANOUT_MAP_QUIC_IDS_NAME, FANOUT_MAP_QUIC_KEYS_NAME]
 
-    /// Their descriptors, in ``optionalMapNames`` order.
-    var optionalMapDescriptors: [Int32] { [quicConfigs, quicIDs, quicKeys] }
+    /// The maps handed to the next process: ``mapNames`` and those of ``optionalMapNames`` this
+    /// build has, by name.
+    var handedOverMaps: [(name: String, fd: Int32)] {
+        Array(zip(Self.mapNames, mapDescriptors)) + [(FANOUT_MAP_QUIC_CONFIGS_NAME, quicConfigs), (FANOUT_MAP_QUIC_IDS_NAME, quicIDs)]
+            + (crypto ? [(FANOUT_MAP_QUIC_KEYS_NAME, quicKeys)] : [])
+    }
 
     /// The maps that start anew with each process: flow_templates' ring buffer and counters,
     /// and quic_lb's outcomes.
@@ -71,17 +80,25 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// - Parameter reusing: maps of a previous process's program by name (``mapNames``), used
     ///   instead of new ones (bpf_map__reuse_fd; the load fails if one does not fit: type, key,
     ///   value or size). The caller still owns and closes these descriptors.
-    init(features: TCKernelFeatures = .probe(), reusing: [String: Int32] = [:]) throws(SystemCallError) {
+    /// - Parameter crypto: load the build with the BPF crypto kfuncs (the default where the
+    ///   kernel has them).
+    init(features: TCKernelFeatures = .probe(), reusing: [String: Int32] = [:],
+         crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws(SystemCallError) {
         self.features = features
+        self.crypto = crypto
         var options = fanout_tc_options()
         options.ipv6_csum_flags = features.ipv6ChecksumFlag ? UInt64(BPF_F_IPV6) : 0
+        let optional = crypto ? Self.optionalMapNames : Self.optionalMapNames.filter { $0 != FANOUT_MAP_QUIC_KEYS_NAME }
         let owned = try loadEmbeddedObject(
-            .tcFanout, program: FANOUT_PROG_TC_NAME,
-            maps: Self.mapNames + Self.optionalMapNames + Self.ownMapNames,
+            crypto ? .tcFanout : .tcFanoutPlain, program: FANOUT_PROG_TC_NAME,
+            maps: Self.mapNames + optional + Self.ownMapNames,
             prepare: { object throws(SystemCallError) in
                 try setReadOnlyGlobal(object, options, objectName: "tc_fanout", global: FANOUT_OPTIONS_NAME, type: "struct fanout_tc_options")
                 for (name, fd) in reusing.sorted(by: { $0.key < $1.key }) {
                     guard let map = bpf_object__find_map_by_name(object, name) else {
+                        // The key map of a build with crypto: this one has none (no key in force
+                        // can be used here; validation refuses keys on this kernel).
+                        if Self.optionalMapNames.contains(name) { continue }
                         throw SystemCallError(call: "bpf_object__find_map_by_name \(name) (a map handed over that this program does not have)", errno: ENOENT)
                     }
                     if let misfit = Self.misfit(map, fd) {
@@ -92,8 +109,15 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             })
         (program, listeners, sets, roundRobin, fragments, stats, backendStats) = (owned[0], owned[1], owned[2], owned[3], owned[4], owned[5], owned[6])
         (associations, liveBackends, nat, poolSources) = (owned[7], owned[8], owned[9], owned[10])
-        (quicConfigs, quicIDs, quicKeys) = (owned[11], owned[12], owned[13])
-        (templates, templateStats, quicStats) = (owned[14], owned[15], owned[16])
+        (quicConfigs, quicIDs) = (owned[11], owned[12])
+        let own = crypto ? 14 : 13
+        (templates, templateStats, quicStats) = (owned[own], owned[own + 1], owned[own + 2])
+        guard crypto else {
+            (quicKeys, quicKeyProgram) = (-1, -1)
+            cpus = max(1, Int(libbpf_num_possible_cpus()))
+            return
+        }
+        quicKeys = owned[13]
         let keyMap = owned[13]
         do throws(SystemCallError) {
             let keys = try loadEmbeddedObject(.quicKeys, program: FANOUT_PROG_QUIC_KEYS_NAME, maps: [], prepare: { object throws(SystemCallError) in
@@ -229,6 +253,12 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_QUIC_IDS_NAME)") { bpf_map_update_elem(quicIDs, &key, &value, UInt64(BPF_ANY)) }
     }
 
+    /// Takes server ID `serverID` of set `setKey` out.
+    func deleteQUICID(setKey: UInt32, _ serverID: [UInt8]) {
+        var key = Self.quicIDKey(setKey: setKey, serverID)
+        bpf_map_delete_elem(quicIDs, &key)
+    }
+
     /// Takes every server ID of set `setKey` out (what an earlier change wrote there).
     func clearQUICIDs(setKey: UInt32) {
         var doomed: [fanout_quic_id_key] = []
@@ -252,6 +282,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// through the key program: the kernel makes an ecb(aes) context of it. Fails with the
     /// kernel's errno (no BPF crypto kfuncs: EOPNOTSUPP; no ecb(aes): ENOENT).
     func setQUICKey(slot: UInt32, _ key: [UInt8]?) throws(SystemCallError) {
+        guard crypto else {
+            if key == nil { return }
+            throw SystemCallError(call: "a quic_lb key in the kernel (this kernel has no BPF crypto kfuncs: \(TCKernelFeatures.quicCryptoProblem ?? "the plain program is loaded"))", errno: EOPNOTSUPP)
+        }
         var args = fanout_quic_key_args()
         args.slot = slot
         args.clear = key == nil ? 1 : 0

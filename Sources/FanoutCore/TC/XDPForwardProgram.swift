@@ -43,11 +43,11 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_ASSOCIATIONS_NAME, tc.associations), (FANOUT_MAP_LIVE_NAME, tc.liveBackends), (FANOUT_MAP_NAT_NAME, tc.nat),
             (FANOUT_MAP_POOL_SOURCES_NAME, tc.poolSources),
             (FANOUT_MAP_TEMPLATES_NAME, tc.templates), (FANOUT_MAP_TEMPLATE_STATS_NAME, tc.templateStats),
-            (FANOUT_MAP_QUIC_CONFIGS_NAME, tc.quicConfigs), (FANOUT_MAP_QUIC_IDS_NAME, tc.quicIDs), (FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys),
-            (FANOUT_MAP_QUIC_STATS_NAME, tc.quicStats),
-        ]
+            (FANOUT_MAP_QUIC_CONFIGS_NAME, tc.quicConfigs), (FANOUT_MAP_QUIC_IDS_NAME, tc.quicIDs), (FANOUT_MAP_QUIC_STATS_NAME, tc.quicStats),
+        ] + (tc.crypto ? [(FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys)] : [])
+        // The same build as the tc program's: with the BPF crypto kfuncs, or plain.
         let owned = try loadEmbeddedObject(
-            .xdpFanout, program: FANOUT_PROG_XFWD_NAME,
+            tc.crypto ? .xdpFanout : .xdpFanoutPlain, program: FANOUT_PROG_XFWD_NAME,
             maps: [FANOUT_MAP_XFWD_IDS_NAME, FANOUT_MAP_XFWD_DEVICES_NAME, FANOUT_MAP_XFWD_PASSED_NAME],
             prepare: { object throws(SystemCallError) in
                 for (name, fd) in shared {

@@ -1,0 +1,8 @@
+// SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause
+/*
+ * bpf/xdp_fanout.bpf.c without the BPF crypto kfuncs (FANOUT_NO_QUIC_CRYPTO, fanout_quic.h): for
+ * kernels before 6.10, where the quic_lb key map's kptr type does not exist and the map could not
+ * be made. quic_lb routes plaintext server IDs only; userspace refuses a key there.
+ */
+#define FANOUT_NO_QUIC_CRYPTO 1
+#include "xdp_fanout.bpf.c"
