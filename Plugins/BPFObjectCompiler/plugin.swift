@@ -49,8 +49,8 @@ struct BPFObjectCompiler: BuildToolPlugin {
                     "-c", script, "sh", clang.path, source.path, object.path, output.path,
                     includeDirectory.path, identifier,
                 ],
-                // Every source: one may include another (tc_fanout_plain.bpf.c includes tc_fanout.bpf.c).
-                inputFiles: sources.map { bpfDirectory.appending(path: $0) } + headers,
+                // A `_plain` build includes its program's source (tc_fanout_plain.bpf.c: tc_fanout.bpf.c).
+                inputFiles: [source] + (stem.hasSuffix("_plain") ? [bpfDirectory.appending(path: "\(stem.dropLast("_plain".count)).bpf.c")] : []) + headers,
                 outputFiles: [output])
         }
     }

@@ -109,7 +109,8 @@ package func setReadOnlyGlobal<Value>(_ object: OpaquePointer, _ value: Value, o
 
 /// udp-fanout's programs from a directory instead of the binary: `UDP_FANOUT_BPF_DIR` names a
 /// directory of objects compiled from `bpf/` (`tc_fanout.bpf.o`, `xdp_fanout.bpf.o`,
-/// `xdp_steer.bpf.o`, `map_count.bpf.o`); each one found there is loaded instead of the embedded
+/// `xdp_steer.bpf.o`, `map_count.bpf.o`, `fanout_quic_keys.bpf.o`, and the `_plain` builds a kernel
+/// without BPF crypto kfuncs loads); each one found there is loaded instead of the embedded
 /// one. For development (a changed program tried on a running node without rebuilding the binary:
 /// a restart swaps it in on the same maps, as an upgrade does) and the tests of that upgrade.
 /// ReusePortLB's own program is never replaced: a library does not read this process setting.

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 import BPFKernelABI
+import CLibBPF
 import CSystemShim
 import Foundation
 import ReusePortLB
@@ -235,6 +236,31 @@ struct QUICProgramTests {
         let id = try QUICLBCodec(encrypted).encode(serverID: octets("ed793a51d49b8f5f"), nonce: octets("ee080dbf48c0d1e5"))
         #expect(rig.port(hook, Self.shortHeader(id)) != nil)
         #expect(rig.outcomes == [3, 0, 0, 1], "\(rig.outcomes)")
+    }
+
+    @Test("the two builds take each other's maps over (a kernel upgrade across 6.10): the plain one leaves the key map, the one with crypto makes its own",
+          .enabled(if: TCKernelFeatures.quicCryptoProblem == nil, "this kernel has no BPF crypto kfuncs"))
+    func buildsHandOver() throws {
+        func mapID(_ fd: Int32) -> UInt32 {
+            var info = bpf_map_info()
+            var length = UInt32(MemoryLayout<bpf_map_info>.size)
+            return bpf_obj_get_info_by_fd(fd, &info, &length) == 0 ? info.id : 0
+        }
+        let crypto = try TCProgram(crypto: true)
+        defer { crypto.closeDescriptors() }
+        let handed = Dictionary(uniqueKeysWithValues: crypto.handedOverMaps.map { ($0.name, dup($0.fd)) })
+        defer { handed.values.forEach { close($0) } }
+        let plain = try TCProgram(reusing: handed, crypto: false)
+        defer { plain.closeDescriptors() }
+        #expect(!plain.crypto && plain.handedOverMaps.map(\.name) == crypto.handedOverMaps.map(\.name).filter { $0 != FANOUT_MAP_QUIC_KEYS_NAME })
+        #expect(mapID(plain.quicIDs) == mapID(crypto.quicIDs) && mapID(plain.listeners) == mapID(crypto.listeners))
+        let back = Dictionary(uniqueKeysWithValues: plain.handedOverMaps.map { ($0.name, dup($0.fd)) })
+        defer { back.values.forEach { close($0) } }
+        let again = try TCProgram(reusing: back, crypto: true)
+        defer { again.closeDescriptors() }
+        #expect(again.crypto && mapID(again.quicConfigs) == mapID(crypto.quicConfigs) && mapID(again.quicKeys) != mapID(crypto.quicKeys))
+        try again.setQUICKey(slot: 3, octets(Self.key))
+        try again.setQUICKey(slot: 3, nil)
     }
 
     @Test("a key taken out: encrypted IDs are no longer decrypted (undecodable), plaintext configurations need none; a key slot out of range is refused")

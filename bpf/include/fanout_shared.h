@@ -403,8 +403,8 @@ struct fanout_association {
 	__u16 drained_slot;
 };
 
-/* Key of FANOUT_MAP_LIVE: a backend that is a weighted member of a nat listener's current set,
- * or left it (draining, gone: fanout_live.state). Userspace adds new members before flipping the
+/* Key of FANOUT_MAP_LIVE: a backend that is a weighted member of a nat listener's current set
+ * (with quic_lb any member: a weight-0 one keeps its connections), or left it (draining, gone: fanout_live.state). Userspace adds new members before flipping the
  * set generation and marks gone ones draining after. */
 struct fanout_live_key {
 	__u32 addr[4];

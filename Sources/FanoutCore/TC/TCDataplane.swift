@@ -140,7 +140,7 @@ final class TCDataplane: Sendable {
         var loaded: TCProgram?
         if !handed.isEmpty {
             do throws(SystemCallError) {
-                let program = try TCProgram(reusing: handed)
+                let program = try newProgram(reusing: handed)
                 for (bind, ifindex, entry) in program.listenerEntries() {
                     state.adoptedEntries[AdoptedKey(bind: bind, ifindex: ifindex)] = entry
                     state.reservedIDs.insert(entry.id)
@@ -160,7 +160,7 @@ final class TCDataplane: Sendable {
             } catch {
                 // On new maps: when that fails too, the program itself is the problem (said as
                 // the start's error), not the maps.
-                do throws(SystemCallError) { loaded = try TCProgram() } catch { throw .load(error) }
+                do throws(SystemCallError) { loaded = try newProgram() } catch { throw .load(error) }
                 let note = "tc_ebpf: the previous process's maps do not fit this program (\(error)): counters, rotations, fragment state and nat associations start anew"
                 descriptors.count(Mode.tcEBPF.rawValue, .rejected, note: note)
                 logger.warning("\(note)")
@@ -170,12 +170,29 @@ final class TCDataplane: Sendable {
         if let loaded {
             program = loaded
         } else {
-            do throws(SystemCallError) { program = try TCProgram() } catch { throw .load(error) }
+            do throws(SystemCallError) { program = try newProgram() } catch { throw .load(error) }
         }
         for (name, fd) in program.handedOverMaps {
             descriptors.replace(DescriptorStore.tcMapName(name), with: [fd])
         }
+        // A map of the other build (the key map of a program with crypto) goes out of the store.
+        let handing = Set(program.handedOverMaps.map(\.name))
+        for name in TCProgram.optionalMapNames where !handing.contains(name) { descriptors.remove(DescriptorStore.tcMapName(name)) }
         return program
+    }
+
+    /// The tc program: the build with the BPF crypto kfuncs where the kernel has them, else (or
+    /// when that one does not load: said) the plain one, which routes plaintext QUIC-LB IDs only.
+    private func newProgram(reusing handed: [String: Int32] = [:]) throws(SystemCallError) -> TCProgram {
+        guard TCKernelFeatures.quicCryptoProblem == nil else { return try TCProgram(reusing: handed, crypto: false) }
+        do throws(SystemCallError) {
+            return try TCProgram(reusing: handed, crypto: true)
+        } catch let first {
+            // The same failure (a map that does not fit, say) is said as the first build's.
+            guard let plain = try? TCProgram(reusing: handed, crypto: false) else { throw first }
+            logger.warning("the tc program with the BPF crypto kfuncs did not load, so the one without them runs: quic_lb routes plaintext server IDs only here, and a key is refused when written", metadata: ["error": "\(first)"])
+            return plain
+        }
     }
 
     /// The previous process's maps handed over (of this layout, every one of them), and what
@@ -637,7 +654,8 @@ final class TCListener: RunningListener {
         var entry: fanout_listener?
         /// Each downstream's counter slot, kept across reloads while its name stays.
         var slots: [String: UInt16] = [:]
-        /// nat: the backends in the live map (weighted members of the current set), with slots.
+        /// nat: the backends in the live map (weighted members of the current set; with quic_lb
+        /// every member), with slots.
         var liveBackends: [SocketAddress: UInt16] = [:]
         /// nat: each current downstream's name by address (the associations listing).
         var names: [SocketAddress: String] = [:]
@@ -976,6 +994,7 @@ final class TCListener: RunningListener {
                     throw error
                 }
                 live.entry = entry
+                live.quicLB = quicLB
                 // quic_lb turned on or off by this change: replies follow (after the flip, so a
                 // backend answers a client of another only once datagrams are routed by ID).
                 if nat, (live.quicNAT ?? !config.quicLB.isEmpty) != !quicLB.isEmpty {
@@ -1064,7 +1083,8 @@ final class TCListener: RunningListener {
             live.quicKeyValues[slot] = nil
             do throws(SystemCallError) { try program.setQUICKey(slot: slot, key) } catch {
                 live.quicKeySlots[generation] = Array(Set(held + keySlots))
-                throw SystemCallError(call: "listener \(config.name): quic_lb config \(configuration.configID)'s key into the kernel (\(error.call)); check that the kernel has ecb(aes) (/proc/crypto) or use plaintext server IDs", errno: error.errno)
+                let hint = error.errno == EOPNOTSUPP ? "use plaintext server IDs here, or Linux 6.10 or later" : "check that the kernel has ecb(aes) (/proc/crypto, module aes), or use plaintext server IDs"
+                throw SystemCallError(call: "listener \(config.name): quic_lb config \(configuration.configID)'s key into the kernel (\(error.call)); \(hint)", errno: error.errno)
             }
             live.quicKeyValues[slot] = key
         }
@@ -1073,7 +1093,6 @@ final class TCListener: RunningListener {
             live.quicKeyValues[slot] = nil
         }
         live.quicKeySlots[generation] = keySlots
-        live.quicLB = quicLB
         guard !quicLB.isEmpty else { return }
         for (index, downstream) in downstreams.enumerated() {
             guard let serverID = downstream.serverID else { continue }
@@ -1344,8 +1363,6 @@ final class TCListener: RunningListener {
         }
     }
 
-    /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
-    /// address, its association map; detaches at its reply interfaces.
     /// quic_lb: the keys out of the kernel, and the configurations and server IDs out of the
     /// maps (both generations: the entry naming them is gone).
     private func releaseQUIC() {
@@ -1358,6 +1375,8 @@ final class TCListener: RunningListener {
         for generation: UInt32 in 0...1 { program.clearQUIC(setKey: id * 2 + generation, keySlots: keySlots[generation]) }
     }
 
+    /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
+    /// address, its association map; detaches at its reply interfaces.
     private func releaseNAT() {
         guard let associationMap else { return }
         let (backends, interfaces) = live.withLock { live in
@@ -1421,7 +1440,7 @@ final class TCListener: RunningListener {
     /// A downstream the kernel has no route to loses every datagram sent its way (counted
     /// no_route): say so at start and at each reload, not only in a counter.
     private func warnUnroutable(_ downstreams: [Downstream]) {
-        for downstream in downstreams where downstream.weight > 0 {
+        for downstream in downstreams where TCListener.keepsClients(downstream, quic: !config.quicLB.isEmpty) {
             guard let problem = TCRoute.problem(to: downstream.address.ip) else { continue }
             logger.warning("no route to downstream: its datagrams are dropped and counted no_route until a route exists (ip route get \(downstream.address.ip))", metadata: [
                 "listener": "\(config.name)", "downstream": "\(downstream.name)", "address": "\(downstream.address)", "problem": "\(problem)",
@@ -1471,7 +1490,7 @@ final class TCListener: RunningListener {
             try apply(downstreams: own, balancing: balancing, quicLB: quicLB, pools: pools.map { pool in (pool, downstreams.filter { $0.pool == pool.name }) }, keeping: keeping)
             var metadata: Logger.Metadata = ["listener": "\(config.name)", "downstreams": "\(downstreams.count)"]
             // A change of quic_lb (a key rotation, another layout) is said, never the key.
-            if before != quicLB {
+            if Set(before) != Set(quicLB) {
                 metadata["quic_lb"] = "\(quicLB.isEmpty ? "off" : Self.describe(quicLB))"
                 if before.count == quicLB.count, zip(before, quicLB).allSatisfy({ $0.description == $1.description }) { metadata["quic_lb_keys"] = "changed" }
             }

@@ -36,7 +36,7 @@ enum TCPreflight {
         var problems: [String] = []
         var interfaces: [(name: String, key: String)] = listener.settings.replyInterfaces.enumerated().map { ($0.element, "\(path).settings.reply_interfaces[\($0.offset)]") }
         if interfaces.isEmpty {
-            for (position, downstream) in listener.downstreams.enumerated() where downstream.weight > 0 {
+            for (position, downstream) in listener.downstreams.enumerated() where TCListener.keepsClients(downstream, quic: !listener.quicLB.isEmpty) {
                 guard let name = TCRoute.interface(to: downstream.address.ip) else { continue }  // the route check says so
                 if !interfaces.contains(where: { $0.name == name }) { interfaces.append((name, "\(path).downstream[\(position)].address")) }
             }

@@ -284,7 +284,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     func setQUICKey(slot: UInt32, _ key: [UInt8]?) throws(SystemCallError) {
         guard crypto else {
             if key == nil { return }
-            throw SystemCallError(call: "a quic_lb key in the kernel (this kernel has no BPF crypto kfuncs: \(TCKernelFeatures.quicCryptoProblem ?? "the plain program is loaded"))", errno: EOPNOTSUPP)
+            throw SystemCallError(call: "a quic_lb key in the kernel (the program without BPF crypto kfuncs is loaded: \(TCKernelFeatures.quicCryptoProblem ?? "the one with them did not load"))", errno: EOPNOTSUPP)
         }
         var args = fanout_quic_key_args()
         args.slot = slot
