@@ -262,7 +262,7 @@ listener = {
         'settings': settings,
         'pools': {'description': "Replication (docs/replication.md): each datagram the listener receives also goes to each pool; the listener's own downstream list is its first pool (named default). tc_ebpf and xdp: at most 8 per listener.",
                   'type': 'array', 'items': ref('pool')},
-        'quic_lb': {'description': "QUIC-LB (docs/quic.md): each datagram goes to the downstream whose server_id its QUIC destination connection ID carries; balancing chooses for client-chosen and unknown IDs. One configuration, or a list of them with distinct config_id (a key rotation). userspace, relay and af_xdp.",
+        'quic_lb': {'description': "QUIC-LB (docs/quic.md): each datagram goes to the downstream whose server_id its QUIC destination connection ID carries; balancing chooses for client-chosen and unknown IDs. One configuration, or a list of them with distinct config_id (a key rotation). Every mode; in tc_ebpf and xdp a key needs the kernel's BPF crypto kfuncs (Linux 6.10+).",
                     'anyOf': [ref('quic-lb'), {'type': 'array', 'minItems': 1, 'items': ref('quic-lb')}]},
     },
     'allOf': [
@@ -278,7 +278,6 @@ listener = {
         {'if': {'anyOf': [{'not': {'required': ['mode']}}, mode_is('userspace')]},
          'then': {'properties': {'settings': {'properties': {'output': {'not': {'const': 'xdp_tx'}}}}}}},
         {'if': mode_is('tc_ebpf', 'xdp'), 'then': members_not(LOOPBACK)},
-        {'if': mode_is('tc_ebpf', 'xdp'), 'then': {'not': {'required': ['quic_lb']}}},
         {'if': mode_is('tc_ebpf', 'xdp'),
          'then': {'properties': {'settings': {'properties': {'output': {'not': {'enum': ['socket', 'xdp_tx']}}}},
                                  'pools': {'maxItems': 8, 'items': {'properties': {'output': {'not': {'const': 'socket'}}}}}}}},
