@@ -5,6 +5,8 @@ source-IP balancing, on the same QUIC short-header packets (publisher --quic), i
   single-pass AES against balancing: source_ip alone.
 - ReusePortLB: ns per run of the sk_reuseport program in a QUIC-LB group against a plain
   source-IP group (kernel.bpf_stats_enabled), members joined through the C API.
+- af_xdp: the daemon's CPU per datagram (its forwarder decodes the IDs) in the same topology with
+  two RX queues, the same variants.
 - tc_ebpf and xdp: ns per run of fanout_tc / fanout_xfwd (kernel.bpf_stats_enabled) forwarding the
   same QUIC packets through a namespace topology (client, proxy, three backends), quic_lb
   plaintext, four-pass and single-pass (the kernel's crypto kfuncs) against source_ip alone."""
@@ -165,6 +167,69 @@ def kernel_run(topology, work, kind, variant):
     return {"ns": cost, "delivered": delivered / KERNEL_DATAGRAMS}
 
 
+def afxdp_run(topology, work, variant):
+    """CPU ns per datagram of an af_xdp listener (its forwarder decodes the IDs) forwarding QUIC
+    short-header packets to 3 backends: the daemon's utime + stime over what the backends got."""
+    quic, layout, server_ids = VARIANTS[variant]
+    downstreams = "\n".join((f'      - {{name: b{n}, address: "198.18.{n}.2:6000", server_id: "{sid}"}}' if quic else
+                             f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
+                            for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
+    path = os.path.join(work, f"quic-af_xdp-{variant}.yaml")
+    metrics = 19091
+    with open(path, "w") as f:
+        f.write(f'listeners:\n  - name: quic\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
+                f"    mode: af_xdp\n    settings: {{output: socket, batch_size: 64}}\n    balancing: source_ip\n"
+                + (f"    quic_lb: {quic}\n" if quic else "") + f"    downstream:\n{downstreams}\n"
+                + f'metrics: {{enabled: true, bind: "127.0.0.1:{metrics}"}}\n')
+    log = os.path.join(work, f"quic-af_xdp-{variant}.log")
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([*common.in_namespace(topology.proxy), f"{common.BIN}/udp-fanout", "-c", path], stderr=stderr)
+    try:
+        deadline = time.time() + 20
+        while "AF_XDP path initialized" not in open(log).read():
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"udp-fanout (af_xdp, {variant}) did not start: {open(log).read()[-2000:]}")
+            time.sleep(0.05)
+        time.sleep(0.3)
+        before, cpu = topology.delivered(), cpu_seconds(proc.pid)
+        common.publish_in(topology, ("198.18.0.1", 5514), KERNEL_DATAGRAMS,
+                          ("--quic", layout, "--server-ids", ",".join(server_ids), "--rate", "200000"))
+        time.sleep(0.3)
+        cpu = cpu_seconds(proc.pid) - cpu
+        delivered = topology.delivered() - before
+        text = topology.ns(topology.proxy, "curl", "-s", f"http://127.0.0.1:{metrics}/metrics")
+        outcomes = {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("udp_fanout_quic_lb_datagrams_total{")}
+    finally:
+        common.stop_process(proc)
+    if quic and (outcomes.get("routed", 0) == 0 or outcomes.get("routed", 0) < sum(outcomes.values())):
+        raise SystemExit(f"bench: af_xdp {variant}: not every datagram routed by ID: {outcomes}")
+    return {"ns": cpu * 1e9 / max(delivered, 1), "delivered": delivered / KERNEL_DATAGRAMS}
+
+
+def afxdp_rows(work):
+    out = []
+    topology = common.Topology(queues=2)
+    try:
+        names = list(VARIANTS)
+        results = {name: [] for name in names}
+        for run in range(KERNEL_RUNS):
+            for name in (names if run % 2 == 0 else list(reversed(names))):
+                results[name].append(afxdp_run(topology, work, name))
+        base = results["source_ip"]
+        peer = common.spread([r["ns"] for r in base])
+        for name in names[1:]:
+            mine = common.spread([r["ns"] for r in results[name]])
+            ratios = common.spread([m["ns"] / b["ns"] for m, b in zip(results[name], base)])
+            out.append((f"quic_lb {name}: af_xdp CPU per datagram", "balancing source_ip, same packets",
+                        f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{peer[0]:,.0f} ns ({peer[1]:,.0f}-{peer[2]:,.0f})",
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                        f"the daemon's utime+stime; 2 RX queues; {KERNEL_DATAGRAMS} datagrams x {KERNEL_RUNS} runs; delivered {min(r['delivered'] for r in results[name]):.4f}"))
+    finally:
+        topology.destroy()
+    return out
+
+
 def xdp_ends(topology, on):
     """GRO on the backends' veth ends and the client's checksums computed (tx off): XDP transmits."""
     for backend, inner in zip(topology.backends, topology.backend_ifs):
@@ -230,6 +295,7 @@ def rows():
                     f"{mine[0]:.1f} ns/run ({mine[1]:.1f}-{mine[2]:.1f})", f"{peer[0]:.1f} ns/run ({peer[1]:.1f}-{peer[2]:.1f})",
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})", "kernel.bpf_stats_enabled; 3 members, plaintext 2-octet server IDs"))
         out += kernel_rows(work)
+        out += afxdp_rows(work)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
