@@ -127,12 +127,30 @@ KERNEL_DATAGRAMS = int(os.environ.get("BENCH_QUIC_KERNEL_DATAGRAMS", "200000"))
 KERNEL_RUNS = int(os.environ.get("BENCH_QUIC_KERNEL_RUNS", "3"))
 
 
+def quic_outcomes(topology, metrics):
+    """udp_fanout_quic_lb_datagrams_total by outcome, from the daemon in the proxy namespace."""
+    text = topology.ns(topology.proxy, "curl", "-s", f"http://127.0.0.1:{metrics}/metrics")
+    return {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("udp_fanout_quic_lb_datagrams_total{")}
+
+
+def expect_routed(outcomes, what):
+    """Every datagram carries a server's ID: a quic_lb variant that did not route every one it
+    counted would measure something else (a wrong key falls back to source_ip, unknown_server_id)."""
+    if outcomes.get("routed", 0) == 0 or outcomes.get("routed", 0) < sum(outcomes.values()):
+        raise SystemExit(f"bench: {what}: not every datagram routed by ID: {outcomes}")
+
+
+def kernel_downstreams(quic, server_ids):
+    return "\n".join((f'      - {{name: b{n}, address: "198.18.{n}.2:6000", server_id: "{sid}"}}' if quic else
+                      f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
+                     for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
+
+
 def kernel_run(topology, work, kind, variant):
     """ns per run of the kind's program forwarding QUIC short-header packets to 3 backends."""
     quic, layout, server_ids = VARIANTS[variant]
-    downstreams = "\n".join((f'      - {{name: b{n}, address: "198.18.{n}.2:6000", server_id: "{sid}"}}' if quic else
-                             f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
-                            for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
+    downstreams = kernel_downstreams(quic, server_ids)
     path = os.path.join(work, f"quic-{kind}-{variant}.yaml")
     metrics = 19090  # inside the proxy namespace: its own loopback
     with open(path, "w") as f:
@@ -155,15 +173,11 @@ def kernel_run(topology, work, kind, variant):
             time.sleep(0.2)
             cost, runs = common.ns_per_run(["name", program])
         delivered = topology.delivered() - before
-        text = topology.ns(topology.proxy, "curl", "-s", f"http://127.0.0.1:{metrics}/metrics")
-        outcomes = {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("udp_fanout_quic_lb_datagrams_total{")}
+        outcomes = quic_outcomes(topology, metrics)
     finally:
         common.stop_process(proc)
-    # Every datagram carries a server's ID: a quic_lb variant that did not route every one it saw
-    # would measure something else (a wrong key falls back to source_ip, counted unknown_server_id).
-    if quic and (outcomes.get("routed", 0) == 0 or outcomes.get("routed", 0) < sum(outcomes.values())):
-        raise SystemExit(f"bench: {kind} {variant}: not every datagram routed by ID: {outcomes}")
+    if quic:
+        expect_routed(outcomes, f"{kind} {variant}")
     return {"ns": cost, "delivered": delivered / KERNEL_DATAGRAMS}
 
 
@@ -171,9 +185,7 @@ def afxdp_run(topology, work, variant):
     """CPU ns per datagram of an af_xdp listener (its forwarder decodes the IDs) forwarding QUIC
     short-header packets to 3 backends: the daemon's utime + stime over what the backends got."""
     quic, layout, server_ids = VARIANTS[variant]
-    downstreams = "\n".join((f'      - {{name: b{n}, address: "198.18.{n}.2:6000", server_id: "{sid}"}}' if quic else
-                             f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}')
-                            for n, sid in zip(range(1, common.BACKENDS + 1), server_ids))
+    downstreams = kernel_downstreams(quic, server_ids)
     path = os.path.join(work, f"quic-af_xdp-{variant}.yaml")
     metrics = 19091
     with open(path, "w") as f:
@@ -197,13 +209,11 @@ def afxdp_run(topology, work, variant):
         time.sleep(0.3)
         cpu = cpu_seconds(proc.pid) - cpu
         delivered = topology.delivered() - before
-        text = topology.ns(topology.proxy, "curl", "-s", f"http://127.0.0.1:{metrics}/metrics")
-        outcomes = {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("udp_fanout_quic_lb_datagrams_total{")}
+        outcomes = quic_outcomes(topology, metrics)
     finally:
         common.stop_process(proc)
-    if quic and (outcomes.get("routed", 0) == 0 or outcomes.get("routed", 0) < sum(outcomes.values())):
-        raise SystemExit(f"bench: af_xdp {variant}: not every datagram routed by ID: {outcomes}")
+    if quic:
+        expect_routed(outcomes, f"af_xdp {variant}")
     return {"ns": cpu * 1e9 / max(delivered, 1), "delivered": delivered / KERNEL_DATAGRAMS}
 
 
