@@ -1088,11 +1088,17 @@ final class TCListener: RunningListener {
             }
             live.quicKeyValues[slot] = key
         }
+        // Slots this generation no longer uses give their key back; one that cannot stays
+        // tracked (emptied again at the next change or the listener's stop), said.
+        var kept = keySlots
         for slot in held where !keySlots.contains(slot) {
-            try? program.setQUICKey(slot: slot, nil)
             live.quicKeyValues[slot] = nil
+            do throws(SystemCallError) { try program.setQUICKey(slot: slot, nil) } catch {
+                kept.append(slot)
+                logger.warning("could not take a quic_lb key no longer configured out of the kernel; tried again at the next change and at the listener's stop", metadata: ["listener": "\(config.name)", "error": "\(error)"])
+            }
         }
-        live.quicKeySlots[generation] = keySlots
+        live.quicKeySlots[generation] = kept
         guard !quicLB.isEmpty else { return }
         for (index, downstream) in downstreams.enumerated() {
             guard let serverID = downstream.serverID else { continue }
