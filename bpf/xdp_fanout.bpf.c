@@ -28,7 +28,7 @@
  * expired, no route, wrong server, drained, and a rewrite the frame's bounds refuse (a dropped
  * first fragment is remembered with its verdict: tc drops its later fragments the same way).
  * A datagram passed after its backend was chosen puts the listener's rotation back, so tc
- * chooses the same backend.
+ * chooses the same backend, and gives its source's rate_limit charge back, so tc charges it once.
  *
  * Here: how the frame is read (no pull: a frame is linear), what is passed to tc (hook_admit,
  * hook_follow, hook_can_send), and the way out (adjust_head for the tag, rewrite_frame's checksum
@@ -203,6 +203,9 @@ static __always_inline int pass_chosen(struct fanout_decision *c, __u32 reason)
 {
 	if (c->hook.rotation && c->event == ASSOCIATION_KEPT)
 		*c->hook.rotation = c->hook.position;
+	/* rate_limit: tc charges the source's buckets for it. */
+	if (c->rate)
+		fanout_rate_refund();
 	return pass(c->id, reason);
 }
 

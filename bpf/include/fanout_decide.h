@@ -30,6 +30,7 @@
 #include "fanout_nat.h"
 #include "fanout_templates.h"
 #include "fanout_quic.h"
+#include "fanout_rate.h"
 
 #if !defined(FANOUT_CTX) || !defined(FANOUT_ACT_DROP)
 #error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
@@ -56,6 +57,7 @@ struct fanout_decision {
 	__u8 drained;
 	__u8 new_association;
 	__u8 quic;          /* enum fanout_quic_outcome, counted where the hook finishes it */
+	__u8 rate;          /* the source's buckets were charged (fanout_rate.h) */
 	__u32 event;        /* enum association_event */
 	__u32 reply_moved;
 	/* FANOUT_VERDICT_FORWARDED, or for a later fragment what became of its first fragment at
@@ -164,6 +166,27 @@ static __always_inline void count_downstream_drop(struct fanout_decision *c, __u
 		dropped->too_large++;
 }
 
+/* rate_limit: a client's datagram above its source's rates, or a new source above the ceiling
+ * (counted by fanout_rate_limited): counted received, dropped before anything is chosen for it
+ * (no rotation turn, no association). */
+static __always_inline int drop_rate_limited(struct fanout_decision *c)
+{
+	struct fanout_stats *stats = c->id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &c->id) : NULL;
+	if (stats) {
+		stats->received++;
+		stats->bytes_received += c->length;
+	}
+	return FANOUT_ACT_DROP;
+}
+
+/* The UDP payload's bytes in this packet (what a rate_limit's bytes_per_second counts, as the
+ * userspace kinds do; a fragmented datagram is charged its first fragment's). */
+static __always_inline __u32 udp_payload_length(struct packet *p)
+{
+	__u32 headers = p->l4 - p->l3 + 8;
+	return p->tot_len > headers ? p->tot_len - headers : 0;
+}
+
 /* The datagram's listener, backend and direction: from the listener it is for, the nat listener
  * whose backend sent it, or the first fragment it follows. */
 static __always_inline int find_datagram(struct fanout_decision *c)
@@ -176,6 +199,11 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			action = hook_admit(c, listener);
 			if (action != FANOUT_GO_ON)
 				return action;
+			if (listener->reserved & FANOUT_LISTENER_RATE) {
+				if (fanout_rate_limited(&c->p, listener->id, udp_payload_length(&c->p)))
+					return drop_rate_limited(c);
+				c->rate = 1;
+			}
 			/* quic_lb: the backend the connection ID names, before the policy and the
 			 * association (a client that moved its address keeps its server). */
 			int routed = 0;

@@ -171,6 +171,11 @@ struct fanout_xfwd_passed {
  * to that backend (a nat listener's client is associated with it); the rest by the policy. */
 #define FANOUT_LISTENER_QUIC 4u
 
+/* The listener limits each source prefix's rate (`rate_limit`, fanout_rate.h): a client's
+ * datagram above its prefix's datagram or byte rate, or from a new source above the listener's
+ * new-source ceiling, is dropped and counted before anything is chosen for it. */
+#define FANOUT_LISTENER_RATE 8u
+
 /* fanout_fragment.direction */
 #define FANOUT_DIRECTION_FORWARD 0 /* client to backend: destination rewritten */
 #define FANOUT_DIRECTION_REPLY   1 /* backend to client: source rewritten to the listener's */
@@ -529,6 +534,67 @@ struct fanout_quic_key_args {
 	__u32 slot;
 	__u32 clear;
 	__u8 key[16];
+};
+
+/* Per-source limits (`rate_limit`, bpf/include/fanout_rate.h). Made by each process (not handed
+ * over: a restart starts every source with a full bucket), so FANOUT_MAPS_LAYOUT stays:
+ * configurations by listener id, each listener's buckets (an array of per-listener LRU hashes
+ * of `max_sources` made from the inner template), its `allow` prefixes, and per-CPU counters. */
+#define FANOUT_MAP_RATE_CONFIGS      fanout_ratec
+#define FANOUT_MAP_RATE_CONFIGS_NAME "fanout_ratec"
+#define FANOUT_MAP_RATE_BUCKETS      fanout_rateb
+#define FANOUT_MAP_RATE_BUCKETS_NAME "fanout_rateb"
+#define FANOUT_MAP_RATE_ALLOW        fanout_ratea
+#define FANOUT_MAP_RATE_ALLOW_NAME   "fanout_ratea"
+#define FANOUT_MAP_RATE_STATS        fanout_rates
+#define FANOUT_MAP_RATE_STATS_NAME   "fanout_rates"
+/* Each listener's bucket map is made by userspace with this name and its listener id. */
+#define FANOUT_RATE_BUCKETS_PREFIX   "fanout_rateb_"
+/* `allow` prefixes of every listener at once. */
+#define FANOUT_RATE_ALLOW_ENTRIES    4096
+
+/* Value of FANOUT_MAP_RATE_CONFIGS (an ARRAY by listener id). Each limit is a GCRA (a token
+ * bucket kept as a theoretical arrival time, TAT, in bpf_ktime_get_ns nanoseconds): a datagram
+ * conforms when max(TAT, now) + its cost is at most `tolerance` past now. An interval or rate
+ * of 0: that limit is off. */
+struct fanout_rate_config {
+	__u64 datagram_interval;    /* nanoseconds per datagram */
+	__u64 datagram_tolerance;   /* the burst's worth of nanoseconds */
+	__u64 bytes_per_second;     /* a datagram of n bytes costs n * 1e9 / bytes_per_second */
+	__u64 byte_tolerance;
+	__u64 new_source_interval;  /* nanoseconds per new source of the listener */
+	__u64 new_source_tolerance;
+	__u64 new_source_tat;       /* the listener's new-source TAT (the programs write it) */
+	__u32 ipv4_mask;            /* network order: the bits of an IPv4 source its key keeps */
+	__u32 ipv6_mask[4];         /* network order, per word */
+	__u32 has_allow;            /* the listener has `allow` prefixes in FANOUT_MAP_RATE_ALLOW */
+};
+
+/* Key of a listener's bucket map: the source masked to its prefix (IPv4 as ::ffff:a.b.c.d). */
+struct fanout_rate_key {
+	__u32 addr[4];
+};
+
+/* Value of a listener's bucket map. */
+struct fanout_rate_bucket {
+	__u64 datagram_tat;
+	__u64 byte_tat;
+	__u64 limited;              /* datagrams of this source dropped (for /status's top sources) */
+};
+
+/* Key of FANOUT_MAP_RATE_ALLOW (an LPM trie): prefixlen counts the listener id's 32 bits and
+ * the address's (IPv4 as ::ffff:a.b.c.d, so 96 + its length). */
+struct fanout_rate_allow_key {
+	__u32 prefixlen;
+	__u32 listener;
+	__u8 addr[16];
+};
+
+/* Per CPU, by listener id. */
+struct fanout_rate_stats {
+	__u64 limited;              /* datagrams dropped: above their source's rates */
+	__u64 limited_bytes;
+	__u64 new_sources_refused;  /* datagrams dropped: a new source above the ceiling */
 };
 
 #endif /* FANOUT_SHARED_H */

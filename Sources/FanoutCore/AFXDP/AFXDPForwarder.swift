@@ -46,7 +46,8 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
     private var hopsChecked = ContinuousClock.now
 
     init(queue: UInt32, socket: XSKSocket, listener: Listener, ifindex: UInt32, counters: ListenerCounters, afxdp: AFXDPCounters,
-         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory) {
+         plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
+         limiter: SourceRateLimiter? = nil) {
         self.queue = queue
         self.socket = socket
         self.listener = listener
@@ -58,7 +59,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         batch = max(1, listener.settings.batchSize)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize,
-                                   templates: counters.flowTemplates(listener), makeOutbox: makeOutbox)
+                                   templates: counters.flowTemplates(listener), limiter: limiter, makeOutbox: makeOutbox)
         forwarder.ledger = loop.ledger
         frames = .allocate(capacity: batch)
         sources = .allocate(capacity: batch)
@@ -129,8 +130,11 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         var parseErrors: UInt64 = 0
         var walked: UInt64 = 0
         var tooLarge: UInt64 = 0
+        var rateLimited: UInt64 = 0
         var noHealthy: UInt64 = 0
         var ttlExpired: UInt64 = 0
+        let limiter = forwarder.limiter
+        let now = limiter == nil ? 0 : SourceRateLimiter.now()
         // xdp_tx fallbacks, by NextHopProblem and for a rewrite refused: added to the shared counters once per batch.
         var fallbacks = (noRoute: UInt64(0), otherInterface: UInt64(0), noNeighbour: UInt64(0), refused: UInt64(0))
         let maximum = listener.settings.maxPacketSize
@@ -150,6 +154,12 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             bytesReceived += UInt64(parsed.payloadLength)
             guard parsed.payloadLength <= maximum, !keepsSource || parsed.hopLimit > 1 else {
                 if parsed.payloadLength > maximum { tooLarge += 1 } else { ttlExpired += 1 }
+                done[doneCount] = frame
+                doneCount += 1
+                continue
+            }
+            if let limiter, !limiter.admits(source, length: parsed.payloadLength, now: now) {
+                rateLimited += 1
                 done[doneCount] = frame
                 doneCount += 1
                 continue
@@ -228,7 +238,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         }
         if ttlExpired > 0 { counters.drop(.ttlExpired, ttlExpired) }
         // The outboxes' iovecs point into UMEM: frames are recycled only after these sends returned.
-        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy,
+        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, rateLimited: rateLimited, noHealthy: noHealthy,
                         forwarded: transmitted, bytesForwarded: transmittedBytes, notOffered: [(.parseError, parseErrors), (.ttlExpired, ttlExpired)])
         if walked > 0 { afxdp.framesWalked.wrappingAdd(walked, ordering: .relaxed) }
         if parseErrors > 0 {

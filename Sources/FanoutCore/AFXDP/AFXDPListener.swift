@@ -181,9 +181,11 @@ final class AFXDPListener: RunningListener {
         sockets = made
         Self.registeredUMEM.wrappingAdd(umemBytes, ordering: .relaxed)
         let (plans, stop) = (self.plans, self.stop)
+        // The companion's buckets: a source is limited once, whichever way its datagrams come.
+        let limiter = companion.limiter
         forwarders = made.map { socket in
             AFXDPForwarder(queue: socket.queue, socket: socket, listener: config, ifindex: ifindex, counters: counters, afxdp: afxdp,
-                           plans: plans, stop: stop, logger: logger, makeOutbox: makeOutbox)
+                           plans: plans, stop: stop, logger: logger, makeOutbox: makeOutbox, limiter: limiter)
         }
         for socket in made {
             do {

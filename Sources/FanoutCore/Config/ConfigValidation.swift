@@ -189,6 +189,10 @@ extension FanoutConfig {
                     warn("\(path).settings.output", "socket with a one-way quic_lb listener: the servers see this host's address, not the client's, so their replies cannot reach the client; use output: preserve_source with direct server return, or replies: relay (docs/quic.md)")
                 }
             }
+            // rate_limit: a byte burst below the largest datagram turns every larger one away.
+            if let limit = listener.rateLimit, limit.bytesPerSecond != nil, limit.burstBytes < UInt64(listener.settings.maxPacketSize) {
+                warn("\(path).rate_limit.burst_bytes", "\(limit.burstBytes) is below settings.max_packet_size (\(listener.settings.maxPacketSize)): a datagram larger than the byte burst is always dropped (rate_limited); raise burst_bytes or leave it out (default: a tenth of bytes_per_second, at least 65535)")
+            }
             // flow_templates where it does less than asked.
             if listener.settings.flowTemplates && (listener.mode == .tcEBPF || listener.mode == .xdp) {
                 if listener.replies != Replies.none {

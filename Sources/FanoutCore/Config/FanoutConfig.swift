@@ -54,12 +54,14 @@ public struct Listener: Equatable, Sendable {
     /// connection ID carries, under these configurations (one per config ID); `balancing` chooses
     /// for the others. Empty: no routing by connection ID.
     public var quicLB: [QUICLBConfiguration]
+    /// Per-source token buckets (`rate_limit`); nil: no limit.
+    public var rateLimit: RateLimit?
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
         downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
         settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none, pools: [Pool] = [],
-        quicLB: [QUICLBConfiguration] = []
+        quicLB: [QUICLBConfiguration] = [], rateLimit: RateLimit? = nil
     ) {
         self.name = name
         self.bind = bind
@@ -73,11 +75,12 @@ public struct Listener: Equatable, Sendable {
         self.replies = replies
         self.pools = pools
         self.quicLB = quicLB
+        self.rateLimit = rateLimit
     }
 
     /// Everything but the downstreams, balancing, QUIC-LB and pools: what a reload cannot change without
-    /// restarting the listener's workers.
-    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies) }
+    /// restarting the listener's workers (`rate_limit` too: its state is the running instance's).
+    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies, rateLimit: rateLimit) }
 
     struct SocketShape: Equatable {
         var bind: SocketAddress
@@ -85,6 +88,7 @@ public struct Listener: Equatable, Sendable {
         var mode: Mode
         var settings: Settings
         var replies: Replies
+        var rateLimit: RateLimit?
     }
 }
 
@@ -463,6 +467,7 @@ extension FanoutConfig {
             if !listener.quicLB.isEmpty {
                 line += ", quic_lb [\(listener.quicLB.map(\.description).joined(separator: "; "))] before \(listener.balancing.rawValue)"
             }
+            if let limit = listener.rateLimit { line += ", rate_limit \(limit)" }
             for pool in listener.pools {
                 line += ", pool \(pool.name) -> \(targets(pool.downstreams, pool.dnsDownstreams, pool.kubernetes)), \(pool.balancing.rawValue)"
                 // In the order the filters apply: sources, then the sample (of sources, not datagrams).

@@ -40,6 +40,8 @@ final class BatchForwarder {
     private let replicator: PoolReplicator
     /// `settings.flow_templates`: the caller offers it each datagram before appending it.
     let templates: FlowTemplateRelay?
+    /// `rate_limit`: the listener's buckets per source (shared by its threads), nil when none.
+    let limiter: SourceRateLimiter?
     /// The thread's crash ledger slot: the listener's own outboxes note in it what each send call
     /// carries, just before the call.
     var ledger: CrashLedger.Slot? {
@@ -51,8 +53,10 @@ final class BatchForwarder {
     ///   - output: the listener's `settings.output`, for pools that do not set their own.
     ///   - capacity: datagrams per batch (a pool member's outbox holds at most one batch).
     ///   - templates: the listener's flow export templates (`settings.flow_templates`), nil when off.
+    ///   - limiter: the listener's `rate_limit` buckets, nil when it has none.
     init(listener: String, counters: ListenerCounters, plans: PlanHolder, logger: Logger, output: Output, capacity: Int,
-         templates: FlowTemplateState? = nil, makeOutbox: @escaping OutboxFactory) {
+         templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil, makeOutbox: @escaping OutboxFactory) {
+        self.limiter = limiter
         self.listener = listener
         self.counters = counters
         self.plans = plans
@@ -157,11 +161,11 @@ final class BatchForwarder {
     }
 
     /// Sends every outbox, then counts the batch: `received` datagrams of `bytesReceived` bytes,
-    /// of which `tooLarge` and `noHealthy` were not appended; `forwarded` and `bytesForwarded`
+    /// of which `tooLarge`, `rateLimited` and `noHealthy` were not appended; `forwarded` and `bytesForwarded`
     /// add datagrams the caller sent another way (af_xdp's TX ring).
     /// `notOffered`: datagrams dropped before any pool was offered them, other than `tooLarge`
-    /// (af_xdp: unparsable frames, TTL expired), so each pool's outcomes add up to `received`.
-    func flush(received: Int, bytesReceived: UInt64, tooLarge: UInt64 = 0, noHealthy: UInt64 = 0,
+    /// and `rateLimited` (af_xdp: unparsable frames, TTL expired), so each pool's outcomes add up to `received`.
+    func flush(received: Int, bytesReceived: UInt64, tooLarge: UInt64 = 0, rateLimited: UInt64 = 0, noHealthy: UInt64 = 0,
                forwarded extraForwarded: UInt64 = 0, bytesForwarded extraBytes: UInt64 = 0, notOffered: [(DropReason, UInt64)] = []) {
         var forwarded = extraForwarded
         var bytesForwarded = extraBytes
@@ -193,13 +197,14 @@ final class BatchForwarder {
             }
         }
         touched.removeAll(keepingCapacity: true)
-        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)] + notOffered, sent: true) }
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge), (.rateLimited, rateLimited)] + notOffered, sent: true) }
         counters.add(counters.received, UInt64(received))
         counters.add(counters.bytesReceived, bytesReceived)
         counters.add(counters.forwarded, forwarded)
         counters.add(counters.bytesForwarded, bytesForwarded)
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
+        counters.drop(.rateLimited, rateLimited)
         if selector.router != nil { counters.add(selector.takeTally()) }
     }
 

@@ -32,6 +32,8 @@ struct WorkerShared: Sendable {
     /// Set once the group took the bind over (``SocketGroupListener/activate()``): inherited
     /// sockets get nothing new from then on.
     let activated: StopSignal
+    /// `rate_limit`: the listener's buckets per source, shared by its workers; nil: none.
+    let limiter: SourceRateLimiter?
 }
 
 /// The part every listener that receives on its bind's sockets shares (userspace, relay, and
@@ -53,6 +55,8 @@ final class SocketGroupListener: Sendable {
     let workers: [any ListenerWorker]
     private let threads: [OSThread]
     let passiveHealth: (@Sendable (SocketAddress) -> Void)?
+    /// `rate_limit`'s buckets, nil when the listener has none.
+    let limiter: SourceRateLimiter?
     private let instance = ListenerInstance.next()
     let logger: Logger
     /// Where this listener's sockets are handed to the service manager (one-way userspace; nil:
@@ -90,6 +94,8 @@ final class SocketGroupListener: Sendable {
         self.logger = logger
         self.descriptors = descriptors
         self.workersReadHandedOver = workersReadHandedOver
+        limiter = config.rateLimit.map(SourceRateLimiter.init)
+        counters.showRateLimit(limiter)
         handedOver = Self.takeHandedOver(config, descriptors, logger: logger)
         // Before any worker reads them (relay workers read them from their start).
         handedOverQueued = Self.queue(of: handedOver)
@@ -122,17 +128,19 @@ final class SocketGroupListener: Sendable {
                 "rmem_max": "\(Self.rmemMax.map(String.init) ?? "unknown")",
             ])
         }
-        logger.info("starting userspace forwarder", metadata: [
+        var starting: Logger.Metadata = [
             "listener": "\(config.name)", "bind": "\(config.bind)", "workers": "\(count)",
             "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)", "pools": "\(config.pools.count)",
             "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
-        ])
+        ]
+        if let limit = config.rateLimit { starting["rate_limit"] = "\(limit)" }
+        logger.info("starting userspace forwarder", metadata: starting)
         do {
             var inherited = [[ReusePortMember]](repeating: [], count: count)
             if workersReadHandedOver {
                 for (position, socket) in handedOver.enumerated() { inherited[(socket.slot ?? position) % count].append(socket.member) }
             }
-            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated))
+            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter))
         } catch {
             for member in members { member.leave() }
             throw error
@@ -151,7 +159,7 @@ final class SocketGroupListener: Sendable {
             members.enumerated().map { index, member in
                 SocketWorker(index: index, member: member, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
                              makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize),
-                             templates: counters.flowTemplates(config))
+                             templates: counters.flowTemplates(config), limiter: shared.limiter)
             }
         }
         // A reload that turned relay off: no two-way series for a one-way listener.
@@ -250,7 +258,7 @@ final class SocketGroupListener: Sendable {
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
         let drains = handedOver.enumerated().map { index, socket in
             SocketWorker(index: index, member: socket.member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
-                         makeOutbox: factory, drainLimit: .seconds(30), handedOver: true, templates: counters.flowTemplates(config))
+                         makeOutbox: factory, drainLimit: .seconds(30), handedOver: true, templates: counters.flowTemplates(config), limiter: limiter)
         }
         let (name, log) = (config.name, logger)
         OSThread.detached(name: "\(config.name)-adopted") {

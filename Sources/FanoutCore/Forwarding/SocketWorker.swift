@@ -33,7 +33,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
-         drainLimit: Duration = .seconds(1), handedOver: Bool = false, templates: FlowTemplateState? = nil) {
+         drainLimit: Duration = .seconds(1), handedOver: Bool = false, templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil) {
         self.handedOver = handedOver
         self.index = index
         self.member = member
@@ -46,7 +46,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize, templates: templates,
-                                   makeOutbox: makeOutbox)
+                                   limiter: limiter, makeOutbox: makeOutbox)
         forwarder.ledger = loop.ledger
         // One byte more than the largest datagram kept: MSG_TRUNC marks anything larger.
         receiver = BatchReceiver(batchSize: listener.settings.batchSize, maximumDatagramSize: listener.settings.maxPacketSize)
@@ -106,14 +106,22 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     func forward(_ count: Int) {
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
+        var rateLimited: UInt64 = 0
         var noHealthy: UInt64 = 0
+        let limiter = forwarder.limiter
+        let now = limiter == nil ? 0 : SourceRateLimiter.now()
         for datagram in 0..<count {
-            bytesReceived += UInt64(receiver.length(datagram))
+            let length = receiver.length(datagram)
+            bytesReceived += UInt64(length)
             if receiver.isTruncated(datagram) {
                 tooLarge += 1
                 continue
             }
             let source = receiver.sourceStorage(datagram)
+            if let limiter, !limiter.admits(source, length: length, now: now) {
+                rateLimited += 1
+                continue
+            }
             let payload = receiver.payload(datagram)
             forwarder.replicate(payload, source: source)
             guard let target = forwarder.pick(source, payload) else {
@@ -125,7 +133,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             forwarder.noteTemplates(target, payload, source: source)
             forwarder.append(target, payload, source: source)
         }
-        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, noHealthy: noHealthy)
+        forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, rateLimited: rateLimited, noHealthy: noHealthy)
     }
 }
 

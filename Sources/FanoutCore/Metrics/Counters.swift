@@ -28,6 +28,9 @@ package enum DropReason: String, CaseIterable, Sendable {
     /// Read by a process that then ended without a stop (kill -9, a fatal signal) before it sent
     /// them: counted by the next process at the listener's start (``CrashLedger``).
     case crash
+    /// `rate_limit`: above its source prefix's datagram or byte rate, or a new source above
+    /// `new_sources_per_second`.
+    case rateLimited = "rate_limited"
 }
 
 /// Why a reply (downstream to client) of a two-way listener was not sent on.
@@ -136,6 +139,7 @@ package final class ListenerCounters: Sendable {
     let tableFull = Atomic<UInt64>(0)
     /// What the previous process held when it crashed (``CrashLedger``), counted at the first start.
     let crash = Atomic<UInt64>(0)
+    let rateLimited = Atomic<UInt64>(0)
     /// `quic_lb` listeners: datagrams by ``QUICOutcome`` (in its order); all zero otherwise.
     let quicRouted = Atomic<UInt64>(0)
     let quicFallback = Atomic<UInt64>(0)
@@ -144,6 +148,9 @@ package final class ListenerCounters: Sendable {
     /// Set once the listener routes by QUIC connection ID (kept: the series keep their totals),
     /// so its outcomes are shown, at zero too.
     let showsQUICOutcomes = Atomic<Bool>(false)
+    /// `rate_limit`: the running instance's buckets for /status (its top limited sources and
+    /// evictions); nil: none.
+    private let rateLimitSource = Mutex<(@Sendable () -> RateLimitStatus)?>(nil)
     /// The crash ledger this listener's forwarding threads note what they hold in; nil: none
     /// (no service manager keeps descriptors).
     let ledger: CrashLedger?
@@ -200,9 +207,26 @@ package final class ListenerCounters: Sendable {
         case .ttlExpired: add(ttlExpired, count)
         case .tableFull: add(tableFull, count)
         case .crash: add(crash, count)
+        case .rateLimited: add(rateLimited, count)
         case .noRoute, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
+
+    /// Shows `limiter`'s buckets in /status (nil: the listener has none now).
+    func showRateLimit(_ limiter: SourceRateLimiter?) {
+        showRateLimit(limiter.map { limiter in
+            { @Sendable in
+                RateLimitStatus(limit: "\(limiter.limit)", evicted: limiter.evicted.load(ordering: .relaxed),
+                                topLimited: limiter.topLimited(RateLimitStatus.topCount).map { LimitedSource(prefix: $0.prefix, limited: $0.limited) })
+            }
+        })
+    }
+
+    /// Shows what `source` reads in /status (a kernel kind reads its maps).
+    func showRateLimit(_ source: (@Sendable () -> RateLimitStatus)?) { rateLimitSource.withLock { $0 = source } }
+
+    /// The running instance's buckets, nil when it has none.
+    func rateLimitView() -> RateLimitStatus? { rateLimitSource.withLock { $0 }?() }
 
     /// The counters of each downstream by name, made on first use and kept for the life of the
     /// process: a downstream that leaves the set (reload, health, discovery) keeps its series
@@ -328,7 +352,7 @@ package final class ListenerCounters: Sendable {
             .unreachable: unreachable.load(ordering: .relaxed), .sendError: sendError.load(ordering: .relaxed),
             .noRoute: 0, .ttlExpired: ttlExpired.load(ordering: .relaxed), .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
             .familyMismatch: familyMismatch.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
-            .crash: crash.load(ordering: .relaxed),
+            .crash: crash.load(ordering: .relaxed), .rateLimited: rateLimited.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

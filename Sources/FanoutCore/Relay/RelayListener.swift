@@ -50,7 +50,7 @@ final class RelayListener: RunningListener {
                     workers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
                                                    sessions: sessions, plans: shared.plans, stop: shared.stop, handOver: shared.handOver, logger: logger,
                                                    descriptors: descriptors, inherited: shared.inherited[index], activated: shared.activated,
-                                                   adopted: adopted[index]))
+                                                   adopted: adopted[index], limiter: shared.limiter))
                 } catch {
                     // The sessions not yet in a worker close here (a worker's own close with it).
                     for session in adopted[index...].joined() { session.closeSocket() }

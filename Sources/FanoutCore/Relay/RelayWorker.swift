@@ -100,6 +100,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var inherited: [ReusePortMember]
     /// Set once the listener's group took the bind over: the inherited sockets get nothing new.
     let activated: StopSignal
+    /// `rate_limit`: the listener's buckets per source (requests only), nil when none.
+    let limiter: SourceRateLimiter?
 
     /// - Parameters:
     ///   - inherited: listener sockets a previous process handed over, read beside `member`.
@@ -108,7 +110,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
          sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger,
          descriptors: DescriptorStore? = nil, inherited: [ReusePortMember] = [], activated: StopSignal = StopSignal(),
-         adopted: [RelaySession] = []) throws(ReusePortError) {
+         adopted: [RelaySession] = [], limiter: SourceRateLimiter? = nil) throws(ReusePortError) {
+        self.limiter = limiter
         self.index = index
         self.member = member
         self.descriptors = descriptors
@@ -424,6 +427,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         let now = monotonicMilliseconds()
         var bytesReceived: UInt64 = 0
         var tooLarge: UInt64 = 0
+        var rateLimited: UInt64 = 0
+        let nanoseconds = limiter == nil ? 0 : SourceRateLimiter.now()
         var noHealthy: UInt64 = 0
         var tableFull: UInt64 = 0
         var created: UInt64 = 0
@@ -438,6 +443,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 continue
             }
             let source = receiver.sourceStorage(datagram)
+            // Before a session is made: a flood of spoofed sources makes none.
+            if let limiter, !limiter.admits(source, length: receiver.length(datagram), now: nanoseconds) {
+                rateLimited += 1
+                continue
+            }
             replicator.replicate(receiver.payload(datagram), source: source)
             let key = ClientKey(source)
             let session: RelaySession
@@ -504,7 +514,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             loop.ledger?.handing(queued)
             finishRequests(count, &failures)
         }
-        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge)]) }
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, tooLarge), (.rateLimited, rateLimited)]) }
         var forwarded: UInt64 = 0
         var bytesForwarded: UInt64 = 0
         if let plan {
@@ -530,6 +540,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         counters.add(counters.noHealthy, noHealthy)
         counters.drop(.tooLarge, tooLarge)
         counters.drop(.tableFull, tableFull)
+        counters.drop(.rateLimited, rateLimited)
         if selector.router != nil { counters.add(selector.takeTally()) }
         counters.drop(.sendBufferFull, failures.bufferFull)
         counters.drop(.unreachable, failures.unreachable)

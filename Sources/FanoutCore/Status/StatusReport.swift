@@ -108,6 +108,30 @@ package struct ListenerStatus: Codable, Sendable, Equatable {
     package var downstreams: [DownstreamStatus]
     package var pools: [PoolStatus]
     package var rates: Rates?
+    /// `rate_limit` listeners: the running instance's view of its buckets.
+    package var rateLimit: RateLimitStatus? = nil
+}
+
+/// A `rate_limit` listener's buckets as its running instance sees them: the sources with most
+/// datagrams dropped while tracked (at most ``RateLimitStatus/topCount``), and how many sources it forgot
+/// before their buckets were full again (the table, `max_sources`, was too small).
+package struct RateLimitStatus: Codable, Sendable, Equatable {
+    package static let topCount = 10
+    package var limit: String
+    /// nil in the kernel kinds: the kernel's LRU maps do not count what they evict.
+    package var evicted: UInt64?
+    package var topLimited: [LimitedSource]
+
+    package init(limit: String, evicted: UInt64?, topLimited: [LimitedSource]) {
+        self.limit = limit
+        self.evicted = evicted
+        self.topLimited = topLimited
+    }
+}
+
+package struct LimitedSource: Codable, Sendable, Equatable {
+    package var prefix: String
+    package var limited: UInt64
 }
 
 package struct PoolStatus: Codable, Sendable, Equatable {
@@ -220,7 +244,8 @@ extension FanoutDaemon {
                 dropped: Self.named(snapshot.dropped),
                 replySent: snapshot.twoWay?.replies, replyBytes: snapshot.twoWay?.replyBytes,
                 repliesDropped: snapshot.twoWay.map { Self.named($0.replyDropped) }, associations: snapshot.twoWay?.associations,
-                downstreams: zip(own, sources).map { status($0, source: $1) }, pools: pools))
+                downstreams: zip(own, sources).map { status($0, source: $1) }, pools: pools,
+                rateLimit: listener.rateLimit == nil ? nil : counters[listener.name]?.rateLimitView()))
         }
         return StatusReport(
             version: ProjectVersion.string, pid: getpid(), startedAt: ProcessMetrics.startTime() ?? 0, time: WallClock.seconds(), monotonic: Double(monotonicMilliseconds()) / 1000,

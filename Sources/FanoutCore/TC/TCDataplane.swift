@@ -734,6 +734,9 @@ final class TCListener: RunningListener {
     static let drainingLimit = Int(FANOUT_MAX_BACKENDS)
     /// nat: the listener's association map (its descriptor; the program's array holds it at `id`).
     private let associationMap: Int32?
+    /// rate_limit: the listener's bucket map (its descriptor; the program's array holds it at `id`).
+    private let rateBuckets: Int32?
+    private let rateBucketsOpen = Mutex(true)
     /// nat: the last count of the association map (at most one count per `countInterval`).
     private struct AssociationCount {
         var at: ContinuousClock.Instant?
@@ -801,11 +804,30 @@ final class TCListener: RunningListener {
                 throw error
             }
         }
+        if let limit = config.rateLimit {
+            do throws(SystemCallError) {
+                rateBuckets = try program.putRateLimit(id: id, limit)
+            } catch {
+                if registered.adopted == nil { program.resetListener(id: id) }
+                if let front {
+                    front.program.stopServing(id: id)
+                    front.program.detach(interface: config.interface ?? "")
+                }
+                dataplane.unregister(interface: config.interface ?? "", id: id)
+                throw .maps(error)
+            }
+        } else {
+            rateBuckets = nil
+        }
         if config.replies == .nat {
             do throws(SystemCallError) {
                 associationMap = try dataplane.associationMap(id: id, listener: config, program: program, adopted: registered.adopted != nil)
                 try program.putNAT(id: id, bind: config.bind, quic: !config.quicLB.isEmpty)
             } catch {
+                if let rateBuckets, let limit = config.rateLimit {
+                    program.clearRateLimit(id: id, allow: limit.allow)
+                    close(rateBuckets)
+                }
                 if registered.adopted == nil { program.resetListener(id: id) }
                 if let front {
                     front.program.stopServing(id: id)
@@ -848,9 +870,11 @@ final class TCListener: RunningListener {
                 program.removeListener(config.bind, ifindex: ifindex, id: id)
                 releaseNAT()
                 releaseQUIC()
-            } else if let associationMap {
+                releaseRateLimit()
+            } else {
                 // The previous process's entry, sets and associations stay: its plan still forwards.
-                close(associationMap)
+                if let associationMap { close(associationMap) }
+                releaseRateLimit()
             }
             releaseFront()
             dataplane.unregister(interface: config.interface ?? "", id: id)
@@ -867,8 +891,16 @@ final class TCListener: RunningListener {
             "id": "\(id)", "downstreams": "\(config.downstreams.count)", "balancing": "\(config.balancing.rawValue)",
         ]
         if !config.quicLB.isEmpty { registration["quic_lb"] = "\(Self.describe(config.quicLB))" }
+        if let limit = config.rateLimit { registration["rate_limit"] = "\(limit)" }
         logger.info("registered listener in eBPF map", metadata: registration)
         counters.setSource(for: ObjectIdentifier(self)) { [weak self] in self?.snapshot() ?? .zero }
+        if rateBuckets != nil, let limit = config.rateLimit {
+            counters.showRateLimit { @Sendable [weak self] in
+                RateLimitStatus(limit: "\(limit)", evicted: nil, topLimited: self?.topLimited(limit) ?? [])
+            }
+        } else {
+            counters.showRateLimit(nil as SourceRateLimiter?)
+        }
     }
 
     /// A listener taken over from the previous process keeps its pools' ids (in the order of the
@@ -978,6 +1010,7 @@ final class TCListener: RunningListener {
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
                 entry.reserved = (nat ? FANOUT_LISTENER_NAT : 0) | (templates != nil ? FANOUT_LISTENER_TEMPLATES : 0) | (quicLB.isEmpty ? 0 : FANOUT_LISTENER_QUIC)
+                    | (rateBuckets != nil ? FANOUT_LISTENER_RATE : 0)
                 let prepared = try preparePools(pools, keeping: keeping, newIDs: &newPoolIDs, in: &live)
                 entry.pool_count = UInt32(prepared.count)
                 withUnsafeMutableBytes(of: &entry.pools) { raw in
@@ -1381,6 +1414,32 @@ final class TCListener: RunningListener {
         for generation: UInt32 in 0...1 { program.clearQUIC(setKey: id * 2 + generation, keySlots: keySlots[generation]) }
     }
 
+    /// rate_limit: the listener's configuration, buckets and allow prefixes out of the maps
+    /// (the program limits nothing for its id from then on), and the bucket map's descriptor closed.
+    private func releaseRateLimit() {
+        guard let rateBuckets, let limit = config.rateLimit else { return }
+        program.clearRateLimit(id: id, allow: limit.allow)
+        closeRateBuckets(rateBuckets)
+    }
+
+    /// Closes the bucket map's descriptor once (a /status reading holds the lock while it reads).
+    private func closeRateBuckets(_ fd: Int32) {
+        rateBucketsOpen.withLock { open in
+            guard open else { return }
+            open = false
+            close(fd)
+        }
+    }
+
+    /// /status's top limited sources, read from the bucket map while its descriptor is open.
+    private func topLimited(_ limit: RateLimit) -> [LimitedSource] {
+        guard let rateBuckets else { return [] }
+        return rateBucketsOpen.withLock { open in
+            guard open else { return [] }
+            return TCProgram.topLimited(rateBuckets, ipv4Length: limit.ipv4PrefixLength, ipv6Length: limit.ipv6PrefixLength, count: RateLimitStatus.topCount)
+        }
+    }
+
     /// Takes the listener's nat state out of the maps: live, draining and gone backends, its
     /// address, its association map; detaches at its reply interfaces.
     private func releaseNAT() {
@@ -1522,6 +1581,7 @@ final class TCListener: RunningListener {
         program.removeListener(config.bind, ifindex: ifindex, id: id)
         releaseNAT()
         releaseQUIC()
+        releaseRateLimit()
         // Its pools' last counts, and their ids back (no entry names them now).
         let neighbours = live.withLock { live in
             for (name, var pool) in live.pools { releasePool(name, &pool) }
@@ -1543,6 +1603,9 @@ final class TCListener: RunningListener {
     private func handOverToNextProcess() {
         counters.freeze(ObjectIdentifier(self))
         if let associationMap { close(associationMap) }
+        // The program this process loaded keeps its own rate_limit maps until the next process's
+        // replaces it; only the descriptor closes.
+        if let rateBuckets { closeRateBuckets(rateBuckets) }
         let interfaces = live.withLock { live in
             defer { live.replyInterfaces = []; live.neighbours = [] }
             return live.replyInterfaces
@@ -1658,6 +1721,10 @@ final class TCListener: RunningListener {
             ],
             downstreams: downstreams, downstreamDropped: downstreamDropped,
             twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots, retired: retired) : nil)
+        if rateBuckets != nil {
+            let counts = program.rateCounts(id: id)
+            snapshot.dropped[.rateLimited] = counts.limited &+ counts.newSources
+        }
         if live.withLock({ $0.quicShown }) {
             let counts = program.quicCounts(id: id)
             for (outcome, count) in zip(QUICOutcome.allCases, counts) { snapshot.quic[outcome] = count }

@@ -40,6 +40,13 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// The syscall program that puts keys into ``quicKeys`` (bpf/fanout_quic_keys.bpf.c).
     /// Both -1 in the build without crypto (``crypto`` false).
     let quicKeyProgram: Int32
+    /// rate_limit (bpf/include/fanout_rate.h): configurations by listener id, the array of
+    /// per-listener bucket maps, the `allow` prefixes and the per-CPU counters (this process's
+    /// own: not handed over).
+    let rateConfigs: Int32
+    let rateBuckets: Int32
+    let rateAllow: Int32
+    let rateStats: Int32
     /// The program decrypts QUIC-LB connection IDs with the kernel's BPF crypto kfuncs: the
     /// build with them (tc_fanout.bpf.c) where the kernel has them, else the plain one
     /// (tc_fanout_plain.bpf.c: its key map's kptr type would not exist in the kernel).
@@ -48,7 +55,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, quicKeyProgram].filter { $0 >= 0 } }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, quicKeyProgram].filter { $0 >= 0 } }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -72,8 +79,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// The maps that start anew with each process: flow_templates' ring buffer and counters,
-    /// and quic_lb's outcomes.
-    static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME]
+    /// quic_lb's outcomes, and rate_limit's state (a restart starts every source with a full
+    /// bucket; the listener entries' FANOUT_LISTENER_RATE finds no configuration until the new
+    /// process wrote it, and limits nothing meanwhile).
+    static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME,
+                              FANOUT_MAP_RATE_CONFIGS_NAME, FANOUT_MAP_RATE_BUCKETS_NAME, FANOUT_MAP_RATE_ALLOW_NAME, FANOUT_MAP_RATE_STATS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -112,6 +122,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         (quicConfigs, quicIDs) = (owned[11], owned[12])
         let own = crypto ? 14 : 13
         (templates, templateStats, quicStats) = (owned[own], owned[own + 1], owned[own + 2])
+        (rateConfigs, rateBuckets, rateAllow, rateStats) = (owned[own + 3], owned[own + 4], owned[own + 5], owned[own + 6])
         guard crypto else {
             (quicKeys, quicKeyProgram) = (-1, -1)
             cpus = max(1, Int(libbpf_num_possible_cpus()))
@@ -321,6 +332,122 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// program counted them, summed over the CPUs.
     func quicCounts(id: UInt32) -> [UInt64] {
         perCPUSum(quicStats, key: id, as: fanout_quic_stats.self)
+    }
+
+    // MARK: rate_limit
+
+    /// Puts listener `id`'s `rate_limit` in force: its bucket map (an LRU hash of `max_sources`,
+    /// made here and put in the array), its `allow` prefixes, then its configuration. Returns
+    /// the bucket map's descriptor (the caller reads /status's top sources with it and closes it).
+    func putRateLimit(id: UInt32, _ limit: RateLimit) throws(SystemCallError) -> Int32 {
+        let name = FANOUT_RATE_BUCKETS_PREFIX + "\(id)"
+        let fd = try libbpfCall("bpf_map_create \(name) (rate_limit.max_sources \(limit.maxSources))") {
+            bpf_map_create(BPF_MAP_TYPE_LRU_HASH, name, UInt32(MemoryLayout<fanout_rate_key>.size),
+                           UInt32(MemoryLayout<fanout_rate_bucket>.size), UInt32(limit.maxSources), nil)
+        }
+        do throws(SystemCallError) {
+            var key = id
+            var value = UInt32(fd)
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_RATE_BUCKETS_NAME)") { bpf_map_update_elem(rateBuckets, &key, &value, UInt64(BPF_ANY)) }
+            for prefix in limit.allow {
+                var allow = Self.allowKey(id: id, prefix)
+                var present: UInt8 = 1
+                try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_RATE_ALLOW_NAME) \(prefix)") { bpf_map_update_elem(rateAllow, &allow, &present, UInt64(BPF_ANY)) }
+            }
+            var config = Self.rateConfig(limit)
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_RATE_CONFIGS_NAME)") { bpf_map_update_elem(rateConfigs, &key, &config, UInt64(BPF_ANY)) }
+        } catch {
+            clearRateLimit(id: id, allow: limit.allow)
+            close(fd)
+            throw error
+        }
+        return fd
+    }
+
+    /// Takes listener `id`'s rate_limit out: its configuration (the program then limits nothing
+    /// for it), its bucket map from the array, and its `allow` prefixes.
+    func clearRateLimit(id: UInt32, allow: [SourcePrefix]) {
+        var key = id
+        var empty = fanout_rate_config()
+        bpf_map_update_elem(rateConfigs, &key, &empty, UInt64(BPF_ANY))
+        bpf_map_delete_elem(rateBuckets, &key)
+        for prefix in allow {
+            var allowKey = Self.allowKey(id: id, prefix)
+            bpf_map_delete_elem(rateAllow, &allowKey)
+        }
+    }
+
+    static func allowKey(id: UInt32, _ prefix: SourcePrefix) -> fanout_rate_allow_key {
+        var key = fanout_rate_allow_key()
+        key.listener = id
+        var bytes = prefix.address.bytes
+        var length = prefix.length
+        if bytes.count == 4 {
+            bytes = [UInt8](repeating: 0, count: 10) + [0xff, 0xff] + bytes
+            length += 96
+        }
+        key.prefixlen = UInt32(32 + length)
+        withUnsafeMutableBytes(of: &key.addr) { $0.copyBytes(from: bytes) }
+        return key
+    }
+
+    /// The program's form of `limit` (fanout_rate_config: GCRA intervals and tolerances in
+    /// nanoseconds, prefix masks in network order).
+    static func rateConfig(_ limit: RateLimit) -> fanout_rate_config {
+        var config = fanout_rate_config()
+        func tolerance(_ burst: UInt64, _ rate: UInt64) -> UInt64 { UInt64(min(Double(burst) * 1e9 / Double(rate), Double(UInt64.max / 4))) }
+        if let rate = limit.datagramsPerSecond {
+            config.datagram_interval = 1_000_000_000 / rate
+            config.datagram_tolerance = tolerance(limit.burstDatagrams, rate)
+        }
+        if let rate = limit.bytesPerSecond {
+            config.bytes_per_second = rate
+            config.byte_tolerance = tolerance(limit.burstBytes, rate)
+        }
+        if let rate = limit.newSourcesPerSecond {
+            config.new_source_interval = 1_000_000_000 / rate
+            config.new_source_tolerance = tolerance(limit.burstNewSources, rate)
+        }
+        config.ipv4_mask = (UInt32.max << (32 - limit.ipv4PrefixLength)).bigEndian
+        var words: [UInt32] = []
+        for word in 0..<4 {
+            let bits = min(max(limit.ipv6PrefixLength - 32 * word, 0), 32)
+            words.append(bits == 0 ? 0 : (UInt32.max << (32 - bits)).bigEndian)
+        }
+        config.ipv6_mask = (words[0], words[1], words[2], words[3])
+        config.has_allow = limit.allow.isEmpty ? 0 : 1
+        return config
+    }
+
+    /// Listener `id`'s rate_limit drops as the program counted them (summed over the CPUs):
+    /// above a source's rates, their bytes, and new sources above the ceiling.
+    func rateCounts(id: UInt32) -> (limited: UInt64, bytes: UInt64, newSources: UInt64) {
+        let sums = perCPUSum(rateStats, key: id, as: fanout_rate_stats.self)
+        guard sums.count >= 3 else { return (0, 0, 0) }
+        return (sums[0], sums[1], sums[2])
+    }
+
+    /// The sources of bucket map `fd` with the most datagrams dropped, most first (at most `count`).
+    static func topLimited(_ fd: Int32, ipv4Length: Int, ipv6Length: Int, count: Int) -> [LimitedSource] {
+        var found: [(fanout_rate_key, UInt64)] = []
+        var key = fanout_rate_key()
+        var next = fanout_rate_key()
+        var first = true
+        while withUnsafeMutablePointer(to: &key, { current in bpf_map_get_next_key(fd, first ? nil : UnsafeRawPointer(current), &next) }) == 0 {
+            first = false
+            key = next
+            var bucket = fanout_rate_bucket()
+            guard bpf_map_lookup_elem(fd, &key, &bucket) == 0, bucket.limited > 0 else { continue }
+            found.append((key, bucket.limited))
+        }
+        found.sort { $0.1 > $1.1 }
+        return found.prefix(count).map { key, limited in
+            var words = key.addr
+            let bytes = withUnsafeBytes(of: &words) { Array($0) }
+            let mapped = bytes[0..<10].allSatisfy { $0 == 0 } && bytes[10] == 0xff && bytes[11] == 0xff
+            let address = IPAddress(bytes: mapped ? Array(bytes[12...]) : bytes).map { "\($0)" } ?? "?"
+            return LimitedSource(prefix: "\(address)/\(mapped ? ipv4Length : ipv6Length)", limited: limited)
+        }
     }
 
     // MARK: counters
@@ -756,6 +883,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
         zeroPerCPU(templateStats, key: id, as: fanout_template_stats.self)
         zeroPerCPU(quicStats, key: id, as: fanout_quic_stats.self)
+        zeroPerCPU(rateStats, key: id, as: fanout_rate_stats.self)
         for generation: UInt32 in 0...1 { clearQUIC(setKey: id * 2 + generation, keySlots: nil) }
         // A per-CPU value takes 8 bytes per CPU in userspace even when it is a u32.
         zeroPerCPU(roundRobin, key: id, as: UInt64.self)

@@ -44,6 +44,8 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_POOL_SOURCES_NAME, tc.poolSources),
             (FANOUT_MAP_TEMPLATES_NAME, tc.templates), (FANOUT_MAP_TEMPLATE_STATS_NAME, tc.templateStats),
             (FANOUT_MAP_QUIC_CONFIGS_NAME, tc.quicConfigs), (FANOUT_MAP_QUIC_IDS_NAME, tc.quicIDs), (FANOUT_MAP_QUIC_STATS_NAME, tc.quicStats),
+            (FANOUT_MAP_RATE_CONFIGS_NAME, tc.rateConfigs), (FANOUT_MAP_RATE_BUCKETS_NAME, tc.rateBuckets),
+            (FANOUT_MAP_RATE_ALLOW_NAME, tc.rateAllow), (FANOUT_MAP_RATE_STATS_NAME, tc.rateStats),
         ] + (tc.crypto ? [(FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys)] : [])
         // The same build as the tc program's: with the BPF crypto kfuncs, or plain.
         let owned = try loadEmbeddedObject(

@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// A listener's `rate_limit`: token buckets per source prefix (docs/abuse.md). Each source prefix
+/// (`ipv4_prefix`, `ipv6_prefix`; IPv4-mapped IPv6 clients count as IPv4) may send
+/// `datagrams_per_second` and `bytes_per_second`, with bursts of `burst_datagrams` and
+/// `burst_bytes`; what is above is dropped and counted `rate_limited`. Sources in `allow` are
+/// never limited. `new_sources_per_second` caps how many sources the listener starts tracking
+/// per second (a spoofed flood of fresh addresses); `max_sources` bounds the state.
+public struct RateLimit: Equatable, Sendable, CustomStringConvertible {
+    /// nil: no datagram limit.
+    public var datagramsPerSecond: UInt64?
+    public var burstDatagrams: UInt64
+    /// nil: no byte limit.
+    public var bytesPerSecond: UInt64?
+    public var burstBytes: UInt64
+    /// Bits of a source address that make its bucket's key.
+    public var ipv4PrefixLength: Int
+    public var ipv6PrefixLength: Int
+    /// Sources never limited (nor counted against `new_sources_per_second`).
+    public var allow: [SourcePrefix]
+    /// nil: no ceiling on new sources.
+    public var newSourcesPerSecond: UInt64?
+    public var burstNewSources: UInt64
+    /// Sources tracked at once: a userspace listener's table, a kernel listener's LRU map.
+    public var maxSources: Int
+
+    public static let defaultMaxSources = 65_536
+
+    public init(datagramsPerSecond: UInt64? = nil, burstDatagrams: UInt64? = nil, bytesPerSecond: UInt64? = nil, burstBytes: UInt64? = nil,
+                ipv4PrefixLength: Int = 32, ipv6PrefixLength: Int = 64, allow: [SourcePrefix] = [],
+                newSourcesPerSecond: UInt64? = nil, burstNewSources: UInt64? = nil, maxSources: Int = Self.defaultMaxSources) {
+        self.datagramsPerSecond = datagramsPerSecond
+        self.burstDatagrams = burstDatagrams ?? Self.defaultBurst(datagramsPerSecond ?? 0)
+        self.bytesPerSecond = bytesPerSecond
+        // A datagram larger than the byte burst could never pass: at least 64 KiB by default.
+        self.burstBytes = burstBytes ?? max((bytesPerSecond ?? 0) / 10, 65_535)
+        self.ipv4PrefixLength = ipv4PrefixLength
+        self.ipv6PrefixLength = ipv6PrefixLength
+        self.allow = allow
+        self.newSourcesPerSecond = newSourcesPerSecond
+        self.burstNewSources = burstNewSources ?? Self.defaultBurst(newSourcesPerSecond ?? 0)
+        self.maxSources = maxSources
+    }
+
+    /// A tenth of a second's worth, at least 5 (nftables' and hashlimit's default burst): a
+    /// batch of datagrams a source sent close together is not cut by its own arrival.
+    static func defaultBurst(_ rate: UInt64) -> UInt64 { max(rate / 10, 5) }
+
+    public var description: String {
+        var parts: [String] = []
+        if let rate = datagramsPerSecond { parts.append("\(rate) datagrams/s (burst \(burstDatagrams))") }
+        if let rate = bytesPerSecond { parts.append("\(rate) bytes/s (burst \(burstBytes))") }
+        parts.append("per /\(ipv4PrefixLength) and /\(ipv6PrefixLength)")
+        if let rate = newSourcesPerSecond { parts.append("\(rate) new sources/s (burst \(burstNewSources))") }
+        if !allow.isEmpty { parts.append("allow \(allow.map(\.description).joined(separator: " "))") }
+        return parts.joined(separator: ", ")
+    }
+}
+
+extension ConfigParser {
+    /// A listener's `rate_limit` (nil when absent).
+    static func rateLimit(_ fields: Fields, path: String) throws(ConfigError) -> RateLimit? {
+        guard let node = fields["rate_limit"] else { return nil }
+        let entry = try Fields(node, path: "\(path).rate_limit")
+        try entry.allow([
+            "datagrams_per_second", "burst_datagrams", "bytes_per_second", "burst_bytes", "ipv4_prefix", "ipv6_prefix", "allow",
+            "new_sources_per_second", "burst_new_sources", "max_sources",
+        ])
+        func count(_ name: String, _ range: ClosedRange<Int>) throws(ConfigError) -> UInt64? {
+            try entry.int(name, in: range).map { UInt64($0) }
+        }
+        let datagrams = try count("datagrams_per_second", 1...1_000_000_000)
+        let bytes = try count("bytes_per_second", 1...1_000_000_000_000)
+        let newSources = try count("new_sources_per_second", 1...100_000_000)
+        guard datagrams != nil || bytes != nil || newSources != nil else {
+            throw entry.error("datagrams_per_second", "rate_limit limits nothing: give datagrams_per_second, bytes_per_second or new_sources_per_second (or leave rate_limit out)")
+        }
+        let burstDatagrams = try count("burst_datagrams", 1...1_000_000_000)
+        if burstDatagrams != nil && datagrams == nil { throw entry.error("burst_datagrams", "only with datagrams_per_second") }
+        let burstBytes = try count("burst_bytes", 1...1_000_000_000_000)
+        if burstBytes != nil && bytes == nil { throw entry.error("burst_bytes", "only with bytes_per_second") }
+        let burstNewSources = try count("burst_new_sources", 1...100_000_000)
+        if burstNewSources != nil && newSources == nil { throw entry.error("burst_new_sources", "only with new_sources_per_second") }
+        var allow: [SourcePrefix] = []
+        for (position, item) in try entry.sequence("allow", required: false).enumerated() {
+            guard case .scalar(let scalar) = item, let prefix = SourcePrefix(scalar.string) else {
+                throw ConfigError("\(path).rate_limit.allow[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark.line)
+            }
+            allow.append(prefix)
+        }
+        guard allow.count <= RateLimit.maxAllowPrefixes else {
+            throw entry.error("allow", "\(allow.count) prefixes; at most \(RateLimit.maxAllowPrefixes) (summarise them into shorter prefixes)")
+        }
+        return RateLimit(
+            datagramsPerSecond: datagrams, burstDatagrams: burstDatagrams, bytesPerSecond: bytes, burstBytes: burstBytes,
+            ipv4PrefixLength: try entry.int("ipv4_prefix", in: 8...32) ?? 32, ipv6PrefixLength: try entry.int("ipv6_prefix", in: 16...128) ?? 64,
+            allow: allow, newSourcesPerSecond: newSources, burstNewSources: burstNewSources,
+            maxSources: try entry.int("max_sources", in: 1024...16_777_216) ?? RateLimit.defaultMaxSources)
+    }
+}
+
+extension RateLimit {
+    /// `allow` prefixes per listener (the kernel kinds keep them in an LPM trie shared by every listener).
+    public static let maxAllowPrefixes = 256
+}

@@ -1,0 +1,129 @@
+// SPDX-License-Identifier: Apache-2.0
+import BPFKernelABI
+import CLibBPF
+import Foundation
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// rate_limit in the tc and xdp programs (bpf/include/fanout_rate.h) under BPF_PROG_TEST_RUN: the
+/// runs of one test follow each other within milliseconds, so each source gets its burst and (at
+/// a rate of one a second) nothing more. The tc fixture's listeners (TCProgramFixture): 5514
+/// round robin over three backends (id 0), 5517 a backend without a neighbour (id 4: xdp passes
+/// its datagrams to tc).
+@Suite("rate_limit in the tc and xdp programs (BPF_PROG_TEST_RUN)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct RateLimitProgramTests {
+    enum Hook: String, CustomStringConvertible, CaseIterable, Sendable {
+        case tc, xdp
+        var description: String { rawValue }
+    }
+
+    final class Rig {
+        let forward: XDPForwardProgramTests.Rig
+        var fixture: TCProgramFixture { forward.fixture }
+        var program: TCProgram { forward.fixture.program }
+        var buckets: [UInt32: Int32] = [:]
+
+        init() throws { forward = try XDPForwardProgramTests.Rig() }
+
+        deinit { for fd in buckets.values { close(fd) } }
+
+        /// Puts `limit` on listener `id` (at `port`, IPv4; id 1: the IPv6 listener) and flags its entry.
+        func limit(id: UInt32, port: UInt16, _ limit: RateLimit) throws {
+            let bind = id == 1 ? ProgramFrames.listenerV6 : TCProgramFixture.listenerBind(port)
+            buckets[id] = try program.putRateLimit(id: id, limit)
+            var entry = fanout_listener()
+            entry.id = id
+            entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+            entry.reserved = FANOUT_LISTENER_RATE
+            try program.putListener(bind, ifindex: UInt32(fixture.ifindex), entry)
+        }
+
+        /// Whether a datagram from `source` to listener port `port` was sent on (or, xdp, passed
+        /// to tc) rather than dropped.
+        func sent(_ hook: Hook, from source: String, port: UInt16 = 5514, payload: Int = 100) -> Bool {
+            let to = SocketAddress(ip: IPAddress(source)!.family == AF_INET ? ProgramFrames.listenerV4.ip : ProgramFrames.listenerV6.ip, port: port)
+            let frame = TCNATProgramTests.frame(from: SocketAddress(ip: IPAddress(source)!, port: 4000), to: to, payload: [UInt8](repeating: 0x61, count: payload))
+            switch hook {
+            case .tc: return fixture.execute(frame).verdict != TCProgramFixture.shot
+            case .xdp: return forward.run(frame).action != 1  // XDP_DROP
+            }
+        }
+
+        /// limited, limited bytes, new sources refused.
+        func counts(_ id: UInt32) -> [UInt64] {
+            let counts = program.rateCounts(id: id)
+            return [counts.limited, counts.bytes, counts.newSources]
+        }
+    }
+
+    @Test("each source its burst, then dropped and counted (received too); sources share their /24; allow prefixes never limited", arguments: Hook.allCases)
+    func burstsAndPrefixes(hook: Hook) throws {
+        let rig = try Rig()
+        try rig.limit(id: 0, port: 5514, RateLimit(datagramsPerSecond: 1, burstDatagrams: 5, ipv4PrefixLength: 24,
+                                                    allow: [SourcePrefix("198.18.9.0/24")!]))
+        let first = (1...8).filter { rig.sent(hook, from: "198.18.50.\($0)") }.count
+        #expect(first == 5, "\(hook): 8 sources of one /24, one burst: \(first)")
+        #expect(rig.counts(0) == [3, 300, 0], "\(hook): \(rig.counts(0))")
+        #expect(rig.fixture.stats(0).received == 8, "\(hook): the limited ones counted received")
+        #expect((1...3).allSatisfy { _ in rig.sent(hook, from: "198.18.51.1") }, "\(hook): another /24 has its own bucket")
+        #expect((1...20).allSatisfy { _ in rig.sent(hook, from: "198.18.9.77") }, "\(hook): allowed")
+        let top = TCProgram.topLimited(try #require(rig.buckets[0]), ipv4Length: 24, ipv6Length: 64, count: 10)
+        #expect(top.map(\.prefix) == ["198.18.50.0/24"] && top.first?.limited == 3, "\(top)")
+    }
+
+    @Test("IPv6 sources share their /64: rotating addresses inside it gains nothing", arguments: Hook.allCases)
+    func ipv6Rotation(hook: Hook) throws {
+        let rig = try Rig()
+        try rig.limit(id: 1, port: 5514, RateLimit(datagramsPerSecond: 1, burstDatagrams: 4))
+        let rotating = (1...40).filter { rig.sent(hook, from: "2001:db8:77:1::\(String($0, radix: 16))") }.count
+        #expect(rotating == 4, "\(hook): \(rotating)")
+        #expect(rig.sent(hook, from: "2001:db8:77:2::1"), "\(hook): another /64")
+        #expect(rig.counts(1)[0] == 36)
+    }
+
+    @Test("bytes_per_second and new_sources_per_second", arguments: Hook.allCases)
+    func bytesAndNewSources(hook: Hook) throws {
+        let rig = try Rig()
+        // 1,000 bytes a second, burst 2,500: two datagrams of 1,000 payload bytes; a small one still fits.
+        try rig.limit(id: 0, port: 5514, RateLimit(bytesPerSecond: 1000, burstBytes: 2500, newSourcesPerSecond: 1, burstNewSources: 3))
+        #expect((1...4).filter { _ in rig.sent(hook, from: "198.18.60.1", payload: 1000) }.count == 2)
+        #expect(rig.sent(hook, from: "198.18.60.1", payload: 400))
+        // Two more new sources fit in the ceiling's burst of 3, the fourth is refused.
+        #expect(rig.sent(hook, from: "198.18.60.2") && rig.sent(hook, from: "198.18.60.3"))
+        #expect(!rig.sent(hook, from: "198.18.60.4"))
+        #expect(rig.counts(0) == [2, 2100, 1], "\(hook): \(rig.counts(0))")
+    }
+
+    @Test("xdp passes a datagram to tc (no neighbour) after charging its source: given back, so the source is charged once")
+    func xdpPassChargesOnce() throws {
+        let rig = try Rig()
+        try rig.limit(id: 4, port: 5517, RateLimit(datagramsPerSecond: 1, burstDatagrams: 3))
+        let frame = { TCNATProgramTests.frame(from: SocketAddress("198.18.70.1:4000")!, to: TCProgramFixture.listenerBind(5517), payload: Array("n".utf8)) }
+        // Each datagram: XDP charges and passes it (no neighbour), then tc charges it and sends it.
+        for round in 1...3 {
+            #expect(rig.forward.run(frame()).action == XDPForwardProgramTests.pass, "round \(round)")
+            #expect(rig.fixture.execute(frame()).verdict == TCProgramFixture.redirect, "round \(round)")
+        }
+        #expect(rig.forward.run(frame()).action == 1, "the fourth: dropped at XDP")
+        #expect(rig.counts(4)[0] == 1)
+    }
+
+    @Test("taken out: the program limits nothing for the listener, and its allow prefixes are gone")
+    func clear() throws {
+        let rig = try Rig()
+        let limit = RateLimit(datagramsPerSecond: 1, burstDatagrams: 1, allow: [SourcePrefix("198.18.9.0/24")!])
+        try rig.limit(id: 0, port: 5514, limit)
+        #expect(rig.sent(.tc, from: "198.18.80.1") && !rig.sent(.tc, from: "198.18.80.1"))
+        rig.program.clearRateLimit(id: 0, allow: limit.allow)
+        #expect((1...5).allSatisfy { _ in rig.sent(.tc, from: "198.18.80.1") })
+        var key = TCProgram.allowKey(id: 0, limit.allow[0])
+        var value: UInt8 = 0
+        #expect(bpf_map_lookup_elem(rig.program.rateAllow, &key, &value) != 0)
+    }
+}
