@@ -1,0 +1,200 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// rate_limit under a spoofed flood, in every kind, through one routed topology of namespaces
+/// (Topology: the client namespace is the attacker's and the legitimate client's). The
+/// attacker (Tests/attack/flood.py) forges sources with raw sockets: 6 heavy IPv4 sources at
+/// 400 datagrams/s, 10,000 sources (198.18.64.0/18) sending 5 back to back, 1,000 IPv6 addresses
+/// rotating inside one /64, and an allowed source at 400/s; a legitimate client sends 50/s from
+/// its own socket. The listeners allow 100 datagrams/s per source prefix (burst 2). A counter
+/// behind the listener counts what arrives by the tag each payload starts with.
+@Suite("rate_limit under a spoofed flood, every kind", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct AbuseEndToEndTests {
+    static let script = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
+        .appendingPathComponent("attack").appendingPathComponent("flood.py").path
+    static let rate = 100
+    static let burst = 2
+    static let seconds = 3.0
+    static let spread = 10_000
+    static let spreadCount = 5
+
+    enum Kind: String, CaseIterable, CustomStringConvertible {
+        case userspace, relay, tcEBPF = "tc_ebpf", xdp, afXDP = "af_xdp"
+        var description: String { rawValue }
+        /// The mode label of its metrics.
+        var mode: String { self == .relay ? "userspace" : rawValue }
+        /// af_xdp holds its interface for one listener: the IPv6 rotation goes to the others.
+        var ipv6: Bool { self != .afXDP }
+    }
+
+    static func config(_ kind: Kind, interface: String) -> String {
+        func listener(_ name: String, _ bind: String, _ downstream: String) -> String {
+            var lines = """
+                  - name: \(name)
+                    bind: "\(bind)"
+                    mode: \(kind.mode)
+                    balancing: source_ip
+                    downstream: [{name: b1, address: "\(downstream)"}]
+                    rate_limit: {datagrams_per_second: \(rate), burst_datagrams: \(burst), allow: [198.18.0.3/32]}
+
+                """
+            switch kind {
+            case .userspace: lines += "    settings: {workers: 2, recv_buf_size: 8388608}\n"
+            case .relay: lines += "    replies: relay\n    settings: {workers: 2, recv_buf_size: 8388608, max_sessions: 16000}\n"
+            case .tcEBPF, .xdp: lines += "    interface: \(interface)\n"
+            case .afXDP: lines += "    interface: \(interface)\n    settings: {batch_size: 64}\n"
+            }
+            return lines
+        }
+        var text = "listeners:\n" + listener("a4", "198.18.0.1:5600", "198.18.1.2:7000")
+        if kind.ipv6 { text += listener("a6", "[2001:db8::1]:5600", "[2001:db8:1::2]:7000") }
+        return text + "metrics: {enabled: true, bind: \"127.0.0.1:\(Scrape.metricsPort)\"}\n"
+    }
+
+    /// What one kind's run measured: the attack table's row.
+    struct Row: CustomStringConvertible {
+        var kind: Kind
+        var sent = 0, accepted = 0, limited = 0, legitimateLost = 0
+        /// Each heavy source's and the rotating /64's accepted count over what its limit allows in its span.
+        var heavyRatios: [Double] = []
+        var rotationRatio: Double?
+        var forgedAccepted = 0
+        var description: String {
+            let heavy = heavyRatios.isEmpty ? "-" : String(format: "%.3f-%.3f", heavyRatios.min()!, heavyRatios.max()!)
+            return "\(kind): sent \(sent), accepted \(accepted), limited \(limited), legitimate client lost \(legitimateLost); "
+                + "heavy sources accepted/limit \(heavy), rotating /64 \(rotationRatio.map { String(format: "%.3f", $0) } ?? "-"), "
+                + "10,000 forged sources accepted \(forgedAccepted)"
+        }
+    }
+
+    @Test("per source: its burst plus its rate (±5 %) whatever it sends, the same for a /64 rotating its addresses; 10,000 forged sources each limited; the allowed source and the legitimate client lose nothing; every drop counted rate_limited")
+    func flood() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        // The forged sources route back toward the attacker (as on the Internet), so the proxy's
+        // reverse-path check passes them.
+        try topology.exec(topology.proxy, ["ip", "route", "add", "198.18.64.0/18", "via", "198.18.0.2"])
+        try topology.exec(topology.proxy, ["ip", "-6", "route", "add", "2001:db8:77::/48", "via", "2001:db8::2"])
+        var rows: [Row] = []
+        for kind in Kind.allCases where ProcessInfo.processInfo.environment["ABUSE_KINDS"].map({ $0.split(separator: ",").contains(Substring(kind.rawValue)) }) ?? true {
+            rows.append(try attack(kind, topology))
+        }
+        print("rate_limit attack table:\n" + rows.map { "  \($0)" }.joined(separator: "\n"))
+    }
+
+    func attack(_ kind: Kind, _ topology: Topology) throws -> Row {
+        let file = try TCFixtures.write(Self.config(kind, interface: topology.proxyInterface), "abuse-\(kind)")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let counter = try Child.unblocked(Self.script, ["count", "--port", "7000", "--seconds", "120"], prefix: topology.prefix(topology.backends[0]))
+        defer { if counter.process.isRunning { counter.signal(SIGKILL); _ = counter.wait() } }
+        try counter.waitFor("counting")
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        defer { if daemon.process.isRunning { daemon.signal(SIGKILL); _ = daemon.wait() } }
+        try waitReady(topology, daemon)
+        var arguments = ["send", "--listener4", "198.18.0.1:5600", "--seconds", "\(Self.seconds)", "--spread", "\(Self.spread)",
+                         "--spread-count", "\(Self.spreadCount)"]
+        if kind.ipv6 { arguments += ["--listener6", "[2001:db8::1]:5600"] }
+        let sender = try Child.unblocked(Self.script, arguments, prefix: topology.prefix(topology.client))
+        #expect(sender.wait(seconds: 90) == 0, "\(kind): \(sender.stderr)")
+        let report = try sender.json()
+        let sent = report.object("sent").mapValues { ($0 as? NSNumber)?.intValue ?? 0 }
+        let spans = report.object("spans").mapValues { ($0 as? NSNumber)?.doubleValue ?? 0 }
+        let total = sent.values.reduce(0, +)
+        // Everything sent is received (or dropped by the kernel before the proxy) before the counts are read.
+        let listeners = kind.ipv6 ? ["a4", "a6"] : ["a4"]
+        func metric(_ name: String, _ listener: String, _ metrics: String) -> Int {
+            Scrape.value(metrics, "\(name){listener=\"\(listener)\",mode=\"\(kind.mode)\"}")
+        }
+        var metrics = ""
+        let pathDrops = (try? topology.clientPathDrops()) ?? -1
+        for _ in 0..<100 {
+            metrics = try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(Scrape.metricsPort)/metrics"])
+            let received = listeners.map { metric("udp_fanout_packets_received_total", $0, metrics) }.reduce(0, +)
+            if received >= total - max(pathDrops, 0) { break }
+            usleep(100_000)
+        }
+        usleep(500_000)
+        metrics = try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(Scrape.metricsPort)/metrics"])
+        let status = try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(Scrape.metricsPort)/status"])
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(kind): \(daemon.stderr.suffix(2000))")
+        counter.signal(SIGTERM)
+        #expect(counter.wait() == 0)
+        let counts = try counter.json().object("counts").mapValues { ($0 as? NSNumber)?.intValue ?? 0 }
+
+        var row = Row(kind: kind)
+        row.sent = total
+        row.accepted = counts.values.reduce(0, +)
+        var received = 0, forwarded = 0
+        for listener in listeners {
+            received += metric("udp_fanout_packets_received_total", listener, metrics)
+            forwarded += metric("udp_fanout_packets_forwarded_total", listener, metrics)
+            row.limited += Scrape.value(metrics, "udp_fanout_packets_dropped_by_reason_total{listener=\"\(listener)\",mode=\"\(kind.mode)\",reason=\"rate_limited\"}")
+            #expect(metric("udp_fanout_packets_dropped_total", listener, metrics) == Scrape.value(
+                metrics, "udp_fanout_packets_dropped_by_reason_total{listener=\"\(listener)\",mode=\"\(kind.mode)\",reason=\"rate_limited\"}"),
+                "\(kind) \(listener): every drop is rate_limited")
+        }
+        // Every datagram the proxy received is forwarded or counted rate_limited, and every one
+        // forwarded arrived; what the kernel dropped before the proxy is the only difference to what was sent.
+        let reasons = metrics.split(separator: "\n").filter { $0.hasPrefix("udp_fanout_packets_dropped_by_reason_total") && !$0.hasSuffix(" 0") }
+        #expect(received == forwarded + row.limited, "\(kind): received \(received), forwarded \(forwarded), limited \(row.limited); \(reasons)")
+        #expect(row.accepted == forwarded, "\(kind): counted behind the listener \(row.accepted), forwarded \(forwarded)")
+        let kernelDrops = (try? topology.clientPathDrops()) ?? -1
+        #expect(received + max(kernelDrops, 0) >= total, "\(kind): sent \(total), received \(received), dropped before the proxy \(kernelDrops)")
+
+        // The legitimate client and the allowed source: nothing lost.
+        row.legitimateLost = (sent["legit"] ?? 0) - (counts["legit"] ?? 0)
+        #expect(sent["legit"] == Int(50 * Self.seconds) && row.legitimateLost == 0, "\(kind): legitimate \(counts["legit"] ?? 0) of \(sent["legit"] ?? 0)")
+        #expect(counts["allowed"] == sent["allowed"], "\(kind): allowed \(counts["allowed"] ?? 0) of \(sent["allowed"] ?? 0)")
+        // Each heavy source (400/s offered): its burst plus its rate over its span, within ±5 %.
+        for n in 1...6 {
+            let tag = "h\(n)"
+            let expected = Double(Self.burst) + Double(Self.rate) * (spans[tag] ?? 0)
+            let got = Double(counts[tag] ?? 0)
+            row.heavyRatios.append(got / expected)
+            #expect(abs(got - expected) <= 0.05 * expected, "\(kind) \(tag): accepted \(Int(got)), expected \(Int(expected)) ±5 % (sent \(sent[tag] ?? 0) over \(spans[tag] ?? 0) s)")
+        }
+        // The /64 whose addresses rotate: one source's worth, not one per address.
+        if kind.ipv6 {
+            let expected = Double(Self.burst) + Double(Self.rate) * (spans["r"] ?? 0)
+            let got = Double(counts["r"] ?? 0)
+            row.rotationRatio = got / expected
+            #expect(abs(got - expected) <= 0.05 * expected, "\(kind) rotation in a /64: accepted \(Int(got)), expected \(Int(expected)) ±5 % (sent \(sent["r"] ?? 0))")
+        }
+        // The 10,000 forged sources, each 5 back to back: each gets its burst of 2 (3 when its
+        // datagrams were taken apart by more than an interval), never all 5.
+        var spreadAccepted = 0, overBurst = 0, missing = 0
+        for n in 0..<Self.spread {
+            let got = counts["s\(n)"] ?? 0
+            spreadAccepted += got
+            if got > Self.burst + 1 { overBurst += 1 }
+            if got < Self.burst { missing += 1 }
+        }
+        row.forgedAccepted = spreadAccepted
+        #expect(overBurst == 0 && spreadAccepted <= Int(Double(Self.spread * Self.burst) * 1.05),
+                "\(kind): forged sources accepted \(spreadAccepted), \(overBurst) of them above burst + 1")
+        #expect(missing <= max(kernelDrops, 0), "\(kind): \(missing) forged sources got less than their burst (kernel drops \(kernelDrops))")
+        // /status names the sources limited most (the heavy ones and the /64).
+        #expect(status.contains("\"top_limited\"") && status.contains("198.18.110."), "\(kind): \(status.prefix(3000))")
+        return row
+    }
+
+    /// Until /readyz answers 200 (the listeners are up), at most 20 s.
+    func waitReady(_ topology: Topology, _ daemon: Child) throws {
+        for _ in 0..<200 {
+            let code = try run(topology.prefix(topology.proxy)[0], Array(topology.prefix(topology.proxy).dropFirst())
+                               + ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:\(Scrape.metricsPort)/readyz"]).output
+            if code == "200" { return }
+            try #require(daemon.process.isRunning, "udp-fanout ended: \(daemon.stderr.suffix(2000)) \(daemon.stdout.suffix(2000))")
+            usleep(100_000)
+        }
+        Issue.record("not ready in 20 s: \(daemon.stderr.suffix(2000))")
+    }
+}

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""A spoofing flood and its counter, for the rate_limit tests (Tests/FanoutTests/AbuseEndToEndTests.swift).
+
+send: from the attacker's namespace, raw IPv4 and IPv6 sockets send UDP datagrams with forged
+sources to the listeners, paced on one schedule (bounded in count and time):
+  - heavy sources (198.18.110.N), each at --heavy-rate for --seconds;
+  - --spread sources (198.18.64.0/18, one address each), each --spread-count datagrams back to back;
+  - --rotate IPv6 sources inside one /64 (2001:db8:77:1::/64), --rotate-count each, spread over the run;
+  - an allowed source (198.18.0.3) at --heavy-rate;
+  - a legitimate client (a real socket from 198.18.0.2) at --legit-rate.
+Each payload starts with its tag (h<N>, s<N>, r, allowed, legit). Prints JSON: what was sent per
+tag, and each heavy source's span (first to last send, seconds).
+
+count: binds --port on IPv4 and IPv6 and counts datagrams by tag until SIGTERM (or --seconds);
+prints JSON: the counts by tag.
+"""
+import argparse
+import json
+import signal
+import socket
+import struct
+import sys
+import time
+
+PAYLOAD = 64
+
+
+def checksum(data):
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def udp(source, destination, sport, dport, payload, family):
+    length = 8 + len(payload)
+    header = struct.pack("!HHHH", sport, dport, length, 0)
+    if family == socket.AF_INET:
+        pseudo = socket.inet_pton(family, source) + socket.inet_pton(family, destination) + struct.pack("!BBH", 0, 17, length)
+    else:
+        pseudo = socket.inet_pton(family, source) + socket.inet_pton(family, destination) + struct.pack("!IxxxB", length, 17)
+    value = checksum(pseudo + header + payload) or 0xFFFF
+    return struct.pack("!HHHH", sport, dport, length, value) + payload
+
+
+def ipv4(source, destination, sport, dport, payload):
+    segment = udp(source, destination, sport, dport, payload, socket.AF_INET)
+    # Total length, identification and header checksum are the kernel's (IP_HDRINCL fills them).
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(segment), 0, 0, 64, 17, 0,
+                         socket.inet_pton(socket.AF_INET, source), socket.inet_pton(socket.AF_INET, destination))
+    return header + segment
+
+
+def ipv6(source, destination, sport, dport, payload):
+    segment = udp(source, destination, sport, dport, payload, socket.AF_INET6)
+    header = struct.pack("!IHBB16s16s", 6 << 28, len(segment), 17, 64,
+                         socket.inet_pton(socket.AF_INET6, source), socket.inet_pton(socket.AF_INET6, destination))
+    return header + segment
+
+
+def tagged(tag, sequence):
+    text = ("%s %d " % (tag, sequence)).encode()
+    return text + b"x" * (PAYLOAD - len(text))
+
+
+def split(address):
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def send(arguments):
+    host4, port4 = split(arguments.listener4)
+    host6, port6 = split(arguments.listener6) if arguments.listener6 else (None, None)
+    duration = arguments.seconds
+    schedule = []  # (time, family, packet, tag)
+    for n in range(1, arguments.heavy + 1):
+        count = int(arguments.heavy_rate * duration)
+        for k in range(count):
+            schedule.append((k / arguments.heavy_rate + n * 0.0001, 4, ipv4("198.18.110.%d" % n, host4, 20000 + k % 1000, port4, tagged("h%d" % n, k)), "h%d" % n))
+    count = int(arguments.heavy_rate * duration)
+    for k in range(count):
+        schedule.append((k / arguments.heavy_rate + 0.00005, 4, ipv4("198.18.0.3", host4, 30000 + k % 1000, port4, tagged("allowed", k)), "allowed"))
+    # The spread sources (198.18.64.0 to 198.18.103.255 for 10,000), in order over the run; each
+    # one's datagrams back to back.
+    for n in range(arguments.spread):
+        at = duration * n / max(arguments.spread, 1)
+        source = "198.18.%d.%d" % (64 + n // 256, n % 256)
+        for k in range(arguments.spread_count):
+            schedule.append((at + k * 0.000001, 4, ipv4(source, host4, 40000, port4, tagged("s%d" % n, k)), "s%d" % n))
+    if host6:
+        total = arguments.rotate * arguments.rotate_count
+        for k in range(total):
+            source = "2001:db8:77:1::%x" % (1 + k % arguments.rotate)
+            schedule.append((duration * k / max(total, 1), 6, ipv6(source, host6, 50000, port6, tagged("r", k)), "r"))
+    legit = int(arguments.legit_rate * duration)
+    for k in range(legit):
+        schedule.append((k / arguments.legit_rate + 0.00002, 0, tagged("legit", k), "legit"))
+    schedule.sort(key=lambda entry: entry[0])
+
+    raw4 = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    raw4.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    raw6 = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_RAW) if host6 else None
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.bind(("198.18.0.2", 0))
+    sent = {}
+    first = {}
+    last = {}
+    failed = 0
+    start = time.monotonic()
+    deadline = start + duration + 30
+    for at, family, packet, tag in schedule:
+        now = time.monotonic() - start
+        if at > now + 0.0002:
+            time.sleep(at - now)
+        if time.monotonic() > deadline:
+            break
+        try:
+            if family == 4:
+                raw4.sendto(packet, (host4, 0))
+            elif family == 6:
+                raw6.sendto(packet, (host6, 0))
+            else:
+                client.sendto(packet, (host4, port4))
+        except OSError:
+            failed += 1
+            continue
+        stamp = time.monotonic() - start
+        sent[tag] = sent.get(tag, 0) + 1
+        if tag[0] == "h" or tag in ("r", "allowed"):
+            first.setdefault(tag, stamp)
+            last[tag] = stamp
+    spans = {tag: last[tag] - first[tag] for tag in first}
+    print(json.dumps({"sent": sent, "spans": spans, "failed": failed, "seconds": time.monotonic() - start}))
+
+
+def count(arguments):
+    sockets = []
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.bind((host, arguments.port))
+        sock.setblocking(False)
+        sockets.append(sock)
+    counts = {}
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    import select
+    deadline = time.monotonic() + arguments.seconds
+    print("counting", file=sys.stderr, flush=True)
+    while not stop and time.monotonic() < deadline:
+        try:
+            ready, _, _ = select.select(sockets, [], [], 0.2)
+        except InterruptedError:
+            continue
+        for sock in ready:
+            while True:
+                try:
+                    data = sock.recv(2048)
+                except (BlockingIOError, InterruptedError):
+                    break
+                tag = data.split(b" ", 1)[0].decode(errors="replace")
+                counts[tag] = counts.get(tag, 0) + 1
+    print(json.dumps({"counts": counts}), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers(dest="command", required=True)
+    flood = commands.add_parser("send")
+    flood.add_argument("--listener4", required=True)
+    flood.add_argument("--listener6")
+    flood.add_argument("--seconds", type=float, default=3)
+    flood.add_argument("--heavy", type=int, default=6)
+    flood.add_argument("--heavy-rate", type=float, default=400)
+    flood.add_argument("--spread", type=int, default=10000)
+    flood.add_argument("--spread-count", type=int, default=5)
+    flood.add_argument("--rotate", type=int, default=1000)
+    flood.add_argument("--rotate-count", type=int, default=2)
+    flood.add_argument("--legit-rate", type=float, default=50)
+    counter = commands.add_parser("count")
+    counter.add_argument("--port", type=int, required=True)
+    counter.add_argument("--seconds", type=float, default=120)
+    arguments = parser.parse_args()
+    if arguments.command == "send" and (arguments.seconds > 60 or arguments.spread > 46 * 256):
+        sys.exit("--seconds: at most 60; --spread: at most 11776 (198.18.64.0 to 198.18.109.255)")
+    send(arguments) if arguments.command == "send" else count(arguments)
+
+
+if __name__ == "__main__":
+    main()
