@@ -186,6 +186,96 @@ struct AbuseEndToEndTests {
         return row
     }
 
+    enum TwoWay: String, CaseIterable, CustomStringConvertible {
+        case relay, tcEBPF = "tc_ebpf", xdp
+        var description: String { rawValue }
+        var mode: String { self == .relay ? "userspace" : rawValue }
+    }
+
+    /// What one reflection run measured.
+    struct Reflection: CustomStringConvertible {
+        var kind: TwoWay
+        var capped: Bool
+        var attackerBytes = 0, victimBytes = 0, cappedReplies = 0, legitimateSent = 0, legitimateReplies = 0
+        var description: String {
+            "\(kind) \(capped ? "with amplification: {factor: 3}" : "without a cap"): attacker sent \(attackerBytes) B, victim got \(victimBytes) B "
+                + "(\(String(format: "%.2f", Double(victimBytes) / Double(max(attackerBytes, 1))))x), replies capped \(cappedReplies), "
+                + "legitimate client \(legitimateReplies)/\(legitimateSent) replies"
+        }
+    }
+
+    @Test("amplification: a reflection through a two-way listener (the victim's address forged, a server answering 20x): the victim gets at most 3x the attacker's bytes with the cap (about 14x without), every reply dropped counted amplification_capped, and the legitimate client (2x exchanges) loses nothing")
+    func reflection() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        // The victim: an address of the client's namespace (its replies are delivered there).
+        try topology.exec(topology.client, ["ip", "addr", "add", "198.18.0.9/24", "dev", "cp\(topology.suffix.prefix(8))"])
+        var rows: [Reflection] = []
+        for kind in TwoWay.allCases {
+            for capped in [true, false] {
+                rows.append(try reflect(kind, capped: capped, topology))
+            }
+        }
+        print("amplification table:\n" + rows.map { "  \($0)" }.joined(separator: "\n"))
+    }
+
+    func reflect(_ kind: TwoWay, capped: Bool, _ topology: Topology) throws -> Reflection {
+        var listener = """
+            listeners:
+              - name: amp
+                bind: "198.18.0.1:5700"
+                mode: \(kind.mode)
+                downstream: [{name: b1, address: "198.18.1.2:7000"}]
+
+            """
+        listener += kind == .relay ? "    replies: relay\n" : "    replies: nat\n    interface: \(topology.proxyInterface)\n"
+        if capped { listener += "    amplification: {factor: 3}\n" }
+        listener += "metrics: {enabled: true, bind: \"127.0.0.1:\(Scrape.metricsPort)\"}\n"
+        let file = try TCFixtures.write(listener, "amplification-\(kind)")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let server = try Child.unblocked(Self.script, ["serve", "--port", "7000", "--seconds", "120"], prefix: topology.prefix(topology.backends[0]))
+        defer { if server.process.isRunning { server.signal(SIGKILL); _ = server.wait() } }
+        try server.waitFor("serving")
+        let victim = try Child.unblocked(Self.script, ["count", "--port", "9999", "--seconds", "120"], prefix: topology.prefix(topology.client))
+        defer { if victim.process.isRunning { victim.signal(SIGKILL); _ = victim.wait() } }
+        try victim.waitFor("counting")
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        defer { if daemon.process.isRunning { daemon.signal(SIGKILL); _ = daemon.wait() } }
+        try waitReady(topology, daemon)
+        let attacker = try Child.unblocked(Self.script, ["amp", "--listener", "198.18.0.1:5700", "--victim", "198.18.0.9:9999", "--requests", "300",
+                                                         "--legit", "60", "--seconds", "3"], prefix: topology.prefix(topology.client))
+        #expect(attacker.wait(seconds: 60) == 0, "\(kind): \(attacker.stderr)")
+        let report = try attacker.json()
+        usleep(500_000)
+        let metrics = try topology.exec(topology.proxy, ["curl", "-s", "http://127.0.0.1:\(Scrape.metricsPort)/metrics"])
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(kind): \(daemon.stderr.suffix(2000))")
+        victim.signal(SIGTERM)
+        #expect(victim.wait() == 0)
+        server.signal(SIGTERM)
+        #expect(server.wait() == 0)
+        let received = try victim.json().object("bytes").mapValues { ($0 as? NSNumber)?.intValue ?? 0 }
+        var row = Reflection(kind: kind, capped: capped)
+        row.attackerBytes = report.int("attacker_bytes")
+        row.victimBytes = received.values.reduce(0, +)
+        row.legitimateSent = report.int("legit_sent")
+        row.legitimateReplies = report.int("legit_replies")
+        let labels = "listener=\"amp\",mode=\"\(kind.mode)\""
+        row.cappedReplies = Scrape.value(metrics, "udp_fanout_replies_dropped_total{\(labels),reason=\"amplification_capped\"}")
+        let replies = Scrape.value(metrics, "udp_fanout_replies_total{\(labels)}")
+        #expect(row.legitimateSent == 60 && row.legitimateReplies == 60, "\(kind): legitimate client \(row.legitimateReplies) of \(row.legitimateSent)")
+        if capped {
+            #expect(row.victimBytes <= 3 * row.attackerBytes, "\(kind): \(row)")
+            // Each of the 300 forged requests was answered by the server: those not relayed are counted.
+            #expect(replies + row.cappedReplies == 300 + 60, "\(kind): replies \(replies), capped \(row.cappedReplies)")
+            #expect(row.cappedReplies > 0)
+        } else {
+            #expect(row.victimBytes > 10 * row.attackerBytes, "\(kind): without a cap the server's 20x reaches the victim: \(row)")
+            #expect(row.cappedReplies == 0)
+        }
+        return row
+    }
+
     /// Until /readyz answers 200 (the listeners are up), at most 20 s.
     func waitReady(_ topology: Topology, _ daemon: Child) throws {
         for _ in 0..<200 {

@@ -114,6 +114,44 @@ struct RateLimitProgramTests {
         #expect(rig.counts(4)[0] == 1)
     }
 
+    @Test("amplification on a nat listener: replies to a client at most 3x its bytes, the rest dropped and counted; validated after 2 exchanges; a client never seen is not capped")
+    func amplification() throws {
+        let (fixture, maps) = try TCNATProgramTests.natFixture()
+        defer { maps.forEach { close($0) } }
+        let program = fixture.program
+        let id = TCNATProgramTests.natID
+        let clients = try program.putAmplification(id: id, Amplification(factor: 3, validatedAfter: 2), maxEntries: 1024)
+        defer { close(clients) }
+        var entry = fanout_listener()
+        entry.id = id
+        entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        entry.reserved = FANOUT_LISTENER_NAT | FANOUT_LISTENER_AMP
+        try program.putListener(TCNATProgramTests.vip, ifindex: UInt32(fixture.ifindex), entry)
+        let client = SocketAddress("198.18.50.9:41000")!
+        func request(_ bytes: Int) throws -> SocketAddress {
+            try TCNATProgramTests.forwarded(fixture, TCNATProgramTests.frame(from: client, to: TCNATProgramTests.vip, payload: [UInt8](repeating: 0x71, count: bytes)))
+        }
+        func reply(_ bytes: Int, from port: UInt16, to destination: SocketAddress = client) -> Bool {
+            let frame = TCNATProgramTests.frame(from: SocketAddress("198.18.200.10:\(port)")!, to: destination, payload: [UInt8](repeating: 0x72, count: bytes))
+            return fixture.execute(frame, ifindex: fixture.otherIfindex).verdict == TCNATProgramTests.redirect
+        }
+        let backend = try request(100).port
+        // 300 bytes may go back for the client's 100: 250 + 50, then nothing more.
+        #expect(reply(250, from: backend) && reply(50, from: backend))
+        #expect(!reply(1, from: backend) && !reply(1000, from: backend))
+        #expect(program.rateCounts(id: id).capped == 2 && program.rateCounts(id: id).cappedBytes == 1001, "\(program.rateCounts(id: id))")
+        // Its next datagram (after replies went to it) is an exchange and raises the cap by 300.
+        _ = try request(100)
+        #expect(reply(300, from: backend) && !reply(1, from: backend))
+        // The second exchange validates it: no cap from then on.
+        _ = try request(10)
+        #expect(reply(1400, from: backend) && reply(1400, from: backend))
+        // A client the listener never had a datagram from is not capped (its server started the
+        // conversation, or it was associated before this process).
+        #expect(reply(1400, from: backend, to: SocketAddress("198.18.50.10:41000")!))
+        program.clearAmplification(id: id)
+    }
+
     @Test("taken out: the program limits nothing for the listener, and its allow prefixes are gone")
     func clear() throws {
         let rig = try Rig()

@@ -12,8 +12,17 @@ sources to the listeners, paced on one schedule (bounded in count and time):
 Each payload starts with its tag (h<N>, s<N>, r, allowed, legit). Prints JSON: what was sent per
 tag, and each heavy source's span (first to last send, seconds).
 
-count: binds --port on IPv4 and IPv6 and counts datagrams by tag until SIGTERM (or --seconds);
-prints JSON: the counts by tag.
+count: binds --port on IPv4 and IPv6 and counts datagrams (and their bytes) by tag until SIGTERM
+(or --seconds); prints JSON: the counts and bytes by tag.
+
+serve: an amplifying server on --port: answers each datagram with 20 times its bytes when its tag
+is "amp", once its bytes when "small", twice otherwise (a legitimate exchange); until SIGTERM.
+
+amp: a reflection attack through a two-way listener, from the attacker's namespace: --requests
+datagrams of 60 bytes with the victim's address forged as their source (tags amp and small, 2
+to 1), and a legitimate client (a real socket from 198.18.0.2) exchanging --legit requests,
+waiting for each reply. Prints JSON: the attacker's payload bytes, and the legitimate client's
+requests and replies.
 """
 import argparse
 import json
@@ -147,6 +156,7 @@ def count(arguments):
         sock.setblocking(False)
         sockets.append(sock)
     counts = {}
+    sizes = {}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     import select
@@ -165,7 +175,74 @@ def count(arguments):
                     break
                 tag = data.split(b" ", 1)[0].decode(errors="replace")
                 counts[tag] = counts.get(tag, 0) + 1
-    print(json.dumps({"counts": counts}), flush=True)
+                sizes[tag] = sizes.get(tag, 0) + len(data)
+    print(json.dumps({"counts": counts, "bytes": sizes}), flush=True)
+
+
+def serve(arguments):
+    sockets = []
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, arguments.port))
+        sockets.append(sock)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    import select
+    served = {}
+    deadline = time.monotonic() + arguments.seconds
+    print("serving", file=sys.stderr, flush=True)
+    while not stop and time.monotonic() < deadline:
+        try:
+            ready, _, _ = select.select(sockets, [], [], 0.2)
+        except InterruptedError:
+            continue
+        for sock in ready:
+            data, peer = sock.recvfrom(2048)
+            tag = data.split(b" ", 1)[0]
+            factor = 20 if tag == b"amp" else 1 if tag == b"small" else 2
+            answer = (data * factor)[:1400]
+            try:
+                sock.sendto(answer, peer)
+            except OSError:
+                continue
+            served[tag.decode(errors="replace")] = served.get(tag.decode(errors="replace"), 0) + len(answer)
+    print(json.dumps({"served": served}), flush=True)
+
+
+def amp(arguments):
+    host, port = split(arguments.listener)
+    victim, victim_port = split(arguments.victim)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.bind(("198.18.0.2", 0))
+    client.settimeout(1.0)
+    attacker_bytes = 0
+    legit_replies = 0
+    legit_bytes = 0
+    interval = arguments.seconds / max(arguments.requests, 1)
+    every = max(arguments.requests // max(arguments.legit, 1), 1)
+    start = time.monotonic()
+    legit_sent = 0
+    for k in range(arguments.requests):
+        payload = tagged("small" if k % 3 == 2 else "amp", k)[:60]
+        raw.sendto(ipv4(victim, host, victim_port, port, payload), (host, 0))
+        attacker_bytes += len(payload)
+        if k % every == 0 and legit_sent < arguments.legit:
+            client.sendto(tagged("legit", legit_sent)[:100].ljust(100, b"y"), (host, port))
+            legit_sent += 1
+            try:
+                answer = client.recv(4096)
+                legit_replies += 1
+                legit_bytes += len(answer)
+            except socket.timeout:
+                pass
+        pause = start + (k + 1) * interval - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+    print(json.dumps({"attacker_bytes": attacker_bytes, "attacker_datagrams": arguments.requests, "legit_sent": legit_sent,
+                      "legit_replies": legit_replies, "legit_reply_bytes": legit_bytes}))
 
 
 def main():
@@ -185,10 +262,21 @@ def main():
     counter = commands.add_parser("count")
     counter.add_argument("--port", type=int, required=True)
     counter.add_argument("--seconds", type=float, default=120)
+    server = commands.add_parser("serve")
+    server.add_argument("--port", type=int, required=True)
+    server.add_argument("--seconds", type=float, default=120)
+    reflect = commands.add_parser("amp")
+    reflect.add_argument("--listener", required=True)
+    reflect.add_argument("--victim", required=True)
+    reflect.add_argument("--requests", type=int, default=300)
+    reflect.add_argument("--legit", type=int, default=60)
+    reflect.add_argument("--seconds", type=float, default=3)
     arguments = parser.parse_args()
     if arguments.command == "send" and (arguments.seconds > 60 or arguments.spread > 46 * 256):
         sys.exit("--seconds: at most 60; --spread: at most 11776 (198.18.64.0 to 198.18.109.255)")
-    send(arguments) if arguments.command == "send" else count(arguments)
+    if arguments.command == "amp" and (arguments.seconds > 60 or arguments.requests > 100000):
+        sys.exit("--seconds: at most 60; --requests: at most 100000")
+    {"send": send, "count": count, "serve": serve, "amp": amp}[arguments.command](arguments)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ struct fanout_decision {
 	__u8 new_association;
 	__u8 quic;          /* enum fanout_quic_outcome, counted where the hook finishes it */
 	__u8 rate;          /* the source's buckets were charged (fanout_rate.h) */
+	__u8 amp;           /* amplification: charged where it leaves (fanout_amp_note) */
 	__u32 event;        /* enum association_event */
 	__u32 reply_moved;
 	/* FANOUT_VERDICT_FORWARDED, or for a later fragment what became of its first fragment at
@@ -117,6 +118,14 @@ static __always_inline void remember_fragment(struct fanout_decision *c, __u32 v
 	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &c->fragment_key, remembered, BPF_ANY);
 }
 
+/* The UDP payload's bytes in this packet (what rate_limit's bytes_per_second and amplification count, as the
+ * userspace kinds do; a fragmented datagram is charged its first fragment's). */
+static __always_inline __u32 udp_payload_length(struct packet *p)
+{
+	__u32 headers = p->l4 - p->l3 + 8;
+	return p->tot_len > headers ? p->tot_len - headers : 0;
+}
+
 /* A client's datagram reached a verdict at this hook: counted received. */
 static __always_inline void count_received(struct fanout_decision *c)
 {
@@ -130,6 +139,8 @@ static __always_inline void count_received(struct fanout_decision *c)
 static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int action)
 {
 	count_quic(c->id, c->quic);
+	if (c->amp)
+		fanout_amp_note(&c->p, c->id, udp_payload_length(&c->p), c->reply);
 	__u32 length = hook_sent_length(c);
 	struct fanout_stats *stats = c->stats;
 	struct fanout_backend_stats *per_backend = backend_stats(c->id, c->backend.counter_slot);
@@ -179,14 +190,6 @@ static __always_inline int drop_rate_limited(struct fanout_decision *c)
 	return FANOUT_ACT_DROP;
 }
 
-/* The UDP payload's bytes in this packet (what a rate_limit's bytes_per_second counts, as the
- * userspace kinds do; a fragmented datagram is charged its first fragment's). */
-static __always_inline __u32 udp_payload_length(struct packet *p)
-{
-	__u32 headers = p->l4 - p->l3 + 8;
-	return p->tot_len > headers ? p->tot_len - headers : 0;
-}
-
 /* The datagram's listener, backend and direction: from the listener it is for, the nat listener
  * whose backend sent it, or the first fragment it follows. */
 static __always_inline int find_datagram(struct fanout_decision *c)
@@ -204,6 +207,7 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 					return drop_rate_limited(c);
 				c->rate = 1;
 			}
+			c->amp = (listener->reserved & FANOUT_LISTENER_AMP) != 0;
 			/* quic_lb: the backend the connection ID names, before the policy and the
 			 * association (a client that moved its address keeps its server). */
 			int routed = 0;
@@ -289,6 +293,15 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	if (c.reply && c.wrong_server) {
 		verdict = FANOUT_VERDICT_WRONG_SERVER;
 		goto drop;
+	}
+	/* amplification: a reply past its client's cap is dropped, counted by fanout_amp_capped;
+	 * one that may go is charged where it leaves. (A reply to this host itself passes below,
+	 * uncharged: it is no client's.) */
+	if (c.reply && !c.drained) {
+		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_length(&c.p));
+		if (capped > 0)
+			return FANOUT_ACT_DROP;
+		c.amp = capped == 0;
 	}
 	if (!c.reply) {
 		/* What leaves ahead of the listener's own datagram (tc: the pools' copies): the

@@ -1,5 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
+ * Abuse protection in the tc and xdp programs: per-source limits and the amplification cap.
+ *
  * Per-source limits in the tc and xdp programs (`rate_limit`, listeners with
  * FANOUT_LISTENER_RATE): each source prefix of a listener has a datagram and a byte bucket, kept
  * as GCRA theoretical arrival times (struct fanout_rate_config says how) in the listener's own
@@ -14,6 +16,12 @@
  *
  * The charge of the datagram the xdp program then passes to tc (tc decides again) is kept in a
  * per-CPU record, and given back (fanout_rate_refund) so the datagram is charged once.
+ *
+ * The amplification cap of nat listeners (`amplification`, FANOUT_LISTENER_AMP): per client
+ * (address and port, as the association), the payload bytes it sent and those sent back to it.
+ * A reply is checked before it is routed (fanout_amp_capped) and charged where it leaves
+ * (fanout_amp_note, from the decision's sent()): a reply the xdp program passes to tc is charged
+ * once, by tc.
  */
 #ifndef FANOUT_RATE_H
 #define FANOUT_RATE_H
@@ -209,6 +217,115 @@ static __always_inline void fanout_rate_refund(void)
 		__sync_fetch_and_add(&bucket->datagram_tat, -charge->datagram_cost);
 	if (charge->byte_cost)
 		__sync_fetch_and_add(&bucket->byte_tat, -charge->byte_cost);
+}
+
+/* The amplification cap. */
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__type(value, struct fanout_amp_config);
+} FANOUT_MAP_AMP_CONFIGS SEC(".maps");
+
+struct fanout_amp_client_map {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1);
+	__uint(key_size, sizeof(struct fanout_amp_key));
+	__uint(value_size, sizeof(struct fanout_amp_client));
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, FANOUT_MAX_LISTENERS);
+	__type(key, __u32);
+	__array(values, struct fanout_amp_client_map);
+} FANOUT_MAP_AMP_CLIENTS SEC(".maps");
+
+/* The client's entry key: the reply's destination, or the client datagram's source. */
+static __always_inline void amp_key(struct packet *p, int reply, struct fanout_amp_key *key)
+{
+	__u32 *addr = reply ? p->daddr : p->saddr;
+	key->addr[0] = addr[0];
+	key->addr[1] = p->family == AF_INET ? 0 : addr[1];
+	key->addr[2] = p->family == AF_INET ? 0 : addr[2];
+	key->addr[3] = p->family == AF_INET ? 0 : addr[3];
+	key->port = reply ? p->dport : p->sport;
+	key->family = p->family;
+	key->pad = 0;
+}
+
+/* A reply of listener `listener` with `length` payload bytes toward its client: 1 when it
+ * would take the bytes sent back to a client not yet validated past the factor (counted, to be
+ * dropped), 0 when it may go (then charged at its send, fanout_amp_note), -1 when no cap applies
+ * (no amplification, a client the map does not know, or a validated one). */
+__noinline int fanout_amp_capped(struct packet *p, __u32 listener, __u32 length)
+{
+	if (!p || listener >= FANOUT_MAX_LISTENERS)
+		return -1;
+	__u32 id = listener;
+	struct fanout_amp_config *config = bpf_map_lookup_elem(&FANOUT_MAP_AMP_CONFIGS, &id);
+	if (!config || !config->factor)
+		return -1;
+	void *clients = bpf_map_lookup_elem(&FANOUT_MAP_AMP_CLIENTS, &id);
+	if (!clients)
+		return -1;
+	struct fanout_amp_key key = {};
+	amp_key(p, 1, &key);
+	struct fanout_amp_client *client = bpf_map_lookup_elem(clients, &key);
+	if (!client || client->validated)
+		return -1;
+	if (client->bytes_out + length <= (__u64)config->factor * client->bytes_in)
+		return 0;
+	struct fanout_rate_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_RATE_STATS, &id);
+	if (stats) {
+		stats->amplification_capped++;
+		stats->amplification_capped_bytes += length;
+	}
+	return 1;
+}
+
+/* A datagram of listener `listener` left: a client's (`reply` 0: its bytes in, an exchange
+ * when a reply went to it since its last one) or a reply to it (its bytes out). */
+__noinline int fanout_amp_note(struct packet *p, __u32 listener, __u32 length, __u32 reply)
+{
+	if (!p || listener >= FANOUT_MAX_LISTENERS)
+		return 0;
+	__u32 id = listener;
+	struct fanout_amp_config *config = bpf_map_lookup_elem(&FANOUT_MAP_AMP_CONFIGS, &id);
+	if (!config || !config->factor)
+		return 0;
+	void *clients = bpf_map_lookup_elem(&FANOUT_MAP_AMP_CLIENTS, &id);
+	if (!clients)
+		return 0;
+	struct fanout_amp_key key = {};
+	amp_key(p, reply, &key);
+	struct fanout_amp_client *client = bpf_map_lookup_elem(clients, &key);
+	if (reply) {
+		if (client && !client->validated) {
+			__sync_fetch_and_add(&client->bytes_out, length);
+			client->replied = 1;
+		}
+		return 0;
+	}
+	if (!client) {
+		struct fanout_amp_client fresh = {};
+		fresh.bytes_in = length;
+		if (bpf_map_update_elem(clients, &key, &fresh, BPF_NOEXIST) == 0)
+			return 0;
+		client = bpf_map_lookup_elem(clients, &key);
+		if (!client)
+			return 0;
+	}
+	__sync_fetch_and_add(&client->bytes_in, length);
+	if (client->replied) {
+		client->replied = 0;
+		__u32 exchanges = client->exchanges + 1;
+		client->exchanges = exchanges;
+		if (config->validated_after && exchanges >= config->validated_after)
+			client->validated = 1;
+	}
+	return 0;
 }
 
 #endif /* FANOUT_RATE_H */

@@ -176,6 +176,11 @@ struct fanout_xfwd_passed {
  * new-source ceiling, is dropped and counted before anything is chosen for it. */
 #define FANOUT_LISTENER_RATE 8u
 
+/* A nat listener caps the bytes sent back to a client not yet validated (`amplification`,
+ * fanout_rate.h): a reply that would take them past `factor` times what the client sent is
+ * dropped and counted. */
+#define FANOUT_LISTENER_AMP 16u
+
 /* fanout_fragment.direction */
 #define FANOUT_DIRECTION_FORWARD 0 /* client to backend: destination rewritten */
 #define FANOUT_DIRECTION_REPLY   1 /* backend to client: source rewritten to the listener's */
@@ -595,6 +600,43 @@ struct fanout_rate_stats {
 	__u64 limited;              /* datagrams dropped: above their source's rates */
 	__u64 limited_bytes;
 	__u64 new_sources_refused;  /* datagrams dropped: a new source above the ceiling */
+	__u64 amplification_capped; /* replies dropped: a client not yet validated (amplification) */
+	__u64 amplification_capped_bytes;
+};
+
+/* The amplification cap of nat listeners (`amplification`, fanout_rate.h), made by each process
+ * as rate_limit's maps are: configurations by listener id, and each listener's clients (an
+ * array of per-listener LRU hashes of settings.max_associations made from the inner template).
+ * A client the maps do not know (one associated before this process, or by its server) is not
+ * capped. */
+#define FANOUT_MAP_AMP_CONFIGS       fanout_ampc
+#define FANOUT_MAP_AMP_CONFIGS_NAME  "fanout_ampc"
+#define FANOUT_MAP_AMP_CLIENTS       fanout_ampb
+#define FANOUT_MAP_AMP_CLIENTS_NAME  "fanout_ampb"
+#define FANOUT_AMP_CLIENTS_PREFIX    "fanout_ampb_"
+
+/* Value of FANOUT_MAP_AMP_CONFIGS (an ARRAY by listener id); factor 0: no cap. */
+struct fanout_amp_config {
+	__u32 factor;
+	__u32 validated_after;      /* exchanges that validate a client; 0: none does */
+};
+
+/* Key of a listener's client map: the client's address and port (network order). */
+struct fanout_amp_key {
+	__u32 addr[4];
+	__u16 port;
+	__u8 family;
+	__u8 pad;
+};
+
+/* Value of a listener's client map. */
+struct fanout_amp_client {
+	__u64 bytes_in;             /* UDP payload bytes forwarded from the client */
+	__u64 bytes_out;            /* UDP payload bytes sent back to it */
+	__u32 exchanges;            /* its datagrams that came after a reply was sent to it */
+	__u8 replied;               /* a reply was sent since its last datagram */
+	__u8 validated;
+	__u16 pad;
 };
 
 #endif /* FANOUT_SHARED_H */

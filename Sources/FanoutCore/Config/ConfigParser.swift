@@ -155,7 +155,7 @@ public enum ConfigParser {
 
     static func listener(_ node: YAMLNode, path: String) throws(ConfigError) -> Listener {
         let fields = try Fields(node, path: path)
-        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools", "quic_lb", "rate_limit"])
+        try fields.allow(["name", "bind", "interface", "mode", "downstream", "kubernetes", "settings", "balancing", "replies", "pools", "quic_lb", "rate_limit", "amplification"])
         guard let name = try fields.string("name"), !name.isEmpty else { throw fields.error("name", "required (a non-empty name, used in metric labels)") }
         guard let bind = try fields.address("bind") else { throw fields.error("bind", "required (listen address:port, e.g. 0.0.0.0:9000)") }
         let modeText = try fields.choice("mode", Mode.allCases.map(\.rawValue)) ?? Mode.userspace.rawValue
@@ -175,7 +175,8 @@ public enum ConfigParser {
             name: name, bind: bind, interface: try fields.string("interface"), mode: Mode(rawValue: modeText)!,
             downstreams: downstreams, dnsDownstreams: dnsDownstreams, kubernetes: kubernetes, settings: settings,
             balancing: Balancing(rawValue: balancing)!, replies: Replies(rawValue: replies)!, pools: pools,
-            quicLB: try quicLB(fields, path: path), rateLimit: try rateLimit(fields, path: path))
+            quicLB: try quicLB(fields, path: path), rateLimit: try rateLimit(fields, path: path),
+            amplification: try amplification(fields, path: path))
     }
 
     /// A listener's `quic_lb`: one configuration (a mapping) or several (a list, one per config

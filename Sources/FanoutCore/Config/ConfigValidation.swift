@@ -58,6 +58,9 @@ extension FanoutConfig {
             }
             try validateMembers(of: listener, group: listener.ownMembers, path: path, all: all, localAddresses: localAddresses)
             try validateQUICLB(listener, routes: kind.routesQUIC, path: path)
+            if listener.amplification != nil && listener.replies == Replies.none {
+                throw fail("\(path).amplification", "caps the replies of a two-way listener; this one is one way: set replies (nat in tc_ebpf and xdp, relay in userspace) or remove amplification")
+            }
             if !listener.pools.isEmpty {
                 guard kind.replicates else {
                     throw fail("\(path).pools", "replication is not available in mode \(listener.mode.rawValue) in this release: remove pools or choose a mode that has it (docs/replication.md lists them)")

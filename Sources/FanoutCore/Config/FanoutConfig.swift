@@ -56,12 +56,14 @@ public struct Listener: Equatable, Sendable {
     public var quicLB: [QUICLBConfiguration]
     /// Per-source token buckets (`rate_limit`); nil: no limit.
     public var rateLimit: RateLimit?
+    /// Two-way listeners: the cap on bytes back to a client not yet validated; nil: none.
+    public var amplification: Amplification?
 
     public init(
         name: String, bind: SocketAddress, interface: String? = nil, mode: Mode = .userspace,
         downstreams: [Downstream], dnsDownstreams: [DNSDownstream] = [], kubernetes: Kubernetes? = nil,
         settings: Settings = Settings(), balancing: Balancing = .roundRobin, replies: Replies = .none, pools: [Pool] = [],
-        quicLB: [QUICLBConfiguration] = [], rateLimit: RateLimit? = nil
+        quicLB: [QUICLBConfiguration] = [], rateLimit: RateLimit? = nil, amplification: Amplification? = nil
     ) {
         self.name = name
         self.bind = bind
@@ -76,11 +78,15 @@ public struct Listener: Equatable, Sendable {
         self.pools = pools
         self.quicLB = quicLB
         self.rateLimit = rateLimit
+        self.amplification = amplification
     }
 
     /// Everything but the downstreams, balancing, QUIC-LB and pools: what a reload cannot change without
-    /// restarting the listener's workers (`rate_limit` too: its state is the running instance's).
-    var socketShape: SocketShape { SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies, rateLimit: rateLimit) }
+    /// restarting the listener's workers (`rate_limit` and `amplification` too: their state is the
+    /// running instance's).
+    var socketShape: SocketShape {
+        SocketShape(bind: bind, interface: interface, mode: mode, settings: settings, replies: replies, rateLimit: rateLimit, amplification: amplification)
+    }
 
     struct SocketShape: Equatable {
         var bind: SocketAddress
@@ -89,6 +95,7 @@ public struct Listener: Equatable, Sendable {
         var settings: Settings
         var replies: Replies
         var rateLimit: RateLimit?
+        var amplification: Amplification?
     }
 }
 
@@ -468,6 +475,7 @@ extension FanoutConfig {
                 line += ", quic_lb [\(listener.quicLB.map(\.description).joined(separator: "; "))] before \(listener.balancing.rawValue)"
             }
             if let limit = listener.rateLimit { line += ", rate_limit \(limit)" }
+            if let cap = listener.amplification { line += ", amplification: \(cap)" }
             for pool in listener.pools {
                 line += ", pool \(pool.name) -> \(targets(pool.downstreams, pool.dnsDownstreams, pool.kubernetes)), \(pool.balancing.rawValue)"
                 // In the order the filters apply: sources, then the sample (of sources, not datagrams).

@@ -106,3 +106,36 @@ extension RateLimit {
     /// `allow` prefixes per listener (the kernel kinds keep them in an LPM trie shared by every listener).
     public static let maxAllowPrefixes = 256
 }
+
+/// A two-way listener's `amplification`: until a client is validated, the bytes sent back to it
+/// (its session's or association's replies) are at most `factor` times the bytes received from
+/// it; replies beyond are dropped and counted `amplification_capped` (docs/abuse.md). A client is
+/// validated once it completed `validated_after` exchanges (a datagram of its own after a reply
+/// was sent to it); 0: never, the cap holds for the session's life. A server that starts a
+/// conversation with a client who sent nothing is not capped.
+public struct Amplification: Equatable, Sendable, CustomStringConvertible {
+    public var factor: Int
+    public var validatedAfter: Int
+
+    public static let defaultFactor = 3
+
+    public init(factor: Int = Self.defaultFactor, validatedAfter: Int = 0) {
+        self.factor = factor
+        self.validatedAfter = validatedAfter
+    }
+
+    public var description: String {
+        "replies at most \(factor)x the bytes received" + (validatedAfter > 0 ? " until \(validatedAfter) exchange(s)" : "")
+    }
+}
+
+extension ConfigParser {
+    /// A listener's `amplification` (nil when absent).
+    static func amplification(_ fields: Fields, path: String) throws(ConfigError) -> Amplification? {
+        guard let node = fields["amplification"] else { return nil }
+        let entry = try Fields(node, path: "\(path).amplification")
+        try entry.allow(["factor", "validated_after"])
+        return Amplification(factor: try entry.int("factor", in: 1...1000) ?? Amplification.defaultFactor,
+                             validatedAfter: try entry.int("validated_after", in: 0...1_000_000) ?? 0)
+    }
+}

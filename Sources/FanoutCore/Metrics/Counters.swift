@@ -59,6 +59,9 @@ package enum ReplyDropReason: String, CaseIterable, Sendable {
     /// relay: staged for its client by a process that then ended without a stop before it sent
     /// it: counted by the next process at the listener's start (``CrashLedger``).
     case crash
+    /// `amplification`: it would have taken the bytes sent back to a client not yet validated
+    /// past the factor of what the client sent.
+    case amplificationCapped = "amplification_capped"
 }
 
 /// What happened to the associations (nat) or sessions (relay) of a two-way listener.

@@ -57,6 +57,8 @@ final class RelayCounters: Sendable {
     let replyBytes = Atomic<UInt64>(0)
     let replySendBufferFull = Atomic<UInt64>(0)
     let replySendError = Atomic<UInt64>(0)
+    /// `amplification`: replies dropped for a client not yet validated.
+    let amplificationCapped = Atomic<UInt64>(0)
     /// A reply larger than settings.max_packet_size (MSG_TRUNC): never relayed cut.
     let replyTooLarge = Atomic<UInt64>(0)
     /// ICMP unreachable read on a session socket: a request the downstream refused.
@@ -96,6 +98,7 @@ final class RelayCounters: Sendable {
             .downstreamUnreachable: downstreamUnreachable.load(ordering: .relaxed),
             .drained: drained.load(ordering: .relaxed),
             .crash: crash.load(ordering: .relaxed),
+            .amplificationCapped: amplificationCapped.load(ordering: .relaxed),
         ]
         snapshot.associations = UInt64(max(0, sessions.open.load(ordering: .relaxed)))
         snapshot.events = [

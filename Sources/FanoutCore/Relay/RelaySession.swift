@@ -54,6 +54,37 @@ final class RelaySession {
     /// The name its socket is stored under in the service manager's store (a restart or crash
     /// hands it to the next process); nil: not stored.
     var stored: String?
+    /// `amplification`: bytes received from the client and relayed back to it, its exchanges
+    /// (a datagram of its own after a reply was sent to it), and whether it is validated (no
+    /// cap). A session handed over by a previous process is validated: its counts are unknown.
+    var bytesIn: UInt64 = 0
+    var bytesOut: UInt64 = 0
+    var exchanges = 0
+    var repliedSinceRequest = false
+    var validated = false
+
+    /// A datagram of `length` bytes from the client: counted, and an exchange when a reply
+    /// was sent since its last one.
+    @inline(__always)
+    func noteRequest(_ length: Int, validatedAfter: Int) {
+        bytesIn &+= UInt64(length)
+        guard repliedSinceRequest else { return }
+        repliedSinceRequest = false
+        exchanges += 1
+        if validatedAfter > 0 && exchanges >= validatedAfter { validated = true }
+    }
+
+    /// Whether a reply of `length` bytes may go back under `factor` (charged when it may).
+    @inline(__always)
+    func admitsReply(_ length: Int, factor: Int) -> Bool {
+        if !validated {
+            let after = bytesOut &+ UInt64(length)
+            guard after <= UInt64(factor) &* bytesIn else { return false }
+            bytesOut = after
+        }
+        repliedSinceRequest = true
+        return true
+    }
 
     /// A session the previous process handed over: its connected `socket` and stored name.
     convenience init(client: SocketAddress, socket: Int32, stored: String, downstream: Downstream, now: Int64) {
@@ -62,6 +93,7 @@ final class RelaySession {
         self.init(client: &storage, downstream: downstream, target: 0, now: now)
         self.socket = socket
         self.stored = stored
+        validated = true
     }
 
     init(client source: UnsafePointer<sockaddr_storage>, downstream: Downstream, target: Int, now: Int64) {

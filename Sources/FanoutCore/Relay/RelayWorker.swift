@@ -47,6 +47,10 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var stagedMessages = 0
     var stagedRuns: [(session: RelaySession, counter: RelayCounters.DownstreamReplies?, end: Int)] = []
     var stagedTooLarge: UInt64 = 0
+    /// `amplification`: replies not staged for a client not yet validated, since the last flush.
+    var stagedCapped: UInt64 = 0
+    /// The listener's `amplification` (nil: none).
+    let amplification: Amplification?
     let epoll: Int32
     let events: UnsafeMutablePointer<epoll_event>
     /// The io_uring the per-session sends and receives go through, a batch's worth per system
@@ -112,6 +116,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
          descriptors: DescriptorStore? = nil, inherited: [ReusePortMember] = [], activated: StopSignal = StopSignal(),
          adopted: [RelaySession] = [], limiter: SourceRateLimiter? = nil) throws(ReusePortError) {
         self.limiter = limiter
+        amplification = listener.amplification
         self.index = index
         self.member = member
         self.descriptors = descriptors
@@ -505,6 +510,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 created += 1
             }
             session.lastActive = now
+            if let amplification { session.noteRequest(receiver.length(datagram), validatedAfter: amplification.validatedAfter) }
             // The crash ledger: a request sent by a system call now is noted handed just before
             // it; those queued for the ring, before its submit.
             if ring == nil { loop.ledger?.handing(1) }
@@ -636,8 +642,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 stagedTooLarge += 1
                 continue
             }
-            let message = stagedMessages
             let payload = replyReceiver.payload(slot)
+            if let amplification, !session.admitsReply(payload.count, factor: amplification.factor) {
+                stagedCapped += 1
+                continue
+            }
+            let message = stagedMessages
             replyIovecs[message] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
             replyHeaders[message].msg_hdr.msg_name = UnsafeMutableRawPointer(session.client)
             replyHeaders[message].msg_hdr.msg_namelen = session.clientLength
@@ -698,6 +708,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         if failed > 0 { relay.replySendError.wrappingAdd(failed, ordering: .relaxed) }
         if stagedTooLarge > 0 { relay.replyTooLarge.wrappingAdd(stagedTooLarge, ordering: .relaxed) }
         stagedTooLarge = 0
+        if stagedCapped > 0 { relay.amplificationCapped.wrappingAdd(stagedCapped, ordering: .relaxed) }
+        stagedCapped = 0
         stagedRuns.removeAll(keepingCapacity: true)
         stagedMessages = 0
         replySlotsUsed = 0

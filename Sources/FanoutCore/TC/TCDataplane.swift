@@ -737,6 +737,8 @@ final class TCListener: RunningListener {
     /// rate_limit: the listener's bucket map (its descriptor; the program's array holds it at `id`).
     private let rateBuckets: Int32?
     private let rateBucketsOpen = Mutex(true)
+    /// amplification (nat): the listener's client map (its descriptor; the program's array holds it at `id`).
+    private let ampClients: Int32?
     /// nat: the last count of the association map (at most one count per `countInterval`).
     private struct AssociationCount {
         var at: ContinuousClock.Instant?
@@ -838,6 +840,29 @@ final class TCListener: RunningListener {
             }
         } else {
             associationMap = nil
+        }
+        if let cap = config.amplification, config.replies == .nat {
+            do throws(SystemCallError) {
+                ampClients = try program.putAmplification(id: id, cap, maxEntries: config.settings.maxAssociations)
+            } catch {
+                if let rateBuckets, let limit = config.rateLimit {
+                    program.clearRateLimit(id: id, allow: limit.allow)
+                    close(rateBuckets)
+                }
+                if registered.adopted == nil {
+                    program.resetListener(id: id)
+                    dataplane.forgetAssociations(id: id)
+                }
+                if let associationMap { close(associationMap) }
+                if let front {
+                    front.program.stopServing(id: id)
+                    front.program.detach(interface: config.interface ?? "")
+                }
+                dataplane.unregister(interface: config.interface ?? "", id: id)
+                throw .maps(error)
+            }
+        } else {
+            ampClients = nil
         }
         if config.replies == .nat, registered.adopted != nil {
             // Backends the previous process had live for this listener that this configuration
@@ -1010,7 +1035,7 @@ final class TCListener: RunningListener {
                 entry.generation = generation
                 entry.policy = balancing == .sourceIP ? FANOUT_POLICY_SOURCE_IP.rawValue : FANOUT_POLICY_ROUND_ROBIN.rawValue
                 entry.reserved = (nat ? FANOUT_LISTENER_NAT : 0) | (templates != nil ? FANOUT_LISTENER_TEMPLATES : 0) | (quicLB.isEmpty ? 0 : FANOUT_LISTENER_QUIC)
-                    | (rateBuckets != nil ? FANOUT_LISTENER_RATE : 0)
+                    | (rateBuckets != nil ? FANOUT_LISTENER_RATE : 0) | (ampClients != nil ? FANOUT_LISTENER_AMP : 0)
                 let prepared = try preparePools(pools, keeping: keeping, newIDs: &newPoolIDs, in: &live)
                 entry.pool_count = UInt32(prepared.count)
                 withUnsafeMutableBytes(of: &entry.pools) { raw in
@@ -1417,6 +1442,10 @@ final class TCListener: RunningListener {
     /// rate_limit: the listener's configuration, buckets and allow prefixes out of the maps
     /// (the program limits nothing for its id from then on), and the bucket map's descriptor closed.
     private func releaseRateLimit() {
+        if let ampClients {
+            program.clearAmplification(id: id)
+            close(ampClients)
+        }
         guard let rateBuckets, let limit = config.rateLimit else { return }
         program.clearRateLimit(id: id, allow: limit.allow)
         closeRateBuckets(rateBuckets)
@@ -1606,6 +1635,7 @@ final class TCListener: RunningListener {
         // The program this process loaded keeps its own rate_limit maps until the next process's
         // replaces it; only the descriptor closes.
         if let rateBuckets { closeRateBuckets(rateBuckets) }
+        if let ampClients { close(ampClients) }
         let interfaces = live.withLock { live in
             defer { live.replyInterfaces = []; live.neighbours = [] }
             return live.replyInterfaces
@@ -1721,9 +1751,10 @@ final class TCListener: RunningListener {
             ],
             downstreams: downstreams, downstreamDropped: downstreamDropped,
             twoWay: config.replies == .nat ? twoWaySnapshot(slots: slots, retired: retired) : nil)
-        if rateBuckets != nil {
+        if rateBuckets != nil || ampClients != nil {
             let counts = program.rateCounts(id: id)
-            snapshot.dropped[.rateLimited] = counts.limited &+ counts.newSources
+            if rateBuckets != nil { snapshot.dropped[.rateLimited] = counts.limited &+ counts.newSources }
+            if ampClients != nil { snapshot.twoWay?.replyDropped[.amplificationCapped] = counts.capped }
         }
         if live.withLock({ $0.quicShown }) {
             let counts = program.quicCounts(id: id)

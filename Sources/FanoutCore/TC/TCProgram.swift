@@ -47,6 +47,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let rateBuckets: Int32
     let rateAllow: Int32
     let rateStats: Int32
+    /// amplification (nat listeners): configurations by listener id and the array of
+    /// per-listener client maps (this process's own too).
+    let ampConfigs: Int32
+    let ampClients: Int32
     /// The program decrypts QUIC-LB connection IDs with the kernel's BPF crypto kfuncs: the
     /// build with them (tc_fanout.bpf.c) where the kernel has them, else the plain one
     /// (tc_fanout_plain.bpf.c: its key map's kptr type would not exist in the kernel).
@@ -55,7 +59,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, quicKeyProgram].filter { $0 >= 0 } }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, ampConfigs, ampClients, quicKeyProgram].filter { $0 >= 0 } }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -83,7 +87,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// bucket; the listener entries' FANOUT_LISTENER_RATE finds no configuration until the new
     /// process wrote it, and limits nothing meanwhile).
     static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME,
-                              FANOUT_MAP_RATE_CONFIGS_NAME, FANOUT_MAP_RATE_BUCKETS_NAME, FANOUT_MAP_RATE_ALLOW_NAME, FANOUT_MAP_RATE_STATS_NAME]
+                              FANOUT_MAP_RATE_CONFIGS_NAME, FANOUT_MAP_RATE_BUCKETS_NAME, FANOUT_MAP_RATE_ALLOW_NAME, FANOUT_MAP_RATE_STATS_NAME,
+                              FANOUT_MAP_AMP_CONFIGS_NAME, FANOUT_MAP_AMP_CLIENTS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -123,6 +128,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         let own = crypto ? 14 : 13
         (templates, templateStats, quicStats) = (owned[own], owned[own + 1], owned[own + 2])
         (rateConfigs, rateBuckets, rateAllow, rateStats) = (owned[own + 3], owned[own + 4], owned[own + 5], owned[own + 6])
+        (ampConfigs, ampClients) = (owned[own + 7], owned[own + 8])
         guard crypto else {
             (quicKeys, quicKeyProgram) = (-1, -1)
             cpus = max(1, Int(libbpf_num_possible_cpus()))
@@ -420,11 +426,43 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// Listener `id`'s rate_limit drops as the program counted them (summed over the CPUs):
-    /// above a source's rates, their bytes, and new sources above the ceiling.
-    func rateCounts(id: UInt32) -> (limited: UInt64, bytes: UInt64, newSources: UInt64) {
+    /// above a source's rates, their bytes, and new sources above the ceiling; and the replies
+    /// amplification dropped, with their bytes.
+    func rateCounts(id: UInt32) -> (limited: UInt64, bytes: UInt64, newSources: UInt64, capped: UInt64, cappedBytes: UInt64) {
         let sums = perCPUSum(rateStats, key: id, as: fanout_rate_stats.self)
-        guard sums.count >= 3 else { return (0, 0, 0) }
-        return (sums[0], sums[1], sums[2])
+        guard sums.count >= 5 else { return (0, 0, 0, 0, 0) }
+        return (sums[0], sums[1], sums[2], sums[3], sums[4])
+    }
+
+    /// Puts nat listener `id`'s `amplification` in force: its client map (an LRU hash of
+    /// `maxEntries`, made here and put in the array), then its configuration. Returns the map's
+    /// descriptor (the caller closes it).
+    func putAmplification(id: UInt32, _ cap: Amplification, maxEntries: Int) throws(SystemCallError) -> Int32 {
+        let name = FANOUT_AMP_CLIENTS_PREFIX + "\(id)"
+        let fd = try libbpfCall("bpf_map_create \(name) (settings.max_associations \(maxEntries))") {
+            bpf_map_create(BPF_MAP_TYPE_LRU_HASH, name, UInt32(MemoryLayout<fanout_amp_key>.size),
+                           UInt32(MemoryLayout<fanout_amp_client>.size), UInt32(maxEntries), nil)
+        }
+        do throws(SystemCallError) {
+            var key = id
+            var value = UInt32(fd)
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_AMP_CLIENTS_NAME)") { bpf_map_update_elem(ampClients, &key, &value, UInt64(BPF_ANY)) }
+            var config = fanout_amp_config(factor: UInt32(cap.factor), validated_after: UInt32(cap.validatedAfter))
+            try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_AMP_CONFIGS_NAME)") { bpf_map_update_elem(ampConfigs, &key, &config, UInt64(BPF_ANY)) }
+        } catch {
+            clearAmplification(id: id)
+            close(fd)
+            throw error
+        }
+        return fd
+    }
+
+    /// Takes listener `id`'s amplification cap out (its configuration, then its client map).
+    func clearAmplification(id: UInt32) {
+        var key = id
+        var empty = fanout_amp_config()
+        bpf_map_update_elem(ampConfigs, &key, &empty, UInt64(BPF_ANY))
+        bpf_map_delete_elem(ampClients, &key)
     }
 
     /// The sources of bucket map `fd` with the most datagrams dropped, most first (at most `count`).
