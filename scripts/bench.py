@@ -19,6 +19,7 @@ import time
 import bench_afxdp
 import bench_fanout
 import bench_quic
+import bench_abuse
 import bench_replication
 import bench_scale
 import bench_tc
@@ -140,6 +141,8 @@ def main():
         rows += bench_templates.rows()
     if only in ("all", "quic"):
         rows += bench_quic.rows()
+    if only in ("all", "abuse"):
+        rows += bench_abuse.rows()
     if only == "scale":  # not in "all": it runs for most of an hour
         rows += bench_scale.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]
