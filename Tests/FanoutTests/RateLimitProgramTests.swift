@@ -73,7 +73,7 @@ struct RateLimitProgramTests {
         #expect(rig.fixture.stats(0).received == 8, "\(hook): the limited ones counted received")
         #expect((1...3).allSatisfy { _ in rig.sent(hook, from: "198.18.51.1") }, "\(hook): another /24 has its own bucket")
         #expect((1...20).allSatisfy { _ in rig.sent(hook, from: "198.18.9.77") }, "\(hook): allowed")
-        let top = TCProgram.topLimited(try #require(rig.buckets[0]), ipv4Length: 24, ipv6Length: 64, count: 10)
+        let top = TCProgram.topLimited(try #require(rig.buckets[0]), ipv4Length: 24, ipv6Length: 64, count: 10, maxEntries: 65_536)
         #expect(top.map(\.prefix) == ["198.18.50.0/24"] && top.first?.limited == 3, "\(top)")
     }
 
@@ -150,6 +150,28 @@ struct RateLimitProgramTests {
         // conversation, or it was associated before this process).
         #expect(reply(1400, from: backend, to: SocketAddress("198.18.50.10:41000")!))
         program.clearAmplification(id: id)
+    }
+
+    @Test("a listener's replication pools count each limited datagram offered and dropped (rate_limited at the pool's id), so their outcomes still add up")
+    func pools() throws {
+        let fixture = try TCProgramFixture()
+        let buckets = try fixture.program.putRateLimit(id: 10, RateLimit(datagramsPerSecond: 1, burstDatagrams: 2))
+        defer { close(buckets) }
+        try fixture.addListener(bind: TCProgramFixture.listenerBind(5521), id: 10, own: TCPoolProgramTests.own, pools: [
+            TCProgramFixture.PoolSpec(id: 11, policy: FANOUT_POLICY_ALL, members: TCPoolProgramTests.allMembers),
+            TCProgramFixture.PoolSpec(id: 12, policy: FANOUT_POLICY_ROUND_ROBIN, members: TCPoolProgramTests.allMembers),
+        ], reserved: FANOUT_LISTENER_RATE)
+        let frame = Packet.ipv4(payload: [1, 2, 3, 4], port: 5521)
+        let verdicts = (1...5).map { _ in fixture.execute(frame).verdict }
+        #expect(verdicts.filter { $0 == TCProgramFixture.shot }.count == 3, "\(verdicts)")
+        #expect(fixture.stats(10).received == 5 && fixture.program.rateCounts(id: 10).limited == 3)
+        for pool: UInt32 in [11, 12] {
+            let counted = fixture.pool(pool)
+            let limited = fixture.program.rateCounts(id: pool).limited
+            #expect(counted.received == 5 && limited == 3, "pool \(pool): \(counted), limited \(limited)")
+            #expect(counted.forwarded + counted.dropped + limited + counted.sampledOut + counted.filteredOut == counted.received, "pool \(pool): \(counted)")
+        }
+        fixture.program.clearRateLimit(id: 10, allow: [])
     }
 
     @Test("taken out: the program limits nothing for the listener, and its allow prefixes are gone")

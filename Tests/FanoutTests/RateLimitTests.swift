@@ -63,6 +63,8 @@ struct RateLimitTests {
         ("{datagrams_per_second: 10, ipv4_prefix: 33}", "rate_limit.ipv4_prefix", "out of range"),
         ("{datagrams_per_second: 10, allow: [198.18.0.1/16]}", "rate_limit.allow[0]", "no bits set past the length"),
         ("{datagrams_per_second: 10, max_sources: 10}", "rate_limit.max_sources", "out of range"),
+        ("{datagrams_per_second: 10, allow: [\"::/0\"]}", "rate_limit.allow[0]", "IPv4-mapped"),
+        ("{datagrams_per_second: 10, allow: [\"::ffff:198.18.0.0/112\"]}", "rate_limit.allow[0]", "IPv4-mapped"),
         ("{datagrams_per_second: 10, per_source: 1}", "rate_limit.per_source", "unknown key"),
     ])
     func errors(block: String, key: String, problem: String) {

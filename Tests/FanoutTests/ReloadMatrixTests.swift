@@ -44,6 +44,10 @@ struct ReloadMatrixTests {
         var backends = [1, 2]
         /// quic_lb (plaintext, config 1, 2-octet server IDs 0a0N) with each backend's server_id.
         var quic = false
+        /// rate_limit, with rates the cell's traffic stays under (every datagram is checked, none dropped).
+        var rateLimit = false
+        /// amplification (two-way listeners), with a factor the echo servers' replies stay under.
+        var amplification = false
 
         init(_ kind: Kind) {
             self.kind = kind
@@ -69,6 +73,8 @@ struct ReloadMatrixTests {
             if kind == .tcEBPF || kind == .afXDP || kind == .xdp { text += "    interface: \(topology.proxyInterface)\n" }
             if let replies { text += "    replies: \(replies)\n" }
             if quic { text += "    quic_lb: {config_id: 1, server_id_length: 2, nonce_length: 6}\n" }
+            if rateLimit { text += "    rate_limit: {datagrams_per_second: 1000000, bytes_per_second: 1000000000, new_sources_per_second: 100000}\n" }
+            if amplification { text += "    amplification: {factor: 3}\n" }
             text += "    settings: {\(settings.map { "\($0.0): \($0.1)" }.joined(separator: ", "))}\n    downstream:\n"
             for n in backends {
                 text += "      - {name: b\(n), address: \"\(Topology.backendIPv4(n)):\(ReloadMatrixTests.backendPort)\"\(quic ? ", server_id: \"0a0\(n)\"" : "")}\n"
@@ -111,6 +117,8 @@ struct ReloadMatrixTests {
             case "flow_templates": shape = shape.setting("flow_templates", "true")
             // The matrix's datagrams are not QUIC: undecodable, sent by the balancing (counted).
             case "quic_lb": shape.quic = true
+            case "rate_limit": shape.rateLimit = true
+            case "amplification": shape.amplification = true
             default: Issue.record("no change defined for key \(key)")
             }
             return shape
@@ -122,21 +130,21 @@ struct ReloadMatrixTests {
     /// Every key a reload can change, per kind. `interface` is not in it: the fixture has one
     /// client-facing interface (docs/reliability.md, "Not covered").
     static let keys: [Kind: [String]] = [
-        .userspace: ["workers", "batch_size", "recv_buf_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb"],
-        .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name", "quic_lb"],
-        .tcEBPF: ["tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb"],
-        .afXDP: ["output", "queues", "xdp_mode", "batch_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb"],
-        .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb"],
+        .userspace: ["workers", "batch_size", "recv_buf_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb", "rate_limit"],
+        .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name", "quic_lb", "rate_limit", "amplification"],
+        .tcEBPF: ["tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb", "rate_limit"],
+        .afXDP: ["output", "queues", "xdp_mode", "batch_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb", "rate_limit"],
+        .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb", "rate_limit"],
     ]
 
     /// The short form (`make test`) runs every af_xdp key (issue 21's case) and each other kind's
     /// keys that rebuild the listener in a different way; RELIABILITY=full runs them all.
     static let shortKeys: [Kind: Set<String>] = [
-        .userspace: ["workers", "bind", "downstream", "quic_lb"],
-        .relay: ["io_uring", "replies", "quic_lb"],
-        .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name", "quic_lb"],
+        .userspace: ["workers", "bind", "downstream", "quic_lb", "rate_limit"],
+        .relay: ["io_uring", "replies", "quic_lb", "rate_limit", "amplification"],
+        .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name", "quic_lb", "rate_limit"],
         .afXDP: Set(keys[.afXDP]!),
-        .xdp: ["xdp_mode", "max_packet_size", "downstream", "replies", "name", "quic_lb"],
+        .xdp: ["xdp_mode", "max_packet_size", "downstream", "replies", "name", "quic_lb", "rate_limit"],
     ]
 
     static let cells: [Cell] = Kind.allCases.flatMap { kind in

@@ -162,12 +162,14 @@ extension TCProgramFixture {
     static func member(_ name: String, _ address: String) -> Downstream { Downstream(name: name, address: SocketAddress(address)!) }
 
     /// Writes a listener with its own backends `own` and `pools` (counters and rotations zeroed).
-    func addListener(bind: SocketAddress, id: UInt32, own: [Downstream], pools: [PoolSpec]) throws {
+    /// - Parameter reserved: the entry's flags (FANOUT_LISTENER_RATE, ...).
+    func addListener(bind: SocketAddress, id: UInt32, own: [Downstream], pools: [PoolSpec], reserved: UInt32 = 0) throws {
         program.resetListener(id: id)
         try program.writeSet(id: id, generation: 0, BackendSet(downstreams: own, balancing: .roundRobin, slots: Dictionary(uniqueKeysWithValues: own.enumerated().map { ($1.name, UInt16($0)) })))
         var entry = fanout_listener()
         entry.id = id
         entry.policy = FANOUT_POLICY_ROUND_ROBIN.rawValue
+        entry.reserved = reserved
         entry.pool_count = UInt32(pools.count)
         var records: [fanout_pool] = []
         for pool in pools {

@@ -5,7 +5,8 @@
 send: from the attacker's namespace, raw IPv4 and IPv6 sockets send UDP datagrams with forged
 sources to the listeners, paced on one schedule (bounded in count and time):
   - heavy sources (198.18.110.N), each at --heavy-rate for --seconds;
-  - --spread sources (198.18.64.0/18, one address each), each --spread-count datagrams back to back;
+  - --spread sources (198.18.64.0/18, one address each), each --spread-count datagrams back to back
+    (the first --spread-bursts of them --spread-burst-count);
   - --rotate IPv6 sources inside one /64 (2001:db8:77:1::/64), --rotate-count each, spread over the run;
   - an allowed source (198.18.0.3) at --heavy-rate;
   - a legitimate client (a real socket from 198.18.0.2) at --legit-rate.
@@ -93,11 +94,12 @@ def send(arguments):
     for k in range(count):
         schedule.append((k / arguments.heavy_rate + 0.00005, 4, ipv4("198.18.0.3", host4, 30000 + k % 1000, port4, tagged("allowed", k)), "allowed"))
     # The spread sources (198.18.64.0 to 198.18.103.255 for 10,000), in order over the run; each
-    # one's datagrams back to back.
+    # one's datagrams back to back: the first --spread-bursts send --spread-burst-count, the
+    # others --spread-count.
     for n in range(arguments.spread):
         at = duration * n / max(arguments.spread, 1)
         source = "198.18.%d.%d" % (64 + n // 256, n % 256)
-        for k in range(arguments.spread_count):
+        for k in range(arguments.spread_burst_count if n < arguments.spread_bursts else arguments.spread_count):
             schedule.append((at + k * 0.000001, 4, ipv4(source, host4, 40000, port4, tagged("s%d" % n, k)), "s%d" % n))
     if host6:
         total = arguments.rotate * arguments.rotate_count
@@ -255,7 +257,9 @@ def main():
     flood.add_argument("--heavy", type=int, default=6)
     flood.add_argument("--heavy-rate", type=float, default=400)
     flood.add_argument("--spread", type=int, default=10000)
-    flood.add_argument("--spread-count", type=int, default=5)
+    flood.add_argument("--spread-count", type=int, default=3)
+    flood.add_argument("--spread-bursts", type=int, default=500)
+    flood.add_argument("--spread-burst-count", type=int, default=25)
     flood.add_argument("--rotate", type=int, default=1000)
     flood.add_argument("--rotate-count", type=int, default=2)
     flood.add_argument("--legit-rate", type=float, default=50)
@@ -272,8 +276,8 @@ def main():
     reflect.add_argument("--legit", type=int, default=60)
     reflect.add_argument("--seconds", type=float, default=3)
     arguments = parser.parse_args()
-    if arguments.command == "send" and (arguments.seconds > 60 or arguments.spread > 46 * 256):
-        sys.exit("--seconds: at most 60; --spread: at most 11776 (198.18.64.0 to 198.18.109.255)")
+    if arguments.command == "send" and (arguments.seconds > 60 or arguments.spread > 46 * 256 or arguments.spread_count > 100 or arguments.spread_burst_count > 100):
+        sys.exit("--seconds: at most 60; --spread: at most 11776 (198.18.64.0 to 198.18.109.255); a source's count at most 100")
     if arguments.command == "amp" and (arguments.seconds > 60 or arguments.requests > 100000):
         sys.exit("--seconds: at most 60; --requests: at most 100000")
     {"send": send, "count": count, "serve": serve, "amp": amp}[arguments.command](arguments)

@@ -118,13 +118,26 @@ static __always_inline void remember_fragment(struct fanout_decision *c, __u32 v
 	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &c->fragment_key, remembered, BPF_ANY);
 }
 
-/* The UDP payload's bytes in this packet (what rate_limit's bytes_per_second and amplification count, as the
- * userspace kinds do; a fragmented datagram is charged its first fragment's). */
-static __always_inline __u32 udp_payload_length(struct packet *p)
+/* The UDP payload's bytes (what rate_limit's bytes_per_second and amplification count, as the
+ * userspace kinds do): a first fragment's are the whole datagram's, from its UDP header's length
+ * (its later fragments follow its verdict and are not charged again). */
+static __always_inline __u32 udp_payload_length(FANOUT_CTX *ctx, struct packet *p)
 {
+	if (p->fragment && p->has_udp) {
+		__u64 word = 0;
+		if (hook_load_bytes(ctx, p->l4 + 4, &word, 2) == 0) {
+			__u32 length = bpf_ntohs((__u16)word);
+			if (length >= 8)
+				return length - 8;
+		}
+	}
 	__u32 headers = p->l4 - p->l3 + 8;
 	return p->tot_len > headers ? p->tot_len - headers : 0;
 }
+
+/* fanout_fragment.own_verdict of a first fragment rate_limit or amplification dropped: its later
+ * fragments are dropped too, counted the same way (not a verdict of the stats map). */
+#define FANOUT_OWN_ABUSE_DROPPED (FANOUT_VERDICT_COUNT + 1)
 
 /* A client's datagram reached a verdict at this hook: counted received. */
 static __always_inline void count_received(struct fanout_decision *c)
@@ -139,9 +152,12 @@ static __always_inline void count_received(struct fanout_decision *c)
 static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int action)
 {
 	count_quic(c->id, c->quic);
-	if (c->amp)
-		fanout_amp_note(&c->p, c->id, udp_payload_length(&c->p), c->reply);
 	__u32 length = hook_sent_length(c);
+	/* Computed here, not across the call below: the xdp hook's packet pointers must not be
+	 * kept in 32-bit stack slots (the verifier refuses such a spill). */
+	barrier_var(length);
+	if (c->amp)
+		fanout_amp_note(&c->p, c->id, udp_payload_length(c->ctx, &c->p), c->reply);
 	struct fanout_stats *stats = c->stats;
 	struct fanout_backend_stats *per_backend = backend_stats(c->id, c->backend.counter_slot);
 	if (c->reply) {
@@ -179,13 +195,27 @@ static __always_inline void count_downstream_drop(struct fanout_decision *c, __u
 
 /* rate_limit: a client's datagram above its source's rates, or a new source above the ceiling
  * (counted by fanout_rate_limited): counted received, dropped before anything is chosen for it
- * (no rotation turn, no association). */
-static __always_inline int drop_rate_limited(struct fanout_decision *c)
+ * (no rotation turn, no association). Each replication pool of the listener counts it offered
+ * and dropped (rate_limited, at the pool's id), as the userspace kinds' pools do. */
+static __always_inline int drop_rate_limited(struct fanout_decision *c, struct fanout_listener *listener, __u32 payload)
 {
+	remember_fragment(c, FANOUT_OWN_ABUSE_DROPPED);
 	struct fanout_stats *stats = c->id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &c->id) : NULL;
 	if (stats) {
 		stats->received++;
 		stats->bytes_received += c->length;
+	}
+	__u32 pools = listener->pool_count;
+	for (__u32 i = 0; i < FANOUT_MAX_POOLS; i++) {
+		if (i >= pools)
+			break;
+		__u32 pool = listener->pools[i].id;
+		struct fanout_stats *offered = pool < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &pool) : NULL;
+		if (offered) {
+			offered->received++;
+			offered->bytes_received += c->length;
+		}
+		rate_count(pool, payload, 0);
 	}
 	return FANOUT_ACT_DROP;
 }
@@ -203,8 +233,9 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			if (action != FANOUT_GO_ON)
 				return action;
 			if (listener->reserved & FANOUT_LISTENER_RATE) {
-				if (fanout_rate_limited(&c->p, listener->id, udp_payload_length(&c->p)))
-					return drop_rate_limited(c);
+				__u32 payload = udp_payload_length(c->ctx, &c->p);
+				if (fanout_rate_limited(&c->p, listener->id, payload))
+					return drop_rate_limited(c, listener, payload);
 				c->rate = 1;
 			}
 			c->amp = (listener->reserved & FANOUT_LISTENER_AMP) != 0;
@@ -297,11 +328,23 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	/* amplification: a reply past its client's cap is dropped, counted by fanout_amp_capped;
 	 * one that may go is charged where it leaves. (A reply to this host itself passes below,
 	 * uncharged: it is no client's.) */
-	if (c.reply && !c.drained) {
-		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_length(&c.p));
-		if (capped > 0)
+	if (c.reply && !c.drained && c.p.has_udp) {
+		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_length(ctx, &c.p));
+		if (capped > 0) {
+			remember_fragment(&c, FANOUT_OWN_ABUSE_DROPPED);
 			return FANOUT_ACT_DROP;
+		}
 		c.amp = capped == 0;
+	}
+	/* A later fragment of a datagram rate_limit or amplification dropped: dropped, counted so. */
+	if (c.own_verdict == FANOUT_OWN_ABUSE_DROPPED) {
+		if (c.reply) {
+			fanout_amp_count(c.id, c.length);
+		} else {
+			count_received(&c);
+			rate_count(c.id, 0, 0);
+		}
+		return FANOUT_ACT_DROP;
 	}
 	if (!c.reply) {
 		/* What leaves ahead of the listener's own datagram (tc: the pools' copies): the

@@ -86,21 +86,38 @@ struct {
 	__type(value, struct fanout_rate_charge);
 } fanout_ratex SEC(".maps");
 
-/* Moves `tat` on by `cost` if that stays within `tolerance` of `now`: 1 when charged. A few
- * tries against other CPUs' charges of the same source; a source that keeps losing is refused
- * (it is sending from several CPUs at once, faster than the tries). */
+/* Moves `tat` on by `cost` if that stays within `tolerance` of `now`: 1 when charged. A TAT
+ * further ahead than any charge can put it (a bucket reused under it) counts as now. A few tries
+ * against other CPUs' charges of the same source; after them a conforming datagram is charged
+ * with an atomic add (exact but for the race it lost), never refused for the contention. */
 static __always_inline int rate_charge(__u64 *tat, __u64 cost, __u64 tolerance, __u64 now)
 {
+	__u64 old = 0, next = 0;
 #pragma clang loop unroll(full)
 	for (int attempt = 0; attempt < 4; attempt++) {
-		__u64 old = *(volatile __u64 *)tat;
-		__u64 next = (old > now ? old : now) + cost;
+		old = *(volatile __u64 *)tat;
+		__u64 start = old > now && old - now <= tolerance ? old : now;
+		next = start + cost;
 		if (next - now > tolerance)
 			return 0;
 		if (__sync_val_compare_and_swap(tat, old, next) == old)
 			return 1;
 	}
-	return 0;
+	__sync_fetch_and_add(tat, cost);
+	return 1;
+}
+
+/* Gives a charge of `cost` back: `tat` moves back by it, never below 0 (an entry the LRU made
+ * anew under it holds a small TAT). */
+static __always_inline void rate_give_back(__u64 *tat, __u64 cost)
+{
+#pragma clang loop unroll(full)
+	for (int attempt = 0; attempt < 4; attempt++) {
+		__u64 old = *(volatile __u64 *)tat;
+		__u64 back = old > cost ? old - cost : 0;
+		if (__sync_val_compare_and_swap(tat, old, back) == old)
+			return;
+	}
 }
 
 /* Counts a datagram dropped for `listener`'s rates (`new_source`: above the new-source ceiling). */
@@ -116,9 +133,9 @@ static __always_inline void rate_count(__u32 listener, __u32 length, int new_sou
 	stats->limited_bytes += length;
 }
 
-/* Whether listener `listener`'s datagram of `length` bytes (its IP packet's) from p->saddr goes
- * over its source's rates: 1 (counted, to be dropped) or 0 (charged, or not limited). A global
- * function: verified once, on its own stack (the decision leaves it little). */
+/* Whether listener `listener`'s datagram of `length` payload bytes from p->saddr goes over its
+ * source's rates: 1 (counted, to be dropped) or 0 (charged, or not limited). A global function,
+ * verified once; its frame still counts toward the 512-byte stack of the call chain. */
 __noinline int fanout_rate_limited(struct packet *p, __u32 listener, __u32 length)
 {
 	if (!p || listener >= FANOUT_MAX_LISTENERS)
@@ -177,11 +194,12 @@ __noinline int fanout_rate_limited(struct packet *p, __u32 listener, __u32 lengt
 	if (datagram_cost && !rate_charge(&bucket->datagram_tat, datagram_cost, config->datagram_tolerance, now))
 		goto limited;
 	if (config->bytes_per_second) {
-		byte_cost = (__u64)length * 1000000000ull / config->bytes_per_second;
+		/* Rounded up: at rates above 1e9 bytes/s a datagram still costs what it should, or more. */
+		byte_cost = ((__u64)length * 1000000000ull + config->bytes_per_second - 1) / config->bytes_per_second;
 		if (!rate_charge(&bucket->byte_tat, byte_cost, config->byte_tolerance, now)) {
 			/* The datagram's charge goes back: it is not sent. */
 			if (datagram_cost)
-				__sync_fetch_and_add(&bucket->datagram_tat, -datagram_cost);
+				rate_give_back(&bucket->datagram_tat, datagram_cost);
 			goto limited;
 		}
 	}
@@ -214,9 +232,9 @@ static __always_inline void fanout_rate_refund(void)
 	if (!bucket)
 		return;
 	if (charge->datagram_cost)
-		__sync_fetch_and_add(&bucket->datagram_tat, -charge->datagram_cost);
+		rate_give_back(&bucket->datagram_tat, charge->datagram_cost);
 	if (charge->byte_cost)
-		__sync_fetch_and_add(&bucket->byte_tat, -charge->byte_cost);
+		rate_give_back(&bucket->byte_tat, charge->byte_cost);
 }
 
 /* The amplification cap. */
@@ -241,6 +259,16 @@ struct {
 	__type(key, __u32);
 	__array(values, struct fanout_amp_client_map);
 } FANOUT_MAP_AMP_CLIENTS SEC(".maps");
+
+/* Counts a reply (or a later fragment of one) of `listener` the cap dropped. */
+static __always_inline void fanout_amp_count(__u32 listener, __u32 length)
+{
+	struct fanout_rate_stats *stats = listener < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_RATE_STATS, &listener) : NULL;
+	if (stats) {
+		stats->amplification_capped++;
+		stats->amplification_capped_bytes += length;
+	}
+}
 
 /* The client's entry key: the reply's destination, or the client datagram's source. */
 static __always_inline void amp_key(struct packet *p, int reply, struct fanout_amp_key *key)
@@ -277,11 +305,7 @@ __noinline int fanout_amp_capped(struct packet *p, __u32 listener, __u32 length)
 		return -1;
 	if (client->bytes_out + length <= (__u64)config->factor * client->bytes_in)
 		return 0;
-	struct fanout_rate_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_RATE_STATS, &id);
-	if (stats) {
-		stats->amplification_capped++;
-		stats->amplification_capped_bytes += length;
-	}
+	fanout_amp_count(id, length);
 	return 1;
 }
 

@@ -555,8 +555,9 @@ struct fanout_quic_key_args {
 #define FANOUT_MAP_RATE_STATS_NAME   "fanout_rates"
 /* Each listener's bucket map is made by userspace with this name and its listener id. */
 #define FANOUT_RATE_BUCKETS_PREFIX   "fanout_rateb_"
-/* `allow` prefixes of every listener at once. */
-#define FANOUT_RATE_ALLOW_ENTRIES    4096
+/* `allow` prefixes of every listener at once (256 each), twice: a reload's new instance writes
+ * its own beside the old one's. */
+#define FANOUT_RATE_ALLOW_ENTRIES    (FANOUT_MAX_LISTENERS * 256 * 2)
 
 /* Value of FANOUT_MAP_RATE_CONFIGS (an ARRAY by listener id). Each limit is a GCRA (a token
  * bucket kept as a theoretical arrival time, TAT, in bpf_ktime_get_ns nanoseconds): a datagram
@@ -569,11 +570,19 @@ struct fanout_rate_config {
 	__u64 byte_tolerance;
 	__u64 new_source_interval;  /* nanoseconds per new source of the listener */
 	__u64 new_source_tolerance;
-	__u64 new_source_tat;       /* the listener's new-source TAT (the programs write it) */
 	__u32 ipv4_mask;            /* network order: the bits of an IPv4 source its key keeps */
 	__u32 ipv6_mask[4];         /* network order, per word */
 	__u32 has_allow;            /* the listener has `allow` prefixes in FANOUT_MAP_RATE_ALLOW */
+	__u8 pad[56];
+	/* The listener's new-source TAT, written by the programs on every CPU under a flood of new
+	 * sources: at offset 128 of a 192-byte value (array values are 64-byte aligned then), on a
+	 * cache line of its own, apart from what every datagram reads above. */
+	__u64 new_source_tat;
+	__u8 pad2[56];
 };
+
+_Static_assert(__builtin_offsetof(struct fanout_rate_config, new_source_tat) == 128 && sizeof(struct fanout_rate_config) == 192,
+	       "fanout_rate_config: new_source_tat alone on the third cache line");
 
 /* Key of a listener's bucket map: the source masked to its prefix (IPv4 as ::ffff:a.b.c.d). */
 struct fanout_rate_key {

@@ -14,9 +14,9 @@ import Synchronization
 /// arrival time" per limit): a datagram conforms when the time its cost pushes the bucket to is
 /// at most the burst's worth ahead of now. The table is set-associative (sets of 8 slots, the
 /// set chosen by a seeded hash of the prefix, so a sender cannot aim its addresses at one set)
-/// and striped over 64 locks, each held for one lookup. A slot whose buckets are full again is
-/// as good as empty and is reused first; a set with none is made room in by forgetting the
-/// source closest to full (counted ``evicted``). Nothing is allocated per datagram.
+/// and striped over 64 locks, each held for one lookup. A new source takes an unused slot, else
+/// the slot whose buckets have been full again longest (as good as empty), else the source
+/// closest to full is forgotten (counted ``evicted``). Nothing is allocated per datagram.
 final class SourceRateLimiter: Sendable {
     /// The key of a source prefix: the address masked to the prefix, as 16 octets in two words
     /// (IPv4 as its IPv4-mapped IPv6 form).
@@ -43,15 +43,17 @@ final class SourceRateLimiter: Sendable {
         /// Bytes are charged `bytes * 1e9 / rate` (the per-unit time may be under a nanosecond).
         let bytesPerSecond: Int64
 
+        /// Intervals and costs are rounded up (as the kernel programs' are): at high rates a
+        /// datagram costs what it should, or a nanosecond more, never less.
         init(perSecond rate: UInt64, burst: UInt64, bytes: Bool) {
             bytesPerSecond = bytes ? Int64(rate) : 0
-            nanosecondsPerUnit = bytes ? 0 : Int64(1_000_000_000 / rate)
+            nanosecondsPerUnit = bytes ? 0 : Int64((1_000_000_000 + rate - 1) / rate)
             tolerance = Int64(min(Double(burst) * 1e9 / Double(rate), Double(Int64.max / 4)))
         }
 
         @inline(__always)
         func cost(_ units: Int) -> Int64 {
-            bytesPerSecond > 0 ? Int64(units) * 1_000_000_000 / bytesPerSecond : nanosecondsPerUnit
+            bytesPerSecond > 0 ? (Int64(units) * 1_000_000_000 + bytesPerSecond - 1) / bytesPerSecond : nanosecondsPerUnit
         }
 
         /// The bucket's new TAT when `cost` conforms at `now`, else nil.
@@ -148,19 +150,26 @@ final class SourceRateLimiter: Sendable {
         let base = (set / Self.stripeCount) * Self.ways
         return stripe.slots.withLock { slots in
             slots.withUnsafeMutableBufferPointer { slots in
-                var free = -1
+                // Room for a new source: an unused slot first, else the idle one (its buckets full
+                // again: as good as empty) idle longest, else the one closest to full (evicted).
+                var unused = -1
                 var closest = base
                 var closestTAT = Int64.max
                 for index in base..<(base + Self.ways) {
                     let slot = slots[index]
                     if slot.used && slot.key == key { return charge(&slots[index], length: length, now: now) }
-                    let tat = slot.used ? max(slot.datagramTAT, slot.byteTAT) : Int64.min
-                    if free < 0 && tat <= now { free = index }
+                    if !slot.used {
+                        if unused < 0 { unused = index }
+                        continue
+                    }
+                    let tat = max(slot.datagramTAT, slot.byteTAT)
                     if tat < closestTAT {
                         closestTAT = tat
                         closest = index
                     }
                 }
+                var free = unused
+                if free < 0 && closestTAT <= now { free = closest }
                 // A source not tracked: the ceiling on new sources first.
                 if let newSources, !chargeNewSource(newSources, now: now) { return false }
                 if free < 0 {

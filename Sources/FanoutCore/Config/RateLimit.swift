@@ -89,6 +89,15 @@ extension ConfigParser {
             guard case .scalar(let scalar) = item, let prefix = SourcePrefix(scalar.string) else {
                 throw ConfigError("\(path).rate_limit.allow[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark.line)
             }
+            // An IPv6 prefix reaching into ::ffff:0:0/96 would allow IPv4 clients in the kernel
+            // kinds (their lookup is IPv4-mapped) and not in the others: one meaning only.
+            if prefix.address.family == AF_INET6 {
+                let overlap = min(prefix.length, 96)
+                let mapped = [UInt8](repeating: 0, count: 10) + [0xff, 0xff, 0, 0, 0, 0]
+                if SourcePrefix.masked(prefix.address.bytes, overlap) == SourcePrefix.masked(mapped, overlap) {
+                    throw ConfigError("\(path).rate_limit.allow[\(position)]", "\(prefix) covers IPv4-mapped addresses (::ffff:0:0/96): give IPv4 clients as IPv4 prefixes (198.18.0.0/16) and IPv6 ones by their own prefixes", line: item.mark.line)
+                }
+            }
             allow.append(prefix)
         }
         guard allow.count <= RateLimit.maxAllowPrefixes else {

@@ -49,7 +49,7 @@ final class ForwardingPlan: Sendable {
 final class PoolPlan: Sendable {
     /// The `reason` values of `udp_fanout_pool_dropped_total`.
     /// (tc_ebpf's copies: `no_route`, `no_neighbour`, `rewrite_failed` too, see bpf/include/fanout_pools.h.)
-    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .parseError, .ttlExpired, .sendBufferFull, .unreachable, .sendError, .familyMismatch, .noRoute].map(\.rawValue)
+    static let dropReasons = ["no_healthy"] + [DropReason.tooLarge, .parseError, .ttlExpired, .rateLimited, .sendBufferFull, .unreachable, .sendError, .familyMismatch, .noRoute].map(\.rawValue)
         + ["no_neighbour", DropReason.rewriteFailed.rawValue]
     /// Seed of the sampling hash: not the balancing's, so which sources a sampled pool keeps does
     /// not follow which downstream of another pool they go to.

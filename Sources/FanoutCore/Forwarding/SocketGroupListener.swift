@@ -95,7 +95,6 @@ final class SocketGroupListener: Sendable {
         self.descriptors = descriptors
         self.workersReadHandedOver = workersReadHandedOver
         limiter = config.rateLimit.map(SourceRateLimiter.init)
-        counters.showRateLimit(limiter)
         handedOver = Self.takeHandedOver(config, descriptors, logger: logger)
         // Before any worker reads them (relay workers read them from their start).
         handedOverQueued = Self.queue(of: handedOver)
@@ -148,6 +147,8 @@ final class SocketGroupListener: Sendable {
         threads = workers.map { worker in
             OSThread(name: "fanout-\(worker.index)") { worker.run() }
         }
+        // Once the instance stands: a failed start leaves /status showing the running one's.
+        counters.showRateLimit(limiter)
     }
 
     /// A one-way listener's group: a ``SocketWorker`` per member, each forwarding through the

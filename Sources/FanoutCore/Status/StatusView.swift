@@ -107,6 +107,12 @@ package enum StatusView {
                 }
                 lines.append(line)
             }
+            if let limit = listener.rateLimit {
+                lines.append("  rate_limit \(limit.limit)" + (limit.evicted.map { "   evicted \(grouped($0))" } ?? ""))
+                if !limit.topLimited.isEmpty {
+                    lines.append("  most limited: " + limit.topLimited.map { "\($0.prefix) \(grouped($0.limited))" }.joined(separator: ", "))
+                }
+            }
             lines += table(listener.downstreams, twoWay: listener.replies != "none", now: report.time, indent: "  ")
             for pool in listener.pools {
                 let outcomes = pool.datagrams.sorted { $0.key < $1.key }.map { "\($0.key) \($0.value)" }.joined(separator: ", ")

@@ -703,7 +703,7 @@ final class TCListener: RunningListener {
     /// A pool's datagram outcomes as its counters have them.
     private struct PoolTally: Equatable {
         var forwarded: UInt64 = 0, dropped: UInt64 = 0, sampledOut: UInt64 = 0, filteredOut: UInt64 = 0
-        var noHealthy: UInt64 = 0, ttlExpired: UInt64 = 0
+        var noHealthy: UInt64 = 0, ttlExpired: UInt64 = 0, rateLimited: UInt64 = 0
     }
     /// A pool member's copies as its counter slot has them.
     private struct MemberTally {
@@ -1273,10 +1273,12 @@ final class TCListener: RunningListener {
         let read = program.poolStats(id: pool.id)
         func verdict(_ value: fanout_verdict) -> UInt64 { read.verdicts[Int(value.rawValue)] }
         let forwarded = verdict(FANOUT_VERDICT_FORWARDED) &+ verdict(FANOUT_VERDICT_FORWARDED_NEIGH)
+        // rate_limit: the listener's limited datagrams, counted offered and dropped at the pool's id.
+        let limited = config.rateLimit == nil ? 0 : program.rateCounts(id: pool.id).limited
         let now = PoolTally(
-            forwarded: forwarded, dropped: read.verdicts.reduce(0, &+) &- forwarded,
+            forwarded: forwarded, dropped: (read.verdicts.reduce(0, &+) &- forwarded) &+ limited,
             sampledOut: read.sampledOut, filteredOut: read.filteredOut,
-            noHealthy: verdict(FANOUT_VERDICT_NO_BACKEND), ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED))
+            noHealthy: verdict(FANOUT_VERDICT_NO_BACKEND), ttlExpired: verdict(FANOUT_VERDICT_TTL_EXPIRED), rateLimited: limited)
         // A counter below what was seen was zeroed in between (a slot reused): all it holds is new.
         func since(_ now: UInt64, _ before: UInt64) -> UInt64 { now >= before ? now - before : now }
         let before = pool.seen
@@ -1286,6 +1288,7 @@ final class TCListener: RunningListener {
         self.counters.add(counters.filteredOut, since(now.filteredOut, before.filteredOut))
         counters.addDrops("no_healthy", since(now.noHealthy, before.noHealthy))
         counters.addDrops(DropReason.ttlExpired.rawValue, since(now.ttlExpired, before.ttlExpired))
+        counters.addDrops(DropReason.rateLimited.rawValue, since(now.rateLimited, before.rateLimited))
         pool.seen = now
         pumpMembers(name, pool.slots, &pool)
     }
@@ -1451,7 +1454,7 @@ final class TCListener: RunningListener {
         closeRateBuckets(rateBuckets)
     }
 
-    /// Closes the bucket map's descriptor once (a /status reading holds the lock while it reads).
+    /// Closes the bucket map's descriptor once (a /status reading duplicates it under the lock).
     private func closeRateBuckets(_ fd: Int32) {
         rateBucketsOpen.withLock { open in
             guard open else { return }
@@ -1460,13 +1463,15 @@ final class TCListener: RunningListener {
         }
     }
 
-    /// /status's top limited sources, read from the bucket map while its descriptor is open.
+    /// /status's top limited sources, read from a duplicate of the bucket map's descriptor
+    /// (taken while it is open: the walk does not hold up a stop).
     private func topLimited(_ limit: RateLimit) -> [LimitedSource] {
         guard let rateBuckets else { return [] }
-        return rateBucketsOpen.withLock { open in
-            guard open else { return [] }
-            return TCProgram.topLimited(rateBuckets, ipv4Length: limit.ipv4PrefixLength, ipv6Length: limit.ipv6PrefixLength, count: RateLimitStatus.topCount)
-        }
+        let fd = rateBucketsOpen.withLock { open in open ? fcntl(rateBuckets, F_DUPFD_CLOEXEC, 0) : -1 }
+        guard fd >= 0 else { return [] }
+        defer { close(fd) }
+        return TCProgram.topLimited(fd, ipv4Length: limit.ipv4PrefixLength, ipv6Length: limit.ipv6PrefixLength,
+                                    count: RateLimitStatus.topCount, maxEntries: limit.maxSources)
     }
 
     /// Takes the listener's nat state out of the maps: live, draining and gone backends, its

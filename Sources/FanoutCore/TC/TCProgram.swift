@@ -402,8 +402,9 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     static func rateConfig(_ limit: RateLimit) -> fanout_rate_config {
         var config = fanout_rate_config()
         func tolerance(_ burst: UInt64, _ rate: UInt64) -> UInt64 { UInt64(min(Double(burst) * 1e9 / Double(rate), Double(UInt64.max / 4))) }
+        // Intervals rounded up, as SourceRateLimiter's: never a faster rate than configured.
         if let rate = limit.datagramsPerSecond {
-            config.datagram_interval = 1_000_000_000 / rate
+            config.datagram_interval = (1_000_000_000 + rate - 1) / rate
             config.datagram_tolerance = tolerance(limit.burstDatagrams, rate)
         }
         if let rate = limit.bytesPerSecond {
@@ -411,7 +412,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             config.byte_tolerance = tolerance(limit.burstBytes, rate)
         }
         if let rate = limit.newSourcesPerSecond {
-            config.new_source_interval = 1_000_000_000 / rate
+            config.new_source_interval = (1_000_000_000 + rate - 1) / rate
             config.new_source_tolerance = tolerance(limit.burstNewSources, rate)
         }
         config.ipv4_mask = (UInt32.max << (32 - limit.ipv4PrefixLength)).bigEndian
@@ -466,26 +467,42 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// The sources of bucket map `fd` with the most datagrams dropped, most first (at most `count`).
-    static func topLimited(_ fd: Int32, ipv4Length: Int, ipv6Length: Int, count: Int) -> [LimitedSource] {
+    /// At most `maxEntries` × 2 steps: under a flood the LRU map evicts the key a walk stands on,
+    /// and the kernel then starts the walk again from the first key.
+    static func topLimited(_ fd: Int32, ipv4Length: Int, ipv6Length: Int, count: Int, maxEntries: Int) -> [LimitedSource] {
         var found: [(fanout_rate_key, UInt64)] = []
         var key = fanout_rate_key()
         var next = fanout_rate_key()
         var first = true
-        while withUnsafeMutablePointer(to: &key, { current in bpf_map_get_next_key(fd, first ? nil : UnsafeRawPointer(current), &next) }) == 0 {
+        var steps = 0
+        while steps < 2 * maxEntries,
+              withUnsafeMutablePointer(to: &key, { current in bpf_map_get_next_key(fd, first ? nil : UnsafeRawPointer(current), &next) }) == 0 {
             first = false
+            steps += 1
             key = next
             var bucket = fanout_rate_bucket()
             guard bpf_map_lookup_elem(fd, &key, &bucket) == 0, bucket.limited > 0 else { continue }
-            found.append((key, bucket.limited))
+            // Only the top `count` are kept (a walk restarted meets a key twice: kept once).
+            if let seen = found.firstIndex(where: { Self.sameKey($0.0, key) }) {
+                found[seen].1 = max(found[seen].1, bucket.limited)
+            } else if found.count < count {
+                found.append((key, bucket.limited))
+            } else if let least = found.indices.min(by: { found[$0].1 < found[$1].1 }), found[least].1 < bucket.limited {
+                found[least] = (key, bucket.limited)
+            }
         }
         found.sort { $0.1 > $1.1 }
-        return found.prefix(count).map { key, limited in
+        return found.map { key, limited in
             var words = key.addr
             let bytes = withUnsafeBytes(of: &words) { Array($0) }
             let mapped = bytes[0..<10].allSatisfy { $0 == 0 } && bytes[10] == 0xff && bytes[11] == 0xff
             let address = IPAddress(bytes: mapped ? Array(bytes[12...]) : bytes).map { "\($0)" } ?? "?"
             return LimitedSource(prefix: "\(address)/\(mapped ? ipv4Length : ipv6Length)", limited: limited)
         }
+    }
+
+    static func sameKey(_ a: fanout_rate_key, _ b: fanout_rate_key) -> Bool {
+        a.addr.0 == b.addr.0 && a.addr.1 == b.addr.1 && a.addr.2 == b.addr.2 && a.addr.3 == b.addr.3
     }
 
     // MARK: counters
