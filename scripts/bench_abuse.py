@@ -125,11 +125,7 @@ def kernel_rows(work):
         try:
             if kind == "xdp":
                 xdp_ends(topology, True)
-            names = list(VARIANTS)
-            results = {name: [] for name in names}
-            for run in range(KERNEL_RUNS):
-                for name in (names if run % 2 == 0 else list(reversed(names))):
-                    results[name].append(kernel_run(topology, work, kind, name))
+            results = common.alternated(KERNEL_RUNS, list(VARIANTS), lambda name: kernel_run(topology, work, kind, name))
             if kind == "af_xdp":
                 out += compare(results, kind, "ns", "CPU per datagram received",
                                f"the daemon's utime+stime; 2 RX queues; {KERNEL_DATAGRAMS} datagrams x {KERNEL_RUNS} runs")
@@ -146,11 +142,7 @@ def rows():
     try:
         print(f"bench: rate_limit, {common.RUNS} runs per variant, alternated; {DATAGRAMS} datagrams of 64 bytes"
               f" from 240 sources per run (200,000/s), 3 downstreams; under attack: 100 datagrams/s per source", flush=True)
-        names = list(VARIANTS)
-        results = {name: [] for name in names}
-        for run in range(common.RUNS):
-            for name in (names if run % 2 == 0 else list(reversed(names))):
-                results[name].append(userspace_run(name, work))
+        results = common.alternated(common.RUNS, list(VARIANTS), lambda name: userspace_run(name, work))
         out = compare(results, "userspace", "ns", "CPU per datagram received", "userspace, 1 worker")
         out += kernel_rows(work)
         return out

@@ -85,6 +85,16 @@ def ns_per_run(show_args):
     return (sum(p.get("run_time_ns", 0) for p in progs) / runs if runs else float("nan")), runs
 
 
+def alternated(runs, names, run):
+    """`run(name)` for each name, `runs` times, the order reversed every other time (so a drift
+    of the machine touches every variant alike): the results by name."""
+    results = {name: [] for name in names}
+    for turn in range(runs):
+        for name in (names if turn % 2 == 0 else list(reversed(names))):
+            results[name].append(run(name))
+    return results
+
+
 def spread(values):
     return statistics.median(values), min(values), max(values)
 

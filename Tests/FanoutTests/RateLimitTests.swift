@@ -53,15 +53,16 @@ struct RateLimitTests {
             listeners:
               - {name: l, bind: "127.0.0.1:9000", downstream: [{name: a, address: "127.0.0.1:9001"}], rate_limit: {datagrams_per_second: 50}}
             """)
-        #expect(config.checkSummary.contains("rate_limit 50 datagrams/s (burst 5), per /32 and /64"), "\(config.checkSummary)")
+        #expect(config.checkSummary.contains("rate_limit 50 datagrams/s (burst 5), per /32 and /64, 65536 sources"), "\(config.checkSummary)")
     }
 
     @Test("errors name the key and the fix", arguments: [
-        ("{allow: [198.18.0.0/16]}", "rate_limit.datagrams_per_second", "limits nothing"),
+        ("{allow: [198.18.0.0/16]}", "rate_limit", "limits nothing"),
+        ("{burst_datagrams: 10}", "rate_limit.burst_datagrams", "set datagrams_per_second, or remove burst_datagrams"),
         ("{datagrams_per_second: 0}", "rate_limit.datagrams_per_second", "out of range"),
-        ("{datagrams_per_second: 10, burst_bytes: 100}", "rate_limit.burst_bytes", "only with bytes_per_second"),
+        ("{datagrams_per_second: 10, burst_bytes: 100}", "rate_limit.burst_bytes", "set bytes_per_second, or remove burst_bytes"),
         ("{datagrams_per_second: 10, ipv4_prefix: 33}", "rate_limit.ipv4_prefix", "out of range"),
-        ("{datagrams_per_second: 10, allow: [198.18.0.1/16]}", "rate_limit.allow[0]", "no bits set past the length"),
+        ("{datagrams_per_second: 10, allow: [198.18.0.1/16]}", "rate_limit.allow[0]", "'198.18.0.1/16': expected a client prefix"),
         ("{datagrams_per_second: 10, max_sources: 10}", "rate_limit.max_sources", "out of range"),
         ("{datagrams_per_second: 10, allow: [\"::/0\"]}", "rate_limit.allow[0]", "IPv4-mapped"),
         ("{datagrams_per_second: 10, allow: [\"::ffff:198.18.0.0/112\"]}", "rate_limit.allow[0]", "IPv4-mapped"),

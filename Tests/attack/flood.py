@@ -147,7 +147,10 @@ def send(arguments):
     print(json.dumps({"sent": sent, "spans": spans, "failed": failed, "seconds": time.monotonic() - start}))
 
 
-def count(arguments):
+def each_datagram(arguments, ready_line, handle):
+    """Binds --port on IPv4 and IPv6 (non-blocking), says `ready_line` on stderr, and hands
+    each datagram to `handle(sock, data, peer)` until SIGTERM or --seconds."""
+    import select
     sockets = []
     for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
         sock = socket.socket(family, socket.SOCK_DGRAM)
@@ -157,13 +160,10 @@ def count(arguments):
         sock.bind((host, arguments.port))
         sock.setblocking(False)
         sockets.append(sock)
-    counts = {}
-    sizes = {}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    import select
     deadline = time.monotonic() + arguments.seconds
-    print("counting", file=sys.stderr, flush=True)
+    print(ready_line, file=sys.stderr, flush=True)
     while not stop and time.monotonic() < deadline:
         try:
             ready, _, _ = select.select(sockets, [], [], 0.2)
@@ -172,44 +172,38 @@ def count(arguments):
         for sock in ready:
             while True:
                 try:
-                    data = sock.recv(2048)
+                    data, peer = sock.recvfrom(2048)
                 except (BlockingIOError, InterruptedError):
                     break
-                tag = data.split(b" ", 1)[0].decode(errors="replace")
-                counts[tag] = counts.get(tag, 0) + 1
-                sizes[tag] = sizes.get(tag, 0) + len(data)
+                handle(sock, data, peer)
+
+
+def count(arguments):
+    counts = {}
+    sizes = {}
+
+    def tally(sock, data, peer):
+        tag = data.split(b" ", 1)[0].decode(errors="replace")
+        counts[tag] = counts.get(tag, 0) + 1
+        sizes[tag] = sizes.get(tag, 0) + len(data)
+    each_datagram(arguments, "counting", tally)
     print(json.dumps({"counts": counts, "bytes": sizes}), flush=True)
 
 
 def serve(arguments):
-    sockets = []
-    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        sock = socket.socket(family, socket.SOCK_DGRAM)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, arguments.port))
-        sockets.append(sock)
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    import select
     served = {}
-    deadline = time.monotonic() + arguments.seconds
-    print("serving", file=sys.stderr, flush=True)
-    while not stop and time.monotonic() < deadline:
+
+    def answer(sock, data, peer):
+        tag = data.split(b" ", 1)[0]
+        factor = 20 if tag == b"amp" else 1 if tag == b"small" else 2
+        reply = (data * factor)[:1400]
         try:
-            ready, _, _ = select.select(sockets, [], [], 0.2)
-        except InterruptedError:
-            continue
-        for sock in ready:
-            data, peer = sock.recvfrom(2048)
-            tag = data.split(b" ", 1)[0]
-            factor = 20 if tag == b"amp" else 1 if tag == b"small" else 2
-            answer = (data * factor)[:1400]
-            try:
-                sock.sendto(answer, peer)
-            except OSError:
-                continue
-            served[tag.decode(errors="replace")] = served.get(tag.decode(errors="replace"), 0) + len(answer)
+            sock.sendto(reply, peer)
+        except OSError:
+            return
+        name = tag.decode(errors="replace")
+        served[name] = served.get(name, 0) + len(reply)
+    each_datagram(arguments, "serving", answer)
     print(json.dumps({"served": served}), flush=True)
 
 

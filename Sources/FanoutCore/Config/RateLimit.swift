@@ -53,7 +53,7 @@ public struct RateLimit: Equatable, Sendable, CustomStringConvertible {
         var parts: [String] = []
         if let rate = datagramsPerSecond { parts.append("\(rate) datagrams/s (burst \(burstDatagrams))") }
         if let rate = bytesPerSecond { parts.append("\(rate) bytes/s (burst \(burstBytes))") }
-        parts.append("per /\(ipv4PrefixLength) and /\(ipv6PrefixLength)")
+        parts.append("per /\(ipv4PrefixLength) and /\(ipv6PrefixLength), \(maxSources) sources")
         if let rate = newSourcesPerSecond { parts.append("\(rate) new sources/s (burst \(burstNewSources))") }
         if !allow.isEmpty { parts.append("allow \(allow.map(\.description).joined(separator: " "))") }
         return parts.joined(separator: ", ")
@@ -75,19 +75,27 @@ extension ConfigParser {
         let datagrams = try count("datagrams_per_second", 1...1_000_000_000)
         let bytes = try count("bytes_per_second", 1...1_000_000_000_000)
         let newSources = try count("new_sources_per_second", 1...100_000_000)
-        guard datagrams != nil || bytes != nil || newSources != nil else {
-            throw entry.error("datagrams_per_second", "rate_limit limits nothing: give datagrams_per_second, bytes_per_second or new_sources_per_second (or leave rate_limit out)")
-        }
+        // A burst without its rate is named first: it is the key the file has.
         let burstDatagrams = try count("burst_datagrams", 1...1_000_000_000)
-        if burstDatagrams != nil && datagrams == nil { throw entry.error("burst_datagrams", "only with datagrams_per_second") }
+        if burstDatagrams != nil && datagrams == nil {
+            throw entry.error("burst_datagrams", "a burst of datagrams_per_second, which is not set: set datagrams_per_second, or remove burst_datagrams")
+        }
         let burstBytes = try count("burst_bytes", 1...1_000_000_000_000)
-        if burstBytes != nil && bytes == nil { throw entry.error("burst_bytes", "only with bytes_per_second") }
+        if burstBytes != nil && bytes == nil {
+            throw entry.error("burst_bytes", "a burst of bytes_per_second, which is not set: set bytes_per_second, or remove burst_bytes")
+        }
         let burstNewSources = try count("burst_new_sources", 1...100_000_000)
-        if burstNewSources != nil && newSources == nil { throw entry.error("burst_new_sources", "only with new_sources_per_second") }
+        if burstNewSources != nil && newSources == nil {
+            throw entry.error("burst_new_sources", "a burst of new_sources_per_second, which is not set: set new_sources_per_second, or remove burst_new_sources")
+        }
+        guard datagrams != nil || bytes != nil || newSources != nil else {
+            throw ConfigError("\(path).rate_limit", "limits nothing: give datagrams_per_second, bytes_per_second or new_sources_per_second (or leave rate_limit out)", line: node.mark.line)
+        }
         var allow: [SourcePrefix] = []
         for (position, item) in try entry.sequence("allow", required: false).enumerated() {
             guard case .scalar(let scalar) = item, let prefix = SourcePrefix(scalar.string) else {
-                throw ConfigError("\(path).rate_limit.allow[\(position)]", "expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length, no bits set past the length)", line: item.mark.line)
+                let given = if case .scalar(let scalar) = item { "'\(scalar.string)': " } else { "" }
+                throw ConfigError("\(path).rate_limit.allow[\(position)]", "\(given)expected a client prefix such as 198.18.0.0/16 or 2001:db8::/32 (an address and a length within the family's bits, no bits set past the length: 198.18.0.1/16 is 198.18.0.0/16)", line: item.mark.line)
             }
             // An IPv6 prefix reaching into ::ffff:0:0/96 would allow IPv4 clients in the kernel
             // kinds (their lookup is IPv4-mapped) and not in the others: one meaning only.

@@ -133,6 +133,7 @@ final class SocketGroupListener: Sendable {
             "steering": "\(group.steering)", "worker_steering": "\(config.settings.workerSteering.rawValue)",
         ]
         if let limit = config.rateLimit { starting["rate_limit"] = "\(limit)" }
+        if let cap = config.amplification { starting["amplification"] = "\(cap)" }
         logger.info("starting userspace forwarder", metadata: starting)
         do {
             var inherited = [[ReusePortMember]](repeating: [], count: count)

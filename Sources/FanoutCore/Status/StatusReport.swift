@@ -110,6 +110,8 @@ package struct ListenerStatus: Codable, Sendable, Equatable {
     package var rates: Rates?
     /// `rate_limit` listeners: the running instance's view of its buckets.
     package var rateLimit: RateLimitStatus? = nil
+    /// `amplification` listeners: the cap as configured.
+    package var amplification: String? = nil
 }
 
 /// A `rate_limit` listener's buckets as its running instance sees them: the sources with most
@@ -245,7 +247,8 @@ extension FanoutDaemon {
                 replySent: snapshot.twoWay?.replies, replyBytes: snapshot.twoWay?.replyBytes,
                 repliesDropped: snapshot.twoWay.map { Self.named($0.replyDropped) }, associations: snapshot.twoWay?.associations,
                 downstreams: zip(own, sources).map { status($0, source: $1) }, pools: pools,
-                rateLimit: listener.rateLimit == nil ? nil : counters[listener.name]?.rateLimitView()))
+                rateLimit: listener.rateLimit == nil ? nil : counters[listener.name]?.rateLimitView(),
+                amplification: listener.amplification.map(\.description)))
         }
         return StatusReport(
             version: ProjectVersion.string, pid: getpid(), startedAt: ProcessMetrics.startTime() ?? 0, time: WallClock.seconds(), monotonic: Double(monotonicMilliseconds()) / 1000,

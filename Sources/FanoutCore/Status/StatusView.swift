@@ -107,6 +107,7 @@ package enum StatusView {
                 }
                 lines.append(line)
             }
+            if let cap = listener.amplification { lines.append("  amplification: \(cap)") }
             if let limit = listener.rateLimit {
                 lines.append("  rate_limit \(limit.limit)" + (limit.evicted.map { "   evicted \(grouped($0))" } ?? ""))
                 if !limit.topLimited.isEmpty {

@@ -806,64 +806,57 @@ final class TCListener: RunningListener {
                 throw error
             }
         }
+        // A map step below failed: what the steps before it made goes (the rate_limit maps, the
+        // nat association map), then the registration and the XDP front. An id taken over keeps
+        // the previous process's state: its plan still forwards.
+        let (program, id, adopted, dataplane) = (registered.program, registered.id, registered.adopted != nil, dataplane)
+        func undo(rateBuckets: Int32?, associationMap: Int32?) {
+            if let rateBuckets, let limit = config.rateLimit {
+                program.clearRateLimit(id: id, allow: limit.allow)
+                close(rateBuckets)
+            }
+            if !adopted {
+                program.resetListener(id: id)
+                if associationMap != nil { dataplane.forgetAssociations(id: id) }
+            }
+            if let associationMap { close(associationMap) }
+            if let front {
+                front.program.stopServing(id: id)
+                front.program.detach(interface: config.interface ?? "")
+            }
+            dataplane.unregister(interface: config.interface ?? "", id: id)
+        }
+        var buckets: Int32?
         if let limit = config.rateLimit {
             do throws(SystemCallError) {
-                rateBuckets = try program.putRateLimit(id: id, limit)
+                buckets = try program.putRateLimit(id: id, limit)
             } catch {
-                if registered.adopted == nil { program.resetListener(id: id) }
-                if let front {
-                    front.program.stopServing(id: id)
-                    front.program.detach(interface: config.interface ?? "")
-                }
-                dataplane.unregister(interface: config.interface ?? "", id: id)
+                undo(rateBuckets: nil, associationMap: nil)
                 throw .maps(error)
             }
-        } else {
-            rateBuckets = nil
         }
+        rateBuckets = buckets
+        var associations: Int32?
         if config.replies == .nat {
             do throws(SystemCallError) {
-                associationMap = try dataplane.associationMap(id: id, listener: config, program: program, adopted: registered.adopted != nil)
+                associations = try dataplane.associationMap(id: id, listener: config, program: program, adopted: adopted)
                 try program.putNAT(id: id, bind: config.bind, quic: !config.quicLB.isEmpty)
             } catch {
-                if let rateBuckets, let limit = config.rateLimit {
-                    program.clearRateLimit(id: id, allow: limit.allow)
-                    close(rateBuckets)
-                }
-                if registered.adopted == nil { program.resetListener(id: id) }
-                if let front {
-                    front.program.stopServing(id: id)
-                    front.program.detach(interface: config.interface ?? "")
-                }
-                dataplane.unregister(interface: config.interface ?? "", id: id)
+                undo(rateBuckets: buckets, associationMap: associations)
                 throw .maps(error)
             }
-        } else {
-            associationMap = nil
         }
+        associationMap = associations
+        var clients: Int32?
         if let cap = config.amplification, config.replies == .nat {
             do throws(SystemCallError) {
-                ampClients = try program.putAmplification(id: id, cap, maxEntries: config.settings.maxAssociations)
+                clients = try program.putAmplification(id: id, cap, maxEntries: config.settings.maxAssociations)
             } catch {
-                if let rateBuckets, let limit = config.rateLimit {
-                    program.clearRateLimit(id: id, allow: limit.allow)
-                    close(rateBuckets)
-                }
-                if registered.adopted == nil {
-                    program.resetListener(id: id)
-                    dataplane.forgetAssociations(id: id)
-                }
-                if let associationMap { close(associationMap) }
-                if let front {
-                    front.program.stopServing(id: id)
-                    front.program.detach(interface: config.interface ?? "")
-                }
-                dataplane.unregister(interface: config.interface ?? "", id: id)
+                undo(rateBuckets: buckets, associationMap: associations)
                 throw .maps(error)
             }
-        } else {
-            ampClients = nil
         }
+        ampClients = clients
         if config.replies == .nat, registered.adopted != nil {
             // Backends the previous process had live for this listener that this configuration
             // does not have: they drain (or are gone) as if a reload had removed them, keeping
@@ -917,6 +910,7 @@ final class TCListener: RunningListener {
         ]
         if !config.quicLB.isEmpty { registration["quic_lb"] = "\(Self.describe(config.quicLB))" }
         if let limit = config.rateLimit { registration["rate_limit"] = "\(limit)" }
+        if let cap = config.amplification { registration["amplification"] = "\(cap)" }
         logger.info("registered listener in eBPF map", metadata: registration)
         counters.setSource(for: ObjectIdentifier(self)) { [weak self] in self?.snapshot() ?? .zero }
         if rateBuckets != nil, let limit = config.rateLimit {
