@@ -265,6 +265,7 @@ struct AbuseEndToEndTests {
         #expect(victim.wait() == 0)
         server.signal(SIGTERM)
         #expect(server.wait() == 0)
+        #expect(try server.json().int("failed") == 0, "\(kind): the server could not send every answer")
         let received = try victim.json().object("bytes").mapValues { ($0 as? NSNumber)?.intValue ?? 0 }
         var row = Reflection(kind: kind, capped: capped)
         row.attackerBytes = report.int("attacker_bytes")

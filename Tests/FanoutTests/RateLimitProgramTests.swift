@@ -174,6 +174,31 @@ struct RateLimitProgramTests {
         fixture.program.clearRateLimit(id: 10, allow: [])
     }
 
+    @Test("a fragmented datagram is charged whole at its first fragment (its UDP length), and the later fragments of a limited one are dropped with it, counted", arguments: Hook.allCases)
+    func fragments(hook: Hook) throws {
+        let rig = try Rig()
+        try rig.limit(id: 0, port: 5514, RateLimit(bytesPerSecond: 1000, burstBytes: 1500))
+        func verdicts(_ pieces: [[UInt8]]) -> [Bool] {
+            pieces.map { piece in
+                switch hook {
+                case .tc: rig.fixture.execute(piece).verdict != TCProgramFixture.shot
+                // Later fragments XDP cannot follow go to tc, which finishes them.
+                case .xdp:
+                    { action in action == XDPForwardProgramTests.pass ? rig.fixture.execute(piece).verdict != TCProgramFixture.shot : action != 1 }(rig.forward.run(piece).action)
+                }
+            }
+        }
+        // 2,400 bytes in pieces of 1,000: above the 1,500-byte burst though each piece is below it.
+        let big = Packet.ipv4Fragments(payload: [UInt8](repeating: 0x42, count: 2400), id: 0x6161, pieceSize: 1000)
+        #expect(big.count == 3)
+        #expect(verdicts(big) == [false, false, false], "\(hook): the whole datagram dropped")
+        #expect(rig.counts(0)[0] == 3, "\(hook): its three pieces counted rate_limited: \(rig.counts(0))")
+        // 1,200 bytes in two pieces fit the burst: both leave.
+        let small = Packet.ipv4Fragments(payload: [UInt8](repeating: 0x43, count: 1200), id: 0x6262, pieceSize: 1000)
+        #expect(verdicts(small) == [true, true], "\(hook)")
+        #expect(rig.counts(0)[0] == 3)
+    }
+
     @Test("taken out: the program limits nothing for the listener, and its allow prefixes are gone")
     func clear() throws {
         let rig = try Rig()

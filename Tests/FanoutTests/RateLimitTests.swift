@@ -104,6 +104,22 @@ struct RateLimitTests {
         #expect(limiter.topLimited(5).first?.prefix == "198.18.1.1/32")
     }
 
+    @Test("rates that do not divide a second: the burst whole (3/s burst 1, 7/s burst 7, 30 new sources/s burst 1), then the rate")
+    func roundedRates() {
+        let now: Int64 = 1_000_000_000
+        let three = SourceRateLimiter(RateLimit(datagramsPerSecond: 3, burstDatagrams: 1))
+        #expect(Self.admits(three, "198.18.1.1", at: now) && !Self.admits(three, "198.18.1.1", at: now))
+        #expect(!Self.admits(three, "198.18.1.1", at: now + 333_333_333) && Self.admits(three, "198.18.1.1", at: now + 333_333_334))
+        let seven = SourceRateLimiter(RateLimit(datagramsPerSecond: 7, burstDatagrams: 7))
+        #expect((0..<10).filter { _ in Self.admits(seven, "198.18.1.1", at: now) }.count == 7)
+        let fresh = SourceRateLimiter(RateLimit(datagramsPerSecond: 10, newSourcesPerSecond: 30, burstNewSources: 1))
+        #expect(Self.admits(fresh, "198.18.2.1", at: now) && !Self.admits(fresh, "198.18.2.2", at: now))
+        // A datagram of exactly burst_bytes fits at any rate.
+        let bytes = SourceRateLimiter(RateLimit(bytesPerSecond: 1_000_000_000_000, burstBytes: 65_535))
+        #expect(Self.admits(bytes, "198.18.3.1", length: 65_535, at: now))
+        #expect(TCProgram.rateConfig(RateLimit(datagramsPerSecond: 3, burstDatagrams: 1)).datagram_tolerance == 333_333_334)
+    }
+
     @Test("sources share their prefix's bucket: IPv4 /24, IPv6 /64 (rotating inside it gains nothing), IPv4-mapped IPv6 as IPv4")
     func prefixes() {
         let limiter = SourceRateLimiter(RateLimit(datagramsPerSecond: 10, burstDatagrams: 5, ipv4PrefixLength: 24))

@@ -193,18 +193,29 @@ def count(arguments):
 def serve(arguments):
     served = {}
 
+    failed = []
+
     def answer(sock, data, peer):
+        import select
         tag = data.split(b" ", 1)[0]
         factor = 20 if tag == b"amp" else 1 if tag == b"small" else 2
         reply = (data * factor)[:1400]
-        try:
-            sock.sendto(reply, peer)
-        except OSError:
+        for _ in range(20):  # a full send buffer: wait for room (the socket is non-blocking)
+            try:
+                sock.sendto(reply, peer)
+                break
+            except BlockingIOError:
+                select.select([], [sock], [], 0.05)
+            except OSError:
+                failed.append(1)
+                return
+        else:
+            failed.append(1)
             return
         name = tag.decode(errors="replace")
         served[name] = served.get(name, 0) + len(reply)
     each_datagram(arguments, "serving", answer)
-    print(json.dumps({"served": served}), flush=True)
+    print(json.dumps({"served": served, "failed": len(failed)}), flush=True)
 
 
 def amp(arguments):

@@ -118,21 +118,30 @@ static __always_inline void remember_fragment(struct fanout_decision *c, __u32 v
 	bpf_map_update_elem(&FANOUT_MAP_FRAGMENTS, &c->fragment_key, remembered, BPF_ANY);
 }
 
-/* The UDP payload's bytes (what rate_limit's bytes_per_second and amplification count, as the
- * userspace kinds do): a first fragment's are the whole datagram's, from its UDP header's length
- * (its later fragments follow its verdict and are not charged again). */
-static __always_inline __u32 udp_payload_length(FANOUT_CTX *ctx, struct packet *p)
+/* The UDP payload's bytes in this packet (what a client is credited for sending, by
+ * amplification: never more than arrived). */
+static __always_inline __u32 udp_payload_here(struct packet *p)
 {
-	if (p->fragment && p->has_udp) {
-		__u64 word = 0;
-		if (hook_load_bytes(ctx, p->l4 + 4, &word, 2) == 0) {
-			__u32 length = bpf_ntohs((__u16)word);
-			if (length >= 8)
-				return length - 8;
-		}
-	}
 	__u32 headers = p->l4 - p->l3 + 8;
 	return p->tot_len > headers ? p->tot_len - headers : 0;
+}
+
+/* The UDP payload's bytes a datagram is charged (rate_limit's bytes_per_second, a reply under
+ * amplification), as the userspace kinds count them: a first fragment is charged the whole
+ * datagram its UDP header claims, at least what it carries itself (its later fragments follow
+ * its verdict and are not charged again). */
+static __always_inline __u32 udp_payload_charged(FANOUT_CTX *ctx, struct packet *p)
+{
+	__u32 here = udp_payload_here(p);
+	if (p->fragment && p->has_udp) {
+		__u8 field[8] = {};
+		if (hook_load_bytes(ctx, p->l4 + 4, field, 2) == 0) {
+			__u32 claimed = (__u32)field[0] << 8 | field[1];
+			if (claimed >= 8 && claimed - 8 > here)
+				return claimed - 8;
+		}
+	}
+	return here;
 }
 
 /* fanout_fragment.own_verdict of a first fragment rate_limit or amplification dropped: its later
@@ -157,7 +166,7 @@ static __always_inline int sent(struct fanout_decision *c, __u32 verdict, int ac
 	 * kept in 32-bit stack slots (the verifier refuses such a spill). */
 	barrier_var(length);
 	if (c->amp)
-		fanout_amp_note(&c->p, c->id, udp_payload_length(c->ctx, &c->p), c->reply);
+		fanout_amp_note(&c->p, c->id, c->reply ? udp_payload_charged(c->ctx, &c->p) : udp_payload_here(&c->p), c->reply);
 	struct fanout_stats *stats = c->stats;
 	struct fanout_backend_stats *per_backend = backend_stats(c->id, c->backend.counter_slot);
 	if (c->reply) {
@@ -233,7 +242,7 @@ static __always_inline int find_datagram(struct fanout_decision *c)
 			if (action != FANOUT_GO_ON)
 				return action;
 			if (listener->reserved & FANOUT_LISTENER_RATE) {
-				__u32 payload = udp_payload_length(c->ctx, &c->p);
+				__u32 payload = udp_payload_charged(c->ctx, &c->p);
 				if (fanout_rate_limited(&c->p, listener->id, payload))
 					return drop_rate_limited(c, listener, payload);
 				c->rate = 1;
@@ -329,7 +338,7 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	 * one that may go is charged where it leaves. (A reply to this host itself passes below,
 	 * uncharged: it is no client's.) */
 	if (c.reply && !c.drained && c.p.has_udp) {
-		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_length(ctx, &c.p));
+		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_charged(ctx, &c.p));
 		if (capped > 0) {
 			remember_fragment(&c, FANOUT_OWN_ABUSE_DROPPED);
 			return FANOUT_ACT_DROP;
@@ -339,7 +348,7 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	/* A later fragment of a datagram rate_limit or amplification dropped: dropped, counted so. */
 	if (c.own_verdict == FANOUT_OWN_ABUSE_DROPPED) {
 		if (c.reply) {
-			fanout_amp_count(c.id, c.length);
+			fanout_amp_count(c.id, 0);
 		} else {
 			count_received(&c);
 			rate_count(c.id, 0, 0);

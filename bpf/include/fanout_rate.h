@@ -86,18 +86,17 @@ struct {
 	__type(value, struct fanout_rate_charge);
 } fanout_ratex SEC(".maps");
 
-/* Moves `tat` on by `cost` if that stays within `tolerance` of `now`: 1 when charged. A TAT
- * further ahead than any charge can put it (a bucket reused under it) counts as now. A few tries
- * against other CPUs' charges of the same source; after them a conforming datagram is charged
- * with an atomic add (exact but for the race it lost), never refused for the contention. */
+/* Moves `tat` on by `cost` if that stays within `tolerance` of `now`: 1 when charged. A few
+ * tries against other CPUs' charges of the same source; after them a conforming datagram is
+ * charged with an atomic add (it may overcharge by the race it lost: the safe side), never
+ * refused for the contention. (A TAT never wraps: rate_give_back stops at 0.) */
 static __always_inline int rate_charge(__u64 *tat, __u64 cost, __u64 tolerance, __u64 now)
 {
 	__u64 old = 0, next = 0;
 #pragma clang loop unroll(full)
 	for (int attempt = 0; attempt < 4; attempt++) {
 		old = *(volatile __u64 *)tat;
-		__u64 start = old > now && old - now <= tolerance ? old : now;
-		next = start + cost;
+		next = (old > now ? old : now) + cost;
 		if (next - now > tolerance)
 			return 0;
 		if (__sync_val_compare_and_swap(tat, old, next) == old)
@@ -163,11 +162,13 @@ __noinline int fanout_rate_limited(struct packet *p, __u32 listener, __u32 lengt
 			return 0;
 	}
 	struct fanout_rate_key *key = &charge->key;
-	if (p->family == AF_INET) {
+	/* An IPv4-mapped IPv6 source is keyed as the IPv4 address it is (as the userspace kinds do). */
+	int mapped = p->family != AF_INET && p->saddr[0] == 0 && p->saddr[1] == 0 && p->saddr[2] == bpf_htonl(0xffff);
+	if (p->family == AF_INET || mapped) {
 		key->addr[0] = 0;
 		key->addr[1] = 0;
 		key->addr[2] = bpf_htonl(0xffff);
-		key->addr[3] = p->saddr[0] & config->ipv4_mask;
+		key->addr[3] = p->saddr[mapped ? 3 : 0] & config->ipv4_mask;
 	} else {
 		key->addr[0] = p->saddr[0] & config->ipv6_mask[0];
 		key->addr[1] = p->saddr[1] & config->ipv6_mask[1];

@@ -575,8 +575,9 @@ struct fanout_rate_config {
 	__u32 has_allow;            /* the listener has `allow` prefixes in FANOUT_MAP_RATE_ALLOW */
 	__u8 pad[56];
 	/* The listener's new-source TAT, written by the programs on every CPU under a flood of new
-	 * sources: at offset 128 of a 192-byte value (array values are 64-byte aligned then), on a
-	 * cache line of its own, apart from what every datagram reads above. */
+	 * sources: at offset 128 with 56 bytes of padding each side, so whatever the value's
+	 * alignment (8 bytes at least) its cache line holds none of what every datagram reads
+	 * above, nor the next listener's. */
 	__u64 new_source_tat;
 	__u8 pad2[56];
 };

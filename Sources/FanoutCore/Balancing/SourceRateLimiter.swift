@@ -45,10 +45,27 @@ final class SourceRateLimiter: Sendable {
 
         /// Intervals and costs are rounded up (as the kernel programs' are): at high rates a
         /// datagram costs what it should, or a nanosecond more, never less.
+        /// The tolerance holds exactly `burst` units at their rounded cost (a burst of 1 at 3/s
+        /// is one datagram, not none).
         init(perSecond rate: UInt64, burst: UInt64, bytes: Bool) {
+            let tolerance = Self.tolerance(perSecond: rate, burst: burst, bytes: bytes)
             bytesPerSecond = bytes ? Int64(rate) : 0
-            nanosecondsPerUnit = bytes ? 0 : Int64((1_000_000_000 + rate - 1) / rate)
-            tolerance = Int64(min(Double(burst) * 1e9 / Double(rate), Double(Int64.max / 4)))
+            nanosecondsPerUnit = bytes ? 0 : Int64(tolerance.interval)
+            self.tolerance = Int64(tolerance.nanoseconds)
+        }
+
+        /// A limit's interval (ns per datagram, rounded up; 0 for bytes) and tolerance (ns): the
+        /// kernel programs' configuration is computed here too (TCProgram.rateConfig).
+        static func tolerance(perSecond rate: UInt64, burst: UInt64, bytes: Bool) -> (interval: UInt64, nanoseconds: UInt64) {
+            let ceiling = UInt64(Int64.max / 4)
+            if bytes {
+                // burst bytes at `rate`, rounded up: a datagram of exactly burst_bytes fits.
+                let exact = (Double(burst) * 1e9 / Double(rate)).rounded(.up)
+                return (0, exact >= Double(ceiling) ? ceiling : UInt64(exact))
+            }
+            let interval = (1_000_000_000 + rate - 1) / rate
+            let (product, overflow) = burst.multipliedReportingOverflow(by: interval)
+            return (interval, overflow || product > ceiling ? ceiling : product)
         }
 
         @inline(__always)

@@ -401,19 +401,17 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// nanoseconds, prefix masks in network order).
     static func rateConfig(_ limit: RateLimit) -> fanout_rate_config {
         var config = fanout_rate_config()
-        func tolerance(_ burst: UInt64, _ rate: UInt64) -> UInt64 { UInt64(min(Double(burst) * 1e9 / Double(rate), Double(UInt64.max / 4))) }
-        // Intervals rounded up, as SourceRateLimiter's: never a faster rate than configured.
+        // As SourceRateLimiter's: intervals rounded up (never a faster rate than configured), and
+        // tolerances that hold exactly the burst at that cost.
         if let rate = limit.datagramsPerSecond {
-            config.datagram_interval = (1_000_000_000 + rate - 1) / rate
-            config.datagram_tolerance = tolerance(limit.burstDatagrams, rate)
+            (config.datagram_interval, config.datagram_tolerance) = SourceRateLimiter.Limit.tolerance(perSecond: rate, burst: limit.burstDatagrams, bytes: false)
         }
         if let rate = limit.bytesPerSecond {
             config.bytes_per_second = rate
-            config.byte_tolerance = tolerance(limit.burstBytes, rate)
+            config.byte_tolerance = SourceRateLimiter.Limit.tolerance(perSecond: rate, burst: limit.burstBytes, bytes: true).nanoseconds
         }
         if let rate = limit.newSourcesPerSecond {
-            config.new_source_interval = (1_000_000_000 + rate - 1) / rate
-            config.new_source_tolerance = tolerance(limit.burstNewSources, rate)
+            (config.new_source_interval, config.new_source_tolerance) = SourceRateLimiter.Limit.tolerance(perSecond: rate, burst: limit.burstNewSources, bytes: false)
         }
         config.ipv4_mask = (UInt32.max << (32 - limit.ipv4PrefixLength)).bigEndian
         var words: [UInt32] = []
@@ -467,9 +465,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// The sources of bucket map `fd` with the most datagrams dropped, most first (at most `count`).
-    /// At most `maxEntries` × 2 steps: under a flood the LRU map evicts the key a walk stands on,
-    /// and the kernel then starts the walk again from the first key.
+    /// At most `maxEntries` × 2 steps, and never more than ``topLimitedSteps``: under a flood the
+    /// LRU map evicts the key a walk stands on, and the kernel then starts the walk again from the
+    /// first key (the top is then of what the walk saw).
     static func topLimited(_ fd: Int32, ipv4Length: Int, ipv6Length: Int, count: Int, maxEntries: Int) -> [LimitedSource] {
+        let maxEntries = min(maxEntries, topLimitedSteps / 2)
         var found: [(fanout_rate_key, UInt64)] = []
         var key = fanout_rate_key()
         var next = fanout_rate_key()
@@ -500,6 +500,9 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
             return LimitedSource(prefix: "\(address)/\(mapped ? ipv4Length : ipv6Length)", limited: limited)
         }
     }
+
+    /// The most map steps one /status reading takes (two system calls each: about 0.1 s).
+    static let topLimitedSteps = 100_000
 
     static func sameKey(_ a: fanout_rate_key, _ b: fanout_rate_key) -> Bool {
         a.addr.0 == b.addr.0 && a.addr.1 == b.addr.1 && a.addr.2 == b.addr.2 && a.addr.3 == b.addr.3
