@@ -77,13 +77,7 @@ static __always_inline int pool_source_matches(__u32 pool_key, struct packet *p)
 	struct fanout_pool_source_key key = {};
 	key.prefixlen = 32 + 128;
 	key.pool_id = pool_key;
-	if (p->family == AF_INET) {
-		key.addr[10] = 0xff;
-		key.addr[11] = 0xff;
-		__builtin_memcpy(&key.addr[12], p->saddr, 4);
-	} else {
-		__builtin_memcpy(key.addr, p->saddr, 16);
-	}
+	source_as_ipv6(p, key.addr);
 	return bpf_map_lookup_elem(&FANOUT_MAP_POOL_SOURCES, &key) != NULL;
 }
 

@@ -151,13 +151,7 @@ __noinline int fanout_rate_limited(struct packet *p, __u32 listener, __u32 lengt
 		struct fanout_rate_allow_key allow = {};
 		allow.prefixlen = 32 + 128;
 		allow.listener = id;
-		if (p->family == AF_INET) {
-			allow.addr[10] = 0xff;
-			allow.addr[11] = 0xff;
-			__builtin_memcpy(&allow.addr[12], p->saddr, 4);
-		} else {
-			__builtin_memcpy(allow.addr, p->saddr, 16);
-		}
+		source_as_ipv6(p, allow.addr);
 		if (bpf_map_lookup_elem(&FANOUT_MAP_RATE_ALLOW, &allow))
 			return 0;
 	}

@@ -185,4 +185,17 @@ static __always_inline enum parsed parse_frame(void *data, void *end, __u32 fram
 	return PARSED_OK;
 }
 
+/* The packet's source address as 16 octets, an IPv4 one as ::ffff:a.b.c.d (`addr` zeroed by
+ * the caller): the address part of the LPM keys of pools' `sources` and rate_limit's `allow`. */
+static __always_inline void source_as_ipv6(struct packet *p, __u8 *addr)
+{
+	if (p->family == AF_INET) {
+		addr[10] = 0xff;
+		addr[11] = 0xff;
+		__builtin_memcpy(&addr[12], p->saddr, 4);
+	} else {
+		__builtin_memcpy(addr, p->saddr, 16);
+	}
+}
+
 #endif /* FANOUT_PARSE_H */
