@@ -88,7 +88,7 @@ struct AbuseEndToEndTests {
         try topology.exec(topology.proxy, ["ip", "route", "add", "198.18.64.0/18", "via", "198.18.0.2"])
         try topology.exec(topology.proxy, ["ip", "-6", "route", "add", "2001:db8:77::/48", "via", "2001:db8::2"])
         var rows: [Row] = []
-        for kind in Kind.allCases where ProcessInfo.processInfo.environment["ABUSE_KINDS"].map({ $0.split(separator: ",").contains(Substring(kind.rawValue)) }) ?? true {
+        for kind in Kind.allCases {
             rows.append(try attack(kind, topology))
         }
         print("rate_limit attack table:\n" + rows.map { "  \($0)" }.joined(separator: "\n"))

@@ -252,9 +252,14 @@ final class SourceRateLimiter: Sendable {
             octets[index] = UInt8(truncatingIfNeeded: key.high >> (56 - 8 * UInt64(index)))
             octets[8 + index] = UInt8(truncatingIfNeeded: key.low >> (56 - 8 * UInt64(index)))
         }
-        if key.high == 0 && key.low >> 32 == 0xffff {
-            return "\(octets[12]).\(octets[13]).\(octets[14]).\(octets[15])/\(limit.ipv4PrefixLength)"
-        }
-        return "\(IPAddress(bytes: octets).map { "\($0)" } ?? "?")/\(limit.ipv6PrefixLength)"
+        return Self.prefix(octets, ipv4Length: limit.ipv4PrefixLength, ipv6Length: limit.ipv6PrefixLength)
+    }
+
+    /// A bucket key's 16 octets (an IPv4 source as ::ffff:a.b.c.d, as the kernel kinds key it
+    /// too) as the prefix it stands for.
+    static func prefix(_ octets: [UInt8], ipv4Length: Int, ipv6Length: Int) -> String {
+        let mapped = octets[0..<10].allSatisfy { $0 == 0 } && octets[10] == 0xff && octets[11] == 0xff
+        let address = IPAddress(bytes: mapped ? Array(octets[12...]) : octets).map { "\($0)" } ?? "?"
+        return "\(address)/\(mapped ? ipv4Length : ipv6Length)"
     }
 }

@@ -494,10 +494,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         found.sort { $0.1 > $1.1 }
         return found.map { key, limited in
             var words = key.addr
-            let bytes = withUnsafeBytes(of: &words) { Array($0) }
-            let mapped = bytes[0..<10].allSatisfy { $0 == 0 } && bytes[10] == 0xff && bytes[11] == 0xff
-            let address = IPAddress(bytes: mapped ? Array(bytes[12...]) : bytes).map { "\($0)" } ?? "?"
-            return LimitedSource(prefix: "\(address)/\(mapped ? ipv4Length : ipv6Length)", limited: limited)
+            let octets = withUnsafeBytes(of: &words) { Array($0) }
+            return LimitedSource(prefix: SourceRateLimiter.prefix(octets, ipv4Length: ipv4Length, ipv6Length: ipv6Length), limited: limited)
         }
     }
 
