@@ -109,6 +109,9 @@ let package = Package(
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
                 .product(name: "UnixSignals", package: "swift-service-lifecycle"),
+                // `udp-fanout capture` streams the daemon's GET /capture.
+                .product(name: "AsyncHTTPClient", package: "async-http-client"),
+                .product(name: "NIOCore", package: "swift-nio"),
             ]),
         // Helpers both test targets use (privilege gating, child processes, loopback senders).
         .target(name: "TestSupport", dependencies: ["ReusePortLB", "CLibBPF", "SystemCalls", "CSystemShim"]),

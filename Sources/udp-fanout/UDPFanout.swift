@@ -23,7 +23,7 @@ struct UDPFanout: AsyncParsableCommand {
             `udp-fanout help run`.
             """,
         version: ProjectVersion.string,
-        subcommands: [Run.self, Status.self, Drain.self, Withdraw.self],
+        subcommands: [Run.self, Status.self, Drain.self, Withdraw.self, Capture.self],
         defaultSubcommand: Run.self)
 }
 

@@ -71,11 +71,12 @@ struct AbuseEndToEndTests {
         var heavyRatios: [Double] = []
         var rotationRatio: Double?
         var forgedAccepted = 0
+        var captured = 0
         var description: String {
             let heavy = heavyRatios.isEmpty ? "-" : String(format: "%.3f-%.3f", heavyRatios.min()!, heavyRatios.max()!)
             return "\(kind): sent \(sent), accepted \(accepted), limited \(limited), legitimate client lost \(legitimateLost); "
                 + "heavy sources accepted/limit \(heavy), rotating /64 \(rotationRatio.map { String(format: "%.3f", $0) } ?? "-"), "
-                + "10,000 forged sources accepted \(forgedAccepted)"
+                + "10,000 forged sources accepted \(forgedAccepted), captured \(captured) rate_limited"
         }
     }
 
@@ -103,6 +104,9 @@ struct AbuseEndToEndTests {
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         defer { if daemon.process.isRunning { daemon.signal(SIGKILL); _ = daemon.wait() } }
         try waitReady(topology, daemon)
+        // `udp-fanout capture` of the IPv4 listener's rate_limited drops, through the flood.
+        let capture = try startCapture(topology, daemon, listener: "a4", reason: "rate_limited", count: Self.captured, tag: "\(kind)")
+        defer { try? FileManager.default.removeItem(at: capture.file) }
         var arguments = ["send", "--listener4", "198.18.0.1:5600", "--seconds", "\(Self.seconds)", "--spread", "\(Self.spread)",
                          "--spread-count", "\(Self.spreadCount)", "--spread-bursts", "\(Self.spreadBursts)", "--spread-burst-count", "\(Self.spreadBurstCount)"]
         if kind.ipv6 { arguments += ["--listener6", "[2001:db8::1]:5600"] }
@@ -194,7 +198,67 @@ struct AbuseEndToEndTests {
                 "\(kind): forged sources accepted \(spreadAccepted)")
         // /status names the sources limited most (the heavy ones and the /64).
         #expect(status.contains("\"top_limited\"") && status.contains("198.18.110."), "\(kind): \(status.prefix(3000))")
+
+        // The capture: exactly its count, each a datagram of a limited source (a heavy one or a
+        // forged one sending 25) to the listener, with its reason; never the legitimate client's
+        // nor the allowed source's. tshark and tcpdump both read the file.
+        #expect(capture.child.wait(seconds: 30) == 0, "\(kind): \(capture.child.stderr)")
+        let packets = try Self.readCapture(capture.file)
+        row.captured = packets.count
+        #expect(packets.count == Self.captured, "\(kind): captured \(packets.count) of \(Self.captured): \(capture.child.stderr)")
+        for packet in packets {
+            let tag = String(decoding: Self.bytes(hex: packet.payload).prefix { $0 != UInt8(ascii: " ") }, as: UTF8.self)
+            // The source each limited tag is sent from (flood.py): h<n> 198.18.110.<n>, s<N> the Nth of 198.18.64.0/18.
+            var expected: String?
+            if tag.hasPrefix("h"), let n = Int(tag.dropFirst()) { expected = "198.18.110.\(n)" }
+            if tag.hasPrefix("s"), let n = Int(tag.dropFirst()), n < Self.spreadBursts { expected = "198.18.\(64 + n / 256).\(n % 256)" }
+            #expect(packet.comment == "rate_limited" && packet.destination == "198.18.0.1" && expected != nil && packet.source == expected,
+                    "\(kind): a captured packet that is no limited source's: \(packet) (tag \(tag))")
+        }
+        if let first = packets.first { print("\(kind) capture: \(packets.count) packets, the first: \(first)") }
         return row
+    }
+
+    /// Packets each capture of the flood keeps.
+    static let captured = 200
+
+    /// `udp-fanout capture` of `listener`'s drops for `reason` in the proxy's namespace, running
+    /// once the daemon says so (before the traffic starts).
+    func startCapture(_ topology: Topology, _ daemon: Child, listener: String, reason: String, count: Int, tag: String) throws -> (child: Child, file: URL) {
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("capture-\(tag)-\(UUID().uuidString).pcapng")
+        let child = try Child("udp-fanout", ["capture", "--listener", listener, "--reason", reason, "-c", "\(count)", "--seconds", "60",
+                                             "-w", file.path, "--endpoint", "127.0.0.1:\(Scrape.metricsPort)"], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("capture started")
+        return (child, file)
+    }
+
+    /// A capture file's packets as tshark reads them (its comment, the IP addresses, the UDP
+    /// payload in hex), after tcpdump read it whole too.
+    static func readCapture(_ file: URL) throws -> [(comment: String, source: String, destination: String, payload: String)] {
+        let tcpdump = try run("/usr/bin/tcpdump", ["-r", file.path, "-nn"])
+        #expect(tcpdump.status == 0 && !tcpdump.output.contains("pcap_loop"), "tcpdump -r: \(tcpdump.output.suffix(1000))")
+        let tshark = try run("/usr/bin/tshark", ["-r", file.path, "-T", "fields", "-E", "separator=|", "-e", "frame.comment",
+                                                 "-e", "ip.src", "-e", "ipv6.src", "-e", "ip.dst", "-e", "ipv6.dst", "-e", "udp.payload"])
+        #expect(tshark.status == 0, "tshark -r: \(tshark.output.suffix(1000))")
+        let lines = tshark.output.split(separator: "\n").map(String.init).filter { $0.contains("|") }
+        // One line per packet: its time, then IP or IP6 (the first line names the file).
+        let tcpdumpLines = tcpdump.output.split(separator: "\n").filter { ["IP", "IP6"].contains($0.split(separator: " ").dropFirst().first ?? "") }.count
+        #expect(tcpdumpLines == lines.count, "tcpdump read \(tcpdumpLines) packets, tshark \(lines.count)")
+        return lines.map { line in
+            let fields = line.split(separator: "|", omittingEmptySubsequences: false).map(String.init)
+            func field(_ index: Int) -> String { index < fields.count ? fields[index] : "" }
+            return (field(0), field(1).isEmpty ? field(2) : field(1), field(3).isEmpty ? field(4) : field(3), field(5))
+        }
+    }
+
+    static func bytes(hex: String) -> [UInt8] {
+        var bytes: [UInt8] = []
+        var index = hex.startIndex
+        while let next = hex.index(index, offsetBy: 2, limitedBy: hex.endIndex), index != hex.endIndex {
+            if let byte = UInt8(hex[index..<next], radix: 16) { bytes.append(byte) }
+            index = next
+        }
+        return bytes
     }
 
     enum TwoWay: String, CaseIterable, CustomStringConvertible {
@@ -253,6 +317,9 @@ struct AbuseEndToEndTests {
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
         defer { if daemon.process.isRunning { daemon.signal(SIGKILL); _ = daemon.wait() } }
         try waitReady(topology, daemon)
+        // With the cap: `udp-fanout capture` of the replies it drops.
+        let capture = capped ? try startCapture(topology, daemon, listener: "amp", reason: "amplification_capped", count: 20, tag: "amp-\(kind)") : nil
+        defer { if let capture { try? FileManager.default.removeItem(at: capture.file) } }
         let attacker = try Child.unblocked(Self.script, ["amp", "--listener", "198.18.0.1:5700", "--victim", "198.18.0.9:9999", "--requests", "300",
                                                          "--legit", "60", "--seconds", "3"], prefix: topology.prefix(topology.client))
         #expect(attacker.wait(seconds: 60) == 0, "\(kind): \(attacker.stderr)")
@@ -281,6 +348,18 @@ struct AbuseEndToEndTests {
             // Each of the 300 forged requests was answered by the server: those not relayed are counted.
             #expect(replies + row.cappedReplies == 300 + 60, "\(kind): replies \(replies), capped \(row.cappedReplies)")
             #expect(row.cappedReplies > 0)
+            // The capture: 20 replies of the server toward the victim, each amplification_capped
+            // (nat: as the server sent it; relay: from the server's address, as the relay read it).
+            if let capture {
+                #expect(capture.child.wait(seconds: 30) == 0, "\(kind): \(capture.child.stderr)")
+                let packets = try Self.readCapture(capture.file)
+                #expect(packets.count == 20, "\(kind): captured \(packets.count) of 20: \(capture.child.stderr)")
+                for packet in packets {
+                    #expect(packet.comment == "amplification_capped" && packet.source == "198.18.1.2" && packet.destination == "198.18.0.9",
+                            "\(kind): \(packet)")
+                }
+                if let first = packets.first { print("\(kind) amplification capture: \(packets.count) packets, the first: \(first)") }
+            }
         } else {
             #expect(row.victimBytes > 10 * row.attackerBytes, "\(kind): without a cap the server's 20x reaches the victim: \(row)")
             #expect(row.cappedReplies == 0)

@@ -4,7 +4,8 @@
  * once over hooks: for a parsed datagram, in this order, the listener (or the reply of a nat
  * listener's backend, or the remembered first fragment), the backend, the counters, wrong
  * server, no backend, TTL / hop limit, the route, drained, the association a reply makes, the
- * fragment memory, then the rewrite and transmit, counted forwarded or replied.
+ * fragment memory, then the rewrite and transmit, counted forwarded or replied. What the
+ * decision drops is offered to a running capture of its listener (fanout_capture.h).
  *
  * What differs between the hooks is how a packet is read and sent, and what XDP leaves to tc:
  * each program defines, before including this header,
@@ -31,6 +32,7 @@
 #include "fanout_templates.h"
 #include "fanout_quic.h"
 #include "fanout_rate.h"
+#include "fanout_capture.h"
 
 #if !defined(FANOUT_CTX) || !defined(FANOUT_ACT_DROP)
 #error "define FANOUT_CTX and FANOUT_ACT_DROP (and struct fanout_hook) before including fanout_decide.h"
@@ -209,6 +211,7 @@ static __always_inline void count_downstream_drop(struct fanout_decision *c, __u
 static __always_inline int drop_rate_limited(struct fanout_decision *c, struct fanout_listener *listener, __u32 payload)
 {
 	remember_fragment(c, FANOUT_OWN_ABUSE_DROPPED);
+	fanout_capture_drop(c->ctx, &c->p, c->id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0), c->length);
 	struct fanout_stats *stats = c->id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &c->id) : NULL;
 	if (stats) {
 		stats->received++;
@@ -341,12 +344,14 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_charged(ctx, &c.p));
 		if (capped > 0) {
 			remember_fragment(&c, FANOUT_OWN_ABUSE_DROPPED);
+			fanout_capture_drop(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1), c.length);
 			return FANOUT_ACT_DROP;
 		}
 		c.amp = capped == 0;
 	}
 	/* A later fragment of a datagram rate_limit or amplification dropped: dropped, counted so. */
 	if (c.own_verdict == FANOUT_OWN_ABUSE_DROPPED) {
+		fanout_capture_drop(ctx, &c.p, c.id, c.reply ? FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1) : FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0), c.length);
 		if (c.reply) {
 			fanout_amp_count(c.id, 0);
 		} else {
@@ -417,6 +422,7 @@ drop:
 	count_received(&c);
 	count(c.stats, c.reply, verdict);
 	count_quic(c.id, c.quic);
+	fanout_capture_drop(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(verdict, c.reply), c.length);
 	return FANOUT_ACT_DROP;
 }
 

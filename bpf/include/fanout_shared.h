@@ -649,4 +649,54 @@ struct fanout_amp_client {
 	__u16 pad;
 };
 
+/* Capture of what a listener drops (`udp-fanout capture`, bpf/include/fanout_capture.h). Made by
+ * each process (not handed over): a ring buffer of dropped packets, each capture's filter and
+ * sampling by listener id, and per-CPU counters. Empty while no capture runs. */
+#define FANOUT_MAP_CAPTURE               fanout_cap
+#define FANOUT_MAP_CAPTURE_NAME          "fanout_cap"
+#define FANOUT_MAP_CAPTURE_CONFIGS       fanout_capc
+#define FANOUT_MAP_CAPTURE_CONFIGS_NAME  "fanout_capc"
+#define FANOUT_MAP_CAPTURE_STATS         fanout_caps
+#define FANOUT_MAP_CAPTURE_STATS_NAME    "fanout_caps"
+#define FANOUT_CAPTURE_RING_BYTES (1 << 20)
+/* The most of a packet kept (from its IP header): a 1500-byte MTU's whole packet. */
+#define FANOUT_CAPTURE_DATA_MAX 2048
+
+/* A capture's reasons beyond the verdicts (enum fanout_verdict): a client's datagram above its
+ * source's rates (rate_limit), a reply past its client's cap (amplification). */
+#define FANOUT_CAPTURE_RATE_LIMITED (FANOUT_VERDICT_COUNT + 0)
+#define FANOUT_CAPTURE_AMP_CAPPED   (FANOUT_VERDICT_COUNT + 1)
+
+/* Value of FANOUT_MAP_CAPTURE_CONFIGS (an ARRAY by listener id); snaplen 0: no capture. The
+ * sampling is a GCRA as rate_limit's (at most one packet per `interval`, `tolerance` of burst)
+ * for the listener, whatever its sources. */
+struct fanout_capture_config {
+	__u64 forward_reasons;      /* bit (1 << reason) per reason captured, client datagrams */
+	__u64 reply_reasons;        /* the same for replies */
+	__u64 interval;
+	__u64 tolerance;
+	__u64 tat;
+	__u32 snaplen;              /* bytes kept from the IP header, at most FANOUT_CAPTURE_DATA_MAX */
+	__u32 reserved;
+};
+
+/* One dropped packet in FANOUT_MAP_CAPTURE (only `length` bytes of `data` are in the ring). */
+struct fanout_capture_event {
+	__u64 time;                 /* bpf_ktime_get_ns */
+	__u32 listener_id;
+	__u32 wire_length;          /* the packet's length from its IP header */
+	__u32 length;               /* of data */
+	__u16 reason;               /* enum fanout_verdict, or FANOUT_CAPTURE_* */
+	__u8 reply;
+	__u8 family;
+	__u8 data[FANOUT_CAPTURE_DATA_MAX];
+};
+
+/* Per CPU, by listener id. */
+struct fanout_capture_stats {
+	__u64 captured;
+	__u64 sampled_out;          /* above the capture's sampling rate */
+	__u64 ring_full;            /* the daemon had not read the ring fast enough */
+};
+
 #endif /* FANOUT_SHARED_H */

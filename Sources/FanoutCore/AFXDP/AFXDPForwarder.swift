@@ -141,12 +141,16 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
         // Source-preserving ways out send with the TTL/hop limit less one, as a router does, so a
         // forwarding loop between two balancers ends; at 1 or 0 the datagram is dropped, counted.
         let keepsSource = listener.settings.output != .socket
+        // `udp-fanout capture`: the frames dropped here are offered to it while one runs.
+        let capture = counters.capture
+        let capturing = capture.active.load(ordering: .relaxed)
         for index in 0..<count {
             let frame = frames[index]
             let bytes = socket.bytes(frame)
             let source = sources + index
             guard let parsed = FrameParser.parse(received: bytes, source: source, walked: &walked) else {
                 parseErrors += 1
+                if capturing { capture.offer(DropReason.parseError.rawValue, frame: UnsafeRawBufferPointer(bytes)) }
                 done[doneCount] = frame
                 doneCount += 1
                 continue
@@ -154,12 +158,16 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             bytesReceived += UInt64(parsed.payloadLength)
             guard parsed.payloadLength <= maximum, !keepsSource || parsed.hopLimit > 1 else {
                 if parsed.payloadLength > maximum { tooLarge += 1 } else { ttlExpired += 1 }
+                if capturing {
+                    capture.offer(parsed.payloadLength > maximum ? DropReason.tooLarge.rawValue : DropReason.ttlExpired.rawValue, frame: UnsafeRawBufferPointer(bytes))
+                }
                 done[doneCount] = frame
                 doneCount += 1
                 continue
             }
             if let limiter, !limiter.admits(source, length: parsed.payloadLength, now: now) {
                 rateLimited += 1
+                if capturing { capture.offer(DropReason.rateLimited.rawValue, frame: UnsafeRawBufferPointer(bytes)) }
                 done[doneCount] = frame
                 doneCount += 1
                 continue
@@ -171,6 +179,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
                 // Templates are learned even when no downstream takes the datagram.
                 forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1
+                if capturing { capture.offer("no_healthy", frame: UnsafeRawBufferPointer(bytes)) }
                 done[doneCount] = frame
                 doneCount += 1
                 continue

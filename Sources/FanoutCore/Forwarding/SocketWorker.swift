@@ -110,16 +110,21 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var noHealthy: UInt64 = 0
         let limiter = forwarder.limiter
         let now = limiter == nil ? 0 : SourceRateLimiter.now()
+        // `udp-fanout capture`: what is dropped here is offered to it while one runs.
+        let capture = counters.capture
+        let capturing = capture.active.load(ordering: .relaxed)
         for datagram in 0..<count {
             let length = receiver.length(datagram)
             bytesReceived += UInt64(length)
             if receiver.isTruncated(datagram) {
                 tooLarge += 1
+                if capturing { offer(capture, DropReason.tooLarge.rawValue, datagram) }
                 continue
             }
             let source = receiver.sourceStorage(datagram)
             if let limiter, !limiter.admits(source, length: length, now: now) {
                 rateLimited += 1
+                if capturing { offer(capture, DropReason.rateLimited.rawValue, datagram) }
                 continue
             }
             let payload = receiver.payload(datagram)
@@ -128,12 +133,19 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 // Templates are learned even when no downstream takes the datagram.
                 forwarder.noteTemplates(nil, payload, source: source)
                 noHealthy += 1
+                if capturing { offer(capture, "no_healthy", datagram) }
                 continue
             }
             forwarder.noteTemplates(target, payload, source: source)
             forwarder.append(target, payload, source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, rateLimited: rateLimited, noHealthy: noHealthy)
+    }
+
+    /// Datagram `index` of the batch, dropped for `reason`, to the running capture.
+    private func offer(_ capture: DropCapture, _ reason: String, _ index: Int) {
+        capture.offer(reason, payload: receiver.payload(index), payloadLength: receiver.length(index),
+                      source: receiver.sourceStorage(index), destination: listener.bind)
     }
 }
 

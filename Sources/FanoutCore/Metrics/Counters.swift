@@ -165,6 +165,8 @@ package final class ListenerCounters: Sendable {
     /// A userspace listener's flow export templates (`settings.flow_templates`): made at the
     /// first start with it on, kept across reloads.
     let flowTemplateState = Mutex<FlowTemplateState?>(nil)
+    /// `udp-fanout capture`: the listener's running captures (none: a drop costs one atomic load).
+    package let capture = DropCapture()
     let downstreams = Mutex<[String: DownstreamCounters]>([:])
     /// Replication pools' counters by pool name, made on first use and kept for the life of the
     /// process (as the downstreams').

@@ -441,16 +441,20 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         var unavailable: UInt64 = 0
         var failures = SendFailures()
         var queued = 0
+        // `udp-fanout capture`: what is dropped here is offered to it while one runs.
+        let capturing = counters.capture.active.load(ordering: .relaxed)
         for datagram in 0..<count {
             bytesReceived += UInt64(receiver.length(datagram))
             if receiver.isTruncated(datagram) {
                 tooLarge += 1
+                if capturing { offer(DropReason.tooLarge.rawValue, datagram) }
                 continue
             }
             let source = receiver.sourceStorage(datagram)
             // Before a session is made: a flood of spoofed sources makes none.
             if let limiter, !limiter.admits(source, length: receiver.length(datagram), now: nanoseconds) {
                 rateLimited += 1
+                if capturing { offer(DropReason.rateLimited.rawValue, datagram) }
                 continue
             }
             replicator.replicate(receiver.payload(datagram), source: source)
@@ -463,6 +467,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                     // Its downstream left the plan: the client gets another one now.
                     guard let picked = selector.pick(source: source, payload: receiver.payload(datagram)), plan != nil else {
                         noHealthy += 1
+                        if capturing { offer("no_healthy", datagram) }
                         continue
                     }
                     target = picked
@@ -492,11 +497,13 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 // Admitted first: a client turned away must not use up a round-robin turn.
                 guard sessionCount.admit() else {
                     tableFull += 1
+                    if capturing { offer(DropReason.tableFull.rawValue, datagram) }
                     continue
                 }
                 guard let target = selector.pick(source: source, payload: receiver.payload(datagram)), let plan else {
                     sessionCount.release()
                     noHealthy += 1
+                    if capturing { offer("no_healthy", datagram) }
                     continue
                 }
                 let fresh = RelaySession(client: source, downstream: plan.downstreams[target], target: target, now: now)
@@ -555,6 +562,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         sessionCount.tableFullWarning.record(tableFull, listener: listener.name, logger: logger)
         if created > 0 { relay.created.wrappingAdd(created, ordering: .relaxed) }
         if moved > 0 { relay.moved.wrappingAdd(moved, ordering: .relaxed) }
+    }
+
+    /// Request `index` of the batch, dropped for `reason`, to the running capture.
+    private func offer(_ reason: String, _ index: Int) {
+        counters.capture.offer(reason, payload: receiver.payload(index), payloadLength: receiver.length(index),
+                               source: receiver.sourceStorage(index), destination: listener.bind)
     }
 
     /// Counts one request for downstream `target`: sent (`error` 0), or dropped for `error`.
@@ -637,14 +650,23 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Adds the replies just received into `slots` to the staged batch, addressed to the
     /// session's client (the caller marks the slots used).
     func stage(_ slots: Range<Int>, from session: RelaySession, counter: RelayCounters.DownstreamReplies?) {
+        let capture = counters.capture
         for slot in slots {
             if replyReceiver.isTruncated(slot) {
                 stagedTooLarge += 1
+                if capture.active.load(ordering: .relaxed), let client = session.clientAddress {
+                    capture.offer(ReplyDropReason.tooLarge.rawValue, reply: true, payload: replyReceiver.payload(slot), payloadLength: replyReceiver.length(slot),
+                                  source: session.downstream.address, destination: client)
+                }
                 continue
             }
             let payload = replyReceiver.payload(slot)
             if let amplification, !session.admitsReply(payload.count, factor: amplification.factor) {
                 stagedCapped += 1
+                if capture.active.load(ordering: .relaxed), let client = session.clientAddress {
+                    capture.offer(ReplyDropReason.amplificationCapped.rawValue, reply: true, payload: payload, payloadLength: payload.count,
+                                  source: session.downstream.address, destination: client)
+                }
                 continue
             }
             let message = stagedMessages

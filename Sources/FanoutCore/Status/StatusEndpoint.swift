@@ -50,7 +50,8 @@ public struct EndpointLimits: Sendable {
 /// The HTTP endpoint as a `Service`: GET/HEAD `metrics.path` (Prometheus text), `/status`
 /// (JSON: every listener and downstream now, `StatusReport`; what `udp-fanout status` reads), `/healthz`
 /// (`ok` while running), `/readyz` (200 once every listener is receiving, has finished its first discovery and has an available
-/// downstream; else 503 with one line per reason), 404 for
+/// downstream; else 503 with one line per reason), `/capture` (pcapng of what a listener drops,
+/// streamed: ``CaptureEndpoint``), 404 for
 /// other paths, 405 for other methods. A Hummingbird (SwiftNIO) server: connections are served
 /// concurrently, so no client can delay another, and each connection has the deadlines of
 /// ``EndpointLimits``.
@@ -222,6 +223,8 @@ struct StatusResponder: HTTPResponder {
     let daemon: FanoutDaemon
 
     func respond(to request: Request, context: BasicRequestContext) async throws -> Response {
+        // A stream of what a listener drops, as pcapng (`udp-fanout capture`).
+        if request.uri.path == "/capture" { return CaptureEndpoint.response(request, daemon: daemon) }
         let plain = "text/plain; charset=utf-8"
         var headers: HTTPFields = [:]
         let (status, body, type): (HTTPResponse.Status, String, String)

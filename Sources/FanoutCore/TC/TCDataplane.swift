@@ -42,6 +42,9 @@ final class TCDataplane: Sendable {
         /// flow_templates: the program's ring buffer of template-bearing datagrams, read while a
         /// listener follows templates.
         var templateTap: TCTemplateTap?
+        /// `udp-fanout capture`: the programs' ring buffer of dropped packets, read while a
+        /// capture of a listener runs.
+        var captureTap: KernelCaptureTap?
     }
 
     /// A listener entry's key: its bind at an interface.
@@ -553,6 +556,37 @@ final class TCDataplane: Sendable {
         }
     }
 
+    /// `udp-fanout capture`: listener `id`'s capture filter into the programs' map (nil: none),
+    /// and its dropped packets from the ring buffer to `capture` meanwhile (the ring is read
+    /// while any listener has a capture).
+    func capture(id: UInt32, _ capture: DropCapture, _ filter: DropCapture.Filter?) {
+        state.withLock { state in
+            guard let program = state.program else { return }
+            var key = id
+            var config = KernelCaptureTap.config(filter)
+            guard filter != nil else {
+                bpf_map_update_elem(program.captureConfigs, &key, &config, UInt64(BPF_ANY))
+                if let tap = state.captureTap, tap.unregister(id: id) {
+                    tap.stop()
+                    state.captureTap = nil
+                }
+                return
+            }
+            do throws(SystemCallError) {
+                if state.captureTap == nil { state.captureTap = try KernelCaptureTap(ringBuffer: program.capture, logger: logger) }
+                state.captureTap?.register(id: id, capture)
+                // The sampling's time carries on from the entry's (a change of filter mid-capture).
+                var previous = fanout_capture_config()
+                if bpf_map_lookup_elem(program.captureConfigs, &key, &previous) == 0 { config.tat = previous.tat }
+                try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_CAPTURE_CONFIGS_NAME)") { bpf_map_update_elem(program.captureConfigs, &key, &config, UInt64(BPF_ANY)) }
+            } catch {
+                logger.error("capture: the program cannot be told to capture this listener's drops; the capture gets none from it", metadata: [
+                    "id": "\(id)", "error": "\(error)",
+                ])
+            }
+        }
+    }
+
     /// Returns a listener's id and detaches from its interface if it was the last user there;
     /// closes the program when no listener is left.
     func unregister(interface: String, id: UInt32) {
@@ -590,6 +624,8 @@ final class TCDataplane: Sendable {
             state.unmatchedBefore = zip(state.unmatchedBefore, Self.unmatchedCounts(program)).map(+)
             state.templateTap?.stop()
             state.templateTap = nil
+            state.captureTap?.stop()
+            state.captureTap = nil
             program.closeDescriptors()
             state.program = nil
         }
@@ -919,6 +955,12 @@ final class TCListener: RunningListener {
             }
         } else {
             counters.showRateLimit(nil as SourceRateLimiter?)
+        }
+        // `udp-fanout capture`: a capture running now (or started later) is told to the program.
+        let capture = counters.capture
+        capture.watch(self) { [weak self] filter in
+            guard let self, !self.stopped.load(ordering: .relaxed) else { return }
+            self.dataplane.capture(id: self.id, capture, filter)
         }
     }
 
@@ -1597,6 +1639,8 @@ final class TCListener: RunningListener {
 
     func shutdown() {
         stopped.store(true, ordering: .relaxed)
+        counters.capture.unwatch(self)
+        dataplane.capture(id: id, counters.capture, nil)
         if templates != nil {
             dataplane.stopFollowingTemplates(id: id)
             pumpTemplateCounts()

@@ -51,6 +51,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// per-listener client maps (this process's own too).
     let ampConfigs: Int32
     let ampClients: Int32
+    /// `udp-fanout capture` (bpf/include/fanout_capture.h): the ring buffer of dropped packets,
+    /// each listener's capture filter and sampling, and per-CPU counters (this process's own).
+    let capture: Int32
+    let captureConfigs: Int32
+    let captureStats: Int32
     /// The program decrypts QUIC-LB connection IDs with the kernel's BPF crypto kfuncs: the
     /// build with them (tc_fanout.bpf.c) where the kernel has them, else the plain one
     /// (tc_fanout_plain.bpf.c: its key map's kptr type would not exist in the kernel).
@@ -59,7 +64,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, ampConfigs, ampClients, quicKeyProgram].filter { $0 >= 0 } }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, ampConfigs, ampClients, capture, captureConfigs, captureStats, quicKeyProgram].filter { $0 >= 0 } }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -88,7 +93,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// process wrote it, and limits nothing meanwhile).
     static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME,
                               FANOUT_MAP_RATE_CONFIGS_NAME, FANOUT_MAP_RATE_BUCKETS_NAME, FANOUT_MAP_RATE_ALLOW_NAME, FANOUT_MAP_RATE_STATS_NAME,
-                              FANOUT_MAP_AMP_CONFIGS_NAME, FANOUT_MAP_AMP_CLIENTS_NAME]
+                              FANOUT_MAP_AMP_CONFIGS_NAME, FANOUT_MAP_AMP_CLIENTS_NAME,
+                              FANOUT_MAP_CAPTURE_NAME, FANOUT_MAP_CAPTURE_CONFIGS_NAME, FANOUT_MAP_CAPTURE_STATS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -129,6 +135,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         (templates, templateStats, quicStats) = (owned[own], owned[own + 1], owned[own + 2])
         (rateConfigs, rateBuckets, rateAllow, rateStats) = (owned[own + 3], owned[own + 4], owned[own + 5], owned[own + 6])
         (ampConfigs, ampClients) = (owned[own + 7], owned[own + 8])
+        (capture, captureConfigs, captureStats) = (owned[own + 9], owned[own + 10], owned[own + 11])
         guard crypto else {
             (quicKeys, quicKeyProgram) = (-1, -1)
             cpus = max(1, Int(libbpf_num_possible_cpus()))

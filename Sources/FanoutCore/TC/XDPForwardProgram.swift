@@ -47,6 +47,8 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_RATE_CONFIGS_NAME, tc.rateConfigs), (FANOUT_MAP_RATE_BUCKETS_NAME, tc.rateBuckets),
             (FANOUT_MAP_RATE_ALLOW_NAME, tc.rateAllow), (FANOUT_MAP_RATE_STATS_NAME, tc.rateStats),
             (FANOUT_MAP_AMP_CONFIGS_NAME, tc.ampConfigs), (FANOUT_MAP_AMP_CLIENTS_NAME, tc.ampClients),
+            (FANOUT_MAP_CAPTURE_NAME, tc.capture), (FANOUT_MAP_CAPTURE_CONFIGS_NAME, tc.captureConfigs),
+            (FANOUT_MAP_CAPTURE_STATS_NAME, tc.captureStats),
         ] + (tc.crypto ? [(FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys)] : [])
         // The same build as the tc program's: with the BPF crypto kfuncs, or plain.
         let owned = try loadEmbeddedObject(

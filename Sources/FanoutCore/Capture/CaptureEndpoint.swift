@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+import Hummingbird
+import HummingbirdCore
+import NIOCore
+
+extension FanoutDaemon {
+    /// `GET /capture?listener=NAME`: starts a capture of what that listener drops
+    /// (``CaptureRequest/parse(_:)`` reads the rest of the query). - Throws: why not.
+    /// - Returns: also the link type of its file (af_xdp: Ethernet, the frames as they arrived).
+    func startCapture(_ query: [String: String]) throws(CaptureRequestError) -> (DropCapture, CaptureSession, linkType: UInt16) {
+        let (listeners, counters) = state.withLock { state in
+            (state.config.listeners, query["listener"].flatMap { state.counters[$0] })
+        }
+        guard let name = query["listener"], let listener = listeners.first(where: { $0.name == name }), let counters else {
+            throw .noListener(query["listener"] ?? "", known: listeners.map(\.name))
+        }
+        let session = CaptureSession(try CaptureRequest.parse(query))
+        try counters.capture.start(session, listener: name)
+        logger.info("capture started", metadata: [
+            "listener": "\(name)", "reasons": "\(session.request.reasons.isEmpty ? "all" : session.request.reasons.sorted().joined(separator: ","))",
+            "count": "\(session.request.count.map(String.init) ?? "unbounded")", "rate": "\(session.request.rate)",
+        ])
+        return (counters.capture, session, AFXDPKind.serves(listener) ? Pcapng.linkTypeEthernet : Pcapng.linkTypeRaw)
+    }
+}
+
+/// The response of `GET /capture`: pcapng, streamed as packets are taken, until the capture's
+/// count or seconds are reached, or the client goes (each block is written whole).
+enum CaptureEndpoint {
+    /// How often the stream takes what was captured.
+    static let interval = Duration.milliseconds(50)
+    /// An idle stream writes an interface statistics block this often: a client that went is
+    /// noticed (the write fails) and its capture ends.
+    static let keepAlive = Duration.seconds(2)
+
+    static func response(_ request: Request, daemon: FanoutDaemon) -> Response {
+        guard request.method == .get else {
+            return text(.methodNotAllowed, "only GET: the capture is a stream\n", allow: true)
+        }
+        var query: [String: String] = [:]
+        for (key, value) in request.uri.queryParameters { query[String(key)] = String(value) }
+        let capture: DropCapture
+        let session: CaptureSession
+        let linkType: UInt16
+        do {
+            (capture, session, linkType) = try daemon.startCapture(query)
+        } catch {
+            return text(HTTPResponse.Status(code: error.status), "\(error)\n")
+        }
+        let listener = query["listener"] ?? ""
+        let logger = daemon.logger
+        var headers: HTTPFields = [:]
+        headers[.contentType] = "application/x-pcapng"
+        let body = ResponseBody { writer in
+            var written = 0
+            var lost: UInt64 = 0
+            defer {
+                capture.end(session)
+                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)"])
+            }
+            try await writer.write(ByteBuffer(bytes: Pcapng.header(linkType: linkType, snaplen: session.request.snaplen + (linkType == Pcapng.linkTypeEthernet ? 14 : 0), listener: listener)))
+            let clock = ContinuousClock()
+            let deadline = session.request.seconds.map { clock.now + .milliseconds(Int64($0 * 1000)) }
+            var lastWrite = clock.now
+            while true {
+                let taken = session.take()
+                lost = taken.lost
+                if !taken.packets.isEmpty {
+                    var buffer = ByteBuffer()
+                    for packet in taken.packets {
+                        let (data, length) = packet.data(for: linkType)
+                        buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: data, originalLength: length,
+                                                        comment: packet.reason, inbound: !packet.reply))
+                    }
+                    try await writer.write(buffer)
+                    written += taken.packets.count
+                    lastWrite = clock.now
+                }
+                if taken.complete { break }
+                if let deadline, clock.now >= deadline { break }
+                if clock.now - lastWrite >= keepAlive {
+                    try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost)))
+                    lastWrite = clock.now
+                }
+                try await Task.sleep(for: interval)
+            }
+            // The last block says how many were lost (the reader did not keep up).
+            try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost)))
+            try await writer.finish(nil)
+        }
+        return Response(status: .ok, headers: headers, body: body)
+    }
+
+    private static func text(_ status: HTTPResponse.Status, _ body: String, allow: Bool = false) -> Response {
+        var headers: HTTPFields = [:]
+        headers[.contentType] = "text/plain; charset=utf-8"
+        headers[.contentLength] = "\(body.utf8.count)"
+        if allow { headers[.allow] = "GET" }
+        return Response(status: status, headers: headers, body: ResponseBody(byteBuffer: ByteBuffer(string: body)))
+    }
+}
