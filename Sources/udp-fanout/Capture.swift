@@ -117,8 +117,9 @@ struct Capture: AsyncParsableCommand {
         case .writeFailed(let problem):
             printError("udp-fanout capture: writing \(target) failed: \(problem)")
             throw ExitCode(2)
-        case .streamed(let packets, let complete):
-            printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")")
+        case .streamed(let packets, let complete, let summary):
+            printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")"
+                       + (summary.map { "; the daemon: \($0)" } ?? ""))
         case nil:
             printError("udp-fanout capture: interrupted; \(Self.written.withLock { $0 }) packet(s) written to \(target)")
         }
@@ -128,8 +129,9 @@ struct Capture: AsyncParsableCommand {
         case refused(status: Int, body: String)
         case unreachable(String)
         case writeFailed(String)
-        /// `complete`: the daemon finished the stream (count or seconds reached).
-        case streamed(packets: Int, complete: Bool)
+        /// `complete`: the daemon finished the stream (count or seconds reached); `summary`: its
+        /// last statistics' comment (what was not captured).
+        case streamed(packets: Int, complete: Bool, summary: String?)
     }
 
     /// Packets written so far (said on Ctrl-C).
@@ -152,16 +154,18 @@ struct Capture: AsyncParsableCommand {
         }
         var pending: [UInt8] = []
         var complete = true
+        var summary: String?
         do {
             for try await chunk in response.body {
                 pending += chunk.readableBytesView
-                guard let (end, packets) = Pcapng.wholeBlocks(pending[...]) else {
+                guard let (end, packets, statistics) = Pcapng.wholeBlocks(pending[...]) else {
                     return .refused(status: 200, body: "the stream is not pcapng")
                 }
                 if end > 0 {
                     if let problem = writeAll(output, pending[..<end]) { return .writeFailed(problem) }
                     pending.removeFirst(end)
                     written.withLock { $0 += packets }
+                    if let statistics { summary = statistics }
                 }
             }
         } catch is CancellationError {
@@ -170,7 +174,7 @@ struct Capture: AsyncParsableCommand {
             // The connection closed without the stream's end: what came whole is written.
             complete = false
         }
-        return .streamed(packets: written.withLock { $0 }, complete: complete && pending.isEmpty)
+        return .streamed(packets: written.withLock { $0 }, complete: complete && pending.isEmpty, summary: summary)
     }
 
     private static func writeAll(_ fd: Int32, _ bytes: ArraySlice<UInt8>) -> String? {

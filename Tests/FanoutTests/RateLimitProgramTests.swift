@@ -2,6 +2,7 @@
 import BPFKernelABI
 import CLibBPF
 import Foundation
+import Logging
 import ReusePortLB
 import Testing
 import TestSupport
@@ -210,5 +211,60 @@ struct RateLimitProgramTests {
         var key = TCProgram.allowKey(id: 0, limit.allow[0])
         var value: UInt8 = 0
         #expect(bpf_map_lookup_elem(rig.program.rateAllow, &key, &value) != 0)
+    }
+
+    @Test("udp-fanout capture: what rate_limit drops goes into the ring with its reason, from its IP header, sampled (the rest counted sampled_out); a reason not asked for, or no capture, puts nothing there", arguments: Hook.allCases)
+    func capture(hook: Hook) throws {
+        let rig = try Rig()
+        try rig.limit(id: 0, port: 5514, RateLimit(datagramsPerSecond: 1, burstDatagrams: 2))
+        let capture = DropCapture()
+        let session = CaptureSession(CaptureRequest())
+        try capture.start(session, listener: "t")
+        defer { capture.end(session) }
+        let tap = try KernelCaptureTap(ringBuffer: rig.program.capture, logger: Logger(label: "capture-test"))
+        defer { tap.stop() }
+        tap.register(id: 0, capture)
+        func configure(_ filter: DropCapture.Filter?, interval: UInt64 = 1_000_000_000_000, burst: UInt64 = 3) throws {
+            var key: UInt32 = 0
+            var config = KernelCaptureTap.config(filter)
+            if filter != nil { (config.interval, config.tolerance) = (interval, interval * burst) }
+            try #require(bpf_map_update_elem(rig.program.captureConfigs, &key, &config, UInt64(BPF_ANY)) == 0)
+        }
+        func counts() -> [UInt64] {
+            let counted = rig.program.captureCounts(id: 0)
+            return [counted.captured, counted.sampledOut, counted.ringFull]
+        }
+        // Another reason asked for: the burst of 2 passes, the 3 limited ones are not captured.
+        try configure(DropCapture.Filter(reasons: ["no_route"], rate: 1000, snaplen: 2048))
+        #expect((1...5).filter { _ in rig.sent(hook, from: "198.18.50.1") }.count == 2)
+        #expect(counts() == [0, 0, 0], "\(hook): \(counts())")
+        // rate_limited asked for, a sampling of 3 at once: 3 of 6 captured, 3 sampled out.
+        try configure(DropCapture.Filter(reasons: ["rate_limited"], rate: 1000, snaplen: 2048))
+        #expect((1...6).filter { _ in rig.sent(hook, from: "198.18.50.1") }.isEmpty)
+        #expect(counts() == [3, 3, 0], "\(hook): \(counts())")
+        var packets: [CapturedPacket] = []
+        for _ in 0..<200 where packets.count < 3 {
+            packets += session.take().packets
+            usleep(10_000)
+        }
+        #expect(packets.count == 3, "\(hook): \(packets.count)")
+        for packet in packets {
+            // IPv4, 20 + 8 + 100 bytes, from 198.18.50.1 to the listener.
+            #expect(packet.reason == "rate_limited" && !packet.reply && !packet.ethernet && packet.data.count == 128 && packet.originalLength == 128)
+            #expect(packet.data.first == 0x45 && Array(packet.data[12..<16]) == [198, 18, 50, 1] && packet.data[28...].allSatisfy { $0 == 0x61 }, "\(hook)")
+        }
+        // A snap length of 64: the packet's first 64 bytes, its whole length still said.
+        try configure(DropCapture.Filter(reasons: nil, rate: 1000, snaplen: 64), burst: 1)
+        #expect(!rig.sent(hook, from: "198.18.50.1"))
+        var cut: [CapturedPacket] = []
+        for _ in 0..<200 where cut.isEmpty {
+            cut = session.take().packets
+            usleep(10_000)
+        }
+        #expect(cut.count == 1 && cut.first?.data.count == 64 && cut.first?.originalLength == 128, "\(hook): \(cut.map { ($0.data.count, $0.originalLength) })")
+        // No capture: nothing more is taken.
+        try configure(nil)
+        #expect(!rig.sent(hook, from: "198.18.50.1"))
+        #expect(counts() == [4, 3, 0], "\(hook): \(counts())")
     }
 }

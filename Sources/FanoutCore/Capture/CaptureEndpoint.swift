@@ -54,9 +54,10 @@ enum CaptureEndpoint {
         let body = ResponseBody { writer in
             var written = 0
             var lost: UInt64 = 0
+            var sampled: UInt64 = 0
             defer {
                 capture.end(session)
-                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)"])
+                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)"])
             }
             try await writer.write(ByteBuffer(bytes: Pcapng.header(linkType: linkType, snaplen: session.request.snaplen + (linkType == Pcapng.linkTypeEthernet ? 14 : 0), listener: listener)))
             let clock = ContinuousClock()
@@ -79,13 +80,19 @@ enum CaptureEndpoint {
                 if taken.complete { break }
                 if let deadline, clock.now >= deadline { break }
                 if clock.now - lastWrite >= keepAlive {
-                    try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost)))
+                    try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: nil)))
                     lastWrite = clock.now
                 }
                 try await Task.sleep(for: interval)
             }
-            // The last block says how many were lost (the reader did not keep up).
-            try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost)))
+            // The last block says what was not captured: lost (this stream's reader, or the
+            // program's ring buffer, fell behind), and sampled out (above the rate).
+            let missed = capture.counts().since(session.baseline)
+            lost += missed.ringFull
+            let note = "\(written) captured, \(lost) lost (the capture fell behind: \(missed.ringFull) in the kernel's ring), "
+                + "\(missed.sampledOut) sampled out (above \(session.request.rate)/s, by every capture of the listener)"
+            try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: note)))
+            sampled = missed.sampledOut
             try await writer.finish(nil)
         }
         return Response(status: .ok, headers: headers, body: body)

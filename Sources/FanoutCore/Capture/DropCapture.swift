@@ -114,6 +114,12 @@ package struct CaptureRequest: Sendable, Equatable {
 package final class CaptureSession: Sendable {
     package let request: CaptureRequest
     private let state = Mutex<State>(State())
+    /// The listener's counts when the session started (its end says what grew since).
+    private let start = Mutex(DropCapture.Counts())
+    var baseline: DropCapture.Counts {
+        get { start.withLock { $0 } }
+        set { start.withLock { $0 = newValue } }
+    }
     /// Packets waiting for the reader at most.
     static let queueLimit = 4096
 
@@ -211,8 +217,42 @@ package final class DropCapture: Sendable {
     private struct State {
         var sessions: [ObjectIdentifier: CaptureSession] = [:]
         var filter: Filter?
-        /// The kernel kinds' running instances: told the filter (nil: none) when it changes.
-        var watchers: [ObjectIdentifier: @Sendable (Filter?) -> Void] = [:]
+        /// The kernel kinds' running instances: told the filter (nil: none) when it changes, and
+        /// asked what their program did not capture.
+        var watchers: [ObjectIdentifier: Watcher] = [:]
+    }
+
+    private struct Watcher {
+        var apply: @Sendable (Filter?) -> Void
+        var counts: @Sendable () -> Counts
+    }
+
+    /// What was not captured, since the process started: above the sampling rate (in the threads
+    /// and the programs), and taken by a program but lost because its ring buffer was full.
+    package struct Counts: Sendable, Equatable {
+        package var sampledOut: UInt64 = 0
+        package var ringFull: UInt64 = 0
+
+        /// What grew since `earlier` (a count that went back, a listener's instance replaced, is 0).
+        func since(_ earlier: Counts) -> Counts {
+            Counts(sampledOut: sampledOut >= earlier.sampledOut ? sampledOut - earlier.sampledOut : 0,
+                   ringFull: ringFull >= earlier.ringFull ? ringFull - earlier.ringFull : 0)
+        }
+    }
+
+    /// Drops a capture wanted that the threads' sampling refused.
+    private let sampledOut = Atomic<UInt64>(0)
+
+    /// The counts now.
+    package func counts() -> Counts {
+        let watchers = state.withLock { Array($0.watchers.values) }
+        var total = Counts(sampledOut: sampledOut.load(ordering: .relaxed))
+        for watcher in watchers {
+            let counted = watcher.counts()
+            total.sampledOut &+= counted.sampledOut
+            total.ringFull &+= counted.ringFull
+        }
+        return total
     }
 
     package init() {}
@@ -222,6 +262,7 @@ package final class DropCapture: Sendable {
 
     /// Starts `session`. - Throws: ``CaptureRequestError/tooMany(listener:limit:)``.
     package func start(_ session: CaptureSession, listener: String) throws(CaptureRequestError) {
+        session.baseline = counts()
         let (filter, watchers) = try state.withLock { state throws(CaptureRequestError) in
             guard state.sessions.count < Self.sessionLimit else { throw .tooMany(listener: listener, limit: Self.sessionLimit) }
             state.sessions[ObjectIdentifier(session)] = session
@@ -250,6 +291,8 @@ package final class DropCapture: Sendable {
         let bits = filter.reasons.map { $0.reduce(UInt64(0)) { $0 | (Self.reasonBit[$1] ?? 0) } } ?? UInt64.max
         reasonBits.store(bits, ordering: .relaxed)
         let (every, burst) = filter.sampling
+        // Another rate starts its sampling with a whole burst.
+        if interval.load(ordering: .relaxed) != every { tat.store(0, ordering: .relaxed) }
         interval.store(every, ordering: .relaxed)
         tolerance.store(burst, ordering: .relaxed)
         snaplen.store(filter.snaplen, ordering: .relaxed)
@@ -258,9 +301,10 @@ package final class DropCapture: Sendable {
 
     /// A kernel listener instance: `apply` is called with the filter now, and at each change
     /// until ``unwatch(_:)``.
-    func watch(_ owner: AnyObject, _ apply: @escaping @Sendable (Filter?) -> Void) {
+    /// `counts`: what its program did not capture (since it started).
+    func watch(_ owner: AnyObject, counts: @escaping @Sendable () -> Counts, _ apply: @escaping @Sendable (Filter?) -> Void) {
         let filter = state.withLock { state in
-            state.watchers[ObjectIdentifier(owner)] = apply
+            state.watchers[ObjectIdentifier(owner)] = Watcher(apply: apply, counts: counts)
             return state.filter
         }
         apply(filter)
@@ -279,7 +323,7 @@ package final class DropCapture: Sendable {
             state.filter = Filter(reasons: all ? nil : sessions.reduce(into: Set<String>()) { $0.formUnion($1.request.reasons) },
                                   rate: sessions.map(\.request.rate).max() ?? 1, snaplen: sessions.map(\.request.snaplen).max() ?? 64)
         }
-        return (state.filter, Array(state.watchers.values))
+        return (state.filter, state.watchers.values.map(\.apply))
     }
 
     // MARK: offered by the forwarding threads (only while `active`)
@@ -317,7 +361,10 @@ package final class DropCapture: Sendable {
         var old = tat.load(ordering: .relaxed)
         while true {
             let next = max(old, now) + interval
-            guard next - now <= tolerance else { return nil }
+            guard next - now <= tolerance else {
+                sampledOut.add(1, ordering: .relaxed)
+                return nil
+            }
             let (exchanged, seen) = tat.compareExchange(expected: old, desired: next, ordering: .relaxed)
             if exchanged { return snaplen.load(ordering: .relaxed) }
             old = seen

@@ -40,9 +40,10 @@ package enum Pcapng {
     }
 
     /// An interface statistics block at `nanoseconds`: isb_osdrop, the packets taken for the
-    /// capture that were lost because its reader fell behind.
-    package static func statistics(nanoseconds: UInt64, lost: UInt64) -> [UInt8] {
+    /// capture that were lost because it fell behind, and a comment.
+    package static func statistics(nanoseconds: UInt64, lost: UInt64, comment: String?) -> [UInt8] {
         var body = le32(0) + le32(UInt32(truncatingIfNeeded: nanoseconds >> 32)) + le32(UInt32(truncatingIfNeeded: nanoseconds))
+        if let comment { body += option(1, Array(comment.utf8)) }
         body += option(7, le64(lost)) + endOfOptions
         var bytes: [UInt8] = []
         block(0x0000_0005, body: body, into: &bytes)
@@ -52,18 +53,34 @@ package enum Pcapng {
     /// How many whole blocks `bytes` holds from its start, and where the first incomplete one
     /// begins (what a reader of a stream keeps for the next read), and the enhanced packet blocks
     /// among them; nil when a block's length is impossible (not pcapng).
-    package static func wholeBlocks(_ bytes: ArraySlice<UInt8>) -> (end: Int, packets: Int)? {
+    /// - Returns: also the comment of the last interface statistics block among them, if any.
+    package static func wholeBlocks(_ bytes: ArraySlice<UInt8>) -> (end: Int, packets: Int, statistics: String?)? {
         var offset = bytes.startIndex
         var packets = 0
+        var statistics: String?
         while bytes.endIndex - offset >= 12 {
             let type = readLE32(bytes, offset)
             let length = Int(readLE32(bytes, offset + 4))
             guard length >= 12, length % 4 == 0, length <= 1 << 24 else { return nil }
             guard bytes.endIndex - offset >= length else { break }
             if type == 6 { packets += 1 }
+            if type == 5, let comment = comment(bytes[(offset + 20)..<(offset + length - 4)]) { statistics = comment }
             offset += length
         }
-        return (offset - bytes.startIndex, packets)
+        return (offset - bytes.startIndex, packets, statistics)
+    }
+
+    /// The opt_comment among `options`.
+    private static func comment(_ options: ArraySlice<UInt8>) -> String? {
+        var offset = options.startIndex
+        while options.endIndex - offset >= 4 {
+            let code = UInt16(options[offset]) | UInt16(options[offset + 1]) << 8
+            let length = Int(UInt16(options[offset + 2]) | UInt16(options[offset + 3]) << 8)
+            guard code != 0, options.endIndex - offset - 4 >= length else { return nil }
+            if code == 1 { return String(decoding: options[(offset + 4)..<(offset + 4 + length)], as: UTF8.self) }
+            offset += 4 + length + (4 - length % 4) % 4
+        }
+        return nil
     }
 
     // MARK: encoding

@@ -958,7 +958,11 @@ final class TCListener: RunningListener {
         }
         // `udp-fanout capture`: a capture running now (or started later) is told to the program.
         let capture = counters.capture
-        capture.watch(self) { [weak self] filter in
+        capture.watch(self, counts: { [weak self] in
+            guard let self else { return DropCapture.Counts() }
+            let counted = self.program.captureCounts(id: self.id)
+            return DropCapture.Counts(sampledOut: counted.sampledOut, ringFull: counted.ringFull)
+        }) { [weak self] filter in
             guard let self, !self.stopped.load(ordering: .relaxed) else { return }
             self.dataplane.capture(id: self.id, capture, filter)
         }

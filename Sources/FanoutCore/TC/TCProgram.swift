@@ -440,6 +440,14 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return (sums[0], sums[1], sums[2], sums[3], sums[4])
     }
 
+    /// Listener `id`'s capture counts as the programs counted them (summed over the CPUs): taken,
+    /// above the capture's sampling rate, lost to a full ring buffer.
+    func captureCounts(id: UInt32) -> (captured: UInt64, sampledOut: UInt64, ringFull: UInt64) {
+        let sums = perCPUSum(captureStats, key: id, as: fanout_capture_stats.self)
+        guard sums.count >= 3 else { return (0, 0, 0) }
+        return (sums[0], sums[1], sums[2])
+    }
+
     /// Puts nat listener `id`'s `amplification` in force: its client map (an LRU hash of
     /// `maxEntries`, made here and put in the array), then its configuration. Returns the map's
     /// descriptor (the caller closes it).

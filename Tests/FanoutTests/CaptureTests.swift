@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import ReusePortLB
+import Synchronization
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `udp-fanout capture`'s parts: the pcapng blocks, the packets made from what a socket saw, the
+/// request's parsing, and the per-listener capture (filter, sampling, count, sessions).
+@Suite("capture of drops: pcapng, sampling, sessions")
+struct CaptureTests {
+    static func payload(_ text: String) -> [UInt8] { Array(text.utf8) }
+
+    static func synthetic(_ text: String, from: String, to: String, length: Int? = nil) -> (bytes: [UInt8], length: Int) {
+        let bytes = payload(text)
+        return bytes.withUnsafeBytes {
+            SyntheticPacket.make(payload: $0, payloadLength: length ?? bytes.count, from: SocketAddress(from)!, to: SocketAddress(to)!)
+        }
+    }
+
+    @Test("the blocks: a reader of the stream finds whole blocks, the packets among them and the statistics' comment; a cut block waits; what is not pcapng is refused")
+    func blocks() {
+        let header = Pcapng.header(linkType: Pcapng.linkTypeRaw, snaplen: 2048, listener: "dns")
+        let packet = Pcapng.packet(nanoseconds: 1_700_000_000_123_456_789, data: [0x45, 0, 0, 20], originalLength: 20, comment: "rate_limited", inbound: true)
+        let statistics = Pcapng.statistics(nanoseconds: 1_700_000_001_000_000_000, lost: 2, comment: "3 captured, 2 lost")
+        let stream = header + packet + packet + statistics
+        #expect(header.count % 4 == 0 && packet.count % 4 == 0 && statistics.count % 4 == 0)
+        let whole = Pcapng.wholeBlocks(stream[...])
+        #expect(whole?.end == stream.count && whole?.packets == 2 && whole?.statistics == "3 captured, 2 lost")
+        // Cut in the second packet: up to the first one's end, which the reader keeps writing from.
+        let cut = Pcapng.wholeBlocks(stream[..<(header.count + packet.count + 7)])
+        #expect(cut?.end == header.count + packet.count && cut?.packets == 1 && cut?.statistics == nil)
+        #expect(Pcapng.wholeBlocks([0x0A, 0x0D, 0x0D, 0x0A, 5, 0, 0, 0, 0, 0, 0, 0][...]) == nil, "a length that is no block's")
+    }
+
+    @Test("packets made from what a socket saw: IPv4 with a valid header checksum, IPv6 with a valid UDP checksum, an IPv4 client of an IPv6 socket as IPv6; a cut payload keeps its whole length")
+    func synthetic() {
+        let v4 = Self.synthetic("hello", from: "198.18.0.7:4000", to: "198.18.0.1:53")
+        #expect(v4.bytes.count == 33 && v4.length == 33 && v4.bytes[0] == 0x45 && v4.bytes[9] == 17)
+        #expect(Array(v4.bytes[12..<20]) == [198, 18, 0, 7, 198, 18, 0, 1] && Array(v4.bytes[20..<24]) == [0x0f, 0xa0, 0, 53])
+        #expect(v4.bytes.withUnsafeBytes { IPChecksum.checksum(UnsafeRawBufferPointer(rebasing: $0[0..<20])) } == 0, "the header's checksum verifies")
+        let v6 = Self.synthetic("hello", from: "[2001:db8::7]:4000", to: "[2001:db8::1]:53")
+        #expect(v6.bytes.count == 53 && v6.bytes[0] == 0x60 && v6.bytes[6] == 17)
+        // The UDP checksum over the pseudo-header and the datagram verifies (sums to 0).
+        let pseudo = Array(v6.bytes[8..<40]) + [0, 0, 0, 13, 0, 0, 0, 17]
+        let sum = IPChecksum.add(UnsafeRawBufferPointer(rebasing: v6.bytes.withUnsafeBytes { $0 }[40...]), to: pseudo.withUnsafeBytes { IPChecksum.add($0, to: 0) })
+        #expect(IPChecksum.finish(sum) == 0)
+        let mapped = Self.synthetic("x", from: "198.18.0.7:4000", to: "[2001:db8::1]:53")
+        #expect(mapped.bytes[0] == 0x60 && Array(mapped.bytes[8..<24]) == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 198, 18, 0, 7])
+        let cut = Self.synthetic("abc", from: "198.18.0.7:4000", to: "198.18.0.1:53", length: 1000)
+        #expect(cut.bytes.count == 31 && cut.length == 1028 && cut.bytes[2] == 0x04 && cut.bytes[3] == 0x04, "the IP and UDP lengths say the whole datagram")
+    }
+
+    @Test("a packet in the other link type: an IP packet gets an Ethernet header (its type from its version), a frame loses its Ethernet header and VLAN tags")
+    func linkTypes() {
+        let ip = CapturedPacket(nanoseconds: 0, ethernet: false, data: [0x60, 1, 2, 3], originalLength: 100, reason: "too_large", reply: false)
+        let framed = ip.data(for: Pcapng.linkTypeEthernet)
+        #expect(framed.bytes.count == 18 && Array(framed.bytes[12..<14]) == [0x86, 0xdd] && framed.length == 114)
+        #expect(ip.data(for: Pcapng.linkTypeRaw).bytes == ip.data)
+        let tagged = [UInt8](repeating: 1, count: 12) + [0x81, 0x00, 0, 5, 0x08, 0x00, 0x45, 9]
+        let frame = CapturedPacket(nanoseconds: 0, ethernet: true, data: tagged, originalLength: 60, reason: "parse_error", reply: false)
+        let raw = frame.data(for: Pcapng.linkTypeRaw)
+        #expect(raw.bytes == [0x45, 9] && raw.length == 42)
+    }
+
+    @Test("the request: defaults, reasons, and each bad value named with what is expected")
+    func request() throws {
+        let defaults = try CaptureRequest.parse([:])
+        #expect(defaults.reasons.isEmpty && defaults.count == nil && defaults.snaplen == 2048 && defaults.rate == 1000 && defaults.seconds == nil)
+        let asked = try CaptureRequest.parse(["reason": "rate_limited,amplification_capped", "count": "50", "snaplen": "128", "rate": "20", "seconds": "2.5"])
+        #expect(asked.reasons == ["rate_limited", "amplification_capped"] && asked.count == 50 && asked.snaplen == 128 && asked.rate == 20 && asked.seconds == 2.5)
+        for (query, text) in [(["reason": "send_error"], "unknown drop reason 'send_error'"), (["count": "0"], "count '0': expected a whole number from 1"),
+                              (["snaplen": "4096"], "snaplen '4096'"), (["rate": "x"], "rate 'x'"), (["seconds": "-1"], "seconds '-1'")] {
+            #expect(throws: CaptureRequestError.self) { try CaptureRequest.parse(query) }
+            do {
+                _ = try CaptureRequest.parse(query)
+            } catch {
+                #expect(error.description.contains(text) && error.status == 400, "\(error)")
+            }
+        }
+    }
+
+    @Test("a listener's capture: inactive until a session starts; each session gets the reasons it asked for up to its count; the union is sampled at the highest rate (the rest counted); at most 4 sessions; the last one's end makes it inactive")
+    func sessions() throws {
+        let capture = DropCapture()
+        let payload = Self.payload("abc")
+        func offer(_ reason: String, _ times: Int = 1) {
+            payload.withUnsafeBytes { bytes in
+                for _ in 0..<times {
+                    capture.offer(reason, payload: bytes, payloadLength: 3, source: SocketAddress("198.18.0.7:4000")!, destination: SocketAddress("198.18.0.1:53")!)
+                }
+            }
+        }
+        let idle = capture.active.load(ordering: .relaxed)
+        #expect(!idle)
+        var limited = CaptureRequest()
+        limited.reasons = ["rate_limited"]
+        limited.count = 2
+        let first = CaptureSession(limited)
+        try capture.start(first, listener: "dns")
+        let running = capture.active.load(ordering: .relaxed)
+        #expect(running && capture.filter == DropCapture.Filter(reasons: ["rate_limited"], rate: 1000, snaplen: 2048))
+        offer("no_healthy")
+        offer("rate_limited", 3)
+        var taken = first.take()
+        #expect(taken.packets.map(\.reason) == ["rate_limited", "rate_limited"] && taken.complete, "its count: 2")
+        #expect(taken.packets.first?.data.count == 31 && taken.packets.first?.originalLength == 31)
+        // A second session for every reason at 10 a second: the union, sampled at 10/s with a
+        // burst of 1: of 50 at once one is taken, 49 counted sampled out.
+        var all = CaptureRequest()
+        all.rate = 10
+        let second = CaptureSession(all)
+        try capture.start(second, listener: "dns")
+        #expect(capture.filter == DropCapture.Filter(reasons: nil, rate: 1000, snaplen: 2048))
+        capture.end(first)
+        #expect(capture.filter == DropCapture.Filter(reasons: nil, rate: 10, snaplen: 2048))
+        let before = capture.counts()
+        offer("too_large", 50)
+        taken = second.take()
+        #expect(taken.packets.count == 1 && taken.packets[0].reason == "too_large" && !taken.complete)
+        #expect(capture.counts().since(before) == DropCapture.Counts(sampledOut: 49, ringFull: 0))
+        // At most 4 at once.
+        let more = (0..<3).map { _ in CaptureSession(CaptureRequest()) }
+        for session in more { try capture.start(session, listener: "dns") }
+        #expect(throws: CaptureRequestError.self) { try capture.start(CaptureSession(CaptureRequest()), listener: "dns") }
+        for session in more { capture.end(session) }
+        capture.end(second)
+        capture.end(second)
+        let ended = capture.active.load(ordering: .relaxed)
+        #expect(!ended && capture.filter == nil)
+        offer("rate_limited")
+        #expect(second.take().packets.isEmpty)
+    }
+
+    @Test("a kernel listener's watcher is told the filter at once and at each change, and its counts are added")
+    func watchers() throws {
+        final class Owner: Sendable {}
+        let capture = DropCapture()
+        let owner = Owner()
+        let seen = Mutex<[DropCapture.Filter?]>([])
+        capture.watch(owner, counts: { DropCapture.Counts(sampledOut: 5, ringFull: 2) }) { filter in seen.withLock { $0.append(filter) } }
+        let session = CaptureSession(CaptureRequest())
+        try capture.start(session, listener: "dns")
+        #expect(capture.counts() == DropCapture.Counts(sampledOut: 5, ringFull: 2))
+        capture.end(session)
+        capture.unwatch(owner)
+        try capture.start(session, listener: "dns")
+        capture.end(session)
+        #expect(seen.withLock { $0 } == [nil, DropCapture.Filter(reasons: nil, rate: 1000, snaplen: 2048), nil])
+    }
+
+    @Test("tshark reads what the capture writes: the comment, the direction, the addresses and ports, and the checksums verify", .enabled(if: FileManager.default.isExecutableFile(atPath: "/usr/bin/tshark") || ProcessInfo.processInfo.environment["CI"] == "true", "tshark is not installed (make test installs it)"))
+    func tshark() throws {
+        var stream = Pcapng.header(linkType: Pcapng.linkTypeRaw, snaplen: 2048, listener: "dns")
+        let request = Self.synthetic("request", from: "198.18.0.7:4000", to: "198.18.0.1:53")
+        let reply = Self.synthetic("reply", from: "[2001:db8::2]:53", to: "[2001:db8::7]:4000")
+        stream += Pcapng.packet(nanoseconds: 1_700_000_000_000_000_001, data: request.bytes, originalLength: request.length, comment: "rate_limited", inbound: true)
+        stream += Pcapng.packet(nanoseconds: 1_700_000_000_000_000_002, data: reply.bytes, originalLength: reply.length, comment: "amplification_capped", inbound: false)
+        stream += Pcapng.statistics(nanoseconds: 1_700_000_000_000_000_003, lost: 0, comment: "2 captured")
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("capture-\(UUID().uuidString).pcapng")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try Data(stream).write(to: file)
+        let read = try run("/usr/bin/tshark", ["-r", file.path, "-o", "ip.check_checksum:TRUE", "-o", "udp.check_checksum:TRUE", "-T", "fields", "-E", "separator=|",
+                                               "-e", "frame.comment", "-e", "frame.packet_flags_direction", "-e", "ip.src", "-e", "ipv6.src", "-e", "udp.srcport", "-e", "udp.dstport",
+                                               "-e", "ip.checksum.status", "-e", "udp.checksum.status", "-e", "frame.time_epoch"])
+        let lines = read.output.split(separator: "\n").filter { $0.contains("|") }
+        #expect(read.status == 0 && lines.count == 2, "\(read.output)")
+        // Inbound (a client's datagram) and outbound (a reply); IPv4's header checksum good (1)
+        // and its UDP checksum absent (3, as IPv4 allows), IPv6's UDP checksum good.
+        #expect(lines.first?.hasPrefix("rate_limited|0x00000001|198.18.0.7||4000|53|1|3|") == true, "\(lines)")
+        #expect(lines.last?.hasPrefix("amplification_capped|0x00000002||2001:db8::2|53|4000||1|") == true, "\(lines)")
+        #expect(lines.first?.hasSuffix("1700000000.000000001") == true, "nanoseconds: \(lines)")
+    }
+}
