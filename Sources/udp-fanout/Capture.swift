@@ -77,6 +77,14 @@ struct Capture: AsyncParsableCommand {
             printError("udp-fanout capture: \(error)")
             throw ExitCode(2)
         }
+        // First whether a udp-fanout answers there, within seconds (the stream's request waits
+        // as long as the capture runs, and its connection attempts would go on meanwhile).
+        do {
+            _ = try await StatusClient.fetch(base)
+        } catch {
+            printError("udp-fanout capture: \(error)")
+            throw ExitCode(1)
+        }
         var query = ["listener=\(Self.escape(listener))", "rate=\(rate)", "snaplen=\(snaplen)"]
         if !reason.isEmpty { query.append("reason=\(reason.joined(separator: ","))") }
         if let count { query.append("count=\(count)") }

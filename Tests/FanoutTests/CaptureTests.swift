@@ -176,4 +176,74 @@ struct CaptureTests {
         #expect(lines.last?.hasPrefix("amplification_capped|0x00000002||2001:db8::2|53|4000||1|") == true, "\(lines)")
         #expect(lines.first?.hasSuffix("1700000000.000000001") == true, "nanoseconds: \(lines)")
     }
+
+    @Test("udp-fanout capture against a daemon on loopback: -w - to standard output read by tshark (too_large drops, cut where the socket cut them, their whole length said); an unknown listener named with the daemon's; a fifth capture at once refused; no daemon; Ctrl-C and the daemon's stop each end a capture with a whole file")
+    func command() throws {
+        let (listen, metrics, sink) = (freePort(), freePort(), freePort())
+        let file = try TCFixtures.write("""
+            listeners:
+              - name: events
+                bind: "127.0.0.1:\(listen)"
+                downstream: [{name: sink, address: "127.0.0.1:\(sink)"}]
+                settings: {max_packet_size: 1000}
+            metrics: {enabled: true, bind: "127.0.0.1:\(metrics)"}
+
+            """, "capture-command")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let collector = try Child("collector", ["127.0.0.1", "\(sink)", "0", "1"])
+        defer { collector.signal(SIGTERM); _ = collector.wait() }
+        try collector.waitFor("ready")
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        defer { if daemon.process.isRunning { daemon.signal(SIGTERM); _ = daemon.wait() } }
+        try daemon.waitFor("metrics endpoint listening")
+        let binary = binaryDirectory.appendingPathComponent("udp-fanout").path
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("capture-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        func started() -> Int { daemon.stderr.components(separatedBy: "capture started").count - 1 }
+
+        // -w -: the stream on standard output, here into a file by the shell.
+        let piped = directory.appendingPathComponent("piped.pcapng").path
+        let capture = try Child("/bin/sh", ["-c", "exec '\(binary)' capture --listener events --reason too_large -c 5 -w - --config '\(file.path)' > '\(piped)'"])
+        #expect(Probe.waitFor(seconds: 10) { started() == 1 }, "\(daemon.stderr)")
+        let large = try Child("publisher", ["127.0.0.1", "\(listen)", "50", "--rate", "200", "--size", "2000"])
+        #expect(large.wait() == 0)
+        #expect(capture.wait(seconds: 20) == 0, "\(capture.stderr)")
+        #expect(capture.stderr.contains("udp-fanout capture: 5 packet(s) written to standard output; the daemon: ended: its count reached; 5 captured, 0 lost"), "\(capture.stderr)")
+        let read = try run("/usr/bin/tshark", ["-r", piped, "-T", "fields", "-E", "separator=|", "-e", "frame.comment", "-e", "ip.src", "-e", "udp.dstport", "-e", "frame.cap_len", "-e", "frame.len"])
+        let lines = read.output.split(separator: "\n").filter { $0.contains("|") }
+        #expect(read.status == 0 && lines.count == 5 && lines.allSatisfy { $0 == "too_large|127.0.0.1|\(listen)|1028|2028" }, "\(read.output)")
+
+        // An unknown listener: the daemon's listeners are named.
+        let unknown = try Child("udp-fanout", ["capture", "--listener", "nope", "-w", directory.appendingPathComponent("x").path, "--config", file.path])
+        #expect(unknown.wait() == 1)
+        #expect(unknown.stderr.contains("answered HTTP 404: no listener 'nope' in the running configuration; its listeners: events"), "\(unknown.stderr)")
+
+        // Four at once; a fifth is refused.
+        let running = try (0..<4).map { n in
+            try Child("udp-fanout", ["capture", "--listener", "events", "--seconds", "60", "-w", directory.appendingPathComponent("r\(n).pcapng").path, "--config", file.path])
+        }
+        #expect(Probe.waitFor(seconds: 10) { started() == 5 }, "\(daemon.stderr)")
+        let fifth = try Child("udp-fanout", ["capture", "--listener", "events", "-w", directory.appendingPathComponent("f").path, "--endpoint", "127.0.0.1:\(metrics)"])
+        #expect(fifth.wait() == 1)
+        #expect(fifth.stderr.contains("answered HTTP 429: 4 captures of listener 'events' are running already"), "\(fifth.stderr)")
+
+        // Ctrl-C ends one: a whole file (tshark reads it, no packet in it).
+        running[0].signal(SIGINT)
+        #expect(running[0].wait(seconds: 10) == 0, "\(running[0].stderr)")
+        #expect(running[0].stderr.contains("udp-fanout capture: interrupted; 0 packet(s) written to"), "\(running[0].stderr)")
+        #expect(try run("/usr/bin/tshark", ["-r", directory.appendingPathComponent("r0.pcapng").path]).status == 0)
+        // The daemon stops: each running capture ends with the stream, its file whole.
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0, "\(daemon.stderr.suffix(2000))")
+        for n in 1..<4 {
+            #expect(running[n].wait(seconds: 10) == 0, "\(running[n].stderr)")
+            #expect(running[n].stderr.contains("the daemon: ended: the daemon's endpoint stops"), "\(running[n].stderr)")
+            #expect(try run("/usr/bin/tshark", ["-r", directory.appendingPathComponent("r\(n).pcapng").path]).status == 0)
+        }
+        // No daemon there now.
+        let nobody = try Child("udp-fanout", ["capture", "--listener", "events", "-w", directory.appendingPathComponent("n").path, "--endpoint", "127.0.0.1:\(metrics)"])
+        #expect(nobody.wait() == 1)
+        #expect(nobody.stderr.contains("cannot reach udp-fanout at http://127.0.0.1:\(metrics)/status: connection refused"), "\(nobody.stderr)")
+    }
 }

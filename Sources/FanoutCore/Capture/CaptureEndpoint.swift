@@ -2,6 +2,7 @@
 import Hummingbird
 import HummingbirdCore
 import NIOCore
+import ServiceLifecycle
 
 extension FanoutDaemon {
     /// `GET /capture?listener=NAME`: starts a capture of what that listener drops
@@ -55,6 +56,7 @@ enum CaptureEndpoint {
             var written = 0
             var lost: UInt64 = 0
             var sampled: UInt64 = 0
+            var ending = ""
             defer {
                 capture.end(session)
                 logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)"])
@@ -77,8 +79,20 @@ enum CaptureEndpoint {
                     written += taken.packets.count
                     lastWrite = clock.now
                 }
-                if taken.complete { break }
-                if let deadline, clock.now >= deadline { break }
+                if taken.complete {
+                    ending = "its count reached"
+                    break
+                }
+                if let deadline, clock.now >= deadline {
+                    ending = "its seconds passed"
+                    break
+                }
+                // The endpoint stops (the daemon, or a reload that moves it): the stream ends
+                // whole, within its grace period.
+                if Task.isShuttingDownGracefully {
+                    ending = "the daemon's endpoint stops"
+                    break
+                }
                 if clock.now - lastWrite >= keepAlive {
                     try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: nil)))
                     lastWrite = clock.now
@@ -89,7 +103,7 @@ enum CaptureEndpoint {
             // program's ring buffer, fell behind), and sampled out (above the rate).
             let missed = capture.counts().since(session.baseline)
             lost += missed.ringFull
-            let note = "\(written) captured, \(lost) lost (the capture fell behind: \(missed.ringFull) in the kernel's ring), "
+            let note = "ended: \(ending); \(written) captured, \(lost) lost (the capture fell behind: \(missed.ringFull) in the kernel's ring), "
                 + "\(missed.sampledOut) sampled out (above \(session.request.rate)/s, by every capture of the listener)"
             try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: note)))
             sampled = missed.sampledOut
