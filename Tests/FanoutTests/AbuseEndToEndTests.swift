@@ -215,7 +215,10 @@ struct AbuseEndToEndTests {
             #expect(packet.comment == "rate_limited" && packet.destination == "198.18.0.1" && expected != nil && packet.source == expected,
                     "\(kind): a captured packet that is no limited source's: \(packet) (tag \(tag))")
         }
-        if let first = packets.first { print("\(kind) capture: \(packets.count) packets, the first: \(first)") }
+        // What an operator sees: tshark's summary of the first packets, with their comments.
+        let excerpt = try run("/usr/bin/tshark", ["-r", capture.file.path, "-c", "4", "-T", "fields", "-e", "frame.number", "-e", "frame.time_relative",
+                                                  "-e", "ip.src", "-e", "udp.srcport", "-e", "ip.dst", "-e", "udp.dstport", "-e", "udp.length", "-e", "frame.comment"])
+        print("\(kind) capture (tshark -r, the first 4 of \(packets.count)):\n\(excerpt.output.split(separator: "\n").filter { !$0.hasPrefix("Running as") }.joined(separator: "\n"))")
         return row
     }
 
