@@ -5,6 +5,9 @@ the same listener without them, on the same packets (publisher, 240 sources), in
   dropped) against no rate_limit: the cost of the check.
 - "under attack": 100 datagrams/s per source while the 240 sources send far more, so most are
   dropped by the limit, against no rate_limit forwarding them all: the cost per datagram received.
+- "under attack, captured": the same attack while `udp-fanout capture` takes the drops (at its
+  default 1,000 a second, into /dev/null), against the same attack without a capture: what a
+  capture costs the data path.
 Kinds: userspace (one worker; the daemon's CPU per datagram received), tc_ebpf and xdp (ns per run
 of fanout_tc / fanout_xfwd, kernel.bpf_stats_enabled) and af_xdp (the daemon's CPU per datagram
 received), the last three through a namespace topology (client, proxy, three backends). Relay
@@ -26,7 +29,29 @@ VARIANTS = {
     "off": None,
     "on": "{datagrams_per_second: 100000000, bytes_per_second: 100000000000}",
     "under attack": "{datagrams_per_second: 100, burst_datagrams: 10}",
+    "under attack, captured": "{datagrams_per_second: 100, burst_datagrams: 10}",
 }
+CAPTURED = "under attack, captured"
+
+
+def start_capture(prefix, metrics, log):
+    """`udp-fanout capture` of listener abuse into /dev/null, running once the daemon says so."""
+    capture = subprocess.Popen([*prefix, f"{common.BIN}/udp-fanout", "capture", "--listener", "abuse", "--seconds", "120",
+                                "-w", "/dev/null", "--endpoint", f"127.0.0.1:{metrics}"],
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 20
+    while "capture started" not in open(log).read():
+        if capture.poll() is not None or time.time() > deadline:
+            raise SystemExit(f"udp-fanout capture did not start: {capture.stderr.read() if capture.poll() is not None else ''}")
+        time.sleep(0.05)
+    return capture
+
+
+def stop_capture(capture):
+    """Ends it (Ctrl-C) and returns what it said."""
+    capture.send_signal(signal.SIGINT)
+    _, said = capture.communicate(timeout=20)
+    return said.strip()
 
 
 def userspace_run(variant, work):
@@ -34,11 +59,12 @@ def userspace_run(variant, work):
     limit = VARIANTS[variant]
     ports = [common.free_port() for _ in range(3)]
     sinks = [common.Collectors(port, "automatic", count=1) for port in ports]
-    listen = common.free_port()
+    listen, metrics = common.free_port(), common.free_port()
     downstreams = "\n".join(f'      - {{address: "127.0.0.1:{p}"}}' for p in ports)
     config = (f'listeners:\n  - name: abuse\n    bind: "127.0.0.1:{listen}"\n    balancing: source_ip\n'
               + (f"    rate_limit: {limit}\n" if limit else "")
-              + "    settings: {workers: 1, batch_size: 64, recv_buf_size: 16777216}\n    downstream:\n" + downstreams + "\n")
+              + "    settings: {workers: 1, batch_size: 64, recv_buf_size: 16777216}\n    downstream:\n" + downstreams + "\n"
+              + f'metrics: {{enabled: true, bind: "127.0.0.1:{metrics}"}}\n')
     path = os.path.join(work, "abuse-userspace.yaml")
     with open(path, "w") as f:
         f.write(config)
@@ -51,10 +77,13 @@ def userspace_run(variant, work):
             if proc.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"udp-fanout did not start ({variant}): {open(log).read()}")
             time.sleep(0.05)
+        capture = start_capture([], metrics, log) if variant == CAPTURED else None
         before = cpu_seconds(proc.pid)
         common.publish(listen, count=DATAGRAMS, extra=("--rate", "200000"))
         time.sleep(0.3)
         used = cpu_seconds(proc.pid) - before
+        if capture:
+            stop_capture(capture)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
@@ -85,6 +114,7 @@ def kernel_run(topology, work, kind, variant):
                 raise SystemExit(f"udp-fanout ({kind}, {variant}) did not start: {open(log).read()[-2000:]}")
             time.sleep(0.05)
         time.sleep(0.3)
+        capture = start_capture(common.in_namespace(topology.proxy), 19092, log) if variant == CAPTURED else None
         before, cpu = topology.delivered(), cpu_seconds(proc.pid)
         if kind == "af_xdp":
             common.publish_in(topology, ("198.18.0.1", 5514), KERNEL_DATAGRAMS, ("--rate", "200000"))
@@ -96,6 +126,8 @@ def kernel_run(topology, work, kind, variant):
                 time.sleep(0.2)
                 cost, _ = common.ns_per_run(["name", "fanout_tc" if kind == "tc_ebpf" else "fanout_xfwd"])
         delivered = topology.delivered() - before
+        if capture:
+            stop_capture(capture)
     finally:
         common.stop_process(proc)
     return {"ns": cost, "delivered": delivered / KERNEL_DATAGRAMS}
@@ -108,13 +140,14 @@ def show(values, unit):
 
 def compare(results, kind, unit, what, note):
     out = []
-    base = results["off"]
-    for name in ("on", "under attack"):
+    for name, peer, against in (("on", "off", "no rate_limit, same packets"), ("under attack", "off", "no rate_limit, same packets"),
+                                (CAPTURED, "under attack", "the same attack, no capture")):
+        base = results[peer]
         ratios = common.spread([m["ns"] / b["ns"] for m, b in zip(results[name], base)])
-        out.append((f"rate_limit {name}: {kind} {what}", "no rate_limit, same packets",
+        out.append((f"rate_limit {name}: {kind} {what}", against,
                     show(common.spread([r["ns"] for r in results[name]]), unit), show(common.spread([r["ns"] for r in base]), unit),
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
-                    f"{note}; delivered {min(r['delivered'] for r in results[name]):.4f} (off {min(r['delivered'] for r in base):.4f})"))
+                    f"{note}; delivered {min(r['delivered'] for r in results[name]):.4f} ({peer} {min(r['delivered'] for r in base):.4f})"))
     return out
 
 
