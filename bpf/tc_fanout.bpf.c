@@ -271,6 +271,25 @@ static __always_inline __u32 hook_sent_length(struct fanout_decision *c)
 	return c->ctx->len;
 }
 
+static __always_inline __u32 hook_current_length(struct __sk_buff *skb)
+{
+	return skb->len;
+}
+
+/* A pool took a copy: the copies were made from the packet itself (rewritten, its tag popped). */
+static __always_inline int hook_rewritten(struct fanout_decision *c)
+{
+	struct fanout_fragment *work = c->hook.work;
+	if (!work)
+		return 0;
+	__u32 pools = work->pool_count;
+	for (__u32 i = 0; i < FANOUT_MAX_POOLS; i++) {
+		if (i < pools && work->pools[i].outcome == FANOUT_POOL_TAKEN)
+			return 1;
+	}
+	return 0;
+}
+
 SEC("tc")
 int FANOUT_PROG_TC(struct __sk_buff *skb)
 {

@@ -331,6 +331,17 @@ static __always_inline __u32 hook_sent_length(struct fanout_decision *c)
 	return c->ctx->data_end - c->ctx->data;
 }
 
+static __always_inline __u32 hook_current_length(struct xdp_md *ctx)
+{
+	return ctx->data_end - ctx->data;
+}
+
+/* The pools' copies are tc's (XDP passes such datagrams on): nothing is rewritten before. */
+static __always_inline int hook_rewritten(struct fanout_decision *c)
+{
+	return 0;
+}
+
 SEC("xdp")
 int FANOUT_PROG_XFWD(struct xdp_md *ctx)
 {

@@ -44,7 +44,7 @@ struct Capture: AsyncParsableCommand {
     @Option(help: "Stop after this many seconds.")
     var seconds: Double?
 
-    @Option(help: "Packets a second at most (the rest of the drops are not captured).")
+    @Option(help: "Packets a second at most, 1 to 10000 (the rest of the drops are not captured, counted sampled out).")
     var rate = 1000
 
     @Option(help: "Bytes kept of each packet (64 to 2048).")
@@ -62,7 +62,7 @@ struct Capture: AsyncParsableCommand {
         }
         if let count, count < 1 || count > 10_000_000 { throw ValidationError("-c \(count) is out of range: give 1 to 10000000 packets") }
         if let seconds, !(seconds > 0 && seconds <= 86_400) { throw ValidationError("--seconds \(seconds) is out of range: give more than 0, at most 86400") }
-        guard (1...100_000).contains(rate) else { throw ValidationError("--rate \(rate) is out of range: give 1 to 100000 packets a second") }
+        guard (1...DropCapture.rateMax).contains(rate) else { throw ValidationError("--rate \(rate) is out of range: give 1 to \(DropCapture.rateMax) packets a second") }
         guard (64...DropCapture.snaplenMax).contains(snaplen) else { throw ValidationError("--snaplen \(snaplen) is out of range: give 64 to \(DropCapture.snaplenMax) bytes") }
         if let endpoint {
             do { _ = try StatusClient.statusURL(endpoint) } catch { throw ValidationError("\(error)") }
@@ -91,17 +91,10 @@ struct Capture: AsyncParsableCommand {
         if let seconds { query.append("seconds=\(seconds)") }
         let url = String(base.dropLast("/status".count)) + "/capture?" + query.joined(separator: "&")
 
-        let output: Int32
-        if file == "-" {
-            output = 1
-        } else {
-            output = open(file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
-            guard output >= 0 else {
-                printError("udp-fanout capture: cannot write \(file): \(String(cString: strerror(errno))); give a file in a directory you can write (or -w - for standard output)")
-                throw ExitCode(2)
-            }
-        }
-        defer { if output != 1 { close(output) } }
+        // The file is opened (and emptied) once the daemon accepted the capture: a refused one
+        // leaves an existing file as it was.
+        let output = Output(path: file)
+        defer { output.close() }
 
         // Ctrl-C (or SIGTERM) ends the capture: what was written stays a whole file.
         let outcome = try await withThrowingTaskGroup(of: Outcome?.self) { group in
@@ -125,6 +118,9 @@ struct Capture: AsyncParsableCommand {
         case .writeFailed(let problem):
             printError("udp-fanout capture: writing \(target) failed: \(problem)")
             throw ExitCode(2)
+        case .openFailed(let problem):
+            printError("udp-fanout capture: cannot write \(file): \(problem); give a file in a directory you can write (or -w - for standard output)")
+            throw ExitCode(2)
         case .streamed(let packets, let complete, let summary):
             printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")"
                        + (summary.map { "; the daemon: \($0)" } ?? ""))
@@ -137,6 +133,7 @@ struct Capture: AsyncParsableCommand {
         case refused(status: Int, body: String)
         case unreachable(String)
         case writeFailed(String)
+        case openFailed(String)
         /// `complete`: the daemon finished the stream (count or seconds reached); `summary`: its
         /// last statistics' comment (what was not captured).
         case streamed(packets: Int, complete: Bool, summary: String?)
@@ -145,8 +142,35 @@ struct Capture: AsyncParsableCommand {
     /// Packets written so far (said on Ctrl-C).
     static let written = Mutex<Int>(0)
 
+    /// Where the stream goes: standard output, or a file opened at the first write.
+    final class Output: Sendable {
+        let path: String
+        private let descriptor = Mutex<Int32>(-1)
+
+        init(path: String) { self.path = path }
+
+        /// The descriptor, the file opened (created, emptied) if it was not yet; or why not.
+        func open() -> Result<Int32, OpenError> {
+            if path == "-" { return .success(1) }
+            return descriptor.withLock { fd in
+                if fd >= 0 { return .success(fd) }
+                fd = Glibc.open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
+                return fd >= 0 ? .success(fd) : .failure(OpenError(problem: String(cString: strerror(errno))))
+            }
+        }
+
+        func close() {
+            descriptor.withLock { fd in
+                if fd >= 0 { _ = Glibc.close(fd) }
+                fd = -1
+            }
+        }
+
+        struct OpenError: Error { let problem: String }
+    }
+
     /// Writes the stream to `output`, whole blocks only.
-    static func stream(_ url: String, to output: Int32) async throws -> Outcome {
+    static func stream(_ url: String, to output: Output) async throws -> Outcome {
         var request = HTTPClientRequest(url: url)
         request.headers.add(name: "User-Agent", value: "udp-fanout capture")
         let response: HTTPClientResponse
@@ -160,6 +184,11 @@ struct Capture: AsyncParsableCommand {
             let body = (try? await response.body.collect(upTo: 1 << 16)).map { String(buffer: $0) } ?? ""
             return .refused(status: Int(response.status.code), body: body.split(whereSeparator: \.isNewline).joined(separator: " "))
         }
+        let fd: Int32
+        switch output.open() {
+        case .success(let opened): fd = opened
+        case .failure(let error): return .openFailed(error.problem)
+        }
         var pending: [UInt8] = []
         var complete = true
         var summary: String?
@@ -170,7 +199,7 @@ struct Capture: AsyncParsableCommand {
                     return .refused(status: 200, body: "the stream is not pcapng")
                 }
                 if end > 0 {
-                    if let problem = writeAll(output, pending[..<end]) { return .writeFailed(problem) }
+                    if let problem = writeAll(fd, pending[..<end]) { return .writeFailed(problem) }
                     pending.removeFirst(end)
                     written.withLock { $0 += packets }
                     if let statistics { summary = statistics }

@@ -52,6 +52,18 @@ struct CaptureTests {
         #expect(IPChecksum.finish(sum) == 0)
         let mapped = Self.synthetic("x", from: "198.18.0.7:4000", to: "[2001:db8::1]:53")
         #expect(mapped.bytes[0] == 0x60 && Array(mapped.bytes[8..<24]) == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 198, 18, 0, 7])
+        // An IPv4 client of a wildcard IPv6 socket ([::]) is an IPv4 packet to 0.0.0.0.
+        let unmapped = Self.synthetic("x", from: "[::ffff:198.18.0.7]:4000", to: "[::]:53")
+        #expect(unmapped.bytes[0] == 0x45 && Array(unmapped.bytes[12..<20]) == [198, 18, 0, 7, 0, 0, 0, 0], "\(unmapped.bytes)")
+        // A snap length: the headers and what fits of the payload; the checksum over the whole payload.
+        let long = Self.payload(String(repeating: "y", count: 100))
+        let snapped = long.withUnsafeBytes {
+            SyntheticPacket.make(payload: $0, payloadLength: 100, from: SocketAddress("[2001:db8::7]:4000")!, to: SocketAddress("[2001:db8::1]:53")!, snaplen: 64)
+        }
+        let whole = long.withUnsafeBytes {
+            SyntheticPacket.make(payload: $0, payloadLength: 100, from: SocketAddress("[2001:db8::7]:4000")!, to: SocketAddress("[2001:db8::1]:53")!)
+        }
+        #expect(snapped.bytes.count == 64 && snapped.length == 148 && snapped.bytes == Array(whole.bytes.prefix(64)))
         let cut = Self.synthetic("abc", from: "198.18.0.7:4000", to: "198.18.0.1:53", length: 1000)
         #expect(cut.bytes.count == 31 && cut.length == 1028 && cut.bytes[2] == 0x04 && cut.bytes[3] == 0x04, "the IP and UDP lengths say the whole datagram")
     }
@@ -75,6 +87,7 @@ struct CaptureTests {
         let asked = try CaptureRequest.parse(["reason": "rate_limited,amplification_capped", "count": "50", "snaplen": "128", "rate": "20", "seconds": "2.5"])
         #expect(asked.reasons == ["rate_limited", "amplification_capped"] && asked.count == 50 && asked.snaplen == 128 && asked.rate == 20 && asked.seconds == 2.5)
         for (query, text) in [(["reason": "send_error"], "unknown drop reason 'send_error'"), (["count": "0"], "count '0': expected a whole number from 1"),
+                              (["rate": "10001"], "rate '10001': expected a whole number from 1 to 10000"),
                               (["snaplen": "4096"], "snaplen '4096'"), (["rate": "x"], "rate 'x'"), (["seconds": "-1"], "seconds '-1'")] {
             #expect(throws: CaptureRequestError.self) { try CaptureRequest.parse(query) }
             do {
@@ -123,7 +136,7 @@ struct CaptureTests {
         offer("too_large", 50)
         taken = second.take()
         #expect(taken.packets.count == 1 && taken.packets[0].reason == "too_large" && !taken.complete)
-        #expect(capture.counts().since(before) == DropCapture.Counts(sampledOut: 49, ringFull: 0))
+        #expect(capture.counts().since(before) == DropCapture.Counts(sampledOut: 49, kernelLost: 0))
         // At most 4 at once.
         let more = (0..<3).map { _ in CaptureSession(CaptureRequest()) }
         for session in more { try capture.start(session, listener: "dns") }
@@ -135,6 +148,13 @@ struct CaptureTests {
         #expect(!ended && capture.filter == nil)
         offer("rate_limited")
         #expect(second.take().packets.isEmpty)
+        // Ended by the capture (its reader gone): the stream is told why.
+        let third = CaptureSession(CaptureRequest())
+        try capture.start(third, listener: "dns")
+        capture.end(third, reason: "its reader took nothing for 30 s")
+        let after = third.take()
+        let stopped = capture.active.load(ordering: .relaxed)
+        #expect(after.ended == "its reader took nothing for 30 s" && !stopped)
     }
 
     @Test("a kernel listener's watcher is told the filter at once and at each change, and its counts are added")
@@ -143,10 +163,10 @@ struct CaptureTests {
         let capture = DropCapture()
         let owner = Owner()
         let seen = Mutex<[DropCapture.Filter?]>([])
-        capture.watch(owner, counts: { DropCapture.Counts(sampledOut: 5, ringFull: 2) }) { filter in seen.withLock { $0.append(filter) } }
+        capture.watch(owner, counts: { DropCapture.Counts(sampledOut: 5, kernelLost: 2) }) { filter in seen.withLock { $0.append(filter) } }
         let session = CaptureSession(CaptureRequest())
         try capture.start(session, listener: "dns")
-        #expect(capture.counts() == DropCapture.Counts(sampledOut: 5, ringFull: 2))
+        #expect(capture.counts() == DropCapture.Counts(sampledOut: 5, kernelLost: 2))
         capture.end(session)
         capture.unwatch(owner)
         try capture.start(session, listener: "dns")
@@ -177,15 +197,18 @@ struct CaptureTests {
         #expect(lines.first?.hasSuffix("1700000000.000000001") == true, "nanoseconds: \(lines)")
     }
 
-    @Test("udp-fanout capture against a daemon on loopback: -w - to standard output read by tshark (too_large drops, cut where the socket cut them, their whole length said); an unknown listener named with the daemon's; a fifth capture at once refused; no daemon; Ctrl-C and the daemon's stop each end a capture with a whole file")
+    @Test("udp-fanout capture against a daemon on loopback: -w - to standard output read by tshark (too_large drops, cut where the socket cut them, their whole length said); an unknown listener named with the daemon's (the file left as it was); a reload that removes the listener ends its capture; a fifth capture at once refused; no daemon; Ctrl-C and the daemon's stop each end a capture with a whole file")
     func command() throws {
-        let (listen, metrics, sink) = (freePort(), freePort(), freePort())
+        let (listen, metrics, sink, other) = (freePort(), freePort(), freePort(), freePort())
         let file = try TCFixtures.write("""
             listeners:
               - name: events
                 bind: "127.0.0.1:\(listen)"
                 downstream: [{name: sink, address: "127.0.0.1:\(sink)"}]
                 settings: {max_packet_size: 1000}
+              - name: other
+                bind: "127.0.0.1:\(other)"
+                downstream: [{name: sink, address: "127.0.0.1:\(sink)"}]
             metrics: {enabled: true, bind: "127.0.0.1:\(metrics)"}
 
             """, "capture-command")
@@ -214,16 +237,30 @@ struct CaptureTests {
         let lines = read.output.split(separator: "\n").filter { $0.contains("|") }
         #expect(read.status == 0 && lines.count == 5 && lines.allSatisfy { $0 == "too_large|127.0.0.1|\(listen)|1028|2028" }, "\(read.output)")
 
-        // An unknown listener: the daemon's listeners are named.
-        let unknown = try Child("udp-fanout", ["capture", "--listener", "nope", "-w", directory.appendingPathComponent("x").path, "--config", file.path])
+        // An unknown listener: the daemon's listeners are named, and the file given is left as it was.
+        let kept = directory.appendingPathComponent("kept")
+        try Data("keep me".utf8).write(to: kept)
+        let unknown = try Child("udp-fanout", ["capture", "--listener", "nope", "-w", kept.path, "--config", file.path])
         #expect(unknown.wait() == 1)
-        #expect(unknown.stderr.contains("answered HTTP 404: no listener 'nope' in the running configuration; its listeners: events"), "\(unknown.stderr)")
+        #expect(unknown.stderr.contains("answered HTTP 404: no listener 'nope' in the running configuration; its listeners: events, other"), "\(unknown.stderr)")
+        #expect(try String(contentsOf: kept, encoding: .utf8) == "keep me")
+
+        // A reload that takes the listener out ends its capture, saying so.
+        let removed = try Child("udp-fanout", ["capture", "--listener", "other", "-w", directory.appendingPathComponent("other.pcapng").path, "--config", file.path])
+        #expect(Probe.waitFor(seconds: 10) { started() == 2 }, "\(daemon.stderr)")
+        let text = try String(contentsOf: file, encoding: .utf8)
+        let without = text.components(separatedBy: "  - name: other")[0] + "metrics: {enabled: true, bind: \"127.0.0.1:\(metrics)\"}\n"
+        try without.write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        #expect(removed.wait(seconds: 20) == 0, "\(removed.stderr)")
+        #expect(removed.stderr.contains("the daemon: ended: the listener left the configuration (a reload); 0 captured"), "\(removed.stderr)")
+        #expect(try run("/usr/bin/tshark", ["-r", directory.appendingPathComponent("other.pcapng").path]).status == 0)
 
         // Four at once; a fifth is refused.
         let running = try (0..<4).map { n in
             try Child("udp-fanout", ["capture", "--listener", "events", "--seconds", "60", "-w", directory.appendingPathComponent("r\(n).pcapng").path, "--config", file.path])
         }
-        #expect(Probe.waitFor(seconds: 10) { started() == 5 }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 10) { started() == 6 }, "\(daemon.stderr)")
         let fifth = try Child("udp-fanout", ["capture", "--listener", "events", "-w", directory.appendingPathComponent("f").path, "--endpoint", "127.0.0.1:\(metrics)"])
         #expect(fifth.wait() == 1)
         #expect(fifth.stderr.contains("answered HTTP 429: 4 captures of listener 'events' are running already"), "\(fifth.stderr)")

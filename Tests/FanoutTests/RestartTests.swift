@@ -1105,13 +1105,14 @@ struct KernelRestartTests {
         // loses that reply (counted drained) and waits for its timeout before its next request
         // moves it: the run lasts long enough after a slow start (the mark lands 1-2.5 s in on a
         // busy machine) for every such client to time out and move (it was 3 s with a 1 s
-        // timeout: 3 or 4 of b3's clients were still waiting when it ended).
-        let (report, log, _) = try Self.twoWay(.nat, .restart, secondServers: [1, 2], seconds: 5, replyTimeoutMs: 300)
+        // timeout: 3 or 4 of b3's clients were still waiting when it ended). A reply merely
+        // slower than the timeout is counted lost and late: only lost minus late were lost.
+        let (report, log, _) = try Self.twoWay(.nat, .restart, secondServers: [1, 2], seconds: 5, replyTimeoutMs: 500)
         print("nat restart without b3: \(report)")
         #expect(log.contains("downstream left the set"), "\(log)")
         #expect(report.int("clients_with_one_server") == 20, "b3's 10 clients moved, the others kept theirs: \(report)")
         // At most the one request each of b3's clients had outstanding when it went.
-        #expect(report.int("lost") <= 10, "\(report)")
+        #expect(report.int("lost") - report.int("late") <= 10, "\(report)")
         #expect(report.int("wrong_source") == 0, "\(report)")
     }
 

@@ -4,7 +4,7 @@
  * its userspace entry in FANOUT_MAP_CAPTURE_CONFIGS says which reasons and how many packets a
  * second; each dropped packet it takes is copied (from its IP header, at most `snaplen` bytes)
  * into a ring buffer the daemon reads and serves as pcapng. Without a capture the cost of a
- * drop is one array lookup; the forwarding path is not touched. The daemon's reader is
+ * drop is one array lookup (inline, no call); the forwarding path is not touched. The daemon's reader is
  * Sources/FanoutCore/Capture/KernelCaptureTap.swift.
  */
 #ifndef FANOUT_CAPTURE_H
@@ -45,51 +45,74 @@ struct {
 } fanout_capbuf SEC(".maps");
 
 static __always_inline long hook_load_bytes(FANOUT_CTX *ctx, __u32 offset, void *to, __u32 length);
+/* The packet's length now (after whatever the decision did to it: a VLAN tag popped, say). */
+static __always_inline __u32 hook_current_length(FANOUT_CTX *ctx);
 
-/* `why` of fanout_capture_drop: the reason, and whether the packet is a reply (a BPF function
- * takes five arguments at most). */
+/* `why` of fanout_capture: the reason (a verdict or FANOUT_CAPTURE_*), whether the packet is a
+ * reply, and whether it was rewritten for a pool's copy (a BPF function takes five arguments at
+ * most). */
 #define FANOUT_CAPTURE_WHY(reason, reply) ((__u32)(reason) | ((reply) ? 0x100u : 0u))
+#define FANOUT_CAPTURE_WHY_REWRITTEN 0x200u
 
-/* Offers the packet listener `id` drops to its capture: `why` says the reason (a verdict or
- * FANOUT_CAPTURE_*) and whether it is a reply of a nat listener (FANOUT_CAPTURE_WHY). 1 when it
- * went into the ring. `length`: the packet's length as it arrived. Verified once (a global
- * function). */
-__noinline int fanout_capture_drop(FANOUT_CTX *ctx, struct packet *p, __u32 id, __u32 why, __u32 length)
+/* The sampling's charge: as rate_charge, but refused when other CPUs win every try (a sample
+ * may be missed, never taken beyond the rate). */
+static __always_inline int capture_charge(__u64 *tat, __u64 cost, __u64 tolerance, __u64 now)
+{
+#pragma clang loop unroll(full)
+	for (int attempt = 0; attempt < 4; attempt++) {
+		__u64 old = *(volatile __u64 *)tat;
+		__u64 next = (old > now ? old : now) + cost;
+		if (next - now > tolerance)
+			return 0;
+		if (__sync_val_compare_and_swap(tat, old, next) == old)
+			return 1;
+	}
+	return 0;
+}
+
+/* Copies the packet into the ring for listener `id`'s capture (fanout_capture checked that it
+ * wants it): 1 when it went in. Verified once (a global function). */
+__noinline int fanout_capture_drop(FANOUT_CTX *ctx, struct packet *p, __u32 id, __u32 why)
 {
 	__u32 reason = why & 0xff;
-	__u32 reply = (why & 0x100) != 0;
 	if (!ctx || !p || id >= FANOUT_MAX_LISTENERS || reason >= 64)
 		return 0;
 	struct fanout_capture_config *config = bpf_map_lookup_elem(&FANOUT_MAP_CAPTURE_CONFIGS, &id);
 	if (!config || !config->snaplen)
 		return 0;
-	__u64 reasons = reply ? config->reply_reasons : config->forward_reasons;
-	if (!(reasons & (1ULL << reason)))
-		return 0;
 	struct fanout_capture_stats *stats = bpf_map_lookup_elem(&FANOUT_MAP_CAPTURE_STATS, &id);
 	if (!stats)
 		return 0;
-	if (!rate_charge(&config->tat, config->interval, config->tolerance, bpf_ktime_get_ns())) {
+	if (!capture_charge(&config->tat, config->interval, config->tolerance, bpf_ktime_get_ns())) {
 		stats->sampled_out++;
 		return 0;
 	}
 	__u32 zero = 0;
 	struct fanout_capture_event *event = bpf_map_lookup_elem(&fanout_capbuf, &zero);
-	if (!event)
+	if (!event) {
+		stats->unreadable++;
 		return 0;
+	}
+	/* The IP packet: from its header to what is there now, at most its own length (not the
+	 * padding of a short frame). */
 	__u32 l3 = p->l3;
+	__u32 length = hook_current_length(ctx);
 	__u32 wire = length > l3 ? length - l3 : 0;
+	if (p->tot_len && p->tot_len < wire)
+		wire = p->tot_len;
 	__u32 take = wire < config->snaplen ? wire : config->snaplen;
 	if (take > FANOUT_CAPTURE_DATA_MAX)
 		take = FANOUT_CAPTURE_DATA_MAX;
-	if (take < 1 || hook_load_bytes(ctx, l3, event->data, take) < 0)
+	if (take < 1 || hook_load_bytes(ctx, l3, event->data, take) < 0) {
+		stats->unreadable++;
 		return 0;
+	}
 	event->time = bpf_ktime_get_ns();
 	event->listener_id = id;
 	event->wire_length = wire;
 	event->length = take;
 	event->reason = reason;
-	event->reply = reply != 0;
+	event->flags = (why & 0x100 ? FANOUT_CAPTURE_FLAG_REPLY : 0) | (why & FANOUT_CAPTURE_WHY_REWRITTEN ? FANOUT_CAPTURE_FLAG_REWRITTEN : 0);
 	event->family = p->family;
 	__u64 size = __builtin_offsetof(struct fanout_capture_event, data) + take;
 	if (bpf_ringbuf_output(&FANOUT_MAP_CAPTURE, event, size, 0) < 0) {
@@ -98,6 +121,22 @@ __noinline int fanout_capture_drop(FANOUT_CTX *ctx, struct packet *p, __u32 id, 
 	}
 	stats->captured++;
 	return 1;
+}
+
+/* Offers the packet listener `id` drops to its capture, if one runs and wants this reason (`why`:
+ * FANOUT_CAPTURE_WHY): without a capture, one array lookup. */
+static __always_inline void fanout_capture(FANOUT_CTX *ctx, struct packet *p, __u32 id, __u32 why)
+{
+	if (id >= FANOUT_MAX_LISTENERS)
+		return;
+	struct fanout_capture_config *config = bpf_map_lookup_elem(&FANOUT_MAP_CAPTURE_CONFIGS, &id);
+	if (!config || !config->snaplen)
+		return;
+	__u32 reason = why & 0xff;
+	__u64 reasons = why & 0x100 ? config->reply_reasons : config->forward_reasons;
+	if (reason >= 64 || !(reasons & (1ULL << reason)))
+		return;
+	fanout_capture_drop(ctx, p, id, why);
 }
 
 #endif /* FANOUT_CAPTURE_H */

@@ -103,6 +103,9 @@ static __always_inline struct fanout_fragment *hook_fragment_record(struct fanou
 static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib);
 /* The packet's length as it leaves. */
 static __always_inline __u32 hook_sent_length(struct fanout_decision *c);
+/* Whether the packet was rewritten for another destination before the listener's own verdict
+ * (tc: a replication pool's copy left from it): a capture says so. */
+static __always_inline int hook_rewritten(struct fanout_decision *c);
 
 /* A first fragment's decision, for its later fragments: the backend it left for (verdict
  * FORWARDED), or what became of it. Nothing for a packet that is not a first fragment. */
@@ -211,7 +214,7 @@ static __always_inline void count_downstream_drop(struct fanout_decision *c, __u
 static __always_inline int drop_rate_limited(struct fanout_decision *c, struct fanout_listener *listener, __u32 payload)
 {
 	remember_fragment(c, FANOUT_OWN_ABUSE_DROPPED);
-	fanout_capture_drop(c->ctx, &c->p, c->id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0), c->length);
+	fanout_capture(c->ctx, &c->p, c->id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0));
 	struct fanout_stats *stats = c->id < FANOUT_MAX_LISTENERS ? bpf_map_lookup_elem(&FANOUT_MAP_STATS, &c->id) : NULL;
 	if (stats) {
 		stats->received++;
@@ -344,14 +347,14 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 		int capped = fanout_amp_capped(&c.p, c.id, udp_payload_charged(ctx, &c.p));
 		if (capped > 0) {
 			remember_fragment(&c, FANOUT_OWN_ABUSE_DROPPED);
-			fanout_capture_drop(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1), c.length);
+			fanout_capture(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1));
 			return FANOUT_ACT_DROP;
 		}
 		c.amp = capped == 0;
 	}
 	/* A later fragment of a datagram rate_limit or amplification dropped: dropped, counted so. */
 	if (c.own_verdict == FANOUT_OWN_ABUSE_DROPPED) {
-		fanout_capture_drop(ctx, &c.p, c.id, c.reply ? FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1) : FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0), c.length);
+		fanout_capture(ctx, &c.p, c.id, c.reply ? FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_AMP_CAPPED, 1) : FANOUT_CAPTURE_WHY(FANOUT_CAPTURE_RATE_LIMITED, 0));
 		if (c.reply) {
 			fanout_amp_count(c.id, 0);
 		} else {
@@ -422,7 +425,7 @@ drop:
 	count_received(&c);
 	count(c.stats, c.reply, verdict);
 	count_quic(c.id, c.quic);
-	fanout_capture_drop(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(verdict, c.reply), c.length);
+	fanout_capture(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(verdict, c.reply) | (hook_rewritten(&c) ? FANOUT_CAPTURE_WHY_REWRITTEN : 0));
 	return FANOUT_ACT_DROP;
 }
 

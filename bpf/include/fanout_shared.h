@@ -687,16 +687,23 @@ struct fanout_capture_event {
 	__u32 wire_length;          /* the packet's length from its IP header */
 	__u32 length;               /* of data */
 	__u16 reason;               /* enum fanout_verdict, or FANOUT_CAPTURE_* */
-	__u8 reply;
+	__u8 flags;                 /* FANOUT_CAPTURE_FLAG_* */
 	__u8 family;
 	__u8 data[FANOUT_CAPTURE_DATA_MAX];
 };
+
+/* fanout_capture_event.flags: a reply of a nat listener (not a client's datagram); the packet
+ * was rewritten for a replication pool's copy before it was dropped (tc: the copies leave
+ * first, from the packet itself). */
+#define FANOUT_CAPTURE_FLAG_REPLY     1
+#define FANOUT_CAPTURE_FLAG_REWRITTEN 2
 
 /* Per CPU, by listener id. */
 struct fanout_capture_stats {
 	__u64 captured;
 	__u64 sampled_out;          /* above the capture's sampling rate */
 	__u64 ring_full;            /* the daemon had not read the ring fast enough */
+	__u64 unreadable;           /* taken, but its bytes could not be read */
 };
 
 #endif /* FANOUT_SHARED_H */

@@ -23,6 +23,11 @@ extension FanoutDaemon {
         ])
         return (counters.capture, session, AFXDPKind.serves(listener) ? Pcapng.linkTypeEthernet : Pcapng.linkTypeRaw)
     }
+
+    /// Whether the running configuration has a listener named `name`.
+    func runsListener(_ name: String) -> Bool {
+        state.withLock { state in state.config.listeners.contains { $0.name == name } }
+    }
 }
 
 /// The response of `GET /capture`: pcapng, streamed as packets are taken, until the capture's
@@ -56,15 +61,31 @@ enum CaptureEndpoint {
             var written = 0
             var lost: UInt64 = 0
             var sampled: UInt64 = 0
-            var ending = ""
+            var ending = "its reader went"
             defer {
                 capture.end(session)
-                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)"])
+                logger.info("capture ended", metadata: [
+                    "listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)", "ended": "\(ending)",
+                ])
             }
-            try await writer.write(ByteBuffer(bytes: Pcapng.header(linkType: linkType, snaplen: session.request.snaplen + (linkType == Pcapng.linkTypeEthernet ? 14 : 0), listener: listener)))
+            // Each packet at most this session's snap length (the listener's capture takes the
+            // longest any of its sessions asks for).
+            let snaplen = session.request.snaplen + (linkType == Pcapng.linkTypeEthernet ? 14 : 0)
+            try await writer.write(ByteBuffer(bytes: Pcapng.header(linkType: linkType, snaplen: snaplen, listener: listener)))
             let clock = ContinuousClock()
             let deadline = session.request.seconds.map { clock.now + .milliseconds(Int64($0 * 1000)) }
             var lastWrite = clock.now
+            var lastCheck = clock.now
+            /// The statistics so far: packets lost (this stream's reader, or the program's ring,
+            /// fell behind) and sampled out.
+            func statistics(_ note: String?) -> ByteBuffer {
+                let missed = capture.counts().since(session.baseline)
+                sampled = missed.sampledOut
+                return ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost &+ missed.kernelLost,
+                                                           comment: note.map { "ended: \($0); \(written) captured, \(lost &+ missed.kernelLost) lost "
+                                                               + "(the capture fell behind: \(missed.kernelLost) in the kernel), \(missed.sampledOut) sampled out "
+                                                               + "(above \(session.request.rate)/s, by every capture of the listener)" }))
+            }
             while true {
                 let taken = session.take()
                 lost = taken.lost
@@ -72,8 +93,8 @@ enum CaptureEndpoint {
                     var buffer = ByteBuffer()
                     for packet in taken.packets {
                         let (data, length) = packet.data(for: linkType)
-                        buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: data, originalLength: length,
-                                                        comment: packet.reason, inbound: !packet.reply))
+                        buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: Array(data.prefix(snaplen)), originalLength: length,
+                                                        comment: packet.comment, inbound: !packet.reply))
                     }
                     try await writer.write(buffer)
                     written += taken.packets.count
@@ -81,6 +102,10 @@ enum CaptureEndpoint {
                 }
                 if taken.complete {
                     ending = "its count reached"
+                    break
+                }
+                if let reason = taken.ended {
+                    ending = reason
                     break
                 }
                 if let deadline, clock.now >= deadline {
@@ -93,20 +118,22 @@ enum CaptureEndpoint {
                     ending = "the daemon's endpoint stops"
                     break
                 }
+                // A reload took the listener out: nothing more will come.
+                if clock.now - lastCheck >= .seconds(1) {
+                    lastCheck = clock.now
+                    if !daemon.runsListener(listener) {
+                        ending = "the listener left the configuration (a reload)"
+                        break
+                    }
+                }
                 if clock.now - lastWrite >= keepAlive {
-                    try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: nil)))
+                    try await writer.write(statistics(nil))
                     lastWrite = clock.now
                 }
                 try await Task.sleep(for: interval)
             }
-            // The last block says what was not captured: lost (this stream's reader, or the
-            // program's ring buffer, fell behind), and sampled out (above the rate).
-            let missed = capture.counts().since(session.baseline)
-            lost += missed.ringFull
-            let note = "ended: \(ending); \(written) captured, \(lost) lost (the capture fell behind: \(missed.ringFull) in the kernel's ring), "
-                + "\(missed.sampledOut) sampled out (above \(session.request.rate)/s, by every capture of the listener)"
-            try await writer.write(ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost, comment: note)))
-            sampled = missed.sampledOut
+            // The last block says why it ended and what was not captured.
+            try await writer.write(statistics(ending))
             try await writer.finish(nil)
         }
         return Response(status: .ok, headers: headers, body: body)

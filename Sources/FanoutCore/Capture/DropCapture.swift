@@ -2,6 +2,7 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Dispatch
 import ReusePortLB
 import Synchronization
 
@@ -17,6 +18,16 @@ package struct CapturedPacket: Sendable {
     package var reason: String
     /// A reply toward a client (two-way listeners), not a client's datagram.
     package var reply: Bool
+    /// tc_ebpf: the packet was rewritten for a replication pool's copy before it was dropped.
+    package var rewritten = false
+
+    package init(nanoseconds: UInt64, ethernet: Bool, data: [UInt8], originalLength: Int, reason: String, reply: Bool, rewritten: Bool = false) {
+        (self.nanoseconds, self.ethernet, self.data, self.originalLength, self.reason, self.reply, self.rewritten) =
+            (nanoseconds, ethernet, data, originalLength, reason, reply, rewritten)
+    }
+
+    /// The packet's comment in the file: its reason, and what was done to it first if anything.
+    package var comment: String { rewritten ? "\(reason) (rewritten for a replication pool's copy first)" : reason }
 
     /// The packet as a file of `linkType` holds it: an IP packet gets an Ethernet header with
     /// zero addresses in an Ethernet file; a frame loses its Ethernet header (and VLAN tags) in a
@@ -98,7 +109,7 @@ package struct CaptureRequest: Sendable, Equatable {
         }
         request.count = try integer("count", 1...10_000_000)
         request.snaplen = try integer("snaplen", 64...DropCapture.snaplenMax) ?? request.snaplen
-        request.rate = try integer("rate", 1...100_000) ?? request.rate
+        request.rate = try integer("rate", 1...DropCapture.rateMax) ?? request.rate
         if let text = query["seconds"] {
             guard let value = Double(text), value > 0, value <= 86_400 else {
                 throw .badValue(key: "seconds", value: text, expected: "seconds from 0 to 86400")
@@ -131,11 +142,18 @@ package final class CaptureSession: Sendable {
         var lastTake = SourceRateLimiter.now()
     }
 
-    /// Its reader has not taken packets for this long: it is gone without ending the session
-    /// (a response never written), and the session ends at the next packet.
+    /// Its reader has not taken packets for this long: it is gone without ending the session (a
+    /// response never written, a reader stopped), and the capture's reaper ends the session.
     static let abandonedAfter: Int64 = 30_000_000_000
 
     var isAbandoned: Bool { state.withLock { SourceRateLimiter.now() - $0.lastTake > Self.abandonedAfter } }
+
+    /// Why the listener's capture ended the session before its reader did (nil: it did not).
+    private let endedBy = Mutex<String?>(nil)
+    var ended: String? {
+        get { endedBy.withLock { $0 } }
+        set { endedBy.withLock { $0 = newValue } }
+    }
 
     init(_ request: CaptureRequest) {
         self.request = request
@@ -157,12 +175,14 @@ package final class CaptureSession: Sendable {
         }
     }
 
-    /// The packets waiting, and whether the count is reached (nothing more will come).
-    package func take() -> (packets: [CapturedPacket], complete: Bool, lost: UInt64) {
-        state.withLock { state in
+    /// The packets waiting, whether the count is reached (nothing more will come), the packets
+    /// lost for want of room, and why the capture ended the session if it did.
+    package func take() -> (packets: [CapturedPacket], complete: Bool, lost: UInt64, ended: String?) {
+        let ended = self.ended
+        return state.withLock { state in
             defer { state.waiting.removeAll(keepingCapacity: true) }
             state.lastTake = SourceRateLimiter.now()
-            return (state.waiting, request.count.map { state.taken >= $0 } ?? false, state.lost)
+            return (state.waiting, request.count.map { state.taken >= $0 } ?? false, state.lost, ended)
         }
     }
 }
@@ -185,10 +205,17 @@ package final class DropCapture: Sendable {
     package static let snaplenMax = 2048
     /// Captures of one listener at once at most.
     package static let sessionLimit = 4
+    /// The highest sampling rate a capture may ask for (packets a second): each packet taken
+    /// costs a forwarding thread of a socket kind a copy and a lock.
+    package static let rateMax = 10_000
 
     /// True while a capture runs: read by the forwarding threads at each drop.
     let active = Atomic<Bool>(false)
     private let state = Mutex<State>(State())
+    /// Held from a change of the sessions or watchers to the end of its publishing and of the
+    /// watchers' applying it, so that changes are applied in the order they were made (never
+    /// the forwarding threads' or the ring reader's: they only read).
+    private let applying = Mutex(())
     /// The sampling's theoretical arrival time (nanoseconds, CLOCK_MONOTONIC), as rate_limit's GCRA.
     private let tat = Atomic<UInt64>(0)
     /// The filter for the forwarding threads, without a lock: the reasons (a bit per index in
@@ -228,15 +255,16 @@ package final class DropCapture: Sendable {
     }
 
     /// What was not captured, since the process started: above the sampling rate (in the threads
-    /// and the programs), and taken by a program but lost because its ring buffer was full.
+    /// and the programs), and taken by a program but lost (its ring buffer full, or its bytes
+    /// unreadable).
     package struct Counts: Sendable, Equatable {
         package var sampledOut: UInt64 = 0
-        package var ringFull: UInt64 = 0
+        package var kernelLost: UInt64 = 0
 
         /// What grew since `earlier` (a count that went back, a listener's instance replaced, is 0).
         func since(_ earlier: Counts) -> Counts {
             Counts(sampledOut: sampledOut >= earlier.sampledOut ? sampledOut - earlier.sampledOut : 0,
-                   ringFull: ringFull >= earlier.ringFull ? ringFull - earlier.ringFull : 0)
+                   kernelLost: kernelLost >= earlier.kernelLost ? kernelLost - earlier.kernelLost : 0)
         }
     }
 
@@ -250,7 +278,7 @@ package final class DropCapture: Sendable {
         for watcher in watchers {
             let counted = watcher.counts()
             total.sampledOut &+= counted.sampledOut
-            total.ringFull &+= counted.ringFull
+            total.kernelLost &+= counted.kernelLost
         }
         return total
     }
@@ -260,26 +288,47 @@ package final class DropCapture: Sendable {
     /// The filter now (nil: no capture runs).
     package var filter: Filter? { state.withLock { $0.filter } }
 
-    /// Starts `session`. - Throws: ``CaptureRequestError/tooMany(listener:limit:)``.
+    /// Starts `session`; a reaper ends it if its reader goes without ending it.
+    /// - Throws: ``CaptureRequestError/tooMany(listener:limit:)``.
     package func start(_ session: CaptureSession, listener: String) throws(CaptureRequestError) {
         session.baseline = counts()
-        let (filter, watchers) = try state.withLock { state throws(CaptureRequestError) in
-            guard state.sessions.count < Self.sessionLimit else { throw .tooMany(listener: listener, limit: Self.sessionLimit) }
-            state.sessions[ObjectIdentifier(session)] = session
-            return Self.refilter(&state)
+        try applying.withLock { _ throws(CaptureRequestError) in
+            let (filter, watchers) = try state.withLock { state throws(CaptureRequestError) in
+                guard state.sessions.count < Self.sessionLimit else { throw .tooMany(listener: listener, limit: Self.sessionLimit) }
+                state.sessions[ObjectIdentifier(session)] = session
+                return Self.refilter(&state)
+            }
+            publish(filter)
+            for watcher in watchers { watcher(filter) }
         }
-        publish(filter)
-        for watcher in watchers { watcher(filter) }
+        reap(session)
     }
 
-    /// Ends `session` (idempotent): the last one ends the listener's capture.
-    package func end(_ session: CaptureSession) {
-        let (filter, watchers) = state.withLock { state in
-            state.sessions[ObjectIdentifier(session)] = nil
-            return Self.refilter(&state)
+    /// Ends `session` (idempotent): the last one ends the listener's capture. `reason`: why, when
+    /// not by its reader (its stream says so).
+    package func end(_ session: CaptureSession, reason: String? = nil) {
+        if let reason { session.ended = reason }
+        applying.withLock { _ in
+            let (filter, watchers) = state.withLock { state in
+                state.sessions[ObjectIdentifier(session)] = nil
+                return Self.refilter(&state)
+            }
+            publish(filter)
+            for watcher in watchers { watcher(filter) }
         }
-        publish(filter)
-        for watcher in watchers { watcher(filter) }
+    }
+
+    /// Every 5 s while `session` runs: ended when its reader has taken nothing for
+    /// ``CaptureSession/abandonedAfter`` (off the forwarding threads and the ring reader).
+    private func reap(_ session: CaptureSession) {
+        DispatchQueue.global().asyncAfter(deadline: .now() + .seconds(5)) { [weak self] in
+            guard let self, self.state.withLock({ $0.sessions[ObjectIdentifier(session)] != nil }) else { return }
+            if session.isAbandoned {
+                self.end(session, reason: "its reader took nothing for \(CaptureSession.abandonedAfter / 1_000_000_000) s")
+            } else {
+                self.reap(session)
+            }
+        }
     }
 
     /// The filter into the atomics the forwarding threads read, `active` last.
@@ -303,15 +352,20 @@ package final class DropCapture: Sendable {
     /// until ``unwatch(_:)``.
     /// `counts`: what its program did not capture (since it started).
     func watch(_ owner: AnyObject, counts: @escaping @Sendable () -> Counts, _ apply: @escaping @Sendable (Filter?) -> Void) {
-        let filter = state.withLock { state in
-            state.watchers[ObjectIdentifier(owner)] = Watcher(apply: apply, counts: counts)
-            return state.filter
+        applying.withLock { _ in
+            let filter = state.withLock { state in
+                state.watchers[ObjectIdentifier(owner)] = Watcher(apply: apply, counts: counts)
+                return state.filter
+            }
+            apply(filter)
         }
-        apply(filter)
     }
 
+    /// Once it returns, `owner`'s `apply` is not running and is not called again.
     func unwatch(_ owner: AnyObject) {
-        _ = state.withLock { $0.watchers.removeValue(forKey: ObjectIdentifier(owner)) }
+        applying.withLock { _ in
+            _ = state.withLock { $0.watchers.removeValue(forKey: ObjectIdentifier(owner)) }
+        }
     }
 
     private static func refilter(_ state: inout State) -> (Filter?, [@Sendable (Filter?) -> Void]) {
@@ -339,8 +393,7 @@ package final class DropCapture: Sendable {
     func offer(_ reason: String, reply: Bool = false, payload: UnsafeRawBufferPointer, payloadLength: Int,
                source: SocketAddress, destination: SocketAddress) {
         guard let snaplen = admit(reason) else { return }
-        let kept = UnsafeRawBufferPointer(rebasing: payload.prefix(max(0, snaplen - (source.ip.family == AF_INET6 || destination.ip.family == AF_INET6 ? 48 : 28))))
-        let (bytes, length) = SyntheticPacket.make(payload: kept, payloadLength: payloadLength, from: source, to: destination)
+        let (bytes, length) = SyntheticPacket.make(payload: payload, payloadLength: payloadLength, from: source, to: destination, snaplen: snaplen)
         deliver(CapturedPacket(nanoseconds: Self.wallNanoseconds(), ethernet: false, data: bytes,
                                originalLength: length, reason: reason, reply: reply))
     }
@@ -374,13 +427,7 @@ package final class DropCapture: Sendable {
     /// A packet taken (the kernel programs sample their own): to every session that wants it.
     func deliver(_ packet: CapturedPacket) {
         let sessions = state.withLock { Array($0.sessions.values) }
-        for session in sessions {
-            if session.isAbandoned {
-                end(session)
-                continue
-            }
-            session.push(packet)
-        }
+        for session in sessions { session.push(packet) }
     }
 
     static func wallNanoseconds() -> UInt64 {

@@ -17,6 +17,8 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
     private let captures = Mutex<[UInt32: DropCapture]>([:])
     private let running = Atomic<Bool>(true)
     private let thread = Mutex<OSThread?>(nil)
+    /// The reader's pthread_t: stop() must not join (nor free the ring under) its own thread.
+    private let readerThread = Atomic<UInt>(0)
 
     /// The programs' reason codes (enum fanout_verdict; FANOUT_CAPTURE_RATE_LIMITED and
     /// FANOUT_CAPTURE_AMP_CAPPED follow FANOUT_VERDICT_COUNT) and the metrics' names.
@@ -58,6 +60,7 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
         self.holder = holder
         holder.tap = self
         let started = OSThread(name: "udp-fanout-cap") { [self] in
+            readerThread.store(UInt(pthread_self()), ordering: .relaxed)
             var said = false
             while running.load(ordering: .relaxed) {
                 let result = ring_buffer__poll(ring, 100)
@@ -93,9 +96,12 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
         }
     }
 
-    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent.
+    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent. Never from the
+    /// reader's own thread (a packet's delivery ends no session): there it only asks the
+    /// thread to end, and the ring stays (freed with the process).
     func stop() {
         running.store(false, ordering: .relaxed)
+        if readerThread.load(ordering: .relaxed) == UInt(pthread_self()) { return }
         guard let started = thread.withLock({ state -> OSThread? in
             defer { state = nil }
             return state
@@ -107,13 +113,21 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
     private func deliver(_ data: UnsafeRawPointer, size: Int) {
         let header = MemoryLayout<fanout_capture_event>.offset(of: \.data)!
         guard size >= header else { return }
-        let event = data.loadUnaligned(as: (UInt64, UInt32, UInt32, UInt32, UInt16, UInt8, UInt8).self)
-        let (time, id, wire, length, reason, reply, _) = event
+        func field<T>(_ path: KeyPath<fanout_capture_event, T>, _ type: T.Type) -> T {
+            data.loadUnaligned(fromByteOffset: MemoryLayout<fanout_capture_event>.offset(of: path)!, as: type)
+        }
+        let time = field(\.time, UInt64.self)
+        let id = field(\.listener_id, UInt32.self)
+        let wire = field(\.wire_length, UInt32.self)
+        let length = field(\.length, UInt32.self)
+        let reason = field(\.reason, UInt16.self)
+        let flags = UInt32(field(\.flags, UInt8.self))
         guard Int(length) <= size - header, let capture = captures.withLock({ $0[id] }) else { return }
         // bpf_ktime_get_ns is CLOCK_MONOTONIC: moved to the wall clock by the offset now.
         let offset = Int64(bitPattern: DropCapture.wallNanoseconds()) - SourceRateLimiter.now()
         let bytes = Array(UnsafeRawBufferPointer(start: data + header, count: Int(length)))
         capture.deliver(CapturedPacket(nanoseconds: UInt64(max(0, Int64(bitPattern: time) + offset)), ethernet: false, data: bytes,
-                                       originalLength: Int(wire), reason: Self.reason(code: UInt32(reason)), reply: reply != 0))
+                                       originalLength: Int(wire), reason: Self.reason(code: UInt32(reason)), reply: flags & UInt32(FANOUT_CAPTURE_FLAG_REPLY) != 0,
+                                       rewritten: flags & UInt32(FANOUT_CAPTURE_FLAG_REWRITTEN) != 0))
     }
 }

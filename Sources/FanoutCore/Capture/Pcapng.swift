@@ -64,7 +64,8 @@ package enum Pcapng {
             guard length >= 12, length % 4 == 0, length <= 1 << 24 else { return nil }
             guard bytes.endIndex - offset >= length else { break }
             if type == 6 { packets += 1 }
-            if type == 5, let comment = comment(bytes[(offset + 20)..<(offset + length - 4)]) { statistics = comment }
+            // An interface statistics block's options follow its 20 bytes of fixed fields.
+            if type == 5, length >= 24, let comment = comment(bytes[(offset + 20)..<(offset + length - 4)]) { statistics = comment }
             offset += length
         }
         return (offset - bytes.startIndex, packets, statistics)
@@ -108,32 +109,41 @@ package enum Pcapng {
 
 /// What a socket kind knows of a dropped datagram (its payload and the two addresses) made into
 /// the IP packet it arrived as, for a raw-IP capture: an IPv4 or IPv6 header and a UDP header
-/// before the payload, checksums computed (IPv4's UDP checksum left 0, which IPv4 allows).
+/// before the payload, checksums computed over the whole payload at hand (IPv4's UDP checksum
+/// left 0, which IPv4 allows). An IPv4 client of an IPv6 socket (`::ffff:a.b.c.d`) makes an IPv4
+/// packet when the other address is IPv4 too (or mapped, or the wildcard `::`).
 package enum SyntheticPacket {
     /// - Parameters:
-    ///   - payload: the datagram's payload (at most the capture's snap length of it).
+    ///   - payload: the datagram's payload as read (a datagram cut by the socket: what was read).
     ///   - payloadLength: the payload's whole length (the datagram may have been longer than what
-    ///     was read, or than the snap length).
-    /// - Returns: the packet, and its whole length.
-    package static func make(payload: UnsafeRawBufferPointer, payloadLength: Int, from source: SocketAddress, to destination: SocketAddress) -> (bytes: [UInt8], length: Int) {
-        let sourceBytes = source.ip.bytes
-        let destinationBytes = destination.ip.bytes
-        let ipv4 = sourceBytes.count == 4 && destinationBytes.count == 4
-        // A family mix (an IPv4 client on an IPv6 socket is read as ::ffff:a.b.c.d) goes as IPv6.
-        let from = ipv4 ? sourceBytes : mapped(sourceBytes)
-        let to = ipv4 ? destinationBytes : mapped(destinationBytes)
+    ///     was read).
+    ///   - snaplen: the most of the packet kept.
+    /// - Returns: the packet (at most `snaplen` bytes), and its whole length.
+    package static func make(payload: UnsafeRawBufferPointer, payloadLength: Int, from source: SocketAddress, to destination: SocketAddress,
+                             snaplen: Int = Int.max) -> (bytes: [UInt8], length: Int) {
+        var from = source.ip.bytes
+        var to = destination.ip.bytes
+        if let v4 = ipv4(from), let other = to.count == 4 ? to : ipv4(to) ?? (to.allSatisfy { $0 == 0 } ? [0, 0, 0, 0] : nil) {
+            (from, to) = (v4, other)
+        } else if let v4 = ipv4(to), from.count == 4 {
+            to = v4
+        }
+        let ipv4 = from.count == 4 && to.count == 4
+        if !ipv4 {
+            from = mapped(from)
+            to = mapped(to)
+        }
         let udpLength = 8 + payloadLength
         var udp = be16(source.port) + be16(destination.port) + be16(UInt16(clamping: udpLength)) + [0, 0]
-        var packet: [UInt8]
+        var header: [UInt8]
         if ipv4 {
-            var header: [UInt8] = [0x45, 0] + be16(UInt16(clamping: 20 + udpLength)) + [0, 0, 0x40, 0, 64, 17, 0, 0] + from + to
+            header = [0x45, 0] + be16(UInt16(clamping: 20 + udpLength)) + [0, 0, 0x40, 0, 64, 17, 0, 0] + from + to
             let checksum = header.withUnsafeBytes { IPChecksum.checksum($0) }
             withUnsafeBytes(of: checksum) { header[10] = $0[0]; header[11] = $0[1] }
-            packet = header + udp
         } else {
-            let header: [UInt8] = [0x60, 0, 0, 0] + be16(UInt16(clamping: udpLength)) + [17, 64] + from + to
+            header = [0x60, 0, 0, 0] + be16(UInt16(clamping: udpLength)) + [17, 64] + from + to
             // The UDP checksum over the pseudo-header (addresses, length, next header) and the
-            // datagram as captured (a cut payload gives a checksum of what is there).
+            // payload at hand (a datagram cut by the socket gives a checksum of what was read).
             let pseudo = from + to + be32(UInt32(udpLength)) + [0, 0, 0, 17]
             var sum = pseudo.withUnsafeBytes { IPChecksum.add($0, to: 0) }
             sum = udp.withUnsafeBytes { IPChecksum.add($0, to: sum) }
@@ -141,10 +151,16 @@ package enum SyntheticPacket {
             var checksum = IPChecksum.finish(sum)
             if checksum == 0 { checksum = 0xffff }
             withUnsafeBytes(of: checksum) { udp[6] = $0[0]; udp[7] = $0[1] }
-            packet = header + udp
         }
-        packet += payload
-        return (packet, packet.count - payload.count + payloadLength)
+        let headers = header + udp
+        let kept = max(0, min(payload.count, snaplen - headers.count))
+        return (Array(headers.prefix(snaplen)) + payload.prefix(kept), headers.count + payloadLength)
+    }
+
+    /// The IPv4 address in `::ffff:a.b.c.d`, nil for any other.
+    private static func ipv4(_ bytes: [UInt8]) -> [UInt8]? {
+        guard bytes.count == 16, bytes[0..<10].allSatisfy({ $0 == 0 }), bytes[10] == 0xff, bytes[11] == 0xff else { return nil }
+        return Array(bytes[12...])
     }
 
     private static func mapped(_ bytes: [UInt8]) -> [UInt8] {

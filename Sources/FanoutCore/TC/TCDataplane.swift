@@ -558,32 +558,47 @@ final class TCDataplane: Sendable {
 
     /// `udp-fanout capture`: listener `id`'s capture filter into the programs' map (nil: none),
     /// and its dropped packets from the ring buffer to `capture` meanwhile (the ring is read
-    /// while any listener has a capture).
+    /// while any listener has a capture). A filter for an id no listener holds (it stopped
+    /// meanwhile) is not written.
     func capture(id: UInt32, _ capture: DropCapture, _ filter: DropCapture.Filter?) {
-        state.withLock { state in
-            guard let program = state.program else { return }
+        let stopping = state.withLock { state -> KernelCaptureTap? in
+            guard let program = state.program else { return nil }
             var key = id
             var config = KernelCaptureTap.config(filter)
-            guard filter != nil else {
-                bpf_map_update_elem(program.captureConfigs, &key, &config, UInt64(BPF_ANY))
-                if let tap = state.captureTap, tap.unregister(id: id) {
-                    tap.stop()
-                    state.captureTap = nil
-                }
-                return
+            guard filter != nil, !state.freeIDs.contains(id) else {
+                var empty = fanout_capture_config()
+                bpf_map_update_elem(program.captureConfigs, &key, &empty, UInt64(BPF_ANY))
+                guard let tap = state.captureTap, tap.unregister(id: id) else { return nil }
+                // The last one: its reader stops once the lock is released (it takes no lock,
+                // but stopping it under ours would hold every other listener's change meanwhile).
+                state.captureTap = nil
+                return tap
             }
             do throws(SystemCallError) {
                 if state.captureTap == nil { state.captureTap = try KernelCaptureTap(ringBuffer: program.capture, logger: logger) }
                 state.captureTap?.register(id: id, capture)
-                // The sampling's time carries on from the entry's (a change of filter mid-capture).
+                // The sampling's time carries on from the entry's while its rate stays (another
+                // filter of the same rate); another rate starts with a whole burst.
                 var previous = fanout_capture_config()
-                if bpf_map_lookup_elem(program.captureConfigs, &key, &previous) == 0 { config.tat = previous.tat }
+                if bpf_map_lookup_elem(program.captureConfigs, &key, &previous) == 0, previous.interval == config.interval { config.tat = previous.tat }
                 try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_CAPTURE_CONFIGS_NAME)") { bpf_map_update_elem(program.captureConfigs, &key, &config, UInt64(BPF_ANY)) }
             } catch {
                 logger.error("capture: the program cannot be told to capture this listener's drops; the capture gets none from it", metadata: [
                     "id": "\(id)", "error": "\(error)",
                 ])
             }
+            return nil
+        }
+        stopping?.stop()
+    }
+
+    /// Listener `id`'s capture counts (what its program did not capture), read under the lock
+    /// that keeps the program's descriptors open.
+    func captureCounts(id: UInt32) -> DropCapture.Counts {
+        state.withLock { state in
+            guard let program = state.program, !state.freeIDs.contains(id) else { return DropCapture.Counts() }
+            let counted = program.captureCounts(id: id)
+            return DropCapture.Counts(sampledOut: counted.sampledOut, kernelLost: counted.ringFull &+ counted.unreadable)
         }
     }
 
@@ -960,8 +975,7 @@ final class TCListener: RunningListener {
         let capture = counters.capture
         capture.watch(self, counts: { [weak self] in
             guard let self else { return DropCapture.Counts() }
-            let counted = self.program.captureCounts(id: self.id)
-            return DropCapture.Counts(sampledOut: counted.sampledOut, ringFull: counted.ringFull)
+            return self.dataplane.captureCounts(id: self.id)
         }) { [weak self] filter in
             guard let self, !self.stopped.load(ordering: .relaxed) else { return }
             self.dataplane.capture(id: self.id, capture, filter)

@@ -441,11 +441,11 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     }
 
     /// Listener `id`'s capture counts as the programs counted them (summed over the CPUs): taken,
-    /// above the capture's sampling rate, lost to a full ring buffer.
-    func captureCounts(id: UInt32) -> (captured: UInt64, sampledOut: UInt64, ringFull: UInt64) {
+    /// above the capture's sampling rate, lost to a full ring buffer, unreadable.
+    func captureCounts(id: UInt32) -> (captured: UInt64, sampledOut: UInt64, ringFull: UInt64, unreadable: UInt64) {
         let sums = perCPUSum(captureStats, key: id, as: fanout_capture_stats.self)
-        guard sums.count >= 3 else { return (0, 0, 0) }
-        return (sums[0], sums[1], sums[2])
+        guard sums.count >= 4 else { return (0, 0, 0, 0) }
+        return (sums[0], sums[1], sums[2], sums[3])
     }
 
     /// Puts nat listener `id`'s `amplification` in force: its client map (an LRU hash of
