@@ -276,7 +276,8 @@ static __always_inline __u32 hook_current_length(struct __sk_buff *skb)
 	return skb->len;
 }
 
-/* A pool took a copy: the copies were made from the packet itself (rewritten, its tag popped). */
+/* A pool took a copy: the copies were made from the packet itself (its tag popped, rewritten for
+ * a member unless the pool had none). */
 static __always_inline int hook_rewritten(struct fanout_decision *c)
 {
 	struct fanout_fragment *work = c->hook.work;

@@ -77,6 +77,15 @@ struct Capture: AsyncParsableCommand {
             printError("udp-fanout capture: \(error)")
             throw ExitCode(2)
         }
+        // Whether the file can be written, before asking the daemon for anything.
+        if file != "-" {
+            let directory = file.contains("/") ? String(file[..<file.lastIndex(of: "/")!]) : "."
+            let target = access(file, F_OK) == 0 ? file : (directory.isEmpty ? "/" : directory)
+            guard access(target, W_OK) == 0 else {
+                printError("udp-fanout capture: cannot write \(file): \(String(cString: strerror(errno))); give a file in a directory you can write (or -w - for standard output)")
+                throw ExitCode(2)
+            }
+        }
         // First whether a udp-fanout answers there, within seconds (the stream's request waits
         // as long as the capture runs, and its connection attempts would go on meanwhile).
         do {
@@ -124,6 +133,8 @@ struct Capture: AsyncParsableCommand {
         case .streamed(let packets, let complete, let summary):
             printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")"
                        + (summary.map { "; the daemon: \($0)" } ?? ""))
+        case nil where !output.opened:
+            printError("udp-fanout capture: interrupted before the daemon accepted the capture; nothing written")
         case nil:
             printError("udp-fanout capture: interrupted; \(Self.written.withLock { $0 }) packet(s) written to \(target)")
         }
@@ -158,6 +169,9 @@ struct Capture: AsyncParsableCommand {
                 return fd >= 0 ? .success(fd) : .failure(OpenError(problem: String(cString: strerror(errno))))
             }
         }
+
+        /// Whether the stream's first write opened it (standard output always is).
+        var opened: Bool { path == "-" || descriptor.withLock { $0 >= 0 } }
 
         func close() {
             descriptor.withLock { fd in

@@ -267,4 +267,40 @@ struct RateLimitProgramTests {
         #expect(!rig.sent(hook, from: "198.18.50.1"))
         #expect(counts() == [4, 3, 0], "\(hook): \(counts())")
     }
+
+    @Test("udp-fanout capture in tc: a datagram dropped after its listener's pools took a copy (the copies are made from the packet itself) is said to be modified for the copy; one without pools is not")
+    func captureAfterPoolCopies() throws {
+        let fixture = try TCProgramFixture()
+        // No backend of its own (no_healthy), a pool taking a copy of each datagram.
+        try fixture.addListener(bind: TCProgramFixture.listenerBind(5522), id: 20, own: [], pools: [
+            TCProgramFixture.PoolSpec(id: 21, policy: FANOUT_POLICY_ROUND_ROBIN, members: TCPoolProgramTests.allMembers),
+        ])
+        try fixture.addListener(bind: TCProgramFixture.listenerBind(5523), id: 22, own: [], pools: [])
+        let capture = DropCapture()
+        let session = CaptureSession(CaptureRequest())
+        try capture.start(session, listener: "t")
+        defer { capture.end(session) }
+        let tap = try KernelCaptureTap(ringBuffer: fixture.program.capture, logger: Logger(label: "capture-test"))
+        defer { tap.stop() }
+        for id: UInt32 in [20, 22] {
+            tap.register(id: id, capture)
+            var key = id
+            var config = KernelCaptureTap.config(DropCapture.Filter(reasons: ["no_healthy"], rate: 1000, snaplen: 2048))
+            try #require(bpf_map_update_elem(fixture.program.captureConfigs, &key, &config, UInt64(BPF_ANY)) == 0)
+        }
+        #expect(fixture.execute(Packet.ipv4(payload: [1, 2, 3, 4], port: 5522)).verdict == TCProgramFixture.shot)
+        #expect(fixture.execute(Packet.ipv4(payload: [1, 2, 3, 4], port: 5523)).verdict == TCProgramFixture.shot)
+        var packets: [CapturedPacket] = []
+        for _ in 0..<200 where packets.count < 2 {
+            packets += session.take().packets
+            usleep(10_000)
+        }
+        let comments = packets.map(\.comment).sorted()
+        #expect(comments == ["no_healthy", "no_healthy (modified for a replication pool's copy first)"], "\(comments)")
+        for id: UInt32 in [20, 22] {
+            var key = id
+            var empty = fanout_capture_config()
+            bpf_map_update_elem(fixture.program.captureConfigs, &key, &empty, UInt64(BPF_ANY))
+        }
+    }
 }

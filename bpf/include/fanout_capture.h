@@ -123,20 +123,25 @@ __noinline int fanout_capture_drop(FANOUT_CTX *ctx, struct packet *p, __u32 id, 
 	return 1;
 }
 
-/* Offers the packet listener `id` drops to its capture, if one runs and wants this reason (`why`:
- * FANOUT_CAPTURE_WHY): without a capture, one array lookup. */
-static __always_inline void fanout_capture(FANOUT_CTX *ctx, struct packet *p, __u32 id, __u32 why)
+/* Whether a capture of listener `id` runs and wants this reason (`why`: FANOUT_CAPTURE_WHY):
+ * without a capture, one array lookup (inline, no call). */
+static __always_inline int fanout_capture_wanted(__u32 id, __u32 why)
 {
 	if (id >= FANOUT_MAX_LISTENERS)
-		return;
+		return 0;
 	struct fanout_capture_config *config = bpf_map_lookup_elem(&FANOUT_MAP_CAPTURE_CONFIGS, &id);
 	if (!config || !config->snaplen)
-		return;
+		return 0;
 	__u32 reason = why & 0xff;
 	__u64 reasons = why & 0x100 ? config->reply_reasons : config->forward_reasons;
-	if (reason >= 64 || !(reasons & (1ULL << reason)))
-		return;
-	fanout_capture_drop(ctx, p, id, why);
+	return reason < 64 && (reasons & (1ULL << reason)) != 0;
+}
+
+/* Offers the packet listener `id` drops to its capture, if one wants it. */
+static __always_inline void fanout_capture(FANOUT_CTX *ctx, struct packet *p, __u32 id, __u32 why)
+{
+	if (fanout_capture_wanted(id, why))
+		fanout_capture_drop(ctx, p, id, why);
 }
 
 #endif /* FANOUT_CAPTURE_H */

@@ -103,8 +103,9 @@ static __always_inline struct fanout_fragment *hook_fragment_record(struct fanou
 static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib);
 /* The packet's length as it leaves. */
 static __always_inline __u32 hook_sent_length(struct fanout_decision *c);
-/* Whether the packet was rewritten for another destination before the listener's own verdict
- * (tc: a replication pool's copy left from it): a capture says so. */
+/* Whether the packet was modified before the listener's own verdict (tc: a replication pool
+ * took a copy, made from the packet itself: its tag popped, and rewritten for a member unless
+ * the pool had none): a capture says so. */
 static __always_inline int hook_rewritten(struct fanout_decision *c);
 
 /* A first fragment's decision, for its later fragments: the backend it left for (verdict
@@ -425,7 +426,8 @@ drop:
 	count_received(&c);
 	count(c.stats, c.reply, verdict);
 	count_quic(c.id, c.quic);
-	fanout_capture(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(verdict, c.reply) | (hook_rewritten(&c) ? FANOUT_CAPTURE_WHY_REWRITTEN : 0));
+	if (fanout_capture_wanted(c.id, FANOUT_CAPTURE_WHY(verdict, c.reply)))
+		fanout_capture_drop(ctx, &c.p, c.id, FANOUT_CAPTURE_WHY(verdict, c.reply) | (hook_rewritten(&c) ? FANOUT_CAPTURE_WHY_REWRITTEN : 0));
 	return FANOUT_ACT_DROP;
 }
 

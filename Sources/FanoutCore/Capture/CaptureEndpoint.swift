@@ -24,9 +24,10 @@ extension FanoutDaemon {
         return (counters.capture, session, AFXDPKind.serves(listener) ? Pcapng.linkTypeEthernet : Pcapng.linkTypeRaw)
     }
 
-    /// Whether the running configuration has a listener named `name`.
-    func runsListener(_ name: String) -> Bool {
-        state.withLock { state in state.config.listeners.contains { $0.name == name } }
+    /// Whether the running configuration still has listener `name` with this capture (a reload
+    /// that removed it, or changed its kind, made another or none).
+    func runsListener(_ name: String, capturing capture: DropCapture) -> Bool {
+        state.withLock { state in state.config.listeners.contains { $0.name == name } && state.counters[name]?.capture === capture }
     }
 }
 
@@ -39,19 +40,24 @@ enum CaptureEndpoint {
     /// noticed (the write fails) and its capture ends.
     static let keepAlive = Duration.seconds(2)
 
-    static func response(_ request: Request, daemon: FanoutDaemon) -> Response {
+    static func response(_ request: Request, daemon: FanoutDaemon) async -> Response {
         guard request.method == .get else {
             return text(.methodNotAllowed, "only GET: the capture is a stream\n", allow: true)
         }
-        var query: [String: String] = [:]
-        for (key, value) in request.uri.queryParameters { query[String(key)] = String(value) }
+        var parameters: [String: String] = [:]
+        for (key, value) in request.uri.queryParameters { parameters[String(key)] = String(value) }
+        let query = parameters
         let capture: DropCapture
         let session: CaptureSession
         let linkType: UInt16
-        do {
-            (capture, session, linkType) = try daemon.startCapture(query)
-        } catch {
-            return text(HTTPResponse.Status(code: error.status), "\(error)\n")
+        // Off the cooperative pool: a kernel listener's start writes its program's maps and may
+        // start the ring's reader; its end may wait for that reader (within 100 ms).
+        let started = await offCooperativePool("capture-start") { () -> Result<(DropCapture, CaptureSession, UInt16), CaptureRequestError> in
+            do throws(CaptureRequestError) { return .success(try daemon.startCapture(query)) } catch { return .failure(error) }
+        }
+        switch started {
+        case .success(let value): (capture, session, linkType) = value
+        case .failure(let error): return text(HTTPResponse.Status(code: error.status), "\(error)\n")
         }
         let listener = query["listener"] ?? ""
         let logger = daemon.logger
@@ -62,12 +68,21 @@ enum CaptureEndpoint {
             var lost: UInt64 = 0
             var sampled: UInt64 = 0
             var ending = "its reader went"
-            defer {
-                capture.end(session)
-                logger.info("capture ended", metadata: [
-                    "listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)", "ended": "\(ending)",
-                ])
+            do {
+                try await stream()
+            } catch {
+                await offCooperativePool("capture-end") { capture.end(session) }
+                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "ended": "its reader went (\(error))"])
+                throw error
             }
+            await offCooperativePool("capture-end") { capture.end(session) }
+            logger.info("capture ended", metadata: [
+                "listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)", "ended": "\(ending)",
+            ])
+            try await writer.finish(nil)
+
+            /// Writes the stream until it ends, then its last statistics.
+            func stream() async throws {
             // Each packet at most this session's snap length (the listener's capture takes the
             // longest any of its sessions asks for).
             let snaplen = session.request.snaplen + (linkType == Pcapng.linkTypeEthernet ? 14 : 0)
@@ -78,13 +93,14 @@ enum CaptureEndpoint {
             var lastCheck = clock.now
             /// The statistics so far: packets lost (this stream's reader, or the program's ring,
             /// fell behind) and sampled out.
-            func statistics(_ note: String?) -> ByteBuffer {
-                let missed = capture.counts().since(session.baseline)
+            func statistics(_ note: String?) async -> ByteBuffer {
+                // The programs' counts are read off the cooperative pool (a lock and map reads).
+                let (missed, rate) = await offCooperativePool("capture-counts") { (capture.counts().since(session.baseline), capture.filter?.rate) }
                 sampled = missed.sampledOut
                 return ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost &+ missed.kernelLost,
                                                            comment: note.map { "ended: \($0); \(written) captured, \(lost &+ missed.kernelLost) lost "
                                                                + "(the capture fell behind: \(missed.kernelLost) in the kernel), \(missed.sampledOut) sampled out "
-                                                               + "(above \(session.request.rate)/s, by every capture of the listener)" }))
+                                                               + "(above \(rate ?? session.request.rate)/s, the sampling of every capture of the listener)" }))
             }
             while true {
                 let taken = session.take()
@@ -93,7 +109,10 @@ enum CaptureEndpoint {
                     var buffer = ByteBuffer()
                     for packet in taken.packets {
                         let (data, length) = packet.data(for: linkType)
-                        buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: Array(data.prefix(snaplen)), originalLength: length,
+                        // A frame as it arrived (af_xdp) is cut at the snap length asked; a packet
+                        // given an Ethernet header keeps the snap length of the packet.
+                        let cut = packet.ethernet ? session.request.snaplen : snaplen
+                        buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: Array(data.prefix(cut)), originalLength: length,
                                                         comment: packet.comment, inbound: !packet.reply))
                     }
                     try await writer.write(buffer)
@@ -121,20 +140,20 @@ enum CaptureEndpoint {
                 // A reload took the listener out: nothing more will come.
                 if clock.now - lastCheck >= .seconds(1) {
                     lastCheck = clock.now
-                    if !daemon.runsListener(listener) {
+                    if !daemon.runsListener(listener, capturing: capture) {
                         ending = "the listener left the configuration (a reload)"
                         break
                     }
                 }
                 if clock.now - lastWrite >= keepAlive {
-                    try await writer.write(statistics(nil))
+                    try await writer.write(await statistics(nil))
                     lastWrite = clock.now
                 }
                 try await Task.sleep(for: interval)
             }
             // The last block says why it ended and what was not captured.
-            try await writer.write(statistics(ending))
-            try await writer.finish(nil)
+            try await writer.write(await statistics(ending))
+            }
         }
         return Response(status: .ok, headers: headers, body: body)
     }

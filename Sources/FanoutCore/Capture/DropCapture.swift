@@ -18,7 +18,7 @@ package struct CapturedPacket: Sendable {
     package var reason: String
     /// A reply toward a client (two-way listeners), not a client's datagram.
     package var reply: Bool
-    /// tc_ebpf: the packet was rewritten for a replication pool's copy before it was dropped.
+    /// tc_ebpf: the packet was modified for a replication pool's copy before it was dropped.
     package var rewritten = false
 
     package init(nanoseconds: UInt64, ethernet: Bool, data: [UInt8], originalLength: Int, reason: String, reply: Bool, rewritten: Bool = false) {
@@ -27,7 +27,7 @@ package struct CapturedPacket: Sendable {
     }
 
     /// The packet's comment in the file: its reason, and what was done to it first if anything.
-    package var comment: String { rewritten ? "\(reason) (rewritten for a replication pool's copy first)" : reason }
+    package var comment: String { rewritten ? "\(reason) (modified for a replication pool's copy first)" : reason }
 
     /// The packet as a file of `linkType` holds it: an IP packet gets an Ethernet header with
     /// zero addresses in an Ethernet file; a frame loses its Ethernet header (and VLAN tags) in a
@@ -138,15 +138,18 @@ package final class CaptureSession: Sendable {
         var waiting: [CapturedPacket] = []
         var taken = 0
         var lost: UInt64 = 0
-        /// When its reader last took packets (CLOCK_MONOTONIC nanoseconds).
+        /// When it started, then when its reader last took packets (CLOCK_MONOTONIC nanoseconds).
         var lastTake = SourceRateLimiter.now()
+        /// Its reader took packets (or none) once at least.
+        var started = false
     }
 
-    /// Its reader has not taken packets for this long: it is gone without ending the session (a
-    /// response never written, a reader stopped), and the capture's reaper ends the session.
+    /// A session whose reader never took packets this long after it started (its response was
+    /// never written: the client went first) is ended by the capture's reaper. A reader that
+    /// runs notices a client gone by its writes failing (its keep-alives every 2 s).
     static let abandonedAfter: Int64 = 30_000_000_000
 
-    var isAbandoned: Bool { state.withLock { SourceRateLimiter.now() - $0.lastTake > Self.abandonedAfter } }
+    var isAbandoned: Bool { state.withLock { !$0.started && SourceRateLimiter.now() - $0.lastTake > Self.abandonedAfter } }
 
     /// Why the listener's capture ended the session before its reader did (nil: it did not).
     private let endedBy = Mutex<String?>(nil)
@@ -182,6 +185,7 @@ package final class CaptureSession: Sendable {
         return state.withLock { state in
             defer { state.waiting.removeAll(keepingCapacity: true) }
             state.lastTake = SourceRateLimiter.now()
+            state.started = true
             return (state.waiting, request.count.map { state.taken >= $0 } ?? false, state.lost, ended)
         }
     }
@@ -318,13 +322,13 @@ package final class DropCapture: Sendable {
         }
     }
 
-    /// Every 5 s while `session` runs: ended when its reader has taken nothing for
+    /// Every 5 s while `session` runs: ended when its reader never started within
     /// ``CaptureSession/abandonedAfter`` (off the forwarding threads and the ring reader).
     private func reap(_ session: CaptureSession) {
         DispatchQueue.global().asyncAfter(deadline: .now() + .seconds(5)) { [weak self] in
             guard let self, self.state.withLock({ $0.sessions[ObjectIdentifier(session)] != nil }) else { return }
             if session.isAbandoned {
-                self.end(session, reason: "its reader took nothing for \(CaptureSession.abandonedAfter / 1_000_000_000) s")
+                self.end(session, reason: "its reader never started (the client went)")
             } else {
                 self.reap(session)
             }

@@ -19,6 +19,8 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
     private let thread = Mutex<OSThread?>(nil)
     /// The reader's pthread_t: stop() must not join (nor free the ring under) its own thread.
     private let readerThread = Atomic<UInt>(0)
+    /// stop() came from the reader's own thread: the thread frees the ring as it ends.
+    private let freeOnExit = Atomic<Bool>(false)
 
     /// The programs' reason codes (enum fanout_verdict; FANOUT_CAPTURE_RATE_LIMITED and
     /// FANOUT_CAPTURE_AMP_CAPPED follow FANOUT_VERDICT_COUNT) and the metrics' names.
@@ -74,6 +76,8 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
                     usleep(100_000)
                 }
             }
+            // Stopped from this thread itself: nobody joins it, so it frees the ring.
+            if freeOnExit.load(ordering: .acquiring) { ring_buffer__free(ring) }
         }
         thread.withLock { $0 = started }
     }
@@ -96,18 +100,22 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
         }
     }
 
-    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent. Never from the
-    /// reader's own thread (a packet's delivery ends no session): there it only asks the
-    /// thread to end, and the ring stays (freed with the process).
+    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent. From the reader's
+    /// own thread (nothing does that: a delivery only queues the packet) it asks the thread to
+    /// end and free the ring itself, after its poll returns.
     func stop() {
+        if readerThread.load(ordering: .relaxed) == UInt(pthread_self()) {
+            freeOnExit.store(true, ordering: .releasing)
+            running.store(false, ordering: .relaxed)
+            return
+        }
         running.store(false, ordering: .relaxed)
-        if readerThread.load(ordering: .relaxed) == UInt(pthread_self()) { return }
         guard let started = thread.withLock({ state -> OSThread? in
             defer { state = nil }
             return state
         }) else { return }
         started.join()
-        ring_buffer__free(ring)
+        if !freeOnExit.load(ordering: .acquiring) { ring_buffer__free(ring) }
     }
 
     private func deliver(_ data: UnsafeRawPointer, size: Int) {

@@ -224,7 +224,7 @@ struct StatusResponder: HTTPResponder {
 
     func respond(to request: Request, context: BasicRequestContext) async throws -> Response {
         // A stream of what a listener drops, as pcapng (`udp-fanout capture`).
-        if request.uri.path == "/capture" { return CaptureEndpoint.response(request, daemon: daemon) }
+        if request.uri.path == "/capture" { return await CaptureEndpoint.response(request, daemon: daemon) }
         let plain = "text/plain; charset=utf-8"
         var headers: HTTPFields = [:]
         let (status, body, type): (HTTPResponse.Status, String, String)

@@ -561,18 +561,20 @@ final class TCDataplane: Sendable {
     /// while any listener has a capture). A filter for an id no listener holds (it stopped
     /// meanwhile) is not written.
     func capture(id: UInt32, _ capture: DropCapture, _ filter: DropCapture.Filter?) {
-        let stopping = state.withLock { state -> KernelCaptureTap? in
-            guard let program = state.program else { return nil }
+        state.withLock { state in
+            guard let program = state.program else { return }
             var key = id
             var config = KernelCaptureTap.config(filter)
             guard filter != nil, !state.freeIDs.contains(id) else {
                 var empty = fanout_capture_config()
                 bpf_map_update_elem(program.captureConfigs, &key, &empty, UInt64(BPF_ANY))
-                guard let tap = state.captureTap, tap.unregister(id: id) else { return nil }
-                // The last one: its reader stops once the lock is released (it takes no lock,
-                // but stopping it under ours would hold every other listener's change meanwhile).
+                guard let tap = state.captureTap, tap.unregister(id: id) else { return }
+                // The last one: its reader stops (within its 100 ms poll) under the lock, so a
+                // capture starting meanwhile waits and then makes the ring's only reader. The
+                // reader takes none of this lock (a delivery only queues the packet).
+                tap.stop()
                 state.captureTap = nil
-                return tap
+                return
             }
             do throws(SystemCallError) {
                 if state.captureTap == nil { state.captureTap = try KernelCaptureTap(ringBuffer: program.capture, logger: logger) }
@@ -587,9 +589,7 @@ final class TCDataplane: Sendable {
                     "id": "\(id)", "error": "\(error)",
                 ])
             }
-            return nil
         }
-        stopping?.stop()
     }
 
     /// Listener `id`'s capture counts (what its program did not capture), read under the lock
