@@ -18,7 +18,6 @@ import time
 
 import bench_afxdp
 import bench_fanout
-import bench_latency
 import bench_quic
 import bench_abuse
 import bench_replication
@@ -136,8 +135,6 @@ def main():
         rows += bench_afxdp.rows()
     if only in ("all", "twoway"):
         rows += bench_twoway.rows()
-    if only in ("all", "latency"):
-        rows += bench_latency.rows()
     if only in ("all", "replication"):
         rows += bench_replication.rows()
     if only in ("all", "templates"):
