@@ -25,7 +25,8 @@ struct Capture: AsyncParsableCommand {
             a second are taken, so a flood of drops costs the data path little. Ends after -c \
             packets, after --seconds, or at Ctrl-C; the file holds whole blocks either way. As \
             with tcpdump, -c is the count here: the configuration file is --config. Exit status: \
-            0 written, 1 no daemon answered or it refused the capture, 2 the file cannot be \
+            0 written (also when the reader of -w - goes), 1 no daemon answered or it refused the \
+            capture, 2 the file cannot be \
             written or the configuration read, 64 usage.
             """)
 
@@ -44,7 +45,7 @@ struct Capture: AsyncParsableCommand {
     @Option(help: "Stop after this many seconds.")
     var seconds: Double?
 
-    @Option(help: "Packets a second at most, 1 to 10000 (the rest of the drops are not captured, counted sampled out).")
+    @Option(help: "Packets a second at most, 1 to 10000 (the rest of the drops are counted sampled out). Captures of one listener share one sampling, at the highest rate any asks for.")
     var rate = 1000
 
     @Option(help: "Bytes kept of each packet (64 to 2048).")
@@ -71,21 +72,29 @@ struct Capture: AsyncParsableCommand {
 
     func run() async throws {
         let base: String
-        do {
-            base = try StatusClient.statusURL(endpoint ?? StatusClient.endpoint(configFile: config))
+        do throws(StatusClientError) {
+            let given: String
+            if let endpoint { given = endpoint } else { given = try StatusClient.endpoint(configFile: config) }
+            base = try StatusClient.statusURL(given)
+        } catch .config(let path, let problem) {
+            printError("udp-fanout capture: cannot find the endpoint in \(path): \(problem); pass --config with the file the daemon runs with (e.g. /etc/udp-fanout/config.yaml), or --endpoint http://HOST:PORT")
+            throw ExitCode(2)
+        } catch .endpointDisabled(let path) {
+            printError("udp-fanout capture: \(path) has no HTTP endpoint (metrics.enabled is false): /capture is served there; set metrics.enabled: true and reload, or pass --endpoint http://HOST:PORT")
+            throw ExitCode(2)
         } catch {
             printError("udp-fanout capture: \(error)")
             throw ExitCode(2)
         }
-        // Whether the file can be written, before asking the daemon for anything.
-        if file != "-" {
-            let directory = file.contains("/") ? String(file[..<file.lastIndex(of: "/")!]) : "."
-            let target = access(file, F_OK) == 0 ? file : (directory.isEmpty ? "/" : directory)
-            guard access(target, W_OK) == 0 else {
-                printError("udp-fanout capture: cannot write \(file): \(String(cString: strerror(errno))); give a file in a directory you can write (or -w - for standard output)")
-                throw ExitCode(2)
-            }
+        // The file is opened (made if need be) before the daemon is asked, and emptied once it
+        // accepted the capture: a path that cannot be written takes no capture of the daemon's,
+        // and a refused capture leaves an existing file as it was (one made for it is removed).
+        let output = Output(path: file)
+        if let problem = output.prepare() {
+            printError("udp-fanout capture: cannot write \(file): \(problem); give a file in a directory you can write (or -w - for standard output)")
+            throw ExitCode(2)
         }
+        defer { output.close() }
         // First whether a udp-fanout answers there, within seconds (the stream's request waits
         // as long as the capture runs, and its connection attempts would go on meanwhile).
         do {
@@ -100,16 +109,15 @@ struct Capture: AsyncParsableCommand {
         if let seconds { query.append("seconds=\(seconds)") }
         let url = String(base.dropLast("/status".count)) + "/capture?" + query.joined(separator: "&")
 
-        // The file is opened (and emptied) once the daemon accepted the capture: a refused one
-        // leaves an existing file as it was.
-        let output = Output(path: file)
-        defer { output.close() }
-
         // Ctrl-C (or SIGTERM) ends the capture: what was written stays a whole file.
         let outcome = try await withThrowingTaskGroup(of: Outcome?.self) { group in
             group.addTask { try await Self.stream(url, to: output) }
             group.addTask {
-                for await _ in await UnixSignalsSequence(trapping: .sigint, .sigterm) { return nil }
+                for await _ in await UnixSignalsSequence(trapping: .sigint, .sigterm) {
+                    // What the daemon already sent is still read (and written) for a moment.
+                    try? await Task.sleep(for: .milliseconds(300))
+                    return nil
+                }
                 return nil
             }
             let first = try await group.next() ?? nil
@@ -119,9 +127,13 @@ struct Capture: AsyncParsableCommand {
         let target = file == "-" ? "standard output" : file
         switch outcome {
         case .refused(let status, let body):
+            output.abandon()
             printError("udp-fanout capture: \(url) answered HTTP \(status): \(body)")
             throw ExitCode(1)
+        case .readerGone:
+            printError("udp-fanout capture: the reader of standard output went; \(Self.written.withLock { $0 }) packet(s) written to it")
         case .unreachable(let problem):
+            output.abandon()
             printError("udp-fanout capture: cannot reach udp-fanout at \(base.dropLast("/status".count)): \(problem); is udp-fanout running with this configuration? (or pass --endpoint http://HOST:PORT)")
             throw ExitCode(1)
         case .writeFailed(let problem):
@@ -133,10 +145,13 @@ struct Capture: AsyncParsableCommand {
         case .streamed(let packets, let complete, let summary):
             printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")"
                        + (summary.map { "; the daemon: \($0)" } ?? ""))
-        case nil where !output.opened:
+        case nil where !output.accepted:
+            output.abandon()
             printError("udp-fanout capture: interrupted before the daemon accepted the capture; nothing written")
         case nil:
-            printError("udp-fanout capture: interrupted; \(Self.written.withLock { $0 }) packet(s) written to \(target)")
+            let summary = Self.lastSummary.withLock { $0 }
+            printError("udp-fanout capture: interrupted; \(Self.written.withLock { $0 }) packet(s) written to \(target)"
+                       + (summary.map { "; the daemon's last statistics: \($0)" } ?? ""))
         }
     }
 
@@ -145,38 +160,67 @@ struct Capture: AsyncParsableCommand {
         case unreachable(String)
         case writeFailed(String)
         case openFailed(String)
+        /// `-w -`: the program reading standard output ended (a closed pipe).
+        case readerGone
         /// `complete`: the daemon finished the stream (count or seconds reached); `summary`: its
         /// last statistics' comment (what was not captured).
         case streamed(packets: Int, complete: Bool, summary: String?)
     }
 
-    /// Packets written so far (said on Ctrl-C).
+    /// Packets written so far, and the comment of the last statistics block (said on Ctrl-C).
     static let written = Mutex<Int>(0)
+    static let lastSummary = Mutex<String?>(nil)
 
-    /// Where the stream goes: standard output, or a file opened at the first write.
+    /// Where the stream goes: standard output, or a file opened (made if need be) before the
+    /// daemon is asked, and emptied once it accepted the capture.
     final class Output: Sendable {
         let path: String
-        private let descriptor = Mutex<Int32>(-1)
+        private let state = Mutex<(fd: Int32, made: Bool, accepted: Bool)>((-1, false, false))
 
         init(path: String) { self.path = path }
 
-        /// The descriptor, the file opened (created, emptied) if it was not yet; or why not.
-        func open() -> Result<Int32, OpenError> {
-            if path == "-" { return .success(1) }
-            return descriptor.withLock { fd in
-                if fd >= 0 { return .success(fd) }
-                fd = Glibc.open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
-                return fd >= 0 ? .success(fd) : .failure(OpenError(problem: String(cString: strerror(errno))))
+        /// Opens the file without emptying it: nil, or why it cannot be written.
+        func prepare() -> String? {
+            guard path != "-" else { return nil }
+            return state.withLock { state in
+                let existed = access(path, F_OK) == 0
+                let fd = Glibc.open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644)
+                guard fd >= 0 else { return String(cString: strerror(errno)) }
+                state = (fd, !existed, false)
+                return nil
             }
         }
 
-        /// Whether the stream's first write opened it (standard output always is).
-        var opened: Bool { path == "-" || descriptor.withLock { $0 >= 0 } }
+        /// The descriptor to write, the file emptied the first time (the daemon accepted).
+        func accept() -> Result<Int32, OpenError> {
+            if path == "-" {
+                state.withLock { $0.accepted = true }
+                return .success(1)
+            }
+            return state.withLock { state in
+                if !state.accepted {
+                    guard ftruncate(state.fd, 0) == 0 else { return .failure(OpenError(problem: String(cString: strerror(errno)))) }
+                    state.accepted = true
+                }
+                return .success(state.fd)
+            }
+        }
+
+        /// Whether the daemon accepted the capture (the file was emptied for it).
+        var accepted: Bool { state.withLock { $0.accepted } }
+
+        /// The capture was not accepted: a file made for it is removed.
+        func abandon() {
+            state.withLock { state in
+                if state.made && !state.accepted { unlink(path) }
+                state.made = false
+            }
+        }
 
         func close() {
-            descriptor.withLock { fd in
-                if fd >= 0 { _ = Glibc.close(fd) }
-                fd = -1
+            state.withLock { state in
+                if state.fd >= 0 { _ = Glibc.close(state.fd) }
+                state.fd = -1
             }
         }
 
@@ -199,7 +243,7 @@ struct Capture: AsyncParsableCommand {
             return .refused(status: Int(response.status.code), body: body.split(whereSeparator: \.isNewline).joined(separator: " "))
         }
         let fd: Int32
-        switch output.open() {
+        switch output.accept() {
         case .success(let opened): fd = opened
         case .failure(let error): return .openFailed(error.problem)
         }
@@ -213,10 +257,15 @@ struct Capture: AsyncParsableCommand {
                     return .refused(status: 200, body: "the stream is not pcapng")
                 }
                 if end > 0 {
-                    if let problem = writeAll(fd, pending[..<end]) { return .writeFailed(problem) }
+                    if let problem = writeAll(fd, pending[..<end]) {
+                        return problem == EPIPE && output.path == "-" ? .readerGone : .writeFailed(String(cString: strerror(problem)))
+                    }
                     pending.removeFirst(end)
                     written.withLock { $0 += packets }
-                    if let statistics { summary = statistics }
+                    if let statistics {
+                        summary = statistics
+                        lastSummary.withLock { $0 = statistics }
+                    }
                 }
             }
         } catch is CancellationError {
@@ -228,13 +277,14 @@ struct Capture: AsyncParsableCommand {
         return .streamed(packets: written.withLock { $0 }, complete: complete && pending.isEmpty, summary: summary)
     }
 
-    private static func writeAll(_ fd: Int32, _ bytes: ArraySlice<UInt8>) -> String? {
+    /// nil, or the errno of the failed write.
+    private static func writeAll(_ fd: Int32, _ bytes: ArraySlice<UInt8>) -> Int32? {
         var offset = bytes.startIndex
         while offset < bytes.endIndex {
             let result = bytes[offset...].withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
             if result < 0 {
                 if errno == EINTR { continue }
-                return String(cString: strerror(errno))
+                return errno
             }
             offset += result
         }

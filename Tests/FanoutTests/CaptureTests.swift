@@ -245,6 +245,12 @@ struct CaptureTests {
         #expect(unknown.stderr.contains("answered HTTP 404: no listener 'nope' in the running configuration; its listeners: events, other"), "\(unknown.stderr)")
         #expect(try String(contentsOf: kept, encoding: .utf8) == "keep me")
 
+        // A reason the listener's kind never drops for is refused, naming what it can capture.
+        let never = try Child("udp-fanout", ["capture", "--listener", "events", "--reason", "no_route", "-w", directory.appendingPathComponent("never").path, "--config", file.path])
+        #expect(never.wait() == 1)
+        #expect(never.stderr.contains("answered HTTP 400: listener 'events' (userspace) never drops a datagram for no_route; what it can drop, and so capture: no_healthy, rate_limited, too_large"), "\(never.stderr)")
+        #expect(!FileManager.default.fileExists(atPath: directory.appendingPathComponent("never").path), "a file made for a refused capture is removed")
+
         // A reload that takes the listener out ends its capture, saying so.
         let removed = try Child("udp-fanout", ["capture", "--listener", "other", "-w", directory.appendingPathComponent("other.pcapng").path, "--config", file.path])
         #expect(Probe.waitFor(seconds: 10) { started() == 2 }, "\(daemon.stderr)")

@@ -12,10 +12,20 @@ extension FanoutDaemon {
         let (listeners, counters) = state.withLock { state in
             (state.config.listeners, query["listener"].flatMap { state.counters[$0] })
         }
-        guard let name = query["listener"], let listener = listeners.first(where: { $0.name == name }), let counters else {
-            throw .noListener(query["listener"] ?? "", known: listeners.map(\.name))
+        if let unknown = query.keys.sorted().first(where: { !CaptureRequest.keys.contains($0) }) {
+            throw .badValue(key: unknown, value: query[unknown] ?? "", expected: "one of \(CaptureRequest.keys.joined(separator: ", ")) (not a key of /capture)")
         }
-        let session = CaptureSession(try CaptureRequest.parse(query))
+        guard let name = query["listener"], !name.isEmpty else { throw .noListenerNamed(known: listeners.map(\.name)) }
+        guard let listener = listeners.first(where: { $0.name == name }), let counters else {
+            throw .noListener(name, known: listeners.map(\.name))
+        }
+        let request = try CaptureRequest.parse(query)
+        // A reason this listener's kind never drops for would capture nothing: said now.
+        let possible = DropCapture.reasons(for: listener)
+        if let never = request.reasons.sorted().first(where: { !possible.contains($0) }) {
+            throw .neverDropped(listener: name, kind: listener.mode.rawValue, reason: never, possible: possible)
+        }
+        let session = CaptureSession(request)
         try counters.capture.start(session, listener: name)
         logger.info("capture started", metadata: [
             "listener": "\(name)", "reasons": "\(session.request.reasons.isEmpty ? "all" : session.request.reasons.sorted().joined(separator: ","))",
@@ -24,10 +34,13 @@ extension FanoutDaemon {
         return (counters.capture, session, AFXDPKind.serves(listener) ? Pcapng.linkTypeEthernet : Pcapng.linkTypeRaw)
     }
 
-    /// Whether the running configuration still has listener `name` with this capture (a reload
-    /// that removed it, or changed its kind, made another or none).
-    func runsListener(_ name: String, capturing capture: DropCapture) -> Bool {
-        state.withLock { state in state.config.listeners.contains { $0.name == name } && state.counters[name]?.capture === capture }
+    /// Why a running capture of listener `name` cannot go on, nil while it can: a reload removed
+    /// the listener, or changed its kind (its drops now go to another capture).
+    func captureGone(_ name: String, capturing capture: DropCapture) -> String? {
+        state.withLock { state in
+            guard state.config.listeners.contains(where: { $0.name == name }) else { return "the listener left the configuration (a reload)" }
+            return state.counters[name]?.capture === capture ? nil : "a reload changed the listener's kind (start the capture again)"
+        }
     }
 }
 
@@ -36,8 +49,8 @@ extension FanoutDaemon {
 enum CaptureEndpoint {
     /// How often the stream takes what was captured.
     static let interval = Duration.milliseconds(50)
-    /// An idle stream writes an interface statistics block this often: a client that went is
-    /// noticed (the write fails) and its capture ends.
+    /// A stream writes an interface statistics block this often: a client that went is noticed
+    /// (the write fails) and its capture ends.
     static let keepAlive = Duration.seconds(2)
 
     static func response(_ request: Request, daemon: FanoutDaemon) async -> Response {
@@ -66,18 +79,27 @@ enum CaptureEndpoint {
         let body = ResponseBody { writer in
             var written = 0
             var lost: UInt64 = 0
-            var sampled: UInt64 = 0
             var ending = "its reader went"
+            /// What the file's statistics said last: lost in all (the stream's reader and the
+            /// kernel), and sampled out.
+            var reported: (lost: UInt64, sampledOut: UInt64) = (0, 0)
             do {
                 try await stream()
             } catch {
-                await offCooperativePool("capture-end") { capture.end(session) }
-                logger.info("capture ended", metadata: ["listener": "\(listener)", "packets": "\(written)", "ended": "its reader went (\(error))"])
+                // The client went (a write failed): what it missed is in the log at least.
+                let missed = await offCooperativePool("capture-end") { () -> DropCapture.Counts in
+                    defer { capture.end(session) }
+                    return capture.counts().since(session.baseline)
+                }
+                logger.info("capture ended", metadata: [
+                    "listener": "\(listener)", "packets": "\(written)", "lost": "\(session.take().lost &+ missed.kernelLost)",
+                    "sampled_out": "\(missed.sampledOut)", "ended": "its reader went (\(error))",
+                ])
                 throw error
             }
             await offCooperativePool("capture-end") { capture.end(session) }
             logger.info("capture ended", metadata: [
-                "listener": "\(listener)", "packets": "\(written)", "lost": "\(lost)", "sampled_out": "\(sampled)", "ended": "\(ending)",
+                "listener": "\(listener)", "packets": "\(written)", "lost": "\(reported.lost)", "sampled_out": "\(reported.sampledOut)", "ended": "\(ending)",
             ])
             try await writer.finish(nil)
 
@@ -89,18 +111,22 @@ enum CaptureEndpoint {
             try await writer.write(ByteBuffer(bytes: Pcapng.header(linkType: linkType, snaplen: snaplen, listener: listener)))
             let clock = ContinuousClock()
             let deadline = session.request.seconds.map { clock.now + .milliseconds(Int64($0 * 1000)) }
-            var lastWrite = clock.now
+            var lastStatistics = clock.now
             var lastCheck = clock.now
             /// The statistics so far: packets lost (this stream's reader, or the program's ring,
             /// fell behind) and sampled out.
-            func statistics(_ note: String?) async -> ByteBuffer {
+            /// A statistics block: what was lost and sampled out so far, said in its comment
+            /// (`ending`: the last block, and why the capture ended).
+            func statistics(ending: String?) async -> ByteBuffer {
                 // The programs' counts are read off the cooperative pool (a lock and map reads).
                 let (missed, rate) = await offCooperativePool("capture-counts") { (capture.counts().since(session.baseline), capture.filter?.rate) }
-                sampled = missed.sampledOut
-                return ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: lost &+ missed.kernelLost,
-                                                           comment: note.map { "ended: \($0); \(written) captured, \(lost &+ missed.kernelLost) lost "
-                                                               + "(the capture fell behind: \(missed.kernelLost) in the kernel), \(missed.sampledOut) sampled out "
-                                                               + "(above \(rate ?? session.request.rate)/s, the sampling of every capture of the listener)" }))
+                let allLost = lost &+ missed.kernelLost
+                reported = (allLost, missed.sampledOut)
+                let kernel = missed.kernelLost > 0 ? " (\(missed.kernelLost) of them in the kernel's ring)" : ""
+                let counts = "\(written) captured, \(allLost) lost\(kernel), \(missed.sampledOut) sampled out "
+                    + "(above \(rate ?? session.request.rate)/s, the sampling of every capture of the listener)"
+                return ByteBuffer(bytes: Pcapng.statistics(nanoseconds: DropCapture.wallNanoseconds(), lost: allLost,
+                                                           comment: ending.map { "ended: \($0); \(counts)" } ?? "so far: \(counts)"))
             }
             while true {
                 let taken = session.take()
@@ -117,7 +143,6 @@ enum CaptureEndpoint {
                     }
                     try await writer.write(buffer)
                     written += taken.packets.count
-                    lastWrite = clock.now
                 }
                 if taken.complete {
                     ending = "its count reached"
@@ -140,19 +165,21 @@ enum CaptureEndpoint {
                 // A reload took the listener out: nothing more will come.
                 if clock.now - lastCheck >= .seconds(1) {
                     lastCheck = clock.now
-                    if !daemon.runsListener(listener, capturing: capture) {
-                        ending = "the listener left the configuration (a reload)"
+                    if let gone = daemon.captureGone(listener, capturing: capture) {
+                        ending = gone
                         break
                     }
                 }
-                if clock.now - lastWrite >= keepAlive {
-                    try await writer.write(await statistics(nil))
-                    lastWrite = clock.now
+                // Statistics every 2 s (the last ones a reader saw say what was missed so far,
+                // also when it is interrupted); a client that went is noticed by this write.
+                if clock.now - lastStatistics >= keepAlive {
+                    try await writer.write(await statistics(ending: nil))
+                    lastStatistics = clock.now
                 }
                 try await Task.sleep(for: interval)
             }
             // The last block says why it ended and what was not captured.
-            try await writer.write(await statistics(ending))
+            try await writer.write(await statistics(ending: ending))
             }
         }
         return Response(status: .ok, headers: headers, body: body)

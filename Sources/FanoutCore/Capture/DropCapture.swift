@@ -50,14 +50,16 @@ package struct CapturedPacket: Sendable {
 /// Why a capture cannot start, each with its HTTP status and the fix.
 package enum CaptureRequestError: Error, CustomStringConvertible {
     case noListener(String, known: [String])
+    case noListenerNamed(known: [String])
     case unknownReason(String)
+    case neverDropped(listener: String, kind: String, reason: String, possible: [String])
     case badValue(key: String, value: String, expected: String)
     case tooMany(listener: String, limit: Int)
 
     package var status: Int {
         switch self {
         case .noListener: return 404
-        case .unknownReason, .badValue: return 400
+        case .noListenerNamed, .unknownReason, .neverDropped, .badValue: return 400
         case .tooMany: return 429
         }
     }
@@ -66,12 +68,16 @@ package enum CaptureRequestError: Error, CustomStringConvertible {
         switch self {
         case .noListener(let name, let known):
             return "no listener '\(name)' in the running configuration; its listeners: \(known.isEmpty ? "none" : known.joined(separator: ", "))"
+        case .noListenerNamed(let known):
+            return "name the listener: /capture?listener=NAME; its listeners: \(known.isEmpty ? "none" : known.joined(separator: ", "))"
+        case .neverDropped(let listener, let kind, let reason, let possible):
+            return "listener '\(listener)' (\(kind)) never drops a datagram for \(reason); what it can drop, and so capture: \(possible.joined(separator: ", "))"
         case .unknownReason(let reason):
             return "unknown drop reason '\(reason)'; give one of: \(DropCapture.reasons.joined(separator: ", "))"
         case .badValue(let key, let value, let expected):
             return "\(key) '\(value)': expected \(expected)"
         case .tooMany(let listener, let limit):
-            return "\(limit) captures of listener '\(listener)' are running already; end one (Ctrl-C its udp-fanout capture) and try again"
+            return "\(limit) captures of listener '\(listener)' are running already; end one (Ctrl-C its udp-fanout capture; a capture whose client went ends within 2 s) and try again"
         }
     }
 }
@@ -90,6 +96,9 @@ package struct CaptureRequest: Sendable, Equatable {
     package var seconds: Double?
 
     package init() {}
+
+    /// The keys of `GET /capture`'s query.
+    package static let keys = ["listener", "reason", "count", "snaplen", "rate", "seconds"]
 
     /// Parses the query of `GET /capture` (`listener` is read by the caller).
     package static func parse(_ query: [String: String]) throws(CaptureRequestError) -> CaptureRequest {
@@ -112,7 +121,7 @@ package struct CaptureRequest: Sendable, Equatable {
         request.rate = try integer("rate", 1...DropCapture.rateMax) ?? request.rate
         if let text = query["seconds"] {
             guard let value = Double(text), value > 0, value <= 86_400 else {
-                throw .badValue(key: "seconds", value: text, expected: "seconds from 0 to 86400")
+                throw .badValue(key: "seconds", value: text, expected: "seconds, more than 0, at most 86400")
             }
             request.seconds = value
         }
@@ -205,6 +214,22 @@ package final class DropCapture: Sendable {
         DropReason.parseError.rawValue, DropReason.ttlExpired.rawValue, DropReason.noRoute.rawValue, DropReason.rewriteFailed.rawValue,
         ReplyDropReason.wrongServer.rawValue, ReplyDropReason.drained.rawValue, ReplyDropReason.amplificationCapped.rawValue,
     ]
+    /// What `listener` can drop and so capture, by its kind (the reasons each kind decides per
+    /// datagram; docs/abuse.md "Capture of drops").
+    static func reasons(for listener: Listener) -> [String] {
+        var kind: [String]
+        if TCDataplane.serves(listener) {
+            kind = ["no_healthy", "rate_limited", "too_large", "no_route", "ttl_expired", "rewrite_failed"]
+            if listener.replies == .nat { kind += ["wrong_server", "drained", "amplification_capped"] }
+        } else if AFXDPKind.serves(listener) {
+            kind = ["no_healthy", "rate_limited", "too_large", "parse_error", "ttl_expired"]
+        } else {
+            kind = ["no_healthy", "rate_limited", "too_large"]
+            if listener.replies == .relay { kind += ["table_full", "amplification_capped"] }
+        }
+        return reasons.filter { kind.contains($0) }
+    }
+
     /// The most of a packet a capture keeps: the kernel programs' buffer (FANOUT_CAPTURE_DATA_MAX).
     package static let snaplenMax = 2048
     /// Captures of one listener at once at most.
