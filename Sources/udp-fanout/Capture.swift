@@ -86,14 +86,16 @@ struct Capture: AsyncParsableCommand {
             printError("udp-fanout capture: \(error)")
             throw ExitCode(2)
         }
-        // The file is opened (made if need be) before the daemon is asked, and emptied once it
-        // accepted the capture: a path that cannot be written takes no capture of the daemon's,
-        // and a refused capture leaves an existing file as it was (one made for it is removed).
-        let output = Output(path: file)
-        if let problem = output.prepare() {
+        // A write to standard output whose reader went returns EPIPE (said, not a signal's death).
+        signal(SIGPIPE, SIG_IGN)
+        // Whether the file can be written, before asking the daemon for anything; it is opened
+        // (and emptied) only once the daemon accepted the capture, so a refused one leaves an
+        // existing file as it was and makes none.
+        if let problem = Output.problem(writing: file) {
             printError("udp-fanout capture: cannot write \(file): \(problem); give a file in a directory you can write (or -w - for standard output)")
             throw ExitCode(2)
         }
+        let output = Output(path: file)
         defer { output.close() }
         // First whether a udp-fanout answers there, within seconds (the stream's request waits
         // as long as the capture runs, and its connection attempts would go on meanwhile).
@@ -127,13 +129,13 @@ struct Capture: AsyncParsableCommand {
         let target = file == "-" ? "standard output" : file
         switch outcome {
         case .refused(let status, let body):
-            output.abandon()
             printError("udp-fanout capture: \(url) answered HTTP \(status): \(body)")
             throw ExitCode(1)
         case .readerGone:
-            printError("udp-fanout capture: the reader of standard output went; \(Self.written.withLock { $0 }) packet(s) written to it")
+            let summary = Self.lastSummary.withLock { $0 }
+            printError("udp-fanout capture: the reader of \(target) went; \(Self.written.withLock { $0 }) packet(s) written to it"
+                       + (summary.map { "; the daemon's last statistics: \($0)" } ?? ""))
         case .unreachable(let problem):
-            output.abandon()
             printError("udp-fanout capture: cannot reach udp-fanout at \(base.dropLast("/status".count)): \(problem); is udp-fanout running with this configuration? (or pass --endpoint http://HOST:PORT)")
             throw ExitCode(1)
         case .writeFailed(let problem):
@@ -145,8 +147,7 @@ struct Capture: AsyncParsableCommand {
         case .streamed(let packets, let complete, let summary):
             printError("udp-fanout capture: \(packets) packet(s) written to \(target)\(complete ? "" : " (the daemon ended the stream: it stopped, or its endpoint moved)")"
                        + (summary.map { "; the daemon: \($0)" } ?? ""))
-        case nil where !output.accepted:
-            output.abandon()
+        case nil where !output.accepted.load(ordering: .relaxed):
             printError("udp-fanout capture: interrupted before the daemon accepted the capture; nothing written")
         case nil:
             let summary = Self.lastSummary.withLock { $0 }
@@ -160,7 +161,7 @@ struct Capture: AsyncParsableCommand {
         case unreachable(String)
         case writeFailed(String)
         case openFailed(String)
-        /// `-w -`: the program reading standard output ended (a closed pipe).
+        /// The program reading the pipe written to ended (`-w -` into a pipe, a FIFO).
         case readerGone
         /// `complete`: the daemon finished the stream (count or seconds reached); `summary`: its
         /// last statistics' comment (what was not captured).
@@ -171,56 +172,49 @@ struct Capture: AsyncParsableCommand {
     static let written = Mutex<Int>(0)
     static let lastSummary = Mutex<String?>(nil)
 
-    /// Where the stream goes: standard output, or a file opened (made if need be) before the
-    /// daemon is asked, and emptied once it accepted the capture.
+    /// Where the stream goes: standard output, or a file opened (created, emptied: a pipe or a
+    /// device as it is) once the daemon accepted the capture.
     final class Output: Sendable {
         let path: String
-        private let state = Mutex<(fd: Int32, made: Bool, accepted: Bool)>((-1, false, false))
+        private let descriptor = Mutex<Int32>(-1)
 
         init(path: String) { self.path = path }
 
-        /// Opens the file without emptying it: nil, or why it cannot be written.
-        func prepare() -> String? {
+        /// Why `path` cannot be written, nil when it can be (or is standard output): a
+        /// directory, or a file or directory without write permission.
+        static func problem(writing path: String) -> String? {
             guard path != "-" else { return nil }
-            return state.withLock { state in
-                let existed = access(path, F_OK) == 0
-                let fd = Glibc.open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0o644)
-                guard fd >= 0 else { return String(cString: strerror(errno)) }
-                state = (fd, !existed, false)
-                return nil
+            var info = stat()
+            if stat(path, &info) == 0 {
+                if info.st_mode & S_IFMT == S_IFDIR { return String(cString: strerror(EISDIR)) }
+                return access(path, W_OK) == 0 ? nil : String(cString: strerror(errno))
             }
+            let directory = path.contains("/") ? String(path[..<path.lastIndex(of: "/")!]) : "."
+            return access(directory.isEmpty ? "/" : directory, W_OK | X_OK) == 0 ? nil : String(cString: strerror(errno))
         }
 
-        /// The descriptor to write, the file emptied the first time (the daemon accepted).
-        func accept() -> Result<Int32, OpenError> {
+        /// The descriptor, the file opened (created, emptied) if it was not yet; or why not.
+        func open() -> Result<Int32, OpenError> {
             if path == "-" {
-                state.withLock { $0.accepted = true }
+                accepted.store(true, ordering: .relaxed)
                 return .success(1)
             }
-            return state.withLock { state in
-                if !state.accepted {
-                    guard ftruncate(state.fd, 0) == 0 else { return .failure(OpenError(problem: String(cString: strerror(errno)))) }
-                    state.accepted = true
-                }
-                return .success(state.fd)
+            return descriptor.withLock { fd in
+                if fd >= 0 { return .success(fd) }
+                fd = Glibc.open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o644)
+                guard fd >= 0 else { return .failure(OpenError(problem: String(cString: strerror(errno)))) }
+                accepted.store(true, ordering: .relaxed)
+                return .success(fd)
             }
         }
 
-        /// Whether the daemon accepted the capture (the file was emptied for it).
-        var accepted: Bool { state.withLock { $0.accepted } }
-
-        /// The capture was not accepted: a file made for it is removed.
-        func abandon() {
-            state.withLock { state in
-                if state.made && !state.accepted { unlink(path) }
-                state.made = false
-            }
-        }
+        /// Whether the daemon accepted the capture (the file was opened for it).
+        let accepted = Atomic<Bool>(false)
 
         func close() {
-            state.withLock { state in
-                if state.fd >= 0 { _ = Glibc.close(state.fd) }
-                state.fd = -1
+            descriptor.withLock { fd in
+                if fd >= 0 { _ = Glibc.close(fd) }
+                fd = -1
             }
         }
 
@@ -243,7 +237,7 @@ struct Capture: AsyncParsableCommand {
             return .refused(status: Int(response.status.code), body: body.split(whereSeparator: \.isNewline).joined(separator: " "))
         }
         let fd: Int32
-        switch output.accept() {
+        switch output.open() {
         case .success(let opened): fd = opened
         case .failure(let error): return .openFailed(error.problem)
         }
@@ -258,7 +252,7 @@ struct Capture: AsyncParsableCommand {
                 }
                 if end > 0 {
                     if let problem = writeAll(fd, pending[..<end]) {
-                        return problem == EPIPE && output.path == "-" ? .readerGone : .writeFailed(String(cString: strerror(problem)))
+                        return problem == EPIPE ? .readerGone : .writeFailed(String(cString: strerror(problem)))
                     }
                     pending.removeFirst(end)
                     written.withLock { $0 += packets }

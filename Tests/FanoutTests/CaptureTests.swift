@@ -245,6 +245,11 @@ struct CaptureTests {
         #expect(unknown.stderr.contains("answered HTTP 404: no listener 'nope' in the running configuration; its listeners: events, other"), "\(unknown.stderr)")
         #expect(try String(contentsOf: kept, encoding: .utf8) == "keep me")
 
+        // A device (or a pipe) is written as it is: -w /dev/null.
+        let device = try Child("udp-fanout", ["capture", "--listener", "events", "--seconds", "1", "-w", "/dev/null", "--config", file.path])
+        #expect(device.wait() == 0, "\(device.stderr)")
+        #expect(device.stderr.contains("packet(s) written to /dev/null; the daemon: ended: its seconds passed"), "\(device.stderr)")
+
         // A reason the listener's kind never drops for is refused, naming what it can capture.
         let never = try Child("udp-fanout", ["capture", "--listener", "events", "--reason", "no_route", "-w", directory.appendingPathComponent("never").path, "--config", file.path])
         #expect(never.wait() == 1)
@@ -253,7 +258,7 @@ struct CaptureTests {
 
         // A reload that takes the listener out ends its capture, saying so.
         let removed = try Child("udp-fanout", ["capture", "--listener", "other", "-w", directory.appendingPathComponent("other.pcapng").path, "--config", file.path])
-        #expect(Probe.waitFor(seconds: 10) { started() == 2 }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 10) { started() == 3 }, "\(daemon.stderr)")
         let text = try String(contentsOf: file, encoding: .utf8)
         let without = text.components(separatedBy: "  - name: other")[0] + "metrics: {enabled: true, bind: \"127.0.0.1:\(metrics)\"}\n"
         try without.write(to: file, atomically: true, encoding: .utf8)
@@ -266,7 +271,7 @@ struct CaptureTests {
         let running = try (0..<4).map { n in
             try Child("udp-fanout", ["capture", "--listener", "events", "--seconds", "60", "-w", directory.appendingPathComponent("r\(n).pcapng").path, "--config", file.path])
         }
-        #expect(Probe.waitFor(seconds: 10) { started() == 6 }, "\(daemon.stderr)")
+        #expect(Probe.waitFor(seconds: 10) { started() == 7 }, "\(daemon.stderr)")
         let fifth = try Child("udp-fanout", ["capture", "--listener", "events", "-w", directory.appendingPathComponent("f").path, "--endpoint", "127.0.0.1:\(metrics)"])
         #expect(fifth.wait() == 1)
         #expect(fifth.stderr.contains("answered HTTP 429: 4 captures of listener 'events' are running already"), "\(fifth.stderr)")
@@ -288,5 +293,6 @@ struct CaptureTests {
         let nobody = try Child("udp-fanout", ["capture", "--listener", "events", "-w", directory.appendingPathComponent("n").path, "--endpoint", "127.0.0.1:\(metrics)"])
         #expect(nobody.wait() == 1)
         #expect(nobody.stderr.contains("cannot reach udp-fanout at http://127.0.0.1:\(metrics)/status: connection refused"), "\(nobody.stderr)")
+        #expect(!FileManager.default.fileExists(atPath: directory.appendingPathComponent("n").path), "no file made without a capture")
     }
 }

@@ -23,7 +23,8 @@ extension FanoutDaemon {
         // A reason this listener's kind never drops for would capture nothing: said now.
         let possible = DropCapture.reasons(for: listener)
         if let never = request.reasons.sorted().first(where: { !possible.contains($0) }) {
-            throw .neverDropped(listener: name, kind: listener.mode.rawValue, reason: never, possible: possible)
+            throw .neverDropped(listener: name, kind: listener.mode.rawValue + (listener.replies == .none ? "" : ", replies \(listener.replies.rawValue)"),
+                                reason: never, possible: possible)
         }
         let session = CaptureSession(request)
         try counters.capture.start(session, listener: name)
@@ -79,6 +80,8 @@ enum CaptureEndpoint {
         let body = ResponseBody { writer in
             var written = 0
             var lost: UInt64 = 0
+            /// Packets of a write under way (lost if it fails).
+            var failed = 0
             var ending = "its reader went"
             /// What the file's statistics said last: lost in all (the stream's reader and the
             /// kernel), and sampled out.
@@ -91,8 +94,10 @@ enum CaptureEndpoint {
                     defer { capture.end(session) }
                     return capture.counts().since(session.baseline)
                 }
+                // What was taken but not written (the failed write's, and what waited) is lost too.
+                let rest = session.take()
                 logger.info("capture ended", metadata: [
-                    "listener": "\(listener)", "packets": "\(written)", "lost": "\(session.take().lost &+ missed.kernelLost)",
+                    "listener": "\(listener)", "packets": "\(written)", "lost": "\(rest.lost &+ UInt64(rest.packets.count + failed) &+ missed.kernelLost)",
                     "sampled_out": "\(missed.sampledOut)", "ended": "its reader went (\(error))",
                 ])
                 throw error
@@ -141,7 +146,9 @@ enum CaptureEndpoint {
                         buffer.writeBytes(Pcapng.packet(nanoseconds: packet.nanoseconds, data: Array(data.prefix(cut)), originalLength: length,
                                                         comment: packet.comment, inbound: !packet.reply))
                     }
+                    failed = taken.packets.count
                     try await writer.write(buffer)
+                    failed = 0
                     written += taken.packets.count
                 }
                 if taken.complete {

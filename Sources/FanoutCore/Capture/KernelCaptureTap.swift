@@ -12,15 +12,9 @@ import SystemCalls
 /// with a running capture drops into a ring buffer (bpf/include/fanout_capture.h); this reads it
 /// on a thread of its own while any capture runs, and hands each packet to its listener's
 /// ``DropCapture``.
-final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its thread, then freed by stop()
-    private let ring: OpaquePointer
+final class KernelCaptureTap: Sendable {
     private let captures = Mutex<[UInt32: DropCapture]>([:])
-    private let running = Atomic<Bool>(true)
-    private let thread = Mutex<OSThread?>(nil)
-    /// The reader's pthread_t: stop() must not join (nor free the ring under) its own thread.
-    private let readerThread = Atomic<UInt>(0)
-    /// stop() came from the reader's own thread: the thread frees the ring as it ends.
-    private let freeOnExit = Atomic<Bool>(false)
+    private let reader = Mutex<RingBufferReader?>(nil)
 
     /// The programs' reason codes (enum fanout_verdict; FANOUT_CAPTURE_RATE_LIMITED and
     /// FANOUT_CAPTURE_AMP_CAPPED follow FANOUT_VERDICT_COUNT) and the metrics' names.
@@ -51,42 +45,12 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
     }
 
     init(ringBuffer fd: Int32, logger: Logger) throws(SystemCallError) {
-        let holder = Holder()
-        let made = ring_buffer__new(fd, { context, data, size in
-            guard let context, let data else { return 0 }
-            Unmanaged<Holder>.fromOpaque(context).takeUnretainedValue().tap?.deliver(UnsafeRawPointer(data), size: size)
-            return 0
-        }, Unmanaged.passUnretained(holder).toOpaque(), nil)
-        guard let made else { throw SystemCallError(call: "ring_buffer__new \(FANOUT_MAP_CAPTURE_NAME)", errno: errno) }
-        ring = made
-        self.holder = holder
-        holder.tap = self
-        let started = OSThread(name: "udp-fanout-cap") { [self] in
-            readerThread.store(UInt(pthread_self()), ordering: .relaxed)
-            var said = false
-            while running.load(ordering: .relaxed) {
-                let result = ring_buffer__poll(ring, 100)
-                if result < 0 && result != -EINTR {
-                    if !said {
-                        said = true
-                        logger.error("capture: reading the programs' dropped packets failed; the capture gets none while it lasts", metadata: [
-                            "error": "\(SystemCallError(call: "ring_buffer__poll \(FANOUT_MAP_CAPTURE_NAME)", errno: -result))",
-                        ])
-                    }
-                    usleep(100_000)
-                }
-            }
-            // Stopped from this thread itself: nobody joins it, so it frees the ring.
-            if freeOnExit.load(ordering: .acquiring) { ring_buffer__free(ring) }
-        }
-        thread.withLock { $0 = started }
+        let made = try RingBufferReader(
+            ringBuffer: fd, map: FANOUT_MAP_CAPTURE_NAME, threadName: "udp-fanout-cap",
+            failure: "capture: reading the programs' dropped packets failed; the capture gets none while it lasts", logger: logger,
+            deliver: { [weak self] data, size in self?.deliver(data, size: size) })
+        reader.withLock { $0 = made }
     }
-
-    /// The callback's context: a reference the ring holds without retaining the tap.
-    private final class Holder: @unchecked Sendable {
-        weak var tap: KernelCaptureTap?
-    }
-    private let holder: Holder
 
     func register(id: UInt32, _ capture: DropCapture) {
         captures.withLock { $0[id] = capture }
@@ -100,22 +64,9 @@ final class KernelCaptureTap: @unchecked Sendable {  // the ring is used by its 
         }
     }
 
-    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent. From the reader's
-    /// own thread (nothing does that: a delivery only queues the packet) it asks the thread to
-    /// end and free the ring itself, after its poll returns.
+    /// Stops the reader (within its 100 ms poll) and frees the ring. Idempotent.
     func stop() {
-        if readerThread.load(ordering: .relaxed) == UInt(pthread_self()) {
-            freeOnExit.store(true, ordering: .releasing)
-            running.store(false, ordering: .relaxed)
-            return
-        }
-        running.store(false, ordering: .relaxed)
-        guard let started = thread.withLock({ state -> OSThread? in
-            defer { state = nil }
-            return state
-        }) else { return }
-        started.join()
-        if !freeOnExit.load(ordering: .acquiring) { ring_buffer__free(ring) }
+        reader.withLock { $0 }?.stop()
     }
 
     private func deliver(_ data: UnsafeRawPointer, size: Int) {

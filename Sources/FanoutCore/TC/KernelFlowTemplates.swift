@@ -13,68 +13,43 @@ import SystemCalls
 /// datagram itself and passes a copy of each template-bearing one to the daemon through a ring
 /// buffer (bpf/include/fanout_templates.h). This reads that ring buffer on a thread of its own,
 /// one per loaded program, and hands each datagram to its listener's ``KernelTemplateFollower``.
-final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thread, then freed by stop()
-    private let ring: OpaquePointer
+final class TCTemplateTap: Sendable {
     private let followers = Mutex<[UInt32: KernelTemplateFollower]>([:])
     /// Ids unregistered, with the reader's round then: each keeps its follower until a round
     /// that began after it, so what its listener's program entry passed up before it stopped
     /// still reaches its follower (whose templates a reload's successor shares).
     private let retiring = Mutex<[UInt32: UInt64]>([:])
     private let rounds = Atomic<UInt64>(0)
-    private let running = Atomic<Bool>(true)
-    private let thread = Mutex<OSThread?>(nil)
+    private let reader = Mutex<RingBufferReader?>(nil)
     /// Events of a listener id no follower is registered for (a listener stopping, or one turned off).
     let unclaimed = Atomic<UInt64>(0)
 
     init(ringBuffer fd: Int32, logger: Logger) throws(SystemCallError) {
-        let holder = Holder()
-        let made = ring_buffer__new(fd, { context, data, size in
-            guard let context, let data else { return 0 }
-            Unmanaged<Holder>.fromOpaque(context).takeUnretainedValue().tap?.deliver(UnsafeRawPointer(data), size: size)
-            return 0
-        }, Unmanaged.passUnretained(holder).toOpaque(), nil)
-        guard let made else { throw SystemCallError(call: "ring_buffer__new \(FANOUT_MAP_TEMPLATES_NAME)", errno: errno) }
-        ring = made
-        self.holder = holder
-        holder.tap = self
-        let started = OSThread(name: "udp-fanout-tpl") { [self] in
-            var said = false
-            while running.load(ordering: .relaxed) {
-                let round = rounds.add(1, ordering: .relaxed).newValue
-                let result = ring_buffer__poll(ring, 100)
-                retire(before: round)
-                if result < 0 && result != -EINTR {
-                    // Not expected (the ring's descriptors are this process's): said once, and
-                    // no busy loop while it lasts.
-                    if !said {
-                        said = true
-                        logger.error("flow_templates: reading the program's template-bearing datagrams failed; they are forwarded but not learned while it lasts (counted: passed_up grows, template_packets does not)", metadata: [
-                            "error": "\(SystemCallError(call: "ring_buffer__poll \(FANOUT_MAP_TEMPLATES_NAME)", errno: -result))",
-                        ])
-                    }
-                    usleep(100_000)
-                } else if result > 0 {
-                    // The kernel wakes an idle reader for each datagram: with the exporters'
-                    // templates every few packets that is a wakeup per template. Letting them
-                    // gather for a moment takes them in batches (make bench BENCH=templates).
-                    usleep(Self.gather)
+        let made = try RingBufferReader(
+            ringBuffer: fd, map: FANOUT_MAP_TEMPLATES_NAME, threadName: "udp-fanout-tpl",
+            failure: "flow_templates: reading the program's template-bearing datagrams failed; they are forwarded but not learned while it lasts (counted: passed_up grows, template_packets does not)",
+            logger: logger,
+            round: { [weak self] poll in
+                guard let self else {
+                    _ = poll()  // gone without stop(): still no busy loop
+                    return
                 }
-            }
-            // What the program passed up before the stop is still taken.
-            _ = ring_buffer__consume(ring)
-        }
-        thread.withLock { $0 = started }
+                let round = self.rounds.add(1, ordering: .relaxed).newValue
+                let result = poll()
+                self.retire(before: round)
+                // The kernel wakes an idle reader for each datagram: with the exporters'
+                // templates every few packets that is a wakeup per template. Letting them
+                // gather for a moment takes them in batches (make bench BENCH=templates).
+                if result > 0 { usleep(Self.gather) }
+            },
+            drainAtStop: true,
+            deliver: { [weak self] data, size in self?.deliver(data, size: size) })
+        reader.withLock { $0 = made }
     }
 
     /// How long the reader lets datagrams gather after it took some, in microseconds: templates
     /// are learned, copied and replayed within that much more.
     static let gather: useconds_t = 5_000
-
-    /// The callback's context: a reference the ring holds without retaining the tap.
-    private final class Holder: @unchecked Sendable {
-        weak var tap: TCTemplateTap?
-    }
-    private let holder: Holder
 
     func register(id: UInt32, _ follower: KernelTemplateFollower) {
         retiring.withLock { _ = $0.removeValue(forKey: id) }
@@ -104,15 +79,10 @@ final class TCTemplateTap: @unchecked Sendable {  // the ring is used by its thr
         return followers.withLock { $0.keys.allSatisfy { leaving.contains($0) } }
     }
 
-    /// Stops the thread (within its 100 ms poll) and frees the ring. Idempotent.
+    /// Stops the reader (within its 100 ms poll; what the ring holds is still delivered) and
+    /// frees the ring. Idempotent.
     func stop() {
-        running.store(false, ordering: .relaxed)
-        guard let started = thread.withLock({ state -> OSThread? in
-            defer { state = nil }
-            return state
-        }) else { return }
-        started.join()
-        ring_buffer__free(ring)
+        reader.withLock { $0 }?.stop()
     }
 
     private func deliver(_ data: UnsafeRawPointer, size: Int) {
