@@ -29,13 +29,13 @@ final class TCTemplateTap: Sendable {
             ringBuffer: fd, map: FANOUT_MAP_TEMPLATES_NAME, threadName: "udp-fanout-tpl",
             failure: "flow_templates: reading the program's template-bearing datagrams failed; they are forwarded but not learned while it lasts (counted: passed_up grows, template_packets does not)",
             logger: logger,
-            round: { [weak self] poll in
+            round: { [weak self] pollOnce in
                 guard let self else {
-                    _ = poll()  // gone without stop(): still no busy loop
+                    _ = pollOnce()  // gone without stop(): still no busy loop
                     return
                 }
                 let round = self.rounds.add(1, ordering: .relaxed).newValue
-                let result = poll()
+                let result = pollOnce()
                 self.retire(before: round)
                 // The kernel wakes an idle reader for each datagram: with the exporters'
                 // templates every few packets that is a wakeup per template. Letting them

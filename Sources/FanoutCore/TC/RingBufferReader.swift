@@ -35,7 +35,7 @@ final class RingBufferReader: @unchecked Sendable {  // the ring is used by its 
     ///   - drainAtStop: whether what is in the ring at the stop is still delivered.
     ///   - deliver: one record (its bytes and size), on the reader's thread.
     init(ringBuffer fd: Int32, map: String, threadName: String, failure: String, logger: Logger,
-         round: @escaping @Sendable (() -> Int32) -> Void = { _ = $0() }, drainAtStop: Bool = false,
+         round: @escaping @Sendable (() -> Int32) -> Void = { pollOnce in _ = pollOnce() }, drainAtStop: Bool = false,
          deliver: @escaping @Sendable (UnsafeRawPointer, Int) -> Void) throws(SystemCallError) {
         let holder = Holder(deliver)
         let made = ring_buffer__new(fd, { context, data, size in
@@ -49,7 +49,7 @@ final class RingBufferReader: @unchecked Sendable {  // the ring is used by its 
         let started = OSThread(name: threadName) { [self] in
             readerThread.store(UInt(pthread_self()), ordering: .relaxed)
             var said = false
-            let poll = { [self] () -> Int32 in
+            let pollOnce = { [self] () -> Int32 in
                 let result = ring_buffer__poll(ring, 100)
                 if result < 0 && result != -EINTR {
                     // Not expected (the ring's descriptors are this process's): said once, and
@@ -62,7 +62,7 @@ final class RingBufferReader: @unchecked Sendable {  // the ring is used by its 
                 }
                 return result
             }
-            while running.load(ordering: .relaxed) { round(poll) }
+            while running.load(ordering: .relaxed) { round(pollOnce) }
             // What the program passed up before the stop is still taken, if asked.
             if drainAtStop { _ = ring_buffer__consume(ring) }
             if freeOnExit.load(ordering: .acquiring) { ring_buffer__free(ring) }
