@@ -51,7 +51,7 @@ public struct EndpointLimits: Sendable {
 /// (JSON: every listener and downstream now, `StatusReport`; what `udp-fanout status` reads), `/healthz`
 /// (`ok` while running), `/readyz` (200 once every listener is receiving, has finished its first discovery and has an available
 /// downstream; else 503 with one line per reason), `/capture` (pcapng of what a listener drops,
-/// streamed: ``CaptureEndpoint``), 404 for
+/// streamed, as `udp-fanout capture` reads it), 404 for
 /// other paths, 405 for other methods. A Hummingbird (SwiftNIO) server: connections are served
 /// concurrently, so no client can delay another, and each connection has the deadlines of
 /// ``EndpointLimits``.
