@@ -567,7 +567,13 @@ final class TCDataplane: Sendable {
             var config = KernelCaptureTap.config(filter)
             guard filter != nil, !state.freeIDs.contains(id) else {
                 var empty = fanout_capture_config()
-                bpf_map_update_elem(program.captureConfigs, &key, &empty, UInt64(BPF_ANY))
+                if bpf_map_update_elem(program.captureConfigs, &key, &empty, UInt64(BPF_ANY)) != 0 {
+                    // Not expected (an array entry in range): the program would go on sampling
+                    // this id's drops into the ring (counted ring_full once nobody reads it).
+                    logger.warning("capture: the program's capture entry could not be cleared; it may go on sampling this listener's drops", metadata: [
+                        "id": "\(id)", "error": "\(SystemCallError(call: "bpf_map_update_elem \(FANOUT_MAP_CAPTURE_CONFIGS_NAME)", errno: errno))",
+                    ])
+                }
                 guard let tap = state.captureTap, tap.unregister(id: id) else { return }
                 // The last one: its reader stops (within its 100 ms poll) under the lock, so a
                 // capture starting meanwhile waits and then makes the ring's only reader. The
