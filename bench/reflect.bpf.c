@@ -9,6 +9,10 @@
  * few hundred nanoseconds, so the load balancer (on a CPU of its own) is what bounds the rate,
  * as with a hardware packet generator.
  *
+ * reflect_xdp does the same at the XDP hook: the datagram goes back as an XDP frame, so
+ * the load balancer's veth receives frames, as from a NIC's receive ring, not socket buffers
+ * (the frame-sourced two-way run of scripts/bench_frames.py).
+ *
  * Built with -DSTAMP (the scale benchmark's servers), the reply also carries the server's own
  * address in its first 4 payload bytes, so that the clients' side (rotate.bpf.c) can tell which
  * server answered each client; the UDP checksum is updated for it.
@@ -36,5 +40,20 @@ int reflect(struct __sk_buff *skb)
 #endif
 	return bpf_redirect(skb->ifindex, 0);
 }
+
+#ifndef STAMP
+SEC("xdp")
+int reflect_xdp(struct xdp_md *ctx)
+{
+	struct reflect_frame frame;
+	if (!reflect_parse_data((void *)(long)ctx->data, (void *)(long)ctx->data_end, &frame))
+		return XDP_PASS;
+	reflect_swap(&frame);
+	/* A redirect to the arrival veth rather than XDP_TX: a veth's XDP_TX wakes its peer only if
+	 * the peer runs XDP itself, a redirect (ndo_xdp_xmit) whenever the peer takes frames (an XDP
+	 * program or GRO), as the tc and nftables variants' veths do. */
+	return bpf_redirect(ctx->ingress_ifindex, 0);
+}
+#endif
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

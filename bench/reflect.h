@@ -30,10 +30,8 @@ struct reflect_frame {
 
 /* Fills `frame` and returns 1 if the frame is an IPv4 UDP datagram without options or
  * fragmentation (anything else is the stack's: ARP, ICMP, IPv6), else 0. */
-static __always_inline int reflect_parse(struct __sk_buff *skb, struct reflect_frame *frame)
+static __always_inline int reflect_parse_data(void *data, void *data_end, struct reflect_frame *frame)
 {
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return 0;
@@ -48,6 +46,11 @@ static __always_inline int reflect_parse(struct __sk_buff *skb, struct reflect_f
 	frame->ip = ip;
 	frame->udp = udp;
 	return 1;
+}
+
+static __always_inline int reflect_parse(struct __sk_buff *skb, struct reflect_frame *frame)
+{
+	return reflect_parse_data((void *)(long)skb->data, (void *)(long)skb->data_end, frame);
 }
 
 /* Swaps the frame end for end, TTL back to 64. */

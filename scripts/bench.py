@@ -18,6 +18,8 @@ import time
 
 import bench_afxdp
 import bench_fanout
+import bench_frames
+import bench_latency
 import bench_quic
 import bench_abuse
 import bench_replication
@@ -143,6 +145,10 @@ def main():
         rows += bench_quic.rows()
     if only in ("all", "abuse"):
         rows += bench_abuse.rows()
+    if only in ("all", "frames"):
+        rows += bench_frames.rows()
+    if only in ("all", "latency"):
+        rows += bench_latency.rows()
     if only == "scale":  # not in "all": it runs for most of an hour
         rows += bench_scale.rows()
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(len(HEADER))]

@@ -422,17 +422,18 @@ def client_received(topology):
     return int(common.sh("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{interface}/statistics/rx_packets"))
 
 
-def reflected_run(topology, name, obj):
+def reflected_run(topology, name, obj, attach=reflectors):
     """The load-generator run: with the LB on CPU 1 and the endpoints on CPU 0 as in lb_cpu_run,
     the clients' and servers' programs are replaced by reflectors (bench/reflect.bpf.c, tc
     ingress of their veths), and IN_FLIGHT datagrams, each from its own client address and
     port, are sent once: each then laps clients -> LB -> server -> LB -> clients for ever, and
     the endpoints cost a few hundred ns per lap, so the LB's CPU is what bounds the rate (as
     with a hardware traffic generator). Round trips are the clients' veth receive count.
-    CPU 1's and CPU 0's background at rest are taken off their busy time."""
+    CPU 1's and CPU 0's background at rest are taken off their busy time. `attach(topology, obj)`
+    puts the reflectors on (obj None: takes them off): by default at tc ingress."""
     quiet = common.background()
     try:
-        reflectors(topology, obj)
+        attach(topology, obj)
         ip, port = destination(name)
         # Ports 20000 + i: every datagram its own client (address, port), in every variant.
         script = (f"import socket\n"
@@ -451,7 +452,7 @@ def reflected_run(topology, name, obj):
         time.sleep(0.4)
         end_rate = (client_received(topology) - end) / 0.4
     finally:
-        reflectors(topology, None)
+        attach(topology, None)
     rate = laps / elapsed
     lb, endpoints = (max(0.0, busy[cpu] - quiet[cpu] * elapsed) for cpu in (1, 0))
     return {"round_trips_per_sec": rate, "lb_ns_per_round_trip": lb * 1e9 / max(laps, 1),

@@ -5,7 +5,7 @@
 # already in place.
 set -euo pipefail
 packages=(libbpf-dev libxdp-dev libelf-dev pkg-config bpftool iproute2 util-linux procps make gcc netcat-openbsd curl iputils-ping dnsmasq-base systemd strace nfdump ethtool bind9-dnsutils prometheus tmux dpkg-dev lintian debootstrap fakeroot man-db libyaml-dev systemd-container nftables bird2 frr pmacct tshark tcpdump)
-[ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx libnginx-mod-stream nftables conntrack pmacct python3-matplotlib)
+[ "${WITH_BENCH_PEERS:-0}" = 1 ] && packages+=(nginx libnginx-mod-stream nftables conntrack pmacct python3-matplotlib sockperf)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,371 @@
+# SPDX-License-Identifier: Apache-2.0
+"""XDP measured where it wins, for make bench (BENCH=frames): traffic that arrives at the load
+balancer as XDP frames, as from a NIC's receive ring, not as socket buffers (on veth, traffic
+sent from a socket arrives as socket buffers, and XDP must convert them: docs/benchmarks.md).
+
+    client ── proxy (198.18.0.1:5514) ── backend 1..3      (198.18.0.0/15 only, this run's namespaces)
+
+The generator (scripts/frames_gen.py, pinned to CPU 0) runs bench/frames.bpf.c's frames_gen with
+BPF_PROG_TEST_RUN and BPF_F_TEST_XDP_LIVE_FRAMES on the client's veth, as xdp-trafficgen does:
+64-byte IPv4 UDP frames, each with a source port of its own, transmitted by XDP_TX into the
+proxy's veth. The backends count and drop them in XDP (frames_sink). Every veth's NAPI runs in a
+kernel thread of its own, the proxy's on CPU 1 and the backends' on CPU 0 (at real-time priority,
+ahead of the generator): CPU 1 does exactly the load balancer's work (receive, decide, rewrite,
+transmit), and nothing else runs there.
+Variants, alternated run by run, each alone:
+
+  xdp         udp-fanout mode xdp, round robin over the 3 backends (XDP_REDIRECT to their veths)
+  tc_ebpf     udp-fanout mode tc_ebpf, the same at tc ingress: the proxy's veth has GRO on (a veth
+              takes XDP frames only with an XDP program or GRO) and makes a socket buffer of each
+              frame, as a NIC driver does without XDP
+  xdp floor   frames_floor's floor_xdp: Ethernet addresses set for backend 1, XDP_REDIRECT to it,
+              nothing else (the least any XDP forwarder does)
+  tc floor    floor_tc: the same at tc ingress (bpf_redirect), GRO on as for tc_ebpf
+
+Two loads per run, BENCH_FRAMES_SECONDS (3) each after a second of warm-up: saturation (the
+generator as fast as CPU 0 runs it, about 3.5 M frames/s, of which the backends' sinks, also on
+CPU 0, can take about 1.4 M: a variant above that is bound by CPU 0, which the note says as the
+load balancer's busy share under 1) and a fixed rate (BENCH_FRAMES_RATE, 300,000 frames/s, paced
+in the generator's program: under every variant's saturation). The figure is CPU 1's busy time
+(wall minus measured idle, minus its background over a quiet second) per datagram the backends
+received: the load balancer's own CPU per delivered datagram.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import bench_common as common
+import bench_twoway as twoway
+
+RUNS = int(os.environ.get("BENCH_FRAMES_RUNS", "5"))
+SECONDS = float(os.environ.get("BENCH_FRAMES_SECONDS", "3"))
+RATE = int(os.environ.get("BENCH_FRAMES_RATE", "300000"))
+VARIANTS = ["xdp", "tc_ebpf", "xdp floor", "tc floor"]
+# Each variant's program at the proxy's veth (its run time per run is printed beside the rows).
+PROGRAMS = {"xdp": "fanout_xfwd", "tc_ebpf": "fanout_tc", "xdp floor": "floor_xdp", "tc floor": "floor_tc"}
+LOADS = ["saturation", "fixed"]
+TWOWAY_VARIANTS = ["xdp nat", "tc_ebpf nat", "nft conntrack"]
+TWOWAY = os.environ.get("BENCH_FRAMES_TWOWAY", "1") != "0"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "frames.bpf.c")
+GENERATOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frames_gen.py")
+
+
+def mac(topology, namespace, interface):
+    return json.loads(topology.ns(namespace, "ip", "-j", "link", "show", "dev", interface))[0]["address"]
+
+
+def ifindex(topology, namespace, interface):
+    return json.loads(topology.ns(namespace, "ip", "-j", "link", "show", "dev", interface))[0]["ifindex"]
+
+
+def napi_threads(topology, namespace, interface, cpu, fifo=False):
+    """The veth's NAPI in a kernel thread of its own, pinned to `cpu` (None: back to softirq);
+    `fifo`: at real-time priority, ahead of the generator on the same CPU (which then runs only
+    while the sinks have nothing to do, and so paces its frames evenly)."""
+    common.sh("ip", "netns", "exec", namespace, "sh", "-c",
+              f"echo {0 if cpu is None else 1} > /sys/class/net/{interface}/threaded", check=cpu is not None)
+    if cpu is None:
+        return
+    for line in common.sh("ps", "-eo", "pid=,comm=").splitlines():
+        pid, _, comm = line.strip().partition(" ")
+        if comm.strip().startswith(f"napi/{interface}"[:15]):
+            common.sh("taskset", "-p", "-c", str(cpu), pid)
+            if fifo:
+                common.sh("chrt", "-f", "-p", "50", pid)
+
+
+class Bench:
+    """The topology, the programs pinned under this run's own bpffs directory, the sinks."""
+
+    def __init__(self, work):
+        self.work = work
+        self.pins = f"/sys/fs/bpf/rplb-frames-{os.getpid()}"
+        self.topology = None
+        obj = os.path.join(work, "frames.o")
+        subprocess.run(["clang", "-O2", "-g", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu",
+                        "-c", SOURCE, "-o", obj], check=True)
+        try:
+            common.sh("bpftool", "prog", "loadall", obj, self.pins, "pinmaps", self.pins + "/maps")
+            self.topology = topology = common.Topology()
+            tag = topology.proxy_if[2:]
+            self.client_if = f"cp{tag}"
+            for n, (backend, inner) in enumerate(zip(topology.backends, topology.backend_ifs), start=1):
+                topology.ns(backend, "ip", "link", "set", "dev", inner, "xdpdrv", "pinned", f"{self.pins}/frames_sink")
+                napi_threads(topology, backend, inner, 0, fifo=True)
+            outer = f"pb1{tag[:7]}"
+            target = ifindex(topology, topology.proxy, outer).to_bytes(4, "little")
+            target += bytes.fromhex(mac(topology, topology.backends[0], topology.backend_ifs[0]).replace(":", ""))
+            target += bytes.fromhex(mac(topology, topology.proxy, outer).replace(":", ""))
+            common.sh("bpftool", "map", "update", "pinned", f"{self.pins}/maps/floor_out", "key", "0", "0", "0", "0",
+                      "value", *[str(b) for b in target])
+            self.frame = [mac(topology, topology.proxy, topology.proxy_if), mac(topology, topology.client, self.client_if),
+                          "198.18.0.10", "198.18.0.1", "5514"]
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self):
+        if self.topology:
+            self.topology.destroy()
+            self.topology = None
+        shutil.rmtree(self.pins, ignore_errors=True)
+
+    def delivered(self):
+        entries = json.loads(common.sh("bpftool", "-j", "map", "dump", "pinned", f"{self.pins}/maps/sink_count"))
+        return sum(value["value"] for entry in entries for value in entry["formatted"]["values"])
+
+    def generator(self, rate):
+        command = [*common.in_namespace(self.topology.client), "taskset", "-c", "0", "python3", GENERATOR,
+                   f"{self.pins}/frames_gen", f"{self.pins}/maps/frames_template", self.client_if, *self.frame, str(int(60 * 8e6)), str(SECONDS + 10)]
+        if rate:
+            command.append(str(rate))
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, name):
+        """One run of variant `name`: each load's delivered rate and CPU 1 per delivered datagram."""
+        variant = Variant(self, name)
+        try:
+            results = {}
+            for load in LOADS:
+                quiet = common.background()
+                generator = self.generator(0 if load == "saturation" else RATE)
+                try:
+                    time.sleep(1)
+                    if generator.poll() is not None:
+                        raise SystemExit(f"frames generator exited: {generator.stderr.read()[-2000:]}")
+                    start = self.delivered()
+                    delivered, elapsed, busy = common.busy_during(lambda: time.sleep(SECONDS) or self.delivered() - start)
+                finally:
+                    common.stop_with_output(generator)
+                lb = max(0.0, busy[1] - quiet[1] * elapsed)
+                results[load] = {"pps": delivered / elapsed, "lb_ns": lb * 1e9 / max(delivered, 1), "lb_busy": lb / elapsed}
+            results["program_ns"] = self.program_cost(PROGRAMS[name])
+            return results
+        finally:
+            variant.stop()
+
+    def program_cost(self, program):
+        """The load balancer's program's run time per run (kernel.bpf_stats_enabled) over a
+        second at saturation, apart from the measured loads (the statistics cost time)."""
+        with common.BPFStats():
+            before = common.ns_per_run(["name", program])
+            generator = self.generator(0)
+            try:
+                time.sleep(1)
+            finally:
+                common.stop_with_output(generator)
+            after = common.ns_per_run(["name", program])
+        runs = after[1] - before[1]
+        spent = after[0] * after[1] - (before[0] * before[1] if before[1] else 0)
+        return spent / runs if runs else float("nan")
+
+
+class Variant:
+    def __init__(self, bench, name):
+        self.bench, self.name, self.proc, self.gro, self.qdisc, self.xdp = bench, name, None, False, False, False
+        topology = bench.topology
+        try:
+            if name in ("tc_ebpf", "tc floor"):
+                self.gro = True
+                topology.ns(topology.proxy, "ethtool", "-K", topology.proxy_if, "gro", "on")
+            if name in ("xdp", "tc_ebpf"):
+                downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, common.BACKENDS + 1))
+                path = os.path.join(bench.work, "frames.yaml")
+                with open(path, "w") as f:
+                    f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
+                            f"    mode: {name}\n    downstream:\n{downstreams}\n"
+                            f'metrics: {{enabled: true, bind: "127.0.0.1:9464"}}\n')
+                log = os.path.join(bench.work, "udp-fanout.log")
+                # The daemon's threads on CPU 0: CPU 1 holds the data path alone.
+                with open(log, "w") as out:
+                    self.proc = subprocess.Popen([*common.in_namespace(topology.proxy), "taskset", "-c", "0",
+                                                  f"{common.BIN}/udp-fanout", "-c", path], stdout=out, stderr=subprocess.STDOUT)
+                deadline = time.monotonic() + 20
+                while "registered listener in eBPF map" not in open(log).read():
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(f"udp-fanout ({name}) did not start:\n{open(log).read()[-2000:]}")
+                    time.sleep(0.05)
+            elif name == "xdp floor":
+                topology.ns(topology.proxy, "ip", "link", "set", "dev", topology.proxy_if, "xdpdrv", "pinned", f"{bench.pins}/floor_xdp")
+                self.xdp = True
+            elif name == "tc floor":
+                topology.ns(topology.proxy, "tc", "qdisc", "add", "dev", topology.proxy_if, "clsact")
+                self.qdisc = True
+                topology.ns(topology.proxy, "tc", "filter", "add", "dev", topology.proxy_if, "ingress", "bpf",
+                            "object-pinned", f"{bench.pins}/floor_tc", "direct-action")
+            else:
+                raise SystemExit(f"unknown frames variant {name!r}")
+            napi_threads(topology, topology.proxy, topology.proxy_if, 1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self):
+        topology = self.bench.topology
+        # Back to softirq NAPI while the proxy's veth still has NAPI (an XDP program or GRO).
+        napi_threads(topology, topology.proxy, topology.proxy_if, None)
+        if self.proc:
+            common.stop_process(self.proc)
+            self.proc = None
+        if self.xdp:
+            topology.ns(topology.proxy, "ip", "link", "set", "dev", topology.proxy_if, "xdpdrv", "off", check=False)
+            self.xdp = False
+        if self.qdisc:
+            topology.ns(topology.proxy, "tc", "qdisc", "del", "dev", topology.proxy_if, "clsact", check=False)
+            self.qdisc = False
+        if self.gro:
+            topology.ns(topology.proxy, "ethtool", "-K", topology.proxy_if, "gro", "off", check=False)
+            self.gro = False
+
+
+def xdp_reflectors(topology, obj):
+    """bench/reflect.bpf.c's reflect_xdp on every endpoint veth (the clients' and each
+    server's), or with obj None off: each datagram goes back as an XDP frame (a redirect to the
+    veth it arrived at)."""
+    for namespace, interface in topology.endpoint_side:
+        if obj:
+            topology.ns(namespace, "ip", "link", "set", "dev", interface, "xdpdrv", "obj", obj, "sec", "xdp")
+        else:
+            topology.ns(namespace, "ip", "link", "set", "dev", interface, "xdpdrv", "off", check=False)
+
+
+def lb_gro(topology, on):
+    """GRO on the lb netns' veths: a veth takes the endpoints' XDP frames only with an XDP program
+    or GRO (the tc and nftables variants have no XDP program there)."""
+    for namespace, interface in topology.lb_side:
+        topology.ns(namespace, "ethtool", "-K", interface, "gro", "on" if on else "off", check=on)
+
+
+def twoway_run(topology, work, reflector, name):
+    """bench_twoway's load-generator run with the reflectors at XDP: the load balancer receives
+    XDP frames from the clients and from the servers. Every veth's NAPI threaded, the lb's on
+    CPU 1 and the endpoints' on CPU 0, the LB's process (if any) on CPU 1."""
+    topology.split(True)
+    lb_gro(topology, True)
+    variant = None
+    try:
+        variant = twoway.Variant(name, topology, work, split=True)
+
+        def attach(topology, obj):
+            if not obj:
+                variant.threaded_napi(False)
+            # The endpoints compute their checksums at send (tx off), as in every variant: a
+            # checksum left partial would lap partial for ever, and XDP passes those to tc.
+            variant.xdp_endpoints(bool(obj))
+            xdp_reflectors(topology, obj)
+            if obj:
+                variant.threaded_napi(True)
+
+        return twoway.reflected_run(topology, name, reflector, attach)
+    finally:
+        if variant:
+            variant.stop()
+        lb_gro(topology, False)
+        topology.split(False)
+
+
+def twoway_rows():
+    """The two-way comparison with frames: xdp nat against nft conntrack and tc_ebpf nat."""
+    work = tempfile.mkdtemp(prefix="rplb-frames-twoway-")
+    topology = servers = None
+    try:
+        topology = twoway.Topology()
+        servers = twoway.EchoServers(topology, work)
+        servers.pin("0")
+        reflector = twoway.build_reflector(work)
+        print(f"bench: two-way with frames: {twoway.IN_FLIGHT} datagrams lapping clients -> LB -> server -> LB -> clients through"
+              f" XDP reflectors at the clients and servers (CPU 0), the LB alone on CPU 1; {RUNS} alternated runs of"
+              f" {twoway.SECONDS:g} s", flush=True)
+        results = common.alternated(RUNS, TWOWAY_VARIANTS, lambda name: twoway_run(topology, work, reflector, name))
+    finally:
+        if servers:
+            servers.stop()
+        if topology:
+            topology.destroy()
+        shutil.rmtree(work, ignore_errors=True)
+    if os.environ.get("BENCH_FRAMES_JSON"):
+        with open(os.environ["BENCH_FRAMES_JSON"] + ".twoway", "w") as f:
+            json.dump(results, f, indent=1)
+    out = []
+    for ours, peer, goal in (("xdp nat", "nft conntrack", " goal >= 2"), ("xdp nat", "tc_ebpf nat", ""), ("tc_ebpf nat", "nft conntrack", "")):
+        mine = common.spread([r["lb_ns_per_round_trip"] for r in results[ours]])
+        theirs = common.spread([r["lb_ns_per_round_trip"] for r in results[peer]])
+        ratios = common.spread([p["lb_ns_per_round_trip"] / o["lb_ns_per_round_trip"] for o, p in zip(results[ours], results[peer])])
+        rates = {n: common.spread([r["round_trips_per_sec"] for r in results[n]])[0] for n in (ours, peer)}
+        busy = {n: common.spread([r["lb_busy"] for r in results[n]])[0] for n in (ours, peer)}
+        ends = {n: common.spread([r["end_rate_ratio"] for r in results[n]])[0] for n in (ours, peer)}
+        out.append((f"frames: two-way {ours}, LB CPU per round trip (XDP reflectors)", peer,
+                    f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{theirs[0]:,.0f} ns ({theirs[1]:,.0f}-{theirs[2]:,.0f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
+                    f"round trips per LB CPU, ours/peer; ours {rates[ours]:,.0f} rt/s, LB CPU {busy[ours]:.2f};"
+                    f" peer {rates[peer]:,.0f} rt/s, LB CPU {busy[peer]:.2f}; last-0.4-s rate {ends[ours]:.2f}x/{ends[peer]:.2f}x the run's"))
+    costs = {name: common.spread([r["program_ns"] for r in results[name]]) for name in VARIANTS}
+    for ours, peer in (("xdp", "xdp floor"), ("tc_ebpf", "tc floor")):
+        out.append((f"frames: program run time, {ours} ({PROGRAMS[ours]})", f"{peer} ({PROGRAMS[peer]})",
+                    f"{costs[ours][0]:,.1f} ns/run ({costs[ours][1]:,.1f}-{costs[ours][2]:,.1f})",
+                    f"{costs[peer][0]:,.1f} ns/run ({costs[peer][1]:,.1f}-{costs[peer][2]:,.1f})",
+                    f"{costs[ours][0] / costs[peer][0]:.2f}",
+                    "kernel.bpf_stats_enabled run_time_ns/run_cnt over 1 s at saturation, apart from the measured loads;"
+                    " ours includes the route lookup" + ("" if ours == "xdp" else " and the redirect")))
+    return out
+
+
+def rows():
+    work = tempfile.mkdtemp(prefix="rplb-frames-bench-")
+    bench = None
+    previous = signal.signal(signal.SIGTERM, common.terminated)
+    affinity = os.sched_getaffinity(0)
+    try:
+        # This script (and what it forks: counter reads) on CPU 0: CPU 1 holds the load balancer alone.
+        os.sched_setaffinity(0, {0})
+        bench = Bench(work)
+        print(f"bench: frame-sourced traffic (BPF_PROG_TEST_RUN live frames, XDP_TX into the proxy's veth), 64-byte datagrams;"
+              f" {RUNS} alternated runs, {SECONDS:g} s per load: saturation and {RATE:,} frames/s; CPU 1 = the load balancer alone",
+              flush=True)
+        results = common.alternated(RUNS, VARIANTS, bench.run)
+        if os.environ.get("BENCH_FRAMES_JSON"):
+            with open(os.environ["BENCH_FRAMES_JSON"], "w") as f:
+                json.dump(results, f, indent=1)
+        bench.destroy()
+        bench = None
+        out = table(results)
+        if TWOWAY:
+            out += twoway_rows()
+        return out
+    finally:
+        if bench:
+            bench.destroy()
+        os.sched_setaffinity(0, affinity)
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def table(results):
+    out = []
+
+    def cost(name, load):
+        return common.spread([r[load]["lb_ns"] for r in results[name]])
+
+    def rate(name, load):
+        return common.spread([r[load]["pps"] for r in results[name]])
+
+    def busy(name, load):
+        return common.spread([r[load]["lb_busy"] for r in results[name]])[0]
+
+    for load, label in (("saturation", "at saturation"), ("fixed", f"at {RATE // 1000:,}k frames/s")):
+        for ours, peer, goal in (("xdp", "tc_ebpf", ">= 2"), ("xdp", "xdp floor", ">= 0.8"), ("tc_ebpf", "tc floor", None)):
+            mine, theirs = cost(ours, load), cost(peer, load)
+            # Delivered datagrams per LB CPU, ours over the peer's: the peer's cost over ours, run by run.
+            ratios = common.spread([p[load]["lb_ns"] / o[load]["lb_ns"] for o, p in zip(results[ours], results[peer])])
+            mine_rate, peer_rate = rate(ours, load), rate(peer, load)
+            mine_busy, peer_busy = busy(ours, load), busy(peer, load)
+            out.append((f"frames: {ours}, LB CPU per delivered datagram {label}", peer,
+                        f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{theirs[0]:,.0f} ns ({theirs[1]:,.0f}-{theirs[2]:,.0f})",
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + (f" goal {goal}" if goal else ""),
+                        f"delivered per LB CPU, ours/peer; delivered ours {mine_rate[0]:,.0f} pps, peer {peer_rate[0]:,.0f} pps;"
+                        f" LB CPU busy ours {mine_busy:.2f}, peer {peer_busy:.2f}"))
+    return out

@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Added latency for make bench (BENCH=latency): round trips measured by sockperf (Debian) through
+each two-way kind, next to the direct path and nginx, in one run, in bench_twoway's topology:
+
+    clients ── lb (VIP 198.18.0.1:5514) ── server 1..3      (this run's namespaces)
+
+The servers run `sockperf server`; the client runs sockperf in the clients netns, with --full-rtt
+(round trips, not halves). Two loads:
+  ping-pong    one message at a time, each answered (the idle path's latency)
+  under load   --mps 50,000 (BENCH_LATENCY_MPS), one message in 100 answered and measured
+Variants, alternated run by run (BENCH_LATENCY_RUNS, 3), each BENCH_LATENCY_SECONDS (5) per load:
+  routed       the client talks to server 1 through the lb netns, no load balancer: the direct path
+  tc_ebpf nat, xdp nat, relay, relay with settings.io_uring: false (udp-fanout, as bench_twoway
+  sets them up, the xdp variant's NAPI left in softirq), nginx-1 (nginx stream, one worker)
+Each row: a variant's p50, p99 or p99.9 (the median over the runs, with their spread) against the
+direct path's, and what it adds; the note gives nginx's addition at the same percentile.
+"""
+import os
+import re
+import subprocess
+import tempfile
+import shutil
+import time
+
+import bench_common as common
+import bench_twoway as twoway
+
+RUNS = int(os.environ.get("BENCH_LATENCY_RUNS", "3"))
+SECONDS = int(os.environ.get("BENCH_LATENCY_SECONDS", "5"))
+MPS = int(os.environ.get("BENCH_LATENCY_MPS", "50000"))
+VARIANTS = ["routed", "tc_ebpf nat", "xdp nat", "relay", "relay, no io_uring", "nginx-1"]
+if os.environ.get("BENCH_LATENCY_ONLY"):
+    VARIANTS = ["routed"] + [v for v in VARIANTS if v in os.environ["BENCH_LATENCY_ONLY"].split(",") and v != "routed"]
+LOADS = ["ping-pong", "under load"]
+PERCENTILES = [("p50", "50.000"), ("p99", "99.000"), ("p99.9", "99.900")]
+
+
+class SockperfServers:
+    """`sockperf server` on 198.18.n.2:6000 in each server netns, for the whole benchmark."""
+
+    def __init__(self, topology, work):
+        self.procs = []
+        try:
+            for n, server in enumerate(topology.servers, start=1):
+                log = os.path.join(work, f"sockperf-{n}.log")
+                proc = twoway.start_logged([*common.in_namespace(server), "sockperf", "server", "-i", f"198.18.{n}.2",
+                                            "-p", str(twoway.SERVER_PORT)], log)
+                self.procs.append(proc)
+                twoway.wait_for_log(proc, log, "Warmup stage", f"sockperf server {n}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self):
+        for proc in self.procs:
+            common.stop_process(proc)
+        self.procs = []
+
+
+def sockperf(topology, name, load, seconds):
+    """One sockperf client run in the clients netns: {percentile: round trip in us}, and its line
+    of sent and received messages."""
+    ip, port = twoway.destination(name)
+    mode = ["ping-pong"] if load == "ping-pong" else ["under-load", "--mps", str(MPS), "--reply-every", "100"]
+    command = [*common.in_namespace(topology.clients), "sockperf", *mode, "-i", ip, "-p", str(port), "-t", str(seconds), "--full-rtt"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    if result.returncode != 0:
+        raise SystemExit(f"sockperf failed ({result.returncode}): {' '.join(command)}\n{(result.stdout + result.stderr)[-2000:]}")
+    values = {}
+    for label, text in PERCENTILES:
+        found = re.search(rf"percentile {re.escape(text)} =\s+([0-9.]+)", result.stdout)
+        if not found:
+            raise SystemExit(f"sockperf printed no percentile {text}: {result.stdout[-2000:]}")
+        values[label] = float(found.group(1))
+    summary = re.search(r"SentMessages=(\d+); ReceivedMessages=(\d+)", result.stdout)
+    values["sent"], values["received"] = (int(summary.group(1)), int(summary.group(2))) if summary else (0, 0)
+    return values
+
+
+class Variant(twoway.Variant):
+    """bench_twoway's variant, probed with sockperf (its servers answer only sockperf's messages).
+    The xdp variant keeps its veths' NAPI in softirq, as any deployment runs it: bench_twoway
+    threads it only to put the load balancer's CPU time on a CPU of its own, which a latency
+    measurement must not pay for (a kernel thread's wake-up per poll)."""
+
+    def threaded_napi(self, on):
+        pass
+
+    def probe(self, seconds=20):
+        deadline = time.monotonic() + seconds
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                got = sockperf(self.topology, self.name, "ping-pong", 1)
+                if got["received"] > 0:
+                    return
+            except SystemExit as error:
+                last = str(error)
+            time.sleep(0.2)
+        raise SystemExit(f"latency variant {self.name}: sockperf got no answer in {seconds} s: {last[-1000:]}"
+                         + (f"\n{self.log} says:\n{self.log_tail()}" if self.log else ""))
+
+
+def run_variant(topology, work, name):
+    variant = Variant(name, topology, work)
+    try:
+        return {load: sockperf(topology, name, load, SECONDS) for load in LOADS}
+    finally:
+        variant.stop()
+
+
+def rows():
+    work = tempfile.mkdtemp(prefix="rplb-latency-bench-")
+    topology = twoway.Topology()
+    servers = None
+    try:
+        servers = SockperfServers(topology, work)
+        print(f"bench: latency, sockperf --full-rtt, {RUNS} runs per variant, alternated, {SECONDS} s per load; "
+              f"ping-pong, and under load at {MPS:,} messages/s (one in 100 answered)", flush=True)
+        results = common.alternated(RUNS, VARIANTS, lambda name: run_variant(topology, work, name))
+        out = []
+        for load in LOADS:
+            for label, _ in PERCENTILES:
+                direct = common.spread([r[load][label] for r in results["routed"]])
+                nginx = common.spread([r[load][label] for r in results["nginx-1"]]) if "nginx-1" in results else None
+                for name in VARIANTS[1:]:
+                    ours = common.spread([r[load][label] for r in results[name]])
+                    added = ours[0] - direct[0]
+                    note = f"sockperf {load}, round trip; nginx-1 adds {nginx[0] - direct[0]:+.1f} us" if nginx and name != "nginx-1" else f"sockperf {load}, round trip"
+                    out.append((f"latency {load} {label}: {name}", "the direct path (routed, no load balancer)",
+                                f"{ours[0]:.1f} us ({ours[1]:.1f}-{ours[2]:.1f})", f"{direct[0]:.1f} us ({direct[1]:.1f}-{direct[2]:.1f})",
+                                f"{added:+.1f} us", note))
+        return out
+    finally:
+        if servers:
+            servers.stop()
+        topology.destroy()
+        shutil.rmtree(work, ignore_errors=True)
