@@ -271,6 +271,9 @@ def twoway_run(topology, work, reflector, name):
 def twoway_rows():
     """The two-way comparison with frames: xdp nat against nft conntrack and tc_ebpf nat."""
     work = tempfile.mkdtemp(prefix="rplb-frames-twoway-")
+    # ip loading the reflector's object makes iproute2's pin directories (/sys/fs/bpf/tc, ip,
+    # xdp): removed after the run if this run made them.
+    made_pin_dirs = not os.path.exists("/sys/fs/bpf/tc")
     topology = servers = None
     try:
         topology = twoway.Topology()
@@ -287,6 +290,8 @@ def twoway_rows():
         if topology:
             topology.destroy()
         shutil.rmtree(work, ignore_errors=True)
+        if made_pin_dirs:
+            twoway.remove_iproute2_pin_dirs()
     if os.environ.get("BENCH_FRAMES_JSON"):
         with open(os.environ["BENCH_FRAMES_JSON"] + ".twoway", "w") as f:
             json.dump(results, f, indent=1)

@@ -76,6 +76,25 @@ struct SharedSenderTests {
         return namespace
     }
 
+    @Test("a flush's drops by reason (DropTally): every reason kept apart, added, read back, iterated in order, compared; none is empty")
+    func dropTally() {
+        #expect(DropReason.allCases.enumerated().allSatisfy { $0.offset == $0.element.ordinal }, "each reason's ordinal is its place in allCases")
+        #expect(DropReason.allCases.count <= 12, "a new reason needs room in DropTally's storage")
+        var tally = DropTally()
+        #expect(tally.isEmpty && tally[.sendBufferFull] == nil && tally[.sendBufferFull, default: 7] == 7 && tally.total == 0)
+        for (offset, reason) in DropReason.allCases.reversed().enumerated() { tally[reason, default: 0] += UInt64(offset + 1) }
+        tally[.unreachable, default: 0] += 100
+        let count = UInt64(DropReason.allCases.count)
+        #expect(!tally.isEmpty && tally.total == count * (count + 1) / 2 + 100)
+        #expect(tally.map(\.0) == DropReason.allCases, "iterated in DropReason's order, every reason with drops")
+        #expect(tally[.rateLimited] == 1 && tally[.tooLarge] == count && tally[.unreachable] == count - 2 + 100)
+        tally[.unreachable, default: 0] = 0
+        #expect(tally[.unreachable] == nil && !tally.map(\.0).contains(.unreachable), "a reason set back to 0 has no drops")
+        let literal: DropTally = [.tooLarge: 1, .familyMismatch: 2]
+        #expect(literal == [DropReason.familyMismatch: 2, .tooLarge: 1] && literal != [DropReason.tooLarge: 1] && literal != [.tooLarge: 1, .familyMismatch: 3])
+        #expect(literal.description == "[too_large: 1, family_mismatch: 2]")
+    }
+
     @Test("a batch spread over 300 downstreams is one sendmmsg, each downstream gets its datagram and its count")
     func oneCallForManyDownstreams() throws {
         let sinks = try (0..<300).map { _ in try Sink() }

@@ -337,8 +337,6 @@ func numberedPayload(_ index: Int, length: Int) -> [UInt8] {
     return bytes
 }
 
-typealias FlushResult = (sent: UInt64, bytes: UInt64, dropped: [DropReason: UInt64])
-
 @Suite("preserve_source: end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct SourcePreservingEndToEndTests {
     /// client namespace (the outbox) -> proxy namespace (routes) -> backend 1 (a plain UDP socket).

@@ -234,7 +234,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
             }
             for target in 0..<targets where transmitSent[target] != (0, 0, 0) {
                 let (sent, bytes, dropped) = transmitSent[target]
-                forwarder.record(target, (sent, bytes, dropped > 0 ? [.sendBufferFull: dropped] : [:]))
+                forwarder.record(target, (sent, bytes, dropped > 0 ? [.sendBufferFull: dropped] : DropTally()))
                 transmitted += sent
                 transmittedBytes += bytes
                 transmitSent[target] = (0, 0, 0)

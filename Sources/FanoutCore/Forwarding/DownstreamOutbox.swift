@@ -24,7 +24,7 @@ final class DownstreamOutbox: Outbox {
     /// The connected socket, or -1 while connecting fails (no route yet, no such address):
     /// retried at most once a second while datagrams come, so a downstream unreachable at start
     /// is served once its route appears, without a reload.
-    private(set) var socket: Int32 = -1
+    @exclusivity(unchecked) private(set) var socket: Int32 = -1
     private(set) var connectError: Int32 = 0
     private let address: SocketAddress
     private var nextConnect = ContinuousClock.now
@@ -34,22 +34,22 @@ final class DownstreamOutbox: Outbox {
     private let iovecs: UnsafeMutablePointer<iovec>
     private let controls: UnsafeMutableRawPointer
     private let controlSpace: Int
-    private(set) var count = 0
-    var ledger: CrashLedger.Slot?
-    private(set) var gsoEnabled = true
+    @exclusivity(unchecked) private(set) var count = 0
+    @exclusivity(unchecked) var ledger: CrashLedger.Slot?
+    @exclusivity(unchecked) private(set) var gsoEnabled = true
     /// The last flush got ECONNREFUSED: the downstream answered ICMP port unreachable (passive health).
-    private(set) var refused = false
+    @exclusivity(unchecked) private(set) var refused = false
     /// The thread's shared way out (nil: always the connected socket).
     private let shared: SharedSender?
     /// The downstream as msg_name, for the shared socket.
     private let destination: UnsafeMutablePointer<sockaddr_storage>
     private let destinationLength: socklen_t
     /// Until when the connected socket sends (the downstream drew an ICMP error); nil: the shared one.
-    private var directUntil: ContinuousClock.Instant?
+    @exclusivity(unchecked) private var directUntil: ContinuousClock.Instant?
     static let directInterval = Duration.seconds(1)
     /// This batch went to the shared sender; its outcome is in `pending` until the flush.
-    private var staged = false
-    private var pending: FlushResult = (0, 0, [:])
+    @exclusivity(unchecked) private var staged = false
+    @exclusivity(unchecked) private var pending: FlushResult = (0, 0, DropTally())
 
     static let maximumSegments = 64
     static let maximumGSOBytes = 65000
@@ -121,7 +121,7 @@ final class DownstreamOutbox: Outbox {
         if staged {
             staged = false
             result = pending
-            pending = (0, 0, [:])
+            pending = (0, 0, DropTally())
             return
         }
         guard socket >= 0 else {

@@ -325,10 +325,10 @@ final class FlowTemplateRelay {
         guard !touched.isEmpty else { return }
         for way in touched {
             guard let lane = lanes[way] else { continue }
-            var result: FlushResult = (0, 0, [:])
+            var result: FlushResult = (0, 0, DropTally())
             _ = lane.reconnectIfDue()
             lane.flush(&result)
-            let dropped = result.dropped.values.reduce(0, +)
+            let dropped = result.dropped.total
             let sent = pending[way] ?? (0, 0)
             // What was dropped is taken from the replays first, then the copies.
             let replaysSent = sent.replays - min(sent.replays, dropped)

@@ -19,13 +19,13 @@ final class PoolReplicator {
     private let output: Output
     /// Datagrams per batch: a member's outbox holds at most one batch.
     private let capacity: Int
-    private var pools: [PoolState] = []
+    @exclusivity(unchecked) private var pools: [PoolState] = []
     private var passiveHealth: (@Sendable (SocketAddress) -> Void)?
     /// The thread's shared way out for `output: socket` members.
     private let sender: SharedSender
     /// Per pool, what ``replicate(_:source:hopLimit:)`` did with the datagram it was last
     /// offered (``Pick``): `settings.flow_templates` reads it to know which members got it.
-    private var picks: [Int] = []
+    @exclusivity(unchecked) private var picks: [Int] = []
     /// `settings.flow_templates`: told of members whose copies a send dropped (they may have
     /// carried templates).
     var templates: FlowTemplateRelay?
@@ -173,7 +173,7 @@ final class PoolReplicator {
                 if outbox.reconnectIfDue() {
                     logger.notice("pool member socket connected", metadata: ["listener": "\(listener)", "pool": "\(pool.name)", "downstream": "\(pool.members[member].name)"])
                 }
-                var result: FlushResult = (0, 0, [:])
+                var result: FlushResult = (0, 0, DropTally())
                 outbox.flush(&result)
                 let address = pool.members[member].address
                 if outbox.refused, sender.firstReport(of: address), let report = passiveHealth { report(address) }

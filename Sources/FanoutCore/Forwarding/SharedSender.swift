@@ -42,20 +42,20 @@ final class SharedSender {
     /// Messages staged per family before a send is forced.
     let capacity: Int
     private let controlSpace = Int(shim_udp_segment_space())
-    private var lanes: [Lane]
+    @exclusivity(unchecked) private var lanes: [Lane]
     /// ICMP errors read from the error queues since the last ``takeErrors()``: the destination
     /// and the errno (ECONNREFUSED: port unreachable).
-    private var errors: [(SocketAddress, Int32)] = []
+    @exclusivity(unchecked) private var errors: [(SocketAddress, Int32)] = []
     /// The destinations in ``errors`` (one entry each).
-    private var erred = Set<SocketAddress>()
+    @exclusivity(unchecked) private var erred = Set<SocketAddress>()
     /// Destinations reported to passive health since the last ``send()`` (at most once a batch).
-    private var reported = Set<SocketAddress>()
+    @exclusivity(unchecked) private var reported = Set<SocketAddress>()
     /// sendmmsg calls made (tests check that a batch costs one).
-    private(set) var sendCalls = 0
+    @exclusivity(unchecked) private(set) var sendCalls = 0
     /// Messages sent (tests check that a GSO run is one).
-    private(set) var messagesSent = 0
+    @exclusivity(unchecked) private(set) var messagesSent = 0
     /// Sends that found the send buffer full and failed the rest of their lane (tests).
-    private(set) var sendBufferFullCalls = 0
+    @exclusivity(unchecked) private(set) var sendBufferFullCalls = 0
     /// Scratch headers for a GSO message resent one datagram per message, and their owner.
     private let single: UnsafeMutablePointer<shim_mmsghdr>
     private let singleOwners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>

@@ -325,7 +325,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
                 state.sendDropped.add(UInt64(packets.count), ordering: .relaxed)
                 continue
             }
-            var result: FlushResult = (0, 0, [:])
+            var result: FlushResult = (0, 0, DropTally())
             for start in stride(from: 0, to: packets.count, by: Self.batch) {
                 let part = packets[start..<min(packets.count, start + Self.batch)]
                 withUnsafePointer(to: &storage) { source in
@@ -344,7 +344,7 @@ final class KernelTemplateFollower: @unchecked Sendable {  // everything mutable
                 }
             }
             sent += result.sent
-            let dropped = result.dropped.values.reduce(0, +)
+            let dropped = result.dropped.total
             if dropped > 0 { state.sendDropped.add(dropped, ordering: .relaxed) }
         }
         return sent
