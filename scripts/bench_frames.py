@@ -23,9 +23,9 @@ Variants, alternated run by run, each alone:
   tc floor    floor_tc: the same at tc ingress (bpf_redirect), GRO on as for tc_ebpf
 
 Two loads per run, BENCH_FRAMES_SECONDS (3) each after a second of warm-up: saturation (the
-generator as fast as CPU 0 runs it, about 3.5 M frames/s, of which the backends' sinks, also on
-CPU 0, can take about 1.4 M: a variant above that is bound by CPU 0, which the note says as the
-load balancer's busy share under 1) and a fixed rate (BENCH_FRAMES_RATE, 300,000 frames/s, paced
+generator as fast as CPU 0 runs it, about 3.5 M frames/s alone; with the backends' sinks also on
+CPU 0, ahead of it, a variant that forwards about 2 M/s or more is bound by CPU 0, which the note
+shows as the load balancer's busy share well under 1) and a fixed rate (BENCH_FRAMES_RATE, 300,000 frames/s, paced
 in the generator's program: under every variant's saturation). The figure is CPU 1's busy time
 (wall minus measured idle, minus its background over a quiet second) per datagram the backends
 received: the load balancer's own CPU per delivered datagram.
@@ -114,9 +114,17 @@ class Bench:
             self.topology = None
         shutil.rmtree(self.pins, ignore_errors=True)
 
-    def delivered(self):
-        entries = json.loads(common.sh("bpftool", "-j", "map", "dump", "pinned", f"{self.pins}/maps/sink_count"))
+    def counted(self, name):
+        entries = json.loads(common.sh("bpftool", "-j", "map", "dump", "pinned", f"{self.pins}/maps/{name}"))
         return sum(value["value"] for entry in entries for value in entry["formatted"]["values"])
+
+    def delivered(self):
+        """Datagrams the backends' sinks received."""
+        return self.counted("sink_count")
+
+    def transmitted(self):
+        """Frames the generator transmitted (a paced-out frame is not counted)."""
+        return self.counted("frames_count")
 
     def generator(self, rate):
         command = [*common.in_namespace(self.topology.client), "taskset", "-c", "0", "python3", GENERATOR,
@@ -137,12 +145,16 @@ class Bench:
                     time.sleep(1)
                     if generator.poll() is not None:
                         raise SystemExit(f"frames generator exited: {generator.stderr.read()[-2000:]}")
-                    start = self.delivered()
+                    start, sent = self.delivered(), self.transmitted()
                     delivered, elapsed, busy = common.busy_during(lambda: time.sleep(SECONDS) or self.delivered() - start)
+                    sent = self.transmitted() - sent
                 finally:
                     common.stop_with_output(generator)
                 lb = max(0.0, busy[1] - quiet[1] * elapsed)
-                results[load] = {"pps": delivered / elapsed, "lb_ns": lb * 1e9 / max(delivered, 1), "lb_busy": lb / elapsed}
+                # Delivered over what the generator transmitted meanwhile (the counters are read a
+                # moment apart: a ratio a little off 1 is that, not loss).
+                results[load] = {"pps": delivered / elapsed, "lb_ns": lb * 1e9 / max(delivered, 1), "lb_busy": lb / elapsed,
+                                 "delivered_share": delivered / max(sent, 1)}
             results["program_ns"] = self.program_cost(PROGRAMS[name])
             return results
         finally:
@@ -271,9 +283,6 @@ def twoway_run(topology, work, reflector, name):
 def twoway_rows():
     """The two-way comparison with frames: xdp nat against nft conntrack and tc_ebpf nat."""
     work = tempfile.mkdtemp(prefix="rplb-frames-twoway-")
-    # ip loading the reflector's object makes iproute2's pin directories (/sys/fs/bpf/tc, ip,
-    # xdp): removed after the run if this run made them.
-    made_pin_dirs = not os.path.exists("/sys/fs/bpf/tc")
     topology = servers = None
     try:
         topology = twoway.Topology()
@@ -290,8 +299,6 @@ def twoway_rows():
         if topology:
             topology.destroy()
         shutil.rmtree(work, ignore_errors=True)
-        if made_pin_dirs:
-            twoway.remove_iproute2_pin_dirs()
     if os.environ.get("BENCH_FRAMES_JSON"):
         with open(os.environ["BENCH_FRAMES_JSON"] + ".twoway", "w") as f:
             json.dump(results, f, indent=1)
@@ -308,14 +315,6 @@ def twoway_rows():
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
                     f"round trips per LB CPU, ours/peer; ours {rates[ours]:,.0f} rt/s, LB CPU {busy[ours]:.2f};"
                     f" peer {rates[peer]:,.0f} rt/s, LB CPU {busy[peer]:.2f}; last-0.4-s rate {ends[ours]:.2f}x/{ends[peer]:.2f}x the run's"))
-    costs = {name: common.spread([r["program_ns"] for r in results[name]]) for name in VARIANTS}
-    for ours, peer in (("xdp", "xdp floor"), ("tc_ebpf", "tc floor")):
-        out.append((f"frames: program run time, {ours} ({PROGRAMS[ours]})", f"{peer} ({PROGRAMS[peer]})",
-                    f"{costs[ours][0]:,.1f} ns/run ({costs[ours][1]:,.1f}-{costs[ours][2]:,.1f})",
-                    f"{costs[peer][0]:,.1f} ns/run ({costs[peer][1]:,.1f}-{costs[peer][2]:,.1f})",
-                    f"{costs[ours][0] / costs[peer][0]:.2f}",
-                    "kernel.bpf_stats_enabled run_time_ns/run_cnt over 1 s at saturation, apart from the measured loads;"
-                    " ours includes the route lookup" + ("" if ours == "xdp" else " and the redirect")))
     return out
 
 
@@ -324,6 +323,9 @@ def rows():
     bench = None
     previous = signal.signal(signal.SIGTERM, common.terminated)
     affinity = os.sched_getaffinity(0)
+    # ip and tc with pinned programs or object files make iproute2's pin directories
+    # (/sys/fs/bpf/tc, ip, xdp): removed after the run if this run made them.
+    made_pin_dirs = not os.path.exists("/sys/fs/bpf/tc")
     try:
         # This script (and what it forks: counter reads) on CPU 0: CPU 1 holds the load balancer alone.
         os.sched_setaffinity(0, {0})
@@ -344,6 +346,8 @@ def rows():
     finally:
         if bench:
             bench.destroy()
+        if made_pin_dirs:
+            twoway.remove_iproute2_pin_dirs()
         os.sched_setaffinity(0, affinity)
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(work, ignore_errors=True)
@@ -361,6 +365,9 @@ def table(results):
     def busy(name, load):
         return common.spread([r[load]["lb_busy"] for r in results[name]])[0]
 
+    def share(name, load):
+        return common.spread([r[load]["delivered_share"] for r in results[name]])[0]
+
     for load, label in (("saturation", "at saturation"), ("fixed", f"at {RATE // 1000:,}k frames/s")):
         for ours, peer, goal in (("xdp", "tc_ebpf", ">= 2"), ("xdp", "xdp floor", ">= 0.8"), ("tc_ebpf", "tc floor", None)):
             mine, theirs = cost(ours, load), cost(peer, load)
@@ -372,5 +379,14 @@ def table(results):
                         f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{theirs[0]:,.0f} ns ({theirs[1]:,.0f}-{theirs[2]:,.0f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + (f" goal {goal}" if goal else ""),
                         f"delivered per LB CPU, ours/peer; delivered ours {mine_rate[0]:,.0f} pps, peer {peer_rate[0]:,.0f} pps;"
-                        f" LB CPU busy ours {mine_busy:.2f}, peer {peer_busy:.2f}"))
+                        f" LB CPU busy ours {mine_busy:.2f}, peer {peer_busy:.2f}; delivered/transmitted ours"
+                        f" {share(ours, load):.3f}, peer {share(peer, load):.3f}"))
+    costs = {name: common.spread([r["program_ns"] for r in results[name]]) for name in VARIANTS}
+    for ours, peer in (("xdp", "xdp floor"), ("tc_ebpf", "tc floor")):
+        out.append((f"frames: program run time, {ours} ({PROGRAMS[ours]})", f"{peer} ({PROGRAMS[peer]})",
+                    f"{costs[ours][0]:,.1f} ns/run ({costs[ours][1]:,.1f}-{costs[ours][2]:,.1f})",
+                    f"{costs[peer][0]:,.1f} ns/run ({costs[peer][1]:,.1f}-{costs[peer][2]:,.1f})",
+                    f"{costs[ours][0] / costs[peer][0]:.2f}",
+                    "kernel.bpf_stats_enabled run_time_ns/run_cnt over 1 s at saturation, apart from the measured loads;"
+                    " ours includes the route lookup" + ("" if ours == "xdp" else " and the redirect")))
     return out

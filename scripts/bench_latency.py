@@ -13,13 +13,15 @@ Variants, alternated run by run (BENCH_LATENCY_RUNS, 3), each BENCH_LATENCY_SECO
   tc_ebpf nat, xdp nat, relay, relay with settings.io_uring: false (udp-fanout, as bench_twoway
   sets them up, the xdp variant's NAPI left in softirq), nginx-1 (nginx stream, one worker)
 Each row: a variant's p50, p99 or p99.9 (the median over the runs, with their spread) against the
-direct path's, and what it adds; the note gives nginx's addition at the same percentile.
+direct path's, and what it adds: the median (and range) of its per-run differences from the
+direct path of the same run; the note gives nginx's addition at the same percentile.
 """
 import os
 import re
 import subprocess
 import tempfile
 import shutil
+import signal
 import time
 
 import bench_common as common
@@ -110,10 +112,12 @@ def run_variant(topology, work, name):
 
 
 def rows():
+    # A SIGTERM (a CI job cancelled) must still reach the cleanup below.
+    previous = signal.signal(signal.SIGTERM, common.terminated)
     work = tempfile.mkdtemp(prefix="rplb-latency-bench-")
-    topology = twoway.Topology()
-    servers = None
+    topology = servers = None
     try:
+        topology = twoway.Topology()
         servers = SockperfServers(topology, work)
         print(f"bench: latency, sockperf --full-rtt, {RUNS} runs per variant, alternated, {SECONDS} s per load; "
               f"ping-pong, and under load at {MPS:,} messages/s (one in 100 answered)", flush=True)
@@ -122,17 +126,26 @@ def rows():
         for load in LOADS:
             for label, _ in PERCENTILES:
                 direct = common.spread([r[load][label] for r in results["routed"]])
-                nginx = common.spread([r[load][label] for r in results["nginx-1"]]) if "nginx-1" in results else None
+
+                def added(name):
+                    # Run by run: the variants of one run ran back to back, so each run's
+                    # difference cancels the machine's drift; their median and spread.
+                    return common.spread([o[load][label] - d[load][label] for o, d in zip(results[name], results["routed"])])
+                nginx = added("nginx-1") if "nginx-1" in results else None
                 for name in VARIANTS[1:]:
                     ours = common.spread([r[load][label] for r in results[name]])
-                    added = ours[0] - direct[0]
-                    note = f"sockperf {load}, round trip; nginx-1 adds {nginx[0] - direct[0]:+.1f} us" if nginx and name != "nginx-1" else f"sockperf {load}, round trip"
+                    more = added(name)
+                    note = f"sockperf {load}, round trip; median of per-run differences"
+                    if nginx and name != "nginx-1":
+                        note += f"; nginx-1 adds {nginx[0]:+.1f} us ({nginx[1]:+.1f} to {nginx[2]:+.1f})"
                     out.append((f"latency {load} {label}: {name}", "the direct path (routed, no load balancer)",
                                 f"{ours[0]:.1f} us ({ours[1]:.1f}-{ours[2]:.1f})", f"{direct[0]:.1f} us ({direct[1]:.1f}-{direct[2]:.1f})",
-                                f"{added:+.1f} us", note))
+                                f"{more[0]:+.1f} us ({more[1]:+.1f} to {more[2]:+.1f})", note))
         return out
     finally:
         if servers:
             servers.stop()
-        topology.destroy()
+        if topology:
+            topology.destroy()
         shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)

@@ -11,10 +11,15 @@ import ReusePortLB
 /// ``flush(received:bytesReceived:tooLarge:noHealthy:)`` once. Nothing is allocated per datagram;
 /// the plan (downstreams, balancing) is taken at the next batch after a reload swapped it.
 ///
-/// Its stored properties, like those of its outboxes and of the thread's ``SharedSender``, are
-/// the forwarding thread's alone and are not checked for exclusive access at run time
-/// (`@exclusivity(unchecked)`; the compile-time checks remain): those checks were about 4 % of the
-/// forwarder's CPU at 3000 downstreams (perf: `swift_beginAccess` per datagram and per downstream).
+/// The state the per-datagram and per-downstream path touches (here the plan, selector, outboxes,
+/// touched list and counters; in ``DownstreamOutbox``, ``SharedSender`` and ``PoolReplicator``
+/// what a batch stages, sends and counts) is the forwarding thread's alone and is marked
+/// `@exclusivity(unchecked)`: not checked for exclusive access at run time (the compile-time
+/// checks remain). Those checks were about 4 % of the forwarder's CPU at 3000 downstreams (perf:
+/// `swift_beginAccess` per datagram and per downstream). The rule they enforced still holds and
+/// is now the code's to keep: no callback re-enters one of these objects while one of its
+/// properties is being modified (SharedSender's per-message callbacks touch only the outbox's
+/// own outcome); a violation would corrupt, not trap.
 final class BatchForwarder {
     /// The way out to one downstream; `output: socket` ones send through the thread's shared sender.
     typealias OutboxFactory = (Downstream, SharedSender) -> any Outbox
@@ -148,14 +153,14 @@ final class BatchForwarder {
     /// listener's; returns the datagrams and bytes sent.
     @discardableResult
     func record(_ target: Int, _ result: FlushResult) -> (sent: UInt64, bytes: UInt64) {
-        guard let plan else { return (0, 0) }
-        record(plan, target, result)
+        guard plan != nil else { return (0, 0) }
+        count(target, result)
         return (result.sent, result.bytes)
     }
 
-    /// ``record(_:_:)`` with the plan in hand (the flush's loop holds it once for every downstream).
+    /// Adds one downstream's flush to its counters and the listener's (a plan is in force).
     @inline(__always)
-    private func record(_ plan: ForwardingPlan, _ target: Int, _ result: FlushResult) {
+    private func count(_ target: Int, _ result: FlushResult) {
         downstreamCounters[target]._withUnsafeGuaranteedRef { downstream in
             if result.sent > 0 {
                 downstream.forwarded.wrappingAdd(result.sent, ordering: .relaxed)
@@ -200,7 +205,7 @@ final class BatchForwarder {
                 }
                 // A datagram that carried templates may be among the dropped ones.
                 if !result.dropped.isEmpty, let templates { templates.forget(plan.downstreams[target].address) }
-                record(plan, target, result)
+                count(target, result)
                 forwarded += result.sent
                 bytesForwarded += result.bytes
             }

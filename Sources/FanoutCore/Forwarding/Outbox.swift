@@ -11,9 +11,12 @@ typealias FlushResult = (sent: UInt64, bytes: UInt64, dropped: DropTally)
 /// downstream it sent to in every batch (a dictionary there cost retains and releases per
 /// downstream: perf at 3000 downstreams). Read and written as a dictionary would be:
 /// `tally[reason, default: 0] += n`, `tally[reason]` (nil when none), iterated as (reason, count)
-/// pairs of the reasons with drops, in ``DropReason``'s order.
+/// pairs of the reasons with drops, in ``DropReason``'s order. A count of 0 is no entry.
 struct DropTally: Sequence, Equatable, ExpressibleByDictionaryLiteral, CustomStringConvertible {
-    private var counts = InlineArray<12, UInt64>(repeating: 0)
+    /// Room for every ``DropReason`` (``DropReason/ordinal``), as many as the mask has bits.
+    static let capacity = 16
+    private var counts: (UInt64, UInt64, UInt64, UInt64, UInt64, UInt64, UInt64, UInt64,
+                         UInt64, UInt64, UInt64, UInt64, UInt64, UInt64, UInt64, UInt64) = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     /// Bit `reason.ordinal` set: that reason has drops.
     private var present: UInt16 = 0
 
@@ -25,29 +28,39 @@ struct DropTally: Sequence, Equatable, ExpressibleByDictionaryLiteral, CustomStr
 
     var isEmpty: Bool { present == 0 }
 
+    private func count(at ordinal: Int) -> UInt64 {
+        withUnsafeBytes(of: counts) { $0.load(fromByteOffset: ordinal * MemoryLayout<UInt64>.stride, as: UInt64.self) }
+    }
+
     subscript(reason: DropReason, default value: UInt64) -> UInt64 {
-        get { present & (1 << reason.ordinal) != 0 ? counts[reason.ordinal] : value }
+        get { present & (1 << reason.ordinal) != 0 ? count(at: reason.ordinal) : value }
         set {
-            counts[reason.ordinal] = newValue
+            withUnsafeMutableBytes(of: &counts) { $0.storeBytes(of: newValue, toByteOffset: reason.ordinal * MemoryLayout<UInt64>.stride, as: UInt64.self) }
             if newValue != 0 { present |= 1 << reason.ordinal } else { present &= ~(1 << reason.ordinal) }
         }
     }
 
-    subscript(reason: DropReason) -> UInt64? { present & (1 << reason.ordinal) != 0 ? counts[reason.ordinal] : nil }
+    subscript(reason: DropReason) -> UInt64? { present & (1 << reason.ordinal) != 0 ? count(at: reason.ordinal) : nil }
 
-    /// Every reason's drops added up.
-    var total: UInt64 { reduce(0) { $0 + $1.1 } }
+    /// Every reason's drops added up (a reason without drops holds 0).
+    var total: UInt64 {
+        guard present != 0 else { return 0 }
+        return withUnsafeBytes(of: counts) { $0.bindMemory(to: UInt64.self).reduce(0, &+) }
+    }
 
-    func makeIterator() -> AnyIterator<(DropReason, UInt64)> {
-        var remaining = present
-        let counts = counts
-        return AnyIterator {
+    struct Iterator: IteratorProtocol {
+        fileprivate var remaining: UInt16
+        fileprivate let tally: DropTally
+
+        mutating func next() -> (DropReason, UInt64)? {
             guard remaining != 0 else { return nil }
             let ordinal = remaining.trailingZeroBitCount
             remaining &= remaining - 1
-            return (DropReason.byOrdinal[ordinal], counts[ordinal])
+            return (DropReason.byOrdinal[ordinal], tally.count(at: ordinal))
         }
     }
+
+    func makeIterator() -> Iterator { Iterator(remaining: present, tally: self) }
 
     static func == (a: DropTally, b: DropTally) -> Bool {
         a.present == b.present && a.allSatisfy { b[$0.0] == $0.1 }
@@ -57,7 +70,7 @@ struct DropTally: Sequence, Equatable, ExpressibleByDictionaryLiteral, CustomStr
 }
 
 extension DropReason {
-    /// The reason's place in ``DropTally``: its index in `allCases`.
+    /// The reason's place in ``DropTally``: its index in `allCases` (below ``DropTally/capacity``).
     var ordinal: Int {
         switch self {
         case .tooLarge: 0
