@@ -31,6 +31,7 @@ in the generator's program: under every variant's saturation). The figure is CPU
 received: the load balancer's own CPU per delivered datagram.
 """
 import json
+import math
 import os
 import shutil
 import signal
@@ -150,30 +151,53 @@ class Bench:
                     sent = self.transmitted() - sent
                 finally:
                     common.stop_with_output(generator)
-                lb = max(0.0, busy[1] - quiet[1] * elapsed)
+                lb = busy[1] - quiet[1] * elapsed
+                if lb <= 0.01 * elapsed:
+                    # CPU 1's background second was as busy as the run: something else ran there
+                    # (another process on the machine); this run's CPU is not measured.
+                    print(f"bench: frames {name} {load}: CPU 1 busy {busy[1]:.2f} s of {elapsed:.2f}, background {quiet[1]:.2f}/s:"
+                          " not measured (CPU 1 was not the load balancer's alone)", flush=True)
+                    lb = float("nan")
                 # Delivered over what the generator transmitted meanwhile (the counters are read a
                 # moment apart: a ratio a little off 1 is that, not loss).
                 results[load] = {"pps": delivered / elapsed, "lb_ns": lb * 1e9 / max(delivered, 1), "lb_busy": lb / elapsed,
                                  "delivered_share": delivered / max(sent, 1)}
-            results["program_ns"] = self.program_cost(PROGRAMS[name])
+            results["program_ns"] = self.program_cost(PROGRAMS[name], variant)
             return results
         finally:
             variant.stop()
 
-    def program_cost(self, program):
+    def program_ids(self, program, variant):
+        """The ids of this variant's program `program`: the pinned floor, or those named so that
+        were loaded since the variant's own udp-fanout started (not another of the same name
+        loaded earlier elsewhere on the machine)."""
+        if not variant.proc:
+            return [json.loads(common.sh("bpftool", "-j", "prog", "show", "pinned", f"{self.pins}/{program}"))["id"]]
+        # Those loaded since the variant's daemon started (this bpftool lists no owning pids).
+        ids = [p["id"] for p in json.loads(common.sh("bpftool", "-j", "prog", "show"))
+               if p.get("name") == program and p.get("loaded_at", 0) >= variant.started - 1]
+        if not ids:
+            raise SystemExit(f"frames: no program {program} loaded since udp-fanout ({variant.name}, pid {variant.proc.pid}) started")
+        return ids
+
+    def program_cost(self, program, variant):
         """The load balancer's program's run time per run (kernel.bpf_stats_enabled) over a
         second at saturation, apart from the measured loads (the statistics cost time)."""
+        ids = self.program_ids(program, variant)
+
+        def totals():
+            shown = [json.loads(common.sh("bpftool", "-j", "prog", "show", "id", str(identifier))) for identifier in ids]
+            return sum(p.get("run_time_ns", 0) for p in shown), sum(p.get("run_cnt", 0) for p in shown)
         with common.BPFStats():
-            before = common.ns_per_run(["name", program])
+            before = totals()
             generator = self.generator(0)
             try:
                 time.sleep(1)
             finally:
                 common.stop_with_output(generator)
-            after = common.ns_per_run(["name", program])
+            after = totals()
         runs = after[1] - before[1]
-        spent = after[0] * after[1] - (before[0] * before[1] if before[1] else 0)
-        return spent / runs if runs else float("nan")
+        return (after[0] - before[0]) / runs if runs else float("nan")
 
 
 class Variant:
@@ -192,6 +216,7 @@ class Variant:
                             f"    mode: {name}\n    downstream:\n{downstreams}\n"
                             f'metrics: {{enabled: true, bind: "127.0.0.1:9464"}}\n')
                 log = os.path.join(bench.work, "udp-fanout.log")
+                self.started = time.time()
                 # The daemon's threads on CPU 0: CPU 1 holds the data path alone.
                 with open(log, "w") as out:
                     self.proc = subprocess.Popen([*common.in_namespace(topology.proxy), "taskset", "-c", "0",
@@ -280,6 +305,24 @@ def twoway_run(topology, work, reflector, name):
         topology.split(False)
 
 
+def finite(values):
+    """common.spread of the values that were measured (a run whose CPU 1 was not the load
+    balancer's alone is NaN), or NaNs if none was."""
+    values = [v for v in values if math.isfinite(v)]
+    return common.spread(values) if values else (float("nan"),) * 3
+
+
+def ratio(peer, ours):
+    return peer / ours if ours > 0 and math.isfinite(ours) and math.isfinite(peer) else float("nan")
+
+
+def verdict(value, goal):
+    """" goal >= 2: met" (or NOT met) for a ratio against a goal such as ">= 2"; "" without one."""
+    if not goal:
+        return ""
+    return f" goal {goal}: " + ("met" if math.isfinite(value) and value >= float(goal.split()[-1]) else "NOT met")
+
+
 def twoway_rows():
     """The two-way comparison with frames: xdp nat against nft conntrack and tc_ebpf nat."""
     work = tempfile.mkdtemp(prefix="rplb-frames-twoway-")
@@ -302,19 +345,27 @@ def twoway_rows():
     if os.environ.get("BENCH_FRAMES_JSON"):
         with open(os.environ["BENCH_FRAMES_JSON"] + ".twoway", "w") as f:
             json.dump(results, f, indent=1)
+    return twoway_table(results)
+
+
+def twoway_table(results):
     out = []
-    for ours, peer, goal in (("xdp nat", "nft conntrack", " goal >= 2"), ("xdp nat", "tc_ebpf nat", ""), ("tc_ebpf nat", "nft conntrack", "")):
+    for ours, peer, goal in (("xdp nat", "nft conntrack", ">= 2"), ("xdp nat", "tc_ebpf nat", ""), ("tc_ebpf nat", "nft conntrack", "")):
         mine = common.spread([r["lb_ns_per_round_trip"] for r in results[ours]])
         theirs = common.spread([r["lb_ns_per_round_trip"] for r in results[peer]])
-        ratios = common.spread([p["lb_ns_per_round_trip"] / o["lb_ns_per_round_trip"] for o, p in zip(results[ours], results[peer])])
+        ratios = finite([ratio(p["lb_ns_per_round_trip"], o["lb_ns_per_round_trip"]) for o, p in zip(results[ours], results[peer])])
         rates = {n: common.spread([r["round_trips_per_sec"] for r in results[n]])[0] for n in (ours, peer)}
         busy = {n: common.spread([r["lb_busy"] for r in results[n]])[0] for n in (ours, peer)}
         ends = {n: common.spread([r["end_rate_ratio"] for r in results[n]])[0] for n in (ours, peer)}
+        # As bench_twoway's reflector rows: a run is LB-bound when CPU 1 was at least 90 % busy
+        # and CPU 0 (the reflectors) under 95 %; a last-0.4-s rate well under 1 means laps lost.
+        bound = {n: sum(r["lb_busy"] >= 0.9 and r["endpoints_busy"] < 0.95 for r in results[n]) for n in (ours, peer)}
         out.append((f"frames: two-way {ours}, LB CPU per round trip (XDP reflectors)", peer,
                     f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{theirs[0]:,.0f} ns ({theirs[1]:,.0f}-{theirs[2]:,.0f})",
-                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}){goal}",
-                    f"round trips per LB CPU, ours/peer; ours {rates[ours]:,.0f} rt/s, LB CPU {busy[ours]:.2f};"
-                    f" peer {rates[peer]:,.0f} rt/s, LB CPU {busy[peer]:.2f}; last-0.4-s rate {ends[ours]:.2f}x/{ends[peer]:.2f}x the run's"))
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + verdict(ratios[0], goal),
+                    f"round trips per LB CPU, ours/peer; ours {rates[ours]:,.0f} rt/s, LB CPU {busy[ours]:.2f}, LB-bound"
+                    f" {bound[ours]}/{len(results[ours])} runs; peer {rates[peer]:,.0f} rt/s, LB CPU {busy[peer]:.2f}, LB-bound"
+                    f" {bound[peer]}/{len(results[peer])} runs; last-0.4-s rate {ends[ours]:.2f}x/{ends[peer]:.2f}x the run's"))
     return out
 
 
@@ -357,7 +408,7 @@ def table(results):
     out = []
 
     def cost(name, load):
-        return common.spread([r[load]["lb_ns"] for r in results[name]])
+        return finite([r[load]["lb_ns"] for r in results[name]])
 
     def rate(name, load):
         return common.spread([r[load]["pps"] for r in results[name]])
@@ -372,21 +423,22 @@ def table(results):
         for ours, peer, goal in (("xdp", "tc_ebpf", ">= 2"), ("xdp", "xdp floor", ">= 0.8"), ("tc_ebpf", "tc floor", None)):
             mine, theirs = cost(ours, load), cost(peer, load)
             # Delivered datagrams per LB CPU, ours over the peer's: the peer's cost over ours, run by run.
-            ratios = common.spread([p[load]["lb_ns"] / o[load]["lb_ns"] for o, p in zip(results[ours], results[peer])])
+            ratios = finite([ratio(p[load]["lb_ns"], o[load]["lb_ns"]) for o, p in zip(results[ours], results[peer])])
             mine_rate, peer_rate = rate(ours, load), rate(peer, load)
             mine_busy, peer_busy = busy(ours, load), busy(peer, load)
-            out.append((f"frames: {ours}, LB CPU per delivered datagram {label}", peer,
+            out.append((f"frames: {ours}, LB CPU per delivered datagram {label}", peer + " (ratio: delivered per LB CPU, ours/peer)",
                         f"{mine[0]:,.0f} ns ({mine[1]:,.0f}-{mine[2]:,.0f})", f"{theirs[0]:,.0f} ns ({theirs[1]:,.0f}-{theirs[2]:,.0f})",
-                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + (f" goal {goal}" if goal else ""),
-                        f"delivered per LB CPU, ours/peer; delivered ours {mine_rate[0]:,.0f} pps, peer {peer_rate[0]:,.0f} pps;"
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + verdict(ratios[0], goal),
+                        f"delivered ours {mine_rate[0]:,.0f} pps, peer {peer_rate[0]:,.0f} pps;"
                         f" LB CPU busy ours {mine_busy:.2f}, peer {peer_busy:.2f}; delivered/transmitted ours"
                         f" {share(ours, load):.3f}, peer {share(peer, load):.3f}"))
-    costs = {name: common.spread([r["program_ns"] for r in results[name]]) for name in VARIANTS}
+    costs = {name: finite([r["program_ns"] for r in results[name]]) for name in VARIANTS}
     for ours, peer in (("xdp", "xdp floor"), ("tc_ebpf", "tc floor")):
         out.append((f"frames: program run time, {ours} ({PROGRAMS[ours]})", f"{peer} ({PROGRAMS[peer]})",
                     f"{costs[ours][0]:,.1f} ns/run ({costs[ours][1]:,.1f}-{costs[ours][2]:,.1f})",
                     f"{costs[peer][0]:,.1f} ns/run ({costs[peer][1]:,.1f}-{costs[peer][2]:,.1f})",
                     f"{costs[ours][0] / costs[peer][0]:.2f}",
-                    "kernel.bpf_stats_enabled run_time_ns/run_cnt over 1 s at saturation, apart from the measured loads;"
-                    " ours includes the route lookup" + ("" if ours == "xdp" else " and the redirect")))
+                    "ratio: ours/floor run time per run (above 1: ours costs more); kernel.bpf_stats_enabled"
+                    " run_time_ns/run_cnt of the variant's own program over 1 s at saturation, apart from the"
+                    " measured loads; ours includes the route lookup"))
     return out

@@ -135,7 +135,12 @@ def rows():
                 for name in VARIANTS[1:]:
                     ours = common.spread([r[load][label] for r in results[name]])
                     more = added(name)
+                    sent = sum(r[load]["sent"] for r in results[name])
+                    received = sum(r[load]["received"] for r in results[name])
                     note = f"sockperf {load}, round trip; median of per-run differences"
+                    if more[1] <= 0 <= more[2]:
+                        note += " (their range spans 0: not resolved from the noise)"
+                    note += f"; sockperf sent {sent:,}, received {received:,}"
                     if nginx and name != "nginx-1":
                         note += f"; nginx-1 adds {nginx[0]:+.1f} us ({nginx[1]:+.1f} to {nginx[2]:+.1f})"
                     out.append((f"latency {load} {label}: {name}", "the direct path (routed, no load balancer)",
