@@ -218,14 +218,9 @@ class Variant:
                 log = os.path.join(bench.work, "udp-fanout.log")
                 self.started = time.time()
                 # The daemon's threads on CPU 0: CPU 1 holds the data path alone.
-                with open(log, "w") as out:
-                    self.proc = subprocess.Popen([*common.in_namespace(topology.proxy), "taskset", "-c", "0",
-                                                  f"{common.BIN}/udp-fanout", "-c", path], stdout=out, stderr=subprocess.STDOUT)
-                deadline = time.monotonic() + 20
-                while "registered listener in eBPF map" not in open(log).read():
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(f"udp-fanout ({name}) did not start:\n{open(log).read()[-2000:]}")
-                    time.sleep(0.05)
+                self.proc = twoway.start_logged([*common.in_namespace(topology.proxy), "taskset", "-c", "0",
+                                                 f"{common.BIN}/udp-fanout", "-c", path], log)
+                twoway.wait_for_log(self.proc, log, "registered listener in eBPF map", f"udp-fanout ({name})")
             elif name == "xdp floor":
                 topology.ns(topology.proxy, "ip", "link", "set", "dev", topology.proxy_if, "xdpdrv", "pinned", f"{bench.pins}/floor_xdp")
                 self.xdp = True
