@@ -340,65 +340,74 @@ func numberedPayload(_ index: Int, length: Int) -> [UInt8] {
 @Suite("preserve_source: end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct SourcePreservingEndToEndTests {
     /// client namespace (the outbox) -> proxy namespace (routes) -> backend 1 (a plain UDP socket).
-    @Test("IPv4 and IPv6: 600 datagrams of mixed sizes (1...MTU) and 3 above the MTU (sent as fragments) arrive once each, whole and intact, from the client's address and port; one past 65535 is too_large; a client of the other family is counted family_mismatch, never sent")
+    @Test("IPv4 and IPv6, with an outbox's own raw socket and through the thread's shared one: 600 datagrams of mixed sizes (1...MTU) and 3 above the MTU (sent as fragments) arrive once each, whole and intact, from the client's address and port; one past 65535 is too_large; a client of the other family is counted family_mismatch, never sent; shared, every batch without fragments is one sendmmsg")
     func throughARouter() throws {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
-        let port = freePort()
-        for (downstreamText, clientText, otherFamily, maximum, limit) in [
-            ("198.18.1.2:\(port)", "198.18.0.77:40001", "[2001:db8::77]:40001", 1472, 65535 - 28),
-            ("[2001:db8:1::2]:\(port)", "[2001:db8::77]:40002", "198.18.0.77:40002", 1452, 65535 - 8),
-        ] {
-            let downstream = SocketAddress(downstreamText)!
-            let receiver = try boundSocket(in: topology.backends[0], downstream)
-            defer { close(receiver) }
-            let count = 600
-            // Above the 1500 MTU of the veths: just above, a few fragments, many fragments.
-            let large = [maximum + 1, 3000, 8000]
-            let sizes = (0..<count).map { $0 % 5 == 0 ? maximum : Int.random(in: 4...maximum) } + large
-            let payloads = (0..<sizes.count).map { numberedPayload($0, length: sizes[$0]) }
-            let result = inNetworkNamespace(topology.client) { () -> Result<FlushResult, OutboxError> in
-                let outbox: SourcePreservingOutbox
-                do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64) } catch { return .failure(error) }
-                var client = storage(clientText)
-                var other = storage(otherFamily)
-                let oversized = [UInt8](repeating: 9, count: limit + 1)
-                var total: FlushResult = (0, 0, [:])
-                var index = 0
-                while index < count {
-                    let end = min(count, index + 64 - 2 - large.count)
-                    if index == 0 {
-                        // First in the batch, so the ordinary ones after the fragments must go out too.
-                        for datagram in count..<sizes.count {
+        for shared in [false, true] {
+            let port = freePort()
+            for (downstreamText, clientText, otherFamily, maximum, limit) in [
+                ("198.18.1.2:\(port)", "198.18.0.77:40001", "[2001:db8::77]:40001", 1472, 65535 - 28),
+                ("[2001:db8:1::2]:\(port)", "[2001:db8::77]:40002", "198.18.0.77:40002", 1452, 65535 - 8),
+            ] {
+                let downstream = SocketAddress(downstreamText)!
+                let receiver = try boundSocket(in: topology.backends[0], downstream)
+                defer { close(receiver) }
+                let count = 600
+                // Above the 1500 MTU of the veths: just above, a few fragments, many fragments.
+                let large = [maximum + 1, 3000, 8000]
+                let sizes = (0..<count).map { $0 % 5 == 0 ? maximum : Int.random(in: 4...maximum) } + large
+                let payloads = (0..<sizes.count).map { numberedPayload($0, length: sizes[$0]) }
+                let result = inNetworkNamespace(topology.client) { () -> Result<(FlushResult, batches: Int, calls: Int), OutboxError> in
+                    let sender = shared ? SharedSender(capacity: 64) : nil
+                    let outbox: SourcePreservingOutbox
+                    do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64, shared: sender?.raw) } catch { return .failure(error) }
+                    var client = storage(clientText)
+                    var other = storage(otherFamily)
+                    let oversized = [UInt8](repeating: 9, count: limit + 1)
+                    var total: FlushResult = (0, 0, [:])
+                    var index = 0
+                    var batches = 0
+                    while index < count {
+                        batches += 1
+                        let end = min(count, index + 64 - 2 - large.count)
+                        if index == 0 {
+                            // First in the batch, so the ordinary ones after the fragments must go out too.
+                            for datagram in count..<sizes.count {
+                                payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
+                            }
+                            oversized.withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
+                            payloads[0].withUnsafeBytes { outbox.append($0, source: &other, hopLimit: 0) }
+                        }
+                        for datagram in index..<end {
                             payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
                         }
-                        oversized.withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
-                        payloads[0].withUnsafeBytes { outbox.append($0, source: &other, hopLimit: 0) }
+                        outbox.stage()
+                        sender?.send()
+                        outbox.flush(&total)
+                        if outbox.count != 0 { return .failure(OutboxError(downstream: downstream, call: "flush left \(outbox.count) queued", errno: 0)) }
+                        index = end
                     }
-                    for datagram in index..<end {
-                        payloads[datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
-                    }
-                    outbox.flush(&total)
-                    if outbox.count != 0 { return .failure(OutboxError(downstream: downstream, call: "flush left \(outbox.count) queued", errno: 0)) }
-                    index = end
+                    return .success((total, batches, sender?.raw.sendCalls ?? 0))
                 }
-                return .success(total)
+                let (total, batches, calls) = try #require(result).get()
+                // The first batch holds the datagrams to fragment: its outbox sends it itself, in order.
+                if shared { #expect(calls == batches - 1, "\(downstream): one sendmmsg per batch without fragments") }
+                #expect(total.sent == UInt64(sizes.count), "\(downstream): sent")
+                #expect(total.bytes == UInt64(sizes.reduce(0, +)), "payload bytes, not header bytes")
+                #expect(total.dropped == [DropReason.tooLarge: 1, .familyMismatch: 1], "\(downstream): \(total.dropped)")
+                let received = receiveAll(receiver, expected: sizes.count + 1)
+                #expect(received.count == sizes.count, "\(downstream): every datagram once, nothing else")
+                var seen = Set<Int>()
+                for (source, payload) in received {
+                    #expect(source == SocketAddress(clientText)!, "the client's address and port")
+                    let index = Int(payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) })
+                    #expect(index < sizes.count && seen.insert(index).inserted, "datagram \(index) once")
+                    if index < sizes.count { #expect(payload == payloads[index], "datagram \(index) (\(sizes[index]) bytes) whole and intact") }
+                }
+                #expect(seen.count == sizes.count)
+                #expect(large.indices.allSatisfy { seen.contains(count + $0) }, "\(downstream): the datagrams above the MTU arrived")
             }
-            let total = try #require(result).get()
-            #expect(total.sent == UInt64(sizes.count), "\(downstream): sent")
-            #expect(total.bytes == UInt64(sizes.reduce(0, +)), "payload bytes, not header bytes")
-            #expect(total.dropped == [DropReason.tooLarge: 1, .familyMismatch: 1], "\(downstream): \(total.dropped)")
-            let received = receiveAll(receiver, expected: sizes.count + 1)
-            #expect(received.count == sizes.count, "\(downstream): every datagram once, nothing else")
-            var seen = Set<Int>()
-            for (source, payload) in received {
-                #expect(source == SocketAddress(clientText)!, "the client's address and port")
-                let index = Int(payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) })
-                #expect(index < sizes.count && seen.insert(index).inserted, "datagram \(index) once")
-                if index < sizes.count { #expect(payload == payloads[index], "datagram \(index) (\(sizes[index]) bytes) whole and intact") }
-            }
-            #expect(seen.count == sizes.count)
-            #expect(large.indices.allSatisfy { seen.contains(count + $0) }, "\(downstream): the datagrams above the MTU arrived")
         }
     }
 
@@ -447,5 +456,101 @@ enum Capability {
 
     private final class Box<T>: @unchecked Sendable {
         var value: T?
+    }
+}
+
+@Suite("preserve_source: the forwarding thread's shared raw sockets", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct SharedRawSenderTests {
+    /// A UDP socket bound to `address` with port 0; returns it and its address.
+    static func receiver(_ text: String) throws -> (Int32, SocketAddress) {
+        let address = SocketAddress(text)!
+        let fd = socket(address.ip.family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        try #require(fd >= 0)
+        var size: Int32 = 8 << 20
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &size, 4)
+        try #require(address.withSockAddr { bind(fd, $0, $1) } == 0, "bind \(text): errno \(errno)")
+        var bound = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        _ = withUnsafeMutablePointer(to: &bound) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(fd, $0, &length) } }
+        return (fd, try #require(withUnsafePointer(to: &bound) { SocketAddress(storage: $0) }))
+    }
+
+    @Test("Six preserve_source downstreams of one thread (3 IPv4, 3 IPv6) send through one raw socket per family, which they do not own: each batch is one sendmmsg per family, every datagram arrives once, intact, from the client's address and port, and the sockets outlive the outboxes")
+    func oneCallPerFamilyPerBatch() throws {
+        let sender = SharedSender(capacity: 64)
+        let receivers = try ["127.0.0.1:0", "127.0.0.1:0", "127.0.0.1:0", "[::1]:0", "[::1]:0", "[::1]:0"].map { try Self.receiver($0) }
+        defer { for (fd, _) in receivers { close(fd) } }
+        var outboxes: [SourcePreservingOutbox] = try receivers.map { try SourcePreservingOutbox(address: $0.1, capacity: 64, shared: sender.raw) }
+        let sockets = Set(outboxes.map(\.socket))
+        #expect(sockets.count == 2, "one raw socket per family: \(outboxes.map(\.socket))")
+        let clients = [SocketAddress("127.0.0.77:40001")!, SocketAddress("[::1]:40002")!]
+        let batches = 10, perBatch = 5
+        var totals = [FlushResult](repeating: (0, 0, [:]), count: outboxes.count)
+        // The payloads stay in place until the batch is sent (the outboxes hold pointers to them).
+        let payloads = (0..<outboxes.count).map { index in (0..<batches * perBatch).map { numberedPayload($0, length: 100 + index) } }
+        for batch in 0..<batches {
+            for (index, outbox) in outboxes.enumerated() {
+                var client = storage("\(clients[index < 3 ? 0 : 1])")
+                for datagram in 0..<perBatch {
+                    payloads[index][batch * perBatch + datagram].withUnsafeBytes { outbox.append($0, source: &client, hopLimit: 0) }
+                }
+            }
+            for outbox in outboxes { outbox.stage() }
+            sender.send()
+            for (index, outbox) in outboxes.enumerated() { outbox.flush(&totals[index]) }
+        }
+        #expect(sender.raw.sendCalls == 2 * batches, "one sendmmsg per family per batch")
+        for (index, total) in totals.enumerated() {
+            #expect(total.sent == UInt64(batches * perBatch) && total.dropped.isEmpty, "downstream \(index): \(total)")
+            #expect(total.bytes == UInt64(batches * perBatch * (100 + index)), "payload bytes")
+            let received = receiveAll(receivers[index].0, expected: batches * perBatch + 1)
+            #expect(received.count == batches * perBatch, "downstream \(index): every datagram once, nothing else")
+            #expect(Set(received.map { Int($0.payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) }) }) == Set(0..<batches * perBatch))
+            for (source, payload) in received {
+                #expect(source == clients[index < 3 ? 0 : 1], "the client's address and port")
+                let number = Int(payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) })
+                #expect(payload == numberedPayload(number, length: 100 + index), "intact")
+            }
+        }
+        outboxes.removeAll()
+        for fd in sockets { #expect(fcntl(fd, F_GETFD) >= 0, "the shared socket \(fd) is the sender's: an outbox going does not close it") }
+    }
+
+    @Test("A staged datagram that meets an MTU that shrank after it was built (EMSGSIZE from the shared socket) is sent as fragments with the MTU read again, and arrives whole; the same without a shared socket")
+    func mtuShrankWhileStaged() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let port = freePort()
+        let downstream = SocketAddress("198.18.1.2:\(port)")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let interface = "cp\(topology.suffix.prefix(8))"
+        let client = topology.client
+        for shared in [true, false] {
+            try topology.exec(client, ["/usr/sbin/ip", "link", "set", interface, "mtu", "1500"])
+            let payload = numberedPayload(shared ? 1 : 2, length: 1400)
+            let outcome = inNetworkNamespace(client) { () -> Result<(FlushResult, Int, Int), OutboxError> in
+                let sender = shared ? SharedSender(capacity: 8) : nil
+                let outbox: SourcePreservingOutbox
+                do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 8, shared: sender?.raw) } catch { return .failure(error) }
+                var source = storage("198.18.0.77:40001")
+                payload.withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) }
+                // Smaller than the datagram now: the send is refused with EMSGSIZE.
+                let changed = (try? run("/usr/sbin/ip", ["-n", client, "link", "set", interface, "mtu", "1280"]))?.status == 0
+                guard changed else { return .failure(OutboxError(downstream: downstream, call: "ip link set mtu 1280", errno: 0)) }
+                var total: FlushResult = (0, 0, [:])
+                outbox.stage()
+                sender?.send()
+                outbox.flush(&total)
+                return .success((total, outbox.mtu, sender?.raw.sendCalls ?? -1))
+            }
+            let (total, mtu, calls) = try #require(outcome).get()
+            #expect(total.sent == 1 && total.dropped.isEmpty, "shared \(shared): \(total)")
+            #expect(mtu == 1280, "shared \(shared): the MTU read again")
+            if shared { #expect(calls == 1, "staged and sent through the shared socket") }
+            let received = receiveAll(receiver, expected: 2)
+            #expect(received.count == 1 && received.first?.payload == payload, "shared \(shared): reassembled whole, once")
+            #expect(received.first?.source == SocketAddress("198.18.0.77:40001")!)
+        }
     }
 }

@@ -167,9 +167,9 @@ enum Outboxes {
             return { downstream, sender in DownstreamOutbox(address: downstream.address, capacity: capacity, shared: sender) }
         case .preserveSource, .xdpTX:
             // xdp_tx's own way out is the TX ring (af_xdp's forwarder); what cannot take it goes as preserve_source.
-            return { downstream, _ in
+            return { downstream, sender in
                 do {
-                    return try SourcePreservingOutbox(address: downstream.address, capacity: capacity)
+                    return try SourcePreservingOutbox(address: downstream.address, capacity: capacity, shared: sender.raw)
                 } catch {
                     // Checked at the listener's start (``Outboxes/check(_:)``): reached only if the
                     // capability went away since; every datagram is then dropped and counted.

@@ -61,6 +61,9 @@ final class SharedSender {
     private let singleOwners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>
 
     private let logger: Logger
+    /// The thread's raw sockets for `output: preserve_source` downstreams and pool members, sent
+    /// with the rest by ``send()``.
+    let raw: SharedRawSender
 
     /// - Parameter logger: where a socket that cannot be made is reported (once per family).
     /// The sockets' send buffer (SO_SNDBUFFORCE where allowed, else SO_SNDBUF up to wmem_max).
@@ -73,6 +76,7 @@ final class SharedSender {
         self.logger = logger
         self.sendBuffer = sendBuffer
         self.capacity = max(capacity, DownstreamOutbox.maximumSegments)
+        raw = SharedRawSender(capacity: capacity)
         let space = controlSpace
         lanes = (0..<2).map { _ in
             let lane = Lane(headers: .allocate(capacity: max(capacity, DownstreamOutbox.maximumSegments)),
@@ -164,11 +168,12 @@ final class SharedSender {
         lanes[lane].count += 1
     }
 
-    /// Sends everything staged; each outbox is told what became of its messages.
+    /// Sends everything staged (the raw sockets' too); each outbox is told what became of its messages.
     func send() {
         if !reported.isEmpty { reported.removeAll(keepingCapacity: true) }
         send(0)
         send(1)
+        raw.send()
     }
 
     /// Reads and drops what the error queues hold now, which also clears the sockets' pending

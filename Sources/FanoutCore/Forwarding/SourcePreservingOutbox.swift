@@ -29,7 +29,10 @@ package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable 
 /// inclusion on Linux), so the kernel routes it and fills in the Ethernet header. Needs CAP_NET_RAW.
 ///
 /// No payload copy: each message is two iovecs, a header this outbox owns per slot and the
-/// payload in the receiver's buffer; a batch is one sendmmsg (MSG_DONTWAIT).
+/// payload in the receiver's buffer. In a forwarding thread the raw socket is the thread's
+/// (``SharedRawSender``): the batch is staged there and goes out in one sendmmsg with every other
+/// preserve_source downstream's (``stage()``); alone (flow template replays, the start check) the
+/// outbox opens its own and a batch is one sendmmsg (MSG_DONTWAIT).
 ///
 /// The headers: UDP checksum always computed (IPv4 too: collectors may check it); TTL/hop limit 64;
 /// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
@@ -39,9 +42,10 @@ package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable 
 /// Fragments: the kernel refuses (EMSGSIZE) and never fragments a raw datagram that carries its
 /// own header and is larger than the outgoing MTU, so such a datagram is fragmented here, as a
 /// router would (``sendFragments(header:headerLength:payload:mtu:identification:scratch:iovecs:send:)``):
-/// one sendmsg per fragment, the payload not copied. The MTU is the route's toward the downstream,
-/// read from a connected UDP socket (IP_MTU / IPV6_MTU) at init and again on EMSGSIZE (a route
-/// whose MTU shrank). Only a datagram whose IP length would pass 65,535 is `too_large`.
+/// one sendmsg per fragment, the payload not copied (a batch holding one is not staged, so the
+/// batch keeps its order). The MTU is the route's toward the downstream, read through a UDP
+/// socket connected to it for the purpose (IP_MTU / IPV6_MTU, then closed) at init and again on
+/// EMSGSIZE (a route whose MTU shrank). Only a datagram whose IP length would pass 65,535 is `too_large`.
 ///
 /// A client of the other address family than the downstream cannot keep its source (an
 /// IPv4-mapped IPv6 client to an IPv4 downstream is the same family and is unmapped): such a
@@ -56,7 +60,10 @@ final class SourcePreservingOutbox: Outbox {
     /// family carries whole (IPv4: 576, what every host must reassemble; IPv6: 1280).
     static func minimumMTU(family: Int32) -> Int { family == AF_INET ? 576 : 1280 }
 
+    /// The raw socket: the thread's shared one (``shared``), or this outbox's own.
     let socket: Int32
+    /// The forwarding thread's raw sockets, which own ``socket``; nil: this outbox owns it.
+    private let shared: SharedRawSender?
     private let address: SocketAddress
     private let capacity: Int
     private let messages: UnsafeMutablePointer<shim_mmsghdr>
@@ -66,18 +73,21 @@ final class SourcePreservingOutbox: Outbox {
     private let destination: UnsafeMutablePointer<sockaddr_storage>
     private let destinationLength: socklen_t
     /// Datagrams appended since the last flush, sendable or not.
-    private(set) var count = 0
-    var ledger: CrashLedger.Slot?
+    @exclusivity(unchecked) private(set) var count = 0
+    @exclusivity(unchecked) var ledger: CrashLedger.Slot?
     /// Messages built (sendable datagrams) since the last flush.
-    private var built = 0
-    private var mismatched: UInt64 = 0
-    private var oversized: UInt64 = 0
+    @exclusivity(unchecked) private var built = 0
+    /// Built messages to send as fragments since the last flush.
+    @exclusivity(unchecked) private var fragments = 0
+    @exclusivity(unchecked) private var mismatched: UInt64 = 0
+    @exclusivity(unchecked) private var oversized: UInt64 = 0
     /// Per built message: larger than ``mtu`` when appended, sent as fragments.
     private let fragmented: UnsafeMutablePointer<Bool>
-    /// A UDP socket connected to the downstream, never sent on: the kernel's MTU toward it.
-    private let mtuSocket: Int32
     /// The route's MTU toward the downstream (``minimumMTU(family:)`` while it cannot be read).
-    private(set) var mtu: Int
+    @exclusivity(unchecked) private(set) var mtu: Int
+    /// This batch went to the shared sender; its outcome is in ``pending`` until the flush.
+    @exclusivity(unchecked) private var staged = false
+    @exclusivity(unchecked) private var pending: FlushResult = (0, 0, DropTally())
     /// The last fragment identification used; the next is one more (never 0).
     private var identification = UInt32.random(in: 1...UInt32.max)
     private let fragmentScratch: UnsafeMutableRawPointer
@@ -86,38 +96,49 @@ final class SourcePreservingOutbox: Outbox {
     /// is not fed by this way out).
     let refused = false
 
-    /// Opens the raw socket for `address`'s family.
-    /// - Throws: `OutboxError` from socket(2)/setsockopt(2); EPERM names CAP_NET_RAW and how to grant it.
-    init(address: SocketAddress, capacity: Int) throws(OutboxError) {
-        let family = address.ip.family
+    /// A raw IP socket of `family` for datagrams that carry their own IP header (IPv4:
+    /// IPPROTO_RAW and IP_HDRINCL; IPv6: IPPROTO_RAW), non-blocking, with `sendBuffer` bytes of
+    /// send buffer (SO_SNDBUFFORCE where allowed, else SO_SNDBUF up to wmem_max).
+    /// - Throws: the call that failed (EPERM without CAP_NET_RAW).
+    static func openRawSocket(family: Int32, sendBuffer: Int32) throws(SystemCallError) -> Int32 {
         let fd: Int32
         do {
             fd = try Syscall.socket(family, Socket.raw | Socket.nonBlocking | Socket.closeOnExec, Int32(IPPROTO_RAW))
         } catch {
-            throw OutboxError(downstream: address, call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: error.errno)
+            throw SystemCallError(call: "socket(\(family == AF_INET ? "AF_INET" : "AF_INET6"), SOCK_RAW, IPPROTO_RAW)", errno: error.errno)
         }
         if family == AF_INET {
             do {
                 try Syscall.setsockopt(fd, Int32(IPPROTO_IP), IP_HDRINCL, Int32(1))
             } catch {
                 Syscall.close(fd)
-                throw OutboxError(downstream: address, call: "setsockopt IP_HDRINCL", errno: error.errno)
+                throw SystemCallError(call: "setsockopt IP_HDRINCL", errno: error.errno)
             }
         }
-        let size: Int32 = 4 << 20
-        if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, size)) == nil {
-            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, size)
+        if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, sendBuffer)) == nil {
+            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, sendBuffer)
         }
-        let probe: Int32
-        do {
-            probe = try Syscall.socket(family, Socket.datagram | Socket.closeOnExec)
+        return fd
+    }
+
+    /// Sends through `shared`'s raw socket of the downstream's family (made now if it is not yet),
+    /// or, when `shared` is nil, opens its own.
+    /// - Throws: `OutboxError` from socket(2)/setsockopt(2); EPERM names CAP_NET_RAW and how to grant it.
+    init(address: SocketAddress, capacity: Int, shared: SharedRawSender? = nil) throws(OutboxError) {
+        let family = address.ip.family
+        let fd: Int32
+        do throws(SystemCallError) {
+            if let shared {
+                fd = try shared.socket(family: family)
+            } else {
+                fd = try Self.openRawSocket(family: family, sendBuffer: 4 << 20)
+            }
         } catch {
-            Syscall.close(fd)
-            throw OutboxError(downstream: address, call: "socket(SOCK_DGRAM) to learn the MTU toward it", errno: error.errno)
+            throw OutboxError(downstream: address, call: error.call, errno: error.errno)
         }
-        mtuSocket = probe
         mtu = Self.minimumMTU(family: family)
         socket = fd
+        self.shared = shared
         self.address = address
         self.capacity = capacity
         messages = .allocate(capacity: capacity)
@@ -141,20 +162,21 @@ final class SourcePreservingOutbox: Outbox {
         refreshMTU()
     }
 
-    /// Reads the route's MTU toward the downstream again: connect (again: a connected socket keeps
-    /// the route it found, a changed route is seen only by a new connect) and IP_MTU / IPV6_MTU.
-    /// Without a route it stays as it was (the send fails with the route's own errno anyway).
+    /// Reads the route's MTU toward the downstream again through a UDP socket connected to it for
+    /// the purpose (a new connect sees the route as it is now), IP_MTU / IPV6_MTU. Without a
+    /// route it stays as it was (the send fails with the route's own errno anyway).
     func refreshMTU() {
-        guard (try? Syscall.connect(mtuSocket, address)) != nil else { return }
+        guard let probe = try? Syscall.socket(address.ip.family, Socket.datagram | Socket.closeOnExec) else { return }
+        defer { Syscall.close(probe) }
+        guard (try? Syscall.connect(probe, address)) != nil else { return }
         let value = address.ip.family == AF_INET
-            ? try? Syscall.getsockopt(mtuSocket, Int32(IPPROTO_IP), IP_MTU, initial: Int32(0))
-            : try? Syscall.getsockopt(mtuSocket, Int32(IPPROTO_IPV6), IPV6_MTU, initial: Int32(0))
+            ? try? Syscall.getsockopt(probe, Int32(IPPROTO_IP), IP_MTU, initial: Int32(0))
+            : try? Syscall.getsockopt(probe, Int32(IPPROTO_IPV6), IPV6_MTU, initial: Int32(0))
         if let value, value > 0 { mtu = Int(value) }
     }
 
     deinit {
-        close(socket)
-        close(mtuSocket)
+        if shared == nil { close(socket) }
         fragmented.deallocate()
         fragmentScratch.deallocate()
         fragmentIovecs.deallocate()
@@ -183,6 +205,7 @@ final class SourcePreservingOutbox: Outbox {
         }
         iovecs[2 * built].iov_len = length
         fragmented[built] = length + payload.count > mtu
+        if fragmented[built] { fragments += 1 }
         iovecs[2 * built + 1] = iovec(iov_base: UnsafeMutableRawPointer(mutating: payload.baseAddress), iov_len: payload.count)
         built += 1
     }
@@ -193,12 +216,21 @@ final class SourcePreservingOutbox: Outbox {
         defer {
             count = 0
             built = 0
+            fragments = 0
             mismatched = 0
             oversized = 0
         }
         if mismatched > 0 { result.dropped[.familyMismatch, default: 0] += mismatched }
         if oversized > 0 { result.dropped[.tooLarge, default: 0] += oversized }
         ledger?.handing(Int(mismatched + oversized))
+        if staged {
+            staged = false
+            result.sent += pending.sent
+            result.bytes += pending.bytes
+            for (reason, dropped) in pending.dropped { result.dropped[reason, default: 0] += dropped }
+            pending = (0, 0, DropTally())
+            return
+        }
         var message = 0
         // The crash ledger: messages before this one were noted handed (one datagram each).
         var noted = 0
@@ -244,6 +276,41 @@ final class SourcePreservingOutbox: Outbox {
             result.dropped[Self.reason(error), default: 0] += 1
             message += 1
         }
+    }
+
+    // MARK: The shared sender
+
+    /// Puts this batch's messages into the thread's ``SharedRawSender``, one sendmmsg with every
+    /// other preserve_source downstream's; the outcome is what the next ``flush(_:)`` returns. A
+    /// batch with a datagram to fragment is not staged (the flush sends it in order, itself).
+    func stage() {
+        guard built > 0, fragments == 0, let shared else { return }
+        let family = address.ip.family
+        guard shared.reserve(built, family: family) else { return }
+        for index in 0..<built { shared.stage(messages[index].msg_hdr, family: family, owner: self) }
+        staged = true
+    }
+
+    /// The shared sender sent `message` (one of this outbox's, one datagram).
+    @inline(__always)
+    func delivered(_ message: msghdr) {
+        pending.sent += 1
+        pending.bytes += UInt64(message.msg_iov[1].iov_len)
+    }
+
+    /// The shared sender could not send `message`: EMSGSIZE (the route's MTU shrank since it was
+    /// read) reads the MTU again and sends it as fragments when it is now above it; any other
+    /// error drops it with its reason.
+    func failed(_ message: msghdr, _ error: Int32) {
+        let index = (message.msg_iov - iovecs) / 2
+        if error == EMSGSIZE {
+            refreshMTU()
+            if iovecs[2 * index].iov_len + iovecs[2 * index + 1].iov_len > mtu {
+                sendFragmented(index, &pending)
+                return
+            }
+        }
+        pending.dropped[Self.reason(error), default: 0] += 1
     }
 
     /// Sends built message `index` as fragments of at most ``mtu`` bytes; counts it sent, or
