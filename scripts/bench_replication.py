@@ -20,6 +20,9 @@ PACKETS = int(os.environ.get("BENCH_REPLICATION_PACKETS", "200000"))
 # CPU per datagram is measured at a rate both forwarders keep up with (a forwarder that drops at
 # its socket does less work per datagram sent); delivered copies at saturation.
 RATE = int(os.environ.get("BENCH_REPLICATION_RATE", "40000"))
+# BENCH_REPLICATION_BEFORE=/path/to/udp-fanout: another build (e.g. the revision before a change)
+# runs as a third userspace variant, alternated with the others in the same runs.
+BEFORE = os.environ.get("BENCH_REPLICATION_BEFORE")
 
 
 def group_ns_on_cpu(pgid):
@@ -41,9 +44,9 @@ def group_ns_on_cpu(pgid):
     return total
 
 
-def start_fanout(path, ready, prefix=()):
-    """udp-fanout with config `path` (in a namespace: `prefix`), once its log says `ready`."""
-    proc = subprocess.Popen([*prefix, f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True,
+def start_fanout(path, ready, prefix=(), binary=None):
+    """udp-fanout (`binary`, else the build's) with config `path` (in a namespace: `prefix`), once its log says `ready`."""
+    proc = subprocess.Popen([*prefix, binary or f"{common.BIN}/udp-fanout", "-c", path], stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     while ready not in (line := proc.stderr.readline()):
         if not line:
@@ -84,7 +87,7 @@ class Replicator:
 
     def __init__(self, variant, listen, receivers, work, transparent):
         self.variant = variant
-        if variant == "udp-fanout":
+        if variant in ("udp-fanout", "before"):
             path = os.path.join(work, "fanout.yaml")
             output = "preserve_source" if transparent else "socket"
             members = "".join(f'          - address: "127.0.0.1:{p}"\n' for p in receivers[1:])
@@ -100,7 +103,7 @@ class Replicator:
         balancing: all
         downstream:
 {members}""")
-            self.proc = start_fanout(path, "entering receive loop")
+            self.proc = start_fanout(path, "entering receive loop", binary=BEFORE if variant == "before" else None)
         else:
             self.proc = start_nfacctd(work, "tee", ("127.0.0.1", listen), [f"127.0.0.1:{p}" for p in receivers], transparent)
 
@@ -136,11 +139,12 @@ def rows():
     try:
         print(f"bench: replication to 3 receivers, udp-fanout (userspace, 1 worker, pools) vs nfacctd tee plugin (pmacct),"
               f" {PACKETS} NetFlow v9 datagrams (10 records) from 240 exporters as fast as the publisher sends", flush=True)
+        variants = ("udp-fanout", "nfacctd") + (("before",) if BEFORE else ())
         for transparent in (False, True):
-            results = {"udp-fanout": [], "nfacctd": []}
-            paced = {"udp-fanout": [], "nfacctd": []}
+            results = {variant: [] for variant in variants}
+            paced = {variant: [] for variant in variants}
             for index in range(common.RUNS):
-                for variant in (("udp-fanout", "nfacctd") if index % 2 == 0 else ("nfacctd", "udp-fanout")):
+                for variant in (variants if index % 2 == 0 else variants[::-1]):
                     paced[variant].append(run(variant, work, transparent, RATE))
                     results[variant].append(run(variant, work, transparent))
             label = "keeping the exporter's address" if transparent else "plain"
@@ -153,6 +157,13 @@ def rows():
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.33",
                         f"the LB's threads' time on CPU / datagrams sent; least delivered: ours {min(r['delivered'] for r in paced['udp-fanout']):.3f},"
                         f" nfacctd {min(r['delivered'] for r in paced['nfacctd']):.3f}"))
+            if BEFORE:
+                before = common.spread([r["cpu_us"] for r in paced["before"]])
+                ratios = common.spread([o["cpu_us"] / b["cpu_us"] for o, b in zip(paced["udp-fanout"], paced["before"])])
+                out.append((f"replication: CPU per received datagram at {RATE:,} pps, {label}", "before",
+                            f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{before[0]:.2f} us ({before[1]:.2f}-{before[2]:.2f})",
+                            f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                            f"BENCH_REPLICATION_BEFORE={BEFORE}; least delivered: before {min(r['delivered'] for r in paced['before']):.3f}"))
             ours = common.spread([r["copies_pps"] for r in results["udp-fanout"]])
             peer = common.spread([r["copies_pps"] for r in results["nfacctd"]])
             delivered = (min(r["delivered"] for r in results["udp-fanout"]), min(r["delivered"] for r in results["nfacctd"]))
