@@ -225,6 +225,61 @@ struct SharedSenderTests {
         #expect(full == 0, "no drop failed the rest of the batch")
     }
 
+    @Test("a forwarder's batch, interleaved over its downstreams, is gathered in arrival order and handed out grouped by downstream: each gets its datagrams whole and in order, one GSO message per run of one size, one system call, its counts; again after a plan with more downstreams and after one with fewer")
+    func gatheredBatchGroupedByDownstream() throws {
+        let sinks = try (0..<12).map { _ in try Sink() }
+        let downstreams = sinks.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element.address) }
+        let counters = ListenerCounters(name: "gather", mode: "userspace")
+        let plans = PlanHolder(ForwardingPlan(downstreams: Array(downstreams[0..<5]), balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
+        let forwarder = BatchForwarder(listener: "gather", counters: counters, plans: plans, logger: Logger(label: "gather-test"), output: .socket,
+                                       capacity: 64) { downstream, sender in
+            DownstreamOutbox(address: downstream.address, capacity: 64, shared: sender)
+        }
+        var source = storage("127.0.0.1:40000")
+        var expectedForwarded = [UInt64](repeating: 0, count: sinks.count)
+        for (round, width) in [5, 12, 12, 3].enumerated() {
+            if round > 0 {
+                plans.replace(with: ForwardingPlan(downstreams: Array(downstreams[0..<width]), balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
+            }
+            forwarder.adoptPlanIfChanged()
+            // 64 datagrams: target i * 7 % width, so every downstream's datagrams are interleaved
+            // with the others'; each downstream's are of one size (a GSO run once grouped) but
+            // for downstream 1, whose sizes differ (one message each).
+            let targets = (0..<64).map { $0 * 7 % width }
+            let payloads = targets.enumerated().map { index, target in
+                let text = Array("r\(round)-t\(target)-n\(index)-".utf8)
+                let size = target == 1 ? 40 + index : 100
+                return text + [UInt8](repeating: UInt8(target), count: max(0, size - text.count))
+            }
+            let callsBefore = forwarder.sender.sendCalls
+            let messagesBefore = forwarder.sender.messagesSent
+            payloads.withUnsafeBufferPointer { all in
+                for (index, target) in targets.enumerated() {
+                    all[index].withUnsafeBytes { forwarder.append(target, $0, source: &source) }
+                }
+                forwarder.flush(received: 64, bytesReceived: 0)
+            }
+            #expect(forwarder.sender.sendCalls - callsBefore == 1, "round \(round): one sendmmsg for the batch")
+            let growing = targets.filter { $0 == 1 }.count
+            #expect(forwarder.sender.messagesSent - messagesBefore == width - 1 + growing,
+                    "round \(round): one GSO message per downstream of one size, one message per datagram of downstream 1")
+            for target in 0..<width {
+                let expected = targets.indices.filter { targets[$0] == target }.map { payloads[$0] }
+                expectedForwarded[target] += UInt64(expected.count)
+                let received = sinks[target].drain(quiet: .milliseconds(target == 0 ? 300 : 20))
+                #expect(received == expected, "round \(round), downstream \(target): \(received.count) of \(expected.count), whole and in arrival order")
+            }
+            for target in width..<sinks.count {
+                #expect(sinks[target].drain(quiet: .milliseconds(5)).isEmpty, "round \(round): nothing for downstream \(target), not in the plan")
+            }
+        }
+        let plan = try #require(forwarder.plan)
+        for (index, counted) in plan.counters.enumerated() {
+            #expect(counted.forwarded.load(ordering: .relaxed) == expectedForwarded[index], "downstream \(index)'s count")
+        }
+        #expect(counters.forwarded.load(ordering: .relaxed) == 64 * 4)
+    }
+
     @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")
     func membershipKeepsOutboxes() throws {
         let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }
