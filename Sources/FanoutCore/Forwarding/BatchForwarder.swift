@@ -227,8 +227,8 @@ final class BatchForwarder {
         if sockets.isEmpty {
             for target in touched { outboxes[target].stage() }
         } else {
+            // Each outbox adopts its run and stages it.
             handOutArrivals()
-            for target in touched { sockets[target]._withUnsafeGuaranteedRef { $0.stage() } }
         }
         if !replicator.isEmpty { replicator.stage() }
         sender.send()
@@ -263,7 +263,8 @@ final class BatchForwarder {
 
     /// Groups the gathered batch by downstream, in the order the downstreams were first met and
     /// each downstream's datagrams in arrival order (a counting sort: ``perTarget`` becomes each
-    /// run's offset), and gives each touched outbox its run; ``perTarget`` is all 0 again after.
+    /// run's offset), and gives each touched outbox its run, which it stages; ``perTarget`` is
+    /// all 0 again after.
     private func handOutArrivals() {
         guard arrived > 0 else { return }
         var offset: Int32 = 0
