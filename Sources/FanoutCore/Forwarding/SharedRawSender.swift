@@ -12,9 +12,9 @@ import CSystemShim
 /// ``SharedSender/send()`` sends it.
 ///
 /// Before it, each downstream had a raw socket (and a connected UDP socket to read its path MTU)
-/// and a sendmmsg of its own per batch: at 40,000 datagrams/s a batch holds one or two datagrams,
-/// so three copies cost three system calls where one does (perf, BENCH=replication), and 3,000
-/// downstreams held 6,000 descriptors.
+/// and a sendmmsg of its own per batch: three copies of a datagram were three system calls, and
+/// 3,000 downstreams held 6,000 descriptors. (The CPU per copy is mostly the raw send path
+/// itself, which has neither GSO nor a cached route: docs/benchmarks.md, Replication.)
 ///
 /// ``SourcePreservingOutbox`` builds its messages as before and stages them here
 /// (``SourcePreservingOutbox/stage()``); ``send()`` tells each outbox what became of each of its
