@@ -171,6 +171,12 @@ def rows():
                         f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{peer[0]:,.0f} ({peer[1]:,.0f}-{peer[2]:,.0f})",
                         f"{ours[0] / peer[0]:.2f}",
                         f"least copies delivered / 3 x sent: ours {delivered[0]:.3f}, nfacctd {delivered[1]:.3f}"))
+            if BEFORE:
+                before = common.spread([r["copies_pps"] for r in results["before"]])
+                out.append((f"replication: delivered copies/s at saturation, {label}", "before",
+                            f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{before[0]:,.0f} ({before[1]:,.0f}-{before[2]:,.0f})",
+                            f"{ours[0] / before[0]:.2f}",
+                            f"least copies delivered / 3 x sent: ours {delivered[0]:.3f}, before {min(r['delivered'] for r in results['before']):.3f}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out + kernel_rows()

@@ -24,7 +24,15 @@ struct ForwardingTests {
             #expect(daemon.stderr.contains(line), "log line '\(line)'")
         }
         let metrics = SocketAddress("127.0.0.1:19090")!
-        #expect(try httpGet(metrics, "/readyz") == (200, "ready\n"))
+        // Ready once the daemon has taken in the listener its worker just started (on a busy
+        // machine a moment after the worker's log line): asked until then, at most 5 s.
+        var ready = try httpGet(metrics, "/readyz")
+        let deadline = ContinuousClock.now + .seconds(5)
+        while ready != (200, "ready\n") && ContinuousClock.now < deadline {
+            usleep(20_000)
+            ready = try httpGet(metrics, "/readyz")
+        }
+        #expect(ready == (200, "ready\n"))
         #expect(try httpGet(metrics, "/healthz") == (200, "ok\n"))
         // The reference runs `nc -u -w0`; netcat-openbsd's -w0 may exit before it has read stdin,
         // sending nothing (seen under load: 5 of 10 reached a plain socket). -q0 sends, then quits.

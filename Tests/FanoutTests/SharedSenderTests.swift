@@ -280,6 +280,42 @@ struct SharedSenderTests {
         #expect(counters.forwarded.load(ordering: .relaxed) == 64 * 4)
     }
 
+    @Test("a forwarder's gathered run sent through a downstream's own socket (its direct period after an ICMP port unreachable): the live downstream's datagrams all arrive in order, the dead one's are counted unreachable on its own socket, nothing uncounted")
+    func gatheredRunThroughOwnSocket() throws {
+        let alive = try Sink()
+        // Nobody listens there: the kernel answers ICMP port unreachable.
+        let dead = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let counters = ListenerCounters(name: "direct", mode: "userspace")
+        let plan = ForwardingPlan(downstreams: [Downstream(name: "dead", address: dead), Downstream(name: "alive", address: alive.address)],
+                                  balancing: .roundRobin, quicLB: [], pools: [], counters: counters)
+        let forwarder = BatchForwarder(listener: "direct", counters: counters, plans: PlanHolder(plan), logger: Logger(label: "direct-test"), output: .socket,
+                                       capacity: 16) { downstream, sender in
+            DownstreamOutbox(address: downstream.address, capacity: 16, shared: sender)
+        }
+        forwarder.adoptPlanIfChanged()
+        var source = storage("127.0.0.1:40000")
+        let rounds = 20
+        // 16 datagrams a batch, alternating dead, alive: each downstream's run is interleaved with the other's.
+        let payloads = (0..<rounds * 16).map { Array("d-\($0 % 2)-\($0)".utf8) + [UInt8](repeating: 5, count: 100) }
+        payloads.withUnsafeBufferPointer { all in
+            for round in 0..<rounds {
+                for index in (round * 16)..<((round + 1) * 16) {
+                    all[index].withUnsafeBytes { forwarder.append(index % 2, $0, source: &source) }
+                }
+                forwarder.flush(received: 16, bytesReceived: 0)
+                usleep(5_000)  // the ICMP comes back before the next round
+            }
+        }
+        let expected = payloads.indices.filter { $0 % 2 == 1 }.map { payloads[$0] }
+        #expect(alive.drain() == expected, "the live downstream: every datagram, in order")
+        let deadCounters = try #require(forwarder.plan?.counters[0])
+        let aliveCounters = try #require(forwarder.plan?.counters[1])
+        #expect(aliveCounters.forwarded.load(ordering: .relaxed) == UInt64(expected.count) && aliveCounters.dropped.load(ordering: .relaxed) == 0)
+        let deadDropped = deadCounters.dropped.load(ordering: .relaxed)
+        #expect(deadDropped > 0, "once named by the error queue, the dead downstream's runs go through its own socket, where ECONNREFUSED drops them counted")
+        #expect(deadCounters.forwarded.load(ordering: .relaxed) + deadDropped == UInt64(rounds * 8), "each of the dead downstream's datagrams sent or counted")
+    }
+
     @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")
     func membershipKeepsOutboxes() throws {
         let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 import Foundation
 import Testing
+import Logging
 import TestSupport
 import ReusePortLB
 @testable import FanoutCore
@@ -514,6 +515,95 @@ struct SharedRawSenderTests {
         }
         outboxes.removeAll()
         for fd in sockets { #expect(fcntl(fd, F_GETFD) >= 0, "the shared socket \(fd) is the sender's: an outbox going does not close it") }
+    }
+
+    @Test("A forwarder with output: preserve_source, made by the listener's factory (its own downstream and an all pool of two): each batch's 96 copies go out in one sendmmsg through the thread's raw socket, every copy whole, in order, from the client's address and port, and counted")
+    func forwarderOneCallPerBatch() throws {
+        let receivers = try (0..<3).map { _ in try Self.receiver("127.0.0.1:0") }
+        defer { for (fd, _) in receivers { close(fd) } }
+        let counters = ListenerCounters(name: "raw", mode: "userspace")
+        let plan = ForwardingPlan(downstreams: [Downstream(name: "own", address: receivers[0].1),
+                                                Downstream(name: "m1", address: receivers[1].1, pool: "copies"),
+                                                Downstream(name: "m2", address: receivers[2].1, pool: "copies")],
+                                  balancing: .roundRobin, quicLB: [], pools: [Pool(name: "copies", balancing: .all)], counters: counters)
+        let forwarder = BatchForwarder(listener: "raw", counters: counters, plans: PlanHolder(plan), logger: Logger(label: "raw-test"), output: .preserveSource,
+                                       capacity: 32, makeOutbox: Outboxes.factory(output: .preserveSource, capacity: 32))
+        forwarder.adoptPlanIfChanged()
+        let client = SocketAddress("127.0.0.78:40003")!
+        var source = storage("\(client)")
+        let batches = 5
+        let payloads = (0..<batches * 32).map { numberedPayload($0, length: 200) }
+        payloads.withUnsafeBufferPointer { all in
+            for batch in 0..<batches {
+                for index in (batch * 32)..<((batch + 1) * 32) {
+                    all[index].withUnsafeBytes { payload in
+                        forwarder.replicate(payload, source: &source)
+                        if let target = forwarder.pick(&source, payload) { forwarder.append(target, payload, source: &source) }
+                    }
+                }
+                forwarder.flush(received: 32, bytesReceived: 32 * 200)
+            }
+        }
+        #expect(forwarder.sender.raw.sendCalls == batches, "one sendmmsg per batch for the 32 datagrams and their 64 copies: \(forwarder.sender.raw.sendCalls)")
+        for (index, receiver) in receivers.enumerated() {
+            let received = receiveAll(receiver.0, expected: payloads.count + 1)
+            #expect(received.map(\.payload) == payloads, "receiver \(index): every datagram once, whole, in order (\(received.count))")
+            #expect(received.allSatisfy { $0.source == client }, "receiver \(index): the client's address and port")
+        }
+        #expect(counters.forwarded.load(ordering: .relaxed) == UInt64(payloads.count))
+        #expect(forwarder.plan?.counters.first?.forwarded.load(ordering: .relaxed) == UInt64(payloads.count))
+    }
+
+    @Test("The thread's raw socket with a full send buffer: the rest of the call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)")
+    func sendBufferFull() throws {
+        let namespace = "rplb-rawbuf-\(UInt32.random(in: 0...UInt32.max))"
+        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        for arguments in [
+            ["-n", namespace, "link", "add", "rb0", "type", "veth", "peer", "name", "rb1"],
+            ["-n", namespace, "addr", "add", "198.18.78.1/24", "dev", "rb0"],
+            ["-n", namespace, "link", "set", "rb0", "up"],
+            ["-n", namespace, "link", "set", "rb1", "up"],
+            ["-n", namespace, "neigh", "add", "198.18.78.2", "lladdr", "02:00:00:00:78:02", "dev", "rb0", "nud", "permanent"],
+        ] {
+            let result = try run("/usr/sbin/ip", arguments)
+            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
+        }
+        // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
+        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "rb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
+        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        let payload = [UInt8](repeating: 7, count: 1000)
+        let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, results: [FlushResult]), OutboxError> in
+            // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
+            let sender = SharedSender(capacity: 64, sendBuffer: 4096)
+            var outboxes: [SourcePreservingOutbox] = []
+            for index in 0..<64 {
+                do throws(OutboxError) {
+                    outboxes.append(try SourcePreservingOutbox(address: SocketAddress(ip: IPAddress("198.18.78.2")!, port: UInt16(7000 + index)), capacity: 4, shared: sender.raw))
+                } catch {
+                    return .failure(error)
+                }
+            }
+            var source = storage("198.18.78.50:40000")
+            let results = payload.withUnsafeBytes { bytes in
+                for outbox in outboxes { outbox.append(bytes, source: &source, hopLimit: 0) }
+                for outbox in outboxes { outbox.stage() }
+                sender.send()
+                return outboxes.map { outbox in
+                    var result: FlushResult = (0, 0, [:])
+                    outbox.flush(&result)
+                    return result
+                }
+            }
+            return .success((sender.raw.sendCalls, results))
+        }
+        let (calls, results) = try #require(outcome, "entered \(namespace)").get()
+        let sent = results.reduce(0) { $0 + $1.sent }
+        let dropped = results.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
+        #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")
+        #expect(results.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each copy sent or counted send_buffer_full by its own downstream: \(results.map(\.dropped))")
+        #expect(sent + dropped == 64)
+        #expect(calls <= 2, "the rest failed at once: \(calls) sendmmsg calls")
     }
 
     @Test("A staged datagram that meets an MTU that shrank after it was built (EMSGSIZE from the shared socket) is sent as fragments with the MTU read again, and arrives whole; the same without a shared socket")

@@ -2,25 +2,31 @@
 #if canImport(Glibc)
 import Glibc
 #endif
+import Logging
 import SystemCalls
 import CSystemShim
+import Synchronization
 
 /// The raw IP sockets of one forwarding thread for `output: preserve_source`: one per family,
 /// shared by every preserve_source downstream and pool member of the thread, and one sendmmsg per
 /// batch for all of them (each message names its downstream in msg_name; a raw socket routes by
-/// the address of each message, connected or not). Part of the thread's ``SharedSender``, whose
-/// ``SharedSender/send()`` sends it.
+/// the address of each message, connected or not), up to ``maximumMessages`` copies per family.
+/// Part of the thread's ``SharedSender``, whose ``SharedSender/send()`` sends it.
 ///
-/// Before it, each downstream had a raw socket (and a connected UDP socket to read its path MTU)
-/// and a sendmmsg of its own per batch: three copies of a datagram were three system calls, and
-/// 3,000 downstreams held 6,000 descriptors. (The CPU per copy is mostly the raw send path
-/// itself, which has neither GSO nor a cached route: docs/benchmarks.md, Replication.)
+/// So a thread holds two raw sockets whatever the number of downstreams, and a batch's copies
+/// cost one system call per family. (The CPU per copy is mostly the raw send path itself, which
+/// has neither GSO nor a cached route: docs/benchmarks.md, Replication.)
 ///
-/// ``SourcePreservingOutbox`` builds its messages as before and stages them here
+/// ``SourcePreservingOutbox`` builds its messages and stages them here
 /// (``SourcePreservingOutbox/stage()``); ``send()`` tells each outbox what became of each of its
 /// messages (``SourcePreservingOutbox/delivered(_:)``, ``SourcePreservingOutbox/failed(_:_:)``).
 /// A batch holding a datagram to fragment is not staged: its outbox sends it itself, in order, on
 /// the same socket.
+///
+/// The send buffer is one for every preserve_source downstream of the thread: a granted size
+/// below what was asked (net.core.wmem_max without CAP_NET_ADMIN) is logged once per process,
+/// and a full buffer drops the rest of the call's messages, each counted `send_buffer_full` by
+/// its own downstream.
 ///
 /// Raw IPPROTO_RAW sockets get no ICMP errors (the kernel matches an error's inner protocol, UDP,
 /// to raw sockets of that protocol only): nothing is pending on them, so a failed message is its own.
@@ -32,23 +38,31 @@ final class SharedRawSender {
         var count = 0
     }
 
-    /// Messages staged per family before a send is forced.
+    /// Messages staged per family before a send is forced: a listener's batch and every pool
+    /// member's copy of it, up to what one sendmmsg takes (UIO_MAXIOV).
     let capacity: Int
+    static let maximumMessages = 1024
     private let sendBuffer: Int32
+    private let logger: Logger
+    private static let smallSendBufferSaid = Atomic<Bool>(false)
     @exclusivity(unchecked) private var lanes: [Lane]
     /// sendmmsg calls made (tests check that a batch costs one).
     @exclusivity(unchecked) private(set) var sendCalls = 0
 
     /// - Parameters:
-    ///   - capacity: messages staged per family before they are sent (a batch's size).
+    ///   - capacity: messages staged per family before they are sent.
     ///   - sendBuffer: each socket's send buffer: one socket carries every preserve_source
     ///     downstream of the thread (SO_SNDBUFFORCE where allowed, else SO_SNDBUF up to wmem_max).
-    init(capacity: Int, sendBuffer: Int32 = 16 << 20) {
-        self.capacity = max(capacity, 1)
+    ///   - logger: where a send buffer smaller than asked is reported (once per process).
+    init(capacity: Int = SharedRawSender.maximumMessages, sendBuffer: Int32 = 16 << 20,
+         logger: Logger = Logger(label: "udp-fanout.shared-raw-sender")) {
+        let room = min(max(capacity, 1), Self.maximumMessages)
+        self.capacity = room
         self.sendBuffer = sendBuffer
+        self.logger = logger
         lanes = (0..<2).map { _ in
-            let lane = Lane(headers: .allocate(capacity: max(capacity, 1)), owners: .allocate(capacity: max(capacity, 1)))
-            for index in 0..<max(capacity, 1) { lane.headers[index] = shim_mmsghdr() }
+            let lane = Lane(headers: .allocate(capacity: room), owners: .allocate(capacity: room))
+            for index in 0..<room { lane.headers[index] = shim_mmsghdr() }
             return lane
         }
     }
@@ -65,13 +79,20 @@ final class SharedRawSender {
 
     /// The family's raw socket, made on first use in the calling thread's network namespace (an
     /// outbox asks when it is made). A socket that cannot be made is tried again on the next call
-    /// (the next plan's outboxes), as each outbox's own socket was.
+    /// (the next plan's outboxes, each of which logs why it has none).
     /// - Throws: the failing call's error (EPERM without CAP_NET_RAW).
     func socket(family: Int32) throws(SystemCallError) -> Int32 {
         let lane = Self.lane(family)
         if lanes[lane].socket >= 0 { return lanes[lane].socket }
         let fd = try SourcePreservingOutbox.openRawSocket(family: family, sendBuffer: sendBuffer)
         lanes[lane].socket = fd
+        // The kernel reports twice what it granted; without CAP_NET_ADMIN it caps the request at
+        // net.core.wmem_max, for every preserve_source downstream of the thread together.
+        if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)),
+           granted / 2 < min(sendBuffer, SharedSender.smallSendBuffer), !Self.smallSendBufferSaid.exchange(true, ordering: .relaxed) {
+            logger.notice("the shared raw socket's send buffer is \(granted / 2) bytes, not the \(sendBuffer) asked for (net.core.wmem_max caps it without CAP_NET_ADMIN): copies of a batch to the worker's preserve_source downstreams beyond it are dropped and counted send_buffer_full; raise net.core.wmem_max (sysctl -w net.core.wmem_max=16777216) or grant CAP_NET_ADMIN",
+                          metadata: ["family": "\(family == AF_INET6 ? "ipv6" : "ipv4")"])
+        }
         return fd
     }
 

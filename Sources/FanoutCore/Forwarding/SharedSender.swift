@@ -76,7 +76,7 @@ final class SharedSender {
         self.logger = logger
         self.sendBuffer = sendBuffer
         self.capacity = max(capacity, DownstreamOutbox.maximumSegments)
-        raw = SharedRawSender(capacity: capacity)
+        raw = SharedRawSender(sendBuffer: sendBuffer, logger: logger)
         let space = controlSpace
         lanes = (0..<2).map { _ in
             let lane = Lane(headers: .allocate(capacity: max(capacity, DownstreamOutbox.maximumSegments)),
@@ -104,7 +104,7 @@ final class SharedSender {
     private static func lane(_ family: Int32) -> Int { family == AF_INET6 ? 1 : 0 }
 
     /// The family's socket, made on first use: -1 if it cannot be made (then every outbox of the
-    /// family sends through its own connected socket, as before there was a shared one).
+    /// family sends through its own connected socket).
     private func socket(_ lane: Int, family: Int32) -> Int32 {
         if lanes[lane].socket >= 0 || lanes[lane].failure != 0 { return lanes[lane].socket }
         var made: Int32 = -1

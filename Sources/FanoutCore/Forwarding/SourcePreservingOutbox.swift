@@ -29,10 +29,12 @@ package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable 
 /// inclusion on Linux), so the kernel routes it and fills in the Ethernet header. Needs CAP_NET_RAW.
 ///
 /// No payload copy: each message is two iovecs, a header this outbox owns per slot and the
-/// payload in the receiver's buffer. In a forwarding thread the raw socket is the thread's
-/// (``SharedRawSender``): the batch is staged there and goes out in one sendmmsg with every other
-/// preserve_source downstream's (``stage()``); alone (flow template replays, the start check) the
-/// outbox opens its own and a batch is one sendmmsg (MSG_DONTWAIT).
+/// payload in the receiver's buffer. Made by a forwarding thread (``Outboxes/factory(output:capacity:)``)
+/// it sends through the thread's raw socket (``SharedRawSender``): the batch is staged there and
+/// goes out in one sendmmsg with every other preserve_source downstream's (``stage()``), or, when
+/// not staged (a batch to fragment, the flow template relay's copies and replays), by its own
+/// sendmmsg on that socket. Made alone (the kernel kinds' template replays, the start check) it
+/// opens a raw socket of its own. MSG_DONTWAIT throughout.
 ///
 /// The headers: UDP checksum always computed (IPv4 too: collectors may check it); TTL/hop limit 64;
 /// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
@@ -87,6 +89,8 @@ final class SourcePreservingOutbox: Outbox {
     @exclusivity(unchecked) private(set) var mtu: Int
     /// This batch went to the shared sender; its outcome is in ``pending`` until the flush.
     @exclusivity(unchecked) private var staged = false
+    /// The MTU was read again in this flush (an EMSGSIZE): not again until the next one.
+    @exclusivity(unchecked) private var mtuReread = false
     @exclusivity(unchecked) private var pending: FlushResult = (0, 0, DropTally())
     /// The last fragment identification used; the next is one more (never 0).
     private var identification = UInt32.random(in: 1...UInt32.max)
@@ -162,6 +166,15 @@ final class SourcePreservingOutbox: Outbox {
         refreshMTU()
     }
 
+    /// ``refreshMTU()`` at most once per flush: each EMSGSIZE of a batch asks, the first reads (a
+    /// read is four system calls; a route whose MTU is above its device's fails every large
+    /// datagram of the batch alike).
+    private func rereadMTUOnce() {
+        guard !mtuReread else { return }
+        mtuReread = true
+        refreshMTU()
+    }
+
     /// Reads the route's MTU toward the downstream again through a UDP socket connected to it for
     /// the purpose (a new connect sees the route as it is now), IP_MTU / IPV6_MTU. Without a
     /// route it stays as it was (the send fails with the route's own errno anyway).
@@ -219,6 +232,7 @@ final class SourcePreservingOutbox: Outbox {
             fragments = 0
             mismatched = 0
             oversized = 0
+            mtuReread = false
         }
         if mismatched > 0 { result.dropped[.familyMismatch, default: 0] += mismatched }
         if oversized > 0 { result.dropped[.tooLarge, default: 0] += oversized }
@@ -266,7 +280,7 @@ final class SourcePreservingOutbox: Outbox {
             if error == EMSGSIZE {
                 // The MTU shrank since it was read: read it again and fragment. Still within it
                 // (a route MTU above the device's): nothing smaller to cut to, too_large.
-                refreshMTU()
+                rereadMTUOnce()
                 if iovecs[2 * message].iov_len + iovecs[2 * message + 1].iov_len > mtu {
                     sendFragmented(message, &result)
                     message += 1
@@ -304,7 +318,7 @@ final class SourcePreservingOutbox: Outbox {
     func failed(_ message: msghdr, _ error: Int32) {
         let index = (message.msg_iov - iovecs) / 2
         if error == EMSGSIZE {
-            refreshMTU()
+            rereadMTUOnce()
             if iovecs[2 * index].iov_len + iovecs[2 * index + 1].iov_len > mtu {
                 sendFragmented(index, &pending)
                 return
@@ -341,7 +355,7 @@ final class SourcePreservingOutbox: Outbox {
             }
             guard error == EMSGSIZE && attempt == 0 else { break }
             let before = mtu
-            refreshMTU()
+            rereadMTUOnce()
             guard mtu < before else { break }
         }
         if error == 0 {
