@@ -169,15 +169,18 @@ struct QUICEndToEndTests {
         defer { try? FileManager.default.removeItem(at: file) }
         let manager = try ServiceManager(topology.prefix(topology.balancer) + [binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file.path])
         try manager.start()
-        // Transfers long enough that most connections migrate after the restart.
-        let client = try Self.startClients(topology, connections: 12, bytes: 3_000_000, timeout: 30)
-        manager.pump(within: 1)
+        // The restart comes as soon as every connection is up, so each migrates (halfway through
+        // its transfer) after it, however fast this machine moves the bytes: a fixed second was
+        // past every migration on a fast one.
+        let client = try Self.startClients(topology, connections: 12, bytes: 12_000_000, timeout: 30)
+        let deadline = ContinuousClock.now + .seconds(10)
+        while ((try? Self.sessions(topology, mode: Self.mode(path))) ?? 0) < 12 && ContinuousClock.now < deadline { manager.pump(within: 0.05) }
         try manager.terminate()
         try manager.start()
         for _ in 0..<900 where client.process.isRunning { manager.pump(within: 0.05) }
         #expect(client.wait(seconds: 40) == 0, "client: \(client.stderr)")
         let report = try client.json()
-        print("quic_migrate_client 12 x 3 MB across a restart (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        print("quic_migrate_client 12 x 12 MB across a restart (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
         #expect(report.int("completed") == 12 && report.int("migrated") == 12 && Self.failures(report) == 0, "\(report)")
         let log = manager.output
         #expect(log.contains("took over the tc_ebpf maps of the previous process"), "\(log)")
@@ -328,8 +331,9 @@ struct QUICEndToEndTests {
         let all = Self.config(servers: 3, layout: layout, path: path, topology: topology)
         let daemon = try TwoWayEndToEndTests.Daemon(topology, path, all)
         let mode = Self.mode(path)
-        // Long transfers without migration: every connection runs while its server leaves and returns.
-        let client = try Self.startClients(topology, connections: 8, bytes: 4_000_000, migrate: false, timeout: 30)
+        // Long transfers without migration: every connection runs while its server leaves and
+        // returns (4 MB each ended before the first reload took effect on a fast machine).
+        let client = try Self.startClients(topology, connections: 8, bytes: 12_000_000, migrate: false, timeout: 30)
         let started = Probe.waitFor(seconds: 10) { (try? Self.sessions(topology, mode: mode)) ?? 0 >= 8 }
         #expect(started, "8 sessions")
         // s1 leaves: its sessions move to another server by the balancing (which does not know
@@ -343,7 +347,7 @@ struct QUICEndToEndTests {
         try daemon.reload(all)
         #expect(client.wait(seconds: 60) == 0, "client: \(client.stderr)")
         let report = try client.json()
-        print("quic_migrate_client 8 x 4 MB across a reload (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
+        print("quic_migrate_client 8 x 12 MB across a reload (\(path)): \(client.stdout.trimmingCharacters(in: .whitespacesAndNewlines))")
         let onS1 = (report["by_connection"] as? [String] ?? []).filter { $0 == "s1" }.count
         #expect(onS1 > 0, "no connection on s1: the test would prove nothing: \(report)")
         #expect(report.int("completed") == 8 && Self.failures(report) == 0, "\(report)")
