@@ -53,7 +53,7 @@ struct SharedSenderTests {
     /// `<device>0`/`<device>1`, 198.18.<subnet>.1/24 on `<device>0` and 198.18.<subnet>.2 a
     /// permanent neighbour there (what is sent to it leaves by `<device>0` and ends at `<device>1`).
     /// Deleted again if a step fails; the caller deletes it after use.
-    private static func vethNamespace(_ prefix: String, _ links: [(device: String, subnet: Int)]) throws -> String {
+    static func vethNamespace(_ prefix: String, _ links: [(device: String, subnet: Int)]) throws -> String {
         let namespace = "\(prefix)-\(UInt32.random(in: 0...UInt32.max))"
         try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
         do {

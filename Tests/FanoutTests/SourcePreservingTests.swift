@@ -556,19 +556,8 @@ struct SharedRawSenderTests {
 
     @Test("The thread's raw socket with a full send buffer: the rest of the call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)")
     func sendBufferFull() throws {
-        let namespace = "rplb-rawbuf-\(UInt32.random(in: 0...UInt32.max))"
-        try #require(try run("/usr/sbin/ip", ["netns", "add", namespace]).status == 0)
+        let namespace = try SharedSenderTests.vethNamespace("rplb-rawbuf", [("rb", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        for arguments in [
-            ["-n", namespace, "link", "add", "rb0", "type", "veth", "peer", "name", "rb1"],
-            ["-n", namespace, "addr", "add", "198.18.78.1/24", "dev", "rb0"],
-            ["-n", namespace, "link", "set", "rb0", "up"],
-            ["-n", namespace, "link", "set", "rb1", "up"],
-            ["-n", namespace, "neigh", "add", "198.18.78.2", "lladdr", "02:00:00:00:78:02", "dev", "rb0", "nud", "permanent"],
-        ] {
-            let result = try run("/usr/sbin/ip", arguments)
-            try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
-        }
         // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
         let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "rb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
         try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
