@@ -31,10 +31,12 @@ import Synchronization
 /// Raw IPPROTO_RAW sockets get no ICMP errors (the kernel matches an error's inner protocol, UDP,
 /// to raw sockets of that protocol only): nothing is pending on them, so a failed message is its own.
 final class SharedRawSender {
+    /// A family's socket and staged messages; the message room is allocated with the socket, so
+    /// a thread without preserve_source downstreams holds none.
     private struct Lane {
         var socket: Int32 = -1
-        let headers: UnsafeMutablePointer<shim_mmsghdr>
-        let owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>
+        var headers: UnsafeMutablePointer<shim_mmsghdr>?
+        var owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>?
         var count = 0
     }
 
@@ -56,22 +58,17 @@ final class SharedRawSender {
     ///   - logger: where a send buffer smaller than asked is reported (once per process).
     init(capacity: Int = SharedRawSender.maximumMessages, sendBuffer: Int32 = 16 << 20,
          logger: Logger = Logger(label: "udp-fanout.shared-raw-sender")) {
-        let room = min(max(capacity, 1), Self.maximumMessages)
-        self.capacity = room
+        self.capacity = min(max(capacity, 1), Self.maximumMessages)
         self.sendBuffer = sendBuffer
         self.logger = logger
-        lanes = (0..<2).map { _ in
-            let lane = Lane(headers: .allocate(capacity: room), owners: .allocate(capacity: room))
-            for index in 0..<room { lane.headers[index] = shim_mmsghdr() }
-            return lane
-        }
+        lanes = [Lane(), Lane()]
     }
 
     deinit {
         for lane in lanes {
             if lane.socket >= 0 { close(lane.socket) }
-            lane.headers.deallocate()
-            lane.owners.deallocate()
+            lane.headers?.deallocate()
+            lane.owners?.deallocate()
         }
     }
 
@@ -86,6 +83,10 @@ final class SharedRawSender {
         if lanes[lane].socket >= 0 { return lanes[lane].socket }
         let fd = try SourcePreservingOutbox.openRawSocket(family: family, sendBuffer: sendBuffer)
         lanes[lane].socket = fd
+        let headers = UnsafeMutablePointer<shim_mmsghdr>.allocate(capacity: capacity)
+        headers.initialize(repeating: shim_mmsghdr(), count: capacity)
+        lanes[lane].headers = headers
+        lanes[lane].owners = .allocate(capacity: capacity)
         // The kernel reports twice what it granted; without CAP_NET_ADMIN it caps the request at
         // net.core.wmem_max, for every preserve_source downstream of the thread together.
         if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)),
@@ -111,9 +112,9 @@ final class SharedRawSender {
     func stage(_ message: msghdr, family: Int32, owner: SourcePreservingOutbox) {
         let lane = Self.lane(family)
         let index = lanes[lane].count
-        lanes[lane].headers[index].msg_hdr = message
-        lanes[lane].headers[index].msg_len = 0
-        lanes[lane].owners[index] = Unmanaged.passUnretained(owner)
+        lanes[lane].headers.unsafelyUnwrapped[index].msg_hdr = message
+        lanes[lane].headers.unsafelyUnwrapped[index].msg_len = 0
+        lanes[lane].owners.unsafelyUnwrapped[index] = Unmanaged.passUnretained(owner)
         lanes[lane].count = index + 1
     }
 
@@ -125,9 +126,9 @@ final class SharedRawSender {
 
     private func send(_ lane: Int) {
         let count = lanes[lane].count
-        guard count > 0 else { return }
+        guard count > 0, let headers = lanes[lane].headers, let owners = lanes[lane].owners else { return }
         defer { lanes[lane].count = 0 }
-        transmit(lanes[lane].socket, lanes[lane].headers, lanes[lane].owners, count)
+        transmit(lanes[lane].socket, headers, owners, count)
     }
 
     /// Sends messages `0..<count` (one datagram each) on `fd`, telling each owner what became of
