@@ -318,6 +318,9 @@ public struct Settings: Equatable, Sendable {
     public var zeroCopy: ZeroCopy = .auto
     /// af_xdp: busy polling of the sockets (SO_PREFER_BUSY_POLL), trading CPU for latency.
     public var busyPoll: Bool = false
+    /// userspace, relay: after a turn that had something to do, a worker polls its sockets
+    /// without sleeping for this many microseconds before it sleeps in the kernel (0: at once).
+    public var busyWaitMicroseconds: Int = 0
     /// replies nat: clients remembered at once per listener (LRU: when full, the least recently
     /// used association is forgotten; counted as evicted). sbulb's default.
     public var maxAssociations: Int = 1_048_576

@@ -148,7 +148,7 @@ struct ListenerKinds: Sendable {
     /// it and an unknown key's error lists them in it (``SettingsTable/keys``).
     static let settingsOrder = [
         "max_packet_size", "batch_size", "workers", "pin_cpus", "recv_buf_size", "tc_attach", "worker_steering", "resolve_interval_secs",
-        "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll",
+        "output", "xdp_mode", "queues", "umem_frame_size", "umem_frames", "ring_size", "zero_copy", "busy_poll", "busy_wait_us",
         "max_associations", "reply_interfaces", "max_sessions", "session_idle_secs", "io_uring", "drain_secs", "flow_templates",
     ]
 

@@ -67,13 +67,27 @@ final class ReceiveLoop: Sendable {
     /// its sends (``CrashLedger``): what a crash takes is counted by the next process. Emptied
     /// here after each batch; the thread releases it when it ends.
     let ledger: CrashLedger.Slot?
+    /// settings.busy_wait_us: how long the thread polls its source without sleeping after a turn
+    /// that had something to do (zero: it sleeps at once), and where it counts what that found.
+    private let busyWait: Duration
+    private let busyWaitCounters: BusyWaitCounters?
 
     /// - Parameters:
     ///   - stop: ends the loop (after the stop drain).
     ///   - metadata: the thread's log identity (listener, worker), on the loop's own log lines.
     ///   - ledger: the thread's slot in the crash ledger; nil: none.
-    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata, drainLimit: Duration = .seconds(1), ledger: CrashLedger.Slot? = nil) {
+    ///   - busyWait: settings.busy_wait_us and the listener's counters of it; nil: none.
+    init(stop: StopSignal, logger: Logger, metadata: Logger.Metadata, drainLimit: Duration = .seconds(1), ledger: CrashLedger.Slot? = nil,
+         busyWait: (window: Duration, counters: BusyWaitCounters)? = nil) {
         self.ledger = ledger
+        if let busyWait, busyWait.window > .zero {
+            self.busyWait = busyWait.window
+            busyWaitCounters = busyWait.counters
+            busyWait.counters.shown.store(true, ordering: .relaxed)
+        } else {
+            self.busyWait = .zero
+            busyWaitCounters = nil
+        }
         self.stop = stop
         self.drainLimit = drainLimit
         self.logger = logger
@@ -93,8 +107,20 @@ final class ReceiveLoop: Sendable {
         // The previous turn spent its budget: the source still holds datagrams, so the body's
         // other events are looked at without waiting.
         var pending = false
+        // The last wait saw something: with settings.busy_wait_us the next one polls first.
+        var active = false
+        var spins = BusyWaitTally()
+        defer { spins.flush(into: busyWaitCounters) }
         while !stop.isSet {
-            let readiness = body.wait(milliseconds: pending ? 0 : 100)
+            let readiness: Readiness
+            if pending {
+                readiness = body.wait(milliseconds: 0)
+            } else if active, busyWaitCounters != nil {
+                readiness = spin(body, clock: clock, &spins)
+            } else {
+                readiness = body.wait(milliseconds: 100)
+            }
+            active = readiness != .timedOut
             if readiness == .timedOut && !pending {
                 progress.wrappingAdd(1, ordering: .relaxed)
                 body.idle()
@@ -111,6 +137,7 @@ final class ReceiveLoop: Sendable {
             if now >= nextSecond {
                 nextSecond = now + .seconds(1)
                 body.everySecond()
+                spins.flush(into: busyWaitCounters)
             }
         }
         let deadline = clock.now + drainLimit
@@ -121,6 +148,32 @@ final class ReceiveLoop: Sendable {
     }
 
     private enum Drained { case empty, budgetSpent, failed }
+
+    /// settings.busy_wait_us: polls the source (and the body's other events) without sleeping,
+    /// yielding the CPU between polls to any other runnable thread, until something comes or the
+    /// window passes, then sleeps in the kernel as without it. What
+    /// the window catches is served without the wake-up of a sleeping thread (tens of µs in a
+    /// virtual machine); a window that passes empty cost its length in CPU.
+    private func spin<Body: ReceiveLoopBody>(_ body: Body, clock: ContinuousClock, _ tally: inout BusyWaitTally) -> Readiness {
+        let start = clock.now
+        let deadline = start + busyWait
+        var now = start
+        repeat {
+            let readiness = body.wait(milliseconds: 0)
+            now = clock.now
+            if readiness != .timedOut {
+                tally.found += 1
+                tally.spent += now - start
+                return readiness
+            }
+            // Another thread runnable on this CPU (a server, a client, the kernel's softirq
+            // thread) runs first: polling must not take the CPU the traffic it waits for needs.
+            sched_yield()
+        } while now < deadline && !stop.isSet
+        tally.slept += 1
+        tally.spent += now - start
+        return body.wait(milliseconds: 100)
+    }
 
     /// Receives and forwards batches until the source is empty, `budget` batches, or the stop
     /// signal (with a deadline: until the deadline instead).
@@ -160,5 +213,32 @@ final class ReceiveLoop: Sendable {
         fields["error"] = "\(error)"
         fields["failures_since_last_line"] = "\(count)"
         logger.error("receive failed", metadata: fields)
+    }
+}
+
+/// A listener's settings.busy_wait_us counters, added to by its forwarding threads once a second
+/// (and when they stop): polls that found something (a wake-up saved), polls whose window passed
+/// empty (the thread then slept), and the time spent polling.
+final class BusyWaitCounters: Sendable {
+    let found = Atomic<UInt64>(0)
+    let slept = Atomic<UInt64>(0)
+    let nanoseconds = Atomic<UInt64>(0)
+    /// Set once a thread of the listener polls (kept: the series keep their totals).
+    let shown = Atomic<Bool>(false)
+}
+
+/// One thread's busy-wait counts since its last flush.
+struct BusyWaitTally {
+    var found: UInt64 = 0
+    var slept: UInt64 = 0
+    var spent: Duration = .zero
+
+    mutating func flush(into counters: BusyWaitCounters?) {
+        guard let counters, found > 0 || slept > 0 else { return }
+        counters.found.wrappingAdd(found, ordering: .relaxed)
+        counters.slept.wrappingAdd(slept, ordering: .relaxed)
+        let (seconds, attoseconds) = spent.components
+        counters.nanoseconds.wrappingAdd(UInt64(seconds) &* 1_000_000_000 &+ UInt64(attoseconds / 1_000_000_000), ordering: .relaxed)
+        self = BusyWaitTally()
     }
 }

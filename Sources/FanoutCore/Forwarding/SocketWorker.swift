@@ -42,7 +42,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.counters = counters
         self.logger = logger
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"], drainLimit: drainLimit,
-                           ledger: counters.ledger?.claim(listener: listener.name))
+                           ledger: counters.ledger?.claim(listener: listener.name),
+                           busyWait: (.microseconds(listener.settings.busyWaitMicroseconds), counters.busyWait))
         descriptor = pollfd(fd: member.socket, events: Int16(POLLIN), revents: 0)
         forwarder = BatchForwarder(listener: listener.name, counters: counters, plans: plans, logger: logger,
                                    output: listener.settings.output, capacity: listener.settings.batchSize, templates: templates,

@@ -151,6 +151,8 @@ package final class ListenerCounters: Sendable {
     /// Set once the listener routes by QUIC connection ID (kept: the series keep their totals),
     /// so its outcomes are shown, at zero too.
     let showsQUICOutcomes = Atomic<Bool>(false)
+    /// settings.busy_wait_us: what the workers' polling found and cost.
+    let busyWait = BusyWaitCounters()
     /// `rate_limit`: the running instance's buckets for /status (its top limited sources and
     /// evictions); nil: none.
     private let rateLimitSource = Mutex<(@Sendable () -> RateLimitStatus)?>(nil)

@@ -96,6 +96,18 @@ enum PrometheusText {
             family("udp_fanout_flow_template_exporters", "Exporters whose templates are kept", type: "gauge", rows: templates.map(\.exporters))
             family("udp_fanout_flow_templates", "Templates kept, of every exporter", type: "gauge", rows: templates.map(\.templates))
         }
+        let spinning = listeners.filter { $0.busyWait.shown.load(ordering: .relaxed) }
+        if !spinning.isEmpty {
+            family("udp_fanout_busy_wait_total", "Polls of settings.busy_wait_us by outcome: found (something came within the window: a wake-up saved), slept (the window passed empty and the worker slept)",
+                   rows: spinning.flatMap { listener in
+                       [("found", listener.busyWait.found.load(ordering: .relaxed)), ("slept", listener.busyWait.slept.load(ordering: .relaxed))]
+                           .map { (labels(listener) + ",outcome=\"\($0.0)\"", $0.1) }
+                   })
+            out += "# HELP udp_fanout_busy_wait_seconds_total CPU time the workers spent polling for settings.busy_wait_us\n# TYPE udp_fanout_busy_wait_seconds_total counter\n"
+            for listener in spinning {
+                out += "udp_fanout_busy_wait_seconds_total{\(labels(listener))} \(Double(listener.busyWait.nanoseconds.load(ordering: .relaxed)) / 1e9)\n"
+            }
+        }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
         return out

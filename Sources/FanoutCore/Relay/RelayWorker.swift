@@ -134,7 +134,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         replicator = PoolReplicator(listener: listener.name, counters: counters, logger: logger, output: listener.settings.output,
                                     capacity: listener.settings.batchSize, sender: SharedSender(capacity: listener.settings.batchSize, logger: logger))
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"],
-                           ledger: counters.ledger?.claim(listener: listener.name))
+                           ledger: counters.ledger?.claim(listener: listener.name),
+                           busyWait: (.microseconds(listener.settings.busyWaitMicroseconds), counters.busyWait))
         idleMilliseconds = Int64(listener.settings.sessionIdleSecs) * 1000
         drainMilliseconds = Int64(listener.settings.drainSecs) * 1000
         let batch = listener.settings.batchSize
