@@ -10,8 +10,9 @@ The servers run `sockperf server`; the client runs sockperf in the clients netns
   under load   --mps 50,000 (BENCH_LATENCY_MPS), one message in 100 answered and measured
 Variants, alternated run by run (BENCH_LATENCY_RUNS, 3), each BENCH_LATENCY_SECONDS (5) per load:
   routed       the client talks to server 1 through the lb netns, no load balancer: the direct path
-  tc_ebpf nat, xdp nat, relay, relay with settings.io_uring: false (udp-fanout, as bench_twoway
-  sets them up, the xdp variant's NAPI left in softirq), nginx-1 (nginx stream, one worker)
+  tc_ebpf nat, xdp nat, relay, relay with settings.busy_wait_us (BENCH_LATENCY_BUSY_WAIT_US, 100),
+  relay with settings.io_uring: false (udp-fanout, as bench_twoway sets them up, the xdp
+  variant's NAPI left in softirq), nginx-1 (nginx stream, one worker)
 Each row: a variant's p50, p99 or p99.9 (the median over the runs, with their spread) against the
 direct path's, and what it adds: the median (and range) of its per-run differences from the
 direct path of the same run; the note gives nginx's addition at the same percentile.
@@ -30,9 +31,13 @@ import bench_twoway as twoway
 RUNS = int(os.environ.get("BENCH_LATENCY_RUNS", "3"))
 SECONDS = int(os.environ.get("BENCH_LATENCY_SECONDS", "5"))
 MPS = int(os.environ.get("BENCH_LATENCY_MPS", "50000"))
-VARIANTS = ["routed", "tc_ebpf nat", "xdp nat", "relay", "relay, no io_uring", "nginx-1"]
+# settings.busy_wait_us of the "relay, busy wait" variant.
+BUSY_WAIT_US = int(os.environ.get("BENCH_LATENCY_BUSY_WAIT_US", "100"))
+VARIANTS = ["routed", "tc_ebpf nat", "xdp nat", "relay", "relay, busy wait", "relay, no io_uring", "nginx-1"]
+# BENCH_LATENCY_ONLY: the variants to run beside the direct path, separated by ";" (their names
+# hold commas), e.g. "relay;relay, busy wait".
 if os.environ.get("BENCH_LATENCY_ONLY"):
-    VARIANTS = ["routed"] + [v for v in VARIANTS if v in os.environ["BENCH_LATENCY_ONLY"].split(",") and v != "routed"]
+    VARIANTS = ["routed"] + [v for v in VARIANTS if v in os.environ["BENCH_LATENCY_ONLY"].split(";") and v != "routed"]
 LOADS = ["ping-pong", "under load"]
 PERCENTILES = [("p50", "50.000"), ("p99", "99.000"), ("p99.9", "99.900")]
 
@@ -85,6 +90,13 @@ class Variant(twoway.Variant):
     threads it only to put the load balancer's CPU time on a CPU of its own, which a latency
     measurement must not pay for (a kernel thread's wake-up per poll)."""
 
+    def __init__(self, name, topology, work):
+        if name == "relay, busy wait":
+            super().__init__("relay", topology, work, settings=f"busy_wait_us: {BUSY_WAIT_US}")
+            self.name = name
+        else:
+            super().__init__(name, topology, work)
+
     def threaded_napi(self, on):
         pass
 
@@ -103,10 +115,30 @@ class Variant(twoway.Variant):
                          + (f"\n{self.log} says:\n{self.log_tail()}" if self.log else ""))
 
 
+def busy_wait_reading(topology):
+    """The daemon's settings.busy_wait_us counters: (seconds polled, polls that found something,
+    polls whose window passed empty)."""
+    text = subprocess.run([*common.in_namespace(topology.lb), "curl", "-sf", f"http://{twoway.Variant.METRICS}/metrics"],
+                          capture_output=True, text=True, check=True, timeout=30).stdout
+    values = {}
+    for line in text.splitlines():
+        found = re.match(r'udp_fanout_busy_wait_(seconds_total|total)\{[^}]*?(?:outcome="(\w+)")?\} ([0-9.e+-]+)$', line)
+        if found:
+            values[found.group(2) or "seconds"] = float(found.group(3))
+    return values.get("seconds", 0.0), values.get("found", 0.0), values.get("slept", 0.0)
+
+
 def run_variant(topology, work, name):
     variant = Variant(name, topology, work)
     try:
-        return {load: sockperf(topology, name, load, SECONDS) for load in LOADS}
+        out = {}
+        for load in LOADS:
+            before = busy_wait_reading(topology) if name == "relay, busy wait" else None
+            out[load] = sockperf(topology, name, load, SECONDS)
+            if before:
+                after = busy_wait_reading(topology)
+                out[load]["busy_wait"] = tuple(a - b for a, b in zip(after, before))
+        return out
     finally:
         variant.stop()
 
@@ -141,6 +173,12 @@ def rows():
                     if more[1] <= 0 <= more[2]:
                         note += " (their range spans 0: not resolved from the noise)"
                     note += f"; sockperf sent {sent:,}, received {received:,}"
+                    if name == "relay, busy wait":
+                        polled = sum(r[load]["busy_wait"][0] for r in results[name]) / (SECONDS * len(results[name]))
+                        found = sum(r[load]["busy_wait"][1] for r in results[name])
+                        slept = sum(r[load]["busy_wait"][2] for r in results[name])
+                        note += (f"; busy_wait_us {BUSY_WAIT_US}: the workers polled {polled:.0%} of one CPU's time, "
+                                 f"{found:,.0f} polls found traffic (a wake-up saved), {slept:,.0f} slept")
                     if nginx and name != "nginx-1":
                         note += f"; nginx-1 adds {nginx[0]:+.1f} us ({nginx[1]:+.1f} to {nginx[2]:+.1f})"
                     out.append((f"latency {load} {label}: {name}", "the direct path (routed, no load balancer)",
