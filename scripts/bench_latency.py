@@ -37,7 +37,11 @@ VARIANTS = ["routed", "tc_ebpf nat", "xdp nat", "relay", "relay, busy wait", "re
 # BENCH_LATENCY_ONLY: the variants to run beside the direct path, separated by ";" (their names
 # hold commas), e.g. "relay;relay, busy wait".
 if os.environ.get("BENCH_LATENCY_ONLY"):
-    VARIANTS = ["routed"] + [v for v in VARIANTS if v in os.environ["BENCH_LATENCY_ONLY"].split(";") and v != "routed"]
+    _only = [v.strip() for v in os.environ["BENCH_LATENCY_ONLY"].split(";") if v.strip()]
+    _unknown = [v for v in _only if v not in VARIANTS]
+    if _unknown:
+        raise SystemExit(f"BENCH_LATENCY_ONLY: no variant {', '.join(map(repr, _unknown))}; the variants, separated by ';': {'; '.join(VARIANTS)}")
+    VARIANTS = ["routed"] + [v for v in VARIANTS if v in _only and v != "routed"]
 LOADS = ["ping-pong", "under load"]
 PERCENTILES = [("p50", "50.000"), ("p99", "99.000"), ("p99.9", "99.900")]
 
@@ -116,8 +120,10 @@ class Variant(twoway.Variant):
 
 
 def busy_wait_reading(topology):
-    """The daemon's settings.busy_wait_us counters: (seconds polled, polls that found something,
-    polls whose window passed empty)."""
+    """The daemon's settings.busy_wait_us counters: (CPU seconds polled, polls that found
+    something, polls whose window passed empty). The workers add theirs once a second: read
+    1.2 s after the traffic before (or the load) ended, so each load's reading holds its own."""
+    time.sleep(1.2)
     text = subprocess.run([*common.in_namespace(topology.lb), "curl", "-sf", f"http://{twoway.Variant.METRICS}/metrics"],
                           capture_output=True, text=True, check=True, timeout=30).stdout
     values = {}
@@ -177,7 +183,7 @@ def rows():
                         polled = sum(r[load]["busy_wait"][0] for r in results[name]) / (SECONDS * len(results[name]))
                         found = sum(r[load]["busy_wait"][1] for r in results[name])
                         slept = sum(r[load]["busy_wait"][2] for r in results[name])
-                        note += (f"; busy_wait_us {BUSY_WAIT_US}: the workers polled {polled:.0%} of one CPU's time, "
+                        note += (f"; busy_wait_us {BUSY_WAIT_US}: the workers' CPU time polling was {polled:.0%} of the load's duration, "
                                  f"{found:,.0f} polls found traffic (a wake-up saved), {slept:,.0f} slept")
                     if nginx and name != "nginx-1":
                         note += f"; nginx-1 adds {nginx[0]:+.1f} us ({nginx[1]:+.1f} to {nginx[2]:+.1f})"

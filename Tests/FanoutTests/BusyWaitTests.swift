@@ -24,7 +24,8 @@ private final class ScriptedBody: ReceiveLoopBody, @unchecked Sendable {
         self.stopWhen = stopWhen
     }
 
-    var batchesPerTurn: Int { .max }
+    /// Batches a turn takes before the loop looks again (`.max`: until the source is empty).
+    var batchesPerTurn = Int.max
 
     func receiveBatch() throws(SystemCallError) -> Int {
         guard toReceive > 0 else { return 0 }
@@ -66,8 +67,10 @@ struct BusyWaitTests {
         #expect(Array(body.waits.prefix(12)) == [100] + Array(repeating: 0, count: 11), "\(body.waits)")
         #expect(body.forwarded == 2)
         #expect(counters.found.load(ordering: .relaxed) == 1)
-        // The second poll ended at the stop, not with traffic: it slept (the stop's last wait).
-        #expect(counters.slept.load(ordering: .relaxed) == 1)
+        // The second poll ended at the stop: not counted slept, and no sleep after it (only the
+        // stop drain's 20 ms wait).
+        #expect(counters.slept.load(ordering: .relaxed) == 0)
+        #expect(!body.waits.contains(100) || body.waits.lastIndex(of: 100) == 0, "\(body.waits.suffix(3))")
         #expect(counters.nanoseconds.load(ordering: .relaxed) > 0)
         let shown = counters.shown.load(ordering: .relaxed)
         #expect(shown)
@@ -77,9 +80,12 @@ struct BusyWaitTests {
     func windowPassesEmpty() {
         let stop = StopSignal()
         let counters = BusyWaitCounters()
-        // Stops at the first sleep after the poll.
-        let body = ScriptedBody([.source], stop: stop) { timeout, count in timeout == 100 && count > 1 }
+        // Stops at the first sleep after the poll (or after 10 s: a loop that never sleeps fails
+        // the expectations below instead of hanging).
         let started = ContinuousClock.now
+        let body = ScriptedBody([.source], stop: stop) { timeout, count in
+            (timeout == 100 && count > 1) || ContinuousClock.now - started > .seconds(10)
+        }
         loop(stop, window: .milliseconds(20), counters).run(body)
         #expect(ContinuousClock.now - started >= .milliseconds(20))
         #expect(body.waits.first == 100)
@@ -87,7 +93,25 @@ struct BusyWaitTests {
         #expect(sleep.map { body.waits[1..<$0].allSatisfy { $0 == 0 } && $0 > 1 } == true, "polls, then the sleep: \(body.waits)")
         #expect(counters.found.load(ordering: .relaxed) == 0)
         #expect(counters.slept.load(ordering: .relaxed) == 1)
-        #expect(counters.nanoseconds.load(ordering: .relaxed) >= 20_000_000)
+        // The thread's CPU time while polling (what it yielded to other threads is not counted).
+        #expect(counters.nanoseconds.load(ordering: .relaxed) > 0)
+    }
+
+    @Test("A turn that spent its batch budget looks again at once (timeout 0) without polling: nothing counted")
+    func pendingIsNoPoll() {
+        let stop = StopSignal()
+        let counters = BusyWaitCounters()
+        let body = ScriptedBody([.source], stop: stop) { timeout, count in timeout == 100 && count > 1 }
+        body.batchesPerTurn = 1
+        // Three batches at the first wake-up, one per turn.
+        body.toReceive = 2
+        loop(stop, window: .seconds(5), counters).run(body)
+        #expect(body.forwarded == 3)
+        // The wake-up; three turns of one batch each spent their budget, so each looks again at
+        // once (timeout 0); the last look finds the source empty after a wait that timed out:
+        // no poll, the sleep.
+        #expect(Array(body.waits.prefix(5)) == [100, 0, 0, 0, 100], "\(body.waits)")
+        #expect(counters.found.load(ordering: .relaxed) == 0 && counters.slept.load(ordering: .relaxed) == 0)
     }
 
     @Test("No poll after an idle timeout (nothing came), and none at all without the setting")
@@ -126,7 +150,7 @@ struct BusyWaitTests {
     }
 
     @Test("A relay with busy_wait_us: 20 clients x 10 exchanges all answered from the listener; its polls found the replies and requests (busy-wait series in /metrics)",
-          arguments: [true, false])
+          .serialized, arguments: [true, false])
     func relayServes(ioUring: Bool) throws {
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
@@ -156,16 +180,27 @@ struct BusyWaitTests {
         #expect(text.contains("# TYPE udp_fanout_busy_wait_seconds_total counter\nudp_fanout_busy_wait_seconds_total{listener=\"spin\",mode=\"userspace\"} "), "\(text)")
     }
 
-    @Test("A userspace listener with busy_wait_us forwards every datagram (300, round robin, 100 each)")
+    @Test("A userspace listener with busy_wait_us forwards every datagram (30 bursts of 10, 1 ms apart: round robin, 100 each); its polls found the bursts")
     func userspaceForwards() throws {
         let sinks = try (0..<3).map { _ in try Sink() }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let yaml = "listeners:\n" + listenerYAML("spin", bind: bind, sinks, workers: 1)
-        let spinning = yaml.replacingOccurrences(of: "    settings:\n", with: "    settings:\n      busy_wait_us: 5000\n")
-        #expect(try ConfigParser.parse(spinning).listeners.first?.settings.busyWaitMicroseconds == 5000, "the test's YAML sets it")
+        let spinning = yaml.replacingOccurrences(of: "    settings:\n", with: "    settings:\n      busy_wait_us: 50000\n")
+        #expect(try ConfigParser.parse(spinning).listeners.first?.settings.busyWaitMicroseconds == 50000, "the test's YAML sets it")
         let daemon = try startDaemon(spinning)
         defer { daemon.shutdown() }
-        try sendNumbered(to: bind, count: 300)
+        for burst in 0..<30 {
+            try sendNumbered(to: bind, count: 10, tag: "burst-\(burst)")
+            usleep(1000)
+        }
         #expect(sinks.map { $0.drain().count } == [100, 100, 100])
+        var found = 0
+        let deadline = ContinuousClock.now + .seconds(5)
+        repeat {
+            found = metric(daemon.metricsText(), "udp_fanout_busy_wait_total", "listener=\"spin\",mode=\"userspace\",outcome=\"found\"") ?? 0
+            if found > 0 { break }
+            usleep(100_000)
+        } while ContinuousClock.now < deadline
+        #expect(found > 0, "the bursts 1 ms apart come within the 50 ms window")
     }
 }

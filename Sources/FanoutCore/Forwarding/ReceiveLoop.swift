@@ -46,9 +46,11 @@ final class ReceiveLoop: Sendable {
         case timedOut
         /// The source holds datagrams.
         case source
-        /// Only the body's other events came (handled by the body's wait), or the wait itself
-        /// failed: neither idle (no progress) nor a reason to receive.
+        /// Only the body's other events came (handled by the body's wait): neither idle (no
+        /// progress) nor a reason to receive.
         case other
+        /// The wait itself failed: as `.other`, and no reason to poll (settings.busy_wait_us).
+        case failed
     }
 
     /// Grows at every idle wait timeout (100 ms) and every batch received, not at a turn whose
@@ -120,7 +122,7 @@ final class ReceiveLoop: Sendable {
             } else {
                 readiness = body.wait(milliseconds: 100)
             }
-            active = readiness != .timedOut
+            active = readiness == .source || readiness == .other
             if readiness == .timedOut && !pending {
                 progress.wrappingAdd(1, ordering: .relaxed)
                 body.idle()
@@ -154,25 +156,43 @@ final class ReceiveLoop: Sendable {
     /// window passes, then sleeps in the kernel as without it. What
     /// the window catches is served without the wake-up of a sleeping thread (tens of µs in a
     /// virtual machine); a window that passes empty cost its length in CPU.
+    /// The time it counts is the thread's CPU time (what it yielded to other threads is not).
     private func spin<Body: ReceiveLoopBody>(_ body: Body, clock: ContinuousClock, _ tally: inout BusyWaitTally) -> Readiness {
-        let start = clock.now
-        let deadline = start + busyWait
-        var now = start
+        let deadline = clock.now + busyWait
+        let cpuStart = threadCPUNanoseconds()
         repeat {
             let readiness = body.wait(milliseconds: 0)
-            now = clock.now
-            if readiness != .timedOut {
+            switch readiness {
+            case .source, .other:
                 tally.found += 1
-                tally.spent += now - start
+                tally.nanoseconds &+= threadCPUNanoseconds() &- cpuStart
                 return readiness
+            case .failed:
+                // Not traffic: the loop goes on as after any failed wait, without polling.
+                tally.nanoseconds &+= threadCPUNanoseconds() &- cpuStart
+                return readiness
+            case .timedOut:
+                break
             }
             // Another thread runnable on this CPU (a server, a client, the kernel's softirq
             // thread) runs first: polling must not take the CPU the traffic it waits for needs.
             sched_yield()
-        } while now < deadline && !stop.isSet
+        } while clock.now < deadline && !stop.isSet
+        tally.nanoseconds &+= threadCPUNanoseconds() &- cpuStart
+        // Stopping: the loop ends now, not after a sleep.
+        if stop.isSet { return .timedOut }
         tally.slept += 1
-        tally.spent += now - start
+        // An empty window is a turn of an idle thread: the path check sees it alive (a window
+        // of up to 1 s must not look like a stuck thread).
+        progress.wrappingAdd(1, ordering: .relaxed)
         return body.wait(milliseconds: 100)
+    }
+
+    /// CLOCK_THREAD_CPUTIME_ID: the calling thread's CPU time.
+    private func threadCPUNanoseconds() -> UInt64 {
+        var now = timespec()
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now)
+        return UInt64(now.tv_sec) &* 1_000_000_000 &+ UInt64(now.tv_nsec)
     }
 
     /// Receives and forwards batches until the source is empty, `budget` batches, or the stop
@@ -218,7 +238,7 @@ final class ReceiveLoop: Sendable {
 
 /// A listener's settings.busy_wait_us counters, added to by its forwarding threads once a second
 /// (and when they stop): polls that found something (a wake-up saved), polls whose window passed
-/// empty (the thread then slept), and the time spent polling.
+/// empty (the thread then slept), and the CPU time spent polling.
 final class BusyWaitCounters: Sendable {
     let found = Atomic<UInt64>(0)
     let slept = Atomic<UInt64>(0)
@@ -231,14 +251,13 @@ final class BusyWaitCounters: Sendable {
 struct BusyWaitTally {
     var found: UInt64 = 0
     var slept: UInt64 = 0
-    var spent: Duration = .zero
+    var nanoseconds: UInt64 = 0
 
     mutating func flush(into counters: BusyWaitCounters?) {
-        guard let counters, found > 0 || slept > 0 else { return }
+        guard let counters, found > 0 || slept > 0 || nanoseconds > 0 else { return }
         counters.found.wrappingAdd(found, ordering: .relaxed)
         counters.slept.wrappingAdd(slept, ordering: .relaxed)
-        let (seconds, attoseconds) = spent.components
-        counters.nanoseconds.wrappingAdd(UInt64(seconds) &* 1_000_000_000 &+ UInt64(attoseconds / 1_000_000_000), ordering: .relaxed)
+        counters.nanoseconds.wrappingAdd(nanoseconds, ordering: .relaxed)
         self = BusyWaitTally()
     }
 }

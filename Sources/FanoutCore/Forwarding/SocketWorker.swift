@@ -63,7 +63,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         if handedOver {
             logger.info("reading out a socket the previous process handed over", metadata: ["listener": "\(listener.name)", "socket": "\(index)", "cpu": "\(cpu)"])
         } else {
-            logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)"])
+            logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "cpu": "\(cpu)",
+                                                            "busy_wait_us": "\(listener.settings.busyWaitMicroseconds)"])
         }
         loop.run(self)
         drops.read(member, into: counters)
@@ -85,7 +86,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
         // A failed poll is no idle turn: the path check must not see the worker alive through it.
-        guard let ready = try? Syscall.poll(&descriptor, 1, milliseconds) else { return .other }
+        guard let ready = try? Syscall.poll(&descriptor, 1, milliseconds) else { return .failed }
         return ready > 0 ? .source : .timedOut
     }
 

@@ -103,7 +103,7 @@ enum PrometheusText {
                        [("found", listener.busyWait.found.load(ordering: .relaxed)), ("slept", listener.busyWait.slept.load(ordering: .relaxed))]
                            .map { (labels(listener) + ",outcome=\"\($0.0)\"", $0.1) }
                    })
-            out += "# HELP udp_fanout_busy_wait_seconds_total CPU time the workers spent polling for settings.busy_wait_us\n# TYPE udp_fanout_busy_wait_seconds_total counter\n"
+            out += "# HELP udp_fanout_busy_wait_seconds_total CPU time the workers spent polling for settings.busy_wait_us (their own, not what they yielded to other threads)\n# TYPE udp_fanout_busy_wait_seconds_total counter\n"
             for listener in spinning {
                 out += "udp_fanout_busy_wait_seconds_total{\(labels(listener))} \(Double(listener.busyWait.nanoseconds.load(ordering: .relaxed)) / 1e9)\n"
             }

@@ -198,7 +198,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         tableLock.withLock { _ in adoptPlanLocked() }
         receivingNow.store(true, ordering: .relaxed)
         logger.info("entering receive loop", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "steering": "\(member.steering)", "replies": "relay", "cpu": "\(cpu)",
-                                                        "io_uring": "\(ring != nil)"])
+                                                        "io_uring": "\(ring != nil)", "busy_wait_us": "\(listener.settings.busyWaitMicroseconds)"])
         // The loop's stop drain forwards what the listener socket still holds (until it stays
         // empty 20 ms, at most 1 s); replies already queued are relayed once more below.
         loop.run(self)
@@ -253,7 +253,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// replies are read here (a few batches per socket per wakeup, so one chatty downstream
     /// cannot starve the others) and staged for ``endOfTurn()``.
     func wait(milliseconds: Int32) -> ReceiveLoop.Readiness {
-        guard let ready = try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), milliseconds) else { return .other }
+        guard let ready = try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), milliseconds) else { return .failed }
         guard ready > 0 else { return .timedOut }
         wakeup &+= 1
         // A plan a reload or health replaced applies before the replies of this wakeup are read,

@@ -20,7 +20,7 @@ enum UserspaceSettings {
         .integer("max_packet_size", 1...65527, ipv4Maximum: 65507, kinds: [UserspaceKind.self, RelayKind.self, AFXDPKind.self], scope: .workers,
                  doc: "Largest datagram forwarded, in bytes (1-65507 for an IPv4 bind, 65527 for IPv6); a larger one is dropped with reason too_large, never forwarded cut.",
                  get: { $0.maxPacketSize }, set: { $0.maxPacketSize = $1 }),
-        .integer("busy_wait_us", 0...1_000_000, kinds: [UserspaceKind.self, RelayKind.self], scope: .workers,
+        .integer("busy_wait_us", 0...1_000_000, kinds: [UserspaceKind.self, RelayKind.self], scope: .modes,
                  doc: "After a turn that had something to do, a worker polls its sockets without sleeping for up to this many microseconds before it sleeps: what comes meanwhile is served without a sleeping thread's wake-up (tens of µs in a virtual machine), at the price of a CPU spinning for the window after each burst. 0: it sleeps at once.",
                  get: { $0.busyWaitMicroseconds }, set: { $0.busyWaitMicroseconds = $1 }),
         .choice("worker_steering", WorkerSteering.self, kinds: [UserspaceKind.self, RelayKind.self], scope: .workers,
