@@ -28,14 +28,20 @@ def stop_sinks(groups):
     return [group.stop()[0] for group in groups]
 
 
+# settings.busy_wait_us of the latency rows' third variant ("udp-fanout, busy wait").
+BUSY_WAIT_US = int(os.environ.get("BENCH_FANOUT_BUSY_WAIT_US", "100"))
+# BENCH_FANOUT_ONLY=latency: the latency rows alone (no throughput against nginx, no RSS).
+ONLY = os.environ.get("BENCH_FANOUT_ONLY", "")
+
+
 class Fanout:
-    def __init__(self, listeners, work, workers=2):
-        """listeners: [(name, port, [downstream ports])]"""
+    def __init__(self, listeners, work, workers=2, settings=()):
+        """listeners: [(name, port, [downstream ports])]; settings: more settings lines ("busy_wait_us: 100")."""
         lines = ["listeners:"]
         for name, port, downstreams in listeners:
             lines += [f"  - name: {name}", f'    bind: "127.0.0.1:{port}"', "    settings:",
                       f"      workers: {workers}", "      batch_size: 64", "      recv_buf_size: 16777216",
-                      "    downstream:"]
+                      *(f"      {line}" for line in settings), "    downstream:"]
             lines += [f'      - address: "127.0.0.1:{p}"' for p in downstreams]
         path = os.path.join(work, "fanout.yaml")
         with open(path, "w") as f:
@@ -69,13 +75,15 @@ def throughput_run(variant, work, sender="sendmmsg"):
     return {"pps": received / sent["seconds"], "delivered": received / sent["sent"]}
 
 
-def latency_run(via_fanout, work, rate=50000, count=150000):
+def latency_run(via, work, rate=50000, count=150000):
+    """via: "direct" (to the collector), "udp-fanout" or "udp-fanout, busy wait"."""
     ports, groups = sinks(1)
     target = ports[0]
     proxy = None
-    if via_fanout:
+    if via != "direct":
         target = common.free_port()
-        proxy = Fanout([("latency", target, ports)], work, workers=1)
+        settings = (f"busy_wait_us: {BUSY_WAIT_US}",) if via.endswith("busy wait") else ()
+        proxy = Fanout([("latency", target, ports)], work, workers=1, settings=settings)
     try:
         common.publish(target, count=count, extra=("--rate", str(rate), "--size", "64", "--batch", "1"))
         time.sleep(0.3)
@@ -125,7 +133,7 @@ def rows():
               f" {DATAGRAMS} datagrams of 64 bytes from 240 sources, 3 collectors as downstreams", flush=True)
         out = []
         orders = (["udp-fanout", "nginx-1", "nginx-2"], ["nginx-2", "nginx-1", "udp-fanout"])
-        for sender in SENDERS:
+        for sender in SENDERS if ONLY != "latency" else ():
             results = {"udp-fanout": [], "nginx-1": [], "nginx-2": []}
             for run in range(common.RUNS):
                 for variant in orders[run % 2]:
@@ -143,16 +151,22 @@ def rows():
                             f"{ours[0] / peer[0]:.2f}", f"nginx delivered/sent {peer_delivered:.3f}"))
             out.append((f"fanout: vs better nginx, sender {sender}", "max(nginx 1, nginx 2) per run", f"{ours[0]:,.0f} pps", "-",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal >= 3", f"udp-fanout delivered/sent {delivered:.3f}"))
-        direct, fanout = [], []
-        for run in range(common.RUNS):
-            for via in ((False, True) if run % 2 == 0 else (True, False)):
-                (fanout if via else direct).append(latency_run(via, work))
+        variants = ["direct", "udp-fanout", "udp-fanout, busy wait"]
+        latency = common.alternated(common.RUNS, variants, lambda via: latency_run(via, work))
         for index, name in ((0, "p50"), (1, "p99")):
-            mine = common.spread([r[index] for r in fanout])
-            peer = common.spread([r[index] for r in direct])
-            out.append((f"fanout: latency {name} at 50k pps", "sending directly to the collector",
-                        f"{mine[0]:.0f} us ({mine[1]:.0f}-{mine[2]:.0f})", f"{peer[0]:.0f} us ({peer[1]:.0f}-{peer[2]:.0f})",
-                        f"+{mine[0] - peer[0]:.0f} us", "one way, publisher send to collector receive"))
+            peer = common.spread([r[index] for r in latency["direct"]])
+            for via in variants[1:]:
+                mine = common.spread([r[index] for r in latency[via]])
+                added = common.spread([o[index] - d[index] for o, d in zip(latency[via], latency["direct"])])
+                note = "one way, publisher send to collector receive; added: median of per-run differences"
+                if via.endswith("busy wait"):
+                    note += f"; settings.busy_wait_us {BUSY_WAIT_US}: at 50k pps the worker polls without sleeping"
+                label = "" if via == "udp-fanout" else f", busy_wait_us {BUSY_WAIT_US}"
+                out.append((f"fanout: latency {name} at 50k pps{label}", "sending directly to the collector",
+                            f"{mine[0]:.0f} us ({mine[1]:.0f}-{mine[2]:.0f})", f"{peer[0]:.0f} us ({peer[1]:.0f}-{peer[2]:.0f})",
+                            f"{added[0]:+.0f} us ({added[1]:+.0f} to {added[2]:+.0f})", note))
+        if ONLY == "latency":
+            return out
         rest, peak = rss_three_listeners(work)
         out.append(("fanout: RSS with 3 listeners (2 workers each)", "-", f"{rest / 1024:.1f} MiB at rest / {peak / 1024:.1f} MiB under load",
                     "-", "-", "1400-byte datagrams"))
