@@ -97,21 +97,20 @@ struct BusyWaitTests {
         #expect(counters.nanoseconds.load(ordering: .relaxed) > 0)
     }
 
-    @Test("A turn that spent its batch budget looks again at once (timeout 0) without polling: nothing counted")
-    func pendingIsNoPoll() {
+    @Test("A turn that spent its batch budget looks again at once (timeout 0), not counted as a poll; the turn after the last one polls")
+    func pendingThenPoll() {
         let stop = StopSignal()
         let counters = BusyWaitCounters()
-        let body = ScriptedBody([.source], stop: stop) { timeout, count in timeout == 100 && count > 1 }
+        // One batch per turn. The wake-up's turn spends its budget; the look after it (a wait
+        // of timeout 0 that finds the source again) is no poll; the next look finds it empty
+        // and that turn ends; the one after polls, and its second poll finds a datagram.
+        let body = ScriptedBody([.source, .source, .timedOut, .timedOut, .source], stop: stop) { _, count in count >= 9 }
         body.batchesPerTurn = 1
-        // Three batches at the first wake-up, one per turn.
-        body.toReceive = 2
         loop(stop, window: .seconds(5), counters).run(body)
         #expect(body.forwarded == 3)
-        // The wake-up; three turns of one batch each spent their budget, so each looks again at
-        // once (timeout 0); the last look finds the source empty after a wait that timed out:
-        // no poll, the sleep.
-        #expect(Array(body.waits.prefix(5)) == [100, 0, 0, 0, 100], "\(body.waits)")
-        #expect(counters.found.load(ordering: .relaxed) == 0 && counters.slept.load(ordering: .relaxed) == 0)
+        #expect(Array(body.waits.prefix(9)) == [100] + Array(repeating: 0, count: 8), "\(body.waits)")
+        #expect(counters.found.load(ordering: .relaxed) == 1, "only the poll's find")
+        #expect(counters.slept.load(ordering: .relaxed) == 0)
     }
 
     @Test("No poll after an idle timeout (nothing came), and none at all without the setting")

@@ -109,7 +109,8 @@ final class ReceiveLoop: Sendable {
         // The previous turn spent its budget: the source still holds datagrams, so the body's
         // other events are looked at without waiting.
         var pending = false
-        // The last wait saw something: with settings.busy_wait_us the next one polls first.
+        // The last turn had traffic (its wait saw something, or the turn before spent its
+        // budget): with settings.busy_wait_us the next wait polls first.
         var active = false
         var spins = BusyWaitTally()
         defer { spins.flush(into: busyWaitCounters) }
@@ -122,7 +123,7 @@ final class ReceiveLoop: Sendable {
             } else {
                 readiness = body.wait(milliseconds: 100)
             }
-            active = readiness == .source || readiness == .other
+            active = pending || readiness == .source || readiness == .other
             if readiness == .timedOut && !pending {
                 progress.wrappingAdd(1, ordering: .relaxed)
                 body.idle()
