@@ -982,4 +982,83 @@ struct RelayTests {
         #expect(short.log.contains("open-files limit") && short.log.contains("open_files_limit=1024"), "\(short.log)")
         #expect(short.log.contains("net.ipv4.ip_local_port_range") && short.log.contains("local_ports=\(ports)"), "\(short.log)")
     }
+
+    @Test("Replies of kept sessions (read through the ring) and of a draining socket in one wakeup, more than a batch of slots: each reaches its own client, none another's (the real binary, stopped while they queue)",
+          arguments: [true, false])
+    func drainingBesideRingReplies(ioUring: Bool) throws {
+        // The downstreams are plain sockets of this test: they answer when told, to the session
+        // socket each request came from.
+        let downstreams = try (0..<2).map { _ in try RelayClient(source: "127.0.0.1") }
+        func address(_ client: RelayClient) -> SocketAddress {
+            var storage = sockaddr_storage()
+            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            _ = withUnsafeMutablePointer(to: &storage) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { getsockname(client.fd, $0, &length) } }
+            return withUnsafePointer(to: &storage) { SocketAddress(storage: UnsafeRawPointer($0)) }!
+        }
+        let names = ["x", "y"]
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let settings = "      batch_size: 4\n      drain_secs: 30\n      io_uring: \(ioUring)\n"
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("relay-mixed-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try relayYAML("mixed", bind: bind, downstreams: zip(names, downstreams.map(address)).map { ($0, $1) }, workers: 1, settings: settings)
+            .write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path])
+        defer { daemon.signal(SIGCONT) }
+        try daemon.waitFor("entering receive loop")
+        // Three clients: round robin puts two on one downstream (kept) and one on the other (removed).
+        let clients = try (0..<3).map { _ in try RelayClient(source: "127.0.0.1") }
+        var sessionOf: [Int: (downstream: Int, session: SocketAddress)] = [:]
+        for (index, client) in clients.enumerated() {
+            try client.send("c\(index)-0", to: bind)
+            for (server, downstream) in downstreams.enumerated() {
+                guard let request = downstream.receive(timeout: 200) else { continue }
+                sessionOf[Int(request.text.dropFirst().prefix { $0 != "-" })!] = (server, request.from)
+                try downstream.send("r\(index)-0", to: request.from)
+            }
+            #expect(client.receive(timeout: 2000)?.text == "r\(index)-0")
+        }
+        try #require(sessionOf.count == 3, "each client's first request reached a downstream: \(sessionOf)")
+        let counts = (0..<2).map { server in sessionOf.values.filter { $0.downstream == server }.count }
+        let kept = counts[0] == 2 ? 0 : 1
+        try #require(counts[kept] == 2, "two sessions on one downstream: \(counts)")
+        let removed = 1 - kept
+        let keptClients = sessionOf.filter { $0.value.downstream == kept }.map(\.key).sorted()
+        let drainingClient = sessionOf.first { $0.value.downstream == removed }!.key
+        // The reload removes the downstream of one session: its socket drains (drain_secs 30).
+        try relayYAML("mixed", bind: bind, downstreams: [(names[kept], address(downstreams[kept]))], workers: 1, settings: settings)
+            .write(to: file, atomically: true, encoding: .utf8)
+        daemon.signal(SIGHUP)
+        try daemon.waitFor("reload=true")
+        // A new client's exchange: the worker takes the new plan at this wakeup.
+        let probe = try RelayClient(source: "127.0.0.1")
+        try probe.send("probe", to: bind)
+        let probed = try #require(downstreams[kept].receive(timeout: 2000))
+        try downstreams[kept].send("probe-reply", to: probed.from)
+        #expect(probe.receive(timeout: 2000)?.text == "probe-reply")
+        // Stopped, the daemon cannot read: the kept sessions' replies queue first, then four on
+        // the draining socket, so one wakeup sees them all, in that order (6 > batch_size 4).
+        daemon.signal(SIGSTOP)
+        var stopped = false
+        for _ in 0..<200 where !stopped {
+            let stat = (try? String(contentsOfFile: "/proc/\(daemon.process.processIdentifier)/stat", encoding: .utf8)) ?? ""
+            stopped = stat.split(separator: ")").last?.split(separator: " ").first == "T"
+            if !stopped { usleep(5_000) }
+        }
+        try #require(stopped, "the daemon stopped")
+        for client in keptClients { try downstreams[kept].send("late-c\(client)", to: sessionOf[client]!.session) }
+        for reply in 1...4 { try downstreams[removed].send("drain-c\(drainingClient)-\(reply)", to: sessionOf[drainingClient]!.session) }
+        usleep(20_000)
+        daemon.signal(SIGCONT)
+        var received: [Int: [String]] = [:]
+        for (index, client) in clients.enumerated() {
+            while let reply = client.receive(timeout: 1000) {
+                #expect(reply.from == bind)
+                received[index, default: []].append(reply.text)
+            }
+        }
+        for client in keptClients { #expect(received[client] == ["late-c\(client)"], "client \(client): \(received)") }
+        #expect(received[drainingClient]?.sorted() == (1...4).map { "drain-c\(drainingClient)-\($0)" }, "the draining client: \(received)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+    }
 }

@@ -90,8 +90,12 @@ extension RelayWorker {
         tableLock.withLock { _ in
             for fd in readySockets {
                 guard let session = bySocket[fd], session.socket == fd else {
-                    // Draining sockets are few and short-lived: read by system calls.
-                    if let socket = draining[fd] { relayDraining(socket, budget: Self.batchesPerWakeup) }
+                    // Draining sockets are few and short-lived: read by system calls, after the
+                    // ring's receives below. Read now, one could fill the stage and flush it, and
+                    // read on into the slots whose receives are queued in the ring: the ring
+                    // would then write another session's reply over what was staged for this
+                    // socket's client.
+                    if let socket = draining[fd] { readyDraining.append(socket) }
                     continue
                 }
                 let busy = session.readyWakeup &+ 1 == wakeup
@@ -118,9 +122,11 @@ extension RelayWorker {
             }
             if let ring { completeReceives(ring) }
             for session in busySessions { relayQueued(session, budget: Self.batchesPerWakeup) }
+            for socket in readyDraining { relayDraining(socket, budget: Self.batchesPerWakeup) }
         }
         readySockets.removeAll(keepingCapacity: true)
         busySessions.removeAll(keepingCapacity: true)
+        readyDraining.removeAll(keepingCapacity: true)
     }
 
     /// Submits the queued receives and stages what they read. If the submit fails, the worker

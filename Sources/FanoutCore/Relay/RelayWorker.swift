@@ -67,6 +67,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// (readable in the previous wakeup too): read in batches (recvmmsg), as without the ring.
     var readySockets: [Int32] = []
     var busySessions: [RelaySession] = []
+    /// The draining sockets among them: read by system calls once the ring's receives are in
+    /// (their reads may flush the stage and reuse its slots, which a queued receive still owns).
+    var readyDraining: [DrainingSocket] = []
     var wakeup: UInt64 = 0
     static let eventCapacity = 256
     /// Batches read from one socket per epoll wakeup.
