@@ -49,7 +49,8 @@ final class ReceiveLoop: Sendable {
         /// Only the body's other events came (handled by the body's wait): neither idle (no
         /// progress) nor a reason to receive.
         case other
-        /// The wait itself failed: as `.other`, and no reason to poll (settings.busy_wait_us).
+        /// The wait itself failed: as `.other`, and no reason to poll (settings.busy_wait_us)
+        /// unless the turn before spent its budget.
         case failed
     }
 

@@ -85,7 +85,7 @@ extension RelayWorker {
     /// Reads the replies of the session sockets this wakeup reported readable through the ring:
     /// one receive per socket into the next free reply slot, all of them in one submit (more when
     /// the slots fill). A socket readable in the previous wakeup too is busy: it is drained in
-    /// batches (recvmmsg) after the others, as without the ring.
+    /// batches (recvmmsg) after the others, as without the ring; draining sockets last.
     func receiveReadyReplies() {
         tableLock.withLock { _ in
             for fd in readySockets {
