@@ -52,10 +52,10 @@ struct ReloadMatrixTests {
         init(_ kind: Kind) {
             self.kind = kind
             switch kind {
-            case .userspace: settings = [("workers", "2"), ("batch_size", "32"), ("recv_buf_size", "8388608")]
+            case .userspace: settings = [("workers", "2"), ("batch_size", "32"), ("recv_buf_size", "8388608"), ("busy_wait_us", "0")]
             case .relay:
                 replies = "relay"
-                settings = [("workers", "2"), ("io_uring", "true"), ("recv_buf_size", "8388608")]
+                settings = [("workers", "2"), ("io_uring", "true"), ("recv_buf_size", "8388608"), ("busy_wait_us", "0")]
             case .tcEBPF: settings = [("tc_attach", "auto"), ("max_packet_size", "9000")]
             case .afXDP: settings = [("output", "socket"), ("queues", "2"), ("xdp_mode", "auto"), ("batch_size", "64")]
             case .xdp: settings = [("tc_attach", "auto"), ("xdp_mode", "auto"), ("max_packet_size", "9000")]
@@ -109,6 +109,7 @@ struct ReloadMatrixTests {
             case "batch_size": shape = shape.setting("batch_size", kind == .afXDP ? "32" : "16")
             case "recv_buf_size": shape = shape.setting("recv_buf_size", "4194304")
             case "io_uring": shape = shape.setting("io_uring", "false")
+            case "busy_wait_us": shape = shape.setting("busy_wait_us", "200")
             case "tc_attach": shape = shape.setting("tc_attach", "clsact")
             case "max_packet_size": shape = shape.setting("max_packet_size", "4000")
             case "output": shape = shape.setting("output", "preserve_source")
@@ -130,8 +131,8 @@ struct ReloadMatrixTests {
     /// Every key a reload can change, per kind. `interface` is not in it: the fixture has one
     /// client-facing interface (docs/reliability.md, "Not covered").
     static let keys: [Kind: [String]] = [
-        .userspace: ["workers", "batch_size", "recv_buf_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb", "rate_limit"],
-        .relay: ["workers", "io_uring", "replies", "balancing", "downstream", "name", "quic_lb", "rate_limit", "amplification"],
+        .userspace: ["workers", "batch_size", "recv_buf_size", "busy_wait_us", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb", "rate_limit"],
+        .relay: ["workers", "io_uring", "busy_wait_us", "replies", "balancing", "downstream", "name", "quic_lb", "rate_limit", "amplification"],
         .tcEBPF: ["tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb", "rate_limit"],
         .afXDP: ["output", "queues", "xdp_mode", "batch_size", "flow_templates", "bind", "balancing", "downstream", "name", "quic_lb", "rate_limit"],
         .xdp: ["xdp_mode", "tc_attach", "max_packet_size", "flow_templates", "bind", "balancing", "downstream", "name", "replies", "quic_lb", "rate_limit"],
@@ -141,7 +142,7 @@ struct ReloadMatrixTests {
     /// keys that rebuild the listener in a different way; RELIABILITY=full runs them all.
     static let shortKeys: [Kind: Set<String>] = [
         .userspace: ["workers", "bind", "downstream", "quic_lb", "rate_limit"],
-        .relay: ["io_uring", "replies", "quic_lb", "rate_limit", "amplification"],
+        .relay: ["io_uring", "busy_wait_us", "replies", "quic_lb", "rate_limit", "amplification"],
         .tcEBPF: ["tc_attach", "max_packet_size", "downstream", "replies", "name", "quic_lb", "rate_limit"],
         .afXDP: Set(keys[.afXDP]!),
         .xdp: ["xdp_mode", "max_packet_size", "downstream", "replies", "name", "quic_lb", "rate_limit"],
