@@ -158,23 +158,18 @@ final class ReceiveLoop: Sendable {
     /// window passes, then sleeps in the kernel as without it. What
     /// the window catches is served without the wake-up of a sleeping thread (tens of µs in a
     /// virtual machine); a window that passes empty cost its length in CPU.
-    /// The time it counts is the thread's CPU time (what it yielded to other threads is not).
+    /// The time it counts is the thread's CPU time (what it yielded to other threads is not;
+    /// a relay's poll that finds replies includes reading them, which its wait does).
     private func spin<Body: ReceiveLoopBody>(_ body: Body, clock: ContinuousClock, _ tally: inout BusyWaitTally) -> Readiness {
         let deadline = clock.now + busyWait
         let cpuStart = threadCPUNanoseconds()
         repeat {
             let readiness = body.wait(milliseconds: 0)
-            switch readiness {
-            case .source, .other:
-                tally.found += 1
+            if readiness != .timedOut {
                 tally.nanoseconds &+= threadCPUNanoseconds() &- cpuStart
+                // A failed wait is no traffic: the loop goes on as after any failed wait.
+                if readiness != .failed { tally.found += 1 }
                 return readiness
-            case .failed:
-                // Not traffic: the loop goes on as after any failed wait, without polling.
-                tally.nanoseconds &+= threadCPUNanoseconds() &- cpuStart
-                return readiness
-            case .timedOut:
-                break
             }
             // Another thread runnable on this CPU (a server, a client, the kernel's softirq
             // thread) runs first: polling must not take the CPU the traffic it waits for needs.
