@@ -278,6 +278,83 @@ struct SharedSenderTests {
             #expect(counted.forwarded.load(ordering: .relaxed) == expectedForwarded[index], "downstream \(index)'s count")
         }
         #expect(counters.forwarded.load(ordering: .relaxed) == 64 * 4)
+        #expect(forwarder.runsStagedFromTable == 5 + 12 + 12 + 3, "every run was staged from the thread's table, no outbox staging it")
+    }
+
+    @Test("a forwarder's batch into a full send buffer (runs staged from the thread's table): a few datagrams go, the rest fail at once, each counted send_buffer_full by its own downstream's counters and the listener's, nothing uncounted (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func forwarderFullSendBuffer() throws {
+        let namespace = try Self.vethNamespace("rplb-fwdbuf", [("fb", 77)])
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "fb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
+        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        let counters = ListenerCounters(name: "full", mode: "userspace")
+        let downstreams = (0..<64).map { Downstream(name: "d\($0)", address: SocketAddress(ip: IPAddress("198.18.77.2")!, port: UInt16(7000 + $0))) }
+        let plan = ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters)
+        let outcome = inNetworkNamespace(namespace) { () -> (staged: Int, full: Int) in
+            let forwarder = BatchForwarder(listener: "full", counters: counters, plans: PlanHolder(plan), logger: Logger(label: "full-test"), output: .socket,
+                                           capacity: 64, sendBuffer: 4096) { downstream, sender in
+                DownstreamOutbox(address: downstream.address, capacity: 64, shared: sender)
+            }
+            forwarder.adoptPlanIfChanged()
+            var source = storage("198.18.77.1:40000")
+            let payload = [UInt8](repeating: 7, count: 1000)
+            payload.withUnsafeBytes { bytes in
+                for target in 0..<64 { forwarder.append(target, bytes, source: &source) }
+                forwarder.flush(received: 64, bytesReceived: 64_000)
+            }
+            return (forwarder.runsStagedFromTable, forwarder.sender.sendBufferFullCalls)
+        }
+        let (staged, full) = try #require(outcome, "entered \(namespace)")
+        #expect(staged == 64, "each downstream's run staged from the table")
+        let sent = plan.counters.reduce(0) { $0 + $1.forwarded.load(ordering: .relaxed) }
+        let dropped = plan.counters.reduce(0) { $0 + $1.dropped.load(ordering: .relaxed) }
+        #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")
+        #expect(full == 1, "the rest failed at once")
+        #expect(plan.counters.allSatisfy { $0.forwarded.load(ordering: .relaxed) + $0.dropped.load(ordering: .relaxed) == 1 },
+                "each downstream's datagram sent or dropped, in its own counters")
+        #expect(sent + dropped == 64 && counters.forwarded.load(ordering: .relaxed) == sent, "the listener's forwarded count is the downstreams'")
+        #expect(counters.snapshot().dropped[.sendBufferFull] == dropped, "the listener counts them send_buffer_full: \(counters.snapshot().dropped)")
+    }
+
+    @Test("a forwarder's GSO run the kernel refuses (segments above the device's MTU: EINVAL), staged from the thread's table: sent again one datagram per message and counted sent, and that downstream's next runs go one per message from the start while the other's stay GSO (a veth of MTU 1000 in a namespace of the test's)",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func forwarderGSORefused() throws {
+        let namespace = try Self.vethNamespace("rplb-fwdgso", [("gs", 77), ("gt", 78)])
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        let mtu = try run("/usr/sbin/ip", ["-n", namespace, "link", "set", "gs0", "mtu", "1000"])
+        try #require(mtu.status == 0, "ip link set mtu: \(mtu.output)")
+        let counters = ListenerCounters(name: "gso", mode: "userspace")
+        let downstreams = [Downstream(name: "small", address: SocketAddress(ip: IPAddress("198.18.77.2")!, port: 7000)),
+                           Downstream(name: "large", address: SocketAddress(ip: IPAddress("198.18.78.2")!, port: 7000))]
+        let plan = ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters)
+        let outcome = inNetworkNamespace(namespace) { () -> (first: Int, second: Int, staged: Int) in
+            let forwarder = BatchForwarder(listener: "gso", counters: counters, plans: PlanHolder(plan), logger: Logger(label: "gso-test"), output: .socket,
+                                           capacity: 16) { downstream, sender in
+                DownstreamOutbox(address: downstream.address, capacity: 16, shared: sender)
+            }
+            forwarder.adoptPlanIfChanged()
+            var source = storage("198.18.77.1:40000")
+            let payload = [UInt8](repeating: 9, count: 1200)
+            var messages: [Int] = []
+            payload.withUnsafeBytes { bytes in
+                for _ in 0..<2 {
+                    let before = forwarder.sender.messagesSent
+                    for index in 0..<16 { forwarder.append(index % 2, bytes, source: &source) }
+                    forwarder.flush(received: 16, bytesReceived: 16 * 1200)
+                    messages.append(forwarder.sender.messagesSent - before)
+                }
+            }
+            return (messages[0], messages[1], forwarder.runsStagedFromTable)
+        }
+        let (first, second, staged) = try #require(outcome, "entered \(namespace)")
+        #expect(staged == 4, "both batches' runs staged from the table")
+        #expect(first == 1 + 8, "first batch: the large-MTU downstream's GSO message, the other's 8 datagrams one by one after the refusal: \(first)")
+        #expect(second == 1 + 8, "second batch: GSO stays off for the refused downstream only: \(second)")
+        for (index, counted) in plan.counters.enumerated() {
+            #expect(counted.forwarded.load(ordering: .relaxed) == 16 && counted.dropped.load(ordering: .relaxed) == 0, "downstream \(index): all 16 sent, none dropped")
+        }
+        #expect(counters.forwarded.load(ordering: .relaxed) == 32)
     }
 
     @Test("a forwarder's gathered run sent through a downstream's own socket (its direct period after an ICMP port unreachable): the live downstream's datagrams all arrive in order, the dead one's are counted unreachable on its own socket, nothing uncounted")

@@ -36,6 +36,14 @@ final class BatchForwarder {
     /// the usual case), else empty: the per-datagram path calls them without an existential and
     /// without a retain and release per call (``outboxes`` owns them; both change together).
     @exclusivity(unchecked) private var sockets: [Unmanaged<DownstreamOutbox>] = []
+    /// With ``sockets``: each downstream's record, one cache line in a dense table, indexed like
+    /// them. A batch stages a downstream's run into the shared sender from its record and counts
+    /// what was delivered there, touching no outbox, unless the record says the outbox must
+    /// decide (no connected socket, a direct period, no shared sender); a failed message is
+    /// the outbox's to count, and the flush collects it from there.
+    @exclusivity(unchecked) private var destinations = DestinationTable()
+    /// Runs staged from ``destinations`` without their outbox (tests check the batch path takes it).
+    @exclusivity(unchecked) private(set) var runsStagedFromTable = 0
     /// The plan's per-downstream counters, unretained (``plan`` owns them): counting a
     /// downstream's batch is then two atomic adds, without a retain and release of its counters
     /// (one more atomic each, on a cache line of its own per downstream: perf at 3000 downstreams).
@@ -85,8 +93,9 @@ final class BatchForwarder {
     ///   - capacity: datagrams per batch (a pool member's outbox holds at most one batch).
     ///   - templates: the listener's flow export templates (`settings.flow_templates`), nil when off.
     ///   - limiter: the listener's `rate_limit` buckets, nil when it has none.
+    ///   - sendBuffer: the shared sender's sockets' send buffer (tests make it small to fill it).
     init(listener: String, counters: ListenerCounters, plans: PlanHolder, logger: Logger, output: Output, capacity: Int,
-         templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil, makeOutbox: @escaping OutboxFactory) {
+         templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil, sendBuffer: Int32 = 16 << 20, makeOutbox: @escaping OutboxFactory) {
         self.limiter = limiter
         self.listener = listener
         self.counters = counters
@@ -99,7 +108,7 @@ final class BatchForwarder {
         arrivalTargets = .allocate(capacity: max(capacity, 1))
         grouped = .allocate(capacity: max(capacity, 1))
         perTarget = .allocate(capacity: 0)
-        sender = SharedSender(capacity: capacity, logger: logger)
+        sender = SharedSender(capacity: capacity, logger: logger, sendBuffer: sendBuffer)
         touched.reserveCapacity(capacity)
         replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
         let shared = sender
@@ -109,6 +118,7 @@ final class BatchForwarder {
     }
 
     deinit {
+        destinations.release()
         arrivals.deallocate()
         arrivalTargets.deallocate()
         grouped.deallocate()
@@ -145,6 +155,9 @@ final class BatchForwarder {
         for outbox in outboxes { outbox.ledger = ledger }
         let direct = outboxes.compactMap { $0 as? DownstreamOutbox }
         sockets = direct.count == outboxes.count ? direct.map { Unmanaged.passUnretained($0) } : []
+        // The outboxes kept from the plan before point at the old table until this: rebuilt
+        // after they were taken (between batches: no record holds an outcome).
+        destinations.rebuild(sockets)
         if outboxes.count > perTargetCapacity {
             perTarget.deallocate()
             perTargetCapacity = outboxes.count
@@ -236,8 +249,11 @@ final class BatchForwarder {
         if let plan {
             for target in touched {
                 var result: FlushResult = (0, 0, DropTally())
+                // A run the thread staged: its outcome is in the record (a connected socket sends
+                // nothing of it, so nothing is refused: ICMP errors come by the error queue).
                 let refused = sockets.isEmpty ? flush(outboxes[target], target, plan, &result)
-                                              : sockets[target]._withUnsafeGuaranteedRef { flush($0, target, plan, &result) }
+                    : collect(destinations.base.unsafelyUnwrapped + target, &result) ? false
+                    : sockets[target]._withUnsafeGuaranteedRef { flush($0, target, plan, &result) }
                 if refused {
                     let address = plan.downstreams[target].address
                     if sender.firstReport(of: address), let report = plan.passiveHealth { report(address) }
@@ -280,13 +296,61 @@ final class BatchForwarder {
         }
         // perTarget[target] is now the end of its run, which starts where the one before ended.
         var start = 0
+        let records = destinations.base.unsafelyUnwrapped
         for target in touched {
             let end = Int(perTarget[target])
             perTarget[target] = 0
-            sockets[target]._withUnsafeGuaranteedRef { $0.adopt(grouped + start, count: end - start) }
+            if !stage(records + target, grouped + start, count: end - start) {
+                sockets[target]._withUnsafeGuaranteedRef { $0.adopt(grouped + start, count: end - start) }
+            }
             start = end
         }
         arrived = 0
+    }
+
+    /// Stages one downstream's run (`count` datagrams at `datagrams`) into the shared sender from
+    /// its record, as its outbox would (GSO runs, msg_name the record's address), when the record
+    /// says the shared sender sends for it; false otherwise (the outbox adopts the run).
+    @inline(__always)
+    private func stage(_ record: UnsafeMutablePointer<DestinationRecord>, _ datagrams: UnsafeMutablePointer<iovec>, count: Int) -> Bool {
+        let flags = record.pointee.flags
+        guard flags & DestinationRecord.Flags.sendsShared != 0 else { return false }
+        let family = flags & DestinationRecord.Flags.ipv6 != 0 ? AF_INET6 : AF_INET
+        guard sender.reserve(count, family: family) else { return false }
+        let gso = flags & DestinationRecord.Flags.gso != 0
+        let name = UnsafeMutableRawPointer(record) + DestinationRecord.nameOffset
+        let nameLength = record.pointee.nameLength
+        let owner = SharedSender.Owner(record)
+        var index = 0
+        while index < count {
+            let end = DownstreamOutbox.runEnd(datagrams, index, count, gso: gso)
+            let next = sender.next(family: family)
+            next.header.pointee.msg_hdr.msg_name = name
+            next.header.pointee.msg_hdr.msg_namelen = nameLength
+            DownstreamOutbox.fill(&next.header.pointee.msg_hdr, control: next.control, datagrams, from: index, to: end)
+            sender.commit(family: family, owner: owner, ledger: ledger)
+            index = end
+        }
+        record.pointee.flags = flags | DestinationRecord.Flags.staged
+        runsStagedFromTable &+= 1
+        return true
+    }
+
+    /// What the shared sender did with the run the thread staged for `record`'s downstream this
+    /// batch (false: the thread did not stage it; its outbox flushes).
+    @inline(__always)
+    private func collect(_ record: UnsafeMutablePointer<DestinationRecord>, _ result: inout FlushResult) -> Bool {
+        let flags = record.pointee.flags
+        guard flags & DestinationRecord.Flags.staged != 0 else { return false }
+        result.sent += record.pointee.sent
+        result.bytes += record.pointee.bytes
+        record.pointee.sent = 0
+        record.pointee.bytes = 0
+        if flags & DestinationRecord.Flags.outboxHolds != 0 {
+            record.pointee.outbox._withUnsafeGuaranteedRef { $0.collectPending(&result) }
+        }
+        record.pointee.flags = flags & ~(DestinationRecord.Flags.staged | DestinationRecord.Flags.outboxHolds)
+        return true
     }
 
     /// Flushes one outbox (reconnecting it first if due): whether it was refused (port unreachable).

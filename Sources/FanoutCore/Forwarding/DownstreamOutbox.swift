@@ -28,12 +28,16 @@ final class DownstreamOutbox: Outbox {
     /// The connected socket, or -1 while connecting fails (no route yet, no such address):
     /// retried at most once a second while datagrams come, so a downstream unreachable at start
     /// is served once its route appears, without a reload.
-    @exclusivity(unchecked) private(set) var socket: Int32 = -1
+    @exclusivity(unchecked) private(set) var socket: Int32 = -1 {
+        didSet { describeState() }
+    }
     @exclusivity(unchecked) private(set) var count = 0
     /// The batch's datagrams: ``iovecs``, or the forwarding thread's run of them for this
     /// downstream (``adopt(_:count:)``) until the flush.
     @exclusivity(unchecked) private var datagrams: UnsafeMutablePointer<iovec>
-    @exclusivity(unchecked) private(set) var gsoEnabled = true
+    @exclusivity(unchecked) private(set) var gsoEnabled = true {
+        didSet { describeState() }
+    }
     /// This batch went to the shared sender; its outcome is in `pending` until the flush.
     @exclusivity(unchecked) private var staged = false
     /// The last flush got ECONNREFUSED: the downstream answered ICMP port unreachable (passive health).
@@ -45,9 +49,24 @@ final class DownstreamOutbox: Outbox {
     private let destinationLength: socklen_t
     /// ``directUntil`` is set: a flag the batch path reads instead of the optional instant (whose
     /// type is resilient: reading it costs metadata calls).
-    @exclusivity(unchecked) private var direct = false
+    @exclusivity(unchecked) private var direct = false {
+        didSet { describeState() }
+    }
     @exclusivity(unchecked) var ledger: CrashLedger.Slot?
     @exclusivity(unchecked) private var pending: FlushResult = (0, 0, DropTally())
+    /// This downstream's record in its forwarding thread's table (nil: none, as for pool members
+    /// and tests' outboxes): the outbox writes its address there when given one, and keeps its
+    /// ``DestinationRecord/Flags/sendsShared`` and ``DestinationRecord/Flags/gso`` bits current.
+    var slot: UnsafeMutablePointer<DestinationRecord>? {
+        didSet {
+            guard let slot else { return }
+            withUnsafeMutableBytes(of: &slot.pointee.name) { name in
+                name.copyMemory(from: UnsafeRawBufferPointer(start: destination, count: min(Int(destinationLength), name.count)))
+            }
+            slot.pointee.nameLength = destinationLength
+            describeState()
+        }
+    }
 
     private(set) var connectError: Int32 = 0
     private let address: SocketAddress
@@ -106,6 +125,16 @@ final class DownstreamOutbox: Outbox {
         nextConnect = ContinuousClock.now + Self.reconnectInterval
     }
 
+    /// Writes what the thread's batch path reads of this outbox into its record (``slot``).
+    private func describeState() {
+        guard let slot else { return }
+        var flags = slot.pointee.flags & ~(DestinationRecord.Flags.sendsShared | DestinationRecord.Flags.gso | DestinationRecord.Flags.ipv6)
+        if socket >= 0 && !direct && shared != nil { flags |= DestinationRecord.Flags.sendsShared }
+        if gsoEnabled { flags |= DestinationRecord.Flags.gso }
+        if address.ip.family == AF_INET6 { flags |= DestinationRecord.Flags.ipv6 }
+        slot.pointee.flags = flags
+    }
+
     /// True when this call connected a socket that could not be connected before.
     func reconnectIfDue() -> Bool {
         guard socket < 0, ContinuousClock.now >= nextConnect else { return false }
@@ -153,16 +182,7 @@ final class DownstreamOutbox: Outbox {
         refused = false
         if staged {
             staged = false
-            // Added field by field, as the unstaged path adds: the drops (a DropTally, 136 bytes)
-            // are touched only when there are some, not copied whole per downstream per batch.
-            result.sent += pending.sent
-            result.bytes += pending.bytes
-            if !pending.dropped.isEmpty {
-                for (reason, dropped) in pending.dropped { result.dropped[reason, default: 0] += dropped }
-                pending.dropped = DropTally()
-            }
-            pending.sent = 0
-            pending.bytes = 0
+            collectPending(&result)
             return
         }
         guard socket >= 0 else {
@@ -204,25 +224,41 @@ final class DownstreamOutbox: Outbox {
         }
     }
 
+    /// Adds what the shared sender reported for this outbox's messages since the last flush to
+    /// `result`, and forgets it: field by field, so that the drops (a DropTally, 136 bytes) are
+    /// touched only when there are some, not copied whole per downstream per batch.
+    func collectPending(_ result: inout FlushResult) {
+        result.sent += pending.sent
+        result.bytes += pending.bytes
+        if !pending.dropped.isEmpty {
+            for (reason, dropped) in pending.dropped { result.dropped[reason, default: 0] += dropped }
+            pending.dropped = DropTally()
+        }
+        pending.sent = 0
+        pending.bytes = 0
+    }
+
     /// Fills `headers` with messages for the datagrams from `first` on; returns how many.
     private func build(from first: Int) -> Int {
         var messages = 0
         var index = first
         while index < count {
-            let end = runEnd(index)
-            fill(&headers[messages].msg_hdr, control: controls + messages * controlSpace, from: index, to: end)
+            let end = Self.runEnd(datagrams, index, count, gso: gsoEnabled)
+            Self.fill(&headers[messages].msg_hdr, control: controls + messages * controlSpace, datagrams, from: index, to: end)
             messages += 1
             index = end
         }
         return messages
     }
 
-    /// The end of the GSO run starting at datagram `index` (index + 1 without GSO).
+    /// The end of the GSO run starting at datagram `index` of the `count` at `datagrams` (index + 1
+    /// without GSO): a run of one size, the last may be shorter, up to ``maximumSegments`` and
+    /// ``maximumGSOBytes``.
     @inline(__always)
-    private func runEnd(_ index: Int) -> Int {
+    static func runEnd(_ datagrams: UnsafeMutablePointer<iovec>, _ index: Int, _ count: Int, gso: Bool) -> Int {
         let size = datagrams[index].iov_len
         var end = index + 1
-        if gsoEnabled {
+        if gso {
             while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
                 let length = datagrams[end].iov_len
                 if length > size { break }
@@ -233,9 +269,9 @@ final class DownstreamOutbox: Outbox {
         return end
     }
 
-    /// One message of datagrams `index..<end` (a GSO run when more than one).
+    /// One message of datagrams `index..<end` at `datagrams` (a GSO run when more than one).
     @inline(__always)
-    private func fill(_ header: inout msghdr, control: UnsafeMutableRawPointer, from index: Int, to end: Int) {
+    static func fill(_ header: inout msghdr, control: UnsafeMutableRawPointer, _ datagrams: UnsafeMutablePointer<iovec>, from index: Int, to end: Int) {
         header.msg_iov = datagrams + index
         header.msg_iovlen = end - index
         shim_set_udp_segment(&header, control, end - index > 1 ? UInt16(datagrams[index].iov_len) : 0)
@@ -253,12 +289,12 @@ final class DownstreamOutbox: Outbox {
         guard shared.reserve(count, family: family) else { return }
         var index = 0
         while index < count {
-            let end = runEnd(index)
-            let slot = shared.next(family: family)
-            slot.header.pointee.msg_hdr.msg_name = UnsafeMutableRawPointer(destination)
-            slot.header.pointee.msg_hdr.msg_namelen = destinationLength
-            fill(&slot.header.pointee.msg_hdr, control: slot.control, from: index, to: end)
-            shared.commit(family: family, owner: self)
+            let end = Self.runEnd(datagrams, index, count, gso: gsoEnabled)
+            let next = shared.next(family: family)
+            next.header.pointee.msg_hdr.msg_name = UnsafeMutableRawPointer(destination)
+            next.header.pointee.msg_hdr.msg_namelen = destinationLength
+            Self.fill(&next.header.pointee.msg_hdr, control: next.control, datagrams, from: index, to: end)
+            shared.commit(family: family, owner: SharedSender.Owner(self), ledger: ledger)
             index = end
         }
         staged = true

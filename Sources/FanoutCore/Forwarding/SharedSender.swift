@@ -28,6 +28,44 @@ import Synchronization
 /// ICMP unless errors keep arriving faster than that. Datagrams arriving at the sockets (replies
 /// to a one-way forwarder) are dropped by a socket filter before any queue.
 final class SharedSender {
+    /// Whose a staged message is: the outbox that answers for it, and when the forwarding thread
+    /// staged it itself, the downstream's record in the thread's table, where a delivery is
+    /// counted without touching the outbox (``DestinationRecord``). A failure is always the
+    /// outbox's to count (and the record says so: ``DestinationRecord/Flags/outboxHolds``).
+    struct Owner {
+        let outbox: Unmanaged<DownstreamOutbox>
+        let record: UnsafeMutablePointer<DestinationRecord>?
+
+        init(_ outbox: DownstreamOutbox) {
+            self.outbox = .passUnretained(outbox)
+            record = nil
+        }
+
+        init(_ record: UnsafeMutablePointer<DestinationRecord>) {
+            outbox = record.pointee.outbox
+            self.record = record
+        }
+
+        /// The shared sender sent `message`.
+        @inline(__always)
+        func delivered(_ message: msghdr) {
+            guard let record else {
+                outbox._withUnsafeGuaranteedRef { $0.delivered(message) }
+                return
+            }
+            var bytes = 0
+            for index in 0..<message.msg_iovlen { bytes += message.msg_iov[index].iov_len }
+            record.pointee.sent += UInt64(message.msg_iovlen)
+            record.pointee.bytes += UInt64(bytes)
+        }
+
+        /// The shared sender could not send `message` (`error`).
+        func failed(_ message: msghdr, _ error: Int32) {
+            outbox._withUnsafeGuaranteedRef { $0.failed(message, error) }
+            record?.pointee.flags |= DestinationRecord.Flags.outboxHolds
+        }
+    }
+
     /// One family's socket and staged messages.
     private struct Lane {
         var socket: Int32 = -1
@@ -35,8 +73,12 @@ final class SharedSender {
         var failure: Int32 = 0
         var headers: UnsafeMutablePointer<shim_mmsghdr>
         var controls: UnsafeMutableRawPointer
-        var owners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>
+        var owners: UnsafeMutablePointer<Owner>
         var count = 0
+        /// The listener's own datagrams among the staged messages (not pool or template copies),
+        /// noted handed in the thread's crash ledger slot just before the first send call.
+        var carried = 0
+        var ledger: CrashLedger.Slot?
     }
 
     /// Messages staged per family before a send is forced.
@@ -58,7 +100,7 @@ final class SharedSender {
     @exclusivity(unchecked) private(set) var sendBufferFullCalls = 0
     /// Scratch headers for a GSO message resent one datagram per message, and their owner.
     private let single: UnsafeMutablePointer<shim_mmsghdr>
-    private let singleOwners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>
+    private let singleOwners: UnsafeMutablePointer<Owner>
 
     private let logger: Logger
     /// The thread's raw sockets for `output: preserve_source` downstreams and pool members, sent
@@ -153,7 +195,7 @@ final class SharedSender {
     }
 
     /// The next free message of `family` and its control space, owned by `owner` once
-    /// ``commit(family:owner:)`` is called. Only after ``reserve(_:family:)`` said there is room.
+    /// ``commit(family:owner:ledger:)`` is called. Only after ``reserve(_:family:)`` said there is room.
     @inline(__always)
     func next(family: Int32) -> (header: UnsafeMutablePointer<shim_mmsghdr>, control: UnsafeMutableRawPointer) {
         let lane = Self.lane(family)
@@ -161,11 +203,18 @@ final class SharedSender {
         return (lanes[lane].headers + index, lanes[lane].controls + index * controlSpace)
     }
 
+    /// `ledger`: the crash ledger slot of the thread whose listener's own datagrams the message
+    /// carries (nil for copies: pools, templates).
     @inline(__always)
-    func commit(family: Int32, owner: DownstreamOutbox) {
+    func commit(family: Int32, owner: Owner, ledger: CrashLedger.Slot?) {
         let lane = Self.lane(family)
-        lanes[lane].owners[lanes[lane].count] = Unmanaged.passUnretained(owner)
-        lanes[lane].count += 1
+        let index = lanes[lane].count
+        lanes[lane].owners[index] = owner
+        lanes[lane].count = index + 1
+        if let ledger {
+            lanes[lane].ledger = ledger
+            lanes[lane].carried += lanes[lane].headers[index].msg_hdr.msg_iovlen
+        }
     }
 
     /// Sends everything staged (the raw sockets' too); each outbox is told what became of its messages.
@@ -204,6 +253,12 @@ final class SharedSender {
         let count = lanes[lane].count
         guard count > 0 else { return }
         defer { lanes[lane].count = 0 }
+        // The crash ledger: the listener's own datagrams of the lane are noted handed just
+        // before the first call that carries them.
+        if lanes[lane].carried > 0 {
+            lanes[lane].ledger?.handing(lanes[lane].carried)
+            lanes[lane].carried = 0
+        }
         transmit(lanes[lane].socket, lanes[lane].headers, lanes[lane].owners, count)
     }
 
@@ -224,36 +279,18 @@ final class SharedSender {
     static let maximumEgressDrops = 8
 
     /// Sends messages `0..<count` of `headers` (each owned by `owners[i]`) on `fd`, telling each
-    /// owner what became of its messages.
-    /// `noting` false: the datagrams were noted handed already (a GSO message sent again one by one).
+    /// owner what became of its messages (the caller noted them in the crash ledger).
     private func transmit(_ fd: Int32, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
-                          _ owners: UnsafeMutablePointer<Unmanaged<DownstreamOutbox>>, _ count: Int, noting: Bool = true) {
+                          _ owners: UnsafeMutablePointer<Owner>, _ count: Int) {
         var message = 0
         var retries = 0
         var egressDrops = 0
-        // The crash ledger: the listener's own datagrams (not pool or template copies) of the
-        // messages a call carries for the first time are noted handed just before it.
-        var noted = noting ? 0 : count
         while message < count {
             let error: Int32
-            if noted < count {
-                var carried = 0
-                var slot: CrashLedger.Slot?
-                for index in noted..<count {
-                    owners[index]._withUnsafeGuaranteedRef { owner in
-                        if let ledger = owner.ledger {
-                            slot = ledger
-                            carried += headers[index].msg_hdr.msg_iovlen
-                        }
-                    }
-                }
-                slot?.handing(carried)
-                noted = count
-            }
             do throws(SystemCallError) {
                 sendCalls += 1
                 if case .processed(let sent) = try Syscall.sendmmsg(fd, headers + message, count - message, Socket.dontWait), sent > 0 {
-                    for index in message..<(message + sent) { owners[index]._withUnsafeGuaranteedRef { $0.delivered(headers[index].msg_hdr) } }
+                    for index in message..<(message + sent) { owners[index].delivered(headers[index].msg_hdr) }
                     messagesSent += sent
                     message += sent
                     retries = 0
@@ -287,12 +324,12 @@ final class SharedSender {
                 // in a row: the rest of the lane would meet the same within this batch, at a system
                 // call or two each. They fail now, each counted by its own downstream
                 // (send_buffer_full). (A single ENOBUFS is one device's: that message fails alone, below.)
-                for index in message..<count { owners[index].takeUnretainedValue().failed(headers[index].msg_hdr, error) }
+                for index in message..<count { owners[index].failed(headers[index].msg_hdr, error) }
                 sendBufferFullCalls += 1
                 return
             }
             let failed = headers[message].msg_hdr
-            let owner = owners[message].takeUnretainedValue()
+            let owner = owners[message]
             if error == ECONNREFUSED && pending == 0 {
                 // Still the socket's pending error after every retry: another destination's
                 // (this message's own would come back later, in the error queue), so not counted
@@ -305,7 +342,7 @@ final class SharedSender {
                 // The kernel refuses GSO here (no ICMP error was pending: the refusal is this
                 // message's): this outbox sends one datagram per message from now on, and this
                 // message's datagrams go so now.
-                owner.gsoRefused()
+                owner.outbox._withUnsafeGuaranteedRef { $0.gsoRefused() }
                 sendSingly(fd, failed, owner)
             } else {
                 owner.failed(failed, error)
@@ -315,14 +352,14 @@ final class SharedSender {
     }
 
     /// Sends the datagrams of GSO message `message` one per message (the same destination).
-    private func sendSingly(_ fd: Int32, _ message: msghdr, _ owner: DownstreamOutbox) {
+    private func sendSingly(_ fd: Int32, _ message: msghdr, _ owner: Owner) {
         let count = message.msg_iovlen
         for index in 0..<count {
             single[index].msg_hdr = msghdr(msg_name: message.msg_name, msg_namelen: message.msg_namelen, msg_iov: message.msg_iov + index,
                                            msg_iovlen: 1, msg_control: nil, msg_controllen: 0, msg_flags: 0)
-            singleOwners[index] = Unmanaged.passUnretained(owner)
+            singleOwners[index] = owner
         }
-        transmit(fd, single, singleOwners, count, noting: false)
+        transmit(fd, single, singleOwners, count)
     }
 
     /// Reads `fd`'s error queue into ``errors``; returns how many entries it held.
