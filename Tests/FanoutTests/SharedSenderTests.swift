@@ -273,6 +273,8 @@ struct SharedSenderTests {
                 #expect(sinks[target].drain(quiet: .milliseconds(5)).isEmpty, "round \(round): nothing for downstream \(target), not in the plan")
             }
         }
+        // As a worker does at the end of its turn.
+        forwarder.publishCounts()
         let plan = try #require(forwarder.plan)
         for (index, counted) in plan.counters.enumerated() {
             #expect(counted.forwarded.load(ordering: .relaxed) == expectedForwarded[index], "downstream \(index)'s count")
@@ -303,6 +305,7 @@ struct SharedSenderTests {
                 for target in 0..<64 { forwarder.append(target, bytes, source: &source) }
                 forwarder.flush(received: 64, bytesReceived: 64_000)
             }
+            forwarder.publishCounts()
             return (forwarder.runsStagedFromTable, forwarder.sender.sendBufferFullCalls)
         }
         let (staged, full) = try #require(outcome, "entered \(namespace)")
@@ -345,6 +348,7 @@ struct SharedSenderTests {
                     messages.append(forwarder.sender.messagesSent - before)
                 }
             }
+            forwarder.publishCounts()
             return (messages[0], messages[1], forwarder.runsStagedFromTable)
         }
         let (first, second, staged) = try #require(outcome, "entered \(namespace)")
@@ -380,6 +384,7 @@ struct SharedSenderTests {
                     all[index].withUnsafeBytes { forwarder.append(index % 2, $0, source: &source) }
                 }
                 forwarder.flush(received: 16, bytesReceived: 0)
+                forwarder.publishCounts()
                 usleep(5_000)  // the ICMP comes back before the next round
             }
         }
@@ -391,6 +396,63 @@ struct SharedSenderTests {
         let deadDropped = deadCounters.dropped.load(ordering: .relaxed)
         #expect(deadDropped > 0, "once named by the error queue, the dead downstream's runs go through its own socket, where ECONNREFUSED drops them counted")
         #expect(deadCounters.forwarded.load(ordering: .relaxed) + deadDropped == UInt64(rounds * 8), "each of the dead downstream's datagrams sent or counted")
+    }
+
+    @Test("a downstream's counts of runs staged from the thread's table reach its counters when the worker's turn ends (publishCounts), within a turn once the interval passed, and before a plan change; the listener's count is the batch's at once; nothing counted twice")
+    func tableCountsPublished() throws {
+        let sinks = try (0..<3).map { _ in try Sink() }
+        let downstreams = sinks.enumerated().map { Downstream(name: "d\($0.offset)", address: $0.element.address) }
+        var source = storage("127.0.0.1:40000")
+        let payload = [UInt8](repeating: 3, count: 100)
+        func batch(_ forwarder: BatchForwarder, _ targets: [Int]) {
+            payload.withUnsafeBytes { bytes in
+                for target in targets { forwarder.append(target, bytes, source: &source) }
+                forwarder.flush(received: targets.count, bytesReceived: UInt64(targets.count * 100))
+            }
+        }
+        func forwarded(_ plan: ForwardingPlan) -> [UInt64] { plan.counters.map { $0.forwarded.load(ordering: .relaxed) } }
+        func bytes(_ plan: ForwardingPlan) -> [UInt64] { plan.counters.map { $0.bytes.load(ordering: .relaxed) } }
+
+        // An interval no test outlasts: only the end of a turn or a plan change publishes.
+        let counters = ListenerCounters(name: "publish", mode: "userspace")
+        let first = ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters)
+        let plans = PlanHolder(first)
+        let forwarder = BatchForwarder(listener: "publish", counters: counters, plans: plans, logger: Logger(label: "publish-test"), output: .socket,
+                                       capacity: 16, publishInterval: 3_600_000) { downstream, sender in
+            DownstreamOutbox(address: downstream.address, capacity: 16, shared: sender)
+        }
+        forwarder.adoptPlanIfChanged()
+        batch(forwarder, [0, 1, 0, 2, 0])
+        batch(forwarder, [1, 1])
+        #expect(counters.forwarded.load(ordering: .relaxed) == 7, "the listener's count is each batch's, at once")
+        #expect(forwarded(first) == [0, 0, 0], "within the turn the downstreams' counts wait in the table")
+        forwarder.publishCounts()
+        #expect(forwarded(first) == [3, 3, 1] && bytes(first) == [300, 300, 100], "the end of the turn publishes them")
+        forwarder.publishCounts()
+        #expect(forwarded(first) == [3, 3, 1], "published once")
+        batch(forwarder, [2, 2])
+        // A plan change (d1 leaves): what was counted under the first plan goes to its counters first.
+        let second = ForwardingPlan(downstreams: [downstreams[0], downstreams[2]], balancing: .roundRobin, quicLB: [], pools: [], counters: counters)
+        plans.replace(with: second)
+        forwarder.adoptPlanIfChanged()
+        #expect(forwarded(first) == [3, 3, 3], "published before the new plan was taken")
+        batch(forwarder, [0, 1, 1])
+        forwarder.publishCounts()
+        #expect(forwarded(second) == [4, 5], "the new plan's targets count into their downstreams' counters (kept by name): d0 +1, d2 +2")
+
+        // Interval 0: every batch publishes (as a long turn does once the interval passed).
+        let eager = ListenerCounters(name: "eager", mode: "userspace")
+        let third = ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: eager)
+        let eagerForwarder = BatchForwarder(listener: "eager", counters: eager, plans: PlanHolder(third), logger: Logger(label: "publish-test"), output: .socket,
+                                            capacity: 16, publishInterval: 0) { downstream, sender in
+            DownstreamOutbox(address: downstream.address, capacity: 16, shared: sender)
+        }
+        eagerForwarder.adoptPlanIfChanged()
+        batch(eagerForwarder, [2, 0, 2])
+        #expect(forwarded(third) == [1, 0, 2], "published by the batch once the interval passed")
+        #expect(eagerForwarder.runsStagedFromTable == 2)
+        let received = sinks.map { $0.drain(quiet: .milliseconds(50)).count }
+        #expect(received == [5, 3, 7], "every datagram arrived: \(received)")
     }
 
     @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")

@@ -119,7 +119,7 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
     }
 
     func idle() {}
-    func endOfTurn() {}
+    func endOfTurn() { forwarder.publishCounts() }
     func everySecond() {}
 
     /// Forwards and recycles the batch ``receiveBatch()`` took off the RX ring.

@@ -42,6 +42,17 @@ final class BatchForwarder {
     /// decide (no connected socket, a direct period, no shared sender); a failed message is
     /// the outbox's to count, and the flush collects it from there.
     @exclusivity(unchecked) private var destinations = DestinationTable()
+    /// The targets whose records hold counts not yet added to their downstream's counters, and how
+    /// many (each at most once: ``DestinationRecord/Flags/unpublished``); room for every downstream.
+    @exclusivity(unchecked) private var unpublished: UnsafeMutablePointer<Int32>
+    @exclusivity(unchecked) private var unpublishedCount = 0
+    /// When ``publishCounts()`` last ran (CLOCK_MONOTONIC_COARSE, ms).
+    @exclusivity(unchecked) private var lastPublished: Int64 = 0
+    /// The longest a record's delivered counts wait within a turn (ms). At the end of every
+    /// turn they are published anyway, so an idle or lightly loaded thread's counters are exact;
+    /// under saturation each downstream's counters are touched once per interval, not per batch
+    /// (at 3,000 downstreams each is a cold cache line and two atomic adds).
+    let publishInterval: Int64
     /// Runs staged from ``destinations`` without their outbox (tests check the batch path takes it).
     @exclusivity(unchecked) private(set) var runsStagedFromTable = 0
     /// The plan's per-downstream counters, unretained (``plan`` owns them): counting a
@@ -94,8 +105,11 @@ final class BatchForwarder {
     ///   - templates: the listener's flow export templates (`settings.flow_templates`), nil when off.
     ///   - limiter: the listener's `rate_limit` buckets, nil when it has none.
     ///   - sendBuffer: the shared sender's sockets' send buffer (tests make it small to fill it).
+    ///   - publishInterval: ``publishInterval`` in milliseconds.
     init(listener: String, counters: ListenerCounters, plans: PlanHolder, logger: Logger, output: Output, capacity: Int,
-         templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil, sendBuffer: Int32 = 16 << 20, makeOutbox: @escaping OutboxFactory) {
+         templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil, sendBuffer: Int32 = 16 << 20, publishInterval: Int64 = 100,
+         makeOutbox: @escaping OutboxFactory) {
+        self.publishInterval = publishInterval
         self.limiter = limiter
         self.listener = listener
         self.counters = counters
@@ -108,6 +122,7 @@ final class BatchForwarder {
         arrivalTargets = .allocate(capacity: max(capacity, 1))
         grouped = .allocate(capacity: max(capacity, 1))
         perTarget = .allocate(capacity: 0)
+        unpublished = .allocate(capacity: 0)
         sender = SharedSender(capacity: capacity, logger: logger, sendBuffer: sendBuffer)
         touched.reserveCapacity(capacity)
         replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
@@ -123,6 +138,7 @@ final class BatchForwarder {
         arrivalTargets.deallocate()
         grouped.deallocate()
         perTarget.deallocate()
+        unpublished.deallocate()
     }
 
     /// `settings.flow_templates`: offers the datagram to the relay, with downstream `target`
@@ -137,6 +153,8 @@ final class BatchForwarder {
     func adoptPlanIfChanged() {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
+        // What the records hold goes to the counters of the plan it was counted under.
+        publishCounts()
         version = current
         let plan = plans.plan
         var shelf = OutboxShelf()
@@ -160,8 +178,10 @@ final class BatchForwarder {
         destinations.rebuild(sockets)
         if outboxes.count > perTargetCapacity {
             perTarget.deallocate()
+            unpublished.deallocate()
             perTargetCapacity = outboxes.count
             perTarget = .allocate(capacity: perTargetCapacity)
+            unpublished = .allocate(capacity: perTargetCapacity)
         }
         perTarget.initialize(repeating: 0, count: perTargetCapacity)
         outboxesAt = Dictionary(grouping: plan.downstreams.indices, by: { plan.downstreams[$0].address })
@@ -245,6 +265,9 @@ final class BatchForwarder {
         }
         if !replicator.isEmpty { replicator.stage() }
         sender.send()
+        let fromTable = sender.takeDeliveredFromTable()
+        forwarded += fromTable.sent
+        bytesForwarded += fromTable.bytes
         noteICMPErrors()
         if let plan {
             for target in touched {
@@ -275,6 +298,7 @@ final class BatchForwarder {
         counters.drop(.tooLarge, tooLarge)
         counters.drop(.rateLimited, rateLimited)
         if selector.router != nil { counters.add(selector.takeTally()) }
+        if unpublishedCount > 0 && coarseMonotonicMilliseconds() - lastPublished >= publishInterval { publishCounts() }
     }
 
     /// Groups the gathered batch by downstream, in the order the downstreams were first met and
@@ -300,7 +324,7 @@ final class BatchForwarder {
         for target in touched {
             let end = Int(perTarget[target])
             perTarget[target] = 0
-            if !stage(records + target, grouped + start, count: end - start) {
+            if !stage(target, records + target, grouped + start, count: end - start) {
                 sockets[target]._withUnsafeGuaranteedRef { $0.adopt(grouped + start, count: end - start) }
             }
             start = end
@@ -312,8 +336,8 @@ final class BatchForwarder {
     /// its record, as its outbox would (GSO runs, msg_name the record's address), when the record
     /// says the shared sender sends for it; false otherwise (the outbox adopts the run).
     @inline(__always)
-    private func stage(_ record: UnsafeMutablePointer<DestinationRecord>, _ datagrams: UnsafeMutablePointer<iovec>, count: Int) -> Bool {
-        let flags = record.pointee.flags
+    private func stage(_ target: Int, _ record: UnsafeMutablePointer<DestinationRecord>, _ datagrams: UnsafeMutablePointer<iovec>, count: Int) -> Bool {
+        var flags = record.pointee.flags
         guard flags & DestinationRecord.Flags.sendsShared != 0 else { return false }
         let family = flags & DestinationRecord.Flags.ipv6 != 0 ? AF_INET6 : AF_INET
         guard sender.reserve(count, family: family) else { return false }
@@ -331,21 +355,43 @@ final class BatchForwarder {
             sender.commit(family: family, owner: owner, ledger: ledger)
             index = end
         }
+        if flags & DestinationRecord.Flags.unpublished == 0 {
+            flags |= DestinationRecord.Flags.unpublished
+            unpublished[unpublishedCount] = Int32(truncatingIfNeeded: target)
+            unpublishedCount += 1
+        }
         record.pointee.flags = flags | DestinationRecord.Flags.staged
         runsStagedFromTable &+= 1
         return true
     }
 
-    /// What the shared sender did with the run the thread staged for `record`'s downstream this
-    /// batch (false: the thread did not stage it; its outbox flushes).
+    /// Adds what the records hold (delivered datagrams and bytes of runs the thread staged) to
+    /// their downstreams' counters. Workers call it at the end of every turn; ``flush(received:bytesReceived:tooLarge:rateLimited:noHealthy:forwarded:bytesForwarded:notOffered:)``
+    /// calls it once ``publishInterval`` has passed, and a plan change before it takes the new plan.
+    func publishCounts() {
+        lastPublished = coarseMonotonicMilliseconds()
+        guard unpublishedCount > 0, let records = destinations.base else { return }
+        for index in 0..<unpublishedCount {
+            let target = Int(unpublished[index])
+            let record = records + target
+            downstreamCounters[target]._withUnsafeGuaranteedRef { downstream in
+                downstream.forwarded.wrappingAdd(record.pointee.sent, ordering: .relaxed)
+                downstream.bytes.wrappingAdd(record.pointee.bytes, ordering: .relaxed)
+            }
+            record.pointee.sent = 0
+            record.pointee.bytes = 0
+            record.pointee.flags &= ~DestinationRecord.Flags.unpublished
+        }
+        unpublishedCount = 0
+    }
+
+    /// The drops of the run the thread staged for `record`'s downstream this batch (what was
+    /// delivered is counted in the record, and for the listener by the sender: ``SharedSender/takeDeliveredFromTable()``);
+    /// false: the thread did not stage it (its outbox flushes).
     @inline(__always)
     private func collect(_ record: UnsafeMutablePointer<DestinationRecord>, _ result: inout FlushResult) -> Bool {
         let flags = record.pointee.flags
         guard flags & DestinationRecord.Flags.staged != 0 else { return false }
-        result.sent += record.pointee.sent
-        result.bytes += record.pointee.bytes
-        record.pointee.sent = 0
-        record.pointee.bytes = 0
         if flags & DestinationRecord.Flags.outboxHolds != 0 {
             record.pointee.outbox._withUnsafeGuaranteedRef { $0.collectPending(&result) }
         }

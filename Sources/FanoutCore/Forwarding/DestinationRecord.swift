@@ -19,7 +19,9 @@ struct DestinationRecord {
     var nameLength: socklen_t = 0
     /// ``Flags``' bits.
     var flags: UInt32 = 0
-    /// Datagrams and bytes the shared sender delivered for the runs the thread staged this batch.
+    /// Datagrams and bytes the shared sender delivered for the runs the thread staged, not yet
+    /// added to the downstream's counters (``BatchForwarder/publishCounts()``: at the end of the
+    /// worker's turn, and at least every ``BatchForwarder/publishInterval`` within a long one).
     var sent: UInt64 = 0
     var bytes: UInt64 = 0
     /// The downstream's outbox (the forwarder's ``BatchForwarder/outboxes`` owns it).
@@ -40,6 +42,8 @@ struct DestinationRecord {
         /// The shared sender reported a failed message of the run to the outbox, which holds its
         /// drops until the flush collects them (``DownstreamOutbox/collectPending(_:)``).
         static let outboxHolds: UInt32 = 1 << 4
+        /// ``sent`` and ``bytes`` hold counts not yet published (the target is in the forwarder's list).
+        static let unpublished: UInt32 = 1 << 5
     }
 
     /// Where msg_name points for this record.

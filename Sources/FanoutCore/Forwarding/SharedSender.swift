@@ -46,9 +46,10 @@ final class SharedSender {
             self.record = record
         }
 
-        /// The shared sender sent `message`.
+        /// The shared sender sent `message`: a message the thread staged from a record is counted
+        /// there and in `total` (the thread's batch), others by their outbox.
         @inline(__always)
-        func delivered(_ message: msghdr) {
+        func delivered(_ message: msghdr, _ total: inout (sent: UInt64, bytes: UInt64)) {
             guard let record else {
                 outbox._withUnsafeGuaranteedRef { $0.delivered(message) }
                 return
@@ -57,6 +58,8 @@ final class SharedSender {
             for index in 0..<message.msg_iovlen { bytes += message.msg_iov[index].iov_len }
             record.pointee.sent += UInt64(message.msg_iovlen)
             record.pointee.bytes += UInt64(bytes)
+            total.sent += UInt64(message.msg_iovlen)
+            total.bytes += UInt64(bytes)
         }
 
         /// The shared sender could not send `message` (`error`).
@@ -92,6 +95,9 @@ final class SharedSender {
     @exclusivity(unchecked) private var erred = Set<SocketAddress>()
     /// Destinations reported to passive health since the last ``send()`` (at most once a batch).
     @exclusivity(unchecked) private var reported = Set<SocketAddress>()
+    /// Datagrams and bytes delivered of the messages staged from records (``Owner/record``) since
+    /// the forwarder last took them (``takeDeliveredFromTable()``).
+    @exclusivity(unchecked) private var deliveredFromTable: (sent: UInt64, bytes: UInt64) = (0, 0)
     /// sendmmsg calls made (tests check that a batch costs one).
     @exclusivity(unchecked) private(set) var sendCalls = 0
     /// Messages sent (tests check that a GSO run is one).
@@ -225,6 +231,13 @@ final class SharedSender {
         raw.send()
     }
 
+    /// What was delivered of the messages staged from records since the last call.
+    @inline(__always)
+    func takeDeliveredFromTable() -> (sent: UInt64, bytes: UInt64) {
+        defer { deliveredFromTable = (0, 0) }
+        return deliveredFromTable
+    }
+
     /// Reads and drops what the error queues hold now, which also clears the sockets' pending
     /// error: at a plan change, so that errors about sends of the plan going are not met by the
     /// next plan's first send (a downstream that was dead and is back would be reported refused
@@ -290,7 +303,7 @@ final class SharedSender {
             do throws(SystemCallError) {
                 sendCalls += 1
                 if case .processed(let sent) = try Syscall.sendmmsg(fd, headers + message, count - message, Socket.dontWait), sent > 0 {
-                    for index in message..<(message + sent) { owners[index].delivered(headers[index].msg_hdr) }
+                    for index in message..<(message + sent) { owners[index].delivered(headers[index].msg_hdr, &deliveredFromTable) }
                     messagesSent += sent
                     message += sent
                     retries = 0

@@ -92,7 +92,10 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     func idle() { drops.read(member, into: counters) }
 
-    func endOfTurn() { drops.endOfTurn(member, into: counters) }
+    func endOfTurn() {
+        forwarder.publishCounts()
+        drops.endOfTurn(member, into: counters)
+    }
 
     func everySecond() {
         secondsSinceHeartbeat += 1
@@ -183,7 +186,7 @@ struct ReceiveQueueDropReading {
     /// Reads the counter now (idle, stopping) and adds what is new to the listener's.
     mutating func read(_ member: ReusePortMember, into counters: ListenerCounters) {
         guard let drops = try? member.socketStatistics().drops else { return }
-        lastRead = coarseMilliseconds()
+        lastRead = coarseMonotonicMilliseconds()
         let new = drops &- reported
         guard new != 0, new < UInt32.max / 2 else { return }
         counters.add(counters.receiveQueueDrops, UInt64(new))
@@ -192,13 +195,13 @@ struct ReceiveQueueDropReading {
 
     /// At the end of a turn: reads if ``interval`` has passed since the last reading.
     mutating func endOfTurn(_ member: ReusePortMember, into counters: ListenerCounters) {
-        if coarseMilliseconds() - lastRead >= Self.interval { read(member, into: counters) }
+        if coarseMonotonicMilliseconds() - lastRead >= Self.interval { read(member, into: counters) }
     }
+}
 
-    /// CLOCK_MONOTONIC_COARSE (the vDSO's, a few nanoseconds) in milliseconds.
-    private func coarseMilliseconds() -> Int64 {
-        var now = timespec()
-        clock_gettime(CLOCK_MONOTONIC_COARSE, &now)
-        return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
-    }
+/// CLOCK_MONOTONIC_COARSE (the vDSO's, a few nanoseconds) in milliseconds.
+func coarseMonotonicMilliseconds() -> Int64 {
+    var now = timespec()
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &now)
+    return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
 }
