@@ -455,6 +455,47 @@ struct SharedSenderTests {
         #expect(received == [5, 3, 7], "every datagram arrived: \(received)")
     }
 
+    @Test("a plan change that drops outboxes the shelf does not keep (no route: connect failed) lets go of the thread's table before they are released (an outbox released while the table names it stops the process), and the next plan's table serves: its reachable downstream's run is staged from the table and arrives, the unreachable one's is dropped counted",
+          .enabled(if: Privileges.enabled, Privileges.reason))
+    func tableReleasedBeforeOutboxes() throws {
+        // A namespace of the test's with no device up: every connect fails (ENETUNREACH).
+        // A namespace of the test's with only loopback up: a connect to 198.18.5.x fails (ENETUNREACH).
+        let namespace = try Self.vethNamespace("rplb-table", [])
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        try #require(try run("/usr/sbin/ip", ["-n", namespace, "link", "set", "lo", "up"]).status == 0)
+        let outcome = inNetworkNamespace(namespace) { () -> (unavailable: Int, staged: Int, dropped: UInt64, forwarded: [UInt64], received: Int)? in
+            guard let sink = try? Sink() else { return nil }
+            let counters = ListenerCounters(name: "table", mode: "userspace")
+            let unreachable = (0..<3).map { Downstream(name: "d\($0)", address: SocketAddress(ip: IPAddress("198.18.5.\($0 + 1)")!, port: 7000)) }
+            let reachable = Downstream(name: "live", address: sink.address)
+            let plans = PlanHolder(ForwardingPlan(downstreams: Array(unreachable[0..<2]), balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
+            let forwarder = BatchForwarder(listener: "table", counters: counters, plans: plans, logger: Logger(label: "table-test"), output: .socket,
+                                           capacity: 8) { downstream, sender in
+                DownstreamOutbox(address: downstream.address, capacity: 8, shared: sender)
+            }
+            forwarder.adoptPlanIfChanged()
+            let unavailable = forwarder.outboxes.filter { $0.unavailable != nil }.count
+            plans.replace(with: ForwardingPlan(downstreams: [unreachable[2], reachable], balancing: .roundRobin, quicLB: [], pools: [], counters: counters))
+            forwarder.adoptPlanIfChanged()
+            var source = storage("127.0.0.1:40000")
+            let payload = [UInt8](repeating: 1, count: 10)
+            payload.withUnsafeBytes { bytes in
+                forwarder.append(0, bytes, source: &source)
+                forwarder.append(1, bytes, source: &source)
+                forwarder.flush(received: 2, bytesReceived: 20)
+            }
+            forwarder.publishCounts()
+            guard let plan = forwarder.plan else { return nil }
+            return (unavailable, forwarder.runsStagedFromTable, plan.counters[0].dropped.load(ordering: .relaxed),
+                    plan.counters.map { $0.forwarded.load(ordering: .relaxed) }, sink.drain().count)
+        }
+        let result = try #require(outcome ?? nil, "entered \(namespace), made a sink and a plan")
+        #expect(result.unavailable == 2, "both first outboxes could not connect, so the shelf kept neither")
+        #expect(result.staged == 1, "the reachable downstream's run was staged from the new table")
+        #expect(result.forwarded == [0, 1] && result.received == 1, "it arrived and was counted: \(result.forwarded), \(result.received)")
+        #expect(result.dropped == 1, "the unreachable one's datagram was dropped counted, through its outbox")
+    }
+
     @Test("a membership change keeps the outboxes (sockets, state) of the downstreams that stay and makes only the new one's")
     func membershipKeepsOutboxes() throws {
         let addresses = (0..<4).map { _ in SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort()) }

@@ -18,8 +18,9 @@ import ReusePortLB
 /// checks remain). Those checks were about 4 % of the forwarder's CPU at 3000 downstreams (perf:
 /// `swift_beginAccess` per datagram and per downstream). The rule they enforced still holds and
 /// is now the code's to keep: no callback re-enters one of these objects while one of its
-/// properties is being modified (SharedSender's per-message callbacks touch only the outbox's
-/// own outcome); a violation would corrupt, not trap.
+/// properties is being modified (SharedSender's per-message callbacks touch only the outcome of
+/// the message's owner: its outbox, or its record in the thread's table and the sender's own
+/// total); a violation would corrupt, not trap.
 final class BatchForwarder {
     /// The way out to one downstream; `output: socket` ones send through the thread's shared sender.
     typealias OutboxFactory = (Downstream, SharedSender) -> any Outbox
@@ -71,10 +72,11 @@ final class BatchForwarder {
     /// When every outbox is a ``DownstreamOutbox`` (``sockets``), the batch is gathered here in
     /// storage of the thread's own instead of in the outboxes: each datagram's target and iovec
     /// in arrival order, and per downstream how many it has (``perTarget``, indexed by target).
-    /// At the flush the batch is grouped by target into ``grouped`` and each outbox adopts its run
-    /// (``DownstreamOutbox/adopt(_:count:)``). The per-datagram path then writes a few dense
-    /// arrays and touches no outbox, each of which is a cache miss once there are thousands
-    /// (perf at 3,000 downstreams).
+    /// At the flush the batch is grouped by target into ``grouped`` and each run is staged from
+    /// its downstream's record (``destinations``), or adopted by its outbox when the record says
+    /// the outbox must decide (``DownstreamOutbox/adopt(_:count:)``). The per-datagram path
+    /// writes a few dense arrays and touches no outbox, each of which is a cache miss once there
+    /// are thousands (perf at 3,000 downstreams).
     private let arrivals: UnsafeMutablePointer<iovec>
     private let arrivalTargets: UnsafeMutablePointer<Int32>
     private let grouped: UnsafeMutablePointer<iovec>
@@ -133,6 +135,8 @@ final class BatchForwarder {
     }
 
     deinit {
+        // The plan (which owns the counters) and the outboxes are alive until the body returns.
+        publishCounts()
         destinations.release()
         arrivals.deallocate()
         arrivalTargets.deallocate()
@@ -153,8 +157,11 @@ final class BatchForwarder {
     func adoptPlanIfChanged() {
         let current = plans.version.load(ordering: .acquiring)
         guard current != version else { return }
-        // What the records hold goes to the counters of the plan it was counted under.
+        // What the records hold goes to the counters of the plan it was counted under; then the
+        // table goes, while every outbox it names is alive (the plan's outboxes that are not
+        // kept are released below).
         publishCounts()
+        destinations.release()
         version = current
         let plan = plans.plan
         var shelf = OutboxShelf()
@@ -173,8 +180,7 @@ final class BatchForwarder {
         for outbox in outboxes { outbox.ledger = ledger }
         let direct = outboxes.compactMap { $0 as? DownstreamOutbox }
         sockets = direct.count == outboxes.count ? direct.map { Unmanaged.passUnretained($0) } : []
-        // The outboxes kept from the plan before point at the old table until this: rebuilt
-        // after they were taken (between batches: no record holds an outcome).
+        // Between batches: no record holds an outcome.
         destinations.rebuild(sockets)
         if outboxes.count > perTargetCapacity {
             perTarget.deallocate()
@@ -260,7 +266,7 @@ final class BatchForwarder {
         if sockets.isEmpty {
             for target in touched { outboxes[target].stage() }
         } else {
-            // Each outbox adopts its run and stages it.
+            // Each run is staged from its record, or by its outbox.
             handOutArrivals()
         }
         if !replicator.isEmpty { replicator.stage() }
@@ -337,7 +343,7 @@ final class BatchForwarder {
     /// says the shared sender sends for it; false otherwise (the outbox adopts the run).
     @inline(__always)
     private func stage(_ target: Int, _ record: UnsafeMutablePointer<DestinationRecord>, _ datagrams: UnsafeMutablePointer<iovec>, count: Int) -> Bool {
-        var flags = record.pointee.flags
+        let flags = record.pointee.flags
         guard flags & DestinationRecord.Flags.sendsShared != 0 else { return false }
         let family = flags & DestinationRecord.Flags.ipv6 != 0 ? AF_INET6 : AF_INET
         guard sender.reserve(count, family: family) else { return false }
@@ -356,11 +362,12 @@ final class BatchForwarder {
             index = end
         }
         if flags & DestinationRecord.Flags.unpublished == 0 {
-            flags |= DestinationRecord.Flags.unpublished
             unpublished[unpublishedCount] = Int32(truncatingIfNeeded: target)
             unpublishedCount += 1
         }
-        record.pointee.flags = flags | DestinationRecord.Flags.staged
+        // Only bits are added: a send that reserve() forced may have changed the flags since
+        // they were read (a GSO refusal, a failure the outbox holds).
+        record.pointee.flags |= DestinationRecord.Flags.staged | DestinationRecord.Flags.unpublished
         runsStagedFromTable &+= 1
         return true
     }
@@ -370,7 +377,13 @@ final class BatchForwarder {
     /// calls it once ``publishInterval`` has passed, and a plan change before it takes the new plan.
     func publishCounts() {
         lastPublished = coarseMonotonicMilliseconds()
-        guard unpublishedCount > 0, let records = destinations.base else { return }
+        guard unpublishedCount > 0 else { return }
+        guard let records = destinations.base else {
+            // Not reached: a target is listed only when staged from a table, which a plan change
+            // publishes before releasing.
+            unpublishedCount = 0
+            return
+        }
         for index in 0..<unpublishedCount {
             let target = Int(unpublished[index])
             let record = records + target

@@ -6,8 +6,8 @@ import Glibc
 /// One `output: socket` downstream of a forwarding thread's plan as a batch reads it: one cache
 /// line of a dense per-thread table (``BatchForwarder``), indexed by the plan's downstream index.
 /// It holds the downstream's address (the shared sender's msg_name points into it), whether the
-/// thread may stage the downstream's runs itself, and what the shared sender delivered for it in
-/// this batch. A batch that touches 64 of 3,000 downstreams then reads and writes 64 of these
+/// thread may stage the downstream's runs itself, and what the shared sender delivered for it
+/// since its counters were last added to. A batch that touches 64 of 3,000 downstreams then reads and writes 64 of these
 /// lines and no outbox; each outbox was a few cold cache lines, and its address in an allocation
 /// of its own one more, for the kernel's copy of msg_name (perf at 3,000 downstreams).
 ///
@@ -36,8 +36,8 @@ struct DestinationRecord {
         static let gso: UInt32 = 1 << 1
         /// The address is IPv6 (the shared sender's IPv6 socket).
         static let ipv6: UInt32 = 1 << 2
-        /// This batch's run was staged by the thread: its outcome is in ``sent``, ``bytes`` and,
-        /// with ``outboxHolds``, the outbox.
+        /// This batch's run was staged by the thread: what was delivered is added to ``sent`` and
+        /// ``bytes``; what failed, with ``outboxHolds``, is in the outbox.
         static let staged: UInt32 = 1 << 3
         /// The shared sender reported a failed message of the run to the outbox, which holds its
         /// drops until the flush collects them (``DownstreamOutbox/collectPending(_:)``).
@@ -49,7 +49,8 @@ struct DestinationRecord {
     /// Where msg_name points for this record.
     static let nameOffset = MemoryLayout<DestinationRecord>.offset(of: \.name)!
 
-    /// A record of `outbox`'s address (written by the outbox: ``DownstreamOutbox/describe(into:)``).
+    /// A record for `outbox`: the outbox writes its address and flags when it is given the record
+    /// (``DownstreamOutbox/slot``).
     init(outbox: DownstreamOutbox) {
         self.outbox = .passUnretained(outbox)
     }
@@ -61,10 +62,11 @@ struct DestinationTable {
     private(set) var count = 0
 
     /// Makes the table for `outboxes` (the plan's, in target order) and points each outbox at its
-    /// record; the records of the table before are released first (their outboxes no longer
-    /// point at them).
+    /// record. The table before must have been released (``release()``) while its outboxes were
+    /// alive.
     mutating func rebuild(_ outboxes: [Unmanaged<DownstreamOutbox>]) {
-        release()
+        precondition(base == nil, "DestinationTable: rebuilt without releasing the table before")
+        precondition(MemoryLayout<DestinationRecord>.stride == 64 && DestinationRecord.nameOffset == 0, "DestinationRecord: one cache line, msg_name first")
         guard !outboxes.isEmpty else { return }
         let stride = MemoryLayout<DestinationRecord>.stride
         let raw = UnsafeMutableRawPointer.allocate(byteCount: outboxes.count * stride, alignment: 64)
@@ -77,7 +79,8 @@ struct DestinationTable {
         count = outboxes.count
     }
 
-    /// Frees the records; their outboxes stop writing to them.
+    /// Frees the records; their outboxes stop writing to them. Every outbox the table names must
+    /// still be alive (the records hold them unretained).
     mutating func release() {
         guard let base else { return }
         for index in 0..<count { base[index].outbox._withUnsafeGuaranteedRef { $0.slot = nil } }

@@ -143,6 +143,8 @@ final class DownstreamOutbox: Outbox {
     }
 
     deinit {
+        // A table record names this outbox unretained: the table must let go first.
+        precondition(slot == nil, "DownstreamOutbox: released while a forwarding thread's table still names it")
         if socket >= 0 { close(socket) }
         headers.deallocate()
         iovecs.deallocate()

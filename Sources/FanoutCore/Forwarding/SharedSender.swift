@@ -14,8 +14,9 @@ import Synchronization
 /// over 300 downstreams would be 300 system calls).
 ///
 /// Each ``DownstreamOutbox`` stages its datagrams here (``DownstreamOutbox/stage()``), GSO runs as it built them
-/// for its own socket; ``send()`` sends everything staged and gives each message's outcome back
-/// to the outbox that staged it.
+/// for its own socket, or the forwarding thread stages them from the downstream's record in its
+/// table (``DestinationRecord``); ``send()`` sends everything staged and gives each message's
+/// outcome back to its ``Owner``.
 ///
 /// ICMP errors: the sockets have IP_RECVERR (IPV6_RECVERR), so an ICMP error about a datagram is
 /// queued with the destination it was about (``takeErrors()``: the forwarder reports a port
@@ -223,7 +224,7 @@ final class SharedSender {
         }
     }
 
-    /// Sends everything staged (the raw sockets' too); each outbox is told what became of its messages.
+    /// Sends everything staged (the raw sockets' too); each message's owner is told what became of it.
     func send() {
         if !reported.isEmpty { reported.removeAll(keepingCapacity: true) }
         send(0)
