@@ -371,6 +371,43 @@ struct DatagramReliabilityTests {
         #expect(daemon.wait() == 0)
     }
 
+    @Test("A listener kept saturated (its socket never empty, so the worker's turn never ends): its receive-queue drops are counted while the flood goes on, not only once it stops (batch_size 1 against a GSO sender)")
+    func dropsCountedUnderSaturation() throws {
+        let sink = try Sink()
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        // One datagram per receive and send: the worker is far slower than a GSO sender, so its
+        // queue stays full and drops for as long as the flood lasts.
+        let listener = listenerYAML("flood", bind: bind, [sink])
+            .replacingOccurrences(of: "recv_buf_size: 8388608", with: "recv_buf_size: 1048576\n      batch_size: 1")
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("flood-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try ("listeners:\n" + listener + "metrics: {enabled: true, bind: \"\(metrics)\"}\n").write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path, "-l", "info"])
+        defer {
+            daemon.signal(SIGTERM)
+            _ = daemon.wait()
+        }
+        try daemon.waitFor("entering receive loop")
+        let publisher = try Child("publisher", ["127.0.0.1", "\(bind.port)", "20000000", "--gso", "--batch", "64"])
+        defer {
+            publisher.signal(SIGTERM)
+            _ = publisher.wait()
+        }
+        let labels = "listener=\"flood\",mode=\"userspace\""
+        var during: (received: Int, drops: Int) = (0, 0)
+        for _ in 0..<100 {
+            usleep(100_000)
+            guard publisher.process.isRunning else { break }
+            let text = try httpGet(metrics, "/metrics").1
+            during = (metric(text, "udp_fanout_packets_received_total", labels) ?? 0, metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0)
+            if during.received > 0 && during.drops > 0 { break }
+        }
+        let stillFlooding = publisher.process.isRunning
+        #expect(stillFlooding, "the flood outlasted the check (20,000,000 datagrams)")
+        #expect(during.received > 0 && during.drops > 0, "while the flood went on: \(during.received) received, \(during.drops) counted as receive_queue_drops")
+    }
+
     @Test("kill -9 at random moments under load, then restart: the bind is free at once, nothing pinned, every datagram after the restart forwarded")
     func killLoop() throws {
         let rounds = Reliability.scale(3, 25)

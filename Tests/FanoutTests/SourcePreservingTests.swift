@@ -293,6 +293,7 @@ struct SourcePreservingHeaderTests {
         #expect(SourcePreservingOutbox.reason(EAGAIN) == .sendBufferFull)
         #expect(SourcePreservingOutbox.reason(ENOBUFS) == .sendBufferFull)
         #expect(SourcePreservingOutbox.reason(ENETUNREACH) == .unreachable)
+        #expect(SourcePreservingOutbox.reason(EACCES) == .unreachable, "a prohibit route")
         #expect(SourcePreservingOutbox.reason(EPERM) == .sendError)
     }
 }

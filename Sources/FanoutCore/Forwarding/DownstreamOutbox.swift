@@ -363,7 +363,9 @@ final class DownstreamOutbox: Outbox {
     static func reason(_ error: Int32) -> DropReason {
         switch error {
         case EAGAIN, ENOBUFS: return .sendBufferFull
-        case ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EHOSTDOWN: return .unreachable
+        // EACCES: a prohibit route (connect and send fail with it), a way the network has no
+        // route for the downstream, as the no-route counts of the other kinds say.
+        case ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EHOSTDOWN, EACCES: return .unreachable
         default: return .sendError
         }
     }

@@ -145,6 +145,9 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             forwarder.append(target, payload, source: source)
         }
         forwarder.flush(received: count, bytesReceived: bytesReceived, tooLarge: tooLarge, rateLimited: rateLimited, noHealthy: noHealthy)
+        // Under saturation a turn never ends (the socket is never empty): the drop counter is
+        // read here too, at most every 10 ms (a clock read per batch otherwise).
+        drops.endOfTurn(member, into: counters)
     }
 
     /// Datagram `index` of the batch, dropped for `reason`, to the running capture.
