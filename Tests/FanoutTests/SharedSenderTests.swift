@@ -458,7 +458,6 @@ struct SharedSenderTests {
     @Test("a plan change that drops outboxes the shelf does not keep (no route: connect failed) lets go of the thread's table before they are released (an outbox released while the table names it stops the process), and the next plan's table serves: its reachable downstream's run is staged from the table and arrives, the unreachable one's is dropped counted",
           .enabled(if: Privileges.enabled, Privileges.reason))
     func tableReleasedBeforeOutboxes() throws {
-        // A namespace of the test's with no device up: every connect fails (ENETUNREACH).
         // A namespace of the test's with only loopback up: a connect to 198.18.5.x fails (ENETUNREACH).
         let namespace = try Self.vethNamespace("rplb-table", [])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }

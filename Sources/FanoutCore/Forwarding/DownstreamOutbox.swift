@@ -364,7 +364,8 @@ final class DownstreamOutbox: Outbox {
         switch error {
         case EAGAIN, ENOBUFS: return .sendBufferFull
         // EACCES: a prohibit route (connect and send fail with it), a way the network has no
-        // route for the downstream, as the no-route counts of the other kinds say.
+        // route for the downstream, as the no-route counts of the other kinds say (also a
+        // broadcast address without SO_BROADCAST: the connect log line names the errno).
         case ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EHOSTDOWN, EACCES: return .unreachable
         default: return .sendError
         }

@@ -25,7 +25,7 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     private let receiver: BatchReceiver
     // Owned by the worker thread once it runs:
     private let forwarder: BatchForwarder
-    private var drops: ReceiveQueueDropReading
+    @exclusivity(unchecked) private var drops: ReceiveQueueDropReading
     private var descriptor: pollfd
     /// Seconds since the last heartbeat line (one every 5 s, at debug level).
     private var secondsSinceHeartbeat = 0
@@ -188,8 +188,9 @@ struct ReceiveQueueDropReading {
 
     /// Reads the counter now (idle, stopping) and adds what is new to the listener's.
     mutating func read(_ member: ReusePortMember, into counters: ListenerCounters) {
-        guard let drops = try? member.socketStatistics().drops else { return }
+        // Noted before the attempt: a reading that fails is not retried on every batch.
         lastRead = coarseMonotonicMilliseconds()
+        guard let drops = try? member.socketStatistics().drops else { return }
         let new = drops &- reported
         guard new != 0, new < UInt32.max / 2 else { return }
         counters.add(counters.receiveQueueDrops, UInt64(new))

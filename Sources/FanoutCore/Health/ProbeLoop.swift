@@ -224,7 +224,8 @@ final class ProbeLoop {
     private static func result(of error: Int32) -> ProbeResult {
         switch error {
         case ECONNREFUSED: return .refused
-        case EHOSTUNREACH, ENETUNREACH, EHOSTDOWN: return .unreachable
+        // EACCES: a prohibit route (or ICMPv6 administratively prohibited), as forwarding counts it.
+        case EHOSTUNREACH, ENETUNREACH, EHOSTDOWN, EACCES: return .unreachable
         default: return .error
         }
     }
