@@ -76,6 +76,14 @@ struct SharedSenderTests {
         return namespace
     }
 
+    /// A tbf qdisc of 8 kbit/s on `device` in `namespace`, queueing at most `limit` bytes: a large
+    /// limit keeps nearly every datagram queued, charged to the sending socket (its buffer fills);
+    /// 1 drops nearly every one (ENOBUFS).
+    static func shape(_ namespace: String, _ device: String, limit: Int) throws {
+        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "\(limit)"])
+        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+    }
+
     @Test("a flush's drops by reason (DropTally): every reason kept apart, added, read back, iterated in order, compared; none is empty")
     func dropTally() {
         #expect(DropReason.allCases.enumerated().allSatisfy { $0.offset == $0.element.ordinal }, "each reason's ordinal is its place in allCases")
@@ -180,8 +188,7 @@ struct SharedSenderTests {
         let namespace = try Self.vethNamespace("rplb-sndbuf", [("sb", 77)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
         // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
-        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "sb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
-        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        try Self.shape(namespace, "sb0", limit: 10_000_000)
         let outcome = inNetworkNamespace(namespace) { () -> (calls: Int, full: Int, results: [FlushResult]) in
             // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
             let sender = SharedSender(capacity: 64, sendBuffer: 4096)
@@ -203,8 +210,7 @@ struct SharedSenderTests {
         let namespace = try Self.vethNamespace("rplb-enobufs", [("nb", 77), ("nc", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
         // nb0's tbf queues at most 1 byte: it drops (nearly) every datagram; nc0 passes all.
-        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "nb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "1"])
-        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        try Self.shape(namespace, "nb0", limit: 1)
         let outcome = inNetworkNamespace(namespace) { () -> (full: Int, results: [FlushResult]) in
             let sender = SharedSender(capacity: 64)
             // Interleaved: shaped, free, shaped, free, ...
@@ -288,8 +294,7 @@ struct SharedSenderTests {
     func forwarderFullSendBuffer() throws {
         let namespace = try Self.vethNamespace("rplb-fwdbuf", [("fb", 77)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "fb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
-        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        try Self.shape(namespace, "fb0", limit: 10_000_000)
         let counters = ListenerCounters(name: "full", mode: "userspace")
         let downstreams = (0..<64).map { Downstream(name: "d\($0)", address: SocketAddress(ip: IPAddress("198.18.77.2")!, port: UInt16(7000 + $0))) }
         let plan = ForwardingPlan(downstreams: downstreams, balancing: .roundRobin, quicLB: [], pools: [], counters: counters)

@@ -560,8 +560,7 @@ struct SharedRawSenderTests {
         let namespace = try SharedSenderTests.vethNamespace("rplb-rawbuf", [("rb", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
         // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
-        let shaped = try run("/usr/sbin/tc", ["-n", namespace, "qdisc", "add", "dev", "rb0", "root", "tbf", "rate", "8kbit", "burst", "1600", "limit", "10000000"])
-        try #require(shaped.status == 0, "tc qdisc add tbf: \(shaped.output)")
+        try SharedSenderTests.shape(namespace, "rb0", limit: 10_000_000)
         let payload = [UInt8](repeating: 7, count: 1000)
         let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, results: [FlushResult]), OutboxError> in
             // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
