@@ -15,7 +15,11 @@
  * floor_xdp    the bare XDP floor: the Ethernet addresses set for backend 1 and XDP_REDIRECT to
  *              its veth, nothing else (no lookup, no rewrite of IP or UDP).
  * floor_tc     the same at tc ingress (bpf_redirect of the socket buffer).
- * Both floors read their target from floor_out: { ifindex, destination MAC, source MAC }.
+ * floor_xdp3, floor_tc3  the same spread over the 3 backends in turn (a per-CPU rotation), as
+ *              the load balancer spreads them: each destination veth's receive is woken as
+ *              often as with the load balancer (on veth that wake-up is a cost of its own).
+ * The floors read their targets from floor_out: { ifindex, destination MAC, source MAC }, entry
+ * 0 for floor_xdp and floor_tc, entries 1 to 3 (backends 1 to 3) for the spread ones.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -34,10 +38,17 @@ struct floor_target {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 4);
 	__type(key, __u32);
 	__type(value, struct floor_target);
 } floor_out SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} floor_turn SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -130,12 +141,12 @@ int frames_sink(struct xdp_md *ctx)
 	return XDP_DROP;
 }
 
-static __always_inline struct floor_target *floor_set(void *data, void *data_end)
+/* Sets the Ethernet addresses of target `key` of floor_out; 0 to pass the packet on. */
+static __always_inline struct floor_target *floor_set(void *data, void *data_end, __u32 key)
 {
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return 0;
-	__u32 key = 0;
 	struct floor_target *target = bpf_map_lookup_elem(&floor_out, &key);
 	if (!target)
 		return 0;
@@ -144,17 +155,43 @@ static __always_inline struct floor_target *floor_set(void *data, void *data_end
 	return target;
 }
 
+/* The next of the 3 spread targets (1 to 3) on this CPU. */
+static __always_inline __u32 floor_next(void)
+{
+	__u32 key = 0;
+	__u32 *turn = bpf_map_lookup_elem(&floor_turn, &key);
+	if (!turn)
+		return 1;
+	__u32 next = *turn + 1 >= 3 ? 0 : *turn + 1;
+	*turn = next;
+	return next + 1;
+}
+
 SEC("xdp")
 int floor_xdp(struct xdp_md *ctx)
 {
-	struct floor_target *target = floor_set((void *)(long)ctx->data, (void *)(long)ctx->data_end);
+	struct floor_target *target = floor_set((void *)(long)ctx->data, (void *)(long)ctx->data_end, 0);
 	return target ? bpf_redirect(target->ifindex, 0) : XDP_PASS;
 }
 
 SEC("tc")
 int floor_tc(struct __sk_buff *skb)
 {
-	struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end);
+	struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end, 0);
+	return target ? bpf_redirect(target->ifindex, 0) : TC_ACT_OK;
+}
+
+SEC("xdp")
+int floor_xdp3(struct xdp_md *ctx)
+{
+	struct floor_target *target = floor_set((void *)(long)ctx->data, (void *)(long)ctx->data_end, floor_next());
+	return target ? bpf_redirect(target->ifindex, 0) : XDP_PASS;
+}
+
+SEC("tc")
+int floor_tc3(struct __sk_buff *skb)
+{
+	struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end, floor_next());
 	return target ? bpf_redirect(target->ifindex, 0) : TC_ACT_OK;
 }
 

@@ -21,12 +21,16 @@ Variants, alternated run by run, each alone:
   xdp floor   frames_floor's floor_xdp: Ethernet addresses set for backend 1, XDP_REDIRECT to it,
               nothing else (the least any XDP forwarder does)
   tc floor    floor_tc: the same at tc ingress (bpf_redirect), GRO on as for tc_ebpf
+  xdp floor, 3 backends / tc floor, 3 backends
+              floor_xdp3 / floor_tc3: the same floors spread over the 3 backends in turn, as the
+              load balancer spreads them (on veth, waking each backend veth's receive is a cost of
+              its own: the like-for-like floor)
 
-Two loads per run, BENCH_FRAMES_SECONDS (3) each after a second of warm-up: saturation (the
+Loads, BENCH_FRAMES_SECONDS (3) each after a second of warm-up: saturation (the
 generator as fast as CPU 0 runs it, about 3.5 M frames/s alone; with the backends' sinks also on
 CPU 0, ahead of it, a variant that forwards about 2 M/s or more is bound by CPU 0, which the note
-shows as the load balancer's busy share well under 1) and a fixed rate (BENCH_FRAMES_RATE, 300,000 frames/s, paced
-in the generator's program: under every variant's saturation). The figure is CPU 1's busy time
+shows as the load balancer's busy share well under 1) and fixed rates (BENCH_FRAMES_RATE, 300,000 and 1,000,000 frames/s, paced
+in the generator's program: under the xdp kind's and the floors' saturation). The figure is CPU 1's busy time
 (wall minus measured idle, minus its background over a quiet second) per datagram the backends
 received: the load balancer's own CPU per delivered datagram.
 """
@@ -44,11 +48,27 @@ import bench_twoway as twoway
 
 RUNS = int(os.environ.get("BENCH_FRAMES_RUNS", "5"))
 SECONDS = float(os.environ.get("BENCH_FRAMES_SECONDS", "3"))
-RATE = int(os.environ.get("BENCH_FRAMES_RATE", "300000"))
-VARIANTS = ["xdp", "tc_ebpf", "xdp floor", "tc floor"]
+# The fixed rates, frames/s: a light load and one near the xdp kind's saturation, where the
+# poller runs with full batches but no ring overflows (at saturation the proxy veth's ring is
+# full and its producer and consumer contend for it, which a NIC's ring filled by DMA does not).
+RATES = [int(r) for r in os.environ.get("BENCH_FRAMES_RATE", "300000,1000000").split(",") if r.strip()]
+VARIANTS = ["xdp", "tc_ebpf", "xdp floor", "tc floor", "xdp floor, 3 backends", "tc floor, 3 backends"]
 # Each variant's program at the proxy's veth (its run time per run is printed beside the rows).
-PROGRAMS = {"xdp": "fanout_xfwd", "tc_ebpf": "fanout_tc", "xdp floor": "floor_xdp", "tc floor": "floor_tc"}
-LOADS = ["saturation", "fixed"]
+PROGRAMS = {"xdp": "fanout_xfwd", "tc_ebpf": "fanout_tc", "xdp floor": "floor_xdp", "tc floor": "floor_tc",
+            "xdp floor, 3 backends": "floor_xdp3", "tc floor, 3 backends": "floor_tc3"}
+# The floors: their program, whether at XDP (else tc ingress).
+FLOORS = {"xdp floor": ("floor_xdp", True), "tc floor": ("floor_tc", False),
+          "xdp floor, 3 backends": ("floor_xdp3", True), "tc floor, 3 backends": ("floor_tc3", False)}
+LOADS = ["saturation", *[f"fixed {rate}" for rate in RATES]]
+# BENCH_FRAMES_BEFORE=<udp-fanout binary>: another build's xdp and tc_ebpf ("xdp, before",
+# "tc_ebpf, before") alternated with the others in the same runs (a change's rows).
+BEFORE = os.environ.get("BENCH_FRAMES_BEFORE")
+if BEFORE:
+    VARIANTS += ["xdp, before", "tc_ebpf, before"]
+    PROGRAMS.update({"xdp, before": "fanout_xfwd", "tc_ebpf, before": "fanout_tc"})
+# BENCH_FRAMES_ONLY: names of VARIANTS separated by ";", to run some of them.
+if os.environ.get("BENCH_FRAMES_ONLY"):
+    VARIANTS = [v for v in VARIANTS if v in os.environ["BENCH_FRAMES_ONLY"].split(";")]
 TWOWAY_VARIANTS = ["xdp nat", "tc_ebpf nat", "nft conntrack"]
 TWOWAY = os.environ.get("BENCH_FRAMES_TWOWAY", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "frames.bpf.c")
@@ -97,12 +117,14 @@ class Bench:
             for n, (backend, inner) in enumerate(zip(topology.backends, topology.backend_ifs), start=1):
                 topology.ns(backend, "ip", "link", "set", "dev", inner, "xdpdrv", "pinned", f"{self.pins}/frames_sink")
                 napi_threads(topology, backend, inner, 0, fifo=True)
-            outer = f"pb1{tag[:7]}"
-            target = ifindex(topology, topology.proxy, outer).to_bytes(4, "little")
-            target += bytes.fromhex(mac(topology, topology.backends[0], topology.backend_ifs[0]).replace(":", ""))
-            target += bytes.fromhex(mac(topology, topology.proxy, outer).replace(":", ""))
-            common.sh("bpftool", "map", "update", "pinned", f"{self.pins}/maps/floor_out", "key", "0", "0", "0", "0",
-                      "value", *[str(b) for b in target])
+            # floor_out: entry 0 backend 1 (the single-target floors), entries 1 to 3 backends 1 to 3.
+            for key, n in ((0, 1), (1, 1), (2, 2), (3, 3)):
+                outer = f"pb{n}{tag[:7]}"
+                target = ifindex(topology, topology.proxy, outer).to_bytes(4, "little")
+                target += bytes.fromhex(mac(topology, topology.backends[n - 1], topology.backend_ifs[n - 1]).replace(":", ""))
+                target += bytes.fromhex(mac(topology, topology.proxy, outer).replace(":", ""))
+                common.sh("bpftool", "map", "update", "pinned", f"{self.pins}/maps/floor_out", "key", *key.to_bytes(4, "little").hex(" ").split(),
+                          "value", *[str(b) for b in target])
             self.frame = [mac(topology, topology.proxy, topology.proxy_if), mac(topology, topology.client, self.client_if),
                           "198.18.0.10", "198.18.0.1", "5514"]
         except BaseException:
@@ -141,7 +163,7 @@ class Bench:
             results = {}
             for load in LOADS:
                 quiet = common.background()
-                generator = self.generator(0 if load == "saturation" else RATE)
+                generator = self.generator(0 if load == "saturation" else int(load.split()[1]))
                 try:
                     time.sleep(1)
                     if generator.poll() is not None:
@@ -205,30 +227,32 @@ class Variant:
         self.bench, self.name, self.proc, self.gro, self.qdisc, self.xdp = bench, name, None, False, False, False
         topology = bench.topology
         try:
-            if name in ("tc_ebpf", "tc floor"):
+            if name.split(",")[0] == "tc_ebpf" or (name in FLOORS and not FLOORS[name][1]):
                 self.gro = True
                 topology.ns(topology.proxy, "ethtool", "-K", topology.proxy_if, "gro", "on")
-            if name in ("xdp", "tc_ebpf"):
+            if name.split(",")[0] in ("xdp", "tc_ebpf"):
+                mode = name.split(",")[0]
+                binary = BEFORE if name.endswith(", before") else f"{common.BIN}/udp-fanout"
                 downstreams = "\n".join(f'      - {{name: b{n}, address: "198.18.{n}.2:6000"}}' for n in range(1, common.BACKENDS + 1))
                 path = os.path.join(bench.work, "frames.yaml")
                 with open(path, "w") as f:
                     f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
-                            f"    mode: {name}\n    downstream:\n{downstreams}\n"
+                            f"    mode: {mode}\n    downstream:\n{downstreams}\n"
                             f'metrics: {{enabled: true, bind: "127.0.0.1:9464"}}\n')
                 log = os.path.join(bench.work, "udp-fanout.log")
                 self.started = time.time()
                 # The daemon's threads on CPU 0: CPU 1 holds the data path alone.
                 self.proc = twoway.start_logged([*common.in_namespace(topology.proxy), "taskset", "-c", "0",
-                                                 f"{common.BIN}/udp-fanout", "-c", path], log)
+                                                 binary, "-c", path], log)
                 twoway.wait_for_log(self.proc, log, "registered listener in eBPF map", f"udp-fanout ({name})")
-            elif name == "xdp floor":
-                topology.ns(topology.proxy, "ip", "link", "set", "dev", topology.proxy_if, "xdpdrv", "pinned", f"{bench.pins}/floor_xdp")
+            elif name in FLOORS and FLOORS[name][1]:
+                topology.ns(topology.proxy, "ip", "link", "set", "dev", topology.proxy_if, "xdpdrv", "pinned", f"{bench.pins}/{FLOORS[name][0]}")
                 self.xdp = True
-            elif name == "tc floor":
+            elif name in FLOORS:
                 topology.ns(topology.proxy, "tc", "qdisc", "add", "dev", topology.proxy_if, "clsact")
                 self.qdisc = True
                 topology.ns(topology.proxy, "tc", "filter", "add", "dev", topology.proxy_if, "ingress", "bpf",
-                            "object-pinned", f"{bench.pins}/floor_tc", "direct-action")
+                            "object-pinned", f"{bench.pins}/{FLOORS[name][0]}", "direct-action")
             else:
                 raise SystemExit(f"unknown frames variant {name!r}")
             napi_threads(topology, topology.proxy, topology.proxy_if, 1)
@@ -377,7 +401,7 @@ def rows():
         os.sched_setaffinity(0, {0})
         bench = Bench(work)
         print(f"bench: frame-sourced traffic (BPF_PROG_TEST_RUN live frames, XDP_TX into the proxy's veth), 64-byte datagrams;"
-              f" {RUNS} alternated runs, {SECONDS:g} s per load: saturation and {RATE:,} frames/s; CPU 1 = the load balancer alone",
+              f" {RUNS} alternated runs, {SECONDS:g} s per load: saturation and {', '.join(f'{rate:,}' for rate in RATES)} frames/s; CPU 1 = the load balancer alone",
               flush=True)
         results = common.alternated(RUNS, VARIANTS, bench.run)
         if os.environ.get("BENCH_FRAMES_JSON"):
@@ -414,8 +438,13 @@ def table(results):
     def share(name, load):
         return common.spread([r[load]["delivered_share"] for r in results[name]])[0]
 
-    for load, label in (("saturation", "at saturation"), ("fixed", f"at {RATE // 1000:,}k frames/s")):
-        for ours, peer, goal in (("xdp", "tc_ebpf", ">= 2"), ("xdp", "xdp floor", ">= 0.8"), ("tc_ebpf", "tc floor", None)):
+    for load, label in (("saturation", "at saturation"), *((f"fixed {rate}", f"at {rate // 1000:,}k frames/s") for rate in RATES)):
+        for ours, peer, goal in (("xdp", "tc_ebpf", ">= 2"), ("xdp", "xdp floor", ">= 0.8"), ("xdp", "xdp floor, 3 backends", ">= 0.8"),
+                                 ("tc_ebpf", "tc floor", None), ("tc_ebpf", "tc floor, 3 backends", None),
+                                 ("xdp", "xdp, before", None), ("tc_ebpf", "tc_ebpf, before", None),
+                                 ("xdp, before", "xdp floor", None), ("xdp, before", "xdp floor, 3 backends", None)):
+            if ours not in results or peer not in results:
+                continue
             mine, theirs = cost(ours, load), cost(peer, load)
             # Delivered datagrams per LB CPU, ours over the peer's: the peer's cost over ours, run by run.
             ratios = finite([ratio(p[load]["lb_ns"], o[load]["lb_ns"]) for o, p in zip(results[ours], results[peer])])
@@ -428,7 +457,10 @@ def table(results):
                         f" LB CPU busy ours {mine_busy:.2f}, peer {peer_busy:.2f}; delivered/transmitted ours"
                         f" {share(ours, load):.3f}, peer {share(peer, load):.3f}"))
     costs = {name: finite([r["program_ns"] for r in results[name]]) for name in VARIANTS}
-    for ours, peer in (("xdp", "xdp floor"), ("tc_ebpf", "tc floor")):
+    for ours, peer in (("xdp", "xdp floor"), ("xdp", "xdp floor, 3 backends"), ("tc_ebpf", "tc floor"), ("tc_ebpf", "tc floor, 3 backends"),
+                       ("xdp", "xdp, before"), ("tc_ebpf", "tc_ebpf, before")):
+        if ours not in costs or peer not in costs:
+            continue
         out.append((f"frames: program run time, {ours} ({PROGRAMS[ours]})", f"{peer} ({PROGRAMS[peer]})",
                     f"{costs[ours][0]:,.1f} ns/run ({costs[ours][1]:,.1f}-{costs[ours][2]:,.1f})",
                     f"{costs[peer][0]:,.1f} ns/run ({costs[peer][1]:,.1f}-{costs[peer][2]:,.1f})",
