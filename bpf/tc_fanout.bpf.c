@@ -226,7 +226,7 @@ static __always_inline int hook_ahead(struct fanout_decision *c)
 
 static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
 {
-	return lookup_route(c->ctx, &c->p, &c->backend, c->reply, fib);
+	return lookup_route_cached(c->ctx, &c->p, &c->backend, c->reply, c->id, fib);
 }
 
 /* tc sends whatever routes. */

@@ -44,7 +44,7 @@
 #include "fanout_maps.h"   /* the tc program's maps (their descriptors reused at load) */
 #include "fanout_choice.h"    /* listener, backend (rotation, source table, association), fragment key */
 #include "fanout_nat.h"       /* the reply direction of nat listeners */
-#include "fanout_redirect.h"  /* route_request */
+#include "fanout_redirect.h"  /* route_request, route_forward (the next-hop cache) */
 
 
 /* VLAN tags accepted in the frame: one, popped before the redirect (as the tc program). */
@@ -270,6 +270,8 @@ static __always_inline int hook_ahead(struct fanout_decision *c)
 
 static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
 {
+	if (!c->reply)
+		return route_forward(c->ctx, &c->p, &c->backend, c->id, c->ifindex, c->p.tot_len, fib);
 	route_request(&c->p, &c->backend, c->reply, c->ifindex, c->p.tot_len, fib);
 	return bpf_fib_lookup(c->ctx, fib, sizeof(*fib), 0);
 }

@@ -22,6 +22,7 @@
 #include "parse.h"
 #include "csum.h"
 #include "fanout_maps.h"
+#include "fanout_hops.h"
 
 /* The route request toward the datagram's new destination, into `fib` (zeroed by the caller):
  * `to` is the backend (forward) or the listener's address and port (reply), `ifindex` the arrival
@@ -50,16 +51,56 @@ static __always_inline void route_request(struct packet *p, struct fanout_backen
 	}
 }
 
+/* The route of a client's datagram toward backend or pool member `to` (slot to->counter_slot of
+ * listener or pool `id`), arrived at `ifindex`, `tot_len` its IP length (0: not checked), into
+ * `fib` (zeroed by the caller): bpf_fib_lookup's result. While the daemon's route generation
+ * holds (fanout_hops.h), a successful answer is kept and used again for the next datagram toward
+ * the same destination from the same interface, as long as it is no longer than the route's MTU;
+ * a longer one, and every datagram while the cache is off, is looked up. A lookup that checks no
+ * length (`tot_len` 0) is never kept nor answered from the cache: the kernel then checks the
+ * packet against the device's MTU itself. */
+static __always_inline long route_forward(void *ctx, struct packet *p, struct fanout_backend *to, __u32 id,
+					  __u32 ifindex, __u32 tot_len, struct bpf_fib_lookup *fib)
+{
+	if (tot_len) {
+		struct fanout_route_state *state = route_state_on();
+		struct fanout_hop *hop = state ? hop_entry(id, to->counter_slot) : NULL;
+		if (hop && hop_answers(hop, state->generation, to->addr, p->family, ifindex, tot_len, fib))
+			return BPF_FIB_LKUP_RET_SUCCESS;
+	}
+	route_request(p, to, 0, ifindex, tot_len, fib);
+	long route = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
+	/* Found again rather than kept across the call (the pools' copies have no stack to spare). */
+	if (route == BPF_FIB_LKUP_RET_SUCCESS && tot_len) {
+		struct fanout_route_state *state = route_state_on();
+		struct fanout_hop *hop = state ? hop_entry(id, to->counter_slot) : NULL;
+		if (hop)
+			hop_keep(hop, state->generation, to->addr, p->family, ifindex, fib);
+	}
+	return route;
+}
+
 /* The route toward the datagram's new destination (route_request), into `fib`; the egress
  * interface, MACs and next hop are read from it afterwards. Returns bpf_fib_lookup's result.
  * The route's MTU is checked against the IP length, so a packet the egress device would drop
  * uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by the kernel per
- * segment on the way out: tot_len 0 skips the check. */
+ * segment on the way out: tot_len 0 skips the check. Looked up each time: a replication pool's
+ * copies (their callback has no stack to spare for the cache). */
 static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
 					 _Bool reply, struct bpf_fib_lookup *fib)
 {
 	route_request(p, to, reply, skb->ifindex, skb->gso_size == 0 ? p->tot_len : 0, fib);
 	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+}
+
+/* The same for the listener's own datagram, a client's (not `reply`) through the next-hop cache
+ * (route_forward) with its backend slot of listener `id`. */
+static __always_inline long lookup_route_cached(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
+						_Bool reply, __u32 id, struct bpf_fib_lookup *fib)
+{
+	if (reply)
+		return lookup_route(skb, p, to, reply, fib);
+	return route_forward(skb, p, to, id, skb->ifindex, skb->gso_size == 0 ? p->tot_len : 0, fib);
 }
 
 /* Pops the VLAN tags of the ingress link (in the frame, then in skb metadata too) and moves the

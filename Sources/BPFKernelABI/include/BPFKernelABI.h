@@ -9,6 +9,7 @@
 
 #include "../../../bpf/include/rplb_shared.h"
 #include "../../../bpf/include/fanout_shared.h"
+#include "../../../bpf/include/fanout_hops_shared.h"
 #include "../../../bpf/include/afxdp_shared.h"
 
 #endif

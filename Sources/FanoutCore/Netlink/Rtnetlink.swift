@@ -21,6 +21,14 @@ enum Rtnetlink {
     /// one message, or every message up to NLMSG_DONE for a dump.
     /// `family`: the netlink protocol (0, NETLINK_ROUTE; 16, NETLINK_GENERIC).
     static func request(type: UInt16, flags: UInt16, body: [UInt8], family: Int32 = 0) throws(SystemCallError) -> [Message] {
+        var messages: [Message] = []
+        try request(type: type, flags: flags, body: body, family: family) { messages.append($0) }
+        return messages
+    }
+
+    /// The same, each reply handed to `each` as it is read and not kept (a dump of a large
+    /// routing table).
+    static func request(type: UInt16, flags: UInt16, body: [UInt8], family: Int32 = 0, each: (Message) -> Void) throws(SystemCallError) {
         let fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec, family, call: "socket AF_NETLINK \(family == 0 ? "NETLINK_ROUTE" : "NETLINK_GENERIC")")
         defer { Syscall.close(fd) }
         var request = [UInt8]()
@@ -35,7 +43,6 @@ enum Rtnetlink {
             throw SystemCallError(call: "send rtnetlink \(type)", errno: EAGAIN)
         }
         let dump = flags & 0x300 != 0
-        var messages: [Message] = []
         var buffer = [UInt8](repeating: 0, count: 32768)
         while true {
             guard case .processed(let count) = try Syscall.recv(fd, &buffer, buffer.count, 0, call: "recv rtnetlink \(type)") else {
@@ -46,12 +53,12 @@ enum Rtnetlink {
                 let length = Int(load32(buffer, offset))
                 guard length >= 16, offset + length <= count else { break }
                 let message = Message(type: load16(buffer, offset + 4), payload: Array(buffer[(offset + 16)..<(offset + length)]))
-                if message.type == done { return messages }
-                messages.append(message)
-                if !dump || message.type == error { return messages }
+                if message.type == done { return }
+                each(message)
+                if !dump || message.type == error { return }
                 offset += (length + 3) & ~3
             }
-            if count == 0 { return messages }
+            if count == 0 { return }
         }
     }
 

@@ -45,6 +45,9 @@ final class TCDataplane: Sendable {
         /// `udp-fanout capture`: the programs' ring buffer of dropped packets, read while a
         /// capture of a listener runs.
         var captureTap: KernelCaptureTap?
+        /// The next-hop cache's watch of the kernel's routing (``TCRouteWatch``), while the
+        /// program is attached somewhere.
+        var routeWatch: TCRouteWatch?
     }
 
     /// A listener entry's key: its bind at an interface.
@@ -113,6 +116,11 @@ final class TCDataplane: Sendable {
                 ])
             }
             let attachment = try acquire(interface: interface, mode: listener.settings.tcAttach, in: &state)
+            if state.routeWatch == nil {
+                let watch = TCRouteWatch(program: program, logger: logger)
+                watch.start()
+                state.routeWatch = watch
+            }
             let key = AdoptedKey(bind: listener.bind, ifindex: UInt32(attachment.ifindex))
             // The previous process's entry for this bind, if of the same direction (nat or not).
             if let entry = state.adoptedEntries[key], (entry.reserved & FANOUT_LISTENER_NAT != 0) == (listener.replies == .nat) {
@@ -400,6 +408,8 @@ final class TCDataplane: Sendable {
         } catch {
             // The program loaded for this attach would otherwise stay loaded with nothing attached.
             if state.attachments.isEmpty {
+                state.routeWatch?.stop()
+                state.routeWatch = nil
                 program.closeDescriptors()
                 state.program = nil
             }
@@ -647,6 +657,9 @@ final class TCDataplane: Sendable {
             state.templateTap = nil
             state.captureTap?.stop()
             state.captureTap = nil
+            // Off before the program can outlive this process (handed over) or its maps close.
+            state.routeWatch?.stop()
+            state.routeWatch = nil
             program.closeDescriptors()
             state.program = nil
         }

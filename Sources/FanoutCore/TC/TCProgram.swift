@@ -56,6 +56,10 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     let capture: Int32
     let captureConfigs: Int32
     let captureStats: Int32
+    /// The next-hop cache (bpf/include/fanout_hops.h): the route generation the daemon writes
+    /// (``TCRouteWatch``) and the per-CPU answers (this process's own: each starts with it off).
+    let routeState: Int32
+    let hops: Int32
     /// The program decrypts QUIC-LB connection IDs with the kernel's BPF crypto kfuncs: the
     /// build with them (tc_fanout.bpf.c) where the kernel has them, else the plain one
     /// (tc_fanout_plain.bpf.c: its key map's kptr type would not exist in the kernel).
@@ -64,7 +68,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     /// What the kernel's helpers accept, as handed to the program (its read-only options).
     let features: TCKernelFeatures
 
-    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, ampConfigs, ampClients, capture, captureConfigs, captureStats, quicKeyProgram].filter { $0 >= 0 } }
+    private var descriptors: [Int32] { [program, listeners, sets, roundRobin, fragments, stats, backendStats, associations, liveBackends, nat, poolSources, quicConfigs, quicIDs, quicKeys, templates, templateStats, quicStats, rateConfigs, rateBuckets, rateAllow, rateStats, ampConfigs, ampClients, capture, captureConfigs, captureStats, routeState, hops, quicKeyProgram].filter { $0 >= 0 } }
 
     /// The maps a restarted daemon takes over (every map but the per-CPU scratch), in the order
     /// of ``mapDescriptors``.
@@ -94,7 +98,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
     static let ownMapNames = [FANOUT_MAP_TEMPLATES_NAME, FANOUT_MAP_TEMPLATE_STATS_NAME, FANOUT_MAP_QUIC_STATS_NAME,
                               FANOUT_MAP_RATE_CONFIGS_NAME, FANOUT_MAP_RATE_BUCKETS_NAME, FANOUT_MAP_RATE_ALLOW_NAME, FANOUT_MAP_RATE_STATS_NAME,
                               FANOUT_MAP_AMP_CONFIGS_NAME, FANOUT_MAP_AMP_CLIENTS_NAME,
-                              FANOUT_MAP_CAPTURE_NAME, FANOUT_MAP_CAPTURE_CONFIGS_NAME, FANOUT_MAP_CAPTURE_STATS_NAME]
+                              FANOUT_MAP_CAPTURE_NAME, FANOUT_MAP_CAPTURE_CONFIGS_NAME, FANOUT_MAP_CAPTURE_STATS_NAME,
+                              FANOUT_MAP_ROUTE_STATE_NAME, FANOUT_MAP_HOPS_NAME]
 
     /// Loads the embedded object with its read-only options set for `features` (probed on this
     /// kernel unless given). Errors name the failing call and errno.
@@ -136,6 +141,7 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         (rateConfigs, rateBuckets, rateAllow, rateStats) = (owned[own + 3], owned[own + 4], owned[own + 5], owned[own + 6])
         (ampConfigs, ampClients) = (owned[own + 7], owned[own + 8])
         (capture, captureConfigs, captureStats) = (owned[own + 9], owned[own + 10], owned[own + 11])
+        (routeState, hops) = (owned[own + 12], owned[own + 13])
         guard crypto else {
             (quicKeys, quicKeyProgram) = (-1, -1)
             cpus = max(1, Int(libbpf_num_possible_cpus()))
@@ -950,6 +956,24 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
 
     /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
     /// slots are zeroed as downstreams are given them.
+    /// Writes the next-hop cache's route generation (0: off) and its deadline, a
+    /// CLOCK_MONOTONIC_COARSE time in nanoseconds (bpf/include/fanout_hops_shared.h).
+    func setRoute(generation: UInt32, validUntil: UInt64) throws(SystemCallError) {
+        var key: UInt32 = 0
+        var value = fanout_route_state()
+        value.generation = generation
+        value.valid_until = validUntil
+        try libbpfCall("bpf_map_update_elem \(FANOUT_MAP_ROUTE_STATE_NAME)") { bpf_map_update_elem(routeState, &key, &value, UInt64(BPF_ANY)) }
+    }
+
+    /// The next-hop cache's route state as the program reads it.
+    var route: fanout_route_state {
+        var key: UInt32 = 0
+        var value = fanout_route_state()
+        _ = bpf_map_lookup_elem(routeState, &key, &value)
+        return value
+    }
+
     func resetListener(id: UInt32) {
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
         zeroPerCPU(templateStats, key: id, as: fanout_template_stats.self)

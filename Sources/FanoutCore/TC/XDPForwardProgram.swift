@@ -49,6 +49,7 @@ final class XDPForwardProgram: LoadedXDPProgram, @unchecked Sendable {  // descr
             (FANOUT_MAP_AMP_CONFIGS_NAME, tc.ampConfigs), (FANOUT_MAP_AMP_CLIENTS_NAME, tc.ampClients),
             (FANOUT_MAP_CAPTURE_NAME, tc.capture), (FANOUT_MAP_CAPTURE_CONFIGS_NAME, tc.captureConfigs),
             (FANOUT_MAP_CAPTURE_STATS_NAME, tc.captureStats),
+            (FANOUT_MAP_ROUTE_STATE_NAME, tc.routeState), (FANOUT_MAP_HOPS_NAME, tc.hops),
         ] + (tc.crypto ? [(FANOUT_MAP_QUIC_KEYS_NAME, tc.quicKeys)] : [])
         // The same build as the tc program's: with the BPF crypto kfuncs, or plain.
         let owned = try loadEmbeddedObject(

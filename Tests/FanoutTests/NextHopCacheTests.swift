@@ -1,0 +1,194 @@
+// SPDX-License-Identifier: Apache-2.0
+import BPFKernelABI
+import CSystemShim
+import Logging
+import ReusePortLB
+import Testing
+import TestSupport
+@testable import FanoutCore
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// The next-hop cache (bpf/include/fanout_hops.h): the tc and xdp programs under
+/// BPF_PROG_TEST_RUN with the route generation written by hand (an answer used until the
+/// generation changes; off, past its deadline, or longer than the route's MTU, looked up), and
+/// the route watch that writes it against the kernel of a namespace of the test's own (on with
+/// the kernel's defaults; a new generation on a notification; off for a policy rule, a route over
+/// several next hops or by source; off when it stops).
+@Suite("next-hop cache (tc and xdp programs, the route watch)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct NextHopCacheTests {
+    static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot
+
+    static func coarseNow() -> UInt64 {
+        var time = timespec()
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &time)
+        return UInt64(time.tv_sec) * 1_000_000_000 + UInt64(time.tv_nsec)
+    }
+
+    /// The backends' neighbour entry (198.18.200.10 on t0) with link-layer address 02:00:00:00:00:`last`.
+    static func neighbour(_ fixture: TCProgramFixture, _ last: UInt8) throws {
+        let mac = String(format: "02:00:00:00:00:%02x", last)
+        let result = try run("/usr/sbin/ip", ["-n", fixture.namespace, "neigh", "replace", "198.18.200.10", "lladdr", mac, "dev", "t0", "nud", "permanent"])
+        try #require(result.status == 0, "ip neigh replace: \(result.output)")
+    }
+
+    static func mac(_ last: UInt8) -> [UInt8] { [2, 0, 0, 0, 0, last] }
+
+    /// Three datagrams to 5514 (round robin: each of its three backend slots once): the
+    /// destination MAC each left with.
+    static func macs(_ run: ([UInt8]) -> (UInt32, [UInt8]), expecting action: UInt32) -> [[UInt8]] {
+        (1...3).map { _ in
+            let (verdict, output) = run(Packet.ipv4(payload: Array("hop".utf8)))
+            return verdict == action && output.count >= 6 ? Array(output[0..<6]) : []
+        }
+    }
+
+    /// The same steps through either program: `run` one frame.
+    static func cachedUntilTheGenerationChanges(_ fixture: TCProgramFixture, action: UInt32, run: ([UInt8]) -> (UInt32, [UInt8])) throws {
+        let far = coarseNow() + 600_000_000_000
+        // Off (a new program's state): each datagram is looked up.
+        try neighbour(fixture, 0x0b)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0b), count: 3), "off: looked up")
+        try neighbour(fixture, 0x0c)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0c), count: 3), "off: looked up again")
+        // On: the first datagram of each slot is looked up and kept; the next take the kept answer
+        // even though the neighbour changed, until the generation does.
+        try fixture.program.setRoute(generation: 1, validUntil: far)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0c), count: 3), "on: looked up and kept")
+        try neighbour(fixture, 0x0d)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0c), count: 3), "on: the kept answer (the neighbour changed unnoticed)")
+        try fixture.program.setRoute(generation: 2, validUntil: far)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0d), count: 3), "a new generation: looked up again")
+        // Past its deadline the generation holds nothing.
+        try neighbour(fixture, 0x0e)
+        try fixture.program.setRoute(generation: 2, validUntil: coarseNow() - 1)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0e), count: 3), "past the deadline: looked up")
+        // Off again.
+        try fixture.program.setRoute(generation: 3, validUntil: far)
+        _ = macs(run, expecting: action)
+        try neighbour(fixture, 0x0a)
+        try fixture.program.setRoute(generation: 0, validUntil: far)
+        #expect(macs(run, expecting: action) == Array(repeating: mac(0x0a), count: 3), "off: looked up")
+    }
+
+    @Test("tc: an answer kept per backend slot is used until the generation changes; off or past its deadline, looked up")
+    func tcKept() throws {
+        let fixture = try TCProgramFixture()
+        try Self.cachedUntilTheGenerationChanges(fixture, action: Self.redirect) { fixture.execute($0) }
+        #expect(fixture.stats(0).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)] == 24, "every datagram forwarded")
+    }
+
+    @Test("xdp: the same answers through the xdp program (which shares the tc program's cache)")
+    func xdpKept() throws {
+        let rig = try XDPForwardProgramTests.Rig()
+        try Self.cachedUntilTheGenerationChanges(rig.fixture, action: XDPForwardProgramTests.redirect) { rig.run($0) }
+        #expect(rig.verdict(0, FANOUT_VERDICT_FORWARDED) == 24, "every datagram forwarded at XDP")
+    }
+
+    @Test("tc: a datagram longer than the kept route's MTU is looked up and dropped too_large; one within it uses the kept answer")
+    func tcMTU() throws {
+        let fixture = try TCProgramFixture()
+        try fixture.add(TCProgramFixture.listenerBind(5602), id: 9, BackendSet(
+            downstreams: [Downstream(name: "narrow", address: SocketAddress("198.18.210.10:7200")!)], balancing: .roundRobin, slots: ["narrow": 5]))
+        try fixture.program.setRoute(generation: 1, validUntil: Self.coarseNow() + 600_000_000_000)
+        let small = Packet.ipv4(payload: [UInt8](repeating: 7, count: 100), port: 5602)
+        let large = Packet.ipv4(payload: [UInt8](repeating: 7, count: 1000), port: 5602)
+        #expect(fixture.execute(small).verdict == Self.redirect, "looked up, kept (route MTU 600)")
+        #expect(fixture.execute(large).verdict == Self.shot, "longer than the kept MTU: looked up, too large")
+        #expect(fixture.execute(small).verdict == Self.redirect)
+        let counted = fixture.program.backendStats(id: 9, slot: 5)
+        #expect(counted.tooLarge == 1 && counted.packets == 2, "\(counted)")
+    }
+
+    /// Runs `body` on a thread inside the fixture's namespace.
+    static func inNamespace(_ fixture: TCProgramFixture, _ body: @escaping @Sendable () -> Void) {
+        let fd = fixture.namespaceFD
+        OSThread(name: "hop-test") {
+            guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
+            body()
+        }.join()
+    }
+
+    static func ip(_ fixture: TCProgramFixture, _ arguments: [String]) throws -> Bool {
+        try run("/usr/sbin/ip", ["-n", fixture.namespace] + arguments).status == 0
+    }
+
+    @Test("The route watch: on with the kernel's defaults, a new generation on a notification; off for a policy rule, a route over several next hops or by source, and when it stops")
+    func watch() throws {
+        let fixture = try TCProgramFixture()
+        let watch = TCRouteWatch(program: fixture.program, logger: Logger(label: "route-watch-test"))
+        Self.inNamespace(fixture) { watch.start() }
+        defer { watch.stop() }
+        let program = fixture.program
+        try waitUntil("on with the kernel's default rules and routes") { program.route.generation != 0 }
+        // A notification (a neighbour replaced) makes a new generation.
+        var seen = watch.notifications.load(ordering: .relaxed)
+        var generation = program.route.generation
+        try Self.neighbour(fixture, 0x0b)
+        try waitUntil("a neighbour's notification seen") { watch.notifications.load(ordering: .relaxed) > seen }
+        try waitUntil("a new generation after it") { program.route.generation != generation && program.route.generation != 0 }
+        #expect(program.route.valid_until > Self.coarseNow(), "a deadline ahead")
+        // A policy rule: off, and it stays off through renewals.
+        try #require(try Self.ip(fixture, ["rule", "add", "from", "198.18.0.0/16", "table", "100", "priority", "100"]))
+        try waitUntil("off for a policy rule") { program.route.generation == 0 }
+        usleep(1_500_000)
+        #expect(program.route.generation == 0, "stays off past a renewal")
+        try #require(try Self.ip(fixture, ["rule", "del", "priority", "100"]))
+        try waitUntil("on again once the rule is gone") { program.route.generation != 0 }
+        // A route over two next hops (ECMP) in the main table: off; gone: on.
+        try #require(try Self.ip(fixture, ["route", "add", "198.19.60.0/24", "nexthop", "via", "198.18.200.10", "dev", "t0", "nexthop", "via", "198.18.200.11", "dev", "t0"]))
+        try waitUntil("off for a route over several next hops") { program.route.generation == 0 }
+        try #require(try Self.ip(fixture, ["route", "del", "198.19.60.0/24"]))
+        try waitUntil("on again once that route is gone") { program.route.generation != 0 }
+        // A route in a table no default rule looks up changes nothing but the generation.
+        seen = watch.notifications.load(ordering: .relaxed)
+        generation = program.route.generation
+        try #require(try Self.ip(fixture, ["route", "add", "198.19.61.0/24", "table", "100", "nexthop", "via", "198.18.200.10", "dev", "t0", "nexthop", "via", "198.18.200.11", "dev", "t0"]))
+        try waitUntil("the other table's notification seen") { watch.notifications.load(ordering: .relaxed) > seen }
+        try waitUntil("a new generation, still on") { program.route.generation != generation && program.route.generation != 0 }
+        // An IPv6 route chosen by source (where the kernel has source routing).
+        if try Self.ip(fixture, ["-6", "route", "add", "2001:db8:300::/64", "from", "2001:db8:50::/64", "dev", "t0"]) {
+            try waitUntil("off for a route by source") { program.route.generation == 0 }
+            try #require(try Self.ip(fixture, ["-6", "route", "del", "2001:db8:300::/64", "from", "2001:db8:50::/64", "dev", "t0"]))
+            try waitUntil("on again once it is gone") { program.route.generation != 0 }
+        }
+        watch.stop()
+        #expect(program.route.generation == 0, "off once stopped")
+    }
+
+    @Test("Rules and routes as the kernel lists them: the defaults pass; a selector, another table or priority, a spread, a source or TOS route do not")
+    func classification() {
+        func rule(family: Int32 = AF_INET, priority: UInt32, table: UInt32, extra: [(UInt16, [UInt8])] = [], header: [UInt8] = []) -> [UInt8] {
+            var payload: [UInt8] = header.isEmpty ? [UInt8(family), 0, 0, 0, UInt8(min(table, 252)), 0, 0, 1, 0, 0, 0, 0] : header
+            for (type, value) in [(UInt16(15), withUnsafeBytes(of: table) { Array($0) }), (UInt16(6), withUnsafeBytes(of: priority) { Array($0) })] + extra {
+                NextHopResolver.appendAttribute(&payload, type: type, value)
+            }
+            return payload
+        }
+        #expect(TCRouteWatch.ruleProblem(rule(priority: 32766, table: 254)) == nil)
+        #expect(TCRouteWatch.ruleProblem(rule(family: AF_INET6, priority: 32766, table: 254)) == nil)
+        #expect(TCRouteWatch.ruleProblem(rule(priority: 32766, table: 254, extra: [(14, [0xff, 0xff, 0xff, 0xff]), (21, [2])])) == nil, "unset suppress_prefixlen, protocol")
+        #expect(TCRouteWatch.ruleProblem(rule(priority: 100, table: 100)) != nil)
+        #expect(TCRouteWatch.ruleProblem(rule(family: AF_INET6, priority: 32767, table: 253)) != nil, "IPv6 has no default table rule")
+        #expect(TCRouteWatch.ruleProblem(rule(priority: 32766, table: 254, extra: [(10, [1, 0, 0, 0])])) != nil, "a fwmark selector")
+        #expect(TCRouteWatch.ruleProblem(rule(priority: 32766, table: 254, header: [UInt8(AF_INET), 0, 16, 0, 254, 0, 0, 1, 0, 0, 0, 0])) != nil, "from a prefix")
+        #expect(TCRouteWatch.ruleProblem([2, 0]) != nil, "unreadable")
+        func route(family: Int32 = AF_INET, source: UInt8 = 0, tos: UInt8 = 0, table: UInt8 = 254, extra: [(UInt16, [UInt8])] = []) -> [UInt8] {
+            var payload: [UInt8] = [UInt8(family), 24, source, tos, table, 3, 0, 1, 0, 0, 0, 0]
+            NextHopResolver.appendAttribute(&payload, type: 1, family == AF_INET ? [198, 19, 0, 0] : [UInt8](repeating: 0x20, count: 16))
+            for (type, value) in extra { NextHopResolver.appendAttribute(&payload, type: type, value) }
+            return payload
+        }
+        #expect(TCRouteWatch.routeProblem(route()) == nil)
+        #expect(TCRouteWatch.routeProblem(route(extra: [(9, [0, 0, 0, 0])])) != nil, "multipath")
+        #expect(TCRouteWatch.routeProblem(route(extra: [(30, [1, 0, 0, 0])])) != nil, "a next-hop object")
+        #expect(TCRouteWatch.routeProblem(route(family: AF_INET6, source: 64)) != nil, "by source")
+        #expect(TCRouteWatch.routeProblem(route(tos: 0x10)) != nil, "by TOS")
+        #expect(TCRouteWatch.routeProblem(route(table: 100, extra: [(9, [0, 0, 0, 0])])) == nil, "a table no default rule looks up")
+        #expect(TCRouteWatch.routeProblem(route(table: 252, extra: [(15, [0, 1, 0, 0]), (9, [0, 0, 0, 0])])) == nil, "RTA_TABLE 256")
+        #expect(TCRouteWatch.change(type: 28, payload: []) == .generation && TCRouteWatch.change(type: 32, payload: []) == .policy)
+        #expect(TCRouteWatch.change(type: 24, payload: route(table: 100)) == .generation && TCRouteWatch.change(type: 24, payload: route()) == .policy)
+    }
+}
