@@ -16,16 +16,12 @@ import Glibc
 /// generation changes; off, past its deadline, or longer than the route's MTU, looked up), and
 /// the route watch that writes it against the kernel of a namespace of the test's own (on with
 /// the kernel's defaults; a new generation on a notification; off for a policy rule, a route over
-/// several next hops or by source; off when it stops).
+/// several next hops, a next-hop group or by source; off when it stops).
 @Suite("next-hop cache (tc and xdp programs, the route watch)", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct NextHopCacheTests {
     static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot
 
-    static func coarseNow() -> UInt64 {
-        var time = timespec()
-        clock_gettime(CLOCK_MONOTONIC_COARSE, &time)
-        return UInt64(time.tv_sec) * 1_000_000_000 + UInt64(time.tv_nsec)
-    }
+    static func coarseNow() -> UInt64 { TCRouteWatch.coarseNow() }
 
     /// The backends' neighbour entry (198.18.200.10 on t0) with link-layer address 02:00:00:00:00:`last`.
     static func neighbour(_ fixture: TCProgramFixture, _ last: UInt8) throws {
@@ -115,7 +111,7 @@ struct NextHopCacheTests {
         try run("/usr/sbin/ip", ["-n", fixture.namespace] + arguments).status == 0
     }
 
-    @Test("The route watch: on with the kernel's defaults, a new generation on a notification; off for a policy rule, a route over several next hops or by source, and when it stops")
+    @Test("The route watch: on with the kernel's defaults, a new generation on a notification; off for a policy rule, a route over several next hops, a next-hop group or by source, and when it stops")
     func watch() throws {
         let fixture = try TCProgramFixture()
         let watch = TCRouteWatch(program: fixture.program, logger: Logger(label: "route-watch-test"))
@@ -132,14 +128,14 @@ struct NextHopCacheTests {
         #expect(program.route.valid_until > Self.coarseNow(), "a deadline ahead")
         // A policy rule: off, and it stays off through renewals.
         try #require(try Self.ip(fixture, ["rule", "add", "from", "198.18.0.0/16", "table", "100", "priority", "100"]))
-        try waitUntil("off for a policy rule") { program.route.generation == 0 }
+        try waitUntil("off for a policy rule") { program.route.generation == 0 && watch.problem?.contains("priority 100") == true }
         usleep(1_500_000)
         #expect(program.route.generation == 0, "stays off past a renewal")
         try #require(try Self.ip(fixture, ["rule", "del", "priority", "100"]))
         try waitUntil("on again once the rule is gone") { program.route.generation != 0 }
         // A route over two next hops (ECMP) in the main table: off; gone: on.
         try #require(try Self.ip(fixture, ["route", "add", "198.19.60.0/24", "nexthop", "via", "198.18.200.10", "dev", "t0", "nexthop", "via", "198.18.200.11", "dev", "t0"]))
-        try waitUntil("off for a route over several next hops") { program.route.generation == 0 }
+        try waitUntil("off for a route over several next hops") { program.route.generation == 0 && watch.problem?.contains("several next hops") == true }
         try #require(try Self.ip(fixture, ["route", "del", "198.19.60.0/24"]))
         try waitUntil("on again once that route is gone") { program.route.generation != 0 }
         // A route in a table no default rule looks up changes nothing but the generation.
@@ -150,15 +146,29 @@ struct NextHopCacheTests {
         try waitUntil("a new generation, still on") { program.route.generation != generation && program.route.generation != 0 }
         // An IPv6 route chosen by source (where the kernel has source routing).
         if try Self.ip(fixture, ["-6", "route", "add", "2001:db8:300::/64", "from", "2001:db8:50::/64", "dev", "t0"]) {
-            try waitUntil("off for a route by source") { program.route.generation == 0 }
+            try waitUntil("off for a route by source") { program.route.generation == 0 && watch.problem?.contains("by source") == true }
             try #require(try Self.ip(fixture, ["-6", "route", "del", "2001:db8:300::/64", "from", "2001:db8:50::/64", "dev", "t0"]))
             try waitUntil("on again once it is gone") { program.route.generation != 0 }
+        }
+        // Next-hop objects (where the kernel has them): a route through a single one stays on, through a group goes off.
+        if try Self.ip(fixture, ["nexthop", "add", "id", "71", "via", "198.18.200.10", "dev", "t0"]),
+           try Self.ip(fixture, ["nexthop", "add", "id", "72", "via", "198.18.200.11", "dev", "t0"]),
+           try Self.ip(fixture, ["nexthop", "add", "id", "70", "group", "71/72"]) {
+            seen = watch.notifications.load(ordering: .relaxed)
+            try #require(try Self.ip(fixture, ["route", "add", "198.19.62.0/24", "nhid", "71"]))
+            try waitUntil("the route's notification seen") { watch.notifications.load(ordering: .relaxed) > seen }
+            try waitUntil("still on through a single next-hop object") { program.route.generation != 0 && watch.problem == nil }
+            try #require(try Self.ip(fixture, ["route", "add", "198.19.63.0/24", "nhid", "70"]))
+            // (With net.ipv4.nexthop_compat_mode, the default, the kernel also lists the group's next hops.)
+            try waitUntil("off through a next-hop group") { program.route.generation == 0 && watch.problem?.contains("198.19.63.0/24") == true }
+            try #require(try Self.ip(fixture, ["nexthop", "del", "id", "70"]))
+            try waitUntil("on again once the group (and its route) is gone") { program.route.generation != 0 && watch.problem == nil }
         }
         watch.stop()
         #expect(program.route.generation == 0, "off once stopped")
     }
 
-    @Test("Rules and routes as the kernel lists them: the defaults pass; a selector, another table or priority, a spread, a source or TOS route do not")
+    @Test("Rules, routes and next-hop objects as the kernel lists them: the defaults, plain and TOS routes, other tables and single next-hop objects pass; a selector, another table or priority, a spread, a group, a source route do not, until replaced or deleted")
     func classification() {
         func rule(family: Int32 = AF_INET, priority: UInt32, table: UInt32, extra: [(UInt16, [UInt8])] = [], header: [UInt8] = []) -> [UInt8] {
             var payload: [UInt8] = header.isEmpty ? [UInt8(family), 0, 0, 0, UInt8(min(table, 252)), 0, 0, 1, 0, 0, 0, 0] : header
@@ -181,14 +191,49 @@ struct NextHopCacheTests {
             for (type, value) in extra { NextHopResolver.appendAttribute(&payload, type: type, value) }
             return payload
         }
-        #expect(TCRouteWatch.routeProblem(route()) == nil)
-        #expect(TCRouteWatch.routeProblem(route(extra: [(9, [0, 0, 0, 0])])) != nil, "multipath")
-        #expect(TCRouteWatch.routeProblem(route(extra: [(30, [1, 0, 0, 0])])) != nil, "a next-hop object")
-        #expect(TCRouteWatch.routeProblem(route(family: AF_INET6, source: 64)) != nil, "by source")
-        #expect(TCRouteWatch.routeProblem(route(tos: 0x10)) != nil, "by TOS")
-        #expect(TCRouteWatch.routeProblem(route(table: 100, extra: [(9, [0, 0, 0, 0])])) == nil, "a table no default rule looks up")
-        #expect(TCRouteWatch.routeProblem(route(table: 252, extra: [(15, [0, 1, 0, 0]), (9, [0, 0, 0, 0])])) == nil, "RTA_TABLE 256")
-        #expect(TCRouteWatch.change(type: 28, payload: []) == .generation && TCRouteWatch.change(type: 32, payload: []) == .policy)
-        #expect(TCRouteWatch.change(type: 24, payload: route(table: 100)) == .generation && TCRouteWatch.change(type: 24, payload: route()) == .policy)
+        var policy = TCRouteWatch.Policy()
+        var looked = policy.noteRoute(route(), flags: 0, deleted: false)
+        #expect(looked && policy.problem == nil, "a plain route")
+        looked = policy.noteRoute(route(tos: 0x10), flags: 0, deleted: false)
+        #expect(looked && policy.problem == nil, "by TOS: the programs look up TOS 0, as cached")
+        looked = policy.noteRoute(route(table: 100, extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(!looked && policy.problem == nil, "a table no default rule looks up")
+        looked = policy.noteRoute(route(table: 252, extra: [(15, [0, 1, 0, 0]), (9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(!looked && policy.problem == nil, "RTA_TABLE 256")
+        _ = policy.noteRoute(route(extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(policy.problem?.contains("several next hops") == true, "multipath")
+        _ = policy.noteRoute(route(), flags: 0, deleted: false)
+        #expect(policy.problem == nil, "replaced by a plain route")
+        _ = policy.noteRoute(route(extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        _ = policy.noteRoute(route(), flags: 0, deleted: true)
+        #expect(policy.problem == nil && !policy.readRoutes, "an IPv4 spread deleted whole")
+        _ = policy.noteRoute(route(family: AF_INET6, extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        _ = policy.noteRoute(route(family: AF_INET6), flags: 0, deleted: true)
+        #expect(policy.readRoutes, "an IPv6 spread's next hop deleted: read again")
+        policy.readRoutes = false
+        _ = policy.noteRoute(route(family: AF_INET6), flags: 0x800, deleted: false)
+        #expect(policy.problem?.contains("several next hops") == true, "IPv6 NLM_F_APPEND: a next hop added to a spread")
+        _ = policy.noteRoute(route(family: AF_INET6), flags: 0, deleted: true)
+        policy.readRoutes = false
+        _ = policy.noteRoute(route(family: AF_INET6, source: 64), flags: 0, deleted: false)
+        #expect(policy.problem?.contains("by source") == true)
+        _ = policy.noteRoute(route(family: AF_INET6, source: 64), flags: 0, deleted: true)
+        policy.readRoutes = false
+        // Next-hop objects: one is a single next hop, a group spreads.
+        func nexthop(_ id: UInt32, group: Bool) -> [UInt8] {
+            var payload: [UInt8] = [UInt8(AF_INET), 0, 3, 0, 0, 0, 0, 0]
+            NextHopResolver.appendAttribute(&payload, type: 1, withUnsafeBytes(of: id) { Array($0) })
+            if group { NextHopResolver.appendAttribute(&payload, type: 2, [1, 0, 0, 0, 0, 0, 0, 0]) }
+            return payload
+        }
+        _ = policy.noteNexthop(nexthop(7, group: false), deleted: false)
+        _ = policy.noteNexthop(nexthop(8, group: true), deleted: false)
+        _ = policy.noteRoute(route(extra: [(30, [7, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(policy.problem == nil, "through a single next-hop object")
+        _ = policy.noteRoute(route(extra: [(30, [8, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(policy.problem?.contains("next-hop group 8") == true)
+        _ = policy.noteNexthop(nexthop(8, group: true), deleted: true)
+        #expect(policy.readRoutes, "a group deleted takes its routes along unannounced: read again")
     }
 }
+

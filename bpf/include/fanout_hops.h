@@ -40,7 +40,7 @@ static __always_inline struct fanout_route_state *route_state_on(void)
 	return state;
 }
 
-/* This CPU's entry for backend slot `slot` of listener or pool `id`, or NULL. */
+/* This CPU's entry for backend slot `slot` of listener `id`, or NULL. */
 static __always_inline struct fanout_hop *hop_entry(__u32 id, __u32 slot)
 {
 	if (id >= FANOUT_MAX_LISTENERS || slot >= FANOUT_MAX_BACKENDS)
@@ -70,6 +70,8 @@ static __always_inline int hop_answers(struct fanout_hop *hop, __u32 generation,
 static __always_inline void hop_keep(struct fanout_hop *hop, __u32 generation, const __u32 *addr, __u8 family,
 				     __u32 ifindex, struct bpf_fib_lookup *fib)
 {
+	/* Not an answer while written (a program preempted on a real-time kernel). */
+	hop->generation = 0;
 	__builtin_memcpy(hop->addr, addr, sizeof(hop->addr));
 	hop->ifindex = ifindex;
 	hop->family = family;

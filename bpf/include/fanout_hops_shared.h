@@ -1,14 +1,14 @@
 /* SPDX-License-Identifier: GPL-2.0 OR BSD-2-Clause */
 /*
  * The next-hop cache of the tc and xdp programs (fanout_hops.h), shared with userspace
- * (BPFKernelABI.h): what bpf_fib_lookup answered toward a backend or replication pool member,
- * kept per CPU by backend slot and used again while the route generation the daemon writes
+ * (BPFKernelABI.h): what bpf_fib_lookup answered toward a listener's backend (a client's
+ * datagram; not a reply, not a replication pool's copy), kept per CPU by backend slot and used again while the route generation the daemon writes
  * stays the same. The daemon (TCRouteWatch.swift) writes a new generation whenever the kernel
  * says its routes, rules, neighbours, links, addresses or next hops changed, and once a second
  * for what it does not say (a path MTU learned), each time with a deadline 3 seconds on: past
  * it (a daemon that stopped or hangs) the cache is off. It writes 0 (off: every datagram is
  * looked up) where one answer cannot serve every datagram to a destination (policy routing
- * rules, routes over several next hops, by source or by TOS), and when it stops. Neither map is
+ * rules, routes over several next hops or by source), and when it stops. Neither map is
  * handed to a restarted daemon: each process starts with the cache off until its own watch runs.
  */
 #ifndef FANOUT_HOPS_SHARED_H
@@ -28,7 +28,7 @@ struct fanout_route_state {
 	__u64 valid_until; /* CLOCK_MONOTONIC_COARSE ns (bpf_ktime_get_coarse_ns): off from then on */
 };
 
-/* One cached answer (FANOUT_MAP_HOPS, per CPU, key listener or pool id * FANOUT_MAX_BACKENDS +
+/* One cached answer (FANOUT_MAP_HOPS, per CPU, key listener id * FANOUT_MAX_BACKENDS +
  * backend slot): the route toward `addr` of a datagram that arrived at `ifindex`. */
 struct fanout_hop {
 	__u32 addr[4];    /* the destination looked up, network order (IPv4: addr[0]) */

@@ -10,7 +10,7 @@
  * incremental updates. Self-contained: includes linux/bpf.h, linux/if_ether.h, bpf_helpers.h,
  * fanout_shared.h, parse.h (struct packet, AF_INET, IPPROTO_UDP), csum.h and
  * fanout_maps.h itself, so nothing has to come before it; like fanout_maps.h, for the tc
- * program only.
+ * program, and the xdp program for route_request and route_forward.
  */
 #ifndef FANOUT_REDIRECT_H
 #define FANOUT_REDIRECT_H
@@ -52,7 +52,7 @@ static __always_inline void route_request(struct packet *p, struct fanout_backen
 }
 
 /* The route of a client's datagram toward backend or pool member `to` (slot to->counter_slot of
- * listener or pool `id`), arrived at `ifindex`, `tot_len` its IP length (0: not checked), into
+ * listener `id`), arrived at `ifindex`, `tot_len` its IP length (0: not checked), into
  * `fib` (zeroed by the caller): bpf_fib_lookup's result. While the daemon's route generation
  * holds (fanout_hops.h), a successful answer is kept and used again for the next datagram toward
  * the same destination from the same interface, as long as it is no longer than the route's MTU;
@@ -62,20 +62,24 @@ static __always_inline void route_request(struct packet *p, struct fanout_backen
 static __always_inline long route_forward(void *ctx, struct packet *p, struct fanout_backend *to, __u32 id,
 					  __u32 ifindex, __u32 tot_len, struct bpf_fib_lookup *fib)
 {
+	/* The generation in force before the lookup: its answer is kept as of then, so a change the
+	 * daemon writes while the lookup runs makes it stale at once. */
+	__u32 generation = 0;
 	if (tot_len) {
 		struct fanout_route_state *state = route_state_on();
 		struct fanout_hop *hop = state ? hop_entry(id, to->counter_slot) : NULL;
-		if (hop && hop_answers(hop, state->generation, to->addr, p->family, ifindex, tot_len, fib))
+		if (state)
+			generation = state->generation;
+		if (hop && hop_answers(hop, generation, to->addr, p->family, ifindex, tot_len, fib))
 			return BPF_FIB_LKUP_RET_SUCCESS;
 	}
 	route_request(p, to, 0, ifindex, tot_len, fib);
 	long route = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
-	/* Found again rather than kept across the call (the pools' copies have no stack to spare). */
-	if (route == BPF_FIB_LKUP_RET_SUCCESS && tot_len) {
-		struct fanout_route_state *state = route_state_on();
-		struct fanout_hop *hop = state ? hop_entry(id, to->counter_slot) : NULL;
+	/* The entry found again rather than kept across the call (less to spill on the stack). */
+	if (route == BPF_FIB_LKUP_RET_SUCCESS && generation) {
+		struct fanout_hop *hop = hop_entry(id, to->counter_slot);
 		if (hop)
-			hop_keep(hop, state->generation, to->addr, p->family, ifindex, fib);
+			hop_keep(hop, generation, to->addr, p->family, ifindex, fib);
 	}
 	return route;
 }

@@ -954,8 +954,6 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return SocketAddress(ip: IPAddress(bytes: bytes)!, port: UInt16(bigEndian: port))
     }
 
-    /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
-    /// slots are zeroed as downstreams are given them.
     /// Writes the next-hop cache's route generation (0: off) and its deadline, a
     /// CLOCK_MONOTONIC_COARSE time in nanoseconds (bpf/include/fanout_hops_shared.h).
     func setRoute(generation: UInt32, validUntil: UInt64) throws(SystemCallError) {
@@ -974,6 +972,8 @@ final class TCProgram: @unchecked Sendable {  // descriptors only; callers seria
         return value
     }
 
+    /// Zeroes a listener id's counters and rotation positions before it is (re)used; backend
+    /// slots are zeroed as downstreams are given them.
     func resetListener(id: UInt32) {
         zeroPerCPU(stats, key: id, as: fanout_stats.self)
         zeroPerCPU(templateStats, key: id, as: fanout_template_stats.self)

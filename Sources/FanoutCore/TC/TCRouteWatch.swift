@@ -11,13 +11,13 @@ import SystemCalls
 /// Keeps the tc and xdp programs' next-hop cache (bpf/include/fanout_hops_shared.h) true to the
 /// kernel's routing, from a thread of its own in the daemon's network namespace.
 ///
-/// The programs keep, per CPU and backend slot, what bpf_fib_lookup answered toward a backend or
-/// replication pool member, and use it for the next datagram to the same destination while the
-/// route generation written here is the one they looked it up at, and its deadline has not
-/// passed. This watch:
+/// The programs keep, per CPU and backend slot, what bpf_fib_lookup answered toward a listener's
+/// backend (a client's datagram), and use it for the next datagram to the same destination from
+/// the same interface while the route generation written here is the one they looked it up at,
+/// and its deadline has not passed. This watch:
 /// - listens to the kernel's routing notifications (links, addresses, neighbours, routes, rules,
-///   next-hop objects, both families) and writes a new generation after each batch of them, so
-///   the next datagram is looked up again;
+///   next-hop objects, forwarding settings; both families) and writes a new generation after each
+///   batch of them, so the next datagram is looked up again;
 /// - writes a new generation once a second anyway, for what the kernel does not notify (a path
 ///   MTU learned), each time with a deadline 3 seconds on: a daemon that stopped or hangs leaves
 ///   the cache off;
@@ -25,7 +25,9 @@ import SystemCalls
 ///   answer cannot serve every datagram to a destination: policy routing rules other than the
 ///   kernel's defaults (they may choose by source, port, mark or interface), or a route in the
 ///   tables those defaults look up that spreads over several next hops (the kernel hashes each
-///   flow to one), chooses by source or by TOS, or uses a next-hop object;
+///   flow to one: a multipath route or a next-hop group) or is chosen by source. It reads the
+///   rules, routes and next-hop objects whole at start and when notifications were lost, then
+///   follows them from the notifications (the rules, small, are read again on each change);
 /// - writes 0 when it stops, before the program can outlive it (a data path handed over).
 /// Between a change in the kernel and this watch's next write, a datagram may still take the way
 /// looked up before the change (the notification's delay: well under a millisecond when the
@@ -43,8 +45,8 @@ final class TCRouteWatch: Sendable {
     static let renewal: UInt64 = 1_000_000_000
 
     /// The notification groups (RTNLGRP_*): link, neighbour, IPv4 address, route and rule, IPv6
-    /// address, route and rule, next-hop objects.
-    static let groups: [Int32] = [1, 3, 5, 7, 8, 9, 11, 19, 32]
+    /// address, route and rule, IPv4 and IPv6 netconf (forwarding turned off), next-hop objects.
+    static let groups: [Int32] = [1, 3, 5, 7, 8, 9, 11, 19, 24, 25, 32]
 
     init(program: TCProgram, logger: Logger) {
         self.program = program
@@ -62,38 +64,147 @@ final class TCRouteWatch: Sendable {
     /// Stops the watch and turns the cache off. Idempotent.
     func stop() {
         stopping.store(true, ordering: .releasing)
-        thread.withLock { $0 }?.join()
+        thread.withLock { thread in
+            defer { thread = nil }
+            return thread
+        }?.join()
         write(generation: 0, validUntil: 0)
     }
 
+    /// Why the cache is off now (nil: on, or not known yet).
+    var problem: String? { current.withLock { $0 } }
+    private let current = Mutex<String?>(nil)
+
     // MARK: The routing policy
 
-    /// Why one answer per destination cannot serve every datagram here, or nil when it can:
-    /// the rules and routes of both families, as the kernel lists them.
-    static func policyProblem() -> String? {
-        for family in [AF_INET, AF_INET6] {
-            var problem: String?
-            do throws(SystemCallError) {
+    /// What of the kernel's routing decides whether one answer per destination serves every
+    /// datagram: the rules, and the routes of the tables the default rules look up (local, main,
+    /// default) that spread over several next hops or are chosen by source. Read whole at start
+    /// (and when notifications were lost), then kept from the notifications.
+    struct Policy {
+        /// A route as the kernel keys it.
+        struct RouteKey: Hashable {
+            var family: UInt8, table: UInt32, destination: [UInt8], length: UInt8, source: [UInt8], sourceLength: UInt8, tos: UInt8, metric: UInt32
+        }
+
+        /// The first rule that is not one of the kernel's defaults, described.
+        var rule: String?
+        /// The routes that make the cache wrong, each described.
+        var routes: [RouteKey: String] = [:]
+        /// The next-hop objects that are groups (their type never changes while they exist).
+        var groups: Set<UInt32> = []
+        /// A notification that the model cannot follow by itself: the routes are read again
+        /// (an IPv6 next hop of a spread deleted; a group deleted with the routes using it).
+        var readRoutes = false
+
+        /// Why the cache cannot serve, or nil.
+        var problem: String? { rule ?? routes.values.min() }
+
+        /// Reads rules, next-hop objects and routes of both families.
+        mutating func readAll() throws(SystemCallError) {
+            try readRules()
+            groups = []
+            // nhmsg (family, scope, protocol, resvd, flags u32); a kernel without next-hop
+            // objects answers with an error: none.
+            try Rtnetlink.request(type: 106, flags: 0x300, body: [UInt8](repeating: 0, count: 8)) { message in  // RTM_GETNEXTHOP, dump
+                if message.type == 104 { _ = noteNexthop(message.payload, deleted: false) }  // RTM_NEWNEXTHOP
+            }
+            try readAllRoutes()
+        }
+
+        mutating func readRules() throws(SystemCallError) {
+            rule = nil
+            for family in [AF_INET, AF_INET6] {
+                var failed: Int32 = 0
+                var found: String?
                 // fib_rule_hdr (family, dst_len, src_len, tos, table, res1, res2, action, flags u32).
                 try Rtnetlink.request(type: 34, flags: 0x300, body: [UInt8(family)] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETRULE, dump
-                    if problem == nil, message.type == 32 { problem = ruleProblem(message.payload) }  // RTM_NEWRULE
+                    if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
+                    if found == nil, message.type == 32 { found = TCRouteWatch.ruleProblem(message.payload) }  // RTM_NEWRULE
                 }
-                if let problem { return problem }
+                // IPv6 may be off in this kernel: it has no rules then.
+                if failed != 0 && !(family == AF_INET6 && failed == EAFNOSUPPORT) {
+                    throw SystemCallError(call: "dump the routing rules (RTM_GETRULE)", errno: failed)
+                }
+                if rule == nil { rule = found }
+            }
+        }
+
+        mutating func readAllRoutes() throws(SystemCallError) {
+            routes = [:]
+            readRoutes = false
+            for family in [AF_INET, AF_INET6] {
+                var failed: Int32 = 0
                 // rtmsg (family, dst_len, src_len, tos, table, protocol, scope, type, flags u32).
                 try Rtnetlink.request(type: 26, flags: 0x300, body: [UInt8(family)] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETROUTE, dump
-                    if problem == nil, message.type == 24 { problem = routeProblem(message.payload) }  // RTM_NEWROUTE
+                    if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
+                    if message.type == 24 { _ = noteRoute(message.payload, flags: 0, deleted: false) }  // RTM_NEWROUTE
                 }
-            } catch {
-                return "the routing rules and routes could not be read (\(error))"
+                if failed != 0 && !(family == AF_INET6 && failed == EAFNOSUPPORT) {
+                    throw SystemCallError(call: "dump the routes (RTM_GETROUTE)", errno: failed)
+                }
             }
-            if let problem { return problem }
         }
-        return nil
-    }
 
-    /// The kernel's own rules (priority, table): IPv4 local, main, default; IPv6 local, main.
-    static let defaultRules: Set<[UInt32]> = [[UInt32(AF_INET), 0, 255], [UInt32(AF_INET), 32766, 254], [UInt32(AF_INET), 32767, 253],
-                                              [UInt32(AF_INET6), 0, 255], [UInt32(AF_INET6), 32766, 254]]
+        /// Follows a route notification (or a dumped route): whether it is of the tables looked up.
+        mutating func noteRoute(_ payload: [UInt8], flags: UInt16, deleted: Bool) -> Bool {
+            guard payload.count >= 12 else {
+                readRoutes = true
+                return true
+            }
+            var key = RouteKey(family: payload[0], table: UInt32(payload[4]), destination: [], length: payload[1], source: [],
+                               sourceLength: payload[2], tos: payload[3], metric: 0)
+            var spread = false
+            var nexthop: UInt32?
+            for (type, value) in NextHopResolver.attributes(payload, from: 12) {
+                switch type {
+                case 1: key.destination = value                                          // RTA_DST
+                case 2: key.source = value                                               // RTA_SRC
+                case 6 where value.count == 4: key.metric = Rtnetlink.load32(value, 0)  // RTA_PRIORITY
+                case 15 where value.count == 4: key.table = Rtnetlink.load32(value, 0)  // RTA_TABLE
+                case 9: spread = true                                                    // RTA_MULTIPATH
+                case 30 where value.count == 4: nexthop = Rtnetlink.load32(value, 0)    // RTA_NH_ID
+                default: break
+                }
+            }
+            guard (253...255).contains(key.table) else { return false }
+            if deleted {
+                // IPv6 deletes a spread's next hops one by one: what is left is read again.
+                if routes.removeValue(forKey: key) != nil, key.family == UInt8(AF_INET6) { readRoutes = true }
+                return true
+            }
+            let prefix = "\(IPAddress(bytes: key.destination).map { "\($0)" } ?? (key.family == UInt8(AF_INET6) ? "::" : "0.0.0.0"))/\(key.length)"
+            if spread || (key.family == UInt8(AF_INET6) && flags & 0x800 != 0) {  // NLM_F_APPEND: IPv6 adds a next hop to a spread
+                routes[key] = "the route to \(prefix) goes over several next hops"
+            } else if let nexthop, groups.contains(nexthop) {
+                routes[key] = "the route to \(prefix) goes over next-hop group \(nexthop)"
+            } else if key.sourceLength != 0 {
+                routes[key] = "the route to \(prefix) is chosen by source (from a /\(key.sourceLength))"
+            } else {
+                routes[key] = nil
+            }
+            return true
+        }
+
+        /// Follows a next-hop object notification (or a dumped one).
+        mutating func noteNexthop(_ payload: [UInt8], deleted: Bool) -> Bool {
+            guard payload.count >= 8 else { return false }
+            var id: UInt32?
+            var group = false
+            for (type, value) in NextHopResolver.attributes(payload, from: 8) {
+                if type == 1, value.count == 4 { id = Rtnetlink.load32(value, 0) }  // NHA_ID
+                if type == 2 { group = true }                                        // NHA_GROUP
+            }
+            guard let id else { return false }
+            if deleted || !group {
+                // A group goes with the routes that use it, unannounced: read them again.
+                if groups.remove(id) != nil { readRoutes = true }
+            } else {
+                groups.insert(id)
+            }
+            return true
+        }
+    }
 
     /// Why a rule (an RTM_NEWRULE payload) may route datagrams to one destination differently,
     /// or nil for one of the kernel's default rules: a lookup in a table, with no selector.
@@ -115,28 +226,9 @@ final class TCRouteWatch: Sendable {
         return "a policy routing rule (\(payload[0] == AF_INET6 ? "IPv6" : "IPv4") priority \(priority), table \(table); `ip rule` lists it)"
     }
 
-    /// Why a route (an RTM_NEWROUTE payload) in a table the default rules look up (local, main,
-    /// default) may route datagrams to one destination differently, or nil.
-    static func routeProblem(_ payload: [UInt8]) -> String? {
-        guard payload.count >= 12 else { return "a route the kernel listed unreadably" }
-        var table = UInt32(payload[4])
-        var destination: [UInt8] = []
-        var spread = false
-        for (type, value) in NextHopResolver.attributes(payload, from: 12) {
-            switch type {
-            case 1: destination = value                                            // RTA_DST
-            case 15 where value.count == 4: table = Rtnetlink.load32(value, 0)    // RTA_TABLE
-            case 9, 30: spread = true                                              // RTA_MULTIPATH, RTA_NH_ID
-            default: break
-            }
-        }
-        guard (253...255).contains(table) else { return nil }
-        let prefix = "\(IPAddress(bytes: destination).map { "\($0)" } ?? (payload[0] == AF_INET6 ? "::" : "0.0.0.0"))/\(payload[1])"
-        if spread { return "the route to \(prefix) goes over several next hops or a next-hop object" }
-        if payload[2] != 0 { return "the route to \(prefix) is chosen by source (from a /\(payload[2]))" }
-        if payload[3] != 0 { return "the route to \(prefix) is chosen by TOS" }
-        return nil
-    }
+    /// The kernel's own rules (family, priority, table): IPv4 local, main, default; IPv6 local, main.
+    static let defaultRules: Set<[UInt32]> = [[UInt32(AF_INET), 0, 255], [UInt32(AF_INET), 32766, 254], [UInt32(AF_INET), 32767, 253],
+                                              [UInt32(AF_INET6), 0, 255], [UInt32(AF_INET6), 32766, 254]]
 
     // MARK: The thread
 
@@ -148,28 +240,11 @@ final class TCRouteWatch: Sendable {
         }
     }
 
-    private static func coarseNow() -> UInt64 {
+    /// CLOCK_MONOTONIC_COARSE in nanoseconds: the programs' bpf_ktime_get_coarse_ns.
+    static func coarseNow() -> UInt64 {
         var time = timespec()
         clock_gettime(CLOCK_MONOTONIC_COARSE, &time)
         return UInt64(time.tv_sec) * 1_000_000_000 + UInt64(time.tv_nsec)
-    }
-
-    /// What a batch of notifications asks: nothing, a new generation, or the policy read again.
-    enum Change: Comparable { case none, generation, policy }
-
-    /// The change one notification (its nlmsghdr type and payload) makes.
-    static func change(type: UInt16, payload: [UInt8]) -> Change {
-        switch type {
-        case 32, 33: return .policy                         // RTM_NEWRULE, RTM_DELRULE
-        case 24, 25:                                         // RTM_NEWROUTE, RTM_DELROUTE
-            // A route of the tables looked up may make or end a spread, or (IPv6) add a next hop
-            // to one that then spreads, which its own notification need not say: read again.
-            guard payload.count >= 12 else { return .policy }
-            let table = NextHopResolver.attributes(payload, from: 12).first { $0.type == 15 && $0.value.count == 4 }
-                .map { Rtnetlink.load32($0.value, 0) } ?? UInt32(payload[4])
-            return (253...255).contains(table) ? .policy : .generation
-        default: return .generation                          // links, addresses, neighbours, next hops
-        }
     }
 
     private func run() {
@@ -194,60 +269,96 @@ final class TCRouteWatch: Sendable {
             for group in Self.groups {
                 try Syscall.setsockopt(fd, 270, 1, group, call: "setsockopt NETLINK_ADD_MEMBERSHIP \(group)")  // SOL_NETLINK
             }
-            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUF, Int32(1 << 20), call: "setsockopt SO_RCVBUF")
         } catch {
             logger.warning("next-hop cache off: the routing notifications cannot be followed (\(error)); every datagram's route is looked up")
             return
         }
+        // Room for a burst of notifications (a routing daemon installing routes): past
+        // net.core.rmem_max with CAP_NET_ADMIN; lost ones make the policy be read again.
+        if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, Int32(4 << 20), call: "setsockopt SO_RCVBUFFORCE")) == nil {
+            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUF, Int32(4 << 20), call: "setsockopt SO_RCVBUF")
+        }
         // Subscribed before the policy is read: a change meanwhile is a notification read next.
+        var policy = Policy()
+        var (readAll, readRules, changed) = (true, false, false)
+        var written: UInt32 = 0
         var generation: UInt32 = 0
-        var problem: String?
-        var told = false
+        var (told, shown): (Bool, String?) = (false, nil)
         var renewed: UInt64 = 0
-        var pending = Change.policy
         var buffer = [UInt8](repeating: 0, count: 65536)
         while !stopping.load(ordering: .acquiring) {
-            if pending == .policy {
+            if readAll || readRules || policy.readRoutes {
                 write(generation: 0, validUntil: 0)  // off while the policy is read
-                let found = Self.policyProblem()
-                if !told || found != problem {
-                    if let found {
-                        logger.notice("next-hop cache off: \(found): every datagram's route is looked up")
+                written = 0
+                do throws(SystemCallError) {
+                    if readAll {
+                        try policy.readAll()
                     } else {
-                        logger.info("next-hop cache on: bpf_fib_lookup's answer toward each backend is kept until the kernel's routes, rules, neighbours or links change, or a second passes")
+                        if readRules { try policy.readRules() }
+                        if policy.readRoutes { try policy.readAllRoutes() }
                     }
+                } catch {
+                    let reason = "reading the routing rules and routes failed (\(error))"
+                    current.withLock { $0 = reason }
+                    logger.error("next-hop cache off: \(reason); every datagram's route is looked up until the daemon restarts")
+                    return
                 }
-                (problem, told) = (found, true)
+                (readAll, readRules) = (false, false)
             }
-            if pending != .none { notifications.add(1, ordering: .relaxed) }
-            // While the policy allows it: a new generation after notifications, and once a second.
+            let found = policy.problem
+            if !told || found != shown {
+                if let found {
+                    logger.notice("next-hop cache off: \(found): every datagram's route is looked up")
+                } else {
+                    logger.info("next-hop cache on: bpf_fib_lookup's answer toward each downstream is kept until the kernel's routes, rules, neighbours or links change, or a second passes")
+                }
+                (told, shown) = (true, found)
+                current.withLock { $0 = found }
+            }
+            if changed { notifications.add(1, ordering: .relaxed) }
             let now = Self.coarseNow()
-            if problem == nil, pending != .none || now &- renewed >= Self.renewal {
+            if found != nil {
+                if written != 0 {
+                    write(generation: 0, validUntil: 0)
+                    written = 0
+                }
+            } else if changed || written == 0 || now &- renewed >= Self.renewal {
+                // A new generation after notifications, and once a second.
                 generation = generation == UInt32.max ? 1 : generation + 1
                 write(generation: generation, validUntil: now + Self.validity)
-                renewed = now
+                (written, renewed) = (generation, now)
             }
-            pending = .none
+            changed = false
             var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
             do throws(SystemCallError) {
                 guard try Syscall.poll(&descriptor, 1, 200) > 0 else { continue }
-                while true {
+                // A bounded batch: the generation is written before more are read.
+                for _ in 0..<16 {
                     guard case .processed(let count) = try Syscall.recv(fd, &buffer, buffer.count, 0, call: "recv routing notifications") else { break }
                     var offset = 0
                     while offset + 16 <= count {
                         let length = Int(Rtnetlink.load32(buffer, offset))
                         guard length >= 16, offset + length <= count else { break }
-                        let type = Rtnetlink.load16(buffer, offset + 4)
-                        pending = max(pending, Self.change(type: type, payload: Array(buffer[(offset + 16)..<(offset + length)])))
+                        let type = Rtnetlink.load16(buffer, offset + 4), flags = Rtnetlink.load16(buffer, offset + 6)
+                        let payload = Array(buffer[(offset + 16)..<(offset + length)])
+                        switch type {
+                        case 32, 33: readRules = true                                          // RTM_NEWRULE, RTM_DELRULE
+                        case 24, 25: _ = policy.noteRoute(payload, flags: flags, deleted: type == 25)  // RTM_NEWROUTE, RTM_DELROUTE
+                        case 104, 105: _ = policy.noteNexthop(payload, deleted: type == 105)     // RTM_NEWNEXTHOP, RTM_DELNEXTHOP
+                        default: break                                                          // links, addresses, neighbours, netconf
+                        }
+                        changed = true
                         offset += (length + 3) & ~3
                     }
                 }
             } catch where error.errno == ENOBUFS {
-                // Notifications were lost: whatever they said, the policy is read again.
-                pending = .policy
+                // Notifications were lost: whatever they said, everything is read again.
+                (readAll, changed) = (true, true)
             } catch {
                 write(generation: 0, validUntil: 0)
-                logger.error("next-hop cache off: reading the routing notifications failed (\(error)); every datagram's route is looked up until the daemon restarts")
+                let reason = "reading the routing notifications failed (\(error))"
+                current.withLock { $0 = reason }
+                logger.error("next-hop cache off: \(reason); every datagram's route is looked up until the daemon restarts")
                 return
             }
         }
