@@ -114,6 +114,10 @@ struct NextHopCacheTests {
     @Test("The route watch: on with the kernel's defaults, a new generation on a notification; off for a policy rule, a route over several next hops, a next-hop group or by source, and when it stops")
     func watch() throws {
         let fixture = try TCProgramFixture()
+        try withExtendedLifetime(fixture) { try watching(fixture) }
+    }
+
+    func watching(_ fixture: TCProgramFixture) throws {
         let watch = TCRouteWatch(program: fixture.program, logger: Logger(label: "route-watch-test"))
         Self.inNamespace(fixture) { watch.start() }
         defer { watch.stop() }
@@ -158,11 +162,35 @@ struct NextHopCacheTests {
             try #require(try Self.ip(fixture, ["route", "add", "198.19.62.0/24", "nhid", "71"]))
             try waitUntil("the route's notification seen") { watch.notifications.load(ordering: .relaxed) > seen }
             try waitUntil("still on through a single next-hop object") { program.route.generation != 0 && watch.problem == nil }
+            // Without the compatibility listing the route names the group alone: off for the group itself.
+            _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(fixture.namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", "net.ipv4.nexthop_compat_mode=0"])
             try #require(try Self.ip(fixture, ["route", "add", "198.19.63.0/24", "nhid", "70"]))
             // (With net.ipv4.nexthop_compat_mode, the default, the kernel also lists the group's next hops.)
             try waitUntil("off through a next-hop group") { program.route.generation == 0 && watch.problem?.contains("198.19.63.0/24") == true }
+            // A link going down flushes the routes through it unannounced: read again, on once gone.
             try #require(try Self.ip(fixture, ["nexthop", "del", "id", "70"]))
             try waitUntil("on again once the group (and its route) is gone") { program.route.generation != 0 && watch.problem == nil }
+        }
+        // An IPv4 spread behind a second key of the same prefix (IPv4 keeps both): deleting the
+        // plain one leaves the spread, and the cache off.
+        try #require(try Self.ip(fixture, ["route", "add", "198.19.64.0/24", "via", "198.18.200.10", "dev", "t0"]))
+        try #require(try Self.ip(fixture, ["route", "append", "198.19.64.0/24", "nexthop", "via", "198.18.200.10", "dev", "t0", "nexthop", "via", "198.18.200.11", "dev", "t0"]))
+        try waitUntil("off for the appended spread") { program.route.generation == 0 && watch.problem?.contains("198.19.64.0/24") == true }
+        try #require(try Self.ip(fixture, ["route", "del", "198.19.64.0/24", "via", "198.18.200.10", "dev", "t0"]))
+        usleep(1_500_000)
+        #expect(program.route.generation == 0 && watch.problem?.contains("198.19.64.0/24") == true, "still off: the spread is left")
+        try #require(try Self.ip(fixture, ["route", "del", "198.19.64.0/24"]))
+        try waitUntil("on once the spread is gone too") { program.route.generation != 0 && watch.problem == nil }
+        // A link down takes its routes along unannounced: a spread through it goes, and the cache comes on.
+        try #require(try Self.ip(fixture, ["link", "add", "t9", "type", "veth", "peer", "name", "t9p"]))
+        try #require(try Self.ip(fixture, ["link", "set", "t9", "up"]))
+        try #require(try Self.ip(fixture, ["link", "set", "t9p", "up"]))
+        try #require(try Self.ip(fixture, ["addr", "add", "198.19.90.1/24", "dev", "t9"]))
+        try #require(try Self.ip(fixture, ["route", "add", "198.19.65.0/24", "nexthop", "via", "198.19.90.2", "dev", "t9", "nexthop", "via", "198.19.90.3", "dev", "t9"]))
+        try waitUntil("off for a spread through t9") { program.route.generation == 0 && watch.problem?.contains("198.19.65.0/24") == true }
+        try #require(try Self.ip(fixture, ["link", "del", "t9"]))
+        try waitUntil("on once t9 and its routes are gone") { program.route.generation != 0 && watch.problem == nil }
+        if true {
         }
         watch.stop()
         #expect(program.route.generation == 0, "off once stopped")
@@ -202,23 +230,30 @@ struct NextHopCacheTests {
         #expect(!looked && policy.problem == nil, "RTA_TABLE 256")
         _ = policy.noteRoute(route(extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
         #expect(policy.problem?.contains("several next hops") == true, "multipath")
+        // What is left under a described key, deleted or replaced without a spread, is read
+        // again (IPv4 keeps several routes under one key; IPv6 deletes next hops one by one).
         _ = policy.noteRoute(route(), flags: 0, deleted: false)
-        #expect(policy.problem == nil, "replaced by a plain route")
-        _ = policy.noteRoute(route(extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(policy.problem != nil && policy.reread == [UInt8(AF_INET)], "replaced by a plain route: read again, off meanwhile")
+        policy.reread = []
         _ = policy.noteRoute(route(), flags: 0, deleted: true)
-        #expect(policy.problem == nil && !policy.readRoutes, "an IPv4 spread deleted whole")
+        #expect(policy.problem != nil && policy.reread == [UInt8(AF_INET)], "deleted: read again, off meanwhile")
+        policy.reread = []
+        policy.routes = [:]
+        _ = policy.noteRoute(route(), flags: 0, deleted: true)
+        #expect(policy.reread.isEmpty, "a route never described deleted: nothing to read")
         _ = policy.noteRoute(route(family: AF_INET6, extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
         _ = policy.noteRoute(route(family: AF_INET6), flags: 0, deleted: true)
-        #expect(policy.readRoutes, "an IPv6 spread's next hop deleted: read again")
-        policy.readRoutes = false
+        #expect(policy.reread == [UInt8(AF_INET6)], "an IPv6 spread's next hop deleted: IPv6 read again")
+        policy.reread = []
+        policy.routes = [:]
         _ = policy.noteRoute(route(family: AF_INET6), flags: 0x800, deleted: false)
         #expect(policy.problem?.contains("several next hops") == true, "IPv6 NLM_F_APPEND: a next hop added to a spread")
-        _ = policy.noteRoute(route(family: AF_INET6), flags: 0, deleted: true)
-        policy.readRoutes = false
+        policy.routes = [:]
+        looked = policy.noteRoute(route(family: AF_INET6, table: 253, extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
+        #expect(!looked && policy.problem == nil, "IPv6 has no rule looking up table 253")
         _ = policy.noteRoute(route(family: AF_INET6, source: 64), flags: 0, deleted: false)
         #expect(policy.problem?.contains("by source") == true)
-        _ = policy.noteRoute(route(family: AF_INET6, source: 64), flags: 0, deleted: true)
-        policy.readRoutes = false
+        policy.routes = [:]
         // Next-hop objects: one is a single next hop, a group spreads.
         func nexthop(_ id: UInt32, group: Bool) -> [UInt8] {
             var payload: [UInt8] = [UInt8(AF_INET), 0, 3, 0, 0, 0, 0, 0]
@@ -233,7 +268,7 @@ struct NextHopCacheTests {
         _ = policy.noteRoute(route(extra: [(30, [8, 0, 0, 0])]), flags: 0, deleted: false)
         #expect(policy.problem?.contains("next-hop group 8") == true)
         _ = policy.noteNexthop(nexthop(8, group: true), deleted: true)
-        #expect(policy.readRoutes, "a group deleted takes its routes along unannounced: read again")
+        #expect(policy.reread == [UInt8(AF_INET), UInt8(AF_INET6)], "a group deleted takes its routes along unannounced: read again")
     }
 }
 

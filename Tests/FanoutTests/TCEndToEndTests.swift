@@ -90,6 +90,7 @@ struct TCEndToEndTests {
         // 3 fragments per datagram, each counted.
         #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"\(mode)\"} 1800"), "\(metrics)")
         #expect(metrics.contains("udp_fanout_tc_unmatched_packets_total{reason=\"fragment_untracked\"} 0"), "\(metrics)")
+        #expect(metrics.contains("udp_fanout_tc_next_hop_cache_on 1"), "the next-hop cache on with the namespace's default rules and routes: \(metrics)")
         if mode == "xdp" {
             #expect(metric(metrics, "udp_fanout_xdp_passed_total", "listener=\"tc\",reason=\"fragment\"") == 0, "\(metrics)")
         }

@@ -70,8 +70,10 @@ static __always_inline int hop_answers(struct fanout_hop *hop, __u32 generation,
 static __always_inline void hop_keep(struct fanout_hop *hop, __u32 generation, const __u32 *addr, __u8 family,
 				     __u32 ifindex, struct bpf_fib_lookup *fib)
 {
-	/* Not an answer while written (a program preempted on a real-time kernel). */
+	/* Not an answer while written (a program preempted on a real-time kernel): the compiler
+	 * may not drop or move this store past the others. */
 	hop->generation = 0;
+	asm volatile("" ::: "memory");
 	__builtin_memcpy(hop->addr, addr, sizeof(hop->addr));
 	hop->ifindex = ifindex;
 	hop->family = family;
@@ -79,6 +81,7 @@ static __always_inline void hop_keep(struct fanout_hop *hop, __u32 generation, c
 	hop->mtu = fib->mtu_result;
 	__builtin_memcpy(hop->smac, fib->smac, ETH_ALEN);
 	__builtin_memcpy(hop->dmac, fib->dmac, ETH_ALEN);
+	asm volatile("" ::: "memory");
 	hop->generation = generation;
 }
 

@@ -676,6 +676,11 @@ final class TCDataplane: Sendable {
         }
     }
 
+    /// Whether the next-hop cache is on (``TCRouteWatch``); nil while no program is loaded.
+    func nextHopCacheOn() -> Bool? {
+        state.withLock { $0.routeWatch?.on }
+    }
+
     /// Packets counted before any listener could be known, by verdict name.
     /// Totals since the daemon started (programs loaded before this one included); empty while
     /// no program is loaded.

@@ -150,11 +150,17 @@ struct TCKind: ListenerKind {
     /// Steered by its map entry: no socket on the bind, nothing the kernel's hash could fall back to.
     var receivesOnBind: Bool { false }
 
-    /// Packets no listener could be known for, by reason (left out while no tc_ebpf listener runs).
+    /// Packets no listener could be known for, by reason, and whether the next-hop cache is on
+    /// (left out while no tc_ebpf or xdp listener runs).
     func metricsText() -> String {
         let unmatched = dataplane.unmatched()
         guard !unmatched.isEmpty else { return "" }
-        return PrometheusText.family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, a later fragment whose first was not seen, or not for any listener on that interface)",
-                                     rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
+        var text = PrometheusText.family("udp_fanout_tc_unmatched_packets_total", "tc_ebpf packets passed to the kernel untouched because no listener could be known (malformed headers, a later fragment whose first was not seen, or not for any listener on that interface)",
+                                         rows: unmatched.map { ("reason=\"\($0.0)\"", $0.1) })
+        if let on = dataplane.nextHopCacheOn() {
+            text += "# HELP udp_fanout_tc_next_hop_cache_on 1 while the tc_ebpf and xdp programs keep each downstream's route lookup (the next-hop cache), 0 while every datagram is looked up (the log says why: policy routing rules, a route over several next hops or by source)\n"
+                + "# TYPE udp_fanout_tc_next_hop_cache_on gauge\nudp_fanout_tc_next_hop_cache_on \(on ? 1 : 0)\n"
+        }
+        return text
     }
 }

@@ -71,6 +71,10 @@ final class TCRouteWatch: Sendable {
         write(generation: 0, validUntil: 0)
     }
 
+    /// Whether the programs use the cache now (a generation written, not 0).
+    var on: Bool { enabled.load(ordering: .relaxed) }
+    private let enabled = Atomic<Bool>(false)
+
     /// Why the cache is off now (nil: on, or not known yet).
     var problem: String? { current.withLock { $0 } }
     private let current = Mutex<String?>(nil)
@@ -93,23 +97,36 @@ final class TCRouteWatch: Sendable {
         var routes: [RouteKey: String] = [:]
         /// The next-hop objects that are groups (their type never changes while they exist).
         var groups: Set<UInt32> = []
-        /// A notification that the model cannot follow by itself: the routes are read again
-        /// (an IPv6 next hop of a spread deleted; a group deleted with the routes using it).
-        var readRoutes = false
+        /// A notification that the model cannot follow by itself: the routes of these families
+        /// are read again (a route of a described key deleted or replaced: IPv6 deletes a
+        /// spread's next hops one by one, IPv4 keeps several routes under one key; a group
+        /// deleted with the routes using it).
+        var reread: Set<UInt8> = []
+        var mustReread: Bool { !reread.isEmpty }
 
         /// Why the cache cannot serve, or nil.
         var problem: String? { rule ?? routes.values.min() }
+
+        /// The tables the kernel's default rules look up: IPv4 local, main, default; IPv6 local, main.
+        static func looksUp(family: UInt8, table: UInt32) -> Bool {
+            family == UInt8(AF_INET6) ? (254...255).contains(table) : (253...255).contains(table)
+        }
 
         /// Reads rules, next-hop objects and routes of both families.
         mutating func readAll() throws(SystemCallError) {
             try readRules()
             groups = []
-            // nhmsg (family, scope, protocol, resvd, flags u32); a kernel without next-hop
-            // objects answers with an error: none.
+            var failed: Int32 = 0
+            // nhmsg (family, scope, protocol, resvd, flags u32).
             try Rtnetlink.request(type: 106, flags: 0x300, body: [UInt8](repeating: 0, count: 8)) { message in  // RTM_GETNEXTHOP, dump
+                if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
                 if message.type == 104 { _ = noteNexthop(message.payload, deleted: false) }  // RTM_NEWNEXTHOP
             }
-            try readAllRoutes()
+            // A kernel without next-hop objects has none.
+            if failed != 0 && failed != EOPNOTSUPP && failed != EAFNOSUPPORT {
+                throw SystemCallError(call: "dump the next-hop objects (RTM_GETNEXTHOP)", errno: failed)
+            }
+            try readRoutes(families: [UInt8(AF_INET), UInt8(AF_INET6)])
         }
 
         mutating func readRules() throws(SystemCallError) {
@@ -122,25 +139,26 @@ final class TCRouteWatch: Sendable {
                     if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
                     if found == nil, message.type == 32 { found = TCRouteWatch.ruleProblem(message.payload) }  // RTM_NEWRULE
                 }
-                // IPv6 may be off in this kernel: it has no rules then.
-                if failed != 0 && !(family == AF_INET6 && failed == EAFNOSUPPORT) {
+                // A family off in this kernel, or a kernel without policy routing: no rules.
+                if failed != 0 && failed != EAFNOSUPPORT {
                     throw SystemCallError(call: "dump the routing rules (RTM_GETRULE)", errno: failed)
                 }
                 if rule == nil { rule = found }
             }
         }
 
-        mutating func readAllRoutes() throws(SystemCallError) {
-            routes = [:]
-            readRoutes = false
-            for family in [AF_INET, AF_INET6] {
+        /// Reads the routes of `families` again (the others' descriptions stay).
+        mutating func readRoutes(families: Set<UInt8>) throws(SystemCallError) {
+            routes = routes.filter { !families.contains($0.key.family) }
+            reread.subtract(families)
+            for family in families.sorted() {
                 var failed: Int32 = 0
                 // rtmsg (family, dst_len, src_len, tos, table, protocol, scope, type, flags u32).
-                try Rtnetlink.request(type: 26, flags: 0x300, body: [UInt8(family)] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETROUTE, dump
+                try Rtnetlink.request(type: 26, flags: 0x300, body: [family] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETROUTE, dump
                     if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
                     if message.type == 24 { _ = noteRoute(message.payload, flags: 0, deleted: false) }  // RTM_NEWROUTE
                 }
-                if failed != 0 && !(family == AF_INET6 && failed == EAFNOSUPPORT) {
+                if failed != 0 && !(family == UInt8(AF_INET6) && failed == EAFNOSUPPORT) {
                     throw SystemCallError(call: "dump the routes (RTM_GETROUTE)", errno: failed)
                 }
             }
@@ -149,7 +167,7 @@ final class TCRouteWatch: Sendable {
         /// Follows a route notification (or a dumped route): whether it is of the tables looked up.
         mutating func noteRoute(_ payload: [UInt8], flags: UInt16, deleted: Bool) -> Bool {
             guard payload.count >= 12 else {
-                readRoutes = true
+                reread = [UInt8(AF_INET), UInt8(AF_INET6)]
                 return true
             }
             var key = RouteKey(family: payload[0], table: UInt32(payload[4]), destination: [], length: payload[1], source: [],
@@ -167,10 +185,13 @@ final class TCRouteWatch: Sendable {
                 default: break
                 }
             }
-            guard (253...255).contains(key.table) else { return false }
+            guard Self.looksUp(family: key.family, table: key.table) else { return false }
+            // A described key deleted, or added or replaced without a spread: what is left under
+            // it is read again (IPv6 deletes a spread's next hops one by one; IPv4 keeps several
+            // routes under one key, and uses the first whose next hop is alive).
+            let described = routes[key] != nil
             if deleted {
-                // IPv6 deletes a spread's next hops one by one: what is left is read again.
-                if routes.removeValue(forKey: key) != nil, key.family == UInt8(AF_INET6) { readRoutes = true }
+                if described { reread.insert(key.family) }
                 return true
             }
             let prefix = "\(IPAddress(bytes: key.destination).map { "\($0)" } ?? (key.family == UInt8(AF_INET6) ? "::" : "0.0.0.0"))/\(key.length)"
@@ -180,8 +201,8 @@ final class TCRouteWatch: Sendable {
                 routes[key] = "the route to \(prefix) goes over next-hop group \(nexthop)"
             } else if key.sourceLength != 0 {
                 routes[key] = "the route to \(prefix) is chosen by source (from a /\(key.sourceLength))"
-            } else {
-                routes[key] = nil
+            } else if described {
+                reread.insert(key.family)
             }
             return true
         }
@@ -198,7 +219,7 @@ final class TCRouteWatch: Sendable {
             guard let id else { return false }
             if deleted || !group {
                 // A group goes with the routes that use it, unannounced: read them again.
-                if groups.remove(id) != nil { readRoutes = true }
+                if groups.remove(id) != nil { reread = [UInt8(AF_INET), UInt8(AF_INET6)] }
             } else {
                 groups.insert(id)
             }
@@ -235,7 +256,9 @@ final class TCRouteWatch: Sendable {
     private func write(generation: UInt32, validUntil: UInt64) {
         do throws(SystemCallError) {
             try program.setRoute(generation: generation, validUntil: validUntil)
+            enabled.store(generation != 0, ordering: .relaxed)
         } catch {
+            enabled.store(false, ordering: .relaxed)
             logger.error("the next-hop cache's route generation could not be written: \(error)")
         }
     }
@@ -247,12 +270,19 @@ final class TCRouteWatch: Sendable {
         return UInt64(time.tv_sec) * 1_000_000_000 + UInt64(time.tv_nsec)
     }
 
+    /// Off for good (this process): said, and kept as the reason.
+    private func refuse(_ reason: String) {
+        write(generation: 0, validUntil: 0)
+        current.withLock { $0 = reason }
+        logger.error("next-hop cache off: \(reason); every datagram's route is looked up until the daemon restarts")
+    }
+
     private func run() {
         let fd: Int32
         do throws(SystemCallError) {
             fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec | Socket.nonBlocking, 0, call: "socket AF_NETLINK NETLINK_ROUTE")
         } catch {
-            logger.warning("next-hop cache off: the routing notifications cannot be followed (\(error)); every datagram's route is looked up")
+            refuse("the routing notifications cannot be followed (\(error))")
             return
         }
         defer { Syscall.close(fd) }
@@ -270,7 +300,7 @@ final class TCRouteWatch: Sendable {
                 try Syscall.setsockopt(fd, 270, 1, group, call: "setsockopt NETLINK_ADD_MEMBERSHIP \(group)")  // SOL_NETLINK
             }
         } catch {
-            logger.warning("next-hop cache off: the routing notifications cannot be followed (\(error)); every datagram's route is looked up")
+            refuse("the routing notifications cannot be followed (\(error))")
             return
         }
         // Room for a burst of notifications (a routing daemon installing routes): past
@@ -287,7 +317,7 @@ final class TCRouteWatch: Sendable {
         var renewed: UInt64 = 0
         var buffer = [UInt8](repeating: 0, count: 65536)
         while !stopping.load(ordering: .acquiring) {
-            if readAll || readRules || policy.readRoutes {
+            if readAll || readRules || policy.mustReread {
                 write(generation: 0, validUntil: 0)  // off while the policy is read
                 written = 0
                 do throws(SystemCallError) {
@@ -295,13 +325,19 @@ final class TCRouteWatch: Sendable {
                         try policy.readAll()
                     } else {
                         if readRules { try policy.readRules() }
-                        if policy.readRoutes { try policy.readAllRoutes() }
+                        if policy.mustReread { try policy.readRoutes(families: policy.reread) }
                     }
                 } catch {
-                    let reason = "reading the routing rules and routes failed (\(error))"
-                    current.withLock { $0 = reason }
-                    logger.error("next-hop cache off: \(reason); every datagram's route is looked up until the daemon restarts")
-                    return
+                    // Off, said once, and read again whole a second later.
+                    let reason = "reading the routing rules, routes and next-hop objects failed (\(error))"
+                    if shown != reason {
+                        logger.warning("next-hop cache off: \(reason): every datagram's route is looked up; read again each second")
+                        (told, shown) = (true, reason)
+                        current.withLock { $0 = reason }
+                    }
+                    (readAll, readRules) = (true, false)
+                    for _ in 0..<5 where !stopping.load(ordering: .acquiring) { usleep(200_000) }
+                    continue
                 }
                 (readAll, readRules) = (false, false)
             }
@@ -310,7 +346,7 @@ final class TCRouteWatch: Sendable {
                 if let found {
                     logger.notice("next-hop cache off: \(found): every datagram's route is looked up")
                 } else {
-                    logger.info("next-hop cache on: bpf_fib_lookup's answer toward each downstream is kept until the kernel's routes, rules, neighbours or links change, or a second passes")
+                    logger.info("next-hop cache on: the route toward each downstream is looked up once and kept until the routing state changes (routes, rules, next hops, neighbours, links, addresses, forwarding), checked every second")
                 }
                 (told, shown) = (true, found)
                 current.withLock { $0 = found }
@@ -342,6 +378,10 @@ final class TCRouteWatch: Sendable {
                         let type = Rtnetlink.load16(buffer, offset + 4), flags = Rtnetlink.load16(buffer, offset + 6)
                         let payload = Array(buffer[(offset + 16)..<(offset + length)])
                         switch type {
+                        case 16, 17, 21:                                                        // RTM_NEWLINK, RTM_DELLINK, RTM_DELADDR
+                            // A link down or gone, an address removed: the kernel flushes their
+                            // routes and next hops unannounced. Only a described one matters.
+                            if !policy.routes.isEmpty || !policy.groups.isEmpty { readAll = true }
                         case 32, 33: readRules = true                                          // RTM_NEWRULE, RTM_DELRULE
                         case 24, 25: _ = policy.noteRoute(payload, flags: flags, deleted: type == 25)  // RTM_NEWROUTE, RTM_DELROUTE
                         case 104, 105: _ = policy.noteNexthop(payload, deleted: type == 105)     // RTM_NEWNEXTHOP, RTM_DELNEXTHOP
@@ -356,9 +396,7 @@ final class TCRouteWatch: Sendable {
                 (readAll, changed) = (true, true)
             } catch {
                 write(generation: 0, validUntil: 0)
-                let reason = "reading the routing notifications failed (\(error))"
-                current.withLock { $0 = reason }
-                logger.error("next-hop cache off: \(reason); every datagram's route is looked up until the daemon restarts")
+                refuse("reading the routing notifications failed (\(error))")
                 return
             }
         }
