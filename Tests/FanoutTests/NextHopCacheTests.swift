@@ -162,12 +162,12 @@ struct NextHopCacheTests {
             try #require(try Self.ip(fixture, ["route", "add", "198.19.62.0/24", "nhid", "71"]))
             try waitUntil("the route's notification seen") { watch.notifications.load(ordering: .relaxed) > seen }
             try waitUntil("still on through a single next-hop object") { program.route.generation != 0 && watch.problem == nil }
-            // Without the compatibility listing the route names the group alone: off for the group itself.
-            _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(fixture.namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", "net.ipv4.nexthop_compat_mode=0"])
+            // Without the compatibility listing (net.ipv4.nexthop_compat_mode 1, the default, also
+            // lists the group's next hops) the route names the group alone: off for the group itself.
+            let compat = try run("/usr/bin/nsenter", ["--net=/run/netns/\(fixture.namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", "net.ipv4.nexthop_compat_mode=0"])
+            try #require(compat.status == 0, "sysctl net.ipv4.nexthop_compat_mode=0: \(compat.output)")
             try #require(try Self.ip(fixture, ["route", "add", "198.19.63.0/24", "nhid", "70"]))
-            // (With net.ipv4.nexthop_compat_mode, the default, the kernel also lists the group's next hops.)
-            try waitUntil("off through a next-hop group") { program.route.generation == 0 && watch.problem?.contains("198.19.63.0/24") == true }
-            // A link going down flushes the routes through it unannounced: read again, on once gone.
+            try waitUntil("off through a next-hop group") { program.route.generation == 0 && watch.problem?.contains("198.19.63.0/24 goes over next-hop group 70") == true }
             try #require(try Self.ip(fixture, ["nexthop", "del", "id", "70"]))
             try waitUntil("on again once the group (and its route) is gone") { program.route.generation != 0 && watch.problem == nil }
         }
@@ -176,9 +176,11 @@ struct NextHopCacheTests {
         try #require(try Self.ip(fixture, ["route", "add", "198.19.64.0/24", "via", "198.18.200.10", "dev", "t0"]))
         try #require(try Self.ip(fixture, ["route", "append", "198.19.64.0/24", "nexthop", "via", "198.18.200.10", "dev", "t0", "nexthop", "via", "198.18.200.11", "dev", "t0"]))
         try waitUntil("off for the appended spread") { program.route.generation == 0 && watch.problem?.contains("198.19.64.0/24") == true }
+        seen = watch.notifications.load(ordering: .relaxed)
         try #require(try Self.ip(fixture, ["route", "del", "198.19.64.0/24", "via", "198.18.200.10", "dev", "t0"]))
-        usleep(1_500_000)
-        #expect(program.route.generation == 0 && watch.problem?.contains("198.19.64.0/24") == true, "still off: the spread is left")
+        try waitUntil("the plain route's deletion seen (and its key read again)") { watch.notifications.load(ordering: .relaxed) > seen }
+        usleep(1_200_000)
+        #expect(program.route.generation == 0 && watch.problem?.contains("198.19.64.0/24") == true, "still off past a renewal: the spread is left")
         try #require(try Self.ip(fixture, ["route", "del", "198.19.64.0/24"]))
         try waitUntil("on once the spread is gone too") { program.route.generation != 0 && watch.problem == nil }
         // A link down takes its routes along unannounced: a spread through it goes, and the cache comes on.
@@ -190,8 +192,6 @@ struct NextHopCacheTests {
         try waitUntil("off for a spread through t9") { program.route.generation == 0 && watch.problem?.contains("198.19.65.0/24") == true }
         try #require(try Self.ip(fixture, ["link", "del", "t9"]))
         try waitUntil("on once t9 and its routes are gone") { program.route.generation != 0 && watch.problem == nil }
-        if true {
-        }
         watch.stop()
         #expect(program.route.generation == 0, "off once stopped")
     }
@@ -241,6 +241,12 @@ struct NextHopCacheTests {
         policy.routes = [:]
         _ = policy.noteRoute(route(), flags: 0, deleted: true)
         #expect(policy.reread.isEmpty, "a route never described deleted: nothing to read")
+        // A dump lists every route under a key: a plain one after a spread describes nothing and
+        // asks for no read (the dump is the read).
+        _ = policy.noteRoute(route(extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false, dumped: true)
+        _ = policy.noteRoute(route(), flags: 0, deleted: false, dumped: true)
+        #expect(policy.problem != nil && policy.reread.isEmpty, "spread, then plain, in one dump")
+        policy.routes = [:]
         _ = policy.noteRoute(route(family: AF_INET6, extra: [(9, [0, 0, 0, 0])]), flags: 0, deleted: false)
         _ = policy.noteRoute(route(family: AF_INET6), flags: 0, deleted: true)
         #expect(policy.reread == [UInt8(AF_INET6)], "an IPv6 spread's next hop deleted: IPv6 read again")

@@ -2,9 +2,10 @@
 /*
  * The next-hop cache of the tc and xdp programs (fanout_hops.h), shared with userspace
  * (BPFKernelABI.h): what bpf_fib_lookup answered toward a listener's backend (a client's
- * datagram; not a reply, not a replication pool's copy), kept per CPU by backend slot and used again while the route generation the daemon writes
- * stays the same. The daemon (TCRouteWatch.swift) writes a new generation whenever the kernel
- * says its routes, rules, neighbours, links, addresses or next hops changed, and once a second
+ * datagram; not a reply, not a replication pool's copy), kept per CPU by backend slot and used
+ * again while the route generation the daemon writes stays the same. The daemon
+ * (TCRouteWatch.swift) writes a new generation whenever the kernel says its routes, rules,
+ * neighbours, links, addresses, next hops or forwarding settings changed, and once a second
  * for what it does not say (a path MTU learned), each time with a deadline 3 seconds on: past
  * it (a daemon that stopped or hangs) the cache is off. It writes 0 (off: every datagram is
  * looked up) where one answer cannot serve every datagram to a destination (policy routing

@@ -27,8 +27,10 @@ enum Rtnetlink {
     }
 
     /// The same, each reply handed to `each` as it is read and not kept (a dump of a large
-    /// routing table).
-    static func request(type: UInt16, flags: UInt16, body: [UInt8], family: Int32 = 0, each: (Message) -> Void) throws(SystemCallError) {
+    /// routing table). `failedDone`: a dump the kernel ended with an error (carried by its
+    /// NLMSG_DONE) throws it, rather than passing for complete.
+    static func request(type: UInt16, flags: UInt16, body: [UInt8], family: Int32 = 0, failedDone: Bool = false,
+                        each: (Message) -> Void) throws(SystemCallError) {
         let fd = try Syscall.socket(AF_NETLINK, Socket.raw | Socket.closeOnExec, family, call: "socket AF_NETLINK \(family == 0 ? "NETLINK_ROUTE" : "NETLINK_GENERIC")")
         defer { Syscall.close(fd) }
         var request = [UInt8]()
@@ -53,7 +55,12 @@ enum Rtnetlink {
                 let length = Int(load32(buffer, offset))
                 guard length >= 16, offset + length <= count else { break }
                 let message = Message(type: load16(buffer, offset + 4), payload: Array(buffer[(offset + 16)..<(offset + length)]))
-                if message.type == done { return }
+                if message.type == done {
+                    if failedDone, message.payload.count >= 4, case let code = -Int32(bitPattern: load32(message.payload, 0)), code > 0 {
+                        throw SystemCallError(call: "rtnetlink dump \(type)", errno: code)
+                    }
+                    return
+                }
                 each(message)
                 if !dump || message.type == error { return }
                 offset += (length + 3) & ~3

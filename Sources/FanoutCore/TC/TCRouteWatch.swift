@@ -71,9 +71,10 @@ final class TCRouteWatch: Sendable {
         write(generation: 0, validUntil: 0)
     }
 
-    /// Whether the programs use the cache now (a generation written, not 0).
-    var on: Bool { enabled.load(ordering: .relaxed) }
-    private let enabled = Atomic<Bool>(false)
+    /// Whether the programs use the cache now: a generation written, not 0, before its deadline.
+    var on: Bool { Self.coarseNow() < validUntil.load(ordering: .relaxed) }
+    /// The deadline written with the generation in force (0: off).
+    private let validUntil = Atomic<UInt64>(0)
 
     /// Why the cache is off now (nil: on, or not known yet).
     var problem: String? { current.withLock { $0 } }
@@ -118,7 +119,7 @@ final class TCRouteWatch: Sendable {
             groups = []
             var failed: Int32 = 0
             // nhmsg (family, scope, protocol, resvd, flags u32).
-            try Rtnetlink.request(type: 106, flags: 0x300, body: [UInt8](repeating: 0, count: 8)) { message in  // RTM_GETNEXTHOP, dump
+            try Rtnetlink.request(type: 106, flags: 0x300, body: [UInt8](repeating: 0, count: 8), failedDone: true) { message in  // RTM_GETNEXTHOP, dump
                 if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
                 if message.type == 104 { _ = noteNexthop(message.payload, deleted: false) }  // RTM_NEWNEXTHOP
             }
@@ -135,12 +136,12 @@ final class TCRouteWatch: Sendable {
                 var failed: Int32 = 0
                 var found: String?
                 // fib_rule_hdr (family, dst_len, src_len, tos, table, res1, res2, action, flags u32).
-                try Rtnetlink.request(type: 34, flags: 0x300, body: [UInt8(family)] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETRULE, dump
+                try Rtnetlink.request(type: 34, flags: 0x300, body: [UInt8(family)] + [UInt8](repeating: 0, count: 11), failedDone: true) { message in  // RTM_GETRULE, dump
                     if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
                     if found == nil, message.type == 32 { found = TCRouteWatch.ruleProblem(message.payload) }  // RTM_NEWRULE
                 }
                 // A family off in this kernel, or a kernel without policy routing: no rules.
-                if failed != 0 && failed != EAFNOSUPPORT {
+                if failed != 0 && failed != EAFNOSUPPORT && failed != EOPNOTSUPP {
                     throw SystemCallError(call: "dump the routing rules (RTM_GETRULE)", errno: failed)
                 }
                 if rule == nil { rule = found }
@@ -154,9 +155,9 @@ final class TCRouteWatch: Sendable {
             for family in families.sorted() {
                 var failed: Int32 = 0
                 // rtmsg (family, dst_len, src_len, tos, table, protocol, scope, type, flags u32).
-                try Rtnetlink.request(type: 26, flags: 0x300, body: [family] + [UInt8](repeating: 0, count: 11)) { message in  // RTM_GETROUTE, dump
+                try Rtnetlink.request(type: 26, flags: 0x300, body: [family] + [UInt8](repeating: 0, count: 11), failedDone: true) { message in  // RTM_GETROUTE, dump
                     if message.type == Rtnetlink.error { failed = Rtnetlink.errorCode(message) }
-                    if message.type == 24 { _ = noteRoute(message.payload, flags: 0, deleted: false) }  // RTM_NEWROUTE
+                    if message.type == 24 { _ = noteRoute(message.payload, flags: 0, deleted: false, dumped: true) }  // RTM_NEWROUTE
                 }
                 if failed != 0 && !(family == UInt8(AF_INET6) && failed == EAFNOSUPPORT) {
                     throw SystemCallError(call: "dump the routes (RTM_GETROUTE)", errno: failed)
@@ -164,8 +165,10 @@ final class TCRouteWatch: Sendable {
             }
         }
 
-        /// Follows a route notification (or a dumped route): whether it is of the tables looked up.
-        mutating func noteRoute(_ payload: [UInt8], flags: UInt16, deleted: Bool) -> Bool {
+        /// Follows a route notification, or a route of a dump (`dumped`: one of several under
+        /// its key, read whole: it describes or not, and asks nothing to be read again): whether
+        /// it is of the tables looked up.
+        mutating func noteRoute(_ payload: [UInt8], flags: UInt16, deleted: Bool, dumped: Bool = false) -> Bool {
             guard payload.count >= 12 else {
                 reread = [UInt8(AF_INET), UInt8(AF_INET6)]
                 return true
@@ -201,7 +204,7 @@ final class TCRouteWatch: Sendable {
                 routes[key] = "the route to \(prefix) goes over next-hop group \(nexthop)"
             } else if key.sourceLength != 0 {
                 routes[key] = "the route to \(prefix) is chosen by source (from a /\(key.sourceLength))"
-            } else if described {
+            } else if described && !dumped {
                 reread.insert(key.family)
             }
             return true
@@ -256,9 +259,8 @@ final class TCRouteWatch: Sendable {
     private func write(generation: UInt32, validUntil: UInt64) {
         do throws(SystemCallError) {
             try program.setRoute(generation: generation, validUntil: validUntil)
-            enabled.store(generation != 0, ordering: .relaxed)
+            self.validUntil.store(generation != 0 ? validUntil : 0, ordering: .relaxed)
         } catch {
-            enabled.store(false, ordering: .relaxed)
             logger.error("the next-hop cache's route generation could not be written: \(error)")
         }
     }
@@ -315,8 +317,12 @@ final class TCRouteWatch: Sendable {
         var generation: UInt32 = 0
         var (told, shown): (Bool, String?) = (false, nil)
         var renewed: UInt64 = 0
+        var readAgainAt: UInt64 = 0
         var buffer = [UInt8](repeating: 0, count: 65536)
         while !stopping.load(ordering: .acquiring) {
+            if readAgainAt != 0 && Self.coarseNow() >= readAgainAt {
+                (readAll, readAgainAt) = (true, 0)
+            }
             if readAll || readRules || policy.mustReread {
                 write(generation: 0, validUntil: 0)  // off while the policy is read
                 written = 0
@@ -380,8 +386,10 @@ final class TCRouteWatch: Sendable {
                         switch type {
                         case 16, 17, 21:                                                        // RTM_NEWLINK, RTM_DELLINK, RTM_DELADDR
                             // A link down or gone, an address removed: the kernel flushes their
-                            // routes and next hops unannounced. Only a described one matters.
-                            if !policy.routes.isEmpty || !policy.groups.isEmpty { readAll = true }
+                            // routes and next hops unannounced. Only a described route matters (a
+                            // group left alone is harmless: its id comes back announced).
+                            // The kernel may announce it before the flush: read again a second later too.
+                            if !policy.routes.isEmpty { (readAll, readAgainAt) = (true, Self.coarseNow() + Self.renewal) }
                         case 32, 33: readRules = true                                          // RTM_NEWRULE, RTM_DELRULE
                         case 24, 25: _ = policy.noteRoute(payload, flags: flags, deleted: type == 25)  // RTM_NEWROUTE, RTM_DELROUTE
                         case 104, 105: _ = policy.noteNexthop(payload, deleted: type == 105)     // RTM_NEWNEXTHOP, RTM_DELNEXTHOP
@@ -395,7 +403,6 @@ final class TCRouteWatch: Sendable {
                 // Notifications were lost: whatever they said, everything is read again.
                 (readAll, changed) = (true, true)
             } catch {
-                write(generation: 0, validUntil: 0)
                 refuse("reading the routing notifications failed (\(error))")
                 return
             }
