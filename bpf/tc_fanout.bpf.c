@@ -224,6 +224,17 @@ static __always_inline int hook_ahead(struct fanout_decision *c)
 	return 0;
 }
 
+/* The per-CPU scratch's: the pools' copies are done with it by then (hook_ahead), and the
+ * 64 bytes off the program's stack leave their callbacks the room for the next-hop cache. */
+static __always_inline struct bpf_fib_lookup *hook_fib(struct fanout_decision *c, struct bpf_fib_lookup *on_stack)
+{
+	struct pool_scratch *space = scratch();
+	if (!space)
+		return NULL;
+	__builtin_memset(&space->fib, 0, sizeof(space->fib));
+	return &space->fib;
+}
+
 static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
 {
 	return lookup_route_cached(c->ctx, &c->p, &c->backend, c->reply, c->id, fib);

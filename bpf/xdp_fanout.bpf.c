@@ -268,6 +268,13 @@ static __always_inline int hook_ahead(struct fanout_decision *c)
 	return 0;
 }
 
+/* On the stack: the xdp program has no callbacks to leave room for. */
+static __always_inline struct bpf_fib_lookup *hook_fib(struct fanout_decision *c, struct bpf_fib_lookup *on_stack)
+{
+	__builtin_memset(on_stack, 0, sizeof(*on_stack));
+	return on_stack;
+}
+
 static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib)
 {
 	if (!c->reply)

@@ -23,6 +23,8 @@ RATE = int(os.environ.get("BENCH_REPLICATION_RATE", "40000"))
 # BENCH_REPLICATION_BEFORE=/path/to/udp-fanout: another build (e.g. the revision before a change)
 # runs as a third userspace variant, alternated with the others in the same runs.
 BEFORE = os.environ.get("BENCH_REPLICATION_BEFORE")
+# BENCH_REPLICATION_ONLY=tc: the tc_ebpf rows alone (userspace: those alone).
+ONLY = os.environ.get("BENCH_REPLICATION_ONLY", "")
 
 
 def group_ns_on_cpu(pgid):
@@ -134,6 +136,10 @@ def run(variant, work, transparent, rate=0):
 def rows():
     if not shutil.which("nfacctd"):
         raise SystemExit("nfacctd is not installed: run make bench (it installs pmacct as root)")
+    if ONLY not in ("", "tc", "userspace"):
+        raise SystemExit(f"BENCH_REPLICATION_ONLY={ONLY}: say tc or userspace")
+    if ONLY == "tc":
+        return kernel_rows()
     work = tempfile.mkdtemp(prefix="rplb-replication-bench-")
     out = []
     try:
@@ -179,7 +185,7 @@ def rows():
                             f"least copies delivered / 3 x sent: ours {delivered[0]:.3f}, before {min(r['delivered'] for r in results['before']):.3f}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return out + kernel_rows()
+    return out + (kernel_rows() if ONLY != "userspace" else [])
 
 
 # tc_ebpf: the copies are made in softirq, inside the tc program (bpf_clone_redirect hands each
@@ -199,25 +205,26 @@ def program_ns():
 
 class KernelReplicator:
     """In the proxy namespace: udp-fanout tc_ebpf with backend 1 its own and backends 2 and 3 an
-    `all` pool (3 copies of each datagram, the exporter's address kept), or nfacctd tee_transparent
-    to the 3 backends."""
+    `all` pool (3 copies of each datagram, the exporter's address kept; `before`: the same with
+    BENCH_REPLICATION_BEFORE's build), or nfacctd tee_transparent to the 3 backends."""
 
     def __init__(self, variant, topology, work):
         self.variant, self.topology, self.proc = variant, topology, None
         receivers = [f"198.18.{n}.2:6000" for n in range(1, BACKENDS + 1)]
-        if variant == "tc_ebpf":
+        if variant in ("tc_ebpf", "before"):
             path = os.path.join(work, "tc-pools.yaml")
             members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
             with open(path, "w") as f:
                 f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n    interface: {topology.proxy_if}\n'
                         f'    mode: tc_ebpf\n    downstream: [{{address: "{receivers[0]}"}}]\n'
                         f"    pools:\n      - {{name: copies, balancing: all, downstream: [{members}]}}\n")
-            self.proc = start_fanout(path, "registered listener in eBPF map", in_namespace(topology.proxy))
+            self.proc = start_fanout(path, "registered listener in eBPF map", in_namespace(topology.proxy),
+                                     BEFORE if variant == "before" else None)
         else:
             self.proc = start_nfacctd(work, "tee-ns", ("198.18.0.1", 5514), receivers, True, in_namespace(topology.proxy))
 
     def ns_on_cpu(self):
-        return program_ns() if self.variant == "tc_ebpf" else group_ns_on_cpu(self.proc.pid)
+        return group_ns_on_cpu(self.proc.pid) if self.variant == "nfacctd" else program_ns()
 
     def stop(self):
         stop_group(self.proc)
@@ -247,10 +254,11 @@ def kernel_rows():
         print(f"bench: replication in the kernel, udp-fanout tc_ebpf (own backend + an all pool of 2) vs nfacctd tee_transparent"
               f" in the proxy namespace, 3 copies of each NetFlow v9 datagram; CPU at {TC_RATE:,} pps for {TC_SECONDS} s,"
               f" copies/s at saturation ({PACKETS} datagrams)", flush=True)
-        fixed = {"tc_ebpf": [], "nfacctd": []}
-        saturation = {"tc_ebpf": [], "nfacctd": []}
+        variants = ("tc_ebpf", "nfacctd") + (("before",) if BEFORE else ())
+        fixed = {variant: [] for variant in variants}
+        saturation = {variant: [] for variant in variants}
         for index in range(common.RUNS):
-            order = ("tc_ebpf", "nfacctd") if index % 2 == 0 else ("nfacctd", "tc_ebpf")
+            order = variants if index % 2 == 0 else variants[::-1]
             for variant in order:
                 fixed[variant].append(run_kernel(variant, topology, work, fixed=True))
             for variant in order:
@@ -262,6 +270,15 @@ def kernel_rows():
                 f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.10",
                 f"the tc program's run time (3 copies, their transmit included) / nfacctd's threads' time on CPU, per datagram sent; least delivered:"
                 f" ours {min(r['delivered'] for r in fixed['tc_ebpf']):.3f}, nfacctd {min(r['delivered'] for r in fixed['nfacctd']):.3f}")]
+        if BEFORE:
+            before = common.spread([r["cpu_us"] for r in fixed["before"]])
+            ratios = common.spread([o["cpu_us"] / b["cpu_us"] for o, b in zip(fixed["tc_ebpf"], fixed["before"])])
+            against = common.spread([b["cpu_us"] / p["cpu_us"] for b, p in zip(fixed["before"], fixed["nfacctd"])])
+            out.append((f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "before",
+                        f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{before[0]:.2f} us ({before[1]:.2f}-{before[2]:.2f})",
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                        f"BENCH_REPLICATION_BEFORE={BEFORE}, its tc program's run time; before / nfacctd in the same runs"
+                        f" {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f}); least delivered: before {min(r['delivered'] for r in fixed['before']):.3f}"))
         ours, peer = common.spread([r["copies_pps"] for r in saturation["tc_ebpf"]]), common.spread([r["copies_pps"] for r in saturation["nfacctd"]])
         ratios = common.spread([o["copies_pps"] / p["copies_pps"] for o, p in zip(saturation["tc_ebpf"], saturation["nfacctd"])])
         out.append(("replication tc_ebpf: delivered copies/s at saturation", "nfacctd tee, tee_transparent",
@@ -269,6 +286,12 @@ def kernel_rows():
                     f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
                     f"copies on the backend links / s; least delivered / 3 x sent: ours {min(r['delivered'] for r in saturation['tc_ebpf']):.3f},"
                     f" nfacctd {min(r['delivered'] for r in saturation['nfacctd']):.3f}"))
+        if BEFORE:
+            before = common.spread([r["copies_pps"] for r in saturation["before"]])
+            out.append(("replication tc_ebpf: delivered copies/s at saturation", "before",
+                        f"{ours[0]:,.0f} ({ours[1]:,.0f}-{ours[2]:,.0f})", f"{before[0]:,.0f} ({before[1]:,.0f}-{before[2]:,.0f})",
+                        f"{ours[0] / before[0]:.2f}",
+                        f"least delivered / 3 x sent: before {min(r['delivered'] for r in saturation['before']):.3f}"))
         return out
     finally:
         topology.destroy()

@@ -98,6 +98,45 @@ struct NextHopCacheTests {
         #expect(counted.tooLarge == 1 && counted.packets == 2, "\(counted)")
     }
 
+    @Test("tc: a replication pool's copies take the kept answer too, per member, until the generation changes; a copy longer than a member's kept MTU is looked up and dropped too_large")
+    func tcPoolCopies() throws {
+        typealias Fixture = TCProgramFixture
+        let fixture = try Fixture()
+        let members = [Fixture.member("a1", "198.18.200.10:7001"), Fixture.member("a2", "198.18.210.10:7002")]
+        try fixture.addListener(bind: SocketAddress(ip: ProgramFrames.listenerV4.ip, port: 5521), id: 20,
+                                own: [Fixture.member("b1", "198.18.200.10:6001")],
+                                pools: [Fixture.PoolSpec(id: 21, policy: FANOUT_POLICY_ALL, members: members)])
+        let ports: Set<UInt16> = [7001, 7002]
+        let small = Packet.ipv4(payload: Array(repeating: 0x41, count: 100), port: 5521)
+        /// The destination MAC of the copy to 198.18.200.10 (a1), and how many copies left.
+        func copyMAC() -> ([UInt8], Int) {
+            let (verdict, _, copies) = TCPoolProgramTests.executeCapturing(fixture, small, ports: ports, expected: 2)
+            #expect(verdict == Self.redirect, "the own datagram redirected")
+            let toA1 = copies.first { Packet.parse($0)?.destinationPort == 7001 }
+            return (toA1.map { Array($0[0..<6]) } ?? [], copies.count)
+        }
+        let far = Self.coarseNow() + 600_000_000_000
+        try Self.neighbour(fixture, 0x0b)
+        try fixture.program.setRoute(generation: 1, validUntil: far)
+        #expect(copyMAC() == (Self.mac(0x0b), 2), "on: looked up and kept")
+        try Self.neighbour(fixture, 0x0c)
+        #expect(copyMAC() == (Self.mac(0x0b), 2), "on: the copy takes the kept answer (the neighbour changed unnoticed)")
+        try fixture.program.setRoute(generation: 2, validUntil: far)
+        #expect(copyMAC() == (Self.mac(0x0c), 2), "a new generation: looked up again")
+        try Self.neighbour(fixture, 0x0d)
+        try fixture.program.setRoute(generation: 0, validUntil: far)
+        #expect(copyMAC() == (Self.mac(0x0d), 2), "off: looked up")
+        // a2 sits behind the fixture's 600-byte route: a copy longer than that is looked up and dropped.
+        try fixture.program.setRoute(generation: 3, validUntil: far)
+        let large = Packet.ipv4(payload: Array(repeating: 0x42, count: 1000), port: 5521)
+        let (_, _, copies) = TCPoolProgramTests.executeCapturing(fixture, large, ports: ports, expected: 1)
+        #expect(copies.compactMap { Packet.parse($0)?.destinationPort } == [7001], "only a1's copy leaves")
+        #expect(copyMAC() == (Self.mac(0x0d), 2), "within the MTU: kept answers")
+        let a2 = fixture.program.memberStats(id: 21, slot: 1)
+        #expect(a2.copies == 5 && a2.dropped["too_large"] == 1, "a2: \(a2)")
+        #expect(fixture.program.memberStats(id: 21, slot: 0).copies == 6, "a1: every copy")
+    }
+
     /// Runs `body` on a thread inside the fixture's namespace.
     static func inNamespace(_ fixture: TCProgramFixture, _ body: @escaping @Sendable () -> Void) {
         let fd = fixture.namespaceFD

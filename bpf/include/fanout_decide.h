@@ -90,6 +90,10 @@ static __always_inline int hook_follow(struct fanout_decision *c, struct fanout_
 /* Before the listener's own verdicts: what leaves ahead of its own datagram. < 0: the packet
  * cannot go on (counted rewrite_failed). */
 static __always_inline int hook_ahead(struct fanout_decision *c);
+/* Where the route's answer is written, zeroed: `on_stack`, or scratch off the stack where the
+ * program's callbacks need the room (tc: the pools' copies reach the next-hop cache from two
+ * bpf_loop levels down). NULL: nowhere (never for a per-CPU array; counted rewrite_failed). */
+static __always_inline struct bpf_fib_lookup *hook_fib(struct fanout_decision *c, struct bpf_fib_lookup *on_stack);
 /* The route toward c->backend (reply: from it) into `fib`: bpf_fib_lookup's result. */
 static __always_inline long hook_route(struct fanout_decision *c, struct bpf_fib_lookup *fib);
 /* The route's verdict (forwarded, forwarded_neigh, too_large, no_route) known: whether this
@@ -387,8 +391,13 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 		goto drop;
 	}
 
-	struct bpf_fib_lookup fib = {};
-	long route = hook_route(&c, &fib);
+	struct bpf_fib_lookup on_stack;
+	struct bpf_fib_lookup *fib = hook_fib(&c, &on_stack);
+	if (!fib) {
+		verdict = FANOUT_VERDICT_REWRITE_FAILED;
+		goto drop;
+	}
+	long route = hook_route(&c, fib);
 	/* A backend's datagram to this host itself (a udp_echo health probe's answer, say) is no
 	 * reply to a client: it goes up the stack untouched, and associates nothing. */
 	if (c.reply && route == BPF_FIB_LKUP_RET_NOT_FWDED)
@@ -400,7 +409,7 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 		goto drop;
 	}
 	verdict = route_verdict(route);
-	action = hook_can_send(&c, verdict, &fib);
+	action = hook_can_send(&c, verdict, fib);
 	if (action != FANOUT_GO_ON)
 		return action;
 	if (verdict != FANOUT_VERDICT_FORWARDED && verdict != FANOUT_VERDICT_FORWARDED_NEIGH)
@@ -411,7 +420,7 @@ static __always_inline int fanout_decide(FANOUT_CTX *ctx, __u32 ifindex, __u32 l
 	/* Later fragments follow the first one's choice (only once it is known to leave). */
 	remember_fragment(&c, FANOUT_VERDICT_FORWARDED);
 
-	long sending = hook_send(&c, verdict, &fib);
+	long sending = hook_send(&c, verdict, fib);
 	if (sending >= 0)
 		return sent(&c, verdict, (int)sending);
 	verdict = FANOUT_VERDICT_REWRITE_FAILED;

@@ -2,7 +2,8 @@
 /*
  * The next-hop cache of the tc and xdp programs (fanout_hops.h), shared with userspace
  * (BPFKernelABI.h): what bpf_fib_lookup answered toward a listener's backend (a client's
- * datagram; not a reply, not a replication pool's copy), kept per CPU by backend slot and used
+ * datagram) or a replication pool's member (a copy; not a reply), kept per CPU by backend slot (at
+ * the listener's id, or the pool's) and used
  * again while the route generation the daemon writes stays the same. The daemon
  * (TCRouteWatch.swift) writes a new generation whenever the kernel says its routes, rules,
  * neighbours, links, addresses, next hops or forwarding settings changed, and once a second

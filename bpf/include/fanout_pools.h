@@ -11,7 +11,9 @@
  * per-CPU scratch record (struct fanout_fragment: kept as the fragment's memory when the datagram
  * is fragmented, so later fragments reach the same members).
  *
- * send_copies: per taken pool and member, the route (bpf_fib_lookup), the rewrite of destination
+ * send_copies: per taken pool and member, the route (route_forward: the next-hop cache at the
+ * pool's id and the member's slot while the daemon's route generation holds, else
+ * bpf_fib_lookup), the rewrite of destination
  * address and port with checksums (the client's source kept), TTL / hop limit decremented once
  * over all copies, the fib lookup's MACs, and bpf_clone_redirect of the packet as it is now (the
  * kernel unclones the original's head after each clone, so later rewrites do not reach a copy
@@ -45,7 +47,9 @@
 
 /* Scratch per CPU (a tc program runs to its end on one CPU), off the 512-byte stack that the
  * program and two levels of bpf_loop callbacks share: the pools' decisions for the packet being
- * handled (first, so a pointer to the record is one to its decisions), and a copy's route. */
+ * handled (first, so a pointer to the record is one to its decisions), and a route: each copy's,
+ * then the listener's own datagram's (hook_fib), which leaves the program's stack the room the
+ * copies' next-hop cache takes in the callbacks. */
 struct pool_scratch {
 	struct fanout_fragment work;
 	struct bpf_fib_lookup fib;
@@ -213,7 +217,7 @@ static __always_inline __u32 copy_to(struct replication *r, struct fanout_backen
 		return FANOUT_VERDICT_REWRITE_FAILED;
 	struct bpf_fib_lookup *fib = &space->fib;
 	__builtin_memset(fib, 0, sizeof(*fib));
-	long route = lookup_route(skb, p, to, 0, fib);
+	long route = route_forward(skb, p, to, r->pool_id, skb->ifindex, skb->gso_size == 0 ? p->tot_len : 0, fib);
 	if (route == BPF_FIB_LKUP_RET_NO_NEIGH)
 		return FANOUT_VERDICT_NO_NEIGHBOUR;
 	if (route == BPF_FIB_LKUP_RET_FRAG_NEEDED)

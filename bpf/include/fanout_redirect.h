@@ -88,8 +88,7 @@ static __always_inline long route_forward(void *ctx, struct packet *p, struct fa
  * interface, MACs and next hop are read from it afterwards. Returns bpf_fib_lookup's result.
  * The route's MTU is checked against the IP length, so a packet the egress device would drop
  * uncounted is dropped here as too_large. A GSO packet (GRO-merged) is checked by the kernel per
- * segment on the way out: tot_len 0 skips the check. Looked up each time: a replication pool's
- * copies (their callback has no stack to spare for the cache). */
+ * segment on the way out: tot_len 0 skips the check. Looked up each time: replies (nat). */
 static __always_inline long lookup_route(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
 					 _Bool reply, struct bpf_fib_lookup *fib)
 {
