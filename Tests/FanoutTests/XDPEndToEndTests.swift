@@ -136,6 +136,43 @@ struct XDPEndToEndTests {
         #expect(flows.allSatisfy { !$0.isEmpty }, "both collectors used")
     }
 
+    @Test("A downstream's route moved at runtime to an interface no downstream used: that interface joins the device map at the next heartbeat (logged), and the datagrams routed through it leave at XDP, none passed to tc")
+    func routeMovedToAnotherInterface() throws {
+        let topology = try Topology(backends: 3)
+        try TCFixtures.prepareXDP(topology)
+        let (daemon, file) = try TCFixtures.start(topology, TCFixtures.config(topology, backends: [1, 2], mode: "xdp"), "xdp-moved")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let third = "pb3\(topology.suffix.prefix(7))", inner = "b3\(topology.suffix.prefix(8))"
+        #expect(!daemon.stderr.contains("interface=\(third)"), "no downstream's route leaves through \(third) at start: \(daemon.stderr)")
+        // Backend 1's address moves behind backend 3's link (backend 3 takes it too).
+        let links = try JSONSerialization.jsonObject(with: Data(try topology.exec(topology.backends[2], ["/usr/sbin/ip", "-j", "link", "show", "dev", inner]).utf8)) as? [[String: Any]]
+        let mac = try #require(links?.first?["address"] as? String, "backend 3's MAC")
+        _ = try topology.exec(topology.backends[2], ["/usr/sbin/ip", "addr", "add", "198.18.1.2/32", "dev", inner])
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "replace", "198.18.1.2", "lladdr", mac, "dev", third, "nud", "permanent"])
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "route", "add", "198.18.1.2/32", "dev", third])
+        // The heartbeat comes every 5 s: the next one after the change looks the routes up again.
+        try waitUntil("\(third) in the xdp device map: \(daemon.stderr)", seconds: 15) {
+            daemon.stderr.contains("in the xdp device map") && daemon.stderr.contains("interface=\(third)")
+        }
+        func transmitted() throws -> Int {
+            let shown = try JSONSerialization.jsonObject(with: Data(try topology.exec(topology.proxy, ["/usr/sbin/ip", "-j", "-s", "link", "show", "dev", third]).utf8)) as? [[String: Any]]
+            return ((shown?.first?["stats64"] as? [String: Any])?["tx"] as? [String: Any])?["packets"] as? Int ?? -1
+        }
+        let before = try transmitted()
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        let metrics = try TCFixtures.metrics(topology)
+        #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"tc\",mode=\"xdp\"} 1200"), "\(metrics)")
+        for reason in ["no_neighbour", "too_large", "fragment", "pools", "no_xdp_xmit"] {
+            #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
+        }
+        #expect(try transmitted() - before >= 600, "backend 1's half left through \(third)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try TCFixtures.expectNothingLeft(topology)
+    }
+
     @Test("kill -9 leaves no XDP program attached (a BPF link); the restart attaches again and its SIGTERM leaves nothing")
     func killNine() throws {
         let topology = try Topology(backends: 1)

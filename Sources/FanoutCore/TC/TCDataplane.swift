@@ -50,6 +50,12 @@ final class TCDataplane: Sendable {
         var routeWatch: TCRouteWatch?
     }
 
+    /// How many batches of routing notifications the next-hop cache's watch has seen (a change
+    /// of links, addresses, neighbours, routes, rules or next hops), nil without a watch.
+    var routeChanges: Int? {
+        state.withLock { $0.routeWatch?.notifications.load(ordering: .relaxed) }
+    }
+
     /// A listener entry's key: its bind at an interface.
     struct AdoptedKey: Hashable {
         let bind: SocketAddress
@@ -750,6 +756,11 @@ final class TCListener: RunningListener {
         var pools: [String: PoolLive] = [:]
         /// The managed neighbour entries held for the pools' members (``TCDataplane/holdNeighbours(for:)``).
         var neighbours: [TCDataplane.Neighbour] = []
+        /// xdp: the downstreams and pool members whose egress interfaces the device map holds,
+        /// and the route watch's count of changes when their routes were last looked up
+        /// (``TCDataplane/routeChanges``): a heartbeat after a change looks them up again.
+        var routed: [Downstream] = []
+        var routeChangesSeen: Int?
         /// quic_lb: the key slots holding a key, by set generation (taken out when that
         /// generation is written again without them, or the listener stops), and the key each
         /// holds; the server IDs written, by generation. nil for a generation: not known (a
@@ -1181,8 +1192,17 @@ final class TCListener: RunningListener {
             throw .maps(error)
         }
         releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
-        // xdp: the interfaces toward the downstreams that take XDP frames.
-        front?.program.route(toward: downstreams + pools.flatMap { $0.1 })
+        // xdp: the interfaces toward the downstreams that take XDP frames (looked up again at the
+        // heartbeat after the kernel's routing changed: heartbeats()).
+        if let front {
+            let routed = downstreams + pools.flatMap { $0.1 }
+            let changes = dataplane.routeChanges
+            live.withLock { live in
+                live.routed = routed
+                live.routeChangesSeen = changes
+            }
+            front.program.route(toward: routed)
+        }
         // The pools' next hops resolved from now on; those no longer needed given back after.
         let neighbours = dataplane.holdNeighbours(for: pools.flatMap { $0.1 })
         dataplane.releaseNeighbours(live.withLock { live in
@@ -1653,7 +1673,18 @@ final class TCListener: RunningListener {
     func heartbeats() -> [PathHeartbeat] {
         guard !stopped.load(ordering: .relaxed) else { return [] }
         let interface = config.interface ?? ""
-        front?.program.recheckDevices()
+        if let front {
+            // A route that moved to another interface since: it joins the device map if it takes
+            // XDP frames (until then its datagrams go through tc, counted no_xdp_xmit).
+            let changes = dataplane.routeChanges
+            let moved: [Downstream]? = live.withLock { live in
+                guard changes != live.routeChangesSeen else { return nil }
+                live.routeChangesSeen = changes
+                return live.routed
+            }
+            if let moved { front.program.route(toward: moved) }
+            front.program.recheckDevices()
+        }
         let problem = dataplane.attachmentProblem(interface: interface) ?? front?.program.attachmentProblem(interface: interface)
         // A reload may have stopped it (and detached) during the query: not a stall.
         guard !stopped.load(ordering: .relaxed) else { return [] }

@@ -208,6 +208,7 @@ final class XDPFront: Sendable {
                 try program.setDevice(ifindex, present: true)
                 state.devices.insert(ifindex)
                 state.refused.remove(ifindex)
+                logger.info("interface transmits XDP frames: in the xdp device map, datagrams routed through it leave at XDP", metadata: ["interface": "\(Self.name(ifindex))"])
             } catch {
                 logger.warning("could not add an interface to the xdp device map: datagrams routed through it are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(Self.name(ifindex))", "error": "\(error)"])
             }
