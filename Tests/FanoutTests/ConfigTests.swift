@@ -411,6 +411,21 @@ extension ConfigTests {
 
             """)
         #expect(plain.checkSummary == "configuration OK: 2 listener(s): a 127.0.0.1:7001 userspace -> 1 downstream(s) + DNS collector.example:7003, source_ip; b 127.0.0.1:7011 userspace -> 0 downstream(s) + Kubernetes ops/receivers:5514, round_robin; health icmp every 2 s", "\(plain.checkSummary)")
+        // The kernel kinds' copies keep the client's source whatever the listener's output says.
+        for mode in ["tc_ebpf", "xdp"] {
+            let kernel = try ConfigParser.parse("""
+                listeners:
+                  - name: k
+                    bind: "198.18.0.1:2055"
+                    interface: eth0
+                    mode: \(mode)
+                    downstream: [{address: "198.18.1.2:9001"}]
+                    pools:
+                      - {name: archive, balancing: all, downstream: [{address: "198.18.2.2:9002"}]}
+
+                """)
+            #expect(kernel.checkSummary.contains(", pool archive -> 1 downstream(s), all, output preserve_source"), "\(mode): \(kernel.checkSummary)")
+        }
     }
 }
 

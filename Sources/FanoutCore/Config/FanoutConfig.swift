@@ -484,7 +484,9 @@ extension FanoutConfig {
                 // In the order the filters apply: sources, then the sample (of sources, not datagrams).
                 if !pool.sources.isEmpty { line += ", sources \(pool.sources.map(\.description).joined(separator: " "))" }
                 if pool.sample > 1 { line += ", 1 source in \(pool.sample)" }
-                line += ", output \((pool.output ?? listener.settings.output).rawValue)"
+                // The kernel kinds' copies always keep the client's source (output: socket is refused there).
+                let output = listener.mode == .tcEBPF || listener.mode == .xdp ? Output.preserveSource : pool.output ?? listener.settings.output
+                line += ", output \(output.rawValue)"
             }
             return line
         }.joined(separator: "; ") + (health.enabled ? "; health \(health.proto) every \(health.intervalSecs) s" : "")
