@@ -124,6 +124,52 @@ struct TCReplicationEndToEndTests {
 /// kernel kind, as in userspace and relay (ReplicationTests.poolsAfterInPlaceUpdates).
 @Suite("kernel kinds: pools across in-place updates", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct KernelPoolUpdateTests {
+    @Test("A pool member's route moved at runtime behind an interface with no neighbour entry for it: the heartbeat after the change adds a managed entry there (logged), the copies leave again, none counted no_neighbour; SIGTERM deletes it")
+    func memberRouteMoved() throws {
+        let topology = try Topology(backends: 3)
+        defer { topology.destroy() }
+        let config = """
+            listeners:
+              - name: tc
+                bind: "198.18.0.1:5514"
+                interface: \(topology.proxyInterface)
+                mode: tc_ebpf
+                downstream: [{name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}]
+                pools:
+                  - name: archive
+                    balancing: all
+                    downstream: [{name: b2, address: "\(Topology.backendIPv4(2)):\(TCFixtures.port)"}]
+            metrics: {enabled: true, bind: "127.0.0.1:9464"}
+            """
+        let (daemon, file) = try TCFixtures.start(topology, config, "tc-pool-moved")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let third = "pb3\(topology.suffix.prefix(7))", inner = "b3\(topology.suffix.prefix(8))"
+        // b2's address moves behind backend 3's link (backend 3 takes it too); nothing has
+        // resolved it there, and a copy cannot wait for the kernel to.
+        _ = try topology.exec(topology.backends[2], ["/usr/sbin/ip", "addr", "add", "\(Topology.backendIPv4(2))/32", "dev", inner])
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "route", "add", "\(Topology.backendIPv4(2))/32", "dev", third])
+        // The heartbeat comes every 5 s: the next one after the change holds the new next hop.
+        try waitUntil("a managed neighbour entry at \(third): \(daemon.stderr)", seconds: 15) {
+            daemon.stderr.split(separator: "\n").contains { $0.contains("added a managed neighbour entry") && $0.contains("interface=\(third)") }
+        }
+        try waitUntil("the entry at \(third) resolved", seconds: 10) {
+            let shown = (try? topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show", Topology.backendIPv4(2), "dev", third])) ?? ""
+            return shown.contains("managed") && shown.contains("lladdr")
+        }
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        let metrics = try TCFixtures.metrics(topology)
+        let member = ReplicationFixtures.poolLabels("archive", listener: "tc", mode: "tc_ebpf") + ",downstream=\"b2\""
+        #expect(metrics.contains("udp_fanout_pool_member_copies_total{\(member)} 1200"), "every copy left: \(metrics)")
+        #expect(!metrics.split(separator: "\n").contains { $0.hasPrefix("udp_fanout_pool_member_dropped_total{\(member)") && !$0.hasSuffix(" 0") }, "no copy dropped: \(metrics)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        try TCFixtures.expectNothingLeft(topology)
+        let left = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show"])
+        #expect(!left.contains("managed"), "the managed neighbour entries udp-fanout made are gone: \(left)")
+    }
+
     @Test("an all pool of two keeps every copy after each in-place update of the listener's own downstreams: a reload, a health change, a discovery change", arguments: ["tc_ebpf", "xdp", "af_xdp"])
     func poolsAfterInPlaceUpdates(mode: String) throws {
         let topology = try Topology(backends: 5, queues: 2)

@@ -152,7 +152,7 @@ struct XDPEndToEndTests {
         _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "route", "add", "198.18.1.2/32", "dev", third])
         // The heartbeat comes every 5 s: the next one after the change looks the routes up again.
         try waitUntil("\(third) in the xdp device map: \(daemon.stderr)", seconds: 15) {
-            daemon.stderr.contains("in the xdp device map") && daemon.stderr.contains("interface=\(third)")
+            daemon.stderr.split(separator: "\n").contains { $0.contains("in the xdp device map") && $0.contains("interface=\(third)") }
         }
         func transmitted() throws -> Int {
             let shown = try JSONSerialization.jsonObject(with: Data(try topology.exec(topology.proxy, ["/usr/sbin/ip", "-j", "-s", "link", "show", "dev", third]).utf8)) as? [[String: Any]]
@@ -167,7 +167,7 @@ struct XDPEndToEndTests {
         for reason in ["no_neighbour", "too_large", "fragment", "pools", "no_xdp_xmit"] {
             #expect(Self.value(metrics, "udp_fanout_xdp_passed_total{listener=\"tc\",reason=\"\(reason)\"}") == 0, "\(reason): \(metrics)")
         }
-        #expect(try transmitted() - before >= 600, "backend 1's half left through \(third)")
+        #expect(try transmitted() - before >= 590, "backend 1's half (a rotation per CPU: about 600) left through \(third)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         try TCFixtures.expectNothingLeft(topology)

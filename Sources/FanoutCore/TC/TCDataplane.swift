@@ -50,10 +50,10 @@ final class TCDataplane: Sendable {
         var routeWatch: TCRouteWatch?
     }
 
-    /// How many batches of routing notifications the next-hop cache's watch has seen (a change
-    /// of links, addresses, neighbours, routes, rules or next hops), nil without a watch.
+    /// How many batches of routing notifications that may move a path the next-hop cache's watch
+    /// has seen (``TCRouteWatch/pathChanges``), nil without a watch.
     var routeChanges: Int? {
-        state.withLock { $0.routeWatch?.notifications.load(ordering: .relaxed) }
+        state.withLock { $0.routeWatch?.pathChanges.load(ordering: .relaxed) }
     }
 
     /// A listener entry's key: its bind at an interface.
@@ -354,9 +354,15 @@ final class TCDataplane: Sendable {
                     // Not made here (it exists): not ours to delete, nothing to count; unless the
                     // previous process made it and handed it over.
                     let inherited = state.inheritedNeighbours.remove(neighbour) != nil
-                    guard try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) || inherited else { return }
+                    let made = try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex)
+                    guard made || inherited else { return }
                     state.neighbours[neighbour] = 1
                     held.append(neighbour)
+                    if made {
+                        logger.info("added a managed neighbour entry for a pool member's next hop: the kernel keeps it resolved for the copies (deleted when no pool needs it)", metadata: [
+                            "downstream": "\(member.name)", "next_hop": "\(hop.address)", "interface": "\(TCRoute.interfaceName(hop.ifindex))",
+                        ])
+                    }
                 } catch {
                     logger.warning("could not add a managed neighbour entry for a pool member's next hop: its copies are dropped and counted no_neighbour until the kernel resolves it otherwise (ip neigh add \(hop.address) dev <interface> managed)", metadata: [
                         "downstream": "\(member.name)", "next_hop": "\(hop.address)", "error": "\(error)",
@@ -756,11 +762,18 @@ final class TCListener: RunningListener {
         var pools: [String: PoolLive] = [:]
         /// The managed neighbour entries held for the pools' members (``TCDataplane/holdNeighbours(for:)``).
         var neighbours: [TCDataplane.Neighbour] = []
-        /// xdp: the downstreams and pool members whose egress interfaces the device map holds,
-        /// and the route watch's count of changes when their routes were last looked up
+        /// The listener's own downstreams (xdp: their egress interfaces are in the device map),
+        /// the pools' members (their next hops' neighbour entries are held), and the route
+        /// watch's count of path changes when their routes were last looked up
         /// (``TCDataplane/routeChanges``): a heartbeat after a change looks them up again.
         var routed: [Downstream] = []
+        var poolMembers: [Downstream] = []
         var routeChangesSeen: Int?
+        /// Counts the updates of `poolMembers`: a heartbeat's neighbour entries for an older
+        /// list are given back rather than kept.
+        var membersVersion = 0
+        /// The neighbour entries were given back (stop) or handed over: none is held again.
+        var released = false
         /// quic_lb: the key slots holding a key, by set generation (taken out when that
         /// generation is written again without them, or the listener stops), and the key each
         /// holds; the server IDs written, by generation. nil for a generation: not known (a
@@ -1192,19 +1205,20 @@ final class TCListener: RunningListener {
             throw .maps(error)
         }
         releaseReplyInterfaces(held.filter { !wantedInterfaces.contains($0) })
-        // xdp: the interfaces toward the downstreams that take XDP frames (looked up again at the
-        // heartbeat after the kernel's routing changed: heartbeats()).
-        if let front {
-            let routed = downstreams + pools.flatMap { $0.1 }
-            let changes = dataplane.routeChanges
-            live.withLock { live in
-                live.routed = routed
-                live.routeChangesSeen = changes
-            }
-            front.program.route(toward: routed)
+        // Looked up again at the heartbeat after the kernel's routing changed (heartbeats()).
+        let members = pools.flatMap { $0.1 }
+        let changes = dataplane.routeChanges
+        live.withLock { live in
+            live.routed = downstreams
+            live.poolMembers = members
+            live.membersVersion += 1
+            live.routeChangesSeen = changes
         }
+        // xdp: the interfaces toward the downstreams that take XDP frames (not the pools'
+        // members: XDP passes a listener's datagrams to tc when it has pools, which copies them).
+        front?.program.route(toward: downstreams)
         // The pools' next hops resolved from now on; those no longer needed given back after.
-        let neighbours = dataplane.holdNeighbours(for: pools.flatMap { $0.1 })
+        let neighbours = dataplane.holdNeighbours(for: members)
         dataplane.releaseNeighbours(live.withLock { live in
             defer { live.neighbours = neighbours }
             return live.neighbours
@@ -1669,22 +1683,38 @@ final class TCListener: RunningListener {
     /// A reload's successor writes its entry over this one's: a handover with no gap.
     var takesOverExactly: Bool { true }
 
+    /// The pools' next hops after a path changed: a member whose route moved gets a managed
+    /// neighbour entry at its new next hop (a copy cannot wait for the kernel to resolve one:
+    /// no_neighbour), and the entries no longer needed are given back. What was held for an
+    /// older member list (a reload meanwhile), or once the listener stopped, is given back.
+    private func holdNeighboursAgain(for members: [Downstream], version: Int) {
+        let held = dataplane.holdNeighbours(for: members)
+        let giveBack = live.withLock { live -> [TCDataplane.Neighbour] in
+            guard !live.released, live.membersVersion == version else { return held }
+            defer { live.neighbours = held }
+            return live.neighbours
+        }
+        dataplane.releaseNeighbours(giveBack)
+    }
+
     /// The kernel forwards; the watchdog checks that our program is still attached.
     func heartbeats() -> [PathHeartbeat] {
         guard !stopped.load(ordering: .relaxed) else { return [] }
         let interface = config.interface ?? ""
-        if let front {
-            // A route that moved to another interface since: it joins the device map if it takes
-            // XDP frames (until then its datagrams go through tc, counted no_xdp_xmit).
-            let changes = dataplane.routeChanges
-            let moved: [Downstream]? = live.withLock { live in
-                guard changes != live.routeChangesSeen else { return nil }
-                live.routeChangesSeen = changes
-                return live.routed
-            }
-            if let moved { front.program.route(toward: moved) }
-            front.program.recheckDevices()
+        // Routes that may have moved since: look them up again.
+        let changes = dataplane.routeChanges
+        let moved = live.withLock { live -> (routed: [Downstream], members: [Downstream], version: Int)? in
+            guard changes != live.routeChangesSeen else { return nil }
+            live.routeChangesSeen = changes
+            return (live.routed, live.poolMembers, live.membersVersion)
         }
+        if let moved {
+            // xdp: an interface a route moved to joins the device map if it takes XDP frames
+            // (until then its datagrams go through tc, counted no_xdp_xmit).
+            front?.program.route(toward: moved.routed)
+            if !moved.members.isEmpty { holdNeighboursAgain(for: moved.members, version: moved.version) }
+        }
+        front?.program.recheckDevices()
         let problem = dataplane.attachmentProblem(interface: interface) ?? front?.program.attachmentProblem(interface: interface)
         // A reload may have stopped it (and detached) during the query: not a stall.
         guard !stopped.load(ordering: .relaxed) else { return [] }
@@ -1731,6 +1761,7 @@ final class TCListener: RunningListener {
         let neighbours = live.withLock { live in
             for (name, var pool) in live.pools { releasePool(name, &pool) }
             live.pools = [:]
+            live.released = true
             defer { live.neighbours = [] }
             return live.neighbours
         }
@@ -1753,6 +1784,7 @@ final class TCListener: RunningListener {
         if let rateBuckets { closeRateBuckets(rateBuckets) }
         if let ampClients { close(ampClients) }
         let interfaces = live.withLock { live in
+            live.released = true
             defer { live.replyInterfaces = []; live.neighbours = [] }
             return live.replyInterfaces
         }

@@ -54,6 +54,13 @@ enum TCRoute {
         return nil
     }
 
+    /// The name of interface `ifindex`, or "ifindex N" when it has none (gone meanwhile).
+    static func interfaceName(_ ifindex: UInt32) -> String {
+        var name = [CChar](repeating: 0, count: Int(IF_NAMESIZE) + 1)
+        guard if_indextoname(ifindex, &name) != nil else { return "ifindex \(ifindex)" }
+        return String(decoding: name.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
+    }
+
     /// The next hop the kernel routes `ip` through: the route's interface index (RTA_OIF) and its
     /// gateway (RTA_GATEWAY), or `ip` itself on a directly connected route; nil without a unicast route.
     static func nextHop(to ip: IPAddress) -> (ifindex: UInt32, address: IPAddress)? {

@@ -39,6 +39,11 @@ final class TCRouteWatch: Sendable {
     private let thread = Mutex<OSThread?>(nil)
     /// Batches of notifications read that changed something (tests: a change was seen).
     let notifications = Atomic<Int>(0)
+    /// Batches that changed a path (links, addresses, routes, rules, next-hop objects, or lost
+    /// notifications; not neighbours or forwarding settings): the listeners look their
+    /// downstreams' routes up again at the next heartbeat (the xdp device map, the pools'
+    /// neighbour entries).
+    let pathChanges = Atomic<Int>(0)
 
     /// How long a generation holds without being written again, and how often it is.
     static let validity: UInt64 = 3_000_000_000
@@ -312,7 +317,7 @@ final class TCRouteWatch: Sendable {
         }
         // Subscribed before the policy is read: a change meanwhile is a notification read next.
         var policy = Policy()
-        var (readAll, readRules, changed) = (true, false, false)
+        var (readAll, readRules, changed, pathChanged) = (true, false, false, false)
         var written: UInt32 = 0
         var generation: UInt32 = 0
         var (told, shown): (Bool, String?) = (false, nil)
@@ -358,6 +363,7 @@ final class TCRouteWatch: Sendable {
                 current.withLock { $0 = found }
             }
             if changed { notifications.add(1, ordering: .relaxed) }
+            if pathChanged { pathChanges.add(1, ordering: .relaxed) }
             let now = Self.coarseNow()
             if found != nil {
                 if written != 0 {
@@ -370,7 +376,7 @@ final class TCRouteWatch: Sendable {
                 write(generation: generation, validUntil: now + Self.validity)
                 (written, renewed) = (generation, now)
             }
-            changed = false
+            (changed, pathChanged) = (false, false)
             var descriptor = pollfd(fd: fd, events: Int16(POLLIN), revents: 0)
             do throws(SystemCallError) {
                 guard try Syscall.poll(&descriptor, 1, 200) > 0 else { continue }
@@ -396,12 +402,13 @@ final class TCRouteWatch: Sendable {
                         default: break                                                          // links, addresses, neighbours, netconf
                         }
                         changed = true
+                        if !(28...30).contains(type) && !(80...82).contains(type) { pathChanged = true }  // not RTM_*NEIGH, RTM_*NETCONF
                         offset += (length + 3) & ~3
                     }
                 }
             } catch where error.errno == ENOBUFS {
                 // Notifications were lost: whatever they said, everything is read again.
-                (readAll, changed) = (true, true)
+                (readAll, changed, pathChanged) = (true, true, true)
             } catch {
                 refuse("reading the routing notifications failed (\(error))")
                 return

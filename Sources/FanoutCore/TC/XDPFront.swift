@@ -176,7 +176,7 @@ final class XDPFront: Sendable {
     /// transmits XDP frames (NETDEV_XDP_ACT_NDO_XMIT); where it does not, the tc program finishes
     /// those datagrams (counted `no_xdp_xmit`) and a warning says why, once per interface.
     func route(toward downstreams: [Downstream]) {
-        let egress = Set(downstreams.compactMap { TCRoute.nextHop(to: $0.address.ip)?.ifindex })
+        let egress = Set(Set(downstreams.map { $0.address.ip }).compactMap { TCRoute.nextHop(to: $0)?.ifindex })
         state.withLock { state in
             for ifindex in egress { refreshDevice(ifindex, in: &state) }
         }
@@ -197,7 +197,7 @@ final class XDPFront: Sendable {
             // Unknown: the map stays as it is (an interface not in it goes through tc, counted).
             if !state.unknown.contains(ifindex) {
                 state.unknown.insert(ifindex)
-                logger.warning("the kernel could not tell whether this interface transmits XDP frames (its netdev netlink family, kernel 6.3+): until it can, datagrams routed through it that are not in the xdp device map yet are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(Self.name(ifindex))"])
+                logger.warning("the kernel could not tell whether this interface transmits XDP frames (its netdev netlink family, kernel 6.3+): until it can, datagrams routed through it that are not in the xdp device map yet are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(TCRoute.interfaceName(ifindex))"])
             }
             return
         }
@@ -208,9 +208,9 @@ final class XDPFront: Sendable {
                 try program.setDevice(ifindex, present: true)
                 state.devices.insert(ifindex)
                 state.refused.remove(ifindex)
-                logger.info("interface transmits XDP frames: in the xdp device map, datagrams routed through it leave at XDP", metadata: ["interface": "\(Self.name(ifindex))"])
+                logger.info("interface transmits XDP frames: in the xdp device map, datagrams routed through it leave at XDP", metadata: ["interface": "\(TCRoute.interfaceName(ifindex))"])
             } catch {
-                logger.warning("could not add an interface to the xdp device map: datagrams routed through it are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(Self.name(ifindex))", "error": "\(error)"])
+                logger.warning("could not add an interface to the xdp device map: datagrams routed through it are finished by the tc program (counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"})", metadata: ["interface": "\(TCRoute.interfaceName(ifindex))", "error": "\(error)"])
             }
         } else if !transmits {
             if present {
@@ -219,15 +219,9 @@ final class XDPFront: Sendable {
             }
             if !state.refused.contains(ifindex) {
                 state.refused.insert(ifindex)
-                logger.warning("interface cannot transmit XDP frames (its driver lacks ndo_xdp_xmit; a veth has it only while its peer runs an XDP program or has GRO on: ethtool -K <peer> gro on): datagrams routed through it are finished by the tc program, counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"}", metadata: ["interface": "\(Self.name(ifindex))"])
+                logger.warning("interface cannot transmit XDP frames (its driver does not offer XDP transmit now, NETDEV_XDP_ACT_NDO_XMIT; a veth offers it only while its peer runs an XDP program or has GRO on: ethtool -K <peer> gro on): datagrams routed through it are finished by the tc program, counted udp_fanout_xdp_passed_total{reason=\"no_xdp_xmit\"}", metadata: ["interface": "\(TCRoute.interfaceName(ifindex))"])
             }
         }
-    }
-
-    private static func name(_ ifindex: UInt32) -> String {
-        var name = [CChar](repeating: 0, count: Int(IF_NAMESIZE) + 1)
-        guard if_indextoname(ifindex, &name) != nil else { return "ifindex \(ifindex)" }
-        return String(decoding: name.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
     }
 
     /// Nil while the XDP program is attached at `interface`, else why not.
