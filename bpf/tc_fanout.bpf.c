@@ -98,9 +98,11 @@ static __always_inline int pull_headers(struct __sk_buff *skb)
  *
  * Stack: the decision, its callees and two levels of the pools' bpf_loop callbacks share the
  * 512 bytes (fanout_tc -> fanout_tc_copies -> pool_step -> member_step is the deepest chain):
- * about 24 bytes are left, so a field added to struct fanout_decision, this struct or struct
- * replication may make the verifier refuse the program ("combined stack size ... Too large");
- * move such state into a per-CPU map, as the pools' scratch is. */
+ * under 8 bytes are left on kernel 6.18 (the copies' next-hop cache fits only because the
+ * decision's route answer lives in the pools' scratch: hook_fib), so a field added to struct
+ * fanout_decision, this struct or struct replication may make the verifier refuse the program
+ * ("combined stack size ... Too large"); move such state into a per-CPU map, as the pools'
+ * scratch is. docs/development.md says how to check. */
 struct fanout_hook {
 	struct fanout_fragment *work;
 	__u32 hop;
