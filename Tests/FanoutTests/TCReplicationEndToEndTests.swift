@@ -124,10 +124,12 @@ struct TCReplicationEndToEndTests {
 /// kernel kind, as in userspace and relay (ReplicationTests.poolsAfterInPlaceUpdates).
 @Suite("kernel kinds: pools across in-place updates", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct KernelPoolUpdateTests {
-    @Test("A pool member's route moved at runtime behind an interface with no neighbour entry for it: the heartbeat after the change adds a managed entry there (logged), the copies leave again, none counted no_neighbour; SIGTERM deletes it")
+    @Test("A pool member's next hop after path changes: an entry the kernel flushed (its link down and up) is made again at the next heartbeat; a route moved behind another interface gets a managed entry there (logged) and the old one is deleted; the copies leave, none counted no_neighbour; SIGTERM deletes what it made")
     func memberRouteMoved() throws {
         let topology = try Topology(backends: 3)
         defer { topology.destroy() }
+        // Unresolved next hops: the daemon makes the pool member's managed entry itself.
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "flush", "all"])
         let config = """
             listeners:
               - name: tc
@@ -143,7 +145,28 @@ struct KernelPoolUpdateTests {
             """
         let (daemon, file) = try TCFixtures.start(topology, config, "tc-pool-moved")
         defer { try? FileManager.default.removeItem(at: file) }
-        let third = "pb3\(topology.suffix.prefix(7))", inner = "b3\(topology.suffix.prefix(8))"
+        let second = "pb2\(topology.suffix.prefix(7))", third = "pb3\(topology.suffix.prefix(7))", inner = "b3\(topology.suffix.prefix(8))"
+        func entry(_ interface: String) -> String {
+            (try? topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show", Topology.backendIPv4(2), "dev", interface])) ?? ""
+        }
+        func resolved(_ interface: String) -> Bool { entry(interface).contains("managed") && entry(interface).contains("lladdr") }
+        let member = ReplicationFixtures.poolLabels("archive", listener: "tc", mode: "tc_ebpf") + ",downstream=\"b2\""
+        func send(expecting copies: Int) throws {
+            let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0)
+            usleep(300_000)
+            let metrics = try TCFixtures.metrics(topology)
+            #expect(metrics.contains("udp_fanout_pool_member_copies_total{\(member)} \(copies)"), "every copy left: \(metrics)")
+            #expect(!metrics.split(separator: "\n").contains { $0.hasPrefix("udp_fanout_pool_member_dropped_total{\(member)") && !$0.hasSuffix(" 0") }, "no copy dropped: \(metrics)")
+        }
+        try waitUntil("b2's managed entry at \(second) resolved: \(entry(second))", seconds: 10) { resolved(second) }
+        // The proxy's link toward b2 down and up: the kernel flushes the entry with it (the
+        // connected route comes back); the heartbeat after makes it again.
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "link", "set", second, "down"])
+        #expect(!entry(second).contains("managed"), "flushed with the link: \(entry(second))")
+        _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "link", "set", second, "up"])
+        try waitUntil("the entry at \(second) made again: \(daemon.stderr)", seconds: 15) { resolved(second) }
+        try send(expecting: 1200)
         // b2's address moves behind backend 3's link (backend 3 takes it too); nothing has
         // resolved it there, and a copy cannot wait for the kernel to.
         _ = try topology.exec(topology.backends[2], ["/usr/sbin/ip", "addr", "add", "\(Topology.backendIPv4(2))/32", "dev", inner])
@@ -152,17 +175,9 @@ struct KernelPoolUpdateTests {
         try waitUntil("a managed neighbour entry at \(third): \(daemon.stderr)", seconds: 15) {
             daemon.stderr.split(separator: "\n").contains { $0.contains("added a managed neighbour entry") && $0.contains("interface=\(third)") }
         }
-        try waitUntil("the entry at \(third) resolved", seconds: 10) {
-            let shown = (try? topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "show", Topology.backendIPv4(2), "dev", third])) ?? ""
-            return shown.contains("managed") && shown.contains("lladdr")
-        }
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "1200", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
-        #expect(publisher.wait() == 0)
-        usleep(300_000)
-        let metrics = try TCFixtures.metrics(topology)
-        let member = ReplicationFixtures.poolLabels("archive", listener: "tc", mode: "tc_ebpf") + ",downstream=\"b2\""
-        #expect(metrics.contains("udp_fanout_pool_member_copies_total{\(member)} 1200"), "every copy left: \(metrics)")
-        #expect(!metrics.split(separator: "\n").contains { $0.hasPrefix("udp_fanout_pool_member_dropped_total{\(member)") && !$0.hasSuffix(" 0") }, "no copy dropped: \(metrics)")
+        try waitUntil("the entry at \(third) resolved", seconds: 10) { resolved(third) }
+        #expect(!entry(second).contains("managed"), "the entry at the old next hop deleted: \(entry(second))")
+        try send(expecting: 2400)
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         try TCFixtures.expectNothingLeft(topology)

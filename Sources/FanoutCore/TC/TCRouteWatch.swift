@@ -323,10 +323,16 @@ final class TCRouteWatch: Sendable {
         var (told, shown): (Bool, String?) = (false, nil)
         var renewed: UInt64 = 0
         var readAgainAt: UInt64 = 0
+        // A path change said again a second after a link or address event (its routes may be
+        // flushed after the announcement): the listeners look their routes up once more.
+        var pathAgainAt: UInt64 = 0
         var buffer = [UInt8](repeating: 0, count: 65536)
         while !stopping.load(ordering: .acquiring) {
             if readAgainAt != 0 && Self.coarseNow() >= readAgainAt {
                 (readAll, readAgainAt) = (true, 0)
+            }
+            if pathAgainAt != 0 && Self.coarseNow() >= pathAgainAt {
+                (pathChanged, pathAgainAt) = (true, 0)
             }
             if readAll || readRules || policy.mustReread {
                 write(generation: 0, validUntil: 0)  // off while the policy is read
@@ -396,6 +402,7 @@ final class TCRouteWatch: Sendable {
                             // group left alone is harmless: its id comes back announced).
                             // The kernel may announce it before the flush: read again a second later too.
                             if !policy.routes.isEmpty { (readAll, readAgainAt) = (true, Self.coarseNow() + Self.renewal) }
+                            pathAgainAt = Self.coarseNow() + Self.renewal
                         case 32, 33: readRules = true                                          // RTM_NEWRULE, RTM_DELRULE
                         case 24, 25: _ = policy.noteRoute(payload, flags: flags, deleted: type == 25)  // RTM_NEWROUTE, RTM_DELROUTE
                         case 104, 105: _ = policy.noteNexthop(payload, deleted: type == 105)     // RTM_NEWNEXTHOP, RTM_DELNEXTHOP
