@@ -18,8 +18,14 @@
  * floor_xdp3, floor_tc3  the same spread over the 3 backends in turn (a per-CPU rotation), as
  *              the load balancer spreads them: each destination veth's receive is woken as
  *              often as with the load balancer (on veth that wake-up is a cost of its own).
+ * floor_copies the replication floor (scripts/bench_replication.py): at tc ingress, a copy of each
+ *              IPv4 datagram to backends 2 and 3 (their Ethernet addresses set, then
+ *              bpf_clone_redirect, as udp-fanout's pools make theirs) and the datagram itself to
+ *              backend 1 (bpf_redirect): the kernel's part of three copies, with no decision,
+ *              lookup or rewrite of IP or UDP.
  * The floors read their targets from floor_out: { ifindex, destination MAC, source MAC }, entry
- * 0 for floor_xdp and floor_tc, entries 1 to 3 (backends 1 to 3) for the spread ones.
+ * 0 for floor_xdp and floor_tc, entries 1 to 3 (backends 1 to 3) for the spread ones and
+ * floor_copies.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -192,6 +198,20 @@ SEC("tc")
 int floor_tc3(struct __sk_buff *skb)
 {
 	struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end, floor_next());
+	return target ? bpf_redirect(target->ifindex, 0) : TC_ACT_OK;
+}
+
+SEC("tc")
+int floor_copies(struct __sk_buff *skb)
+{
+	for (__u32 key = 2; key <= 3; key++) {
+		struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end, key);
+		if (!target)
+			return TC_ACT_OK;
+		if (bpf_clone_redirect(skb, target->ifindex, 0) != 0)
+			return TC_ACT_SHOT;
+	}
+	struct floor_target *target = floor_set((void *)(long)skb->data, (void *)(long)skb->data_end, 1);
 	return target ? bpf_redirect(target->ifindex, 0) : TC_ACT_OK;
 }
 

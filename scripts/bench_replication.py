@@ -197,21 +197,35 @@ TC_RATE = int(os.environ.get("BENCH_REPLICATION_TC_RATE", "20000"))
 TC_SECONDS = int(os.environ.get("BENCH_REPLICATION_TC_SECONDS", "4"))
 
 
-def program_ns():
-    progs = json.loads(subprocess.check_output(["bpftool", "prog", "show", "name", "fanout_tc", "--json"], text=True))
+def program_ns(pinned=None):
+    """Run time of the fanout_tc programs loaded (or of the program pinned at `pinned`), in ns."""
+    shown = ["pinned", pinned] if pinned else ["name", "fanout_tc"]
+    progs = json.loads(subprocess.check_output(["bpftool", "prog", "show", *shown, "--json"], text=True))
     progs = progs if isinstance(progs, list) else [progs]
     return sum(p.get("run_time_ns", 0) for p in progs)
+
+
+FLOOR_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "frames.bpf.c")
+
+
+def link_facts(topology, namespace, interface):
+    link = json.loads(topology.ns(namespace, "ip", "-j", "link", "show", "dev", interface))[0]
+    return link["ifindex"], link["address"]
 
 
 class KernelReplicator:
     """In the proxy namespace: udp-fanout tc_ebpf with backend 1 its own and backends 2 and 3 an
     `all` pool (3 copies of each datagram, the exporter's address kept; `before`: the same with
-    BENCH_REPLICATION_BEFORE's build), or nfacctd tee_transparent to the 3 backends."""
+    BENCH_REPLICATION_BEFORE's build), or nfacctd tee_transparent to the 3 backends, or the floor:
+    bench/frames.bpf.c's floor_copies at tc ingress, which only sets the Ethernet addresses and
+    makes the same three copies (two bpf_clone_redirect, one bpf_redirect)."""
 
     def __init__(self, variant, topology, work):
-        self.variant, self.topology, self.proc = variant, topology, None
+        self.variant, self.topology, self.proc, self.pins = variant, topology, None, None
         receivers = [f"198.18.{n}.2:6000" for n in range(1, BACKENDS + 1)]
-        if variant in ("tc_ebpf", "before"):
+        if variant == "floor":
+            self.start_floor(work)
+        elif variant in ("tc_ebpf", "before"):
             path = os.path.join(work, "tc-pools.yaml")
             members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
             with open(path, "w") as f:
@@ -223,11 +237,42 @@ class KernelReplicator:
         else:
             self.proc = start_nfacctd(work, "tee-ns", ("198.18.0.1", 5514), receivers, True, in_namespace(topology.proxy))
 
+    def start_floor(self, work):
+        topology = self.topology
+        obj = os.path.join(work, "frames.o")
+        if not os.path.exists(obj):
+            subprocess.run(["clang", "-O2", "-g", "-target", "bpf", f"-I/usr/include/{os.uname().machine}-linux-gnu",
+                            "-c", FLOOR_SOURCE, "-o", obj], check=True)
+        self.pins = f"/sys/fs/bpf/rplb-replication-floor-{os.getpid()}"
+        try:
+            common.sh("bpftool", "prog", "loadall", obj, self.pins, "pinmaps", self.pins + "/maps")
+            tag = topology.proxy_if[2:]
+            for n in range(1, BACKENDS + 1):
+                outer = f"pb{n}{tag[:7]}"
+                index, source = link_facts(topology, topology.proxy, outer)
+                _, destination = link_facts(topology, topology.backends[n - 1], topology.backend_ifs[n - 1])
+                value = index.to_bytes(4, "little") + bytes.fromhex(destination.replace(":", "")) + bytes.fromhex(source.replace(":", ""))
+                common.sh("bpftool", "map", "update", "pinned", f"{self.pins}/maps/floor_out", "key", *n.to_bytes(4, "little").hex(" ").split(),
+                          "value", *[str(b) for b in value])
+            topology.ns(topology.proxy, "tc", "qdisc", "add", "dev", topology.proxy_if, "clsact")
+            topology.ns(topology.proxy, "tc", "filter", "add", "dev", topology.proxy_if, "ingress", "bpf",
+                        "object-pinned", f"{self.pins}/floor_copies", "direct-action")
+        except BaseException:
+            self.stop()
+            raise
+
     def ns_on_cpu(self):
-        return group_ns_on_cpu(self.proc.pid) if self.variant == "nfacctd" else program_ns()
+        if self.variant == "nfacctd":
+            return group_ns_on_cpu(self.proc.pid)
+        return program_ns(f"{self.pins}/floor_copies" if self.variant == "floor" else None)
 
     def stop(self):
-        stop_group(self.proc)
+        if self.proc:
+            stop_group(self.proc)
+        if self.pins:
+            common.sh("ip", "netns", "exec", self.topology.proxy, "tc", "qdisc", "del", "dev", self.topology.proxy_if, "clsact", check=False)
+            shutil.rmtree(self.pins, ignore_errors=True)
+            self.pins = None
 
 
 def run_kernel(variant, topology, work, fixed):
@@ -254,7 +299,7 @@ def kernel_rows():
         print(f"bench: replication in the kernel, udp-fanout tc_ebpf (own backend + an all pool of 2) vs nfacctd tee_transparent"
               f" in the proxy namespace, 3 copies of each NetFlow v9 datagram; CPU at {TC_RATE:,} pps for {TC_SECONDS} s,"
               f" copies/s at saturation ({PACKETS} datagrams)", flush=True)
-        variants = ("tc_ebpf", "nfacctd") + (("before",) if BEFORE else ())
+        variants = ("tc_ebpf", "nfacctd", "floor") + (("before",) if BEFORE else ())
         fixed = {variant: [] for variant in variants}
         saturation = {variant: [] for variant in variants}
         for index in range(common.RUNS):
@@ -262,7 +307,8 @@ def kernel_rows():
             for variant in order:
                 fixed[variant].append(run_kernel(variant, topology, work, fixed=True))
             for variant in order:
-                saturation[variant].append(run_kernel(variant, topology, work, fixed=False))
+                if variant != "floor":
+                    saturation[variant].append(run_kernel(variant, topology, work, fixed=False))
         ours, peer = common.spread([r["cpu_us"] for r in fixed["tc_ebpf"]]), common.spread([r["cpu_us"] for r in fixed["nfacctd"]])
         ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["tc_ebpf"], fixed["nfacctd"])])
         out = [(f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "nfacctd tee, tee_transparent",
@@ -270,6 +316,15 @@ def kernel_rows():
                 f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.10",
                 f"the tc program's run time (3 copies, their transmit included) / nfacctd's threads' time on CPU, per datagram sent; least delivered:"
                 f" ours {min(r['delivered'] for r in fixed['tc_ebpf']):.3f}, nfacctd {min(r['delivered'] for r in fixed['nfacctd']):.3f}")]
+        floor = common.spread([r["cpu_us"] for r in fixed["floor"]])
+        ratios = common.spread([o["cpu_us"] / f["cpu_us"] for o, f in zip(fixed["tc_ebpf"], fixed["floor"])])
+        against = common.spread([f["cpu_us"] / p["cpu_us"] for f, p in zip(fixed["floor"], fixed["nfacctd"])])
+        out.append((f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "the floor: the same 3 copies alone",
+                    f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{floor[0]:.2f} us ({floor[1]:.2f}-{floor[2]:.2f})",
+                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
+                    f"bench/frames.bpf.c floor_copies (Ethernet addresses, 2 bpf_clone_redirect, 1 bpf_redirect; no lookup or rewrite),"
+                    f" its run time; the floor / nfacctd in the same runs {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f});"
+                    f" least delivered: floor {min(r['delivered'] for r in fixed['floor']):.3f}"))
         if BEFORE:
             before = common.spread([r["cpu_us"] for r in fixed["before"]])
             ratios = common.spread([o["cpu_us"] / b["cpu_us"] for o, b in zip(fixed["tc_ebpf"], fixed["before"])])
