@@ -314,26 +314,23 @@ def kernel_rows():
         out = [(f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "nfacctd tee, tee_transparent",
                 f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{peer[0]:.2f} us ({peer[1]:.2f}-{peer[2]:.2f})",
                 f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.10",
-                f"the tc program's run time (3 copies, their transmit included) / nfacctd's threads' time on CPU, per datagram sent; least delivered:"
+                f"the tc program's run time (3 copies: 2 clones with their transmit, the third redirected after the program) / nfacctd's threads' time on CPU, per datagram sent; least delivered:"
                 f" ours {min(r['delivered'] for r in fixed['tc_ebpf']):.3f}, nfacctd {min(r['delivered'] for r in fixed['nfacctd']):.3f}")]
-        floor = common.spread([r["cpu_us"] for r in fixed["floor"]])
-        ratios = common.spread([o["cpu_us"] / f["cpu_us"] for o, f in zip(fixed["tc_ebpf"], fixed["floor"])])
-        against = common.spread([f["cpu_us"] / p["cpu_us"] for f, p in zip(fixed["floor"], fixed["nfacctd"])])
-        out.append((f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "the floor: the same 3 copies alone",
-                    f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{floor[0]:.2f} us ({floor[1]:.2f}-{floor[2]:.2f})",
-                    f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
-                    f"bench/frames.bpf.c floor_copies (Ethernet addresses, 2 bpf_clone_redirect, 1 bpf_redirect; no lookup or rewrite),"
-                    f" its run time; the floor / nfacctd in the same runs {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f});"
-                    f" least delivered: floor {min(r['delivered'] for r in fixed['floor']):.3f}"))
-        if BEFORE:
-            before = common.spread([r["cpu_us"] for r in fixed["before"]])
-            ratios = common.spread([o["cpu_us"] / b["cpu_us"] for o, b in zip(fixed["tc_ebpf"], fixed["before"])])
-            against = common.spread([b["cpu_us"] / p["cpu_us"] for b, p in zip(fixed["before"], fixed["nfacctd"])])
-            out.append((f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "before",
-                        f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{before[0]:.2f} us ({before[1]:.2f}-{before[2]:.2f})",
+        def beside(variant, label, what):
+            """Ours against another variant of the same runs, with that variant against nfacctd."""
+            other = common.spread([r["cpu_us"] for r in fixed[variant]])
+            ratios = common.spread([o["cpu_us"] / b["cpu_us"] for o, b in zip(fixed["tc_ebpf"], fixed[variant])])
+            against = common.spread([b["cpu_us"] / p["cpu_us"] for b, p in zip(fixed[variant], fixed["nfacctd"])])
+            out.append((f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", label,
+                        f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{other[0]:.2f} us ({other[1]:.2f}-{other[2]:.2f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})",
-                        f"BENCH_REPLICATION_BEFORE={BEFORE}, its tc program's run time; before / nfacctd in the same runs"
-                        f" {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f}); least delivered: before {min(r['delivered'] for r in fixed['before']):.3f}"))
+                        f"{what}, its run time; {variant} / nfacctd in the same runs {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f});"
+                        f" least delivered: {variant} {min(r['delivered'] for r in fixed[variant]):.3f}"))
+
+        beside("floor", "the floor: the same 3 copies alone",
+               "bench/frames.bpf.c floor_copies (Ethernet addresses, 2 bpf_clone_redirect, 1 bpf_redirect; no lookup or rewrite)")
+        if BEFORE:
+            beside("before", "before", f"BENCH_REPLICATION_BEFORE={BEFORE}")
         ours, peer = common.spread([r["copies_pps"] for r in saturation["tc_ebpf"]]), common.spread([r["copies_pps"] for r in saturation["nfacctd"]])
         ratios = common.spread([o["copies_pps"] / p["copies_pps"] for o, p in zip(saturation["tc_ebpf"], saturation["nfacctd"])])
         out.append(("replication tc_ebpf: delivered copies/s at saturation", "nfacctd tee, tee_transparent",

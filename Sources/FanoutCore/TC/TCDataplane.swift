@@ -348,8 +348,9 @@ final class TCDataplane: Sendable {
                 if let users = state.neighbours[neighbour] {
                     state.neighbours[neighbour] = users + 1
                     held.append(neighbour)
-                    // Held already, but the kernel flushes a managed entry with its link's carrier:
-                    // made again if it is gone (one that exists is left as it is).
+                    // Held already, but the kernel flushes a managed entry when its link goes down
+                    // (6.18 keeps it through a loss of carrier): made again if it is gone (one
+                    // that exists is left as it is, and still counted: see docs/replication.md).
                     if (try? TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex)) == true {
                         logger.info("added a managed neighbour entry for a pool member's next hop again (the kernel had flushed it): the kernel keeps it resolved for the copies", metadata: [
                             "downstream": "\(member.name)", "next_hop": "\(hop.address)", "interface": "\(TCRoute.interfaceName(hop.ifindex))",
