@@ -391,6 +391,9 @@ final class TCDataplane: Sendable {
                 } else {
                     state.neighbours[neighbour] = nil
                     TCRoute.removeNeighbour(neighbour.address, ifindex: neighbour.ifindex)
+                    logger.info("deleted the managed neighbour entry made for a pool member's next hop: no pool member's route goes through it now", metadata: [
+                        "next_hop": "\(neighbour.address)", "interface": "\(TCRoute.interfaceName(neighbour.ifindex))",
+                    ])
                 }
             }
         }
