@@ -345,20 +345,20 @@ final class TCDataplane: Sendable {
             let neighbour = Neighbour(ifindex: hop.ifindex, address: hop.address)
             guard !held.contains(neighbour) else { continue }
             state.withLock { state in
-                if let users = state.neighbours[neighbour] {
-                    state.neighbours[neighbour] = users + 1
-                    held.append(neighbour)
-                    // Held already, but the kernel flushes a managed entry when its link goes down
-                    // (6.18 keeps it through a loss of carrier): made again if it is gone (one
-                    // that exists is left as it is, and still counted: see docs/replication.md).
-                    if (try? TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex)) == true {
-                        logger.info("added a managed neighbour entry for a pool member's next hop again (the kernel had flushed it): the kernel keeps it resolved for the copies", metadata: [
-                            "downstream": "\(member.name)", "next_hop": "\(hop.address)", "interface": "\(TCRoute.interfaceName(hop.ifindex))",
-                        ])
-                    }
-                    return
-                }
                 do throws(SystemCallError) {
+                    if let users = state.neighbours[neighbour] {
+                        state.neighbours[neighbour] = users + 1
+                        held.append(neighbour)
+                        // Held already, but the kernel flushes a managed entry when its link goes
+                        // down (6.18 keeps it through a loss of carrier): made again if it is gone
+                        // (one that exists is left as it is, and still counted: see docs/replication.md).
+                        if try TCRoute.addManagedNeighbour(hop.address, ifindex: hop.ifindex) {
+                            logger.info("added a managed neighbour entry for a pool member's next hop again (the kernel had flushed it): the kernel keeps it resolved for the copies", metadata: [
+                                "downstream": "\(member.name)", "next_hop": "\(hop.address)", "interface": "\(TCRoute.interfaceName(hop.ifindex))",
+                            ])
+                        }
+                        return
+                    }
                     // Not made here (it exists): not ours to delete, nothing to count; unless the
                     // previous process made it and handed it over.
                     let inherited = state.inheritedNeighbours.remove(neighbour) != nil
@@ -372,8 +372,9 @@ final class TCDataplane: Sendable {
                         ])
                     }
                 } catch {
-                    logger.warning("could not add a managed neighbour entry for a pool member's next hop: its copies are dropped and counted no_neighbour until the kernel resolves it otherwise (ip neigh add \(hop.address) dev <interface> managed)", metadata: [
-                        "downstream": "\(member.name)", "next_hop": "\(hop.address)", "error": "\(error)",
+                    let interface = TCRoute.interfaceName(hop.ifindex)
+                    logger.warning("could not add a managed neighbour entry for a pool member's next hop: its copies are dropped and counted no_neighbour until the kernel resolves it otherwise (ip neigh add \(hop.address) dev \(interface) managed)", metadata: [
+                        "downstream": "\(member.name)", "next_hop": "\(hop.address)", "interface": "\(interface)", "error": "\(error)",
                     ])
                 }
             }
