@@ -118,6 +118,66 @@ struct TCReplicationEndToEndTests {
         #expect((securityOutcomes["filtered_out"] ?? 0) > 0 && (securityOutcomes["sampled_out"] ?? 0) > 0, "\(securityOutcomes)")
         for report in reports { #expect(report.int("foreign") == 0) }
     }
+
+    /// The UDP checksum errors a backend namespace's stack counted (IPv4 and IPv6).
+    static func checksumErrors(_ topology: Topology, _ namespace: String) throws -> (ipv4: Int, ipv6: Int) {
+        let snmp = try topology.exec(namespace, ["cat", "/proc/net/snmp"]).split(separator: "\n").filter { $0.hasPrefix("Udp:") }
+        var ipv4 = -1
+        if snmp.count == 2 {
+            let fields = zip(snmp[0].split(separator: " "), snmp[1].split(separator: " "))
+            ipv4 = fields.first { $0.0 == "InCsumErrors" }.flatMap { Int($0.1) } ?? -1
+        }
+        let snmp6 = try topology.exec(namespace, ["cat", "/proc/net/snmp6"]).split(separator: "\n")
+        let ipv6 = snmp6.first { $0.hasPrefix("Udp6InCsumErrors") }.flatMap { $0.split(whereSeparator: { $0 == " " || $0 == "\t" }).last }.flatMap { Int($0) } ?? -1
+        return (ipv4, ipv6)
+    }
+
+    @Test("Checksums through the copies' rewrites, IPv4 and IPv6: the client's checksum left to offload (CHECKSUM_PARTIAL at tc) or computed at send (CHECKSUM_NONE); the proxy's links to the backends complete offloaded checksums in software, so each backend's stack checks every copy and own datagram: all arrive, no checksum error", arguments: [true, false])
+    func checksums(offloaded: Bool) throws {
+        let topology = try Topology(backends: 3)
+        defer { topology.destroy() }
+        if !offloaded {
+            _ = try topology.exec(topology.client, ["/usr/sbin/ethtool", "-K", "cp\(topology.suffix.prefix(8))", "tx", "off"])
+        }
+        for n in 1...3 {
+            _ = try topology.exec(topology.proxy, ["/usr/sbin/ethtool", "-K", "pb\(n)\(topology.suffix.prefix(7))", "tx", "off"])
+        }
+        func listener(_ name: String, _ ipv6: Bool) -> String {
+            func member(_ n: Int) -> String { "{name: b\(n), address: \"\(ipv6 ? "[\(Topology.backendIPv6(n))]" : Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
+            return """
+                  - name: \(name)
+                    bind: "\(ipv6 ? "[2001:db8::1]" : "198.18.0.1"):5514"
+                    interface: \(topology.proxyInterface)
+                    mode: tc_ebpf
+                    downstream: [\(member(1))]
+                    pools: [{name: archive, balancing: all, downstream: [\(member(2)), \(member(3))]}]
+                """
+        }
+        let config = "listeners:\n" + listener("v4", false) + "\n" + listener("v6", true) + "\nmetrics: {enabled: true, bind: \"127.0.0.1:9464\"}\n"
+        let collectors = try TCFixtures.collectors(topology) + TCFixtures.collectors(topology, ipv6: true)
+        let (daemon, file) = try TCFixtures.start(topology, config, "tc-checksums")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let datagrams = 2000
+        for target in ["198.18.0.1", "2001:db8::1"] {
+            let publisher = try Child("publisher", [target, "5514", "\(datagrams)", "--rate", "20000", "--batch", "16"], prefix: topology.prefix(topology.client))
+            #expect(publisher.wait() == 0, "\(publisher.stderr)")
+        }
+        usleep(300_000)
+        let metrics = try TCFixtures.metrics(topology)
+        for name in ["v4", "v6"] {
+            #expect(metrics.contains("udp_fanout_packets_forwarded_total{listener=\"\(name)\",mode=\"tc_ebpf\"} \(datagrams)"), "\(metrics)")
+            let archive = ReplicationFixtures.outcomes(metrics, "archive", listener: name, mode: "tc_ebpf")
+            #expect(archive["forwarded"] == datagrams, "\(name) archive: \(archive)")
+        }
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let counts = TCFixtures.received(try collectors.map { try $0.stop() })
+        #expect(counts == Array(repeating: datagrams, count: 6), "every copy and own datagram passed the backend's checksum check (IPv4 b1-b3, then IPv6 b1-b3): \(counts)")
+        for backend in topology.backends {
+            let errors = try Self.checksumErrors(topology, backend)
+            #expect(errors.ipv4 == 0 && errors.ipv6 == 0, "\(backend): UDP checksum errors \(errors)")
+        }
+    }
 }
 
 /// A listener's in-place updates (reload, health, discovery) carry its pools along in every
