@@ -35,13 +35,13 @@
  * The order of the decision and what is counted is bpf/include/fanout_decide.h, shared with the
  * xdp program; this file holds the tc hook's part (hook_*): how the packet is read (a pull when
  * the headers lie outside the linear area), the pools' decisions and copies, and the way out
- * (VLAN pop, rewrite with checksum helpers, bpf_redirect or bpf_redirect_neigh). The maps are in
+ * (VLAN pop, rewrite, bpf_redirect or bpf_redirect_neigh). The maps are in
  * bpf/include/fanout_maps.h, the choice of a backend in fanout_choice.h, the reply direction in
  * fanout_nat.h, route, rewrite and redirect in fanout_redirect.h, replication in fanout_pools.h.
  *
  * Three steps are global functions (fanout_tc_parse, fanout_tc_decide_pools, fanout_tc_copies):
  * the verifier checks each once, on its own, instead of once per path that reaches it. The
- * program's verification processes about 60,000 instructions (inlined, it exceeded the kernel's
+ * program's verification processes about 180,000 instructions (inlined, it exceeded the kernel's
  * limit of 1,000,000: the parser's exact results multiplied the paths below it). Their pointer
  * arguments are checked for NULL, as the verifier requires of a global function's.
  */
@@ -259,7 +259,7 @@ static __always_inline struct fanout_fragment *hook_fragment_record(struct fanou
 	return record;
 }
 
-/* The ingress link's tag off, the rewrite with checksum helpers, then the fib's MACs and
+/* The ingress link's tag off, the rewrite (fanout_redirect.h), then the fib's MACs and
  * bpf_redirect, or bpf_redirect_neigh when the next hop's address is not known yet. */
 static __always_inline long hook_send(struct fanout_decision *c, __u32 verdict, struct bpf_fib_lookup *fib)
 {
