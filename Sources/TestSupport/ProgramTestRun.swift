@@ -5,9 +5,13 @@ import CLibBPF
 public enum ProgramTestRun {
     /// Runs `program` once on `frame` with `context` (`__sk_buff` for tc, `xdp_md` for XDP), from
     /// the calling thread (which must be in the namespace of the interfaces the context names).
+    /// `flags`: BPF_PROG_TEST_RUN's (BPF_F_TEST_SKB_CHECKSUM_COMPLETE: the skb arrives
+    /// CHECKSUM_COMPLETE, and the kernel refuses the run with -EBADMSG if the program left its
+    /// `skb->csum` wrong).
     /// - Returns: libbpf's result (0 or -errno), the program's return value, and the length of
     ///   the frame as the program left it in `output`.
-    public static func run<Context>(_ program: Int32, _ frame: [UInt8], context: Context, output: inout [UInt8]) -> (result: Int32, retval: UInt32, size: Int) {
+    public static func run<Context>(_ program: Int32, _ frame: [UInt8], context: Context, output: inout [UInt8],
+                                flags: UInt32 = 0) -> (result: Int32, retval: UInt32, size: Int) {
         var input = frame
         var context = context
         var options = bpf_test_run_opts()
@@ -22,6 +26,7 @@ public enum ProgramTestRun {
                     options.ctx_in = UnsafeRawPointer(contextPointer)
                     options.ctx_size_in = UInt32(MemoryLayout<Context>.size)
                     options.repeat = 1
+                    options.flags = flags
                     return bpf_prog_test_run_opts(program, &options)
                 }
             }

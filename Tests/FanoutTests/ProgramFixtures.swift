@@ -33,8 +33,12 @@ final class TCProgramFixture {
     /// TC_ACT_UNSPEC (TCX_NEXT): not ours, on to the next filter or program.
     static let pass = UInt32(bitPattern: -1)
 
-    let namespace = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+    let namespace: String
     let program: TCProgram
+    /// Runs arrive CHECKSUM_COMPLETE (BPF_F_TEST_SKB_CHECKSUM_COMPLETE: the kernel checks the
+    /// program kept `skb->csum` right, else the run fails with -EBADMSG); else CHECKSUM_NONE.
+    var checksumComplete = false
+    var testRunFlags: UInt32 { checksumComplete ? UInt32(BPF_F_TEST_SKB_CHECKSUM_COMPLETE) : 0 }
     var ifindex: Int32 = 0
     /// t0's index: the backends' side, where no listener of the fixture's is configured.
     var otherIfindex: Int32 = 0
@@ -43,6 +47,18 @@ final class TCProgramFixture {
 
     /// - Parameter crypto: the program build with the BPF crypto kfuncs, or the plain one.
     init(crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws {
+        let name = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        namespace = name
+        // deinit does not run when init throws: the namespace goes with the failure (a program
+        // that does not load, a command that fails).
+        var made = false
+        var descriptor: Int32 = -1
+        defer {
+            if !made {
+                if descriptor >= 0 { close(descriptor) }
+                _ = try? run("/usr/sbin/ip", ["netns", "del", name])
+            }
+        }
         for arguments in [
             ["netns", "add", namespace],
             ["-n", namespace, "link", "add", "t0", "type", "veth", "peer", "name", "t1"],
@@ -62,7 +78,8 @@ final class TCProgramFixture {
         for setting in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
             _ = try run("/usr/bin/nsenter", ["--net=/run/netns/\(namespace)", "--", "/usr/sbin/sysctl", "-q", "-w", setting])
         }
-        namespaceFD = open("/run/netns/\(namespace)", O_RDONLY | O_CLOEXEC)
+        descriptor = open("/run/netns/\(name)", O_RDONLY | O_CLOEXEC)
+        namespaceFD = descriptor
         program = try TCProgram(crypto: crypto)
         // Packets arrive on t1; the backends are reached through t0.
         func link(_ name: String) throws -> [String: Any] {
@@ -80,6 +97,7 @@ final class TCProgramFixture {
         try add(TCProgramFixture.listenerBind(5515), id: 2, BackendSet(downstreams: [], balancing: .roundRobin, slots: [:]))
         try add(TCProgramFixture.listenerBind(5516), id: 3, BackendSet(downstreams: [Downstream(name: "x", address: SocketAddress("198.19.99.1:7000")!)], balancing: .roundRobin, slots: ["x": 0]))
         try add(TCProgramFixture.listenerBind(5517), id: 4, BackendSet(downstreams: [Downstream(name: "n", address: SocketAddress("198.18.200.20:7000")!)], balancing: .roundRobin, slots: ["n": 0]))
+        made = true
     }
 
     static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: ProgramFrames.listenerV4.ip, port: port) }
@@ -103,25 +121,26 @@ final class TCProgramFixture {
     /// the namespace.
     func execute(_ frame: [UInt8], ifindex: Int32? = nil) -> (verdict: UInt32, output: [UInt8]) {
         let box = RunResultBox()
-        let (program, fd, ifindex) = (self.program.program, namespaceFD, ifindex ?? self.ifindex)
+        let (program, fd, ifindex, flags) = (self.program.program, namespaceFD, ifindex ?? self.ifindex, testRunFlags)
         OSThread(name: "test-run") {
             guard shim_setns(fd, 0x4000_0000) == 0 else { return }  // CLONE_NEWNET
             // One CPU: the rotation is per CPU, so every run then takes the next entry.
             _ = shim_pin_current_thread(0)
             var output = [UInt8](repeating: 0, count: 4096)
-            let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output)
+            let (result, verdict, size) = Self.testRun(program, frame, ifindex: ifindex, output: &output, flags: flags)
             box.set(result == 0 ? (verdict, Array(output[0..<size])) : (UInt32.max - UInt32(-result), []))
         }.join()
         return box.value
     }
 
     /// One BPF_PROG_TEST_RUN of `frame` arriving on `ifindex`, from the calling thread (which
-    /// must be in the namespace). Returns libbpf's result (0 or -errno), the program's
-    /// verdict and the output's length in `output`.
-    static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8]) -> (result: Int32, verdict: UInt32, size: Int) {
+    /// must be in the namespace), with `flags` (``testRunFlags``). Returns libbpf's result (0 or
+    /// -errno), the program's verdict and the output's length in `output`.
+    static func testRun(_ program: Int32, _ frame: [UInt8], ifindex: Int32, output: inout [UInt8],
+                        flags: UInt32 = 0) -> (result: Int32, verdict: UInt32, size: Int) {
         var context = __sk_buff()
         context.ifindex = UInt32(ifindex)
-        let (result, verdict, size) = ProgramTestRun.run(program, frame, context: context, output: &output)
+        let (result, verdict, size) = ProgramTestRun.run(program, frame, context: context, output: &output, flags: flags)
         return (result, verdict, size)
     }
 
@@ -143,13 +162,18 @@ final class XDPProgramFixture {
     static let pass: UInt32 = 2, redirect: UInt32 = 4  // XDP_PASS, XDP_REDIRECT
     static let maxFrame: UInt32 = 1500
 
-    let namespace = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+    let namespace: String
     let program: XDPProgram
     var ifindex: UInt32 = 0
     var otherIfindex: UInt32 = 0
 
     /// - Parameter maxFrameLength: the program's max_frame_len (the table cases assume the default).
     init(maxFrameLength: UInt32 = XDPProgramFixture.maxFrame) throws {
+        let name = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
+        namespace = name
+        // deinit does not run when init throws: the namespace goes with the failure.
+        var made = false
+        defer { if !made { _ = try? run("/usr/sbin/ip", ["netns", "del", name]) } }
         for arguments in [
             ["netns", "add", namespace],
             ["-n", namespace, "link", "add", "x0", "numrxqueues", "2", "numtxqueues", "2", "type", "veth",
@@ -174,6 +198,7 @@ final class XDPProgramFixture {
         // An exact bind and a wildcard on the same port: the exact one wins for its address.
         try program.putListener(SocketAddress("198.18.100.1:5521")!, ifindex: ifindex, id: 4)
         try program.putListener(SocketAddress("0.0.0.0:5521")!, ifindex: ifindex, id: 5)
+        made = true
     }
 
     deinit {

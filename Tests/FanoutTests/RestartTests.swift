@@ -412,8 +412,13 @@ struct RestartTests {
 
     enum Interruption { case restart, kill9, restartWithoutStore }
 
-    /// 20,000 datagrams/s for 3 s, interrupted once after 1 s: (sent, received, longest gap, the
-    /// second process's log).
+    /// The datagrams of a kill -9 run: 5 s at 20,000/s, room for the search for a held batch.
+    static let killStreamLength = 100_000
+
+    /// 20,000 datagrams/s for 3 s (kill -9: 5 s), interrupted once after 1 s: (sent, received,
+    /// longest gap, the second process's log). A kill -9 looks for a moment a worker holds a batch
+    /// for up to 3.5 s of the stream (on a busy machine the stops mostly land in receive calls:
+    /// 596 of them in 1.5 s once caught none).
     static func run(_ interruption: Interruption) throws -> (sent: Int, received: Int, longestGap: Duration, log: String, manager: ServiceManager,
                                                              held: (requests: UInt64, replies: UInt64)) {
         let sink = try Sink()
@@ -423,16 +428,17 @@ struct RestartTests {
         let manager = try ServiceManager([binaryDirectory.appendingPathComponent("udp-fanout").path, "-c", file],
                                          keepsDescriptors: interruption != .restartWithoutStore)
         try manager.start()
-        let stream = NumberedStream(to: bind, sink: sink, rate: 20_000, limit: 60_000)
+        let limit = interruption == .kill9 ? killStreamLength : 60_000
+        let stream = NumberedStream(to: bind, sink: sink, rate: 20_000, limit: limit)
         stream.waitUntilSent(20_000)
         var held: (requests: UInt64, replies: UInt64) = (0, 0)
         switch interruption {
         case .restart: try manager.terminate()
-        case .kill9: held = try manager.killHolding()
+        case .kill9: held = try manager.killHolding(seconds: 3.5)
         case .restartWithoutStore: try manager.terminate()
         }
         try manager.start()
-        stream.waitUntilSent(60_000)
+        stream.waitUntilSent(limit)
         let (sent, received, gap) = stream.finish()
         let log = manager.output
         try manager.stop()
@@ -457,7 +463,7 @@ struct RestartTests {
         // the next process logs that case as a possible loss).
         let held = Int(result.held.requests)
         #expect(held > 0, "the kill caught a worker holding a batch")
-        #expect(result.sent == 60_000 && result.sent - result.received == held,
+        #expect(result.sent == Self.killStreamLength && result.sent - result.received == held,
                 "sent \(result.sent), received \(result.received), held at the kill and counted \(held); log: \(result.log)")
         #expect(result.log.contains("the previous process ended without a stop"), "\(result.log)")
         #expect(Self.crashLine(result.log)?.contains("datagrams=\(held)") == true, "the next process counts what the workers held: \(held); log: \(result.log)")

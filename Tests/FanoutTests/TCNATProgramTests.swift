@@ -134,9 +134,10 @@ struct TCNATProgramTests {
         }
     }
 
-    @Test("IPv4: a client keeps its backend under round robin; its backend's reply leaves from VIP:port; another backend's is dropped (wrong_server)")
-    func associationAndReply() throws {
+    @Test("IPv4: a client keeps its backend under round robin; its backend's reply leaves from VIP:port; another backend's is dropped (wrong_server); a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    func associationAndReply(complete: Bool) throws {
         let (fixture, maps) = try Self.natFixture()
+        fixture.checksumComplete = complete
         defer { maps.forEach { close($0) } }
         let client = SocketAddress("198.18.50.7:40000")!
         let other = SocketAddress("198.18.50.7:40001")!
@@ -178,9 +179,10 @@ struct TCNATProgramTests {
         #expect(passed.verdict == Self.pass && passed.output == stranger)
     }
 
-    @Test("IPv4 with options and a zero UDP checksum: the reply's headers and checksums stay right")
-    func optionsAndZeroChecksum() throws {
+    @Test("IPv4 with options and a zero UDP checksum: the reply's headers and checksums stay right; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    func optionsAndZeroChecksum(complete: Bool) throws {
         let (fixture, maps) = try Self.natFixture()
+        fixture.checksumComplete = complete
         defer { maps.forEach { close($0) } }
         let client = SocketAddress("198.18.50.7:40100")!
         let backend = try Self.forwarded(fixture, Self.frame(from: client, to: Self.vip, payload: [1], options: [1, 1, 1, 0]))

@@ -29,9 +29,10 @@ struct TCProgramTests {
     typealias Fixture = TCProgramFixture
     static let redirect = TCProgramFixture.redirect, shot = TCProgramFixture.shot, pass = TCProgramFixture.pass
 
-    @Test("IPv4, IPv4 with options, IPv6, VLAN and zero checksum: rewritten, checksums valid, MACs from the fib, counted")
-    func forwarded() throws {
+    @Test("IPv4, IPv4 with options, IPv6, VLAN and zero checksum: rewritten, checksums valid, MACs from the fib, counted; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    func forwarded(complete: Bool) throws {
         let fixture = try Fixture()
+        fixture.checksumComplete = complete
         let cases: [(String, [UInt8], family: Int32, vlan: Bool, zeroChecksum: Bool)] = [
             ("IPv4", Packet.ipv4(payload: Array(repeating: 0x41, count: 100)), AF_INET, false, false),
             ("IPv4 with options", Packet.ipv4(payload: Array(repeating: 0x42, count: 57), options: [1, 1, 1, 0]), AF_INET, false, false),
@@ -40,7 +41,11 @@ struct TCProgramTests {
             ("zero UDP checksum", Packet.ipv4(payload: Array(repeating: 0x45, count: 64), zeroChecksum: true), AF_INET, false, true),
         ]
         var seenPorts = Set<UInt16>()
-        for (name, frame, family, vlan, zeroChecksum) in cases {
+        // Not run CHECKSUM_COMPLETE (docs/udp-fanout.md, the tc program's step 5): IPv6, whose hop
+        // limit's decrement is not added to skb->csum (no room left on the program's stack for
+        // it), and a tag in the frame, after whose bpf_skb_vlan_pop the kernel reports skb->csum
+        // wrong (the build before this change alike; not resolved here).
+        for (name, frame, family, vlan, zeroChecksum) in cases where !(complete && (family == AF_INET6 || vlan)) {
             let id: UInt32 = family == AF_INET6 ? 1 : 0
             let before = fixture.stats(id).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)]
             let (verdict, output) = fixture.execute(frame)

@@ -8,9 +8,10 @@
  * neighbour resolution (redirect_neigh). Which way, and what is counted, the program decides.
  * Uses the load-time options of fanout_maps.h (FANOUT_OPTIONS.ipv6_csum_flags) and csum.h's
  * incremental updates. Self-contained: includes linux/bpf.h, linux/if_ether.h, bpf_helpers.h,
- * fanout_shared.h, parse.h (struct packet, AF_INET, IPPROTO_UDP), csum.h and
- * fanout_maps.h itself, so nothing has to come before it; like fanout_maps.h, for the tc
- * program, and the xdp program for route_request and route_forward.
+ * bpf_core_read.h (unless FANOUT_HELPER_CSUM), fanout_shared.h, parse.h (struct packet,
+ * AF_INET, IPPROTO_UDP), csum.h, fanout_maps.h and fanout_hops.h itself, so nothing has to come
+ * before it; like fanout_maps.h, for the tc program, and the xdp program for route_request and
+ * route_forward (its object leaves out the checksum state's kfunc and CO-RE read, unused).
  */
 #ifndef FANOUT_REDIRECT_H
 #define FANOUT_REDIRECT_H
@@ -129,8 +130,9 @@ static __always_inline int pop_vlan(struct __sk_buff *skb, struct packet *p)
 /* The skb's checksum state (ip_summed), which says how a UDP checksum is updated: read from the
  * kernel's struct sk_buff (bpf_cast_to_kern_ctx, kernel 6.2: the verifier turns the call into a
  * register move; the field's place comes from the kernel's BTF at load). The plain program
- * (tc_fanout_plain.bpf.c, kernels before 6.10) defines FANOUT_HELPER_CSUM: every update goes
- * through bpf_l4_csum_replace, as for CHECKSUM_COMPLETE. */
+ * (tc_fanout_plain.bpf.c: kernels without the BPF crypto kfuncs, before 6.10, or where the full
+ * one does not load) defines FANOUT_HELPER_CSUM: every update goes through
+ * bpf_l4_csum_replace, as for CHECKSUM_COMPLETE. */
 #define FANOUT_CHECKSUM_COMPLETE 2
 #define FANOUT_CHECKSUM_PARTIAL 3
 
@@ -162,7 +164,9 @@ static __always_inline __u32 checksum_state(struct __sk_buff *skb)
  * then the port). CHECKSUM_PARTIAL (a local sender's checksum offload, as through a veth) holds
  * only the pseudo-header's sum, not complemented: the address change is added in, the port's is
  * left to whoever completes the checksum. Each helper call saved cost 25-50 ns
- * (docs/benchmarks.md, Replication). 0, or -1 when the checksum could not be updated. */
+ * (docs/benchmarks.md, "The UDP checksum in place"). A PARTIAL skb whose checksum is an inner
+ * header's (a locally sent tunnel) is taken as this header's, as the helper took it. 0, or -1
+ * when the checksum could not be updated. */
 static __always_inline int udp_check(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
 				     __u32 *old_addr, __u16 old_port)
 {
@@ -178,14 +182,6 @@ static __always_inline int udp_check(struct __sk_buff *skb, struct packet *p, st
 	__u32 ports = to->port != old_port ? (__u32)(__u16)~old_port + to->port : 0;
 	__u32 at = p->l4 + 6;
 	__u32 summed = checksum_state(skb);
-	if (summed == FANOUT_CHECKSUM_COMPLETE) {
-		if (bpf_l4_csum_replace(skb, at, 0, pseudo,
-					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | (words == 4 ? FANOUT_OPTIONS.ipv6_csum_flags : 0)))
-			return -1;
-		if (ports && bpf_l4_csum_replace(skb, at, 0, ports, BPF_F_MARK_MANGLED_0))
-			return -1;
-		return 0;
-	}
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	if (at > 518)
@@ -194,6 +190,23 @@ static __always_inline int udp_check(struct __sk_buff *skb, struct packet *p, st
 	if ((void *)(field + 1) > end)
 		return -1;
 	__u32 check = *field;
+	if (summed == FANOUT_CHECKSUM_COMPLETE) {
+		/* No checksum to update (zero): nothing in the datagram makes up for the port's change,
+		 * nor for an IPv6 address's (an IPv4 one is in the header its own checksum covers), so
+		 * skb->csum takes them (bpf_csum_update: a no-op unless CHECKSUM_COMPLETE). */
+		if (!check) {
+			__u32 uncovered = ports + (words == 4 ? pseudo : 0);
+			if (uncovered)
+				bpf_csum_update(skb, uncovered);
+			return 0;
+		}
+		if (bpf_l4_csum_replace(skb, at, 0, pseudo,
+					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | (words == 4 ? FANOUT_OPTIONS.ipv6_csum_flags : 0)))
+			return -1;
+		if (ports && bpf_l4_csum_replace(skb, at, 0, ports, BPF_F_MARK_MANGLED_0))
+			return -1;
+		return 0;
+	}
 	if (!check)
 		return 0;
 	/* Without branches (each would double the verifier's paths through every rewrite): PARTIAL

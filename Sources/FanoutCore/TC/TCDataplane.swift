@@ -199,7 +199,8 @@ final class TCDataplane: Sendable {
     }
 
     /// The tc program: the build with the BPF crypto kfuncs where the kernel has them, else (or
-    /// when that one does not load: said) the plain one, which routes plaintext QUIC-LB IDs only.
+    /// when that one does not load: said) the plain one, which routes plaintext QUIC-LB IDs only
+    /// and updates UDP checksums with bpf_l4_csum_replace (no bpf_cast_to_kern_ctx, no CO-RE).
     private func newProgram(reusing handed: [String: Int32] = [:]) throws(SystemCallError) -> TCProgram {
         guard TCKernelFeatures.quicCryptoProblem == nil else { return try TCProgram(reusing: handed, crypto: false) }
         do throws(SystemCallError) {
@@ -207,7 +208,7 @@ final class TCDataplane: Sendable {
         } catch let first {
             // The same failure (a map that does not fit, say) is said as the first build's.
             guard let plain = try? TCProgram(reusing: handed, crypto: false) else { throw first }
-            logger.warning("the tc program with the BPF crypto kfuncs did not load, so the one without them runs: quic_lb routes plaintext server IDs only here, and a key is refused when written", metadata: ["error": "\(first)"])
+            logger.warning("the tc program with the BPF kfuncs (crypto, the skb's checksum state) did not load, so the one without them runs: quic_lb routes plaintext server IDs only here, a key is refused when written, and UDP checksums are updated by the kernel's helper (slower)", metadata: ["error": "\(first)"])
             return plain
         }
     }
