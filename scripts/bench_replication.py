@@ -313,7 +313,7 @@ def kernel_rows():
         ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["tc_ebpf"], fixed["nfacctd"])])
         out = [(f"replication tc_ebpf: CPU per received datagram at {TC_RATE:,} pps", "nfacctd tee, tee_transparent",
                 f"{ours[0]:.2f} us ({ours[1]:.2f}-{ours[2]:.2f})", f"{peer[0]:.2f} us ({peer[1]:.2f}-{peer[2]:.2f})",
-                f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal <= 0.10",
+                f"{ratios[0]:.3f} ({ratios[1]:.3f}-{ratios[2]:.3f}) goal <= 0.10",
                 f"the tc program's run time (3 copies: 2 clones with their transmit, the third redirected after the program) / nfacctd's threads' time on CPU, per datagram sent; least delivered:"
                 f" ours {min(r['delivered'] for r in fixed['tc_ebpf']):.3f}, nfacctd {min(r['delivered'] for r in fixed['nfacctd']):.3f}")]
         def beside(variant, label, what):
