@@ -5,9 +5,9 @@ import CLibBPF
 public enum ProgramTestRun {
     /// Runs `program` once on `frame` with `context` (`__sk_buff` for tc, `xdp_md` for XDP), from
     /// the calling thread (which must be in the namespace of the interfaces the context names).
-    /// `flags`: BPF_PROG_TEST_RUN's (BPF_F_TEST_SKB_CHECKSUM_COMPLETE: the skb arrives
-    /// CHECKSUM_COMPLETE, and the kernel refuses the run with -EBADMSG if the program left its
-    /// `skb->csum` wrong).
+    /// `flags`: BPF_PROG_TEST_RUN's (BPF_F_TEST_SKB_CHECKSUM_COMPLETE, kernel 6.11: the skb
+    /// arrives CHECKSUM_COMPLETE, and the kernel refuses the run with -EBADMSG if the program
+    /// left its `skb->csum` wrong; older kernels refuse the flag, EINVAL).
     /// - Returns: libbpf's result (0 or -errno), the program's return value, and the length of
     ///   the frame as the program left it in `output`.
     public static func run<Context>(_ program: Int32, _ frame: [UInt8], context: Context, output: inout [UInt8],

@@ -39,6 +39,16 @@ final class TCProgramFixture {
     /// program kept `skb->csum` right, else the run fails with -EBADMSG); else CHECKSUM_NONE.
     var checksumComplete = false
     var testRunFlags: UInt32 { checksumComplete ? UInt32(BPF_F_TEST_SKB_CHECKSUM_COMPLETE) : 0 }
+    /// The checksum states a run can arrive in here: CHECKSUM_NONE, and CHECKSUM_COMPLETE where
+    /// BPF_PROG_TEST_RUN takes BPF_F_TEST_SKB_CHECKSUM_COMPLETE (kernel 6.11).
+    static let checksumStates: [Bool] = {
+        var name = utsname()
+        uname(&name)
+        let release = withUnsafeBytes(of: name.release) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
+        let numbers = release.split(whereSeparator: { !$0.isNumber }).prefix(2).compactMap { Int($0) }
+        let recent = numbers.count == 2 && (numbers[0], numbers[1]) >= (6, 11)
+        return recent ? [false, true] : [false]
+    }()
     var ifindex: Int32 = 0
     /// t0's index: the backends' side, where no listener of the fixture's is configured.
     var otherIfindex: Int32 = 0
@@ -49,8 +59,8 @@ final class TCProgramFixture {
     init(crypto: Bool = TCKernelFeatures.quicCryptoProblem == nil) throws {
         let name = "tct-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
         namespace = name
-        // deinit does not run when init throws: the namespace goes with the failure (a program
-        // that does not load, a command that fails).
+        // deinit runs only once every stored property is set: a throw before that (a command
+        // that fails, a program that does not load) takes the namespace with it here.
         var made = false
         var descriptor: Int32 = -1
         defer {
@@ -81,6 +91,8 @@ final class TCProgramFixture {
         descriptor = open("/run/netns/\(name)", O_RDONLY | O_CLOEXEC)
         namespaceFD = descriptor
         program = try TCProgram(crypto: crypto)
+        // Every stored property is set: from here a throw runs deinit, which cleans up.
+        made = true
         // Packets arrive on t1; the backends are reached through t0.
         func link(_ name: String) throws -> [String: Any] {
             let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
@@ -97,7 +109,6 @@ final class TCProgramFixture {
         try add(TCProgramFixture.listenerBind(5515), id: 2, BackendSet(downstreams: [], balancing: .roundRobin, slots: [:]))
         try add(TCProgramFixture.listenerBind(5516), id: 3, BackendSet(downstreams: [Downstream(name: "x", address: SocketAddress("198.19.99.1:7000")!)], balancing: .roundRobin, slots: ["x": 0]))
         try add(TCProgramFixture.listenerBind(5517), id: 4, BackendSet(downstreams: [Downstream(name: "n", address: SocketAddress("198.18.200.20:7000")!)], balancing: .roundRobin, slots: ["n": 0]))
-        made = true
     }
 
     static func listenerBind(_ port: UInt16) -> SocketAddress { SocketAddress(ip: ProgramFrames.listenerV4.ip, port: port) }
@@ -171,7 +182,8 @@ final class XDPProgramFixture {
     init(maxFrameLength: UInt32 = XDPProgramFixture.maxFrame) throws {
         let name = "xdpt-\(String(UInt32.random(in: 0...UInt32.max), radix: 16))"
         namespace = name
-        // deinit does not run when init throws: the namespace goes with the failure.
+        // deinit runs only once every stored property is set: before that, a throw takes the
+        // namespace with it here.
         var made = false
         defer { if !made { _ = try? run("/usr/sbin/ip", ["netns", "del", name]) } }
         for arguments in [
@@ -185,6 +197,7 @@ final class XDPProgramFixture {
             try #require(result.status == 0, "ip \(arguments.joined(separator: " ")): \(result.output)")
         }
         program = try XDPProgram(maxFrameLength: maxFrameLength)
+        made = true  // every stored property set: a throw from here runs deinit
         func index(_ name: String) throws -> UInt32 {
             let json = try run("/usr/sbin/ip", ["-n", namespace, "-j", "link", "show", name]).output
             return UInt32(try #require((JSONSerialization.jsonObject(with: Data(json.utf8)) as? [[String: Any]])?.first).int("ifindex"))
@@ -198,7 +211,6 @@ final class XDPProgramFixture {
         // An exact bind and a wildcard on the same port: the exact one wins for its address.
         try program.putListener(SocketAddress("198.18.100.1:5521")!, ifindex: ifindex, id: 4)
         try program.putListener(SocketAddress("0.0.0.0:5521")!, ifindex: ifindex, id: 5)
-        made = true
     }
 
     deinit {

@@ -134,7 +134,7 @@ struct TCNATProgramTests {
         }
     }
 
-    @Test("IPv4: a client keeps its backend under round robin; its backend's reply leaves from VIP:port; another backend's is dropped (wrong_server); a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    @Test("IPv4: a client keeps its backend under round robin; its backend's reply leaves from VIP:port; another backend's is dropped (wrong_server); a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: TCProgramFixture.checksumStates)
     func associationAndReply(complete: Bool) throws {
         let (fixture, maps) = try Self.natFixture()
         fixture.checksumComplete = complete
@@ -179,7 +179,7 @@ struct TCNATProgramTests {
         #expect(passed.verdict == Self.pass && passed.output == stranger)
     }
 
-    @Test("IPv4 with options and a zero UDP checksum: the reply's headers and checksums stay right; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    @Test("IPv4 with options and a zero UDP checksum: the reply's headers and checksums stay right; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: TCProgramFixture.checksumStates)
     func optionsAndZeroChecksum(complete: Bool) throws {
         let (fixture, maps) = try Self.natFixture()
         fixture.checksumComplete = complete
@@ -318,9 +318,10 @@ struct TCNATProgramTests {
         #expect(fixture.program.natStats(id: Self.natID).moved == 1)
     }
 
-    @Test("IPv6: association, reply from the VIP with a valid UDP checksum, wrong server dropped")
-    func ipv6() throws {
+    @Test("IPv6: association, reply from the VIP with a valid UDP checksum, wrong server dropped; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: TCProgramFixture.checksumStates)
+    func ipv6(complete: Bool) throws {
         let (fixture, maps) = try Self.natFixture()
+        fixture.checksumComplete = complete
         defer { maps.forEach { close($0) } }
         let client = SocketAddress("[2001:db8:50::7]:43000")!
         let backend = try Self.forwarded(fixture, Self.frame(from: client, to: Self.vip6, payload: [1, 2, 3]))

@@ -103,7 +103,7 @@ struct TCPoolProgramTests {
     static let own = (1...3).map { Fixture.member("b\($0)", "198.18.200.10:\(6000 + $0)") }
     static let copyPorts: Set<UInt16> = [7001, 7002, 7101, 7102, 7201, 7301, 7401]
 
-    @Test("IPv4, with options, 802.1Q, zero checksum: one copy per member of an all pool and one to a round-robin pool, each rewritten (source kept, TTL once, checksums valid); the own datagram as before; sample and sources count what they keep out; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: [false, true])
+    @Test("IPv4, with options, 802.1Q, zero checksum: one copy per member of an all pool and one to a round-robin pool, each rewritten (source kept, TTL once, checksums valid); the own datagram as before; sample and sources count what they keep out; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: TCProgramFixture.checksumStates)
     func copies(complete: Bool) throws {
         let fixture = try Fixture()
         fixture.checksumComplete = complete
@@ -156,9 +156,10 @@ struct TCPoolProgramTests {
         #expect(fixture.stats(10).verdicts[Int(FANOUT_VERDICT_FORWARDED.rawValue)] == sent, "the listener's own: forwarded \(sent)")
     }
 
-    @Test("IPv6, and a source inside the pool's sources: copies rewritten with the IPv6 pseudo-header checksum; a source-ip pool sends one source to one member")
-    func ipv6() throws {
+    @Test("IPv6, and a source inside the pool's sources: copies rewritten with the IPv6 pseudo-header checksum; a source-ip pool sends one source to one member; a run arriving CHECKSUM_NONE, then one CHECKSUM_COMPLETE (the kernel checks skb->csum)", arguments: TCProgramFixture.checksumStates)
+    func ipv6(complete: Bool) throws {
         let fixture = try Fixture()
+        fixture.checksumComplete = complete
         let members = [Fixture.member("v1", "[2001:db8:200::10]:7101"), Fixture.member("v2", "[2001:db8:200::10]:7102")]
         try fixture.addListener(bind: ProgramFrames.listenerV6, id: 1, own: (1...3).map { Fixture.member("b\($0)", "[2001:db8:200::10]:\(6000 + $0)") }, pools: [
             Fixture.PoolSpec(id: 21, policy: FANOUT_POLICY_SOURCE_IP, members: members, sources: [SourcePrefix("2001:db8:50::/48")!]),

@@ -168,7 +168,7 @@ static __always_inline __u32 checksum_state(struct __sk_buff *skb)
  * header's (a locally sent tunnel) is taken as this header's, as the helper took it. 0, or -1
  * when the checksum could not be updated. */
 static __always_inline int udp_check(struct __sk_buff *skb, struct packet *p, struct fanout_backend *to,
-				     __u32 *old_addr, __u16 old_port)
+				     __u32 *old_addr, __u16 old_port, __u32 hop)
 {
 	/* The pseudo-header's change: each old 16-bit word complemented, each new one added. */
 	__u64 sum = 0;
@@ -191,15 +191,17 @@ static __always_inline int udp_check(struct __sk_buff *skb, struct packet *p, st
 		return -1;
 	__u32 check = *field;
 	if (summed == FANOUT_CHECKSUM_COMPLETE) {
-		/* No checksum to update (zero): nothing in the datagram makes up for the port's change,
-		 * nor for an IPv6 address's (an IPv4 one is in the header its own checksum covers), so
-		 * skb->csum takes them (bpf_csum_update: a no-op unless CHECKSUM_COMPLETE). */
-		if (!check) {
-			__u32 uncovered = ports + (words == 4 ? pseudo : 0);
-			if (uncovered)
-				bpf_csum_update(skb, uncovered);
+		/* An IPv6 hop limit's decrement has no header checksum to make up for it: skb->csum
+		 * takes it (the word at offset 6, next header and hop limit, one less in its second
+		 * byte: 0xfeff, -0x100 in one's complement, as the word is loaded). No checksum to
+		 * update (zero): nothing in the datagram makes up for the port's change, nor for an
+		 * IPv6 address's (an IPv4 one is in the header its own checksum covers), so skb->csum
+		 * takes them too. */
+		__u32 uncovered = (words == 4 && hop ? 0xfeff : 0) + (check ? 0 : ports + (words == 4 ? pseudo : 0));
+		if (uncovered)
+			bpf_csum_update(skb, uncovered);
+		if (!check)
 			return 0;
-		}
 		if (bpf_l4_csum_replace(skb, at, 0, pseudo,
 					BPF_F_PSEUDO_HDR | BPF_F_MARK_MANGLED_0 | (words == 4 ? FANOUT_OPTIONS.ipv6_csum_flags : 0)))
 			return -1;
@@ -268,7 +270,7 @@ static __always_inline int rewrite(struct __sk_buff *skb, struct packet *p, stru
 		*(__u16 *)(udp + (reply ? 0 : 2)) = to->port;
 	}
 	/* Last: its helpers (CHECKSUM_COMPLETE) move the packet. */
-	return udp_check(skb, p, to, old_addr, old_port);
+	return udp_check(skb, p, to, old_addr, old_port, hop);
 }
 
 /* Ethernet addresses from the fib lookup. */
