@@ -41,7 +41,7 @@
  *
  * Three steps are global functions (fanout_tc_parse, fanout_tc_decide_pools, fanout_tc_copies):
  * the verifier checks each once, on its own, instead of once per path that reaches it. The
- * program's verification processes about 185,000 instructions (inlined, it exceeded the kernel's
+ * program's verification processes about 175,000 instructions (inlined, it exceeded the kernel's
  * limit of 1,000,000: the parser's exact results multiplied the paths below it). Their pointer
  * arguments are checked for NULL, as the verifier requires of a global function's.
  */
