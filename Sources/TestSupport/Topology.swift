@@ -106,6 +106,22 @@ public final class Topology {
         try Self.dropped(self, client, "cp\(suffix.prefix(8))", "tx")
     }
 
+    /// The kernel's UDP counters in `namespace`: /proc/net/snmp's `Udp:` row by name (`NoPorts`,
+    /// `RcvbufErrors`, `InErrors`, `InCsumErrors`, ...) and /proc/net/snmp6's `Udp6...` lines
+    /// (`Udp6InCsumErrors`, ...). A counter the kernel does not print is absent.
+    public func udpCounters(_ namespace: String) throws -> [String: Int] {
+        var counters: [String: Int] = [:]
+        let rows = try exec(namespace, ["cat", "/proc/net/snmp"]).split(separator: "\n").filter { $0.hasPrefix("Udp: ") }
+        if rows.count == 2 {
+            for (name, value) in zip(rows[0].split(separator: " "), rows[1].split(separator: " ")) { counters[String(name)] = Int(value) }
+        }
+        for line in try exec(namespace, ["cat", "/proc/net/snmp6"]).split(separator: "\n") where line.hasPrefix("Udp6") {
+            let fields = line.split(whereSeparator: { $0 == " " || $0 == "\t" })
+            if fields.count == 2 { counters[String(fields[0])] = Int(fields[1]) }
+        }
+        return counters
+    }
+
     private static func dropped(_ topology: Topology, _ namespace: String, _ interface: String, _ direction: String) throws -> Int {
         let text = try topology.exec(namespace, [Self.ip, "-s", "-j", "link", "show", "dev", interface])
         guard let links = try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [[String: Any]],

@@ -161,10 +161,8 @@ struct ReloadMatrixTests {
         var pathDrops = 0
 
         init(_ topology: Topology) throws {
-            let lines = try topology.exec(topology.proxy, ["cat", "/proc/net/snmp"]).split(separator: "\n").filter { $0.hasPrefix("Udp: ") }
-            guard lines.count == 2 else { return }
-            let names = lines[0].split(separator: " "), values = lines[1].split(separator: " ")
-            let table = Dictionary(zip(names, values).map { (String($0), Int($1) ?? 0) }, uniquingKeysWith: { first, _ in first })
+            let table = try topology.udpCounters(topology.proxy)
+            guard table["NoPorts"] != nil else { return }
             noPorts = table["NoPorts"] ?? 0
             receiveBufferErrors = table["RcvbufErrors"] ?? 0
             inErrors = table["InErrors"] ?? 0

@@ -119,19 +119,6 @@ struct TCReplicationEndToEndTests {
         for report in reports { #expect(report.int("foreign") == 0) }
     }
 
-    /// The UDP checksum errors a backend namespace's stack counted (IPv4 and IPv6).
-    static func checksumErrors(_ topology: Topology, _ namespace: String) throws -> (ipv4: Int, ipv6: Int) {
-        let snmp = try topology.exec(namespace, ["cat", "/proc/net/snmp"]).split(separator: "\n").filter { $0.hasPrefix("Udp:") }
-        var ipv4 = -1
-        if snmp.count == 2 {
-            let fields = zip(snmp[0].split(separator: " "), snmp[1].split(separator: " "))
-            ipv4 = fields.first { $0.0 == "InCsumErrors" }.flatMap { Int($0.1) } ?? -1
-        }
-        let snmp6 = try topology.exec(namespace, ["cat", "/proc/net/snmp6"]).split(separator: "\n")
-        let ipv6 = snmp6.first { $0.hasPrefix("Udp6InCsumErrors") }.flatMap { $0.split(whereSeparator: { $0 == " " || $0 == "\t" }).last }.flatMap { Int($0) } ?? -1
-        return (ipv4, ipv6)
-    }
-
     @Test("Checksums through the copies' rewrites, IPv4 and IPv6: the client's checksum left to offload (CHECKSUM_PARTIAL at tc) or computed at send (CHECKSUM_NONE); the proxy's links to the backends complete offloaded checksums in software, so each backend's stack checks every copy and own datagram: all arrive, no checksum error", arguments: [true, false])
     func checksums(offloaded: Bool) throws {
         let topology = try Topology(backends: 3)
@@ -174,8 +161,9 @@ struct TCReplicationEndToEndTests {
         let counts = TCFixtures.received(try collectors.map { try $0.stop() })
         #expect(counts == Array(repeating: datagrams, count: 6), "every copy and own datagram passed the backend's checksum check (IPv4 b1-b3, then IPv6 b1-b3): \(counts)")
         for backend in topology.backends {
-            let errors = try Self.checksumErrors(topology, backend)
-            #expect(errors.ipv4 == 0 && errors.ipv6 == 0, "\(backend): UDP checksum errors \(errors)")
+            let counters = try topology.udpCounters(backend)
+            #expect(counters["InCsumErrors"] == 0 && counters["Udp6InCsumErrors"] == 0,
+                    "\(backend): UDP checksum errors \(counters["InCsumErrors"] as Int?), \(counters["Udp6InCsumErrors"] as Int?)")
         }
     }
 }
