@@ -6,13 +6,28 @@
 //       and then reads them all (epoll, recvmmsg) until SIGTERM; prints {"received": N}. With
 //       "drop", each socket has a filter that drops every datagram before its queue and nothing
 //       is read ({"received": 0}): what a sender pays ends at the socket lookup, no wake-up.
-//   scale forward ADDRESS PORT BALANCING DESTINATIONS_FILE
+//   scale forward ADDRESS PORT BALANCING DESTINATIONS_FILE [WAIT]
 //       the peer: a minimal one-way forwarder. Binds ADDRESS:PORT (IPv4), receives batches of 64
 //       with recvmmsg and sends each batch with one sendmmsg on one unconnected socket, a
 //       destination per message (the "ADDRESS PORT" lines of DESTINATIONS_FILE), chosen round
 //       robin or by a hash of the source address (BALANCING: round_robin | source_ip). No health,
-//       no counters per destination, no GSO: the least such a forwarder does. Prints
-//       {"forwarded": N, "failed": N} at SIGTERM.
+//       no counters per destination, no GSO: the least such a forwarder does. WAIT, how it waits
+//       for the next batch: epoll (the default: recvmmsg without waiting, then epoll_wait),
+//       block (recvmmsg itself waits: one system call per wake-up) or poll (recvmmsg without
+//       waiting, sched_yield between empty polls, never sleeping: a CPU always busy, given up to
+//       any other runnable thread). Prints {"forwarded": N, "failed": N} at SIGTERM.
+//   scale tee ADDRESS PORT DESTINATIONS_FILE [raw|udp]
+//       the least a userspace copier that keeps the sender's address does (what udp-fanout's
+//       output: preserve_source and nfacctd's tee_transparent do): binds ADDRESS:PORT (IPv4),
+//       receives batches of 64 with recvmmsg (waiting in it), and sends every datagram to every
+//       destination of DESTINATIONS_FILE. raw (the default): with the sender's address and port
+//       through one raw socket (IPPROTO_RAW: the IPv4 and UDP headers ours, the UDP checksum
+//       computed, the payload's sum once per datagram), all copies of a batch in one sendmmsg,
+//       a header and the payload as two iovecs (no copy of the payload). udp: the way out a raw
+//       socket is not: a UDP socket per sender address (IP_TRANSPARENT, bound to the sender's
+//       address with a port of the kernel's: the address kept, the port not), one sendmmsg per
+//       sender a batch, and a sender's consecutive datagrams of one size to one destination
+//       sent as one GSO message (UDP_SEGMENT). Prints {"copies": N, "failed": N} at SIGTERM.
 //   scale blast ADDRESS PORT COUNT SOURCES FIRST_SOURCE RATE
 //       sends COUNT 64-byte UDP datagrams to ADDRESS:PORT at RATE per second (0: as fast as it
 //       can) from SOURCES distinct source addresses counting up from FIRST_SOURCE (IPv4, or IPv6
@@ -26,6 +41,7 @@
 #include <netinet/ip.h>
 #include <netinet/ip6.h>
 #include <netinet/udp.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +49,8 @@
 #include <string.h>
 #include <linux/filter.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/time.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -109,10 +127,12 @@ static int sink(const char *address, int count, int drop) {
 	return 0;
 }
 
-static int forward(const char *bind_address, int port, const char *balancing, const char *destinationsFile) {
+static struct sockaddr_in destinations[100000];
+
+/// Reads DESTINATIONS_FILE's "ADDRESS PORT" lines into `destinations`: how many.
+static int read_destinations(const char *destinationsFile) {
 	FILE *file = fopen(destinationsFile, "r");
 	if (!file) fail("destinations file");
-	static struct sockaddr_in destinations[100000];
 	int count = 0, value;
 	char address[64];
 	while (count < 100000 && fscanf(file, "%63s %d", address, &value) == 2) {
@@ -122,8 +142,24 @@ static int forward(const char *bind_address, int port, const char *balancing, co
 	}
 	fclose(file);
 	if (count == 0) fail("no destinations");
+	return count;
+}
+
+/// Makes `fd` blocking, its receive waiting at most 100 ms (so SIGTERM is seen).
+static void block_with_timeout(int fd) {
+	int off = 0;
+	if (ioctl(fd, FIONBIO, &off) < 0) fail("FIONBIO");
+	struct timeval timeout = {0, 100000};
+	if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout) < 0) fail("SO_RCVTIMEO");
+}
+
+enum wait { WAIT_EPOLL, WAIT_BLOCK, WAIT_POLL };
+
+static int forward(const char *bind_address, int port, const char *balancing, const char *destinationsFile, enum wait wait) {
+	int count = read_destinations(destinationsFile);
 	int bySource = strcmp(balancing, "source_ip") == 0;
 	int in = udp_socket(bind_address, port, 16 << 20);
+	if (wait == WAIT_BLOCK) block_with_timeout(in);
 	int out = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
 	int buffer = 16 << 20;
 	setsockopt(out, SOL_SOCKET, SO_SNDBUFFORCE, &buffer, sizeof buffer);
@@ -143,9 +179,10 @@ static int forward(const char *bind_address, int port, const char *balancing, co
 	int epoll = epoll_create1(EPOLL_CLOEXEC);
 	epoll_ctl(epoll, EPOLL_CTL_ADD, in, &event);
 	while (!stopping) {
-		int got = recvmmsg(in, in_messages, BATCH, MSG_DONTWAIT, NULL);
+		int got = recvmmsg(in, in_messages, BATCH, wait == WAIT_BLOCK ? MSG_WAITFORONE : MSG_DONTWAIT, NULL);
 		if (got <= 0) {
-			epoll_wait(epoll, &event, 1, 100);
+			if (wait == WAIT_EPOLL) epoll_wait(epoll, &event, 1, 100);
+			if (wait == WAIT_POLL) sched_yield();
 			continue;
 		}
 		for (int i = 0; i < got; i++) {
@@ -179,17 +216,27 @@ static int forward(const char *bind_address, int port, const char *balancing, co
 	return 0;
 }
 
+enum { TEE_DESTINATIONS = 8, HEADERS = sizeof(struct iphdr) + sizeof(struct udphdr) };
+
+static int tee(const char *bind_address, int port, const char *destinationsFile, int udp);
+
 static double seconds_since(const struct timespec *start) {
 	struct timespec now;
 	clock_gettime(CLOCK_MONOTONIC, &now);
 	return (now.tv_sec - start->tv_sec) + (now.tv_nsec - start->tv_nsec) / 1e9;
 }
 
-/// Sums 16-bit words for the one's-complement checksum (RFC 1071), not yet folded.
+/// Sums 16-bit words for the one's-complement checksum (RFC 1071), not yet folded. Reads through
+/// memcpy: the headers summed are written as structs, and reading them as uint16_t directly would
+/// break C's aliasing rules (at -O2 the compiler may then sum them before they are written).
 static uint32_t sum_words(const void *data, int length, uint32_t sum) {
-	const uint16_t *words = data;
-	for (; length > 1; length -= 2) sum += *words++;
-	if (length) sum += *(const uint8_t *)words;
+	const unsigned char *bytes = data;
+	uint16_t word;
+	for (; length > 1; length -= 2, bytes += 2) {
+		memcpy(&word, bytes, 2);
+		sum += word;
+	}
+	if (length) sum += *bytes;
 	return sum;
 }
 
@@ -304,13 +351,177 @@ static int blast(const char *address, int port, long count, long sources, const 
 	return 0;
 }
 
+enum { TEE_SENDERS = 4096 };
+
+/// tee udp's socket for sender address `address` (network order): made on first use.
+static int sender_socket(uint32_t address) {
+	static struct { uint32_t address; int fd; } senders[TEE_SENDERS];
+	for (unsigned i = (address * 0x9e3779b1u) >> 20, n = 0; n < TEE_SENDERS; i = (i + 1) % TEE_SENDERS, n++) {
+		if (senders[i].fd && senders[i].address == address) return senders[i].fd;
+		if (senders[i].fd) continue;
+		int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+		if (fd < 0) fail("socket");
+		int on = 1, buffer = 16 << 20;
+		if (setsockopt(fd, SOL_IP, IP_TRANSPARENT, &on, sizeof on) < 0) fail("IP_TRANSPARENT");
+		setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &buffer, sizeof buffer);
+		struct sockaddr_in local = {.sin_family = AF_INET, .sin_addr.s_addr = address};
+		if (bind(fd, (struct sockaddr *)&local, sizeof local) < 0) fail("bind (the sender's address)");
+		senders[i].address = address;
+		senders[i].fd = fd;
+		return fd;
+	}
+	fail("tee udp: more than 4096 sender addresses");
+	return -1;
+}
+
+/// tee udp: sends the batch's datagrams (`lengths`, sources in `sources`) to every destination,
+/// one sendmmsg per sender address, a sender's run of one size to one destination as one GSO message.
+static void tee_udp(char (*buffers)[SIZE], const int *lengths, const struct sockaddr_in *sources, int got, int count,
+                    unsigned long long *copies, unsigned long long *failed) {
+	static struct mmsghdr messages[BATCH * TEE_DESTINATIONS];
+	static struct iovec iovecs[BATCH * TEE_DESTINATIONS];
+	static char controls[BATCH * TEE_DESTINATIONS][CMSG_SPACE(sizeof(uint16_t))];
+	static int segments[BATCH * TEE_DESTINATIONS];
+	int done[BATCH] = {0};
+	for (int first = 0; first < got; first++) {
+		if (done[first]) continue;
+		uint32_t address = sources[first].sin_addr.s_addr;
+		int used = 0, iovs = 0;
+		for (int d = 0; d < count; d++) {
+			int open = -1;
+			for (int i = first; i < got; i++) {
+				if (sources[i].sin_addr.s_addr != address || lengths[i] < 0) continue;
+				/* a GSO message's segments are of one size (the last may be shorter: not used here) */
+				if (open >= 0 && lengths[i] == (int)iovecs[iovs - 1].iov_len && segments[open] < 64
+				    && (segments[open] + 1) * lengths[i] <= 65000) {
+					iovecs[iovs++] = (struct iovec){buffers[i], (size_t)lengths[i]};
+					messages[open].msg_hdr.msg_iovlen++;
+					segments[open]++;
+					continue;
+				}
+				open = used++;
+				segments[open] = 1;
+				iovecs[iovs] = (struct iovec){buffers[i], (size_t)lengths[i]};
+				messages[open] = (struct mmsghdr){.msg_hdr = {.msg_name = &destinations[d], .msg_namelen = sizeof destinations[d],
+				                                              .msg_iov = &iovecs[iovs], .msg_iovlen = 1}};
+				iovs++;
+			}
+		}
+		for (int i = first; i < got; i++)
+			if (sources[i].sin_addr.s_addr == address) done[i] = 1;
+		for (int m = 0; m < used; m++) {
+			if (segments[m] < 2) continue;
+			messages[m].msg_hdr.msg_control = controls[m];
+			messages[m].msg_hdr.msg_controllen = sizeof controls[m];
+			struct cmsghdr *header = CMSG_FIRSTHDR(&messages[m].msg_hdr);
+			header->cmsg_level = SOL_UDP;
+			header->cmsg_type = UDP_SEGMENT;
+			header->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+			uint16_t size = (uint16_t)messages[m].msg_hdr.msg_iov[0].iov_len;
+			memcpy(CMSG_DATA(header), &size, sizeof size);
+		}
+		int fd = sender_socket(address), sent = 0;
+		while (sent < used) {
+			int n = sendmmsg(fd, messages + sent, used - sent, MSG_DONTWAIT);
+			if (n <= 0) {
+				*failed += segments[sent];
+				sent++;
+				continue;
+			}
+			for (int m = sent; m < sent + n; m++) *copies += segments[m];
+			sent += n;
+		}
+	}
+}
+
+/// The tee mode (see the top of this file).
+static int tee(const char *bind_address, int port, const char *destinationsFile, int udp) {
+	int count = read_destinations(destinationsFile);
+	if (count > TEE_DESTINATIONS) fail("tee: at most 8 destinations");
+	int in = udp_socket(bind_address, port, 16 << 20);
+	block_with_timeout(in);
+	int out = udp ? -1 : socket(AF_INET, SOCK_RAW | SOCK_CLOEXEC, IPPROTO_RAW);
+	if (!udp && out < 0) fail("socket(SOCK_RAW)");
+	int buffer = 16 << 20;
+	if (!udp) setsockopt(out, SOL_SOCKET, SO_SNDBUFFORCE, &buffer, sizeof buffer);
+	static int lengths[BATCH];
+	static char buffers[BATCH][SIZE];
+	static unsigned char headers[BATCH * TEE_DESTINATIONS][HEADERS];
+	static struct mmsghdr in_messages[BATCH], out_messages[BATCH * TEE_DESTINATIONS];
+	static struct iovec in_iovecs[BATCH], out_iovecs[BATCH * TEE_DESTINATIONS][2];
+	static struct sockaddr_in sources[BATCH];
+	for (int i = 0; i < BATCH; i++) {
+		in_iovecs[i] = (struct iovec){buffers[i], SIZE};
+		in_messages[i] = (struct mmsghdr){.msg_hdr = {.msg_name = &sources[i], .msg_namelen = sizeof sources[i], .msg_iov = &in_iovecs[i], .msg_iovlen = 1}};
+	}
+	printf("ready\n");
+	fflush(stdout);
+	unsigned long long copies = 0, failed = 0;
+	while (!stopping) {
+		int got = recvmmsg(in, in_messages, BATCH, MSG_WAITFORONE, NULL);
+		if (got <= 0) continue;
+		if (udp) {
+			for (int i = 0; i < got; i++) {
+				lengths[i] = (int)in_messages[i].msg_len;
+				in_messages[i].msg_hdr.msg_namelen = sizeof sources[i];
+			}
+			tee_udp(buffers, lengths, sources, got, count, &copies, &failed);
+			continue;
+		}
+		int messages = 0;
+		for (int i = 0; i < got; i++) {
+			int length = (int)in_messages[i].msg_len;
+			in_messages[i].msg_hdr.msg_namelen = sizeof sources[i];
+			if (length > SIZE - (int)HEADERS) continue;
+			uint32_t payload = sum_words(buffers[i], length, 0);
+			for (int d = 0; d < count; d++, messages++) {
+				struct iphdr *ip = (struct iphdr *)headers[messages];
+				struct udphdr *udp = (struct udphdr *)(ip + 1);
+				*ip = (struct iphdr){.version = 4, .ihl = 5, .tot_len = htons(HEADERS + length), .ttl = 64, .protocol = IPPROTO_UDP,
+				                     .saddr = sources[i].sin_addr.s_addr, .daddr = destinations[d].sin_addr.s_addr};
+				*udp = (struct udphdr){.source = sources[i].sin_port, .dest = destinations[d].sin_port, .len = htons(sizeof *udp + length)};
+				/* the kernel fills in the IPv4 header's checksum (and id) of an IPPROTO_RAW datagram */
+				uint32_t sum = payload + sum_words(&ip->saddr, 8, 0) + htons(IPPROTO_UDP) + udp->len;
+				udp->check = fold(sum_words(udp, sizeof *udp, sum));
+				if (!udp->check) udp->check = 0xffff;
+				out_iovecs[messages][0] = (struct iovec){headers[messages], HEADERS};
+				out_iovecs[messages][1] = (struct iovec){buffers[i], (size_t)length};
+				out_messages[messages] = (struct mmsghdr){.msg_hdr = {.msg_name = &destinations[d], .msg_namelen = sizeof destinations[d],
+				                                                       .msg_iov = out_iovecs[messages], .msg_iovlen = 2}};
+			}
+		}
+		int done = 0;
+		while (done < messages) {
+			int sent = sendmmsg(out, out_messages + done, messages - done, MSG_DONTWAIT);
+			if (sent <= 0) {
+				failed++;
+				done++;
+				continue;
+			}
+			done += sent;
+			copies += sent;
+		}
+	}
+	printf("{\"copies\": %llu, \"failed\": %llu}\n", copies, failed);
+	return 0;
+}
+
 int main(int argc, char **argv) {
 	struct sigaction action = {.sa_handler = on_signal};
 	sigaction(SIGTERM, &action, NULL);
 	sigaction(SIGINT, &action, NULL);
 	if ((argc == 4 || (argc == 5 && strcmp(argv[4], "drop") == 0)) && strcmp(argv[1], "sink") == 0) return sink(argv[2], atoi(argv[3]), argc == 5);
-	if (argc == 6 && strcmp(argv[1], "forward") == 0) return forward(argv[2], atoi(argv[3]), argv[4], argv[5]);
+	if ((argc == 6 || argc == 7) && strcmp(argv[1], "forward") == 0) {
+		const char *wait = argc == 7 ? argv[6] : "epoll";
+		if (strcmp(wait, "epoll") && strcmp(wait, "block") && strcmp(wait, "poll")) {
+			fprintf(stderr, "scale forward: WAIT is epoll, block or poll, not %s\n", wait);
+			return 2;
+		}
+		return forward(argv[2], atoi(argv[3]), argv[4], argv[5], !strcmp(wait, "block") ? WAIT_BLOCK : !strcmp(wait, "poll") ? WAIT_POLL : WAIT_EPOLL);
+	}
+	if ((argc == 5 || (argc == 6 && (!strcmp(argv[5], "raw") || !strcmp(argv[5], "udp")))) && strcmp(argv[1], "tee") == 0)
+		return tee(argv[2], atoi(argv[3]), argv[4], argc == 6 && !strcmp(argv[5], "udp"));
 	if (argc == 8 && strcmp(argv[1], "blast") == 0) return blast(argv[2], atoi(argv[3]), atol(argv[4]), atol(argv[5]), argv[6], atof(argv[7]));
-	fprintf(stderr, "usage: scale sink ADDRESS COUNT [drop] | forward ADDRESS PORT BALANCING DESTINATIONS_FILE | blast ADDRESS PORT COUNT SOURCES FIRST_SOURCE RATE\n");
+	fprintf(stderr, "usage: scale sink ADDRESS COUNT [drop] | forward ADDRESS PORT BALANCING DESTINATIONS_FILE [epoll|block|poll] | tee ADDRESS PORT DESTINATIONS_FILE [raw|udp] | blast ADDRESS PORT COUNT SOURCES FIRST_SOURCE RATE\n");
 	return 2;
 }

@@ -139,6 +139,35 @@ def stop_with_output(proc, grace=15):
     return out or ""
 
 
+def build_scale_tool(work):
+    """bench/scale.c (the minimal C forwarder, copier, sink and raw sender), built with the system cc into `work`."""
+    binary = os.path.join(work, "scale")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "scale.c")
+    subprocess.run(["cc", "-O2", "-Wall", "-o", binary, source], check=True)
+    return binary
+
+
+class CForwarder:
+    """bench/scale.c's forward mode (build_scale_tool), bound to `bind`:`port`, sending to
+    `destinations` [(address, port)] by `balancing`, waiting as `wait` says (epoll, block or
+    poll; see bench/scale.c), pinned to CPU `cpu` when given (in a netns: `prefix`, nsenter's command)."""
+
+    def __init__(self, tool, port, destinations, balancing, work, bind="127.0.0.1", prefix=(), cpu=None, wait="epoll"):
+        path = os.path.join(work, "destinations")
+        with open(path, "w") as f:
+            f.write("".join(f"{address} {p}\n" for address, p in destinations))
+        pin = ("taskset", "-c", str(cpu)) if cpu is not None else ()
+        self.proc = subprocess.Popen([*prefix, *pin, tool, "forward", bind, str(port), balancing, path, wait],
+                                     stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            stop_process(self.proc)
+            raise SystemExit("the C forwarder did not start")
+
+    def stop(self):
+        """Its count of datagrams forwarded."""
+        return json.loads(stop_with_output(self.proc, 10).strip().splitlines()[-1])["forwarded"]
+
+
 def sh(*args, check=True):
     return subprocess.run(args, check=check, capture_output=True, text=True).stdout
 

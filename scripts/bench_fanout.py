@@ -75,16 +75,28 @@ def throughput_run(variant, work, sender="sendmmsg"):
     return {"pps": received / sent["seconds"], "delivered": received / sent["sent"]}
 
 
-def latency_run(via, work, rate=50000, count=150000):
-    """via: "direct" (to the collector), "udp-fanout" or "udp-fanout, busy wait"."""
+# The latency rows' variants: each forwards to one collector, alternated run by run with the
+# direct path. The C forwarders are the floors: what one userspace hop adds on this machine with
+# the least work, waiting in the kernel (beside "udp-fanout") or polling without sleeping, as
+# busy_wait_us does at this rate (beside "udp-fanout, busy wait").
+LATENCY_VARIANTS = ["direct", "udp-fanout", "udp-fanout, busy wait", "C forwarder, blocking", "C forwarder, polling"]
+
+
+def latency_run(via, work, tool, rate=50000, count=150000):
+    """via: one of LATENCY_VARIANTS ("direct": to the collector). `tool`: bench/scale.c built."""
     ports, groups = sinks(1)
     target = ports[0]
     proxy = None
-    if via != "direct":
-        target = common.free_port()
-        settings = (f"busy_wait_us: {BUSY_WAIT_US}",) if via.endswith("busy wait") else ()
-        proxy = Fanout([("latency", target, ports)], work, workers=1, settings=settings)
     try:
+        if via != "direct":
+            target = common.free_port()
+            if via.startswith("C forwarder"):
+                # bench/scale.c forward: the least a userspace forwarder does (recvmmsg, one sendmmsg a batch)
+                proxy = common.CForwarder(tool, target, [("127.0.0.1", ports[0])], "round_robin", work,
+                                          wait="block" if via.endswith("blocking") else "poll")
+            else:
+                settings = (f"busy_wait_us: {BUSY_WAIT_US}",) if via.endswith("busy wait") else ()
+                proxy = Fanout([("latency", target, ports)], work, workers=1, settings=settings)
         common.publish(target, count=count, extra=("--rate", str(rate), "--size", "64", "--batch", "1"))
         time.sleep(0.3)
     finally:
@@ -151,20 +163,33 @@ def rows():
                             f"{ours[0] / peer[0]:.2f}", f"nginx delivered/sent {peer_delivered:.3f}"))
             out.append((f"fanout: vs better nginx, sender {sender}", "max(nginx 1, nginx 2) per run", f"{ours[0]:,.0f} pps", "-",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f}) goal >= 3", f"udp-fanout delivered/sent {delivered:.3f}"))
-        variants = ["direct", "udp-fanout", "udp-fanout, busy wait"]
-        latency = common.alternated(common.RUNS, variants, lambda via: latency_run(via, work))
+        tool = common.build_scale_tool(work)
+        variants = LATENCY_VARIANTS
+        latency = common.alternated(common.RUNS, variants, lambda via: latency_run(via, work, tool))
+
+        def added(via, index):
+            return common.spread([o[index] - d[index] for o, d in zip(latency[via], latency["direct"])])
+
+        floors = {"udp-fanout": "C forwarder, blocking", "udp-fanout, busy wait": "C forwarder, polling"}
         for index, name in ((0, "p50"), (1, "p99")):
             peer = common.spread([r[index] for r in latency["direct"]])
             for via in variants[1:]:
                 mine = common.spread([r[index] for r in latency[via]])
-                added = common.spread([o[index] - d[index] for o, d in zip(latency[via], latency["direct"])])
+                more = added(via, index)
                 note = "one way, publisher send to collector receive; added: median of per-run differences"
                 if via.endswith("busy wait"):
                     note += f"; settings.busy_wait_us {BUSY_WAIT_US}: at 50k pps the worker polls without sleeping"
-                label = "" if via == "udp-fanout" else f", busy_wait_us {BUSY_WAIT_US}"
+                if via in floors:
+                    floor = added(floors[via], index)
+                    note += f"; the floor ({floors[via]}) adds {floor[0]:+.0f} us ({floor[1]:+.0f} to {floor[2]:+.0f})"
+                if via == "C forwarder, blocking":
+                    note += "; bench/scale.c forward: recvmmsg waiting in the kernel, one sendmmsg per batch: the least a forwarder that sleeps does"
+                if via == "C forwarder, polling":
+                    note += "; bench/scale.c forward: recvmmsg without waiting, sched_yield between empty polls, never sleeping"
+                label = {"udp-fanout": "", "udp-fanout, busy wait": f", busy_wait_us {BUSY_WAIT_US}"}.get(via, f", {via}")
                 out.append((f"fanout: latency {name} at 50k pps{label}", "sending directly to the collector",
                             f"{mine[0]:.0f} us ({mine[1]:.0f}-{mine[2]:.0f})", f"{peer[0]:.0f} us ({peer[1]:.0f}-{peer[2]:.0f})",
-                            f"{added[0]:+.0f} us ({added[1]:+.0f} to {added[2]:+.0f})", note))
+                            f"{more[0]:+.0f} us ({more[1]:+.0f} to {more[2]:+.0f})", note))
         if ONLY == "latency":
             return out
         rest, peak = rss_three_listeners(work)

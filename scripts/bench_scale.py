@@ -51,12 +51,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DOCS = os.path.join(HERE, "..", "docs")
 
 
-def build_tools(work):
-    binary = os.path.join(work, "scale")
-    subprocess.run(["cc", "-O2", "-Wall", "-o", binary, os.path.join(HERE, "..", "bench", "scale.c")], check=True)
-    return binary
-
-
 class Sink:
     """One process holding `count` downstream sockets on 127.0.0.1, on CPU 0."""
 
@@ -109,22 +103,9 @@ class Fanout:
             common.stop_process(self.proc)
 
 
-class CForwarder:
-    """bench/scale.c's forward mode, pinned to CPU 1, bound to `bind`:`port`, sending to
-    `destinations` [(address, port)] (in a netns: `prefix`, nsenter's command)."""
-
-    def __init__(self, tool, port, destinations, balancing, work, bind="127.0.0.1", prefix=()):
-        path = os.path.join(work, "destinations")
-        with open(path, "w") as f:
-            f.write("".join(f"{address} {p}\n" for address, p in destinations))
-        self.proc = subprocess.Popen([*prefix, "taskset", "-c", "1", tool, "forward", bind, str(port), balancing, path],
-                                     stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
-            common.stop_process(self.proc)
-            raise SystemExit("the C forwarder did not start")
-
-    def stop(self):
-        return json.loads(common.stop_with_output(self.proc, 10).strip().splitlines()[-1])["forwarded"]
+# bench/scale.c's forward mode, pinned to CPU 1 here (bench_common.CForwarder).
+def CForwarder(tool, port, destinations, balancing, work, bind="127.0.0.1", prefix=()):
+    return common.CForwarder(tool, port, destinations, balancing, work, bind=bind, prefix=prefix, cpu=1)
 
 
 # BENCH_SCALE_BEFORE=/path/to/udp-fanout: another build (e.g. the revision before a change) runs
@@ -307,7 +288,7 @@ PARTS = os.environ.get("BENCH_SCALE_ONLY", "downstreams,sources,namespace,twoway
 def rows():
     work = tempfile.mkdtemp(prefix="rplb-scale-bench-")
     try:
-        tool = build_tools(work)
+        tool = common.build_scale_tool(work)
         out = []
         if "downstreams" in PARTS:
             out += downstream_rows(tool, work)
