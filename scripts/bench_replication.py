@@ -249,13 +249,26 @@ class KernelReplicator:
     `all` pool (3 copies of each datagram, the exporter's address kept; `before`: the same with
     BENCH_REPLICATION_BEFORE's build), or nfacctd tee_transparent to the 3 backends, or the floor:
     bench/frames.bpf.c's floor_copies at tc ingress, which only sets the Ethernet addresses and
-    makes the same three copies (two bpf_clone_redirect, one bpf_redirect)."""
+    makes the same three copies (two bpf_clone_redirect, one bpf_redirect); or udp-fanout in
+    userspace mode with output: preserve_source and the same downstream and pool (`userspace`;
+    `userspace, before`: BENCH_REPLICATION_BEFORE's build): the exporters' addresses are not the
+    proxy's, as in a deployment, so its copies go through UDP sockets bound to them."""
 
     def __init__(self, variant, topology, work):
         self.variant, self.topology, self.proc, self.pins = variant, topology, None, None
         receivers = [f"198.18.{n}.2:6000" for n in range(1, BACKENDS + 1)]
         if variant == "floor":
             self.start_floor(work)
+        elif variant.startswith("userspace"):
+            path = os.path.join(work, "userspace-pools.yaml")
+            members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
+            with open(path, "w") as f:
+                f.write(f'listeners:\n  - name: bench\n    bind: "198.18.0.1:5514"\n'
+                        f"    settings: {{workers: 1, batch_size: 64, recv_buf_size: 16777216, output: preserve_source}}\n"
+                        f'    downstream: [{{address: "{receivers[0]}"}}]\n'
+                        f"    pools:\n      - {{name: copies, balancing: all, downstream: [{members}]}}\n")
+            self.proc = start_fanout(path, "entering receive loop", in_namespace(topology.proxy),
+                                     BEFORE if variant.endswith("before") else None)
         elif variant in ("tc_ebpf", "before"):
             path = os.path.join(work, "tc-pools.yaml")
             members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
@@ -293,7 +306,7 @@ class KernelReplicator:
             raise
 
     def ns_on_cpu(self):
-        if self.variant == "nfacctd":
+        if self.variant == "nfacctd" or self.variant.startswith("userspace"):
             return group_ns_on_cpu(self.proc.pid)
         return program_ns(f"{self.pins}/floor_copies" if self.variant == "floor" else None)
 
@@ -329,8 +342,9 @@ def kernel_rows():
     try:
         print(f"bench: replication in the kernel, udp-fanout tc_ebpf (own backend + an all pool of 2) vs nfacctd tee_transparent"
               f" in the proxy namespace, 3 copies of each NetFlow v9 datagram; CPU at {TC_RATE:,} pps for {TC_SECONDS} s,"
-              f" copies/s at saturation ({PACKETS} datagrams)", flush=True)
-        variants = ("tc_ebpf", "nfacctd", "floor") + (("before",) if BEFORE else ())
+              f" copies/s at saturation ({PACKETS} datagrams); beside them udp-fanout userspace with output: preserve_source"
+              f" in the same namespace (CPU only)", flush=True)
+        variants = ("tc_ebpf", "nfacctd", "floor", "userspace") + (("before", "userspace, before") if BEFORE else ())
         fixed = {variant: [] for variant in variants}
         saturation = {variant: [] for variant in variants}
         for index in range(common.RUNS):
@@ -338,7 +352,7 @@ def kernel_rows():
             for variant in order:
                 fixed[variant].append(run_kernel(variant, topology, work, fixed=True))
             for variant in order:
-                if variant != "floor":
+                if variant != "floor" and not variant.startswith("userspace"):
                     saturation[variant].append(run_kernel(variant, topology, work, fixed=False))
         ours, peer = common.spread([r["cpu_us"] for r in fixed["tc_ebpf"]]), common.spread([r["cpu_us"] for r in fixed["nfacctd"]])
         ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["tc_ebpf"], fixed["nfacctd"])])
@@ -362,6 +376,19 @@ def kernel_rows():
                "bench/frames.bpf.c floor_copies (Ethernet addresses, 2 bpf_clone_redirect, 1 bpf_redirect; no lookup or rewrite)")
         if BEFORE:
             beside("before", "before", f"BENCH_REPLICATION_BEFORE={BEFORE}")
+        # Userspace keeping the exporter's address where the exporters are not the host's (16 of
+        # them, in the client namespace): its threads' time on CPU against nfacctd's.
+        mine = common.spread([r["cpu_us"] for r in fixed["userspace"]])
+        for variant, label in [("nfacctd", "nfacctd tee, tee_transparent")] + ([("userspace, before", "before")] if BEFORE else []):
+            other = common.spread([r["cpu_us"] for r in fixed[variant]])
+            ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["userspace"], fixed[variant])])
+            out.append((f"replication userspace, namespaces: CPU per received datagram at {TC_RATE:,} pps, keeping the exporter's address", label,
+                        f"{mine[0]:.2f} us ({mine[1]:.2f}-{mine[2]:.2f})", f"{other[0]:.2f} us ({other[1]:.2f}-{other[2]:.2f})",
+                        f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + (" goal <= 0.33" if variant == "nfacctd" else ""),
+                        f"udp-fanout userspace (1 worker, output: preserve_source, own backend + an all pool of 2) in the proxy namespace,"
+                        f" the exporters not its addresses: its threads' time on CPU / {variant}'s, per datagram sent"
+                        + (f" (BENCH_REPLICATION_BEFORE={BEFORE})" if variant != "nfacctd" else "")
+                        + f"; least delivered: ours {min(r['delivered'] for r in fixed['userspace']):.3f}, {variant} {min(r['delivered'] for r in fixed[variant]):.3f}"))
         ours, peer = common.spread([r["copies_pps"] for r in saturation["tc_ebpf"]]), common.spread([r["copies_pps"] for r in saturation["nfacctd"]])
         ratios = common.spread([o["copies_pps"] / p["copies_pps"] for o, p in zip(saturation["tc_ebpf"], saturation["nfacctd"])])
         out.append(("replication tc_ebpf: delivered copies/s at saturation", "nfacctd tee, tee_transparent",

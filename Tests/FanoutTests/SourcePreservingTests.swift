@@ -361,7 +361,9 @@ struct SourcePreservingEndToEndTests {
                 let sizes = (0..<count).map { $0 % 5 == 0 ? maximum : Int.random(in: 4...maximum) } + large
                 let payloads = (0..<sizes.count).map { numberedPayload($0, length: sizes[$0]) }
                 let result = inNetworkNamespace(topology.client) { () -> Result<(FlushResult, batches: Int, calls: Int), OutboxError> in
-                    let sender = shared ? SharedSender(capacity: 64) : nil
+                    // The raw socket's way (the clients' address is not the namespace's: without
+                    // `transparent: false` it would go through a UDP socket bound to it).
+                    let sender = shared ? SharedSender(capacity: 64, transparent: false) : nil
                     let outbox: SourcePreservingOutbox
                     do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64, shared: sender?.raw) } catch { return .failure(error) }
                     var client = storage(clientText)
@@ -564,7 +566,7 @@ struct SharedRawSenderTests {
         let payload = [UInt8](repeating: 7, count: 1000)
         let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, results: [FlushResult]), OutboxError> in
             // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
-            let sender = SharedSender(capacity: 64, sendBuffer: 4096)
+            let sender = SharedSender(capacity: 64, sendBuffer: 4096, transparent: false)
             var outboxes: [SourcePreservingOutbox] = []
             for index in 0..<64 {
                 do throws(OutboxError) {
@@ -609,7 +611,7 @@ struct SharedRawSenderTests {
             try topology.exec(client, ["/usr/sbin/ip", "link", "set", interface, "mtu", "1500"])
             let payload = numberedPayload(shared ? 1 : 2, length: 1400)
             let outcome = inNetworkNamespace(client) { () -> Result<(FlushResult, Int, Int), OutboxError> in
-                let sender = shared ? SharedSender(capacity: 8) : nil
+                let sender = shared ? SharedSender(capacity: 8, transparent: false) : nil
                 let outbox: SourcePreservingOutbox
                 do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 8, shared: sender?.raw) } catch { return .failure(error) }
                 var source = storage("198.18.0.77:40001")

@@ -14,8 +14,10 @@ import Synchronization
 /// Part of the thread's ``SharedSender``, whose ``SharedSender/send()`` sends it.
 ///
 /// So a thread holds two raw sockets whatever the number of downstreams, and a batch's copies
-/// cost one system call per family. (The CPU per copy is mostly the raw send path itself, which
-/// has neither GSO nor a cached route: docs/benchmarks.md, Replication.)
+/// cost one system call per family. The CPU per copy is mostly the raw send path itself, which
+/// has neither GSO nor a cached route (docs/benchmarks.md, Replication): before the raw socket,
+/// ``TransparentSockets`` sends the copies of clients whose address is not the host's through a
+/// UDP socket per client endpoint (IP_TRANSPARENT), with GSO; the raw socket sends the rest.
 ///
 /// ``SourcePreservingOutbox`` builds its messages and stages them here
 /// (``SourcePreservingOutbox/stage()``); ``send()`` tells each outbox what became of each of its
@@ -48,20 +50,26 @@ final class SharedRawSender {
     private let logger: Logger
     private static let smallSendBufferSaid = Atomic<Bool>(false)
     @exclusivity(unchecked) private var lanes: [Lane]
-    /// sendmmsg calls made (tests check that a batch costs one).
+    /// sendmmsg calls made on the raw sockets (tests check that a batch costs one).
     @exclusivity(unchecked) private(set) var sendCalls = 0
+    /// The UDP sockets bound to clients' endpoints (nil: every copy the raw way).
+    let transparent: TransparentSockets?
 
     /// - Parameters:
     ///   - capacity: messages staged per family before they are sent.
     ///   - sendBuffer: each socket's send buffer: one socket carries every preserve_source
     ///     downstream of the thread (SO_SNDBUFFORCE where allowed, else SO_SNDBUF up to wmem_max).
     ///   - logger: where a send buffer smaller than asked is reported (once per process).
+    ///   - transparent: copies of clients whose address is not the host's go through UDP sockets
+    ///     bound to them (``TransparentSockets``, each with `sendBuffer` bytes of send buffer
+    ///     capped at 4 MiB); false: every copy through the raw socket.
     init(capacity: Int = SharedRawSender.maximumMessages, sendBuffer: Int32 = 16 << 20,
-         logger: Logger = Logger(label: "udp-fanout.shared-raw-sender")) {
+         logger: Logger = Logger(label: "udp-fanout.shared-raw-sender"), transparent: Bool = true) {
         self.capacity = min(max(capacity, 1), Self.maximumMessages)
         self.sendBuffer = sendBuffer
         self.logger = logger
         lanes = [Lane(), Lane()]
+        self.transparent = transparent ? TransparentSockets(capacity: self.capacity, sendBuffer: min(sendBuffer, 4 << 20), logger: logger) : nil
     }
 
     deinit {
@@ -128,16 +136,15 @@ final class SharedRawSender {
         let count = lanes[lane].count
         guard count > 0, let headers = lanes[lane].headers, let owners = lanes[lane].owners else { return }
         defer { lanes[lane].count = 0 }
-        transmit(lanes[lane].socket, headers, owners, count)
+        noteHanding(owners, count)
+        // The clients' own UDP sockets first; the raw socket sends what they left, in order.
+        let rest = transparent?.send(headers, owners, count, family: lane == 1 ? AF_INET6 : AF_INET) ?? count
+        if rest > 0 { transmit(lanes[lane].socket, headers, owners, rest) }
     }
 
-    /// Sends messages `0..<count` (one datagram each) on `fd`, telling each owner what became of
-    /// its message. A full send buffer (EAGAIN) fails the rest at once, each counted by its own
-    /// outbox (send_buffer_full); any other error fails its message alone.
-    private func transmit(_ fd: Int32, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
-                          _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>, _ count: Int) {
-        // The crash ledger: the listener's own datagrams (not pool or template copies) are noted
-        // handed just before the first call that carries them.
+    /// The crash ledger: the listener's own datagrams among `owners[0..<count]` (not pool or
+    /// template copies) are noted handed just before the first call that carries them.
+    private func noteHanding(_ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>, _ count: Int) {
         var carried = 0
         var slot: CrashLedger.Slot?
         for index in 0..<count {
@@ -149,6 +156,13 @@ final class SharedRawSender {
             }
         }
         slot?.handing(carried)
+    }
+
+    /// Sends messages `0..<count` (one datagram each) on `fd`, telling each owner what became of
+    /// its message. A full send buffer (EAGAIN) fails the rest at once, each counted by its own
+    /// outbox (send_buffer_full); any other error fails its message alone.
+    private func transmit(_ fd: Int32, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
+                          _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>, _ count: Int) {
         var message = 0
         while message < count {
             let error: Int32

@@ -121,11 +121,13 @@ final class SharedSender {
     /// - Parameters:
     ///   - sendBuffer: the sockets' send buffer in bytes: one socket carries every downstream of
     ///     the thread, so it is large by default (tests make it small to fill it).
-    init(capacity: Int, logger: Logger = Logger(label: "udp-fanout.shared-sender"), sendBuffer: Int32 = 16 << 20) {
+    ///   - transparent: preserve_source copies of clients whose address is not the host's go
+    ///     through UDP sockets bound to them (``TransparentSockets``); false: all through the raw socket.
+    init(capacity: Int, logger: Logger = Logger(label: "udp-fanout.shared-sender"), sendBuffer: Int32 = 16 << 20, transparent: Bool = true) {
         self.logger = logger
         self.sendBuffer = sendBuffer
         self.capacity = max(capacity, DownstreamOutbox.maximumSegments)
-        raw = SharedRawSender(sendBuffer: sendBuffer, logger: logger)
+        raw = SharedRawSender(sendBuffer: sendBuffer, logger: logger, transparent: transparent)
         let space = controlSpace
         lanes = (0..<2).map { _ in
             let lane = Lane(headers: .allocate(capacity: max(capacity, DownstreamOutbox.maximumSegments)),

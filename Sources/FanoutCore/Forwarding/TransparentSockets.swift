@@ -1,0 +1,427 @@
+// SPDX-License-Identifier: Apache-2.0
+#if canImport(Glibc)
+import Glibc
+#endif
+import Logging
+import SystemCalls
+import CSystemShim
+import ReusePortLB
+import Synchronization
+
+/// `output: preserve_source` through UDP sockets where it can: one socket per client endpoint
+/// (address and port) a forwarding thread copies from, bound to that endpoint with
+/// IP_TRANSPARENT / IPV6_TRANSPARENT (the address is not the host's), so the kernel sends the
+/// copies with the client's address and port as it sends any UDP datagram: a client's
+/// consecutive copies of one size to one downstream go as one GSO message (UDP_SEGMENT), the
+/// checksum is left to the device, and the receiver is woken once per message. The raw socket
+/// (``SharedRawSender``) has none of that: each copy is routed, built and delivered alone
+/// (docs/benchmarks.md, Replication, measures both ways).
+///
+/// Part of the thread's ``SharedRawSender``: ``send(_:_:_:family:)`` takes the staged messages
+/// (each one datagram, its IP and UDP headers as ``SourcePreservingOutbox`` built them in
+/// `msg_iov[0]`, the payload in `msg_iov[1]`), sends those it has a socket for, and leaves the
+/// others to the raw socket. A copy goes the raw way when:
+/// - its client's address is the host's own (a bind without IP_TRANSPARENT succeeds, or finds the
+///   port in use): holding that port would take it, or its datagrams, from a local program;
+/// - IP_TRANSPARENT is refused (neither CAP_NET_RAW nor CAP_NET_ADMIN): said once per process,
+///   and the thread stops trying;
+/// - the thread holds ``maximumSockets`` sockets already, or the socket could not be made;
+/// - its TTL / hop limit is not ``SourcePreservingOutbox/ttl`` (af_xdp's copies carry the
+///   received one less one; the sockets send with that default).
+/// An endpoint that went the raw way is tried again after ``retryInterval``; a socket unused for
+/// ``idleLimit`` is closed.
+///
+/// What a socket sends matches the raw way's headers: TTL / hop limit 64, DF clear (IPv4:
+/// IP_PMTUDISC_DONT, so a datagram above the route's MTU is fragmented here, not refused), the
+/// UDP checksum computed (by the device or the kernel), the kernel's IPv4 id. The sockets read
+/// nothing: their receive buffer is the least the kernel allows (a datagram to a client's
+/// address is routed toward the client, not delivered here, unless that address is local, which
+/// is never bound).
+final class TransparentSockets {
+    private struct Entry {
+        /// The socket, or -1: the endpoint goes the raw way until `stamp + retryInterval`.
+        var fd: Int32
+        /// Seconds (CLOCK_MONOTONIC_COARSE): a socket's last use, or when the endpoint was refused.
+        var stamp: Int
+    }
+
+    /// Sockets one thread holds at most (each client endpoint it copies from is one).
+    static let maximumSockets = 4096
+    /// A socket unused this long (seconds) is closed (tests shorten it).
+    static let idleLimit = 60
+    @exclusivity(unchecked) var idleLimit = TransparentSockets.idleLimit
+    /// An endpoint refused a socket is tried again after this long (seconds).
+    static let retryInterval = 60
+
+    private let capacity: Int
+    private let sendBuffer: Int32
+    private let logger: Logger
+    private static let refusalSaid = Atomic<Bool>(false)
+    @exclusivity(unchecked) private var entries: [SocketAddress: Entry] = [:]
+    @exclusivity(unchecked) private(set) var sockets = 0
+    /// IP_TRANSPARENT was refused: this thread sends every copy the raw way.
+    @exclusivity(unchecked) private(set) var refused = false
+    @exclusivity(unchecked) private var nextSweep = 0
+    /// GSO was refused (EINVAL/EIO/EMSGSIZE on a GSO message): one copy per message until then.
+    @exclusivity(unchecked) private var gsoOffUntil = 0
+    /// System calls that sent, messages sent (a GSO run is one) and copies sent through these sockets (tests).
+    @exclusivity(unchecked) private(set) var sendCalls = 0
+    @exclusivity(unchecked) private(set) var messagesSent = 0
+    @exclusivity(unchecked) private(set) var copiesSent = 0
+
+    // Room for one send's worth of staged messages (``capacity``).
+    /// Per staged message: its socket, or -1 (the raw way).
+    private let fds: UnsafeMutablePointer<Int32>
+    /// The staged messages that have a socket, by socket (stable).
+    private let order: UnsafeMutablePointer<Int>
+    /// The UDP messages built from them, with their destinations, payload iovecs (one per copy,
+    /// in `order`'s order), GSO control messages and first copy (a position in `order`).
+    private let messages: UnsafeMutablePointer<shim_mmsghdr>
+    private let names: UnsafeMutablePointer<sockaddr_storage>
+    private let payloads: UnsafeMutablePointer<iovec>
+    private let controls: UnsafeMutableRawPointer
+    private let controlSpace: Int
+    private let firsts: UnsafeMutablePointer<Int>
+
+    /// - Parameters:
+    ///   - capacity: staged messages per send, at most.
+    ///   - sendBuffer: each socket's send buffer (SO_SNDBUFFORCE where allowed, else SO_SNDBUF).
+    init(capacity: Int, sendBuffer: Int32, logger: Logger) {
+        self.capacity = capacity
+        self.sendBuffer = sendBuffer
+        self.logger = logger
+        fds = .allocate(capacity: capacity)
+        order = .allocate(capacity: capacity)
+        messages = .allocate(capacity: capacity)
+        messages.initialize(repeating: shim_mmsghdr(), count: capacity)
+        names = .allocate(capacity: capacity)
+        names.initialize(repeating: sockaddr_storage(), count: capacity)
+        payloads = .allocate(capacity: capacity)
+        controlSpace = Int(shim_udp_segment_space())
+        controls = .allocate(byteCount: capacity * controlSpace, alignment: 16)
+        firsts = .allocate(capacity: capacity)
+    }
+
+    deinit {
+        for entry in entries.values where entry.fd >= 0 { close(entry.fd) }
+        fds.deallocate()
+        order.deallocate()
+        messages.deallocate()
+        names.deallocate()
+        payloads.deallocate()
+        controls.deallocate()
+        firsts.deallocate()
+    }
+
+    /// Seconds of CLOCK_MONOTONIC_COARSE.
+    private static func seconds() -> Int {
+        var now = timespec()
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &now)
+        return now.tv_sec
+    }
+
+    // MARK: Sending
+
+    /// Sends the messages of `headers[0..<count]` (`family`'s lane of the thread's raw sender)
+    /// whose client endpoint has a socket here, telling each owner what became of its message;
+    /// moves the others, in their order, to the front of `headers` and `owners` and returns how
+    /// many they are: the raw socket sends those.
+    func send(_ headers: UnsafeMutablePointer<shim_mmsghdr>, _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>,
+              _ count: Int, family: Int32) -> Int {
+        guard !refused, count <= capacity else { return count }
+        let now = Self.seconds()
+        if now >= nextSweep { sweep(now) }
+        var taken = 0
+        var previous: (client: SocketAddress, fd: Int32)?
+        for index in 0..<count {
+            let fd = socket(for: headers[index].msg_hdr, family: family, now: now, previous: &previous)
+            fds[index] = fd
+            if fd >= 0 {
+                order[taken] = index
+                taken += 1
+            }
+        }
+        guard taken > 0 else { return count }
+        let fds = self.fds
+        var sorted = UnsafeMutableBufferPointer(start: order, count: taken)
+        sorted.sort { fds[$0] != fds[$1] ? fds[$0] < fds[$1] : $0 < $1 }
+        let built = build(headers, taken, family: family, gso: now >= gsoOffUntil)
+        var message = 0
+        while message < built {
+            let fd = fds[order[firsts[message]]]
+            var end = message + 1
+            while end < built && fds[order[firsts[end]]] == fd { end += 1 }
+            transmit(fd, from: message, to: end, headers, owners, now: now)
+            message = end
+        }
+        var rest = 0
+        for index in 0..<count where fds[index] < 0 {
+            headers[rest] = headers[index]
+            owners[rest] = owners[index]
+            rest += 1
+        }
+        return rest
+    }
+
+    /// Builds the UDP messages for the `taken` staged messages in ``order``: a copy joins the
+    /// message before it when it has the same socket and destination and the message is a GSO run
+    /// that can take it (one size, the last may be shorter, up to DownstreamOutbox's limits).
+    /// Returns how many messages.
+    private func build(_ headers: UnsafeMutablePointer<shim_mmsghdr>, _ taken: Int, family: Int32, gso: Bool) -> Int {
+        var built = 0
+        var previous: (fd: Int32, destination: SocketAddress, size: Int, last: Int, segments: Int)?
+        for position in 0..<taken {
+            let index = order[position]
+            let header = headers[index].msg_hdr
+            let payload = header.msg_iov[1]
+            payloads[position] = payload
+            let destination = Self.destination(header, family: family)
+            if gso, let run = previous, run.fd == fds[index], run.destination == destination, run.last == run.size,
+               payload.iov_len <= run.size, run.segments < DownstreamOutbox.maximumSegments,
+               (run.segments + 1) * run.size <= DownstreamOutbox.maximumGSOBytes {
+                messages[built - 1].msg_hdr.msg_iovlen += 1
+                previous = (run.fd, destination, run.size, payload.iov_len, run.segments + 1)
+                continue
+            }
+            let length = destination.write(to: &names[built])
+            messages[built] = shim_mmsghdr()
+            messages[built].msg_hdr.msg_name = UnsafeMutableRawPointer(names + built)
+            messages[built].msg_hdr.msg_namelen = length
+            messages[built].msg_hdr.msg_iov = payloads + position
+            messages[built].msg_hdr.msg_iovlen = 1
+            firsts[built] = position
+            built += 1
+            previous = (fds[index], destination, payload.iov_len, payload.iov_len, 1)
+        }
+        for message in 0..<built where messages[message].msg_hdr.msg_iovlen > 1 {
+            shim_set_udp_segment(&messages[message].msg_hdr, controls + message * controlSpace, UInt16(payloads[firsts[message]].iov_len))
+        }
+        return built
+    }
+
+    /// Sends messages `first..<end` (one socket's) and tells the owners of their copies.
+    private func transmit(_ fd: Int32, from first: Int, to end: Int, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
+                          _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>, now: Int) {
+        var message = first
+        while message < end {
+            let error: Int32
+            do throws(SystemCallError) {
+                sendCalls += 1
+                if case .processed(let sent) = try Syscall.sendmmsg(fd, messages + message, end - message, Socket.dontWait), sent > 0 {
+                    for done in message..<(message + sent) { tell(done, headers, owners, error: 0) }
+                    messagesSent += sent
+                    message += sent
+                    continue
+                }
+                error = EAGAIN
+            } catch let failure {
+                error = failure.errno
+            }
+            if messages[message].msg_hdr.msg_iovlen > 1 && (error == EINVAL || error == EIO || error == EMSGSIZE) {
+                // GSO refused here (no checksum offload toward this downstream, a segment above its
+                // MTU): this run one copy per message, and no GSO for a while.
+                gsoOffUntil = now + Self.retryInterval
+                sendSingly(fd, message, headers, owners)
+                message += 1
+                continue
+            }
+            if error == EAGAIN {
+                // The socket's send buffer is full: the rest of its messages fail at once.
+                for failed in message..<end { tell(failed, headers, owners, error: EAGAIN) }
+                return
+            }
+            tell(message, headers, owners, error: error)
+            message += 1
+        }
+    }
+
+    /// Sends message `message`'s copies one per sendmsg (a GSO run the kernel refused).
+    private func sendSingly(_ fd: Int32, _ message: Int, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
+                            _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>) {
+        let first = firsts[message]
+        for position in first..<(first + messages[message].msg_hdr.msg_iovlen) {
+            var single = msghdr()
+            single.msg_name = messages[message].msg_hdr.msg_name
+            single.msg_namelen = messages[message].msg_hdr.msg_namelen
+            single.msg_iov = payloads + position
+            single.msg_iovlen = 1
+            var failure: Int32 = 0
+            do throws(SystemCallError) {
+                sendCalls += 1
+                if case .processed = try Syscall.sendmsg(fd, &single, Socket.dontWait) {} else { failure = EAGAIN }
+            } catch {
+                failure = error.errno
+            }
+            let index = order[position]
+            owners[index]._withUnsafeGuaranteedRef { owner in
+                if failure == 0 {
+                    copiesSent += 1
+                    messagesSent += 1
+                    owner.delivered(headers[index].msg_hdr)
+                } else {
+                    owner.failed(headers[index].msg_hdr, failure)
+                }
+            }
+        }
+    }
+
+    /// Tells the owners of message `message`'s copies that it was sent (`error` 0) or failed.
+    @inline(__always)
+    private func tell(_ message: Int, _ headers: UnsafeMutablePointer<shim_mmsghdr>,
+                      _ owners: UnsafeMutablePointer<Unmanaged<SourcePreservingOutbox>>, error: Int32) {
+        let first = firsts[message]
+        for position in first..<(first + messages[message].msg_hdr.msg_iovlen) {
+            let index = order[position]
+            owners[index]._withUnsafeGuaranteedRef { owner in
+                if error == 0 {
+                    copiesSent += 1
+                    owner.delivered(headers[index].msg_hdr)
+                } else {
+                    owner.failed(headers[index].msg_hdr, error)
+                }
+            }
+        }
+    }
+
+    // MARK: Headers
+
+    /// The staged message's client (its IP source and UDP source port) and TTL / hop limit.
+    @inline(__always)
+    static func client(_ header: msghdr, family: Int32) -> (client: SocketAddress, ttl: UInt8) {
+        let base = UnsafeRawPointer(header.msg_iov[0].iov_base!)
+        if family == AF_INET6 {
+            return (SocketAddress(ip: .v6(base.loadUnaligned(fromByteOffset: 8, as: in6_addr.self)),
+                                  port: UInt16(bigEndian: base.loadUnaligned(fromByteOffset: 40, as: UInt16.self))),
+                    base.load(fromByteOffset: 7, as: UInt8.self))
+        }
+        return (SocketAddress(ip: .v4(base.loadUnaligned(fromByteOffset: 12, as: in_addr_t.self)),
+                              port: UInt16(bigEndian: base.loadUnaligned(fromByteOffset: 20, as: UInt16.self))),
+                base.load(fromByteOffset: 8, as: UInt8.self))
+    }
+
+    /// The staged message's destination: its IP destination and UDP destination port.
+    @inline(__always)
+    static func destination(_ header: msghdr, family: Int32) -> SocketAddress {
+        let base = UnsafeRawPointer(header.msg_iov[0].iov_base!)
+        if family == AF_INET6 {
+            return SocketAddress(ip: .v6(base.loadUnaligned(fromByteOffset: 24, as: in6_addr.self)),
+                                 port: UInt16(bigEndian: base.loadUnaligned(fromByteOffset: 42, as: UInt16.self)))
+        }
+        return SocketAddress(ip: .v4(base.loadUnaligned(fromByteOffset: 16, as: in_addr_t.self)),
+                             port: UInt16(bigEndian: base.loadUnaligned(fromByteOffset: 22, as: UInt16.self)))
+    }
+
+    // MARK: Sockets
+
+    /// The socket for the staged message's client endpoint (made on first use), or -1: the raw way.
+    @inline(__always)
+    private func socket(for header: msghdr, family: Int32, now: Int, previous: inout (client: SocketAddress, fd: Int32)?) -> Int32 {
+        let (client, ttl) = Self.client(header, family: family)
+        guard ttl == SourcePreservingOutbox.ttl else { return -1 }
+        if let previous, previous.client == client { return previous.fd }
+        let fd: Int32
+        if let index = entries.index(forKey: client) {
+            let entry = entries.values[index]
+            if entry.fd >= 0 {
+                entries.values[index].stamp = now
+                fd = entry.fd
+            } else if now - entry.stamp < Self.retryInterval {
+                fd = -1
+            } else {
+                fd = make(client, now: now)
+            }
+        } else {
+            fd = make(client, now: now)
+        }
+        previous = (client, fd)
+        return fd
+    }
+
+    /// Makes the socket for `client` and records it, or records that the endpoint goes the raw way.
+    private func make(_ client: SocketAddress, now: Int) -> Int32 {
+        // Refused endpoints are remembered too, up to as many again.
+        guard sockets < Self.maximumSockets else {
+            if entries.count < 2 * Self.maximumSockets { entries[client] = Entry(fd: -1, stamp: now) }
+            return -1
+        }
+        let fd: Int32
+        switch Self.open(client, sendBuffer: sendBuffer) {
+        case .socket(let made):
+            fd = made
+            sockets += 1
+        case .refused(let errno):
+            refused = true
+            if !Self.refusalSaid.exchange(true, ordering: .relaxed) {
+                logger.notice("output preserve_source: IP_TRANSPARENT is refused (\(String(cString: strerror(errno)))): copies go through the raw socket, one routed and built at a time, without GSO; grant CAP_NET_RAW or CAP_NET_ADMIN to the process (it already needs CAP_NET_RAW for the raw socket) to send through UDP sockets bound to each client's address and port")
+            }
+            fd = -1
+        case .rawWay:
+            fd = -1
+        }
+        if fd >= 0 || entries.count < 2 * Self.maximumSockets { entries[client] = Entry(fd: fd, stamp: now) }
+        return fd
+    }
+
+    private enum Opened {
+        case socket(Int32)
+        /// IP_TRANSPARENT refused (EPERM): no socket for any endpoint.
+        case refused(Int32)
+        /// This endpoint goes the raw way (its address is local, or a call failed).
+        case rawWay
+    }
+
+    /// A UDP socket bound to `client` with IP_TRANSPARENT / IPV6_TRANSPARENT, when its address
+    /// is not one of the host's.
+    private static func open(_ client: SocketAddress, sendBuffer: Int32) -> Opened {
+        let family = client.ip.family
+        guard let fd = try? Syscall.socket(family, Socket.datagram | Socket.nonBlocking | Socket.closeOnExec) else { return .rawWay }
+        var kept = false
+        defer { if !kept { close(fd) } }
+        if family == AF_INET6 { try? Syscall.setsockopt(fd, Int32(IPPROTO_IPV6), IPV6_V6ONLY, Int32(1)) }
+        // Without IP_TRANSPARENT only a local address binds (or is in use): such a client goes
+        // the raw way, its port left to it.
+        do throws(SystemCallError) {
+            try Syscall.bind(fd, client)
+            return .rawWay
+        } catch {
+            guard error.errno == EADDRNOTAVAIL else { return .rawWay }
+        }
+        let level = family == AF_INET6 ? Int32(IPPROTO_IPV6) : Int32(IPPROTO_IP)
+        do throws(SystemCallError) {
+            try Syscall.setsockopt(fd, level, family == AF_INET6 ? IPV6_TRANSPARENT : IP_TRANSPARENT, Int32(1))
+        } catch {
+            return error.errno == EPERM ? .refused(error.errno) : .rawWay
+        }
+        guard (try? Syscall.bind(fd, client)) != nil else { return .rawWay }
+        if family == AF_INET {
+            try? Syscall.setsockopt(fd, level, IP_MTU_DISCOVER, Int32(IP_PMTUDISC_DONT))
+            try? Syscall.setsockopt(fd, level, IP_TTL, Int32(SourcePreservingOutbox.ttl))
+        } else {
+            try? Syscall.setsockopt(fd, level, IPV6_MTU_DISCOVER, Int32(IPV6_PMTUDISC_DONT))
+            try? Syscall.setsockopt(fd, level, IPV6_UNICAST_HOPS, Int32(SourcePreservingOutbox.ttl))
+        }
+        if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, sendBuffer)) == nil {
+            try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, sendBuffer)
+        }
+        try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUF, Int32(0))
+        kept = true
+        return .socket(fd)
+    }
+
+    /// Closes sockets unused for ``idleLimit`` seconds and forgets refusals older than ``retryInterval``;
+    /// once a second at most.
+    private func sweep(_ now: Int) {
+        nextSweep = now + 1
+        guard !entries.isEmpty else { return }
+        var stale: [SocketAddress] = []
+        for (client, entry) in entries where now - entry.stamp >= (entry.fd >= 0 ? idleLimit : Self.retryInterval) {
+            stale.append(client)
+        }
+        for client in stale {
+            if let entry = entries.removeValue(forKey: client), entry.fd >= 0 {
+                close(entry.fd)
+                sockets -= 1
+            }
+        }
+    }
+}

@@ -1,0 +1,190 @@
+// SPDX-License-Identifier: Apache-2.0
+import Foundation
+import Testing
+import TestSupport
+import ReusePortLB
+@testable import FanoutCore
+import CSystemShim
+import Synchronization
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// `output: preserve_source` through UDP sockets bound to the clients' endpoints
+/// (``TransparentSockets``), in namespaces of the test's: client (the sender) -> proxy -> backend 1.
+@Suite("preserve_source: UDP sockets bound to the clients", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
+struct TransparentSocketsTests {
+    /// What one run of batches through a thread's shared sender did.
+    struct Outcome: Sendable {
+        var total: FlushResult
+        var rawCalls: Int
+        var udpCalls: Int
+        var udpMessages: Int
+        var udpCopies: Int
+        var sockets: Int
+    }
+
+    /// Sends `batches` (each a list of (payload index, client, hop limit)) to `downstream` through
+    /// an outbox of a shared sender made in `namespace`; `between` runs after each batch (in the namespace).
+    static func send(in namespace: String, to downstream: SocketAddress, _ payloads: [[UInt8]], _ batches: [[(Int, String, UInt8)]],
+                     sender configure: @escaping @Sendable (SharedSender) -> Void = { _ in },
+                     between: @escaping @Sendable (Int, SharedSender) -> Void = { _, _ in }) throws -> Outcome {
+        let result = inNetworkNamespace(namespace) { () -> Result<Outcome, OutboxError> in
+            let sender = SharedSender(capacity: 64)
+            configure(sender)
+            let outbox: SourcePreservingOutbox
+            do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64, shared: sender.raw) } catch { return .failure(error) }
+            var total: FlushResult = (0, 0, [:])
+            for (number, batch) in batches.enumerated() {
+                for (index, client, hopLimit) in batch {
+                    var source = storage(client)
+                    payloads[index].withUnsafeBytes { outbox.append($0, source: &source, hopLimit: hopLimit) }
+                }
+                outbox.stage()
+                sender.send()
+                outbox.flush(&total)
+                between(number, sender)
+            }
+            let udp = sender.raw.transparent
+            return .success(Outcome(total: total, rawCalls: sender.raw.sendCalls, udpCalls: udp?.sendCalls ?? 0, udpMessages: udp?.messagesSent ?? 0,
+                                    udpCopies: udp?.copiesSent ?? 0, sockets: udp?.sockets ?? 0))
+        }
+        return try #require(result, "entered \(namespace)").get()
+    }
+
+    @Test("IPv4 and IPv6 through a router: copies of clients whose address is not the host's go through a UDP socket per client endpoint, none through the raw socket; each arrives once, whole and intact, from the client's address and port; a run of one size to the downstream is one GSO message; two clients, two sockets, one sendmmsg each per batch")
+    func throughARouter() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let port = freePort()
+        for (downstreamText, clients, maximum) in [
+            ("198.18.1.2:\(port)", ["198.18.0.77:40001", "198.18.0.78:40001"], 1472),
+            ("[2001:db8:1::2]:\(port)", ["[2001:db8::77]:40002", "[2001:db8::78]:40002"], 1452),
+        ] {
+            let downstream = SocketAddress(downstreamText)!
+            let receiver = try boundSocket(in: topology.backends[0], downstream)
+            defer { close(receiver) }
+            // 10 batches: per client 20 copies of 1000 bytes (a GSO run), then 10 of mixed sizes up to the MTU.
+            var payloads: [[UInt8]] = []
+            var batches: [[(Int, String, UInt8)]] = []
+            for _ in 0..<10 {
+                var batch: [(Int, String, UInt8)] = []
+                for client in clients {
+                    for position in 0..<30 {
+                        let length = position < 20 ? 1000 : Int.random(in: 1...maximum)
+                        payloads.append(numberedPayload(payloads.count, length: max(4, length)))
+                        batch.append((payloads.count - 1, client, 0))
+                    }
+                }
+                batches.append(batch)
+            }
+            let outcome = try Self.send(in: topology.client, to: downstream, payloads, batches)
+            #expect(outcome.total.sent == UInt64(payloads.count) && outcome.total.dropped.isEmpty, "\(downstream): \(outcome.total)")
+            #expect(outcome.total.bytes == UInt64(payloads.reduce(0) { $0 + $1.count }), "payload bytes")
+            #expect(outcome.rawCalls == 0, "\(downstream): nothing through the raw socket")
+            #expect(outcome.sockets == 2 && outcome.udpCalls == 2 * batches.count, "\(downstream): a socket per client, one sendmmsg per client per batch: \(outcome)")
+            #expect(outcome.udpCopies == payloads.count)
+            // Per client and batch the 20 equal copies are one message, the mixed ones at most 10.
+            #expect(outcome.udpMessages <= 2 * batches.count * 11, "\(downstream): runs of one size as GSO messages: \(outcome.udpMessages) messages")
+            let received = receiveAll(receiver, expected: payloads.count + 1)
+            #expect(received.count == payloads.count, "\(downstream): every copy once, nothing else")
+            var seen = Set<Int>()
+            for (source, payload) in received {
+                let index = Int(payload.prefix(4).reduce(UInt32(0)) { $0 << 8 | UInt32($1) })
+                #expect(index < payloads.count && seen.insert(index).inserted, "copy \(index) once")
+                guard index < payloads.count else { continue }
+                #expect(payload == payloads[index], "copy \(index) whole and intact")
+                let batch = batches.first { $0.contains { $0.0 == index } }!
+                #expect(source == SocketAddress(batch.first { $0.0 == index }!.1)!, "copy \(index) from its client's address and port")
+            }
+        }
+    }
+
+    @Test("A client whose address is the host's goes through the raw socket and its port stays free; a copy whose hop limit is not the default (af_xdp's) too; another client of the same batch still goes through its UDP socket")
+    func localClientsAndHopLimits() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let downstream = SocketAddress("198.18.1.2:\(freePort())")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let payloads = (0..<3).map { numberedPayload($0, length: 300) }
+        // 198.18.0.2 is the client namespace's own address.
+        let outcome = try Self.send(in: topology.client, to: downstream, payloads,
+                                    [[(0, "198.18.0.2:40010", 0), (1, "198.18.0.79:40011", 5), (2, "198.18.0.80:40012", 0)]])
+        #expect(outcome.total.sent == 3 && outcome.total.dropped.isEmpty, "\(outcome.total)")
+        #expect(outcome.rawCalls == 1 && outcome.udpCopies == 1 && outcome.sockets == 1, "the local client and the hop limit 5 raw, the other through its socket: \(outcome)")
+        let received = receiveAll(receiver, expected: 4)
+        #expect(Set(received.map(\.source)) == [SocketAddress("198.18.0.2:40010")!, SocketAddress("198.18.0.79:40011")!, SocketAddress("198.18.0.80:40012")!],
+                "every copy from its client's address and port: \(received.map(\.source))")
+        let free = inNetworkNamespace(topology.client) { () -> Int32 in
+            let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+            defer { close(fd) }
+            return SocketAddress("198.18.0.2:40010")!.withSockAddr { bind(fd, $0, $1) } == 0 ? 0 : errno
+        }
+        #expect(free == 0, "the local client's port was not taken (bind: errno \(String(describing: free)))")
+    }
+
+    @Test("A socket unused for the idle limit is closed on the next send and made again when its client comes back")
+    func idleSocketsClose() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let downstream = SocketAddress("198.18.1.2:\(freePort())")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let payloads = (0..<3).map { numberedPayload($0, length: 100) }
+        let counts = Mutex<[Int]>([])
+        let outcome = try Self.send(in: topology.client, to: downstream, payloads,
+                                    [[(0, "198.18.0.81:40020", 0)], [(1, "198.18.0.82:40021", 0)], [(2, "198.18.0.81:40020", 0)]],
+                                    sender: { $0.raw.transparent?.idleLimit = 1 },
+                                    between: { number, sender in
+                                        counts.withLock { $0.append(sender.raw.transparent?.sockets ?? -1) }
+                                        // The coarse clock's seconds: past the limit of 1 s.
+                                        if number == 0 { usleep(2_100_000) }
+                                    })
+        // After batch 1 the first client's socket was closed (idle 2 s) and the second's made; batch 2 made the first's again.
+        #expect(counts.withLock { $0 } == [1, 1, 2], "sockets after each batch")
+        #expect(outcome.total.sent == 3 && outcome.udpCopies == 3 && outcome.rawCalls == 0, "\(outcome)")
+        #expect(receiveAll(receiver, expected: 4).count == 3)
+    }
+
+    @Test("A client's socket with a full send buffer: the rest of its call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given)")
+    func sendBufferFull() throws {
+        let namespace = try SharedSenderTests.vethNamespace("rplb-tpbuf", [("tb", 79)])
+        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
+        try SharedSenderTests.shape(namespace, "tb0", limit: 10_000_000)
+        let payload = [UInt8](repeating: 7, count: 1000)
+        let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, sockets: Int, results: [FlushResult]), OutboxError> in
+            let sender = SharedSender(capacity: 64, sendBuffer: 4096)
+            var outboxes: [SourcePreservingOutbox] = []
+            for index in 0..<64 {
+                do throws(OutboxError) {
+                    outboxes.append(try SourcePreservingOutbox(address: SocketAddress(ip: IPAddress("198.18.79.2")!, port: UInt16(7000 + index)), capacity: 4, shared: sender.raw))
+                } catch {
+                    return .failure(error)
+                }
+            }
+            // Not the namespace's address (198.18.79.1): a UDP socket bound to it.
+            var source = storage("198.18.79.50:40000")
+            let results = payload.withUnsafeBytes { bytes in
+                for outbox in outboxes { outbox.append(bytes, source: &source, hopLimit: 0) }
+                for outbox in outboxes { outbox.stage() }
+                sender.send()
+                return outboxes.map { outbox in
+                    var result: FlushResult = (0, 0, [:])
+                    outbox.flush(&result)
+                    return result
+                }
+            }
+            return .success((sender.raw.transparent?.sendCalls ?? -1, sender.raw.transparent?.sockets ?? -1, results))
+        }
+        let (calls, sockets, results) = try #require(outcome, "entered \(namespace)").get()
+        let sent = results.reduce(0) { $0 + $1.sent }
+        let dropped = results.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
+        #expect(sockets == 1, "the client's socket")
+        #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")
+        #expect(results.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each copy sent or counted send_buffer_full by its own downstream: \(results.map(\.dropped))")
+        #expect(sent + dropped == 64)
+        #expect(calls <= 2, "the rest failed at once: \(calls) sendmmsg calls")
+    }
+}
