@@ -101,22 +101,22 @@ struct TransparentSocketsTests {
         }
     }
 
-    @Test("A client whose address is the host's goes through the raw socket and its port stays free; a copy whose hop limit is not the default (af_xdp's) too; another client of the same batch still goes through its UDP socket")
+    @Test("A client whose address is the host's goes through the raw socket and its port stays free; a copy whose hop limit is not the default (af_xdp's) too, and a client port outside the ephemeral range (2055, a service's); another client of the same batch still goes through its UDP socket")
     func localClientsAndHopLimits() throws {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
         let downstream = SocketAddress("198.18.1.2:\(freePort())")!
         let receiver = try boundSocket(in: topology.backends[0], downstream)
         defer { close(receiver) }
-        let payloads = (0..<3).map { numberedPayload($0, length: 300) }
+        let payloads = (0..<4).map { numberedPayload($0, length: 300) }
         // 198.18.0.2 is the client namespace's own address.
+        let clients = ["198.18.0.2:40010", "198.18.0.79:40011", "198.18.0.80:40012", "198.18.0.83:2055"]
         let outcome = try Self.send(in: topology.client, to: downstream, payloads,
-                                    [[(0, "198.18.0.2:40010", 0), (1, "198.18.0.79:40011", 5), (2, "198.18.0.80:40012", 0)]])
-        #expect(outcome.total.sent == 3 && outcome.total.dropped.isEmpty, "\(outcome.total)")
-        #expect(outcome.rawCalls == 1 && outcome.udpCopies == 1 && outcome.sockets == 1, "the local client and the hop limit 5 raw, the other through its socket: \(outcome)")
-        let received = receiveAll(receiver, expected: 4)
-        #expect(Set(received.map(\.source)) == [SocketAddress("198.18.0.2:40010")!, SocketAddress("198.18.0.79:40011")!, SocketAddress("198.18.0.80:40012")!],
-                "every copy from its client's address and port: \(received.map(\.source))")
+                                    [[(0, clients[0], 0), (1, clients[1], 5), (2, clients[2], 0), (3, clients[3], 0)]])
+        #expect(outcome.total.sent == 4 && outcome.total.dropped.isEmpty, "\(outcome.total)")
+        #expect(outcome.rawCalls == 1 && outcome.udpCopies == 1 && outcome.sockets == 1, "the local client, the hop limit 5 and port 2055 raw, the other through its socket: \(outcome)")
+        let received = receiveAll(receiver, expected: 5)
+        #expect(Set(received.map(\.source)) == Set(clients.map { SocketAddress($0)! }), "every copy from its client's address and port: \(received.map(\.source))")
         let free = inNetworkNamespace(topology.client) { () -> Int32 in
             let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
             defer { close(fd) }
@@ -136,13 +136,14 @@ struct TransparentSocketsTests {
         let counts = Mutex<[Int]>([])
         let outcome = try Self.send(in: topology.client, to: downstream, payloads,
                                     [[(0, "198.18.0.81:40020", 0)], [(1, "198.18.0.82:40021", 0)], [(2, "198.18.0.81:40020", 0)]],
-                                    sender: { $0.raw.transparent?.idleLimit = 1 },
+                                    sender: { $0.raw.transparent?.idleLimit = 2 },
                                     between: { number, sender in
                                         counts.withLock { $0.append(sender.raw.transparent?.sockets ?? -1) }
-                                        // The coarse clock's seconds: past the limit of 1 s.
-                                        if number == 0 { usleep(2_100_000) }
+                                        // The coarse clock's whole seconds: 3 at least, past the limit of 2 (and batch 2,
+                                        // right after batch 1, at most a second later: the second client's stays).
+                                        if number == 0 { usleep(3_100_000) }
                                     })
-        // After batch 1 the first client's socket was closed (idle 2 s) and the second's made; batch 2 made the first's again.
+        // After batch 1 the first client's socket was closed (idle 3 s) and the second's made; batch 2 made the first's again.
         #expect(counts.withLock { $0 } == [1, 1, 2], "sockets after each batch")
         #expect(outcome.total.sent == 3 && outcome.udpCopies == 3 && outcome.rawCalls == 0, "\(outcome)")
         #expect(receiveAll(receiver, expected: 4).count == 3)
@@ -186,5 +187,56 @@ struct TransparentSocketsTests {
         #expect(results.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each copy sent or counted send_buffer_full by its own downstream: \(results.map(\.dropped))")
         #expect(sent + dropped == 64)
         #expect(calls <= 2, "the rest failed at once: \(calls) sendmmsg calls")
+    }
+
+    @Test("A GSO run the kernel refuses (its segments above an MTU that shrank after the outbox read it: EINVAL) is sent one copy per message, which the kernel fragments (DF clear); every copy arrives once, whole, from its client")
+    func gsoRefused() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let interface = "cp\(topology.suffix.prefix(8))"
+        let client = topology.client
+        let downstream = SocketAddress("198.18.1.2:\(freePort())")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let payloads = (0..<21).map { numberedPayload($0, length: $0 == 0 ? 100 : 1400) }
+        let batches = [[(0, "198.18.0.84:40030", UInt8(0))], (1..<21).map { ($0, "198.18.0.84:40030", UInt8(0)) }]
+        let shrunk = Mutex(false)
+        let outcome = try Self.send(in: client, to: downstream, payloads, batches, between: { number, _ in
+            // After the first batch the outbox has read the MTU (1500): 1400-byte copies are staged whole.
+            if number == 0 { shrunk.withLock { $0 = (try? run("/usr/sbin/ip", ["-n", client, "link", "set", interface, "mtu", "1280"]))?.status == 0 } }
+        })
+        #expect(shrunk.withLock { $0 }, "ip link set mtu 1280")
+        #expect(outcome.total.sent == 21 && outcome.total.dropped.isEmpty, "\(outcome.total)")
+        #expect(outcome.udpCopies == 21 && outcome.udpMessages == 21 && outcome.rawCalls == 0, "the refused run one copy per message through the client's socket: \(outcome)")
+        let received = receiveAll(receiver, expected: 22)
+        #expect(received.map(\.payload).sorted { $0.lexicographicallyPrecedes($1) } == payloads.sorted { $0.lexicographicallyPrecedes($1) }, "every copy once, whole (\(received.count))")
+        #expect(received.allSatisfy { $0.source == SocketAddress("198.18.0.84:40030")! })
+    }
+
+    @Test("Empty datagrams are not a GSO run (UDP_SEGMENT 0 would send them as one): five empty copies arrive as five, through a client's socket and through a downstream's socket way out")
+    func emptyDatagrams() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let downstream = SocketAddress("198.18.1.2:\(freePort())")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let payloads: [[UInt8]] = Array(repeating: [], count: 5) + [numberedPayload(5, length: 100)]
+        let outcome = try Self.send(in: topology.client, to: downstream, payloads, [(0..<6).map { ($0, "198.18.0.85:40040", UInt8(0)) }])
+        #expect(outcome.total.sent == 6 && outcome.udpCopies == 6, "\(outcome)")
+        let received = receiveAll(receiver, expected: 7)
+        #expect(received.filter { $0.payload.isEmpty }.count == 5 && received.count == 6, "five empty and one of 100 bytes: \(received.map(\.payload.count))")
+        // The socket way out (output: socket) runs its GSO runs the same way.
+        let sent = inNetworkNamespace(topology.client) { () -> UInt64 in
+            let outbox = DownstreamOutbox(address: downstream, capacity: 8, shared: nil)
+            var source = storage("198.18.0.2:40041")
+            let empty = [UInt8]()
+            for _ in 0..<5 { empty.withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) } }
+            var result: FlushResult = (0, 0, [:])
+            outbox.flush(&result)
+            return result.sent
+        }
+        #expect(sent == 5)
+        let viaSocket = receiveAll(receiver, expected: 6)
+        #expect(viaSocket.count == 5 && viaSocket.allSatisfy { $0.payload.isEmpty }, "five empty datagrams: \(viaSocket.map(\.payload.count))")
     }
 }

@@ -260,7 +260,8 @@ final class DownstreamOutbox: Outbox {
     static func runEnd(_ datagrams: UnsafeMutablePointer<iovec>, _ index: Int, _ count: Int, gso: Bool) -> Int {
         let size = datagrams[index].iov_len
         var end = index + 1
-        if gso {
+        // Empty datagrams are not a run: UDP_SEGMENT 0 would send them as one datagram.
+        if gso && size > 0 {
             while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
                 let length = datagrams[end].iov_len
                 if length > size { break }

@@ -98,6 +98,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     }
 
     func everySecond() {
+        // preserve_source's sockets bound to clients: those idle close even while no traffic comes.
+        forwarder.sender.raw.transparent?.sweepIfDue()
         secondsSinceHeartbeat += 1
         guard secondsSinceHeartbeat >= 5 else { return }
         secondsSinceHeartbeat = 0

@@ -12,9 +12,9 @@ import Synchronization
 /// (address and port) a forwarding thread copies from, bound to that endpoint with
 /// IP_TRANSPARENT / IPV6_TRANSPARENT (the address is not the host's), so the kernel sends the
 /// copies with the client's address and port as it sends any UDP datagram: a client's
-/// consecutive copies of one size to one downstream go as one GSO message (UDP_SEGMENT), the
-/// checksum is left to the device, and the receiver is woken once per message. The raw socket
-/// (``SharedRawSender``) has none of that: each copy is routed, built and delivered alone
+/// consecutive copies of one size to one downstream go as one GSO message (UDP_SEGMENT), routed
+/// and passed down the stack once, and the checksum is left to the device. The raw socket
+/// (``SharedRawSender``) has none of that: each copy is routed, built and passed down alone
 /// (docs/benchmarks.md, Replication, measures both ways).
 ///
 /// Part of the thread's ``SharedRawSender``: ``send(_:_:_:family:)`` takes the staged messages
@@ -23,20 +23,29 @@ import Synchronization
 /// others to the raw socket. A copy goes the raw way when:
 /// - its client's address is the host's own (a bind without IP_TRANSPARENT succeeds, or finds the
 ///   port in use): holding that port would take it, or its datagrams, from a local program;
+/// - its client's port is outside the namespace's ephemeral range (net.ipv4.ip_local_port_range)
+///   or one of its reserved ports (ip_local_reserved_ports): a bound client endpoint makes a
+///   later bind of the wildcard address to that port fail, so only ports that programs take
+///   from the kernel (which skips ports in use) are held, not the ones services bind by number;
 /// - IP_TRANSPARENT is refused (neither CAP_NET_RAW nor CAP_NET_ADMIN): said once per process,
 ///   and the thread stops trying;
-/// - the thread holds ``maximumSockets`` sockets already, or the socket could not be made;
+/// - the thread holds ``maximumSockets`` sockets already, every thread together a quarter of the
+///   open-files limit (``budget``: the rest stays for listeners, downstreams, probes and the HTTP
+///   endpoint; said once per process), or the socket could not be made;
 /// - its TTL / hop limit is not ``SourcePreservingOutbox/ttl`` (af_xdp's copies carry the
 ///   received one less one; the sockets send with that default).
 /// An endpoint that went the raw way is tried again after ``retryInterval``; a socket unused for
 /// ``idleLimit`` is closed.
 ///
 /// What a socket sends matches the raw way's headers: TTL / hop limit 64, DF clear (IPv4:
-/// IP_PMTUDISC_DONT, so a datagram above the route's MTU is fragmented here, not refused), the
-/// UDP checksum computed (by the device or the kernel), the kernel's IPv4 id. The sockets read
-/// nothing: their receive buffer is the least the kernel allows (a datagram to a client's
-/// address is routed toward the client, not delivered here, unless that address is local, which
-/// is never bound).
+/// IP_PMTUDISC_DONT), the UDP checksum computed (by the device or the kernel), the kernel's IPv4
+/// id. Two differences: the route is looked up with the client's address as the source (policy
+/// rules `from` the client apply; the raw way looks up without a source), and an IPv6 copy may
+/// carry the kernel's automatic flow label. The sockets are SO_REUSEADDR and SO_REUSEPORT (two
+/// threads, or a reload's old and new ones, may hold one client at once) and read nothing: a
+/// filter drops whatever arrives (a datagram to a client's address is routed toward the client,
+/// not delivered here, unless that address is the host's, which is never bound, or a TPROXY rule
+/// sends it here).
 final class TransparentSockets {
     private struct Entry {
         /// The socket, or -1: the endpoint goes the raw way until `stamp + retryInterval`.
@@ -57,11 +66,24 @@ final class TransparentSockets {
     private let sendBuffer: Int32
     private let logger: Logger
     private static let refusalSaid = Atomic<Bool>(false)
+    private static let budgetSaid = Atomic<Bool>(false)
+    /// Sockets every thread's instance holds together.
+    private static let held = Atomic<Int>(0)
+    /// What they may hold together: a quarter of RLIMIT_NOFILE's soft limit at first use
+    /// (udp-fanout.service sets 1,048,576; a shell's default 1,024 gives 256).
+    static let budget: Int = {
+        guard let limit = try? Syscall.getrlimit(Syscall.Resource.openFiles) else { return 256 }
+        return Int(clamping: limit.rlim_cur) / 4
+    }()
     @exclusivity(unchecked) private var entries: [SocketAddress: Entry] = [:]
     @exclusivity(unchecked) private(set) var sockets = 0
     /// IP_TRANSPARENT was refused: this thread sends every copy the raw way.
     @exclusivity(unchecked) private(set) var refused = false
     @exclusivity(unchecked) private var nextSweep = 0
+    /// The ports a client endpoint may be bound at: the ephemeral range less the reserved ports.
+    private let ephemeral: ClosedRange<UInt16>
+    private let reserved: Set<UInt16>
+    private static let nonlocalBindSaid = Atomic<Bool>(false)
     /// GSO was refused (EINVAL/EIO/EMSGSIZE on a GSO message): one copy per message until then.
     @exclusivity(unchecked) private var gsoOffUntil = 0
     /// System calls that sent, messages sent (a GSO run is one) and copies sent through these sockets (tests).
@@ -90,6 +112,11 @@ final class TransparentSockets {
         self.capacity = capacity
         self.sendBuffer = sendBuffer
         self.logger = logger
+        (ephemeral, reserved) = Self.ephemeralPorts()
+        if Self.sysctl("net/ipv4/ip_nonlocal_bind") == "1" || Self.sysctl("net/ipv6/ip_nonlocal_bind") == "1",
+           !Self.nonlocalBindSaid.exchange(true, ordering: .relaxed) {
+            logger.notice("output preserve_source: net.ipv4.ip_nonlocal_bind (or net.ipv6's) is 1, so a bind cannot tell the host's addresses from others: every copy goes through the raw socket, one routed and built at a time; set it to 0 in the daemon's network namespace to send copies through UDP sockets bound to the clients")
+        }
         fds = .allocate(capacity: capacity)
         order = .allocate(capacity: capacity)
         messages = .allocate(capacity: capacity)
@@ -104,6 +131,7 @@ final class TransparentSockets {
 
     deinit {
         for entry in entries.values where entry.fd >= 0 { close(entry.fd) }
+        Self.held.subtract(sockets, ordering: .relaxed)
         fds.deallocate()
         order.deallocate()
         messages.deallocate()
@@ -176,7 +204,8 @@ final class TransparentSockets {
             let payload = header.msg_iov[1]
             payloads[position] = payload
             let destination = Self.destination(header, family: family)
-            if gso, let run = previous, run.fd == fds[index], run.destination == destination, run.last == run.size,
+            // A run of empty copies is not one: UDP_SEGMENT 0 would send them as one datagram.
+            if gso, let run = previous, run.size > 0, run.fd == fds[index], run.destination == destination, run.last == run.size,
                payload.iov_len <= run.size, run.segments < DownstreamOutbox.maximumSegments,
                (run.segments + 1) * run.size <= DownstreamOutbox.maximumGSOBytes {
                 messages[built - 1].msg_hdr.msg_iovlen += 1
@@ -319,6 +348,7 @@ final class TransparentSockets {
         let (client, ttl) = Self.client(header, family: family)
         guard ttl == SourcePreservingOutbox.ttl else { return -1 }
         if let previous, previous.client == client { return previous.fd }
+        guard ephemeral.contains(client.port), !reserved.contains(client.port) else { return -1 }
         let fd: Int32
         if let index = entries.index(forKey: client) {
             let entry = entries.values[index]
@@ -344,18 +374,28 @@ final class TransparentSockets {
             if entries.count < 2 * Self.maximumSockets { entries[client] = Entry(fd: -1, stamp: now) }
             return -1
         }
+        if Self.held.add(1, ordering: .relaxed).newValue > Self.budget {
+            Self.held.subtract(1, ordering: .relaxed)
+            if !Self.budgetSaid.exchange(true, ordering: .relaxed) {
+                logger.notice("output preserve_source: the UDP sockets bound to clients reached a quarter of the open-files limit (\(Self.budget)): further clients' copies go through the raw socket, one routed and built at a time; raise the limit (LimitNOFILE=, ulimit -n) to send them through their own sockets")
+            }
+            if entries.count < 2 * Self.maximumSockets { entries[client] = Entry(fd: -1, stamp: now) }
+            return -1
+        }
         let fd: Int32
         switch Self.open(client, sendBuffer: sendBuffer) {
         case .socket(let made):
             fd = made
             sockets += 1
         case .refused(let errno):
+            Self.held.subtract(1, ordering: .relaxed)
             refused = true
             if !Self.refusalSaid.exchange(true, ordering: .relaxed) {
                 logger.notice("output preserve_source: IP_TRANSPARENT is refused (\(String(cString: strerror(errno)))): copies go through the raw socket, one routed and built at a time, without GSO; grant CAP_NET_RAW or CAP_NET_ADMIN to the process (it already needs CAP_NET_RAW for the raw socket) to send through UDP sockets bound to each client's address and port")
             }
             fd = -1
         case .rawWay:
+            Self.held.subtract(1, ordering: .relaxed)
             fd = -1
         }
         if fd >= 0 || entries.count < 2 * Self.maximumSockets { entries[client] = Entry(fd: fd, stamp: now) }
@@ -392,7 +432,9 @@ final class TransparentSockets {
         } catch {
             return error.errno == EPERM ? .refused(error.errno) : .rawWay
         }
-        guard (try? Syscall.bind(fd, client)) != nil else { return .rawWay }
+        try? Syscall.setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, Int32(1))
+        try? Syscall.setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, Int32(1))
+        guard shim_drop_all_input(fd) == 0, (try? Syscall.bind(fd, client)) != nil else { return .rawWay }
         if family == AF_INET {
             try? Syscall.setsockopt(fd, level, IP_MTU_DISCOVER, Int32(IP_PMTUDISC_DONT))
             try? Syscall.setsockopt(fd, level, IP_TTL, Int32(SourcePreservingOutbox.ttl))
@@ -403,9 +445,15 @@ final class TransparentSockets {
         if (try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, sendBuffer)) == nil {
             try? Syscall.setsockopt(fd, SOL_SOCKET, SO_SNDBUF, sendBuffer)
         }
-        try? Syscall.setsockopt(fd, SOL_SOCKET, SO_RCVBUF, Int32(0))
         kept = true
         return .socket(fd)
+    }
+
+    /// ``sweep(_:)`` when a second has passed since the last: the forwarding thread calls it every
+    /// second, with traffic or without, so an idle thread closes its sockets too.
+    func sweepIfDue() {
+        let now = Self.seconds()
+        if now >= nextSweep { sweep(now) }
     }
 
     /// Closes sockets unused for ``idleLimit`` seconds and forgets refusals older than ``retryInterval``;
@@ -421,7 +469,38 @@ final class TransparentSockets {
             if let entry = entries.removeValue(forKey: client), entry.fd >= 0 {
                 close(entry.fd)
                 sockets -= 1
+                Self.held.subtract(1, ordering: .relaxed)
             }
         }
+    }
+
+    // MARK: The namespace's ports
+
+    /// The first line of /proc/sys/`path` (the calling thread's network namespace), without its
+    /// newline and outer spaces.
+    static func sysctl(_ path: String) -> String? {
+        guard let file = fopen("/proc/sys/" + path, "r") else { return nil }
+        defer { fclose(file) }
+        var line = [CChar](repeating: 0, count: 4096)
+        guard fgets(&line, Int32(line.count), file) != nil else { return nil }
+        let text = String(decoding: line.prefix { $0 != 0 && $0 != 10 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
+        return String(text.drop { $0 == " " }.reversed().drop { $0 == " " }.reversed())
+    }
+
+    /// net.ipv4.ip_local_port_range (it covers IPv6 too) and ip_local_reserved_ports ("1,5-9");
+    /// the kernel's defaults when they cannot be read.
+    static func ephemeralPorts() -> (ClosedRange<UInt16>, Set<UInt16>) {
+        var range: ClosedRange<UInt16> = 32768...60999
+        if let text = sysctl("net/ipv4/ip_local_port_range") {
+            let bounds = text.split(whereSeparator: { $0 == " " || $0 == "\t" }).compactMap { UInt16($0) }
+            if bounds.count == 2, bounds[0] <= bounds[1] { range = bounds[0]...bounds[1] }
+        }
+        var reserved = Set<UInt16>()
+        for part in (sysctl("net/ipv4/ip_local_reserved_ports") ?? "").split(separator: ",") {
+            let ends = part.split(separator: "-").compactMap { UInt16($0) }
+            if ends.count == 1 { reserved.insert(ends[0]) }
+            if ends.count == 2, ends[0] <= ends[1], ends[1] - ends[0] < 65535 { reserved.formUnion(ends[0]...ends[1]) }
+        }
+        return (range, reserved)
     }
 }
