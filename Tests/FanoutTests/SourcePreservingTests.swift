@@ -557,16 +557,17 @@ struct SharedRawSenderTests {
         #expect(forwarder.plan?.counters.first?.forwarded.load(ordering: .relaxed) == UInt64(payloads.count))
     }
 
-    @Test("The thread's raw socket with a full send buffer: the rest of the call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)")
-    func sendBufferFull() throws {
+    @Test("The thread's way out with a full send buffer, the raw socket and a client's UDP socket (the client's address not the namespace's): the rest of the call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given, in a namespace of the test's)",
+          arguments: [false, true])
+    func sendBufferFull(transparent: Bool) throws {
         let namespace = try SharedSenderTests.vethNamespace("rplb-rawbuf", [("rb", 78)])
         defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
         // 8 kbit/s: the qdisc keeps nearly every datagram queued, charged to the sending socket.
         try SharedSenderTests.shape(namespace, "rb0", limit: 10_000_000)
         let payload = [UInt8](repeating: 7, count: 1000)
-        let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, results: [FlushResult]), OutboxError> in
+        let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, sockets: Int, results: [FlushResult]), OutboxError> in
             // Room for a few 1,000-byte datagrams only (the kernel doubles SO_SNDBUF, up to its minimum).
-            let sender = SharedSender(capacity: 64, sendBuffer: 4096, transparent: false)
+            let sender = SharedSender(capacity: 64, sendBuffer: 4096, transparent: transparent)
             var outboxes: [SourcePreservingOutbox] = []
             for index in 0..<64 {
                 do throws(OutboxError) {
@@ -586,9 +587,11 @@ struct SharedRawSenderTests {
                     return result
                 }
             }
-            return .success((sender.raw.sendCalls, results))
+            let sockets = sender.raw.transparent?.sockets ?? 0
+            return .success((transparent ? sender.raw.transparent?.sendCalls ?? -1 : sender.raw.sendCalls, sockets, results))
         }
-        let (calls, results) = try #require(outcome, "entered \(namespace)").get()
+        let (calls, sockets, results) = try #require(outcome, "entered \(namespace)").get()
+        #expect(sockets == (transparent ? 1 : 0), "a socket bound to the client when transparent: \(sockets)")
         let sent = results.reduce(0) { $0 + $1.sent }
         let dropped = results.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
         #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")

@@ -149,46 +149,6 @@ struct TransparentSocketsTests {
         #expect(receiveAll(receiver, expected: 4).count == 3)
     }
 
-    @Test("A client's socket with a full send buffer: the rest of its call fails at once, each copy counted send_buffer_full by its own downstream (a veth whose tbf qdisc holds what it was given)")
-    func sendBufferFull() throws {
-        let namespace = try SharedSenderTests.vethNamespace("rplb-tpbuf", [("tb", 79)])
-        defer { _ = try? run("/usr/sbin/ip", ["netns", "delete", namespace]) }
-        try SharedSenderTests.shape(namespace, "tb0", limit: 10_000_000)
-        let payload = [UInt8](repeating: 7, count: 1000)
-        let outcome = inNetworkNamespace(namespace) { () -> Result<(calls: Int, sockets: Int, results: [FlushResult]), OutboxError> in
-            let sender = SharedSender(capacity: 64, sendBuffer: 4096)
-            var outboxes: [SourcePreservingOutbox] = []
-            for index in 0..<64 {
-                do throws(OutboxError) {
-                    outboxes.append(try SourcePreservingOutbox(address: SocketAddress(ip: IPAddress("198.18.79.2")!, port: UInt16(7000 + index)), capacity: 4, shared: sender.raw))
-                } catch {
-                    return .failure(error)
-                }
-            }
-            // Not the namespace's address (198.18.79.1): a UDP socket bound to it.
-            var source = storage("198.18.79.50:40000")
-            let results = payload.withUnsafeBytes { bytes in
-                for outbox in outboxes { outbox.append(bytes, source: &source, hopLimit: 0) }
-                for outbox in outboxes { outbox.stage() }
-                sender.send()
-                return outboxes.map { outbox in
-                    var result: FlushResult = (0, 0, [:])
-                    outbox.flush(&result)
-                    return result
-                }
-            }
-            return .success((sender.raw.transparent?.sendCalls ?? -1, sender.raw.transparent?.sockets ?? -1, results))
-        }
-        let (calls, sockets, results) = try #require(outcome, "entered \(namespace)").get()
-        let sent = results.reduce(0) { $0 + $1.sent }
-        let dropped = results.reduce(0) { $0 + ($1.dropped[.sendBufferFull] ?? 0) }
-        #expect(sockets == 1, "the client's socket")
-        #expect(sent > 0 && sent < 64, "a few went before the buffer filled: \(sent)")
-        #expect(results.allSatisfy { $0.sent + ($0.dropped[.sendBufferFull] ?? 0) == 1 }, "each copy sent or counted send_buffer_full by its own downstream: \(results.map(\.dropped))")
-        #expect(sent + dropped == 64)
-        #expect(calls <= 2, "the rest failed at once: \(calls) sendmmsg calls")
-    }
-
     @Test("A GSO run the kernel refuses (its segments above an MTU that shrank after the outbox read it: EINVAL) is sent one copy per message, which the kernel fragments (DF clear); every copy arrives once, whole, from its client")
     func gsoRefused() throws {
         let topology = try Topology(backends: 1)
