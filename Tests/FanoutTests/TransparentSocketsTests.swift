@@ -28,11 +28,9 @@ struct TransparentSocketsTests {
     /// Sends `batches` (each a list of (payload index, client, hop limit)) to `downstream` through
     /// an outbox of a shared sender made in `namespace`; `between` runs after each batch (in the namespace).
     static func send(in namespace: String, to downstream: SocketAddress, _ payloads: [[UInt8]], _ batches: [[(Int, String, UInt8)]],
-                     sender configure: @escaping @Sendable (SharedSender) -> Void = { _ in },
                      between: @escaping @Sendable (Int, SharedSender) -> Void = { _, _ in }) throws -> Outcome {
         let result = inNetworkNamespace(namespace) { () -> Result<Outcome, OutboxError> in
             let sender = SharedSender(capacity: 64)
-            configure(sender)
             let outbox: SourcePreservingOutbox
             do throws(OutboxError) { outbox = try SourcePreservingOutbox(address: downstream, capacity: 64, shared: sender.raw) } catch { return .failure(error) }
             var total: FlushResult = (0, 0, [:])
@@ -136,12 +134,15 @@ struct TransparentSocketsTests {
         let counts = Mutex<[Int]>([])
         let outcome = try Self.send(in: topology.client, to: downstream, payloads,
                                     [[(0, "198.18.0.81:40020", 0)], [(1, "198.18.0.82:40021", 0)], [(2, "198.18.0.81:40020", 0)]],
-                                    sender: { $0.raw.transparent?.idleLimit = 2 },
                                     between: { number, sender in
                                         counts.withLock { $0.append(sender.raw.transparent?.sockets ?? -1) }
-                                        // The coarse clock's whole seconds: 3 at least, past the limit of 2 (and batch 2,
+                                        // The coarse clock's whole seconds: 3 at least, past a limit of 2 (and batch 2,
                                         // right after batch 1, at most a second later: the second client's stays).
-                                        if number == 0 { usleep(3_100_000) }
+                                        // (The sockets are made with the first raw socket: set it once they exist.)
+                                        if number == 0 {
+                                            sender.raw.transparent?.idleLimit = 2
+                                            usleep(3_100_000)
+                                        }
                                     })
         // After batch 1 the first client's socket was closed (idle 3 s) and the second's made; batch 2 made the first's again.
         #expect(counts.withLock { $0 } == [1, 1, 2], "sockets after each batch")

@@ -52,8 +52,10 @@ final class SharedRawSender {
     @exclusivity(unchecked) private var lanes: [Lane]
     /// sendmmsg calls made on the raw sockets (tests check that a batch costs one).
     @exclusivity(unchecked) private(set) var sendCalls = 0
-    /// The UDP sockets bound to clients' endpoints (nil: every copy the raw way).
-    let transparent: TransparentSockets?
+    /// The UDP sockets bound to clients' endpoints, made with the first raw socket (so a thread
+    /// without preserve_source downstreams holds none of its room); nil: every copy the raw way.
+    @exclusivity(unchecked) private(set) var transparent: TransparentSockets?
+    private let transparentWanted: Bool
 
     /// - Parameters:
     ///   - capacity: messages staged per family before they are sent.
@@ -69,7 +71,7 @@ final class SharedRawSender {
         self.sendBuffer = sendBuffer
         self.logger = logger
         lanes = [Lane(), Lane()]
-        self.transparent = transparent ? TransparentSockets(capacity: self.capacity, sendBuffer: min(sendBuffer, 4 << 20), logger: logger) : nil
+        transparentWanted = transparent
     }
 
     deinit {
@@ -95,6 +97,9 @@ final class SharedRawSender {
         headers.initialize(repeating: shim_mmsghdr(), count: capacity)
         lanes[lane].headers = headers
         lanes[lane].owners = .allocate(capacity: capacity)
+        if transparentWanted && transparent == nil {
+            transparent = TransparentSockets(capacity: capacity, sendBuffer: min(sendBuffer, 4 << 20), logger: logger)
+        }
         // The kernel reports twice what it granted; without CAP_NET_ADMIN it caps the request at
         // net.core.wmem_max, for every preserve_source downstream of the thread together.
         if let granted = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_SNDBUF, initial: Int32(0)),
