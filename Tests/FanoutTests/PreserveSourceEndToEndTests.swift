@@ -12,7 +12,7 @@ import Glibc
 /// `output: preserve_source` in userspace mode, through a routed topology of namespaces.
 @Suite("preserve_source end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct PreserveSourceEndToEndTests {
-    @Test("Userspace mode, output preserve_source: each collector sees the clients' own addresses (samplicator -S)")
+    @Test("Userspace mode, output preserve_source: each collector sees the clients' own addresses (samplicator -S), sent through a UDP socket bound to each client (the gauge counts 64)")
     func userspacePreserveSource() throws {
         let topology = try Topology(backends: 3)
         try TCFixtures.addClientSources(topology)
@@ -38,6 +38,9 @@ struct PreserveSourceEndToEndTests {
         let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) },
                                                      until: "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}", is: 3000)
         #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}") == 3000, "\(metrics)")
+        // The clients' addresses are not the proxy's: each client (64 addresses, a port each, one
+        // worker each) has a UDP socket bound to it, which the gauge counts.
+        #expect(Scrape.value(metrics, "udp_fanout_preserve_source_client_sockets{listener=\"u\",mode=\"userspace\"}") == 64, "\(metrics)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
         let reports = try collectors.map { try $0.stop() }

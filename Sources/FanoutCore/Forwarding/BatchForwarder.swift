@@ -125,7 +125,7 @@ final class BatchForwarder {
         grouped = .allocate(capacity: max(capacity, 1))
         perTarget = .allocate(capacity: 0)
         unpublished = .allocate(capacity: 0)
-        sender = SharedSender(capacity: capacity, logger: logger, sendBuffer: sendBuffer)
+        sender = SharedSender(capacity: capacity, logger: logger, sendBuffer: sendBuffer, counters: counters)
         touched.reserveCapacity(capacity)
         replicator = PoolReplicator(listener: listener, counters: counters, logger: logger, output: output, capacity: capacity, sender: sender)
         let shared = sender

@@ -56,6 +56,7 @@ final class SharedRawSender {
     /// without preserve_source downstreams holds none of its room); nil: every copy the raw way.
     @exclusivity(unchecked) private(set) var transparent: TransparentSockets?
     private let transparentWanted: Bool
+    private let counters: ListenerCounters?
 
     /// - Parameters:
     ///   - capacity: messages staged per family before they are sent.
@@ -65,13 +66,15 @@ final class SharedRawSender {
     ///   - transparent: copies of clients whose address is not the host's go through UDP sockets
     ///     bound to them (``TransparentSockets``, each with `sendBuffer` bytes of send buffer
     ///     capped at 4 MiB); false: every copy through the raw socket.
+    ///   - counters: the listener's, whose gauge counts those sockets.
     init(capacity: Int = SharedRawSender.maximumMessages, sendBuffer: Int32 = 16 << 20,
-         logger: Logger = Logger(label: "udp-fanout.shared-raw-sender"), transparent: Bool = true) {
+         logger: Logger = Logger(label: "udp-fanout.shared-raw-sender"), transparent: Bool = true, counters: ListenerCounters? = nil) {
         self.capacity = min(max(capacity, 1), Self.maximumMessages)
         self.sendBuffer = sendBuffer
         self.logger = logger
         lanes = [Lane(), Lane()]
         transparentWanted = transparent
+        self.counters = counters
     }
 
     deinit {
@@ -98,7 +101,7 @@ final class SharedRawSender {
         lanes[lane].headers = headers
         lanes[lane].owners = .allocate(capacity: capacity)
         if transparentWanted && transparent == nil {
-            transparent = TransparentSockets(capacity: capacity, sendBuffer: min(sendBuffer, 4 << 20), logger: logger)
+            transparent = TransparentSockets(capacity: capacity, sendBuffer: min(sendBuffer, 4 << 20), logger: logger, counters: counters)
         }
         // The kernel reports twice what it granted; without CAP_NET_ADMIN it caps the request at
         // net.core.wmem_max, for every preserve_source downstream of the thread together.

@@ -123,11 +123,13 @@ final class SharedSender {
     ///     the thread, so it is large by default (tests make it small to fill it).
     ///   - transparent: preserve_source copies of clients whose address is not the host's go
     ///     through UDP sockets bound to them (``TransparentSockets``); false: all through the raw socket.
-    init(capacity: Int, logger: Logger = Logger(label: "udp-fanout.shared-sender"), sendBuffer: Int32 = 16 << 20, transparent: Bool = true) {
+    ///   - counters: the listener's, whose gauge counts those sockets (nil: none).
+    init(capacity: Int, logger: Logger = Logger(label: "udp-fanout.shared-sender"), sendBuffer: Int32 = 16 << 20, transparent: Bool = true,
+         counters: ListenerCounters? = nil) {
         self.logger = logger
         self.sendBuffer = sendBuffer
         self.capacity = max(capacity, DownstreamOutbox.maximumSegments)
-        raw = SharedRawSender(sendBuffer: sendBuffer, logger: logger, transparent: transparent)
+        raw = SharedRawSender(sendBuffer: sendBuffer, logger: logger, transparent: transparent, counters: counters)
         let space = controlSpace
         lanes = (0..<2).map { _ in
             let lane = Lane(headers: .allocate(capacity: max(capacity, DownstreamOutbox.maximumSegments)),

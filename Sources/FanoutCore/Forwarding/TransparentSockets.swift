@@ -65,6 +65,8 @@ final class TransparentSockets {
     private let capacity: Int
     private let sendBuffer: Int32
     private let logger: Logger
+    /// The listener's counters: its gauge of these sockets (nil: none, as in tests).
+    private let counters: ListenerCounters?
     private static let refusalSaid = Atomic<Bool>(false)
     private static let budgetSaid = Atomic<Bool>(false)
     /// Sockets every thread's instance holds together.
@@ -108,10 +110,13 @@ final class TransparentSockets {
     /// - Parameters:
     ///   - capacity: staged messages per send, at most.
     ///   - sendBuffer: each socket's send buffer (SO_SNDBUFFORCE where allowed, else SO_SNDBUF).
-    init(capacity: Int, sendBuffer: Int32, logger: Logger) {
+    ///   - counters: the listener's, whose `udp_fanout_preserve_source_client_sockets` these sockets count.
+    init(capacity: Int, sendBuffer: Int32, logger: Logger, counters: ListenerCounters? = nil) {
         self.capacity = capacity
         self.sendBuffer = sendBuffer
         self.logger = logger
+        self.counters = counters
+        counters?.clientSocketsShown.store(true, ordering: .relaxed)
         (ephemeral, reserved) = Self.ephemeralPorts()
         if Self.sysctl("net/ipv4/ip_nonlocal_bind") == "1" || Self.sysctl("net/ipv6/ip_nonlocal_bind") == "1",
            !Self.nonlocalBindSaid.exchange(true, ordering: .relaxed) {
@@ -132,6 +137,7 @@ final class TransparentSockets {
     deinit {
         for entry in entries.values where entry.fd >= 0 { close(entry.fd) }
         Self.held.subtract(sockets, ordering: .relaxed)
+        counters?.clientSockets.subtract(sockets, ordering: .relaxed)
         fds.deallocate()
         order.deallocate()
         messages.deallocate()
@@ -387,6 +393,7 @@ final class TransparentSockets {
         case .socket(let made):
             fd = made
             sockets += 1
+            counters?.clientSockets.add(1, ordering: .relaxed)
         case .refused(let errno):
             Self.held.subtract(1, ordering: .relaxed)
             refused = true
@@ -470,6 +477,7 @@ final class TransparentSockets {
                 close(entry.fd)
                 sockets -= 1
                 Self.held.subtract(1, ordering: .relaxed)
+                counters?.clientSockets.subtract(1, ordering: .relaxed)
             }
         }
     }

@@ -153,6 +153,10 @@ package final class ListenerCounters: Sendable {
     let showsQUICOutcomes = Atomic<Bool>(false)
     /// settings.busy_wait_us: what the workers' polling found and cost.
     let busyWait = BusyWaitCounters()
+    /// output: preserve_source: the UDP sockets the workers hold bound to clients' addresses and
+    /// ports (``TransparentSockets``); shown once a worker of the listener made its raw socket.
+    let clientSockets = Atomic<Int>(0)
+    let clientSocketsShown = Atomic<Bool>(false)
     /// `rate_limit`: the running instance's buckets for /status (its top limited sources and
     /// evictions); nil: none.
     private let rateLimitSource = Mutex<(@Sendable () -> RateLimitStatus)?>(nil)

@@ -108,6 +108,13 @@ enum PrometheusText {
                 out += "udp_fanout_busy_wait_seconds_total{\(labels(listener))} \(Double(listener.busyWait.nanoseconds.load(ordering: .relaxed)) / 1e9)\n"
             }
         }
+        let keeping = listeners.filter { $0.clientSocketsShown.load(ordering: .relaxed) }
+        if !keeping.isEmpty {
+            out += "# HELP udp_fanout_preserve_source_client_sockets UDP sockets bound to clients' addresses and ports that output: preserve_source copies go through (clients whose address is not the host's); the other copies go through the raw socket\n# TYPE udp_fanout_preserve_source_client_sockets gauge\n"
+            for listener in keeping {
+                out += "udp_fanout_preserve_source_client_sockets{\(labels(listener))} \(listener.clientSockets.load(ordering: .relaxed))\n"
+            }
+        }
         family("udp_fanout_config_reloads_total", "Configuration reloads by result",
                rows: [("result=\"ok\"", reloads.ok), ("result=\"rejected\"", reloads.rejected)])
         return out
