@@ -174,30 +174,34 @@ struct TransparentSocketsTests {
         #expect(received.allSatisfy { $0.source == SocketAddress("198.18.0.84:40030")! })
     }
 
-    @Test("Empty datagrams are not a GSO run (UDP_SEGMENT 0 would send them as one): five empty copies arrive as five, through a client's socket and through a downstream's socket way out")
+    @Test("Empty datagrams are never in a GSO run (UDP_SEGMENT 0 would send a run of them as one; an empty last segment is no datagram): five empty, one of 100 bytes and one empty after it arrive as seven, through a client's socket and through a downstream's socket way out")
     func emptyDatagrams() throws {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
         let downstream = SocketAddress("198.18.1.2:\(freePort())")!
         let receiver = try boundSocket(in: topology.backends[0], downstream)
         defer { close(receiver) }
-        let payloads: [[UInt8]] = Array(repeating: [], count: 5) + [numberedPayload(5, length: 100)]
-        let outcome = try Self.send(in: topology.client, to: downstream, payloads, [(0..<6).map { ($0, "198.18.0.85:40040", UInt8(0)) }])
-        #expect(outcome.total.sent == 6 && outcome.udpCopies == 6, "\(outcome)")
-        let received = receiveAll(receiver, expected: 7)
-        #expect(received.filter { $0.payload.isEmpty }.count == 5 && received.count == 6, "five empty and one of 100 bytes: \(received.map(\.payload.count))")
+        // Five empty, one of 100 bytes, then an empty one after it (not a run's shorter last segment).
+        let payloads: [[UInt8]] = Array(repeating: [], count: 5) + [numberedPayload(5, length: 100), []]
+        let outcome = try Self.send(in: topology.client, to: downstream, payloads, [(0..<7).map { ($0, "198.18.0.85:40040", UInt8(0)) }])
+        #expect(outcome.total.sent == 7 && outcome.udpCopies == 7, "\(outcome)")
+        let received = receiveAll(receiver, expected: 8)
+        #expect(received.filter { $0.payload.isEmpty }.count == 6 && received.count == 7, "six empty and one of 100 bytes: \(received.map(\.payload.count))")
         // The socket way out (output: socket) runs its GSO runs the same way.
         let sent = inNetworkNamespace(topology.client) { () -> UInt64 in
             let outbox = DownstreamOutbox(address: downstream, capacity: 8, shared: nil)
             var source = storage("198.18.0.2:40041")
             let empty = [UInt8]()
+            let full = [UInt8](repeating: 1, count: 100)
             for _ in 0..<5 { empty.withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) } }
+            full.withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) }
+            empty.withUnsafeBytes { outbox.append($0, source: &source, hopLimit: 0) }
             var result: FlushResult = (0, 0, [:])
             outbox.flush(&result)
             return result.sent
         }
-        #expect(sent == 5)
-        let viaSocket = receiveAll(receiver, expected: 6)
-        #expect(viaSocket.count == 5 && viaSocket.allSatisfy { $0.payload.isEmpty }, "five empty datagrams: \(viaSocket.map(\.payload.count))")
+        #expect(sent == 7)
+        let viaSocket = receiveAll(receiver, expected: 8)
+        #expect(viaSocket.count == 7 && viaSocket.filter { $0.payload.isEmpty }.count == 6, "six empty datagrams and one of 100 bytes: \(viaSocket.map(\.payload.count))")
     }
 }

@@ -264,7 +264,8 @@ final class DownstreamOutbox: Outbox {
         if gso && size > 0 {
             while end < count && end - index < Self.maximumSegments && (end - index + 1) * size <= Self.maximumGSOBytes {
                 let length = datagrams[end].iov_len
-                if length > size { break }
+                // An empty one is not a shorter last segment: the kernel would send no datagram for it.
+                if length == 0 || length > size { break }
                 end += 1
                 if length < size { break }  // a shorter datagram ends the run
             }

@@ -23,6 +23,9 @@ final class PoolReplicator {
     private var passiveHealth: (@Sendable (SocketAddress) -> Void)?
     /// The thread's shared way out for `output: socket` members.
     private let sender: SharedSender
+    /// preserve_source's sockets bound to clients (``TransparentSockets``): those idle close;
+    /// the thread calls it every second, with traffic or without.
+    func sweepIdleSockets() { sender.raw.transparent?.sweepIfDue() }
     /// Per pool, what ``replicate(_:source:hopLimit:)`` did with the datagram it was last
     /// offered (``Pick``): `settings.flow_templates` reads it to know which members got it.
     @exclusivity(unchecked) private var picks: [Int] = []

@@ -210,9 +210,10 @@ final class TransparentSockets {
             let payload = header.msg_iov[1]
             payloads[position] = payload
             let destination = Self.destination(header, family: family)
-            // A run of empty copies is not one: UDP_SEGMENT 0 would send them as one datagram.
-            if gso, let run = previous, run.size > 0, run.fd == fds[index], run.destination == destination, run.last == run.size,
-               payload.iov_len <= run.size, run.segments < DownstreamOutbox.maximumSegments,
+            // Empty copies are never in a run: UDP_SEGMENT 0 would send a run of them as one
+            // datagram, and an empty last segment is no datagram at all.
+            if gso, let run = previous, run.size > 0, payload.iov_len > 0, run.fd == fds[index], run.destination == destination,
+               run.last == run.size, payload.iov_len <= run.size, run.segments < DownstreamOutbox.maximumSegments,
                (run.segments + 1) * run.size <= DownstreamOutbox.maximumGSOBytes {
                 messages[built - 1].msg_hdr.msg_iovlen += 1
                 previous = (run.fd, destination, run.size, payload.iov_len, run.segments + 1)

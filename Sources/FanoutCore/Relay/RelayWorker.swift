@@ -135,7 +135,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         self.handOver = handOver
         self.logger = logger
         replicator = PoolReplicator(listener: listener.name, counters: counters, logger: logger, output: listener.settings.output,
-                                    capacity: listener.settings.batchSize, sender: SharedSender(capacity: listener.settings.batchSize, logger: logger))
+                                    capacity: listener.settings.batchSize,
+                                    sender: SharedSender(capacity: listener.settings.batchSize, logger: logger, counters: counters))
         loop = ReceiveLoop(stop: stop, logger: logger, metadata: ["listener": "\(listener.name)", "worker": "\(index)"],
                            ledger: counters.ledger?.claim(listener: listener.name),
                            busyWait: (.microseconds(listener.settings.busyWaitMicroseconds), counters.busyWait))
@@ -287,6 +288,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     func everySecond() {
         sweep(now: monotonicMilliseconds())
+        replicator.sweepIdleSockets()
         storeWithinBudget()
         // Replies can keep the loop from ever idling: drops of the listener's socket are read
         // here too, not only with its next request.
