@@ -68,8 +68,36 @@ public enum IPAddress: Hashable, Sendable, CustomStringConvertible {
         return String(decoding: buffer.prefix(while: { $0 != 0 }).map { UInt8(bitPattern: $0) }, as: UTF8.self)
     }
 
-    public static func == (lhs: IPAddress, rhs: IPAddress) -> Bool { lhs.bytes == rhs.bytes }
-    public func hash(into hasher: inout Hasher) { hasher.combine(bytes) }
+    // Equality and hashing read the address in place: no array of its bytes (a forwarding
+    // thread compares and hashes client addresses per datagram).
+    public static func == (lhs: IPAddress, rhs: IPAddress) -> Bool {
+        switch (lhs, rhs) {
+        case (.v4(let a), .v4(let b)):
+            return a == b
+        case (.v6(let a), .v6(let b)):
+            return Self.halves(a) == Self.halves(b)
+        default:
+            return false
+        }
+    }
+
+    public func hash(into hasher: inout Hasher) {
+        switch self {
+        case .v4(let raw):
+            hasher.combine(UInt8(4))
+            hasher.combine(raw)
+        case .v6(let raw):
+            let (high, low) = Self.halves(raw)
+            hasher.combine(UInt8(6))
+            hasher.combine(high)
+            hasher.combine(low)
+        }
+    }
+
+    @inline(__always)
+    private static func halves(_ raw: in6_addr) -> (UInt64, UInt64) {
+        withUnsafeBytes(of: raw) { ($0.loadUnaligned(fromByteOffset: 0, as: UInt64.self), $0.loadUnaligned(fromByteOffset: 8, as: UInt64.self)) }
+    }
 }
 
 /// An address and UDP port.

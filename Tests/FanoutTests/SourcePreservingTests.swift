@@ -145,6 +145,41 @@ struct SourcePreservingHeaderTests {
         #expect(headers("[2001:db8::77]:1", "[2001:db8:1::2]:2", [UInt8](repeating: 1, count: 65535 - 8 + 1)) == nil)
     }
 
+    @Test("Headers built without the UDP checksum (an outbox's, left to the way that sends) get it from fillChecksum: the same bytes as built with it, whatever the field held, IPv4 and IPv6, every length 0...600 and one summing to 0 (sent 0xffff)")
+    func checksumLater() throws {
+        for (source, destination) in [("198.18.0.77:40001", "198.18.1.2:2055"), ("[2001:db8::77]:40001", "[2001:db8:1::2]:2055")] {
+            for length in Array(0...600) + [1400, 8000] {
+                let payload = (0..<length).map { UInt8(truncatingIfNeeded: $0 &* 7 &+ length) }
+                let whole = try #require(headers(source, destination, payload))
+                for garbage: UInt16 in [0, 0xffff, 0x1234] {
+                    var later = [UInt8](repeating: 0xaa, count: SourcePreservingOutbox.maximumHeaderSize)
+                    let written = later.withUnsafeMutableBytes { raw in
+                        payload.withUnsafeBytes {
+                            SourcePreservingOutbox.writeHeaders(into: raw, source: SocketAddress(source)!, destination: SocketAddress(destination)!,
+                                                                payload: $0, checksum: false)
+                        }
+                    }
+                    #expect(written == whole.count)
+                    let udp = whole.count - 8
+                    #expect(later[udp + 6] == 0 && later[udp + 7] == 0, "left 0")
+                    later[udp + 6] = UInt8(garbage >> 8)
+                    later[udp + 7] = UInt8(garbage & 0xff)
+                    later.withUnsafeMutableBytes { raw in payload.withUnsafeBytes { SourcePreservingOutbox.fillChecksum(header: raw.baseAddress!, payload: $0) } }
+                    #expect(Array(later.prefix(whole.count)) == whole, "\(destination), \(length) bytes, field \(garbage)")
+                }
+            }
+            // A payload whose datagram sums to 0 (RFC 768: sent as 0xffff): its last two bytes
+            // chosen to cancel everything before them.
+            var payload = [UInt8](repeating: 0x5a, count: 64) + [0, 0]
+            let open = try #require(headers(source, destination, payload))
+            let stored = UInt16(open[open.count - 2]) << 8 | UInt16(open[open.count - 1])
+            payload[64] = UInt8(stored >> 8)
+            payload[65] = UInt8(stored & 0xff)
+            let closed = try #require(headers(source, destination, payload))
+            #expect(closed[closed.count - 2] == 0xff && closed[closed.count - 1] == 0xff, "\(destination): a sum of 0 is sent as 0xffff")
+        }
+    }
+
     /// The fragments `sendFragments` sends for `payload` (headers built by `writeHeaders`), each
     /// as the bytes its iovecs hold, in order.
     static func fragments(_ source: String, _ destination: String, _ payload: [UInt8], mtu: Int, identification: UInt32) throws -> [[UInt8]] {
@@ -332,6 +367,44 @@ func boundSocket(in namespace: String, _ address: SocketAddress) throws -> Int32
     return fd
 }
 
+/// A raw IPPROTO_UDP socket of `family` made inside `namespace`: it sees every UDP datagram
+/// delivered there (after reassembly), its UDP header as sent, whatever its checksum (the UDP
+/// socket's receive would let a 0, "none", through in IPv4).
+func rawUDPSocket(in namespace: String, family: Int32) throws -> Int32 {
+    let fd = try #require(inNetworkNamespace(namespace) { () -> Int32 in
+        let fd = socket(family, Int32(SOCK_RAW.rawValue) | Int32(SOCK_CLOEXEC.rawValue), Int32(IPPROTO_UDP))
+        var size: Int32 = 16 << 20
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &size, 4)
+        return fd >= 0 ? fd : -1 - errno
+    })
+    try #require(fd >= 0, "a raw UDP socket in \(namespace): errno \(-1 - fd)")
+    return fd
+}
+
+/// The UDP checksums of the datagrams to `destination` that `fd` (``rawUDPSocket(in:family:)``)
+/// holds: each as stored and as a receiver computes it (``referenceUDPChecksum``).
+func udpChecksums(_ fd: Int32, to destination: SocketAddress) -> [(stored: UInt16, computed: UInt16)] {
+    var result: [(UInt16, UInt16)] = []
+    var buffer = [UInt8](repeating: 0, count: 65536)
+    let target = destination.ip.bytes
+    while true {
+        var from = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        let count = withUnsafeMutablePointer(to: &from) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &buffer, buffer.count, Int32(MSG_DONTWAIT), $0, &length) }
+        }
+        guard count > 0 else { return result }
+        // IPv4: the IP header comes first; IPv6: the UDP header does, the source in `from`.
+        let (source, udpStart): ([UInt8], Int) = destination.ip.family == AF_INET
+            ? (Array(buffer[12..<16]), Int(buffer[0] & 0x0f) * 4)
+            : (withUnsafePointer(to: &from) { SocketAddress(storage: $0)!.ip.bytes }, 0)
+        if destination.ip.family == AF_INET && Array(buffer[16..<20]) != target { continue }
+        let udp = Array(buffer[udpStart..<count])
+        guard udp.count >= 8, UInt16(udp[2]) << 8 | UInt16(udp[3]) == destination.port else { continue }
+        result.append((UInt16(udp[6]) << 8 | UInt16(udp[7]), referenceUDPChecksum(source: source, destination: target, udp: udp)))
+    }
+}
+
 /// The payload of datagram `index`: its number, then a pattern, `length` bytes in all.
 func numberedPayload(_ index: Int, length: Int) -> [UInt8] {
     var bytes = withUnsafeBytes(of: UInt32(index).bigEndian) { Array($0) }
@@ -355,6 +428,8 @@ struct SourcePreservingEndToEndTests {
                 let downstream = SocketAddress(downstreamText)!
                 let receiver = try boundSocket(in: topology.backends[0], downstream)
                 defer { close(receiver) }
+                let watcher = try rawUDPSocket(in: topology.backends[0], family: downstream.ip.family)
+                defer { close(watcher) }
                 let count = 600
                 // Above the 1500 MTU of the veths: just above, a few fragments, many fragments.
                 let large = [maximum + 1, 3000, 8000]
@@ -411,6 +486,12 @@ struct SourcePreservingEndToEndTests {
                 }
                 #expect(seen.count == sizes.count)
                 #expect(large.indices.allSatisfy { seen.contains(count + $0) }, "\(downstream): the datagrams above the MTU arrived")
+                // The UDP checksum as sent (a raw sender computes it; a 0 passes an IPv4 receiver
+                // as "none"), every datagram, fragmented ones included.
+                let checksums = udpChecksums(watcher, to: downstream)
+                #expect(checksums.count == sizes.count, "\(downstream), shared \(shared): the raw socket saw every datagram")
+                #expect(checksums.allSatisfy { $0.stored != 0 && $0.stored == $0.computed },
+                        "\(downstream), shared \(shared): UDP checksums \(checksums.filter { $0.stored == 0 || $0.stored != $0.computed }.prefix(3))")
             }
         }
     }
@@ -608,6 +689,8 @@ struct SharedRawSenderTests {
         let downstream = SocketAddress("198.18.1.2:\(port)")!
         let receiver = try boundSocket(in: topology.backends[0], downstream)
         defer { close(receiver) }
+        let watcher = try rawUDPSocket(in: topology.backends[0], family: AF_INET)
+        defer { close(watcher) }
         let interface = "cp\(topology.suffix.prefix(8))"
         let client = topology.client
         for shared in [true, false] {
@@ -635,6 +718,9 @@ struct SharedRawSenderTests {
             let received = receiveAll(receiver, expected: 2)
             #expect(received.count == 1 && received.first?.payload == payload, "shared \(shared): reassembled whole, once")
             #expect(received.first?.source == SocketAddress("198.18.0.77:40001")!)
+            let checksums = udpChecksums(watcher, to: downstream)
+            #expect(checksums.count == 1 && checksums.allSatisfy { $0.stored != 0 && $0.stored == $0.computed },
+                    "shared \(shared): the fragments' UDP checksum: \(checksums)")
         }
     }
 }

@@ -139,6 +139,29 @@ struct UnitTests {
         #expect(SocketAddress(text) == nil)
     }
 
+    @Test("Address equality and hashing: by family and every byte; 0.0.0.0 is not ::, an IPv4-mapped address is not its IPv4 one; equal addresses hash equal and find each other in a set")
+    func addressEquality() throws {
+        let texts = ["0.0.0.0", "::", "198.18.0.1", "198.18.0.2", "1.0.0.198", "::ffff:198.18.0.1", "2001:db8::1", "2001:db8::2",
+                     "2001:db8:0:0:1::1", "::1", "::1:0:0:0:0", "fe80::1"]
+        let addresses = try texts.map { try #require(IPAddress($0)) }
+        for (i, a) in addresses.enumerated() {
+            for (j, b) in addresses.enumerated() {
+                #expect((a == b) == (i == j), "\(a) == \(b)")
+                #expect((a == b) == (a.bytes == b.bytes && a.family == b.family))
+            }
+            // A copy made from the text again, or from the bytes: equal, same hash, found.
+            let again = try #require(IPAddress(texts[i]))
+            let fromBytes = try #require(IPAddress(bytes: a.bytes))
+            #expect(again == a && fromBytes == a && again.hashValue == a.hashValue && fromBytes.hashValue == a.hashValue)
+        }
+        #expect(Set(addresses).count == addresses.count)
+        let table = Dictionary(uniqueKeysWithValues: addresses.enumerated().map { (SocketAddress(ip: $1, port: 514), $0) })
+        for (index, text) in texts.enumerated() {
+            #expect(table[SocketAddress(ip: IPAddress(text)!, port: 514)] == index, "\(text) finds itself")
+            #expect(table[SocketAddress(ip: IPAddress(text)!, port: 515)] == nil, "\(text) on another port finds nothing")
+        }
+    }
+
     @Test("The embedded BPF object is an ELF file for the BPF machine")
     func embeddedObject() {
         let bytes = BPFObject.reuseportSelect.elfBytes

@@ -147,7 +147,10 @@ final class SharedRawSender {
         noteHanding(owners, count)
         // The clients' own UDP sockets first; the raw socket sends what they left, in order.
         let rest = transparent?.send(headers, owners, count, family: lane == 1 ? AF_INET6 : AF_INET) ?? count
-        if rest > 0 { transmit(lanes[lane].socket, headers, owners, rest) }
+        guard rest > 0 else { return }
+        // The outboxes left the UDP checksum to whichever way sends: this one carries it.
+        for index in 0..<rest { SourcePreservingOutbox.fillChecksum(headers[index].msg_hdr) }
+        transmit(lanes[lane].socket, headers, owners, rest)
     }
 
     /// The crash ledger: the listener's own datagrams among `owners[0..<count]` (not pool or

@@ -36,7 +36,9 @@ package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable 
 /// sendmmsg on that socket. Made alone (the kernel kinds' template replays, the start check) it
 /// opens a raw socket of its own. MSG_DONTWAIT throughout.
 ///
-/// The headers: UDP checksum always computed (IPv4 too: collectors may check it); TTL/hop limit 64;
+/// The headers: UDP checksum always computed (IPv4 too: collectors may check it), when the copy
+/// goes the raw way (``fillChecksum(_:)``: a copy through a client's UDP socket, ``TransparentSockets``,
+/// leaves it to the kernel or the device, so it is not summed at append); TTL/hop limit 64;
 /// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
 /// "fragmentation needed" from a router on the way would go to the client and path MTU discovery
 /// cannot work for us; without DF a smaller MTU downstream fragments instead of dropping.
@@ -212,7 +214,7 @@ final class SourcePreservingOutbox: Outbox {
         }
         let header = UnsafeMutableRawBufferPointer(start: headerSpace + built * Self.maximumHeaderSize, count: Self.maximumHeaderSize)
         guard let length = Self.writeHeaders(into: header, source: client, destination: address, payload: payload,
-                                                 ttl: hopLimit == 0 ? Self.ttl : hopLimit) else {
+                                                 ttl: hopLimit == 0 ? Self.ttl : hopLimit, checksum: false) else {
             oversized += 1
             return
         }
@@ -245,6 +247,9 @@ final class SourcePreservingOutbox: Outbox {
             pending = (0, 0, DropTally())
             return
         }
+        // Sent here, through the raw socket: the UDP checksums (a datagram to fragment gets its own
+        // when it is).
+        for index in 0..<built where !fragmented[index] { Self.fillChecksum(messages[index].msg_hdr) }
         var message = 0
         // The crash ledger: messages before this one were noted handed (one datagram each).
         var noted = 0
@@ -331,6 +336,8 @@ final class SourcePreservingOutbox: Outbox {
     /// dropped once with the failing fragment's reason. EMSGSIZE (the MTU shrank again) reads the
     /// MTU once more and starts over with a new identification when it did shrink.
     private func sendFragmented(_ index: Int, _ result: inout FlushResult) {
+        // The UDP header, in the first fragment, carries the whole datagram's checksum.
+        Self.fillChecksum(messages[index].msg_hdr)
         let header = UnsafeRawPointer(iovecs[2 * index].iov_base!)
         let headerLength = iovecs[2 * index].iov_len
         let payload = UnsafeRawBufferPointer(start: iovecs[2 * index + 1].iov_base, count: iovecs[2 * index + 1].iov_len)
@@ -467,12 +474,13 @@ final class SourcePreservingOutbox: Outbox {
     /// Writes the IP and UDP headers of `payload` from `source` to `destination` (one family)
     /// into `header`; returns their length (28 or 48), or nil when the IP length would pass
     /// 65535. The IPv4 header checksum is left 0: the kernel always computes it for IP_HDRINCL.
+    /// - Parameter checksum: false leaves the UDP checksum 0 for ``fillChecksum(_:)`` to compute
+    ///   if the copy goes the raw way (a client's UDP socket leaves it to the device).
     static func writeHeaders(into header: UnsafeMutableRawBufferPointer, source: SocketAddress, destination: SocketAddress,
-                             payload: UnsafeRawBufferPointer, ttl: UInt8 = SourcePreservingOutbox.ttl) -> Int? {
+                             payload: UnsafeRawBufferPointer, ttl: UInt8 = SourcePreservingOutbox.ttl, checksum: Bool = true) -> Int? {
         let udpLength = 8 + payload.count
         let base = header.baseAddress!
         let ipLength: Int
-        var sum: UInt64
         switch (source.ip, destination.ip) {
         case (.v4(let from), .v4(let to)):
             guard 20 + udpLength <= 65535 else { return nil }
@@ -482,9 +490,6 @@ final class SourcePreservingOutbox: Outbox {
             base.storeBytes(of: UInt32(UInt32(ttl) << 24 | UInt32(IPPROTO_UDP) << 16).bigEndian, toByteOffset: 8, as: UInt32.self)
             base.storeBytes(of: from, toByteOffset: 12, as: UInt32.self)
             base.storeBytes(of: to, toByteOffset: 16, as: UInt32.self)
-            // Pseudo-header: addresses, zero + protocol, UDP length.
-            sum = IPChecksum.add(UnsafeRawBufferPointer(start: base + 12, count: 8), to: 0)
-            sum &+= UInt64(UInt16(IPPROTO_UDP).bigEndian) &+ UInt64(UInt16(udpLength).bigEndian)
         case (.v6(let from), .v6(let to)):
             guard udpLength <= 65535 else { return nil }
             ipLength = 40
@@ -492,9 +497,6 @@ final class SourcePreservingOutbox: Outbox {
             base.storeBytes(of: UInt32(UInt32(udpLength) << 16 | UInt32(IPPROTO_UDP) << 8 | UInt32(ttl)).bigEndian, toByteOffset: 4, as: UInt32.self)
             base.storeBytes(of: from, toByteOffset: 8, as: in6_addr.self)
             base.storeBytes(of: to, toByteOffset: 24, as: in6_addr.self)
-            // Pseudo-header: addresses, 32-bit UDP length, zeros + next header.
-            sum = IPChecksum.add(UnsafeRawBufferPointer(start: base + 8, count: 32), to: 0)
-            sum &+= UInt64(UInt16(udpLength).bigEndian) &+ UInt64(UInt16(IPPROTO_UDP).bigEndian)
         default:
             preconditionFailure("writeHeaders: \(source) and \(destination) differ in family")
         }
@@ -503,10 +505,31 @@ final class SourcePreservingOutbox: Outbox {
         udp.storeBytes(of: destination.port.bigEndian, toByteOffset: 2, as: UInt16.self)
         udp.storeBytes(of: UInt16(udpLength).bigEndian, toByteOffset: 4, as: UInt16.self)
         udp.storeBytes(of: 0, toByteOffset: 6, as: UInt16.self)
+        if checksum { fillChecksum(header: base, payload: payload) }
+        return ipLength + 8
+    }
+
+    /// Computes and stores the UDP checksum of the datagram whose IP and UDP headers, as
+    /// ``writeHeaders(into:source:destination:payload:ttl:checksum:)`` wrote them, are at `header`
+    /// (whatever its checksum field holds is replaced).
+    static func fillChecksum(header: UnsafeMutableRawPointer, payload: UnsafeRawBufferPointer) {
+        let v6 = header.load(as: UInt8.self) >> 4 == 6
+        let udp = header + (v6 ? 40 : 20)
+        // Pseudo-header: the addresses, the UDP length (IPv6: in 32 bits, its high half zero) and
+        // the protocol; then the UDP header with its checksum field 0, then the payload.
+        var sum = IPChecksum.add(UnsafeRawBufferPointer(start: header + (v6 ? 8 : 12), count: v6 ? 32 : 8), to: 0)
+        sum &+= UInt64(udp.loadUnaligned(fromByteOffset: 4, as: UInt16.self)) &+ UInt64(UInt16(IPPROTO_UDP).bigEndian)
+        udp.storeBytes(of: 0, toByteOffset: 6, as: UInt16.self)
         sum = IPChecksum.add(UnsafeRawBufferPointer(start: udp, count: 8), to: sum)
         let checksum = IPChecksum.finish(IPChecksum.add(payload, to: sum))
         // 0 means "no checksum" in UDP: a computed 0 is sent as its other form, 0xffff (RFC 768).
         udp.storeBytes(of: checksum == 0 ? 0xffff : checksum, toByteOffset: 6, as: UInt16.self)
-        return ipLength + 8
+    }
+
+    /// ``fillChecksum(header:payload:)`` for a built message: its headers in `msg_iov[0]`, the payload in `msg_iov[1]`.
+    @inline(__always)
+    static func fillChecksum(_ message: msghdr) {
+        fillChecksum(header: message.msg_iov[0].iov_base!,
+                     payload: UnsafeRawBufferPointer(start: message.msg_iov[1].iov_base, count: message.msg_iov[1].iov_len))
     }
 }
