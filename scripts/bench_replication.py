@@ -252,13 +252,26 @@ class KernelReplicator:
     makes the same three copies (two bpf_clone_redirect, one bpf_redirect); or udp-fanout in
     userspace mode with output: preserve_source and the same downstream and pool (`userspace`;
     `userspace, before`: BENCH_REPLICATION_BEFORE's build): the exporters' addresses are not the
-    proxy's, as in a deployment, so its copies go through UDP sockets bound to them."""
+    proxy's, as in a deployment, so its copies go through UDP sockets bound to them; or its floor,
+    bench/scale.c's tee through a UDP socket per exporter address (`C tee, udp`)."""
 
     def __init__(self, variant, topology, work):
         self.variant, self.topology, self.proc, self.pins = variant, topology, None, None
         receivers = [f"198.18.{n}.2:6000" for n in range(1, BACKENDS + 1)]
         if variant == "floor":
             self.start_floor(work)
+        elif variant == "C tee, udp":
+            path = os.path.join(work, "tee-destinations")
+            with open(path, "w") as f:
+                f.writelines(f"{r.replace(':', ' ')}\n" for r in receivers)
+            tool = os.path.join(work, "scale")
+            if not os.path.exists(tool):
+                common.build_scale_tool(work)
+            self.proc = subprocess.Popen([*in_namespace(topology.proxy), tool, "tee", "198.18.0.1", "5514", path, "udp"],
+                                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+            if self.proc.stdout.readline().strip() != "ready":
+                stop_group(self.proc)
+                raise SystemExit("bench/scale.c tee did not start")
         elif variant.startswith("userspace"):
             path = os.path.join(work, "userspace-pools.yaml")
             members = ", ".join(f'{{address: "{r}"}}' for r in receivers[1:])
@@ -306,7 +319,7 @@ class KernelReplicator:
             raise
 
     def ns_on_cpu(self):
-        if self.variant == "nfacctd" or self.variant.startswith("userspace"):
+        if self.variant in ("nfacctd", "C tee, udp") or self.variant.startswith("userspace"):
             return group_ns_on_cpu(self.proc.pid)
         return program_ns(f"{self.pins}/floor_copies" if self.variant == "floor" else None)
 
@@ -344,7 +357,7 @@ def kernel_rows():
               f" in the proxy namespace, 3 copies of each NetFlow v9 datagram; CPU at {TC_RATE:,} pps for {TC_SECONDS} s,"
               f" copies/s at saturation ({PACKETS} datagrams); beside them udp-fanout userspace with output: preserve_source"
               f" in the same namespace (CPU only)", flush=True)
-        variants = ("tc_ebpf", "nfacctd", "floor", "userspace") + (("before", "userspace, before") if BEFORE else ())
+        variants = ("tc_ebpf", "nfacctd", "floor", "userspace", "C tee, udp") + (("before", "userspace, before") if BEFORE else ())
         fixed = {variant: [] for variant in variants}
         saturation = {variant: [] for variant in variants}
         for index in range(common.RUNS):
@@ -352,7 +365,7 @@ def kernel_rows():
             for variant in order:
                 fixed[variant].append(run_kernel(variant, topology, work, fixed=True))
             for variant in order:
-                if variant != "floor" and not variant.startswith("userspace"):
+                if variant not in ("floor", "C tee, udp") and not variant.startswith("userspace"):
                     saturation[variant].append(run_kernel(variant, topology, work, fixed=False))
         ours, peer = common.spread([r["cpu_us"] for r in fixed["tc_ebpf"]]), common.spread([r["cpu_us"] for r in fixed["nfacctd"]])
         ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["tc_ebpf"], fixed["nfacctd"])])
@@ -379,15 +392,20 @@ def kernel_rows():
         # Userspace keeping the exporter's address where the exporters are not the host's (16 of
         # them, in the client namespace): its threads' time on CPU against nfacctd's.
         mine = common.spread([r["cpu_us"] for r in fixed["userspace"]])
-        for variant, label in [("nfacctd", "nfacctd tee, tee_transparent")] + ([("userspace, before", "before")] if BEFORE else []):
+        for variant, label in ([("nfacctd", "nfacctd tee, tee_transparent"), ("C tee, udp", "floor: C tee, udp")]
+                               + ([("userspace, before", "before")] if BEFORE else [])):
             other = common.spread([r["cpu_us"] for r in fixed[variant]])
             ratios = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed["userspace"], fixed[variant])])
+            against = common.spread([o["cpu_us"] / p["cpu_us"] for o, p in zip(fixed[variant], fixed["nfacctd"])])
+            what = {"nfacctd": "",
+                    "C tee, udp": f" (bench/scale.c tee udp: a UDP socket per exporter address with IP_TRANSPARENT, GSO runs, no counters;"
+                                  f" C tee, udp / nfacctd in the same runs {against[0]:.2f} ({against[1]:.2f}-{against[2]:.2f}))",
+                    "userspace, before": f" (BENCH_REPLICATION_BEFORE={BEFORE})"}[variant]
             out.append((f"replication userspace, namespaces: CPU per received datagram at {TC_RATE:,} pps, keeping the exporter's address", label,
                         f"{mine[0]:.2f} us ({mine[1]:.2f}-{mine[2]:.2f})", f"{other[0]:.2f} us ({other[1]:.2f}-{other[2]:.2f})",
                         f"{ratios[0]:.2f} ({ratios[1]:.2f}-{ratios[2]:.2f})" + (" goal <= 0.33" if variant == "nfacctd" else ""),
                         f"udp-fanout userspace (1 worker, output: preserve_source, own backend + an all pool of 2) in the proxy namespace,"
-                        f" the exporters not its addresses: its threads' time on CPU / {variant}'s, per datagram sent"
-                        + (f" (BENCH_REPLICATION_BEFORE={BEFORE})" if variant != "nfacctd" else "")
+                        f" the exporters not its addresses: its threads' time on CPU / {variant}'s, per datagram sent{what}"
                         + f"; least delivered: ours {min(r['delivered'] for r in fixed['userspace']):.3f}, {variant} {min(r['delivered'] for r in fixed[variant]):.3f}"))
         ours, peer = common.spread([r["copies_pps"] for r in saturation["tc_ebpf"]]), common.spread([r["copies_pps"] for r in saturation["nfacctd"]])
         ratios = common.spread([o["copies_pps"] / p["copies_pps"] for o, p in zip(saturation["tc_ebpf"], saturation["nfacctd"])])
