@@ -56,4 +56,52 @@ struct PreserveSourceEndToEndTests {
         }
         #expect(owner.count == 64, "64 client addresses, each at one collector: \(owner.count)")
     }
+
+    @Test("replies: relay with an all pool, output preserve_source: the relay's own downstream sees the proxy's address, each pool member every request from the client's own address, sent through a UDP socket bound to each client by the relay's workers (the gauge counts 64)")
+    func relayPoolPreserveSource() throws {
+        let topology = try Topology(backends: 3)
+        try TCFixtures.addClientSources(topology)
+        let collectors = try TCFixtures.collectors(topology)
+        let member = { (n: Int) in "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
+        let file = try TCFixtures.write("""
+            listeners:
+              - name: r
+                bind: "198.18.0.1:5514"
+                mode: userspace
+                replies: relay
+                settings: {workers: 2, worker_steering: five_tuple, recv_buf_size: 8388608}
+                downstream:
+                  - \(member(1))
+                pools:
+                  - name: copies
+                    balancing: all
+                    output: preserve_source
+                    downstream: [\(member(2)), \(member(3))]
+            metrics: {enabled: true, bind: "127.0.0.1:\(Scrape.metricsPort)"}
+            """, "relay-preserve")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("entering receive loop")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCFixtures.clientSources, "--rate", "20000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) },
+                                         until: "udp_fanout_pool_datagrams_total{listener=\"r\",mode=\"userspace\",pool=\"copies\",outcome=\"forwarded\"}", is: 3000)
+        #expect(ReplicationFixtures.outcomes(metrics, "copies", listener: "r") == ["forwarded": 3000, "dropped": 0, "sampled_out": 0, "filtered_out": 0], "\(metrics)")
+        // The clients' addresses are not the proxy's: each client (64 addresses, a port each, one
+        // relay worker each) has a UDP socket bound to it for the pool's copies.
+        #expect(Scrape.value(metrics, "udp_fanout_preserve_source_client_sockets{listener=\"r\",mode=\"userspace\"}") == 64, "\(metrics)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let reports = try collectors.map { try $0.stop() }
+        let kernelDrops = (try? topology.clientPathDrops()).map(String.init) ?? "unreadable"
+        #expect(TCFixtures.received(reports) == [3000, 3000, 3000], "kernel drops \(kernelDrops)\n\(metrics)")
+        // The relay's own downstream: from the proxy (its sessions' sockets), never a client's address.
+        #expect(Array(reports[0].object("sources").keys) == ["198.18.1.1"], "\(reports[0].object("sources").keys)")
+        // Each pool member: every client, from its own address.
+        for index in 1...2 {
+            let sources = Set(reports[index].object("sources").keys)
+            #expect(sources.count == 64 && sources.allSatisfy { $0.hasPrefix("198.18.0.") }, "backend \(index + 1): \(sources.sorted())")
+        }
+    }
 }
