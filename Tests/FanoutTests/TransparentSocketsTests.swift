@@ -150,6 +150,41 @@ struct TransparentSocketsTests {
         #expect(receiveAll(receiver, expected: 4).count == 3)
     }
 
+    @Test("A client whose address becomes the host's (added to an interface) while its socket is held: the next sweep closes the socket, its copies go through the raw socket, and a program binds its port without SO_REUSEADDR")
+    func clientAddressBecomesLocal() throws {
+        let topology = try Topology(backends: 1)
+        defer { topology.destroy() }
+        let downstream = SocketAddress("198.18.1.2:\(freePort())")!
+        let receiver = try boundSocket(in: topology.backends[0], downstream)
+        defer { close(receiver) }
+        let client = "198.18.0.84:40030"
+        let payloads = (0..<2).map { numberedPayload($0, length: 200) }
+        let namespace = topology.client
+        let counts = Mutex<[Int]>([])
+        // The second batch after the sweep: the copy is made while the program holds the port (the raw way needs no bind).
+        let outcome = try Self.send(in: namespace, to: downstream, payloads, [[(0, client, 0)], [(1, client, 0)]],
+                                    between: { number, sender in
+                                        guard number == 0 else { return }
+                                        counts.withLock { $0.append(sender.raw.transparent?.sockets ?? -1) }
+                                        let added = (try? run("/usr/sbin/ip", ["-n", namespace, "addr", "add", "198.18.0.84/32", "dev", "lo"]))?.status == 0
+                                        counts.withLock { $0.append(added ? 1 : -1) }
+                                        // The sweep runs once a second of the coarse clock at most.
+                                        usleep(1_100_000)
+                                        sender.raw.transparent?.sweepIfDue()
+                                        counts.withLock { $0.append(sender.raw.transparent?.sockets ?? -1) }
+                                        // While the sender lives (its sockets with it): a local program's bind, no SO_REUSEADDR.
+                                        let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+                                        defer { close(fd) }
+                                        let bound = SocketAddress(client)!.withSockAddr { bind(fd, $0, $1) } == 0 ? 0 : errno
+                                        counts.withLock { $0.append(Int(bound)) }
+                                    })
+        #expect(counts.withLock { $0 } == [1, 1, 0, 0], "a socket, the address added, the socket closed by the sweep, the port bound by a local program (errno 0)")
+        #expect(outcome.total.sent == 2 && outcome.total.dropped.isEmpty, "\(outcome.total)")
+        #expect(outcome.udpCopies == 1 && outcome.rawCalls == 1 && outcome.sockets == 0, "the second copy through the raw socket: \(outcome)")
+        let received = receiveAll(receiver, expected: 3)
+        #expect(received.count == 2 && received.allSatisfy { $0.source == SocketAddress(client)! }, "\(received.map(\.source))")
+    }
+
     @Test("A GSO run the kernel refuses (its segments above an MTU that shrank after the outbox read it: EINVAL) is sent one copy per message, which the kernel fragments (DF clear); every copy arrives once, whole, from its client")
     func gsoRefused() throws {
         let topology = try Topology(backends: 1)

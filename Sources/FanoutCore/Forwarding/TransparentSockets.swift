@@ -464,11 +464,12 @@ final class TransparentSockets {
         if now >= nextSweep { sweep(now) }
     }
 
-    /// Closes sockets unused for ``idleLimit`` seconds and forgets refusals older than ``retryInterval``;
-    /// once a second at most.
+    /// Closes sockets unused for ``idleLimit`` seconds and those whose address became the host's
+    /// (``releaseLocal(_:)``), and forgets refusals older than ``retryInterval``; once a second at most.
     private func sweep(_ now: Int) {
         nextSweep = now + 1
         guard !entries.isEmpty else { return }
+        if sockets > 0 { releaseLocal(now) }
         var stale: [SocketAddress] = []
         for (client, entry) in entries where now - entry.stamp >= (entry.fd >= 0 ? idleLimit : Self.retryInterval) {
             stale.append(client)
@@ -482,6 +483,42 @@ final class TransparentSockets {
             }
         }
     }
+
+    /// Closes the sockets whose client address became one of the host's since it was bound (an
+    /// address added to an interface, a virtual address that moved here): held, such a socket
+    /// would take that port from a local program (its bind fails without SO_REUSEADDR) and drop
+    /// what arrives for it. The endpoint goes the raw way (a later try finds the address local);
+    /// said each time. An address made local by a local route alone (AnyIP) is not an interface's
+    /// address and is not seen here.
+    private func releaseLocal(_ now: Int) {
+        let local = Self.localAddresses(now)
+        var became: [SocketAddress] = []
+        for (client, entry) in entries where entry.fd >= 0 && local.contains(client.ip) { became.append(client) }
+        guard let first = became.first else { return }
+        for client in became {
+            guard let entry = entries[client] else { continue }
+            close(entry.fd)
+            sockets -= 1
+            Self.held.subtract(1, ordering: .relaxed)
+            counters?.clientSockets.subtract(1, ordering: .relaxed)
+            entries[client] = Entry(fd: -1, stamp: now)
+        }
+        logger.notice("output preserve_source: a client's address became one of this host's: its UDP socket is closed, leaving the port to local programs, and its copies go through the raw socket",
+                      metadata: ["client": "\(first)", "sockets_closed": "\(became.count)"])
+    }
+
+    /// The host's interface addresses as of second `now`, read once a second for every thread of
+    /// the process in one network namespace (a host with many interfaces takes a while to list).
+    private static func localAddresses(_ now: Int) -> Set<IPAddress> {
+        var status = stat()
+        let namespace = stat("/proc/thread-self/ns/net", &status) == 0 ? UInt64(status.st_ino) : 0
+        if let cached = localCache.withLock({ $0.stamp == now && $0.namespace == namespace ? $0.addresses : nil }) { return cached }
+        let addresses = LocalAddresses.current()
+        localCache.withLock { $0 = (now, namespace, addresses) }
+        return addresses
+    }
+
+    private static let localCache = Mutex<(stamp: Int, namespace: UInt64, addresses: Set<IPAddress>)>((-1, 0, []))
 
     // MARK: The namespace's ports
 
