@@ -12,13 +12,27 @@ import Glibc
 /// `output: preserve_source` in userspace mode, through a routed topology of namespaces.
 @Suite("preserve_source end to end", .serialized, .enabled(if: Privileges.enabled, Privileges.reason))
 struct PreserveSourceEndToEndTests {
+    /// Starts udp-fanout with `config` in the proxy namespace, sends 3000 datagrams from the 64
+    /// client addresses at 20,000/s, and returns the daemon and /metrics once `series` is 3000
+    /// (polled: a loaded machine may still be forwarding when the publisher is done).
+    static func publish(_ topology: Topology, _ config: String, _ name: String, until series: String) throws -> (Child, String) {
+        let file = try TCFixtures.write(config, name)
+        defer { try? FileManager.default.removeItem(at: file) }
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
+        try daemon.waitFor("entering receive loop")
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCFixtures.clientSources, "--rate", "20000"],
+                                  prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        return (daemon, try Scrape.metrics({ try topology.exec(topology.proxy, $0) }, until: series, is: 3000))
+    }
+
     @Test("Userspace mode, output preserve_source: each collector sees the clients' own addresses (samplicator -S), sent through a UDP socket bound to each client (the gauge counts 64)")
     func userspacePreserveSource() throws {
         let topology = try Topology(backends: 3)
         try TCFixtures.addClientSources(topology)
         let collectors = try TCFixtures.collectors(topology)
         let downstreams = (1...3).map { "\(Topology.backendIPv4($0)):\(TCFixtures.port)" }.enumerated().map { "      - {name: b\($0.offset + 1), address: \"\($0.element)\"}" }.joined(separator: "\n")
-        let file = try TCFixtures.write("""
+        let config = """
             listeners:
               - name: u
                 bind: "198.18.0.1:5514"
@@ -27,16 +41,9 @@ struct PreserveSourceEndToEndTests {
                 downstream:
             \(downstreams)
             metrics: {enabled: true, bind: "127.0.0.1:\(Scrape.metricsPort)"}
-            """, "userspace-preserve")
-        defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("entering receive loop")
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCFixtures.clientSources, "--rate", "20000"],
-                                  prefix: topology.prefix(topology.client))
-        #expect(publisher.wait() == 0)
-        // All 3000 forwarded before the daemon stops (a loaded machine may still be forwarding).
-        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) },
-                                                     until: "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}", is: 3000)
+            """
+        let (daemon, metrics) = try Self.publish(topology, config, "userspace-preserve",
+                                                 until: "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}")
         #expect(Scrape.value(metrics, "udp_fanout_packets_forwarded_total{listener=\"u\",mode=\"userspace\"}") == 3000, "\(metrics)")
         // The clients' addresses are not the proxy's: each client (64 addresses, a port each, one
         // worker each) has a UDP socket bound to it, which the gauge counts.
@@ -63,7 +70,7 @@ struct PreserveSourceEndToEndTests {
         try TCFixtures.addClientSources(topology)
         let collectors = try TCFixtures.collectors(topology)
         let member = { (n: Int) in "{name: b\(n), address: \"\(Topology.backendIPv4(n)):\(TCFixtures.port)\"}" }
-        let file = try TCFixtures.write("""
+        let config = """
             listeners:
               - name: r
                 bind: "198.18.0.1:5514"
@@ -78,15 +85,9 @@ struct PreserveSourceEndToEndTests {
                     output: preserve_source
                     downstream: [\(member(2)), \(member(3))]
             metrics: {enabled: true, bind: "127.0.0.1:\(Scrape.metricsPort)"}
-            """, "relay-preserve")
-        defer { try? FileManager.default.removeItem(at: file) }
-        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: topology.prefix(topology.proxy))
-        try daemon.waitFor("entering receive loop")
-        let publisher = try Child("publisher", ["198.18.0.1", "5514", "3000", "--sources", TCFixtures.clientSources, "--rate", "20000"],
-                                  prefix: topology.prefix(topology.client))
-        #expect(publisher.wait() == 0)
-        let metrics = try Scrape.metrics({ try topology.exec(topology.proxy, $0) },
-                                         until: "udp_fanout_pool_datagrams_total{listener=\"r\",mode=\"userspace\",pool=\"copies\",outcome=\"forwarded\"}", is: 3000)
+            """
+        let (daemon, metrics) = try Self.publish(topology, config, "relay-preserve",
+                                                 until: "udp_fanout_pool_datagrams_total{listener=\"r\",mode=\"userspace\",pool=\"copies\",outcome=\"forwarded\"}")
         #expect(ReplicationFixtures.outcomes(metrics, "copies", listener: "r") == ["forwarded": 3000, "dropped": 0, "sampled_out": 0, "filtered_out": 0], "\(metrics)")
         // The clients' addresses are not the proxy's: each client (64 addresses, a port each, one
         // relay worker each) has a UDP socket bound to it for the pool's copies.
