@@ -382,9 +382,10 @@ func rawUDPSocket(in namespace: String, family: Int32) throws -> Int32 {
 }
 
 /// The UDP checksums of the datagrams to `destination` that `fd` (``rawUDPSocket(in:family:)``)
-/// holds: each as stored and as a receiver computes it (``referenceUDPChecksum``).
-func udpChecksums(_ fd: Int32, to destination: SocketAddress) -> [(stored: UInt16, computed: UInt16)] {
-    var result: [(UInt16, UInt16)] = []
+/// holds: each as stored and as a receiver computes it (``referenceUDPChecksum``), with the
+/// datagram's UDP source port.
+func udpChecksums(_ fd: Int32, to destination: SocketAddress) -> [(stored: UInt16, computed: UInt16, sourcePort: UInt16)] {
+    var result: [(UInt16, UInt16, UInt16)] = []
     var buffer = [UInt8](repeating: 0, count: 65536)
     let target = destination.ip.bytes
     while true {
@@ -401,7 +402,8 @@ func udpChecksums(_ fd: Int32, to destination: SocketAddress) -> [(stored: UInt1
         if destination.ip.family == AF_INET && Array(buffer[16..<20]) != target { continue }
         let udp = Array(buffer[udpStart..<count])
         guard udp.count >= 8, UInt16(udp[2]) << 8 | UInt16(udp[3]) == destination.port else { continue }
-        result.append((UInt16(udp[6]) << 8 | UInt16(udp[7]), referenceUDPChecksum(source: source, destination: target, udp: udp)))
+        result.append((UInt16(udp[6]) << 8 | UInt16(udp[7]), referenceUDPChecksum(source: source, destination: target, udp: udp),
+                       UInt16(udp[0]) << 8 | UInt16(udp[1])))
     }
 }
 

@@ -99,13 +99,15 @@ struct TransparentSocketsTests {
         }
     }
 
-    @Test("A client whose address is the host's goes through the raw socket and its port stays free; a copy whose hop limit is not the default (af_xdp's) too, and a client port outside the ephemeral range (2055, a service's); another client of the same batch still goes through its UDP socket")
+    @Test("A client whose address is the host's goes through the raw socket and its port stays free; a copy whose hop limit is not the default (af_xdp's) too, and a client port outside the ephemeral range (2055, a service's), each with its UDP checksum (left by the outbox, summed for the raw socket); another client of the same batch still goes through its UDP socket")
     func localClientsAndHopLimits() throws {
         let topology = try Topology(backends: 1)
         defer { topology.destroy() }
         let downstream = SocketAddress("198.18.1.2:\(freePort())")!
         let receiver = try boundSocket(in: topology.backends[0], downstream)
         defer { close(receiver) }
+        let watcher = try rawUDPSocket(in: topology.backends[0], family: AF_INET)
+        defer { close(watcher) }
         let payloads = (0..<4).map { numberedPayload($0, length: 300) }
         // 198.18.0.2 is the client namespace's own address.
         let clients = ["198.18.0.2:40010", "198.18.0.79:40011", "198.18.0.80:40012", "198.18.0.83:2055"]
@@ -115,6 +117,10 @@ struct TransparentSocketsTests {
         #expect(outcome.rawCalls == 1 && outcome.udpCopies == 1 && outcome.sockets == 1, "the local client, the hop limit 5 and port 2055 raw, the other through its socket: \(outcome)")
         let received = receiveAll(receiver, expected: 5)
         #expect(Set(received.map(\.source)) == Set(clients.map { SocketAddress($0)! }), "every copy from its client's address and port: \(received.map(\.source))")
+        // The three that went the raw way, as sent (the client socket's copy may carry a checksum
+        // the veth left for a device to finish: not read).
+        let raw = udpChecksums(watcher, to: downstream).filter { [40010, 40011, 2055].contains($0.sourcePort) }
+        #expect(raw.count == 3 && raw.allSatisfy { $0.stored != 0 && $0.stored == $0.computed }, "the raw way's UDP checksums: \(raw)")
         let free = inNetworkNamespace(topology.client) { () -> Int32 in
             let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
             defer { close(fd) }

@@ -120,7 +120,11 @@ final class AFXDPForwarder: ReceiveLoopBody, @unchecked Sendable {  // owned by 
 
     func idle() {}
     func endOfTurn() { forwarder.publishCounts() }
-    func everySecond() {}
+    func everySecond() {
+        // preserve_source's sockets bound to clients (a copy that arrived with TTL 65 leaves with
+        // 64 and gets one): those idle, or whose address became the host's, close with traffic or without.
+        forwarder.sender.raw.transparent?.sweepIfDue()
+    }
 
     /// Forwards and recycles the batch ``receiveBatch()`` took off the RX ring.
     func forward(_ count: Int) {

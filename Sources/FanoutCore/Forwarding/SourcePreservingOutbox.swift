@@ -36,9 +36,10 @@ package struct OutboxError: Error, CustomStringConvertible, Equatable, Sendable 
 /// sendmmsg on that socket. Made alone (the kernel kinds' template replays, the start check) it
 /// opens a raw socket of its own. MSG_DONTWAIT throughout.
 ///
-/// The headers: UDP checksum always computed (IPv4 too: collectors may check it), when the copy
-/// goes the raw way (``fillChecksum(_:)``: a copy through a client's UDP socket, ``TransparentSockets``,
-/// leaves it to the kernel or the device, so it is not summed at append); TTL/hop limit 64;
+/// The headers: the UDP checksum of every copy that goes through the raw socket (IPv4 too:
+/// collectors may check it), summed just before it goes (``fillChecksum(_:)``), not at append: a
+/// copy through a client's UDP socket (``TransparentSockets``) leaves it to the kernel or the
+/// device; TTL/hop limit 64;
 /// IPv4 id 0 (the kernel picks one) and DF clear: the source is the client's, so an ICMP
 /// "fragmentation needed" from a router on the way would go to the client and path MTU discovery
 /// cannot work for us; without DF a smaller MTU downstream fragments instead of dropping.

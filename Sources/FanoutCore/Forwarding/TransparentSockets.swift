@@ -508,14 +508,16 @@ final class TransparentSockets {
     }
 
     /// The host's interface addresses as of second `now`, read once a second for every thread of
-    /// the process in one network namespace (a host with many interfaces takes a while to list).
+    /// the process in one network namespace (a host with many interfaces takes a while to list;
+    /// threads of another namespace, as in tests, read their own).
     private static func localAddresses(_ now: Int) -> Set<IPAddress> {
         var status = stat()
         let namespace = stat("/proc/thread-self/ns/net", &status) == 0 ? UInt64(status.st_ino) : 0
-        if let cached = localCache.withLock({ $0.stamp == now && $0.namespace == namespace ? $0.addresses : nil }) { return cached }
-        let addresses = LocalAddresses.current()
-        localCache.withLock { $0 = (now, namespace, addresses) }
-        return addresses
+        // Read under the lock: threads that sweep in the same second wait for one reading.
+        return localCache.withLock { cache in
+            if cache.stamp != now || cache.namespace != namespace { cache = (now, namespace, LocalAddresses.current()) }
+            return cache.addresses
+        }
     }
 
     private static let localCache = Mutex<(stamp: Int, namespace: UInt64, addresses: Set<IPAddress>)>((-1, 0, []))
