@@ -494,7 +494,7 @@ final class TransparentSockets {
         let local = Self.localAddresses(now)
         var became: [SocketAddress] = []
         for (client, entry) in entries where entry.fd >= 0 && local.contains(client.ip) { became.append(client) }
-        guard let first = became.first else { return }
+        guard !became.isEmpty else { return }
         for client in became {
             guard let entry = entries[client] else { continue }
             close(entry.fd)
@@ -503,8 +503,9 @@ final class TransparentSockets {
             counters?.clientSockets.subtract(1, ordering: .relaxed)
             entries[client] = Entry(fd: -1, stamp: now)
         }
-        logger.notice("output preserve_source: a client's address became one of this host's: its UDP socket is closed, leaving the port to local programs, and its copies go through the raw socket",
-                      metadata: ["client": "\(first)", "sockets_closed": "\(became.count)"])
+        let named = became.prefix(8).map { "\($0)" }.joined(separator: ", ") + (became.count > 8 ? " and \(became.count - 8) more" : "")
+        logger.notice("output preserve_source: a client's address became one of this host's: its UDP sockets are closed, leaving the ports to local programs, and its copies go through the raw socket (tried again after \(Self.retryInterval) s)",
+                      metadata: ["clients": "\(named)", "sockets_closed": "\(became.count)"])
     }
 
     /// The host's interface addresses as of second `now`, read once a second for every thread of
