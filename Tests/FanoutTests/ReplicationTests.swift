@@ -359,6 +359,13 @@ struct ReplicationTests {
         let dropped = try #require(metric(text, "udp_fanout_pool_member_dropped_total", labels + ",downstream=\"dead\""))
         #expect(sent + dropped == 200 && dropped > 0, "dead member: \(sent) sent, \(dropped) dropped")
         #expect(metric(text, "udp_fanout_pool_dropped_total", labels + ",reason=\"unreachable\"") == dropped)
+        // The member's own drops by reason: all of them the dead one's, none the live one's.
+        #expect(metric(text, "udp_fanout_pool_member_dropped_by_reason_total", labels + ",downstream=\"dead\",reason=\"unreachable\"") == dropped, "\(text)")
+        #expect(!text.contains("udp_fanout_pool_member_dropped_by_reason_total{\(labels),downstream=\"archive-1\""), "\(text)")
+        // `udp-fanout status` says the same per member.
+        let members = daemon.statusReport().listeners.first?.pools.first { $0.name == "archive" }?.members ?? []
+        #expect(members.first { $0.name == "dead" }?.droppedByReason == ["unreachable": UInt64(dropped)], "\(members)")
+        #expect(members.first { $0.name == "archive-1" }.map { $0.droppedByReason == nil && $0.dropped == 0 } == true, "\(members)")
         #expect(metric(text, "udp_fanout_pool_member_copies_total", labels + ",downstream=\"archive-1\"") == 200)
         #expect(ReplicationFixtures.outcomes(text, "archive") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])
         #expect(ReplicationFixtures.outcomes(text, "other") == ["forwarded": 200, "dropped": 0, "sampled_out": 0, "filtered_out": 0])

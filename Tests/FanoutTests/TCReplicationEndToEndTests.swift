@@ -119,6 +119,44 @@ struct TCReplicationEndToEndTests {
         for report in reports { #expect(report.int("foreign") == 0) }
     }
 
+    @Test("A member of an all pool with no route: its copies are counted dropped by reason at the member (no_route) and at the pool; the other member gets every copy and counts no drop")
+    func memberDropReasons() throws {
+        let topology = try Topology(backends: 2)
+        defer { topology.destroy() }
+        let collectors = try TCFixtures.collectors(topology)
+        // 198.19.77.2: no route toward it in the proxy namespace.
+        let config = """
+            listeners:
+              - name: tc
+                bind: "198.18.0.1:5514"
+                interface: \(topology.proxyInterface)
+                mode: tc_ebpf
+                downstream: [{name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}]
+                pools:
+                  - name: archive
+                    balancing: all
+                    downstream: [{name: b2, address: "\(Topology.backendIPv4(2)):\(TCFixtures.port)"}, {name: void, address: "198.19.77.2:\(TCFixtures.port)"}]
+            metrics: {enabled: true, bind: "127.0.0.1:9464"}
+            """
+        let (daemon, file) = try TCFixtures.start(topology, config, "tc-member-drops")
+        defer { try? FileManager.default.removeItem(at: file) }
+        let count = 500
+        let publisher = try Child("publisher", ["198.18.0.1", "5514", "\(count)", "--rate", "5000"], prefix: topology.prefix(topology.client))
+        #expect(publisher.wait() == 0)
+        usleep(300_000)
+        let metrics = try TCFixtures.metrics(topology)
+        let labels = ReplicationFixtures.poolLabels("archive", listener: "tc", mode: "tc_ebpf")
+        #expect(metric(metrics, "udp_fanout_pool_member_copies_total", labels + ",downstream=\"b2\"") == count, "\(metrics)")
+        #expect(metric(metrics, "udp_fanout_pool_member_dropped_total", labels + ",downstream=\"void\"") == count, "\(metrics)")
+        #expect(metric(metrics, "udp_fanout_pool_member_dropped_by_reason_total", labels + ",downstream=\"void\",reason=\"no_route\"") == count, "\(metrics)")
+        #expect(!metrics.contains("udp_fanout_pool_member_dropped_by_reason_total{\(labels),downstream=\"b2\""), "\(metrics)")
+        #expect(metric(metrics, "udp_fanout_pool_dropped_total", labels + ",reason=\"no_route\"") == count, "\(metrics)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+        let counts = TCFixtures.received(try collectors.map { try $0.stop() })
+        #expect(counts == [count, count], "own downstream and b2: every datagram: \(counts)")
+    }
+
     @Test("Checksums through the copies' rewrites, IPv4 and IPv6: the client's checksum left to offload (CHECKSUM_PARTIAL at tc) or computed at send (CHECKSUM_NONE); the proxy's links to the backends complete offloaded checksums in software, so each backend's stack checks every copy and own datagram: all arrive, no checksum error", arguments: [true, false])
     func checksums(offloaded: Bool) throws {
         let topology = try Topology(backends: 3)

@@ -185,7 +185,7 @@ final class PoolReplicator {
                 counters.bytes.wrappingAdd(result.bytes, ordering: .relaxed)
                 var copiesDropped: UInt64 = 0
                 for (reason, count) in result.dropped {
-                    pool.counters.addDrops(reason.rawValue, count)
+                    pool.counters.addMemberDrops(pool.members[member].name, reason.rawValue, count)
                     copiesDropped += count
                 }
                 counters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)

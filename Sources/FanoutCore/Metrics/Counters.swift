@@ -404,6 +404,8 @@ package final class PoolCounters: Sendable {
     /// max_packet_size (`too_large`), and copies a send dropped.
     let drops = Mutex<[String: UInt64]>([:])
     let members = Mutex<[String: DownstreamCounters]>([:])
+    /// Copies a send dropped, per member and reason (what `drops` sums over the members).
+    let memberDrops = Mutex<[String: [String: UInt64]]>([:])
 
     /// A member's copies sent, bytes and copies dropped, made on first use and kept.
     func member(_ name: String) -> DownstreamCounters { kept(name, in: members, make: DownstreamCounters.init) }
@@ -413,11 +415,21 @@ package final class PoolCounters: Sendable {
         drops.withLock { $0[reason, default: 0] &+= count }
     }
 
+    /// `count` copies to member `member` a send dropped for `reason`: the pool's drops by reason
+    /// and the member's.
+    func addMemberDrops(_ member: String, _ reason: String, _ count: UInt64) {
+        guard count > 0 else { return }
+        addDrops(reason, count)
+        memberDrops.withLock { $0[member, default: [:]][reason, default: 0] &+= count }
+    }
+
     package struct Snapshot: Sendable, Equatable {
         package var forwarded, dropped, sampledOut, filteredOut: UInt64
         package var drops: [String: UInt64]
         /// Copies sent, bytes and copies dropped per member, by name.
         package var members: [String: [UInt64]]
+        /// Copies dropped per member, by name, by reason (reasons seen only).
+        package var memberDrops: [String: [String: UInt64]]
         package var received: UInt64 { forwarded &+ dropped &+ sampledOut &+ filteredOut }
     }
 
@@ -428,7 +440,8 @@ package final class PoolCounters: Sendable {
             drops: drops.withLock { $0 },
             members: members.withLock { table in
                 table.mapValues { [$0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)] }
-            })
+            },
+            memberDrops: memberDrops.withLock { $0 })
     }
 }
 

@@ -61,6 +61,15 @@ enum PrometheusText {
             family("udp_fanout_pool_member_copies_total", "Copies sent to each member of a replication pool", rows: members.map { ($0.0, $0.1[0]) })
             family("udp_fanout_pool_member_bytes_total", "Bytes sent to each member of a replication pool", rows: members.map { ($0.0, $0.1[1]) })
             family("udp_fanout_pool_member_dropped_total", "Copies dropped on send to each member of a replication pool", rows: members.map { ($0.0, $0.1[2]) })
+            let memberDropRows = pools.flatMap { pool, values in
+                values.memberDrops.sorted { $0.key < $1.key }.flatMap { member, reasons in
+                    reasons.sorted { $0.key < $1.key }.map { (pool + ",downstream=\"\(escape(member))\",reason=\"\($0.key)\"", $0.value) }
+                }
+            }
+            if !memberDropRows.isEmpty {
+                family("udp_fanout_pool_member_dropped_by_reason_total", "Copies dropped on send to each member of a replication pool, by reason (reasons seen)",
+                       rows: memberDropRows)
+            }
         }
         let quic = snapshots.filter { !$0.1.quic.isEmpty }
         if !quic.isEmpty {

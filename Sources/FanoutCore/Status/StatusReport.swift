@@ -158,7 +158,8 @@ package struct DownstreamStatus: Codable, Sendable, Equatable {
     package var forwarded: UInt64
     package var bytes: UInt64
     package var dropped: UInt64
-    /// Drops by reason where the kind counts them per downstream (tc_ebpf, xdp).
+    /// Drops by reason where the kind counts them per downstream (tc_ebpf, xdp); a pool member's
+    /// in every kind (the reasons seen).
     package var droppedByReason: [String: UInt64]?
     /// Two-way listeners: replies from this downstream sent on to clients.
     package var replySent: UInt64?
@@ -235,6 +236,8 @@ extension FanoutDaemon {
                         var entry = status(member, source: pool.downstreams.contains { $0.address == member.address } ? "static" : "discovered")
                         let copies = values?.members[member.name] ?? [0, 0, 0]
                         (entry.forwarded, entry.bytes, entry.dropped) = (copies[0], copies[1], copies[2])
+                        // A pool member's drops by reason are its copies' (every kind), not a listener downstream's.
+                        entry.droppedByReason = values?.memberDrops[member.name]
                         return entry
                     })
             }

@@ -1431,7 +1431,7 @@ final class TCListener: RunningListener {
             var copiesDropped: UInt64 = 0
             for (reason, count) in counted.dropped {
                 let delta = since(count, seen.dropped[reason] ?? 0)
-                counters.addDrops(reason, delta)
+                counters.addMemberDrops(member, reason, delta)
                 copiesDropped &+= delta
             }
             memberCounters.dropped.wrappingAdd(copiesDropped, ordering: .relaxed)
