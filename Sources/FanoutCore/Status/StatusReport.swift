@@ -236,8 +236,10 @@ extension FanoutDaemon {
                         var entry = status(member, source: pool.downstreams.contains { $0.address == member.address } ? "static" : "discovered")
                         let copies = values?.members[member.name] ?? [0, 0, 0]
                         (entry.forwarded, entry.bytes, entry.dropped) = (copies[0], copies[1], copies[2])
-                        // A pool member's drops by reason are its copies' (every kind), not a listener downstream's.
+                        // A pool member's drops by reason are its copies' (every kind), not a listener
+                        // downstream's of the same name; it sends no replies (a pool is one way).
                         entry.droppedByReason = values?.memberDrops[member.name]
+                        entry.replySent = nil
                         return entry
                     })
             }
