@@ -37,6 +37,23 @@ struct TCReplicationEndToEndTests {
             """
     }
 
+    /// A tc_ebpf listener whose own downstream is backend 1, with an `all` pool `archive` of `members` (YAML flow items).
+    static func allPool(_ topology: Topology, members: String) -> String {
+        """
+        listeners:
+          - name: tc
+            bind: "198.18.0.1:5514"
+            interface: \(topology.proxyInterface)
+            mode: tc_ebpf
+            downstream: [{name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}]
+            pools:
+              - name: archive
+                balancing: all
+                downstream: [\(members)]
+        metrics: {enabled: true, bind: "127.0.0.1:9464"}
+        """
+    }
+
     /// The clients (publisher --sources) the security pool keeps: in 198.18.0.0/27 and one in 2
     /// by the sampling hash, as userspace decides it.
     static func keptBySecurity() -> Set<String> {
@@ -125,19 +142,7 @@ struct TCReplicationEndToEndTests {
         defer { topology.destroy() }
         let collectors = try TCFixtures.collectors(topology)
         // 198.19.77.2: no route toward it in the proxy namespace.
-        let config = """
-            listeners:
-              - name: tc
-                bind: "198.18.0.1:5514"
-                interface: \(topology.proxyInterface)
-                mode: tc_ebpf
-                downstream: [{name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}]
-                pools:
-                  - name: archive
-                    balancing: all
-                    downstream: [{name: b2, address: "\(Topology.backendIPv4(2)):\(TCFixtures.port)"}, {name: void, address: "198.19.77.2:\(TCFixtures.port)"}]
-            metrics: {enabled: true, bind: "127.0.0.1:9464"}
-            """
+        let config = Self.allPool(topology, members: "{name: b2, address: \"\(Topology.backendIPv4(2)):\(TCFixtures.port)\"}, {name: void, address: \"198.19.77.2:\(TCFixtures.port)\"}")
         let (daemon, file) = try TCFixtures.start(topology, config, "tc-member-drops")
         defer { try? FileManager.default.removeItem(at: file) }
         let count = 500
@@ -216,19 +221,7 @@ struct KernelPoolUpdateTests {
         defer { topology.destroy() }
         // Unresolved next hops: the daemon makes the pool member's managed entry itself.
         _ = try topology.exec(topology.proxy, ["/usr/sbin/ip", "neigh", "flush", "all"])
-        let config = """
-            listeners:
-              - name: tc
-                bind: "198.18.0.1:5514"
-                interface: \(topology.proxyInterface)
-                mode: tc_ebpf
-                downstream: [{name: b1, address: "\(Topology.backendIPv4(1)):\(TCFixtures.port)"}]
-                pools:
-                  - name: archive
-                    balancing: all
-                    downstream: [{name: b2, address: "\(Topology.backendIPv4(2)):\(TCFixtures.port)"}]
-            metrics: {enabled: true, bind: "127.0.0.1:9464"}
-            """
+        let config = TCReplicationEndToEndTests.allPool(topology, members: "{name: b2, address: \"\(Topology.backendIPv4(2)):\(TCFixtures.port)\"}")
         let (daemon, file) = try TCFixtures.start(topology, config, "tc-pool-moved")
         defer { try? FileManager.default.removeItem(at: file) }
         let second = "pb2\(topology.suffix.prefix(7))", third = "pb3\(topology.suffix.prefix(7))", inner = "b3\(topology.suffix.prefix(8))"
