@@ -99,6 +99,18 @@ int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, u
  * between the last read and the leave are lost), or a negative errno. */
 int reuseportlb_withdraw(reuseportlb_member *member);
 
+/* Stops the kernel delivering any new datagram to the member's socket, whatever steers the
+ * group, so its close loses nothing: a close takes the socket out of the kernel's reuseport
+ * group before it unhashes it, and a datagram whose lookup meets it in between is freed with the
+ * socket, uncounted. Call it once the socket is out of selection (after reuseportlb_withdraw()
+ * and the drain, or once reuseportlb_is_replaced()), read until reuseportlb_queued_bytes()
+ * returns 0, then reuseportlb_leave(). It binds the socket to interface index 2147483647
+ * (SO_BINDTOIFINDEX), which no device has, and blocks for a grace period of the kernel, like
+ * reuseportlb_withdraw(). Sends from a sealed socket fail (ENODEV for IPv4, ENETUNREACH for
+ * IPv6). Returns 0 (also when sealed already), -EPERM when the socket is bound to a device
+ * already and the process lacks CAP_NET_RAW, or a negative errno. */
+int reuseportlb_seal(reuseportlb_member *member);
+
 /* The group's NetFlow v9 / IPFIX template store (eBPF steering, pinned beside the group): every
  * member passes each datagram it receives to reuseportlb_templates_learn(); a member that meets
  * a data set whose template it does not know asks reuseportlb_templates_lookup(), so exporters

@@ -317,6 +317,17 @@ public func reuseportlb_withdraw(_ handle: OpaquePointer?) -> Int32 {
     }
 }
 
+@_cdecl("reuseportlb_seal")
+public func reuseportlb_seal(_ handle: OpaquePointer?) -> Int32 {
+    guard let handle else { return -EINVAL }
+    do {
+        try member(handle).seal()
+        return 0
+    } catch {
+        return code(of: error)
+    }
+}
+
 @_cdecl("reuseportlb_leave")
 public func reuseportlb_leave(_ handle: OpaquePointer?) {
     guard let handle else { return }

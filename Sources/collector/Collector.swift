@@ -178,6 +178,8 @@ struct Run {
     var replaced = false
     /// The slot was taken out of selection at the stop.
     var withdrawn = false
+    /// Set once the drain sealed the socket.
+    var sealed = false
     /// The steering serving the group as last seen (another member may have replaced ours).
     var steeringInForce: Steering
     var latency = LatencyHistogram()
@@ -254,14 +256,16 @@ struct Run {
             }
             if let (since, quiet) = draining {
                 // Drained: nothing new for the quiet period and nothing queued (where SO_MEMINFO
-                // cannot be read, the quiet period alone decides).
+                // cannot be read, the quiet period alone decides). Then sealed, and read once more
+                // below: the close cannot lose a datagram the kernel still delivers.
                 let queued = (try? member.socketStatistics().queuedBytes) ?? 0
                 if now - lastDatagram >= quiet, now - since >= quiet, queued == 0 {
-                    break
-                }
-                if now - since >= .seconds(2) {
-                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to?): closing; later datagrams to this socket are lost")
-                    break
+                    if sealed { break }
+                    seal()
+                } else if now - since >= .seconds(2) {
+                    if sealed { break }
+                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to?): sealing the socket; later datagrams to it are refused (the kernel counts them as Udp NoPorts)")
+                    seal()
                 }
             }
             sendDelayedEchoes(upTo: clock.now)
@@ -285,6 +289,18 @@ struct Run {
                 lastArrival = lastDatagram
                 for index in 0..<count { record(index) }
             }
+        }
+    }
+
+    /// Seals the socket after the drain (``ReusePortMember/seal()``): the echoes still waiting go
+    /// first (a sealed socket sends nothing); one more read follows.
+    mutating func seal() {
+        sendDelayedEchoes(upTo: .now + .seconds(86400))
+        sealed = true
+        do {
+            try member.seal()
+        } catch {
+            printError("collector slot \(member.slot): could not seal the socket (\(error)): a datagram the kernel delivers to it as it closes is lost")
         }
     }
 
@@ -404,6 +420,7 @@ struct Run {
         json.add("steering_note", member.steeringNote)
         json.add("replaced", replaced)
         json.add("withdrawn", withdrawn)
+        json.add("sealed", member.isSealed)
         json.add("received", received)
         json.add("bytes", bytes)
         json.add("truncated", truncated)

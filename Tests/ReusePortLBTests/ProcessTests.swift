@@ -96,7 +96,7 @@ struct ProcessTests {
         try successor.waitFor("ready")
         #expect(children[1].wait(seconds: 10) == 0, "the old collector exits by itself once drained")
         let old = try children[1].json()
-        #expect(old["replaced"] as? Bool == true)
+        #expect(old["replaced"] as? Bool == true && old["sealed"] as? Bool == true, "taken over, drained, then sealed before its close")
         #expect(publisher.wait(seconds: 30) == 0)
         let sent = try publisher.json().int("sent")
         #expect(sent == 60000)
@@ -122,7 +122,7 @@ struct ProcessTests {
         usleep(300_000)
         let reports = try [children[0].stop(), children[2].stop(), stopped]
         #expect(stopped.int("received") > 0, "the stopped collector had received its share before")
-        #expect(stopped["withdrawn"] as? Bool == true)
+        #expect(stopped["withdrawn"] as? Bool == true && stopped["sealed"] as? Bool == true, "withdrawn, drained, then sealed before its close")
         #expect(reports.allSatisfy { $0.int("socket_drops") == 0 }, "receive queues overflowed")
         #expect(reports.map { $0.int("received") }.reduce(0, +) == sent, "delivered == sent: \(reports.map { $0.int("received") })")
         #expect(reports[0].object("kernel").int("failed_over") > 0, "the stopped collector's sources failed over")

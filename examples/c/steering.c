@@ -82,6 +82,8 @@ int main(int argc, char **argv) {
     char buffer[64];
     while (recv(reuseportlb_socket(m[0]), buffer, sizeof buffer, MSG_DONTWAIT) > 0) after++;
     if (after != 20 || reuseportlb_queued_bytes(m[1]) != 0) { fprintf(stderr, "after withdraw: %d at m[0]\n", after); return 1; }
+    /* drained: seal m[1] (nothing reaches it as it closes), sealing twice is no error */
+    if (reuseportlb_seal(m[1]) != 0 || reuseportlb_seal(m[1]) != 0) { fprintf(stderr, "seal failed\n"); return 1; }
     printf("received=%d misplaced=%d selected=%llu steering=%s\n", received, misplaced,
            (unsigned long long)counters.selected, reuseportlb_steering(m[0]));
     reuseportlb_leave(m[0]);
@@ -96,7 +98,7 @@ int main(int argc, char **argv) {
     if (reuseportlb_socket(NULL) != -EINVAL || reuseportlb_slot(NULL) != -EINVAL || reuseportlb_steering(NULL) != NULL
         || reuseportlb_is_replaced(NULL) != -EINVAL || reuseportlb_queued_bytes(NULL) != -EINVAL
         || reuseportlb_counters(NULL, &unused) != -EINVAL || reuseportlb_owner(NULL, "127.0.0.1", 0, &owner) != -EINVAL
-        || reuseportlb_withdraw(NULL) != -EINVAL) { fprintf(stderr, "a NULL handle was not -EINVAL\n"); return 1; }
+        || reuseportlb_withdraw(NULL) != -EINVAL || reuseportlb_seal(NULL) != -EINVAL) { fprintf(stderr, "a NULL handle was not -EINVAL\n"); return 1; }
     reuseportlb_leave(NULL);
     /* fiveTuple: one address, many ports; the owner with the port names the receiver. */
     reuseportlb_member *f[2];
