@@ -335,6 +335,80 @@ struct DatagramReliabilityTests {
         Reliability.report("SIGHUP storm: \(sent) datagrams at 20k/s, \(hangups) SIGHUPs (\(ok) applied, \(rejected) rejected: invalid or unappliable), received \(received.reduce(0, +)), lost \(sent - received.reduce(0, +))")
     }
 
+    @Test("Reloads rolled back under 100k pps, each after 16 new workers joined beside the running 2 (a later listener's bind is taken): the new workers' sockets close sealed, so every datagram sent is received or counted (sent = received + receive_queue_drops); an applied change seals the replaced workers', a stop seals none")
+    func rollbackStorm() throws {
+        let sink = try Sink()
+        let receiver = ConcurrentSink(sink)
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let squatted = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let squatter = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        defer { close(squatter) }
+        try #require(squatted.withSockAddr { Glibc.bind(squatter, $0, $1) } == 0)
+        let tail = "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("rollback-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        try ("listeners:\n" + listenerYAML("storm", bind: bind, [sink], workers: 2) + tail).write(to: file, atomically: true, encoding: .utf8)
+        let daemon = try Child("udp-fanout", ["-c", file.path, "-l", "debug"])
+        var stopped = false
+        defer {
+            if !stopped {
+                daemon.signal(SIGTERM)
+                _ = daemon.wait()
+            }
+        }
+        try daemon.waitFor("entering receive loop")
+        // Every reload from now on starts the storm listener's 16 new workers (the newest sockets
+        // on the bind, first in the kernel's hash chain), then fails at the squatted bind and
+        // rolls back: the 16 close while the running 2 take the bind back.
+        try ("listeners:\n" + listenerYAML("storm", bind: bind, [sink], workers: 16) + listenerYAML("squatted", bind: squatted, [sink]) + tail)
+            .write(to: file, atomically: true, encoding: .utf8)
+        let total = 300_000
+        let publisher = try Child("publisher", ["127.0.0.1", String(bind.port), String(total), "--rate", "100000", "--sources", "127.0.6.1-127.0.6.50"])
+        var hangups = 0
+        while publisher.process.isRunning {
+            usleep(50_000)
+            daemon.signal(SIGHUP)
+            hangups += 1
+        }
+        #expect(publisher.wait() == 0)
+        let sent = try publisher.json().int("sent")
+        let labels = "listener=\"storm\",mode=\"userspace\""
+        var text = ""
+        for _ in 0..<100 {
+            text = try httpGet(metrics, "/metrics").1
+            let taken = daemon.stderr.components(separatedBy: "SIGHUP: reloading").count - 1
+            let rejected = daemon.stderr.components(separatedBy: "configuration reload rejected").count - 1
+            let counted = (metric(text, "udp_fanout_packets_received_total", labels) ?? 0) + (metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0)
+            if taken == rejected && counted >= sent { break }
+            usleep(50_000)
+        }
+        let received = metric(text, "udp_fanout_packets_received_total", labels) ?? -1
+        let drops = metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? -1
+        let rejected = metric(text, "udp_fanout_config_reloads_total", "result=\"rejected\"") ?? 0
+        let stoppedUnused = daemon.stderr.components(separatedBy: "new listener instance stopped unused").count - 1
+        #expect(rejected >= 10 && stoppedUnused == rejected, "the reloads were rolled back after the new instance started: \(rejected) of \(hangups), \(stoppedUnused) new instances stopped unused")
+        // Each rolled-back instance's 16 workers sealed their sockets (the running 2 never).
+        let sealed = daemon.stderr.components(separatedBy: "worker socket sealed before its last read").count - 1
+        #expect(sealed == 16 * stoppedUnused, "\(sealed) sockets sealed for \(stoppedUnused) rolled-back instances of 16 workers")
+        // An applied change: the 2 workers it replaces seal theirs once the successor took over.
+        try ("listeners:\n" + listenerYAML("storm", bind: bind, [sink], workers: 3) + tail).write(to: file, atomically: true, encoding: .utf8)
+        let applied = daemon.stderr.components(separatedBy: "reload=true").count - 1
+        daemon.signal(SIGHUP)
+        for _ in 0..<100 where daemon.stderr.components(separatedBy: "worker socket sealed before its last read").count - 1 < sealed + 2 { usleep(50_000) }
+        #expect(daemon.stderr.components(separatedBy: "reload=true").count - 1 == applied + 1, "the change applied")
+        #expect(daemon.stderr.components(separatedBy: "worker socket sealed before its last read").count - 1 == sealed + 2, "the replaced workers sealed their sockets")
+        #expect(sent == total)
+        #expect(received + drops == sent, "sent \(sent): received \(received) + receive_queue_drops \(drops) across \(rejected) rollbacks (lost uncounted: \(sent - received - drops))")
+        // A stop for good keeps its workers receiving until they close: nothing sealed.
+        daemon.signal(SIGTERM)
+        stopped = true
+        #expect(daemon.wait() == 0)
+        #expect(daemon.stderr.components(separatedBy: "worker socket sealed before its last read").count - 1 == sealed + 2, "the daemon's stop sealed nothing")
+        let delivered = receiver.finish().count
+        Reliability.report("rollback storm: \(sent) datagrams at 100k/s, \(rejected) reloads rolled back (16 workers each), daemon received \(received), receive_queue_drops \(drops), delivered \(delivered)")
+    }
+
     @Test("A socket that overflowed at the end of a burst: its drops are counted while the listener stays idle, not with its next datagram (sent = received + receive_queue_drops)",
           arguments: ["userspace", "relay"])
     func dropsAtBurstEndCounted(kind: String) throws {

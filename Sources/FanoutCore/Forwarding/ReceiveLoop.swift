@@ -33,6 +33,13 @@ protocol ReceiveLoopBody: AnyObject {
     func endOfTurn()
     /// Once a second, whatever the traffic: a heartbeat line, the relay's idle sweep.
     func everySecond()
+    /// Once, when the loop sees the stop signal, before the stop drain: a one-way worker whose
+    /// group was superseded seals its socket here (``ReusePortMember/seal()``).
+    func stopping()
+}
+
+extension ReceiveLoopBody {
+    func stopping() {}
 }
 
 /// The receive loop of every forwarding thread (userspace and relay workers, af_xdp queue
@@ -102,7 +109,8 @@ final class ReceiveLoop: Sendable {
     /// Runs `body` until the stop signal, then drains: forwards what the source holds until it
     /// stays quiet for 20 ms (a datagram steered here before the stop is still read; one steered
     /// before a successor took the bind over is queued once the successor's activation, which
-    /// waits a kernel grace period, returned), at most 1 s. Generic, so each kind's loop is
+    /// waits a kernel grace period, returned; the body's ``ReceiveLoopBody/stopping()`` may seal
+    /// the source first), at most 1 s. Generic, so each kind's loop is
     /// specialised: no existential on the per-batch path.
     func run<Body: ReceiveLoopBody>(_ body: Body) {
         let clock = ContinuousClock()
@@ -144,6 +152,7 @@ final class ReceiveLoop: Sendable {
                 spins.flush(into: busyWaitCounters)
             }
         }
+        body.stopping()
         let deadline = clock.now + drainLimit
         repeat {
             _ = drain(body, budget: .max, deadline: deadline)

@@ -34,6 +34,8 @@ struct WorkerShared: Sendable {
     let activated: StopSignal
     /// `rate_limit`: the listener's buckets per source, shared by its workers; nil: none.
     let limiter: SourceRateLimiter?
+    /// The listener's group (``ReusePortGroup/isSuperseded`` once another took the bind over).
+    let group: ReusePortGroup
 }
 
 /// The part every listener that receives on its bind's sockets shares (userspace, relay, and
@@ -140,7 +142,7 @@ final class SocketGroupListener: Sendable {
             if workersReadHandedOver {
                 for (position, socket) in handedOver.enumerated() { inherited[(socket.slot ?? position) % count].append(socket.member) }
             }
-            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter))
+            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter, group: group))
         } catch {
             for member in members { member.leave() }
             throw error
@@ -159,7 +161,7 @@ final class SocketGroupListener: Sendable {
                        descriptors: DescriptorStore? = nil) throws(ReusePortError) -> SocketGroupListener {
         let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors) { members, shared in
             members.enumerated().map { index, member in
-                SocketWorker(index: index, member: member, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
+                SocketWorker(index: index, member: member, group: shared.group, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
                              makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize),
                              templates: counters.flowTemplates(config), limiter: shared.limiter)
             }
@@ -259,7 +261,7 @@ final class SocketGroupListener: Sendable {
         stopped.set()
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
         let drains = handedOver.enumerated().map { index, socket in
-            SocketWorker(index: index, member: socket.member, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
+            SocketWorker(index: index, member: socket.member, group: nil, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
                          makeOutbox: factory, drainLimit: .seconds(30), handedOver: true, templates: counters.flowTemplates(config), limiter: limiter)
         }
         let (name, log) = (config.name, logger)

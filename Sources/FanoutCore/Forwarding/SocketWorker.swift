@@ -18,6 +18,11 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let receivingNow = Atomic<Bool>(false)
     /// Reads out a socket the previous process handed over (its log line says so).
     private let handedOver: Bool
+    /// The listener's group: when another group of this process took the bind over (a reload's
+    /// successor, or a rollback's predecessor), the worker seals its socket before its stop drain.
+    /// nil for a handed-over socket, which is sealed always (its drain starts once this
+    /// process's group took the bind over).
+    private let group: ReusePortGroup?
     private let loop: ReceiveLoop
     private let listener: Listener
     private let counters: ListenerCounters
@@ -30,11 +35,14 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Seconds since the last heartbeat line (one every 5 s, at debug level).
     private var secondsSinceHeartbeat = 0
 
-    /// - Parameter makeOutbox: the way out to each downstream (``Listener/settings``' output).
-    init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters,
+    /// - Parameters:
+    ///   - makeOutbox: the way out to each downstream (``Listener/settings``' output).
+    ///   - group: the group `member` belongs to (nil with `handedOver`).
+    init(index: Int, member: ReusePortMember, group: ReusePortGroup?, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
          drainLimit: Duration = .seconds(1), handedOver: Bool = false, templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil) {
         self.handedOver = handedOver
+        self.group = group
         self.index = index
         self.member = member
         drops = ReceiveQueueDropReading(member)
@@ -108,6 +116,22 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             "listener": "\(listener.name)", "worker": "\(index)", "downstreams": "\(forwarder.outboxes.count)",
             "received": "\(snapshot.received)", "forwarded": "\(snapshot.forwarded)", "dropped": "\(snapshot.droppedTotal)",
         ])
+    }
+
+    /// Seals the socket once nothing new is steered to it: a superseded group's member, or a
+    /// handed-over socket. Closing an unsealed socket of a reuseport group can lose a datagram
+    /// the kernel delivers to it in the close itself (``ReusePortMember/seal()``). A worker
+    /// stopping for good (daemon stop, listener removed) keeps receiving until it closes.
+    func stopping() {
+        guard handedOver || group?.isSuperseded == true else { return }
+        do {
+            try member.seal()
+            logger.debug("worker socket sealed before its last read", metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+        } catch {
+            logger.warning("could not seal the socket before its last read: a datagram the kernel delivers to it as it closes is lost, not counted", metadata: [
+                "listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)",
+            ])
+        }
     }
 
     func forward(_ count: Int) {

@@ -231,14 +231,17 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var batchesPerTurn: Int { Self.batchesPerWakeup }
 
     func receiveBatch() throws(SystemCallError) -> Int {
-        // What the previous process's sockets hold came first; each closes once empty after the
-        // group took the bind over (nothing new reaches it then).
+        // What the previous process's sockets hold came first; each closes once empty and sealed
+        // after the group took the bind over (nothing new reaches it then).
         var position = 0
         while position < inherited.count {
             let socket = inherited[position]
             let count = try receiver.receiveNoting(loop.ledger, from: socket.socket, flags: Socket.dontWait | Socket.truncate)
             if count > 0 { return count }
             if activated.isSet {
+                // Sealed, then read once more, so its close cannot lose a datagram the kernel
+                // still delivers (``ReusePortMember/seal()``; a refusal leaves it as before).
+                if !socket.isSealed, (try? socket.seal()) != nil { continue }
                 try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
                 socket.leave()
                 inherited.remove(at: position)
