@@ -102,9 +102,10 @@ int reuseportlb_withdraw(reuseportlb_member *member);
 /* Stops the kernel delivering any new datagram to the member's socket, whatever steers the
  * group, so its close loses nothing: a close takes the socket out of the kernel's reuseport
  * group before it unhashes it, and a datagram whose lookup meets it in between is freed with the
- * socket, uncounted. Call it once the socket is out of selection (after reuseportlb_withdraw()
- * and the drain, or once reuseportlb_is_replaced()), read until reuseportlb_queued_bytes()
- * returns 0, then reuseportlb_leave(). It binds the socket to interface index 2147483647
+ * socket, uncounted. Call it once the socket is out of selection (after reuseportlb_withdraw(),
+ * or once reuseportlb_is_replaced()), read until reuseportlb_queued_bytes() returns 0, then
+ * reuseportlb_leave(); a member that answers from its socket drains first, seals, and reads once
+ * more. A member still in its slot leaves selection with the seal (its sources fail over). It binds the socket to interface index 2147483647
  * (SO_BINDTOIFINDEX), which no device has, and blocks for a grace period of the kernel, like
  * reuseportlb_withdraw(). Sends from a sealed socket fail (ENODEV for IPv4, ENETUNREACH for
  * IPv6). Returns 0 (also when sealed already), -EPERM when the socket is bound to a device

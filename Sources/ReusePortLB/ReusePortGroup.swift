@@ -40,12 +40,6 @@ public final class ReusePortGroup: @unchecked Sendable {
     public let steeringNote: String?
 
     private let objects: GroupObjects?
-    /// Per address, the group of this process that activated last (weakly: a group dropped is
-    /// no longer in force).
-    private static let inForce = Mutex<[SocketAddress: WeakGroup]>([:])
-    private struct WeakGroup {
-        weak var group: ReusePortGroup?
-    }
     /// The members joined so far (weakly: a member the caller dropped has left).
     private let members = Mutex<[WeakMember]>([])
 
@@ -162,7 +156,6 @@ public final class ReusePortGroup: @unchecked Sendable {
             switch result {
             case .none: continue  // left meanwhile: try another member
             case .success:
-                Self.inForce.withLock { $0[address] = WeakGroup(group: self) }
                 // Whatever the steering: the program replaced (or the kernel's hash restored) is
                 // swapped under RCU like the eBPF one.
                 if others { KernelGracePeriod.wait() }
@@ -171,17 +164,6 @@ public final class ReusePortGroup: @unchecked Sendable {
             }
         }
         throw .noLiveMember(address)
-    }
-
-    /// True when another live group of this process is in force on the address (it activated
-    /// last) with eBPF steering: its program selects only its own members, so this group's get
-    /// nothing new (whether this group activated before it or never) and can
-    /// ``ReusePortMember/seal()`` before they drain and leave.
-    public var isSuperseded: Bool {
-        Self.inForce.withLock { groups in
-            guard let current = groups[address]?.group else { return false }
-            return current !== self && current.steering == .ebpf
-        }
     }
 
     private func attach(through socket: Int32) throws(SystemCallError) {

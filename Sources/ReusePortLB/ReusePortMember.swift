@@ -420,7 +420,9 @@ public final class ReusePortMember: @unchecked Sendable {
     /// Stops the kernel from delivering any new datagram to this socket, for a leave that loses
     /// nothing at the close itself. Call it once the socket is out of selection (after
     /// ``withdraw()``, once ``isReplaced``, or once a successor ``ReusePortGroup`` activated),
-    /// then read until the queue is empty, then ``leave()``.
+    /// then read until the queue is empty, then ``leave()``. A member still in its slot leaves
+    /// selection with the seal (the kernel deletes its map entry, its sources fail over), and
+    /// with classic BPF or the kernel hash its share goes to the group's other sockets.
     ///
     /// Why: a close takes the socket out of the kernel's reuseport group before it takes it out
     /// of the UDP hash. A datagram whose lookup meets the socket in between goes to it, whatever
@@ -440,11 +442,34 @@ public final class ReusePortMember: @unchecked Sendable {
         if try sealWithoutWaiting() { KernelGracePeriod.wait() }
     }
 
+    /// Seals every member of `members` (``seal()``) with one grace period for all, after the
+    /// last. Those that left are skipped.
+    /// - Throws: the first refusal; the others are sealed all the same, and the grace period
+    ///   passes before it is thrown.
+    public static func seal(_ members: [ReusePortMember]) throws(ReusePortError) {
+        var firstError: ReusePortError?
+        var sealedAny = false
+        for member in members where !member.hasLeft {
+            do {
+                sealedAny = try member.sealWithoutWaiting() || sealedAny
+            } catch {
+                firstError = firstError ?? error
+            }
+        }
+        if sealedAny { KernelGracePeriod.wait() }
+        if let firstError { throw firstError }
+    }
+
     /// ``seal()`` without its grace period (sealing several sockets, one wait after the last):
-    /// true if this call sealed the socket, false if it was sealed already.
+    /// true if this call sealed the socket, false if it was sealed already (by this member, or
+    /// by a process that handed it over).
     func sealWithoutWaiting() throws(ReusePortError) -> Bool {
         let result: Result<Bool, SystemCallError>? = withOpenSocket { socket in
             guard !sealed.load(ordering: .relaxed) else { return .success(false) }
+            if (try? Syscall.getsockopt(socket, SOL_SOCKET, SO_BINDTOIFINDEX, initial: Int32(0))) == Self.sealingInterfaceIndex {
+                sealed.store(true, ordering: .relaxed)
+                return .success(false)
+            }
             do throws(SystemCallError) {
                 try Syscall.setsockopt(socket, SOL_SOCKET, SO_BINDTOIFINDEX, Self.sealingInterfaceIndex, call: "setsockopt SO_BINDTOIFINDEX")
             } catch {

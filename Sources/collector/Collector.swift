@@ -264,7 +264,7 @@ struct Run {
                     seal()
                 } else if now - since >= .seconds(2) {
                     if sealed { break }
-                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to?): sealing the socket; later datagrams to it are refused (the kernel counts them as Udp NoPorts)")
+                    printError("collector slot \(member.slot): still receiving 2 s after the stop (no live member to fail over to, or steering without eBPF): sealing the socket; later datagrams go to the group's other members, or, with none left, the kernel refuses them (Udp NoPorts counts them)")
                     seal()
                 }
             }
@@ -311,11 +311,14 @@ struct Run {
             if withdrawn {
                 printError("collector slot \(member.slot): stopping: slot withdrawn, draining")
             } else {
-                printError("collector slot \(member.slot): stopping: \(member.steering) steering cannot withdraw a slot; datagrams that arrive before the socket closes are lost")
+                printError("collector slot \(member.slot): stopping: \(member.steering) steering cannot withdraw a slot; sealing the socket now, so its share goes to the other members, then draining")
             }
         } catch {
-            printError("collector slot \(member.slot): stopping: withdraw failed (\(error)); datagrams that arrive before the socket closes are lost")
+            printError("collector slot \(member.slot): stopping: withdraw failed (\(error)); sealing the socket now, so its share goes to the other members, then draining")
         }
+        // Without a withdrawn slot the kernel keeps delivering here until the seal: seal now
+        // (with --echo, after the drain: a sealed socket sends no echo).
+        if !withdrawn && echoTag == nil { seal() }
     }
 
     /// Sends one datagram holding only the tag to `client` (--initiate); a failure is said and

@@ -285,6 +285,13 @@ final class AFXDPListener: RunningListener {
         companion.shutdown()
     }
 
+    /// As ``shutdown()``, the companion socket's workers sealing theirs first (another instance
+    /// receives on the bind).
+    func retire() {
+        releaseInterface()
+        companion.shutdown(sealing: true)
+    }
+
     /// Reads out the AF_XDP sockets a previous process left in the store at `interface` (it
     /// ended without a stop): each one's RX ring is forwarded by a forwarder of its own under
     /// this listener's plan, what its TX ring holds is sent, then it is closed and taken out of

@@ -47,6 +47,11 @@ protocol RunningListener: AnyObject, Sendable {
     func update(downstreams: [Downstream], balancing: Balancing, quicLB: [QUICLBConfiguration], pools: [Pool], keeping: Set<String>) -> Bool
     /// Stops forwarding and releases everything the listener holds.
     func shutdown()
+    /// Stops because another instance on its bind receives from now on (a successor that took
+    /// the bind over, or, in a rollback, the predecessor that took it back): a socket-group
+    /// listener's workers seal their sockets before their last read, so their close loses
+    /// nothing (``ReusePortMember/seal()``). Others stop as ``shutdown()``.
+    func retire()
     /// What the systemd watchdog checks (``WatchdogJudge``): each worker's progress counter,
     /// or whether the tc program is still attached.
     func heartbeats() -> [PathHeartbeat]
@@ -65,8 +70,9 @@ protocol RunningListener: AnyObject, Sendable {
 
 extension RunningListener {
     func releaseInterface() {}
+    func retire() { shutdown() }
     func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool {
-        shutdown()
+        retire()
         return false
     }
     func associations(limit: Int) -> (entries: [AssociationEntry], total: Int)? { nil }

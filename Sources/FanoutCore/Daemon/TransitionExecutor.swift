@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 import Logging
+import ReusePortLB
 
 /// The executor of a ``TransitionPlan``: runs its phases on the running listeners, its rollback
 /// when a phase fails, and the handovers it plans.
@@ -56,7 +57,7 @@ extension FanoutDaemon {
                 let instance = started[step.name]!
                 try failIfInjected(.activate, step.name)
                 if step.predecessorOnBind && !instance.takesOverExactly {
-                    logger.warning("without eBPF worker steering the old workers on this bind keep receiving until they stop; datagrams reaching them as they close are lost and not counted (grant CAP_BPF for lossless changes)", metadata: [
+                    logger.warning("without eBPF worker steering the old workers on this bind keep a share of its datagrams until they stop (then they seal their sockets and forward what they hold: nothing is lost), and the new workers' steering applies only once they stopped (grant CAP_BPF for an exact takeover)", metadata: [
                         "listener": "\(step.name)", "bind": "\(effective[step.name]!.bind)",
                     ])
                     activateLater.append(step.name)
@@ -67,7 +68,7 @@ extension FanoutDaemon {
         } catch {
             // Nothing was stopped or released if the change failed before it made way.
             rollBack(madeWay ? plan.rollbackAfterMakingWay : plan.rollbackBeforeMakingWay, running: running,
-                     started: plan.activate.compactMap { step in started[step.name].map { (step.name, $0) } }, old: oldByName)
+                     started: plan.activate.compactMap { step in started[step.name].map { (step.name, $0, effective[step.name]!) } }, old: oldByName)
             throw error
         }
         state.withLock { state in
@@ -104,7 +105,8 @@ extension FanoutDaemon {
             if let successor, let instance = running[step.name] {
                 handOver(instance, oldByName[step.name]!, to: newByName[successor]!)
             } else {
-                running[step.name]?.shutdown()
+                // A new group receiving on exactly its bind: the old workers seal their sockets.
+                if step.receiverOnBind { running[step.name]?.retire() } else { running[step.name]?.shutdown() }
                 if step.removed {
                     logger.info("listener removed", metadata: ["listener": "\(step.name)"])
                     // Its flow templates go with it: a listener of that name added later starts
@@ -130,7 +132,8 @@ extension FanoutDaemon {
     /// `started` new instances stop; what was released or stopped first starts again. Records
     /// the listeners that could not be started again (lost) and those stopped and started again
     /// (interrupted: said in the rejection, ``reloadChangesHeld(_:)``).
-    private func rollBack(_ rollback: TransitionPlan.Rollback, running: [String: any RunningListener], started: [(name: String, instance: any RunningListener)], old: [String: Listener]) {
+    private func rollBack(_ rollback: TransitionPlan.Rollback, running: [String: any RunningListener],
+                          started: [(name: String, instance: any RunningListener, listener: Listener)], old: [String: Listener]) {
         var lost: [String] = []
         for step in rollback.takeBack {
             do {
@@ -149,8 +152,14 @@ extension FanoutDaemon {
                 }
             }
         }
-        for (name, instance) in started {
-            instance.shutdown()
+        // Binds an old listener still receives on with a socket group (taken back, or released
+        // with its companion socket receiving): a new instance there seals its sockets as it stops.
+        let receiving = Set((rollback.takeBack.map(\.name) + rollback.restartReleased).compactMap { name -> SocketAddress? in
+            guard !lost.contains(name), running[name] != nil, let listener = old[name], kinds.kind(for: listener).receivesOnBind else { return nil }
+            return listener.bind
+        })
+        for (name, instance, listener) in started {
+            if kinds.kind(for: listener).receivesOnBind && receiving.contains(listener.bind) { instance.retire() } else { instance.shutdown() }
             logger.info("new listener instance stopped unused: the change is rolled back", metadata: ["listener": "\(name)"])
         }
         /// Starts `listener` again with the set last applied; nil (recorded lost) if it cannot.

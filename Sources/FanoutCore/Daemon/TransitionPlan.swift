@@ -44,6 +44,9 @@ struct TransitionPlan: Equatable, Sendable {
         /// first: the executor takes the first whose eBPF steering took the bind over (its kind
         /// and theirs drain on a handover); none: it stops now.
         var successors: [String]
+        /// Both it and a new listener receive on a socket group of exactly its bind: its workers
+        /// seal their sockets as they stop (``RunningListener/retire()``), the new group receiving.
+        var receiverOnBind: Bool = false
     }
 
     /// An old instance taking its bind back in a rollback.
@@ -156,7 +159,9 @@ struct TransitionPlan: Equatable, Sendable {
         let stoppedFirstNames = Set(stoppedFirst.map(\.name))
         let retire = retiring.filter { !stoppedFirstNames.contains($0.name) }.map { listener in
             Retirement(name: listener.name, removed: !staying.contains(listener.name) && !freshNames.contains(listener.name),
-                       successors: kinds.kind(for: listener).drainsOnHandOver ? drainers.filter { $0.bind == listener.bind }.map(\.name) : [])
+                       successors: kinds.kind(for: listener).drainsOnHandOver ? drainers.filter { $0.bind == listener.bind }.map(\.name) : [],
+                       receiverOnBind: kinds.kind(for: listener).receivesOnBind
+                           && fresh.contains { kinds.kind(for: $0).receivesOnBind && $0.bind == listener.bind })
         }
         let takeBack = retiring.map { TakeBack(name: $0.name, stopIfRefused: !kinds.kind(for: $0).receivesOnBind) }
         return TransitionPlan(

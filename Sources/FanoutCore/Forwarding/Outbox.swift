@@ -85,6 +85,7 @@ extension DropReason {
         case .tableFull: 9
         case .crash: 10
         case .rateLimited: 11
+        case .closing: 12
         }
     }
 

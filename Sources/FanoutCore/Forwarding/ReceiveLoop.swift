@@ -34,12 +34,16 @@ protocol ReceiveLoopBody: AnyObject {
     /// Once a second, whatever the traffic: a heartbeat line, the relay's idle sweep.
     func everySecond()
     /// Once, when the loop sees the stop signal, before the stop drain: a one-way worker whose
-    /// group was superseded seals its socket here (``ReusePortMember/seal()``).
+    /// bind another instance receives on now seals its socket here (``ReusePortMember/seal()``).
     func stopping()
+    /// Once the stop drain ended: true if the body sealed its source now (a stop for good), so
+    /// the loop reads it once more.
+    func sealAfterDrain() -> Bool
 }
 
 extension ReceiveLoopBody {
     func stopping() {}
+    func sealAfterDrain() -> Bool { false }
 }
 
 /// The receive loop of every forwarding thread (userspace and relay workers, af_xdp queue
@@ -158,6 +162,11 @@ final class ReceiveLoop: Sendable {
             _ = drain(body, budget: .max, deadline: deadline)
             body.endOfTurn()
         } while clock.now < deadline && body.wait(milliseconds: 20) != .timedOut
+        // Sealed now: what the kernel delivered up to the seal is queued; nothing comes after.
+        if body.sealAfterDrain() {
+            _ = drain(body, budget: .max, deadline: clock.now + .milliseconds(200))
+            body.endOfTurn()
+        }
     }
 
     private enum Drained { case empty, budgetSpent, failed }

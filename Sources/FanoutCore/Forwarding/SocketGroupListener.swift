@@ -34,8 +34,21 @@ struct WorkerShared: Sendable {
     let activated: StopSignal
     /// `rate_limit`: the listener's buckets per source, shared by its workers; nil: none.
     let limiter: SourceRateLimiter?
-    /// The listener's group (``ReusePortGroup/isSuperseded`` once another took the bind over).
-    let group: ReusePortGroup
+    /// When the workers seal their sockets as they stop (``SealOrder``).
+    let sealing: SealOrder
+}
+
+/// When a socket-group listener's workers seal their sockets (``ReusePortMember/seal()``), so
+/// that closing them loses nothing the kernel still delivers. Set before the stop signal.
+final class SealOrder: Sendable {
+    /// Another instance receives on the bind from now on (a successor, or a rollback's
+    /// predecessor): seal before the stop drain, the other instance receiving meanwhile.
+    let first = StopSignal()
+    /// A stop for good (the daemon's, a listener removed) that hands nothing to a service
+    /// manager: the workers receive until their drain ends, then seal and read once more; what
+    /// arrives after is refused by the kernel (its Udp NoPorts counts it). A stop that hands the
+    /// sockets to a service manager (a restart's next process adopts them) sets neither.
+    let last = StopSignal()
 }
 
 /// The part every listener that receives on its bind's sockets shares (userspace, relay, and
@@ -51,6 +64,8 @@ final class SocketGroupListener: Sendable {
     let group: ReusePortGroup
     let plans: PlanHolder
     let stop = StopSignal()
+    /// ``WorkerShared/sealing``.
+    let sealing = SealOrder()
     let handOverSignal = HandOverSignal()
     /// Set once every worker returned after a handover (``drainInBackground(drainSecs:drained:)``).
     private let drainedSignal = StopSignal()
@@ -113,7 +128,7 @@ final class SocketGroupListener: Sendable {
             do {
                 members.append(try group.join(slot: slot))
             } catch {
-                for member in members { member.leave() }
+                Self.leaveSealed(members)
                 throw error
             }
         }
@@ -142,9 +157,9 @@ final class SocketGroupListener: Sendable {
             if workersReadHandedOver {
                 for (position, socket) in handedOver.enumerated() { inherited[(socket.slot ?? position) % count].append(socket.member) }
             }
-            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter, group: group))
+            workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter, sealing: sealing))
         } catch {
-            for member in members { member.leave() }
+            Self.leaveSealed(members)
             throw error
         }
         threads = workers.map { worker in
@@ -154,6 +169,14 @@ final class SocketGroupListener: Sendable {
         counters.showRateLimit(limiter)
     }
 
+    /// Closes the sockets of a start that failed (bound, never steered to: no worker read them),
+    /// sealed first (``ReusePortMember/seal(_:)``): they are the newest on the bind, where a
+    /// running listener's datagrams could reach them as they close.
+    private static func leaveSealed(_ members: [ReusePortMember]) {
+        try? ReusePortMember.seal(members)
+        for member in members { member.leave() }
+    }
+
     /// A one-way listener's group: a ``SocketWorker`` per member, each forwarding through the
     /// listener's `output`.
     static func oneWay(_ config: Listener, counters: ListenerCounters, logger: Logger,
@@ -161,7 +184,7 @@ final class SocketGroupListener: Sendable {
                        descriptors: DescriptorStore? = nil) throws(ReusePortError) -> SocketGroupListener {
         let made = try SocketGroupListener(config, counters: counters, logger: logger, passiveHealth: passiveHealth, descriptors: descriptors) { members, shared in
             members.enumerated().map { index, member in
-                SocketWorker(index: index, member: member, group: shared.group, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
+                SocketWorker(index: index, member: member, sealing: shared.sealing, listener: config, counters: counters, plans: shared.plans, stop: shared.stop, logger: logger,
                              makeOutbox: Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize),
                              templates: counters.flowTemplates(config), limiter: shared.limiter)
             }
@@ -203,10 +226,25 @@ final class SocketGroupListener: Sendable {
         } catch {
             throw .listener(name: config.name, error)
         }
+        sealHandedOver()
         activated.set()
         guard let descriptors else { return }
         descriptors.replaceSockets(config.bind, with: workers.map(\.member.socket))
         drainHandedOver(handedOverQueued)
+    }
+
+    /// Seals the sockets a previous process handed over, once this group took the bind over
+    /// (one grace period for all): read out after, their close loses nothing.
+    private func sealHandedOver() {
+        let members = handedOver.map(\.member).filter { !$0.hasLeft && !$0.isSealed }
+        guard !members.isEmpty else { return }
+        do {
+            try ReusePortMember.seal(members)
+        } catch {
+            logger.warning("could not seal the sockets the previous process handed over: a datagram the kernel delivers to one as it closes is lost, not counted", metadata: [
+                "listener": "\(config.name)", "error": "\(error)",
+            ])
+        }
     }
 
     /// Bytes the handed-over sockets hold, and datagrams the kernel dropped on them.
@@ -261,7 +299,7 @@ final class SocketGroupListener: Sendable {
         stopped.set()
         let factory = Outboxes.factory(output: config.settings.output, capacity: config.settings.batchSize)
         let drains = handedOver.enumerated().map { index, socket in
-            SocketWorker(index: index, member: socket.member, group: nil, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
+            SocketWorker(index: index, member: socket.member, sealing: nil, listener: config, counters: counters, plans: plans, stop: stopped, logger: logger,
                          makeOutbox: factory, drainLimit: .seconds(30), handedOver: true, templates: counters.flowTemplates(config), limiter: limiter)
         }
         let (name, log) = (config.name, logger)
@@ -287,6 +325,8 @@ final class SocketGroupListener: Sendable {
     func drainInBackground(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) {
         handOverSignal.drainMilliseconds.store(Int64(drainSecs) * 1000, ordering: .relaxed)
         handOverSignal.requested.set()
+        // The successor took the bind over: the workers seal their sockets at the end.
+        sealing.first.set()
         stop.set()
         let (threads, finished, signal) = (self.threads, drainedSignal, handOverSignal)
         OSThread.detached(name: "\(config.name)-drain") {
@@ -299,11 +339,19 @@ final class SocketGroupListener: Sendable {
 
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
     /// After a handover: ends the drain now and waits for the workers to return.
-    func shutdown() {
+    /// - Parameter sealing: another instance receives on the bind from now on: each worker seals
+    ///   its socket before its stop drain; otherwise after it, unless the sockets go to a
+    ///   service manager for the next process (``SealOrder``).
+    func shutdown(sealing: Bool = false) {
         if handOverSignal.requested.isSet {
             handOverSignal.cutShort.set()
             while !drainedSignal.isSet { usleep(10_000) }
             return
+        }
+        if sealing {
+            self.sealing.first.set()
+        } else if descriptors?.handingOver != true {
+            self.sealing.last.set()
         }
         stop.set()
         for thread in threads { thread.join() }

@@ -18,11 +18,9 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     let receivingNow = Atomic<Bool>(false)
     /// Reads out a socket the previous process handed over (its log line says so).
     private let handedOver: Bool
-    /// The listener's group: when another group of this process took the bind over (a reload's
-    /// successor, or a rollback's predecessor), the worker seals its socket before its stop drain.
-    /// nil for a handed-over socket, which is sealed always (its drain starts once this
-    /// process's group took the bind over).
-    private let group: ReusePortGroup?
+    /// When the worker seals its socket (``SealOrder``). nil for a handed-over socket, which the
+    /// listener sealed when its group took the bind over.
+    private let sealing: SealOrder?
     private let loop: ReceiveLoop
     private let listener: Listener
     private let counters: ListenerCounters
@@ -37,12 +35,12 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     /// - Parameters:
     ///   - makeOutbox: the way out to each downstream (``Listener/settings``' output).
-    ///   - group: the group `member` belongs to (nil with `handedOver`).
-    init(index: Int, member: ReusePortMember, group: ReusePortGroup?, listener: Listener, counters: ListenerCounters,
+    ///   - sealing: ``WorkerShared/sealing`` (nil with `handedOver`).
+    init(index: Int, member: ReusePortMember, sealing: SealOrder?, listener: Listener, counters: ListenerCounters,
          plans: PlanHolder, stop: StopSignal, logger: Logger, makeOutbox: @escaping BatchForwarder.OutboxFactory,
          drainLimit: Duration = .seconds(1), handedOver: Bool = false, templates: FlowTemplateState? = nil, limiter: SourceRateLimiter? = nil) {
         self.handedOver = handedOver
-        self.group = group
+        self.sealing = sealing
         self.index = index
         self.member = member
         drops = ReceiveQueueDropReading(member)
@@ -118,19 +116,31 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         ])
     }
 
-    /// Seals the socket once nothing new is steered to it: a superseded group's member, or a
-    /// handed-over socket. Closing an unsealed socket of a reuseport group can lose a datagram
-    /// the kernel delivers to it in the close itself (``ReusePortMember/seal()``). A worker
-    /// stopping for good (daemon stop, listener removed) keeps receiving until it closes.
+    /// Seals the socket before the stop drain when another instance receives on the bind from
+    /// now on: closing an unsealed socket of a reuseport group can lose a datagram the kernel
+    /// delivers to it in the close itself (``ReusePortMember/seal()``).
     func stopping() {
-        guard handedOver || group?.isSuperseded == true else { return }
+        guard sealing?.first.isSet == true else { return }
+        seal(when: "before its stop drain (another instance receives on the bind)")
+    }
+
+    /// A stop for good: the drain over, the socket is sealed and read once more.
+    func sealAfterDrain() -> Bool {
+        guard sealing?.last.isSet == true, !member.isSealed else { return false }
+        return seal(when: "after its stop drain (the listener stops)")
+    }
+
+    @discardableResult
+    private func seal(when: String) -> Bool {
         do {
             try member.seal()
-            logger.debug("worker socket sealed before its last read", metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+            logger.debug("worker socket sealed before its last read", metadata: ["listener": "\(listener.name)", "worker": "\(index)", "when": "\(when)"])
+            return true
         } catch {
             logger.warning("could not seal the socket before its last read: a datagram the kernel delivers to it as it closes is lost, not counted", metadata: [
                 "listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)",
             ])
+            return false
         }
     }
 

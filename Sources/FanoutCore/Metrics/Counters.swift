@@ -31,6 +31,10 @@ package enum DropReason: String, CaseIterable, Sendable {
     /// `rate_limit`: above its source prefix's datagram or byte rate, or a new source above
     /// `new_sources_per_second`.
     case rateLimited = "rate_limited"
+    /// replies relay: a request read from a stopping worker's socket after its stop drain (the
+    /// socket, sealed once its last replies were sent, is read once more): not relayed, since no
+    /// reply could come back through it.
+    case closing
 }
 
 /// Why a reply (downstream to client) of a two-way listener was not sent on.
@@ -143,6 +147,7 @@ package final class ListenerCounters: Sendable {
     /// What the previous process held when it crashed (``CrashLedger``), counted at the first start.
     let crash = Atomic<UInt64>(0)
     let rateLimited = Atomic<UInt64>(0)
+    let closing = Atomic<UInt64>(0)
     /// `quic_lb` listeners: datagrams by ``QUICOutcome`` (in its order); all zero otherwise.
     let quicRouted = Atomic<UInt64>(0)
     let quicFallback = Atomic<UInt64>(0)
@@ -219,6 +224,7 @@ package final class ListenerCounters: Sendable {
         case .tableFull: add(tableFull, count)
         case .crash: add(crash, count)
         case .rateLimited: add(rateLimited, count)
+        case .closing: add(closing, count)
         case .noRoute, .rewriteFailed: break  // counted by the tc_ebpf program
         }
     }
@@ -364,6 +370,7 @@ package final class ListenerCounters: Sendable {
             .noRoute: 0, .ttlExpired: ttlExpired.load(ordering: .relaxed), .rewriteFailed: 0, .parseError: parseError.load(ordering: .relaxed),
             .familyMismatch: familyMismatch.load(ordering: .relaxed), .tableFull: tableFull.load(ordering: .relaxed),
             .crash: crash.load(ordering: .relaxed), .rateLimited: rateLimited.load(ordering: .relaxed),
+            .closing: closing.load(ordering: .relaxed),
         ]
         let downstreams = self.downstreams.withLock { table in
             table.mapValues { ($0.forwarded.load(ordering: .relaxed), $0.bytes.load(ordering: .relaxed), $0.dropped.load(ordering: .relaxed)) }

@@ -50,7 +50,7 @@ final class RelayListener: RunningListener {
                     workers.append(try RelayWorker(index: index, member: member, listener: config, counters: counters, relay: relay,
                                                    sessions: sessions, plans: shared.plans, stop: shared.stop, handOver: shared.handOver, logger: logger,
                                                    descriptors: descriptors, inherited: shared.inherited[index], activated: shared.activated,
-                                                   adopted: adopted[index], limiter: shared.limiter))
+                                                   adopted: adopted[index], limiter: shared.limiter, sealing: shared.sealing))
                 } catch {
                     // The sessions not yet in a worker close here (a worker's own close with it).
                     for session in adopted[index...].joined() { session.closeSocket() }
@@ -276,4 +276,6 @@ final class RelayListener: RunningListener {
 
     /// Stops the workers (after a handover: ends the sessions' drain now).
     func shutdown() { group.shutdown() }
+    /// As ``shutdown()``, each worker sealing its socket before its last read.
+    func retire() { group.shutdown(sealing: true) }
 }

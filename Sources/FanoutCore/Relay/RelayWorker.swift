@@ -107,6 +107,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var inherited: [ReusePortMember]
     /// Set once the listener's group took the bind over: the inherited sockets get nothing new.
     let activated: StopSignal
+    /// When the worker seals its socket (``SealOrder``): either way once its replies are sent, then
+    /// it reads it once more.
+    let sealing: SealOrder
     /// `rate_limit`: the listener's buckets per source (requests only), nil when none.
     let limiter: SourceRateLimiter?
 
@@ -117,7 +120,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     init(index: Int, member: ReusePortMember, listener: Listener, counters: ListenerCounters, relay: RelayCounters,
          sessions: RelaySessionCount, plans: PlanHolder, stop: StopSignal, handOver: HandOverSignal, logger: Logger,
          descriptors: DescriptorStore? = nil, inherited: [ReusePortMember] = [], activated: StopSignal = StopSignal(),
-         adopted: [RelaySession] = [], limiter: SourceRateLimiter? = nil) throws(ReusePortError) {
+         adopted: [RelaySession] = [], limiter: SourceRateLimiter? = nil, sealing: SealOrder = SealOrder()) throws(ReusePortError) {
+        self.sealing = sealing
         self.limiter = limiter
         amplification = listener.amplification
         self.index = index
@@ -211,6 +215,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
         if handOver.requested.isSet { drainAfterHandOver() }
+        if sealing.first.isSet || sealing.last.isSet { sealAndCountLast() }
         receivingNow.store(false, ordering: .relaxed)
         // Handing over: every session goes to the store, waiting for the service manager now;
         // else every one goes out of it (the removals it did not take at once, waiting too).
@@ -231,17 +236,14 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     var batchesPerTurn: Int { Self.batchesPerWakeup }
 
     func receiveBatch() throws(SystemCallError) -> Int {
-        // What the previous process's sockets hold came first; each closes once empty and sealed
-        // after the group took the bind over (nothing new reaches it then).
+        // What the previous process's sockets hold came first; each closes once empty after the
+        // group took the bind over (sealed then: nothing new reaches it, not even as it closes).
         var position = 0
         while position < inherited.count {
             let socket = inherited[position]
             let count = try receiver.receiveNoting(loop.ledger, from: socket.socket, flags: Socket.dontWait | Socket.truncate)
             if count > 0 { return count }
             if activated.isSet {
-                // Sealed, then read once more, so its close cannot lose a datagram the kernel
-                // still delivers (``ReusePortMember/seal()``; a refusal leaves it as before).
-                if !socket.isSealed, (try? socket.seal()) != nil { continue }
                 try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
                 socket.leave()
                 inherited.remove(at: position)
@@ -822,6 +824,31 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         // Cut short: what the sockets hold already is still relayed (or counted) before they close.
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
+    }
+
+    /// Its last replies sent, the worker seals its socket (the kernel delivers nothing to it any
+    /// more, not even as it closes) and reads it once more. What that read finds arrived after
+    /// the stop drain (or, after a handover, in the close race): counted `closing`, not relayed,
+    /// since no reply could come back through the sealed socket.
+    func sealAndCountLast() {
+        do {
+            try member.seal()
+        } catch {
+            logger.warning("could not seal the socket before its last read: a request the kernel delivers to it as it closes is lost, not counted", metadata: [
+                "listener": "\(listener.name)", "worker": "\(index)", "error": "\(error)",
+            ])
+            return
+        }
+        logger.debug("worker socket sealed before its last read", metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
+        var (last, bytes): (UInt64, UInt64) = (0, 0)
+        while let count = try? receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate), count > 0 {
+            last += UInt64(count)
+            for datagram in 0..<count { bytes += UInt64(receiver.length(datagram)) }
+        }
+        guard last > 0 else { return }
+        counters.add(counters.received, last)
+        counters.add(counters.bytesReceived, bytes)
+        counters.drop(.closing, last)
     }
 
     /// Closes every session and draining socket. A process that stops to hand its data path

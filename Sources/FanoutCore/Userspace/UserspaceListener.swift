@@ -30,4 +30,6 @@ final class UserspaceListener: RunningListener {
 
     /// Stops the workers: each forwards what its socket holds, leaves the group, and returns.
     func shutdown() { group.shutdown() }
+    /// As ``shutdown()``, each worker sealing its socket first (another instance receives).
+    func retire() { group.shutdown(sealing: true) }
 }
