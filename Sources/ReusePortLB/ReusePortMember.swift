@@ -452,8 +452,10 @@ public final class ReusePortMember: @unchecked Sendable {
         for member in members where !member.hasLeft {
             do {
                 sealedAny = try member.sealWithoutWaiting() || sealedAny
-            } catch {
+            } catch where !member.hasLeft {
                 firstError = firstError ?? error
+            } catch {
+                // Left meanwhile: skipped.
             }
         }
         if sealedAny { KernelGracePeriod.wait() }

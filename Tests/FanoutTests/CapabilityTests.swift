@@ -33,6 +33,13 @@ struct CapabilityTests {
         }
     }
 
+    /// The workers of the instance running now: the last "starting userspace forwarder" line's.
+    func workersNow(_ log: String) -> Int? {
+        guard let line = log.split(separator: "\n").last(where: { $0.contains("starting userspace forwarder") }),
+              let range = line.range(of: "workers=") else { return nil }
+        return Int(line[range.upperBound...].prefix { $0.isNumber })
+    }
+
     @Test("userspace without CAP_BPF (the kernel's hash): settings reloads under 50k pps lose nothing; the old workers seal their sockets as they stop, so the hash gives their share to the new ones (sent = received + receive_queue_drops)")
     func reloadWithoutEBPF() throws {
         let sink = try Sink()
@@ -44,7 +51,7 @@ struct CapabilityTests {
                 + "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
         }
         let scratch = try Unprivileged.Scratch(config(workers: 2))
-        let daemon = try Child(scratch.binary, ["-c", scratch.config], prefix: Unprivileged.asNobody([]))
+        let daemon = try Child(scratch.binary, ["-c", scratch.config, "-l", "debug"], prefix: Unprivileged.asNobody([]))
         var stopped = false
         defer {
             if !stopped {
@@ -83,6 +90,12 @@ struct CapabilityTests {
         #expect(daemon.stderr.contains("without eBPF worker steering the old workers on this bind keep a share of its datagrams until they stop"), "each such reload says so")
         #expect(sent == total)
         #expect(received + drops == sent, "sent \(sent): received \(received) + receive_queue_drops \(drops) across \(applied) reloads (lost uncounted: \(sent - received - drops))")
+        // Every worker that a reload replaced sealed its socket first: all that started, but
+        // those running now.
+        let started = daemon.stderr.components(separatedBy: "entering receive loop").count - 1
+        let running = try #require(workersNow(daemon.stderr), "the running instance's workers in its start line")
+        let sealedFirst = daemon.stderr.components(separatedBy: "before its stop drain (another instance receives on the bind)").count - 1
+        #expect(sealedFirst == started - running, "\(sealedFirst) sealed before their drain; \(started) workers started, \(running) running")
         daemon.signal(SIGTERM)
         stopped = true
         #expect(daemon.wait() == 0)

@@ -403,7 +403,7 @@ struct ReloadMatrixTests {
         let base = Shape(kind)
         let harness = try Harness(base)
         let kernelBefore = try KernelUDP(harness.topology)
-        let publisher = try harness.publisher(port: base.port, count: 200_000, rate: 100_000)
+        let publisher = try harness.publisher(port: base.port, count: 300_000, rate: 100_000)
         usleep(600_000)
         let mark = harness.logCount
         let delivered = try harness.stop().reduce(0, +)
@@ -415,7 +415,7 @@ struct ReloadMatrixTests {
         let noPorts = kernelAfter.noPorts - kernelBefore.noPorts
         let receiveBufferErrors = kernelAfter.receiveBufferErrors - kernelBefore.receiveBufferErrors
         let pathDrops = kernelAfter.pathDrops - kernelBefore.pathDrops
-        #expect(sent == 200_000)
+        #expect(sent == 300_000)
         #expect(noPorts > 0, "the stop came while the publisher ran: \(noPorts) refused after it")
         #expect(sent == delivered + daemon.drops + noPorts + receiveBufferErrors + pathDrops,
                 "sent \(sent) = delivered \(delivered) + daemon drops \(daemon.drops) (closing \(closing)) + kernel NoPorts \(noPorts) + RcvbufErrors \(receiveBufferErrors) + path drops \(pathDrops) (forwarded \(daemon.forwarded))")

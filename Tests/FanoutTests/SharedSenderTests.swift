@@ -95,7 +95,7 @@ struct SharedSenderTests {
         let count = UInt64(DropReason.allCases.count)
         #expect(!tally.isEmpty && tally.total == count * (count + 1) / 2 + 100)
         #expect(tally.map(\.0) == DropReason.allCases, "iterated in DropReason's order, every reason with drops")
-        #expect(tally[.rateLimited] == 1 && tally[.tooLarge] == count && tally[.unreachable] == count - 2 + 100)
+        #expect(tally[.closing] == 1 && tally[.rateLimited] == 2 && tally[.tooLarge] == count && tally[.unreachable] == count - 2 + 100)
         tally[.unreachable, default: 0] = 0
         #expect(tally[.unreachable] == nil && !tally.map(\.0).contains(.unreachable), "a reason set back to 0 has no drops")
         let literal: DropTally = [.tooLarge: 1, .familyMismatch: 2]

@@ -208,7 +208,8 @@ package final class DropCapture: Sendable {
     /// The reasons a capture may ask for: the drops decided per datagram, before it is sent,
     /// where the datagram is at hand (client datagrams' and replies'). Not among them: what a
     /// send call refused after the batch (send_buffer_full, unreachable, send_error,
-    /// family_mismatch, downstream_unreachable: counted, per downstream too) and crash.
+    /// family_mismatch, downstream_unreachable: counted, per downstream too), crash, and closing
+    /// (relay: read by a stopping worker after its capture ended with its drain).
     package static let reasons: [String] = [
         "no_healthy", DropReason.rateLimited.rawValue, DropReason.tooLarge.rawValue, DropReason.tableFull.rawValue,
         DropReason.parseError.rawValue, DropReason.ttlExpired.rawValue, DropReason.noRoute.rawValue, DropReason.rewriteFailed.rawValue,

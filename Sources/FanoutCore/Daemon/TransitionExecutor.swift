@@ -57,7 +57,7 @@ extension FanoutDaemon {
                 let instance = started[step.name]!
                 try failIfInjected(.activate, step.name)
                 if step.predecessorOnBind && !instance.takesOverExactly {
-                    logger.warning("without eBPF worker steering the old workers on this bind keep a share of its datagrams until they stop (then they seal their sockets and forward what they hold: nothing is lost), and the new workers' steering applies only once they stopped (grant CAP_BPF for an exact takeover)", metadata: [
+                    logger.warning("without eBPF worker steering the old workers on this bind keep a share of its datagrams until they stop (then they seal their sockets and forward what they hold; a relay counts requests that reach its old workers after their drain as closing), and the new workers' steering applies only once they stopped (grant CAP_BPF for an exact takeover)", metadata: [
                         "listener": "\(step.name)", "bind": "\(effective[step.name]!.bind)",
                     ])
                     activateLater.append(step.name)
@@ -135,10 +135,12 @@ extension FanoutDaemon {
     private func rollBack(_ rollback: TransitionPlan.Rollback, running: [String: any RunningListener],
                           started: [(name: String, instance: any RunningListener, listener: Listener)], old: [String: Listener]) {
         var lost: [String] = []
+        var refused: Set<String> = []
         for step in rollback.takeBack {
             do {
                 try running[step.name]?.activate()
             } catch {
+                refused.insert(step.name)
                 logger.critical("listener could not take its bind back after a failed change: its datagrams go to the kernel's hash over its sockets (userspace) or, for tc_ebpf, nowhere: it is stopped and counted lost until a reload starts it", metadata: [
                     "listener": "\(step.name)", "error": "\(error)",
                 ])
@@ -155,7 +157,7 @@ extension FanoutDaemon {
         // Binds an old listener still receives on with a socket group (taken back, or released
         // with its companion socket receiving): a new instance there seals its sockets as it stops.
         let receiving = Set((rollback.takeBack.map(\.name) + rollback.restartReleased).compactMap { name -> SocketAddress? in
-            guard !lost.contains(name), running[name] != nil, let listener = old[name], kinds.kind(for: listener).receivesOnBind else { return nil }
+            guard !lost.contains(name), !refused.contains(name), running[name] != nil, let listener = old[name], kinds.kind(for: listener).receivesOnBind else { return nil }
             return listener.bind
         })
         for (name, instance, listener) in started {
@@ -193,7 +195,8 @@ extension FanoutDaemon {
                     ])
                 }
             }
-            previous?.shutdown()
+            // The restarted instance receives on the bind: the released one's companion seals.
+            previous?.retire()
         }
         let interrupted = rollback.restartStopped.filter { restart(old[$0]!) != nil }
         state.withLock { state in

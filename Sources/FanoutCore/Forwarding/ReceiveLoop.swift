@@ -39,11 +39,14 @@ protocol ReceiveLoopBody: AnyObject {
     /// Once the stop drain ended: true if the body sealed its source now (a stop for good), so
     /// the loop reads it once more.
     func sealAfterDrain() -> Bool
+    /// The source is sealed: nothing new reaches it, so what it holds is read to the end.
+    var sourceSealed: Bool { get }
 }
 
 extension ReceiveLoopBody {
     func stopping() {}
     func sealAfterDrain() -> Bool { false }
+    var sourceSealed: Bool { false }
 }
 
 /// The receive loop of every forwarding thread (userspace and relay workers, af_xdp queue
@@ -162,9 +165,11 @@ final class ReceiveLoop: Sendable {
             _ = drain(body, budget: .max, deadline: deadline)
             body.endOfTurn()
         } while clock.now < deadline && body.wait(milliseconds: 20) != .timedOut
-        // Sealed now: what the kernel delivered up to the seal is queued; nothing comes after.
-        if body.sealAfterDrain() {
-            _ = drain(body, budget: .max, deadline: clock.now + .milliseconds(200))
+        // Sealed (before the drain, or now): nothing new arrives, so what the queue holds (an
+        // overloaded worker's, past the drain's limit) is read to the end rather than freed at
+        // the close; the queue is finite, the bound only a guard.
+        if body.sealAfterDrain() || body.sourceSealed {
+            _ = drain(body, budget: .max, deadline: clock.now + .seconds(10))
             body.endOfTurn()
         }
     }

@@ -224,12 +224,16 @@ final class SocketGroupListener: Sendable {
         do {
             try group.activate()
         } catch {
+            // Still the instance meant to serve the bind (a rollback's predecessor, or a
+            // successor activated after its predecessor stopped): the store names its sockets.
+            descriptors?.replaceSockets(config.bind, with: workers.map(\.member.socket))
             throw .listener(name: config.name, error)
         }
+        // Stored before the handed-over sockets are sealed: the store never holds only sealed ones.
+        descriptors?.replaceSockets(config.bind, with: workers.map(\.member.socket))
         sealHandedOver()
         activated.set()
-        guard let descriptors else { return }
-        descriptors.replaceSockets(config.bind, with: workers.map(\.member.socket))
+        guard descriptors != nil else { return }
         drainHandedOver(handedOverQueued)
     }
 
@@ -350,7 +354,9 @@ final class SocketGroupListener: Sendable {
         }
         if sealing {
             self.sealing.first.set()
-        } else if descriptors?.handingOver != true {
+        } else if !(descriptors?.handingOver == true && activated.isSet) {
+            // Unless these are the sockets the service manager keeps for the next process (this
+            // instance took the bind over and stored them): one that never did seals too.
             self.sealing.last.set()
         }
         stop.set()

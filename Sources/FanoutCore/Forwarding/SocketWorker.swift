@@ -124,6 +124,8 @@ final class SocketWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         seal(when: "before its stop drain (another instance receives on the bind)")
     }
 
+    var sourceSealed: Bool { member.isSealed }
+
     /// A stop for good: the drain over, the socket is sealed and read once more.
     func sealAfterDrain() -> Bool {
         guard sealing?.last.isSet == true, !member.isSealed else { return false }

@@ -840,15 +840,22 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             return
         }
         logger.debug("worker socket sealed before its last read", metadata: ["listener": "\(listener.name)", "worker": "\(index)"])
-        var (last, bytes): (UInt64, UInt64) = (0, 0)
+        // The queue is finite and nothing new arrives: read to the end.
+        var (last, bytes, truncated): (UInt64, UInt64, UInt64) = (0, 0, 0)
         while let count = try? receiver.receive(from: member.socket, flags: Socket.dontWait | Socket.truncate), count > 0 {
             last += UInt64(count)
-            for datagram in 0..<count { bytes += UInt64(receiver.length(datagram)) }
+            for datagram in 0..<count {
+                bytes += UInt64(receiver.length(datagram))
+                // The pools' copies need no reply: they go out as in the loop.
+                if receiver.isTruncated(datagram) { truncated += 1 } else { replicator.replicate(receiver.payload(datagram), source: receiver.sourceStorage(datagram)) }
+            }
         }
+        drops.read(member, into: counters)
         guard last > 0 else { return }
         counters.add(counters.received, last)
         counters.add(counters.bytesReceived, bytes)
         counters.drop(.closing, last)
+        if !replicator.isEmpty { replicator.flush(notOffered: [(.tooLarge, truncated)]) }
     }
 
     /// Closes every session and draining socket. A process that stops to hand its data path
