@@ -157,6 +157,14 @@ public final class Child {
 
     public func signal(_ signal: Int32) { kill(process.processIdentifier, signal) }
 
+    /// Stops the process with SIGTERM and waits, unless it ended already: a `defer` that cleans
+    /// up after a test that may have stopped it itself (no signal to a PID reused since).
+    public func stopIfRunning() {
+        guard process.isRunning else { return }
+        signal(SIGTERM)
+        wait()
+    }
+
     /// Stops with SIGTERM and returns the JSON line it printed.
     public func stop() throws -> [String: Any] {
         signal(SIGTERM)

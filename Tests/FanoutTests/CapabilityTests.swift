@@ -52,13 +52,7 @@ struct CapabilityTests {
         }
         let scratch = try Unprivileged.Scratch(config(workers: 2))
         let daemon = try Child(scratch.binary, ["-c", scratch.config, "-l", "debug"], prefix: Unprivileged.asNobody([]))
-        var stopped = false
-        defer {
-            if !stopped {
-                daemon.signal(SIGTERM)
-                _ = daemon.wait()
-            }
-        }
+        defer { daemon.stopIfRunning() }
         try daemon.waitFor("entering receive loop")
         #expect(daemon.stderr.contains("steering=kernelHash"), "\(daemon.stderr)")
         let total = 150_000
@@ -73,18 +67,7 @@ struct CapabilityTests {
         }
         #expect(publisher.wait() == 0)
         let sent = try publisher.json().int("sent")
-        let labels = "listener=\"nobpf\",mode=\"userspace\""
-        var text = ""
-        for _ in 0..<100 {
-            text = try httpGet(metrics, "/metrics").1
-            let taken = daemon.stderr.components(separatedBy: "SIGHUP: reloading").count - 1
-            let done = daemon.stderr.components(separatedBy: "reload=true").count - 1 + daemon.stderr.components(separatedBy: "configuration reload rejected").count - 1
-            let counted = (metric(text, "udp_fanout_packets_received_total", labels) ?? 0) + (metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0)
-            if taken == done && counted >= sent { break }
-            usleep(50_000)
-        }
-        let received = metric(text, "udp_fanout_packets_received_total", labels) ?? -1
-        let drops = metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? -1
+        let (_, received, drops) = try countsAfterReloads(daemon, metrics: metrics, labels: "listener=\"nobpf\",mode=\"userspace\"", sent: sent)
         let applied = daemon.stderr.components(separatedBy: "reload=true").count - 1
         #expect(applied >= 5, "settings reloads applied: \(applied) of \(hangups)")
         #expect(daemon.stderr.contains("without eBPF worker steering the old workers on this bind keep a share of its datagrams until they stop"), "each such reload says so")
@@ -97,7 +80,6 @@ struct CapabilityTests {
         let sealedFirst = daemon.stderr.components(separatedBy: "before its stop drain (another instance receives on the bind)").count - 1
         #expect(sealedFirst == started - running, "\(sealedFirst) sealed before their drain; \(started) workers started, \(running) running")
         daemon.signal(SIGTERM)
-        stopped = true
         #expect(daemon.wait() == 0)
         print("reload without eBPF: \(sent) sent at 50k/s, \(applied) reloads, received \(received), receive_queue_drops \(drops), delivered \(receiver.finish().count)")
     }

@@ -114,3 +114,36 @@ func listenerYAML(_ name: String, bind: SocketAddress, _ sinks: [Sink], extra: S
     }
     return yaml
 }
+
+/// A loopback address whose port a plain socket (no SO_REUSEPORT) holds, so a listener bound
+/// there cannot start: a reload naming it is rolled back. Close `socket` when done.
+func squattedAddress() throws -> (address: SocketAddress, socket: Int32) {
+    let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+    let squatter = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+    guard address.withSockAddr({ Glibc.bind(squatter, $0, $1) }) == 0 else {
+        close(squatter)
+        throw CancellationError()
+    }
+    return (address, squatter)
+}
+
+/// Every SIGHUP the daemon took is answered (applied or rejected) in its log.
+func reloadsAnswered(_ log: String) -> Bool {
+    let taken = log.components(separatedBy: "SIGHUP: reloading").count - 1
+    let done = log.components(separatedBy: "reload=true").count - 1 + log.components(separatedBy: "configuration reload rejected").count - 1
+    return taken == done
+}
+
+/// Waits (at most 5 s) until every SIGHUP `daemon` took is answered and the listener of `labels`
+/// counts `sent` datagrams received or dropped by its sockets' full receive buffers; returns the
+/// last /metrics text and those two counts (-1 where missing).
+func countsAfterReloads(_ daemon: Child, metrics: SocketAddress, labels: String, sent: Int) throws -> (text: String, received: Int, drops: Int) {
+    var text = ""
+    for _ in 0..<100 {
+        text = try httpGet(metrics, "/metrics").1
+        let counted = (metric(text, "udp_fanout_packets_received_total", labels) ?? 0) + (metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0)
+        if reloadsAnswered(daemon.stderr) && counted >= sent { break }
+        usleep(50_000)
+    }
+    return (text, metric(text, "udp_fanout_packets_received_total", labels) ?? -1, metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? -1)
+}

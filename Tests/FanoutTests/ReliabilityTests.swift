@@ -277,10 +277,8 @@ struct DatagramReliabilityTests {
         let receivers = sinks.map(ConcurrentSink.init)
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let squatted = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let squatter = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        let (squatted, squatter) = try squattedAddress()
         defer { close(squatter) }
-        try #require(squatted.withSockAddr { Glibc.bind(squatter, $0, $1) } == 0)
         let tail = "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
         func listener(workers: Int, batch: Int) -> String {
             listenerYAML("storm", bind: bind, sinks, workers: workers).replacingOccurrences(of: "      recv_buf_size: 8388608\n", with: "      recv_buf_size: 8388608\n      batch_size: \(batch)\n")
@@ -313,13 +311,7 @@ struct DatagramReliabilityTests {
         let received = receivers.map { $0.finish().count }
         #expect(sent == total)
         // Every SIGHUP taken is answered (applied or rejected) before the counters are read.
-        let answered = { () -> Bool in
-            let log = daemon.stderr
-            let taken = log.components(separatedBy: "SIGHUP: reloading").count - 1
-            let done = log.components(separatedBy: "reload=true").count - 1 + log.components(separatedBy: "configuration reload rejected").count - 1
-            return taken == done
-        }
-        for _ in 0..<100 where !answered() { usleep(50_000) }
+        for _ in 0..<100 where !reloadsAnswered(daemon.stderr) { usleep(50_000) }
         let text = try httpGet(metrics, "/metrics").1
         // On a loss, the daemon's own counts say where it went (never received, dropped, or lost after a send).
         let counts = text.split(separator: "\n").filter { $0.hasPrefix("udp_fanout_packets_") && $0.contains("listener=\"storm\"") }
@@ -341,22 +333,14 @@ struct DatagramReliabilityTests {
         let receiver = ConcurrentSink(sink)
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let metrics = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let squatted = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
-        let squatter = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+        let (squatted, squatter) = try squattedAddress()
         defer { close(squatter) }
-        try #require(squatted.withSockAddr { Glibc.bind(squatter, $0, $1) } == 0)
         let tail = "metrics: {enabled: true, bind: \"\(metrics)\"}\n"
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("rollback-\(UUID().uuidString).yaml")
         defer { try? FileManager.default.removeItem(at: file) }
         try ("listeners:\n" + listenerYAML("storm", bind: bind, [sink], workers: 2) + tail).write(to: file, atomically: true, encoding: .utf8)
         let daemon = try Child("udp-fanout", ["-c", file.path, "-l", "debug"])
-        var stopped = false
-        defer {
-            if !stopped {
-                daemon.signal(SIGTERM)
-                _ = daemon.wait()
-            }
-        }
+        defer { daemon.stopIfRunning() }
         try daemon.waitFor("entering receive loop")
         // Every reload from now on starts the storm listener's 16 new workers (the newest sockets
         // on the bind, first in the kernel's hash chain), then fails at the squatted bind and
@@ -373,18 +357,7 @@ struct DatagramReliabilityTests {
         }
         #expect(publisher.wait() == 0)
         let sent = try publisher.json().int("sent")
-        let labels = "listener=\"storm\",mode=\"userspace\""
-        var text = ""
-        for _ in 0..<100 {
-            text = try httpGet(metrics, "/metrics").1
-            let taken = daemon.stderr.components(separatedBy: "SIGHUP: reloading").count - 1
-            let rejected = daemon.stderr.components(separatedBy: "configuration reload rejected").count - 1
-            let counted = (metric(text, "udp_fanout_packets_received_total", labels) ?? 0) + (metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? 0)
-            if taken == rejected && counted >= sent { break }
-            usleep(50_000)
-        }
-        let received = metric(text, "udp_fanout_packets_received_total", labels) ?? -1
-        let drops = metric(text, "udp_fanout_receive_queue_drops_total", labels) ?? -1
+        let (text, received, drops) = try countsAfterReloads(daemon, metrics: metrics, labels: "listener=\"storm\",mode=\"userspace\"", sent: sent)
         let rejected = metric(text, "udp_fanout_config_reloads_total", "result=\"rejected\"") ?? 0
         let stoppedUnused = daemon.stderr.components(separatedBy: "new listener instance stopped unused").count - 1
         #expect(rejected >= 5 && stoppedUnused == rejected, "the reloads were rolled back after the new instance started: \(rejected) of \(hangups), \(stoppedUnused) new instances stopped unused")
@@ -402,7 +375,6 @@ struct DatagramReliabilityTests {
         #expect(received + drops == sent, "sent \(sent): received \(received) + receive_queue_drops \(drops) across \(rejected) rollbacks (lost uncounted: \(sent - received - drops))")
         // A stop for good: the 3 running workers seal after their drain.
         daemon.signal(SIGTERM)
-        stopped = true
         #expect(daemon.wait() == 0)
         let atStop = daemon.stderr.components(separatedBy: "worker socket sealed before its last read").count - 1 - (sealed + 2)
         #expect(atStop == 3 && daemon.stderr.contains("after its stop drain (the listener stops)"), "the stop sealed its 3 workers after their drain: \(atStop)")

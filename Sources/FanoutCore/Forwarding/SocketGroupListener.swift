@@ -86,6 +86,9 @@ final class SocketGroupListener: Sendable {
     /// of their own after ``activate()``.
     private let workersReadHandedOver: Bool
     private let activated = StopSignal()
+    /// Set once the store names this group's sockets (``activate()``): a stop that hands them to
+    /// the next process leaves them unsealed.
+    private let stored = StopSignal()
     /// What the handed-over sockets held when taken: bytes, and the kernel's drops on them.
     private let handedOverQueued: (bytes: Int, drops: UInt64)
     /// Set by the first ``activate()``: the handed-over sockets are read out once (a rollback may
@@ -226,15 +229,22 @@ final class SocketGroupListener: Sendable {
         } catch {
             // Still the instance meant to serve the bind (a rollback's predecessor, or a
             // successor activated after its predecessor stopped): the store names its sockets.
-            descriptors?.replaceSockets(config.bind, with: workers.map(\.member.socket))
+            store()
             throw .listener(name: config.name, error)
         }
         // Stored before the handed-over sockets are sealed: the store never holds only sealed ones.
-        descriptors?.replaceSockets(config.bind, with: workers.map(\.member.socket))
+        store()
         sealHandedOver()
         activated.set()
         guard descriptors != nil else { return }
         drainHandedOver(handedOverQueued)
+    }
+
+    /// The service manager's store names this group's sockets for the bind (nothing without one).
+    private func store() {
+        guard let descriptors else { return }
+        descriptors.replaceSockets(config.bind, with: workers.map(\.member.socket))
+        stored.set()
     }
 
     /// Seals the sockets a previous process handed over, once this group took the bind over
@@ -354,9 +364,9 @@ final class SocketGroupListener: Sendable {
         }
         if sealing {
             self.sealing.first.set()
-        } else if !(descriptors?.handingOver == true && activated.isSet) {
+        } else if !(descriptors?.handingOver == true && stored.isSet) {
             // Unless these are the sockets the service manager keeps for the next process (this
-            // instance took the bind over and stored them): one that never did seals too.
+            // instance stored them): one that never did seals too.
             self.sealing.last.set()
         }
         stop.set()
