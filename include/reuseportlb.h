@@ -95,8 +95,9 @@ int reuseportlb_owner(const reuseportlb_member *member, const char *source_ip, u
  * on its socket. Then read until reuseportlb_queued_bytes() returns 0 and nothing new arrived
  * for ~100 ms, and call
  * reuseportlb_leave(). Returns 0 (also if the slot was already taken over or withdrawn),
- * -EOPNOTSUPP with classic BPF or kernel-hash steering (no slot to withdraw: datagrams arriving
- * between the last read and the leave are lost), or a negative errno. */
+ * -EOPNOTSUPP with classic BPF or kernel-hash steering (no slot to withdraw: the member keeps its
+ * share until reuseportlb_seal() takes the socket out of the kernel's group), or a negative
+ * errno. */
 int reuseportlb_withdraw(reuseportlb_member *member);
 
 /* Stops the kernel delivering any new datagram to the member's socket, whatever steers the

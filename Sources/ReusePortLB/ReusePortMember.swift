@@ -404,8 +404,8 @@ public final class ReusePortMember: @unchecked Sendable {
     /// - Returns: true if the slot is out of selection (or was already: replaced, withdrawn);
     ///   false with classic BPF or the kernel hash, which address sockets by position or hash
     ///   and cannot take one out, and false while a member forced in without eBPF serves the
-    ///   group (its program ignores the map): there, datagrams arriving between the last read
-    ///   and the close are lost.
+    ///   group (its program ignores the map): there the member keeps its share until
+    ///   ``seal()`` takes the socket out of the kernel's group.
     /// - Throws: ``ReusePortError`` if the bpffs lock or the map delete fails.
     public func withdraw() throws(ReusePortError) -> Bool {
         guard let objects else { return false }
