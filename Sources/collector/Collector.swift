@@ -178,7 +178,7 @@ struct Run {
     var replaced = false
     /// The slot was taken out of selection at the stop.
     var withdrawn = false
-    /// Set once the drain sealed the socket.
+    /// Set once the drain tried to seal the socket (the report says whether it is sealed).
     var sealed = false
     /// The steering serving the group as last seen (another member may have replaced ours).
     var steeringInForce: Steering

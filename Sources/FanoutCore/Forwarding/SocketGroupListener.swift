@@ -131,7 +131,7 @@ final class SocketGroupListener: Sendable {
             do {
                 members.append(try group.join(slot: slot))
             } catch {
-                Self.leaveSealed(members)
+                Self.leaveSealed(members, listener: config.name, logger: logger)
                 throw error
             }
         }
@@ -162,7 +162,7 @@ final class SocketGroupListener: Sendable {
             }
             workers = try makeWorkers(members, WorkerShared(plans: plans, stop: stop, handOver: handOverSignal, inherited: inherited, activated: activated, limiter: limiter, sealing: sealing))
         } catch {
-            Self.leaveSealed(members)
+            Self.leaveSealed(members, listener: config.name, logger: logger)
             throw error
         }
         threads = workers.map { worker in
@@ -175,8 +175,14 @@ final class SocketGroupListener: Sendable {
     /// Closes the sockets of a start that failed (bound, never steered to: no worker read them),
     /// sealed first (``ReusePortMember/seal(_:)``): they are the newest on the bind, where a
     /// running listener's datagrams could reach them as they close.
-    private static func leaveSealed(_ members: [ReusePortMember]) {
-        try? ReusePortMember.seal(members)
+    private static func leaveSealed(_ members: [ReusePortMember], listener: String, logger: Logger) {
+        do {
+            try ReusePortMember.seal(members)
+        } catch {
+            logger.warning("could not seal the sockets of a start that failed: a datagram the kernel delivers to one as it closes is lost, not counted", metadata: [
+                "listener": "\(listener)", "error": "\(error)",
+            ])
+        }
         for member in members { member.leave() }
     }
 
