@@ -468,17 +468,14 @@ public final class ReusePortMember: @unchecked Sendable {
     func sealWithoutWaiting() throws(ReusePortError) -> Bool {
         let result: Result<Bool, SystemCallError>? = withOpenSocket { socket in
             guard !sealed.load(ordering: .relaxed) else { return .success(false) }
-            if (try? Syscall.getsockopt(socket, SOL_SOCKET, SO_BINDTOIFINDEX, initial: Int32(0))) == Self.sealingInterfaceIndex {
-                sealed.store(true, ordering: .relaxed)
-                return .success(false)
-            }
+            let first: Bool
             do throws(SystemCallError) {
-                try Syscall.setsockopt(socket, SOL_SOCKET, SO_BINDTOIFINDEX, Self.sealingInterfaceIndex, call: "setsockopt SO_BINDTOIFINDEX")
+                first = try SocketSeal.sealWithoutWaiting(socket)
             } catch {
                 return .failure(error)
             }
             sealed.store(true, ordering: .relaxed)
-            return .success(true)
+            return .success(first)
         }
         switch result {
         case .success(let first): return first
@@ -489,10 +486,6 @@ public final class ReusePortMember: @unchecked Sendable {
 
     /// True once ``seal()`` succeeded.
     public var isSealed: Bool { sealed.load(ordering: .relaxed) }
-
-    /// The interface index a sealed socket is bound to: the largest the kernel can allocate,
-    /// which no device has unless one is created with that index on purpose.
-    static let sealingInterfaceIndex = Int32.max
 
     /// ``withdraw()``'s part under the bpffs lock: true if the slot is out of selection now.
     private func withdrawLocked(_ objects: GroupObjects) throws(ReusePortError) -> Bool {

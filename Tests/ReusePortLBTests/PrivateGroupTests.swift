@@ -244,6 +244,36 @@ struct PrivateGroupTests {
         for member in members { member.leave() }
     }
 
+    @Test("SocketSeal on connected sockets (a relay's sessions), IPv4 and IPv6: what was queued stays readable, what comes after reaches no socket, and a socket sealed already is left as it is",
+          arguments: ["127.0.0.1", "::1"])
+    func sealConnected(loopback: String) throws {
+        let family = loopback.contains(":") ? AF_INET6 : AF_INET
+        // A "downstream" and a session socket connected to it, each bound to its own port.
+        let downstream = SocketAddress(ip: IPAddress(loopback)!, port: freePort())
+        let session = SocketAddress(ip: IPAddress(loopback)!, port: freePort())
+        let server = socket(family, Int32(SOCK_DGRAM.rawValue), 0)
+        let client = socket(family, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
+        defer { close(server); close(client) }
+        try Syscall.bind(server, downstream)
+        try Syscall.bind(client, session)
+        #expect(session.withSockAddr { Glibc.connect(server, $0, $1) } == 0)
+        #expect(downstream.withSockAddr { Glibc.connect(client, $0, $1) } == 0)
+        var byte: UInt8 = 7
+        #expect(send(server, &byte, 1, 0) == 1)
+        usleep(20_000)
+        let refused = SocketSeal.seal([client, client])
+        #expect(refused.isEmpty && SocketSeal.isSealed(client))
+        #expect(try SocketSeal.sealWithoutWaiting(client) == false, "sealed already")
+        // After the seal: the reply reaches no socket (the server hears ICMP port unreachable).
+        byte = 8
+        _ = send(server, &byte, 1, 0)
+        usleep(50_000)
+        var buffer = [UInt8](repeating: 0, count: 4)
+        #expect(recv(client, &buffer, 4, 0) == 1 && buffer[0] == 7, "the datagram queued before the seal is read")
+        #expect(recv(client, &buffer, 4, 0) == -1 && errno == EAGAIN, "nothing came after the seal")
+        #expect(recv(server, &buffer, 4, Int32(MSG_DONTWAIT)) == -1 && errno == ECONNREFUSED, "the later one was refused: port unreachable")
+    }
+
     @Test("A second group in the same process on an address this process serves is allowed; slot rules hold")
     func sameProcess() throws {
         let address = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
