@@ -106,6 +106,14 @@ public final class Topology {
         try Self.dropped(self, client, "cp\(suffix.prefix(8))", "tx")
     }
 
+    /// The datagrams the backends' veths could not hand to the proxy's side (their TX drops, as
+    /// ``clientSendDrops()``): replies a full backlog refused before any proxy socket saw them.
+    public func backendSendDrops() throws -> Int {
+        try backends.enumerated().reduce(0) { sum, backend in
+            try sum + Self.dropped(self, backend.element, "b\(backend.offset + 1)\(suffix.prefix(8))", "tx")
+        }
+    }
+
     /// The kernel's UDP counters in `namespace`: /proc/net/snmp's `Udp:` row by name (`NoPorts`,
     /// `RcvbufErrors`, `InErrors`, `InCsumErrors`, ...) and /proc/net/snmp6's `Udp6...` lines
     /// (`Udp6InCsumErrors`, ...). A counter the kernel does not print is absent.

@@ -98,6 +98,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Session sockets whose downstream left the plan, by descriptor: in the same epoll set,
     /// told apart from ``bySocket``'s by lookup (they are few, and only while a change drains).
     var draining: [Int32: DrainingSocket] = [:]
+    /// Sockets the sweep closes (expired sessions', silent draining ones), sealed and out of the
+    /// epoll set, waiting for their last read and close at the next sweep (``closeSealedLater(_:)``).
+    var sealedClosing: [DrainingSocket] = []
     /// The service manager's store: each session socket is handed to it as it opens and taken
     /// out as it closes, so a restart or crash keeps the sessions (nil: not stored).
     let descriptors: DescriptorStore?
@@ -215,6 +218,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
         if handOver.requested.isSet { drainAfterHandOver() }
+        // Unless the sessions go to the service manager's store for the next process.
+        if descriptors?.handingOver != true { relayLastReplies() }
         if sealing.first.isSet || sealing.last.isSet { sealAndCountLast() }
         receivingNow.store(false, ordering: .relaxed)
         // Handing over: every session goes to the store, waiting for the service manager now;
@@ -752,9 +757,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     // MARK: Idle and stop
 
     /// Closes the sessions without a datagram either way for `session_idle_secs` (event `expired`).
+    /// Each socket it closes is sealed first and closed at the next sweep (``closeSealedLater(_:)``).
     func sweep(now: Int64) {
         tableLock.withLock { _ in
             adoptPlanLocked()
+            finishSealedLocked()
             // Keys first: removing while iterating would copy the whole table.
             let idle = sessions.compactMap { now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
             var expired = 0
@@ -762,9 +769,13 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 guard let session = sessions.removeValue(forKey: key) else { continue }
                 // A reply that arrived in this very instant still goes out.
                 relayQueued(session, budget: .max)
-                if session.socket >= 0 { bySocket[session.socket] = nil }
                 unstore(session)
-                closeSession(session)
+                if session.socket >= 0 {
+                    bySocket[session.socket] = nil
+                    // What its last read finds is a reply to its client: relayed.
+                    closeSealedLater(DrainingSocket(socket: session.socket, session: session, counter: replyCounter(session, .plan), until: .max, now: now))
+                    session.socket = -1
+                }
                 expired += 1
             }
             sessionCount.release(expired)
@@ -778,10 +789,38 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 guard let socket = draining.removeValue(forKey: fd) else { continue }
                 // One last read: a reply that arrived in this very instant is counted too.
                 relayDraining(socket, budget: .max)
-                closeDraining(fd)
+                closeSealedLater(socket)
             }
             sessionCount.releaseDraining(silent.count)
         }
+    }
+
+    /// Closes `socket` at the next sweep rather than now: out of the epoll set and sealed now
+    /// (``SocketSeal``: the kernel delivers nothing new to it, a later reply is refused and
+    /// counted in Udp NoPorts), read once more then (a kernel grace period has long passed, so
+    /// a reply whose lookup met it before the seal is queued by then) and closed. A close at
+    /// once would free, uncounted, a reply that arrived after the last read. Where the kernel
+    /// refuses the seal, read and closed now. Called with the table lock held.
+    func closeSealedLater(_ socket: DrainingSocket) {
+        try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
+        if (try? SocketSeal.sealWithoutWaiting(socket.socket)) != nil {
+            sealedClosing.append(socket)
+            return
+        }
+        relayDraining(socket, budget: .max)
+        close(socket.socket)
+    }
+
+    /// Reads each socket ``closeSealedLater(_:)`` sealed once more (relayed to its client, or
+    /// counted `drained` past its drain time) and closes it. Called with the table lock held,
+    /// a kernel grace period after the seal.
+    func finishSealedLocked() {
+        guard !sealedClosing.isEmpty else { return }
+        for socket in sealedClosing {
+            relayDraining(socket, budget: .max)
+            close(socket.socket)
+        }
+        sealedClosing.removeAll()
     }
 
     /// The listener was handed over to a successor on its bind (a rename, or a change that
@@ -826,6 +865,51 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
+    /// The replies' end of a stop. The listener socket is read no more (a request arriving now
+    /// waits there: counted `closing` once the socket is sealed, or read by the next process
+    /// after a restart), but the downstreams still answer the requests the worker sent: their
+    /// replies are relayed until every session socket has been silent ``replyTailQuiet``
+    /// milliseconds, at most ``replyTailLimit``. Then every session and draining socket is
+    /// sealed (``SocketSeal``: the kernel delivers nothing to them any more, not even as they
+    /// close; a later reply is refused, counted in Udp NoPorts), and read once more after a
+    /// kernel grace period: what was queued is relayed, none freed uncounted at the close.
+    func relayLastReplies() {
+        guard !bySocket.isEmpty || !draining.isEmpty || !sealedClosing.isEmpty else { return }
+        for socket in [member.socket] + inherited.map(\.socket) { try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket, nil) }
+        let start = monotonicMilliseconds()
+        var lastReply = start
+        while true {
+            let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 5)) ?? 0
+            let now = monotonicMilliseconds()
+            if ready > 0 {
+                loop.progress.wrappingAdd(1, ordering: .relaxed)
+                for slot in 0..<ready { drainReplies(events[slot].data.fd, budget: Self.batchesPerWakeup) }
+                flushReplies()
+                lastReply = now
+            }
+            if now - lastReply >= Self.replyTailQuiet || now - start >= Self.replyTailLimit { break }
+        }
+        let sockets = Array(bySocket.keys) + Array(draining.keys)
+        let refused = SocketSeal.seal(sockets)
+        if let first = refused.first {
+            logger.warning("could not seal some session sockets before their last read: a reply the kernel delivers to them as they close is lost, not counted", metadata: [
+                "listener": "\(listener.name)", "worker": "\(index)", "refused": "\(refused.count)", "error": "\(first.error)",
+            ])
+        }
+        logger.debug("session sockets sealed before their last read", metadata: [
+            "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)", "reply_tail_ms": "\(monotonicMilliseconds() - start)",
+        ])
+        for fd in sockets { drainReplies(fd) }
+        // Those the sweep sealed: the grace period above covers them too.
+        tableLock.withLock { _ in finishSealedLocked() }
+        flushReplies()
+    }
+
+    /// ``relayLastReplies()``: the session sockets' silence that ends a stop's reply tail, and
+    /// the longest tail (milliseconds).
+    static let replyTailQuiet: Int64 = 100
+    static let replyTailLimit: Int64 = 1000
+
     /// Its last replies sent, the worker seals its socket (the kernel delivers nothing to it any
     /// more, not even as it closes) and reads it once more. What that read finds arrived after
     /// the stop drain (or, after a handover, in the close race): counted `closing`, not relayed,
@@ -862,6 +946,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// over (a restart) leaves the sessions in the service manager's store for the next one.
     func closeEverySession() {
         let handing = descriptors?.handingOver ?? false
+        // Sealed by the last sweep, perhaps a moment ago: their last read after a grace period.
+        if !sealedClosing.isEmpty {
+            SocketSeal.waitForGracePeriod()
+            tableLock.withLock { _ in finishSealedLocked() }
+            flushReplies()
+        }
         tableLock.withLock { _ in
             for session in sessions.values {
                 if !handing { unstore(session) }
