@@ -218,8 +218,10 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
         if handOver.requested.isSet { drainAfterHandOver() }
-        // Unless the sessions go to the service manager's store for the next process.
-        if descriptors?.handingOver != true { relayLastReplies() }
+        // Unless the sessions go to the service manager's store for the next process. Without a
+        // handover, a successor on the bind (a reload without eBPF steering) shares it with this
+        // worker's socket until its seal: requests still come, so no tail delays that.
+        if descriptors?.handingOver != true { relayLastReplies(tail: !sealing.first.isSet || handOver.requested.isSet) }
         if sealing.first.isSet || sealing.last.isSet { sealAndCountLast() }
         receivingNow.store(false, ordering: .relaxed)
         // Handing over: every session goes to the store, waiting for the service manager now;
@@ -865,20 +867,20 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
-    /// The replies' end of a stop. The listener socket is read no more (a request arriving now
-    /// waits there: counted `closing` once the socket is sealed, or read by the next process
-    /// after a restart), but the downstreams still answer the requests the worker sent: their
-    /// replies are relayed until every session socket has been silent ``replyTailQuiet``
-    /// milliseconds, at most ``replyTailLimit``. Then every session and draining socket is
-    /// sealed (``SocketSeal``: the kernel delivers nothing to them any more, not even as they
-    /// close; a later reply is refused, counted in Udp NoPorts), and read once more after a
-    /// kernel grace period: what was queued is relayed, none freed uncounted at the close.
-    func relayLastReplies() {
+    /// The replies' end of a stop. `tail`: the listener socket is read no more (a request
+    /// arriving now waits there, counted `closing` once the socket is sealed), but the
+    /// downstreams still answer the requests the worker sent: their replies are relayed until
+    /// every session socket has been silent ``replyTailQuiet`` milliseconds, at most
+    /// ``replyTailLimit``. Then every session and draining socket is sealed (``SocketSeal``:
+    /// the kernel delivers nothing to them any more, not even as they close; a later reply is
+    /// refused, counted in Udp NoPorts), and read once more after a kernel grace period: what
+    /// was queued is relayed, none freed uncounted at the close.
+    func relayLastReplies(tail: Bool) {
         guard !bySocket.isEmpty || !draining.isEmpty || !sealedClosing.isEmpty else { return }
         for socket in [member.socket] + inherited.map(\.socket) { try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket, nil) }
         let start = monotonicMilliseconds()
         var lastReply = start
-        while true {
+        while tail {
             let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 5)) ?? 0
             let now = monotonicMilliseconds()
             if ready > 0 {
@@ -905,7 +907,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
-    /// ``relayLastReplies()``: the session sockets' silence that ends a stop's reply tail, and
+    /// ``relayLastReplies(tail:)``: the session sockets' silence that ends a stop's reply tail, and
     /// the longest tail (milliseconds).
     static let replyTailQuiet: Int64 = 100
     static let replyTailLimit: Int64 = 1000
