@@ -553,6 +553,30 @@ struct DescriptorStoreTests {
         #expect(RelayListener.steeredAddress(SocketAddress("[2001:db8::5]:9")!) == SocketAddress("[2001:db8::5]:9")!)
     }
 
+    @Test("a relay session socket the previous process sealed (it was closing it when it stopped or crashed) is not adopted: closed, counted rejected, said why; an unsealed one beside it is")
+    func sealedSessionNotAdopted() throws {
+        let bind = SocketAddress("127.0.0.1:\(freePort())")!
+        let downstream = SocketAddress("127.0.0.1:\(freePort())")!
+        var inherited: [String: [Int32]] = [:]
+        var sockets: [Int32] = []
+        for (index, sealed) in [false, true].enumerated() {
+            let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue), 0)
+            #expect(downstream.withSockAddr { connect(fd, $0, $1) } == 0)
+            if sealed { try #require(SocketSeal.seal([fd]).isEmpty) }
+            let client = SocketAddress("198.18.0.\(10 + index):4000")!
+            inherited[DescriptorStore.relaySessionName(bind, worker: 0, inode: UInt64(100 + index), client: client)] = [fd]
+            sockets.append(fd)
+        }
+        let log = LogStore()
+        let store = DescriptorStore(inherited: inherited, notifier: nil, logger: log.logger)
+        let config = try ConfigParser.parse("listeners:\n  - name: r\n    bind: \"\(bind)\"\n    replies: relay\n    downstream: [{name: d, address: \"\(downstream)\"}]\n").listeners[0]
+        let handed = RelayListener.takeSessions(config, store)
+        #expect(handed.map(\.socket) == [sockets[0]], "only the unsealed session is taken")
+        #expect(fcntl(sockets[1], F_GETFD) == -1 && errno == EBADF, "the sealed one is closed")
+        #expect(store.outcomes["relay"]?[.rejected] == 1, "\(store.outcomes)")
+        for session in handed { close(session.socket) }
+    }
+
     @Test("--check: a socket on the bind held by the service manager (PID 1, or a holder /proc does not show, of this user) is a restart's, not another process's")
     func heldByServiceManager() {
         func socket(_ pid: Int32?, uid: UInt32?) -> BoundSockets.Foreign { BoundSockets.Foreign(inode: 1, pid: pid, command: nil, uid: uid) }

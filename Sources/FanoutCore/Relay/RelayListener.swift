@@ -104,7 +104,8 @@ final class RelayListener: RunningListener {
     }
 
     /// Takes the session sockets a previous process handed over on this listener's bind; one
-    /// that is not a UDP socket connected to an address is closed (counted rejected).
+    /// that is not a UDP socket connected to an address, or that its process sealed as it closed
+    /// the session, is closed (counted rejected).
     static func takeSessions(_ config: Listener, _ descriptors: DescriptorStore) -> [HandedSession] {
         var handed: [HandedSession] = []
         for (name, fds) in descriptors.takeAll(prefix: DescriptorStore.relaySessionPrefix(config.bind)).sorted(by: { $0.key < $1.key }) {
@@ -117,6 +118,14 @@ final class RelayListener: RunningListener {
                 let peer = connected ? withUnsafeBytes(of: &storage) { SocketAddress(storage: $0.baseAddress!) } : nil
                 let type = try? Syscall.getsockopt(fd, SOL_SOCKET, SO_TYPE, initial: Int32(0))
                 if let parsed = DescriptorStore.parseRelaySession(name, bind: config.bind), let peer, type == Int32(SOCK_DGRAM.rawValue), fds.count == 1 {
+                    guard !SocketSeal.isSealed(fd) else {
+                        // Its process sealed it to close it, and stopped or crashed before it
+                        // took it out of the store: it can neither send nor receive any more.
+                        close(fd)
+                        descriptors.remove(name)
+                        descriptors.count(Replies.relay.rawValue, .rejected, note: "listener '\(config.name)': \(name) was sealed by the previous process as it closed the session: closed (its client starts a new session)")
+                        continue
+                    }
                     handed.append(HandedSession(name: name, socket: fd, worker: parsed.worker, client: parsed.client, downstream: peer))
                 } else {
                     close(fd)

@@ -218,10 +218,13 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         for fd in Array(draining.keys) { drainReplies(fd) }
         flushReplies()
         if handOver.requested.isSet { drainAfterHandOver() }
-        // Unless the sessions go to the service manager's store for the next process. Without a
-        // handover, a successor on the bind (a reload without eBPF steering) shares it with this
-        // worker's socket until its seal: requests still come, so no tail delays that.
-        if descriptors?.handingOver != true { relayLastReplies(tail: !sealing.first.isSet || handOver.requested.isSet) }
+        // Sessions going to the service manager's store for the next process stay as they are;
+        // draining sockets (never stored) are sealed and read all the same. No reply tail where
+        // another instance receives on the bind (a successor, a rollback's predecessor, a
+        // handover's successor when its drain was cut short): without eBPF steering this
+        // worker's socket shares the bind until its seal, and a tail would only delay that.
+        let handing = descriptors?.handingOver == true
+        relayLastReplies(tail: !handing && !sealing.first.isSet, sessions: !handing)
         if sealing.first.isSet || sealing.last.isSet { sealAndCountLast() }
         receivingNow.store(false, ordering: .relaxed)
         // Handing over: every session goes to the store, waiting for the service manager now;
@@ -774,7 +777,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 unstore(session)
                 if session.socket >= 0 {
                     bySocket[session.socket] = nil
-                    // What its last read finds is a reply to its client: relayed.
+                    // Open until the next sweep: it holds a draining slot until then. What its
+                    // last read finds is a reply to its client: relayed.
+                    sessionCount.forceDraining()
                     closeSealedLater(DrainingSocket(socket: session.socket, session: session, counter: replyCounter(session, .plan), until: .max, now: now))
                     session.socket = -1
                 }
@@ -793,16 +798,18 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 relayDraining(socket, budget: .max)
                 closeSealedLater(socket)
             }
-            sessionCount.releaseDraining(silent.count)
         }
     }
 
-    /// Closes `socket` at the next sweep rather than now: out of the epoll set and sealed now
-    /// (``SocketSeal``: the kernel delivers nothing new to it, a later reply is refused and
-    /// counted in Udp NoPorts), read once more then (a kernel grace period has long passed, so
-    /// a reply whose lookup met it before the seal is queued by then) and closed. A close at
-    /// once would free, uncounted, a reply that arrived after the last read. Where the kernel
-    /// refuses the seal, read and closed now. Called with the table lock held.
+    /// Closes `socket`, which holds a draining slot, at the next sweep rather than now: out of
+    /// the epoll set and sealed now (``SocketSeal``: the kernel delivers nothing new to it, a
+    /// later reply is refused and counted in Udp NoPorts), read once more then and closed, its
+    /// slot released. A close at once would free, uncounted, a reply that arrived after the last
+    /// read. A second is far longer than a kernel grace period in practice (a reply whose lookup
+    /// met the socket before the seal is queued by then), not a guarantee: a CPU stalled that
+    /// long would still lose one. At a stop, ``relayLastReplies(tail:sessions:)`` waits a grace
+    /// period for them. Where the kernel refuses the seal, read and closed now. Called with the
+    /// table lock held.
     func closeSealedLater(_ socket: DrainingSocket) {
         try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
         if (try? SocketSeal.sealWithoutWaiting(socket.socket)) != nil {
@@ -811,17 +818,19 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         }
         relayDraining(socket, budget: .max)
         close(socket.socket)
+        sessionCount.releaseDraining()
     }
 
     /// Reads each socket ``closeSealedLater(_:)`` sealed once more (relayed to its client, or
-    /// counted `drained` past its drain time) and closes it. Called with the table lock held,
-    /// a kernel grace period after the seal.
+    /// counted `drained` past its drain time), closes it and releases its draining slot. Called
+    /// with the table lock held, a kernel grace period after the seal.
     func finishSealedLocked() {
         guard !sealedClosing.isEmpty else { return }
         for socket in sealedClosing {
             relayDraining(socket, budget: .max)
             close(socket.socket)
         }
+        sessionCount.releaseDraining(sealedClosing.count)
         sealedClosing.removeAll()
     }
 
@@ -867,20 +876,22 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         flushReplies()
     }
 
-    /// The replies' end of a stop. `tail`: the listener socket is read no more (a request
-    /// arriving now waits there, counted `closing` once the socket is sealed), but the
-    /// downstreams still answer the requests the worker sent: their replies are relayed until
-    /// every session socket has been silent ``replyTailQuiet`` milliseconds, at most
-    /// ``replyTailLimit``. Then every session and draining socket is sealed (``SocketSeal``:
-    /// the kernel delivers nothing to them any more, not even as they close; a later reply is
-    /// refused, counted in Udp NoPorts), and read once more after a kernel grace period: what
-    /// was queued is relayed, none freed uncounted at the close.
-    func relayLastReplies(tail: Bool) {
-        guard !bySocket.isEmpty || !draining.isEmpty || !sealedClosing.isEmpty else { return }
+    /// The replies' end of a stop, before the listener socket is sealed (replies go out from
+    /// it). `tail`: the listener socket is read no more (a request arriving now waits there,
+    /// counted `closing` once the socket is sealed), but the downstreams still answer the
+    /// requests the worker sent: their replies are relayed until every session socket has been
+    /// silent ``replyTailQuiet`` milliseconds, at most ``replyTailLimit``. Then every draining
+    /// socket, and with `sessions` every session socket, is sealed (``SocketSeal``: the kernel
+    /// delivers nothing to it any more, not even as it closes; a later reply is refused, counted
+    /// in Udp NoPorts) and read once more after a kernel grace period, as are the sockets the
+    /// sweep sealed (``closeSealedLater(_:)``, closed here): what was queued is relayed, none
+    /// freed uncounted at the close.
+    func relayLastReplies(tail: Bool, sessions: Bool) {
+        guard (sessions && !bySocket.isEmpty) || !draining.isEmpty || !sealedClosing.isEmpty else { return }
         for socket in [member.socket] + inherited.map(\.socket) { try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket, nil) }
         let start = monotonicMilliseconds()
         var lastReply = start
-        while tail {
+        while tail && !(bySocket.isEmpty && draining.isEmpty) {
             let ready = (try? Syscall.epollWait(epoll, events, Int32(Self.eventCapacity), 5)) ?? 0
             let now = monotonicMilliseconds()
             if ready > 0 {
@@ -891,8 +902,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             }
             if now - lastReply >= Self.replyTailQuiet || now - start >= Self.replyTailLimit { break }
         }
-        let sockets = Array(bySocket.keys) + Array(draining.keys)
+        let sockets = (sessions ? Array(bySocket.keys) : []) + Array(draining.keys)
         let refused = SocketSeal.seal(sockets)
+        // Sealed by the sweep perhaps a moment ago: a grace period for them too, if the seal
+        // above waited none.
+        if refused.count == sockets.count && !sealedClosing.isEmpty { SocketSeal.waitForGracePeriod() }
         if let first = refused.first {
             logger.warning("could not seal some session sockets before their last read: a reply the kernel delivers to them as they close is lost, not counted", metadata: [
                 "listener": "\(listener.name)", "worker": "\(index)", "refused": "\(refused.count)", "error": "\(first.error)",
@@ -902,12 +916,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)", "reply_tail_ms": "\(monotonicMilliseconds() - start)",
         ])
         for fd in sockets { drainReplies(fd) }
-        // Those the sweep sealed: the grace period above covers them too.
         tableLock.withLock { _ in finishSealedLocked() }
         flushReplies()
     }
 
-    /// ``relayLastReplies(tail:)``: the session sockets' silence that ends a stop's reply tail, and
+    /// ``relayLastReplies(tail:sessions:)``: the session sockets' silence that ends a stop's reply tail, and
     /// the longest tail (milliseconds).
     static let replyTailQuiet: Int64 = 100
     static let replyTailLimit: Int64 = 1000
@@ -948,12 +961,6 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// over (a restart) leaves the sessions in the service manager's store for the next one.
     func closeEverySession() {
         let handing = descriptors?.handingOver ?? false
-        // Sealed by the last sweep, perhaps a moment ago: their last read after a grace period.
-        if !sealedClosing.isEmpty {
-            SocketSeal.waitForGracePeriod()
-            tableLock.withLock { _ in finishSealedLocked() }
-            flushReplies()
-        }
         tableLock.withLock { _ in
             for session in sessions.values {
                 if !handing { unstore(session) }
