@@ -475,58 +475,57 @@ struct ReloadMatrixTests {
     /// A draining socket closes at the latest session_idle_secs after its drain time, also while
     /// its downstream keeps sending: closed at once after its last read, it freed what arrived
     /// in between uncounted; now the sweep seals it, reads it at the next sweep, then closes it.
-    @Test("A downstream that keeps sending to its draining session sockets (drain_secs 1, session_idle_secs 1): they close while it sends, sealed first; every datagram it sent is relayed, counted drained, or refused by the kernel after the seal")
-    func relayDrainingSocketsCloseUnderStream() throws {
+    /// Past the draining bound (max_sessions) a leaving session's socket was closed at once the
+    /// same way (an operator saw one reply lost uncounted); now it is sealed at once instead.
+    @Test("A downstream that keeps sending to its leaving session sockets: those that close while it sends (drain_secs 1, session_idle_secs 1) and those past the draining bound (max_sessions 12, two reloads within drain_secs) are sealed first; every datagram it sent is relayed, counted drained, or refused by the kernel after the seal",
+          arguments: [false, true])
+    func relayDrainingSocketsCloseUnderStream(pastBound: Bool) throws {
         var base = Shape(.relay)
-        base.settings += [("drain_secs", "1"), ("session_idle_secs", "1")]
+        base.settings += pastBound ? [("drain_secs", "30"), ("session_idle_secs", "30"), ("max_sessions", "12")] : [("drain_secs", "1"), ("session_idle_secs", "1")]
         let harness = try Harness(base, collectors: false)
         let topology = harness.topology
-        let (port, backendPort) = (UInt16(base.port), UInt16(Self.backendPort))
-        // Downstream b1 is this socket: it takes the requests, then streams to their session ports.
-        let downstream = try #require(inNetworkNamespace(topology.backends[0]) { () -> Int32 in
-            let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
-            guard fd >= 0, (try? Syscall.bind(fd, SocketAddress(ip: IPAddress(Topology.backendIPv4(1))!, port: backendPort))) != nil else { return -1 }
-            return fd
-        })
-        try #require(downstream >= 0)
-        defer { close(downstream) }
-        // b2 answers nothing: its sessions see ICMP port unreachable (counted before the stream).
-        let clients = try #require(inNetworkNamespace(topology.client) { () -> [Int32] in
-            (0..<32).map { _ in socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0) }
-        })
-        defer { for client in clients { close(client) } }
-        let listener = SocketAddress(ip: IPAddress("198.18.0.1")!, port: port)
-        var byte: UInt8 = 1
-        for client in clients { _ = listener.withSockAddr { sendto(client, &byte, 1, 0, $0, $1) } }
-        // The session ports of b1's clients, from the requests' sources.
-        var sessions: [SocketAddress] = []
-        var storage = sockaddr_storage()
-        let deadline = ContinuousClock.now + .seconds(3)
-        while sessions.count < clients.count / 2 && ContinuousClock.now < deadline {
-            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
-            let got = withUnsafeMutablePointer(to: &storage) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(downstream, &byte, 1, 0, $0, &length) } }
-            if got < 0 { usleep(5_000); continue }
-            if let source = SocketAddress(storage: &storage) { sessions.append(source) }
+        let mark = harness.logCount
+        // Downstreams b1 and b2 are this test's sockets: they take the requests, then stream to
+        // their session ports.
+        let downstreams = try (1...2).map { n in
+            try #require(Self.udpSocket(in: topology.backends[n - 1], bind: SocketAddress(ip: IPAddress(Topology.backendIPv4(n))!, port: UInt16(Self.backendPort))))
         }
-        try #require(sessions.count == clients.count / 2, "round robin gave b1 half the clients: \(sessions.count)")
-        // b1 leaves: its sessions drain.
+        defer { for fd in downstreams { close(fd) } }
+        let clients = try (0..<(pastBound ? 12 : 32)).map { _ in try #require(Self.udpSocket(in: topology.client, bind: nil)) }
+        defer { for client in clients { close(client) } }
+        let listener = SocketAddress(ip: IPAddress("198.18.0.1")!, port: UInt16(base.port))
+        func request() {
+            var byte: UInt8 = 1
+            for client in clients { _ = listener.withSockAddr { sendto(client, &byte, 1, 0, $0, $1) } }
+        }
+        request()
+        // The session ports, from the requests' sources: round robin splits the clients.
+        let first = Self.sources(downstreams, count: clients.count)
+        try #require(first[0].count + first[1].count == clients.count && !first[0].isEmpty && !first[1].isEmpty, "both downstreams got clients: \(first.map(\.count))")
         var changed = base
         changed.backends = [2]
+        // b1 leaves: its sessions drain.
         #expect(harness.reload(changed.yaml(topology)))
+        var streamed = first[0]
+        var from = downstreams[0]
+        if pastBound {
+            // Every client on b2 now; then b2 leaves too, within drain_secs: its 12 sessions
+            // retire beside b1's draining ones, and the bound (12) turns some away.
+            request()
+            let second = Self.sources(downstreams, count: clients.count)
+            try #require(second[1].count == clients.count, "every client on b2: \(second.map(\.count))")
+            changed.backends = [1]
+            #expect(harness.reload(changed.yaml(topology)))
+            streamed = second[1]
+            from = downstreams[1]
+        }
         let kernelBefore = try KernelUDP(topology)
         let backendDropsBefore = try topology.backendSendDrops()
         let before = try #require(harness.daemon.counters(of: base.name)?.twoWay)
-        // 16,000 datagrams a second over the session ports for 5 s: relayed within the drain time,
-        // counted drained after it, then (sealed 1 to 2 s after it, closed a second later) refused.
-        var sent = 0
-        let clock = ContinuousClock()
-        let end = clock.now + .seconds(5)
-        while clock.now < end {
-            for _ in 0..<16 {
-                if sessions[sent % sessions.count].withSockAddr({ sendto(downstream, &byte, 1, 0, $0, $1) }) == 1 { sent += 1 }
-            }
-            usleep(1_000)
-        }
+        // About 14,000 datagrams a second over the session ports (for 5 s: relayed within the
+        // drain time, counted drained after it, then sealed and refused; past the bound, for 2 s:
+        // relayed where they drain, refused where sealed at once).
+        let sent = Self.stream(from, to: streamed, seconds: pastBound ? 2 : 5)
         usleep(200_000)
         _ = try harness.stop()
         let after = try #require(harness.daemon.counters(of: base.name)?.twoWay)
@@ -539,9 +538,68 @@ struct ReloadMatrixTests {
         let receiveBufferErrors = kernelAfter.receiveBufferErrors - kernelBefore.receiveBufferErrors
         let pathDrops = try topology.backendSendDrops() - backendDropsBefore
         let summary = "sent \(sent) = relayed \(relayed) + reply drops \(dropped.values.reduce(0, +)) (drained \(drained)) + kernel NoPorts \(noPorts) + RcvbufErrors \(receiveBufferErrors) + path drops \(pathDrops)"
-        #expect(relayed > 0 && drained > 0 && noPorts > 0, "relayed within the drain time, drained after it, refused once sealed: \(summary)")
+        if pastBound {
+            let log = harness.lines(from: mark)
+            #expect(log.contains { $0.contains("too many draining relay session sockets") && $0.contains("sealed at once") }, "\(log.joined(separator: "\n"))")
+            #expect(relayed > 0 && noPorts > 0, "relayed where they drain, refused where sealed at once: \(summary)")
+        } else {
+            #expect(relayed > 0 && drained > 0 && noPorts > 0, "relayed within the drain time, drained after it, refused once sealed: \(summary)")
+        }
         #expect(sent == relayed + dropped.values.reduce(0, +) + noPorts + receiveBufferErrors + pathDrops, "\(summary)")
-        print("relay draining sockets closed under a stream: \(summary)")
+        print("relay leaving session sockets under a stream (\(pastBound ? "past the draining bound" : "closed after the drain")): \(summary)")
+    }
+
+    /// A nonblocking UDP socket made in `namespace` (bound to `bind`, if given); nil if it cannot be.
+    static func udpSocket(in namespace: String, bind: SocketAddress?) -> Int32? {
+        let fd = inNetworkNamespace(namespace) { () -> Int32 in
+            let fd = socket(AF_INET, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_NONBLOCK.rawValue), 0)
+            guard fd >= 0 else { return -1 }
+            if let bind, (try? Syscall.bind(fd, bind)) == nil {
+                close(fd)
+                return -1
+            }
+            return fd
+        } ?? -1
+        return fd >= 0 ? fd : nil
+    }
+
+    /// The sources of the next `count` datagrams the sockets `from` receive together (at most 3 s),
+    /// by socket, each once.
+    static func sources(_ from: [Int32], count: Int) -> [[SocketAddress]] {
+        var found = [[SocketAddress]](repeating: [], count: from.count)
+        var received = 0
+        var byte: UInt8 = 0
+        var storage = sockaddr_storage()
+        let deadline = ContinuousClock.now + .seconds(3)
+        while received < count && ContinuousClock.now < deadline {
+            var got = false
+            for (index, fd) in from.enumerated() {
+                var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+                let read = withUnsafeMutablePointer(to: &storage) { $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { recvfrom(fd, &byte, 1, 0, $0, &length) } }
+                guard read >= 0, let source = SocketAddress(storage: &storage) else { continue }
+                got = true
+                received += 1
+                if !found[index].contains(source) { found[index].append(source) }
+            }
+            if !got { usleep(5_000) }
+        }
+        return found
+    }
+
+    /// Sends one-byte datagrams from `fd` to `destinations` in turn, 16 a millisecond, for
+    /// `seconds`. - Returns: how many the kernel took.
+    static func stream(_ fd: Int32, to destinations: [SocketAddress], seconds: Int) -> Int {
+        var sent = 0
+        var byte: UInt8 = 1
+        let clock = ContinuousClock()
+        let end = clock.now + .seconds(seconds)
+        while clock.now < end {
+            for _ in 0..<16 {
+                if destinations[sent % destinations.count].withSockAddr({ sendto(fd, &byte, 1, 0, $0, $1) }) == 1 { sent += 1 }
+            }
+            usleep(1_000)
+        }
+        return sent
     }
 
     @Test("A reload failing at one step of its transaction under traffic: rejected and logged so, the old listener serves, every datagram delivered or counted",

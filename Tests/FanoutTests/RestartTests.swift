@@ -456,7 +456,14 @@ struct RestartTests {
 
     @Test("kill -9 then a start (systemd's Restart=on-failure), killed while a worker holds a batch: what queued meanwhile is forwarded, what the killed workers held is lost and counted by the next process (reason crash), nothing else; the log says it was a crash")
     func killAndStart() throws {
-        let result = try Self.run(.kill9)
+        // The search for a held batch can come up empty on a busy machine (once, under another
+        // load test: 1,588 stops in 3.5 s caught none): the whole run is tried again, at most
+        // three runs in all.
+        var result = try Self.run(.kill9)
+        for _ in 0..<2 where result.held.requests == 0 {
+            print("kill -9: no worker held a batch at any of the stops; running again")
+            result = try Self.run(.kill9)
+        }
         // A worker killed between its receive and its send call takes that batch with it; the
         // crash ledger in the store says how many, and the next process counts exactly those
         // (the kill comes when no worker is inside a receive call, whose take is not noted yet:

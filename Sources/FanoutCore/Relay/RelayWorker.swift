@@ -413,8 +413,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 
     /// Takes the session's socket out of the session (the client's next datagram picks another
     /// downstream) and keeps it draining: the downstream may still answer requests it took.
-    /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket is closed at once (logged),
-    /// unless `bounded` is false (a handover: every session becomes a draining socket).
+    /// Beyond ``RelaySessionCount/admitDraining()``'s bound the socket does not drain (logged):
+    /// sealed at once and closed at the next sweep (``closeSealedLater(_:)``), unless `bounded`
+    /// is false (a handover: every session becomes a draining socket).
     func retire(_ session: RelaySession, counter: RelayCounters.DownstreamReplies?, now: Int64, bounded: Bool = true, drain: Int64? = nil,
                         until: Int64? = nil) {
         let fd = session.socket
@@ -424,10 +425,14 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         unstore(session)
         if !bounded { sessionCount.forceDraining() }
         guard !bounded || sessionCount.admitDraining() else {
-            // What it holds already is relayed within the drain time, else counted drained.
-            _ = receiveQueued(fd, for: session, counter: counter, counting: .leaving(counter), budget: .max, relaying: monotonicMilliseconds() < deadline)
-            closeSession(session)
-            logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was closed at once, its later replies are not relayed nor counted (raise settings.max_sessions or lower settings.drain_secs)",
+            // What it holds already is relayed within the drain time, else counted drained; it
+            // stays open, sealed, until the next sweep (a slot beyond the bound that long).
+            let socket = DrainingSocket(socket: fd, session: session, counter: counter, until: deadline, now: now)
+            relayDraining(socket, budget: .max)
+            session.socket = -1
+            sessionCount.forceDraining()
+            closeSealedLater(socket)
+            logFailure("too many draining relay session sockets (settings.max_sessions of them): a leaving downstream's session socket was sealed at once, its later replies are refused by the kernel (Udp NoPorts), not relayed (raise settings.max_sessions or lower settings.drain_secs)",
                        DrainingLimitReached(downstream: session.downstream.address, limit: sessionCount.maxSessions))
             return
         }
@@ -798,6 +803,11 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 relayDraining(socket, budget: .max)
                 closeSealedLater(socket)
             }
+            if !silent.isEmpty {
+                logger.debug("draining session sockets sealed: closed at the next sweep", metadata: [
+                    "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(silent.count)", "still_draining": "\(draining.count)",
+                ])
+            }
         }
     }
 
@@ -902,6 +912,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             }
             if now - lastReply >= Self.replyTailQuiet || now - start >= Self.replyTailLimit { break }
         }
+        let tailMilliseconds = tail ? monotonicMilliseconds() - start : 0
         let sockets = (sessions ? Array(bySocket.keys) : []) + Array(draining.keys)
         let refused = SocketSeal.seal(sockets)
         // Sealed by the sweep perhaps a moment ago: a grace period for them too, if the seal
@@ -913,7 +924,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             ])
         }
         logger.debug("session sockets sealed before their last read", metadata: [
-            "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)", "reply_tail_ms": "\(monotonicMilliseconds() - start)",
+            "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)", "reply_tail_ms": "\(tailMilliseconds)",
         ])
         for fd in sockets { drainReplies(fd) }
         tableLock.withLock { _ in finishSealedLocked() }
@@ -1111,5 +1122,5 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
 private struct DrainingLimitReached: Error, CustomStringConvertible {
     let downstream: SocketAddress
     let limit: Int
-    var description: String { "\(limit) draining session sockets held already; closed the one to \(downstream)" }
+    var description: String { "\(limit) draining session sockets held already; sealed the one to \(downstream)" }
 }
