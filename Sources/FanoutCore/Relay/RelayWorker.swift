@@ -98,9 +98,13 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Session sockets whose downstream left the plan, by descriptor: in the same epoll set,
     /// told apart from ``bySocket``'s by lookup (they are few, and only while a change drains).
     var draining: [Int32: DrainingSocket] = [:]
-    /// Sockets the sweep closes (expired sessions', silent draining ones), sealed and out of the
-    /// epoll set, waiting for their last read and close at the next sweep (``closeSealedLater(_:)``).
-    var sealedClosing: [DrainingSocket] = []
+    /// Sockets closing (expired sessions', silent draining ones, leaving ones past the draining
+    /// bound), sealed and out of the epoll set, with the monotonic milliseconds of their seal:
+    /// read a last time and closed at a sweep at least ``sealedMinimum`` later (``closeSealedLater(_:)``).
+    var sealedClosing: [(socket: DrainingSocket, sealedAt: Int64)] = []
+    /// How long a socket ``closeSealedLater(_:)`` sealed stays open at least: far longer than a
+    /// kernel grace period in practice (milliseconds), not a guarantee.
+    static let sealedMinimum: Int64 = 100
     /// The service manager's store: each session socket is handed to it as it opens and taken
     /// out as it closes, so a restart or crash keeps the sessions (nil: not stored).
     let descriptors: DescriptorStore?
@@ -770,8 +774,8 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// Each socket it closes is sealed first and closed at the next sweep (``closeSealedLater(_:)``).
     func sweep(now: Int64) {
         tableLock.withLock { _ in
+            finishSealedLocked(now: now)
             adoptPlanLocked()
-            finishSealedLocked()
             // Keys first: removing while iterating would copy the whole table.
             let idle = sessions.compactMap { now - $0.value.lastActive >= idleMilliseconds ? $0.key : nil }
             var expired = 0
@@ -811,19 +815,19 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         }
     }
 
-    /// Closes `socket`, which holds a draining slot, at the next sweep rather than now: out of
+    /// Closes `socket`, which holds a draining slot, at a later sweep rather than now: out of
     /// the epoll set and sealed now (``SocketSeal``: the kernel delivers nothing new to it, a
-    /// later reply is refused and counted in Udp NoPorts), read once more then and closed, its
-    /// slot released. A close at once would free, uncounted, a reply that arrived after the last
-    /// read. A second is far longer than a kernel grace period in practice (a reply whose lookup
-    /// met the socket before the seal is queued by then), not a guarantee: a CPU stalled that
-    /// long would still lose one. At a stop, ``relayLastReplies(tail:sessions:)`` waits a grace
-    /// period for them. Where the kernel refuses the seal, read and closed now. Called with the
-    /// table lock held.
+    /// later reply is refused and counted in Udp NoPorts), read once more and closed, its slot
+    /// released, at the first sweep at least ``sealedMinimum`` later. A close at once would free,
+    /// uncounted, a reply that arrived after the last read. That wait is far longer than a
+    /// kernel grace period in practice (a reply whose lookup met the socket before the seal is
+    /// queued by then), not a guarantee: a CPU stalled that long would still lose one. At a
+    /// stop, ``relayLastReplies(tail:sessions:)`` waits a grace period for them. Where the
+    /// kernel refuses the seal, read and closed now. Called with the table lock held.
     func closeSealedLater(_ socket: DrainingSocket) {
         try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
         if (try? SocketSeal.sealWithoutWaiting(socket.socket)) != nil {
-            sealedClosing.append(socket)
+            sealedClosing.append((socket, monotonicMilliseconds()))
             return
         }
         relayDraining(socket, budget: .max)
@@ -831,17 +835,23 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         sessionCount.releaseDraining()
     }
 
-    /// Reads each socket ``closeSealedLater(_:)`` sealed once more (relayed to its client, or
-    /// counted `drained` past its drain time), closes it and releases its draining slot. Called
-    /// with the table lock held, a kernel grace period after the seal.
-    func finishSealedLocked() {
+    /// Reads each socket ``closeSealedLater(_:)`` sealed at least ``sealedMinimum`` before `now`
+    /// (every one when `now` is nil: at a stop, after a grace period) once more (relayed to its
+    /// client, or counted `drained` past its drain time), closes it and releases its draining
+    /// slot. Called with the table lock held.
+    func finishSealedLocked(now: Int64? = nil) {
         guard !sealedClosing.isEmpty else { return }
-        for socket in sealedClosing {
-            relayDraining(socket, budget: .max)
-            close(socket.socket)
+        var kept: [(socket: DrainingSocket, sealedAt: Int64)] = []
+        for entry in sealedClosing {
+            if let now, now - entry.sealedAt < Self.sealedMinimum {
+                kept.append(entry)
+                continue
+            }
+            relayDraining(entry.socket, budget: .max)
+            close(entry.socket.socket)
         }
-        sessionCount.releaseDraining(sealedClosing.count)
-        sealedClosing.removeAll()
+        sessionCount.releaseDraining(sealedClosing.count - kept.count)
+        sealedClosing = kept
     }
 
     /// The listener was handed over to a successor on its bind (a rename, or a change that
@@ -912,7 +922,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
             }
             if now - lastReply >= Self.replyTailQuiet || now - start >= Self.replyTailLimit { break }
         }
-        let tailMilliseconds = tail ? monotonicMilliseconds() - start : 0
+        let tailMilliseconds = monotonicMilliseconds() - start
         let sockets = (sessions ? Array(bySocket.keys) : []) + Array(draining.keys)
         let refused = SocketSeal.seal(sockets)
         // Sealed by the sweep perhaps a moment ago: a grace period for them too, if the seal
@@ -923,9 +933,9 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
                 "listener": "\(listener.name)", "worker": "\(index)", "refused": "\(refused.count)", "error": "\(first.error)",
             ])
         }
-        logger.debug("session sockets sealed before their last read", metadata: [
-            "listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)", "reply_tail_ms": "\(tailMilliseconds)",
-        ])
+        var metadata: Logger.Metadata = ["listener": "\(listener.name)", "worker": "\(index)", "sockets": "\(sockets.count - refused.count)"]
+        if tail { metadata["reply_tail_ms"] = "\(tailMilliseconds)" }
+        logger.debug("session sockets sealed before their last read", metadata: metadata)
         for fd in sockets { drainReplies(fd) }
         tableLock.withLock { _ in finishSealedLocked() }
         flushReplies()
