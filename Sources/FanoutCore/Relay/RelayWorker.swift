@@ -826,9 +826,12 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
     /// kernel refuses the seal, read and closed now. Called with the table lock held.
     func closeSealedLater(_ socket: DrainingSocket) {
         try? Syscall.epollControl(epoll, EPOLL_CTL_DEL, socket.socket, nil)
-        if (try? SocketSeal.sealWithoutWaiting(socket.socket)) != nil {
+        do throws(SystemCallError) {
+            _ = try SocketSeal.sealWithoutWaiting(socket.socket)
             sealedClosing.append((socket, monotonicMilliseconds()))
             return
+        } catch {
+            logFailure("could not seal a closing relay session socket before its last read: a reply the kernel delivers to it as it closes is lost, not counted", error)
         }
         relayDraining(socket, budget: .max)
         close(socket.socket)
