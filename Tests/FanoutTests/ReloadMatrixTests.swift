@@ -6,6 +6,8 @@ import Testing
 import TestSupport
 import ReusePortLB
 import SystemCalls
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
 @testable import FanoutCore
 
 #if canImport(Glibc)
