@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 import Testing
 @testable import ReusePortLB
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc

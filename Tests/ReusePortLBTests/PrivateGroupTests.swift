@@ -4,6 +4,8 @@ import Synchronization
 import Testing
 import TestSupport
 @testable import ReusePortLB
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
 import SystemCalls
 
 #if canImport(Glibc)

@@ -4,6 +4,8 @@ import SystemCalls
 import Testing
 import TestSupport
 @testable import ReusePortLB
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc

@@ -3,6 +3,8 @@ import Foundation
 import Testing
 import TestSupport
 import ReusePortLB
+// SOCK_DGRAM: see docs/development.md (test files that use Glibc's socket constants).
+import CSystemShim
 
 #if canImport(Glibc)
 import Glibc
