@@ -983,6 +983,83 @@ struct RelayTests {
         #expect(short.log.contains("net.ipv4.ip_local_port_range") && short.log.contains("local_ports=\(ports)"), "\(short.log)")
     }
 
+    @Test("Limits a session table needs, at a reload (the real binary under prlimit): a reload that replaces a relay listener (the old instance draining beside the new) counts its max_sessions once and does not say a limit again with the same figures; one that changes max_sessions says them with the new figures")
+    func sessionLimitsAtReload() throws {
+        let ports = try #require(RelayListener.ephemeralPorts())
+        // One instance fits the local ports and the open-files limit, two together would not.
+        let maxSessions = ports / 2 + 1
+        let hard = maxSessions + 256 + 64
+        var limit = rlimit()
+        try #require(getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0)
+        try #require(geteuid() == 0 || Int(limit.rlim_max) >= hard, "this test needs root or a hard open-files limit of \(hard) or more (it is \(limit.rlim_max))")
+        let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
+        let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let file = FileManager.default.temporaryDirectory.appendingPathComponent("relay-reload-limits-\(UUID().uuidString).yaml")
+        defer { try? FileManager.default.removeItem(at: file) }
+        func write(maxSessions: Int, batchSize: Int) throws {
+            try relayYAML("limits", bind: bind, servers, settings: "      max_sessions: \(maxSessions)\n      batch_size: \(batchSize)\n")
+                .write(to: file, atomically: true, encoding: .utf8)
+        }
+        try write(maxSessions: maxSessions, batchSize: 32)
+        let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/prlimit", "--nofile=1024:\(hard)"])
+        defer { daemon.stopIfRunning() }
+        try daemon.waitFor("entering receive loop")
+        func said(_ text: String) -> Int { daemon.stderr.components(separatedBy: text).count - 1 }
+        var reloads = 0
+        func reload(maxSessions: Int, batchSize: Int) throws {
+            try write(maxSessions: maxSessions, batchSize: batchSize)
+            daemon.signal(SIGHUP)
+            reloads += 1
+            let expected = reloads
+            try #require(Probe.waitFor(seconds: 10) { said("reload=true") >= expected }, "reload \(expected) applied: \(daemon.stderr)")
+        }
+        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "\(daemon.stderr)")
+        // batch_size: the listener is replaced; its old instance drains beside the new one.
+        try reload(maxSessions: maxSessions, batchSize: 16)
+        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "counted once: \(daemon.stderr)")
+        // Too many sessions for both: said once, with the configuration's figures.
+        try reload(maxSessions: ports + 1, batchSize: 16)
+        #expect(said("open-files limit") == 1 && said("all_relay_max_sessions=\(ports + 1) ") == 2, "\(daemon.stderr)")
+        #expect(said("ip_local_port_range") == 1 && said("local_ports=\(ports)") == 1, "\(daemon.stderr)")
+        // The same figures again (the listener replaced once more): not said again.
+        try reload(maxSessions: ports + 1, batchSize: 32)
+        #expect(said("open-files limit") == 1 && said("ip_local_port_range") == 1, "\(daemon.stderr)")
+        // New figures: said again.
+        try reload(maxSessions: ports + 2, batchSize: 32)
+        #expect(said("open-files limit") == 2 && said("ip_local_port_range") == 2 && said("all_relay_max_sessions=\(ports + 2) ") == 2, "\(daemon.stderr)")
+        daemon.signal(SIGTERM)
+        #expect(daemon.wait() == 0)
+    }
+
+    @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it was not short; max_sessions counted once per listener (its newest instance) for the warnings, every instance for the limit raised")
+    func sessionReservations() {
+        var reservations = SessionReservations()
+        let first = reservations.add(name: "a", maxSessions: 100)
+        _ = reservations.add(name: "b", maxSessions: 10)
+        #expect(reservations.configured == 110 && reservations.everyInstance == 110)
+        // "a" replaced by a reload: its old instance drains on.
+        let replacement = reservations.add(name: "a", maxSessions: 300)
+        #expect(reservations.configured == 310 && reservations.everyInstance == 410)
+        reservations.remove(first)
+        #expect(reservations.configured == 310 && reservations.everyInstance == 310)
+        // The old instance outlives a newer one only if the newer failed: the newest left counts.
+        let old = reservations.add(name: "c", maxSessions: 5)
+        let newer = reservations.add(name: "c", maxSessions: 50)
+        reservations.remove(newer)
+        #expect(reservations.configured == 315)
+        reservations.remove(old)
+        reservations.remove(replacement)
+        #expect(reservations.configured == 10 && reservations.everyInstance == 10)
+        var said: [Bool] = []
+        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 2]))
+        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 2]))
+        said.append(reservations.shouldSay(.localPorts, true, figures: [1, 2]))  // each limit on its own
+        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 3]))
+        said.append(reservations.shouldSay(.openFiles, false, figures: [1, 3]))
+        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 3]))  // short again after it was not
+        #expect(said == [true, false, true, true, false, true])
+    }
+
     @Test("Replies of kept sessions (read through the ring) and of a draining socket in one wakeup, more than a batch of slots: each reaches its own client, none another's (the real binary, stopped while they queue)",
           arguments: [true, false])
     func drainingBesideRingReplies(ioUring: Bool) throws {

@@ -16,13 +16,13 @@ final class RelayListener: RunningListener {
     /// The workers' shared session count and reply counters.
     private let relay: RelayCounters
     private var config: Listener { group.config }
-    /// This listener's max_sessions in ``reservedSessions`` until it goes.
-    private let reserved: Int
-    /// max_sessions summed over the process's relay listeners: the sockets they may hold
-    /// together, which the open-files limit must fit.
-    private static let reservedSessions = Atomic<Int>(0)
+    /// This instance's entry in ``reservations`` until it goes.
+    private let reservation: Int
+    /// The process's relay listener instances and the session tables they may hold: the
+    /// open-files limit and the local ports must fit them.
+    private static let reservations = Mutex(SessionReservations())
 
-    deinit { Self.reservedSessions.subtract(reserved, ordering: .relaxed) }
+    deinit { Self.reservations.withLock { $0.remove(reservation) } }
 
     /// - Parameter descriptors: the service manager's store: the listener sockets and sessions a
     ///   previous process handed over on this bind are taken from it, and this instance's are
@@ -62,27 +62,32 @@ final class RelayListener: RunningListener {
         }
         // Each session is a socket: a table the open-files limit cannot hold fails at run time,
         // client by client (counted send_error). The soft limit is raised as far as the hard one
-        // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both); short of that, say
-        // so now. Every relay listener of the process counts (one that drains on after a reload too).
-        reserved = config.settings.maxSessions
-        let allReserved = Self.reservedSessions.add(reserved, ordering: .relaxed).newValue
-        let needed = rlim_t(allReserved) + 256
-        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), files.rlim_cur < needed, files.rlim_cur < files.rlim_max {
+        // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both) for every relay
+        // instance of the process, one that drains on after a reload too; short of what the
+        // configuration's listeners need (each once: a replaced instance's sessions drain and
+        // go), say so now, and at a reload only if the figures changed.
+        let (reservation, everyInstance, configured) = Self.reservations.withLock { reservations in
+            let reservation = reservations.add(name: config.name, maxSessions: config.settings.maxSessions)
+            return (reservation, reservations.everyInstance, reservations.configured)
+        }
+        self.reservation = reservation
+        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), files.rlim_cur < rlim_t(everyInstance) + 256, files.rlim_cur < files.rlim_max {
             var raised = files
-            raised.rlim_cur = min(needed, files.rlim_max)
+            raised.rlim_cur = min(rlim_t(everyInstance) + 256, files.rlim_max)
             try? Syscall.setrlimit(Syscall.Resource.openFiles, raised)
         }
-        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), needed > files.rlim_cur {
+        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles),
+           Self.reservations.withLock({ $0.shouldSay(.openFiles, rlim_t(configured) + 256 > files.rlim_cur, figures: [configured, Int(files.rlim_cur)]) }) {
             logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(allReserved)",
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(configured)",
                 "open_files_limit": "\(files.rlim_cur)", "sessions_that_fit": "\(max(0, Int(files.rlim_cur) - 256))",
             ])
         }
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
         // picks one, unique per source address): past them a new client's socket cannot be made.
-        if let ports = Self.ephemeralPorts(), allReserved > ports {
+        if let ports = Self.ephemeralPorts(), Self.reservations.withLock({ $0.shouldSay(.localPorts, configured > ports, figures: [configured, ports]) }) {
             logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(allReserved)", "local_ports": "\(ports)",
+                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(configured)", "local_ports": "\(ports)",
             ])
         }
         counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
@@ -287,4 +292,51 @@ final class RelayListener: RunningListener {
     func shutdown() { group.shutdown() }
     /// As ``shutdown()``, each worker sealing its socket before its last read.
     func retire() { group.shutdown(sealing: true) }
+}
+
+/// The relay listener instances of a process and the session tables they may hold (each
+/// instance's `max_sessions`), for the limits those tables need; and which of the limits'
+/// warnings were said, with what figures.
+struct SessionReservations {
+    /// The limits a session table needs.
+    enum Limit: Hashable { case openFiles, localPorts }
+    /// Each instance's listener name and max_sessions, by a number that grows with each instance.
+    private(set) var instances: [Int: (name: String, maxSessions: Int)] = [:]
+    private var next = 0
+    /// The figures each limit's warning was last said with; none while the limit is not short.
+    private var said: [Limit: [Int]] = [:]
+
+    /// Adds an instance; returns its number (for ``remove(_:)``).
+    mutating func add(name: String, maxSessions: Int) -> Int {
+        next += 1
+        instances[next] = (name, maxSessions)
+        return next
+    }
+
+    mutating func remove(_ instance: Int) { instances.removeValue(forKey: instance) }
+
+    /// max_sessions summed over every instance, a replaced one that still drains too: the
+    /// sockets they may hold at once, which the soft open-files limit is raised for.
+    var everyInstance: Int { instances.values.reduce(0) { $0 + $1.maxSessions } }
+
+    /// max_sessions summed over the listeners, each by its newest instance: what the
+    /// configuration needs once a reload's drains end.
+    var configured: Int {
+        var newest: [String: (instance: Int, maxSessions: Int)] = [:]
+        for (instance, entry) in instances where instance > newest[entry.name]?.instance ?? 0 {
+            newest[entry.name] = (instance, entry.maxSessions)
+        }
+        return newest.values.reduce(0) { $0 + $1.maxSessions }
+    }
+
+    /// Whether to say that `limit` is short (`short`) with `figures`: yes the first time, and
+    /// again only when the figures changed or the limit was not short in between.
+    mutating func shouldSay(_ limit: Limit, _ short: Bool, figures: [Int]) -> Bool {
+        guard short else {
+            said[limit] = nil
+            return false
+        }
+        defer { said[limit] = figures }
+        return said[limit] != figures
+    }
 }
