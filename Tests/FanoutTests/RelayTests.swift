@@ -983,7 +983,7 @@ struct RelayTests {
         #expect(short.log.contains("net.ipv4.ip_local_port_range") && short.log.contains("local_ports=\(ports)"), "\(short.log)")
     }
 
-    @Test("Limits a session table needs, at a reload (the real binary under prlimit): a reload that replaces a relay listener (the old instance draining beside the new) counts its max_sessions once and does not say a limit again with the same figures; one that changes max_sessions says them with the new figures")
+    @Test("Limits a session table needs, at a reload (the real binary under prlimit): a reload that replaces or renames a relay listener (the old instance draining beside the new) raises the soft limit for both but counts the configuration's max_sessions once and does not say a limit again with the same figures; one that changes max_sessions says them with the new figures, and so does one that adds the listener back after a reload without it")
     func sessionLimitsAtReload() throws {
         let ports = try #require(RelayListener.ephemeralPorts())
         // One instance fits the local ports and the open-files limit, two together would not.
@@ -994,69 +994,85 @@ struct RelayTests {
         try #require(geteuid() == 0 || Int(limit.rlim_max) >= hard, "this test needs root or a hard open-files limit of \(hard) or more (it is \(limit.rlim_max))")
         let servers = try (1...2).map { try RelayEcho(name: "echo-\($0)") }
         let bind = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
+        let oneWay = SocketAddress(ip: IPAddress("127.0.0.1")!, port: freePort())
         let file = FileManager.default.temporaryDirectory.appendingPathComponent("relay-reload-limits-\(UUID().uuidString).yaml")
         defer { try? FileManager.default.removeItem(at: file) }
-        func write(maxSessions: Int, batchSize: Int) throws {
-            try relayYAML("limits", bind: bind, servers, settings: "      max_sessions: \(maxSessions)\n      batch_size: \(batchSize)\n")
+        // name nil: no relay listener (a one-way one instead, a configuration needs one).
+        func write(_ name: String?, maxSessions: Int, batchSize: Int) throws {
+            guard let name else {
+                try "listeners:\n  - name: one-way\n    bind: \"\(oneWay)\"\n    downstream:\n      - name: d\n        address: \"\(servers[0].address)\"\n"
+                    .write(to: file, atomically: true, encoding: .utf8)
+                return
+            }
+            try relayYAML(name, bind: bind, servers, settings: "      max_sessions: \(maxSessions)\n      batch_size: \(batchSize)\n")
                 .write(to: file, atomically: true, encoding: .utf8)
         }
-        try write(maxSessions: maxSessions, batchSize: 32)
+        try write("limits", maxSessions: maxSessions, batchSize: 32)
         let daemon = try Child("udp-fanout", ["-c", file.path], prefix: ["/usr/bin/prlimit", "--nofile=1024:\(hard)"])
         defer { daemon.stopIfRunning() }
         try daemon.waitFor("entering receive loop")
         func said(_ text: String) -> Int { daemon.stderr.components(separatedBy: text).count - 1 }
+        func softLimit() -> String {
+            let limits = (try? String(contentsOfFile: "/proc/\(daemon.process.processIdentifier)/limits", encoding: .utf8)) ?? ""
+            return limits.split(separator: "\n").first { $0.hasPrefix("Max open files") }?.split(separator: " ").dropFirst(3).first.map(String.init) ?? ""
+        }
         var reloads = 0
-        func reload(maxSessions: Int, batchSize: Int) throws {
-            try write(maxSessions: maxSessions, batchSize: batchSize)
+        func reload(_ name: String?, maxSessions: Int, batchSize: Int) throws {
+            try write(name, maxSessions: maxSessions, batchSize: batchSize)
             daemon.signal(SIGHUP)
             reloads += 1
             let expected = reloads
             try #require(Probe.waitFor(seconds: 10) { said("reload=true") >= expected }, "reload \(expected) applied: \(daemon.stderr)")
         }
         #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "\(daemon.stderr)")
-        // batch_size: the listener is replaced; its old instance drains beside the new one.
-        try reload(maxSessions: maxSessions, batchSize: 16)
+        #expect(softLimit() == "\(maxSessions + 256)", "raised for one instance")
+        // batch_size: the listener is replaced; its old instance drains beside the new one, and
+        // the soft limit is raised for both (up to the hard limit), but nothing is said.
+        try reload("limits", maxSessions: maxSessions, batchSize: 16)
+        #expect(said("listener handed over") == 1, "\(daemon.stderr)")
+        #expect(softLimit() == "\(hard)", "raised for both instances, up to the hard limit")
+        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "counted once: \(daemon.stderr)")
+        // Renamed on the same bind: handed over too, still counted once.
+        try reload("renamed", maxSessions: maxSessions, batchSize: 16)
+        #expect(said("listener handed over") == 2, "\(daemon.stderr)")
         #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "counted once: \(daemon.stderr)")
         // Too many sessions for both: said once, with the configuration's figures.
-        try reload(maxSessions: ports + 1, batchSize: 16)
+        try reload("renamed", maxSessions: ports + 1, batchSize: 16)
         #expect(said("open-files limit") == 1 && said("all_relay_max_sessions=\(ports + 1) ") == 2, "\(daemon.stderr)")
-        #expect(said("ip_local_port_range") == 1 && said("local_ports=\(ports)") == 1, "\(daemon.stderr)")
+        #expect(said("ip_local_port_range") == 1 && said("local_ports=\(ports)") == 1 && said("relay_listeners=renamed") == 2, "\(daemon.stderr)")
         // The same figures again (the listener replaced once more): not said again.
-        try reload(maxSessions: ports + 1, batchSize: 32)
+        try reload("renamed", maxSessions: ports + 1, batchSize: 32)
         #expect(said("open-files limit") == 1 && said("ip_local_port_range") == 1, "\(daemon.stderr)")
         // New figures: said again.
-        try reload(maxSessions: ports + 2, batchSize: 32)
+        try reload("renamed", maxSessions: ports + 2, batchSize: 32)
         #expect(said("open-files limit") == 2 && said("ip_local_port_range") == 2 && said("all_relay_max_sessions=\(ports + 2) ") == 2, "\(daemon.stderr)")
+        // No relay listener left, then the same one again: said again, with the same figures.
+        try reload(nil, maxSessions: 0, batchSize: 0)
+        #expect(said("open-files limit") == 2 && said("ip_local_port_range") == 2, "\(daemon.stderr)")
+        try reload("renamed", maxSessions: ports + 2, batchSize: 32)
+        #expect(said("open-files limit") == 3 && said("ip_local_port_range") == 3, "\(daemon.stderr)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
     }
 
-    @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it was not short; max_sessions counted once per listener (its newest instance) for the warnings, every instance for the limit raised")
+    @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it was not short; the soft open-files limit is raised for every instance (a replaced one draining too)")
     func sessionReservations() {
         var reservations = SessionReservations()
-        let first = reservations.add(name: "a", maxSessions: 100)
-        _ = reservations.add(name: "b", maxSessions: 10)
-        #expect(reservations.configured == 110 && reservations.everyInstance == 110)
-        // "a" replaced by a reload: its old instance drains on.
-        let replacement = reservations.add(name: "a", maxSessions: 300)
-        #expect(reservations.configured == 310 && reservations.everyInstance == 410)
+        let first = reservations.add(maxSessions: 100)
+        let second = reservations.add(maxSessions: 10)
+        #expect(reservations.everyInstance == 110)
         reservations.remove(first)
-        #expect(reservations.configured == 310 && reservations.everyInstance == 310)
-        // The old instance outlives a newer one only if the newer failed: the newest left counts.
-        let old = reservations.add(name: "c", maxSessions: 5)
-        let newer = reservations.add(name: "c", maxSessions: 50)
-        reservations.remove(newer)
-        #expect(reservations.configured == 315)
-        reservations.remove(old)
-        reservations.remove(replacement)
-        #expect(reservations.configured == 10 && reservations.everyInstance == 10)
+        #expect(reservations.everyInstance == 10)
+        reservations.remove(second)
+        #expect(reservations.everyInstance == 0 && reservations.instances.isEmpty)
+        var warnings = RelayLimitWarnings()
         var said: [Bool] = []
-        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 2]))
-        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 2]))
-        said.append(reservations.shouldSay(.localPorts, true, figures: [1, 2]))  // each limit on its own
-        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 3]))
-        said.append(reservations.shouldSay(.openFiles, false, figures: [1, 3]))
-        said.append(reservations.shouldSay(.openFiles, true, figures: [1, 3]))  // short again after it was not
+        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 2]))
+        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 2]))
+        said.append(warnings.shouldSay(.localPorts, true, figures: [1, 2]))  // each limit on its own
+        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 3]))
+        said.append(warnings.shouldSay(.openFiles, false, figures: [1, 3]))
+        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 3]))  // short again after it was not
         #expect(said == [true, false, true, true, false, true])
     }
 

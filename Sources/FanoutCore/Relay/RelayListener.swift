@@ -63,32 +63,16 @@ final class RelayListener: RunningListener {
         // Each session is a socket: a table the open-files limit cannot hold fails at run time,
         // client by client (counted send_error). The soft limit is raised as far as the hard one
         // allows (a shell's 1,024 is common, systemd's LimitNOFILE sets both) for every relay
-        // instance of the process, one that drains on after a reload too; short of what the
-        // configuration's listeners need (each once: a replaced instance's sessions drain and
-        // go), say so now, and at a reload only if the figures changed.
-        let (reservation, everyInstance, configured) = Self.reservations.withLock { reservations in
-            let reservation = reservations.add(name: config.name, maxSessions: config.settings.maxSessions)
-            return (reservation, reservations.everyInstance, reservations.configured)
+        // instance of the process, one that drains on after a reload too. Whether the limits can
+        // hold what the configuration needs is said once it is applied (``RelayLimitWarnings``).
+        let (reservation, everyInstance) = Self.reservations.withLock { reservations in
+            (reservations.add(maxSessions: config.settings.maxSessions), reservations.everyInstance)
         }
         self.reservation = reservation
         if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), files.rlim_cur < rlim_t(everyInstance) + 256, files.rlim_cur < files.rlim_max {
             var raised = files
             raised.rlim_cur = min(rlim_t(everyInstance) + 256, files.rlim_max)
             try? Syscall.setrlimit(Syscall.Resource.openFiles, raised)
-        }
-        if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles),
-           Self.reservations.withLock({ $0.shouldSay(.openFiles, rlim_t(configured) + 256 > files.rlim_cur, figures: [configured, Int(files.rlim_cur)]) }) {
-            logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(configured)",
-                "open_files_limit": "\(files.rlim_cur)", "sessions_that_fit": "\(max(0, Int(files.rlim_cur) - 256))",
-            ])
-        }
-        // Each session socket also takes a local port of the kernel's ephemeral range (connect
-        // picks one, unique per source address): past them a new client's socket cannot be made.
-        if let ports = Self.ephemeralPorts(), Self.reservations.withLock({ $0.shouldSay(.localPorts, configured > ports, figures: [configured, ports]) }) {
-            logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
-                "listener": "\(config.name)", "max_sessions": "\(config.settings.maxSessions)", "all_relay_max_sessions": "\(configured)", "local_ports": "\(ports)",
-            ])
         }
         counters.twoWaySource.withLock { $0 = { relay.snapshot(sessions: sessions) } }
     }
@@ -294,40 +278,36 @@ final class RelayListener: RunningListener {
     func retire() { group.shutdown(sealing: true) }
 }
 
-/// The relay listener instances of a process and the session tables they may hold (each
-/// instance's `max_sessions`), for the limits those tables need; and which of the limits'
-/// warnings were said, with what figures.
+/// The relay listener instances of a process and the session table each may hold (its
+/// `max_sessions`): the soft open-files limit is raised for all of them together.
 struct SessionReservations {
-    /// The limits a session table needs.
-    enum Limit: Hashable { case openFiles, localPorts }
-    /// Each instance's listener name and max_sessions, by a number that grows with each instance.
-    private(set) var instances: [Int: (name: String, maxSessions: Int)] = [:]
+    /// Each instance's max_sessions, by a number of its own.
+    private(set) var instances: [Int: Int] = [:]
     private var next = 0
-    /// The figures each limit's warning was last said with; none while the limit is not short.
-    private var said: [Limit: [Int]] = [:]
 
     /// Adds an instance; returns its number (for ``remove(_:)``).
-    mutating func add(name: String, maxSessions: Int) -> Int {
+    mutating func add(maxSessions: Int) -> Int {
         next += 1
-        instances[next] = (name, maxSessions)
+        instances[next] = maxSessions
         return next
     }
 
     mutating func remove(_ instance: Int) { instances.removeValue(forKey: instance) }
 
     /// max_sessions summed over every instance, a replaced one that still drains too: the
-    /// sockets they may hold at once, which the soft open-files limit is raised for.
-    var everyInstance: Int { instances.values.reduce(0) { $0 + $1.maxSessions } }
+    /// sockets they may hold at once.
+    var everyInstance: Int { instances.values.reduce(0, +) }
+}
 
-    /// max_sessions summed over the listeners, each by its newest instance: what the
-    /// configuration needs once a reload's drains end.
-    var configured: Int {
-        var newest: [String: (instance: Int, maxSessions: Int)] = [:]
-        for (instance, entry) in instances where instance > newest[entry.name]?.instance ?? 0 {
-            newest[entry.name] = (instance, entry.maxSessions)
-        }
-        return newest.values.reduce(0) { $0 + $1.maxSessions }
-    }
+/// Whether the open-files limit and the local ports can hold the session tables a
+/// configuration's relay listeners may hold together: said by the daemon at start and after
+/// each reload that applied, each warning again only when its figures changed (a reload that
+/// replaces a relay listener, whose old instance drains beside the new one, repeats nothing).
+struct RelayLimitWarnings {
+    /// The limits a session table needs.
+    enum Limit: Hashable { case openFiles, localPorts }
+    /// The figures each warning was last said with; none while its limit is not short.
+    private var said: [Limit: [Int]] = [:]
 
     /// Whether to say that `limit` is short (`short`) with `figures`: yes the first time, and
     /// again only when the figures changed or the limit was not short in between.
@@ -338,5 +318,29 @@ struct SessionReservations {
         }
         defer { said[limit] = figures }
         return said[limit] != figures
+    }
+
+    /// Says what `config`'s relay listeners need that the limits cannot hold: `openFiles`, the
+    /// process's open-files limit (raised by the listeners' start), `ports` the local ports a
+    /// session socket can take (``RelayListener/ephemeralPorts()``); nil: not known.
+    mutating func say(for config: FanoutConfig, openFiles: rlimit?, ports: Int?, logger: Logger) {
+        let relays = config.listeners.filter { $0.replies == .relay }
+        let needed = relays.reduce(0) { $0 + $1.settings.maxSessions }
+        let names = relays.map(\.name).joined(separator: ",")
+        if let openFiles {
+            let limit = Int(clamping: openFiles.rlim_cur)
+            if shouldSay(.openFiles, needed + 256 > limit, figures: [needed, limit]) {
+                logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
+                    "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))",
+                ])
+            }
+        }
+        // Each session socket also takes a local port of the kernel's ephemeral range (connect
+        // picks one, unique per source address): past them a new client's socket cannot be made.
+        if let ports, shouldSay(.localPorts, needed > ports, figures: [needed, ports]) {
+            logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
+            ])
+        }
     }
 }
