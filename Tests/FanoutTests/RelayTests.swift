@@ -1012,6 +1012,9 @@ struct RelayTests {
         defer { daemon.stopIfRunning() }
         try daemon.waitFor("entering receive loop")
         func said(_ text: String) -> Int { daemon.stderr.components(separatedBy: text).count - 1 }
+        // The warning, the notice, and the lines that say each holds again.
+        let (files, localPorts) = ("what the open-files limit leaves for sessions", "above the local ports a session socket can take")
+        let (filesHold, portsHold) = ("the open-files limit now holds", "(net.ipv4.ip_local_port_range) now hold")
         func softLimit() -> String {
             let limits = (try? String(contentsOfFile: "/proc/\(daemon.process.processIdentifier)/limits", encoding: .utf8)) ?? ""
             return limits.split(separator: "\n").first { $0.hasPrefix("Max open files") }?.split(separator: " ").dropFirst(3).first.map(String.init) ?? ""
@@ -1024,38 +1027,40 @@ struct RelayTests {
             let expected = reloads
             try #require(Probe.waitFor(seconds: 10) { said("reload=true") >= expected }, "reload \(expected) applied: \(daemon.stderr)")
         }
-        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "\(daemon.stderr)")
+        #expect(said(files) == 0 && said(localPorts) == 0, "\(daemon.stderr)")
         #expect(softLimit() == "\(maxSessions + 256)", "raised for one instance")
         // batch_size: the listener is replaced; its old instance drains beside the new one, and
         // the soft limit is raised for both (up to the hard limit), but nothing is said.
         try reload("limits", maxSessions: maxSessions, batchSize: 16)
         #expect(said("listener handed over") == 1, "\(daemon.stderr)")
         #expect(softLimit() == "\(hard)", "raised for both instances, up to the hard limit")
-        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "counted once: \(daemon.stderr)")
+        #expect(said(files) == 0 && said(localPorts) == 0, "counted once: \(daemon.stderr)")
         // Renamed on the same bind: handed over too, still counted once.
         try reload("renamed", maxSessions: maxSessions, batchSize: 16)
         #expect(said("listener handed over") == 2, "\(daemon.stderr)")
-        #expect(said("open-files limit") == 0 && said("ip_local_port_range") == 0, "counted once: \(daemon.stderr)")
+        #expect(said(files) == 0 && said(localPorts) == 0, "counted once: \(daemon.stderr)")
         // Too many sessions for both: said once, with the configuration's figures.
         try reload("renamed", maxSessions: ports + 1, batchSize: 16)
-        #expect(said("open-files limit") == 1 && said("all_relay_max_sessions=\(ports + 1) ") == 2, "\(daemon.stderr)")
-        #expect(said("ip_local_port_range") == 1 && said("local_ports=\(ports)") == 1 && said("relay_listeners=renamed") == 2, "\(daemon.stderr)")
+        #expect(said(files) == 1 && said("all_relay_max_sessions=\(ports + 1) ") == 2, "\(daemon.stderr)")
+        #expect(said(localPorts) == 1 && said("local_ports=\(ports)") == 1 && said("relay_listeners=renamed") == 2, "\(daemon.stderr)")
         // The same figures again (the listener replaced once more): not said again.
         try reload("renamed", maxSessions: ports + 1, batchSize: 32)
-        #expect(said("open-files limit") == 1 && said("ip_local_port_range") == 1, "\(daemon.stderr)")
+        #expect(said(files) == 1 && said(localPorts) == 1, "\(daemon.stderr)")
         // New figures: said again.
         try reload("renamed", maxSessions: ports + 2, batchSize: 32)
-        #expect(said("open-files limit") == 2 && said("ip_local_port_range") == 2 && said("all_relay_max_sessions=\(ports + 2) ") == 2, "\(daemon.stderr)")
-        // No relay listener left, then the same one again: said again, with the same figures.
+        #expect(said(files) == 2 && said(localPorts) == 2 && said("all_relay_max_sessions=\(ports + 2) ") == 2, "\(daemon.stderr)")
+        // No relay listener left: both hold, said once; then the same one again: said again, with
+        // the same figures.
+        #expect(said(filesHold) == 0 && said(portsHold) == 0, "\(daemon.stderr)")
         try reload(nil, maxSessions: 0, batchSize: 0)
-        #expect(said("open-files limit") == 2 && said("ip_local_port_range") == 2, "\(daemon.stderr)")
+        #expect(said(files) == 2 && said(localPorts) == 2 && said(filesHold) == 1 && said(portsHold) == 1, "\(daemon.stderr)")
         try reload("renamed", maxSessions: ports + 2, batchSize: 32)
-        #expect(said("open-files limit") == 3 && said("ip_local_port_range") == 3, "\(daemon.stderr)")
+        #expect(said(files) == 3 && said(localPorts) == 3, "\(daemon.stderr)")
         daemon.signal(SIGTERM)
         #expect(daemon.wait() == 0)
     }
 
-    @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it was not short; the soft open-files limit is raised for every instance (a replaced one draining too)")
+    @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it held (said once); the soft open-files limit is raised for every instance (a replaced one draining too)")
     func sessionReservations() {
         var reservations = SessionReservations()
         let first = reservations.add(maxSessions: 100)
@@ -1066,14 +1071,16 @@ struct RelayTests {
         reservations.remove(second)
         #expect(reservations.everyInstance == 0 && reservations.instances.isEmpty)
         var warnings = RelayLimitWarnings()
-        var said: [Bool] = []
-        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 2]))
-        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 2]))
-        said.append(warnings.shouldSay(.localPorts, true, figures: [1, 2]))  // each limit on its own
-        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 3]))
-        said.append(warnings.shouldSay(.openFiles, false, figures: [1, 3]))
-        said.append(warnings.shouldSay(.openFiles, true, figures: [1, 3]))  // short again after it was not
-        #expect(said == [true, false, true, true, false, true])
+        var said: [RelayLimitWarnings.Change] = []
+        said.append(warnings.change(.openFiles, false, figures: [1, 2]))
+        said.append(warnings.change(.openFiles, true, figures: [1, 2]))
+        said.append(warnings.change(.openFiles, true, figures: [1, 2]))
+        said.append(warnings.change(.localPorts, true, figures: [1, 2]))  // each limit on its own
+        said.append(warnings.change(.openFiles, true, figures: [1, 3]))
+        said.append(warnings.change(.openFiles, false, figures: [1, 3]))
+        said.append(warnings.change(.openFiles, false, figures: [1, 3]))
+        said.append(warnings.change(.openFiles, true, figures: [1, 3]))  // short again after it held
+        #expect(said == [.unchanged, .short, .unchanged, .short, .short, .holds, .unchanged, .short])
     }
 
     @Test("Replies of kept sessions (read through the ring) and of a draining socket in one wakeup, more than a batch of slots: each reaches its own client, none another's (the real binary, stopped while they queue)",

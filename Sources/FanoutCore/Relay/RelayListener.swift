@@ -309,15 +309,23 @@ struct RelayLimitWarnings {
     /// The figures each warning was last said with; none while its limit is not short.
     private var said: [Limit: [Int]] = [:]
 
-    /// Whether to say that `limit` is short (`short`) with `figures`: yes the first time, and
-    /// again only when the figures changed or the limit was not short in between.
-    mutating func shouldSay(_ limit: Limit, _ short: Bool, figures: [Int]) -> Bool {
-        guard short else {
-            said[limit] = nil
-            return false
-        }
+    /// What to say of `limit` now that it is short or not (`short`) with `figures`.
+    enum Change: Equatable {
+        /// Short, and said with other figures or not at all since it last was not: say it.
+        case short
+        /// Said short before, not short now: say that it holds again.
+        case holds
+        /// Nothing new.
+        case unchanged
+    }
+
+    /// What to say of `limit` (`short` or not, with `figures`): short the first time, and again
+    /// only when the figures changed or the limit held in between; that it holds, once, when it
+    /// was said short.
+    mutating func change(_ limit: Limit, _ short: Bool, figures: [Int]) -> Change {
+        guard short else { return said.removeValue(forKey: limit) == nil ? .unchanged : .holds }
         defer { said[limit] = figures }
-        return said[limit] != figures
+        return said[limit] != figures ? .short : .unchanged
     }
 
     /// Says what `config`'s relay listeners need that the limits cannot hold: `openFiles`, the
@@ -329,7 +337,13 @@ struct RelayLimitWarnings {
         let names = relays.map(\.name).joined(separator: ",")
         if let openFiles {
             let limit = Int(clamping: openFiles.rlim_cur)
-            if shouldSay(.openFiles, needed + 256 > limit, figures: [needed, limit]) {
+            switch change(.openFiles, needed + 256 > limit, figures: [needed, limit]) {
+            case .unchanged: break
+            case .holds:
+                logger.info("replies relay: the open-files limit now holds every relay listener's max_sessions", metadata: [
+                    "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
+                ])
+            case .short:
                 logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
                     "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))",
                 ])
@@ -337,7 +351,14 @@ struct RelayLimitWarnings {
         }
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
         // picks one, unique per source address): past them a new client's socket cannot be made.
-        if let ports, shouldSay(.localPorts, needed > ports, figures: [needed, ports]) {
+        guard let ports else { return }
+        switch change(.localPorts, needed > ports, figures: [needed, ports]) {
+        case .unchanged: break
+        case .holds:
+            logger.info("replies relay: the local ports (net.ipv4.ip_local_port_range) now hold every relay listener's max_sessions", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
+            ])
+        case .short:
             logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
                 "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
             ])

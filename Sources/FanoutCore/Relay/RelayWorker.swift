@@ -637,7 +637,7 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         }
         // EMFILE/ENFILE: raise the open-files limit (LimitNOFILE) or lower settings.max_sessions;
         // EADDRNOTAVAIL/EAGAIN: the ephemeral ports (net.ipv4.ip_local_port_range) are used up.
-        logFailure("relay session socket could not be made (raise LimitNOFILE / net.ipv4.ip_local_port_range, or lower settings.max_sessions)",
+        logFailure("relay session socket could not be made (raise LimitNOFILE / net.ipv4.ip_local_port_range, or lower settings.max_sessions; after a reload a replaced relay instance's draining sessions count too, until silent for its session_idle_secs)",
                    SystemCallError(call: "socket/connect \(session.downstream.address)", errno: error))
         return false
     }
