@@ -230,7 +230,8 @@ public final class FanoutDaemon: Sendable {
     private func sayRelayLimits(_ config: FanoutConfig) {
         let openFiles = try? Syscall.getrlimit(Syscall.Resource.openFiles)
         let ports = RelayListener.ephemeralPorts()
-        relayLimits.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, logger: logger) }
+        let everyInstance = RelayListener.sessionsOfEveryInstance
+        relayLimits.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, everyInstance: everyInstance, logger: logger) }
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see

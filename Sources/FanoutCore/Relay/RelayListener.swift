@@ -24,6 +24,9 @@ final class RelayListener: RunningListener {
 
     deinit { Self.reservations.withLock { $0.remove(reservation) } }
 
+    /// max_sessions of every relay instance of the process, replaced ones that still drain too.
+    static var sessionsOfEveryInstance: Int { reservations.withLock { $0.everyInstance } }
+
     /// - Parameter descriptors: the service manager's store: the listener sockets and sessions a
     ///   previous process handed over on this bind are taken from it, and this instance's are
     ///   stored (``RelayWorker/store(_:)``); nil: neither.
@@ -305,7 +308,11 @@ struct SessionReservations {
 /// replaces a relay listener, whose old instance drains beside the new one, repeats nothing).
 struct RelayLimitWarnings {
     /// The limits a session table needs.
-    enum Limit: Hashable { case openFiles, localPorts }
+    enum Limit: Hashable {
+        case openFiles, localPorts
+        /// Either, only while replaced instances drain beside the configuration's.
+        case whileDraining
+    }
     /// The figures each warning was last said with; none while its limit is not short.
     private var said: [Limit: [Int]] = [:]
 
@@ -331,12 +338,24 @@ struct RelayLimitWarnings {
     /// Says what `config`'s relay listeners need that the limits cannot hold: `openFiles`, the
     /// process's open-files limit (raised by the listeners' start), `ports` the local ports a
     /// session socket can take (``RelayListener/ephemeralPorts()``); nil: not known.
-    mutating func say(for config: FanoutConfig, openFiles: rlimit?, ports: Int?, logger: Logger) {
+    /// `everyInstance`: max_sessions of every relay instance of the process, replaced ones that
+    /// still drain too (``SessionReservations/everyInstance``).
+    mutating func say(for config: FanoutConfig, openFiles: rlimit?, ports: Int?, everyInstance: Int, logger: Logger) {
         let relays = config.listeners.filter { $0.replies == .relay }
         let needed = relays.reduce(0) { $0 + $1.settings.maxSessions }
         let names = relays.map(\.name).joined(separator: ",")
-        if let openFiles {
-            let limit = Int(clamping: openFiles.rlim_cur)
+        // What the configuration needs fits, but not with the replaced instances' sessions: say
+        // it once for these figures (else it is the warning or the notice below that applies).
+        let limit = openFiles.map { Int(clamping: $0.rlim_cur) }
+        let fits = (limit.map { needed + 256 <= $0 } ?? true) && (ports.map { needed <= $0 } ?? true)
+        let drainingShort = (limit.map { everyInstance + 256 > $0 } ?? false) || (ports.map { everyInstance > $0 } ?? false)
+        if change(.whileDraining, fits && drainingShort, figures: [everyInstance, limit ?? -1, ports ?? -1]) == .short {
+            logger.notice("replies relay: while replaced relay instances drain (each session socket until silent for its session_idle_secs after drain_secs), their sessions and the configuration's may need more session sockets than the open-files limit or the local ports hold; new clients beyond them are dropped (send_error, logged): raise the limits, or lower session_idle_secs if reloads come often", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "with_draining_max_sessions": "\(everyInstance)",
+                "open_files_limit": "\(limit.map(String.init) ?? "unknown")", "local_ports": "\(ports.map(String.init) ?? "unknown")",
+            ])
+        }
+        if let limit {
             switch change(.openFiles, needed + 256 > limit, figures: [needed, limit]) {
             case .unchanged: break
             case .holds:
