@@ -230,8 +230,8 @@ public final class FanoutDaemon: Sendable {
     private func sayRelayLimits(_ config: FanoutConfig) {
         let openFiles = try? Syscall.getrlimit(Syscall.Resource.openFiles)
         let ports = RelayListener.ephemeralPorts()
-        let everyInstance = RelayListener.sessionsOfEveryInstance
-        relayLimits.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, everyInstance: everyInstance, logger: logger) }
+        let held = RelayListener.heldByHandedOver
+        relayLimits.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, heldByHandedOver: held, logger: logger) }
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see

@@ -24,8 +24,8 @@ final class RelayListener: RunningListener {
 
     deinit { Self.reservations.withLock { $0.remove(reservation) } }
 
-    /// max_sessions of every relay instance of the process, replaced ones that still drain too.
-    static var sessionsOfEveryInstance: Int { reservations.withLock { $0.everyInstance } }
+    /// The session and draining sockets the relay instances a reload replaced still hold.
+    static var heldByHandedOver: Int { reservations.withLock { $0.heldByHandedOver } }
 
     /// - Parameter descriptors: the service manager's store: the listener sockets and sessions a
     ///   previous process handed over on this bind are taken from it, and this instance's are
@@ -69,7 +69,7 @@ final class RelayListener: RunningListener {
         // instance of the process, one that drains on after a reload too. Whether the limits can
         // hold what the configuration needs is said once it is applied (``RelayLimitWarnings``).
         let (reservation, everyInstance) = Self.reservations.withLock { reservations in
-            (reservations.add(maxSessions: config.settings.maxSessions), reservations.everyInstance)
+            (reservations.add(maxSessions: config.settings.maxSessions, held: sessions), reservations.everyInstance)
         }
         self.reservation = reservation
         if let files = try? Syscall.getrlimit(Syscall.Resource.openFiles), files.rlim_cur < rlim_t(everyInstance) + 256, files.rlim_cur < files.rlim_max {
@@ -271,6 +271,7 @@ final class RelayListener: RunningListener {
     /// and later ones are counted (``RelayWorker``); `drained` is called once the last worker
     /// returned, telling whether ``shutdown()`` cut the drain short.
     func handOver(drainSecs: Int, drained: @escaping @Sendable (_ cutShort: Bool) -> Void) -> Bool {
+        Self.reservations.withLock { $0.handedOver(reservation) }
         group.drainInBackground(drainSecs: drainSecs, drained: drained)
         return true
     }
@@ -281,37 +282,54 @@ final class RelayListener: RunningListener {
     func retire() { group.shutdown(sealing: true) }
 }
 
-/// The relay listener instances of a process and the session table each may hold (its
-/// `max_sessions`): the soft open-files limit is raised for all of them together.
+/// The relay listener instances of a process: the session table each may hold (its
+/// `max_sessions`), for which the soft open-files limit is raised (all of them together), and the
+/// session sockets each holds now.
 struct SessionReservations {
-    /// Each instance's max_sessions, by a number of its own.
-    private(set) var instances: [Int: Int] = [:]
+    struct Instance {
+        let maxSessions: Int
+        /// Its sessions and draining sockets now.
+        let held: RelaySessionCount
+        /// Handed over to a successor by a reload: its sockets drain beside the successor's.
+        var handedOver = false
+    }
+
+    /// Every instance, by a number of its own.
+    private(set) var instances: [Int: Instance] = [:]
     private var next = 0
 
-    /// Adds an instance; returns its number (for ``remove(_:)``).
-    mutating func add(maxSessions: Int) -> Int {
+    /// Adds an instance; returns its number (for ``remove(_:)`` and ``handedOver(_:)``).
+    mutating func add(maxSessions: Int, held: RelaySessionCount) -> Int {
         next += 1
-        instances[next] = maxSessions
+        instances[next] = Instance(maxSessions: maxSessions, held: held)
         return next
     }
 
     mutating func remove(_ instance: Int) { instances.removeValue(forKey: instance) }
 
+    mutating func handedOver(_ instance: Int) { instances[instance]?.handedOver = true }
+
     /// max_sessions summed over every instance, a replaced one that still drains too: the
     /// sockets they may hold at once.
-    var everyInstance: Int { instances.values.reduce(0, +) }
+    var everyInstance: Int { instances.values.reduce(0) { $0 + $1.maxSessions } }
+
+    /// The session and draining sockets the instances handed over to a successor hold now.
+    var heldByHandedOver: Int {
+        instances.values.filter(\.handedOver).reduce(0) { $0 + $1.held.open.load(ordering: .relaxed) + $1.held.draining.load(ordering: .relaxed) }
+    }
 }
 
 /// Whether the open-files limit and the local ports can hold the session tables a
 /// configuration's relay listeners may hold together: said by the daemon at start and after
 /// each reload that applied, each warning again only when its figures changed (a reload that
-/// replaces a relay listener, whose old instance drains beside the new one, repeats nothing).
+/// replaces a relay listener, whose old instance drains beside the new one, repeats nothing),
+/// and whether the sockets that replaced instances still hold leave the configuration room.
 struct RelayLimitWarnings {
     /// The limits a session table needs.
     enum Limit: Hashable {
         case openFiles, localPorts
-        /// Either, only while replaced instances drain beside the configuration's.
-        case whileDraining
+        /// The open-files limit, with the sockets of replaced instances still draining.
+        case openFilesWhileDraining
     }
     /// The figures each warning was last said with; none while its limit is not short.
     private var said: [Limit: [Int]] = [:]
@@ -338,48 +356,51 @@ struct RelayLimitWarnings {
     /// Says what `config`'s relay listeners need that the limits cannot hold: `openFiles`, the
     /// process's open-files limit (raised by the listeners' start), `ports` the local ports a
     /// session socket can take (``RelayListener/ephemeralPorts()``); nil: not known.
-    /// `everyInstance`: max_sessions of every relay instance of the process, replaced ones that
-    /// still drain too (``SessionReservations/everyInstance``).
-    mutating func say(for config: FanoutConfig, openFiles: rlimit?, ports: Int?, everyInstance: Int, logger: Logger) {
-        let relays = config.listeners.filter { $0.replies == .relay }
+    /// `heldByHandedOver`: the sockets relay instances a reload replaced still hold
+    /// (``SessionReservations/heldByHandedOver``). Lines that a limit holds again come first.
+    mutating func say(for config: FanoutConfig, openFiles: rlimit?, ports: Int?, heldByHandedOver: Int, logger: Logger) {
+        let relays = config.listeners.filter(RelayKind.serves)
+        guard !relays.isEmpty else {
+            // No relay listener: nothing to say, and a listener added later is judged afresh.
+            said.removeAll()
+            return
+        }
         let needed = relays.reduce(0) { $0 + $1.settings.maxSessions }
         let names = relays.map(\.name).joined(separator: ",")
-        // What the configuration needs fits, but not with the replaced instances' sessions: say
-        // it once for these figures (else it is the warning or the notice below that applies).
         let limit = openFiles.map { Int(clamping: $0.rlim_cur) }
-        let fits = (limit.map { needed + 256 <= $0 } ?? true) && (ports.map { needed <= $0 } ?? true)
-        let drainingShort = (limit.map { everyInstance + 256 > $0 } ?? false) || (ports.map { everyInstance > $0 } ?? false)
-        if change(.whileDraining, fits && drainingShort, figures: [everyInstance, limit ?? -1, ports ?? -1]) == .short {
-            logger.notice("replies relay: while replaced relay instances drain (each session socket until silent for its session_idle_secs after drain_secs), their sessions and the configuration's may need more session sockets than the open-files limit or the local ports hold; new clients beyond them are dropped (send_error, logged): raise the limits, or lower session_idle_secs if reloads come often", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "with_draining_max_sessions": "\(everyInstance)",
-                "open_files_limit": "\(limit.map(String.init) ?? "unknown")", "local_ports": "\(ports.map(String.init) ?? "unknown")",
-            ])
-        }
-        if let limit {
-            switch change(.openFiles, needed + 256 > limit, figures: [needed, limit]) {
-            case .unchanged: break
-            case .holds:
-                logger.info("replies relay: the open-files limit now holds every relay listener's max_sessions", metadata: [
-                    "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
-                ])
-            case .short:
-                logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
-                    "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))",
-                ])
-            }
-        }
+        let files = limit.map { change(.openFiles, needed + 256 > $0, figures: [needed, $0]) } ?? .unchanged
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
         // picks one, unique per source address): past them a new client's socket cannot be made.
-        guard let ports else { return }
-        switch change(.localPorts, needed > ports, figures: [needed, ports]) {
-        case .unchanged: break
-        case .holds:
+        let localPorts = ports.map { change(.localPorts, needed > $0, figures: [needed, $0]) } ?? .unchanged
+        // The configuration fits the open-files limit, but not beside what the replaced instances
+        // still hold: said at each reload where that holds (its figures change with the sockets).
+        let room = limit.map { $0 - 256 - needed } ?? 0
+        let draining = change(.openFilesWhileDraining, limit != nil && room >= 0 && heldByHandedOver > room,
+                              figures: [needed, limit ?? 0, heldByHandedOver])
+        if files == .holds, let limit {
+            logger.info("replies relay: the open-files limit now holds every relay listener's max_sessions", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
+            ])
+        }
+        if localPorts == .holds, let ports {
             logger.info("replies relay: the local ports (net.ipv4.ip_local_port_range) now hold every relay listener's max_sessions", metadata: [
                 "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
             ])
-        case .short:
+        }
+        if files == .short, let limit {
+            logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))",
+            ])
+        }
+        if localPorts == .short, let ports {
             logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
                 "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
+            ])
+        }
+        if draining == .short, let limit {
+            logger.notice("replies relay: the relay instances this reload replaced still hold session sockets, which drain until silent for their session_idle_secs after drain_secs; with them the open-files limit leaves less room than every relay listener's max_sessions needs: new clients beyond it are dropped (send_error, logged) until they close; raise the limit (LimitNOFILE=, ulimit -n), or lower session_idle_secs if reloads come often", metadata: [
+                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
+                "held_by_replaced": "\(heldByHandedOver)", "sessions_that_fit_now": "\(max(0, limit - 256 - heldByHandedOver))",
             ])
         }
     }
