@@ -377,31 +377,27 @@ struct RelayLimitWarnings {
         let room = limit.map { $0 - 256 - needed } ?? 0
         let draining = change(.openFilesWhileDraining, limit != nil && room >= 0 && heldByHandedOver > room,
                               figures: [needed, limit ?? 0, heldByHandedOver])
+        // Every line names the configuration's relay listeners and what they need together.
+        func figures(_ more: Logger.Metadata) -> Logger.Metadata {
+            more.merging(["relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)"]) { own, _ in own }
+        }
         if files == .holds, let limit {
-            logger.info("replies relay: the open-files limit now holds every relay listener's max_sessions", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
-            ])
+            logger.info("replies relay: the open-files limit now holds every relay listener's max_sessions", metadata: figures(["open_files_limit": "\(limit)"]))
         }
         if localPorts == .holds, let ports {
-            logger.info("replies relay: the local ports (net.ipv4.ip_local_port_range) now hold every relay listener's max_sessions", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
-            ])
+            logger.info("replies relay: the local ports (net.ipv4.ip_local_port_range) now hold every relay listener's max_sessions", metadata: figures(["local_ports": "\(ports)"]))
         }
         if files == .short, let limit {
-            logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))",
-            ])
+            logger.warning("replies relay: settings.max_sessions (of every relay listener together) is above what the open-files limit leaves for sessions; new clients beyond it are dropped (send_error): raise the limit (LimitNOFILE=, ulimit -n) or lower max_sessions",
+                           metadata: figures(["open_files_limit": "\(limit)", "sessions_that_fit": "\(max(0, limit - 256))"]))
         }
         if localPorts == .short, let ports {
-            logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "local_ports": "\(ports)",
-            ])
+            logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that",
+                          metadata: figures(["local_ports": "\(ports)"]))
         }
         if draining == .short, let limit {
-            logger.notice("replies relay: the relay instances this reload replaced still hold session sockets, which drain until silent for their session_idle_secs after drain_secs; with them the open-files limit leaves less room than every relay listener's max_sessions needs: new clients beyond it are dropped (send_error, logged) until they close; raise the limit (LimitNOFILE=, ulimit -n), or lower session_idle_secs if reloads come often", metadata: [
-                "relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)", "open_files_limit": "\(limit)",
-                "held_by_replaced": "\(heldByHandedOver)", "sessions_that_fit_now": "\(max(0, limit - 256 - heldByHandedOver))",
-            ])
+            logger.notice("replies relay: the relay instances this reload replaced still hold session sockets, which drain until silent for their session_idle_secs after drain_secs; with them the open-files limit leaves less room than every relay listener's max_sessions needs: new clients beyond it are dropped (send_error, logged) until they close; raise the limit (LimitNOFILE=, ulimit -n), or lower session_idle_secs if reloads come often",
+                          metadata: figures(["open_files_limit": "\(limit)", "held_by_replaced": "\(heldByHandedOver)", "sessions_that_fit_now": "\(max(0, limit - 256 - heldByHandedOver))"]))
         }
     }
 }
