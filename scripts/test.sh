@@ -40,7 +40,7 @@ unshimmed=$(for file in Tests/*/*.swift; do
     # ';') some tests run (a Swift line ending in ';' is missed: not the project's style). One awk
     # per file, no pipe: a grep -q ending a pipe early under pipefail would skip the file.
     awk '!/^[[:space:]]*\/\// && !/;[[:space:]]*$/ && /(^|[^.A-Za-z_])(SOCK|MSG)_[A-Z_]+/ { found = 1; exit } END { exit !found }' "$file" || continue
-    grep -Eq '^[[:space:]]*(@[A-Za-z_]+[[:space:]]+)*import[[:space:]]+CSystemShim([[:space:]]|$)' "$file" || echo "$file"
+    grep -Eq '^[[:space:]]*(@[A-Za-z_]+(\([^)]*\))?[[:space:]]+)*((public|package|internal|fileprivate|private)[[:space:]]+)?import[[:space:]]+CSystemShim([[:space:]]|$)' "$file" || echo "$file"
   done)
 if [ -n "$unshimmed" ]; then
   echo "test: FAILED: these test files use Glibc's socket constants (SOCK_*, MSG_*) without 'import CSystemShim' (docs/development.md): $unshimmed" >&2

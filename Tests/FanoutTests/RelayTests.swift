@@ -1013,7 +1013,7 @@ struct RelayTests {
         // The warning, the notice, the lines that say each holds again, and the replaced instances'.
         let (files, localPorts) = ("what the open-files limit leaves for sessions", "above the local ports a session socket can take")
         let (filesHold, portsHold) = ("the open-files limit now holds", "(net.ipv4.ip_local_port_range) now hold")
-        let replaced = "the relay instances this reload replaced still hold session sockets"
+        let replaced = "replaced by a reload (this one or an earlier one) still hold session sockets"
         func softLimit() -> String {
             let limits = (try? String(contentsOfFile: "/proc/\(daemon.process.processIdentifier)/limits", encoding: .utf8)) ?? ""
             return limits.split(separator: "\n").first { $0.hasPrefix("Max open files") }?.split(separator: " ").dropFirst(3).first.map(String.init) ?? ""
@@ -1042,7 +1042,8 @@ struct RelayTests {
         #expect(said("listener handed over") == 1, "\(daemon.stderr)")
         #expect(Probe.waitFor(seconds: 5) { softLimit() == "\(hard)" }, "raised for both instances, up to the hard limit: \(softLimit())")
         #expect(said(files) == 0 && said(localPorts) == 0, "counted once: \(daemon.stderr)")
-        #expect(said(replaced) == 1 && said("held_by_replaced=100 ") == 1 && said("sessions_that_fit_now=\(hard - 256 - 100) ") == 1, "\(daemon.stderr)")
+        #expect(said(replaced) == 1 && said("held_by_replaced=100 ") == 1 && said("sessions_that_fit_now=\(hard - 256 - 100) ") == 1
+                && said("short_limits=open_files ") == 1, "\(daemon.stderr)")
         // Renamed on the same bind: handed over too, the first drain cut short; the replaced
         // instance holds no session: nothing said.
         try reload("renamed", maxSessions: maxSessions, batchSize: 16)
@@ -1078,15 +1079,21 @@ struct RelayTests {
     @Test("The limits' warnings: said the first time a limit is short, again only with other figures or after it held (said once, first); the configuration judged alone, then beside what replaced instances hold; nothing without relay listeners; every instance's max_sessions counted for the soft limit")
     func relayLimitWarnings() {
         var reservations = SessionReservations()
-        let first = reservations.add(maxSessions: 100, held: RelaySessionCount(maxSessions: 100))
+        // Both hold sockets; only the one handed over counts as held by a replaced instance (the
+        // other's are the configuration's own, in its max_sessions).
+        let heldByFirst = RelaySessionCount(maxSessions: 100)
+        heldByFirst.open.store(50, ordering: .relaxed)
+        heldByFirst.draining.store(5, ordering: .relaxed)
+        let first = reservations.add(maxSessions: 100, held: heldByFirst)
         let heldBySecond = RelaySessionCount(maxSessions: 10)
-        let second = reservations.add(maxSessions: 10, held: heldBySecond)
-        #expect(reservations.everyInstance == 110 && reservations.heldByHandedOver == 0)
         heldBySecond.open.store(7, ordering: .relaxed)
         heldBySecond.draining.store(2, ordering: .relaxed)
+        let second = reservations.add(maxSessions: 10, held: heldBySecond)
+        #expect(reservations.everyInstance == 110 && reservations.heldByHandedOver == 0)
         reservations.handedOver(second)
         #expect(reservations.heldByHandedOver == 9)
         reservations.remove(first)
+        #expect(reservations.everyInstance == 10 && reservations.heldByHandedOver == 9)
         reservations.remove(second)
         #expect(reservations.everyInstance == 0 && reservations.instances.isEmpty)
 
@@ -1112,34 +1119,44 @@ struct RelayTests {
             })
         }
         func files(_ current: Int) -> rlimit { rlimit(rlim_cur: rlim_t(current), rlim_max: rlim_t(current)) }
+        // Each line by the figures that tell them apart: which limit, what is needed, what fits.
         func lines() -> [String] {
             defer { log.lines.withLock { $0.removeAll() } }
-            return log.lines.withLock { $0.map { "\($0.message.prefix(40))|\($0.metadata["all_relay_max_sessions"] ?? "")" } }
+            return log.lines.withLock {
+                $0.map { line in
+                    ["all_relay_max_sessions", "open_files_limit", "sessions_that_fit", "local_ports", "short_limits", "held_by_replaced", "sessions_that_fit_now"]
+                        .compactMap { key in line.metadata[key].map { "\(key)=\($0)" } }.joined(separator: " ") + (line.message.contains("now hold") ? " holds" : "")
+                }
+            }
         }
         // Short on files only (1,000 + 256 > 1,200; ports 5,000).
         limits.say(for: relays([600, 400]), openFiles: files(1200), ports: 5000, heldByHandedOver: 0, logger: log.logger)
-        #expect(lines() == ["replies relay: settings.max_sessions (of|1000"])
+        #expect(lines() == ["all_relay_max_sessions=1000 open_files_limit=1200 sessions_that_fit=944"])
         // Short on both; what replaced instances hold is not said while the configuration is short.
         limits.say(for: relays([6000]), openFiles: files(1200), ports: 5000, heldByHandedOver: 900, logger: log.logger)
-        #expect(lines() == ["replies relay: settings.max_sessions (of|6000", "replies relay: settings.max_sessions (of|6000"])
-        // Fits alone (600 + 256 <= 1,200: room 344), not beside 400 held: both hold, said first.
+        #expect(lines() == ["all_relay_max_sessions=6000 open_files_limit=1200 sessions_that_fit=944", "all_relay_max_sessions=6000 local_ports=5000"])
+        // Fits alone (600 + 256 <= 1,200: room 344), not beside 400 held: both hold (said first).
         limits.say(for: relays([600]), openFiles: files(1200), ports: 5000, heldByHandedOver: 400, logger: log.logger)
-        #expect(lines() == ["replies relay: the open-files limit now |600", "replies relay: the local ports (net.ipv4|600",
-                            "replies relay: the relay instances this |600"])
-        // The same held count: not again; fewer than the room: nothing; unknown limits: nothing.
+        #expect(lines() == ["all_relay_max_sessions=600 open_files_limit=1200 holds", "all_relay_max_sessions=600 local_ports=5000 holds",
+                            "all_relay_max_sessions=600 open_files_limit=1200 local_ports=5000 short_limits=open_files held_by_replaced=400 sessions_that_fit_now=544"])
+        // The same held count: not again; no more than the room: nothing; unknown limits: nothing.
         limits.say(for: relays([600]), openFiles: files(1200), ports: 5000, heldByHandedOver: 400, logger: log.logger)
         limits.say(for: relays([600]), openFiles: files(1200), ports: 5000, heldByHandedOver: 344, logger: log.logger)
         limits.say(for: relays([60000]), openFiles: nil, ports: nil, heldByHandedOver: 10000, logger: log.logger)
         #expect(lines().isEmpty)
+        // Room on both limits short beside 4,500 held (ports: 5,000 - 600; files: 10,000 - 256 - 600
+        // holds them): only the ports named, and what fits now by them.
+        limits.say(for: relays([600]), openFiles: files(10000), ports: 5000, heldByHandedOver: 4500, logger: log.logger)
+        #expect(lines() == ["all_relay_max_sessions=600 open_files_limit=10000 local_ports=5000 short_limits=local_ports held_by_replaced=4500 sessions_that_fit_now=500"])
         // Ports short alone.
         limits.say(for: relays([6000]), openFiles: files(10000), ports: 5000, heldByHandedOver: 0, logger: log.logger)
-        #expect(lines() == ["replies relay: settings.max_sessions (of|6000"])
+        #expect(lines() == ["all_relay_max_sessions=6000 local_ports=5000"])
         // No relay listener: nothing said, and the next one is judged afresh.
         limits.say(for: FanoutConfig(listeners: [Listener(name: "one-way", bind: SocketAddress("127.0.0.1:5100")!, downstreams: [])]),
                    openFiles: files(10000), ports: 5000, heldByHandedOver: 0, logger: log.logger)
         #expect(lines().isEmpty)
         limits.say(for: relays([6000]), openFiles: files(10000), ports: 5000, heldByHandedOver: 0, logger: log.logger)
-        #expect(lines() == ["replies relay: settings.max_sessions (of|6000"])
+        #expect(lines() == ["all_relay_max_sessions=6000 local_ports=5000"])
     }
 
     @Test("Replies of kept sessions (read through the ring) and of a draining socket in one wakeup, more than a batch of slots: each reaches its own client, none another's (the real binary, stopped while they queue)",

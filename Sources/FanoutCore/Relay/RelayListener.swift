@@ -313,7 +313,9 @@ struct SessionReservations {
     /// sockets they may hold at once.
     var everyInstance: Int { instances.values.reduce(0) { $0 + $1.maxSessions } }
 
-    /// The session and draining sockets the instances handed over to a successor hold now.
+    /// The session and draining sockets the instances handed over to a successor hold now, at
+    /// most: a session whose socket a leaving downstream moved to draining counts twice until
+    /// the handed-over worker turns its sessions into draining sockets (soon after the handover).
     var heldByHandedOver: Int {
         instances.values.filter(\.handedOver).reduce(0) { $0 + $1.held.open.load(ordering: .relaxed) + $1.held.draining.load(ordering: .relaxed) }
     }
@@ -328,8 +330,8 @@ struct RelayLimitWarnings {
     /// The limits a session table needs.
     enum Limit: Hashable {
         case openFiles, localPorts
-        /// The open-files limit, with the sockets of replaced instances still draining.
-        case openFilesWhileDraining
+        /// Either, with the sockets of replaced instances still draining.
+        case whileDraining
     }
     /// The figures each warning was last said with; none while its limit is not short.
     private var said: [Limit: [Int]] = [:]
@@ -372,11 +374,16 @@ struct RelayLimitWarnings {
         // Each session socket also takes a local port of the kernel's ephemeral range (connect
         // picks one, unique per source address): past them a new client's socket cannot be made.
         let localPorts = ports.map { change(.localPorts, needed > $0, figures: [needed, $0]) } ?? .unchanged
-        // The configuration fits the open-files limit, but not beside what the replaced instances
-        // still hold: said at each reload where that holds (its figures change with the sockets).
-        let room = limit.map { $0 - 256 - needed } ?? 0
-        let draining = change(.openFilesWhileDraining, limit != nil && room >= 0 && heldByHandedOver > room,
-                              figures: [needed, limit ?? 0, heldByHandedOver])
+        // The configuration fits a limit, but not beside the sockets (each a descriptor and a
+        // local port) the replaced instances still hold: said at each reload where that holds
+        // (its figures change with the sockets).
+        let filesRoom = limit.map { $0 - 256 - needed }
+        let portsRoom = ports.map { $0 - needed }
+        let shortWhileDraining = [("open_files", filesRoom), ("local_ports", portsRoom)].compactMap { name, room in
+            room.flatMap { $0 >= 0 && heldByHandedOver > $0 ? name : nil }
+        }
+        let draining = change(.whileDraining, !shortWhileDraining.isEmpty,
+                              figures: [needed, limit ?? -1, ports ?? -1, heldByHandedOver, shortWhileDraining.count])
         // Every line names the configuration's relay listeners and what they need together.
         func figures(_ more: Logger.Metadata) -> Logger.Metadata {
             more.merging(["relay_listeners": "\(names)", "all_relay_max_sessions": "\(needed)"]) { own, _ in own }
@@ -395,9 +402,13 @@ struct RelayLimitWarnings {
             logger.notice("replies relay: settings.max_sessions (of every relay listener together) is above the local ports a session socket can take (net.ipv4.ip_local_port_range); once they are used up, new clients' datagrams are dropped (send_error, logged): widen the range (up to 1024-65535) for more sessions, or use replies: nat (tc_ebpf or xdp) for more clients than that",
                           metadata: figures(["local_ports": "\(ports)"]))
         }
-        if draining == .short, let limit {
-            logger.notice("replies relay: the relay instances this reload replaced still hold session sockets, which drain until silent for their session_idle_secs after drain_secs; with them the open-files limit leaves less room than every relay listener's max_sessions needs: new clients beyond it are dropped (send_error, logged) until they close; raise the limit (LimitNOFILE=, ulimit -n), or lower session_idle_secs if reloads come often",
-                          metadata: figures(["open_files_limit": "\(limit)", "held_by_replaced": "\(heldByHandedOver)", "sessions_that_fit_now": "\(max(0, limit - 256 - heldByHandedOver))"]))
+        if draining == .short {
+            // How many sessions fit now beside what the replaced instances hold, by the shorter limit.
+            let fitNow = [limit.map { $0 - 256 - heldByHandedOver }, ports.map { $0 - heldByHandedOver }].compactMap { $0 }.min() ?? 0
+            logger.notice("replies relay: relay instances replaced by a reload (this one or an earlier one) still hold session sockets, which drain until silent for their session_idle_secs after drain_secs; beside them the open-files limit or the local ports (short_limits) leave less room than every relay listener's max_sessions needs: new clients beyond it are dropped (send_error, logged) until those sockets close; raise the limit (LimitNOFILE=, ulimit -n; net.ipv4.ip_local_port_range), or lower session_idle_secs if reloads come often",
+                          metadata: figures(["short_limits": "\(shortWhileDraining.joined(separator: ","))", "open_files_limit": "\(limit.map(String.init) ?? "unknown")",
+                                             "local_ports": "\(ports.map(String.init) ?? "unknown")", "held_by_replaced": "\(heldByHandedOver)",
+                                             "sessions_that_fit_now": "\(max(0, fitNow))"]))
         }
     }
 }

@@ -873,11 +873,15 @@ final class RelayWorker: ListenerWorker, ReceiveLoopBody, @unchecked Sendable {
         tableLock.withLock { _ in
             var handed: UInt64 = 0
             for session in sessions.values where session.socket >= 0 {
+                // The session's slot first, then its socket's draining slot: the two counts
+                // together (what a reload's limit check reads) never hold the socket twice.
+                sessionCount.release()
                 retire(session, counter: session.target < replyCounters.count ? replyCounters[session.target] : nil, now: now, bounded: false, drain: drain)
                 handed += 1
             }
             relay.handedOver.wrappingAdd(handed, ordering: .relaxed)
-            sessionCount.release(sessions.count)
+            // The sessions without a socket (it drains already, or could not be made).
+            sessionCount.release(sessions.count - Int(handed))
             sessions = [:]
             bySocket = [:]
         }
