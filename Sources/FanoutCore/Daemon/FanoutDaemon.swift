@@ -7,7 +7,6 @@ import BPFSupport
 import Logging
 import ReusePortLB
 import Synchronization
-import SystemCalls
 
 /// Why the daemon could not start.
 package enum DaemonError: Error, CustomStringConvertible {
@@ -148,9 +147,6 @@ public final class FanoutDaemon: Sendable {
     let crashLedger: CrashLedger?
     /// What kinds keep across a listener's instances (af_xdp: its ring and XDP counters).
     private let kept = KeptState()
-    /// What the daemon said of the limits its relay listeners' session tables need, said again
-    /// only when the figures change.
-    private let relayLimits = Mutex(RelayLimitWarnings())
     /// Serialises every change of the running listeners: reloads and membership updates.
     let changes = Mutex<Void>(())
     /// Active and passive health of every member (a service of its own in the ServiceGroup).
@@ -215,7 +211,7 @@ public final class FanoutDaemon: Sendable {
             throw error
         }
         descriptors.handingOverWhile(starting: false)
-        sayRelayLimits(config)
+        for kind in kinds.all { kind.applied(config, logger: logger) }
         templateHandOver.start { [weak self] in self?.templateStates() ?? [:] }
         // Every listener is in the tc program's maps: links taken over from the previous
         // process run this process's program from now on.
@@ -223,15 +219,6 @@ public final class FanoutDaemon: Sendable {
         // Handed over for a bind this configuration does not have: closed, counted, logged.
         descriptors.closeUnused()
         crashLedger?.commit()
-    }
-
-    /// Says whether the open-files limit (as the relay listeners' start raised it) and the local
-    /// ports can hold what `config`'s relay listeners need, once it is applied.
-    private func sayRelayLimits(_ config: FanoutConfig) {
-        let openFiles = try? Syscall.getrlimit(Syscall.Resource.openFiles)
-        let ports = RelayListener.ephemeralPorts()
-        let held = RelayListener.heldByHandedOver
-        relayLimits.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, heldByHandedOver: held, logger: logger) }
     }
 
     /// Makes the running instance of one listener (not yet steering its bind: see
@@ -499,7 +486,7 @@ public final class FanoutDaemon: Sendable {
             _ = state.withLock { $0.endpoint }?.yield(new.metrics)
         }
         reloadsOK.wrappingAdd(1, ordering: .relaxed)
-        sayRelayLimits(new)
+        for kind in kinds.all { kind.applied(new, logger: logger) }
         logger.info("configuration loaded", metadata: ["listeners": "\(new.listeners.count)", "reload": "true"])
         return true
     }

@@ -65,6 +65,10 @@ protocol ListenerKind: Sendable {
     var drainsOnHandOver: Bool { get }
     /// Exposition text of what the kind counts beyond its listeners (empty: nothing).
     func metricsText() -> String
+    /// Once `config` is in force (at start, and after each reload that applied): what the kind
+    /// says of its listeners of it together (relay: whether the limits hold their session
+    /// tables). Default: nothing.
+    func applied(_ config: FanoutConfig, logger: Logger)
 }
 
 extension ListenerKind {
@@ -83,6 +87,7 @@ extension ListenerKind {
     var receivesOnBind: Bool { true }
     var drainsOnHandOver: Bool { false }
     func metricsText() -> String { "" }
+    func applied(_ config: FanoutConfig, logger: Logger) {}
 }
 
 /// How an old instance makes way for the listeners a change starts.

@@ -1,5 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
+import Logging
 import ReusePortLB
+import Synchronization
+import SystemCalls
 
 /// relay (`mode: userspace` with `replies: relay`): two-way in userspace, a session socket per
 /// client towards its downstream, replies relayed from the listener's address.
@@ -44,4 +47,21 @@ struct RelayKind: ListenerKind {
     /// old sessions can drain (another address on the port, even a wildcard, is another kernel
     /// group: the old sockets would keep receiving there).
     var drainsOnHandOver: Bool { true }
+
+    /// What this daemon said of the limits its relay listeners' session tables need
+    /// (``RelayLimitWarnings``): said again only when the figures change.
+    private let limits = LimitWarnings()
+
+    private final class LimitWarnings: Sendable {
+        let said = Mutex(RelayLimitWarnings())
+    }
+
+    /// Says whether the open-files limit (as the relay listeners' start raised it) and the local
+    /// ports can hold what `config`'s relay listeners need.
+    func applied(_ config: FanoutConfig, logger: Logger) {
+        let openFiles = try? Syscall.getrlimit(Syscall.Resource.openFiles)
+        let ports = RelayListener.ephemeralPorts()
+        let held = RelayListener.heldByHandedOver
+        limits.said.withLock { $0.say(for: config, openFiles: openFiles, ports: ports, heldByHandedOver: held, logger: logger) }
+    }
 }
